@@ -1,0 +1,273 @@
+"""Finding ZeRO-3 checkpoints and describing them from their small metadata.
+
+A checkpoint is named by its folder: an HF Trainer `checkpoint-N` folder (holding
+`latest` and the tag folder) or a DeepSpeed tag folder (`save_dir/global_stepN`).
+Opening one reads only rank 0's model_states file (memory-mapped); the multi-GB
+optim files are only stat()ed here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .errors import CheckpointError
+from .layout import ZeroLayout
+from .rows import split_row
+from .safe_load import load_pt
+
+MODEL_STATES = "zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+OPTIM_STATES = "{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+MODEL_FILE_INDEX = "model.safetensors.index.json"
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+
+
+@dataclass(frozen=True)
+class RankFiles:
+    rank: int
+    model_states: Path
+    optim_states: Path
+
+
+@dataclass(frozen=True)
+class Row:
+    """A top-level block of the model and the parameters and buffers it owns."""
+
+    name: str  # `layers.3`
+    module_path: str  # `model.layers.3`
+    params: tuple[str, ...]  # trainable and frozen parameter names
+    buffers: tuple[str, ...]
+
+    @property
+    def tied(self) -> bool:
+        """True when the row has no storage of its own (e.g. lm_head tied to embeddings)."""
+        return not self.params and not self.buffers
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path  # how recipes name it: the HF checkpoint-N folder, or the tag folder
+    kind: str  # "hf" or "deepspeed"
+    tag: str
+    tag_dir: Path
+    save_dir: Path  # the folder holding `latest` and the recovery scripts
+    step: int
+    world_size: int
+    dtype: str  # "bf16", "fp16" or "fp32"
+    layout: ZeroLayout
+    rows: tuple[Row, ...]
+    ranks: tuple[RankFiles, ...]
+    model_files: tuple[Path, ...] = ()  # 16-bit safetensors files of an HF checkpoint
+    ds_version: str = ""
+    sizes: dict = field(default_factory=dict, compare=False, hash=False)  # file -> bytes
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def row(self, name: str) -> Row:
+        for row in self.rows:
+            if name in (row.name, row.module_path):
+                return row
+        raise KeyError(name)
+
+    def row_names(self) -> list[str]:
+        return [r.name for r in self.rows]
+
+    def param_to_row(self) -> dict[str, str]:
+        return {p: r.name for r in self.rows for p in (*r.params, *r.buffers)}
+
+    def rank_bytes(self, rank: int) -> int:
+        files = self.ranks[rank]
+        return self.sizes[files.model_states] + self.sizes[files.optim_states]
+
+    def total_bytes(self) -> int:
+        return sum(self.sizes.values())
+
+
+def _read_latest(folder: Path) -> str | None:
+    latest = folder / "latest"
+    if not latest.is_file():
+        return None
+    return latest.read_text().strip() or None
+
+
+def _is_tag_dir(folder: Path) -> bool:
+    return (folder / MODEL_STATES.format(rank=0)).is_file()
+
+
+def _locate(path: Path) -> tuple[str, Path, Path, Path]:
+    """(kind, named path, tag_dir, save_dir) for whatever folder the user named."""
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint folder; check the path")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a folder; name a checkpoint-N or tag folder")
+    if _is_tag_dir(path):
+        parent = path.parent
+        if (parent / "trainer_state.json").is_file() and _read_latest(parent) == path.name:
+            return "hf", parent, path, parent
+        return "deepspeed", path, path, parent
+    tag = _read_latest(path)
+    if tag is not None:
+        tag_dir = path / tag
+        if not _is_tag_dir(tag_dir):
+            raise CheckpointError(
+                f"{path}/latest names tag '{tag}', but {tag_dir} holds no "
+                f"{MODEL_STATES.format(rank=0)}; the checkpoint is incomplete"
+            )
+        if (path / "trainer_state.json").is_file():
+            return "hf", path, tag_dir, path
+        return "deepspeed", tag_dir, tag_dir, path
+    raise CheckpointError(
+        f"{path}: not a DeepSpeed ZeRO-3 checkpoint (no `latest` file and no "
+        f"{MODEL_STATES.format(rank=0)}); name a checkpoint-N folder or a tag folder"
+    )
+
+
+def _dtype(tag_dir: Path, states: dict) -> tuple[str, str]:
+    """(dtype, optim file prefix)."""
+    if (tag_dir / OPTIM_STATES.format(prefix="bf16_", rank=0)).is_file():
+        return "bf16", "bf16_"
+    config = states.get("ds_config") or {}
+    fp16 = config.get("fp16") or {}
+    return ("fp16" if fp16.get("enabled") is True else "fp32"), ""
+
+
+def _rows(states: dict, layout: ZeroLayout) -> tuple[Row, ...]:
+    """Rows in model order (the module state_dict's order), each with what it owns."""
+    params = set(layout.param_names())
+    buffers = set(states.get("buffer_names") or ())
+    order = list((states.get("module") or {}).keys())
+    order += [n for n in layout.param_names() if n not in order]
+    owned: dict[str, tuple[str, list[str], list[str]]] = {}
+    for name in order:
+        row, module_path = split_row(name)
+        entry = owned.setdefault(row, (module_path, [], []))
+        if name in params:
+            entry[1].append(name)
+        elif name in buffers:
+            entry[2].append(name)
+    return tuple(Row(r, mp, tuple(p), tuple(b)) for r, (mp, p, b) in owned.items())
+
+
+def _model_files(folder: Path) -> tuple[Path, ...]:
+    index = folder / MODEL_FILE_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"{index}: unreadable index ({exc}); re-copy it") from None
+        return tuple(folder / f for f in sorted(set(weight_map.values())))
+    single = folder / "model.safetensors"
+    return (single,) if single.is_file() else ()
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Describe the checkpoint at `path` or raise CheckpointError saying why not."""
+    kind, named, tag_dir, save_dir = _locate(Path(path))
+    states = load_pt(tag_dir / MODEL_STATES.format(rank=0))
+    try:
+        layout = ZeroLayout.from_model_states(states)
+    except (KeyError, TypeError, AttributeError):
+        raise CheckpointError(
+            f"{tag_dir / MODEL_STATES.format(rank=0)}: not a ZeRO stage 3 model_states file "
+            "(no param_shapes / dp_world_size); tailor-tui composes ZeRO-3 checkpoints only"
+        ) from None
+    dtype, prefix = _dtype(tag_dir, states)
+    ranks = tuple(
+        RankFiles(
+            r,
+            tag_dir / MODEL_STATES.format(rank=r),
+            tag_dir / OPTIM_STATES.format(prefix=prefix, rank=r),
+        )
+        for r in range(layout.world_size)
+    )
+    sizes: dict[Path, int] = {}
+    for files in ranks:
+        for f in (files.model_states, files.optim_states):
+            try:
+                sizes[f] = f.stat().st_size
+            except FileNotFoundError:
+                raise CheckpointError(
+                    f"{f}: missing; the checkpoint {named} was written by "
+                    f"{layout.world_size} ranks and is incomplete"
+                ) from None
+    model_files = _model_files(named) if kind == "hf" else ()
+    for f in model_files:
+        if not f.is_file():
+            raise CheckpointError(f"{f}: listed in {MODEL_FILE_INDEX} but missing")
+        sizes[f] = f.stat().st_size
+    return Checkpoint(
+        path=named,
+        kind=kind,
+        tag=tag_dir.name,
+        tag_dir=tag_dir,
+        save_dir=save_dir,
+        step=int(states.get("global_steps") or 0),
+        world_size=layout.world_size,
+        dtype=dtype,
+        layout=layout,
+        rows=_rows(states, layout),
+        ranks=ranks,
+        model_files=model_files,
+        ds_version=str(states.get("ds_version", "")),
+        sizes=sizes,
+    )
+
+
+# --- scanning a run directory ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScanResult:
+    checkpoints: tuple[Checkpoint, ...]  # ordered by step
+    problems: tuple[tuple[Path, str], ...]  # folders that look like checkpoints but are not usable
+
+
+def find_checkpoint_dirs(root: Path) -> list[Path]:
+    """Folders under `root` that name a checkpoint, without reading any checkpoint file."""
+    found: list[Path] = []
+    for dirpath, dirnames, _files in os.walk(root):
+        here = Path(dirpath)
+        if _is_tag_dir(here):
+            # A tag folder inside an HF checkpoint-N folder is named by its parent instead.
+            parent = here.parent
+            if not ((parent / "trainer_state.json").is_file() and _read_latest(parent) == here.name):
+                found.append(here)
+            dirnames.clear()
+        elif (here / "trainer_state.json").is_file() and _read_latest(here):
+            found.append(here)
+            dirnames[:] = [d for d in dirnames if d != _read_latest(here)]
+        dirnames.sort()
+    return found
+
+
+_STEP = re.compile(r"(\d+)$")
+
+
+def scan(
+    root: str | Path,
+    on_progress: Callable[[int, int, Path], None] | None = None,
+    cancelled: Callable[[], bool] = lambda: False,
+) -> ScanResult:
+    """Open every checkpoint under `root`; unusable ones are reported, not raised."""
+    root = Path(root)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: no such folder to scan")
+    dirs = find_checkpoint_dirs(root)
+    checkpoints, problems = [], []
+    for i, d in enumerate(dirs):
+        if cancelled():
+            break
+        try:
+            checkpoints.append(open_checkpoint(d))
+        except CheckpointError as exc:
+            problems.append((d, str(exc)))
+        if on_progress:
+            on_progress(i + 1, len(dirs), d)
+    checkpoints.sort(key=lambda c: (c.step, str(c.path)))
+    return ScanResult(tuple(checkpoints), tuple(problems))

@@ -1,0 +1,124 @@
+"""`tailor-tui` command line: a thin layer over the headless backend.
+
+    tailor-tui --apply recipe.yaml [--output DIR] [--workers N] [--dry-run] [--force]
+    tailor-tui --make-demo DIR
+
+Nothing here imports Textual: batch jobs on login nodes need only the backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from . import __version__
+from .errors import ExitCode, OutputError, TailorError, UsageError
+
+EPILOG = """exit codes: 0 ok, 2 usage, 3 recipe, 4 checkpoint (missing, truncated, unsafe),
+5 incompatible source, 6 output (exists, read-only, full), 130 cancelled, 1 internal error"""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tailor-tui",
+        description="Compose DeepSpeed ZeRO-3 checkpoints layer by layer.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--apply", metavar="RECIPE", type=Path, help="compose the checkpoint a recipe describes")
+    mode.add_argument(
+        "--make-demo",
+        metavar="DIR",
+        type=Path,
+        help="train a small real DeepSpeed ZeRO-3 run on CPU (HF Trainer, 2 ranks) into DIR",
+    )
+    p.add_argument("--output", "-o", type=Path, help="output folder (overrides the recipe's `output`)")
+    p.add_argument("--workers", "-j", type=int, help="worker processes (default: from cores and memory)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
+    p.add_argument("--force", action="store_true", help="replace a non-empty output folder once the new one is complete")
+    p.add_argument(
+        "--progress",
+        choices=("auto", "bars", "lines"),
+        default="auto",
+        help="live bars (terminal) or plain periodic lines (logs); auto picks by whether stderr is a terminal",
+    )
+    p.add_argument("--version", action="version", version=f"tailor-tui {__version__}")
+    return p
+
+
+def apply(args) -> int:
+    import humanize
+
+    from .merge import default_workers, run_merge
+    from .plan import build_plan
+    from .recipe import load_recipe
+    from .report import BarReporter, reporter_for
+
+    recipe = load_recipe(args.apply)
+    plan = build_plan(recipe, output=args.output, force=args.force)
+    if args.dry_run:
+        print("\n".join(plan.describe()))
+        print("dry run: nothing written")
+        return ExitCode.OK
+    if args.workers is not None and args.workers < 1:
+        raise UsageError("--workers must be at least 1")
+    workers = args.workers or default_workers(plan)
+    ranks = plan.base.world_size
+    print(
+        f"composing {plan.output} from {len(plan.sources)} checkpoint(s): {ranks} ranks, "
+        f"{workers} worker(s), {humanize.naturalsize(plan.bytes_to_write(), binary=True)} to write",
+        file=sys.stderr,
+        flush=True,
+    )
+    report = reporter_for(sys.stderr, args.progress)
+    cancel = threading.Event()
+    result = run_merge(plan, workers=workers, emit=report, cancel=cancel)
+    if isinstance(report, BarReporter):
+        report.close()
+    rate = result.bytes_written / max(result.seconds, 1e-6)
+    print(
+        f"done: {result.output} ({humanize.naturalsize(result.bytes_written, binary=True)} in "
+        f"{result.seconds:.1f}s, {humanize.naturalsize(rate, binary=True)}/s)"
+    )
+    return ExitCode.OK
+
+
+def make_demo(args) -> int:
+    from .demo_run import RunSpec, make_run
+
+    out = args.make_demo
+    if out.exists() and any(out.iterdir()):
+        raise OutputError(f"{out}: already exists and is not empty; choose another folder for the demo run")
+    print(f"training a small real DeepSpeed ZeRO-3 run into {out} (HF Trainer, 2 ranks, CPU)…", file=sys.stderr)
+    make_run(out, RunSpec())
+    print(f"done: {out} holds {', '.join(sorted(p.name for p in out.glob('checkpoint-*')))}")
+    return ExitCode.OK
+
+
+def _sigterm_as_interrupt(signum, frame):
+    # Slurm's scancel and timeouts send SIGTERM: clean up exactly as for Ctrl-C.
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no GPU needed to read checkpoints
+    try:
+        code = apply(args) if args.apply else make_demo(args)
+    except TailorError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = exc.exit_code
+    except KeyboardInterrupt:
+        print("error: cancelled; nothing was written to the output path", file=sys.stderr)
+        code = ExitCode.CANCELLED
+    return int(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,287 @@
+"""Make small but real DeepSpeed ZeRO-3 training runs on a CPU-only machine.
+
+Used by `tailor-tui --make-demo` and by the test-suite: every checkpoint the
+project is tested on was written by real DeepSpeed (and, for the HF layout, by
+the real HF Trainer), never by hand.
+
+Each rank is a process started with torch.multiprocessing (spawn) on the gloo
+backend. Two settings keep this to seconds instead of minutes of C++ op
+builds: a client `torch.optim.AdamW` (no `optimizer` block in the DeepSpeed
+config) and disabling the shared-memory comm op before init_distributed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+VOCAB = 101  # prime, so embedding and lm_head never split evenly across ranks
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What kind of training run to make."""
+
+    world_size: int = 2
+    dtype: str = "bf16"  # "bf16" or "fp32" (DeepSpeed refuses fp16 on CPU)
+    tied: bool = False  # tie lm_head to embed_tokens
+    layout: str = "hf"  # "hf": HF Trainer checkpoint-N folders; "deepspeed": save_dir tags
+    layers: int = 4
+    hidden: int = 32
+    steps: int = 6
+    save_every: int = 2
+    sub_group_size: int | None = None  # ZeRO-3 sub_group_size; small values split groups
+    frozen: tuple[str, ...] = ()  # parameter names to freeze (frozen_param_fragments)
+    seed: int = 0
+    extra: dict = field(default_factory=dict, hash=False, compare=False)
+
+    def key(self) -> str:
+        """A stable name for caching runs made from this spec."""
+        d = asdict(self)
+        d.pop("extra")
+        return json.dumps(d, sort_keys=True)
+
+
+def model_config(spec: RunSpec):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.hidden * 3 // 2,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=spec.tied,
+    )
+
+
+def ds_config(spec: RunSpec, for_trainer: bool) -> dict:
+    zero = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}
+    if spec.sub_group_size:
+        zero["sub_group_size"] = spec.sub_group_size
+    cfg = {
+        "train_micro_batch_size_per_gpu": "auto" if for_trainer else 2,
+        "gradient_accumulation_steps": "auto" if for_trainer else 1,
+        "zero_optimization": zero,
+        "bf16": {"enabled": spec.dtype == "bf16"},
+        "steps_per_print": 10**9,
+    }
+    if not for_trainer:
+        cfg["gradient_clipping"] = 1.0
+    return cfg
+
+
+def build_model(spec: RunSpec):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(model_config(spec))
+    for name, p in model.named_parameters():
+        if name in spec.frozen:
+            p.requires_grad_(False)
+    return model
+
+
+def param_groups(model, weight_decay: float = 0.1):
+    """HF Trainer's split: decay for matrices, none for norms and biases."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if ("norm" in name or name.endswith(".bias")) else decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def training_batches(spec: RunSpec, count: int, rank: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + spec.seed * 100 + rank)
+    return [torch.randint(0, VOCAB, (2, 8), generator=g) for _ in range(count)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _setup_rank(rank: int, world: int, port: int) -> None:
+    os.environ.update(
+        DS_ACCELERATOR="cpu",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS="1",
+    )
+    import deepspeed
+    import torch
+
+    torch.set_num_threads(1)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+
+
+def _quiet() -> None:
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def _trainer_args(spec: RunSpec, out: Path, max_steps: int):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=str(out),
+        per_device_train_batch_size=2,
+        max_steps=max_steps,
+        save_steps=spec.save_every,
+        save_strategy="steps",
+        learning_rate=1e-3,
+        weight_decay=0.1,
+        bf16=spec.dtype == "bf16",
+        deepspeed=ds_config(spec, for_trainer=True),
+        report_to=[],
+        logging_steps=1,
+        ddp_backend="gloo",
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=spec.seed,
+        data_seed=spec.seed,
+    )
+
+
+def _trainer_dataset(spec: RunSpec):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + spec.seed)
+    ids = torch.randint(0, VOCAB, (256, 8), generator=g)
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def _train_rank(rank: int, world: int, port: int, spec: RunSpec, out: str) -> None:
+    _quiet()
+    _setup_rank(rank, world, port)
+    out = Path(out)
+    if spec.layout == "hf":
+        from transformers import Trainer
+
+        trainer = Trainer(
+            model=build_model(spec),
+            args=_trainer_args(spec, out, spec.steps),
+            train_dataset=_trainer_dataset(spec),
+        )
+        trainer.train()
+        return
+    import deepspeed
+    import torch
+
+    model = build_model(spec)
+    opt = torch.optim.AdamW(param_groups(model), lr=1e-3)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(spec, False))
+    for step, ids in enumerate(training_batches(spec, spec.steps, rank), start=1):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        if step % spec.save_every == 0:
+            engine.save_checkpoint(str(out), tag=f"global_step{step}")
+
+
+def _spawn(fn, spec: RunSpec, *args) -> None:
+    import torch.multiprocessing as mp
+
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    mp.spawn(fn, args=(spec.world_size, free_port(), spec, *args), nprocs=spec.world_size)
+
+
+def make_run(out: str | Path, spec: RunSpec = RunSpec()) -> Path:
+    """Train `spec` with real DeepSpeed ZeRO-3 and leave its checkpoints in `out`."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    _spawn(_train_rank, spec, str(out))
+    (out / "tailor_demo_spec.json").write_text(spec.key() + "\n")
+    return out
+
+
+# --- resuming (used by the tests to prove that composed checkpoints load) ------------------
+
+
+def _resume_rank(rank, world, port, spec: RunSpec, ckpt: str, resave: str, result: str) -> None:
+    """Load `ckpt` the way a user resumes, re-save the loaded state, train one step."""
+    _quiet()
+    _setup_rank(rank, world, port)
+    ckpt = Path(ckpt)
+    losses: list[float] = []
+    if spec.layout == "hf":
+        from transformers import Trainer, TrainerCallback
+
+        class ResaveThenLog(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kw):
+                # deepspeed_load_checkpoint has run by now: save exactly what was loaded.
+                trainer.model_wrapped.save_checkpoint(resave, tag="resaved")
+
+            def on_log(self, args, state, control, logs=None, **kw):
+                if logs and "loss" in logs:
+                    losses.append(float(logs["loss"]))
+
+        step = json.loads((ckpt / "trainer_state.json").read_text())["global_step"]
+        trainer = Trainer(
+            model=build_model(spec),
+            args=_trainer_args(spec, Path(resave) / "trainer-out", step + 1),
+            train_dataset=_trainer_dataset(spec),
+            callbacks=[ResaveThenLog()],
+        )
+        trainer.train(resume_from_checkpoint=str(ckpt))
+    else:
+        import deepspeed
+        import torch
+
+        model = build_model(spec)
+        opt = torch.optim.AdamW(param_groups(model), lr=1e-3)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(spec, False))
+        path, _ = engine.load_checkpoint(str(ckpt))
+        if path is None:
+            raise RuntimeError(f"DeepSpeed found no checkpoint in {ckpt}")
+        engine.save_checkpoint(resave, tag="resaved")
+        ids = training_batches(spec, 1, rank)[0]
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    if rank == 0:
+        Path(result).write_text(json.dumps({"losses": losses}))
+
+
+def resume_and_step(ckpt: str | Path, spec: RunSpec, resave: str | Path) -> list[float]:
+    """Resume real DeepSpeed (HF Trainer for the HF layout) from `ckpt`.
+
+    The state as loaded is re-saved under `resave/resaved`; returns the losses of the
+    one training step that follows.
+    """
+    resave = Path(resave)
+    resave.mkdir(parents=True, exist_ok=True)
+    result = resave / "result.json"
+    _spawn(_resume_rank, spec, str(ckpt), str(resave), str(result))
+    return json.loads(result.read_text())["losses"]

@@ -1,0 +1,53 @@
+"""Errors a user can cause, each with its own exit code.
+
+Every one of them is shown as a single `error: ...` line that says what went wrong,
+where, and what to do; none of them should ever surface as a traceback.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    INTERNAL = 1  # a bug in tailor-tui: the only case that prints a traceback
+    USAGE = 2  # bad command line (argparse uses 2 as well)
+    RECIPE = 3  # the recipe file is malformed or names unknown rows/keys
+    CHECKPOINT = 4  # a checkpoint is missing, unreadable, truncated or unsafe
+    INCOMPATIBLE = 5  # a source cannot be combined with the base
+    OUTPUT = 6  # the output cannot be written (exists, read-only, disk full)
+    CANCELLED = 130  # stopped by the user (Ctrl-C), like a shell's SIGINT status
+
+
+class TailorError(Exception):
+    """A failure the user can act on; `str(err)` is the whole one-line message."""
+
+    exit_code = ExitCode.INTERNAL
+
+
+class UsageError(TailorError):
+    exit_code = ExitCode.USAGE
+
+
+class RecipeError(TailorError):
+    exit_code = ExitCode.RECIPE
+
+
+class CheckpointError(TailorError):
+    exit_code = ExitCode.CHECKPOINT
+
+
+class IncompatibleError(TailorError):
+    exit_code = ExitCode.INCOMPATIBLE
+
+
+class OutputError(TailorError):
+    exit_code = ExitCode.OUTPUT
+
+
+class MergeCancelled(TailorError):
+    exit_code = ExitCode.CANCELLED
+
+    def __init__(self, message: str = "merge cancelled; nothing was written to the output path"):
+        super().__init__(message)

@@ -1,0 +1,64 @@
+"""Progress events the backend emits while it works (plain data, picklable).
+
+The merger never draws anything: front ends (the terminal reporter, the TUI) turn
+these into bars. Names are past tense: each says what has happened.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class TaskProgressed:
+    """`done` of `total` bytes of one task (`rank 3`, `model file`) are processed."""
+
+    task: str
+    done: int
+    total: int
+
+    @property
+    def fraction(self) -> float:
+        return min(1.0, self.done / self.total) if self.total else 1.0
+
+
+@dataclass(frozen=True)
+class TaskFinished:
+    task: str
+    total: int
+
+
+Emit = Callable[[object], None]
+
+
+class ByteCounter:
+    """Counts a task's bytes and emits TaskProgressed at most every `interval` seconds.
+
+    It is also where a task notices cancellation: `add` raises once `cancelled()` is true,
+    so workers stop between chunks within a fraction of a second.
+    """
+
+    def __init__(self, task: str, total: int, emit: Emit, cancelled: Callable[[], bool],
+                 interval: float = 0.1):
+        self.task, self.total, self.done = task, max(total, 1), 0
+        self._emit, self._cancelled, self._interval = emit, cancelled, interval
+        self._last = 0.0
+        emit(TaskProgressed(task, 0, self.total))
+
+    def add(self, n: int) -> None:
+        from .errors import MergeCancelled
+
+        if self._cancelled():
+            raise MergeCancelled()
+        self.done = min(self.done + n, self.total)
+        now = time.monotonic()
+        if now - self._last >= self._interval:
+            self._last = now
+            self._emit(TaskProgressed(self.task, self.done, self.total))
+
+    def finish(self) -> None:
+        self.done = self.total
+        self._emit(TaskProgressed(self.task, self.total, self.total))
+        self._emit(TaskFinished(self.task, self.total))

@@ -1,0 +1,78 @@
+"""Writing output files durably: chunked copies with progress, fsync, atomic renames."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Callable
+
+from .errors import OutputError
+
+CHUNK = 64 << 20
+
+
+def output_error(exc: OSError, path: Path) -> OutputError:
+    """Turn an OSError while writing `path` into one clear line."""
+    reason = {
+        errno.ENOSPC: "the disk is full",
+        errno.EDQUOT: "the disk quota is exceeded",
+        errno.EFBIG: "the file size limit was hit (ulimit -f)",
+        errno.EROFS: "the file system is read-only",
+        errno.EACCES: "permission denied",
+        errno.EPERM: "permission denied",
+    }.get(exc.errno, exc.strerror or str(exc))
+    return OutputError(
+        f"{path}: cannot write ({reason}); nothing was left at the output path, "
+        "free space or choose another output folder"
+    )
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def copy_file(src: Path, dst: Path, on_bytes: Callable[[int], None] = lambda n: None) -> None:
+    """Copy bytes (never a hard link), in chunks so progress and cancellation stay live."""
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        size = os.fstat(fin.fileno()).st_size
+        offset = 0
+        while offset < size:
+            n = os.sendfile(fout.fileno(), fin.fileno(), offset, min(CHUNK, size - offset))
+            if n == 0:
+                break
+            offset += n
+            on_bytes(n)
+        fout.flush()
+        os.fsync(fout.fileno())
+    os.chmod(dst, os.stat(src).st_mode & 0o777 | 0o200)
+
+
+class CountingWriter:
+    """A write-only file object that reports how many bytes went through it."""
+
+    def __init__(self, f, on_bytes: Callable[[int], None]):
+        self._f, self._on_bytes = f, on_bytes
+
+    def write(self, data) -> int:
+        n = self._f.write(data)
+        self._on_bytes(len(memoryview(data)))
+        return n
+
+    def flush(self) -> None:
+        self._f.flush()

@@ -1,0 +1,483 @@
+"""The merger: composes one checkpoint from a MergePlan.
+
+Each rank's files are composed by `merge_rank` (in a worker process when there are
+several workers): the base's optim_states with the fp32 master weights, exp_avg and
+exp_avg_sq of every row picked from another checkpoint replaced slice by slice, and
+padding slots zeroed. Everything else in the rank files (optimizer `step` of every
+sub-group, loss scaler, counters, scheduler) is the base's.
+
+The output is built in a temporary folder beside the destination, checked, and
+renamed into place only when complete: an interrupted merge leaves nothing at the
+output path. Sources are only ever opened for reading.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from . import __version__
+from .checkpoint import Checkpoint
+from .errors import CheckpointError, MergeCancelled, OutputError
+from .events import ByteCounter, Emit
+from .fileio import CountingWriter, copy_file, fsync_dir, fsync_file, output_error
+from .plan import MergePlan, RankJob, tied_partner
+from .rows import row_of
+from .safe_load import load_pt
+
+PROVENANCE = "tailor_provenance.json"
+TENSORS = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+# --- one rank ---------------------------------------------------------------------------
+
+
+def _optimizer_state(obj, path: Path, group_sizes: tuple[int, ...]) -> dict:
+    """The inner optimizer dict of an optim_states file, checked against the layout."""
+    try:
+        inner = obj["optimizer_state_dict"]
+        flat = inner["fp32_flat_groups"]
+        state = inner["optimizer_state_dict"]["state"]
+    except (KeyError, TypeError):
+        raise CheckpointError(
+            f"{path}: not a ZeRO-3 optim_states file (no fp32_flat_groups); "
+            "tailor-tui composes ZeRO stage 3 checkpoints"
+        ) from None
+    if len(flat) != len(group_sizes):
+        raise CheckpointError(
+            f"{path}: holds {len(flat)} optimizer sub-groups, its model_states describe "
+            f"{len(group_sizes)}; the file belongs to another run or is corrupt"
+        )
+    for g, size in enumerate(group_sizes):
+        for key in TENSORS:
+            t = _tensor(inner, g, key)
+            if t is None or t.numel() != size:
+                n = "none" if t is None else t.numel()
+                raise CheckpointError(
+                    f"{path}: sub-group {g} {key} holds {n} elements, the layout says {size}; "
+                    "the file is truncated, corrupt or from another run"
+                )
+    return inner
+
+
+def _tensor(inner: dict, group: int, key: str):
+    if key == "fp32":
+        return inner["fp32_flat_groups"][group]
+    return inner["optimizer_state_dict"]["state"].get(group, {}).get(key)
+
+
+def _set_tensor(inner: dict, group: int, key: str, value) -> None:
+    if key == "fp32":
+        inner["fp32_flat_groups"][group] = value
+    else:
+        inner["optimizer_state_dict"]["state"][group][key] = value
+
+
+def _save(obj, path: Path, counter: ByteCounter) -> None:
+    import torch
+
+    try:
+        with open(path, "wb") as f:
+            torch.save(obj, CountingWriter(f, counter.add))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise output_error(exc, path) from None
+    except RuntimeError as exc:  # torch wraps write failures of its zip writer
+        if "write" in str(exc).lower() or "file" in str(exc).lower():
+            raise OutputError(
+                f"{path}: cannot write ({str(exc).splitlines()[0][:160]}); nothing was left at the "
+                "output path, free space or choose another output folder"
+            ) from None
+        raise
+
+
+def merge_rank(job: RankJob, out_tag_dir: Path, emit: Emit, cancelled: Callable[[], bool]) -> None:
+    """Compose rank `job.rank`'s model_states and optim_states files into `out_tag_dir`."""
+    import torch
+
+    counter = ByteCounter(f"rank {job.rank}", job.total_bytes, emit, cancelled)
+    base_files = job.files[0]
+    base = load_pt(base_files.optim_states)
+    inner = _optimizer_state(base, base_files.optim_states, job.group_sizes)
+    sources = {
+        s: _optimizer_state(load_pt(f.optim_states), f.optim_states, job.group_sizes)
+        for s, f in job.files.items()
+        if s and any(c.source == s for c in job.copies)
+    }
+    copies, padding = defaultdict(list), defaultdict(list)
+    for c in job.copies:
+        copies[c.group].append(c)
+    for g, offset, length in job.padding:
+        padding[g].append((offset, length))
+
+    with torch.no_grad():
+        for g, size in enumerate(job.group_sizes):
+            for key in TENSORS:
+                original = _tensor(inner, g, key)
+                out = torch.empty(size, dtype=original.dtype)
+                out.copy_(original)
+                counter.add(size * original.element_size())
+                for c in copies[g]:
+                    span = slice(c.offset, c.offset + c.length)
+                    out[span].copy_(_tensor(sources[c.source], g, key)[span])
+                    counter.add(c.length * out.element_size())
+                for offset, length in padding[g]:
+                    out[offset : offset + length].zero_()  # padding holds garbage: write zeros
+                out.requires_grad_(original.requires_grad)
+                _set_tensor(inner, g, key, out)
+    del sources
+    _save(base, out_tag_dir / base_files.optim_states.name, counter)
+    del base, inner
+
+    out_model = out_tag_dir / base_files.model_states.name
+    if job.frozen or job.buffers:
+        _merge_model_states(job, out_model, counter)
+    else:
+        try:
+            copy_file(base_files.model_states, out_model, counter.add)
+        except OSError as exc:
+            raise output_error(exc, out_model) from None
+    counter.finish()
+
+
+def _merge_model_states(job: RankJob, out: Path, counter: ByteCounter) -> None:
+    """The base's model_states with frozen fragments and buffers of picked rows replaced."""
+    states = load_pt(job.files[0].model_states)
+    loaded: dict[int, dict] = {}
+
+    def source(s: int) -> dict:
+        if s not in loaded:
+            loaded[s] = load_pt(job.files[s].model_states)
+        return loaded[s]
+
+    for name, s in job.frozen:
+        theirs = source(s)["frozen_param_fragments"][name]
+        mine = states["frozen_param_fragments"][name]
+        if theirs.shape != mine.shape:
+            raise CheckpointError(
+                f"{job.files[s].model_states}: frozen fragment {name} has shape {list(theirs.shape)}, "
+                f"the base {list(mine.shape)}; the checkpoints are from different layouts"
+            )
+        states["frozen_param_fragments"][name] = theirs.clone()
+    for name, s in job.buffers:
+        states["module"][name] = source(s)["module"][name].clone()
+    _save(states, out, counter)
+
+
+# --- the 16-bit model file(s) -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelFileJob:
+    base_file: Path
+    source_files: dict[int, tuple[Path, ...]]  # source index -> its safetensors files
+    picks: dict[str, int]  # row -> source index (tied rows follow their partner)
+    total_bytes: int
+
+
+def merge_model_file(job: ModelFileJob, out_dir: Path, emit: Emit, cancelled: Callable[[], bool]) -> None:
+    """Compose one safetensors file: each tensor from the checkpoint its row was picked from."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    task = "model file" if job.base_file.name == "model.safetensors" else job.base_file.name
+    counter = ByteCounter(task, job.total_bytes * 2, emit, cancelled)
+    where: dict[int, dict[str, Path]] = {}
+
+    def find(s: int, name: str) -> Path:
+        if s not in where:
+            where[s] = {}
+            for f in job.source_files[s]:
+                with safe_open(f, "pt") as h:
+                    where[s].update({k: f for k in h.keys()})
+        if name not in where[s]:
+            raise CheckpointError(
+                f"{job.source_files[s][0].parent}: its 16-bit model file has no tensor {name}; "
+                "the checkpoint is incomplete or from another model"
+            )
+        return where[s][name]
+
+    tensors = {}
+    with safe_open(job.base_file, "pt") as base:
+        metadata = base.metadata()
+        for name in base.keys():
+            s = job.picks.get(row_of(name), 0)
+            if s:
+                with safe_open(find(s, name), "pt") as h:
+                    t = h.get_tensor(name)
+                expected = base.get_slice(name)
+                if list(t.shape) != list(expected.get_shape()):
+                    raise CheckpointError(
+                        f"{find(s, name)}: tensor {name} has shape {list(t.shape)}, the base "
+                        f"{expected.get_shape()}; the checkpoints are from different models"
+                    )
+            else:
+                t = base.get_tensor(name)
+            tensors[name] = t
+            counter.add(t.numel() * t.element_size())
+    out = out_dir / job.base_file.name
+    try:
+        save_file(tensors, str(out), metadata=metadata)
+        fsync_file(out)
+    except OSError as exc:
+        raise output_error(exc, out) from None
+    counter.finish()
+
+
+def model_file_jobs(plan: MergePlan) -> list[ModelFileJob]:
+    picks = dict(plan.picks)
+    for row in plan.base.rows:
+        if row.tied:
+            picks[row.name] = plan.picks.get(tied_partner(plan.base, row), 0)
+    files = {i: src.model_files for i, src in enumerate(plan.sources)}
+    return [ModelFileJob(f, files, picks, plan.base.sizes[f]) for f in plan.base.model_files]
+
+
+# --- running the tasks ------------------------------------------------------------------------
+
+_WORKER_QUEUE = None
+_WORKER_CANCEL = None
+
+
+def _worker_init(events, cancel) -> None:
+    global _WORKER_QUEUE, _WORKER_CANCEL
+    import signal
+
+    # Ctrl-C reaches the whole process group: the parent alone decides how to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _WORKER_QUEUE, _WORKER_CANCEL = events, cancel
+
+
+def _run_task(task, out_dir: Path) -> None:
+    run = merge_rank if isinstance(task, RankJob) else merge_model_file
+    run(task, out_dir, _WORKER_QUEUE.put, _WORKER_CANCEL.is_set)
+
+
+def default_workers(plan: MergePlan) -> int:
+    """As many workers as cores and available memory allow (each holds one rank in memory)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    per_worker = max(plan.base.sizes[r.optim_states] for r in plan.base.ranks) * 2 + (256 << 20)
+    return max(1, min(len(plan.base.ranks), cores, _available_memory() // per_worker))
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def _run_inline(tasks, out_dirs, emit: Emit, cancel: threading.Event) -> None:
+    for task, out in zip(tasks, out_dirs):
+        run = merge_rank if isinstance(task, RankJob) else merge_model_file
+        run(task, out, emit, cancel.is_set)
+
+
+def _run_pool(tasks, out_dirs, workers: int, emit: Emit, cancel: threading.Event) -> None:
+    import multiprocessing as mp
+    from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+
+    ctx = mp.get_context("spawn")  # fork after torch has started threads can deadlock
+    events, stop = ctx.Queue(), ctx.Event()
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(events, stop))
+    futures = [pool.submit(_run_task, t, o) for t, o in zip(tasks, out_dirs)]
+    try:
+        pending = set(futures)
+        while pending:
+            if cancel.is_set():
+                stop.set()
+            _drain(events, emit, timeout=0.05)
+            done, pending = wait(pending, timeout=0, return_when=FIRST_EXCEPTION)
+            for f in done:
+                if f.exception() is not None:
+                    stop.set()
+                    raise f.exception()
+        _drain(events, emit, timeout=0)
+    finally:
+        stop.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _drain(events, emit: Emit, timeout: float) -> None:
+    try:
+        emit(events.get(timeout=timeout) if timeout else events.get_nowait())
+        while True:
+            emit(events.get_nowait())
+    except queue.Empty:
+        pass
+
+
+# --- the whole merge --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    output: Path
+    seconds: float
+    bytes_written: int
+
+
+def run_merge(
+    plan: MergePlan,
+    workers: int | None = None,
+    emit: Emit = lambda event: None,
+    cancel: threading.Event | None = None,
+) -> MergeResult:
+    """Write the composed checkpoint described by `plan`; atomic, cancellable."""
+    cancel = cancel or threading.Event()
+    started = time.monotonic()
+    out = plan.output
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise output_error(exc, out.parent) from None
+    tmp = out.parent / f".{out.name}.tailor-partial-{os.getpid()}"
+    try:
+        try:
+            tmp.mkdir()
+        except OSError as exc:
+            raise output_error(exc, out.parent) from None
+        tag_dir = tmp / plan.base.tag
+        tag_dir.mkdir()
+        _copy_other_files(plan, tmp, cancel)
+        if plan.base.kind == "deepspeed":
+            _write_text(tmp / "latest", plan.base.tag)
+        tasks = [*plan.rank_jobs(), *model_file_jobs(plan)]
+        out_dirs = [tag_dir if isinstance(t, RankJob) else tmp for t in tasks]
+        n = workers if workers is not None else default_workers(plan)
+        n = max(1, min(n, len(tasks)))
+        if n == 1:
+            _run_inline(tasks, out_dirs, emit, cancel)
+        else:
+            _run_pool(tasks, out_dirs, n, emit, cancel)
+        if cancel.is_set():
+            raise MergeCancelled()
+        verify_output(plan, tmp)
+        _write_text(tmp / PROVENANCE, json.dumps(provenance(plan), indent=2) + "\n")
+        fsync_dir(tag_dir)
+        fsync_dir(tmp)
+        _move_into_place(tmp, out, plan.force)
+    except KeyboardInterrupt:
+        cancel.set()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise MergeCancelled() from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    return MergeResult(out, time.monotonic() - started, written)
+
+
+def _write_text(path: Path, text: str) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise output_error(exc, path) from None
+
+
+def _copy_other_files(plan: MergePlan, tmp: Path, cancel: threading.Event) -> None:
+    root = plan.other_files_root()
+    for rel in plan.other_files():
+        if cancel.is_set():
+            raise MergeCancelled()
+        dst = tmp / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            copy_file(root / rel, dst)
+        except OSError as exc:
+            raise output_error(exc, dst) from None
+
+
+def _move_into_place(tmp: Path, out: Path, force: bool) -> None:
+    old = None
+    try:
+        if out.is_dir():
+            if any(out.iterdir()):
+                if not force:
+                    raise OutputError(f"output {out}: appeared while merging; not overwritten")
+                old = out.parent / f".{out.name}.tailor-old-{os.getpid()}"
+                os.rename(out, old)
+            else:
+                out.rmdir()
+        os.rename(tmp, out)
+        fsync_dir(out.parent)
+    except OSError as exc:
+        if old is not None and not out.exists():
+            os.rename(old, out)  # put the user's old folder back
+        raise output_error(exc, out) from None
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def verify_output(plan: MergePlan, root: Path) -> None:
+    """Check the composed folder before it is moved into place: every file there and whole."""
+    import zipfile
+
+    tag_dir = root / plan.base.tag
+    latest = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
+    if latest != plan.base.tag:
+        raise OutputError(f"{root}/latest names '{latest}', expected '{plan.base.tag}' (internal error)")
+    for files in plan.base.ranks:
+        for f in (files.model_states, files.optim_states):
+            out = tag_dir / f.name
+            if not out.is_file() or not zipfile.is_zipfile(out):
+                raise OutputError(f"{out}: missing or incomplete after the merge (internal error)")
+    for f in plan.base.model_files:
+        if not (root / f.name).is_file():
+            raise OutputError(f"{root / f.name}: missing after the merge (internal error)")
+
+
+def _identity(ckpt: Checkpoint) -> dict:
+    files = {}
+    for f, size in sorted(ckpt.sizes.items()):
+        st = f.stat()
+        files[os.path.relpath(f, ckpt.path)] = {"bytes": size, "mtime": st.st_mtime}
+    return {
+        "path": str(ckpt.path.resolve()),
+        "kind": ckpt.kind,
+        "tag": ckpt.tag,
+        "step": ckpt.step,
+        "world_size": ckpt.world_size,
+        "dtype": ckpt.dtype,
+        "deepspeed_version": ckpt.ds_version,
+        "files": files,
+    }
+
+
+def provenance(plan: MergePlan) -> dict:
+    rows = {}
+    for row in plan.base.rows:
+        if row.tied:
+            rows[row.name] = f"tied to {tied_partner(plan.base, row)}"
+        else:
+            rows[row.name] = str(plan.sources[plan.picks[row.name]].path.resolve())
+    return {
+        "tool": f"tailor-tui {__version__}",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "recipe": plan.recipe.to_yaml(),
+        "recipe_file": str(plan.recipe.source_file.resolve()) if plan.recipe.source_file else None,
+        "rows": rows,
+        "base": _identity(plan.base),
+        "sources": [_identity(s) for s in plan.sources[1:]],
+    }
+

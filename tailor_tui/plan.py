@@ -1,0 +1,283 @@
+"""A merge plan: a recipe checked against the checkpoints it names.
+
+Everything a merge could trip over is found here, before anything is written:
+missing checkpoints, unknown or tied rows, sources whose world size, parameters or
+sub-group layout differ from the base, an output that would clobber something.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .checkpoint import Checkpoint, RankFiles, open_checkpoint
+from .errors import CheckpointError, IncompatibleError, OutputError, RecipeError
+from .recipe import Recipe
+
+BYTES_PER_ELEMENT = 4 * 3  # fp32 master weight + exp_avg + exp_avg_sq
+
+
+@dataclass(frozen=True)
+class SliceCopy:
+    """Copy `length` elements at `offset` of sub-group `group` from source `source`."""
+
+    group: int
+    offset: int
+    length: int
+    source: int
+
+
+@dataclass(frozen=True)
+class RankJob:
+    """Everything one worker needs to compose one rank's files (picklable)."""
+
+    rank: int
+    files: dict[int, RankFiles]  # source index -> that checkpoint's files of this rank; 0 is base
+    group_sizes: tuple[int, ...]
+    copies: tuple[SliceCopy, ...]  # slices that do not come from the base
+    padding: tuple[tuple[int, int, int], ...]  # (group, offset, length) written as zeros
+    frozen: tuple[tuple[str, int], ...]  # frozen params taken from a non-base source
+    buffers: tuple[tuple[str, int], ...]  # buffers taken from a non-base source
+    read_bytes: int
+    write_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.read_bytes + self.write_bytes
+
+
+@dataclass
+class MergePlan:
+    recipe: Recipe
+    base: Checkpoint
+    sources: list[Checkpoint]  # sources[0] is the base
+    picks: dict[str, int]  # every non-tied row -> index into sources
+    output: Path
+    force: bool = False
+    _jobs: list[RankJob] | None = field(default=None, repr=False)
+
+    # --- per rank work ---------------------------------------------------------------
+
+    def source_of_param(self) -> dict[str, int]:
+        return {p: self.picks[row.name] for row in self.base.rows for p in (*row.params, *row.buffers)}
+
+    def rank_jobs(self) -> list[RankJob]:
+        if self._jobs is None:
+            self._jobs = [self._rank_job(r) for r in range(self.base.world_size)]
+        return self._jobs
+
+    def _rank_job(self, rank: int) -> RankJob:
+        layout = self.base.layout
+        src = self.source_of_param()
+        copies, padding = [], []
+        for slot in layout.slots:
+            valid = slot.valid(rank)
+            s = src.get(slot.name, 0)
+            if s and valid:
+                last = copies[-1] if copies else None
+                if last and last.source == s and last.group == slot.group and last.offset + last.length == slot.offset:
+                    copies[-1] = SliceCopy(slot.group, last.offset, last.length + valid, s)
+                else:
+                    copies.append(SliceCopy(slot.group, slot.offset, valid, s))
+            if valid < slot.part:
+                padding.append((slot.group, slot.offset + valid, slot.part - valid))
+        frozen = tuple((n, src[n]) for n, _ in layout.frozen if src.get(n, 0))
+        buffers = tuple(
+            (b, self.picks[row.name]) for row in self.base.rows for b in row.buffers if self.picks[row.name]
+        )
+        used = {c.source for c in copies} | {s for _, s in frozen} | {s for _, s in buffers}
+        files = {0: self.base.ranks[rank]} | {s: self.sources[s].ranks[rank] for s in sorted(used)}
+        read = sum(c.length for c in copies) * BYTES_PER_ELEMENT + self.base.rank_bytes(rank)
+        return RankJob(
+            rank=rank,
+            files=files,
+            group_sizes=tuple(layout.group_sizes()),
+            copies=tuple(copies),
+            padding=tuple(padding),
+            frozen=frozen,
+            buffers=buffers,
+            read_bytes=read,
+            write_bytes=self.base.rank_bytes(rank),
+        )
+
+    # --- the 16-bit model file(s) ----------------------------------------------------
+
+    def model_file_sources(self) -> dict[str, int]:
+        """Row -> source index for rows whose 16-bit weights must come from a non-base source."""
+        return {row: s for row, s in self.picks.items() if s}
+
+    # --- totals and description -------------------------------------------------------
+
+    def other_files(self) -> list[Path]:
+        """Base files copied unchanged into the output (relative to the base folder)."""
+        if self.base.kind == "hf":
+            skip = set(self.base.model_files)  # composed, not copied
+            return sorted(
+                p.relative_to(self.base.path)
+                for p in self.base.path.rglob("*")
+                if p.is_file() and p not in skip and self.base.tag_dir not in p.parents
+            )
+        from .checkpoint import RECOVERY_SCRIPTS
+
+        return [Path(s) for s in RECOVERY_SCRIPTS if (self.base.save_dir / s).is_file()]
+
+    def other_files_root(self) -> Path:
+        return self.base.path if self.base.kind == "hf" else self.base.save_dir
+
+    def bytes_to_write(self) -> int:
+        root = self.other_files_root()
+        others = sum((root / p).stat().st_size for p in self.other_files())
+        models = sum(self.base.sizes[f] for f in self.base.model_files)
+        return sum(j.write_bytes for j in self.rank_jobs()) + models + others
+
+    def bytes_to_read(self) -> int:
+        """Base bytes copied plus the slices read from other sources."""
+        models = sum(self.base.sizes[f] for f in self.base.model_files)
+        return sum(j.read_bytes for j in self.rank_jobs()) + models
+
+    def rows_by_source(self) -> dict[int, list[str]]:
+        out: dict[int, list[str]] = {}
+        for row in self.base.rows:
+            if not row.tied:
+                out.setdefault(self.picks[row.name], []).append(row.name)
+        return out
+
+    def describe(self) -> list[str]:
+        import humanize
+
+        def size(n: int) -> str:
+            return humanize.naturalsize(n, binary=True)
+
+        lines = [
+            f"base:   {self.base.path} (step {self.base.step}, {self.base.world_size} ranks, "
+            f"{self.base.dtype}, {self.base.kind} layout)",
+            f"output: {self.output}",
+            "rows:",
+        ]
+        width = max((len(r.name) for r in self.base.rows), default=4)
+        for row in self.base.rows:
+            if row.tied:
+                lines.append(f"  {row.name:<{width}}  tied to {tied_partner(self.base, row)}")
+                continue
+            s = self.picks[row.name]
+            src = self.sources[s]
+            mark = "base" if s == 0 else f"step {src.step}"
+            lines.append(f"  {row.name:<{width}}  {src.path}  ({mark})")
+        lines.append(f"read:   {size(self.bytes_to_read())}  write: {size(self.bytes_to_write())}")
+        return lines
+
+
+def tied_partner(ckpt: Checkpoint, row) -> str:
+    """Which row a storage-less row shares its weight with (by the usual naming)."""
+    for candidate in ckpt.rows:
+        if not candidate.tied and ("embed" in candidate.name or candidate.name == "wte"):
+            return candidate.name
+    return "another row"
+
+
+def _open(path: Path, where: str, what: str) -> Checkpoint:
+    try:
+        return open_checkpoint(path)
+    except CheckpointError as exc:
+        raise type(exc)(f"{where}: {what}: {exc}") from None
+
+
+def _resolve_row(base: Checkpoint, name: str, where: str) -> str:
+    try:
+        row = base.row(name)
+    except KeyError:
+        names = base.row_names()
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise RecipeError(
+            f"{where}: unknown row '{name}'; {hint}{base.path.name} has rows "
+            f"{', '.join(names[:4])}{', …' if len(names) > 4 else ''} {names[-1]}"
+        ) from None
+    if row.tied:
+        raise RecipeError(
+            f"{where}: row '{name}' is tied to {tied_partner(base, row)} (it has no weights of its "
+            f"own); pick {tied_partner(base, row)} instead"
+        )
+    return row.name
+
+
+def _same(a: Path, b: Path) -> bool:
+    return a.resolve() == b.resolve()
+
+
+def build_plan(recipe: Recipe, output: str | Path | None = None, force: bool = False) -> MergePlan:
+    """Check `recipe` against its checkpoints; raise a TailorError naming the first problem."""
+    base = _open(recipe.base, recipe.location("base"), "base")
+    out = Path(output) if output is not None else recipe.output
+    if out is None:
+        raise RecipeError(
+            f"{recipe.location('base')}: no output folder: add `output:` to the recipe or pass --output DIR"
+        )
+
+    sources: list[Checkpoint] = [base]
+    picks = {row.name: 0 for row in base.rows if not row.tied}
+    by_path: dict[Path, int] = {base.path.resolve(): 0}
+    spelled: dict[str, str] = {}  # row -> how the recipe named it
+    for name, path in recipe.layers.items():
+        where = recipe.location(f"row:{name}")
+        row = _resolve_row(base, name, where)
+        if row in spelled:
+            raise RecipeError(f"{where}: row '{row}' is given twice (as '{spelled[row]}' and '{name}')")
+        spelled[row] = name
+        ckpt_index = by_path.get(_resolved(path))
+        if ckpt_index is None:
+            src = _open(path, where, f"row '{row}'")
+            ckpt_index = by_path.get(src.path.resolve())
+            if ckpt_index is None:
+                _check_compatible(base, src, where, row)
+                sources.append(src)
+                ckpt_index = len(sources) - 1
+                by_path[src.path.resolve()] = ckpt_index
+            by_path[_resolved(path)] = ckpt_index
+        picks[row] = ckpt_index
+
+    _check_output(out, sources, force)
+    return MergePlan(recipe=recipe, base=base, sources=sources, picks=picks, output=out, force=force)
+
+
+def _resolved(path: Path) -> Path:
+    try:
+        return Path(path).resolve()
+    except OSError:
+        return Path(path).absolute()
+
+
+def _check_compatible(base: Checkpoint, src: Checkpoint, where: str, row: str) -> None:
+    prefix = f"{where}: row '{row}': checkpoint {src.path} cannot be combined with base {base.path}"
+    diff = base.layout.describe_difference(src.layout)
+    if diff:
+        raise IncompatibleError(f"{prefix}: it has {diff}")
+    if src.dtype != base.dtype:
+        raise IncompatibleError(f"{prefix}: it was trained in {src.dtype}, the base in {base.dtype}")
+    if base.model_files and not src.model_files:
+        raise IncompatibleError(
+            f"{prefix}: it has no model.safetensors (16-bit weights) while the base has; "
+            "save it with stage3_gather_16bit_weights_on_model_save or pick a base without one"
+        )
+
+
+def _check_output(out: Path, sources: list[Checkpoint], force: bool) -> None:
+    resolved = _resolved(out)
+    for src in sources:
+        for protected in {src.path, src.tag_dir}:
+            p = protected.resolve()
+            if resolved == p or p in resolved.parents or resolved in p.parents:
+                raise OutputError(
+                    f"output {out}: would overwrite, hold or nest inside source checkpoint "
+                    f"{src.path}; choose another output folder"
+                )
+        if src.kind == "deepspeed" and resolved == src.save_dir.resolve():
+            raise OutputError(f"output {out}: is the save_dir of source {src.path}; choose another folder")
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"output {out}: exists and is not a folder; choose another output path")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise OutputError(
+            f"output {out}: already exists and is not empty; choose another folder or pass --force "
+            "(the old folder is replaced only after the new one is complete)"
+        )

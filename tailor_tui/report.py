@@ -1,0 +1,96 @@
+"""Headless progress: live bars on a terminal, plain periodic lines in logs.
+
+Slurm and CI logs are not terminals; there, each task prints a line like
+`rank 3: 41% 1.2 GiB/2.9 GiB` every few seconds or 10%, whichever comes first.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+import humanize
+
+from .events import TaskFinished, TaskProgressed
+
+
+def size(n: int) -> str:
+    return humanize.naturalsize(n, binary=True, format="%.1f")
+
+
+class LineReporter:
+    """Plain lines, for logs."""
+
+    def __init__(self, out: TextIO = sys.stderr, every_seconds: float = 5.0, every_fraction: float = 0.1):
+        self.out, self.every_seconds, self.every_fraction = out, every_seconds, every_fraction
+        self._last: dict[str, tuple[float, float]] = {}
+
+    def __call__(self, event) -> None:
+        if isinstance(event, TaskFinished):
+            print(f"{event.task}: done {size(event.total)}", file=self.out, flush=True)
+        elif isinstance(event, TaskProgressed):
+            now = time.monotonic()
+            when, fraction = self._last.get(event.task, (0.0, -1.0))
+            due = now - when >= self.every_seconds or event.fraction - fraction >= self.every_fraction
+            if due and event.done < event.total:
+                self._last[event.task] = (now, event.fraction)
+                print(
+                    f"{event.task}: {event.fraction:.0%} {size(event.done)}/{size(event.total)}",
+                    file=self.out,
+                    flush=True,
+                )
+
+
+class BarReporter:
+    """One live bar per task, redrawn in place, for terminals."""
+
+    WIDTH = 30
+
+    def __init__(self, out: TextIO = sys.stderr, refresh: float = 0.1):
+        self.out, self.refresh = out, refresh
+        self._tasks: dict[str, TaskProgressed] = {}
+        self._drawn = 0
+        self._last = 0.0
+        self._started = time.monotonic()
+
+    def __call__(self, event) -> None:
+        if isinstance(event, (TaskProgressed, TaskFinished)):
+            done = event.total if isinstance(event, TaskFinished) else event.done
+            self._tasks[event.task] = TaskProgressed(event.task, done, event.total)
+        now = time.monotonic()
+        if now - self._last >= self.refresh or isinstance(event, TaskFinished):
+            self._last = now
+            self.draw()
+
+    def _line(self, label: str, done: int, total: int, width: int) -> str:
+        fraction = min(1.0, done / total) if total else 1.0
+        filled = int(fraction * self.WIDTH)
+        bar = "█" * filled + "░" * (self.WIDTH - filled)
+        return f"{label:<{width}} {bar} {fraction:>4.0%}  {size(done)}/{size(total)}"
+
+    def draw(self) -> None:
+        if not self._tasks:
+            return
+        width = max(len(t) for t in self._tasks) if self._tasks else 6
+        width = max(width, len("total"))
+        lines = [self._line(t.task, t.done, t.total, width) for t in self._tasks.values()]
+        done = sum(t.done for t in self._tasks.values())
+        total = sum(t.total for t in self._tasks.values())
+        elapsed = max(time.monotonic() - self._started, 1e-6)
+        rate = done / elapsed
+        eta = (total - done) / rate if rate > 0 else 0
+        lines.append(self._line("total", done, total, width) + f"  {size(int(rate))}/s  ETA {eta:.0f}s")
+        up = f"\x1b[{self._drawn}F" if self._drawn else ""
+        self.out.write(up + "".join(f"\x1b[2K{line}\n" for line in lines))
+        self.out.flush()
+        self._drawn = len(lines)
+
+    def close(self) -> None:
+        self.draw()
+
+
+def reporter_for(stream: TextIO, mode: str = "auto"):
+    if mode == "bars" or (mode == "auto" and stream.isatty()):
+        return BarReporter(stream)
+    return LineReporter(stream)
