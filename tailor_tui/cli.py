@@ -16,10 +16,20 @@ import threading
 from pathlib import Path
 
 from . import __version__
-from .errors import ExitCode, OutputError, TailorError, UsageError
+from .errors import ExitCode, OutputError, TailorError
 
 EPILOG = """exit codes: 0 ok, 2 usage, 3 recipe, 4 checkpoint (missing, truncated, unsafe),
 5 incompatible source, 6 output (exists, read-only, full), 130 cancelled, 1 internal error"""
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got '{text}'")
+    return value
 
 
 def parser() -> argparse.ArgumentParser:
@@ -38,7 +48,7 @@ def parser() -> argparse.ArgumentParser:
         help="train a small real DeepSpeed ZeRO-3 run on CPU (HF Trainer, 2 ranks) into DIR",
     )
     p.add_argument("--output", "-o", type=Path, help="output folder (overrides the recipe's `output`)")
-    p.add_argument("--workers", "-j", type=int, help="worker processes (default: from cores and memory)")
+    p.add_argument("--workers", "-j", type=_positive, help="worker processes (default: from cores and memory)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
     p.add_argument("--force", action="store_true", help="replace a non-empty output folder once the new one is complete")
     p.add_argument(
@@ -65,8 +75,6 @@ def apply(args) -> int:
         print("\n".join(plan.describe()))
         print("dry run: nothing written")
         return ExitCode.OK
-    if args.workers is not None and args.workers < 1:
-        raise UsageError("--workers must be at least 1")
     workers = args.workers or default_workers(plan)
     ranks = plan.base.world_size
     print(
@@ -92,10 +100,15 @@ def make_demo(args) -> int:
     from .demo_run import RunSpec, make_run
 
     out = args.make_demo
-    if out.exists() and any(out.iterdir()):
+    spec = RunSpec()
+    marker = out / "tailor_demo_spec.json"
+    if marker.is_file() and marker.read_text().strip() == spec.key():
+        print(f"demo run {out} already exists; reusing it", file=sys.stderr)
+        return ExitCode.OK
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise OutputError(f"{out}: already exists and is not empty; choose another folder for the demo run")
     print(f"training a small real DeepSpeed ZeRO-3 run into {out} (HF Trainer, 2 ranks, CPU)…", file=sys.stderr)
-    make_run(out, RunSpec())
+    make_run(out, spec)
     print(f"done: {out} holds {', '.join(sorted(p.name for p in out.glob('checkpoint-*')))}")
     return ExitCode.OK
 

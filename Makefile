@@ -1,0 +1,21 @@
+# `make demo` and `make test` work on a fresh machine with python3: they create .venv,
+# install the CPU build of torch 2.13.0 first (an unpinned torch would pull CUDA), then the project.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test install
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+demo: install
+	$(BIN)/tailor-tui --make-demo demo-run
+	$(BIN)/tailor-tui --apply recipes/demo.yaml --force
+
+test: install
+	$(BIN)/python -m pytest

@@ -1,0 +1,159 @@
+"""The real `tailor-tui` entry point, run in a subprocess as a batch job would."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import checkpoints_of, tree_digest
+
+TAILOR = str(Path(sys.executable).with_name("tailor-tui"))
+
+
+def tailor(*args, cwd=None, timeout=300):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run([TAILOR, *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+
+
+def write_recipe(folder: Path, base: Path, layers: dict, output: str | None = "composed") -> Path:
+    """A recipe whose paths are relative to its own folder, as users write them."""
+    rel = lambda p: os.path.relpath(p, folder)  # noqa: E731
+    lines = ["version: 1", f"base: {rel(base)}"]
+    if output:
+        lines.append(f"output: {output}")
+    lines.append("layers:")
+    lines += [f"  {row}: {rel(src)}" for row, src in layers.items()]
+    path = folder / "recipe.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def assert_one_line_error(result, code: int, *needles: str):
+    assert result.returncode == code, result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+
+
+def test_apply_composes_and_logs_plain_progress_lines(real_run, tmp_path):
+    run, spec = real_run("hf_bf16_2")
+    c2, c4, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c4, "embed_tokens": c2})
+    before = tree_digest(run)
+    result = tailor("--apply", recipe, "--workers", "2")
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "composed"  # relative output resolves against the recipe's folder
+    assert (out / "global_step6" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").is_file()
+    assert "rank 0: done" in result.stderr and "rank 1: done" in result.stderr
+    assert "\x1b[" not in result.stderr  # no terminal codes in logs
+    assert f"done: {out}" in result.stdout
+    assert tree_digest(run) == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folder left
+
+
+def test_output_flag_overrides_the_recipe(real_run, tmp_path):
+    run, spec = real_run("ds_bf16_3_subgroups")
+    c2, _, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.2": c2}, output=None)
+    result = tailor("--apply", recipe, "--output", tmp_path / "elsewhere", "-j", "1")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "elsewhere" / "latest").read_text() == "global_step6"
+    assert (tmp_path / "elsewhere" / "zero_to_fp32.py").is_file()
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(real_run, tmp_path):
+    run, spec = real_run("hf_bf16_2")
+    c2, c4, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c4})
+    result = tailor("--apply", recipe, "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "layers.1" in result.stdout and "checkpoint-4" in result.stdout and "(step 4)" in result.stdout
+    assert "read:" in result.stdout and "write:" in result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
+
+
+@pytest.mark.parametrize(
+    "mutate, code, needles",
+    [
+        (lambda r: r.write_text("version: 1\nbase: [x\n"), 3, ["recipe.yaml:3:1", "malformed YAML"]),
+        (lambda r: r.write_text(r.read_text() + "extra: 1\n"), 3, ["unknown key 'extra'"]),
+        (lambda r: r.write_text("version: 1\noutput: o\n"), 3, ["missing `base:`"]),
+        (lambda r: r.write_text(r.read_text() + "  layers.9: x\n"), 3, ["unknown row 'layers.9'"]),
+        (lambda r: r.write_text(r.read_text().replace("checkpoint-4", "checkpoint-44")), 4,
+         ["row 'layers.1'", "checkpoint-44: no such checkpoint folder"]),
+    ],
+    ids=["malformed-yaml", "unknown-key", "missing-base", "unknown-row", "missing-checkpoint"],
+)
+def test_bad_recipes_fail_with_one_line_and_write_nothing(real_run, tmp_path, mutate, code, needles):
+    run, spec = real_run("hf_bf16_2")
+    c2, c4, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c4})
+    mutate(recipe)
+    result = tailor("--apply", recipe)
+    assert_one_line_error(result, code, *needles)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
+
+
+def test_incompatible_source_and_existing_output(real_run, tmp_path):
+    run2, spec2 = real_run("hf_bf16_2")
+    run3, spec3 = real_run("ds_bf16_3_subgroups")
+    recipe = write_recipe(tmp_path, checkpoints_of(run2, spec2)[-1], {"layers.1": checkpoints_of(run3, spec3)[0]})
+    assert_one_line_error(tailor("--apply", recipe), 5, "world size 3, the base has 2")
+
+    recipe = write_recipe(tmp_path, checkpoints_of(run2, spec2)[-1], {})
+    (tmp_path / "composed").mkdir()
+    (tmp_path / "composed" / "keep.txt").write_text("mine")
+    assert_one_line_error(tailor("--apply", recipe), 6, "already exists", "--force")
+    assert (tmp_path / "composed" / "keep.txt").read_text() == "mine"
+
+    result = tailor("--apply", recipe, "--force", "-j", "1")
+    assert result.returncode == 0, result.stderr
+    assert not (tmp_path / "composed" / "keep.txt").exists()
+    assert (tmp_path / "composed" / "trainer_state.json").is_file()
+
+
+def test_missing_and_truncated_rank_files(real_run, tmp_path):
+    run, spec = real_run("hf_bf16_2")
+    c2, _, c6 = checkpoints_of(run, spec)
+    broken = tmp_path / "checkpoint-2"
+    shutil.copytree(c2, broken)
+    optim = broken / "global_step2" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    optim.write_bytes(optim.read_bytes()[: optim.stat().st_size // 2])
+    recipe = write_recipe(tmp_path, c6, {"layers.1": broken})
+    assert_one_line_error(tailor("--apply", recipe, "-j", "1"), 4, "rank_1", "truncated")
+    assert not (tmp_path / "composed").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+    optim.unlink()
+    assert_one_line_error(tailor("--apply", recipe), 4, "rank_1", "missing", "incomplete")
+
+
+def test_usage_errors():
+    result = tailor()
+    assert result.returncode == 2 and "usage: tailor-tui" in result.stderr
+    result = tailor("--apply", "x.yaml", "--workers", "0")
+    assert result.returncode == 2 and "--workers" in result.stderr and "at least 1" in result.stderr
+    assert_one_line_error(tailor("--apply", "x.yaml"), 3, "x.yaml: no such recipe file")
+
+
+def test_headless_path_never_imports_textual(real_run, tmp_path):
+    run, spec = real_run("hf_bf16_2")
+    c2, c4, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c4})
+    code = (
+        "import sys\n"
+        "import tailor_tui.checkpoint, tailor_tui.recipe, tailor_tui.plan, tailor_tui.merge\n"
+        "from tailor_tui.cli import main\n"
+        f"assert main(['--apply', {str(recipe)!r}, '-j', '1']) == 0\n"
+        "assert 'textual' not in sys.modules, 'the headless path imported textual'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,55 @@
+"""An independent reader of ZeRO-3 checkpoints, built on DeepSpeed's own code.
+
+Full fp32 weights come from DeepSpeed's `get_fp32_state_dict_from_zero_checkpoint`;
+exp_avg and exp_avg_sq are reassembled by feeding their per-rank flat tensors to the
+same DeepSpeed routine (`_zero3_merge_trainable_params`) that zero_to_fp32 uses for
+the weights. None of tailor-tui's partition code is involved.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from deepspeed.utils import zero_to_fp32 as z
+
+
+def latest_folder(ckpt: Path) -> tuple[Path, str]:
+    """(folder holding `latest`, tag) for an HF checkpoint-N folder or a tag folder."""
+    ckpt = Path(ckpt)
+    if (ckpt / "latest").is_file():
+        return ckpt, (ckpt / "latest").read_text().strip()
+    return ckpt.parent, ckpt.name
+
+
+def read_full_state(ckpt: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """{"fp32": {...}, "exp_avg": {...}, "exp_avg_sq": {...}}, full tensors by param name."""
+    folder, tag = latest_folder(ckpt)
+    out = {"fp32": z.get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag)}
+    tag_dir = folder / tag
+    model_states = z.parse_model_states(z.get_model_state_files(str(tag_dir)))
+    optim_files = z.get_optim_files(str(tag_dir))
+    flats = {"exp_avg": [], "exp_avg_sq": []}
+    for f in optim_files:
+        state = torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+        groups = state["optimizer_state_dict"]["state"]
+        for key in flats:
+            flats[key].append([groups[g][key] for g in sorted(groups)])
+    for key, per_rank in flats.items():
+        merged: dict = {}
+        z._zero3_merge_trainable_params(merged, len(optim_files), per_rank, model_states)
+        out[key] = z.to_torch_tensor(merged)
+    return out
+
+
+def optim_states(ckpt: Path) -> list[dict]:
+    """The inner optimizer dict of every rank, in rank order (trusted test files only)."""
+    folder, tag = latest_folder(ckpt)
+    files = z.get_optim_files(str(folder / tag))
+    return [torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"] for f in files]
+
+
+def model_states(ckpt: Path) -> list[dict]:
+    folder, tag = latest_folder(ckpt)
+    files = z.get_model_state_files(str(folder / tag))
+    return [torch.load(f, map_location="cpu", weights_only=False) for f in files]
