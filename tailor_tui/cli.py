@@ -64,7 +64,7 @@ def parser() -> argparse.ArgumentParser:
 def apply(args) -> int:
     import humanize
 
-    from .merge import default_workers, run_merge
+    from .merge import default_workers, planned_tasks, run_merge
     from .plan import build_plan
     from .recipe import load_recipe
     from .report import BarReporter, reporter_for
@@ -83,7 +83,7 @@ def apply(args) -> int:
         file=sys.stderr,
         flush=True,
     )
-    report = reporter_for(sys.stderr, args.progress)
+    report = reporter_for(sys.stderr, args.progress, planned_tasks(plan))
     cancel = threading.Event()
     result = run_merge(plan, workers=workers, emit=report, cancel=cancel)
     if isinstance(report, BarReporter):

@@ -183,14 +183,17 @@ class ModelFileJob:
     picks: dict[str, int]  # row -> source index (tied rows follow their partner)
     total_bytes: int
 
+    @property
+    def task(self) -> str:
+        return "model file" if self.base_file.name == "model.safetensors" else self.base_file.name
+
 
 def merge_model_file(job: ModelFileJob, out_dir: Path, emit: Emit, cancelled: Callable[[], bool]) -> None:
     """Compose one safetensors file: each tensor from the checkpoint its row was picked from."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    task = "model file" if job.base_file.name == "model.safetensors" else job.base_file.name
-    counter = ByteCounter(task, job.total_bytes * 2, emit, cancelled)
+    counter = ByteCounter(job.task, job.total_bytes * 2, emit, cancelled)
     where: dict[int, dict[str, Path]] = {}
 
     def find(s: int, name: str) -> Path:
@@ -227,6 +230,7 @@ def merge_model_file(job: ModelFileJob, out_dir: Path, emit: Emit, cancelled: Ca
     out = out_dir / job.base_file.name
     try:
         save_file(tensors, str(out), metadata=metadata)
+        os.chmod(out, job.base_file.stat().st_mode & 0o777 | 0o200)  # save_file makes it 0600
         fsync_file(out)
     except OSError as exc:
         raise output_error(exc, out) from None
@@ -240,6 +244,12 @@ def model_file_jobs(plan: MergePlan) -> list[ModelFileJob]:
             picks[row.name] = plan.picks.get(tied_partner(plan.base, row), 0)
     files = {i: src.model_files for i, src in enumerate(plan.sources)}
     return [ModelFileJob(f, files, picks, plan.base.sizes[f]) for f in plan.base.model_files]
+
+
+def planned_tasks(plan: MergePlan) -> list[tuple[str, int]]:
+    """(task name, total bytes) of every task a merge will report, in order."""
+    ranks = [(f"rank {job.rank}", job.total_bytes) for job in plan.rank_jobs()]
+    return ranks + [(job.task, job.total_bytes * 2) for job in model_file_jobs(plan)]
 
 
 # --- running the tasks ------------------------------------------------------------------------

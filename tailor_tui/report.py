@@ -47,9 +47,10 @@ class BarReporter:
 
     WIDTH = 30
 
-    def __init__(self, out: TextIO = sys.stderr, refresh: float = 0.1):
+    def __init__(self, out: TextIO = sys.stderr, refresh: float = 0.1, tasks=()):
         self.out, self.refresh = out, refresh
-        self._tasks: dict[str, TaskProgressed] = {}
+        # Tasks known up front get their bar at once, so every rank shows before it starts.
+        self._tasks: dict[str, TaskProgressed] = {name: TaskProgressed(name, 0, total) for name, total in tasks}
         self._drawn = 0
         self._last = 0.0
         self._started = time.monotonic()
@@ -90,7 +91,8 @@ class BarReporter:
         self.draw()
 
 
-def reporter_for(stream: TextIO, mode: str = "auto"):
+def reporter_for(stream: TextIO, mode: str = "auto", tasks=()):
+    """Bars on a terminal (or when asked), lines otherwise; `tasks` is [(name, total bytes)]."""
     if mode == "bars" or (mode == "auto" and stream.isatty()):
-        return BarReporter(stream)
+        return BarReporter(stream, tasks=tasks)
     return LineReporter(stream)

@@ -192,3 +192,35 @@ def test_parity_recipe_of_base_alone_reproduces_base_state(real_run, tmp_path):
         assert got[key].keys() == want[key].keys()
         assert all(torch.equal(got[key][n], want[key][n]) for n in got[key])
     assert hashlib.sha256((out / "model.safetensors").read_bytes()).digest() is not None
+
+
+def test_sharded_model_files_are_composed_shard_by_shard(real_run, tmp_path):
+    """HF writes big models as model-0000i-of-0000n.safetensors plus an index."""
+    import shutil
+
+    from huggingface_hub import save_torch_state_dict
+
+    run, spec = real_run("hf_bf16_2")
+    sharded = []
+    for c in checkpoints_of(run, spec):
+        dst = tmp_path / "run" / c.name
+        shutil.copytree(c, dst)
+        weights = load_file(dst / "model.safetensors")
+        (dst / "model.safetensors").unlink()
+        save_torch_state_dict(weights, dst, max_shard_size="40KB")
+        sharded.append(dst)
+    shards = sorted(p.name for p in sharded[-1].glob("model-*.safetensors"))
+    assert len(shards) > 1
+
+    picks = parity_picks(spec, sharded)
+    out, _ = compose(tmp_path, sharded, picks)
+    index = "model.safetensors.index.json"
+    assert (out / index).read_bytes() == (sharded[-1] / index).read_bytes()
+    assert sorted(p.name for p in out.glob("*.safetensors")) == shards
+    full = {c: {k: v for s in shards for k, v in load_file(c / s).items()} for c in sharded}
+    for shard in shards:
+        base_names = set(load_file(sharded[-1] / shard))
+        got = load_file(out / shard)
+        assert set(got) == base_names  # each tensor stays in the base's shard
+        for name, tensor in got.items():
+            assert torch.equal(tensor, full[expected_source(name, picks, sharded[-1])][name]), name
