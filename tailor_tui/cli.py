@@ -1,9 +1,12 @@
-"""`tailor-tui` command line: a thin layer over the headless backend.
+"""`tailor-tui` command line: a thin layer over the backend and the TUI.
 
+    tailor-tui RUN_DIR [--recipe fix.yaml]      the interactive composer
+    tailor-tui --demo                           make a small real run and open it
     tailor-tui --apply recipe.yaml [--output DIR] [--workers N] [--dry-run] [--force]
     tailor-tui --make-demo DIR
 
-Nothing here imports Textual: batch jobs on login nodes need only the backend.
+Textual is imported only when the interactive composer starts: batch jobs on login
+nodes (`--apply`) load the headless backend alone.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import threading
 from pathlib import Path
 
 from . import __version__
-from .errors import ExitCode, OutputError, TailorError
+from .errors import CheckpointError, ExitCode, OutputError, TailorError, UsageError
 
 EPILOG = """exit codes: 0 ok, 2 usage, 3 recipe, 4 checkpoint (missing, truncated, unsafe),
 5 incompatible source, 6 output (exists, read-only, full), 130 cancelled, 1 internal error"""
@@ -39,7 +42,12 @@ def parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    mode = p.add_mutually_exclusive_group(required=True)
+    p.add_argument("run_dir", nargs="?", type=Path, metavar="RUN_DIR",
+                   help="open the interactive composer on a directory of ZeRO-3 checkpoints")
+    p.add_argument("--recipe", type=Path, help="with RUN_DIR: load this recipe's picks (if it exists); ctrl+s saves there")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--demo", action="store_true",
+                      help="train a small real ZeRO-3 run into ./demo-run (once) and open the composer on it")
     mode.add_argument("--apply", metavar="RECIPE", type=Path, help="compose the checkpoint a recipe describes")
     mode.add_argument(
         "--make-demo",
@@ -96,21 +104,37 @@ def apply(args) -> int:
     return ExitCode.OK
 
 
+def interactive(run_dir: Path, recipe: Path | None, workers: int | None) -> int:
+    if not run_dir.is_dir():
+        raise CheckpointError(f"{run_dir}: no such folder; name a directory of DeepSpeed checkpoints")
+    if not sys.stdout.isatty():
+        raise UsageError("the interactive composer needs a terminal; for batch jobs use --apply RECIPE")
+    from .ui.app import make_app
+
+    make_app(run_dir, recipe=recipe, workers=workers).run()
+    return ExitCode.OK
+
+
 def make_demo(args) -> int:
+    out = args.make_demo
+    ensure_demo(out)
+    print(f"done: {out} holds {', '.join(sorted(p.name for p in out.glob('checkpoint-*')))}")
+    return ExitCode.OK
+
+
+def ensure_demo(out: Path) -> None:
+    """Train the demo run into `out` unless it is already there."""
     from .demo_run import RunSpec, make_run
 
-    out = args.make_demo
     spec = RunSpec()
     marker = out / "tailor_demo_spec.json"
     if marker.is_file() and marker.read_text().strip() == spec.key():
         print(f"demo run {out} already exists; reusing it", file=sys.stderr)
-        return ExitCode.OK
+        return
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise OutputError(f"{out}: already exists and is not empty; choose another folder for the demo run")
     print(f"training a small real DeepSpeed ZeRO-3 run into {out} (HF Trainer, 2 ranks, CPU)…", file=sys.stderr)
     make_run(out, spec)
-    print(f"done: {out} holds {', '.join(sorted(p.name for p in out.glob('checkpoint-*')))}")
-    return ExitCode.OK
 
 
 def _sigterm_as_interrupt(signum, frame):
@@ -122,8 +146,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no GPU needed to read checkpoints
+    if args.apply or args.make_demo or args.demo:
+        if args.run_dir is not None:
+            parser().error("RUN_DIR opens the interactive composer; it does not go with --apply, --make-demo or --demo")
+    elif args.run_dir is None:
+        parser().error("name a RUN_DIR to open, or use --demo, --apply RECIPE or --make-demo DIR")
     try:
-        code = apply(args) if args.apply else make_demo(args)
+        if args.apply:
+            code = apply(args)
+        elif args.make_demo:
+            code = make_demo(args)
+        elif args.demo:
+            ensure_demo(Path("demo-run"))
+            code = interactive(Path("demo-run"), args.recipe or Path("demo-run") / "recipe.yaml", args.workers)
+        else:
+            code = interactive(args.run_dir, args.recipe, args.workers)
     except TailorError as exc:
         print(f"error: {exc}", file=sys.stderr)
         code = exc.exit_code

@@ -26,6 +26,10 @@ class TailorError(Exception):
     exit_code = ExitCode.INTERNAL
 
 
+class UsageError(TailorError):
+    exit_code = ExitCode.USAGE
+
+
 class RecipeError(TailorError):
     exit_code = ExitCode.RECIPE
 

@@ -300,6 +300,17 @@ def _run_inline(tasks, out_dirs, emit: Emit, cancel: threading.Event) -> None:
         run(task, out, emit, cancel.is_set)
 
 
+def prepare_worker_processes() -> None:
+    """Start multiprocessing's resource tracker now, while sys.stderr is the real one.
+
+    The tracker is started lazily with `sys.stderr.fileno()` among the fds it inherits;
+    inside a full-screen app stderr is replaced and the first worker spawn would fail.
+    """
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+
+
 def _run_pool(tasks, out_dirs, workers: int, emit: Emit, cancel: threading.Event) -> None:
     import multiprocessing as mp
     from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait

@@ -143,16 +143,17 @@ class MergePlan:
                 out.setdefault(self.picks[row.name], []).append(row.name)
         return out
 
-    def describe(self) -> list[str]:
+    def describe(self, show=str) -> list[str]:
+        """The plan as text lines; `show` formats paths (the TUI shows them relative)."""
         import humanize
 
         def size(n: int) -> str:
             return humanize.naturalsize(n, binary=True)
 
         lines = [
-            f"base:   {self.base.path} (step {self.base.step}, {self.base.world_size} ranks, "
+            f"base:   {show(self.base.path)} (step {self.base.step}, {self.base.world_size} ranks, "
             f"{self.base.dtype}, {self.base.kind} layout)",
-            f"output: {self.output}",
+            f"output: {show(self.output)}",
             "rows:",
         ]
         width = max((len(r.name) for r in self.base.rows), default=4)
@@ -163,7 +164,7 @@ class MergePlan:
             s = self.picks[row.name]
             src = self.sources[s]
             mark = "base" if s == 0 else f"step {src.step}"
-            lines.append(f"  {row.name:<{width}}  {src.path}  ({mark})")
+            lines.append(f"  {row.name:<{width}}  {show(src.path)}  ({mark})")
         lines.append(f"read:   {size(self.bytes_to_read())}  write: {size(self.bytes_to_write())}")
         return lines
 

@@ -1,0 +1,169 @@
+"""The state of an interactive composition: scanned checkpoints, base, picks, undo.
+
+Plain Python, no Textual: the TUI renders it and calls its methods; tests drive it
+directly. A Composition turns into a Recipe (and back) so the TUI's work can be
+re-run headlessly with `tailor-tui --apply`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .checkpoint import Checkpoint, Row
+from .errors import RecipeError
+from .plan import tied_partner
+from .recipe import Recipe
+
+
+@dataclass
+class Composition:
+    checkpoints: list[Checkpoint]  # ordered by step: the grid's columns
+    base: int  # index of the base checkpoint
+    picks: dict[str, int] = field(default_factory=dict)  # row -> column; rows absent use the base
+    output: Path | None = None
+    recipe_path: Path | None = None
+    saved: bool = True  # no picks changed since the last save or load
+    _undo: list[tuple[int, dict[str, int], Path | None]] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def start(cls, checkpoints: list[Checkpoint]) -> "Composition":
+        """A composition of `checkpoints` (ordered by step) with the newest as base."""
+        if not checkpoints:
+            raise RecipeError("no checkpoints to compose")
+        base = len(checkpoints) - 1
+        comp = cls(list(checkpoints), base)
+        comp.output = comp.default_output()
+        return comp
+
+    # --- what the grid shows -------------------------------------------------------------
+
+    @property
+    def base_checkpoint(self) -> Checkpoint:
+        return self.checkpoints[self.base]
+
+    @property
+    def rows(self) -> tuple[Row, ...]:
+        return self.base_checkpoint.rows
+
+    def source_of(self, row: str) -> int:
+        r = self.base_checkpoint.row(row)
+        if r.tied:
+            return self.source_of(tied_partner(self.base_checkpoint, r))
+        return self.picks.get(row, self.base)
+
+    def incompatibility(self, column: int) -> str | None:
+        """Why checkpoint `column` cannot be combined with the base, or None."""
+        base, other = self.base_checkpoint, self.checkpoints[column]
+        if column == self.base:
+            return None
+        diff = base.layout.describe_difference(other.layout)
+        if diff:
+            return f"has {diff}"
+        if other.dtype != base.dtype:
+            return f"trained in {other.dtype}, the base in {base.dtype}"
+        if base.model_files and not other.model_files:
+            return "has no model.safetensors, the base has"
+        return None
+
+    def holds(self, column: int, row: str) -> bool:
+        """Whether checkpoint `column` holds weights for `row`."""
+        try:
+            return not self.checkpoints[column].row(row).tied
+        except KeyError:
+            return False
+
+    # --- editing (each change can be undone) ---------------------------------------------
+
+    def _remember(self) -> None:
+        self._undo.append((self.base, dict(self.picks), self.output))
+        self.saved = False
+
+    def pick(self, row: str, column: int) -> None:
+        r = self.base_checkpoint.row(row)
+        if r.tied:
+            raise RecipeError(f"row '{row}' is tied to {tied_partner(self.base_checkpoint, r)}; pick that row")
+        reason = self.incompatibility(column)
+        if reason:
+            raise RecipeError(f"{self.checkpoints[column].name} cannot be combined with the base: {reason}")
+        if self.source_of(row) == column:
+            return
+        self._remember()
+        if column == self.base:
+            self.picks.pop(row, None)
+        else:
+            self.picks[row] = column
+
+    def pick_column(self, column: int) -> None:
+        """Every row from `column`."""
+        reason = self.incompatibility(column)
+        if reason:
+            raise RecipeError(f"{self.checkpoints[column].name} cannot be combined with the base: {reason}")
+        self._remember()
+        self.picks = {} if column == self.base else {r.name: column for r in self.rows if not r.tied}
+
+    def set_base(self, column: int) -> None:
+        """Make `column` the base; picks it cannot be combined with are dropped."""
+        if column == self.base:
+            return
+        self._remember()
+        old_output_default = self.output == self.default_output()
+        self.base = column
+        self.picks = {
+            row: col
+            for row, col in self.picks.items()
+            if col != column and self.incompatibility(col) is None and row in self.base_checkpoint.row_names()
+        }
+        if old_output_default:
+            self.output = self.default_output()
+
+    def set_output(self, output: Path) -> None:
+        self._remember()
+        self.output = output
+
+    def undo(self) -> bool:
+        if not self._undo:
+            return False
+        self.base, self.picks, self.output = self._undo.pop()
+        self.saved = False
+        return True
+
+    def default_output(self) -> Path:
+        base = self.base_checkpoint
+        return base.path.with_name(base.path.name + "-tailored")
+
+    # --- recipes ----------------------------------------------------------------------------
+
+    def to_recipe(self) -> Recipe:
+        layers = {row: self.checkpoints[col].path for row, col in self.picks.items()}
+        return Recipe(base=self.base_checkpoint.path, output=self.output, layers=layers)
+
+    def save(self, path: Path) -> Path:
+        saved = self.to_recipe().save(path)
+        self.recipe_path, self.saved = saved, True
+        return saved
+
+    def load(self, recipe: Recipe) -> None:
+        """Adopt a recipe's picks; its checkpoints must be among the scanned ones."""
+        def column(path: Path, what: str) -> int:
+            resolved = Path(path).resolve()
+            for i, c in enumerate(self.checkpoints):
+                if resolved in (c.path.resolve(), c.tag_dir.resolve()):
+                    return i
+            raise RecipeError(f"{recipe.location(what)}: {path} is not among the scanned checkpoints")
+
+        base = column(recipe.base, "base")
+        picks = {}
+        for row, path in recipe.layers.items():
+            try:
+                name = self.checkpoints[base].row(row).name
+            except KeyError:
+                raise RecipeError(f"{recipe.location('row:' + row)}: unknown row '{row}'") from None
+            col = column(path, "row:" + row)
+            if col != base:
+                picks[name] = col
+        self._remember()
+        self.base, self.picks = base, picks
+        self.output = recipe.output or self.default_output()
+        self.recipe_path = recipe.source_file
+        self.saved = True

@@ -1,0 +1,393 @@
+"""The interactive composer: scan a run directory, pick each row's source, merge.
+
+`make_app` is the one way to build the app: the CLI, the pilot tests and the snapshot
+tests all use it. Slow work (scanning, planning, merging) runs in thread workers that
+post messages; widgets are only touched on the event loop.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+import humanize
+from textual import work
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Label, ProgressBar, Static
+from textual.worker import get_current_worker
+
+from ..checkpoint import ScanResult, scan
+from ..composition import Composition
+from ..errors import TailorError
+from ..merge import prepare_worker_processes
+from ..plan import MergePlan, build_plan
+from ..recipe import load_recipe
+from .dialogs import Confirm, ErrorDialog, PathPrompt
+from .grid import CheckpointGrid
+from .merge_screen import MergeScreen
+
+
+def size(n: float) -> str:
+    return humanize.naturalsize(n, binary=True, format="%.1f")
+
+
+class ScanProgressed(Message):
+    def __init__(self, done: int, total: int, path: Path) -> None:
+        super().__init__()
+        self.done, self.total, self.path = done, total, path
+
+
+class ScanComplete(Message):
+    def __init__(self, result: ScanResult) -> None:
+        super().__init__()
+        self.result = result
+
+
+class ScanFailed(Message):
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        self.message = message
+
+
+class PlanReady(Message):
+    def __init__(self, plan: MergePlan) -> None:
+        super().__init__()
+        self.plan = plan
+
+
+class PlanFailed(Message):
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        self.message = message
+
+
+class TailorApp(App):
+    CSS_PATH = "tailor.tcss"
+    TITLE = "tailor-tui"
+    BINDINGS = [
+        Binding("space", "pick", "Pick cell"),
+        Binding("a", "pick_column", "Pick column"),
+        Binding("b", "set_base", "Make base"),
+        Binding("o", "set_output", "Output"),
+        Binding("u,ctrl+z", "undo", "Undo"),
+        Binding("ctrl+s", "save_recipe", "Save"),
+        Binding("ctrl+o", "load_recipe", "Load"),
+        Binding("ctrl+r", "run_merge", "Merge"),
+        Binding("q", "request_quit", "Quit"),
+    ]
+
+    def __init__(self, run_dir: Path, recipe: Path | None = None, workers: int | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        super().__init__()
+        prepare_worker_processes()  # before Textual takes over stderr
+        self.run_dir, self.recipe_arg = Path(run_dir), recipe
+        self.merge_workers, self.merge_clock = workers, clock  # `workers` is Textual's worker manager
+        self.composition: Composition | None = None
+        self.scan_result: ScanResult | None = None
+        self.merging = False
+
+    # --- layout ------------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield Static("", id="title")
+        with Vertical(id="scanning"):
+            yield Label(f"Scanning {self.run_dir} …", id="scan-label")
+            yield ProgressBar(id="scan-bar", show_eta=False)
+        with Horizontal(id="main"):
+            yield CheckpointGrid(id="grid")
+            yield Static("", id="details", markup=False)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#main").display = False
+        self.update_title()
+        self.scan_worker()
+
+    def rel(self, path: Path | None) -> str:
+        """A path as the user thinks of it: relative to the run directory when inside it."""
+        if path is None:
+            return "(none)"
+        try:
+            return str(Path(path).resolve().relative_to(self.run_dir.resolve()))
+        except ValueError:
+            return str(path)
+
+    def update_title(self) -> None:
+        comp = self.composition
+        parts = [f"tailor-tui · {self.run_dir.name or self.run_dir}"]
+        if comp:
+            parts.append(f"base {comp.base_checkpoint.name}")
+            parts.append(f"output {self.rel(comp.output)}")
+            recipe = self.rel(comp.recipe_path) if comp.recipe_path else "unsaved recipe"
+            parts.append(recipe + ("" if comp.saved else " *"))
+        self.query_one("#title", Static).update(" · ".join(parts))
+
+    # --- scanning ------------------------------------------------------------------------
+
+    @work(thread=True, exclusive=True, group="scan")
+    def scan_worker(self) -> None:
+        worker = get_current_worker()
+        try:
+            result = scan(
+                self.run_dir,
+                on_progress=lambda done, total, path: self.post_message(ScanProgressed(done, total, path)),
+                cancelled=lambda: worker.is_cancelled,
+            )
+        except TailorError as exc:
+            self.post_message(ScanFailed(str(exc)))
+        else:
+            self.post_message(ScanComplete(result))
+
+    def on_scan_progressed(self, message: ScanProgressed) -> None:
+        self.query_one("#scan-bar", ProgressBar).update(total=message.total, progress=message.done)
+        self.query_one("#scan-label", Label).update(
+            f"Scanning {self.run_dir} … {message.done}/{message.total} {self.rel(message.path)}"
+        )
+
+    def on_scan_failed(self, message: ScanFailed) -> None:
+        self.query_one("#scan-label", Label).update(f"error: {message.message}")
+        self.push_screen(ErrorDialog(message.message, title="Cannot scan"))
+
+    def on_scan_complete(self, message: ScanComplete) -> None:
+        result = self.scan_result = message.result
+        if not result.checkpoints:
+            why = "; ".join(f"{self.rel(p)}: {w}" for p, w in result.problems)
+            self.query_one("#scan-label", Label).update(
+                f"No usable ZeRO-3 checkpoints under {self.run_dir}. {why}"
+            )
+            return
+        self.composition = Composition.start(list(result.checkpoints))
+        self.query_one("#scanning").display = False
+        self.query_one("#main").display = True
+        if self.recipe_arg is not None:
+            self.composition.recipe_path = self.recipe_arg
+            if self.recipe_arg.is_file():
+                self.adopt_recipe(self.recipe_arg)
+        self.refresh_view()
+        self.query_one(CheckpointGrid).focus()
+        for path, why in result.problems:
+            self.notify(why, title=f"Skipped {self.rel(path)}", severity="warning", timeout=8)
+
+    # --- view ------------------------------------------------------------------------------
+
+    def refresh_view(self) -> None:
+        grid = self.query_one(CheckpointGrid)
+        grid.show(self.composition)
+        self.update_title()
+        self.update_details()
+
+    def on_data_table_cell_highlighted(self, message: DataTable.CellHighlighted) -> None:
+        self.update_details()
+
+    def on_data_table_cell_selected(self, message: DataTable.CellSelected) -> None:
+        self.action_pick()  # Enter and mouse clicks pick, like space
+
+    def update_details(self) -> None:
+        comp = self.composition
+        if comp is None:
+            return
+        row_name, column = self.query_one(CheckpointGrid).current()
+        if row_name is None:
+            return
+        row = comp.base_checkpoint.row(row_name)
+        lines = []
+        if column is not None:
+            c = comp.checkpoints[column]
+            kind = "HF Trainer" if c.kind == "hf" else "DeepSpeed save_dir"
+            model = sum(c.sizes[f] for f in c.model_files)
+            lines += [
+                f"{c.name}" + ("  (base)" if column == comp.base else ""),
+                f"path    {self.rel(c.path)}",
+                f"step    {c.step}",
+                f"layout  {kind}, {c.world_size} ranks, {c.dtype}",
+                f"files   {size(c.total_bytes())}" + (f" ({size(model)} 16-bit model)" if model else ""),
+                f"rank 0  {size(c.rank_bytes(0))}",
+            ]
+            reason = comp.incompatibility(column)
+            if reason:
+                lines.append(f"✗ cannot be combined with the base: {reason}")
+            lines.append("")
+        lines.append(f"row     {row.name}  ({row.module_path})")
+        if row.tied:
+            from ..plan import tied_partner
+
+            lines.append(f"tied to {tied_partner(comp.base_checkpoint, row)}: no weights of its own")
+        else:
+            shapes = dict(p for g in comp.base_checkpoint.layout.groups for p in g)
+            shapes.update(dict(comp.base_checkpoint.layout.frozen))
+            numel = sum(_numel(shapes[p]) for p in row.params)
+            lines.append(f"params  {len(row.params)} tensors, {numel:,} elements")
+            lines.append(f"state   {size(numel * 12)} (fp32 + exp_avg + exp_avg_sq)")
+        source = comp.checkpoints[comp.source_of(row.name)]
+        lines.append(f"source  {source.name}" + ("  (base)" if comp.source_of(row.name) == comp.base else ""))
+        self.query_one("#details", Static).update("\n".join(lines))
+
+    # --- actions --------------------------------------------------------------------------
+
+    def _editable(self) -> bool:
+        """Picks change only on the grid itself, not under a dialog or the merge screen."""
+        return self.composition is not None and len(self.screen_stack) == 1
+
+    def _edit(self, change: Callable[[], None]) -> None:
+        try:
+            change()
+        except TailorError as exc:
+            self.notify(str(exc), severity="error", timeout=6)
+        self.refresh_view()
+
+    def action_pick(self) -> None:
+        if not self._editable():
+            return
+        row, column = self.query_one(CheckpointGrid).current()
+        if row is not None and column is not None:
+            self._edit(lambda: self.composition.pick(row, column))
+
+    def action_pick_column(self) -> None:
+        if not self._editable():
+            return
+        _row, column = self.query_one(CheckpointGrid).current()
+        if column is not None:
+            self._edit(lambda: self.composition.pick_column(column))
+
+    def action_set_base(self) -> None:
+        if not self._editable():
+            return
+        _row, column = self.query_one(CheckpointGrid).current()
+        if column is not None:
+            self._edit(lambda: self.composition.set_base(column))
+
+    def action_undo(self) -> None:
+        if not self._editable():
+            return
+        if not self.composition.undo():
+            self.notify("nothing to undo")
+        self.refresh_view()
+
+    def action_set_output(self) -> None:
+        if not self._editable():
+            return
+
+        def done(value: str | None) -> None:
+            if value:
+                self._edit(lambda: self.composition.set_output(Path(os.path.expanduser(value))))
+
+        self.push_screen(PathPrompt("Output folder for the composed checkpoint", str(self.composition.output)), done)
+
+    def action_save_recipe(self) -> None:
+        comp = self.composition
+        if comp is None:
+            return
+        if comp.recipe_path is not None:
+            self.save_to(comp.recipe_path)
+            return
+
+        def done(value: str | None) -> None:
+            if value:
+                self.save_to(Path(os.path.expanduser(value)))
+
+        self.push_screen(PathPrompt("Save the recipe as", "recipe.yaml"), done)
+
+    def save_to(self, path: Path) -> None:
+        try:
+            saved = self.composition.save(path)
+        except TailorError as exc:
+            self.push_screen(ErrorDialog(str(exc)))
+            return
+        self.notify(f"recipe saved to {saved}; run it with: tailor-tui --apply {saved}")
+        self.update_title()
+
+    def action_load_recipe(self) -> None:
+        if not self._editable():
+            return
+
+        def done(value: str | None) -> None:
+            if value:
+                self.adopt_recipe(Path(os.path.expanduser(value)))
+                self.refresh_view()
+
+        self.push_screen(PathPrompt("Load a recipe", str(self.composition.recipe_path or "")), done)
+
+    def adopt_recipe(self, path: Path) -> None:
+        try:
+            self.composition.load(load_recipe(path))
+        except TailorError as exc:
+            self.push_screen(ErrorDialog(str(exc), title="Cannot load the recipe"))
+
+    def action_run_merge(self) -> None:
+        if self._editable():
+            self.plan_worker(self.composition.to_recipe())
+
+    @work(thread=True, exclusive=True, group="plan")
+    def plan_worker(self, recipe) -> None:
+        try:
+            self.post_message(PlanReady(build_plan(recipe)))
+        except TailorError as exc:
+            self.post_message(PlanFailed(str(exc)))
+
+    def on_plan_failed(self, message: PlanFailed) -> None:
+        self.push_screen(ErrorDialog(message.message, title="Cannot merge"))
+
+    def on_plan_ready(self, message: PlanReady) -> None:
+        plan = message.plan
+        body = "\n".join(plan.describe(show=self.rel))
+
+        def confirmed(yes: bool | None) -> None:
+            if yes:
+                self.merging = True
+                self.push_screen(MergeScreen(plan, self.merge_workers, clock=self.merge_clock,
+                                             title=f"Composing {self.rel(plan.output)}"), self.merge_closed)
+
+        self.push_screen(Confirm("Compose this checkpoint?", body, accept="Merge", decline="Back"), confirmed)
+
+    def merge_finished(self, result) -> None:
+        self.merging = False
+        self.notify(f"composed {result.output}")
+
+    def merge_closed(self, _result=None) -> None:
+        self.merging = False
+        self.refresh_view()
+
+    def action_request_quit(self) -> None:
+        comp = self.composition
+        running = isinstance(self.screen, MergeScreen) and self.screen.running
+        if running:
+            question = "A merge is running. Cancel it and quit? Nothing will be left at the output path."
+        elif comp is not None and not comp.saved:
+            question = "The picks are not saved as a recipe. Quit anyway?"
+        else:
+            self.exit()
+            return
+
+        def answer(yes: bool | None) -> None:
+            if yes:
+                for screen in self.screen_stack:
+                    if isinstance(screen, MergeScreen):
+                        screen.cancel.set()  # workers stop; run_merge removes its temp folder
+                self.exit()
+
+        self.push_screen(Confirm("Quit tailor-tui?", question, accept="Quit", decline="Stay"), answer)
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        for binding in self.BINDINGS:
+            action = getattr(self, f"action_{binding.action}")
+            yield SystemCommand(binding.description, f"{binding.description} ({binding.key})", action)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def make_app(run_dir: str | Path, recipe: str | Path | None = None, workers: int | None = None,
+             clock: Callable[[], float] = time.monotonic) -> TailorApp:
+    """Build the app (used by the CLI, the pilot tests and the snapshot tests)."""
+    return TailorApp(Path(run_dir), Path(recipe) if recipe else None, workers, clock)

@@ -1,0 +1,83 @@
+"""Small modal dialogs: ask for a path, confirm, show an error in plain words."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, Static
+
+
+class PathPrompt(ModalScreen[str | None]):
+    """Ask for a file or folder path; dismisses with the text, or None on Esc."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, title: str, value: str = "", placeholder: str = "") -> None:
+        super().__init__()
+        self.title_text, self.value, self.placeholder = title, value, placeholder
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Label(self.title_text, classes="dialog-title")
+            yield Input(value=self.value, placeholder=self.placeholder, id="path")
+            yield Label("Enter accepts, Esc cancels", classes="dialog-hint")
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        self.dismiss(event.value.strip() or None)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class Confirm(ModalScreen[bool]):
+    """A yes/no question; Enter (or y) accepts, Esc (or n) declines."""
+
+    BINDINGS = [
+        Binding("enter,y", "accept", "Yes"),
+        Binding("escape,n", "decline", "No"),
+    ]
+
+    def __init__(self, title: str, body: str, accept: str = "Yes", decline: str = "No") -> None:
+        super().__init__()
+        self.title_text, self.body, self.accept, self.decline = title, body, accept, decline
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Label(self.title_text, classes="dialog-title")
+            yield Static(self.body, classes="dialog-body", markup=False)
+            with Horizontal(classes="dialog-buttons"):
+                yield Button(f"{self.accept} (Enter)", variant="primary", id="accept")
+                yield Button(f"{self.decline} (Esc)", id="decline")
+
+    def on_mount(self) -> None:
+        self.query_one("#accept", Button).focus()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "accept")
+
+    def action_accept(self) -> None:
+        self.dismiss(True)
+
+    def action_decline(self) -> None:
+        self.dismiss(False)
+
+
+class ErrorDialog(ModalScreen[None]):
+    """A backend error, in its own words (one line saying what, where and what to do)."""
+
+    BINDINGS = [Binding("escape,enter", "close", "Close")]
+
+    def __init__(self, message: str, title: str = "Cannot do that") -> None:
+        super().__init__()
+        self.message, self.title_text = message, title
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog error"):
+            yield Label(self.title_text, classes="dialog-title")
+            yield Static(self.message, classes="dialog-body", markup=False)
+            yield Label("Enter or Esc closes", classes="dialog-hint")
+
+    def action_close(self) -> None:
+        self.dismiss(None)

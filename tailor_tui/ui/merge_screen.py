@@ -1,0 +1,158 @@
+"""The merge screen: one progress bar per rank plus an overall bar with throughput and ETA.
+
+The merge runs in a thread worker (which itself drives worker processes); progress
+arrives as backend events wrapped in messages, so no widget is touched off the event loop.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+import humanize
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.message import Message
+from textual.screen import Screen
+from textual.widgets import Footer, Label, ProgressBar, Static
+
+from ..errors import MergeCancelled, TailorError
+from ..events import TaskProgressed
+from ..merge import MergeResult, planned_tasks, run_merge
+from ..plan import MergePlan
+
+
+def size(n: float) -> str:
+    return humanize.naturalsize(n, binary=True, format="%.1f")
+
+
+class MergeProgressed(Message):
+    def __init__(self, event: TaskProgressed) -> None:
+        super().__init__()
+        self.event = event
+
+
+class MergeFinished(Message):
+    def __init__(self, result: MergeResult) -> None:
+        super().__init__()
+        self.result = result
+
+
+class MergeFailed(Message):
+    def __init__(self, message: str, cancelled: bool) -> None:
+        super().__init__()
+        self.message, self.cancelled = message, cancelled
+
+
+class MergeScreen(Screen):
+    BINDINGS = [
+        Binding("escape", "cancel_or_close", "Cancel merge / close"),
+        Binding("ctrl+s", "app.save_recipe", "Save recipe"),
+    ]
+
+    def __init__(self, plan: MergePlan, workers: int | None, clock: Callable[[], float] = time.monotonic,
+                 autostart: bool = True, title: str | None = None):
+        super().__init__()
+        self.autostart = autostart  # snapshot tests feed progress events themselves
+        self.title_text = title or f"Composing {plan.output}"
+        self.plan, self.merge_workers, self.clock = plan, workers, clock  # `workers`: Textual's
+        self.cancel = threading.Event()
+        self.tasks = planned_tasks(plan)
+        self.done = {name: 0 for name, _ in self.tasks}
+        self.started = clock()
+        self.running = True
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="merge"):
+            yield Label(self.title_text, id="merge-title")
+            with VerticalScroll(id="bars"):
+                for i, (name, _total) in enumerate(self.tasks):
+                    with Horizontal(classes="bar-row"):
+                        yield Label(name, classes="bar-label")
+                        yield ProgressBar(total=_total, show_eta=False, id=f"bar-{i}")
+                with Horizontal(classes="bar-row overall"):
+                    yield Label("overall", classes="bar-label")
+                    yield ProgressBar(total=sum(t for _, t in self.tasks), show_eta=False, id="bar-overall")
+            yield Static("", id="merge-rate")
+            yield Static("Esc cancels: workers stop and nothing is left at the output path.", id="merge-status")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        if self.autostart:
+            self.run_merge_worker()
+
+    @work(thread=True, exclusive=True, group="merge")
+    def run_merge_worker(self) -> None:
+        try:
+            result = run_merge(
+                self.plan,
+                workers=self.merge_workers,
+                emit=lambda e: self.post_message(MergeProgressed(e)) if isinstance(e, TaskProgressed) else None,
+                cancel=self.cancel,
+            )
+        except MergeCancelled as exc:
+            self.post_message(MergeFailed(str(exc), cancelled=True))
+        except TailorError as exc:
+            self.post_message(MergeFailed(str(exc), cancelled=False))
+        except Exception as exc:  # a bug: still say it in plain words, never a traceback on screen
+            self.post_message(MergeFailed(f"internal error: {type(exc).__name__}: {exc}", cancelled=False))
+        else:
+            self.post_message(MergeFinished(result))
+
+    def on_merge_progressed(self, message: MergeProgressed) -> None:
+        e = message.event
+        index = [name for name, _ in self.tasks].index(e.task) if e.task in self.done else None
+        if index is None:
+            return
+        self.done[e.task] = e.done
+        self.query_one(f"#bar-{index}", ProgressBar).update(progress=e.done)
+        self.update_overall()
+
+    def update_overall(self) -> None:
+        done = sum(self.done.values())
+        total = sum(t for _, t in self.tasks)
+        self.query_one("#bar-overall", ProgressBar).update(progress=done)
+        elapsed = max(self.clock() - self.started, 1e-6)
+        rate = done / elapsed
+        eta = (total - done) / rate if rate > 0 else 0.0
+        self.query_one("#merge-rate", Static).update(
+            f"{size(done)} of {size(total)} · {size(rate)}/s · ETA {eta:.0f}s"
+        )
+
+    def on_merge_finished(self, message: MergeFinished) -> None:
+        self.running = False
+        for name, total in self.tasks:
+            self.done[name] = total
+        for i, (_, total) in enumerate(self.tasks):
+            self.query_one(f"#bar-{i}", ProgressBar).update(progress=total)
+        self.update_overall()
+        r = message.result
+        self.query_one("#merge-status", Static).update(
+            f"Done: {r.output} ({size(r.bytes_written)} in {r.seconds:.1f}s). "
+            "ctrl+s saves the recipe; Esc returns to the grid."
+        )
+        self.add_class("finished")
+        self.app.merge_finished(r)
+
+    def on_merge_failed(self, message: MergeFailed) -> None:
+        self.running = False
+        self.add_class("failed")
+        if message.cancelled:
+            self.query_one("#merge-status", Static).update(
+                "Cancelled: nothing was left at the output path. Esc returns to the grid."
+            )
+        else:
+            from .dialogs import ErrorDialog
+
+            self.query_one("#merge-status", Static).update("Failed: nothing was left at the output path.")
+            self.app.push_screen(ErrorDialog(message.message, title="The merge failed"))
+
+    def action_cancel_or_close(self) -> None:
+        if self.running:
+            self.cancel.set()
+            self.query_one("#merge-status", Static).update("Cancelling…")
+        else:
+            self.dismiss()

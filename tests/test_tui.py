@@ -1,0 +1,224 @@
+"""The interactive composer, driven with the keyboard through Textual's pilot."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import checkpoints_of, tree_digest
+from tailor_tui.recipe import load_recipe
+from tailor_tui.ui.app import make_app
+from tailor_tui.ui.dialogs import Confirm, ErrorDialog, PathPrompt
+from tailor_tui.ui.merge_screen import MergeScreen
+from zero_reader import read_full_state
+
+SIZE = (130, 32)
+
+
+@pytest.fixture
+def run_copy(real_run, tmp_path) -> tuple[Path, list[Path]]:
+    """A private copy of the HF run, so outputs and recipes land beside it."""
+    run, spec = real_run("hf_bf16_2")
+    dst = tmp_path / "run"
+    shutil.copytree(run, dst)
+    return dst, checkpoints_of(dst, spec)
+
+
+async def scanned(pilot):
+    await pilot.app.workers.wait_for_complete()
+    await pilot.pause()
+    assert pilot.app.composition is not None
+
+
+async def wait_for(pilot, condition, tries: int = 600):
+    for _ in range(tries):
+        if condition():
+            return
+        await pilot.pause(0.05)
+    raise AssertionError("condition not reached")
+
+
+async def test_grid_shows_rows_by_checkpoints_with_the_newest_as_base(run_copy):
+    run, ckpts = run_copy
+    app = make_app(run)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        grid = app.query_one("#grid")
+        assert grid.row_count == 7 and len(grid.columns) == 4  # row names + 3 checkpoints
+        assert app.composition.base_checkpoint.path == ckpts[-1]
+        assert grid.cursor_coordinate.column == 3  # starts on the base column
+        details = str(app.query_one("#details").render())
+        assert "checkpoint-6" in details and "2 ranks, bf16" in details
+
+
+async def test_picks_change_the_recipe_and_undo_restores(run_copy):
+    run, (c2, c4, c6) = run_copy
+    app = make_app(run)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        await pilot.press("left", "down", "space")  # layers.0 from checkpoint-4
+        await pilot.press("down", "left", "enter")  # layers.1 from checkpoint-2 (Enter picks too)
+        recipe = app.composition.to_recipe()
+        assert recipe.base == c6
+        assert recipe.layers == {"layers.0": c4, "layers.1": c2}
+        await pilot.press("a")  # every row from checkpoint-2
+        assert set(app.composition.to_recipe().layers.values()) == {c2}
+        await pilot.press("u")
+        assert app.composition.to_recipe().layers == {"layers.0": c4, "layers.1": c2}
+        await pilot.press("b")  # checkpoint-2 becomes the base: its own picks disappear
+        assert app.composition.to_recipe().base == c2
+        assert app.composition.to_recipe().layers == {"layers.0": c4}
+
+
+async def test_clicking_a_cell_picks_it(run_copy):
+    run, (c2, c4, c6) = run_copy
+    app = make_app(run)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        grid = app.query_one("#grid")
+        x = sum(col.get_render_width(grid) for col in grid.ordered_columns[:1]) + 1  # checkpoint-2
+        y = grid.header_height + 4  # layers.3 (the cursor is elsewhere: on embed_tokens)
+        await pilot.click("#grid", offset=(x, y))
+        await pilot.pause()
+        assert app.composition.to_recipe().layers == {"layers.3": c2}
+
+
+async def test_save_and_load_round_trip(run_copy, tmp_path):
+    run, (c2, c4, c6) = run_copy
+    recipe_path = tmp_path / "fix.yaml"
+    app = make_app(run, recipe=recipe_path)  # does not exist yet: ctrl+s saves there
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        await pilot.press("left", "down", "down", "space", "ctrl+s")
+        await pilot.pause()
+    saved = load_recipe(recipe_path)
+    assert saved.base.resolve() == c6.resolve() and saved.layers == {"layers.1": c4}
+
+    app = make_app(run, recipe=recipe_path)  # exists: its picks are loaded
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        assert app.composition.to_recipe().layers == {"layers.1": c4}
+        assert app.composition.saved
+        await pilot.press("a")  # change, then load it again with ctrl+o
+        await pilot.press("ctrl+o")
+        assert isinstance(app.screen, PathPrompt)
+        await pilot.press("enter")  # the prompt is pre-filled with the recipe's path
+        await pilot.pause()
+        assert app.composition.to_recipe().layers == {"layers.1": c4}
+
+
+async def test_save_asks_for_a_path_when_there_is_none(run_copy, tmp_path):
+    run, _ = run_copy
+    app = make_app(run)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        await pilot.press("ctrl+s")
+        assert isinstance(app.screen, PathPrompt)
+        prompt = app.screen.query_one("#path")
+        prompt.value = str(tmp_path / "asked.yaml")
+        await pilot.press("enter")
+        await pilot.pause()
+    assert load_recipe(tmp_path / "asked.yaml").layers == {}
+
+
+async def test_merge_from_the_ui_composes_the_picked_rows(run_copy):
+    run, (c2, c4, c6) = run_copy
+    before = tree_digest(*[c for c in (c2, c4, c6)])
+    app = make_app(run, workers=1)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        await pilot.press("left", "left", "space")  # embed_tokens from checkpoint-2
+        await pilot.press("right", "down", "down", "space")  # layers.1 from checkpoint-4
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
+        assert "layers.1" in app.screen.body and "checkpoint-4" in app.screen.body
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, MergeScreen) and not app.screen.running)
+        assert app.screen.has_class("finished")
+        await pilot.press("escape")
+        await pilot.pause()
+    out = run / "checkpoint-6-tailored"
+    got, sources = read_full_state(out), {c: read_full_state(c) for c in (c2, c4, c6)}
+    for key in ("fp32", "exp_avg"):
+        assert torch.equal(got[key]["model.embed_tokens.weight"], sources[c2][key]["model.embed_tokens.weight"])
+        name = "model.layers.1.mlp.up_proj.weight"
+        assert torch.equal(got[key][name], sources[c4][key][name])
+        name = "model.layers.2.mlp.up_proj.weight"
+        assert torch.equal(got[key][name], sources[c6][key][name])
+    assert tree_digest(c2, c4, c6) == before
+
+
+async def test_cancel_leaves_nothing_at_the_output(run_copy):
+    run, ckpts = run_copy
+    app = make_app(run, workers=2)  # worker processes take seconds to start: time to cancel
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, MergeScreen))
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not app.screen.running)
+        assert app.screen.has_class("failed")
+        assert "Cancelled" in str(app.screen.query_one("#merge-status").render())
+    assert not (run / "checkpoint-6-tailored").exists()
+    assert not [p for p in run.iterdir() if p.name.startswith(".")]
+
+
+async def test_merge_errors_are_shown_in_a_dialog(run_copy):
+    run, _ = run_copy
+    (run / "checkpoint-6-tailored").mkdir()
+    (run / "checkpoint-6-tailored" / "keep").write_text("x")
+    app = make_app(run)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: isinstance(app.screen, ErrorDialog))
+        assert "already exists" in app.screen.message
+        await pilot.press("escape")
+        assert len(app.screen_stack) == 1
+
+
+async def test_quit_asks_first_when_picks_are_unsaved(run_copy):
+    run, _ = run_copy
+    app = make_app(run)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        await pilot.press("left", "space", "q")
+        assert isinstance(app.screen, Confirm)
+        await pilot.press("n")
+        assert app.is_running and len(app.screen_stack) == 1
+        await pilot.press("q", "y")
+        await pilot.pause()
+    assert app.return_code == 0
+
+
+async def test_incompatible_checkpoints_are_disabled_with_the_reason(real_run, tmp_path):
+    run2, spec2 = real_run("hf_bf16_2")
+    run3, spec3 = real_run("ds_bf16_3_subgroups")
+    shutil.copytree(run2, tmp_path / "mixed" / "a")
+    shutil.copytree(run3 / "global_step2", tmp_path / "mixed" / "b" / "global_step2")
+    app = make_app(tmp_path / "mixed")
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        comp = app.composition
+        assert [c.name for c in comp.checkpoints] == ["checkpoint-2", "global_step2", "checkpoint-4", "checkpoint-6"]
+        assert "world size 3, the base has 2" in comp.incompatibility(1)
+        app.query_one("#grid").move_cursor(row=1, column=2)
+        await pilot.pause()
+        assert "cannot be combined" in str(app.query_one("#details").render())
+        await pilot.press("space")
+        assert comp.to_recipe().layers == {}
+
+
+async def test_every_action_is_in_the_command_palette(run_copy):
+    run, _ = run_copy
+    app = make_app(run)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        titles = {c.title for c in app.get_system_commands(app.screen)}
+        for binding in app.BINDINGS:
+            assert binding.description and binding.description in titles
