@@ -373,6 +373,14 @@ class TailorApp(App):
 
         self.push_screen(Confirm("Quit tailor-tui?", question, accept="Quit", decline="Stay"), answer)
 
+    GRID_ACTIONS = {"pick", "pick_column", "set_base", "set_output", "undo", "load_recipe", "run_merge"}
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # Grid actions belong to the grid: hidden from the footer under dialogs and the merge screen.
+        if action in self.GRID_ACTIONS and len(self.screen_stack) > 1:
+            return False
+        return True
+
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
         for binding in self.BINDINGS:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -46,7 +47,7 @@ class Confirm(ModalScreen[bool]):
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
             yield Label(self.title_text, classes="dialog-title")
-            yield Static(self.body, classes="dialog-body", markup=False)
+            yield Static(Text(self.body), classes="dialog-body")  # Text keeps the plan's indentation
             with Horizontal(classes="dialog-buttons"):
                 yield Button(f"{self.accept} (Enter)", variant="primary", id="accept")
                 yield Button(f"{self.decline} (Esc)", id="decline")

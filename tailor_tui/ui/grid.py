@@ -16,9 +16,18 @@ class CheckpointGrid(DataTable):
     def __init__(self, **kwargs) -> None:
         super().__init__(cursor_type="cell", zebra_stripes=False, header_height=2, **kwargs)
         self.composition: Composition | None = None
+        self._shape: tuple[int, int, int] | None = None
 
     def show(self, composition: Composition) -> None:
-        """(Re)build the table for `composition`, keeping the cursor where it was."""
+        """Show `composition`: cells update in place; the table is rebuilt only when the
+        columns change (another base relabels every header)."""
+        shape = (composition.base, len(composition.checkpoints), len(composition.rows))
+        if self.composition is composition and shape == self._shape:
+            for row in composition.rows:
+                for column, cell in enumerate(self._cells(row.name)):
+                    self.update_cell(row.name, "row" if column == 0 else str(column - 1), cell)
+            return
+        self._shape = shape
         cursor = self.cursor_coordinate
         self.composition = composition
         self.clear(columns=True)

@@ -1,0 +1,74 @@
+"""Snapshots of the key screens (pytest-textual-snapshot): fixed size, no blink, fixed clock.
+
+Update after an intended change with: pytest tests/test_snapshots.py --snapshot-update
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from conftest import checkpoints_of
+from tailor_tui.events import TaskProgressed
+from tailor_tui.ui.app import make_app
+from tailor_tui.ui.dialogs import Confirm
+from tailor_tui.ui.merge_screen import MergeProgressed, MergeScreen
+
+SIZE = (130, 30)
+
+
+@pytest.fixture
+def run(real_run, tmp_path):
+    src, spec = real_run("hf_bf16_2")
+    dst = tmp_path / "run"  # the same name everywhere, so the screens are the same
+    shutil.copytree(src, dst)
+    return dst
+
+
+async def scanned(pilot):
+    await pilot.app.workers.wait_for_complete()
+    await pilot.pause()
+
+
+def test_grid(snap_compare, run):
+    async def pick_two(pilot):
+        await scanned(pilot)
+        await pilot.press("left", "down", "space", "down", "left", "space", "down")
+
+    assert snap_compare(make_app(run), run_before=pick_two, terminal_size=SIZE)
+
+
+def test_confirmation(snap_compare, run):
+    async def confirm(pilot):
+        await scanned(pilot)
+        await pilot.press("left", "down", "down", "space")
+        await pilot.pause()  # let the grid repaint before the dialog covers it
+        await pilot.press("ctrl+r")
+        for _ in range(200):
+            if isinstance(pilot.app.screen, Confirm):
+                break
+            await pilot.pause(0.05)
+        await pilot.pause()
+
+    assert snap_compare(make_app(run), run_before=confirm, terminal_size=SIZE)
+
+
+def test_merge_screen_mid_progress(snap_compare, run):
+    times = iter([100.0, 104.0, 104.0, 104.0, 104.0, 104.0, 104.0])
+
+    async def mid_merge(pilot):
+        await scanned(pilot)
+        app = pilot.app
+        from tailor_tui.plan import build_plan
+
+        plan = build_plan(app.composition.to_recipe())
+        screen = MergeScreen(plan, workers=1, clock=lambda: next(times, 104.0), autostart=False,
+                             title="Composing checkpoint-6-tailored")
+        await app.push_screen(screen)
+        (r0, t0), (r1, t1), (m, tm) = screen.tasks
+        for event in (TaskProgressed(r0, t0 // 2, t0), TaskProgressed(r1, t1 // 4, t1), TaskProgressed(m, 0, tm)):
+            screen.post_message(MergeProgressed(event))
+        await pilot.pause()
+
+    assert snap_compare(make_app(run), run_before=mid_merge, terminal_size=SIZE)
