@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test install
+.PHONY: demo demo-apply test install
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -14,6 +14,9 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: install
+	$(BIN)/tailor-tui --demo
+
+demo-apply: install
 	$(BIN)/tailor-tui --make-demo demo-run
 	$(BIN)/tailor-tui --apply recipes/demo.yaml --force
 

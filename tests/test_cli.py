@@ -151,9 +151,15 @@ def test_headless_path_never_imports_textual(real_run, tmp_path):
     code = (
         "import sys\n"
         "import tailor_tui.checkpoint, tailor_tui.recipe, tailor_tui.plan, tailor_tui.merge\n"
+        "import tailor_tui.composition, tailor_tui.report, tailor_tui.events\n"
         "from tailor_tui.cli import main\n"
         f"assert main(['--apply', {str(recipe)!r}, '-j', '1']) == 0\n"
         "assert 'textual' not in sys.modules, 'the headless path imported textual'\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_composer_needs_a_terminal_and_an_existing_folder(tmp_path):
+    assert_one_line_error(tailor(tmp_path / "nope"), 4, "no such folder")
+    assert_one_line_error(tailor(tmp_path), 2, "needs a terminal", "--apply")

@@ -222,3 +222,23 @@ async def test_every_action_is_in_the_command_palette(run_copy):
         titles = {c.title for c in app.get_system_commands(app.screen)}
         for binding in app.BINDINGS:
             assert binding.description and binding.description in titles
+
+
+async def test_quit_during_a_merge_cancels_it(run_copy):
+    run, _ = run_copy
+    app = make_app(run, workers=2)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, MergeScreen))
+        merge = app.screen
+        await pilot.press("q")
+        assert isinstance(app.screen, Confirm) and "merge is running" in app.screen.body
+        await pilot.press("y")
+        assert merge.cancel.is_set()
+        await wait_for(pilot, lambda: app.return_code is not None)  # exits by itself, after cleanup
+        assert merge.finished.is_set() and app.return_code == 0
+    assert not (run / "checkpoint-6-tailored").exists()
+    assert not [p for p in run.iterdir() if p.name.startswith(".")]

@@ -7,6 +7,7 @@ post messages; widgets are only touched on the event loop.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
@@ -369,9 +370,21 @@ class TailorApp(App):
                 for screen in self.screen_stack:
                     if isinstance(screen, MergeScreen):
                         screen.cancel.set()  # workers stop; run_merge removes its temp folder
-                self.exit()
+                self.exit_after_merge()
 
         self.push_screen(Confirm("Quit tailor-tui?", question, accept="Quit", decline="Stay"), answer)
+
+    @work(exclusive=True, group="exit")
+    async def exit_after_merge(self) -> None:
+        """Exit once a cancelled merge has cleaned up (seconds), so nothing is left behind."""
+        for screen in self.screen_stack:
+            if isinstance(screen, MergeScreen):
+                while not screen.finished.is_set():
+                    await asyncio.sleep(0.05)
+        self.exit()
+
+    async def action_quit(self) -> None:
+        self.action_request_quit()  # ctrl+q asks too
 
     GRID_ACTIONS = {"pick", "pick_column", "set_base", "set_output", "undo", "load_recipe", "run_merge"}
 

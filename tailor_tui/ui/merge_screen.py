@@ -60,6 +60,7 @@ class MergeScreen(Screen):
         self.title_text = title or f"Composing {plan.output}"
         self.plan, self.merge_workers, self.clock = plan, workers, clock  # `workers`: Textual's
         self.cancel = threading.Event()
+        self.finished = threading.Event()  # set when the merge thread has fully returned
         self.tasks = planned_tasks(plan)
         self.done = {name: 0 for name, _ in self.tasks}
         self.started = clock()
@@ -83,6 +84,8 @@ class MergeScreen(Screen):
     def on_mount(self) -> None:
         if self.autostart:
             self.run_merge_worker()
+        else:
+            self.finished.set()
 
     @work(thread=True, exclusive=True, group="merge")
     def run_merge_worker(self) -> None:
@@ -101,6 +104,8 @@ class MergeScreen(Screen):
             self.post_message(MergeFailed(f"internal error: {type(exc).__name__}: {exc}", cancelled=False))
         else:
             self.post_message(MergeFinished(result))
+        finally:
+            self.finished.set()
 
     def on_merge_progressed(self, message: MergeProgressed) -> None:
         e = message.event
