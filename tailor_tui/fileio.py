@@ -68,11 +68,47 @@ class CountingWriter:
 
     def __init__(self, f, on_bytes: Callable[[int], None]):
         self._f, self._on_bytes = f, on_bytes
+        # torch's zip writer replaces a failed write's OSError (disk full, EFBIG) with its
+        # own RuntimeError on cleanup; the first OS error is kept here to report the cause.
+        self.error: OSError | None = None
 
     def write(self, data) -> int:
-        n = self._f.write(data)
+        try:
+            n = self._f.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
         self._on_bytes(len(memoryview(data)))
         return n
 
     def flush(self) -> None:
         self._f.flush()
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD, RENAME_EXCHANGE = -100, 2
+    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -13,10 +13,12 @@ output path. Sources are only ever opened for reading.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import queue
 import shutil
+import socket
 import threading
 import time
 from collections import defaultdict
@@ -28,7 +30,7 @@ from . import __version__
 from .checkpoint import Checkpoint
 from .errors import CheckpointError, MergeCancelled, OutputError
 from .events import ByteCounter, Emit
-from .fileio import CountingWriter, copy_file, fsync_dir, fsync_file, output_error
+from .fileio import CountingWriter, copy_file, exchange, fsync_dir, fsync_file, output_error, pid_alive
 from .plan import MergePlan, RankJob, tied_partner
 from .rows import row_of
 from .safe_load import load_pt
@@ -84,19 +86,18 @@ def _set_tensor(inner: dict, group: int, key: str, value) -> None:
 def _save(obj, path: Path, counter: ByteCounter) -> None:
     import torch
 
+    writer = None
     try:
         with open(path, "wb") as f:
-            torch.save(obj, CountingWriter(f, counter.add))
+            writer = CountingWriter(f, counter.add)
+            torch.save(obj, writer)
             f.flush()
             os.fsync(f.fileno())
     except OSError as exc:
-        raise output_error(exc, path) from None
-    except RuntimeError as exc:  # torch wraps write failures of its zip writer
-        if "write" in str(exc).lower() or "file" in str(exc).lower():
-            raise OutputError(
-                f"{path}: cannot write ({str(exc).splitlines()[0][:160]}); nothing was left at the "
-                "output path, free space or choose another output folder"
-            ) from None
+        raise output_error(writer.error if writer and writer.error else exc, path) from None
+    except RuntimeError:
+        if writer is not None and writer.error is not None:
+            raise output_error(writer.error, path) from None
         raise
 
 
@@ -369,7 +370,8 @@ def run_merge(
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise output_error(exc, out.parent) from None
-    tmp = out.parent / f".{out.name}.tailor-partial-{os.getpid()}"
+    _remove_stale_partials(out)
+    tmp = out.parent / f"{_partial_prefix(out)}{os.getpid()}"
     try:
         try:
             tmp.mkdir()
@@ -429,25 +431,47 @@ def _copy_other_files(plan: MergePlan, tmp: Path, cancel: threading.Event) -> No
             raise output_error(exc, dst) from None
 
 
+def _partial_prefix(out: Path) -> str:
+    # Host and PID: run folders often live on shared file systems used by many nodes.
+    return f".{out.name}.tailor-partial-{socket.gethostname()}-"
+
+
+def _remove_stale_partials(out: Path) -> None:
+    """Remove temp folders left by merges on this host that were killed (kill -9, OOM)."""
+    prefix = _partial_prefix(out)
+    if not out.parent.is_dir():
+        return
+    for p in out.parent.glob(glob.escape(prefix) + "*"):
+        pid = p.name[len(prefix):]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
 def _move_into_place(tmp: Path, out: Path, force: bool) -> None:
-    old = None
+    """Rename the finished folder to `out`; with --force swap it with the old one atomically."""
     try:
-        if out.is_dir():
-            if any(out.iterdir()):
-                if not force:
-                    raise OutputError(f"output {out}: appeared while merging; not overwritten")
-                old = out.parent / f".{out.name}.tailor-old-{os.getpid()}"
-                os.rename(out, old)
-            else:
+        if out.is_dir() and any(out.iterdir()):
+            if not force:
+                raise OutputError(f"output {out}: appeared while merging; not overwritten")
+            if exchange(tmp, out):  # the old output is now at `tmp`: never a moment without one
+                shutil.rmtree(tmp, ignore_errors=True)
+                fsync_dir(out.parent)
+                return
+            old = out.parent / f".{out.name}.tailor-old-{os.getpid()}"
+            os.rename(out, old)
+            try:
+                os.rename(tmp, out)
+            except OSError:
+                os.rename(old, out)  # put the user's old folder back
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            if out.is_dir():
                 out.rmdir()
-        os.rename(tmp, out)
+            os.rename(tmp, out)
         fsync_dir(out.parent)
     except OSError as exc:
-        if old is not None and not out.exists():
-            os.rename(old, out)  # put the user's old folder back
         raise output_error(exc, out) from None
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def verify_output(plan: MergePlan, root: Path) -> None:

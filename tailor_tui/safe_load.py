@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import zipfile
 from pathlib import Path
 
@@ -46,10 +47,11 @@ def load_pt(path: Path, mmap: bool = True):
         with torch.serialization.safe_globals(allowed_globals()):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        what = found.group(1) if found else "an object"
         raise CheckpointError(
-            f"{path}: refused to load: it holds objects outside the allow-list of "
-            f"DeepSpeed checkpoint classes ({first[:200]}); it may be unsafe to open"
+            f"{path}: refused to load: it holds {what}, which is not one of the DeepSpeed "
+            "checkpoint classes tailor-tui allows; it may be unsafe to open (it could run code)"
         ) from None
     except (RuntimeError, OSError, EOFError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -1,0 +1,163 @@
+"""Nothing lost, nothing executed: hostile files, kills, and full disks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import checkpoints_of, tree_digest
+from test_cli import TAILOR, assert_one_line_error, tailor, write_recipe
+
+
+class RunsACommand:
+    """What an attacker pickles: unpickling it runs a shell command."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+@pytest.mark.parametrize("which", ["model_states", "optim_states"])
+def test_a_pickle_that_runs_a_command_is_refused(real_run, tmp_path, which):
+    run, spec = real_run("hf_bf16_2")
+    c2, _, c6 = checkpoints_of(run, spec)
+    evil = tmp_path / "checkpoint-2"
+    shutil.copytree(c2, evil)
+    marker = tmp_path / "pwned"
+    target = next((evil / "global_step2").glob(f"*rank_0_*{which}.pt"))
+    real = torch.load(target, weights_only=False)
+    if which == "model_states":
+        real["lr_scheduler"] = RunsACommand(f"touch {marker}")
+    else:
+        real["optimizer_state_dict"]["loss_scaler"] = RunsACommand(f"touch {marker}")
+    torch.save(real, target)
+
+    recipe = write_recipe(tmp_path, c6, {"layers.1": evil})
+    before = tree_digest(run, evil)
+    result = tailor("--apply", recipe, "-j", "1")
+    assert_one_line_error(result, 4, target.name, "refused to load", "unsafe")
+    assert not marker.exists(), "the planted command ran"
+    assert not (tmp_path / "composed").exists()
+    assert tree_digest(run, evil) == before
+
+
+def hidden(folder: Path) -> list[Path]:
+    return [p for p in folder.iterdir() if p.name.startswith(".")]
+
+
+def start_apply(recipe: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([TAILOR, "--apply", str(recipe), *extra], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, PYTHONWARNINGS="ignore"))
+
+
+def assert_complete(out: Path, base: Path) -> None:
+    from zero_reader import read_full_state
+
+    assert (out / "tailor_provenance.json").is_file()
+    assert read_full_state(out)["fp32"].keys() == read_full_state(base)["fp32"].keys()
+
+
+@pytest.mark.parametrize("delay", [0.5, 2.0, 3.5, 5.0])
+def test_kill_9_at_any_moment_leaves_nothing_and_a_rerun_succeeds(real_run, tmp_path, delay):
+    run, spec = real_run("hf_bf16_2")
+    c2, c4, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c4, "embed_tokens": c2})
+    out = tmp_path / "composed"
+    proc = start_apply(recipe, "-j", "2")
+    time.sleep(delay)
+    proc.kill()  # SIGKILL the tailor-tui process itself, as the OOM killer would
+    proc.wait()
+    assert not out.exists() or (proc.returncode == 0 and (out / "tailor_provenance.json").is_file())
+    time.sleep(1)  # orphaned workers notice their parent is gone
+    result = tailor("--apply", recipe, "-j", "2", "--force")
+    assert result.returncode == 0, result.stderr
+    assert_complete(out, c6)
+    assert hidden(tmp_path) == []  # the killed run's temp folder was cleaned up too
+
+
+def test_ctrl_c_stops_workers_and_cleans_up(real_run, tmp_path):
+    run, spec = real_run("hf_bf16_2")
+    c2, c4, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c4})
+    proc = start_apply(recipe, "-j", "2")
+    time.sleep(2.0)  # workers are starting or merging
+    started = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole process group
+    _, err = proc.communicate(timeout=60)
+    assert time.monotonic() - started < 15
+    if proc.returncode == 0:
+        pytest.skip("the merge finished before Ctrl-C arrived")
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "error: " in err and "nothing was written" in err
+    assert not (tmp_path / "composed").exists() and hidden(tmp_path) == []
+
+
+def test_sigterm_from_slurm_cleans_up(real_run, tmp_path):
+    run, spec = real_run("hf_bf16_2")
+    recipe = write_recipe(tmp_path, checkpoints_of(run, spec)[-1], {})
+    proc = start_apply(recipe, "-j", "2")
+    time.sleep(2.0)
+    proc.terminate()
+    _, err = proc.communicate(timeout=60)
+    if proc.returncode == 0:
+        pytest.skip("the merge finished before SIGTERM arrived")
+    assert proc.returncode == 130 and "Traceback" not in err
+    assert not (tmp_path / "composed").exists() and hidden(tmp_path) == []
+
+
+def test_file_size_limit_is_one_clear_error(real_run, tmp_path):
+    run, spec = real_run("hf_bf16_2")
+    c2, _, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c2})
+    before = tree_digest(run)
+    for workers in ("1", "2"):
+        result = subprocess.run(["bash", "-c", f'ulimit -f 100; exec "{TAILOR}" --apply "{recipe}" -j {workers}'],
+                                capture_output=True, text=True, timeout=300)
+        assert_one_line_error(result, 6, "file size limit", "nothing was left at the output path")
+        assert not (tmp_path / "composed").exists() and hidden(tmp_path) == []
+    assert tree_digest(run) == before
+
+
+@pytest.fixture
+def small_mount(tmp_path):
+    """A real 300 KiB file system (tmpfs), to fill up; skipped where mounting is not allowed."""
+    point = tmp_path / "small"
+    point.mkdir()
+
+    def mount(*options: str) -> Path:
+        opts = ",".join(("size=300k", *options))
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(point)], capture_output=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+        return point
+
+    yield mount
+    subprocess.run(["umount", str(point)], capture_output=True)
+
+
+def test_full_disk_is_one_clear_error(real_run, tmp_path, small_mount):
+    run, spec = real_run("hf_bf16_2")
+    c2, _, c6 = checkpoints_of(run, spec)
+    disk = small_mount()
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c2}, output=str(disk / "composed"))
+    assert_one_line_error(tailor("--apply", recipe, "-j", "1"), 6, "the disk is full")
+    assert list(disk.iterdir()) == []
+
+
+def test_read_only_destination_is_one_clear_error(real_run, tmp_path, small_mount):
+    run, spec = real_run("hf_bf16_2")
+    disk = small_mount("ro")
+    recipe = write_recipe(tmp_path, checkpoints_of(run, spec)[-1], {}, output=str(disk / "composed"))
+    assert_one_line_error(tailor("--apply", recipe), 6, "read-only")
+    assert list(disk.iterdir()) == []
