@@ -22,7 +22,8 @@ from . import __version__
 from .errors import CheckpointError, ExitCode, OutputError, TailorError, UsageError
 
 EPILOG = """exit codes: 0 ok, 2 usage, 3 recipe, 4 checkpoint (missing, truncated, unsafe),
-5 incompatible source, 6 output (exists, read-only, full), 130 cancelled, 1 internal error"""
+5 incompatible source, 6 output (exists, read-only, full), 7 --verify found differences,
+130 cancelled, 1 internal error"""
 
 
 def _positive(text: str) -> int:
@@ -49,6 +50,8 @@ def parser() -> argparse.ArgumentParser:
     mode.add_argument("--demo", action="store_true",
                       help="train a small real ZeRO-3 run into ./demo-run (once) and open the composer on it")
     mode.add_argument("--apply", metavar="RECIPE", type=Path, help="compose the checkpoint a recipe describes")
+    mode.add_argument("--verify", metavar="RECIPE", type=Path,
+                      help="re-check a finished output against its recipe and sources, row by row")
     mode.add_argument(
         "--make-demo",
         metavar="DIR",
@@ -104,6 +107,38 @@ def apply(args) -> int:
     return ExitCode.OK
 
 
+def verify(args) -> int:
+    from .plan import build_plan
+    from .recipe import load_recipe
+    from .report import reporter_for
+    from .verify import verify_against_recipe
+
+    plan = build_plan(load_recipe(args.verify), output=args.output, check_output=False)
+    if not plan.output.is_dir():
+        raise OutputError(f"output {plan.output}: does not exist; nothing to verify (run --apply first)")
+    print(f"verifying {plan.output} against {args.verify}", file=sys.stderr, flush=True)
+    report = verify_against_recipe(plan, emit=reporter_for(sys.stderr, "lines"))
+    width = max(len(r.name) for r in plan.base.rows)
+    for row in plan.base.rows:
+        if row.tied:
+            continue
+        source = plan.sources[plan.picks[row.name]].name
+        problems = report.problems.get(row.name)
+        status = "FAIL" if problems else "ok"
+        print(f"{status:<4}  {row.name:<{width}}  {source}" + (f": {problems[0]}" if problems else ""))
+        for extra in (problems or [])[1:]:
+            print(f"{'':<4}  {'':<{width}}  {extra}")
+    for problem in report.other:
+        print(f"FAIL  {problem}")
+    if report.ok:
+        print(f"verified: every row of {plan.output} matches its source")
+        return ExitCode.OK
+    bad = sum(1 for p in report.problems.values() if p)
+    print(f"error: verification failed: {bad} row(s) and {len(report.other)} other problem(s) differ; "
+          "do not resume from this output", file=sys.stderr)
+    return ExitCode.VERIFY_FAILED
+
+
 def interactive(run_dir: Path, recipe: Path | None, workers: int | None) -> int:
     if not run_dir.is_dir():
         raise CheckpointError(f"{run_dir}: no such folder; name a directory of DeepSpeed checkpoints")
@@ -146,14 +181,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no GPU needed to read checkpoints
-    if args.apply or args.make_demo or args.demo:
+    if args.apply or args.verify or args.make_demo or args.demo:
         if args.run_dir is not None:
-            parser().error("RUN_DIR opens the interactive composer; it does not go with --apply, --make-demo or --demo")
+            parser().error("RUN_DIR opens the interactive composer; it does not go with "
+                           "--apply, --verify, --make-demo or --demo")
     elif args.run_dir is None:
         parser().error("name a RUN_DIR to open, or use --demo, --apply RECIPE or --make-demo DIR")
     try:
         if args.apply:
             code = apply(args)
+        elif args.verify:
+            code = verify(args)
         elif args.make_demo:
             code = make_demo(args)
         elif args.demo:

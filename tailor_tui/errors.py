@@ -17,6 +17,7 @@ class ExitCode(IntEnum):
     CHECKPOINT = 4  # a checkpoint is missing, unreadable, truncated or unsafe
     INCOMPATIBLE = 5  # a source cannot be combined with the base
     OUTPUT = 6  # the output cannot be written (exists, read-only, disk full)
+    VERIFY_FAILED = 7  # --verify found rows that do not match their sources
     CANCELLED = 130  # stopped by the user (Ctrl-C), like a shell's SIGINT status
 
 

@@ -13,11 +13,13 @@ output path. Sources are only ever opened for reading.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
 import queue
 import shutil
+import signal
 import socket
 import threading
 import time
@@ -261,8 +263,6 @@ _WORKER_CANCEL = None
 
 def _worker_init(events, cancel) -> None:
     global _WORKER_QUEUE, _WORKER_CANCEL
-    import signal
-
     # Ctrl-C reaches the whole process group: the parent alone decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -319,7 +319,8 @@ def _run_pool(tasks, out_dirs, workers: int, emit: Emit, cancel: threading.Event
     ctx = mp.get_context("spawn")  # fork after torch has started threads can deadlock
     events, stop = ctx.Queue(), ctx.Event()
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(events, stop))
-    futures = [pool.submit(_run_task, t, o) for t, o in zip(tasks, out_dirs)]
+    with _children_ignore_sigint():
+        futures = [pool.submit(_run_task, t, o) for t, o in zip(tasks, out_dirs)]
     try:
         pending = set(futures)
         while pending:
@@ -335,6 +336,25 @@ def _run_pool(tasks, out_dirs, workers: int, emit: Emit, cancel: threading.Event
     finally:
         stop.set()
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def _children_ignore_sigint():
+    """Spawn workers with SIGINT ignored from their first instruction.
+
+    A terminal's Ctrl-C reaches the whole process group; a worker still importing torch
+    would die with a traceback of its own. An ignored SIGINT survives exec and CPython keeps
+    it ignored, so only the parent reacts (it cancels and cleans up). `submit` spawns the
+    processes, so ignoring SIGINT around it covers them; the parent's handler comes back after.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals are the main thread's business (the TUI gets Ctrl-C as a key anyway)
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _drain(events, emit: Emit, timeout: float) -> None:

@@ -207,8 +207,11 @@ def _same(a: Path, b: Path) -> bool:
     return a.resolve() == b.resolve()
 
 
-def build_plan(recipe: Recipe, output: str | Path | None = None, force: bool = False) -> MergePlan:
-    """Check `recipe` against its checkpoints; raise a TailorError naming the first problem."""
+def build_plan(recipe: Recipe, output: str | Path | None = None, force: bool = False,
+               check_output: bool = True) -> MergePlan:
+    """Check `recipe` against its checkpoints; raise a TailorError naming the first problem.
+
+    `check_output=False` is for verifying a finished output, which exists by then."""
     base = _open(recipe.base, recipe.location("base"), "base")
     out = Path(output) if output is not None else recipe.output
     if out is None:
@@ -238,7 +241,8 @@ def build_plan(recipe: Recipe, output: str | Path | None = None, force: bool = F
             by_path[_resolved(path)] = ckpt_index
         picks[row] = ckpt_index
 
-    _check_output(out, sources, force)
+    if check_output:
+        _check_output(out, sources, force)
     return MergePlan(recipe=recipe, base=base, sources=sources, picks=picks, output=out, force=force)
 
 

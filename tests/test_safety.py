@@ -17,6 +17,17 @@ from conftest import checkpoints_of, tree_digest
 from test_cli import TAILOR, assert_one_line_error, tailor, write_recipe
 
 
+@pytest.fixture(autouse=True)
+def sources_are_never_modified(real_run):
+    """Every scenario here: every file of every real run hashes the same before and after."""
+    from conftest import RUNS
+
+    runs = [real_run(name)[0] for name in RUNS]
+    before = tree_digest(*runs)
+    yield
+    assert tree_digest(*runs) == before, "a source checkpoint file changed"
+
+
 class RunsACommand:
     """What an attacker pickles: unpickling it runs a shell command."""
 
@@ -161,3 +172,44 @@ def test_read_only_destination_is_one_clear_error(real_run, tmp_path, small_moun
     recipe = write_recipe(tmp_path, checkpoints_of(run, spec)[-1], {}, output=str(disk / "composed"))
     assert_one_line_error(tailor("--apply", recipe), 6, "read-only")
     assert list(disk.iterdir()) == []
+
+
+def test_verify_reports_per_row_and_catches_differences(real_run, tmp_path):
+    run, spec = real_run("hf_bf16_2")
+    c2, c4, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c4, "embed_tokens": c2})
+    assert tailor("--apply", recipe, "-j", "1").returncode == 0
+
+    result = tailor("--verify", recipe)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ok    layers.1      checkpoint-4" in result.stdout
+    assert "ok    embed_tokens  checkpoint-2" in result.stdout
+    assert "verified: every row" in result.stdout
+
+    # A recipe that says layers.1 came from checkpoint-2: that row, and only it, fails.
+    other = tmp_path / "other"
+    other.mkdir()
+    wrong = write_recipe(other, c6, {"layers.1": c2, "embed_tokens": c2}, output=str(tmp_path / "composed"))
+    result = tailor("--verify", wrong)
+    assert result.returncode == 7
+    failed = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("FAIL")]
+    assert failed == ["layers.1"]
+    assert "error: verification failed" in result.stderr and "Traceback" not in result.stderr
+
+    # Damage the output after the fact: moments zeroed, a trainer file edited.
+    out = tmp_path / "composed"
+    optim = out / "global_step6" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    state = torch.load(optim, weights_only=False)
+    state["optimizer_state_dict"]["optimizer_state_dict"]["state"][0]["exp_avg_sq"].zero_()
+    torch.save(state, optim)
+    (out / "trainer_state.json").write_text("{}")
+    result = tailor("--verify", recipe)
+    assert result.returncode == 7
+    assert "rank 1: exp_avg_sq of model." in result.stdout
+    assert "trainer_state.json: differs from the base" in result.stdout
+
+
+def test_verify_without_an_output(real_run, tmp_path):
+    run, spec = real_run("hf_bf16_2")
+    recipe = write_recipe(tmp_path, checkpoints_of(run, spec)[-1], {})
+    assert_one_line_error(tailor("--verify", recipe), 6, "does not exist; nothing to verify")
