@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -87,6 +88,19 @@ class Checkpoint:
 
     def total_bytes(self) -> int:
         return sum(self.sizes.values())
+
+    def check_complete(self) -> None:
+        """Every rank file is a whole archive: reads only each zip's central directory,
+        so truncated copies are refused before anything is written."""
+        for files in self.ranks:
+            for f in (files.model_states, files.optim_states):
+                try:
+                    with zipfile.ZipFile(f) as z:
+                        z.getinfo(z.namelist()[0])
+                except (zipfile.BadZipFile, OSError, IndexError):
+                    raise CheckpointError(
+                        f"{f}: truncated or corrupt (not a complete archive); re-copy it from the training run"
+                    ) from None
 
 
 def _read_latest(folder: Path) -> str | None:

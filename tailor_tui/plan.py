@@ -179,7 +179,9 @@ def tied_partner(ckpt: Checkpoint, row) -> str:
 
 def _open(path: Path, where: str, what: str) -> Checkpoint:
     try:
-        return open_checkpoint(path)
+        ckpt = open_checkpoint(path)
+        ckpt.check_complete()
+        return ckpt
     except CheckpointError as exc:
         raise type(exc)(f"{where}: {what}: {exc}") from None
 

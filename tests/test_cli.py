@@ -135,6 +135,15 @@ def test_missing_and_truncated_rank_files(real_run, tmp_path):
     optim.unlink()
     assert_one_line_error(tailor("--apply", recipe), 4, "rank_1", "missing", "incomplete")
 
+    # A base file that is only copied, never parsed, is checked too.
+    base = tmp_path / "checkpoint-6"
+    shutil.copytree(c6, base)
+    states = base / "global_step6" / "zero_pp_rank_1_mp_rank_00_model_states.pt"
+    states.write_bytes(states.read_bytes()[:-100])
+    recipe = write_recipe(tmp_path, base, {})
+    assert_one_line_error(tailor("--apply", recipe), 4, "base", "model_states.pt: truncated or corrupt")
+    assert not (tmp_path / "composed").exists()
+
 
 def test_usage_errors():
     result = tailor()

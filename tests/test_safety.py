@@ -213,3 +213,20 @@ def test_verify_without_an_output(real_run, tmp_path):
     run, spec = real_run("hf_bf16_2")
     recipe = write_recipe(tmp_path, checkpoints_of(run, spec)[-1], {})
     assert_one_line_error(tailor("--verify", recipe), 6, "does not exist; nothing to verify")
+
+
+def test_sources_on_a_read_only_file_system_compose_fine(real_run, tmp_path, small_mount):
+    """Proof that sources are opened for reading only: they sit on a read-only mount."""
+    run, spec = real_run("hf_bf16_2")
+    disk = small_mount()
+    subprocess.run(["umount", str(disk)], check=True)
+    big = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True)
+    assert big.returncode == 0, big.stderr
+    for c in checkpoints_of(run, spec):
+        shutil.copytree(c, disk / c.name)
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    c2, c4, c6 = (disk / c.name for c in checkpoints_of(run, spec))
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c4, "embed_tokens": c2})
+    result = tailor("--apply", recipe, "-j", "2")
+    assert result.returncode == 0, result.stderr
+    assert tailor("--verify", recipe).returncode == 0
