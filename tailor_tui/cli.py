@@ -68,6 +68,8 @@ def parser() -> argparse.ArgumentParser:
         default="auto",
         help="live bars (terminal) or plain periodic lines (logs); auto picks by whether stderr is a terminal",
     )
+    p.add_argument("--report-peak-rss", action="store_true",
+                   help="after --apply, print the merge workers' peak resident memory (for benchmarks)")
     p.add_argument("--version", action="version", version=f"tailor-tui {__version__}")
     return p
 
@@ -99,6 +101,8 @@ def apply(args) -> int:
     result = run_merge(plan, workers=workers, emit=report, cancel=cancel)
     if isinstance(report, BarReporter):
         report.close()
+    if args.report_peak_rss:
+        print(f"peak RSS: {result.peak_rss} bytes", file=sys.stderr)
     rate = result.bytes_written / max(result.seconds, 1e-6)
     print(
         f"done: {result.output} ({humanize.naturalsize(result.bytes_written, binary=True)} in "

@@ -36,6 +36,8 @@ class RunSpec:
     sub_group_size: int | None = None  # ZeRO-3 sub_group_size; small values split groups
     frozen: tuple[str, ...] = ()  # parameter names to freeze (frozen_param_fragments)
     seed: int = 0
+    vocab: int = VOCAB
+    intermediate: int | None = None  # MLP width; default 1.5 x hidden
     extra: dict = field(default_factory=dict, hash=False, compare=False)
 
     def key(self) -> str:
@@ -49,9 +51,9 @@ def model_config(spec: RunSpec):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=spec.vocab,
         hidden_size=spec.hidden,
-        intermediate_size=spec.hidden * 3 // 2,
+        intermediate_size=spec.intermediate or spec.hidden * 3 // 2,
         num_hidden_layers=spec.layers,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -105,7 +107,7 @@ def training_batches(spec: RunSpec, count: int, rank: int):
     import torch
 
     g = torch.Generator().manual_seed(1000 + spec.seed * 100 + rank)
-    return [torch.randint(0, VOCAB, (2, 8), generator=g) for _ in range(count)]
+    return [torch.randint(0, spec.vocab, (2, 8), generator=g) for _ in range(count)]
 
 
 def free_port() -> int:
@@ -177,7 +179,7 @@ def _trainer_dataset(spec: RunSpec):
     import torch
 
     g = torch.Generator().manual_seed(1000 + spec.seed)
-    ids = torch.randint(0, VOCAB, (256, 8), generator=g)
+    ids = torch.randint(0, spec.vocab, (256, 8), generator=g)
     return [{"input_ids": row, "labels": row} for row in ids]
 
 

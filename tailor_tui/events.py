@@ -28,6 +28,13 @@ class TaskProgressed:
 class TaskFinished:
     task: str
     total: int
+    peak_rss: int = 0  # bytes: the peak resident memory of the process that ran the task
+
+
+def peak_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 Emit = Callable[[object], None]
@@ -61,4 +68,4 @@ class ByteCounter:
     def finish(self) -> None:
         self.done = self.total
         self._emit(TaskProgressed(self.task, self.total, self.total))
-        self._emit(TaskFinished(self.task, self.total))
+        self._emit(TaskFinished(self.task, self.total, peak_rss()))

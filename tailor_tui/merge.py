@@ -31,7 +31,7 @@ from typing import Callable
 from . import __version__
 from .checkpoint import Checkpoint
 from .errors import CheckpointError, MergeCancelled, OutputError
-from .events import ByteCounter, Emit
+from .events import ByteCounter, Emit, TaskFinished
 from .fileio import CountingWriter, copy_file, exchange, fsync_dir, fsync_file, output_error, pid_alive
 from .plan import MergePlan, RankJob, tied_partner
 from .rows import row_of
@@ -374,6 +374,7 @@ class MergeResult:
     output: Path
     seconds: float
     bytes_written: int
+    peak_rss: int  # bytes: the largest peak resident memory of any process that merged a task
 
 
 def run_merge(
@@ -386,6 +387,13 @@ def run_merge(
     cancel = cancel or threading.Event()
     started = time.monotonic()
     out = plan.output
+    peaks = [0]
+
+    def emit_and_watch(event) -> None:
+        if isinstance(event, TaskFinished):
+            peaks[0] = max(peaks[0], event.peak_rss)
+        emit(event)
+
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -407,9 +415,9 @@ def run_merge(
         n = workers if workers is not None else default_workers(plan)
         n = max(1, min(n, len(tasks)))
         if n == 1:
-            _run_inline(tasks, out_dirs, emit, cancel)
+            _run_inline(tasks, out_dirs, emit_and_watch, cancel)
         else:
-            _run_pool(tasks, out_dirs, n, emit, cancel)
+            _run_pool(tasks, out_dirs, n, emit_and_watch, cancel)
         if cancel.is_set():
             raise MergeCancelled()
         verify_output(plan, tmp)
@@ -425,7 +433,7 @@ def run_merge(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    return MergeResult(out, time.monotonic() - started, written)
+    return MergeResult(out, time.monotonic() - started, written, peaks[0])
 
 
 def _write_text(path: Path, text: str) -> None:

@@ -1,0 +1,111 @@
+"""Benchmark: `tailor-tui --apply` against `cp -r` of the base's tag folder, in one run.
+
+Makes (once, cached) a real DeepSpeed ZeRO-3 run on CPU — Llama-like, 12 layers, hidden
+1024, MLP 2816, vocab 32000, bf16, 4 ranks, checkpoints at steps 1 and 2 (about 2.4 GiB
+each) — then times, several times in turn on the same disk: cp -r of the base tag folder,
+tailor-tui --apply with a parity recipe (odd layers from step 1), and the naive merge
+(whole-file torch.load/torch.save). Prints medians, ratios to cp, throughput and peak RSS.
+
+    python bench/bench_merge.py [--repeats 3] [--cache .tailor-cache/bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tailor_tui.demo_run import RunSpec, make_run  # noqa: E402
+
+SPEC = RunSpec(world_size=4, dtype="bf16", layout="deepspeed", layers=12, hidden=1024,
+               intermediate=2816, vocab=32000, steps=2, save_every=1)
+
+
+def timed(cmd: list[str]) -> tuple[float, int]:
+    """(seconds, peak RSS in bytes of the command and its children)."""
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _, err = proc.communicate()
+    seconds = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"bench: {' '.join(cmd[:3])} failed:\n{err[-2000:]}")
+    peak = 0
+    for line in err.splitlines():  # tailor-tui reports its workers' peak RSS
+        if line.startswith("peak RSS:"):
+            peak = int(line.split()[2])
+    return seconds, peak
+
+
+def size_of(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cache", type=Path, default=ROOT / ".tailor-cache" / "bench")
+    ap.add_argument("--workers", default=None, help="tailor-tui --workers (default: its own choice)")
+    args = ap.parse_args()
+
+    run = args.cache / "llama12-h1024-w4-bf16"
+    if not (run / "tailor_demo_spec.json").is_file():
+        print(f"making the real ZeRO-3 run in {run} (once; minutes)…", flush=True)
+        shutil.rmtree(run, ignore_errors=True)
+        make_run(run, SPEC)
+    base, source = run / "global_step2", run / "global_step1"
+    work = args.cache / "work"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    odd = [f"layers.{i}" for i in range(1, SPEC.layers, 2)]
+    recipe = work / "parity.yaml"
+    recipe.write_text(
+        "version: 1\n"
+        f"base: {base}\noutput: {work / 'out'}\nlayers:\n" + "".join(f"  {r}: {source}\n" for r in odd)
+    )
+    tailor = [str(Path(sys.executable).with_name("tailor-tui")), "--apply", str(recipe), "--report-peak-rss"]
+    if args.workers:
+        tailor += ["--workers", args.workers]
+    commands = {
+        "cp -r": ["cp", "-r", str(base), str(work / "out")],
+        "tailor-tui --apply": tailor,
+        "naive merge": [sys.executable, str(ROOT / "bench" / "naive_merge.py"), str(base), str(source),
+                        str(work / "out"), *odd],
+    }
+    times: dict[str, list[float]] = {k: [] for k in commands}
+    peaks: dict[str, int] = {k: 0 for k in commands}
+    total = size_of(base)
+    for i in range(args.repeats):
+        for name, cmd in commands.items():
+            shutil.rmtree(work / "out", ignore_errors=True)
+            subprocess.run(["sync"])
+            seconds, peak = timed(cmd)
+            times[name].append(seconds)
+            peaks[name] = max(peaks[name], peak)
+            print(f"  run {i + 1}: {name:<20} {seconds:6.2f} s", flush=True)
+    shutil.rmtree(work / "out", ignore_errors=True)
+
+    cp = statistics.median(times["cp -r"])
+    largest_rank_file = max(f.stat().st_size for f in base.glob("*optim_states.pt"))
+    print(f"\nbase tag folder: {gib(total)}, {SPEC.world_size} ranks, largest rank file {gib(largest_rank_file)}; "
+          f"parity recipe ({len(odd)} of {SPEC.layers} layers from another checkpoint); "
+          f"{args.repeats} runs each, medians; {os.cpu_count()} cores")
+    for name, t in times.items():
+        med = statistics.median(t)
+        rss = f", peak worker RSS {gib(peaks[name])}" if peaks[name] else ""
+        print(f"{name:<20} {med:7.2f} s  {med / cp:5.2f}x cp  {gib(total / med)}/s{rss}")
+
+
+if __name__ == "__main__":
+    main()
