@@ -112,3 +112,41 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def pread_exact(fd: int, count: int, offset: int) -> bytes:
+    """Read exactly `count` bytes at `offset` (pread may return less on some file systems)."""
+    parts, done = [], 0
+    while done < count:
+        chunk = os.pread(fd, count - done, offset + done)
+        if not chunk:
+            raise OSError(errno.EIO, f"file ended {count - done} bytes early (truncated?)")
+        parts.append(chunk)
+        done += len(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def pwrite_all(fd: int, data, offset: int) -> None:
+    view, done = memoryview(data), 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+def copy_range(fin: int, fout: int, offset: int, count: int,
+               on_bytes: Callable[[int], None] = lambda n: None) -> None:
+    """Copy [offset, offset+count) to the same offset of `fout`, in the kernel where possible."""
+    end = offset + count
+    while offset < end:
+        n = min(CHUNK, end - offset)
+        try:
+            copied = os.copy_file_range(fin, fout, n, offset, offset)
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            copied = 0
+        if copied == 0:  # not supported here (or a short source): copy through user space
+            data = pread_exact(fin, n, offset)
+            pwrite_all(fout, data, offset)
+            copied = len(data)
+        offset += copied
+        on_bytes(copied)

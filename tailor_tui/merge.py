@@ -21,8 +21,10 @@ import queue
 import shutil
 import signal
 import socket
+import struct
 import threading
 import time
+import zlib
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +34,20 @@ from . import __version__
 from .checkpoint import Checkpoint
 from .errors import CheckpointError, MergeCancelled, OutputError
 from .events import ByteCounter, Emit, TaskFinished
-from .fileio import CountingWriter, copy_file, exchange, fsync_dir, fsync_file, output_error, pid_alive
+from .fileio import (
+    CountingWriter,
+    copy_file,
+    copy_range,
+    exchange,
+    fsync_dir,
+    fsync_file,
+    output_error,
+    pid_alive,
+    pread_exact,
+    pwrite_all,
+)
 from .plan import MergePlan, RankJob, tied_partner
+from .ptzip import Unsupported, locate, read_structure
 from .rows import row_of
 from .safe_load import load_pt
 
@@ -105,9 +119,118 @@ def _save(obj, path: Path, counter: ByteCounter) -> None:
 
 def merge_rank(job: RankJob, out_tag_dir: Path, emit: Emit, cancelled: Callable[[], bool]) -> None:
     """Compose rank `job.rank`'s model_states and optim_states files into `out_tag_dir`."""
+    counter = ByteCounter(f"rank {job.rank}", job.total_bytes, emit, cancelled)
+    base_files = job.files[0]
+    out_optim = out_tag_dir / base_files.optim_states.name
+    if not stream_optim_states(job, out_optim, counter):
+        _reserialise_optim_states(job, out_optim, counter)
+
+    out_model = out_tag_dir / base_files.model_states.name
+    if job.frozen or job.buffers:
+        _merge_model_states(job, out_model, counter)
+    else:
+        try:
+            copy_file(base_files.model_states, out_model, counter.add)
+        except OSError as exc:
+            raise output_error(exc, out_model) from None
+    counter.finish()
+
+
+def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> bool:
+    """Write the composed optim_states file as the base's bytes with replaced ranges.
+
+    The output has the base's exact zip layout: records no slice touches are copied
+    in-kernel (copy_file_range), touched records stream through in chunks with source
+    slices overlaid and padding zeroed, then their CRC-32s are rewritten. Memory stays
+    at a couple of chunks whatever the file size. Returns False (writing nothing) when
+    the archive is laid out in a way this does not handle; the caller then re-serialises.
+    """
+    base_path = job.files[0].optim_states
+    used = sorted({c.source for c in job.copies})
+    try:
+        base = _tensor_bytes(base_path, job.group_sizes)
+        sources = {s: _tensor_bytes(job.files[s].optim_states, job.group_sizes) for s in used}
+    except Unsupported:
+        return False
+    edits: dict = defaultdict(list)  # record -> [(file offset, bytes, source or None for zeros, source offset)]
+    for c in job.copies:
+        for key in TENSORS:
+            b, src = base[c.group, key], sources[c.source][c.group, key]
+            edits[b.record].append((b.offset + c.offset * b.itemsize, c.length * b.itemsize,
+                                    c.source, src.offset + c.offset * b.itemsize))
+    for g, offset, length in job.padding:
+        for key in TENSORS:
+            b = base[g, key]
+            edits[b.record].append((b.offset + offset * b.itemsize, length * b.itemsize, None, 0))
+
+    fds: dict[int, int] = {}
+    fout = None
+    try:
+        fin = os.open(base_path, os.O_RDONLY)
+        fds = {s: os.open(job.files[s].optim_states, os.O_RDONLY) for s in used}
+        fout = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        size = os.fstat(fin).st_size
+        position, crcs = 0, {}
+        for record in sorted(edits, key=lambda r: r.data_offset):
+            copy_range(fin, fout, position, record.data_offset - position, counter.add)
+            crcs[record] = _stream_record(fin, fout, record, sorted(edits[record]), fds, counter)
+            position = record.data_offset + record.size
+        copy_range(fin, fout, position, size - position, counter.add)
+        for record, crc in crcs.items():
+            for at in record.crc_offsets:
+                os.pwrite(fout, struct.pack("<I", crc), at)
+        os.fsync(fout)
+    except OSError as exc:
+        raise output_error(exc, out) from None
+    finally:
+        for fd in (fin, *fds.values(), *([fout] if fout is not None else [])):
+            os.close(fd)
+    return True
+
+
+def _tensor_bytes(path: Path, group_sizes: tuple[int, ...]) -> dict:
+    """{(group, key): TensorBytes} of the flat fp32 weights and moments of an optim file."""
+    obj, storages, _records = read_structure(path)
+    inner = _optimizer_state(obj, path, group_sizes)
+    return {(g, key): locate(_tensor(inner, g, key), storages)
+            for g in range(len(group_sizes)) for key in TENSORS}
+
+
+STREAM_CHUNK = 64 << 20
+
+
+def _stream_record(fin: int, fout: int, record, edits: list, fds: dict[int, int], counter: ByteCounter) -> int:
+    """Copy one record's data with `edits` applied; returns the new CRC-32."""
+    crc, first = 0, 0
+    start, end = record.data_offset, record.data_offset + record.size
+    while start < end:
+        stop = min(start + STREAM_CHUNK, end)
+        buf = bytearray(pread_exact(fin, stop - start, start))
+        view = memoryview(buf)
+        i = first
+        while i < len(edits) and edits[i][0] < stop:
+            offset, length, source, source_offset = edits[i]
+            a, b = max(offset, start), min(offset + length, stop)
+            if a < b:
+                if source is None:
+                    view[a - start: b - start] = bytes(b - a)  # padding holds garbage: write zeros
+                else:
+                    view[a - start: b - start] = pread_exact(fds[source], b - a, source_offset + a - offset)
+                    counter.add(b - a)
+            i += 1
+        while first < len(edits) and edits[first][0] + edits[first][1] <= stop:
+            first += 1
+        crc = zlib.crc32(view, crc)
+        pwrite_all(fout, view, start)
+        counter.add(stop - start)
+        start = stop
+    return crc
+
+
+def _reserialise_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> None:
+    """Fallback: load (memory-mapped), replace whole flat tensors, torch.save."""
     import torch
 
-    counter = ByteCounter(f"rank {job.rank}", job.total_bytes, emit, cancelled)
     base_files = job.files[0]
     base = load_pt(base_files.optim_states)
     inner = _optimizer_state(base, base_files.optim_states, job.group_sizes)
@@ -126,30 +249,19 @@ def merge_rank(job: RankJob, out_tag_dir: Path, emit: Emit, cancelled: Callable[
         for g, size in enumerate(job.group_sizes):
             for key in TENSORS:
                 original = _tensor(inner, g, key)
-                out = torch.empty(size, dtype=original.dtype)
-                out.copy_(original)
+                merged = torch.empty(size, dtype=original.dtype)
+                merged.copy_(original)
                 counter.add(size * original.element_size())
                 for c in copies[g]:
                     span = slice(c.offset, c.offset + c.length)
-                    out[span].copy_(_tensor(sources[c.source], g, key)[span])
-                    counter.add(c.length * out.element_size())
+                    merged[span].copy_(_tensor(sources[c.source], g, key)[span])
+                    counter.add(c.length * merged.element_size())
                 for offset, length in padding[g]:
-                    out[offset : offset + length].zero_()  # padding holds garbage: write zeros
-                out.requires_grad_(original.requires_grad)
-                _set_tensor(inner, g, key, out)
+                    merged[offset : offset + length].zero_()  # padding holds garbage: write zeros
+                merged.requires_grad_(original.requires_grad)
+                _set_tensor(inner, g, key, merged)
     del sources
-    _save(base, out_tag_dir / base_files.optim_states.name, counter)
-    del base, inner
-
-    out_model = out_tag_dir / base_files.model_states.name
-    if job.frozen or job.buffers:
-        _merge_model_states(job, out_model, counter)
-    else:
-        try:
-            copy_file(base_files.model_states, out_model, counter.add)
-        except OSError as exc:
-            raise output_error(exc, out_model) from None
-    counter.finish()
+    _save(base, out, counter)
 
 
 def _merge_model_states(job: RankJob, out: Path, counter: ByteCounter) -> None:

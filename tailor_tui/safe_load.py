@@ -31,6 +31,16 @@ def allowed_globals() -> list:
     return _ALLOWED
 
 
+def refused(path: Path, exc: Exception) -> CheckpointError:
+    """The error for a pickle that names a global outside the allow-list."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+    what = found.group(1) if found else "an object"
+    return CheckpointError(
+        f"{path}: refused to load: it holds {what}, which is not one of the DeepSpeed "
+        "checkpoint classes tailor-tui allows; it may be unsafe to open (it could run code)"
+    )
+
+
 def load_pt(path: Path, mmap: bool = True):
     """torch.load a checkpoint file safely, or raise CheckpointError naming it."""
     import torch
@@ -47,12 +57,7 @@ def load_pt(path: Path, mmap: bool = True):
         with torch.serialization.safe_globals(allowed_globals()):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
-        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
-        what = found.group(1) if found else "an object"
-        raise CheckpointError(
-            f"{path}: refused to load: it holds {what}, which is not one of the DeepSpeed "
-            "checkpoint classes tailor-tui allows; it may be unsafe to open (it could run code)"
-        ) from None
+        raise refused(path, exc) from None
     except (RuntimeError, OSError, EOFError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
