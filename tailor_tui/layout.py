@@ -67,12 +67,6 @@ class ZeroLayout:
             sizes[s.group] += s.part
         return sizes
 
-    def frozen_part(self, name: str, rank: int) -> int:
-        """Elements of frozen parameter `name` stored on `rank` (no padding is stored)."""
-        numel = math.prod(dict(self.frozen)[name])
-        part = math.ceil(numel / self.world_size)
-        return max(0, min(part, numel - rank * part))
-
     def param_names(self) -> list[str]:
         return [s.name for s in self.slots] + [name for name, _ in self.frozen]
 

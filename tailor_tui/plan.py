@@ -101,12 +101,6 @@ class MergePlan:
             write_bytes=self.base.rank_bytes(rank),
         )
 
-    # --- the 16-bit model file(s) ----------------------------------------------------
-
-    def model_file_sources(self) -> dict[str, int]:
-        """Row -> source index for rows whose 16-bit weights must come from a non-base source."""
-        return {row: s for row, s in self.picks.items() if s}
-
     # --- totals and description -------------------------------------------------------
 
     def other_files(self) -> list[Path]:
@@ -135,13 +129,6 @@ class MergePlan:
         """Base bytes copied plus the slices read from other sources."""
         models = sum(self.base.sizes[f] for f in self.base.model_files)
         return sum(j.read_bytes for j in self.rank_jobs()) + models
-
-    def rows_by_source(self) -> dict[int, list[str]]:
-        out: dict[int, list[str]] = {}
-        for row in self.base.rows:
-            if not row.tied:
-                out.setdefault(self.picks[row.name], []).append(row.name)
-        return out
 
     def describe(self, show=str) -> list[str]:
         """The plan as text lines; `show` formats paths (the TUI shows them relative)."""

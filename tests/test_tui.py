@@ -33,6 +33,15 @@ async def scanned(pilot):
     assert pilot.app.composition is not None
 
 
+async def start_merge(pilot) -> MergeScreen:
+    """ctrl+r, accept the plan, and return the merge screen."""
+    await pilot.press("ctrl+r")
+    await wait_for(pilot, lambda: isinstance(pilot.app.screen, Confirm))
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: isinstance(pilot.app.screen, MergeScreen))
+    return pilot.app.screen
+
+
 async def wait_for(pilot, condition, tries: int = 600):
     for _ in range(tries):
         if condition():
@@ -135,8 +144,9 @@ async def test_merge_from_the_ui_composes_the_picked_rows(run_copy):
         await pilot.press("ctrl+r")
         await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
         assert "layers.1" in app.screen.body and "checkpoint-4" in app.screen.body
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: isinstance(app.screen, MergeScreen) and not app.screen.running)
+        await pilot.press("escape")  # back to the grid; then merge for real
+        merge = await start_merge(pilot)
+        await wait_for(pilot, lambda: not merge.running)
         assert app.screen.has_class("finished")
         await pilot.press("escape")
         await pilot.pause()
@@ -156,10 +166,7 @@ async def test_cancel_leaves_nothing_at_the_output(run_copy):
     app = make_app(run, workers=2)  # worker processes take seconds to start: time to cancel
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
-        await pilot.press("ctrl+r")
-        await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: isinstance(app.screen, MergeScreen))
+        await start_merge(pilot)
         await pilot.press("escape")
         await wait_for(pilot, lambda: not app.screen.running)
         assert app.screen.has_class("failed")
@@ -229,11 +236,7 @@ async def test_quit_during_a_merge_cancels_it(run_copy):
     app = make_app(run, workers=2)
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
-        await pilot.press("ctrl+r")
-        await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: isinstance(app.screen, MergeScreen))
-        merge = app.screen
+        merge = await start_merge(pilot)
         await pilot.press("q")
         assert isinstance(app.screen, Confirm) and "merge is running" in app.screen.body
         await pilot.press("y")
