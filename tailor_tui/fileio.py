@@ -126,6 +126,16 @@ def pread_exact(fd: int, count: int, offset: int) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
+def pread_into(fd: int, view: memoryview, offset: int) -> None:
+    """Fill `view` from `offset` (no new buffer per read)."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise OSError(errno.EIO, f"file ended {len(view) - done} bytes early (truncated?)")
+        done += n
+
+
 def pwrite_all(fd: int, data, offset: int) -> None:
     view, done = memoryview(data), 0
     while done < len(view):

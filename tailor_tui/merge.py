@@ -43,7 +43,7 @@ from .fileio import (
     fsync_file,
     output_error,
     pid_alive,
-    pread_exact,
+    pread_into,
     pwrite_all,
 )
 from .plan import MergePlan, RankJob, tied_partner
@@ -196,17 +196,20 @@ def _tensor_bytes(path: Path, group_sizes: tuple[int, ...]) -> dict:
             for g in range(len(group_sizes)) for key in TENSORS}
 
 
-STREAM_CHUNK = 64 << 20
+# One buffer, reused: on this kind of VM fresh 64 MiB buffers ran at 0.6 GiB/s (page
+# faults on every chunk) against 1.6-1.9 GiB/s for a reused buffer of a few MiB.
+STREAM_CHUNK = 4 << 20
 
 
 def _stream_record(fin: int, fout: int, record, edits: list, fds: dict[int, int], counter: ByteCounter) -> int:
     """Copy one record's data with `edits` applied; returns the new CRC-32."""
     crc, first = 0, 0
     start, end = record.data_offset, record.data_offset + record.size
+    buffer = memoryview(bytearray(STREAM_CHUNK))
     while start < end:
         stop = min(start + STREAM_CHUNK, end)
-        buf = bytearray(pread_exact(fin, stop - start, start))
-        view = memoryview(buf)
+        view = buffer[: stop - start]
+        pread_into(fin, view, start)
         i = first
         while i < len(edits) and edits[i][0] < stop:
             offset, length, source, source_offset = edits[i]
@@ -215,7 +218,7 @@ def _stream_record(fin: int, fout: int, record, edits: list, fds: dict[int, int]
                 if source is None:
                     view[a - start: b - start] = bytes(b - a)  # padding holds garbage: write zeros
                 else:
-                    view[a - start: b - start] = pread_exact(fds[source], b - a, source_offset + a - offset)
+                    pread_into(fds[source], view[a - start: b - start], source_offset + a - offset)
                     counter.add(b - a)
             i += 1
         while first < len(edits) and edits[first][0] + edits[first][1] <= stop:
@@ -377,8 +380,17 @@ def _worker_init(events, cancel) -> None:
     global _WORKER_QUEUE, _WORKER_CANCEL
     # Ctrl-C reaches the whole process group: the parent alone decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A worker holds its own copy of the task queue's pipe, so it would wait forever if the
+    # parent were killed (kill -9, OOM killer): it leaves as soon as it is orphaned.
+    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _WORKER_QUEUE, _WORKER_CANCEL = events, cancel
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
 
 
 def _run_task(task, out_dir: Path) -> None:

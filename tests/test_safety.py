@@ -72,6 +72,18 @@ def start_apply(recipe: Path, *extra: str) -> subprocess.Popen:
                             env=dict(os.environ, PYTHONWARNINGS="ignore"))
 
 
+def children_of(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
 def assert_complete(out: Path, base: Path) -> None:
     from zero_reader import read_full_state
 
@@ -87,9 +99,14 @@ def test_kill_9_at_any_moment_leaves_nothing_and_a_rerun_succeeds(real_run, tmp_
     out = tmp_path / "composed"
     proc = start_apply(recipe, "-j", "2")
     time.sleep(delay)
+    workers = children_of(proc.pid)
     proc.kill()  # SIGKILL the tailor-tui process itself, as the OOM killer would
     proc.wait()
-    time.sleep(1)  # orphaned workers notice their parent is gone
+    for _ in range(50):  # orphaned workers leave by themselves within a second or so
+        if not [p for p in workers if Path(f"/proc/{p}").exists()]:
+            break
+        time.sleep(0.1)
+    assert not [p for p in workers if Path(f"/proc/{p}").exists()], "worker processes outlived a killed merge"
     if out.exists():
         # Killed after the atomic rename (or it had finished): then the output must be whole.
         verified = tailor("--verify", recipe)
