@@ -180,10 +180,25 @@ def _model_files(folder: Path) -> tuple[Path, ...]:
     return (single,) if single.is_file() else ()
 
 
+def read_metadata(path: Path) -> dict:
+    """A model_states file's structure, read without torch (tensors as TensorRef)."""
+    from .ptzip import Unsupported, read_structure
+
+    if not path.is_file():
+        raise CheckpointError(f"{path}: file is missing; the checkpoint is incomplete")
+    try:
+        obj, _records, _prefix = read_structure(path)
+    except Unsupported:
+        return load_pt(path)  # an archive layout the light reader does not know: let torch read it
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: not a DeepSpeed model_states file")
+    return obj
+
+
 def open_checkpoint(path: str | Path) -> Checkpoint:
     """Describe the checkpoint at `path` or raise CheckpointError saying why not."""
     kind, named, tag_dir, save_dir = _locate(Path(path))
-    states = load_pt(tag_dir / MODEL_STATES.format(rank=0))
+    states = read_metadata(tag_dir / MODEL_STATES.format(rank=0))
     try:
         layout = ZeroLayout.from_model_states(states)
     except (KeyError, TypeError, AttributeError):

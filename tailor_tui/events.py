@@ -6,6 +6,7 @@ these into bars. Names are past tense: each says what has happened.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -52,6 +53,9 @@ class ByteCounter:
         self.task, self.total, self.done = task, max(total, 1), 0
         self._emit, self._cancelled, self._interval = emit, cancelled, interval
         self._last = 0.0
+        # Fault injection for tests of cancel and kill: test checkpoints merge in well under a
+        # second, so tests slow each progress step down to hit a merge in the middle.
+        self._delay = float(os.environ.get("TAILOR_TEST_SLOW_MERGE") or 0)
         emit(TaskProgressed(task, 0, self.total))
 
     def add(self, n: int) -> None:
@@ -59,6 +63,8 @@ class ByteCounter:
 
         if self._cancelled():
             raise MergeCancelled()
+        if self._delay:
+            time.sleep(self._delay)
         self.done = min(self.done + n, self.total)
         now = time.monotonic()
         if now - self._last >= self._interval:

@@ -40,7 +40,6 @@ from .fileio import (
     copy_range,
     exchange,
     fsync_dir,
-    fsync_file,
     output_error,
     pid_alive,
     pread_into,
@@ -190,9 +189,9 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> bool:
 
 def _tensor_bytes(path: Path, group_sizes: tuple[int, ...]) -> dict:
     """{(group, key): TensorBytes} of the flat fp32 weights and moments of an optim file."""
-    obj, storages, _records = read_structure(path)
+    obj, records, prefix = read_structure(path)
     inner = _optimizer_state(obj, path, group_sizes)
-    return {(g, key): locate(_tensor(inner, g, key), storages)
+    return {(g, key): locate(_tensor(inner, g, key), records, prefix)
             for g in range(len(group_sizes)) for key in TENSORS}
 
 
@@ -306,20 +305,31 @@ class ModelFileJob:
         return "model file" if self.base_file.name == "model.safetensors" else self.base_file.name
 
 
+def safetensors_tensors(path: Path) -> dict[str, tuple[str, tuple, int, int]]:
+    """name -> (dtype, shape, first byte, end byte) in the file, from its JSON header."""
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        start = 8 + length
+        return {
+            name: (info["dtype"], tuple(info["shape"]), start + info["data_offsets"][0], start + info["data_offsets"][1])
+            for name, info in header.items()
+            if name != "__metadata__"
+        }
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc}); re-copy it") from None
+
+
 def merge_model_file(job: ModelFileJob, out_dir: Path, emit: Emit, cancelled: Callable[[], bool]) -> None:
-    """Compose one safetensors file: each tensor from the checkpoint its row was picked from."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
+    """Compose one 16-bit safetensors file: the base's bytes, with each tensor of a row picked
+    from another checkpoint replaced by that checkpoint's bytes (same header, same layout)."""
     counter = ByteCounter(job.task, job.total_bytes * 2, emit, cancelled)
-    where: dict[int, dict[str, Path]] = {}
+    where: dict[int, dict[str, tuple[Path, tuple]]] = {}
 
-    def find(s: int, name: str) -> Path:
+    def find(s: int, name: str) -> tuple[Path, tuple]:
         if s not in where:
-            where[s] = {}
-            for f in job.source_files[s]:
-                with safe_open(f, "pt") as h:
-                    where[s].update({k: f for k in h.keys()})
+            where[s] = {n: (f, info) for f in job.source_files[s] for n, info in safetensors_tensors(f).items()}
         if name not in where[s]:
             raise CheckpointError(
                 f"{job.source_files[s][0].parent}: its 16-bit model file has no tensor {name}; "
@@ -327,31 +337,45 @@ def merge_model_file(job: ModelFileJob, out_dir: Path, emit: Emit, cancelled: Ca
             )
         return where[s][name]
 
-    tensors = {}
-    with safe_open(job.base_file, "pt") as base:
-        metadata = base.metadata()
-        for name in base.keys():
-            s = job.picks.get(row_of(name), 0)
-            if s:
-                with safe_open(find(s, name), "pt") as h:
-                    t = h.get_tensor(name)
-                expected = base.get_slice(name)
-                if list(t.shape) != list(expected.get_shape()):
-                    raise CheckpointError(
-                        f"{find(s, name)}: tensor {name} has shape {list(t.shape)}, the base "
-                        f"{expected.get_shape()}; the checkpoints are from different models"
-                    )
-            else:
-                t = base.get_tensor(name)
-            tensors[name] = t
-            counter.add(t.numel() * t.element_size())
+    edits = []  # (offset in the base file, bytes, source file, offset there)
+    for name, (dtype, shape, begin, end) in safetensors_tensors(job.base_file).items():
+        s = job.picks.get(row_of(name), 0)
+        if not s:
+            continue
+        path, (their_dtype, their_shape, their_begin, their_end) = find(s, name)
+        if (their_dtype, their_shape) != (dtype, shape):
+            raise CheckpointError(
+                f"{path}: tensor {name} is {their_dtype} {list(their_shape)}, the base's "
+                f"{dtype} {list(shape)}; the checkpoints are from different models"
+            )
+        edits.append((begin, end - begin, path, their_begin))
+
     out = out_dir / job.base_file.name
+    sources: dict[Path, int] = {}
+    fout = None
     try:
-        save_file(tensors, str(out), metadata=metadata)
-        os.chmod(out, job.base_file.stat().st_mode & 0o777 | 0o200)  # save_file makes it 0600
-        fsync_file(out)
+        fin = os.open(job.base_file, os.O_RDONLY)
+        fout = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        buffer = memoryview(bytearray(STREAM_CHUNK))
+        position = 0
+        for offset, length, path, source_offset in sorted(edits):
+            copy_range(fin, fout, position, offset - position, counter.add)
+            if path not in sources:
+                sources[path] = os.open(path, os.O_RDONLY)
+            for chunk in range(0, length, STREAM_CHUNK):
+                view = buffer[: min(STREAM_CHUNK, length - chunk)]
+                pread_into(sources[path], view, source_offset + chunk)
+                pwrite_all(fout, view, offset + chunk)
+                counter.add(2 * len(view))
+            position = offset + length
+        copy_range(fin, fout, position, os.fstat(fin).st_size - position, counter.add)
+        os.fsync(fout)
+        os.fchmod(fout, os.stat(job.base_file).st_mode & 0o777 | 0o200)
     except OSError as exc:
         raise output_error(exc, out) from None
+    finally:
+        for fd in (fin, *sources.values(), *([fout] if fout is not None else [])):
+            os.close(fd)
     counter.finish()
 
 
@@ -376,13 +400,14 @@ _WORKER_QUEUE = None
 _WORKER_CANCEL = None
 
 
-def _worker_init(events, cancel) -> None:
+def _worker_init(events, cancel, parent: int) -> None:
     global _WORKER_QUEUE, _WORKER_CANCEL
     # Ctrl-C reaches the whole process group: the parent alone decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A worker holds its own copy of the task queue's pipe, so it would wait forever if the
     # parent were killed (kill -9, OOM killer): it leaves as soon as it is orphaned.
-    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
+    # `parent` comes from the parent itself: read here, it could already be init's PID.
+    threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _WORKER_QUEUE, _WORKER_CANCEL = events, cancel
 
@@ -442,21 +467,33 @@ def _run_pool(tasks, out_dirs, workers: int, emit: Emit, cancel: threading.Event
 
     ctx = mp.get_context("spawn")  # fork after torch has started threads can deadlock
     events, stop = ctx.Queue(), ctx.Event()
-    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(events, stop))
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
+                               initargs=(events, stop, os.getpid()))
     with _children_ignore_sigint():
         futures = [pool.submit(_run_task, t, o) for t, o in zip(tasks, out_dirs)]
+    finished: set[str] = set()
+
+    def emit_and_count(event) -> None:
+        if isinstance(event, TaskFinished):
+            finished.add(event.task)
+        emit(event)
+
     try:
         pending = set(futures)
         while pending:
             if cancel.is_set():
                 stop.set()
-            _drain(events, emit, timeout=0.05)
+            _drain(events, emit_and_count, timeout=0.05)
             done, pending = wait(pending, timeout=0, return_when=FIRST_EXCEPTION)
             for f in done:
                 if f.exception() is not None:
                     stop.set()
                     raise f.exception()
-        _drain(events, emit, timeout=0)
+        # A worker's events go through its queue's feeder thread and may arrive after its
+        # result: wait for every task's last event, so no rank's bar stops short of done.
+        deadline = time.monotonic() + 10
+        while len(finished) < len(tasks) and time.monotonic() < deadline:
+            _drain(events, emit_and_count, timeout=0.05)
     finally:
         stop.set()
         pool.shutdown(wait=True, cancel_futures=True)

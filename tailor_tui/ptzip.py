@@ -2,9 +2,9 @@
 
 A `.pt` file is a zip archive: `data.pkl` (the pickled object, tensors as references
 to storages) plus one uncompressed record per storage (`data/0`, `data/1`, …). Here
-`data.pkl` is unpickled by torch's weights-only unpickler (so only allow-listed
-classes), with every storage replaced by an empty *meta* storage: that yields the
-object's structure and, for each tensor, which record and which byte offset hold it.
+`data.pkl` is read by `pickled.read_pickle` (allow-listed globals only, as inert
+stand-ins, no torch): that yields the object's structure and, for each tensor, which
+record and which byte offset hold it.
 
 The streaming merger uses this to copy the base's rank file record by record at
 kernel speed and rewrite only the byte ranges a recipe replaces (then the records'
@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CheckpointError
-from .safe_load import allowed_globals, refused
+from .pickled import TensorRef, read_pickle
+from .safe_load import refused
 
 LOCAL_HEADER = 30
 CENTRAL_SIGNATURE = 0x02014B50
@@ -96,10 +97,7 @@ def _records(path: Path) -> dict[str, Record]:
 
 
 def read_structure(path: Path):
-    """(object with meta tensors, {id of meta storage: record}, records) for a `.pt` file."""
-    import torch
-    from torch import _weights_only_unpickler
-
+    """(object with TensorRefs, records, record-name prefix) of a `.pt` file; reads only data.pkl."""
     path = Path(path)
     records = _records(path)
     pickles = [n for n in records if n.endswith("/data.pkl") or n == "data.pkl"]
@@ -110,36 +108,24 @@ def read_structure(path: Path):
         rec = records[pickles[0]]
         f.seek(rec.data_offset)
         data = f.read(rec.size)
-    storages: dict[int, Record] = {}
-
-    def persistent_load(saved_id):
-        _typename, storage_type, key, _location, numel = saved_id
-        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        record = records.get(f"{prefix}data/{key}")
-        if record is None:
-            raise Unsupported(f"storage {key} has no record")
-        storage = torch.UntypedStorage(numel * itemsize, device="meta")
-        storages[storage._cdata] = record
-        return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
-
-    unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(data), encoding="utf-8")
-    unpickler.persistent_load = persistent_load
-    with torch.serialization.safe_globals(allowed_globals()):
-        try:
-            obj = unpickler.load()
-        except pickle.UnpicklingError as exc:  # a global outside the allow-list
-            raise refused(path, exc) from None
-        except (EOFError, ValueError, RuntimeError) as exc:
-            raise CheckpointError(f"{path}: cannot be read ({str(exc).splitlines()[0][:160]}); "
-                                  "the file may be truncated or corrupt") from None
-    return obj, storages, records
+    try:
+        obj = read_pickle(data)
+    except pickle.UnpicklingError as exc:  # a global outside the allow-list
+        raise refused(path, exc) from None
+    except (EOFError, ValueError, TypeError, KeyError, IndexError) as exc:
+        raise CheckpointError(f"{path}: cannot be read ({str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__}); "
+                              "the file may be truncated or corrupt") from None
+    return obj, records, prefix
 
 
-def locate(tensor, storages: dict[int, Record]) -> TensorBytes:
-    """The bytes of a meta tensor built by `read_structure` (must be contiguous)."""
-    if not tensor.is_contiguous():
-        raise Unsupported("non-contiguous tensor")
-    record = storages[tensor.untyped_storage()._cdata]
+def locate(tensor: TensorRef, records: dict[str, Record], prefix: str) -> TensorBytes:
+    """The bytes of a tensor read by `read_structure` (must be contiguous)."""
+    if not isinstance(tensor, TensorRef) or not tensor.is_contiguous():
+        raise Unsupported("not a plain contiguous tensor")
+    record = records.get(f"{prefix}data/{tensor.storage.key}")
+    if record is None:
+        raise Unsupported(f"storage {tensor.storage.key} has no record")
     itemsize = tensor.element_size()
-    return TensorBytes(record, record.data_offset + tensor.storage_offset() * itemsize, tensor.numel(), itemsize)
+    if (tensor.storage_offset + tensor.numel()) * itemsize > record.size:
+        raise CheckpointError(f"a tensor runs past the end of record {record.name}; the file is corrupt")
+    return TensorBytes(record, record.data_offset + tensor.storage_offset * itemsize, tensor.numel(), itemsize)

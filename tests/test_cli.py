@@ -164,6 +164,9 @@ def test_headless_path_never_imports_textual(real_run, tmp_path):
         "from tailor_tui.cli import main\n"
         f"assert main(['--apply', {str(recipe)!r}, '-j', '1']) == 0\n"
         "assert 'textual' not in sys.modules, 'the headless path imported textual'\n"
+        # Streaming reads structure with its own allow-listed unpickler: no torch import,
+        # which is what makes scanning and worker start-up cheap.
+        "assert 'torch' not in sys.modules, 'the streaming merge imported torch'\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

@@ -161,9 +161,10 @@ async def test_merge_from_the_ui_composes_the_picked_rows(run_copy):
     assert tree_digest(c2, c4, c6) == before
 
 
-async def test_cancel_leaves_nothing_at_the_output(run_copy):
+async def test_cancel_leaves_nothing_at_the_output(run_copy, monkeypatch):
     run, ckpts = run_copy
-    app = make_app(run, workers=2)  # worker processes take seconds to start: time to cancel
+    monkeypatch.setenv("TAILOR_TEST_SLOW_MERGE", "0.4")  # tiny checkpoints: slow the merge to hit it mid-way
+    app = make_app(run, workers=2)
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
         await start_merge(pilot)
@@ -231,8 +232,9 @@ async def test_every_action_is_in_the_command_palette(run_copy):
             assert binding.description and binding.description in titles
 
 
-async def test_quit_during_a_merge_cancels_it(run_copy):
+async def test_quit_during_a_merge_cancels_it(run_copy, monkeypatch):
     run, _ = run_copy
+    monkeypatch.setenv("TAILOR_TEST_SLOW_MERGE", "0.4")
     app = make_app(run, workers=2)
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
