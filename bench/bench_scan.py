@@ -1,0 +1,77 @@
+"""Benchmark: time from start to the grid on a run of 100 checkpoints x 8 ranks.
+
+Makes (once, cached) a real DeepSpeed ZeRO-3 run on CPU with 8 ranks that saves at every
+one of 100 steps, then, in a fresh process each time (imports included), measures
+`tailor_tui.checkpoint.scan` alone and the composer from start until its grid is filled
+(headless Textual app). Prints medians of several runs.
+
+    python bench/bench_scan.py [--repeats 5] [--cache .tailor-cache/bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tailor_tui.demo_run import RunSpec, make_run  # noqa: E402
+
+SPEC = RunSpec(world_size=8, layout="deepspeed", layers=4, hidden=32, steps=100, save_every=1)
+
+SCAN = """
+import sys, time
+t = time.perf_counter()
+from tailor_tui.checkpoint import scan
+r = scan(sys.argv[1])
+assert len(r.checkpoints) == 100 and not r.problems, (len(r.checkpoints), r.problems[:1])
+print(time.perf_counter() - t)
+"""
+
+GRID = """
+import asyncio, sys, time
+t = time.perf_counter()
+from tailor_tui.ui.app import make_app
+
+async def main():
+    app = make_app(sys.argv[1])
+    async with app.run_test(size=(160, 50)) as pilot:
+        while app.composition is None or not app.query_one("#grid").row_count:
+            await pilot.pause(0.01)
+        print(time.perf_counter() - t)
+
+asyncio.run(main())
+"""
+
+
+def measure(code: str, run: Path) -> float:
+    out = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--cache", type=Path, default=ROOT / ".tailor-cache" / "bench")
+    args = ap.parse_args()
+    run = args.cache / "tiny-w8-100-checkpoints"
+    if not (run / "tailor_demo_spec.json").is_file():
+        print(f"making the real ZeRO-3 run in {run} (once; minutes)…", flush=True)
+        shutil.rmtree(run, ignore_errors=True)
+        make_run(run, SPEC)
+    files = sum(1 for _ in run.rglob("*.pt"))
+    scan_times = [measure(SCAN, run) for _ in range(args.repeats)]
+    grid_times = [measure(GRID, run) for _ in range(args.repeats)]
+    print(f"100 checkpoints x 8 ranks ({files} rank files); fresh process each time, imports included; "
+          f"medians of {args.repeats}")
+    print(f"scan()                        {statistics.median(scan_times):.2f} s")
+    print(f"composer start to full grid   {statistics.median(grid_times):.2f} s   (target: under 2 s)")
+
+
+if __name__ == "__main__":
+    main()
