@@ -39,6 +39,7 @@ class Record:
     header_offset: int  # local file header
     data_offset: int  # first byte of the stored data
     size: int
+    crc: int  # CRC-32 of the stored data, as the archive records it
     crc_offsets: tuple[int, int]  # where the CRC-32 sits: local header or data descriptor, central entry
 
 
@@ -91,6 +92,7 @@ def _records(path: Path) -> dict[str, Record]:
                 header_offset=info.header_offset,
                 data_offset=data_offset,
                 size=info.file_size,
+                crc=info.CRC,
                 crc_offsets=(crc_at, central[info.filename]),
             )
     return records

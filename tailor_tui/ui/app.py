@@ -105,8 +105,14 @@ class TailorApp(App):
             yield Static("", id="details", markup=False)
         yield Footer()
 
+    @property
+    def home(self) -> Screen:
+        """The screen with the grid: App.query_one would search whatever screen is on top
+        (a dialog, the merge screen), so the grid's own widgets are looked up here."""
+        return self.screen_stack[0]
+
     def on_mount(self) -> None:
-        self.query_one("#main").display = False
+        self.home.query_one("#main").display = False
         self.update_title()
         self.scan_worker()
 
@@ -127,7 +133,7 @@ class TailorApp(App):
             parts.append(f"output {self.rel(comp.output)}")
             recipe = self.rel(comp.recipe_path) if comp.recipe_path else "unsaved recipe"
             parts.append(recipe + ("" if comp.saved else " *"))
-        self.query_one("#title", Static).update(" · ".join(parts))
+        self.home.query_one("#title", Static).update(" · ".join(parts))
 
     # --- scanning ------------------------------------------------------------------------
 
@@ -146,45 +152,46 @@ class TailorApp(App):
             self.post_message(ScanComplete(result))
 
     def on_scan_progressed(self, message: ScanProgressed) -> None:
-        self.query_one("#scan-bar", ProgressBar).update(total=message.total, progress=message.done)
-        self.query_one("#scan-label", Label).update(
+        self.home.query_one("#scan-bar", ProgressBar).update(total=message.total, progress=message.done)
+        self.home.query_one("#scan-label", Label).update(
             f"Scanning {self.run_dir} … {message.done}/{message.total} {self.rel(message.path)}"
         )
 
     def on_scan_failed(self, message: ScanFailed) -> None:
-        self.query_one("#scan-label", Label).update(f"error: {message.message}")
+        self.home.query_one("#scan-label", Label).update(f"error: {message.message}")
         self.push_screen(ErrorDialog(message.message, title="Cannot scan"))
 
     def on_scan_complete(self, message: ScanComplete) -> None:
         result = self.scan_result = message.result
         if not result.checkpoints:
             why = "; ".join(f"{self.rel(p)}: {w}" for p, w in result.problems)
-            self.query_one("#scan-label", Label).update(
+            self.home.query_one("#scan-label", Label).update(
                 f"No usable ZeRO-3 checkpoints under {self.run_dir}. {why}"
             )
             return
         self.composition = Composition.start(list(result.checkpoints))
-        self.query_one("#scanning").display = False
-        self.query_one("#main").display = True
+        self.home.query_one("#scanning").display = False
+        self.home.query_one("#main").display = True
         if self.recipe_arg is not None:
             self.composition.recipe_path = self.recipe_arg
             if self.recipe_arg.is_file():
                 self.adopt_recipe(self.recipe_arg)
         self.refresh_view()
-        self.query_one(CheckpointGrid).focus()
+        self.home.query_one(CheckpointGrid).focus()
         for path, why in result.problems:
             self.notify(why, title=f"Skipped {self.rel(path)}", severity="warning", timeout=8)
 
     # --- view ------------------------------------------------------------------------------
 
     def refresh_view(self) -> None:
-        grid = self.query_one(CheckpointGrid)
+        grid = self.home.query_one(CheckpointGrid)
         grid.show(self.composition)
         self.update_title()
         self.update_details()
 
     def on_data_table_cell_highlighted(self, message: DataTable.CellHighlighted) -> None:
-        self.update_details()
+        if message.data_table.is_attached:  # may arrive while the app shuts down
+            self.update_details()
 
     def on_data_table_cell_selected(self, message: DataTable.CellSelected) -> None:
         self.action_pick()  # Enter and mouse clicks pick, like space
@@ -193,7 +200,7 @@ class TailorApp(App):
         comp = self.composition
         if comp is None:
             return
-        row_name, column = self.query_one(CheckpointGrid).current()
+        row_name, column = self.home.query_one(CheckpointGrid).current()
         if row_name is None:
             return
         row = comp.base_checkpoint.row(row_name)
@@ -227,7 +234,7 @@ class TailorApp(App):
             lines.append(f"state   {size(numel * 12)} (fp32 + exp_avg + exp_avg_sq)")
         source = comp.checkpoints[comp.source_of(row.name)]
         lines.append(f"source  {source.name}" + ("  (base)" if comp.source_of(row.name) == comp.base else ""))
-        self.query_one("#details", Static).update("\n".join(lines))
+        self.home.query_one("#details", Static).update("\n".join(lines))
 
     # --- actions --------------------------------------------------------------------------
 
@@ -245,21 +252,21 @@ class TailorApp(App):
     def action_pick(self) -> None:
         if not self._editable():
             return
-        row, column = self.query_one(CheckpointGrid).current()
+        row, column = self.home.query_one(CheckpointGrid).current()
         if row is not None and column is not None:
             self._edit(lambda: self.composition.pick(row, column))
 
     def action_pick_column(self) -> None:
         if not self._editable():
             return
-        _row, column = self.query_one(CheckpointGrid).current()
+        _row, column = self.home.query_one(CheckpointGrid).current()
         if column is not None:
             self._edit(lambda: self.composition.pick_column(column))
 
     def action_set_base(self) -> None:
         if not self._editable():
             return
-        _row, column = self.query_one(CheckpointGrid).current()
+        _row, column = self.home.query_one(CheckpointGrid).current()
         if column is not None:
             self._edit(lambda: self.composition.set_base(column))
 
