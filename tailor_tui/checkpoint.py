@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,13 +26,24 @@ MODEL_STATES = "zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
 OPTIM_STATES = "{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
 MODEL_FILE_INDEX = "model.safetensors.index.json"
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+# A partial checkpoint (tailor_tui.selective): some rows' optimizer state, per rank
+PARTIAL_MANIFEST = "tailor_partial.json"
+PARTIAL_ROWS = "tailor_rows_rank_{rank}.safetensors"
+PARTIAL_SKELETON = "tailor_optim_skeleton_rank_{rank}.pt"
 
 
 @dataclass(frozen=True)
 class RankFiles:
     rank: int
     model_states: Path
-    optim_states: Path
+    optim_states: Path  # in a partial checkpoint: the name a full one would have (absent)
+    rows: Path | None = None  # partial: the saved rows' fp32 / exp_avg / exp_avg_sq slices
+    skeleton: Path | None = None  # partial: the optimizer state without its big tensors
+
+    def existing(self) -> tuple[Path, ...]:
+        if self.rows is None:
+            return (self.model_states, self.optim_states)
+        return (self.model_states, self.rows, self.skeleton)
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,15 @@ class Checkpoint:
     model_files: tuple[Path, ...] = ()  # 16-bit safetensors files of an HF checkpoint
     ds_version: str = ""
     sizes: dict = field(default_factory=dict, compare=False, hash=False)  # file -> bytes
+    saved_rows: frozenset | None = None  # a partial checkpoint's rows; None: every row
+
+    @property
+    def partial(self) -> bool:
+        return self.saved_rows is not None
+
+    def holds(self, row: str) -> bool:
+        """Whether this checkpoint saved row `row` (rows without weights of their own: always)."""
+        return self.saved_rows is None or row in self.saved_rows or self.row(row).tied
 
     @property
     def name(self) -> str:
@@ -83,8 +104,7 @@ class Checkpoint:
         return {p: r.name for r in self.rows for p in (*r.params, *r.buffers)}
 
     def rank_bytes(self, rank: int) -> int:
-        files = self.ranks[rank]
-        return self.sizes[files.model_states] + self.sizes[files.optim_states]
+        return sum(self.sizes[f] for f in self.ranks[rank].existing())
 
     def total_bytes(self) -> int:
         return sum(self.sizes.values())
@@ -93,11 +113,14 @@ class Checkpoint:
         """Every rank file is a whole archive: reads only each zip's central directory,
         so truncated copies are refused before anything is written."""
         for files in self.ranks:
-            for f in (files.model_states, files.optim_states):
+            for f in files.existing():
                 try:
+                    if f.suffix == ".safetensors":
+                        safetensors_header(f)
+                        continue
                     with zipfile.ZipFile(f) as z:
                         z.getinfo(z.namelist()[0])
-                except (zipfile.BadZipFile, OSError, IndexError):
+                except (zipfile.BadZipFile, OSError, IndexError, CheckpointError):
                     raise CheckpointError(
                         f"{f}: truncated or corrupt (not a complete archive); re-copy it from the training run"
                     ) from None
@@ -120,6 +143,9 @@ def _locate(path: Path) -> tuple[str, Path, Path, Path]:
         raise CheckpointError(f"{path}: no such checkpoint folder; check the path")
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a folder; name a checkpoint-N or tag folder")
+    if (path / PARTIAL_MANIFEST).is_file():
+        manifest = read_manifest(path)
+        return manifest["layout"], path, path / manifest["tag"], path
     if _is_tag_dir(path):
         parent = path.parent
         if (parent / "trainer_state.json").is_file() and _read_latest(parent) == path.name:
@@ -140,6 +166,40 @@ def _locate(path: Path) -> tuple[str, Path, Path, Path]:
         f"{path}: not a DeepSpeed ZeRO-3 checkpoint (no `latest` file and no "
         f"{MODEL_STATES.format(rank=0)}); name a checkpoint-N folder or a tag folder"
     )
+
+
+def read_manifest(folder: Path) -> dict:
+    """A partial checkpoint's manifest, checked."""
+    path = folder / PARTIAL_MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+        if manifest.get("format") != "tailor-partial":
+            raise ValueError("not a tailor-partial manifest")
+        if manifest.get("version") != 1:
+            raise ValueError(f"version {manifest.get('version')}; this tailor-tui reads version 1, upgrade it")
+        if manifest.get("layout") not in ("hf", "deepspeed"):
+            raise ValueError(f"unknown layout {manifest.get('layout')!r}")
+        manifest["tag"], manifest["rows"], manifest["dtype"]  # noqa: B018 (must be there)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{path}: unreadable partial-checkpoint manifest ({exc}); re-copy it") from None
+    return manifest
+
+
+def safetensors_header(path: Path) -> tuple[dict, int]:
+    """(header, first data byte) of a safetensors file."""
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > 100 << 20:
+                raise ValueError("header too large")
+            header = json.loads(f.read(length))
+        size = path.stat().st_size
+        for name, info in header.items():
+            if name != "__metadata__" and 8 + length + info["data_offsets"][1] > size:
+                raise ValueError(f"{name} runs past the end of the file")
+        return header, 8 + length
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+        raise CheckpointError(f"{path}: not a complete safetensors file ({exc}); re-copy it") from None
 
 
 def _dtype(tag_dir: Path, states: dict) -> tuple[str, str]:
@@ -206,18 +266,23 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             f"{tag_dir / MODEL_STATES.format(rank=0)}: not a ZeRO stage 3 model_states file "
             "(no param_shapes / dp_world_size); tailor-tui composes ZeRO-3 checkpoints only"
         ) from None
-    dtype, prefix = _dtype(tag_dir, states)
+    manifest = read_manifest(named) if (named / PARTIAL_MANIFEST).is_file() else None
+    if manifest:
+        dtype, prefix = manifest["dtype"], ("bf16_" if manifest["dtype"] == "bf16" else "")
+    else:
+        dtype, prefix = _dtype(tag_dir, states)
     ranks = tuple(
         RankFiles(
             r,
             tag_dir / MODEL_STATES.format(rank=r),
             tag_dir / OPTIM_STATES.format(prefix=prefix, rank=r),
+            *((tag_dir / PARTIAL_ROWS.format(rank=r), tag_dir / PARTIAL_SKELETON.format(rank=r)) if manifest else ()),
         )
         for r in range(layout.world_size)
     )
     sizes: dict[Path, int] = {}
     for files in ranks:
-        for f in (files.model_states, files.optim_states):
+        for f in files.existing():
             try:
                 sizes[f] = f.stat().st_size
             except FileNotFoundError:
@@ -225,7 +290,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
                     f"{f}: missing; the checkpoint {named} was written by "
                     f"{layout.world_size} ranks and is incomplete"
                 ) from None
-    model_files = _model_files(named) if kind == "hf" else ()
+    model_files = _model_files(named) if kind == "hf" and not manifest else ()
     for f in model_files:
         if not f.is_file():
             raise CheckpointError(f"{f}: listed in {MODEL_FILE_INDEX} but missing")
@@ -245,6 +310,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         model_files=model_files,
         ds_version=str(states.get("ds_version", "")),
         sizes=sizes,
+        saved_rows=frozenset(manifest["rows"]) if manifest else None,
     )
 
 
@@ -262,7 +328,10 @@ def find_checkpoint_dirs(root: Path) -> list[Path]:
     found: list[Path] = []
     for dirpath, dirnames, _files in os.walk(root):
         here = Path(dirpath)
-        if _is_tag_dir(here):
+        if (here / PARTIAL_MANIFEST).is_file():
+            found.append(here)
+            dirnames.clear()
+        elif _is_tag_dir(here):
             # A tag folder inside an HF checkpoint-N folder is named by its parent instead.
             parent = here.parent
             if not ((parent / "trainer_state.json").is_file() and _read_latest(parent) == here.name):

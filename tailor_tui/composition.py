@@ -28,13 +28,29 @@ class Composition:
 
     @classmethod
     def start(cls, checkpoints: list[Checkpoint]) -> "Composition":
-        """A composition of `checkpoints` (ordered by step) with the newest as base."""
+        """A composition of `checkpoints` (ordered by step) with the newest as base and every
+        row from the newest checkpoint that holds it (partial checkpoints hold some rows)."""
         if not checkpoints:
             raise RecipeError("no checkpoints to compose")
         base = len(checkpoints) - 1
         comp = cls(list(checkpoints), base)
+        comp._fill_missing()
         comp.output = comp.default_output()
         return comp
+
+    def _fill_missing(self) -> None:
+        """Rows the base did not save come from the newest compatible checkpoint that did."""
+        for row in self.rows:
+            if row.tied or row.name in self.picks or self.holds(self.base, row.name):
+                continue
+            for column in reversed(range(len(self.checkpoints))):
+                if self.holds(column, row.name) and self.incompatibility(column) is None:
+                    self.picks[row.name] = column
+                    break
+
+    def missing_rows(self) -> list[str]:
+        """Rows whose source did not save them (a partial base without a pick)."""
+        return [r.name for r in self.rows if not r.tied and not self.holds(self.source_of(r.name), r.name)]
 
     # --- what the grid shows -------------------------------------------------------------
 
@@ -67,9 +83,11 @@ class Composition:
         return None
 
     def holds(self, column: int, row: str) -> bool:
-        """Whether checkpoint `column` holds weights for `row`."""
+        """Whether checkpoint `column` holds weights for `row` (a partial checkpoint: only the
+        rows it saved)."""
+        ckpt = self.checkpoints[column]
         try:
-            return not self.checkpoints[column].row(row).tied
+            return not ckpt.row(row).tied and ckpt.holds(row)
         except KeyError:
             return False
 
@@ -86,6 +104,8 @@ class Composition:
         reason = self.incompatibility(column)
         if reason:
             raise RecipeError(f"{self.checkpoints[column].name} cannot be combined with the base: {reason}")
+        if not self.holds(column, row):
+            raise RecipeError(f"{self.checkpoints[column].name} is a partial checkpoint that did not save row '{row}'")
         if self.source_of(row) == column:
             return
         self._remember()
@@ -100,7 +120,10 @@ class Composition:
         if reason:
             raise RecipeError(f"{self.checkpoints[column].name} cannot be combined with the base: {reason}")
         self._remember()
-        self.picks = {} if column == self.base else {r.name: column for r in self.rows if not r.tied}
+        if column == self.base:
+            self.picks = {row: col for row, col in self.picks.items() if not self.holds(column, row)}
+        else:  # a partial column gives the rows it saved; the others keep their source
+            self.picks.update({r.name: column for r in self.rows if self.holds(column, r.name)})
 
     def set_base(self, column: int) -> None:
         """Make `column` the base; picks it cannot be combined with are dropped."""
@@ -114,6 +137,7 @@ class Composition:
             for row, col in self.picks.items()
             if col != column and self.incompatibility(col) is None and row in self.base_checkpoint.row_names()
         }
+        self._fill_missing()
         if old_output_default:
             self.output = self.default_output()
 

@@ -38,6 +38,9 @@ class RunSpec:
     seed: int = 0
     vocab: int = VOCAB
     intermediate: int | None = None  # MLP width; default 1.5 x hidden
+    # "parity" or "filter": save through tailor_tui.selective (deepspeed layout); the run's
+    # checkpoints go to OUT/run and full reference checkpoints of every save to OUT/reference
+    selective: str | None = None
     extra: dict = field(default_factory=dict, hash=False, compare=False)
 
     def key(self) -> str:
@@ -203,12 +206,22 @@ def _train_rank(rank: int, world: int, port: int, spec: RunSpec, out: str) -> No
     model = build_model(spec)
     opt = torch.optim.AdamW(param_groups(model), lr=1e-3)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(spec, False))
+    saver = None
+    if spec.selective:
+        from .selective import Filter, Parity, SelectiveSaver
+
+        strategy = Parity() if spec.selective == "parity" else Filter(first=1, last=1)
+        saver = SelectiveSaver(strategy, out / "run")
     for step, ids in enumerate(training_batches(spec, spec.steps, rank), start=1):
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
         if step % spec.save_every == 0:
-            engine.save_checkpoint(str(out), tag=f"global_step{step}")
+            if saver is None:
+                engine.save_checkpoint(str(out), tag=f"global_step{step}")
+            else:
+                saver.save(engine, step)
+                engine.save_checkpoint(str(out / "reference"), tag=f"global_step{step}")
 
 
 def _spawn(fn, spec: RunSpec, *args) -> None:

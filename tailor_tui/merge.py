@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import __version__, crc
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, safetensors_header
 from .errors import CheckpointError, MergeCancelled, OutputError
 from .events import ByteCounter, Emit, TaskFinished
 from .fileio import (
@@ -121,7 +121,8 @@ def merge_rank(job: RankJob, out_tag_dir: Path, emit: Emit, cancelled: Callable[
     counter = ByteCounter(f"rank {job.rank}", job.total_bytes, emit, cancelled)
     base_files = job.files[0]
     out_optim = out_tag_dir / base_files.optim_states.name
-    if not stream_optim_states(job, out_optim, counter):
+    # a partial base has no optim file to copy: the file is built from its skeleton
+    if base_files.rows is not None or not stream_optim_states(job, out_optim, counter):
         _reserialise_optim_states(job, out_optim, counter)
 
     out_model = out_tag_dir / base_files.model_states.name
@@ -149,15 +150,20 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> bool:
     used = sorted({c.source for c in job.copies})
     try:
         base = _tensor_bytes(base_path, job.group_sizes)
-        sources = {s: _tensor_bytes(job.files[s].optim_states, job.group_sizes) for s in used}
+        sources = {s: _tensor_bytes(job.files[s].optim_states, job.group_sizes)
+                   for s in used if job.files[s].rows is None}
     except Unsupported:
         return False
+    partial = {s: safetensors_tensors(job.files[s].rows) for s in used if job.files[s].rows is not None}
     spans = []  # (file offset, bytes, source or None for zeros, source offset, record)
     for c in job.copies:
         for key in TENSORS:
-            b, src = base[c.group, key], sources[c.source][c.group, key]
-            spans.append((b.offset + c.offset * b.itemsize, c.length * b.itemsize,
-                          c.source, src.offset + c.offset * b.itemsize, b.record))
+            b = base[c.group, key]
+            if c.param is None:
+                at = sources[c.source][c.group, key].offset + c.offset * b.itemsize
+            else:
+                at = _partial_slice(job.files[c.source].rows, partial[c.source], key, c)[2]
+            spans.append((b.offset + c.offset * b.itemsize, c.length * b.itemsize, c.source, at, b.record))
     for g, offset, length in job.padding:
         for key in TENSORS:
             b = base[g, key]
@@ -167,7 +173,7 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> bool:
     fout = None
     try:
         fin = os.open(base_path, os.O_RDONLY)
-        fds = {s: os.open(job.files[s].optim_states, os.O_RDONLY) for s in used}
+        fds = {s: os.open(job.files[s].rows or job.files[s].optim_states, os.O_RDONLY) for s in used}
         fout = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         writeback = Writeback(fout)
         buffer = memoryview(bytearray(STREAM_CHUNK))
@@ -195,6 +201,21 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> bool:
         for fd in (fin, *fds.values(), *([fout] if fout is not None else [])):
             os.close(fd)
     return True
+
+
+def _partial_slice(path: Path, tensors: dict, key: str, copy) -> tuple:
+    """(dtype, shape, first byte, end byte) of one parameter's slice in a partial checkpoint."""
+    name = f"{key}/{copy.param}"
+    found = tensors.get(name)
+    if found is None:
+        raise CheckpointError(f"{path}: has no tensor {name}; the partial checkpoint is incomplete, re-copy it")
+    dtype, shape, begin, end = found
+    if dtype != "F32" or end - begin < copy.length * 4:
+        raise CheckpointError(
+            f"{path}: tensor {name} is {dtype} {list(shape)}, expected F32 of at least {copy.length} "
+            "elements; the partial checkpoint is from another run or layout"
+        )
+    return found
 
 
 def _coalesced(spans: list) -> list:
@@ -237,40 +258,71 @@ def _crc_of(fd: int, offset: int, length: int, buffer: memoryview) -> int:
 
 
 def _reserialise_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> None:
-    """Fallback: load (memory-mapped), replace whole flat tensors, torch.save."""
+    """Load (memory-mapped), build whole flat tensors, torch.save. Used for a partial base
+    (its skeleton holds everything but the big tensors) and for archives the streaming
+    path does not handle. Memory: one sub-group's three flat tensors at a time."""
     import torch
 
     base_files = job.files[0]
-    base = load_pt(base_files.optim_states)
-    inner = _optimizer_state(base, base_files.optim_states, job.group_sizes)
-    sources = {
+    if base_files.rows is not None:
+        base = load_pt(base_files.skeleton)
+        inner = _skeleton_state(base, base_files.skeleton, job.group_sizes)
+    else:
+        base = load_pt(base_files.optim_states)
+        inner = _optimizer_state(base, base_files.optim_states, job.group_sizes)
+    full = {
         s: _optimizer_state(load_pt(f.optim_states), f.optim_states, job.group_sizes)
         for s, f in job.files.items()
-        if s and any(c.source == s for c in job.copies)
+        if s and f.rows is None and any(c.source == s for c in job.copies)
     }
+    partial = {s: f.rows for s, f in job.files.items() if f.rows is not None}
+    indexes = {s: safetensors_tensors(p) for s, p in partial.items()}
     copies, padding = defaultdict(list), defaultdict(list)
     for c in job.copies:
         copies[c.group].append(c)
     for g, offset, length in job.padding:
         padding[g].append((offset, length))
 
-    with torch.no_grad():
+    from safetensors import safe_open
+
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        opened = {s: stack.enter_context(safe_open(str(p), framework="pt")) for s, p in partial.items()}
         for g, size in enumerate(job.group_sizes):
             for key in TENSORS:
                 original = _tensor(inner, g, key)
-                merged = torch.empty(size, dtype=original.dtype)
-                merged.copy_(original)
-                counter.add(size * original.element_size())
+                merged = torch.empty(size, dtype=torch.float32)
+                if base_files.rows is None:
+                    merged.copy_(original)
+                    counter.add(size * 4)
                 for c in copies[g]:
                     span = slice(c.offset, c.offset + c.length)
-                    merged[span].copy_(_tensor(sources[c.source], g, key)[span])
-                    counter.add(c.length * merged.element_size())
+                    if c.param is None:
+                        merged[span].copy_(_tensor(full[c.source], g, key)[span])
+                    else:
+                        _partial_slice(partial[c.source], indexes[c.source], key, c)
+                        merged[span].copy_(opened[c.source].get_slice(f"{key}/{c.param}")[: c.length])
+                    counter.add(c.length * 4)
                 for offset, length in padding[g]:
                     merged[offset : offset + length].zero_()  # padding holds garbage: write zeros
                 merged.requires_grad_(original.requires_grad)
                 _set_tensor(inner, g, key, merged)
-    del sources
+    del full
     _save(base, out, counter)
+
+
+def _skeleton_state(obj, path: Path, group_sizes: tuple[int, ...]) -> dict:
+    """The inner optimizer dict of a partial checkpoint's skeleton (big tensors left empty)."""
+    try:
+        inner = obj["optimizer_state_dict"]
+        flat, state = inner["fp32_flat_groups"], inner["optimizer_state_dict"]["state"]
+        if len(flat) != len(group_sizes) or any(g not in state for g in range(len(group_sizes))):
+            raise ValueError
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(
+            f"{path}: not a partial-checkpoint optimizer skeleton for {len(group_sizes)} sub-groups; "
+            "the partial checkpoint is corrupt or from another run"
+        ) from None
+    return inner
 
 
 def _merge_model_states(job: RankJob, out: Path, counter: ByteCounter) -> None:
@@ -314,18 +366,12 @@ class ModelFileJob:
 
 def safetensors_tensors(path: Path) -> dict[str, tuple[str, tuple, int, int]]:
     """name -> (dtype, shape, first byte, end byte) in the file, from its JSON header."""
-    try:
-        with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        start = 8 + length
-        return {
-            name: (info["dtype"], tuple(info["shape"]), start + info["data_offsets"][0], start + info["data_offsets"][1])
-            for name, info in header.items()
-            if name != "__metadata__"
-        }
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({exc}); re-copy it") from None
+    header, start = safetensors_header(path)
+    return {
+        name: (info["dtype"], tuple(info["shape"]), start + info["data_offsets"][0], start + info["data_offsets"][1])
+        for name, info in header.items()
+        if name != "__metadata__"
+    }
 
 
 def merge_model_file(job: ModelFileJob, out_dir: Path, emit: Emit, cancelled: Callable[[], bool]) -> None:
@@ -432,7 +478,7 @@ def default_workers(plan: MergePlan) -> int:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count() or 1
-    per_worker = max(plan.base.sizes[r.optim_states] for r in plan.base.ranks) * 2 + (256 << 20)
+    per_worker = max(plan.base.rank_bytes(r) for r in range(plan.base.world_size)) * 2 + (256 << 20)
     return max(1, min(len(plan.base.ranks), cores, _available_memory() // per_worker))
 
 

@@ -26,6 +26,7 @@ class SliceCopy:
     offset: int
     length: int
     source: int
+    param: str | None = None  # set when the source is partial: its slices are stored per parameter
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,14 @@ class MergePlan:
         for slot in layout.slots:
             valid = slot.valid(rank)
             s = src.get(slot.name, 0)
-            if s and valid:
+            if valid and self.sources[s].partial:
+                # a partial checkpoint keeps each parameter's slice apart; a partial base has no
+                # optim file to start from, so every slice is listed, the base's own included
+                copies.append(SliceCopy(slot.group, slot.offset, valid, s, slot.name))
+            elif s and valid:
                 last = copies[-1] if copies else None
-                if last and last.source == s and last.group == slot.group and last.offset + last.length == slot.offset:
+                if (last and last.source == s and last.param is None and last.group == slot.group
+                        and last.offset + last.length == slot.offset):
                     copies[-1] = SliceCopy(slot.group, last.offset, last.length + valid, s)
                 else:
                     copies.append(SliceCopy(slot.group, slot.offset, valid, s))
@@ -98,8 +104,14 @@ class MergePlan:
             frozen=frozen,
             buffers=buffers,
             read_bytes=read,
-            write_bytes=self.base.rank_bytes(rank),
+            write_bytes=self._rank_output_bytes(rank),
         )
+
+    def _rank_output_bytes(self, rank: int) -> int:
+        if not self.base.partial:
+            return self.base.rank_bytes(rank)
+        files = self.base.ranks[rank]
+        return self.base.sizes[files.model_states] + sum(self.base.layout.group_sizes()) * BYTES_PER_ELEMENT
 
     # --- totals and description -------------------------------------------------------
 
@@ -230,9 +242,33 @@ def build_plan(recipe: Recipe, output: str | Path | None = None, force: bool = F
             by_path[_resolved(path)] = ckpt_index
         picks[row] = ckpt_index
 
+    _check_rows_held(recipe, sources, picks)
     if check_output:
         _check_output(out, sources, force)
     return MergePlan(recipe=recipe, base=base, sources=sources, picks=picks, output=out, force=force)
+
+
+def _check_rows_held(recipe: Recipe, sources: list[Checkpoint], picks: dict[str, int]) -> None:
+    """Every row must come from a checkpoint that saved it (partial checkpoints hold some rows)."""
+    base = sources[0]
+    for row, s in picks.items():
+        if s and not sources[s].holds(row):
+            src = sources[s]
+            raise RecipeError(
+                f"{recipe.location(f'row:{row}')}: row '{row}' picks {src.path.name}, a partial checkpoint "
+                f"that did not save it (it holds {_list([r for r in base.row_names() if r in src.saved_rows])}); "
+                "pick a checkpoint that has it"
+            )
+    lacking = [row for row, s in picks.items() if s == 0 and not base.holds(row)]
+    if lacking:
+        raise RecipeError(
+            f"{recipe.location('base')}: base {base.path.name} is a partial checkpoint without rows "
+            f"{_list(lacking)}; pick a source for each of them under `layers:`"
+        )
+
+
+def _list(names: list[str], most: int = 6) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _resolved(path: Path) -> Path:

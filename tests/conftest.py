@@ -34,6 +34,15 @@ RUNS = {
         sub_group_size=2000,
         frozen=("model.layers.1.mlp.up_proj.weight",),
     ),
+    # Selective checkpointing (tailor_tui.selective, parity): OUT/run holds a full save at step 2
+    # and partial saves at steps 4 and 6; OUT/reference full saves of the same run at 2, 4, 6
+    "ds_selective_parity": RunSpec(
+        world_size=3,
+        layout="deepspeed",
+        sub_group_size=2000,
+        frozen=("model.layers.1.mlp.up_proj.weight",),
+        selective="parity",
+    ),
 }
 
 

@@ -217,6 +217,8 @@ class TailorApp(App):
                 f"files   {size(c.total_bytes())}" + (f" ({size(model)} 16-bit model)" if model else ""),
                 f"rank 0  {size(c.rank_bytes(0))}",
             ]
+            if c.partial:
+                lines.append(f"partial saved {len(c.saved_rows)} of {sum(not r.tied for r in c.rows)} rows")
             reason = comp.incompatibility(column)
             if reason:
                 lines.append(f"✗ cannot be combined with the base: {reason}")

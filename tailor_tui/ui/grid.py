@@ -60,6 +60,8 @@ class CheckpointGrid(DataTable):
             elif r.tied:
                 mark = f"{TIED} {PICKED}" if column == source else TIED
                 cells.append(Text(mark, style="dim"))
+            elif column == source and not comp.holds(column, row):
+                cells.append(Text("! not saved", style="bold red"))  # a partial base, no pick yet
             elif column == source:
                 style = "bold green" if column != comp.base else "bold cyan"
                 cells.append(Text(f"{PICKED} picked" if column != comp.base else f"{PICKED} base", style=style))

@@ -1,0 +1,154 @@
+"""Layer-wise selective checkpointing: partial saves from a live engine, composed back.
+
+A real ZeRO-3 run (3 ranks, sub-groups, a frozen parameter) saves through
+`tailor_tui.selective` with the parity strategy: full at step 2, partial at steps 4 and
+6; the same run also writes full reference checkpoints at every save. The composed
+checkpoint must hold, for every row, exactly the state at the step that row was saved
+(read with DeepSpeed's own zero_to_fp32 code), carry step 6's counters, and resume with
+stock DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import tree_digest
+from tailor_tui.checkpoint import scan
+from tailor_tui.composition import Composition
+from tailor_tui.demo_run import resume_and_step
+from tailor_tui.merge import run_merge, safetensors_tensors
+from tailor_tui.plan import build_plan
+from tailor_tui.recipe import Recipe
+from tailor_tui.selective import Filter, Parity
+from test_cli import assert_one_line_error, tailor, write_recipe
+from test_merge import test_row
+from zero_reader import model_states, optim_states, read_full_state
+
+RUN = "ds_selective_parity"
+
+
+@pytest.fixture(scope="module")
+def selective(real_run):
+    run, spec = real_run(RUN)
+    return run / "run", run / "reference", spec
+
+
+def expect_rows_from(out, sources: dict[str, object]) -> None:
+    """Every parameter's fp32 / exp_avg / exp_avg_sq in `out` equals the reference checkpoint
+    its row was taken from (`sources`: row -> reference tag folder)."""
+    mine = read_full_state(out)
+    refs = {}
+    for key, tensors in mine.items():
+        for name, value in tensors.items():
+            ref = sources[test_row(name)]
+            if ref not in refs:
+                refs[ref] = read_full_state(ref)
+            assert torch.equal(value, refs[ref][key][name]), (key, name, ref)
+
+
+def test_strategies_choose_rows_like_llmtailor():
+    rows = ["embed_tokens", *(f"layers.{i}" for i in range(6)), "norm", "lm_head"]
+    parity = Parity()
+    assert parity.rows_for(0, rows) is None  # the first save is full
+    odd, even = parity.rows_for(1, rows), parity.rows_for(2, rows)
+    assert set(odd) | set(even) == set(rows) and not set(odd) & set(even)
+    assert Parity(full_every=3).rows_for(3, rows) is None
+    flt = Filter(first=1, last=2, full_every=4)
+    assert flt.rows_for(1, rows) == ["embed_tokens", "layers.0", "layers.4", "layers.5", "norm", "lm_head"]
+    assert flt.rows_for(4, rows) is None
+
+
+def test_partial_saves_hold_only_their_rows_and_each_ranks_own_slices(selective):
+    runs, _ref, spec = selective
+    result = scan(runs)
+    assert not result.problems
+    full, p4, p6 = result.checkpoints
+    assert [c.name for c in result.checkpoints] == ["global_step2", "partial-step4", "partial-step6"]
+    assert [c.step for c in result.checkpoints] == [2, 4, 6]
+    rows = [r.name for r in full.rows if not r.tied]
+    assert not full.partial
+    assert sorted(p4.saved_rows) == sorted(rows[1::2]) and sorted(p6.saved_rows) == sorted(rows[0::2])
+    assert (runs / "latest").read_text().strip() == "global_step2"  # a partial save is never `latest`
+    for part in (p4, p6):
+        held = {s.name: s for s in full.layout.slots if test_row(s.name) in part.saved_rows}
+        for files in part.ranks:
+            tensors = safetensors_tensors(files.rows)
+            assert set(tensors) == {f"{k}/{n}" for n in held for k in ("fp32", "exp_avg", "exp_avg_sq")}
+            for name, (dtype, shape, _b, _e) in tensors.items():
+                assert dtype == "F32" and shape == (held[name.split("/", 1)[1]].part,)  # this rank's slice only
+        optim = sum(full.sizes[f.optim_states] for f in full.ranks)
+        saved = sum(part.sizes[f.rows] + part.sizes[f.skeleton] for f in part.ranks)
+        assert saved < 0.75 * optim
+
+
+def test_newest_per_row_composes_the_saved_states_and_resumes(selective, tmp_path):
+    runs, ref, spec = selective
+    before = tree_digest(runs)
+    comp = Composition.start(list(scan(runs).checkpoints))
+    full, p4, p6 = comp.checkpoints
+    assert comp.base == 2 and comp.missing_rows() == []  # the default: newest checkpoint per row
+    assert {row: col for row, col in comp.picks.items()} == {r: 1 for r in p4.saved_rows}
+    recipe = comp.to_recipe()
+    path = write_recipe(tmp_path, recipe.base, recipe.layers, output="composed")
+
+    result = tailor("--apply", path)
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "composed"
+    expect_rows_from(out, {r.name: ref / ("global_step6" if p6.holds(r.name) else "global_step4")
+                           for r in full.rows})
+    # the engine-level state is the partial base's: counters, per-sub-group steps, param groups
+    for mine, theirs in zip(optim_states(out), optim_states(ref / "global_step6"), strict=True):
+        assert mine["optimizer_state_dict"]["param_groups"] == theirs["optimizer_state_dict"]["param_groups"]
+        for g, st in mine["optimizer_state_dict"]["state"].items():
+            assert torch.equal(torch.as_tensor(st["step"]), torch.as_tensor(theirs["optimizer_state_dict"]["state"][g]["step"]))
+    for mine, theirs in zip(model_states(out), model_states(ref / "global_step6"), strict=True):
+        assert mine["global_steps"] == theirs["global_steps"] == 6
+        assert mine["lr_scheduler"] == theirs["lr_scheduler"]
+        for k, v in mine["frozen_param_fragments"].items():
+            assert torch.equal(v, theirs["frozen_param_fragments"][k])
+    assert tree_digest(runs) == before
+
+    losses = resume_and_step(out, spec, tmp_path / "resume")
+    assert losses and all(math.isfinite(x) for x in losses)
+    resaved = tmp_path / "resume" / "resaved"
+    for mine, theirs in zip(optim_states(out), optim_states(resaved), strict=True):
+        for a, b in zip(mine["fp32_flat_groups"], theirs["fp32_flat_groups"], strict=True):
+            assert torch.equal(a, b)
+        for g, st in mine["optimizer_state_dict"]["state"].items():
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(torch.as_tensor(st[key]), torch.as_tensor(theirs["optimizer_state_dict"]["state"][g][key]))
+
+
+def test_full_base_streams_rows_from_partial_checkpoints(selective, tmp_path):
+    runs, ref, _spec = selective
+    p4 = scan(runs).checkpoints[1]
+    recipe = Recipe(base=runs / "global_step2", output=tmp_path / "out",
+                    layers={row: runs / "partial-step4" for row in p4.saved_rows})
+    run_merge(build_plan(recipe), workers=1)
+    expect_rows_from(tmp_path / "out", {r.name: ref / ("global_step4" if p4.holds(r.name) else "global_step2")
+                                        for r in p4.rows})
+
+
+def test_rows_a_partial_checkpoint_did_not_save_are_refused(selective, tmp_path):
+    runs, _ref, _spec = selective
+    path = write_recipe(tmp_path, runs / "partial-step6", {})
+    assert_one_line_error(tailor("--apply", path), 3, "partial-step6 is a partial checkpoint without rows",
+                          "layers.0", "pick a source")
+    path = write_recipe(tmp_path, runs / "global_step2", {"layers.1": runs / "partial-step4"})
+    assert_one_line_error(tailor("--apply", path), 3, "layers.1", "did not save it", "layers.0")
+    assert not (tmp_path / "composed").exists()
+
+
+def test_partial_model_states_are_what_deepspeed_writes(selective):
+    """The model_states of a partial save equal a full save's of the same step (same
+    placeholders, buffers, counters, scheduler): DeepSpeed wrote both."""
+    runs, ref, _spec = selective
+    for mine, theirs in zip(model_states(runs / "partial-step4" / "global_step4"),
+                            model_states(ref / "global_step4"), strict=True):
+        assert mine.keys() == theirs.keys()
+        for k, v in mine["module"].items():
+            assert v.shape == theirs["module"][k].shape, k  # ZeRO-3 placeholders, not full weights
+        assert mine["global_steps"] == theirs["global_steps"] and mine["lr_scheduler"] == theirs["lr_scheduler"]
