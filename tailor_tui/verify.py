@@ -77,7 +77,17 @@ def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled) -> No
     counter = ByteCounter(f"rank {rank}", plan.base.rank_bytes(rank), emit, cancelled)
     mine = composed.ranks[rank].optim_states
     got = _optimizer_state(load_pt(mine), mine, sizes)
-    wanted = {i: _optimizer_state(load_pt(f.optim_states), f.optim_states, sizes) for i, f in files.items()}
+    from safetensors import safe_open
+
+    wanted = {i: _optimizer_state(load_pt(f.optim_states), f.optim_states, sizes)
+              for i, f in files.items() if f.rows is None}
+    partial = {i: safe_open(str(f.rows), "pt") for i, f in files.items() if f.rows is not None}
+
+    def source_slice(s: int, slot, key: str, valid: int):
+        if s in partial:  # a partial checkpoint stores each parameter's slice by name
+            return partial[s].get_slice(f"{key}/{slot.name}")[:valid]
+        return _tensor(wanted[s], slot.group, key)[slot.offset: slot.offset + valid]
+
     source_of = plan.source_of_param()
     for slot in plan.base.layout.slots:
         s = source_of[slot.name]
@@ -85,13 +95,13 @@ def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled) -> No
         row = param_row[slot.name]
         for key in TENSORS:
             out_t = _tensor(got, slot.group, key)
-            src_t = _tensor(wanted[s], slot.group, key)
-            if valid and not torch.equal(out_t[slot.offset: slot.offset + valid], src_t[slot.offset: slot.offset + valid]):
+            if valid and not torch.equal(out_t[slot.offset: slot.offset + valid], source_slice(s, slot, key, valid)):
                 report.add(row, f"rank {rank}: {key} of {slot.name} differs from {plan.sources[s].name}")
             if valid < slot.part and out_t[slot.offset + valid: slot.offset + slot.part].any():
                 report.add(row, f"rank {rank}: padding after {slot.name} ({key}) is not zero")
         counter.add(valid * 12)
-    base_state = wanted[0]["optimizer_state_dict"]["state"]
+    base_state = (wanted[0] if 0 in wanted else load_pt(files[0].skeleton)["optimizer_state_dict"])[
+        "optimizer_state_dict"]["state"]
     for g, st in got["optimizer_state_dict"]["state"].items():
         if not torch.equal(torch.as_tensor(st["step"]), torch.as_tensor(base_state[g]["step"])):
             report.add(None, f"rank {rank}: optimizer step of sub-group {g} is not the base's")

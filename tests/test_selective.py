@@ -96,6 +96,8 @@ def test_newest_per_row_composes_the_saved_states_and_resumes(selective, tmp_pat
 
     result = tailor("--apply", path)
     assert result.returncode == 0, result.stderr
+    verified = tailor("--verify", path)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
     out = tmp_path / "composed"
     expect_rows_from(out, {r.name: ref / ("global_step6" if p6.holds(r.name) else "global_step4")
                            for r in full.rows})

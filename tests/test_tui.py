@@ -247,3 +247,23 @@ async def test_quit_during_a_merge_cancels_it(run_copy, monkeypatch):
         assert merge.finished.is_set() and app.return_code == 0
     assert not (run / "checkpoint-6-tailored").exists()
     assert not [p for p in run.iterdir() if p.name.startswith(".")]
+
+
+async def test_partial_checkpoints_show_only_their_rows_and_default_to_the_newest_holder(real_run):
+    run, _spec = real_run("ds_selective_parity")
+    app = make_app(run / "run")
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        comp = app.composition
+        full, p4, p6 = comp.checkpoints
+        grid = app.query_one("#grid")
+        lacking = next(r.name for r in comp.rows if not r.tied and not p6.holds(r.name))
+        assert comp.source_of(lacking) == 1  # newest checkpoint that saved it
+        row_index = [r.name for r in comp.rows].index(lacking)
+        assert str(grid.get_cell_at((row_index, 3))) == "–"  # the partial base did not save it
+        assert "picked" in str(grid.get_cell_at((row_index, 2)))
+        grid.move_cursor(row=row_index, column=3)
+        await pilot.press("space")  # picking a row a partial checkpoint lacks is refused
+        await pilot.pause()
+        assert comp.source_of(lacking) == 1
+        assert "partial" in str(app.query_one("#details").render())

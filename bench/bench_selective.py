@@ -1,0 +1,115 @@
+"""Benchmark: selective (partial) saves against `engine.save_checkpoint`, in one run.
+
+Trains the medium model of bench_merge.py (Llama-like, 12 layers, hidden 1024, MLP 2816,
+vocab 32000, bf16) for one step with real DeepSpeed ZeRO-3 on 4 CPU ranks, then saves in
+turn, several times: a full `engine.save_checkpoint`, a parity save (every other row,
+`tailor_tui.selective.save_rows`) and a filter save (first and last layer, embeddings,
+norm, lm_head). Each save is timed on rank 0 from the barrier before it to the barrier
+after it plus a `sync` (tailor-tui's saves fsync; DeepSpeed's do not, so both are timed
+until the bytes are on disk). Prints sizes, the fraction of parameters saved, and the
+size and time ratios against the full save (medians).
+
+    python bench/bench_selective.py [--repeats 3] [--dir .tailor-cache/bench/selective]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tailor_tui import demo_run  # noqa: E402
+from tailor_tui.demo_run import RunSpec  # noqa: E402
+
+SPEC = RunSpec(world_size=4, dtype="bf16", layout="deepspeed", layers=12, hidden=1024,
+               intermediate=2816, vocab=32000, steps=1, save_every=1)
+
+
+def size_of(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def _bench_rank(rank, world, port, spec, out: str, repeats: int) -> None:
+    demo_run._quiet()
+    demo_run._setup_rank(rank, world, port)
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    from tailor_tui.rows import row_of
+    from tailor_tui.selective import Filter, Parity, model_rows, save_rows
+
+    out = Path(out)
+    model = demo_run.build_model(spec)
+    opt = torch.optim.AdamW(demo_run.param_groups(model), lr=1e-3)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=demo_run.ds_config(spec, False))
+    ids = demo_run.training_batches(spec, 1, rank)[0]
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+
+    rows = model_rows(engine)
+    numel = {}
+    for name, p in engine.module.named_parameters():
+        numel[row_of(name)] = numel.get(row_of(name), 0) + p.ds_numel
+    kinds = {
+        "full save_checkpoint": None,
+        "parity save_rows": Parity().rows_for(1, rows),
+        "filter save_rows": Filter(first=1, last=1).rows_for(1, rows),
+    }
+    times = {k: [] for k in kinds}
+    sizes, fractions = {}, {}
+    for i in range(repeats):
+        for kind, chosen in kinds.items():
+            folder = out / f"{kind.split()[0]}-{i}"
+            dist.barrier()
+            started = time.perf_counter()
+            if chosen is None:
+                engine.save_checkpoint(str(folder), tag="global_step1")
+            else:
+                save_rows(engine, folder, chosen)
+            dist.barrier()
+            if rank == 0:
+                os.sync()
+                times[kind].append(time.perf_counter() - started)
+                sizes[kind] = size_of(folder)
+                fractions[kind] = sum(numel[r] for r in (chosen or rows)) / sum(numel.values())
+                shutil.rmtree(folder)
+                os.sync()
+    if rank == 0:
+        (out / "result.json").write_text(json.dumps({"times": times, "sizes": sizes, "fractions": fractions}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", type=Path, default=ROOT / ".tailor-cache" / "bench" / "selective")
+    args = ap.parse_args()
+    shutil.rmtree(args.dir, ignore_errors=True)
+    args.dir.mkdir(parents=True)
+    demo_run._spawn(_bench_rank, SPEC, str(args.dir), args.repeats)
+    result = json.loads((args.dir / "result.json").read_text())
+    full = "full save_checkpoint"
+    t_full = statistics.median(result["times"][full])
+    s_full = result["sizes"][full]
+    print(f"{SPEC.layers}-layer hidden-{SPEC.hidden} bf16 model, {SPEC.world_size} ranks on {os.cpu_count()} cores; "
+          f"medians of {args.repeats} saves each, timed until synced to disk")
+    print(f"{'':<22} {'size':>9} {'params':>7} {'time':>7}  {'size ratio':>10} {'time ratio':>10}  time/size")
+    for kind, times in result["times"].items():
+        t, s, frac = statistics.median(times), result["sizes"][kind], result["fractions"][kind]
+        size_ratio, time_ratio = s_full / s, t_full / t
+        print(f"{kind:<22} {s / 2**30:6.2f} GiB {frac:7.1%} {t:6.2f} s  {size_ratio:9.2f}x {time_ratio:9.2f}x"
+              f"  {time_ratio / size_ratio:8.0%}")
+    print("targets: saved size / full size within 10% of the fraction of parameters saved; "
+          "time ratio at least 80% of the size ratio")
+
+
+if __name__ == "__main__":
+    main()
