@@ -32,11 +32,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint import PARTIAL_MANIFEST, PARTIAL_ROWS, PARTIAL_SKELETON
+from .fileio import fsync_dir, fsync_file
 from .layout import ZeroLayout
 from .rows import row_of, split_row
 
@@ -111,7 +112,7 @@ def save_rows(engine, root: str | os.PathLike, rows: Iterable[str], *, step: int
     torch.save({"optimizer_state_dict": _skeleton(state), "ds_config": engine.config,
                 "ds_version": deepspeed.__version__}, skeleton)
     for f in (rows_file, skeleton, staging / tag / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"):
-        _fsync(f)
+        fsync_file(f)
     if engine._optimizer_has_ckpt_event_epilogue():
         engine.optimizer.checkpoint_event_epilogue()
     dist.barrier()
@@ -132,9 +133,9 @@ def save_rows(engine, root: str | os.PathLike, rows: Iterable[str], *, step: int
         (staging / PARTIAL_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         for f in staging.rglob("*"):
             if f.is_file() and f.parent == staging:
-                _fsync(f)
-        _fsync_dir(staging / tag)
-        _fsync_dir(staging)
+                fsync_file(f)
+        fsync_dir(staging / tag)
+        fsync_dir(staging)
         _publish(staging, final)
     dist.barrier()
     return final
@@ -180,21 +181,9 @@ def _publish(staging: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
     os.rename(staging, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    _fsync(path)
 
 
 # --- strategies: which rows each save holds ------------------------------------------------

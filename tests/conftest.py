@@ -2,7 +2,7 @@
 
 Every checkpoint the tests read was written by real DeepSpeed on CPU; the HF runs by
 the real HF Trainer. Set TAILOR_RUN_CACHE to choose the cache folder; the cache key
-covers the run spec, the generator's source and the DeepSpeed/transformers versions,
+covers the run spec, the generator's (and selective saver's) source and the DeepSpeed/transformers versions,
 so a stale cache is never used.
 """
 
@@ -17,7 +17,7 @@ import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from tailor_tui import demo_run  # noqa: E402
+from tailor_tui import demo_run, selective  # noqa: E402
 from tailor_tui.demo_run import RunSpec  # noqa: E402
 
 RUNS = {
@@ -58,6 +58,7 @@ def _key(spec: RunSpec) -> str:
     h = hashlib.sha256()
     h.update(spec.key().encode())
     h.update(Path(demo_run.__file__).read_bytes())
+    h.update(Path(selective.__file__).read_bytes())  # partial saves are written by it
     h.update(f"{deepspeed.__version__} {transformers.__version__}".encode())
     return h.hexdigest()[:16]
 
