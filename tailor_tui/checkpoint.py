@@ -143,9 +143,6 @@ def _locate(path: Path) -> tuple[str, Path, Path, Path]:
         raise CheckpointError(f"{path}: no such checkpoint folder; check the path")
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a folder; name a checkpoint-N or tag folder")
-    if (path / PARTIAL_MANIFEST).is_file():
-        manifest = read_manifest(path)
-        return manifest["layout"], path, path / manifest["tag"], path
     if _is_tag_dir(path):
         parent = path.parent
         if (parent / "trainer_state.json").is_file() and _read_latest(parent) == path.name:
@@ -257,7 +254,12 @@ def read_metadata(path: Path) -> dict:
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
     """Describe the checkpoint at `path` or raise CheckpointError saying why not."""
-    kind, named, tag_dir, save_dir = _locate(Path(path))
+    path = Path(path)
+    manifest = read_manifest(path) if (path / PARTIAL_MANIFEST).is_file() else None
+    if manifest:  # a partial checkpoint (tailor_tui.selective): its manifest names the tag
+        kind, named, tag_dir, save_dir = manifest["layout"], path, path / manifest["tag"], path
+    else:
+        kind, named, tag_dir, save_dir = _locate(path)
     states = read_metadata(tag_dir / MODEL_STATES.format(rank=0))
     try:
         layout = ZeroLayout.from_model_states(states)
@@ -266,7 +268,6 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             f"{tag_dir / MODEL_STATES.format(rank=0)}: not a ZeRO stage 3 model_states file "
             "(no param_shapes / dp_world_size); tailor-tui composes ZeRO-3 checkpoints only"
         ) from None
-    manifest = read_manifest(named) if (named / PARTIAL_MANIFEST).is_file() else None
     if manifest:
         dtype, prefix = manifest["dtype"], ("bf16_" if manifest["dtype"] == "bf16" else "")
     else:

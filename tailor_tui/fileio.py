@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -86,15 +88,23 @@ class CountingWriter:
         self._f.flush()
 
 
-def exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+def _libc():
+    """The C library through ctypes (for calls Python's os module lacks), or None."""
     import ctypes
     import ctypes.util
 
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    import ctypes
+
+    renameat2 = getattr(_libc(), "renameat2", None)
+    if renameat2 is None:
         return False
     AT_FDCWD, RENAME_EXCHANGE = -100, 2
     if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
@@ -103,6 +113,33 @@ def exchange(a: Path, b: Path) -> bool:
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
         return False
     raise OSError(err, os.strerror(err), str(b))
+
+
+def replace_dir(new: Path, dest: Path) -> None:
+    """Put the finished folder `new` at `dest`, replacing the folder there: swapped atomically
+    where the kernel can (never a moment without one), else the old one is moved aside first
+    and put back if the second rename fails. The old folder is deleted only at the end."""
+    if exchange(new, dest):  # the old folder is now at `new`
+        shutil.rmtree(new, ignore_errors=True)
+        fsync_dir(dest.parent)
+        return
+    old = dest.parent / f".{dest.name}.tailor-old-{os.getpid()}"
+    shutil.rmtree(old, ignore_errors=True)
+    os.rename(dest, old)
+    try:
+        os.rename(new, dest)
+    except OSError:
+        os.rename(old, dest)  # put the user's old folder back
+        raise
+    fsync_dir(dest.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def open_fd(stack: contextlib.ExitStack, path: Path, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
+    """os.open whose descriptor `stack` closes (also when a later open fails)."""
+    fd = os.open(path, flags, mode)
+    stack.callback(os.close, fd)
+    return fd
 
 
 def pid_alive(pid: int) -> bool:
@@ -194,12 +231,8 @@ class Writeback:
 
 def _sync_file_range():
     import ctypes
-    import ctypes.util
 
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        call = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    call = getattr(_libc(), "sync_file_range", None)
+    if call is not None:
+        call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     return call

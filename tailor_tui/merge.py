@@ -38,12 +38,13 @@ from .fileio import (
     Writeback,
     copy_file,
     copy_range,
-    exchange,
     fsync_dir,
+    open_fd,
     output_error,
     pid_alive,
     pread_into,
     pwrite_all,
+    replace_dir,
 )
 from .plan import MergePlan, RankJob, tied_partner
 from .ptzip import Unsupported, locate, read_structure
@@ -169,37 +170,33 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> bool:
             b = base[g, key]
             spans.append((b.offset + offset * b.itemsize, length * b.itemsize, None, 0, b.record))
 
-    fds: dict[int, int] = {}
-    fout = None
     try:
-        fin = os.open(base_path, os.O_RDONLY)
-        fds = {s: os.open(job.files[s].rows or job.files[s].optim_states, os.O_RDONLY) for s in used}
-        fout = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        writeback = Writeback(fout)
-        buffer = memoryview(bytearray(STREAM_CHUNK))
-        position, crc_changes = 0, defaultdict(int)
-        for offset, length, source, source_offset, record in _coalesced(spans):
-            copy_range(fin, fout, position, offset - position, counter.add, writeback=writeback)
-            if source is None:  # padding holds garbage: write zeros
-                pwrite_all(fout, bytes(length), offset)
-                new = crc.zeros(length)
-            else:
-                copy_range(fds[source], fout, source_offset, length, counter.add, offset, writeback)
-                new = _crc_of(fds[source], source_offset, length, buffer)
-                counter.add(length)
-            old = _crc_of(fin, offset, length, buffer)
-            crc_changes[record] ^= crc.shift(old ^ new, record.data_offset + record.size - offset - length)
-            position = offset + length
-        copy_range(fin, fout, position, os.fstat(fin).st_size - position, counter.add, writeback=writeback)
-        for record, change in crc_changes.items():
-            for at in record.crc_offsets:
-                os.pwrite(fout, struct.pack("<I", record.crc ^ change), at)
-        os.fsync(fout)
+        with contextlib.ExitStack() as stack:
+            fin = open_fd(stack, base_path)
+            fds = {s: open_fd(stack, job.files[s].rows or job.files[s].optim_states) for s in used}
+            fout = open_fd(stack, out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            writeback = Writeback(fout)
+            buffer = memoryview(bytearray(STREAM_CHUNK))
+            position, crc_changes = 0, defaultdict(int)
+            for offset, length, source, source_offset, record in _coalesced(spans):
+                copy_range(fin, fout, position, offset - position, counter.add, writeback=writeback)
+                if source is None:  # padding holds garbage: write zeros
+                    pwrite_all(fout, bytes(length), offset)
+                    new = crc.zeros(length)
+                else:
+                    copy_range(fds[source], fout, source_offset, length, counter.add, offset, writeback)
+                    new = _crc_of(fds[source], source_offset, length, buffer)
+                    counter.add(length)
+                old = _crc_of(fin, offset, length, buffer)
+                crc_changes[record] ^= crc.shift(old ^ new, record.data_offset + record.size - offset - length)
+                position = offset + length
+            copy_range(fin, fout, position, os.fstat(fin).st_size - position, counter.add, writeback=writeback)
+            for record, change in crc_changes.items():
+                for at in record.crc_offsets:
+                    os.pwrite(fout, struct.pack("<I", record.crc ^ change), at)
+            os.fsync(fout)
     except OSError as exc:
         raise output_error(exc, out) from None
-    finally:
-        for fd in (fin, *fds.values(), *([fout] if fout is not None else [])):
-            os.close(fd)
     return True
 
 
@@ -404,27 +401,24 @@ def merge_model_file(job: ModelFileJob, out_dir: Path, emit: Emit, cancelled: Ca
         edits.append((begin, end - begin, path, their_begin))
 
     out = out_dir / job.base_file.name
-    sources: dict[Path, int] = {}
-    fout = None
     try:
-        fin = os.open(job.base_file, os.O_RDONLY)
-        fout = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        writeback = Writeback(fout)
-        position = 0
-        for offset, length, path, source_offset in sorted(edits):
-            copy_range(fin, fout, position, offset - position, counter.add, writeback=writeback)
-            if path not in sources:
-                sources[path] = os.open(path, os.O_RDONLY)
-            copy_range(sources[path], fout, source_offset, length, lambda n: counter.add(2 * n), offset, writeback)
-            position = offset + length
-        copy_range(fin, fout, position, os.fstat(fin).st_size - position, counter.add, writeback=writeback)
-        os.fsync(fout)
-        os.fchmod(fout, os.stat(job.base_file).st_mode & 0o777 | 0o200)
+        with contextlib.ExitStack() as stack:
+            fin = open_fd(stack, job.base_file)
+            fout = open_fd(stack, out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            writeback = Writeback(fout)
+            sources: dict[Path, int] = {}
+            position = 0
+            for offset, length, path, source_offset in sorted(edits):
+                copy_range(fin, fout, position, offset - position, counter.add, writeback=writeback)
+                if path not in sources:
+                    sources[path] = open_fd(stack, path)
+                copy_range(sources[path], fout, source_offset, length, lambda n: counter.add(2 * n), offset, writeback)
+                position = offset + length
+            copy_range(fin, fout, position, os.fstat(fin).st_size - position, counter.add, writeback=writeback)
+            os.fsync(fout)
+            os.fchmod(fout, os.stat(job.base_file).st_mode & 0o777 | 0o200)
     except OSError as exc:
         raise output_error(exc, out) from None
-    finally:
-        for fd in (fin, *sources.values(), *([fout] if fout is not None else [])):
-            os.close(fd)
     counter.finish()
 
 
@@ -691,22 +685,11 @@ def _move_into_place(tmp: Path, out: Path, force: bool) -> None:
         if out.is_dir() and any(out.iterdir()):
             if not force:
                 raise OutputError(f"output {out}: appeared while merging; not overwritten")
-            if exchange(tmp, out):  # the old output is now at `tmp`: never a moment without one
-                shutil.rmtree(tmp, ignore_errors=True)
-                fsync_dir(out.parent)
-                return
-            old = out.parent / f".{out.name}.tailor-old-{os.getpid()}"
-            os.rename(out, old)
-            try:
-                os.rename(tmp, out)
-            except OSError:
-                os.rename(old, out)  # put the user's old folder back
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            if out.is_dir():
-                out.rmdir()
-            os.rename(tmp, out)
+            replace_dir(tmp, out)
+            return
+        if out.is_dir():
+            out.rmdir()
+        os.rename(tmp, out)
         fsync_dir(out.parent)
     except OSError as exc:
         raise output_error(exc, out) from None

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint import PARTIAL_MANIFEST, PARTIAL_ROWS, PARTIAL_SKELETON
-from .fileio import fsync_dir, fsync_file
+from .fileio import fsync_dir, fsync_file, replace_dir
 from .layout import ZeroLayout
 from .rows import row_of, split_row
 
@@ -136,7 +136,11 @@ def save_rows(engine, root: str | os.PathLike, rows: Iterable[str], *, step: int
                 fsync_file(f)
         fsync_dir(staging / tag)
         fsync_dir(staging)
-        _publish(staging, final)
+        if final.exists():  # an older save of the same step: replaced once the new one is complete
+            replace_dir(staging, final)
+        else:
+            os.rename(staging, final)
+            fsync_dir(root)
     dist.barrier()
     return final
 
@@ -170,20 +174,6 @@ def _skeleton(state: dict) -> dict:
     out["optimizer_state_dict"] = inner
     out["fp32_flat_groups"] = [empty(t) for t in state["fp32_flat_groups"]]
     return out
-
-
-def _publish(staging: Path, final: Path) -> None:
-    """Rename the finished folder into place; an older folder of the same step is replaced
-    only once the new one is complete."""
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-    os.rename(staging, final)
-    fsync_dir(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 # --- strategies: which rows each save holds ------------------------------------------------

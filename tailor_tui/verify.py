@@ -71,14 +71,13 @@ def verify_against_recipe(plan: MergePlan, emit: Emit = lambda e: None,
 
 def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled) -> None:
     import torch
+    from safetensors import safe_open
 
     files = {i: src.ranks[rank] for i, src in enumerate(plan.sources)}
     sizes = tuple(plan.base.layout.group_sizes())
     counter = ByteCounter(f"rank {rank}", plan.base.rank_bytes(rank), emit, cancelled)
     mine = composed.ranks[rank].optim_states
     got = _optimizer_state(load_pt(mine), mine, sizes)
-    from safetensors import safe_open
-
     wanted = {i: _optimizer_state(load_pt(f.optim_states), f.optim_states, sizes)
               for i, f in files.items() if f.rows is None}
     partial = {i: safe_open(str(f.rows), "pt") for i, f in files.items() if f.rows is not None}
