@@ -10,15 +10,18 @@ stock DeepSpeed.
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from conftest import tree_digest
 from tailor_tui.checkpoint import scan
 from tailor_tui.composition import Composition
-from tailor_tui.demo_run import resume_and_step
+from tailor_tui.demo_run import RunSpec, resume_and_step
 from tailor_tui.merge import run_merge, safetensors_tensors
 from tailor_tui.plan import build_plan
 from tailor_tui.recipe import Recipe
@@ -149,3 +152,56 @@ def test_partial_model_states_are_what_deepspeed_writes(selective):
         for k, v in mine["module"].items():
             assert v.shape == theirs["module"][k].shape, k  # ZeRO-3 placeholders, not full weights
         assert mine["global_steps"] == theirs["global_steps"] and mine["lr_scheduler"] == theirs["lr_scheduler"]
+
+
+def _copy_run(runs, tmp_path):
+    dst = tmp_path / "run"
+    shutil.copytree(runs, dst)
+    return dst
+
+
+def test_damaged_partial_checkpoints_are_refused_with_one_line(selective, tmp_path):
+    runs, _ref, _spec = selective
+    run = _copy_run(runs, tmp_path)
+    p4 = run / "partial-step4"
+    layers = {row: p4 for row in scan(run).checkpoints[1].saved_rows}
+    recipe = write_recipe(tmp_path, run / "global_step2", layers)
+
+    # a manifest from a newer tailor-tui: the scanner says why it skips it, --apply refuses it
+    manifest = json.loads((p4 / "tailor_partial.json").read_text())
+    (p4 / "tailor_partial.json").write_text(json.dumps(manifest | {"version": 2}))
+    assert any("version 2" in why for _p, why in scan(run).problems)
+    assert_one_line_error(tailor("--apply", recipe), 4, "tailor_partial.json", "version 2")
+    (p4 / "tailor_partial.json").write_text(json.dumps(manifest))
+
+    # a truncated rows file is refused before anything is written
+    rows = p4 / "global_step4" / "tailor_rows_rank_1.safetensors"
+    good = rows.read_bytes()
+    rows.write_bytes(good[: len(good) // 2])
+    assert_one_line_error(tailor("--apply", recipe), 4, "tailor_rows_rank_1.safetensors", "truncated")
+    # a whole file that lacks a parameter's slice
+    rows.write_bytes(good)
+    tensors = load_file(rows)
+    dropped = sorted(tensors)[0]
+    save_file({k: v for k, v in tensors.items() if k != dropped}, rows)
+    assert_one_line_error(tailor("--apply", recipe), 4, "has no tensor", dropped)
+    rows.write_bytes(good)
+
+    # a partial base whose optimizer skeleton is not one
+    skeleton = run / "partial-step6" / "global_step6" / "tailor_optim_skeleton_rank_0.pt"
+    torch.save({"optimizer_state_dict": {}}, skeleton)
+    p6_recipe = write_recipe(tmp_path, run / "partial-step6", layers)
+    assert_one_line_error(tailor("--apply", p6_recipe), 4, "tailor_optim_skeleton_rank_0.pt", "skeleton")
+    assert not (tmp_path / "composed").exists()
+
+
+def test_save_rows_refuses_unknown_rows():
+    from types import SimpleNamespace
+
+    from tailor_tui.demo_run import build_model
+    from tailor_tui.selective import _resolve_rows
+
+    engine = SimpleNamespace(module=build_model(RunSpec(layers=2)))  # only its module is read
+    assert _resolve_rows(engine, ["model.layers.1", "lm_head"]) == {"layers.1", "lm_head"}
+    with pytest.raises(ValueError, match="unknown row 'layers.99'.*embed_tokens"):
+        _resolve_rows(engine, ["layers.99"])
