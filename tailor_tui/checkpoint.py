@@ -30,6 +30,7 @@ RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 PARTIAL_MANIFEST = "tailor_partial.json"
 PARTIAL_ROWS = "tailor_rows_rank_{rank}.safetensors"
 PARTIAL_SKELETON = "tailor_optim_skeleton_rank_{rank}.pt"
+PARTIAL_MODEL_FILES = "tailor_model_files.json"  # HF layout: the 16-bit model files' headers and index
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class Checkpoint:
     ds_version: str = ""
     sizes: dict = field(default_factory=dict, compare=False, hash=False)  # file -> bytes
     saved_rows: frozenset | None = None  # a partial checkpoint's rows; None: every row
+    model_layout: Path | None = None  # a partial HF checkpoint's record of the model files' layout
 
     @property
     def partial(self) -> bool:
@@ -225,7 +227,7 @@ def _rows(states: dict, layout: ZeroLayout) -> tuple[Row, ...]:
     return tuple(Row(r, mp, tuple(p), tuple(b)) for r, (mp, p, b) in owned.items())
 
 
-def _model_files(folder: Path) -> tuple[Path, ...]:
+def hf_model_files(folder: Path) -> tuple[Path, ...]:
     index = folder / MODEL_FILE_INDEX
     if index.is_file():
         try:
@@ -291,7 +293,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
                     f"{f}: missing; the checkpoint {named} was written by "
                     f"{layout.world_size} ranks and is incomplete"
                 ) from None
-    model_files = _model_files(named) if kind == "hf" and not manifest else ()
+    model_files = hf_model_files(named) if kind == "hf" and not manifest else ()
     for f in model_files:
         if not f.is_file():
             raise CheckpointError(f"{f}: listed in {MODEL_FILE_INDEX} but missing")
@@ -312,6 +314,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         ds_version=str(states.get("ds_version", "")),
         sizes=sizes,
         saved_rows=frozenset(manifest["rows"]) if manifest else None,
+        model_layout=path / PARTIAL_MODEL_FILES if manifest and (path / PARTIAL_MODEL_FILES).is_file() else None,
     )
 
 

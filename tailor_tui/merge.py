@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import __version__, crc
-from .checkpoint import Checkpoint, safetensors_header
+from .checkpoint import MODEL_FILE_INDEX, Checkpoint
 from .errors import CheckpointError, MergeCancelled, OutputError
 from .events import ByteCounter, Emit, TaskFinished
 from .fileio import (
@@ -46,9 +46,9 @@ from .fileio import (
     pwrite_all,
     replace_dir,
 )
+from .model_files import merge_model_file, safetensors_tensors
 from .plan import MergePlan, RankJob, tied_partner
 from .ptzip import Unsupported, locate, read_structure
-from .rows import row_of
 from .safe_load import load_pt
 
 PROVENANCE = "tailor_provenance.json"
@@ -99,14 +99,16 @@ def _set_tensor(inner: dict, group: int, key: str, value) -> None:
         inner["optimizer_state_dict"]["state"][group][key] = value
 
 
-def _save(obj, path: Path, counter: ByteCounter) -> None:
+def _save(obj, path: Path, on_bytes: Callable[[int], None] | None) -> None:
+    """torch.save to `path`, durably; `on_bytes` counts the bytes (None: a plain seekable
+    file, which torch.serialization.skip_data needs)."""
     import torch
 
     writer = None
     try:
         with open(path, "wb") as f:
-            writer = CountingWriter(f, counter.add)
-            torch.save(obj, writer)
+            writer = CountingWriter(f, on_bytes) if on_bytes is not None else None
+            torch.save(obj, writer or f)
             f.flush()
             os.fsync(f.fileno())
     except OSError as exc:
@@ -122,8 +124,9 @@ def merge_rank(job: RankJob, out_tag_dir: Path, emit: Emit, cancelled: Callable[
     counter = ByteCounter(f"rank {job.rank}", job.total_bytes, emit, cancelled)
     base_files = job.files[0]
     out_optim = out_tag_dir / base_files.optim_states.name
-    # a partial base has no optim file to copy: the file is built from its skeleton
-    if base_files.rows is not None or not stream_optim_states(job, out_optim, counter):
+    if base_files.rows is not None:  # a partial base has no optim file to copy: build it
+        build_optim_states_from_skeleton(job, out_optim, counter)
+    elif not stream_optim_states(job, out_optim, counter):
         _reserialise_optim_states(job, out_optim, counter)
 
     out_model = out_tag_dir / base_files.model_states.name
@@ -200,6 +203,104 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> bool:
     return True
 
 
+def build_optim_states_from_skeleton(job: RankJob, out: Path, counter: ByteCounter) -> None:
+    """Write a partial base's optim file: its skeleton (everything but the flat tensors) as
+    the archive, every slice copied into place in the kernel.
+
+    torch writes the archive with every tensor's space reserved and not written
+    (`torch.serialization.skip_data`), so the file has torch's own layout; then every row's
+    slices are copied in from the checkpoints the plan names, padding is zeroed, the small
+    tensors (per-group steps) are written, and each record's CRC-32 is set from the bytes
+    written. The flat tensors are `torch.empty`: never touched, they occupy no memory.
+    Memory: the skeleton and one small buffer, whatever the file size.
+    """
+    import torch
+
+    skeleton = load_pt(job.files[0].skeleton)
+    inner = _skeleton_state(skeleton, job.files[0].skeleton, job.group_sizes)
+    reserved = set()  # storages whose bytes come from the sources
+    for g, size in enumerate(job.group_sizes):
+        for key in TENSORS:
+            flat = torch.empty(size, dtype=torch.float32).requires_grad_(_tensor(inner, g, key).requires_grad)
+            reserved.add(flat.untyped_storage()._cdata)
+            _set_tensor(inner, g, key, flat)
+    with torch.serialization.skip_data():
+        storages = _storages_in_save_order(skeleton)
+        _save(skeleton, out, None)  # small: the tensors' space is only reserved
+    try:
+        obj, records, prefix = read_structure(out)
+        layout = _flat_tensor_bytes(obj, records, prefix, out, job.group_sizes)
+    except Unsupported as exc:
+        raise OutputError(f"{out}: torch wrote an archive this tailor-tui cannot fill ({exc}); "
+                          "please report it with your torch version") from None
+    small = [(storage, records[f"{prefix}data/{key}"]) for key, storage in enumerate(storages)
+             if storage._cdata not in reserved]
+    data_records = [records[f"{prefix}data/{key}"] for key in range(len(storages))]
+
+    partial = {s: safetensors_tensors(job.files[s].rows) for s in {c.source for c in job.copies}
+               if job.files[s].rows is not None}
+    try:
+        with contextlib.ExitStack() as stack:
+            fout = open_fd(stack, out, os.O_RDWR)
+            fds = {s: open_fd(stack, job.files[s].rows or job.files[s].optim_states)
+                   for s in {c.source for c in job.copies}}
+            full = {s: _tensor_bytes(job.files[s].optim_states, job.group_sizes)
+                    for s in fds if job.files[s].rows is None}
+            writeback = Writeback(fout)
+            for c in job.copies:
+                for key in TENSORS:
+                    if c.param is None:
+                        at = full[c.source][c.group, key].offset + c.offset * 4
+                    else:
+                        at = _partial_slice(job.files[c.source].rows, partial[c.source], key, c)[2]
+                    copy_range(fds[c.source], fout, at, c.length * 4, counter.add,
+                               layout[c.group, key].offset + c.offset * 4, writeback)
+            for g, offset, length in job.padding:
+                for key in TENSORS:
+                    pwrite_all(fout, bytes(length * 4), layout[g, key].offset + offset * 4)
+            for storage, record in small:  # per-group steps and the like
+                pwrite_all(fout, _storage_bytes(storage), record.data_offset)
+            del skeleton, inner, storages, small
+            buffer = memoryview(bytearray(STREAM_CHUNK))
+            for record in data_records:
+                value = _crc_of(fout, record.data_offset, record.size, buffer)
+                for at in record.crc_offsets:
+                    os.pwrite(fout, struct.pack("<I", value), at)
+            os.fsync(fout)
+    except OSError as exc:
+        raise output_error(exc, out) from None
+
+
+def _storages_in_save_order(obj) -> list:
+    """The storages torch.save writes for `obj`, in the order of their record keys (0, 1, …):
+    torch numbers storages as its pickler first meets them, and this pickler meets them alike."""
+    import io
+    import pickle
+
+    import torch
+
+    order, seen = [], set()
+
+    class Walker(pickle.Pickler):
+        def persistent_id(self, o):
+            if isinstance(o, torch.storage.TypedStorage) or torch.is_storage(o):
+                storage = o._untyped_storage if isinstance(o, torch.storage.TypedStorage) else o
+                if storage._cdata not in seen:
+                    seen.add(storage._cdata)
+                    order.append(storage)
+                return ("storage", len(order))
+            return None
+
+    Walker(io.BytesIO(), protocol=2).dump(obj)
+    return order
+
+
+def _storage_bytes(storage) -> bytes:
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8).set_(storage).numpy().tobytes()
+
+
 def _partial_slice(path: Path, tensors: dict, key: str, copy) -> tuple:
     """(dtype, shape, first byte, end byte) of one parameter's slice in a partial checkpoint."""
     name = f"{key}/{copy.param}"
@@ -232,7 +333,10 @@ def _coalesced(spans: list) -> list:
 
 def _tensor_bytes(path: Path, group_sizes: tuple[int, ...]) -> dict:
     """{(group, key): TensorBytes} of the flat fp32 weights and moments of an optim file."""
-    obj, records, prefix = read_structure(path)
+    return _flat_tensor_bytes(*read_structure(path), path, group_sizes)
+
+
+def _flat_tensor_bytes(obj, records: dict, prefix: str, path: Path, group_sizes: tuple[int, ...]) -> dict:
     inner = _optimizer_state(obj, path, group_sizes)
     return {(g, key): locate(_tensor(inner, g, key), records, prefix)
             for g in range(len(group_sizes)) for key in TENSORS}
@@ -255,18 +359,13 @@ def _crc_of(fd: int, offset: int, length: int, buffer: memoryview) -> int:
 
 
 def _reserialise_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> None:
-    """Load (memory-mapped), build whole flat tensors, torch.save. Used for a partial base
-    (its skeleton holds everything but the big tensors) and for archives the streaming
-    path does not handle. Memory: one sub-group's three flat tensors at a time."""
+    """Load (memory-mapped), build whole flat tensors, torch.save: the fallback for base
+    archives the streaming path does not handle. Memory: the composed rank file."""
     import torch
 
     base_files = job.files[0]
-    if base_files.rows is not None:
-        base = load_pt(base_files.skeleton)
-        inner = _skeleton_state(base, base_files.skeleton, job.group_sizes)
-    else:
-        base = load_pt(base_files.optim_states)
-        inner = _optimizer_state(base, base_files.optim_states, job.group_sizes)
+    base = load_pt(base_files.optim_states)
+    inner = _optimizer_state(base, base_files.optim_states, job.group_sizes)
     full = {
         s: _optimizer_state(load_pt(f.optim_states), f.optim_states, job.group_sizes)
         for s, f in job.files.items()
@@ -287,10 +386,8 @@ def _reserialise_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> 
         for g, size in enumerate(job.group_sizes):
             for key in TENSORS:
                 original = _tensor(inner, g, key)
-                merged = torch.empty(size, dtype=torch.float32)
-                if base_files.rows is None:
-                    merged.copy_(original)
-                    counter.add(size * 4)
+                merged = original.detach().clone()
+                counter.add(size * 4)
                 for c in copies[g]:
                     span = slice(c.offset, c.offset + c.length)
                     if c.param is None:
@@ -304,7 +401,7 @@ def _reserialise_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> 
                 merged.requires_grad_(original.requires_grad)
                 _set_tensor(inner, g, key, merged)
     del full
-    _save(base, out, counter)
+    _save(base, out, counter.add)
 
 
 def _skeleton_state(obj, path: Path, group_sizes: tuple[int, ...]) -> dict:
@@ -343,98 +440,16 @@ def _merge_model_states(job: RankJob, out: Path, counter: ByteCounter) -> None:
         states["frozen_param_fragments"][name] = theirs.clone()
     for name, s in job.buffers:
         states["module"][name] = source(s)["module"][name].clone()
-    _save(states, out, counter)
+    _save(states, out, counter.add)
 
 
-# --- the 16-bit model file(s) -------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelFileJob:
-    base_file: Path
-    source_files: dict[int, tuple[Path, ...]]  # source index -> its safetensors files
-    picks: dict[str, int]  # row -> source index (tied rows follow their partner)
-    total_bytes: int
-
-    @property
-    def task(self) -> str:
-        return "model file" if self.base_file.name == "model.safetensors" else self.base_file.name
-
-
-def safetensors_tensors(path: Path) -> dict[str, tuple[str, tuple, int, int]]:
-    """name -> (dtype, shape, first byte, end byte) in the file, from its JSON header."""
-    header, start = safetensors_header(path)
-    return {
-        name: (info["dtype"], tuple(info["shape"]), start + info["data_offsets"][0], start + info["data_offsets"][1])
-        for name, info in header.items()
-        if name != "__metadata__"
-    }
-
-
-def merge_model_file(job: ModelFileJob, out_dir: Path, emit: Emit, cancelled: Callable[[], bool]) -> None:
-    """Compose one 16-bit safetensors file: the base's bytes, with each tensor of a row picked
-    from another checkpoint replaced by that checkpoint's bytes (same header, same layout)."""
-    counter = ByteCounter(job.task, job.total_bytes * 2, emit, cancelled)
-    where: dict[int, dict[str, tuple[Path, tuple]]] = {}
-
-    def find(s: int, name: str) -> tuple[Path, tuple]:
-        if s not in where:
-            where[s] = {n: (f, info) for f in job.source_files[s] for n, info in safetensors_tensors(f).items()}
-        if name not in where[s]:
-            raise CheckpointError(
-                f"{job.source_files[s][0].parent}: its 16-bit model file has no tensor {name}; "
-                "the checkpoint is incomplete or from another model"
-            )
-        return where[s][name]
-
-    edits = []  # (offset in the base file, bytes, source file, offset there)
-    for name, (dtype, shape, begin, end) in safetensors_tensors(job.base_file).items():
-        s = job.picks.get(row_of(name), 0)
-        if not s:
-            continue
-        path, (their_dtype, their_shape, their_begin, their_end) = find(s, name)
-        if (their_dtype, their_shape) != (dtype, shape):
-            raise CheckpointError(
-                f"{path}: tensor {name} is {their_dtype} {list(their_shape)}, the base's "
-                f"{dtype} {list(shape)}; the checkpoints are from different models"
-            )
-        edits.append((begin, end - begin, path, their_begin))
-
-    out = out_dir / job.base_file.name
-    try:
-        with contextlib.ExitStack() as stack:
-            fin = open_fd(stack, job.base_file)
-            fout = open_fd(stack, out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            writeback = Writeback(fout)
-            sources: dict[Path, int] = {}
-            position = 0
-            for offset, length, path, source_offset in sorted(edits):
-                copy_range(fin, fout, position, offset - position, counter.add, writeback=writeback)
-                if path not in sources:
-                    sources[path] = open_fd(stack, path)
-                copy_range(sources[path], fout, source_offset, length, lambda n: counter.add(2 * n), offset, writeback)
-                position = offset + length
-            copy_range(fin, fout, position, os.fstat(fin).st_size - position, counter.add, writeback=writeback)
-            os.fsync(fout)
-            os.fchmod(fout, os.stat(job.base_file).st_mode & 0o777 | 0o200)
-    except OSError as exc:
-        raise output_error(exc, out) from None
-    counter.finish()
-
-
-def model_file_jobs(plan: MergePlan) -> list[ModelFileJob]:
-    picks = dict(plan.picks)
-    for row in plan.base.rows:
-        if row.tied:
-            picks[row.name] = plan.picks.get(tied_partner(plan.base, row), 0)
-    files = {i: src.model_files for i, src in enumerate(plan.sources)}
-    return [ModelFileJob(f, files, picks, plan.base.sizes[f]) for f in plan.base.model_files]
+# --- the task list -------------------------------------------------------------------------
 
 
 def planned_tasks(plan: MergePlan) -> list[tuple[str, int]]:
     """(task name, total bytes) of every task a merge will report, in order."""
     ranks = [(f"rank {job.rank}", job.total_bytes) for job in plan.rank_jobs()]
-    return ranks + [(job.task, job.total_bytes * 2) for job in model_file_jobs(plan)]
+    return ranks + [(job.task, job.total_bytes) for job in plan.model_file_jobs()]
 
 
 # --- running the tasks ------------------------------------------------------------------------
@@ -612,9 +627,12 @@ def run_merge(
         tag_dir = tmp / plan.base.tag
         tag_dir.mkdir()
         _copy_other_files(plan, tmp, cancel)
-        if plan.base.kind == "deepspeed":
+        if plan.base.kind == "deepspeed" or plan.base.partial:  # an HF base's is among its files
             _write_text(tmp / "latest", plan.base.tag)
-        tasks = [*plan.rank_jobs(), *model_file_jobs(plan)]
+        layout = plan.model_layout()
+        if plan.base.partial and layout is not None and layout.index is not None:
+            _write_text(tmp / MODEL_FILE_INDEX, layout.index)
+        tasks = [*plan.rank_jobs(), *plan.model_file_jobs()]
         out_dirs = [tag_dir if isinstance(t, RankJob) else tmp for t in tasks]
         n = workers if workers is not None else default_workers(plan)
         n = max(1, min(n, len(tasks)))
@@ -708,9 +726,9 @@ def verify_output(plan: MergePlan, root: Path) -> None:
             out = tag_dir / f.name
             if not out.is_file() or not zipfile.is_zipfile(out):
                 raise OutputError(f"{out}: missing or incomplete after the merge (internal error)")
-    for f in plan.base.model_files:
-        if not (root / f.name).is_file():
-            raise OutputError(f"{root / f.name}: missing after the merge (internal error)")
+    for job in plan.model_file_jobs():
+        if not (root / job.name).is_file():
+            raise OutputError(f"{root / job.name}: missing after the merge (internal error)")
 
 
 def _identity(ckpt: Checkpoint) -> dict:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .checkpoint import Checkpoint, RankFiles, open_checkpoint
+from .layout import Slot
 from .errors import CheckpointError, IncompatibleError, OutputError, RecipeError
 from .recipe import Recipe
 
@@ -48,6 +49,34 @@ class RankJob:
         return self.read_bytes + self.write_bytes
 
 
+@dataclass(frozen=True)
+class ModelFileJob:
+    """Everything one worker needs to compose one 16-bit model file (picklable)."""
+
+    name: str  # file name in the output
+    prefix: bytes  # the output's 8-byte length + header (the base's)
+    base_file: Path | None  # whose bytes stay where the base's rows are kept; None: a partial base
+    picks: dict[str, int]  # row -> source index (tied rows follow their partner)
+    source_files: dict[int, tuple[Path, ...]]  # full sources: their 16-bit files
+    partial_ranks: dict[int, tuple[RankFiles, ...]]  # partial sources: every rank's files
+    slots: dict[str, Slot]  # trainable parameters: where each rank's slice sits
+    source_names: dict[int, str]  # for messages
+
+    @property
+    def task(self) -> str:
+        return "model file" if self.name == "model.safetensors" else self.name
+
+    @property
+    def size(self) -> int:
+        from .model_files import parse_prefix
+
+        return max((end for *_x, end in parse_prefix(self.prefix).values()), default=len(self.prefix))
+
+    @property
+    def total_bytes(self) -> int:
+        return self.size * 2  # read and written
+
+
 @dataclass
 class MergePlan:
     recipe: Recipe
@@ -57,6 +86,7 @@ class MergePlan:
     output: Path
     force: bool = False
     _jobs: list[RankJob] | None = field(default=None, repr=False)
+    _model_jobs: list[ModelFileJob] | None = field(default=None, repr=False)
 
     # --- per rank work ---------------------------------------------------------------
 
@@ -113,16 +143,58 @@ class MergePlan:
         files = self.base.ranks[rank]
         return self.base.sizes[files.model_states] + sum(self.base.layout.group_sizes()) * BYTES_PER_ELEMENT
 
+    # --- the 16-bit model files ------------------------------------------------------
+
+    def model_layout(self):
+        """The layout (names, headers, index) of the output's model files, or None.
+
+        A full base's own files; a partial HF base's recorded layout or, if its save
+        recorded none, any full HF source's (every checkpoint of a run has the same)."""
+        from .model_files import ModelFileLayout
+
+        if self.base.model_files:
+            return ModelFileLayout.of_files(self.base.model_files)
+        if self.base.kind != "hf":
+            return None
+        if self.base.model_layout is not None:
+            return ModelFileLayout.read(self.base.model_layout)
+        for src in self.sources:
+            if src.model_files:
+                return ModelFileLayout.of_files(src.model_files)
+        return None
+
+    def model_file_jobs(self) -> list[ModelFileJob]:
+        if self._model_jobs is None:
+            layout = self.model_layout()
+            picks = dict(self.picks)
+            for row in self.base.rows:
+                if row.tied:
+                    picks[row.name] = self.picks.get(tied_partner(self.base, row), 0)
+            base_files = {f.name: f for f in self.base.model_files}
+            full = {i: src.model_files for i, src in enumerate(self.sources) if src.model_files}
+            partial = {i: src.ranks for i, src in enumerate(self.sources) if src.partial}
+            slots = {slot.name: slot for slot in self.base.layout.slots}
+            names = {i: str(src.path) for i, src in enumerate(self.sources)}
+            self._model_jobs = [
+                ModelFileJob(name, prefix, base_files.get(name), picks, full, partial, slots, names)
+                for name, prefix in (layout.files if layout else ())
+            ]
+        return self._model_jobs
+
     # --- totals and description -------------------------------------------------------
 
     def other_files(self) -> list[Path]:
         """Base files copied unchanged into the output (relative to the base folder)."""
         if self.base.kind == "hf":
+            from .checkpoint import PARTIAL_MANIFEST, PARTIAL_MODEL_FILES
+
             skip = set(self.base.model_files)  # composed, not copied
+            own = {PARTIAL_MANIFEST, PARTIAL_MODEL_FILES} if self.base.partial else set()  # tailor-tui's
             return sorted(
                 p.relative_to(self.base.path)
                 for p in self.base.path.rglob("*")
                 if p.is_file() and p not in skip and self.base.tag_dir not in p.parents
+                and not (p.parent == self.base.path and p.name in own)
             )
         from .checkpoint import RECOVERY_SCRIPTS
 
@@ -134,12 +206,12 @@ class MergePlan:
     def bytes_to_write(self) -> int:
         root = self.other_files_root()
         others = sum((root / p).stat().st_size for p in self.other_files())
-        models = sum(self.base.sizes[f] for f in self.base.model_files)
+        models = sum(j.size for j in self.model_file_jobs())
         return sum(j.write_bytes for j in self.rank_jobs()) + models + others
 
     def bytes_to_read(self) -> int:
         """Base bytes copied plus the slices read from other sources."""
-        models = sum(self.base.sizes[f] for f in self.base.model_files)
+        models = sum(j.size for j in self.model_file_jobs())
         return sum(j.read_bytes for j in self.rank_jobs()) + models
 
     def describe(self, show=str) -> list[str]:
@@ -164,6 +236,9 @@ class MergePlan:
             src = self.sources[s]
             mark = "base" if s == 0 else f"step {src.step}"
             lines.append(f"  {row.name:<{width}}  {show(src.path)}  ({mark})")
+        if self.base.kind == "hf" and not self.model_file_jobs():
+            lines.append("model files: none (the partial base recorded no 16-bit model-file layout and no source "
+                         "in the recipe is a full HF checkpoint; DeepSpeed and the HF Trainer resume without them)")
         lines.append(f"read:   {size(self.bytes_to_read())}  write: {size(self.bytes_to_write())}")
         return lines
 
@@ -285,7 +360,7 @@ def _check_compatible(base: Checkpoint, src: Checkpoint, where: str, row: str) -
         raise IncompatibleError(f"{prefix}: it has {diff}")
     if src.dtype != base.dtype:
         raise IncompatibleError(f"{prefix}: it was trained in {src.dtype}, the base in {base.dtype}")
-    if base.model_files and not src.model_files:
+    if base.model_files and not src.model_files and not src.partial:  # a partial's come from its masters
         raise IncompatibleError(
             f"{prefix}: it has no model.safetensors (16-bit weights) while the base has; "
             "save it with stage3_gather_16bit_weights_on_model_save or pick a base without one"

@@ -13,7 +13,6 @@ CRC-32s), instead of deserialising and re-serialising whole files.
 
 from __future__ import annotations
 
-import io
 import pickle
 import struct
 import zipfile

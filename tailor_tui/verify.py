@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .checkpoint import open_checkpoint
+from .checkpoint import MODEL_FILE_INDEX, open_checkpoint
 from .errors import CheckpointError
 from .events import ByteCounter, Emit
-from .merge import PROVENANCE, TENSORS, _optimizer_state, _tensor, model_file_jobs
+from .merge import PROVENANCE, TENSORS, _optimizer_state, _tensor
 from .plan import MergePlan
 from .rows import row_of
 from .safe_load import load_pt
@@ -56,8 +56,13 @@ def verify_against_recipe(plan: MergePlan, emit: Emit = lambda e: None,
     param_row = plan.base.param_to_row()
     for job in plan.rank_jobs():
         _verify_rank(plan, job.rank, composed, param_row, report, emit, cancelled)
-    for job in model_file_jobs(plan):
+    for job in plan.model_file_jobs():
         _verify_model_file(plan, job, report)
+    layout = plan.model_layout()
+    if plan.base.partial and layout is not None and layout.index is not None:
+        index = out / MODEL_FILE_INDEX
+        if not index.is_file() or index.read_text() != layout.index:
+            report.add(None, f"{index}: missing or not the index the model files' layout records")
     root = plan.other_files_root()
     for rel in plan.other_files():
         if not (out / rel).is_file():
@@ -121,12 +126,14 @@ def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled) -> No
 
 
 def _verify_model_file(plan, job, report) -> None:
-    from safetensors import safe_open
     import torch
+    from safetensors import safe_open
 
-    out_file = plan.output / job.base_file.name
+    from .model_files import parse_prefix, source_tensor
+
+    out_file = plan.output / job.name
     if not out_file.is_file():
-        report.add(None, f"{out_file}: missing (the base has {job.base_file.name})")
+        report.add(None, f"{out_file}: missing (the base has {job.name})")
         return
     index: dict[int, dict[str, Path]] = {}
     for s, paths in job.source_files.items():
@@ -134,13 +141,20 @@ def _verify_model_file(plan, job, report) -> None:
         for p in paths:
             with safe_open(p, "pt") as h:
                 index[s].update({k: p for k in h.keys()})
-    with safe_open(out_file, "pt") as out, safe_open(job.base_file, "pt") as base:
-        if set(out.keys()) != set(base.keys()):
-            report.add(None, f"{out_file}: holds other tensors than the base's {job.base_file.name}")
+    expected = parse_prefix(job.prefix)
+    with safe_open(out_file, "pt") as out:
+        if set(out.keys()) != set(expected):
+            report.add(None, f"{out_file}: holds other tensors than the base's {job.name}")
             return
-        for name in out.keys():
+        for name, (dtype, shape, _begin, _end) in expected.items():
             row = row_of(name)
             s = job.picks.get(row, 0)
-            with safe_open(index[s][name], "pt") as src:
-                if not torch.equal(out.get_tensor(name), src.get_tensor(name)):
-                    report.add(row, f"{out_file.name}: {name} differs from {plan.sources[s].name}")
+            got = out.get_tensor(name)
+            if s in job.partial_ranks:  # cast from the partial checkpoint's fp32 masters
+                want = source_tensor(job, s, name, dtype, shape)
+                same = got.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() == want
+            else:
+                with safe_open(index[s][name], "pt") as src:
+                    same = torch.equal(got, src.get_tensor(name))
+            if not same:
+                report.add(row, f"{out_file.name}: {name} differs from {plan.sources[s].name}")

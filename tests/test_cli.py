@@ -160,7 +160,8 @@ def test_headless_path_never_imports_textual(real_run, tmp_path):
     code = (
         "import sys\n"
         "import tailor_tui.checkpoint, tailor_tui.recipe, tailor_tui.plan, tailor_tui.merge\n"
-        "import tailor_tui.composition, tailor_tui.report, tailor_tui.events\n"
+        "import tailor_tui.composition, tailor_tui.report, tailor_tui.events, tailor_tui.model_files\n"
+        "import tailor_tui.selective, tailor_tui.verify\n"
         "from tailor_tui.cli import main\n"
         f"assert main(['--apply', {str(recipe)!r}, '-j', '1']) == 0\n"
         "assert 'textual' not in sys.modules, 'the headless path imported textual'\n"

@@ -1,0 +1,256 @@
+"""The 16-bit model files of an HF output: `model.safetensors`, or shards with an index.
+
+An output model file keeps the layout of the base's (same header, same byte offsets)
+and holds each tensor of its row's chosen source:
+
+- from a full HF source, that source's bytes, copied in the kernel;
+- from a partial checkpoint (tailor_tui.selective saves no 16-bit weights: that would
+  need a gather), the fp32 master slices of every rank, cast to the file's dtype. This
+  is exactly the 16-bit weight: ZeRO-3 makes its 16-bit partition by casting the fp32
+  partition after each step (round to nearest even). Frozen parameters and buffers have
+  no fp32 master; they come from the source's model_states, as DeepSpeed stores them.
+
+A partial base has no model file of its own; its save recorded the layout of the run's
+newest full checkpoint's files (`tailor_model_files.json`: headers and index), so its
+output gets the same files a full save would have written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .checkpoint import MODEL_FILE_INDEX, safetensors_header
+from .errors import CheckpointError
+from .events import ByteCounter, Emit
+from .fileio import Writeback, copy_range, open_fd, output_error, pread_into, pwrite_all
+from .plan import ModelFileJob
+from .rows import row_of
+
+ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "BOOL": 1}
+CAST_CHUNK = 1 << 20  # elements cast per step: memory stays small whatever the tensor size
+
+
+@dataclass(frozen=True)
+class ModelFileLayout:
+    """What a checkpoint's 16-bit model files look like, without their data."""
+
+    files: tuple[tuple[str, bytes], ...]  # (file name, prefix: 8-byte length + JSON header)
+    index: str | None  # the index file's text when the model is sharded
+
+    @classmethod
+    def of_files(cls, files: tuple[Path, ...]) -> "ModelFileLayout":
+        prefixes = []
+        for f in files:
+            _header, start = safetensors_header(f)
+            with open(f, "rb") as fh:
+                prefixes.append((f.name, fh.read(start)))
+        index = files[0].parent / MODEL_FILE_INDEX if files else None
+        return cls(tuple(prefixes), index.read_text() if index and index.is_file() else None)
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "index": self.index,
+            "files": {name: prefix[8:].decode() for name, prefix in self.files},
+        }, indent=1) + "\n"
+
+    @classmethod
+    def read(cls, path: Path) -> "ModelFileLayout":
+        try:
+            data = json.loads(path.read_text())
+            files = tuple((name, _prefix(header)) for name, header in data["files"].items())
+            for name, prefix in files:
+                parse_prefix(prefix)
+            return cls(files, data.get("index"))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{path}: unreadable model-file layout ({exc}); re-copy it") from None
+
+
+def _prefix(header: str) -> bytes:
+    raw = header.encode()
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def parse_prefix(prefix: bytes) -> dict[str, tuple[str, tuple, int, int]]:
+    """name -> (dtype, shape, first byte, end byte) in the file, from a file's prefix."""
+    (length,) = struct.unpack("<Q", prefix[:8])
+    header = json.loads(prefix[8: 8 + length])
+    start = 8 + length
+    return {
+        name: (info["dtype"], tuple(info["shape"]), start + info["data_offsets"][0], start + info["data_offsets"][1])
+        for name, info in header.items()
+        if name != "__metadata__"
+    }
+
+
+def safetensors_tensors(path: Path) -> dict[str, tuple[str, tuple, int, int]]:
+    """name -> (dtype, shape, first byte, end byte) in the file, from its JSON header."""
+    _header, start = safetensors_header(path)
+    with open(path, "rb") as f:
+        return parse_prefix(f.read(start))
+
+
+def merge_model_file(job: ModelFileJob, out_dir: Path, emit: Emit, cancelled: Callable[[], bool]) -> None:
+    """Write one model file: the base's bytes (if it has a file) with every tensor of a row
+    picked elsewhere replaced by that source's tensor."""
+    counter = ByteCounter(job.task, job.total_bytes, emit, cancelled)
+    edits = []  # (offset in the output, bytes, source index, tensor name, dtype)
+    for name, (dtype, shape, begin, end) in parse_prefix(job.prefix).items():
+        s = job.picks.get(row_of(name), 0)
+        if s or job.base_file is None:
+            edits.append((begin, end - begin, s, name, dtype, shape))
+
+    out = out_dir / job.name
+    try:
+        with contextlib.ExitStack() as stack:
+            fout = open_fd(stack, out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            writeback = Writeback(fout)
+            fin = open_fd(stack, job.base_file) if job.base_file is not None else None
+            if fin is None:
+                pwrite_all(fout, job.prefix, 0)
+            fills = _Fills(job, stack, fout, writeback, lambda n: counter.add(2 * n))
+            position = 0
+            for offset, length, s, name, dtype, shape in sorted(edits):
+                if fin is not None:
+                    copy_range(fin, fout, position, offset - position, counter.add, writeback=writeback)
+                fills.write(s, name, dtype, shape, offset, length)
+                position = offset + length
+            if fin is not None:
+                copy_range(fin, fout, position, os.fstat(fin).st_size - position, counter.add, writeback=writeback)
+            os.ftruncate(fout, job.size)
+            os.fsync(fout)
+            if job.base_file is not None:
+                os.fchmod(fout, os.stat(job.base_file).st_mode & 0o777 | 0o200)
+    except OSError as exc:
+        raise output_error(exc, out) from None
+    counter.finish()
+
+
+class _Fills:
+    """Writes one tensor's bytes at its place in the output, from its chosen source."""
+
+    def __init__(self, job: ModelFileJob, stack: contextlib.ExitStack, fout: int, writeback: Writeback,
+                 on_bytes: Callable[[int], None]):
+        self.job, self.stack, self.fout, self.writeback, self.on_bytes = job, stack, fout, writeback, on_bytes
+        self.fds: dict[Path, int] = {}
+        self.where: dict[int, dict[str, tuple[Path, tuple]]] = {}
+        self.rows_index: dict[Path, dict] = {}
+
+    def fd(self, path: Path) -> int:
+        if path not in self.fds:
+            self.fds[path] = open_fd(self.stack, path)
+        return self.fds[path]
+
+    def write(self, s: int, name: str, dtype: str, shape: tuple, offset: int, length: int) -> None:
+        if s in self.job.partial_ranks:
+            if name in self.job.slots:
+                self._cast_slices(s, name, dtype, offset)
+            else:  # a frozen parameter or a buffer: small, kept in model_states
+                data = source_tensor(self.job, s, name, dtype, shape)
+                pwrite_all(self.fout, data, offset)
+            self.on_bytes(length)
+            return
+        path, (their_dtype, their_shape, begin, end) = self._find(s, name)
+        if (their_dtype, their_shape) != (dtype, shape):
+            raise CheckpointError(
+                f"{path}: tensor {name} is {their_dtype} {list(their_shape)}, the base's "
+                f"{dtype} {list(shape)}; the checkpoints are from different models"
+            )
+        copy_range(self.fd(path), self.fout, begin, length, self.on_bytes, offset, self.writeback)
+
+    def _find(self, s: int, name: str) -> tuple[Path, tuple]:
+        if s not in self.where:
+            self.where[s] = {n: (f, info) for f in self.job.source_files[s]
+                             for n, info in safetensors_tensors(f).items()}
+        if name not in self.where[s]:
+            raise CheckpointError(
+                f"{self.job.source_names[s]}: its 16-bit model file has no tensor {name}; "
+                "the checkpoint is incomplete or from another model"
+            )
+        return self.where[s][name]
+
+    def _cast_slices(self, s: int, name: str, dtype: str, offset: int) -> None:
+        """Each rank's fp32 slice, cast to `dtype`, at its place in the flattened tensor."""
+        slot, itemsize = self.job.slots[name], ITEMSIZE[dtype]
+        buffer = memoryview(bytearray(CAST_CHUNK * 4))
+        for rank, files in enumerate(self.job.partial_ranks[s]):
+            valid = slot.valid(rank)
+            if not valid:
+                continue
+            begin = _slice_start(files.rows, self.rows_index, name, valid)
+            at = offset + rank * slot.part * itemsize
+            if dtype == "F32":  # the master weights are the model's weights
+                copy_range(self.fd(files.rows), self.fout, begin, valid * 4, lambda n: None, at, self.writeback)
+                continue
+            for start in range(0, valid, CAST_CHUNK):
+                n = min(CAST_CHUNK, valid - start)
+                view = buffer[: n * 4]
+                pread_into(self.fd(files.rows), view, begin + start * 4)
+                pwrite_all(self.fout, _cast(view, dtype), at + start * itemsize)
+
+
+def _slice_start(rows: Path, cache: dict, name: str, valid: int) -> int:
+    if rows not in cache:
+        cache[rows] = safetensors_tensors(rows)
+    found = cache[rows].get(f"fp32/{name}")
+    if found is None or found[0] != "F32" or found[3] - found[2] < valid * 4:
+        raise CheckpointError(
+            f"{rows}: has no F32 slice fp32/{name} of {valid} elements; "
+            "the partial checkpoint is incomplete or from another run, re-copy it"
+        )
+    return found[2]
+
+
+def _cast(view: memoryview, dtype: str) -> bytes:
+    import torch
+
+    return _to_bytes(torch.frombuffer(view, dtype=torch.float32), dtype)
+
+
+def _to_bytes(t, dtype: str) -> bytes:
+    """`t` converted to safetensors dtype `dtype`, as raw bytes (little-endian)."""
+    import torch
+
+    t = t.to({"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+              "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}[dtype])
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)  # numpy has no bfloat16; the bits are what is written
+    return t.contiguous().numpy().tobytes()
+
+
+def source_tensor(job: ModelFileJob, s: int, name: str, dtype: str, shape: tuple) -> bytes:
+    """The bytes of tensor `name` as partial source `s` holds it, in `dtype` (torch-loaded:
+    frozen parameters and buffers, and what --verify compares against)."""
+    import torch
+    from safetensors import safe_open
+
+    from .safe_load import load_pt
+
+    ranks = job.partial_ranks[s]
+    numel = 1
+    for d in shape:
+        numel *= d
+    if name in job.slots:
+        slot, parts = job.slots[name], []
+        for rank, files in enumerate(ranks):
+            if slot.valid(rank):
+                with safe_open(str(files.rows), "pt") as f:
+                    parts.append(f.get_slice(f"fp32/{name}")[: slot.valid(rank)])
+        value = torch.cat(parts)
+    else:
+        states = [load_pt(files.model_states) for files in ranks]
+        fragments = states[0].get("frozen_param_fragments") or {}
+        if name in fragments:  # ZeRO-3 keeps each rank's part of a frozen parameter
+            value = torch.cat([st["frozen_param_fragments"][name].flatten() for st in states])[:numel]
+        elif name in (states[0].get("module") or {}):
+            value = states[0]["module"][name].flatten()
+        else:
+            raise CheckpointError(
+                f"{job.source_names[s]}: holds no {name}; the checkpoint is from another model"
+            )
+    return _to_bytes(value, dtype)
