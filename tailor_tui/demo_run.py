@@ -38,8 +38,9 @@ class RunSpec:
     seed: int = 0
     vocab: int = VOCAB
     intermediate: int | None = None  # MLP width; default 1.5 x hidden
-    # "parity" or "filter": save through tailor_tui.selective (deepspeed layout); the run's
-    # checkpoints go to OUT/run and full reference checkpoints of every save to OUT/reference
+    # "parity" or "filter": save through tailor_tui.selective (the HF layout through its
+    # Trainer callback); the run's checkpoints go to OUT/run, and full reference checkpoints
+    # of every save, written by the same run, to OUT/reference
     selective: str | None = None
     extra: dict = field(default_factory=dict, hash=False, compare=False)
 
@@ -195,9 +196,14 @@ def _train_rank(rank: int, world: int, port: int, spec: RunSpec, out: str) -> No
 
         trainer = Trainer(
             model=build_model(spec),
-            args=_trainer_args(spec, out, spec.steps),
+            args=_trainer_args(spec, out / "run" if spec.selective else out, spec.steps),
             train_dataset=_trainer_dataset(spec),
         )
+        if spec.selective:
+            from .selective_hf import SelectiveCheckpointCallback
+
+            trainer.add_callback(SelectiveCheckpointCallback(trainer, _strategy(spec)))
+            trainer.add_callback(_reference_saves(trainer, spec, out / "reference"))
         trainer.train()
         return
     import deepspeed
@@ -208,10 +214,9 @@ def _train_rank(rank: int, world: int, port: int, spec: RunSpec, out: str) -> No
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(spec, False))
     saver = None
     if spec.selective:
-        from .selective import Filter, Parity, SelectiveSaver
+        from .selective import SelectiveSaver
 
-        strategy = Parity() if spec.selective == "parity" else Filter(first=1, last=1)
-        saver = SelectiveSaver(strategy, out / "run")
+        saver = SelectiveSaver(_strategy(spec), out / "run")
     for step, ids in enumerate(training_batches(spec, spec.steps, rank), start=1):
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
@@ -222,6 +227,27 @@ def _train_rank(rank: int, world: int, port: int, spec: RunSpec, out: str) -> No
             else:
                 saver.save(engine, step)
                 engine.save_checkpoint(str(out / "reference"), tag=f"global_step{step}")
+
+
+def _strategy(spec: RunSpec):
+    from .selective import Filter, Parity
+
+    return Parity() if spec.selective == "parity" else Filter(first=1, last=1)
+
+
+def _reference_saves(trainer, spec: RunSpec, folder: Path):
+    """A callback that writes, at every save step, what a full Trainer save holds (DeepSpeed's
+    checkpoint and the 16-bit model file) to `folder/checkpoint-N`: what tests compare with."""
+    from transformers import TrainerCallback
+
+    class ReferenceSaves(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step % spec.save_every == 0:
+                target = str(folder / f"checkpoint-{state.global_step}")
+                trainer.model_wrapped.save_checkpoint(target)
+                trainer.save_model(target)
+
+    return ReferenceSaves()
 
 
 def _spawn(fn, spec: RunSpec, *args) -> None:

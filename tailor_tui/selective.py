@@ -63,8 +63,9 @@ def save_rows(engine, root: str | os.PathLike, rows: Iterable[str], *, step: int
     """Save rows `rows` of `engine` (a DeepSpeed ZeRO-3 engine) under `root`; call on every rank.
 
     `rows` are row names (`embed_tokens`, `layers.3`, `norm`, `lm_head`) or module paths
-    (`model.layers.3`). `write_extra(folder)` runs on global rank 0 before the folder is
-    published (the HF callback writes trainer_state.json etc. there). Returns the folder.
+    (`model.layers.3`). `write_extra(folder)` runs on every rank before the folder is
+    published (the HF callback writes trainer_state.json, RNG states etc. there); files it
+    writes are fsynced with the rest. Returns the folder.
     """
     import deepspeed
     import torch
@@ -111,10 +112,14 @@ def save_rows(engine, root: str | os.PathLike, rows: Iterable[str], *, step: int
     skeleton = staging / tag / PARTIAL_SKELETON.format(rank=rank)
     torch.save({"optimizer_state_dict": _skeleton(state), "ds_config": engine.config,
                 "ds_version": deepspeed.__version__}, skeleton)
-    for f in (rows_file, skeleton, staging / tag / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"):
-        fsync_file(f)
     if engine._optimizer_has_ckpt_event_epilogue():
         engine.optimizer.checkpoint_event_epilogue()
+    if write_extra is not None:
+        write_extra(staging)
+    if rank == 0:
+        engine._copy_recovery_script(str(staging))  # zero_to_fp32.py, as a full save has
+    for f in (rows_file, skeleton, staging / tag / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"):
+        fsync_file(f)
     dist.barrier()
 
     if rank == 0:
@@ -128,8 +133,6 @@ def save_rows(engine, root: str | os.PathLike, rows: Iterable[str], *, step: int
             "dtype": "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32",
             "rows": [r for r in model_rows(engine) if r in wanted],
         }
-        if write_extra is not None:
-            write_extra(staging)
         (staging / PARTIAL_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         for f in staging.rglob("*"):
             if f.is_file() and f.parent == staging:

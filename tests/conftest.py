@@ -17,7 +17,7 @@ import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from tailor_tui import demo_run, selective  # noqa: E402
+from tailor_tui import demo_run, selective, selective_hf  # noqa: E402
 from tailor_tui.demo_run import RunSpec  # noqa: E402
 
 RUNS = {
@@ -43,6 +43,14 @@ RUNS = {
         frozen=("model.layers.1.mlp.up_proj.weight",),
         selective="parity",
     ),
+    # The same through the HF Trainer callback (tailor_tui.selective_hf): 3 ranks, bf16 (16-bit
+    # weights cast from fp32 masters), tied embeddings and a frozen parameter (both in model files)
+    "hf_selective_parity": RunSpec(
+        world_size=3,
+        tied=True,
+        frozen=("model.layers.2.mlp.down_proj.weight",),
+        selective="parity",
+    ),
 }
 
 
@@ -58,7 +66,8 @@ def _key(spec: RunSpec) -> str:
     h = hashlib.sha256()
     h.update(spec.key().encode())
     h.update(Path(demo_run.__file__).read_bytes())
-    h.update(Path(selective.__file__).read_bytes())  # partial saves are written by it
+    for saver in (selective, selective_hf):  # partial saves are written by them
+        h.update(Path(saver.__file__).read_bytes())
     h.update(f"{deepspeed.__version__} {transformers.__version__}".encode())
     return h.hexdigest()[:16]
 
