@@ -7,7 +7,9 @@ turn, several times: a full `engine.save_checkpoint`, a parity save (every other
 norm, lm_head). Each save is timed on rank 0 from the barrier before it to the barrier
 after it plus a `sync` (tailor-tui's saves fsync; DeepSpeed's do not, so both are timed
 until the bytes are on disk). Prints sizes, the fraction of parameters saved, and the
-size and time ratios against the full save (medians).
+size and time ratios against the full save (medians). Then recovery: composing a full
+checkpoint from two parity partials (`tailor-tui --apply`, a partial base) against `cp -r`
+of a full checkpoint, with the workers' peak RSS.
 
     python bench/bench_selective.py [--repeats 3] [--dir .tailor-cache/bench/selective]
 """
@@ -19,6 +21,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -83,6 +86,11 @@ def _bench_rank(rank, world, port, spec, out: str, repeats: int) -> None:
                 fractions[kind] = sum(numel[r] for r in (chosen or rows)) / sum(numel.values())
                 shutil.rmtree(folder)
                 os.sync()
+    # for the compose bench: parity partials covering every row (odd rows, then even rows), and
+    # the full checkpoint a normal run would have written, to compare against cp -r of it
+    save_rows(engine, out / "compose", Parity().rows_for(1, rows), step=1)
+    save_rows(engine, out / "compose", Parity().rows_for(2, rows), step=2)
+    engine.save_checkpoint(str(out / "full"), tag="global_step1")
     if rank == 0:
         (out / "result.json").write_text(json.dumps({"times": times, "sizes": sizes, "fractions": fractions}))
 
@@ -109,6 +117,43 @@ def main() -> None:
               f"  {time_ratio / size_ratio:8.0%}")
     print("targets: saved size / full size within 10% of the fraction of parameters saved; "
           "time ratio at least 80% of the size ratio")
+    compose_from_partials(args.dir, args.repeats)
+
+
+def compose_from_partials(folder: Path, repeats: int) -> None:
+    """Recovery: compose a full checkpoint from two parity partials (the newer one the base),
+    timed against cp -r of a full checkpoint of the same model (the same bytes to write)."""
+    from bench_merge import timed
+
+    full, work = folder / "full" / "global_step1", folder / "work"
+    work.mkdir()
+    recipe = work / "recover.yaml"
+    older = folder / "compose" / "partial-step1"
+    held = json.loads((older / "tailor_partial.json").read_text())["rows"]
+    recipe.write_text(f"version: 1\nbase: {folder / 'compose' / 'partial-step2'}\noutput: {work / 'out'}\n"
+                      "layers:\n" + "".join(f"  {r}: {older}\n" for r in held))
+    commands = {
+        "cp -r (full checkpoint)": ["cp", "-r", str(full), str(work / "out")],
+        "cp -r; sync": ["sh", "-c", f'cp -r "{full}" "{work / "out"}" && sync'],  # tailor-tui fsyncs
+        "tailor-tui --apply": [str(Path(sys.executable).with_name("tailor-tui")), "--apply", str(recipe),
+                               "--report-peak-rss"],
+    }
+    times, peak = {k: [] for k in commands}, 0
+    for _ in range(repeats):
+        for name, cmd in commands.items():
+            shutil.rmtree(work / "out", ignore_errors=True)
+            subprocess.run(["sync"])
+            seconds, rss = timed(cmd)
+            times[name].append(seconds)
+            peak = max(peak, rss)
+    shutil.rmtree(work / "out", ignore_errors=True)
+    cp = statistics.median(times["cp -r (full checkpoint)"])
+    rank_file = max(f.stat().st_size for f in full.glob("*optim_states.pt"))
+    print(f"\nrecovery from two parity partials (partial base; {size_of(full) / 2**30:.2f} GiB written), "
+          f"medians of {repeats}:")
+    for name, t in times.items():
+        print(f"{name:<24} {statistics.median(t):6.2f} s  {statistics.median(t) / cp:5.2f}x cp")
+    print(f"peak worker RSS {peak / 2**30:.2f} GiB (largest rank file {rank_file / 2**30:.2f} GiB)")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from tailor_tui.merge import run_merge
 from tailor_tui.plan import build_plan, tied_partner
 from tailor_tui.recipe import Recipe
 from tailor_tui.rows import row_of
-from test_cli import tailor, write_recipe
+from test_cli import assert_one_line_error, tailor, write_recipe
 from test_resume import assert_optim_states_equal
 from test_selective import expect_rows_from
 
@@ -146,3 +146,29 @@ def test_partial_base_without_a_recorded_layout(selective, tmp_path):
     assert any("model files: none" in line for line in plan.describe())
     run_merge(plan, workers=1)
     assert not (tmp_path / "b" / "model.safetensors").exists() and (tmp_path / "b" / "latest").is_file()
+
+
+def test_a_damaged_model_file_layout_is_refused_with_one_line(selective, tmp_path):
+    runs, _ref, _spec = selective
+    run = tmp_path / "run"
+    shutil.copytree(runs, run)
+    (run / "partial-step6" / PARTIAL_MODEL_FILES).write_text("{not json")
+    p4 = scan(run).checkpoints[1]
+    recipe = write_recipe(tmp_path, run / "partial-step6", {row: run / "partial-step4" for row in p4.saved_rows})
+    assert_one_line_error(tailor("--apply", recipe), 4, PARTIAL_MODEL_FILES, "unreadable model-file layout")
+    assert not (tmp_path / "composed").exists()
+
+
+def test_the_callback_needs_a_deepspeed_engine():
+    from types import SimpleNamespace
+
+    from tailor_tui.selective import Parity
+    from tailor_tui.selective_hf import SelectiveCheckpointCallback
+
+    trainer = SimpleNamespace(model_wrapped=torch.nn.Linear(2, 2))  # a run without DeepSpeed
+    callback = SelectiveCheckpointCallback(trainer, Parity())
+    control = SimpleNamespace(should_save=False)
+    assert callback.on_step_end(None, None, control) is control  # no save due: nothing to do
+    control.should_save = True
+    with pytest.raises(ValueError, match="needs a DeepSpeed ZeRO-3 run"):
+        callback.on_step_end(None, None, control)
