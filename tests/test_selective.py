@@ -54,6 +54,28 @@ def expect_rows_from(out, sources: dict[str, object]) -> None:
             assert torch.equal(value, refs[ref][key][name]), (key, name, ref)
 
 
+def compose_newest_per_row(runs, tmp_path):
+    """Compose a full, a step-4 and a step-6 partial checkpoint with the composer's default picks
+    (each row from the newest checkpoint that saved it) through the real CLI, and --verify it.
+    Returns the three checkpoints and the output folder."""
+    comp = Composition.start(list(scan(runs).checkpoints))
+    full, p4, p6 = comp.checkpoints
+    assert comp.base == 2 and comp.missing_rows() == []  # the default: newest checkpoint per row
+    assert {row: col for row, col in comp.picks.items()} == {r: 1 for r in p4.saved_rows}
+    recipe = comp.to_recipe()
+    path = write_recipe(tmp_path, recipe.base, recipe.layers, output="composed")
+
+    result = tailor("--apply", path)
+    assert result.returncode == 0, result.stderr
+    verified = tailor("--verify", path)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    out = tmp_path / "composed"
+    for f in (out / p6.tag).glob("*optim_states.pt"):  # built from the skeleton: CRCs right
+        with zipfile.ZipFile(f) as z:
+            assert z.testzip() is None, f
+    return (full, p4, p6), out
+
+
 def test_strategies_choose_rows_like_llmtailor():
     rows = ["embed_tokens", *(f"layers.{i}" for i in range(6)), "norm", "lm_head"]
     parity = Parity()
@@ -92,21 +114,7 @@ def test_partial_saves_hold_only_their_rows_and_each_ranks_own_slices(selective)
 def test_newest_per_row_composes_the_saved_states_and_resumes(selective, tmp_path):
     runs, ref, spec = selective
     before = tree_digest(runs)
-    comp = Composition.start(list(scan(runs).checkpoints))
-    full, p4, p6 = comp.checkpoints
-    assert comp.base == 2 and comp.missing_rows() == []  # the default: newest checkpoint per row
-    assert {row: col for row, col in comp.picks.items()} == {r: 1 for r in p4.saved_rows}
-    recipe = comp.to_recipe()
-    path = write_recipe(tmp_path, recipe.base, recipe.layers, output="composed")
-
-    result = tailor("--apply", path)
-    assert result.returncode == 0, result.stderr
-    verified = tailor("--verify", path)
-    assert verified.returncode == 0, verified.stdout + verified.stderr
-    out = tmp_path / "composed"
-    for f in (out / "global_step6").glob("*optim_states.pt"):  # built from the skeleton: CRCs right
-        with zipfile.ZipFile(f) as z:
-            assert z.testzip() is None, f
+    (full, p4, p6), out = compose_newest_per_row(runs, tmp_path)
     expect_rows_from(out, {r.name: ref / ("global_step6" if p6.holds(r.name) else "global_step4")
                            for r in full.rows})
     # the engine-level state is the partial base's: counters, per-sub-group steps, param groups

@@ -22,7 +22,6 @@ from safetensors import safe_open
 
 from conftest import tree_digest
 from tailor_tui.checkpoint import PARTIAL_MODEL_FILES, scan
-from tailor_tui.composition import Composition
 from tailor_tui.demo_run import resume_and_step
 from tailor_tui.merge import run_merge
 from tailor_tui.plan import build_plan, tied_partner
@@ -30,7 +29,7 @@ from tailor_tui.recipe import Recipe
 from tailor_tui.rows import row_of
 from test_cli import assert_one_line_error, tailor, write_recipe
 from test_resume import assert_optim_states_equal
-from test_selective import expect_rows_from
+from test_selective import compose_newest_per_row, expect_rows_from
 
 RUN = "hf_selective_parity"
 
@@ -88,17 +87,7 @@ def test_callback_saves_full_then_partial_hf_folders(selective):
 def test_newest_per_row_composes_a_standard_hf_checkpoint_that_resumes(selective, tmp_path):
     runs, ref, spec = selective
     before = tree_digest(runs)
-    comp = Composition.start(list(scan(runs).checkpoints))
-    full, p4, p6 = comp.checkpoints
-    assert comp.base == 2 and comp.missing_rows() == []
-    recipe = comp.to_recipe()
-    path = write_recipe(tmp_path, recipe.base, recipe.layers, output="composed")
-
-    result = tailor("--apply", path)
-    assert result.returncode == 0, result.stderr
-    verified = tailor("--verify", path)
-    assert verified.returncode == 0, verified.stdout + verified.stderr
-    out = tmp_path / "composed"
+    (full, _p4, p6), out = compose_newest_per_row(runs, tmp_path)
     step_of = sources_of_rows(full, p6, ref / "checkpoint-6", ref / "checkpoint-4")
     expect_rows_from(out, step_of)
     expect_model_file_from(out, step_of)
