@@ -4,7 +4,7 @@ Makes (once, cached) a real DeepSpeed ZeRO-3 run on CPU — Llama-like, 12 layer
 1024, MLP 2816, vocab 32000, bf16, 4 ranks, checkpoints at steps 1 and 2 (about 2.4 GiB
 each) — then times, several times in turn on the same disk: cp -r of the base tag folder,
 cp -r followed by sync (tailor-tui fsyncs what it writes), tailor-tui --apply with a parity
-recipe (odd layers from step 1), and the naive merge
+recipe (odd layers from step 1), the same with --no-fsync (like cp, no fsync), and the naive merge
 (whole-file torch.load/torch.save). Prints medians, ratios to cp, throughput and peak RSS.
 
     python bench/bench_merge.py [--repeats 3] [--cache .tailor-cache/bench]
@@ -83,6 +83,8 @@ def main() -> None:
         # tailor-tui fsyncs its output before renaming it into place; cp does not
         "cp -r; sync": ["sh", "-c", f'cp -r "{base}" "{work / "out"}" && sync'],
         "tailor-tui --apply": tailor,
+        # like cp: the output is left in the page cache (still atomic against a killed process)
+        "--apply --no-fsync": [*tailor, "--no-fsync"],
         "naive merge": [sys.executable, str(ROOT / "bench" / "naive_merge.py"), str(base), str(source),
                         str(work / "out"), *odd],
     }

@@ -2,7 +2,7 @@
 
     tailor-tui RUN_DIR [--recipe fix.yaml]      the interactive composer
     tailor-tui --demo                           make a small real run and open it
-    tailor-tui --apply recipe.yaml [--output DIR] [--workers N] [--dry-run] [--force]
+    tailor-tui --apply recipe.yaml [--output DIR] [--workers N] [--dry-run] [--force] [--no-fsync]
     tailor-tui --make-demo DIR
 
 Textual is imported only when the interactive composer starts: batch jobs on login
@@ -62,6 +62,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", "-j", type=_positive, help="worker processes (default: from cores and memory)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
     p.add_argument("--force", action="store_true", help="replace a non-empty output folder once the new one is complete")
+    p.add_argument("--no-fsync", dest="durable", action="store_false",
+                   help="do not fsync the output before renaming it into place: faster on slow disks; still "
+                        "atomic if tailor-tui is killed, but a power loss soon after can damage the output")
     p.add_argument(
         "--progress",
         choices=("auto", "bars", "lines"),
@@ -98,7 +101,7 @@ def apply(args) -> int:
     )
     report = reporter_for(sys.stderr, args.progress, planned_tasks(plan))
     cancel = threading.Event()
-    result = run_merge(plan, workers=workers, emit=report, cancel=cancel)
+    result = run_merge(plan, workers=workers, emit=report, cancel=cancel, durable=args.durable)
     if isinstance(report, BarReporter):
         report.close()
     if args.report_peak_rss:

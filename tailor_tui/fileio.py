@@ -30,10 +30,27 @@ def output_error(exc: OSError, path: Path) -> OutputError:
     )
 
 
+# Whether outputs are fsynced before they count as written (and renamed into place). Off
+# (`--no-fsync`): a killed tailor-tui still leaves nothing half-written (the page cache
+# survives a process), but a power loss or kernel crash soon after may damage the output.
+# Set per process: run_merge sets it in the parent and passes it to every worker.
+_durable = True
+
+
+def set_durable(durable: bool) -> None:
+    global _durable
+    _durable = durable
+
+
+def fsync(fd: int) -> None:
+    if _durable:
+        os.fsync(fd)
+
+
 def fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        fsync(fd)
     finally:
         os.close(fd)
 
@@ -44,7 +61,7 @@ def fsync_dir(path: Path) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
+        fsync(fd)
     finally:
         os.close(fd)
 
@@ -62,7 +79,7 @@ def copy_file(src: Path, dst: Path, on_bytes: Callable[[int], None] = lambda n: 
             writeback.advance(offset)
             on_bytes(n)
         fout.flush()
-        os.fsync(fout.fileno())
+        fsync(fout.fileno())
     os.chmod(dst, os.stat(src).st_mode & 0o777 | 0o200)
 
 
@@ -224,7 +241,7 @@ class Writeback:
 
     def advance(self, written_to: int) -> None:
         """Bytes up to `written_to` are written (in page cache)."""
-        if Writeback._call and written_to - self.started >= self.STEP:
+        if Writeback._call and _durable and written_to - self.started >= self.STEP:
             Writeback._call(self.fd, self.started, written_to - self.started, 2)  # SYNC_FILE_RANGE_WRITE
             self.started = written_to
 

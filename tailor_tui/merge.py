@@ -38,6 +38,7 @@ from .fileio import (
     Writeback,
     copy_file,
     copy_range,
+    fsync,
     fsync_dir,
     open_fd,
     output_error,
@@ -45,6 +46,7 @@ from .fileio import (
     pread_into,
     pwrite_all,
     replace_dir,
+    set_durable,
 )
 from .model_files import merge_model_file, safetensors_tensors
 from .plan import MergePlan, RankJob, tied_partner
@@ -110,7 +112,7 @@ def _save(obj, path: Path, on_bytes: Callable[[int], None] | None) -> None:
             writer = CountingWriter(f, on_bytes) if on_bytes is not None else None
             torch.save(obj, writer or f)
             f.flush()
-            os.fsync(f.fileno())
+            fsync(f.fileno())
     except OSError as exc:
         raise output_error(writer.error if writer and writer.error else exc, path) from None
     except RuntimeError:
@@ -197,7 +199,7 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> bool:
             for record, change in crc_changes.items():
                 for at in record.crc_offsets:
                     os.pwrite(fout, struct.pack("<I", record.crc ^ change), at)
-            os.fsync(fout)
+            fsync(fout)
     except OSError as exc:
         raise output_error(exc, out) from None
     return True
@@ -266,7 +268,7 @@ def build_optim_states_from_skeleton(job: RankJob, out: Path, counter: ByteCount
                 value = _crc_of(fout, record.data_offset, record.size, buffer)
                 for at in record.crc_offsets:
                     os.pwrite(fout, struct.pack("<I", value), at)
-            os.fsync(fout)
+            fsync(fout)
     except OSError as exc:
         raise output_error(exc, out) from None
 
@@ -458,8 +460,9 @@ _WORKER_QUEUE = None
 _WORKER_CANCEL = None
 
 
-def _worker_init(events, cancel, parent: int) -> None:
+def _worker_init(events, cancel, parent: int, durable: bool) -> None:
     global _WORKER_QUEUE, _WORKER_CANCEL
+    set_durable(durable)
     # Ctrl-C reaches the whole process group: the parent alone decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A worker holds its own copy of the task queue's pipe, so it would wait forever if the
@@ -519,14 +522,14 @@ def prepare_worker_processes() -> None:
     resource_tracker.ensure_running()
 
 
-def _run_pool(tasks, out_dirs, workers: int, emit: Emit, cancel: threading.Event) -> None:
+def _run_pool(tasks, out_dirs, workers: int, emit: Emit, cancel: threading.Event, durable: bool) -> None:
     import multiprocessing as mp
     from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 
     ctx = mp.get_context("spawn")  # fork after torch has started threads can deadlock
     events, stop = ctx.Queue(), ctx.Event()
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
-                               initargs=(events, stop, os.getpid()))
+                               initargs=(events, stop, os.getpid(), durable))
     with _children_ignore_sigint():
         futures = [pool.submit(_run_task, t, o) for t, o in zip(tasks, out_dirs)]
     finished: set[str] = set()
@@ -601,9 +604,19 @@ def run_merge(
     workers: int | None = None,
     emit: Emit = lambda event: None,
     cancel: threading.Event | None = None,
+    durable: bool = True,
 ) -> MergeResult:
-    """Write the composed checkpoint described by `plan`; atomic, cancellable."""
-    cancel = cancel or threading.Event()
+    """Write the composed checkpoint described by `plan`; atomic, cancellable; fsynced
+    before it is renamed into place unless `durable` is False (`--no-fsync`)."""
+    set_durable(durable)
+    try:
+        return _compose(plan, workers, emit, cancel or threading.Event(), durable)
+    finally:
+        set_durable(True)
+
+
+def _compose(plan: MergePlan, workers: int | None, emit: Emit, cancel: threading.Event,
+             durable: bool) -> MergeResult:
     started = time.monotonic()
     out = plan.output
     peaks = [0]
@@ -639,7 +652,7 @@ def run_merge(
         if n == 1:
             _run_inline(tasks, out_dirs, emit_and_watch, cancel)
         else:
-            _run_pool(tasks, out_dirs, n, emit_and_watch, cancel)
+            _run_pool(tasks, out_dirs, n, emit_and_watch, cancel, durable)
         if cancel.is_set():
             raise MergeCancelled()
         verify_output(plan, tmp)
@@ -663,7 +676,7 @@ def _write_text(path: Path, text: str) -> None:
         with open(path, "w") as f:
             f.write(text)
             f.flush()
-            os.fsync(f.fileno())
+            fsync(f.fileno())
     except OSError as exc:
         raise output_error(exc, path) from None
 

@@ -28,7 +28,7 @@ from typing import Callable
 from .checkpoint import MODEL_FILE_INDEX, safetensors_header
 from .errors import CheckpointError
 from .events import ByteCounter, Emit
-from .fileio import Writeback, copy_range, open_fd, output_error, pread_into, pwrite_all
+from .fileio import Writeback, copy_range, fsync, open_fd, output_error, pread_into, pwrite_all
 from .plan import ModelFileJob
 from .rows import row_of
 
@@ -123,7 +123,7 @@ def merge_model_file(job: ModelFileJob, out_dir: Path, emit: Emit, cancelled: Ca
             if fin is not None:
                 copy_range(fin, fout, position, os.fstat(fin).st_size - position, counter.add, writeback=writeback)
             os.ftruncate(fout, job.size)
-            os.fsync(fout)
+            fsync(fout)
             if job.base_file is not None:
                 os.fchmod(fout, os.stat(job.base_file).st_mode & 0o777 | 0o200)
     except OSError as exc:

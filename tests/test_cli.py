@@ -176,3 +176,13 @@ def test_headless_path_never_imports_textual(real_run, tmp_path):
 def test_the_composer_needs_a_terminal_and_an_existing_folder(tmp_path):
     assert_one_line_error(tailor(tmp_path / "nope"), 4, "no such folder")
     assert_one_line_error(tailor(tmp_path), 2, "needs a terminal", "--apply")
+
+
+def test_no_fsync_output_verifies(real_run, tmp_path):
+    run, spec = real_run("hf_bf16_2")
+    c2, c4, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c4, "embed_tokens": c2})
+    result = tailor("--apply", recipe, "--no-fsync", "--workers", "2")
+    assert result.returncode == 0, result.stderr
+    verified = tailor("--verify", recipe)
+    assert verified.returncode == 0, verified.stdout + verified.stderr

@@ -255,3 +255,30 @@ def test_reserialising_fallback_gives_the_same_state(real_run, tmp_path, monkeyp
     a, b = read_full_state(streamed), read_full_state(reserialised)
     for key in a:
         assert all(torch.equal(a[key][n], b[key][n]) for n in a[key])
+
+
+def test_no_fsync_skips_every_fsync_and_writes_the_same_output(real_run, tmp_path, monkeypatch):
+    """--no-fsync (durable=False) trades crash durability for speed: no fsync at all, the
+    same bytes, and the process-wide setting is back to durable afterwards."""
+    import os
+
+    from tailor_tui import fileio
+    from tailor_tui.verify import verify_against_recipe
+
+    run, spec = real_run("hf_bf16_2")
+    ckpts = checkpoints_of(run, spec)
+    picks = parity_picks(spec, ckpts)
+    calls = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(fd), real_fsync(fd)))
+    durable, _ = compose(tmp_path / "a", ckpts, picks)  # workers=1: all in this process
+    assert calls
+    calls.clear()
+    recipe = Recipe(base=ckpts[-1], output=tmp_path / "b" / "composed", layers=picks)
+    run_merge(build_plan(recipe), workers=1, durable=False)
+    assert calls == [] and fileio._durable
+    fast = recipe.output
+    assert verify_against_recipe(build_plan(recipe, check_output=False)).ok
+    for f in durable.rglob("*"):
+        if f.is_file() and f.name != "tailor_provenance.json":
+            assert f.read_bytes() == (fast / f.relative_to(durable)).read_bytes(), f
