@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .checkpoint import Checkpoint, RankFiles, open_checkpoint
-from .layout import Slot
 from .errors import CheckpointError, IncompatibleError, OutputError, RecipeError
+from .layout import Slot
 from .recipe import Recipe
 
 BYTES_PER_ELEMENT = 4 * 3  # fp32 master weight + exp_avg + exp_avg_sq
