@@ -72,3 +72,12 @@ def test_merge_screen_mid_progress(snap_compare, run):
         await pilot.pause()
 
     assert snap_compare(make_app(run), run_before=mid_merge, terminal_size=SIZE)
+
+
+def test_grid_with_partial_checkpoints(snap_compare, real_run, tmp_path):
+    """Selective checkpointing (HF Trainer callback): a full checkpoint and two parity partials;
+    each partial column holds only its rows, every row picked from its newest holder."""
+    src, _spec = real_run("hf_selective_parity")
+    run = tmp_path / "run"
+    shutil.copytree(src / "run", run)
+    assert snap_compare(make_app(run), run_before=scanned, terminal_size=SIZE)
