@@ -48,7 +48,7 @@ from .fileio import (
     replace_dir,
     set_durable,
 )
-from .model_files import merge_model_file, safetensors_tensors
+from .model_files import merge_model_file, partial_slice, safetensors_tensors
 from .plan import MergePlan, RankJob, tied_partner
 from .ptzip import Unsupported, locate, read_structure
 from .safe_load import load_pt
@@ -168,7 +168,7 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> bool:
             if c.param is None:
                 at = sources[c.source][c.group, key].offset + c.offset * b.itemsize
             else:
-                at = _partial_slice(job.files[c.source].rows, partial[c.source], key, c)[2]
+                at = partial_slice(job.files[c.source].rows, partial[c.source], key, c.param, c.length)[2]
             spans.append((b.offset + c.offset * b.itemsize, c.length * b.itemsize, c.source, at, b.record))
     for g, offset, length in job.padding:
         for key in TENSORS:
@@ -254,7 +254,7 @@ def build_optim_states_from_skeleton(job: RankJob, out: Path, counter: ByteCount
                     if c.param is None:
                         at = full[c.source][c.group, key].offset + c.offset * 4
                     else:
-                        at = _partial_slice(job.files[c.source].rows, partial[c.source], key, c)[2]
+                        at = partial_slice(job.files[c.source].rows, partial[c.source], key, c.param, c.length)[2]
                     copy_range(fds[c.source], fout, at, c.length * 4, counter.add,
                                layout[c.group, key].offset + c.offset * 4, writeback)
             for g, offset, length in job.padding:
@@ -301,21 +301,6 @@ def _storage_bytes(storage) -> bytes:
     import torch
 
     return torch.empty(0, dtype=torch.uint8).set_(storage).numpy().tobytes()
-
-
-def _partial_slice(path: Path, tensors: dict, key: str, copy) -> tuple:
-    """(dtype, shape, first byte, end byte) of one parameter's slice in a partial checkpoint."""
-    name = f"{key}/{copy.param}"
-    found = tensors.get(name)
-    if found is None:
-        raise CheckpointError(f"{path}: has no tensor {name}; the partial checkpoint is incomplete, re-copy it")
-    dtype, shape, begin, end = found
-    if dtype != "F32" or end - begin < copy.length * 4:
-        raise CheckpointError(
-            f"{path}: tensor {name} is {dtype} {list(shape)}, expected F32 of at least {copy.length} "
-            "elements; the partial checkpoint is from another run or layout"
-        )
-    return found
 
 
 def _coalesced(spans: list) -> list:
@@ -395,7 +380,7 @@ def _reserialise_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> 
                     if c.param is None:
                         merged[span].copy_(_tensor(full[c.source], g, key)[span])
                     else:
-                        _partial_slice(partial[c.source], indexes[c.source], key, c)
+                        partial_slice(partial[c.source], indexes[c.source], key, c.param, c.length)
                         merged[span].copy_(opened[c.source].get_slice(f"{key}/{c.param}")[: c.length])
                     counter.add(c.length * 4)
                 for offset, length in padding[g]:

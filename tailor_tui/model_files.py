@@ -182,7 +182,9 @@ class _Fills:
             valid = slot.valid(rank)
             if not valid:
                 continue
-            begin = _slice_start(files.rows, self.rows_index, name, valid)
+            if files.rows not in self.rows_index:
+                self.rows_index[files.rows] = safetensors_tensors(files.rows)
+            begin = partial_slice(files.rows, self.rows_index[files.rows], "fp32", name, valid)[2]
             at = offset + rank * slot.part * itemsize
             if dtype == "F32":  # the master weights are the model's weights
                 copy_range(self.fd(files.rows), self.fout, begin, valid * 4, lambda n: None, at, self.writeback)
@@ -194,16 +196,20 @@ class _Fills:
                 pwrite_all(self.fout, _cast(view, dtype), at + start * itemsize)
 
 
-def _slice_start(rows: Path, cache: dict, name: str, valid: int) -> int:
-    if rows not in cache:
-        cache[rows] = safetensors_tensors(rows)
-    found = cache[rows].get(f"fp32/{name}")
-    if found is None or found[0] != "F32" or found[3] - found[2] < valid * 4:
+def partial_slice(path: Path, tensors: dict, key: str, param: str, length: int) -> tuple:
+    """(dtype, shape, first byte, end byte) of one parameter's slice in a partial checkpoint's
+    rows file (`tensors`: its safetensors_tensors), checked to hold `length` fp32 elements."""
+    name = f"{key}/{param}"
+    found = tensors.get(name)
+    if found is None:
+        raise CheckpointError(f"{path}: has no tensor {name}; the partial checkpoint is incomplete, re-copy it")
+    dtype, shape, begin, end = found
+    if dtype != "F32" or end - begin < length * 4:
         raise CheckpointError(
-            f"{rows}: has no F32 slice fp32/{name} of {valid} elements; "
-            "the partial checkpoint is incomplete or from another run, re-copy it"
+            f"{path}: tensor {name} is {dtype} {list(shape)}, expected F32 of at least {length} "
+            "elements; the partial checkpoint is from another run or layout"
         )
-    return found[2]
+    return found
 
 
 def _cast(view: memoryview, dtype: str) -> bytes:

@@ -87,6 +87,7 @@ class MergePlan:
     force: bool = False
     _jobs: list[RankJob] | None = field(default=None, repr=False)
     _model_jobs: list[ModelFileJob] | None = field(default=None, repr=False)
+    _model_layout: tuple | None = field(default=None, repr=False)  # (layout or None,), read once
 
     # --- per rank work ---------------------------------------------------------------
 
@@ -150,6 +151,11 @@ class MergePlan:
 
         A full base's own files; a partial HF base's recorded layout or, if its save
         recorded none, any full HF source's (every checkpoint of a run has the same)."""
+        if self._model_layout is None:
+            self._model_layout = (self._read_model_layout(),)
+        return self._model_layout[0]
+
+    def _read_model_layout(self):
         from .model_files import ModelFileLayout
 
         if self.base.model_files:
