@@ -250,11 +250,23 @@ def _reference_saves(trainer, spec: RunSpec, folder: Path):
     return ReferenceSaves()
 
 
+def _run_rank(rank: int, fn, *args) -> None:
+    fn(rank, *args)
+    # Leave the process group before the interpreter exits: left to teardown, gloo's threads
+    # were once destroyed still joinable ("terminate called without an active exception",
+    # SIGABRT) after a rank had finished all its work.
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _spawn(fn, spec: RunSpec, *args) -> None:
     import torch.multiprocessing as mp
 
     os.environ["DS_ACCELERATOR"] = "cpu"
-    mp.spawn(fn, args=(spec.world_size, free_port(), spec, *args), nprocs=spec.world_size)
+    mp.spawn(_run_rank, args=(fn, spec.world_size, free_port(), spec, *args), nprocs=spec.world_size)
 
 
 def make_run(out: str | Path, spec: RunSpec = RunSpec()) -> Path:
