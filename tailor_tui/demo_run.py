@@ -252,14 +252,19 @@ def _reference_saves(trainer, spec: RunSpec, folder: Path):
 
 def _run_rank(rank: int, fn, *args) -> None:
     fn(rank, *args)
-    # Leave the process group before the interpreter exits: left to teardown, gloo's threads
-    # were once destroyed still joinable ("terminate called without an active exception",
-    # SIGABRT) after a rank had finished all its work.
+    # Once every rank is done, leave without the interpreter's teardown: there, C++ threads of
+    # torch's distributed stack were at times destroyed still joinable ("terminate called
+    # without an active exception", SIGABRT), failing a run whose work was all written. Files
+    # are closed by now; an exception in `fn` never gets here and is reported by mp.spawn.
+    import sys
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _spawn(fn, spec: RunSpec, *args) -> None:
