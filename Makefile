@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo demo-apply test install
+.PHONY: demo demo-apply test test-compat install
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -22,3 +22,7 @@ demo-apply: install
 
 test: install
 	$(BIN)/python -m pytest
+
+# every DeepSpeed release of tests/test_compat.py (`make test` runs the oldest and the newest)
+test-compat: install
+	$(BIN)/python -m pytest tests/test_compat.py --deepspeed-releases all

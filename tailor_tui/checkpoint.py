@@ -12,13 +12,14 @@ import json
 import os
 import re
 import struct
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .ds_format import BUFFER_NAMES, DS_CONFIG, DS_VERSION, GLOBAL_STEPS, MODULE, unsupported_version
 from .errors import CheckpointError
 from .layout import ZeroLayout
+from .ptfile import Unsupported, check_complete, read_structure
 from .rows import split_row
 from .safe_load import load_pt
 
@@ -116,16 +117,10 @@ class Checkpoint:
         so truncated copies are refused before anything is written."""
         for files in self.ranks:
             for f in files.existing():
-                try:
-                    if f.suffix == ".safetensors":
-                        safetensors_header(f)
-                        continue
-                    with zipfile.ZipFile(f) as z:
-                        z.getinfo(z.namelist()[0])
-                except (zipfile.BadZipFile, OSError, IndexError, CheckpointError):
-                    raise CheckpointError(
-                        f"{f}: truncated or corrupt (not a complete archive); re-copy it from the training run"
-                    ) from None
+                if f.suffix == ".safetensors":
+                    safetensors_header(f)
+                else:
+                    check_complete(f)
 
 
 def _read_latest(folder: Path) -> str | None:
@@ -198,23 +193,44 @@ def safetensors_header(path: Path) -> tuple[dict, int]:
                 raise ValueError(f"{name} runs past the end of the file")
         return header, 8 + length
     except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
-        raise CheckpointError(f"{path}: not a complete safetensors file ({exc}); re-copy it") from None
+        raise CheckpointError(f"{path}: not a complete safetensors file, truncated or corrupt ({exc}); "
+                              "re-copy it from the training run") from None
 
 
-def _dtype(tag_dir: Path, states: dict) -> tuple[str, str]:
+def _dtype(tag_dir: Path, states: dict, layout: ZeroLayout) -> tuple[str, str]:
     """(dtype, optim file prefix)."""
     if (tag_dir / OPTIM_STATES.format(prefix="bf16_", rank=0)).is_file():
         return "bf16", "bf16_"
-    config = states.get("ds_config") or {}
-    fp16 = config.get("fp16") or {}
-    return ("fp16" if fp16.get("enabled") is True else "fp32"), ""
+    config = states.get(DS_CONFIG)
+    if isinstance(config, dict):  # the config the training script passed, as a dict
+        fp16 = config.get("fp16")
+        return ("fp16" if isinstance(fp16, dict) and fp16.get("enabled") is True else "fp32"), ""
+    # The config was passed as a file path (ds_config is that str) or on the command line
+    # (None): the dtype of the 16-bit parameter placeholders DeepSpeed saves tells instead.
+    module = states.get(MODULE) or {}
+    for name in layout.param_names():
+        found = _element_type(module.get(name))
+        if found in ("HalfStorage", "float16"):
+            return "fp16", ""
+        if found is not None:
+            return "fp32", ""
+    return "fp32", ""
+
+
+def _element_type(tensor) -> str | None:
+    """A saved tensor's element type: its storage type (torch-free reader) or torch dtype."""
+    storage = getattr(tensor, "storage", None)
+    if isinstance(getattr(storage, "type_name", None), str):
+        return storage.type_name
+    dtype = getattr(tensor, "dtype", None)
+    return str(dtype).removeprefix("torch.") if dtype is not None else None
 
 
 def _rows(states: dict, layout: ZeroLayout) -> tuple[Row, ...]:
     """Rows in model order (the module state_dict's order), each with what it owns."""
     params = set(layout.param_names())
-    buffers = set(states.get("buffer_names") or ())
-    order = list((states.get("module") or {}).keys())
+    buffers = set(states.get(BUFFER_NAMES) or ())
+    order = list((states.get(MODULE) or {}).keys())
     order += [n for n in layout.param_names() if n not in order]
     owned: dict[str, tuple[str, list[str], list[str]]] = {}
     for name in order:
@@ -241,8 +257,6 @@ def hf_model_files(folder: Path) -> tuple[Path, ...]:
 
 def read_metadata(path: Path) -> dict:
     """A model_states file's structure, read without torch (tensors as TensorRef)."""
-    from .ptzip import Unsupported, read_structure
-
     if not path.is_file():
         raise CheckpointError(f"{path}: file is missing; the checkpoint is incomplete")
     try:
@@ -263,9 +277,14 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     else:
         kind, named, tag_dir, save_dir = _locate(path)
     states = read_metadata(tag_dir / MODEL_STATES.format(rank=0))
+    ds_version = states.get(DS_VERSION)
+    ds_version = ds_version if isinstance(ds_version, str) else ""  # absent: rewritten by another tool
+    why = unsupported_version(ds_version)
+    if why:
+        raise CheckpointError(f"{tag_dir / MODEL_STATES.format(rank=0)}: cannot be read: {why}")
     try:
         layout = ZeroLayout.from_model_states(states)
-    except (KeyError, TypeError, AttributeError):
+    except (KeyError, TypeError, AttributeError, ValueError):
         raise CheckpointError(
             f"{tag_dir / MODEL_STATES.format(rank=0)}: not a ZeRO stage 3 model_states file "
             "(no param_shapes / dp_world_size); tailor-tui composes ZeRO-3 checkpoints only"
@@ -273,7 +292,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     if manifest:
         dtype, prefix = manifest["dtype"], ("bf16_" if manifest["dtype"] == "bf16" else "")
     else:
-        dtype, prefix = _dtype(tag_dir, states)
+        dtype, prefix = _dtype(tag_dir, states, layout)
     ranks = tuple(
         RankFiles(
             r,
@@ -304,14 +323,14 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         tag=tag_dir.name,
         tag_dir=tag_dir,
         save_dir=save_dir,
-        step=int(states.get("global_steps") or 0),
+        step=int(states.get(GLOBAL_STEPS) or 0),
         world_size=layout.world_size,
         dtype=dtype,
         layout=layout,
         rows=_rows(states, layout),
         ranks=ranks,
         model_files=model_files,
-        ds_version=str(states.get("ds_version", "")),
+        ds_version=ds_version,
         sizes=sizes,
         saved_rows=frozenset(manifest["rows"]) if manifest else None,
         model_layout=path / PARTIAL_MODEL_FILES if manifest and (path / PARTIAL_MODEL_FILES).is_file() else None,

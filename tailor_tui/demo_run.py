@@ -8,6 +8,9 @@ Each rank is a process started with torch.multiprocessing (spawn) on the gloo
 backend. Two settings keep this to seconds instead of minutes of C++ op
 builds: a client `torch.optim.AdamW` (no `optimizer` block in the DeepSpeed
 config) and disabling the shared-memory comm op before init_distributed.
+
+The same code makes runs with every DeepSpeed release tailor-tui reads (0.14 on;
+tests/test_compat.py runs it with each release in turn).
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ class RunSpec:
     """What kind of training run to make."""
 
     world_size: int = 2
-    dtype: str = "bf16"  # "bf16" or "fp32" (DeepSpeed refuses fp16 on CPU)
+    # "bf16", "fp32", or "fp16" (DeepSpeed layout: DeepSpeed's CPU accelerator says fp16 is
+    # unsupported unless the CPU has AVX512-FP16, and before 0.19 always; torch computes fp16 on
+    # any CPU, so runs lift that one check: `_allow_fp16_on_cpu`)
+    dtype: str = "bf16"
     tied: bool = False  # tie lm_head to embed_tokens
     layout: str = "hf"  # "hf": HF Trainer checkpoint-N folders; "deepspeed": save_dir tags
     layers: int = 4
@@ -38,6 +44,12 @@ class RunSpec:
     seed: int = 0
     vocab: int = VOCAB
     intermediate: int | None = None  # MLP width; default 1.5 x hidden
+    # False: DeepSpeed writes every .pt file in torch's legacy (non-zip) format
+    # (`checkpoint: {checkpoint_serialization: false}`, DeepSpeed 0.17 and later)
+    zip_serialization: bool = True
+    # DeepSpeed layout: pass the DeepSpeed config as a JSON file's path, as scripts launched with
+    # `--deepspeed_config ds.json` do (model_states then records that path, not a dict)
+    config_file: bool = False
     # "parity" or "filter": save through tailor_tui.selective (the HF layout through its
     # Trainer callback); the run's checkpoints go to OUT/run, and full reference checkpoints
     # of every save, written by the same run, to OUT/reference
@@ -45,10 +57,15 @@ class RunSpec:
     extra: dict = field(default_factory=dict, hash=False, compare=False)
 
     def key(self) -> str:
-        """A stable name for caching runs made from this spec."""
+        """A stable name for caching runs made from this spec (`from_key` reads it back)."""
         d = asdict(self)
         d.pop("extra")
         return json.dumps(d, sort_keys=True)
+
+    @classmethod
+    def from_key(cls, text: str) -> "RunSpec":
+        d = json.loads(text)
+        return cls(**{**d, "frozen": tuple(d.get("frozen", ()))})
 
 
 def model_config(spec: RunSpec):
@@ -77,9 +94,27 @@ def ds_config(spec: RunSpec, for_trainer: bool) -> dict:
         "bf16": {"enabled": spec.dtype == "bf16"},
         "steps_per_print": 10**9,
     }
+    if spec.dtype == "fp16":
+        if for_trainer:
+            raise ValueError("fp16 runs use the DeepSpeed layout (the HF Trainer refuses fp16 on CPU)")
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    if not spec.zip_serialization:
+        cfg["checkpoint"] = {"checkpoint_serialization": False}
     if not for_trainer:
         cfg["gradient_clipping"] = 1.0
     return cfg
+
+
+def _engine_config(spec: RunSpec, folder: Path):
+    """The `config` argument of deepspeed.initialize: a dict, or a JSON file's path."""
+    cfg = ds_config(spec, for_trainer=False)
+    if not spec.config_file:
+        return cfg
+    path = folder / "ds_config.json"
+    tmp = path.with_name(f".ds_config.{os.getpid()}.json")  # every rank writes it: atomically
+    tmp.write_text(json.dumps(cfg))
+    os.replace(tmp, path)
+    return str(path)
 
 
 def build_model(spec: RunSpec):
@@ -120,13 +155,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _setup_rank(rank: int, world: int, port: int) -> None:
+def _setup_rank(rank: int, world: int, port: int, spec: RunSpec) -> None:
     os.environ.update(
         DS_ACCELERATOR="cpu",
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world),
         LOCAL_WORLD_SIZE=str(world),
+        # DeepSpeed's own launcher sets it; without it the CPU accelerator of DeepSpeed 0.14 and
+        # 0.15 counts devices by calling `numactl`, which most machines lack
+        LOCAL_SIZE=str(world),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         TOKENIZERS_PARALLELISM="false",
@@ -136,8 +174,22 @@ def _setup_rank(rank: int, world: int, port: int) -> None:
     import torch
 
     torch.set_num_threads(1)
+    if spec.dtype == "fp16":
+        _allow_fp16_on_cpu()
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
+
+
+def _allow_fp16_on_cpu() -> None:
+    """Lift DeepSpeed's CPU accelerator's refusal of fp16 (see RunSpec.dtype): DeepSpeed's own
+    code still trains, scales the loss and saves; only its capability check is answered yes."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = type(get_accelerator())
+    supported = accelerator.supported_dtypes
+    accelerator.is_fp16_supported = lambda self: True
+    accelerator.supported_dtypes = lambda self: list(dict.fromkeys([*supported(self), torch.float16]))
 
 
 def _quiet() -> None:
@@ -189,7 +241,7 @@ def _trainer_dataset(spec: RunSpec):
 
 def _train_rank(rank: int, world: int, port: int, spec: RunSpec, out: str) -> None:
     _quiet()
-    _setup_rank(rank, world, port)
+    _setup_rank(rank, world, port, spec)
     out = Path(out)
     if spec.layout == "hf":
         from transformers import Trainer
@@ -211,7 +263,7 @@ def _train_rank(rank: int, world: int, port: int, spec: RunSpec, out: str) -> No
 
     model = build_model(spec)
     opt = torch.optim.AdamW(param_groups(model), lr=1e-3)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(spec, False))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_engine_config(spec, out))
     saver = None
     if spec.selective:
         from .selective import SelectiveSaver
@@ -289,7 +341,7 @@ def make_run(out: str | Path, spec: RunSpec = RunSpec()) -> Path:
 def _resume_rank(rank, world, port, spec: RunSpec, ckpt: str, resave: str, result: str) -> None:
     """Load `ckpt` the way a user resumes, re-save the loaded state, train one step."""
     _quiet()
-    _setup_rank(rank, world, port)
+    _setup_rank(rank, world, port, spec)
     ckpt = Path(ckpt)
     losses: list[float] = []
     if spec.layout == "hf":
@@ -318,7 +370,7 @@ def _resume_rank(rank, world, port, spec: RunSpec, ckpt: str, resave: str, resul
 
         model = build_model(spec)
         opt = torch.optim.AdamW(param_groups(model), lr=1e-3)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(spec, False))
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_engine_config(spec, Path(resave)))
         path, _ = engine.load_checkpoint(str(ckpt))
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint in {ckpt}")
@@ -343,3 +395,21 @@ def resume_and_step(ckpt: str | Path, spec: RunSpec, resave: str | Path) -> list
     result = resave / "result.json"
     _spawn(_resume_rank, spec, str(ckpt), str(resave), str(result))
     return json.loads(result.read_text())["losses"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m tailor_tui.demo_run make OUT SPEC` or `resume CKPT SPEC RESAVE` (SPEC: a
+    RunSpec.key()): how the tests make and resume runs under another DeepSpeed release."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) == 3 and args[0] == "make":
+        make_run(args[1], RunSpec.from_key(args[2]))
+    elif len(args) == 4 and args[0] == "resume":
+        print(json.dumps(resume_and_step(args[1], RunSpec.from_key(args[2]), args[3])))
+    else:
+        raise SystemExit("usage: python -m tailor_tui.demo_run make OUT SPEC | resume CKPT SPEC RESAVE")
+
+
+if __name__ == "__main__":
+    main()

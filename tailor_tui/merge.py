@@ -50,7 +50,7 @@ from .fileio import (
 )
 from .model_files import merge_model_file, partial_slice, safetensors_tensors
 from .plan import MergePlan, RankJob, tied_partner
-from .ptzip import Unsupported, locate, read_structure
+from .ptfile import Unsupported, file_format, locate, read_structure
 from .safe_load import load_pt
 
 PROVENANCE = "tailor_provenance.json"
@@ -132,8 +132,8 @@ def merge_rank(job: RankJob, out_tag_dir: Path, emit: Emit, cancelled: Callable[
         _reserialise_optim_states(job, out_optim, counter)
 
     out_model = out_tag_dir / base_files.model_states.name
-    if job.frozen or job.buffers:
-        _merge_model_states(job, out_model, counter)
+    if job.frozen or job.buffers or file_format(base_files.model_states) != "zip":
+        _merge_model_states(job, out_model, counter)  # (a legacy-format base's is re-saved as zip)
     else:
         try:
             copy_file(base_files.model_states, out_model, counter.add)
@@ -150,9 +150,12 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> bool:
     recipe picks it; padding is written as zeros. Only the replaced ranges, old and new,
     are read into user space, to update each record's CRC-32 (see `crc`). Memory stays at
     one small buffer whatever the file size. Returns False (writing nothing) when the
-    archive is laid out in a way this does not handle; the caller then re-serialises.
+    archive is laid out in a way this does not handle, or the base's file is in torch's
+    legacy format; the caller then re-serialises. Sources may be in either format.
     """
     base_path = job.files[0].optim_states
+    if file_format(base_path) != "zip":
+        return False  # the output is a zip archive: a legacy-format base's file is re-serialised
     used = sorted({c.source for c in job.copies})
     try:
         base = _tensor_bytes(base_path, job.group_sizes)

@@ -4,13 +4,22 @@ Every checkpoint the tests read was written by real DeepSpeed on CPU; the HF run
 the real HF Trainer. Set TAILOR_RUN_CACHE to choose the cache folder; the cache key
 covers the run spec, the generator's (and selective saver's) source and the DeepSpeed/transformers versions,
 so a stale cache is never used.
+
+Runs are made with the installed DeepSpeed, or with another release (`real_run(name,
+deepspeed="0.16.9")`): that release is installed once into a folder of its own
+(`pip install --target`, no C++ ops built) that is put first on the path of the
+processes that train and resume, beside this environment's torch and transformers.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
+import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +28,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from tailor_tui import demo_run, selective, selective_hf  # noqa: E402
 from tailor_tui.demo_run import RunSpec  # noqa: E402
+from tailor_tui.ds_format import parse_version  # noqa: E402
 
 RUNS = {
     # HF Trainer layout, 2 ranks, bf16, separate lm_head
@@ -51,7 +61,22 @@ RUNS = {
         frozen=("model.layers.2.mlp.down_proj.weight",),
         selective="parity",
     ),
+    # DeepSpeed save_dir layout, 2 ranks, fp16 (DynamicLossScaler), sub-groups, a frozen param,
+    # the DeepSpeed config passed as a file path (model_states records the path, not a dict);
+    # made with every DeepSpeed release in test_compat.py, beside hf_bf16_2
+    "ds_fp16_2_config_file": RunSpec(
+        layout="deepspeed",
+        dtype="fp16",
+        sub_group_size=2000,
+        frozen=("model.layers.1.mlp.up_proj.weight",),
+        config_file=True,
+    ),
+    # DeepSpeed writing torch's legacy (non-zip) format (checkpoint_serialization: false)
+    "ds_legacy_serialization": RunSpec(layout="deepspeed", zip_serialization=False),
 }
+
+
+INSTALLED_DEEPSPEED = importlib.metadata.version("deepspeed")
 
 
 def _cache_root() -> Path:
@@ -59,8 +84,7 @@ def _cache_root() -> Path:
     return Path(root) if root else Path(__file__).resolve().parent.parent / ".tailor-cache" / "runs"
 
 
-def _key(spec: RunSpec) -> str:
-    import deepspeed
+def _key(spec: RunSpec, ds_version: str) -> str:
     import transformers
 
     h = hashlib.sha256()
@@ -68,27 +92,79 @@ def _key(spec: RunSpec) -> str:
     h.update(Path(demo_run.__file__).read_bytes())
     for saver in (selective, selective_hf):  # partial saves are written by them
         h.update(Path(saver.__file__).read_bytes())
-    h.update(f"{deepspeed.__version__} {transformers.__version__}".encode())
+    h.update(f"{ds_version} {transformers.__version__}".encode())
     return h.hexdigest()[:16]
+
+
+def deepspeed_env(version: str) -> Path | None:
+    """The folder that holds DeepSpeed `version` (installed on first use), or None for the
+    installed release. Releases ship as sdists whose setup.py imports torch: built without
+    build isolation against this environment's torch, with no C++ ops (DS_BUILD_OPS=0)."""
+    if version == INSTALLED_DEEPSPEED:
+        return None
+    import torch
+
+    py = f"py{sys.version_info.major}.{sys.version_info.minor}"
+    folder = _cache_root().parent / "deepspeed" / f"{version}-{py}-torch{torch.__version__}"
+    if not (folder / "deepspeed" / "__init__.py").is_file():
+        partial = folder.with_name(folder.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
+             "--no-build-isolation", "--target", str(partial), f"deepspeed=={version}"],
+            env={**os.environ, "DS_BUILD_OPS": "0"}, capture_output=True, text=True)
+        assert done.returncode == 0, f"installing deepspeed=={version} failed:\n{done.stderr[-3000:]}"
+        shutil.rmtree(folder, ignore_errors=True)
+        partial.rename(folder)
+    return folder
+
+
+def with_deepspeed(version: str, *args: str) -> subprocess.CompletedProcess:
+    """Run `python -m tailor_tui.demo_run ARGS` with DeepSpeed `version` (see demo_run.main)."""
+    env = dict(os.environ)
+    folder = deepspeed_env(version)
+    if folder is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), env.get("PYTHONPATH")]))
+    if parse_version(version) < (0, 16, 0):
+        # Before 0.16 DeepSpeed loads its own checkpoints with torch.load's default, which torch
+        # 2.6 made weights_only=True: it then refuses its own ZeroStageEnum. Users of those
+        # releases resume with torch's documented switch back to the old default, as here.
+        env["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
+    done = subprocess.run([sys.executable, "-m", "tailor_tui.demo_run", *args], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"deepspeed {version}: demo_run {args[0]} failed:\n{done.stderr[-4000:]}"
+    return done
+
+
+def resume_with(version: str, ckpt: Path, spec: RunSpec, resave: Path) -> list[float]:
+    """demo_run.resume_and_step, run by DeepSpeed `version`: the losses of one more step."""
+    if version == INSTALLED_DEEPSPEED:
+        return demo_run.resume_and_step(ckpt, spec, resave)
+    out = with_deepspeed(version, "resume", str(ckpt), spec.key(), str(resave)).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="session")
 def real_run():
-    """real_run(name) -> (run folder, spec); trains the run on first use."""
-    made: dict[str, Path] = {}
+    """real_run(name, deepspeed=VERSION) -> (run folder, spec); trains the run on first use,
+    with the installed DeepSpeed or the given release."""
+    made: dict[tuple[str, str], Path] = {}
 
-    def get(name: str) -> tuple[Path, RunSpec]:
+    def get(name: str, deepspeed: str = INSTALLED_DEEPSPEED) -> tuple[Path, RunSpec]:
         spec = RUNS[name]
-        if name not in made:
-            folder = _cache_root() / f"{name}-{_key(spec)}"
+        if (name, deepspeed) not in made:
+            folder = _cache_root() / f"{name}-{_key(spec, deepspeed)}"
             if not (folder / "tailor_demo_spec.json").is_file():
                 shutil.rmtree(folder, ignore_errors=True)
                 partial = folder.with_name(folder.name + ".partial")
                 shutil.rmtree(partial, ignore_errors=True)
-                demo_run.make_run(partial, spec)
+                if deepspeed == INSTALLED_DEEPSPEED:
+                    demo_run.make_run(partial, spec)
+                else:
+                    with_deepspeed(deepspeed, "make", str(partial), spec.key())
                 partial.rename(folder)
-            made[name] = folder
-        return made[name], spec
+            made[name, deepspeed] = folder
+        return made[name, deepspeed], spec
 
     return get
 
@@ -109,3 +185,10 @@ def tree_digest(*roots: Path) -> dict[str, str]:
             if f.is_file():
                 out[str(f)] = hashlib.sha256(f.read_bytes()).hexdigest()
     return out
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--deepspeed-releases", default="ci",
+        help="DeepSpeed releases test_compat.py makes runs with: 'ci' (the oldest and the newest), "
+             "'all', or a comma-separated list such as 0.16.9,0.17.4")

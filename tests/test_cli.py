@@ -141,7 +141,8 @@ def test_missing_and_truncated_rank_files(real_run, tmp_path):
     states = base / "global_step6" / "zero_pp_rank_1_mp_rank_00_model_states.pt"
     states.write_bytes(states.read_bytes()[:-100])
     recipe = write_recipe(tmp_path, base, {})
-    assert_one_line_error(tailor("--apply", recipe), 4, "base", "model_states.pt: truncated or corrupt")
+    assert_one_line_error(tailor("--apply", recipe), 4, "base", "model_states.pt: a zip-format torch file",
+                          "truncated or corrupt")
     assert not (tmp_path / "composed").exists()
 
 

@@ -8,6 +8,8 @@ the weights. None of tailor-tui's partition code is involved.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -25,6 +27,16 @@ def latest_folder(ckpt: Path) -> tuple[Path, str]:
 def read_full_state(ckpt: Path) -> dict[str, dict[str, torch.Tensor]]:
     """{"fp32": {...}, "exp_avg": {...}, "exp_avg_sq": {...}}, full tensors by param name."""
     folder, tag = latest_folder(ckpt)
+    if any(not _is_zip(f) for f in (folder / tag).glob("*.pt")):
+        # zero_to_fp32 memory-maps, which torch's legacy format does not allow: read a copy
+        # re-saved by torch in the zip format
+        with tempfile.TemporaryDirectory() as tmp:
+            copy = Path(tmp) / tag
+            shutil.copytree(folder / tag, copy)
+            for f in copy.glob("*.pt"):
+                torch.save(torch.load(f, weights_only=False), f)
+            (Path(tmp) / "latest").write_text(tag)
+            return read_full_state(Path(tmp))
     out = {"fp32": z.get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag)}
     tag_dir = folder / tag
     model_states = z.parse_model_states(z.get_model_state_files(str(tag_dir)))
@@ -53,3 +65,8 @@ def model_states(ckpt: Path) -> list[dict]:
     folder, tag = latest_folder(ckpt)
     files = z.get_model_state_files(str(folder / tag))
     return [torch.load(f, map_location="cpu", weights_only=False) for f in files]
+
+
+def _is_zip(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"

@@ -1,0 +1,168 @@
+"""torch's two file formats and the DeepSpeed releases tailor-tui reads.
+
+Legacy-format (non-zip) files as DeepSpeed writes them (`checkpoint_serialization:
+false`) and as LLMTailor writes optim files (a real one re-saved with
+`_use_new_zipfile_serialization=False`) compose as base and as source and verify; the
+output is always zip-format. Damaged files say which format they failed as; checkpoints
+of releases outside the supported range say which release they are from.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import math
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import checkpoints_of, tree_digest
+from tailor_tui.demo_run import resume_and_step
+from tailor_tui.ds_format import SUPPORTED
+from tailor_tui.pickled import read_pickle, read_pickle_from
+from test_cli import assert_one_line_error, tailor, write_recipe
+from test_compat import assert_rows_from_picks, two_checkpoint_picks
+from test_resume import assert_optim_states_equal
+
+ZIP, LEGACY = b"PK\x03\x04", b"\x80\x02\x8a\x0a"
+
+
+def starts(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(4)
+
+
+def test_deepspeed_legacy_serialization_composes_verifies_and_resumes(real_run, tmp_path):
+    run, spec = real_run("ds_legacy_serialization")
+    oldest, _, newest = checkpoints_of(run, spec)
+    assert {starts(f) for f in run.rglob("*.pt")} == {LEGACY}  # DeepSpeed wrote every file so
+    scanned = subprocess.run(  # structure is read without torch in this format too
+        [sys.executable, "-c", "import sys; from tailor_tui.checkpoint import scan; "
+         f"r = scan({str(run)!r}); assert len(r.checkpoints) == 3, r.problems; "
+         "assert 'torch' not in sys.modules"], capture_output=True, text=True)
+    assert scanned.returncode == 0, scanned.stderr
+    picks = two_checkpoint_picks(spec, oldest)
+    recipe = write_recipe(tmp_path, newest, picks)
+    before = tree_digest(run)
+    applied = tailor("--apply", recipe, "-j", "2")
+    assert applied.returncode == 0, applied.stderr
+    verified = tailor("--verify", recipe)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert tree_digest(run) == before
+    out = tmp_path / "composed"
+    assert {starts(f) for f in out.rglob("*.pt")} == {ZIP}  # the output is always zip-format
+    assert_rows_from_picks(out, picks, newest)
+
+    losses = resume_and_step(out, spec, tmp_path / "resume")
+    assert losses and all(math.isfinite(x) for x in losses)
+    assert_optim_states_equal(out, tmp_path / "resume" / "resaved")
+
+
+@pytest.fixture
+def llmtailor_style(real_run, tmp_path):
+    """A copy of a real run whose step-4 optim files are re-saved in the legacy format."""
+    run, spec = real_run("ds_bf16_3_subgroups")
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    legacy = checkpoints_of(copy, spec)[1]
+    for f in legacy.glob("*optim_states.pt"):
+        torch.save(torch.load(f, weights_only=False), f, _use_new_zipfile_serialization=False)
+        assert starts(f) == LEGACY
+    return copy, spec, legacy
+
+
+def test_legacy_optim_files_compose_as_a_source(llmtailor_style, tmp_path):
+    run, spec, legacy = llmtailor_style
+    c2, _, c6 = checkpoints_of(run, spec)
+    picks = {"layers.1": legacy, "layers.3": legacy, "embed_tokens": c2}
+    recipe = write_recipe(tmp_path, c6, picks)
+    assert tailor("--apply", recipe).returncode == 0
+    verified = tailor("--verify", recipe)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert_rows_from_picks(tmp_path / "composed", picks, c6)
+
+
+def test_legacy_optim_files_compose_as_the_base(llmtailor_style, tmp_path):
+    run, spec, legacy = llmtailor_style
+    c2, _, c6 = checkpoints_of(run, spec)
+    picks = {"layers.0": c6, "layers.1": c2, "norm": c6}
+    recipe = write_recipe(tmp_path, legacy, picks)
+    applied = tailor("--apply", recipe, "-j", "2")
+    assert applied.returncode == 0, applied.stderr
+    verified = tailor("--verify", recipe)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    out = tmp_path / "composed"
+    assert {starts(f) for f in out.rglob("*.pt")} == {ZIP}
+    assert_rows_from_picks(out, picks, legacy)
+    losses = resume_and_step(out, spec, tmp_path / "resume")
+    assert losses and all(math.isfinite(x) for x in losses)
+    assert_optim_states_equal(out, tmp_path / "resume" / "resaved")
+
+
+def test_a_damaged_file_says_which_format_it_failed_as(llmtailor_style, real_run, tmp_path):
+    run, spec, legacy = llmtailor_style
+    c2, _, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.1": legacy})
+    optim = next(legacy.glob("*rank_1_*optim_states.pt"))
+    whole = optim.read_bytes()
+
+    optim.write_bytes(whole[: len(whole) - 1000])  # cut inside the storages' data
+    assert_one_line_error(tailor("--apply", recipe, "--dry-run"), 4, optim.name,
+                          "legacy-format (non-zip) torch file", "truncated")
+    optim.write_bytes(whole + b"\0" * 8)
+    assert_one_line_error(tailor("--apply", recipe), 4, optim.name, "legacy-format", "after its last storage")
+    optim.write_bytes(b"\0" * 64)
+    assert_one_line_error(tailor("--apply", recipe), 4, optim.name,
+                          "neither a zip-format nor a legacy-format torch file")
+    optim.write_bytes(whole)
+    zipped = next(c2.glob("*rank_2_*optim_states.pt"))
+    zipped.write_bytes(zipped.read_bytes()[:-200])
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c2})
+    assert_one_line_error(tailor("--apply", recipe), 4, zipped.name, "zip-format torch file", "truncated")
+    assert not (tmp_path / "composed").exists()
+
+
+def _rewrite_model_states(ckpt: Path, **changes) -> None:
+    for f in ckpt.glob("*model_states.pt"):
+        states = torch.load(f, weights_only=False)
+        states.update(changes)
+        torch.save(states, f)
+
+
+@pytest.mark.parametrize("version, says", [
+    ("0.12.6", "older than tailor-tui reads"),
+    ("0.20.0", "newer than this tailor-tui reads"),
+])
+def test_a_release_outside_the_range_is_named(real_run, tmp_path, version, says):
+    run, spec = real_run("hf_bf16_2")
+    c2, _, c6 = checkpoints_of(run, spec)
+    other = tmp_path / "checkpoint-2"
+    shutil.copytree(c2, other)
+    _rewrite_model_states(other / "global_step2", ds_version=version)
+    recipe = write_recipe(tmp_path, c6, {"layers.1": other})
+    result = tailor("--apply", recipe, "--dry-run")
+    assert_one_line_error(result, 4, "model_states.pt", f"DeepSpeed {version}", SUPPORTED, says)
+    # a class that release pickled but tailor-tui does not know: still the release, not "unsafe"
+    _rewrite_model_states(other / "global_step2", ds_version=version, extra=collections.Counter(a=1))
+    result = tailor("--apply", recipe, "--dry-run")
+    assert_one_line_error(result, 4, f"DeepSpeed {version}", SUPPORTED)
+    assert "unsafe" not in result.stderr
+
+
+def test_sets_are_read_as_names_only():
+    names = pickle.dumps({"sparse_tensor_module_names": {"embed", "lm_head"}}, protocol=2)
+    assert read_pickle(names) == {"sparse_tensor_module_names": {"embed", "lm_head"}}
+    for hostile in ({("a", 1)}, {frozenset()}):
+        with pytest.raises(pickle.UnpicklingError):
+            read_pickle(pickle.dumps({"sparse_tensor_module_names": hostile}, protocol=2))
+
+
+def test_a_pickle_claiming_a_huge_string_is_refused_without_allocating_it():
+    claim = b"\x80\x02X" + (2**31 - 1).to_bytes(4, "little") + b"abc"  # BINUNICODE of 2 GiB
+    with pytest.raises(pickle.UnpicklingError, match="larger than"):
+        read_pickle_from(io.BytesIO(claim))
