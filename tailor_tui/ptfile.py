@@ -58,11 +58,18 @@ class TensorBytes:
     itemsize: int
 
 
+def _first_bytes(path: Path) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be opened ({exc.strerror or exc}); "
+                              "check that it exists and is readable") from None
+
+
 def file_format(path: Path) -> str | None:
     """"zip" or "legacy" by how the file starts (torch.save's two formats), else None."""
-    with open(path, "rb") as f:
-        start = f.read(4)
-    return {ZIP_START: "zip", LEGACY_START: "legacy"}.get(start)
+    return {ZIP_START: "zip", LEGACY_START: "legacy"}.get(_first_bytes(path))
 
 
 def unreadable(path: Path, fmt: str | None, reason: str) -> CheckpointError:
@@ -93,9 +100,7 @@ def refused(path: Path, exc: Exception, ds_version: str | None = None) -> Checkp
 
 
 def _start(path: Path) -> str:
-    with open(path, "rb") as f:
-        start = f.read(4)
-    return f"it starts with bytes {start.hex() or 'nothing: it is empty'}"
+    return f"it starts with bytes {_first_bytes(path).hex() or 'nothing: it is empty'}"
 
 
 def check_complete(path: Path) -> None:
@@ -174,7 +179,7 @@ def _legacy_records(path: Path) -> tuple[object, dict[str, Record]]:
         with open(path, "rb") as f:
             head = f.read(MAX_PICKLE_BYTES)  # the pickles come before the storages
         raise refused(path, exc, version_in_pickle(head)) from None
-    except (LegacyError, *PICKLE_FAILURES) as exc:
+    except (LegacyError, OSError, *PICKLE_FAILURES) as exc:
         raise unreadable(path, "legacy", _first_line(exc)) from None
     records = {f"data/{key}": Record(f"data/{key}", at - 8, at, size, None, ())
                for key, (at, size) in storages.items()}

@@ -73,6 +73,17 @@ def start_apply(recipe: Path, *extra: str) -> subprocess.Popen:
                             env=dict(os.environ, PYTHONWARNINGS="ignore", TAILOR_TEST_SLOW_MERGE="0.4"))
 
 
+def wait_until_merging(proc: subprocess.Popen) -> str:
+    """Read the merge's log until a rank reports progress (its workers are merging), so a signal
+    sent next lands mid-merge whatever the machine's speed; returns what was read."""
+    seen = ""
+    for line in proc.stderr:
+        seen += line
+        if line.startswith("rank "):
+            return seen
+    raise AssertionError(f"the merge ended before any rank reported progress:\n{seen}")
+
+
 def children_of(pid: int) -> list[int]:
     kids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -123,10 +134,11 @@ def test_ctrl_c_stops_workers_and_cleans_up(real_run, tmp_path):
     c2, c4, c6 = checkpoints_of(run, spec)
     recipe = write_recipe(tmp_path, c6, {"layers.1": c4})
     proc = start_apply(recipe, "-j", "2")
-    time.sleep(2.0)  # workers are starting or merging
+    seen = wait_until_merging(proc)
     started = time.monotonic()
     os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole process group
     _, err = proc.communicate(timeout=60)
+    err = seen + err
     assert time.monotonic() - started < 15
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "error: " in err and "nothing was written" in err
@@ -138,9 +150,10 @@ def test_sigterm_from_slurm_cleans_up(real_run, tmp_path):
     c2, c4, c6 = checkpoints_of(run, spec)
     recipe = write_recipe(tmp_path, c6, {"layers.1": c4, "embed_tokens": c2})
     proc = start_apply(recipe, "-j", "2")
-    time.sleep(2.0)  # mid-merge: the slowed merge takes ~20 s
+    seen = wait_until_merging(proc)
     proc.terminate()
     _, err = proc.communicate(timeout=60)
+    err = seen + err
     assert proc.returncode == 130 and "Traceback" not in err
     assert not (tmp_path / "composed").exists() and hidden(tmp_path) == []
 
