@@ -518,8 +518,6 @@ def _run_pool(tasks, out_dirs, workers: int, emit: Emit, cancel: threading.Event
     events, stop = ctx.Queue(), ctx.Event()
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
                                initargs=(events, stop, os.getpid(), durable))
-    with _children_ignore_sigint():
-        futures = [pool.submit(_run_task, t, o) for t, o in zip(tasks, out_dirs)]
     finished: set[str] = set()
 
     def emit_and_count(event) -> None:
@@ -527,7 +525,9 @@ def _run_pool(tasks, out_dirs, workers: int, emit: Emit, cancel: threading.Event
             finished.add(event.task)
         emit(event)
 
-    try:
+    try:  # from the first spawn on: a Ctrl-C deferred while spawning arrives as the block ends
+        with _children_ignore_sigint():
+            futures = [pool.submit(_run_task, t, o) for t, o in zip(tasks, out_dirs)]
         pending = set(futures)
         while pending:
             if cancel.is_set():
@@ -544,27 +544,31 @@ def _run_pool(tasks, out_dirs, workers: int, emit: Emit, cancel: threading.Event
         while len(finished) < len(tasks) and time.monotonic() < deadline:
             _drain(events, emit_and_count, timeout=0.05)
     finally:
+        # Workers still starting up need the queue and event: they are shut down (and have
+        # exited) before those are released.
         stop.set()
         pool.shutdown(wait=True, cancel_futures=True)
 
 
 @contextlib.contextmanager
 def _children_ignore_sigint():
-    """Spawn workers with SIGINT ignored from their first instruction.
+    """Spawn workers that never see SIGINT, without the parent missing one.
 
-    A terminal's Ctrl-C reaches the whole process group; a worker still importing torch
-    would die with a traceback of its own. An ignored SIGINT survives exec and CPython keeps
-    it ignored, so only the parent reacts (it cancels and cleans up). `submit` spawns the
-    processes, so ignoring SIGINT around it covers them; the parent's handler comes back after.
+    A terminal's Ctrl-C reaches the whole process group; a worker still starting up would
+    die with a traceback of its own. SIGINT is blocked while `submit` spawns the processes:
+    a blocked signal stays blocked across exec, so a worker cannot receive it before its
+    initializer ignores it (which also drops one already pending). The parent only defers
+    it: a Ctrl-C pressed while workers start is delivered when it is unblocked, and the
+    merge is cancelled (ignoring SIGINT here instead lost that Ctrl-C: the merge ran on).
     """
     if threading.current_thread() is not threading.main_thread():
         yield  # signals are the main thread's business (the TUI gets Ctrl-C as a key anyway)
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _drain(events, emit: Emit, timeout: float) -> None:

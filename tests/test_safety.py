@@ -67,21 +67,31 @@ def hidden(folder: Path) -> list[Path]:
 
 
 def start_apply(recipe: Path, *extra: str) -> subprocess.Popen:
-    """A merge slowed to several seconds (test checkpoints are tiny), so signals land mid-merge."""
+    """A merge slowed to several seconds (test checkpoints are tiny), so signals land mid-merge.
+    SIGINT starts at its default whatever this process inherited (a shell's background job
+    ignores it, and Python then never turns it into KeyboardInterrupt), as in a terminal."""
     return subprocess.Popen([TAILOR, "--apply", str(recipe), *extra], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
                             env=dict(os.environ, PYTHONWARNINGS="ignore", TAILOR_TEST_SLOW_MERGE="0.4"))
 
 
-def wait_until_merging(proc: subprocess.Popen) -> str:
-    """Read the merge's log until a rank reports progress (its workers are merging), so a signal
-    sent next lands mid-merge whatever the machine's speed; returns what was read."""
+def wait_for_line(proc: subprocess.Popen, start: str) -> str:
+    """Read the merge's log up to the first line that starts with `start`; returns what was read.
+    "composing": planned, workers about to start; "rank ": a worker is merging."""
     seen = ""
-    for line in proc.stderr:
+    while line := proc.stderr.readline():
         seen += line
-        if line.startswith("rank "):
+        if line.startswith(start):
             return seen
-    raise AssertionError(f"the merge ended before any rank reported progress:\n{seen}")
+    raise AssertionError(f"the merge ended before a line starting {start!r}:\n{seen}")
+
+
+def finish(proc: subprocess.Popen, seen: str) -> str:
+    """Everything the process wrote to stderr, once it has exited."""
+    err = seen + proc.stderr.read()
+    proc.wait(timeout=60)
+    return err
 
 
 def children_of(pid: int) -> list[int]:
@@ -129,16 +139,16 @@ def test_kill_9_at_any_moment_leaves_nothing_and_a_rerun_succeeds(real_run, tmp_
     assert hidden(tmp_path) == []  # the killed run's temp folder was cleaned up too
 
 
-def test_ctrl_c_stops_workers_and_cleans_up(real_run, tmp_path):
+@pytest.mark.parametrize("when", ["composing", "rank "])  # while workers start; mid-merge
+def test_ctrl_c_stops_workers_and_cleans_up(real_run, tmp_path, when):
     run, spec = real_run("hf_bf16_2")
     c2, c4, c6 = checkpoints_of(run, spec)
     recipe = write_recipe(tmp_path, c6, {"layers.1": c4})
     proc = start_apply(recipe, "-j", "2")
-    seen = wait_until_merging(proc)
+    seen = wait_for_line(proc, when)
     started = time.monotonic()
     os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole process group
-    _, err = proc.communicate(timeout=60)
-    err = seen + err
+    err = finish(proc, seen)
     assert time.monotonic() - started < 15
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "error: " in err and "nothing was written" in err
@@ -150,10 +160,9 @@ def test_sigterm_from_slurm_cleans_up(real_run, tmp_path):
     c2, c4, c6 = checkpoints_of(run, spec)
     recipe = write_recipe(tmp_path, c6, {"layers.1": c4, "embed_tokens": c2})
     proc = start_apply(recipe, "-j", "2")
-    seen = wait_until_merging(proc)
+    seen = wait_for_line(proc, "rank ")
     proc.terminate()
-    _, err = proc.communicate(timeout=60)
-    err = seen + err
+    err = finish(proc, seen)
     assert proc.returncode == 130 and "Traceback" not in err
     assert not (tmp_path / "composed").exists() and hidden(tmp_path) == []
 
