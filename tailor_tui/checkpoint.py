@@ -123,6 +123,20 @@ class Checkpoint:
                     check_complete(f)
 
 
+def other_run(base: Checkpoint, other: Checkpoint) -> str | None:
+    """Why `other` may come from another training run than `base` (one phrase), or None.
+
+    Checkpoints of one run sit side by side in its run folder (the HF Trainer's output_dir,
+    a DeepSpeed save_dir, the folder of selective saves); folders are compared by identity."""
+    mine, theirs = base.path.parent, other.path.parent
+    try:
+        if os.path.samefile(mine, theirs):
+            return None
+    except OSError:
+        pass
+    return f"it lies in another run folder ({theirs}) than the base ({mine})"
+
+
 def _read_latest(folder: Path) -> str | None:
     latest = folder / "latest"
     if not latest.is_file():

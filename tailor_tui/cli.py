@@ -61,7 +61,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--output", "-o", type=Path, help="output folder (overrides the recipe's `output`)")
     p.add_argument("--workers", "-j", type=_positive, help="worker processes (default: from cores and memory)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
-    p.add_argument("--force", action="store_true", help="replace a non-empty output folder once the new one is complete")
+    p.add_argument("--force", action="store_true", help="replace an earlier tailor-tui output once the new one is complete "
+                        "(never a folder tailor-tui did not write)")
     p.add_argument("--no-fsync", dest="durable", action="store_false",
                    help="do not fsync the output before renaming it into place: faster on slow disks; still "
                         "atomic if tailor-tui is killed, but a power loss soon after can damage the output")
@@ -86,11 +87,13 @@ def apply(args) -> int:
     from .report import BarReporter, reporter_for
 
     recipe = load_recipe(args.apply)
-    plan = build_plan(recipe, output=args.output, force=args.force)
+    plan = build_plan(recipe, output=args.output, force=args.force, preview=args.dry_run)
     if args.dry_run:
         print("\n".join(plan.describe()))
         print("dry run: nothing written")
         return ExitCode.OK
+    for warning in plan.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     workers = args.workers or default_workers(plan)
     ranks = plan.base.world_size
     print(

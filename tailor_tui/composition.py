@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoint import Checkpoint, Row
+from .checkpoint import Checkpoint, Row, other_run
 from .errors import RecipeError
 from .plan import tied_partner
 from .recipe import Recipe
@@ -81,6 +81,10 @@ class Composition:
         if base.model_files and not other.model_files:
             return "has no model.safetensors, the base has"
         return None
+
+    def other_run(self, column: int) -> str | None:
+        """Why checkpoint `column` may come from another training run than the base, or None."""
+        return None if column == self.base else other_run(self.base_checkpoint, self.checkpoints[column])
 
     def holds(self, column: int, row: str) -> bool:
         """Whether checkpoint `column` holds weights for `row` (a partial checkpoint: only the

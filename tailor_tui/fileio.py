@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from .errors import OutputError
+from .errors import CheckpointError, OutputError
 
 CHUNK = 64 << 20
 
@@ -67,7 +67,8 @@ def fsync_dir(path: Path) -> None:
 
 
 def copy_file(src: Path, dst: Path, on_bytes: Callable[[int], None] = lambda n: None) -> None:
-    """Copy bytes (never a hard link), in chunks so progress and cancellation stay live."""
+    """Copy bytes (never a hard link), in chunks so progress and cancellation stay live.
+    A source that changes size while it is copied is an error, never a short copy."""
     with open(src, "rb") as fin, open(dst, "wb") as fout:
         size = os.fstat(fin.fileno()).st_size
         offset, writeback = 0, Writeback(fout.fileno())
@@ -78,6 +79,11 @@ def copy_file(src: Path, dst: Path, on_bytes: Callable[[int], None] = lambda n: 
             offset += n
             writeback.advance(offset)
             on_bytes(n)
+        now = os.fstat(fin.fileno()).st_size
+        if offset != size or now != size:
+            raise CheckpointError(
+                f"{src}: changed while it was copied ({size} bytes, then {now}); is training still "
+                "writing it? Run again once it is not")
         fout.flush()
         fsync(fout.fileno())
     os.chmod(dst, os.stat(src).st_mode & 0o777 | 0o200)
@@ -117,30 +123,41 @@ def _libc():
 
 
 def exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported
+    (old kernels, NFS, Lustre; overlayfs answers EXDEV)."""
     import ctypes
 
     renameat2 = getattr(_libc(), "renameat2", None)
-    if renameat2 is None:
+    # Fault injection for tests: behave as on a file system without the exchange (NFS, Lustre).
+    if renameat2 is None or os.environ.get("TAILOR_TEST_NO_RENAME_EXCHANGE"):
         return False
     AT_FDCWD, RENAME_EXCHANGE = -100, 2
     if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
         return True
     err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
         return False
     raise OSError(err, os.strerror(err), str(b))
+
+
+def aside_prefix(dest: Path) -> str:
+    """Where `replace_dir` moves the old folder when it cannot swap: this prefix and its PID."""
+    import socket
+
+    return f".{dest.name}.tailor-old-{socket.gethostname()}-"
 
 
 def replace_dir(new: Path, dest: Path) -> None:
     """Put the finished folder `new` at `dest`, replacing the folder there: swapped atomically
     where the kernel can (never a moment without one), else the old one is moved aside first
-    and put back if the second rename fails. The old folder is deleted only at the end."""
+    and put back if the second rename fails. The old folder is deleted only at the end.
+    Callers hold SIGINT/SIGTERM back around it; after a kill -9 between the two renames the
+    old folder is found beside `dest` under `aside_prefix` (output.remove_stale restores it)."""
     if exchange(new, dest):  # the old folder is now at `new`
-        shutil.rmtree(new, ignore_errors=True)
         fsync_dir(dest.parent)
+        shutil.rmtree(new, ignore_errors=True)
         return
-    old = dest.parent / f".{dest.name}.tailor-old-{os.getpid()}"
+    old = dest.parent / f"{aside_prefix(dest)}{os.getpid()}"
     shutil.rmtree(old, ignore_errors=True)
     os.rename(dest, old)
     try:

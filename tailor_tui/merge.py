@@ -14,13 +14,11 @@ output path. Sources are only ever opened for reading.
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
 import queue
 import shutil
 import signal
-import socket
 import struct
 import threading
 import time
@@ -31,7 +29,7 @@ from typing import Callable
 
 from . import __version__, crc
 from .checkpoint import MODEL_FILE_INDEX, Checkpoint
-from .errors import CheckpointError, MergeCancelled, OutputError
+from .errors import CheckpointError, IncompatibleError, MergeCancelled, OutputError
 from .events import ByteCounter, Emit, TaskFinished
 from .fileio import (
     CountingWriter,
@@ -42,18 +40,27 @@ from .fileio import (
     fsync_dir,
     open_fd,
     output_error,
-    pid_alive,
     pread_into,
     pwrite_all,
-    replace_dir,
     set_durable,
 )
 from .model_files import merge_model_file, partial_slice, safetensors_tensors
+from .output import (
+    OUTPUT_FILES,
+    PROVENANCE,
+    output_lock,
+    probe_swap,
+    publish,
+    remove_stale,
+    signals_held,
+    temp_prefix,
+    written_files,
+)
 from .plan import MergePlan, RankJob, tied_partner
-from .ptfile import Unsupported, file_format, locate, read_structure
+from .pickled import dtype_name
+from .ptfile import TensorBytes, Unsupported, file_format, locate, read_structure
 from .safe_load import load_pt
 
-PROVENANCE = "tailor_provenance.json"
 TENSORS = ("fp32", "exp_avg", "exp_avg_sq")
 
 
@@ -163,6 +170,8 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> bool:
                    for s in used if job.files[s].rows is None}
     except Unsupported:
         return False
+    for s, theirs in sources.items():
+        _check_dtypes(base, theirs, job.files[s].optim_states)
     partial = {s: safetensors_tensors(job.files[s].rows) for s in used if job.files[s].rows is not None}
     spans = []  # (file offset, bytes, source or None for zeros, source offset, record)
     for c in job.copies:
@@ -251,6 +260,8 @@ def build_optim_states_from_skeleton(job: RankJob, out: Path, counter: ByteCount
                    for s in {c.source for c in job.copies}}
             full = {s: _tensor_bytes(job.files[s].optim_states, job.group_sizes)
                     for s in fds if job.files[s].rows is None}
+            for s, theirs in full.items():  # the skeleton's flat tensors are fp32
+                _check_dtypes({k: ("FloatStorage", 4) for k in theirs}, theirs, job.files[s].optim_states)
             writeback = Writeback(fout)
             for c in job.copies:
                 for key in TENSORS:
@@ -321,6 +332,24 @@ def _coalesced(spans: list) -> list:
     return joined
 
 
+def _check_dtypes(base: dict, theirs: dict, path: Path) -> None:
+    """Refuse a source whose flat tensors are stored in another dtype than the base's (bf16
+    optimizer states, say): their bytes would be reinterpreted. `base` maps (group, key) to
+    TensorBytes or to (dtype, itemsize)."""
+    for (g, key), tb in theirs.items():
+        mine = base[g, key]
+        expected = (mine.dtype, mine.itemsize) if isinstance(mine, TensorBytes) else mine
+        if (tb.dtype, tb.itemsize) != expected:
+            raise _dtype_mismatch(path, key, g, tb.dtype, expected[0])
+
+
+def _dtype_mismatch(path: Path, key: str, group: int, theirs: str, mine: str) -> IncompatibleError:
+    """`theirs`, `mine`: a torch dtype (`torch.bfloat16`) or storage type (`BFloat16Storage`)."""
+    return IncompatibleError(
+        f"{path}: its {key} of sub-group {group} is stored as {dtype_name(theirs)}, the base's as "
+        f"{dtype_name(mine)}; checkpoints saved with another optimizer-state precision cannot be combined")
+
+
 def _tensor_bytes(path: Path, group_sizes: tuple[int, ...]) -> dict:
     """{(group, key): TensorBytes} of the flat fp32 weights and moments of an optim file."""
     return _flat_tensor_bytes(*read_structure(path), path, group_sizes)
@@ -381,7 +410,11 @@ def _reserialise_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> 
                 for c in copies[g]:
                     span = slice(c.offset, c.offset + c.length)
                     if c.param is None:
-                        merged[span].copy_(_tensor(full[c.source], g, key)[span])
+                        theirs = _tensor(full[c.source], g, key)
+                        if theirs.dtype != original.dtype:  # copy_ would cast silently
+                            raise _dtype_mismatch(job.files[c.source].optim_states, key, g,
+                                                  str(theirs.dtype), str(original.dtype))
+                        merged[span].copy_(theirs[span])
                     else:
                         partial_slice(partial[c.source], indexes[c.source], key, c.param, c.length)
                         merged[span].copy_(opened[c.source].get_slice(f"{key}/{c.param}")[: c.length])
@@ -622,43 +655,54 @@ def _compose(plan: MergePlan, workers: int | None, emit: Emit, cancel: threading
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise output_error(exc, out.parent) from None
-    _remove_stale_partials(out)
-    tmp = out.parent / f"{_partial_prefix(out)}{os.getpid()}"
-    try:
+    with output_lock(out):
+        remove_stale(out)
+        if plan.force and out.is_dir():
+            probe_swap(out)
+        tmp = out.parent / f"{temp_prefix(out)}{os.getpid()}"
+        published = False
         try:
-            tmp.mkdir()
-        except OSError as exc:
-            raise output_error(exc, out.parent) from None
-        tag_dir = tmp / plan.base.tag
-        tag_dir.mkdir()
-        _copy_other_files(plan, tmp, cancel)
-        if plan.base.kind == "deepspeed" or plan.base.partial:  # an HF base's is among its files
-            _write_text(tmp / "latest", plan.base.tag)
-        layout = plan.model_layout()
-        if plan.base.partial and layout is not None and layout.index is not None:
-            _write_text(tmp / MODEL_FILE_INDEX, layout.index)
-        tasks = [*plan.rank_jobs(), *plan.model_file_jobs()]
-        out_dirs = [tag_dir if isinstance(t, RankJob) else tmp for t in tasks]
-        n = workers if workers is not None else default_workers(plan)
-        n = max(1, min(n, len(tasks)))
-        if n == 1:
-            _run_inline(tasks, out_dirs, emit_and_watch, cancel)
-        else:
-            _run_pool(tasks, out_dirs, n, emit_and_watch, cancel, durable)
-        if cancel.is_set():
-            raise MergeCancelled()
-        verify_output(plan, tmp)
-        _write_text(tmp / PROVENANCE, json.dumps(provenance(plan), indent=2) + "\n")
-        fsync_dir(tag_dir)
-        fsync_dir(tmp)
-        _move_into_place(tmp, out, plan.force)
-    except KeyboardInterrupt:
-        cancel.set()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise MergeCancelled() from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            try:
+                tmp.mkdir()
+            except OSError as exc:
+                raise output_error(exc, out.parent) from None
+            tag_dir = tmp / plan.base.tag
+            tag_dir.mkdir()
+            _copy_other_files(plan, tmp, cancel)
+            if plan.base.kind == "deepspeed" or plan.base.partial:  # an HF base's is among its files
+                _write_text(tmp / "latest", plan.base.tag)
+            layout = plan.model_layout()
+            if plan.base.partial and layout is not None and layout.index is not None:
+                _write_text(tmp / MODEL_FILE_INDEX, layout.index)
+            tasks = [*plan.rank_jobs(), *plan.model_file_jobs()]
+            out_dirs = [tag_dir if isinstance(t, RankJob) else tmp for t in tasks]
+            n = workers if workers is not None else default_workers(plan)
+            n = max(1, min(n, len(tasks)))
+            if n == 1:
+                _run_inline(tasks, out_dirs, emit_and_watch, cancel)
+            else:
+                _run_pool(tasks, out_dirs, n, emit_and_watch, cancel, durable)
+            if cancel.is_set():
+                raise MergeCancelled()
+            verify_output(plan, tmp)
+            record = provenance(plan) | {OUTPUT_FILES: written_files(tmp)}
+            _write_text(tmp / PROVENANCE, json.dumps(record, indent=2) + "\n")
+            fsync_dir(tag_dir)
+            fsync_dir(tmp)
+            with signals_held():  # a cancel now waits until the output is whole at its path
+                publish(tmp, out, plan.force)
+                published = True
+        except KeyboardInterrupt:
+            if published:
+                raise MergeCancelled(f"cancelled as the merge finished: {out} is complete and holds the new "
+                                     "composition (check it with --verify)") from None
+            cancel.set()
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise MergeCancelled() from None
+        except BaseException:
+            if not published:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
     written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     return MergeResult(out, time.monotonic() - started, written, peaks[0])
 
@@ -684,38 +728,6 @@ def _copy_other_files(plan: MergePlan, tmp: Path, cancel: threading.Event) -> No
             copy_file(root / rel, dst)
         except OSError as exc:
             raise output_error(exc, dst) from None
-
-
-def _partial_prefix(out: Path) -> str:
-    # Host and PID: run folders often live on shared file systems used by many nodes.
-    return f".{out.name}.tailor-partial-{socket.gethostname()}-"
-
-
-def _remove_stale_partials(out: Path) -> None:
-    """Remove temp folders left by merges on this host that were killed (kill -9, OOM)."""
-    prefix = _partial_prefix(out)
-    if not out.parent.is_dir():
-        return
-    for p in out.parent.glob(glob.escape(prefix) + "*"):
-        pid = p.name[len(prefix):]
-        if pid.isdigit() and not pid_alive(int(pid)):
-            shutil.rmtree(p, ignore_errors=True)
-
-
-def _move_into_place(tmp: Path, out: Path, force: bool) -> None:
-    """Rename the finished folder to `out`; with --force swap it with the old one atomically."""
-    try:
-        if out.is_dir() and any(out.iterdir()):
-            if not force:
-                raise OutputError(f"output {out}: appeared while merging; not overwritten")
-            replace_dir(tmp, out)
-            return
-        if out.is_dir():
-            out.rmdir()
-        os.rename(tmp, out)
-        fsync_dir(out.parent)
-    except OSError as exc:
-        raise output_error(exc, out) from None
 
 
 def verify_output(plan: MergePlan, root: Path) -> None:

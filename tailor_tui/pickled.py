@@ -15,6 +15,7 @@ import collections
 import io
 import math
 import pickle
+import pickletools
 from dataclasses import dataclass
 
 from .ds_format import DEEPSPEED_CLASSES
@@ -24,6 +25,17 @@ ITEMSIZE = {
     "LongStorage": 8, "IntStorage": 4, "ShortStorage": 2, "CharStorage": 1, "ByteStorage": 1,
     "BoolStorage": 1, "ComplexFloatStorage": 8, "ComplexDoubleStorage": 16, "UntypedStorage": 1,
 }
+
+
+DTYPES = {"DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
+          "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+          "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
+          "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128", "UntypedStorage": "uint8"}
+
+
+def dtype_name(what: str) -> str:
+    """`float32` for a storage type (`FloatStorage`) or a torch dtype (`torch.float32`)."""
+    return DTYPES.get(what, what.removeprefix("torch."))
 
 
 @dataclass(frozen=True)
@@ -171,8 +183,37 @@ class _Unpickler(pickle.Unpickler):
 
 
 # A ZeRO-3 checkpoint's pickle is small whatever the model size (shapes, counters, where
-# tensors sit): a 70B model's model_states pickle is a few MiB. Reading stops beyond this.
-MAX_PICKLE_BYTES = 256 << 20
+# tensors sit): about 300 bytes and 60 opcodes per parameter, so a few MiB for a 70B model
+# and ~15 MiB for a 47k-parameter MoE. Anything beyond these bounds is refused before a
+# single object is built, so reading any structure stays under 256 MiB of memory.
+MAX_PICKLE_BYTES = 64 << 20
+MAX_OBJECT_BYTES = 160 << 20  # estimated memory of the objects the pickle would build
+MAX_MEMO = 1 << 22  # memo slots (a crafted LONG_BINPUT 400000000 would allocate 3 GiB)
+MAX_NESTING = 100  # open MARKs
+_CHEAP = {"BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE", "BINGET", "LONG_BINGET", "GET", "MARK", "STOP",
+          "PROTO", "FRAME", "POP", "POP_MARK", "DUP", "BININT1", "NONE", "NEWTRUE", "NEWFALSE"}
+
+
+def check_bounds(stream) -> None:
+    """Walk one pickle's opcodes without building anything and refuse (UnpicklingError) one
+    whose memo, nesting or estimated object memory exceeds what a checkpoint ever needs."""
+    cost = nesting = memoized = 0
+    for opcode, arg, _pos in pickletools.genops(stream):
+        name = opcode.name
+        if name in ("BINPUT", "LONG_BINPUT", "PUT", "BINGET", "LONG_BINGET", "GET") and int(arg) >= MAX_MEMO:
+            raise pickle.UnpicklingError(f"memo index {arg} is beyond what any checkpoint uses")
+        memoized += name == "MEMOIZE"
+        if memoized >= MAX_MEMO:
+            raise pickle.UnpicklingError("more memo entries than any checkpoint uses")
+        if name == "MARK":
+            nesting += 1
+            if nesting > MAX_NESTING:
+                raise pickle.UnpicklingError(f"nested more than {MAX_NESTING} deep")
+        elif pickletools.markobject in opcode.stack_before:
+            nesting -= 1
+        cost += 8 if name in _CHEAP else 64 + (len(arg) if isinstance(arg, (str, bytes, bytearray)) else 0)
+        if cost > MAX_OBJECT_BYTES:
+            raise pickle.UnpicklingError(f"it would build more than {MAX_OBJECT_BYTES >> 20} MiB of objects")
 
 
 class _Bounded:
@@ -201,7 +242,11 @@ class _Bounded:
 
 
 def read_pickle(data: bytes):
-    """The object pickled in `data`, tensors as TensorRef; UnpicklingError for anything not allow-listed."""
+    """The object pickled in `data`, tensors as TensorRef; UnpicklingError for anything not
+    allow-listed or beyond a checkpoint's bounds (`check_bounds`)."""
+    if len(data) > MAX_PICKLE_BYTES:
+        raise pickle.UnpicklingError(f"its structure is larger than {MAX_PICKLE_BYTES >> 20} MiB")
+    check_bounds(io.BytesIO(data))
     return _Unpickler(io.BytesIO(data)).load()
 
 
@@ -209,4 +254,7 @@ def read_pickle_from(f, storages: dict | None = None):
     """The next object pickled in the open binary file `f`, tensors as TensorRef; reads at
     most MAX_PICKLE_BYTES and leaves `f` just after the pickle. `storages`, if given,
     receives every storage the pickle refers to (key -> StorageRef)."""
+    start = f.tell()
+    check_bounds(_Bounded(f))
+    f.seek(start)
     return _Unpickler(_Bounded(f), storages).load()

@@ -11,9 +11,10 @@ import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoint import Checkpoint, RankFiles, open_checkpoint
-from .errors import CheckpointError, IncompatibleError, OutputError, RecipeError
+from .checkpoint import Checkpoint, RankFiles, open_checkpoint, other_run
+from .errors import CheckpointError, IncompatibleError, RecipeError
 from .layout import Slot
+from .output import check_output as check_writable
 from .recipe import Recipe
 
 BYTES_PER_ELEMENT = 4 * 3  # fp32 master weight + exp_avg + exp_avg_sq
@@ -85,6 +86,7 @@ class MergePlan:
     picks: dict[str, int]  # every non-tied row -> index into sources
     output: Path
     force: bool = False
+    warnings: tuple[str, ...] = ()  # worth a look, not a reason to refuse (`warning: ...` lines)
     _jobs: list[RankJob] | None = field(default=None, repr=False)
     _model_jobs: list[ModelFileJob] | None = field(default=None, repr=False)
     _model_layout: tuple | None = field(default=None, repr=False)  # (layout or None,), read once
@@ -227,7 +229,7 @@ class MergePlan:
         def size(n: int) -> str:
             return humanize.naturalsize(n, binary=True)
 
-        lines = [
+        lines = [f"warning: {w}" for w in self.warnings] + [
             f"base:   {show(self.base.path)} (step {self.base.step}, {self.base.world_size} ranks, "
             f"{self.base.dtype}, {self.base.kind} layout)",
             f"output: {show(self.output)}",
@@ -285,15 +287,12 @@ def _resolve_row(base: Checkpoint, name: str, where: str) -> str:
     return row.name
 
 
-def _same(a: Path, b: Path) -> bool:
-    return a.resolve() == b.resolve()
-
-
 def build_plan(recipe: Recipe, output: str | Path | None = None, force: bool = False,
-               check_output: bool = True) -> MergePlan:
+               check_output: bool = True, preview: bool = False) -> MergePlan:
     """Check `recipe` against its checkpoints; raise a TailorError naming the first problem.
 
-    `check_output=False` is for verifying a finished output, which exists by then."""
+    `check_output=False` is for verifying a finished output, which exists by then;
+    `preview=True` (`--dry-run`) turns what only writing would refuse into a warning."""
     base = _open(recipe.base, recipe.location("base"), "base")
     out = Path(output) if output is not None else recipe.output
     if out is None:
@@ -324,9 +323,23 @@ def build_plan(recipe: Recipe, output: str | Path | None = None, force: bool = F
         picks[row] = ckpt_index
 
     _check_rows_held(recipe, sources, picks)
+    warnings = _other_runs(base, sources, picks)
     if check_output:
-        _check_output(out, sources, force)
-    return MergePlan(recipe=recipe, base=base, sources=sources, picks=picks, output=out, force=force)
+        note = check_writable(out, sources, force, preview=preview)
+        warnings += [note] if note else []
+    return MergePlan(recipe=recipe, base=base, sources=sources, picks=picks, output=out, force=force,
+                     warnings=tuple(warnings))
+
+
+def _other_runs(base: Checkpoint, sources: list[Checkpoint], picks: dict[str, int]) -> list[str]:
+    """A warning for each source that lies in another run folder than the base."""
+    found = []
+    for s, src in enumerate(sources[1:], start=1):
+        why = other_run(base, src)
+        if why:
+            rows = [row for row, i in picks.items() if i == s]
+            found.append(f"{_list(rows)} come(s) from {src.path}: {why}; make sure it is the same training run")
+    return found
 
 
 def _check_rows_held(recipe: Recipe, sources: list[Checkpoint], picks: dict[str, int]) -> None:
@@ -373,22 +386,3 @@ def _check_compatible(base: Checkpoint, src: Checkpoint, where: str, row: str) -
         )
 
 
-def _check_output(out: Path, sources: list[Checkpoint], force: bool) -> None:
-    resolved = _resolved(out)
-    for src in sources:
-        for protected in {src.path, src.tag_dir}:
-            p = protected.resolve()
-            if resolved == p or p in resolved.parents or resolved in p.parents:
-                raise OutputError(
-                    f"output {out}: would overwrite, hold or nest inside source checkpoint "
-                    f"{src.path}; choose another output folder"
-                )
-        if src.kind == "deepspeed" and resolved == src.save_dir.resolve():
-            raise OutputError(f"output {out}: is the save_dir of source {src.path}; choose another folder")
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"output {out}: exists and is not a folder; choose another output path")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise OutputError(
-            f"output {out}: already exists and is not empty; choose another folder or pass --force "
-            "(the old folder is replaced only after the new one is complete)"
-        )

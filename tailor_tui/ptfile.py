@@ -56,6 +56,7 @@ class TensorBytes:
     offset: int  # absolute file offset of element 0
     numel: int
     itemsize: int
+    dtype: str = "UntypedStorage"  # the storage type torch pickled: FloatStorage, BFloat16Storage, …
 
 
 def _first_bytes(path: Path) -> bytes:
@@ -220,6 +221,7 @@ def locate(tensor: TensorRef, records: dict[str, Record], prefix: str) -> Tensor
     if record is None:
         raise Unsupported(f"storage {tensor.storage.key} has no record")
     itemsize = tensor.element_size()
-    if (tensor.storage_offset + tensor.numel()) * itemsize > record.size:
-        raise CheckpointError(f"a tensor runs past the end of record {record.name}; the file is corrupt")
-    return TensorBytes(record, record.data_offset + tensor.storage_offset * itemsize, tensor.numel(), itemsize)
+    if tensor.storage_offset < 0 or (tensor.storage_offset + tensor.numel()) * itemsize > record.size:
+        raise CheckpointError(f"a tensor lies outside its record {record.name}; the file is corrupt")
+    return TensorBytes(record, record.data_offset + tensor.storage_offset * itemsize, tensor.numel(), itemsize,
+                       tensor.storage.type_name)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .ds_format import DEEPSPEED_CLASSES
 from .errors import CheckpointError
-from .ptfile import check_complete, file_format, refused
+from .ptfile import Unsupported, check_complete, file_format, read_structure, refused
 
 
 def allowed_globals() -> list:
@@ -33,7 +33,10 @@ def load_pt(path: Path, mmap: bool = True):
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: file is missing; the checkpoint is incomplete")
-    check_complete(path)  # says which of torch's two formats a damaged file failed as
+    try:  # the torch-free reader's rules first (allow-list, bounds, completeness), in either format
+        read_structure(path)
+    except Unsupported:
+        check_complete(path)
     fmt = file_format(path)
     try:
         with torch.serialization.safe_globals(allowed_globals()):

@@ -18,7 +18,8 @@ from typing import Callable
 from .checkpoint import MODEL_FILE_INDEX, open_checkpoint
 from .errors import CheckpointError
 from .events import ByteCounter, Emit
-from .merge import PROVENANCE, TENSORS, _optimizer_state, _tensor
+from .merge import TENSORS, _optimizer_state, _tensor
+from .output import PROVENANCE
 from .plan import MergePlan
 from .rows import row_of
 from .safe_load import load_pt

@@ -114,9 +114,13 @@ def test_incompatible_source_and_existing_output(real_run, tmp_path):
     assert_one_line_error(tailor("--apply", recipe), 6, "already exists", "--force")
     assert (tmp_path / "composed" / "keep.txt").read_text() == "mine"
 
+    # --force replaces only an earlier tailor-tui output: a folder of the user's is kept
+    assert_one_line_error(tailor("--apply", recipe, "--force"), 6, "--force replaces only", "keep.txt")
+    assert (tmp_path / "composed" / "keep.txt").read_text() == "mine"
+    (tmp_path / "composed" / "keep.txt").unlink()
+    assert tailor("--apply", recipe, "-j", "1").returncode == 0
     result = tailor("--apply", recipe, "--force", "-j", "1")
     assert result.returncode == 0, result.stderr
-    assert not (tmp_path / "composed" / "keep.txt").exists()
     assert (tmp_path / "composed" / "trainer_state.json").is_file()
 
 

@@ -16,6 +16,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from conftest import checkpoints_of, tree_digest
 from tailor_tui.demo_run import resume_and_step
 from tailor_tui.ds_format import SUPPORTED
 from tailor_tui.pickled import read_pickle, read_pickle_from
-from test_cli import assert_one_line_error, tailor, write_recipe
+from test_cli import TAILOR, assert_one_line_error, tailor, write_recipe
 from test_compat import assert_rows_from_picks, two_checkpoint_picks
 from test_resume import assert_optim_states_equal
 
@@ -166,3 +167,44 @@ def test_a_pickle_claiming_a_huge_string_is_refused_without_allocating_it():
     claim = b"\x80\x02X" + (2**31 - 1).to_bytes(4, "little") + b"abc"  # BINUNICODE of 2 GiB
     with pytest.raises(pickle.UnpicklingError, match="larger than"):
         read_pickle_from(io.BytesIO(claim))
+
+
+@pytest.mark.parametrize("base_format", ["zip", "legacy"])  # streamed; re-serialised by torch
+def test_a_source_with_other_optimizer_state_dtypes_is_refused(llmtailor_style, tmp_path, base_format):
+    run, spec, legacy = llmtailor_style
+    c2, _, c6 = checkpoints_of(run, spec)
+    base = c6 if base_format == "zip" else legacy
+    for f in c2.glob("*optim_states.pt"):  # as saved with bf16 optimizer states: same names, bf16 flats
+        state = torch.load(f, weights_only=False)
+        inner = state["optimizer_state_dict"]
+        inner["fp32_flat_groups"] = [t.to(torch.bfloat16) for t in inner["fp32_flat_groups"]]
+        torch.save(state, f)
+    recipe = write_recipe(tmp_path, base, {"layers.1": c2})
+    result = tailor("--apply", recipe, "-j", "1")
+    assert_one_line_error(result, 5, "optim_states.pt", "sub-group", "stored as bfloat16, the base's as float32")
+    assert not (tmp_path / "composed").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_a_memo_bomb_is_refused_in_little_memory(real_run, tmp_path):
+    run, spec = real_run("hf_bf16_2")
+    c2, _, c6 = checkpoints_of(run, spec)
+    bad = tmp_path / "checkpoint-2"
+    shutil.copytree(c2, bad)
+    target = bad / "global_step2" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    bomb = b"\x80\x02}r" + (400_000_000).to_bytes(4, "little") + b"."  # LONG_BINPUT 400000000
+    with zipfile.ZipFile(c2 / "global_step2" / target.name) as z, \
+            zipfile.ZipFile(target, "w", zipfile.ZIP_STORED) as out:
+        for info in z.infolist():
+            out.writestr(info, bomb if info.filename.endswith("/data.pkl") else z.read(info))
+    recipe = write_recipe(tmp_path, c6, {"layers.1": bad})
+    measured = subprocess.run(
+        [sys.executable, "-c", "import resource, subprocess, sys; "
+         "r = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
+         "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); "
+         "print(r.stderr, file=sys.stderr)", TAILOR, "--apply", str(recipe), "--dry-run"],
+        capture_output=True, text=True)
+    code, peak_kib = map(int, measured.stdout.split())
+    errors = [line for line in measured.stderr.splitlines() if line.startswith("error: ")]
+    assert code == 4 and len(errors) == 1 and "Traceback" not in measured.stderr, measured.stderr
+    assert target.name in errors[0] and "memo index 400000000" in errors[0]
+    assert peak_kib < 256 * 1024, f"peak RSS {peak_kib} KiB"

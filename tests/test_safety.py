@@ -66,14 +66,15 @@ def hidden(folder: Path) -> list[Path]:
     return [p for p in folder.iterdir() if p.name.startswith(".")]
 
 
-def start_apply(recipe: Path, *extra: str) -> subprocess.Popen:
+def start_apply(recipe: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
     """A merge slowed to several seconds (test checkpoints are tiny), so signals land mid-merge.
     SIGINT starts at its default whatever this process inherited (a shell's background job
     ignores it, and Python then never turns it into KeyboardInterrupt), as in a terminal."""
     return subprocess.Popen([TAILOR, "--apply", str(recipe), *extra], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-                            env=dict(os.environ, PYTHONWARNINGS="ignore", TAILOR_TEST_SLOW_MERGE="0.4"))
+                            env=dict(os.environ, PYTHONWARNINGS="ignore", TAILOR_TEST_SLOW_MERGE="0.4",
+                                     **(env or {})))
 
 
 def wait_for_line(proc: subprocess.Popen, start: str) -> str:

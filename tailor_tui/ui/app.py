@@ -222,6 +222,8 @@ class TailorApp(App):
             reason = comp.incompatibility(column)
             if reason:
                 lines.append(f"✗ cannot be combined with the base: {reason}")
+            elif warning := comp.other_run(column):
+                lines.append(f"! {warning}; make sure it is the same training run")
             lines.append("")
         lines.append(f"row     {row.name}  ({row.module_path})")
         if row.tied:

@@ -1,0 +1,223 @@
+"""The output path: nothing lost, one writer, the truth when cancelled.
+
+--force replaces only an earlier tailor-tui output; an output that reaches a source under
+another name (bind mount, symlink) is refused; two merges to one output do not both
+"succeed"; a swap interrupted by a signal or a kill leaves the old or the new output
+whole and says which; --dry-run never needs --force.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import checkpoints_of, tree_digest
+from tailor_tui import fileio, merge, output
+from tailor_tui.errors import CheckpointError, MergeCancelled
+from tailor_tui.plan import build_plan
+from tailor_tui.recipe import Recipe
+from test_cli import assert_one_line_error, tailor, write_recipe
+from test_safety import finish, hidden, start_apply, wait_for_line
+
+
+@pytest.fixture
+def hf_run(real_run):
+    run, spec = real_run("hf_bf16_2")
+    return run, checkpoints_of(run, spec)
+
+
+def test_force_onto_a_training_run_is_refused_and_the_run_kept(hf_run, tmp_path):
+    run, (c2, c4, c6) = hf_run
+    mine = tmp_path / "my-run"  # a training run, not named in the recipe: one typo away
+    shutil.copytree(run, mine)
+    before = tree_digest(mine)
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c4}, output="my-run")
+    result = tailor("--apply", recipe, "--force")
+    assert_one_line_error(result, 6, "--force replaces only an earlier tailor-tui output",
+                          "3 checkpoint(s) (checkpoint-2, checkpoint-4, checkpoint-6)")
+    assert tree_digest(mine) == before
+
+
+def test_force_replaces_an_earlier_output_but_not_one_training_resumed_into(real_run, tmp_path):
+    run, spec = real_run("ds_bf16_3_subgroups")
+    c2, _, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c2})
+    assert tailor("--apply", recipe).returncode == 0
+    out = tmp_path / "composed"
+    written = json.loads((out / output.PROVENANCE).read_text())[output.OUTPUT_FILES]
+    assert "global_step6/zero_pp_rank_2_mp_rank_00_model_states.pt" in written
+    again = tailor("--apply", recipe, "--force")
+    assert again.returncode == 0, again.stderr
+
+    shutil.copytree(out / "global_step6", out / "global_step8")  # training resumed into the output
+    before = tree_digest(out)
+    result = tailor("--apply", recipe, "--force")
+    assert_one_line_error(result, 6, "earlier tailor-tui output that now also holds global_step8/")
+    assert tree_digest(out) == before
+    (out / "latest").write_text("global_step8")  # a file it wrote, changed since
+    shutil.rmtree(out / "global_step8")
+    assert_one_line_error(tailor("--apply", recipe, "--force"), 6, "latest changed since it was written")
+
+
+def test_an_output_reaching_a_source_through_a_bind_mount_is_refused(hf_run, tmp_path):
+    run, (c2, c4, c6) = hf_run
+    alias = tmp_path / "alias"
+    alias.mkdir()
+    mounted = subprocess.run(["mount", "--bind", str(run), str(alias)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("bind mounts are not permitted here")
+    try:
+        before = tree_digest(run)
+        recipe = write_recipe(tmp_path, c6, {"layers.1": c4}, output="alias")
+        assert_one_line_error(tailor("--apply", recipe, "--force"), 6, "holds source checkpoint")
+        recipe = write_recipe(tmp_path, c6, {"layers.1": c4}, output="alias/checkpoint-6")
+        assert_one_line_error(tailor("--apply", recipe, "--force"), 6, "is source checkpoint")
+        recipe = write_recipe(tmp_path, c6, {}, output="alias/checkpoint-6/out")
+        assert_one_line_error(tailor("--apply", recipe), 6, "would nest inside source checkpoint")
+        assert tree_digest(run) == before
+    finally:
+        subprocess.run(["umount", str(alias)], check=True)
+
+
+def test_symlinked_outputs_are_refused_before_merging(hf_run, tmp_path):
+    run, (c2, c4, c6) = hf_run
+    (tmp_path / "link").symlink_to(run)
+    recipe = write_recipe(tmp_path, c6, {}, output="link")
+    assert_one_line_error(tailor("--apply", recipe, "--force"), 6, "is a symbolic link")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    recipe = write_recipe(tmp_path, c6, {}, output="dangling")
+    assert_one_line_error(tailor("--apply", recipe), 6, "is a symbolic link", "does not exist")
+    assert (tmp_path / "dangling").is_symlink() and not (tmp_path / "nowhere").exists()
+
+
+def test_a_second_merge_to_the_same_output_is_refused_while_the_first_runs(hf_run, tmp_path):
+    run, (c2, c4, c6) = hf_run
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c4})
+    first = start_apply(recipe, "-j", "2", "--force")
+    seen = wait_for_line(first, "rank ")
+    second = tailor("--apply", recipe, "--force", "-j", "1")
+    assert_one_line_error(second, 6, "another tailor-tui (pid", "is writing it now")
+    err = finish(first, seen)
+    assert first.returncode == 0, err
+    assert tailor("--verify", recipe).returncode == 0
+    assert hidden(tmp_path) == []  # the lock file goes with the merge
+
+
+def test_dry_run_never_needs_force_and_warns_about_other_runs(real_run, tmp_path):
+    run, spec = real_run("hf_bf16_2")
+    c2, c4, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c4})
+    (tmp_path / "composed").mkdir()
+    (tmp_path / "composed" / "keep.txt").write_text("mine")
+    preview = tailor("--apply", recipe, "--dry-run")
+    assert preview.returncode == 0, preview.stderr
+    assert "warning: the real run would refuse it" in preview.stdout and "--force" in preview.stdout
+    assert (tmp_path / "composed" / "keep.txt").is_file()
+
+    elsewhere = tmp_path / "elsewhere" / "checkpoint-4"  # the same run, copied to another folder
+    shutil.copytree(c4, elsewhere)
+    recipe = write_recipe(tmp_path, c6, {"layers.1": elsewhere, "layers.2": elsewhere}, output="other-out")
+    preview = tailor("--apply", recipe, "--dry-run")
+    assert "warning: layers.1, layers.2 come(s) from" in preview.stdout
+    assert f"another run folder ({elsewhere.parent})" in preview.stdout
+    applied = tailor("--apply", recipe)
+    assert applied.returncode == 0
+    assert [line for line in applied.stderr.splitlines() if line.startswith("warning: ")] == [
+        line for line in preview.stdout.splitlines() if line.startswith("warning: ")]
+
+
+def test_a_file_that_shrinks_while_copied_is_an_error_not_a_short_copy(tmp_path, monkeypatch):
+    src = tmp_path / "trainer_state.json"
+    src.write_bytes(b"x" * 10000)
+    real = os.sendfile
+    monkeypatch.setattr(os, "sendfile", lambda o, i, off, n: 0 if off >= 4096 else real(o, i, off, min(n, 4096)))
+    with pytest.raises(CheckpointError, match="changed while it was copied"):
+        fileio.copy_file(src, tmp_path / "copy")
+
+
+def _plan(ckpts, tmp_path, force=False):
+    c2, c4, c6 = ckpts
+    return build_plan(Recipe(base=c6, output=tmp_path / "composed", layers={"layers.1": c4}), force=force)
+
+
+def test_a_cancel_during_the_swap_completes_it_and_says_so(hf_run, tmp_path, monkeypatch):
+    _, ckpts = hf_run
+    merge.run_merge(_plan(ckpts, tmp_path), workers=1)
+    old = (tmp_path / "composed" / output.PROVENANCE).read_text()
+    real = merge.publish
+
+    def interrupted(*args):  # Ctrl-C arrives while the new output is being swapped in
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        real(*args)
+
+    monkeypatch.setattr(merge, "publish", interrupted)
+    with pytest.raises(MergeCancelled, match="is complete and holds the new composition"):
+        merge.run_merge(_plan(ckpts, tmp_path, force=True), workers=1)
+    assert (tmp_path / "composed" / output.PROVENANCE).read_text() != old  # the new one, whole
+    assert tailor("--verify", write_recipe(tmp_path, ckpts[2], {"layers.1": ckpts[1]})).returncode == 0
+    assert hidden(tmp_path) == []
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_cancelling_a_forced_merge_leaves_the_old_or_the_new_output_whole(hf_run, tmp_path, exchange):
+    _, (c2, c4, c6) = hf_run
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c4})
+    assert tailor("--apply", recipe, "-j", "1").returncode == 0
+    out = tmp_path / "composed"
+    old = (out / output.PROVENANCE).read_text()
+    env = {} if exchange else {"TAILOR_TEST_NO_RENAME_EXCHANGE": "1"}
+    outcomes = []
+    for delay in (0.0, 0.3, 0.8, 1.5, 2.5):
+        proc = start_apply(recipe, "-j", "2", "--force", env=env)
+        seen = wait_for_line(proc, "composing")
+        time.sleep(delay)
+        proc.send_signal(signal.SIGTERM)
+        err = finish(proc, seen)
+        assert "Traceback" not in err
+        assert out.is_dir() and tailor("--verify", recipe).returncode == 0, (delay, err)
+        now = (out / output.PROVENANCE).read_text()
+        if proc.returncode == 0:
+            assert now != old
+        else:
+            assert proc.returncode == 130, err
+            said_complete = "is complete and holds the new composition" in err
+            assert (now != old) == said_complete, (delay, err)
+            assert said_complete or "nothing was written" in err
+        old = now
+        outcomes.append(proc.returncode)
+        assert hidden(tmp_path) == []
+    assert 130 in outcomes, outcomes  # some signals did land mid-merge
+
+
+def test_an_old_output_moved_aside_by_a_killed_swap_is_put_back(hf_run, tmp_path):
+    _, (c2, c4, c6) = hf_run
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c4})
+    assert tailor("--apply", recipe).returncode == 0
+    out = tmp_path / "composed"
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a PID that no longer runs
+    aside = tmp_path / f"{fileio.aside_prefix(out)}{dead.pid}"
+    os.rename(out, aside)  # killed between the two renames of a swap without renameat2
+    result = tailor("--apply", recipe, "--force")
+    assert result.returncode == 0, result.stderr
+    assert not aside.exists() and out.is_dir() and hidden(tmp_path) == []
+
+
+def test_signals_held_defers_sigint_to_the_end_of_the_block():
+    got = []
+    with pytest.raises(KeyboardInterrupt):
+        with output.signals_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            got.append("the block ran to its end")
+    assert got == ["the block ran to its end"]
+    assert threading.current_thread() is threading.main_thread()
