@@ -208,6 +208,21 @@ def pread_into(fd: int, view: memoryview, offset: int) -> None:
         done += n
 
 
+def crc_range(fd: int, offset: int, length: int, buffer: memoryview,
+              on_bytes: Callable[[int], None] = lambda n: None) -> int:
+    """CRC-32 of a byte range of a file, read through `buffer` (reused: no allocation per read)."""
+    from . import crc
+
+    value, end = 0, offset + length
+    while offset < end:
+        view = buffer[: min(len(buffer), end - offset)]
+        pread_into(fd, view, offset)
+        value = crc.crc32(view, value)
+        offset += len(view)
+        on_bytes(len(view))
+    return value
+
+
 def pwrite_all(fd: int, data, offset: int) -> None:
     view, done = memoryview(data), 0
     while done < len(view):

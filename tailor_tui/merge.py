@@ -25,7 +25,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from . import __version__, crc
 from .checkpoint import MODEL_FILE_INDEX, Checkpoint
@@ -36,11 +36,11 @@ from .fileio import (
     Writeback,
     copy_file,
     copy_range,
+    crc_range,
     fsync,
     fsync_dir,
     open_fd,
     output_error,
-    pread_into,
     pwrite_all,
     set_durable,
 )
@@ -58,7 +58,16 @@ from .output import (
 )
 from .plan import MergePlan, RankJob, tied_partner
 from .pickled import dtype_name
-from .ptfile import TensorBytes, Unsupported, file_format, locate, read_structure
+from .ptfile import (
+    Record,
+    TensorBytes,
+    Unsupported,
+    check_crcs,
+    checked_crcs,
+    file_format,
+    locate,
+    read_structure,
+)
 from .safe_load import load_pt
 
 TENSORS = ("fp32", "exp_avg", "exp_avg_sq")
@@ -142,6 +151,7 @@ def merge_rank(job: RankJob, out_tag_dir: Path, emit: Emit, cancelled: Callable[
     if job.frozen or job.buffers or file_format(base_files.model_states) != "zip":
         _merge_model_states(job, out_model, counter)  # (a legacy-format base's is re-saved as zip)
     else:
+        check_crcs(base_files.model_states)
         try:
             copy_file(base_files.model_states, out_model, counter.add)
         except OSError as exc:
@@ -149,23 +159,38 @@ def merge_rank(job: RankJob, out_tag_dir: Path, emit: Emit, cancelled: Callable[
     counter.finish()
 
 
+class Span(NamedTuple):
+    """A byte range of the output optim file that does not keep the base's bytes."""
+
+    at: int  # where it lies in the base's (and the output's) file
+    length: int
+    source: int | None  # the checkpoint its bytes come from; None: zeros (padding)
+    source_at: int  # where they lie in that checkpoint's file
+    record: Record  # the base's record it lies in
+    source_record: Record | None  # the full source's record they come from (None: partial, zeros)
+
+
 def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> bool:
     """Write the composed optim_states file as the base's bytes with replaced ranges.
 
-    The output has the base's exact zip layout. Every byte is copied in the kernel
-    (copy_file_range): the base's where nothing replaces it, a source's slice where the
-    recipe picks it; padding is written as zeros. Only the replaced ranges, old and new,
-    are read into user space, to update each record's CRC-32 (see `crc`). Memory stays at
-    one small buffer whatever the file size. Returns False (writing nothing) when the
-    archive is laid out in a way this does not handle, or the base's file is in torch's
-    legacy format; the caller then re-serialises. Sources may be in either format.
+    The output has the base's exact zip layout. First every record of the base, and every
+    record of a source that a slice comes from, is read once and checked against the CRC-32
+    its archive stores (a flipped byte is refused, never carried into the output under a
+    fresh CRC); that pass also gives the CRCs of the replaced ranges, old and new. Then every
+    byte is copied in the kernel (copy_file_range): the base's where nothing replaces it, a
+    source's slice where the recipe picks it; padding is written as zeros; each record's
+    CRC-32 is updated from its replaced ranges alone (see `crc`). Memory stays at one small
+    buffer whatever the file size. Returns False (writing nothing) when the archive is laid
+    out in a way this does not handle, or the base's file is in torch's legacy format; the
+    caller then re-serialises. Sources may be in either format (legacy ones have no CRC).
     """
     base_path = job.files[0].optim_states
     if file_format(base_path) != "zip":
         return False  # the output is a zip archive: a legacy-format base's file is re-serialised
     used = sorted({c.source for c in job.copies})
     try:
-        base = _tensor_bytes(base_path, job.group_sizes)
+        obj, base_records, prefix = read_structure(base_path)
+        base = _flat_tensor_bytes(obj, base_records, prefix, base_path, job.group_sizes)
         sources = {s: _tensor_bytes(job.files[s].optim_states, job.group_sizes)
                    for s in used if job.files[s].rows is None}
     except Unsupported:
@@ -173,40 +198,51 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> bool:
     for s, theirs in sources.items():
         _check_dtypes(base, theirs, job.files[s].optim_states)
     partial = {s: safetensors_tensors(job.files[s].rows) for s in used if job.files[s].rows is not None}
-    spans = []  # (file offset, bytes, source or None for zeros, source offset, record)
+    spans = []
     for c in job.copies:
         for key in TENSORS:
             b = base[c.group, key]
             if c.param is None:
-                at = sources[c.source][c.group, key].offset + c.offset * b.itemsize
+                theirs = sources[c.source][c.group, key]
+                at, record = theirs.offset + c.offset * b.itemsize, theirs.record
             else:
-                at = partial_slice(job.files[c.source].rows, partial[c.source], key, c.param, c.length)[2]
-            spans.append((b.offset + c.offset * b.itemsize, c.length * b.itemsize, c.source, at, b.record))
+                at, record = partial_slice(job.files[c.source].rows, partial[c.source], key, c.param, c.length)[2], None
+            spans.append(Span(b.offset + c.offset * b.itemsize, c.length * b.itemsize, c.source, at, b.record, record))
     for g, offset, length in job.padding:
         for key in TENSORS:
             b = base[g, key]
-            spans.append((b.offset + offset * b.itemsize, length * b.itemsize, None, 0, b.record))
+            spans.append(Span(b.offset + offset * b.itemsize, length * b.itemsize, None, 0, b.record, None))
+    spans = _coalesced(spans)
 
     try:
         with contextlib.ExitStack() as stack:
             fin = open_fd(stack, base_path)
             fds = {s: open_fd(stack, job.files[s].rows or job.files[s].optim_states) for s in used}
+            buffer = memoryview(bytearray(STREAM_CHUNK))
+            old = _read_and_check(fin, base_path, base_records.values(),
+                                  {(sp.record, sp.at, sp.length) for sp in spans}, buffer, counter)
+            new = {}
+            for s in sources:
+                taken = {(sp.source_record, sp.source_at, sp.length) for sp in spans if sp.source == s}
+                checked = _read_and_check(fds[s], job.files[s].optim_states, {r for r, _, _ in taken}, taken,
+                                          buffer, counter)
+                new.update({(s, at): value for (at, _n), value in checked.items()})
             fout = open_fd(stack, out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             writeback = Writeback(fout)
-            buffer = memoryview(bytearray(STREAM_CHUNK))
             position, crc_changes = 0, defaultdict(int)
-            for offset, length, source, source_offset, record in _coalesced(spans):
-                copy_range(fin, fout, position, offset - position, counter.add, writeback=writeback)
-                if source is None:  # padding holds garbage: write zeros
-                    pwrite_all(fout, bytes(length), offset)
-                    new = crc.zeros(length)
+            for sp in spans:
+                copy_range(fin, fout, position, sp.at - position, counter.add, writeback=writeback)
+                if sp.source is None:  # padding holds garbage: write zeros
+                    pwrite_all(fout, bytes(sp.length), sp.at)
+                    value = crc.zeros(sp.length)
                 else:
-                    copy_range(fds[source], fout, source_offset, length, counter.add, offset, writeback)
-                    new = _crc_of(fds[source], source_offset, length, buffer)
-                    counter.add(length)
-                old = _crc_of(fin, offset, length, buffer)
-                crc_changes[record] ^= crc.shift(old ^ new, record.data_offset + record.size - offset - length)
-                position = offset + length
+                    copy_range(fds[sp.source], fout, sp.source_at, sp.length, counter.add, sp.at, writeback)
+                    value = new.get((sp.source, sp.source_at))
+                    if value is None:  # from a partial checkpoint: its safetensors file has no CRCs
+                        value = crc_range(fds[sp.source], sp.source_at, sp.length, buffer, counter.add)
+                tail = sp.record.data_offset + sp.record.size - sp.at - sp.length
+                crc_changes[sp.record] ^= crc.shift(old[sp.at, sp.length] ^ value, tail)
+                position = sp.at + sp.length
             copy_range(fin, fout, position, os.fstat(fin).st_size - position, counter.add, writeback=writeback)
             for record, change in crc_changes.items():
                 for at in record.crc_offsets:
@@ -215,6 +251,18 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> bool:
     except OSError as exc:
         raise output_error(exc, out) from None
     return True
+
+
+def _read_and_check(fd: int, path: Path, records, ranges: set, buffer: memoryview,
+                    counter: ByteCounter) -> dict[tuple[int, int], int]:
+    """Read every byte of `records` of the file `fd` once, checking each record's stored
+    CRC-32 (`ptfile.checked_crcs`), and return the CRC of each (record, offset, length) in
+    `ranges` as {(offset, length): crc}."""
+    found = {}
+    for record in sorted(records, key=lambda r: r.data_offset):
+        mine = sorted((at, n) for r, at, n in ranges if r == record)
+        found.update(zip(mine, checked_crcs(fd, path, record, mine, buffer, counter.add)))
+    return found
 
 
 def build_optim_states_from_skeleton(job: RankJob, out: Path, counter: ByteCounter) -> None:
@@ -260,8 +308,12 @@ def build_optim_states_from_skeleton(job: RankJob, out: Path, counter: ByteCount
                    for s in {c.source for c in job.copies}}
             full = {s: _tensor_bytes(job.files[s].optim_states, job.group_sizes)
                     for s in fds if job.files[s].rows is None}
+            buffer = memoryview(bytearray(STREAM_CHUNK))
             for s, theirs in full.items():  # the skeleton's flat tensors are fp32
                 _check_dtypes({k: ("FloatStorage", 4) for k in theirs}, theirs, job.files[s].optim_states)
+                taken = {(theirs[c.group, key].record, theirs[c.group, key].offset + c.offset * 4, c.length * 4)
+                         for c in job.copies if c.source == s for key in TENSORS}
+                _read_and_check(fds[s], job.files[s].optim_states, {r for r, _, _ in taken}, taken, buffer, counter)
             writeback = Writeback(fout)
             for c in job.copies:
                 for key in TENSORS:
@@ -277,9 +329,8 @@ def build_optim_states_from_skeleton(job: RankJob, out: Path, counter: ByteCount
             for storage, record in small:  # per-group steps and the like
                 pwrite_all(fout, _storage_bytes(storage), record.data_offset)
             del skeleton, inner, storages, small
-            buffer = memoryview(bytearray(STREAM_CHUNK))
             for record in data_records:
-                value = _crc_of(fout, record.data_offset, record.size, buffer)
+                value = crc_range(fout, record.data_offset, record.size, buffer)
                 for at in record.crc_offsets:
                     os.pwrite(fout, struct.pack("<I", value), at)
             fsync(fout)
@@ -317,17 +368,17 @@ def _storage_bytes(storage) -> bytes:
     return torch.empty(0, dtype=torch.uint8).set_(storage).numpy().tobytes()
 
 
-def _coalesced(spans: list) -> list:
-    """Spans in file order, neighbours from the same source and record joined into one
+def _coalesced(spans: list[Span]) -> list[Span]:
+    """Spans in file order, neighbours from the same source and records joined into one
     (the params of a layer lie side by side in both files: one copy, one CRC step)."""
-    joined: list = []
-    for span in sorted(spans, key=lambda s: s[0]):
-        if joined:
-            offset, length, source, source_offset, record = joined[-1]
-            if (span[0] == offset + length and span[2] == source and span[4] == record
-                    and (source is None or span[3] == source_offset + length)):
-                joined[-1] = (offset, length + span[1], source, source_offset, record)
-                continue
+    joined: list[Span] = []
+    for span in sorted(spans, key=lambda s: s.at):
+        last = joined[-1] if joined else None
+        if (last and span.at == last.at + last.length and span.source == last.source
+                and span.record == last.record and span.source_record == last.source_record
+                and (span.source is None or span.source_at == last.source_at + last.length)):
+            joined[-1] = last._replace(length=last.length + span.length)
+            continue
         joined.append(span)
     return joined
 
@@ -364,17 +415,6 @@ def _flat_tensor_bytes(obj, records: dict, prefix: str, path: Path, group_sizes:
 # One small buffer, reused: on this kind of VM fresh 64 MiB buffers ran at 0.6 GiB/s (page
 # faults on every chunk); a reused 1 MiB buffer stays in CPU cache between read and CRC.
 STREAM_CHUNK = 1 << 20
-
-
-def _crc_of(fd: int, offset: int, length: int, buffer: memoryview) -> int:
-    """CRC-32 of a byte range of a file, read through `buffer`."""
-    value, end = 0, offset + length
-    while offset < end:
-        view = buffer[: min(len(buffer), end - offset)]
-        pread_into(fd, view, offset)
-        value = crc.crc32(view, value)
-        offset += len(view)
-    return value
 
 
 def _reserialise_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> None:
@@ -724,6 +764,7 @@ def _copy_other_files(plan: MergePlan, tmp: Path, cancel: threading.Event) -> No
             raise MergeCancelled()
         dst = tmp / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
+        check_crcs(root / rel)  # scheduler.pt, rng_state_*.pth, training_args.bin: torch zip archives
         try:
             copy_file(root / rel, dst)
         except OSError as exc:

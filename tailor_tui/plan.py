@@ -127,7 +127,12 @@ class MergePlan:
         )
         used = {c.source for c in copies} | {s for _, s in frozen} | {s for _, s in buffers}
         files = {0: self.base.ranks[rank]} | {s: self.sources[s].ranks[rank] for s in sorted(used)}
-        read = sum(c.length for c in copies) * BYTES_PER_ELEMENT + self.base.rank_bytes(rank)
+        # every byte of the base, and the whole record of each full source's sub-group a slice
+        # comes from (its stored CRC-32 covers the whole record); a partial's slices alone
+        sizes = layout.group_sizes()
+        whole = {(c.source, c.group) for c in copies if not self.sources[c.source].partial}
+        read = self.base.rank_bytes(rank) + BYTES_PER_ELEMENT * (
+            sum(sizes[g] for _, g in whole) + sum(c.length for c in copies if self.sources[c.source].partial))
         return RankJob(
             rank=rank,
             files=files,

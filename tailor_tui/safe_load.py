@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .ds_format import DEEPSPEED_CLASSES
 from .errors import CheckpointError
-from .ptfile import Unsupported, check_complete, file_format, read_structure, refused
+from .ptfile import Unsupported, check_complete, check_crcs, file_format, read_structure, refused
 
 
 def allowed_globals() -> list:
@@ -37,6 +37,7 @@ def load_pt(path: Path, mmap: bool = True):
         read_structure(path)
     except Unsupported:
         check_complete(path)
+    check_crcs(path)  # torch.load does not check them
     fmt = file_format(path)
     try:
         with torch.serialization.safe_globals(allowed_globals()):
