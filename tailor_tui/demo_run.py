@@ -50,6 +50,11 @@ class RunSpec:
     # DeepSpeed layout: pass the DeepSpeed config as a JSON file's path, as scripts launched with
     # `--deepspeed_config ds.json` do (model_states then records that path, not a dict)
     config_file: bool = False
+    # DeepSpeed layout: make these parameters "blow up" just before the save at step `blow_up_step`:
+    # their fp32 master weights and exp_avg_sq become NaN through DeepSpeed's own ZeRO-3 API
+    # (safe_set_full_fp32_param / safe_set_full_optimizer_state); training goes on from there
+    blow_up: tuple[str, ...] = ()
+    blow_up_step: int = 0
     # "parity" or "filter": save through tailor_tui.selective (the HF layout through its
     # Trainer callback); the run's checkpoints go to OUT/run, and full reference checkpoints
     # of every save, written by the same run, to OUT/reference
@@ -65,7 +70,7 @@ class RunSpec:
     @classmethod
     def from_key(cls, text: str) -> "RunSpec":
         d = json.loads(text)
-        return cls(**{**d, "frozen": tuple(d.get("frozen", ()))})
+        return cls(**{**d, "frozen": tuple(d.get("frozen", ())), "blow_up": tuple(d.get("blow_up", ()))})
 
 
 def model_config(spec: RunSpec):
@@ -273,12 +278,27 @@ def _train_rank(rank: int, world: int, port: int, spec: RunSpec, out: str) -> No
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
+        if step == spec.blow_up_step:
+            _blow_up(engine, spec.blow_up)
         if step % spec.save_every == 0:
             if saver is None:
                 engine.save_checkpoint(str(out), tag=f"global_step{step}")
             else:
                 saver.save(engine, step)
                 engine.save_checkpoint(str(out / "reference"), tag=f"global_step{step}")
+
+
+def _blow_up(engine, names: tuple[str, ...]) -> None:
+    """Set parameters' fp32 master weights and exp_avg_sq to NaN, on every rank, as a diverged
+    layer leaves them (collective: every rank calls it)."""
+    import torch
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    for name, param in engine.module.named_parameters():
+        if name in names:
+            nan = torch.full(param.ds_shape, float("nan"))
+            safe_set_full_fp32_param(param, nan)
+            safe_set_full_optimizer_state(param, nan, "exp_avg_sq")
 
 
 def _strategy(spec: RunSpec):

@@ -76,7 +76,7 @@ TENSORS = ("fp32", "exp_avg", "exp_avg_sq")
 # --- one rank ---------------------------------------------------------------------------
 
 
-def _optimizer_state(obj, path: Path, group_sizes: tuple[int, ...]) -> dict:
+def optimizer_state(obj, path: Path, group_sizes: tuple[int, ...]) -> dict:
     """The inner optimizer dict of an optim_states file, checked against the layout."""
     try:
         inner = obj["optimizer_state_dict"]
@@ -94,7 +94,7 @@ def _optimizer_state(obj, path: Path, group_sizes: tuple[int, ...]) -> dict:
         )
     for g, size in enumerate(group_sizes):
         for key in TENSORS:
-            t = _tensor(inner, g, key)
+            t = flat_tensor(inner, g, key)
             if t is None or t.numel() != size:
                 n = "none" if t is None else t.numel()
                 raise CheckpointError(
@@ -104,13 +104,13 @@ def _optimizer_state(obj, path: Path, group_sizes: tuple[int, ...]) -> dict:
     return inner
 
 
-def _tensor(inner: dict, group: int, key: str):
+def flat_tensor(inner: dict, group: int, key: str):
     if key == "fp32":
         return inner["fp32_flat_groups"][group]
     return inner["optimizer_state_dict"]["state"].get(group, {}).get(key)
 
 
-def _set_tensor(inner: dict, group: int, key: str, value) -> None:
+def set_flat_tensor(inner: dict, group: int, key: str, value) -> None:
     if key == "fp32":
         inner["fp32_flat_groups"][group] = value
     else:
@@ -283,9 +283,9 @@ def build_optim_states_from_skeleton(job: RankJob, out: Path, counter: ByteCount
     reserved = set()  # storages whose bytes come from the sources
     for g, size in enumerate(job.group_sizes):
         for key in TENSORS:
-            flat = torch.empty(size, dtype=torch.float32).requires_grad_(_tensor(inner, g, key).requires_grad)
+            flat = torch.empty(size, dtype=torch.float32).requires_grad_(flat_tensor(inner, g, key).requires_grad)
             reserved.add(flat.untyped_storage()._cdata)
-            _set_tensor(inner, g, key, flat)
+            set_flat_tensor(inner, g, key, flat)
     with torch.serialization.skip_data():
         storages = _storages_in_save_order(skeleton)
         _save(skeleton, out, None)  # small: the tensors' space is only reserved
@@ -407,8 +407,8 @@ def _tensor_bytes(path: Path, group_sizes: tuple[int, ...]) -> dict:
 
 
 def _flat_tensor_bytes(obj, records: dict, prefix: str, path: Path, group_sizes: tuple[int, ...]) -> dict:
-    inner = _optimizer_state(obj, path, group_sizes)
-    return {(g, key): locate(_tensor(inner, g, key), records, prefix)
+    inner = optimizer_state(obj, path, group_sizes)
+    return {(g, key): locate(flat_tensor(inner, g, key), records, prefix)
             for g in range(len(group_sizes)) for key in TENSORS}
 
 
@@ -424,9 +424,9 @@ def _reserialise_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> 
 
     base_files = job.files[0]
     base = load_pt(base_files.optim_states)
-    inner = _optimizer_state(base, base_files.optim_states, job.group_sizes)
+    inner = optimizer_state(base, base_files.optim_states, job.group_sizes)
     full = {
-        s: _optimizer_state(load_pt(f.optim_states), f.optim_states, job.group_sizes)
+        s: optimizer_state(load_pt(f.optim_states), f.optim_states, job.group_sizes)
         for s, f in job.files.items()
         if s and f.rows is None and any(c.source == s for c in job.copies)
     }
@@ -444,13 +444,13 @@ def _reserialise_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> 
         opened = {s: stack.enter_context(safe_open(str(p), framework="pt")) for s, p in partial.items()}
         for g, size in enumerate(job.group_sizes):
             for key in TENSORS:
-                original = _tensor(inner, g, key)
+                original = flat_tensor(inner, g, key)
                 merged = original.detach().clone()
                 counter.add(size * 4)
                 for c in copies[g]:
                     span = slice(c.offset, c.offset + c.length)
                     if c.param is None:
-                        theirs = _tensor(full[c.source], g, key)
+                        theirs = flat_tensor(full[c.source], g, key)
                         if theirs.dtype != original.dtype:  # copy_ would cast silently
                             raise _dtype_mismatch(job.files[c.source].optim_states, key, g,
                                                   str(theirs.dtype), str(original.dtype))
@@ -462,7 +462,7 @@ def _reserialise_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> 
                 for offset, length in padding[g]:
                     merged[offset : offset + length].zero_()  # padding holds garbage: write zeros
                 merged.requires_grad_(original.requires_grad)
-                _set_tensor(inner, g, key, merged)
+                set_flat_tensor(inner, g, key, merged)
     del full
     _save(base, out, counter.add)
 

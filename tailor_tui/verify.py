@@ -1,9 +1,14 @@
-"""Re-check a finished output against its recipe and sources, row by row.
+"""Re-check a finished output against its recipe and sources, row by row, byte for byte.
 
-For every rank, each row's fp32 master weights, exp_avg and exp_avg_sq in the output
-must equal its chosen source's, padding must be zero, and the per-group optimizer
-`step` the base's; frozen fragments and buffers follow their row; the 16-bit model
-files hold each tensor of the chosen source; every other file equals the base's.
+Every comparison is of bytes, not values: -0.0 is not 0.0, a NaN equals the same NaN
+(so a row that holds NaNs verifies when it was copied exactly). For every rank, each
+row's fp32 master weights, exp_avg and exp_avg_sq in the output equal its chosen
+source's and padding is zero bytes; everything else in the optimizer state (param
+groups, loss scaler, sub-group steps, counters) and in model_states equals the base's,
+but frozen fragments and buffers, which follow their row; the 16-bit model files have
+the header tailor-tui writes and each tensor of the chosen source; every other file
+equals the base's. Every record of every torch file read, the output's and the
+sources', is checked against its stored CRC-32 on the way (`safe_load.load_pt`).
 Sources are only read (memory-mapped), never modified.
 """
 
@@ -18,7 +23,7 @@ from typing import Callable
 from .checkpoint import MODEL_FILE_INDEX, open_checkpoint
 from .errors import CheckpointError
 from .events import ByteCounter, Emit
-from .merge import TENSORS, _optimizer_state, _tensor
+from .merge import TENSORS, flat_tensor, optimizer_state
 from .output import PROVENANCE
 from .plan import MergePlan
 from .rows import row_of
@@ -75,23 +80,67 @@ def verify_against_recipe(plan: MergePlan, emit: Emit = lambda e: None,
     return report
 
 
-def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled) -> None:
+def same_bytes(a, b) -> bool:
+    """Whether two tensors hold the same bytes (dtype and shape included)."""
     import torch
+
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def _nonzero_bytes(t) -> bool:
+    """Any byte not zero (-0.0 counts)."""
+    import torch
+
+    return bool(t.contiguous().reshape(-1).view(torch.uint8).any())
+
+
+def differences(mine, theirs, where: str = "", skip: Callable[[str], bool] = lambda where: False) -> list[str]:
+    """Where two loaded checkpoint structures differ, byte for byte (`skip`: paths not compared)."""
+    import struct
+
+    import torch
+
+    if skip(where):
+        return []
+    if isinstance(mine, torch.Tensor) or isinstance(theirs, torch.Tensor):
+        same = isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor) and same_bytes(mine, theirs)
+        return [] if same else [where]
+    if type(mine) is not type(theirs):
+        return [where]
+    if isinstance(mine, dict):
+        if list(mine) != list(theirs):
+            return [f"{where} (keys)"]
+        return [d for k in mine for d in differences(mine[k], theirs[k], f"{where}[{k!r}]", skip)]
+    if isinstance(mine, (list, tuple)):
+        if len(mine) != len(theirs):
+            return [f"{where} (length)"]
+        return [d for i, (a, b) in enumerate(zip(mine, theirs)) for d in differences(a, b, f"{where}[{i}]", skip)]
+    if isinstance(mine, float):
+        return [] if struct.pack("<d", mine) == struct.pack("<d", theirs) else [where]
+    if hasattr(mine, "__dict__") and not isinstance(mine, type):  # the loss scaler
+        return differences(vars(mine), vars(theirs), where, skip)
+    return [] if mine == theirs else [where]
+
+
+def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled) -> None:
     from safetensors import safe_open
 
     files = {i: src.ranks[rank] for i, src in enumerate(plan.sources)}
     sizes = tuple(plan.base.layout.group_sizes())
     counter = ByteCounter(f"rank {rank}", plan.base.rank_bytes(rank), emit, cancelled)
     mine = composed.ranks[rank].optim_states
-    got = _optimizer_state(load_pt(mine), mine, sizes)
-    wanted = {i: _optimizer_state(load_pt(f.optim_states), f.optim_states, sizes)
-              for i, f in files.items() if f.rows is None}
+    got_file = load_pt(mine)
+    got = optimizer_state(got_file, mine, sizes)
+    loaded = {i: load_pt(f.optim_states) for i, f in files.items() if f.rows is None}
+    wanted = {i: optimizer_state(obj, files[i].optim_states, sizes) for i, obj in loaded.items()}
     partial = {i: safe_open(str(f.rows), "pt") for i, f in files.items() if f.rows is not None}
 
     def source_slice(s: int, slot, key: str, valid: int):
         if s in partial:  # a partial checkpoint stores each parameter's slice by name
             return partial[s].get_slice(f"{key}/{slot.name}")[:valid]
-        return _tensor(wanted[s], slot.group, key)[slot.offset: slot.offset + valid]
+        return flat_tensor(wanted[s], slot.group, key)[slot.offset: slot.offset + valid]
 
     source_of = plan.source_of_param()
     for slot in plan.base.layout.slots:
@@ -99,63 +148,92 @@ def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled) -> No
         valid = slot.valid(rank)
         row = param_row[slot.name]
         for key in TENSORS:
-            out_t = _tensor(got, slot.group, key)
-            if valid and not torch.equal(out_t[slot.offset: slot.offset + valid], source_slice(s, slot, key, valid)):
+            out_t = flat_tensor(got, slot.group, key)
+            if valid and not same_bytes(out_t[slot.offset: slot.offset + valid], source_slice(s, slot, key, valid)):
                 report.add(row, f"rank {rank}: {key} of {slot.name} differs from {plan.sources[s].name}")
-            if valid < slot.part and out_t[slot.offset + valid: slot.offset + slot.part].any():
-                report.add(row, f"rank {rank}: padding after {slot.name} ({key}) is not zero")
+            if valid < slot.part and _nonzero_bytes(out_t[slot.offset + valid: slot.offset + slot.part]):
+                report.add(row, f"rank {rank}: padding after {slot.name} ({key}) is not zero bytes")
         counter.add(valid * 12)
-    base_state = (wanted[0] if 0 in wanted else load_pt(files[0].skeleton)["optimizer_state_dict"])[
-        "optimizer_state_dict"]["state"]
-    for g, st in got["optimizer_state_dict"]["state"].items():
-        if not torch.equal(torch.as_tensor(st["step"]), torch.as_tensor(base_state[g]["step"])):
-            report.add(None, f"rank {rank}: optimizer step of sub-group {g} is not the base's")
-    states = load_pt(composed.ranks[rank].model_states)
-    source_states = {}
-    for name, _shape in plan.base.layout.frozen:
-        s = source_of[name]
-        if s not in source_states:
-            source_states[s] = load_pt(files[s].model_states)
-        if not torch.equal(states["frozen_param_fragments"][name],
-                           source_states[s]["frozen_param_fragments"][name]):
-            report.add(param_row[name], f"rank {rank}: frozen {name} differs from {plan.sources[s].name}")
-    base_states = load_pt(files[0].model_states)
-    for key in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler"):
-        if states.get(key) != base_states.get(key):
-            report.add(None, f"rank {rank}: model_states {key} is not the base's")
+    # Everything but the flat tensors is the base's: param groups, loss scaler, steps, counters.
+    base_file = loaded[0] if 0 in loaded else load_pt(files[0].skeleton)
+
+    def flat(where: str) -> bool:
+        return where.startswith("['optimizer_state_dict']['fp32_flat_groups']") or (
+            where.startswith("['optimizer_state_dict']['optimizer_state_dict']['state']")
+            and where.endswith(("['exp_avg']", "['exp_avg_sq']")))
+
+    for where in differences(got_file, base_file, skip=flat)[:5]:
+        report.add(None, f"rank {rank}: optimizer state {where} is not the base's")
+    _verify_model_states(plan, rank, composed, files, source_of, param_row, report)
     counter.finish()
 
 
-def _verify_model_file(plan, job, report) -> None:
-    import torch
-    from safetensors import safe_open
+def _verify_model_states(plan, rank, composed, files, source_of, param_row, report) -> None:
+    """model_states: the base's, but frozen fragments and buffers, each from its row's source."""
+    states = load_pt(composed.ranks[rank].model_states)
+    loaded = {0: load_pt(files[0].model_states)}
 
+    def source(s: int) -> dict:
+        if s not in loaded:
+            loaded[s] = load_pt(files[s].model_states)
+        return loaded[s]
+
+    followed = {}  # path in model_states -> (source, row) for what follows its row
+    for name, _shape in plan.base.layout.frozen:
+        followed[f"['frozen_param_fragments'][{name!r}]"] = (source_of[name], param_row[name])
+    for row in plan.base.rows:
+        for buffer in row.buffers:
+            followed[f"['module'][{buffer!r}]"] = (source_of[buffer], row.name)
+    for where, (s, row) in followed.items():
+        for difference in differences(_at(states, where), _at(source(s), where), where):
+            report.add(row, f"rank {rank}: model_states {difference} differs from {plan.sources[s].name}")
+    for where in differences(states, loaded[0], skip=lambda w: w in followed)[:5]:
+        report.add(None, f"rank {rank}: model_states {where} is not the base's")
+
+
+def _at(states: dict, where: str):
+    """The value at a path such as ['module']['model.x'] (None if absent)."""
+    import ast
+
+    value = states
+    for key in where[1:-1].split("]["):
+        value = (value or {}).get(ast.literal_eval(key)) if isinstance(value, dict) else None
+    return value
+
+
+def _verify_model_file(plan, job, report) -> None:
+    from .checkpoint import safetensors_header
     from .model_files import parse_prefix, source_tensor
 
     out_file = plan.output / job.name
     if not out_file.is_file():
         report.add(None, f"{out_file}: missing (the base has {job.name})")
         return
-    index: dict[int, dict[str, Path]] = {}
-    for s, paths in job.source_files.items():
-        index[s] = {}
-        for p in paths:
-            with safe_open(p, "pt") as h:
-                index[s].update({k: p for k in h.keys()})
-    expected = parse_prefix(job.prefix)
-    with safe_open(out_file, "pt") as out:
-        if set(out.keys()) != set(expected):
-            report.add(None, f"{out_file}: holds other tensors than the base's {job.name}")
+    with open(out_file, "rb") as f:
+        if f.read(len(job.prefix)) != job.prefix:  # names, dtypes, shapes, offsets and metadata
+            report.add(None, f"{out_file}: its header is not the base's {job.name} header")
             return
-        for name, (dtype, shape, _begin, _end) in expected.items():
+    located: dict[str, tuple[Path, int, int]] = {}  # full sources: tensor -> (file, first byte, end)
+    for s, paths in job.source_files.items():
+        for p in paths:
+            header, start = safetensors_header(p)
+            for name, info in header.items():
+                if name != "__metadata__":
+                    located.setdefault(f"{s}/{name}", (p, start + info["data_offsets"][0], start + info["data_offsets"][1]))
+    with open(out_file, "rb") as out:
+        for name, (dtype, shape, begin, end) in parse_prefix(job.prefix).items():
             row = row_of(name)
             s = job.picks.get(row, 0)
-            got = out.get_tensor(name)
+            out.seek(begin)
+            got = out.read(end - begin)
             if s in job.partial_ranks:  # cast from the partial checkpoint's fp32 masters
                 want = source_tensor(job, s, name, dtype, shape)
-                same = got.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() == want
+            elif f"{s}/{name}" in located:
+                path, first, last = located[f"{s}/{name}"]
+                with open(path, "rb") as src:
+                    src.seek(first)
+                    want = src.read(last - first)
             else:
-                with safe_open(index[s][name], "pt") as src:
-                    same = torch.equal(got, src.get_tensor(name))
-            if not same:
+                want = None
+            if got != want:
                 report.add(row, f"{out_file.name}: {name} differs from {plan.sources[s].name}")

@@ -73,6 +73,10 @@ RUNS = {
     ),
     # DeepSpeed writing torch's legacy (non-zip) format (checkpoint_serialization: false)
     "ds_legacy_serialization": RunSpec(layout="deepspeed", zip_serialization=False),
+    # A run whose layers.2 blew up before the step-4 save (NaN masters and exp_avg_sq, set through
+    # DeepSpeed's own ZeRO-3 API); training went on, so step 6 is NaN throughout
+    "ds_blown_up": RunSpec(layout="deepspeed", blow_up=(
+        "model.layers.2.self_attn.q_proj.weight", "model.layers.2.mlp.down_proj.weight"), blow_up_step=4),
 }
 
 

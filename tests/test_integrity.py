@@ -9,6 +9,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import checkpoints_of
 from test_cli import assert_one_line_error, tailor, write_recipe
@@ -88,3 +89,79 @@ def test_a_partial_base_checks_the_full_sources_it_copies_from(real_run, tmp_pat
     recipe = write_recipe(tmp_path, copy / "partial-step6", {r: full for r in rows})
     assert_one_line_error(tailor("--apply", recipe), 4, target.name, f"record {record} fails its CRC-32 check")
     assert not (tmp_path / "composed").exists()
+
+
+# --- a stricter --verify: bytes, not values, and the whole state -----------------------------
+
+
+def _composed(real_run, tmp_path, name="hf_bf16_2"):
+    """Step 4 as the base (its learning rate is not yet 0), two rows from step 2."""
+    run, spec = real_run(name)
+    c2, c4, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c4, {"layers.1": c2, "embed_tokens": c2})
+    applied = tailor("--apply", recipe)
+    assert applied.returncode == 0, applied.stderr
+    return recipe, tmp_path / "composed", (c2, c4, c6)
+
+
+def _resave(path: Path, change) -> None:
+    state = torch.load(path, weights_only=False)
+    change(state)
+    torch.save(state, path)
+
+
+def test_verify_catches_a_changed_learning_rate(real_run, tmp_path):
+    recipe, out, _ = _composed(real_run, tmp_path)
+    optim = next(out.glob("*/*rank_1_*optim_states.pt"))
+
+    def lr_times_ten(state):
+        group = state["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"][0]
+        assert group["lr"] > 0
+        group["lr"] *= 10
+
+    _resave(optim, lr_times_ten)
+    result = tailor("--verify", recipe)
+    assert result.returncode == 7
+    assert "rank 1: optimizer state ['optimizer_state_dict']['optimizer_state_dict']['param_groups'][0]['lr'] " \
+           "is not the base's" in result.stdout
+
+
+def test_verify_compares_bytes_negative_zero_is_not_zero(real_run, tmp_path):
+    recipe, out, _ = _composed(real_run, tmp_path, "hf_fp32_3_tied")  # 3 ranks: padded parameters
+    from tailor_tui.plan import build_plan
+    from tailor_tui.recipe import load_recipe
+
+    layout = build_plan(load_recipe(recipe), check_output=False).base.layout
+    rank = layout.world_size - 1  # the last rank holds the padding
+    slot = next(s for s in layout.slots if s.valid(rank) < s.part)
+    optim = next(out.glob(f"*/*rank_{rank}_*optim_states.pt"))
+
+    def negative_zero_in_padding(state):
+        with torch.no_grad():
+            state["optimizer_state_dict"]["fp32_flat_groups"][slot.group][slot.offset + slot.valid(rank)] = -0.0
+
+    _resave(optim, negative_zero_in_padding)
+    result = tailor("--verify", recipe)
+    assert result.returncode == 7 and f"padding after {slot.name} (fp32) is not zero bytes" in result.stdout
+
+
+def test_verify_checks_the_model_file_header(real_run, tmp_path):
+    recipe, out, _ = _composed(real_run, tmp_path)
+    model = out / "model.safetensors"
+    data = bytearray(model.read_bytes())
+    at = data.index(b'"format":"pt"')
+    data[at:at + 13] = b'"format":"xx"'  # metadata only: tensors and offsets unchanged
+    model.write_bytes(bytes(data))
+    result = tailor("--verify", recipe)
+    assert result.returncode == 7 and "its header is not the base's model.safetensors header" in result.stdout
+
+
+def test_a_row_of_nans_copied_exactly_verifies(real_run, tmp_path):
+    run, spec = real_run("ds_blown_up")
+    c2, c4, c6 = checkpoints_of(run, spec)
+    blown = torch.load(next(c4.glob("*rank_0_*optim_states.pt")), weights_only=False)
+    assert torch.isnan(blown["optimizer_state_dict"]["fp32_flat_groups"][0]).any()  # it really blew up
+    recipe = write_recipe(tmp_path, c2, {"layers.2": c4, "layers.3": c6})
+    assert tailor("--apply", recipe).returncode == 0
+    result = tailor("--verify", recipe)
+    assert result.returncode == 0, result.stdout + result.stderr

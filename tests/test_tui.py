@@ -267,3 +267,18 @@ async def test_partial_checkpoints_show_only_their_rows_and_default_to_the_newes
         await pilot.pause()
         assert comp.source_of(lacking) == 1
         assert "partial" in str(app.query_one("#details").render())
+
+
+async def test_details_point_out_a_checkpoint_from_another_run_folder(run_copy, tmp_path):
+    run, (c2, c4, c6) = run_copy
+    shutil.copytree(c4, tmp_path / "run" / "restored" / "checkpoint-5")  # the same step, copied elsewhere
+    app = make_app(run)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        names = [c.path.parent.name for c in app.composition.checkpoints]
+        assert names == ["run", "run", "restored", "run"]
+        await pilot.press("left")  # from the base (checkpoint-6) to the copied checkpoint
+        details = str(app.query_one("#details").render())
+        assert "checkpoint-5" in details and "another run folder" in details
+        await pilot.press("left")
+        assert "another run folder" not in str(app.query_one("#details").render())
