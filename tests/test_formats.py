@@ -208,3 +208,19 @@ def test_a_memo_bomb_is_refused_in_little_memory(real_run, tmp_path):
     assert code == 4 and len(errors) == 1 and "Traceback" not in measured.stderr, measured.stderr
     assert target.name in errors[0] and "memo index 400000000" in errors[0]
     assert peak_kib < 256 * 1024, f"peak RSS {peak_kib} KiB"
+
+
+def test_structure_bounds_nesting_and_negative_offsets():
+    from tailor_tui.errors import CheckpointError
+    from tailor_tui.pickled import StorageRef, TensorRef
+    from tailor_tui.ptfile import Record, locate
+
+    deep = b"\x80\x02" + b"(" * 200 + b"."  # 200 open MARKs
+    with pytest.raises(pickle.UnpicklingError, match="nested more than"):
+        read_pickle(deep)
+    record = Record("archive/data/0", 0, 64, 400, 0, ())
+    storage = StorageRef("0", 4, 100, "FloatStorage")
+    assert locate(TensorRef(storage, 10, (90,), (1,)), {"archive/data/0": record}, "archive/").offset == 104
+    for offset, size in ((-1, 10), (95, 10)):
+        with pytest.raises(CheckpointError, match="outside its record"):
+            locate(TensorRef(storage, offset, (size,), (1,)), {"archive/data/0": record}, "archive/")
