@@ -101,7 +101,7 @@ def test_symlinked_outputs_are_refused_before_merging(hf_run, tmp_path):
 def test_a_second_merge_to_the_same_output_is_refused_while_the_first_runs(hf_run, tmp_path):
     run, (c2, c4, c6) = hf_run
     recipe = write_recipe(tmp_path, c6, {"layers.1": c4})
-    first = start_apply(recipe, "-j", "2", "--force")
+    first = start_apply(recipe, "-j", "2", "--force", env={"TAILOR_TEST_SLOW_MERGE": "0.1"})  # ~7 s
     seen = wait_for_line(first, "rank ")
     second = tailor("--apply", recipe, "--force", "-j", "1")
     assert_one_line_error(second, 6, "another tailor-tui (pid", "is writing it now")
@@ -176,7 +176,7 @@ def test_cancelling_a_forced_merge_leaves_the_old_or_the_new_output_whole(hf_run
     old = (out / output.PROVENANCE).read_text()
     env = {} if exchange else {"TAILOR_TEST_NO_RENAME_EXCHANGE": "1"}
     outcomes = []
-    for delay in (0.0, 0.3, 0.8, 1.5, 2.5):
+    for delay in (0.0, 0.6, 2.0):
         proc = start_apply(recipe, "-j", "2", "--force", env=env)
         seen = wait_for_line(proc, "composing")
         time.sleep(delay)

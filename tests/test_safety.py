@@ -73,8 +73,8 @@ def start_apply(recipe: Path, *extra: str, env: dict | None = None) -> subproces
     return subprocess.Popen([TAILOR, "--apply", str(recipe), *extra], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-                            env=dict(os.environ, PYTHONWARNINGS="ignore", TAILOR_TEST_SLOW_MERGE="0.4",
-                                     **(env or {})))
+                            env={**os.environ, "PYTHONWARNINGS": "ignore", "TAILOR_TEST_SLOW_MERGE": "0.4",
+                                 **(env or {})})
 
 
 def wait_for_line(proc: subprocess.Popen, start: str) -> str:
