@@ -360,11 +360,19 @@ class ScanResult:
     problems: tuple[tuple[Path, str], ...]  # folders that look like checkpoints but are not usable
 
 
-def find_checkpoint_dirs(root: Path) -> list[Path]:
-    """Folders under `root` that name a checkpoint, without reading any checkpoint file."""
+STAGING = re.compile(r"^\.partial-step\d+\.saving$")  # a partial save not yet published (tailor_tui.selective)
+
+
+def find_checkpoint_dirs(root: Path, interrupted: list[Path] | None = None) -> list[Path]:
+    """Folders under `root` that name a checkpoint, without reading any checkpoint file.
+    Hidden folders are never checkpoints (a partial save being written, a merge's temp
+    folder); partial saves a kill interrupted are added to `interrupted` when given."""
     found: list[Path] = []
     for dirpath, dirnames, _files in os.walk(root):
         here = Path(dirpath)
+        if interrupted is not None:
+            interrupted += [here / d for d in dirnames if STAGING.match(d)]
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         if (here / PARTIAL_MANIFEST).is_file():
             found.append(here)
             dirnames.clear()
@@ -393,8 +401,11 @@ def scan(
     root = Path(root)
     if not root.is_dir():
         raise CheckpointError(f"{root}: no such folder to scan")
-    dirs = find_checkpoint_dirs(root)
-    checkpoints, problems = [], []
+    interrupted: list[Path] = []
+    dirs = find_checkpoint_dirs(root, interrupted)
+    checkpoints = []
+    problems = [(d, f"{d}: an interrupted partial save (a save killed before it was published); "
+                    "safe to delete") for d in interrupted]
     for i, d in enumerate(dirs):
         if cancelled():
             break

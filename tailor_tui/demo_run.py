@@ -55,6 +55,11 @@ class RunSpec:
     # (safe_set_full_fp32_param / safe_set_full_optimizer_state); training goes on from there
     blow_up: tuple[str, ...] = ()
     blow_up_step: int = 0
+    # HF layout: evaluate at every save with `load_best_model_at_end`; the metric `score` is best
+    # at step `best_at` (a test callback sets it in the evaluation's metrics; 0: no evaluation)
+    best_at: int = 0
+    save_total_limit: int | None = None  # HF layout: TrainingArguments.save_total_limit
+    full_every: int = 0  # selective: the strategy's full_every
     # "parity" or "filter": save through tailor_tui.selective (the HF layout through its
     # Trainer callback); the run's checkpoints go to OUT/run, and full reference checkpoints
     # of every save, written by the same run, to OUT/reference
@@ -215,7 +220,11 @@ def _quiet() -> None:
 def _trainer_args(spec: RunSpec, out: Path, max_steps: int):
     from transformers import TrainingArguments
 
+    best = dict(eval_strategy="steps", eval_steps=spec.save_every, load_best_model_at_end=True,
+                metric_for_best_model="score", greater_is_better=True) if spec.best_at else {}
     return TrainingArguments(
+        **best,
+        save_total_limit=spec.save_total_limit,
         output_dir=str(out),
         per_device_train_batch_size=2,
         max_steps=max_steps,
@@ -249,19 +258,10 @@ def _train_rank(rank: int, world: int, port: int, spec: RunSpec, out: str) -> No
     _setup_rank(rank, world, port, spec)
     out = Path(out)
     if spec.layout == "hf":
-        from transformers import Trainer
-
-        trainer = Trainer(
-            model=build_model(spec),
-            args=_trainer_args(spec, out / "run" if spec.selective else out, spec.steps),
-            train_dataset=_trainer_dataset(spec),
-        )
-        if spec.selective:
-            from .selective_hf import SelectiveCheckpointCallback
-
-            trainer.add_callback(SelectiveCheckpointCallback(trainer, _strategy(spec)))
-            trainer.add_callback(_reference_saves(trainer, spec, out / "reference"))
+        trainer = _hf_trainer(spec, out, spec.steps)
         trainer.train()
+        if spec.best_at:  # the weights training ended with (the best model's, loaded at the end)
+            trainer.save_model(str(out / "final"))
         return
     import deepspeed
     import torch
@@ -301,10 +301,55 @@ def _blow_up(engine, names: tuple[str, ...]) -> None:
             safe_set_full_optimizer_state(param, nan, "exp_avg_sq")
 
 
+def _hf_trainer(spec: RunSpec, out: Path, max_steps: int, newer_saves: str = "refuse", callbacks=()):
+    """The HF Trainer of an HF-layout run (its checkpoints in `out`, or `out/run` for a selective
+    run, whose full reference saves go to `out/reference`)."""
+    from transformers import Trainer
+
+    trainer = Trainer(
+        model=build_model(spec),
+        args=_trainer_args(spec, out / "run" if spec.selective else out, max_steps),
+        train_dataset=_trainer_dataset(spec),
+        eval_dataset=_trainer_dataset(spec)[:8] if spec.best_at else None,
+        callbacks=[*callbacks, *([_best_at(spec)] if spec.best_at else [])],
+    )
+    if spec.selective:
+        from .selective_hf import SelectiveCheckpointCallback
+
+        trainer.add_callback(SelectiveCheckpointCallback(trainer, _strategy(spec), newer_saves=newer_saves))
+        trainer.add_callback(_reference_saves(trainer, spec, out / "reference"))
+        trainer.add_callback(_saves_seen(out / "on_save.txt"))
+    return trainer
+
+
+def _best_at(spec: RunSpec):
+    """Sets the evaluation's metric `eval_score`: 1.0 at step `best_at`, 0.0 elsewhere."""
+    from transformers import TrainerCallback
+
+    class BestAt(TrainerCallback):
+        def on_evaluate(self, args, state, control, metrics=None, **kw):
+            metrics["eval_score"] = 1.0 if state.global_step == spec.best_at else 0.0
+
+    return BestAt()
+
+
+def _saves_seen(record: Path):
+    """Appends the step of every `on_save` event to `record` (the main process)."""
+    from transformers import TrainerCallback
+
+    class SavesSeen(TrainerCallback):
+        def on_save(self, args, state, control, **kw):
+            if args.should_save:
+                with open(record, "a") as f:
+                    f.write(f"{state.global_step}\n")
+
+    return SavesSeen()
+
+
 def _strategy(spec: RunSpec):
     from .selective import Filter, Parity
 
-    return Parity() if spec.selective == "parity" else Filter(first=1, last=1)
+    return Parity(full_every=spec.full_every) if spec.selective == "parity" else Filter(first=1, last=1)
 
 
 def _reference_saves(trainer, spec: RunSpec, folder: Path):
@@ -402,6 +447,40 @@ def _resume_rank(rank, world, port, spec: RunSpec, ckpt: str, resave: str, resul
         losses.append(float(loss))
     if rank == 0:
         Path(result).write_text(json.dumps({"losses": losses}))
+
+
+def _continue_rank(rank, world, port, spec: RunSpec, out: str, steps: int, resume: str, newer_saves: str,
+                   resave: str | None, result: str) -> None:
+    """Relaunch an HF selective run to `steps` in total, resuming as `resume` says."""
+    _quiet()
+    _setup_rank(rank, world, port, spec)
+    from transformers import TrainerCallback
+
+    from .run_saves import resume_point
+
+    out = Path(out)
+
+    class ResaveAtBegin(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):  # the state as loaded
+            trainer.model_wrapped.save_checkpoint(resave, tag="resaved")
+
+    trainer = _hf_trainer(spec, out, steps, newer_saves, [ResaveAtBegin()] if resave else [])
+    point = {"point": lambda: resume_point(out / "run"), "auto": lambda: True, "fresh": lambda: None}[resume]()
+    trainer.train(resume_from_checkpoint=point)
+    if rank == 0:
+        Path(result).write_text(json.dumps({"resumed_from": point, "step": trainer.state.global_step}))
+
+
+def continue_run(out: str | Path, spec: RunSpec, steps: int, resume: str = "point", newer_saves: str = "refuse",
+                 resave: str | Path | None = None) -> dict:
+    """Relaunch the HF selective run in `out` (made by make_run) to `steps` steps in total:
+    `resume` "point" (resume_point), "auto" (resume_from_checkpoint=True) or "fresh". The state
+    as loaded is saved to `resave/resaved` when given. Returns {"resumed_from", "step"}."""
+    out = Path(out)
+    result = out / "continued.json"
+    _spawn(_continue_rank, spec, str(out), steps, resume, newer_saves, str(resave) if resave else None,
+           str(result))
+    return json.loads(result.read_text())
 
 
 def resume_and_step(ckpt: str | Path, spec: RunSpec, resave: str | Path) -> list[float]:

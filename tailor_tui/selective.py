@@ -59,7 +59,8 @@ def model_rows(engine) -> list[str]:
 
 
 def save_rows(engine, root: str | os.PathLike, rows: Iterable[str], *, step: int | None = None,
-              layout: str = "deepspeed", write_extra: Callable[[Path], None] | None = None) -> Path:
+              layout: str = "deepspeed", write_extra: Callable[[Path], None] | None = None,
+              lineage: str | None = None) -> Path:
     """Save rows `rows` of `engine` (a DeepSpeed ZeRO-3 engine) under `root`; call on every rank.
 
     `rows` are row names (`embed_tokens`, `layers.3`, `norm`, `lm_head`) or module paths
@@ -73,12 +74,16 @@ def save_rows(engine, root: str | os.PathLike, rows: Iterable[str], *, step: int
 
     if engine.zero_optimization_stage() != 3:
         raise ValueError(f"save_rows needs a ZeRO stage 3 engine, this one runs stage {engine.zero_optimization_stage()}")
-    rank, world = dist.get_rank(), dist.get_world_size()
     step = int(engine.global_steps if step is None else step)
-    wanted = _resolve_rows(engine, rows)
-    tag = f"global_step{step}"
     root = Path(root)
     final = root / partial_name(step)
+    if lineage is not None and (final / PARTIAL_MANIFEST).is_file():  # every rank decides alike
+        theirs = json.loads((final / PARTIAL_MANIFEST).read_text()).get("lineage")
+        if theirs != lineage:
+            raise ValueError(f"{final} was saved by another run; it is not replaced (move it away to save here)")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    wanted = _resolve_rows(engine, rows)
+    tag = f"global_step{step}"
     staging = root / f".{partial_name(step)}.saving"
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
@@ -133,6 +138,8 @@ def save_rows(engine, root: str | os.PathLike, rows: Iterable[str], *, step: int
             "dtype": "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32",
             "rows": [r for r in model_rows(engine) if r in wanted],
         }
+        if lineage is not None:
+            manifest["lineage"] = lineage
         (staging / PARTIAL_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         for f in staging.rglob("*"):
             if f.is_file() and f.parent == staging:
@@ -182,6 +189,11 @@ def _skeleton(state: dict) -> dict:
 # --- strategies: which rows each save holds ------------------------------------------------
 
 
+def _full(save: int, full_every: int) -> bool:
+    """Whether the `save`-th save (0-based) is a full one: the first, and every `full_every`-th."""
+    return save == 0 or bool(full_every and save % full_every == 0)
+
+
 @dataclass(frozen=True)
 class Parity:
     """LLMTailor's parity strategy: the first save is full, then rows at odd positions
@@ -192,10 +204,12 @@ class Parity:
     full_every: int = 0
 
     def rows_for(self, save: int, rows: list[str]) -> list[str] | None:
-        """Rows for the `save`-th save (0-based) of a model with `rows`; None: a full save."""
-        if save == 0 or (self.full_every and save % self.full_every == 0):
+        """Rows for the `save`-th save (0-based) of a model with `rows`; None: a full save.
+        The halves alternate over the partial saves (full ones in between do not count)."""
+        if _full(save, self.full_every):
             return None
-        half = rows[1::2] if save % 2 else rows[0::2]
+        fulls_before = 1 + ((save - 1) // self.full_every if self.full_every else 0)
+        half = rows[1::2] if (save - fulls_before) % 2 == 0 else rows[0::2]
         return [r for r in rows if r in half or r in self.always]
 
 
@@ -211,7 +225,7 @@ class Filter:
     full_every: int = 4
 
     def rows_for(self, save: int, rows: list[str]) -> list[str] | None:
-        if save == 0 or (self.full_every and save % self.full_every == 0):
+        if _full(save, self.full_every):
             return None
         layers = [r for r in rows if r.rsplit(".", 1)[-1].isdigit()]
         edge = set(layers[: self.first]) | set(layers[len(layers) - self.last:] if self.last else [])

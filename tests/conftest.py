@@ -61,6 +61,10 @@ RUNS = {
         frozen=("model.layers.2.mlp.down_proj.weight",),
         selective="parity",
     ),
+    # HF Trainer + the selective callback inside the Trainer's machinery: evaluation at every save
+    # with load_best_model_at_end (the best at step 4, which Parity would save partially),
+    # save_total_limit=2, 10 steps (saves at 2, 4, …, 10)
+    "hf_selective_best_limit": RunSpec(selective="parity", best_at=4, save_total_limit=2, steps=10),
     # DeepSpeed save_dir layout, 2 ranks, fp16 (DynamicLossScaler), sub-groups, a frozen param,
     # the DeepSpeed config passed as a file path (model_states records the path, not a dict);
     # made with every DeepSpeed release in test_compat.py, beside hf_bf16_2

@@ -154,10 +154,11 @@ def test_the_callback_needs_a_deepspeed_engine():
     from tailor_tui.selective import Parity
     from tailor_tui.selective_hf import SelectiveCheckpointCallback
 
-    trainer = SimpleNamespace(model_wrapped=torch.nn.Linear(2, 2))  # a run without DeepSpeed
+    trainer = SimpleNamespace(model_wrapped=torch.nn.Linear(2, 2),  # a run without DeepSpeed
+                              _save_checkpoint=lambda model, trial: None, args=None, state=None)
     callback = SelectiveCheckpointCallback(trainer, Parity())
-    control = SimpleNamespace(should_save=False)
-    assert callback.on_step_end(None, None, control) is control  # no save due: nothing to do
-    control.should_save = True
+    assert trainer._save_checkpoint == callback._save_checkpoint  # the Trainer's save step is the callback's
     with pytest.raises(ValueError, match="needs a DeepSpeed ZeRO-3 run"):
-        callback.on_step_end(None, None, control)
+        trainer._save_checkpoint(None, None)
+    with pytest.raises(ValueError, match="newer_saves must be"):
+        SelectiveCheckpointCallback(trainer, Parity(), newer_saves="delete")
