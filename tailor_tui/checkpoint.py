@@ -123,6 +123,20 @@ class Checkpoint:
                     check_complete(f)
 
 
+def incompatibility(base: Checkpoint, other: Checkpoint) -> str | None:
+    """Why `other` cannot be combined with `base` (a phrase: "it has …"), or None. The one rule
+    the planner and the composer both apply."""
+    diff = base.layout.describe_difference(other.layout)
+    if diff:
+        return f"it has {diff}"
+    if other.dtype != base.dtype:
+        return f"it was trained in {other.dtype}, the base in {base.dtype}"
+    if base.model_files and not other.model_files and not other.partial:  # a partial's come from its masters
+        return ("it has no model.safetensors (16-bit weights) while the base has; save it with "
+                "stage3_gather_16bit_weights_on_model_save or pick a base without one")
+    return None
+
+
 def other_run(base: Checkpoint, other: Checkpoint) -> str | None:
     """Why `other` may come from another training run than `base` (one phrase), or None.
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoint import Checkpoint, Row, other_run
+from .checkpoint import Checkpoint, Row, incompatibility, other_run
 from .errors import RecipeError
 from .plan import tied_partner
 from .recipe import Recipe
@@ -70,17 +70,7 @@ class Composition:
 
     def incompatibility(self, column: int) -> str | None:
         """Why checkpoint `column` cannot be combined with the base, or None."""
-        base, other = self.base_checkpoint, self.checkpoints[column]
-        if column == self.base:
-            return None
-        diff = base.layout.describe_difference(other.layout)
-        if diff:
-            return f"has {diff}"
-        if other.dtype != base.dtype:
-            return f"trained in {other.dtype}, the base in {base.dtype}"
-        if base.model_files and not other.model_files:
-            return "has no model.safetensors, the base has"
-        return None
+        return None if column == self.base else incompatibility(self.base_checkpoint, self.checkpoints[column])
 
     def other_run(self, column: int) -> str | None:
         """Why checkpoint `column` may come from another training run than the base, or None."""

@@ -11,7 +11,7 @@ import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoint import Checkpoint, RankFiles, open_checkpoint, other_run
+from .checkpoint import Checkpoint, RankFiles, incompatibility, open_checkpoint, other_run
 from .errors import CheckpointError, IncompatibleError, RecipeError
 from .layout import Slot
 from .output import check_output as check_writable
@@ -378,16 +378,9 @@ def _resolved(path: Path) -> Path:
 
 
 def _check_compatible(base: Checkpoint, src: Checkpoint, where: str, row: str) -> None:
-    prefix = f"{where}: row '{row}': checkpoint {src.path} cannot be combined with base {base.path}"
-    diff = base.layout.describe_difference(src.layout)
-    if diff:
-        raise IncompatibleError(f"{prefix}: it has {diff}")
-    if src.dtype != base.dtype:
-        raise IncompatibleError(f"{prefix}: it was trained in {src.dtype}, the base in {base.dtype}")
-    if base.model_files and not src.model_files and not src.partial:  # a partial's come from its masters
-        raise IncompatibleError(
-            f"{prefix}: it has no model.safetensors (16-bit weights) while the base has; "
-            "save it with stage3_gather_16bit_weights_on_model_save or pick a base without one"
-        )
+    why = incompatibility(base, src)
+    if why:
+        raise IncompatibleError(f"{where}: row '{row}': checkpoint {src.path} cannot be combined with "
+                                f"base {base.path}: {why}")
 
 

@@ -282,3 +282,23 @@ async def test_details_point_out_a_checkpoint_from_another_run_folder(run_copy, 
         assert "checkpoint-5" in details and "another run folder" in details
         await pilot.press("left")
         assert "another run folder" not in str(app.query_one("#details").render())
+
+
+async def test_a_full_hf_base_combines_with_partial_columns(real_run):
+    run, _spec = real_run("hf_selective_parity")  # full checkpoint-2, parity partials at steps 4 and 6
+    app = make_app(run / "run")
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        comp = app.composition
+        grid = app.query_one("#grid")
+        grid.move_cursor(row=0, column=1)
+        await pilot.press("b")  # the full checkpoint-2 as the base: it has model.safetensors, they do not
+        await pilot.pause()
+        assert comp.base_checkpoint.name == "checkpoint-2"
+        assert comp.incompatibility(1) is None and comp.incompatibility(2) is None
+        held = next(r.name for r in comp.rows if not r.tied and comp.checkpoints[1].holds(r.name))
+        grid.move_cursor(row=[r.name for r in comp.rows].index(held), column=2)
+        await pilot.press("space")
+        await pilot.pause()
+        assert comp.source_of(held) == 1
+        assert "cannot be combined" not in str(app.query_one("#details").render())
