@@ -16,17 +16,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .ds_format import BUFFER_NAMES, DS_CONFIG, DS_VERSION, GLOBAL_STEPS, MODULE, unsupported_version
+from .ds_format import (
+    BUFFER_NAMES,
+    DS_CONFIG,
+    DS_VERSION,
+    GLOBAL_STEPS,
+    MODEL_STATES,
+    MODULE,
+    OPTIM_STATES,
+    unsupported_version,
+)
 from .errors import CheckpointError
 from .layout import ZeroLayout
 from .ptfile import Unsupported, check_complete, read_structure
 from .rows import split_row
 from .safe_load import load_pt
 
-MODEL_STATES = "zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
-OPTIM_STATES = "{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
 MODEL_FILE_INDEX = "model.safetensors.index.json"
-RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 # A partial checkpoint (tailor_tui.selective): some rows' optimizer state, per rank
 PARTIAL_MANIFEST = "tailor_partial.json"
 PARTIAL_ROWS = "tailor_rows_rank_{rank}.safetensors"

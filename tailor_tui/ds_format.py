@@ -1,7 +1,9 @@
 """What DeepSpeed ZeRO-3 checkpoints hold, release by release, and which releases tailor-tui reads.
 
-Named once here, used by the torch-free reader (`pickled`), the torch reader
-(`safe_load`) and the checkpoint reader (`checkpoint`). Found by generating a real
+The checkpoint's vocabulary, named once (as DeepSpeed's `deepspeed/checkpoint/constants.py`
+names it for DeepSpeed): file names, the keys of model_states and optim_states files,
+the classes they pickle, and small accessors over the loaded structures. Torch-free; used
+by the readers (`pickled`, `safe_load`, `checkpoint`), the writers and the verifier. Found by generating a real
 run with each release (tests/test_compat.py) and by reading each release's save
 path (`DeepSpeedEngine._save_checkpoint`, `_save_zero_checkpoint`,
 `DeepSpeedZeroOptimizer_Stage3._rigid_state_dict`).
@@ -41,6 +43,11 @@ DEEPSPEED_CLASSES = (
     ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),  # optim: fp16's scaler
 )
 
+# File names in a tag folder (rank r, model-parallel rank 0), and beside it in a save_dir.
+MODEL_STATES = "zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+OPTIM_STATES = "{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"  # prefix: "bf16_" or ""
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+
 # Keys of a model_states file that tailor-tui reads (the rest is carried over unread).
 PARAM_SHAPES = "param_shapes"
 FROZEN_PARAM_SHAPES = "frozen_param_shapes"
@@ -51,6 +58,63 @@ MODULE = "module"
 GLOBAL_STEPS = "global_steps"
 DS_CONFIG = "ds_config"
 DS_VERSION = "ds_version"
+
+# Keys of an optim_states file: {OPTIMIZER_STATE_DICT: {FP32_FLAT_GROUPS: [flat per sub-group],
+# OPTIMIZER_STATE_DICT: {STATE: {group: {STEP, EXP_AVG, EXP_AVG_SQ}}, PARAM_GROUPS: [...]}, …}, …}
+OPTIMIZER_STATE_DICT = "optimizer_state_dict"
+FP32_FLAT_GROUPS = "fp32_flat_groups"
+STATE = "state"
+PARAM_GROUPS = "param_groups"
+STEP = "step"
+EXP_AVG = "exp_avg"
+EXP_AVG_SQ = "exp_avg_sq"
+# The three flat tensors of every sub-group that a row's slices live in, by tailor-tui's names
+TENSORS = ("fp32", EXP_AVG, EXP_AVG_SQ)
+
+
+def optimizer_state(obj, path, group_sizes: tuple[int, ...]) -> dict:
+    """The inner optimizer dict of a loaded optim_states file (`obj`), checked to hold the
+    three flat tensors of every sub-group at the layout's sizes (CheckpointError naming `path`)."""
+    from .errors import CheckpointError
+
+    try:
+        inner = obj[OPTIMIZER_STATE_DICT]
+        flat = inner[FP32_FLAT_GROUPS]
+        inner[OPTIMIZER_STATE_DICT][STATE]  # noqa: B018 (must be there)
+    except (KeyError, TypeError):
+        raise CheckpointError(
+            f"{path}: not a ZeRO-3 optim_states file (no {FP32_FLAT_GROUPS}); "
+            "tailor-tui composes ZeRO stage 3 checkpoints"
+        ) from None
+    if len(flat) != len(group_sizes):
+        raise CheckpointError(
+            f"{path}: holds {len(flat)} optimizer sub-groups, its model_states describe "
+            f"{len(group_sizes)}; the file belongs to another run or is corrupt"
+        )
+    for g, size in enumerate(group_sizes):
+        for key in TENSORS:
+            t = flat_tensor(inner, g, key)
+            if t is None or t.numel() != size:
+                n = "none" if t is None else t.numel()
+                raise CheckpointError(
+                    f"{path}: sub-group {g} {key} holds {n} elements, the layout says {size}; "
+                    "the file is truncated, corrupt or from another run"
+                )
+    return inner
+
+
+def flat_tensor(inner: dict, group: int, key: str):
+    """Sub-group `group`'s flat tensor `key` (one of TENSORS) of an inner optimizer dict."""
+    if key == "fp32":
+        return inner[FP32_FLAT_GROUPS][group]
+    return inner[OPTIMIZER_STATE_DICT][STATE].get(group, {}).get(key)
+
+
+def set_flat_tensor(inner: dict, group: int, key: str, value) -> None:
+    if key == "fp32":
+        inner[FP32_FLAT_GROUPS][group] = value
+    else:
+        inner[OPTIMIZER_STATE_DICT][STATE][group][key] = value
 
 
 def parse_version(text: str) -> tuple[int, int, int] | None:

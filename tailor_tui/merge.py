@@ -29,6 +29,17 @@ from typing import Callable, NamedTuple
 
 from . import __version__, crc
 from .checkpoint import MODEL_FILE_INDEX, Checkpoint
+from .ds_format import (
+    FP32_FLAT_GROUPS,
+    FROZEN_PARAM_FRAGMENTS,
+    MODULE,
+    OPTIMIZER_STATE_DICT,
+    STATE,
+    TENSORS,
+    flat_tensor,
+    optimizer_state,
+    set_flat_tensor,
+)
 from .errors import CheckpointError, IncompatibleError, MergeCancelled, OutputError
 from .events import ByteCounter, Emit, TaskFinished
 from .fileio import (
@@ -70,51 +81,8 @@ from .ptfile import (
 )
 from .safe_load import load_pt
 
-TENSORS = ("fp32", "exp_avg", "exp_avg_sq")
-
 
 # --- one rank ---------------------------------------------------------------------------
-
-
-def optimizer_state(obj, path: Path, group_sizes: tuple[int, ...]) -> dict:
-    """The inner optimizer dict of an optim_states file, checked against the layout."""
-    try:
-        inner = obj["optimizer_state_dict"]
-        flat = inner["fp32_flat_groups"]
-        state = inner["optimizer_state_dict"]["state"]
-    except (KeyError, TypeError):
-        raise CheckpointError(
-            f"{path}: not a ZeRO-3 optim_states file (no fp32_flat_groups); "
-            "tailor-tui composes ZeRO stage 3 checkpoints"
-        ) from None
-    if len(flat) != len(group_sizes):
-        raise CheckpointError(
-            f"{path}: holds {len(flat)} optimizer sub-groups, its model_states describe "
-            f"{len(group_sizes)}; the file belongs to another run or is corrupt"
-        )
-    for g, size in enumerate(group_sizes):
-        for key in TENSORS:
-            t = flat_tensor(inner, g, key)
-            if t is None or t.numel() != size:
-                n = "none" if t is None else t.numel()
-                raise CheckpointError(
-                    f"{path}: sub-group {g} {key} holds {n} elements, the layout says {size}; "
-                    "the file is truncated, corrupt or from another run"
-                )
-    return inner
-
-
-def flat_tensor(inner: dict, group: int, key: str):
-    if key == "fp32":
-        return inner["fp32_flat_groups"][group]
-    return inner["optimizer_state_dict"]["state"].get(group, {}).get(key)
-
-
-def set_flat_tensor(inner: dict, group: int, key: str, value) -> None:
-    if key == "fp32":
-        inner["fp32_flat_groups"][group] = value
-    else:
-        inner["optimizer_state_dict"]["state"][group][key] = value
 
 
 def _save(obj, path: Path, on_bytes: Callable[[int], None] | None) -> None:
@@ -470,8 +438,8 @@ def _reserialise_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> 
 def _skeleton_state(obj, path: Path, group_sizes: tuple[int, ...]) -> dict:
     """The inner optimizer dict of a partial checkpoint's skeleton (big tensors left empty)."""
     try:
-        inner = obj["optimizer_state_dict"]
-        flat, state = inner["fp32_flat_groups"], inner["optimizer_state_dict"]["state"]
+        inner = obj[OPTIMIZER_STATE_DICT]
+        flat, state = inner[FP32_FLAT_GROUPS], inner[OPTIMIZER_STATE_DICT][STATE]
         if len(flat) != len(group_sizes) or any(g not in state for g in range(len(group_sizes))):
             raise ValueError
     except (KeyError, TypeError, ValueError):
@@ -493,16 +461,16 @@ def _merge_model_states(job: RankJob, out: Path, counter: ByteCounter) -> None:
         return loaded[s]
 
     for name, s in job.frozen:
-        theirs = source(s)["frozen_param_fragments"][name]
-        mine = states["frozen_param_fragments"][name]
+        theirs = source(s)[FROZEN_PARAM_FRAGMENTS][name]
+        mine = states[FROZEN_PARAM_FRAGMENTS][name]
         if theirs.shape != mine.shape:
             raise CheckpointError(
                 f"{job.files[s].model_states}: frozen fragment {name} has shape {list(theirs.shape)}, "
                 f"the base {list(mine.shape)}; the checkpoints are from different layouts"
             )
-        states["frozen_param_fragments"][name] = theirs.clone()
+        states[FROZEN_PARAM_FRAGMENTS][name] = theirs.clone()
     for name, s in job.buffers:
-        states["module"][name] = source(s)["module"][name].clone()
+        states[MODULE][name] = source(s)[MODULE][name].clone()
     _save(states, out, counter.add)
 
 

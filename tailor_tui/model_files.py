@@ -26,13 +26,14 @@ from pathlib import Path
 from typing import Callable
 
 from .checkpoint import MODEL_FILE_INDEX, safetensors_header
+from .ds_format import FROZEN_PARAM_FRAGMENTS, MODULE
 from .errors import CheckpointError
 from .events import ByteCounter, Emit
 from .fileio import Writeback, copy_range, fsync, open_fd, output_error, pread_into, pwrite_all
 from .plan import ModelFileJob
 from .rows import row_of
 
-ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "BOOL": 1}
+SAFETENSORS_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "BOOL": 1}
 CAST_CHUNK = 1 << 20  # elements cast per step: memory stays small whatever the tensor size
 
 
@@ -176,7 +177,7 @@ class _Fills:
 
     def _cast_slices(self, s: int, name: str, dtype: str, offset: int) -> None:
         """Each rank's fp32 slice, cast to `dtype`, at its place in the flattened tensor."""
-        slot, itemsize = self.job.slots[name], ITEMSIZE[dtype]
+        slot, itemsize = self.job.slots[name], SAFETENSORS_ITEMSIZE[dtype]
         buffer = memoryview(bytearray(CAST_CHUNK * 4))
         for rank, files in enumerate(self.job.partial_ranks[s]):
             valid = slot.valid(rank)
@@ -250,11 +251,11 @@ def source_tensor(job: ModelFileJob, s: int, name: str, dtype: str, shape: tuple
         value = torch.cat(parts)
     else:
         states = [load_pt(files.model_states) for files in ranks]
-        fragments = states[0].get("frozen_param_fragments") or {}
+        fragments = states[0].get(FROZEN_PARAM_FRAGMENTS) or {}
         if name in fragments:  # ZeRO-3 keeps each rank's part of a frozen parameter
-            value = torch.cat([st["frozen_param_fragments"][name].flatten() for st in states])[:numel]
-        elif name in (states[0].get("module") or {}):
-            value = states[0]["module"][name].flatten()
+            value = torch.cat([st[FROZEN_PARAM_FRAGMENTS][name].flatten() for st in states])[:numel]
+        elif name in (states[0].get(MODULE) or {}):
+            value = states[0][MODULE][name].flatten()
         else:
             raise CheckpointError(
                 f"{job.source_names[s]}: holds no {name}; the checkpoint is from another model"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from .ds_format import DEEPSPEED_CLASSES
 
-ITEMSIZE = {
+STORAGE_ITEMSIZE = {
     "DoubleStorage": 8, "FloatStorage": 4, "HalfStorage": 2, "BFloat16Storage": 2,
     "LongStorage": 8, "IntStorage": 4, "ShortStorage": 2, "CharStorage": 1, "ByteStorage": 1,
     "BoolStorage": 1, "ComplexFloatStorage": 8, "ComplexDoubleStorage": 16, "UntypedStorage": 1,
@@ -44,7 +44,7 @@ class StorageType:
 
     @property
     def itemsize(self) -> int:
-        return ITEMSIZE[self.name]
+        return STORAGE_ITEMSIZE[self.name]
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ ALLOWED = {
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
     **{(module, name): _STAND_INS[name] for module, name in DEEPSPEED_CLASSES},
-    **{("torch", name): StorageType(name) for name in ITEMSIZE},
+    **{("torch", name): StorageType(name) for name in STORAGE_ITEMSIZE},
 }
 
 

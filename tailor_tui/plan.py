@@ -209,7 +209,7 @@ class MergePlan:
                 if p.is_file() and p not in skip and self.base.tag_dir not in p.parents
                 and not (p.parent == self.base.path and p.name in own)
             )
-        from .checkpoint import RECOVERY_SCRIPTS
+        from .ds_format import RECOVERY_SCRIPTS
 
         return [Path(s) for s in RECOVERY_SCRIPTS if (self.base.save_dir / s).is_file()]
 

@@ -37,11 +37,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint import PARTIAL_MANIFEST, PARTIAL_ROWS, PARTIAL_SKELETON
+from .ds_format import (
+    DS_CONFIG,
+    DS_VERSION,
+    EXP_AVG,
+    EXP_AVG_SQ,
+    FP32_FLAT_GROUPS,
+    OPTIMIZER_STATE_DICT,
+    STATE,
+    TENSORS,
+)
 from .fileio import fsync_dir, fsync_file, replace_dir
 from .layout import ZeroLayout
 from .rows import row_of, split_row
 
-TENSORS = ("fp32", "exp_avg", "exp_avg_sq")
 
 
 def partial_name(step: int) -> str:
@@ -99,13 +108,13 @@ def save_rows(engine, root: str | os.PathLike, rows: Iterable[str], *, step: int
     state = engine.optimizer.state_dict()
     shapes = engine._get_zero_param_shapes()
     slots = ZeroLayout(world, tuple(tuple((n, tuple(s)) for n, s in g.items()) for g in shapes), ()).slots
-    inner = state["optimizer_state_dict"]
+    inner = state[OPTIMIZER_STATE_DICT]
     tensors = {}
     for slot in slots:
         if row_of(slot.name) not in wanted:
             continue
-        flats = (state["fp32_flat_groups"][slot.group], inner["state"][slot.group]["exp_avg"],
-                 inner["state"][slot.group]["exp_avg_sq"])
+        flats = (state[FP32_FLAT_GROUPS][slot.group], inner[STATE][slot.group][EXP_AVG],
+                 inner[STATE][slot.group][EXP_AVG_SQ])
         for key, flat in zip(TENSORS, flats):
             # the slice, padding included (it is zeroed when composed): a copy, no gather
             tensors[f"{key}/{slot.name}"] = flat.detach()[slot.offset: slot.offset + slot.part].float().cpu().clone()
@@ -115,8 +124,8 @@ def save_rows(engine, root: str | os.PathLike, rows: Iterable[str], *, step: int
     save_file(tensors, str(rows_file), metadata={"format": "tailor-partial", "step": str(step)})
     del tensors
     skeleton = staging / tag / PARTIAL_SKELETON.format(rank=rank)
-    torch.save({"optimizer_state_dict": _skeleton(state), "ds_config": engine.config,
-                "ds_version": deepspeed.__version__}, skeleton)
+    torch.save({OPTIMIZER_STATE_DICT: _skeleton(state), DS_CONFIG: engine.config,
+                DS_VERSION: deepspeed.__version__}, skeleton)
     if engine._optimizer_has_ckpt_event_epilogue():
         engine.optimizer.checkpoint_event_epilogue()
     if write_extra is not None:
@@ -175,14 +184,14 @@ def _skeleton(state: dict) -> dict:
     def empty(t):
         return torch.empty(0, dtype=t.dtype).requires_grad_(t.requires_grad)
 
-    inner = dict(state["optimizer_state_dict"])
-    inner["state"] = {
-        g: {k: (empty(v) if k in ("exp_avg", "exp_avg_sq") else v) for k, v in s.items()}
-        for g, s in inner["state"].items()
+    inner = dict(state[OPTIMIZER_STATE_DICT])
+    inner[STATE] = {
+        g: {k: (empty(v) if k in (EXP_AVG, EXP_AVG_SQ) else v) for k, v in s.items()}
+        for g, s in inner[STATE].items()
     }
     out = dict(state)
-    out["optimizer_state_dict"] = inner
-    out["fp32_flat_groups"] = [empty(t) for t in state["fp32_flat_groups"]]
+    out[OPTIMIZER_STATE_DICT] = inner
+    out[FP32_FLAT_GROUPS] = [empty(t) for t in state[FP32_FLAT_GROUPS]]
     return out
 
 

@@ -23,7 +23,7 @@ from typing import Callable
 from .checkpoint import MODEL_FILE_INDEX, open_checkpoint
 from .errors import CheckpointError
 from .events import ByteCounter, Emit
-from .merge import TENSORS, flat_tensor, optimizer_state
+from .ds_format import TENSORS, flat_tensor, optimizer_state
 from .output import PROVENANCE
 from .plan import MergePlan
 from .rows import row_of

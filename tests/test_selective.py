@@ -23,7 +23,8 @@ from conftest import tree_digest
 from tailor_tui.checkpoint import scan
 from tailor_tui.composition import Composition
 from tailor_tui.demo_run import RunSpec, resume_and_step
-from tailor_tui.merge import run_merge, safetensors_tensors
+from tailor_tui.merge import run_merge
+from tailor_tui.model_files import safetensors_tensors
 from tailor_tui.plan import build_plan
 from tailor_tui.recipe import Recipe
 from tailor_tui.selective import Filter, Parity
