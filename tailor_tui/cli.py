@@ -81,7 +81,8 @@ def parser() -> argparse.ArgumentParser:
 def apply(args) -> int:
     import humanize
 
-    from .merge import default_workers, planned_tasks, run_merge
+    from .merge import planned_tasks, run_merge
+    from .workers import default_workers
     from .plan import build_plan
     from .recipe import load_recipe
     from .report import BarReporter, reporter_for

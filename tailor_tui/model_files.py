@@ -25,12 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .checkpoint import MODEL_FILE_INDEX, safetensors_header
+from .checkpoint import MODEL_FILE_INDEX, RankFiles, safetensors_header
 from .ds_format import FROZEN_PARAM_FRAGMENTS, MODULE
 from .errors import CheckpointError
 from .events import ByteCounter, Emit
 from .fileio import Writeback, copy_range, fsync, open_fd, output_error, pread_into, pwrite_all
-from .plan import ModelFileJob
+from .layout import Slot
 from .rows import row_of
 
 SAFETENSORS_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "BOOL": 1}
@@ -88,6 +88,32 @@ def parse_prefix(prefix: bytes) -> dict[str, tuple[str, tuple, int, int]]:
         if name != "__metadata__"
     }
 
+
+
+@dataclass(frozen=True)
+class ModelFileJob:
+    """Everything one worker needs to compose one 16-bit model file (picklable)."""
+
+    name: str  # file name in the output
+    prefix: bytes  # the output's 8-byte length + header (the base's)
+    base_file: Path | None  # whose bytes stay where the base's rows are kept; None: a partial base
+    picks: dict[str, int]  # row -> source index (tied rows follow their partner)
+    source_files: dict[int, tuple[Path, ...]]  # full sources: their 16-bit files
+    partial_ranks: dict[int, tuple[RankFiles, ...]]  # partial sources: every rank's files
+    slots: dict[str, Slot]  # trainable parameters: where each rank's slice sits
+    source_names: dict[int, str]  # for messages
+
+    @property
+    def task(self) -> str:
+        return "model file" if self.name == "model.safetensors" else self.name
+
+    @property
+    def size(self) -> int:
+        return max((end for *_x, end in parse_prefix(self.prefix).values()), default=len(self.prefix))
+
+    @property
+    def total_bytes(self) -> int:
+        return self.size * 2  # read and written
 
 def safetensors_tensors(path: Path) -> dict[str, tuple[str, tuple, int, int]]:
     """name -> (dtype, shape, first byte, end byte) in the file, from its JSON header."""

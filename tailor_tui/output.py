@@ -30,8 +30,8 @@ import socket
 import threading
 from pathlib import Path
 
-from .errors import OutputError
 from .checkpoint import find_checkpoint_dirs
+from .errors import OutputError
 from .fileio import aside_prefix, exchange, fsync_dir, output_error, pid_alive, replace_dir
 
 PROVENANCE = "tailor_provenance.json"

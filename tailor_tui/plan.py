@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .checkpoint import Checkpoint, RankFiles, incompatibility, open_checkpoint, other_run
 from .errors import CheckpointError, IncompatibleError, RecipeError
-from .layout import Slot
+from .model_files import ModelFileJob, ModelFileLayout
 from .output import check_output as check_writable
 from .recipe import Recipe
 
@@ -48,34 +48,6 @@ class RankJob:
     @property
     def total_bytes(self) -> int:
         return self.read_bytes + self.write_bytes
-
-
-@dataclass(frozen=True)
-class ModelFileJob:
-    """Everything one worker needs to compose one 16-bit model file (picklable)."""
-
-    name: str  # file name in the output
-    prefix: bytes  # the output's 8-byte length + header (the base's)
-    base_file: Path | None  # whose bytes stay where the base's rows are kept; None: a partial base
-    picks: dict[str, int]  # row -> source index (tied rows follow their partner)
-    source_files: dict[int, tuple[Path, ...]]  # full sources: their 16-bit files
-    partial_ranks: dict[int, tuple[RankFiles, ...]]  # partial sources: every rank's files
-    slots: dict[str, Slot]  # trainable parameters: where each rank's slice sits
-    source_names: dict[int, str]  # for messages
-
-    @property
-    def task(self) -> str:
-        return "model file" if self.name == "model.safetensors" else self.name
-
-    @property
-    def size(self) -> int:
-        from .model_files import parse_prefix
-
-        return max((end for *_x, end in parse_prefix(self.prefix).values()), default=len(self.prefix))
-
-    @property
-    def total_bytes(self) -> int:
-        return self.size * 2  # read and written
 
 
 @dataclass
@@ -163,8 +135,6 @@ class MergePlan:
         return self._model_layout[0]
 
     def _read_model_layout(self):
-        from .model_files import ModelFileLayout
-
         if self.base.model_files:
             return ModelFileLayout.of_files(self.base.model_files)
         if self.base.kind != "hf":

@@ -52,7 +52,6 @@ from .layout import ZeroLayout
 from .rows import row_of, split_row
 
 
-
 def partial_name(step: int) -> str:
     return f"partial-step{step}"
 

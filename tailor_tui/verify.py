@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Callable
 
 from .checkpoint import MODEL_FILE_INDEX, open_checkpoint
+from .ds_format import TENSORS, flat_tensor, optimizer_state
 from .errors import CheckpointError
 from .events import ByteCounter, Emit
-from .ds_format import TENSORS, flat_tensor, optimizer_state
 from .output import PROVENANCE
 from .plan import MergePlan
 from .rows import row_of

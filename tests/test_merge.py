@@ -244,13 +244,13 @@ def test_rank_files_are_valid_archives_laid_out_like_the_base(composed):
 
 def test_reserialising_fallback_gives_the_same_state(real_run, tmp_path, monkeypatch):
     """Archives the streaming path does not handle are re-serialised; same result."""
-    from tailor_tui import merge
+    from tailor_tui import rank_task
 
     run, spec = real_run("ds_bf16_3_subgroups")
     ckpts = checkpoints_of(run, spec)
     picks = parity_picks(spec, ckpts)
     streamed, _ = compose(tmp_path / "a", ckpts, picks)
-    monkeypatch.setattr(merge, "stream_optim_states", lambda job, out, counter: False)
+    monkeypatch.setattr(rank_task, "stream_optim_states", lambda job, out, counter: False)
     reserialised, _ = compose(tmp_path / "b", ckpts, picks)
     a, b = read_full_state(streamed), read_full_state(reserialised)
     for key in a:

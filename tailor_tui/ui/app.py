@@ -26,7 +26,7 @@ from textual.worker import get_current_worker
 from ..checkpoint import ScanResult, scan
 from ..composition import Composition
 from ..errors import TailorError
-from ..merge import prepare_worker_processes
+from ..workers import prepare_worker_processes
 from ..plan import MergePlan, build_plan
 from ..recipe import load_recipe
 from .dialogs import Confirm, ErrorDialog, PathPrompt

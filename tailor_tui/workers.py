@@ -1,0 +1,159 @@
+"""Running a merge's tasks: inline, or in a pool of worker processes.
+
+Workers are spawned (not forked) with SIGINT held back, ignore Ctrl-C (the parent alone
+decides how to stop), leave by themselves when orphaned (kill -9 of the parent), and
+report progress through a queue; the parent turns a cancel flag into a stop event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import threading
+import time
+from pathlib import Path
+
+from .events import Emit, TaskFinished
+from .fileio import set_durable
+from .model_files import merge_model_file
+from .plan import MergePlan, RankJob
+from .rank_task import merge_rank
+
+_WORKER_QUEUE = None
+_WORKER_CANCEL = None
+
+
+def _worker_init(events, cancel, parent: int, durable: bool) -> None:
+    global _WORKER_QUEUE, _WORKER_CANCEL
+    set_durable(durable)
+    # Ctrl-C reaches the whole process group: the parent alone decides how to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A worker holds its own copy of the task queue's pipe, so it would wait forever if the
+    # parent were killed (kill -9, OOM killer): it leaves as soon as it is orphaned.
+    # `parent` comes from the parent itself: read here, it could already be init's PID.
+    threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _WORKER_QUEUE, _WORKER_CANCEL = events, cancel
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def _run_task(task, out_dir: Path) -> None:
+    run = merge_rank if isinstance(task, RankJob) else merge_model_file
+    run(task, out_dir, _WORKER_QUEUE.put, _WORKER_CANCEL.is_set)
+
+
+def default_workers(plan: MergePlan) -> int:
+    """As many workers as cores and available memory allow (each holds one rank in memory)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    per_worker = max(plan.base.rank_bytes(r) for r in range(plan.base.world_size)) * 2 + (256 << 20)
+    return max(1, min(len(plan.base.ranks), cores, _available_memory() // per_worker))
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def run_inline(tasks, out_dirs, emit: Emit, cancel: threading.Event) -> None:
+    for task, out in zip(tasks, out_dirs):
+        run = merge_rank if isinstance(task, RankJob) else merge_model_file
+        run(task, out, emit, cancel.is_set)
+
+
+def prepare_worker_processes() -> None:
+    """Start multiprocessing's resource tracker now, while sys.stderr is the real one.
+
+    The tracker is started lazily with `sys.stderr.fileno()` among the fds it inherits;
+    inside a full-screen app stderr is replaced and the first worker spawn would fail.
+    """
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+
+
+def run_pool(tasks, out_dirs, workers: int, emit: Emit, cancel: threading.Event, durable: bool) -> None:
+    import multiprocessing as mp
+    from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+
+    ctx = mp.get_context("spawn")  # fork after torch has started threads can deadlock
+    events, stop = ctx.Queue(), ctx.Event()
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
+                               initargs=(events, stop, os.getpid(), durable))
+    finished: set[str] = set()
+
+    def emit_and_count(event) -> None:
+        if isinstance(event, TaskFinished):
+            finished.add(event.task)
+        emit(event)
+
+    try:  # from the first spawn on: a Ctrl-C deferred while spawning arrives as the block ends
+        with _children_ignore_sigint():
+            futures = [pool.submit(_run_task, t, o) for t, o in zip(tasks, out_dirs)]
+        pending = set(futures)
+        while pending:
+            if cancel.is_set():
+                stop.set()
+            _drain(events, emit_and_count, timeout=0.05)
+            done, pending = wait(pending, timeout=0, return_when=FIRST_EXCEPTION)
+            for f in done:
+                if f.exception() is not None:
+                    stop.set()
+                    raise f.exception()
+        # A worker's events go through its queue's feeder thread and may arrive after its
+        # result: wait for every task's last event, so no rank's bar stops short of done.
+        deadline = time.monotonic() + 10
+        while len(finished) < len(tasks) and time.monotonic() < deadline:
+            _drain(events, emit_and_count, timeout=0.05)
+    finally:
+        # Workers still starting up need the queue and event: they are shut down (and have
+        # exited) before those are released.
+        stop.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def _children_ignore_sigint():
+    """Spawn workers that never see SIGINT, without the parent missing one.
+
+    A terminal's Ctrl-C reaches the whole process group; a worker still starting up would
+    die with a traceback of its own. SIGINT is blocked while `submit` spawns the processes:
+    a blocked signal stays blocked across exec, so a worker cannot receive it before its
+    initializer ignores it (which also drops one already pending). The parent only defers
+    it: a Ctrl-C pressed while workers start is delivered when it is unblocked, and the
+    merge is cancelled (ignoring SIGINT here instead lost that Ctrl-C: the merge ran on).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals are the main thread's business (the TUI gets Ctrl-C as a key anyway)
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _drain(events, emit: Emit, timeout: float) -> None:
+    try:
+        emit(events.get(timeout=timeout) if timeout else events.get_nowait())
+        while True:
+            emit(events.get_nowait())
+    except queue.Empty:
+        pass
+
+
