@@ -81,6 +81,7 @@ def parser() -> argparse.ArgumentParser:
 def apply(args) -> int:
     import humanize
 
+    from .events import TaskOptions
     from .merge import planned_tasks, run_merge
     from .workers import default_workers
     from .plan import build_plan
@@ -105,7 +106,9 @@ def apply(args) -> int:
     )
     report = reporter_for(sys.stderr, args.progress, planned_tasks(plan))
     cancel = threading.Event()
-    result = run_merge(plan, workers=workers, emit=report, cancel=cancel, durable=args.durable)
+    options = TaskOptions(durable=args.durable, slow_down=_test_slow_down(),
+                          exchange=not os.environ.get("TAILOR_TEST_NO_RENAME_EXCHANGE"))
+    result = run_merge(plan, workers=workers, emit=report, cancel=cancel, options=options)
     if isinstance(report, BarReporter):
         report.close()
     if args.report_peak_rss:
@@ -181,6 +184,16 @@ def ensure_demo(out: Path) -> None:
         raise OutputError(f"{out}: already exists and is not empty; choose another folder for the demo run")
     print(f"training a small real DeepSpeed ZeRO-3 run into {out} (HF Trainer, 2 ranks, CPU)…", file=sys.stderr)
     make_run(out, spec)
+
+
+def _test_slow_down() -> float:
+    """Seconds to sleep per progress step: fault injection that the tests of cancel and kill set
+    through the environment (their merges of tiny checkpoints end too fast to signal mid-way),
+    read here and handed to the merge (TaskOptions) like TAILOR_TEST_NO_RENAME_EXCHANGE."""
+    try:
+        return max(0.0, float(os.environ.get("TAILOR_TEST_SLOW_MERGE") or 0))
+    except ValueError:
+        return 0.0
 
 
 def _sigterm_as_interrupt(signum, frame):

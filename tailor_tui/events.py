@@ -6,7 +6,6 @@ these into bars. Names are past tense: each says what has happened.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -41,21 +40,34 @@ def peak_rss() -> int:
 Emit = Callable[[object], None]
 
 
+@dataclass(frozen=True)
+class TaskOptions:
+    """How a merge's tasks write, carried with them (to worker processes too)."""
+
+    durable: bool = True  # fsync before an output counts as written (--no-fsync: False)
+    # Fault injection for tests of cancel and kill: test checkpoints merge in well under a
+    # second, so tests slow each progress step down by this many seconds to hit one mid-merge.
+    slow_down: float = 0.0
+    # Tests of the replacing way file systems without renameat2 exchange need (NFS, Lustre):
+    # False replaces an output by two renames even where the kernel could swap atomically.
+    exchange: bool = True
+
+
 class ByteCounter:
-    """Counts a task's bytes and emits TaskProgressed at most every `interval` seconds.
+    """A task's context: counts its bytes and emits TaskProgressed at most every `interval`
+    seconds, and carries its TaskOptions to every writer it is handed to.
 
     It is also where a task notices cancellation: `add` raises once `cancelled()` is true,
     so workers stop between chunks within a fraction of a second.
     """
 
     def __init__(self, task: str, total: int, emit: Emit, cancelled: Callable[[], bool],
-                 interval: float = 0.1):
+                 options: TaskOptions = TaskOptions(), interval: float = 0.1):
         self.task, self.total, self.done = task, max(total, 1), 0
         self._emit, self._cancelled, self._interval = emit, cancelled, interval
+        self.options = options
         self._last = 0.0
-        # Fault injection for tests of cancel and kill: test checkpoints merge in well under a
-        # second, so tests slow each progress step down to hit a merge in the middle.
-        self._delay = float(os.environ.get("TAILOR_TEST_SLOW_MERGE") or 0)
+        self._delay = options.slow_down
         emit(TaskProgressed(task, 0, self.total))
 
     def add(self, n: int) -> None:

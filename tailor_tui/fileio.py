@@ -30,48 +30,42 @@ def output_error(exc: OSError, path: Path) -> OutputError:
     )
 
 
-# Whether outputs are fsynced before they count as written (and renamed into place). Off
-# (`--no-fsync`): a killed tailor-tui still leaves nothing half-written (the page cache
-# survives a process), but a power loss or kernel crash soon after may damage the output.
-# Set per process: run_merge sets it in the parent and passes it to every worker.
-_durable = True
+# `durable`: whether outputs are fsynced before they count as written (and renamed into
+# place). Off (`--no-fsync`): a killed tailor-tui still leaves nothing half-written (the page
+# cache survives a process), but a power loss or kernel crash soon after may damage the
+# output. It travels with the work (events.TaskOptions), never as a process-wide switch.
 
 
-def set_durable(durable: bool) -> None:
-    global _durable
-    _durable = durable
-
-
-def fsync(fd: int) -> None:
-    if _durable:
+def fsync(fd: int, durable: bool = True) -> None:
+    if durable:
         os.fsync(fd)
 
 
-def fsync_file(path: Path) -> None:
+def fsync_file(path: Path, durable: bool = True) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
-        fsync(fd)
+        fsync(fd, durable)
     finally:
         os.close(fd)
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path, durable: bool = True) -> None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
         return
     try:
-        fsync(fd)
+        fsync(fd, durable)
     finally:
         os.close(fd)
 
 
-def copy_file(src: Path, dst: Path, on_bytes: Callable[[int], None] = lambda n: None) -> None:
+def copy_file(src: Path, dst: Path, on_bytes: Callable[[int], None] = lambda n: None, durable: bool = True) -> None:
     """Copy bytes (never a hard link), in chunks so progress and cancellation stay live.
     A source that changes size while it is copied is an error, never a short copy."""
     with open(src, "rb") as fin, open(dst, "wb") as fout:
         size = os.fstat(fin.fileno()).st_size
-        offset, writeback = 0, Writeback(fout.fileno())
+        offset, writeback = 0, Writeback(fout.fileno(), durable)
         while offset < size:
             n = os.sendfile(fout.fileno(), fin.fileno(), offset, min(CHUNK, size - offset))
             if n == 0:
@@ -85,7 +79,7 @@ def copy_file(src: Path, dst: Path, on_bytes: Callable[[int], None] = lambda n: 
                 f"{src}: changed while it was copied ({size} bytes, then {now}); is training still "
                 "writing it? Run again once it is not")
         fout.flush()
-        fsync(fout.fileno())
+        fsync(fout.fileno(), durable)
     os.chmod(dst, os.stat(src).st_mode & 0o777 | 0o200)
 
 
@@ -128,8 +122,7 @@ def exchange(a: Path, b: Path) -> bool:
     import ctypes
 
     renameat2 = getattr(_libc(), "renameat2", None)
-    # Fault injection for tests: behave as on a file system without the exchange (NFS, Lustre).
-    if renameat2 is None or os.environ.get("TAILOR_TEST_NO_RENAME_EXCHANGE"):
+    if renameat2 is None:
         return False
     AT_FDCWD, RENAME_EXCHANGE = -100, 2
     if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
@@ -147,14 +140,15 @@ def aside_prefix(dest: Path) -> str:
     return f".{dest.name}.tailor-old-{socket.gethostname()}-"
 
 
-def replace_dir(new: Path, dest: Path) -> None:
+def replace_dir(new: Path, dest: Path, durable: bool = True, swap: bool = True) -> None:
     """Put the finished folder `new` at `dest`, replacing the folder there: swapped atomically
     where the kernel can (never a moment without one), else the old one is moved aside first
     and put back if the second rename fails. The old folder is deleted only at the end.
     Callers hold SIGINT/SIGTERM back around it; after a kill -9 between the two renames the
-    old folder is found beside `dest` under `aside_prefix` (output.remove_stale restores it)."""
-    if exchange(new, dest):  # the old folder is now at `new`
-        fsync_dir(dest.parent)
+    old folder is found beside `dest` under `aside_prefix` (output.remove_stale restores it).
+    `swap=False` takes the second way even where the kernel could swap (tests of that way)."""
+    if swap and exchange(new, dest):  # the old folder is now at `new`
+        fsync_dir(dest.parent, durable)
         shutil.rmtree(new, ignore_errors=True)
         return
     old = dest.parent / f"{aside_prefix(dest)}{os.getpid()}"
@@ -165,7 +159,7 @@ def replace_dir(new: Path, dest: Path) -> None:
     except OSError:
         os.rename(old, dest)  # put the user's old folder back
         raise
-    fsync_dir(dest.parent)
+    fsync_dir(dest.parent, durable)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -266,14 +260,14 @@ class Writeback:
     STEP = 32 << 20
     _call = None
 
-    def __init__(self, fd: int):
-        self.fd, self.started = fd, 0
+    def __init__(self, fd: int, durable: bool = True):
+        self.fd, self.started, self.durable = fd, 0, durable
         if Writeback._call is None:
             Writeback._call = _sync_file_range() or False
 
     def advance(self, written_to: int) -> None:
         """Bytes up to `written_to` are written (in page cache)."""
-        if Writeback._call and _durable and written_to - self.started >= self.STEP:
+        if Writeback._call and self.durable and written_to - self.started >= self.STEP:
             Writeback._call(self.fd, self.started, written_to - self.started, 2)  # SYNC_FILE_RANGE_WRITE
             self.started = written_to
 

@@ -24,8 +24,8 @@ from pathlib import Path
 from . import __version__
 from .checkpoint import MODEL_FILE_INDEX, Checkpoint
 from .errors import MergeCancelled, OutputError
-from .events import Emit, TaskFinished
-from .fileio import copy_file, fsync, fsync_dir, output_error, set_durable
+from .events import Emit, TaskFinished, TaskOptions
+from .fileio import copy_file, fsync, fsync_dir, output_error
 from .output import (
     OUTPUT_FILES,
     PROVENANCE,
@@ -66,19 +66,16 @@ def run_merge(
     workers: int | None = None,
     emit: Emit = lambda event: None,
     cancel: threading.Event | None = None,
-    durable: bool = True,
+    options: TaskOptions = TaskOptions(),
 ) -> MergeResult:
     """Write the composed checkpoint described by `plan`; atomic, cancellable; fsynced
-    before it is renamed into place unless `durable` is False (`--no-fsync`)."""
-    set_durable(durable)
-    try:
-        return _compose(plan, workers, emit, cancel or threading.Event(), durable)
-    finally:
-        set_durable(True)
+    before it is renamed into place unless `options.durable` is False (`--no-fsync`)."""
+    return _compose(plan, workers, emit, cancel or threading.Event(), options)
 
 
 def _compose(plan: MergePlan, workers: int | None, emit: Emit, cancel: threading.Event,
-             durable: bool) -> MergeResult:
+             options: TaskOptions) -> MergeResult:
+    durable = options.durable
     started = time.monotonic()
     out = plan.output
     peaks = [0]
@@ -105,29 +102,29 @@ def _compose(plan: MergePlan, workers: int | None, emit: Emit, cancel: threading
                 raise output_error(exc, out.parent) from None
             tag_dir = tmp / plan.base.tag
             tag_dir.mkdir()
-            _copy_other_files(plan, tmp, cancel)
+            _copy_other_files(plan, tmp, cancel, durable)
             if plan.base.kind == "deepspeed" or plan.base.partial:  # an HF base's is among its files
-                _write_text(tmp / "latest", plan.base.tag)
+                _write_text(tmp / "latest", plan.base.tag, durable)
             layout = plan.model_layout()
             if plan.base.partial and layout is not None and layout.index is not None:
-                _write_text(tmp / MODEL_FILE_INDEX, layout.index)
+                _write_text(tmp / MODEL_FILE_INDEX, layout.index, durable)
             tasks = [*plan.rank_jobs(), *plan.model_file_jobs()]
             out_dirs = [tag_dir if isinstance(t, RankJob) else tmp for t in tasks]
             n = workers if workers is not None else default_workers(plan)
             n = max(1, min(n, len(tasks)))
             if n == 1:
-                run_inline(tasks, out_dirs, emit_and_watch, cancel)
+                run_inline(tasks, out_dirs, emit_and_watch, cancel, options)
             else:
-                run_pool(tasks, out_dirs, n, emit_and_watch, cancel, durable)
+                run_pool(tasks, out_dirs, n, emit_and_watch, cancel, options)
             if cancel.is_set():
                 raise MergeCancelled()
             verify_output(plan, tmp)
             record = provenance(plan) | {OUTPUT_FILES: written_files(tmp)}
-            _write_text(tmp / PROVENANCE, json.dumps(record, indent=2) + "\n")
-            fsync_dir(tag_dir)
-            fsync_dir(tmp)
+            _write_text(tmp / PROVENANCE, json.dumps(record, indent=2) + "\n", durable)
+            fsync_dir(tag_dir, durable)
+            fsync_dir(tmp, durable)
             with signals_held():  # a cancel now waits until the output is whole at its path
-                publish(tmp, out, plan.force)
+                publish(tmp, out, plan.force, durable, options.exchange)
                 published = True
         except KeyboardInterrupt:
             if published:
@@ -144,17 +141,17 @@ def _compose(plan: MergePlan, workers: int | None, emit: Emit, cancel: threading
     return MergeResult(out, time.monotonic() - started, written, peaks[0])
 
 
-def _write_text(path: Path, text: str) -> None:
+def _write_text(path: Path, text: str, durable: bool) -> None:
     try:
         with open(path, "w") as f:
             f.write(text)
             f.flush()
-            fsync(f.fileno())
+            fsync(f.fileno(), durable)
     except OSError as exc:
         raise output_error(exc, path) from None
 
 
-def _copy_other_files(plan: MergePlan, tmp: Path, cancel: threading.Event) -> None:
+def _copy_other_files(plan: MergePlan, tmp: Path, cancel: threading.Event, durable: bool) -> None:
     root = plan.other_files_root()
     for rel in plan.other_files():
         if cancel.is_set():
@@ -163,7 +160,7 @@ def _copy_other_files(plan: MergePlan, tmp: Path, cancel: threading.Event) -> No
         dst.parent.mkdir(parents=True, exist_ok=True)
         check_crcs(root / rel)  # scheduler.pt, rng_state_*.pth, training_args.bin: torch zip archives
         try:
-            copy_file(root / rel, dst)
+            copy_file(root / rel, dst, durable=durable)
         except OSError as exc:
             raise output_error(exc, dst) from None
 

@@ -28,7 +28,7 @@ from typing import Callable
 from .checkpoint import MODEL_FILE_INDEX, RankFiles, safetensors_header
 from .ds_format import FROZEN_PARAM_FRAGMENTS, MODULE
 from .errors import CheckpointError
-from .events import ByteCounter, Emit
+from .events import ByteCounter, Emit, TaskOptions
 from .fileio import Writeback, copy_range, fsync, open_fd, output_error, pread_into, pwrite_all
 from .layout import Slot
 from .rows import row_of
@@ -122,10 +122,11 @@ def safetensors_tensors(path: Path) -> dict[str, tuple[str, tuple, int, int]]:
         return parse_prefix(f.read(start))
 
 
-def merge_model_file(job: ModelFileJob, out_dir: Path, emit: Emit, cancelled: Callable[[], bool]) -> None:
+def merge_model_file(job: ModelFileJob, out_dir: Path, emit: Emit, cancelled: Callable[[], bool],
+                     options: TaskOptions = TaskOptions()) -> None:
     """Write one model file: the base's bytes (if it has a file) with every tensor of a row
     picked elsewhere replaced by that source's tensor."""
-    counter = ByteCounter(job.task, job.total_bytes, emit, cancelled)
+    counter = ByteCounter(job.task, job.total_bytes, emit, cancelled, options)
     edits = []  # (offset in the output, bytes, source index, tensor name, dtype)
     for name, (dtype, shape, begin, end) in parse_prefix(job.prefix).items():
         s = job.picks.get(row_of(name), 0)
@@ -136,7 +137,7 @@ def merge_model_file(job: ModelFileJob, out_dir: Path, emit: Emit, cancelled: Ca
     try:
         with contextlib.ExitStack() as stack:
             fout = open_fd(stack, out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            writeback = Writeback(fout)
+            writeback = Writeback(fout, options.durable)
             fin = open_fd(stack, job.base_file) if job.base_file is not None else None
             if fin is None:
                 pwrite_all(fout, job.prefix, 0)
@@ -150,7 +151,7 @@ def merge_model_file(job: ModelFileJob, out_dir: Path, emit: Emit, cancelled: Ca
             if fin is not None:
                 copy_range(fin, fout, position, os.fstat(fin).st_size - position, counter.add, writeback=writeback)
             os.ftruncate(fout, job.size)
-            fsync(fout)
+            fsync(fout, options.durable)
             if job.base_file is not None:
                 os.fchmod(fout, os.stat(job.base_file).st_mode & 0o777 | 0o200)
     except OSError as exc:

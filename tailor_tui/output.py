@@ -264,7 +264,7 @@ def signals_held():
                 signal.raise_signal(caught[0])
 
 
-def publish(tmp: Path, out: Path, force: bool) -> None:
+def publish(tmp: Path, out: Path, force: bool, durable: bool = True, swap: bool = True) -> None:
     """Put the finished folder `tmp` at `out` (see `signals_held`: call it inside that)."""
     try:
         if out.is_dir() and any(out.iterdir()):
@@ -273,11 +273,11 @@ def publish(tmp: Path, out: Path, force: bool) -> None:
             why = not_replaceable(out)
             if why:
                 raise OutputError(f"output {out}: changed while merging and now {why}; not overwritten")
-            replace_dir(tmp, out)
+            replace_dir(tmp, out, durable, swap)
             return
         if out.is_dir():
             out.rmdir()
         os.rename(tmp, out)
-        fsync_dir(out.parent)
+        fsync_dir(out.parent, durable)
     except OSError as exc:
         raise output_error(exc, out) from None

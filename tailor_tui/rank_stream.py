@@ -97,7 +97,7 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> bool:
                                           buffer, counter)
                 new.update({(s, at): value for (at, _n), value in checked.items()})
             fout = open_fd(stack, out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            writeback = Writeback(fout)
+            writeback = Writeback(fout, counter.options.durable)
             position, crc_changes = 0, defaultdict(int)
             for sp in spans:
                 copy_range(fin, fout, position, sp.at - position, counter.add, writeback=writeback)
@@ -116,7 +116,7 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> bool:
             for record, change in crc_changes.items():
                 for at in record.crc_offsets:
                     os.pwrite(fout, struct.pack("<I", record.crc ^ change), at)
-            fsync(fout)
+            fsync(fout, counter.options.durable)
     except OSError as exc:
         raise output_error(exc, out) from None
     return True

@@ -9,16 +9,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from .events import ByteCounter, Emit
+from .events import ByteCounter, Emit, TaskOptions
 from .fileio import copy_file, output_error
 from .plan import RankJob
 from .ptfile import check_crcs, file_format
 from .rank_stream import stream_optim_states
 
 
-def merge_rank(job: RankJob, out_tag_dir: Path, emit: Emit, cancelled: Callable[[], bool]) -> None:
+def merge_rank(job: RankJob, out_tag_dir: Path, emit: Emit, cancelled: Callable[[], bool],
+               options: TaskOptions = TaskOptions()) -> None:
     """Compose rank `job.rank`'s model_states and optim_states files into `out_tag_dir`."""
-    counter = ByteCounter(f"rank {job.rank}", job.total_bytes, emit, cancelled)
+    counter = ByteCounter(f"rank {job.rank}", job.total_bytes, emit, cancelled, options)
     base_files = job.files[0]
     out_optim = out_tag_dir / base_files.optim_states.name
     if base_files.rows is not None:  # a partial base has no optim file to copy: build it
@@ -38,7 +39,7 @@ def merge_rank(job: RankJob, out_tag_dir: Path, emit: Emit, cancelled: Callable[
     else:
         check_crcs(base_files.model_states)
         try:
-            copy_file(base_files.model_states, out_model, counter.add)
+            copy_file(base_files.model_states, out_model, counter.add, options.durable)
         except OSError as exc:
             raise output_error(exc, out_model) from None
     counter.finish()

@@ -39,7 +39,7 @@ from .rank_stream import STREAM_CHUNK, check_dtypes, dtype_mismatch, flat_tensor
 from .safe_load import load_pt
 
 
-def save_pt(obj, path: Path, on_bytes: Callable[[int], None] | None) -> None:
+def save_pt(obj, path: Path, on_bytes: Callable[[int], None] | None, durable: bool = True) -> None:
     """torch.save to `path`, durably; `on_bytes` counts the bytes (None: a plain seekable
     file, which torch.serialization.skip_data needs)."""
     writer = None
@@ -48,7 +48,7 @@ def save_pt(obj, path: Path, on_bytes: Callable[[int], None] | None) -> None:
             writer = CountingWriter(f, on_bytes) if on_bytes is not None else None
             torch.save(obj, writer or f)
             f.flush()
-            fsync(f.fileno())
+            fsync(f.fileno(), durable)
     except OSError as exc:
         raise output_error(writer.error if writer and writer.error else exc, path) from None
     except RuntimeError:
@@ -78,7 +78,7 @@ def build_optim_states_from_skeleton(job: RankJob, out: Path, counter: ByteCount
             set_flat_tensor(inner, g, key, flat)
     with torch.serialization.skip_data():
         storages = _storages_in_save_order(skeleton)
-        save_pt(skeleton, out, None)  # small: the tensors' space is only reserved
+        save_pt(skeleton, out, None, counter.options.durable)  # small: the tensors' space is only reserved
     try:
         obj, records, prefix = read_structure(out)
         layout = flat_tensor_bytes(obj, records, prefix, out, job.group_sizes)
@@ -104,7 +104,7 @@ def build_optim_states_from_skeleton(job: RankJob, out: Path, counter: ByteCount
                 taken = {(theirs[c.group, key].record, theirs[c.group, key].offset + c.offset * 4, c.length * 4)
                          for c in job.copies if c.source == s for key in TENSORS}
                 read_and_check(fds[s], job.files[s].optim_states, {r for r, _, _ in taken}, taken, buffer, counter)
-            writeback = Writeback(fout)
+            writeback = Writeback(fout, counter.options.durable)
             for c in job.copies:
                 for key in TENSORS:
                     if c.param is None:
@@ -123,7 +123,7 @@ def build_optim_states_from_skeleton(job: RankJob, out: Path, counter: ByteCount
                 value = crc_range(fout, record.data_offset, record.size, buffer)
                 for at in record.crc_offsets:
                     os.pwrite(fout, struct.pack("<I", value), at)
-            fsync(fout)
+            fsync(fout, counter.options.durable)
     except OSError as exc:
         raise output_error(exc, out) from None
 
@@ -196,7 +196,7 @@ def reserialise_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> N
                 merged.requires_grad_(original.requires_grad)
                 set_flat_tensor(inner, g, key, merged)
     del full
-    save_pt(base, out, counter.add)
+    save_pt(base, out, counter.add, counter.options.durable)
 
 
 def _skeleton_state(obj, path: Path, group_sizes: tuple[int, ...]) -> dict:
@@ -235,6 +235,6 @@ def merge_model_states(job: RankJob, out: Path, counter: ByteCounter) -> None:
         states[FROZEN_PARAM_FRAGMENTS][name] = theirs.clone()
     for name, s in job.buffers:
         states[MODULE][name] = source(s)[MODULE][name].clone()
-    save_pt(states, out, counter.add)
+    save_pt(states, out, counter.add, counter.options.durable)
 
 

@@ -15,8 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from .events import Emit, TaskFinished
-from .fileio import set_durable
+from .events import Emit, TaskFinished, TaskOptions
 from .model_files import merge_model_file
 from .plan import MergePlan, RankJob
 from .rank_task import merge_rank
@@ -25,9 +24,8 @@ _WORKER_QUEUE = None
 _WORKER_CANCEL = None
 
 
-def _worker_init(events, cancel, parent: int, durable: bool) -> None:
+def _worker_init(events, cancel, parent: int) -> None:
     global _WORKER_QUEUE, _WORKER_CANCEL
-    set_durable(durable)
     # Ctrl-C reaches the whole process group: the parent alone decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A worker holds its own copy of the task queue's pipe, so it would wait forever if the
@@ -44,19 +42,42 @@ def _exit_when_orphaned(parent: int) -> None:
     os._exit(1)
 
 
-def _run_task(task, out_dir: Path) -> None:
+def _run_task(task, out_dir: Path, options: TaskOptions) -> None:
     run = merge_rank if isinstance(task, RankJob) else merge_model_file
-    run(task, out_dir, _WORKER_QUEUE.put, _WORKER_CANCEL.is_set)
+    run(task, out_dir, _WORKER_QUEUE.put, _WORKER_CANCEL.is_set, options)
+
+
+# What one worker process holds besides its task's data: the interpreter and tailor-tui's
+# torch-free modules (streaming, 1 MiB buffer), or with torch imported (a partial base's
+# skeleton, the re-serialising fallback, model_states taking fragments, casting model files).
+STREAMING_WORKER = 64 << 20
+TORCH_WORKER = 512 << 20
+
+
+def worker_memory(plan: MergePlan) -> int:
+    """The most memory any one task of `plan` needs in a worker (bytes)."""
+    from .ptfile import file_format
+
+    needs = [STREAMING_WORKER]
+    for job in plan.rank_jobs():
+        base = job.files[0]
+        if base.rows is not None or job.frozen or job.buffers:
+            needs.append(TORCH_WORKER)
+        elif file_format(base.optim_states) != "zip":  # re-serialised: the whole rank in memory
+            needs.append(TORCH_WORKER + 2 * plan.base.rank_bytes(job.rank))
+    if any(job.partial_ranks for job in plan.model_file_jobs()):
+        needs.append(TORCH_WORKER)
+    return max(needs)
 
 
 def default_workers(plan: MergePlan) -> int:
-    """As many workers as cores and available memory allow (each holds one rank in memory)."""
+    """As many workers as there are tasks, cores, and memory for what each really holds."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count() or 1
-    per_worker = max(plan.base.rank_bytes(r) for r in range(plan.base.world_size)) * 2 + (256 << 20)
-    return max(1, min(len(plan.base.ranks), cores, _available_memory() // per_worker))
+    tasks = len(plan.rank_jobs()) + len(plan.model_file_jobs())
+    return max(1, min(tasks, cores, _available_memory() // worker_memory(plan)))
 
 
 def _available_memory() -> int:
@@ -70,10 +91,10 @@ def _available_memory() -> int:
     return 8 << 30
 
 
-def run_inline(tasks, out_dirs, emit: Emit, cancel: threading.Event) -> None:
+def run_inline(tasks, out_dirs, emit: Emit, cancel: threading.Event, options: TaskOptions) -> None:
     for task, out in zip(tasks, out_dirs):
         run = merge_rank if isinstance(task, RankJob) else merge_model_file
-        run(task, out, emit, cancel.is_set)
+        run(task, out, emit, cancel.is_set, options)
 
 
 def prepare_worker_processes() -> None:
@@ -87,14 +108,14 @@ def prepare_worker_processes() -> None:
     resource_tracker.ensure_running()
 
 
-def run_pool(tasks, out_dirs, workers: int, emit: Emit, cancel: threading.Event, durable: bool) -> None:
+def run_pool(tasks, out_dirs, workers: int, emit: Emit, cancel: threading.Event, options: TaskOptions) -> None:
     import multiprocessing as mp
     from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 
     ctx = mp.get_context("spawn")  # fork after torch has started threads can deadlock
     events, stop = ctx.Queue(), ctx.Event()
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
-                               initargs=(events, stop, os.getpid(), durable))
+                               initargs=(events, stop, os.getpid()))
     finished: set[str] = set()
 
     def emit_and_count(event) -> None:
@@ -104,7 +125,7 @@ def run_pool(tasks, out_dirs, workers: int, emit: Emit, cancel: threading.Event,
 
     try:  # from the first spawn on: a Ctrl-C deferred while spawning arrives as the block ends
         with _children_ignore_sigint():
-            futures = [pool.submit(_run_task, t, o) for t, o in zip(tasks, out_dirs)]
+            futures = [pool.submit(_run_task, t, o, options) for t, o in zip(tasks, out_dirs)]
         pending = set(futures)
         while pending:
             if cancel.is_set():

@@ -259,10 +259,10 @@ def test_reserialising_fallback_gives_the_same_state(real_run, tmp_path, monkeyp
 
 def test_no_fsync_skips_every_fsync_and_writes_the_same_output(real_run, tmp_path, monkeypatch):
     """--no-fsync (durable=False) trades crash durability for speed: no fsync at all, the
-    same bytes, and the process-wide setting is back to durable afterwards."""
+    same bytes; the option travels with the merge (no process-wide switch to reset)."""
     import os
 
-    from tailor_tui import fileio
+    from tailor_tui.events import TaskOptions
     from tailor_tui.verify import verify_against_recipe
 
     run, spec = real_run("hf_bf16_2")
@@ -275,10 +275,21 @@ def test_no_fsync_skips_every_fsync_and_writes_the_same_output(real_run, tmp_pat
     assert calls
     calls.clear()
     recipe = Recipe(base=ckpts[-1], output=tmp_path / "b" / "composed", layers=picks)
-    run_merge(build_plan(recipe), workers=1, durable=False)
-    assert calls == [] and fileio._durable
+    run_merge(build_plan(recipe), workers=1, options=TaskOptions(durable=False))
+    assert calls == []
     fast = recipe.output
     assert verify_against_recipe(build_plan(recipe, check_output=False)).ok
     for f in durable.rglob("*"):
         if f.is_file() and f.name != "tailor_provenance.json":
             assert f.read_bytes() == (fast / f.relative_to(durable)).read_bytes(), f
+
+
+def test_workers_are_budgeted_by_what_they_hold(real_run, tmp_path):
+    from tailor_tui.workers import STREAMING_WORKER, TORCH_WORKER, worker_memory
+
+    run, spec = real_run("ds_bf16_3_subgroups")  # a frozen parameter: picking its row needs torch
+    ckpts = checkpoints_of(run, spec)
+    streaming = build_plan(Recipe(base=ckpts[-1], output=tmp_path / "a", layers={"layers.0": ckpts[0]}))
+    assert worker_memory(streaming) == STREAMING_WORKER  # 1 MiB buffer: not one rank per worker
+    frozen = build_plan(Recipe(base=ckpts[-1], output=tmp_path / "b", layers={"layers.1": ckpts[0]}))
+    assert worker_memory(frozen) == TORCH_WORKER

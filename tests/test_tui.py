@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import checkpoints_of, tree_digest
+from tailor_tui.events import TaskOptions
 from tailor_tui.recipe import load_recipe
 from tailor_tui.ui.app import make_app
 from tailor_tui.ui.dialogs import Confirm, ErrorDialog, PathPrompt
@@ -16,6 +17,7 @@ from tailor_tui.ui.merge_screen import MergeScreen
 from zero_reader import read_full_state
 
 SIZE = (130, 32)
+SLOW = TaskOptions(slow_down=0.4)
 
 
 @pytest.fixture
@@ -163,8 +165,7 @@ async def test_merge_from_the_ui_composes_the_picked_rows(run_copy):
 
 async def test_cancel_leaves_nothing_at_the_output(run_copy, monkeypatch):
     run, ckpts = run_copy
-    monkeypatch.setenv("TAILOR_TEST_SLOW_MERGE", "0.4")  # tiny checkpoints: slow the merge to hit it mid-way
-    app = make_app(run, workers=2)
+    app = make_app(run, workers=2, merge_options=SLOW)  # tiny checkpoints: slow the merge to hit it mid-way
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
         await start_merge(pilot)
@@ -234,8 +235,7 @@ async def test_every_action_is_in_the_command_palette(run_copy):
 
 async def test_quit_during_a_merge_cancels_it(run_copy, monkeypatch):
     run, _ = run_copy
-    monkeypatch.setenv("TAILOR_TEST_SLOW_MERGE", "0.4")
-    app = make_app(run, workers=2)
+    app = make_app(run, workers=2, merge_options=SLOW)
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
         merge = await start_merge(pilot)

@@ -26,6 +26,7 @@ from textual.worker import get_current_worker
 from ..checkpoint import ScanResult, scan
 from ..composition import Composition
 from ..errors import TailorError
+from ..events import TaskOptions
 from ..workers import prepare_worker_processes
 from ..plan import MergePlan, build_plan
 from ..recipe import load_recipe
@@ -84,11 +85,12 @@ class TailorApp(App):
     ]
 
     def __init__(self, run_dir: Path, recipe: Path | None = None, workers: int | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, merge_options: TaskOptions = TaskOptions()):
         super().__init__()
         prepare_worker_processes()  # before Textual takes over stderr
         self.run_dir, self.recipe_arg = Path(run_dir), recipe
         self.merge_workers, self.merge_clock = workers, clock  # `workers` is Textual's worker manager
+        self.merge_options = merge_options
         self.composition: Composition | None = None
         self.scan_result: ScanResult | None = None
         self.merging = False
@@ -353,6 +355,7 @@ class TailorApp(App):
             if yes:
                 self.merging = True
                 self.push_screen(MergeScreen(plan, self.merge_workers, clock=self.merge_clock,
+                                             options=self.merge_options,
                                              title=f"Composing {self.rel(plan.output)}"), self.merge_closed)
 
         self.push_screen(Confirm("Compose this checkpoint?", body, accept="Merge", decline="Back"), confirmed)
@@ -420,6 +423,6 @@ def _numel(shape) -> int:
 
 
 def make_app(run_dir: str | Path, recipe: str | Path | None = None, workers: int | None = None,
-             clock: Callable[[], float] = time.monotonic) -> TailorApp:
+             clock: Callable[[], float] = time.monotonic, merge_options: TaskOptions = TaskOptions()) -> TailorApp:
     """Build the app (used by the CLI, the pilot tests and the snapshot tests)."""
-    return TailorApp(Path(run_dir), Path(recipe) if recipe else None, workers, clock)
+    return TailorApp(Path(run_dir), Path(recipe) if recipe else None, workers, clock, merge_options)

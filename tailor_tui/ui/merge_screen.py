@@ -20,7 +20,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Label, ProgressBar, Static
 
 from ..errors import MergeCancelled, TailorError
-from ..events import TaskProgressed
+from ..events import TaskOptions, TaskProgressed
 from ..merge import MergeResult, planned_tasks, run_merge
 from ..plan import MergePlan
 
@@ -54,8 +54,9 @@ class MergeScreen(Screen):
     ]
 
     def __init__(self, plan: MergePlan, workers: int | None, clock: Callable[[], float] = time.monotonic,
-                 autostart: bool = True, title: str | None = None):
+                 autostart: bool = True, title: str | None = None, options: TaskOptions = TaskOptions()):
         super().__init__()
+        self.options = options
         self.autostart = autostart  # snapshot tests feed progress events themselves
         self.title_text = title or f"Composing {plan.output}"
         self.plan, self.merge_workers, self.clock = plan, workers, clock  # `workers`: Textual's
@@ -95,6 +96,7 @@ class MergeScreen(Screen):
                 workers=self.merge_workers,
                 emit=lambda e: self.post_message(MergeProgressed(e)) if isinstance(e, TaskProgressed) else None,
                 cancel=self.cancel,
+                options=self.options,
             )
         except MergeCancelled as exc:
             self.post_message(MergeFailed(str(exc), cancelled=True))
