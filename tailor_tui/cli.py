@@ -19,11 +19,7 @@ import threading
 from pathlib import Path
 
 from . import __version__
-from .errors import CheckpointError, ExitCode, OutputError, TailorError, UsageError
-
-EPILOG = """exit codes: 0 ok, 2 usage, 3 recipe, 4 checkpoint (missing, truncated, unsafe),
-5 incompatible source, 6 output (exists, read-only, full), 7 --verify found differences,
-130 cancelled, 1 internal error"""
+from .errors import CheckpointError, ExitCode, OutputError, TailorError, UsageError, exit_codes_help
 
 
 def _positive(text: str) -> int:
@@ -40,7 +36,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tailor-tui",
         description="Compose DeepSpeed ZeRO-3 checkpoints layer by layer.",
-        epilog=EPILOG,
+        epilog=exit_codes_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("run_dir", nargs="?", type=Path, metavar="RUN_DIR",
@@ -79,14 +75,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def apply(args) -> int:
-    import humanize
-
     from .events import TaskOptions
     from .merge import planned_tasks, run_merge
-    from .workers import default_workers
     from .plan import build_plan
     from .recipe import load_recipe
     from .report import BarReporter, reporter_for
+    from .units import size
+    from .workers import default_workers
 
     recipe = load_recipe(args.apply)
     plan = build_plan(recipe, output=args.output, force=args.force, preview=args.dry_run)
@@ -100,7 +95,7 @@ def apply(args) -> int:
     ranks = plan.base.world_size
     print(
         f"composing {plan.output} from {len(plan.sources)} checkpoint(s): {ranks} ranks, "
-        f"{workers} worker(s), {humanize.naturalsize(plan.bytes_to_write(), binary=True)} to write",
+        f"{workers} worker(s), {size(plan.bytes_to_write())} to write",
         file=sys.stderr,
         flush=True,
     )
@@ -115,8 +110,8 @@ def apply(args) -> int:
         print(f"peak RSS: {result.peak_rss} bytes", file=sys.stderr)
     rate = result.bytes_written / max(result.seconds, 1e-6)
     print(
-        f"done: {result.output} ({humanize.naturalsize(result.bytes_written, binary=True)} in "
-        f"{result.seconds:.1f}s, {humanize.naturalsize(rate, binary=True)}/s)"
+        f"done: {result.output} ({size(result.bytes_written)} in "
+        f"{result.seconds:.1f}s, {size(rate)}/s)"
     )
     return ExitCode.OK
 

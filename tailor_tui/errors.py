@@ -21,6 +21,27 @@ class ExitCode(IntEnum):
     CANCELLED = 130  # stopped by the user (Ctrl-C), like a shell's SIGINT status
 
 
+# What each code means, in the words `tailor-tui --help` prints (its one source).
+MEANING = {
+    ExitCode.OK: "ok",
+    ExitCode.USAGE: "usage",
+    ExitCode.RECIPE: "recipe",
+    ExitCode.CHECKPOINT: "checkpoint (missing, truncated, corrupt, unsafe)",
+    ExitCode.INCOMPATIBLE: "incompatible source",
+    ExitCode.OUTPUT: "output (exists, read-only, full, locked)",
+    ExitCode.VERIFY_FAILED: "--verify found differences",
+    ExitCode.CANCELLED: "cancelled",
+    ExitCode.INTERNAL: "internal error",
+}
+
+
+def exit_codes_help() -> str:
+    import textwrap
+
+    return textwrap.fill("exit codes: " + ", ".join(f"{int(code)} {meaning}" for code, meaning in MEANING.items()),
+                         width=96)
+
+
 class TailorError(Exception):
     """A failure the user can act on; `str(err)` is the whole one-line message."""
 

@@ -16,6 +16,7 @@ from .errors import CheckpointError, IncompatibleError, RecipeError
 from .model_files import ModelFileJob, ModelFileLayout
 from .output import check_output as check_writable
 from .recipe import Recipe
+from .units import size
 
 BYTES_PER_ELEMENT = 4 * 3  # fp32 master weight + exp_avg + exp_avg_sq
 
@@ -199,11 +200,6 @@ class MergePlan:
 
     def describe(self, show=str) -> list[str]:
         """The plan as text lines; `show` formats paths (the TUI shows them relative)."""
-        import humanize
-
-        def size(n: int) -> str:
-            return humanize.naturalsize(n, binary=True)
-
         lines = [f"warning: {w}" for w in self.warnings] + [
             f"base:   {show(self.base.path)} (step {self.base.step}, {self.base.world_size} ranks, "
             f"{self.base.dtype}, {self.base.kind} layout)",

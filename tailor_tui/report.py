@@ -10,13 +10,8 @@ import sys
 import time
 from typing import TextIO
 
-import humanize
-
 from .events import TaskFinished, TaskProgressed
-
-
-def size(n: int) -> str:
-    return humanize.naturalsize(n, binary=True, format="%.1f")
+from .units import size, throughput
 
 
 class LineReporter:
@@ -78,9 +73,7 @@ class BarReporter:
         lines = [self._line(t.task, t.done, t.total, width) for t in self._tasks.values()]
         done = sum(t.done for t in self._tasks.values())
         total = sum(t.total for t in self._tasks.values())
-        elapsed = max(time.monotonic() - self._started, 1e-6)
-        rate = done / elapsed
-        eta = (total - done) / rate if rate > 0 else 0
+        rate, eta = throughput(done, total, time.monotonic() - self._started)
         lines.append(self._line("total", done, total, width) + f"  {size(int(rate))}/s  ETA {eta:.0f}s")
         up = f"\x1b[{self._drawn}F" if self._drawn else ""
         self.out.write(up + "".join(f"\x1b[2K{line}\n" for line in lines))

@@ -202,8 +202,7 @@ def _at(states: dict, where: str):
 
 
 def _verify_model_file(plan, job, report) -> None:
-    from .checkpoint import safetensors_header
-    from .model_files import parse_prefix, source_tensor
+    from .model_files import parse_prefix, safetensors_tensors, source_tensor
 
     out_file = plan.output / job.name
     if not out_file.is_file():
@@ -216,10 +215,8 @@ def _verify_model_file(plan, job, report) -> None:
     located: dict[str, tuple[Path, int, int]] = {}  # full sources: tensor -> (file, first byte, end)
     for s, paths in job.source_files.items():
         for p in paths:
-            header, start = safetensors_header(p)
-            for name, info in header.items():
-                if name != "__metadata__":
-                    located.setdefault(f"{s}/{name}", (p, start + info["data_offsets"][0], start + info["data_offsets"][1]))
+            for name, (_dtype, _shape, first, end) in safetensors_tensors(p).items():
+                located.setdefault(f"{s}/{name}", (p, first, end))
     with open(out_file, "rb") as out:
         for name, (dtype, shape, begin, end) in parse_prefix(job.prefix).items():
             row = row_of(name)

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-import humanize
 from textual import work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
@@ -27,16 +26,13 @@ from ..checkpoint import ScanResult, scan
 from ..composition import Composition
 from ..errors import TailorError
 from ..events import TaskOptions
-from ..workers import prepare_worker_processes
 from ..plan import MergePlan, build_plan
 from ..recipe import load_recipe
+from ..units import size
+from ..workers import prepare_worker_processes
 from .dialogs import Confirm, ErrorDialog, PathPrompt
 from .grid import CheckpointGrid
 from .merge_screen import MergeScreen
-
-
-def size(n: float) -> str:
-    return humanize.naturalsize(n, binary=True, format="%.1f")
 
 
 class ScanProgressed(Message):

@@ -10,7 +10,6 @@ import threading
 import time
 from typing import Callable
 
-import humanize
 from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -23,10 +22,7 @@ from ..errors import MergeCancelled, TailorError
 from ..events import TaskOptions, TaskProgressed
 from ..merge import MergeResult, planned_tasks, run_merge
 from ..plan import MergePlan
-
-
-def size(n: float) -> str:
-    return humanize.naturalsize(n, binary=True, format="%.1f")
+from ..units import size, throughput
 
 
 class MergeProgressed(Message):
@@ -122,9 +118,7 @@ class MergeScreen(Screen):
         done = sum(self.done.values())
         total = sum(t for _, t in self.tasks)
         self.query_one("#bar-overall", ProgressBar).update(progress=done)
-        elapsed = max(self.clock() - self.started, 1e-6)
-        rate = done / elapsed
-        eta = (total - done) / rate if rate > 0 else 0.0
+        rate, eta = throughput(done, total, self.clock() - self.started)
         self.query_one("#merge-rate", Static).update(
             f"{size(done)} of {size(total)} · {size(rate)}/s · ETA {eta:.0f}s"
         )
