@@ -29,6 +29,8 @@ import io
 import pickletools
 import re
 
+from .errors import CheckpointError
+
 # The releases whose checkpoints tailor-tui reads: from OLDEST up to, not including, BEYOND.
 OLDEST = (0, 14, 0)
 BEYOND = (0, 20, 0)
@@ -75,8 +77,6 @@ TENSORS = ("fp32", EXP_AVG, EXP_AVG_SQ)
 def optimizer_state(obj, path, group_sizes: tuple[int, ...]) -> dict:
     """The inner optimizer dict of a loaded optim_states file (`obj`), checked to hold the
     three flat tensors of every sub-group at the layout's sizes (CheckpointError naming `path`)."""
-    from .errors import CheckpointError
-
     try:
         inner = obj[OPTIMIZER_STATE_DICT]
         flat = inner[FP32_FLAT_GROUPS]

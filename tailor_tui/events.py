@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from .errors import MergeCancelled
+
 
 @dataclass(frozen=True)
 class TaskProgressed:
@@ -71,8 +73,6 @@ class ByteCounter:
         emit(TaskProgressed(task, 0, self.total))
 
     def add(self, n: int) -> None:
-        from .errors import MergeCancelled
-
         if self._cancelled():
             raise MergeCancelled()
         if self._delay:

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+from . import crc
 from .errors import CheckpointError, OutputError
 
 CHUNK = 64 << 20
@@ -205,8 +206,6 @@ def pread_into(fd: int, view: memoryview, offset: int) -> None:
 def crc_range(fd: int, offset: int, length: int, buffer: memoryview,
               on_bytes: Callable[[int], None] = lambda n: None) -> int:
     """CRC-32 of a byte range of a file, read through `buffer` (reused: no allocation per read)."""
-    from . import crc
-
     value, end = 0, offset + length
     while offset < end:
         view = buffer[: min(len(buffer), end - offset)]

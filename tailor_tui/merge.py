@@ -18,6 +18,7 @@ import os
 import shutil
 import threading
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,8 +168,6 @@ def _copy_other_files(plan: MergePlan, tmp: Path, cancel: threading.Event, durab
 
 def verify_output(plan: MergePlan, root: Path) -> None:
     """Check the composed folder before it is moved into place: every file there and whole."""
-    import zipfile
-
     tag_dir = root / plan.base.tag
     latest = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
     if latest != plan.base.tag:

@@ -32,6 +32,7 @@ from .events import ByteCounter, Emit, TaskOptions
 from .fileio import Writeback, copy_range, fsync, open_fd, output_error, pread_into, pwrite_all
 from .layout import Slot
 from .rows import row_of
+from .safe_load import load_pt
 
 SAFETENSORS_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "BOOL": 1}
 CAST_CHUNK = 1 << 20  # elements cast per step: memory stays small whatever the tensor size
@@ -262,8 +263,6 @@ def source_tensor(job: ModelFileJob, s: int, name: str, dtype: str, shape: tuple
     frozen parameters and buffers, and what --verify compares against)."""
     import torch
     from safetensors import safe_open
-
-    from .safe_load import load_pt
 
     ranks = job.partial_ranks[s]
     numel = 1

@@ -11,7 +11,16 @@ import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoint import Checkpoint, RankFiles, incompatibility, open_checkpoint, other_run
+from .checkpoint import (
+    PARTIAL_MANIFEST,
+    PARTIAL_MODEL_FILES,
+    Checkpoint,
+    RankFiles,
+    incompatibility,
+    open_checkpoint,
+    other_run,
+)
+from .ds_format import RECOVERY_SCRIPTS
 from .errors import CheckpointError, IncompatibleError, RecipeError
 from .model_files import ModelFileJob, ModelFileLayout
 from .output import check_output as check_writable
@@ -170,8 +179,6 @@ class MergePlan:
     def other_files(self) -> list[Path]:
         """Base files copied unchanged into the output (relative to the base folder)."""
         if self.base.kind == "hf":
-            from .checkpoint import PARTIAL_MANIFEST, PARTIAL_MODEL_FILES
-
             skip = set(self.base.model_files)  # composed, not copied
             own = {PARTIAL_MANIFEST, PARTIAL_MODEL_FILES} if self.base.partial else set()  # tailor-tui's
             return sorted(
@@ -180,8 +187,6 @@ class MergePlan:
                 if p.is_file() and p not in skip and self.base.tag_dir not in p.parents
                 and not (p.parent == self.base.path and p.name in own)
             )
-        from .ds_format import RECOVERY_SCRIPTS
-
         return [Path(s) for s in RECOVERY_SCRIPTS if (self.base.save_dir / s).is_file()]
 
     def other_files_root(self) -> Path:

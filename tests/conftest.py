@@ -2,8 +2,8 @@
 
 Every checkpoint the tests read was written by real DeepSpeed on CPU; the HF runs by
 the real HF Trainer. Set TAILOR_RUN_CACHE to choose the cache folder; the cache key
-covers the run spec, the generator's (and selective saver's) source and the DeepSpeed/transformers versions,
-so a stale cache is never used.
+covers the run spec, the source of every tailor_tui module making a run can execute, and
+the DeepSpeed, transformers and torch versions, so a stale cache is never used.
 
 Runs are made with the installed DeepSpeed, or with another release (`real_run(name,
 deepspeed="0.16.9")`): that release is installed once into a folder of its own
@@ -17,6 +17,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,7 +27,7 @@ import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from tailor_tui import demo_run, selective, selective_hf  # noqa: E402
+from tailor_tui import demo_run  # noqa: E402
 from tailor_tui.demo_run import RunSpec  # noqa: E402
 from tailor_tui.ds_format import parse_version  # noqa: E402
 
@@ -92,15 +93,30 @@ def _cache_root() -> Path:
     return Path(root) if root else Path(__file__).resolve().parent.parent / ".tailor-cache" / "runs"
 
 
+def _run_modules() -> list[Path]:
+    """The source of every tailor_tui module a run's making can execute: demo_run and what it
+    imports, transitively (the selective savers, the model-file layout record, run_saves, …)."""
+    package = Path(demo_run.__file__).parent
+    seen, todo = set(), ["demo_run"]
+    while todo:
+        name = todo.pop()
+        path = package / f"{name}.py"
+        if name in seen or not path.is_file():
+            continue
+        seen.add(name)
+        todo += re.findall(r"^\s*from \.(\w+) import", path.read_text(), flags=re.M)
+    return sorted(package / f"{name}.py" for name in seen)
+
+
 def _key(spec: RunSpec, ds_version: str) -> str:
+    import torch
     import transformers
 
     h = hashlib.sha256()
     h.update(spec.key().encode())
-    h.update(Path(demo_run.__file__).read_bytes())
-    for saver in (selective, selective_hf):  # partial saves are written by them
-        h.update(Path(saver.__file__).read_bytes())
-    h.update(f"{ds_version} {transformers.__version__}".encode())
+    for module in _run_modules():
+        h.update(module.read_bytes())
+    h.update(f"{ds_version} {transformers.__version__} {torch.__version__}".encode())
     return h.hexdigest()[:16]
 
 

@@ -2,45 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
 from conftest import checkpoints_of, tree_digest
-
-TAILOR = str(Path(sys.executable).with_name("tailor-tui"))
-
-
-def tailor(*args, cwd=None, timeout=300):
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    return subprocess.run([TAILOR, *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
-
-
-def write_recipe(folder: Path, base: Path, layers: dict, output: str | None = "composed") -> Path:
-    """A recipe whose paths are relative to its own folder, as users write them."""
-    rel = lambda p: os.path.relpath(p, folder)  # noqa: E731
-    lines = ["version: 1", f"base: {rel(base)}"]
-    if output:
-        lines.append(f"output: {output}")
-    lines.append("layers:")
-    lines += [f"  {row}: {rel(src)}" for row, src in layers.items()]
-    path = folder / "recipe.yaml"
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def assert_one_line_error(result, code: int, *needles: str):
-    assert result.returncode == code, result.stderr
-    assert "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1, result.stderr
-    for needle in needles:
-        assert needle in errors[0], errors[0]
+from helpers import assert_one_line_error, tailor, write_recipe
 
 
 def test_apply_composes_and_logs_plain_progress_lines(real_run, tmp_path):

@@ -19,12 +19,16 @@ import math
 
 import pytest
 import torch
-
 from conftest import INSTALLED_DEEPSPEED, checkpoints_of, resume_with, tree_digest
-from test_cli import tailor, write_recipe
-from test_merge import test_row
-from test_resume import assert_optim_states_equal
-from zero_reader import model_states, read_full_state
+from helpers import (
+    assert_optim_states_equal,
+    assert_rows_from_picks,
+    param_row,
+    tailor,
+    two_checkpoint_picks,
+    write_recipe,
+)
+from zero_reader import model_states
 
 RELEASES = ("0.14.4", "0.15.4", "0.16.9", "0.17.4", "0.18.9", INSTALLED_DEEPSPEED)
 RUNS = ("hf_bf16_2", "ds_fp16_2_config_file")
@@ -42,24 +46,8 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("release", releases)
 
 
-def two_checkpoint_picks(spec, oldest) -> dict:
-    """Odd layers (one with a frozen parameter), embeddings and lm_head from the oldest checkpoint."""
-    picks = {f"layers.{i}": oldest for i in range(1, spec.layers, 2)}
-    picks["embed_tokens"] = oldest
-    if not spec.tied:
-        picks["lm_head"] = oldest
-    return picks
 
 
-def assert_rows_from_picks(out, picks: dict, base) -> None:
-    """Every parameter's fp32 weights, exp_avg and exp_avg_sq in `out` are its chosen source's
-    (read by DeepSpeed's zero_to_fp32 code; frozen parameters are among the fp32 weights)."""
-    got = read_full_state(out)
-    want = {c: read_full_state(c) for c in {base, *picks.values()}}
-    for key in ("fp32", "exp_avg", "exp_avg_sq"):
-        assert got[key].keys() == want[base][key].keys()
-        for param, value in got[key].items():
-            assert torch.equal(value, want[picks.get(test_row(param), base)][key][param]), (key, param)
 
 
 @pytest.mark.parametrize("name", RUNS)
@@ -81,7 +69,7 @@ def test_release_composes_verifies_and_resumes(real_run, tmp_path, release, name
     out = tmp_path / "composed"
     assert_rows_from_picks(out, picks, newest)
     if spec.frozen:  # the frozen parameter's row is picked: it must follow its row too
-        assert test_row(spec.frozen[0]) in picks
+        assert param_row(spec.frozen[0]) in picks
 
     losses = resume_with(release, out, spec, tmp_path / "resume")
     assert losses and all(math.isfinite(x) for x in losses)

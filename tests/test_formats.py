@@ -21,14 +21,20 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import checkpoints_of, tree_digest
+from helpers import (
+    TAILOR,
+    assert_one_line_error,
+    assert_optim_states_equal,
+    assert_rows_from_picks,
+    tailor,
+    two_checkpoint_picks,
+    write_recipe,
+)
+
 from tailor_tui.demo_run import resume_and_step
 from tailor_tui.ds_format import SUPPORTED
 from tailor_tui.pickled import read_pickle, read_pickle_from
-from test_cli import TAILOR, assert_one_line_error, tailor, write_recipe
-from test_compat import assert_rows_from_picks, two_checkpoint_picks
-from test_resume import assert_optim_states_equal
 
 ZIP, LEGACY = b"PK\x03\x04", b"\x80\x02\x8a\x0a"
 

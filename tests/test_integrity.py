@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import checkpoints_of
-from test_cli import assert_one_line_error, tailor, write_recipe
+from helpers import assert_one_line_error, tailor, write_recipe
 
 
 def flip_byte(path: Path, record_suffix: str, where: float = 0.5) -> str:

@@ -12,45 +12,24 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import checkpoints_of, tree_digest
+from helpers import compose, param_row, parity_picks
+from safetensors.torch import load_file
+from zero_reader import model_states, optim_states, read_full_state
+
 from tailor_tui.merge import run_merge
 from tailor_tui.plan import build_plan
 from tailor_tui.recipe import Recipe
-from zero_reader import model_states, optim_states, read_full_state
 
 RUN_NAMES = ["hf_bf16_2", "hf_fp32_3_tied", "ds_bf16_3_subgroups"]
 
 
-def test_row(name: str) -> str:
-    """Row of a parameter name, by the documented rule (independent of tailor_tui.rows)."""
-    parts = name.split(".")
-    if parts[0] == "model":
-        parts = parts[1:]
-    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
 
 
-test_row.__test__ = False  # a helper, not a test
 
 
-def parity_picks(spec, ckpts: list[Path]) -> dict[str, Path]:
-    """Odd layers from the middle checkpoint, embeddings from the oldest, the rest the base's."""
-    oldest, middle, _base = ckpts
-    picks = {f"layers.{i}": middle for i in range(1, spec.layers, 2)}
-    picks["embed_tokens"] = oldest
-    picks["norm"] = middle
-    if not spec.tied:
-        picks["lm_head"] = oldest
-    return picks
 
 
-def compose(tmp_path: Path, ckpts: list[Path], picks: dict[str, Path], workers: int = 1):
-    recipe = Recipe(base=ckpts[-1], output=tmp_path / "composed", layers=picks)
-    plan = build_plan(recipe)
-    events = []
-    run_merge(plan, workers=workers, emit=events.append)
-    return plan.output, events
 
 
 @pytest.fixture(scope="module", params=RUN_NAMES)
@@ -65,7 +44,7 @@ def composed(request, real_run, tmp_path_factory):
 
 
 def expected_source(name: str, picks: dict[str, Path], base: Path, tied: bool = False) -> Path:
-    row = test_row(name)
+    row = param_row(name)
     if tied and row == "lm_head":
         row = "embed_tokens"  # a tied lm_head is the embedding matrix itself
     return picks.get(row, base)

@@ -17,14 +17,13 @@ import threading
 import time
 
 import pytest
-
 from conftest import checkpoints_of, tree_digest
+from helpers import assert_one_line_error, finish, hidden, start_apply, tailor, wait_for_line, write_recipe
+
 from tailor_tui import fileio, merge, output
 from tailor_tui.errors import CheckpointError, MergeCancelled
 from tailor_tui.plan import build_plan
 from tailor_tui.recipe import Recipe
-from test_cli import assert_one_line_error, tailor, write_recipe
-from test_safety import finish, hidden, start_apply, wait_for_line
 
 
 @pytest.fixture

@@ -5,8 +5,8 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
 from conftest import checkpoints_of
+
 from tailor_tui.checkpoint import open_checkpoint, scan
 from tailor_tui.errors import CheckpointError, IncompatibleError, OutputError, RecipeError
 from tailor_tui.plan import build_plan

@@ -10,22 +10,11 @@ import math
 
 import pytest
 import torch
-
 from conftest import checkpoints_of
+from helpers import assert_optim_states_equal, compose, parity_picks
+from zero_reader import model_states
+
 from tailor_tui.demo_run import resume_and_step
-from test_merge import compose, parity_picks
-from zero_reader import model_states, optim_states
-
-
-def assert_optim_states_equal(out, resaved) -> None:
-    """Every rank's fp32 weights, moments and steps in `resaved` equal `out`'s, bit for bit."""
-    for mine, theirs in zip(optim_states(out), optim_states(resaved), strict=True):
-        for a, b in zip(mine["fp32_flat_groups"], theirs["fp32_flat_groups"], strict=True):
-            assert torch.equal(a, b)
-        for g, st in mine["optimizer_state_dict"]["state"].items():
-            again = theirs["optimizer_state_dict"]["state"][g]
-            for key in ("exp_avg", "exp_avg_sq", "step"):
-                assert torch.equal(torch.as_tensor(st[key]), torch.as_tensor(again[key])), (g, key)
 
 
 @pytest.mark.parametrize("name", ["hf_bf16_2", "hf_fp32_3_tied", "ds_bf16_3_subgroups"])

@@ -6,15 +6,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import checkpoints_of, tree_digest
-from test_cli import TAILOR, assert_one_line_error, tailor, write_recipe
+from helpers import TAILOR, assert_one_line_error, finish, hidden, start_apply, tailor, wait_for_line, write_recipe
 
 
 @pytest.fixture(autouse=True)
@@ -62,37 +60,12 @@ def test_a_pickle_that_runs_a_command_is_refused(real_run, tmp_path, which):
     assert tree_digest(run, evil) == before
 
 
-def hidden(folder: Path) -> list[Path]:
-    return [p for p in folder.iterdir() if p.name.startswith(".")]
 
 
-def start_apply(recipe: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    """A merge slowed to several seconds (test checkpoints are tiny), so signals land mid-merge.
-    SIGINT starts at its default whatever this process inherited (a shell's background job
-    ignores it, and Python then never turns it into KeyboardInterrupt), as in a terminal."""
-    return subprocess.Popen([TAILOR, "--apply", str(recipe), *extra], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-                            env={**os.environ, "PYTHONWARNINGS": "ignore", "TAILOR_TEST_SLOW_MERGE": "0.4",
-                                 **(env or {})})
 
 
-def wait_for_line(proc: subprocess.Popen, start: str) -> str:
-    """Read the merge's log up to the first line that starts with `start`; returns what was read.
-    "composing": planned, workers about to start; "rank ": a worker is merging."""
-    seen = ""
-    while line := proc.stderr.readline():
-        seen += line
-        if line.startswith(start):
-            return seen
-    raise AssertionError(f"the merge ended before a line starting {start!r}:\n{seen}")
 
 
-def finish(proc: subprocess.Popen, seen: str) -> str:
-    """Everything the process wrote to stderr, once it has exited."""
-    err = seen + proc.stderr.read()
-    proc.wait(timeout=60)
-    return err
 
 
 def children_of(pid: int) -> list[int]:

@@ -13,25 +13,29 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import zipfile
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from conftest import tree_digest
+from helpers import (
+    assert_one_line_error,
+    assert_optim_states_equal,
+    compose_newest_per_row,
+    expect_rows_from,
+    param_row,
+    tailor,
+    write_recipe,
+)
+from safetensors.torch import load_file, save_file
+from zero_reader import model_states, optim_states
+
 from tailor_tui.checkpoint import scan
-from tailor_tui.composition import Composition
 from tailor_tui.demo_run import RunSpec, resume_and_step
 from tailor_tui.merge import run_merge
 from tailor_tui.model_files import safetensors_tensors
 from tailor_tui.plan import build_plan
 from tailor_tui.recipe import Recipe
 from tailor_tui.selective import Filter, Parity
-from test_cli import assert_one_line_error, tailor, write_recipe
-from test_merge import test_row
-from test_resume import assert_optim_states_equal
-from zero_reader import model_states, optim_states, read_full_state
 
 RUN = "ds_selective_parity"
 
@@ -42,39 +46,8 @@ def selective(real_run):
     return run / "run", run / "reference", spec
 
 
-def expect_rows_from(out, sources: dict[str, object]) -> None:
-    """Every parameter's fp32 / exp_avg / exp_avg_sq in `out` equals the reference checkpoint
-    its row was taken from (`sources`: row -> reference tag folder)."""
-    mine = read_full_state(out)
-    refs = {}
-    for key, tensors in mine.items():
-        for name, value in tensors.items():
-            ref = sources[test_row(name)]
-            if ref not in refs:
-                refs[ref] = read_full_state(ref)
-            assert torch.equal(value, refs[ref][key][name]), (key, name, ref)
 
 
-def compose_newest_per_row(runs, tmp_path):
-    """Compose a full, a step-4 and a step-6 partial checkpoint with the composer's default picks
-    (each row from the newest checkpoint that saved it) through the real CLI, and --verify it.
-    Returns the three checkpoints and the output folder."""
-    comp = Composition.start(list(scan(runs).checkpoints))
-    full, p4, p6 = comp.checkpoints
-    assert comp.base == 2 and comp.missing_rows() == []  # the default: newest checkpoint per row
-    assert {row: col for row, col in comp.picks.items()} == {r: 1 for r in p4.saved_rows}
-    recipe = comp.to_recipe()
-    path = write_recipe(tmp_path, recipe.base, recipe.layers, output="composed")
-
-    result = tailor("--apply", path)
-    assert result.returncode == 0, result.stderr
-    verified = tailor("--verify", path)
-    assert verified.returncode == 0, verified.stdout + verified.stderr
-    out = tmp_path / "composed"
-    for f in (out / p6.tag).glob("*optim_states.pt"):  # built from the skeleton: CRCs right
-        with zipfile.ZipFile(f) as z:
-            assert z.testzip() is None, f
-    return (full, p4, p6), out
 
 
 def test_strategies_choose_rows_like_llmtailor():
@@ -101,7 +74,7 @@ def test_partial_saves_hold_only_their_rows_and_each_ranks_own_slices(selective)
     assert sorted(p4.saved_rows) == sorted(rows[1::2]) and sorted(p6.saved_rows) == sorted(rows[0::2])
     assert (runs / "latest").read_text().strip() == "global_step2"  # a partial save is never `latest`
     for part in (p4, p6):
-        held = {s.name: s for s in full.layout.slots if test_row(s.name) in part.saved_rows}
+        held = {s.name: s for s in full.layout.slots if param_row(s.name) in part.saved_rows}
         for files in part.ranks:
             tensors = safetensors_tensors(files.rows)
             assert set(tensors) == {f"{k}/{n}" for n in held for k in ("fp32", "exp_avg", "exp_avg_sq")}

@@ -18,18 +18,23 @@ import struct
 
 import pytest
 import torch
+from conftest import tree_digest
+from helpers import (
+    assert_one_line_error,
+    assert_optim_states_equal,
+    compose_newest_per_row,
+    expect_rows_from,
+    tailor,
+    write_recipe,
+)
 from safetensors import safe_open
 
-from conftest import tree_digest
 from tailor_tui.checkpoint import PARTIAL_MODEL_FILES, scan
 from tailor_tui.demo_run import resume_and_step
 from tailor_tui.merge import run_merge
 from tailor_tui.plan import build_plan, tied_partner
 from tailor_tui.recipe import Recipe
 from tailor_tui.rows import row_of
-from test_cli import assert_one_line_error, tailor, write_recipe
-from test_resume import assert_optim_states_equal
-from test_selective import compose_newest_per_row, expect_rows_from
 
 RUN = "hf_selective_parity"
 

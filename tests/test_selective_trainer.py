@@ -13,16 +13,15 @@ import shutil
 
 import pytest
 import torch
+from conftest import tree_digest
+from helpers import assert_optim_states_equal, tailor
 from safetensors import safe_open
 
-from conftest import tree_digest
 from tailor_tui.checkpoint import scan
 from tailor_tui.composition import Composition
 from tailor_tui.demo_run import continue_run
 from tailor_tui.run_saves import newest_holders, removable, run_saves
 from tailor_tui.selective import Filter, Parity
-from test_cli import tailor
-from test_resume import assert_optim_states_equal
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import shutil
 
 import pytest
 
-from conftest import checkpoints_of
 from tailor_tui.events import TaskProgressed
 from tailor_tui.ui.app import make_app
 from tailor_tui.ui.dialogs import Confirm

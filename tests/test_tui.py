@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import checkpoints_of, tree_digest
+from zero_reader import read_full_state
+
 from tailor_tui.events import TaskOptions
 from tailor_tui.recipe import load_recipe
 from tailor_tui.ui.app import make_app
 from tailor_tui.ui.dialogs import Confirm, ErrorDialog, PathPrompt
 from tailor_tui.ui.merge_screen import MergeScreen
-from zero_reader import read_full_state
 
 SIZE = (130, 32)
 SLOW = TaskOptions(slow_down=0.4)

@@ -1,0 +1,177 @@
+"""Helpers the test modules share: the real CLI in a subprocess, recipes, comparisons of
+composed checkpoints with their sources (through DeepSpeed's own zero_to_fp32 code), and
+merges started and signalled as a batch job would see them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import torch
+from zero_reader import optim_states, read_full_state
+
+from tailor_tui.checkpoint import scan
+from tailor_tui.composition import Composition
+from tailor_tui.merge import run_merge
+from tailor_tui.plan import build_plan
+from tailor_tui.recipe import Recipe
+
+TAILOR = str(Path(sys.executable).with_name("tailor-tui"))
+
+
+def tailor(*args, cwd=None, timeout=300):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run([TAILOR, *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+
+
+def write_recipe(folder: Path, base: Path, layers: dict, output: str | None = "composed") -> Path:
+    """A recipe whose paths are relative to its own folder, as users write them."""
+    rel = lambda p: os.path.relpath(p, folder)  # noqa: E731
+    lines = ["version: 1", f"base: {rel(base)}"]
+    if output:
+        lines.append(f"output: {output}")
+    lines.append("layers:")
+    lines += [f"  {row}: {rel(src)}" for row, src in layers.items()]
+    path = folder / "recipe.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def assert_one_line_error(result, code: int, *needles: str):
+    assert result.returncode == code, result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+
+
+def start_apply(recipe: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    """A merge slowed to several seconds (test checkpoints are tiny), so signals land mid-merge.
+    SIGINT starts at its default whatever this process inherited (a shell's background job
+    ignores it, and Python then never turns it into KeyboardInterrupt), as in a terminal."""
+    return subprocess.Popen([TAILOR, "--apply", str(recipe), *extra], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+                            env={**os.environ, "PYTHONWARNINGS": "ignore", "TAILOR_TEST_SLOW_MERGE": "0.4",
+                                 **(env or {})})
+
+
+def wait_for_line(proc: subprocess.Popen, start: str) -> str:
+    """Read the merge's log up to the first line that starts with `start`; returns what was read.
+    "composing": planned, workers about to start; "rank ": a worker is merging."""
+    seen = ""
+    while line := proc.stderr.readline():
+        seen += line
+        if line.startswith(start):
+            return seen
+    raise AssertionError(f"the merge ended before a line starting {start!r}:\n{seen}")
+
+
+def finish(proc: subprocess.Popen, seen: str) -> str:
+    """Everything the process wrote to stderr, once it has exited."""
+    err = seen + proc.stderr.read()
+    proc.wait(timeout=60)
+    return err
+
+
+def hidden(folder: Path) -> list[Path]:
+    return [p for p in folder.iterdir() if p.name.startswith(".")]
+
+
+def param_row(name: str) -> str:
+    """Row of a parameter name, by the documented rule (independent of tailor_tui.rows)."""
+    parts = name.split(".")
+    if parts[0] == "model":
+        parts = parts[1:]
+    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+
+
+def parity_picks(spec, ckpts: list[Path]) -> dict[str, Path]:
+    """Odd layers from the middle checkpoint, embeddings from the oldest, the rest the base's."""
+    oldest, middle, _base = ckpts
+    picks = {f"layers.{i}": middle for i in range(1, spec.layers, 2)}
+    picks["embed_tokens"] = oldest
+    picks["norm"] = middle
+    if not spec.tied:
+        picks["lm_head"] = oldest
+    return picks
+
+
+def compose(tmp_path: Path, ckpts: list[Path], picks: dict[str, Path], workers: int = 1):
+    recipe = Recipe(base=ckpts[-1], output=tmp_path / "composed", layers=picks)
+    plan = build_plan(recipe)
+    events = []
+    run_merge(plan, workers=workers, emit=events.append)
+    return plan.output, events
+
+
+def two_checkpoint_picks(spec, oldest) -> dict:
+    """Odd layers (one with a frozen parameter), embeddings and lm_head from the oldest checkpoint."""
+    picks = {f"layers.{i}": oldest for i in range(1, spec.layers, 2)}
+    picks["embed_tokens"] = oldest
+    if not spec.tied:
+        picks["lm_head"] = oldest
+    return picks
+
+
+def assert_rows_from_picks(out, picks: dict, base) -> None:
+    """Every parameter's fp32 weights, exp_avg and exp_avg_sq in `out` are its chosen source's
+    (read by DeepSpeed's zero_to_fp32 code; frozen parameters are among the fp32 weights)."""
+    got = read_full_state(out)
+    want = {c: read_full_state(c) for c in {base, *picks.values()}}
+    for key in ("fp32", "exp_avg", "exp_avg_sq"):
+        assert got[key].keys() == want[base][key].keys()
+        for param, value in got[key].items():
+            assert torch.equal(value, want[picks.get(param_row(param), base)][key][param]), (key, param)
+
+
+def assert_optim_states_equal(out, resaved) -> None:
+    """Every rank's fp32 weights, moments and steps in `resaved` equal `out`'s, bit for bit."""
+    for mine, theirs in zip(optim_states(out), optim_states(resaved), strict=True):
+        for a, b in zip(mine["fp32_flat_groups"], theirs["fp32_flat_groups"], strict=True):
+            assert torch.equal(a, b)
+        for g, st in mine["optimizer_state_dict"]["state"].items():
+            again = theirs["optimizer_state_dict"]["state"][g]
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(torch.as_tensor(st[key]), torch.as_tensor(again[key])), (g, key)
+
+
+def expect_rows_from(out, sources: dict[str, object]) -> None:
+    """Every parameter's fp32 / exp_avg / exp_avg_sq in `out` equals the reference checkpoint
+    its row was taken from (`sources`: row -> reference tag folder)."""
+    mine = read_full_state(out)
+    refs = {}
+    for key, tensors in mine.items():
+        for name, value in tensors.items():
+            ref = sources[param_row(name)]
+            if ref not in refs:
+                refs[ref] = read_full_state(ref)
+            assert torch.equal(value, refs[ref][key][name]), (key, name, ref)
+
+
+def compose_newest_per_row(runs, tmp_path):
+    """Compose a full, a step-4 and a step-6 partial checkpoint with the composer's default picks
+    (each row from the newest checkpoint that saved it) through the real CLI, and --verify it.
+    Returns the three checkpoints and the output folder."""
+    comp = Composition.start(list(scan(runs).checkpoints))
+    full, p4, p6 = comp.checkpoints
+    assert comp.base == 2 and comp.missing_rows() == []  # the default: newest checkpoint per row
+    assert {row: col for row, col in comp.picks.items()} == {r: 1 for r in p4.saved_rows}
+    recipe = comp.to_recipe()
+    path = write_recipe(tmp_path, recipe.base, recipe.layers, output="composed")
+
+    result = tailor("--apply", path)
+    assert result.returncode == 0, result.stderr
+    verified = tailor("--verify", path)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    out = tmp_path / "composed"
+    for f in (out / p6.tag).glob("*optim_states.pt"):  # built from the skeleton: CRCs right
+        with zipfile.ZipFile(f) as z:
+            assert z.testzip() is None, f
+    return (full, p4, p6), out
