@@ -25,6 +25,7 @@ class Composition:
     recipe_path: Path | None = None
     saved: bool = True  # no picks changed since the last save or load
     _undo: list[tuple[int, dict[str, int], Path | None]] = field(default_factory=list, repr=False)
+    _known: dict = field(default_factory=dict, repr=False)  # (rule, base, column) -> its answer
 
     @classmethod
     def start(cls, checkpoints: list[Checkpoint]) -> "Composition":
@@ -69,12 +70,21 @@ class Composition:
         return self.picks.get(row, self.base)
 
     def incompatibility(self, column: int) -> str | None:
-        """Why checkpoint `column` cannot be combined with the base, or None."""
-        return None if column == self.base else incompatibility(self.base_checkpoint, self.checkpoints[column])
+        """Why checkpoint `column` cannot be combined with the base, or None (worked out once
+        per base and column: the grid asks for every cell on every change)."""
+        return self._about(column, incompatibility)
 
     def other_run(self, column: int) -> str | None:
         """Why checkpoint `column` may come from another training run than the base, or None."""
-        return None if column == self.base else other_run(self.base_checkpoint, self.checkpoints[column])
+        return self._about(column, other_run)
+
+    def _about(self, column: int, rule) -> str | None:
+        if column == self.base:
+            return None
+        key = (rule.__name__, self.base, column)
+        if key not in self._known:
+            self._known[key] = rule(self.base_checkpoint, self.checkpoints[column])
+        return self._known[key]
 
     def holds(self, column: int, row: str) -> bool:
         """Whether checkpoint `column` holds weights for `row` (a partial checkpoint: only the

@@ -60,27 +60,37 @@ class RankJob:
         return self.read_bytes + self.write_bytes
 
 
-@dataclass
+@dataclass(frozen=True)
 class MergePlan:
+    """A recipe checked against its checkpoints, and all the work it takes, computed once when
+    the plan is made (the writers take their jobs from it and never call back into it)."""
+
     recipe: Recipe
     base: Checkpoint
-    sources: list[Checkpoint]  # sources[0] is the base
+    sources: tuple[Checkpoint, ...]  # sources[0] is the base
     picks: dict[str, int]  # every non-tied row -> index into sources
     output: Path
     force: bool = False
     warnings: tuple[str, ...] = ()  # worth a look, not a reason to refuse (`warning: ...` lines)
-    _jobs: list[RankJob] | None = field(default=None, repr=False)
-    _model_jobs: list[ModelFileJob] | None = field(default=None, repr=False)
-    _model_layout: tuple | None = field(default=None, repr=False)  # (layout or None,), read once
+    _jobs: tuple[RankJob, ...] = field(init=False, repr=False)
+    _model_layout: ModelFileLayout | None = field(init=False, repr=False)
+    _model_jobs: tuple[ModelFileJob, ...] = field(init=False, repr=False)
+    _other_files: tuple[Path, ...] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        layout = self._read_model_layout()
+        for name, value in (("_jobs", tuple(self._rank_job(r) for r in range(self.base.world_size))),
+                            ("_model_layout", layout),
+                            ("_model_jobs", self._make_model_file_jobs(layout)),
+                            ("_other_files", self._list_other_files())):
+            object.__setattr__(self, name, value)
 
     # --- per rank work ---------------------------------------------------------------
 
     def source_of_param(self) -> dict[str, int]:
         return {p: self.picks[row.name] for row in self.base.rows for p in (*row.params, *row.buffers)}
 
-    def rank_jobs(self) -> list[RankJob]:
-        if self._jobs is None:
-            self._jobs = [self._rank_job(r) for r in range(self.base.world_size)]
+    def rank_jobs(self) -> tuple[RankJob, ...]:
         return self._jobs
 
     def _rank_job(self, rank: int) -> RankJob:
@@ -140,9 +150,7 @@ class MergePlan:
 
         A full base's own files; a partial HF base's recorded layout or, if its save
         recorded none, any full HF source's (every checkpoint of a run has the same)."""
-        if self._model_layout is None:
-            self._model_layout = (self._read_model_layout(),)
-        return self._model_layout[0]
+        return self._model_layout
 
     def _read_model_layout(self):
         if self.base.model_files:
@@ -156,38 +164,39 @@ class MergePlan:
                 return ModelFileLayout.of_files(src.model_files)
         return None
 
-    def model_file_jobs(self) -> list[ModelFileJob]:
-        if self._model_jobs is None:
-            layout = self.model_layout()
-            picks = dict(self.picks)
-            for row in self.base.rows:
-                if row.tied:
-                    picks[row.name] = self.picks.get(tied_partner(self.base, row), 0)
-            base_files = {f.name: f for f in self.base.model_files}
-            full = {i: src.model_files for i, src in enumerate(self.sources) if src.model_files}
-            partial = {i: src.ranks for i, src in enumerate(self.sources) if src.partial}
-            slots = {slot.name: slot for slot in self.base.layout.slots}
-            names = {i: str(src.path) for i, src in enumerate(self.sources)}
-            self._model_jobs = [
-                ModelFileJob(name, prefix, base_files.get(name), picks, full, partial, slots, names)
-                for name, prefix in (layout.files if layout else ())
-            ]
+    def model_file_jobs(self) -> tuple[ModelFileJob, ...]:
         return self._model_jobs
+
+    def _make_model_file_jobs(self, layout) -> tuple[ModelFileJob, ...]:
+        picks = dict(self.picks)
+        for row in self.base.rows:
+            if row.tied:
+                picks[row.name] = self.picks.get(tied_partner(self.base, row), 0)
+        base_files = {f.name: f for f in self.base.model_files}
+        full = {i: src.model_files for i, src in enumerate(self.sources) if src.model_files}
+        partial = {i: src.ranks for i, src in enumerate(self.sources) if src.partial}
+        slots = {slot.name: slot for slot in self.base.layout.slots}
+        names = {i: str(src.path) for i, src in enumerate(self.sources)}
+        return tuple(ModelFileJob(name, prefix, base_files.get(name), picks, full, partial, slots, names)
+                     for name, prefix in (layout.files if layout else ()))
 
     # --- totals and description -------------------------------------------------------
 
-    def other_files(self) -> list[Path]:
+    def other_files(self) -> tuple[Path, ...]:
         """Base files copied unchanged into the output (relative to the base folder)."""
+        return self._other_files
+
+    def _list_other_files(self) -> tuple[Path, ...]:
         if self.base.kind == "hf":
             skip = set(self.base.model_files)  # composed, not copied
             own = {PARTIAL_MANIFEST, PARTIAL_MODEL_FILES} if self.base.partial else set()  # tailor-tui's
-            return sorted(
+            return tuple(sorted(
                 p.relative_to(self.base.path)
                 for p in self.base.path.rglob("*")
                 if p.is_file() and p not in skip and self.base.tag_dir not in p.parents
                 and not (p.parent == self.base.path and p.name in own)
-            )
-        return [Path(s) for s in RECOVERY_SCRIPTS if (self.base.save_dir / s).is_file()]
+            ))
+        return tuple(Path(s) for s in RECOVERY_SCRIPTS if (self.base.save_dir / s).is_file())
 
     def other_files_root(self) -> Path:
         return self.base.path if self.base.kind == "hf" else self.base.save_dir
@@ -303,7 +312,7 @@ def build_plan(recipe: Recipe, output: str | Path | None = None, force: bool = F
     if check_output:
         note = check_writable(out, sources, force, preview=preview)
         warnings += [note] if note else []
-    return MergePlan(recipe=recipe, base=base, sources=sources, picks=picks, output=out, force=force,
+    return MergePlan(recipe=recipe, base=base, sources=tuple(sources), picks=picks, output=out, force=force,
                      warnings=tuple(warnings))
 
 
