@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
+from .ds_format import DP_WORLD_SIZE, FROZEN_PARAM_SHAPES, PARAM_SHAPES
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -40,13 +42,13 @@ class ZeroLayout:
     def from_model_states(cls, states: dict) -> "ZeroLayout":
         groups = tuple(
             tuple((name, tuple(int(d) for d in shape)) for name, shape in group.items())
-            for group in states["param_shapes"]
+            for group in states[PARAM_SHAPES]
         )
         frozen = tuple(
             (name, tuple(int(d) for d in shape))
-            for name, shape in (states.get("frozen_param_shapes") or {}).items()
+            for name, shape in (states.get(FROZEN_PARAM_SHAPES) or {}).items()
         )
-        return cls(int(states["dp_world_size"]), groups, frozen)
+        return cls(int(states[DP_WORLD_SIZE]), groups, frozen)
 
     @cached_property
     def slots(self) -> tuple[Slot, ...]:

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Callable
 
 from .checkpoint import MODEL_FILE_INDEX, open_checkpoint
-from .ds_format import TENSORS, flat_tensor, optimizer_state
+from .ds_format import (EXP_AVG, EXP_AVG_SQ, FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT, STATE, TENSORS,
+                        flat_tensor, optimizer_state)
 from .errors import CheckpointError
 from .events import ByteCounter, Emit
 from .output import PROVENANCE
@@ -157,10 +158,12 @@ def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled) -> No
     # Everything but the flat tensors is the base's: param groups, loss scaler, steps, counters.
     base_file = loaded[0] if 0 in loaded else load_pt(files[0].skeleton)
 
+    outer = f"[{OPTIMIZER_STATE_DICT!r}]"
+
     def flat(where: str) -> bool:
-        return where.startswith("['optimizer_state_dict']['fp32_flat_groups']") or (
-            where.startswith("['optimizer_state_dict']['optimizer_state_dict']['state']")
-            and where.endswith(("['exp_avg']", "['exp_avg_sq']")))
+        return where.startswith(f"{outer}[{FP32_FLAT_GROUPS!r}]") or (
+            where.startswith(f"{outer}{outer}[{STATE!r}]")
+            and where.endswith((f"[{EXP_AVG!r}]", f"[{EXP_AVG_SQ!r}]")))
 
     for where in differences(got_file, base_file, skip=flat)[:5]:
         report.add(None, f"rank {rank}: optimizer state {where} is not the base's")

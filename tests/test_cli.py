@@ -146,6 +146,22 @@ def test_headless_path_never_imports_textual(real_run, tmp_path):
     assert result.returncode == 0, result.stderr
 
 
+TORCH_FREE = ("ds_format", "pickled", "ptfile", "ptlegacy", "crc", "fileio", "layout", "rows", "checkpoint",
+              "plan", "recipe", "composition", "events", "units", "errors", "output", "report", "rank_stream",
+              "rank_task", "workers", "model_files", "merge", "verify", "safe_load", "run_saves", "cli")
+
+
+def test_torch_free_modules_are_a_module_boundary():
+    """Scanning, planning and streaming workers start without torch: importing any of these
+    modules must not import it (rank_torch and the trainer callbacks do; safe_load and verify
+    import it when they load a file)."""
+    code = "".join(f"import tailor_tui.{m}\n" for m in TORCH_FREE) + (
+        "import sys\nassert 'torch' not in sys.modules, 'torch imported'\n"
+        "assert 'textual' not in sys.modules, 'textual imported'\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
 def test_the_composer_needs_a_terminal_and_an_existing_folder(tmp_path):
     assert_one_line_error(tailor(tmp_path / "nope"), 4, "no such folder")
     assert_one_line_error(tailor(tmp_path), 2, "needs a terminal", "--apply")
