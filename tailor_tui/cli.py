@@ -3,6 +3,8 @@
     tailor-tui RUN_DIR [--recipe fix.yaml]      the interactive composer
     tailor-tui --demo                           make a small real run and open it
     tailor-tui --apply recipe.yaml [--output DIR] [--workers N] [--dry-run] [--force] [--no-fsync]
+    tailor-tui --stats RUN_DIR [--json]           the health of every row in every checkpoint
+    tailor-tui --heal RUN_DIR --recipe OUT.yaml   the recipe that takes every row where it is healthy
     tailor-tui --make-demo DIR
 
 Textual is imported only when the interactive composer starts: batch jobs on login
@@ -19,7 +21,15 @@ import threading
 from pathlib import Path
 
 from . import __version__
-from .errors import CheckpointError, ExitCode, OutputError, TailorError, UsageError, exit_codes_help
+from .errors import (
+    CheckpointError,
+    ExitCode,
+    OutputError,
+    TailorError,
+    UsageError,
+    exit_codes_help,
+)
+from .events import TaskOptions
 
 
 def _positive(text: str) -> int:
@@ -41,13 +51,20 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("run_dir", nargs="?", type=Path, metavar="RUN_DIR",
                    help="open the interactive composer on a directory of ZeRO-3 checkpoints")
-    p.add_argument("--recipe", type=Path, help="with RUN_DIR: load this recipe's picks (if it exists); ctrl+s saves there")
+    p.add_argument("--recipe", type=Path, help="with RUN_DIR: load this recipe's picks (if it exists); ctrl+s saves "
+                                               "there; with --heal: where to write the recipe")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--demo", action="store_true",
                       help="train a small real ZeRO-3 run into ./demo-run (once) and open the composer on it")
     mode.add_argument("--apply", metavar="RECIPE", type=Path, help="compose the checkpoint a recipe describes")
     mode.add_argument("--verify", metavar="RECIPE", type=Path,
                       help="re-check a finished output against its recipe and sources, row by row")
+    mode.add_argument("--stats", metavar="RUN_DIR", type=Path,
+                      help="the health of every row in every checkpoint (NaN/Inf, weight RMS, Adam's "
+                           "exp_avg_sq max, change since the previous checkpoint), with each checkpoint's loss")
+    mode.add_argument("--heal", metavar="RUN_DIR", type=Path,
+                      help="write the recipe (--recipe OUT.yaml) that takes every row from the newest checkpoint "
+                           "where it is healthy; base: the newest checkpoint")
     mode.add_argument(
         "--make-demo",
         metavar="DIR",
@@ -68,6 +85,9 @@ def parser() -> argparse.ArgumentParser:
         default="auto",
         help="live bars (terminal) or plain periodic lines (logs); auto picks by whether stderr is a terminal",
     )
+    p.add_argument("--json", action="store_true", help="with --stats: print JSON instead of a table")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="with --apply: compose even if the output would hold NaN/Inf values")
     p.add_argument("--report-peak-rss", action="store_true",
                    help="after --apply, print the merge workers' peak resident memory (for benchmarks)")
     p.add_argument("--version", action="version", version=f"tailor-tui {__version__}")
@@ -75,7 +95,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def apply(args) -> int:
-    from .events import TaskOptions
     from .merge import planned_tasks, run_merge
     from .plan import build_plan
     from .recipe import load_recipe
@@ -103,9 +122,15 @@ def apply(args) -> int:
     cancel = threading.Event()
     options = TaskOptions(durable=args.durable, slow_down=_test_slow_down(),
                           exchange=not os.environ.get("TAILOR_TEST_NO_RENAME_EXCHANGE"))
-    result = run_merge(plan, workers=workers, emit=report, cancel=cancel, options=options)
-    if isinstance(report, BarReporter):
-        report.close()
+    try:
+        result = run_merge(plan, workers=workers, emit=report, cancel=cancel, options=options,
+                           allow_nonfinite=args.allow_nonfinite)
+    finally:
+        if isinstance(report, BarReporter):
+            report.close()
+    if result.nonfinite:
+        print("warning: composed with --allow-nonfinite: the output holds NaN/Inf values in "
+              + ", ".join(f"{row} ({n:,})" for row, n in result.nonfinite.items()), file=sys.stderr)
     if args.report_peak_rss:
         print(f"peak RSS: {result.peak_rss} bytes", file=sys.stderr)
     rate = result.bytes_written / max(result.seconds, 1e-6)
@@ -146,6 +171,68 @@ def verify(args) -> int:
     print(f"error: verification failed: {bad} row(s) and {len(report.other)} other problem(s) differ; "
           "do not resume from this output", file=sys.stderr)
     return ExitCode.VERIFY_FAILED
+
+
+def _health(run_dir: Path, args, progress: str):
+    """The scanned run (training checkpoints: not tailor-tui's own outputs) and its health."""
+    from .checkpoint import scan
+    from .health_report import StatsProgress
+    from .output import PROVENANCE
+    from .stats_run import cache_dir, compute_health
+
+    if not run_dir.is_dir():
+        raise CheckpointError(f"{run_dir}: no such folder; name a directory of DeepSpeed checkpoints")
+    scanned = scan(run_dir)
+    for folder, problem in scanned.problems:
+        print(f"warning: skipped {problem}", file=sys.stderr)
+    checkpoints = tuple(c for c in scanned.checkpoints if not (c.path / PROVENANCE).is_file())
+    if not checkpoints:
+        raise CheckpointError(f"{run_dir}: holds no ZeRO-3 checkpoint (looked for HF checkpoint-N folders, "
+                              "DeepSpeed tag folders and partial saves)")
+    report = StatsProgress(sys.stderr, live={"bars": True, "lines": False}.get(progress))
+    cancel = threading.Event()
+    try:
+        health = compute_health(checkpoints, workers=args.workers, emit=report, cancel=cancel, cache=cache_dir(),
+                                options=TaskOptions(slow_down=_test_slow_down()))
+    finally:
+        report.close()
+    return health
+
+
+def stats(args) -> int:
+    import json
+
+    from .health_report import table
+
+    health = _health(args.stats, args, args.progress)
+    if args.json:
+        print(json.dumps(health.to_json(), indent=1))
+    else:
+        print("\n".join(table(health)))
+    return ExitCode.OK
+
+
+def heal(args) -> int:
+    from .composition import Composition
+    from .health_report import healing_lines
+
+    if args.recipe is None:
+        raise UsageError("--heal needs --recipe OUT.yaml: where to write the recipe it makes")
+    health = _health(args.heal, args, args.progress)
+    comp = Composition.start(list(health.checkpoints))
+    healing = comp.healing(health)
+    comp.apply_healing(healing)
+    saved = comp.save(args.recipe)
+    base = comp.base_checkpoint.name
+    lines = healing_lines(health, healing, comp.base)
+    print(f"base: {base}; {len(comp.picks)} row(s) from other checkpoints")
+    print("\n".join(lines) if lines else f"every row is healthy in {base}")
+    if healing.hopeless:
+        print(f"error: {len(healing.hopeless)} row(s) have no healthy checkpoint ({', '.join(healing.hopeless)}); "
+              f"{saved} keeps them from {base}: --apply refuses it without --allow-nonfinite", file=sys.stderr)
+        return ExitCode.NONFINITE
+    print(f"wrote {saved}; compose it with: tailor-tui --apply {saved}")
+    return ExitCode.OK
 
 
 def interactive(run_dir: Path, recipe: Path | None, workers: int | None) -> int:
@@ -200,17 +287,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no GPU needed to read checkpoints
-    if args.apply or args.verify or args.make_demo or args.demo:
+    if args.apply or args.verify or args.make_demo or args.demo or args.stats or args.heal:
         if args.run_dir is not None:
             parser().error("RUN_DIR opens the interactive composer; it does not go with "
-                           "--apply, --verify, --make-demo or --demo")
+                           "--apply, --verify, --stats, --heal, --make-demo or --demo")
     elif args.run_dir is None:
-        parser().error("name a RUN_DIR to open, or use --demo, --apply RECIPE or --make-demo DIR")
+        parser().error("name a RUN_DIR to open, or use --demo, --apply RECIPE, --stats RUN_DIR or --make-demo DIR")
+    if args.json and not args.stats:
+        parser().error("--json goes with --stats")
     try:
         if args.apply:
             code = apply(args)
         elif args.verify:
             code = verify(args)
+        elif args.stats:
+            code = stats(args)
+        elif args.heal:
+            code = heal(args)
         elif args.make_demo:
             code = make_demo(args)
         elif args.demo:
@@ -224,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: cancelled; nothing was written to the output path", file=sys.stderr)
         code = ExitCode.CANCELLED
+    except BrokenPipeError:  # `tailor-tui --stats RUN | head`: the reader has seen enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = ExitCode.OK
     return int(code)
 
 

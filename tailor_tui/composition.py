@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .checkpoint import Checkpoint, Row, incompatibility, other_run
 from .errors import RecipeError
+from .health import Healing, Health, heal
 from .plan import tied_partner
 from .recipe import Recipe
 
@@ -128,6 +129,23 @@ class Composition:
             self.picks = {row: col for row, col in self.picks.items() if not self.holds(column, row)}
         else:  # a partial column gives the rows it saved; the others keep their source
             self.picks.update({r.name: column for r in self.rows if self.holds(column, r.name)})
+
+    def healing(self, health: Health) -> Healing:
+        """What healing would pick (`health.heal`) among the checkpoints this base combines with."""
+        rows = [r.name for r in self.rows if not r.tied]
+        return heal(health, rows, usable=lambda column: self.incompatibility(column) is None)
+
+    def apply_healing(self, healing: Healing) -> list[str]:
+        """Take healing's picks as one undoable change; the rows whose source changed."""
+        changed = [row for row, col in healing.picks.items() if self.source_of(row) != col]
+        if changed:
+            self._remember()
+            for row in changed:
+                if healing.picks[row] == self.base:
+                    self.picks.pop(row, None)
+                else:
+                    self.picks[row] = healing.picks[row]
+        return changed
 
     def set_base(self, column: int) -> None:
         """Make `column` the base; picks it cannot be combined with are dropped."""

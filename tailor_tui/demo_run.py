@@ -289,16 +289,15 @@ def _train_rank(rank: int, world: int, port: int, spec: RunSpec, out: str) -> No
 
 
 def _blow_up(engine, names: tuple[str, ...]) -> None:
-    """Set parameters' fp32 master weights and exp_avg_sq to NaN, on every rank, as a diverged
-    layer leaves them (collective: every rank calls it)."""
+    """Set parameters' fp32 master weights to NaN and their exp_avg_sq to +Inf, on every rank,
+    as a diverged layer leaves them (collective: every rank calls it)."""
     import torch
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     for name, param in engine.module.named_parameters():
         if name in names:
-            nan = torch.full(param.ds_shape, float("nan"))
-            safe_set_full_fp32_param(param, nan)
-            safe_set_full_optimizer_state(param, nan, "exp_avg_sq")
+            safe_set_full_fp32_param(param, torch.full(param.ds_shape, float("nan")))
+            safe_set_full_optimizer_state(param, torch.full(param.ds_shape, float("inf")), "exp_avg_sq")
 
 
 def _hf_trainer(spec: RunSpec, out: Path, max_steps: int, newer_saves: str = "refuse", callbacks=()):

@@ -18,6 +18,7 @@ class ExitCode(IntEnum):
     INCOMPATIBLE = 5  # a source cannot be combined with the base
     OUTPUT = 6  # the output cannot be written (exists, read-only, disk full)
     VERIFY_FAILED = 7  # --verify found rows that do not match their sources
+    NONFINITE = 8  # the output would hold NaN/Inf (--apply), or a row has no healthy checkpoint (--heal)
     CANCELLED = 130  # stopped by the user (Ctrl-C), like a shell's SIGINT status
 
 
@@ -30,6 +31,7 @@ MEANING = {
     ExitCode.INCOMPATIBLE: "incompatible source",
     ExitCode.OUTPUT: "output (exists, read-only, full, locked)",
     ExitCode.VERIFY_FAILED: "--verify found differences",
+    ExitCode.NONFINITE: "non-finite values (NaN/Inf) kept, or a row nothing heals",
     ExitCode.CANCELLED: "cancelled",
     ExitCode.INTERNAL: "internal error",
 }
@@ -66,6 +68,10 @@ class IncompatibleError(TailorError):
 
 class OutputError(TailorError):
     exit_code = ExitCode.OUTPUT
+
+
+class NonFiniteError(TailorError):
+    exit_code = ExitCode.NONFINITE
 
 
 class MergeCancelled(TailorError):

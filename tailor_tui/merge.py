@@ -19,7 +19,8 @@ import shutil
 import threading
 import time
 import zipfile
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import __version__
@@ -27,6 +28,8 @@ from .checkpoint import MODEL_FILE_INDEX, Checkpoint
 from .errors import MergeCancelled, OutputError
 from .events import Emit, TaskFinished, TaskOptions
 from .fileio import copy_file, fsync, fsync_dir, output_error
+from .guard import nonfinite_error
+from .model_files import merge_model_file
 from .output import (
     OUTPUT_FILES,
     PROVENANCE,
@@ -38,9 +41,10 @@ from .output import (
     temp_prefix,
     written_files,
 )
-from .plan import MergePlan, RankJob, tied_partner
+from .plan import MergePlan, tied_partner
 from .ptfile import check_crcs
-from .workers import default_workers, run_inline, run_pool
+from .rank_task import merge_rank
+from .workers import default_workers, run_calls
 
 # --- the task list -------------------------------------------------------------------------
 
@@ -60,6 +64,7 @@ class MergeResult:
     seconds: float
     bytes_written: int
     peak_rss: int  # bytes: the largest peak resident memory of any process that merged a task
+    nonfinite: dict = field(default_factory=dict)  # row -> NaN/Inf values it holds (--allow-nonfinite)
 
 
 def run_merge(
@@ -68,14 +73,17 @@ def run_merge(
     emit: Emit = lambda event: None,
     cancel: threading.Event | None = None,
     options: TaskOptions = TaskOptions(),
+    allow_nonfinite: bool = False,
 ) -> MergeResult:
     """Write the composed checkpoint described by `plan`; atomic, cancellable; fsynced
-    before it is renamed into place unless `options.durable` is False (`--no-fsync`)."""
-    return _compose(plan, workers, emit, cancel or threading.Event(), options)
+    before it is renamed into place unless `options.durable` is False (`--no-fsync`).
+    An output that would hold NaN/Inf values is refused (NonFiniteError, nothing written)
+    unless `allow_nonfinite`; the result says how many it holds either way."""
+    return _compose(plan, workers, emit, cancel or threading.Event(), options, allow_nonfinite)
 
 
 def _compose(plan: MergePlan, workers: int | None, emit: Emit, cancel: threading.Event,
-             options: TaskOptions) -> MergeResult:
+             options: TaskOptions, allow_nonfinite: bool) -> MergeResult:
     durable = options.durable
     started = time.monotonic()
     out = plan.output
@@ -109,16 +117,15 @@ def _compose(plan: MergePlan, workers: int | None, emit: Emit, cancel: threading
             layout = plan.model_layout()
             if plan.base.partial and layout is not None and layout.index is not None:
                 _write_text(tmp / MODEL_FILE_INDEX, layout.index, durable)
-            tasks = [*plan.rank_jobs(), *plan.model_file_jobs()]
-            out_dirs = [tag_dir if isinstance(t, RankJob) else tmp for t in tasks]
-            n = workers if workers is not None else default_workers(plan)
-            n = max(1, min(n, len(tasks)))
-            if n == 1:
-                run_inline(tasks, out_dirs, emit_and_watch, cancel, options)
-            else:
-                run_pool(tasks, out_dirs, n, emit_and_watch, cancel, options)
+            calls = [*((merge_rank, (job, tag_dir)) for job in plan.rank_jobs()),
+                     *((merge_model_file, (job, tmp)) for job in plan.model_file_jobs())]
+            results = run_calls(calls, workers if workers is not None else default_workers(plan),
+                                emit_and_watch, cancel, options)
             if cancel.is_set():
                 raise MergeCancelled()
+            nonfinite = sum((r for r in results if r), Counter())
+            if nonfinite and not allow_nonfinite:
+                raise nonfinite_error(plan, nonfinite)
             verify_output(plan, tmp)
             record = provenance(plan) | {OUTPUT_FILES: written_files(tmp)}
             _write_text(tmp / PROVENANCE, json.dumps(record, indent=2) + "\n", durable)
@@ -139,7 +146,7 @@ def _compose(plan: MergePlan, workers: int | None, emit: Emit, cancel: threading
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
     written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    return MergeResult(out, time.monotonic() - started, written, peaks[0])
+    return MergeResult(out, time.monotonic() - started, written, peaks[0], dict(nonfinite))
 
 
 def _write_text(path: Path, text: str, durable: bool) -> None:

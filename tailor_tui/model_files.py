@@ -29,7 +29,15 @@ from .checkpoint import MODEL_FILE_INDEX, RankFiles, safetensors_header
 from .ds_format import FROZEN_PARAM_FRAGMENTS, MODULE
 from .errors import CheckpointError
 from .events import ByteCounter, Emit, TaskOptions
-from .fileio import Writeback, copy_range, fsync, open_fd, output_error, pread_into, pwrite_all
+from .fileio import (
+    Writeback,
+    copy_range,
+    fsync,
+    open_fd,
+    output_error,
+    pread_into,
+    pwrite_all,
+)
 from .layout import Slot
 from .rows import row_of
 from .safe_load import load_pt

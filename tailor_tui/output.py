@@ -32,7 +32,14 @@ from pathlib import Path
 
 from .checkpoint import find_checkpoint_dirs
 from .errors import OutputError
-from .fileio import aside_prefix, exchange, fsync_dir, output_error, pid_alive, replace_dir
+from .fileio import (
+    aside_prefix,
+    exchange,
+    fsync_dir,
+    output_error,
+    pid_alive,
+    replace_dir,
+)
 
 PROVENANCE = "tailor_provenance.json"
 OUTPUT_FILES = "files"  # provenance key: every file tailor-tui wrote (relative path -> [bytes, mtime_ns])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from .checkpoint import (
     PARTIAL_MANIFEST,
@@ -41,6 +42,17 @@ class SliceCopy:
     param: str | None = None  # set when the source is partial: its slices are stored per parameter
 
 
+class RowSlot(NamedTuple):
+    """Where a row's parameter lies in the output's flat buffers on one rank, and its source."""
+
+    row: str
+    param: str
+    group: int
+    offset: int
+    valid: int  # elements of real data (padding excluded)
+    source: int
+
+
 @dataclass(frozen=True)
 class RankJob:
     """Everything one worker needs to compose one rank's files (picklable)."""
@@ -54,6 +66,10 @@ class RankJob:
     buffers: tuple[tuple[str, int], ...]  # buffers taken from a non-base source
     read_bytes: int
     write_bytes: int
+    # every trainable parameter's slice and every frozen parameter (row, name, source): what
+    # the writers count non-finite values of, per row
+    row_slots: tuple[RowSlot, ...] = ()
+    frozen_rows: tuple[tuple[str, str, int], ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -125,7 +141,13 @@ class MergePlan:
         whole = {(c.source, c.group) for c in copies if not self.sources[c.source].partial}
         read = self.base.rank_bytes(rank) + BYTES_PER_ELEMENT * (
             sum(sizes[g] for _, g in whole) + sum(c.length for c in copies if self.sources[c.source].partial))
+        owner = self.base.param_to_row()
+        row_slots = tuple(RowSlot(owner[slot.name], slot.name, slot.group, slot.offset, slot.valid(rank),
+                                  src.get(slot.name, 0)) for slot in layout.slots if slot.valid(rank))
+        frozen_rows = tuple((owner[n], n, src.get(n, 0)) for n, _ in layout.frozen)
         return RankJob(
+            row_slots=row_slots,
+            frozen_rows=frozen_rows,
             rank=rank,
             files=files,
             group_sizes=tuple(layout.group_sizes()),

@@ -218,23 +218,24 @@ def read_structure(path: Path):
 
 
 def checked_crcs(fd: int, path: Path, record: Record, ranges: list[tuple[int, int]], buffer: memoryview,
-                 on_bytes=lambda n: None) -> list[int]:
+                 on_bytes=lambda n: None, inspect=None) -> list[int]:
     """The CRC-32 of each byte range (offset, length) of `record`, reading every byte of the
     record once and checking the CRC-32 the archive stores for it: a record whose bytes do
     not match (bit rot, a damaged copy) is a CheckpointError naming the file and the record.
     `ranges` are sorted, disjoint and inside the record's data. A legacy-format record has
-    no CRC to check: only its ranges are read."""
+    no CRC to check: only its ranges are read. `inspect(offset, chunk)` sees every chunk read."""
     if record.crc is None:
-        return [crc_range(fd, at, n, buffer, on_bytes) for at, n in ranges]
+        return [crc_range(fd, at, n, buffer, on_bytes, inspect) for at, n in ranges]
     whole, position, found = 0, record.data_offset, []
     end = record.data_offset + record.size
     for at, n in [*ranges, (end, 0)]:
         if not (position <= at and at + n <= end):
             raise ValueError(f"range {at}+{n} is outside record {record.name} or out of order")
         if at > position:
-            whole = crc.combine(whole, crc_range(fd, position, at - position, buffer, on_bytes), at - position)
+            whole = crc.combine(whole, crc_range(fd, position, at - position, buffer, on_bytes, inspect),
+                                at - position)
         if n:
-            value = crc_range(fd, at, n, buffer, on_bytes)
+            value = crc_range(fd, at, n, buffer, on_bytes, inspect)
             whole = crc.combine(whole, value, n)
             found.append(value)
         position = at + n
@@ -250,10 +251,11 @@ def _crc_failed(path: Path, record: Record, computed: int) -> CheckpointError:
         "run or pick another checkpoint")
 
 
-def check_crcs(path: Path) -> None:
+def check_crcs(path: Path, inspect=None) -> None:
     """Read every record of a zip-format torch file and check the CRC-32 each stores
     (CheckpointError naming the record if one fails; torch.load itself never checks them).
-    Files in the legacy format, and files that are no torch file, have none to check."""
+    Files in the legacy format, and files that are no torch file, have none to check.
+    `inspect(offset, chunk)` sees every chunk read."""
     if file_format(path) != "zip":
         return
     try:
@@ -268,7 +270,7 @@ def check_crcs(path: Path) -> None:
     buffer = memoryview(bytearray(1 << 20))
     with open(path, "rb") as f:
         for record in sorted(records.values(), key=lambda r: r.data_offset):
-            checked_crcs(f.fileno(), path, record, [], buffer)
+            checked_crcs(f.fileno(), path, record, [], buffer, inspect=inspect)
 
 
 def locate(tensor: TensorRef, records: dict[str, Record], prefix: str) -> TensorBytes:

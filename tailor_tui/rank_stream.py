@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import NamedTuple
 
@@ -18,11 +18,28 @@ from . import crc
 from .ds_format import TENSORS, flat_tensor, optimizer_state
 from .errors import IncompatibleError
 from .events import ByteCounter
-from .fileio import Writeback, copy_range, crc_range, fsync, open_fd, output_error, pwrite_all
+from .fileio import (
+    Writeback,
+    copy_range,
+    crc_range,
+    fsync,
+    open_fd,
+    output_error,
+    pwrite_all,
+)
 from .model_files import partial_slice, safetensors_tensors
+from .nonfinite import Census, Region
 from .pickled import dtype_name
 from .plan import RankJob
-from .ptfile import Record, TensorBytes, Unsupported, checked_crcs, file_format, locate, read_structure
+from .ptfile import (
+    Record,
+    TensorBytes,
+    Unsupported,
+    checked_crcs,
+    file_format,
+    locate,
+    read_structure,
+)
 
 # One small buffer, reused: on this kind of VM fresh 64 MiB buffers ran at 0.6 GiB/s (page
 # faults on every chunk); a reused 1 MiB buffer stays in CPU cache between read and CRC.
@@ -39,7 +56,7 @@ class Span(NamedTuple):
     source_record: Record | None  # the full source's record they come from (None: partial, zeros)
 
 
-def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> bool:
+def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counter | None:
     """Write the composed optim_states file as the base's bytes with replaced ranges.
 
     The output has the base's exact zip layout. First every record of the base, and every
@@ -49,13 +66,14 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> bool:
     byte is copied in the kernel (copy_file_range): the base's where nothing replaces it, a
     source's slice where the recipe picks it; padding is written as zeros; each record's
     CRC-32 is updated from its replaced ranges alone (see `crc`). Memory stays at one small
-    buffer whatever the file size. Returns False (writing nothing) when the archive is laid
+    buffer whatever the file size. The same reads count each row's non-finite values in what
+    the output takes (returned per row). Returns None (writing nothing) when the archive is laid
     out in a way this does not handle, or the base's file is in torch's legacy format; the
     caller then re-serialises. Sources may be in either format (legacy ones have no CRC).
     """
     base_path = job.files[0].optim_states
     if file_format(base_path) != "zip":
-        return False  # the output is a zip archive: a legacy-format base's file is re-serialised
+        return None  # the output is a zip archive: a legacy-format base's file is re-serialised
     used = sorted({c.source for c in job.copies})
     try:
         obj, base_records, prefix = read_structure(base_path)
@@ -63,10 +81,12 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> bool:
         sources = {s: tensor_bytes(job.files[s].optim_states, job.group_sizes)
                    for s in used if job.files[s].rows is None}
     except Unsupported:
-        return False
+        return None
     for s, theirs in sources.items():
         check_dtypes(base, theirs, job.files[s].optim_states)
     partial = {s: safetensors_tensors(job.files[s].rows) for s in used if job.files[s].rows is not None}
+    census = {s: Census(Region(at, length, row) for row, at, length in _row_places(job, s, base, sources, partial))
+              for s in [0, *used]}
     spans = []
     for c in job.copies:
         for key in TENSORS:
@@ -89,12 +109,12 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> bool:
             fds = {s: open_fd(stack, job.files[s].rows or job.files[s].optim_states) for s in used}
             buffer = memoryview(bytearray(STREAM_CHUNK))
             old = read_and_check(fin, base_path, base_records.values(),
-                                  {(sp.record, sp.at, sp.length) for sp in spans}, buffer, counter)
+                                  {(sp.record, sp.at, sp.length) for sp in spans}, buffer, counter, census[0])
             new = {}
             for s in sources:
                 taken = {(sp.source_record, sp.source_at, sp.length) for sp in spans if sp.source == s}
                 checked = read_and_check(fds[s], job.files[s].optim_states, {r for r, _, _ in taken}, taken,
-                                          buffer, counter)
+                                          buffer, counter, census[s])
                 new.update({(s, at): value for (at, _n), value in checked.items()})
             fout = open_fd(stack, out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             writeback = Writeback(fout, counter.options.durable)
@@ -108,7 +128,8 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> bool:
                     copy_range(fds[sp.source], fout, sp.source_at, sp.length, counter.add, sp.at, writeback)
                     value = new.get((sp.source, sp.source_at))
                     if value is None:  # from a partial checkpoint: its safetensors file has no CRCs
-                        value = crc_range(fds[sp.source], sp.source_at, sp.length, buffer, counter.add)
+                        value = crc_range(fds[sp.source], sp.source_at, sp.length, buffer, counter.add,
+                                          census[sp.source].inspect)
                 tail = sp.record.data_offset + sp.record.size - sp.at - sp.length
                 crc_changes[sp.record] ^= crc.shift(old[sp.at, sp.length] ^ value, tail)
                 position = sp.at + sp.length
@@ -119,18 +140,35 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> bool:
             fsync(fout, counter.options.durable)
     except OSError as exc:
         raise output_error(exc, out) from None
-    return True
+    return sum((c.counts for c in census.values()), Counter())
+
+
+def _row_places(job: RankJob, s: int, base: dict, sources: dict, partial: dict):
+    """(row, first byte, length) of every slice the output takes from source `s`, in that
+    source's file: the base's own, a full source's optim file or a partial's rows file."""
+    for slot in job.row_slots:
+        if slot.source != s:
+            continue
+        for key in TENSORS:
+            if s == 0:
+                yield slot.row, base[slot.group, key].offset + slot.offset * 4, slot.valid * 4
+            elif s in sources:
+                yield slot.row, sources[s][slot.group, key].offset + slot.offset * 4, slot.valid * 4
+            else:
+                at = partial_slice(job.files[s].rows, partial[s], key, slot.param, slot.valid)[2]
+                yield slot.row, at, slot.valid * 4
 
 
 def read_and_check(fd: int, path: Path, records, ranges: set, buffer: memoryview,
-                    counter: ByteCounter) -> dict[tuple[int, int], int]:
+                    counter: ByteCounter, census: Census | None = None) -> dict[tuple[int, int], int]:
     """Read every byte of `records` of the file `fd` once, checking each record's stored
     CRC-32 (`ptfile.checked_crcs`), and return the CRC of each (record, offset, length) in
-    `ranges` as {(offset, length): crc}."""
+    `ranges` as {(offset, length): crc}; `census` counts non-finite values on the way."""
     found = {}
+    inspect = census.inspect if census is not None else None
     for record in sorted(records, key=lambda r: r.data_offset):
         mine = sorted((at, n) for r, at, n in ranges if r == record)
-        found.update(zip(mine, checked_crcs(fd, path, record, mine, buffer, counter.add)))
+        found.update(zip(mine, checked_crcs(fd, path, record, mine, buffer, counter.add, inspect)))
     return found
 
 

@@ -6,42 +6,71 @@ or buffers from other checkpoints.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 
+from .ds_format import FROZEN_PARAM_FRAGMENTS
+from .errors import CheckpointError
 from .events import ByteCounter, Emit, TaskOptions
 from .fileio import copy_file, output_error
+from .nonfinite import ITEMSIZE, Census, Region
+from .pickled import dtype_name
 from .plan import RankJob
-from .ptfile import check_crcs, file_format
+from .ptfile import Unsupported, check_crcs, file_format, locate, read_structure
 from .rank_stream import stream_optim_states
 
 
 def merge_rank(job: RankJob, out_tag_dir: Path, emit: Emit, cancelled: Callable[[], bool],
-               options: TaskOptions = TaskOptions()) -> None:
-    """Compose rank `job.rank`'s model_states and optim_states files into `out_tag_dir`."""
+               options: TaskOptions = TaskOptions()) -> Counter:
+    """Compose rank `job.rank`'s model_states and optim_states files into `out_tag_dir`; the
+    number of non-finite values each row's slices of this rank hold in the output (counted
+    while the writers read the data anyway: for CRC checks, or in memory)."""
     counter = ByteCounter(f"rank {job.rank}", job.total_bytes, emit, cancelled, options)
     base_files = job.files[0]
     out_optim = out_tag_dir / base_files.optim_states.name
     if base_files.rows is not None:  # a partial base has no optim file to copy: build it
         from .rank_torch import build_optim_states_from_skeleton
 
-        build_optim_states_from_skeleton(job, out_optim, counter)
-    elif not stream_optim_states(job, out_optim, counter):
+        nonfinite = build_optim_states_from_skeleton(job, out_optim, counter)
+    elif (nonfinite := stream_optim_states(job, out_optim, counter)) is None:
         from .rank_torch import reserialise_optim_states
 
-        reserialise_optim_states(job, out_optim, counter)
+        nonfinite = reserialise_optim_states(job, out_optim, counter)
 
     out_model = out_tag_dir / base_files.model_states.name
     if job.frozen or job.buffers or file_format(base_files.model_states) != "zip":
         from .rank_torch import merge_model_states
 
-        merge_model_states(job, out_model, counter)  # (a legacy-format base's is re-saved as zip)
+        nonfinite += merge_model_states(job, out_model, counter)  # (a legacy-format base's is re-saved as zip)
     else:
-        check_crcs(base_files.model_states)
+        census = _frozen_census(base_files.model_states, job.frozen_rows)
+        check_crcs(base_files.model_states, census.inspect if census else None)
+        if census is not None:
+            nonfinite += census.counts
         try:
             copy_file(base_files.model_states, out_model, counter.add, options.durable)
         except OSError as exc:
             raise output_error(exc, out_model) from None
     counter.finish()
+    return nonfinite
+
+
+def _frozen_census(path: Path, frozen_rows) -> Census | None:
+    """A census of the frozen parameters' fragments in a model_states file (None: none)."""
+    if not frozen_rows:
+        return None
+    obj, records, prefix = read_structure(path)
+    fragments = obj.get(FROZEN_PARAM_FRAGMENTS) if isinstance(obj, dict) else None
+    regions = []
+    for row, name, _source in frozen_rows:
+        try:
+            tb = locate(fragments[name], records, prefix)
+        except (KeyError, TypeError, Unsupported):
+            raise CheckpointError(f"{path}: has no readable fragment of frozen parameter {name}") from None
+        dtype = dtype_name(tb.dtype)
+        if dtype in ITEMSIZE:
+            regions.append(Region(tb.offset, tb.numel * tb.itemsize, row, dtype))
+    return Census(regions)
 
 

@@ -12,7 +12,7 @@ import io
 import os
 import pickle
 import struct
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Callable
 
@@ -31,11 +31,28 @@ from .ds_format import (
 )
 from .errors import CheckpointError, OutputError
 from .events import ByteCounter
-from .fileio import CountingWriter, Writeback, copy_range, crc_range, fsync, open_fd, output_error, pwrite_all
+from .fileio import (
+    CountingWriter,
+    Writeback,
+    copy_range,
+    crc_range,
+    fsync,
+    open_fd,
+    output_error,
+    pwrite_all,
+)
 from .model_files import partial_slice, safetensors_tensors
+from .nonfinite import Census, Region
 from .plan import RankJob
 from .ptfile import Unsupported, read_structure
-from .rank_stream import STREAM_CHUNK, check_dtypes, dtype_mismatch, flat_tensor_bytes, read_and_check, tensor_bytes
+from .rank_stream import (
+    STREAM_CHUNK,
+    check_dtypes,
+    dtype_mismatch,
+    flat_tensor_bytes,
+    read_and_check,
+    tensor_bytes,
+)
 from .safe_load import load_pt
 
 
@@ -57,7 +74,7 @@ def save_pt(obj, path: Path, on_bytes: Callable[[int], None] | None, durable: bo
         raise
 
 
-def build_optim_states_from_skeleton(job: RankJob, out: Path, counter: ByteCounter) -> None:
+def build_optim_states_from_skeleton(job: RankJob, out: Path, counter: ByteCounter) -> Counter:
     """Write a partial base's optim file: its skeleton (everything but the flat tensors) as
     the archive, every slice copied into place in the kernel.
 
@@ -66,7 +83,8 @@ def build_optim_states_from_skeleton(job: RankJob, out: Path, counter: ByteCount
     slices are copied in from the checkpoints the plan names, padding is zeroed, the small
     tensors (per-group steps) are written, and each record's CRC-32 is set from the bytes
     written. The flat tensors are `torch.empty`: never touched, they occupy no memory.
-    Memory: the skeleton and one small buffer, whatever the file size.
+    Memory: the skeleton and one small buffer, whatever the file size. Returns the non-finite
+    values of each row, counted as the written records are read back for their CRC-32.
     """
     skeleton = load_pt(job.files[0].skeleton)
     inner = _skeleton_state(skeleton, job.files[0].skeleton, job.group_sizes)
@@ -119,13 +137,16 @@ def build_optim_states_from_skeleton(job: RankJob, out: Path, counter: ByteCount
             for storage, record in small:  # per-group steps and the like
                 pwrite_all(fout, _storage_bytes(storage), record.data_offset)
             del skeleton, inner, storages, small
+            census = Census(Region(layout[slot.group, key].offset + slot.offset * 4, slot.valid * 4, slot.row)
+                            for slot in job.row_slots for key in TENSORS)
             for record in data_records:
-                value = crc_range(fout, record.data_offset, record.size, buffer)
+                value = crc_range(fout, record.data_offset, record.size, buffer, inspect=census.inspect)
                 for at in record.crc_offsets:
                     os.pwrite(fout, struct.pack("<I", value), at)
             fsync(fout, counter.options.durable)
     except OSError as exc:
         raise output_error(exc, out) from None
+    return census.counts
 
 
 def _storages_in_save_order(obj) -> list:
@@ -151,9 +172,11 @@ def _storage_bytes(storage) -> bytes:
     return torch.empty(0, dtype=torch.uint8).set_(storage).numpy().tobytes()
 
 
-def reserialise_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> None:
+def reserialise_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counter:
     """Load (memory-mapped), build whole flat tensors, torch.save: the fallback for base
-    archives the streaming path does not handle. Memory: the composed rank file."""
+    archives the streaming path does not handle. Memory: the composed rank file. Returns
+    the non-finite values of each row, counted in memory."""
+    nonfinite = Counter()
     base_files = job.files[0]
     base = load_pt(base_files.optim_states)
     inner = optimizer_state(base, base_files.optim_states, job.group_sizes)
@@ -195,8 +218,16 @@ def reserialise_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> N
                     merged[offset : offset + length].zero_()  # padding holds garbage: write zeros
                 merged.requires_grad_(original.requires_grad)
                 set_flat_tensor(inner, g, key, merged)
+                for slot in job.row_slots:
+                    if slot.group == g:
+                        nonfinite[slot.row] += _count(merged[slot.offset: slot.offset + slot.valid])
     del full
     save_pt(base, out, counter.add, counter.options.durable)
+    return +nonfinite
+
+
+def _count(t) -> int:
+    return int((~torch.isfinite(t)).sum()) if t.is_floating_point() else 0
 
 
 def _skeleton_state(obj, path: Path, group_sizes: tuple[int, ...]) -> dict:
@@ -214,8 +245,9 @@ def _skeleton_state(obj, path: Path, group_sizes: tuple[int, ...]) -> dict:
     return inner
 
 
-def merge_model_states(job: RankJob, out: Path, counter: ByteCounter) -> None:
-    """The base's model_states with frozen fragments and buffers of picked rows replaced."""
+def merge_model_states(job: RankJob, out: Path, counter: ByteCounter) -> Counter:
+    """The base's model_states with frozen fragments and buffers of picked rows replaced;
+    the non-finite values of each row's frozen fragments in it."""
     states = load_pt(job.files[0].model_states)
     loaded: dict[int, dict] = {}
 
@@ -236,5 +268,9 @@ def merge_model_states(job: RankJob, out: Path, counter: ByteCounter) -> None:
     for name, s in job.buffers:
         states[MODULE][name] = source(s)[MODULE][name].clone()
     save_pt(states, out, counter.add, counter.options.durable)
+    nonfinite = Counter()
+    for row, name, _source in job.frozen_rows:
+        nonfinite[row] += _count(states[FROZEN_PARAM_FRAGMENTS][name])
+    return +nonfinite
 
 

@@ -17,7 +17,14 @@ from pathlib import Path
 
 from .ds_format import DEEPSPEED_CLASSES
 from .errors import CheckpointError
-from .ptfile import Unsupported, check_complete, check_crcs, file_format, read_structure, refused
+from .ptfile import (
+    Unsupported,
+    check_complete,
+    check_crcs,
+    file_format,
+    read_structure,
+    refused,
+)
 
 
 def allowed_globals() -> list:

@@ -21,8 +21,16 @@ from pathlib import Path
 from typing import Callable
 
 from .checkpoint import MODEL_FILE_INDEX, open_checkpoint
-from .ds_format import (EXP_AVG, EXP_AVG_SQ, FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT, STATE, TENSORS,
-                        flat_tensor, optimizer_state)
+from .ds_format import (
+    EXP_AVG,
+    EXP_AVG_SQ,
+    FP32_FLAT_GROUPS,
+    OPTIMIZER_STATE_DICT,
+    STATE,
+    TENSORS,
+    flat_tensor,
+    optimizer_state,
+)
 from .errors import CheckpointError
 from .events import ByteCounter, Emit
 from .output import PROVENANCE

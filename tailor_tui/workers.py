@@ -13,12 +13,9 @@ import queue
 import signal
 import threading
 import time
-from pathlib import Path
 
 from .events import Emit, TaskFinished, TaskOptions
-from .model_files import merge_model_file
-from .plan import MergePlan, RankJob
-from .rank_task import merge_rank
+from .plan import MergePlan
 
 _WORKER_QUEUE = None
 _WORKER_CANCEL = None
@@ -42,9 +39,8 @@ def _exit_when_orphaned(parent: int) -> None:
     os._exit(1)
 
 
-def _run_task(task, out_dir: Path, options: TaskOptions) -> None:
-    run = merge_rank if isinstance(task, RankJob) else merge_model_file
-    run(task, out_dir, _WORKER_QUEUE.put, _WORKER_CANCEL.is_set, options)
+def _run_call(fn, args: tuple, options: TaskOptions):
+    return fn(*args, _WORKER_QUEUE.put, _WORKER_CANCEL.is_set, options)
 
 
 # What one worker process holds besides its task's data: the interpreter and tailor-tui's
@@ -72,12 +68,16 @@ def worker_memory(plan: MergePlan) -> int:
 
 def default_workers(plan: MergePlan) -> int:
     """As many workers as there are tasks, cores, and memory for what each really holds."""
+    return workers_for(len(plan.rank_jobs()) + len(plan.model_file_jobs()), worker_memory(plan))
+
+
+def workers_for(tasks: int, memory_each: int) -> int:
+    """As many workers as there are `tasks`, cores, and memory for `memory_each` bytes each."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count() or 1
-    tasks = len(plan.rank_jobs()) + len(plan.model_file_jobs())
-    return max(1, min(tasks, cores, _available_memory() // worker_memory(plan)))
+    return max(1, min(tasks, cores, _available_memory() // memory_each))
 
 
 def _available_memory() -> int:
@@ -91,10 +91,18 @@ def _available_memory() -> int:
     return 8 << 30
 
 
-def run_inline(tasks, out_dirs, emit: Emit, cancel: threading.Event, options: TaskOptions) -> None:
-    for task, out in zip(tasks, out_dirs):
-        run = merge_rank if isinstance(task, RankJob) else merge_model_file
-        run(task, out, emit, cancel.is_set, options)
+# A call: (a top-level function, its leading arguments); it is run as
+# fn(*args, emit, cancelled, options) in a worker and its return value comes back.
+Call = tuple
+
+
+def run_calls(calls: list[Call], workers: int, emit: Emit, cancel: threading.Event,
+              options: TaskOptions) -> list:
+    """Run `calls` on `workers` processes (in this one if 1) and return their results in order.
+    Each call's events reach `emit` in this process; `cancel` stops them between chunks."""
+    if max(1, min(workers, len(calls))) == 1:
+        return [fn(*args, emit, cancel.is_set, options) for fn, args in calls]
+    return run_pool(calls, min(workers, len(calls)), emit, cancel, options)
 
 
 def prepare_worker_processes() -> None:
@@ -108,7 +116,7 @@ def prepare_worker_processes() -> None:
     resource_tracker.ensure_running()
 
 
-def run_pool(tasks, out_dirs, workers: int, emit: Emit, cancel: threading.Event, options: TaskOptions) -> None:
+def run_pool(calls: list[Call], workers: int, emit: Emit, cancel: threading.Event, options: TaskOptions) -> list:
     import multiprocessing as mp
     from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 
@@ -125,7 +133,7 @@ def run_pool(tasks, out_dirs, workers: int, emit: Emit, cancel: threading.Event,
 
     try:  # from the first spawn on: a Ctrl-C deferred while spawning arrives as the block ends
         with _children_ignore_sigint():
-            futures = [pool.submit(_run_task, t, o, options) for t, o in zip(tasks, out_dirs)]
+            futures = [pool.submit(_run_call, fn, args, options) for fn, args in calls]
         pending = set(futures)
         while pending:
             if cancel.is_set():
@@ -139,8 +147,9 @@ def run_pool(tasks, out_dirs, workers: int, emit: Emit, cancel: threading.Event,
         # A worker's events go through its queue's feeder thread and may arrive after its
         # result: wait for every task's last event, so no rank's bar stops short of done.
         deadline = time.monotonic() + 10
-        while len(finished) < len(tasks) and time.monotonic() < deadline:
+        while len(finished) < len(calls) and time.monotonic() < deadline:
             _drain(events, emit_and_count, timeout=0.05)
+        return [f.result() for f in futures]
     finally:
         # Workers still starting up need the queue and event: they are shut down (and have
         # exited) before those are released.

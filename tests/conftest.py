@@ -78,10 +78,10 @@ RUNS = {
     ),
     # DeepSpeed writing torch's legacy (non-zip) format (checkpoint_serialization: false)
     "ds_legacy_serialization": RunSpec(layout="deepspeed", zip_serialization=False),
-    # A run whose layers.2 blew up before the step-4 save (NaN masters and exp_avg_sq, set through
-    # DeepSpeed's own ZeRO-3 API); training went on, so step 6 is NaN throughout
+    # A run whose layers.2 blew up just before the last save, at step 6 (NaN masters, +Inf
+    # exp_avg_sq, set through DeepSpeed's own ZeRO-3 API); steps 2 and 4 are healthy
     "ds_blown_up": RunSpec(layout="deepspeed", blow_up=(
-        "model.layers.2.self_attn.q_proj.weight", "model.layers.2.mlp.down_proj.weight"), blow_up_step=4),
+        "model.layers.2.self_attn.q_proj.weight", "model.layers.2.mlp.down_proj.weight"), blow_up_step=6),
 }
 
 

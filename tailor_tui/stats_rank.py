@@ -1,0 +1,301 @@
+"""One rank's health statistics: every byte of its optimizer state read once, in chunks.
+
+For each row a checkpoint holds, a rank contributes sums over the valid (non-padding)
+elements of its slices: non-finite counts of the fp32 masters, exp_avg and exp_avg_sq
+(and of frozen parameters' fragments), the sum of squares of the masters, the largest
+exp_avg_sq, and against the row's previous checkpoint the squared distance of the masters.
+`stats_run` adds the ranks up. The same pass checks every record's CRC-32, as the merger
+does: a record that fails marks the rows with slices in it.
+
+Memory: two 1 MiB read buffers and the float64 copies of one chunk, whatever the file
+size. Torch-free (numpy does the arithmetic): workers start in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .checkpoint import RankFiles
+from .crc import crc32
+from .ds_format import FROZEN_PARAM_FRAGMENTS, TENSORS, flat_tensor, optimizer_state
+from .errors import CheckpointError, MergeCancelled
+from .events import ByteCounter, Emit, TaskOptions
+from .fileio import open_fd, pread_into
+from .model_files import partial_slice, safetensors_tensors
+from .nonfinite import EXPONENT, count
+from .pickled import dtype_name
+from .ptfile import Unsupported, locate, read_structure
+
+CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class SlotRead:
+    """One parameter's slice on this rank, its previous checkpoint's slice of the same place."""
+
+    row: str
+    param: str
+    group: int
+    offset: int  # elements into the rank's flat buffer of `group`
+    valid: int  # elements of real data (padding excluded)
+
+
+@dataclass(frozen=True)
+class StatsJob:
+    """Everything one worker needs for one rank of one checkpoint (picklable)."""
+
+    key: str  # the cache key: identities of every file read and what is read of them
+    checkpoint: int
+    rank: int
+    files: RankFiles
+    group_sizes: tuple[int, ...]
+    slots: tuple[SlotRead, ...]
+    frozen: tuple[tuple[str, str], ...]  # (row, parameter) of frozen parameters
+    prev: tuple[tuple[str, RankFiles], ...]  # (row, this rank's files of the row's previous checkpoint)
+    bytes_to_read: int
+
+    @property
+    def task(self) -> str:
+        return f"{self.files.model_states.parent.name} rank {self.rank}"
+
+
+@dataclass
+class RowSums:
+    """A row's sums over one rank (or, added up, over all)."""
+
+    nonfinite: int = 0
+    count: int = 0  # fp32 master elements
+    sumsq: float = 0.0  # of the finite masters
+    v_max: float | None = None  # of the finite exp_avg_sq
+    diff_sq: float = 0.0  # ||θ − θ_prev||² over elements finite in both
+    prev_sq: float = 0.0  # ||θ_prev||²
+    prev_nonfinite: int = 0
+    has_prev: bool = False
+    crc_ok: bool = True
+
+    def add(self, other: "RowSums") -> None:
+        self.nonfinite += other.nonfinite
+        self.count += other.count
+        self.sumsq += other.sumsq
+        if other.v_max is not None:
+            self.v_max = other.v_max if self.v_max is None else max(self.v_max, other.v_max)
+        self.diff_sq += other.diff_sq
+        self.prev_sq += other.prev_sq
+        self.prev_nonfinite += other.prev_nonfinite
+        self.has_prev = self.has_prev or other.has_prev
+        self.crc_ok = self.crc_ok and other.crc_ok
+
+    def to_json(self) -> list:
+        return [self.nonfinite, self.count, self.sumsq, self.v_max, self.diff_sq, self.prev_sq,
+                self.prev_nonfinite, self.has_prev, self.crc_ok]
+
+    @classmethod
+    def from_json(cls, values: list) -> "RowSums":
+        return cls(*values)
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """What one rank found: per row its sums, and why the rank could not be read at all."""
+
+    rows: dict[str, RowSums] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class RankStatsRead:
+    """A rank's statistics, emitted by the worker as soon as it has them."""
+
+    key: str  # the job's
+    stats: RankStats
+
+
+@dataclass
+class _Region:
+    """A byte range of a file whose elements feed one row's sums."""
+
+    start: int
+    end: int
+    kind: str  # one of TENSORS, or "frozen"
+    dtype: str
+    sums: RowSums
+    prev_at: int | None = None  # where the previous checkpoint's elements lie in `prev_fd`
+    prev_fd: int | None = None
+
+
+def rank_stats(job: StatsJob, emit: Emit, cancelled, options: TaskOptions = TaskOptions()) -> RankStats:
+    """The sums of every row `job` reads (run in a worker: see `workers.run_calls`)."""
+    counter = ByteCounter(job.task, job.bytes_to_read, emit, cancelled, options)
+    sums = {slot.row: RowSums() for slot in job.slots} | {row: RowSums() for row, _ in job.frozen}
+    try:
+        with contextlib.ExitStack() as stack:
+            reads = _reads(job, sums, stack)
+            buffers = memoryview(bytearray(CHUNK)), memoryview(bytearray(CHUNK))
+            for fd, start, length, expected, regions in reads:
+                if not _read(fd, start, length, expected, regions, buffers, counter):
+                    for region in regions:
+                        region.sums.crc_ok = False
+    except MergeCancelled:
+        raise
+    except (CheckpointError, Unsupported, OSError) as exc:
+        found = RankStats(error=str(exc) if isinstance(exc, CheckpointError) else f"rank {job.rank}: {exc}")
+    else:
+        found = RankStats(sums)
+    emit(RankStatsRead(job.key, found))
+    counter.finish()
+    return found
+
+
+def _reads(job: StatsJob, sums: dict[str, RowSums], stack: contextlib.ExitStack) -> list:
+    """[(fd, first byte, length, stored CRC-32 or None, regions)] in file order per file."""
+    prev_fds, prev_at = {}, {}
+    for row, files in job.prev:
+        path = files.rows or files.optim_states
+        if path not in prev_fds:
+            prev_fds[path] = open_fd(stack, path)
+        where = _fp32_places(files, job.group_sizes, [s for s in job.slots if s.row == row])
+        prev_at.update({(row, param): (prev_fds[path], at) for param, at in where.items()})
+    reads = []
+    if job.files.rows is not None:  # partial: one safetensors tensor per (key, parameter), no CRCs
+        fd = open_fd(stack, job.files.rows)
+        tensors = safetensors_tensors(job.files.rows)
+        for slot in job.slots:
+            for key in TENSORS:
+                begin = partial_slice(job.files.rows, tensors, key, slot.param, slot.valid)[2]
+                reads.append((fd, begin, slot.valid * 4, None,
+                              [_region(slot, key, begin, "float32", sums, prev_at)]))
+    else:
+        path = job.files.optim_states
+        obj, records, prefix = read_structure(path)
+        inner = optimizer_state(obj, path, job.group_sizes)
+        fd = open_fd(stack, path)
+        by_record: dict = {}
+        for g in range(len(job.group_sizes)):
+            for key in TENSORS:
+                tb = locate(flat_tensor(inner, g, key), records, prefix)
+                dtype = dtype_name(tb.dtype) if tb.dtype != "UntypedStorage" else "float32"
+                if dtype != "float32" or tb.itemsize != 4:
+                    raise CheckpointError(f"{path}: its {key} of sub-group {g} is {dtype}; health statistics "
+                                          "read fp32 optimizer states")
+                regions = by_record.setdefault(tb.record, [])
+                regions += [_region(s, key, tb.offset + s.offset * 4, dtype, sums, prev_at)
+                            for s in job.slots if s.group == g and s.valid]
+        reads += [(fd, r.data_offset, r.size, r.crc, sorted(regs, key=lambda x: x.start))
+                  for r, regs in sorted(by_record.items(), key=lambda item: item[0].data_offset)]
+    if job.frozen:
+        reads += _frozen_reads(job, sums, stack)
+    return reads
+
+
+def _region(slot: SlotRead, key: str, at: int, dtype: str, sums: dict, prev_at: dict) -> _Region:
+    fd, prev = prev_at.get((slot.row, slot.param), (None, None)) if key == "fp32" else (None, None)
+    return _Region(at, at + slot.valid * 4, key, dtype, sums[slot.row], prev, fd)
+
+
+def _fp32_places(files: RankFiles, group_sizes: tuple[int, ...], slots: list[SlotRead]) -> dict[str, int]:
+    """Where each slot's fp32 masters lie in another checkpoint's file of this rank."""
+    if files.rows is not None:
+        tensors = safetensors_tensors(files.rows)
+        return {s.param: partial_slice(files.rows, tensors, "fp32", s.param, s.valid)[2] for s in slots}
+    obj, records, prefix = read_structure(files.optim_states)
+    inner = optimizer_state(obj, files.optim_states, group_sizes)
+    flat = {g: locate(flat_tensor(inner, g, "fp32"), records, prefix) for g in {s.group for s in slots}}
+    return {s.param: flat[s.group].offset + s.offset * 4 for s in slots}
+
+
+def _frozen_reads(job: StatsJob, sums: dict[str, RowSums], stack: contextlib.ExitStack) -> list:
+    path = job.files.model_states
+    obj, records, prefix = read_structure(path)
+    fragments = obj.get(FROZEN_PARAM_FRAGMENTS) if isinstance(obj, dict) else None
+    if not isinstance(fragments, dict):
+        raise CheckpointError(f"{path}: has no {FROZEN_PARAM_FRAGMENTS} for its frozen parameters")
+    fd, by_record = open_fd(stack, path), {}
+    for row, param in job.frozen:
+        if param not in fragments:
+            raise CheckpointError(f"{path}: has no fragment of frozen parameter {param}")
+        tb = locate(fragments[param], records, prefix)
+        dtype = dtype_name(tb.dtype)
+        if dtype not in EXPONENT:
+            raise CheckpointError(f"{path}: frozen parameter {param} is stored as {dtype}")
+        by_record.setdefault(tb.record, []).append(
+            _Region(tb.offset, tb.offset + tb.numel * tb.itemsize, "frozen", dtype, sums[row]))
+    return [(fd, r.data_offset, r.size, r.crc, sorted(regs, key=lambda x: x.start))
+            for r, regs in by_record.items()]
+
+
+def _read(fd: int, start: int, length: int, expected: int | None, regions: list[_Region], buffers,
+          counter: ByteCounter) -> bool:
+    """Read [start, start+length) in chunks, feeding each region the part of each chunk it
+    covers; False if the range's CRC-32 is not `expected` (None: nothing to check)."""
+    buffer, prev_buffer = buffers
+    value, position, end, first = 0, start, start + length, 0
+    while position < end:
+        view = buffer[: min(len(buffer), end - position)]
+        pread_into(fd, view, position)
+        if expected is not None:
+            value = crc32(view, value)
+        chunk_end = position + len(view)
+        while first < len(regions) and regions[first].end <= position:
+            first += 1
+        i = first
+        while i < len(regions) and regions[i].start < chunk_end:
+            r = regions[i]
+            a, b = max(r.start, position), min(r.end, chunk_end)
+            if b > a:
+                prev = None
+                if r.prev_fd is not None:
+                    prev = prev_buffer[: b - a]
+                    pread_into(r.prev_fd, prev, r.prev_at + (a - r.start))
+                    counter.add(b - a)
+                _consume(r, view[a - position: b - position], prev)
+            i += 1
+        position = chunk_end
+        counter.add(len(view))
+    return expected is None or value == expected
+
+
+def _consume(region: _Region, data: memoryview, prev: memoryview | None) -> None:
+    sums = region.sums
+    bad = count(data, region.dtype)
+    sums.nonfinite += bad
+    if region.kind == "frozen":
+        return
+    x = np.frombuffer(data, dtype="<f4")
+    if region.kind == "exp_avg_sq":
+        if bad < len(x):
+            top = float(np.max(x[np.isfinite(x)] if bad else x))
+            sums.v_max = top if sums.v_max is None else max(sums.v_max, top)
+        return
+    if region.kind != "fp32":
+        return
+    sums.count += len(x)
+    x64 = x.astype(np.float64)
+    finite = None
+    if bad:
+        finite = np.isfinite(x64)
+        x64 = np.where(finite, x64, 0.0)
+    sums.sumsq += float(np.dot(x64, x64))
+    if prev is None:
+        return
+    sums.has_prev = True
+    p64 = np.frombuffer(prev, dtype="<f4").astype(np.float64)
+    prev_finite = np.isfinite(p64)
+    prev_bad = len(p64) - int(np.count_nonzero(prev_finite))
+    sums.prev_nonfinite += prev_bad
+    both = prev_finite if finite is None else prev_finite & finite
+    if prev_bad or finite is not None:
+        p64, x64 = np.where(both, p64, 0.0), np.where(both, x64, 0.0)
+    d = x64 - p64
+    sums.diff_sq += float(np.dot(d, d))
+    sums.prev_sq += float(np.dot(p64, p64))
+
+
+def file_identity(path: Path) -> list:
+    """What a cached result of reading `path` is keyed by: where it is, its size and mtime."""
+    st = os.stat(path)
+    return [str(Path(path).resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]

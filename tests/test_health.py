@@ -1,0 +1,200 @@
+"""Row health: `--stats` against an independent reading, `--heal`, the non-finite guard of
+`--apply`, the cache, CRC failures as unhealthy cells; on real runs in which a layer blew up
+through DeepSpeed's own ZeRO-3 API."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from collections import Counter
+
+import pytest
+import torch
+import yaml
+from conftest import checkpoints_of, resume_with, tree_digest
+from helpers import assert_one_line_error, param_row, tailor, write_recipe
+from zero_reader import read_full_state
+
+from tailor_tui.nonfinite import Census, Region, count
+
+BLOWN = "layers.2"
+
+
+@pytest.fixture(autouse=True)
+def stats_cache(tmp_path, monkeypatch):
+    """Each test starts with an empty statistics cache of its own (the CLI inherits it)."""
+    monkeypatch.setenv("TAILOR_TUI_CACHE", str(tmp_path / "stats-cache"))
+    return tmp_path / "stats-cache"
+
+
+def stats_json(run) -> dict:
+    result = tailor("--stats", run, "--json", "-j", "2")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def expected_cells(ckpts, frozen=()) -> dict:
+    """{(row, checkpoint): cell} computed from DeepSpeed's zero_to_fp32 reading, in float64."""
+    states = [read_full_state(c) for c in ckpts]
+    cells = {}
+    for i, (ckpt, state) in enumerate(zip(ckpts, states)):
+        rows: dict[str, list[str]] = {}
+        for name in state["fp32"]:
+            if name not in frozen and name in state["exp_avg"]:  # (a tied lm_head has no state of its own)
+                rows.setdefault(param_row(name), []).append(name)
+        for row, names in rows.items():
+            theta = torch.cat([state["fp32"][n].detach().double().flatten() for n in names])
+            moments = [state[k][n].double().flatten() for k in ("exp_avg", "exp_avg_sq") for n in names]
+            bad = int((~torch.isfinite(theta)).sum()) + sum(int((~torch.isfinite(m)).sum()) for m in moments)
+            rel = None
+            if i and not bad:
+                prev = torch.cat([states[i - 1]["fp32"][n].detach().double().flatten() for n in names])
+                if torch.isfinite(prev).all():
+                    rel = float((theta - prev).norm() / prev.norm())
+            v = torch.cat([state["exp_avg_sq"][n].double().flatten() for n in names])
+            cells[row, str(ckpt)] = {
+                "nonfinite": bad,
+                "weight_rms": None if bad else float(theta.pow(2).mean().sqrt()),
+                "adam_v_max": None if bad else float(v.max()),
+                "rel_change": rel,
+            }
+    return cells
+
+
+def assert_close(got, want, what):
+    if want is None:
+        assert got is None, what
+    else:
+        assert got is not None and math.isclose(got, want, rel_tol=1e-4, abs_tol=1e-12), (what, got, want)
+
+
+def test_stats_match_deepspeeds_own_reading_and_flag_only_the_blown_cell(real_run):
+    run, spec = real_run("ds_blown_up")
+    ckpts = checkpoints_of(run, spec)
+    before = tree_digest(run)
+    doc = stats_json(run)
+    assert tree_digest(run) == before  # sources are read-only
+    assert [c["path"] for c in doc["checkpoints"]] == [str(c) for c in ckpts]
+    assert all(c["loss"] is None for c in doc["checkpoints"])  # DeepSpeed layout: no trainer log
+    want = expected_cells(ckpts)
+    got = {(c["row"], c["checkpoint"]): c for c in doc["cells"]}
+    assert set(got) == set(want)
+    for key, cell in want.items():
+        assert got[key]["nonfinite"] == cell["nonfinite"], key
+        for metric in ("weight_rms", "adam_v_max", "rel_change"):
+            assert_close(got[key][metric], cell[metric], (key, metric))
+        assert got[key]["crc_ok"] is True
+    flagged = {key for key, c in got.items() if c["nonfinite"]}
+    assert flagged == {(BLOWN, str(ckpts[-1]))}
+    # the poisoned parameters' masters (NaN) and exp_avg_sq (+Inf), nothing else
+    assert got[BLOWN, str(ckpts[-1])]["nonfinite"] == 2 * (32 * 32 + 32 * 48)
+
+
+def test_second_stats_reads_nothing_and_table_marks_the_cell(real_run, stats_cache):
+    run, _spec = real_run("ds_blown_up")
+    first = tailor("--stats", run, "--progress", "lines")
+    assert first.returncode == 0, first.stderr
+    lines = first.stdout.splitlines()
+    blown = next(line for line in lines if line.startswith(BLOWN))
+    assert blown.rstrip().endswith("✗ NaN×5,120")
+    assert "1 unhealthy cell(s)" in lines
+    assert any(stats_cache.rglob("*.json"))
+    again = tailor("--stats", run, "--progress", "lines")
+    assert again.stdout == first.stdout
+    assert "6 cached, 0 Bytes to read" in again.stderr
+
+
+def test_heal_picks_the_previous_checkpoint_and_real_deepspeed_resumes_finite(real_run, tmp_path):
+    run, spec = real_run("ds_blown_up")
+    c2, c4, c6 = checkpoints_of(run, spec)
+    recipe = tmp_path / "healed.yaml"
+    result = tailor("--heal", run, "--recipe", recipe)
+    assert result.returncode == 0, result.stderr
+    assert f"{BLOWN} <- global_step4 (global_step6: 5120 non-finite value(s))" in result.stdout
+    doc = yaml.safe_load(recipe.read_text())
+    assert (recipe.parent / doc["base"]).resolve() == c6.resolve()
+    assert {row: (recipe.parent / p).resolve() for row, p in doc["layers"].items()} == {BLOWN: c4.resolve()}
+    applied = tailor("--apply", recipe, "--output", tmp_path / "healed")
+    assert applied.returncode == 0, applied.stderr
+    losses = resume_with(spec_version(), tmp_path / "healed", spec, tmp_path / "resaved")
+    assert losses and all(math.isfinite(x) for x in losses)
+
+
+def spec_version() -> str:
+    from conftest import INSTALLED_DEEPSPEED
+
+    return INSTALLED_DEEPSPEED
+
+
+def test_apply_refuses_to_keep_nonfinite_rows_unless_allowed(real_run, tmp_path):
+    run, spec = real_run("ds_blown_up")
+    c2, c4, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c4})  # the blown base row is not replaced
+    refused = tailor("--apply", recipe)
+    assert_one_line_error(refused, 8, f"{BLOWN} from global_step6 (5,120 NaN/Inf; newest finite: global_step4)",
+                          "--allow-nonfinite")
+    assert not (tmp_path / "composed").exists() and not list(tmp_path.glob(".composed*"))
+    picked = write_recipe(tmp_path, c4, {BLOWN: c6})  # a picked row
+    assert_one_line_error(tailor("--apply", picked), 8, f"{BLOWN} from global_step6")
+    allowed = tailor("--apply", picked, "--allow-nonfinite")
+    assert allowed.returncode == 0, allowed.stderr
+    assert f"holds NaN/Inf values in {BLOWN} (5,120)" in allowed.stderr
+
+
+def test_a_record_failing_its_crc_is_an_unhealthy_cell_that_heal_avoids(real_run, tmp_path):
+    run, spec = real_run("ds_blown_up")
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    c2, c4, c6 = checkpoints_of(copy, spec)  # step 6 is the blown one: heal must look further back
+    target = next(c4.glob("*rank_1_*optim_states.pt"))
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x01  # the middle of an optim file: its flat tensors' data
+    target.write_bytes(bytes(data))
+    doc = stats_json(copy)
+    bad = {c["row"] for c in doc["cells"] if c["checkpoint"] == str(c4) and not c["crc_ok"]}
+    assert bad, "a flipped bit in a tensor record must fail its CRC check"
+    recipe = tmp_path / "healed.yaml"
+    result = tailor("--heal", copy, "--recipe", recipe)
+    assert result.returncode == 0, result.stderr
+    picks = {row: (recipe.parent / p).resolve() for row, p in yaml.safe_load(recipe.read_text())["layers"].items()}
+    assert picks[BLOWN] == c2.resolve()  # step 6 is NaN, step 4 fails its CRC check
+    assert "a record fails its CRC-32 check" in result.stdout
+
+
+def test_partial_checkpoints_losses_and_frozen_parameters(real_run):
+    run, spec = real_run("hf_selective_parity")
+    doc = stats_json(run / "run")
+    by_name = {c["name"]: c for c in doc["checkpoints"]}
+    state = json.loads((run / "run" / "partial-step6" / "trainer_state.json").read_text())
+    logged = {e["step"]: e for e in state["log_history"] if "loss" in e}
+    for name, step in (("checkpoint-2", 2), ("partial-step4", 4), ("partial-step6", 6)):
+        assert by_name[name]["step"] == step
+        assert by_name[name]["loss"] == pytest.approx(logged[step]["loss"])
+        assert by_name[name]["grad_norm"] == pytest.approx(logged[step]["grad_norm"])
+    rows = Counter(c["checkpoint"] for c in doc["cells"])
+    full = rows[by_name["checkpoint-2"]["path"]]
+    assert 0 < rows[by_name["partial-step4"]["path"]] < full  # a partial has cells for its rows only
+    assert all(c["nonfinite"] == 0 and c["crc_ok"] for c in doc["cells"])
+    # every cell of a partial checkpoint (rows from the partial's own slices) matches the
+    # reference saves the same run wrote in full at the same step
+    reference = [run / "reference" / f"checkpoint-{s}" for s in (2, 4, 6)]
+    want = expected_cells(reference, frozen=spec.frozen)
+    for c in doc["cells"]:
+        step = next(x["step"] for x in doc["checkpoints"] if x["path"] == c["checkpoint"])
+        w = want[c["row"], str(run / "reference" / f"checkpoint-{step}")]
+        assert_close(c["weight_rms"], w["weight_rms"], (c["row"], step))
+        assert_close(c["adam_v_max"], w["adam_v_max"], (c["row"], step))
+
+
+def test_census_counts_nan_and_inf_per_row_in_any_chunking():
+    values = torch.tensor([1.0, float("nan"), 2.0, float("inf"), -float("inf"), 3.0, float("nan"), 0.0])
+    data = values.numpy().tobytes()
+    assert count(data) == 4
+    assert count(torch.tensor([1.0, float("nan")], dtype=torch.bfloat16).view(torch.int16).numpy().tobytes(),
+                 "bfloat16") == 1
+    for chunk in (4, 8, 12, 32):
+        census = Census([Region(0, 12, "a"), Region(12, 20, "b")])
+        for at in range(0, len(data), chunk):
+            census.inspect(at, memoryview(data)[at: at + chunk])
+        assert dict(census.counts) == {"a": 1, "b": 3}
