@@ -52,9 +52,23 @@ class Health:
     checkpoints: tuple[Checkpoint, ...]
     cells: dict[tuple[str, int], Cell] = field(default_factory=dict)
     logs: dict[int, TrainingLog] = field(default_factory=dict)
+    by_row: dict[str, dict[int, Cell]] = field(default_factory=dict, repr=False)  # row -> {column: Cell}
+
+    def __post_init__(self) -> None:
+        for (row, column), cell in self.cells.items():
+            self.by_row.setdefault(row, {})[column] = cell
+
+    def add(self, column: int, cells: dict[str, Cell]) -> None:
+        """Checkpoint `column`'s cells, {row: Cell}."""
+        for row, cell in cells.items():
+            self.cells[row, column] = cell
+            self.by_row.setdefault(row, {})[column] = cell
 
     def cell(self, row: str, column: int) -> Cell | None:
         return self.cells.get((row, column))
+
+    def row_cells(self, row: str) -> dict[int, Cell]:
+        return self.by_row.get(row, {})
 
     def rows(self) -> list[str]:
         """Every row with weights of its own, in the newest checkpoint's order."""
@@ -93,8 +107,7 @@ def heal(health: Health, rows: list[str], usable=lambda column: True) -> Healing
     rel_change are not skipped: a big move is not damage."""
     picks, reasons, hopeless = {}, {}, []
     for row in rows:
-        holders = [i for i in reversed(range(len(health.checkpoints)))
-                   if usable(i) and health.cell(row, i) is not None]
+        holders = [i for i in sorted(health.row_cells(row), reverse=True) if usable(i)]
         choice = next((i for i in holders if health.cell(row, i).healthy), None)
         if choice is None:
             hopeless.append(row)
@@ -113,7 +126,7 @@ def why_unhealthy(cell: Cell) -> str:
     if not cell.crc_ok:
         return "a record fails its CRC-32 check"
     if cell.nonfinite:
-        return f"{cell.nonfinite} non-finite value(s)"
+        return f"{cell.nonfinite:,} non-finite value(s)"
     return "healthy"
 
 

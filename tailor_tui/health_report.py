@@ -33,7 +33,7 @@ def cell_text(cell: Cell | None) -> str:
 
 def outliers(health: Health, row: str) -> set[int]:
     """Columns whose rel_change stands out in `row` (OUTLIER × the row's median)."""
-    values = {i: c.rel_change for (r, i), c in health.cells.items() if r == row and c.rel_change is not None}
+    values = {i: c.rel_change for i, c in health.row_cells(row).items() if c.rel_change is not None}
     if len(values) < 3:
         return set()
     median = statistics.median(values.values())
@@ -76,7 +76,7 @@ def healing_lines(health: Health, healing: Healing, base: int) -> list[str]:
             why = healing.reasons.get(row, f"{health.checkpoints[base].name} did not save it")
             lines.append(f"{row} <- {health.checkpoints[column].name} ({why})")
     for row in healing.hopeless:
-        cells = [f"{health.checkpoints[i].name}: {why_unhealthy(c)}" for (r, i), c in health.cells.items() if r == row]
+        cells = [f"{health.checkpoints[i].name}: {why_unhealthy(c)}" for i, c in health.row_cells(row).items()]
         lines.append(f"{row}: no healthy checkpoint ({'; '.join(cells) or 'no checkpoint holds it'})")
     return lines
 

@@ -131,7 +131,7 @@ def compute_health(checkpoints: tuple[Checkpoint, ...], *, workers: int | None =
 
     def finish(column: int) -> None:
         cells = reduce(health.checkpoints[column], [found[j.key] for j in jobs[column]], rows)
-        health.cells.update({(row, column): cell for row, cell in cells.items()})
+        health.add(column, cells)
         emit(CellsComputed(column, health.checkpoints[column].name, cells))
 
     todo = [j for c in columns for j in jobs[c] if j.key not in found]

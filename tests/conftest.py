@@ -168,6 +168,13 @@ def resume_with(version: str, ckpt: Path, spec: RunSpec, resave: Path) -> list[f
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="session", autouse=True)
+def statistics_cache(tmp_path_factory):
+    """Row statistics (the composer's, --stats, the guard's suggestions) are cached in a
+    folder of this session, never in the user's ~/.cache; the CLI inherits it."""
+    os.environ["TAILOR_TUI_CACHE"] = str(tmp_path_factory.mktemp("statistics-cache"))
+
+
 @pytest.fixture(scope="session")
 def real_run():
     """real_run(name, deepspeed=VERSION) -> (run folder, spec); trains the run on first use,

@@ -111,7 +111,7 @@ def test_heal_picks_the_previous_checkpoint_and_real_deepspeed_resumes_finite(re
     recipe = tmp_path / "healed.yaml"
     result = tailor("--heal", run, "--recipe", recipe)
     assert result.returncode == 0, result.stderr
-    assert f"{BLOWN} <- global_step4 (global_step6: 5120 non-finite value(s))" in result.stdout
+    assert f"{BLOWN} <- global_step4 (global_step6: 5,120 non-finite value(s))" in result.stdout
     doc = yaml.safe_load(recipe.read_text())
     assert (recipe.parent / doc["base"]).resolve() == c6.resolve()
     assert {row: (recipe.parent / p).resolve() for row, p in doc["layers"].items()} == {BLOWN: c4.resolve()}

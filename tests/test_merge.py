@@ -229,7 +229,7 @@ def test_reserialising_fallback_gives_the_same_state(real_run, tmp_path, monkeyp
     ckpts = checkpoints_of(run, spec)
     picks = parity_picks(spec, ckpts)
     streamed, _ = compose(tmp_path / "a", ckpts, picks)
-    monkeypatch.setattr(rank_task, "stream_optim_states", lambda job, out, counter: False)
+    monkeypatch.setattr(rank_task, "stream_optim_states", lambda job, out, counter: None)
     reserialised, _ = compose(tmp_path / "b", ckpts, picks)
     a, b = read_full_state(streamed), read_full_state(reserialised)
     for key in a:

@@ -26,7 +26,13 @@ def run(real_run, tmp_path):
 
 
 async def scanned(pilot):
+    """The run is scanned and every row's statistics are in (the heatmap is drawn)."""
     await pilot.app.workers.wait_for_complete()
+    await pilot.pause()
+    for _ in range(1200):
+        if pilot.app.health_status is None:
+            break
+        await pilot.pause(0.05)
     await pilot.pause()
 
 
@@ -80,3 +86,18 @@ def test_grid_with_partial_checkpoints(snap_compare, real_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(src / "run", run)
     assert snap_compare(make_app(run), run_before=scanned, terminal_size=SIZE)
+
+
+@pytest.mark.parametrize("size", [SIZE, (80, 24)], ids=["130x30", "80x24"])
+def test_health_heatmap(snap_compare, real_run, tmp_path, size):
+    """Row health: the blown layer's cells say NaN, the others are coloured by their change
+    since the previous checkpoint (scaled per row); the details show the row across checkpoints."""
+    src, _spec = real_run("ds_blown_up")
+    run = tmp_path / "run"
+    shutil.copytree(src, run)
+
+    async def on_blown_row(pilot):
+        await scanned(pilot)
+        await pilot.press("down", "down", "down", "left")  # on the blown row, the checkpoint before
+
+    assert snap_compare(make_app(run), run_before=on_blown_row, terminal_size=size)

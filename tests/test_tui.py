@@ -30,7 +30,13 @@ def run_copy(real_run, tmp_path) -> tuple[Path, list[Path]]:
 
 
 async def scanned(pilot):
+    """The run is scanned and every row's statistics are in (the heatmap is drawn)."""
     await pilot.app.workers.wait_for_complete()
+    await pilot.pause()
+    for _ in range(1200):
+        if pilot.app.health_status is None:
+            break
+        await pilot.pause(0.05)
     await pilot.pause()
     assert pilot.app.composition is not None
 
@@ -302,3 +308,57 @@ async def test_a_full_hf_base_combines_with_partial_columns(real_run):
         await pilot.pause()
         assert comp.source_of(held) == 1
         assert "cannot be combined" not in str(app.query_one("#details").render())
+
+
+# --- row health ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def blown_copy(real_run, tmp_path) -> tuple[Path, list[Path]]:
+    """A private copy of the run whose layers.2 blew up just before the step-6 save."""
+    run, spec = real_run("ds_blown_up")
+    dst = tmp_path / "blown"
+    shutil.copytree(run, dst)
+    return dst, checkpoints_of(dst, spec)
+
+
+def cell_text(app, row: str, column: int) -> str:
+    grid = app.query_one("#grid")
+    return str(grid.get_cell(row, str(column)))
+
+
+async def test_health_marks_the_blown_cell_and_heal_takes_the_previous_checkpoint(blown_copy):
+    run, ckpts = blown_copy
+    app = make_app(run)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        assert "NaN" in cell_text(app, "layers.2", 2)  # the base's own cell
+        assert all("NaN" not in cell_text(app, row, c) for row in ("layers.1", "layers.3") for c in range(3))
+        grid = app.query_one("#grid")
+        grid.move_cursor(row=3, column=3)
+        await pilot.pause()
+        assert "✗ 5,120 non-finite value(s)" in str(app.query_one("#details").render())
+        await pilot.press("h")
+        await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
+        assert "layers.2 ← global_step4" in app.screen.body
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(app.screen_stack) == 1)
+        assert app.composition.to_recipe().layers == {"layers.2": ckpts[1]}
+        await pilot.press("u")  # one undo step takes the whole heal back
+        assert app.composition.to_recipe().layers == {}
+        await pilot.press("m")
+        assert app.metric == "weight_rms"
+
+
+async def test_merging_an_unhealthy_row_asks_to_merge_anyway(blown_copy):
+    run, ckpts = blown_copy
+    app = make_app(run, workers=1)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
+        body = app.screen.body
+        assert "layers.2 from global_step6: 5,120 non-finite value(s)" in body
+        await pilot.press("enter")  # "Merge anyway"
+        await wait_for(pilot, lambda: isinstance(app.screen, MergeScreen) and not app.screen.running)
+        assert (run / "global_step6-tailored" / "latest").is_file()

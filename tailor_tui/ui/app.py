@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterable
@@ -24,14 +25,18 @@ from textual.worker import get_current_worker
 
 from ..checkpoint import ScanResult, scan
 from ..composition import Composition
-from ..errors import TailorError
-from ..events import TaskOptions
+from ..errors import MergeCancelled, TailorError
+from ..events import TaskFinished, TaskOptions, TaskProgressed
+from ..health import Health, training_log, why_unhealthy
 from ..plan import MergePlan, build_plan
 from ..recipe import load_recipe
+from ..stats_run import CellsComputed, StatsPlanned, cache_dir, compute_health
 from ..units import size
 from ..workers import prepare_worker_processes
 from .dialogs import Confirm, ErrorDialog, PathPrompt
 from .grid import CheckpointGrid
+from .heatmap import LABEL, next_metric
+from .heatmap import details as health_details
 from .merge_screen import MergeScreen
 
 
@@ -53,6 +58,29 @@ class ScanFailed(Message):
         self.message = message
 
 
+class HealthProgressed(Message):
+    """Statistics: `done` of `total` bytes read (a newer one replaces one still queued)."""
+
+    def __init__(self, done: int, total: int) -> None:
+        super().__init__()
+        self.done, self.total = done, total
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, HealthProgressed)
+
+
+class CellsArrived(Message):
+    def __init__(self, column: int, cells: dict) -> None:
+        super().__init__()
+        self.column, self.cells = column, cells
+
+
+class HealthEnded(Message):
+    def __init__(self, problem: str | None = None) -> None:
+        super().__init__()
+        self.problem = problem
+
+
 class PlanReady(Message):
     def __init__(self, plan: MergePlan) -> None:
         super().__init__()
@@ -68,10 +96,13 @@ class PlanFailed(Message):
 class TailorApp(App):
     CSS_PATH = "tailor.tcss"
     TITLE = "tailor-tui"
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (110, "-wide")]  # narrow: details below the grid
     BINDINGS = [
         Binding("space", "pick", "Pick cell"),
         Binding("a", "pick_column", "Pick column"),
         Binding("b", "set_base", "Make base"),
+        Binding("h", "heal", "Heal"),
+        Binding("m", "cycle_metric", "Metric"),
         Binding("o", "set_output", "Output"),
         Binding("u,ctrl+z", "undo", "Undo"),
         Binding("ctrl+s", "save_recipe", "Save"),
@@ -90,6 +121,13 @@ class TailorApp(App):
         self.composition: Composition | None = None
         self.scan_result: ScanResult | None = None
         self.merging = False
+        # Row health: filled in by the statistics worker, newest checkpoint first
+        self.health: Health | None = None
+        self.health_version = 0  # bumped as cells arrive: the grid redraws rows then
+        self.health_status: str | None = "statistics: starting"  # None once complete
+        self.metric = "rel_change"
+        self.stats_cancel = threading.Event()
+        self._redraw_due = False
 
     # --- layout ------------------------------------------------------------------------
 
@@ -131,6 +169,8 @@ class TailorApp(App):
             parts.append(f"output {self.rel(comp.output)}")
             recipe = self.rel(comp.recipe_path) if comp.recipe_path else "unsaved recipe"
             parts.append(recipe + ("" if comp.saved else " *"))
+            if self.health_status:
+                parts.append(self.health_status)
         self.home.query_one("#title", Static).update(" · ".join(parts))
 
     # --- scanning ------------------------------------------------------------------------
@@ -156,12 +196,14 @@ class TailorApp(App):
         )
 
     def on_scan_failed(self, message: ScanFailed) -> None:
+        self.health_status = None
         self.home.query_one("#scan-label", Label).update(f"error: {message.message}")
         self.push_screen(ErrorDialog(message.message, title="Cannot scan"))
 
     def on_scan_complete(self, message: ScanComplete) -> None:
         result = self.scan_result = message.result
         if not result.checkpoints:
+            self.health_status = None
             why = "; ".join(f"{self.rel(p)}: {w}" for p, w in result.problems)
             self.home.query_one("#scan-label", Label).update(
                 f"No usable ZeRO-3 checkpoints under {self.run_dir}. {why}"
@@ -174,16 +216,108 @@ class TailorApp(App):
             self.composition.recipe_path = self.recipe_arg
             if self.recipe_arg.is_file():
                 self.adopt_recipe(self.recipe_arg)
+        self.health = Health(tuple(result.checkpoints), logs={i: training_log(c)
+                                                              for i, c in enumerate(result.checkpoints)})
         self.refresh_view()
         self.home.query_one(CheckpointGrid).focus()
         for path, why in result.problems:
             self.notify(why, title=f"Skipped {self.rel(path)}", severity="warning", timeout=8)
+        self.stats_worker(tuple(result.checkpoints))
+
+    # --- row health ------------------------------------------------------------------------
+
+    @work(thread=True, exclusive=True, group="stats")
+    def stats_worker(self, checkpoints) -> None:
+        """Statistics of every cell, newest checkpoint first, from the cache where it has them;
+        the grid stays usable throughout (it only gets messages)."""
+        progress = {"total": 0, "tasks": {}, "last": 0.0}
+
+        def emit(event) -> None:
+            if isinstance(event, CellsComputed):
+                self.post_message(CellsArrived(event.column, event.cells))
+            elif isinstance(event, StatsPlanned):
+                progress["total"] = event.to_read
+            elif isinstance(event, (TaskProgressed, TaskFinished)):
+                progress["tasks"][event.task] = event.done if isinstance(event, TaskProgressed) else event.total
+                now = time.monotonic()
+                if now - progress["last"] > 0.2:
+                    progress["last"] = now
+                    self.post_message(HealthProgressed(sum(progress["tasks"].values()), progress["total"]))
+
+        try:
+            compute_health(checkpoints, workers=self.merge_workers, emit=emit, cancel=self.stats_cancel,
+                           cache=cache_dir(), options=TaskOptions())
+        except MergeCancelled:
+            return
+        except TailorError as exc:
+            self.post_message(HealthEnded(str(exc)))
+        except Exception as exc:  # a bug: the grid goes on without statistics
+            self.post_message(HealthEnded(f"internal error: {type(exc).__name__}: {exc}"))
+        else:
+            self.post_message(HealthEnded())
+
+    def on_health_progressed(self, message: HealthProgressed) -> None:
+        if self.health_status is not None and message.total:
+            self.health_status = f"statistics {message.done / message.total:.0%}"
+            self.update_title()
+
+    def on_cells_arrived(self, message: CellsArrived) -> None:
+        if self.health is None:
+            return
+        self.health.add(message.column, message.cells)
+        if not self._redraw_due:  # many checkpoints arrive in a burst: one redraw for them
+            self._redraw_due = True
+            self.set_timer(0.25, self._redraw_health)
+
+    def _redraw_health(self) -> None:
+        self._redraw_due = False
+        self.health_version += 1
+        self.refresh_view()
+
+    def on_health_ended(self, message: HealthEnded) -> None:
+        self.health_status = None
+        self.health_version += 1
+        if message.problem:
+            self.notify(message.problem, title="No row statistics", severity="warning", timeout=8)
+        self.refresh_view()
+
+    def action_cycle_metric(self) -> None:
+        if self._editable():
+            self.metric = next_metric(self.metric)
+            self.notify(f"heatmap: {LABEL[self.metric]}", timeout=2)
+            self.refresh_view()
+
+    def action_heal(self) -> None:
+        """Every row from the newest checkpoint where it is healthy; shown first, one undo step."""
+        if not self._editable() or self.health is None:
+            return
+        if self.health_status is not None:
+            self.notify("row statistics are still being computed; heal when they are complete",
+                        severity="warning", timeout=4)
+            return
+        comp = self.composition
+        healing = comp.healing(self.health)
+        changes = [f"{row} ← {comp.checkpoints[col].name}" + (f"  ({healing.reasons[row]})" if row in healing.reasons
+                                                              else "")
+                   for row, col in healing.picks.items() if comp.source_of(row) != col]
+        hopeless = [f"{row}: no healthy checkpoint" for row in healing.hopeless]
+        if not changes:
+            self.notify("nothing to heal: every row already comes from its newest healthy checkpoint"
+                        + (f"; {len(hopeless)} row(s) have none" if hopeless else ""), timeout=5)
+            return
+
+        def answer(yes: bool | None) -> None:
+            if yes:
+                self._edit(lambda: comp.apply_healing(healing))
+
+        body = "\n".join([*changes, *hopeless])
+        self.push_screen(Confirm(f"Heal {len(changes)} row(s)?", body, accept="Heal", decline="Back"), answer)
 
     # --- view ------------------------------------------------------------------------------
 
     def refresh_view(self) -> None:
         grid = self.home.query_one(CheckpointGrid)
-        grid.show(self.composition)
+        grid.show(self.composition, self.health, self.metric, self.health_version)
         self.update_title()
         self.update_details()
 
@@ -236,6 +370,9 @@ class TailorApp(App):
             lines.append(f"state   {size(numel * 12)} (fp32 + exp_avg + exp_avg_sq)")
         source = comp.checkpoints[comp.source_of(row.name)]
         lines.append(f"source  {source.name}" + ("  (base)" if comp.source_of(row.name) == comp.base else ""))
+        if not row.tied:
+            lines.append("")
+            lines += health_details(self.health, comp.checkpoints, row.name, column, self.metric, self.health_status)
         self.home.query_one("#details", Static).update("\n".join(lines))
 
     # --- actions --------------------------------------------------------------------------
@@ -346,15 +483,30 @@ class TailorApp(App):
     def on_plan_ready(self, message: PlanReady) -> None:
         plan = message.plan
         body = "\n".join(plan.describe(show=self.rel))
+        # Rows the statistics already know to be non-finite or damaged in their source: the
+        # merge would refuse them, so the user decides here ("Merge anyway" allows them).
+        bad = [f"{row} from {plan.sources[s].name}: {why_unhealthy(cell)}" for row, s in plan.picks.items()
+               if (cell := self._cell_of(row, plan.sources[s])) is not None and not cell.healthy]
+        if bad:
+            body = "\n".join(["✗ the output would hold unhealthy rows:", *bad, "(h heals them)", "", body])
 
         def confirmed(yes: bool | None) -> None:
             if yes:
                 self.merging = True
                 self.push_screen(MergeScreen(plan, self.merge_workers, clock=self.merge_clock,
-                                             options=self.merge_options,
+                                             options=self.merge_options, allow_nonfinite=bool(bad),
                                              title=f"Composing {self.rel(plan.output)}"), self.merge_closed)
 
-        self.push_screen(Confirm("Compose this checkpoint?", body, accept="Merge", decline="Back"), confirmed)
+        accept = "Merge anyway" if bad else "Merge"
+        self.push_screen(Confirm("Compose this checkpoint?", body, accept=accept, decline="Back"), confirmed)
+
+    def _cell_of(self, row: str, checkpoint):
+        if self.health is None:
+            return None
+        for i, c in enumerate(self.health.checkpoints):
+            if c.path == checkpoint.path:
+                return self.health.cell(row, i)
+        return None
 
     def merge_finished(self, result) -> None:
         self.merging = False
@@ -364,6 +516,9 @@ class TailorApp(App):
         self.merging = False
         self.refresh_view()
 
+    def on_unmount(self) -> None:
+        self.stats_cancel.set()  # statistics workers stop between chunks
+
     def action_request_quit(self) -> None:
         comp = self.composition
         running = isinstance(self.screen, MergeScreen) and self.screen.running
@@ -372,6 +527,7 @@ class TailorApp(App):
         elif comp is not None and not comp.saved:
             question = "The picks are not saved as a recipe. Quit anyway?"
         else:
+            self.stats_cancel.set()
             self.exit()
             return
 
@@ -396,7 +552,8 @@ class TailorApp(App):
     async def action_quit(self) -> None:
         self.action_request_quit()  # ctrl+q asks too
 
-    GRID_ACTIONS = {"pick", "pick_column", "set_base", "set_output", "undo", "load_recipe", "run_merge"}
+    GRID_ACTIONS = {"pick", "pick_column", "set_base", "set_output", "undo", "load_recipe", "run_merge", "heal",
+                    "cycle_metric"}
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         # Grid actions belong to the grid: hidden from the footer under dialogs and the merge screen.

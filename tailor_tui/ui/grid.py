@@ -6,30 +6,47 @@ from rich.text import Text
 from textual.widgets import DataTable
 
 from ..composition import Composition
+from ..health import Health
+from .heatmap import background, damage, header_suffix, row_range
 
 PICKED, HOLDS, DISABLED, TIED = "●", "·", "✗", "tied"
 
 
 class CheckpointGrid(DataTable):
-    """Columns: the row name, then each checkpoint by step. Column 0 is the row names."""
+    """Columns: the row name, then each checkpoint by step. Column 0 is the row names.
+    With health statistics, every cell a checkpoint holds is coloured by the chosen metric
+    (scaled per row) and an unhealthy one says NaN / CRC / ERR."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(cursor_type="cell", zebra_stripes=False, header_height=2, **kwargs)
         self.composition: Composition | None = None
-        self._shape: tuple[int, int, int] | None = None
+        self.health: Health | None = None
+        self.metric = "rel_change"
+        self._shape: tuple | None = None
+        self._drawn: dict[str, tuple] = {}  # row -> what its cells were drawn from
+        self._health_version = 0
 
-    def show(self, composition: Composition) -> None:
-        """Show `composition`: cells update in place; the table is rebuilt only when the
-        columns change (another base relabels every header)."""
-        shape = (composition.base, len(composition.checkpoints), len(composition.rows))
+    def show(self, composition: Composition, health: Health | None = None, metric: str = "rel_change",
+             health_version: int = 0) -> None:
+        """Show `composition`: only rows whose source, base or statistics changed are redrawn
+        (a pick redraws one row); the table is rebuilt only when the columns change (another
+        base relabels every header, new losses too)."""
+        self.health, self.metric = health, metric
+        losses = tuple(header_suffix(health, i) for i in range(len(composition.checkpoints)))
+        shape = (composition.base, len(composition.checkpoints), len(composition.rows), losses)
         if self.composition is composition and shape == self._shape:
             for row in composition.rows:
+                signature = self._signature(row.name, health_version)
+                if self._drawn.get(row.name) == signature:
+                    continue
+                self._drawn[row.name] = signature
                 for column, cell in enumerate(self._cells(row.name)):
                     self.update_cell(row.name, "row" if column == 0 else str(column - 1), cell)
             return
         self._shape = shape
         cursor = self.cursor_coordinate
         self.composition = composition
+        self._drawn = {row.name: self._signature(row.name, health_version) for row in composition.rows}
         self.clear(columns=True)
         self.add_column(Text("row", style="bold"), key="row")
         for i, ckpt in enumerate(composition.checkpoints):
@@ -40,21 +57,30 @@ class CheckpointGrid(DataTable):
             cursor = cursor._replace(column=composition.base + 1)
         self.move_cursor(row=min(cursor.row, len(composition.rows) - 1), column=cursor.column)
 
+    def _signature(self, row: str, health_version: int) -> tuple:
+        comp = self.composition
+        return (comp.source_of(row), comp.base, self.metric, health_version) if comp else ()
+
     def _header(self, column: int) -> Text:
         comp = self.composition
         ckpt = comp.checkpoints[column]
+        loss = header_suffix(self.health, column)
         if column == comp.base:
-            return Text(f"{ckpt.name}\nstep {ckpt.step} BASE", style="bold reverse")
+            return Text(f"{ckpt.name}\nstep {ckpt.step}{loss} BASE", style="bold reverse")
         if comp.incompatibility(column):
-            return Text(f"{ckpt.name}\nstep {ckpt.step} ✗", style="dim strike")
-        return Text(f"{ckpt.name}\nstep {ckpt.step}", style="bold")
+            return Text(f"{ckpt.name}\nstep {ckpt.step}{loss} ✗", style="dim strike")
+        return Text(f"{ckpt.name}\nstep {ckpt.step}{loss}", style="bold")
 
     def _cells(self, row: str) -> list[Text]:
-        comp = self.composition
+        comp, health = self.composition, self.health
         r = comp.base_checkpoint.row(row)
         cells = [Text(row, style="dim italic" if r.tied else "")]
         source = comp.source_of(row)
+        scale = row_range(health, row, self.metric)
         for column in range(len(comp.checkpoints)):
+            cell = health.cell(row, column) if health is not None else None
+            bad = damage(cell)
+            colour = background(cell, self.metric, scale)
             if comp.incompatibility(column):
                 cells.append(Text(DISABLED, style="dim"))
             elif r.tied:
@@ -64,9 +90,13 @@ class CheckpointGrid(DataTable):
                 cells.append(Text("! not saved", style="bold red"))  # a partial base, no pick yet
             elif column == source:
                 style = "bold green" if column != comp.base else "bold cyan"
-                cells.append(Text(f"{PICKED} picked" if column != comp.base else f"{PICKED} base", style=style))
+                label = "picked" if column != comp.base else "base"
+                if bad:
+                    cells.append(Text(f"{PICKED} {bad}", style="bold red reverse"))
+                else:
+                    cells.append(Text(f"{PICKED} {label}", style=style + colour))
             elif comp.holds(column, row):
-                cells.append(Text(HOLDS, style="dim"))
+                cells.append(Text(bad, style="bold red") if bad else Text(f" {HOLDS} ", style="dim" + colour))
             else:
                 cells.append(Text("–", style="dim"))
         return cells

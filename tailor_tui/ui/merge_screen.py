@@ -50,9 +50,10 @@ class MergeScreen(Screen):
     ]
 
     def __init__(self, plan: MergePlan, workers: int | None, clock: Callable[[], float] = time.monotonic,
-                 autostart: bool = True, title: str | None = None, options: TaskOptions = TaskOptions()):
+                 autostart: bool = True, title: str | None = None, options: TaskOptions = TaskOptions(),
+                 allow_nonfinite: bool = False):
         super().__init__()
-        self.options = options
+        self.options, self.allow_nonfinite = options, allow_nonfinite
         self.autostart = autostart  # snapshot tests feed progress events themselves
         self.title_text = title or f"Composing {plan.output}"
         self.plan, self.merge_workers, self.clock = plan, workers, clock  # `workers`: Textual's
@@ -93,6 +94,7 @@ class MergeScreen(Screen):
                 emit=lambda e: self.post_message(MergeProgressed(e)) if isinstance(e, TaskProgressed) else None,
                 cancel=self.cancel,
                 options=self.options,
+                allow_nonfinite=self.allow_nonfinite,
             )
         except MergeCancelled as exc:
             self.post_message(MergeFailed(str(exc), cancelled=True))
