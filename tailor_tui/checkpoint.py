@@ -38,6 +38,7 @@ PARTIAL_MANIFEST = "tailor_partial.json"
 PARTIAL_ROWS = "tailor_rows_rank_{rank}.safetensors"
 PARTIAL_SKELETON = "tailor_optim_skeleton_rank_{rank}.pt"
 PARTIAL_MODEL_FILES = "tailor_model_files.json"  # HF layout: the 16-bit model files' headers and index
+PROVENANCE = "tailor_provenance.json"  # in every folder tailor-tui composed: its recipe and sources
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class Checkpoint:
     sizes: dict = field(default_factory=dict, compare=False, hash=False)  # file -> bytes
     saved_rows: frozenset | None = None  # a partial checkpoint's rows; None: every row
     model_layout: Path | None = None  # a partial HF checkpoint's record of the model files' layout
+    composed: bool = False  # tailor-tui composed it (it has tailor_provenance.json): not a training save
 
     @property
     def partial(self) -> bool:
@@ -368,6 +370,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         sizes=sizes,
         saved_rows=frozenset(manifest["rows"]) if manifest else None,
         model_layout=path / PARTIAL_MODEL_FILES if manifest and (path / PARTIAL_MODEL_FILES).is_file() else None,
+        composed=(named / PROVENANCE).is_file(),
     )
 
 

@@ -89,7 +89,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="with --apply: compose even if the output would hold NaN/Inf values")
     p.add_argument("--report-peak-rss", action="store_true",
-                   help="after --apply, print the merge workers' peak resident memory (for benchmarks)")
+                   help="after --apply or --stats, print the workers' peak resident memory (for benchmarks)")
     p.add_argument("--version", action="version", version=f"tailor-tui {__version__}")
     return p
 
@@ -177,7 +177,6 @@ def _health(run_dir: Path, args, progress: str):
     """The scanned run (training checkpoints: not tailor-tui's own outputs) and its health."""
     from .checkpoint import scan
     from .health_report import StatsProgress
-    from .output import PROVENANCE
     from .stats_run import cache_dir, compute_health
 
     if not run_dir.is_dir():
@@ -185,7 +184,7 @@ def _health(run_dir: Path, args, progress: str):
     scanned = scan(run_dir)
     for folder, problem in scanned.problems:
         print(f"warning: skipped {problem}", file=sys.stderr)
-    checkpoints = tuple(c for c in scanned.checkpoints if not (c.path / PROVENANCE).is_file())
+    checkpoints = tuple(c for c in scanned.checkpoints if not c.composed)
     if not checkpoints:
         raise CheckpointError(f"{run_dir}: holds no ZeRO-3 checkpoint (looked for HF checkpoint-N folders, "
                               "DeepSpeed tag folders and partial saves)")
@@ -196,6 +195,8 @@ def _health(run_dir: Path, args, progress: str):
                                 options=TaskOptions(slow_down=_test_slow_down()))
     finally:
         report.close()
+    if args.report_peak_rss:
+        print(f"peak RSS: {report.peak_rss} bytes", file=sys.stderr)
     return health
 
 

@@ -30,11 +30,13 @@ class Composition:
 
     @classmethod
     def start(cls, checkpoints: list[Checkpoint]) -> "Composition":
-        """A composition of `checkpoints` (ordered by step) with the newest as base and every
-        row from the newest checkpoint that holds it (partial checkpoints hold some rows)."""
+        """A composition of `checkpoints` (ordered by step) with the newest training checkpoint
+        as base (a folder tailor-tui composed only when there is nothing else) and every row from
+        the newest checkpoint that holds it (partial checkpoints hold some rows)."""
         if not checkpoints:
             raise RecipeError("no checkpoints to compose")
-        base = len(checkpoints) - 1
+        trained = [i for i, c in enumerate(checkpoints) if not c.composed]
+        base = trained[-1] if trained else len(checkpoints) - 1
         comp = cls(list(checkpoints), base)
         comp._fill_missing()
         comp.output = comp.default_output()

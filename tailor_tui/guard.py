@@ -12,7 +12,6 @@ from collections import Counter
 
 from .checkpoint import incompatibility, scan
 from .errors import CheckpointError, NonFiniteError
-from .output import PROVENANCE
 from .plan import MergePlan
 from .stats_run import cache_dir, compute_health
 
@@ -41,7 +40,7 @@ def newest_finite(plan: MergePlan, rows: list[str]) -> dict[str, str]:
     except CheckpointError:
         return {}
     candidates = [c for c in scanned.checkpoints
-                  if not (c.path / PROVENANCE).is_file() and incompatibility(plan.base, c) is None]
+                  if not c.composed and incompatibility(plan.base, c) is None]
     found: dict[str, str] = {}
     for column in reversed(range(len(candidates))):
         wanted = [r for r in rows if r not in found and candidates[column].holds(r)]

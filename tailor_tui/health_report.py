@@ -89,6 +89,7 @@ class StatsProgress:
         self.out = out
         self.live = out.isatty() if live is None else live
         self.total = self.done = 0
+        self.peak_rss = 0  # bytes: the largest of the statistics workers'
         self._tasks: dict[str, int] = {}
         self._last, self._started = 0.0, time.monotonic()
 
@@ -99,6 +100,8 @@ class StatsProgress:
             self._say(f"statistics of {event.checkpoints} checkpoint(s): {event.ranks} rank file(s){cached}, "
                       f"{size(event.to_read)} to read")
         elif isinstance(event, (TaskProgressed, TaskFinished)):
+            if isinstance(event, TaskFinished):
+                self.peak_rss = max(self.peak_rss, event.peak_rss)
             self._tasks[event.task] = event.total if isinstance(event, TaskFinished) else event.done
             self.done = sum(self._tasks.values())
             now = time.monotonic()

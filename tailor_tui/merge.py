@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import __version__
-from .checkpoint import MODEL_FILE_INDEX, Checkpoint
+from .checkpoint import MODEL_FILE_INDEX, PROVENANCE, Checkpoint
 from .errors import MergeCancelled, OutputError
 from .events import Emit, TaskFinished, TaskOptions
 from .fileio import copy_file, fsync, fsync_dir, output_error
@@ -32,7 +32,6 @@ from .guard import nonfinite_error
 from .model_files import merge_model_file
 from .output import (
     OUTPUT_FILES,
-    PROVENANCE,
     output_lock,
     probe_swap,
     publish,

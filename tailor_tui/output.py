@@ -30,7 +30,7 @@ import socket
 import threading
 from pathlib import Path
 
-from .checkpoint import find_checkpoint_dirs
+from .checkpoint import PROVENANCE, find_checkpoint_dirs
 from .errors import OutputError
 from .fileio import (
     aside_prefix,
@@ -41,7 +41,6 @@ from .fileio import (
     replace_dir,
 )
 
-PROVENANCE = "tailor_provenance.json"
 OUTPUT_FILES = "files"  # provenance key: every file tailor-tui wrote (relative path -> [bytes, mtime_ns])
 
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import PARTIAL_MANIFEST, find_checkpoint_dirs, read_manifest, scan
+from .checkpoint import PARTIAL_MANIFEST, PROVENANCE, find_checkpoint_dirs, read_manifest, scan
 from .errors import CheckpointError
 
 RESUME_PREFIX = "resume-step"
@@ -142,8 +142,6 @@ def _compose_newest(output_dir: Path, target: Path, workers: int | None) -> None
 
 
 def _complete(folder: Path) -> bool:
-    from .output import PROVENANCE
-
     return (folder / PROVENANCE).is_file() and (folder / "latest").is_file()
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .checkpoint import MODEL_FILE_INDEX, open_checkpoint
+from .checkpoint import MODEL_FILE_INDEX, PROVENANCE, open_checkpoint
 from .ds_format import (
     EXP_AVG,
     EXP_AVG_SQ,
@@ -33,7 +33,6 @@ from .ds_format import (
 )
 from .errors import CheckpointError
 from .events import ByteCounter, Emit
-from .output import PROVENANCE
 from .plan import MergePlan
 from .rows import row_of
 from .safe_load import load_pt

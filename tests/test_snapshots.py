@@ -101,3 +101,12 @@ def test_health_heatmap(snap_compare, real_run, tmp_path, size):
         await pilot.press("down", "down", "down", "left")  # on the blown row, the checkpoint before
 
     assert snap_compare(make_app(run), run_before=on_blown_row, terminal_size=size)
+
+
+def test_help_at_80x24(snap_compare, run):
+    async def help_open(pilot):
+        await scanned(pilot)
+        await pilot.press("question_mark")
+        await pilot.pause()
+
+    assert snap_compare(make_app(run), run_before=help_open, terminal_size=(80, 24))

@@ -13,7 +13,7 @@ from zero_reader import read_full_state
 from tailor_tui.events import TaskOptions
 from tailor_tui.recipe import load_recipe
 from tailor_tui.ui.app import make_app
-from tailor_tui.ui.dialogs import Confirm, ErrorDialog, PathPrompt
+from tailor_tui.ui.dialogs import Confirm, ErrorDialog, HelpScreen, PathPrompt
 from tailor_tui.ui.merge_screen import MergeScreen
 
 SIZE = (130, 32)
@@ -362,3 +362,65 @@ async def test_merging_an_unhealthy_row_asks_to_merge_anyway(blown_copy):
         await pilot.press("enter")  # "Merge anyway"
         await wait_for(pilot, lambda: isinstance(app.screen, MergeScreen) and not app.screen.running)
         assert (run / "global_step6-tailored" / "latest").is_file()
+
+
+# --- what things are ----------------------------------------------------------------------------
+
+
+async def test_a_composed_folder_is_marked_and_never_the_default_base(run_copy):
+    run, ckpts = run_copy
+    from tailor_tui.merge import run_merge
+    from tailor_tui.plan import build_plan
+    from tailor_tui.recipe import Recipe
+
+    run_merge(build_plan(Recipe(base=ckpts[-1], output=run / "checkpoint-6-tailored",
+                                layers={"layers.0": ckpts[0]})), workers=1)
+    app = make_app(run)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        names = [c.name for c in app.composition.checkpoints]
+        assert "checkpoint-6-tailored" in names
+        assert app.composition.base_checkpoint.path == ckpts[-1]  # the newest training checkpoint
+        column = names.index("checkpoint-6-tailored")
+        assert "composed" in str(app.query_one("#grid").columns[str(column)].label)
+        app.query_one("#grid").move_cursor(row=0, column=column + 1)
+        await pilot.pause()
+        assert "composed by tailor-tui" in str(app.query_one("#details").render())
+
+
+async def test_skipped_checkpoints_stay_listed_and_an_empty_folder_says_what_was_looked_for(run_copy, tmp_path):
+    run, ckpts = run_copy
+    broken = run / "checkpoint-8"
+    shutil.copytree(ckpts[0], broken)
+    next(broken.rglob("*rank_1_mp_rank_00_optim_states.pt")).unlink()
+    app = make_app(run)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        details = str(app.query_one("#details").render())
+        assert "skipped while scanning (1):" in details and "checkpoint-8" in details
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    app = make_app(empty)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.health_status is None)  # the scan found nothing
+        label = str(app.query_one("#scan-label").render())
+        assert "looked for HF checkpoint-N folders" in label
+        assert not app.query_one("#scan-bar").display
+
+
+async def test_help_explains_every_mark_and_the_footer_keeps_the_essentials_at_80x24(run_copy):
+    run, _ckpts = run_copy
+    app = make_app(run)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await scanned(pilot)
+        footer = {b.binding.description for b in app.screen.active_bindings.values() if b.binding.show}
+        assert {"Merge", "Save", "Help", "Quit"} <= footer
+        await pilot.press("question_mark")
+        await wait_for(pilot, lambda: isinstance(app.screen, HelpScreen))
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not isinstance(app.screen, HelpScreen))
+        await pilot.press("f1")
+        await wait_for(pilot, lambda: isinstance(app.screen, HelpScreen))
+        commands = list(app.get_system_commands(app.screen))
+        assert [c.title for c in commands].count("Quit") == 1
+        assert any("heal" in c.help.lower() for c in commands)

@@ -33,7 +33,7 @@ from ..recipe import load_recipe
 from ..stats_run import CellsComputed, StatsPlanned, cache_dir, compute_health
 from ..units import size
 from ..workers import prepare_worker_processes
-from .dialogs import Confirm, ErrorDialog, PathPrompt
+from .dialogs import Confirm, ErrorDialog, HelpScreen, PathPrompt
 from .grid import CheckpointGrid
 from .heatmap import LABEL, next_metric
 from .heatmap import details as health_details
@@ -97,19 +97,36 @@ class TailorApp(App):
     CSS_PATH = "tailor.tcss"
     TITLE = "tailor-tui"
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (110, "-wide")]  # narrow: details below the grid
+    # The footer shows the keys a session needs at any width (80 columns included); the others
+    # are in the help screen and the command palette, which says what each does.
     BINDINGS = [
-        Binding("space", "pick", "Pick cell"),
-        Binding("a", "pick_column", "Pick column"),
-        Binding("b", "set_base", "Make base"),
+        Binding("space", "pick", "Pick"),
+        Binding("a", "pick_column", "Pick column", show=False),
+        Binding("b", "set_base", "Make base", show=False),
         Binding("h", "heal", "Heal"),
-        Binding("m", "cycle_metric", "Metric"),
-        Binding("o", "set_output", "Output"),
-        Binding("u,ctrl+z", "undo", "Undo"),
+        Binding("m", "cycle_metric", "Metric", show=False),
+        Binding("o", "set_output", "Output", show=False),
+        Binding("u,ctrl+z", "undo", "Undo", show=False),
         Binding("ctrl+s", "save_recipe", "Save"),
-        Binding("ctrl+o", "load_recipe", "Load"),
+        Binding("ctrl+o", "load_recipe", "Load", show=False),
         Binding("ctrl+r", "run_merge", "Merge"),
+        Binding("question_mark,f1", "help", "Help"),
         Binding("q", "request_quit", "Quit"),
     ]
+    PALETTE = {  # action -> what the command palette says it does
+        "pick": "Pick the cell under the cursor as its row's source",
+        "pick_column": "Pick every row from the checkpoint under the cursor",
+        "set_base": "Make the checkpoint under the cursor the base",
+        "heal": "Heal: every row from the newest checkpoint where it is healthy",
+        "cycle_metric": "Colour the grid by the next health metric",
+        "set_output": "Set the output folder",
+        "undo": "Undo the last change",
+        "save_recipe": "Save the picks as a recipe",
+        "load_recipe": "Load a recipe's picks",
+        "run_merge": "Review the plan and merge",
+        "help": "Help: what each mark means, the keys",
+        "request_quit": "Quit tailor-tui (asks first if picks are unsaved or a merge runs)",
+    }
 
     def __init__(self, run_dir: Path, recipe: Path | None = None, workers: int | None = None,
                  clock: Callable[[], float] = time.monotonic, merge_options: TaskOptions = TaskOptions()):
@@ -204,9 +221,12 @@ class TailorApp(App):
         result = self.scan_result = message.result
         if not result.checkpoints:
             self.health_status = None
-            why = "; ".join(f"{self.rel(p)}: {w}" for p, w in result.problems)
+            why = "\n".join(f"  skipped {self.rel(p)}: {w}" for p, w in result.problems)
+            self.home.query_one("#scan-bar", ProgressBar).display = False  # nothing more is coming
             self.home.query_one("#scan-label", Label).update(
-                f"No usable ZeRO-3 checkpoints under {self.run_dir}. {why}"
+                f"No usable ZeRO-3 checkpoints under {self.run_dir}: looked for HF checkpoint-N folders "
+                "(trainer_state.json and a `latest` file), DeepSpeed tag folders (zero_pp_rank_*_model_states.pt) "
+                "and partial saves (tailor_partial.json). q quits." + (f"\n{why}" if why else "")
             )
             return
         self.composition = Composition.start(list(result.checkpoints))
@@ -351,6 +371,8 @@ class TailorApp(App):
             ]
             if c.partial:
                 lines.append(f"partial saved {len(c.saved_rows)} of {sum(not r.tied for r in c.rows)} rows")
+            if c.composed:
+                lines.append("composed by tailor-tui (tailor_provenance.json names its sources)")
             reason = comp.incompatibility(column)
             if reason:
                 lines.append(f"✗ cannot be combined with the base: {reason}")
@@ -373,6 +395,10 @@ class TailorApp(App):
         if not row.tied:
             lines.append("")
             lines += health_details(self.health, comp.checkpoints, row.name, column, self.metric, self.health_status)
+        problems = self.scan_result.problems if self.scan_result else ()
+        if problems:  # kept here, not only in a toast
+            lines += ["", f"skipped while scanning ({len(problems)}):"]
+            lines += [f"  {self.rel(path)}: {why}" for path, why in problems]
         self.home.query_one("#details", Static).update("\n".join(lines))
 
     # --- actions --------------------------------------------------------------------------
@@ -562,10 +588,16 @@ class TailorApp(App):
         return True
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        yield from super().get_system_commands(screen)
+        # Textual's own Quit would leave without asking: ours is the one Quit entry
+        yield from (c for c in super().get_system_commands(screen) if c.title != "Quit")
         for binding in self.BINDINGS:
             action = getattr(self, f"action_{binding.action}")
-            yield SystemCommand(binding.description, f"{binding.description} ({binding.key})", action)
+            key = binding.key.split(",")[0].replace("question_mark", "?")
+            yield SystemCommand(binding.description, f"{self.PALETTE[binding.action]} ({key})", action)
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
 
 
 def _numel(shape) -> int:

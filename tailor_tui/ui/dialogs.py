@@ -1,11 +1,11 @@
-"""Small modal dialogs: ask for a path, confirm, show an error in plain words."""
+"""Small modal dialogs: ask for a path, confirm, show an error in plain words, help."""
 
 from __future__ import annotations
 
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
@@ -79,6 +79,51 @@ class ErrorDialog(ModalScreen[None]):
             yield Label(self.title_text, classes="dialog-title")
             yield Static(self.message, classes="dialog-body", markup=False)
             yield Label("Enter or Esc closes", classes="dialog-hint")
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+
+HELP = """\
+A row per model row, a column per checkpoint (oldest left).
+
+Cell marks
+  ● base      the row comes from the base
+  ● picked    the row comes from this checkpoint
+  ·           this checkpoint holds the row: space picks it
+  –           a partial checkpoint that did not save this row
+  ✗           cannot be combined with the base (why: details)
+  tied        no weights of its own (a tied lm_head)
+  NaN         NaN/Inf values in the row's optimizer state
+  CRC / ERR   a record fails its CRC-32 check / unreadable
+  colours     heatmap metric, per row: blue low … red high
+  ▲ (header)  the training loss jumped at this checkpoint
+  composed    a folder tailor-tui composed, not a training save
+
+The base is what the output starts from: every row not picked
+elsewhere, and the optimizer settings, steps, scheduler, RNG
+states and every other file of the checkpoint.
+
+Keys
+  pick     space / Enter / click: this cell    a: whole column
+           b: make base    h: heal (newest healthy per row)
+  view     arrows: move    m: heatmap metric
+  recipe   ctrl+s save    ctrl+o load    o output    u undo
+  compose  ctrl+r: review the plan, then merge (Esc cancels)
+  other    ? or F1: help    ctrl+p: command palette    q: quit
+"""
+
+
+class HelpScreen(ModalScreen[None]):
+    """What every mark means and the keys by task; Esc closes."""
+
+    BINDINGS = [Binding("escape,question_mark,f1,q", "close", "Close")]
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(classes="dialog help"):
+            yield Label("tailor-tui: help", classes="dialog-title")
+            yield Static(Text(HELP), classes="dialog-body")
+            yield Label("Esc closes", classes="dialog-hint")
 
     def action_close(self) -> None:
         self.dismiss(None)

@@ -18,7 +18,8 @@ class CheckpointGrid(DataTable):
     (scaled per row) and an unhealthy one says NaN / CRC / ERR."""
 
     def __init__(self, **kwargs) -> None:
-        super().__init__(cursor_type="cell", zebra_stripes=False, header_height=2, **kwargs)
+        # the row names stay in view when a wide run scrolls sideways (the header row always does)
+        super().__init__(cursor_type="cell", zebra_stripes=False, header_height=2, fixed_columns=1, **kwargs)
         self.composition: Composition | None = None
         self.health: Health | None = None
         self.metric = "rel_change"
@@ -64,7 +65,7 @@ class CheckpointGrid(DataTable):
     def _header(self, column: int) -> Text:
         comp = self.composition
         ckpt = comp.checkpoints[column]
-        loss = header_suffix(self.health, column)
+        loss = header_suffix(self.health, column) + (" · composed" if ckpt.composed else "")
         if column == comp.base:
             return Text(f"{ckpt.name}\nstep {ckpt.step}{loss} BASE", style="bold reverse")
         if comp.incompatibility(column):
