@@ -23,9 +23,10 @@ class Composition:
     base: int  # index of the base checkpoint
     picks: dict[str, int] = field(default_factory=dict)  # row -> column; rows absent use the base
     output: Path | None = None
-    recipe_path: Path | None = None
-    saved: bool = True  # no picks changed since the last save or load
+    recipe_path: Path | None = None  # the recipe the picks were loaded from or saved to: where ctrl+s saves
     _undo: list[tuple[int, dict[str, int], Path | None]] = field(default_factory=list, repr=False)
+    _redo: list[tuple[int, dict[str, int], Path | None]] = field(default_factory=list, repr=False)
+    _saved_state: tuple | None = field(default=None, repr=False)  # the state as last saved or loaded
     _known: dict = field(default_factory=dict, repr=False)  # (rule, base, column) -> its answer
 
     @classmethod
@@ -40,7 +41,16 @@ class Composition:
         comp = cls(list(checkpoints), base)
         comp._fill_missing()
         comp.output = comp.default_output()
+        comp._saved_state = comp._state()
         return comp
+
+    def _state(self) -> tuple:
+        return (self.base, dict(self.picks), self.output)
+
+    @property
+    def saved(self) -> bool:
+        """No change since the last save or load (undo back to that state counts as none)."""
+        return self._state() == self._saved_state
 
     def _fill_missing(self) -> None:
         """Rows the base did not save come from the newest compatible checkpoint that did."""
@@ -101,8 +111,8 @@ class Composition:
     # --- editing (each change can be undone) ---------------------------------------------
 
     def _remember(self) -> None:
-        self._undo.append((self.base, dict(self.picks), self.output))
-        self.saved = False
+        self._undo.append(self._state())
+        self._redo.clear()
 
     def pick(self, row: str, column: int) -> None:
         r = self.base_checkpoint.row(row)
@@ -172,8 +182,15 @@ class Composition:
     def undo(self) -> bool:
         if not self._undo:
             return False
+        self._redo.append(self._state())
         self.base, self.picks, self.output = self._undo.pop()
-        self.saved = False
+        return True
+
+    def redo(self) -> bool:
+        if not self._redo:
+            return False
+        self._undo.append(self._state())
+        self.base, self.picks, self.output = self._redo.pop()
         return True
 
     def default_output(self) -> Path:
@@ -188,7 +205,7 @@ class Composition:
 
     def save(self, path: Path) -> Path:
         saved = self.to_recipe().save(path)
-        self.recipe_path, self.saved = saved, True
+        self.recipe_path, self._saved_state = saved, self._state()
         return saved
 
     def load(self, recipe: Recipe) -> None:
@@ -214,4 +231,4 @@ class Composition:
         self.base, self.picks = base, picks
         self.output = recipe.output or self.default_output()
         self.recipe_path = recipe.source_file
-        self.saved = True
+        self._saved_state = self._state()

@@ -26,6 +26,12 @@ VERSION = 1
 KEYS = ("version", "base", "output", "layers")
 
 
+# Written at the top of every recipe tailor-tui saves. Saving rewrites the file from its picks:
+# comments are not carried over (the README says so).
+HEADER = ("# tailor-tui recipe: compose it with `tailor-tui --apply THIS_FILE`.\n"
+          "# Saved by tailor-tui; comments are not kept when it saves this file again.\n")
+
+
 @dataclass
 class Recipe:
     base: Path
@@ -55,7 +61,7 @@ class Recipe:
     def save(self, path: str | Path) -> Path:
         """Write the recipe to `path` (atomically: a crash never leaves half a recipe)."""
         path = Path(path)
-        text = self.to_yaml(relative_to=path.parent)
+        text = HEADER + self.to_yaml(relative_to=path.parent)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
             tmp.write_text(text)

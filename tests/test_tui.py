@@ -121,7 +121,9 @@ async def test_save_and_load_round_trip(run_copy, tmp_path):
         assert app.composition.saved
         await pilot.press("a")  # change, then load it again with ctrl+o
         await pilot.press("ctrl+o")
-        assert isinstance(app.screen, PathPrompt)
+        assert isinstance(app.screen, Confirm)  # the unsaved picks would be replaced: asked first
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt))
         await pilot.press("enter")  # the prompt is pre-filled with the recipe's path
         await pilot.pause()
         assert app.composition.to_recipe().layers == {"layers.1": c4}
@@ -424,3 +426,47 @@ async def test_help_explains_every_mark_and_the_footer_keeps_the_essentials_at_8
         commands = list(app.get_system_commands(app.screen))
         assert [c.title for c in commands].count("Quit") == 1
         assert any("heal" in c.help.lower() for c in commands)
+
+
+
+# --- never losing a recipe -----------------------------------------------------------------------
+
+
+async def test_a_recipe_that_failed_to_load_is_never_silently_replaced(run_copy, tmp_path, real_run):
+    run, (c2, c4, c6) = run_copy
+    other, other_spec = real_run("hf_fp32_3_tied")  # another run: its checkpoints are not scanned here
+    fix = tmp_path / "fix.yaml"
+    fix.write_text(f"version: 1\nbase: {checkpoints_of(other, other_spec)[-1]}\nlayers:\n  layers.0: {c2}\n")
+    before = fix.read_text()
+    app = make_app(run, recipe=fix)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        await wait_for(pilot, lambda: isinstance(app.screen, ErrorDialog))
+        await pilot.press("escape")
+        assert app.composition.recipe_path is None
+        assert "fix.yaml" not in str(app.query_one("#title").render())
+        await pilot.press("ctrl+s")  # not a silent save: Save as, pre-filled with fix.yaml
+        await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt))
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, Confirm))  # it exists and was not loaded
+        await pilot.press("escape")
+        await pilot.pause()
+    assert fix.read_text() == before
+
+
+async def test_undo_back_to_the_saved_state_is_saved_and_redo_returns(run_copy, tmp_path):
+    run, (c2, c4, c6) = run_copy
+    recipe = tmp_path / "r.yaml"
+    app = make_app(run, recipe=recipe)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        await pilot.press("left", "down", "space", "ctrl+s")
+        await pilot.pause()
+        assert app.composition.saved and recipe.read_text().startswith("# tailor-tui recipe")
+        await pilot.press("down", "space")
+        assert not app.composition.saved and "*" in str(app.query_one("#title").render())
+        await pilot.press("u")
+        assert app.composition.saved and "*" not in str(app.query_one("#title").render())
+        await pilot.press("ctrl+y")
+        assert app.composition.to_recipe().layers == {"layers.0": c4, "layers.1": c4}
+        assert not app.composition.saved

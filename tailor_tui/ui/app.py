@@ -107,7 +107,9 @@ class TailorApp(App):
         Binding("m", "cycle_metric", "Metric", show=False),
         Binding("o", "set_output", "Output", show=False),
         Binding("u,ctrl+z", "undo", "Undo", show=False),
+        Binding("ctrl+y,ctrl+shift+z", "redo", "Redo", show=False),
         Binding("ctrl+s", "save_recipe", "Save"),
+        Binding("S", "save_recipe_as", "Save as", show=False),
         Binding("ctrl+o", "load_recipe", "Load", show=False),
         Binding("ctrl+r", "run_merge", "Merge"),
         Binding("question_mark,f1", "help", "Help"),
@@ -121,7 +123,9 @@ class TailorApp(App):
         "cycle_metric": "Colour the grid by the next health metric",
         "set_output": "Set the output folder",
         "undo": "Undo the last change",
+        "redo": "Redo the change undone last",
         "save_recipe": "Save the picks as a recipe",
+        "save_recipe_as": "Save the picks as a recipe under another name",
         "load_recipe": "Load a recipe's picks",
         "run_merge": "Review the plan and merge",
         "help": "Help: what each mark means, the keys",
@@ -233,9 +237,10 @@ class TailorApp(App):
         self.home.query_one("#scanning").display = False
         self.home.query_one("#main").display = True
         if self.recipe_arg is not None:
-            self.composition.recipe_path = self.recipe_arg
-            if self.recipe_arg.is_file():
-                self.adopt_recipe(self.recipe_arg)
+            if self.recipe_arg.exists():
+                self.adopt_recipe(self.recipe_arg)  # on failure it is not the save target
+            else:
+                self.composition.recipe_path = self.recipe_arg  # a new recipe: ctrl+s creates it
         self.health = Health(tuple(result.checkpoints), logs={i: training_log(c)
                                                               for i, c in enumerate(result.checkpoints)})
         self.refresh_view()
@@ -442,6 +447,13 @@ class TailorApp(App):
             self.notify("nothing to undo")
         self.refresh_view()
 
+    def action_redo(self) -> None:
+        if not self._editable():
+            return
+        if not self.composition.redo():
+            self.notify("nothing to redo")
+        self.refresh_view()
+
     def action_set_output(self) -> None:
         if not self._editable():
             return
@@ -458,15 +470,34 @@ class TailorApp(App):
             return
         if comp.recipe_path is not None:
             self.save_to(comp.recipe_path)
+        else:
+            self.action_save_recipe_as()
+
+    def action_save_recipe_as(self) -> None:
+        comp = self.composition
+        if comp is None:
             return
 
         def done(value: str | None) -> None:
             if value:
                 self.save_to(Path(os.path.expanduser(value)))
 
-        self.push_screen(PathPrompt("Save the recipe as", "recipe.yaml"), done)
+        default = comp.recipe_path or self.recipe_arg or Path("recipe.yaml")
+        self.push_screen(PathPrompt("Save the recipe as", str(default)), done)
 
-    def save_to(self, path: Path) -> None:
+    def save_to(self, path: Path, confirmed: bool = False) -> None:
+        """Save there; a file the composer did not load or save is replaced only when confirmed."""
+        target = self.composition.recipe_path
+        ours = target is not None and target.exists() and path.exists() and os.path.samefile(path, target)
+        if path.exists() and not ours and not confirmed:
+            def answer(yes: bool | None) -> None:
+                if yes:
+                    self.save_to(path, confirmed=True)
+
+            self.push_screen(Confirm(f"Replace {self.rel(path)}?",
+                                     f"{path} exists and was not loaded into this composer: its contents would "
+                                     "be replaced by these picks.", accept="Replace", decline="Back"), answer)
+            return
         try:
             saved = self.composition.save(path)
         except TailorError as exc:
@@ -484,7 +515,16 @@ class TailorApp(App):
                 self.adopt_recipe(Path(os.path.expanduser(value)))
                 self.refresh_view()
 
-        self.push_screen(PathPrompt("Load a recipe", str(self.composition.recipe_path or "")), done)
+        def ask_path(yes: bool | None = True) -> None:
+            if yes:
+                self.push_screen(PathPrompt("Load a recipe", str(self.composition.recipe_path or "")), done)
+
+        if self.composition.saved:
+            ask_path()
+        else:
+            self.push_screen(Confirm("Load a recipe?", "The current picks are not saved; loading a recipe "
+                                     "replaces them (undo brings them back).", accept="Load", decline="Back"),
+                             ask_path)
 
     def adopt_recipe(self, path: Path) -> None:
         try:
@@ -578,8 +618,8 @@ class TailorApp(App):
     async def action_quit(self) -> None:
         self.action_request_quit()  # ctrl+q asks too
 
-    GRID_ACTIONS = {"pick", "pick_column", "set_base", "set_output", "undo", "load_recipe", "run_merge", "heal",
-                    "cycle_metric"}
+    GRID_ACTIONS = {"pick", "pick_column", "set_base", "set_output", "undo", "redo", "load_recipe", "run_merge",
+                    "heal", "cycle_metric", "save_recipe_as"}
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         # Grid actions belong to the grid: hidden from the footer under dialogs and the merge screen.

@@ -108,7 +108,8 @@ Keys
   pick     space / Enter / click: this cell    a: whole column
            b: make base    h: heal (newest healthy per row)
   view     arrows: move    m: heatmap metric
-  recipe   ctrl+s save    ctrl+o load    o output    u undo
+  recipe   ctrl+s save    S save as    ctrl+o load    o output
+           u undo    ctrl+y redo
   compose  ctrl+r: review the plan, then merge (Esc cancels)
   other    ? or F1: help    ctrl+p: command palette    q: quit
 """
