@@ -131,6 +131,24 @@ class Composition:
         else:
             self.picks[row] = column
 
+    def pick_rows(self, rows: list[str], column: int) -> list[str]:
+        """A block of rows from `column` as one undoable change: rows without weights of their
+        own (tied) and rows a partial `column` did not save keep their source. Returns the rows
+        whose source changed."""
+        reason = self.incompatibility(column)
+        if reason:
+            raise RecipeError(f"{self.checkpoints[column].name} cannot be combined with the base: {reason}")
+        changed = [r for r in rows if not self.base_checkpoint.row(r).tied and self.holds(column, r)
+                   and self.source_of(r) != column]
+        if changed:
+            self._remember()
+            for row in changed:
+                if column == self.base:
+                    self.picks.pop(row, None)
+                else:
+                    self.picks[row] = column
+        return changed
+
     def pick_column(self, column: int) -> None:
         """Every row from `column`."""
         reason = self.incompatibility(column)

@@ -470,3 +470,28 @@ async def test_undo_back_to_the_saved_state_is_saved_and_redo_returns(run_copy, 
         await pilot.press("ctrl+y")
         assert app.composition.to_recipe().layers == {"layers.0": c4, "layers.1": c4}
         assert not app.composition.saved
+
+
+# --- editing many rows ---------------------------------------------------------------------------
+
+
+async def test_a_block_of_rows_is_picked_in_one_action_and_one_undo(run_copy):
+    run, (c2, c4, c6) = run_copy
+    app = make_app(run)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        await pilot.press("slash")
+        await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt))
+        await pilot.press(*"layers.1", "enter")
+        await wait_for(pilot, lambda: len(app.screen_stack) == 1)
+        assert app.query_one("#grid").cursor_coordinate.row == 2
+        await pilot.press("v", "down", "down", "left", "left", "space")  # layers.1 – layers.3 from checkpoint-2
+        assert app.composition.to_recipe().layers == {"layers.1": c2, "layers.2": c2, "layers.3": c2}
+        await pilot.press("u")
+        assert app.composition.to_recipe().layers == {}
+        await pilot.press("G")
+        assert app.query_one("#grid").cursor_coordinate.row == len(app.composition.rows) - 1
+        await pilot.press("shift+up", "shift+up", "escape", "space")  # dropped: only the cursor's cell
+        assert set(app.composition.to_recipe().layers) == {"layers.3"}  # (lm_head, tied, is last)
+        await pilot.press("g")
+        assert app.query_one("#grid").cursor_coordinate.row == 0

@@ -101,6 +101,13 @@ class TailorApp(App):
     # are in the help screen and the command palette, which says what each does.
     BINDINGS = [
         Binding("space", "pick", "Pick"),
+        Binding("v", "select_rows", "Select rows", show=False),
+        Binding("shift+down", "extend_selection(1)", "Select down", show=False),
+        Binding("shift+up", "extend_selection(-1)", "Select up", show=False),
+        Binding("escape", "clear_selection", "Drop selection", show=False),
+        Binding("slash", "jump", "Jump to row", show=False),
+        Binding("g", "first_row", "First row", show=False),
+        Binding("G", "last_row", "Last row", show=False),
         Binding("a", "pick_column", "Pick column", show=False),
         Binding("b", "set_base", "Make base", show=False),
         Binding("h", "heal", "Heal"),
@@ -116,7 +123,13 @@ class TailorApp(App):
         Binding("q", "request_quit", "Quit"),
     ]
     PALETTE = {  # action -> what the command palette says it does
-        "pick": "Pick the cell under the cursor as its row's source",
+        "pick": "Pick the cell under the cursor (or the selected rows) from its checkpoint",
+        "select_rows": "Select a block of rows (arrows extend it, space picks it, Esc drops it)",
+        "extend_selection": "Extend the selected rows",
+        "clear_selection": "Drop the row selection",
+        "jump": "Jump to a row by name",
+        "first_row": "Go to the first row",
+        "last_row": "Go to the last row",
         "pick_column": "Pick every row from the checkpoint under the cursor",
         "set_base": "Make the checkpoint under the cursor the base",
         "heal": "Heal: every row from the newest checkpoint where it is healthy",
@@ -149,6 +162,7 @@ class TailorApp(App):
         self.metric = "rel_change"
         self.stats_cancel = threading.Event()
         self._redraw_due = False
+        self.anchor: int | None = None  # the row a block selection (v) started at
 
     # --- layout ------------------------------------------------------------------------
 
@@ -348,6 +362,7 @@ class TailorApp(App):
 
     def on_data_table_cell_highlighted(self, message: DataTable.CellHighlighted) -> None:
         if message.data_table.is_attached:  # may arrive while the app shuts down
+            self._follow_selection()
             self.update_details()
 
     def on_data_table_cell_selected(self, message: DataTable.CellSelected) -> None:
@@ -422,9 +437,83 @@ class TailorApp(App):
     def action_pick(self) -> None:
         if not self._editable():
             return
-        row, column = self.home.query_one(CheckpointGrid).current()
-        if row is not None and column is not None:
+        grid = self.home.query_one(CheckpointGrid)
+        row, column = grid.current()
+        if grid.selection is not None and column is not None:  # a block of rows, one undo step
+            rows = grid.selected_rows()
+            grid.selection = self.anchor = None
+            changed = []
+            self._edit(lambda: changed.extend(self.composition.pick_rows(rows, column)))
+            self.notify(f"{len(changed)} of {len(rows)} row(s) from {self.composition.checkpoints[column].name}",
+                        timeout=3)
+        elif row is not None and column is not None:
             self._edit(lambda: self.composition.pick(row, column))
+
+    # --- moving and selecting ----------------------------------------------------------------
+
+    def action_select_rows(self) -> None:
+        """Start (or drop) a block selection at the cursor's row; moving up or down extends it."""
+        if not self._editable():
+            return
+        grid = self.home.query_one(CheckpointGrid)
+        if grid.selection is not None:
+            self.action_clear_selection()
+            return
+        self.anchor = grid.cursor_coordinate.row
+        grid.selection = (self.anchor, self.anchor)
+        self.refresh_view()
+
+    def action_extend_selection(self, step: int) -> None:
+        if not self._editable():
+            return
+        grid = self.home.query_one(CheckpointGrid)
+        if grid.selection is None:
+            self.action_select_rows()
+        grid.move_cursor(row=max(0, min(grid.row_count - 1, grid.cursor_coordinate.row + step)))
+
+    def action_clear_selection(self) -> None:
+        grid = self.home.query_one(CheckpointGrid)
+        if grid.selection is not None:
+            grid.selection = self.anchor = None
+            self.refresh_view()
+
+    def _follow_selection(self) -> None:
+        grid = self.home.query_one(CheckpointGrid)
+        if grid.selection is not None and self.anchor is not None:
+            cursor = grid.cursor_coordinate.row
+            selection = (min(self.anchor, cursor), max(self.anchor, cursor))
+            if selection != grid.selection:
+                grid.selection = selection
+                self.refresh_view()
+
+    def action_first_row(self) -> None:
+        if self._editable():
+            self.home.query_one(CheckpointGrid).move_cursor(row=0)
+
+    def action_last_row(self) -> None:
+        if self._editable():
+            grid = self.home.query_one(CheckpointGrid)
+            grid.move_cursor(row=grid.row_count - 1)
+
+    def action_jump(self) -> None:
+        """Go to the first row whose name starts with (else contains) what is typed."""
+        if not self._editable():
+            return
+
+        def done(value: str | None) -> None:
+            text = (value or "").strip()
+            if not text:
+                return
+            names = [r.name for r in self.composition.rows]
+            found = next((i for i, n in enumerate(names) if n == text), None)
+            found = found if found is not None else next((i for i, n in enumerate(names) if n.startswith(text)), None)
+            found = found if found is not None else next((i for i, n in enumerate(names) if text in n), None)
+            if found is None:
+                self.notify(f"no row named like '{text}'", severity="warning")
+            else:
+                self.home.query_one(CheckpointGrid).move_cursor(row=found)
+
+        self.push_screen(PathPrompt("Jump to row (e.g. layers.40)", ""), done)
 
     def action_pick_column(self) -> None:
         if not self._editable():
@@ -619,7 +708,8 @@ class TailorApp(App):
         self.action_request_quit()  # ctrl+q asks too
 
     GRID_ACTIONS = {"pick", "pick_column", "set_base", "set_output", "undo", "redo", "load_recipe", "run_merge",
-                    "heal", "cycle_metric", "save_recipe_as"}
+                    "heal", "cycle_metric", "save_recipe_as", "select_rows", "extend_selection", "jump",
+                    "first_row", "last_row"}
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         # Grid actions belong to the grid: hidden from the footer under dialogs and the merge screen.

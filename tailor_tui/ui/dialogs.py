@@ -106,8 +106,11 @@ states and every other file of the checkpoint.
 
 Keys
   pick     space / Enter / click: this cell    a: whole column
+           v (or shift+arrows): select rows, arrows extend,
+           space picks them all from the cursor's column
            b: make base    h: heal (newest healthy per row)
-  view     arrows: move    m: heatmap metric
+  move     arrows    g / G: first / last row    /: jump to a row
+  view     m: heatmap metric
   recipe   ctrl+s save    S save as    ctrl+o load    o output
            u undo    ctrl+y redo
   compose  ctrl+r: review the plan, then merge (Esc cancels)

@@ -25,7 +25,7 @@ class CheckpointGrid(DataTable):
         self.metric = "rel_change"
         self._shape: tuple | None = None
         self._drawn: dict[str, tuple] = {}  # row -> what its cells were drawn from
-        self._health_version = 0
+        self.selection: tuple[int, int] | None = None  # rows (first, last) of a range being selected
 
     def show(self, composition: Composition, health: Health | None = None, metric: str = "rel_change",
              health_version: int = 0) -> None:
@@ -33,6 +33,7 @@ class CheckpointGrid(DataTable):
         (a pick redraws one row); the table is rebuilt only when the columns change (another
         base relabels every header, new losses too)."""
         self.health, self.metric = health, metric
+        self._index = {r.name: i for i, r in enumerate(composition.rows)}
         losses = tuple(header_suffix(health, i) for i in range(len(composition.checkpoints)))
         shape = (composition.base, len(composition.checkpoints), len(composition.rows), losses)
         if self.composition is composition and shape == self._shape:
@@ -60,7 +61,18 @@ class CheckpointGrid(DataTable):
 
     def _signature(self, row: str, health_version: int) -> tuple:
         comp = self.composition
-        return (comp.source_of(row), comp.base, self.metric, health_version) if comp else ()
+        return (comp.source_of(row), comp.base, self.metric, health_version, self._selected(row)) if comp else ()
+
+    def _selected(self, row: str) -> bool:
+        if self.selection is None:
+            return False
+        return self.selection[0] <= self._index[row] <= self.selection[1]
+
+    def selected_rows(self) -> list[str]:
+        if self.selection is None or self.composition is None:
+            return []
+        first, last = self.selection
+        return [r.name for r in self.composition.rows[first: last + 1]]
 
     def _header(self, column: int) -> Text:
         comp = self.composition
@@ -75,7 +87,8 @@ class CheckpointGrid(DataTable):
     def _cells(self, row: str) -> list[Text]:
         comp, health = self.composition, self.health
         r = comp.base_checkpoint.row(row)
-        cells = [Text(row, style="dim italic" if r.tied else "")]
+        style = "dim italic" if r.tied else ""
+        cells = [Text(row, style=style + (" reverse bold" if self._selected(row) else ""))]
         source = comp.source_of(row)
         scale = row_range(health, row, self.metric)
         for column in range(len(comp.checkpoints)):
