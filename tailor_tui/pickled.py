@@ -216,6 +216,98 @@ def check_bounds(stream) -> None:
             raise pickle.UnpicklingError(f"it would build more than {MAX_OBJECT_BYTES >> 20} MiB of objects")
 
 
+def _opcode_table() -> dict[int, tuple]:
+    """code byte -> (name, how its argument is laid out, size, whether it pops a MARK, cheap)."""
+    table = {}
+    for op in pickletools.opcodes:
+        arg = op.arg
+        if arg is None:
+            layout, n = "none", 0
+        elif arg.n >= 0:
+            layout, n = "fixed", arg.n
+        elif arg.n == pickletools.UP_TO_NEWLINE:
+            layout, n = "lines", 2 if arg.name.endswith("_pair") else 1
+        else:
+            layout = "sized"
+            n = {pickletools.TAKEN_FROM_ARGUMENT1: 1, pickletools.TAKEN_FROM_ARGUMENT4: -4,
+                 pickletools.TAKEN_FROM_ARGUMENT4U: 4, pickletools.TAKEN_FROM_ARGUMENT8U: 8}[arg.n]
+        table[op.code.encode("latin-1")[0]] = (op.name, layout, n, pickletools.markobject in op.stack_before,
+                                               op.name in _CHEAP)
+    return table
+
+
+_OPCODES = _opcode_table()
+_MEMO_INDEX = {"BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET"}
+
+
+def check_bounds_bytes(data: bytes) -> None:
+    """`check_bounds` for a pickle held in memory: the same limits, one pass over the bytes
+    without decoding arguments (pickletools.genops costs seconds on a run of 100 checkpoints)."""
+    cost = nesting = memoized = i = 0
+    end = len(data)
+    table, find, from_bytes = _OPCODES, data.find, int.from_bytes
+    while True:
+        if i >= end:
+            raise pickle.UnpicklingError("the pickle ends before its STOP opcode (truncated)")
+        entry = table.get(data[i])
+        if entry is None:
+            raise pickle.UnpicklingError(f"unknown opcode {data[i]:#04x} at byte {i}")
+        name, layout, n, pops_mark, cheap = entry
+        i += 1
+        if cheap:
+            cost += 8
+            if layout == "fixed":
+                if n and name in _MEMO_INDEX and from_bytes(data[i: i + n], "little") >= MAX_MEMO:
+                    raise pickle.UnpicklingError(f"memo index {from_bytes(data[i: i + n], 'little')} is "
+                                                 "beyond what any checkpoint uses")
+                i += n
+            elif layout == "lines":  # PUT / GET: a decimal index
+                j = find(b"\n", i)
+                try:
+                    index = int(data[i:j]) if j >= 0 else -1
+                except ValueError:
+                    index = -1
+                if index < 0:
+                    raise pickle.UnpicklingError(f"{name} at byte {i} has no index (truncated?)")
+                if index >= MAX_MEMO:
+                    raise pickle.UnpicklingError(f"memo index {index} is beyond what any checkpoint uses")
+                i = j + 1
+            if name == "MARK":
+                nesting += 1
+                if nesting > MAX_NESTING:
+                    raise pickle.UnpicklingError(f"nested more than {MAX_NESTING} deep")
+            elif name == "MEMOIZE":
+                memoized += 1
+                if memoized >= MAX_MEMO:
+                    raise pickle.UnpicklingError("more memo entries than any checkpoint uses")
+            elif name == "STOP":
+                return
+            elif pops_mark:
+                nesting -= 1
+            continue
+        size = 0
+        if layout == "fixed":
+            i += n
+        elif layout == "sized":
+            width = n if n > 0 else -n
+            size = from_bytes(data[i: i + width], "little", signed=n < 0)
+            if size < 0 or i + width + size > end:
+                raise pickle.UnpicklingError(f"{name} at byte {i} claims {size} bytes past the end (truncated)")
+            i += width + size
+        elif layout == "lines":
+            for _ in range(n):
+                j = find(b"\n", i)
+                if j < 0:
+                    raise pickle.UnpicklingError(f"{name} at byte {i} has no end of line (truncated)")
+                size += j - i
+                i = j + 1
+        if pops_mark:
+            nesting -= 1
+        cost += 64 + size
+        if cost > MAX_OBJECT_BYTES:
+            raise pickle.UnpicklingError(f"it would build more than {MAX_OBJECT_BYTES >> 20} MiB of objects")
+
+
 class _Bounded:
     """The file as the unpickler reads it: at most MAX_PICKLE_BYTES in all, so a crafted
     length cannot make it allocate more; no read-ahead, so `f` is left just after the pickle."""
@@ -246,7 +338,7 @@ def read_pickle(data: bytes):
     allow-listed or beyond a checkpoint's bounds (`check_bounds`)."""
     if len(data) > MAX_PICKLE_BYTES:
         raise pickle.UnpicklingError(f"its structure is larger than {MAX_PICKLE_BYTES >> 20} MiB")
-    check_bounds(io.BytesIO(data))
+    check_bounds_bytes(data)
     return _Unpickler(io.BytesIO(data)).load()
 
 

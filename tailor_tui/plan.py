@@ -235,27 +235,52 @@ class MergePlan:
         return sum(j.read_bytes for j in self.rank_jobs()) + models
 
     def describe(self, show=str) -> list[str]:
-        """The plan as text lines; `show` formats paths (the TUI shows them relative)."""
-        lines = [f"warning: {w}" for w in self.warnings] + [
+        """The plan as text lines, what matters first: output, base, totals, then only the rows
+        that do not come from the base, runs of layers grouped (`layers.40–59 ← checkpoint-8`).
+        `show` formats paths (the TUI shows them relative to the run)."""
+        lines = [
+            f"output: {show(self.output)}",
             f"base:   {show(self.base.path)} (step {self.base.step}, {self.base.world_size} ranks, "
             f"{self.base.dtype}, {self.base.kind} layout)",
-            f"output: {show(self.output)}",
-            "rows:",
+            f"read:   {size(self.bytes_to_read())}  write: {size(self.bytes_to_write())}",
+            *(f"warning: {w}" for w in self.warnings),
         ]
-        width = max((len(r.name) for r in self.base.rows), default=4)
-        for row in self.base.rows:
-            if row.tied:
-                lines.append(f"  {row.name:<{width}}  tied to {tied_partner(self.base, row)}")
-                continue
-            s = self.picks[row.name]
-            src = self.sources[s]
-            mark = "base" if s == 0 else f"step {src.step}"
-            lines.append(f"  {row.name:<{width}}  {show(src.path)}  ({mark})")
+        rows = [r for r in self.base.rows if not r.tied]
+        moved = [r.name for r in rows if self.picks[r.name]]
+        if moved:
+            lines.append(f"rows from other checkpoints ({len(moved)} of {len(rows)}):")
+            groups = row_groups([(r.name, self.picks[r.name]) for r in rows])
+            width = max(len(label) for label, s in groups if s)
+            for label, s in groups:
+                if s:
+                    src = self.sources[s]
+                    lines.append(f"  {label:<{width}}  ← {show(src.path)} (step {src.step})")
+            lines.append("every other row: the base")
+        else:
+            lines.append(f"rows: all {len(rows)} from the base")
+        tied = [f"{r.name} tied to {tied_partner(self.base, r)}" for r in self.base.rows if r.tied]
+        if tied:
+            lines.append("; ".join(tied))
         if self.base.kind == "hf" and not self.model_file_jobs():
             lines.append("model files: none (the partial base recorded no 16-bit model-file layout and no source "
                          "in the recipe is a full HF checkpoint; DeepSpeed and the HF Trainer resume without them)")
-        lines.append(f"read:   {size(self.bytes_to_read())}  write: {size(self.bytes_to_write())}")
         return lines
+
+
+def row_groups(rows: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """Consecutive rows from the same source, in model order, as (label, source): a run of
+    layers reads `layers.40–59`; other rows stand alone."""
+    groups: list[tuple[str, int, int, int]] = []  # (label, source, first layer, last layer)
+    for name, source in rows:
+        number = name.rsplit(".", 1)[-1]
+        layer = int(number) if name.startswith("layers.") and number.isdigit() else None
+        if groups and layer is not None:
+            label, s, first, last = groups[-1]
+            if s == source and first >= 0 and last == layer - 1:
+                groups[-1] = (f"layers.{first}–{layer}", s, first, layer)
+                continue
+        groups.append((name, source, layer if layer is not None else -1, layer if layer is not None else -1))
+    return [(label, s) for label, s, _first, _last in groups]
 
 
 def tied_partner(ckpt: Checkpoint, row) -> str:

@@ -18,7 +18,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import PARTIAL_MANIFEST, PROVENANCE, find_checkpoint_dirs, read_manifest, scan
+from .checkpoint import (
+    PARTIAL_MANIFEST,
+    PROVENANCE,
+    find_checkpoint_dirs,
+    read_manifest,
+    scan,
+)
 from .errors import CheckpointError
 
 RESUME_PREFIX = "resume-step"

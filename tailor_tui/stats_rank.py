@@ -26,6 +26,7 @@ from .ds_format import FROZEN_PARAM_FRAGMENTS, TENSORS, flat_tensor, optimizer_s
 from .errors import CheckpointError, MergeCancelled
 from .events import ByteCounter, Emit, TaskOptions
 from .fileio import open_fd, pread_into
+from .layout import ZeroLayout
 from .model_files import partial_slice, safetensors_tensors
 from .nonfinite import EXPONENT, count
 from .pickled import dtype_name
@@ -53,8 +54,9 @@ class StatsJob:
     checkpoint: int
     rank: int
     files: RankFiles
-    group_sizes: tuple[int, ...]
-    slots: tuple[SlotRead, ...]
+    layout: ZeroLayout
+    owner: dict  # parameter -> row
+    rows: frozenset  # the rows to read
     frozen: tuple[tuple[str, str], ...]  # (row, parameter) of frozen parameters
     prev: tuple[tuple[str, RankFiles], ...]  # (row, this rank's files of the row's previous checkpoint)
     bytes_to_read: int
@@ -62,6 +64,17 @@ class StatsJob:
     @property
     def task(self) -> str:
         return f"{self.files.model_states.parent.name} rank {self.rank}"
+
+    @property
+    def group_sizes(self) -> tuple[int, ...]:
+        return tuple(self.layout.group_sizes())
+
+    def slots(self) -> tuple[SlotRead, ...]:
+        """Each trainable parameter's slice on this rank, of the rows to read."""
+        rank = self.rank
+        return tuple(SlotRead(self.owner[s.name], s.name, s.group, s.offset, s.valid(rank))
+                     for s in self.layout.slots
+                     if self.owner.get(s.name) in self.rows and s.valid(rank))
 
 
 @dataclass
@@ -131,10 +144,11 @@ class _Region:
 def rank_stats(job: StatsJob, emit: Emit, cancelled, options: TaskOptions = TaskOptions()) -> RankStats:
     """The sums of every row `job` reads (run in a worker: see `workers.run_calls`)."""
     counter = ByteCounter(job.task, job.bytes_to_read, emit, cancelled, options)
-    sums = {slot.row: RowSums() for slot in job.slots} | {row: RowSums() for row, _ in job.frozen}
+    slots = job.slots()
+    sums = {slot.row: RowSums() for slot in slots} | {row: RowSums() for row, _ in job.frozen}
     try:
         with contextlib.ExitStack() as stack:
-            reads = _reads(job, sums, stack)
+            reads = _reads(job, slots, sums, stack)
             buffers = memoryview(bytearray(CHUNK)), memoryview(bytearray(CHUNK))
             for fd, start, length, expected, regions in reads:
                 if not _read(fd, start, length, expected, regions, buffers, counter):
@@ -151,20 +165,20 @@ def rank_stats(job: StatsJob, emit: Emit, cancelled, options: TaskOptions = Task
     return found
 
 
-def _reads(job: StatsJob, sums: dict[str, RowSums], stack: contextlib.ExitStack) -> list:
+def _reads(job: StatsJob, slots: tuple[SlotRead, ...], sums: dict[str, RowSums], stack: contextlib.ExitStack) -> list:
     """[(fd, first byte, length, stored CRC-32 or None, regions)] in file order per file."""
     prev_fds, prev_at = {}, {}
     for row, files in job.prev:
         path = files.rows or files.optim_states
         if path not in prev_fds:
             prev_fds[path] = open_fd(stack, path)
-        where = _fp32_places(files, job.group_sizes, [s for s in job.slots if s.row == row])
+        where = _fp32_places(files, job.group_sizes, [s for s in slots if s.row == row])
         prev_at.update({(row, param): (prev_fds[path], at) for param, at in where.items()})
     reads = []
     if job.files.rows is not None:  # partial: one safetensors tensor per (key, parameter), no CRCs
         fd = open_fd(stack, job.files.rows)
         tensors = safetensors_tensors(job.files.rows)
-        for slot in job.slots:
+        for slot in slots:
             for key in TENSORS:
                 begin = partial_slice(job.files.rows, tensors, key, slot.param, slot.valid)[2]
                 reads.append((fd, begin, slot.valid * 4, None,
@@ -184,7 +198,7 @@ def _reads(job: StatsJob, sums: dict[str, RowSums], stack: contextlib.ExitStack)
                                           "read fp32 optimizer states")
                 regions = by_record.setdefault(tb.record, [])
                 regions += [_region(s, key, tb.offset + s.offset * 4, dtype, sums, prev_at)
-                            for s in job.slots if s.group == g and s.valid]
+                            for s in slots if s.group == g and s.valid]
         reads += [(fd, r.data_offset, r.size, r.crc, sorted(regs, key=lambda x: x.start))
                   for r, regs in sorted(by_record.items(), key=lambda item: item[0].data_offset)]
     if job.frozen:

@@ -25,7 +25,6 @@ from .stats_rank import (
     RankStats,
     RankStatsRead,
     RowSums,
-    SlotRead,
     StatsJob,
     file_identity,
     rank_stats,
@@ -79,36 +78,55 @@ def previous_holders(checkpoints: tuple[Checkpoint, ...], column: int) -> dict[s
     return found
 
 
-def stats_jobs(checkpoints: tuple[Checkpoint, ...], column: int, rows: list[str] | None = None) -> list[StatsJob]:
+def stats_jobs(checkpoints: tuple[Checkpoint, ...], column: int, rows: list[str] | None = None,
+               known: dict | None = None) -> list[StatsJob]:
     """One job per rank of checkpoint `column`: the rows it holds (of `rows`, default all), and
-    their previous checkpoints."""
+    their previous checkpoints. The cache key names what is read (the identity of every file,
+    the rank, the rows); the slices to read are worked out in the worker, so a run whose
+    statistics are cached costs a stat() per file. `known` memoises identities and layouts
+    across calls."""
+    known = {} if known is None else known
     ckpt = checkpoints[column]
     prev = previous_holders(checkpoints, column)
-    trainable = {name for group in ckpt.layout.groups for name, _ in group}
     owner = ckpt.param_to_row()
-    held = {r.name for r in ckpt.rows if not r.tied and ckpt.holds(r.name) and (rows is None or r.name in rows)}
+    held = frozenset(r.name for r in ckpt.rows
+                     if not r.tied and ckpt.holds(r.name) and (rows is None or r.name in rows))
     frozen = tuple((owner[name], name) for name, _ in ckpt.layout.frozen if owner.get(name) in held)
+    elements = _row_elements(ckpt, owner, known)
     jobs = []
     for rank, files in enumerate(ckpt.ranks):
-        slots = tuple(SlotRead(owner[s.name], s.name, s.group, s.offset, s.valid(rank))
-                      for s in ckpt.layout.slots
-                      if s.name in trainable and owner.get(s.name) in held and s.valid(rank))
-        prev_files = tuple((row, checkpoints[j].ranks[rank]) for row, j in sorted(prev.items())
-                           if any(s.row == row for s in slots))
-        read = _own_bytes(ckpt, rank, slots) + sum(s.valid * 4 for s in slots if s.row in dict(prev_files))
-        identity = [file_identity(p) for p in files.existing()]
-        identity += [[row, file_identity(f.rows or f.optim_states)] for row, f in prev_files]
-        key = hashlib.sha256(json.dumps([FORMAT, identity, slots, frozen], default=str).encode()).hexdigest()
-        jobs.append(StatsJob(key, column, rank, files, tuple(ckpt.layout.group_sizes()), slots, frozen,
-                             prev_files, read))
+        mine = {row: n for row, n in elements[rank].items() if row in held}
+        prev_files = tuple((row, checkpoints[prev[row]].ranks[rank]) for row in sorted(mine) if row in prev)
+        read = (sum(n * 12 for n in mine.values()) if files.rows is not None
+                else ckpt.sizes.get(files.optim_states, 0)) + sum(mine[row] * 4 for row, _ in prev_files)
+        previous = {}
+        for row, f in prev_files:
+            previous.setdefault(_identity(f.rows or f.optim_states, known), []).append(row)
+        key = hashlib.sha256(json.dumps([FORMAT, rank, [_identity(p, known) for p in files.existing()],
+                                         sorted(held), sorted(previous.items())]).encode()).hexdigest()
+        jobs.append(StatsJob(key, column, rank, files, ckpt.layout, owner, held, frozen, prev_files, read))
     return jobs
 
 
-def _own_bytes(ckpt: Checkpoint, rank: int, slots) -> int:
-    files = ckpt.ranks[rank]
-    if files.rows is not None:
-        return sum(s.valid * 12 for s in slots)
-    return ckpt.sizes.get(files.optim_states, 0)
+def _identity(path: Path, known: dict) -> str:
+    if ("file", path) not in known:
+        known["file", path] = json.dumps(file_identity(path))
+    return known["file", path]
+
+
+def _row_elements(ckpt: Checkpoint, owner: dict, known: dict) -> list[dict[str, int]]:
+    """Per rank, {row: its trainable elements on that rank} (padding excluded)."""
+    key = ("layout", ckpt.layout)  # every checkpoint of a run has an equal one: worked out once
+    if key not in known:
+        per_rank = []
+        for rank in range(ckpt.layout.world_size):
+            counts: dict[str, int] = {}
+            for s in ckpt.layout.slots:
+                if (n := s.valid(rank)) and s.name in owner:
+                    counts[owner[s.name]] = counts.get(owner[s.name], 0) + n
+            per_rank.append(counts)
+        known[key] = per_rank
+    return known[key]
 
 
 def compute_health(checkpoints: tuple[Checkpoint, ...], *, workers: int | None = None, emit: Emit = lambda e: None,
@@ -121,7 +139,8 @@ def compute_health(checkpoints: tuple[Checkpoint, ...], *, workers: int | None =
     cancel = cancel or threading.Event()
     health = Health(tuple(checkpoints), logs={i: training_log(c) for i, c in enumerate(checkpoints)})
     columns = sorted(range(len(checkpoints)) if columns is None else columns, reverse=True)
-    jobs = {c: stats_jobs(health.checkpoints, c, rows) for c in columns}
+    known: dict = {}
+    jobs = {c: stats_jobs(health.checkpoints, c, rows, known) for c in columns}
     found: dict[str, RankStats] = {}
     for job in (j for c in columns for j in jobs[c]):
         cached = _cached(cache, job.key)

@@ -38,6 +38,11 @@ class Confirm(ModalScreen[bool]):
     BINDINGS = [
         Binding("enter,y", "accept", "Yes"),
         Binding("escape,n", "decline", "No"),
+        # the body scrolls from the keyboard while the focus stays on the buttons
+        Binding("down,j", "scroll(1)", "Scroll", show=False),
+        Binding("up,k", "scroll(-1)", "Scroll", show=False),
+        Binding("pagedown,space", "scroll(10)", "Page", show=False),
+        Binding("pageup", "scroll(-10)", "Page", show=False),
     ]
 
     def __init__(self, title: str, body: str, accept: str = "Yes", decline: str = "No") -> None:
@@ -47,7 +52,8 @@ class Confirm(ModalScreen[bool]):
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
             yield Label(self.title_text, classes="dialog-title")
-            yield Static(Text(self.body), classes="dialog-body")  # Text keeps the plan's indentation
+            with VerticalScroll(classes="dialog-scroll", can_focus=False):
+                yield Static(Text(self.body), classes="dialog-body")  # Text keeps the plan's indentation
             with Horizontal(classes="dialog-buttons"):
                 yield Button(f"{self.accept} (Enter)", variant="primary", id="accept")
                 yield Button(f"{self.decline} (Esc)", id="decline")
@@ -57,6 +63,9 @@ class Confirm(ModalScreen[bool]):
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         self.dismiss(event.button.id == "accept")
+
+    def action_scroll(self, lines: int) -> None:
+        self.query_one(".dialog-scroll", VerticalScroll).scroll_relative(y=lines, animate=False)
 
     def action_accept(self) -> None:
         self.dismiss(True)
