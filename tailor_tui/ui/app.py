@@ -7,10 +7,12 @@ post messages; widgets are only touched on the event loop.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import os
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -18,82 +20,35 @@ from textual import work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
-from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Label, ProgressBar, Static
 from textual.worker import get_current_worker
 
 from ..checkpoint import ScanResult, scan
 from ..composition import Composition
-from ..errors import MergeCancelled, TailorError
-from ..events import TaskFinished, TaskOptions, TaskProgressed
+from ..errors import TailorError
+from ..events import TaskOptions
 from ..health import Health, training_log, why_unhealthy
-from ..plan import MergePlan, build_plan
-from ..recipe import load_recipe
-from ..stats_run import CellsComputed, StatsPlanned, cache_dir, compute_health
+from ..plan import build_plan
 from ..units import size
 from ..workers import prepare_worker_processes
 from .dialogs import Confirm, ErrorDialog, HelpScreen, PathPrompt
 from .grid import CheckpointGrid
-from .heatmap import LABEL, next_metric
+from .health_actions import HealthActions
 from .heatmap import details as health_details
 from .merge_screen import MergeScreen
+from .messages import (
+    PlanFailed,
+    PlanReady,
+    ScanComplete,
+    ScanFailed,
+    ScanProgressed,
+)
+from .navigation import Navigation
+from .recipe_actions import RecipeActions
 
 
-class ScanProgressed(Message):
-    def __init__(self, done: int, total: int, path: Path) -> None:
-        super().__init__()
-        self.done, self.total, self.path = done, total, path
-
-
-class ScanComplete(Message):
-    def __init__(self, result: ScanResult) -> None:
-        super().__init__()
-        self.result = result
-
-
-class ScanFailed(Message):
-    def __init__(self, message: str) -> None:
-        super().__init__()
-        self.message = message
-
-
-class HealthProgressed(Message):
-    """Statistics: `done` of `total` bytes read (a newer one replaces one still queued)."""
-
-    def __init__(self, done: int, total: int) -> None:
-        super().__init__()
-        self.done, self.total = done, total
-
-    def can_replace(self, message: Message) -> bool:
-        return isinstance(message, HealthProgressed)
-
-
-class CellsArrived(Message):
-    def __init__(self, column: int, cells: dict) -> None:
-        super().__init__()
-        self.column, self.cells = column, cells
-
-
-class HealthEnded(Message):
-    def __init__(self, problem: str | None = None) -> None:
-        super().__init__()
-        self.problem = problem
-
-
-class PlanReady(Message):
-    def __init__(self, plan: MergePlan) -> None:
-        super().__init__()
-        self.plan = plan
-
-
-class PlanFailed(Message):
-    def __init__(self, message: str) -> None:
-        super().__init__()
-        self.message = message
-
-
-class TailorApp(App):
+class TailorApp(HealthActions, Navigation, RecipeActions, App):
     CSS_PATH = "tailor.tcss"
     TITLE = "tailor-tui"
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (110, "-wide")]  # narrow: details below the grid
@@ -263,95 +218,6 @@ class TailorApp(App):
             self.notify(why, title=f"Skipped {self.rel(path)}", severity="warning", timeout=8)
         self.stats_worker(tuple(result.checkpoints))
 
-    # --- row health ------------------------------------------------------------------------
-
-    @work(thread=True, exclusive=True, group="stats")
-    def stats_worker(self, checkpoints) -> None:
-        """Statistics of every cell, newest checkpoint first, from the cache where it has them;
-        the grid stays usable throughout (it only gets messages)."""
-        progress = {"total": 0, "tasks": {}, "last": 0.0}
-
-        def emit(event) -> None:
-            if isinstance(event, CellsComputed):
-                self.post_message(CellsArrived(event.column, event.cells))
-            elif isinstance(event, StatsPlanned):
-                progress["total"] = event.to_read
-            elif isinstance(event, (TaskProgressed, TaskFinished)):
-                progress["tasks"][event.task] = event.done if isinstance(event, TaskProgressed) else event.total
-                now = time.monotonic()
-                if now - progress["last"] > 0.2:
-                    progress["last"] = now
-                    self.post_message(HealthProgressed(sum(progress["tasks"].values()), progress["total"]))
-
-        try:
-            compute_health(checkpoints, workers=self.merge_workers, emit=emit, cancel=self.stats_cancel,
-                           cache=cache_dir(), options=TaskOptions())
-        except MergeCancelled:
-            return
-        except TailorError as exc:
-            self.post_message(HealthEnded(str(exc)))
-        except Exception as exc:  # a bug: the grid goes on without statistics
-            self.post_message(HealthEnded(f"internal error: {type(exc).__name__}: {exc}"))
-        else:
-            self.post_message(HealthEnded())
-
-    def on_health_progressed(self, message: HealthProgressed) -> None:
-        if self.health_status is not None and message.total:
-            self.health_status = f"statistics {message.done / message.total:.0%}"
-            self.update_title()
-
-    def on_cells_arrived(self, message: CellsArrived) -> None:
-        if self.health is None:
-            return
-        self.health.add(message.column, message.cells)
-        if not self._redraw_due:  # many checkpoints arrive in a burst: one redraw for them
-            self._redraw_due = True
-            self.set_timer(0.25, self._redraw_health)
-
-    def _redraw_health(self) -> None:
-        self._redraw_due = False
-        self.health_version += 1
-        self.refresh_view()
-
-    def on_health_ended(self, message: HealthEnded) -> None:
-        self.health_status = None
-        self.health_version += 1
-        if message.problem:
-            self.notify(message.problem, title="No row statistics", severity="warning", timeout=8)
-        self.refresh_view()
-
-    def action_cycle_metric(self) -> None:
-        if self._editable():
-            self.metric = next_metric(self.metric)
-            self.notify(f"heatmap: {LABEL[self.metric]}", timeout=2)
-            self.refresh_view()
-
-    def action_heal(self) -> None:
-        """Every row from the newest checkpoint where it is healthy; shown first, one undo step."""
-        if not self._editable() or self.health is None:
-            return
-        if self.health_status is not None:
-            self.notify("row statistics are still being computed; heal when they are complete",
-                        severity="warning", timeout=4)
-            return
-        comp = self.composition
-        healing = comp.healing(self.health)
-        changes = [f"{row} ← {comp.checkpoints[col].name}" + (f"  ({healing.reasons[row]})" if row in healing.reasons
-                                                              else "")
-                   for row, col in healing.picks.items() if comp.source_of(row) != col]
-        hopeless = [f"{row}: no healthy checkpoint" for row in healing.hopeless]
-        if not changes:
-            self.notify("nothing to heal: every row already comes from its newest healthy checkpoint"
-                        + (f"; {len(hopeless)} row(s) have none" if hopeless else ""), timeout=5)
-            return
-
-        def answer(yes: bool | None) -> None:
-            if yes:
-                self._edit(lambda: comp.apply_healing(healing))
-
-        body = "\n".join([*changes, *hopeless])
-        self.push_screen(Confirm(f"Heal {len(changes)} row(s)?", body, accept="Heal", decline="Back"), answer)
-
     # --- view ------------------------------------------------------------------------------
 
     def refresh_view(self) -> None:
@@ -449,72 +315,6 @@ class TailorApp(App):
         elif row is not None and column is not None:
             self._edit(lambda: self.composition.pick(row, column))
 
-    # --- moving and selecting ----------------------------------------------------------------
-
-    def action_select_rows(self) -> None:
-        """Start (or drop) a block selection at the cursor's row; moving up or down extends it."""
-        if not self._editable():
-            return
-        grid = self.home.query_one(CheckpointGrid)
-        if grid.selection is not None:
-            self.action_clear_selection()
-            return
-        self.anchor = grid.cursor_coordinate.row
-        grid.selection = (self.anchor, self.anchor)
-        self.refresh_view()
-
-    def action_extend_selection(self, step: int) -> None:
-        if not self._editable():
-            return
-        grid = self.home.query_one(CheckpointGrid)
-        if grid.selection is None:
-            self.action_select_rows()
-        grid.move_cursor(row=max(0, min(grid.row_count - 1, grid.cursor_coordinate.row + step)))
-
-    def action_clear_selection(self) -> None:
-        grid = self.home.query_one(CheckpointGrid)
-        if grid.selection is not None:
-            grid.selection = self.anchor = None
-            self.refresh_view()
-
-    def _follow_selection(self) -> None:
-        grid = self.home.query_one(CheckpointGrid)
-        if grid.selection is not None and self.anchor is not None:
-            cursor = grid.cursor_coordinate.row
-            selection = (min(self.anchor, cursor), max(self.anchor, cursor))
-            if selection != grid.selection:
-                grid.selection = selection
-                self.refresh_view()
-
-    def action_first_row(self) -> None:
-        if self._editable():
-            self.home.query_one(CheckpointGrid).move_cursor(row=0)
-
-    def action_last_row(self) -> None:
-        if self._editable():
-            grid = self.home.query_one(CheckpointGrid)
-            grid.move_cursor(row=grid.row_count - 1)
-
-    def action_jump(self) -> None:
-        """Go to the first row whose name starts with (else contains) what is typed."""
-        if not self._editable():
-            return
-
-        def done(value: str | None) -> None:
-            text = (value or "").strip()
-            if not text:
-                return
-            names = [r.name for r in self.composition.rows]
-            found = next((i for i, n in enumerate(names) if n == text), None)
-            found = found if found is not None else next((i for i, n in enumerate(names) if n.startswith(text)), None)
-            found = found if found is not None else next((i for i, n in enumerate(names) if text in n), None)
-            if found is None:
-                self.notify(f"no row named like '{text}'", severity="warning")
-            else:
-                self.home.query_one(CheckpointGrid).move_cursor(row=found)
-
-        self.push_screen(PathPrompt("Jump to row (e.g. layers.40)", ""), done)
-
     def action_pick_column(self) -> None:
         if not self._editable():
             return
@@ -552,74 +352,6 @@ class TailorApp(App):
                 self._edit(lambda: self.composition.set_output(Path(os.path.expanduser(value))))
 
         self.push_screen(PathPrompt("Output folder for the composed checkpoint", str(self.composition.output)), done)
-
-    def action_save_recipe(self) -> None:
-        comp = self.composition
-        if comp is None:
-            return
-        if comp.recipe_path is not None:
-            self.save_to(comp.recipe_path)
-        else:
-            self.action_save_recipe_as()
-
-    def action_save_recipe_as(self) -> None:
-        comp = self.composition
-        if comp is None:
-            return
-
-        def done(value: str | None) -> None:
-            if value:
-                self.save_to(Path(os.path.expanduser(value)))
-
-        default = comp.recipe_path or self.recipe_arg or Path("recipe.yaml")
-        self.push_screen(PathPrompt("Save the recipe as", str(default)), done)
-
-    def save_to(self, path: Path, confirmed: bool = False) -> None:
-        """Save there; a file the composer did not load or save is replaced only when confirmed."""
-        target = self.composition.recipe_path
-        ours = target is not None and target.exists() and path.exists() and os.path.samefile(path, target)
-        if path.exists() and not ours and not confirmed:
-            def answer(yes: bool | None) -> None:
-                if yes:
-                    self.save_to(path, confirmed=True)
-
-            self.push_screen(Confirm(f"Replace {self.rel(path)}?",
-                                     f"{path} exists and was not loaded into this composer: its contents would "
-                                     "be replaced by these picks.", accept="Replace", decline="Back"), answer)
-            return
-        try:
-            saved = self.composition.save(path)
-        except TailorError as exc:
-            self.push_screen(ErrorDialog(str(exc)))
-            return
-        self.notify(f"recipe saved to {saved}; run it with: tailor-tui --apply {saved}")
-        self.update_title()
-
-    def action_load_recipe(self) -> None:
-        if not self._editable():
-            return
-
-        def done(value: str | None) -> None:
-            if value:
-                self.adopt_recipe(Path(os.path.expanduser(value)))
-                self.refresh_view()
-
-        def ask_path(yes: bool | None = True) -> None:
-            if yes:
-                self.push_screen(PathPrompt("Load a recipe", str(self.composition.recipe_path or "")), done)
-
-        if self.composition.saved:
-            ask_path()
-        else:
-            self.push_screen(Confirm("Load a recipe?", "The current picks are not saved; loading a recipe "
-                                     "replaces them (undo brings them back).", accept="Load", decline="Back"),
-                             ask_path)
-
-    def adopt_recipe(self, path: Path) -> None:
-        try:
-            self.composition.load(load_recipe(path))
-        except TailorError as exc:
-            self.push_screen(ErrorDialog(str(exc), title="Cannot load the recipe"))
 
     def action_run_merge(self) -> None:
         if self._editable():
@@ -721,9 +453,11 @@ class TailorApp(App):
         # Textual's own Quit would leave without asking: ours is the one Quit entry
         yield from (c for c in super().get_system_commands(screen) if c.title != "Quit")
         for binding in self.BINDINGS:
-            action = getattr(self, f"action_{binding.action}")
+            name, _, arguments = binding.action.partition("(")  # `extend_selection(1)`
+            args = ast.literal_eval(f"({arguments[:-1]},)") if arguments else ()
             key = binding.key.split(",")[0].replace("question_mark", "?")
-            yield SystemCommand(binding.description, f"{self.PALETTE[binding.action]} ({key})", action)
+            yield SystemCommand(binding.description, f"{self.PALETTE[name]} ({key})",
+                                partial(getattr(self, f"action_{name}"), *args))
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):

@@ -1,0 +1,109 @@
+"""The composer's row health: the statistics worker, the heatmap metric, healing.
+
+A mixin of TailorApp (it uses the app's composition, grid and dialogs); the statistics
+themselves come from the headless core (`stats_run`), in a thread worker with a cancel flag.
+"""
+
+from __future__ import annotations
+
+import time
+
+from textual import work
+
+from ..errors import MergeCancelled, TailorError
+from ..events import TaskFinished, TaskOptions, TaskProgressed
+from ..stats_run import CellsComputed, StatsPlanned, cache_dir, compute_health
+from .dialogs import Confirm
+from .heatmap import LABEL, next_metric
+from .messages import CellsArrived, HealthEnded, HealthProgressed
+
+
+class HealthActions:
+    """Statistics of every cell, the heatmap metric (m) and healing (h)."""
+
+    @work(thread=True, exclusive=True, group="stats")
+    def stats_worker(self, checkpoints) -> None:
+        """Statistics of every cell, newest checkpoint first, from the cache where it has them;
+        the grid stays usable throughout (it only gets messages)."""
+        progress = {"total": 0, "tasks": {}, "last": 0.0}
+
+        def emit(event) -> None:
+            if isinstance(event, CellsComputed):
+                self.post_message(CellsArrived(event.column, event.cells))
+            elif isinstance(event, StatsPlanned):
+                progress["total"] = event.to_read
+            elif isinstance(event, (TaskProgressed, TaskFinished)):
+                progress["tasks"][event.task] = event.done if isinstance(event, TaskProgressed) else event.total
+                now = time.monotonic()
+                if now - progress["last"] > 0.2:
+                    progress["last"] = now
+                    self.post_message(HealthProgressed(sum(progress["tasks"].values()), progress["total"]))
+
+        try:
+            compute_health(checkpoints, workers=self.merge_workers, emit=emit, cancel=self.stats_cancel,
+                           cache=cache_dir(), options=TaskOptions())
+        except MergeCancelled:
+            return
+        except TailorError as exc:
+            self.post_message(HealthEnded(str(exc)))
+        except Exception as exc:  # a bug: the grid goes on without statistics
+            self.post_message(HealthEnded(f"internal error: {type(exc).__name__}: {exc}"))
+        else:
+            self.post_message(HealthEnded())
+
+    def on_health_progressed(self, message: HealthProgressed) -> None:
+        if self.health_status is not None and message.total:
+            self.health_status = f"statistics {message.done / message.total:.0%}"
+            self.update_title()
+
+    def on_cells_arrived(self, message: CellsArrived) -> None:
+        if self.health is None:
+            return
+        self.health.add(message.column, message.cells)
+        if not self._redraw_due:  # many checkpoints arrive in a burst: one redraw for them
+            self._redraw_due = True
+            self.set_timer(0.25, self._redraw_health)
+
+    def _redraw_health(self) -> None:
+        self._redraw_due = False
+        self.health_version += 1
+        self.refresh_view()
+
+    def on_health_ended(self, message: HealthEnded) -> None:
+        self.health_status = None
+        self.health_version += 1
+        if message.problem:
+            self.notify(message.problem, title="No row statistics", severity="warning", timeout=8)
+        self.refresh_view()
+
+    def action_cycle_metric(self) -> None:
+        if self._editable():
+            self.metric = next_metric(self.metric)
+            self.notify(f"heatmap: {LABEL[self.metric]}", timeout=2)
+            self.refresh_view()
+
+    def action_heal(self) -> None:
+        """Every row from the newest checkpoint where it is healthy; shown first, one undo step."""
+        if not self._editable() or self.health is None:
+            return
+        if self.health_status is not None:
+            self.notify("row statistics are still being computed; heal when they are complete",
+                        severity="warning", timeout=4)
+            return
+        comp = self.composition
+        healing = comp.healing(self.health)
+        changes = [f"{row} ← {comp.checkpoints[col].name}" + (f"  ({healing.reasons[row]})" if row in healing.reasons
+                                                              else "")
+                   for row, col in healing.picks.items() if comp.source_of(row) != col]
+        hopeless = [f"{row}: no healthy checkpoint" for row in healing.hopeless]
+        if not changes:
+            self.notify("nothing to heal: every row already comes from its newest healthy checkpoint"
+                        + (f"; {len(hopeless)} row(s) have none" if hopeless else ""), timeout=5)
+            return
+
+        def answer(yes: bool | None) -> None:
+            if yes:
+                self._edit(lambda: comp.apply_healing(healing))
+
+        body = "\n".join([*changes, *hopeless])
+        self.push_screen(Confirm(f"Heal {len(changes)} row(s)?", body, accept="Heal", decline="Back"), answer)

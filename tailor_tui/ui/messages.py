@@ -1,0 +1,64 @@
+"""The messages the composer's workers post to it (plain data; widgets are touched only by
+their handlers, on the event loop)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from textual.message import Message
+
+from ..checkpoint import ScanResult
+from ..plan import MergePlan
+
+
+class ScanProgressed(Message):
+    def __init__(self, done: int, total: int, path: Path) -> None:
+        super().__init__()
+        self.done, self.total, self.path = done, total, path
+
+
+class ScanComplete(Message):
+    def __init__(self, result: ScanResult) -> None:
+        super().__init__()
+        self.result = result
+
+
+class ScanFailed(Message):
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        self.message = message
+
+
+class HealthProgressed(Message):
+    """Statistics: `done` of `total` bytes read (a newer one replaces one still queued)."""
+
+    def __init__(self, done: int, total: int) -> None:
+        super().__init__()
+        self.done, self.total = done, total
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, HealthProgressed)
+
+
+class CellsArrived(Message):
+    def __init__(self, column: int, cells: dict) -> None:
+        super().__init__()
+        self.column, self.cells = column, cells
+
+
+class HealthEnded(Message):
+    def __init__(self, problem: str | None = None) -> None:
+        super().__init__()
+        self.problem = problem
+
+
+class PlanReady(Message):
+    def __init__(self, plan: MergePlan) -> None:
+        super().__init__()
+        self.plan = plan
+
+
+class PlanFailed(Message):
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        self.message = message

@@ -1,0 +1,74 @@
+"""Moving around the grid and selecting blocks of rows (a mixin of TailorApp)."""
+
+from __future__ import annotations
+
+from .dialogs import PathPrompt
+from .grid import CheckpointGrid
+
+
+class Navigation:
+    """g / G, / (jump to a row), v and shift+arrows (select rows)."""
+
+    def action_select_rows(self) -> None:
+        """Start (or drop) a block selection at the cursor's row; moving up or down extends it."""
+        if not self._editable():
+            return
+        grid = self.home.query_one(CheckpointGrid)
+        if grid.selection is not None:
+            self.action_clear_selection()
+            return
+        self.anchor = grid.cursor_coordinate.row
+        grid.selection = (self.anchor, self.anchor)
+        self.refresh_view()
+
+    def action_extend_selection(self, step: int) -> None:
+        if not self._editable():
+            return
+        grid = self.home.query_one(CheckpointGrid)
+        if grid.selection is None:
+            self.action_select_rows()
+        grid.move_cursor(row=max(0, min(grid.row_count - 1, grid.cursor_coordinate.row + step)))
+
+    def action_clear_selection(self) -> None:
+        grid = self.home.query_one(CheckpointGrid)
+        if grid.selection is not None:
+            grid.selection = self.anchor = None
+            self.refresh_view()
+
+    def _follow_selection(self) -> None:
+        grid = self.home.query_one(CheckpointGrid)
+        if grid.selection is not None and self.anchor is not None:
+            cursor = grid.cursor_coordinate.row
+            selection = (min(self.anchor, cursor), max(self.anchor, cursor))
+            if selection != grid.selection:
+                grid.selection = selection
+                self.refresh_view()
+
+    def action_first_row(self) -> None:
+        if self._editable():
+            self.home.query_one(CheckpointGrid).move_cursor(row=0)
+
+    def action_last_row(self) -> None:
+        if self._editable():
+            grid = self.home.query_one(CheckpointGrid)
+            grid.move_cursor(row=grid.row_count - 1)
+
+    def action_jump(self) -> None:
+        """Go to the first row whose name starts with (else contains) what is typed."""
+        if not self._editable():
+            return
+
+        def done(value: str | None) -> None:
+            text = (value or "").strip()
+            if not text:
+                return
+            names = [r.name for r in self.composition.rows]
+            found = next((i for i, n in enumerate(names) if n == text), None)
+            found = found if found is not None else next((i for i, n in enumerate(names) if n.startswith(text)), None)
+            found = found if found is not None else next((i for i, n in enumerate(names) if text in n), None)
+            if found is None:
+                self.notify(f"no row named like '{text}'", severity="warning")
+            else:
+                self.home.query_one(CheckpointGrid).move_cursor(row=found)
+
+        self.push_screen(PathPrompt("Jump to row (e.g. layers.40)", ""), done)

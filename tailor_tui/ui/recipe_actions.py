@@ -1,0 +1,82 @@
+"""Saving and loading recipes from the composer, never losing one (a mixin of TailorApp)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import TailorError
+from ..recipe import load_recipe
+from .dialogs import Confirm, ErrorDialog, PathPrompt
+
+
+class RecipeActions:
+    """ctrl+s, S (save as) and ctrl+o: a recipe that failed to load is never the save target."""
+
+    def action_save_recipe(self) -> None:
+        comp = self.composition
+        if comp is None:
+            return
+        if comp.recipe_path is not None:
+            self.save_to(comp.recipe_path)
+        else:
+            self.action_save_recipe_as()
+
+    def action_save_recipe_as(self) -> None:
+        comp = self.composition
+        if comp is None:
+            return
+
+        def done(value: str | None) -> None:
+            if value:
+                self.save_to(Path(os.path.expanduser(value)))
+
+        default = comp.recipe_path or self.recipe_arg or Path("recipe.yaml")
+        self.push_screen(PathPrompt("Save the recipe as", str(default)), done)
+
+    def save_to(self, path: Path, confirmed: bool = False) -> None:
+        """Save there; a file the composer did not load or save is replaced only when confirmed."""
+        target = self.composition.recipe_path
+        ours = target is not None and target.exists() and path.exists() and os.path.samefile(path, target)
+        if path.exists() and not ours and not confirmed:
+            def answer(yes: bool | None) -> None:
+                if yes:
+                    self.save_to(path, confirmed=True)
+
+            self.push_screen(Confirm(f"Replace {self.rel(path)}?",
+                                     f"{path} exists and was not loaded into this composer: its contents would "
+                                     "be replaced by these picks.", accept="Replace", decline="Back"), answer)
+            return
+        try:
+            saved = self.composition.save(path)
+        except TailorError as exc:
+            self.push_screen(ErrorDialog(str(exc)))
+            return
+        self.notify(f"recipe saved to {saved}; run it with: tailor-tui --apply {saved}")
+        self.update_title()
+
+    def action_load_recipe(self) -> None:
+        if not self._editable():
+            return
+
+        def done(value: str | None) -> None:
+            if value:
+                self.adopt_recipe(Path(os.path.expanduser(value)))
+                self.refresh_view()
+
+        def ask_path(yes: bool | None = True) -> None:
+            if yes:
+                self.push_screen(PathPrompt("Load a recipe", str(self.composition.recipe_path or "")), done)
+
+        if self.composition.saved:
+            ask_path()
+        else:
+            self.push_screen(Confirm("Load a recipe?", "The current picks are not saved; loading a recipe "
+                                     "replaces them (undo brings them back).", accept="Load", decline="Back"),
+                             ask_path)
+
+    def adopt_recipe(self, path: Path) -> None:
+        try:
+            self.composition.load(load_recipe(path))
+        except TailorError as exc:
+            self.push_screen(ErrorDialog(str(exc), title="Cannot load the recipe"))
