@@ -495,3 +495,24 @@ async def test_a_block_of_rows_is_picked_in_one_action_and_one_undo(run_copy):
         assert set(app.composition.to_recipe().layers) == {"layers.3"}  # (lm_head, tied, is last)
         await pilot.press("g")
         assert app.query_one("#grid").cursor_coordinate.row == 0
+
+
+async def test_an_earlier_output_is_offered_for_replacement_not_force(run_copy):
+    run, (c2, c4, c6) = run_copy
+    app = make_app(run, workers=1)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        await start_merge(pilot)
+        await wait_for(pilot, lambda: not app.screen.running)
+        first = (run / "checkpoint-6-tailored" / "tailor_provenance.json").read_text()
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: len(app.screen_stack) == 1)
+        await pilot.press("left", "down", "space", "ctrl+r")  # another composition, same output
+        await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
+        assert app.screen.title_text.startswith("Replace checkpoint-6-tailored")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, Confirm) and app.screen.title_text.startswith("Compose"))
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, MergeScreen) and not app.screen.running)
+        assert app.screen.has_class("finished")
+    assert (run / "checkpoint-6-tailored" / "tailor_provenance.json").read_text() != first

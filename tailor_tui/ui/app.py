@@ -26,9 +26,10 @@ from textual.worker import get_current_worker
 
 from ..checkpoint import ScanResult, scan
 from ..composition import Composition
-from ..errors import TailorError
+from ..errors import OutputError, TailorError
 from ..events import TaskOptions
 from ..health import Health, training_log, why_unhealthy
+from ..output import not_replaceable
 from ..plan import build_plan
 from ..units import size
 from ..workers import prepare_worker_processes
@@ -358,14 +359,30 @@ class TailorApp(HealthActions, Navigation, RecipeActions, App):
             self.plan_worker(self.composition.to_recipe())
 
     @work(thread=True, exclusive=True, group="plan")
-    def plan_worker(self, recipe) -> None:
+    def plan_worker(self, recipe, force: bool = False) -> None:
         try:
-            self.post_message(PlanReady(build_plan(recipe)))
+            self.post_message(PlanReady(build_plan(recipe, force=force)))
+        except OutputError as exc:
+            out = Path(recipe.output) if recipe.output else None
+            earlier = (not force and out is not None and out.is_dir() and not out.is_symlink()
+                       and any(out.iterdir()) and not_replaceable(out) is None)
+            self.post_message(PlanFailed(str(exc), out if earlier else None, recipe))
         except TailorError as exc:
             self.post_message(PlanFailed(str(exc)))
 
     def on_plan_failed(self, message: PlanFailed) -> None:
-        self.push_screen(ErrorDialog(message.message, title="Cannot merge"))
+        if message.replaceable is None:
+            self.push_screen(ErrorDialog(message.message, title="Cannot merge"))
+            return
+
+        def answer(yes: bool | None) -> None:
+            if yes:
+                self.plan_worker(message.recipe, force=True)
+
+        self.push_screen(Confirm(f"Replace {self.rel(message.replaceable)}?",
+                                 f"{message.replaceable} holds an earlier composition by tailor-tui. It is replaced "
+                                 "only once the new one is complete; until then it stays as it is.",
+                                 accept="Replace", decline="Back"), answer)
 
     def on_plan_ready(self, message: PlanReady) -> None:
         plan = message.plan

@@ -59,6 +59,9 @@ class PlanReady(Message):
 
 
 class PlanFailed(Message):
-    def __init__(self, message: str) -> None:
+    """`replaceable`: the output is an earlier tailor-tui output the user may choose to replace
+    (what --force does headlessly), with `recipe` to plan again."""
+
+    def __init__(self, message: str, replaceable: Path | None = None, recipe=None) -> None:
         super().__init__()
-        self.message = message
+        self.message, self.replaceable, self.recipe = message, replaceable, recipe
