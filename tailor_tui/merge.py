@@ -144,7 +144,8 @@ def _compose(plan: MergePlan, workers: int | None, emit: Emit, cancel: threading
             if not published:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
-    written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    # what the plan counted (bytes_to_write): every file but the provenance record written last
+    written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file() and f != out / PROVENANCE)
     return MergeResult(out, time.monotonic() - started, written, peaks[0], dict(nonfinite))
 
 

@@ -224,10 +224,16 @@ class MergePlan:
         return self.base.path if self.base.kind == "hf" else self.base.save_dir
 
     def bytes_to_write(self) -> int:
+        """Every byte of the output but its provenance record: rank files, model files, the
+        base's other files, and the `latest` file and model index the merge writes itself."""
         root = self.other_files_root()
         others = sum((root / p).stat().st_size for p in self.other_files())
         models = sum(j.size for j in self.model_file_jobs())
-        return sum(j.write_bytes for j in self.rank_jobs()) + models + others
+        own = len(self.base.tag) if self.base.kind == "deepspeed" or self.base.partial else 0  # `latest`
+        layout = self.model_layout()
+        if self.base.partial and layout is not None and layout.index is not None:
+            own += len(layout.index.encode())
+        return sum(j.write_bytes for j in self.rank_jobs()) + models + others + own
 
     def bytes_to_read(self) -> int:
         """Base bytes copied plus the slices read from other sources."""

@@ -36,12 +36,13 @@ async def scanned(pilot):
     await pilot.pause()
 
 
-def test_grid(snap_compare, run):
+@pytest.mark.parametrize("size", [SIZE, (200, 50), (80, 24)], ids=["130x30", "200x50", "80x24"])
+def test_grid(snap_compare, run, size):
     async def pick_two(pilot):
         await scanned(pilot)
         await pilot.press("left", "down", "space", "down", "left", "space", "down")
 
-    assert snap_compare(make_app(run), run_before=pick_two, terminal_size=SIZE)
+    assert snap_compare(make_app(run), run_before=pick_two, terminal_size=size)
 
 
 def test_confirmation(snap_compare, run):
