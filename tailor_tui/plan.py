@@ -240,6 +240,10 @@ class MergePlan:
         models = sum(j.size for j in self.model_file_jobs())
         return sum(j.read_bytes for j in self.rank_jobs()) + models
 
+    def bytes_to_process(self) -> int:
+        """What the progress bars count: every rank's and model file's bytes read and written."""
+        return sum(j.total_bytes for j in self.rank_jobs()) + sum(j.total_bytes for j in self.model_file_jobs())
+
     def describe(self, show=str) -> list[str]:
         """The plan as text lines, what matters first: output, base, totals, then only the rows
         that do not come from the base, runs of layers grouped (`layers.40–59 ← checkpoint-8`).
@@ -249,6 +253,8 @@ class MergePlan:
             f"base:   {show(self.base.path)} (step {self.base.step}, {self.base.world_size} ranks, "
             f"{self.base.dtype}, {self.base.kind} layout)",
             f"read:   {size(self.bytes_to_read())}  write: {size(self.bytes_to_write())}",
+            f"        (the progress bars count {size(self.bytes_to_process())}: rank and model files, "
+            "read and written)",
             *(f"warning: {w}" for w in self.warnings),
         ]
         rows = [r for r in self.base.rows if not r.tied]

@@ -122,7 +122,7 @@ class MergeScreen(Screen):
         self.query_one("#bar-overall", ProgressBar).update(progress=done)
         rate, eta = throughput(done, total, self.clock() - self.started)
         self.query_one("#merge-rate", Static).update(
-            f"{size(done)} of {size(total)} · {size(rate)}/s · ETA {eta:.0f}s"
+            f"{size(done)} of {size(total)} read and written · {size(rate)}/s · ETA {eta:.0f}s"
         )
 
     def on_merge_finished(self, message: MergeFinished) -> None:
