@@ -222,6 +222,8 @@ class TailorApp(HealthActions, Navigation, RecipeActions, App):
     # --- view ------------------------------------------------------------------------------
 
     def refresh_view(self) -> None:
+        if not self.screen_stack or self.composition is None:
+            return  # shutting down (a timer of the statistics fired after the screens went), or no run yet
         grid = self.home.query_one(CheckpointGrid)
         grid.show(self.composition, self.health, self.metric, self.health_version)
         self.update_title()
