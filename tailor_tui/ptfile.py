@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import crc
-from .ds_format import unsupported_version, version_in_pickle
+from .ds_format import FROZEN_PARAM_FRAGMENTS, unsupported_version, version_in_pickle
 from .errors import CheckpointError
 from .fileio import crc_range
 from .pickled import MAX_PICKLE_BYTES, TensorRef, read_pickle
@@ -271,6 +271,20 @@ def check_crcs(path: Path, inspect=None) -> None:
     with open(path, "rb") as f:
         for record in sorted(records.values(), key=lambda r: r.data_offset):
             checked_crcs(f.fileno(), path, record, [], buffer, inspect=inspect)
+
+
+def frozen_fragment_bytes(path: Path, names) -> dict[str, TensorBytes]:
+    """{name: TensorBytes} of frozen parameters' fragments in a model_states file
+    (CheckpointError naming the parameter whose fragment is missing or unreadable)."""
+    obj, records, prefix = read_structure(path)
+    fragments = obj.get(FROZEN_PARAM_FRAGMENTS) if isinstance(obj, dict) else None
+    found = {}
+    for name in names:
+        try:
+            found[name] = locate(fragments[name], records, prefix)
+        except (KeyError, TypeError, Unsupported):
+            raise CheckpointError(f"{path}: has no readable fragment of frozen parameter {name}") from None
+    return found
 
 
 def locate(tensor: TensorRef, records: dict[str, Record], prefix: str) -> TensorBytes:

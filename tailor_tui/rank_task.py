@@ -10,14 +10,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
-from .ds_format import FROZEN_PARAM_FRAGMENTS
-from .errors import CheckpointError
 from .events import ByteCounter, Emit, TaskOptions
 from .fileio import copy_file, output_error
 from .nonfinite import ITEMSIZE, Census, Region
 from .pickled import dtype_name
 from .plan import RankJob
-from .ptfile import Unsupported, check_crcs, file_format, locate, read_structure
+from .ptfile import check_crcs, file_format, frozen_fragment_bytes
 from .rank_stream import stream_optim_states
 
 
@@ -60,14 +58,10 @@ def _frozen_census(path: Path, frozen_rows) -> Census | None:
     """A census of the frozen parameters' fragments in a model_states file (None: none)."""
     if not frozen_rows:
         return None
-    obj, records, prefix = read_structure(path)
-    fragments = obj.get(FROZEN_PARAM_FRAGMENTS) if isinstance(obj, dict) else None
+    fragments = frozen_fragment_bytes(path, [name for _row, name, _source in frozen_rows])
     regions = []
     for row, name, _source in frozen_rows:
-        try:
-            tb = locate(fragments[name], records, prefix)
-        except (KeyError, TypeError, Unsupported):
-            raise CheckpointError(f"{path}: has no readable fragment of frozen parameter {name}") from None
+        tb = fragments[name]
         dtype = dtype_name(tb.dtype)
         if dtype in ITEMSIZE:
             regions.append(Region(tb.offset, tb.numel * tb.itemsize, row, dtype))

@@ -22,7 +22,7 @@ import numpy as np
 
 from .checkpoint import RankFiles
 from .crc import crc32
-from .ds_format import FROZEN_PARAM_FRAGMENTS, TENSORS, flat_tensor, optimizer_state
+from .ds_format import TENSORS, flat_tensor, optimizer_state
 from .errors import CheckpointError, MergeCancelled
 from .events import ByteCounter, Emit, TaskOptions
 from .fileio import open_fd, pread_into
@@ -30,7 +30,7 @@ from .layout import ZeroLayout
 from .model_files import partial_slice, safetensors_tensors
 from .nonfinite import EXPONENT, count
 from .pickled import dtype_name
-from .ptfile import Unsupported, locate, read_structure
+from .ptfile import Unsupported, frozen_fragment_bytes, locate, read_structure
 
 CHUNK = 1 << 20
 
@@ -224,15 +224,10 @@ def _fp32_places(files: RankFiles, group_sizes: tuple[int, ...], slots: list[Slo
 
 def _frozen_reads(job: StatsJob, sums: dict[str, RowSums], stack: contextlib.ExitStack) -> list:
     path = job.files.model_states
-    obj, records, prefix = read_structure(path)
-    fragments = obj.get(FROZEN_PARAM_FRAGMENTS) if isinstance(obj, dict) else None
-    if not isinstance(fragments, dict):
-        raise CheckpointError(f"{path}: has no {FROZEN_PARAM_FRAGMENTS} for its frozen parameters")
+    fragments = frozen_fragment_bytes(path, [param for _row, param in job.frozen])
     fd, by_record = open_fd(stack, path), {}
     for row, param in job.frozen:
-        if param not in fragments:
-            raise CheckpointError(f"{path}: has no fragment of frozen parameter {param}")
-        tb = locate(fragments[param], records, prefix)
+        tb = fragments[param]
         dtype = dtype_name(tb.dtype)
         if dtype not in EXPONENT:
             raise CheckpointError(f"{path}: frozen parameter {param} is stored as {dtype}")
