@@ -203,6 +203,28 @@ def pread_into(fd: int, view: memoryview, offset: int) -> None:
         done += n
 
 
+READAHEAD = 16 << 20
+
+
+class Readahead:
+    """Keeps the kernel reading up to `window` bytes ahead of a sequential reader of `fd`
+    (POSIX_FADV_WILLNEED: asynchronous, into the page cache, nothing held by this process),
+    so the disk works while the reader computes on what it has."""
+
+    def __init__(self, fd: int, window: int = READAHEAD):
+        self.fd, self.window, self.ahead = fd, window, 0
+
+    def before(self, position: int, end: int) -> None:
+        """About to read from `position` of a range that ends at `end`."""
+        if self.ahead < position or self.ahead > end:
+            self.ahead = position
+        if self.ahead - position <= self.window // 2 and self.ahead < end:
+            stop = min(end, position + self.window)
+            with contextlib.suppress(OSError, AttributeError):  # advice only: never fatal
+                os.posix_fadvise(self.fd, self.ahead, stop - self.ahead, os.POSIX_FADV_WILLNEED)
+            self.ahead = stop
+
+
 def crc_range(fd: int, offset: int, length: int, buffer: memoryview,
               on_bytes: Callable[[int], None] = lambda n: None,
               inspect: Callable[[int, memoryview], None] | None = None) -> int:

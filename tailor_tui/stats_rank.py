@@ -25,7 +25,7 @@ from .crc import crc32
 from .ds_format import TENSORS, flat_tensor, optimizer_state
 from .errors import CheckpointError, MergeCancelled
 from .events import ByteCounter, Emit, TaskOptions
-from .fileio import open_fd, pread_into
+from .fileio import Readahead, open_fd, pread_into
 from .layout import ZeroLayout
 from .model_files import partial_slice, safetensors_tensors
 from .nonfinite import EXPONENT, count
@@ -150,8 +150,9 @@ def rank_stats(job: StatsJob, emit: Emit, cancelled, options: TaskOptions = Task
         with contextlib.ExitStack() as stack:
             reads = _reads(job, slots, sums, stack)
             buffers = memoryview(bytearray(CHUNK)), memoryview(bytearray(CHUNK))
+            ahead: dict[int, Readahead] = {}  # per file: the disk reads ahead while numpy computes
             for fd, start, length, expected, regions in reads:
-                if not _read(fd, start, length, expected, regions, buffers, counter):
+                if not _read(fd, start, length, expected, regions, buffers, counter, ahead):
                     for region in regions:
                         region.sums.crc_ok = False
     except MergeCancelled:
@@ -238,13 +239,14 @@ def _frozen_reads(job: StatsJob, sums: dict[str, RowSums], stack: contextlib.Exi
 
 
 def _read(fd: int, start: int, length: int, expected: int | None, regions: list[_Region], buffers,
-          counter: ByteCounter) -> bool:
+          counter: ByteCounter, ahead: dict[int, Readahead]) -> bool:
     """Read [start, start+length) in chunks, feeding each region the part of each chunk it
     covers; False if the range's CRC-32 is not `expected` (None: nothing to check)."""
     buffer, prev_buffer = buffers
     value, position, end, first = 0, start, start + length, 0
     while position < end:
         view = buffer[: min(len(buffer), end - position)]
+        (ahead.get(fd) or ahead.setdefault(fd, Readahead(fd))).before(position, end)
         pread_into(fd, view, position)
         if expected is not None:
             value = crc32(view, value)
@@ -259,7 +261,10 @@ def _read(fd: int, start: int, length: int, expected: int | None, regions: list[
                 prev = None
                 if r.prev_fd is not None:
                     prev = prev_buffer[: b - a]
-                    pread_into(r.prev_fd, prev, r.prev_at + (a - r.start))
+                    at = r.prev_at + (a - r.start)
+                    (ahead.get(r.prev_fd) or ahead.setdefault(r.prev_fd, Readahead(r.prev_fd))).before(
+                        at, r.prev_at + (r.end - r.start))
+                    pread_into(r.prev_fd, prev, at)
                     counter.add(b - a)
                 _consume(r, view[a - position: b - position], prev)
             i += 1
