@@ -80,6 +80,8 @@ RUNS = {
     "ds_legacy_serialization": RunSpec(layout="deepspeed", zip_serialization=False),
     # A run whose layers.2 blew up just before the last save, at step 6 (NaN masters, +Inf
     # exp_avg_sq, set through DeepSpeed's own ZeRO-3 API); steps 2 and 4 are healthy
+    # A model of real depth for the composer at scale: 80 layers (83 rows), two checkpoints
+    "hf_80_layers": RunSpec(layers=80, hidden=8, steps=4, save_every=2),
     "ds_blown_up": RunSpec(layout="deepspeed", blow_up=(
         "model.layers.2.self_attn.q_proj.weight", "model.layers.2.mlp.down_proj.weight"), blow_up_step=6),
 }

@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+from pilot_helpers import scanned, wait_for
 
 from tailor_tui.events import TaskProgressed
 from tailor_tui.ui.app import make_app
@@ -25,17 +26,6 @@ def run(real_run, tmp_path):
     return dst
 
 
-async def scanned(pilot):
-    """The run is scanned and every row's statistics are in (the heatmap is drawn)."""
-    await pilot.app.workers.wait_for_complete()
-    await pilot.pause()
-    for _ in range(1200):
-        if pilot.app.health_status is None:
-            break
-        await pilot.pause(0.05)
-    await pilot.pause()
-
-
 @pytest.mark.parametrize("size", [SIZE, (200, 50), (80, 24)], ids=["130x30", "200x50", "80x24"])
 def test_grid(snap_compare, run, size):
     async def pick_two(pilot):
@@ -51,10 +41,7 @@ def test_confirmation(snap_compare, run):
         await pilot.press("left", "down", "down", "space")
         await pilot.pause()  # let the grid repaint before the dialog covers it
         await pilot.press("ctrl+r")
-        for _ in range(200):
-            if isinstance(pilot.app.screen, Confirm):
-                break
-            await pilot.pause(0.05)
+        await wait_for(pilot, lambda: isinstance(pilot.app.screen, Confirm))
         await pilot.pause()
 
     assert snap_compare(make_app(run), run_before=confirm, terminal_size=SIZE)
@@ -111,3 +98,40 @@ def test_help_at_80x24(snap_compare, run):
         await pilot.pause()
 
     assert snap_compare(make_app(run), run_before=help_open, terminal_size=(80, 24))
+
+
+# --- a model of real depth (80 layers) at 80x24 ---------------------------------------------------
+
+
+@pytest.fixture
+def deep_run(real_run, tmp_path):
+    src, _spec = real_run("hf_80_layers")
+    dst = tmp_path / "run"
+    shutil.copytree(src, dst)
+    return dst
+
+
+async def _layers_40_to_59_from_checkpoint_2(pilot):
+    await scanned(pilot)
+    await pilot.press("slash")
+    await wait_for(pilot, lambda: len(pilot.app.screen_stack) == 2)
+    await pilot.press(*"layers.40", "enter")
+    await wait_for(pilot, lambda: len(pilot.app.screen_stack) == 1)
+    await pilot.press("v", *["down"] * 19, "left", "space", "v", "up", "up")  # a new selection started
+
+
+def test_deep_grid_at_80x24(snap_compare, deep_run):
+    """Scrolled to layers.40–59 picked as one block: names and headers stay, a selection shows."""
+    assert snap_compare(make_app(deep_run), run_before=_layers_40_to_59_from_checkpoint_2, terminal_size=(80, 24))
+
+
+def test_deep_plan_at_80x24(snap_compare, deep_run):
+    """The plan of that pick: output and totals first, the block as one line."""
+
+    async def review(pilot):
+        await _layers_40_to_59_from_checkpoint_2(pilot)
+        await pilot.press("escape", "ctrl+r")
+        await wait_for(pilot, lambda: isinstance(pilot.app.screen, Confirm))
+        await pilot.pause()
+
+    assert snap_compare(make_app(deep_run), run_before=review, terminal_size=(80, 24))

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import checkpoints_of, tree_digest
+from pilot_helpers import scanned, start_merge, wait_for
 from zero_reader import read_full_state
 
 from tailor_tui.events import TaskOptions
@@ -29,42 +30,13 @@ def run_copy(real_run, tmp_path) -> tuple[Path, list[Path]]:
     return dst, checkpoints_of(dst, spec)
 
 
-async def scanned(pilot):
-    """The run is scanned and every row's statistics are in (the heatmap is drawn)."""
-    await pilot.app.workers.wait_for_complete()
-    await pilot.pause()
-    for _ in range(1200):
-        if pilot.app.health_status is None:
-            break
-        await pilot.pause(0.05)
-    await pilot.pause()
-    assert pilot.app.composition is not None
-
-
-async def start_merge(pilot) -> MergeScreen:
-    """ctrl+r, accept the plan, and return the merge screen."""
-    await pilot.press("ctrl+r")
-    await wait_for(pilot, lambda: isinstance(pilot.app.screen, Confirm))
-    await pilot.press("enter")
-    await wait_for(pilot, lambda: isinstance(pilot.app.screen, MergeScreen))
-    return pilot.app.screen
-
-
-async def wait_for(pilot, condition, tries: int = 600):
-    for _ in range(tries):
-        if condition():
-            return
-        await pilot.pause(0.05)
-    raise AssertionError("condition not reached")
-
-
 async def test_grid_shows_rows_by_checkpoints_with_the_newest_as_base(run_copy):
     run, ckpts = run_copy
     app = make_app(run)
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
         grid = app.query_one("#grid")
-        assert grid.row_count == 7 and len(grid.columns) == 4  # row names + 3 checkpoints
+        assert grid.row_count == 7 and len(app.composition.checkpoints) == 3
         assert app.composition.base_checkpoint.path == ckpts[-1]
         assert grid.cursor_coordinate.column == 3  # starts on the base column
         details = str(app.query_one("#details").render())
@@ -96,8 +68,8 @@ async def test_clicking_a_cell_picks_it(run_copy):
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
         grid = app.query_one("#grid")
-        x = sum(col.get_render_width(grid) for col in grid.ordered_columns[:1]) + 1  # checkpoint-2
-        y = grid.header_height + 4  # layers.3 (the cursor is elsewhere: on embed_tokens)
+        x = grid.column_x(0) + 1  # checkpoint-2
+        y = 2 + 4  # below the two header lines: layers.3 (the cursor is elsewhere: on embed_tokens)
         await pilot.click("#grid", offset=(x, y))
         await pilot.pause()
         assert app.composition.to_recipe().layers == {"layers.3": c2}
@@ -268,8 +240,8 @@ async def test_partial_checkpoints_show_only_their_rows_and_default_to_the_newes
         lacking = next(r.name for r in comp.rows if not r.tied and not p6.holds(r.name))
         assert comp.source_of(lacking) == 1  # newest checkpoint that saved it
         row_index = [r.name for r in comp.rows].index(lacking)
-        assert str(grid.get_cell_at((row_index, 3))) == "–"  # the partial base did not save it
-        assert "picked" in str(grid.get_cell_at((row_index, 2)))
+        assert grid.cell_text(lacking, 2) == "–"  # the partial base did not save it
+        assert "picked" in grid.cell_text(lacking, 1)
         grid.move_cursor(row=row_index, column=3)
         await pilot.press("space")  # picking a row a partial checkpoint lacks is refused
         await pilot.pause()
@@ -326,7 +298,7 @@ def blown_copy(real_run, tmp_path) -> tuple[Path, list[Path]]:
 
 def cell_text(app, row: str, column: int) -> str:
     grid = app.query_one("#grid")
-    return str(grid.get_cell(row, str(column)))
+    return grid.cell_text(row, column)
 
 
 async def test_health_marks_the_blown_cell_and_heal_takes_the_previous_checkpoint(blown_copy):
@@ -384,7 +356,7 @@ async def test_a_composed_folder_is_marked_and_never_the_default_base(run_copy):
         assert "checkpoint-6-tailored" in names
         assert app.composition.base_checkpoint.path == ckpts[-1]  # the newest training checkpoint
         column = names.index("checkpoint-6-tailored")
-        assert "composed" in str(app.query_one("#grid").columns[str(column)].label)
+        assert "composed" in app.query_one("#grid").header_text(column)
         app.query_one("#grid").move_cursor(row=0, column=column + 1)
         await pilot.pause()
         assert "composed by tailor-tui" in str(app.query_one("#details").render())

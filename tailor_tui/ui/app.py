@@ -21,7 +21,7 @@ from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
-from textual.widgets import DataTable, Footer, Label, ProgressBar, Static
+from textual.widgets import Footer, Label, ProgressBar, Static
 from textual.worker import get_current_worker
 
 from ..checkpoint import ScanResult, scan
@@ -119,6 +119,7 @@ class TailorApp(HealthActions, Navigation, RecipeActions, App):
         self.stats_cancel = threading.Event()
         self._redraw_due = False
         self.anchor: int | None = None  # the row a block selection (v) started at
+        self._details_text = self._title_text = ""
 
     # --- layout ------------------------------------------------------------------------
 
@@ -162,7 +163,10 @@ class TailorApp(HealthActions, Navigation, RecipeActions, App):
             parts.append(recipe + ("" if comp.saved else " *"))
             if self.health_status:
                 parts.append(self.health_status)
-        self.home.query_one("#title", Static).update(" · ".join(parts))
+        title = " · ".join(parts)
+        if title != self._title_text:  # one line, its height fixed: no re-layout of the screen
+            self._title_text = title
+            self.home.query_one("#title", Static).update(title, layout=False)
 
     # --- scanning ------------------------------------------------------------------------
 
@@ -229,12 +233,12 @@ class TailorApp(HealthActions, Navigation, RecipeActions, App):
         self.update_title()
         self.update_details()
 
-    def on_data_table_cell_highlighted(self, message: DataTable.CellHighlighted) -> None:
-        if message.data_table.is_attached:  # may arrive while the app shuts down
+    def on_checkpoint_grid_cursor_moved(self, message: CheckpointGrid.CursorMoved) -> None:
+        if message.grid.is_attached:  # may arrive while the app shuts down
             self._follow_selection()
             self.update_details()
 
-    def on_data_table_cell_selected(self, message: DataTable.CellSelected) -> None:
+    def on_checkpoint_grid_chosen(self, message: CheckpointGrid.Chosen) -> None:
         self.action_pick()  # Enter and mouse clicks pick, like space
 
     def update_details(self) -> None:
@@ -288,7 +292,11 @@ class TailorApp(HealthActions, Navigation, RecipeActions, App):
         if problems:  # kept here, not only in a toast
             lines += ["", f"skipped while scanning ({len(problems)}):"]
             lines += [f"  {self.rel(path)}: {why}" for path, why in problems]
-        self.home.query_one("#details", Static).update("\n".join(lines))
+        text = "\n".join(lines)
+        details = self.home.query_one("#details", Static)
+        if text != self._details_text:  # its size is fixed by the layout: no re-layout of the screen
+            self._details_text = text
+            details.update(text, layout=False)
 
     # --- actions --------------------------------------------------------------------------
 

@@ -1,72 +1,140 @@
-"""The layer-by-checkpoint grid: one row per model row, one column per checkpoint."""
+"""The layer-by-checkpoint grid: one row per model row, one column per checkpoint.
+
+A line-API widget: each frame renders only the cells in view, so a run of 81 rows x 100
+checkpoints redraws a pick in milliseconds (a DataTable re-renders every cell of every
+visible row on any change). The row names (column 0) and the two header lines stay in view
+while the rest scrolls. Coordinates are DataTable's: column 0 is the names, checkpoint i is
+column i + 1.
+"""
 
 from __future__ import annotations
 
-from rich.text import Text
-from textual.widgets import DataTable
+from bisect import bisect_right
+from dataclasses import dataclass
+
+from rich.cells import cell_len
+from rich.segment import Segment
+from rich.style import Style
+from textual import events
+from textual.binding import Binding
+from textual.coordinate import Coordinate
+from textual.geometry import Region, Size
+from textual.message import Message
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
 
 from ..composition import Composition
 from ..health import Health
 from .heatmap import background, damage, header_suffix, row_range
 
 PICKED, HOLDS, DISABLED, TIED = "●", "·", "✗", "tied"
+HEADER_HEIGHT = 2
+MIN_WIDTH = 10  # a checkpoint column fits "● picked" and its padding
 
 
-class CheckpointGrid(DataTable):
-    """Columns: the row name, then each checkpoint by step. Column 0 is the row names.
-    With health statistics, every cell a checkpoint holds is coloured by the chosen metric
-    (scaled per row) and an unhealthy one says NaN / CRC / ERR."""
+@dataclass(frozen=True)
+class GridCell:
+    text: str
+    style: str = ""  # a Rich style ("bold red on #1f3a5f")
+
+
+class CheckpointGrid(ScrollView, can_focus=True):
+    """Columns: the row names, then each checkpoint by step. With health statistics, every
+    cell a checkpoint holds is coloured by the chosen metric (scaled per row) and an
+    unhealthy one says NaN / CRC / ERR."""
+
+    BINDINGS = [
+        Binding("up", "cursor(-1, 0)", "Up", show=False),
+        Binding("down", "cursor(1, 0)", "Down", show=False),
+        Binding("left", "cursor(0, -1)", "Left", show=False),
+        Binding("right", "cursor(0, 1)", "Right", show=False),
+        Binding("pageup", "page(-1)", "Page up", show=False),
+        Binding("pagedown", "page(1)", "Page down", show=False),
+        Binding("home", "cursor(-1000000, 0)", "First row", show=False),
+        Binding("end", "cursor(1000000, 0)", "Last row", show=False),
+        Binding("enter", "choose", "Pick", show=False),
+    ]
+    COMPONENT_CLASSES = {"grid--header", "grid--names", "grid--cursor"}
+    DEFAULT_CSS = """
+    CheckpointGrid { background: $surface; }
+    CheckpointGrid > .grid--header { background: $panel; color: $foreground; text-style: bold; }
+    CheckpointGrid > .grid--names { background: $panel; color: $foreground; }
+    CheckpointGrid > .grid--cursor { background: $block-cursor-background; color: $block-cursor-foreground;
+                                     text-style: bold; }
+    CheckpointGrid:blur > .grid--cursor { background: $block-cursor-blurred-background; text-style: none; }
+    """
+
+    class CursorMoved(Message):
+        """The cursor is on another cell."""
+
+        def __init__(self, grid: "CheckpointGrid", coordinate: Coordinate) -> None:
+            super().__init__()
+            self.grid, self.coordinate = grid, coordinate
+
+    class Chosen(Message):
+        """Enter or a click on a cell: pick it."""
+
+        def __init__(self, grid: "CheckpointGrid", coordinate: Coordinate) -> None:
+            super().__init__()
+            self.grid, self.coordinate = grid, coordinate
 
     def __init__(self, **kwargs) -> None:
-        # the row names stay in view when a wide run scrolls sideways (the header row always does)
-        super().__init__(cursor_type="cell", zebra_stripes=False, header_height=2, fixed_columns=1, **kwargs)
+        super().__init__(**kwargs)
         self.composition: Composition | None = None
         self.health: Health | None = None
         self.metric = "rel_change"
+        self.selection: tuple[int, int] | None = None  # rows (first, last) of a range being selected
         self._shape: tuple | None = None
         self._drawn: dict[str, tuple] = {}  # row -> what its cells were drawn from
-        self.selection: tuple[int, int] | None = None  # rows (first, last) of a range being selected
+        self._index: dict[str, int] = {}
+        self._rows: list[list[GridCell]] = []  # per row: its name cell, then one per checkpoint
+        self._headers: list[tuple[GridCell, GridCell]] = []  # per column, names included
+        self._widths: list[int] = []  # per column, names included
+        self._starts: list[int] = []  # x of each checkpoint column in the scrolling part
+        self._cursor = Coordinate(0, 0)
+        self._versions: list[int] = []  # per row, bumped when its cells change: the line cache's key
+        self._lines: dict[tuple, Strip] = {}  # rendered lines of this frame's geometry
 
-    def show(self, composition: Composition, health: Health | None = None, metric: str = "rel_change",
-             health_version: int = 0) -> None:
-        """Show `composition`: only rows whose source, base or statistics changed are redrawn
-        (a pick redraws one row); the table is rebuilt only when the columns change (another
-        base relabels every header, new losses too)."""
-        self.health, self.metric = health, metric
-        self._index = {r.name: i for i, r in enumerate(composition.rows)}
-        losses = tuple(header_suffix(health, i) for i in range(len(composition.checkpoints)))
-        shape = (composition.base, len(composition.checkpoints), len(composition.rows), losses)
-        if self.composition is composition and shape == self._shape:
-            for row in composition.rows:
-                signature = self._signature(row.name, health_version)
-                if self._drawn.get(row.name) == signature:
-                    continue
-                self._drawn[row.name] = signature
-                for column, cell in enumerate(self._cells(row.name)):
-                    self.update_cell(row.name, "row" if column == 0 else str(column - 1), cell)
+    # --- what DataTable users expect ----------------------------------------------------
+
+    @property
+    def cursor_coordinate(self) -> Coordinate:
+        return self._cursor
+
+    @property
+    def row_count(self) -> int:
+        return len(self._rows)
+
+    def move_cursor(self, *, row: int | None = None, column: int | None = None) -> None:
+        if not self._rows:
             return
-        self._shape = shape
-        cursor = self.cursor_coordinate
-        self.composition = composition
-        self._drawn = {row.name: self._signature(row.name, health_version) for row in composition.rows}
-        self.clear(columns=True)
-        self.add_column(Text("row", style="bold"), key="row")
-        for i, ckpt in enumerate(composition.checkpoints):
-            self.add_column(self._header(i), key=str(i))
-        for row in composition.rows:
-            self.add_row(*self._cells(row.name), key=row.name)
-        if cursor.column == 0 or cursor.column > len(composition.checkpoints):
-            cursor = cursor._replace(column=composition.base + 1)
-        self.move_cursor(row=min(cursor.row, len(composition.rows) - 1), column=cursor.column)
+        row = self._cursor.row if row is None else row
+        column = self._cursor.column if column is None else column
+        target = Coordinate(max(0, min(len(self._rows) - 1, row)), max(0, min(len(self._widths) - 1, column)))
+        self._scroll_to_cell(target)
+        if target != self._cursor:
+            before, self._cursor = self._cursor, target
+            self._refresh_rows([before.row, target.row], header=before.column != target.column)
+            self.post_message(self.CursorMoved(self, target))
 
-    def _signature(self, row: str, health_version: int) -> tuple:
-        comp = self.composition
-        return (comp.source_of(row), comp.base, self.metric, health_version, self._selected(row)) if comp else ()
+    def current(self) -> tuple[str | None, int | None]:
+        """(row name, checkpoint column) under the cursor; column None on the names column."""
+        if self.composition is None or not self._rows:
+            return None, None
+        row = self.composition.rows[self._cursor.row].name
+        return row, (self._cursor.column - 1 if self._cursor.column > 0 else None)
 
-    def _selected(self, row: str) -> bool:
-        if self.selection is None:
-            return False
-        return self.selection[0] <= self._index[row] <= self.selection[1]
+    def cell_text(self, row: str, checkpoint: int) -> str:
+        """What the cell of `row` and checkpoint `checkpoint` says (tests and tools)."""
+        return self._rows[self._index[row]][checkpoint + 1].text
+
+    def header_text(self, checkpoint: int) -> str:
+        top, bottom = self._headers[checkpoint + 1]
+        return f"{top.text}\n{bottom.text}"
+
+    def column_x(self, checkpoint: int) -> int:
+        """Where checkpoint `checkpoint`'s column starts on screen (scrolled to the left)."""
+        return self._widths[0] + self._starts[checkpoint] - round(self.scroll_x)
 
     def selected_rows(self) -> list[str]:
         if self.selection is None or self.composition is None:
@@ -74,21 +142,104 @@ class CheckpointGrid(DataTable):
         first, last = self.selection
         return [r.name for r in self.composition.rows[first: last + 1]]
 
-    def _header(self, column: int) -> Text:
+    # --- what is shown ------------------------------------------------------------------
+
+    def show(self, composition: Composition, health: Health | None = None, metric: str = "rel_change",
+             health_version: int = 0) -> None:
+        """Show `composition`: only rows whose source, base, statistics or selection changed
+        are worked out again (a pick: one row); the columns are rebuilt only when they change
+        (another base relabels every header, new losses too)."""
+        self.health, self.metric = health, metric
+        losses = tuple(header_suffix(health, i) for i in range(len(composition.checkpoints)))
+        shape = (composition.base, len(composition.checkpoints), len(composition.rows), losses)
+        if self.composition is not composition or shape != self._shape:
+            self.composition, self._shape = composition, shape
+            self._index = {r.name: i for i, r in enumerate(composition.rows)}
+            self._headers = [(GridCell("row", "bold"), GridCell(""))]
+            self._headers += [self._header(i) for i in range(len(composition.checkpoints))]
+            self._rows = [self._cells(r.name) for r in composition.rows]
+            self._drawn = {r.name: self._signature(r.name, health_version) for r in composition.rows}
+            self._versions = [v + 1 for v in self._versions[: len(self._rows)]]
+            self._versions += [0] * (len(self._rows) - len(self._versions))
+            self._lines.clear()
+            self._widths = []
+            self._measure(self._rows)
+            cursor = self._cursor
+            if cursor.column == 0 or cursor.column > len(composition.checkpoints):
+                cursor = cursor._replace(column=composition.base + 1)
+            self._cursor = Coordinate(min(cursor.row, len(self._rows) - 1), cursor.column)
+            self.call_after_refresh(self._scroll_to_cell, self._cursor)
+            self.refresh()
+            return
+        changed = []
+        for row in composition.rows:
+            signature = self._signature(row.name, health_version)
+            if self._drawn.get(row.name) != signature:
+                self._drawn[row.name] = signature
+                i = self._index[row.name]
+                self._rows[i] = self._cells(row.name)
+                self._versions[i] += 1
+                changed.append(i)
+        if changed:
+            if self._measure([self._rows[i] for i in changed]):
+                self._lines.clear()
+                self.refresh()
+            else:
+                self._refresh_rows(changed)
+
+    def _refresh_rows(self, rows: list[int], header: bool = False) -> None:
+        """Repaint only the lines of `rows` (and the header) where they are in view."""
+        width, top = self.size.width, round(self.scroll_y)
+        regions = [Region(0, 0, width, HEADER_HEIGHT)] if header else []
+        regions += [Region(0, HEADER_HEIGHT + row - top, width, 1) for row in set(rows)
+                    if 0 <= row - top < self.size.height - HEADER_HEIGHT]
+        if regions:
+            self.refresh(*regions)
+
+    def _signature(self, row: str, health_version: int) -> tuple:
+        comp = self.composition
+        return (comp.source_of(row), comp.base, self.metric, health_version, self._selected(row))
+
+    def _selected(self, row: str) -> bool:
+        return self.selection is not None and self.selection[0] <= self._index[row] <= self.selection[1]
+
+    def _measure(self, rows: list[list[GridCell]]) -> bool:
+        """Widen the columns to fit the headers and `rows` (they never narrow while the columns
+        stay); True if any changed."""
+        widths = [max(cell_len(h[0].text), cell_len(h[1].text)) for h in self._headers]
+        for cells in rows:
+            for i, cell in enumerate(cells):
+                widths[i] = max(widths[i], cell_len(cell.text))
+        widths = [w + 2 for w in widths]  # a space each side
+        widths[1:] = [max(w, MIN_WIDTH) for w in widths[1:]]
+        if len(widths) == len(self._widths):
+            widths = [max(a, b) for a, b in zip(widths, self._widths)]
+        if widths == self._widths:
+            return False
+        self._widths = widths
+        self._starts, x = [], 0
+        for w in widths[1:]:
+            self._starts.append(x)
+            x += w
+        self.virtual_size = Size(widths[0] + x, HEADER_HEIGHT + len(self._rows))
+        return True
+
+    def _header(self, column: int) -> tuple[GridCell, GridCell]:
         comp = self.composition
         ckpt = comp.checkpoints[column]
         loss = header_suffix(self.health, column) + (" · composed" if ckpt.composed else "")
+        step = f"step {ckpt.step}{loss}"
         if column == comp.base:
-            return Text(f"{ckpt.name}\nstep {ckpt.step}{loss} BASE", style="bold reverse")
+            return GridCell(ckpt.name, "bold reverse"), GridCell(f"{step} BASE", "bold reverse")
         if comp.incompatibility(column):
-            return Text(f"{ckpt.name}\nstep {ckpt.step}{loss} ✗", style="dim strike")
-        return Text(f"{ckpt.name}\nstep {ckpt.step}{loss}", style="bold")
+            return GridCell(ckpt.name, "dim strike"), GridCell(f"{step} {DISABLED}", "dim strike")
+        return GridCell(ckpt.name, "bold"), GridCell(step, "bold")
 
-    def _cells(self, row: str) -> list[Text]:
+    def _cells(self, row: str) -> list[GridCell]:
         comp, health = self.composition, self.health
         r = comp.base_checkpoint.row(row)
         style = "dim italic" if r.tied else ""
-        cells = [Text(row, style=style + (" reverse bold" if self._selected(row) else ""))]
+        cells = [GridCell(row, style + (" reverse bold" if self._selected(row) else ""))]
         source = comp.source_of(row)
         scale = row_range(health, row, self.metric)
         for column in range(len(comp.checkpoints)):
@@ -96,37 +247,136 @@ class CheckpointGrid(DataTable):
             bad = damage(cell)
             colour = background(cell, self.metric, scale)
             if comp.incompatibility(column):
-                cells.append(Text(DISABLED, style="dim"))
+                cells.append(GridCell(DISABLED, "dim"))
             elif r.tied:
-                mark = f"{TIED} {PICKED}" if column == source else TIED
-                cells.append(Text(mark, style="dim"))
+                cells.append(GridCell(f"{TIED} {PICKED}" if column == source else TIED, "dim"))
             elif column == source and not comp.holds(column, row):
-                cells.append(Text("! not saved", style="bold red"))  # a partial base, no pick yet
+                cells.append(GridCell("! not saved", "bold red"))  # a partial base, no pick yet
             elif column == source:
-                style = "bold green" if column != comp.base else "bold cyan"
-                label = "picked" if column != comp.base else "base"
                 if bad:
-                    cells.append(Text(f"{PICKED} {bad}", style="bold red reverse"))
+                    cells.append(GridCell(f"{PICKED} {bad}", "bold red reverse"))
+                elif column == comp.base:
+                    cells.append(GridCell(f"{PICKED} base", "bold cyan" + colour))
                 else:
-                    cells.append(Text(f"{PICKED} {label}", style=style + colour))
+                    cells.append(GridCell(f"{PICKED} picked", "bold green" + colour))
             elif comp.holds(column, row):
-                cells.append(Text(bad, style="bold red") if bad else Text(f" {HOLDS} ", style="dim" + colour))
+                cells.append(GridCell(bad, "bold red") if bad else GridCell(f" {HOLDS} ", "dim" + colour))
             else:
-                cells.append(Text("–", style="dim"))
+                cells.append(GridCell("–", "dim"))
         return cells
 
-    async def _on_click(self, event) -> None:
-        before = self.cursor_coordinate
-        await super()._on_click(event)
-        meta = event.style.meta
-        # DataTable selects only on a second click; here one click on a cell picks it.
-        if meta.get("row", -1) >= 0 and meta.get("column", -1) >= 0 and self.cursor_coordinate != before:
-            self._post_selected_message()
+    # --- drawing --------------------------------------------------------------------------
 
-    def current(self) -> tuple[str | None, int | None]:
-        """(row name, checkpoint column) under the cursor; column None on the names column."""
-        if self.composition is None or not self.row_count:
-            return None, None
-        coord = self.cursor_coordinate
-        row = self.composition.rows[coord.row].name
-        return row, (coord.column - 1 if coord.column > 0 else None)
+    def render_line(self, y: int) -> Strip:
+        width = self.scrollable_content_region.width
+        if not self._rows or width <= 0:
+            return Strip.blank(width, self.rich_style)
+        row = y - HEADER_HEIGHT + round(self.scroll_y) if y >= HEADER_HEIGHT else -1 - y
+        version = self._versions[row] if 0 <= row < len(self._rows) else 0
+        on_row = self._cursor.column if row in (self._cursor.row, -1, -2) else -1
+        key = (row, version, on_row, round(self.scroll_x), width, self.has_focus)
+        line = self._lines.get(key)
+        if line is None:
+            if len(self._lines) > 4 * (self.size.height + 8):  # another frame's: drop them
+                self._lines.clear()
+            line = self._lines[key] = self._render(y, width)
+        return line
+
+    def notify_style_update(self) -> None:
+        super().notify_style_update()
+        self._lines.clear()  # another theme or focus: every line looks different
+
+    def _render(self, y: int, width: int) -> Strip:
+        base = self.rich_style
+        if y < HEADER_HEIGHT:
+            cells = [h[y] for h in self._headers]
+            row, line_style = -1, base + self.get_component_rich_style("grid--header")
+        else:
+            row = y - HEADER_HEIGHT + round(self.scroll_y)
+            if row >= len(self._rows):
+                return Strip.blank(width, base)
+            cells, line_style = self._rows[row], base
+        names = self._widths[0]
+        name_style = line_style + (self.get_component_rich_style("grid--names") if row >= 0 else Style())
+        segments = [self._segment(cells[0], names, name_style, row == self._cursor.row and self._cursor.column == 0)]
+        left, room = round(self.scroll_x), max(0, width - names)
+        first = max(0, bisect_right(self._starts, left) - 1)
+        column, x, scrolled = first, self._starts[first] if self._starts else 0, []
+        underline = Style(underline=True)
+        while column < len(self._starts) and x < left + room:
+            w = self._widths[column + 1]
+            cursor = row == self._cursor.row and self._cursor.column == column + 1
+            style = line_style + (underline if row < 0 and self._cursor.column == column + 1 else Style())
+            scrolled.append(self._segment(cells[column + 1], w, style, cursor))
+            x += w
+            column += 1
+        strip = Strip(scrolled).crop(left - (self._starts[first] if self._starts else 0),
+                                     left - (self._starts[first] if self._starts else 0) + room)
+        return Strip.join([Strip(segments), strip]).extend_cell_length(width, base).crop(0, width)
+
+    def _segment(self, cell: GridCell, width: int, style: Style, cursor: bool) -> Segment:
+        text = f" {cell.text}"
+        text += " " * max(0, width - cell_len(text))
+        look = style + Style.parse(cell.style) if cell.style else style
+        if cursor:
+            look += self.get_component_rich_style("grid--cursor")
+        return Segment(text, look)
+
+    def _scroll_to_cell(self, cell: Coordinate) -> None:
+        region = self.scrollable_content_region
+        body = max(1, region.height - HEADER_HEIGHT)
+        y = self.scroll_y
+        if cell.row < y:
+            y = cell.row
+        elif cell.row >= y + body:
+            y = cell.row - body + 1
+        x = self.scroll_x
+        if cell.column > 0 and self._starts:
+            start = self._starts[cell.column - 1]
+            end, room = start + self._widths[cell.column], max(1, region.width - self._widths[0])
+            if start < x:
+                x = start
+            elif end > x + room:
+                x = min(start, end - room)
+        if (x, y) != (self.scroll_x, self.scroll_y):
+            self.scroll_to(x=x, y=y, animate=False, immediate=True)
+
+    def on_resize(self, _event: events.Resize) -> None:
+        self._scroll_to_cell(self._cursor)
+
+    # --- keys and the mouse ----------------------------------------------------------------
+
+    def action_cursor(self, rows: int, columns: int) -> None:
+        self.move_cursor(row=self._cursor.row + rows, column=self._cursor.column + columns)
+
+    def action_page(self, direction: int) -> None:
+        page = max(1, self.scrollable_content_region.height - HEADER_HEIGHT - 1)
+        self.move_cursor(row=self._cursor.row + direction * page)
+
+    def action_choose(self) -> None:
+        if self._rows:
+            self.post_message(self.Chosen(self, self._cursor))
+
+    def cell_at(self, x: int, y: int) -> Coordinate | None:
+        """The cell at (x, y) of the widget's content, None outside the rows."""
+        if not self._rows or y < HEADER_HEIGHT:
+            return None
+        row = y - HEADER_HEIGHT + round(self.scroll_y)
+        if row >= len(self._rows):
+            return None
+        if x < self._widths[0]:
+            return Coordinate(row, 0)
+        at = x - self._widths[0] + round(self.scroll_x)
+        column = bisect_right(self._starts, at)
+        if column < 1 or at >= self._starts[column - 1] + self._widths[column]:
+            return None
+        return Coordinate(row, column)
+
+    def on_click(self, event: events.Click) -> None:
+        offset = event.get_content_offset(self)
+        cell = self.cell_at(offset.x, offset.y) if offset is not None else None
+        if cell is None:
+            return
+        self.move_cursor(row=cell.row, column=cell.column)
+        if cell.column > 0:  # one click on a checkpoint's cell picks it
+            self.post_message(self.Chosen(self, cell))

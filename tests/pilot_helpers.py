@@ -1,0 +1,36 @@
+"""Helpers the composer's pilot and snapshot tests share: waiting for the scan and the
+statistics, for a condition, and starting a merge from the keyboard."""
+
+from __future__ import annotations
+
+from tailor_tui.ui.dialogs import Confirm
+from tailor_tui.ui.merge_screen import MergeScreen
+
+
+async def scanned(pilot):
+    """The run is scanned and every row's statistics are in (the heatmap is drawn)."""
+    await pilot.app.workers.wait_for_complete()
+    await pilot.pause()
+    for _ in range(1200):
+        if pilot.app.health_status is None:
+            break
+        await pilot.pause(0.05)
+    await pilot.pause()
+    assert pilot.app.composition is not None
+
+
+async def wait_for(pilot, condition, tries: int = 600):
+    for _ in range(tries):
+        if condition():
+            return
+        await pilot.pause(0.05)
+    raise AssertionError("condition not reached")
+
+
+async def start_merge(pilot) -> MergeScreen:
+    """ctrl+r, accept the plan, and return the merge screen."""
+    await pilot.press("ctrl+r")
+    await wait_for(pilot, lambda: isinstance(pilot.app.screen, Confirm))
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: isinstance(pilot.app.screen, MergeScreen))
+    return pilot.app.screen

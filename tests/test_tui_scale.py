@@ -1,0 +1,109 @@
+"""The composer on a model of real depth (80 layers) in an 80x24 terminal, keyboard only:
+what a recovery session on a login node does (issue: the composer at real model scale)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import checkpoints_of
+from pilot_helpers import scanned, start_merge, wait_for
+from zero_reader import read_full_state
+
+from tailor_tui.ui.app import make_app
+from tailor_tui.ui.dialogs import Confirm, PathPrompt
+
+TERMINAL = (80, 24)
+
+
+@pytest.fixture
+def deep_run(real_run, tmp_path) -> tuple[Path, list[Path]]:
+    run, spec = real_run("hf_80_layers")
+    dst = tmp_path / "run"
+    shutil.copytree(run, dst)
+    return dst, checkpoints_of(dst, spec)
+
+
+def line(grid, y: int) -> str:
+    return grid.render_line(y).text
+
+
+async def test_pick_layers_40_to_59_review_merge_and_reopen_at_80x24(deep_run):
+    run, (c2, c4) = deep_run
+    app = make_app(run, workers=1)
+    async with app.run_test(size=TERMINAL) as pilot:
+        await scanned(pilot)
+        grid = app.query_one("#grid")
+        names = [r.name for r in app.composition.rows]
+        assert len(names) == 83 and app.composition.base_checkpoint.path == c4
+        footer = {b.binding.description for b in app.screen.active_bindings.values() if b.binding.show}
+        assert {"Merge", "Save", "Help", "Quit"} <= footer
+
+        await pilot.press("slash")  # jump to layers.40 by name
+        await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt))
+        await pilot.press(*"layers.40", "enter")
+        await wait_for(pilot, lambda: len(app.screen_stack) == 1)
+        assert grid.cursor_coordinate.row == names.index("layers.40")
+        assert grid.scroll_y > 0  # scrolled down to it, the header and the names still in view
+        assert "row" in line(grid, 0) and "checkpoint-2" in line(grid, 0) and "checkpoint-4" in line(grid, 0)
+
+        await pilot.press("v", *["down"] * 19, "left", "space")  # one selection, one action
+        picked = {f"layers.{i}": c2 for i in range(40, 60)}
+        assert app.composition.to_recipe().layers == picked
+        assert any(line(grid, y).lstrip().startswith("layers.59") for y in range(2, grid.size.height))
+        await pilot.press("u")  # one undo step takes the whole block back
+        assert app.composition.to_recipe().layers == {}
+        await pilot.press("ctrl+y")
+        assert app.composition.to_recipe().layers == picked
+
+        await pilot.press("ctrl+r")  # the plan: totals first, then the block as one line
+        await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
+        body = app.screen.body
+        assert body.index("write:") < body.index("layers.40–59")
+        assert "layers.40–59  ← checkpoint-2" in body and "(20 of 83)" in body
+        assert "layers.39" not in body and "layers.60" not in body
+        await pilot.press("escape")
+        merge = await start_merge(pilot)
+        await wait_for(pilot, lambda: not merge.running, tries=2400)
+        assert app.screen.has_class("finished")
+        await pilot.press("escape")
+        await pilot.pause()
+
+    out = run / "checkpoint-4-tailored"
+    got, old, new = read_full_state(out), read_full_state(c2), read_full_state(c4)
+    for key in ("fp32", "exp_avg", "exp_avg_sq"):
+        for layer, source in ((39, new), (40, old), (59, old), (60, new)):
+            name = f"model.layers.{layer}.mlp.up_proj.weight"
+            assert torch.equal(got[key][name], source[key][name]), (key, name)
+
+    app = make_app(run)  # reopened: the output is a column marked composed, never the base
+    async with app.run_test(size=TERMINAL) as pilot:
+        await scanned(pilot)
+        columns = [c.name for c in app.composition.checkpoints]
+        assert columns[-1] == "checkpoint-4-tailored" and app.composition.base_checkpoint.path == c4
+        assert "composed" in app.query_one("#grid").header_text(len(columns) - 1)
+
+
+async def test_the_plan_scrolls_from_the_keyboard(deep_run):
+    """Every other row from the older checkpoint: 42 lines of plan, longer than the terminal;
+    the keys scroll it while the focus stays on its buttons."""
+    run, (c2, c4) = deep_run
+    app = make_app(run)
+    async with app.run_test(size=TERMINAL) as pilot:
+        await scanned(pilot)
+        await pilot.press("g", "left", *["space", "down", "down"] * 42)
+        layers = app.composition.to_recipe().layers
+        assert len(layers) == 42 and "layers.1" in layers and "layers.2" not in layers
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
+        assert "(42 of 83)" in app.screen.body
+        scroller = app.screen.query_one(".dialog-scroll")
+        assert scroller.max_scroll_y > 0 and scroller.scroll_y == 0
+        await pilot.press("pagedown")
+        await pilot.pause()
+        assert scroller.scroll_y > 0
+        await pilot.press("escape")
+        await pilot.pause()
+        assert app.composition.to_recipe().layers == layers  # declined: nothing merged, picks kept
