@@ -40,6 +40,16 @@ async def test_pick_layers_40_to_59_review_merge_and_reopen_at_80x24(deep_run):
         assert len(names) == 83 and app.composition.base_checkpoint.path == c4
         footer = {b.binding.description for b in app.screen.active_bindings.values() if b.binding.show}
         assert {"Merge", "Save", "Help", "Quit"} <= footer
+        details = app.query_one("#details")
+        health = next(i for i, text in enumerate(details.render().plain.splitlines()) if "Δ since previous" in text)
+        short = details.content_size.height
+        assert health >= short  # below the grid at 80 columns, the row's health is out of view
+        await pilot.press("d")  # d gives the details room for it
+        await pilot.pause()
+        assert details.content_size.height > health
+        await pilot.press("d")
+        await pilot.pause()
+        assert details.content_size.height == short
 
         await pilot.press("slash")  # jump to layers.40 by name
         await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt))

@@ -31,12 +31,11 @@ from ..events import TaskOptions
 from ..health import Health, training_log, why_unhealthy
 from ..output import not_replaceable
 from ..plan import build_plan
-from ..units import size
 from ..workers import prepare_worker_processes
+from .details import details_lines
 from .dialogs import Confirm, ErrorDialog, HelpScreen, PathPrompt
 from .grid import CheckpointGrid
 from .health_actions import HealthActions
-from .heatmap import details as health_details
 from .merge_screen import MergeScreen
 from .messages import (
     PlanFailed,
@@ -68,6 +67,7 @@ class TailorApp(HealthActions, Navigation, RecipeActions, App):
         Binding("b", "set_base", "Make base", show=False),
         Binding("h", "heal", "Heal"),
         Binding("m", "cycle_metric", "Metric", show=False),
+        Binding("d", "toggle_details", "Details", show=False),
         Binding("o", "set_output", "Output", show=False),
         Binding("u,ctrl+z", "undo", "Undo", show=False),
         Binding("ctrl+y,ctrl+shift+z", "redo", "Redo", show=False),
@@ -90,6 +90,7 @@ class TailorApp(HealthActions, Navigation, RecipeActions, App):
         "set_base": "Make the checkpoint under the cursor the base",
         "heal": "Heal: every row from the newest checkpoint where it is healthy",
         "cycle_metric": "Colour the grid by the next health metric",
+        "toggle_details": "Give the details panel more room (on a narrow terminal it sits below the grid)",
         "set_output": "Set the output folder",
         "undo": "Undo the last change",
         "redo": "Redo the change undone last",
@@ -248,50 +249,9 @@ class TailorApp(HealthActions, Navigation, RecipeActions, App):
         row_name, column = self.home.query_one(CheckpointGrid).current()
         if row_name is None:
             return
-        row = comp.base_checkpoint.row(row_name)
-        lines = []
-        if column is not None:
-            c = comp.checkpoints[column]
-            kind = "HF Trainer" if c.kind == "hf" else "DeepSpeed save_dir"
-            model = sum(c.sizes[f] for f in c.model_files)
-            lines += [
-                f"{c.name}" + ("  (base)" if column == comp.base else ""),
-                f"path    {self.rel(c.path)}",
-                f"step    {c.step}",
-                f"layout  {kind}, {c.world_size} ranks, {c.dtype}",
-                f"files   {size(c.total_bytes())}" + (f" ({size(model)} 16-bit model)" if model else ""),
-                f"rank 0  {size(c.rank_bytes(0))}",
-            ]
-            if c.partial:
-                lines.append(f"partial saved {len(c.saved_rows)} of {sum(not r.tied for r in c.rows)} rows")
-            if c.composed:
-                lines.append("composed by tailor-tui (tailor_provenance.json names its sources)")
-            reason = comp.incompatibility(column)
-            if reason:
-                lines.append(f"✗ cannot be combined with the base: {reason}")
-            elif warning := comp.other_run(column):
-                lines.append(f"! {warning}; make sure it is the same training run")
-            lines.append("")
-        lines.append(f"row     {row.name}  ({row.module_path})")
-        if row.tied:
-            from ..plan import tied_partner
-
-            lines.append(f"tied to {tied_partner(comp.base_checkpoint, row)}: no weights of its own")
-        else:
-            shapes = dict(p for g in comp.base_checkpoint.layout.groups for p in g)
-            shapes.update(dict(comp.base_checkpoint.layout.frozen))
-            numel = sum(_numel(shapes[p]) for p in row.params)
-            lines.append(f"params  {len(row.params)} tensors, {numel:,} elements")
-            lines.append(f"state   {size(numel * 12)} (fp32 + exp_avg + exp_avg_sq)")
-        source = comp.checkpoints[comp.source_of(row.name)]
-        lines.append(f"source  {source.name}" + ("  (base)" if comp.source_of(row.name) == comp.base else ""))
-        if not row.tied:
-            lines.append("")
-            lines += health_details(self.health, comp.checkpoints, row.name, column, self.metric, self.health_status)
         problems = self.scan_result.problems if self.scan_result else ()
-        if problems:  # kept here, not only in a toast
-            lines += ["", f"skipped while scanning ({len(problems)}):"]
-            lines += [f"  {self.rel(path)}: {why}" for path, why in problems]
+        lines = details_lines(comp, self.health, row_name, column, metric=self.metric, computing=self.health_status,
+                              problems=problems, show=self.rel)
         text = "\n".join(lines)
         details = self.home.query_one("#details", Static)
         if text != self._details_text:  # its size is fixed by the layout: no re-layout of the screen
@@ -468,7 +428,7 @@ class TailorApp(HealthActions, Navigation, RecipeActions, App):
 
     GRID_ACTIONS = {"pick", "pick_column", "set_base", "set_output", "undo", "redo", "load_recipe", "run_merge",
                     "heal", "cycle_metric", "save_recipe_as", "select_rows", "extend_selection", "jump",
-                    "first_row", "last_row"}
+                    "first_row", "last_row", "toggle_details"}
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         # Grid actions belong to the grid: hidden from the footer under dialogs and the merge screen.
@@ -486,16 +446,13 @@ class TailorApp(HealthActions, Navigation, RecipeActions, App):
             yield SystemCommand(binding.description, f"{self.PALETTE[name]} ({key})",
                                 partial(getattr(self, f"action_{name}"), *args))
 
+    def action_toggle_details(self) -> None:
+        if self._editable():
+            self.home.query_one("#details").toggle_class("tall")
+
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
             self.push_screen(HelpScreen())
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def make_app(run_dir: str | Path, recipe: str | Path | None = None, workers: int | None = None,

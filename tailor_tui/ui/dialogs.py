@@ -119,7 +119,8 @@ Keys
            space picks them all from the cursor's column
            b: make base    h: heal (newest healthy per row)
   move     arrows    g / G: first / last row    /: jump to a row
-  view     m: heatmap metric
+  view     m: heatmap metric    d: taller details (narrow terminals)
+           pgup / pgdn, home / end: a page, the first / last row
   recipe   ctrl+s save    S save as    ctrl+o load    o output
            u undo    ctrl+y redo
   compose  ctrl+r: review the plan, then merge (Esc cancels)

@@ -74,19 +74,24 @@ def metric_text(cell: Cell | None, metric: str) -> str:
     return _pct(value) if metric == "rel_change" else _num(value)
 
 
-def details(health: Health | None, checkpoints: tuple[Checkpoint, ...] | list, row: str, column: int | None,
-            metric: str, computing: str | None) -> list[str]:
-    """The details panel's health block: the cell under the cursor, then the row across checkpoints."""
-    lines = [f"health  {computing}" if computing else "health"]
-    if health is None:
+def cell_block(health: Health | None, row: str, column: int | None, computing: str | None) -> list[str]:
+    """The cell under the cursor: the checkpoint's loss, then the row's statistics there."""
+    lines = [f"health  {computing}"] if computing else []
+    if health is None or column is None:
         return lines
-    if column is not None:
-        log = health.logs.get(column)
-        if log is not None and log.loss is not None:
-            grad = f" · grad {log.grad_norm:.3g}" if log.grad_norm is not None else ""
-            lines.append(f"loss    {log.loss:.4g}{grad}")
-        lines += [f"{'cell' if i == 0 else '':<8}{text}" for i, text in enumerate(cell_lines(health.cell(row, column)))]
-    lines.append(f"{LABEL[metric]} (m: next metric)")
+    log = health.logs.get(column)
+    if log is not None and log.loss is not None:
+        grad = f" · grad {log.grad_norm:.3g}" if log.grad_norm is not None else ""
+        lines.append(f"loss    {log.loss:.4g}{grad}")
+    return lines + [f"{'cell' if i == 0 else '':<8}{text}" for i, text in enumerate(cell_lines(health.cell(row, column)))]
+
+
+def row_block(health: Health | None, checkpoints: tuple[Checkpoint, ...] | list, row: str, column: int | None,
+              metric: str) -> list[str]:
+    """The row across checkpoints (the 12 around the cursor) by `metric`."""
+    if health is None:
+        return []
+    lines = [f"{LABEL[metric]} (m: next metric)"]
     shown = list(range(len(checkpoints)))
     if len(shown) > 12:  # those around the cursor
         middle = column if column is not None else len(shown) - 1
