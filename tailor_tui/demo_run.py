@@ -290,14 +290,22 @@ def _train_rank(rank: int, world: int, port: int, spec: RunSpec, out: str) -> No
 
 def _blow_up(engine, names: tuple[str, ...]) -> None:
     """Set parameters' fp32 master weights to NaN and their exp_avg_sq to +Inf, on every rank,
-    as a diverged layer leaves them (collective: every rank calls it)."""
+    as a diverged layer leaves them (collective: every rank calls it). A frozen parameter has
+    neither: its own values become NaN (gathered, set on rank 0, re-partitioned by DeepSpeed)."""
+    import deepspeed
     import torch
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     for name, param in engine.module.named_parameters():
-        if name in names:
-            safe_set_full_fp32_param(param, torch.full(param.ds_shape, float("nan")))
-            safe_set_full_optimizer_state(param, torch.full(param.ds_shape, float("inf")), "exp_avg_sq")
+        if name not in names:
+            continue
+        if not param.requires_grad:
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                if torch.distributed.get_rank() == 0:
+                    param.data.fill_(float("nan"))
+            continue
+        safe_set_full_fp32_param(param, torch.full(param.ds_shape, float("nan")))
+        safe_set_full_optimizer_state(param, torch.full(param.ds_shape, float("inf")), "exp_avg_sq")
 
 
 def _hf_trainer(spec: RunSpec, out: Path, max_steps: int, newer_saves: str = "refuse", callbacks=()):

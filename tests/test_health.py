@@ -198,3 +198,19 @@ def test_census_counts_nan_and_inf_per_row_in_any_chunking():
         for at in range(0, len(data), chunk):
             census.inspect(at, memoryview(data)[at: at + chunk])
         assert dict(census.counts) == {"a": 1, "b": 3}
+
+
+def test_a_frozen_parameter_gone_nan_is_counted_and_guarded(real_run, tmp_path):
+    """A frozen parameter has no fp32 master or moments: its values are the fragments in the
+    model_states files. NaN there flags its row at that checkpoint (only there), and --apply
+    refuses to keep it."""
+    run, spec = real_run("ds_frozen_blown_up")
+    c2, c4 = checkpoints_of(run, spec)
+    doc = stats_json(run)
+    frozen = read_full_state(c4)["fp32"]["model.layers.1.mlp.up_proj.weight"]  # zero_to_fp32 reads fragments too
+    bad = [(c["row"], c["checkpoint"], c["nonfinite"]) for c in doc["cells"] if c["nonfinite"]]
+    assert bad == [("layers.1", str(c4), frozen.numel())]
+    assert torch.isnan(frozen).all()
+    result = tailor("--apply", write_recipe(tmp_path, c4, {}), "--output", tmp_path / "out")
+    assert_one_line_error(result, 8, "layers.1", "global_step4", "global_step2")
+    assert not (tmp_path / "out").exists()
