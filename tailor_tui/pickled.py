@@ -216,94 +216,109 @@ def check_bounds(stream) -> None:
             raise pickle.UnpicklingError(f"it would build more than {MAX_OBJECT_BYTES >> 20} MiB of objects")
 
 
-def _opcode_table() -> dict[int, tuple]:
-    """code byte -> (name, how its argument is laid out, size, whether it pops a MARK, cheap)."""
-    table = {}
+# How check_bounds_bytes steps over an opcode: by how its argument is laid out, whether it
+# indexes the memo, and whether it is _CHEAP (the estimated cost is not checked after those)
+_CHEAP_FIXED, _FIXED, _MEMO_INDEX, _MEMO_LINE, _SIZED, _LINES, _MARK, _MEMOIZE, _STOP, _UNKNOWN = range(10)
+
+
+def _opcode_table() -> list[tuple]:
+    """code byte -> (how it is stepped over, argument bytes or lines, base cost, whether it pops
+    a MARK, name)."""
+    table = [(_UNKNOWN, 0, 0, False, "")] * 256
     for op in pickletools.opcodes:
-        arg = op.arg
-        if arg is None:
-            layout, n = "none", 0
-        elif arg.n >= 0:
-            layout, n = "fixed", arg.n
+        arg, cheap = op.arg, op.name in _CHEAP
+        n = 0
+        if op.name in ("MARK", "MEMOIZE", "STOP"):
+            kind = {"MARK": _MARK, "MEMOIZE": _MEMOIZE, "STOP": _STOP}[op.name]
+        elif arg is None or arg.n >= 0:
+            n = arg.n if arg is not None else 0
+            memo_index = op.name in ("BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET")
+            # an index of n bytes is checked only when it can reach MAX_MEMO (BINPUT's 1 byte cannot)
+            kind = _MEMO_INDEX if memo_index and 256 ** n > MAX_MEMO else _CHEAP_FIXED if cheap else _FIXED
         elif arg.n == pickletools.UP_TO_NEWLINE:
-            layout, n = "lines", 2 if arg.name.endswith("_pair") else 1
+            kind = _MEMO_LINE if cheap else _LINES  # PUT / GET: a decimal index
+            n = 2 if arg.name.endswith("_pair") else 1
         else:
-            layout = "sized"
+            kind = _SIZED
             n = {pickletools.TAKEN_FROM_ARGUMENT1: 1, pickletools.TAKEN_FROM_ARGUMENT4: -4,
                  pickletools.TAKEN_FROM_ARGUMENT4U: 4, pickletools.TAKEN_FROM_ARGUMENT8U: 8}[arg.n]
-        table[op.code.encode("latin-1")[0]] = (op.name, layout, n, pickletools.markobject in op.stack_before,
-                                               op.name in _CHEAP)
+        table[op.code.encode("latin-1")[0]] = (kind, n, 8 if cheap else 64, pickletools.markobject in op.stack_before,
+                                               op.name)
     return table
 
 
 _OPCODES = _opcode_table()
-_MEMO_INDEX = {"BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET"}
 
 
 def check_bounds_bytes(data: bytes) -> None:
     """`check_bounds` for a pickle held in memory: the same limits, one pass over the bytes
-    without decoding arguments (pickletools.genops costs seconds on a run of 100 checkpoints)."""
+    without decoding arguments (pickletools.genops costs seconds on a run of 100 checkpoints).
+    The estimated cost is checked after each opcode that is not _CHEAP, as `check_bounds` does."""
     cost = nesting = memoized = i = 0
     end = len(data)
-    table, find, from_bytes = _OPCODES, data.find, int.from_bytes
+    table, find, from_bytes, max_memo = _OPCODES, data.find, int.from_bytes, MAX_MEMO
     while True:
-        if i >= end:
-            raise pickle.UnpicklingError("the pickle ends before its STOP opcode (truncated)")
-        entry = table.get(data[i])
-        if entry is None:
-            raise pickle.UnpicklingError(f"unknown opcode {data[i]:#04x} at byte {i}")
-        name, layout, n, pops_mark, cheap = entry
+        try:
+            kind, n, base, pops_mark, name = table[data[i]]
+        except IndexError:  # i is past the last byte
+            raise pickle.UnpicklingError("the pickle ends before its STOP opcode (truncated)") from None
         i += 1
-        if cheap:
-            cost += 8
-            if layout == "fixed":
-                if n and name in _MEMO_INDEX and from_bytes(data[i: i + n], "little") >= MAX_MEMO:
-                    raise pickle.UnpicklingError(f"memo index {from_bytes(data[i: i + n], 'little')} is "
-                                                 "beyond what any checkpoint uses")
-                i += n
-            elif layout == "lines":  # PUT / GET: a decimal index
-                j = find(b"\n", i)
-                try:
-                    index = int(data[i:j]) if j >= 0 else -1
-                except ValueError:
-                    index = -1
-                if index < 0:
-                    raise pickle.UnpicklingError(f"{name} at byte {i} has no index (truncated?)")
-                if index >= MAX_MEMO:
-                    raise pickle.UnpicklingError(f"memo index {index} is beyond what any checkpoint uses")
-                i = j + 1
-            if name == "MARK":
-                nesting += 1
-                if nesting > MAX_NESTING:
-                    raise pickle.UnpicklingError(f"nested more than {MAX_NESTING} deep")
-            elif name == "MEMOIZE":
-                memoized += 1
-                if memoized >= MAX_MEMO:
-                    raise pickle.UnpicklingError("more memo entries than any checkpoint uses")
-            elif name == "STOP":
-                return
-            elif pops_mark:
+        cost += base
+        if kind == _CHEAP_FIXED:
+            i += n
+            if pops_mark:
                 nesting -= 1
             continue
-        size = 0
-        if layout == "fixed":
+        if kind == _MEMO_INDEX:
+            index = from_bytes(data[i: i + n], "little")
+            if index >= max_memo:
+                raise pickle.UnpicklingError(f"memo index {index} is beyond what any checkpoint uses")
             i += n
-        elif layout == "sized":
+            continue
+        if kind == _FIXED:
+            i += n
+        elif kind == _SIZED:
             width = n if n > 0 else -n
             size = from_bytes(data[i: i + width], "little", signed=n < 0)
             if size < 0 or i + width + size > end:
                 raise pickle.UnpicklingError(f"{name} at byte {i} claims {size} bytes past the end (truncated)")
             i += width + size
-        elif layout == "lines":
+            cost += size
+        elif kind == _MARK:
+            nesting += 1
+            if nesting > MAX_NESTING:
+                raise pickle.UnpicklingError(f"nested more than {MAX_NESTING} deep")
+            continue
+        elif kind == _MEMOIZE:
+            memoized += 1
+            if memoized >= MAX_MEMO:
+                raise pickle.UnpicklingError("more memo entries than any checkpoint uses")
+            continue
+        elif kind == _STOP:
+            return
+        elif kind == _MEMO_LINE:
+            j = find(b"\n", i)
+            try:
+                index = int(data[i:j]) if j >= 0 else -1
+            except ValueError:
+                index = -1
+            if index < 0:
+                raise pickle.UnpicklingError(f"{name} at byte {i} has no index (truncated?)")
+            if index >= MAX_MEMO:
+                raise pickle.UnpicklingError(f"memo index {index} is beyond what any checkpoint uses")
+            i = j + 1
+            continue
+        elif kind == _UNKNOWN:
+            raise pickle.UnpicklingError(f"unknown opcode {data[i - 1]:#04x} at byte {i - 1}")
+        else:  # _LINES
             for _ in range(n):
                 j = find(b"\n", i)
                 if j < 0:
                     raise pickle.UnpicklingError(f"{name} at byte {i} has no end of line (truncated)")
-                size += j - i
+                cost += j - i
                 i = j + 1
         if pops_mark:
             nesting -= 1
-        cost += 64 + size
         if cost > MAX_OBJECT_BYTES:
             raise pickle.UnpicklingError(f"it would build more than {MAX_OBJECT_BYTES >> 20} MiB of objects")
 
