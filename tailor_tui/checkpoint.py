@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from . import scan_cache
+from .cache import ROOT, Where, chosen
 from .ds_format import (
     BUFFER_NAMES,
     DS_CONFIG,
@@ -29,8 +31,9 @@ from .ds_format import (
 from .errors import CheckpointError
 from .layout import ZeroLayout
 from .ptfile import Unsupported, check_complete, read_structure
-from .rows import split_row
+from .rows import Row, split_row
 from .safe_load import load_pt
+from .scan_cache import ModelStates
 
 MODEL_FILE_INDEX = "model.safetensors.index.json"
 # A partial checkpoint (tailor_tui.selective): some rows' optimizer state, per rank
@@ -53,21 +56,6 @@ class RankFiles:
         if self.rows is None:
             return (self.model_states, self.optim_states)
         return (self.model_states, self.rows, self.skeleton)
-
-
-@dataclass(frozen=True)
-class Row:
-    """A top-level block of the model and the parameters and buffers it owns."""
-
-    name: str  # `layers.3`
-    module_path: str  # `model.layers.3`
-    params: tuple[str, ...]  # trainable and frozen parameter names
-    buffers: tuple[str, ...]
-
-    @property
-    def tied(self) -> bool:
-        """True when the row has no storage of its own (e.g. lm_head tied to embeddings)."""
-        return not self.params and not self.buffers
 
 
 @dataclass(frozen=True)
@@ -233,24 +221,29 @@ def safetensors_header(path: Path) -> tuple[dict, int]:
                               "re-copy it from the training run") from None
 
 
-def _dtype(tag_dir: Path, states: dict, layout: ZeroLayout) -> tuple[str, str]:
-    """(dtype, optim file prefix)."""
+def _dtype(tag_dir: Path, states: ModelStates) -> tuple[str, str]:
+    """(dtype, optim file prefix): a bf16 run's optim files are named so, else model_states tells."""
     if (tag_dir / OPTIM_STATES.format(prefix="bf16_", rank=0)).is_file():
         return "bf16", "bf16_"
+    return states.precision, ""
+
+
+def _precision(states: dict, layout: ZeroLayout) -> str:
+    """"fp16" or "fp32", as a model_states file tells it."""
     config = states.get(DS_CONFIG)
     if isinstance(config, dict):  # the config the training script passed, as a dict
         fp16 = config.get("fp16")
-        return ("fp16" if isinstance(fp16, dict) and fp16.get("enabled") is True else "fp32"), ""
+        return "fp16" if isinstance(fp16, dict) and fp16.get("enabled") is True else "fp32"
     # The config was passed as a file path (ds_config is that str) or on the command line
     # (None): the dtype of the 16-bit parameter placeholders DeepSpeed saves tells instead.
     module = states.get(MODULE) or {}
     for name in layout.param_names():
         found = _element_type(module.get(name))
         if found in ("HalfStorage", "float16"):
-            return "fp16", ""
+            return "fp16"
         if found is not None:
-            return "fp32", ""
-    return "fp32", ""
+            return "fp32"
+    return "fp32"
 
 
 def _element_type(tensor) -> str | None:
@@ -267,7 +260,8 @@ def _rows(states: dict, layout: ZeroLayout) -> tuple[Row, ...]:
     params = set(layout.param_names())
     buffers = set(states.get(BUFFER_NAMES) or ())
     order = list((states.get(MODULE) or {}).keys())
-    order += [n for n in layout.param_names() if n not in order]
+    listed = set(order)
+    order += [n for n in layout.param_names() if n not in listed]
     owned: dict[str, tuple[str, list[str], list[str]]] = {}
     for name in order:
         row, module_path = split_row(name)
@@ -304,31 +298,47 @@ def read_metadata(path: Path) -> dict:
     return obj
 
 
-def open_checkpoint(path: str | Path) -> Checkpoint:
-    """Describe the checkpoint at `path` or raise CheckpointError saying why not."""
+def read_model_states(path: Path) -> ModelStates:
+    """What a checkpoint takes from its rank-0 model_states file `path`, read (no cache), or
+    CheckpointError saying why it cannot be used."""
+    states = read_metadata(path)
+    ds_version = states.get(DS_VERSION)
+    ds_version = ds_version if isinstance(ds_version, str) else ""  # absent: rewritten by another tool
+    _check_version(path, ds_version)
+    try:
+        layout = ZeroLayout.from_model_states(states)
+    except (KeyError, TypeError, AttributeError, ValueError):
+        raise CheckpointError(
+            f"{path}: not a ZeRO stage 3 model_states file "
+            "(no param_shapes / dp_world_size); tailor-tui composes ZeRO-3 checkpoints only"
+        ) from None
+    return ModelStates(ds_version, int(states.get(GLOBAL_STEPS) or 0), layout, _rows(states, layout),
+                       _precision(states, layout))
+
+
+def _check_version(path: Path, ds_version: str) -> None:
+    why = unsupported_version(ds_version)
+    if why:
+        raise CheckpointError(f"{path}: cannot be read: {why}")
+
+
+def open_checkpoint(path: str | Path, *, cache: Path | None = None) -> Checkpoint:
+    """Describe the checkpoint at `path` or raise CheckpointError saying why not. What rank 0's
+    model_states file says is taken from `cache` (`scan_cache`) when it holds it; None: read."""
     path = Path(path)
     manifest = read_manifest(path) if (path / PARTIAL_MANIFEST).is_file() else None
     if manifest:  # a partial checkpoint (tailor_tui.selective): its manifest names the tag
         kind, named, tag_dir, save_dir = manifest["layout"], path, path / manifest["tag"], path
     else:
         kind, named, tag_dir, save_dir = _locate(path)
-    states = read_metadata(tag_dir / MODEL_STATES.format(rank=0))
-    ds_version = states.get(DS_VERSION)
-    ds_version = ds_version if isinstance(ds_version, str) else ""  # absent: rewritten by another tool
-    why = unsupported_version(ds_version)
-    if why:
-        raise CheckpointError(f"{tag_dir / MODEL_STATES.format(rank=0)}: cannot be read: {why}")
-    try:
-        layout = ZeroLayout.from_model_states(states)
-    except (KeyError, TypeError, AttributeError, ValueError):
-        raise CheckpointError(
-            f"{tag_dir / MODEL_STATES.format(rank=0)}: not a ZeRO stage 3 model_states file "
-            "(no param_shapes / dp_world_size); tailor-tui composes ZeRO-3 checkpoints only"
-        ) from None
+    model_states = tag_dir / MODEL_STATES.format(rank=0)
+    states = scan_cache.cached(model_states, read_model_states, cache=cache)
+    _check_version(model_states, states.ds_version)  # a cached entry too: the releases read may change
+    layout = states.layout
     if manifest:
         dtype, prefix = manifest["dtype"], ("bf16_" if manifest["dtype"] == "bf16" else "")
     else:
-        dtype, prefix = _dtype(tag_dir, states, layout)
+        dtype, prefix = _dtype(tag_dir, states)
     ranks = tuple(
         RankFiles(
             r,
@@ -359,14 +369,14 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         tag=tag_dir.name,
         tag_dir=tag_dir,
         save_dir=save_dir,
-        step=int(states.get(GLOBAL_STEPS) or 0),
+        step=states.step,
         world_size=layout.world_size,
         dtype=dtype,
         layout=layout,
-        rows=_rows(states, layout),
+        rows=states.rows,
         ranks=ranks,
         model_files=model_files,
-        ds_version=ds_version,
+        ds_version=states.ds_version,
         sizes=sizes,
         saved_rows=frozenset(manifest["rows"]) if manifest else None,
         model_layout=path / PARTIAL_MODEL_FILES if manifest and (path / PARTIAL_MODEL_FILES).is_file() else None,
@@ -419,9 +429,13 @@ def scan(
     root: str | Path,
     on_progress: Callable[[int, int, Path], None] | None = None,
     cancelled: Callable[[], bool] = lambda: False,
+    *,
+    cache: Path | None | Where = ROOT,
 ) -> ScanResult:
-    """Open every checkpoint under `root`; unusable ones are reported, not raised."""
-    root = Path(root)
+    """Open every checkpoint under `root`; unusable ones are reported, not raised. What each
+    checkpoint's model_states file says is cached under `cache` (default: `cache.cache_dir()`,
+    `scan_cache`); None reads every one."""
+    root, cache = Path(root), chosen(cache)
     if not root.is_dir():
         raise CheckpointError(f"{root}: no such folder to scan")
     interrupted: list[Path] = []
@@ -433,7 +447,7 @@ def scan(
         if cancelled():
             break
         try:
-            checkpoints.append(open_checkpoint(d))
+            checkpoints.append(open_checkpoint(d, cache=cache))
         except CheckpointError as exc:
             problems.append((d, str(exc)))
         if on_progress:

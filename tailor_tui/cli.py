@@ -175,9 +175,10 @@ def verify(args) -> int:
 
 def _health(run_dir: Path, args, progress: str):
     """The scanned run (training checkpoints: not tailor-tui's own outputs) and its health."""
+    from .cache import cache_dir
     from .checkpoint import scan
     from .health_report import StatsProgress
-    from .stats_run import cache_dir, compute_health
+    from .stats_run import compute_health
 
     if not run_dir.is_dir():
         raise CheckpointError(f"{run_dir}: no such folder; name a directory of DeepSpeed checkpoints")

@@ -16,7 +16,7 @@ What differs between the releases tailor-tui reads:
   to the optimizer state; both are carried over from the base unread.
 - `ds_config` is whatever the training script passed as its config: usually a dict,
   but a path (str) or None when the config came from a file or the command line; the
-  precision is then read from the checkpoint's own tensors (`checkpoint._dtype`).
+  precision is then read from the checkpoint's own tensors (`checkpoint._precision`).
 - The fp16 loss scaler (`DynamicLossScaler`) keeps its `dtype`, a `torch.float16` in
   every release; bf16 and fp32 runs pickle the static `LossScaler`.
 - `checkpoint_serialization: false` (0.17 and later) makes DeepSpeed write every `.pt`

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections import Counter
 
+from .cache import cache_dir
 from .checkpoint import incompatibility, scan
 from .errors import CheckpointError, NonFiniteError
 from .plan import MergePlan
-from .stats_run import cache_dir, compute_health
+from .stats_run import compute_health
 
 MAX_NAMED = 8  # rows named in the one line; the rest are counted
 

@@ -36,6 +36,19 @@ class Cell:
     def value(self, metric: str) -> float | None:
         return getattr(self, metric)
 
+    def to_json(self) -> list:
+        """A readable cell's values (a cell with an error is never cached)."""
+        return [self.nonfinite, self.weight_rms, self.adam_v_max, self.rel_change, self.crc_ok]
+
+    @classmethod
+    def from_json(cls, values: list) -> "Cell":
+        """The cell `to_json` wrote; ValueError or TypeError for anything else (a cache entry is an input)."""
+        nonfinite, weight_rms, adam_v_max, rel_change, crc_ok = values
+        if not (type(nonfinite) is int and nonfinite >= 0 and type(crc_ok) is bool
+                and all(v is None or type(v) in (int, float) for v in (weight_rms, adam_v_max, rel_change))):
+            raise ValueError("not a cell")
+        return cls(nonfinite, _number(weight_rms), _number(adam_v_max), _number(rel_change), crc_ok)
+
 
 @dataclass(frozen=True)
 class TrainingLog:

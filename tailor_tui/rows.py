@@ -7,6 +7,8 @@ dropped: `model.layers.3.mlp.up_proj.weight` is in row `layers.3`,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 CONTAINERS = ("model", "transformer", "gpt_neox", "backbone", "decoder")
 
 
@@ -24,3 +26,18 @@ def split_row(param_name: str) -> tuple[str, str]:
 
 def row_of(param_name: str) -> str:
     return split_row(param_name)[0]
+
+
+@dataclass(frozen=True)
+class Row:
+    """A top-level block of the model and the parameters and buffers it owns."""
+
+    name: str  # `layers.3`
+    module_path: str  # `model.layers.3`
+    params: tuple[str, ...]  # trainable and frozen parameter names
+    buffers: tuple[str, ...]
+
+    @property
+    def tied(self) -> bool:
+        """True when the row has no storage of its own (e.g. lm_head tied to embeddings)."""
+        return not self.params and not self.buffers

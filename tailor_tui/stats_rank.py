@@ -14,9 +14,7 @@ size. Torch-free (numpy does the arithmetic): workers start in a fraction of a s
 from __future__ import annotations
 
 import contextlib
-import os
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -26,106 +24,13 @@ from .ds_format import TENSORS, flat_tensor, optimizer_state
 from .errors import CheckpointError, MergeCancelled
 from .events import ByteCounter, Emit, TaskOptions
 from .fileio import Readahead, open_fd, pread_into
-from .layout import ZeroLayout
 from .model_files import partial_slice, safetensors_tensors
 from .nonfinite import EXPONENT, count
 from .pickled import dtype_name
 from .ptfile import Unsupported, frozen_fragment_bytes, locate, read_structure
+from .stats_job import RankStats, RankStatsRead, RowSums, SlotRead, StatsJob
 
 CHUNK = 1 << 20
-
-
-@dataclass(frozen=True)
-class SlotRead:
-    """One parameter's slice on this rank, its previous checkpoint's slice of the same place."""
-
-    row: str
-    param: str
-    group: int
-    offset: int  # elements into the rank's flat buffer of `group`
-    valid: int  # elements of real data (padding excluded)
-
-
-@dataclass(frozen=True)
-class StatsJob:
-    """Everything one worker needs for one rank of one checkpoint (picklable)."""
-
-    key: str  # the cache key: identities of every file read and what is read of them
-    checkpoint: int
-    rank: int
-    files: RankFiles
-    layout: ZeroLayout
-    owner: dict  # parameter -> row
-    rows: frozenset  # the rows to read
-    frozen: tuple[tuple[str, str], ...]  # (row, parameter) of frozen parameters
-    prev: tuple[tuple[str, RankFiles], ...]  # (row, this rank's files of the row's previous checkpoint)
-    bytes_to_read: int
-
-    @property
-    def task(self) -> str:
-        return f"{self.files.model_states.parent.name} rank {self.rank}"
-
-    @property
-    def group_sizes(self) -> tuple[int, ...]:
-        return tuple(self.layout.group_sizes())
-
-    def slots(self) -> tuple[SlotRead, ...]:
-        """Each trainable parameter's slice on this rank, of the rows to read."""
-        rank = self.rank
-        return tuple(SlotRead(self.owner[s.name], s.name, s.group, s.offset, s.valid(rank))
-                     for s in self.layout.slots
-                     if self.owner.get(s.name) in self.rows and s.valid(rank))
-
-
-@dataclass
-class RowSums:
-    """A row's sums over one rank (or, added up, over all)."""
-
-    nonfinite: int = 0
-    count: int = 0  # fp32 master elements
-    sumsq: float = 0.0  # of the finite masters
-    v_max: float | None = None  # of the finite exp_avg_sq
-    diff_sq: float = 0.0  # ||θ − θ_prev||² over elements finite in both
-    prev_sq: float = 0.0  # ||θ_prev||²
-    prev_nonfinite: int = 0
-    has_prev: bool = False
-    crc_ok: bool = True
-
-    def add(self, other: "RowSums") -> None:
-        self.nonfinite += other.nonfinite
-        self.count += other.count
-        self.sumsq += other.sumsq
-        if other.v_max is not None:
-            self.v_max = other.v_max if self.v_max is None else max(self.v_max, other.v_max)
-        self.diff_sq += other.diff_sq
-        self.prev_sq += other.prev_sq
-        self.prev_nonfinite += other.prev_nonfinite
-        self.has_prev = self.has_prev or other.has_prev
-        self.crc_ok = self.crc_ok and other.crc_ok
-
-    def to_json(self) -> list:
-        return [self.nonfinite, self.count, self.sumsq, self.v_max, self.diff_sq, self.prev_sq,
-                self.prev_nonfinite, self.has_prev, self.crc_ok]
-
-    @classmethod
-    def from_json(cls, values: list) -> "RowSums":
-        return cls(*values)
-
-
-@dataclass(frozen=True)
-class RankStats:
-    """What one rank found: per row its sums, and why the rank could not be read at all."""
-
-    rows: dict[str, RowSums] = field(default_factory=dict)
-    error: str | None = None
-
-
-@dataclass(frozen=True)
-class RankStatsRead:
-    """A rank's statistics, emitted by the worker as soon as it has them."""
-
-    key: str  # the job's
-    stats: RankStats
 
 
 @dataclass
@@ -322,9 +227,3 @@ def _dot(a, b) -> float:
     if n < len(a):
         total += float(np.dot(a[n:].astype(np.float64), b[n:].astype(np.float64)))
     return total
-
-
-def file_identity(path: Path) -> list:
-    """What a cached result of reading `path` is keyed by: where it is, its size and mtime."""
-    st = os.stat(path)
-    return [str(Path(path).resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]

@@ -1,10 +1,10 @@
 """Health statistics of a scanned run: which rank files to read, the cache, adding ranks up.
 
 Checkpoints are read newest first (the decision is usually about the newest ones), each
-rank in a worker process (`stats_rank`), and each rank's sums are cached outside the run
-(`cache_dir()`), keyed by the identity of every file read: a second look at the same run
-reads nothing. `CellsComputed` events carry each checkpoint's cells as soon as all its
-ranks are in, so front ends fill in progressively.
+rank in a worker process (`stats_rank`). Each rank's sums, and each checkpoint's cells (its
+ranks' sums added up), are cached outside the run (`cache.cache_dir()`), keyed by the identity
+of every file read: a second look at the same run reads nothing. `CellsComputed` events carry
+each checkpoint's cells as soon as all its ranks are in, so front ends fill in progressively.
 """
 
 from __future__ import annotations
@@ -12,26 +12,25 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from .cache import (
+    cache_dir,  # noqa: F401 (where the composer's statistics are cached; also cache.cache_dir)
+    entry,
+    file_identity,
+    read_json,
+    write_json,
+)
 from .checkpoint import Checkpoint
 from .errors import MergeCancelled
 from .events import Emit, TaskOptions
 from .health import Cell, Health, rms, training_log
-from .stats_rank import (
-    RankStats,
-    RankStatsRead,
-    RowSums,
-    StatsJob,
-    file_identity,
-    rank_stats,
-)
+from .stats_job import RankStats, RankStatsRead, RowSums, StatsJob
 from .workers import run_calls, workers_for
 
-FORMAT = 1  # of the cached sums: bump when what they mean changes
+FORMAT = 1  # of the cached sums and cells: bump when what they mean changes
 MAX_CACHED = 16 << 20  # a cache file larger than this is not one of ours
 STATS_WORKER = 64 << 20  # interpreter, numpy, two 1 MiB buffers and a chunk's float64 copies
 
@@ -55,24 +54,20 @@ class CellsComputed:
     cells: dict  # {row: Cell}
 
 
-def cache_dir() -> Path:
-    """Where statistics are cached: $TAILOR_TUI_CACHE, else $XDG_CACHE_HOME/tailor-tui, else
-    ~/.cache/tailor-tui (never inside a run: sources stay read-only)."""
-    if os.environ.get("TAILOR_TUI_CACHE"):
-        return Path(os.environ["TAILOR_TUI_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "tailor-tui"
-
-
 def previous_holders(checkpoints: tuple[Checkpoint, ...], column: int) -> dict[str, int]:
     """{row: the nearest earlier checkpoint holding it with the same layout} for `column`."""
     ckpt, found = checkpoints[column], {}
+    same: dict[int, bool] = {}  # layouts compared once per checkpoint, not per row
     for row in ckpt.rows:
         if row.tied or not ckpt.holds(row.name):
             continue
         for j in reversed(range(column)):
             other = checkpoints[j]
-            if other.holds(row.name) and other.layout == ckpt.layout:
+            if not other.holds(row.name):
+                continue
+            if j not in same:
+                same[j] = other.layout == ckpt.layout
+            if same[j]:
                 found[row.name] = j
                 break
     return found
@@ -99,9 +94,13 @@ def stats_jobs(checkpoints: tuple[Checkpoint, ...], column: int, rows: list[str]
         prev_files = tuple((row, checkpoints[prev[row]].ranks[rank]) for row in sorted(mine) if row in prev)
         read = (sum(n * 12 for n in mine.values()) if files.rows is not None
                 else ckpt.sizes.get(files.optim_states, 0)) + sum(mine[row] * 4 for row, _ in prev_files)
+        by_source: dict[int, list[str]] = {}  # previous checkpoint -> its rows read
+        for row, _ in prev_files:
+            by_source.setdefault(prev[row], []).append(row)
         previous = {}
-        for row, f in prev_files:
-            previous.setdefault(_identity(f.rows or f.optim_states, known), []).append(row)
+        for j, names in by_source.items():
+            f = checkpoints[j].ranks[rank]
+            previous.setdefault(_identity(f.rows or f.optim_states, known), []).extend(names)
         key = hashlib.sha256(json.dumps([FORMAT, rank, [_identity(p, known) for p in files.existing()],
                                          sorted(held), sorted(previous.items())]).encode()).hexdigest()
         jobs.append(StatsJob(key, column, rank, files, ckpt.layout, owner, held, frozen, prev_files, read))
@@ -141,20 +140,27 @@ def compute_health(checkpoints: tuple[Checkpoint, ...], *, workers: int | None =
     columns = sorted(range(len(checkpoints)) if columns is None else columns, reverse=True)
     known: dict = {}
     jobs = {c: stats_jobs(health.checkpoints, c, rows, known) for c in columns}
+    added_up = {c: _cached_cells(cache, jobs[c]) for c in columns}  # a checkpoint's cells, cached whole
     found: dict[str, RankStats] = {}
-    for job in (j for c in columns for j in jobs[c]):
+    for job in (j for c in columns if added_up[c] is None for j in jobs[c]):
         cached = _cached(cache, job.key)
         if cached is not None:
             found[job.key] = cached
-    pending = {c: {j.key for j in jobs[c]} - found.keys() for c in columns}
+    pending = {c: set() if added_up[c] is not None else {j.key for j in jobs[c]} - found.keys() for c in columns}
 
     def finish(column: int) -> None:
-        cells = reduce(health.checkpoints[column], [found[j.key] for j in jobs[column]], rows)
+        cells = added_up[column]
+        if cells is None:
+            ranks = [found[j.key] for j in jobs[column]]
+            cells = reduce(health.checkpoints[column], ranks, rows)
+            if not any(r.error for r in ranks):
+                _store_cells(cache, jobs[column], cells)
         health.add(column, cells)
         emit(CellsComputed(column, health.checkpoints[column].name, cells))
 
-    todo = [j for c in columns for j in jobs[c] if j.key not in found]
-    emit(StatsPlanned(len(columns), sum(len(j) for j in jobs.values()), len(found),
+    todo = [j for c in columns if added_up[c] is None for j in jobs[c] if j.key not in found]
+    whole = sum(len(jobs[c]) for c in columns if added_up[c] is not None)
+    emit(StatsPlanned(len(columns), sum(len(j) for j in jobs.values()), whole + len(found),
                       sum(j.bytes_to_read for j in todo)))
     for c in columns:
         if not pending[c]:
@@ -175,6 +181,9 @@ def compute_health(checkpoints: tuple[Checkpoint, ...], *, workers: int | None =
             emit(event)
 
     if todo:  # one pool for all, fed newest first: cells come out checkpoint by checkpoint
+        # numpy is loaded only when ranks are read: a run whose statistics are cached does without
+        from .stats_rank import rank_stats
+
         n = workers or workers_for(len(todo), STATS_WORKER)
         run_calls([(rank_stats, (j,)) for j in todo], n, emit_and_collect, cancel, options)
         if cancel.is_set():
@@ -203,34 +212,41 @@ def reduce(ckpt: Checkpoint, ranks: list[RankStats], rows: list[str] | None = No
     return cells
 
 
-def _cache_file(cache: Path | None, key: str) -> Path | None:
-    return None if cache is None else cache / "stats" / key[:2] / f"{key}.json"
-
-
 def _cached(cache: Path | None, key: str) -> RankStats | None:
-    path = _cache_file(cache, key)
+    data = read_json(entry(cache, "stats", key), MAX_CACHED)
     try:
-        with open(path, "rb") as f:
-            text = f.read(MAX_CACHED + 1)
-        if len(text) > MAX_CACHED:
-            return None
-        data = json.loads(text)
         if data.get("format") != FORMAT or data.get("key") != key:
             return None
         return RankStats({row: RowSums.from_json(v) for row, v in data["rows"].items()})
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+    except (ValueError, TypeError, KeyError, AttributeError):
         return None  # not cached, or not ours: computed again
 
 
-def _store(cache: Path | None, key: str, result: RankStats) -> None:
-    path = _cache_file(cache, key)
-    if path is None:
-        return
+def _cells_key(jobs: list[StatsJob]) -> str:
+    """A checkpoint's cells are its ranks' sums added up: keyed by what every rank read."""
+    return hashlib.sha256(json.dumps([FORMAT, [j.key for j in jobs]]).encode()).hexdigest()
+
+
+def _cached_cells(cache: Path | None, jobs: list[StatsJob]) -> dict[str, Cell] | None:
+    key = _cells_key(jobs)
+    data = read_json(entry(cache, "cells", key), MAX_CACHED)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps({"format": FORMAT, "key": key,
-                                   "rows": {row: s.to_json() for row, s in result.rows.items()}}))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only or full cache: statistics are computed again next time
+        if data.get("format") != FORMAT or data.get("key") != key:
+            return None
+        held = frozenset().union(*(j.rows for j in jobs))
+        cells = {row: Cell.from_json(v) for row, v in data["cells"].items()}
+        return cells if cells.keys() <= held else None
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None  # not cached, or not ours: added up again
+
+
+def _store_cells(cache: Path | None, jobs: list[StatsJob], cells: dict[str, Cell]) -> None:
+    key = _cells_key(jobs)
+    write_json(entry(cache, "cells", key), {"format": FORMAT, "key": key,
+                                            "cells": {row: c.to_json() for row, c in cells.items()}})
+
+
+def _store(cache: Path | None, key: str, result: RankStats) -> None:
+    # a read-only or full cache is skipped: statistics are computed again next time
+    write_json(entry(cache, "stats", key), {"format": FORMAT, "key": key,
+                                            "rows": {row: s.to_json() for row, s in result.rows.items()}})

@@ -13,9 +13,12 @@ import queue
 import signal
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from .events import Emit, TaskFinished, TaskOptions
-from .plan import MergePlan
+
+if TYPE_CHECKING:  # for annotations only: statistics run calls without loading the planner
+    from .plan import MergePlan
 
 _WORKER_QUEUE = None
 _WORKER_CANCEL = None

@@ -149,7 +149,8 @@ def test_headless_path_never_imports_textual(real_run, tmp_path):
 TORCH_FREE = ("ds_format", "pickled", "ptfile", "ptlegacy", "crc", "fileio", "layout", "rows", "checkpoint",
               "plan", "recipe", "composition", "events", "units", "errors", "output", "report", "rank_stream",
               "rank_task", "workers", "model_files", "merge", "verify", "safe_load", "run_saves", "cli",
-              "health", "stats_rank", "stats_run", "nonfinite", "guard", "health_report")
+              "health", "stats_job", "stats_rank", "stats_run", "nonfinite", "guard", "health_report", "cache",
+              "scan_cache")
 
 
 def test_torch_free_modules_are_a_module_boundary():
