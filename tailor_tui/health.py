@@ -133,6 +133,25 @@ def heal(health: Health, rows: list[str], usable=lambda column: True) -> Healing
     return Healing(picks, reasons, tuple(hopeless))
 
 
+def damage(cell: Cell | None) -> str | None:
+    """What is wrong with a cell in one mark, worst first: `ERR` (unreadable), `CRC` (a record
+    fails its CRC-32 check), `NaN` (non-finite values); None for a healthy or unknown cell.
+    The grid, its details and the --stats table all mark cells with it."""
+    if cell is None or cell.healthy:
+        return None
+    if cell.error:
+        return "ERR"
+    return "CRC" if not cell.crc_ok else "NaN"
+
+
+def damage_text(cell: Cell) -> str:
+    """`✗ NaN×5,120` (`✗ NaN×1.23e+09` past a million), `✗ CRC`, `✗ ERR`: the count only where
+    every value was read and checked."""
+    n = cell.nonfinite
+    count = (f"×{n:,}" if n < 1_000_000 else f"×{n:.2e}") if n and cell.crc_ok and not cell.error else ""
+    return f"✗ {damage(cell)}{count}"
+
+
 def why_unhealthy(cell: Cell) -> str:
     if cell.error:
         return f"unreadable ({cell.error})"

@@ -9,7 +9,7 @@ import time
 from typing import TextIO
 
 from .events import TaskFinished, TaskProgressed
-from .health import Cell, Healing, Health, why_unhealthy
+from .health import Cell, Healing, Health, damage_text, why_unhealthy
 from .stats_run import CellsComputed, StatsPlanned
 from .units import size, throughput
 
@@ -20,12 +20,8 @@ def cell_text(cell: Cell | None) -> str:
     """`0.0213 Δ0.41%` (weight RMS, relative change), or what is wrong with it."""
     if cell is None:
         return "·"  # not saved in this checkpoint (a partial one)
-    if cell.error:
-        return "✗ unreadable"
-    if not cell.crc_ok:
-        return "✗ CRC"
-    if cell.nonfinite:
-        return f"✗ NaN×{_count(cell.nonfinite)}"
+    if not cell.healthy:
+        return damage_text(cell)
     rms = "—" if cell.weight_rms is None else f"{cell.weight_rms:.3g}"
     change = "" if cell.rel_change is None else f" Δ{_percent(cell.rel_change)}"
     return rms + change
@@ -132,7 +128,3 @@ class StatsProgress:
 
 def _percent(x: float) -> str:
     return f"{x:.2%}" if x < 0.1 else f"{x:.0%}" if x < 10 else f"{x:.3g}×"
-
-
-def _count(n: int) -> str:
-    return f"{n:,}" if n < 1_000_000 else f"{n:.2e}"

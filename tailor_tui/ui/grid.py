@@ -24,8 +24,8 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from ..composition import Composition
-from ..health import Health
-from .heatmap import background, damage, header_suffix, row_range
+from ..health import Health, damage
+from .heatmap import background, header_suffix, row_range
 
 PICKED, HOLDS, DISABLED, TIED = "●", "·", "✗", "tied"
 HEADER_HEIGHT = 2

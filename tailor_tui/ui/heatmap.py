@@ -7,7 +7,7 @@ call them. A metric's colours are scaled per row, so one layer's outlier stands 
 from __future__ import annotations
 
 from ..checkpoint import Checkpoint
-from ..health import METRICS, Cell, Health, why_unhealthy
+from ..health import METRICS, Cell, Health, damage_text, why_unhealthy
 
 # low → high: dark blue, teal, olive, amber, red (readable with the cells' light text)
 PALETTE = ("#1f3a5f", "#1f5f5b", "#5f5f1f", "#8a5a12", "#9e2a2b")
@@ -30,15 +30,6 @@ def background(cell: Cell | None, metric: str, scale: tuple[float, float] | None
     lo, hi = scale
     t = 0.5 if hi <= lo else (cell.value(metric) - lo) / (hi - lo)
     return f" on {PALETTE[min(len(PALETTE) - 1, int(t * len(PALETTE)))]}"
-
-
-def damage(cell: Cell | None) -> str | None:
-    """`NaN`, `CRC` or `ERR` for an unhealthy cell, else None."""
-    if cell is None or cell.healthy:
-        return None
-    if cell.error:
-        return "ERR"
-    return "CRC" if not cell.crc_ok else "NaN"
 
 
 def header_suffix(health: Health | None, column: int) -> str:
@@ -69,7 +60,7 @@ def metric_text(cell: Cell | None, metric: str) -> str:
     if cell is None:
         return "…"
     if not cell.healthy:
-        return f"✗ {damage(cell)}" + (f"×{cell.nonfinite:,}" if cell.nonfinite and cell.crc_ok else "")
+        return damage_text(cell)
     value = cell.value(metric)
     return _pct(value) if metric == "rel_change" else _num(value)
 
