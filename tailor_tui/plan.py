@@ -235,6 +235,20 @@ class MergePlan:
             own += len(layout.index.encode())
         return sum(j.write_bytes for j in self.rank_jobs()) + models + others + own
 
+    def rewritten_files(self) -> int:
+        """How many rank files torch writes anew (their size known only once written): a
+        partial base's optim files, model_states holding frozen fragments or buffers, and every
+        file of a base in torch's legacy format. The others are byte-exact in the plan."""
+        from .ptfile import file_format
+
+        n = 0
+        for job in self.rank_jobs():
+            base = job.files[0]
+            legacy = file_format(base.model_states) != "zip"
+            n += base.rows is not None or file_format(base.optim_states) != "zip"
+            n += bool(job.frozen or job.buffers or legacy)
+        return n
+
     def bytes_to_read(self) -> int:
         """Base bytes copied plus the slices read from other sources."""
         models = sum(j.size for j in self.model_file_jobs())
@@ -248,11 +262,13 @@ class MergePlan:
         """The plan as text lines, what matters first: output, base, totals, then only the rows
         that do not come from the base, runs of layers grouped (`layers.40–59 ← checkpoint-8`).
         `show` formats paths (the TUI shows them relative to the run)."""
+        rewritten = self.rewritten_files()
         lines = [
             f"output: {show(self.output)}",
             f"base:   {show(self.base.path)} (step {self.base.step}, {self.base.world_size} ranks, "
             f"{self.base.dtype}, {self.base.kind} layout)",
-            f"read:   {size(self.bytes_to_read())}  write: {size(self.bytes_to_write())}",
+            f"read:   {size(self.bytes_to_read())}  write: {'~' if rewritten else ''}{size(self.bytes_to_write())}"
+            + (f" (about: torch writes {rewritten} file(s) anew, their size known once written)" if rewritten else ""),
             f"        (the progress bars count {size(self.bytes_to_process())}: rank and model files, "
             "read and written)",
             *(f"warning: {w}" for w in self.warnings),

@@ -181,12 +181,19 @@ def test_no_fsync_output_verifies(real_run, tmp_path):
 
 def test_the_plan_and_the_final_line_count_the_same_bytes(real_run, tmp_path):
     """Streamed rank files, model files and the base's other files: the plan's "to write" is
-    what the final line reports (files torch re-serialises, e.g. model_states taking frozen
-    fragments from another checkpoint, can differ by a few KiB from the base's)."""
+    what the final line reports. Files torch writes anew (model_states taking a frozen
+    parameter's fragments from another checkpoint) are sized once written: the plan says
+    "about" and how many."""
     run, spec = real_run("hf_bf16_2")
     ckpts = checkpoints_of(run, spec)
     recipe = write_recipe(tmp_path, ckpts[-1], {"layers.1": ckpts[0]})
+    assert "~" not in tailor("--apply", recipe, "--dry-run").stdout
     result = tailor("--apply", recipe, "-j", "1")
     assert result.returncode == 0, result.stderr
     planned = result.stderr.split(" to write")[0].rsplit(", ", 1)[1]
     assert f"({planned} in" in result.stdout
+
+    run, spec = real_run("ds_frozen_blown_up")  # layers.1 holds the frozen parameter
+    c2, c4 = checkpoints_of(run, spec)
+    plan = tailor("--apply", write_recipe(tmp_path, c4, {"layers.1": c2}, output="frozen"), "--dry-run").stdout
+    assert "write: ~" in plan and "torch writes 2 file(s) anew" in plan  # both ranks' model_states
