@@ -16,13 +16,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cache import (
-    cache_dir,  # noqa: F401 (where the composer's statistics are cached; also cache.cache_dir)
-    entry,
-    file_identity,
-    read_json,
-    write_json,
-)
+from .cache import entry, file_identity, read_json, write_json
 from .checkpoint import Checkpoint
 from .errors import MergeCancelled
 from .events import Emit, TaskOptions

@@ -301,7 +301,8 @@ class CheckpointGrid(ScrollView, can_focus=True):
         segments = [self._segment(cells[0], names, name_style, row == self._cursor.row and self._cursor.column == 0)]
         left, room = round(self.scroll_x), max(0, width - names)
         first = max(0, bisect_right(self._starts, left) - 1)
-        column, x, scrolled = first, self._starts[first] if self._starts else 0, []
+        origin = self._starts[first] if self._starts else 0  # where the first column in view starts
+        column, x, scrolled = first, origin, []
         underline = Style(underline=True)
         while column < len(self._starts) and x < left + room:
             w = self._widths[column + 1]
@@ -310,8 +311,7 @@ class CheckpointGrid(ScrollView, can_focus=True):
             scrolled.append(self._segment(cells[column + 1], w, style, cursor))
             x += w
             column += 1
-        strip = Strip(scrolled).crop(left - (self._starts[first] if self._starts else 0),
-                                     left - (self._starts[first] if self._starts else 0) + room)
+        strip = Strip(scrolled).crop(left - origin, left - origin + room)
         return Strip.join([Strip(segments), strip]).extend_cell_length(width, base).crop(0, width)
 
     def _segment(self, cell: GridCell, width: int, style: Style, cursor: bool) -> Segment:

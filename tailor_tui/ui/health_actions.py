@@ -10,9 +10,10 @@ import time
 
 from textual import work
 
+from ..cache import cache_dir
 from ..errors import MergeCancelled, TailorError
 from ..events import TaskFinished, TaskOptions, TaskProgressed
-from ..stats_run import CellsComputed, StatsPlanned, cache_dir, compute_health
+from ..stats_run import CellsComputed, StatsPlanned, compute_health
 from .dialogs import Confirm
 from .heatmap import LABEL, next_metric
 from .messages import CellsArrived, HealthEnded, HealthProgressed
