@@ -1,10 +1,24 @@
-"""Helpers the composer's pilot and snapshot tests share: waiting for the scan and the
-statistics, for a condition, and starting a merge from the keyboard."""
+"""Helpers the composer's pilot and snapshot tests share: a private copy of a real run,
+waiting for the scan and the statistics, for a condition, and starting a merge from the keyboard."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
+from conftest import checkpoints_of
+
 from tailor_tui.ui.dialogs import Confirm
 from tailor_tui.ui.merge_screen import MergeScreen
+
+
+def private_copy(real_run, tmp_path: Path, name: str, folder: str = "run") -> tuple[Path, list[Path]]:
+    """A copy of the real run `name` at `tmp_path/folder`, so outputs and recipes land beside it
+    (the same folder name everywhere keeps snapshots alike), and its checkpoints, oldest first."""
+    run, spec = real_run(name)
+    dst = tmp_path / folder
+    shutil.copytree(run, dst)
+    return dst, checkpoints_of(dst, spec)
 
 
 async def scanned(pilot):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from pilot_helpers import scanned, wait_for
+from pilot_helpers import private_copy, scanned, wait_for
 
 from tailor_tui.events import TaskProgressed
 from tailor_tui.ui.app import make_app
@@ -20,10 +20,7 @@ SIZE = (130, 30)
 
 @pytest.fixture
 def run(real_run, tmp_path):
-    src, spec = real_run("hf_bf16_2")
-    dst = tmp_path / "run"  # the same name everywhere, so the screens are the same
-    shutil.copytree(src, dst)
-    return dst
+    return private_copy(real_run, tmp_path, "hf_bf16_2")[0]  # at tmp_path/run everywhere: the screens alike
 
 
 @pytest.mark.parametrize("size", [SIZE, (200, 50), (80, 24)], ids=["130x30", "200x50", "80x24"])
@@ -80,9 +77,7 @@ def test_grid_with_partial_checkpoints(snap_compare, real_run, tmp_path):
 def test_health_heatmap(snap_compare, real_run, tmp_path, size):
     """Row health: the blown layer's cells say NaN, the others are coloured by their change
     since the previous checkpoint (scaled per row); the details show the row across checkpoints."""
-    src, _spec = real_run("ds_blown_up")
-    run = tmp_path / "run"
-    shutil.copytree(src, run)
+    run, _ckpts = private_copy(real_run, tmp_path, "ds_blown_up")
 
     async def on_blown_row(pilot):
         await scanned(pilot)
@@ -105,10 +100,7 @@ def test_help_at_80x24(snap_compare, run):
 
 @pytest.fixture
 def deep_run(real_run, tmp_path):
-    src, _spec = real_run("hf_80_layers")
-    dst = tmp_path / "run"
-    shutil.copytree(src, dst)
-    return dst
+    return private_copy(real_run, tmp_path, "hf_80_layers")[0]
 
 
 async def _layers_40_to_59_from_checkpoint_2(pilot):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import checkpoints_of, tree_digest
-from pilot_helpers import scanned, start_merge, wait_for
+from pilot_helpers import private_copy, scanned, start_merge, wait_for
 from zero_reader import read_full_state
 
 from tailor_tui.events import TaskOptions
@@ -24,10 +24,7 @@ SLOW = TaskOptions(slow_down=0.4)
 @pytest.fixture
 def run_copy(real_run, tmp_path) -> tuple[Path, list[Path]]:
     """A private copy of the HF run, so outputs and recipes land beside it."""
-    run, spec = real_run("hf_bf16_2")
-    dst = tmp_path / "run"
-    shutil.copytree(run, dst)
-    return dst, checkpoints_of(dst, spec)
+    return private_copy(real_run, tmp_path, "hf_bf16_2")
 
 
 async def test_grid_shows_rows_by_checkpoints_with_the_newest_as_base(run_copy):
@@ -290,10 +287,7 @@ async def test_a_full_hf_base_combines_with_partial_columns(real_run):
 @pytest.fixture
 def blown_copy(real_run, tmp_path) -> tuple[Path, list[Path]]:
     """A private copy of the run whose layers.2 blew up just before the step-6 save."""
-    run, spec = real_run("ds_blown_up")
-    dst = tmp_path / "blown"
-    shutil.copytree(run, dst)
-    return dst, checkpoints_of(dst, spec)
+    return private_copy(real_run, tmp_path, "ds_blown_up", "blown")
 
 
 def cell_text(app, row: str, column: int) -> str:

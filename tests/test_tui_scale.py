@@ -3,13 +3,11 @@ what a recovery session on a login node does (issue: the composer at real model 
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import checkpoints_of
-from pilot_helpers import scanned, start_merge, wait_for
+from pilot_helpers import private_copy, scanned, start_merge, wait_for
 from zero_reader import read_full_state
 
 from tailor_tui.ui.app import make_app
@@ -20,10 +18,7 @@ TERMINAL = (80, 24)
 
 @pytest.fixture
 def deep_run(real_run, tmp_path) -> tuple[Path, list[Path]]:
-    run, spec = real_run("hf_80_layers")
-    dst = tmp_path / "run"
-    shutil.copytree(run, dst)
-    return dst, checkpoints_of(dst, spec)
+    return private_copy(real_run, tmp_path, "hf_80_layers")
 
 
 def line(grid, y: int) -> str:
