@@ -82,7 +82,19 @@ def _scalar_path(node: yaml.Node, source: str, what: str, folder: Path) -> Path:
     if not isinstance(node, yaml.ScalarNode) or node.tag != "tag:yaml.org,2002:str" or not node.value:
         raise RecipeError(f"{_at(source, node)}: {what} must be a checkpoint folder path")
     p = Path(os.path.expanduser(node.value))
-    return p if p.is_absolute() else folder / p
+    return p if p.is_absolute() else _within(folder / p)
+
+
+def _within(path: Path) -> Path:
+    """`path` with `..` and symlinks above its last name resolved (as the file system does, not
+    by text), relative to the working folder when it lies under it: messages say `demo-run/x`,
+    not `recipes/../demo-run/x`. The last name is kept as written, so an output (or source)
+    that is itself a symbolic link is still seen as one."""
+    full = path.resolve() if path.name in ("", ".", "..") else path.parent.resolve() / path.name
+    try:
+        return full.relative_to(Path.cwd())
+    except (ValueError, OSError):
+        return full
 
 
 def parse_recipe(text: str, source: str = "recipe", folder: Path = Path(".")) -> Recipe:

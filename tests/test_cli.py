@@ -179,6 +179,21 @@ def test_no_fsync_output_verifies(real_run, tmp_path):
     assert verified.returncode == 0, verified.stdout + verified.stderr
 
 
+def test_paths_from_a_recipe_in_another_folder_are_printed_normalized(real_run, tmp_path):
+    """A recipe in recipes/ naming ../run/...: the plan and the final line say run/..., as the
+    user would type it from the working folder, not recipes/../run/..."""
+    run, spec = real_run("hf_bf16_2")
+    shutil.copytree(run, tmp_path / "run")
+    c2, _c4, c6 = checkpoints_of(tmp_path / "run", spec)
+    (tmp_path / "recipes").mkdir()
+    recipe = write_recipe(tmp_path / "recipes", c6, {"layers.1": c2}, output="../run/fixed")
+    plan = tailor("--apply", "recipes/recipe.yaml", "--dry-run", cwd=tmp_path).stdout
+    assert "output: run/fixed\n" in plan and "base:   run/checkpoint-6 (" in plan and ".." not in plan
+    result = tailor("--apply", recipe.relative_to(tmp_path), "-j", "1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("done: run/fixed (")
+
+
 def test_the_plan_and_the_final_line_count_the_same_bytes(real_run, tmp_path):
     """Streamed rank files, model files and the base's other files: the plan's "to write" is
     what the final line reports. Files torch writes anew (model_states taking a frozen
