@@ -119,10 +119,11 @@ class Checkpoint:
                     check_complete(f)
 
 
-def incompatibility(base: Checkpoint, other: Checkpoint) -> str | None:
+def incompatibility(base: Checkpoint, other: Checkpoint, *, repartitioned: bool = False) -> str | None:
     """Why `other` cannot be combined with `base` (a phrase: "it has …"), or None. The one rule
-    the planner and the composer both apply."""
-    diff = base.layout.describe_difference(other.layout)
+    the planner and the composer both apply. `repartitioned`: the output is resharded, so every
+    source is re-partitioned and may have any world size and sub-groups."""
+    diff = base.layout.describe_difference(other.layout, repartitioned=repartitioned)
     if diff:
         return f"it has {diff}"
     if other.dtype != base.dtype:

@@ -73,6 +73,9 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--output", "-o", type=Path, help="output folder (overrides the recipe's `output`)")
     p.add_argument("--workers", "-j", type=_positive, help="worker processes (default: from cores and memory)")
+    p.add_argument("--world-size", type=_positive, metavar="M",
+                   help="with --apply/--verify: compose for M data-parallel ranks (every source re-partitioned, "
+                        "as DeepSpeed at world size M saves); overrides the recipe's world_size")
     p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
     p.add_argument("--force", action="store_true", help="replace an earlier tailor-tui output once the new one is complete "
                         "(never a folder tailor-tui did not write)")
@@ -103,7 +106,7 @@ def apply(args) -> int:
     from .workers import default_workers
 
     recipe = load_recipe(args.apply)
-    plan = build_plan(recipe, output=args.output, force=args.force, preview=args.dry_run)
+    plan = build_plan(recipe, output=args.output, force=args.force, preview=args.dry_run, world_size=args.world_size)
     if args.dry_run:
         print("\n".join(plan.describe()))
         print("dry run: nothing written")
@@ -111,7 +114,7 @@ def apply(args) -> int:
     for warning in plan.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     workers = args.workers or default_workers(plan)
-    ranks = plan.base.world_size
+    ranks = f"{plan.base.world_size} → {plan.world_size}" if plan.reshard else plan.world_size
     print(
         f"composing {plan.output} from {len(plan.sources)} checkpoint(s): {ranks} ranks, "
         f"{workers} worker(s), {size(plan.bytes_to_write())} to write",
@@ -147,7 +150,7 @@ def verify(args) -> int:
     from .report import reporter_for
     from .verify import verify_against_recipe
 
-    plan = build_plan(load_recipe(args.verify), output=args.output, check_output=False)
+    plan = build_plan(load_recipe(args.verify), output=args.output, check_output=False, world_size=args.world_size)
     if not plan.output.is_dir():
         raise OutputError(f"output {plan.output}: does not exist; nothing to verify (run --apply first)")
     print(f"verifying {plan.output} against {args.verify}", file=sys.stderr, flush=True)
@@ -297,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         parser().error("name a RUN_DIR to open, or use --demo, --apply RECIPE, --stats RUN_DIR or --make-demo DIR")
     if args.json and not args.stats:
         parser().error("--json goes with --stats")
+    if args.world_size and not (args.apply or args.verify):
+        parser().error("--world-size goes with --apply or --verify")
     try:
         if args.apply:
             code = apply(args)

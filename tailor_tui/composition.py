@@ -24,8 +24,9 @@ class Composition:
     picks: dict[str, int] = field(default_factory=dict)  # row -> column; rows absent use the base
     output: Path | None = None
     recipe_path: Path | None = None  # the recipe the picks were loaded from or saved to: where ctrl+s saves
-    _undo: list[tuple[int, dict[str, int], Path | None]] = field(default_factory=list, repr=False)
-    _redo: list[tuple[int, dict[str, int], Path | None]] = field(default_factory=list, repr=False)
+    world_size: int | None = None  # compose for this many data-parallel ranks (resharding); None: the base's
+    _undo: list[tuple] = field(default_factory=list, repr=False)  # earlier states (`_state`)
+    _redo: list[tuple] = field(default_factory=list, repr=False)
     _saved_state: tuple | None = field(default=None, repr=False)  # the state as last saved or loaded
     _known: dict = field(default_factory=dict, repr=False)  # (rule, base, column) -> its answer
 
@@ -45,7 +46,10 @@ class Composition:
         return comp
 
     def _state(self) -> tuple:
-        return (self.base, dict(self.picks), self.output)
+        return (self.base, dict(self.picks), self.output, self.world_size)
+
+    def _restore(self, state: tuple) -> None:
+        self.base, self.picks, self.output, self.world_size = state
 
     @property
     def saved(self) -> bool:
@@ -84,17 +88,20 @@ class Composition:
 
     def incompatibility(self, column: int) -> str | None:
         """Why checkpoint `column` cannot be combined with the base, or None (worked out once
-        per base and column: the grid asks for every cell on every change)."""
-        return self._about(column, incompatibility)
+        per base, column and whether the output is resharded: the grid asks for every cell on
+        every change). Resharding re-partitions every source, whatever its world size."""
+        resharding = self.world_size is not None
+        return self._about(column, lambda a, b: incompatibility(a, b, repartitioned=resharding),
+                           ("incompatibility", resharding))
 
     def other_run(self, column: int) -> str | None:
         """Why checkpoint `column` may come from another training run than the base, or None."""
-        return self._about(column, other_run)
+        return self._about(column, other_run, "other_run")
 
-    def _about(self, column: int, rule) -> str | None:
+    def _about(self, column: int, rule, name) -> str | None:
         if column == self.base:
             return None
-        key = (rule.__name__, self.base, column)
+        key = (name, self.base, column)
         if key not in self._known:
             self._known[key] = rule(self.base_checkpoint, self.checkpoints[column])
         return self._known[key]
@@ -197,18 +204,31 @@ class Composition:
         self._remember()
         self.output = output
 
+    def set_world_size(self, world_size: int | None) -> list[str]:
+        """Compose for `world_size` ranks (None: the base's world size). Back at the base's, picks
+        from checkpoints of another world size cannot stay: they are dropped (returned)."""
+        if world_size == self.world_size:
+            return []
+        self._remember()
+        self.world_size = world_size
+        dropped = [row for row, col in self.picks.items() if self.incompatibility(col) is not None]
+        for row in dropped:
+            del self.picks[row]
+        self._fill_missing()
+        return dropped
+
     def undo(self) -> bool:
         if not self._undo:
             return False
         self._redo.append(self._state())
-        self.base, self.picks, self.output = self._undo.pop()
+        self._restore(self._undo.pop())
         return True
 
     def redo(self) -> bool:
         if not self._redo:
             return False
         self._undo.append(self._state())
-        self.base, self.picks, self.output = self._redo.pop()
+        self._restore(self._redo.pop())
         return True
 
     def default_output(self) -> Path:
@@ -219,7 +239,7 @@ class Composition:
 
     def to_recipe(self) -> Recipe:
         layers = {row: self.checkpoints[col].path for row, col in self.picks.items()}
-        return Recipe(base=self.base_checkpoint.path, output=self.output, layers=layers)
+        return Recipe(base=self.base_checkpoint.path, output=self.output, layers=layers, world_size=self.world_size)
 
     def save(self, path: Path) -> Path:
         saved = self.to_recipe().save(path)
@@ -246,7 +266,7 @@ class Composition:
             if col != base:
                 picks[name] = col
         self._remember()
-        self.base, self.picks = base, picks
+        self.base, self.picks, self.world_size = base, picks, recipe.world_size
         self.output = recipe.output or self.default_output()
         self.recipe_path = recipe.source_file
         self._saved_state = self._state()

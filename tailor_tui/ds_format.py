@@ -65,6 +65,8 @@ DS_VERSION = "ds_version"
 # OPTIMIZER_STATE_DICT: {STATE: {group: {STEP, EXP_AVG, EXP_AVG_SQ}}, PARAM_GROUPS: [...]}, …}, …}
 OPTIMIZER_STATE_DICT = "optimizer_state_dict"
 FP32_FLAT_GROUPS = "fp32_flat_groups"
+PARTITION_COUNT = "partition_count"  # ZeRO-3: the data-parallel world size (an int)
+PARTITION_GROUPS = "ds_zero_partition_groups"  # 0.19: only with AutoEP expert groups
 STATE = "state"
 PARAM_GROUPS = "param_groups"
 STEP = "step"

@@ -34,8 +34,18 @@ class TaskFinished:
 
 
 def peak_rss() -> int:
+    """The peak resident memory of this process (bytes): Linux's VmHWM, which starts afresh at
+    exec. (getrusage's ru_maxrss does not: a worker spawned by a parent that had imported torch
+    would report the parent's size.)"""
     import resource
 
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 

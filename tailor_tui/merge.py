@@ -13,6 +13,7 @@ output path. Sources are only ever opened for reading.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -42,6 +43,7 @@ from .output import (
 )
 from .plan import MergePlan, tied_partner
 from .ptfile import check_crcs
+from .rank_reshard import reshard_rank
 from .rank_task import merge_rank
 from .workers import default_workers, run_calls
 
@@ -116,10 +118,12 @@ def _compose(plan: MergePlan, workers: int | None, emit: Emit, cancel: threading
             layout = plan.model_layout()
             if plan.base.partial and layout is not None and layout.index is not None:
                 _write_text(tmp / MODEL_FILE_INDEX, layout.index, durable)
-            calls = [*((merge_rank, (job, tag_dir)) for job in plan.rank_jobs()),
+            rank_call = reshard_rank if plan.reshard is not None else merge_rank
+            calls = [*((rank_call, (job, tag_dir)) for job in plan.rank_jobs()),
                      *((merge_model_file, (job, tmp)) for job in plan.model_file_jobs())]
-            results = run_calls(calls, workers if workers is not None else default_workers(plan),
-                                emit_and_watch, cancel, options)
+            with _skeletons(plan, tag_dir, cancel):  # resharding: written while the workers check sources
+                results = run_calls(calls, workers if workers is not None else default_workers(plan),
+                                    emit_and_watch, cancel, options)
             if cancel.is_set():
                 raise MergeCancelled()
             nonfinite = sum((r for r in results if r), Counter())
@@ -149,6 +153,43 @@ def _compose(plan: MergePlan, workers: int | None, emit: Emit, cancel: threading
     return MergeResult(out, time.monotonic() - started, written, peaks[0], dict(nonfinite))
 
 
+@contextlib.contextmanager
+def _skeletons(plan: MergePlan, tag_dir: Path, cancel: threading.Event):
+    """When resharding: the output rank files' structure (`reshard_skeleton`, torch), written in
+    a thread while the workers read and check their sources; the workers wait for each file.
+    Its failure cancels the workers and is what the merge raises."""
+    if plan.reshard is None:
+        yield
+        return
+    failed: list[BaseException] = []
+    stop = threading.Event()  # the workers failed: no more skeletons
+
+    def write() -> None:
+        try:
+            from .reshard_skeleton import write_skeletons  # imports torch: only when resharding
+
+            write_skeletons(plan.base, plan.sources, plan.buffer_sources(), plan.reshard, tag_dir,
+                            lambda: stop.is_set() or cancel.is_set())
+        except BaseException as exc:  # noqa: BLE001 - handed to the merge's thread below
+            failed.append(exc)
+            cancel.set()  # the workers waiting for their files stop
+
+    thread = threading.Thread(target=write, name="reshard-skeletons", daemon=True)
+    thread.start()
+    try:
+        yield
+    except MergeCancelled:
+        if not failed:
+            raise
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        thread.join()
+    if failed:
+        raise failed[0]
+
+
 def _write_text(path: Path, text: str, durable: bool) -> None:
     try:
         with open(path, "w") as f:
@@ -161,10 +202,10 @@ def _write_text(path: Path, text: str, durable: bool) -> None:
 
 def _copy_other_files(plan: MergePlan, tmp: Path, cancel: threading.Event, durable: bool) -> None:
     root = plan.other_files_root()
-    for rel in plan.other_files():
+    for rel, to in plan.other_files():
         if cancel.is_set():
             raise MergeCancelled()
-        dst = tmp / rel
+        dst = tmp / to
         dst.parent.mkdir(parents=True, exist_ok=True)
         check_crcs(root / rel)  # scheduler.pt, rng_state_*.pth, training_args.bin: torch zip archives
         try:
@@ -179,9 +220,9 @@ def verify_output(plan: MergePlan, root: Path) -> None:
     latest = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
     if latest != plan.base.tag:
         raise OutputError(f"{root}/latest names '{latest}', expected '{plan.base.tag}' (internal error)")
-    for files in plan.base.ranks:
-        for f in (files.model_states, files.optim_states):
-            out = tag_dir / f.name
+    for names in plan.output_rank_files():
+        for name in names:
+            out = tag_dir / name
             if not out.is_file() or not zipfile.is_zipfile(out):
                 raise OutputError(f"{out}: missing or incomplete after the merge (internal error)")
     for job in plan.model_file_jobs():
@@ -221,5 +262,6 @@ def provenance(plan: MergePlan) -> dict:
         "rows": rows,
         "base": _identity(plan.base),
         "sources": [_identity(s) for s in plan.sources[1:]],
+        **({"world_size": plan.world_size, "resharded": plan.reshard.describe(plan.base)} if plan.reshard else {}),
     }
 

@@ -109,7 +109,7 @@ class ModelFileJob:
     picks: dict[str, int]  # row -> source index (tied rows follow their partner)
     source_files: dict[int, tuple[Path, ...]]  # full sources: their 16-bit files
     partial_ranks: dict[int, tuple[RankFiles, ...]]  # partial sources: every rank's files
-    slots: dict[str, Slot]  # trainable parameters: where each rank's slice sits
+    slots: dict[int, dict[str, Slot]]  # partial sources: where each rank's slice of each trainable parameter sits
     source_names: dict[int, str]  # for messages
 
     @property
@@ -185,7 +185,7 @@ class _Fills:
 
     def write(self, s: int, name: str, dtype: str, shape: tuple, offset: int, length: int) -> None:
         if s in self.job.partial_ranks:
-            if name in self.job.slots:
+            if name in self.job.slots[s]:
                 self._cast_slices(s, name, dtype, offset)
             else:  # a frozen parameter or a buffer: small, kept in model_states
                 data = source_tensor(self.job, s, name, dtype, shape)
@@ -213,7 +213,7 @@ class _Fills:
 
     def _cast_slices(self, s: int, name: str, dtype: str, offset: int) -> None:
         """Each rank's fp32 slice, cast to `dtype`, at its place in the flattened tensor."""
-        slot, itemsize = self.job.slots[name], SAFETENSORS_ITEMSIZE[dtype]
+        slot, itemsize = self.job.slots[s][name], SAFETENSORS_ITEMSIZE[dtype]
         buffer = memoryview(bytearray(CAST_CHUNK * 4))
         for rank, files in enumerate(self.job.partial_ranks[s]):
             valid = slot.valid(rank)
@@ -276,8 +276,8 @@ def source_tensor(job: ModelFileJob, s: int, name: str, dtype: str, shape: tuple
     numel = 1
     for d in shape:
         numel *= d
-    if name in job.slots:
-        slot, parts = job.slots[name], []
+    if name in job.slots[s]:
+        slot, parts = job.slots[s][name], []
         for rank, files in enumerate(ranks):
             if slot.valid(rank):
                 with safe_open(str(files.rows), "pt") as f:

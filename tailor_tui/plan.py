@@ -22,10 +22,11 @@ from .checkpoint import (
     other_run,
 )
 from .ds_format import RECOVERY_SCRIPTS
-from .errors import CheckpointError, IncompatibleError, RecipeError
+from .errors import CheckpointError, IncompatibleError, RecipeError, UsageError
 from .model_files import ModelFileJob, ModelFileLayout
 from .output import check_output as check_writable
 from .recipe import Recipe
+from .reshard import Reshard, ReshardJob, check_world_size, output_names, plan_reshard, renamed_for, reshard_jobs
 from .units import size
 
 BYTES_PER_ELEMENT = 4 * 3  # fp32 master weight + exp_avg + exp_avg_sq
@@ -88,14 +89,19 @@ class MergePlan:
     output: Path
     force: bool = False
     warnings: tuple[str, ...] = ()  # worth a look, not a reason to refuse (`warning: ...` lines)
-    _jobs: tuple[RankJob, ...] = field(init=False, repr=False)
+    reshard: Reshard | None = None  # composing into another world size (`--world-size`)
+    _jobs: tuple[RankJob | ReshardJob, ...] = field(init=False, repr=False)
     _model_layout: ModelFileLayout | None = field(init=False, repr=False)
     _model_jobs: tuple[ModelFileJob, ...] = field(init=False, repr=False)
-    _other_files: tuple[Path, ...] = field(init=False, repr=False)
+    _other_files: tuple[tuple[Path, Path], ...] = field(init=False, repr=False)
 
     def __post_init__(self):
         layout = self._read_model_layout()
-        for name, value in (("_jobs", tuple(self._rank_job(r) for r in range(self.base.world_size))),
+        if self.reshard is not None:
+            jobs = reshard_jobs(self.base, self.sources, self.source_of_param(), self.reshard)
+        else:
+            jobs = tuple(self._rank_job(r) for r in range(self.base.world_size))
+        for name, value in (("_jobs", jobs),
                             ("_model_layout", layout),
                             ("_model_jobs", self._make_model_file_jobs(layout)),
                             ("_other_files", self._list_other_files())):
@@ -106,8 +112,24 @@ class MergePlan:
     def source_of_param(self) -> dict[str, int]:
         return {p: self.picks[row.name] for row in self.base.rows for p in (*row.params, *row.buffers)}
 
-    def rank_jobs(self) -> tuple[RankJob, ...]:
+    def buffer_sources(self) -> dict[str, int]:
+        """Every buffer of a row picked from another checkpoint -> that checkpoint's index."""
+        return {b: self.picks[row.name] for row in self.base.rows for b in row.buffers if self.picks[row.name]}
+
+    def rank_jobs(self) -> tuple[RankJob | ReshardJob, ...]:
+        """One job per output rank: RankJobs, or ReshardJobs when resharding."""
         return self._jobs
+
+    @property
+    def world_size(self) -> int:
+        """The output's data-parallel world size."""
+        return self.reshard.world_size if self.reshard else self.base.world_size
+
+    def output_rank_files(self) -> tuple[tuple[str, str], ...]:
+        """(model_states, optim_states) file names of every output rank, in its tag folder."""
+        if self.reshard is not None:
+            return output_names(self.base, self.world_size)
+        return tuple((f.model_states.name, f.optim_states.name) for f in self.base.ranks)
 
     def _rank_job(self, rank: int) -> RankJob:
         layout = self.base.layout
@@ -130,9 +152,7 @@ class MergePlan:
             if valid < slot.part:
                 padding.append((slot.group, slot.offset + valid, slot.part - valid))
         frozen = tuple((n, src[n]) for n, _ in layout.frozen if src.get(n, 0))
-        buffers = tuple(
-            (b, self.picks[row.name]) for row in self.base.rows for b in row.buffers if self.picks[row.name]
-        )
+        buffers = tuple(self.buffer_sources().items())
         used = {c.source for c in copies} | {s for _, s in frozen} | {s for _, s in buffers}
         files = {0: self.base.ranks[rank]} | {s: self.sources[s].ranks[rank] for s in sorted(used)}
         # every byte of the base, and the whole record of each full source's sub-group a slice
@@ -197,28 +217,35 @@ class MergePlan:
         base_files = {f.name: f for f in self.base.model_files}
         full = {i: src.model_files for i, src in enumerate(self.sources) if src.model_files}
         partial = {i: src.ranks for i, src in enumerate(self.sources) if src.partial}
-        slots = {slot.name: slot for slot in self.base.layout.slots}
+        slots = {i: {slot.name: slot for slot in self.sources[i].layout.slots} for i in partial}
         names = {i: str(src.path) for i, src in enumerate(self.sources)}
         return tuple(ModelFileJob(name, prefix, base_files.get(name), picks, full, partial, slots, names)
                      for name, prefix in (layout.files if layout else ()))
 
     # --- totals and description -------------------------------------------------------
 
-    def other_files(self) -> tuple[Path, ...]:
-        """Base files copied unchanged into the output (relative to the base folder)."""
+    def other_files(self) -> tuple[tuple[Path, Path], ...]:
+        """Base files copied unchanged into the output: (where in the base folder, where in the
+        output). The same place but for the RNG states of a resharded HF checkpoint
+        (`reshard.renamed_for`)."""
         return self._other_files
 
-    def _list_other_files(self) -> tuple[Path, ...]:
+    def _list_other_files(self) -> tuple[tuple[Path, Path], ...]:
         if self.base.kind == "hf":
             skip = set(self.base.model_files)  # composed, not copied
             own = {PARTIAL_MANIFEST, PARTIAL_MODEL_FILES} if self.base.partial else set()  # tailor-tui's
-            return tuple(sorted(
+            found = sorted(
                 p.relative_to(self.base.path)
                 for p in self.base.path.rglob("*")
                 if p.is_file() and p not in skip and self.base.tag_dir not in p.parents
                 and not (p.parent == self.base.path and p.name in own)
-            ))
-        return tuple(Path(s) for s in RECOVERY_SCRIPTS if (self.base.save_dir / s).is_file())
+            )
+        else:
+            found = [Path(s) for s in RECOVERY_SCRIPTS if (self.base.save_dir / s).is_file()]
+        if self.reshard is None:
+            return tuple((p, p) for p in found)
+        pairs = ((p, renamed_for(p, self.world_size)) for p in found)
+        return tuple((p, q) for p, q in pairs if q is not None)
 
     def other_files_root(self) -> Path:
         return self.base.path if self.base.kind == "hf" else self.base.save_dir
@@ -227,7 +254,7 @@ class MergePlan:
         """Every byte of the output but its provenance record: rank files, model files, the
         base's other files, and the `latest` file and model index the merge writes itself."""
         root = self.other_files_root()
-        others = sum((root / p).stat().st_size for p in self.other_files())
+        others = sum((root / p).stat().st_size for p, _q in self.other_files())
         models = sum(j.size for j in self.model_file_jobs())
         own = len(self.base.tag) if self.base.kind == "deepspeed" or self.base.partial else 0  # `latest`
         layout = self.model_layout()
@@ -241,6 +268,8 @@ class MergePlan:
         file of a base in torch's legacy format. The others are byte-exact in the plan."""
         from .ptfile import file_format
 
+        if self.reshard is not None:
+            return 2 * self.world_size  # every rank file: its structure written by torch
         n = 0
         for job in self.rank_jobs():
             base = job.files[0]
@@ -267,6 +296,7 @@ class MergePlan:
             f"output: {show(self.output)}",
             f"base:   {show(self.base.path)} (step {self.base.step}, {self.base.world_size} ranks, "
             f"{self.base.dtype}, {self.base.kind} layout)",
+            *([f"reshard: {self.reshard.describe(self.base)}"] if self.reshard else []),
             f"read:   {size(self.bytes_to_read())}  write: {'~' if rewritten else ''}{size(self.bytes_to_write())}"
             + (f" (about: torch writes {rewritten} file(s) anew, their size known once written)" if rewritten else ""),
             f"        (the progress bars count {size(self.bytes_to_process())}: rank and model files, "
@@ -348,12 +378,20 @@ def _resolve_row(base: Checkpoint, name: str, where: str) -> str:
 
 
 def build_plan(recipe: Recipe, output: str | Path | None = None, force: bool = False,
-               check_output: bool = True, preview: bool = False) -> MergePlan:
+               check_output: bool = True, preview: bool = False, world_size: int | None = None) -> MergePlan:
     """Check `recipe` against its checkpoints; raise a TailorError naming the first problem.
 
     `check_output=False` is for verifying a finished output, which exists by then;
-    `preview=True` (`--dry-run`) turns what only writing would refuse into a warning."""
+    `preview=True` (`--dry-run`) turns what only writing would refuse into a warning;
+    `world_size` (`--world-size`) overrides the recipe's."""
     base = _open(recipe.base, recipe.location("base"), "base")
+    target = world_size or recipe.world_size
+    if target is not None:
+        why = check_world_size(base, target)
+        if why:
+            if world_size:
+                raise UsageError(f"--world-size {target}: {why}; choose a smaller one")
+            raise RecipeError(f"{recipe.location('world_size')}: {why}; choose a smaller one")
     out = Path(output) if output is not None else recipe.output
     if out is None:
         raise RecipeError(
@@ -375,7 +413,7 @@ def build_plan(recipe: Recipe, output: str | Path | None = None, force: bool = F
             src = _open(path, where, f"row '{row}'")
             ckpt_index = by_path.get(src.path.resolve())
             if ckpt_index is None:
-                _check_compatible(base, src, where, row)
+                _check_compatible(base, src, where, row, resharding=target is not None)
                 sources.append(src)
                 ckpt_index = len(sources) - 1
                 by_path[src.path.resolve()] = ckpt_index
@@ -383,12 +421,15 @@ def build_plan(recipe: Recipe, output: str | Path | None = None, force: bool = F
         picks[row] = ckpt_index
 
     _check_rows_held(recipe, sources, picks)
+    reshard = None
+    if target is not None and (target != base.world_size or any(s.world_size != target for s in sources)):
+        reshard = plan_reshard(base, target)
     warnings = _other_runs(base, sources, picks)
     if check_output:
         note = check_writable(out, sources, force, preview=preview)
         warnings += [note] if note else []
     return MergePlan(recipe=recipe, base=base, sources=tuple(sources), picks=picks, output=out, force=force,
-                     warnings=tuple(warnings))
+                     warnings=tuple(warnings), reshard=reshard)
 
 
 def _other_runs(base: Checkpoint, sources: list[Checkpoint], picks: dict[str, int]) -> list[str]:
@@ -432,10 +473,12 @@ def _resolved(path: Path) -> Path:
         return Path(path).absolute()
 
 
-def _check_compatible(base: Checkpoint, src: Checkpoint, where: str, row: str) -> None:
-    why = incompatibility(base, src)
+def _check_compatible(base: Checkpoint, src: Checkpoint, where: str, row: str, resharding: bool) -> None:
+    why = incompatibility(base, src, repartitioned=resharding)
     if why:
+        hint = ("; add `world_size:` to the recipe (or --world-size) to reshard every source"
+                if src.world_size != base.world_size and not resharding else "")
         raise IncompatibleError(f"{where}: row '{row}': checkpoint {src.path} cannot be combined with "
-                                f"base {base.path}: {why}")
+                                f"base {base.path}: {why}{hint}")
 
 

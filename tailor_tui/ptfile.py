@@ -251,11 +251,12 @@ def _crc_failed(path: Path, record: Record, computed: int) -> CheckpointError:
         "run or pick another checkpoint")
 
 
-def check_crcs(path: Path, inspect=None) -> None:
+def check_crcs(path: Path, inspect=None, *, skip: frozenset = frozenset()) -> None:
     """Read every record of a zip-format torch file and check the CRC-32 each stores
     (CheckpointError naming the record if one fails; torch.load itself never checks them).
     Files in the legacy format, and files that are no torch file, have none to check.
-    `inspect(offset, chunk)` sees every chunk read."""
+    `inspect(offset, chunk)` sees every chunk read. `skip`: names of records the caller
+    checks itself as it reads them."""
     if file_format(path) != "zip":
         return
     try:
@@ -270,7 +271,8 @@ def check_crcs(path: Path, inspect=None) -> None:
     buffer = memoryview(bytearray(1 << 20))
     with open(path, "rb") as f:
         for record in sorted(records.values(), key=lambda r: r.data_offset):
-            checked_crcs(f.fileno(), path, record, [], buffer, inspect=inspect)
+            if record.name not in skip:
+                checked_crcs(f.fileno(), path, record, [], buffer, inspect=inspect)
 
 
 def frozen_fragment_bytes(path: Path, names) -> dict[str, TensorBytes]:

@@ -29,6 +29,7 @@ from .ds_format import (
     optimizer_state,
     set_flat_tensor,
 )
+from . import crc
 from .errors import CheckpointError, OutputError
 from .events import ByteCounter
 from .fileio import (
@@ -94,18 +95,10 @@ def build_optim_states_from_skeleton(job: RankJob, out: Path, counter: ByteCount
             flat = torch.empty(size, dtype=torch.float32).requires_grad_(flat_tensor(inner, g, key).requires_grad)
             reserved.add(flat.untyped_storage()._cdata)
             set_flat_tensor(inner, g, key, flat)
-    with torch.serialization.skip_data():
-        storages = _storages_in_save_order(skeleton)
-        save_pt(skeleton, out, None, counter.options.durable)  # small: the tensors' space is only reserved
-    try:
-        obj, records, prefix = read_structure(out)
-        layout = flat_tensor_bytes(obj, records, prefix, out, job.group_sizes)
-    except Unsupported as exc:
-        raise OutputError(f"{out}: torch wrote an archive this tailor-tui cannot fill ({exc}); "
-                          "please report it with your torch version") from None
-    small = [(storage, records[f"{prefix}data/{key}"]) for key, storage in enumerate(storages)
-             if storage._cdata not in reserved]
-    data_records = [records[f"{prefix}data/{key}"] for key in range(len(storages))]
+    obj, records, prefix = save_reserving(skeleton, out, reserved)
+    layout = flat_tensor_bytes(obj, records, prefix, out, job.group_sizes)
+    del skeleton, inner
+    big = [tb.record for tb in layout.values()]
 
     partial = {s: safetensors_tensors(job.files[s].rows) for s in {c.source for c in job.copies}
                if job.files[s].rows is not None}
@@ -134,12 +127,9 @@ def build_optim_states_from_skeleton(job: RankJob, out: Path, counter: ByteCount
             for g, offset, length in job.padding:
                 for key in TENSORS:
                     pwrite_all(fout, bytes(length * 4), layout[g, key].offset + offset * 4)
-            for storage, record in small:  # per-group steps and the like
-                pwrite_all(fout, _storage_bytes(storage), record.data_offset)
-            del skeleton, inner, storages, small
             census = Census(Region(layout[slot.group, key].offset + slot.offset * 4, slot.valid * 4, slot.row)
                             for slot in job.row_slots for key in TENSORS)
-            for record in data_records:
+            for record in big:  # the small records' CRCs were set as they were written
                 value = crc_range(fout, record.data_offset, record.size, buffer, inspect=census.inspect)
                 for at in record.crc_offsets:
                     os.pwrite(fout, struct.pack("<I", value), at)
@@ -147,6 +137,39 @@ def build_optim_states_from_skeleton(job: RankJob, out: Path, counter: ByteCount
     except OSError as exc:
         raise output_error(exc, out) from None
     return census.counts
+
+
+def save_reserving(obj, out: Path, reserved: set[int]) -> tuple:
+    """torch.save `obj` to `out` with the space of the storages in `reserved` (their `_cdata`)
+    reserved, not written (`torch.serialization.skip_data`: a sparse file, whatever their size);
+    every other storage's bytes are written and its record's CRC-32 set. The reserved records
+    are the caller's to fill and to give their CRC-32. Saved by path, as DeepSpeed saves, so the
+    archive's records are named after the file. Not fsynced: the caller fsyncs once it is
+    filled. Returns `read_structure(out)`."""
+    try:
+        with torch.serialization.skip_data():
+            storages = _storages_in_save_order(obj)
+            torch.save(obj, str(out))
+        structure = read_structure(out)
+    except OSError as exc:
+        raise output_error(exc, out) from None
+    except Unsupported as exc:
+        raise OutputError(f"{out}: torch wrote an archive this tailor-tui cannot fill ({exc}); "
+                          "please report it with your torch version") from None
+    _obj, records, prefix = structure
+    try:
+        with contextlib.ExitStack() as stack:
+            fd = open_fd(stack, out, os.O_RDWR)
+            for key, storage in enumerate(storages):
+                if storage._cdata in reserved:
+                    continue
+                record, data = records[f"{prefix}data/{key}"], _storage_bytes(storage)
+                pwrite_all(fd, data, record.data_offset)
+                for at in record.crc_offsets:
+                    os.pwrite(fd, struct.pack("<I", crc.crc32(data)), at)
+    except OSError as exc:
+        raise output_error(exc, out) from None
+    return structure
 
 
 def _storages_in_save_order(obj) -> list:

@@ -3,6 +3,7 @@
     version: 1
     base: run/checkpoint-600          # every row not listed, plus all non-layer state
     output: run/checkpoint-600-tailored
+    world_size: 4                     # optional: reshard for 4 data-parallel ranks
     layers:
       embed_tokens: run/checkpoint-500
       layers.1: run/checkpoint-500
@@ -23,7 +24,7 @@ import yaml
 from .errors import RecipeError
 
 VERSION = 1
-KEYS = ("version", "base", "output", "layers")
+KEYS = ("version", "base", "output", "world_size", "layers")
 
 
 # Written at the top of every recipe tailor-tui saves. Saving rewrites the file from its picks:
@@ -37,6 +38,7 @@ class Recipe:
     base: Path
     output: Path | None = None
     layers: dict[str, Path] = field(default_factory=dict)  # row name as written -> checkpoint
+    world_size: int | None = None  # the output's data-parallel world size; None: the base's
     source_file: Path | None = None
     # Where each key / row was written, for error messages: key -> "file:line:col".
     where: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -55,6 +57,8 @@ class Recipe:
         doc: dict = {"version": VERSION, "base": show(self.base)}
         if self.output is not None:
             doc["output"] = show(self.output)
+        if self.world_size is not None:
+            doc["world_size"] = self.world_size
         doc["layers"] = {row: show(p) for row, p in self.layers.items()}
         return yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
 
@@ -140,6 +144,15 @@ def parse_recipe(text: str, source: str = "recipe", folder: Path = Path(".")) ->
     if "output" in nodes:
         output = _scalar_path(nodes["output"][1], source, "`output`", folder)
 
+    world_size = None
+    if "world_size" in nodes:
+        node = nodes["world_size"][1]
+        if not (isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:int"
+                and node.value.isdigit() and int(node.value) >= 1):
+            raise RecipeError(f"{_at(source, node)}: `world_size` must be a whole number of at least 1 (the "
+                              f"data-parallel ranks to reshard for), not '{getattr(node, 'value', '?')}'")
+        world_size = int(node.value)
+
     layers: dict[str, Path] = {}
     if "layers" in nodes:
         lnode = nodes["layers"][1]
@@ -157,7 +170,7 @@ def parse_recipe(text: str, source: str = "recipe", folder: Path = Path(".")) ->
                     raise RecipeError(f"{_at(source, key)}: row '{row}' is given twice")
                 layers[row] = _scalar_path(value, source, f"the source of row '{row}'", folder)
                 where[f"row:{row}"] = _at(source, key)
-    return Recipe(base=base, output=output, layers=layers, where=where)
+    return Recipe(base=base, output=output, layers=layers, world_size=world_size, where=where)
 
 
 def load_recipe(path: str | Path) -> Recipe:

@@ -33,8 +33,11 @@ def allowed_globals() -> list:
     return [getattr(importlib.import_module(module), name) for module, name in DEEPSPEED_CLASSES]
 
 
-def load_pt(path: Path, mmap: bool = True):
-    """torch.load a checkpoint file safely, or raise CheckpointError naming it."""
+def load_pt(path: Path, mmap: bool = True, *, unread: frozenset = frozenset()):
+    """torch.load a checkpoint file safely, or raise CheckpointError naming it. `unread`: names
+    of records whose tensors the caller never touches through torch (mapped, a zip-format
+    file's are never read) and checks itself as it streams them: their CRC-32 is not checked
+    here, so a multi-GB rank file is not read just to load its structure."""
     import torch
 
     path = Path(path)
@@ -44,8 +47,8 @@ def load_pt(path: Path, mmap: bool = True):
         read_structure(path)
     except Unsupported:
         check_complete(path)
-    check_crcs(path)  # torch.load does not check them
     fmt = file_format(path)
+    check_crcs(path, skip=unread if mmap and fmt == "zip" else frozenset())  # torch.load does not check them
     try:
         with torch.serialization.safe_globals(allowed_globals()):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and fmt == "zip")

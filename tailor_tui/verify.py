@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from .checkpoint import MODEL_FILE_INDEX, PROVENANCE, open_checkpoint
+from .compare import differences, nonzero_bytes, same_bytes
 from .ds_format import (
     EXP_AVG,
     EXP_AVG_SQ,
@@ -63,13 +64,20 @@ def verify_against_recipe(plan: MergePlan, emit: Emit = lambda e: None,
     except CheckpointError as exc:
         report.add(None, str(exc))
         return report
-    diff = plan.base.layout.describe_difference(composed.layout)
+    expected = plan.reshard.layout if plan.reshard else plan.base.layout
+    diff = expected.describe_difference(composed.layout)
     if diff:
-        report.add(None, f"{out}: its layout differs from the base: it has {diff}")
+        what = f"DeepSpeed's at world size {plan.world_size}" if plan.reshard else "the base's"
+        report.add(None, f"{out}: its layout is not {what}: it has {diff}")
         return report
-    param_row = plan.base.param_to_row()
-    for job in plan.rank_jobs():
-        _verify_rank(plan, job.rank, composed, param_row, report, emit, cancelled)
+    if plan.reshard is not None:
+        from .verify_reshard import verify_resharded
+
+        verify_resharded(plan, composed, report, emit, cancelled)
+    else:
+        param_row = plan.base.param_to_row()
+        for job in plan.rank_jobs():
+            _verify_rank(plan, job.rank, composed, param_row, report, emit, cancelled)
     for job in plan.model_file_jobs():
         _verify_model_file(plan, job, report)
     layout = plan.model_layout()
@@ -78,58 +86,14 @@ def verify_against_recipe(plan: MergePlan, emit: Emit = lambda e: None,
         if not index.is_file() or index.read_text() != layout.index:
             report.add(None, f"{index}: missing or not the index the model files' layout records")
     root = plan.other_files_root()
-    for rel in plan.other_files():
-        if not (out / rel).is_file():
-            report.add(None, f"{out / rel}: missing (the base has it)")
-        elif not filecmp.cmp(root / rel, out / rel, shallow=False):
-            report.add(None, f"{out / rel}: differs from the base's {root / rel}")
+    for rel, to in plan.other_files():
+        if not (out / to).is_file():
+            report.add(None, f"{out / to}: missing (the base has {rel})")
+        elif not filecmp.cmp(root / rel, out / to, shallow=False):
+            report.add(None, f"{out / to}: differs from the base's {root / rel}")
     if not (out / PROVENANCE).is_file():
         report.add(None, f"{out / PROVENANCE}: missing; the output was not written by tailor-tui")
     return report
-
-
-def same_bytes(a, b) -> bool:
-    """Whether two tensors hold the same bytes (dtype and shape included)."""
-    import torch
-
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
-
-
-def _nonzero_bytes(t) -> bool:
-    """Any byte not zero (-0.0 counts)."""
-    import torch
-
-    return bool(t.contiguous().reshape(-1).view(torch.uint8).any())
-
-
-def differences(mine, theirs, where: str = "", skip: Callable[[str], bool] = lambda where: False) -> list[str]:
-    """Where two loaded checkpoint structures differ, byte for byte (`skip`: paths not compared)."""
-    import struct
-
-    import torch
-
-    if skip(where):
-        return []
-    if isinstance(mine, torch.Tensor) or isinstance(theirs, torch.Tensor):
-        same = isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor) and same_bytes(mine, theirs)
-        return [] if same else [where]
-    if type(mine) is not type(theirs):
-        return [where]
-    if isinstance(mine, dict):
-        if list(mine) != list(theirs):
-            return [f"{where} (keys)"]
-        return [d for k in mine for d in differences(mine[k], theirs[k], f"{where}[{k!r}]", skip)]
-    if isinstance(mine, (list, tuple)):
-        if len(mine) != len(theirs):
-            return [f"{where} (length)"]
-        return [d for i, (a, b) in enumerate(zip(mine, theirs)) for d in differences(a, b, f"{where}[{i}]", skip)]
-    if isinstance(mine, float):
-        return [] if struct.pack("<d", mine) == struct.pack("<d", theirs) else [where]
-    if hasattr(mine, "__dict__") and not isinstance(mine, type):  # the loss scaler
-        return differences(vars(mine), vars(theirs), where, skip)
-    return [] if mine == theirs else [where]
 
 
 def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled) -> None:
@@ -159,7 +123,7 @@ def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled) -> No
             out_t = flat_tensor(got, slot.group, key)
             if valid and not same_bytes(out_t[slot.offset: slot.offset + valid], source_slice(s, slot, key, valid)):
                 report.add(row, f"rank {rank}: {key} of {slot.name} differs from {plan.sources[s].name}")
-            if valid < slot.part and _nonzero_bytes(out_t[slot.offset + valid: slot.offset + slot.part]):
+            if valid < slot.part and nonzero_bytes(out_t[slot.offset + valid: slot.offset + slot.part]):
                 report.add(row, f"rank {rank}: padding after {slot.name} ({key}) is not zero bytes")
         counter.add(valid * 12)
     # Everything but the flat tensors is the base's: param groups, loss scaler, steps, counters.

@@ -58,7 +58,7 @@ def worker_memory(plan: MergePlan) -> int:
     from .ptfile import file_format
 
     needs = [STREAMING_WORKER]
-    for job in plan.rank_jobs():
+    for job in plan.rank_jobs() if plan.reshard is None else ():  # resharding workers stream
         base = job.files[0]
         if base.rows is not None or job.frozen or job.buffers:
             needs.append(TORCH_WORKER)

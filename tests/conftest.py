@@ -45,6 +45,13 @@ RUNS = {
         sub_group_size=2000,
         frozen=("model.layers.1.mlp.up_proj.weight",),
     ),
+    # The same run at 4 ranks: sub-group boundaries move with the world size (resharding)
+    "ds_bf16_4_subgroups": RunSpec(
+        world_size=4,
+        layout="deepspeed",
+        sub_group_size=2000,
+        frozen=("model.layers.1.mlp.up_proj.weight",),
+    ),
     # Selective checkpointing (tailor_tui.selective, parity): OUT/run holds a full save at step 2
     # and partial saves at steps 4 and 6; OUT/reference full saves of the same run at 2, 4, 6
     "ds_selective_parity": RunSpec(
@@ -92,6 +99,7 @@ RUNS = {
 
 
 INSTALLED_DEEPSPEED = importlib.metadata.version("deepspeed")
+OLDEST_DEEPSPEED = "0.14.4"  # the oldest release tests make runs with (README: DeepSpeed releases)
 
 
 def _cache_root() -> Path:
@@ -191,15 +199,14 @@ def real_run():
         spec = RUNS[name]
         if (name, deepspeed) not in made:
             folder = _cache_root() / f"{name}-{_key(spec, deepspeed)}"
+            # made in place (a run records paths inside it, such as a config file's); it counts as
+            # made once its last file, tailor_demo_spec.json, is written: a run killed midway is remade
             if not (folder / "tailor_demo_spec.json").is_file():
                 shutil.rmtree(folder, ignore_errors=True)
-                partial = folder.with_name(folder.name + ".partial")
-                shutil.rmtree(partial, ignore_errors=True)
                 if deepspeed == INSTALLED_DEEPSPEED:
-                    demo_run.make_run(partial, spec)
+                    demo_run.make_run(folder, spec)
                 else:
-                    with_deepspeed(deepspeed, "make", str(partial), spec.key())
-                partial.rename(folder)
+                    with_deepspeed(deepspeed, "make", str(folder), spec.key())
             made[name, deepspeed] = folder
         return made[name, deepspeed], spec
 

@@ -19,7 +19,7 @@ import math
 
 import pytest
 import torch
-from conftest import INSTALLED_DEEPSPEED, checkpoints_of, resume_with, tree_digest
+from conftest import INSTALLED_DEEPSPEED, OLDEST_DEEPSPEED, checkpoints_of, resume_with, tree_digest
 from helpers import (
     assert_optim_states_equal,
     assert_rows_from_picks,
@@ -30,7 +30,7 @@ from helpers import (
 )
 from zero_reader import model_states
 
-RELEASES = ("0.14.4", "0.15.4", "0.16.9", "0.17.4", "0.18.9", INSTALLED_DEEPSPEED)
+RELEASES = (OLDEST_DEEPSPEED, "0.15.4", "0.16.9", "0.17.4", "0.18.9", INSTALLED_DEEPSPEED)
 RUNS = ("hf_bf16_2", "ds_fp16_2_config_file")
 
 

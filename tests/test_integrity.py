@@ -5,34 +5,12 @@ anything is published (torch.load itself never checks them)."""
 from __future__ import annotations
 
 import shutil
-import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import checkpoints_of
-from helpers import assert_one_line_error, tailor, write_recipe
-
-
-def flip_byte(path: Path, record_suffix: str, where: float = 0.5) -> str:
-    """Flip one bit inside a record of a zip-format torch file, as bit rot would; returns its name."""
-    with zipfile.ZipFile(path) as z:
-        info = next(i for i in z.infolist() if i.filename.endswith(record_suffix))
-    with open(path, "r+b") as f:
-        f.seek(info.header_offset + 26)
-        name_len, extra_len = (int.from_bytes(f.read(2), "little") for _ in range(2))
-        at = info.header_offset + 30 + name_len + extra_len + int(info.file_size * where)
-        f.seek(at)
-        byte = f.read(1)[0]
-        f.seek(at)
-        f.write(bytes([byte ^ 0x10]))
-    return info.filename
-
-
-def flat_record(path: Path) -> str:
-    """The record of the largest storage (a flat fp32 / exp_avg / exp_avg_sq group)."""
-    with zipfile.ZipFile(path) as z:
-        return max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size).filename
+from helpers import assert_one_line_error, flat_record, flip_byte, tailor, write_recipe
 
 
 @pytest.fixture

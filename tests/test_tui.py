@@ -482,3 +482,48 @@ async def test_an_earlier_output_is_offered_for_replacement_not_force(run_copy):
         await wait_for(pilot, lambda: isinstance(app.screen, MergeScreen) and not app.screen.running)
         assert app.screen.has_class("finished")
     assert (run / "checkpoint-6-tailored" / "tailor_provenance.json").read_text() != first
+
+
+async def test_the_world_size_set_from_the_plan_dialog_reshards(real_run, tmp_path):
+    """w in the plan dialog: the plan is shown again for 2 ranks, a checkpoint of another world
+    size becomes combinable, the merge writes 2 ranks, the recipe keeps it; back at the base's
+    world size, the pick from the other world size is dropped."""
+    run4, spec4 = real_run("ds_bf16_4_subgroups")
+    run3, spec3 = real_run("ds_bf16_3_subgroups")
+    shutil.copytree(run4, tmp_path / "mixed" / "a")
+    shutil.copytree(run3 / "global_step4", tmp_path / "mixed" / "b" / "global_step4")
+    app = make_app(tmp_path / "mixed", workers=1)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        comp = app.composition
+        other = [c.path for c in comp.checkpoints].index(tmp_path / "mixed" / "b" / "global_step4")
+        assert "world size 3, the base has 4" in comp.incompatibility(other)
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
+        await pilot.press("w")
+        await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt))
+        await pilot.press("2", "enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
+        assert "reshard: 4 → 2 ranks" in app.screen.body
+        assert "4 → 2 ranks" in app._title_text
+        await pilot.press("escape")
+        assert comp.incompatibility(other) is None
+        app.query_one("#grid").move_cursor(row=2, column=1 + other)  # layers.1, the 3-rank checkpoint
+        await pilot.press("space")
+        assert comp.to_recipe().layers == {"layers.1": tmp_path / "mixed" / "b" / "global_step4"}
+        assert comp.to_recipe().world_size == 2
+        merge = await start_merge(pilot)
+        await wait_for(pilot, lambda: not merge.running)
+        assert app.screen.has_class("finished")
+        await pilot.press("escape")
+        await pilot.press("w")
+        await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt))
+        await pilot.press("end", "backspace", "enter")  # empty: the base's world size again
+        await pilot.pause()
+        assert comp.world_size is None and comp.to_recipe().layers == {}
+    out = comp.output
+    assert len(list((out / "global_step6").glob("*optim_states.pt"))) == 2
+    got = read_full_state(out)
+    want = read_full_state(tmp_path / "mixed" / "b" / "global_step4")
+    name = "model.layers.1.self_attn.q_proj.weight"
+    assert torch.equal(got["fp32"][name], want["fp32"][name])

@@ -33,7 +33,7 @@ from ..output import not_replaceable
 from ..plan import build_plan
 from ..workers import prepare_worker_processes
 from .details import details_lines
-from .dialogs import Confirm, ErrorDialog, HelpScreen, PathPrompt
+from .dialogs import Confirm, ErrorDialog, HelpScreen, PathPrompt, PlanDialog
 from .grid import CheckpointGrid
 from .health_actions import HealthActions
 from .merge_screen import MergeScreen
@@ -69,6 +69,7 @@ class TailorApp(HealthActions, Navigation, RecipeActions, App):
         Binding("m", "cycle_metric", "Metric", show=False),
         Binding("d", "toggle_details", "Details", show=False),
         Binding("o", "set_output", "Output", show=False),
+        Binding("w", "set_world_size", "World size", show=False),
         Binding("u,ctrl+z", "undo", "Undo", show=False),
         Binding("ctrl+y,ctrl+shift+z", "redo", "Redo", show=False),
         Binding("ctrl+s", "save_recipe", "Save"),
@@ -92,6 +93,7 @@ class TailorApp(HealthActions, Navigation, RecipeActions, App):
         "cycle_metric": "Colour the grid by the next health metric",
         "toggle_details": "Give the details panel more room (on a narrow terminal it sits below the grid)",
         "set_output": "Set the output folder",
+        "set_world_size": "Set the world size to compose for (reshard for another number of ranks)",
         "undo": "Undo the last change",
         "redo": "Redo the change undone last",
         "save_recipe": "Save the picks as a recipe",
@@ -160,6 +162,8 @@ class TailorApp(HealthActions, Navigation, RecipeActions, App):
         if comp:
             parts.append(f"base {comp.base_checkpoint.name}")
             parts.append(f"output {self.rel(comp.output)}")
+            if comp.world_size is not None:
+                parts.append(f"{comp.base_checkpoint.world_size} → {comp.world_size} ranks")
             recipe = self.rel(comp.recipe_path) if comp.recipe_path else "unsaved recipe"
             parts.append(recipe + ("" if comp.saved else " *"))
             if self.health_status:
@@ -364,15 +368,17 @@ class TailorApp(HealthActions, Navigation, RecipeActions, App):
         if bad:
             body = "\n".join(["✗ the output would hold unhealthy rows:", *bad, "(h heals them)", "", body])
 
-        def confirmed(yes: bool | None) -> None:
-            if yes:
+        def confirmed(answer: bool | str | None) -> None:
+            if answer == "world_size":
+                self.action_set_world_size(then_plan=True)
+            elif answer:
                 self.merging = True
                 self.push_screen(MergeScreen(plan, self.merge_workers, clock=self.merge_clock,
                                              options=self.merge_options, allow_nonfinite=bool(bad),
                                              title=f"Composing {self.rel(plan.output)}"), self.merge_closed)
 
         accept = "Merge anyway" if bad else "Merge"
-        self.push_screen(Confirm("Compose this checkpoint?", body, accept=accept, decline="Back"), confirmed)
+        self.push_screen(PlanDialog("Compose this checkpoint?", body, accept=accept, decline="Back"), confirmed)
 
     def _cell_of(self, row: str, checkpoint):
         if self.health is None:

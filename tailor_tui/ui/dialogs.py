@@ -11,7 +11,7 @@ from textual.widgets import Button, Input, Label, Static
 
 
 class PathPrompt(ModalScreen[str | None]):
-    """Ask for a file or folder path; dismisses with the text, or None on Esc."""
+    """Ask for a path (or a short answer); dismisses with the text ("" when left empty), or None on Esc."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
@@ -26,7 +26,7 @@ class PathPrompt(ModalScreen[str | None]):
             yield Label("Enter accepts, Esc cancels", classes="dialog-hint")
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
-        self.dismiss(event.value.strip() or None)
+        self.dismiss(event.value.strip())
 
     def action_cancel(self) -> None:
         self.dismiss(None)
@@ -57,12 +57,17 @@ class Confirm(ModalScreen[bool]):
             with Horizontal(classes="dialog-buttons"):
                 yield Button(f"{self.accept} (Enter)", variant="primary", id="accept")
                 yield Button(f"{self.decline} (Esc)", id="decline")
+                yield from self.more_buttons()
+
+    def more_buttons(self):
+        """Further choices: a button whose id the dialog dismisses with (see PlanDialog)."""
+        return ()
 
     def on_mount(self) -> None:
         self.query_one("#accept", Button).focus()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
-        self.dismiss(event.button.id == "accept")
+        self.dismiss(event.button.id == "accept" if event.button.id in ("accept", "decline") else event.button.id)
 
     def action_scroll(self, lines: int) -> None:
         self.query_one(".dialog-scroll", VerticalScroll).scroll_relative(y=lines, animate=False)
@@ -72,6 +77,19 @@ class Confirm(ModalScreen[bool]):
 
     def action_decline(self) -> None:
         self.dismiss(False)
+
+
+class PlanDialog(Confirm):
+    """The plan before a merge: Enter merges (True), Esc goes back (False), w sets the world size
+    to compose for ("world_size")."""
+
+    BINDINGS = [*Confirm.BINDINGS, Binding("w", "world_size", "World size")]
+
+    def more_buttons(self):
+        yield Button("World size… (w)", id="world_size")
+
+    def action_world_size(self) -> None:
+        self.dismiss("world_size")
 
 
 class ErrorDialog(ModalScreen[None]):
@@ -122,7 +140,7 @@ Keys
   view     m: heatmap metric    d: taller details (narrow terminals)
            pgup / pgdn, home / end: a page, the first / last row
   recipe   ctrl+s save    S save as    ctrl+o load    o output
-           u undo    ctrl+y redo
+           w: world size (ranks to compose for)    u undo    ctrl+y redo
   compose  ctrl+r: review the plan, then merge (Esc cancels)
   other    ? or F1: help    ctrl+p: command palette    q: quit
 """

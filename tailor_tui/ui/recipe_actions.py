@@ -11,7 +11,35 @@ from .dialogs import Confirm, ErrorDialog, PathPrompt
 
 
 class RecipeActions:
-    """ctrl+s, S (save as) and ctrl+o: a recipe that failed to load is never the save target."""
+    """ctrl+s, S (save as) and ctrl+o: a recipe that failed to load is never the save target;
+    w: the world size to compose for (in the recipe too)."""
+
+    def action_set_world_size(self, then_plan: bool = False) -> None:
+        """Ask for the data-parallel world size to compose for (empty: the base's); from the plan
+        dialog (`then_plan`), show the plan again with it."""
+        comp = self.composition
+        if comp is None or (not then_plan and not self._editable()):
+            return
+
+        def done(value: str | None) -> None:
+            if value is None:  # Esc: nothing changes
+                return
+            text = value.strip()
+            if text and not (text.isdigit() and int(text) >= 1):
+                self.push_screen(ErrorDialog(f"world size '{text}': a whole number of at least 1 (the data-parallel "
+                                             "ranks to compose for), or empty for the base's"))
+                return
+            dropped = comp.set_world_size(int(text) if text else None)
+            if dropped:
+                self.notify(f"{', '.join(dropped)}: back to the base (their checkpoints have another world size)",
+                            severity="warning", timeout=8)
+            self.refresh_view()
+            if then_plan:
+                self.plan_worker(comp.to_recipe())
+
+        base = comp.base_checkpoint.world_size
+        self.push_screen(PathPrompt(f"World size to compose for (ranks; the base has {base}; empty: the base's)",
+                                    str(comp.world_size or "")), done)
 
     def action_save_recipe(self) -> None:
         comp = self.composition
