@@ -20,8 +20,10 @@ demo-apply: install
 	$(BIN)/tailor-tui --make-demo demo-run
 	$(BIN)/tailor-tui --apply recipes/demo.yaml --force
 
+# two test processes: much of the suite waits (pilot pauses, merges slowed to be signalled),
+# and the real runs each test needs are made once, by whichever process needs one first
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2
 
 # every DeepSpeed release of tests/test_compat.py (`make test` runs the oldest and the newest)
 test-compat: install

@@ -13,6 +13,8 @@ processes that train and resume, beside this environment's torch and transformer
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.metadata
 import json
@@ -134,6 +136,16 @@ def _key(spec: RunSpec, ds_version: str) -> str:
     return h.hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def _made_by_one(folder: Path):
+    """Hold an exclusive lock on `folder`'s lock file: one process makes a cached run or release
+    at a time; the others wait, then find it made."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(folder.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def deepspeed_env(version: str) -> Path | None:
     """The folder that holds DeepSpeed `version` (installed on first use), or None for the
     installed release. Releases ship as sdists whose setup.py imports torch: built without
@@ -144,6 +156,12 @@ def deepspeed_env(version: str) -> Path | None:
 
     py = f"py{sys.version_info.major}.{sys.version_info.minor}"
     folder = _cache_root().parent / "deepspeed" / f"{version}-{py}-torch{torch.__version__}"
+    with _made_by_one(folder):
+        _install_release(version, folder)
+    return folder
+
+
+def _install_release(version: str, folder: Path) -> None:
     if not (folder / "deepspeed" / "__init__.py").is_file():
         partial = folder.with_name(folder.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
@@ -154,7 +172,6 @@ def deepspeed_env(version: str) -> Path | None:
         assert done.returncode == 0, f"installing deepspeed=={version} failed:\n{done.stderr[-3000:]}"
         shutil.rmtree(folder, ignore_errors=True)
         partial.rename(folder)
-    return folder
 
 
 def with_deepspeed(version: str, *args: str) -> subprocess.CompletedProcess:
@@ -201,12 +218,13 @@ def real_run():
             folder = _cache_root() / f"{name}-{_key(spec, deepspeed)}"
             # made in place (a run records paths inside it, such as a config file's); it counts as
             # made once its last file, tailor_demo_spec.json, is written: a run killed midway is remade
-            if not (folder / "tailor_demo_spec.json").is_file():
-                shutil.rmtree(folder, ignore_errors=True)
-                if deepspeed == INSTALLED_DEEPSPEED:
-                    demo_run.make_run(folder, spec)
-                else:
-                    with_deepspeed(deepspeed, "make", str(folder), spec.key())
+            with _made_by_one(folder):  # test processes running side by side (pytest -n) make it once
+                if not (folder / "tailor_demo_spec.json").is_file():
+                    shutil.rmtree(folder, ignore_errors=True)
+                    if deepspeed == INSTALLED_DEEPSPEED:
+                        demo_run.make_run(folder, spec)
+                    else:
+                        with_deepspeed(deepspeed, "make", str(folder), spec.key())
             made[name, deepspeed] = folder
         return made[name, deepspeed], spec
 
