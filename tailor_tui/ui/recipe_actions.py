@@ -38,7 +38,7 @@ class RecipeActions:
                 self.plan_worker(comp.to_recipe())
 
         base = comp.base_checkpoint.world_size
-        self.push_screen(PathPrompt(f"World size to compose for (ranks; the base has {base}; empty: the base's)",
+        self.push_screen(PathPrompt(f"World size to compose for (the base: {base} ranks; empty keeps it)",
                                     str(comp.world_size or "")), done)
 
     def action_save_recipe(self) -> None:
