@@ -208,7 +208,6 @@ def reshard_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], source_of: d
     """One job per output rank. `source_of`: every parameter -> index into `sources`."""
     owner = base.param_to_row()
     slots = [{s.name: s for s in src.layout.slots} for src in sources]
-    frozen_shapes = dict(base.layout.frozen)
     names = output_names(base, reshard.world_size)
     itemsize = ITEMSIZE.get(base.dtype, 4)
     jobs = []
@@ -223,7 +222,7 @@ def reshard_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], source_of: d
         frozen = []
         for name, shape in base.layout.frozen:
             s = source_of[name]
-            frozen.append((name, tuple(_pieces(name, math.prod(frozen_shapes[name]), sources[s].world_size,
+            frozen.append((name, tuple(_pieces(name, math.prod(shape), sources[s].world_size,
                                                reshard.world_size, rank, s, owner[name],
                                                lambda within: (FROZEN, within)))))
         used = {(p.source, p.rank) for g in groups for p in g if p.source != ZEROS}
