@@ -27,13 +27,11 @@ from .errors import OutputError
 from .events import ByteCounter, Emit, TaskOptions
 from .fileio import Writeback, copy_range, crc_range, fsync, open_fd, output_error, pwrite_all
 from .model_files import partial_slice, safetensors_tensors
-from .nonfinite import Census, Region
+from .nonfinite import EXPONENT, Census, Region
+from .pickled import dtype_name
 from .ptfile import frozen_fragment_bytes, read_structure
 from .rank_stream import STREAM_CHUNK, dtype_mismatch, flat_tensor_bytes, read_and_check, tensor_bytes
 from .reshard import ZEROS, Piece, ReshardJob
-
-NONFINITE_DTYPES = {"FloatStorage": "float32", "BFloat16Storage": "bfloat16", "HalfStorage": "float16"}
-
 
 def reshard_rank(job: ReshardJob, out_tag_dir: Path, emit: Emit, cancelled: Callable[[], bool],
                  options: TaskOptions = TaskOptions()) -> Counter:
@@ -131,8 +129,8 @@ def _check(fills: list, sources: _Sources, counter: ByteCounter) -> tuple[dict, 
                 continue
             n = piece.length * place.itemsize
             ranges[place.path].add((place.record, place.at, n))
-            if place.dtype in NONFINITE_DTYPES:
-                regions[place.path].append(Region(place.at, n, piece.row, NONFINITE_DTYPES[place.dtype]))
+            if dtype_name(place.dtype) in EXPONENT:  # floats: counted for the guard
+                regions[place.path].append(Region(place.at, n, piece.row, dtype_name(place.dtype)))
     buffer = memoryview(bytearray(STREAM_CHUNK))
     crcs: dict[tuple[Path, int, int], int] = {}
     nonfinite = Counter()
