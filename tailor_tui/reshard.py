@@ -63,7 +63,6 @@ class Reshard:
     world_size: int
     layout: ZeroLayout
     param_groups: tuple[tuple[int, ...], ...]  # the output's sub-groups of each optimizer param group
-    base_param_groups: tuple[tuple[int, ...], ...]  # the base's
     sub_group_size: int | None  # None: not known, every size the base's sub-groups allow gives the same
     sub_group_size_from: str  # where it was read, for the plan
 
@@ -175,7 +174,7 @@ def plan_reshard(base: Checkpoint, world_size: int) -> Reshard:
                 f"sub_group_size {size:,} ({where}) at its world size {base.world_size}; tailor-tui will not guess "
                 "how it would group them at another world size")
         layout, members = base.layout.regrouped(world_size, groups, size)
-        return Reshard(world_size, layout, members, groups, size, where)
+        return Reshard(world_size, layout, members, size, where)
     lo, hi = consistent_sizes(base.layout, groups)
     low = base.layout.regrouped(world_size, groups, lo)
     high = base.layout.regrouped(world_size, groups, DEFAULT_SUB_GROUP_SIZE * 1000 if hi == math.inf else hi)
@@ -184,7 +183,7 @@ def plan_reshard(base: Checkpoint, world_size: int) -> Reshard:
             f"{base.path}: cannot tell the run's sub_group_size ({where}), and the sizes its sub-groups allow "
             f"({lo:,} to {'any larger' if hi == math.inf else f'{hi:,}'}) group the parameters differently at "
             f"world size {world_size}; put the training's DeepSpeed config back where model_states names it")
-    return Reshard(world_size, low[0], low[1], groups, None, f"{where}; every size its sub-groups allow gives these")
+    return Reshard(world_size, low[0], low[1], None, f"{where}; every size its sub-groups allow gives these")
 
 
 def check_world_size(base: Checkpoint, world_size: int) -> str | None:
@@ -210,6 +209,10 @@ def reshard_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], source_of: d
     slots = [{s.name: s for s in src.layout.slots} for src in sources]
     names = output_names(base, reshard.world_size)
     itemsize = ITEMSIZE.get(base.dtype, 4)
+    out_sizes = tuple(reshard.layout.group_sizes())  # every output rank's, and each source's: once
+    source_sizes = [tuple(src.layout.group_sizes()) for src in sources]
+    written = 12 * sum(out_sizes) + itemsize * sum(part(math.prod(shape), reshard.world_size)
+                                                   for _n, shape in base.layout.frozen)
     jobs = []
     for rank in range(reshard.world_size):
         groups: list[list[Piece]] = [[] for _ in reshard.layout.groups]
@@ -228,16 +231,14 @@ def reshard_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], source_of: d
         used = {(p.source, p.rank) for g in groups for p in g if p.source != ZEROS}
         used |= {(p.source, p.rank) for _n, ps in frozen for p in ps if p.source != ZEROS}
         files = {(s, r): sources[s].ranks[r] for s, r in sorted(used)}
-        sizes = {s: tuple(sources[s].layout.group_sizes()) for s in sorted({s for s, _r in used})}
+        sizes = {s: source_sizes[s] for s in sorted({s for s, _r in used})}
         taken = [p for g in groups for p in g if p.source != ZEROS]
         # a full source's records are read whole (their stored CRC-32 covers the whole record)
         whole = {(p.source, p.rank, p.group) for p in taken if files[p.source, p.rank].rows is None}
         read = 12 * (sum(sizes[s][g] for s, _r, g in whole)
                      + sum(p.length for p in taken if files[p.source, p.rank].rows is not None))
         read += itemsize * sum(p.length for _n, ps in frozen for p in ps if p.source != ZEROS)
-        written = 12 * sum(reshard.layout.group_sizes()) + itemsize * sum(
-            part(math.prod(shape), reshard.world_size) for _n, shape in base.layout.frozen)
-        jobs.append(ReshardJob(rank, *names[rank], files, sizes, tuple(reshard.layout.group_sizes()),
+        jobs.append(ReshardJob(rank, *names[rank], files, sizes, out_sizes,
                                tuple(tuple(g) for g in groups), tuple(frozen), read, written))
     return tuple(jobs)
 
