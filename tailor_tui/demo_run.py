@@ -55,6 +55,8 @@ class RunSpec:
     # (safe_set_full_fp32_param / safe_set_full_optimizer_state); training goes on from there
     blow_up: tuple[str, ...] = ()
     blow_up_step: int = 0
+    # DeepSpeed layout: AdamW with amsgrad, which keeps a third per-element state (max_exp_avg_sq)
+    amsgrad: bool = False
     # HF layout: evaluate at every save with `load_best_model_at_end`; the metric `score` is best
     # at step `best_at` (a test callback sets it in the evaluation's metrics; 0: no evaluation)
     best_at: int = 0
@@ -267,7 +269,7 @@ def _train_rank(rank: int, world: int, port: int, spec: RunSpec, out: str) -> No
     import torch
 
     model = build_model(spec)
-    opt = torch.optim.AdamW(param_groups(model), lr=1e-3)
+    opt = torch.optim.AdamW(param_groups(model), lr=1e-3, amsgrad=spec.amsgrad)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_engine_config(spec, out))
     saver = None
     if spec.selective:
@@ -441,7 +443,7 @@ def _resume_rank(rank, world, port, spec: RunSpec, ckpt: str, resave: str, resul
         import torch
 
         model = build_model(spec)
-        opt = torch.optim.AdamW(param_groups(model), lr=1e-3)
+        opt = torch.optim.AdamW(param_groups(model), lr=1e-3, amsgrad=spec.amsgrad)
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_engine_config(spec, Path(resave)))
         path, _ = engine.load_checkpoint(str(ckpt))
         if path is None:
