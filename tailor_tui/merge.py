@@ -45,6 +45,7 @@ from .plan import MergePlan, tied_partner
 from .ptfile import check_crcs
 from .rank_reshard import reshard_rank
 from .rank_task import merge_rank
+from .reshard_skeleton import write_skeletons
 from .workers import default_workers, run_calls
 
 # --- the task list -------------------------------------------------------------------------
@@ -155,8 +156,8 @@ def _compose(plan: MergePlan, workers: int | None, emit: Emit, cancel: threading
 
 @contextlib.contextmanager
 def _skeletons(plan: MergePlan, tag_dir: Path, cancel: threading.Event):
-    """When resharding: the output rank files' structure (`reshard_skeleton`, torch), written in
-    a thread while the workers read and check their sources; the workers wait for each file.
+    """When resharding: the output rank files' structure (`reshard_skeleton`), written in a
+    thread while the workers read and check their sources; the workers wait for each file.
     Its failure cancels the workers and is what the merge raises."""
     if plan.reshard is None:
         yield
@@ -166,8 +167,6 @@ def _skeletons(plan: MergePlan, tag_dir: Path, cancel: threading.Event):
 
     def write() -> None:
         try:
-            from .reshard_skeleton import write_skeletons  # imports torch: only when resharding
-
             write_skeletons(plan.base, plan.sources, plan.buffer_sources(), plan.reshard, tag_dir,
                             lambda: stop.is_set() or cancel.is_set())
         except BaseException as exc:  # noqa: BLE001 - handed to the merge's thread below

@@ -16,7 +16,7 @@ import io
 import math
 import pickle
 import pickletools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .ds_format import DEEPSPEED_CLASSES
 
@@ -53,17 +53,24 @@ class StorageRef:
     itemsize: int
     numel: int
     type_name: str = "UntypedStorage"  # `FloatStorage`, `HalfStorage`, …: the elements' dtype
+    location: str = "cpu"  # the device torch saved it from: `cpu`, `cuda:0`, …
 
 
 @dataclass
 class TensorRef:
-    """A tensor as pickled: which storage, where in it, what shape. No data."""
+    """A tensor as pickled: which storage, where in it, what shape. No data. The rest is
+    what `ptpickle` needs to pickle it back exactly as it was: its backward hooks (always
+    an empty OrderedDict), the metadata newer torch appends, and, for a tensor pickled as
+    `_rebuild_from_type_v2`, its (type, state)."""
 
     storage: StorageRef
     storage_offset: int
     size: tuple
     stride: tuple
     requires_grad: bool = False
+    hooks: object = field(default_factory=collections.OrderedDict, repr=False, compare=False)
+    metadata: tuple = field(default=(), repr=False, compare=False)
+    from_type: tuple | None = field(default=None, repr=False, compare=False)
 
     def numel(self) -> int:
         return math.prod(self.size)
@@ -81,6 +88,13 @@ class TensorRef:
 
 class Size(tuple):
     """torch.Size."""
+
+
+class PickledSet(set):
+    """A pickled set, with its items in the order they were pickled (a set's own order
+    changes with the process's string hashing): `ptpickle` writes them back in that order."""
+
+    order: list
 
 
 class Opaque:
@@ -129,15 +143,23 @@ def _set(items=()):
     names. Anything but a list of strings or ints is refused (nothing else is ever called)."""
     if not isinstance(items, list) or not all(type(x) in SET_ITEMS for x in items):
         raise pickle.UnpicklingError("a pickled set holds something other than names")
-    return set(items)
+    found = PickledSet(items)
+    found.order = items
+    return found
 
 
-def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, *_rest):
-    return TensorRef(storage, storage_offset, tuple(size), tuple(stride), bool(requires_grad))
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, hooks=None, *metadata):
+    if not isinstance(storage, StorageRef):
+        raise pickle.UnpicklingError("a tensor whose storage is not a storage")
+    hooks = collections.OrderedDict() if hooks is None else hooks
+    return TensorRef(storage, storage_offset, tuple(size), tuple(stride), bool(requires_grad), hooks, metadata)
 
 
 def _rebuild_from_type_v2(func, new_type, args, state):
-    return func(*args)  # a tensor subclass (e.g. a Parameter placeholder): the plain tensor will do
+    tensor = func(*args)  # a tensor subclass (e.g. a Parameter placeholder): the plain tensor will do
+    if isinstance(tensor, TensorRef):
+        tensor.from_type = (new_type, state)
+    return tensor
 
 
 _STAND_INS = {"ZeroStageEnum": ZeroStageEnum, "LossScaler": LossScaler, "DynamicLossScaler": DynamicLossScaler}
@@ -159,6 +181,7 @@ class _Unpickler(pickle.Unpickler):
     def __init__(self, file, storages: dict | None = None):
         super().__init__(file)
         self.storages = storages  # key -> StorageRef of every storage met, when given
+        self.met: dict[str, StorageRef] = {}  # one StorageRef per storage: sharing one is identity
 
     def find_class(self, module, name):
         try:
@@ -170,12 +193,17 @@ class _Unpickler(pickle.Unpickler):
         # zip format: (kind, type, key, location, numel); legacy format adds view metadata
         if not isinstance(saved_id, tuple) or len(saved_id) not in (5, 6):
             raise pickle.UnpicklingError("unexpected persistent id")
-        kind, storage_type, key, _location, numel, *view = saved_id
+        kind, storage_type, key, location, numel, *view = saved_id
         if kind != "storage" or not isinstance(storage_type, StorageType) or type(numel) is not int:
             raise pickle.UnpicklingError(f"unexpected persistent id {kind!r}")
         if view and view[0] is not None:
             raise pickle.UnpicklingError("a storage view (torch before 1.0 wrote those)")
-        ref = StorageRef(str(key), storage_type.itemsize, numel, storage_type.name)
+        if not isinstance(location, str):
+            raise pickle.UnpicklingError("a storage's location is not a name")
+        ref = StorageRef(str(key), storage_type.itemsize, numel, storage_type.name, location)
+        ref = self.met.setdefault(ref.key, ref)
+        if ref.itemsize != storage_type.itemsize or ref.numel != numel or ref.type_name != storage_type.name:
+            raise pickle.UnpicklingError(f"storage {ref.key} is described twice, differently")
         if self.storages is not None:
             if self.storages.setdefault(ref.key, ref) != ref:
                 raise pickle.UnpicklingError(f"storage {ref.key} is described twice, differently")
@@ -348,13 +376,14 @@ class _Bounded:
         return line
 
 
-def read_pickle(data: bytes):
+def read_pickle(data: bytes, storages: dict | None = None):
     """The object pickled in `data`, tensors as TensorRef; UnpicklingError for anything not
-    allow-listed or beyond a checkpoint's bounds (`check_bounds`)."""
+    allow-listed or beyond a checkpoint's bounds (`check_bounds`). `storages`, if given,
+    receives every storage the pickle refers to (key -> StorageRef)."""
     if len(data) > MAX_PICKLE_BYTES:
         raise pickle.UnpicklingError(f"its structure is larger than {MAX_PICKLE_BYTES >> 20} MiB")
     check_bounds_bytes(data)
-    return _Unpickler(io.BytesIO(data)).load()
+    return _Unpickler(io.BytesIO(data), storages).load()
 
 
 def read_pickle_from(f, storages: dict | None = None):

@@ -175,9 +175,9 @@ def _first_line(exc: Exception) -> str:
     return str(exc).splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
 
 
-def _legacy_records(path: Path) -> tuple[object, dict[str, Record]]:
+def _legacy_records(path: Path, refs: dict | None = None) -> tuple[object, dict[str, Record]]:
     try:
-        obj, storages = read_legacy(path)
+        obj, storages = read_legacy(path, refs)
     except pickle.UnpicklingError as exc:  # a global outside the allow-list, or too large
         with open(path, "rb") as f:
             head = f.read(MAX_PICKLE_BYTES)  # the pickles come before the storages
@@ -189,12 +189,13 @@ def _legacy_records(path: Path) -> tuple[object, dict[str, Record]]:
     return obj, records
 
 
-def read_structure(path: Path):
+def read_structure(path: Path, storages: dict | None = None):
     """(object with TensorRefs, records, record-name prefix) of a `.pt` file in either of
-    torch's formats; reads only the pickled structure, never tensor data."""
+    torch's formats; reads only the pickled structure, never tensor data. `storages`, if
+    given, receives every storage the object refers to (key -> StorageRef)."""
     path = Path(path)
     if file_format(path) == "legacy":
-        return (*_legacy_records(path), "")
+        return (*_legacy_records(path, storages), "")
     records = _records(path)
     pickles = [n for n in records if n.endswith("/data.pkl") or n == "data.pkl"]
     if len(pickles) != 1:
@@ -209,7 +210,7 @@ def read_structure(path: Path):
     if crc.crc32(data) != rec.crc:  # the structure everything else relies on: never read a damaged one
         raise _crc_failed(path, rec, crc.crc32(data))
     try:
-        obj = read_pickle(data)
+        obj = read_pickle(data, storages)
     except pickle.UnpicklingError as exc:  # a global outside the allow-list
         raise refused(path, exc, version_in_pickle(data)) from None
     except PICKLE_FAILURES as exc:

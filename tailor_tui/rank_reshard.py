@@ -4,8 +4,8 @@ Each big tensor of the output is one record; its pieces (`reshard`) are byte ran
 sources' rank files, or zeros. First every record of a source that a piece comes from is read
 once and checked against the CRC-32 its archive stores (a corrupt source is refused, never
 carried over under a fresh CRC); that pass gives each piece's CRC and counts the non-finite
-values the output takes. Then, once the files' structure is there (`reshard_skeleton`: torch
-writes them with the big tensors' space reserved, while the workers check), every piece is
+values the output takes. Then, once the files' structure is there (`reshard_skeleton` writes
+them with the big tensors' space reserved, while the workers check), every piece is
 copied in the kernel (copy_file_range) and each output record's CRC-32 is put together from
 its pieces' CRCs (`crc.combine`): no byte is read twice into user space. Memory: one 1 MiB
 buffer.

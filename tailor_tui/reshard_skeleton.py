@@ -1,16 +1,18 @@
-"""The structure of a resharded output's rank files, written by torch, big tensors reserved.
+"""The structure of a resharded output's rank files, big tensors reserved, written without torch.
 
 For each output rank, its model_states and optim_states file as DeepSpeed at the new world
 size would save them, but with the space of every big tensor (fp32 master weights, exp_avg,
-exp_avg_sq of each sub-group, frozen parameters' fragments) reserved and not written
-(`rank_torch.save_reserving`: sparse files, written in milliseconds whatever the model's
-size); `rank_reshard` fills them in worker processes. Everything else is the base's rank 0
-(every rank's is the same but for its slices): optimizer hyperparameters, loss scaler,
-counters, scheduler, config; the new `partition_count`/`dp_world_size`, `param_shapes` and
-param groups' sub-group lists; each new sub-group's `step` is that of the base's sub-groups
-its parameters come from (they must agree); buffers follow their rows' sources.
+exp_avg_sq of each sub-group, frozen parameters' fragments) reserved and not written (holes
+of a sparse file, written in milliseconds whatever the model's size); `rank_reshard` fills
+them in worker processes. Everything else is the base's rank 0 (every rank's is the same
+but for its slices): optimizer hyperparameters, loss scaler, counters, scheduler, config;
+the new `partition_count`/`dp_world_size`, `param_shapes` and param groups' sub-group
+lists; each new sub-group's `step` is that of the base's sub-groups its parameters come
+from (they must agree); buffers follow their rows' sources.
 
-Importing this module imports torch; the merge imports it only when it reshards.
+The base's structure is read by the torch-free reader (`ptfile`), changed as stand-ins, and
+written as torch.save would write it (`ptpickle`, `ptwrite`: the same bytes, tested against
+torch). Every output rank's two files hold the same structure: each is pickled once.
 """
 
 from __future__ import annotations
@@ -19,8 +21,6 @@ import math
 import os
 from collections import OrderedDict
 from pathlib import Path
-
-import torch
 
 from .checkpoint import Checkpoint
 from .ds_format import (
@@ -36,91 +36,130 @@ from .ds_format import (
     PARTITION_COUNT,
     PARTITION_GROUPS,
     STATE,
-    TENSORS,
-    flat_tensor,
 )
 from .errors import CheckpointError
 from .layout import part
-from .ptfile import frozen_fragment_bytes, read_structure
-from .rank_stream import flat_tensor_bytes
-from .rank_torch import save_reserving
+from .pickled import Size, StorageRef, TensorRef
+from .ptfile import Unsupported, locate, read_structure
+from .ptpickle import dumps, storage_bytes, tensor
+from .ptwrite import Copied, Reserved, write_archive
 from .reshard import Reshard, optim_structure_file, output_names
-from .safe_load import load_pt
+
+# A per-group optimizer value other than the moments (`step`) is compared between sub-groups
+# that merge; none is larger than this in any optimizer DeepSpeed wraps.
+MAX_COMPARED_BYTES = 1 << 20
+
+
+class _Read:
+    """One file's structure as read, and where each of its storages' bytes lie."""
+
+    def __init__(self, path: Path):
+        refs: dict[str, StorageRef] = {}
+        self.path = path
+        self.obj, self.records, self.prefix = read_structure(path, refs)
+        self.fills = {}
+        for key, ref in refs.items():
+            record = self.records.get(f"{self.prefix}data/{key}")
+            if record is None or record.size != storage_bytes(ref):
+                raise CheckpointError(f"{path}: storage {key} does not match its record in the archive; "
+                                      "the file is corrupt, re-copy it from the training run")
+            self.fills[id(ref)] = Copied(path, record, record.data_offset, record.size)
+
+    def clone(self, value: TensorRef, fills: dict) -> TensorRef:
+        """A copy of `value` in a storage of its own, as torch's `clone` makes one."""
+        at = self._bytes(value)
+        storage = StorageRef("", value.storage.itemsize, value.numel(), value.storage.type_name)
+        fills[id(storage)] = Copied(self.path, at.record, at.offset, at.numel * at.itemsize)
+        return tensor(storage, value.size, requires_grad=value.requires_grad)
+
+    def data(self, value: TensorRef) -> bytes:
+        at = self._bytes(value)
+        if at.numel * at.itemsize > MAX_COMPARED_BYTES:
+            raise CheckpointError(f"{self.path}: an optimizer value of {at.numel} elements where a "
+                                  "per-sub-group number was expected; it cannot be resharded")
+        with open(self.path, "rb") as f:
+            f.seek(at.offset)
+            return f.read(at.numel * at.itemsize)
+
+    def _bytes(self, value: TensorRef):
+        try:
+            return locate(value, self.records, self.prefix)
+        except Unsupported as exc:
+            raise CheckpointError(f"{self.path}: a tensor that cannot be copied ({exc}); "
+                                  "it cannot be resharded") from None
 
 
 def write_skeletons(base: Checkpoint, sources: tuple[Checkpoint, ...], buffer_sources: dict[str, int],
                     reshard: Reshard, tag_dir: Path, cancelled=lambda: False) -> None:
     """Every output rank's two files in `tag_dir`, big tensors reserved, rank by rank. Each file
-    is written in a hidden folder beside `tag_dir` under its own name (torch names an archive's
-    records after its file) and renamed into place whole: the workers filling them wait for
-    them. `buffer_sources`: each buffer -> the index of the source its row is taken from."""
-    optim = _optim_states(base, reshard)
-    states = _model_states(base, sources, buffer_sources, reshard)
+    is written in a hidden folder beside `tag_dir` and renamed into place whole: the workers
+    filling them wait for them. `buffer_sources`: each buffer -> the index of the source its
+    row is taken from."""
+    fills: dict[int, object] = {}  # id(StorageRef) -> Copied | Reserved: where its bytes come from
+    optim = _optim_states(base, reshard, fills)
+    states = _model_states(base, sources, buffer_sources, reshard, fills)
+    kinds = []
+    for obj in (optim, states):
+        data, storages = dumps(obj)
+        kinds.append((data, [fills[id(s)] for s in storages]))
     staging = tag_dir.parent / ".skeletons"
     staging.mkdir()
+    buffer = memoryview(bytearray(1 << 20))
     for model_name, optim_name in output_names(base, reshard.world_size):
         if cancelled():
             return
-        for obj, name, big in ((optim, optim_name, _big_optim_tensors(optim)),
-                               (states, model_name, states.get(FROZEN_PARAM_FRAGMENTS) or {})):
-            save_reserving(obj, staging / name, _storages(big))
+        for (data, storages), name in zip(kinds, (optim_name, model_name), strict=True):
+            # torch names an archive's records after its file
+            write_archive(staging / name, archive=Path(name).stem, pickle=data, storages=storages, buffer=buffer)
             os.rename(staging / name, tag_dir / name)
     staging.rmdir()
 
 
-def _storages(tensors) -> set[int]:
-    values = tensors.values() if isinstance(tensors, dict) else tensors
-    return {t.untyped_storage()._cdata for t in values}
-
-
-def _big_optim_tensors(optim: dict) -> list:
-    inner = optim[OPTIMIZER_STATE_DICT]
-    return [flat_tensor(inner, g, key) for g in range(len(inner[FP32_FLAT_GROUPS])) for key in TENSORS]
-
-
-def _optim_states(base: Checkpoint, reshard: Reshard) -> dict:
-    path = optim_structure_file(base.ranks[0])
-    sizes = tuple(base.layout.group_sizes())
-    if base.ranks[0].rows is None:  # a full base: its flat tensors are streamed by the workers, never by torch
-        obj, records, prefix = read_structure(path)
-        unread = {tb.record.name for tb in flat_tensor_bytes(obj, records, prefix, path, sizes).values()}
-    else:
-        unread = set()  # a partial checkpoint's skeleton holds no big tensors
-    optim = load_pt(path, unread=frozenset(unread))
+def _optim_states(base: Checkpoint, reshard: Reshard, fills: dict) -> dict:
+    read = _Read(optim_structure_file(base.ranks[0]))
+    path, optim = read.path, read.obj
+    fills.update(read.fills)
     try:
         inner = optim[OPTIMIZER_STATE_DICT]
         state, groups = inner[OPTIMIZER_STATE_DICT][STATE], inner[OPTIMIZER_STATE_DICT][PARAM_GROUPS]
         flat = inner[FP32_FLAT_GROUPS]
+        if not isinstance(state, dict) or not all(isinstance(v, dict) for v in state.values()):
+            raise TypeError
     except (KeyError, TypeError):
         raise CheckpointError(f"{path}: not a ZeRO-3 optimizer state; tailor-tui reshards ZeRO stage 3") from None
     if inner.get(PARTITION_GROUPS) is not None:
         raise CheckpointError(f"{path}: its sub-groups are partitioned over groups of their own (AutoEP "
                               "experts); DeepSpeed loads those only at the same placement: it cannot be resharded")
-    if not isinstance(inner.get(PARTITION_COUNT), int):
+    if type(inner.get(PARTITION_COUNT)) is not int:
         raise CheckpointError(f"{path}: its partition_count is {inner.get(PARTITION_COUNT)!r}, not a ZeRO-3 "
                               "world size; tailor-tui reshards ZeRO stage 3 checkpoints")
+    sizes = tuple(base.layout.group_sizes())
     group_of = {slot.name: slot.group for slot in base.layout.slots}
     new_flat, new_state = [], {}
-    for g, (params, size) in enumerate(zip(reshard.layout.groups, reshard.layout.group_sizes(), strict=True)):
-        olds = sorted({group_of[name] for name, _shape in params})
-        first = olds[0]
-        entry = {}
-        for key, value in state[first].items():
-            if key in (EXP_AVG, EXP_AVG_SQ):
-                entry[key] = _reserved(size, value)
-                continue
-            if torch.is_tensor(value) and value.dim() > 0 and value.numel() == sizes[first] > 1:
-                raise CheckpointError(f"{path}: sub-group {first} holds optimizer state '{key}' per element; "
-                                      "tailor-tui reshards Adam's exp_avg and exp_avg_sq and nothing else")
-            for other in olds[1:]:
-                if not _same(state[other].get(key), value):
-                    raise CheckpointError(
-                        f"{path}: sub-groups {first} and {other} hold different '{key}' values, and DeepSpeed at "
-                        f"world size {reshard.world_size} would put parameters of both into one sub-group; "
-                        "it cannot be resharded")
-            entry[key] = value.clone() if torch.is_tensor(value) else value
-        new_state[g] = entry
-        new_flat.append(_reserved(size, flat[first]))
+    try:
+        for g, (params, size) in enumerate(zip(reshard.layout.groups, reshard.layout.group_sizes(), strict=True)):
+            olds = sorted({group_of[name] for name, _shape in params})
+            first = olds[0]
+            entry = {}
+            for key, value in state[first].items():
+                if key in (EXP_AVG, EXP_AVG_SQ):
+                    entry[key] = _reserved(size, value, fills)
+                    continue
+                if isinstance(value, TensorRef) and value.size and value.numel() == sizes[first] > 1:
+                    raise CheckpointError(f"{path}: sub-group {first} holds optimizer state '{key}' per element; "
+                                          "tailor-tui reshards Adam's exp_avg and exp_avg_sq and nothing else")
+                for other in olds[1:]:
+                    if not _same(read, state[other].get(key), value):
+                        raise CheckpointError(
+                            f"{path}: sub-groups {first} and {other} hold different '{key}' values, and DeepSpeed "
+                            f"at world size {reshard.world_size} would put parameters of both into one sub-group; "
+                            "it cannot be resharded")
+                entry[key] = read.clone(value, fills) if isinstance(value, TensorRef) else value
+            new_state[g] = entry
+            new_flat.append(_reserved(size, flat[first], fills))
+    except (KeyError, IndexError, TypeError, AttributeError):
+        raise CheckpointError(f"{path}: its optimizer state does not hold the sub-groups its layout has; "
+                              "the file is corrupt or from another run") from None
     inner[FP32_FLAT_GROUPS] = new_flat
     inner[OPTIMIZER_STATE_DICT][STATE] = new_state
     for group, members in zip(groups, reshard.param_groups, strict=True):
@@ -130,35 +169,42 @@ def _optim_states(base: Checkpoint, reshard: Reshard) -> dict:
 
 
 def _model_states(base: Checkpoint, sources: tuple[Checkpoint, ...], buffer_sources: dict[str, int],
-                  reshard: Reshard) -> dict:
-    path = base.ranks[0].model_states
-    frozen = [name for name, _shape in base.layout.frozen]
-    unread = {tb.record.name for tb in frozen_fragment_bytes(path, frozen).values()}
-    states = load_pt(path, unread=frozenset(unread))
-    shapes = states[PARAM_SHAPES]
-    container = type(shapes[0]) if shapes else OrderedDict
-    states[PARAM_SHAPES] = [container((name, torch.Size(shape)) for name, shape in group)
-                            for group in reshard.layout.groups]
-    states[DP_WORLD_SIZE] = reshard.world_size
-    fragments = states.get(FROZEN_PARAM_FRAGMENTS) or {}
-    for name, shape in base.layout.frozen:
-        fragments[name] = _reserved(part(math.prod(shape), reshard.world_size), fragments[name])
-    loaded = {}
-    for name, s in buffer_sources.items():  # replicated on every rank: rank 0's
-        if s not in loaded:
-            loaded[s] = load_pt(sources[s].ranks[0].model_states, unread=frozenset(
-                tb.record.name for tb in frozen_fragment_bytes(sources[s].ranks[0].model_states, frozen).values()))
-        states[MODULE][name] = loaded[s][MODULE][name].clone()
+                  reshard: Reshard, fills: dict) -> dict:
+    read = _Read(base.ranks[0].model_states)
+    states = read.obj
+    fills.update(read.fills)
+    try:
+        shapes = states[PARAM_SHAPES]
+        container = type(shapes[0]) if shapes else OrderedDict
+        states[PARAM_SHAPES] = [container((name, Size(shape)) for name, shape in group)
+                                for group in reshard.layout.groups]
+        states[DP_WORLD_SIZE] = reshard.world_size
+        fragments = states.get(FROZEN_PARAM_FRAGMENTS) or {}
+        for name, shape in base.layout.frozen:
+            fragments[name] = _reserved(part(math.prod(shape), reshard.world_size), fragments[name], fills)
+        loaded = {}
+        for name, s in buffer_sources.items():  # replicated on every rank: rank 0's
+            if s not in loaded:
+                loaded[s] = _Read(sources[s].ranks[0].model_states)
+            states[MODULE][name] = loaded[s].clone(loaded[s].obj[MODULE][name], fills)
+    except (KeyError, IndexError, TypeError, AttributeError):
+        raise CheckpointError(f"{read.path}: its model states do not hold the parameters and buffers its "
+                              "layout has; the file is corrupt or from another run") from None
     return states
 
 
-def _reserved(size: int, like) -> torch.Tensor:
-    """An uninitialised 1-D tensor of `size` elements like `like` (dtype, requires_grad): its
-    pages are never touched, so it takes no memory; torch.save only reserves its space."""
-    return torch.empty(size, dtype=like.dtype).requires_grad_(like.requires_grad)
+def _reserved(size: int, like, fills: dict) -> TensorRef:
+    """A 1-D tensor of `size` elements like `like` (dtype, requires_grad) whose bytes are left
+    for the workers to write."""
+    if not isinstance(like, TensorRef):
+        raise TypeError
+    storage = StorageRef("", like.storage.itemsize, size, like.storage.type_name)
+    fills[id(storage)] = Reserved(storage_bytes(storage))
+    return tensor(storage, (size,), requires_grad=like.requires_grad)
 
 
-def _same(a, b) -> bool:
-    if torch.is_tensor(a) and torch.is_tensor(b):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+def _same(read: _Read, a, b) -> bool:
+    if isinstance(a, TensorRef) and isinstance(b, TensorRef):
+        return (a.storage.type_name == b.storage.type_name and a.size == b.size
+                and read.data(a) == read.data(b))
     return type(a) is type(b) and a == b

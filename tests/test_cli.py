@@ -150,13 +150,14 @@ TORCH_FREE = ("ds_format", "pickled", "ptfile", "ptlegacy", "crc", "fileio", "la
               "plan", "recipe", "composition", "events", "units", "errors", "output", "report", "rank_stream",
               "rank_task", "workers", "model_files", "merge", "verify", "safe_load", "run_saves", "cli",
               "health", "stats_job", "stats_rank", "stats_run", "nonfinite", "guard", "health_report", "cache",
-              "scan_cache", "reshard", "rank_reshard", "verify_reshard", "compare")
+              "scan_cache", "reshard", "rank_reshard", "verify_reshard", "compare", "reshard_skeleton", "ptpickle",
+              "ptwrite")
 
 
 def test_torch_free_modules_are_a_module_boundary():
     """Scanning, planning and streaming workers (resharding ones too) start without torch:
-    importing any of these modules must not import it (rank_torch, reshard_skeleton and the
-    trainer callbacks do; safe_load and the verifiers import it when they load a file)."""
+    importing any of these modules must not import it (rank_torch and the trainer callbacks
+    do; safe_load and the verifiers import it when they load a file)."""
     code = "".join(f"import tailor_tui.{m}\n" for m in TORCH_FREE) + (
         "import sys\nassert 'torch' not in sys.modules, 'torch imported'\n"
         "assert 'textual' not in sys.modules, 'textual imported'\n")
