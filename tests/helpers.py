@@ -18,6 +18,9 @@ from tailor_tui.checkpoint import scan
 from tailor_tui.composition import Composition
 from tailor_tui.merge import run_merge
 from tailor_tui.plan import build_plan
+from tailor_tui.ptfile import read_structure
+from tailor_tui.ptpickle import dumps, storage_bytes
+from tailor_tui.ptwrite import Copied, write_archive
 from tailor_tui.recipe import Recipe
 
 TAILOR = str(Path(sys.executable).with_name("tailor-tui"))
@@ -177,6 +180,26 @@ def compose_newest_per_row(runs, tmp_path):
         with zipfile.ZipFile(f) as z:
             assert z.testzip() is None, f
     return (full, p4, p6), out
+
+
+def edit_structure(path: Path, change) -> None:
+    """Change what a real zip-format `.pt` file holds, as a crafted or damaged file would, and
+    write it back whole and consistent (CRCs right), as torch.save would have written the
+    changed object. `change(obj)` edits the torch-free reader's stand-ins in place and returns
+    the bytes of storages it made anew ({id(StorageRef): bytes}) or None."""
+    obj, records, prefix = read_structure(path)
+    made = change(obj) or {}
+    data, storages = dumps(obj, location=None)
+    fills = []
+    for s in storages:
+        if id(s) in made:
+            fills.append(made[id(s)])
+        else:
+            record = records[f"{prefix}data/{s.key}"]
+            fills.append(Copied(path, record, record.data_offset, storage_bytes(s)))
+    edited = path.with_name(path.name + ".edited")
+    write_archive(edited, archive=prefix.rstrip("/"), pickle=data, storages=fills)
+    os.replace(edited, path)
 
 
 def flip_byte(path: Path, record_suffix: str, where: float = 0.5) -> str:

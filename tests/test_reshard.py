@@ -14,6 +14,7 @@ import json
 import math
 import os
 import signal
+import struct
 
 import pytest
 from conftest import INSTALLED_DEEPSPEED, OLDEST_DEEPSPEED, checkpoints_of, resume_with
@@ -21,6 +22,7 @@ from helpers import (
     assert_one_line_error,
     assert_optim_states_equal,
     assert_rows_from_picks,
+    edit_structure,
     expect_rows_from,
     finish,
     flat_record,
@@ -236,6 +238,46 @@ def test_an_optimizer_state_kept_per_element_besides_adams_is_refused(real_run, 
     result = tailor("--apply", recipe, "--world-size", "3")
     assert_one_line_error(result, 4, "holds optimizer state 'max_exp_avg_sq' per element",
                           "exp_avg and exp_avg_sq and nothing else")
+    assert not (tmp_path / "composed").exists() and not hidden(tmp_path)
+
+
+def _inner(obj) -> dict:
+    return obj["optimizer_state_dict"]
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    (lambda inner: inner.__setitem__("ds_zero_partition_groups", [[0, 1, 2]]),
+     ("partitioned over groups of their own (AutoEP", "cannot be resharded")),
+    (lambda inner: inner.__setitem__("partition_count", [3, 3]),
+     ("its partition_count is [3, 3], not a ZeRO-3 world size", "reshards ZeRO stage 3")),
+])
+def test_optimizer_states_deepspeed_cannot_load_elsewhere_are_refused(real_run, tmp_path, change, expected):
+    """0.19's AutoEP expert groups (`ds_zero_partition_groups`) and ZeRO 1/2's per-group partition
+    counts: a real run's optimizer state changed to hold them is refused in one line."""
+    _run, (_c2, _c4, c6) = private_copy(real_run, tmp_path, "ds_bf16_3_subgroups")
+    edit_structure(next(c6.glob("*rank_0_*optim_states.pt")), lambda obj: change(_inner(obj)))
+    result = tailor("--apply", write_recipe(tmp_path, c6, {}), "--world-size", "2")
+    assert_one_line_error(result, 4, *expected)
+    assert not (tmp_path / "composed").exists() and not hidden(tmp_path)
+
+
+def test_sub_groups_that_merge_must_agree_on_their_step(real_run, tmp_path):
+    """At 1 rank DeepSpeed puts parameters of the base's sub-groups 0 and 1 into one sub-group,
+    which has one `step`: when theirs differ, the reshard is refused."""
+    from tailor_tui.pickled import StorageRef
+    from tailor_tui.ptpickle import tensor
+
+    _run, (_c2, _c4, c6) = private_copy(real_run, tmp_path, "ds_bf16_3_subgroups")
+    assert reshard.plan_reshard(open_checkpoint(c6), 1).layout.groups[0] != open_checkpoint(c6).layout.groups[0]
+
+    def step_99(obj):
+        storage = StorageRef("", 4, 1, "FloatStorage")
+        _inner(obj)["optimizer_state_dict"]["state"][1]["step"] = tensor(storage, ())
+        return {id(storage): struct.pack("<f", 99.0)}
+
+    edit_structure(next(c6.glob("*rank_0_*optim_states.pt")), step_99)
+    result = tailor("--apply", write_recipe(tmp_path, c6, {}), "--world-size", "1")
+    assert_one_line_error(result, 4, "sub-groups 0 and 1 hold different 'step' values", "cannot be resharded")
     assert not (tmp_path / "composed").exists() and not hidden(tmp_path)
 
 
