@@ -42,6 +42,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got '{text}'")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tailor-tui",
@@ -88,6 +98,12 @@ def parser() -> argparse.ArgumentParser:
         default="auto",
         help="live bars (terminal) or plain periodic lines (logs); auto picks by whether stderr is a terminal",
     )
+    p.add_argument("--distributed", choices=("auto", "off"), default="auto",
+                   help="with --apply: run as one job over the processes torchrun or srun started (auto: when "
+                        "their environment says so); off: this process alone")
+    p.add_argument("--peer-timeout", type=_positive_seconds, default=60.0, metavar="SECONDS",
+                   help="with --apply over several processes: how long one may stay silent (killed, hung, node "
+                        "lost) before the whole job fails (default 60)")
     p.add_argument("--json", action="store_true", help="with --stats: print JSON instead of a table")
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="with --apply: compose even if the output would hold NaN/Inf values")
@@ -98,39 +114,54 @@ def parser() -> argparse.ArgumentParser:
 
 
 def apply(args) -> int:
+    from .launch import detect
     from .merge import planned_tasks, run_merge
     from .plan import build_plan
     from .recipe import load_recipe
-    from .report import BarReporter, reporter_for
+    from .report import BarReporter, LineReporter, reporter_for
+    from .team import SOLO, connect
+    from .team_progress import JobLines
     from .units import size
     from .workers import default_workers
 
+    launch = None if args.dry_run else detect(os.environ, args.distributed)
     recipe = load_recipe(args.apply)
     plan = build_plan(recipe, output=args.output, force=args.force, preview=args.dry_run, world_size=args.world_size)
     if args.dry_run:
         print("\n".join(plan.describe()))
         print("dry run: nothing written")
         return ExitCode.OK
-    for warning in plan.warnings:
-        print(f"warning: {warning}", file=sys.stderr)
+    team = connect(launch, args.peer_timeout) if launch else SOLO
+    if team.lead:
+        for warning in plan.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
     workers = args.workers or default_workers(plan)
     ranks = f"{plan.base.world_size} → {plan.world_size}" if plan.reshard else plan.world_size
-    print(
-        f"composing {plan.output} from {len(plan.sources)} checkpoint(s): {ranks} ranks, "
-        f"{workers} worker(s), {size(plan.bytes_to_write())} to write",
-        file=sys.stderr,
-        flush=True,
-    )
-    report = reporter_for(sys.stderr, args.progress, planned_tasks(plan))
+    if team.lead:
+        processes = f"{team.size} processes ({launch.via}) × " if team.size > 1 else ""
+        print(
+            f"composing {plan.output} from {len(plan.sources)} checkpoint(s): {ranks} ranks, "
+            f"{processes}{workers} worker(s), {size(plan.bytes_to_write())} to write",
+            file=sys.stderr,
+            flush=True,
+        )
+    if team.lead and team.size > 1:  # the whole job's lines (every process's tasks) and its throughput
+        report = JobLines(sys.stderr, planned_tasks(plan))
+    elif team.size > 1:  # several processes share the log: lines, each saying whose
+        report = LineReporter(sys.stderr, prefix=f"[process {team.rank}] ")
+    else:
+        report = reporter_for(sys.stderr, args.progress, planned_tasks(plan))
     cancel = threading.Event()
     options = TaskOptions(durable=args.durable, slow_down=_test_slow_down(),
                           exchange=not os.environ.get("TAILOR_TEST_NO_RENAME_EXCHANGE"))
     try:
         result = run_merge(plan, workers=workers, emit=report, cancel=cancel, options=options,
-                           allow_nonfinite=args.allow_nonfinite)
+                           allow_nonfinite=args.allow_nonfinite, team=team)
     finally:
         if isinstance(report, BarReporter):
             report.close()
+    if not team.lead:
+        return ExitCode.OK  # process 0 says how the job went
     if result.nonfinite:
         print("warning: composed with --allow-nonfinite: the output holds NaN/Inf values in "
               + ", ".join(f"{row} ({n:,})" for row, n in result.nonfinite.items()), file=sys.stderr)

@@ -14,6 +14,7 @@ output path. Sources are only ever opened for reading.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -46,6 +47,8 @@ from .ptfile import check_crcs
 from .rank_reshard import reshard_rank
 from .rank_task import merge_rank
 from .reshard_skeleton import write_skeletons
+from .team import SOLO, Team, TeamError
+from .team_progress import relay
 from .workers import default_workers, run_calls
 
 # --- the task list -------------------------------------------------------------------------
@@ -76,16 +79,44 @@ def run_merge(
     cancel: threading.Event | None = None,
     options: TaskOptions = TaskOptions(),
     allow_nonfinite: bool = False,
+    team: Team = SOLO,
 ) -> MergeResult:
     """Write the composed checkpoint described by `plan`; atomic, cancellable; fsynced
     before it is renamed into place unless `options.durable` is False (`--no-fsync`).
     An output that would hold NaN/Inf values is refused (NonFiniteError, nothing written)
-    unless `allow_nonfinite`; the result says how many it holds either way."""
-    return _compose(plan, workers, emit, cancel or threading.Event(), options, allow_nonfinite)
+    unless `allow_nonfinite`; the result says how many it holds either way. With a `team`
+    of several processes (`--apply` under torchrun or srun), each writes its share of the
+    rank files and model files into the one hidden folder process 0 made, and process 0
+    checks the whole and renames it into place; a failure anywhere fails every process."""
+    cancel = cancel or threading.Event()
+    team.watch(cancel)
+    emit, halt = relay(team, emit, planned_tasks(plan))
+    succeeded = False
+    try:
+        team.agree("plan", plan_digest(plan))
+        result = _compose(plan, workers, emit, cancel, options, allow_nonfinite, team)
+        succeeded = True
+        return result
+    except BaseException as exc:
+        team.fail(exc)
+        if team.failure is not None and not isinstance(exc, TeamError):
+            raise team.error() from None  # another process failed first: that is why this one stopped
+        raise
+    finally:
+        halt()
+        team.close(succeeded)
+
+
+def plan_digest(plan: MergePlan) -> str:
+    """What every process of a job must agree on: the recipe, the output, every checkpoint's
+    files (sizes, times) and what is taken from where."""
+    record = provenance(plan)
+    del record["created"]
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
 def _compose(plan: MergePlan, workers: int | None, emit: Emit, cancel: threading.Event,
-             options: TaskOptions, allow_nonfinite: bool) -> MergeResult:
+             options: TaskOptions, allow_nonfinite: bool, team: Team) -> MergeResult:
     durable = options.durable
     started = time.monotonic()
     out = plan.output
@@ -96,57 +127,59 @@ def _compose(plan: MergePlan, workers: int | None, emit: Emit, cancel: threading
             peaks[0] = max(peaks[0], event.peak_rss)
         emit(event)
 
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise output_error(exc, out.parent) from None
-    with output_lock(out):
-        remove_stale(out)
-        if plan.force and out.is_dir():
-            probe_swap(out)
-        tmp = out.parent / f"{temp_prefix(out)}{os.getpid()}"
+    if team.lead:
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise output_error(exc, out.parent) from None
+    with output_lock(out) if team.lead else contextlib.nullcontext():
+        tmp = Path(team.share("tmp", str(_prepare(plan, cancel, durable)) if team.lead else None))
         published = False
         try:
-            try:
-                tmp.mkdir()
-            except OSError as exc:
-                raise output_error(exc, out.parent) from None
             tag_dir = tmp / plan.base.tag
-            tag_dir.mkdir()
-            _copy_other_files(plan, tmp, cancel, durable)
-            if plan.base.kind == "deepspeed" or plan.base.partial:  # an HF base's is among its files
-                _write_text(tmp / "latest", plan.base.tag, durable)
-            layout = plan.model_layout()
-            if plan.base.partial and layout is not None and layout.index is not None:
-                _write_text(tmp / MODEL_FILE_INDEX, layout.index, durable)
             rank_call = reshard_rank if plan.reshard is not None else merge_rank
-            calls = [*((rank_call, (job, tag_dir)) for job in plan.rank_jobs()),
-                     *((merge_model_file, (job, tmp)) for job in plan.model_file_jobs())]
-            with _skeletons(plan, tag_dir, cancel):  # resharding: written while the workers check sources
+            jobs = [*((rank_call, (job, tag_dir), job.total_bytes) for job in plan.rank_jobs()),
+                    *((merge_model_file, (job, tmp), job.total_bytes) for job in plan.model_file_jobs())]
+            mine = [jobs[i] for i in team.mine([size for _fn, _args, size in jobs])]
+            calls = [(fn, args) for fn, args, _size in mine]
+            ranks = [args[0].rank for fn, args, _size in mine if fn is rank_call]
+            with _skeletons(plan, tag_dir, cancel, ranks, team.rank):  # resharding: while the workers check sources
                 results = run_calls(calls, workers if workers is not None else default_workers(plan),
                                     emit_and_watch, cancel, options)
             if cancel.is_set():
-                raise MergeCancelled()
-            nonfinite = sum((r for r in results if r), Counter())
-            if nonfinite and not allow_nonfinite:
-                raise nonfinite_error(plan, nonfinite)
-            verify_output(plan, tmp)
-            record = provenance(plan) | {OUTPUT_FILES: written_files(tmp)}
-            _write_text(tmp / PROVENANCE, json.dumps(record, indent=2) + "\n", durable)
-            fsync_dir(tag_dir, durable)
-            fsync_dir(tmp, durable)
-            with signals_held():  # a cancel now waits until the output is whole at its path
-                publish(tmp, out, plan.force, durable, options.exchange)
-                published = True
+                raise team.error() if team.failure is not None else MergeCancelled()
+            nonfinite = sum((Counter(r) for r in results if r), Counter())
+            names = plan.output_rank_files()
+            files = [f"{plan.base.tag}/{name}" for fn, args, _size in mine if fn is rank_call
+                     for name in names[args[0].rank]]
+            files += [args[0].name for fn, args, _size in mine if fn is not rank_call]
+            done = team.gather("written", {"nonfinite": dict(nonfinite), "peak": peaks[0],
+                                           "files": {f: _size_of(tmp / f) for f in files}})
+            nonfinite = sum((Counter(d["nonfinite"]) for d in done), Counter())
+            peaks[0] = max(d["peak"] for d in done)
+            if team.lead:
+                _confirm_sizes(tmp, done)
+                if nonfinite and not allow_nonfinite:
+                    raise nonfinite_error(plan, nonfinite)
+                verify_output(plan, tmp)
+                record = provenance(plan) | {OUTPUT_FILES: written_files(tmp)}
+                _write_text(tmp / PROVENANCE, json.dumps(record, indent=2) + "\n", durable)
+                fsync_dir(tag_dir, durable)
+                fsync_dir(tmp, durable)
+                with signals_held():  # a cancel now waits until the output is whole at its path
+                    publish(tmp, out, plan.force, durable, options.exchange)
+                    published = True
+            team.gather("published", True)
         except KeyboardInterrupt:
             if published:
                 raise MergeCancelled(f"cancelled as the merge finished: {out} is complete and holds the new "
                                      "composition (check it with --verify)") from None
             cancel.set()
-            shutil.rmtree(tmp, ignore_errors=True)
+            if team.lead:
+                shutil.rmtree(tmp, ignore_errors=True)
             raise MergeCancelled() from None
         except BaseException:
-            if not published:
+            if not published and (team.lead or team.lead_lost()):  # with process 0 gone, a survivor cleans up
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
     # what the plan counted (bytes_to_write): every file but the provenance record written last
@@ -154,11 +187,56 @@ def _compose(plan: MergePlan, workers: int | None, emit: Emit, cancel: threading
     return MergeResult(out, time.monotonic() - started, written, peaks[0], dict(nonfinite))
 
 
+def _size_of(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError as exc:
+        raise output_error(exc, path) from None
+
+
+def _confirm_sizes(tmp: Path, done: list[dict]) -> None:
+    """Every file each process wrote has, seen from here, the size it had there: on a shared
+    file system that lost or has not yet shown a write, the job fails instead of publishing."""
+    for process, record in enumerate(done):
+        for rel, size in record["files"].items():
+            seen = (tmp / rel).stat().st_size if (tmp / rel).is_file() else None
+            if seen != size:
+                raise OutputError(f"{tmp / rel}: process {process} wrote {size} bytes, process 0 sees "
+                                  f"{'no file' if seen is None else f'{seen} bytes'}; the shared file system "
+                                  "does not show every process the same files: compose on one that does")
+
+
+def _prepare(plan: MergePlan, cancel: threading.Event, durable: bool) -> Path:
+    """The hidden folder the output is composed in, with the base's other files, `latest` and
+    the model-file index in it (process 0 of a job makes it; the others write into it)."""
+    out = plan.output
+    remove_stale(out)
+    if plan.force and out.is_dir():
+        probe_swap(out)
+    tmp = out.parent / f"{temp_prefix(out)}{os.getpid()}"
+    try:
+        tmp.mkdir()
+    except OSError as exc:
+        raise output_error(exc, out.parent) from None
+    try:
+        (tmp / plan.base.tag).mkdir()
+        _copy_other_files(plan, tmp, cancel, durable)
+        if plan.base.kind == "deepspeed" or plan.base.partial:  # an HF base's is among its files
+            _write_text(tmp / "latest", plan.base.tag, durable)
+        layout = plan.model_layout()
+        if plan.base.partial and layout is not None and layout.index is not None:
+            _write_text(tmp / MODEL_FILE_INDEX, layout.index, durable)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tmp
+
+
 @contextlib.contextmanager
-def _skeletons(plan: MergePlan, tag_dir: Path, cancel: threading.Event):
-    """When resharding: the output rank files' structure (`reshard_skeleton`), written in a
-    thread while the workers read and check their sources; the workers wait for each file.
-    Its failure cancels the workers and is what the merge raises."""
+def _skeletons(plan: MergePlan, tag_dir: Path, cancel: threading.Event, ranks: list[int], process: int):
+    """When resharding: the structure of the output rank files in `ranks` (`reshard_skeleton`),
+    written in a thread while the workers read and check their sources; the workers wait for
+    each file. Its failure cancels the workers and is what the merge raises."""
     if plan.reshard is None:
         yield
         return
@@ -168,7 +246,7 @@ def _skeletons(plan: MergePlan, tag_dir: Path, cancel: threading.Event):
     def write() -> None:
         try:
             write_skeletons(plan.base, plan.sources, plan.buffer_sources(), plan.reshard, tag_dir,
-                            lambda: stop.is_set() or cancel.is_set())
+                            lambda: stop.is_set() or cancel.is_set(), ranks=ranks, staging=f".skeletons-{process}")
         except BaseException as exc:  # noqa: BLE001 - handed to the merge's thread below
             failed.append(exc)
             cancel.set()  # the workers waiting for their files stop

@@ -16,8 +16,8 @@ Torch-free; `ptfile` reads what this writes.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
-import secrets
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,9 +54,12 @@ class Reserved:
     size: int
 
 
-def serialization_id() -> str:
-    """A new archive's id, as torch makes one: 40 decimal digits."""
-    return f"{secrets.randbelow(10 ** 40):040d}"
+def serialization_id(pickle: bytes, archive: str) -> str:
+    """An archive's id, 40 decimal digits as torch's. torch draws its at random; this one is
+    drawn from what the archive holds, so that writing the same structure again (a re-run,
+    or a job over several processes) gives the same bytes."""
+    digest = hashlib.sha256(archive.encode("utf-8") + b"\0" + pickle).digest()
+    return f"{int.from_bytes(digest, 'big') % 10 ** 40:040d}"
 
 
 def write_archive(path: Path, *, archive: str, pickle: bytes, storages: list, ident: str | None = None,
@@ -67,7 +70,8 @@ def write_archive(path: Path, *, archive: str, pickle: bytes, storages: list, id
     buffer = buffer if buffer is not None else memoryview(bytearray(1 << 20))
     entries = [("data.pkl", pickle), (".format_version", FORMAT_VERSION), (".storage_alignment", b"64"),
                ("byteorder", BYTEORDER), *((f"data/{k}", s) for k, s in enumerate(storages)),
-               ("version", VERSION), (".data/serialization_id", (ident or serialization_id()).encode("ascii"))]
+               ("version", VERSION),
+               (".data/serialization_id", (ident or serialization_id(pickle, archive)).encode("ascii"))]
     records, central, at = {}, [], 0
     try:
         with contextlib.ExitStack() as stack:

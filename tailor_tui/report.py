@@ -17,13 +17,15 @@ from .units import size, throughput
 class LineReporter:
     """Plain lines, for logs."""
 
-    def __init__(self, out: TextIO = sys.stderr, every_seconds: float = 5.0, every_fraction: float = 0.1):
+    def __init__(self, out: TextIO = sys.stderr, every_seconds: float = 5.0, every_fraction: float = 0.1,
+                 prefix: str = ""):
         self.out, self.every_seconds, self.every_fraction = out, every_seconds, every_fraction
+        self.prefix = prefix  # `[process 3] ` when several processes share a log
         self._last: dict[str, tuple[float, float]] = {}
 
     def __call__(self, event) -> None:
         if isinstance(event, TaskFinished):
-            print(f"{event.task}: done {size(event.total)}", file=self.out, flush=True)
+            print(f"{self.prefix}{event.task}: done {size(event.total)}", file=self.out, flush=True)
         elif isinstance(event, TaskProgressed):
             now = time.monotonic()
             when, fraction = self._last.get(event.task, (0.0, -1.0))
@@ -31,7 +33,7 @@ class LineReporter:
             if due and event.done < event.total:
                 self._last[event.task] = (now, event.fraction)
                 print(
-                    f"{event.task}: {event.fraction:.0%} {size(event.done)}/{size(event.total)}",
+                    f"{self.prefix}{event.task}: {event.fraction:.0%} {size(event.done)}/{size(event.total)}",
                     file=self.out,
                     flush=True,
                 )

@@ -90,11 +90,12 @@ class _Read:
 
 
 def write_skeletons(base: Checkpoint, sources: tuple[Checkpoint, ...], buffer_sources: dict[str, int],
-                    reshard: Reshard, tag_dir: Path, cancelled=lambda: False) -> None:
-    """Every output rank's two files in `tag_dir`, big tensors reserved, rank by rank. Each file
-    is written in a hidden folder beside `tag_dir` and renamed into place whole: the workers
-    filling them wait for them. `buffer_sources`: each buffer -> the index of the source its
-    row is taken from."""
+                    reshard: Reshard, tag_dir: Path, cancelled=lambda: False, *, ranks=None,
+                    staging: str = ".skeletons") -> None:
+    """The two files of each output rank in `ranks` (default: all) in `tag_dir`, big tensors
+    reserved, rank by rank. Each file is written in the hidden folder `staging` beside `tag_dir`
+    and renamed into place whole: the workers filling them wait for them. `buffer_sources`:
+    each buffer -> the index of the source its row is taken from."""
     fills: dict[int, object] = {}  # id(StorageRef) -> Copied | Reserved: where its bytes come from
     optim = _optim_states(base, reshard, fills)
     states = _model_states(base, sources, buffer_sources, reshard, fills)
@@ -102,10 +103,11 @@ def write_skeletons(base: Checkpoint, sources: tuple[Checkpoint, ...], buffer_so
     for obj in (optim, states):
         data, storages = dumps(obj)
         kinds.append((data, [fills[id(s)] for s in storages]))
-    staging = tag_dir.parent / ".skeletons"
+    staging = tag_dir.parent / staging
     staging.mkdir()
     buffer = memoryview(bytearray(1 << 20))
-    for model_name, optim_name in output_names(base, reshard.world_size):
+    names = output_names(base, reshard.world_size)
+    for model_name, optim_name in (names[r] for r in (range(len(names)) if ranks is None else ranks)):
         if cancelled():
             return
         for (data, storages), name in zip(kinds, (optim_name, model_name), strict=True):

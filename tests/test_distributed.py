@@ -1,0 +1,155 @@
+"""`--apply` as one job over several processes, launched by torchrun or by srun.
+
+The real entry point runs under `torchrun --nproc-per-node 2` and as two Slurm tasks (the
+environment srun sets, on this one machine): the output is byte-identical, provenance aside,
+to a one-process `--apply`. A task killed with SIGKILL mid-merge fails the other within the
+peer timeout, leaves nothing at the output, and a re-run succeeds.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import checkpoints_of
+from helpers import TAILOR, hidden, tailor, write_recipe
+
+from tailor_tui.checkpoint import PROVENANCE
+from tailor_tui.errors import UsageError
+from tailor_tui.launch import Launch, detect, expand_hostlist
+from tailor_tui.team import Team
+
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+
+def test_slurm_hostlists_expand():
+    assert expand_hostlist("node[01-04,07]") == ["node01", "node02", "node03", "node04", "node07"]
+    assert expand_hostlist("gpu5,a[8-10],b") == ["gpu5", "a8", "a9", "a10", "b"]
+    assert expand_hostlist("rack[1-2]-n[1-2]") == ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]
+    assert expand_hostlist("x[009-011]") == ["x009", "x010", "x011"]
+    assert expand_hostlist("login1") == ["login1"]
+    for bad in ("node[1-", "node[a-b]", "", "n]1["):
+        with pytest.raises(UsageError):
+            expand_hostlist(bad)
+
+
+def test_the_launcher_is_told_by_its_environment():
+    assert detect({}) is None
+    torchrun = {"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "n1", "MASTER_PORT": "29400", "LOCAL_RANK": "1"}
+    assert detect(torchrun) == Launch(1, 4, "n1", 29400, "torchrun", use_env=True)
+    assert detect(torchrun, "off") is None
+    slurm = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "12345", "SLURM_STEP_ID": "0",
+             "SLURM_STEP_NODELIST": "node[07-08]"}
+    found = detect(slurm)
+    assert (found.rank, found.size, found.host, found.via) == (3, 8, "node07", "slurm")
+    assert 20000 <= found.port < 40000 and found.port == detect(slurm).port  # every task derives the same
+    assert detect({**slurm, "SLURM_STEP_ID": "1"}).port != found.port  # another step of the job: another port
+    assert detect({**slurm, "MASTER_ADDR": "head", "MASTER_PORT": "4000"}).port == 4000
+    assert detect({**slurm, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) is None  # one task: one process
+    for bad in ({**slurm, "SLURM_PROCID": "8"}, {**slurm, "SLURM_NTASKS": "x"}, {"RANK": "0", "WORLD_SIZE": "2"}):
+        with pytest.raises(UsageError):
+            detect(bad)
+
+
+def test_work_is_divided_by_bytes():
+    sizes = [10, 10, 10, 10, 40, 1]
+    shares = [Team(p, 2).mine(sizes) for p in range(2)]
+    assert sorted(shares[0] + shares[1]) == list(range(6))
+    assert [sum(sizes[i] for i in share) for share in shares] == [41, 40]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _slurm_tasks(args, n=2, env=None, job="777") -> list[subprocess.Popen]:
+    port = str(_free_port())
+    return [subprocess.Popen([TAILOR, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             stdin=subprocess.DEVNULL,
+                             env={**os.environ, "PYTHONWARNINGS": "ignore", "SLURM_PROCID": str(p),
+                                  "SLURM_NTASKS": str(n), "SLURM_JOB_ID": job, "SLURM_STEP_ID": "0",
+                                  "SLURM_STEP_NODELIST": "localhost", "MASTER_PORT": port, **(env or {})})
+            for p in range(n)]
+
+
+def _assert_same_output(mine: Path, theirs: Path) -> None:
+    files = sorted(p.relative_to(mine) for p in mine.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(theirs) for p in theirs.rglob("*") if p.is_file())
+    assert files, "nothing composed"
+    for rel in files:
+        if rel.name != PROVENANCE:
+            assert filecmp.cmp(mine / rel, theirs / rel, shallow=False), rel
+
+
+def test_torchrun_two_processes_compose_what_one_does(real_run, tmp_path):
+    run, spec = real_run("hf_bf16_2")
+    c2, c4, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c4, "embed_tokens": c2})
+    assert tailor("--apply", recipe, "-o", tmp_path / "solo").returncode == 0
+    done = subprocess.run([TORCHRUN, "--nproc-per-node", "2", "--master-port", str(_free_port()), "--no-python",
+                           TAILOR, "--apply", str(recipe)], capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert done.returncode == 0, done.stderr
+    assert "2 processes (torchrun)" in done.stderr and "[process 1] rank 1: done" in done.stderr
+    assert "\nrank 1: done" in done.stderr  # process 0's log follows process 1's rank too
+    assert done.stdout.count("done: ") == 1  # process 0 alone reports the job
+    _assert_same_output(tmp_path / "composed", tmp_path / "solo")
+
+
+def test_two_slurm_tasks_reshard_what_one_process_does(real_run, tmp_path):
+    run, spec = real_run("ds_bf16_3_subgroups")
+    c2, _c4, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.2": c2})
+    assert tailor("--apply", recipe, "-o", tmp_path / "solo", "--world-size", "2").returncode == 0
+    tasks = _slurm_tasks(["--apply", recipe, "--world-size", "2"])
+    outs = [t.communicate(timeout=300) for t in tasks]
+    assert [t.returncode for t in tasks] == [0, 0], outs
+    assert "done: " in outs[0][0] and not outs[1][0]
+    _assert_same_output(tmp_path / "composed", tmp_path / "solo")
+
+
+def test_a_task_killed_mid_merge_fails_the_job_and_leaves_nothing(real_run, tmp_path):
+    run, spec = real_run("ds_bf16_3_subgroups")
+    c2, _c4, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.2": c2})
+    tasks = _slurm_tasks(["--apply", recipe, "--peer-timeout", "4"], env={"TAILOR_TEST_SLOW_MERGE": "0.2"})
+    while "[process 1] rank" not in (line := tasks[1].stderr.readline()):
+        assert line, "process 1 ended before it merged"
+    tasks[1].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    _out, err = tasks[0].communicate(timeout=60)
+    assert time.monotonic() - killed < 4 + 6  # the peer timeout, one beat, and the workers' cancel
+    assert tasks[0].returncode != 0
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: process 1 of 2 failed: it stopped responding for 4 s (killed, hung, or its node "
+                      "was lost)"], err
+    assert not (tmp_path / "composed").exists() and not hidden(tmp_path)
+    again = _slurm_tasks(["--apply", recipe], job="778")
+    assert [t.wait(timeout=300) for t in again] == [0, 0]
+    assert (tmp_path / "composed" / PROVENANCE).is_file()
+
+
+def test_processes_that_see_different_plans_refuse(real_run, tmp_path):
+    run, spec = real_run("hf_bf16_2")
+    c2, c4, c6 = checkpoints_of(run, spec)
+    one = write_recipe(tmp_path, c6, {"layers.1": c4})
+    other = tmp_path / "other.yaml"
+    other.write_text(one.read_text().replace(os.path.relpath(c4, tmp_path), os.path.relpath(c2, tmp_path)))
+    port = str(_free_port())
+    tasks = [subprocess.Popen([TAILOR, "--apply", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "SLURM_PROCID": str(p), "SLURM_NTASKS": "2", "SLURM_JOB_ID": "9",
+                                   "SLURM_STEP_NODELIST": "localhost", "MASTER_PORT": port})
+             for p, r in enumerate((one, other))]
+    outs = [t.communicate(timeout=120) for t in tasks]
+    assert [t.returncode for t in tasks] == [2, 2], outs
+    assert all("see different plans" in err for _out, err in outs)
+    assert not (tmp_path / "composed").exists()
