@@ -99,10 +99,10 @@ def parser() -> argparse.ArgumentParser:
         help="live bars (terminal) or plain periodic lines (logs); auto picks by whether stderr is a terminal",
     )
     p.add_argument("--distributed", choices=("auto", "off"), default="auto",
-                   help="with --apply: run as one job over the processes torchrun or srun started (auto: when "
-                        "their environment says so); off: this process alone")
+                   help="with --apply, --stats or --heal: run as one job over the processes torchrun or srun "
+                        "started (auto: when their environment says so); off: this process alone")
     p.add_argument("--peer-timeout", type=_positive_seconds, default=60.0, metavar="SECONDS",
-                   help="with --apply over several processes: how long one may stay silent (killed, hung, node "
+                   help="in a job of several processes: how long one may stay silent (killed, hung, node "
                         "lost) before the whole job fails (default 60)")
     p.add_argument("--json", action="store_true", help="with --stats: print JSON instead of a table")
     p.add_argument("--allow-nonfinite", action="store_true",
@@ -208,11 +208,14 @@ def verify(args) -> int:
 
 
 def _health(run_dir: Path, args, progress: str):
-    """The scanned run (training checkpoints: not tailor-tui's own outputs) and its health."""
+    """The scanned run's health (training checkpoints: not tailor-tui's own outputs); None in a
+    process of a job other than process 0 (which alone holds every cell)."""
     from .cache import cache_dir
     from .checkpoint import scan
     from .health_report import StatsProgress
+    from .launch import detect
     from .stats_run import compute_health
+    from .team import SOLO, connect
 
     if not run_dir.is_dir():
         raise CheckpointError(f"{run_dir}: no such folder; name a directory of DeepSpeed checkpoints")
@@ -223,13 +226,21 @@ def _health(run_dir: Path, args, progress: str):
     if not checkpoints:
         raise CheckpointError(f"{run_dir}: holds no ZeRO-3 checkpoint (looked for HF checkpoint-N folders, "
                               "DeepSpeed tag folders and partial saves)")
-    report = StatsProgress(sys.stderr, live={"bars": True, "lines": False}.get(progress))
+    launch = detect(os.environ, args.distributed)
+    team = connect(launch, args.peer_timeout) if launch else SOLO
+    # in a job of several processes process 0 reports; the others read their share quietly
+    report = StatsProgress(sys.stderr, live={"bars": True, "lines": False}.get(progress)) if team.lead else None
     cancel = threading.Event()
     try:
-        health = compute_health(checkpoints, workers=args.workers, emit=report, cancel=cancel, cache=cache_dir(),
-                                options=TaskOptions(slow_down=_test_slow_down()))
+        with team.working(cancel):
+            health = compute_health(checkpoints, workers=args.workers, emit=report or (lambda event: None),
+                                    cancel=cancel, cache=cache_dir(), options=TaskOptions(slow_down=_test_slow_down()),
+                                    team=team)
     finally:
-        report.close()
+        if report is not None:
+            report.close()
+    if not team.lead:
+        return None
     if args.report_peak_rss:
         print(f"peak RSS: {report.peak_rss} bytes", file=sys.stderr)
     return health
@@ -241,6 +252,8 @@ def stats(args) -> int:
     from .health_report import table
 
     health = _health(args.stats, args, args.progress)
+    if health is None:
+        return ExitCode.OK  # process 0 of the job prints the statistics
     if args.json:
         print(json.dumps(health.to_json(), indent=1))
     else:
@@ -255,6 +268,8 @@ def heal(args) -> int:
     if args.recipe is None:
         raise UsageError("--heal needs --recipe OUT.yaml: where to write the recipe it makes")
     health = _health(args.heal, args, args.progress)
+    if health is None:
+        return ExitCode.OK  # process 0 of the job writes the recipe
     comp = Composition.start(list(health.checkpoints))
     healing = comp.healing(health)
     comp.apply_healing(healing)

@@ -47,7 +47,7 @@ from .ptfile import check_crcs
 from .rank_reshard import reshard_rank
 from .rank_task import merge_rank
 from .reshard_skeleton import write_skeletons
-from .team import SOLO, Team, TeamError
+from .team import SOLO, Team
 from .team_progress import relay
 from .workers import default_workers, run_calls
 
@@ -89,22 +89,13 @@ def run_merge(
     rank files and model files into the one hidden folder process 0 made, and process 0
     checks the whole and renames it into place; a failure anywhere fails every process."""
     cancel = cancel or threading.Event()
-    team.watch(cancel)
-    emit, halt = relay(team, emit, planned_tasks(plan))
-    succeeded = False
-    try:
-        team.agree("plan", plan_digest(plan))
-        result = _compose(plan, workers, emit, cancel, options, allow_nonfinite, team)
-        succeeded = True
-        return result
-    except BaseException as exc:
-        team.fail(exc)
-        if team.failure is not None and not isinstance(exc, TeamError):
-            raise team.error() from None  # another process failed first: that is why this one stopped
-        raise
-    finally:
-        halt()
-        team.close(succeeded)
+    with team.working(cancel):
+        emit, halt = relay(team, emit, planned_tasks(plan))
+        try:
+            team.agree("plan", plan_digest(plan))
+            return _compose(plan, workers, emit, cancel, options, allow_nonfinite, team)
+        finally:
+            halt()
 
 
 def plan_digest(plan: MergePlan) -> str:

@@ -22,6 +22,7 @@ from .errors import MergeCancelled
 from .events import Emit, TaskOptions
 from .health import Cell, Health, rms, training_log
 from .stats_job import RankStats, RankStatsRead, RowSums, StatsJob
+from .team import SOLO, Team
 from .workers import run_calls, workers_for
 
 FORMAT = 1  # of the cached sums and cells: bump when what they mean changes
@@ -125,10 +126,12 @@ def _row_elements(ckpt: Checkpoint, owner: dict, known: dict) -> list[dict[str, 
 def compute_health(checkpoints: tuple[Checkpoint, ...], *, workers: int | None = None, emit: Emit = lambda e: None,
                    cancel: threading.Event | None = None, cache: Path | None = None,
                    options: TaskOptions = TaskOptions(), columns: list[int] | None = None,
-                   rows: list[str] | None = None) -> Health:
+                   rows: list[str] | None = None, team: Team = SOLO) -> Health:
     """Every cell of `columns` (default: all) of `checkpoints` (of `rows`, default all), newest first, from the cache
     where it holds them; `emit` gets progress and one CellsComputed per checkpoint. A cache
-    that cannot be written is skipped (statistics still come out)."""
+    that cannot be written is skipped (statistics still come out). With a `team` of several
+    processes (`--stats` under torchrun or srun), each reads its share of the rank files and
+    process 0 adds them all up: only its Health holds every cell."""
     cancel = cancel or threading.Event()
     health = Health(tuple(checkpoints), logs={i: training_log(c) for i, c in enumerate(checkpoints)})
     columns = sorted(range(len(checkpoints)) if columns is None else columns, reverse=True)
@@ -152,7 +155,11 @@ def compute_health(checkpoints: tuple[Checkpoint, ...], *, workers: int | None =
         health.add(column, cells)
         emit(CellsComputed(column, health.checkpoints[column].name, cells))
 
+    every = {j.key: j for c in columns for j in jobs[c]}
+    team.agree("run", hashlib.sha256(json.dumps(sorted(every)).encode()).hexdigest())
     todo = [j for c in columns if added_up[c] is None for j in jobs[c] if j.key not in found]
+    if team.size > 1:  # process 0's cache decides what is read (another's may have filled meanwhile)
+        todo = [every[k] for k in json.loads(team.share("todo", json.dumps([j.key for j in todo])))]
     whole = sum(len(jobs[c]) for c in columns if added_up[c] is not None)
     emit(StatsPlanned(len(columns), sum(len(j) for j in jobs.values()), whole + len(found),
                       sum(j.bytes_to_read for j in todo)))
@@ -174,15 +181,31 @@ def compute_health(checkpoints: tuple[Checkpoint, ...], *, workers: int | None =
         else:
             emit(event)
 
-    if todo:  # one pool for all, fed newest first: cells come out checkpoint by checkpoint
+    mine = [todo[i] for i in team.mine([j.bytes_to_read for j in todo])]
+    if mine:  # one pool for all, fed newest first: cells come out checkpoint by checkpoint
         # numpy is loaded only when ranks are read: a run whose statistics are cached does without
         from .stats_rank import rank_stats
 
-        n = workers or workers_for(len(todo), STATS_WORKER)
-        run_calls([(rank_stats, (j,)) for j in todo], n, emit_and_collect, cancel, options)
+        n = workers or workers_for(len(mine), STATS_WORKER)
+        run_calls([(rank_stats, (j,)) for j in mine], n, emit_and_collect, cancel, options)
         if cancel.is_set():
-            raise MergeCancelled("statistics cancelled")
+            raise team.error() if team.failure is not None else MergeCancelled("statistics cancelled")
+    if team.size > 1:  # the others' ranks, to process 0, which adds every checkpoint up
+        posted = team.gather("statistics", {j.key: _stats_json(found[j.key]) for j in mine})
+        if team.lead:
+            for theirs in posted:
+                for key, value in theirs.items():
+                    if key in by_key and key not in found:
+                        emit_and_collect(RankStatsRead(key, _stats_from_json(value)))
     return health
+
+
+def _stats_json(stats: RankStats) -> dict:
+    return {"rows": {row: s.to_json() for row, s in stats.rows.items()}, "error": stats.error}
+
+
+def _stats_from_json(value: dict) -> RankStats:
+    return RankStats({row: RowSums.from_json(v) for row, v in value["rows"].items()}, value["error"])
 
 
 def reduce(ckpt: Checkpoint, ranks: list[RankStats], rows: list[str] | None = None) -> dict[str, Cell]:

@@ -15,6 +15,7 @@ import torch; `connect` does.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -120,6 +121,24 @@ class Team:
             pass
 
     # --- watching -----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def working(self, cancel: threading.Event):
+        """The span of the job's work: this process beats (and `cancel` is set when another
+        fails or is gone); a failure here is posted for the others, and one elsewhere is what
+        this process raises; at the end process 0 waits for the others to read the outcome."""
+        self.watch(cancel)
+        succeeded = False
+        try:
+            yield self
+            succeeded = True
+        except BaseException as exc:
+            self.fail(exc)
+            if self.failure is not None and not isinstance(exc, TeamError):
+                raise self.error() from None  # another process failed first: that is why this one stopped
+            raise
+        finally:
+            self.close(succeeded)
 
     def watch(self, cancel: threading.Event) -> None:
         """Beat, and set `cancel` as soon as another process fails or is gone."""

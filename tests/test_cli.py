@@ -151,7 +151,7 @@ TORCH_FREE = ("ds_format", "pickled", "ptfile", "ptlegacy", "crc", "fileio", "la
               "rank_task", "workers", "model_files", "merge", "verify", "safe_load", "run_saves", "cli",
               "health", "stats_job", "stats_rank", "stats_run", "nonfinite", "guard", "health_report", "cache",
               "scan_cache", "reshard", "rank_reshard", "verify_reshard", "compare", "reshard_skeleton", "ptpickle",
-              "ptwrite")
+              "ptwrite", "launch", "team", "team_progress", "sbatch")
 
 
 def test_torch_free_modules_are_a_module_boundary():

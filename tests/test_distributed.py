@@ -153,3 +153,23 @@ def test_processes_that_see_different_plans_refuse(real_run, tmp_path):
     assert [t.returncode for t in tasks] == [2, 2], outs
     assert all("see different plans" in err for _out, err in outs)
     assert not (tmp_path / "composed").exists()
+
+
+def test_two_slurm_tasks_compute_the_statistics_one_process_does(real_run, tmp_path):
+    """`--stats` as a job: each task reads its share of the rank files (each with its own empty
+    cache here, as on nodes without a shared home), process 0 adds them up and prints them."""
+    run, _spec = real_run("ds_frozen_blown_up")
+    solo = subprocess.run([TAILOR, "--stats", str(run), "--json"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TAILOR_TUI_CACHE": str(tmp_path / "solo-cache")})
+    assert solo.returncode == 0, solo.stderr
+    port = str(_free_port())
+    tasks = [subprocess.Popen([TAILOR, "--stats", str(run), "--json"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                              env={**os.environ, "SLURM_PROCID": str(p), "SLURM_NTASKS": "2", "SLURM_JOB_ID": "5",
+                                   "SLURM_STEP_NODELIST": "localhost", "MASTER_PORT": port,
+                                   "TAILOR_TUI_CACHE": str(tmp_path / f"cache-{p}")})
+             for p in range(2)]
+    outs = [t.communicate(timeout=300) for t in tasks]
+    assert [t.returncode for t in tasks] == [0, 0], outs
+    assert outs[0][0] == solo.stdout and not outs[1][0]
+    assert list((tmp_path / "cache-1").rglob("*.json")), "process 1 read no rank"

@@ -5,6 +5,7 @@ Update after an intended change with: pytest tests/test_snapshots.py --snapshot-
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -42,6 +43,23 @@ def test_confirmation(snap_compare, run):
         await pilot.pause()
 
     assert snap_compare(make_app(run), run_before=confirm, terminal_size=SIZE)
+
+
+def test_batch_job_offer_at_80x24(snap_compare, run, tmp_path, monkeypatch):
+    """A large plan on a login node: the plan dialog says so and offers `s` (Batch job)."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "sbatch").write_text("#!/bin/sh\nexit 1\n")
+    (tmp_path / "bin" / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+
+    async def review(pilot):
+        await scanned(pilot)
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: isinstance(pilot.app.screen, Confirm))
+        await pilot.pause()
+
+    assert snap_compare(make_app(run, batch_threshold=1), run_before=review, terminal_size=(80, 24))
 
 
 def test_merge_screen_mid_progress(snap_compare, run):

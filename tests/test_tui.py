@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from textual.widgets import Input
 from conftest import checkpoints_of, tree_digest
 from pilot_helpers import private_copy, scanned, start_merge, wait_for
 from zero_reader import read_full_state
@@ -527,3 +529,39 @@ async def test_the_world_size_set_from_the_plan_dialog_reshards(real_run, tmp_pa
     want = read_full_state(tmp_path / "mixed" / "b" / "global_step4")
     name = "model.layers.1.self_attn.q_proj.weight"
     assert torch.equal(got["fp32"][name], want["fp32"][name])
+
+
+async def test_a_large_plan_on_a_login_node_offers_a_batch_job(real_run, tmp_path, monkeypatch):
+    """Where sbatch is at hand and no Slurm job is (a login node), a plan past the threshold
+    offers `s`: the recipe is saved (asking where) and an sbatch script that runs it with srun
+    is written beside it; no merge runs here. Inside a job (SLURM_JOB_ID) nothing is offered."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\nexit 1\n")  # only found on PATH, never run
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    run, _checkpoints = private_copy(real_run, tmp_path, "hf_bf16_2")
+    app = make_app(run, workers=1, batch_threshold=1)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await scanned(pilot)
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
+        assert "login node, s writes an sbatch script" in app.screen.body
+        await pilot.press("s")
+        await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt))
+        recipe = tmp_path / "big.yaml"
+        app.screen.query_one(Input).value = str(recipe)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: (tmp_path / "big.sbatch").is_file())
+        assert not app.merging
+        monkeypatch.setenv("SLURM_JOB_ID", "1")
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
+        assert "sbatch" not in app.screen.body and not app.screen.query("#sbatch")
+        await pilot.press("escape")
+    script = (tmp_path / "big.sbatch").read_text()
+    assert script.startswith("#!/bin/bash\n# written by tailor-tui") and "#SBATCH --nodes=1" in script
+    assert f"--apply {recipe.resolve()} --workers 4" in script and "\nsrun " in script
+    assert os.access(tmp_path / "big.sbatch", os.X_OK) and recipe.is_file()
+    assert not (run / "checkpoint-6-tailored").exists()

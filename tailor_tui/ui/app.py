@@ -31,6 +31,8 @@ from ..events import TaskOptions
 from ..health import Health, training_log, why_unhealthy
 from ..output import not_replaceable
 from ..plan import build_plan
+from ..sbatch import LARGE, offer_batch
+from ..units import size
 from ..workers import prepare_worker_processes
 from .details import details_lines
 from .dialogs import Confirm, ErrorDialog, HelpScreen, PathPrompt, PlanDialog
@@ -105,12 +107,14 @@ class TailorApp(HealthActions, Navigation, RecipeActions, App):
     }
 
     def __init__(self, run_dir: Path, recipe: Path | None = None, workers: int | None = None,
-                 clock: Callable[[], float] = time.monotonic, merge_options: TaskOptions = TaskOptions()):
+                 clock: Callable[[], float] = time.monotonic, merge_options: TaskOptions = TaskOptions(),
+                 batch_threshold: int = LARGE):
         super().__init__()
         prepare_worker_processes()  # before Textual takes over stderr
         self.run_dir, self.recipe_arg = Path(run_dir), recipe
         self.merge_workers, self.merge_clock = workers, clock  # `workers` is Textual's worker manager
         self.merge_options = merge_options
+        self.batch_threshold = batch_threshold  # bytes to write from which a login node offers a batch job
         self.composition: Composition | None = None
         self.scan_result: ScanResult | None = None
         self.merging = False
@@ -368,9 +372,16 @@ class TailorApp(HealthActions, Navigation, RecipeActions, App):
         if bad:
             body = "\n".join(["✗ the output would hold unhealthy rows:", *bad, "(h heals them)", "", body])
 
+        batch = offer_batch(plan.bytes_to_write(), self.batch_threshold)
+        if batch:
+            body = "\n".join([f"This writes {size(plan.bytes_to_write())}: on this login node, "
+                              "s writes an sbatch script that composes it over several nodes instead.", "", body])
+
         def confirmed(answer: bool | str | None) -> None:
             if answer == "world_size":
                 self.action_set_world_size(then_plan=True)
+            elif answer == "sbatch":
+                self.action_write_batch_job(plan.bytes_to_write())
             elif answer:
                 self.merging = True
                 self.push_screen(MergeScreen(plan, self.merge_workers, clock=self.merge_clock,
@@ -378,7 +389,8 @@ class TailorApp(HealthActions, Navigation, RecipeActions, App):
                                              title=f"Composing {self.rel(plan.output)}"), self.merge_closed)
 
         accept = "Merge anyway" if bad else "Merge"
-        self.push_screen(PlanDialog("Compose this checkpoint?", body, accept=accept, decline="Back"), confirmed)
+        self.push_screen(PlanDialog("Compose this checkpoint?", body, accept=accept, decline="Back", batch=batch),
+                         confirmed)
 
     def _cell_of(self, row: str, checkpoint):
         if self.health is None:
@@ -462,6 +474,7 @@ class TailorApp(HealthActions, Navigation, RecipeActions, App):
 
 
 def make_app(run_dir: str | Path, recipe: str | Path | None = None, workers: int | None = None,
-             clock: Callable[[], float] = time.monotonic, merge_options: TaskOptions = TaskOptions()) -> TailorApp:
+             clock: Callable[[], float] = time.monotonic, merge_options: TaskOptions = TaskOptions(),
+             batch_threshold: int = LARGE) -> TailorApp:
     """Build the app (used by the CLI, the pilot tests and the snapshot tests)."""
-    return TailorApp(Path(run_dir), Path(recipe) if recipe else None, workers, clock, merge_options)
+    return TailorApp(Path(run_dir), Path(recipe) if recipe else None, workers, clock, merge_options, batch_threshold)

@@ -81,15 +81,28 @@ class Confirm(ModalScreen[bool]):
 
 class PlanDialog(Confirm):
     """The plan before a merge: Enter merges (True), Esc goes back (False), w sets the world size
-    to compose for ("world_size")."""
+    to compose for ("world_size"); with `batch` (a large plan on a login node), s writes an
+    sbatch script for the saved recipe instead ("sbatch")."""
 
-    BINDINGS = [*Confirm.BINDINGS, Binding("w", "world_size", "World size")]
+    BINDINGS = [*Confirm.BINDINGS, Binding("w", "world_size", "World size"), Binding("s", "batch", "Batch job")]
+
+    def __init__(self, *args, batch: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.batch = batch
 
     def more_buttons(self):
         yield Button("World size… (w)", id="world_size")
+        if self.batch:
+            yield Button("sbatch (s)", id="sbatch")
+
+    def check_action(self, action: str, parameters) -> bool:
+        return self.batch if action == "batch" else True
 
     def action_world_size(self) -> None:
         self.dismiss("world_size")
+
+    def action_batch(self) -> None:
+        self.dismiss("sbatch")
 
 
 class ErrorDialog(ModalScreen[None]):
@@ -141,7 +154,8 @@ Keys
            pgup / pgdn, home / end: a page, the first / last row
   recipe   ctrl+s save    S save as    ctrl+o load    o output
            w: world size (ranks to compose for)    u undo    ctrl+y redo
-  compose  ctrl+r: review the plan, then merge (Esc cancels)
+  compose  ctrl+r: review the plan, then merge (Esc cancels);
+           a large plan on a login node: s writes an sbatch script
   other    ? or F1: help    ctrl+p: command palette    q: quit
 """
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..errors import TailorError
 from ..recipe import load_recipe
+from ..sbatch import write_sbatch
 from .dialogs import Confirm, ErrorDialog, PathPrompt
 
 
@@ -41,35 +42,49 @@ class RecipeActions:
         self.push_screen(PathPrompt(f"World size to compose for (the base: {base} ranks; empty keeps it)",
                                     str(comp.world_size or "")), done)
 
-    def action_save_recipe(self) -> None:
+    def action_save_recipe(self, then=None) -> None:
+        """Save the picks (asking where, the first time); `then(path)` once they are saved."""
         comp = self.composition
         if comp is None:
             return
         if comp.recipe_path is not None:
-            self.save_to(comp.recipe_path)
+            self.save_to(comp.recipe_path, then=then)
         else:
-            self.action_save_recipe_as()
+            self.action_save_recipe_as(then=then)
 
-    def action_save_recipe_as(self) -> None:
+    def action_save_recipe_as(self, then=None) -> None:
         comp = self.composition
         if comp is None:
             return
 
         def done(value: str | None) -> None:
             if value:
-                self.save_to(Path(os.path.expanduser(value)))
+                self.save_to(Path(os.path.expanduser(value)), then=then)
 
         default = comp.recipe_path or self.recipe_arg or Path("recipe.yaml")
         self.push_screen(PathPrompt("Save the recipe as", str(default)), done)
 
-    def save_to(self, path: Path, confirmed: bool = False) -> None:
-        """Save there; a file the composer did not load or save is replaced only when confirmed."""
+    def action_write_batch_job(self, bytes_to_write: int) -> None:
+        """Save the recipe, then write the sbatch script that composes it over several nodes."""
+        def write(recipe: Path) -> None:
+            try:
+                script = write_sbatch(recipe, bytes_to_write)
+            except TailorError as exc:
+                self.push_screen(ErrorDialog(str(exc)))
+                return
+            self.notify(f"wrote {self.rel(script)}; submit it with: sbatch {self.rel(script)}", timeout=15)
+
+        self.action_save_recipe(then=write)
+
+    def save_to(self, path: Path, confirmed: bool = False, then=None) -> None:
+        """Save there; a file the composer did not load or save is replaced only when confirmed;
+        `then(path)` once saved."""
         target = self.composition.recipe_path
         ours = target is not None and target.exists() and path.exists() and os.path.samefile(path, target)
         if path.exists() and not ours and not confirmed:
             def answer(yes: bool | None) -> None:
                 if yes:
-                    self.save_to(path, confirmed=True)
+                    self.save_to(path, confirmed=True, then=then)
 
             self.push_screen(Confirm(f"Replace {self.rel(path)}?",
                                      f"{path} exists and was not loaded into this composer: its contents would "
@@ -82,6 +97,8 @@ class RecipeActions:
             return
         self.notify(f"recipe saved to {saved}; run it with: tailor-tui --apply {saved}")
         self.update_title()
+        if then is not None:
+            then(Path(saved))
 
     def action_load_recipe(self) -> None:
         if not self._editable():
