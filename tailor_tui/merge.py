@@ -28,7 +28,7 @@ from pathlib import Path
 from . import __version__
 from .checkpoint import MODEL_FILE_INDEX, PROVENANCE, Checkpoint
 from .errors import MergeCancelled, OutputError
-from .events import Emit, TaskFinished, TaskOptions
+from .events import Emit, TaskFinished, TaskOptions, TaskProgressed
 from .fileio import copy_file, fsync, fsync_dir, output_error
 from .guard import nonfinite_error
 from .model_files import merge_model_file
@@ -116,6 +116,8 @@ def _compose(plan: MergePlan, workers: int | None, emit: Emit, cancel: threading
     def emit_and_watch(event) -> None:
         if isinstance(event, TaskFinished):
             peaks[0] = max(peaks[0], event.peak_rss)
+        if isinstance(event, (TaskProgressed, TaskFinished)):
+            team.progressing()
         emit(event)
 
     if team.lead:
@@ -134,9 +136,11 @@ def _compose(plan: MergePlan, workers: int | None, emit: Emit, cancel: threading
             mine = [jobs[i] for i in team.mine([size for _fn, _args, size in jobs])]
             calls = [(fn, args) for fn, args, _size in mine]
             ranks = [args[0].rank for fn, args, _size in mine if fn is rank_call]
+            team.progressing()  # a hung worker (no progress for the peer timeout) fails the job
             with _skeletons(plan, tag_dir, cancel, ranks, team.rank):  # resharding: while the workers check sources
                 results = run_calls(calls, workers if workers is not None else default_workers(plan),
                                     emit_and_watch, cancel, options)
+            team.progressing(False)
             if cancel.is_set():
                 raise team.error() if team.failure is not None else MergeCancelled()
             nonfinite = sum((Counter(r) for r in results if r), Counter())

@@ -52,6 +52,7 @@ class Team:
         self.failure: Failure | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._progressed: float | None = None  # when this process's work last moved (None: not watched)
 
     # --- dividing the work --------------------------------------------------------------------
 
@@ -111,7 +112,7 @@ class Team:
 
     def fail(self, exc: BaseException) -> None:
         """Tell the others this process failed (the first failure posted is the job's)."""
-        if self.store is None or self.failure is not None:
+        if self.store is None or (self.failure is not None and self.failure.process != self.rank):
             return
         code = int(getattr(exc, "exit_code", ExitCode.INTERNAL))
         record = json.dumps({"process": self.rank, "message": str(exc) or type(exc).__name__, "code": code})
@@ -147,6 +148,13 @@ class Team:
         self._thread = threading.Thread(target=self._beat, args=(cancel,), name="team-beat", daemon=True)
         self._thread.start()
 
+    def progressing(self, moving: bool = True) -> None:
+        """This process's work moved (its tasks report progress); `moving=False`: it no longer has
+        tasks to watch. While watched, `timeout` seconds without a move count as a hang (a worker
+        stuck on a file system): this process then fails the job, as a silent one would."""
+        if self.store is not None:  # SOLO, shared by every one-process merge, stays as it is
+            self._progressed = time.monotonic() if moving else None
+
     def close(self, succeeded: bool) -> None:
         """Stop beating. Process 0, whose going ends the store, first waits (bounded) until the
         others have read how the job ended: its success, or the failure that stopped it."""
@@ -179,6 +187,11 @@ class Team:
                     elif now - seen[p][1] > self.timeout:
                         self.failure = Failure(p, f"it stopped responding for {self.timeout:.0f} s (killed, hung, "
                                                   "or its node was lost)", ExitCode.INTERNAL, gone=True)
+                moved = self._progressed
+                if self.failure is None and moved is not None and now - moved > self.timeout:
+                    self.failure = Failure(self.rank, f"its work made no progress for {self.timeout:.0f} s (hung: a "
+                                                      "stuck file system or disk?)", ExitCode.INTERNAL)
+                    self.fail(TeamError(self.failure.message))
             except TeamError:
                 pass
             except Exception:  # noqa: BLE001 - the store (process 0's, or torchrun's) is gone

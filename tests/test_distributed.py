@@ -173,3 +173,27 @@ def test_two_slurm_tasks_compute_the_statistics_one_process_does(real_run, tmp_p
     assert [t.returncode for t in tasks] == [0, 0], outs
     assert outs[0][0] == solo.stdout and not outs[1][0]
     assert list((tmp_path / "cache-1").rglob("*.json")), "process 1 read no rank"
+
+
+def test_a_task_whose_work_hangs_fails_the_job(real_run, tmp_path):
+    """A task alive (its heartbeat goes on) but whose worker makes no progress, as on a stuck file
+    system, fails the job after the peer timeout: every process exits non-zero naming it."""
+    run, spec = real_run("ds_bf16_3_subgroups")
+    c2, _c4, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.2": c2})
+    port = str(_free_port())
+    tasks = [subprocess.Popen([TAILOR, "--apply", str(recipe), "--peer-timeout", "3"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                              env={**os.environ, "PYTHONWARNINGS": "ignore", "SLURM_PROCID": str(p),
+                                   "SLURM_NTASKS": "2", "SLURM_JOB_ID": "11", "SLURM_STEP_NODELIST": "localhost",
+                                   "MASTER_PORT": port, "TAILOR_TEST_SLOW_MERGE": "8" if p == 1 else "0.1"})
+             for p in range(2)]
+    started = time.monotonic()
+    lead = tasks[0].communicate(timeout=60)
+    assert time.monotonic() - started < 3 + 8
+    other = tasks[1].communicate(timeout=60)
+    assert [t.returncode for t in tasks] == [1, 1]
+    expected = "error: process 1 of 2 failed: its work made no progress for 3 s (hung: a stuck file system or disk?)"
+    for _out, err in (lead, other):
+        assert [line for line in err.splitlines() if line.startswith("error: ")] == [expected], err
+    assert not (tmp_path / "composed").exists() and not hidden(tmp_path)
