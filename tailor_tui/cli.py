@@ -67,6 +67,9 @@ def parser() -> argparse.ArgumentParser:
     mode.add_argument("--demo", action="store_true",
                       help="train a small real ZeRO-3 run into ./demo-run (once) and open the composer on it")
     mode.add_argument("--apply", metavar="RECIPE", type=Path, help="compose the checkpoint a recipe describes")
+    mode.add_argument("--export", metavar="RECIPE", type=Path,
+                      help="write the composition a recipe describes as a plain HF model folder (--to DIR), "
+                           "for evaluation")
     mode.add_argument("--verify", metavar="RECIPE", type=Path,
                       help="re-check a finished output against its recipe and sources, row by row")
     mode.add_argument("--stats", metavar="RUN_DIR", type=Path,
@@ -98,6 +101,14 @@ def parser() -> argparse.ArgumentParser:
         default="auto",
         help="live bars (terminal) or plain periodic lines (logs); auto picks by whether stderr is a terminal",
     )
+    p.add_argument("--to", type=Path, metavar="DIR", help="with --export: the folder to write the model to")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
+                   help="with --export: the weights' dtype (default: the training dtype)")
+    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="with --export: the largest safetensors file (default 5GB, as save_pretrained)")
+    p.add_argument("--config", type=Path, metavar="PATH",
+                   help="with --export: the model's config.json, or a folder with it and its tokenizer files "
+                        "(default: an HF base checkpoint's own)")
     p.add_argument("--distributed", choices=("auto", "off"), default="auto",
                    help="with --apply, --stats or --heal: run as one job over the processes torchrun or srun "
                         "started (auto: when their environment says so); off: this process alone")
@@ -338,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no GPU needed to read checkpoints
-    if args.apply or args.verify or args.make_demo or args.demo or args.stats or args.heal:
+    if args.apply or args.verify or args.make_demo or args.demo or args.stats or args.heal or args.export:
         if args.run_dir is not None:
             parser().error("RUN_DIR opens the interactive composer; it does not go with "
                            "--apply, --verify, --stats, --heal, --make-demo or --demo")
@@ -351,6 +362,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.apply:
             code = apply(args)
+        elif args.export:
+            from .cli_export import export_command
+
+            code = export_command(args, _test_slow_down())
         elif args.verify:
             code = verify(args)
         elif args.stats:

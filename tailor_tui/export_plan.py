@@ -1,0 +1,121 @@
+"""What exporting a recipe as a plain HF model reads from where and writes to where, decided once.
+
+Every parameter of the composition is one tensor of the exported model, named as the model
+names it (and as `save_pretrained` writes it: a tied lm_head has no weights of its own and is
+not written). Its values are the fp32 master weights of the checkpoint its row is taken
+from: ZeRO-3 keeps each parameter flattened and cut into one part per rank (`layout.Slot`),
+so a tensor is put together from one slice of every rank's flat fp32 buffer (a frozen
+parameter: of every rank's fragment in model_states). An `ExportJob` is one source rank's
+share: for each sub-group's flat buffer (or frozen fragment, or a partial checkpoint's saved
+slice) the element ranges to take and the output bytes they go to. Sources are read by
+their own layouts, whatever their world size.
+
+Torch-free; `export_rank` does the jobs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import CheckpointError
+from .layout import part
+from .plan import MergePlan
+from .safetensors_out import DTYPES, ITEMSIZE, Placed, ShardFile, lay_out
+
+
+@dataclass(frozen=True)
+class Span:
+    """`count` elements from element `first` of a source tensor, to byte `out_offset` of `out_file`."""
+
+    first: int
+    count: int
+    out_file: str
+    out_offset: int
+
+
+@dataclass(frozen=True)
+class ExportJob:
+    """One source rank's share of an export (picklable)."""
+
+    task: str
+    optim_states: Path  # the full optim file (absent in a partial checkpoint)
+    model_states: Path
+    rows: Path | None  # a partial checkpoint's saved slices, else None
+    group_sizes: tuple[int, ...]
+    groups: tuple[tuple[int, tuple[Span, ...]], ...]  # (sub-group, spans of its flat fp32 buffer)
+    saved: tuple[tuple[str, Span], ...]  # (parameter, span) from the partial rows file
+    frozen: tuple[tuple[str, Span], ...]  # (parameter, span) of its fragment in model_states
+    out_dtype: str  # safetensors' name: F32, BF16, F16
+    total_bytes: int  # bytes read, for progress
+
+
+@dataclass(frozen=True)
+class Export:
+    plan: MergePlan
+    dtype: str  # fp32, bf16, fp16
+    files: tuple[ShardFile, ...]
+    placed: dict[str, Placed]
+    index: dict | None
+    jobs: tuple[ExportJob, ...]
+
+    def bytes_to_write(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+def plan_export(plan: MergePlan, dtype: str | None, max_shard: int) -> Export:
+    """The export of `plan`'s composition in `dtype` (None: the training dtype)."""
+    base = plan.base
+    dtype = dtype or base.dtype
+    buffers = [b for row in base.rows for b in row.buffers]
+    if buffers:
+        raise CheckpointError(f"{base.path}: the model has buffers ({buffers[0]}…), which --export does not "
+                              "write yet; compose with --apply and convert with DeepSpeed's zero_to_fp32")
+    shapes = {name: shape for group in base.layout.groups for name, shape in group} | dict(base.layout.frozen)
+    files, placed, index = lay_out(list(shapes.items()), DTYPES[dtype], max_shard)
+    source_of = plan.source_of_param()
+    jobs = []
+    for s, ckpt in enumerate(plan.sources):
+        mine = {name for name, src in source_of.items() if src == s and name in shapes}
+        if mine:
+            jobs += _jobs_of(ckpt, mine, placed, ckpt.name if s else f"{ckpt.name} (base)")
+    return Export(plan, dtype, tuple(files), placed, index, tuple(jobs))
+
+
+def _jobs_of(ckpt, names: set[str], placed: dict[str, Placed], label: str) -> list[ExportJob]:
+    slots = {slot.name: slot for slot in ckpt.layout.slots}
+    frozen = dict(ckpt.layout.frozen)
+    sizes = tuple(ckpt.layout.group_sizes())
+    jobs = []
+    for rank, files in enumerate(ckpt.ranks):
+        groups, saved, fragments, read = defaultdict(list), [], [], 0
+        for name in sorted(names):
+            out = placed[name]
+            size = ITEMSIZE[out.dtype]
+            if name in frozen:
+                numel = math.prod(frozen[name])
+                each = part(numel, ckpt.world_size)
+                count = max(0, min(each, numel - rank * each))
+                if count:
+                    fragments.append((name, Span(0, count, out.file, out.offset + rank * each * size)))
+                    read += each * (4 if ckpt.dtype == "fp32" else 2)  # the fragment is read whole
+                continue
+            slot = slots.get(name)
+            if slot is None:
+                raise CheckpointError(f"{ckpt.path}: has no parameter {name}; it is from another model")
+            count = slot.valid(rank)
+            if not count:
+                continue
+            span = Span(slot.offset, count, out.file, out.offset + rank * slot.part * size)
+            if files.rows is not None:
+                saved.append((name, Span(0, count, span.out_file, span.out_offset)))
+                read += count * 4
+            else:
+                groups[slot.group].append(span)
+        read += sum(sizes[g] * 4 for g in groups)  # a sub-group's flat buffer is read whole (its CRC-32)
+        jobs.append(ExportJob(f"{label} rank {rank}", files.optim_states, files.model_states, files.rows, sizes,
+                              tuple(sorted((g, tuple(spans)) for g, spans in groups.items())), tuple(saved),
+                              tuple(fragments), next(iter(placed.values())).dtype, max(read, 1)))
+    return jobs

@@ -1,0 +1,127 @@
+"""One source rank's share of an export: read, check, cast, write into place (a worker's task).
+
+Each sub-group's flat fp32 buffer a job takes from is read once, whole, through a 1 MiB buffer
+and checked against the CRC-32 its archive stores (a rotten source is refused, never exported);
+as each chunk goes by, the slices the job takes are cast to the export's dtype and written
+straight to their place in the output files (`export_plan`, `safetensors_out`). Frozen
+parameters' fragments (model_states) likewise; a partial checkpoint's saved slices are read
+where its rows file holds them. Memory: the buffer and one chunk's cast, whatever the size.
+
+Casts are those of torch's `Tensor.to`: fp32 to bf16 and fp16 round to nearest even (NaN stays
+NaN, bf16's as 0x7FC0; overflow gives inf), bf16 to fp32 is exact. Torch-free (numpy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .checkpoint import safetensors_header
+from .errors import CheckpointError
+from .events import ByteCounter, Emit, TaskOptions
+from .export_plan import ExportJob, Span
+from .fileio import fsync, open_fd, output_error, pwrite_all
+from .model_files import partial_slice, safetensors_tensors
+from .pickled import dtype_name
+from .ptfile import checked_crcs, frozen_fragment_bytes
+from .rank_stream import STREAM_CHUNK, tensor_bytes
+
+_NUMPY = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+_OUT = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def export_rank(job: ExportJob, out_dir: Path, emit: Emit, cancelled: Callable[[], bool],
+                options: TaskOptions = TaskOptions()) -> None:
+    counter = ByteCounter(job.task, job.total_bytes, emit, cancelled, options)
+    buffer = memoryview(bytearray(STREAM_CHUNK))
+    with contextlib.ExitStack() as stack:
+        outputs: dict[str, int] = {}
+
+        def out_fd(name: str) -> int:
+            if name not in outputs:
+                try:
+                    outputs[name] = open_fd(stack, out_dir / name, os.O_WRONLY)
+                except OSError as exc:
+                    raise output_error(exc, out_dir / name) from None
+            return outputs[name]
+
+        if job.groups:
+            located = tensor_bytes(job.optim_states, job.group_sizes)
+            fd = open_fd(stack, job.optim_states)
+            for g, spans in job.groups:
+                flat = located[g, "fp32"]
+                if dtype_name(flat.dtype) != "float32":
+                    raise CheckpointError(f"{job.optim_states}: sub-group {g}'s master weights are "
+                                          f"{dtype_name(flat.dtype)}, not fp32; the file is not a ZeRO-3 optimizer state")
+                _stream(fd, job.optim_states, flat, spans, "float32", job.out_dtype, out_fd, buffer, counter)
+        if job.frozen:
+            located = frozen_fragment_bytes(job.model_states, [name for name, _span in job.frozen])
+            fd = open_fd(stack, job.model_states)
+            for name, span in job.frozen:
+                tb = located[name]
+                _stream(fd, job.model_states, tb, [span], dtype_name(tb.dtype), job.out_dtype, out_fd, buffer,
+                        counter)
+        if job.saved:
+            tensors = safetensors_tensors(job.rows)
+            fd = open_fd(stack, job.rows)
+            for name, span in job.saved:
+                _dtype, _shape, begin, _end = partial_slice(job.rows, tensors, "fp32", name, span.count)
+                data = os.pread(fd, span.count * 4, _data_start(job.rows) + begin)
+                if len(data) != span.count * 4:
+                    raise CheckpointError(f"{job.rows}: ends inside fp32/{name} (truncated); re-copy it")
+                pwrite_all(out_fd(span.out_file), cast(data, "float32", job.out_dtype), span.out_offset)
+                counter.add(len(data))
+        for fd in outputs.values():
+            fsync(fd, options.durable)
+    counter.finish()
+
+
+def _data_start(path: Path) -> int:
+    return safetensors_header(path)[1]
+
+
+def _stream(fd: int, path: Path, tensor, spans: list[Span], src: str, out: str, out_fd, buffer: memoryview,
+            counter: ByteCounter) -> None:
+    """Read `tensor`'s record whole (CRC-32 checked); write each span's elements, cast, to its place."""
+    itemsize, out_size = np.dtype(_NUMPY[src]).itemsize, np.dtype(_NUMPY[_OUT[out]]).itemsize
+    wanted = sorted((tensor.offset + s.first * itemsize, s) for s in spans)
+    for at, s in wanted:
+        if s.first + s.count > tensor.numel:
+            raise CheckpointError(f"{path}: {tensor.record.name} holds {tensor.numel} elements, the layout needs "
+                                  f"{s.first + s.count}; the file is from another run or layout")
+
+    def inspect(offset: int, chunk: memoryview) -> None:
+        end = offset + len(chunk)
+        for at, s in wanted:
+            stop = at + s.count * itemsize
+            lo, hi = max(at, offset), min(stop, end)
+            if lo < hi:
+                values = cast(chunk[lo - offset: hi - offset], src, out)
+                pwrite_all(out_fd(s.out_file), values, s.out_offset + (lo - at) // itemsize * out_size)
+
+    # the ranges too: a legacy-format record has no CRC-32, and then only they are read
+    checked_crcs(fd, path, tensor.record, [(at, s.count * itemsize) for at, s in wanted], buffer, counter.add,
+                 inspect)
+
+
+def cast(data, src: str, out: str) -> bytes:
+    """Little-endian elements of dtype `src` as `out` (float32, bfloat16, float16 names or F32/BF16/F16)."""
+    out = _OUT.get(out, out)
+    if src == out:
+        return bytes(data)
+    values = np.frombuffer(data, dtype=_NUMPY[src])
+    if src == "bfloat16":
+        values = (values.astype(np.uint32) << 16).view(np.float32)
+    elif src == "float16":
+        values = values.astype(np.float32)
+    if out == "float32":
+        return values.astype(np.float32).tobytes()
+    if out == "float16":
+        return values.astype(np.float16).tobytes()
+    bits = values.astype(np.float32).view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    return np.where(np.isnan(values), np.uint16(0x7FC0), rounded).astype(np.uint16).tobytes()

@@ -1,0 +1,168 @@
+"""`--export`: a composition as a plain HF model folder, for evaluation before resuming.
+
+On real runs, every exported tensor equals DeepSpeed's own zero_to_fp32 of the checkpoint its
+row is taken from (bit for bit in fp32; in bf16/fp16 torch's own cast of it), the folder loads
+with `AutoModelForCausalLM.from_pretrained` with no missing or unexpected keys, a tied lm_head
+stays tied, and the logits equal those of the model loaded from zero_to_fp32's weights.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import RUNS, checkpoints_of
+from helpers import assert_one_line_error, flip_byte, hidden, tailor, write_recipe
+from pilot_helpers import private_copy
+from safetensors import safe_open
+from zero_reader import read_full_state
+
+from tailor_tui.checkpoint import open_checkpoint
+from tailor_tui.demo_run import model_config
+from tailor_tui.rank_stream import tensor_bytes
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def expected_weights(picks: dict, base, rows_of) -> dict[str, torch.Tensor]:
+    """Each parameter's fp32 weights from zero_to_fp32 of its row's chosen checkpoint."""
+    states = {}
+    want = {}
+    for name, row in rows_of.items():
+        source = picks.get(row, base)
+        if source not in states:
+            states[source] = read_full_state(source)["fp32"]
+        want[name] = states[source][name]
+    return want
+
+
+def exported(folder) -> dict[str, torch.Tensor]:
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+        else ["model.safetensors"]
+    tensors = {}
+    for name in files:
+        with safe_open(folder / name, framework="pt") as f:
+            tensors |= {key: f.get_tensor(key) for key in f.keys()}
+    return tensors
+
+
+def _rows_of(ckpt_path) -> dict[str, str]:
+    ckpt = open_checkpoint(ckpt_path)
+    return {p: row.name for row in ckpt.rows for p in row.params}
+
+
+def _logits(model) -> torch.Tensor:
+    ids = torch.arange(12).reshape(2, 6) % model.config.vocab_size
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_tied_fp32_hf_export_equals_zero_to_fp32_and_loads(real_run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    run, spec = real_run("hf_fp32_3_tied")  # tied embeddings, a frozen parameter, 3 ranks
+    c2, c4, c6 = checkpoints_of(run, spec)
+    picks = {"layers.1": c2, "layers.2": c4, "embed_tokens": c4}  # layers.2 holds the frozen parameter
+    recipe = write_recipe(tmp_path, c6, picks)
+    done = tailor("--export", recipe, "--to", tmp_path / "model")
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "model"
+    got, want = exported(out), expected_weights(picks, c6, _rows_of(c6))
+    assert sorted(got) == sorted(want) and "lm_head.weight" not in got  # tied: stored once
+    for name, tensor in want.items():
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], tensor), name
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    assert (out / "generation_config.json").is_file() and (out / "tailor_provenance.json").is_file()
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    reference = AutoModelForCausalLM.from_config(model.config)
+    reference.load_state_dict(want, strict=False)
+    reference.tie_weights()
+    assert torch.equal(_logits(model), _logits(reference))
+
+
+@pytest.mark.parametrize("dtype", [None, "fp32", "fp16"])
+def test_bf16_export_casts_as_torch_and_shards(real_run, tmp_path, dtype):
+    from transformers import AutoModelForCausalLM
+
+    run, spec = real_run("hf_bf16_2")
+    c2, c4, c6 = checkpoints_of(run, spec)
+    picks = {"layers.0": c2, "lm_head": c4}
+    recipe = write_recipe(tmp_path, c6, picks)
+    out = tmp_path / "model"
+    args = ["--export", recipe, "--to", out, "--max-shard-size", "20KB"] + (["--dtype", dtype] if dtype else [])
+    done = tailor(*args)
+    assert done.returncode == 0, done.stderr
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = set(index["weight_map"].values())
+    assert len(files) > 2 and all(_tensor_bytes(out / f) <= 20_000 or _single(out / f) for f in files)
+    target = DTYPES[dtype or "bf16"]
+    got, want = exported(out), expected_weights(picks, c6, _rows_of(c6))
+    assert sorted(got) == sorted(want) and index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for t in got.values())
+    for name, tensor in want.items():
+        assert got[name].dtype == target and torch.equal(got[name], tensor.to(target)), name
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert model.dtype == target
+
+
+def _tensor_bytes(path) -> int:
+    """The bytes of a shard's tensors (what max_shard_size bounds, as in save_pretrained)."""
+    with safe_open(path, framework="pt") as f:
+        return sum(_numel(f, k) for k in f.keys())
+
+
+def _numel(f, key) -> int:
+    tensor = f.get_tensor(key)
+    return tensor.numel() * tensor.element_size()
+
+
+def _single(path) -> bool:
+    """A shard over the limit holds one tensor larger than the limit (as save_pretrained)."""
+    with safe_open(path, framework="pt") as f:
+        return len(list(f.keys())) == 1
+
+
+def test_deepspeed_layout_export_takes_its_config(real_run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    run, spec = real_run("ds_bf16_3_subgroups")  # sub-groups, a frozen parameter
+    c2, _c4, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.3": c2})
+    bare = tailor("--export", recipe, "--to", tmp_path / "weights")
+    assert bare.returncode == 0, bare.stderr
+    assert "no config.json" in bare.stderr and "--config PATH" in bare.stderr
+    assert not (tmp_path / "weights" / "config.json").exists()
+    model_config(RUNS["ds_bf16_3_subgroups"]).save_pretrained(tmp_path / "cfg")
+    done = tailor("--export", recipe, "--to", tmp_path / "model", "--config", tmp_path / "cfg")
+    assert done.returncode == 0, done.stderr
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "model", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    want = expected_weights({"layers.3": c2}, c6, _rows_of(c6))
+    got = exported(tmp_path / "model")
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor.to(torch.bfloat16)), name
+
+
+def test_export_errors_are_one_line_and_write_nothing(real_run, tmp_path):
+    _run, (c2, _c4, c6) = private_copy(real_run, tmp_path, "hf_bf16_2")
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c2})
+    assert_one_line_error(tailor("--export", recipe), 2, "--export needs --to DIR")
+    assert_one_line_error(tailor("--export", recipe, "--to", tmp_path / "m", "--max-shard-size", "lots"), 2,
+                          "--max-shard-size 'lots'")
+    assert_one_line_error(tailor("--export", recipe, "--to", tmp_path / "m", "--config", tmp_path / "none"), 2,
+                          "no config.json there")
+    target = next(c2.rglob("*rank_1_*optim_states.pt"))
+    sizes = tuple(open_checkpoint(c2).layout.group_sizes())
+    fp32 = tensor_bytes(target, sizes)[0, "fp32"].record.name  # the master weights an export reads
+    record = flip_byte(target, fp32, where=0.5)
+    assert_one_line_error(tailor("--export", recipe, "--to", tmp_path / "m"), 4, f"record {record} fails its CRC-32")
+    assert not (tmp_path / "m").exists() and not [p for p in hidden(tmp_path) if "tailor" in p.name]
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    assert_one_line_error(tailor("--export", write_recipe(tmp_path, c6, {}), "--to", tmp_path / "taken"), 6)
+    assert (tmp_path / "taken" / "notes.txt").read_text() == "mine"
