@@ -565,3 +565,31 @@ async def test_a_large_plan_on_a_login_node_offers_a_batch_job(real_run, tmp_pat
     assert f"--apply {recipe.resolve()} --workers 4" in script and "\nsrun " in script
     assert os.access(tmp_path / "big.sbatch", os.X_OK) and recipe.is_file()
     assert not (run / "checkpoint-6-tailored").exists()
+
+
+async def test_export_for_evaluation_from_the_composer(real_run, tmp_path):
+    """e asks for a folder, then exports the picks there on the merge screen: a folder
+    from_pretrained loads, each row from its picked checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    run, (c2, _c4, c6) = private_copy(real_run, tmp_path, "hf_bf16_2")
+    app = make_app(run, workers=1)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        app.query_one("#grid").move_cursor(row=2, column=1)  # layers.1 from checkpoint-2
+        await pilot.press("space")
+        await pilot.press("e")
+        await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt))
+        assert app.screen.query_one(Input).value.endswith("checkpoint-6-tailored-hf")
+        app.screen.query_one(Input).value = str(tmp_path / "hf")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, MergeScreen))
+        await wait_for(pilot, lambda: not app.screen.running)
+        assert app.screen.has_class("finished")
+        await pilot.press("escape")
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    name = "model.layers.1.self_attn.q_proj.weight"
+    want = read_full_state(c2)["fp32"][name].to(torch.bfloat16)
+    assert torch.equal(model.state_dict()[name], want)
+    assert not torch.equal(want, read_full_state(c6)["fp32"][name].to(torch.bfloat16))

@@ -28,6 +28,7 @@ from ..checkpoint import ScanResult, scan
 from ..composition import Composition
 from ..errors import OutputError, TailorError
 from ..events import TaskOptions
+from ..export import ExportResult
 from ..health import Health, training_log, why_unhealthy
 from ..output import not_replaceable
 from ..plan import build_plan
@@ -35,6 +36,7 @@ from ..sbatch import LARGE, offer_batch
 from ..units import size
 from ..workers import prepare_worker_processes
 from .details import details_lines
+from .export_actions import ExportActions
 from .dialogs import Confirm, ErrorDialog, HelpScreen, PathPrompt, PlanDialog
 from .grid import CheckpointGrid
 from .health_actions import HealthActions
@@ -50,7 +52,7 @@ from .navigation import Navigation
 from .recipe_actions import RecipeActions
 
 
-class TailorApp(HealthActions, Navigation, RecipeActions, App):
+class TailorApp(ExportActions, HealthActions, Navigation, RecipeActions, App):
     CSS_PATH = "tailor.tcss"
     TITLE = "tailor-tui"
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (110, "-wide")]  # narrow: details below the grid
@@ -72,6 +74,7 @@ class TailorApp(HealthActions, Navigation, RecipeActions, App):
         Binding("d", "toggle_details", "Details", show=False),
         Binding("o", "set_output", "Output", show=False),
         Binding("w", "set_world_size", "World size", show=False),
+        Binding("e", "export", "Export", show=False),
         Binding("u,ctrl+z", "undo", "Undo", show=False),
         Binding("ctrl+y,ctrl+shift+z", "redo", "Redo", show=False),
         Binding("ctrl+s", "save_recipe", "Save"),
@@ -96,6 +99,7 @@ class TailorApp(HealthActions, Navigation, RecipeActions, App):
         "toggle_details": "Give the details panel more room (on a narrow terminal it sits below the grid)",
         "set_output": "Set the output folder",
         "set_world_size": "Set the world size to compose for (reshard for another number of ranks)",
+        "export": "Export for evaluation: the composition as a plain HF model folder (from_pretrained loads it)",
         "undo": "Undo the last change",
         "redo": "Redo the change undone last",
         "save_recipe": "Save the picks as a recipe",
@@ -402,7 +406,7 @@ class TailorApp(HealthActions, Navigation, RecipeActions, App):
 
     def merge_finished(self, result) -> None:
         self.merging = False
-        self.notify(f"composed {result.output}")
+        self.notify(f"{'exported' if isinstance(result, ExportResult) else 'composed'} {result.output}")
 
     def merge_closed(self, _result=None) -> None:
         self.merging = False

@@ -154,6 +154,7 @@ Keys
            pgup / pgdn, home / end: a page, the first / last row
   recipe   ctrl+s save    S save as    ctrl+o load    o output
            w: world size (ranks to compose for)    u undo    ctrl+y redo
+  export   e: the composition as a plain HF model folder, to evaluate
   compose  ctrl+r: review the plan, then merge (Esc cancels);
            a large plan on a login node: s writes an sbatch script
   other    ? or F1: help    ctrl+p: command palette    q: quit

@@ -20,8 +20,11 @@ from textual.widgets import Footer, Label, ProgressBar, Static
 
 from ..errors import MergeCancelled, TailorError
 from ..events import TaskOptions, TaskProgressed
+from ..export import run_export
+from ..export_plan import Export
 from ..merge import MergeResult, planned_tasks, run_merge
 from ..plan import MergePlan
+from ..workers import STREAMING_WORKER, workers_for
 from ..units import size, throughput
 
 
@@ -51,15 +54,16 @@ class MergeScreen(Screen):
 
     def __init__(self, plan: MergePlan, workers: int | None, clock: Callable[[], float] = time.monotonic,
                  autostart: bool = True, title: str | None = None, options: TaskOptions = TaskOptions(),
-                 allow_nonfinite: bool = False):
+                 allow_nonfinite: bool = False, export: Export | None = None):
         super().__init__()
         self.options, self.allow_nonfinite = options, allow_nonfinite
+        self.export = export  # an export for evaluation runs here instead of the merge
         self.autostart = autostart  # snapshot tests feed progress events themselves
         self.title_text = title or f"Composing {plan.output}"
         self.plan, self.merge_workers, self.clock = plan, workers, clock  # `workers`: Textual's
         self.cancel = threading.Event()
         self.finished = threading.Event()  # set when the merge thread has fully returned
-        self.tasks = planned_tasks(plan)
+        self.tasks = [(j.task, j.total_bytes) for j in export.jobs] if export else planned_tasks(plan)
         self.done = {name: 0 for name, _ in self.tasks}
         self.started = clock()
         self.running = True
@@ -87,15 +91,15 @@ class MergeScreen(Screen):
 
     @work(thread=True, exclusive=True, group="merge")
     def run_merge_worker(self) -> None:
+        emit = lambda e: self.post_message(MergeProgressed(e)) if isinstance(e, TaskProgressed) else None  # noqa: E731
         try:
-            result = run_merge(
-                self.plan,
-                workers=self.merge_workers,
-                emit=lambda e: self.post_message(MergeProgressed(e)) if isinstance(e, TaskProgressed) else None,
-                cancel=self.cancel,
-                options=self.options,
-                allow_nonfinite=self.allow_nonfinite,
-            )
+            if self.export is not None:
+                workers = self.merge_workers or workers_for(len(self.export.jobs), STREAMING_WORKER)
+                result = run_export(self.export, config=None, workers=workers, emit=emit, cancel=self.cancel,
+                                    options=self.options)
+            else:
+                result = run_merge(self.plan, workers=self.merge_workers, emit=emit, cancel=self.cancel,
+                                   options=self.options, allow_nonfinite=self.allow_nonfinite)
         except MergeCancelled as exc:
             self.post_message(MergeFailed(str(exc), cancelled=True))
         except TailorError as exc:

@@ -58,6 +58,12 @@ class PlanReady(Message):
         self.plan = plan
 
 
+class ExportReady(Message):
+    def __init__(self, export) -> None:
+        super().__init__()
+        self.export = export  # export_plan.Export
+
+
 class PlanFailed(Message):
     """`replaceable`: the output is an earlier tailor-tui output the user may choose to replace
     (what --force does headlessly), with `recipe` to plan again."""

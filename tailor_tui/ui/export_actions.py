@@ -1,0 +1,62 @@
+"""e: export the composition as a plain HF model folder, for evaluation (a mixin of TailorApp).
+
+Asks for the folder (beside the output by default), plans the export in a thread, then runs it
+on the merge screen (one bar per source rank, Esc cancels, nothing left behind). The same
+backend as `tailor-tui --export` (`export_plan`, `export`); a DeepSpeed-layout run has no
+config.json to copy: the folder then holds the weights and the notice says how to add one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from textual import work
+
+from ..errors import TailorError
+from ..export_plan import plan_export
+from ..plan import build_plan
+from ..safetensors_out import parse_size
+from .dialogs import ErrorDialog, PathPrompt
+from .merge_screen import MergeScreen
+from .messages import ExportReady
+
+DEFAULT_SHARD = "5GB"
+
+
+class ExportActions:
+    def action_export(self) -> None:
+        if not self._editable():
+            return
+        comp = self.composition
+        output = comp.output or comp.base_checkpoint.path.with_name(comp.base_checkpoint.name + "-tailored")
+        default = output.with_name(output.name + "-hf")
+
+        def chosen(value: str | None) -> None:
+            if value:
+                recipe = dataclasses.replace(comp.to_recipe(), output=Path(os.path.expanduser(value)))
+                self.export_worker(recipe)
+
+        self.push_screen(PathPrompt("Export for evaluation (a plain HF model folder) to", str(default)), chosen)
+
+    @work(thread=True, exclusive=True, group="plan")
+    def export_worker(self, recipe) -> None:
+        try:
+            self.post_message(ExportReady(plan_export(build_plan(recipe), None, parse_size(DEFAULT_SHARD))))
+        except TailorError as exc:
+            self.call_from_thread(self.export_failed, str(exc))
+
+    def on_export_ready(self, message: ExportReady) -> None:
+        export = message.export
+        if export.plan.base.kind != "hf":
+            self.notify("a DeepSpeed-layout run records no config.json: the folder will hold the weights; "
+                        "add the model's config with tailor-tui --export … --config PATH", severity="warning",
+                        timeout=10)
+        self.merging = True
+        self.push_screen(MergeScreen(export.plan, self.merge_workers, clock=self.merge_clock, options=self.merge_options,
+                                     title=f"Exporting {self.rel(export.plan.output)}", export=export),
+                         self.merge_closed)
+
+    def export_failed(self, message: str) -> None:
+        self.push_screen(ErrorDialog(message, title="Cannot export"))
