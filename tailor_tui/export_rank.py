@@ -20,7 +20,6 @@ from typing import Callable
 
 import numpy as np
 
-from .checkpoint import safetensors_header
 from .errors import CheckpointError
 from .events import ByteCounter, Emit, TaskOptions
 from .export_plan import ExportJob, Span
@@ -70,7 +69,7 @@ def export_rank(job: ExportJob, out_dir: Path, emit: Emit, cancelled: Callable[[
             fd = open_fd(stack, job.rows)
             for name, span in job.saved:
                 _dtype, _shape, begin, _end = partial_slice(job.rows, tensors, "fp32", name, span.count)
-                data = os.pread(fd, span.count * 4, _data_start(job.rows) + begin)
+                data = os.pread(fd, span.count * 4, begin)  # `begin`: the tensor's first byte in the file
                 if len(data) != span.count * 4:
                     raise CheckpointError(f"{job.rows}: ends inside fp32/{name} (truncated); re-copy it")
                 pwrite_all(out_fd(span.out_file), cast(data, "float32", job.out_dtype), span.out_offset)
@@ -78,10 +77,6 @@ def export_rank(job: ExportJob, out_dir: Path, emit: Emit, cancelled: Callable[[
         for fd in outputs.values():
             fsync(fd, options.durable)
     counter.finish()
-
-
-def _data_start(path: Path) -> int:
-    return safetensors_header(path)[1]
 
 
 def _stream(fd: int, path: Path, tensor, spans: list[Span], src: str, out: str, out_fd, buffer: memoryview,

@@ -166,3 +166,24 @@ def test_export_errors_are_one_line_and_write_nothing(real_run, tmp_path):
     (tmp_path / "taken" / "notes.txt").write_text("mine")
     assert_one_line_error(tailor("--export", write_recipe(tmp_path, c6, {}), "--to", tmp_path / "taken"), 6)
     assert (tmp_path / "taken" / "notes.txt").read_text() == "mine"
+
+
+def test_partial_checkpoints_export_their_saved_rows(real_run, tmp_path):
+    """A base that is a partial save and rows from another partial save (selective saving, a
+    frozen parameter, sub-groups): each tensor equals the full reference save of its row's step."""
+    from tailor_tui.checkpoint import scan
+
+    run, _spec = real_run("ds_selective_parity")
+    runs, ref = run / "run", run / "reference"
+    p4, p6 = (c for c in scan(runs).checkpoints if c.partial)
+    rows = {row: runs / "partial-step4" for row in p4.saved_rows if not p6.holds(row)}
+    recipe = write_recipe(tmp_path, runs / "partial-step6", rows)
+    done = tailor("--export", recipe, "--to", tmp_path / "model", "--dtype", "fp32")
+    assert done.returncode == 0, done.stderr
+    got = exported(tmp_path / "model")
+    steps = {name: "global_step6" if p6.holds(row) else "global_step4" if row in rows else "global_step2"
+             for name, row in _rows_of(runs / "partial-step6").items()}
+    assert set(steps.values()) >= {"global_step4", "global_step6"}
+    references = {step: read_full_state(ref / step)["fp32"] for step in set(steps.values())}
+    for name, step in steps.items():
+        assert torch.equal(got[name], references[step][name]), (name, step)
