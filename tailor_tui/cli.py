@@ -357,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         parser().error("name a RUN_DIR to open, or use --demo, --apply RECIPE, --stats RUN_DIR or --make-demo DIR")
     if args.json and not args.stats:
         parser().error("--json goes with --stats")
+    if (args.to or args.dtype or args.config) and not args.export:
+        parser().error("--to, --dtype and --config go with --export")
     if args.world_size and not (args.apply or args.verify):
         parser().error("--world-size goes with --apply or --verify")
     try:

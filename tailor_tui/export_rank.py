@@ -82,6 +82,9 @@ def export_rank(job: ExportJob, out_dir: Path, emit: Emit, cancelled: Callable[[
 def _stream(fd: int, path: Path, tensor, spans: list[Span], src: str, out: str, out_fd, buffer: memoryview,
             counter: ByteCounter) -> None:
     """Read `tensor`'s record whole (CRC-32 checked); write each span's elements, cast, to its place."""
+    if src not in _NUMPY:
+        raise CheckpointError(f"{path}: {tensor.record.name} holds {src} values where weights were expected; "
+                              "the file is from another run or layout")
     itemsize, out_size = np.dtype(_NUMPY[src]).itemsize, np.dtype(_NUMPY[_OUT[out]]).itemsize
     wanted = sorted((tensor.offset + s.first * itemsize, s) for s in spans)
     for at, s in wanted:
