@@ -57,6 +57,9 @@ class RunSpec:
     blow_up_step: int = 0
     # DeepSpeed layout: AdamW with amsgrad, which keeps a third per-element state (max_exp_avg_sq)
     amsgrad: bool = False
+    # a persistent buffer on the final norm (`model.norm.tailor_scale`): model_states keeps it in
+    # `module` and save_pretrained writes it beside the weights
+    buffer: bool = False
     # HF layout: evaluate at every save with `load_best_model_at_end`; the metric `score` is best
     # at step `best_at` (a test callback sets it in the evaluation's metrics; 0: no evaluation)
     best_at: int = 0
@@ -138,6 +141,8 @@ def build_model(spec: RunSpec):
     for name, p in model.named_parameters():
         if name in spec.frozen:
             p.requires_grad_(False)
+    if spec.buffer:
+        model.model.norm.register_buffer("tailor_scale", torch.linspace(0.5, 1.5, spec.hidden), persistent=True)
     return model
 
 

@@ -8,7 +8,8 @@ so a tensor is put together from one slice of every rank's flat fp32 buffer (a f
 parameter: of every rank's fragment in model_states). An `ExportJob` is one source rank's
 share: for each sub-group's flat buffer (or frozen fragment, or a partial checkpoint's saved
 slice) the element ranges to take and the output bytes they go to. Sources are read by
-their own layouts, whatever their world size.
+their own layouts, whatever their world size. Persistent buffers (which save_pretrained writes
+beside the weights) come from rank 0's model_states of their row's source, as stored.
 
 Torch-free; `export_rank` does the jobs.
 """
@@ -20,10 +21,13 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from .ds_format import MODULE
 from .errors import CheckpointError
 from .layout import part
+from .pickled import TensorRef, dtype_name
 from .plan import MergePlan
-from .safetensors_out import DTYPES, ITEMSIZE, Placed, ShardFile, lay_out
+from .ptfile import read_structure
+from .safetensors_out import DTYPES, ITEMSIZE, NAMED, Placed, ShardFile, lay_out
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,8 @@ class ExportJob:
     groups: tuple[tuple[int, tuple[Span, ...]], ...]  # (sub-group, spans of its flat fp32 buffer)
     saved: tuple[tuple[str, Span], ...]  # (parameter, span) from the partial rows file
     frozen: tuple[tuple[str, Span], ...]  # (parameter, span) of its fragment in model_states
-    out_dtype: str  # safetensors' name: F32, BF16, F16
+    buffers: tuple[tuple[str, Span], ...]  # (buffer, span) in model_states' module, written as stored
+    out_dtype: str  # the weights' safetensors name: F32, BF16, F16
     total_bytes: int  # bytes read, for progress
 
 
@@ -69,22 +74,44 @@ def plan_export(plan: MergePlan, dtype: str | None, max_shard: int) -> Export:
     """The export of `plan`'s composition in `dtype` (None: the training dtype)."""
     base = plan.base
     dtype = dtype or base.dtype
-    buffers = [b for row in base.rows for b in row.buffers]
-    if buffers:
-        raise CheckpointError(f"{base.path}: the model has buffers ({buffers[0]}…), which --export does not "
-                              "write yet; compose with --apply and convert with DeepSpeed's zero_to_fp32")
     shapes = {name: shape for group in base.layout.groups for name, shape in group} | dict(base.layout.frozen)
-    files, placed, index = lay_out(list(shapes.items()), DTYPES[dtype], max_shard)
     source_of = plan.source_of_param()
+    buffers = _buffers(plan, source_of)  # name -> (shape, its own dtype): written as stored
+    files, placed, index = lay_out([(name, shape, DTYPES[dtype]) for name, shape in shapes.items()]
+                                   + [(name, shape, kind) for name, (shape, kind) in buffers.items()], max_shard)
     jobs = []
     for s, ckpt in enumerate(plan.sources):
         mine = {name for name, src in source_of.items() if src == s and name in shapes}
-        if mine:
-            jobs += _jobs_of(ckpt, mine, placed, ckpt.name if s else f"{ckpt.name} (base)")
+        held = tuple((name, Span(0, math.prod(placed[name].shape), placed[name].file, placed[name].offset))
+                     for name in sorted(buffers) if source_of[name] == s)
+        if mine or held:
+            jobs += _jobs_of(ckpt, mine, placed, ckpt.name if s else f"{ckpt.name} (base)", held, DTYPES[dtype])
     return Export(plan, dtype, tuple(files), placed, index, tuple(jobs))
 
 
-def _jobs_of(ckpt, names: set[str], placed: dict[str, Placed], label: str) -> list[ExportJob]:
+def _buffers(plan: MergePlan, source_of: dict[str, int]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every buffer the model saves (save_pretrained writes persistent buffers beside the
+    weights): its shape and dtype as its row's source keeps it in rank 0's model_states."""
+    found = {}
+    read: dict[int, dict] = {}
+    for row in plan.base.rows:
+        for name in row.buffers:
+            s = source_of[name]
+            path = plan.sources[s].ranks[0].model_states
+            if s not in read:
+                obj, _records, _prefix = read_structure(path)
+                read[s] = obj.get(MODULE) if isinstance(obj, dict) else None
+            tensor = (read[s] or {}).get(name)
+            kind = NAMED.get(dtype_name(tensor.storage.type_name)) if isinstance(tensor, TensorRef) else None
+            if kind is None:
+                raise CheckpointError(f"{path}: has no readable buffer {name}; the file is damaged or from "
+                                      "another model")
+            found[name] = (tensor.size, kind)
+    return found
+
+
+def _jobs_of(ckpt, names: set[str], placed: dict[str, Placed], label: str,
+             buffers: tuple[tuple[str, Span], ...], out_dtype: str) -> list[ExportJob]:
     slots = {slot.name: slot for slot in ckpt.layout.slots}
     frozen = dict(ckpt.layout.frozen)
     sizes = tuple(ckpt.layout.group_sizes())
@@ -115,7 +142,9 @@ def _jobs_of(ckpt, names: set[str], placed: dict[str, Placed], label: str) -> li
             else:
                 groups[slot.group].append(span)
         read += sum(sizes[g] * 4 for g in groups)  # a sub-group's flat buffer is read whole (its CRC-32)
+        mine = buffers if rank == 0 else ()  # replicated on every rank: rank 0's
+        read += sum(placed[name].nbytes for name, _span in mine)
         jobs.append(ExportJob(f"{label} rank {rank}", files.optim_states, files.model_states, files.rows, sizes,
                               tuple(sorted((g, tuple(spans)) for g, spans in groups.items())), tuple(saved),
-                              tuple(fragments), next(iter(placed.values())).dtype, max(read, 1)))
+                              tuple(fragments), mine, out_dtype, max(read, 1)))
     return jobs

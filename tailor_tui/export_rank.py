@@ -4,8 +4,8 @@ Each sub-group's flat fp32 buffer a job takes from is read once, whole, through 
 and checked against the CRC-32 its archive stores (a rotten source is refused, never exported);
 as each chunk goes by, the slices the job takes are cast to the export's dtype and written
 straight to their place in the output files (`export_plan`, `safetensors_out`). Frozen
-parameters' fragments (model_states) likewise; a partial checkpoint's saved slices are read
-where its rows file holds them. Memory: the buffer and one chunk's cast, whatever the size.
+parameters' fragments and persistent buffers (model_states) likewise, buffers as stored; a
+partial checkpoint's saved slices are read where its rows file holds them. Memory: the buffer and one chunk's cast, whatever the size.
 
 Casts are those of torch's `Tensor.to`: fp32 to bf16 and fp16 round to nearest even (NaN stays
 NaN, bf16's as 0x7FC0; overflow gives inf), bf16 to fp32 is exact. Torch-free (numpy).
@@ -20,13 +20,14 @@ from typing import Callable
 
 import numpy as np
 
+from .ds_format import MODULE
 from .errors import CheckpointError
 from .events import ByteCounter, Emit, TaskOptions
 from .export_plan import ExportJob, Span
 from .fileio import fsync, open_fd, output_error, pwrite_all
 from .model_files import partial_slice, safetensors_tensors
 from .pickled import dtype_name
-from .ptfile import checked_crcs, frozen_fragment_bytes
+from .ptfile import Unsupported, checked_crcs, frozen_fragment_bytes, locate, read_structure
 from .rank_stream import STREAM_CHUNK, tensor_bytes
 
 _NUMPY = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
@@ -64,6 +65,17 @@ def export_rank(job: ExportJob, out_dir: Path, emit: Emit, cancelled: Callable[[
                 tb = located[name]
                 _stream(fd, job.model_states, tb, [span], dtype_name(tb.dtype), job.out_dtype, out_fd, buffer,
                         counter)
+        if job.buffers:
+            obj, records, prefix = read_structure(job.model_states)
+            fd = open_fd(stack, job.model_states)
+            for name, span in job.buffers:
+                try:
+                    tb = locate(obj[MODULE][name], records, prefix)
+                except (KeyError, TypeError, Unsupported):
+                    raise CheckpointError(f"{job.model_states}: has no readable buffer {name}; the file is damaged "
+                                          "or from another model") from None
+                kind = dtype_name(tb.dtype)
+                _stream(fd, job.model_states, tb, [span], kind, kind, out_fd, buffer, counter)
         if job.saved:
             tensors = safetensors_tensors(job.rows)
             fd = open_fd(stack, job.rows)
@@ -82,10 +94,11 @@ def export_rank(job: ExportJob, out_dir: Path, emit: Emit, cancelled: Callable[[
 def _stream(fd: int, path: Path, tensor, spans: list[Span], src: str, out: str, out_fd, buffer: memoryview,
             counter: ByteCounter) -> None:
     """Read `tensor`'s record whole (CRC-32 checked); write each span's elements, cast, to its place."""
-    if src not in _NUMPY:
+    if src != _OUT.get(out, out) and src not in _NUMPY:
         raise CheckpointError(f"{path}: {tensor.record.name} holds {src} values where weights were expected; "
                               "the file is from another run or layout")
-    itemsize, out_size = np.dtype(_NUMPY[src]).itemsize, np.dtype(_NUMPY[_OUT[out]]).itemsize
+    itemsize = tensor.itemsize
+    out_size = np.dtype(_NUMPY[_OUT.get(out, out)]).itemsize if _OUT.get(out, out) in _NUMPY else itemsize
     wanted = sorted((tensor.offset + s.first * itemsize, s) for s in spans)
     for at, s in wanted:
         if s.first + s.count > tensor.numel:

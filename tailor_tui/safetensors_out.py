@@ -23,8 +23,10 @@ from .errors import UsageError
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2}
+ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 DTYPES = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}  # --dtype -> safetensors' name
+NAMED = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
+         "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}  # a tensor's dtype -> it
 
 
 @dataclass(frozen=True)
@@ -62,35 +64,34 @@ def parse_size(text: str) -> int:
     return value
 
 
-def lay_out(tensors: list[tuple[str, tuple[int, ...]]], dtype: str, max_shard: int,
+def lay_out(tensors: list[tuple[str, tuple[int, ...], str]], max_shard: int,
             metadata: dict | None = None) -> tuple[list[ShardFile], dict[str, Placed], dict | None]:
-    """(files, every tensor's place, the index to write or None). Tensors go in name order, a new
-    shard starting when the next would pass `max_shard` bytes (a tensor larger than it gets a
-    shard of its own, as save_pretrained does)."""
-    itemsize = ITEMSIZE[dtype]
-    groups: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    """(files, every tensor's place, the index to write or None) of `tensors` (name, shape,
+    safetensors dtype). Tensors go in name order, a new shard starting when the next would pass
+    `max_shard` bytes (a tensor larger than it gets a shard of its own, as save_pretrained does)."""
+    groups: list[list[tuple[str, tuple[int, ...], str]]] = [[]]
     size = 0
-    for name, shape in sorted(tensors):
-        n = math.prod(shape) * itemsize
+    for name, shape, dtype in sorted(tensors):
+        n = math.prod(shape) * ITEMSIZE[dtype]
         if groups[-1] and size + n > max_shard:
             groups.append([])
             size = 0
-        groups[-1].append((name, shape))
+        groups[-1].append((name, shape, dtype))
         size += n
     names = [SINGLE] if len(groups) == 1 else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
                                                for i in range(len(groups))]
     files, placed = [], {}
     for file, group in zip(names, groups, strict=True):
         header, begin = {"__metadata__": {"format": "pt", **(metadata or {})}}, 0
-        for name, shape in group:
-            end = begin + math.prod(shape) * itemsize
+        for name, shape, dtype in group:
+            end = begin + math.prod(shape) * ITEMSIZE[dtype]
             header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
             begin = end
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)
         start = 8 + len(text)
         files.append(ShardFile(file, struct.pack("<Q", len(text)) + text, start + begin))
-        for name, shape in group:
+        for name, shape, dtype in group:
             placed[name] = Placed(name, shape, dtype, file, start + header[name]["data_offsets"][0])
     index = None
     if len(files) > 1:

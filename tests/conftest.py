@@ -95,6 +95,8 @@ RUNS = {
         "model.layers.2.self_attn.q_proj.weight", "model.layers.2.mlp.down_proj.weight"), blow_up_step=6),
     # AdamW with amsgrad: a per-element optimizer state (max_exp_avg_sq) besides Adam's two moments
     "ds_amsgrad": RunSpec(layout="deepspeed", steps=2, amsgrad=True),
+    # HF layout with a persistent buffer (model.norm.tailor_scale): save_pretrained writes it
+    "hf_buffer": RunSpec(buffer=True),
     # A frozen parameter (no optimizer state: its values live in model_states' fragments) of
     # layers.1 turns NaN just before the step-4 save
     "ds_frozen_blown_up": RunSpec(layout="deepspeed", steps=4, frozen=("model.layers.1.mlp.up_proj.weight",),

@@ -187,3 +187,29 @@ def test_partial_checkpoints_export_their_saved_rows(real_run, tmp_path):
     references = {step: read_full_state(ref / step)["fp32"] for step in set(steps.values())}
     for name, step in steps.items():
         assert torch.equal(got[name], references[step][name]), (name, step)
+
+
+def test_persistent_buffers_are_exported_as_save_pretrained_writes_them(real_run, tmp_path):
+    """A model with a persistent buffer: the export holds exactly the tensors the Trainer's own
+    save_pretrained wrote (the buffer as stored, fp32 beside bf16 weights), and the model that
+    registers it loads the export strictly."""
+    from tailor_tui.demo_run import build_model
+
+    run, spec = real_run("hf_buffer")
+    c2, _c4, c6 = checkpoints_of(run, spec)
+    picks = {"norm": c2, "layers.1": c2}
+    recipe = write_recipe(tmp_path, c6, picks)
+    done = tailor("--export", recipe, "--to", tmp_path / "model")
+    assert done.returncode == 0, done.stderr
+    got = exported(tmp_path / "model")
+    with safe_open(c2 / "model.safetensors", framework="pt") as f:
+        saved = {key: f.get_tensor(key) for key in f.keys()}
+    assert sorted(got) == sorted(saved) and "model.norm.tailor_scale" in got
+    assert {k: t.dtype for k, t in got.items()} == {k: t.dtype for k, t in saved.items()}
+    assert torch.equal(got["model.norm.tailor_scale"], saved["model.norm.tailor_scale"])
+    want = expected_weights(picks, c6, _rows_of(c6))
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor.to(torch.bfloat16)), name
+    model = build_model(spec)
+    model.load_state_dict(got, strict=True)
+    assert torch.equal(model.model.norm.tailor_scale, saved["model.norm.tailor_scale"])
