@@ -101,9 +101,9 @@ def _buffers(plan: MergePlan, source_of: dict[str, int]) -> dict[str, tuple[tupl
             if s not in read:
                 obj, _records, _prefix = read_structure(path)
                 read[s] = obj.get(MODULE) if isinstance(obj, dict) else None
-            tensor = (read[s] or {}).get(name)
+            tensor = read[s].get(name) if isinstance(read[s], dict) else None
             kind = NAMED.get(dtype_name(tensor.storage.type_name)) if isinstance(tensor, TensorRef) else None
-            if kind is None:
+            if kind is None or not all(type(d) is int and d >= 0 for d in tensor.size):
                 raise CheckpointError(f"{path}: has no readable buffer {name}; the file is damaged or from "
                                       "another model")
             found[name] = (tensor.size, kind)
