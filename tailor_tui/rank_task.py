@@ -1,7 +1,7 @@
 """One rank's task: compose its optim_states and model_states files, each by the writer
-it needs. Streaming (`rank_stream`, no torch) whenever it can; `rank_torch` (imported only
-then) for a partial base, a legacy-format base or model_states that take frozen fragments
-or buffers from other checkpoints.
+it needs. Streaming (`rank_stream`, no torch) whenever it can, a partial base's optim file
+from its skeleton (`rank_partial`, no torch); `rank_torch` (imported only then) for a
+legacy-format base or model_states that take frozen fragments or buffers from other checkpoints.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from .nonfinite import ITEMSIZE, Census, Region
 from .pickled import dtype_name
 from .plan import RankJob
 from .ptfile import check_crcs, file_format, frozen_fragment_bytes
+from .rank_partial import build_optim_states_from_skeleton
 from .rank_stream import stream_optim_states
 
 
@@ -28,8 +29,6 @@ def merge_rank(job: RankJob, out_tag_dir: Path, emit: Emit, cancelled: Callable[
     base_files = job.files[0]
     out_optim = out_tag_dir / base_files.optim_states.name
     if base_files.rows is not None:  # a partial base has no optim file to copy: build it
-        from .rank_torch import build_optim_states_from_skeleton
-
         nonfinite = build_optim_states_from_skeleton(job, out_optim, counter)
     elif (nonfinite := stream_optim_states(job, out_optim, counter)) is None:
         from .rank_torch import reserialise_optim_states

@@ -39,54 +39,15 @@ from .ds_format import (
 )
 from .errors import CheckpointError
 from .layout import part
-from .pickled import Size, StorageRef, TensorRef
-from .ptfile import Unsupported, locate, read_structure
-from .ptpickle import dumps, storage_bytes, tensor
-from .ptwrite import Copied, Reserved, write_archive
+from .pickled import Size, TensorRef
+from .ptedit import Rewritable, reserved
+from .ptpickle import dumps
+from .ptwrite import write_archive
 from .reshard import Reshard, optim_structure_file, output_names
 
 # A per-group optimizer value other than the moments (`step`) is compared between sub-groups
 # that merge; none is larger than this in any optimizer DeepSpeed wraps.
 MAX_COMPARED_BYTES = 1 << 20
-
-
-class _Read:
-    """One file's structure as read, and where each of its storages' bytes lie."""
-
-    def __init__(self, path: Path):
-        refs: dict[str, StorageRef] = {}
-        self.path = path
-        self.obj, self.records, self.prefix = read_structure(path, refs)
-        self.fills = {}
-        for key, ref in refs.items():
-            record = self.records.get(f"{self.prefix}data/{key}")
-            if record is None or record.size != storage_bytes(ref):
-                raise CheckpointError(f"{path}: storage {key} does not match its record in the archive; "
-                                      "the file is corrupt, re-copy it from the training run")
-            self.fills[id(ref)] = Copied(path, record, record.data_offset, record.size)
-
-    def clone(self, value: TensorRef, fills: dict) -> TensorRef:
-        """A copy of `value` in a storage of its own, as torch's `clone` makes one."""
-        at = self._bytes(value)
-        storage = StorageRef("", value.storage.itemsize, value.numel(), value.storage.type_name)
-        fills[id(storage)] = Copied(self.path, at.record, at.offset, at.numel * at.itemsize)
-        return tensor(storage, value.size, requires_grad=value.requires_grad)
-
-    def data(self, value: TensorRef) -> bytes:
-        at = self._bytes(value)
-        if at.numel * at.itemsize > MAX_COMPARED_BYTES:
-            raise CheckpointError(f"{self.path}: an optimizer value of {at.numel} elements where a "
-                                  "per-sub-group number was expected; it cannot be resharded")
-        with open(self.path, "rb") as f:
-            f.seek(at.offset)
-            return f.read(at.numel * at.itemsize)
-
-    def _bytes(self, value: TensorRef):
-        try:
-            return locate(value, self.records, self.prefix)
-        except Unsupported as exc:
-            raise CheckpointError(f"{self.path}: a tensor that cannot be copied ({exc}); "
-                                  "it cannot be resharded") from None
 
 
 def write_skeletons(base: Checkpoint, sources: tuple[Checkpoint, ...], buffer_sources: dict[str, int],
@@ -100,7 +61,7 @@ def write_skeletons(base: Checkpoint, sources: tuple[Checkpoint, ...], buffer_so
     optim = _optim_states(base, reshard, fills)
     states = _model_states(base, sources, buffer_sources, reshard, fills)
     kinds = []
-    for obj in (optim, states):
+    for obj in (optim, states):  # every rank's file holds the same structure: pickled once
         data, storages = dumps(obj)
         kinds.append((data, [fills[id(s)] for s in storages]))
     staging = tag_dir.parent / staging
@@ -118,7 +79,7 @@ def write_skeletons(base: Checkpoint, sources: tuple[Checkpoint, ...], buffer_so
 
 
 def _optim_states(base: Checkpoint, reshard: Reshard, fills: dict) -> dict:
-    read = _Read(optim_structure_file(base.ranks[0]))
+    read = Rewritable(optim_structure_file(base.ranks[0]))
     path, optim = read.path, read.obj
     fills.update(read.fills)
     try:
@@ -145,7 +106,7 @@ def _optim_states(base: Checkpoint, reshard: Reshard, fills: dict) -> dict:
             entry = {}
             for key, value in state[first].items():
                 if key in (EXP_AVG, EXP_AVG_SQ):
-                    entry[key] = _reserved(size, value, fills)
+                    entry[key] = reserved(size, value, fills)
                     continue
                 if isinstance(value, TensorRef) and value.size and value.numel() == sizes[first] > 1:
                     raise CheckpointError(f"{path}: sub-group {first} holds optimizer state '{key}' per element; "
@@ -158,7 +119,7 @@ def _optim_states(base: Checkpoint, reshard: Reshard, fills: dict) -> dict:
                             "it cannot be resharded")
                 entry[key] = read.clone(value, fills) if isinstance(value, TensorRef) else value
             new_state[g] = entry
-            new_flat.append(_reserved(size, flat[first], fills))
+            new_flat.append(reserved(size, flat[first], fills))
     except (KeyError, IndexError, TypeError, AttributeError):
         raise CheckpointError(f"{path}: its optimizer state does not hold the sub-groups its layout has; "
                               "the file is corrupt or from another run") from None
@@ -172,7 +133,7 @@ def _optim_states(base: Checkpoint, reshard: Reshard, fills: dict) -> dict:
 
 def _model_states(base: Checkpoint, sources: tuple[Checkpoint, ...], buffer_sources: dict[str, int],
                   reshard: Reshard, fills: dict) -> dict:
-    read = _Read(base.ranks[0].model_states)
+    read = Rewritable(base.ranks[0].model_states)
     states = read.obj
     fills.update(read.fills)
     try:
@@ -183,11 +144,11 @@ def _model_states(base: Checkpoint, sources: tuple[Checkpoint, ...], buffer_sour
         states[DP_WORLD_SIZE] = reshard.world_size
         fragments = states.get(FROZEN_PARAM_FRAGMENTS) or {}
         for name, shape in base.layout.frozen:
-            fragments[name] = _reserved(part(math.prod(shape), reshard.world_size), fragments[name], fills)
+            fragments[name] = reserved(part(math.prod(shape), reshard.world_size), fragments[name], fills)
         loaded = {}
         for name, s in buffer_sources.items():  # replicated on every rank: rank 0's
             if s not in loaded:
-                loaded[s] = _Read(sources[s].ranks[0].model_states)
+                loaded[s] = Rewritable(sources[s].ranks[0].model_states)
             states[MODULE][name] = loaded[s].clone(loaded[s].obj[MODULE][name], fills)
     except (KeyError, IndexError, TypeError, AttributeError):
         raise CheckpointError(f"{read.path}: its model states do not hold the parameters and buffers its "
@@ -195,18 +156,8 @@ def _model_states(base: Checkpoint, sources: tuple[Checkpoint, ...], buffer_sour
     return states
 
 
-def _reserved(size: int, like, fills: dict) -> TensorRef:
-    """A 1-D tensor of `size` elements like `like` (dtype, requires_grad) whose bytes are left
-    for the workers to write."""
-    if not isinstance(like, TensorRef):
-        raise TypeError
-    storage = StorageRef("", like.storage.itemsize, size, like.storage.type_name)
-    fills[id(storage)] = Reserved(storage_bytes(storage))
-    return tensor(storage, (size,), requires_grad=like.requires_grad)
-
-
-def _same(read: _Read, a, b) -> bool:
+def _same(read: Rewritable, a, b) -> bool:
     if isinstance(a, TensorRef) and isinstance(b, TensorRef):
         return (a.storage.type_name == b.storage.type_name and a.size == b.size
-                and read.data(a) == read.data(b))
+                and read.data(a, MAX_COMPARED_BYTES) == read.data(b, MAX_COMPARED_BYTES))
     return type(a) is type(b) and a == b

@@ -47,8 +47,8 @@ def _run_call(fn, args: tuple, options: TaskOptions):
 
 
 # What one worker process holds besides its task's data: the interpreter and tailor-tui's
-# torch-free modules (streaming, 1 MiB buffer), or with torch imported (a partial base's
-# skeleton, the re-serialising fallback, model_states taking fragments, casting model files).
+# torch-free modules (streaming, 1 MiB buffer; a partial base's optim file too), or with torch
+# imported (the re-serialising fallback, model_states taking fragments, casting model files).
 STREAMING_WORKER = 64 << 20
 TORCH_WORKER = 512 << 20
 
@@ -60,9 +60,9 @@ def worker_memory(plan: MergePlan) -> int:
     needs = [STREAMING_WORKER]
     for job in plan.rank_jobs() if plan.reshard is None else ():  # resharding workers stream
         base = job.files[0]
-        if base.rows is not None or job.frozen or job.buffers:
+        if job.frozen or job.buffers:  # model_states re-saved by torch (a partial base's optim file is not)
             needs.append(TORCH_WORKER)
-        elif file_format(base.optim_states) != "zip":  # re-serialised: the whole rank in memory
+        elif base.rows is None and file_format(base.optim_states) != "zip":  # re-serialised: the whole rank
             needs.append(TORCH_WORKER + 2 * plan.base.rank_bytes(job.rank))
     if any(job.partial_ranks for job in plan.model_file_jobs()):
         needs.append(TORCH_WORKER)

@@ -151,7 +151,8 @@ TORCH_FREE = ("ds_format", "pickled", "ptfile", "ptlegacy", "crc", "fileio", "la
               "rank_task", "workers", "model_files", "merge", "verify", "safe_load", "run_saves", "cli",
               "health", "stats_job", "stats_rank", "stats_run", "nonfinite", "guard", "health_report", "cache",
               "scan_cache", "reshard", "rank_reshard", "verify_reshard", "compare", "reshard_skeleton", "ptpickle",
-              "ptwrite", "launch", "team", "team_progress", "sbatch")
+              "ptwrite", "launch", "team", "team_progress", "sbatch", "ptedit", "rank_partial", "export_plan",
+              "safetensors_out", "export", "cli_export")
 
 
 def test_torch_free_modules_are_a_module_boundary():
