@@ -191,3 +191,17 @@ def test_save_rows_refuses_unknown_rows():
     assert _resolve_rows(engine, ["model.layers.1", "lm_head"]) == {"layers.1", "lm_head"}
     with pytest.raises(ValueError, match="unknown row 'layers.99'.*embed_tokens"):
         _resolve_rows(engine, ["layers.99"])
+
+
+def test_a_partial_base_is_composed_by_streaming_workers(selective, tmp_path):
+    """A partial base's optim file is written without torch: its workers are budgeted as streaming
+    ones (one per core), not as torch ones."""
+    from tailor_tui.workers import STREAMING_WORKER, worker_memory
+
+    runs, _ref, _spec = selective
+    full, p4, p6 = scan(runs).checkpoints
+    recipe = Recipe(base=runs / "partial-step6", output=tmp_path / "out",
+                    layers={row: runs / "partial-step4" for row in p4.saved_rows if not p6.holds(row)}
+                    | {row: runs / "global_step2" for row in full.row_names()
+                       if not p6.holds(row) and not p4.holds(row)})
+    assert worker_memory(build_plan(recipe)) == STREAMING_WORKER
