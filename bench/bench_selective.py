@@ -41,8 +41,8 @@ def size_of(folder: Path) -> int:
 
 
 def _bench_rank(rank, world, port, spec, out: str, repeats: int) -> None:
-    demo_run._quiet()
-    demo_run._setup_rank(rank, world, port)
+    demo_run.quiet()
+    demo_run.setup_rank(rank, world, port, spec)
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -102,7 +102,7 @@ def main() -> None:
     args = ap.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
     args.dir.mkdir(parents=True)
-    demo_run._spawn(_bench_rank, SPEC, str(args.dir), args.repeats)
+    demo_run.spawn_ranks(_bench_rank, SPEC, str(args.dir), args.repeats)
     result = json.loads((args.dir / "result.json").read_text())
     full = "full save_checkpoint"
     t_full = statistics.median(result["times"][full])

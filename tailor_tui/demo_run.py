@@ -172,7 +172,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _setup_rank(rank: int, world: int, port: int, spec: RunSpec) -> None:
+def setup_rank(rank: int, world: int, port: int, spec: RunSpec) -> None:
     os.environ.update(
         DS_ACCELERATOR="cpu",
         RANK=str(rank),
@@ -209,7 +209,7 @@ def _allow_fp16_on_cpu() -> None:
     accelerator.supported_dtypes = lambda self: list(dict.fromkeys([*supported(self), torch.float16]))
 
 
-def _quiet() -> None:
+def quiet() -> None:
     import logging
     import warnings
 
@@ -261,8 +261,8 @@ def _trainer_dataset(spec: RunSpec):
 
 
 def _train_rank(rank: int, world: int, port: int, spec: RunSpec, out: str) -> None:
-    _quiet()
-    _setup_rank(rank, world, port, spec)
+    quiet()
+    setup_rank(rank, world, port, spec)
     out = Path(out)
     if spec.layout == "hf":
         trainer = _hf_trainer(spec, out, spec.steps)
@@ -398,7 +398,7 @@ def _run_rank(rank: int, fn, *args) -> None:
     os._exit(0)
 
 
-def _spawn(fn, spec: RunSpec, *args) -> None:
+def spawn_ranks(fn, spec: RunSpec, *args) -> None:
     import torch.multiprocessing as mp
 
     os.environ["DS_ACCELERATOR"] = "cpu"
@@ -409,7 +409,7 @@ def make_run(out: str | Path, spec: RunSpec = RunSpec()) -> Path:
     """Train `spec` with real DeepSpeed ZeRO-3 and leave its checkpoints in `out`."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    _spawn(_train_rank, spec, str(out))
+    spawn_ranks(_train_rank, spec, str(out))
     (out / "tailor_demo_spec.json").write_text(spec.key() + "\n")
     return out
 
@@ -419,8 +419,8 @@ def make_run(out: str | Path, spec: RunSpec = RunSpec()) -> Path:
 
 def _resume_rank(rank, world, port, spec: RunSpec, ckpt: str, resave: str, result: str) -> None:
     """Load `ckpt` the way a user resumes, re-save the loaded state, train one step."""
-    _quiet()
-    _setup_rank(rank, world, port, spec)
+    quiet()
+    setup_rank(rank, world, port, spec)
     ckpt = Path(ckpt)
     losses: list[float] = []
     if spec.layout == "hf":
@@ -466,8 +466,8 @@ def _resume_rank(rank, world, port, spec: RunSpec, ckpt: str, resave: str, resul
 def _continue_rank(rank, world, port, spec: RunSpec, out: str, steps: int, resume: str, newer_saves: str,
                    resave: str | None, result: str) -> None:
     """Relaunch an HF selective run to `steps` in total, resuming as `resume` says."""
-    _quiet()
-    _setup_rank(rank, world, port, spec)
+    quiet()
+    setup_rank(rank, world, port, spec)
     from transformers import TrainerCallback
 
     from .run_saves import resume_point
@@ -492,7 +492,7 @@ def continue_run(out: str | Path, spec: RunSpec, steps: int, resume: str = "poin
     as loaded is saved to `resave/resaved` when given. Returns {"resumed_from", "step"}."""
     out = Path(out)
     result = out / "continued.json"
-    _spawn(_continue_rank, spec, str(out), steps, resume, newer_saves, str(resave) if resave else None,
+    spawn_ranks(_continue_rank, spec, str(out), steps, resume, newer_saves, str(resave) if resave else None,
            str(result))
     return json.loads(result.read_text())
 
@@ -506,7 +506,7 @@ def resume_and_step(ckpt: str | Path, spec: RunSpec, resave: str | Path) -> list
     resave = Path(resave)
     resave.mkdir(parents=True, exist_ok=True)
     result = resave / "result.json"
-    _spawn(_resume_rank, spec, str(ckpt), str(resave), str(result))
+    spawn_ranks(_resume_rank, spec, str(ckpt), str(resave), str(result))
     return json.loads(result.read_text())["losses"]
 
 
