@@ -119,6 +119,19 @@ class Checkpoint:
                     check_complete(f)
 
 
+def distinct_names(paths: list[Path]) -> list[str]:
+    """A label per checkpoint folder: its name, or where several share that name (two DeepSpeed
+    save_dirs each with a `global_step2`), as many trailing path parts as tell them apart."""
+    labels = []
+    for path in paths:
+        twins = [p for p in paths if p.name == path.name and p != path]
+        depth = 1
+        while depth < len(path.parts) and any(p.parts[-depth:] == path.parts[-depth:] for p in twins):
+            depth += 1
+        labels.append(str(Path(*path.parts[-depth:])))
+    return labels
+
+
 def incompatibility(base: Checkpoint, other: Checkpoint, *, repartitioned: bool = False) -> str | None:
     """Why `other` cannot be combined with `base` (a phrase: "it has …"), or None. The one rule
     the planner and the composer both apply. `repartitioned`: the output is resharded, so every

@@ -21,6 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from .checkpoint import distinct_names
 from .ds_format import MODULE
 from .errors import CheckpointError
 from .layout import part
@@ -80,12 +81,13 @@ def plan_export(plan: MergePlan, dtype: str | None, max_shard: int) -> Export:
     files, placed, index = lay_out([(name, shape, DTYPES[dtype]) for name, shape in shapes.items()]
                                    + [(name, shape, kind) for name, (shape, kind) in buffers.items()], max_shard)
     jobs = []
+    labels = distinct_names([ckpt.path for ckpt in plan.sources])
     for s, ckpt in enumerate(plan.sources):
         mine = {name for name, src in source_of.items() if src == s and name in shapes}
         held = tuple((name, Span(0, math.prod(placed[name].shape), placed[name].file, placed[name].offset))
                      for name in sorted(buffers) if source_of[name] == s)
         if mine or held:
-            jobs += _jobs_of(ckpt, mine, placed, ckpt.name if s else f"{ckpt.name} (base)", held, DTYPES[dtype])
+            jobs += _jobs_of(ckpt, mine, placed, labels[s] if s else f"{labels[s]} (base)", held, DTYPES[dtype])
     return Export(plan, dtype, tuple(files), placed, index, tuple(jobs))
 
 

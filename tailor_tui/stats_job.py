@@ -28,6 +28,7 @@ class StatsJob:
 
     key: str  # the cache key: identities of every file read and what is read of them
     checkpoint: int
+    label: str  # the checkpoint's, distinct among the checkpoints read (progress lines)
     rank: int
     files: RankFiles
     layout: ZeroLayout
@@ -39,7 +40,7 @@ class StatsJob:
 
     @property
     def task(self) -> str:
-        return f"{self.files.model_states.parent.name} rank {self.rank}"
+        return f"{self.label} rank {self.rank}"
 
     @property
     def group_sizes(self) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .cache import entry, file_identity, read_json, write_json
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, distinct_names
 from .errors import MergeCancelled
 from .events import Emit, TaskOptions
 from .health import Cell, Health, rms, training_log
@@ -83,6 +83,9 @@ def stats_jobs(checkpoints: tuple[Checkpoint, ...], column: int, rows: list[str]
                      if not r.tied and ckpt.holds(r.name) and (rows is None or r.name in rows))
     frozen = tuple((owner[name], name) for name, _ in ckpt.layout.frozen if owner.get(name) in held)
     elements = _row_elements(ckpt, owner, known)
+    if "labels" not in known:
+        known["labels"] = distinct_names([c.path for c in checkpoints])
+    label = known["labels"][column]
     jobs = []
     for rank, files in enumerate(ckpt.ranks):
         mine = {row: n for row, n in elements[rank].items() if row in held}
@@ -98,7 +101,7 @@ def stats_jobs(checkpoints: tuple[Checkpoint, ...], column: int, rows: list[str]
             previous.setdefault(_identity(f.rows or f.optim_states, known), []).extend(names)
         key = hashlib.sha256(json.dumps([FORMAT, rank, [_identity(p, known) for p in files.existing()],
                                          sorted(held), sorted(previous.items())]).encode()).hexdigest()
-        jobs.append(StatsJob(key, column, rank, files, ckpt.layout, owner, held, frozen, prev_files, read))
+        jobs.append(StatsJob(key, column, label, rank, files, ckpt.layout, owner, held, frozen, prev_files, read))
     return jobs
 
 

@@ -127,11 +127,11 @@ def run_pool(calls: list[Call], workers: int, emit: Emit, cancel: threading.Even
     events, stop = ctx.Queue(), ctx.Event()
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
                                initargs=(events, stop, os.getpid()))
-    finished: set[str] = set()
+    finished = [0]  # each call ends with one TaskFinished (counted: two tasks may share a name)
 
     def emit_and_count(event) -> None:
         if isinstance(event, TaskFinished):
-            finished.add(event.task)
+            finished[0] += 1
         emit(event)
 
     try:  # from the first spawn on: a Ctrl-C deferred while spawning arrives as the block ends
@@ -150,7 +150,7 @@ def run_pool(calls: list[Call], workers: int, emit: Emit, cancel: threading.Even
         # A worker's events go through its queue's feeder thread and may arrive after its
         # result: wait for every task's last event, so no rank's bar stops short of done.
         deadline = time.monotonic() + 10
-        while len(finished) < len(calls) and time.monotonic() < deadline:
+        while finished[0] < len(calls) and time.monotonic() < deadline:
             _drain(events, emit_and_count, timeout=0.05)
         return [f.result() for f in futures]
     finally:

@@ -214,3 +214,36 @@ def test_a_frozen_parameter_gone_nan_is_counted_and_guarded(real_run, tmp_path):
     result = tailor("--apply", write_recipe(tmp_path, c4, {}), "--output", tmp_path / "out")
     assert_one_line_error(result, 8, "layers.1", "global_step4", "global_step2")
     assert not (tmp_path / "out").exists()
+
+
+def test_checkpoints_sharing_a_folder_name_get_their_own_progress_lines(real_run, tmp_path):
+    """Two DeepSpeed save_dirs each with a `global_step2`, and an HF run whose tag folders have
+    the same names: every rank file is its own task (one line, one finish), labelled apart."""
+    from tailor_tui.checkpoint import scan
+    from tailor_tui.events import TaskFinished, TaskOptions
+    from tailor_tui.stats_run import compute_health
+
+    ds, _ = real_run("ds_bf16_3_subgroups")
+    hf, _ = real_run("hf_bf16_2")
+    for side in ("a", "b"):
+        shutil.copytree(ds / "global_step2", tmp_path / "mixed" / side / "global_step2")
+    shutil.copytree(hf / "checkpoint-2", tmp_path / "mixed" / "hf" / "checkpoint-2")
+    ckpts = tuple(scan(tmp_path / "mixed").checkpoints)
+    finished = []
+    emit = lambda e: finished.append(e.task) if isinstance(e, TaskFinished) else None  # noqa: E731
+    health = compute_health(ckpts, workers=2, emit=emit, options=TaskOptions())
+    assert len(health.checkpoints) == 3
+    assert sorted(finished) == sorted({*finished})
+    assert len(finished) == sum(len(c.ranks) for c in ckpts) == 3 + 3 + 2
+    assert {t.rsplit(" rank ", 1)[0] for t in finished} == {"a/global_step2", "b/global_step2", "checkpoint-2"}
+
+
+def test_distinct_names_add_parent_folders_only_where_names_repeat():
+    from pathlib import Path
+
+    from tailor_tui.checkpoint import distinct_names
+
+    paths = [Path("/r/x/a/global_step2"), Path("/r/y/a/global_step2"), Path("/r/x/global_step4"),
+             Path("/r/checkpoint-6")]
+    assert distinct_names(paths) == ["x/a/global_step2", "y/a/global_step2", "global_step4", "checkpoint-6"]
+    assert distinct_names([Path("global_step2"), Path("/global_step2")]) == ["global_step2", "/global_step2"]
