@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoint import Checkpoint, Row, incompatibility, other_run
+from .checkpoint import Checkpoint, Row, distinct_names, incompatibility, other_run
 from .errors import RecipeError
 from .health import Healing, Health, heal
 from .plan import tied_partner
@@ -85,6 +85,12 @@ class Composition:
         if r.tied:
             return self.source_of(tied_partner(self.base_checkpoint, r))
         return self.picks.get(row, self.base)
+
+    def label(self, column: int) -> str:
+        """The column's checkpoint name, with parent folders where several checkpoints share it."""
+        if "labels" not in self._known:
+            self._known["labels"] = distinct_names([c.path for c in self.checkpoints])
+        return self._known["labels"][column]
 
     def incompatibility(self, column: int) -> str | None:
         """Why checkpoint `column` cannot be combined with the base, or None (worked out once

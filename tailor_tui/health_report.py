@@ -8,6 +8,7 @@ import sys
 import time
 from typing import TextIO
 
+from .checkpoint import distinct_names
 from .events import TaskFinished, TaskProgressed
 from .health import Cell, Healing, Health, damage_text, why_unhealthy
 from .stats_run import CellsComputed, StatsPlanned
@@ -38,7 +39,7 @@ def outliers(health: Health, row: str) -> set[int]:
 
 def table(health: Health) -> list[str]:
     """One line per row; a column per checkpoint; unhealthy cells ✗, outlying changes ▲."""
-    names = [c.name for c in health.checkpoints]
+    names = distinct_names([c.path for c in health.checkpoints])
     rows = health.rows()
     texts = {}
     for row in rows:

@@ -202,6 +202,20 @@ async def test_incompatible_checkpoints_are_disabled_with_the_reason(real_run, t
         assert comp.to_recipe().layers == {}
 
 
+async def test_checkpoints_sharing_a_folder_name_are_told_apart(real_run, tmp_path):
+    run, _ = real_run("ds_bf16_3_subgroups")
+    for side in ("a", "b"):
+        shutil.copytree(run / "global_step2", tmp_path / "two" / side / "global_step2")
+    app = make_app(tmp_path / "two")
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        grid = app.query_one("#grid")
+        assert [grid.header_text(c).splitlines()[0] for c in range(2)] == ["a/global_step2", "b/global_step2"]
+        grid.move_cursor(row=1, column=1)
+        await pilot.pause()
+        assert str(app.query_one("#details").render()).startswith("a/global_step2")
+
+
 async def test_every_action_is_in_the_command_palette(run_copy):
     run, _ = run_copy
     app = make_app(run)

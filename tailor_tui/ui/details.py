@@ -22,7 +22,7 @@ def details_lines(comp: Composition, health: Health | None, row_name: str, colum
     lines = []
     if column is not None:
         c = comp.checkpoints[column]
-        lines.append(f"{c.name}" + ("  (base)" if column == comp.base else "") + f" · step {c.step}")
+        lines.append(comp.label(column) + ("  (base)" if column == comp.base else "") + f" · step {c.step}")
         reason = comp.incompatibility(column)
         if reason:
             lines.append(f"✗ cannot be combined with the base: {reason}")
@@ -32,7 +32,7 @@ def details_lines(comp: Composition, health: Health | None, row_name: str, colum
         lines += cell_block(health, row.name, column, computing)
     source = comp.source_of(row.name)
     lines.append(f"row     {row.name}  ({row.module_path})")
-    lines.append(f"source  {comp.checkpoints[source].name}" + ("  (base)" if source == comp.base else ""))
+    lines.append(f"source  {comp.label(source)}" + ("  (base)" if source == comp.base else ""))
     if row.tied:
         lines.append(f"tied to {tied_partner(comp.base_checkpoint, row)}: no weights of its own")
     else:

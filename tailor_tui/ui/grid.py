@@ -229,11 +229,12 @@ class CheckpointGrid(ScrollView, can_focus=True):
         ckpt = comp.checkpoints[column]
         loss = header_suffix(self.health, column) + (" · composed" if ckpt.composed else "")
         step = f"step {ckpt.step}{loss}"
+        name = comp.label(column)
         if column == comp.base:
-            return GridCell(ckpt.name, "bold reverse"), GridCell(f"{step} BASE", "bold reverse")
+            return GridCell(name, "bold reverse"), GridCell(f"{step} BASE", "bold reverse")
         if comp.incompatibility(column):
-            return GridCell(ckpt.name, "dim strike"), GridCell(f"{step} {DISABLED}", "dim strike")
-        return GridCell(ckpt.name, "bold"), GridCell(step, "bold")
+            return GridCell(name, "dim strike"), GridCell(f"{step} {DISABLED}", "dim strike")
+        return GridCell(name, "bold"), GridCell(step, "bold")
 
     def _cells(self, row: str) -> list[GridCell]:
         comp, health = self.composition, self.health
