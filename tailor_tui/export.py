@@ -58,7 +58,7 @@ def config_source(export: Export, config: Path | None) -> Path | None:
     if config is not None:
         path = config / CONFIG if config.is_dir() else config
         if not path.is_file():
-            raise UsageError(f"--config {config}: no {CONFIG} there; name the model's config.json or a folder "
+            raise UsageError(f"config {config}: no {CONFIG} there; name the model's config.json or a folder "
                              "holding it (and the tokenizer files)")
         return path
     base = export.plan.base

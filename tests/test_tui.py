@@ -607,3 +607,40 @@ async def test_export_for_evaluation_from_the_composer(real_run, tmp_path):
     want = read_full_state(c2)["fp32"][name].to(torch.bfloat16)
     assert torch.equal(model.state_dict()[name], want)
     assert not torch.equal(want, read_full_state(c6)["fp32"][name].to(torch.bfloat16))
+
+
+async def test_export_of_a_deepspeed_layout_run_asks_for_its_config(real_run, tmp_path):
+    """A DeepSpeed-layout run records no config.json: e asks for it after the folder; a path
+    without one is said at once (nothing written), the right one makes a loadable folder."""
+    from conftest import RUNS
+    from transformers import AutoModelForCausalLM
+
+    from tailor_tui.demo_run import model_config
+
+    run, (_c2, _c4, _c6) = private_copy(real_run, tmp_path, "ds_bf16_3_subgroups")
+    model_config(RUNS["ds_bf16_3_subgroups"]).save_pretrained(tmp_path / "cfg")
+    app = make_app(run, workers=1)
+
+    async def export_to(folder: Path, config: Path) -> None:
+        await pilot.press("e")
+        await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt))
+        app.screen.query_one(Input).value = str(folder)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt) and "config.json" in app.screen.title_text)
+        app.screen.query_one(Input).value = str(config)
+        await pilot.press("enter")
+
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        await export_to(tmp_path / "hf", tmp_path / "nowhere")
+        await wait_for(pilot, lambda: isinstance(app.screen, ErrorDialog))
+        assert "no config.json there" in app.screen.message
+        await pilot.press("escape")
+        assert not (tmp_path / "hf").exists()
+        await export_to(tmp_path / "hf", tmp_path / "cfg")
+        await wait_for(pilot, lambda: isinstance(app.screen, MergeScreen))
+        await wait_for(pilot, lambda: not app.screen.running)
+        assert app.screen.has_class("finished")
+        await pilot.press("escape")
+    _model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]

@@ -2,8 +2,9 @@
 
 Asks for the folder (beside the output by default), plans the export in a thread, then runs it
 on the merge screen (one bar per source rank, Esc cancels, nothing left behind). The same
-backend as `tailor-tui --export` (`export_plan`, `export`); a DeepSpeed-layout run has no
-config.json to copy: the folder then holds the weights and the notice says how to add one.
+backend as `tailor-tui --export` (`export_plan`, `export`). A DeepSpeed-layout run records no
+config.json: the model's config is asked for too (as `--config`); left empty, the folder holds
+the weights and the notice says how to add one.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from textual import work
 
 from ..errors import TailorError
+from ..export import config_source
 from ..export_plan import plan_export
 from ..plan import build_plan
 from ..safetensors_out import parse_size
@@ -34,28 +36,42 @@ class ExportActions:
         default = output.with_name(output.name + "-hf")
 
         def chosen(value: str | None) -> None:
-            if value:
-                recipe = dataclasses.replace(comp.to_recipe(), output=Path(os.path.expanduser(value)))
-                self.export_worker(recipe)
+            if not value:
+                return
+            recipe = dataclasses.replace(comp.to_recipe(), output=Path(os.path.expanduser(value)))
+            if comp.base_checkpoint.kind == "hf":  # the config comes with the base
+                self.export_worker(recipe, None)
+                return
+
+            def with_config(config: str | None) -> None:
+                if config is not None:  # Esc cancels the export; empty: the weights only
+                    self.export_worker(recipe, Path(os.path.expanduser(config)) if config else None)
+
+            self.push_screen(PathPrompt("The model's config.json, or a folder with it and its tokenizer "
+                                        "(a DeepSpeed-layout run records none)",
+                                        placeholder="empty: export the weights only"), with_config)
 
         self.push_screen(PathPrompt("Export for evaluation (a plain HF model folder) to", str(default)), chosen)
 
     @work(thread=True, exclusive=True, group="plan")
-    def export_worker(self, recipe) -> None:
+    def export_worker(self, recipe, config: Path | None) -> None:
         try:
-            self.post_message(ExportReady(plan_export(build_plan(recipe), None, parse_size(DEFAULT_SHARD))))
+            export = plan_export(build_plan(recipe), None, parse_size(DEFAULT_SHARD))
+            config_source(export, config)  # a folder without config.json is said now, not after the weights
+            self.post_message(ExportReady(export, config))
         except TailorError as exc:
             self.call_from_thread(self.export_failed, str(exc))
 
     def on_export_ready(self, message: ExportReady) -> None:
         export = message.export
-        if export.plan.base.kind != "hf":
-            self.notify("a DeepSpeed-layout run records no config.json: the folder will hold the weights; "
-                        "add the model's config with tailor-tui --export … --config PATH", severity="warning",
+        if config_source(export, message.config) is None:
+            self.notify("no config.json for this model: the folder will hold the weights only; export again "
+                        "and give its config.json (or tailor-tui --export … --config PATH)", severity="warning",
                         timeout=10)
         self.merging = True
         self.push_screen(MergeScreen(export.plan, self.merge_workers, clock=self.merge_clock, options=self.merge_options,
-                                     title=f"Exporting {self.rel(export.plan.output)}", export=export),
+                                     title=f"Exporting {self.rel(export.plan.output)}", export=export,
+                                     export_config=message.config),
                          self.merge_closed)
 
     def export_failed(self, message: str) -> None:

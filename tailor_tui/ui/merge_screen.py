@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 from textual import work
@@ -54,10 +55,11 @@ class MergeScreen(Screen):
 
     def __init__(self, plan: MergePlan, workers: int | None, clock: Callable[[], float] = time.monotonic,
                  autostart: bool = True, title: str | None = None, options: TaskOptions = TaskOptions(),
-                 allow_nonfinite: bool = False, export: Export | None = None):
+                 allow_nonfinite: bool = False, export: Export | None = None, export_config: Path | None = None):
         super().__init__()
         self.options, self.allow_nonfinite = options, allow_nonfinite
         self.export = export  # an export for evaluation runs here instead of the merge
+        self.export_config = export_config  # as --config
         self.autostart = autostart  # snapshot tests feed progress events themselves
         self.title_text = title or f"Composing {plan.output}"
         self.plan, self.merge_workers, self.clock = plan, workers, clock  # `workers`: Textual's
@@ -95,7 +97,7 @@ class MergeScreen(Screen):
         try:
             if self.export is not None:
                 workers = self.merge_workers or workers_for(len(self.export.jobs), STREAMING_WORKER)
-                result = run_export(self.export, config=None, workers=workers, emit=emit, cancel=self.cancel,
+                result = run_export(self.export, config=self.export_config, workers=workers, emit=emit, cancel=self.cancel,
                                     options=self.options)
             else:
                 result = run_merge(self.plan, workers=self.merge_workers, emit=emit, cancel=self.cancel,

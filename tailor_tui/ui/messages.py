@@ -59,9 +59,10 @@ class PlanReady(Message):
 
 
 class ExportReady(Message):
-    def __init__(self, export) -> None:
+    def __init__(self, export, config) -> None:
         super().__init__()
         self.export = export  # export_plan.Export
+        self.config = config  # the model's config.json or its folder (as --config), or None
 
 
 class PlanFailed(Message):
