@@ -5,7 +5,8 @@ and checked against the CRC-32 its archive stores (a rotten source is refused, n
 as each chunk goes by, the slices the job takes are cast to the export's dtype and written
 straight to their place in the output files (`export_plan`, `safetensors_out`). Frozen
 parameters' fragments and persistent buffers (model_states) likewise, buffers as stored; a
-partial checkpoint's saved slices are read where its rows file holds them. Memory: the buffer and one chunk's cast, whatever the size.
+partial checkpoint's saved slices are read where its rows file holds them (each checked against
+its recorded CRC-32). Memory: the buffer and one chunk's cast, whatever the size.
 
 Casts are those of torch's `Tensor.to`: fp32 to bf16 and fp16 round to nearest even (NaN stays
 NaN, bf16's as 0x7FC0; overflow gives inf), bf16 to fp32 is exact. Torch-free (numpy).
@@ -24,8 +25,9 @@ from .ds_format import MODULE
 from .errors import CheckpointError
 from .events import ByteCounter, Emit, TaskOptions
 from .export_plan import ExportJob, Span
-from .fileio import fsync, open_fd, output_error, pwrite_all
+from .fileio import crc_range, fsync, open_fd, output_error, pwrite_all
 from .model_files import partial_slice, safetensors_tensors
+from .partial_rows import check_crc, stored_crcs
 from .pickled import dtype_name
 from .ptfile import Unsupported, checked_crcs, frozen_fragment_bytes, locate, read_structure
 from .rank_stream import STREAM_CHUNK, tensor_bytes
@@ -76,16 +78,19 @@ def export_rank(job: ExportJob, out_dir: Path, emit: Emit, cancelled: Callable[[
                                           "or from another model") from None
                 kind = dtype_name(tb.dtype)
                 _stream(fd, job.model_states, tb, [span], kind, kind, out_fd, buffer, counter)
-        if job.saved:
-            tensors = safetensors_tensors(job.rows)
+        if job.saved:  # (the header was checked against the file's size: no slice runs past its end)
+            tensors, crcs = safetensors_tensors(job.rows), stored_crcs(job.rows)
             fd = open_fd(stack, job.rows)
+            out_size = np.dtype(_NUMPY[_OUT.get(job.out_dtype, job.out_dtype)]).itemsize
             for name, span in job.saved:
-                _dtype, _shape, begin, _end = partial_slice(job.rows, tensors, "fp32", name, span.count)
-                data = os.pread(fd, span.count * 4, begin)  # `begin`: the tensor's first byte in the file
-                if len(data) != span.count * 4:
-                    raise CheckpointError(f"{job.rows}: ends inside fp32/{name} (truncated); re-copy it")
-                pwrite_all(out_fd(span.out_file), cast(data, "float32", job.out_dtype), span.out_offset)
-                counter.add(len(data))
+                begin = partial_slice(job.rows, tensors, "fp32", name, span.count)[2]
+
+                def write_cast(offset: int, chunk: memoryview, span=span, begin=begin) -> None:
+                    pwrite_all(out_fd(span.out_file), cast(chunk, "float32", job.out_dtype),
+                               span.out_offset + (offset - begin) // 4 * out_size)
+
+                value = crc_range(fd, begin, span.count * 4, buffer, counter.add, write_cast)
+                check_crc(job.rows, crcs, f"fp32/{name}", value)
         for fd in outputs.values():
             fsync(fd, options.durable)
     counter.finish()

@@ -11,15 +11,16 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 from .ds_format import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT, STATE, TENSORS, flat_tensor, set_flat_tensor
 from .errors import CheckpointError
 from .events import ByteCounter
-from .fileio import Writeback, copy_range, crc_range, fsync, open_fd, output_error, pwrite_all
+from .fileio import Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
 from .model_files import partial_slice, safetensors_tensors
 from .nonfinite import Census, Region
+from .partial_rows import crc_range_checked, stored_crcs
 from .pickled import TensorRef, dtype_name
 from .plan import RankJob
 from .ptedit import Rewritable, reserved, write
@@ -35,7 +36,8 @@ def build_optim_states_from_skeleton(job: RankJob, out: Path, counter: ByteCount
     (`torch.serialization.skip_data`), so the file has torch's own layout; then every row's
     slices are copied in from the checkpoints the plan names, padding is zeroed, the small
     tensors (per-group steps) are written, and each record's CRC-32 is set from the bytes
-    written. The flat tensors are `torch.empty`: never touched, they occupy no memory.
+    written, read back once, which also checks each slice from a rows file against its recorded
+    CRC-32. The flat tensors are `torch.empty`: never touched, they occupy no memory.
     Memory: the skeleton and one small buffer, whatever the file size. Returns the non-finite
     values of each row, counted as the written records are read back for their CRC-32.
     """
@@ -57,6 +59,8 @@ def build_optim_states_from_skeleton(job: RankJob, out: Path, counter: ByteCount
 
     partial = {s: safetensors_tensors(job.files[s].rows) for s in {c.source for c in job.copies}
                if job.files[s].rows is not None}
+    crcs = {s: stored_crcs(job.files[s].rows) for s in partial}
+    checks = defaultdict(list)  # record -> the partial slices copied into it, checked as it is read back
     try:
         with contextlib.ExitStack() as stack:
             fout = open_fd(stack, out, os.O_RDWR)
@@ -73,19 +77,23 @@ def build_optim_states_from_skeleton(job: RankJob, out: Path, counter: ByteCount
             writeback = Writeback(fout, counter.options.durable)
             for c in job.copies:
                 for key in TENSORS:
+                    into = layout[c.group, key].offset + c.offset * 4
                     if c.param is None:
                         at = full[c.source][c.group, key].offset + c.offset * 4
                     else:
-                        at = partial_slice(job.files[c.source].rows, partial[c.source], key, c.param, c.length)[2]
-                    copy_range(fds[c.source], fout, at, c.length * 4, counter.add,
-                               layout[c.group, key].offset + c.offset * 4, writeback)
+                        rows = job.files[c.source].rows
+                        at = partial_slice(rows, partial[c.source], key, c.param, c.length)[2]
+                        checks[layout[c.group, key].record].append(
+                            (into, c.length * 4, rows, crcs[c.source], f"{key}/{c.param}"))
+                    copy_range(fds[c.source], fout, at, c.length * 4, counter.add, into, writeback)
             for g, offset, length in job.padding:
                 for key in TENSORS:
                     pwrite_all(fout, bytes(length * 4), layout[g, key].offset + offset * 4)
             census = Census(Region(layout[slot.group, key].offset + slot.offset * 4, slot.valid * 4, slot.row)
                             for slot in job.row_slots for key in TENSORS)
             for record in big:  # the small records' CRCs were set as they were written
-                value = crc_range(fout, record.data_offset, record.size, buffer, inspect=census.inspect)
+                value = crc_range_checked(fout, record.data_offset, record.size, checks[record], buffer,
+                                          inspect=census.inspect)
                 for at in record.crc_offsets:
                     os.pwrite(fout, struct.pack("<I", value), at)
             fsync(fout, counter.options.durable)

@@ -29,6 +29,7 @@ from .fileio import (
 )
 from .model_files import partial_slice, safetensors_tensors
 from .nonfinite import Census, Region
+from .partial_rows import check_crc, stored_crcs
 from .pickled import dtype_name
 from .plan import RankJob
 from .ptfile import (
@@ -54,6 +55,7 @@ class Span(NamedTuple):
     source_at: int  # where they lie in that checkpoint's file
     record: Record  # the base's record it lies in
     source_record: Record | None  # the full source's record they come from (None: partial, zeros)
+    check: tuple | None = None  # from a partial's rows file: (its path, its CRC-32s, the tensor's name)
 
 
 def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counter | None:
@@ -85,18 +87,23 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counte
     for s, theirs in sources.items():
         check_dtypes(base, theirs, job.files[s].optim_states)
     partial = {s: safetensors_tensors(job.files[s].rows) for s in used if job.files[s].rows is not None}
+    crcs = {s: stored_crcs(job.files[s].rows) for s in partial}
     census = {s: Census(Region(at, length, row) for row, at, length in _row_places(job, s, base, sources, partial))
               for s in [0, *used]}
     spans = []
     for c in job.copies:
         for key in TENSORS:
             b = base[c.group, key]
+            check = None
             if c.param is None:
                 theirs = sources[c.source][c.group, key]
                 at, record = theirs.offset + c.offset * b.itemsize, theirs.record
             else:
-                at, record = partial_slice(job.files[c.source].rows, partial[c.source], key, c.param, c.length)[2], None
-            spans.append(Span(b.offset + c.offset * b.itemsize, c.length * b.itemsize, c.source, at, b.record, record))
+                rows = job.files[c.source].rows
+                at, record = partial_slice(rows, partial[c.source], key, c.param, c.length)[2], None
+                check = (rows, crcs[c.source], f"{key}/{c.param}")
+            spans.append(Span(b.offset + c.offset * b.itemsize, c.length * b.itemsize, c.source, at, b.record, record,
+                              check))
     for g, offset, length in job.padding:
         for key in TENSORS:
             b = base[g, key]
@@ -127,9 +134,10 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counte
                 else:
                     copy_range(fds[sp.source], fout, sp.source_at, sp.length, counter.add, sp.at, writeback)
                     value = new.get((sp.source, sp.source_at))
-                    if value is None:  # from a partial checkpoint: its safetensors file has no CRCs
+                    if value is None:  # from a partial checkpoint: its rows file records each slice's CRC-32
                         value = crc_range(fds[sp.source], sp.source_at, sp.length, buffer, counter.add,
                                           census[sp.source].inspect)
+                        check_crc(*sp.check, value)
                 tail = sp.record.data_offset + sp.record.size - sp.at - sp.length
                 crc_changes[sp.record] ^= crc.shift(old[sp.at, sp.length] ^ value, tail)
                 position = sp.at + sp.length
@@ -178,7 +186,7 @@ def _coalesced(spans: list[Span]) -> list[Span]:
     joined: list[Span] = []
     for span in sorted(spans, key=lambda s: s.at):
         last = joined[-1] if joined else None
-        if (last and span.at == last.at + last.length and span.source == last.source
+        if (last and span.check is None and span.at == last.at + last.length and span.source == last.source
                 and span.record == last.record and span.source_record == last.source_record
                 and (span.source is None or span.source_at == last.source_at + last.length)):
             joined[-1] = last._replace(length=last.length + span.length)

@@ -12,6 +12,7 @@ engine-level state a resume needs:
                                                          buffers, frozen params, param shapes)
             tailor_rows_rank_{r}.safetensors         "{fp32|exp_avg|exp_avg_sq}/{param}": this
                                                      rank's slice of each saved parameter
+                                                     (their CRC-32s in its metadata)
             tailor_optim_skeleton_rank_{r}.pt        the optimizer state without its big
                                                      tensors (per-sub-group step, param
                                                      groups, loss scaler)
@@ -49,6 +50,7 @@ from .ds_format import (
 )
 from .fileio import fsync_dir, fsync_file, replace_dir
 from .layout import ZeroLayout
+from .partial_rows import CRC_METADATA, crc_metadata
 from .rows import row_of, split_row
 
 
@@ -108,7 +110,7 @@ def save_rows(engine, root: str | os.PathLike, rows: Iterable[str], *, step: int
     shapes = engine._get_zero_param_shapes()
     slots = ZeroLayout(world, tuple(tuple((n, tuple(s)) for n, s in g.items()) for g in shapes), ()).slots
     inner = state[OPTIMIZER_STATE_DICT]
-    tensors = {}
+    tensors, valid = {}, {}
     for slot in slots:
         if row_of(slot.name) not in wanted:
             continue
@@ -117,10 +119,12 @@ def save_rows(engine, root: str | os.PathLike, rows: Iterable[str], *, step: int
         for key, flat in zip(TENSORS, flats):
             # the slice, padding included (it is zeroed when composed): a copy, no gather
             tensors[f"{key}/{slot.name}"] = flat.detach()[slot.offset: slot.offset + slot.part].float().cpu().clone()
+            valid[f"{key}/{slot.name}"] = slot.valid(rank)
     from safetensors.torch import save_file
 
     rows_file = staging / tag / PARTIAL_ROWS.format(rank=rank)
-    save_file(tensors, str(rows_file), metadata={"format": "tailor-partial", "step": str(step)})
+    crcs = crc_metadata({name: memoryview(t[: valid[name]].numpy()).cast("B") for name, t in tensors.items()})
+    save_file(tensors, str(rows_file), metadata={"format": "tailor-partial", "step": str(step), CRC_METADATA: crcs})
     del tensors
     skeleton = staging / tag / PARTIAL_SKELETON.format(rank=rank)
     torch.save({OPTIMIZER_STATE_DICT: _skeleton(state), DS_CONFIG: engine.config,

@@ -26,6 +26,7 @@ from .events import ByteCounter, Emit, TaskOptions
 from .fileio import Readahead, open_fd, pread_into
 from .model_files import partial_slice, safetensors_tensors
 from .nonfinite import EXPONENT, count
+from .partial_rows import stored_crcs
 from .pickled import dtype_name
 from .ptfile import Unsupported, frozen_fragment_bytes, locate, read_structure
 from .stats_job import RankStats, RankStatsRead, RowSums, SlotRead, StatsJob
@@ -81,13 +82,13 @@ def _reads(job: StatsJob, slots: tuple[SlotRead, ...], sums: dict[str, RowSums],
         where = _fp32_places(files, job.group_sizes, [s for s in slots if s.row == row])
         prev_at.update({(row, param): (prev_fds[path], at) for param, at in where.items()})
     reads = []
-    if job.files.rows is not None:  # partial: one safetensors tensor per (key, parameter), no CRCs
+    if job.files.rows is not None:  # partial: one safetensors tensor per (key, parameter), its CRC-32 recorded
         fd = open_fd(stack, job.files.rows)
-        tensors = safetensors_tensors(job.files.rows)
+        tensors, crcs = safetensors_tensors(job.files.rows), stored_crcs(job.files.rows)
         for slot in slots:
             for key in TENSORS:
                 begin = partial_slice(job.files.rows, tensors, key, slot.param, slot.valid)[2]
-                reads.append((fd, begin, slot.valid * 4, None,
+                reads.append((fd, begin, slot.valid * 4, crcs.get(f"{key}/{slot.param}"),
                               [_region(slot, key, begin, "float32", sums, prev_at)]))
     else:
         path = job.files.optim_states

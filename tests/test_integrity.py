@@ -142,3 +142,64 @@ def test_a_row_of_nans_copied_exactly_verifies(real_run, tmp_path):
     assert tailor("--apply", recipe, "--allow-nonfinite").returncode == 0
     result = tailor("--verify", recipe)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- a partial save's rows file: safetensors has no CRC, save_rows records one per slice -----
+
+
+def _flip_in_rows_file(rows: Path, name: str) -> None:
+    from tailor_tui.model_files import safetensors_tensors
+
+    begin = safetensors_tensors(rows)[name][2]  # the slice's first element: real data on every rank
+    with open(rows, "r+b") as f:
+        f.seek(begin + 1)
+        byte = f.read(1)[0]
+        f.seek(begin + 1)
+        f.write(bytes([byte ^ 0x10]))
+
+
+def test_a_flipped_bit_in_a_partial_save_is_refused_wherever_it_is_read(real_run, tmp_path):
+    import json
+
+    from helpers import param_row
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from tailor_tui.checkpoint import scan
+    from tailor_tui.partial_rows import stored_crcs
+
+    run, _spec = real_run("ds_selective_parity")
+    copy = tmp_path / "sel"
+    shutil.copytree(run / "run", copy)
+    full, p4, p6 = scan(copy).checkpoints
+    rows_file = p4.path / "global_step4" / "tailor_rows_rank_0.safetensors"
+    crcs = stored_crcs(rows_file)
+    with safe_open(str(rows_file), "pt") as f:
+        assert set(crcs) == set(f.keys())  # every slice saved has its CRC-32
+    row = next(r for r in p4.saved_rows if not p6.holds(r))
+    name = next(n for n in sorted(crcs) if n.startswith("fp32/") and param_row(n[5:]) == row)
+    good = rows_file.read_bytes()
+    _flip_in_rows_file(rows_file, name)
+
+    on_full_base = write_recipe(tmp_path, full.path, {r: p4.path for r in p4.saved_rows}, output="a")
+    on_partial_base = write_recipe(tmp_path, p6.path, {r: p4.path if p4.holds(r) else full.path
+                                                       for r in full.row_names() if not p6.holds(r)}, output="b")
+    for recipe in (on_full_base, on_partial_base):
+        assert_one_line_error(tailor("--apply", recipe), 4, rows_file.name, name, "fails its CRC-32 check")
+    assert_one_line_error(tailor("--export", on_full_base, "--to", tmp_path / "hf"), 4, rows_file.name, name,
+                          "fails its CRC-32 check")
+    assert not any((tmp_path / out).exists() for out in ("a", "b", "hf"))
+    stats = tailor("--stats", copy, "--json")
+    assert stats.returncode == 0, stats.stderr
+    bad = [(c["row"], c["checkpoint"]) for c in json.loads(stats.stdout)["cells"] if not c["crc_ok"]]
+    assert bad == [(row, str(p4.path))]
+
+    # a save made before the CRCs were recorded is read as before, unchecked
+    rows_file.write_bytes(good)
+    for rows in p4.path.glob("global_step4/tailor_rows_rank_*.safetensors"):
+        with safe_open(str(rows), "pt") as f:
+            metadata = {k: v for k, v in f.metadata().items() if k != "crc32"}
+        save_file(load_file(rows), rows, metadata=metadata)
+        assert stored_crcs(rows) == {}
+    done = tailor("--apply", on_full_base)
+    assert done.returncode == 0, done.stderr
