@@ -24,16 +24,7 @@ from .export_plan import Export
 from .export_rank import export_rank
 from .fileio import copy_file, fsync_dir, output_error, pwrite_all
 from .merge import provenance
-from .output import (
-    OUTPUT_FILES,
-    output_lock,
-    probe_swap,
-    publish,
-    remove_stale,
-    signals_held,
-    temp_prefix,
-    written_files,
-)
+from .output import OUTPUT_FILES, hidden_folder, output_lock, publish, signals_held, written_files
 from .safetensors_out import INDEX
 from .workers import run_calls
 
@@ -76,16 +67,9 @@ def run_export(export: Export, *, config: Path | None, workers: int, emit: Emit 
     except OSError as exc:
         raise output_error(exc, out.parent) from None
     with output_lock(out):
-        remove_stale(out)
-        if plan.force and out.is_dir():
-            probe_swap(out)
-        tmp = out.parent / f"{temp_prefix(out)}{os.getpid()}"
+        tmp = hidden_folder(out, plan.force)
         published = False
         try:
-            try:
-                tmp.mkdir()
-            except OSError as exc:
-                raise output_error(exc, out.parent) from None
             _make_files(export, tmp, options.durable)
             if source is not None:
                 _write_config(source, tmp, export.dtype, options.durable)

@@ -32,16 +32,7 @@ from .events import Emit, TaskFinished, TaskOptions, TaskProgressed
 from .fileio import copy_file, fsync, fsync_dir, output_error
 from .guard import nonfinite_error
 from .model_files import merge_model_file
-from .output import (
-    OUTPUT_FILES,
-    output_lock,
-    probe_swap,
-    publish,
-    remove_stale,
-    signals_held,
-    temp_prefix,
-    written_files,
-)
+from .output import OUTPUT_FILES, hidden_folder, output_lock, publish, signals_held, written_files
 from .plan import MergePlan, tied_partner
 from .ptfile import check_crcs
 from .rank_reshard import reshard_rank
@@ -204,15 +195,7 @@ def _confirm_sizes(tmp: Path, done: list[dict]) -> None:
 def _prepare(plan: MergePlan, cancel: threading.Event, durable: bool) -> Path:
     """The hidden folder the output is composed in, with the base's other files, `latest` and
     the model-file index in it (process 0 of a job makes it; the others write into it)."""
-    out = plan.output
-    remove_stale(out)
-    if plan.force and out.is_dir():
-        probe_swap(out)
-    tmp = out.parent / f"{temp_prefix(out)}{os.getpid()}"
-    try:
-        tmp.mkdir()
-    except OSError as exc:
-        raise output_error(exc, out.parent) from None
+    tmp = hidden_folder(plan.output, plan.force)
     try:
         (tmp / plan.base.tag).mkdir()
         _copy_other_files(plan, tmp, cancel, durable)

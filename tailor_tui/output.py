@@ -227,6 +227,21 @@ def _left_by_dead(out: Path, prefix: str) -> list[Path]:
     return found
 
 
+def hidden_folder(out: Path, force: bool) -> Path:
+    """The empty hidden folder beside `out` that an output is written in before it takes its
+    place (call holding `output_lock`): what killed runs left is cleaned up first, and with
+    `force` an existing output's folder is probed for the swap."""
+    remove_stale(out)
+    if force and out.is_dir():
+        probe_swap(out)
+    tmp = out.parent / f"{temp_prefix(out)}{os.getpid()}"
+    try:
+        tmp.mkdir()
+    except OSError as exc:
+        raise output_error(exc, out.parent) from None
+    return tmp
+
+
 def probe_swap(out: Path) -> None:
     """Before merging: find out now, not after the merge, whether `out`'s folder lets
     tailor-tui create, swap and remove folders (OutputError if not)."""
