@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_merge import SPEC, gib, size_of
+from bench_merge import bench_run, fresh_work, gib, parity_recipe, size_of
 
 ROOT = Path(__file__).resolve().parent.parent
 TAILOR = str(Path(sys.executable).with_name("tailor-tui"))
@@ -60,18 +60,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cache", type=Path, default=ROOT / ".tailor-cache" / "bench")
     args = ap.parse_args()
-    run = args.cache / "llama12-h1024-w4-bf16"
-    if not (run / "tailor_demo_spec.json").is_file():
-        raise SystemExit(f"bench: {run} is missing; run bench/bench_merge.py once to make it")
+    run = bench_run(args.cache)
     base, source = run / "global_step2", run / "global_step1"
-    work = args.cache / "work-distributed"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    work = fresh_work(args.cache, "work-distributed")
     out = work / "out"
     recipe = work / "parity.yaml"
-    odd = [f"layers.{i}" for i in range(1, SPEC.layers, 2)]
-    recipe.write_text(f"version: 1\nbase: {base}\noutput: {out}\nlayers:\n"
-                      + "".join(f"  {r}: {source}\n" for r in odd))
+    parity_recipe(recipe, base, source, out)
     names = ["cp -r; sync", "1 process", "2 processes", "4 processes"]
     times: dict[str, list[float]] = {n: [] for n in names}
     for i in range(args.repeats):

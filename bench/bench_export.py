@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_merge import SPEC, gib, size_of
+from bench_merge import bench_run, fresh_work, gib, parity_recipe, size_of
 from bench_reshard import TREE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,18 +44,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cache", type=Path, default=ROOT / ".tailor-cache" / "bench")
     args = ap.parse_args()
-    run = args.cache / "llama12-h1024-w4-bf16"
-    if not (run / "tailor_demo_spec.json").is_file():
-        raise SystemExit(f"bench: {run} is missing; run bench/bench_merge.py once to make it")
+    run = bench_run(args.cache)
     base, source = run / "global_step2", run / "global_step1"
-    work = args.cache / "work-export"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    work = fresh_work(args.cache, "work-export")
     out = work / "out"
     recipe = work / "parity.yaml"
-    odd = [f"layers.{i}" for i in range(1, SPEC.layers, 2)]
-    recipe.write_text(f"version: 1\nbase: {base}\noutput: {work / 'unused'}\nlayers:\n"
-                      + "".join(f"  {r}: {source}\n" for r in odd))
+    parity_recipe(recipe, base, source, work / "unused")
     convert = [sys.executable, "-c", CONVERT, str(run), str(out), base.name]
     export = [TAILOR, "--export", str(recipe), "--to", str(out), "--dtype", "fp32"]
     commands = {  # zero_to_fp32 does not fsync what it writes; tailor-tui does unless --no-fsync

@@ -26,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench_merge import bench_run  # noqa: E402
 from tailor_tui.demo_run import RunSpec, make_run  # noqa: E402
 
 # 78 layers + embed_tokens + norm + lm_head = 81 rows; 100 checkpoints of 8 ranks
@@ -134,9 +135,7 @@ def main() -> None:
     cold = not args.warm
     if cold and os.geteuid() != 0:
         raise SystemExit("bench: dropping the page cache needs root; use --warm")
-    big = args.cache / "llama12-h1024-w4-bf16"
-    if not (big / "tailor_demo_spec.json").is_file():
-        raise SystemExit(f"bench: {big} is missing; run bench/bench_merge.py once to make it")
+    big = bench_run(args.cache)
     if args.only_stats:
         stats_vs_cat(big, args.repeats, cold)
         return

@@ -45,6 +45,35 @@ def timed(cmd: list[str]) -> tuple[float, int]:
     return seconds, peak
 
 
+# the bench checkpoint, made by this bench and used by the others
+BENCH_RUN = "llama12-h1024-w4-bf16"
+
+
+def bench_run(cache: Path) -> Path:
+    """The bench checkpoint's run folder under `cache`; the other benches need it made."""
+    run = cache / BENCH_RUN
+    if not (run / "tailor_demo_spec.json").is_file():
+        raise SystemExit(f"bench: {run} is missing; run bench/bench_merge.py once to make it")
+    return run
+
+
+def fresh_work(cache: Path, name: str) -> Path:
+    """An empty work folder `name` under `cache`."""
+    work = cache / name
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    return work
+
+
+def parity_recipe(path: Path, base: Path, source: Path, output: Path) -> list[str]:
+    """Write the benches' recipe to `path`: every odd layer from `source`, the rest from `base`;
+    returns those layers."""
+    odd = [f"layers.{i}" for i in range(1, SPEC.layers, 2)]
+    path.write_text(f"version: 1\nbase: {base}\noutput: {output}\nlayers:\n"
+                    + "".join(f"  {r}: {source}\n" for r in odd))
+    return odd
+
+
 def size_of(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
@@ -60,21 +89,15 @@ def main() -> None:
     ap.add_argument("--workers", default=None, help="tailor-tui --workers (default: its own choice)")
     args = ap.parse_args()
 
-    run = args.cache / "llama12-h1024-w4-bf16"
+    run = args.cache / BENCH_RUN
     if not (run / "tailor_demo_spec.json").is_file():
         print(f"making the real ZeRO-3 run in {run} (once; minutes)…", flush=True)
         shutil.rmtree(run, ignore_errors=True)
         make_run(run, SPEC)
     base, source = run / "global_step2", run / "global_step1"
-    work = args.cache / "work"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    odd = [f"layers.{i}" for i in range(1, SPEC.layers, 2)]
+    work = fresh_work(args.cache, "work")
     recipe = work / "parity.yaml"
-    recipe.write_text(
-        "version: 1\n"
-        f"base: {base}\noutput: {work / 'out'}\nlayers:\n" + "".join(f"  {r}: {source}\n" for r in odd)
-    )
+    odd = parity_recipe(recipe, base, source, work / "out")
     tailor = [str(Path(sys.executable).with_name("tailor-tui")), "--apply", str(recipe), "--report-peak-rss"]
     if args.workers:
         tailor += ["--workers", args.workers]

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_merge import gib, size_of
+from bench_merge import bench_run, fresh_work, gib, size_of
 
 ROOT = Path(__file__).resolve().parent.parent
 TAILOR = str(Path(sys.executable).with_name("tailor-tui"))
@@ -55,13 +55,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cache", type=Path, default=ROOT / ".tailor-cache" / "bench")
     args = ap.parse_args()
-    run = args.cache / "llama12-h1024-w4-bf16"
-    if not (run / "tailor_demo_spec.json").is_file():
-        raise SystemExit(f"bench: {run} is missing; run bench/bench_merge.py once to make it")
-    base = run / "global_step2"
-    work = args.cache / "work-reshard"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    base = bench_run(args.cache) / "global_step2"
+    work = fresh_work(args.cache, "work-reshard")
     out = work / "out"
     recipe = work / "reshard.yaml"
     recipe.write_text(f"version: 1\nbase: {base}\noutput: {out}\n")
