@@ -41,6 +41,13 @@ async def wait_for(pilot, condition, tries: int = 600):
     raise AssertionError("condition not reached")
 
 
+async def merge_finished(pilot, tries: int = 600) -> None:
+    """The merge screen (a merge or an export) ran to the end; Esc closes it."""
+    await wait_for(pilot, lambda: isinstance(pilot.app.screen, MergeScreen) and not pilot.app.screen.running, tries)
+    assert pilot.app.screen.has_class("finished")
+    await pilot.press("escape")
+
+
 async def start_merge(pilot) -> MergeScreen:
     """ctrl+r, accept the plan, and return the merge screen."""
     await pilot.press("ctrl+r")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from textual.widgets import Input
 from conftest import checkpoints_of, tree_digest
-from pilot_helpers import private_copy, scanned, start_merge, wait_for
+from pilot_helpers import merge_finished, private_copy, scanned, start_merge, wait_for
 from zero_reader import read_full_state
 
 from tailor_tui.events import TaskOptions
@@ -126,10 +126,8 @@ async def test_merge_from_the_ui_composes_the_picked_rows(run_copy):
         await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
         assert "layers.1" in app.screen.body and "checkpoint-4" in app.screen.body
         await pilot.press("escape")  # back to the grid; then merge for real
-        merge = await start_merge(pilot)
-        await wait_for(pilot, lambda: not merge.running)
-        assert app.screen.has_class("finished")
-        await pilot.press("escape")
+        await start_merge(pilot)
+        await merge_finished(pilot)
         await pilot.pause()
     out = run / "checkpoint-6-tailored"
     got, sources = read_full_state(out), {c: read_full_state(c) for c in (c2, c4, c6)}
@@ -528,10 +526,8 @@ async def test_the_world_size_set_from_the_plan_dialog_reshards(real_run, tmp_pa
         await pilot.press("space")
         assert comp.to_recipe().layers == {"layers.1": tmp_path / "mixed" / "b" / "global_step4"}
         assert comp.to_recipe().world_size == 2
-        merge = await start_merge(pilot)
-        await wait_for(pilot, lambda: not merge.running)
-        assert app.screen.has_class("finished")
-        await pilot.press("escape")
+        await start_merge(pilot)
+        await merge_finished(pilot)
         await pilot.press("w")
         await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt))
         await pilot.press("end", "backspace", "enter")  # empty: the base's world size again
@@ -597,10 +593,7 @@ async def test_export_for_evaluation_from_the_composer(real_run, tmp_path):
         assert app.screen.query_one(Input).value.endswith("checkpoint-6-tailored-hf")
         app.screen.query_one(Input).value = str(tmp_path / "hf")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: isinstance(app.screen, MergeScreen))
-        await wait_for(pilot, lambda: not app.screen.running)
-        assert app.screen.has_class("finished")
-        await pilot.press("escape")
+        await merge_finished(pilot)
     model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     name = "model.layers.1.self_attn.q_proj.weight"
@@ -638,9 +631,6 @@ async def test_export_of_a_deepspeed_layout_run_asks_for_its_config(real_run, tm
         await pilot.press("escape")
         assert not (tmp_path / "hf").exists()
         await export_to(tmp_path / "hf", tmp_path / "cfg")
-        await wait_for(pilot, lambda: isinstance(app.screen, MergeScreen))
-        await wait_for(pilot, lambda: not app.screen.running)
-        assert app.screen.has_class("finished")
-        await pilot.press("escape")
+        await merge_finished(pilot)
     _model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from pilot_helpers import private_copy, scanned, start_merge, wait_for
+from pilot_helpers import merge_finished, private_copy, scanned, start_merge, wait_for
 from zero_reader import read_full_state
 
 from tailor_tui.ui.app import make_app
@@ -70,10 +70,8 @@ async def test_pick_layers_40_to_59_review_merge_and_reopen_at_80x24(deep_run):
         assert "layers.40–59  ← checkpoint-2" in body and "(20 of 83)" in body
         assert "layers.39" not in body and "layers.60" not in body
         await pilot.press("escape")
-        merge = await start_merge(pilot)
-        await wait_for(pilot, lambda: not merge.running, tries=2400)
-        assert app.screen.has_class("finished")
-        await pilot.press("escape")
+        await start_merge(pilot)
+        await merge_finished(pilot, tries=2400)
         await pilot.pause()
 
     out = run / "checkpoint-4-tailored"
