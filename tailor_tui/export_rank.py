@@ -26,8 +26,8 @@ from .errors import CheckpointError
 from .events import ByteCounter, Emit, TaskOptions
 from .export_plan import ExportJob, Span
 from .fileio import crc_range, fsync, open_fd, output_error, pwrite_all
-from .model_files import partial_slice, safetensors_tensors
-from .partial_rows import check_crc, stored_crcs
+from .model_files import partial_slice
+from .partial_rows import check_crc, read_rows_file
 from .pickled import dtype_name
 from .ptfile import Unsupported, checked_crcs, frozen_fragment_bytes, locate, read_structure
 from .rank_stream import STREAM_CHUNK, tensor_bytes
@@ -79,7 +79,7 @@ def export_rank(job: ExportJob, out_dir: Path, emit: Emit, cancelled: Callable[[
                 kind = dtype_name(tb.dtype)
                 _stream(fd, job.model_states, tb, [span], kind, kind, out_fd, buffer, counter)
         if job.saved:  # (the header was checked against the file's size: no slice runs past its end)
-            tensors, crcs = safetensors_tensors(job.rows), stored_crcs(job.rows)
+            tensors, crcs = read_rows_file(job.rows)
             fd = open_fd(stack, job.rows)
             out_size = np.dtype(_NUMPY[_OUT.get(job.out_dtype, job.out_dtype)]).itemsize
             for name, span in job.saved:

@@ -89,8 +89,12 @@ def _prefix(header: str) -> bytes:
 def parse_prefix(prefix: bytes) -> dict[str, tuple[str, tuple, int, int]]:
     """name -> (dtype, shape, first byte, end byte) in the file, from a file's prefix."""
     (length,) = struct.unpack("<Q", prefix[:8])
-    header = json.loads(prefix[8: 8 + length])
-    start = 8 + length
+    return tensor_places(json.loads(prefix[8: 8 + length]), 8 + length)
+
+
+def tensor_places(header: dict, start: int) -> dict[str, tuple[str, tuple, int, int]]:
+    """name -> (dtype, shape, first byte, end byte) in the file, from its parsed header (the
+    tensors' data starting at byte `start`)."""
     return {
         name: (info["dtype"], tuple(info["shape"]), start + info["data_offsets"][0], start + info["data_offsets"][1])
         for name, info in header.items()
@@ -126,9 +130,7 @@ class ModelFileJob:
 
 def safetensors_tensors(path: Path) -> dict[str, tuple[str, tuple, int, int]]:
     """name -> (dtype, shape, first byte, end byte) in the file, from its JSON header."""
-    _header, start = safetensors_header(path)
-    with open(path, "rb") as f:
-        return parse_prefix(f.read(start))
+    return tensor_places(*safetensors_header(path))
 
 
 def merge_model_file(job: ModelFileJob, out_dir: Path, emit: Emit, cancelled: Callable[[], bool],

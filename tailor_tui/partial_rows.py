@@ -18,6 +18,7 @@ from . import crc
 from .checkpoint import safetensors_header
 from .errors import CheckpointError
 from .fileio import crc_range
+from .model_files import tensor_places
 
 CRC_METADATA = "crc32"
 
@@ -27,9 +28,15 @@ def crc_metadata(slices: dict[str, memoryview]) -> str:
     return json.dumps({name: crc.crc32(view) for name, view in sorted(slices.items())}, separators=(",", ":"))
 
 
-def stored_crcs(path: Path) -> dict[str, int]:
-    """{tensor name: CRC-32 of its valid bytes} recorded in the rows file `path` ({} if none)."""
-    header, _start = safetensors_header(path)
+def read_rows_file(path: Path) -> tuple[dict, dict[str, int]]:
+    """From one read of the rows file `path`'s header: where each tensor lies (as
+    `model_files.safetensors_tensors`) and {tensor name: CRC-32 of its valid bytes} recorded
+    ({} if none)."""
+    header, start = safetensors_header(path)
+    return tensor_places(header, start), _recorded_crcs(path, header)
+
+
+def _recorded_crcs(path: Path, header: dict) -> dict[str, int]:
     metadata = header.get("__metadata__") or {}
     text = metadata.get(CRC_METADATA) if isinstance(metadata, dict) else None
     if text is None:

@@ -18,9 +18,9 @@ from .ds_format import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT, STATE, TENSORS, f
 from .errors import CheckpointError
 from .events import ByteCounter
 from .fileio import Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
-from .model_files import partial_slice, safetensors_tensors
+from .model_files import partial_slice
 from .nonfinite import Census, Region
-from .partial_rows import crc_range_checked, stored_crcs
+from .partial_rows import crc_range_checked, read_rows_file
 from .pickled import TensorRef, dtype_name
 from .plan import RankJob
 from .ptedit import Rewritable, reserved, write
@@ -57,9 +57,9 @@ def build_optim_states_from_skeleton(job: RankJob, out: Path, counter: ByteCount
     del skeleton, inner
     big = [tb.record for tb in layout.values()]
 
-    partial = {s: safetensors_tensors(job.files[s].rows) for s in {c.source for c in job.copies}
-               if job.files[s].rows is not None}
-    crcs = {s: stored_crcs(job.files[s].rows) for s in partial}
+    partial, crcs = {}, {}  # per partial source: where its rows file's tensors lie, their CRC-32s
+    for s in {c.source for c in job.copies if job.files[c.source].rows is not None}:
+        partial[s], crcs[s] = read_rows_file(job.files[s].rows)
     checks = defaultdict(list)  # record -> the partial slices copied into it, checked as it is read back
     try:
         with contextlib.ExitStack() as stack:

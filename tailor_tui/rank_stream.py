@@ -27,9 +27,9 @@ from .fileio import (
     output_error,
     pwrite_all,
 )
-from .model_files import partial_slice, safetensors_tensors
+from .model_files import partial_slice
 from .nonfinite import Census, Region
-from .partial_rows import check_crc, stored_crcs
+from .partial_rows import check_crc, read_rows_file
 from .pickled import dtype_name
 from .plan import RankJob
 from .ptfile import (
@@ -86,8 +86,10 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counte
         return None
     for s, theirs in sources.items():
         check_dtypes(base, theirs, job.files[s].optim_states)
-    partial = {s: safetensors_tensors(job.files[s].rows) for s in used if job.files[s].rows is not None}
-    crcs = {s: stored_crcs(job.files[s].rows) for s in partial}
+    partial, crcs = {}, {}  # per partial source: where its rows file's tensors lie, their CRC-32s
+    for s in used:
+        if job.files[s].rows is not None:
+            partial[s], crcs[s] = read_rows_file(job.files[s].rows)
     census = {s: Census(Region(at, length, row) for row, at, length in _row_places(job, s, base, sources, partial))
               for s in [0, *used]}
     spans = []

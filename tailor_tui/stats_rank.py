@@ -26,7 +26,7 @@ from .events import ByteCounter, Emit, TaskOptions
 from .fileio import Readahead, open_fd, pread_into
 from .model_files import partial_slice, safetensors_tensors
 from .nonfinite import EXPONENT, count
-from .partial_rows import stored_crcs
+from .partial_rows import read_rows_file
 from .pickled import dtype_name
 from .ptfile import Unsupported, frozen_fragment_bytes, locate, read_structure
 from .stats_job import RankStats, RankStatsRead, RowSums, SlotRead, StatsJob
@@ -84,7 +84,7 @@ def _reads(job: StatsJob, slots: tuple[SlotRead, ...], sums: dict[str, RowSums],
     reads = []
     if job.files.rows is not None:  # partial: one safetensors tensor per (key, parameter), its CRC-32 recorded
         fd = open_fd(stack, job.files.rows)
-        tensors, crcs = safetensors_tensors(job.files.rows), stored_crcs(job.files.rows)
+        tensors, crcs = read_rows_file(job.files.rows)
         for slot in slots:
             for key in TENSORS:
                 begin = partial_slice(job.files.rows, tensors, key, slot.param, slot.valid)[2]

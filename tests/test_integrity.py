@@ -166,14 +166,14 @@ def test_a_flipped_bit_in_a_partial_save_is_refused_wherever_it_is_read(real_run
     from safetensors.torch import load_file, save_file
 
     from tailor_tui.checkpoint import scan
-    from tailor_tui.partial_rows import stored_crcs
+    from tailor_tui.partial_rows import read_rows_file
 
     run, _spec = real_run("ds_selective_parity")
     copy = tmp_path / "sel"
     shutil.copytree(run / "run", copy)
     full, p4, p6 = scan(copy).checkpoints
     rows_file = p4.path / "global_step4" / "tailor_rows_rank_0.safetensors"
-    crcs = stored_crcs(rows_file)
+    crcs = read_rows_file(rows_file)[1]
     with safe_open(str(rows_file), "pt") as f:
         assert set(crcs) == set(f.keys())  # every slice saved has its CRC-32
     row = next(r for r in p4.saved_rows if not p6.holds(r))
@@ -200,6 +200,6 @@ def test_a_flipped_bit_in_a_partial_save_is_refused_wherever_it_is_read(real_run
         with safe_open(str(rows), "pt") as f:
             metadata = {k: v for k, v in f.metadata().items() if k != "crc32"}
         save_file(load_file(rows), rows, metadata=metadata)
-        assert stored_crcs(rows) == {}
+        assert read_rows_file(rows)[1] == {}
     done = tailor("--apply", on_full_base)
     assert done.returncode == 0, done.stderr
