@@ -18,11 +18,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .checkpoint import PROVENANCE
 from .errors import MergeCancelled, UsageError
 from .events import Emit, TaskOptions
 from .export_plan import Export
 from .export_rank import export_rank
-from .fileio import copy_file, fsync_dir, output_error, pwrite_all
+from .fileio import copy_file, fsync_dir, output_error, pwrite_all, write_file
 from .merge import provenance
 from .output import OUTPUT_FILES, hidden_folder, output_lock, publish, signals_held, written_files
 from .safetensors_out import INDEX
@@ -78,7 +79,7 @@ def run_export(export: Export, *, config: Path | None, workers: int, emit: Emit 
                 raise MergeCancelled("export cancelled; nothing was written to the output path")
             record = provenance(plan) | {"export": {"dtype": export.dtype, "config": str(source) if source else None},
                                          OUTPUT_FILES: written_files(tmp)}
-            _write(tmp / "tailor_provenance.json", (json.dumps(record, indent=2) + "\n").encode(), options.durable)
+            write_file(tmp / PROVENANCE, json.dumps(record, indent=2) + "\n", options.durable)
             fsync_dir(tmp, options.durable)
             with signals_held():
                 publish(tmp, out, plan.force, options.durable, options.exchange)
@@ -110,7 +111,7 @@ def _make_files(export: Export, tmp: Path, durable: bool) -> None:
         except OSError as exc:
             raise output_error(exc, path) from None
     if export.index is not None:
-        _write(tmp / INDEX, (json.dumps(export.index, indent=2) + "\n").encode(), durable)
+        write_file(tmp / INDEX, json.dumps(export.index, indent=2) + "\n", durable)
 
 
 def _write_config(source: Path, tmp: Path, dtype: str, durable: bool) -> None:
@@ -129,7 +130,7 @@ def _write_config(source: Path, tmp: Path, dtype: str, durable: bool) -> None:
     keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]
     for key in keys:
         config[key] = TORCH_DTYPE[dtype]
-    _write(tmp / CONFIG, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode(), durable)
+    write_file(tmp / CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n", durable)
     for name in COMPANIONS:
         companion = source.parent / name
         if companion.is_file():
@@ -138,13 +139,3 @@ def _write_config(source: Path, tmp: Path, dtype: str, durable: bool) -> None:
             except OSError as exc:
                 raise output_error(exc, tmp / name) from None
 
-
-def _write(path: Path, data: bytes, durable: bool) -> None:
-    try:
-        with open(path, "wb") as f:
-            f.write(data)
-            f.flush()
-            if durable:
-                os.fsync(f.fileno())
-    except OSError as exc:
-        raise output_error(exc, path) from None

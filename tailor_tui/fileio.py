@@ -42,6 +42,17 @@ def fsync(fd: int, durable: bool = True) -> None:
         os.fsync(fd)
 
 
+def write_file(path: Path, data: bytes | str, durable: bool = True) -> None:
+    """Write a small file of the output whole (text as UTF-8), fsynced when `durable`."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            fsync(f.fileno(), durable)
+    except OSError as exc:
+        raise output_error(exc, path) from None
+
+
 def fsync_file(path: Path, durable: bool = True) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -29,7 +29,7 @@ from . import __version__
 from .checkpoint import MODEL_FILE_INDEX, PROVENANCE, Checkpoint
 from .errors import MergeCancelled, OutputError
 from .events import Emit, TaskFinished, TaskOptions, TaskProgressed
-from .fileio import copy_file, fsync, fsync_dir, output_error
+from .fileio import copy_file, fsync_dir, output_error, write_file
 from .guard import nonfinite_error
 from .model_files import merge_model_file
 from .output import OUTPUT_FILES, hidden_folder, output_lock, publish, signals_held, written_files
@@ -149,7 +149,7 @@ def _compose(plan: MergePlan, workers: int | None, emit: Emit, cancel: threading
                     raise nonfinite_error(plan, nonfinite)
                 verify_output(plan, tmp)
                 record = provenance(plan) | {OUTPUT_FILES: written_files(tmp)}
-                _write_text(tmp / PROVENANCE, json.dumps(record, indent=2) + "\n", durable)
+                write_file(tmp / PROVENANCE, json.dumps(record, indent=2) + "\n", durable)
                 fsync_dir(tag_dir, durable)
                 fsync_dir(tmp, durable)
                 with signals_held():  # a cancel now waits until the output is whole at its path
@@ -200,10 +200,10 @@ def _prepare(plan: MergePlan, cancel: threading.Event, durable: bool) -> Path:
         (tmp / plan.base.tag).mkdir()
         _copy_other_files(plan, tmp, cancel, durable)
         if plan.base.kind == "deepspeed" or plan.base.partial:  # an HF base's is among its files
-            _write_text(tmp / "latest", plan.base.tag, durable)
+            write_file(tmp / "latest", plan.base.tag, durable)
         layout = plan.model_layout()
         if plan.base.partial and layout is not None and layout.index is not None:
-            _write_text(tmp / MODEL_FILE_INDEX, layout.index, durable)
+            write_file(tmp / MODEL_FILE_INDEX, layout.index, durable)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -243,16 +243,6 @@ def _skeletons(plan: MergePlan, tag_dir: Path, cancel: threading.Event, ranks: l
         thread.join()
     if failed:
         raise failed[0]
-
-
-def _write_text(path: Path, text: str, durable: bool) -> None:
-    try:
-        with open(path, "w") as f:
-            f.write(text)
-            f.flush()
-            fsync(f.fileno(), durable)
-    except OSError as exc:
-        raise output_error(exc, path) from None
 
 
 def _copy_other_files(plan: MergePlan, tmp: Path, cancel: threading.Event, durable: bool) -> None:
