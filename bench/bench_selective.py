@@ -47,8 +47,7 @@ def _bench_rank(rank, world, port, spec, out: str, repeats: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from tailor_tui.rows import row_of
-    from tailor_tui.selective import Filter, Parity, model_rows, save_rows
+    from tailor_tui.selective import Filter, Parity, model_rows, row_naming, save_rows
 
     out = Path(out)
     model = demo_run.build_model(spec)
@@ -59,9 +58,9 @@ def _bench_rank(rank, world, port, spec, out: str, repeats: int) -> None:
     engine.step()
 
     rows = model_rows(engine)
-    numel = {}
+    numel, naming = {}, row_naming(engine)
     for name, p in engine.module.named_parameters():
-        numel[row_of(name)] = numel.get(row_of(name), 0) + p.ds_numel
+        numel[naming.row_of(name)] = numel.get(naming.row_of(name), 0) + p.ds_numel
     kinds = {
         "full save_checkpoint": None,
         "parity save_rows": Parity().rows_for(1, rows),

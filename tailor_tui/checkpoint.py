@@ -26,12 +26,13 @@ from .ds_format import (
     MODEL_STATES,
     MODULE,
     OPTIM_STATES,
+    SHARED_PARAMS,
     unsupported_version,
 )
 from .errors import CheckpointError
 from .layout import ZeroLayout
 from .ptfile import Unsupported, check_complete, read_structure
-from .rows import Row, split_row
+from .rows import PEFT_PREFIX, Row, model_rows
 from .safe_load import load_pt
 from .scan_cache import ModelStates
 
@@ -61,7 +62,7 @@ class RankFiles:
 @dataclass(frozen=True)
 class Checkpoint:
     path: Path  # how recipes name it: the HF checkpoint-N folder, or the tag folder
-    kind: str  # "hf" or "deepspeed"
+    kind: str  # "hf" (HF Trainer checkpoint-N), "accelerate" (save_state's checkpoint_N) or "deepspeed"
     tag: str
     tag_dir: Path
     save_dir: Path  # the folder holding `latest` and the recovery scripts
@@ -77,6 +78,17 @@ class Checkpoint:
     saved_rows: frozenset | None = None  # a partial checkpoint's rows; None: every row
     model_layout: Path | None = None  # a partial HF checkpoint's record of the model files' layout
     composed: bool = False  # tailor-tui composed it (it has tailor_provenance.json): not a training save
+
+    @property
+    def in_folder(self) -> bool:
+        """Named by a checkpoint folder that holds the tag folder beside the training loop's other
+        files (HF Trainer, Accelerate): composed as a whole folder; else a DeepSpeed tag folder."""
+        return self.kind in ("hf", "accelerate")
+
+    @property
+    def peft(self) -> bool:
+        """A PEFT model's checkpoint (its parameters under PEFT's `base_model.model.` prefix)."""
+        return any(r.module_path.startswith(PEFT_PREFIX) for r in self.rows)
 
     @property
     def partial(self) -> bool:
@@ -172,6 +184,21 @@ def _is_tag_dir(folder: Path) -> bool:
     return (folder / MODEL_STATES.format(rank=0)).is_file()
 
 
+ACCELERATE_TAG = re.compile(r"^pytorch_model(_\d+)?$")  # Accelerate's save_state: DeepSpeed's tag of model i
+ACCELERATE_STATE = re.compile(r"^random_states_\d+\.pkl$")  # and the RNG state of every process beside it
+
+
+def _holds_checkpoint(folder: Path, tag: str) -> str | None:
+    """"hf" or "accelerate" when `folder`, whose `latest` names `tag`, is a checkpoint folder
+    holding the tag folder and the training loop's other files (the HF Trainer's checkpoint-N,
+    Accelerate's save_state checkpoint_N); None for a bare DeepSpeed save_dir."""
+    if (folder / "trainer_state.json").is_file():
+        return "hf"
+    if ACCELERATE_TAG.match(tag) and any(ACCELERATE_STATE.match(p.name) for p in folder.iterdir()):
+        return "accelerate"
+    return None
+
+
 def _locate(path: Path) -> tuple[str, Path, Path, Path]:
     """(kind, named path, tag_dir, save_dir) for whatever folder the user named."""
     if not path.exists():
@@ -180,8 +207,9 @@ def _locate(path: Path) -> tuple[str, Path, Path, Path]:
         raise CheckpointError(f"{path}: not a folder; name a checkpoint-N or tag folder")
     if _is_tag_dir(path):
         parent = path.parent
-        if (parent / "trainer_state.json").is_file() and _read_latest(parent) == path.name:
-            return "hf", parent, path, parent
+        kind = _holds_checkpoint(parent, path.name) if _read_latest(parent) == path.name else None
+        if kind is not None:
+            return kind, parent, path, parent
         return "deepspeed", path, path, parent
     tag = _read_latest(path)
     if tag is not None:
@@ -191,8 +219,9 @@ def _locate(path: Path) -> tuple[str, Path, Path, Path]:
                 f"{path}/latest names tag '{tag}', but {tag_dir} holds no "
                 f"{MODEL_STATES.format(rank=0)}; the checkpoint is incomplete"
             )
-        if (path / "trainer_state.json").is_file():
-            return "hf", path, tag_dir, path
+        kind = _holds_checkpoint(path, tag)
+        if kind is not None:
+            return kind, path, tag_dir, path
         return "deepspeed", tag_dir, tag_dir, path
     raise CheckpointError(
         f"{path}: not a DeepSpeed ZeRO-3 checkpoint (no `latest` file and no "
@@ -270,21 +299,28 @@ def _element_type(tensor) -> str | None:
 
 
 def _rows(states: dict, layout: ZeroLayout) -> tuple[Row, ...]:
-    """Rows in model order (the module state_dict's order), each with what it owns."""
-    params = set(layout.param_names())
-    buffers = set(states.get(BUFFER_NAMES) or ())
-    order = list((states.get(MODULE) or {}).keys())
-    listed = set(order)
-    order += [n for n in layout.param_names() if n not in listed]
-    owned: dict[str, tuple[str, list[str], list[str]]] = {}
-    for name in order:
-        row, module_path = split_row(name)
-        entry = owned.setdefault(row, (module_path, [], []))
-        if name in params:
-            entry[1].append(name)
-        elif name in buffers:
-            entry[2].append(name)
-    return tuple(Row(r, mp, tuple(p), tuple(b)) for r, (mp, p, b) in owned.items())
+    """Rows in model order (the module state_dict's order), each with what it owns
+    (`rows.model_rows`); names tied to a parameter are DeepSpeed's `shared_params`, or else the
+    module's entries that share a parameter's storage."""
+    params = layout.param_names()
+    module = states.get(MODULE) or {}
+    buffers = [b for b in (states.get(BUFFER_NAMES) or ()) if isinstance(b, str) and b in module]  # persistent ones
+    shared = states.get(SHARED_PARAMS)
+    aliases = {k: v for k, v in shared.items() if isinstance(k, str) and isinstance(v, str)} \
+        if isinstance(shared, dict) else {}
+    if not aliases:
+        storage = {_storage_key(module.get(p)): p for p in params if _storage_key(module.get(p)) is not None}
+        aliases = {n: storage[_storage_key(t)] for n, t in module.items()
+                   if n not in storage.values() and _storage_key(t) in storage}
+    known = set(params) | set(buffers)
+    aliases = {n: p for n, p in aliases.items() if n not in known and p in known}
+    return model_rows(params, buffers, aliases, [n for n in module if isinstance(n, str)])
+
+
+def _storage_key(tensor) -> str | None:
+    """The archive record a saved tensor's storage is (torch-free reader), to tell tied names."""
+    key = getattr(getattr(tensor, "storage", None), "key", None)
+    return key if isinstance(key, str) else None
 
 
 def hf_model_files(folder: Path) -> tuple[Path, ...]:
@@ -424,14 +460,14 @@ def find_checkpoint_dirs(root: Path, interrupted: list[Path] | None = None) -> l
             found.append(here)
             dirnames.clear()
         elif _is_tag_dir(here):
-            # A tag folder inside an HF checkpoint-N folder is named by its parent instead.
+            # A tag folder inside an HF checkpoint-N (or Accelerate checkpoint_N) folder is named by its parent.
             parent = here.parent
-            if not ((parent / "trainer_state.json").is_file() and _read_latest(parent) == here.name):
+            if not (_read_latest(parent) == here.name and _holds_checkpoint(parent, here.name)):
                 found.append(here)
             dirnames.clear()
-        elif (here / "trainer_state.json").is_file() and _read_latest(here):
+        elif (tag := _read_latest(here)) and _holds_checkpoint(here, tag):
             found.append(here)
-            dirnames[:] = [d for d in dirnames if d != _read_latest(here)]
+            dirnames[:] = [d for d in dirnames if d != tag]
         dirnames.sort()
     return found
 

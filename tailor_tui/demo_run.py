@@ -21,6 +21,10 @@ import socket
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+# the models, datasets and Trainer of the runs; model_config is re-exported for the tests
+from .run_models import (batch_inputs, build_model, make_trainer, model_config, param_groups,  # noqa: F401
+                         trainer_dataset, training_batches)
+
 VOCAB = 101  # prime, so embedding and lm_head never split evenly across ranks
 
 
@@ -34,7 +38,9 @@ class RunSpec:
     # any CPU, so runs lift that one check: `_allow_fp16_on_cpu`)
     dtype: str = "bf16"
     tied: bool = False  # tie lm_head to embed_tokens
-    layout: str = "hf"  # "hf": HF Trainer checkpoint-N folders; "deepspeed": save_dir tags
+    # "hf": HF Trainer checkpoint-N folders; "deepspeed": save_dir tags; "accelerate": Accelerate's
+    # save_state checkpoint_N folders (made by tailor_tui.run_accelerate, not make_run)
+    layout: str = "hf"
     layers: int = 4
     hidden: int = 32
     steps: int = 6
@@ -69,6 +75,10 @@ class RunSpec:
     # Trainer callback); the run's checkpoints go to OUT/run, and full reference checkpoints
     # of every save, written by the same run, to OUT/reference
     selective: str | None = None
+    arch: str = "llama"  # "llama", "opt", "bert", "t5" or "gpt_neox" (tailor_tui.run_models)
+    peft: bool = False  # HF layout: train a PEFT LoRA adapter (run_models.lora_config)
+    save_safetensors: bool = True  # HF layout: False writes pytorch_model.bin, as transformers 4.x did
+    max_shard_size: str | None = None  # HF layout: shard the model file (e.g. "20KB")
     extra: dict = field(default_factory=dict, hash=False, compare=False)
 
     def key(self) -> str:
@@ -80,22 +90,7 @@ class RunSpec:
     @classmethod
     def from_key(cls, text: str) -> "RunSpec":
         d = json.loads(text)
-        return cls(**{**d, "frozen": tuple(d.get("frozen", ())), "blow_up": tuple(d.get("blow_up", ()))})
-
-
-def model_config(spec: RunSpec):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=spec.vocab,
-        hidden_size=spec.hidden,
-        intermediate_size=spec.intermediate or spec.hidden * 3 // 2,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=spec.tied,
-    )
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
 
 def ds_config(spec: RunSpec, for_trainer: bool) -> dict:
@@ -130,40 +125,6 @@ def _engine_config(spec: RunSpec, folder: Path):
     tmp.write_text(json.dumps(cfg))
     os.replace(tmp, path)
     return str(path)
-
-
-def build_model(spec: RunSpec):
-    import torch
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(model_config(spec))
-    for name, p in model.named_parameters():
-        if name in spec.frozen:
-            p.requires_grad_(False)
-    if spec.buffer:
-        model.model.norm.register_buffer("tailor_scale", torch.linspace(0.5, 1.5, spec.hidden), persistent=True)
-    return model
-
-
-def param_groups(model, weight_decay: float = 0.1):
-    """HF Trainer's split: decay for matrices, none for norms and biases."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if ("norm" in name or name.endswith(".bias")) else decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-
-
-def training_batches(spec: RunSpec, count: int, rank: int):
-    import torch
-
-    g = torch.Generator().manual_seed(1000 + spec.seed * 100 + rank)
-    return [torch.randint(0, spec.vocab, (2, 8), generator=g) for _ in range(count)]
 
 
 def free_port() -> int:
@@ -252,14 +213,6 @@ def _trainer_args(spec: RunSpec, out: Path, max_steps: int):
     )
 
 
-def _trainer_dataset(spec: RunSpec):
-    import torch
-
-    g = torch.Generator().manual_seed(1000 + spec.seed)
-    ids = torch.randint(0, spec.vocab, (256, 8), generator=g)
-    return [{"input_ids": row, "labels": row} for row in ids]
-
-
 def _train_rank(rank: int, world: int, port: int, spec: RunSpec, out: str) -> None:
     quiet()
     setup_rank(rank, world, port, spec)
@@ -282,7 +235,7 @@ def _train_rank(rank: int, world: int, port: int, spec: RunSpec, out: str) -> No
 
         saver = SelectiveSaver(_strategy(spec), out / "run")
     for step, ids in enumerate(training_batches(spec, spec.steps, rank), start=1):
-        loss = engine(input_ids=ids, labels=ids).loss
+        loss = engine(**batch_inputs(spec, ids)).loss
         engine.backward(loss)
         engine.step()
         if step == spec.blow_up_step:
@@ -318,15 +271,9 @@ def _blow_up(engine, names: tuple[str, ...]) -> None:
 def _hf_trainer(spec: RunSpec, out: Path, max_steps: int, newer_saves: str = "refuse", callbacks=()):
     """The HF Trainer of an HF-layout run (its checkpoints in `out`, or `out/run` for a selective
     run, whose full reference saves go to `out/reference`)."""
-    from transformers import Trainer
-
-    trainer = Trainer(
-        model=build_model(spec),
-        args=_trainer_args(spec, out / "run" if spec.selective else out, max_steps),
-        train_dataset=_trainer_dataset(spec),
-        eval_dataset=_trainer_dataset(spec)[:8] if spec.best_at else None,
-        callbacks=[*callbacks, *([_best_at(spec)] if spec.best_at else [])],
-    )
+    trainer = make_trainer(spec, _trainer_args(spec, out / "run" if spec.selective else out, max_steps),
+                           [*callbacks, *([_best_at(spec)] if spec.best_at else [])],
+                           eval_dataset=trainer_dataset(spec)[:8] if spec.best_at else None)
     if spec.selective:
         from .selective_hf import SelectiveCheckpointCallback
 
@@ -424,7 +371,7 @@ def _resume_rank(rank, world, port, spec: RunSpec, ckpt: str, resave: str, resul
     ckpt = Path(ckpt)
     losses: list[float] = []
     if spec.layout == "hf":
-        from transformers import Trainer, TrainerCallback
+        from transformers import TrainerCallback
 
         class ResaveThenLog(TrainerCallback):
             def on_train_begin(self, args, state, control, **kw):
@@ -436,12 +383,7 @@ def _resume_rank(rank, world, port, spec: RunSpec, ckpt: str, resave: str, resul
                     losses.append(float(logs["loss"]))
 
         step = json.loads((ckpt / "trainer_state.json").read_text())["global_step"]
-        trainer = Trainer(
-            model=build_model(spec),
-            args=_trainer_args(spec, Path(resave) / "trainer-out", step + 1),
-            train_dataset=_trainer_dataset(spec),
-            callbacks=[ResaveThenLog()],
-        )
+        trainer = make_trainer(spec, _trainer_args(spec, Path(resave) / "trainer-out", step + 1), [ResaveThenLog()])
         trainer.train(resume_from_checkpoint=str(ckpt))
     else:
         import deepspeed
@@ -455,7 +397,7 @@ def _resume_rank(rank, world, port, spec: RunSpec, ckpt: str, resave: str, resul
             raise RuntimeError(f"DeepSpeed found no checkpoint in {ckpt}")
         engine.save_checkpoint(resave, tag="resaved")
         ids = training_batches(spec, 1, rank)[0]
-        loss = engine(input_ids=ids, labels=ids).loss
+        loss = engine(**batch_inputs(spec, ids)).loss
         engine.backward(loss)
         engine.step()
         losses.append(float(loss))

@@ -56,6 +56,7 @@ FROZEN_PARAM_SHAPES = "frozen_param_shapes"
 FROZEN_PARAM_FRAGMENTS = "frozen_param_fragments"
 DP_WORLD_SIZE = "dp_world_size"
 BUFFER_NAMES = "buffer_names"
+SHARED_PARAMS = "shared_params"  # {state-dict name: the parameter it is tied to}
 MODULE = "module"
 GLOBAL_STEPS = "global_steps"
 DS_CONFIG = "ds_config"

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from .checkpoint import distinct_names
 from .ds_format import MODULE
-from .errors import CheckpointError
+from .errors import CheckpointError, IncompatibleError
 from .layout import part
 from .pickled import TensorRef, dtype_name
 from .plan import MergePlan
@@ -74,6 +74,11 @@ class Export:
 def plan_export(plan: MergePlan, dtype: str | None, max_shard: int) -> Export:
     """The export of `plan`'s composition in `dtype` (None: the training dtype)."""
     base = plan.base
+    if base.peft:
+        raise IncompatibleError(
+            f"{base.path}: a PEFT (LoRA) run: its trainable weights are an adapter on a base model, not a plain "
+            "HF model; compose it with --apply (the output's adapter_model.safetensors holds each row's adapter "
+            "from its pick) and load that with PeftModel.from_pretrained")
     dtype = dtype or base.dtype
     shapes = {name: shape for group in base.layout.groups for name, shape in group} | dict(base.layout.frozen)
     source_of = plan.source_of_param()

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import __version__
+from .bin_files import BinFileJob, merge_bin_file
 from .checkpoint import MODEL_FILE_INDEX, PROVENANCE, Checkpoint
 from .errors import MergeCancelled, OutputError
 from .events import Emit, TaskFinished, TaskOptions, TaskProgressed
@@ -123,7 +124,7 @@ def _compose(plan: MergePlan, workers: int | None, emit: Emit, cancel: threading
             tag_dir = tmp / plan.base.tag
             rank_call = reshard_rank if plan.reshard is not None else merge_rank
             jobs = [*((rank_call, (job, tag_dir), job.total_bytes) for job in plan.rank_jobs()),
-                    *((merge_model_file, (job, tmp), job.total_bytes) for job in plan.model_file_jobs())]
+                    *((_weight_writer(job), (job, tmp), job.total_bytes) for job in plan.model_file_jobs())]
             mine = [jobs[i] for i in team.mine([size for _fn, _args, size in jobs])]
             calls = [(fn, args) for fn, args, _size in mine]
             ranks = [args[0].rank for fn, args, _size in mine if fn is rank_call]
@@ -171,6 +172,11 @@ def _compose(plan: MergePlan, workers: int | None, emit: Emit, cancel: threading
     # what the plan counted (bytes_to_write): every file but the provenance record written last
     written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file() and f != out / PROVENANCE)
     return MergeResult(out, time.monotonic() - started, written, peaks[0], dict(nonfinite))
+
+
+def _weight_writer(job):
+    """The writer of a weight file's job: torch's format or safetensors."""
+    return merge_bin_file if isinstance(job, BinFileJob) else merge_model_file
 
 
 def _size_of(path: Path) -> int:

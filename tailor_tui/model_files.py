@@ -39,7 +39,6 @@ from .fileio import (
     pwrite_all,
 )
 from .layout import Slot
-from .rows import row_of
 from .safe_load import load_pt
 
 SAFETENSORS_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "BOOL": 1}
@@ -110,8 +109,9 @@ class ModelFileJob:
     name: str  # file name in the output
     prefix: bytes  # the output's 8-byte length + header (the base's)
     base_file: Path | None  # whose bytes stay where the base's rows are kept; None: a partial base
-    picks: dict[str, int]  # row -> source index (tied rows follow their partner)
-    source_files: dict[int, tuple[Path, ...]]  # full sources: their 16-bit files
+    sources: dict[str, int]  # tensor -> source index: its row's pick (a tied tensor's partner's row)
+    rows: dict[str, str]  # tensor -> its row ("" for a tensor of no row, kept from the base)
+    source_files: dict[int, tuple[Path, ...]]  # full sources: their files holding the same tensors
     partial_ranks: dict[int, tuple[RankFiles, ...]]  # partial sources: every rank's files
     slots: dict[int, dict[str, Slot]]  # partial sources: where each rank's slice of each trainable parameter sits
     source_names: dict[int, str]  # for messages
@@ -140,12 +140,13 @@ def merge_model_file(job: ModelFileJob, out_dir: Path, emit: Emit, cancelled: Ca
     counter = ByteCounter(job.task, job.total_bytes, emit, cancelled, options)
     edits = []  # (offset in the output, bytes, source index, tensor name, dtype)
     for name, (dtype, shape, begin, end) in parse_prefix(job.prefix).items():
-        s = job.picks.get(row_of(name), 0)
+        s = job.sources.get(name, 0)
         if s or job.base_file is None:
             edits.append((begin, end - begin, s, name, dtype, shape))
 
     out = out_dir / job.name
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)  # a weight file in a subfolder of the checkpoint
         with contextlib.ExitStack() as stack:
             fout = open_fd(stack, out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             writeback = Writeback(fout, options.durable)

@@ -8,6 +8,7 @@ sub-group layout differ from the base, an output that would clobber something.
 from __future__ import annotations
 
 import difflib
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -23,11 +24,23 @@ from .checkpoint import (
 )
 from .ds_format import RECOVERY_SCRIPTS
 from .errors import CheckpointError, IncompatibleError, RecipeError, UsageError
-from .model_files import ModelFileJob, ModelFileLayout
+from .bin_files import BinFileJob, composable, family, is_bin_weights, tensor_names
+from .model_files import ModelFileJob, ModelFileLayout, parse_prefix
 from .output import check_output as check_writable
 from .recipe import Recipe
 from .reshard import Reshard, ReshardJob, check_world_size, output_names, plan_reshard, renamed_for, reshard_jobs
+from .rows import RowIndex, list_rows
 from .units import size
+from .weight_files import (
+    COMPOSED,
+    COPIED,
+    FileFate,
+    describe_run_level,
+    is_safetensors,
+    is_uncomposed_weights,
+    tensor_rows,
+    unplaced_error,
+)
 
 BYTES_PER_ELEMENT = 4 * 3  # fp32 master weight + exp_avg + exp_avg_sq
 
@@ -92,7 +105,7 @@ class MergePlan:
     reshard: Reshard | None = None  # composing into another world size (`--world-size`)
     _jobs: tuple[RankJob | ReshardJob, ...] = field(init=False, repr=False)
     _model_layout: ModelFileLayout | None = field(init=False, repr=False)
-    _model_jobs: tuple[ModelFileJob, ...] = field(init=False, repr=False)
+    _model_jobs: tuple[ModelFileJob | BinFileJob, ...] = field(init=False, repr=False)
     _other_files: tuple[tuple[Path, Path], ...] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -206,21 +219,83 @@ class MergePlan:
                 return ModelFileLayout.of_files(src.model_files)
         return None
 
-    def model_file_jobs(self) -> tuple[ModelFileJob, ...]:
+    def model_file_jobs(self) -> tuple[ModelFileJob | BinFileJob, ...]:
+        """One job per weight file of the output: safetensors (`ModelFileJob`), torch's format
+        (`BinFileJob`)."""
         return self._model_jobs
 
-    def _make_model_file_jobs(self, layout) -> tuple[ModelFileJob, ...]:
-        picks = dict(self.picks)
-        for row in self.base.rows:
-            if row.tied:
-                picks[row.name] = self.picks.get(tied_partner(self.base, row), 0)
-        base_files = {f.name: f for f in self.base.model_files}
+    def _make_model_file_jobs(self, layout) -> tuple[ModelFileJob | BinFileJob, ...]:
+        """One job per weight file: the 16-bit model files (`layout`) and every other safetensors
+        file of an HF base (a PEFT adapter), each tensor from the source picked for its row."""
         full = {i: src.model_files for i, src in enumerate(self.sources) if src.model_files}
         partial = {i: src.ranks for i, src in enumerate(self.sources) if src.partial}
         slots = {i: {slot.name: slot for slot in self.sources[i].layout.slots} for i in partial}
         names = {i: str(src.path) for i, src in enumerate(self.sources)}
-        return tuple(ModelFileJob(name, prefix, base_files.get(name), picks, full, partial, slots, names)
-                     for name, prefix in (layout.files if layout else ()))
+        base_files = {f.name: f for f in self.base.model_files}
+        jobs = []
+        for name, prefix in (layout.files if layout else ()):
+            tensors = list(parse_prefix(prefix))
+            rows, sources = self._tensor_sources(tensors, self.base.path / name)
+            used = set(sources.values())
+            lacking = [i for i in used if i and i not in full and i not in partial]
+            if lacking:
+                raise IncompatibleError(f"{self.sources[lacking[0]].path}: has no {name} (16-bit model weights) "
+                                        f"while the base has; pick its rows from a checkpoint that has one")
+            jobs.append(ModelFileJob(name, prefix, base_files.get(name), sources, rows,
+                                     {i: full[i] for i in used if i in full}, partial, slots, names))
+        for rel in self._weight_files():
+            base_file = self.base.path / rel
+            prefix = ModelFileLayout.of_files((base_file,)).files[0][1]
+            rows, sources = self._tensor_sources(list(parse_prefix(prefix)), base_file)
+            own = {}
+            for i in sorted(set(sources.values())):
+                theirs = self.sources[i].path / rel
+                if not theirs.is_file():
+                    picked = sorted({r for r, s in zip(rows.values(), sources.values()) if s == i and r})
+                    raise IncompatibleError(
+                        f"{self.sources[i].path}: has no {rel} while the base has (rows {list_rows(picked)} are "
+                        f"picked from it); pick those rows from a checkpoint that has {rel.name}")
+                own[i] = (theirs,)
+            jobs.append(ModelFileJob(str(rel), prefix, base_file, sources, rows, own, {}, {}, names))
+        for rel in self._bin_files():
+            base_file = self.base.path / rel
+            rows, sources = self._tensor_sources(tensor_names(base_file), base_file)
+            own = {}
+            for i in sorted(set(sources.values()) - {0}):
+                own[i] = family(self.sources[i].path, rel)
+                if not own[i]:
+                    picked = sorted({rows[n] for n, s in sources.items() if s == i})
+                    raise IncompatibleError(
+                        f"{self.sources[i].path}: has no {rel.name} while the base has (rows {list_rows(picked)} "
+                        "are picked from it); pick those rows from a checkpoint saved the same way")
+            jobs.append(BinFileJob(str(rel), base_file, sources, rows, own, names, base_file.stat().st_size))
+        return tuple(jobs)
+
+    def _tensor_sources(self, tensors: list[str], file: Path) -> tuple[dict[str, str], dict[str, int]]:
+        """(tensor -> row, tensor -> source index) of a weight file's tensors; a tensor no row holds
+        is refused (IncompatibleError) unless every row comes from the base."""
+        found = tensor_rows(tensors, self.base.rows, self.base.path, file.name)
+        unplaced = [n for n, row in found.items() if row is None]
+        if unplaced and any(self.picks.values()):
+            raise unplaced_error(file, unplaced, self.base.rows)
+        return ({n: row or "" for n, row in found.items()},
+                {n: self.picks.get(row, 0) if row else 0 for n, row in found.items()})
+
+    def _weight_files(self) -> list[Path]:
+        """The HF base's safetensors files other than its 16-bit model files (a PEFT adapter, …)."""
+        if self.base.kind != "hf" or self.base.partial:
+            return []
+        model = set(self.base.model_files)
+        return [p.relative_to(self.base.path) for p in _files_of(self.base)
+                if is_safetensors(p) and p not in model]
+
+    def _bin_files(self) -> list[Path]:
+        """The HF base's torch-format weight files (`pytorch_model*.bin`, `adapter_model.bin`) in
+        torch's zip format, which the torch-free writer composes."""
+        if self.base.kind != "hf" or self.base.partial:
+            return []
+        return [p.relative_to(self.base.path) for p in _files_of(self.base)
+                if is_bin_weights(p) and composable(p)]
 
     # --- totals and description -------------------------------------------------------
 
@@ -230,16 +305,35 @@ class MergePlan:
         (`reshard.renamed_for`)."""
         return self._other_files
 
+    def file_fates(self) -> tuple[FileFate, ...]:
+        """What happens to every file of the base folder but its rank files: composed per row
+        (weight files) or copied from the base (run-level, or weights whose rows all come from
+        the base), each with why."""
+        fates = [FileFate(Path(job.name), COMPOSED, "weights, per row") for job in self.model_file_jobs()]
+        for rel, _to in self.other_files():
+            why = ("weights; every row they hold comes from the base" if is_uncomposed_weights(rel)
+                   else describe_run_level(rel))
+            fates.append(FileFate(rel, COPIED, why))
+        return tuple(fates)
+
     def _list_other_files(self) -> tuple[tuple[Path, Path], ...]:
-        if self.base.kind == "hf":
+        if self.base.in_folder:
             skip = set(self.base.model_files)  # composed, not copied
+            skip |= {self.base.path / rel for rel in (*self._weight_files(), *self._bin_files())}
             own = {PARTIAL_MANIFEST, PARTIAL_MODEL_FILES} if self.base.partial else set()  # tailor-tui's
             found = sorted(
                 p.relative_to(self.base.path)
-                for p in self.base.path.rglob("*")
-                if p.is_file() and p not in skip and self.base.tag_dir not in p.parents
-                and not (p.parent == self.base.path and p.name in own)
+                for p in _files_of(self.base)
+                if p not in skip and not (p.parent == self.base.path and p.name in own)
             )
+            moved = sorted({row for row, s in self.picks.items() if s})
+            for rel in found:
+                if is_uncomposed_weights(rel) and moved:
+                    raise IncompatibleError(
+                        f"{self.base.path / rel}: holds weights in torch's legacy (non-zip) format, which "
+                        f"tailor-tui does not compose; rows {list_rows(moved)} are picked from other checkpoints, "
+                        "so copying the base's would be wrong: re-save it with torch.save's default format or "
+                        "safetensors, or pick every row from the base")
         else:
             found = [Path(s) for s in RECOVERY_SCRIPTS if (self.base.save_dir / s).is_file()]
         if self.reshard is None:
@@ -248,7 +342,7 @@ class MergePlan:
         return tuple((p, q) for p, q in pairs if q is not None)
 
     def other_files_root(self) -> Path:
-        return self.base.path if self.base.kind == "hf" else self.base.save_dir
+        return self.base.path if self.base.in_folder else self.base.save_dir
 
     def bytes_to_write(self) -> int:
         """Every byte of the output but its provenance record: rank files, model files, the
@@ -287,7 +381,7 @@ class MergePlan:
         """What the progress bars count: every rank's and model file's bytes read and written."""
         return sum(j.total_bytes for j in self.rank_jobs()) + sum(j.total_bytes for j in self.model_file_jobs())
 
-    def describe(self, show=str) -> list[str]:
+    def describe(self, show=str, every_file: bool = True) -> list[str]:
         """The plan as text lines, what matters first: output, base, totals, then only the rows
         that do not come from the base, runs of layers grouped (`layers.40–59 ← checkpoint-8`).
         `show` formats paths (the TUI shows them relative to the run)."""
@@ -319,9 +413,32 @@ class MergePlan:
         tied = [f"{r.name} tied to {tied_partner(self.base, r)}" for r in self.base.rows if r.tied]
         if tied:
             lines.append("; ".join(tied))
-        if self.base.kind == "hf" and not self.model_file_jobs():
+        if self.base.kind == "hf" and self.base.partial and self.model_layout() is None:
             lines.append("model files: none (the partial base recorded no 16-bit model-file layout and no source "
                          "in the recipe is a full HF checkpoint; DeepSpeed and the HF Trainer resume without them)")
+        for row in self.base.rows:
+            for alias, target, partner in tied_members(self.base, row):
+                lines.append(f"note: {alias} (in row {row.name}) is tied to {target}: it has no weights of its "
+                             f"own and comes with row {partner}")
+        lines += self.describe_files(every_file)
+        return lines
+
+    def describe_files(self, every_file: bool = True) -> list[str]:
+        """What happens to each file of the base folder, as text lines: rank files counted, weight
+        files named; copied files named (`every_file`) or counted, those tailor-tui does not know
+        named either way."""
+        fates = self.file_fates()
+        ranks = len(self.output_rank_files())
+        composed = [str(f.path) for f in fates if f.fate == COMPOSED]
+        lines = [f"composed per row: {2 * ranks} rank files" + "".join(f", {f}" for f in composed)]
+        copied = [f for f in fates if f.fate == COPIED]
+        odd = [f for f in copied if "not known" in f.why]
+        if copied and every_file:
+            lines.append(f"copied from the base: {', '.join(str(f.path) for f in copied)}")
+        elif copied:
+            lines.append(f"copied from the base: {len(copied)} run-level file(s)"
+                         + (f", {len(odd)} unknown to tailor-tui" if odd else ""))
+        lines += [f"  {f.path}: {f.why}" for f in odd]
         return lines
 
 
@@ -342,11 +459,36 @@ def row_groups(rows: list[tuple[str, int]]) -> list[tuple[str, int]]:
 
 
 def tied_partner(ckpt: Checkpoint, row) -> str:
-    """Which row a storage-less row shares its weight with (by the usual naming)."""
+    """Which row a storage-less row shares its weight with: the row of the parameter DeepSpeed
+    recorded it as tied to, else by the usual naming."""
+    partner = _index(ckpt.rows).tied_to(row.name)
+    if partner is not None:
+        return partner
     for candidate in ckpt.rows:
         if not candidate.tied and ("embed" in candidate.name or candidate.name == "wte"):
             return candidate.name
     return "another row"
+
+
+def tied_members(ckpt: Checkpoint, row) -> list[tuple[str, str, str]]:
+    """(name, the parameter it is tied to, that parameter's row) for each name of a row with
+    weights of its own that is tied to another row's parameter (BERT's cls.predictions.decoder)."""
+    if row.tied:
+        return []
+    index = _index(ckpt.rows)
+    return [(alias, target, index.row_of(target)) for alias, target in row.aliases
+            if index.row_of(target) not in (None, row.name)]
+
+
+@functools.lru_cache(maxsize=16)
+def _index(rows: tuple) -> RowIndex:
+    return RowIndex(rows)
+
+
+def _files_of(ckpt: Checkpoint) -> list[Path]:
+    """Every file of an HF checkpoint folder outside its tag folder (symlinks are not followed)."""
+    return sorted(p for p in ckpt.path.rglob("*")
+                  if p.is_file() and not p.is_symlink() and ckpt.tag_dir not in p.parents)
 
 
 def _open(path: Path, where: str, what: str) -> Checkpoint:
@@ -365,10 +507,7 @@ def _resolve_row(base: Checkpoint, name: str, where: str) -> str:
         names = base.row_names()
         close = difflib.get_close_matches(name, names, n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""
-        raise RecipeError(
-            f"{where}: unknown row '{name}'; {hint}{base.path.name} has rows "
-            f"{', '.join(names[:4])}{', …' if len(names) > 4 else ''} {names[-1]}"
-        ) from None
+        raise RecipeError(f"{where}: unknown row '{name}'; {hint}{base.path.name} has rows {list_rows(names)}") from None
     if row.tied:
         raise RecipeError(
             f"{where}: row '{name}' is tied to {tied_partner(base, row)} (it has no weights of its "

@@ -259,14 +259,19 @@ def _pieces(param: str, numel: int, from_world: int, to_world: int, rank: int, s
 
 
 RNG_STATE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
+ACCELERATE_RNG_STATE = re.compile(r"^random_states_(\d+)\.pkl$")  # Accelerate's, one per process
 
 
 def renamed_for(rel: Path, to_world: int) -> Path | None:
-    """Where a file of an HF checkpoint goes in an output at another world size (None: left
-    out). The HF Trainer reads `rng_state_R.pth` on process R (`rng_state.pth` on a single
+    """Where a file of an HF (or Accelerate) checkpoint goes in an output at another world size
+    (None: left out). Accelerate's `random_states_R.pkl` stay for ranks that exist at both sizes.
+    The HF Trainer reads `rng_state_R.pth` on process R (`rng_state.pth` on a single
     process): ranks that exist at both sizes keep theirs, a single process takes rank 0's,
     new ranks get none (the Trainer then goes on with their fresh generators and says so in
     its log: two ranks with one RNG state would draw the same dropout masks)."""
+    theirs = ACCELERATE_RNG_STATE.match(rel.name) if rel.parent == Path(".") else None
+    if theirs is not None:  # Accelerate's load_state skips a process's missing RNG state (it logs so)
+        return rel if int(theirs.group(1)) < to_world else None
     found = RNG_STATE.match(rel.name) if rel.parent == Path(".") else None
     if found is None:
         return rel

@@ -1,43 +1,172 @@
-"""Rows: the top-level blocks of a model that a recipe picks a source for.
+"""Rows: the blocks of a model that a recipe picks a source for, found from its own structure.
 
-A row's name is the module path of the block with the model container prefix
-dropped: `model.layers.3.mlp.up_proj.weight` is in row `layers.3`,
-`lm_head.weight` in `lm_head`, `transformer.h.0.attn.c_attn.weight` in `h.0`.
+A model's rows come from all of its parameter and buffer names at once (`RowNaming`):
+
+- a **block list** is a numbered list of modules that hold modules themselves, found wherever it
+  stands: `model.layers.N.…` (Llama, Mixtral, Qwen2-MoE, GPT-NeoX's `gpt_neox.layers`), `model.decoder.layers`
+  (OPT), `transformer.h` (GPT-2), `bert.encoder.layer` (BERT), `encoder.block` and `decoder.block`
+  (T5). Each entry is a row;
+- every other parameter belongs to the row of the module it sits in beside the block lists
+  (embeddings, positional embeddings, final norms, pooler), or to its top-level module (heads);
+- a row's name is its module path less the prefix that every block list shares: `layers.3`,
+  `embed_tokens`, `norm`, `lm_head` (Llama), `h.0`, `wte` (GPT-2), `layer.2`, `embeddings`, `cls`
+  (BERT), `encoder.block.1`, `decoder.block.0`, `encoder.final_layer_norm`, `shared` (T5);
+- a PEFT model's names (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight`)
+  are read without PEFT's prefix: its LoRA and `modules_to_save` parameters are in the row of the
+  module they adapt, and the rows are named as the plain model's.
+
+Tied weights: a name the model's state dict holds that is no parameter of its own (DeepSpeed's
+`shared_params`: `lm_head.weight` -> `model.embed_tokens.weight`) is an alias. A row made only of
+aliases has no weights of its own and follows the row it is tied to; an alias inside a row with
+weights of its own (BERT's `cls.predictions.decoder.weight`) stays with its partner's row.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
-CONTAINERS = ("model", "transformer", "gpt_neox", "backbone", "decoder")
-
-
-def split_row(param_name: str) -> tuple[str, str]:
-    """Return (row name, full module path of the row) for a parameter or buffer name."""
-    parts = param_name.split(".")
-    prefix: list[str] = []
-    if len(parts) > 2 and parts[0] in CONTAINERS:
-        prefix, parts = parts[:1], parts[1:]
-    # A ModuleList entry (`layers.3`) is a row of its own; anything else is its first part.
-    take = 2 if len(parts) > 2 and parts[1].isdigit() else 1
-    row = ".".join(parts[:take])
-    return row, ".".join(prefix + parts[:take])
-
-
-def row_of(param_name: str) -> str:
-    return split_row(param_name)[0]
+PEFT_PREFIX = "base_model.model."  # how PEFT's PeftModel names the wrapped model's parameters
+CONTAINERS = ("model", "transformer", "gpt_neox", "backbone", "decoder")  # a model without block lists
 
 
 @dataclass(frozen=True)
 class Row:
-    """A top-level block of the model and the parameters and buffers it owns."""
+    """A block of the model and the parameters and buffers it owns."""
 
     name: str  # `layers.3`
-    module_path: str  # `model.layers.3`
+    module_path: str  # `model.layers.3` (`base_model.model.model.layers.3` in a PEFT model)
     params: tuple[str, ...]  # trainable and frozen parameter names
     buffers: tuple[str, ...]
+    aliases: tuple[tuple[str, str], ...] = ()  # (name in the state dict, the parameter it is tied to)
 
     @property
     def tied(self) -> bool:
         """True when the row has no storage of its own (e.g. lm_head tied to embeddings)."""
         return not self.params and not self.buffers
+
+
+def _first_index(parts: list[str]) -> int | None:
+    """Where the first entry of a block list stands in a name's parts: a number after at least
+    one part, followed by at least a submodule and a tensor name (`layers.3.mlp.weight`)."""
+    for i in range(1, len(parts) - 2):
+        if parts[i].isdigit():
+            return i
+    return None
+
+
+def _common(paths: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
+    paths = list(paths)
+    if not paths:
+        return ()
+    first = paths[0]
+    n = len(first)
+    for p in paths[1:]:
+        n = min(n, len(p))
+        for i in range(n):
+            if p[i] != first[i]:
+                n = i
+                break
+    return first[:n]
+
+
+class RowNaming:
+    """The row of every name of one model (parameters, buffers, aliases, and the tensor names
+    of its weight files), from all of its parameter and buffer names."""
+
+    def __init__(self, names: Iterable[str]):
+        names = list(names)
+        self.prefix = PEFT_PREFIX if names and all(n.startswith(PEFT_PREFIX) for n in names) else ""
+        lists = set()
+        for name in names:
+            parts = name[len(self.prefix):].split(".")
+            i = _first_index(parts)
+            if i is not None:
+                lists.add(tuple(parts[:i]))
+        self.parents = sorted({lst[:-1] for lst in lists}, key=len, reverse=True)
+        self.lists = lists
+        self.container = _common(self.parents) if lists else None
+
+    def split(self, name: str) -> tuple[str, str]:
+        """(row name, module path of the row) of a parameter, buffer or weight-file tensor name."""
+        stripped = name[len(self.prefix):] if self.prefix and name.startswith(self.prefix) else name
+        parts = stripped.split(".")
+        if self.container is None:  # no block list: the top-level module (under a container)
+            if len(parts) > 2 and parts[0] in CONTAINERS:
+                return parts[1], self._path(parts[:2])
+            take = 2 if len(parts) > 2 and parts[1].isdigit() else 1
+            return ".".join(parts[:take]), self._path(parts[:take])
+        i = _first_index(parts)
+        if i is not None and tuple(parts[:i]) in self.lists:
+            module = parts[: i + 1]
+        else:
+            shared = max((len(_common([tuple(parts[:-1]), p])) for p in self.parents), default=0)
+            module = parts[: shared + 1]
+        row = module[len(_common([tuple(module), self.container])):]
+        return ".".join(row or module), self._path(module)
+
+    def _path(self, parts: list[str]) -> str:
+        return self.prefix + ".".join(parts)
+
+    def row_of(self, name: str) -> str:
+        return self.split(name)[0]
+
+
+def model_rows(params: Iterable[str], buffers: Iterable[str] = (), aliases: dict[str, str] | None = None,
+               order: Iterable[str] = ()) -> tuple[Row, ...]:
+    """The rows of a model, in `order` (the state dict's), then any parameter not listed there.
+    `aliases`: state-dict names tied to a parameter (DeepSpeed's `shared_params`)."""
+    params, buffers, aliases = list(params), list(buffers), dict(aliases or {})
+    naming = RowNaming([*params, *buffers])
+    is_param, is_buffer = set(params), set(buffers)
+    names = list(dict.fromkeys([*order, *params, *buffers, *aliases]))
+    owned: dict[str, tuple[str, list[str], list[str], list[tuple[str, str]]]] = {}
+    for name in names:
+        row, module_path = naming.split(name)
+        entry = owned.setdefault(row, (module_path, [], [], []))
+        if name in is_param:
+            entry[1].append(name)
+        elif name in is_buffer:
+            entry[2].append(name)
+        elif name in aliases:
+            entry[3].append((name, aliases[name]))
+    rows = [Row(r, mp, tuple(p), tuple(b), tuple(a)) for r, (mp, p, b, a) in owned.items()]
+    return tuple(r for r in rows if r.params or r.buffers or r.aliases)
+
+
+class RowIndex:
+    """Which row holds a tensor of the model's weight files, by name: the rows' own names first,
+    then the longest row module path the name lies under; an alias follows its partner's row."""
+
+    def __init__(self, rows: Iterable[Row]):
+        rows = list(rows)
+        self.rows = {r.name: r for r in rows}
+        self.owner = {n: r.name for r in rows for n in (*r.params, *r.buffers)}
+        self.partner = {alias: target for r in rows for alias, target in r.aliases}
+        self.paths = sorted(((r.module_path, r.name) for r in rows), key=lambda p: len(p[0]), reverse=True)
+
+    def row_of(self, name: str) -> str | None:
+        """The row whose weights `name` holds (a tied row's partner's), or None if no row has it."""
+        if name in self.owner:
+            return self.owner[name]
+        if name in self.partner and self.partner[name] in self.owner:
+            return self.owner[self.partner[name]]
+        for path, row in self.paths:
+            if name.startswith(path + ".") and not self.rows[row].tied:
+                return row
+        return None
+
+    def tied_to(self, row: str) -> str | None:
+        """The row a storage-less row follows (its first alias's partner's row), or None."""
+        for _alias, target in self.rows[row].aliases:
+            if target in self.owner:
+                return self.owner[target]
+        return None
+
+
+def list_rows(names: list[str], most: int = 4) -> str:
+    """Row names for a message: the first few, an ellipsis, the last (each once)."""
+    names = list(dict.fromkeys(names))
+    if len(names) <= most + 1:
+        return ", ".join(names)
+    return f"{', '.join(names[:most])}, …, {names[-1]}"

@@ -21,7 +21,7 @@ from .cache import entry, file_identity, read_json, write_json
 from .layout import ZeroLayout
 from .rows import Row
 
-FORMAT = 1  # of the entries: bump when what they hold or mean changes
+FORMAT = 2  # of the entries: bump when what they hold or mean changes
 MAX_CACHED = 64 << 20  # an entry larger than this is not one of ours
 PRECISIONS = ("fp16", "fp32")
 
@@ -63,7 +63,8 @@ def to_json(states: ModelStates, identity: list) -> dict:
         "world_size": layout.world_size,
         "groups": [[[name, list(shape)] for name, shape in group] for group in layout.groups],
         "frozen": [[name, list(shape)] for name, shape in layout.frozen],
-        "rows": [[r.name, r.module_path, list(r.params), list(r.buffers)] for r in states.rows],
+        "rows": [[r.name, r.module_path, list(r.params), list(r.buffers), [list(a) for a in r.aliases]]
+                 for r in states.rows],
         "precision": states.precision,
     }
 
@@ -75,8 +76,9 @@ def from_json(data, identity: list) -> ModelStates | None:
             return None
         layout = ZeroLayout(_count(data["world_size"], least=1),
                             tuple(_shapes(group) for group in _list(data["groups"])), _shapes(data["frozen"]))
-        rows = tuple(Row(_str(name), _str(path), _strs(params), _strs(buffers))
-                     for name, path, params, buffers in _list(data["rows"]))
+        rows = tuple(Row(_str(name), _str(path), _strs(params), _strs(buffers),
+                         tuple(_pair(a) for a in _list(aliases)))
+                     for name, path, params, buffers, aliases in _list(data["rows"]))
         if data["precision"] not in PRECISIONS:
             return None
         return ModelStates(_str(data["ds_version"]), _count(data["step"]), layout, rows, data["precision"])
@@ -101,6 +103,11 @@ def _strs(values) -> tuple[str, ...]:
     if not set(map(type, values)) <= {str}:  # map, not a loop: thousands of names per entry
         raise TypeError("not strings")
     return values
+
+
+def _pair(value) -> tuple[str, str]:
+    alias, target = _strs(value)
+    return alias, target
 
 
 def _count(value, least: int = 0) -> int:

@@ -51,21 +51,23 @@ from .ds_format import (
 from .fileio import fsync_dir, fsync_file, replace_dir
 from .layout import ZeroLayout
 from .partial_rows import CRC_METADATA, crc_metadata
-from .rows import row_of, split_row
+from .rows import RowNaming, list_rows
 
 
 def partial_name(step: int) -> str:
     return f"partial-step{step}"
 
 
+def row_naming(engine) -> RowNaming:
+    """How the engine's model names its rows (`rows.RowNaming`), from its parameters and buffers."""
+    return RowNaming([*(n for n, _ in engine.module.named_parameters()),
+                      *(n for n, _ in engine.module.named_buffers())])
+
+
 def model_rows(engine) -> list[str]:
     """The engine's rows in model order (what `rows=` may name)."""
-    rows: list[str] = []
-    for name, _ in engine.module.named_parameters():
-        row = row_of(name)
-        if row not in rows:
-            rows.append(row)
-    return rows
+    naming = row_naming(engine)
+    return list(dict.fromkeys(naming.row_of(name) for name, _ in engine.module.named_parameters()))
 
 
 def save_rows(engine, root: str | os.PathLike, rows: Iterable[str], *, step: int | None = None,
@@ -93,6 +95,7 @@ def save_rows(engine, root: str | os.PathLike, rows: Iterable[str], *, step: int
             raise ValueError(f"{final} was saved by another run; it is not replaced (move it away to save here)")
     rank, world = dist.get_rank(), dist.get_world_size()
     wanted = _resolve_rows(engine, rows)
+    naming = row_naming(engine)
     tag = f"global_step{step}"
     staging = root / f".{partial_name(step)}.saving"
     if rank == 0:
@@ -112,7 +115,7 @@ def save_rows(engine, root: str | os.PathLike, rows: Iterable[str], *, step: int
     inner = state[OPTIMIZER_STATE_DICT]
     tensors, valid = {}, {}
     for slot in slots:
-        if row_of(slot.name) not in wanted:
+        if naming.row_of(slot.name) not in wanted:
             continue
         flats = (state[FP32_FLAT_GROUPS][slot.group], inner[STATE][slot.group][EXP_AVG],
                  inner[STATE][slot.group][EXP_AVG_SQ])
@@ -168,13 +171,13 @@ def save_rows(engine, root: str | os.PathLike, rows: Iterable[str], *, step: int
 
 
 def _resolve_rows(engine, rows: Iterable[str]) -> set[str]:
-    known = model_rows(engine)
+    known, naming = model_rows(engine), row_naming(engine)
     wanted = set()
     for r in rows:
         # a module path (`model.layers.3`) names the row of any parameter under it
-        name = r if r in known else split_row(r + ".weight")[0]
+        name = r if r in known else naming.row_of(r + ".x.weight")
         if name not in known:
-            raise ValueError(f"unknown row {r!r}; this model has rows {', '.join(known[:4])}, … {known[-1]}")
+            raise ValueError(f"unknown row {r!r}; this model has rows {list_rows(known)}")
         wanted.add(name)
     return wanted
 

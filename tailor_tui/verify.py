@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .bin_files import BinFileJob
 from .checkpoint import MODEL_FILE_INDEX, PROVENANCE, open_checkpoint
 from .compare import differences, nonzero_bytes, same_bytes
 from .ds_format import (
@@ -35,7 +36,6 @@ from .ds_format import (
 from .errors import CheckpointError
 from .events import ByteCounter, Emit
 from .plan import MergePlan
-from .rows import row_of
 from .safe_load import load_pt
 
 
@@ -79,7 +79,10 @@ def verify_against_recipe(plan: MergePlan, emit: Emit = lambda e: None,
         for job in plan.rank_jobs():
             _verify_rank(plan, job.rank, composed, param_row, report, emit, cancelled)
     for job in plan.model_file_jobs():
-        _verify_model_file(plan, job, report)
+        if isinstance(job, BinFileJob):
+            _verify_bin_file(plan, job, report)
+        else:
+            _verify_model_file(plan, job, report)
     layout = plan.model_layout()
     if plan.base.partial and layout is not None and layout.index is not None:
         index = out / MODEL_FILE_INDEX
@@ -93,7 +96,49 @@ def verify_against_recipe(plan: MergePlan, emit: Emit = lambda e: None,
             report.add(None, f"{out / to}: differs from the base's {root / rel}")
     if not (out / PROVENANCE).is_file():
         report.add(None, f"{out / PROVENANCE}: missing; the output was not written by tailor-tui")
+    for extra in _unplanned(plan, out):
+        report.add(None, f"{out / extra}: not a file this composition writes (neither composed nor copied "
+                         "from the base); it was added to the output afterwards")
     return report
+
+
+def _verify_bin_file(plan: MergePlan, job: BinFileJob, report: VerifyReport) -> None:
+    """A torch-format weight file: the base's names, each tensor's bytes its row's source's (every
+    file loaded by torch, its records' CRC-32s checked first)."""
+    out_file = plan.output / job.name
+    if not out_file.is_file():
+        report.add(None, f"{out_file}: missing (the base has {job.name})")
+        return
+    got, base = load_pt(out_file), load_pt(job.base_file)
+    if list(got) != list(base):
+        report.add(None, f"{job.name}: does not hold the base's tensors in the base's order")
+        return
+    loaded: dict[Path, dict] = {job.base_file: base}
+
+    def source(s: int, name: str):
+        for path in (job.base_file,) if s == 0 else job.source_files[s]:
+            if path not in loaded:
+                loaded[path] = load_pt(path)
+            if name in loaded[path]:
+                return loaded[path][name]
+        return None
+
+    for name, tensor in got.items():
+        s, row = job.sources.get(name, 0), job.rows.get(name) or None
+        want = source(s, name)
+        if want is None or not same_bytes(tensor, want):
+            report.add(row, f"{job.name}: {name}{f' (row {row})' if row else ''} differs from "
+                            f"{plan.sources[s].name}'s")
+
+
+def _unplanned(plan: MergePlan, out: Path) -> list[Path]:
+    """Files in the output that the plan accounts for neither as composed nor as copied."""
+    expected = {Path(plan.base.tag) / name for names in plan.output_rank_files() for name in names}
+    expected |= {Path(job.name) for job in plan.model_file_jobs()}
+    expected |= {to for _rel, to in plan.other_files()}
+    expected |= {Path("latest"), Path(MODEL_FILE_INDEX), Path(PROVENANCE)}
+    return sorted(p.relative_to(out) for p in out.rglob("*")
+                  if (p.is_file() or p.is_symlink()) and p.relative_to(out) not in expected)
 
 
 def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled) -> None:
@@ -193,8 +238,8 @@ def _verify_model_file(plan, job, report) -> None:
                 located.setdefault(f"{s}/{name}", (p, first, end))
     with open(out_file, "rb") as out:
         for name, (dtype, shape, begin, end) in parse_prefix(job.prefix).items():
-            row = row_of(name)
-            s = job.picks.get(row, 0)
+            row = job.rows.get(name) or None
+            s = job.sources.get(name, 0)
             out.seek(begin)
             got = out.read(end - begin)
             if s in job.partial_ranks:  # cast from the partial checkpoint's fp32 masters
@@ -207,4 +252,5 @@ def _verify_model_file(plan, job, report) -> None:
             else:
                 want = None
             if got != want:
-                report.add(row, f"{out_file.name}: {name} differs from {plan.sources[s].name}")
+                report.add(row, f"{job.name}: {name}{f' (row {row})' if row else ''} differs from "
+                                f"{plan.sources[s].name}'s")

@@ -64,7 +64,7 @@ def worker_memory(plan: MergePlan) -> int:
             needs.append(TORCH_WORKER)
         elif base.rows is None and file_format(base.optim_states) != "zip":  # re-serialised: the whole rank
             needs.append(TORCH_WORKER + 2 * plan.base.rank_bytes(job.rank))
-    if any(job.partial_ranks for job in plan.model_file_jobs()):
+    if any(getattr(job, "partial_ranks", None) for job in plan.model_file_jobs()):
         needs.append(TORCH_WORKER)
     return max(needs)
 

@@ -99,6 +99,23 @@ RUNS = {
     "hf_buffer": RunSpec(buffer=True),
     # A frozen parameter (no optimizer state: its values live in model_states' fragments) of
     # layers.1 turns NaN just before the step-4 save
+    # Beyond Llama, through the HF Trainer with ZeRO-3 (tests/test_architectures.py): OPT, BERT
+    # (masked LM, its decoder tied to the word embeddings), T5 (3 encoder and 2 decoder blocks, its
+    # head tied to `shared`), GPT-NeoX (transformers 5 saves its lm_head as embed_out), a PEFT LoRA
+    # Llama (adapter_model.safetensors), safetensors shards, and transformers 4.x's pytorch_model.bin
+    "hf_opt": RunSpec(arch="opt", layers=3, steps=4, save_every=2),
+    "hf_bert": RunSpec(arch="bert", tied=True, layers=3, steps=4, save_every=2),
+    "hf_t5": RunSpec(arch="t5", layers=3, steps=4, save_every=2),
+    "hf_gpt_neox": RunSpec(arch="gpt_neox", layers=3, steps=4, save_every=2),
+    "hf_peft_lora": RunSpec(peft=True, layers=3, steps=4, save_every=2),
+    "hf_sharded_safetensors": RunSpec(max_shard_size="20KB", layers=3, steps=4, save_every=2),
+    "hf_bin": RunSpec(save_safetensors=False, layers=3, steps=4, save_every=2),
+    "hf_bin_tied": RunSpec(save_safetensors=False, tied=True, layers=3, steps=4, save_every=2),
+    # Accelerate's save_state with the DeepSpeed plugin: checkpoints/checkpoint_N, each with the
+    # tag folder `pytorch_model`, scheduler.bin and random_states_<rank>.pkl
+    "accelerate_ds": RunSpec(layout="accelerate", layers=3, steps=4, save_every=2),
+    "hf_bin_sharded": RunSpec(save_safetensors=False, max_shard_size="20KB", dtype="fp32", layers=3, steps=4,
+                              save_every=2),
     "ds_frozen_blown_up": RunSpec(layout="deepspeed", steps=4, frozen=("model.layers.1.mlp.up_proj.weight",),
                                   blow_up=("model.layers.1.mlp.up_proj.weight",), blow_up_step=4),
 }
@@ -117,7 +134,7 @@ def _run_modules() -> list[Path]:
     """The source of every tailor_tui module a run's making can execute: demo_run and what it
     imports, transitively (the selective savers, the model-file layout record, run_saves, …)."""
     package = Path(demo_run.__file__).parent
-    seen, todo = set(), ["demo_run"]
+    seen, todo = set(), ["demo_run", "run_accelerate"]
     while todo:
         name = todo.pop()
         path = package / f"{name}.py"
@@ -225,7 +242,11 @@ def real_run():
             with _made_by_one(folder):  # test processes running side by side (pytest -n) make it once
                 if not (folder / "tailor_demo_spec.json").is_file():
                     shutil.rmtree(folder, ignore_errors=True)
-                    if deepspeed == INSTALLED_DEEPSPEED:
+                    if spec.layout == "accelerate":
+                        from tailor_tui.run_accelerate import make_accelerate_run
+
+                        make_accelerate_run(folder, spec)
+                    elif deepspeed == INSTALLED_DEEPSPEED:
                         demo_run.make_run(folder, spec)
                     else:
                         with_deepspeed(deepspeed, "make", str(folder), spec.key())
@@ -238,6 +259,8 @@ def real_run():
 def checkpoints_of(run: Path, spec: RunSpec) -> list[Path]:
     """The run's checkpoint folders as a recipe names them, oldest first."""
     steps = range(spec.save_every, spec.steps + 1, spec.save_every)
+    if spec.layout == "accelerate":  # save_state's automatic naming counts the saves
+        return [run / "checkpoints" / f"checkpoint_{i}" for i in range(len(steps))]
     if spec.layout == "hf":
         return [run / f"checkpoint-{s}" for s in steps]
     return [run / f"global_step{s}" for s in steps]

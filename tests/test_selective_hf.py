@@ -34,7 +34,7 @@ from tailor_tui.demo_run import resume_and_step
 from tailor_tui.merge import run_merge
 from tailor_tui.plan import build_plan, tied_partner
 from tailor_tui.recipe import Recipe
-from tailor_tui.rows import row_of
+from tailor_tui.rows import RowNaming
 
 RUN = "hf_selective_parity"
 
@@ -57,8 +57,9 @@ def expect_model_file_from(out, sources: dict[str, object]) -> None:
     any_ref = next(iter(sources.values()))
     assert header(out / "model.safetensors") == header(any_ref / "model.safetensors")
     with safe_open(out / "model.safetensors", "pt") as mine:
+        naming = RowNaming(mine.keys())
         for name in mine.keys():
-            with safe_open(sources[row_of(name)] / "model.safetensors", "pt") as ref:
+            with safe_open(sources[naming.row_of(name)] / "model.safetensors", "pt") as ref:
                 assert torch.equal(mine.get_tensor(name), ref.get_tensor(name)), name
 
 

@@ -368,7 +368,7 @@ class TailorApp(ExportActions, HealthActions, Navigation, RecipeActions, App):
 
     def on_plan_ready(self, message: PlanReady) -> None:
         plan = message.plan
-        body = "\n".join(plan.describe(show=self.rel))
+        body = "\n".join(plan.describe(show=self.rel, every_file=False))
         # Rows the statistics already know to be non-finite or damaged in their source: the
         # merge would refuse them, so the user decides here ("Merge anyway" allows them).
         bad = [f"{row} from {plan.sources[s].name}: {why_unhealthy(cell)}" for row, s in plan.picks.items()

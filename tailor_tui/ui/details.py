@@ -11,7 +11,7 @@ from typing import Callable
 
 from ..composition import Composition
 from ..health import Health
-from ..plan import tied_partner
+from ..plan import tied_members, tied_partner
 from ..units import size
 from .heatmap import cell_block, row_block
 
@@ -41,11 +41,13 @@ def details_lines(comp: Composition, health: Health | None, row_name: str, colum
         numel = sum(math.prod(shapes[p]) for p in row.params)
         lines.append(f"params  {len(row.params)} tensors, {numel:,} elements")
         lines.append(f"state   {size(numel * 12)} of fp32 + Adam moments")
+        lines += [f"tied    {alias} is {target}: it stays with row {partner}"
+                  for alias, target, partner in tied_members(comp.base_checkpoint, row)]
         block = row_block(health, comp.checkpoints, row.name, column, metric)
         lines += [""] + block if block else []
     if column is not None:
         c = comp.checkpoints[column]
-        kind = "HF Trainer" if c.kind == "hf" else "DeepSpeed save_dir"
+        kind = {"hf": "HF Trainer", "accelerate": "Accelerate save_state"}.get(c.kind, "DeepSpeed save_dir")
         model = sum(c.sizes[f] for f in c.model_files)
         lines += [
             "",

@@ -1,0 +1,265 @@
+"""Every file of the output composed per row or copied from the base, for models beyond Llama.
+
+Real runs of OPT, BERT (masked LM), T5 (encoder-decoder), GPT-NeoX and a PEFT LoRA Llama under the
+HF Trainer with ZeRO-3 (tiny configs, random weights). For each: the rows the model's own
+structure gives; a per-layer recipe taking rows from two checkpoints, applied through the real
+CLI; every parameter and Adam moment (DeepSpeed's zero_to_fp32 reader) and every tensor of the
+model / adapter files (safetensors) equal the checkpoint picked for its row, the rows told by
+this test's own table; the output resumed by the real Trainer; and `--verify` fails, naming the
+file and the row, when one weight file is the base's instead.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+
+import pytest
+import torch
+from conftest import checkpoints_of
+from helpers import assert_one_line_error, assert_optim_states_equal, tailor, write_recipe
+from safetensors import safe_open
+from zero_reader import read_full_state
+
+from tailor_tui.checkpoint import open_checkpoint
+from tailor_tui.demo_run import resume_and_step
+
+# Each architecture's rows, and the row of a parameter or weight-file tensor by this test's own
+# rules (regular expressions over the names transformers gives; independent of tailor_tui.rows)
+ARCHS = {
+    "hf_opt": (
+        ["embed_tokens", "embed_positions", "final_layer_norm", "layers.0", "layers.1", "layers.2", "lm_head"],
+        [(r"model\.decoder\.layers\.(\d+)\.", r"layers.\1"), (r"model\.decoder\.(\w+)\.", r"\1"),
+         (r"lm_head\.", "lm_head")],
+    ),
+    "hf_bert": (
+        ["embeddings", "layer.0", "layer.1", "layer.2", "cls"],
+        [(r"bert\.encoder\.layer\.(\d+)\.", r"layer.\1"), (r"bert\.embeddings\.", "embeddings"),
+         (r"cls\.predictions\.decoder\.weight", "embeddings"), (r"cls\.", "cls")],
+    ),
+    "hf_t5": (
+        ["shared", "encoder.embed_tokens", "encoder.block.0", "encoder.block.1", "encoder.block.2",
+         "encoder.final_layer_norm", "decoder.embed_tokens", "decoder.block.0", "decoder.block.1",
+         "decoder.final_layer_norm", "lm_head"],  # T5 ties its head to `shared` whatever the config says
+        [(r"(encoder|decoder)\.block\.(\d+)\.", r"\1.block.\2"),
+         (r"(encoder|decoder)\.final_layer_norm\.", r"\1.final_layer_norm"),
+         (r"(encoder\.|decoder\.)?embed_tokens\.|shared\.|lm_head\.", "shared")],
+    ),
+    "hf_gpt_neox": (
+        ["embed_in", "layers.0", "layers.1", "layers.2", "final_layer_norm", "lm_head"],
+        [(r"gpt_neox\.layers\.(\d+)\.", r"layers.\1"), (r"gpt_neox\.(\w+)\.", r"\1"),
+         (r"(lm_head|embed_out)\.", "lm_head")],  # transformers 5 saves lm_head as embed_out
+    ),
+    # the Trainer saves a PEFT model's trainable parameters only: LoRA's and modules_to_save's
+    "hf_peft_lora": (
+        ["layers.0", "layers.1", "layers.2", "lm_head"],
+        [(r"base_model\.model\.model\.layers\.(\d+)\.", r"layers.\1"), (r"base_model\.model\.lm_head\.", "lm_head")],
+    ),
+    # transformers 4.x's pytorch_model.bin (save_safetensors=False), one file and sharded
+    "hf_bin": (
+        ["embed_tokens", "layers.0", "layers.1", "layers.2", "norm", "lm_head"],
+        [(r"model\.layers\.(\d+)\.", r"layers.\1"), (r"model\.(\w+)\.", r"\1"), (r"lm_head\.", "lm_head")],
+    ),
+    "hf_bin_sharded": (
+        ["embed_tokens", "layers.0", "layers.1", "layers.2", "norm", "lm_head"],
+        [(r"model\.layers\.(\d+)\.", r"layers.\1"), (r"model\.(\w+)\.", r"\1"), (r"lm_head\.", "lm_head")],
+    ),
+    "hf_sharded_safetensors": (
+        ["embed_tokens", "layers.0", "layers.1", "layers.2", "norm", "lm_head"],
+        [(r"model\.layers\.(\d+)\.", r"layers.\1"), (r"model\.(\w+)\.", r"\1"), (r"lm_head\.", "lm_head")],
+    ),
+}
+TIED = {"hf_t5": {"encoder.embed_tokens", "decoder.embed_tokens", "lm_head"}}
+
+
+def row_of(run: str, name: str) -> str:
+    for pattern, row in ARCHS[run][1]:
+        m = re.match(pattern, name)
+        if m:
+            return m.expand(row)
+    raise AssertionError(f"{run}: no row for {name}")
+
+
+def picks_for(run: str, oldest):
+    """Every other block, the first row and the last from the oldest checkpoint (the rest from
+    the base)."""
+    rows = [r for r in ARCHS[run][0] if r not in TIED.get(run, set())]
+    blocks = [r for r in rows if re.search(r"\.\d+$", r)]
+    return {r: oldest for r in [rows[0], *blocks[1::2], rows[-1]]}
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def composed(request, real_run, tmp_path_factory):
+    run, spec = real_run(request.param)
+    ckpts = checkpoints_of(run, spec)
+    tmp = tmp_path_factory.mktemp(request.param)
+    picks = picks_for(request.param, ckpts[0])
+    recipe = write_recipe(tmp, ckpts[-1], picks)
+    applied = tailor("--apply", recipe)
+    assert applied.returncode == 0, applied.stderr
+    return request.param, spec, ckpts, picks, recipe, tmp / "composed"
+
+
+def test_rows_come_from_the_models_own_structure(composed):
+    name, _spec, ckpts, *_ = composed
+    ckpt = open_checkpoint(ckpts[-1])
+    assert ckpt.row_names() == ARCHS[name][0]
+    assert {r.name for r in ckpt.rows if r.tied} == TIED.get(name, set())
+
+
+def test_every_parameter_and_moment_is_its_rows_pick(composed):
+    name, _spec, ckpts, picks, _recipe, out = composed
+    got = read_full_state(out)
+    states = {c: read_full_state(c) for c in ckpts}
+    used = set()
+    for key in ("fp32", "exp_avg", "exp_avg_sq"):
+        assert got[key].keys() == states[ckpts[-1]][key].keys()
+        for param, value in got[key].items():
+            source = picks.get(row_of(name, param), ckpts[-1])
+            used.add(source)
+            assert torch.equal(value, states[source][key][param]), (key, param)
+    assert used == set(ckpts)
+
+
+def weight_files(folder):
+    return sorted(p.name for p in folder.iterdir() if p.suffix == ".safetensors"
+                  or (p.name.startswith("pytorch_model") and p.suffix == ".bin"))
+
+
+def tensors(path) -> dict:
+    """Every tensor of a weight file, read by its own library (safetensors, torch.load)."""
+    if path.suffix == ".safetensors":
+        with safe_open(path, "pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+    return torch.load(path, weights_only=True)
+
+
+def test_every_weight_file_tensor_is_its_rows_pick(composed):
+    name, _spec, ckpts, picks, _recipe, out = composed
+    files = weight_files(ckpts[-1])
+    assert files and weight_files(out) == files
+    if name == "hf_peft_lora":
+        assert files == ["adapter_model.safetensors"]
+    used = set()
+    for file in files:
+        mine = tensors(out / file)
+        assert list(mine) == list(tensors(ckpts[-1] / file))
+        for tensor, value in mine.items():
+            source = picks.get(row_of(name, tensor), ckpts[-1])
+            used.add(source)
+            ref = tensors(source / file)[tensor]
+            assert value.dtype == ref.dtype and torch.equal(value, ref), (file, tensor)
+    assert used == set(ckpts)
+    for other in ckpts[-1].iterdir():  # run-level files: the base's, byte for byte
+        if other.is_file() and other.name not in files:
+            assert (out / other.name).read_bytes() == other.read_bytes(), other.name
+
+
+def test_plan_names_the_fate_of_every_file(composed):
+    name, _spec, ckpts, _picks, recipe, _out = composed
+    dry = tailor("--apply", recipe, "--dry-run", "--force")
+    assert dry.returncode == 0, dry.stderr
+    text = dry.stdout + dry.stderr
+    composed_line = next(line for line in text.splitlines() if line.startswith("composed per row:"))
+    assert all(f in composed_line for f in weight_files(ckpts[-1]))
+    copied_line = next(line for line in text.splitlines() if "copied from the base:" in line)
+    for f in ("trainer_state.json", "scheduler.pt", "rng_state_0.pth"):
+        assert f in copied_line
+
+
+def test_output_resumes_in_the_trainer(composed, tmp_path):
+    name, spec, _ckpts, _picks, _recipe, out = composed
+    losses = resume_and_step(out, spec, tmp_path / "resume")
+    assert losses and all(math.isfinite(x) for x in losses)
+    assert_optim_states_equal(out, tmp_path / "resume" / "resaved")
+
+
+def test_verify_fails_naming_the_file_and_row_of_a_weight_file_from_the_base(composed, tmp_path):
+    name, _spec, ckpts, picks, recipe, out = composed
+    assert tailor("--verify", recipe).returncode == 0
+    file = weight_files(ckpts[-1])[0]
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    (copy / file).unlink()
+    shutil.copy(ckpts[-1] / file, copy / file)
+    bad = write_recipe(tmp_path, ckpts[-1], picks, output="copy")
+    verified = tailor("--verify", bad)
+    assert verified.returncode == 7, verified.stdout + verified.stderr
+    report = verified.stdout + verified.stderr
+    assert file in report
+    moved = {row_of(name, t) for t in tensors(ckpts[-1] / file)} & set(picks)
+    assert any(row in report for row in moved), report
+
+
+def test_peft_output_loads_as_an_adapter(real_run, composed):
+    name, spec, ckpts, picks, _recipe, out = composed
+    if name != "hf_peft_lora":
+        pytest.skip("PEFT only")
+    from peft import PeftModel
+
+    from tailor_tui.run_models import base_model
+
+    model = PeftModel.from_pretrained(base_model(spec), str(out))
+    state = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    assert state
+    with safe_open(out / "adapter_model.safetensors", "pt") as f:
+        for key in f.keys():
+            loaded = key.replace(".lora_A.weight", ".lora_A.default.weight").replace(
+                ".lora_B.weight", ".lora_B.default.weight")
+            if loaded in state:
+                assert torch.equal(state[loaded].to(f.get_tensor(key).dtype), f.get_tensor(key)), key
+
+
+def test_peft_export_is_refused_with_its_reason(real_run, tmp_path):
+    run, spec = real_run("hf_peft_lora")
+    ckpts = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, ckpts[-1], {"layers.1": ckpts[0]})
+    result = tailor("--export", recipe, "--to", tmp_path / "hf")
+    assert_one_line_error(result, 5, "PEFT", "adapter_model.safetensors")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_bert_tied_decoder_is_explained_in_the_plan(real_run, tmp_path):
+    run, spec = real_run("hf_bert")
+    ckpts = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, ckpts[-1], {"cls": ckpts[0]})
+    dry = tailor("--apply", recipe, "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "cls.predictions.decoder.weight (in row cls) is tied to bert.embeddings.word_embeddings.weight" \
+        in dry.stdout + dry.stderr
+
+
+def test_bin_weights_keep_the_bases_archive_but_for_moved_rows(composed):
+    """A composed pytorch_model.bin is torch's archive of the base's pickle (names, shapes, dtypes,
+    storage layout) with only the records of moved rows changed: torch loads it as a dict of the
+    same tensors, and the shards' index is the base's."""
+    name, _spec, ckpts, _picks, _recipe, out = composed
+    if name not in ("hf_bin", "hf_bin_sharded"):
+        pytest.skip(".bin runs only")
+    import zipfile
+
+    for file in weight_files(ckpts[-1]):
+        with zipfile.ZipFile(out / file) as mine, zipfile.ZipFile(ckpts[-1] / file) as base:
+            assert mine.testzip() is None
+            assert mine.namelist() == base.namelist()
+            pickle = next(n for n in mine.namelist() if n.endswith("data.pkl"))
+            assert mine.read(pickle) == base.read(pickle)
+    index = ckpts[-1] / "pytorch_model.bin.index.json"
+    if name == "hf_bin_sharded":
+        assert (out / index.name).read_bytes() == index.read_bytes()
+
+
+def test_a_bin_run_with_tied_storage_keeps_it_shared(real_run, tmp_path):
+    """transformers 4.x wrote tied weights under both names on one storage: the composed file
+    keeps them one storage, taken with the row they belong to (embed_tokens)."""
+    run, spec = real_run("hf_bin_tied")
+    ckpts = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, ckpts[-1], {"embed_tokens": ckpts[0], "layers.1": ckpts[0]})
+    applied = tailor("--apply", recipe)
+    assert applied.returncode == 0, applied.stderr
+    got = torch.load(tmp_path / "composed" / "pytorch_model.bin", weights_only=True)
+    old = torch.load(ckpts[0] / "pytorch_model.bin", weights_only=True)
+    assert got["lm_head.weight"].untyped_storage().data_ptr() == got["model.embed_tokens.weight"].untyped_storage().data_ptr()
+    assert torch.equal(got["model.embed_tokens.weight"], old["model.embed_tokens.weight"])
+    assert tailor("--verify", recipe).returncode == 0
