@@ -14,33 +14,36 @@ from pathlib import Path
 from typing import NamedTuple
 
 from .checkpoint import (
-    PARTIAL_MANIFEST,
-    PARTIAL_MODEL_FILES,
     Checkpoint,
     RankFiles,
     incompatibility,
     open_checkpoint,
     other_run,
 )
-from .ds_format import RECOVERY_SCRIPTS
 from .errors import CheckpointError, IncompatibleError, RecipeError, UsageError
-from .bin_files import BinFileJob, composable, family, is_bin_weights, tensor_names
-from .model_files import ModelFileJob, ModelFileLayout, parse_prefix
+from .file_plan import (
+    WeightJob,
+    copied_files,
+    describe_files,
+    file_fates,
+    root_of,
+    weight_jobs,
+)
+from .model_files import ModelFileLayout
 from .output import check_output as check_writable
 from .recipe import Recipe
-from .reshard import Reshard, ReshardJob, check_world_size, output_names, plan_reshard, renamed_for, reshard_jobs
+from .reshard import (
+    Reshard,
+    ReshardJob,
+    check_world_size,
+    output_names,
+    plan_reshard,
+    renamed_for,
+    reshard_jobs,
+)
 from .rows import RowIndex, list_rows
 from .units import size
-from .weight_files import (
-    COMPOSED,
-    COPIED,
-    FileFate,
-    describe_run_level,
-    is_safetensors,
-    is_uncomposed_weights,
-    tensor_rows,
-    unplaced_error,
-)
+from .weight_files import FileFate
 
 BYTES_PER_ELEMENT = 4 * 3  # fp32 master weight + exp_avg + exp_avg_sq
 
@@ -105,7 +108,7 @@ class MergePlan:
     reshard: Reshard | None = None  # composing into another world size (`--world-size`)
     _jobs: tuple[RankJob | ReshardJob, ...] = field(init=False, repr=False)
     _model_layout: ModelFileLayout | None = field(init=False, repr=False)
-    _model_jobs: tuple[ModelFileJob | BinFileJob, ...] = field(init=False, repr=False)
+    _model_jobs: tuple[WeightJob, ...] = field(init=False, repr=False)
     _other_files: tuple[tuple[Path, Path], ...] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -116,7 +119,7 @@ class MergePlan:
             jobs = tuple(self._rank_job(r) for r in range(self.base.world_size))
         for name, value in (("_jobs", jobs),
                             ("_model_layout", layout),
-                            ("_model_jobs", self._make_model_file_jobs(layout)),
+                            ("_model_jobs", weight_jobs(self.base, self.sources, self.picks, layout)),
                             ("_other_files", self._list_other_files())):
             object.__setattr__(self, name, value)
 
@@ -219,83 +222,10 @@ class MergePlan:
                 return ModelFileLayout.of_files(src.model_files)
         return None
 
-    def model_file_jobs(self) -> tuple[ModelFileJob | BinFileJob, ...]:
-        """One job per weight file of the output: safetensors (`ModelFileJob`), torch's format
-        (`BinFileJob`)."""
+    def model_file_jobs(self) -> tuple[WeightJob, ...]:
+        """One job per weight file of the output (`file_plan.weight_jobs`): safetensors
+        (`ModelFileJob`), torch's format (`BinFileJob`)."""
         return self._model_jobs
-
-    def _make_model_file_jobs(self, layout) -> tuple[ModelFileJob | BinFileJob, ...]:
-        """One job per weight file: the 16-bit model files (`layout`) and every other safetensors
-        file of an HF base (a PEFT adapter), each tensor from the source picked for its row."""
-        full = {i: src.model_files for i, src in enumerate(self.sources) if src.model_files}
-        partial = {i: src.ranks for i, src in enumerate(self.sources) if src.partial}
-        slots = {i: {slot.name: slot for slot in self.sources[i].layout.slots} for i in partial}
-        names = {i: str(src.path) for i, src in enumerate(self.sources)}
-        base_files = {f.name: f for f in self.base.model_files}
-        jobs = []
-        for name, prefix in (layout.files if layout else ()):
-            tensors = list(parse_prefix(prefix))
-            rows, sources = self._tensor_sources(tensors, self.base.path / name)
-            used = set(sources.values())
-            lacking = [i for i in used if i and i not in full and i not in partial]
-            if lacking:
-                raise IncompatibleError(f"{self.sources[lacking[0]].path}: has no {name} (16-bit model weights) "
-                                        f"while the base has; pick its rows from a checkpoint that has one")
-            jobs.append(ModelFileJob(name, prefix, base_files.get(name), sources, rows,
-                                     {i: full[i] for i in used if i in full}, partial, slots, names))
-        for rel in self._weight_files():
-            base_file = self.base.path / rel
-            prefix = ModelFileLayout.of_files((base_file,)).files[0][1]
-            rows, sources = self._tensor_sources(list(parse_prefix(prefix)), base_file)
-            own = {}
-            for i in sorted(set(sources.values())):
-                theirs = self.sources[i].path / rel
-                if not theirs.is_file():
-                    picked = sorted({r for r, s in zip(rows.values(), sources.values()) if s == i and r})
-                    raise IncompatibleError(
-                        f"{self.sources[i].path}: has no {rel} while the base has (rows {list_rows(picked)} are "
-                        f"picked from it); pick those rows from a checkpoint that has {rel.name}")
-                own[i] = (theirs,)
-            jobs.append(ModelFileJob(str(rel), prefix, base_file, sources, rows, own, {}, {}, names))
-        for rel in self._bin_files():
-            base_file = self.base.path / rel
-            rows, sources = self._tensor_sources(tensor_names(base_file), base_file)
-            own = {}
-            for i in sorted(set(sources.values()) - {0}):
-                own[i] = family(self.sources[i].path, rel)
-                if not own[i]:
-                    picked = sorted({rows[n] for n, s in sources.items() if s == i})
-                    raise IncompatibleError(
-                        f"{self.sources[i].path}: has no {rel.name} while the base has (rows {list_rows(picked)} "
-                        "are picked from it); pick those rows from a checkpoint saved the same way")
-            jobs.append(BinFileJob(str(rel), base_file, sources, rows, own, names, base_file.stat().st_size))
-        return tuple(jobs)
-
-    def _tensor_sources(self, tensors: list[str], file: Path) -> tuple[dict[str, str], dict[str, int]]:
-        """(tensor -> row, tensor -> source index) of a weight file's tensors; a tensor no row holds
-        is refused (IncompatibleError) unless every row comes from the base."""
-        found = tensor_rows(tensors, self.base.rows, self.base.path, file.name)
-        unplaced = [n for n, row in found.items() if row is None]
-        if unplaced and any(self.picks.values()):
-            raise unplaced_error(file, unplaced, self.base.rows)
-        return ({n: row or "" for n, row in found.items()},
-                {n: self.picks.get(row, 0) if row else 0 for n, row in found.items()})
-
-    def _weight_files(self) -> list[Path]:
-        """The HF base's safetensors files other than its 16-bit model files (a PEFT adapter, …)."""
-        if self.base.kind != "hf" or self.base.partial:
-            return []
-        model = set(self.base.model_files)
-        return [p.relative_to(self.base.path) for p in _files_of(self.base)
-                if is_safetensors(p) and p not in model]
-
-    def _bin_files(self) -> list[Path]:
-        """The HF base's torch-format weight files (`pytorch_model*.bin`, `adapter_model.bin`) in
-        torch's zip format, which the torch-free writer composes."""
-        if self.base.kind != "hf" or self.base.partial:
-            return []
-        return [p.relative_to(self.base.path) for p in _files_of(self.base)
-                if is_bin_weights(p) and composable(p)]
 
     # --- totals and description -------------------------------------------------------
 
@@ -306,43 +236,18 @@ class MergePlan:
         return self._other_files
 
     def file_fates(self) -> tuple[FileFate, ...]:
-        """What happens to every file of the base folder but its rank files: composed per row
-        (weight files) or copied from the base (run-level, or weights whose rows all come from
-        the base), each with why."""
-        fates = [FileFate(Path(job.name), COMPOSED, "weights, per row") for job in self.model_file_jobs()]
-        for rel, _to in self.other_files():
-            why = ("weights; every row they hold comes from the base" if is_uncomposed_weights(rel)
-                   else describe_run_level(rel))
-            fates.append(FileFate(rel, COPIED, why))
-        return tuple(fates)
+        """What happens to every file of the base folder but its rank files (`file_plan`)."""
+        return file_fates(self.model_file_jobs(), self.other_files())
 
     def _list_other_files(self) -> tuple[tuple[Path, Path], ...]:
-        if self.base.in_folder:
-            skip = set(self.base.model_files)  # composed, not copied
-            skip |= {self.base.path / rel for rel in (*self._weight_files(), *self._bin_files())}
-            own = {PARTIAL_MANIFEST, PARTIAL_MODEL_FILES} if self.base.partial else set()  # tailor-tui's
-            found = sorted(
-                p.relative_to(self.base.path)
-                for p in _files_of(self.base)
-                if p not in skip and not (p.parent == self.base.path and p.name in own)
-            )
-            moved = sorted({row for row, s in self.picks.items() if s})
-            for rel in found:
-                if is_uncomposed_weights(rel) and moved:
-                    raise IncompatibleError(
-                        f"{self.base.path / rel}: holds weights in torch's legacy (non-zip) format, which "
-                        f"tailor-tui does not compose; rows {list_rows(moved)} are picked from other checkpoints, "
-                        "so copying the base's would be wrong: re-save it with torch.save's default format or "
-                        "safetensors, or pick every row from the base")
-        else:
-            found = [Path(s) for s in RECOVERY_SCRIPTS if (self.base.save_dir / s).is_file()]
+        found = copied_files(self.base, self.picks)
         if self.reshard is None:
             return tuple((p, p) for p in found)
         pairs = ((p, renamed_for(p, self.world_size)) for p in found)
         return tuple((p, q) for p, q in pairs if q is not None)
 
     def other_files_root(self) -> Path:
-        return self.base.path if self.base.in_folder else self.base.save_dir
+        return root_of(self.base)
 
     def bytes_to_write(self) -> int:
         """Every byte of the output but its provenance record: rank files, model files, the
@@ -420,25 +325,7 @@ class MergePlan:
             for alias, target, partner in tied_members(self.base, row):
                 lines.append(f"note: {alias} (in row {row.name}) is tied to {target}: it has no weights of its "
                              f"own and comes with row {partner}")
-        lines += self.describe_files(every_file)
-        return lines
-
-    def describe_files(self, every_file: bool = True) -> list[str]:
-        """What happens to each file of the base folder, as text lines: rank files counted, weight
-        files named; copied files named (`every_file`) or counted, those tailor-tui does not know
-        named either way."""
-        fates = self.file_fates()
-        ranks = len(self.output_rank_files())
-        composed = [str(f.path) for f in fates if f.fate == COMPOSED]
-        lines = [f"composed per row: {2 * ranks} rank files" + "".join(f", {f}" for f in composed)]
-        copied = [f for f in fates if f.fate == COPIED]
-        odd = [f for f in copied if "not known" in f.why]
-        if copied and every_file:
-            lines.append(f"copied from the base: {', '.join(str(f.path) for f in copied)}")
-        elif copied:
-            lines.append(f"copied from the base: {len(copied)} run-level file(s)"
-                         + (f", {len(odd)} unknown to tailor-tui" if odd else ""))
-        lines += [f"  {f.path}: {f.why}" for f in odd]
+        lines += describe_files(self.file_fates(), len(self.output_rank_files()), every_file)
         return lines
 
 
@@ -483,12 +370,6 @@ def tied_members(ckpt: Checkpoint, row) -> list[tuple[str, str, str]]:
 @functools.lru_cache(maxsize=16)
 def _index(rows: tuple) -> RowIndex:
     return RowIndex(rows)
-
-
-def _files_of(ckpt: Checkpoint) -> list[Path]:
-    """Every file of an HF checkpoint folder outside its tag folder (symlinks are not followed)."""
-    return sorted(p for p in ckpt.path.rglob("*")
-                  if p.is_file() and not p.is_symlink() and ckpt.tag_dir not in p.parents)
 
 
 def _open(path: Path, where: str, what: str) -> Checkpoint:

@@ -68,21 +68,28 @@ def describe_run_level(rel: Path) -> str:
         "pytorch_model.bin.index.json": "the shards' index (the output keeps the base's sharding)",
         "model.safetensors.index.json": "the shards' index (the output keeps the base's sharding)",
         "latest": "run-level: DeepSpeed's latest tag",
+        "scheduler.bin": "run-level: the LR scheduler (Accelerate)",
+        "sampler.bin": "run-level: the data sampler (Accelerate)",
+        "dl_state_dict.bin": "run-level: the data loader (Accelerate)",
+        "scaler.pt": "run-level: the loss scaler (Accelerate)",
     }
     if name in known:
         return known[name]
     if name in RECOVERY_SCRIPTS:
         return "run-level: DeepSpeed's recovery script"
-    if name.startswith("rng_state"):
+    if name.startswith(("rng_state", "random_states_")):
         return "run-level: RNG state"
+    if name.startswith("custom_checkpoint_"):
+        return "run-level: an object registered with Accelerate's register_for_checkpointing"
     if name.startswith(("tokenizer", "special_tokens_map", "vocab", "merges", "added_tokens")):
         return "run-level: tokenizer"
     return "run-level (not known to tailor-tui: kept as the base has it)"
 
 
-def tensor_rows(names: list[str], rows: tuple[Row, ...], folder: Path, file: str) -> dict[str, str | None]:
-    """Each tensor name of weight file `file` -> its row (None: no row holds it). Names no row
-    holds are renamed as transformers renames them when it loads this architecture."""
+def tensor_rows(names: list[str], rows: tuple[Row, ...], folder: Path) -> dict[str, str | None]:
+    """Each tensor name of a weight file of checkpoint folder `folder` -> its row (None: no row
+    holds it). Names no row holds are renamed as transformers renames them when it loads the
+    architecture `folder/config.json` names."""
     index = RowIndex(rows)
     found = {name: index.row_of(name) for name in names}
     missing = [n for n, row in found.items() if row is None]

@@ -152,7 +152,7 @@ TORCH_FREE = ("ds_format", "pickled", "ptfile", "ptlegacy", "crc", "fileio", "la
               "health", "stats_job", "stats_rank", "stats_run", "nonfinite", "guard", "health_report", "cache",
               "scan_cache", "reshard", "rank_reshard", "verify_reshard", "compare", "reshard_skeleton", "ptpickle",
               "ptwrite", "launch", "team", "team_progress", "sbatch", "ptedit", "rank_partial", "export_plan",
-              "safetensors_out", "export", "cli_export", "weight_files")
+              "safetensors_out", "export", "cli_export", "weight_files", "file_plan", "bin_files")
 
 
 def test_torch_free_modules_are_a_module_boundary():
