@@ -29,12 +29,6 @@ from .ptwrite import Copied, write_archive
 WEIGHTS_INDEX = "pytorch_model.bin.index.json"
 
 
-def is_bin_weights(rel: Path) -> bool:
-    """A torch-format weight file (`pytorch_model*.bin`, `adapter_model.bin`)."""
-    name = rel.name
-    return (name.startswith("pytorch_model") and name.endswith(".bin")) or name == "adapter_model.bin"
-
-
 def family(folder: Path, rel: Path) -> tuple[Path, ...]:
     """The files of `folder` that hold the tensors `rel` holds in the base: every shard of the
     model (`pytorch_model*.bin`), or the file of the same name (an adapter)."""

@@ -35,6 +35,7 @@ from .ptfile import Unsupported, check_complete, read_structure
 from .rows import PEFT_PREFIX, Row, model_rows
 from .safe_load import load_pt
 from .scan_cache import ModelStates
+from .weight_files import weight_file_names, weight_kinds
 
 MODEL_FILE_INDEX = "model.safetensors.index.json"
 # A partial checkpoint (tailor_tui.selective): some rows' optimizer state, per rank
@@ -78,6 +79,7 @@ class Checkpoint:
     saved_rows: frozenset | None = None  # a partial checkpoint's rows; None: every row
     model_layout: Path | None = None  # a partial HF checkpoint's record of the model files' layout
     composed: bool = False  # tailor-tui composed it (it has tailor_provenance.json): not a training save
+    weight_files: tuple[str, ...] = ()  # a checkpoint folder's weight files (model, adapter, .bin), relative
 
     @property
     def in_folder(self) -> bool:
@@ -156,6 +158,10 @@ def incompatibility(base: Checkpoint, other: Checkpoint, *, repartitioned: bool 
     if base.model_files and not other.model_files and not other.partial:  # a partial's come from its masters
         return ("it has no model.safetensors (16-bit weights) while the base has; save it with "
                 "stage3_gather_16bit_weights_on_model_save or pick a base without one")
+    if not other.partial:  # a partial source's rows are refused by the plan where a weight file needs them
+        lacking = sorted(weight_kinds(base.weight_files) - weight_kinds(other.weight_files) - {"model.safetensors"})
+        if lacking:
+            return f"it has no {lacking[0]} while the base has; pick a base saved the same way"
     return None
 
 
@@ -431,6 +437,7 @@ def open_checkpoint(path: str | Path, *, cache: Path | None = None) -> Checkpoin
         saved_rows=frozenset(manifest["rows"]) if manifest else None,
         model_layout=path / PARTIAL_MODEL_FILES if manifest and (path / PARTIAL_MODEL_FILES).is_file() else None,
         composed=(named / PROVENANCE).is_file(),
+        weight_files=weight_file_names(named, tag_dir) if kind in ("hf", "accelerate") and not manifest else (),
     )
 
 

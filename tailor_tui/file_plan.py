@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .bin_files import BinFileJob, composable, family, is_bin_weights, tensor_names
+from .bin_files import BinFileJob, composable, family, tensor_names
 from .checkpoint import PARTIAL_MANIFEST, PARTIAL_MODEL_FILES, Checkpoint
 from .ds_format import RECOVERY_SCRIPTS
 from .errors import IncompatibleError
@@ -21,6 +21,7 @@ from .weight_files import (
     COPIED,
     FileFate,
     describe_run_level,
+    is_bin_weights,
     is_safetensors,
     is_uncomposed_weights,
     tensor_rows,

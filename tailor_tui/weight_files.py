@@ -43,15 +43,48 @@ class FileFate:
     why: str  # a few words: "16-bit model weights", "run-level", …
 
 
-def is_uncomposed_weights(rel: Path) -> bool:
-    """Weight files tailor-tui copies only while all their rows come from the base (those in
-    torch's legacy format: the zip-format ones are composed, `bin_files`)."""
+def is_bin_weights(rel: Path) -> bool:
+    """A torch-format weight file (`pytorch_model*.bin`, `adapter_model.bin`)."""
     name = rel.name
     return (name.startswith("pytorch_model") and name.endswith(".bin")) or name == "adapter_model.bin"
 
 
+def is_uncomposed_weights(rel: Path) -> bool:
+    """Weight files tailor-tui copies only while all their rows come from the base: torch-format
+    ones left among the copied files (those in torch's legacy format; the zip-format ones are
+    composed, `bin_files`)."""
+    return is_bin_weights(rel)
+
+
 def is_safetensors(rel: Path) -> bool:
     return rel.suffix == ".safetensors"
+
+
+def is_weight_file(rel: Path) -> bool:
+    """A file whose tensors belong to rows (composed per row, or refused)."""
+    return is_safetensors(rel) or is_bin_weights(rel)
+
+
+def weight_kinds(names) -> set[str]:
+    """The kinds of weight file a checkpoint holds: its model in safetensors or torch's format,
+    whatever its sharding (sources are read by tensor name across their shards), or each other
+    file by its own name (`adapter_model.safetensors`)."""
+    kinds = set()
+    for name in names:
+        file = Path(name).name
+        if file.startswith("pytorch_model") and file.endswith(".bin"):
+            kinds.add("pytorch_model.bin")
+        elif file.startswith("model") and file.endswith(".safetensors") and Path(name).parent == Path("."):
+            kinds.add("model.safetensors")
+        else:
+            kinds.add(name)
+    return kinds
+
+
+def weight_file_names(folder: Path, tag_dir: Path) -> tuple[str, ...]:
+    """The weight files of a checkpoint folder (outside its tag folder), relative to it."""
+    return tuple(sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
+                        if p.is_file() and tag_dir not in p.parents and is_weight_file(p)))
 
 
 def describe_run_level(rel: Path) -> str:

@@ -263,3 +263,56 @@ def test_a_bin_run_with_tied_storage_keeps_it_shared(real_run, tmp_path):
     assert got["lm_head.weight"].untyped_storage().data_ptr() == got["model.embed_tokens.weight"].untyped_storage().data_ptr()
     assert torch.equal(got["model.embed_tokens.weight"], old["model.embed_tokens.weight"])
     assert tailor("--verify", recipe).returncode == 0
+
+
+def test_a_legacy_format_bin_is_refused_when_rows_move(real_run, tmp_path):
+    """A pytorch_model.bin in torch's legacy (non-zip) format is not composed: moving a row is refused
+    before anything is written, naming the file; with every row from the base it is copied."""
+    run, spec = real_run("hf_bin")
+    ckpts = checkpoints_of(run, spec)
+    copies = []
+    for ckpt in ckpts:
+        copy = tmp_path / "run" / ckpt.name
+        shutil.copytree(ckpt, copy)
+        weights = torch.load(ckpt / "pytorch_model.bin", weights_only=True)
+        torch.save(weights, copy / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+        copies.append(copy)
+    moved = write_recipe(tmp_path, copies[-1], {"layers.1": copies[0]})
+    assert_one_line_error(tailor("--apply", moved), 5, "pytorch_model.bin", "legacy", "layers.1")
+    assert not (tmp_path / "composed").exists()
+    same = write_recipe(tmp_path, copies[-1], {})
+    assert tailor("--apply", same).returncode == 0
+    assert (tmp_path / "composed" / "pytorch_model.bin").read_bytes() == (copies[-1] / "pytorch_model.bin").read_bytes()
+
+
+def test_a_weight_tensor_of_no_row_is_refused_by_name(real_run, tmp_path):
+    """GPT-NeoX's model file names its head embed_out: without config.json, nothing says which row
+    it is, so moving a row is refused naming the file and the tensor (never the base's copy)."""
+    run, spec = real_run("hf_gpt_neox")
+    ckpts = checkpoints_of(run, spec)
+    copies = []
+    for ckpt in ckpts:
+        copy = tmp_path / "run" / ckpt.name
+        shutil.copytree(ckpt, copy)
+        (copy / "config.json").unlink()
+        copies.append(copy)
+    recipe = write_recipe(tmp_path, copies[-1], {"lm_head": copies[0]})
+    assert_one_line_error(tailor("--apply", recipe), 5, "model.safetensors", "embed_out.weight", "no row")
+    assert not (tmp_path / "composed").exists()
+
+
+def test_a_checkpoint_without_the_bases_adapter_cannot_be_combined(real_run, tmp_path):
+    """The one rule the composer and the planner share (checkpoint.incompatibility): a source
+    without the base's adapter file is struck through in the grid and refused by the plan."""
+    from tailor_tui.checkpoint import incompatibility
+
+    run, spec = real_run("hf_peft_lora")
+    ckpts = checkpoints_of(run, spec)
+    copy = tmp_path / "run" / ckpts[0].name
+    shutil.copytree(ckpts[0], copy)
+    (copy / "adapter_model.safetensors").unlink()
+    why = incompatibility(open_checkpoint(ckpts[-1]), open_checkpoint(copy))
+    assert why and "adapter_model.safetensors" in why
+    assert incompatibility(open_checkpoint(ckpts[-1]), open_checkpoint(ckpts[0])) is None
+    recipe = write_recipe(tmp_path, ckpts[-1], {"layers.1": copy})
+    assert_one_line_error(tailor("--apply", recipe), 5, "adapter_model.safetensors")
