@@ -36,13 +36,13 @@ def details_lines(comp: Composition, health: Health | None, row_name: str, colum
     if row.tied:
         lines.append(f"tied to {tied_partner(comp.base_checkpoint, row)}: no weights of its own")
     else:
+        lines += [f"tied    {alias} = {target}: it comes with row {partner}"
+                  for alias, target, partner in tied_members(comp.base_checkpoint, row)]
         shapes = dict(p for g in comp.base_checkpoint.layout.groups for p in g)
         shapes.update(dict(comp.base_checkpoint.layout.frozen))
         numel = sum(math.prod(shapes[p]) for p in row.params)
         lines.append(f"params  {len(row.params)} tensors, {numel:,} elements")
         lines.append(f"state   {size(numel * 12)} of fp32 + Adam moments")
-        lines += [f"tied    {alias} is {target}: it stays with row {partner}"
-                  for alias, target, partner in tied_members(comp.base_checkpoint, row)]
         block = row_block(health, comp.checkpoints, row.name, column, metric)
         lines += [""] + block if block else []
     if column is not None:
