@@ -110,6 +110,7 @@ RUNS = {
     "hf_peft_lora": RunSpec(peft=True, layers=3, steps=4, save_every=2),
     "hf_sharded_safetensors": RunSpec(max_shard_size="20KB", layers=3, steps=4, save_every=2),
     "hf_bin": RunSpec(save_safetensors=False, layers=3, steps=4, save_every=2),
+    "hf_peft_lora_bin": RunSpec(peft=True, save_safetensors=False, layers=3, steps=4, save_every=2),
     "hf_bin_tied": RunSpec(save_safetensors=False, tied=True, layers=3, steps=4, save_every=2),
     # Accelerate's save_state with the DeepSpeed plugin: checkpoints/checkpoint_N, each with the
     # tag folder `pytorch_model`, scheduler.bin and random_states_<rank>.pkl

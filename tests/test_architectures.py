@@ -1,12 +1,14 @@
 """Every file of the output composed per row or copied from the base, for models beyond Llama.
 
-Real runs of OPT, BERT (masked LM), T5 (encoder-decoder), GPT-NeoX and a PEFT LoRA Llama under the
-HF Trainer with ZeRO-3 (tiny configs, random weights). For each: the rows the model's own
-structure gives; a per-layer recipe taking rows from two checkpoints, applied through the real
-CLI; every parameter and Adam moment (DeepSpeed's zero_to_fp32 reader) and every tensor of the
-model / adapter files (safetensors) equal the checkpoint picked for its row, the rows told by
-this test's own table; the output resumed by the real Trainer; and `--verify` fails, naming the
-file and the row, when one weight file is the base's instead.
+Real runs under the HF Trainer with ZeRO-3 (tiny configs, random weights): OPT, BERT (masked LM),
+T5 (encoder-decoder), GPT-NeoX, a PEFT LoRA Llama (its adapter in safetensors and with torch.save),
+sharded safetensors, and transformers 4.x's pytorch_model.bin (one file, sharded, tied). For each:
+the rows the model's own structure gives; a per-layer recipe taking rows from two checkpoints,
+applied through the real CLI; every parameter and Adam moment (DeepSpeed's zero_to_fp32 reader)
+and every tensor of every weight file (safetensors, torch.load) equal the checkpoint picked for
+its row, the rows told by this test's own table; the output resumed by the real Trainer; and
+`--verify` fails, naming the file and the row, when one weight file is the base's instead. What
+cannot be composed is refused by name before anything is written.
 """
 
 from __future__ import annotations
@@ -316,3 +318,20 @@ def test_a_checkpoint_without_the_bases_adapter_cannot_be_combined(real_run, tmp
     assert incompatibility(open_checkpoint(ckpts[-1]), open_checkpoint(ckpts[0])) is None
     recipe = write_recipe(tmp_path, ckpts[-1], {"layers.1": copy})
     assert_one_line_error(tailor("--apply", recipe), 5, "adapter_model.safetensors")
+
+
+def test_a_peft_adapter_saved_with_torch_is_composed_per_row(real_run, tmp_path):
+    """PEFT's adapter_model.bin (safe_serialization=False): each row's LoRA tensors from its pick."""
+    run, spec = real_run("hf_peft_lora_bin")
+    ckpts = checkpoints_of(run, spec)
+    assert (ckpts[-1] / "adapter_model.bin").is_file()
+    picks = {"layers.1": ckpts[0], "lm_head": ckpts[0]}
+    recipe = write_recipe(tmp_path, ckpts[-1], picks)
+    applied = tailor("--apply", recipe)
+    assert applied.returncode == 0, applied.stderr
+    got = torch.load(tmp_path / "composed" / "adapter_model.bin", weights_only=True)
+    assert list(got) == list(torch.load(ckpts[-1] / "adapter_model.bin", weights_only=True))
+    for name, value in got.items():
+        source = picks.get(row_of("hf_peft_lora", name), ckpts[-1])
+        assert torch.equal(value, torch.load(source / "adapter_model.bin", weights_only=True)[name]), name
+    assert tailor("--verify", recipe).returncode == 0
