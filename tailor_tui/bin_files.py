@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from .errors import CheckpointError
 from .events import ByteCounter, Emit, TaskOptions
 from .fileio import fsync, open_fd, output_error
+from .jobs import BinFileJob
 from .pickled import TensorRef
 from .ptfile import file_format, read_structure
 from .ptpickle import dumps, storage_bytes
@@ -47,27 +47,6 @@ def tensor_names(path: Path) -> list[str]:
 
 def composable(path: Path) -> bool:
     return file_format(path) == "zip"
-
-
-@dataclass(frozen=True)
-class BinFileJob:
-    """Everything one worker needs to compose one torch-format weight file (picklable)."""
-
-    name: str  # relative path in the output (and in the base)
-    base_file: Path
-    sources: dict[str, int]  # tensor -> source index: its row's pick
-    rows: dict[str, str]  # tensor -> its row
-    source_files: dict[int, tuple[Path, ...]]  # the sources that are picked: their files of this family
-    source_names: dict[int, str]  # for messages
-    size: int  # bytes of the base's file (the output's, but for its serialization id)
-
-    @property
-    def task(self) -> str:
-        return self.name
-
-    @property
-    def total_bytes(self) -> int:
-        return self.size * 2  # read and written
 
 
 def merge_bin_file(job: BinFileJob, out_dir: Path, emit: Emit, cancelled: Callable[[], bool],

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -34,6 +33,7 @@ from .layout import ZeroLayout
 from .ptfile import Unsupported, check_complete, read_structure
 from .rows import PEFT_PREFIX, Row, model_rows
 from .safe_load import load_pt
+from .safetensors_in import safetensors_header
 from .scan_cache import ModelStates
 from .weight_files import weight_file_names, weight_kinds
 
@@ -250,24 +250,6 @@ def read_manifest(folder: Path) -> dict:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{path}: unreadable partial-checkpoint manifest ({exc}); re-copy it") from None
     return manifest
-
-
-def safetensors_header(path: Path) -> tuple[dict, int]:
-    """(header, first data byte) of a safetensors file."""
-    try:
-        with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            if length > 100 << 20:
-                raise ValueError("header too large")
-            header = json.loads(f.read(length))
-        size = path.stat().st_size
-        for name, info in header.items():
-            if name != "__metadata__" and 8 + length + info["data_offsets"][1] > size:
-                raise ValueError(f"{name} runs past the end of the file")
-        return header, 8 + length
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
-        raise CheckpointError(f"{path}: not a complete safetensors file, truncated or corrupt ({exc}); "
-                              "re-copy it from the training run") from None
 
 
 def _dtype(tag_dir: Path, states: ModelStates) -> tuple[str, str]:

@@ -74,8 +74,8 @@ class NonFiniteError(TailorError):
     exit_code = ExitCode.NONFINITE
 
 
-class MergeCancelled(TailorError):
+class Cancelled(TailorError):
     exit_code = ExitCode.CANCELLED
 
-    def __init__(self, message: str = "merge cancelled; nothing was written to the output path"):
+    def __init__(self, message: str = "cancelled; nothing was written to the output path"):
         super().__init__(message)

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .errors import MergeCancelled
+from .errors import Cancelled
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class ByteCounter:
 
     def add(self, n: int) -> None:
         if self._cancelled():
-            raise MergeCancelled()
+            raise Cancelled()
         if self._delay:
             time.sleep(self._delay)
         self.done = min(self.done + n, self.total)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint import PROVENANCE
-from .errors import MergeCancelled, UsageError
+from .errors import Cancelled, UsageError
 from .events import Emit, TaskOptions
 from .export_plan import Export
 from .export_rank import export_rank
@@ -76,7 +76,7 @@ def run_export(export: Export, *, config: Path | None, workers: int, emit: Emit 
                 _write_config(source, tmp, export.dtype, options.durable)
             run_calls([(export_rank, (job, tmp)) for job in export.jobs], workers, emit, cancel, options)
             if cancel.is_set():
-                raise MergeCancelled("export cancelled; nothing was written to the output path")
+                raise Cancelled("export cancelled; nothing was written to the output path")
             record = provenance(plan) | {"export": {"dtype": export.dtype, "config": str(source) if source else None},
                                          OUTPUT_FILES: written_files(tmp)}
             write_file(tmp / PROVENANCE, json.dumps(record, indent=2) + "\n", options.durable)
@@ -88,7 +88,7 @@ def run_export(export: Export, *, config: Path | None, workers: int, emit: Emit 
             cancel.set()
             if not published:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise MergeCancelled("export cancelled; nothing was written to the output path") from None
+            raise Cancelled("export cancelled; nothing was written to the output path") from None
         except BaseException:
             if not published:
                 shutil.rmtree(tmp, ignore_errors=True)

@@ -26,8 +26,7 @@ from .errors import CheckpointError
 from .events import ByteCounter, Emit, TaskOptions
 from .export_plan import ExportJob, Span
 from .fileio import crc_range, fsync, open_fd, output_error, pwrite_all
-from .model_files import partial_slice
-from .partial_rows import check_crc, read_rows_file
+from .partial_rows import check_crc, partial_slice, read_rows_file
 from .pickled import dtype_name
 from .ptfile import Unsupported, checked_crcs, frozen_fragment_bytes, locate, read_structure
 from .rank_stream import STREAM_CHUNK, tensor_bytes

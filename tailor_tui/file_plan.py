@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .bin_files import BinFileJob, composable, family, tensor_names
+from .bin_files import composable, family, tensor_names
 from .checkpoint import PARTIAL_MANIFEST, PARTIAL_MODEL_FILES, Checkpoint
 from .ds_format import RECOVERY_SCRIPTS
 from .errors import IncompatibleError
-from .model_files import ModelFileJob, ModelFileLayout, parse_prefix
+from .jobs import BinFileJob, ModelFileJob, WeightJob
+from .model_layout import ModelFileLayout
 from .rows import list_rows
+from .safetensors_in import parse_prefix
 from .weight_files import (
     COMPOSED,
     COPIED,
@@ -27,8 +29,6 @@ from .weight_files import (
     tensor_rows,
     unplaced_error,
 )
-
-WeightJob = ModelFileJob | BinFileJob
 
 
 def files_of(ckpt: Checkpoint) -> list[Path]:

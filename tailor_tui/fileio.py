@@ -182,6 +182,19 @@ def open_fd(stack: contextlib.ExitStack, path: Path, flags: int = os.O_RDONLY, m
     return fd
 
 
+class OpenFiles:
+    """Source files a writer reads, each opened once (read-only) and closed with `stack`."""
+
+    def __init__(self, stack: contextlib.ExitStack):
+        self.stack = stack
+        self.fds: dict[Path, int] = {}
+
+    def fd(self, path: Path) -> int:
+        if path not in self.fds:
+            self.fds[path] = open_fd(self.stack, path)
+        return self.fds[path]
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

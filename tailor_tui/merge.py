@@ -26,12 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import __version__
-from .bin_files import BinFileJob, merge_bin_file
+from .bin_files import merge_bin_file
 from .checkpoint import MODEL_FILE_INDEX, PROVENANCE, Checkpoint
-from .errors import MergeCancelled, OutputError
+from .errors import Cancelled, OutputError
 from .events import Emit, TaskFinished, TaskOptions, TaskProgressed
 from .fileio import copy_file, fsync_dir, output_error, write_file
 from .guard import nonfinite_error
+from .jobs import BinFileJob
 from .model_files import merge_model_file
 from .output import OUTPUT_FILES, hidden_folder, output_lock, publish, signals_held, written_files
 from .plan import MergePlan, tied_partner
@@ -134,7 +135,7 @@ def _compose(plan: MergePlan, workers: int | None, emit: Emit, cancel: threading
                                     emit_and_watch, cancel, options)
             team.progressing(False)
             if cancel.is_set():
-                raise team.error() if team.failure is not None else MergeCancelled()
+                raise team.error() if team.failure is not None else Cancelled()
             nonfinite = sum((Counter(r) for r in results if r), Counter())
             names = plan.output_rank_files()
             files = [f"{plan.base.tag}/{name}" for fn, args, _size in mine if fn is rank_call
@@ -159,12 +160,12 @@ def _compose(plan: MergePlan, workers: int | None, emit: Emit, cancel: threading
             team.gather("published", True)
         except KeyboardInterrupt:
             if published:
-                raise MergeCancelled(f"cancelled as the merge finished: {out} is complete and holds the new "
+                raise Cancelled(f"cancelled as the merge finished: {out} is complete and holds the new "
                                      "composition (check it with --verify)") from None
             cancel.set()
             if team.lead:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise MergeCancelled() from None
+            raise Cancelled() from None
         except BaseException:
             if not published and (team.lead or team.lead_lost()):  # with process 0 gone, a survivor cleans up
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -239,7 +240,7 @@ def _skeletons(plan: MergePlan, tag_dir: Path, cancel: threading.Event, ranks: l
     thread.start()
     try:
         yield
-    except MergeCancelled:
+    except Cancelled:
         if not failed:
             raise
     except BaseException:
@@ -255,7 +256,7 @@ def _copy_other_files(plan: MergePlan, tmp: Path, cancel: threading.Event, durab
     root = plan.other_files_root()
     for rel, to in plan.other_files():
         if cancel.is_set():
-            raise MergeCancelled()
+            raise Cancelled()
         dst = tmp / to
         dst.parent.mkdir(parents=True, exist_ok=True)
         check_crcs(root / rel)  # scheduler.pt, rng_state_*.pth, training_args.bin: torch zip archives

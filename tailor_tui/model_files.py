@@ -18,18 +18,16 @@ output gets the same files a full save would have written.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import struct
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .checkpoint import MODEL_FILE_INDEX, RankFiles, safetensors_header
 from .ds_format import FROZEN_PARAM_FRAGMENTS, MODULE
+from .dtypes import SAFETENSORS_ITEMSIZE
 from .errors import CheckpointError
 from .events import ByteCounter, Emit, TaskOptions
 from .fileio import (
+    OpenFiles,
     Writeback,
     copy_range,
     fsync,
@@ -38,99 +36,12 @@ from .fileio import (
     pread_into,
     pwrite_all,
 )
-from .layout import Slot
+from .jobs import ModelFileJob
+from .partial_rows import partial_slice
 from .safe_load import load_pt
+from .safetensors_in import parse_prefix, safetensors_tensors
 
-SAFETENSORS_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "BOOL": 1}
 CAST_CHUNK = 1 << 20  # elements cast per step: memory stays small whatever the tensor size
-
-
-@dataclass(frozen=True)
-class ModelFileLayout:
-    """What a checkpoint's 16-bit model files look like, without their data."""
-
-    files: tuple[tuple[str, bytes], ...]  # (file name, prefix: 8-byte length + JSON header)
-    index: str | None  # the index file's text when the model is sharded
-
-    @classmethod
-    def of_files(cls, files: tuple[Path, ...]) -> "ModelFileLayout":
-        prefixes = []
-        for f in files:
-            _header, start = safetensors_header(f)
-            with open(f, "rb") as fh:
-                prefixes.append((f.name, fh.read(start)))
-        index = files[0].parent / MODEL_FILE_INDEX if files else None
-        return cls(tuple(prefixes), index.read_text() if index and index.is_file() else None)
-
-    def to_json(self) -> str:
-        return json.dumps({
-            "index": self.index,
-            "files": {name: prefix[8:].decode() for name, prefix in self.files},
-        }, indent=1) + "\n"
-
-    @classmethod
-    def read(cls, path: Path) -> "ModelFileLayout":
-        try:
-            data = json.loads(path.read_text())
-            files = tuple((name, _prefix(header)) for name, header in data["files"].items())
-            for name, prefix in files:
-                parse_prefix(prefix)
-            return cls(files, data.get("index"))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointError(f"{path}: unreadable model-file layout ({exc}); re-copy it") from None
-
-
-def _prefix(header: str) -> bytes:
-    raw = header.encode()
-    return struct.pack("<Q", len(raw)) + raw
-
-
-def parse_prefix(prefix: bytes) -> dict[str, tuple[str, tuple, int, int]]:
-    """name -> (dtype, shape, first byte, end byte) in the file, from a file's prefix."""
-    (length,) = struct.unpack("<Q", prefix[:8])
-    return tensor_places(json.loads(prefix[8: 8 + length]), 8 + length)
-
-
-def tensor_places(header: dict, start: int) -> dict[str, tuple[str, tuple, int, int]]:
-    """name -> (dtype, shape, first byte, end byte) in the file, from its parsed header (the
-    tensors' data starting at byte `start`)."""
-    return {
-        name: (info["dtype"], tuple(info["shape"]), start + info["data_offsets"][0], start + info["data_offsets"][1])
-        for name, info in header.items()
-        if name != "__metadata__"
-    }
-
-
-
-@dataclass(frozen=True)
-class ModelFileJob:
-    """Everything one worker needs to compose one 16-bit model file (picklable)."""
-
-    name: str  # file name in the output
-    prefix: bytes  # the output's 8-byte length + header (the base's)
-    base_file: Path | None  # whose bytes stay where the base's rows are kept; None: a partial base
-    sources: dict[str, int]  # tensor -> source index: its row's pick (a tied tensor's partner's row)
-    rows: dict[str, str]  # tensor -> its row ("" for a tensor of no row, kept from the base)
-    source_files: dict[int, tuple[Path, ...]]  # full sources: their files holding the same tensors
-    partial_ranks: dict[int, tuple[RankFiles, ...]]  # partial sources: every rank's files
-    slots: dict[int, dict[str, Slot]]  # partial sources: where each rank's slice of each trainable parameter sits
-    source_names: dict[int, str]  # for messages
-
-    @property
-    def task(self) -> str:
-        return "model file" if self.name == "model.safetensors" else self.name
-
-    @property
-    def size(self) -> int:
-        return max((end for *_x, end in parse_prefix(self.prefix).values()), default=len(self.prefix))
-
-    @property
-    def total_bytes(self) -> int:
-        return self.size * 2  # read and written
-
-def safetensors_tensors(path: Path) -> dict[str, tuple[str, tuple, int, int]]:
-    """name -> (dtype, shape, first byte, end byte) in the file, from its JSON header."""
-    return tensor_places(*safetensors_header(path))
 
 
 def merge_model_file(job: ModelFileJob, out_dir: Path, emit: Emit, cancelled: Callable[[], bool],
@@ -177,14 +88,9 @@ class _Fills:
     def __init__(self, job: ModelFileJob, stack: contextlib.ExitStack, fout: int, writeback: Writeback,
                  on_bytes: Callable[[int], None]):
         self.job, self.stack, self.fout, self.writeback, self.on_bytes = job, stack, fout, writeback, on_bytes
-        self.fds: dict[Path, int] = {}
+        self.fd = OpenFiles(stack).fd
         self.where: dict[int, dict[str, tuple[Path, tuple]]] = {}
         self.rows_index: dict[Path, dict] = {}
-
-    def fd(self, path: Path) -> int:
-        if path not in self.fds:
-            self.fds[path] = open_fd(self.stack, path)
-        return self.fds[path]
 
     def write(self, s: int, name: str, dtype: str, shape: tuple, offset: int, length: int) -> None:
         if s in self.job.partial_ranks:
@@ -234,22 +140,6 @@ class _Fills:
                 view = buffer[: n * 4]
                 pread_into(self.fd(files.rows), view, begin + start * 4)
                 pwrite_all(self.fout, _cast(view, dtype), at + start * itemsize)
-
-
-def partial_slice(path: Path, tensors: dict, key: str, param: str, length: int) -> tuple:
-    """(dtype, shape, first byte, end byte) of one parameter's slice in a partial checkpoint's
-    rows file (`tensors`: its safetensors_tensors), checked to hold `length` fp32 elements."""
-    name = f"{key}/{param}"
-    found = tensors.get(name)
-    if found is None:
-        raise CheckpointError(f"{path}: has no tensor {name}; the partial checkpoint is incomplete, re-copy it")
-    dtype, shape, begin, end = found
-    if dtype != "F32" or end - begin < length * 4:
-        raise CheckpointError(
-            f"{path}: tensor {name} is {dtype} {list(shape)}, expected F32 of at least {length} "
-            "elements; the partial checkpoint is from another run or layout"
-        )
-    return found
 
 
 def _cast(view: memoryview, dtype: str) -> bytes:

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .dtypes import BY_NAME
+
 # Bits of an IEEE float's exponent, all set for NaN and ±Inf, by dtype (little-endian ints).
 EXPONENT = {"float32": ("<u4", 0x7F800000), "bfloat16": ("<u2", 0x7F80), "float16": ("<u2", 0x7C00)}
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+ITEMSIZE = {name: BY_NAME[name].itemsize for name in EXPONENT}  # the dtypes counted
 
 
 def count(data, dtype: str = "float32") -> int:

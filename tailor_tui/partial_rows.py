@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Callable
 
 from . import crc
-from .checkpoint import safetensors_header
 from .errors import CheckpointError
 from .fileio import crc_range
-from .model_files import tensor_places
+from .safetensors_in import safetensors_header, tensor_places
 
 CRC_METADATA = "crc32"
 
@@ -30,7 +29,7 @@ def crc_metadata(slices: dict[str, memoryview]) -> str:
 
 def read_rows_file(path: Path) -> tuple[dict, dict[str, int]]:
     """From one read of the rows file `path`'s header: where each tensor lies (as
-    `model_files.safetensors_tensors`) and {tensor name: CRC-32 of its valid bytes} recorded
+    `safetensors_in.safetensors_tensors`) and {tensor name: CRC-32 of its valid bytes} recorded
     ({} if none)."""
     header, start = safetensors_header(path)
     return tensor_places(header, start), _recorded_crcs(path, header)
@@ -76,3 +75,19 @@ def crc_range_checked(fd: int, offset: int, length: int, checks: list[Check], bu
         value = crc.combine(crc.combine(value, gap, start - at), piece, n)
         at = start + n
     return crc.combine(value, crc_range(fd, at, end - at, buffer, on_bytes, inspect), end - at)
+
+
+def partial_slice(path: Path, tensors: dict, key: str, param: str, length: int) -> tuple:
+    """(dtype, shape, first byte, end byte) of one parameter's slice in a partial checkpoint's
+    rows file (`tensors`: its safetensors_tensors), checked to hold `length` fp32 elements."""
+    name = f"{key}/{param}"
+    found = tensors.get(name)
+    if found is None:
+        raise CheckpointError(f"{path}: has no tensor {name}; the partial checkpoint is incomplete, re-copy it")
+    dtype, shape, begin, end = found
+    if dtype != "F32" or end - begin < length * 4:
+        raise CheckpointError(
+            f"{path}: tensor {name} is {dtype} {list(shape)}, expected F32 of at least {length} "
+            "elements; the partial checkpoint is from another run or layout"
+        )
+    return found

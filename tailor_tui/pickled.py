@@ -19,23 +19,12 @@ import pickletools
 from dataclasses import dataclass, field
 
 from .ds_format import DEEPSPEED_CLASSES
-
-STORAGE_ITEMSIZE = {
-    "DoubleStorage": 8, "FloatStorage": 4, "HalfStorage": 2, "BFloat16Storage": 2,
-    "LongStorage": 8, "IntStorage": 4, "ShortStorage": 2, "CharStorage": 1, "ByteStorage": 1,
-    "BoolStorage": 1, "ComplexFloatStorage": 8, "ComplexDoubleStorage": 16, "UntypedStorage": 1,
-}
-
-
-DTYPES = {"DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
-          "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
-          "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
-          "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128", "UntypedStorage": "uint8"}
+from .dtypes import STORAGE_DTYPE, STORAGE_ITEMSIZE
 
 
 def dtype_name(what: str) -> str:
     """`float32` for a storage type (`FloatStorage`) or a torch dtype (`torch.float32`)."""
-    return DTYPES.get(what, what.removeprefix("torch."))
+    return STORAGE_DTYPE.get(what, what.removeprefix("torch."))
 
 
 @dataclass(frozen=True)

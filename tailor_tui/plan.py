@@ -11,25 +11,23 @@ import difflib
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 from .checkpoint import (
     Checkpoint,
-    RankFiles,
     incompatibility,
     open_checkpoint,
     other_run,
 )
 from .errors import CheckpointError, IncompatibleError, RecipeError, UsageError
 from .file_plan import (
-    WeightJob,
     copied_files,
     describe_files,
     file_fates,
     root_of,
     weight_jobs,
 )
-from .model_files import ModelFileLayout
+from .jobs import BYTES_PER_ELEMENT, RankJob, RowSlot, SliceCopy, WeightJob
+from .model_layout import ModelFileLayout
 from .output import check_output as check_writable
 from .recipe import Recipe
 from .reshard import (
@@ -44,53 +42,6 @@ from .reshard import (
 from .rows import RowIndex, list_rows
 from .units import size
 from .weight_files import FileFate
-
-BYTES_PER_ELEMENT = 4 * 3  # fp32 master weight + exp_avg + exp_avg_sq
-
-
-@dataclass(frozen=True)
-class SliceCopy:
-    """Copy `length` elements at `offset` of sub-group `group` from source `source`."""
-
-    group: int
-    offset: int
-    length: int
-    source: int
-    param: str | None = None  # set when the source is partial: its slices are stored per parameter
-
-
-class RowSlot(NamedTuple):
-    """Where a row's parameter lies in the output's flat buffers on one rank, and its source."""
-
-    row: str
-    param: str
-    group: int
-    offset: int
-    valid: int  # elements of real data (padding excluded)
-    source: int
-
-
-@dataclass(frozen=True)
-class RankJob:
-    """Everything one worker needs to compose one rank's files (picklable)."""
-
-    rank: int
-    files: dict[int, RankFiles]  # source index -> that checkpoint's files of this rank; 0 is base
-    group_sizes: tuple[int, ...]
-    copies: tuple[SliceCopy, ...]  # slices that do not come from the base
-    padding: tuple[tuple[int, int, int], ...]  # (group, offset, length) written as zeros
-    frozen: tuple[tuple[str, int], ...]  # frozen params taken from a non-base source
-    buffers: tuple[tuple[str, int], ...]  # buffers taken from a non-base source
-    read_bytes: int
-    write_bytes: int
-    # every trainable parameter's slice and every frozen parameter (row, name, source): what
-    # the writers count non-finite values of, per row
-    row_slots: tuple[RowSlot, ...] = ()
-    frozen_rows: tuple[tuple[str, str, int], ...] = ()
-
-    @property
-    def total_bytes(self) -> int:
-        return self.read_bytes + self.write_bytes
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,10 @@ from .ds_format import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT, STATE, TENSORS, f
 from .errors import CheckpointError
 from .events import ByteCounter
 from .fileio import Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
-from .model_files import partial_slice
+from .jobs import RankJob
 from .nonfinite import Census, Region
-from .partial_rows import crc_range_checked, read_rows_file
+from .partial_rows import crc_range_checked, partial_slice, read_rows_file
 from .pickled import TensorRef, dtype_name
-from .plan import RankJob
 from .ptedit import Rewritable, reserved, write
 from .ptfile import read_structure
 from .rank_stream import STREAM_CHUNK, check_dtypes, flat_tensor_bytes, read_and_check, tensor_bytes

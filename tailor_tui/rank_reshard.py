@@ -25,13 +25,15 @@ from . import crc
 from .ds_format import TENSORS
 from .errors import OutputError
 from .events import ByteCounter, Emit, TaskOptions
-from .fileio import Writeback, copy_range, crc_range, fsync, open_fd, output_error, pwrite_all
-from .model_files import partial_slice, safetensors_tensors
+from .fileio import OpenFiles, Writeback, copy_range, crc_range, fsync, open_fd, output_error, pwrite_all
 from .nonfinite import EXPONENT, Census, Region
+from .partial_rows import partial_slice
 from .pickled import dtype_name
 from .ptfile import frozen_fragment_bytes, read_structure
 from .rank_stream import STREAM_CHUNK, dtype_mismatch, flat_tensor_bytes, read_and_check, tensor_bytes
 from .reshard import ZEROS, Piece, ReshardJob
+from .safetensors_in import safetensors_tensors
+
 
 def reshard_rank(job: ReshardJob, out_tag_dir: Path, emit: Emit, cancelled: Callable[[], bool],
                  options: TaskOptions = TaskOptions()) -> Counter:
@@ -63,7 +65,7 @@ def _arrived(path: Path, counter: ByteCounter) -> Path:
     """`path`, once it is there (the skeleton writer renames each file into place whole);
     a cancel (or the skeleton writer's failure, which cancels) stops the wait."""
     while not path.exists():
-        counter.add(0)  # raises MergeCancelled once cancelled
+        counter.add(0)  # raises Cancelled once cancelled
         time.sleep(0.01)
     return path
 
@@ -83,15 +85,10 @@ class _Sources:
 
     def __init__(self, job: ReshardJob, stack: contextlib.ExitStack):
         self.job, self.stack = job, stack
-        self.fds: dict[Path, int] = {}
+        self.fd = OpenFiles(stack).fd
         self.flat: dict[tuple[int, int], dict] = {}
         self.rows: dict[Path, dict] = {}
         self.fragments: dict[tuple[int, int], dict] = {}
-
-    def fd(self, path: Path) -> int:
-        if path not in self.fds:
-            self.fds[path] = open_fd(self.stack, path)
-        return self.fds[path]
 
     def place(self, piece: Piece, key: str) -> _Place | None:
         """Where a piece's bytes lie in its source (None: zeros)."""

@@ -27,11 +27,10 @@ from .fileio import (
     output_error,
     pwrite_all,
 )
-from .model_files import partial_slice
+from .jobs import RankJob
 from .nonfinite import Census, Region
-from .partial_rows import check_crc, read_rows_file
+from .partial_rows import check_crc, partial_slice, read_rows_file
 from .pickled import dtype_name
-from .plan import RankJob
 from .ptfile import (
     Record,
     TensorBytes,

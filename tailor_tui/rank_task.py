@@ -12,9 +12,9 @@ from typing import Callable
 
 from .events import ByteCounter, Emit, TaskOptions
 from .fileio import copy_file, output_error
+from .jobs import RankJob
 from .nonfinite import ITEMSIZE, Census, Region
 from .pickled import dtype_name
-from .plan import RankJob
 from .ptfile import check_crcs, file_format, frozen_fragment_bytes
 from .rank_partial import build_optim_states_from_skeleton
 from .rank_stream import stream_optim_states

@@ -18,10 +18,11 @@ from .ds_format import FROZEN_PARAM_FRAGMENTS, MODULE, TENSORS, flat_tensor, opt
 from .errors import CheckpointError
 from .events import ByteCounter
 from .fileio import CountingWriter, fsync, output_error
-from .model_files import partial_slice, safetensors_tensors
-from .plan import RankJob
+from .jobs import RankJob
+from .partial_rows import partial_slice
 from .rank_stream import dtype_mismatch
 from .safe_load import load_pt
+from .safetensors_in import safetensors_tensors
 
 
 def save_pt(obj, path: Path, on_bytes: Callable[[int], None] | None, durable: bool = True) -> None:

@@ -31,6 +31,7 @@ from .ds_format import (
     OPTIMIZER_STATE_DICT,
     PARAM_GROUPS,
 )
+from .dtypes import BY_NAME, PRECISION
 from .errors import CheckpointError
 from .layout import ZeroLayout, part, pieces
 from .ptfile import read_structure
@@ -39,7 +40,7 @@ DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's default (zero_optimization
 MAX_CONFIG_BYTES = 1 << 20
 ZEROS = -1  # a piece's source when it is padding
 FROZEN = -1  # a piece's group when it lies in a frozen parameter's fragment
-ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}  # of a frozen fragment, by the run's dtype (an estimate)
+ITEMSIZE = {p: BY_NAME[name].itemsize for p, name in PRECISION.items()}  # a frozen fragment's, by the run's dtype (an estimate)
 
 
 class Piece(NamedTuple):

@@ -115,7 +115,7 @@ def resume_point(output_dir: str | Path, *, workers: int | None = 1) -> str | No
     others wait for it (torch.distributed, when it is initialised)."""
     output_dir = Path(output_dir)
     saves = run_saves(output_dir)
-    _barrier()  # every process has looked before the main one writes the resume point
+    barrier()  # every process has looked before the main one writes the resume point
     if not saves:
         return None
     newest = max(saves, key=lambda s: (s.step, not s.partial))
@@ -124,7 +124,7 @@ def resume_point(output_dir: str | Path, *, workers: int | None = 1) -> str | No
     target = output_dir / f"{RESUME_PREFIX}{newest.step}"
     if _is_main_process() and not _complete(target):
         _compose_newest(output_dir, target, workers)
-    _barrier()
+    barrier()
     if not _complete(target):
         raise CheckpointError(f"{target}: the resume point was not written (see the main process's error)")
     return str(target)
@@ -157,7 +157,8 @@ def _is_main_process() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-def _barrier() -> None:
+def barrier() -> None:
+    """Wait for every process of the training job (torch.distributed), if there are several."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

@@ -19,14 +19,14 @@ import re
 import struct
 from dataclasses import dataclass
 
+from .dtypes import PRECISION, SAFETENSORS_ITEMSIZE, SAFETENSORS_NAME
 from .errors import UsageError
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-DTYPES = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}  # --dtype -> safetensors' name
-NAMED = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
-         "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}  # a tensor's dtype -> it
+ITEMSIZE = SAFETENSORS_ITEMSIZE
+NAMED = SAFETENSORS_NAME  # a tensor's dtype -> its name in a header
+DTYPES = {precision: NAMED[name] for precision, name in PRECISION.items()}  # --dtype -> safetensors' name
 
 
 @dataclass(frozen=True)

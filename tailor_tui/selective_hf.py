@@ -45,8 +45,8 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from .checkpoint import PARTIAL_MODEL_FILES, hf_model_files
-from .model_files import ModelFileLayout
-from .run_saves import newer_than, removable, run_saves, set_aside
+from .model_layout import ModelFileLayout
+from .run_saves import barrier, newer_than, removable, run_saves, set_aside
 from .selective import model_rows, save_rows
 
 SCHEDULE = "SelectiveCheckpointSchedule"  # trainer_state.json stateful_callbacks: saves so far, lineage
@@ -79,7 +79,7 @@ class SelectiveCheckpointCallback(TrainerCallback):
             log.warning("SelectiveCheckpointCallback: with save_strategy='best' and load_best_model_at_end "
                         "every save is a new best, and a best is always saved in full: nothing is left out")
         newer = newer_than(run_saves(args.output_dir), state.global_step)
-        _barrier()  # every process has looked before the main one moves anything
+        barrier()  # every process has looked before the main one moves anything
         if not newer:
             return control
         names = ", ".join(s.path.name for s in newer)
@@ -92,7 +92,7 @@ class SelectiveCheckpointCallback(TrainerCallback):
             folder = set_aside(Path(args.output_dir), newer)
             log.warning("SelectiveCheckpointCallback: saves newer than step %d (%s) set aside in %s",
                         state.global_step, names, folder)
-        _barrier()
+        barrier()
         return control
 
     def _save_checkpoint(self, model, trial) -> None:
@@ -165,8 +165,3 @@ class SelectiveCheckpointCallback(TrainerCallback):
         return ModelFileLayout.of_files(files) if files else None
 
 
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()

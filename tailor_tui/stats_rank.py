@@ -21,14 +21,14 @@ import numpy as np
 from .checkpoint import RankFiles
 from .crc import crc32
 from .ds_format import TENSORS, flat_tensor, optimizer_state
-from .errors import CheckpointError, MergeCancelled
+from .errors import CheckpointError, Cancelled
 from .events import ByteCounter, Emit, TaskOptions
 from .fileio import Readahead, open_fd, pread_into
-from .model_files import partial_slice, safetensors_tensors
 from .nonfinite import EXPONENT, count
-from .partial_rows import read_rows_file
+from .partial_rows import partial_slice, read_rows_file
 from .pickled import dtype_name
 from .ptfile import Unsupported, frozen_fragment_bytes, locate, read_structure
+from .safetensors_in import safetensors_tensors
 from .stats_job import RankStats, RankStatsRead, RowSums, SlotRead, StatsJob
 
 CHUNK = 1 << 20
@@ -61,7 +61,7 @@ def rank_stats(job: StatsJob, emit: Emit, cancelled, options: TaskOptions = Task
                 if not _read(fd, start, length, expected, regions, buffers, counter, ahead):
                     for region in regions:
                         region.sums.crc_ok = False
-    except MergeCancelled:
+    except Cancelled:
         raise
     except (CheckpointError, Unsupported, OSError) as exc:
         found = RankStats(error=str(exc) if isinstance(exc, CheckpointError) else f"rank {job.rank}: {exc}")

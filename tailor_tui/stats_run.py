@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .cache import entry, file_identity, read_json, write_json
 from .checkpoint import Checkpoint, distinct_names
-from .errors import MergeCancelled
+from .errors import Cancelled
 from .events import Emit, TaskOptions
 from .health import Cell, Health, rms, training_log
 from .stats_job import RankStats, RankStatsRead, RowSums, StatsJob
@@ -192,7 +192,7 @@ def compute_health(checkpoints: tuple[Checkpoint, ...], *, workers: int | None =
         n = workers or workers_for(len(mine), STATS_WORKER)
         run_calls([(rank_stats, (j,)) for j in mine], n, emit_and_collect, cancel, options)
         if cancel.is_set():
-            raise team.error() if team.failure is not None else MergeCancelled("statistics cancelled")
+            raise team.error() if team.failure is not None else Cancelled("statistics cancelled")
     if team.size > 1:  # the others' ranks, to process 0, which adds every checkpoint up
         posted = team.gather("statistics", {j.key: _stats_json(found[j.key]) for j in mine})
         if team.lead:

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .bin_files import BinFileJob
 from .checkpoint import MODEL_FILE_INDEX, PROVENANCE, open_checkpoint
 from .compare import differences, nonzero_bytes, same_bytes
 from .ds_format import (
@@ -35,6 +34,7 @@ from .ds_format import (
 )
 from .errors import CheckpointError
 from .events import ByteCounter, Emit
+from .jobs import BinFileJob
 from .plan import MergePlan
 from .safe_load import load_pt
 
@@ -221,7 +221,8 @@ def _at(states: dict, where: str):
 
 
 def _verify_model_file(plan, job, report) -> None:
-    from .model_files import parse_prefix, safetensors_tensors, source_tensor
+    from .model_files import source_tensor
+    from .safetensors_in import parse_prefix, safetensors_tensors
 
     out_file = plan.output / job.name
     if not out_file.is_file():

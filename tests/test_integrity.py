@@ -148,7 +148,7 @@ def test_a_row_of_nans_copied_exactly_verifies(real_run, tmp_path):
 
 
 def _flip_in_rows_file(rows: Path, name: str) -> None:
-    from tailor_tui.model_files import safetensors_tensors
+    from tailor_tui.safetensors_in import safetensors_tensors
 
     begin = safetensors_tensors(rows)[name][2]  # the slice's first element: real data on every rank
     with open(rows, "r+b") as f:

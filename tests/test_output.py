@@ -21,7 +21,7 @@ from conftest import checkpoints_of, tree_digest
 from helpers import assert_one_line_error, finish, hidden, start_apply, tailor, wait_for_line, write_recipe
 
 from tailor_tui import fileio, merge, output
-from tailor_tui.errors import CheckpointError, MergeCancelled
+from tailor_tui.errors import CheckpointError, Cancelled
 from tailor_tui.plan import build_plan
 from tailor_tui.recipe import Recipe
 
@@ -158,7 +158,7 @@ def test_a_cancel_during_the_swap_completes_it_and_says_so(hf_run, tmp_path, mon
         real(*args)
 
     monkeypatch.setattr(merge, "publish", interrupted)
-    with pytest.raises(MergeCancelled, match="is complete and holds the new composition"):
+    with pytest.raises(Cancelled, match="is complete and holds the new composition"):
         merge.run_merge(_plan(ckpts, tmp_path, force=True), workers=1)
     assert (tmp_path / "composed" / output.PROVENANCE).read_text() != old  # the new one, whole
     assert tailor("--verify", write_recipe(tmp_path, ckpts[2], {"layers.1": ckpts[1]})).returncode == 0

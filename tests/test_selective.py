@@ -32,9 +32,9 @@ from zero_reader import model_states, optim_states
 from tailor_tui.checkpoint import scan
 from tailor_tui.demo_run import RunSpec, resume_and_step
 from tailor_tui.merge import run_merge
-from tailor_tui.model_files import safetensors_tensors
 from tailor_tui.plan import build_plan
 from tailor_tui.recipe import Recipe
+from tailor_tui.safetensors_in import safetensors_tensors
 from tailor_tui.selective import Filter, Parity
 
 RUN = "ds_selective_parity"

@@ -11,7 +11,7 @@ import time
 from textual import work
 
 from ..cache import cache_dir
-from ..errors import MergeCancelled, TailorError
+from ..errors import Cancelled, TailorError
 from ..events import TaskFinished, TaskOptions, TaskProgressed
 from ..stats_run import CellsComputed, StatsPlanned, compute_health
 from .dialogs import Confirm
@@ -43,7 +43,7 @@ class HealthActions:
         try:
             compute_health(checkpoints, workers=self.merge_workers, emit=emit, cancel=self.stats_cancel,
                            cache=cache_dir(), options=TaskOptions())
-        except MergeCancelled:
+        except Cancelled:
             return
         except TailorError as exc:
             self.post_message(HealthEnded(str(exc)))

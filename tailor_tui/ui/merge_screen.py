@@ -19,7 +19,7 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Footer, Label, ProgressBar, Static
 
-from ..errors import MergeCancelled, TailorError
+from ..errors import Cancelled, TailorError
 from ..events import TaskOptions, TaskProgressed
 from ..export import run_export
 from ..export_plan import Export
@@ -102,7 +102,7 @@ class MergeScreen(Screen):
             else:
                 result = run_merge(self.plan, workers=self.merge_workers, emit=emit, cancel=self.cancel,
                                    options=self.options, allow_nonfinite=self.allow_nonfinite)
-        except MergeCancelled as exc:
+        except Cancelled as exc:
             self.post_message(MergeFailed(str(exc), cancelled=True))
         except TailorError as exc:
             self.post_message(MergeFailed(str(exc), cancelled=False))
