@@ -22,31 +22,10 @@ from .events import ByteCounter, Emit, TaskOptions
 from .fileio import fsync, open_fd, output_error
 from .jobs import BinFileJob
 from .pickled import TensorRef
-from .ptfile import file_format, read_structure
+from .ptfile import read_structure
 from .ptpickle import dumps, storage_bytes
 from .ptwrite import Copied, write_archive
 
-WEIGHTS_INDEX = "pytorch_model.bin.index.json"
-
-
-def family(folder: Path, rel: Path) -> tuple[Path, ...]:
-    """The files of `folder` that hold the tensors `rel` holds in the base: every shard of the
-    model (`pytorch_model*.bin`), or the file of the same name (an adapter)."""
-    if rel.name.startswith("pytorch_model"):
-        return tuple(sorted(p for p in (folder / rel.parent).glob("pytorch_model*.bin") if p.is_file()))
-    return (folder / rel,) if (folder / rel).is_file() else ()
-
-
-def tensor_names(path: Path) -> list[str]:
-    """The tensor names of a torch-format weight file (its pickle only; CRC checked)."""
-    obj, _records, _prefix = read_structure(path)
-    if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, TensorRef) for k, v in obj.items()):
-        raise CheckpointError(f"{path}: not a weight file (a dict of tensors by name); re-copy it from the run")
-    return list(obj)
-
-
-def composable(path: Path) -> bool:
-    return file_format(path) == "zip"
 
 
 def merge_bin_file(job: BinFileJob, out_dir: Path, emit: Emit, cancelled: Callable[[], bool],

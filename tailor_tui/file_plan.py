@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .bin_files import composable, family, tensor_names
 from .checkpoint import PARTIAL_MANIFEST, PARTIAL_MODEL_FILES, Checkpoint
 from .ds_format import RECOVERY_SCRIPTS
 from .errors import IncompatibleError
@@ -22,10 +21,13 @@ from .weight_files import (
     COMPOSED,
     COPIED,
     FileFate,
+    composable,
     describe_run_level,
+    family,
     is_bin_weights,
     is_safetensors,
     is_uncomposed_weights,
+    tensor_names,
     tensor_rows,
     unplaced_error,
 )

@@ -27,7 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .ds_format import RECOVERY_SCRIPTS
-from .errors import IncompatibleError
+from .errors import CheckpointError, IncompatibleError
+from .pickled import TensorRef
+from .ptfile import file_format, read_structure
 from .rows import Row, RowIndex, list_rows
 
 COMPOSED, COPIED = "composed per row", "copied from the base"
@@ -176,3 +178,23 @@ def _renamings(folder: Path) -> list[tuple[str, str]]:
             if len(targets) == 1:
                 found += [(s, targets[0]) for s in sources if isinstance(s, str)]
     return found
+
+
+def family(folder: Path, rel: Path) -> tuple[Path, ...]:
+    """The files of `folder` that hold the tensors `rel` holds in the base: every shard of the
+    model (`pytorch_model*.bin`), or the file of the same name (an adapter)."""
+    if rel.name.startswith("pytorch_model"):
+        return tuple(sorted(p for p in (folder / rel.parent).glob("pytorch_model*.bin") if p.is_file()))
+    return (folder / rel,) if (folder / rel).is_file() else ()
+
+
+def tensor_names(path: Path) -> list[str]:
+    """The tensor names of a torch-format weight file (its pickle only; CRC checked)."""
+    obj, _records, _prefix = read_structure(path)
+    if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, TensorRef) for k, v in obj.items()):
+        raise CheckpointError(f"{path}: not a weight file (a dict of tensors by name); re-copy it from the run")
+    return list(obj)
+
+
+def composable(path: Path) -> bool:
+    return file_format(path) == "zip"
