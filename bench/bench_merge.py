@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tailor_tui.demo_run import RunSpec, make_run  # noqa: E402
+from tailor_tui.runs.demo_run import RunSpec, make_run  # noqa: E402
 
 SPEC = RunSpec(world_size=4, dtype="bf16", layout="deepspeed", layers=12, hidden=1024,
                intermediate=2816, vocab=32000, steps=2, save_every=1)

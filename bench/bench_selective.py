@@ -3,7 +3,7 @@
 Trains the medium model of bench_merge.py (Llama-like, 12 layers, hidden 1024, MLP 2816,
 vocab 32000, bf16) for one step with real DeepSpeed ZeRO-3 on 4 CPU ranks, then saves in
 turn, several times: a full `engine.save_checkpoint`, a parity save (every other row,
-`tailor_tui.selective.save_rows`) and a filter save (first and last layer, embeddings,
+`tailor_tui.selective.saver.save_rows`) and a filter save (first and last layer, embeddings,
 norm, lm_head). Each save is timed on rank 0 from the barrier before it to the barrier
 after it plus a `sync` (tailor-tui's saves fsync; DeepSpeed's do not, so both are timed
 until the bytes are on disk). Prints sizes, the fraction of parameters saved, and the
@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tailor_tui import demo_run  # noqa: E402
-from tailor_tui.demo_run import RunSpec  # noqa: E402
+from tailor_tui.runs import demo_run  # noqa: E402
+from tailor_tui.runs.demo_run import RunSpec  # noqa: E402
 
 SPEC = RunSpec(world_size=4, dtype="bf16", layout="deepspeed", layers=12, hidden=1024,
                intermediate=2816, vocab=32000, steps=1, save_every=1)
@@ -47,7 +47,7 @@ def _bench_rank(rank, world, port, spec, out: str, repeats: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from tailor_tui.selective import Filter, Parity, model_rows, row_naming, save_rows
+    from tailor_tui.selective.saver import Filter, Parity, model_rows, row_naming, save_rows
 
     out = Path(out)
     model = demo_run.build_model(spec)

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .errors import Cancelled
+from tailor_tui.errors import Cancelled
 
 
 @dataclass(frozen=True)

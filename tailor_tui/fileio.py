@@ -9,8 +9,8 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from . import crc
-from .errors import CheckpointError, OutputError
+from tailor_tui import crc
+from tailor_tui.errors import CheckpointError, OutputError
 
 CHUNK = 64 << 20
 

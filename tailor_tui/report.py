@@ -10,8 +10,8 @@ import sys
 import time
 from typing import TextIO
 
-from .events import TaskFinished, TaskProgressed
-from .units import size, throughput
+from tailor_tui.events import TaskFinished, TaskProgressed
+from tailor_tui.units import size, throughput
 
 
 class LineReporter:

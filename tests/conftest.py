@@ -29,9 +29,9 @@ import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from tailor_tui import demo_run  # noqa: E402
-from tailor_tui.demo_run import RunSpec  # noqa: E402
-from tailor_tui.ds_format import parse_version  # noqa: E402
+from tailor_tui.runs import demo_run  # noqa: E402
+from tailor_tui.runs.demo_run import RunSpec  # noqa: E402
+from tailor_tui.formats.ds_format import parse_version  # noqa: E402
 
 RUNS = {
     # HF Trainer layout, 2 ranks, bf16, separate lm_head
@@ -54,7 +54,7 @@ RUNS = {
         sub_group_size=2000,
         frozen=("model.layers.1.mlp.up_proj.weight",),
     ),
-    # Selective checkpointing (tailor_tui.selective, parity): OUT/run holds a full save at step 2
+    # Selective checkpointing (tailor_tui.selective.saver, parity): OUT/run holds a full save at step 2
     # and partial saves at steps 4 and 6; OUT/reference full saves of the same run at 2, 4, 6
     "ds_selective_parity": RunSpec(
         world_size=3,
@@ -63,7 +63,7 @@ RUNS = {
         frozen=("model.layers.1.mlp.up_proj.weight",),
         selective="parity",
     ),
-    # The same through the HF Trainer callback (tailor_tui.selective_hf): 3 ranks, bf16 (16-bit
+    # The same through the HF Trainer callback (tailor_tui.selective.hf): 3 ranks, bf16 (16-bit
     # weights cast from fp32 masters), tied embeddings and a frozen parameter (both in model files)
     "hf_selective_parity": RunSpec(
         world_size=3,
@@ -132,18 +132,19 @@ def _cache_root() -> Path:
 
 
 def _run_modules() -> list[Path]:
-    """The source of every tailor_tui module a run's making can execute: demo_run and what it
-    imports, transitively (the selective savers, the model-file layout record, run_saves, …)."""
-    package = Path(demo_run.__file__).parent
-    seen, todo = set(), ["demo_run", "run_accelerate"]
+    """The source of every tailor_tui module a run's making can execute: demo_run, the Accelerate
+    runs and what they import, transitively (the selective savers, the model-file layout record,
+    run_saves, …)."""
+    root = Path(demo_run.__file__).parent.parent
+    seen, todo = set(), ["runs.demo_run", "runs.accelerate"]
     while todo:
         name = todo.pop()
-        path = package / f"{name}.py"
+        path = root / (name.replace(".", "/") + ".py")
         if name in seen or not path.is_file():
             continue
         seen.add(name)
-        todo += re.findall(r"^\s*from \.(\w+) import", path.read_text(), flags=re.M)
-    return sorted(package / f"{name}.py" for name in seen)
+        todo += re.findall(r"^\s*from tailor_tui\.([\w.]+) import", path.read_text(), flags=re.M)
+    return sorted(root / (name.replace(".", "/") + ".py") for name in seen)
 
 
 def _key(spec: RunSpec, ds_version: str) -> str:
@@ -197,7 +198,7 @@ def _install_release(version: str, folder: Path) -> None:
 
 
 def with_deepspeed(version: str, *args: str) -> subprocess.CompletedProcess:
-    """Run `python -m tailor_tui.demo_run ARGS` with DeepSpeed `version` (see demo_run.main)."""
+    """Run `python -m tailor_tui.runs.demo_run ARGS` with DeepSpeed `version` (see demo_run.main)."""
     env = dict(os.environ)
     folder = deepspeed_env(version)
     if folder is not None:
@@ -207,7 +208,7 @@ def with_deepspeed(version: str, *args: str) -> subprocess.CompletedProcess:
         # 2.6 made weights_only=True: it then refuses its own ZeroStageEnum. Users of those
         # releases resume with torch's documented switch back to the old default, as here.
         env["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
-    done = subprocess.run([sys.executable, "-m", "tailor_tui.demo_run", *args], env=env,
+    done = subprocess.run([sys.executable, "-m", "tailor_tui.runs.demo_run", *args], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"deepspeed {version}: demo_run {args[0]} failed:\n{done.stderr[-4000:]}"
     return done
@@ -244,7 +245,7 @@ def real_run():
                 if not (folder / "tailor_demo_spec.json").is_file():
                     shutil.rmtree(folder, ignore_errors=True)
                     if spec.layout == "accelerate":
-                        from tailor_tui.run_accelerate import make_accelerate_run
+                        from tailor_tui.runs.accelerate import make_accelerate_run
 
                         make_accelerate_run(folder, spec)
                     elif deepspeed == INSTALLED_DEEPSPEED:

@@ -14,14 +14,14 @@ from pathlib import Path
 import torch
 from zero_reader import optim_states, read_full_state
 
-from tailor_tui.checkpoint import scan
-from tailor_tui.composition import Composition
-from tailor_tui.merge import run_merge
-from tailor_tui.plan import build_plan
-from tailor_tui.ptfile import read_structure
-from tailor_tui.ptpickle import dumps, storage_bytes
-from tailor_tui.ptwrite import Copied, write_archive
-from tailor_tui.recipe import Recipe
+from tailor_tui.checkpoints.checkpoint import scan
+from tailor_tui.compose.composition import Composition
+from tailor_tui.compose.merge import run_merge
+from tailor_tui.planning.plan import build_plan
+from tailor_tui.formats.ptfile import read_structure
+from tailor_tui.formats.ptpickle import dumps, storage_bytes
+from tailor_tui.formats.ptwrite import Copied, write_archive
+from tailor_tui.planning.recipe import Recipe
 
 TAILOR = str(Path(sys.executable).with_name("tailor-tui"))
 
@@ -88,7 +88,7 @@ def hidden(folder: Path) -> list[Path]:
 
 
 def param_row(name: str) -> str:
-    """Row of a parameter name, by the documented rule (independent of tailor_tui.rows)."""
+    """Row of a parameter name, by the documented rule (independent of tailor_tui.checkpoints.rows)."""
     parts = name.split(".")
     if parts[0] == "model":
         parts = parts[1:]

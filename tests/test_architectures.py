@@ -24,11 +24,11 @@ from helpers import assert_one_line_error, assert_optim_states_equal, tailor, wr
 from safetensors import safe_open
 from zero_reader import read_full_state
 
-from tailor_tui.checkpoint import open_checkpoint
-from tailor_tui.demo_run import resume_and_step
+from tailor_tui.checkpoints.checkpoint import open_checkpoint
+from tailor_tui.runs.demo_run import resume_and_step
 
 # Each architecture's rows, and the row of a parameter or weight-file tensor by this test's own
-# rules (regular expressions over the names transformers gives; independent of tailor_tui.rows)
+# rules (regular expressions over the names transformers gives; independent of tailor_tui.checkpoints.rows)
 ARCHS = {
     "hf_opt": (
         ["embed_tokens", "embed_positions", "final_layer_norm", "layers.0", "layers.1", "layers.2", "lm_head"],
@@ -200,7 +200,7 @@ def test_peft_output_loads_as_an_adapter(real_run, composed):
         pytest.skip("PEFT only")
     from peft import PeftModel
 
-    from tailor_tui.run_models import base_model
+    from tailor_tui.runs.models import base_model
 
     model = PeftModel.from_pretrained(base_model(spec), str(out))
     state = {k: v for k, v in model.state_dict().items() if "lora_" in k}
@@ -306,7 +306,7 @@ def test_a_weight_tensor_of_no_row_is_refused_by_name(real_run, tmp_path):
 def test_a_checkpoint_without_the_bases_adapter_cannot_be_combined(real_run, tmp_path):
     """The one rule the composer and the planner share (checkpoint.incompatibility): a source
     without the base's adapter file is struck through in the grid and refused by the plan."""
-    from tailor_tui.checkpoint import incompatibility
+    from tailor_tui.checkpoints.checkpoint import incompatibility
 
     run, spec = real_run("hf_peft_lora")
     ckpts = checkpoints_of(run, spec)

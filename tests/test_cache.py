@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 from conftest import checkpoints_of
 
-from tailor_tui import checkpoint, scan_cache
-from tailor_tui.checkpoint import scan
-from tailor_tui.ds_format import MODEL_STATES
-from tailor_tui.stats_run import StatsPlanned, compute_health
+from tailor_tui.checkpoints import checkpoint
+from tailor_tui.checkpoints import scan_cache
+from tailor_tui.checkpoints.checkpoint import scan
+from tailor_tui.formats.ds_format import MODEL_STATES
+from tailor_tui.health.stats_run import StatsPlanned, compute_health
 
 
 @pytest.fixture
@@ -205,7 +206,7 @@ def test_a_cached_stats_run_does_without_numpy(real_run, tmp_path):
     """The process that plans the statistics and reads their cache never loads numpy (only the
     workers that read ranks do): most of a cached `--stats` would otherwise be imports."""
     run, _spec = real_run("ds_blown_up")
-    code = ("import sys\nfrom tailor_tui.cli import main\n"
+    code = ("import sys\nfrom tailor_tui.cli.main import main\n"
             f"assert main(['--stats', {str(run)!r}, '--json']) == 0\n"
             "assert 'numpy' not in sys.modules, 'numpy imported'\n")
     env = dict(os.environ, TAILOR_TUI_CACHE=str(tmp_path / "cache"))

@@ -18,9 +18,9 @@ from pilot_helpers import private_copy
 from safetensors import safe_open
 from zero_reader import read_full_state
 
-from tailor_tui.checkpoint import open_checkpoint
-from tailor_tui.demo_run import model_config
-from tailor_tui.rank_stream import tensor_bytes
+from tailor_tui.checkpoints.checkpoint import open_checkpoint
+from tailor_tui.runs.demo_run import model_config
+from tailor_tui.compose.rank_stream import tensor_bytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -171,7 +171,7 @@ def test_export_errors_are_one_line_and_write_nothing(real_run, tmp_path):
 def test_partial_checkpoints_export_their_saved_rows(real_run, tmp_path):
     """A base that is a partial save and rows from another partial save (selective saving, a
     frozen parameter, sub-groups): each tensor equals the full reference save of its row's step."""
-    from tailor_tui.checkpoint import scan
+    from tailor_tui.checkpoints.checkpoint import scan
 
     run, _spec = real_run("ds_selective_parity")
     runs, ref = run / "run", run / "reference"
@@ -193,7 +193,7 @@ def test_persistent_buffers_are_exported_as_save_pretrained_writes_them(real_run
     """A model with a persistent buffer: the export holds exactly the tensors the Trainer's own
     save_pretrained wrote (the buffer as stored, fp32 beside bf16 weights), and the model that
     registers it loads the export strictly."""
-    from tailor_tui.demo_run import build_model
+    from tailor_tui.runs.demo_run import build_model
 
     run, spec = real_run("hf_buffer")
     c2, _c4, c6 = checkpoints_of(run, spec)

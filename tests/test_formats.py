@@ -32,9 +32,9 @@ from helpers import (
     write_recipe,
 )
 
-from tailor_tui.demo_run import resume_and_step
-from tailor_tui.ds_format import SUPPORTED
-from tailor_tui.pickled import read_pickle, read_pickle_from
+from tailor_tui.runs.demo_run import resume_and_step
+from tailor_tui.formats.ds_format import SUPPORTED
+from tailor_tui.formats.pickled import read_pickle, read_pickle_from
 
 ZIP, LEGACY = b"PK\x03\x04", b"\x80\x02\x8a\x0a"
 
@@ -49,7 +49,7 @@ def test_deepspeed_legacy_serialization_composes_verifies_and_resumes(real_run, 
     oldest, _, newest = checkpoints_of(run, spec)
     assert {starts(f) for f in run.rglob("*.pt")} == {LEGACY}  # DeepSpeed wrote every file so
     scanned = subprocess.run(  # structure is read without torch in this format too
-        [sys.executable, "-c", "import sys; from tailor_tui.checkpoint import scan; "
+        [sys.executable, "-c", "import sys; from tailor_tui.checkpoints.checkpoint import scan; "
          f"r = scan({str(run)!r}); assert len(r.checkpoints) == 3, r.problems; "
          "assert 'torch' not in sys.modules"], capture_output=True, text=True)
     assert scanned.returncode == 0, scanned.stderr
@@ -218,8 +218,8 @@ def test_a_memo_bomb_is_refused_in_little_memory(real_run, tmp_path):
 
 def test_structure_bounds_nesting_and_negative_offsets():
     from tailor_tui.errors import CheckpointError
-    from tailor_tui.pickled import StorageRef, TensorRef
-    from tailor_tui.ptfile import Record, locate
+    from tailor_tui.formats.pickled import StorageRef, TensorRef
+    from tailor_tui.formats.ptfile import Record, locate
 
     deep = b"\x80\x02" + b"(" * 200 + b"."  # 200 open MARKs
     with pytest.raises(pickle.UnpicklingError, match="nested more than"):

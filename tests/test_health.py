@@ -16,7 +16,7 @@ from conftest import checkpoints_of, resume_with, tree_digest
 from helpers import assert_one_line_error, param_row, tailor, write_recipe
 from zero_reader import read_full_state
 
-from tailor_tui.nonfinite import Census, Region, count
+from tailor_tui.formats.nonfinite import Census, Region, count
 
 BLOWN = "layers.2"
 
@@ -219,9 +219,9 @@ def test_a_frozen_parameter_gone_nan_is_counted_and_guarded(real_run, tmp_path):
 def test_checkpoints_sharing_a_folder_name_get_their_own_progress_lines(real_run, tmp_path):
     """Two DeepSpeed save_dirs each with a `global_step2`, and an HF run whose tag folders have
     the same names: every rank file is its own task (one line, one finish), labelled apart."""
-    from tailor_tui.checkpoint import scan
+    from tailor_tui.checkpoints.checkpoint import scan
     from tailor_tui.events import TaskFinished, TaskOptions
-    from tailor_tui.stats_run import compute_health
+    from tailor_tui.health.stats_run import compute_health
 
     ds, _ = real_run("ds_bf16_3_subgroups")
     hf, _ = real_run("hf_bf16_2")
@@ -241,7 +241,7 @@ def test_checkpoints_sharing_a_folder_name_get_their_own_progress_lines(real_run
 def test_distinct_names_add_parent_folders_only_where_names_repeat():
     from pathlib import Path
 
-    from tailor_tui.checkpoint import distinct_names
+    from tailor_tui.checkpoints.checkpoint import distinct_names
 
     paths = [Path("/r/x/a/global_step2"), Path("/r/y/a/global_step2"), Path("/r/x/global_step4"),
              Path("/r/checkpoint-6")]

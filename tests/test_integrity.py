@@ -105,8 +105,8 @@ def test_verify_catches_a_changed_learning_rate(real_run, tmp_path):
 
 def test_verify_compares_bytes_negative_zero_is_not_zero(real_run, tmp_path):
     recipe, out, _ = _composed(real_run, tmp_path, "hf_fp32_3_tied")  # 3 ranks: padded parameters
-    from tailor_tui.plan import build_plan
-    from tailor_tui.recipe import load_recipe
+    from tailor_tui.planning.plan import build_plan
+    from tailor_tui.planning.recipe import load_recipe
 
     layout = build_plan(load_recipe(recipe), check_output=False).base.layout
     rank = layout.world_size - 1  # the last rank holds the padding
@@ -148,7 +148,7 @@ def test_a_row_of_nans_copied_exactly_verifies(real_run, tmp_path):
 
 
 def _flip_in_rows_file(rows: Path, name: str) -> None:
-    from tailor_tui.safetensors_in import safetensors_tensors
+    from tailor_tui.formats.safetensors_in import safetensors_tensors
 
     begin = safetensors_tensors(rows)[name][2]  # the slice's first element: real data on every rank
     with open(rows, "r+b") as f:
@@ -165,8 +165,8 @@ def test_a_flipped_bit_in_a_partial_save_is_refused_wherever_it_is_read(real_run
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from tailor_tui.checkpoint import scan
-    from tailor_tui.partial_rows import read_rows_file
+    from tailor_tui.checkpoints.checkpoint import scan
+    from tailor_tui.checkpoints.partial_rows import read_rows_file
 
     run, _spec = real_run("ds_selective_parity")
     copy = tmp_path / "sel"

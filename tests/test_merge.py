@@ -17,9 +17,9 @@ from helpers import compose, param_row, parity_picks
 from safetensors.torch import load_file
 from zero_reader import model_states, optim_states, read_full_state
 
-from tailor_tui.merge import run_merge
-from tailor_tui.plan import build_plan
-from tailor_tui.recipe import Recipe
+from tailor_tui.compose.merge import run_merge
+from tailor_tui.planning.plan import build_plan
+from tailor_tui.planning.recipe import Recipe
 
 RUN_NAMES = ["hf_bf16_2", "hf_fp32_3_tied", "ds_bf16_3_subgroups"]
 
@@ -223,7 +223,7 @@ def test_rank_files_are_valid_archives_laid_out_like_the_base(composed):
 
 def test_reserialising_fallback_gives_the_same_state(real_run, tmp_path, monkeypatch):
     """Archives the streaming path does not handle are re-serialised; same result."""
-    from tailor_tui import rank_task
+    from tailor_tui.compose import rank_task
 
     run, spec = real_run("ds_bf16_3_subgroups")
     ckpts = checkpoints_of(run, spec)
@@ -242,7 +242,7 @@ def test_no_fsync_skips_every_fsync_and_writes_the_same_output(real_run, tmp_pat
     import os
 
     from tailor_tui.events import TaskOptions
-    from tailor_tui.verify import verify_against_recipe
+    from tailor_tui.compose.verify import verify_against_recipe
 
     run, spec = real_run("hf_bf16_2")
     ckpts = checkpoints_of(run, spec)
@@ -264,7 +264,7 @@ def test_no_fsync_skips_every_fsync_and_writes_the_same_output(real_run, tmp_pat
 
 
 def test_workers_are_budgeted_by_what_they_hold(real_run, tmp_path):
-    from tailor_tui.workers import STREAMING_WORKER, TORCH_WORKER, worker_memory
+    from tailor_tui.team.workers import STREAMING_WORKER, TORCH_WORKER, worker_memory
 
     run, spec = real_run("ds_bf16_3_subgroups")  # a frozen parameter: picking its row needs torch
     ckpts = checkpoints_of(run, spec)

@@ -20,10 +20,12 @@ import pytest
 from conftest import checkpoints_of, tree_digest
 from helpers import assert_one_line_error, finish, hidden, start_apply, tailor, wait_for_line, write_recipe
 
-from tailor_tui import fileio, merge, output
+from tailor_tui import fileio
+from tailor_tui.compose import merge
+from tailor_tui.planning import output
 from tailor_tui.errors import CheckpointError, Cancelled
-from tailor_tui.plan import build_plan
-from tailor_tui.recipe import Recipe
+from tailor_tui.planning.plan import build_plan
+from tailor_tui.planning.recipe import Recipe
 
 
 @pytest.fixture

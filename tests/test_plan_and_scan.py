@@ -7,10 +7,10 @@ import shutil
 import pytest
 from conftest import checkpoints_of
 
-from tailor_tui.checkpoint import open_checkpoint, scan
+from tailor_tui.checkpoints.checkpoint import open_checkpoint, scan
 from tailor_tui.errors import CheckpointError, IncompatibleError, OutputError, RecipeError
-from tailor_tui.plan import build_plan
-from tailor_tui.recipe import Recipe
+from tailor_tui.planning.plan import build_plan
+from tailor_tui.planning.recipe import Recipe
 
 
 def test_scan_finds_hf_checkpoints_in_step_order(real_run):

@@ -19,9 +19,9 @@ from conftest import INSTALLED_DEEPSPEED, OLDEST_DEEPSPEED, checkpoints_of
 from helpers import flip_byte
 
 from tailor_tui.errors import CheckpointError
-from tailor_tui.ptfile import file_format, read_structure
-from tailor_tui.ptpickle import dumps, storage_bytes
-from tailor_tui.ptwrite import Copied, Reserved, write_archive
+from tailor_tui.formats.ptfile import file_format, read_structure
+from tailor_tui.formats.ptpickle import dumps, storage_bytes
+from tailor_tui.formats.ptwrite import Copied, Reserved, write_archive
 
 
 def _rewrite(path: Path, out: Path, *, keep_id: bool = True) -> None:

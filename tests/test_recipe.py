@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tailor_tui.errors import RecipeError
-from tailor_tui.recipe import Recipe, load_recipe, parse_recipe
+from tailor_tui.planning.recipe import Recipe, load_recipe, parse_recipe
 
 
 def parse(text: str) -> Recipe:

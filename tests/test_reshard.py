@@ -35,13 +35,13 @@ from helpers import (
 )
 from pilot_helpers import private_copy
 
-from tailor_tui import reshard
-from tailor_tui.checkpoint import open_checkpoint
+from tailor_tui.resharding import partition as reshard
+from tailor_tui.checkpoints.checkpoint import open_checkpoint
 from tailor_tui.errors import CheckpointError
-from tailor_tui.layout import pieces
-from tailor_tui.plan import build_plan
-from tailor_tui.recipe import load_recipe
-from tailor_tui.reshard import consistent_sizes, param_groups_of, plan_reshard
+from tailor_tui.checkpoints.layout import pieces
+from tailor_tui.planning.plan import build_plan
+from tailor_tui.planning.recipe import load_recipe
+from tailor_tui.resharding.partition import consistent_sizes, param_groups_of, plan_reshard
 
 
 def with_world_size(recipe, m: int):
@@ -264,8 +264,8 @@ def test_optimizer_states_deepspeed_cannot_load_elsewhere_are_refused(real_run, 
 def test_sub_groups_that_merge_must_agree_on_their_step(real_run, tmp_path):
     """At 1 rank DeepSpeed puts parameters of the base's sub-groups 0 and 1 into one sub-group,
     which has one `step`: when theirs differ, the reshard is refused."""
-    from tailor_tui.pickled import StorageRef
-    from tailor_tui.ptpickle import tensor
+    from tailor_tui.formats.pickled import StorageRef
+    from tailor_tui.formats.ptpickle import tensor
 
     _run, (_c2, _c4, c6) = private_copy(real_run, tmp_path, "ds_bf16_3_subgroups")
     assert reshard.plan_reshard(open_checkpoint(c6), 1).layout.groups[0] != open_checkpoint(c6).layout.groups[0]

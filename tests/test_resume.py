@@ -14,7 +14,7 @@ from conftest import checkpoints_of
 from helpers import assert_optim_states_equal, compose, parity_picks
 from zero_reader import model_states
 
-from tailor_tui.demo_run import resume_and_step
+from tailor_tui.runs.demo_run import resume_and_step
 
 
 @pytest.mark.parametrize("name", ["hf_bf16_2", "hf_fp32_3_tied", "ds_bf16_3_subgroups"])

@@ -4,7 +4,7 @@ real transformers models built from tiny configs (no weights downloaded)."""
 
 import pytest
 
-from tailor_tui.rows import RowIndex, RowNaming, list_rows, model_rows
+from tailor_tui.checkpoints.rows import RowIndex, RowNaming, list_rows, model_rows
 
 
 def _model(arch: str):

@@ -1,7 +1,7 @@
 """Layer-wise selective checkpointing: partial saves from a live engine, composed back.
 
 A real ZeRO-3 run (3 ranks, sub-groups, a frozen parameter) saves through
-`tailor_tui.selective` with the parity strategy: full at step 2, partial at steps 4 and
+`tailor_tui.selective.saver` with the parity strategy: full at step 2, partial at steps 4 and
 6; the same run also writes full reference checkpoints at every save. The composed
 checkpoint must hold, for every row, exactly the state at the step that row was saved
 (read with DeepSpeed's own zero_to_fp32 code), carry step 6's counters, and resume with
@@ -29,13 +29,13 @@ from helpers import (
 from safetensors.torch import load_file, save_file
 from zero_reader import model_states, optim_states
 
-from tailor_tui.checkpoint import scan
-from tailor_tui.demo_run import RunSpec, resume_and_step
-from tailor_tui.merge import run_merge
-from tailor_tui.plan import build_plan
-from tailor_tui.recipe import Recipe
-from tailor_tui.safetensors_in import safetensors_tensors
-from tailor_tui.selective import Filter, Parity
+from tailor_tui.checkpoints.checkpoint import scan
+from tailor_tui.runs.demo_run import RunSpec, resume_and_step
+from tailor_tui.compose.merge import run_merge
+from tailor_tui.planning.plan import build_plan
+from tailor_tui.planning.recipe import Recipe
+from tailor_tui.formats.safetensors_in import safetensors_tensors
+from tailor_tui.selective.saver import Filter, Parity
 
 RUN = "ds_selective_parity"
 
@@ -184,8 +184,8 @@ def test_damaged_partial_checkpoints_are_refused_with_one_line(selective, tmp_pa
 def test_save_rows_refuses_unknown_rows():
     from types import SimpleNamespace
 
-    from tailor_tui.demo_run import build_model
-    from tailor_tui.selective import _resolve_rows
+    from tailor_tui.runs.demo_run import build_model
+    from tailor_tui.selective.saver import _resolve_rows
 
     engine = SimpleNamespace(module=build_model(RunSpec(layers=2)))  # only its module is read
     assert _resolve_rows(engine, ["model.layers.1", "lm_head"]) == {"layers.1", "lm_head"}
@@ -196,7 +196,7 @@ def test_save_rows_refuses_unknown_rows():
 def test_a_partial_base_is_composed_by_streaming_workers(selective, tmp_path):
     """A partial base's optim file is written without torch: its workers are budgeted as streaming
     ones (one per core), not as torch ones."""
-    from tailor_tui.workers import STREAMING_WORKER, worker_memory
+    from tailor_tui.team.workers import STREAMING_WORKER, worker_memory
 
     runs, _ref, _spec = selective
     full, p4, p6 = scan(runs).checkpoints

@@ -29,12 +29,12 @@ from helpers import (
 )
 from safetensors import safe_open
 
-from tailor_tui.checkpoint import PARTIAL_MODEL_FILES, scan
-from tailor_tui.demo_run import resume_and_step
-from tailor_tui.merge import run_merge
-from tailor_tui.plan import build_plan, tied_partner
-from tailor_tui.recipe import Recipe
-from tailor_tui.rows import RowNaming
+from tailor_tui.checkpoints.checkpoint import PARTIAL_MODEL_FILES, scan
+from tailor_tui.runs.demo_run import resume_and_step
+from tailor_tui.compose.merge import run_merge
+from tailor_tui.planning.plan import build_plan, tied_partner
+from tailor_tui.planning.recipe import Recipe
+from tailor_tui.checkpoints.rows import RowNaming
 
 RUN = "hf_selective_parity"
 
@@ -157,8 +157,8 @@ def test_a_damaged_model_file_layout_is_refused_with_one_line(selective, tmp_pat
 def test_the_callback_needs_a_deepspeed_engine():
     from types import SimpleNamespace
 
-    from tailor_tui.selective import Parity
-    from tailor_tui.selective_hf import SelectiveCheckpointCallback
+    from tailor_tui.selective.saver import Parity
+    from tailor_tui.selective.hf import SelectiveCheckpointCallback
 
     trainer = SimpleNamespace(model_wrapped=torch.nn.Linear(2, 2),  # a run without DeepSpeed
                               _save_checkpoint=lambda model, trial: None, args=None, state=None)

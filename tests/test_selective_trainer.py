@@ -17,11 +17,11 @@ from conftest import tree_digest
 from helpers import assert_optim_states_equal, tailor
 from safetensors import safe_open
 
-from tailor_tui.checkpoint import scan
-from tailor_tui.composition import Composition
-from tailor_tui.demo_run import continue_run
-from tailor_tui.run_saves import newest_holders, removable, run_saves
-from tailor_tui.selective import Filter, Parity
+from tailor_tui.checkpoints.checkpoint import scan
+from tailor_tui.compose.composition import Composition
+from tailor_tui.runs.demo_run import continue_run
+from tailor_tui.selective.run_saves import newest_holders, removable, run_saves
+from tailor_tui.selective.saver import Filter, Parity
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def test_parity_halves_alternate_over_partial_saves_only():
 
 
 def test_rotation_rules(tmp_path):
-    from tailor_tui.run_saves import Save
+    from tailor_tui.selective.run_saves import Save
 
     full2, p4, p6, p8 = (Save(tmp_path / n, s, r) for n, s, r in (
         ("checkpoint-2", 2, None), ("partial-step4", 4, frozenset({"a"})),
@@ -138,7 +138,7 @@ def test_an_interrupted_partial_save_is_not_a_column(parity_run):
 def test_a_save_never_replaces_a_partial_folder_of_another_run(parity_run):
     from types import SimpleNamespace
 
-    from tailor_tui.selective import save_rows
+    from tailor_tui.selective.saver import save_rows
 
     out, _ = parity_run
     folder = out / "run" / "partial-step4"

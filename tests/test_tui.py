@@ -14,7 +14,7 @@ from pilot_helpers import merge_finished, private_copy, scanned, start_merge, wa
 from zero_reader import read_full_state
 
 from tailor_tui.events import TaskOptions
-from tailor_tui.recipe import load_recipe
+from tailor_tui.planning.recipe import load_recipe
 from tailor_tui.ui.app import make_app
 from tailor_tui.ui.dialogs import Confirm, ErrorDialog, HelpScreen, PathPrompt
 from tailor_tui.ui.merge_screen import MergeScreen
@@ -351,9 +351,9 @@ async def test_merging_an_unhealthy_row_asks_to_merge_anyway(blown_copy):
 
 async def test_a_composed_folder_is_marked_and_never_the_default_base(run_copy):
     run, ckpts = run_copy
-    from tailor_tui.merge import run_merge
-    from tailor_tui.plan import build_plan
-    from tailor_tui.recipe import Recipe
+    from tailor_tui.compose.merge import run_merge
+    from tailor_tui.planning.plan import build_plan
+    from tailor_tui.planning.recipe import Recipe
 
     run_merge(build_plan(Recipe(base=ckpts[-1], output=run / "checkpoint-6-tailored",
                                 layers={"layers.0": ckpts[0]})), workers=1)
@@ -608,7 +608,7 @@ async def test_export_of_a_deepspeed_layout_run_asks_for_its_config(real_run, tm
     from conftest import RUNS
     from transformers import AutoModelForCausalLM
 
-    from tailor_tui.demo_run import model_config
+    from tailor_tui.runs.demo_run import model_config
 
     run, (_c2, _c4, _c6) = private_copy(real_run, tmp_path, "ds_bf16_3_subgroups")
     model_config(RUNS["ds_bf16_3_subgroups"]).save_pretrained(tmp_path / "cfg")

@@ -24,32 +24,32 @@ from textual.screen import Screen
 from textual.widgets import Footer, Label, ProgressBar, Static
 from textual.worker import get_current_worker
 
-from ..checkpoint import ScanResult, scan
-from ..composition import Composition
-from ..errors import OutputError, TailorError
-from ..events import TaskOptions
-from ..export import ExportResult
-from ..health import Health, training_log, why_unhealthy
-from ..output import not_replaceable
-from ..plan import build_plan
-from ..sbatch import LARGE, offer_batch
-from ..units import size
-from ..workers import prepare_worker_processes
-from .details import details_lines
-from .export_actions import ExportActions
-from .dialogs import Confirm, ErrorDialog, HelpScreen, PathPrompt, PlanDialog
-from .grid import CheckpointGrid
-from .health_actions import HealthActions
-from .merge_screen import MergeScreen
-from .messages import (
+from tailor_tui.checkpoints.checkpoint import ScanResult, scan
+from tailor_tui.compose.composition import Composition
+from tailor_tui.errors import OutputError, TailorError
+from tailor_tui.events import TaskOptions
+from tailor_tui.export.folder import ExportResult
+from tailor_tui.health.healing import Health, training_log, why_unhealthy
+from tailor_tui.planning.output import not_replaceable
+from tailor_tui.planning.plan import build_plan
+from tailor_tui.team.sbatch import LARGE, offer_batch
+from tailor_tui.units import size
+from tailor_tui.team.workers import prepare_worker_processes
+from tailor_tui.ui.details import details_lines
+from tailor_tui.ui.export_actions import ExportActions
+from tailor_tui.ui.dialogs import Confirm, ErrorDialog, HelpScreen, PathPrompt, PlanDialog
+from tailor_tui.ui.grid import CheckpointGrid
+from tailor_tui.ui.health_actions import HealthActions
+from tailor_tui.ui.merge_screen import MergeScreen
+from tailor_tui.ui.messages import (
     PlanFailed,
     PlanReady,
     ScanComplete,
     ScanFailed,
     ScanProgressed,
 )
-from .navigation import Navigation
-from .recipe_actions import RecipeActions
+from tailor_tui.ui.navigation import Navigation
+from tailor_tui.ui.recipe_actions import RecipeActions
 
 
 class TailorApp(ExportActions, HealthActions, Navigation, RecipeActions, App):

@@ -9,11 +9,11 @@ import math
 from pathlib import Path
 from typing import Callable
 
-from ..composition import Composition
-from ..health import Health
-from ..plan import tied_members, tied_partner
-from ..units import size
-from .heatmap import cell_block, row_block
+from tailor_tui.compose.composition import Composition
+from tailor_tui.health.healing import Health
+from tailor_tui.planning.plan import tied_members, tied_partner
+from tailor_tui.units import size
+from tailor_tui.ui.heatmap import cell_block, row_block
 
 
 def details_lines(comp: Composition, health: Health | None, row_name: str, column: int | None, *, metric: str,

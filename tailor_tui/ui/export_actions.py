@@ -15,14 +15,14 @@ from pathlib import Path
 
 from textual import work
 
-from ..errors import TailorError
-from ..export import config_source
-from ..export_plan import plan_export
-from ..plan import build_plan
-from ..safetensors_out import parse_size
-from .dialogs import ErrorDialog, PathPrompt
-from .merge_screen import MergeScreen
-from .messages import ExportReady
+from tailor_tui.errors import TailorError
+from tailor_tui.export.folder import config_source
+from tailor_tui.export.plan import plan_export
+from tailor_tui.planning.plan import build_plan
+from tailor_tui.formats.safetensors_out import parse_size
+from tailor_tui.ui.dialogs import ErrorDialog, PathPrompt
+from tailor_tui.ui.merge_screen import MergeScreen
+from tailor_tui.ui.messages import ExportReady
 
 DEFAULT_SHARD = "5GB"
 

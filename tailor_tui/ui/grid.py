@@ -23,9 +23,9 @@ from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from ..composition import Composition
-from ..health import Health, damage
-from .heatmap import background, header_suffix, row_range
+from tailor_tui.compose.composition import Composition
+from tailor_tui.health.healing import Health, damage
+from tailor_tui.ui.heatmap import background, header_suffix, row_range
 
 PICKED, HOLDS, DISABLED, TIED = "●", "·", "✗", "tied"
 HEADER_HEIGHT = 2

@@ -10,13 +10,13 @@ import time
 
 from textual import work
 
-from ..cache import cache_dir
-from ..errors import Cancelled, TailorError
-from ..events import TaskFinished, TaskOptions, TaskProgressed
-from ..stats_run import CellsComputed, StatsPlanned, compute_health
-from .dialogs import Confirm
-from .heatmap import LABEL, next_metric
-from .messages import CellsArrived, HealthEnded, HealthProgressed
+from tailor_tui.checkpoints.cache import cache_dir
+from tailor_tui.errors import Cancelled, TailorError
+from tailor_tui.events import TaskFinished, TaskOptions, TaskProgressed
+from tailor_tui.health.stats_run import CellsComputed, StatsPlanned, compute_health
+from tailor_tui.ui.dialogs import Confirm
+from tailor_tui.ui.heatmap import LABEL, next_metric
+from tailor_tui.ui.messages import CellsArrived, HealthEnded, HealthProgressed
 
 
 class HealthActions:

@@ -6,8 +6,8 @@ call them. A metric's colours are scaled per row, so one layer's outlier stands 
 
 from __future__ import annotations
 
-from ..checkpoint import Checkpoint
-from ..health import METRICS, Cell, Health, damage_text, why_unhealthy
+from tailor_tui.checkpoints.checkpoint import Checkpoint
+from tailor_tui.health.healing import METRICS, Cell, Health, damage_text, why_unhealthy
 
 # low → high: dark blue, teal, olive, amber, red (readable with the cells' light text)
 PALETTE = ("#1f3a5f", "#1f5f5b", "#5f5f1f", "#8a5a12", "#9e2a2b")

@@ -19,14 +19,14 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Footer, Label, ProgressBar, Static
 
-from ..errors import Cancelled, TailorError
-from ..events import TaskOptions, TaskProgressed
-from ..export import run_export
-from ..export_plan import Export
-from ..merge import MergeResult, planned_tasks, run_merge
-from ..plan import MergePlan
-from ..workers import STREAMING_WORKER, workers_for
-from ..units import size, throughput
+from tailor_tui.errors import Cancelled, TailorError
+from tailor_tui.events import TaskOptions, TaskProgressed
+from tailor_tui.export.folder import run_export
+from tailor_tui.export.plan import Export
+from tailor_tui.compose.merge import MergeResult, planned_tasks, run_merge
+from tailor_tui.planning.plan import MergePlan
+from tailor_tui.team.workers import STREAMING_WORKER, workers_for
+from tailor_tui.units import size, throughput
 
 
 class MergeProgressed(Message):
@@ -154,7 +154,7 @@ class MergeScreen(Screen):
                 "Cancelled: nothing was left at the output path. Esc returns to the grid."
             )
         else:
-            from .dialogs import ErrorDialog
+            from tailor_tui.ui.dialogs import ErrorDialog
 
             self.query_one("#merge-status", Static).update("Failed: nothing was left at the output path.")
             self.app.push_screen(ErrorDialog(message.message, title="The merge failed"))

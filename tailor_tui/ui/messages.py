@@ -7,8 +7,8 @@ from pathlib import Path
 
 from textual.message import Message
 
-from ..checkpoint import ScanResult
-from ..plan import MergePlan
+from tailor_tui.checkpoints.checkpoint import ScanResult
+from tailor_tui.planning.plan import MergePlan
 
 
 class ScanProgressed(Message):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .dialogs import PathPrompt
-from .grid import CheckpointGrid
+from tailor_tui.ui.dialogs import PathPrompt
+from tailor_tui.ui.grid import CheckpointGrid
 
 
 class Navigation:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..errors import TailorError
-from ..recipe import load_recipe
-from ..sbatch import write_sbatch
-from .dialogs import Confirm, ErrorDialog, PathPrompt
+from tailor_tui.errors import TailorError
+from tailor_tui.planning.recipe import load_recipe
+from tailor_tui.team.sbatch import write_sbatch
+from tailor_tui.ui.dialogs import Confirm, ErrorDialog, PathPrompt
 
 
 class RecipeActions:

@@ -1,0 +1,5 @@
+"""Checkpoints as found on disk: finding and describing them (`checkpoint`), where rows are found
+(`rows`), the ZeRO-3 partition layout (`layout`), what each file of a checkpoint folder is
+(`weight_files`, `model_layout`), a partial save's rows (`partial_rows`), and the cache outside
+every run (`cache`, `scan_cache`).
+"""

@@ -1,0 +1,495 @@
+"""Finding ZeRO-3 checkpoints and describing them from their small metadata.
+
+A checkpoint is named by its folder: an HF Trainer `checkpoint-N` folder (holding
+`latest` and the tag folder) or a DeepSpeed tag folder (`save_dir/global_stepN`).
+Opening one reads only rank 0's model_states file (memory-mapped); the multi-GB
+optim files are only stat()ed here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from tailor_tui.checkpoints import scan_cache
+from tailor_tui.checkpoints.cache import ROOT, Where, chosen
+from tailor_tui.formats.ds_format import (
+    BUFFER_NAMES,
+    DS_CONFIG,
+    DS_VERSION,
+    GLOBAL_STEPS,
+    MODEL_STATES,
+    MODULE,
+    OPTIM_STATES,
+    SHARED_PARAMS,
+    unsupported_version,
+)
+from tailor_tui.errors import CheckpointError
+from tailor_tui.checkpoints.layout import ZeroLayout
+from tailor_tui.formats.ptfile import Unsupported, check_complete, read_structure
+from tailor_tui.checkpoints.rows import PEFT_PREFIX, Row, model_rows
+from tailor_tui.formats.safe_load import load_pt
+from tailor_tui.formats.safetensors_in import safetensors_header
+from tailor_tui.checkpoints.scan_cache import ModelStates
+from tailor_tui.checkpoints.weight_files import weight_file_names, weight_kinds
+
+MODEL_FILE_INDEX = "model.safetensors.index.json"
+# A partial checkpoint (tailor_tui.selective): some rows' optimizer state, per rank
+PARTIAL_MANIFEST = "tailor_partial.json"
+PARTIAL_ROWS = "tailor_rows_rank_{rank}.safetensors"
+PARTIAL_SKELETON = "tailor_optim_skeleton_rank_{rank}.pt"
+PARTIAL_MODEL_FILES = "tailor_model_files.json"  # HF layout: the 16-bit model files' headers and index
+PROVENANCE = "tailor_provenance.json"  # in every folder tailor-tui composed: its recipe and sources
+
+
+@dataclass(frozen=True)
+class RankFiles:
+    rank: int
+    model_states: Path
+    optim_states: Path  # in a partial checkpoint: the name a full one would have (absent)
+    rows: Path | None = None  # partial: the saved rows' fp32 / exp_avg / exp_avg_sq slices
+    skeleton: Path | None = None  # partial: the optimizer state without its big tensors
+
+    def existing(self) -> tuple[Path, ...]:
+        if self.rows is None:
+            return (self.model_states, self.optim_states)
+        return (self.model_states, self.rows, self.skeleton)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path  # how recipes name it: the HF checkpoint-N folder, or the tag folder
+    kind: str  # "hf" (HF Trainer checkpoint-N), "accelerate" (save_state's checkpoint_N) or "deepspeed"
+    tag: str
+    tag_dir: Path
+    save_dir: Path  # the folder holding `latest` and the recovery scripts
+    step: int
+    world_size: int
+    dtype: str  # "bf16", "fp16" or "fp32"
+    layout: ZeroLayout
+    rows: tuple[Row, ...]
+    ranks: tuple[RankFiles, ...]
+    model_files: tuple[Path, ...] = ()  # 16-bit safetensors files of an HF checkpoint
+    ds_version: str = ""
+    sizes: dict = field(default_factory=dict, compare=False, hash=False)  # file -> bytes
+    saved_rows: frozenset | None = None  # a partial checkpoint's rows; None: every row
+    model_layout: Path | None = None  # a partial HF checkpoint's record of the model files' layout
+    composed: bool = False  # tailor-tui composed it (it has tailor_provenance.json): not a training save
+    weight_files: tuple[str, ...] = ()  # a checkpoint folder's weight files (model, adapter, .bin), relative
+
+    @property
+    def in_folder(self) -> bool:
+        """Named by a checkpoint folder that holds the tag folder beside the training loop's other
+        files (HF Trainer, Accelerate): composed as a whole folder; else a DeepSpeed tag folder."""
+        return self.kind in ("hf", "accelerate")
+
+    @property
+    def peft(self) -> bool:
+        """A PEFT model's checkpoint (its parameters under PEFT's `base_model.model.` prefix)."""
+        return any(r.module_path.startswith(PEFT_PREFIX) for r in self.rows)
+
+    @property
+    def partial(self) -> bool:
+        return self.saved_rows is not None
+
+    def holds(self, row: str) -> bool:
+        """Whether this checkpoint saved row `row` (rows without weights of their own: always)."""
+        return self.saved_rows is None or row in self.saved_rows or self.row(row).tied
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def row(self, name: str) -> Row:
+        for row in self.rows:
+            if name in (row.name, row.module_path):
+                return row
+        raise KeyError(name)
+
+    def row_names(self) -> list[str]:
+        return [r.name for r in self.rows]
+
+    def param_to_row(self) -> dict[str, str]:
+        return {p: r.name for r in self.rows for p in (*r.params, *r.buffers)}
+
+    def rank_bytes(self, rank: int) -> int:
+        return sum(self.sizes[f] for f in self.ranks[rank].existing())
+
+    def total_bytes(self) -> int:
+        return sum(self.sizes.values())
+
+    def check_complete(self) -> None:
+        """Every rank file is a whole archive: reads only each zip's central directory,
+        so truncated copies are refused before anything is written."""
+        for files in self.ranks:
+            for f in files.existing():
+                if f.suffix == ".safetensors":
+                    safetensors_header(f)
+                else:
+                    check_complete(f)
+
+
+def distinct_names(paths: list[Path]) -> list[str]:
+    """A label per checkpoint folder: its name, or where several share that name (two DeepSpeed
+    save_dirs each with a `global_step2`), as many trailing path parts as tell them apart."""
+    labels = []
+    for path in paths:
+        twins = [p for p in paths if p.name == path.name and p != path]
+        depth = 1
+        while depth < len(path.parts) and any(p.parts[-depth:] == path.parts[-depth:] for p in twins):
+            depth += 1
+        labels.append(str(Path(*path.parts[-depth:])))
+    return labels
+
+
+def incompatibility(base: Checkpoint, other: Checkpoint, *, repartitioned: bool = False) -> str | None:
+    """Why `other` cannot be combined with `base` (a phrase: "it has …"), or None. The one rule
+    the planner and the composer both apply. `repartitioned`: the output is resharded, so every
+    source is re-partitioned and may have any world size and sub-groups."""
+    diff = base.layout.describe_difference(other.layout, repartitioned=repartitioned)
+    if diff:
+        return f"it has {diff}"
+    if other.dtype != base.dtype:
+        return f"it was trained in {other.dtype}, the base in {base.dtype}"
+    if base.model_files and not other.model_files and not other.partial:  # a partial's come from its masters
+        return ("it has no model.safetensors (16-bit weights) while the base has; save it with "
+                "stage3_gather_16bit_weights_on_model_save or pick a base without one")
+    if not other.partial:  # a partial source's rows are refused by the plan where a weight file needs them
+        lacking = sorted(weight_kinds(base.weight_files) - weight_kinds(other.weight_files) - {"model.safetensors"})
+        if lacking:
+            return f"it has no {lacking[0]} while the base has; pick a base saved the same way"
+    return None
+
+
+def other_run(base: Checkpoint, other: Checkpoint) -> str | None:
+    """Why `other` may come from another training run than `base` (one phrase), or None.
+
+    Checkpoints of one run sit side by side in its run folder (the HF Trainer's output_dir,
+    a DeepSpeed save_dir, the folder of selective saves); folders are compared by identity."""
+    mine, theirs = base.path.parent, other.path.parent
+    try:
+        if os.path.samefile(mine, theirs):
+            return None
+    except OSError:
+        pass
+    return f"it lies in another run folder ({theirs}) than the base ({mine})"
+
+
+def _read_latest(folder: Path) -> str | None:
+    latest = folder / "latest"
+    if not latest.is_file():
+        return None
+    return latest.read_text().strip() or None
+
+
+def _is_tag_dir(folder: Path) -> bool:
+    return (folder / MODEL_STATES.format(rank=0)).is_file()
+
+
+ACCELERATE_TAG = re.compile(r"^pytorch_model(_\d+)?$")  # Accelerate's save_state: DeepSpeed's tag of model i
+ACCELERATE_STATE = re.compile(r"^random_states_\d+\.pkl$")  # and the RNG state of every process beside it
+
+
+def _holds_checkpoint(folder: Path, tag: str) -> str | None:
+    """"hf" or "accelerate" when `folder`, whose `latest` names `tag`, is a checkpoint folder
+    holding the tag folder and the training loop's other files (the HF Trainer's checkpoint-N,
+    Accelerate's save_state checkpoint_N); None for a bare DeepSpeed save_dir."""
+    if (folder / "trainer_state.json").is_file():
+        return "hf"
+    if ACCELERATE_TAG.match(tag) and any(ACCELERATE_STATE.match(p.name) for p in folder.iterdir()):
+        return "accelerate"
+    return None
+
+
+def _locate(path: Path) -> tuple[str, Path, Path, Path]:
+    """(kind, named path, tag_dir, save_dir) for whatever folder the user named."""
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint folder; check the path")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a folder; name a checkpoint-N or tag folder")
+    if _is_tag_dir(path):
+        parent = path.parent
+        kind = _holds_checkpoint(parent, path.name) if _read_latest(parent) == path.name else None
+        if kind is not None:
+            return kind, parent, path, parent
+        return "deepspeed", path, path, parent
+    tag = _read_latest(path)
+    if tag is not None:
+        tag_dir = path / tag
+        if not _is_tag_dir(tag_dir):
+            raise CheckpointError(
+                f"{path}/latest names tag '{tag}', but {tag_dir} holds no "
+                f"{MODEL_STATES.format(rank=0)}; the checkpoint is incomplete"
+            )
+        kind = _holds_checkpoint(path, tag)
+        if kind is not None:
+            return kind, path, tag_dir, path
+        return "deepspeed", tag_dir, tag_dir, path
+    raise CheckpointError(
+        f"{path}: not a DeepSpeed ZeRO-3 checkpoint (no `latest` file and no "
+        f"{MODEL_STATES.format(rank=0)}); name a checkpoint-N folder or a tag folder"
+    )
+
+
+def read_manifest(folder: Path) -> dict:
+    """A partial checkpoint's manifest, checked."""
+    path = folder / PARTIAL_MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+        if manifest.get("format") != "tailor-partial":
+            raise ValueError("not a tailor-partial manifest")
+        if manifest.get("version") != 1:
+            raise ValueError(f"version {manifest.get('version')}; this tailor-tui reads version 1, upgrade it")
+        if manifest.get("layout") not in ("hf", "deepspeed"):
+            raise ValueError(f"unknown layout {manifest.get('layout')!r}")
+        manifest["tag"], manifest["rows"], manifest["dtype"]  # noqa: B018 (must be there)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{path}: unreadable partial-checkpoint manifest ({exc}); re-copy it") from None
+    return manifest
+
+
+def _dtype(tag_dir: Path, states: ModelStates) -> tuple[str, str]:
+    """(dtype, optim file prefix): a bf16 run's optim files are named so, else model_states tells."""
+    if (tag_dir / OPTIM_STATES.format(prefix="bf16_", rank=0)).is_file():
+        return "bf16", "bf16_"
+    return states.precision, ""
+
+
+def _precision(states: dict, layout: ZeroLayout) -> str:
+    """"fp16" or "fp32", as a model_states file tells it."""
+    config = states.get(DS_CONFIG)
+    if isinstance(config, dict):  # the config the training script passed, as a dict
+        fp16 = config.get("fp16")
+        return "fp16" if isinstance(fp16, dict) and fp16.get("enabled") is True else "fp32"
+    # The config was passed as a file path (ds_config is that str) or on the command line
+    # (None): the dtype of the 16-bit parameter placeholders DeepSpeed saves tells instead.
+    module = states.get(MODULE) or {}
+    for name in layout.param_names():
+        found = _element_type(module.get(name))
+        if found in ("HalfStorage", "float16"):
+            return "fp16"
+        if found is not None:
+            return "fp32"
+    return "fp32"
+
+
+def _element_type(tensor) -> str | None:
+    """A saved tensor's element type: its storage type (torch-free reader) or torch dtype."""
+    storage = getattr(tensor, "storage", None)
+    if isinstance(getattr(storage, "type_name", None), str):
+        return storage.type_name
+    dtype = getattr(tensor, "dtype", None)
+    return str(dtype).removeprefix("torch.") if dtype is not None else None
+
+
+def _rows(states: dict, layout: ZeroLayout) -> tuple[Row, ...]:
+    """Rows in model order (the module state_dict's order), each with what it owns
+    (`rows.model_rows`); names tied to a parameter are DeepSpeed's `shared_params`, or else the
+    module's entries that share a parameter's storage."""
+    params = layout.param_names()
+    module = states.get(MODULE) or {}
+    buffers = [b for b in (states.get(BUFFER_NAMES) or ()) if isinstance(b, str) and b in module]  # persistent ones
+    shared = states.get(SHARED_PARAMS)
+    aliases = {k: v for k, v in shared.items() if isinstance(k, str) and isinstance(v, str)} \
+        if isinstance(shared, dict) else {}
+    if not aliases:
+        storage = {_storage_key(module.get(p)): p for p in params if _storage_key(module.get(p)) is not None}
+        aliases = {n: storage[_storage_key(t)] for n, t in module.items()
+                   if n not in storage.values() and _storage_key(t) in storage}
+    known = set(params) | set(buffers)
+    aliases = {n: p for n, p in aliases.items() if n not in known and p in known}
+    return model_rows(params, buffers, aliases, [n for n in module if isinstance(n, str)])
+
+
+def _storage_key(tensor) -> str | None:
+    """The archive record a saved tensor's storage is (torch-free reader), to tell tied names."""
+    key = getattr(getattr(tensor, "storage", None), "key", None)
+    return key if isinstance(key, str) else None
+
+
+def hf_model_files(folder: Path) -> tuple[Path, ...]:
+    index = folder / MODEL_FILE_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"{index}: unreadable index ({exc}); re-copy it") from None
+        return tuple(folder / f for f in sorted(set(weight_map.values())))
+    single = folder / "model.safetensors"
+    return (single,) if single.is_file() else ()
+
+
+def read_metadata(path: Path) -> dict:
+    """A model_states file's structure, read without torch (tensors as TensorRef)."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: file is missing; the checkpoint is incomplete")
+    try:
+        obj, _records, _prefix = read_structure(path)
+    except Unsupported:
+        return load_pt(path)  # an archive layout the light reader does not know: let torch read it
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: not a DeepSpeed model_states file")
+    return obj
+
+
+def read_model_states(path: Path) -> ModelStates:
+    """What a checkpoint takes from its rank-0 model_states file `path`, read (no cache), or
+    CheckpointError saying why it cannot be used."""
+    states = read_metadata(path)
+    ds_version = states.get(DS_VERSION)
+    ds_version = ds_version if isinstance(ds_version, str) else ""  # absent: rewritten by another tool
+    _check_version(path, ds_version)
+    try:
+        layout = ZeroLayout.from_model_states(states)
+    except (KeyError, TypeError, AttributeError, ValueError):
+        raise CheckpointError(
+            f"{path}: not a ZeRO stage 3 model_states file "
+            "(no param_shapes / dp_world_size); tailor-tui composes ZeRO-3 checkpoints only"
+        ) from None
+    return ModelStates(ds_version, int(states.get(GLOBAL_STEPS) or 0), layout, _rows(states, layout),
+                       _precision(states, layout))
+
+
+def _check_version(path: Path, ds_version: str) -> None:
+    why = unsupported_version(ds_version)
+    if why:
+        raise CheckpointError(f"{path}: cannot be read: {why}")
+
+
+def open_checkpoint(path: str | Path, *, cache: Path | None = None) -> Checkpoint:
+    """Describe the checkpoint at `path` or raise CheckpointError saying why not. What rank 0's
+    model_states file says is taken from `cache` (`scan_cache`) when it holds it; None: read."""
+    path = Path(path)
+    manifest = read_manifest(path) if (path / PARTIAL_MANIFEST).is_file() else None
+    if manifest:  # a partial checkpoint (tailor_tui.selective): its manifest names the tag
+        kind, named, tag_dir, save_dir = manifest["layout"], path, path / manifest["tag"], path
+    else:
+        kind, named, tag_dir, save_dir = _locate(path)
+    model_states = tag_dir / MODEL_STATES.format(rank=0)
+    states = scan_cache.cached(model_states, read_model_states, cache=cache)
+    _check_version(model_states, states.ds_version)  # a cached entry too: the releases read may change
+    layout = states.layout
+    if manifest:
+        dtype, prefix = manifest["dtype"], ("bf16_" if manifest["dtype"] == "bf16" else "")
+    else:
+        dtype, prefix = _dtype(tag_dir, states)
+    ranks = tuple(
+        RankFiles(
+            r,
+            tag_dir / MODEL_STATES.format(rank=r),
+            tag_dir / OPTIM_STATES.format(prefix=prefix, rank=r),
+            *((tag_dir / PARTIAL_ROWS.format(rank=r), tag_dir / PARTIAL_SKELETON.format(rank=r)) if manifest else ()),
+        )
+        for r in range(layout.world_size)
+    )
+    sizes: dict[Path, int] = {}
+    for files in ranks:
+        for f in files.existing():
+            try:
+                sizes[f] = f.stat().st_size
+            except FileNotFoundError:
+                raise CheckpointError(
+                    f"{f}: missing; the checkpoint {named} was written by "
+                    f"{layout.world_size} ranks and is incomplete"
+                ) from None
+    model_files = hf_model_files(named) if kind == "hf" and not manifest else ()
+    for f in model_files:
+        if not f.is_file():
+            raise CheckpointError(f"{f}: listed in {MODEL_FILE_INDEX} but missing")
+        sizes[f] = f.stat().st_size
+    return Checkpoint(
+        path=named,
+        kind=kind,
+        tag=tag_dir.name,
+        tag_dir=tag_dir,
+        save_dir=save_dir,
+        step=states.step,
+        world_size=layout.world_size,
+        dtype=dtype,
+        layout=layout,
+        rows=states.rows,
+        ranks=ranks,
+        model_files=model_files,
+        ds_version=states.ds_version,
+        sizes=sizes,
+        saved_rows=frozenset(manifest["rows"]) if manifest else None,
+        model_layout=path / PARTIAL_MODEL_FILES if manifest and (path / PARTIAL_MODEL_FILES).is_file() else None,
+        composed=(named / PROVENANCE).is_file(),
+        weight_files=weight_file_names(named, tag_dir) if kind in ("hf", "accelerate") and not manifest else (),
+    )
+
+
+# --- scanning a run directory ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScanResult:
+    checkpoints: tuple[Checkpoint, ...]  # ordered by step
+    problems: tuple[tuple[Path, str], ...]  # folders that look like checkpoints but are not usable
+
+
+STAGING = re.compile(r"^\.partial-step\d+\.saving$")  # a partial save not yet published (tailor_tui.selective)
+
+
+def find_checkpoint_dirs(root: Path, interrupted: list[Path] | None = None) -> list[Path]:
+    """Folders under `root` that name a checkpoint, without reading any checkpoint file.
+    Hidden folders are never checkpoints (a partial save being written, a merge's temp
+    folder); partial saves a kill interrupted are added to `interrupted` when given."""
+    found: list[Path] = []
+    for dirpath, dirnames, _files in os.walk(root):
+        here = Path(dirpath)
+        if interrupted is not None:
+            interrupted += [here / d for d in dirnames if STAGING.match(d)]
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        if (here / PARTIAL_MANIFEST).is_file():
+            found.append(here)
+            dirnames.clear()
+        elif _is_tag_dir(here):
+            # A tag folder inside an HF checkpoint-N (or Accelerate checkpoint_N) folder is named by its parent.
+            parent = here.parent
+            if not (_read_latest(parent) == here.name and _holds_checkpoint(parent, here.name)):
+                found.append(here)
+            dirnames.clear()
+        elif (tag := _read_latest(here)) and _holds_checkpoint(here, tag):
+            found.append(here)
+            dirnames[:] = [d for d in dirnames if d != tag]
+        dirnames.sort()
+    return found
+
+
+_STEP = re.compile(r"(\d+)$")
+
+
+def scan(
+    root: str | Path,
+    on_progress: Callable[[int, int, Path], None] | None = None,
+    cancelled: Callable[[], bool] = lambda: False,
+    *,
+    cache: Path | None | Where = ROOT,
+) -> ScanResult:
+    """Open every checkpoint under `root`; unusable ones are reported, not raised. What each
+    checkpoint's model_states file says is cached under `cache` (default: `cache.cache_dir()`,
+    `scan_cache`); None reads every one."""
+    root, cache = Path(root), chosen(cache)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: no such folder to scan")
+    interrupted: list[Path] = []
+    dirs = find_checkpoint_dirs(root, interrupted)
+    checkpoints = []
+    problems = [(d, f"{d}: an interrupted partial save (a save killed before it was published); "
+                    "safe to delete") for d in interrupted]
+    for i, d in enumerate(dirs):
+        if cancelled():
+            break
+        try:
+            checkpoints.append(open_checkpoint(d, cache=cache))
+        except CheckpointError as exc:
+            problems.append((d, str(exc)))
+        if on_progress:
+            on_progress(i + 1, len(dirs), d)
+    checkpoints.sort(key=lambda c: (c.step, str(c.path)))
+    return ScanResult(tuple(checkpoints), tuple(problems))

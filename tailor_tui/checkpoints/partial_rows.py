@@ -1,0 +1,93 @@
+"""The CRC-32s of a partial checkpoint's rows file (`tailor_rows_rank_{r}.safetensors`).
+
+safetensors stores no checksum, so `selective.save_rows` records one per tensor in the file's
+metadata: under "crc32", a JSON object {tensor name: CRC-32 of its first `valid` elements}
+(the rank's real data; the padding after it is not covered, nor ever read). Readers check
+each slice they take against it, so a flipped bit in a partial save is refused instead of
+being carried into a composed file under a fresh CRC. Saves made before the CRCs were
+recorded have none: their slices are taken unchecked, as before.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+from tailor_tui import crc
+from tailor_tui.errors import CheckpointError
+from tailor_tui.fileio import crc_range
+from tailor_tui.formats.safetensors_in import safetensors_header, tensor_places
+
+CRC_METADATA = "crc32"
+
+
+def crc_metadata(slices: dict[str, memoryview]) -> str:
+    """The metadata value recording each slice's CRC-32 (`slices`: name -> its valid bytes)."""
+    return json.dumps({name: crc.crc32(view) for name, view in sorted(slices.items())}, separators=(",", ":"))
+
+
+def read_rows_file(path: Path) -> tuple[dict, dict[str, int]]:
+    """From one read of the rows file `path`'s header: where each tensor lies (as
+    `safetensors_in.safetensors_tensors`) and {tensor name: CRC-32 of its valid bytes} recorded
+    ({} if none)."""
+    header, start = safetensors_header(path)
+    return tensor_places(header, start), _recorded_crcs(path, header)
+
+
+def _recorded_crcs(path: Path, header: dict) -> dict[str, int]:
+    metadata = header.get("__metadata__") or {}
+    text = metadata.get(CRC_METADATA) if isinstance(metadata, dict) else None
+    if text is None:
+        return {}
+    try:
+        crcs = json.loads(text)
+        if isinstance(crcs, dict) and all(isinstance(v, int) and 0 <= v < 1 << 32 for v in crcs.values()):
+            return crcs
+    except (TypeError, ValueError):
+        pass
+    raise CheckpointError(f"{path}: its recorded CRC-32s are unreadable; the partial checkpoint is corrupt, re-copy it")
+
+
+def check_crc(path: Path, crcs: dict[str, int], name: str, found: int) -> None:
+    """Refuse tensor `name` of the rows file `path` if its bytes read (CRC-32 `found`) are not
+    the ones saved."""
+    stored = crcs.get(name)
+    if stored is not None and stored != found:
+        raise CheckpointError(f"{path}: tensor {name} fails its CRC-32 check (the file is damaged); re-copy the "
+                              "partial checkpoint, or take its rows from another checkpoint")
+
+
+Check = tuple  # (offset in the file read, length, the rows file, its CRC-32s, tensor name)
+
+
+def crc_range_checked(fd: int, offset: int, length: int, checks: list[Check], buffer: memoryview,
+                      on_bytes: Callable[[int], None] = lambda n: None,
+                      inspect: Callable[[int, memoryview], None] | None = None) -> int:
+    """`fileio.crc_range` of a range of `fd` that holds slices copied from rows files: each
+    slice's CRC-32 is also checked (`checks`, inside the range, not overlapping), with every
+    byte still read once."""
+    value, at, end = 0, offset, offset + length
+    for start, n, path, crcs, name in sorted(checks, key=lambda c: c[0]):
+        gap = crc_range(fd, at, start - at, buffer, on_bytes, inspect)
+        piece = crc_range(fd, start, n, buffer, on_bytes, inspect)
+        check_crc(path, crcs, name, piece)
+        value = crc.combine(crc.combine(value, gap, start - at), piece, n)
+        at = start + n
+    return crc.combine(value, crc_range(fd, at, end - at, buffer, on_bytes, inspect), end - at)
+
+
+def partial_slice(path: Path, tensors: dict, key: str, param: str, length: int) -> tuple:
+    """(dtype, shape, first byte, end byte) of one parameter's slice in a partial checkpoint's
+    rows file (`tensors`: its safetensors_tensors), checked to hold `length` fp32 elements."""
+    name = f"{key}/{param}"
+    found = tensors.get(name)
+    if found is None:
+        raise CheckpointError(f"{path}: has no tensor {name}; the partial checkpoint is incomplete, re-copy it")
+    dtype, shape, begin, end = found
+    if dtype != "F32" or end - begin < length * 4:
+        raise CheckpointError(
+            f"{path}: tensor {name} is {dtype} {list(shape)}, expected F32 of at least {length} "
+            "elements; the partial checkpoint is from another run or layout"
+        )
+    return found

@@ -1,0 +1,200 @@
+"""What happens to every file of an HF checkpoint folder when it is the base of a composition.
+
+Beside DeepSpeed's tag folder (the rank files, composed per row by the rank writers), an HF
+checkpoint folder holds:
+
+- **weight files**, whose tensors belong to rows: `model.safetensors` (or its shards), a PEFT
+  adapter (`adapter_model.safetensors`), any other safetensors file (`model_files`), and torch's
+  format: `pytorch_model.bin` (or its shards), `adapter_model.bin` (`bin_files`). Each is composed
+  per row: every tensor from the checkpoint picked for its row; a shards' index is the base's;
+- **weight files tailor-tui does not compose** (a `.bin` in torch's legacy, non-zip format):
+  copied from the base only while every row they hold comes from the base; otherwise the
+  composition is refused before anything is written;
+- **run-level files** (`trainer_state.json`, `scheduler.pt`, RNG states, `training_args.bin`,
+  configs, tokenizer files, and anything unknown): copied from the base, and listed as such.
+
+Which row a weight-file tensor belongs to is `rows.RowIndex`'s answer for its name. transformers
+5 saves a few tensors under another name than the model's parameter (GPT-NeoX's `lm_head.weight`
+as `embed_out.weight`); those are renamed back with transformers' own table of renamings for the
+checkpoint's architecture (`config.json`), and a tensor that still has no row is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from tailor_tui.formats.ds_format import RECOVERY_SCRIPTS
+from tailor_tui.errors import CheckpointError, IncompatibleError
+from tailor_tui.formats.pickled import TensorRef
+from tailor_tui.formats.ptfile import file_format, read_structure
+from tailor_tui.checkpoints.rows import Row, RowIndex, list_rows
+
+COMPOSED, COPIED = "composed per row", "copied from the base"
+MAX_CONFIG = 1 << 20  # config.json is a few KiB; anything larger is not read
+
+
+@dataclass(frozen=True)
+class FileFate:
+    """One file of the base folder and what the composition does with it."""
+
+    path: Path  # relative to the base folder
+    fate: str  # COMPOSED or COPIED
+    why: str  # a few words: "16-bit model weights", "run-level", …
+
+
+def is_bin_weights(rel: Path) -> bool:
+    """A torch-format weight file (`pytorch_model*.bin`, `adapter_model.bin`)."""
+    name = rel.name
+    return (name.startswith("pytorch_model") and name.endswith(".bin")) or name == "adapter_model.bin"
+
+
+def is_uncomposed_weights(rel: Path) -> bool:
+    """Weight files tailor-tui copies only while all their rows come from the base: torch-format
+    ones left among the copied files (those in torch's legacy format; the zip-format ones are
+    composed, `bin_files`)."""
+    return is_bin_weights(rel)
+
+
+def is_safetensors(rel: Path) -> bool:
+    return rel.suffix == ".safetensors"
+
+
+def is_weight_file(rel: Path) -> bool:
+    """A file whose tensors belong to rows (composed per row, or refused)."""
+    return is_safetensors(rel) or is_bin_weights(rel)
+
+
+def weight_kinds(names) -> set[str]:
+    """The kinds of weight file a checkpoint holds: its model in safetensors or torch's format,
+    whatever its sharding (sources are read by tensor name across their shards), or each other
+    file by its own name (`adapter_model.safetensors`)."""
+    kinds = set()
+    for name in names:
+        file = Path(name).name
+        if file.startswith("pytorch_model") and file.endswith(".bin"):
+            kinds.add("pytorch_model.bin")
+        elif file.startswith("model") and file.endswith(".safetensors") and Path(name).parent == Path("."):
+            kinds.add("model.safetensors")
+        else:
+            kinds.add(name)
+    return kinds
+
+
+def weight_file_names(folder: Path, tag_dir: Path) -> tuple[str, ...]:
+    """The weight files of a checkpoint folder (outside its tag folder), relative to it."""
+    return tuple(sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
+                        if p.is_file() and tag_dir not in p.parents and is_weight_file(p)))
+
+
+def describe_run_level(rel: Path) -> str:
+    name = rel.name
+    known = {
+        "trainer_state.json": "run-level: the Trainer's state",
+        "training_args.bin": "run-level: the training arguments",
+        "scheduler.pt": "run-level: the LR scheduler",
+        "optimizer.pt": "run-level",
+        "config.json": "run-level: the model's config",
+        "generation_config.json": "run-level: the model's config",
+        "adapter_config.json": "run-level: the adapter's config",
+        "README.md": "run-level: the model card",
+        "pytorch_model.bin.index.json": "the shards' index (the output keeps the base's sharding)",
+        "model.safetensors.index.json": "the shards' index (the output keeps the base's sharding)",
+        "latest": "run-level: DeepSpeed's latest tag",
+        "scheduler.bin": "run-level: the LR scheduler (Accelerate)",
+        "sampler.bin": "run-level: the data sampler (Accelerate)",
+        "dl_state_dict.bin": "run-level: the data loader (Accelerate)",
+        "scaler.pt": "run-level: the loss scaler (Accelerate)",
+    }
+    if name in known:
+        return known[name]
+    if name in RECOVERY_SCRIPTS:
+        return "run-level: DeepSpeed's recovery script"
+    if name.startswith(("rng_state", "random_states_")):
+        return "run-level: RNG state"
+    if name.startswith("custom_checkpoint_"):
+        return "run-level: an object registered with Accelerate's register_for_checkpointing"
+    if name.startswith(("tokenizer", "special_tokens_map", "vocab", "merges", "added_tokens")):
+        return "run-level: tokenizer"
+    return "run-level (not known to tailor-tui: kept as the base has it)"
+
+
+def tensor_rows(names: list[str], rows: tuple[Row, ...], folder: Path) -> dict[str, str | None]:
+    """Each tensor name of a weight file of checkpoint folder `folder` -> its row (None: no row
+    holds it). Names no row holds are renamed as transformers renames them when it loads the
+    architecture `folder/config.json` names."""
+    index = RowIndex(rows)
+    found = {name: index.row_of(name) for name in names}
+    missing = [n for n, row in found.items() if row is None]
+    if missing:
+        renames = _renamings(folder)
+        for name in missing:
+            for pattern, target in renames:
+                renamed = re.sub(pattern, target, name)
+                if renamed != name and index.row_of(renamed) is not None:
+                    found[name] = index.row_of(renamed)
+                    break
+    return found
+
+
+def unplaced_error(file: Path, names: list[str], rows: tuple[Row, ...]) -> IncompatibleError:
+    return IncompatibleError(
+        f"{file}: tensor(s) {', '.join(names[:3])}{' …' if len(names) > 3 else ''} belong to no row of the model "
+        f"(rows {list_rows([r.name for r in rows])}); tailor-tui cannot tell which checkpoint they should come "
+        "from: pick every row from the base, or remove the file from the base if it is not the model's")
+
+
+def _renamings(folder: Path) -> list[tuple[str, str]]:
+    """transformers' renamings (checkpoint name -> parameter name) for the architecture that
+    `folder/config.json` names; none when it names none or transformers has no table."""
+    config = folder / "config.json"
+    try:
+        if not config.is_file() or config.stat().st_size > MAX_CONFIG:
+            return []
+        data = json.loads(config.read_text())
+    except (OSError, ValueError, RecursionError):
+        return []
+    keys = [*(data.get("architectures") or []), data.get("model_type")] if isinstance(data, dict) else []
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:
+        return []
+    found = []
+    for key in keys:
+        if not isinstance(key, str):
+            continue
+        try:
+            transforms = get_checkpoint_conversion_mapping(key) or []
+        except Exception:  # noqa: BLE001 - transformers' table, whatever its version: no renamings then
+            continue
+        for t in transforms:
+            if type(t).__name__ != "WeightRenaming":
+                continue
+            sources, targets = t.source_patterns, t.target_patterns
+            sources = [sources] if isinstance(sources, str) else list(sources)
+            targets = [targets] if isinstance(targets, str) else list(targets)
+            if len(targets) == 1:
+                found += [(s, targets[0]) for s in sources if isinstance(s, str)]
+    return found
+
+
+def family(folder: Path, rel: Path) -> tuple[Path, ...]:
+    """The files of `folder` that hold the tensors `rel` holds in the base: every shard of the
+    model (`pytorch_model*.bin`), or the file of the same name (an adapter)."""
+    if rel.name.startswith("pytorch_model"):
+        return tuple(sorted(p for p in (folder / rel.parent).glob("pytorch_model*.bin") if p.is_file()))
+    return (folder / rel,) if (folder / rel).is_file() else ()
+
+
+def tensor_names(path: Path) -> list[str]:
+    """The tensor names of a torch-format weight file (its pickle only; CRC checked)."""
+    obj, _records, _prefix = read_structure(path)
+    if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, TensorRef) for k, v in obj.items()):
+        raise CheckpointError(f"{path}: not a weight file (a dict of tensors by name); re-copy it from the run")
+    return list(obj)
+
+
+def composable(path: Path) -> bool:
+    return file_format(path) == "zip"

@@ -1,0 +1,3 @@
+"""The headless front end: the command line (`main`), `--export` (`export`), the statistics report
+(`health_report`).
+"""

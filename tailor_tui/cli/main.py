@@ -1,0 +1,397 @@
+"""`tailor-tui` command line: a thin layer over the backend and the TUI.
+
+    tailor-tui RUN_DIR [--recipe fix.yaml]      the interactive composer
+    tailor-tui --demo                           make a small real run and open it
+    tailor-tui --apply recipe.yaml [--output DIR] [--workers N] [--dry-run] [--force] [--no-fsync]
+    tailor-tui --stats RUN_DIR [--json]           the health of every row in every checkpoint
+    tailor-tui --heal RUN_DIR --recipe OUT.yaml   the recipe that takes every row where it is healthy
+    tailor-tui --make-demo DIR
+
+Textual is imported only when the interactive composer starts: batch jobs on login
+nodes (`--apply`) load the headless backend alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from tailor_tui import __version__
+from tailor_tui.errors import (
+    CheckpointError,
+    ExitCode,
+    OutputError,
+    TailorError,
+    UsageError,
+    exit_codes_help,
+)
+from tailor_tui.events import TaskOptions
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got '{text}'")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got '{text}'")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tailor-tui",
+        description="Compose DeepSpeed ZeRO-3 checkpoints layer by layer.",
+        epilog=exit_codes_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("run_dir", nargs="?", type=Path, metavar="RUN_DIR",
+                   help="open the interactive composer on a directory of ZeRO-3 checkpoints")
+    p.add_argument("--recipe", type=Path, help="with RUN_DIR: load this recipe's picks (if it exists); ctrl+s saves "
+                                               "there; with --heal: where to write the recipe")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--demo", action="store_true",
+                      help="train a small real ZeRO-3 run into ./demo-run (once) and open the composer on it")
+    mode.add_argument("--apply", metavar="RECIPE", type=Path, help="compose the checkpoint a recipe describes")
+    mode.add_argument("--export", metavar="RECIPE", type=Path,
+                      help="write the composition a recipe describes as a plain HF model folder (--to DIR), "
+                           "for evaluation")
+    mode.add_argument("--verify", metavar="RECIPE", type=Path,
+                      help="re-check a finished output against its recipe and sources, row by row")
+    mode.add_argument("--stats", metavar="RUN_DIR", type=Path,
+                      help="the health of every row in every checkpoint (NaN/Inf, weight RMS, Adam's "
+                           "exp_avg_sq max, change since the previous checkpoint), with each checkpoint's loss")
+    mode.add_argument("--heal", metavar="RUN_DIR", type=Path,
+                      help="write the recipe (--recipe OUT.yaml) that takes every row from the newest checkpoint "
+                           "where it is healthy; base: the newest checkpoint")
+    mode.add_argument(
+        "--make-demo",
+        metavar="DIR",
+        type=Path,
+        help="train a small real DeepSpeed ZeRO-3 run on CPU (HF Trainer, 2 ranks) into DIR",
+    )
+    p.add_argument("--output", "-o", type=Path, help="output folder (overrides the recipe's `output`)")
+    p.add_argument("--workers", "-j", type=_positive, help="worker processes (default: from cores and memory)")
+    p.add_argument("--world-size", type=_positive, metavar="M",
+                   help="with --apply/--verify: compose for M data-parallel ranks (every source re-partitioned, "
+                        "as DeepSpeed at world size M saves); overrides the recipe's world_size")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
+    p.add_argument("--force", action="store_true", help="replace an earlier tailor-tui output once the new one is complete "
+                        "(never a folder tailor-tui did not write)")
+    p.add_argument("--no-fsync", dest="durable", action="store_false",
+                   help="do not fsync the output before renaming it into place: faster on slow disks; still "
+                        "atomic if tailor-tui is killed, but a power loss soon after can damage the output")
+    p.add_argument(
+        "--progress",
+        choices=("auto", "bars", "lines"),
+        default="auto",
+        help="live bars (terminal) or plain periodic lines (logs); auto picks by whether stderr is a terminal",
+    )
+    p.add_argument("--to", type=Path, metavar="DIR", help="with --export: the folder to write the model to")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
+                   help="with --export: the weights' dtype (default: the training dtype)")
+    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="with --export: the largest safetensors file (default 5GB, as save_pretrained)")
+    p.add_argument("--config", type=Path, metavar="PATH",
+                   help="with --export: the model's config.json, or a folder with it and its tokenizer files "
+                        "(default: an HF base checkpoint's own)")
+    p.add_argument("--distributed", choices=("auto", "off"), default="auto",
+                   help="with --apply, --stats or --heal: run as one job over the processes torchrun or srun "
+                        "started (auto: when their environment says so); off: this process alone")
+    p.add_argument("--peer-timeout", type=_positive_seconds, default=60.0, metavar="SECONDS",
+                   help="in a job of several processes: how long one may stay silent (killed, hung, node "
+                        "lost) before the whole job fails (default 60)")
+    p.add_argument("--json", action="store_true", help="with --stats: print JSON instead of a table")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="with --apply: compose even if the output would hold NaN/Inf values")
+    p.add_argument("--report-peak-rss", action="store_true",
+                   help="after --apply or --stats, print the workers' peak resident memory (for benchmarks)")
+    p.add_argument("--version", action="version", version=f"tailor-tui {__version__}")
+    return p
+
+
+def apply(args) -> int:
+    from tailor_tui.team.launch import detect
+    from tailor_tui.compose.merge import planned_tasks, run_merge
+    from tailor_tui.planning.plan import build_plan
+    from tailor_tui.planning.recipe import load_recipe
+    from tailor_tui.report import BarReporter, LineReporter, reporter_for
+    from tailor_tui.team.team import SOLO, connect
+    from tailor_tui.team.progress import JobLines
+    from tailor_tui.units import size
+    from tailor_tui.team.workers import default_workers
+
+    launch = None if args.dry_run else detect(os.environ, args.distributed)
+    recipe = load_recipe(args.apply)
+    plan = build_plan(recipe, output=args.output, force=args.force, preview=args.dry_run, world_size=args.world_size)
+    if args.dry_run:
+        print("\n".join(plan.describe()))
+        print("dry run: nothing written")
+        return ExitCode.OK
+    team = connect(launch, args.peer_timeout) if launch else SOLO
+    if team.lead:
+        for warning in plan.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
+    workers = args.workers or default_workers(plan)
+    ranks = f"{plan.base.world_size} → {plan.world_size}" if plan.reshard else plan.world_size
+    if team.lead:
+        processes = f"{team.size} processes ({launch.via}) × " if team.size > 1 else ""
+        print(
+            f"composing {plan.output} from {len(plan.sources)} checkpoint(s): {ranks} ranks, "
+            f"{processes}{workers} worker(s), {size(plan.bytes_to_write())} to write",
+            file=sys.stderr,
+            flush=True,
+        )
+    if team.lead and team.size > 1:  # the whole job's lines (every process's tasks) and its throughput
+        report = JobLines(sys.stderr, planned_tasks(plan))
+    elif team.size > 1:  # several processes share the log: lines, each saying whose
+        report = LineReporter(sys.stderr, prefix=f"[process {team.rank}] ")
+    else:
+        report = reporter_for(sys.stderr, args.progress, planned_tasks(plan))
+    cancel = threading.Event()
+    options = TaskOptions(durable=args.durable, slow_down=_test_slow_down(),
+                          exchange=not os.environ.get("TAILOR_TEST_NO_RENAME_EXCHANGE"))
+    try:
+        result = run_merge(plan, workers=workers, emit=report, cancel=cancel, options=options,
+                           allow_nonfinite=args.allow_nonfinite, team=team)
+    finally:
+        if isinstance(report, BarReporter):
+            report.close()
+    if not team.lead:
+        return ExitCode.OK  # process 0 says how the job went
+    if result.nonfinite:
+        print("warning: composed with --allow-nonfinite: the output holds NaN/Inf values in "
+              + ", ".join(f"{row} ({n:,})" for row, n in result.nonfinite.items()), file=sys.stderr)
+    if args.report_peak_rss:
+        print(f"peak RSS: {result.peak_rss} bytes", file=sys.stderr)
+    rate = result.bytes_written / max(result.seconds, 1e-6)
+    print(
+        f"done: {result.output} ({size(result.bytes_written)} in "
+        f"{result.seconds:.1f}s, {size(rate)}/s)"
+    )
+    return ExitCode.OK
+
+
+def verify(args) -> int:
+    from tailor_tui.planning.plan import build_plan
+    from tailor_tui.planning.recipe import load_recipe
+    from tailor_tui.report import reporter_for
+    from tailor_tui.compose.verify import verify_against_recipe
+
+    plan = build_plan(load_recipe(args.verify), output=args.output, check_output=False, world_size=args.world_size)
+    if not plan.output.is_dir():
+        raise OutputError(f"output {plan.output}: does not exist; nothing to verify (run --apply first)")
+    print(f"verifying {plan.output} against {args.verify}", file=sys.stderr, flush=True)
+    report = verify_against_recipe(plan, emit=reporter_for(sys.stderr, "lines"))
+    width = max(len(r.name) for r in plan.base.rows)
+    for row in plan.base.rows:
+        if row.tied:
+            continue
+        source = plan.sources[plan.picks[row.name]].name
+        problems = report.problems.get(row.name)
+        status = "FAIL" if problems else "ok"
+        print(f"{status:<4}  {row.name:<{width}}  {source}" + (f": {problems[0]}" if problems else ""))
+        for extra in (problems or [])[1:]:
+            print(f"{'':<4}  {'':<{width}}  {extra}")
+    for problem in report.other:
+        print(f"FAIL  {problem}")
+    if report.ok:
+        print(f"verified: every row of {plan.output} matches its source")
+        return ExitCode.OK
+    bad = sum(1 for p in report.problems.values() if p)
+    print(f"error: verification failed: {bad} row(s) and {len(report.other)} other problem(s) differ; "
+          "do not resume from this output", file=sys.stderr)
+    return ExitCode.VERIFY_FAILED
+
+
+def _health(run_dir: Path, args, progress: str):
+    """The scanned run's health (training checkpoints: not tailor-tui's own outputs); None in a
+    process of a job other than process 0 (which alone holds every cell)."""
+    from tailor_tui.checkpoints.cache import cache_dir
+    from tailor_tui.checkpoints.checkpoint import scan
+    from tailor_tui.cli.health_report import StatsProgress
+    from tailor_tui.team.launch import detect
+    from tailor_tui.health.stats_run import compute_health
+    from tailor_tui.team.team import SOLO, connect
+
+    if not run_dir.is_dir():
+        raise CheckpointError(f"{run_dir}: no such folder; name a directory of DeepSpeed checkpoints")
+    scanned = scan(run_dir)
+    for folder, problem in scanned.problems:
+        print(f"warning: skipped {problem}", file=sys.stderr)
+    checkpoints = tuple(c for c in scanned.checkpoints if not c.composed)
+    if not checkpoints:
+        raise CheckpointError(f"{run_dir}: holds no ZeRO-3 checkpoint (looked for HF checkpoint-N folders, "
+                              "DeepSpeed tag folders and partial saves)")
+    launch = detect(os.environ, args.distributed)
+    team = connect(launch, args.peer_timeout) if launch else SOLO
+    # in a job of several processes process 0 reports; the others read their share quietly
+    report = StatsProgress(sys.stderr, live={"bars": True, "lines": False}.get(progress)) if team.lead else None
+    cancel = threading.Event()
+    try:
+        with team.working(cancel):
+            health = compute_health(checkpoints, workers=args.workers, emit=report or (lambda event: None),
+                                    cancel=cancel, cache=cache_dir(), options=TaskOptions(slow_down=_test_slow_down()),
+                                    team=team)
+    finally:
+        if report is not None:
+            report.close()
+    if not team.lead:
+        return None
+    if args.report_peak_rss:
+        print(f"peak RSS: {report.peak_rss} bytes", file=sys.stderr)
+    return health
+
+
+def stats(args) -> int:
+    import json
+
+    from tailor_tui.cli.health_report import table
+
+    health = _health(args.stats, args, args.progress)
+    if health is None:
+        return ExitCode.OK  # process 0 of the job prints the statistics
+    if args.json:
+        print(json.dumps(health.to_json(), indent=1))
+    else:
+        print("\n".join(table(health)))
+    return ExitCode.OK
+
+
+def heal(args) -> int:
+    from tailor_tui.compose.composition import Composition
+    from tailor_tui.cli.health_report import healing_lines
+
+    if args.recipe is None:
+        raise UsageError("--heal needs --recipe OUT.yaml: where to write the recipe it makes")
+    health = _health(args.heal, args, args.progress)
+    if health is None:
+        return ExitCode.OK  # process 0 of the job writes the recipe
+    comp = Composition.start(list(health.checkpoints))
+    healing = comp.healing(health)
+    comp.apply_healing(healing)
+    saved = comp.save(args.recipe)
+    base = comp.base_checkpoint.name
+    lines = healing_lines(health, healing, comp.base)
+    print(f"base: {base}; {len(comp.picks)} row(s) from other checkpoints")
+    print("\n".join(lines) if lines else f"every row is healthy in {base}")
+    if healing.hopeless:
+        print(f"error: {len(healing.hopeless)} row(s) have no healthy checkpoint ({', '.join(healing.hopeless)}); "
+              f"{saved} keeps them from {base}: --apply refuses it without --allow-nonfinite", file=sys.stderr)
+        return ExitCode.NONFINITE
+    print(f"wrote {saved}; compose it with: tailor-tui --apply {saved}")
+    return ExitCode.OK
+
+
+def interactive(run_dir: Path, recipe: Path | None, workers: int | None) -> int:
+    if not run_dir.is_dir():
+        raise CheckpointError(f"{run_dir}: no such folder; name a directory of DeepSpeed checkpoints")
+    if not sys.stdout.isatty():
+        raise UsageError("the interactive composer needs a terminal; for batch jobs use --apply RECIPE")
+    from tailor_tui.ui.app import make_app
+
+    make_app(run_dir, recipe=recipe, workers=workers).run()
+    return ExitCode.OK
+
+
+def make_demo(args) -> int:
+    out = args.make_demo
+    ensure_demo(out)
+    print(f"done: {out} holds {', '.join(sorted(p.name for p in out.glob('checkpoint-*')))}")
+    return ExitCode.OK
+
+
+def ensure_demo(out: Path) -> None:
+    """Train the demo run into `out` unless it is already there."""
+    from tailor_tui.runs.demo_run import RunSpec, make_run
+
+    spec = RunSpec()
+    marker = out / "tailor_demo_spec.json"
+    if marker.is_file() and marker.read_text().strip() == spec.key():
+        print(f"demo run {out} already exists; reusing it", file=sys.stderr)
+        return
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise OutputError(f"{out}: already exists and is not empty; choose another folder for the demo run")
+    print(f"training a small real DeepSpeed ZeRO-3 run into {out} (HF Trainer, 2 ranks, CPU)…", file=sys.stderr)
+    make_run(out, spec)
+
+
+def _test_slow_down() -> float:
+    """Seconds to sleep per progress step: fault injection that the tests of cancel and kill set
+    through the environment (their merges of tiny checkpoints end too fast to signal mid-way),
+    read here and handed to the merge (TaskOptions) like TAILOR_TEST_NO_RENAME_EXCHANGE."""
+    try:
+        return max(0.0, float(os.environ.get("TAILOR_TEST_SLOW_MERGE") or 0))
+    except ValueError:
+        return 0.0
+
+
+def _sigterm_as_interrupt(signum, frame):
+    # Slurm's scancel and timeouts send SIGTERM: clean up exactly as for Ctrl-C.
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no GPU needed to read checkpoints
+    if args.apply or args.verify or args.make_demo or args.demo or args.stats or args.heal or args.export:
+        if args.run_dir is not None:
+            parser().error("RUN_DIR opens the interactive composer; it does not go with "
+                           "--apply, --verify, --stats, --heal, --make-demo or --demo")
+    elif args.run_dir is None:
+        parser().error("name a RUN_DIR to open, or use --demo, --apply RECIPE, --stats RUN_DIR or --make-demo DIR")
+    if args.json and not args.stats:
+        parser().error("--json goes with --stats")
+    if (args.to or args.dtype or args.config) and not args.export:
+        parser().error("--to, --dtype and --config go with --export")
+    if args.world_size and not (args.apply or args.verify):
+        parser().error("--world-size goes with --apply or --verify")
+    try:
+        if args.apply:
+            code = apply(args)
+        elif args.export:
+            from tailor_tui.cli.export import export_command
+
+            code = export_command(args, _test_slow_down())
+        elif args.verify:
+            code = verify(args)
+        elif args.stats:
+            code = stats(args)
+        elif args.heal:
+            code = heal(args)
+        elif args.make_demo:
+            code = make_demo(args)
+        elif args.demo:
+            ensure_demo(Path("demo-run"))
+            code = interactive(Path("demo-run"), args.recipe or Path("demo-run") / "recipe.yaml", args.workers)
+        else:
+            code = interactive(args.run_dir, args.recipe, args.workers)
+    except TailorError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = exc.exit_code
+    except KeyboardInterrupt:
+        print("error: cancelled; nothing was written to the output path", file=sys.stderr)
+        code = ExitCode.CANCELLED
+    except BrokenPipeError:  # `tailor-tui --stats RUN | head`: the reader has seen enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = ExitCode.OK
+    return int(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

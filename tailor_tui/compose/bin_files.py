@@ -1,0 +1,96 @@
+"""Torch-format weight files composed per row: `pytorch_model.bin`, its shards, `adapter_model.bin`.
+
+transformers 4.x (`save_safetensors=False`) and PEFT write weights with torch.save: a zip
+archive whose pickle maps each tensor name to a tensor, each on a storage record of its own
+(tied names share one). An output file is the base's archive — the same pickle, so the same
+names, shapes, dtypes and storage layout — with the record of every storage whose tensors
+belong to a row picked elsewhere copied from that source's record of the same tensor, written
+by the torch-free writer (`ptwrite`) as torch.save writes it; every record copied, the base's
+and the sources', has its stored CRC-32 checked on the way. A storage shared by tensors of rows
+with different sources, or a source tensor of another shape, dtype or layout, is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Callable
+
+from tailor_tui.errors import CheckpointError
+from tailor_tui.events import ByteCounter, Emit, TaskOptions
+from tailor_tui.fileio import fsync, open_fd, output_error
+from tailor_tui.planning.jobs import BinFileJob
+from tailor_tui.formats.pickled import TensorRef
+from tailor_tui.formats.ptfile import read_structure
+from tailor_tui.formats.ptpickle import dumps, storage_bytes
+from tailor_tui.formats.ptwrite import Copied, write_archive
+
+
+
+def merge_bin_file(job: BinFileJob, out_dir: Path, emit: Emit, cancelled: Callable[[], bool],
+                   options: TaskOptions = TaskOptions()) -> None:
+    """Write one torch-format weight file: the base's, every storage of a row picked elsewhere
+    copied from its source's record of the same tensor."""
+    counter = ByteCounter(job.task, job.total_bytes, emit, cancelled, options)
+    obj, records, prefix = read_structure(job.base_file)
+    data, storages = dumps(obj, location=None)
+    users: dict[int, list[str]] = {}
+    for name, tensor in obj.items():
+        users.setdefault(id(tensor.storage), []).append(name)
+    where = _SourceTensors(job)
+    fills = []
+    for storage in storages:
+        names = users.get(id(storage), [])
+        picked = {job.sources.get(n, 0) for n in names} or {0}
+        if len(picked) > 1:
+            raise CheckpointError(
+                f"{job.base_file}: tensors {', '.join(names)} share one storage but their rows "
+                f"({', '.join(sorted({job.rows.get(n, '?') for n in names}))}) are picked from different "
+                "checkpoints; pick them from the same one")
+        s = picked.pop()
+        if s == 0:
+            record = records[f"{prefix}data/{storage.key}"]
+            fills.append(Copied(job.base_file, record, record.data_offset, storage_bytes(storage)))
+        else:
+            fills.append(where.copy_of(s, names[0], obj[names[0]]))
+        counter.add(2 * storage_bytes(storage))
+    out = out_dir / job.name
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_archive(out, archive=prefix.rstrip("/"), pickle=data, storages=fills)
+        with contextlib.ExitStack() as stack:
+            fd = open_fd(stack, out, os.O_WRONLY)
+            fsync(fd, options.durable)
+            os.fchmod(fd, os.stat(job.base_file).st_mode & 0o777 | 0o200)
+    except OSError as exc:
+        raise output_error(exc, out) from None
+    counter.finish()
+
+
+class _SourceTensors:
+    """Where each tensor of a source's files lies: found in the first of its files that has it."""
+
+    def __init__(self, job: BinFileJob):
+        self.job = job
+        self.read: dict[Path, tuple] = {}
+
+    def copy_of(self, s: int, name: str, mine: TensorRef) -> Copied:
+        for path in self.job.source_files[s]:
+            if path not in self.read:
+                self.read[path] = read_structure(path)
+            obj, records, prefix = self.read[path]
+            theirs = obj.get(name) if isinstance(obj, dict) else None
+            if not isinstance(theirs, TensorRef):
+                continue
+            same = (theirs.size, theirs.stride, theirs.storage_offset, theirs.storage.type_name,
+                    storage_bytes(theirs.storage)) == (mine.size, mine.stride, mine.storage_offset,
+                                                       mine.storage.type_name, storage_bytes(mine.storage))
+            if not same:
+                raise CheckpointError(
+                    f"{path}: tensor {name} is {theirs.storage.type_name} {list(theirs.size)}, the base's "
+                    f"{mine.storage.type_name} {list(mine.size)}; the checkpoints are from different models")
+            record = records[f"{prefix}data/{theirs.storage.key}"]
+            return Copied(path, record, record.data_offset, storage_bytes(theirs.storage))
+        raise CheckpointError(f"{self.job.source_names[s]}: its weight files have no tensor {name}; the checkpoint "
+                              "is incomplete or from another model")

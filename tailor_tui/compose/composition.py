@@ -1,0 +1,278 @@
+"""The state of an interactive composition: scanned checkpoints, base, picks, undo.
+
+Plain Python, no Textual: the TUI renders it and calls its methods; tests drive it
+directly. A Composition turns into a Recipe (and back) so the TUI's work can be
+re-run headlessly with `tailor-tui --apply`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tailor_tui.checkpoints.checkpoint import Checkpoint, Row, distinct_names, incompatibility, other_run
+from tailor_tui.errors import RecipeError
+from tailor_tui.health.healing import Healing, Health, heal
+from tailor_tui.planning.plan import tied_partner
+from tailor_tui.planning.recipe import Recipe
+
+
+@dataclass
+class Composition:
+    checkpoints: list[Checkpoint]  # ordered by step: the grid's columns
+    base: int  # index of the base checkpoint
+    picks: dict[str, int] = field(default_factory=dict)  # row -> column; rows absent use the base
+    output: Path | None = None
+    recipe_path: Path | None = None  # the recipe the picks were loaded from or saved to: where ctrl+s saves
+    world_size: int | None = None  # compose for this many data-parallel ranks (resharding); None: the base's
+    _undo: list[tuple] = field(default_factory=list, repr=False)  # earlier states (`_state`)
+    _redo: list[tuple] = field(default_factory=list, repr=False)
+    _saved_state: tuple | None = field(default=None, repr=False)  # the state as last saved or loaded
+    _known: dict = field(default_factory=dict, repr=False)  # (rule, base, column) -> its answer
+
+    @classmethod
+    def start(cls, checkpoints: list[Checkpoint]) -> "Composition":
+        """A composition of `checkpoints` (ordered by step) with the newest training checkpoint
+        as base (a folder tailor-tui composed only when there is nothing else) and every row from
+        the newest checkpoint that holds it (partial checkpoints hold some rows)."""
+        if not checkpoints:
+            raise RecipeError("no checkpoints to compose")
+        trained = [i for i, c in enumerate(checkpoints) if not c.composed]
+        base = trained[-1] if trained else len(checkpoints) - 1
+        comp = cls(list(checkpoints), base)
+        comp._fill_missing()
+        comp.output = comp.default_output()
+        comp._saved_state = comp._state()
+        return comp
+
+    def _state(self) -> tuple:
+        return (self.base, dict(self.picks), self.output, self.world_size)
+
+    def _restore(self, state: tuple) -> None:
+        self.base, self.picks, self.output, self.world_size = state
+
+    @property
+    def saved(self) -> bool:
+        """No change since the last save or load (undo back to that state counts as none)."""
+        return self._state() == self._saved_state
+
+    def _fill_missing(self) -> None:
+        """Rows the base did not save come from the newest compatible checkpoint that did."""
+        for row in self.rows:
+            if row.tied or row.name in self.picks or self.holds(self.base, row.name):
+                continue
+            for column in reversed(range(len(self.checkpoints))):
+                if self.holds(column, row.name) and self.incompatibility(column) is None:
+                    self.picks[row.name] = column
+                    break
+
+    def missing_rows(self) -> list[str]:
+        """Rows whose source did not save them (a partial base without a pick)."""
+        return [r.name for r in self.rows if not r.tied and not self.holds(self.source_of(r.name), r.name)]
+
+    # --- what the grid shows -------------------------------------------------------------
+
+    @property
+    def base_checkpoint(self) -> Checkpoint:
+        return self.checkpoints[self.base]
+
+    @property
+    def rows(self) -> tuple[Row, ...]:
+        return self.base_checkpoint.rows
+
+    def source_of(self, row: str) -> int:
+        r = self.base_checkpoint.row(row)
+        if r.tied:
+            return self.source_of(tied_partner(self.base_checkpoint, r))
+        return self.picks.get(row, self.base)
+
+    def label(self, column: int) -> str:
+        """The column's checkpoint name, with parent folders where several checkpoints share it."""
+        if "labels" not in self._known:
+            self._known["labels"] = distinct_names([c.path for c in self.checkpoints])
+        return self._known["labels"][column]
+
+    def incompatibility(self, column: int) -> str | None:
+        """Why checkpoint `column` cannot be combined with the base, or None (worked out once
+        per base, column and whether the output is resharded: the grid asks for every cell on
+        every change). Resharding re-partitions every source, whatever its world size."""
+        resharding = self.world_size is not None
+        return self._about(column, lambda a, b: incompatibility(a, b, repartitioned=resharding),
+                           ("incompatibility", resharding))
+
+    def other_run(self, column: int) -> str | None:
+        """Why checkpoint `column` may come from another training run than the base, or None."""
+        return self._about(column, other_run, "other_run")
+
+    def _about(self, column: int, rule, name) -> str | None:
+        if column == self.base:
+            return None
+        key = (name, self.base, column)
+        if key not in self._known:
+            self._known[key] = rule(self.base_checkpoint, self.checkpoints[column])
+        return self._known[key]
+
+    def holds(self, column: int, row: str) -> bool:
+        """Whether checkpoint `column` holds weights for `row` (a partial checkpoint: only the
+        rows it saved)."""
+        ckpt = self.checkpoints[column]
+        try:
+            return not ckpt.row(row).tied and ckpt.holds(row)
+        except KeyError:
+            return False
+
+    # --- editing (each change can be undone) ---------------------------------------------
+
+    def _remember(self) -> None:
+        self._undo.append(self._state())
+        self._redo.clear()
+
+    def pick(self, row: str, column: int) -> None:
+        r = self.base_checkpoint.row(row)
+        if r.tied:
+            raise RecipeError(f"row '{row}' is tied to {tied_partner(self.base_checkpoint, r)}; pick that row")
+        reason = self.incompatibility(column)
+        if reason:
+            raise RecipeError(f"{self.checkpoints[column].name} cannot be combined with the base: {reason}")
+        if not self.holds(column, row):
+            raise RecipeError(f"{self.checkpoints[column].name} is a partial checkpoint that did not save row '{row}'")
+        if self.source_of(row) == column:
+            return
+        self._remember()
+        if column == self.base:
+            self.picks.pop(row, None)
+        else:
+            self.picks[row] = column
+
+    def pick_rows(self, rows: list[str], column: int) -> list[str]:
+        """A block of rows from `column` as one undoable change: rows without weights of their
+        own (tied) and rows a partial `column` did not save keep their source. Returns the rows
+        whose source changed."""
+        reason = self.incompatibility(column)
+        if reason:
+            raise RecipeError(f"{self.checkpoints[column].name} cannot be combined with the base: {reason}")
+        changed = [r for r in rows if not self.base_checkpoint.row(r).tied and self.holds(column, r)
+                   and self.source_of(r) != column]
+        if changed:
+            self._remember()
+            for row in changed:
+                if column == self.base:
+                    self.picks.pop(row, None)
+                else:
+                    self.picks[row] = column
+        return changed
+
+    def pick_column(self, column: int) -> None:
+        """Every row from `column`."""
+        reason = self.incompatibility(column)
+        if reason:
+            raise RecipeError(f"{self.checkpoints[column].name} cannot be combined with the base: {reason}")
+        self._remember()
+        if column == self.base:
+            self.picks = {row: col for row, col in self.picks.items() if not self.holds(column, row)}
+        else:  # a partial column gives the rows it saved; the others keep their source
+            self.picks.update({r.name: column for r in self.rows if self.holds(column, r.name)})
+
+    def healing(self, health: Health) -> Healing:
+        """What healing would pick (`health.heal`) among the checkpoints this base combines with."""
+        rows = [r.name for r in self.rows if not r.tied]
+        return heal(health, rows, usable=lambda column: self.incompatibility(column) is None)
+
+    def apply_healing(self, healing: Healing) -> list[str]:
+        """Take healing's picks as one undoable change; the rows whose source changed."""
+        changed = [row for row, col in healing.picks.items() if self.source_of(row) != col]
+        if changed:
+            self._remember()
+            for row in changed:
+                if healing.picks[row] == self.base:
+                    self.picks.pop(row, None)
+                else:
+                    self.picks[row] = healing.picks[row]
+        return changed
+
+    def set_base(self, column: int) -> None:
+        """Make `column` the base; picks it cannot be combined with are dropped."""
+        if column == self.base:
+            return
+        self._remember()
+        old_output_default = self.output == self.default_output()
+        self.base = column
+        self.picks = {
+            row: col
+            for row, col in self.picks.items()
+            if col != column and self.incompatibility(col) is None and row in self.base_checkpoint.row_names()
+        }
+        self._fill_missing()
+        if old_output_default:
+            self.output = self.default_output()
+
+    def set_output(self, output: Path) -> None:
+        self._remember()
+        self.output = output
+
+    def set_world_size(self, world_size: int | None) -> list[str]:
+        """Compose for `world_size` ranks (None: the base's world size). Back at the base's, picks
+        from checkpoints of another world size cannot stay: they are dropped (returned)."""
+        if world_size == self.world_size:
+            return []
+        self._remember()
+        self.world_size = world_size
+        dropped = [row for row, col in self.picks.items() if self.incompatibility(col) is not None]
+        for row in dropped:
+            del self.picks[row]
+        self._fill_missing()
+        return dropped
+
+    def undo(self) -> bool:
+        if not self._undo:
+            return False
+        self._redo.append(self._state())
+        self._restore(self._undo.pop())
+        return True
+
+    def redo(self) -> bool:
+        if not self._redo:
+            return False
+        self._undo.append(self._state())
+        self._restore(self._redo.pop())
+        return True
+
+    def default_output(self) -> Path:
+        base = self.base_checkpoint
+        return base.path.with_name(base.path.name + "-tailored")
+
+    # --- recipes ----------------------------------------------------------------------------
+
+    def to_recipe(self) -> Recipe:
+        layers = {row: self.checkpoints[col].path for row, col in self.picks.items()}
+        return Recipe(base=self.base_checkpoint.path, output=self.output, layers=layers, world_size=self.world_size)
+
+    def save(self, path: Path) -> Path:
+        saved = self.to_recipe().save(path)
+        self.recipe_path, self._saved_state = saved, self._state()
+        return saved
+
+    def load(self, recipe: Recipe) -> None:
+        """Adopt a recipe's picks; its checkpoints must be among the scanned ones."""
+        def column(path: Path, what: str) -> int:
+            resolved = Path(path).resolve()
+            for i, c in enumerate(self.checkpoints):
+                if resolved in (c.path.resolve(), c.tag_dir.resolve()):
+                    return i
+            raise RecipeError(f"{recipe.location(what)}: {path} is not among the scanned checkpoints")
+
+        base = column(recipe.base, "base")
+        picks = {}
+        for row, path in recipe.layers.items():
+            try:
+                name = self.checkpoints[base].row(row).name
+            except KeyError:
+                raise RecipeError(f"{recipe.location('row:' + row)}: unknown row '{row}'") from None
+            col = column(path, "row:" + row)
+            if col != base:
+                picks[name] = col
+        self._remember()
+        self.base, self.picks, self.world_size = base, picks, recipe.world_size
+        self.output = recipe.output or self.default_output()
+        self.recipe_path = recipe.source_file
+        self._saved_state = self._state()

@@ -1,0 +1,190 @@
+"""The 16-bit model files of an HF output: `model.safetensors`, or shards with an index.
+
+An output model file keeps the layout of the base's (same header, same byte offsets)
+and holds each tensor of its row's chosen source:
+
+- from a full HF source, that source's bytes, copied in the kernel;
+- from a partial checkpoint (tailor_tui.selective saves no 16-bit weights: that would
+  need a gather), the fp32 master slices of every rank, cast to the file's dtype. This
+  is exactly the 16-bit weight: ZeRO-3 makes its 16-bit partition by casting the fp32
+  partition after each step (round to nearest even). Frozen parameters and buffers have
+  no fp32 master; they come from the source's model_states, as DeepSpeed stores them.
+
+A partial base has no model file of its own; its save recorded the layout of the run's
+newest full checkpoint's files (`tailor_model_files.json`: headers and index), so its
+output gets the same files a full save would have written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Callable
+
+from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, MODULE
+from tailor_tui.formats.dtypes import SAFETENSORS_ITEMSIZE
+from tailor_tui.errors import CheckpointError
+from tailor_tui.events import ByteCounter, Emit, TaskOptions
+from tailor_tui.fileio import (
+    OpenFiles,
+    Writeback,
+    copy_range,
+    fsync,
+    open_fd,
+    output_error,
+    pread_into,
+    pwrite_all,
+)
+from tailor_tui.planning.jobs import ModelFileJob
+from tailor_tui.checkpoints.partial_rows import partial_slice
+from tailor_tui.formats.safe_load import load_pt
+from tailor_tui.formats.safetensors_in import parse_prefix, safetensors_tensors
+
+CAST_CHUNK = 1 << 20  # elements cast per step: memory stays small whatever the tensor size
+
+
+def merge_model_file(job: ModelFileJob, out_dir: Path, emit: Emit, cancelled: Callable[[], bool],
+                     options: TaskOptions = TaskOptions()) -> None:
+    """Write one model file: the base's bytes (if it has a file) with every tensor of a row
+    picked elsewhere replaced by that source's tensor."""
+    counter = ByteCounter(job.task, job.total_bytes, emit, cancelled, options)
+    edits = []  # (offset in the output, bytes, source index, tensor name, dtype)
+    for name, (dtype, shape, begin, end) in parse_prefix(job.prefix).items():
+        s = job.sources.get(name, 0)
+        if s or job.base_file is None:
+            edits.append((begin, end - begin, s, name, dtype, shape))
+
+    out = out_dir / job.name
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)  # a weight file in a subfolder of the checkpoint
+        with contextlib.ExitStack() as stack:
+            fout = open_fd(stack, out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            writeback = Writeback(fout, options.durable)
+            fin = open_fd(stack, job.base_file) if job.base_file is not None else None
+            if fin is None:
+                pwrite_all(fout, job.prefix, 0)
+            fills = _Fills(job, stack, fout, writeback, lambda n: counter.add(2 * n))
+            position = 0
+            for offset, length, s, name, dtype, shape in sorted(edits):
+                if fin is not None:
+                    copy_range(fin, fout, position, offset - position, counter.add, writeback=writeback)
+                fills.write(s, name, dtype, shape, offset, length)
+                position = offset + length
+            if fin is not None:
+                copy_range(fin, fout, position, os.fstat(fin).st_size - position, counter.add, writeback=writeback)
+            os.ftruncate(fout, job.size)
+            fsync(fout, options.durable)
+            if job.base_file is not None:
+                os.fchmod(fout, os.stat(job.base_file).st_mode & 0o777 | 0o200)
+    except OSError as exc:
+        raise output_error(exc, out) from None
+    counter.finish()
+
+
+class _Fills:
+    """Writes one tensor's bytes at its place in the output, from its chosen source."""
+
+    def __init__(self, job: ModelFileJob, stack: contextlib.ExitStack, fout: int, writeback: Writeback,
+                 on_bytes: Callable[[int], None]):
+        self.job, self.stack, self.fout, self.writeback, self.on_bytes = job, stack, fout, writeback, on_bytes
+        self.fd = OpenFiles(stack).fd
+        self.where: dict[int, dict[str, tuple[Path, tuple]]] = {}
+        self.rows_index: dict[Path, dict] = {}
+
+    def write(self, s: int, name: str, dtype: str, shape: tuple, offset: int, length: int) -> None:
+        if s in self.job.partial_ranks:
+            if name in self.job.slots[s]:
+                self._cast_slices(s, name, dtype, offset)
+            else:  # a frozen parameter or a buffer: small, kept in model_states
+                data = source_tensor(self.job, s, name, dtype, shape)
+                pwrite_all(self.fout, data, offset)
+            self.on_bytes(length)
+            return
+        path, (their_dtype, their_shape, begin, end) = self._find(s, name)
+        if (their_dtype, their_shape) != (dtype, shape):
+            raise CheckpointError(
+                f"{path}: tensor {name} is {their_dtype} {list(their_shape)}, the base's "
+                f"{dtype} {list(shape)}; the checkpoints are from different models"
+            )
+        copy_range(self.fd(path), self.fout, begin, length, self.on_bytes, offset, self.writeback)
+
+    def _find(self, s: int, name: str) -> tuple[Path, tuple]:
+        if s not in self.where:
+            self.where[s] = {n: (f, info) for f in self.job.source_files[s]
+                             for n, info in safetensors_tensors(f).items()}
+        if name not in self.where[s]:
+            raise CheckpointError(
+                f"{self.job.source_names[s]}: its 16-bit model file has no tensor {name}; "
+                "the checkpoint is incomplete or from another model"
+            )
+        return self.where[s][name]
+
+    def _cast_slices(self, s: int, name: str, dtype: str, offset: int) -> None:
+        """Each rank's fp32 slice, cast to `dtype`, at its place in the flattened tensor."""
+        slot, itemsize = self.job.slots[s][name], SAFETENSORS_ITEMSIZE[dtype]
+        buffer = memoryview(bytearray(CAST_CHUNK * 4))
+        for rank, files in enumerate(self.job.partial_ranks[s]):
+            valid = slot.valid(rank)
+            if not valid:
+                continue
+            if files.rows not in self.rows_index:
+                self.rows_index[files.rows] = safetensors_tensors(files.rows)
+            begin = partial_slice(files.rows, self.rows_index[files.rows], "fp32", name, valid)[2]
+            at = offset + rank * slot.part * itemsize
+            if dtype == "F32":  # the master weights are the model's weights
+                copy_range(self.fd(files.rows), self.fout, begin, valid * 4, lambda n: None, at, self.writeback)
+                continue
+            for start in range(0, valid, CAST_CHUNK):
+                n = min(CAST_CHUNK, valid - start)
+                view = buffer[: n * 4]
+                pread_into(self.fd(files.rows), view, begin + start * 4)
+                pwrite_all(self.fout, _cast(view, dtype), at + start * itemsize)
+
+
+def _cast(view: memoryview, dtype: str) -> bytes:
+    import torch
+
+    return _to_bytes(torch.frombuffer(view, dtype=torch.float32), dtype)
+
+
+def _to_bytes(t, dtype: str) -> bytes:
+    """`t` converted to safetensors dtype `dtype`, as raw bytes (little-endian)."""
+    import torch
+
+    t = t.to({"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+              "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}[dtype])
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)  # numpy has no bfloat16; the bits are what is written
+    return t.contiguous().numpy().tobytes()
+
+
+def source_tensor(job: ModelFileJob, s: int, name: str, dtype: str, shape: tuple) -> bytes:
+    """The bytes of tensor `name` as partial source `s` holds it, in `dtype` (torch-loaded:
+    frozen parameters and buffers, and what --verify compares against)."""
+    import torch
+    from safetensors import safe_open
+
+    ranks = job.partial_ranks[s]
+    numel = 1
+    for d in shape:
+        numel *= d
+    if name in job.slots[s]:
+        slot, parts = job.slots[s][name], []
+        for rank, files in enumerate(ranks):
+            if slot.valid(rank):
+                with safe_open(str(files.rows), "pt") as f:
+                    parts.append(f.get_slice(f"fp32/{name}")[: slot.valid(rank)])
+        value = torch.cat(parts)
+    else:
+        states = [load_pt(files.model_states) for files in ranks]
+        fragments = states[0].get(FROZEN_PARAM_FRAGMENTS) or {}
+        if name in fragments:  # ZeRO-3 keeps each rank's part of a frozen parameter
+            value = torch.cat([st[FROZEN_PARAM_FRAGMENTS][name].flatten() for st in states])[:numel]
+        elif name in (states[0].get(MODULE) or {}):
+            value = states[0][MODULE][name].flatten()
+        else:
+            raise CheckpointError(
+                f"{job.source_names[s]}: holds no {name}; the checkpoint is from another model"
+            )
+    return _to_bytes(value, dtype)

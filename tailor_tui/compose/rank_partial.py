@@ -1,0 +1,116 @@
+"""A partial (selective) base's optim file, built from its skeleton and the rows' slices, torch-free.
+
+A partial checkpoint has no optim file of its own: `selective` saved the optimizer state
+without its big tensors (the skeleton) and each rank's slices of the saved rows. The merger
+writes the full file a resume needs: the skeleton's structure with every flat tensor's space
+reserved, then every slice copied into place from the checkpoints the plan names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from tailor_tui.formats.ds_format import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT, STATE, TENSORS, flat_tensor, set_flat_tensor
+from tailor_tui.errors import CheckpointError
+from tailor_tui.events import ByteCounter
+from tailor_tui.fileio import Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
+from tailor_tui.planning.jobs import RankJob
+from tailor_tui.formats.nonfinite import Census, Region
+from tailor_tui.checkpoints.partial_rows import crc_range_checked, partial_slice, read_rows_file
+from tailor_tui.formats.pickled import TensorRef, dtype_name
+from tailor_tui.formats.ptedit import Rewritable, reserved, write
+from tailor_tui.formats.ptfile import read_structure
+from tailor_tui.compose.rank_stream import STREAM_CHUNK, check_dtypes, flat_tensor_bytes, read_and_check, tensor_bytes
+
+
+def build_optim_states_from_skeleton(job: RankJob, out: Path, counter: ByteCounter) -> Counter:
+    """Write a partial base's optim file: its skeleton (everything but the flat tensors) as
+    the archive, every slice copied into place in the kernel.
+
+    torch writes the archive with every tensor's space reserved and not written
+    (`torch.serialization.skip_data`), so the file has torch's own layout; then every row's
+    slices are copied in from the checkpoints the plan names, padding is zeroed, the small
+    tensors (per-group steps) are written, and each record's CRC-32 is set from the bytes
+    written, read back once, which also checks each slice from a rows file against its recorded
+    CRC-32. The flat tensors are `torch.empty`: never touched, they occupy no memory.
+    Memory: the skeleton and one small buffer, whatever the file size. Returns the non-finite
+    values of each row, counted as the written records are read back for their CRC-32.
+    """
+    skeleton = Rewritable(job.files[0].skeleton)
+    inner = _skeleton_state(skeleton.obj, skeleton.path, job.group_sizes)
+    fills = dict(skeleton.fills)
+    for g, size in enumerate(job.group_sizes):
+        for key in TENSORS:
+            like = flat_tensor(inner, g, key)
+            if not isinstance(like, TensorRef) or dtype_name(like.storage.type_name) != "float32":
+                raise CheckpointError(f"{skeleton.path}: sub-group {g}'s {key} is not an fp32 tensor; the partial "
+                                      "checkpoint is corrupt or from another run")
+            set_flat_tensor(inner, g, key, reserved(size, like, fills))
+    records = write(skeleton.obj, fills, out)
+    obj, _records, prefix = read_structure(out)
+    layout = flat_tensor_bytes(obj, records, prefix, out, job.group_sizes)
+    del skeleton, inner
+    big = [tb.record for tb in layout.values()]
+
+    partial, crcs = {}, {}  # per partial source: where its rows file's tensors lie, their CRC-32s
+    for s in {c.source for c in job.copies if job.files[c.source].rows is not None}:
+        partial[s], crcs[s] = read_rows_file(job.files[s].rows)
+    checks = defaultdict(list)  # record -> the partial slices copied into it, checked as it is read back
+    try:
+        with contextlib.ExitStack() as stack:
+            fout = open_fd(stack, out, os.O_RDWR)
+            fds = {s: open_fd(stack, job.files[s].rows or job.files[s].optim_states)
+                   for s in {c.source for c in job.copies}}
+            full = {s: tensor_bytes(job.files[s].optim_states, job.group_sizes)
+                    for s in fds if job.files[s].rows is None}
+            buffer = memoryview(bytearray(STREAM_CHUNK))
+            for s, theirs in full.items():  # the skeleton's flat tensors are fp32
+                check_dtypes({k: ("FloatStorage", 4) for k in theirs}, theirs, job.files[s].optim_states)
+                taken = {(theirs[c.group, key].record, theirs[c.group, key].offset + c.offset * 4, c.length * 4)
+                         for c in job.copies if c.source == s for key in TENSORS}
+                read_and_check(fds[s], job.files[s].optim_states, {r for r, _, _ in taken}, taken, buffer, counter)
+            writeback = Writeback(fout, counter.options.durable)
+            for c in job.copies:
+                for key in TENSORS:
+                    into = layout[c.group, key].offset + c.offset * 4
+                    if c.param is None:
+                        at = full[c.source][c.group, key].offset + c.offset * 4
+                    else:
+                        rows = job.files[c.source].rows
+                        at = partial_slice(rows, partial[c.source], key, c.param, c.length)[2]
+                        checks[layout[c.group, key].record].append(
+                            (into, c.length * 4, rows, crcs[c.source], f"{key}/{c.param}"))
+                    copy_range(fds[c.source], fout, at, c.length * 4, counter.add, into, writeback)
+            for g, offset, length in job.padding:
+                for key in TENSORS:
+                    pwrite_all(fout, bytes(length * 4), layout[g, key].offset + offset * 4)
+            census = Census(Region(layout[slot.group, key].offset + slot.offset * 4, slot.valid * 4, slot.row)
+                            for slot in job.row_slots for key in TENSORS)
+            for record in big:  # the small records' CRCs were set as they were written
+                value = crc_range_checked(fout, record.data_offset, record.size, checks[record], buffer,
+                                          inspect=census.inspect)
+                for at in record.crc_offsets:
+                    os.pwrite(fout, struct.pack("<I", value), at)
+            fsync(fout, counter.options.durable)
+    except OSError as exc:
+        raise output_error(exc, out) from None
+    return census.counts
+
+
+def _skeleton_state(obj, path: Path, group_sizes: tuple[int, ...]) -> dict:
+    """The inner optimizer dict of a partial checkpoint's skeleton (big tensors left empty)."""
+    try:
+        inner = obj[OPTIMIZER_STATE_DICT]
+        flat, state = inner[FP32_FLAT_GROUPS], inner[OPTIMIZER_STATE_DICT][STATE]
+        if len(flat) != len(group_sizes) or any(g not in state for g in range(len(group_sizes))):
+            raise ValueError
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(
+            f"{path}: not a partial-checkpoint optimizer skeleton for {len(group_sizes)} sub-groups; "
+            "the partial checkpoint is corrupt or from another run"
+        ) from None
+    return inner

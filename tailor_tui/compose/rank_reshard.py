@@ -1,0 +1,180 @@
+"""Filling one output rank's files of a resharded composition, streamed, torch-free.
+
+Each big tensor of the output is one record; its pieces (`reshard`) are byte ranges of the
+sources' rank files, or zeros. First every record of a source that a piece comes from is read
+once and checked against the CRC-32 its archive stores (a corrupt source is refused, never
+carried over under a fresh CRC); that pass gives each piece's CRC and counts the non-finite
+values the output takes. Then, once the files' structure is there (`reshard_skeleton` writes
+them with the big tensors' space reserved, while the workers check), every piece is
+copied in the kernel (copy_file_range) and each output record's CRC-32 is put together from
+its pieces' CRCs (`crc.combine`): no byte is read twice into user space. Memory: one 1 MiB
+buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+from tailor_tui import crc
+from tailor_tui.formats.ds_format import TENSORS
+from tailor_tui.errors import OutputError
+from tailor_tui.events import ByteCounter, Emit, TaskOptions
+from tailor_tui.fileio import OpenFiles, Writeback, copy_range, crc_range, fsync, open_fd, output_error, pwrite_all
+from tailor_tui.formats.nonfinite import EXPONENT, Census, Region
+from tailor_tui.checkpoints.partial_rows import partial_slice
+from tailor_tui.formats.pickled import dtype_name
+from tailor_tui.formats.ptfile import frozen_fragment_bytes, read_structure
+from tailor_tui.compose.rank_stream import STREAM_CHUNK, dtype_mismatch, flat_tensor_bytes, read_and_check, tensor_bytes
+from tailor_tui.resharding.partition import ZEROS, Piece, ReshardJob
+from tailor_tui.formats.safetensors_in import safetensors_tensors
+
+
+def reshard_rank(job: ReshardJob, out_tag_dir: Path, emit: Emit, cancelled: Callable[[], bool],
+                 options: TaskOptions = TaskOptions()) -> Counter:
+    """Fill output rank `job.rank`'s optim_states and model_states in `out_tag_dir`; the
+    non-finite values each row's pieces hold, counted as the sources are checked.
+
+    The sources are read and checked first, which needs nothing of the output: the files'
+    structure (`reshard_skeleton`) may still be on its way, and is waited for after."""
+    counter = ByteCounter(f"rank {job.rank}", job.total_bytes, emit, cancelled, options)
+    with contextlib.ExitStack() as stack:
+        sources = _Sources(job, stack)
+        optim = [(g, key, [(p, sources.place(p, key)) for p in pieces])
+                 for g, pieces in enumerate(job.groups) for key in TENSORS]
+        frozen = [(name, "frozen", [(p, sources.place(p, "frozen")) for p in pieces]) for name, pieces in job.frozen]
+        crcs, nonfinite = _check([*optim, *frozen], sources, counter)
+
+        path = _arrived(out_tag_dir / job.optim_states, counter)
+        obj, records, prefix = read_structure(path)
+        flat = flat_tensor_bytes(obj, records, prefix, path, job.group_sizes)
+        _write(path, [(flat[g, key], key, placed) for g, key, placed in optim], crcs, sources, counter)
+        path = _arrived(out_tag_dir / job.model_states, counter)
+        fragments = frozen_fragment_bytes(path, [name for name, _ in job.frozen])
+        _write(path, [(fragments[name], key, placed) for name, key, placed in frozen], crcs, sources, counter)
+    counter.finish()
+    return nonfinite
+
+
+def _arrived(path: Path, counter: ByteCounter) -> Path:
+    """`path`, once it is there (the skeleton writer renames each file into place whole);
+    a cancel (or the skeleton writer's failure, which cancels) stops the wait."""
+    while not path.exists():
+        counter.add(0)  # raises Cancelled once cancelled
+        time.sleep(0.01)
+    return path
+
+
+class _Place(NamedTuple):
+    """Where a piece's bytes lie in its source, and what they are."""
+
+    path: Path
+    at: int  # first byte
+    record: object  # the record holding them, or None (a partial checkpoint's safetensors: no CRC)
+    dtype: str  # the source's storage type: `FloatStorage`, `BFloat16Storage`, …
+    itemsize: int
+
+
+class _Sources:
+    """The source rank files a job reads: opened once, their tensors located once."""
+
+    def __init__(self, job: ReshardJob, stack: contextlib.ExitStack):
+        self.job, self.stack = job, stack
+        self.fd = OpenFiles(stack).fd
+        self.flat: dict[tuple[int, int], dict] = {}
+        self.rows: dict[Path, dict] = {}
+        self.fragments: dict[tuple[int, int], dict] = {}
+
+    def place(self, piece: Piece, key: str) -> _Place | None:
+        """Where a piece's bytes lie in its source (None: zeros)."""
+        if piece.source == ZEROS:
+            return None
+        files = self.job.files[piece.source, piece.rank]
+        if key == "frozen":
+            if (piece.source, piece.rank) not in self.fragments:
+                names = sorted({p.param for _n, ps in self.job.frozen for p in ps
+                                if (p.source, p.rank) == (piece.source, piece.rank)})
+                self.fragments[piece.source, piece.rank] = frozen_fragment_bytes(files.model_states, names)
+            tb = self.fragments[piece.source, piece.rank][piece.param]
+            return _Place(files.model_states, tb.offset + piece.offset * tb.itemsize, tb.record, tb.dtype, tb.itemsize)
+        if files.rows is not None:  # a partial checkpoint: one fp32 slice per parameter, no CRCs
+            if files.rows not in self.rows:
+                self.rows[files.rows] = safetensors_tensors(files.rows)
+            begin = partial_slice(files.rows, self.rows[files.rows], key, piece.param,
+                                  piece.within + piece.length)[2]
+            return _Place(files.rows, begin + piece.within * 4, None, "FloatStorage", 4)
+        if (piece.source, piece.rank) not in self.flat:
+            self.flat[piece.source, piece.rank] = tensor_bytes(files.optim_states,
+                                                               self.job.source_sizes[piece.source])
+        tb = self.flat[piece.source, piece.rank][piece.group, key]
+        return _Place(files.optim_states, tb.offset + piece.offset * tb.itemsize, tb.record, tb.dtype, tb.itemsize)
+
+
+def _check(fills: list, sources: _Sources, counter: ByteCounter) -> tuple[dict, Counter]:
+    """Read every source record a piece comes from once, checking its stored CRC-32: the CRC
+    of each piece's bytes {(file, first byte, length): crc}, and the non-finite values per row."""
+    ranges: dict[Path, set] = defaultdict(set)
+    regions: dict[Path, list] = defaultdict(list)
+    for _target, _key, placed in fills:
+        for piece, place in placed:
+            if place is None:
+                continue
+            n = piece.length * place.itemsize
+            ranges[place.path].add((place.record, place.at, n))
+            if dtype_name(place.dtype) in EXPONENT:  # floats: counted for the guard
+                regions[place.path].append(Region(place.at, n, piece.row, dtype_name(place.dtype)))
+    buffer = memoryview(bytearray(STREAM_CHUNK))
+    crcs: dict[tuple[Path, int, int], int] = {}
+    nonfinite = Counter()
+    for path in sorted(ranges):
+        census = Census(regions[path])
+        fd = sources.fd(path)
+        checked = {(r, at, n) for r, at, n in ranges[path] if r is not None}
+        found = read_and_check(fd, path, {r for r, _at, _n in checked}, checked, buffer, counter, census)
+        crcs.update({(path, at, n): value for (at, n), value in found.items()})
+        for _r, at, n in ranges[path] - checked:  # a partial checkpoint's slices: no stored CRC
+            crcs[path, at, n] = crc_range(fd, at, n, buffer, counter.add, census.inspect)
+        nonfinite += census.counts
+    return crcs, nonfinite
+
+
+def _write(out: Path, fills: list, crcs: dict, sources: _Sources, counter: ByteCounter) -> None:
+    """Copy each (output tensor, key, placed pieces) of `out` into place and set each output
+    record's CRC-32 from its pieces' (`_check` gave them)."""
+    steps = []
+    for target, key, placed in fills:
+        record = target.record
+        if target.offset != record.data_offset or target.numel * target.itemsize != record.size:
+            raise OutputError(f"{out}: tensor {record.name} does not fill its record (internal error)")
+        if sum(p.length for p, _place in placed) != target.numel:
+            raise OutputError(f"{out}: the pieces of {record.name} do not cover it (internal error)")
+        for piece, place in placed:
+            if place is not None and (place.dtype, place.itemsize) != (target.dtype, target.itemsize):
+                raise dtype_mismatch(place.path, key, piece.group if piece.group >= 0 else 0, place.dtype,
+                                     target.dtype)
+        steps.append((record, target, placed))
+    try:
+        with contextlib.ExitStack() as stack:
+            fout = open_fd(stack, out, os.O_RDWR)
+            writeback = Writeback(fout, counter.options.durable)
+            for record, target, placed in steps:
+                value = 0
+                for piece, place in placed:
+                    at, n = target.offset + piece.at * target.itemsize, piece.length * target.itemsize
+                    if place is None:  # padding: zeros, as DeepSpeed's own saves hold
+                        pwrite_all(fout, bytes(n), at)
+                        value = crc.combine(value, crc.zeros(n), n)
+                        counter.add(n)
+                    else:
+                        copy_range(sources.fd(place.path), fout, place.at, n, counter.add, at, writeback)
+                        value = crc.combine(value, crcs[place.path, place.at, n], n)
+                for at in record.crc_offsets:
+                    os.pwrite(fout, struct.pack("<I", value), at)
+            fsync(fout, counter.options.durable)
+    except OSError as exc:
+        raise output_error(exc, out) from None

@@ -1,0 +1,228 @@
+"""The streaming writer of a rank's optim_states file: the base's archive with byte ranges
+replaced, every byte copied in the kernel, every byte taken checked against its CRC-32.
+
+This module never imports torch (a module boundary: workers that only stream start in a
+fraction of a second); `rank_torch` holds the writers that need it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import NamedTuple
+
+from tailor_tui import crc
+from tailor_tui.formats.ds_format import TENSORS, flat_tensor, optimizer_state
+from tailor_tui.errors import IncompatibleError
+from tailor_tui.events import ByteCounter
+from tailor_tui.fileio import (
+    Writeback,
+    copy_range,
+    crc_range,
+    fsync,
+    open_fd,
+    output_error,
+    pwrite_all,
+)
+from tailor_tui.planning.jobs import RankJob
+from tailor_tui.formats.nonfinite import Census, Region
+from tailor_tui.checkpoints.partial_rows import check_crc, partial_slice, read_rows_file
+from tailor_tui.formats.pickled import dtype_name
+from tailor_tui.formats.ptfile import (
+    Record,
+    TensorBytes,
+    Unsupported,
+    checked_crcs,
+    file_format,
+    locate,
+    read_structure,
+)
+
+# One small buffer, reused: on this kind of VM fresh 64 MiB buffers ran at 0.6 GiB/s (page
+# faults on every chunk); a reused 1 MiB buffer stays in CPU cache between read and CRC.
+STREAM_CHUNK = 1 << 20
+
+class Span(NamedTuple):
+    """A byte range of the output optim file that does not keep the base's bytes."""
+
+    at: int  # where it lies in the base's (and the output's) file
+    length: int
+    source: int | None  # the checkpoint its bytes come from; None: zeros (padding)
+    source_at: int  # where they lie in that checkpoint's file
+    record: Record  # the base's record it lies in
+    source_record: Record | None  # the full source's record they come from (None: partial, zeros)
+    check: tuple | None = None  # from a partial's rows file: (its path, its CRC-32s, the tensor's name)
+
+
+def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counter | None:
+    """Write the composed optim_states file as the base's bytes with replaced ranges.
+
+    The output has the base's exact zip layout. First every record of the base, and every
+    record of a source that a slice comes from, is read once and checked against the CRC-32
+    its archive stores (a flipped byte is refused, never carried into the output under a
+    fresh CRC); that pass also gives the CRCs of the replaced ranges, old and new. Then every
+    byte is copied in the kernel (copy_file_range): the base's where nothing replaces it, a
+    source's slice where the recipe picks it; padding is written as zeros; each record's
+    CRC-32 is updated from its replaced ranges alone (see `crc`). Memory stays at one small
+    buffer whatever the file size. The same reads count each row's non-finite values in what
+    the output takes (returned per row). Returns None (writing nothing) when the archive is laid
+    out in a way this does not handle, or the base's file is in torch's legacy format; the
+    caller then re-serialises. Sources may be in either format (legacy ones have no CRC).
+    """
+    base_path = job.files[0].optim_states
+    if file_format(base_path) != "zip":
+        return None  # the output is a zip archive: a legacy-format base's file is re-serialised
+    used = sorted({c.source for c in job.copies})
+    try:
+        obj, base_records, prefix = read_structure(base_path)
+        base = flat_tensor_bytes(obj, base_records, prefix, base_path, job.group_sizes)
+        sources = {s: tensor_bytes(job.files[s].optim_states, job.group_sizes)
+                   for s in used if job.files[s].rows is None}
+    except Unsupported:
+        return None
+    for s, theirs in sources.items():
+        check_dtypes(base, theirs, job.files[s].optim_states)
+    partial, crcs = {}, {}  # per partial source: where its rows file's tensors lie, their CRC-32s
+    for s in used:
+        if job.files[s].rows is not None:
+            partial[s], crcs[s] = read_rows_file(job.files[s].rows)
+    census = {s: Census(Region(at, length, row) for row, at, length in _row_places(job, s, base, sources, partial))
+              for s in [0, *used]}
+    spans = []
+    for c in job.copies:
+        for key in TENSORS:
+            b = base[c.group, key]
+            check = None
+            if c.param is None:
+                theirs = sources[c.source][c.group, key]
+                at, record = theirs.offset + c.offset * b.itemsize, theirs.record
+            else:
+                rows = job.files[c.source].rows
+                at, record = partial_slice(rows, partial[c.source], key, c.param, c.length)[2], None
+                check = (rows, crcs[c.source], f"{key}/{c.param}")
+            spans.append(Span(b.offset + c.offset * b.itemsize, c.length * b.itemsize, c.source, at, b.record, record,
+                              check))
+    for g, offset, length in job.padding:
+        for key in TENSORS:
+            b = base[g, key]
+            spans.append(Span(b.offset + offset * b.itemsize, length * b.itemsize, None, 0, b.record, None))
+    spans = _coalesced(spans)
+
+    try:
+        with contextlib.ExitStack() as stack:
+            fin = open_fd(stack, base_path)
+            fds = {s: open_fd(stack, job.files[s].rows or job.files[s].optim_states) for s in used}
+            buffer = memoryview(bytearray(STREAM_CHUNK))
+            old = read_and_check(fin, base_path, base_records.values(),
+                                  {(sp.record, sp.at, sp.length) for sp in spans}, buffer, counter, census[0])
+            new = {}
+            for s in sources:
+                taken = {(sp.source_record, sp.source_at, sp.length) for sp in spans if sp.source == s}
+                checked = read_and_check(fds[s], job.files[s].optim_states, {r for r, _, _ in taken}, taken,
+                                          buffer, counter, census[s])
+                new.update({(s, at): value for (at, _n), value in checked.items()})
+            fout = open_fd(stack, out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            writeback = Writeback(fout, counter.options.durable)
+            position, crc_changes = 0, defaultdict(int)
+            for sp in spans:
+                copy_range(fin, fout, position, sp.at - position, counter.add, writeback=writeback)
+                if sp.source is None:  # padding holds garbage: write zeros
+                    pwrite_all(fout, bytes(sp.length), sp.at)
+                    value = crc.zeros(sp.length)
+                else:
+                    copy_range(fds[sp.source], fout, sp.source_at, sp.length, counter.add, sp.at, writeback)
+                    value = new.get((sp.source, sp.source_at))
+                    if value is None:  # from a partial checkpoint: its rows file records each slice's CRC-32
+                        value = crc_range(fds[sp.source], sp.source_at, sp.length, buffer, counter.add,
+                                          census[sp.source].inspect)
+                        check_crc(*sp.check, value)
+                tail = sp.record.data_offset + sp.record.size - sp.at - sp.length
+                crc_changes[sp.record] ^= crc.shift(old[sp.at, sp.length] ^ value, tail)
+                position = sp.at + sp.length
+            copy_range(fin, fout, position, os.fstat(fin).st_size - position, counter.add, writeback=writeback)
+            for record, change in crc_changes.items():
+                for at in record.crc_offsets:
+                    os.pwrite(fout, struct.pack("<I", record.crc ^ change), at)
+            fsync(fout, counter.options.durable)
+    except OSError as exc:
+        raise output_error(exc, out) from None
+    return sum((c.counts for c in census.values()), Counter())
+
+
+def _row_places(job: RankJob, s: int, base: dict, sources: dict, partial: dict):
+    """(row, first byte, length) of every slice the output takes from source `s`, in that
+    source's file: the base's own, a full source's optim file or a partial's rows file."""
+    for slot in job.row_slots:
+        if slot.source != s:
+            continue
+        for key in TENSORS:
+            if s == 0:
+                yield slot.row, base[slot.group, key].offset + slot.offset * 4, slot.valid * 4
+            elif s in sources:
+                yield slot.row, sources[s][slot.group, key].offset + slot.offset * 4, slot.valid * 4
+            else:
+                at = partial_slice(job.files[s].rows, partial[s], key, slot.param, slot.valid)[2]
+                yield slot.row, at, slot.valid * 4
+
+
+def read_and_check(fd: int, path: Path, records, ranges: set, buffer: memoryview,
+                    counter: ByteCounter, census: Census | None = None) -> dict[tuple[int, int], int]:
+    """Read every byte of `records` of the file `fd` once, checking each record's stored
+    CRC-32 (`ptfile.checked_crcs`), and return the CRC of each (record, offset, length) in
+    `ranges` as {(offset, length): crc}; `census` counts non-finite values on the way."""
+    found = {}
+    inspect = census.inspect if census is not None else None
+    for record in sorted(records, key=lambda r: r.data_offset):
+        mine = sorted((at, n) for r, at, n in ranges if r == record)
+        found.update(zip(mine, checked_crcs(fd, path, record, mine, buffer, counter.add, inspect)))
+    return found
+
+
+def _coalesced(spans: list[Span]) -> list[Span]:
+    """Spans in file order, neighbours from the same source and records joined into one
+    (the params of a layer lie side by side in both files: one copy, one CRC step)."""
+    joined: list[Span] = []
+    for span in sorted(spans, key=lambda s: s.at):
+        last = joined[-1] if joined else None
+        if (last and span.check is None and span.at == last.at + last.length and span.source == last.source
+                and span.record == last.record and span.source_record == last.source_record
+                and (span.source is None or span.source_at == last.source_at + last.length)):
+            joined[-1] = last._replace(length=last.length + span.length)
+            continue
+        joined.append(span)
+    return joined
+
+
+def check_dtypes(base: dict, theirs: dict, path: Path) -> None:
+    """Refuse a source whose flat tensors are stored in another dtype than the base's (bf16
+    optimizer states, say): their bytes would be reinterpreted. `base` maps (group, key) to
+    TensorBytes or to (dtype, itemsize)."""
+    for (g, key), tb in theirs.items():
+        mine = base[g, key]
+        expected = (mine.dtype, mine.itemsize) if isinstance(mine, TensorBytes) else mine
+        if (tb.dtype, tb.itemsize) != expected:
+            raise dtype_mismatch(path, key, g, tb.dtype, expected[0])
+
+
+def dtype_mismatch(path: Path, key: str, group: int, theirs: str, mine: str) -> IncompatibleError:
+    """`theirs`, `mine`: a torch dtype (`torch.bfloat16`) or storage type (`BFloat16Storage`)."""
+    return IncompatibleError(
+        f"{path}: its {key} of sub-group {group} is stored as {dtype_name(theirs)}, the base's as "
+        f"{dtype_name(mine)}; checkpoints saved with another optimizer-state precision cannot be combined")
+
+
+def tensor_bytes(path: Path, group_sizes: tuple[int, ...]) -> dict:
+    """{(group, key): TensorBytes} of the flat fp32 weights and moments of an optim file."""
+    return flat_tensor_bytes(*read_structure(path), path, group_sizes)
+
+
+def flat_tensor_bytes(obj, records: dict, prefix: str, path: Path, group_sizes: tuple[int, ...]) -> dict:
+    inner = optimizer_state(obj, path, group_sizes)
+    return {(g, key): locate(flat_tensor(inner, g, key), records, prefix)
+            for g in range(len(group_sizes)) for key in TENSORS}
+
+
+

@@ -1,0 +1,141 @@
+"""Export a composition as a plain HF model folder (`tailor-tui --export recipe.yaml --to DIR`).
+
+The folder `AutoModelForCausalLM.from_pretrained(DIR)` loads: the composition's fp32 master
+weights cast to the export dtype in safetensors shards (`export_plan`, `export_rank`), the
+model's `config.json` (its dtype set to the export's), `generation_config.json` and tokenizer
+files (from an HF base, or `--config`), and `tailor_provenance.json`. Written as `--apply`
+writes: in a hidden folder beside the destination, renamed into place only when whole; an
+earlier tailor-tui output is replaced only with `--force`; sources are only read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tailor_tui.checkpoints.checkpoint import PROVENANCE
+from tailor_tui.errors import Cancelled, UsageError
+from tailor_tui.events import Emit, TaskOptions
+from tailor_tui.export.plan import Export
+from tailor_tui.export.rank import export_rank
+from tailor_tui.fileio import copy_file, fsync_dir, output_error, pwrite_all, write_file
+from tailor_tui.compose.merge import provenance
+from tailor_tui.planning.output import OUTPUT_FILES, hidden_folder, output_lock, publish, signals_held, written_files
+from tailor_tui.formats.safetensors_out import INDEX
+from tailor_tui.team.workers import run_calls
+
+CONFIG = "config.json"
+# what save_pretrained and a tokenizer's save_pretrained write beside the weights
+COMPANIONS = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+MAX_CONFIG = 4 << 20
+TORCH_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    output: Path
+    seconds: float
+    bytes_written: int
+    config: Path | None  # where config.json came from; None: the folder has weights only
+
+
+def config_source(export: Export, config: Path | None) -> Path | None:
+    """The folder or config.json the model's config comes from: `--config`, else an HF base."""
+    if config is not None:
+        path = config / CONFIG if config.is_dir() else config
+        if not path.is_file():
+            raise UsageError(f"config {config}: no {CONFIG} there; name the model's config.json or a folder "
+                             "holding it (and the tokenizer files)")
+        return path
+    base = export.plan.base
+    return base.path / CONFIG if base.kind == "hf" and (base.path / CONFIG).is_file() else None
+
+
+def run_export(export: Export, *, config: Path | None, workers: int, emit: Emit = lambda e: None,
+               cancel: threading.Event | None = None, options: TaskOptions = TaskOptions()) -> ExportResult:
+    cancel = cancel or threading.Event()
+    plan, started = export.plan, time.monotonic()
+    out = plan.output
+    source = config_source(export, config)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise output_error(exc, out.parent) from None
+    with output_lock(out):
+        tmp = hidden_folder(out, plan.force)
+        published = False
+        try:
+            _make_files(export, tmp, options.durable)
+            if source is not None:
+                _write_config(source, tmp, export.dtype, options.durable)
+            run_calls([(export_rank, (job, tmp)) for job in export.jobs], workers, emit, cancel, options)
+            if cancel.is_set():
+                raise Cancelled("export cancelled; nothing was written to the output path")
+            record = provenance(plan) | {"export": {"dtype": export.dtype, "config": str(source) if source else None},
+                                         OUTPUT_FILES: written_files(tmp)}
+            write_file(tmp / PROVENANCE, json.dumps(record, indent=2) + "\n", options.durable)
+            fsync_dir(tmp, options.durable)
+            with signals_held():
+                publish(tmp, out, plan.force, options.durable, options.exchange)
+                published = True
+        except KeyboardInterrupt:
+            cancel.set()
+            if not published:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise Cancelled("export cancelled; nothing was written to the output path") from None
+        except BaseException:
+            if not published:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return ExportResult(out, time.monotonic() - started, export.bytes_to_write(), source)
+
+
+def _make_files(export: Export, tmp: Path, durable: bool) -> None:
+    """Every shard at its full size with its header in place (the tensors' bytes come from the
+    workers), and the index when there are several."""
+    for f in export.files:
+        path = tmp / f.name
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                os.ftruncate(fd, f.size)
+                pwrite_all(fd, f.header, 0)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise output_error(exc, path) from None
+    if export.index is not None:
+        write_file(tmp / INDEX, json.dumps(export.index, indent=2) + "\n", durable)
+
+
+def _write_config(source: Path, tmp: Path, dtype: str, durable: bool) -> None:
+    """config.json with its dtype the export's; the generation config and tokenizer files beside it."""
+    try:
+        with open(source, "rb") as f:
+            text = f.read(MAX_CONFIG + 1)
+        config = json.loads(text) if len(text) <= MAX_CONFIG else None
+    except OSError as exc:
+        raise UsageError(f"{source}: cannot be read ({exc.strerror or exc})") from None
+    except ValueError:
+        config = None
+    if not isinstance(config, dict):
+        raise UsageError(f"{source}: not a model config (a JSON object of at most {MAX_CONFIG >> 20} MiB); "
+                         "name the model's config.json with --config")
+    keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]
+    for key in keys:
+        config[key] = TORCH_DTYPE[dtype]
+    write_file(tmp / CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n", durable)
+    for name in COMPANIONS:
+        companion = source.parent / name
+        if companion.is_file():
+            try:
+                copy_file(companion, tmp / name, durable=durable)
+            except OSError as exc:
+                raise output_error(exc, tmp / name) from None
+

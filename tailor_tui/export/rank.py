@@ -1,0 +1,142 @@
+"""One source rank's share of an export: read, check, cast, write into place (a worker's task).
+
+Each sub-group's flat fp32 buffer a job takes from is read once, whole, through a 1 MiB buffer
+and checked against the CRC-32 its archive stores (a rotten source is refused, never exported);
+as each chunk goes by, the slices the job takes are cast to the export's dtype and written
+straight to their place in the output files (`export_plan`, `safetensors_out`). Frozen
+parameters' fragments and persistent buffers (model_states) likewise, buffers as stored; a
+partial checkpoint's saved slices are read where its rows file holds them (each checked against
+its recorded CRC-32). Memory: the buffer and one chunk's cast, whatever the size.
+
+Casts are those of torch's `Tensor.to`: fp32 to bf16 and fp16 round to nearest even (NaN stays
+NaN, bf16's as 0x7FC0; overflow gives inf), bf16 to fp32 is exact. Torch-free (numpy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from tailor_tui.formats.ds_format import MODULE
+from tailor_tui.errors import CheckpointError
+from tailor_tui.events import ByteCounter, Emit, TaskOptions
+from tailor_tui.export.plan import ExportJob, Span
+from tailor_tui.fileio import crc_range, fsync, open_fd, output_error, pwrite_all
+from tailor_tui.checkpoints.partial_rows import check_crc, partial_slice, read_rows_file
+from tailor_tui.formats.pickled import dtype_name
+from tailor_tui.formats.ptfile import Unsupported, checked_crcs, frozen_fragment_bytes, locate, read_structure
+from tailor_tui.compose.rank_stream import STREAM_CHUNK, tensor_bytes
+
+_NUMPY = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+_OUT = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def export_rank(job: ExportJob, out_dir: Path, emit: Emit, cancelled: Callable[[], bool],
+                options: TaskOptions = TaskOptions()) -> None:
+    counter = ByteCounter(job.task, job.total_bytes, emit, cancelled, options)
+    buffer = memoryview(bytearray(STREAM_CHUNK))
+    with contextlib.ExitStack() as stack:
+        outputs: dict[str, int] = {}
+
+        def out_fd(name: str) -> int:
+            if name not in outputs:
+                try:
+                    outputs[name] = open_fd(stack, out_dir / name, os.O_WRONLY)
+                except OSError as exc:
+                    raise output_error(exc, out_dir / name) from None
+            return outputs[name]
+
+        if job.groups:
+            located = tensor_bytes(job.optim_states, job.group_sizes)
+            fd = open_fd(stack, job.optim_states)
+            for g, spans in job.groups:
+                flat = located[g, "fp32"]
+                if dtype_name(flat.dtype) != "float32":
+                    raise CheckpointError(f"{job.optim_states}: sub-group {g}'s master weights are "
+                                          f"{dtype_name(flat.dtype)}, not fp32; the file is not a ZeRO-3 optimizer state")
+                _stream(fd, job.optim_states, flat, spans, "float32", job.out_dtype, out_fd, buffer, counter)
+        if job.frozen:
+            located = frozen_fragment_bytes(job.model_states, [name for name, _span in job.frozen])
+            fd = open_fd(stack, job.model_states)
+            for name, span in job.frozen:
+                tb = located[name]
+                _stream(fd, job.model_states, tb, [span], dtype_name(tb.dtype), job.out_dtype, out_fd, buffer,
+                        counter)
+        if job.buffers:
+            obj, records, prefix = read_structure(job.model_states)
+            fd = open_fd(stack, job.model_states)
+            for name, span in job.buffers:
+                try:
+                    tb = locate(obj[MODULE][name], records, prefix)
+                except (KeyError, TypeError, Unsupported):
+                    raise CheckpointError(f"{job.model_states}: has no readable buffer {name}; the file is damaged "
+                                          "or from another model") from None
+                kind = dtype_name(tb.dtype)
+                _stream(fd, job.model_states, tb, [span], kind, kind, out_fd, buffer, counter)
+        if job.saved:  # (the header was checked against the file's size: no slice runs past its end)
+            tensors, crcs = read_rows_file(job.rows)
+            fd = open_fd(stack, job.rows)
+            out_size = np.dtype(_NUMPY[_OUT.get(job.out_dtype, job.out_dtype)]).itemsize
+            for name, span in job.saved:
+                begin = partial_slice(job.rows, tensors, "fp32", name, span.count)[2]
+
+                def write_cast(offset: int, chunk: memoryview, span=span, begin=begin) -> None:
+                    pwrite_all(out_fd(span.out_file), cast(chunk, "float32", job.out_dtype),
+                               span.out_offset + (offset - begin) // 4 * out_size)
+
+                value = crc_range(fd, begin, span.count * 4, buffer, counter.add, write_cast)
+                check_crc(job.rows, crcs, f"fp32/{name}", value)
+        for fd in outputs.values():
+            fsync(fd, options.durable)
+    counter.finish()
+
+
+def _stream(fd: int, path: Path, tensor, spans: list[Span], src: str, out: str, out_fd, buffer: memoryview,
+            counter: ByteCounter) -> None:
+    """Read `tensor`'s record whole (CRC-32 checked); write each span's elements, cast, to its place."""
+    if src != _OUT.get(out, out) and src not in _NUMPY:
+        raise CheckpointError(f"{path}: {tensor.record.name} holds {src} values where weights were expected; "
+                              "the file is from another run or layout")
+    itemsize = tensor.itemsize
+    out_size = np.dtype(_NUMPY[_OUT.get(out, out)]).itemsize if _OUT.get(out, out) in _NUMPY else itemsize
+    wanted = sorted((tensor.offset + s.first * itemsize, s) for s in spans)
+    for at, s in wanted:
+        if s.first + s.count > tensor.numel:
+            raise CheckpointError(f"{path}: {tensor.record.name} holds {tensor.numel} elements, the layout needs "
+                                  f"{s.first + s.count}; the file is from another run or layout")
+
+    def inspect(offset: int, chunk: memoryview) -> None:
+        end = offset + len(chunk)
+        for at, s in wanted:
+            stop = at + s.count * itemsize
+            lo, hi = max(at, offset), min(stop, end)
+            if lo < hi:
+                values = cast(chunk[lo - offset: hi - offset], src, out)
+                pwrite_all(out_fd(s.out_file), values, s.out_offset + (lo - at) // itemsize * out_size)
+
+    # the ranges too: a legacy-format record has no CRC-32, and then only they are read
+    checked_crcs(fd, path, tensor.record, [(at, s.count * itemsize) for at, s in wanted], buffer, counter.add,
+                 inspect)
+
+
+def cast(data, src: str, out: str) -> bytes:
+    """Little-endian elements of dtype `src` as `out` (float32, bfloat16, float16 names or F32/BF16/F16)."""
+    out = _OUT.get(out, out)
+    if src == out:
+        return bytes(data)
+    values = np.frombuffer(data, dtype=_NUMPY[src])
+    if src == "bfloat16":
+        values = (values.astype(np.uint32) << 16).view(np.float32)
+    elif src == "float16":
+        values = values.astype(np.float32)
+    if out == "float32":
+        return values.astype(np.float32).tobytes()
+    if out == "float16":
+        return values.astype(np.float16).tobytes()
+    bits = values.astype(np.float32).view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    return np.where(np.isnan(values), np.uint16(0x7FC0), rounded).astype(np.uint16).tobytes()

@@ -1,0 +1,163 @@
+"""What DeepSpeed ZeRO-3 checkpoints hold, release by release, and which releases tailor-tui reads.
+
+The checkpoint's vocabulary, named once (as DeepSpeed's `deepspeed/checkpoint/constants.py`
+names it for DeepSpeed): file names, the keys of model_states and optim_states files,
+the classes they pickle, and small accessors over the loaded structures. Torch-free; used
+by the readers (`pickled`, `safe_load`, `checkpoint`), the writers and the verifier. Found by generating a real
+run with each release (tests/test_compat.py) and by reading each release's save
+path (`DeepSpeedEngine._save_checkpoint`, `_save_zero_checkpoint`,
+`DeepSpeedZeroOptimizer_Stage3._rigid_state_dict`).
+
+What differs between the releases tailor-tui reads:
+
+- `sparse_tensor_module_names` (a Python `set`, pickled as `__builtin__.set`) is in
+  model_states up to 0.18.x; 0.19 no longer saves it. tailor-tui does not use it.
+- 0.19 adds the parallel-dims metadata to model_states and `ds_zero_partition_groups`
+  to the optimizer state; both are carried over from the base unread.
+- `ds_config` is whatever the training script passed as its config: usually a dict,
+  but a path (str) or None when the config came from a file or the command line; the
+  precision is then read from the checkpoint's own tensors (`checkpoint._precision`).
+- The fp16 loss scaler (`DynamicLossScaler`) keeps its `dtype`, a `torch.float16` in
+  every release; bf16 and fp32 runs pickle the static `LossScaler`.
+- `checkpoint_serialization: false` (0.17 and later) makes DeepSpeed write every `.pt`
+  file in torch's legacy (non-zip) format; LLMTailor writes optim files that way too.
+"""
+
+from __future__ import annotations
+
+import io
+import pickletools
+import re
+
+from tailor_tui.errors import CheckpointError
+
+# The releases whose checkpoints tailor-tui reads: from OLDEST up to, not including, BEYOND.
+OLDEST = (0, 14, 0)
+BEYOND = (0, 20, 0)
+SUPPORTED = "DeepSpeed 0.14.0 to 0.19.x"
+
+# Every class a ZeRO-3 checkpoint of a supported release pickles, as (module, name). None has
+# moved between 0.14.0 and 0.19.x. Only these are ever resolved, and only to inert stand-ins
+# (torch-free reader) or by torch.load(weights_only=True) with exactly these allowed.
+DEEPSPEED_CLASSES = (
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),  # optim: zero_stage
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),  # optim: static scaler (bf16, fp32)
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),  # optim: fp16's scaler
+)
+
+# File names in a tag folder (rank r, model-parallel rank 0), and beside it in a save_dir.
+MODEL_STATES = "zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+OPTIM_STATES = "{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"  # prefix: "bf16_" or ""
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+
+# Keys of a model_states file that tailor-tui reads (the rest is carried over unread).
+PARAM_SHAPES = "param_shapes"
+FROZEN_PARAM_SHAPES = "frozen_param_shapes"
+FROZEN_PARAM_FRAGMENTS = "frozen_param_fragments"
+DP_WORLD_SIZE = "dp_world_size"
+BUFFER_NAMES = "buffer_names"
+SHARED_PARAMS = "shared_params"  # {state-dict name: the parameter it is tied to}
+MODULE = "module"
+GLOBAL_STEPS = "global_steps"
+DS_CONFIG = "ds_config"
+DS_VERSION = "ds_version"
+
+# Keys of an optim_states file: {OPTIMIZER_STATE_DICT: {FP32_FLAT_GROUPS: [flat per sub-group],
+# OPTIMIZER_STATE_DICT: {STATE: {group: {STEP, EXP_AVG, EXP_AVG_SQ}}, PARAM_GROUPS: [...]}, …}, …}
+OPTIMIZER_STATE_DICT = "optimizer_state_dict"
+FP32_FLAT_GROUPS = "fp32_flat_groups"
+PARTITION_COUNT = "partition_count"  # ZeRO-3: the data-parallel world size (an int)
+PARTITION_GROUPS = "ds_zero_partition_groups"  # 0.19: only with AutoEP expert groups
+STATE = "state"
+PARAM_GROUPS = "param_groups"
+STEP = "step"
+EXP_AVG = "exp_avg"
+EXP_AVG_SQ = "exp_avg_sq"
+# The three flat tensors of every sub-group that a row's slices live in, by tailor-tui's names
+TENSORS = ("fp32", EXP_AVG, EXP_AVG_SQ)
+
+
+def optimizer_state(obj, path, group_sizes: tuple[int, ...]) -> dict:
+    """The inner optimizer dict of a loaded optim_states file (`obj`), checked to hold the
+    three flat tensors of every sub-group at the layout's sizes (CheckpointError naming `path`)."""
+    try:
+        inner = obj[OPTIMIZER_STATE_DICT]
+        flat = inner[FP32_FLAT_GROUPS]
+        inner[OPTIMIZER_STATE_DICT][STATE]  # noqa: B018 (must be there)
+    except (KeyError, TypeError):
+        raise CheckpointError(
+            f"{path}: not a ZeRO-3 optim_states file (no {FP32_FLAT_GROUPS}); "
+            "tailor-tui composes ZeRO stage 3 checkpoints"
+        ) from None
+    if len(flat) != len(group_sizes):
+        raise CheckpointError(
+            f"{path}: holds {len(flat)} optimizer sub-groups, its model_states describe "
+            f"{len(group_sizes)}; the file belongs to another run or is corrupt"
+        )
+    for g, size in enumerate(group_sizes):
+        for key in TENSORS:
+            t = flat_tensor(inner, g, key)
+            if t is None or t.numel() != size:
+                n = "none" if t is None else t.numel()
+                raise CheckpointError(
+                    f"{path}: sub-group {g} {key} holds {n} elements, the layout says {size}; "
+                    "the file is truncated, corrupt or from another run"
+                )
+    return inner
+
+
+def flat_tensor(inner: dict, group: int, key: str):
+    """Sub-group `group`'s flat tensor `key` (one of TENSORS) of an inner optimizer dict."""
+    if key == "fp32":
+        return inner[FP32_FLAT_GROUPS][group]
+    return inner[OPTIMIZER_STATE_DICT][STATE].get(group, {}).get(key)
+
+
+def set_flat_tensor(inner: dict, group: int, key: str, value) -> None:
+    if key == "fp32":
+        inner[FP32_FLAT_GROUPS][group] = value
+    else:
+        inner[OPTIMIZER_STATE_DICT][STATE][group][key] = value
+
+
+def parse_version(text: str) -> tuple[int, int, int] | None:
+    """(major, minor, patch) of a DeepSpeed version string such as `0.16.9` or
+    `0.17.1+a1b2c3`, or None when it is not one."""
+    found = re.match(r"\s*(\d+)\.(\d+)\.(\d+)", text or "")
+    return tuple(int(x) for x in found.groups()) if found else None
+
+
+def unsupported_version(ds_version: str) -> str | None:
+    """Why checkpoints of `ds_version` are not read (one phrase), or None if they are.
+
+    An empty or unparsable version (a checkpoint rewritten by another tool) is read: its
+    structure is checked field by field anyway."""
+    version = parse_version(ds_version)
+    if version is None:
+        return None
+    if version < OLDEST:
+        return (f"it was written by DeepSpeed {ds_version}, older than tailor-tui reads ({SUPPORTED}); "
+                "its ZeRO-3 layout is not checked against that release")
+    if version >= BEYOND:
+        return (f"it was written by DeepSpeed {ds_version}, newer than this tailor-tui reads ({SUPPORTED}); "
+                "upgrade tailor-tui")
+    return None
+
+
+def version_in_pickle(data: bytes) -> str | None:
+    """The `ds_version` string in the pickles in `data` (one after another, as in a legacy
+    torch file), read from their opcodes without unpickling them, for naming the release
+    of a file that cannot be read; None if there is none."""
+    stream, previous = io.BytesIO(data), None
+    try:
+        while stream.tell() < len(data):
+            for opcode, arg, _pos in pickletools.genops(stream):
+                if isinstance(arg, str):
+                    if previous == DS_VERSION and opcode.name.endswith("UNICODE"):
+                        return arg
+                    previous = arg
+                elif opcode.name not in ("BINPUT", "LONG_BINPUT", "MEMOIZE"):
+                    previous = None
+    except Exception:  # noqa: BLE001 - damaged, truncated, or storage bytes after the pickles
+        return None
+    return None

@@ -1,0 +1,63 @@
+"""Counting NaN/±Inf values in bytes as they are read, per row.
+
+One rule for "non-finite" (every exponent bit set), used by the health statistics
+(`stats_rank`) and by the merger's guard, which counts the values of every row it
+writes while it reads them for their CRC-32 check: no extra pass over the data.
+Torch-free: numpy looks at the bits.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from tailor_tui.formats.dtypes import BY_NAME
+
+# Bits of an IEEE float's exponent, all set for NaN and ±Inf, by dtype (little-endian ints).
+EXPONENT = {"float32": ("<u4", 0x7F800000), "bfloat16": ("<u2", 0x7F80), "float16": ("<u2", 0x7C00)}
+ITEMSIZE = {name: BY_NAME[name].itemsize for name in EXPONENT}  # the dtypes counted
+
+
+def count(data, dtype: str = "float32") -> int:
+    """NaN/±Inf elements in `data` (bytes of little-endian `dtype` values)."""
+    int_type, exponent = EXPONENT[dtype]
+    bits = np.frombuffer(data, dtype=int_type)
+    return int(np.count_nonzero((bits & exponent) == exponent))
+
+
+@dataclass(frozen=True)
+class Region:
+    """`length` bytes at `at` in one file hold values of `row`."""
+
+    at: int
+    length: int
+    row: str
+    dtype: str = "float32"
+
+
+class Census:
+    """Counts, per row, the non-finite values in regions of one file, fed the chunks that are
+    read of it (`inspect(offset, chunk)`, in any order; parts outside regions are ignored)."""
+
+    def __init__(self, regions):
+        self.regions = sorted(regions, key=lambda r: r.at)
+        self._starts = [r.at for r in self.regions]
+        self.counts: Counter = Counter()
+
+    def inspect(self, offset: int, chunk) -> None:
+        end = offset + len(chunk)
+        i = max(0, bisect.bisect_right(self._starts, offset) - 1)
+        while i < len(self.regions) and self.regions[i].at < end:
+            r = self.regions[i]
+            a, b = max(r.at, offset), min(r.at + r.length, end)
+            if b > a:
+                size = ITEMSIZE[r.dtype]
+                if (a - r.at) % size or (b - a) % size:
+                    raise ValueError(f"a read of {a}..{b} splits a {r.dtype} value of region {r}")
+                n = count(chunk[a - offset: b - offset], r.dtype)
+                if n:
+                    self.counts[r.row] += n
+            i += 1

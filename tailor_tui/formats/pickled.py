@@ -1,0 +1,385 @@
+"""Read the structure of a DeepSpeed checkpoint pickle without torch and without running it.
+
+The composer needs only structure from a `.pt` file: param shapes, world size and
+counters from model_states, and where each flat tensor's bytes sit in optim_states.
+Importing torch for that costs seconds in every process (and on a login node, every
+scan). This unpickler resolves exactly the globals DeepSpeed ZeRO-3 checkpoints hold
+(every supported release: `ds_format`) to inert stand-ins (a tensor becomes a
+`TensorRef`: storage key, offset, shape) and refuses every other global, so a hostile
+pickle can neither run code nor load a class.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import math
+import pickle
+import pickletools
+from dataclasses import dataclass, field
+
+from tailor_tui.formats.ds_format import DEEPSPEED_CLASSES
+from tailor_tui.formats.dtypes import STORAGE_DTYPE, STORAGE_ITEMSIZE
+
+
+def dtype_name(what: str) -> str:
+    """`float32` for a storage type (`FloatStorage`) or a torch dtype (`torch.float32`)."""
+    return STORAGE_DTYPE.get(what, what.removeprefix("torch."))
+
+
+@dataclass(frozen=True)
+class StorageType:
+    name: str
+
+    @property
+    def itemsize(self) -> int:
+        return STORAGE_ITEMSIZE[self.name]
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    key: str
+    itemsize: int
+    numel: int
+    type_name: str = "UntypedStorage"  # `FloatStorage`, `HalfStorage`, …: the elements' dtype
+    location: str = "cpu"  # the device torch saved it from: `cpu`, `cuda:0`, …
+
+
+@dataclass
+class TensorRef:
+    """A tensor as pickled: which storage, where in it, what shape. No data. The rest is
+    what `ptpickle` needs to pickle it back exactly as it was: its backward hooks (always
+    an empty OrderedDict), the metadata newer torch appends, and, for a tensor pickled as
+    `_rebuild_from_type_v2`, its (type, state)."""
+
+    storage: StorageRef
+    storage_offset: int
+    size: tuple
+    stride: tuple
+    requires_grad: bool = False
+    hooks: object = field(default_factory=collections.OrderedDict, repr=False, compare=False)
+    metadata: tuple = field(default=(), repr=False, compare=False)
+    from_type: tuple | None = field(default=None, repr=False, compare=False)
+
+    def numel(self) -> int:
+        return math.prod(self.size)
+
+    def element_size(self) -> int:
+        return self.storage.itemsize
+
+    def is_contiguous(self) -> bool:
+        expected, stride = 1, []
+        for d in reversed(self.size):
+            stride.append(expected)
+            expected *= d
+        return tuple(reversed(stride)) == tuple(self.stride) or self.numel() <= 1
+
+
+class Size(tuple):
+    """torch.Size."""
+
+
+class PickledSet(set):
+    """A pickled set, with its items in the order they were pickled (a set's own order
+    changes with the process's string hashing): `ptpickle` writes them back in that order."""
+
+    order: list
+
+
+class Opaque:
+    """A stand-in for an allow-listed object (loss scaler, tensor subclass): keeps its state."""
+
+    def __init__(self, *args, **kwargs):
+        self.args = args
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+class ZeroStageEnum(Opaque):
+    """deepspeed.runtime.zero.config.ZeroStageEnum(3) -> keeps the value."""
+
+    def __init__(self, value=None):
+        self.value = value
+
+    def __eq__(self, other):
+        return getattr(other, "value", other) == self.value
+
+    def __hash__(self):
+        return hash(self.value)
+
+
+class LossScaler(Opaque):
+    pass
+
+
+class DynamicLossScaler(Opaque):
+    pass
+
+
+@dataclass(frozen=True)
+class DType:
+    """A torch dtype (`torch.float16`): DeepSpeed's fp16 loss scaler keeps one."""
+
+    name: str
+
+
+SET_ITEMS = (str, int)  # what DeepSpeed keeps in the sets it pickles (module names)
+
+
+def _set(items=()):
+    """`__builtin__.set`, as DeepSpeed <= 0.18 pickles `sparse_tensor_module_names`: a set of
+    names. Anything but a list of strings or ints is refused (nothing else is ever called)."""
+    if not isinstance(items, list) or not all(type(x) in SET_ITEMS for x in items):
+        raise pickle.UnpicklingError("a pickled set holds something other than names")
+    found = PickledSet(items)
+    found.order = items
+    return found
+
+
+def rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, hooks=None, *metadata):
+    if not isinstance(storage, StorageRef):
+        raise pickle.UnpicklingError("a tensor whose storage is not a storage")
+    hooks = collections.OrderedDict() if hooks is None else hooks
+    return TensorRef(storage, storage_offset, tuple(size), tuple(stride), bool(requires_grad), hooks, metadata)
+
+
+def rebuild_from_type_v2(func, new_type, args, state):
+    tensor = func(*args)  # a tensor subclass (e.g. a Parameter placeholder): the plain tensor will do
+    if isinstance(tensor, TensorRef):
+        tensor.from_type = (new_type, state)
+    return tensor
+
+
+_STAND_INS = {"ZeroStageEnum": ZeroStageEnum, "LossScaler": LossScaler, "DynamicLossScaler": DynamicLossScaler}
+ALLOWED = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("__builtin__", "set"): _set,  # protocol 2 names builtins so
+    ("builtins", "set"): _set,
+    ("torch", "Size"): Size,
+    ("torch", "Tensor"): Opaque,
+    ("torch", "float16"): DType("float16"),
+    ("torch._utils", "_rebuild_tensor_v2"): rebuild_tensor_v2,
+    ("torch._tensor", "_rebuild_from_type_v2"): rebuild_from_type_v2,
+    **{(module, name): _STAND_INS[name] for module, name in DEEPSPEED_CLASSES},
+    **{("torch", name): StorageType(name) for name in STORAGE_ITEMSIZE},
+}
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, storages: dict | None = None):
+        super().__init__(file)
+        self.storages = storages  # key -> StorageRef of every storage met, when given
+        self.met: dict[str, StorageRef] = {}  # one StorageRef per storage: sharing one is identity
+
+    def find_class(self, module, name):
+        try:
+            return ALLOWED[module, name]
+        except KeyError:
+            raise pickle.UnpicklingError(f"Unsupported GLOBAL {module}.{name} (not allow-listed)") from None
+
+    def persistent_load(self, saved_id):
+        # zip format: (kind, type, key, location, numel); legacy format adds view metadata
+        if not isinstance(saved_id, tuple) or len(saved_id) not in (5, 6):
+            raise pickle.UnpicklingError("unexpected persistent id")
+        kind, storage_type, key, location, numel, *view = saved_id
+        if kind != "storage" or not isinstance(storage_type, StorageType) or type(numel) is not int:
+            raise pickle.UnpicklingError(f"unexpected persistent id {kind!r}")
+        if view and view[0] is not None:
+            raise pickle.UnpicklingError("a storage view (torch before 1.0 wrote those)")
+        if not isinstance(location, str):
+            raise pickle.UnpicklingError("a storage's location is not a name")
+        ref = StorageRef(str(key), storage_type.itemsize, numel, storage_type.name, location)
+        ref = self.met.setdefault(ref.key, ref)
+        if ref.itemsize != storage_type.itemsize or ref.numel != numel or ref.type_name != storage_type.name:
+            raise pickle.UnpicklingError(f"storage {ref.key} is described twice, differently")
+        if self.storages is not None:
+            if self.storages.setdefault(ref.key, ref) != ref:
+                raise pickle.UnpicklingError(f"storage {ref.key} is described twice, differently")
+        return ref
+
+
+# A ZeRO-3 checkpoint's pickle is small whatever the model size (shapes, counters, where
+# tensors sit): about 300 bytes and 60 opcodes per parameter, so a few MiB for a 70B model
+# and ~15 MiB for a 47k-parameter MoE. Anything beyond these bounds is refused before a
+# single object is built, so reading any structure stays under 256 MiB of memory.
+MAX_PICKLE_BYTES = 64 << 20
+MAX_OBJECT_BYTES = 160 << 20  # estimated memory of the objects the pickle would build
+MAX_MEMO = 1 << 22  # memo slots (a crafted LONG_BINPUT 400000000 would allocate 3 GiB)
+MAX_NESTING = 100  # open MARKs
+_CHEAP = {"BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE", "BINGET", "LONG_BINGET", "GET", "MARK", "STOP",
+          "PROTO", "FRAME", "POP", "POP_MARK", "DUP", "BININT1", "NONE", "NEWTRUE", "NEWFALSE"}
+
+
+def check_bounds(stream) -> None:
+    """Walk one pickle's opcodes without building anything and refuse (UnpicklingError) one
+    whose memo, nesting or estimated object memory exceeds what a checkpoint ever needs."""
+    cost = nesting = memoized = 0
+    for opcode, arg, _pos in pickletools.genops(stream):
+        name = opcode.name
+        if name in ("BINPUT", "LONG_BINPUT", "PUT", "BINGET", "LONG_BINGET", "GET") and int(arg) >= MAX_MEMO:
+            raise pickle.UnpicklingError(f"memo index {arg} is beyond what any checkpoint uses")
+        memoized += name == "MEMOIZE"
+        if memoized >= MAX_MEMO:
+            raise pickle.UnpicklingError("more memo entries than any checkpoint uses")
+        if name == "MARK":
+            nesting += 1
+            if nesting > MAX_NESTING:
+                raise pickle.UnpicklingError(f"nested more than {MAX_NESTING} deep")
+        elif pickletools.markobject in opcode.stack_before:
+            nesting -= 1
+        cost += 8 if name in _CHEAP else 64 + (len(arg) if isinstance(arg, (str, bytes, bytearray)) else 0)
+        if cost > MAX_OBJECT_BYTES:
+            raise pickle.UnpicklingError(f"it would build more than {MAX_OBJECT_BYTES >> 20} MiB of objects")
+
+
+# How check_bounds_bytes steps over an opcode: by how its argument is laid out, whether it
+# indexes the memo, and whether it is _CHEAP (the estimated cost is not checked after those)
+_CHEAP_FIXED, _FIXED, _MEMO_INDEX, _MEMO_LINE, _SIZED, _LINES, _MARK, _MEMOIZE, _STOP, _UNKNOWN = range(10)
+
+
+def _opcode_table() -> list[tuple]:
+    """code byte -> (how it is stepped over, argument bytes or lines, base cost, whether it pops
+    a MARK, name)."""
+    table = [(_UNKNOWN, 0, 0, False, "")] * 256
+    for op in pickletools.opcodes:
+        arg, cheap = op.arg, op.name in _CHEAP
+        n = 0
+        if op.name in ("MARK", "MEMOIZE", "STOP"):
+            kind = {"MARK": _MARK, "MEMOIZE": _MEMOIZE, "STOP": _STOP}[op.name]
+        elif arg is None or arg.n >= 0:
+            n = arg.n if arg is not None else 0
+            memo_index = op.name in ("BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET")
+            # an index of n bytes is checked only when it can reach MAX_MEMO (BINPUT's 1 byte cannot)
+            kind = _MEMO_INDEX if memo_index and 256 ** n > MAX_MEMO else _CHEAP_FIXED if cheap else _FIXED
+        elif arg.n == pickletools.UP_TO_NEWLINE:
+            kind = _MEMO_LINE if cheap else _LINES  # PUT / GET: a decimal index
+            n = 2 if arg.name.endswith("_pair") else 1
+        else:
+            kind = _SIZED
+            n = {pickletools.TAKEN_FROM_ARGUMENT1: 1, pickletools.TAKEN_FROM_ARGUMENT4: -4,
+                 pickletools.TAKEN_FROM_ARGUMENT4U: 4, pickletools.TAKEN_FROM_ARGUMENT8U: 8}[arg.n]
+        table[op.code.encode("latin-1")[0]] = (kind, n, 8 if cheap else 64, pickletools.markobject in op.stack_before,
+                                               op.name)
+    return table
+
+
+_OPCODES = _opcode_table()
+
+
+def check_bounds_bytes(data: bytes) -> None:
+    """`check_bounds` for a pickle held in memory: the same limits, one pass over the bytes
+    without decoding arguments (pickletools.genops costs seconds on a run of 100 checkpoints).
+    The estimated cost is checked after each opcode that is not _CHEAP, as `check_bounds` does."""
+    cost = nesting = memoized = i = 0
+    end = len(data)
+    table, find, from_bytes, max_memo = _OPCODES, data.find, int.from_bytes, MAX_MEMO
+    while True:
+        try:
+            kind, n, base, pops_mark, name = table[data[i]]
+        except IndexError:  # i is past the last byte
+            raise pickle.UnpicklingError("the pickle ends before its STOP opcode (truncated)") from None
+        i += 1
+        cost += base
+        if kind == _CHEAP_FIXED:
+            i += n
+            if pops_mark:
+                nesting -= 1
+            continue
+        if kind == _MEMO_INDEX:
+            index = from_bytes(data[i: i + n], "little")
+            if index >= max_memo:
+                raise pickle.UnpicklingError(f"memo index {index} is beyond what any checkpoint uses")
+            i += n
+            continue
+        if kind == _FIXED:
+            i += n
+        elif kind == _SIZED:
+            width = n if n > 0 else -n
+            size = from_bytes(data[i: i + width], "little", signed=n < 0)
+            if size < 0 or i + width + size > end:
+                raise pickle.UnpicklingError(f"{name} at byte {i} claims {size} bytes past the end (truncated)")
+            i += width + size
+            cost += size
+        elif kind == _MARK:
+            nesting += 1
+            if nesting > MAX_NESTING:
+                raise pickle.UnpicklingError(f"nested more than {MAX_NESTING} deep")
+            continue
+        elif kind == _MEMOIZE:
+            memoized += 1
+            if memoized >= MAX_MEMO:
+                raise pickle.UnpicklingError("more memo entries than any checkpoint uses")
+            continue
+        elif kind == _STOP:
+            return
+        elif kind == _MEMO_LINE:
+            j = find(b"\n", i)
+            try:
+                index = int(data[i:j]) if j >= 0 else -1
+            except ValueError:
+                index = -1
+            if index < 0:
+                raise pickle.UnpicklingError(f"{name} at byte {i} has no index (truncated?)")
+            if index >= MAX_MEMO:
+                raise pickle.UnpicklingError(f"memo index {index} is beyond what any checkpoint uses")
+            i = j + 1
+            continue
+        elif kind == _UNKNOWN:
+            raise pickle.UnpicklingError(f"unknown opcode {data[i - 1]:#04x} at byte {i - 1}")
+        else:  # _LINES
+            for _ in range(n):
+                j = find(b"\n", i)
+                if j < 0:
+                    raise pickle.UnpicklingError(f"{name} at byte {i} has no end of line (truncated)")
+                cost += j - i
+                i = j + 1
+        if pops_mark:
+            nesting -= 1
+        if cost > MAX_OBJECT_BYTES:
+            raise pickle.UnpicklingError(f"it would build more than {MAX_OBJECT_BYTES >> 20} MiB of objects")
+
+
+class _Bounded:
+    """The file as the unpickler reads it: at most MAX_PICKLE_BYTES in all, so a crafted
+    length cannot make it allocate more; no read-ahead, so `f` is left just after the pickle."""
+
+    def __init__(self, f):
+        self.f, self.left = f, MAX_PICKLE_BYTES
+
+    def _take(self, n: int) -> int:
+        if n > self.left:
+            raise pickle.UnpicklingError(f"its structure is larger than {MAX_PICKLE_BYTES >> 20} MiB")
+        self.left -= n
+        return n
+
+    def read(self, n: int = -1) -> bytes:
+        return self.f.read(self._take(n if n >= 0 else self.left + 1))
+
+    def readinto(self, buffer) -> int:
+        return self.f.readinto(memoryview(buffer)[: self._take(len(buffer))])
+
+    def readline(self) -> bytes:
+        line = self.f.readline(self.left + 1)
+        self._take(len(line))
+        return line
+
+
+def read_pickle(data: bytes, storages: dict | None = None):
+    """The object pickled in `data`, tensors as TensorRef; UnpicklingError for anything not
+    allow-listed or beyond a checkpoint's bounds (`check_bounds`). `storages`, if given,
+    receives every storage the pickle refers to (key -> StorageRef)."""
+    if len(data) > MAX_PICKLE_BYTES:
+        raise pickle.UnpicklingError(f"its structure is larger than {MAX_PICKLE_BYTES >> 20} MiB")
+    check_bounds_bytes(data)
+    return _Unpickler(io.BytesIO(data), storages).load()
+
+
+def read_pickle_from(f, storages: dict | None = None):
+    """The next object pickled in the open binary file `f`, tensors as TensorRef; reads at
+    most MAX_PICKLE_BYTES and leaves `f` just after the pickle. `storages`, if given,
+    receives every storage the pickle refers to (key -> StorageRef)."""
+    start = f.tell()
+    check_bounds(_Bounded(f))
+    f.seek(start)
+    return _Unpickler(_Bounded(f), storages).load()

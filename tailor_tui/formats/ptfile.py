@@ -1,0 +1,304 @@
+"""Where each tensor's bytes sit inside a torch `.pt` file, without reading tensor data.
+
+A `.pt` file is a zip archive: `data.pkl` (the pickled object, tensors as references
+to storages) plus one uncompressed record per storage (`data/0`, `data/1`, …). Here
+`data.pkl` is read by `pickled.read_pickle` (allow-listed globals only, as inert
+stand-ins, no torch): that yields the object's structure and, for each tensor, which
+record and which byte offset hold it. Files in torch's legacy (non-zip) format are
+read by `ptlegacy` into the same records (with no CRC: that format has none).
+
+The streaming merger uses this to copy the base's rank file record by record at
+kernel speed and rewrite only the byte ranges a recipe replaces (then the records'
+CRC-32s), instead of deserialising and re-serialising whole files.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+import struct
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tailor_tui import crc
+from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, unsupported_version, version_in_pickle
+from tailor_tui.errors import CheckpointError
+from tailor_tui.fileio import crc_range
+from tailor_tui.formats.pickled import MAX_PICKLE_BYTES, TensorRef, read_pickle
+from tailor_tui.formats.ptlegacy import START as LEGACY_START
+from tailor_tui.formats.ptlegacy import LegacyError, read_legacy
+
+ZIP_START = b"PK\x03\x04"
+
+LOCAL_HEADER = 30
+CENTRAL_SIGNATURE = 0x02014B50
+DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
+
+
+class Unsupported(Exception):
+    """The archive is laid out in a way the streaming path does not handle (compressed, …)."""
+
+
+@dataclass(frozen=True)
+class Record:
+    name: str
+    header_offset: int  # local file header
+    data_offset: int  # first byte of the stored data
+    size: int
+    crc: int | None  # CRC-32 of the stored data, as the archive records it (None: legacy format)
+    crc_offsets: tuple[int, ...]  # where the CRC-32 sits: local header or data descriptor, central entry
+
+
+@dataclass(frozen=True)
+class TensorBytes:
+    """A tensor's bytes: `numel` elements of `itemsize` bytes at `offset` in the file."""
+
+    record: Record
+    offset: int  # absolute file offset of element 0
+    numel: int
+    itemsize: int
+    dtype: str = "UntypedStorage"  # the storage type torch pickled: FloatStorage, BFloat16Storage, …
+
+
+def _first_bytes(path: Path) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be opened ({exc.strerror or exc}); "
+                              "check that it exists and is readable") from None
+
+
+def file_format(path: Path) -> str | None:
+    """"zip" or "legacy" by how the file starts (torch.save's two formats), else None."""
+    return {ZIP_START: "zip", LEGACY_START: "legacy"}.get(_first_bytes(path))
+
+
+def unreadable(path: Path, fmt: str | None, reason: str) -> CheckpointError:
+    """The error for a `.pt` file that cannot be read, naming the format it failed as."""
+    if fmt is None:
+        return CheckpointError(
+            f"{path}: not a torch checkpoint file: neither a zip-format nor a legacy-format torch file "
+            f"({reason}); it is corrupt or not a checkpoint, re-copy it from the training run")
+    what = "a zip-format" if fmt == "zip" else "a legacy-format (non-zip)"
+    return CheckpointError(f"{path}: {what} torch file that cannot be read ({reason}); "
+                           "it is truncated or corrupt, re-copy it from the training run")
+
+
+def refused(path: Path, exc: Exception, ds_version: str | None = None) -> CheckpointError:
+    """The error for a pickle that cannot be read safely: it names a global outside the
+    allow-list, or is larger than any checkpoint's structure. When the file says it was
+    written by a DeepSpeed release tailor-tui does not read, that is the error instead."""
+    why = unsupported_version(ds_version) if ds_version else None
+    if why:
+        return CheckpointError(f"{path}: cannot be read: {why}")
+    found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+    if found is None:
+        return CheckpointError(f"{path}: refused to load: {str(exc)[:200]}; it is corrupt or was crafted")
+    return CheckpointError(
+        f"{path}: refused to load: it holds {found.group(1)}, which is not one of the DeepSpeed "
+        "checkpoint classes tailor-tui allows; it may be unsafe to open (it could run code)"
+    )
+
+
+def _start(path: Path) -> str:
+    return f"it starts with bytes {_first_bytes(path).hex() or 'nothing: it is empty'}"
+
+
+def check_complete(path: Path) -> None:
+    """Raise CheckpointError unless `path` is a whole `.pt` file: a zip archive's central
+    directory, or every storage of a legacy file, is where it should be (no data is read)."""
+    fmt = file_format(path)
+    if fmt == "legacy":
+        _legacy_records(path)
+        return
+    try:
+        with zipfile.ZipFile(path) as z:
+            z.getinfo(z.namelist()[0])
+    except (zipfile.BadZipFile, OSError, IndexError) as exc:
+        raise unreadable(path, fmt, _first_line(exc) if fmt else _start(path)) from None
+
+
+def _records(path: Path) -> dict[str, Record]:
+    try:
+        with zipfile.ZipFile(path) as z:
+            infos = z.infolist()
+            central_start = z.start_dir
+    except (zipfile.BadZipFile, OSError) as exc:
+        fmt = file_format(path)
+        raise unreadable(path, fmt, f"not a complete archive: {exc}" if fmt else _start(path)) from None
+    records = {}
+    with open(path, "rb") as f:
+        f.seek(central_start)
+        central = {}
+        for _ in infos:
+            head = f.read(46)
+            if len(head) < 46 or struct.unpack_from("<I", head)[0] != CENTRAL_SIGNATURE:
+                raise Unsupported("unexpected central directory")
+            name_len, extra_len, comment_len = struct.unpack_from("<HHH", head, 28)
+            name = f.read(name_len).decode("utf-8")
+            central[name] = f.tell() - name_len - 46 + 16
+            f.seek(extra_len + comment_len, 1)
+        for info in infos:
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise Unsupported(f"record {info.filename} is compressed")
+            f.seek(info.header_offset)
+            head = f.read(LOCAL_HEADER)
+            name_len, extra_len = struct.unpack_from("<HH", head, 26)
+            data_offset = info.header_offset + LOCAL_HEADER + name_len + extra_len
+            if info.flag_bits & 0x08:
+                # torch writes a data descriptor after each record; its CRC is the one that counts
+                # (the local header's is 0). The descriptor may or may not start with a signature.
+                f.seek(data_offset + info.file_size)
+                signed = f.read(4) == DESCRIPTOR_SIGNATURE
+                crc_at = data_offset + info.file_size + (4 if signed else 0)
+            else:
+                crc_at = info.header_offset + 14
+            records[info.filename] = Record(
+                name=info.filename,
+                header_offset=info.header_offset,
+                data_offset=data_offset,
+                size=info.file_size,
+                crc=info.CRC,
+                crc_offsets=(crc_at, central[info.filename]),
+            )
+    return records
+
+
+# How reading a damaged or crafted pickle fails, besides a refused global
+PICKLE_FAILURES = (EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError,
+                   OverflowError, MemoryError, RecursionError)
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+
+
+def _legacy_records(path: Path, refs: dict | None = None) -> tuple[object, dict[str, Record]]:
+    try:
+        obj, storages = read_legacy(path, refs)
+    except pickle.UnpicklingError as exc:  # a global outside the allow-list, or too large
+        with open(path, "rb") as f:
+            head = f.read(MAX_PICKLE_BYTES)  # the pickles come before the storages
+        raise refused(path, exc, version_in_pickle(head)) from None
+    except (LegacyError, OSError, *PICKLE_FAILURES) as exc:
+        raise unreadable(path, "legacy", _first_line(exc)) from None
+    records = {f"data/{key}": Record(f"data/{key}", at - 8, at, size, None, ())
+               for key, (at, size) in storages.items()}
+    return obj, records
+
+
+def read_structure(path: Path, storages: dict | None = None):
+    """(object with TensorRefs, records, record-name prefix) of a `.pt` file in either of
+    torch's formats; reads only the pickled structure, never tensor data. `storages`, if
+    given, receives every storage the object refers to (key -> StorageRef)."""
+    path = Path(path)
+    if file_format(path) == "legacy":
+        return (*_legacy_records(path, storages), "")
+    records = _records(path)
+    pickles = [n for n in records if n.endswith("/data.pkl") or n == "data.pkl"]
+    if len(pickles) != 1:
+        raise Unsupported("no single data.pkl")
+    prefix = pickles[0][: -len("data.pkl")]
+    rec = records[pickles[0]]
+    if rec.size > MAX_PICKLE_BYTES:
+        raise unreadable(path, "zip", f"its data.pkl is {rec.size} bytes, more than a checkpoint's structure needs")
+    with open(path, "rb") as f:
+        f.seek(rec.data_offset)
+        data = f.read(rec.size)
+    if crc.crc32(data) != rec.crc:  # the structure everything else relies on: never read a damaged one
+        raise _crc_failed(path, rec, crc.crc32(data))
+    try:
+        obj = read_pickle(data, storages)
+    except pickle.UnpicklingError as exc:  # a global outside the allow-list
+        raise refused(path, exc, version_in_pickle(data)) from None
+    except PICKLE_FAILURES as exc:
+        raise unreadable(path, "zip", _first_line(exc)) from None
+    return obj, records, prefix
+
+
+def checked_crcs(fd: int, path: Path, record: Record, ranges: list[tuple[int, int]], buffer: memoryview,
+                 on_bytes=lambda n: None, inspect=None) -> list[int]:
+    """The CRC-32 of each byte range (offset, length) of `record`, reading every byte of the
+    record once and checking the CRC-32 the archive stores for it: a record whose bytes do
+    not match (bit rot, a damaged copy) is a CheckpointError naming the file and the record.
+    `ranges` are sorted, disjoint and inside the record's data. A legacy-format record has
+    no CRC to check: only its ranges are read. `inspect(offset, chunk)` sees every chunk read."""
+    if record.crc is None:
+        return [crc_range(fd, at, n, buffer, on_bytes, inspect) for at, n in ranges]
+    whole, position, found = 0, record.data_offset, []
+    end = record.data_offset + record.size
+    for at, n in [*ranges, (end, 0)]:
+        if not (position <= at and at + n <= end):
+            raise ValueError(f"range {at}+{n} is outside record {record.name} or out of order")
+        if at > position:
+            whole = crc.combine(whole, crc_range(fd, position, at - position, buffer, on_bytes, inspect),
+                                at - position)
+        if n:
+            value = crc_range(fd, at, n, buffer, on_bytes, inspect)
+            whole = crc.combine(whole, value, n)
+            found.append(value)
+        position = at + n
+    if whole != record.crc:
+        raise _crc_failed(path, record, whole)
+    return found
+
+
+def _crc_failed(path: Path, record: Record, computed: int) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: record {record.name} fails its CRC-32 check (stored {record.crc:08x}, its bytes give "
+        f"{computed:08x}): the file is corrupt (bit rot or a damaged copy); re-copy it from the training "
+        "run or pick another checkpoint")
+
+
+def check_crcs(path: Path, inspect=None, *, skip: frozenset = frozenset()) -> None:
+    """Read every record of a zip-format torch file and check the CRC-32 each stores
+    (CheckpointError naming the record if one fails; torch.load itself never checks them).
+    Files in the legacy format, and files that are no torch file, have none to check.
+    `inspect(offset, chunk)` sees every chunk read. `skip`: names of records the caller
+    checks itself as it reads them."""
+    if file_format(path) != "zip":
+        return
+    try:
+        records = _records(path)
+    except Unsupported:  # a zip archive of another kind (compressed members): zipfile checks it
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+        if bad is not None:
+            raise CheckpointError(f"{path}: member {bad} fails its CRC-32 check: the file is corrupt; "
+                                  "re-copy it from the training run") from None
+        return
+    buffer = memoryview(bytearray(1 << 20))
+    with open(path, "rb") as f:
+        for record in sorted(records.values(), key=lambda r: r.data_offset):
+            if record.name not in skip:
+                checked_crcs(f.fileno(), path, record, [], buffer, inspect=inspect)
+
+
+def frozen_fragment_bytes(path: Path, names) -> dict[str, TensorBytes]:
+    """{name: TensorBytes} of frozen parameters' fragments in a model_states file
+    (CheckpointError naming the parameter whose fragment is missing or unreadable)."""
+    obj, records, prefix = read_structure(path)
+    fragments = obj.get(FROZEN_PARAM_FRAGMENTS) if isinstance(obj, dict) else None
+    found = {}
+    for name in names:
+        try:
+            found[name] = locate(fragments[name], records, prefix)
+        except (KeyError, TypeError, Unsupported):
+            raise CheckpointError(f"{path}: has no readable fragment of frozen parameter {name}") from None
+    return found
+
+
+def locate(tensor: TensorRef, records: dict[str, Record], prefix: str) -> TensorBytes:
+    """The bytes of a tensor read by `read_structure` (must be contiguous)."""
+    if not isinstance(tensor, TensorRef) or not tensor.is_contiguous():
+        raise Unsupported("not a plain contiguous tensor")
+    record = records.get(f"{prefix}data/{tensor.storage.key}")
+    if record is None:
+        raise Unsupported(f"storage {tensor.storage.key} has no record")
+    itemsize = tensor.element_size()
+    if tensor.storage_offset < 0 or (tensor.storage_offset + tensor.numel()) * itemsize > record.size:
+        raise CheckpointError(f"a tensor lies outside its record {record.name}; the file is corrupt")
+    return TensorBytes(record, record.data_offset + tensor.storage_offset * itemsize, tensor.numel(), itemsize,
+                       tensor.storage.type_name)

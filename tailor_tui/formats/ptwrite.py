@@ -1,0 +1,159 @@
+"""Write a torch zip archive (`.pt`) without torch, laid out byte for byte as torch.save lays it out.
+
+torch.save writes its archive with miniz (caffe2's PyTorchFileWriter): stored records in a
+fixed order (`data.pkl`, `.format_version`, `.storage_alignment`, `byteorder`, `data/0` …,
+`version`, `.data/serialization_id`), each with a data descriptor, no time stamps, its data
+aligned to 64 bytes by an `FB` extra field of `Z`s, zip64 fields where a size or an offset
+reaches 4 GiB, and always a zip64 end record. `write_archive` writes the same bytes for the
+same pickle and storages (tests/test_ptwrite.py compares it with torch.save, beyond 4 GiB
+too). A storage's bytes are given, copied from a record of another file in the kernel
+(its CRC-32 checked on the way), or reserved: left as a hole (a sparse file) for the caller
+to fill, with the CRC-32 fields at the offsets the returned `Record` names.
+
+Torch-free; `ptfile` reads what this writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from tailor_tui import crc
+from tailor_tui.fileio import copy_range, open_fd, output_error, pwrite_all
+from tailor_tui.formats.ptfile import Record, checked_crcs
+
+ALIGNMENT = 64
+FORMAT_VERSION = b"1"
+BYTEORDER = b"little"
+VERSION = b"3\n"  # the archive format torch writes (caffe2's kProducedFileFormatVersion)
+_UTF8, _DESCRIBED = 0x0800, 0x0008  # names are UTF-8; a data descriptor follows a record (not an empty one)
+_ZIP64 = 0xFFFFFFFF  # a size or an offset this large or larger takes a zip64 field
+_LOCAL = struct.Struct("<4sHHHHHIIIHH")
+_CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")
+
+
+@dataclass(frozen=True)
+class Copied:
+    """A storage's bytes copied from a record of another file: `size` bytes at `offset` in
+    `record` of `path`, whose stored CRC-32 is checked as they are copied."""
+
+    path: Path
+    record: Record
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """A storage whose `size` bytes the caller writes (and then sets its record's CRC-32)."""
+
+    size: int
+
+
+def serialization_id(pickle: bytes, archive: str) -> str:
+    """An archive's id, 40 decimal digits as torch's. torch draws its at random; this one is
+    drawn from what the archive holds, so that writing the same structure again (a re-run,
+    or a job over several processes) gives the same bytes."""
+    digest = hashlib.sha256(archive.encode("utf-8") + b"\0" + pickle).digest()
+    return f"{int.from_bytes(digest, 'big') % 10 ** 40:040d}"
+
+
+def write_archive(path: Path, *, archive: str, pickle: bytes, storages: list, ident: str | None = None,
+                  buffer: memoryview | None = None) -> dict[str, Record]:
+    """Write `path` as torch.save would: records named `archive/…`, `pickle` as data.pkl and
+    `storages[k]` (bytes, `Copied` or `Reserved`) as `data/k`. Returns every record, by name.
+    Not fsynced: the caller fsyncs once the reserved records are filled."""
+    buffer = buffer if buffer is not None else memoryview(bytearray(1 << 20))
+    entries = [("data.pkl", pickle), (".format_version", FORMAT_VERSION), (".storage_alignment", b"64"),
+               ("byteorder", BYTEORDER), *((f"data/{k}", s) for k, s in enumerate(storages)),
+               ("version", VERSION),
+               (".data/serialization_id", (ident or serialization_id(pickle, archive)).encode("ascii"))]
+    records, central, at = {}, [], 0
+    try:
+        with contextlib.ExitStack() as stack:
+            fd = open_fd(stack, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            for name, content in entries:
+                full = f"{archive}/{name}".encode("utf-8")
+                size = content.size if isinstance(content, (Copied, Reserved)) else len(content)
+                wide = size >= _ZIP64 or at >= _ZIP64
+                flags = _UTF8 | (_DESCRIBED if size else 0)
+                header = _local_header(full, size, at, flags)
+                data_at = at + len(header)
+                pwrite_all(fd, header, at)
+                if isinstance(content, Reserved):
+                    value = 0
+                elif isinstance(content, Copied):
+                    value = _copy(fd, content, data_at, buffer)
+                else:
+                    pwrite_all(fd, content, data_at)
+                    value = crc.crc32(content)
+                end = data_at + size
+                descriptor = b""
+                if size:
+                    descriptor = struct.pack("<4sIQQ" if wide else "<4sIII", b"PK\x07\x08", value, size, size)
+                    pwrite_all(fd, descriptor, end)
+                central.append((full, size, at, value, flags))
+                records[full.decode()] = Record(full.decode(), at, data_at, size, value,
+                                                (end + 4,) if size else (at + 14,))
+                at = end + len(descriptor)
+            start = at
+            directory = bytearray()
+            for full, size, offset, value, flags in central:
+                crc_at = start + len(directory) + 16
+                directory += _central_entry(full, size, offset, value, flags)
+                name = full.decode()
+                records[name] = Record(name, offset, records[name].data_offset, size, value,
+                                       (*records[name].crc_offsets, crc_at))
+            directory += _end_records(len(central), len(directory), start)
+            pwrite_all(fd, directory, start)
+    except OSError as exc:
+        raise output_error(exc, path) from None
+    return records
+
+
+def _local_header(name: bytes, size: int, offset: int, flags: int) -> bytes:
+    wide = b""
+    if size >= _ZIP64:  # the compressed size is the descriptor's to tell: 0 here
+        wide += struct.pack("<QQ", size, 0)
+    if offset >= _ZIP64:
+        wide += struct.pack("<Q", offset)
+    extra = struct.pack("<HH", 1, len(wide)) + wide if wide else b""
+    used = offset + _LOCAL.size + len(name) + len(extra) + 4
+    padding = -used % ALIGNMENT
+    extra += b"FB" + struct.pack("<H", padding) + b"Z" * padding
+    return _LOCAL.pack(b"PK\x03\x04", 0, flags, 0, 0, 0, 0, 0, 0, len(name), len(extra)) + name + extra
+
+
+def _central_entry(name: bytes, size: int, offset: int, value: int, flags: int) -> bytes:
+    wide = b""
+    if size >= _ZIP64:
+        wide += struct.pack("<QQ", size, size)
+    if offset >= _ZIP64:
+        wide += struct.pack("<Q", offset)
+    extra = struct.pack("<HH", 1, len(wide)) + wide if wide else b""
+    small = min(size, _ZIP64)
+    return _CENTRAL.pack(b"PK\x01\x02", 0, 0, flags, 0, 0, 0, value, small, small, len(name), len(extra), 0, 0,
+                         0, 0, min(offset, _ZIP64)) + name + extra
+
+
+def _end_records(count: int, size: int, start: int) -> bytes:
+    zip64_at = start + size
+    return (struct.pack("<4sQHHIIQQQQ", b"PK\x06\x06", 44, 0x031E, 45, 0, 0, count, count, size, start)
+            + struct.pack("<4sIQI", b"PK\x06\x07", 0, zip64_at, 1)
+            + struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, count, count, min(size, _ZIP64),
+                          min(start, _ZIP64), 0))
+
+
+def _copy(fd: int, what: Copied, at: int, buffer: memoryview) -> int:
+    """Copy `what` to `at` in `fd` (in the kernel); its CRC-32, from the source's bytes as its
+    record's stored CRC-32 is checked (CheckpointError naming the source if it fails)."""
+    with contextlib.ExitStack() as stack:
+        src = open_fd(stack, what.path)
+        ranges = [(what.offset, what.size)] if what.size else []
+        value = (checked_crcs(src, what.path, what.record, ranges, buffer) or [0])[0]
+        copy_range(src, fd, what.offset, what.size, out_offset=at)
+    return value

@@ -1,0 +1,59 @@
+"""Reading safetensors files without loading them: a file's header, where each tensor lies.
+
+Beside `safetensors_out` (which lays files out to write them). Every header read is bounded and
+checked against the file's size, so a truncated or crafted file is one line, not a traceback.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+from tailor_tui.errors import CheckpointError
+
+
+def safetensors_header(path: Path) -> tuple[dict, int]:
+    """(header, first data byte) of a safetensors file."""
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > 100 << 20:
+                raise ValueError("header too large")
+            header = json.loads(f.read(length))
+        size = path.stat().st_size
+        for name, info in header.items():
+            if name != "__metadata__" and 8 + length + info["data_offsets"][1] > size:
+                raise ValueError(f"{name} runs past the end of the file")
+        return header, 8 + length
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+        raise CheckpointError(f"{path}: not a complete safetensors file, truncated or corrupt ({exc}); "
+                              "re-copy it from the training run") from None
+
+
+def header_prefix(header: str) -> bytes:
+    """A file's prefix (8-byte length + JSON header) for its header text."""
+    raw = header.encode()
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def parse_prefix(prefix: bytes) -> dict[str, tuple[str, tuple, int, int]]:
+    """name -> (dtype, shape, first byte, end byte) in the file, from a file's prefix."""
+    (length,) = struct.unpack("<Q", prefix[:8])
+    return tensor_places(json.loads(prefix[8: 8 + length]), 8 + length)
+
+
+def tensor_places(header: dict, start: int) -> dict[str, tuple[str, tuple, int, int]]:
+    """name -> (dtype, shape, first byte, end byte) in the file, from its parsed header (the
+    tensors' data starting at byte `start`)."""
+    return {
+        name: (info["dtype"], tuple(info["shape"]), start + info["data_offsets"][0], start + info["data_offsets"][1])
+        for name, info in header.items()
+        if name != "__metadata__"
+    }
+
+
+def safetensors_tensors(path: Path) -> dict[str, tuple[str, tuple, int, int]]:
+    """name -> (dtype, shape, first byte, end byte) in the file, from its JSON header."""
+    return tensor_places(*safetensors_header(path))

@@ -1,0 +1,100 @@
+"""The layout of an exported model's safetensors files, decided before a byte is written.
+
+An export knows every tensor's name, shape and dtype up front, so each file's JSON header,
+each tensor's byte range and the shard each tensor lands in are fixed first; workers then
+write every tensor's bytes straight into place (`export_rank`), in any order, and nothing
+is ever held whole. The format (safetensors): an 8-byte little-endian header length, the
+JSON header padded with spaces to a multiple of 8, then the data; tensors laid out in name
+order. Shards as `save_pretrained` names them (`model-00001-of-00003.safetensors`, with
+`model.safetensors.index.json`), or a single `model.safetensors` when everything fits.
+
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass
+
+from tailor_tui.formats.dtypes import PRECISION, SAFETENSORS_ITEMSIZE, SAFETENSORS_NAME
+from tailor_tui.errors import UsageError
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+ITEMSIZE = SAFETENSORS_ITEMSIZE
+NAMED = SAFETENSORS_NAME  # a tensor's dtype -> its name in a header
+DTYPES = {precision: NAMED[name] for precision, name in PRECISION.items()}  # --dtype -> safetensors' name
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A tensor's place: file `file`, its bytes at `offset` (from the file's start) on."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # safetensors' name: F32, BF16, F16
+    file: str
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    name: str
+    header: bytes  # the length prefix and the JSON header: the file's first bytes
+    size: int  # the whole file's
+
+
+def parse_size(text: str) -> int:
+    """`5GB`, `500MB`, `2GiB`, `1000000` -> bytes (as `save_pretrained`'s max_shard_size)."""
+    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?B?)\s*", text.upper())
+    if not found:
+        raise UsageError(f"--max-shard-size {text!r}: a size such as 5GB, 500MB or 2GiB")
+    number, unit, binary = found.groups()
+    base = 1024 if binary.startswith("I") else 1000
+    value = int(float(number) * base ** " KMGT".index(unit or " "))
+    if value < 1:
+        raise UsageError(f"--max-shard-size {text!r}: must be at least 1 byte")
+    return value
+
+
+def lay_out(tensors: list[tuple[str, tuple[int, ...], str]], max_shard: int,
+            metadata: dict | None = None) -> tuple[list[ShardFile], dict[str, Placed], dict | None]:
+    """(files, every tensor's place, the index to write or None) of `tensors` (name, shape,
+    safetensors dtype). Tensors go in name order, a new shard starting when the next would pass
+    `max_shard` bytes (a tensor larger than it gets a shard of its own, as save_pretrained does)."""
+    groups: list[list[tuple[str, tuple[int, ...], str]]] = [[]]
+    size = 0
+    for name, shape, dtype in sorted(tensors):
+        n = math.prod(shape) * ITEMSIZE[dtype]
+        if groups[-1] and size + n > max_shard:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, shape, dtype))
+        size += n
+    names = [SINGLE] if len(groups) == 1 else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+                                               for i in range(len(groups))]
+    files, placed = [], {}
+    for file, group in zip(names, groups, strict=True):
+        header, begin = {"__metadata__": {"format": "pt", **(metadata or {})}}, 0
+        for name, shape, dtype in group:
+            end = begin + math.prod(shape) * ITEMSIZE[dtype]
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
+            begin = end
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        start = 8 + len(text)
+        files.append(ShardFile(file, struct.pack("<Q", len(text)) + text, start + begin))
+        for name, shape, dtype in group:
+            placed[name] = Placed(name, shape, dtype, file, start + header[name]["data_offsets"][0])
+    index = None
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(p.nbytes for p in placed.values())},
+                 "weight_map": {name: placed[name].file for name in sorted(placed)}}
+    return files, placed, index

@@ -1,0 +1,57 @@
+"""The non-finite guard: a composition whose output would hold NaN/Inf values is refused.
+
+The writers count each row's non-finite values while they read the data anyway (for the
+CRC checks, `nonfinite.Census`); this turns those counts into the one-line refusal, with
+the newest checkpoint where each such row is finite (from the health statistics, cached
+or computed for that row alone).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from tailor_tui.checkpoints.cache import cache_dir
+from tailor_tui.checkpoints.checkpoint import incompatibility, scan
+from tailor_tui.errors import CheckpointError, NonFiniteError
+from tailor_tui.planning.plan import MergePlan
+from tailor_tui.health.stats_run import compute_health
+
+MAX_NAMED = 8  # rows named in the one line; the rest are counted
+
+
+def nonfinite_error(plan: MergePlan, counts: Counter) -> NonFiniteError:
+    """The refusal of `plan`, whose output would hold `counts` non-finite values per row."""
+    suggestions = newest_finite(plan, list(counts))
+    parts = []
+    for row in list(counts)[:MAX_NAMED]:
+        source = plan.sources[plan.picks[row]]
+        found = suggestions.get(row)
+        hint = f"newest finite: {found}" if found else "no finite checkpoint found"
+        parts.append(f"{row} from {source.name} ({counts[row]:,} NaN/Inf; {hint})")
+    more = f" and {len(counts) - MAX_NAMED} more row(s)" if len(counts) > MAX_NAMED else ""
+    return NonFiniteError(
+        f"the output {plan.output} would hold non-finite values: {'; '.join(parts)}{more}; pick those "
+        "checkpoints (tailor-tui --heal RUN_DIR --recipe R.yaml does) or compose anyway with --allow-nonfinite")
+
+
+def newest_finite(plan: MergePlan, rows: list[str]) -> dict[str, str]:
+    """{row: name of the newest checkpoint of the base's run where it is finite and whole}."""
+    try:
+        scanned = scan(plan.base.path.parent)
+    except CheckpointError:
+        return {}
+    candidates = [c for c in scanned.checkpoints
+                  if not c.composed and incompatibility(plan.base, c) is None]
+    found: dict[str, str] = {}
+    for column in reversed(range(len(candidates))):
+        wanted = [r for r in rows if r not in found and candidates[column].holds(r)]
+        if not wanted:
+            continue
+        health = compute_health(tuple(candidates), columns=[column], rows=wanted, workers=1, cache=cache_dir())
+        for row in wanted:
+            cell = health.cell(row, column)
+            if cell is not None and cell.healthy:
+                found[row] = candidates[column].name
+        if len(found) == len(rows):
+            break
+    return found

@@ -1,0 +1,192 @@
+"""The health of every row in every checkpoint, and the rule that heals a composition.
+
+Plain data and rules, shared by `--stats`, `--heal`, the `--apply` guard and the composer:
+a cell (row × checkpoint) is healthy when its optimizer state holds no NaN/Inf and every
+record it lies in passes its CRC-32 check. `stats_run` computes the cells.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tailor_tui.checkpoints.checkpoint import Checkpoint
+
+METRICS = ("rel_change", "weight_rms", "adam_v_max")  # what the composer's heatmap can show
+MAX_TRAINER_STATE = 64 << 20  # trainer_state.json of a long run: log_history grows with steps
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One row's statistics in one checkpoint (see the README's "Row health")."""
+
+    nonfinite: int  # NaN/±Inf elements in fp32 masters, exp_avg, exp_avg_sq, frozen fragments
+    weight_rms: float | None  # sqrt(mean(θ²)) of the fp32 masters; None if any value is non-finite
+    adam_v_max: float | None  # max of exp_avg_sq
+    rel_change: float | None  # ||θ − θ_prev|| / ||θ_prev|| against the nearest earlier checkpoint
+    crc_ok: bool = True  # every record the row's slices lie in passed its CRC-32 check
+    error: str | None = None  # the checkpoint's files of this row could not be read at all
+
+    @property
+    def healthy(self) -> bool:
+        return self.nonfinite == 0 and self.crc_ok and self.error is None
+
+    def value(self, metric: str) -> float | None:
+        return getattr(self, metric)
+
+    def to_json(self) -> list:
+        """A readable cell's values (a cell with an error is never cached)."""
+        return [self.nonfinite, self.weight_rms, self.adam_v_max, self.rel_change, self.crc_ok]
+
+    @classmethod
+    def from_json(cls, values: list) -> "Cell":
+        """The cell `to_json` wrote; ValueError or TypeError for anything else (a cache entry is an input)."""
+        nonfinite, weight_rms, adam_v_max, rel_change, crc_ok = values
+        if not (type(nonfinite) is int and nonfinite >= 0 and type(crc_ok) is bool
+                and all(v is None or type(v) in (int, float) for v in (weight_rms, adam_v_max, rel_change))):
+            raise ValueError("not a cell")
+        return cls(nonfinite, _number(weight_rms), _number(adam_v_max), _number(rel_change), crc_ok)
+
+
+@dataclass(frozen=True)
+class TrainingLog:
+    """What the trainer logged at a checkpoint's step (HF layout; None where nothing was)."""
+
+    loss: float | None = None
+    grad_norm: float | None = None
+
+
+@dataclass
+class Health:
+    """Cells of a scanned run: {(row, checkpoint index): Cell}, filled in as they are computed."""
+
+    checkpoints: tuple[Checkpoint, ...]
+    cells: dict[tuple[str, int], Cell] = field(default_factory=dict)
+    logs: dict[int, TrainingLog] = field(default_factory=dict)
+    by_row: dict[str, dict[int, Cell]] = field(default_factory=dict, repr=False)  # row -> {column: Cell}
+
+    def __post_init__(self) -> None:
+        for (row, column), cell in self.cells.items():
+            self.by_row.setdefault(row, {})[column] = cell
+
+    def add(self, column: int, cells: dict[str, Cell]) -> None:
+        """Checkpoint `column`'s cells, {row: Cell}."""
+        for row, cell in cells.items():
+            self.cells[row, column] = cell
+            self.by_row.setdefault(row, {})[column] = cell
+
+    def cell(self, row: str, column: int) -> Cell | None:
+        return self.cells.get((row, column))
+
+    def row_cells(self, row: str) -> dict[int, Cell]:
+        return self.by_row.get(row, {})
+
+    def rows(self) -> list[str]:
+        """Every row with weights of its own, in the newest checkpoint's order."""
+        names: list[str] = []
+        for ckpt in reversed(self.checkpoints):
+            names += [r.name for r in ckpt.rows if not r.tied and r.name not in names]
+        return names
+
+    def to_json(self) -> dict:
+        """The `--stats --json` document."""
+        return {
+            "checkpoints": [{"name": c.name, "path": str(c.path), "step": c.step,
+                             "loss": self.logs.get(i, TrainingLog()).loss,
+                             "grad_norm": self.logs.get(i, TrainingLog()).grad_norm}
+                            for i, c in enumerate(self.checkpoints)],
+            "rows": self.rows(),
+            "cells": [{"row": row, "checkpoint": str(self.checkpoints[i].path), "nonfinite": c.nonfinite,
+                       "weight_rms": c.weight_rms, "adam_v_max": c.adam_v_max, "rel_change": c.rel_change,
+                       "crc_ok": c.crc_ok, **({"error": c.error} if c.error else {})}
+                      for (row, i), c in sorted(self.cells.items(), key=lambda item: (item[0][1], item[0][0]))],
+        }
+
+
+@dataclass(frozen=True)
+class Healing:
+    """What healing picks: {row: checkpoint index}, why, and the rows nothing can heal."""
+
+    picks: dict[str, int]
+    reasons: dict[str, str]  # row -> why its newest checkpoint is passed over
+    hopeless: tuple[str, ...]  # rows with no healthy checkpoint at all
+
+
+def heal(health: Health, rows: list[str], usable=lambda column: True) -> Healing:
+    """The one healing rule (the composer's `h`, `--heal`): every row from the newest `usable`
+    checkpoint whose cell for it is healthy (finite, passing its CRC checks). Outliers in
+    rel_change are not skipped: a big move is not damage."""
+    picks, reasons, hopeless = {}, {}, []
+    for row in rows:
+        holders = [i for i in sorted(health.row_cells(row), reverse=True) if usable(i)]
+        choice = next((i for i in holders if health.cell(row, i).healthy), None)
+        if choice is None:
+            hopeless.append(row)
+            continue
+        picks[row] = choice
+        passed = holders[: holders.index(choice)]
+        if passed:
+            reasons[row] = "; ".join(f"{health.checkpoints[i].name}: {why_unhealthy(health.cell(row, i))}"
+                                     for i in passed)
+    return Healing(picks, reasons, tuple(hopeless))
+
+
+def damage(cell: Cell | None) -> str | None:
+    """What is wrong with a cell in one mark, worst first: `ERR` (unreadable), `CRC` (a record
+    fails its CRC-32 check), `NaN` (non-finite values); None for a healthy or unknown cell.
+    The grid, its details and the --stats table all mark cells with it."""
+    if cell is None or cell.healthy:
+        return None
+    if cell.error:
+        return "ERR"
+    return "CRC" if not cell.crc_ok else "NaN"
+
+
+def damage_text(cell: Cell) -> str:
+    """`✗ NaN×5,120` (`✗ NaN×1.23e+09` past a million), `✗ CRC`, `✗ ERR`: the count only where
+    every value was read and checked."""
+    n = cell.nonfinite
+    count = (f"×{n:,}" if n < 1_000_000 else f"×{n:.2e}") if n and cell.crc_ok and not cell.error else ""
+    return f"✗ {damage(cell)}{count}"
+
+
+def why_unhealthy(cell: Cell) -> str:
+    if cell.error:
+        return f"unreadable ({cell.error})"
+    if not cell.crc_ok:
+        return "a record fails its CRC-32 check"
+    if cell.nonfinite:
+        return f"{cell.nonfinite:,} non-finite value(s)"
+    return "healthy"
+
+
+def training_log(ckpt: Checkpoint) -> TrainingLog:
+    """The loss and grad norm logged at (or last before) `ckpt`'s step, from an HF checkpoint's
+    trainer_state.json; nothing for the DeepSpeed layout or a file that cannot be read."""
+    path = Path(ckpt.path) / "trainer_state.json"
+    try:
+        with open(path, "rb") as f:
+            text = f.read(MAX_TRAINER_STATE + 1)
+        if len(text) > MAX_TRAINER_STATE:
+            return TrainingLog()
+        history = json.loads(text).get("log_history") or []
+    except (OSError, ValueError, AttributeError):
+        return TrainingLog()
+    loss = grad_norm = None
+    for entry in history:
+        if not isinstance(entry, dict) or not isinstance(entry.get("step"), int) or entry["step"] > ckpt.step:
+            continue
+        if _number(entry.get("loss")) is not None:
+            loss = _number(entry["loss"])
+            grad_norm = _number(entry.get("grad_norm"))
+    return TrainingLog(loss, grad_norm)
+
+
+def _number(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def rms(sumsq: float, count: int) -> float | None:
+    return math.sqrt(sumsq / count) if count else None

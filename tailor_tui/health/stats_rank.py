@@ -1,0 +1,230 @@
+"""One rank's health statistics: every byte of its optimizer state read once, in chunks.
+
+For each row a checkpoint holds, a rank contributes sums over the valid (non-padding)
+elements of its slices: non-finite counts of the fp32 masters, exp_avg and exp_avg_sq
+(and of frozen parameters' fragments), the sum of squares of the masters, the largest
+exp_avg_sq, and against the row's previous checkpoint the squared distance of the masters.
+`stats_run` adds the ranks up. The same pass checks every record's CRC-32, as the merger
+does: a record that fails marks the rows with slices in it.
+
+Memory: two 1 MiB read buffers and the float64 copies of one chunk, whatever the file
+size. Torch-free (numpy does the arithmetic): workers start in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from tailor_tui.checkpoints.checkpoint import RankFiles
+from tailor_tui.crc import crc32
+from tailor_tui.formats.ds_format import TENSORS, flat_tensor, optimizer_state
+from tailor_tui.errors import CheckpointError, Cancelled
+from tailor_tui.events import ByteCounter, Emit, TaskOptions
+from tailor_tui.fileio import Readahead, open_fd, pread_into
+from tailor_tui.formats.nonfinite import EXPONENT, count
+from tailor_tui.checkpoints.partial_rows import partial_slice, read_rows_file
+from tailor_tui.formats.pickled import dtype_name
+from tailor_tui.formats.ptfile import Unsupported, frozen_fragment_bytes, locate, read_structure
+from tailor_tui.formats.safetensors_in import safetensors_tensors
+from tailor_tui.health.stats_job import RankStats, RankStatsRead, RowSums, SlotRead, StatsJob
+
+CHUNK = 1 << 20
+
+
+@dataclass
+class _Region:
+    """A byte range of a file whose elements feed one row's sums."""
+
+    start: int
+    end: int
+    kind: str  # one of TENSORS, or "frozen"
+    dtype: str
+    sums: RowSums
+    prev_at: int | None = None  # where the previous checkpoint's elements lie in `prev_fd`
+    prev_fd: int | None = None
+
+
+def rank_stats(job: StatsJob, emit: Emit, cancelled, options: TaskOptions = TaskOptions()) -> RankStats:
+    """The sums of every row `job` reads (run in a worker: see `workers.run_calls`)."""
+    counter = ByteCounter(job.task, job.bytes_to_read, emit, cancelled, options)
+    slots = job.slots()
+    sums = {slot.row: RowSums() for slot in slots} | {row: RowSums() for row, _ in job.frozen}
+    try:
+        with contextlib.ExitStack() as stack:
+            reads = _reads(job, slots, sums, stack)
+            buffers = memoryview(bytearray(CHUNK)), memoryview(bytearray(CHUNK))
+            ahead: dict[int, Readahead] = {}  # per file: the disk reads ahead while numpy computes
+            for fd, start, length, expected, regions in reads:
+                if not _read(fd, start, length, expected, regions, buffers, counter, ahead):
+                    for region in regions:
+                        region.sums.crc_ok = False
+    except Cancelled:
+        raise
+    except (CheckpointError, Unsupported, OSError) as exc:
+        found = RankStats(error=str(exc) if isinstance(exc, CheckpointError) else f"rank {job.rank}: {exc}")
+    else:
+        found = RankStats(sums)
+    emit(RankStatsRead(job.key, found))
+    counter.finish()
+    return found
+
+
+def _reads(job: StatsJob, slots: tuple[SlotRead, ...], sums: dict[str, RowSums], stack: contextlib.ExitStack) -> list:
+    """[(fd, first byte, length, stored CRC-32 or None, regions)] in file order per file."""
+    prev_fds, prev_at = {}, {}
+    for row, files in job.prev:
+        path = files.rows or files.optim_states
+        if path not in prev_fds:
+            prev_fds[path] = open_fd(stack, path)
+        where = _fp32_places(files, job.group_sizes, [s for s in slots if s.row == row])
+        prev_at.update({(row, param): (prev_fds[path], at) for param, at in where.items()})
+    reads = []
+    if job.files.rows is not None:  # partial: one safetensors tensor per (key, parameter), its CRC-32 recorded
+        fd = open_fd(stack, job.files.rows)
+        tensors, crcs = read_rows_file(job.files.rows)
+        for slot in slots:
+            for key in TENSORS:
+                begin = partial_slice(job.files.rows, tensors, key, slot.param, slot.valid)[2]
+                reads.append((fd, begin, slot.valid * 4, crcs.get(f"{key}/{slot.param}"),
+                              [_region(slot, key, begin, "float32", sums, prev_at)]))
+    else:
+        path = job.files.optim_states
+        obj, records, prefix = read_structure(path)
+        inner = optimizer_state(obj, path, job.group_sizes)
+        fd = open_fd(stack, path)
+        by_record: dict = {}
+        for g in range(len(job.group_sizes)):
+            for key in TENSORS:
+                tb = locate(flat_tensor(inner, g, key), records, prefix)
+                dtype = dtype_name(tb.dtype) if tb.dtype != "UntypedStorage" else "float32"
+                if dtype != "float32" or tb.itemsize != 4:
+                    raise CheckpointError(f"{path}: its {key} of sub-group {g} is {dtype}; health statistics "
+                                          "read fp32 optimizer states")
+                regions = by_record.setdefault(tb.record, [])
+                regions += [_region(s, key, tb.offset + s.offset * 4, dtype, sums, prev_at)
+                            for s in slots if s.group == g and s.valid]
+        reads += [(fd, r.data_offset, r.size, r.crc, sorted(regs, key=lambda x: x.start))
+                  for r, regs in sorted(by_record.items(), key=lambda item: item[0].data_offset)]
+    if job.frozen:
+        reads += _frozen_reads(job, sums, stack)
+    return reads
+
+
+def _region(slot: SlotRead, key: str, at: int, dtype: str, sums: dict, prev_at: dict) -> _Region:
+    fd, prev = prev_at.get((slot.row, slot.param), (None, None)) if key == "fp32" else (None, None)
+    return _Region(at, at + slot.valid * 4, key, dtype, sums[slot.row], prev, fd)
+
+
+def _fp32_places(files: RankFiles, group_sizes: tuple[int, ...], slots: list[SlotRead]) -> dict[str, int]:
+    """Where each slot's fp32 masters lie in another checkpoint's file of this rank."""
+    if files.rows is not None:
+        tensors = safetensors_tensors(files.rows)
+        return {s.param: partial_slice(files.rows, tensors, "fp32", s.param, s.valid)[2] for s in slots}
+    obj, records, prefix = read_structure(files.optim_states)
+    inner = optimizer_state(obj, files.optim_states, group_sizes)
+    flat = {g: locate(flat_tensor(inner, g, "fp32"), records, prefix) for g in {s.group for s in slots}}
+    return {s.param: flat[s.group].offset + s.offset * 4 for s in slots}
+
+
+def _frozen_reads(job: StatsJob, sums: dict[str, RowSums], stack: contextlib.ExitStack) -> list:
+    path = job.files.model_states
+    fragments = frozen_fragment_bytes(path, [param for _row, param in job.frozen])
+    fd, by_record = open_fd(stack, path), {}
+    for row, param in job.frozen:
+        tb = fragments[param]
+        dtype = dtype_name(tb.dtype)
+        if dtype not in EXPONENT:
+            raise CheckpointError(f"{path}: frozen parameter {param} is stored as {dtype}")
+        by_record.setdefault(tb.record, []).append(
+            _Region(tb.offset, tb.offset + tb.numel * tb.itemsize, "frozen", dtype, sums[row]))
+    return [(fd, r.data_offset, r.size, r.crc, sorted(regs, key=lambda x: x.start))
+            for r, regs in by_record.items()]
+
+
+def _read(fd: int, start: int, length: int, expected: int | None, regions: list[_Region], buffers,
+          counter: ByteCounter, ahead: dict[int, Readahead]) -> bool:
+    """Read [start, start+length) in chunks, feeding each region the part of each chunk it
+    covers; False if the range's CRC-32 is not `expected` (None: nothing to check)."""
+    buffer, prev_buffer = buffers
+    value, position, end, first = 0, start, start + length, 0
+    while position < end:
+        view = buffer[: min(len(buffer), end - position)]
+        (ahead.get(fd) or ahead.setdefault(fd, Readahead(fd))).before(position, end)
+        pread_into(fd, view, position)
+        if expected is not None:
+            value = crc32(view, value)
+        chunk_end = position + len(view)
+        while first < len(regions) and regions[first].end <= position:
+            first += 1
+        i = first
+        while i < len(regions) and regions[i].start < chunk_end:
+            r = regions[i]
+            a, b = max(r.start, position), min(r.end, chunk_end)
+            if b > a:
+                prev = None
+                if r.prev_fd is not None:
+                    prev = prev_buffer[: b - a]
+                    at = r.prev_at + (a - r.start)
+                    (ahead.get(r.prev_fd) or ahead.setdefault(r.prev_fd, Readahead(r.prev_fd))).before(
+                        at, r.prev_at + (r.end - r.start))
+                    pread_into(r.prev_fd, prev, at)
+                    counter.add(b - a)
+                _consume(r, view[a - position: b - position], prev)
+            i += 1
+        position = chunk_end
+        counter.add(len(view))
+    return expected is None or value == expected
+
+
+def _consume(region: _Region, data: memoryview, prev: memoryview | None) -> None:
+    sums = region.sums
+    if region.dtype == "float32" and region.kind != "frozen":
+        x = np.frombuffer(data, dtype="<f4")
+        finite = np.isfinite(x)
+        bad = len(x) - int(np.count_nonzero(finite))
+    else:
+        x, finite, bad = None, None, count(data, region.dtype)
+    sums.nonfinite += bad
+    if x is None or region.kind == "exp_avg":
+        return
+    if bad:
+        x = np.where(finite, x, np.float32(0))
+    if region.kind == "exp_avg_sq":
+        if bad < len(x):
+            top = float(np.max(x))
+            sums.v_max = top if sums.v_max is None else max(sums.v_max, top)
+        return
+    sums.count += len(x)
+    sums.sumsq += _dot(x, x)
+    if prev is None:
+        return
+    sums.has_prev = True
+    p = np.frombuffer(prev, dtype="<f4")
+    prev_finite = np.isfinite(p)
+    prev_bad = len(p) - int(np.count_nonzero(prev_finite))
+    sums.prev_nonfinite += prev_bad
+    if prev_bad or bad:
+        both = prev_finite & finite if bad else prev_finite
+        p, x = np.where(both, p, np.float32(0)), np.where(both, x, np.float32(0))
+    d = x - p  # float32, as the optimizer computes; squared and summed below in blocks
+    sums.diff_sq += _dot(d, d)
+    sums.prev_sq += _dot(p, p)
+
+
+_BLOCK = 1024
+
+
+def _dot(a, b) -> float:
+    """sum(a*b) of float32 arrays without a float64 copy: float32 dot products of 1024-element
+    blocks (relative error ~1e-6), the blocks summed in float64."""
+    n = len(a) - len(a) % _BLOCK
+    total = 0.0
+    if n:
+        total = float(np.einsum("ij,ij->i", a[:n].reshape(-1, _BLOCK), b[:n].reshape(-1, _BLOCK))
+                      .sum(dtype=np.float64))
+    if n < len(a):
+        total += float(np.dot(a[n:].astype(np.float64), b[n:].astype(np.float64)))
+    return total

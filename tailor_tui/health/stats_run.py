@@ -1,0 +1,272 @@
+"""Health statistics of a scanned run: which rank files to read, the cache, adding ranks up.
+
+Checkpoints are read newest first (the decision is usually about the newest ones), each
+rank in a worker process (`stats_rank`). Each rank's sums, and each checkpoint's cells (its
+ranks' sums added up), are cached outside the run (`cache.cache_dir()`), keyed by the identity
+of every file read: a second look at the same run reads nothing. `CellsComputed` events carry
+each checkpoint's cells as soon as all its ranks are in, so front ends fill in progressively.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from tailor_tui.checkpoints.cache import entry, file_identity, read_json, write_json
+from tailor_tui.checkpoints.checkpoint import Checkpoint, distinct_names
+from tailor_tui.errors import Cancelled
+from tailor_tui.events import Emit, TaskOptions
+from tailor_tui.health.healing import Cell, Health, rms, training_log
+from tailor_tui.health.stats_job import RankStats, RankStatsRead, RowSums, StatsJob
+from tailor_tui.team.team import SOLO, Team
+from tailor_tui.team.workers import run_calls, workers_for
+
+FORMAT = 1  # of the cached sums and cells: bump when what they mean changes
+MAX_CACHED = 16 << 20  # a cache file larger than this is not one of ours
+STATS_WORKER = 64 << 20  # interpreter, numpy, two 1 MiB buffers and a chunk's float64 copies
+
+
+@dataclass(frozen=True)
+class StatsPlanned:
+    """What computing statistics will read: `to_read` bytes of `ranks` rank files not cached."""
+
+    checkpoints: int
+    ranks: int
+    cached_ranks: int
+    to_read: int
+
+
+@dataclass(frozen=True)
+class CellsComputed:
+    """Every cell of checkpoint `column` is known (emitted as each checkpoint completes)."""
+
+    column: int
+    name: str  # the checkpoint's folder name
+    cells: dict  # {row: Cell}
+
+
+def previous_holders(checkpoints: tuple[Checkpoint, ...], column: int) -> dict[str, int]:
+    """{row: the nearest earlier checkpoint holding it with the same layout} for `column`."""
+    ckpt, found = checkpoints[column], {}
+    same: dict[int, bool] = {}  # layouts compared once per checkpoint, not per row
+    for row in ckpt.rows:
+        if row.tied or not ckpt.holds(row.name):
+            continue
+        for j in reversed(range(column)):
+            other = checkpoints[j]
+            if not other.holds(row.name):
+                continue
+            if j not in same:
+                same[j] = other.layout == ckpt.layout
+            if same[j]:
+                found[row.name] = j
+                break
+    return found
+
+
+def stats_jobs(checkpoints: tuple[Checkpoint, ...], column: int, rows: list[str] | None = None,
+               known: dict | None = None) -> list[StatsJob]:
+    """One job per rank of checkpoint `column`: the rows it holds (of `rows`, default all), and
+    their previous checkpoints. The cache key names what is read (the identity of every file,
+    the rank, the rows); the slices to read are worked out in the worker, so a run whose
+    statistics are cached costs a stat() per file. `known` memoises identities and layouts
+    across calls."""
+    known = {} if known is None else known
+    ckpt = checkpoints[column]
+    prev = previous_holders(checkpoints, column)
+    owner = ckpt.param_to_row()
+    held = frozenset(r.name for r in ckpt.rows
+                     if not r.tied and ckpt.holds(r.name) and (rows is None or r.name in rows))
+    frozen = tuple((owner[name], name) for name, _ in ckpt.layout.frozen if owner.get(name) in held)
+    elements = _row_elements(ckpt, owner, known)
+    if "labels" not in known:
+        known["labels"] = distinct_names([c.path for c in checkpoints])
+    label = known["labels"][column]
+    jobs = []
+    for rank, files in enumerate(ckpt.ranks):
+        mine = {row: n for row, n in elements[rank].items() if row in held}
+        prev_files = tuple((row, checkpoints[prev[row]].ranks[rank]) for row in sorted(mine) if row in prev)
+        read = (sum(n * 12 for n in mine.values()) if files.rows is not None
+                else ckpt.sizes.get(files.optim_states, 0)) + sum(mine[row] * 4 for row, _ in prev_files)
+        by_source: dict[int, list[str]] = {}  # previous checkpoint -> its rows read
+        for row, _ in prev_files:
+            by_source.setdefault(prev[row], []).append(row)
+        previous = {}
+        for j, names in by_source.items():
+            f = checkpoints[j].ranks[rank]
+            previous.setdefault(_identity(f.rows or f.optim_states, known), []).extend(names)
+        key = hashlib.sha256(json.dumps([FORMAT, rank, [_identity(p, known) for p in files.existing()],
+                                         sorted(held), sorted(previous.items())]).encode()).hexdigest()
+        jobs.append(StatsJob(key, column, label, rank, files, ckpt.layout, owner, held, frozen, prev_files, read))
+    return jobs
+
+
+def _identity(path: Path, known: dict) -> str:
+    if ("file", path) not in known:
+        known["file", path] = json.dumps(file_identity(path))
+    return known["file", path]
+
+
+def _row_elements(ckpt: Checkpoint, owner: dict, known: dict) -> list[dict[str, int]]:
+    """Per rank, {row: its trainable elements on that rank} (padding excluded)."""
+    key = ("layout", ckpt.layout)  # every checkpoint of a run has an equal one: worked out once
+    if key not in known:
+        per_rank = []
+        for rank in range(ckpt.layout.world_size):
+            counts: dict[str, int] = {}
+            for s in ckpt.layout.slots:
+                if (n := s.valid(rank)) and s.name in owner:
+                    counts[owner[s.name]] = counts.get(owner[s.name], 0) + n
+            per_rank.append(counts)
+        known[key] = per_rank
+    return known[key]
+
+
+def compute_health(checkpoints: tuple[Checkpoint, ...], *, workers: int | None = None, emit: Emit = lambda e: None,
+                   cancel: threading.Event | None = None, cache: Path | None = None,
+                   options: TaskOptions = TaskOptions(), columns: list[int] | None = None,
+                   rows: list[str] | None = None, team: Team = SOLO) -> Health:
+    """Every cell of `columns` (default: all) of `checkpoints` (of `rows`, default all), newest first, from the cache
+    where it holds them; `emit` gets progress and one CellsComputed per checkpoint. A cache
+    that cannot be written is skipped (statistics still come out). With a `team` of several
+    processes (`--stats` under torchrun or srun), each reads its share of the rank files and
+    process 0 adds them all up: only its Health holds every cell."""
+    cancel = cancel or threading.Event()
+    health = Health(tuple(checkpoints), logs={i: training_log(c) for i, c in enumerate(checkpoints)})
+    columns = sorted(range(len(checkpoints)) if columns is None else columns, reverse=True)
+    known: dict = {}
+    jobs = {c: stats_jobs(health.checkpoints, c, rows, known) for c in columns}
+    added_up = {c: _cached_cells(cache, jobs[c]) for c in columns}  # a checkpoint's cells, cached whole
+    found: dict[str, RankStats] = {}
+    for job in (j for c in columns if added_up[c] is None for j in jobs[c]):
+        cached = _cached(cache, job.key)
+        if cached is not None:
+            found[job.key] = cached
+    pending = {c: set() if added_up[c] is not None else {j.key for j in jobs[c]} - found.keys() for c in columns}
+
+    def finish(column: int) -> None:
+        cells = added_up[column]
+        if cells is None:
+            ranks = [found[j.key] for j in jobs[column]]
+            cells = reduce(health.checkpoints[column], ranks, rows)
+            if not any(r.error for r in ranks):
+                _store_cells(cache, jobs[column], cells)
+        health.add(column, cells)
+        emit(CellsComputed(column, health.checkpoints[column].name, cells))
+
+    every = {j.key: j for c in columns for j in jobs[c]}
+    team.agree("run", hashlib.sha256(json.dumps(sorted(every)).encode()).hexdigest())
+    todo = [j for c in columns if added_up[c] is None for j in jobs[c] if j.key not in found]
+    if team.size > 1:  # process 0's cache decides what is read (another's may have filled meanwhile)
+        todo = [every[k] for k in json.loads(team.share("todo", json.dumps([j.key for j in todo])))]
+    whole = sum(len(jobs[c]) for c in columns if added_up[c] is not None)
+    emit(StatsPlanned(len(columns), sum(len(j) for j in jobs.values()), whole + len(found),
+                      sum(j.bytes_to_read for j in todo)))
+    for c in columns:
+        if not pending[c]:
+            finish(c)
+
+    by_key = {j.key: j for j in todo}
+
+    def emit_and_collect(event) -> None:
+        if isinstance(event, RankStatsRead) and event.key in by_key and event.key not in found:
+            job = by_key[event.key]
+            found[job.key] = event.stats
+            if event.stats.error is None:
+                _store(cache, job.key, event.stats)
+            pending[job.checkpoint].discard(job.key)
+            if not pending[job.checkpoint]:
+                finish(job.checkpoint)
+        else:
+            emit(event)
+
+    mine = [todo[i] for i in team.mine([j.bytes_to_read for j in todo])]
+    if mine:  # one pool for all, fed newest first: cells come out checkpoint by checkpoint
+        # numpy is loaded only when ranks are read: a run whose statistics are cached does without
+        from tailor_tui.health.stats_rank import rank_stats
+
+        n = workers or workers_for(len(mine), STATS_WORKER)
+        run_calls([(rank_stats, (j,)) for j in mine], n, emit_and_collect, cancel, options)
+        if cancel.is_set():
+            raise team.error() if team.failure is not None else Cancelled("statistics cancelled")
+    if team.size > 1:  # the others' ranks, to process 0, which adds every checkpoint up
+        posted = team.gather("statistics", {j.key: _stats_json(found[j.key]) for j in mine})
+        if team.lead:
+            for theirs in posted:
+                for key, value in theirs.items():
+                    if key in by_key and key not in found:
+                        emit_and_collect(RankStatsRead(key, _stats_from_json(value)))
+    return health
+
+
+def _stats_json(stats: RankStats) -> dict:
+    return {"rows": {row: s.to_json() for row, s in stats.rows.items()}, "error": stats.error}
+
+
+def _stats_from_json(value: dict) -> RankStats:
+    return RankStats({row: RowSums.from_json(v) for row, v in value["rows"].items()}, value["error"])
+
+
+def reduce(ckpt: Checkpoint, ranks: list[RankStats], rows: list[str] | None = None) -> dict[str, Cell]:
+    """Add the ranks' sums of each row up into its cell."""
+    errors = [r.error for r in ranks if r.error]
+    if errors:
+        held = [r.name for r in ckpt.rows if not r.tied and ckpt.holds(r.name) and (rows is None or r.name in rows)]
+        return {row: Cell(0, None, None, None, False, errors[0]) for row in held}
+    total: dict[str, RowSums] = {}
+    for rank in ranks:
+        for row, sums in rank.rows.items():
+            total.setdefault(row, RowSums()).add(sums)
+    cells = {}
+    for row, s in total.items():
+        healthy = s.nonfinite == 0
+        rel = None
+        if healthy and s.has_prev and s.prev_nonfinite == 0 and s.prev_sq > 0:
+            rel = math.sqrt(s.diff_sq) / math.sqrt(s.prev_sq)
+        cells[row] = Cell(s.nonfinite, rms(s.sumsq, s.count) if healthy else None,
+                          s.v_max if healthy else None, rel, s.crc_ok)
+    return cells
+
+
+def _cached(cache: Path | None, key: str) -> RankStats | None:
+    data = read_json(entry(cache, "stats", key), MAX_CACHED)
+    try:
+        if data.get("format") != FORMAT or data.get("key") != key:
+            return None
+        return RankStats({row: RowSums.from_json(v) for row, v in data["rows"].items()})
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None  # not cached, or not ours: computed again
+
+
+def _cells_key(jobs: list[StatsJob]) -> str:
+    """A checkpoint's cells are its ranks' sums added up: keyed by what every rank read."""
+    return hashlib.sha256(json.dumps([FORMAT, [j.key for j in jobs]]).encode()).hexdigest()
+
+
+def _cached_cells(cache: Path | None, jobs: list[StatsJob]) -> dict[str, Cell] | None:
+    key = _cells_key(jobs)
+    data = read_json(entry(cache, "cells", key), MAX_CACHED)
+    try:
+        if data.get("format") != FORMAT or data.get("key") != key:
+            return None
+        held = frozenset().union(*(j.rows for j in jobs))
+        cells = {row: Cell.from_json(v) for row, v in data["cells"].items()}
+        return cells if cells.keys() <= held else None
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None  # not cached, or not ours: added up again
+
+
+def _store_cells(cache: Path | None, jobs: list[StatsJob], cells: dict[str, Cell]) -> None:
+    key = _cells_key(jobs)
+    write_json(entry(cache, "cells", key), {"format": FORMAT, "key": key,
+                                            "cells": {row: c.to_json() for row, c in cells.items()}})
+
+
+def _store(cache: Path | None, key: str, result: RankStats) -> None:
+    # a read-only or full cache is skipped: statistics are computed again next time
+    write_json(entry(cache, "stats", key), {"format": FORMAT, "key": key,
+                                            "rows": {row: s.to_json() for row, s in result.rows.items()}})

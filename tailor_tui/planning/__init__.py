@@ -1,0 +1,4 @@
+"""From a recipe to the work: recipes (`recipe`), the plan checked against its checkpoints
+(`plan`), what happens to every file of the base (`file_plan`), the job contract between the
+planner and the workers (`jobs`), and the output folder's rules (`output`).
+"""

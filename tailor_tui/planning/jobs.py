@@ -1,0 +1,116 @@
+"""The job contract: what a worker is asked to do, in full, picklable.
+
+The plan (`plan.MergePlan`, `file_plan`) makes one job per output rank and per weight file; a
+worker process (`workers`) runs the writer for it (`rank_task.merge_rank`,
+`model_files.merge_model_file`, `bin_files.merge_bin_file`) and reports through `events`
+(progress, finished, failed). A job holds everything its writer needs; the writer never calls
+back into the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from tailor_tui.checkpoints.checkpoint import RankFiles
+from tailor_tui.checkpoints.layout import Slot
+from tailor_tui.formats.safetensors_in import parse_prefix
+
+BYTES_PER_ELEMENT = 4 * 3  # fp32 master weight + exp_avg + exp_avg_sq
+
+
+@dataclass(frozen=True)
+class SliceCopy:
+    """Copy `length` elements at `offset` of sub-group `group` from source `source`."""
+
+    group: int
+    offset: int
+    length: int
+    source: int
+    param: str | None = None  # set when the source is partial: its slices are stored per parameter
+
+
+class RowSlot(NamedTuple):
+    """Where a row's parameter lies in the output's flat buffers on one rank, and its source."""
+
+    row: str
+    param: str
+    group: int
+    offset: int
+    valid: int  # elements of real data (padding excluded)
+    source: int
+
+
+@dataclass(frozen=True)
+class RankJob:
+    """Everything one worker needs to compose one rank's files (picklable)."""
+
+    rank: int
+    files: dict[int, RankFiles]  # source index -> that checkpoint's files of this rank; 0 is base
+    group_sizes: tuple[int, ...]
+    copies: tuple[SliceCopy, ...]  # slices that do not come from the base
+    padding: tuple[tuple[int, int, int], ...]  # (group, offset, length) written as zeros
+    frozen: tuple[tuple[str, int], ...]  # frozen params taken from a non-base source
+    buffers: tuple[tuple[str, int], ...]  # buffers taken from a non-base source
+    read_bytes: int
+    write_bytes: int
+    # every trainable parameter's slice and every frozen parameter (row, name, source): what
+    # the writers count non-finite values of, per row
+    row_slots: tuple[RowSlot, ...] = ()
+    frozen_rows: tuple[tuple[str, str, int], ...] = ()
+
+    @property
+    def total_bytes(self) -> int:
+        return self.read_bytes + self.write_bytes
+
+
+@dataclass(frozen=True)
+class ModelFileJob:
+    """Everything one worker needs to compose one 16-bit model file (picklable)."""
+
+    name: str  # file name in the output
+    prefix: bytes  # the output's 8-byte length + header (the base's)
+    base_file: Path | None  # whose bytes stay where the base's rows are kept; None: a partial base
+    sources: dict[str, int]  # tensor -> source index: its row's pick (a tied tensor's partner's row)
+    rows: dict[str, str]  # tensor -> its row ("" for a tensor of no row, kept from the base)
+    source_files: dict[int, tuple[Path, ...]]  # full sources: their files holding the same tensors
+    partial_ranks: dict[int, tuple[RankFiles, ...]]  # partial sources: every rank's files
+    slots: dict[int, dict[str, Slot]]  # partial sources: where each rank's slice of each trainable parameter sits
+    source_names: dict[int, str]  # for messages
+
+    @property
+    def task(self) -> str:
+        return "model file" if self.name == "model.safetensors" else self.name
+
+    @property
+    def size(self) -> int:
+        return max((end for *_x, end in parse_prefix(self.prefix).values()), default=len(self.prefix))
+
+    @property
+    def total_bytes(self) -> int:
+        return self.size * 2  # read and written
+
+
+@dataclass(frozen=True)
+class BinFileJob:
+    """Everything one worker needs to compose one torch-format weight file (picklable)."""
+
+    name: str  # relative path in the output (and in the base)
+    base_file: Path
+    sources: dict[str, int]  # tensor -> source index: its row's pick
+    rows: dict[str, str]  # tensor -> its row
+    source_files: dict[int, tuple[Path, ...]]  # the sources that are picked: their files of this family
+    source_names: dict[int, str]  # for messages
+    size: int  # bytes of the base's file (the output's, but for its serialization id)
+
+    @property
+    def task(self) -> str:
+        return self.name
+
+    @property
+    def total_bytes(self) -> int:
+        return self.size * 2  # read and written
+
+
+WeightJob = ModelFileJob | BinFileJob

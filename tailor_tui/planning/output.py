@@ -1,0 +1,304 @@
+"""The output folder: what may be written or replaced, one writer at a time, and how a
+finished composition takes its place.
+
+- `check_output` (before anything is written): the output must not be, hold or sit inside
+  any source checkpoint, compared by identity (device and inode), so that a bind mount,
+  a second mount of the same NFS export or a symlinked path cannot reach a source under
+  another name. An existing non-empty folder is replaced only with `--force`, and only
+  if it is an earlier tailor-tui output that still holds just what tailor-tui wrote
+  (its provenance lists every file), never a training run.
+- `output_lock`: an flock on a lock file beside the output; a second tailor-tui writing
+  the same output is refused instead of one result silently replacing the other.
+- `publish`: the finished folder is renamed into place, or swapped with the old one
+  (atomically where the kernel can), with SIGINT and SIGTERM held back until the swap
+  and the removal of the old folder are done, so a cancel never leaves the output path
+  empty or reports "nothing was written" about a replaced output.
+- `remove_stale`: what merges on this host left when killed (kill -9, OOM): temp folders
+  are removed, and an old output moved aside by a swap that was cut short is put back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import glob
+import json
+import os
+import shutil
+import signal
+import socket
+import threading
+from pathlib import Path
+
+from tailor_tui.checkpoints.checkpoint import PROVENANCE, find_checkpoint_dirs
+from tailor_tui.errors import OutputError
+from tailor_tui.fileio import (
+    aside_prefix,
+    exchange,
+    fsync_dir,
+    output_error,
+    pid_alive,
+    replace_dir,
+)
+
+OUTPUT_FILES = "files"  # provenance key: every file tailor-tui wrote (relative path -> [bytes, mtime_ns])
+
+
+# --- before anything is written ------------------------------------------------------------
+
+
+def identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of what `path` names (symlinks followed), or None if nothing is there."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _ancestors(path: Path) -> list[Path]:
+    """`path` and the folders above it, as spelled and as resolved (symlinks, `..`)."""
+    spelled = Path(os.path.abspath(path))
+    real = Path(os.path.realpath(path))
+    return [spelled, *spelled.parents, real, *real.parents]
+
+
+def check_output(out: Path, sources, force: bool, preview: bool = False) -> str | None:
+    """Raise OutputError if the composition may not be written to `out` (see the module).
+    A preview (`--dry-run`) writes nothing: what only the real run would refuse about an
+    existing output is returned as a note instead."""
+    out = Path(out)
+    if out.is_symlink():
+        target = os.readlink(out)
+        gone = "" if out.exists() else ", which does not exist"
+        raise OutputError(f"output {out}: is a symbolic link (to {target}{gone}); name the folder itself")
+    mine = identity(out)
+    above = {identity(p) for p in _ancestors(out)} - {None}
+    for src in sources:
+        folders = {identity(src.path), identity(src.tag_dir)} - {None}
+        if mine in folders:
+            raise OutputError(f"output {out}: is source checkpoint {src.path} (the same folder); "
+                              "choose another output folder")
+        if above & folders:
+            raise OutputError(f"output {out}: would nest inside source checkpoint {src.path}; "
+                              "choose another output folder")
+        if mine is not None and mine in {identity(p) for p in _ancestors(src.path)}:
+            raise OutputError(f"output {out}: holds source checkpoint {src.path}; replacing it would "
+                              "delete the source; choose another output folder")
+        if src.kind == "deepspeed" and mine is not None and mine == identity(src.save_dir):
+            raise OutputError(f"output {out}: is the save_dir of source {src.path}; choose another folder")
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"output {out}: exists and is not a folder; choose another output path")
+    problem = None
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            problem = (f"output {out}: already exists and is not empty; choose another folder or pass --force "
+                       "(it replaces an earlier tailor-tui output, only once the new one is complete)")
+        elif why := not_replaceable(out):
+            problem = (f"output {out}: --force replaces only an earlier tailor-tui output or an empty "
+                       f"folder, and this one {why}; choose another output folder")
+    if problem and not preview:
+        raise OutputError(problem)
+    return f"the real run would refuse it: {problem}" if problem else None
+
+
+def not_replaceable(out: Path) -> str | None:
+    """Why `--force` must not replace the existing folder `out` (one phrase), or None."""
+    present = {str(p.relative_to(out)): _stamp(p.lstat()) for p in out.rglob("*")
+               if p.is_file() or p.is_symlink()}
+    provenance = out / PROVENANCE
+    if not provenance.is_file():
+        return f"holds {_what(out)}, not written by tailor-tui (it has no {PROVENANCE})"
+    try:
+        written = json.loads(provenance.read_text()).get(OUTPUT_FILES)
+    except (OSError, ValueError, AttributeError):
+        return f"has an unreadable {PROVENANCE}"
+    if written is None:  # written by a tailor-tui that did not list its files yet
+        return None
+    added = sorted(p for p in present if p != PROVENANCE and p not in written)
+    if added:
+        return (f"is an earlier tailor-tui output that now also holds {_names(added)}, which tailor-tui "
+                "did not write (did training resume into it?)")
+    changed = sorted(p for p, stamp in present.items() if p in written and written[p] != stamp)
+    if changed:
+        return f"is an earlier tailor-tui output whose {_names(changed)} changed since it was written"
+    return None
+
+
+def _what(folder: Path) -> str:
+    """What a folder holds, for a message: its checkpoints if it is a run, else some entries."""
+    checkpoints = find_checkpoint_dirs(folder)
+    if checkpoints:
+        return f"{len(checkpoints)} checkpoint(s) ({_names([str(c.relative_to(folder)) for c in checkpoints])})"
+    entries = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
+    return f"{len(entries)} entries ({_names(entries)})"
+
+
+def _names(names: list[str], most: int = 3) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def written_files(folder: Path) -> dict[str, list[int]]:
+    """Every file under `folder` (relative path -> [bytes, mtime_ns]): what a provenance records."""
+    return {str(p.relative_to(folder)): _stamp(p.stat()) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _stamp(st: os.stat_result) -> list[int]:
+    return [st.st_size, st.st_mtime_ns]
+
+
+# --- one writer per output ------------------------------------------------------------------
+
+
+def _lock_path(out: Path) -> Path:
+    return out.parent / f".{out.name}.tailor-lock"
+
+
+@contextlib.contextmanager
+def output_lock(out: Path):
+    """Hold an exclusive lock on `out` for the whole merge, or raise OutputError naming the
+    tailor-tui that holds it. File systems without flock (some Lustre mounts) get no lock."""
+    import fcntl
+
+    path = _lock_path(out)
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise output_error(exc, path) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise OutputError(f"output {out}: another tailor-tui ({holder}) is writing it now; wait for it "
+                              "to finish or choose another output folder") from None
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                yield  # no locks on this file system
+                return
+            raise output_error(exc, path) from None
+        st = os.fstat(fd)
+        if identity(path) == (st.st_dev, st.st_ino):  # still the file at `path`
+            break
+        os.close(fd)  # its holder removed it as we opened it: lock the new one
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # while still locked: a waiter that opened it sees it gone and retries
+        os.close(fd)
+
+
+# --- taking its place ------------------------------------------------------------------------
+
+
+def temp_prefix(out: Path) -> str:
+    # Host and PID: run folders often live on shared file systems used by many nodes.
+    return f".{out.name}.tailor-partial-{socket.gethostname()}-"
+
+
+def remove_stale(out: Path) -> None:
+    """Clean up after merges on this host that were killed (kill -9, OOM): their temp folders
+    are removed; an old output a swap had moved aside is put back if the output path is empty
+    (killed between the two renames), else removed (killed while deleting it)."""
+    if not out.parent.is_dir():
+        return
+    for p in _left_by_dead(out, temp_prefix(out)):
+        shutil.rmtree(p, ignore_errors=True)
+    for p in _left_by_dead(out, aside_prefix(out)):
+        if not os.path.lexists(out):
+            os.rename(p, out)
+            fsync_dir(out.parent)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _left_by_dead(out: Path, prefix: str) -> list[Path]:
+    """Folders beside `out` named `prefix` + the PID of a process that is gone."""
+    found = []
+    for p in out.parent.glob(glob.escape(prefix) + "*"):
+        pid = p.name[len(prefix):]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            found.append(p)
+    return found
+
+
+def hidden_folder(out: Path, force: bool) -> Path:
+    """The empty hidden folder beside `out` that an output is written in before it takes its
+    place (call holding `output_lock`): what killed runs left is cleaned up first, and with
+    `force` an existing output's folder is probed for the swap."""
+    remove_stale(out)
+    if force and out.is_dir():
+        probe_swap(out)
+    tmp = out.parent / f"{temp_prefix(out)}{os.getpid()}"
+    try:
+        tmp.mkdir()
+    except OSError as exc:
+        raise output_error(exc, out.parent) from None
+    return tmp
+
+
+def probe_swap(out: Path) -> None:
+    """Before merging: find out now, not after the merge, whether `out`'s folder lets
+    tailor-tui create, swap and remove folders (OutputError if not)."""
+    a, b = (out.parent / f".{out.name}.tailor-probe-{i}-{os.getpid()}" for i in (0, 1))
+    try:
+        a.mkdir()
+        b.mkdir()
+        exchange(a, b)  # False where unsupported: publish then moves the old folder aside first
+    except OSError as exc:
+        raise output_error(exc, out.parent) from None
+    finally:
+        for p in (a, b):
+            with contextlib.suppress(OSError):
+                p.rmdir()
+
+
+@contextlib.contextmanager
+def signals_held():
+    """SIGINT and SIGTERM wait until the block is done, then act as they would have.
+
+    Their handlers are swapped for one that only notes them (Python runs handlers in the
+    main thread whichever thread the kernel picks, so masking the main thread alone would
+    not do). Only the main thread can do this; elsewhere (the composer's worker thread)
+    cancelling goes through the merge's cancel flag, which nothing reads once publishing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, _frame: caught.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if caught:
+            handler = previous[caught[0]]
+            if callable(handler):
+                handler(caught[0], None)  # KeyboardInterrupt, or the CLI's SIGTERM handler
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(caught[0])
+
+
+def publish(tmp: Path, out: Path, force: bool, durable: bool = True, swap: bool = True) -> None:
+    """Put the finished folder `tmp` at `out` (see `signals_held`: call it inside that)."""
+    try:
+        if out.is_dir() and any(out.iterdir()):
+            if not force:
+                raise OutputError(f"output {out}: appeared while merging; not overwritten")
+            why = not_replaceable(out)
+            if why:
+                raise OutputError(f"output {out}: changed while merging and now {why}; not overwritten")
+            replace_dir(tmp, out, durable, swap)
+            return
+        if out.is_dir():
+            out.rmdir()
+        os.rename(tmp, out)
+        fsync_dir(out.parent, durable)
+    except OSError as exc:
+        raise output_error(exc, out) from None

@@ -1,0 +1,455 @@
+"""A merge plan: a recipe checked against the checkpoints it names.
+
+Everything a merge could trip over is found here, before anything is written:
+missing checkpoints, unknown or tied rows, sources whose world size, parameters or
+sub-group layout differ from the base, an output that would clobber something.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tailor_tui.checkpoints.checkpoint import (
+    Checkpoint,
+    incompatibility,
+    open_checkpoint,
+    other_run,
+)
+from tailor_tui.errors import CheckpointError, IncompatibleError, RecipeError, UsageError
+from tailor_tui.planning.file_plan import (
+    copied_files,
+    describe_files,
+    file_fates,
+    root_of,
+    weight_jobs,
+)
+from tailor_tui.planning.jobs import BYTES_PER_ELEMENT, RankJob, RowSlot, SliceCopy, WeightJob
+from tailor_tui.checkpoints.model_layout import ModelFileLayout
+from tailor_tui.planning.output import check_output as check_writable
+from tailor_tui.planning.recipe import Recipe
+from tailor_tui.resharding.partition import (
+    Reshard,
+    ReshardJob,
+    check_world_size,
+    output_names,
+    plan_reshard,
+    renamed_for,
+    reshard_jobs,
+)
+from tailor_tui.checkpoints.rows import RowIndex, list_rows
+from tailor_tui.units import size
+from tailor_tui.checkpoints.weight_files import FileFate
+
+
+@dataclass(frozen=True)
+class MergePlan:
+    """A recipe checked against its checkpoints, and all the work it takes, computed once when
+    the plan is made (the writers take their jobs from it and never call back into it)."""
+
+    recipe: Recipe
+    base: Checkpoint
+    sources: tuple[Checkpoint, ...]  # sources[0] is the base
+    picks: dict[str, int]  # every non-tied row -> index into sources
+    output: Path
+    force: bool = False
+    warnings: tuple[str, ...] = ()  # worth a look, not a reason to refuse (`warning: ...` lines)
+    reshard: Reshard | None = None  # composing into another world size (`--world-size`)
+    _jobs: tuple[RankJob | ReshardJob, ...] = field(init=False, repr=False)
+    _model_layout: ModelFileLayout | None = field(init=False, repr=False)
+    _model_jobs: tuple[WeightJob, ...] = field(init=False, repr=False)
+    _other_files: tuple[tuple[Path, Path], ...] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        layout = self._read_model_layout()
+        if self.reshard is not None:
+            jobs = reshard_jobs(self.base, self.sources, self.source_of_param(), self.reshard)
+        else:
+            jobs = tuple(self._rank_job(r) for r in range(self.base.world_size))
+        for name, value in (("_jobs", jobs),
+                            ("_model_layout", layout),
+                            ("_model_jobs", weight_jobs(self.base, self.sources, self.picks, layout)),
+                            ("_other_files", self._list_other_files())):
+            object.__setattr__(self, name, value)
+
+    # --- per rank work ---------------------------------------------------------------
+
+    def source_of_param(self) -> dict[str, int]:
+        return {p: self.picks[row.name] for row in self.base.rows for p in (*row.params, *row.buffers)}
+
+    def buffer_sources(self) -> dict[str, int]:
+        """Every buffer of a row picked from another checkpoint -> that checkpoint's index."""
+        return {b: self.picks[row.name] for row in self.base.rows for b in row.buffers if self.picks[row.name]}
+
+    def rank_jobs(self) -> tuple[RankJob | ReshardJob, ...]:
+        """One job per output rank: RankJobs, or ReshardJobs when resharding."""
+        return self._jobs
+
+    @property
+    def world_size(self) -> int:
+        """The output's data-parallel world size."""
+        return self.reshard.world_size if self.reshard else self.base.world_size
+
+    def output_rank_files(self) -> tuple[tuple[str, str], ...]:
+        """(model_states, optim_states) file names of every output rank, in its tag folder."""
+        if self.reshard is not None:
+            return output_names(self.base, self.world_size)
+        return tuple((f.model_states.name, f.optim_states.name) for f in self.base.ranks)
+
+    def _rank_job(self, rank: int) -> RankJob:
+        layout = self.base.layout
+        src = self.source_of_param()
+        copies, padding = [], []
+        for slot in layout.slots:
+            valid = slot.valid(rank)
+            s = src.get(slot.name, 0)
+            if valid and self.sources[s].partial:
+                # a partial checkpoint keeps each parameter's slice apart; a partial base has no
+                # optim file to start from, so every slice is listed, the base's own included
+                copies.append(SliceCopy(slot.group, slot.offset, valid, s, slot.name))
+            elif s and valid:
+                last = copies[-1] if copies else None
+                if (last and last.source == s and last.param is None and last.group == slot.group
+                        and last.offset + last.length == slot.offset):
+                    copies[-1] = SliceCopy(slot.group, last.offset, last.length + valid, s)
+                else:
+                    copies.append(SliceCopy(slot.group, slot.offset, valid, s))
+            if valid < slot.part:
+                padding.append((slot.group, slot.offset + valid, slot.part - valid))
+        frozen = tuple((n, src[n]) for n, _ in layout.frozen if src.get(n, 0))
+        buffers = tuple(self.buffer_sources().items())
+        used = {c.source for c in copies} | {s for _, s in frozen} | {s for _, s in buffers}
+        files = {0: self.base.ranks[rank]} | {s: self.sources[s].ranks[rank] for s in sorted(used)}
+        # every byte of the base, and the whole record of each full source's sub-group a slice
+        # comes from (its stored CRC-32 covers the whole record); a partial's slices alone
+        sizes = layout.group_sizes()
+        whole = {(c.source, c.group) for c in copies if not self.sources[c.source].partial}
+        read = self.base.rank_bytes(rank) + BYTES_PER_ELEMENT * (
+            sum(sizes[g] for _, g in whole) + sum(c.length for c in copies if self.sources[c.source].partial))
+        owner = self.base.param_to_row()
+        row_slots = tuple(RowSlot(owner[slot.name], slot.name, slot.group, slot.offset, slot.valid(rank),
+                                  src.get(slot.name, 0)) for slot in layout.slots if slot.valid(rank))
+        frozen_rows = tuple((owner[n], n, src.get(n, 0)) for n, _ in layout.frozen)
+        return RankJob(
+            row_slots=row_slots,
+            frozen_rows=frozen_rows,
+            rank=rank,
+            files=files,
+            group_sizes=tuple(layout.group_sizes()),
+            copies=tuple(copies),
+            padding=tuple(padding),
+            frozen=frozen,
+            buffers=buffers,
+            read_bytes=read,
+            write_bytes=self._rank_output_bytes(rank),
+        )
+
+    def _rank_output_bytes(self, rank: int) -> int:
+        if not self.base.partial:
+            return self.base.rank_bytes(rank)
+        files = self.base.ranks[rank]
+        return self.base.sizes[files.model_states] + sum(self.base.layout.group_sizes()) * BYTES_PER_ELEMENT
+
+    # --- the 16-bit model files ------------------------------------------------------
+
+    def model_layout(self):
+        """The layout (names, headers, index) of the output's model files, or None.
+
+        A full base's own files; a partial HF base's recorded layout or, if its save
+        recorded none, any full HF source's (every checkpoint of a run has the same)."""
+        return self._model_layout
+
+    def _read_model_layout(self):
+        if self.base.model_files:
+            return ModelFileLayout.of_files(self.base.model_files)
+        if self.base.kind != "hf":
+            return None
+        if self.base.model_layout is not None:
+            return ModelFileLayout.read(self.base.model_layout)
+        for src in self.sources:
+            if src.model_files:
+                return ModelFileLayout.of_files(src.model_files)
+        return None
+
+    def model_file_jobs(self) -> tuple[WeightJob, ...]:
+        """One job per weight file of the output (`file_plan.weight_jobs`): safetensors
+        (`ModelFileJob`), torch's format (`BinFileJob`)."""
+        return self._model_jobs
+
+    # --- totals and description -------------------------------------------------------
+
+    def other_files(self) -> tuple[tuple[Path, Path], ...]:
+        """Base files copied unchanged into the output: (where in the base folder, where in the
+        output). The same place but for the RNG states of a resharded HF checkpoint
+        (`reshard.renamed_for`)."""
+        return self._other_files
+
+    def file_fates(self) -> tuple[FileFate, ...]:
+        """What happens to every file of the base folder but its rank files (`file_plan`)."""
+        return file_fates(self.model_file_jobs(), self.other_files())
+
+    def _list_other_files(self) -> tuple[tuple[Path, Path], ...]:
+        found = copied_files(self.base, self.picks)
+        if self.reshard is None:
+            return tuple((p, p) for p in found)
+        pairs = ((p, renamed_for(p, self.world_size)) for p in found)
+        return tuple((p, q) for p, q in pairs if q is not None)
+
+    def other_files_root(self) -> Path:
+        return root_of(self.base)
+
+    def bytes_to_write(self) -> int:
+        """Every byte of the output but its provenance record: rank files, model files, the
+        base's other files, and the `latest` file and model index the merge writes itself."""
+        root = self.other_files_root()
+        others = sum((root / p).stat().st_size for p, _q in self.other_files())
+        models = sum(j.size for j in self.model_file_jobs())
+        own = len(self.base.tag) if self.base.kind == "deepspeed" or self.base.partial else 0  # `latest`
+        layout = self.model_layout()
+        if self.base.partial and layout is not None and layout.index is not None:
+            own += len(layout.index.encode())
+        return sum(j.write_bytes for j in self.rank_jobs()) + models + others + own
+
+    def rewritten_files(self) -> int:
+        """How many rank files torch writes anew (their size known only once written): a
+        partial base's optim files, model_states holding frozen fragments or buffers, and every
+        file of a base in torch's legacy format. The others are byte-exact in the plan."""
+        from tailor_tui.formats.ptfile import file_format
+
+        if self.reshard is not None:
+            return 2 * self.world_size  # every rank file: its structure written by torch
+        n = 0
+        for job in self.rank_jobs():
+            base = job.files[0]
+            legacy = file_format(base.model_states) != "zip"
+            n += base.rows is not None or file_format(base.optim_states) != "zip"
+            n += bool(job.frozen or job.buffers or legacy)
+        return n
+
+    def bytes_to_read(self) -> int:
+        """Base bytes copied plus the slices read from other sources."""
+        models = sum(j.size for j in self.model_file_jobs())
+        return sum(j.read_bytes for j in self.rank_jobs()) + models
+
+    def bytes_to_process(self) -> int:
+        """What the progress bars count: every rank's and model file's bytes read and written."""
+        return sum(j.total_bytes for j in self.rank_jobs()) + sum(j.total_bytes for j in self.model_file_jobs())
+
+    def describe(self, show=str, every_file: bool = True) -> list[str]:
+        """The plan as text lines, what matters first: output, base, totals, then only the rows
+        that do not come from the base, runs of layers grouped (`layers.40–59 ← checkpoint-8`).
+        `show` formats paths (the TUI shows them relative to the run)."""
+        rewritten = self.rewritten_files()
+        lines = [
+            f"output: {show(self.output)}",
+            f"base:   {show(self.base.path)} (step {self.base.step}, {self.base.world_size} ranks, "
+            f"{self.base.dtype}, {self.base.kind} layout)",
+            *([f"reshard: {self.reshard.describe(self.base)}"] if self.reshard else []),
+            f"read:   {size(self.bytes_to_read())}  write: {'~' if rewritten else ''}{size(self.bytes_to_write())}"
+            + (f" (about: torch writes {rewritten} file(s) anew, their size known once written)" if rewritten else ""),
+            f"        (the progress bars count {size(self.bytes_to_process())}: rank and model files, "
+            "read and written)",
+            *(f"warning: {w}" for w in self.warnings),
+        ]
+        rows = [r for r in self.base.rows if not r.tied]
+        moved = [r.name for r in rows if self.picks[r.name]]
+        if moved:
+            lines.append(f"rows from other checkpoints ({len(moved)} of {len(rows)}):")
+            groups = row_groups([(r.name, self.picks[r.name]) for r in rows])
+            width = max(len(label) for label, s in groups if s)
+            for label, s in groups:
+                if s:
+                    src = self.sources[s]
+                    lines.append(f"  {label:<{width}}  ← {show(src.path)} (step {src.step})")
+            lines.append("every other row: the base")
+        else:
+            lines.append(f"rows: all {len(rows)} from the base")
+        tied = [f"{r.name} tied to {tied_partner(self.base, r)}" for r in self.base.rows if r.tied]
+        if tied:
+            lines.append("; ".join(tied))
+        if self.base.kind == "hf" and self.base.partial and self.model_layout() is None:
+            lines.append("model files: none (the partial base recorded no 16-bit model-file layout and no source "
+                         "in the recipe is a full HF checkpoint; DeepSpeed and the HF Trainer resume without them)")
+        for row in self.base.rows:
+            for alias, target, partner in tied_members(self.base, row):
+                lines.append(f"note: {alias} (in row {row.name}) is tied to {target}: it has no weights of its "
+                             f"own and comes with row {partner}")
+        lines += describe_files(self.file_fates(), len(self.output_rank_files()), every_file)
+        return lines
+
+
+def row_groups(rows: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """Consecutive rows from the same source, in model order, as (label, source): a run of
+    layers reads `layers.40–59`; other rows stand alone."""
+    groups: list[tuple[str, int, int, int]] = []  # (label, source, first layer, last layer)
+    for name, source in rows:
+        number = name.rsplit(".", 1)[-1]
+        layer = int(number) if name.startswith("layers.") and number.isdigit() else None
+        if groups and layer is not None:
+            label, s, first, last = groups[-1]
+            if s == source and first >= 0 and last == layer - 1:
+                groups[-1] = (f"layers.{first}–{layer}", s, first, layer)
+                continue
+        groups.append((name, source, layer if layer is not None else -1, layer if layer is not None else -1))
+    return [(label, s) for label, s, _first, _last in groups]
+
+
+def tied_partner(ckpt: Checkpoint, row) -> str:
+    """Which row a storage-less row shares its weight with: the row of the parameter DeepSpeed
+    recorded it as tied to, else by the usual naming."""
+    partner = _index(ckpt.rows).tied_to(row.name)
+    if partner is not None:
+        return partner
+    for candidate in ckpt.rows:
+        if not candidate.tied and ("embed" in candidate.name or candidate.name == "wte"):
+            return candidate.name
+    return "another row"
+
+
+def tied_members(ckpt: Checkpoint, row) -> list[tuple[str, str, str]]:
+    """(name, the parameter it is tied to, that parameter's row) for each name of a row with
+    weights of its own that is tied to another row's parameter (BERT's cls.predictions.decoder)."""
+    if row.tied:
+        return []
+    index = _index(ckpt.rows)
+    return [(alias, target, index.row_of(target)) for alias, target in row.aliases
+            if index.row_of(target) not in (None, row.name)]
+
+
+@functools.lru_cache(maxsize=16)
+def _index(rows: tuple) -> RowIndex:
+    return RowIndex(rows)
+
+
+def _open(path: Path, where: str, what: str) -> Checkpoint:
+    try:
+        ckpt = open_checkpoint(path)
+        ckpt.check_complete()
+        return ckpt
+    except CheckpointError as exc:
+        raise type(exc)(f"{where}: {what}: {exc}") from None
+
+
+def _resolve_row(base: Checkpoint, name: str, where: str) -> str:
+    try:
+        row = base.row(name)
+    except KeyError:
+        names = base.row_names()
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise RecipeError(f"{where}: unknown row '{name}'; {hint}{base.path.name} has rows {list_rows(names)}") from None
+    if row.tied:
+        raise RecipeError(
+            f"{where}: row '{name}' is tied to {tied_partner(base, row)} (it has no weights of its "
+            f"own); pick {tied_partner(base, row)} instead"
+        )
+    return row.name
+
+
+def build_plan(recipe: Recipe, output: str | Path | None = None, force: bool = False,
+               check_output: bool = True, preview: bool = False, world_size: int | None = None) -> MergePlan:
+    """Check `recipe` against its checkpoints; raise a TailorError naming the first problem.
+
+    `check_output=False` is for verifying a finished output, which exists by then;
+    `preview=True` (`--dry-run`) turns what only writing would refuse into a warning;
+    `world_size` (`--world-size`) overrides the recipe's."""
+    base = _open(recipe.base, recipe.location("base"), "base")
+    target = world_size or recipe.world_size
+    if target is not None:
+        why = check_world_size(base, target)
+        if why:
+            if world_size:
+                raise UsageError(f"--world-size {target}: {why}; choose a smaller one")
+            raise RecipeError(f"{recipe.location('world_size')}: {why}; choose a smaller one")
+    out = Path(output) if output is not None else recipe.output
+    if out is None:
+        raise RecipeError(
+            f"{recipe.location('base')}: no output folder: add `output:` to the recipe or pass --output DIR"
+        )
+
+    sources: list[Checkpoint] = [base]
+    picks = {row.name: 0 for row in base.rows if not row.tied}
+    by_path: dict[Path, int] = {base.path.resolve(): 0}
+    spelled: dict[str, str] = {}  # row -> how the recipe named it
+    for name, path in recipe.layers.items():
+        where = recipe.location(f"row:{name}")
+        row = _resolve_row(base, name, where)
+        if row in spelled:
+            raise RecipeError(f"{where}: row '{row}' is given twice (as '{spelled[row]}' and '{name}')")
+        spelled[row] = name
+        ckpt_index = by_path.get(_resolved(path))
+        if ckpt_index is None:
+            src = _open(path, where, f"row '{row}'")
+            ckpt_index = by_path.get(src.path.resolve())
+            if ckpt_index is None:
+                _check_compatible(base, src, where, row, resharding=target is not None)
+                sources.append(src)
+                ckpt_index = len(sources) - 1
+                by_path[src.path.resolve()] = ckpt_index
+            by_path[_resolved(path)] = ckpt_index
+        picks[row] = ckpt_index
+
+    _check_rows_held(recipe, sources, picks)
+    reshard = None
+    if target is not None and (target != base.world_size or any(s.world_size != target for s in sources)):
+        reshard = plan_reshard(base, target)
+    warnings = _other_runs(base, sources, picks)
+    if check_output:
+        note = check_writable(out, sources, force, preview=preview)
+        warnings += [note] if note else []
+    return MergePlan(recipe=recipe, base=base, sources=tuple(sources), picks=picks, output=out, force=force,
+                     warnings=tuple(warnings), reshard=reshard)
+
+
+def _other_runs(base: Checkpoint, sources: list[Checkpoint], picks: dict[str, int]) -> list[str]:
+    """A warning for each source that lies in another run folder than the base."""
+    found = []
+    for s, src in enumerate(sources[1:], start=1):
+        why = other_run(base, src)
+        if why:
+            rows = [row for row, i in picks.items() if i == s]
+            found.append(f"{_list(rows)} come(s) from {src.path}: {why}; make sure it is the same training run")
+    return found
+
+
+def _check_rows_held(recipe: Recipe, sources: list[Checkpoint], picks: dict[str, int]) -> None:
+    """Every row must come from a checkpoint that saved it (partial checkpoints hold some rows)."""
+    base = sources[0]
+    for row, s in picks.items():
+        if s and not sources[s].holds(row):
+            src = sources[s]
+            raise RecipeError(
+                f"{recipe.location(f'row:{row}')}: row '{row}' picks {src.path.name}, a partial checkpoint "
+                f"that did not save it (it holds {_list([r for r in base.row_names() if r in src.saved_rows])}); "
+                "pick a checkpoint that has it"
+            )
+    lacking = [row for row, s in picks.items() if s == 0 and not base.holds(row)]
+    if lacking:
+        raise RecipeError(
+            f"{recipe.location('base')}: base {base.path.name} is a partial checkpoint without rows "
+            f"{_list(lacking)}; pick a source for each of them under `layers:`"
+        )
+
+
+def _list(names: list[str], most: int = 6) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _resolved(path: Path) -> Path:
+    try:
+        return Path(path).resolve()
+    except OSError:
+        return Path(path).absolute()
+
+
+def _check_compatible(base: Checkpoint, src: Checkpoint, where: str, row: str, resharding: bool) -> None:
+    why = incompatibility(base, src, repartitioned=resharding)
+    if why:
+        hint = ("; add `world_size:` to the recipe (or --world-size) to reshard every source"
+                if src.world_size != base.world_size and not resharding else "")
+        raise IncompatibleError(f"{where}: row '{row}': checkpoint {src.path} cannot be combined with "
+                                f"base {base.path}: {why}{hint}")
+
+

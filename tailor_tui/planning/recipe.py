@@ -1,0 +1,186 @@
+"""The YAML recipe (version 1): which checkpoint supplies each row.
+
+    version: 1
+    base: run/checkpoint-600          # every row not listed, plus all non-layer state
+    output: run/checkpoint-600-tailored
+    world_size: 4                     # optional: reshard for 4 data-parallel ranks
+    layers:
+      embed_tokens: run/checkpoint-500
+      layers.1: run/checkpoint-500
+
+Relative paths resolve against the recipe file's folder. Loading checks the file's
+own shape (keys, types) and reports problems as `file:line:col: ...`; whether rows
+and checkpoints exist is checked against the checkpoints when a plan is built.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from tailor_tui.errors import RecipeError
+
+VERSION = 1
+KEYS = ("version", "base", "output", "world_size", "layers")
+
+
+# Written at the top of every recipe tailor-tui saves. Saving rewrites the file from its picks:
+# comments are not carried over (the README says so).
+HEADER = ("# tailor-tui recipe: compose it with `tailor-tui --apply THIS_FILE`.\n"
+          "# Saved by tailor-tui; comments are not kept when it saves this file again.\n")
+
+
+@dataclass
+class Recipe:
+    base: Path
+    output: Path | None = None
+    layers: dict[str, Path] = field(default_factory=dict)  # row name as written -> checkpoint
+    world_size: int | None = None  # the output's data-parallel world size; None: the base's
+    source_file: Path | None = None
+    # Where each key / row was written, for error messages: key -> "file:line:col".
+    where: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def location(self, key: str) -> str:
+        return self.where.get(key) or str(self.source_file or "recipe")
+
+    def to_yaml(self, relative_to: Path | None = None) -> str:
+        """The recipe as YAML, paths relative to `relative_to` (the file's folder) when given."""
+
+        def show(p: Path) -> str:
+            if relative_to is None:
+                return str(p)
+            return os.path.relpath(Path(p).absolute(), Path(relative_to).absolute())
+
+        doc: dict = {"version": VERSION, "base": show(self.base)}
+        if self.output is not None:
+            doc["output"] = show(self.output)
+        if self.world_size is not None:
+            doc["world_size"] = self.world_size
+        doc["layers"] = {row: show(p) for row, p in self.layers.items()}
+        return yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the recipe to `path` (atomically: a crash never leaves half a recipe)."""
+        path = Path(path)
+        text = HEADER + self.to_yaml(relative_to=path.parent)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            tmp.write_text(text)
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise RecipeError(f"{path}: cannot write the recipe ({exc.strerror})") from None
+        self.source_file = path
+        return path
+
+
+def _at(source: str, node: yaml.Node) -> str:
+    mark = node.start_mark
+    return f"{source}:{mark.line + 1}:{mark.column + 1}"
+
+
+def _scalar_path(node: yaml.Node, source: str, what: str, folder: Path) -> Path:
+    if not isinstance(node, yaml.ScalarNode) or node.tag != "tag:yaml.org,2002:str" or not node.value:
+        raise RecipeError(f"{_at(source, node)}: {what} must be a checkpoint folder path")
+    p = Path(os.path.expanduser(node.value))
+    return p if p.is_absolute() else _within(folder / p)
+
+
+def _within(path: Path) -> Path:
+    """`path` with `..` and symlinks above its last name resolved (as the file system does, not
+    by text), relative to the working folder when it lies under it: messages say `demo-run/x`,
+    not `recipes/../demo-run/x`. The last name is kept as written, so an output (or source)
+    that is itself a symbolic link is still seen as one."""
+    full = path.resolve() if path.name in ("", ".", "..") else path.parent.resolve() / path.name
+    try:
+        return full.relative_to(Path.cwd())
+    except (ValueError, OSError):
+        return full
+
+
+def parse_recipe(text: str, source: str = "recipe", folder: Path = Path(".")) -> Recipe:
+    """Parse recipe text; relative paths resolve against `folder`."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
+        raise RecipeError(f"{where}: malformed YAML: {exc.problem or exc.context}") from None
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"{source}: malformed YAML: {exc}") from None
+    if root is None:
+        raise RecipeError(f"{source}: the recipe is empty; it needs at least `version: 1` and `base:`")
+    if not isinstance(root, yaml.MappingNode):
+        raise RecipeError(f"{_at(source, root)}: a recipe is a mapping with keys {', '.join(KEYS)}")
+
+    nodes: dict[str, tuple[yaml.Node, yaml.Node]] = {}
+    for key, value in root.value:
+        name = key.value if isinstance(key, yaml.ScalarNode) else None
+        if name not in KEYS:
+            raise RecipeError(
+                f"{_at(source, key)}: unknown key '{name}'; a recipe has only {', '.join(KEYS)}"
+            )
+        if name in nodes:
+            raise RecipeError(f"{_at(source, key)}: key '{name}' is given twice")
+        nodes[name] = (key, value)
+
+    if "version" not in nodes:
+        raise RecipeError(f"{source}: missing `version: {VERSION}`")
+    version = nodes["version"][1]
+    if not (isinstance(version, yaml.ScalarNode) and version.value == str(VERSION)):
+        raise RecipeError(
+            f"{_at(source, version)}: unsupported recipe version '{getattr(version, 'value', '?')}'; "
+            f"this tailor-tui reads version {VERSION}"
+        )
+    if "base" not in nodes:
+        raise RecipeError(f"{source}: missing `base:` (the checkpoint that supplies every other row)")
+
+    where = {key: _at(source, k) for key, (k, _) in nodes.items()}
+    base = _scalar_path(nodes["base"][1], source, "`base`", folder)
+    output = None
+    if "output" in nodes:
+        output = _scalar_path(nodes["output"][1], source, "`output`", folder)
+
+    world_size = None
+    if "world_size" in nodes:
+        node = nodes["world_size"][1]
+        if not (isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:int"
+                and node.value.isdigit() and int(node.value) >= 1):
+            raise RecipeError(f"{_at(source, node)}: `world_size` must be a whole number of at least 1 (the "
+                              f"data-parallel ranks to reshard for), not '{getattr(node, 'value', '?')}'")
+        world_size = int(node.value)
+
+    layers: dict[str, Path] = {}
+    if "layers" in nodes:
+        lnode = nodes["layers"][1]
+        is_null = isinstance(lnode, yaml.ScalarNode) and lnode.tag == "tag:yaml.org,2002:null"
+        if not is_null:
+            if not isinstance(lnode, yaml.MappingNode):
+                raise RecipeError(
+                    f"{_at(source, lnode)}: `layers` maps row names to checkpoint folders"
+                )
+            for key, value in lnode.value:
+                if not isinstance(key, yaml.ScalarNode) or not key.value:
+                    raise RecipeError(f"{_at(source, key)}: a row name must be plain text")
+                row = key.value
+                if row in layers:
+                    raise RecipeError(f"{_at(source, key)}: row '{row}' is given twice")
+                layers[row] = _scalar_path(value, source, f"the source of row '{row}'", folder)
+                where[f"row:{row}"] = _at(source, key)
+    return Recipe(base=base, output=output, layers=layers, world_size=world_size, where=where)
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise RecipeError(f"{path}: no such recipe file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"{path}: cannot read the recipe ({exc})") from None
+    recipe = parse_recipe(text, source=str(path), folder=path.parent)
+    recipe.source_file = path
+    return recipe

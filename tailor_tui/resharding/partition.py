@@ -1,0 +1,282 @@
+"""Planning a composition into another data-parallel world size (`--world-size M`).
+
+The output is what DeepSpeed at world size M would save after loading this state: every
+parameter re-partitioned (`layout.pieces`), each optimizer param group split into sub-groups
+again by DeepSpeed's rule for M (`layout.sub_groups`), with the `sub_group_size` the run
+trained with. That size is read from the DeepSpeed config the base's model_states records
+(a dict, or the JSON file it names), and is always checked to give the base's own sub-groups
+at the base's world size: a config that does not reproduce them is refused, not trusted.
+Without a readable config, the sizes consistent with the base's sub-groups are used when
+they all give the same sub-groups at M.
+
+Each output rank's job lists, for each of its sub-groups and frozen parameters, the pieces
+that fill it in order: a range of some source rank's tensor, or zeros (padding). Every
+source, whatever its own world size, is located by its own layout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from tailor_tui.checkpoints.checkpoint import Checkpoint, RankFiles, read_metadata
+from tailor_tui.formats.ds_format import (
+    DS_CONFIG,
+    MODEL_STATES,
+    OPTIM_STATES,
+    OPTIMIZER_STATE_DICT,
+    PARAM_GROUPS,
+)
+from tailor_tui.formats.dtypes import BY_NAME, PRECISION
+from tailor_tui.errors import CheckpointError
+from tailor_tui.checkpoints.layout import ZeroLayout, part, pieces
+from tailor_tui.formats.ptfile import read_structure
+
+DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's default (zero_optimization.sub_group_size)
+MAX_CONFIG_BYTES = 1 << 20
+ZEROS = -1  # a piece's source when it is padding
+FROZEN = -1  # a piece's group when it lies in a frozen parameter's fragment
+ITEMSIZE = {p: BY_NAME[name].itemsize for p, name in PRECISION.items()}  # a frozen fragment's, by the run's dtype (an estimate)
+
+
+class Piece(NamedTuple):
+    """Elements [at, at+length) of an output tensor: from a source rank's tensor, or zeros."""
+
+    at: int
+    length: int
+    source: int  # index into the plan's sources; ZEROS: padding
+    rank: int  # the source's rank whose files hold them
+    group: int  # the source's sub-group (its flat tensors); FROZEN: a frozen fragment
+    offset: int  # first element in that tensor (flat group, or fragment)
+    within: int  # first element within the parameter's part on that rank (a partial's slices are stored so)
+    param: str
+    row: str
+
+
+@dataclass(frozen=True)
+class Reshard:
+    """The output's world size and ZeRO layout, and how its sub-groups were formed."""
+
+    world_size: int
+    layout: ZeroLayout
+    param_groups: tuple[tuple[int, ...], ...]  # the output's sub-groups of each optimizer param group
+    sub_group_size: int | None  # None: not known, every size the base's sub-groups allow gives the same
+    sub_group_size_from: str  # where it was read, for the plan
+
+    def describe(self, base: Checkpoint) -> str:
+        size = f"{self.sub_group_size:,}" if self.sub_group_size is not None else "not recorded"
+        return (f"{base.world_size} → {self.world_size} ranks; {len(self.layout.groups)} optimizer sub-group(s) "
+                f"(the base has {len(base.layout.groups)}), sub_group_size {size} ({self.sub_group_size_from})")
+
+
+@dataclass(frozen=True)
+class ReshardJob:
+    """Everything one worker needs to fill output rank `rank`'s two files (picklable). Their
+    structure is written beforehand (`reshard_skeleton`); the worker fills the big tensors."""
+
+    rank: int
+    model_states: str  # the output's file names
+    optim_states: str
+    files: dict  # (source, source rank) -> RankFiles, of every source rank a piece comes from
+    source_sizes: dict  # source -> its group sizes (elements per rank of each of its sub-groups)
+    group_sizes: tuple[int, ...]  # the output's
+    groups: tuple[tuple[Piece, ...], ...]  # per output sub-group: the pieces filling it, in order
+    frozen: tuple[tuple[str, tuple[Piece, ...]], ...]  # (frozen parameter, the pieces of its fragment)
+    read_bytes: int
+    write_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.read_bytes + self.write_bytes
+
+
+def optim_structure_file(files: RankFiles) -> Path:
+    """The file holding a rank's optimizer state structure (a partial checkpoint's skeleton)."""
+    return files.skeleton if files.rows is not None else files.optim_states
+
+
+def param_groups_of(ckpt: Checkpoint) -> tuple[tuple[int, ...], ...]:
+    """The sub-groups of each optimizer param group, as rank 0's optimizer state lists them."""
+    path = optim_structure_file(ckpt.ranks[0])
+    obj, _records, _prefix = read_structure(path)
+    try:
+        groups = obj[OPTIMIZER_STATE_DICT][OPTIMIZER_STATE_DICT][PARAM_GROUPS]
+        found = tuple(tuple(int(i) for i in group["params"]) for group in groups)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise CheckpointError(f"{path}: its optimizer state has no param groups listing its sub-groups; "
+                              "it is not a ZeRO-3 optimizer state tailor-tui can reshard") from None
+    if [i for group in found for i in group] != list(range(len(ckpt.layout.groups))):
+        raise CheckpointError(f"{path}: its param groups hold sub-groups {[list(g) for g in found]}, not each of "
+                              f"its {len(ckpt.layout.groups)} sub-groups once and in order; tailor-tui cannot "
+                              "tell how DeepSpeed would group them at another world size")
+    return found
+
+
+def _config(ckpt: Checkpoint) -> tuple[dict | None, str]:
+    """The DeepSpeed config the run trained with, and where it was found (None: not readable)."""
+    states = read_metadata(ckpt.ranks[0].model_states)
+    config = states.get(DS_CONFIG)
+    if isinstance(config, dict):
+        return config, "the DeepSpeed config model_states records"
+    if isinstance(config, str) and config:
+        path = Path(config).expanduser()
+        try:
+            if path.stat().st_size > MAX_CONFIG_BYTES:
+                return None, f"the config file {path} model_states names is too large to be one"
+            found = json.loads(path.read_text())
+            if isinstance(found, dict):
+                return found, f"the config file {path} model_states names"
+        except (OSError, ValueError):
+            pass
+        return None, f"the config file {path} model_states names is gone or unreadable"
+    return None, "model_states records no DeepSpeed config"
+
+
+def _configured_size(config: dict) -> int | None:
+    zero = config.get("zero_optimization")
+    value = zero.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE) if isinstance(zero, dict) else DEFAULT_SUB_GROUP_SIZE
+    try:
+        size = int(float(value))
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return size if size >= 0 else None
+
+
+def consistent_sizes(layout: ZeroLayout, param_groups) -> tuple[int, float]:
+    """The range [lo, hi] of sub_group_size values under which DeepSpeed forms exactly the
+    sub-groups of `layout` (hi: math.inf when no sub-group was closed by the size)."""
+    lo, hi = 0, math.inf
+    parts = [[part(math.prod(shape), layout.world_size) for _name, shape in group] for group in layout.groups]
+    for held in param_groups:
+        for k, g in enumerate(held):
+            if not parts[g]:
+                continue
+            total = sum(parts[g])
+            lo = max(lo, total - parts[g][-1] + 1)  # it did not close before its last parameter
+            if k < len(held) - 1:
+                hi = min(hi, total)  # it closed at its last parameter
+    return lo, hi
+
+
+def plan_reshard(base: Checkpoint, world_size: int) -> Reshard:
+    """The output layout at `world_size` (CheckpointError when it cannot be told)."""
+    groups = param_groups_of(base)
+    config, where = _config(base)
+    size = _configured_size(config) if config is not None else None
+    if size is not None:
+        again, _ = base.layout.regrouped(base.world_size, groups, size)
+        if again.groups != base.layout.groups:
+            raise CheckpointError(
+                f"{base.path}: its {len(base.layout.groups)} optimizer sub-groups are not what DeepSpeed makes of "
+                f"sub_group_size {size:,} ({where}) at its world size {base.world_size}; tailor-tui will not guess "
+                "how it would group them at another world size")
+        layout, members = base.layout.regrouped(world_size, groups, size)
+        return Reshard(world_size, layout, members, size, where)
+    lo, hi = consistent_sizes(base.layout, groups)
+    low = base.layout.regrouped(world_size, groups, lo)
+    high = base.layout.regrouped(world_size, groups, DEFAULT_SUB_GROUP_SIZE * 1000 if hi == math.inf else hi)
+    if low != high:
+        raise CheckpointError(
+            f"{base.path}: cannot tell the run's sub_group_size ({where}), and the sizes its sub-groups allow "
+            f"({lo:,} to {'any larger' if hi == math.inf else f'{hi:,}'}) group the parameters differently at "
+            f"world size {world_size}; put the training's DeepSpeed config back where model_states names it")
+    return Reshard(world_size, low[0], low[1], None, f"{where}; every size its sub-groups allow gives these")
+
+
+def check_world_size(base: Checkpoint, world_size: int) -> str | None:
+    """Why `world_size` is not one to reshard `base` into (one phrase), or None."""
+    largest = max((s.numel for s in base.layout.slots), default=0)
+    if world_size > largest:
+        return (f"world size {world_size} is more than the {largest:,} elements of the model's largest trainable "
+                "parameter: every rank past that would hold nothing but padding")
+    return None
+
+
+def output_names(base: Checkpoint, world_size: int) -> tuple[tuple[str, str], ...]:
+    """(model_states, optim_states) file names of every output rank."""
+    prefix = "bf16_" if base.dtype == "bf16" else ""
+    return tuple((MODEL_STATES.format(rank=r), OPTIM_STATES.format(prefix=prefix, rank=r))
+                 for r in range(world_size))
+
+
+def reshard_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], source_of: dict[str, int],
+                 reshard: Reshard) -> tuple[ReshardJob, ...]:
+    """One job per output rank. `source_of`: every parameter -> index into `sources`."""
+    owner = base.param_to_row()
+    slots = [{s.name: s for s in src.layout.slots} for src in sources]
+    names = output_names(base, reshard.world_size)
+    itemsize = ITEMSIZE.get(base.dtype, 4)
+    out_sizes = tuple(reshard.layout.group_sizes())  # every output rank's, and each source's: once
+    source_sizes = [tuple(src.layout.group_sizes()) for src in sources]
+    written = 12 * sum(out_sizes) + itemsize * sum(part(math.prod(shape), reshard.world_size)
+                                                   for _n, shape in base.layout.frozen)
+    jobs = []
+    for rank in range(reshard.world_size):
+        groups: list[list[Piece]] = [[] for _ in reshard.layout.groups]
+        for slot in reshard.layout.slots:
+            s = source_of[slot.name]
+            theirs = slots[s][slot.name]
+            found = _pieces(slot.name, slot.numel, sources[s].world_size, reshard.world_size, rank, s,
+                            owner[slot.name], lambda within, t=theirs: (t.group, t.offset + within))
+            groups[slot.group] += [p._replace(at=slot.offset + p.at) for p in found]
+        frozen = []
+        for name, shape in base.layout.frozen:
+            s = source_of[name]
+            frozen.append((name, tuple(_pieces(name, math.prod(shape), sources[s].world_size,
+                                               reshard.world_size, rank, s, owner[name],
+                                               lambda within: (FROZEN, within)))))
+        used = {(p.source, p.rank) for g in groups for p in g if p.source != ZEROS}
+        used |= {(p.source, p.rank) for _n, ps in frozen for p in ps if p.source != ZEROS}
+        files = {(s, r): sources[s].ranks[r] for s, r in sorted(used)}
+        sizes = {s: source_sizes[s] for s in sorted({s for s, _r in used})}
+        taken = [p for g in groups for p in g if p.source != ZEROS]
+        # a full source's records are read whole (their stored CRC-32 covers the whole record)
+        whole = {(p.source, p.rank, p.group) for p in taken if files[p.source, p.rank].rows is None}
+        read = 12 * (sum(sizes[s][g] for s, _r, g in whole)
+                     + sum(p.length for p in taken if files[p.source, p.rank].rows is not None))
+        read += itemsize * sum(p.length for _n, ps in frozen for p in ps if p.source != ZEROS)
+        jobs.append(ReshardJob(rank, *names[rank], files, sizes, out_sizes,
+                               tuple(tuple(g) for g in groups), tuple(frozen), read, written))
+    return tuple(jobs)
+
+
+def _pieces(param: str, numel: int, from_world: int, to_world: int, rank: int, source: int, row: str,
+            place) -> list[Piece]:
+    """The pieces of `param`'s part on output `rank`, then zeros for its padding; `place(within)`
+    gives (group, offset) of an element of the source rank's part in its tensor."""
+    found = []
+    for their_rank, within, at, count in pieces(numel, from_world, to_world, rank):
+        group, offset = place(within)
+        found.append(Piece(at, count, source, their_rank, group, offset, within, param, row))
+    size = part(numel, to_world)
+    valid = sum(p.length for p in found)
+    if valid < size:
+        found.append(Piece(valid, size - valid, ZEROS, 0, FROZEN, 0, 0, param, row))
+    return found
+
+
+RNG_STATE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
+ACCELERATE_RNG_STATE = re.compile(r"^random_states_(\d+)\.pkl$")  # Accelerate's, one per process
+
+
+def renamed_for(rel: Path, to_world: int) -> Path | None:
+    """Where a file of an HF (or Accelerate) checkpoint goes in an output at another world size
+    (None: left out). Accelerate's `random_states_R.pkl` stay for ranks that exist at both sizes.
+    The HF Trainer reads `rng_state_R.pth` on process R (`rng_state.pth` on a single
+    process): ranks that exist at both sizes keep theirs, a single process takes rank 0's,
+    new ranks get none (the Trainer then goes on with their fresh generators and says so in
+    its log: two ranks with one RNG state would draw the same dropout masks)."""
+    theirs = ACCELERATE_RNG_STATE.match(rel.name) if rel.parent == Path(".") else None
+    if theirs is not None:  # Accelerate's load_state skips a process's missing RNG state (it logs so)
+        return rel if int(theirs.group(1)) < to_world else None
+    found = RNG_STATE.match(rel.name) if rel.parent == Path(".") else None
+    if found is None:
+        return rel
+    rank = int(found.group(1)) if found.group(1) is not None else 0
+    if rank >= to_world:
+        return None
+    return Path("rng_state.pth" if to_world == 1 else f"rng_state_{rank}.pth")

@@ -1,0 +1,163 @@
+"""The structure of a resharded output's rank files, big tensors reserved, written without torch.
+
+For each output rank, its model_states and optim_states file as DeepSpeed at the new world
+size would save them, but with the space of every big tensor (fp32 master weights, exp_avg,
+exp_avg_sq of each sub-group, frozen parameters' fragments) reserved and not written (holes
+of a sparse file, written in milliseconds whatever the model's size); `rank_reshard` fills
+them in worker processes. Everything else is the base's rank 0 (every rank's is the same
+but for its slices): optimizer hyperparameters, loss scaler, counters, scheduler, config;
+the new `partition_count`/`dp_world_size`, `param_shapes` and param groups' sub-group
+lists; each new sub-group's `step` is that of the base's sub-groups its parameters come
+from (they must agree); buffers follow their rows' sources.
+
+The base's structure is read by the torch-free reader (`ptfile`), changed as stand-ins, and
+written as torch.save would write it (`ptpickle`, `ptwrite`: the same bytes, tested against
+torch). Every output rank's two files hold the same structure: each is pickled once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import OrderedDict
+from pathlib import Path
+
+from tailor_tui.checkpoints.checkpoint import Checkpoint
+from tailor_tui.formats.ds_format import (
+    DP_WORLD_SIZE,
+    EXP_AVG,
+    EXP_AVG_SQ,
+    FP32_FLAT_GROUPS,
+    FROZEN_PARAM_FRAGMENTS,
+    MODULE,
+    OPTIMIZER_STATE_DICT,
+    PARAM_GROUPS,
+    PARAM_SHAPES,
+    PARTITION_COUNT,
+    PARTITION_GROUPS,
+    STATE,
+)
+from tailor_tui.errors import CheckpointError
+from tailor_tui.checkpoints.layout import part
+from tailor_tui.formats.pickled import Size, TensorRef
+from tailor_tui.formats.ptedit import Rewritable, reserved
+from tailor_tui.formats.ptpickle import dumps
+from tailor_tui.formats.ptwrite import write_archive
+from tailor_tui.resharding.partition import Reshard, optim_structure_file, output_names
+
+# A per-group optimizer value other than the moments (`step`) is compared between sub-groups
+# that merge; none is larger than this in any optimizer DeepSpeed wraps.
+MAX_COMPARED_BYTES = 1 << 20
+
+
+def write_skeletons(base: Checkpoint, sources: tuple[Checkpoint, ...], buffer_sources: dict[str, int],
+                    reshard: Reshard, tag_dir: Path, cancelled=lambda: False, *, ranks=None,
+                    staging: str = ".skeletons") -> None:
+    """The two files of each output rank in `ranks` (default: all) in `tag_dir`, big tensors
+    reserved, rank by rank. Each file is written in the hidden folder `staging` beside `tag_dir`
+    and renamed into place whole: the workers filling them wait for them. `buffer_sources`:
+    each buffer -> the index of the source its row is taken from."""
+    fills: dict[int, object] = {}  # id(StorageRef) -> Copied | Reserved: where its bytes come from
+    optim = _optim_states(base, reshard, fills)
+    states = _model_states(base, sources, buffer_sources, reshard, fills)
+    kinds = []
+    for obj in (optim, states):  # every rank's file holds the same structure: pickled once
+        data, storages = dumps(obj)
+        kinds.append((data, [fills[id(s)] for s in storages]))
+    staging = tag_dir.parent / staging
+    staging.mkdir()
+    buffer = memoryview(bytearray(1 << 20))
+    names = output_names(base, reshard.world_size)
+    for model_name, optim_name in (names[r] for r in (range(len(names)) if ranks is None else ranks)):
+        if cancelled():
+            return
+        for (data, storages), name in zip(kinds, (optim_name, model_name), strict=True):
+            # torch names an archive's records after its file
+            write_archive(staging / name, archive=Path(name).stem, pickle=data, storages=storages, buffer=buffer)
+            os.rename(staging / name, tag_dir / name)
+    staging.rmdir()
+
+
+def _optim_states(base: Checkpoint, reshard: Reshard, fills: dict) -> dict:
+    read = Rewritable(optim_structure_file(base.ranks[0]))
+    path, optim = read.path, read.obj
+    fills.update(read.fills)
+    try:
+        inner = optim[OPTIMIZER_STATE_DICT]
+        state, groups = inner[OPTIMIZER_STATE_DICT][STATE], inner[OPTIMIZER_STATE_DICT][PARAM_GROUPS]
+        flat = inner[FP32_FLAT_GROUPS]
+        if not isinstance(state, dict) or not all(isinstance(v, dict) for v in state.values()):
+            raise TypeError
+    except (KeyError, TypeError):
+        raise CheckpointError(f"{path}: not a ZeRO-3 optimizer state; tailor-tui reshards ZeRO stage 3") from None
+    if inner.get(PARTITION_GROUPS) is not None:
+        raise CheckpointError(f"{path}: its sub-groups are partitioned over groups of their own (AutoEP "
+                              "experts); DeepSpeed loads those only at the same placement: it cannot be resharded")
+    if type(inner.get(PARTITION_COUNT)) is not int:
+        raise CheckpointError(f"{path}: its partition_count is {inner.get(PARTITION_COUNT)!r}, not a ZeRO-3 "
+                              "world size; tailor-tui reshards ZeRO stage 3 checkpoints")
+    sizes = tuple(base.layout.group_sizes())
+    group_of = {slot.name: slot.group for slot in base.layout.slots}
+    new_flat, new_state = [], {}
+    try:
+        for g, (params, size) in enumerate(zip(reshard.layout.groups, reshard.layout.group_sizes(), strict=True)):
+            olds = sorted({group_of[name] for name, _shape in params})
+            first = olds[0]
+            entry = {}
+            for key, value in state[first].items():
+                if key in (EXP_AVG, EXP_AVG_SQ):
+                    entry[key] = reserved(size, value, fills)
+                    continue
+                if isinstance(value, TensorRef) and value.size and value.numel() == sizes[first] > 1:
+                    raise CheckpointError(f"{path}: sub-group {first} holds optimizer state '{key}' per element; "
+                                          "tailor-tui reshards Adam's exp_avg and exp_avg_sq and nothing else")
+                for other in olds[1:]:
+                    if not _same(read, state[other].get(key), value):
+                        raise CheckpointError(
+                            f"{path}: sub-groups {first} and {other} hold different '{key}' values, and DeepSpeed "
+                            f"at world size {reshard.world_size} would put parameters of both into one sub-group; "
+                            "it cannot be resharded")
+                entry[key] = read.clone(value, fills) if isinstance(value, TensorRef) else value
+            new_state[g] = entry
+            new_flat.append(reserved(size, flat[first], fills))
+    except (KeyError, IndexError, TypeError, AttributeError):
+        raise CheckpointError(f"{path}: its optimizer state does not hold the sub-groups its layout has; "
+                              "the file is corrupt or from another run") from None
+    inner[FP32_FLAT_GROUPS] = new_flat
+    inner[OPTIMIZER_STATE_DICT][STATE] = new_state
+    for group, members in zip(groups, reshard.param_groups, strict=True):
+        group["params"] = list(members)
+    inner[PARTITION_COUNT] = reshard.world_size
+    return optim
+
+
+def _model_states(base: Checkpoint, sources: tuple[Checkpoint, ...], buffer_sources: dict[str, int],
+                  reshard: Reshard, fills: dict) -> dict:
+    read = Rewritable(base.ranks[0].model_states)
+    states = read.obj
+    fills.update(read.fills)
+    try:
+        shapes = states[PARAM_SHAPES]
+        container = type(shapes[0]) if shapes else OrderedDict
+        states[PARAM_SHAPES] = [container((name, Size(shape)) for name, shape in group)
+                                for group in reshard.layout.groups]
+        states[DP_WORLD_SIZE] = reshard.world_size
+        fragments = states.get(FROZEN_PARAM_FRAGMENTS) or {}
+        for name, shape in base.layout.frozen:
+            fragments[name] = reserved(part(math.prod(shape), reshard.world_size), fragments[name], fills)
+        loaded = {}
+        for name, s in buffer_sources.items():  # replicated on every rank: rank 0's
+            if s not in loaded:
+                loaded[s] = Rewritable(sources[s].ranks[0].model_states)
+            states[MODULE][name] = loaded[s].clone(loaded[s].obj[MODULE][name], fills)
+    except (KeyError, IndexError, TypeError, AttributeError):
+        raise CheckpointError(f"{read.path}: its model states do not hold the parameters and buffers its "
+                              "layout has; the file is corrupt or from another run") from None
+    return states
+
+
+def _same(read: Rewritable, a, b) -> bool:
+    if isinstance(a, TensorRef) and isinstance(b, TensorRef):
+        return (a.storage.type_name == b.storage.type_name and a.size == b.size
+                and read.data(a, MAX_COMPARED_BYTES) == read.data(b, MAX_COMPARED_BYTES))
+    return type(a) is type(b) and a == b

@@ -1,0 +1,3 @@
+"""Real training runs on CPU for the demo and the tests: DeepSpeed and the HF Trainer (`demo_run`),
+their models (`models`), Accelerate's save_state (`accelerate`).
+"""

@@ -1,0 +1,106 @@
+"""Progress of a job over several processes, told by process 0 for the whole job.
+
+Every other process posts the state of its tasks (bytes done of each rank file or model file)
+to the job's store at most once a second and whenever a task finishes; process 0 reads them
+every two seconds and hands them, as progress events, to its own reporter with its own
+tasks' events: its log then follows every rank of the job (`rank 311: 41% …`) and, with
+`JobLines`, the whole job's bytes and throughput. Each process's own lines still go to its
+stderr, prefixed by its process rank.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from tailor_tui.events import Emit, TaskFinished, TaskProgressed
+from tailor_tui.report import LineReporter
+from tailor_tui.units import size, throughput
+
+POST_EVERY = 1.0
+READ_EVERY = 2.0
+
+
+class JobLines:
+    """Process 0's log of a job: each task's lines (as `LineReporter`) and, at most every
+    `every_seconds`, one line for the whole job with its throughput."""
+
+    def __init__(self, out, tasks, every_seconds: float = 5.0):
+        self.lines = LineReporter(out)
+        self.out, self.every = out, every_seconds
+        self.sizes = dict(tasks)
+        self.done = dict.fromkeys(self.sizes, 0)
+        self.total = sum(self.sizes.values())
+        self.started = self.last = time.monotonic()
+        self.lock = threading.Lock()
+
+    def __call__(self, event) -> None:
+        with self.lock:
+            self.lines(event)
+            if isinstance(event, (TaskProgressed, TaskFinished)):
+                self.done[event.task] = event.total if isinstance(event, TaskFinished) else event.done
+            now = time.monotonic()
+            if now - self.last >= self.every:
+                self.last = now
+                done = sum(self.done.values())
+                rate, eta = throughput(done, self.total, now - self.started)
+                finished = sum(1 for name, d in self.done.items() if d >= self.sizes.get(name, 0))
+                print(f"job: {done / self.total if self.total else 1:.0%} {size(done)}/{size(self.total)}, "
+                      f"{size(int(rate))}/s, ETA {eta:.0f}s ({finished} of {len(self.done)} tasks done)",
+                      file=self.out, flush=True)
+
+
+def relay(team, emit: Emit, tasks) -> tuple[Emit, callable]:
+    """(the emit this process's merge uses, a stop function). One process: `emit` itself."""
+    if team.size == 1:
+        return emit, lambda: None
+    if team.lead:
+        return emit, _reader(team, emit, [name for name, _total in tasks])
+    state: dict[str, list] = {}
+    last = [0.0]
+
+    def post(event) -> None:
+        emit(event)
+        if isinstance(event, TaskProgressed):
+            state[event.task] = [event.done, event.total, False]
+        elif isinstance(event, TaskFinished):
+            state[event.task] = [event.total, event.total, True]
+        else:
+            return
+        now = time.monotonic()
+        if isinstance(event, TaskFinished) or now - last[0] >= POST_EVERY:
+            last[0] = now
+            team.post("progress", state)
+
+    return post, lambda: None
+
+
+def _reader(team, emit: Emit, names: list[str]):
+    stop = threading.Event()
+    seen: dict[str, list] = {}
+
+    def read_once() -> bool:
+        for p in range(1, team.size):
+            try:
+                theirs = team.peek("progress", p) or {}
+            except Exception:  # noqa: BLE001 - the job is failing: the merge says why
+                return False
+            for task, (done, total, finished) in theirs.items():
+                if task in names and seen.get(task) != [done, total, finished]:
+                    seen[task] = [done, total, finished]
+                    emit(TaskFinished(task, total) if finished else TaskProgressed(task, done, total))
+        return True
+
+    def read() -> None:
+        while not stop.wait(READ_EVERY) and read_once():
+            pass
+
+    thread = threading.Thread(target=read, name="job-progress", daemon=True)
+    thread.start()
+
+    def halt() -> None:
+        stop.set()
+        thread.join()
+        read_once()  # what finished since the last read
+
+    return halt

@@ -1,0 +1,192 @@
+"""Running a merge's tasks: inline, or in a pool of worker processes.
+
+Workers are spawned (not forked) with SIGINT held back, ignore Ctrl-C (the parent alone
+decides how to stop), leave by themselves when orphaned (kill -9 of the parent), and
+report progress through a queue; the parent turns a cancel flag into a stop event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from tailor_tui.events import Emit, TaskFinished, TaskOptions
+
+if TYPE_CHECKING:  # for annotations only: statistics run calls without loading the planner
+    from tailor_tui.planning.plan import MergePlan
+
+_WORKER_QUEUE = None
+_WORKER_CANCEL = None
+
+
+def _worker_init(events, cancel, parent: int) -> None:
+    global _WORKER_QUEUE, _WORKER_CANCEL
+    # Ctrl-C reaches the whole process group: the parent alone decides how to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A worker holds its own copy of the task queue's pipe, so it would wait forever if the
+    # parent were killed (kill -9, OOM killer): it leaves as soon as it is orphaned.
+    # `parent` comes from the parent itself: read here, it could already be init's PID.
+    threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _WORKER_QUEUE, _WORKER_CANCEL = events, cancel
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def _run_call(fn, args: tuple, options: TaskOptions):
+    return fn(*args, _WORKER_QUEUE.put, _WORKER_CANCEL.is_set, options)
+
+
+# What one worker process holds besides its task's data: the interpreter and tailor-tui's
+# torch-free modules (streaming, 1 MiB buffer; a partial base's optim file too), or with torch
+# imported (the re-serialising fallback, model_states taking fragments, casting model files).
+STREAMING_WORKER = 64 << 20
+TORCH_WORKER = 512 << 20
+
+
+def worker_memory(plan: MergePlan) -> int:
+    """The most memory any one task of `plan` needs in a worker (bytes)."""
+    from tailor_tui.formats.ptfile import file_format
+
+    needs = [STREAMING_WORKER]
+    for job in plan.rank_jobs() if plan.reshard is None else ():  # resharding workers stream
+        base = job.files[0]
+        if job.frozen or job.buffers:  # model_states re-saved by torch (a partial base's optim file is not)
+            needs.append(TORCH_WORKER)
+        elif base.rows is None and file_format(base.optim_states) != "zip":  # re-serialised: the whole rank
+            needs.append(TORCH_WORKER + 2 * plan.base.rank_bytes(job.rank))
+    if any(getattr(job, "partial_ranks", None) for job in plan.model_file_jobs()):
+        needs.append(TORCH_WORKER)
+    return max(needs)
+
+
+def default_workers(plan: MergePlan) -> int:
+    """As many workers as there are tasks, cores, and memory for what each really holds."""
+    return workers_for(len(plan.rank_jobs()) + len(plan.model_file_jobs()), worker_memory(plan))
+
+
+def workers_for(tasks: int, memory_each: int) -> int:
+    """As many workers as there are `tasks`, cores, and memory for `memory_each` bytes each."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, min(tasks, cores, _available_memory() // memory_each))
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+# A call: (a top-level function, its leading arguments); it is run as
+# fn(*args, emit, cancelled, options) in a worker and its return value comes back.
+Call = tuple
+
+
+def run_calls(calls: list[Call], workers: int, emit: Emit, cancel: threading.Event,
+              options: TaskOptions) -> list:
+    """Run `calls` on `workers` processes (in this one if 1) and return their results in order.
+    Each call's events reach `emit` in this process; `cancel` stops them between chunks."""
+    if max(1, min(workers, len(calls))) == 1:
+        return [fn(*args, emit, cancel.is_set, options) for fn, args in calls]
+    return run_pool(calls, min(workers, len(calls)), emit, cancel, options)
+
+
+def prepare_worker_processes() -> None:
+    """Start multiprocessing's resource tracker now, while sys.stderr is the real one.
+
+    The tracker is started lazily with `sys.stderr.fileno()` among the fds it inherits;
+    inside a full-screen app stderr is replaced and the first worker spawn would fail.
+    """
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+
+
+def run_pool(calls: list[Call], workers: int, emit: Emit, cancel: threading.Event, options: TaskOptions) -> list:
+    import multiprocessing as mp
+    from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+
+    ctx = mp.get_context("spawn")  # fork after torch has started threads can deadlock
+    events, stop = ctx.Queue(), ctx.Event()
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
+                               initargs=(events, stop, os.getpid()))
+    finished = [0]  # each call ends with one TaskFinished (counted: two tasks may share a name)
+
+    def emit_and_count(event) -> None:
+        if isinstance(event, TaskFinished):
+            finished[0] += 1
+        emit(event)
+
+    try:  # from the first spawn on: a Ctrl-C deferred while spawning arrives as the block ends
+        with _children_ignore_sigint():
+            futures = [pool.submit(_run_call, fn, args, options) for fn, args in calls]
+        pending = set(futures)
+        while pending:
+            if cancel.is_set():
+                stop.set()
+            _drain(events, emit_and_count, timeout=0.05)
+            done, pending = wait(pending, timeout=0, return_when=FIRST_EXCEPTION)
+            for f in done:
+                if f.exception() is not None:
+                    stop.set()
+                    raise f.exception()
+        # A worker's events go through its queue's feeder thread and may arrive after its
+        # result: wait for every task's last event, so no rank's bar stops short of done.
+        deadline = time.monotonic() + 10
+        while finished[0] < len(calls) and time.monotonic() < deadline:
+            _drain(events, emit_and_count, timeout=0.05)
+        return [f.result() for f in futures]
+    finally:
+        # Workers still starting up need the queue and event: they are shut down (and have
+        # exited) before those are released.
+        stop.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def _children_ignore_sigint():
+    """Spawn workers that never see SIGINT, without the parent missing one.
+
+    A terminal's Ctrl-C reaches the whole process group; a worker still starting up would
+    die with a traceback of its own. SIGINT is blocked while `submit` spawns the processes:
+    a blocked signal stays blocked across exec, so a worker cannot receive it before its
+    initializer ignores it (which also drops one already pending). The parent only defers
+    it: a Ctrl-C pressed while workers start is delivered when it is unblocked, and the
+    merge is cancelled (ignoring SIGINT here instead lost that Ctrl-C: the merge ran on).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals are the main thread's business (the TUI gets Ctrl-C as a key anyway)
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _drain(events, emit: Emit, timeout: float) -> None:
+    try:
+        emit(events.get(timeout=timeout) if timeout else events.get_nowait())
+        while True:
+            emit(events.get_nowait())
+    except queue.Empty:
+        pass
+
+

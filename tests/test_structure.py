@@ -1,0 +1,87 @@
+"""The package's structure is declared and checked, not remembered.
+
+- `lint-imports` holds every import-linter contract in pyproject.toml: the subpackages' layers,
+  the ground-floor root modules, no Textual in the core, no torch in the torch-free parts;
+- the torch-free parts also import without torch and Textual, transitively (what a streaming
+  worker or the planner pays at start-up), the modules named by that same contract;
+- no module imports another module's private (`_name`) names;
+- no module grows past MAX_LINES, no subpackage past MAX_MODULES, and the root holds only the
+  ground floor.
+"""
+
+from __future__ import annotations
+
+import ast
+import pkgutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import tailor_tui
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "tailor_tui"
+MAX_LINES = 500  # a ratchet: the aim is 400 (checkpoints/checkpoint.py, ui/app.py, runs/demo_run.py are over)
+MAX_MODULES = 13  # per subpackage, its __init__ included
+ROOT_MODULES = {"__init__", "__main__", "errors", "units", "events", "report", "fileio", "crc"}
+
+
+def contracts() -> list[dict]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+
+
+def test_import_contracts_hold():
+    result = subprocess.run([str(Path(sys.executable).with_name("lint-imports"))], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    assert "broken" not in result.stdout.lower().split("contracts:")[-1].replace("0 broken", "")
+
+
+def _expand(names: list[str]) -> list[str]:
+    """Modules named, packages expanded to every module under them."""
+    found = []
+    for name in names:
+        module = __import__(name, fromlist=["_"])
+        found.append(name)
+        if hasattr(module, "__path__"):
+            found += [m.name for m in pkgutil.walk_packages(module.__path__, name + ".")]
+    return found
+
+
+def test_torch_free_parts_import_without_torch_or_textual():
+    """Scanning, planning, the streaming workers and the statistics workers start without torch:
+    importing any module of the torch-free contract imports neither torch nor Textual."""
+    torch_free = next(c for c in contracts() if "torch" in c.get("forbidden_modules", ()))
+    modules = _expand(torch_free["source_modules"])
+    assert "tailor_tui.compose.rank_stream" in modules and "tailor_tui.planning.plan" in modules
+    code = "".join(f"import {m}\n" for m in modules) + (
+        "import sys\nassert 'torch' not in sys.modules, 'torch imported'\n"
+        "assert 'textual' not in sys.modules, 'textual imported'\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def _modules() -> list[tuple[str, Path]]:
+    return [(m.name, Path(m.module_finder.path) / (m.name.rsplit(".", 1)[-1] + ".py"))
+            for m in pkgutil.walk_packages(tailor_tui.__path__, "tailor_tui.") if not m.ispkg]
+
+
+def test_no_module_imports_another_modules_private_names():
+    found = []
+    for name, path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tailor_tui"):
+                found += [f"{name} imports {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not found, found
+
+
+def test_modules_and_subpackages_stay_small():
+    too_long = [f"{path.relative_to(ROOT)}: {n} lines" for _name, path in _modules()
+                if (n := len(path.read_text().splitlines())) > MAX_LINES]
+    assert not too_long, too_long
+    for package in (p for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()):
+        modules = list(package.glob("*.py"))
+        assert len(modules) <= MAX_MODULES, f"{package.name}: {len(modules)} modules"
+    assert {p.stem for p in PACKAGE.glob("*.py")} <= ROOT_MODULES
