@@ -2,7 +2,7 @@
 
 Makes (once, cached) a real DeepSpeed ZeRO-3 run on CPU with 8 ranks that saves at every
 one of 100 steps, then, in a fresh process each time (imports included), measures
-`tailor_tui.checkpoints.checkpoint.scan` alone, first with an empty cache (every model_states file read,
+`tailor_tui.checkpoints.scan.scan` alone, first with an empty cache (every model_states file read,
 the scan cache written) and again from the scan cache, and the composer from start until its
 grid is filled (headless Textual app, empty cache). Prints medians of several runs.
 
@@ -33,7 +33,7 @@ SPEC = RunSpec(world_size=8, layout="deepspeed", layers=4, hidden=32, steps=100,
 SCAN = """
 import sys, time
 t = time.perf_counter()
-from tailor_tui.checkpoints.checkpoint import scan
+from tailor_tui.checkpoints.scan import scan
 r = scan(sys.argv[1])
 assert len(r.checkpoints) == 100 and not r.problems, (len(r.checkpoints), r.problems[:1])
 print(time.perf_counter() - t)

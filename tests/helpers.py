@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from zero_reader import optim_states, read_full_state
 
-from tailor_tui.checkpoints.checkpoint import scan
+from tailor_tui.checkpoints.scan import scan
 from tailor_tui.compose.composition import Composition
 from tailor_tui.compose.merge import run_merge
 from tailor_tui.planning.plan import build_plan

@@ -20,7 +20,7 @@ from conftest import checkpoints_of
 from helpers import assert_optim_states_equal, tailor, write_recipe
 from zero_reader import read_full_state
 
-from tailor_tui.checkpoints.checkpoint import scan
+from tailor_tui.checkpoints.scan import scan
 from tailor_tui.runs.accelerate import resume_accelerate
 
 PICKS = {"embed_tokens": 0, "layers.1": 0, "lm_head": 0}

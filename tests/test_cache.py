@@ -16,25 +16,25 @@ from pathlib import Path
 import pytest
 from conftest import checkpoints_of
 
-from tailor_tui.checkpoints import checkpoint
+from tailor_tui.checkpoints import model_states
 from tailor_tui.checkpoints import scan_cache
-from tailor_tui.checkpoints.checkpoint import scan
+from tailor_tui.checkpoints.scan import scan
 from tailor_tui.formats.ds_format import MODEL_STATES
 from tailor_tui.health.stats_run import StatsPlanned, compute_health
 
 
 @pytest.fixture
 def unpickled(monkeypatch) -> list[Path]:
-    """Every model_states file a scan unpickles, in order (checkpoint.read_metadata is the one
+    """Every model_states file a scan unpickles, in order (model_states.read_metadata is the one
     reader of their structure)."""
     seen: list[Path] = []
-    real = checkpoint.read_metadata
+    real = model_states.read_metadata
 
     def spy(path):
         seen.append(Path(path))
         return real(path)
 
-    monkeypatch.setattr(checkpoint, "read_metadata", spy)
+    monkeypatch.setattr(model_states, "read_metadata", spy)
     return seen
 
 

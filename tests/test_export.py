@@ -171,7 +171,7 @@ def test_export_errors_are_one_line_and_write_nothing(real_run, tmp_path):
 def test_partial_checkpoints_export_their_saved_rows(real_run, tmp_path):
     """A base that is a partial save and rows from another partial save (selective saving, a
     frozen parameter, sub-groups): each tensor equals the full reference save of its row's step."""
-    from tailor_tui.checkpoints.checkpoint import scan
+    from tailor_tui.checkpoints.scan import scan
 
     run, _spec = real_run("ds_selective_parity")
     runs, ref = run / "run", run / "reference"

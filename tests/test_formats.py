@@ -49,7 +49,7 @@ def test_deepspeed_legacy_serialization_composes_verifies_and_resumes(real_run, 
     oldest, _, newest = checkpoints_of(run, spec)
     assert {starts(f) for f in run.rglob("*.pt")} == {LEGACY}  # DeepSpeed wrote every file so
     scanned = subprocess.run(  # structure is read without torch in this format too
-        [sys.executable, "-c", "import sys; from tailor_tui.checkpoints.checkpoint import scan; "
+        [sys.executable, "-c", "import sys; from tailor_tui.checkpoints.scan import scan; "
          f"r = scan({str(run)!r}); assert len(r.checkpoints) == 3, r.problems; "
          "assert 'torch' not in sys.modules"], capture_output=True, text=True)
     assert scanned.returncode == 0, scanned.stderr

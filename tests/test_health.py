@@ -219,7 +219,7 @@ def test_a_frozen_parameter_gone_nan_is_counted_and_guarded(real_run, tmp_path):
 def test_checkpoints_sharing_a_folder_name_get_their_own_progress_lines(real_run, tmp_path):
     """Two DeepSpeed save_dirs each with a `global_step2`, and an HF run whose tag folders have
     the same names: every rank file is its own task (one line, one finish), labelled apart."""
-    from tailor_tui.checkpoints.checkpoint import scan
+    from tailor_tui.checkpoints.scan import scan
     from tailor_tui.events import TaskFinished, TaskOptions
     from tailor_tui.health.stats_run import compute_health
 

@@ -29,7 +29,7 @@ from helpers import (
 from safetensors.torch import load_file, save_file
 from zero_reader import model_states, optim_states
 
-from tailor_tui.checkpoints.checkpoint import scan
+from tailor_tui.checkpoints.scan import scan
 from tailor_tui.runs.demo_run import RunSpec, resume_and_step
 from tailor_tui.compose.merge import run_merge
 from tailor_tui.planning.plan import build_plan

@@ -29,7 +29,8 @@ from helpers import (
 )
 from safetensors import safe_open
 
-from tailor_tui.checkpoints.checkpoint import PARTIAL_MODEL_FILES, scan
+from tailor_tui.checkpoints.checkpoint import PARTIAL_MODEL_FILES
+from tailor_tui.checkpoints.scan import scan
 from tailor_tui.runs.demo_run import resume_and_step
 from tailor_tui.compose.merge import run_merge
 from tailor_tui.planning.plan import build_plan, tied_partner

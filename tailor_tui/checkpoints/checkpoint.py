@@ -13,27 +13,18 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from tailor_tui.checkpoints import scan_cache
-from tailor_tui.checkpoints.cache import ROOT, Where, chosen
 from tailor_tui.formats.ds_format import (
-    BUFFER_NAMES,
-    DS_CONFIG,
-    DS_VERSION,
-    GLOBAL_STEPS,
     MODEL_STATES,
-    MODULE,
     OPTIM_STATES,
-    SHARED_PARAMS,
-    unsupported_version,
 )
 from tailor_tui.errors import CheckpointError
 from tailor_tui.checkpoints.layout import ZeroLayout
-from tailor_tui.formats.ptfile import Unsupported, check_complete, read_structure
-from tailor_tui.checkpoints.rows import PEFT_PREFIX, Row, model_rows
-from tailor_tui.formats.safe_load import load_pt
+from tailor_tui.formats.ptfile import check_complete
+from tailor_tui.checkpoints.rows import PEFT_PREFIX, Row
 from tailor_tui.formats.safetensors_in import safetensors_header
+from tailor_tui.checkpoints.model_states import check_version, read_model_states
 from tailor_tui.checkpoints.scan_cache import ModelStates
 from tailor_tui.checkpoints.weight_files import weight_file_names, weight_kinds
 
@@ -179,14 +170,14 @@ def other_run(base: Checkpoint, other: Checkpoint) -> str | None:
     return f"it lies in another run folder ({theirs}) than the base ({mine})"
 
 
-def _read_latest(folder: Path) -> str | None:
+def read_latest(folder: Path) -> str | None:
     latest = folder / "latest"
     if not latest.is_file():
         return None
     return latest.read_text().strip() or None
 
 
-def _is_tag_dir(folder: Path) -> bool:
+def is_tag_dir(folder: Path) -> bool:
     return (folder / MODEL_STATES.format(rank=0)).is_file()
 
 
@@ -194,7 +185,7 @@ ACCELERATE_TAG = re.compile(r"^pytorch_model(_\d+)?$")  # Accelerate's save_stat
 ACCELERATE_STATE = re.compile(r"^random_states_\d+\.pkl$")  # and the RNG state of every process beside it
 
 
-def _holds_checkpoint(folder: Path, tag: str) -> str | None:
+def holds_checkpoint(folder: Path, tag: str) -> str | None:
     """"hf" or "accelerate" when `folder`, whose `latest` names `tag`, is a checkpoint folder
     holding the tag folder and the training loop's other files (the HF Trainer's checkpoint-N,
     Accelerate's save_state checkpoint_N); None for a bare DeepSpeed save_dir."""
@@ -211,21 +202,21 @@ def _locate(path: Path) -> tuple[str, Path, Path, Path]:
         raise CheckpointError(f"{path}: no such checkpoint folder; check the path")
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a folder; name a checkpoint-N or tag folder")
-    if _is_tag_dir(path):
+    if is_tag_dir(path):
         parent = path.parent
-        kind = _holds_checkpoint(parent, path.name) if _read_latest(parent) == path.name else None
+        kind = holds_checkpoint(parent, path.name) if read_latest(parent) == path.name else None
         if kind is not None:
             return kind, parent, path, parent
         return "deepspeed", path, path, parent
-    tag = _read_latest(path)
+    tag = read_latest(path)
     if tag is not None:
         tag_dir = path / tag
-        if not _is_tag_dir(tag_dir):
+        if not is_tag_dir(tag_dir):
             raise CheckpointError(
                 f"{path}/latest names tag '{tag}', but {tag_dir} holds no "
                 f"{MODEL_STATES.format(rank=0)}; the checkpoint is incomplete"
             )
-        kind = _holds_checkpoint(path, tag)
+        kind = holds_checkpoint(path, tag)
         if kind is not None:
             return kind, path, tag_dir, path
         return "deepspeed", tag_dir, tag_dir, path
@@ -259,58 +250,6 @@ def _dtype(tag_dir: Path, states: ModelStates) -> tuple[str, str]:
     return states.precision, ""
 
 
-def _precision(states: dict, layout: ZeroLayout) -> str:
-    """"fp16" or "fp32", as a model_states file tells it."""
-    config = states.get(DS_CONFIG)
-    if isinstance(config, dict):  # the config the training script passed, as a dict
-        fp16 = config.get("fp16")
-        return "fp16" if isinstance(fp16, dict) and fp16.get("enabled") is True else "fp32"
-    # The config was passed as a file path (ds_config is that str) or on the command line
-    # (None): the dtype of the 16-bit parameter placeholders DeepSpeed saves tells instead.
-    module = states.get(MODULE) or {}
-    for name in layout.param_names():
-        found = _element_type(module.get(name))
-        if found in ("HalfStorage", "float16"):
-            return "fp16"
-        if found is not None:
-            return "fp32"
-    return "fp32"
-
-
-def _element_type(tensor) -> str | None:
-    """A saved tensor's element type: its storage type (torch-free reader) or torch dtype."""
-    storage = getattr(tensor, "storage", None)
-    if isinstance(getattr(storage, "type_name", None), str):
-        return storage.type_name
-    dtype = getattr(tensor, "dtype", None)
-    return str(dtype).removeprefix("torch.") if dtype is not None else None
-
-
-def _rows(states: dict, layout: ZeroLayout) -> tuple[Row, ...]:
-    """Rows in model order (the module state_dict's order), each with what it owns
-    (`rows.model_rows`); names tied to a parameter are DeepSpeed's `shared_params`, or else the
-    module's entries that share a parameter's storage."""
-    params = layout.param_names()
-    module = states.get(MODULE) or {}
-    buffers = [b for b in (states.get(BUFFER_NAMES) or ()) if isinstance(b, str) and b in module]  # persistent ones
-    shared = states.get(SHARED_PARAMS)
-    aliases = {k: v for k, v in shared.items() if isinstance(k, str) and isinstance(v, str)} \
-        if isinstance(shared, dict) else {}
-    if not aliases:
-        storage = {_storage_key(module.get(p)): p for p in params if _storage_key(module.get(p)) is not None}
-        aliases = {n: storage[_storage_key(t)] for n, t in module.items()
-                   if n not in storage.values() and _storage_key(t) in storage}
-    known = set(params) | set(buffers)
-    aliases = {n: p for n, p in aliases.items() if n not in known and p in known}
-    return model_rows(params, buffers, aliases, [n for n in module if isinstance(n, str)])
-
-
-def _storage_key(tensor) -> str | None:
-    """The archive record a saved tensor's storage is (torch-free reader), to tell tied names."""
-    key = getattr(getattr(tensor, "storage", None), "key", None)
-    return key if isinstance(key, str) else None
-
-
 def hf_model_files(folder: Path) -> tuple[Path, ...]:
     index = folder / MODEL_FILE_INDEX
     if index.is_file():
@@ -321,43 +260,6 @@ def hf_model_files(folder: Path) -> tuple[Path, ...]:
         return tuple(folder / f for f in sorted(set(weight_map.values())))
     single = folder / "model.safetensors"
     return (single,) if single.is_file() else ()
-
-
-def read_metadata(path: Path) -> dict:
-    """A model_states file's structure, read without torch (tensors as TensorRef)."""
-    if not path.is_file():
-        raise CheckpointError(f"{path}: file is missing; the checkpoint is incomplete")
-    try:
-        obj, _records, _prefix = read_structure(path)
-    except Unsupported:
-        return load_pt(path)  # an archive layout the light reader does not know: let torch read it
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"{path}: not a DeepSpeed model_states file")
-    return obj
-
-
-def read_model_states(path: Path) -> ModelStates:
-    """What a checkpoint takes from its rank-0 model_states file `path`, read (no cache), or
-    CheckpointError saying why it cannot be used."""
-    states = read_metadata(path)
-    ds_version = states.get(DS_VERSION)
-    ds_version = ds_version if isinstance(ds_version, str) else ""  # absent: rewritten by another tool
-    _check_version(path, ds_version)
-    try:
-        layout = ZeroLayout.from_model_states(states)
-    except (KeyError, TypeError, AttributeError, ValueError):
-        raise CheckpointError(
-            f"{path}: not a ZeRO stage 3 model_states file "
-            "(no param_shapes / dp_world_size); tailor-tui composes ZeRO-3 checkpoints only"
-        ) from None
-    return ModelStates(ds_version, int(states.get(GLOBAL_STEPS) or 0), layout, _rows(states, layout),
-                       _precision(states, layout))
-
-
-def _check_version(path: Path, ds_version: str) -> None:
-    why = unsupported_version(ds_version)
-    if why:
-        raise CheckpointError(f"{path}: cannot be read: {why}")
 
 
 def open_checkpoint(path: str | Path, *, cache: Path | None = None) -> Checkpoint:
@@ -371,7 +273,7 @@ def open_checkpoint(path: str | Path, *, cache: Path | None = None) -> Checkpoin
         kind, named, tag_dir, save_dir = _locate(path)
     model_states = tag_dir / MODEL_STATES.format(rank=0)
     states = scan_cache.cached(model_states, read_model_states, cache=cache)
-    _check_version(model_states, states.ds_version)  # a cached entry too: the releases read may change
+    check_version(model_states, states.ds_version)  # a cached entry too: the releases read may change
     layout = states.layout
     if manifest:
         dtype, prefix = manifest["dtype"], ("bf16_" if manifest["dtype"] == "bf16" else "")
@@ -423,73 +325,3 @@ def open_checkpoint(path: str | Path, *, cache: Path | None = None) -> Checkpoin
     )
 
 
-# --- scanning a run directory ---------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ScanResult:
-    checkpoints: tuple[Checkpoint, ...]  # ordered by step
-    problems: tuple[tuple[Path, str], ...]  # folders that look like checkpoints but are not usable
-
-
-STAGING = re.compile(r"^\.partial-step\d+\.saving$")  # a partial save not yet published (tailor_tui.selective)
-
-
-def find_checkpoint_dirs(root: Path, interrupted: list[Path] | None = None) -> list[Path]:
-    """Folders under `root` that name a checkpoint, without reading any checkpoint file.
-    Hidden folders are never checkpoints (a partial save being written, a merge's temp
-    folder); partial saves a kill interrupted are added to `interrupted` when given."""
-    found: list[Path] = []
-    for dirpath, dirnames, _files in os.walk(root):
-        here = Path(dirpath)
-        if interrupted is not None:
-            interrupted += [here / d for d in dirnames if STAGING.match(d)]
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        if (here / PARTIAL_MANIFEST).is_file():
-            found.append(here)
-            dirnames.clear()
-        elif _is_tag_dir(here):
-            # A tag folder inside an HF checkpoint-N (or Accelerate checkpoint_N) folder is named by its parent.
-            parent = here.parent
-            if not (_read_latest(parent) == here.name and _holds_checkpoint(parent, here.name)):
-                found.append(here)
-            dirnames.clear()
-        elif (tag := _read_latest(here)) and _holds_checkpoint(here, tag):
-            found.append(here)
-            dirnames[:] = [d for d in dirnames if d != tag]
-        dirnames.sort()
-    return found
-
-
-_STEP = re.compile(r"(\d+)$")
-
-
-def scan(
-    root: str | Path,
-    on_progress: Callable[[int, int, Path], None] | None = None,
-    cancelled: Callable[[], bool] = lambda: False,
-    *,
-    cache: Path | None | Where = ROOT,
-) -> ScanResult:
-    """Open every checkpoint under `root`; unusable ones are reported, not raised. What each
-    checkpoint's model_states file says is cached under `cache` (default: `cache.cache_dir()`,
-    `scan_cache`); None reads every one."""
-    root, cache = Path(root), chosen(cache)
-    if not root.is_dir():
-        raise CheckpointError(f"{root}: no such folder to scan")
-    interrupted: list[Path] = []
-    dirs = find_checkpoint_dirs(root, interrupted)
-    checkpoints = []
-    problems = [(d, f"{d}: an interrupted partial save (a save killed before it was published); "
-                    "safe to delete") for d in interrupted]
-    for i, d in enumerate(dirs):
-        if cancelled():
-            break
-        try:
-            checkpoints.append(open_checkpoint(d, cache=cache))
-        except CheckpointError as exc:
-            problems.append((d, str(exc)))
-        if on_progress:
-            on_progress(i + 1, len(dirs), d)
-    checkpoints.sort(key=lambda c: (c.step, str(c.path)))
-    return ScanResult(tuple(checkpoints), tuple(problems))

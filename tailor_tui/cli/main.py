@@ -222,7 +222,7 @@ def _health(run_dir: Path, args, progress: str):
     """The scanned run's health (training checkpoints: not tailor-tui's own outputs); None in a
     process of a job other than process 0 (which alone holds every cell)."""
     from tailor_tui.checkpoints.cache import cache_dir
-    from tailor_tui.checkpoints.checkpoint import scan
+    from tailor_tui.checkpoints.scan import scan
     from tailor_tui.cli.health_report import StatsProgress
     from tailor_tui.team.launch import detect
     from tailor_tui.health.stats_run import compute_health

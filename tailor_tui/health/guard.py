@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections import Counter
 
 from tailor_tui.checkpoints.cache import cache_dir
-from tailor_tui.checkpoints.checkpoint import incompatibility, scan
+from tailor_tui.checkpoints.checkpoint import incompatibility
+from tailor_tui.checkpoints.scan import scan
 from tailor_tui.errors import CheckpointError, NonFiniteError
 from tailor_tui.planning.plan import MergePlan
 from tailor_tui.health.stats_run import compute_health

@@ -30,7 +30,8 @@ import socket
 import threading
 from pathlib import Path
 
-from tailor_tui.checkpoints.checkpoint import PROVENANCE, find_checkpoint_dirs
+from tailor_tui.checkpoints.checkpoint import PROVENANCE
+from tailor_tui.checkpoints.scan import find_checkpoint_dirs
 from tailor_tui.errors import OutputError
 from tailor_tui.fileio import (
     aside_prefix,

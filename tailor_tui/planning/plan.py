@@ -12,12 +12,7 @@ import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tailor_tui.checkpoints.checkpoint import (
-    Checkpoint,
-    incompatibility,
-    open_checkpoint,
-    other_run,
-)
+from tailor_tui.checkpoints.checkpoint import Checkpoint, incompatibility, open_checkpoint, other_run
 from tailor_tui.errors import CheckpointError, IncompatibleError, RecipeError, UsageError
 from tailor_tui.planning.file_plan import (
     copied_files,

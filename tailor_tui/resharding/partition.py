@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from tailor_tui.checkpoints.checkpoint import Checkpoint, RankFiles, read_metadata
+from tailor_tui.checkpoints.checkpoint import Checkpoint, RankFiles
+from tailor_tui.checkpoints.model_states import read_metadata
 from tailor_tui.formats.ds_format import (
     DS_CONFIG,
     MODEL_STATES,

@@ -39,7 +39,7 @@ class RunSpec:
     dtype: str = "bf16"
     tied: bool = False  # tie lm_head to embed_tokens
     # "hf": HF Trainer checkpoint-N folders; "deepspeed": save_dir tags; "accelerate": Accelerate's
-    # save_state checkpoint_N folders (made by tailor_tui.run_accelerate, not make_run)
+    # save_state checkpoint_N folders (made by tailor_tui.runs.accelerate, not make_run)
     layout: str = "hf"
     layers: int = 4
     hidden: int = 32
@@ -75,7 +75,7 @@ class RunSpec:
     # Trainer callback); the run's checkpoints go to OUT/run, and full reference checkpoints
     # of every save, written by the same run, to OUT/reference
     selective: str | None = None
-    arch: str = "llama"  # "llama", "opt", "bert", "t5" or "gpt_neox" (tailor_tui.run_models)
+    arch: str = "llama"  # "llama", "opt", "bert", "t5" or "gpt_neox" (tailor_tui.runs.models)
     peft: bool = False  # HF layout: train a PEFT LoRA adapter (run_models.lora_config)
     save_safetensors: bool = True  # HF layout: False writes pytorch_model.bin, as transformers 4.x did
     max_shard_size: str | None = None  # HF layout: shard the model file (e.g. "20KB")
@@ -453,7 +453,7 @@ def resume_and_step(ckpt: str | Path, spec: RunSpec, resave: str | Path) -> list
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m tailor_tui.demo_run make OUT SPEC` or `resume CKPT SPEC RESAVE` (SPEC: a
+    """`python -m tailor_tui.runs.demo_run make OUT SPEC` or `resume CKPT SPEC RESAVE` (SPEC: a
     RunSpec.key()): how the tests make and resume runs under another DeepSpeed release."""
     import sys
 
@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> None:
     elif len(args) == 4 and args[0] == "resume":
         print(json.dumps(resume_and_step(args[1], RunSpec.from_key(args[2]), args[3])))
     else:
-        raise SystemExit("usage: python -m tailor_tui.demo_run make OUT SPEC | resume CKPT SPEC RESAVE")
+        raise SystemExit("usage: python -m tailor_tui.runs.demo_run make OUT SPEC | resume CKPT SPEC RESAVE")
 
 
 if __name__ == "__main__":

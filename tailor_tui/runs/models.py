@@ -1,4 +1,4 @@
-"""The models and Trainer saves of the demo and test runs (tailor_tui.demo_run).
+"""The models and Trainer saves of the demo and test runs (tailor_tui.runs.demo_run).
 
 Every model is tiny and built from its config with random weights (nothing is downloaded):
 Llama (with the frozen / buffer / tied variants of RunSpec), OPT, BERT (masked LM), T5 and

@@ -1,8 +1,8 @@
 """Selective checkpointing for the HF Trainer: one callback, one line in a training script.
 
-    from tailor_tui.run_saves import resume_point
-    from tailor_tui.selective import Parity
-    from tailor_tui.selective_hf import SelectiveCheckpointCallback
+    from tailor_tui.selective.run_saves import resume_point
+    from tailor_tui.selective.saver import Parity
+    from tailor_tui.selective.hf import SelectiveCheckpointCallback
 
     trainer = Trainer(model=model, args=args, train_dataset=data)   # args.deepspeed: ZeRO-3
     trainer.add_callback(SelectiveCheckpointCallback(trainer, Parity()))

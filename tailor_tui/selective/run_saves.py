@@ -18,13 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tailor_tui.checkpoints.checkpoint import (
-    PARTIAL_MANIFEST,
-    PROVENANCE,
-    find_checkpoint_dirs,
-    read_manifest,
-    scan,
-)
+from tailor_tui.checkpoints.checkpoint import PARTIAL_MANIFEST, PROVENANCE, read_manifest
+from tailor_tui.checkpoints.scan import find_checkpoint_dirs, scan
 from tailor_tui.errors import CheckpointError
 
 RESUME_PREFIX = "resume-step"

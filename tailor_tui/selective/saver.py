@@ -24,7 +24,7 @@ checkpoint that stock DeepSpeed and the HF Trainer resume from. Partial folders 
 named `checkpoint-N` and `latest` is never touched, so nothing mistakes one for a
 resumable checkpoint.
 
-    from tailor_tui.selective import save_rows
+    from tailor_tui.selective.saver import save_rows
     save_rows(engine, "ckpt", rows=["embed_tokens", "layers.1", "layers.3", "norm", "lm_head"])
 """
 

@@ -24,7 +24,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Label, ProgressBar, Static
 from textual.worker import get_current_worker
 
-from tailor_tui.checkpoints.checkpoint import ScanResult, scan
+from tailor_tui.checkpoints.scan import ScanResult, scan
 from tailor_tui.compose.composition import Composition
 from tailor_tui.errors import OutputError, TailorError
 from tailor_tui.events import TaskOptions

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from textual.message import Message
 
-from tailor_tui.checkpoints.checkpoint import ScanResult
+from tailor_tui.checkpoints.scan import ScanResult
 from tailor_tui.planning.plan import MergePlan
 
 

@@ -1,0 +1,85 @@
+"""Scanning a run directory: every folder that names a checkpoint, opened (rank 0's small
+model_states file only, cached), ordered by step; folders that look like checkpoints but cannot be
+used are reported, not raised.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from tailor_tui.checkpoints.cache import ROOT, Where, chosen
+from tailor_tui.checkpoints.checkpoint import PARTIAL_MANIFEST, Checkpoint, holds_checkpoint, is_tag_dir, open_checkpoint, read_latest
+from tailor_tui.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class ScanResult:
+    checkpoints: tuple[Checkpoint, ...]  # ordered by step
+    problems: tuple[tuple[Path, str], ...]  # folders that look like checkpoints but are not usable
+
+
+STAGING = re.compile(r"^\.partial-step\d+\.saving$")  # a partial save not yet published (tailor_tui.selective)
+
+
+def find_checkpoint_dirs(root: Path, interrupted: list[Path] | None = None) -> list[Path]:
+    """Folders under `root` that name a checkpoint, without reading any checkpoint file.
+    Hidden folders are never checkpoints (a partial save being written, a merge's temp
+    folder); partial saves a kill interrupted are added to `interrupted` when given."""
+    found: list[Path] = []
+    for dirpath, dirnames, _files in os.walk(root):
+        here = Path(dirpath)
+        if interrupted is not None:
+            interrupted += [here / d for d in dirnames if STAGING.match(d)]
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        if (here / PARTIAL_MANIFEST).is_file():
+            found.append(here)
+            dirnames.clear()
+        elif is_tag_dir(here):
+            # A tag folder inside an HF checkpoint-N (or Accelerate checkpoint_N) folder is named by its parent.
+            parent = here.parent
+            if not (read_latest(parent) == here.name and holds_checkpoint(parent, here.name)):
+                found.append(here)
+            dirnames.clear()
+        elif (tag := read_latest(here)) and holds_checkpoint(here, tag):
+            found.append(here)
+            dirnames[:] = [d for d in dirnames if d != tag]
+        dirnames.sort()
+    return found
+
+
+_STEP = re.compile(r"(\d+)$")
+
+
+def scan(
+    root: str | Path,
+    on_progress: Callable[[int, int, Path], None] | None = None,
+    cancelled: Callable[[], bool] = lambda: False,
+    *,
+    cache: Path | None | Where = ROOT,
+) -> ScanResult:
+    """Open every checkpoint under `root`; unusable ones are reported, not raised. What each
+    checkpoint's model_states file says is cached under `cache` (default: `cache.cache_dir()`,
+    `scan_cache`); None reads every one."""
+    root, cache = Path(root), chosen(cache)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: no such folder to scan")
+    interrupted: list[Path] = []
+    dirs = find_checkpoint_dirs(root, interrupted)
+    checkpoints = []
+    problems = [(d, f"{d}: an interrupted partial save (a save killed before it was published); "
+                    "safe to delete") for d in interrupted]
+    for i, d in enumerate(dirs):
+        if cancelled():
+            break
+        try:
+            checkpoints.append(open_checkpoint(d, cache=cache))
+        except CheckpointError as exc:
+            problems.append((d, str(exc)))
+        if on_progress:
+            on_progress(i + 1, len(dirs), d)
+    checkpoints.sort(key=lambda c: (c.step, str(c.path)))
+    return ScanResult(tuple(checkpoints), tuple(problems))
