@@ -22,7 +22,7 @@ import json
 import os
 from pathlib import Path
 
-from tailor_tui.runs.demo_run import RunSpec, ds_config, quiet, setup_rank, spawn_ranks
+from tailor_tui.runs.demo_run import RunSpec, ds_config, quiet, resume_with, setup_rank, spawn_ranks
 from tailor_tui.runs.models import batch_inputs, build_model, param_groups
 
 ROWS_PER_BATCH = 2  # ds_config's train_micro_batch_size_per_gpu
@@ -117,11 +117,7 @@ def _resume_rank(rank, world, port, spec: RunSpec, ckpt: str, resave: str, resul
 def resume_accelerate(ckpt: str | Path, spec: RunSpec, resave: str | Path) -> list[float]:
     """Resume an Accelerate run from its checkpoint folder `ckpt` (a `checkpoint_N`): the state as
     loaded is re-saved to `resave/resaved`; returns the losses of the one step that follows."""
-    resave = Path(resave)
-    resave.mkdir(parents=True, exist_ok=True)
-    result = resave / "result.json"
-    spawn_ranks(_resume_rank, spec, str(ckpt), str(resave), str(result))
-    return json.loads(result.read_text())["losses"]
+    return resume_with(_resume_rank, ckpt, spec, resave)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -445,10 +445,16 @@ def resume_and_step(ckpt: str | Path, spec: RunSpec, resave: str | Path) -> list
     The state as loaded is re-saved under `resave/resaved`; returns the losses of the
     one training step that follows.
     """
+    return resume_with(_resume_rank, ckpt, spec, resave)
+
+
+def resume_with(resume_rank, ckpt: str | Path, spec: RunSpec, resave: str | Path) -> list[float]:
+    """Run `resume_rank(rank, world, port, spec, ckpt, resave, result)` on every rank; rank 0
+    writes {"losses": [...]} to `result` (in `resave`): those losses."""
     resave = Path(resave)
     resave.mkdir(parents=True, exist_ok=True)
     result = resave / "result.json"
-    spawn_ranks(_resume_rank, spec, str(ckpt), str(resave), str(result))
+    spawn_ranks(resume_rank, spec, str(ckpt), str(resave), str(result))
     return json.loads(result.read_text())["losses"]
 
 

@@ -1,8 +1,10 @@
-"""The messages the composer's workers post to it (plain data; widgets are touched only by
-their handlers, on the event loop)."""
+"""The messages the composer's workers post to it: plain data, as dataclasses (Textual's Message
+initialises itself in `__post_init__`; `eq=False` keeps them hashable, by identity). Widgets are
+touched only by their handlers, on the event loop."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from textual.message import Message
@@ -11,64 +13,61 @@ from tailor_tui.checkpoints.scan import ScanResult
 from tailor_tui.planning.plan import MergePlan
 
 
+@dataclass(eq=False)
 class ScanProgressed(Message):
-    def __init__(self, done: int, total: int, path: Path) -> None:
-        super().__init__()
-        self.done, self.total, self.path = done, total, path
+    done: int
+    total: int
+    path: Path
 
 
+@dataclass(eq=False)
 class ScanComplete(Message):
-    def __init__(self, result: ScanResult) -> None:
-        super().__init__()
-        self.result = result
+    result: ScanResult
 
 
+@dataclass(eq=False)
 class ScanFailed(Message):
-    def __init__(self, message: str) -> None:
-        super().__init__()
-        self.message = message
+    message: str
 
 
+@dataclass(eq=False)
 class HealthProgressed(Message):
     """Statistics: `done` of `total` bytes read (a newer one replaces one still queued)."""
 
-    def __init__(self, done: int, total: int) -> None:
-        super().__init__()
-        self.done, self.total = done, total
+    done: int
+    total: int
 
     def can_replace(self, message: Message) -> bool:
         return isinstance(message, HealthProgressed)
 
 
+@dataclass(eq=False)
 class CellsArrived(Message):
-    def __init__(self, column: int, cells: dict) -> None:
-        super().__init__()
-        self.column, self.cells = column, cells
+    column: int
+    cells: dict
 
 
+@dataclass(eq=False)
 class HealthEnded(Message):
-    def __init__(self, problem: str | None = None) -> None:
-        super().__init__()
-        self.problem = problem
+    problem: str | None = None
 
 
+@dataclass(eq=False)
 class PlanReady(Message):
-    def __init__(self, plan: MergePlan) -> None:
-        super().__init__()
-        self.plan = plan
+    plan: MergePlan
 
 
+@dataclass(eq=False)
 class ExportReady(Message):
-    def __init__(self, export, config) -> None:
-        super().__init__()
-        self.export = export  # export_plan.Export
-        self.config = config  # the model's config.json or its folder (as --config), or None
+    export: object  # export.plan.Export
+    config: object  # the model's config.json or its folder (as --config), or None
 
 
+@dataclass(eq=False)
 class PlanFailed(Message):
     """`replaceable`: the output is an earlier tailor-tui output the user may choose to replace
     (what --force does headlessly), with `recipe` to plan again."""
 
-    def __init__(self, message: str, replaceable: Path | None = None, recipe=None) -> None:
-        super().__init__()
-        self.message, self.replaceable, self.recipe = message, replaceable, recipe
+    message: str
+    replaceable: Path | None = None
+    recipe: object = None
