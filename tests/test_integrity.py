@@ -105,7 +105,7 @@ def test_verify_catches_a_changed_learning_rate(real_run, tmp_path):
 
 def test_verify_compares_bytes_negative_zero_is_not_zero(real_run, tmp_path):
     recipe, out, _ = _composed(real_run, tmp_path, "hf_fp32_3_tied")  # 3 ranks: padded parameters
-    from tailor_tui.planning.plan import build_plan
+    from tailor_tui.planning.build import build_plan
     from tailor_tui.planning.recipe import load_recipe
 
     layout = build_plan(load_recipe(recipe), check_output=False).base.layout

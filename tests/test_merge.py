@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from zero_reader import model_states, optim_states, read_full_state
 
 from tailor_tui.compose.merge import run_merge
-from tailor_tui.planning.plan import build_plan
+from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.recipe import Recipe
 
 RUN_NAMES = ["hf_bf16_2", "hf_fp32_3_tied", "ds_bf16_3_subgroups"]

@@ -24,7 +24,7 @@ from tailor_tui import fileio
 from tailor_tui.compose import merge
 from tailor_tui.planning import output
 from tailor_tui.errors import CheckpointError, Cancelled
-from tailor_tui.planning.plan import build_plan
+from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.recipe import Recipe
 
 

@@ -10,7 +10,7 @@ from conftest import checkpoints_of
 from tailor_tui.checkpoints.checkpoint import open_checkpoint
 from tailor_tui.checkpoints.scan import scan
 from tailor_tui.errors import CheckpointError, IncompatibleError, OutputError, RecipeError
-from tailor_tui.planning.plan import build_plan
+from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.recipe import Recipe
 
 

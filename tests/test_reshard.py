@@ -39,7 +39,7 @@ from tailor_tui.resharding import partition as reshard
 from tailor_tui.checkpoints.checkpoint import open_checkpoint
 from tailor_tui.errors import CheckpointError
 from tailor_tui.checkpoints.layout import pieces
-from tailor_tui.planning.plan import build_plan
+from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.recipe import load_recipe
 from tailor_tui.resharding.partition import consistent_sizes, param_groups_of, plan_reshard
 

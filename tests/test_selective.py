@@ -32,7 +32,7 @@ from zero_reader import model_states, optim_states
 from tailor_tui.checkpoints.scan import scan
 from tailor_tui.runs.demo_run import RunSpec, resume_and_step
 from tailor_tui.compose.merge import run_merge
-from tailor_tui.planning.plan import build_plan
+from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.recipe import Recipe
 from tailor_tui.formats.safetensors_in import safetensors_tensors
 from tailor_tui.selective.saver import Filter, Parity

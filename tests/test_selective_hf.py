@@ -33,7 +33,8 @@ from tailor_tui.checkpoints.checkpoint import PARTIAL_MODEL_FILES
 from tailor_tui.checkpoints.scan import scan
 from tailor_tui.runs.demo_run import resume_and_step
 from tailor_tui.compose.merge import run_merge
-from tailor_tui.planning.plan import build_plan, tied_partner
+from tailor_tui.planning.build import build_plan
+from tailor_tui.checkpoints.checkpoint import tied_partner
 from tailor_tui.planning.recipe import Recipe
 from tailor_tui.checkpoints.rows import RowNaming
 

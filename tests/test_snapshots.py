@@ -68,7 +68,7 @@ def test_merge_screen_mid_progress(snap_compare, run):
     async def mid_merge(pilot):
         await scanned(pilot)
         app = pilot.app
-        from tailor_tui.planning.plan import build_plan
+        from tailor_tui.planning.build import build_plan
 
         plan = build_plan(app.composition.to_recipe())
         screen = MergeScreen(plan, workers=1, clock=lambda: next(times, 104.0), autostart=False,

@@ -22,7 +22,7 @@ import tailor_tui
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "tailor_tui"
-MAX_LINES = 500  # a ratchet: the aim is 400 (ui/app.py, runs/demo_run.py, planning/plan.py are over)
+MAX_LINES = 500  # a ratchet: the aim is 400 (ui/app.py and runs/demo_run.py are over)
 MAX_MODULES = 13  # per subpackage, its __init__ included
 ROOT_MODULES = {"__init__", "__main__", "errors", "units", "events", "report", "fileio", "crc"}
 

@@ -352,7 +352,7 @@ async def test_merging_an_unhealthy_row_asks_to_merge_anyway(blown_copy):
 async def test_a_composed_folder_is_marked_and_never_the_default_base(run_copy):
     run, ckpts = run_copy
     from tailor_tui.compose.merge import run_merge
-    from tailor_tui.planning.plan import build_plan
+    from tailor_tui.planning.build import build_plan
     from tailor_tui.planning.recipe import Recipe
 
     run_merge(build_plan(Recipe(base=ckpts[-1], output=run / "checkpoint-6-tailored",

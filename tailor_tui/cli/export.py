@@ -12,7 +12,7 @@ from tailor_tui.events import TaskOptions
 def export_command(args, slow_down: float = 0.0) -> int:
     from tailor_tui.export.folder import config_source, run_export
     from tailor_tui.export.plan import plan_export
-    from tailor_tui.planning.plan import build_plan
+    from tailor_tui.planning.build import build_plan
     from tailor_tui.planning.recipe import load_recipe
     from tailor_tui.report import BarReporter, reporter_for
     from tailor_tui.formats.safetensors_out import parse_size

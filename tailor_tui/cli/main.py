@@ -127,7 +127,7 @@ def parser() -> argparse.ArgumentParser:
 def apply(args) -> int:
     from tailor_tui.team.launch import detect
     from tailor_tui.compose.merge import planned_tasks, run_merge
-    from tailor_tui.planning.plan import build_plan
+    from tailor_tui.planning.build import build_plan
     from tailor_tui.planning.recipe import load_recipe
     from tailor_tui.report import BarReporter, LineReporter, reporter_for
     from tailor_tui.team.team import SOLO, connect
@@ -187,7 +187,7 @@ def apply(args) -> int:
 
 
 def verify(args) -> int:
-    from tailor_tui.planning.plan import build_plan
+    from tailor_tui.planning.build import build_plan
     from tailor_tui.planning.recipe import load_recipe
     from tailor_tui.report import reporter_for
     from tailor_tui.compose.verify import verify_against_recipe

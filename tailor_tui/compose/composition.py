@@ -13,7 +13,7 @@ from pathlib import Path
 from tailor_tui.checkpoints.checkpoint import Checkpoint, Row, distinct_names, incompatibility, other_run
 from tailor_tui.errors import RecipeError
 from tailor_tui.health.healing import Healing, Health, heal
-from tailor_tui.planning.plan import tied_partner
+from tailor_tui.checkpoints.checkpoint import tied_partner
 from tailor_tui.planning.recipe import Recipe
 
 

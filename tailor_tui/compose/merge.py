@@ -35,7 +35,8 @@ from tailor_tui.health.guard import nonfinite_error
 from tailor_tui.planning.jobs import BinFileJob
 from tailor_tui.compose.model_files import merge_model_file
 from tailor_tui.planning.output import OUTPUT_FILES, hidden_folder, output_lock, publish, signals_held, written_files
-from tailor_tui.planning.plan import MergePlan, tied_partner
+from tailor_tui.planning.plan import MergePlan
+from tailor_tui.checkpoints.checkpoint import tied_partner
 from tailor_tui.formats.ptfile import check_crcs
 from tailor_tui.compose.rank_reshard import reshard_rank
 from tailor_tui.compose.rank_task import merge_rank

@@ -1,19 +1,14 @@
-"""A merge plan: a recipe checked against the checkpoints it names.
-
-Everything a merge could trip over is found here, before anything is written:
-missing checkpoints, unknown or tied rows, sources whose world size, parameters or
-sub-group layout differ from the base, an output that would clobber something.
+"""A merge plan: all the work a checked recipe takes, computed once when the plan is made (a job
+per output rank, a job per weight file, the files copied from the base), its totals and its
+description. `build.build_plan` checks a recipe against its checkpoints and makes one.
 """
 
 from __future__ import annotations
 
-import difflib
-import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tailor_tui.checkpoints.checkpoint import Checkpoint, incompatibility, open_checkpoint, other_run
-from tailor_tui.errors import CheckpointError, IncompatibleError, RecipeError, UsageError
+from tailor_tui.checkpoints.checkpoint import Checkpoint, tied_members, tied_partner
 from tailor_tui.planning.file_plan import (
     copied_files,
     describe_files,
@@ -23,18 +18,14 @@ from tailor_tui.planning.file_plan import (
 )
 from tailor_tui.planning.jobs import BYTES_PER_ELEMENT, RankJob, RowSlot, SliceCopy, WeightJob
 from tailor_tui.checkpoints.model_layout import ModelFileLayout
-from tailor_tui.planning.output import check_output as check_writable
 from tailor_tui.planning.recipe import Recipe
 from tailor_tui.resharding.partition import (
     Reshard,
     ReshardJob,
-    check_world_size,
     output_names,
-    plan_reshard,
     renamed_for,
     reshard_jobs,
 )
-from tailor_tui.checkpoints.rows import RowIndex, list_rows
 from tailor_tui.units import size
 from tailor_tui.checkpoints.weight_files import FileFate
 
@@ -289,162 +280,3 @@ def row_groups(rows: list[tuple[str, int]]) -> list[tuple[str, int]]:
                 continue
         groups.append((name, source, layer if layer is not None else -1, layer if layer is not None else -1))
     return [(label, s) for label, s, _first, _last in groups]
-
-
-def tied_partner(ckpt: Checkpoint, row) -> str:
-    """Which row a storage-less row shares its weight with: the row of the parameter DeepSpeed
-    recorded it as tied to, else by the usual naming."""
-    partner = _index(ckpt.rows).tied_to(row.name)
-    if partner is not None:
-        return partner
-    for candidate in ckpt.rows:
-        if not candidate.tied and ("embed" in candidate.name or candidate.name == "wte"):
-            return candidate.name
-    return "another row"
-
-
-def tied_members(ckpt: Checkpoint, row) -> list[tuple[str, str, str]]:
-    """(name, the parameter it is tied to, that parameter's row) for each name of a row with
-    weights of its own that is tied to another row's parameter (BERT's cls.predictions.decoder)."""
-    if row.tied:
-        return []
-    index = _index(ckpt.rows)
-    return [(alias, target, index.row_of(target)) for alias, target in row.aliases
-            if index.row_of(target) not in (None, row.name)]
-
-
-@functools.lru_cache(maxsize=16)
-def _index(rows: tuple) -> RowIndex:
-    return RowIndex(rows)
-
-
-def _open(path: Path, where: str, what: str) -> Checkpoint:
-    try:
-        ckpt = open_checkpoint(path)
-        ckpt.check_complete()
-        return ckpt
-    except CheckpointError as exc:
-        raise type(exc)(f"{where}: {what}: {exc}") from None
-
-
-def _resolve_row(base: Checkpoint, name: str, where: str) -> str:
-    try:
-        row = base.row(name)
-    except KeyError:
-        names = base.row_names()
-        close = difflib.get_close_matches(name, names, n=1)
-        hint = f"did you mean '{close[0]}'? " if close else ""
-        raise RecipeError(f"{where}: unknown row '{name}'; {hint}{base.path.name} has rows {list_rows(names)}") from None
-    if row.tied:
-        raise RecipeError(
-            f"{where}: row '{name}' is tied to {tied_partner(base, row)} (it has no weights of its "
-            f"own); pick {tied_partner(base, row)} instead"
-        )
-    return row.name
-
-
-def build_plan(recipe: Recipe, output: str | Path | None = None, force: bool = False,
-               check_output: bool = True, preview: bool = False, world_size: int | None = None) -> MergePlan:
-    """Check `recipe` against its checkpoints; raise a TailorError naming the first problem.
-
-    `check_output=False` is for verifying a finished output, which exists by then;
-    `preview=True` (`--dry-run`) turns what only writing would refuse into a warning;
-    `world_size` (`--world-size`) overrides the recipe's."""
-    base = _open(recipe.base, recipe.location("base"), "base")
-    target = world_size or recipe.world_size
-    if target is not None:
-        why = check_world_size(base, target)
-        if why:
-            if world_size:
-                raise UsageError(f"--world-size {target}: {why}; choose a smaller one")
-            raise RecipeError(f"{recipe.location('world_size')}: {why}; choose a smaller one")
-    out = Path(output) if output is not None else recipe.output
-    if out is None:
-        raise RecipeError(
-            f"{recipe.location('base')}: no output folder: add `output:` to the recipe or pass --output DIR"
-        )
-
-    sources: list[Checkpoint] = [base]
-    picks = {row.name: 0 for row in base.rows if not row.tied}
-    by_path: dict[Path, int] = {base.path.resolve(): 0}
-    spelled: dict[str, str] = {}  # row -> how the recipe named it
-    for name, path in recipe.layers.items():
-        where = recipe.location(f"row:{name}")
-        row = _resolve_row(base, name, where)
-        if row in spelled:
-            raise RecipeError(f"{where}: row '{row}' is given twice (as '{spelled[row]}' and '{name}')")
-        spelled[row] = name
-        ckpt_index = by_path.get(_resolved(path))
-        if ckpt_index is None:
-            src = _open(path, where, f"row '{row}'")
-            ckpt_index = by_path.get(src.path.resolve())
-            if ckpt_index is None:
-                _check_compatible(base, src, where, row, resharding=target is not None)
-                sources.append(src)
-                ckpt_index = len(sources) - 1
-                by_path[src.path.resolve()] = ckpt_index
-            by_path[_resolved(path)] = ckpt_index
-        picks[row] = ckpt_index
-
-    _check_rows_held(recipe, sources, picks)
-    reshard = None
-    if target is not None and (target != base.world_size or any(s.world_size != target for s in sources)):
-        reshard = plan_reshard(base, target)
-    warnings = _other_runs(base, sources, picks)
-    if check_output:
-        note = check_writable(out, sources, force, preview=preview)
-        warnings += [note] if note else []
-    return MergePlan(recipe=recipe, base=base, sources=tuple(sources), picks=picks, output=out, force=force,
-                     warnings=tuple(warnings), reshard=reshard)
-
-
-def _other_runs(base: Checkpoint, sources: list[Checkpoint], picks: dict[str, int]) -> list[str]:
-    """A warning for each source that lies in another run folder than the base."""
-    found = []
-    for s, src in enumerate(sources[1:], start=1):
-        why = other_run(base, src)
-        if why:
-            rows = [row for row, i in picks.items() if i == s]
-            found.append(f"{_list(rows)} come(s) from {src.path}: {why}; make sure it is the same training run")
-    return found
-
-
-def _check_rows_held(recipe: Recipe, sources: list[Checkpoint], picks: dict[str, int]) -> None:
-    """Every row must come from a checkpoint that saved it (partial checkpoints hold some rows)."""
-    base = sources[0]
-    for row, s in picks.items():
-        if s and not sources[s].holds(row):
-            src = sources[s]
-            raise RecipeError(
-                f"{recipe.location(f'row:{row}')}: row '{row}' picks {src.path.name}, a partial checkpoint "
-                f"that did not save it (it holds {_list([r for r in base.row_names() if r in src.saved_rows])}); "
-                "pick a checkpoint that has it"
-            )
-    lacking = [row for row, s in picks.items() if s == 0 and not base.holds(row)]
-    if lacking:
-        raise RecipeError(
-            f"{recipe.location('base')}: base {base.path.name} is a partial checkpoint without rows "
-            f"{_list(lacking)}; pick a source for each of them under `layers:`"
-        )
-
-
-def _list(names: list[str], most: int = 6) -> str:
-    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
-
-
-def _resolved(path: Path) -> Path:
-    try:
-        return Path(path).resolve()
-    except OSError:
-        return Path(path).absolute()
-
-
-def _check_compatible(base: Checkpoint, src: Checkpoint, where: str, row: str, resharding: bool) -> None:
-    why = incompatibility(base, src, repartitioned=resharding)
-    if why:
-        hint = ("; add `world_size:` to the recipe (or --world-size) to reshard every source"
-                if src.world_size != base.world_size and not resharding else "")
-        raise IncompatibleError(f"{where}: row '{row}': checkpoint {src.path} cannot be combined with "
-                                f"base {base.path}: {why}{hint}")
-
-

@@ -128,7 +128,7 @@ def resume_point(output_dir: str | Path, *, workers: int | None = 1) -> str | No
 def _compose_newest(output_dir: Path, target: Path, workers: int | None) -> None:
     from tailor_tui.compose.composition import Composition
     from tailor_tui.compose.merge import run_merge
-    from tailor_tui.planning.plan import build_plan
+    from tailor_tui.planning.build import build_plan
 
     found = scan(output_dir)
     own = [c for c in found.checkpoints if c.path.parent == output_dir and not c.path.name.startswith(RESUME_PREFIX)]

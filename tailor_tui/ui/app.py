@@ -31,7 +31,7 @@ from tailor_tui.events import TaskOptions
 from tailor_tui.export.folder import ExportResult
 from tailor_tui.health.healing import Health, training_log, why_unhealthy
 from tailor_tui.planning.output import not_replaceable
-from tailor_tui.planning.plan import build_plan
+from tailor_tui.planning.build import build_plan
 from tailor_tui.team.sbatch import LARGE, offer_batch
 from tailor_tui.units import size
 from tailor_tui.team.workers import prepare_worker_processes

@@ -11,7 +11,7 @@ from typing import Callable
 
 from tailor_tui.compose.composition import Composition
 from tailor_tui.health.healing import Health
-from tailor_tui.planning.plan import tied_members, tied_partner
+from tailor_tui.checkpoints.checkpoint import tied_members, tied_partner
 from tailor_tui.units import size
 from tailor_tui.ui.heatmap import cell_block, row_block
 

@@ -18,7 +18,7 @@ from textual import work
 from tailor_tui.errors import TailorError
 from tailor_tui.export.folder import config_source
 from tailor_tui.export.plan import plan_export
-from tailor_tui.planning.plan import build_plan
+from tailor_tui.planning.build import build_plan
 from tailor_tui.formats.safetensors_out import parse_size
 from tailor_tui.ui.dialogs import ErrorDialog, PathPrompt
 from tailor_tui.ui.merge_screen import MergeScreen

@@ -1,0 +1,154 @@
+"""Building a plan: a recipe checked against the checkpoints it names, raising a TailorError that
+names the first problem (a missing checkpoint, an unknown or tied row, a source that cannot be
+combined with the base, a partial source without the row, an output that would clobber
+something) before anything is written; the work itself is `plan.MergePlan`'s.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+
+from tailor_tui.checkpoints.checkpoint import (
+    Checkpoint,
+    incompatibility,
+    open_checkpoint,
+    other_run,
+    tied_partner,
+)
+from tailor_tui.checkpoints.rows import list_rows
+from tailor_tui.errors import CheckpointError, IncompatibleError, RecipeError, UsageError
+from tailor_tui.planning.output import check_output as check_writable
+from tailor_tui.planning.plan import MergePlan
+from tailor_tui.planning.recipe import Recipe
+from tailor_tui.resharding.partition import check_world_size, plan_reshard
+
+
+def _open(path: Path, where: str, what: str) -> Checkpoint:
+    try:
+        ckpt = open_checkpoint(path)
+        ckpt.check_complete()
+        return ckpt
+    except CheckpointError as exc:
+        raise type(exc)(f"{where}: {what}: {exc}") from None
+
+
+def _resolve_row(base: Checkpoint, name: str, where: str) -> str:
+    try:
+        row = base.row(name)
+    except KeyError:
+        names = base.row_names()
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise RecipeError(f"{where}: unknown row '{name}'; {hint}{base.path.name} has rows {list_rows(names)}") from None
+    if row.tied:
+        raise RecipeError(
+            f"{where}: row '{name}' is tied to {tied_partner(base, row)} (it has no weights of its "
+            f"own); pick {tied_partner(base, row)} instead"
+        )
+    return row.name
+
+
+def build_plan(recipe: Recipe, output: str | Path | None = None, force: bool = False,
+               check_output: bool = True, preview: bool = False, world_size: int | None = None) -> MergePlan:
+    """Check `recipe` against its checkpoints; raise a TailorError naming the first problem.
+
+    `check_output=False` is for verifying a finished output, which exists by then;
+    `preview=True` (`--dry-run`) turns what only writing would refuse into a warning;
+    `world_size` (`--world-size`) overrides the recipe's."""
+    base = _open(recipe.base, recipe.location("base"), "base")
+    target = world_size or recipe.world_size
+    if target is not None:
+        why = check_world_size(base, target)
+        if why:
+            if world_size:
+                raise UsageError(f"--world-size {target}: {why}; choose a smaller one")
+            raise RecipeError(f"{recipe.location('world_size')}: {why}; choose a smaller one")
+    out = Path(output) if output is not None else recipe.output
+    if out is None:
+        raise RecipeError(
+            f"{recipe.location('base')}: no output folder: add `output:` to the recipe or pass --output DIR"
+        )
+
+    sources: list[Checkpoint] = [base]
+    picks = {row.name: 0 for row in base.rows if not row.tied}
+    by_path: dict[Path, int] = {base.path.resolve(): 0}
+    spelled: dict[str, str] = {}  # row -> how the recipe named it
+    for name, path in recipe.layers.items():
+        where = recipe.location(f"row:{name}")
+        row = _resolve_row(base, name, where)
+        if row in spelled:
+            raise RecipeError(f"{where}: row '{row}' is given twice (as '{spelled[row]}' and '{name}')")
+        spelled[row] = name
+        ckpt_index = by_path.get(_resolved(path))
+        if ckpt_index is None:
+            src = _open(path, where, f"row '{row}'")
+            ckpt_index = by_path.get(src.path.resolve())
+            if ckpt_index is None:
+                _check_compatible(base, src, where, row, resharding=target is not None)
+                sources.append(src)
+                ckpt_index = len(sources) - 1
+                by_path[src.path.resolve()] = ckpt_index
+            by_path[_resolved(path)] = ckpt_index
+        picks[row] = ckpt_index
+
+    _check_rows_held(recipe, sources, picks)
+    reshard = None
+    if target is not None and (target != base.world_size or any(s.world_size != target for s in sources)):
+        reshard = plan_reshard(base, target)
+    warnings = _other_runs(base, sources, picks)
+    if check_output:
+        note = check_writable(out, sources, force, preview=preview)
+        warnings += [note] if note else []
+    return MergePlan(recipe=recipe, base=base, sources=tuple(sources), picks=picks, output=out, force=force,
+                     warnings=tuple(warnings), reshard=reshard)
+
+
+def _other_runs(base: Checkpoint, sources: list[Checkpoint], picks: dict[str, int]) -> list[str]:
+    """A warning for each source that lies in another run folder than the base."""
+    found = []
+    for s, src in enumerate(sources[1:], start=1):
+        why = other_run(base, src)
+        if why:
+            rows = [row for row, i in picks.items() if i == s]
+            found.append(f"{_list(rows)} come(s) from {src.path}: {why}; make sure it is the same training run")
+    return found
+
+
+def _check_rows_held(recipe: Recipe, sources: list[Checkpoint], picks: dict[str, int]) -> None:
+    """Every row must come from a checkpoint that saved it (partial checkpoints hold some rows)."""
+    base = sources[0]
+    for row, s in picks.items():
+        if s and not sources[s].holds(row):
+            src = sources[s]
+            raise RecipeError(
+                f"{recipe.location(f'row:{row}')}: row '{row}' picks {src.path.name}, a partial checkpoint "
+                f"that did not save it (it holds {_list([r for r in base.row_names() if r in src.saved_rows])}); "
+                "pick a checkpoint that has it"
+            )
+    lacking = [row for row, s in picks.items() if s == 0 and not base.holds(row)]
+    if lacking:
+        raise RecipeError(
+            f"{recipe.location('base')}: base {base.path.name} is a partial checkpoint without rows "
+            f"{_list(lacking)}; pick a source for each of them under `layers:`"
+        )
+
+
+def _list(names: list[str], most: int = 6) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _resolved(path: Path) -> Path:
+    try:
+        return Path(path).resolve()
+    except OSError:
+        return Path(path).absolute()
+
+
+def _check_compatible(base: Checkpoint, src: Checkpoint, where: str, row: str, resharding: bool) -> None:
+    why = incompatibility(base, src, repartitioned=resharding)
+    if why:
+        hint = ("; add `world_size:` to the recipe (or --world-size) to reshard every source"
+                if src.world_size != base.world_size and not resharding else "")
+        raise IncompatibleError(f"{where}: row '{row}': checkpoint {src.path} cannot be combined with "
+                                f"base {base.path}: {why}{hint}")
