@@ -8,7 +8,6 @@ optim files are only stat()ed here.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -23,7 +22,7 @@ from tailor_tui.formats.ds_format import (
 from tailor_tui.errors import CheckpointError
 from tailor_tui.checkpoints.layout import ZeroLayout
 from tailor_tui.formats.ptfile import check_complete
-from tailor_tui.checkpoints.rows import PEFT_PREFIX, Row, RowIndex
+from tailor_tui.checkpoints.rows import PEFT_PREFIX, Row, row_index
 from tailor_tui.formats.safetensors_in import safetensors_header
 from tailor_tui.checkpoints.model_states import check_version, read_model_states
 from tailor_tui.checkpoints.scan_cache import ModelStates
@@ -329,7 +328,7 @@ def open_checkpoint(path: str | Path, *, cache: Path | None = None) -> Checkpoin
 def tied_partner(ckpt: Checkpoint, row) -> str:
     """Which row a storage-less row shares its weight with: the row of the parameter DeepSpeed
     recorded it as tied to, else by the usual naming."""
-    partner = _index(ckpt.rows).tied_to(row.name)
+    partner = row_index(ckpt.rows).tied_to(row.name)
     if partner is not None:
         return partner
     for candidate in ckpt.rows:
@@ -343,11 +342,6 @@ def tied_members(ckpt: Checkpoint, row) -> list[tuple[str, str, str]]:
     weights of its own that is tied to another row's parameter (BERT's cls.predictions.decoder)."""
     if row.tied:
         return []
-    index = _index(ckpt.rows)
+    index = row_index(ckpt.rows)
     return [(alias, target, index.row_of(target)) for alias, target in row.aliases
             if index.row_of(target) not in (None, row.name)]
-
-
-@functools.lru_cache(maxsize=16)
-def _index(rows: tuple) -> RowIndex:
-    return RowIndex(rows)

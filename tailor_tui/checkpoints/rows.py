@@ -23,6 +23,7 @@ weights of its own (BERT's `cls.predictions.decoder.weight`) stays with its part
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -162,6 +163,12 @@ class RowIndex:
             if target in self.owner:
                 return self.owner[target]
         return None
+
+
+@functools.lru_cache(maxsize=16)
+def row_index(rows: tuple[Row, ...]) -> RowIndex:
+    """The RowIndex of a checkpoint's rows, built once per set of rows."""
+    return RowIndex(rows)
 
 
 def list_rows(names: list[str], most: int = 4) -> str:

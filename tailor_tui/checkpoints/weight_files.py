@@ -30,7 +30,7 @@ from tailor_tui.formats.ds_format import RECOVERY_SCRIPTS
 from tailor_tui.errors import CheckpointError, IncompatibleError
 from tailor_tui.formats.pickled import TensorRef
 from tailor_tui.formats.ptfile import file_format, read_structure
-from tailor_tui.checkpoints.rows import Row, RowIndex, list_rows
+from tailor_tui.checkpoints.rows import Row, list_rows, row_index
 
 COMPOSED, COPIED = "composed per row", "copied from the base"
 MAX_CONFIG = 1 << 20  # config.json is a few KiB; anything larger is not read
@@ -49,13 +49,6 @@ def is_bin_weights(rel: Path) -> bool:
     """A torch-format weight file (`pytorch_model*.bin`, `adapter_model.bin`)."""
     name = rel.name
     return (name.startswith("pytorch_model") and name.endswith(".bin")) or name == "adapter_model.bin"
-
-
-def is_uncomposed_weights(rel: Path) -> bool:
-    """Weight files tailor-tui copies only while all their rows come from the base: torch-format
-    ones left among the copied files (those in torch's legacy format; the zip-format ones are
-    composed, `bin_files`)."""
-    return is_bin_weights(rel)
 
 
 def is_safetensors(rel: Path) -> bool:
@@ -125,7 +118,7 @@ def tensor_rows(names: list[str], rows: tuple[Row, ...], folder: Path) -> dict[s
     """Each tensor name of a weight file of checkpoint folder `folder` -> its row (None: no row
     holds it). Names no row holds are renamed as transformers renames them when it loads the
     architecture `folder/config.json` names."""
-    index = RowIndex(rows)
+    index = row_index(tuple(rows))
     found = {name: index.row_of(name) for name in names}
     missing = [n for n, row in found.items() if row is None]
     if missing:
@@ -133,8 +126,8 @@ def tensor_rows(names: list[str], rows: tuple[Row, ...], folder: Path) -> dict[s
         for name in missing:
             for pattern, target in renames:
                 renamed = re.sub(pattern, target, name)
-                if renamed != name and index.row_of(renamed) is not None:
-                    found[name] = index.row_of(renamed)
+                if renamed != name and (row := index.row_of(renamed)) is not None:
+                    found[name] = row
                     break
     return found
 

@@ -26,7 +26,6 @@ from tailor_tui.checkpoints.weight_files import (
     family,
     is_bin_weights,
     is_safetensors,
-    is_uncomposed_weights,
     tensor_names,
     tensor_rows,
     unplaced_error,
@@ -102,19 +101,20 @@ def _tensor_sources(base: Checkpoint, picks: dict[str, int], tensors: list[str],
 
 
 def _weight_files(base: Checkpoint) -> list[Path]:
-    """An HF base's safetensors files other than its 16-bit model files (a PEFT adapter, …)."""
-    if base.kind != "hf" or base.partial:
+    """An HF base's safetensors files other than its 16-bit model files (a PEFT adapter, …), from
+    the weight files its opening listed."""
+    if base.kind != "hf":
         return []
-    model = set(base.model_files)
-    return [p.relative_to(base.path) for p in files_of(base) if is_safetensors(p) and p not in model]
+    model = {f.relative_to(base.path) for f in base.model_files}
+    return [rel for rel in map(Path, base.weight_files) if is_safetensors(rel) and rel not in model]
 
 
 def _bin_files(base: Checkpoint) -> list[Path]:
     """An HF base's torch-format weight files (`pytorch_model*.bin`, `adapter_model.bin`) in torch's
     zip format, which the torch-free writer composes."""
-    if base.kind != "hf" or base.partial:
+    if base.kind != "hf":
         return []
-    return [p.relative_to(base.path) for p in files_of(base) if is_bin_weights(p) and composable(p)]
+    return [rel for rel in map(Path, base.weight_files) if is_bin_weights(rel) and composable(base.path / rel)]
 
 
 def copied_files(base: Checkpoint, picks: dict[str, int]) -> list[Path]:
@@ -129,8 +129,8 @@ def copied_files(base: Checkpoint, picks: dict[str, int]) -> list[Path]:
     found = [p.relative_to(base.path) for p in files_of(base)
              if p not in skip and not (p.parent == base.path and p.name in own)]
     moved = sorted({row for row, s in picks.items() if s})
-    for rel in found:
-        if is_uncomposed_weights(rel) and moved:
+    for rel in found:  # a torch-format weight file left among them is one that is not composed
+        if is_bin_weights(rel) and moved:
             raise IncompatibleError(
                 f"{base.path / rel}: holds weights in torch's legacy (non-zip) format, which tailor-tui does not "
                 f"compose; rows {list_rows(moved)} are picked from other checkpoints, so copying the base's would "
@@ -149,7 +149,7 @@ def file_fates(jobs: tuple[WeightJob, ...], copied: tuple[tuple[Path, Path], ...
     files) or copied from the base (run-level, or weights whose rows all come from the base)."""
     fates = [FileFate(Path(job.name), COMPOSED, "weights, per row") for job in jobs]
     for rel, _to in copied:
-        why = ("weights; every row they hold comes from the base" if is_uncomposed_weights(rel)
+        why = ("weights; every row they hold comes from the base" if is_bin_weights(rel)
                else describe_run_level(rel))
         fates.append(FileFate(rel, COPIED, why))
     return tuple(fates)
