@@ -22,6 +22,7 @@ checkpoint's architecture (`config.json`), and a tensor that still has no row is
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,10 +77,20 @@ def weight_kinds(names) -> set[str]:
     return kinds
 
 
+def folder_files(folder: Path, tag_dir: Path) -> list[Path]:
+    """Every file of a checkpoint folder outside its tag folder, which is never entered (its rank
+    files are the rank writers'; a 512-rank tag holds a thousand of them)."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        here = Path(dirpath)
+        dirnames[:] = [d for d in dirnames if here / d != tag_dir]
+        found += [here / f for f in filenames if (here / f).is_file()]
+    return sorted(found)
+
+
 def weight_file_names(folder: Path, tag_dir: Path) -> tuple[str, ...]:
     """The weight files of a checkpoint folder (outside its tag folder), relative to it."""
-    return tuple(sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
-                        if p.is_file() and tag_dir not in p.parents and is_weight_file(p)))
+    return tuple(str(p.relative_to(folder)) for p in folder_files(folder, tag_dir) if is_weight_file(p))
 
 
 def describe_run_level(rel: Path) -> str:

@@ -23,6 +23,7 @@ from tailor_tui.checkpoints.weight_files import (
     FileFate,
     composable,
     describe_run_level,
+    folder_files,
     family,
     is_bin_weights,
     is_safetensors,
@@ -30,11 +31,6 @@ from tailor_tui.checkpoints.weight_files import (
     tensor_rows,
     unplaced_error,
 )
-
-
-def files_of(ckpt: Checkpoint) -> list[Path]:
-    """Every file of a checkpoint folder (HF, Accelerate) outside its tag folder."""
-    return sorted(p for p in ckpt.path.rglob("*") if p.is_file() and ckpt.tag_dir not in p.parents)
 
 
 def weight_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], picks: dict[str, int],
@@ -126,7 +122,7 @@ def copied_files(base: Checkpoint, picks: dict[str, int]) -> list[Path]:
         return [Path(s) for s in RECOVERY_SCRIPTS if (base.save_dir / s).is_file()]
     skip = set(base.model_files) | {base.path / rel for rel in (*_weight_files(base), *_bin_files(base))}
     own = {PARTIAL_MANIFEST, PARTIAL_MODEL_FILES} if base.partial else set()  # tailor-tui's
-    found = [p.relative_to(base.path) for p in files_of(base)
+    found = [p.relative_to(base.path) for p in folder_files(base.path, base.tag_dir)
              if p not in skip and not (p.parent == base.path and p.name in own)]
     moved = sorted({row for row, s in picks.items() if s})
     for rel in found:  # a torch-format weight file left among them is one that is not composed
