@@ -1,16 +1,33 @@
-"""Progress events the backend emits while it works (plain data, picklable).
+"""The contract between planners and workers: what a worker is asked to do (a `Job`) and what
+it reports while it does it (events: plain data, picklable).
 
-The merger never draws anything: front ends (the terminal reporter, the TUI) turn
-these into bars. Names are past tense: each says what has happened.
+Every kind of work (composing a rank or a weight file, resharding a rank, exporting a rank,
+reading a rank's statistics) is planned as jobs: frozen, picklable dataclasses holding all
+their worker needs, each with a `task` (the name its progress is reported under) and
+`total_bytes` (what it reads and writes: how a team divides the work, what bars count). A
+worker runs `call(job, ..., emit, cancelled, options)` and emits `TaskProgressed` and one
+`TaskFinished`. The backend never draws anything: front ends (the terminal reporter, the
+TUI) turn these into bars. Names are past tense: each says what has happened.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol, runtime_checkable
 
 from tailor_tui.errors import Cancelled
+
+
+@runtime_checkable
+class Job(Protocol):
+    """What a worker is asked to do, in full (each kind of work has its own frozen dataclass)."""
+
+    @property
+    def task(self) -> str: ...  # the name its progress is reported under: `rank 3`, `model file`
+
+    @property
+    def total_bytes(self) -> int: ...  # bytes it reads and writes
 
 
 @dataclass(frozen=True)

@@ -243,10 +243,9 @@ def _health(run_dir: Path, args, progress: str):
     report = StatsProgress(sys.stderr, live={"bars": True, "lines": False}.get(progress)) if team.lead else None
     cancel = threading.Event()
     try:
-        with team.working(cancel):
-            health = compute_health(checkpoints, workers=args.workers, emit=report or (lambda event: None),
-                                    cancel=cancel, cache=cache_dir(), options=TaskOptions(slow_down=_test_slow_down()),
-                                    team=team)
+        health = compute_health(checkpoints, workers=args.workers, emit=report or (lambda event: None),
+                                cancel=cancel, cache=cache_dir(), options=TaskOptions(slow_down=_test_slow_down()),
+                                team=team)
     finally:
         if report is not None:
             report.close()

@@ -14,9 +14,7 @@ output path. Sources are only ever opened for reading.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
-import os
 import shutil
 import threading
 import time
@@ -25,33 +23,31 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tailor_tui import __version__
 from tailor_tui.compose.bin_files import merge_bin_file
-from tailor_tui.checkpoints.checkpoint import MODEL_FILE_INDEX, PROVENANCE, Checkpoint
+from tailor_tui.checkpoints.checkpoint import MODEL_FILE_INDEX, PROVENANCE
 from tailor_tui.errors import Cancelled, OutputError
-from tailor_tui.events import Emit, TaskFinished, TaskOptions, TaskProgressed
+from tailor_tui.events import Emit, TaskFinished, TaskOptions
 from tailor_tui.fileio import copy_file, fsync_dir, output_error, write_file
 from tailor_tui.health.guard import nonfinite_error
 from tailor_tui.planning.jobs import BinFileJob
 from tailor_tui.compose.model_files import merge_model_file
+from tailor_tui.compose.provenance import plan_digest, provenance
 from tailor_tui.planning.output import OUTPUT_FILES, hidden_folder, output_lock, publish, signals_held, written_files
 from tailor_tui.planning.plan import MergePlan
-from tailor_tui.checkpoints.checkpoint import tied_partner
 from tailor_tui.formats.ptfile import check_crcs
 from tailor_tui.compose.rank_reshard import reshard_rank
 from tailor_tui.compose.rank_task import merge_rank
 from tailor_tui.resharding.skeleton import write_skeletons
 from tailor_tui.team.team import SOLO, Team
-from tailor_tui.team.progress import relay
-from tailor_tui.team.workers import default_workers, run_calls
+from tailor_tui.team.transaction import Task, TeamWork, run_as_team
+from tailor_tui.team.workers import default_workers
 
 # --- the task list -------------------------------------------------------------------------
 
 
 def planned_tasks(plan: MergePlan) -> list[tuple[str, int]]:
     """(task name, total bytes) of every task a merge will report, in order."""
-    ranks = [(f"rank {job.rank}", job.total_bytes) for job in plan.rank_jobs()]
-    return ranks + [(job.task, job.total_bytes) for job in plan.model_file_jobs()]
+    return [(job.task, job.total_bytes) for job in (*plan.rank_jobs(), *plan.model_file_jobs())]
 
 
 # --- the whole merge --------------------------------------------------------------------------
@@ -82,98 +78,109 @@ def run_merge(
     of several processes (`--apply` under torchrun or srun), each writes its share of the
     rank files and model files into the one hidden folder process 0 made, and process 0
     checks the whole and renames it into place; a failure anywhere fails every process."""
-    cancel = cancel or threading.Event()
-    with team.working(cancel):
-        emit, halt = relay(team, emit, planned_tasks(plan))
-        try:
-            team.agree("plan", plan_digest(plan))
-            return _compose(plan, workers, emit, cancel, options, allow_nonfinite, team)
-        finally:
-            halt()
-
-
-def plan_digest(plan: MergePlan) -> str:
-    """What every process of a job must agree on: the recipe, the output, every checkpoint's
-    files (sizes, times) and what is taken from where."""
-    record = provenance(plan)
-    del record["created"]
-    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
-
-
-def _compose(plan: MergePlan, workers: int | None, emit: Emit, cancel: threading.Event,
-             options: TaskOptions, allow_nonfinite: bool, team: Team) -> MergeResult:
-    durable = options.durable
     started = time.monotonic()
+    work = Composing(plan, workers, options.durable, options.exchange, allow_nonfinite)
+    run_as_team(work, team=team, emit=emit, cancel=cancel, options=options)
+    # what the plan counted (bytes_to_write): every file but the provenance record written last
     out = plan.output
-    peaks = [0]
+    written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file() and f != out / PROVENANCE)
+    return MergeResult(out, time.monotonic() - started, written, work.peak, dict(work.nonfinite))
 
-    def emit_and_watch(event) -> None:
-        if isinstance(event, TaskFinished):
-            peaks[0] = max(peaks[0], event.peak_rss)
-        if isinstance(event, (TaskProgressed, TaskFinished)):
-            team.progressing()
-        emit(event)
 
-    if team.lead:
+class Composing(TeamWork[None]):
+    """A composition's stages (`transaction`): process 0 makes the hidden folder with the
+    base's other files; each process writes its share of the rank files and weight files
+    into it; process 0 checks the whole, writes the provenance record and renames it into place."""
+
+    cancelled = Cancelled().args[0]
+
+    def __init__(self, plan: MergePlan, workers: int | None, durable: bool, exchange: bool, allow_nonfinite: bool):
+        self.plan, self.durable, self.exchange, self.allow_nonfinite = plan, durable, exchange, allow_nonfinite
+        self.workers_asked = workers
+        self.rank_call = reshard_rank if plan.reshard is not None else merge_rank
+        self.peak = 0
+        self.nonfinite: Counter = Counter()
+        self.tmp: Path | None = None
+        self.reports: list[dict] = []  # every process's, as gathered
+        self.published = False
+
+    def digest(self) -> str:
+        return plan_digest(self.plan)
+
+    def progress_tasks(self) -> list[tuple[str, int]]:
+        return planned_tasks(self.plan)
+
+    @contextlib.contextmanager
+    def held(self, lead: bool):
+        if not lead:
+            yield
+            return
+        out = self.plan.output
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise output_error(exc, out.parent) from None
-    with output_lock(out) if team.lead else contextlib.nullcontext():
-        tmp = Path(team.share("tmp", str(_prepare(plan, cancel, durable)) if team.lead else None))
-        published = False
-        try:
-            tag_dir = tmp / plan.base.tag
-            rank_call = reshard_rank if plan.reshard is not None else merge_rank
-            jobs = [*((rank_call, (job, tag_dir), job.total_bytes) for job in plan.rank_jobs()),
-                    *((_weight_writer(job), (job, tmp), job.total_bytes) for job in plan.model_file_jobs())]
-            mine = [jobs[i] for i in team.mine([size for _fn, _args, size in jobs])]
-            calls = [(fn, args) for fn, args, _size in mine]
-            ranks = [args[0].rank for fn, args, _size in mine if fn is rank_call]
-            team.progressing()  # a hung worker (no progress for the peer timeout) fails the job
-            with _skeletons(plan, tag_dir, cancel, ranks, team.rank):  # resharding: while the workers check sources
-                results = run_calls(calls, workers if workers is not None else default_workers(plan),
-                                    emit_and_watch, cancel, options)
-            team.progressing(False)
-            if cancel.is_set():
-                raise team.error() if team.failure is not None else Cancelled()
-            nonfinite = sum((Counter(r) for r in results if r), Counter())
-            names = plan.output_rank_files()
-            files = [f"{plan.base.tag}/{name}" for fn, args, _size in mine if fn is rank_call
-                     for name in names[args[0].rank]]
-            files += [args[0].name for fn, args, _size in mine if fn is not rank_call]
-            done = team.gather("written", {"nonfinite": dict(nonfinite), "peak": peaks[0],
-                                           "files": {f: _size_of(tmp / f) for f in files}})
-            nonfinite = sum((Counter(d["nonfinite"]) for d in done), Counter())
-            peaks[0] = max(d["peak"] for d in done)
-            if team.lead:
-                _confirm_sizes(tmp, done)
-                if nonfinite and not allow_nonfinite:
-                    raise nonfinite_error(plan, nonfinite)
-                verify_output(plan, tmp)
-                record = provenance(plan) | {OUTPUT_FILES: written_files(tmp)}
-                write_file(tmp / PROVENANCE, json.dumps(record, indent=2) + "\n", durable)
-                fsync_dir(tag_dir, durable)
-                fsync_dir(tmp, durable)
-                with signals_held():  # a cancel now waits until the output is whole at its path
-                    publish(tmp, out, plan.force, durable, options.exchange)
-                    published = True
-            team.gather("published", True)
-        except KeyboardInterrupt:
-            if published:
-                raise Cancelled(f"cancelled as the merge finished: {out} is complete and holds the new "
-                                     "composition (check it with --verify)") from None
-            cancel.set()
-            if team.lead:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise Cancelled() from None
-        except BaseException:
-            if not published and (team.lead or team.lead_lost()):  # with process 0 gone, a survivor cleans up
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    # what the plan counted (bytes_to_write): every file but the provenance record written last
-    written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file() and f != out / PROVENANCE)
-    return MergeResult(out, time.monotonic() - started, written, peaks[0], dict(nonfinite))
+        with output_lock(out):
+            yield
+
+    def prepare(self, cancel: threading.Event) -> str:
+        return str(_prepare(self.plan, cancel, self.durable))
+
+    def tasks(self, shared: str, emit: Emit) -> list[Task]:
+        self.tmp = Path(shared)
+        tag_dir = self.tmp / self.plan.base.tag
+        return [*(Task(self.rank_call, job, (tag_dir,)) for job in self.plan.rank_jobs()),
+                *(Task(_weight_writer(job), job, (self.tmp,)) for job in self.plan.model_file_jobs())]
+
+    def workers(self, mine: list[Task]) -> int:
+        return self.workers_asked if self.workers_asked is not None else default_workers(self.plan)
+
+    def around(self, mine: list[Task], cancel: threading.Event):
+        ranks = [t.job.rank for t in mine if t.call is self.rank_call]
+        return _skeletons(self.plan, self.tmp / self.plan.base.tag, cancel, ranks)
+
+    def observe(self, event, emit: Emit) -> bool:
+        if isinstance(event, TaskFinished):
+            self.peak = max(self.peak, event.peak_rss)
+        return False
+
+    def report(self, mine: list[Task], results: list) -> dict:
+        nonfinite = sum((Counter(r) for r in results if r), Counter())
+        names = self.plan.output_rank_files()
+        files = [f"{self.plan.base.tag}/{name}" for t in mine if t.call is self.rank_call
+                 for name in names[t.job.rank]]
+        files += [t.job.name for t in mine if t.call is not self.rank_call]
+        return {"nonfinite": dict(nonfinite), "peak": self.peak,
+                "files": {f: _size_of(self.tmp / f) for f in files}}
+
+    def gathered(self, reports: list, lead: bool, emit: Emit) -> None:
+        self.nonfinite = sum((Counter(d["nonfinite"]) for d in reports), Counter())
+        self.peak = max(d["peak"] for d in reports)
+        self.reports = reports
+
+    def publish(self) -> None:
+        plan, tmp, durable = self.plan, self.tmp, self.durable
+        _confirm_sizes(tmp, self.reports)
+        if self.nonfinite and not self.allow_nonfinite:
+            raise nonfinite_error(plan, self.nonfinite)
+        verify_output(plan, tmp)
+        record = provenance(plan) | {OUTPUT_FILES: written_files(tmp)}
+        write_file(tmp / PROVENANCE, json.dumps(record, indent=2) + "\n", durable)
+        fsync_dir(tmp / plan.base.tag, durable)
+        fsync_dir(tmp, durable)
+        with signals_held():  # a cancel now waits until the output is whole at its path
+            publish(tmp, plan.output, plan.force, durable, self.exchange)
+            self.published = True
+
+    def abandon(self, shared: str | None, exc: BaseException, cleans: bool) -> BaseException | None:
+        if self.published:
+            if isinstance(exc, KeyboardInterrupt):
+                return Cancelled(f"cancelled as the merge finished: {self.plan.output} is complete and holds the "
+                                 "new composition (check it with --verify)")
+            return None
+        if shared is not None and cleans:
+            shutil.rmtree(shared, ignore_errors=True)
+        return Cancelled() if isinstance(exc, KeyboardInterrupt) else None
 
 
 def _weight_writer(job):
@@ -219,11 +226,11 @@ def _prepare(plan: MergePlan, cancel: threading.Event, durable: bool) -> Path:
 
 
 @contextlib.contextmanager
-def _skeletons(plan: MergePlan, tag_dir: Path, cancel: threading.Event, ranks: list[int], process: int):
+def _skeletons(plan: MergePlan, tag_dir: Path, cancel: threading.Event, ranks: list[int]):
     """When resharding: the structure of the output rank files in `ranks` (`reshard_skeleton`),
     written in a thread while the workers read and check their sources; the workers wait for
     each file. Its failure cancels the workers and is what the merge raises."""
-    if plan.reshard is None:
+    if plan.reshard is None or not ranks:
         yield
         return
     failed: list[BaseException] = []
@@ -232,7 +239,7 @@ def _skeletons(plan: MergePlan, tag_dir: Path, cancel: threading.Event, ranks: l
     def write() -> None:
         try:
             write_skeletons(plan.base, plan.sources, plan.buffer_sources(), plan.reshard, tag_dir,
-                            lambda: stop.is_set() or cancel.is_set(), ranks=ranks, staging=f".skeletons-{process}")
+                            lambda: stop.is_set() or cancel.is_set(), ranks=ranks, staging=f".skeletons-{ranks[0]}")
         except BaseException as exc:  # noqa: BLE001 - handed to the merge's thread below
             failed.append(exc)
             cancel.set()  # the workers waiting for their files stop
@@ -281,40 +288,3 @@ def verify_output(plan: MergePlan, root: Path) -> None:
     for job in plan.model_file_jobs():
         if not (root / job.name).is_file():
             raise OutputError(f"{root / job.name}: missing after the merge (internal error)")
-
-
-def _identity(ckpt: Checkpoint) -> dict:
-    files = {}
-    for f, size in sorted(ckpt.sizes.items()):
-        st = f.stat()
-        files[os.path.relpath(f, ckpt.path)] = {"bytes": size, "mtime": st.st_mtime}
-    return {
-        "path": str(ckpt.path.resolve()),
-        "kind": ckpt.kind,
-        "tag": ckpt.tag,
-        "step": ckpt.step,
-        "world_size": ckpt.world_size,
-        "dtype": ckpt.dtype,
-        "deepspeed_version": ckpt.ds_version,
-        "files": files,
-    }
-
-
-def provenance(plan: MergePlan) -> dict:
-    rows = {}
-    for row in plan.base.rows:
-        if row.tied:
-            rows[row.name] = f"tied to {tied_partner(plan.base, row)}"
-        else:
-            rows[row.name] = str(plan.sources[plan.picks[row.name]].path.resolve())
-    return {
-        "tool": f"tailor-tui {__version__}",
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "recipe": plan.recipe.to_yaml(),
-        "recipe_file": str(plan.recipe.source_file.resolve()) if plan.recipe.source_file else None,
-        "rows": rows,
-        "base": _identity(plan.base),
-        "sources": [_identity(s) for s in plan.sources[1:]],
-        **({"world_size": plan.world_size, "resharded": plan.reshard.describe(plan.base)} if plan.reshard else {}),
-    }
-

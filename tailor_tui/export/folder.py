@@ -10,6 +10,7 @@ earlier tailor-tui output is replaced only with `--force`; sources are only read
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -24,10 +25,10 @@ from tailor_tui.events import Emit, TaskOptions
 from tailor_tui.export.plan import Export
 from tailor_tui.export.rank import export_rank
 from tailor_tui.fileio import copy_file, fsync_dir, output_error, pwrite_all, write_file
-from tailor_tui.compose.merge import provenance
+from tailor_tui.compose.provenance import provenance
 from tailor_tui.planning.output import OUTPUT_FILES, hidden_folder, output_lock, publish, signals_held, written_files
 from tailor_tui.formats.safetensors_out import INDEX
-from tailor_tui.team.workers import run_calls
+from tailor_tui.team.transaction import Task, TeamWork, run_as_team
 
 CONFIG = "config.json"
 # what save_pretrained and a tokenizer's save_pretrained write beside the weights
@@ -59,41 +60,76 @@ def config_source(export: Export, config: Path | None) -> Path | None:
 
 def run_export(export: Export, *, config: Path | None, workers: int, emit: Emit = lambda e: None,
                cancel: threading.Event | None = None, options: TaskOptions = TaskOptions()) -> ExportResult:
-    cancel = cancel or threading.Event()
-    plan, started = export.plan, time.monotonic()
-    out = plan.output
+    started = time.monotonic()
     source = config_source(export, config)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise output_error(exc, out.parent) from None
-    with output_lock(out):
-        tmp = hidden_folder(out, plan.force)
-        published = False
+    run_as_team(Exporting(export, source, workers, options), emit=emit, cancel=cancel, options=options)
+    return ExportResult(export.plan.output, time.monotonic() - started, export.bytes_to_write(), source)
+
+
+class Exporting(TeamWork[None]):
+    """An export's stages (`transaction`): the hidden folder with every shard's header, the
+    config and tokenizer files; each source rank's weights written into the shards by the
+    workers; the provenance record, and the folder renamed into place."""
+
+    cancelled = "export cancelled; nothing was written to the output path"
+
+    def __init__(self, export: Export, source: Path | None, workers: int, options: TaskOptions):
+        self.export, self.source, self.workers_asked = export, source, workers
+        self.durable, self.exchange = options.durable, options.exchange
+        self.tmp: Path | None = None
+        self.published = False
+
+    def progress_tasks(self) -> list[tuple[str, int]]:
+        return [(job.task, job.total_bytes) for job in self.export.jobs]
+
+    @contextlib.contextmanager
+    def held(self, lead: bool):
+        out = self.export.plan.output
         try:
-            _make_files(export, tmp, options.durable)
-            if source is not None:
-                _write_config(source, tmp, export.dtype, options.durable)
-            run_calls([(export_rank, (job, tmp)) for job in export.jobs], workers, emit, cancel, options)
-            if cancel.is_set():
-                raise Cancelled("export cancelled; nothing was written to the output path")
-            record = provenance(plan) | {"export": {"dtype": export.dtype, "config": str(source) if source else None},
-                                         OUTPUT_FILES: written_files(tmp)}
-            write_file(tmp / PROVENANCE, json.dumps(record, indent=2) + "\n", options.durable)
-            fsync_dir(tmp, options.durable)
-            with signals_held():
-                publish(tmp, out, plan.force, options.durable, options.exchange)
-                published = True
-        except KeyboardInterrupt:
-            cancel.set()
-            if not published:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise Cancelled("export cancelled; nothing was written to the output path") from None
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise output_error(exc, out.parent) from None
+        with output_lock(out):
+            yield
+
+    def prepare(self, cancel: threading.Event) -> str:
+        plan = self.export.plan
+        tmp = hidden_folder(plan.output, plan.force)
+        try:
+            _make_files(self.export, tmp, self.durable)
+            if self.source is not None:
+                _write_config(self.source, tmp, self.export.dtype, self.durable)
         except BaseException:
-            if not published:
-                shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)
             raise
-    return ExportResult(out, time.monotonic() - started, export.bytes_to_write(), source)
+        return str(tmp)
+
+    def tasks(self, shared: str, emit: Emit) -> list[Task]:
+        self.tmp = Path(shared)
+        return [Task(export_rank, job, (self.tmp,)) for job in self.export.jobs]
+
+    def workers(self, mine: list[Task]) -> int:
+        return self.workers_asked
+
+    def publish(self) -> None:
+        plan, tmp = self.export.plan, self.tmp
+        source = str(self.source) if self.source else None
+        record = provenance(plan) | {"export": {"dtype": self.export.dtype, "config": source},
+                                     OUTPUT_FILES: written_files(tmp)}
+        write_file(tmp / PROVENANCE, json.dumps(record, indent=2) + "\n", self.durable)
+        fsync_dir(tmp, self.durable)
+        with signals_held():
+            publish(tmp, plan.output, plan.force, self.durable, self.exchange)
+            self.published = True
+
+    def abandon(self, shared: str | None, exc: BaseException, cleans: bool) -> BaseException | None:
+        if self.published:
+            if isinstance(exc, KeyboardInterrupt):
+                return Cancelled(f"cancelled as the export finished: {self.export.plan.output} is complete")
+            return None
+        if shared is not None:
+            shutil.rmtree(shared, ignore_errors=True)
+        return Cancelled(self.cancelled) if isinstance(exc, KeyboardInterrupt) else None
 
 
 def _make_files(export: Export, tmp: Path, durable: bool) -> None:

@@ -43,6 +43,10 @@ class StatsJob:
         return f"{self.label} rank {self.rank}"
 
     @property
+    def total_bytes(self) -> int:
+        return self.bytes_to_read
+
+    @property
     def group_sizes(self) -> tuple[int, ...]:
         return tuple(self.layout.group_sizes())
 

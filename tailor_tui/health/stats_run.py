@@ -18,12 +18,12 @@ from pathlib import Path
 
 from tailor_tui.checkpoints.cache import entry, file_identity, read_json, write_json
 from tailor_tui.checkpoints.checkpoint import Checkpoint, distinct_names
-from tailor_tui.errors import Cancelled
 from tailor_tui.events import Emit, TaskOptions
 from tailor_tui.health.healing import Cell, Health, rms, training_log
 from tailor_tui.health.stats_job import RankStats, RankStatsRead, RowSums, StatsJob
 from tailor_tui.team.team import SOLO, Team
-from tailor_tui.team.workers import run_calls, workers_for
+from tailor_tui.team.transaction import Task, TeamWork, run_as_team
+from tailor_tui.team.workers import workers_for
 
 FORMAT = 1  # of the cached sums and cells: bump when what they mean changes
 MAX_CACHED = 16 << 20  # a cache file larger than this is not one of ours
@@ -135,72 +135,108 @@ def compute_health(checkpoints: tuple[Checkpoint, ...], *, workers: int | None =
     that cannot be written is skipped (statistics still come out). With a `team` of several
     processes (`--stats` under torchrun or srun), each reads its share of the rank files and
     process 0 adds them all up: only its Health holds every cell."""
-    cancel = cancel or threading.Event()
-    health = Health(tuple(checkpoints), logs={i: training_log(c) for i, c in enumerate(checkpoints)})
-    columns = sorted(range(len(checkpoints)) if columns is None else columns, reverse=True)
-    known: dict = {}
-    jobs = {c: stats_jobs(health.checkpoints, c, rows, known) for c in columns}
-    added_up = {c: _cached_cells(cache, jobs[c]) for c in columns}  # a checkpoint's cells, cached whole
-    found: dict[str, RankStats] = {}
-    for job in (j for c in columns if added_up[c] is None for j in jobs[c]):
-        cached = _cached(cache, job.key)
-        if cached is not None:
-            found[job.key] = cached
-    pending = {c: set() if added_up[c] is not None else {j.key for j in jobs[c]} - found.keys() for c in columns}
+    work = ReadingStatistics(checkpoints, workers=workers, cache=cache, columns=columns, rows=rows)
+    run_as_team(work, team=team, emit=emit, cancel=cancel, options=options)
+    return work.health
 
-    def finish(column: int) -> None:
-        cells = added_up[column]
-        if cells is None:
-            ranks = [found[j.key] for j in jobs[column]]
-            cells = reduce(health.checkpoints[column], ranks, rows)
-            if not any(r.error for r in ranks):
-                _store_cells(cache, jobs[column], cells)
-        health.add(column, cells)
-        emit(CellsComputed(column, health.checkpoints[column].name, cells))
 
-    every = {j.key: j for c in columns for j in jobs[c]}
-    team.agree("run", hashlib.sha256(json.dumps(sorted(every)).encode()).hexdigest())
-    todo = [j for c in columns if added_up[c] is None for j in jobs[c] if j.key not in found]
-    if team.size > 1:  # process 0's cache decides what is read (another's may have filled meanwhile)
-        todo = [every[k] for k in json.loads(team.share("todo", json.dumps([j.key for j in todo])))]
-    whole = sum(len(jobs[c]) for c in columns if added_up[c] is not None)
-    emit(StatsPlanned(len(columns), sum(len(j) for j in jobs.values()), whole + len(found),
-                      sum(j.bytes_to_read for j in todo)))
-    for c in columns:
-        if not pending[c]:
-            finish(c)
+class ReadingStatistics(TeamWork[Health]):
+    """Statistics' stages (`transaction`): every process lists the rank files to read and looks
+    them up in its cache; process 0's cache decides what is read (another's may have filled
+    meanwhile); each process reads its share; process 0 adds every checkpoint's ranks up."""
 
-    by_key = {j.key: j for j in todo}
+    what = "run"
+    cancelled = "statistics cancelled"
 
-    def emit_and_collect(event) -> None:
-        if isinstance(event, RankStatsRead) and event.key in by_key and event.key not in found:
-            job = by_key[event.key]
-            found[job.key] = event.stats
-            if event.stats.error is None:
-                _store(cache, job.key, event.stats)
-            pending[job.checkpoint].discard(job.key)
-            if not pending[job.checkpoint]:
-                finish(job.checkpoint)
-        else:
-            emit(event)
+    def __init__(self, checkpoints: tuple[Checkpoint, ...], *, workers: int | None, cache: Path | None,
+                 columns: list[int] | None, rows: list[str] | None):
+        self.health = Health(tuple(checkpoints), logs={i: training_log(c) for i, c in enumerate(checkpoints)})
+        self.cache, self.rows, self.workers_asked = cache, rows, workers
+        self.columns = sorted(range(len(checkpoints)) if columns is None else columns, reverse=True)
+        self.jobs: dict[int, list[StatsJob]] = {}  # per column, one per rank (`begin`)
+        self.every: dict[str, StatsJob] = {}
+        self.added_up: dict[int, dict | None] = {}  # a checkpoint's cells, where the cache holds them whole
+        self.found: dict[str, RankStats] = {}  # each rank's sums, cached or read
+        self.pending: dict[int, set[str]] = {}  # per column, the ranks still to read
+        self.reading: dict[str, StatsJob] = {}  # the jobs read by this job's processes
 
-    mine = [todo[i] for i in team.mine([j.bytes_to_read for j in todo])]
-    if mine:  # one pool for all, fed newest first: cells come out checkpoint by checkpoint
+    def begin(self) -> None:
+        cache, rows = self.cache, self.rows
+        known: dict = {}
+        self.jobs = {c: stats_jobs(self.health.checkpoints, c, rows, known) for c in self.columns}
+        self.every = {j.key: j for c in self.columns for j in self.jobs[c]}
+        self.added_up = {c: _cached_cells(cache, self.jobs[c]) for c in self.columns}
+        for job in (j for c in self.columns if self.added_up[c] is None for j in self.jobs[c]):
+            cached = _cached(cache, job.key)
+            if cached is not None:
+                self.found[job.key] = cached
+        self.pending = {c: set() if self.added_up[c] is not None else {j.key for j in self.jobs[c]} - self.found.keys()
+                        for c in self.columns}
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(sorted(self.every)).encode()).hexdigest()
+
+    def prepare(self, cancel: threading.Event) -> str:
+        todo = [j.key for c in self.columns if self.added_up[c] is None for j in self.jobs[c] if j.key not in self.found]
+        return json.dumps(todo)
+
+    def tasks(self, shared: str, emit: Emit) -> list[Task]:
+        todo = [self.every[k] for k in json.loads(shared)]
+        self.reading = {j.key: j for j in todo}
+        whole = sum(len(self.jobs[c]) for c in self.columns if self.added_up[c] is not None)
+        emit(StatsPlanned(len(self.columns), len(self.every), whole + len(self.found),
+                          sum(j.total_bytes for j in todo)))
+        for c in self.columns:
+            if not self.pending[c]:
+                self._finish(c, emit)
+        if not todo:
+            return []
         # numpy is loaded only when ranks are read: a run whose statistics are cached does without
         from tailor_tui.health.stats_rank import rank_stats
 
-        n = workers or workers_for(len(mine), STATS_WORKER)
-        run_calls([(rank_stats, (j,)) for j in mine], n, emit_and_collect, cancel, options)
-        if cancel.is_set():
-            raise team.error() if team.failure is not None else Cancelled("statistics cancelled")
-    if team.size > 1:  # the others' ranks, to process 0, which adds every checkpoint up
-        posted = team.gather("statistics", {j.key: _stats_json(found[j.key]) for j in mine})
-        if team.lead:
-            for theirs in posted:
+        return [Task(rank_stats, j) for j in todo]
+
+    def workers(self, mine: list[Task]) -> int:
+        return self.workers_asked or workers_for(len(mine), STATS_WORKER)
+
+    def observe(self, event, emit: Emit) -> bool:
+        if not isinstance(event, RankStatsRead):
+            return False
+        self._collect(event.key, event.stats, emit)
+        return True
+
+    def report(self, mine: list[Task], results: list) -> dict:
+        return {t.job.key: _stats_json(self.found[t.job.key]) for t in mine}
+
+    def gathered(self, reports: list, lead: bool, emit: Emit) -> None:
+        if lead:  # the others' ranks: process 0 adds every checkpoint up
+            for theirs in reports:
                 for key, value in theirs.items():
-                    if key in by_key and key not in found:
-                        emit_and_collect(RankStatsRead(key, _stats_from_json(value)))
-    return health
+                    self._collect(key, _stats_from_json(value), emit)
+
+    def publish(self) -> Health:
+        return self.health
+
+    def _collect(self, key: str, stats: RankStats, emit: Emit) -> None:
+        job = self.reading.get(key)
+        if job is None or key in self.found:
+            return
+        self.found[key] = stats
+        if stats.error is None:
+            _store(self.cache, key, stats)
+        self.pending[job.checkpoint].discard(key)
+        if not self.pending[job.checkpoint]:
+            self._finish(job.checkpoint, emit)
+
+    def _finish(self, column: int, emit: Emit) -> None:
+        cells = self.added_up[column]
+        if cells is None:
+            ranks = [self.found[j.key] for j in self.jobs[column]]
+            cells = reduce(self.health.checkpoints[column], ranks, self.rows)
+            if not any(r.error for r in ranks):
+                _store_cells(self.cache, self.jobs[column], cells)
+        self.health.add(column, cells)
+        emit(CellsComputed(column, self.health.checkpoints[column].name, cells))
 
 
 def _stats_json(stats: RankStats) -> dict:

@@ -1,4 +1,4 @@
-"""The job contract: what a worker is asked to do, in full, picklable.
+"""The jobs of a composition: what a worker is asked to do, in full, picklable (`events.Job`).
 
 The plan (`plan.MergePlan`, `file_plan`) makes one job per output rank and per weight file; a
 worker process (`workers`) runs the writer for it (`rank_task.merge_rank`,
@@ -59,6 +59,10 @@ class RankJob:
     # the writers count non-finite values of, per row
     row_slots: tuple[RowSlot, ...] = ()
     frozen_rows: tuple[tuple[str, str, int], ...] = ()
+
+    @property
+    def task(self) -> str:
+        return f"rank {self.rank}"
 
     @property
     def total_bytes(self) -> int:

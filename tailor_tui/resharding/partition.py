@@ -91,6 +91,10 @@ class ReshardJob:
     write_bytes: int
 
     @property
+    def task(self) -> str:
+        return f"rank {self.rank}"
+
+    @property
     def total_bytes(self) -> int:
         return self.read_bytes + self.write_bytes
 

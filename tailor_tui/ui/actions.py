@@ -1,0 +1,138 @@
+"""Every action of the composer, once: its keys, its name, what it does, where it belongs.
+
+The composer's bindings (`bindings`), the grid's own keys, the command palette and the keys
+section of the help screen are all built from `ACTIONS`: adding an action here is the one
+edit that puts it in all of them, and they cannot disagree.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from dataclasses import dataclass
+
+from textual.binding import Binding
+
+HOME, GRID = "home", "grid"  # who binds an action: the composer's screen, or the grid widget itself
+
+
+@dataclass(frozen=True)
+class Action:
+    action: str  # Textual's action, with its arguments: `extend_selection(1)`
+    keys: str  # Textual's key list: `u,ctrl+z`
+    name: str  # the footer's and the command palette's title
+    description: str  # what the command palette says it does
+    group: str  # the help screen's section
+    help: str = ""  # the help screen's words for it ("" : told with another action of its group)
+    shows: str = ""  # how the help screen writes its keys (default: from `keys`)
+    footer: bool = False  # in the footer at every width (80 columns included)
+    owner: str = HOME
+    on_grid: bool = True  # changes the picks or moves on the grid: unavailable under a dialog or the merge screen
+    palette: bool = True
+
+    @property
+    def method(self) -> str:
+        """The action's name without arguments: `extend_selection`."""
+        return self.action.partition("(")[0]
+
+    @property
+    def arguments(self) -> tuple:
+        _name, _, arguments = self.action.partition("(")
+        return ast.literal_eval(f"({arguments[:-1]},)") if arguments else ()
+
+    @property
+    def key_text(self) -> str:
+        """Its keys as a person writes them: `u / ctrl+z`."""
+        return self.shows or " / ".join(_KEY_NAMES.get(k, k) for k in self.keys.split(","))
+
+
+_KEY_NAMES = {"question_mark": "?", "slash": "/", "space": "space", "enter": "Enter", "escape": "Esc",
+              "pageup": "pgup", "pagedown": "pgdn"}
+
+GROUPS = ("pick", "move", "view", "recipe", "export", "compose", "other")
+
+ACTIONS: tuple[Action, ...] = (
+    # pick
+    Action("pick", "space", "Pick", "Pick the cell under the cursor (or the selected rows) from its checkpoint",
+           "pick", "this cell (or the selected rows)", shows="space / Enter / click", footer=True),
+    Action("choose", "enter", "Pick", "", "pick", owner=GRID, palette=False),
+    Action("pick_column", "a", "Pick column", "Pick every row from the checkpoint under the cursor", "pick",
+           "the whole column"),
+    Action("select_rows", "v", "Select rows", "Select a block of rows (arrows extend it, space picks it, Esc drops it)",
+           "pick", "select rows; arrows extend, space picks them", shows="v / shift+arrows"),
+    Action("extend_selection(1)", "shift+down", "Select down", "Extend the selected rows", "pick"),
+    Action("extend_selection(-1)", "shift+up", "Select up", "Extend the selected rows", "pick"),
+    Action("clear_selection", "escape", "Drop selection", "Drop the row selection", "pick", "drop the selection"),
+    Action("set_base", "b", "Make base", "Make the checkpoint under the cursor the base", "pick", "make base"),
+    Action("heal", "h", "Heal", "Heal: every row from the newest checkpoint where it is healthy", "pick",
+           "heal (newest healthy per row)", footer=True),
+    # move
+    Action("cursor(-1, 0)", "up", "Up", "", "move", "move", shows="arrows", owner=GRID, palette=False),
+    Action("cursor(1, 0)", "down", "Down", "", "move", owner=GRID, palette=False),
+    Action("cursor(0, -1)", "left", "Left", "", "move", owner=GRID, palette=False),
+    Action("cursor(0, 1)", "right", "Right", "", "move", owner=GRID, palette=False),
+    Action("page(-1)", "pageup", "Page up", "", "move", "a page", shows="pgup / pgdn", owner=GRID, palette=False),
+    Action("page(1)", "pagedown", "Page down", "", "move", owner=GRID, palette=False),
+    Action("cursor(-1000000, 0)", "home", "First row", "", "move", owner=GRID, palette=False),
+    Action("cursor(1000000, 0)", "end", "Last row", "", "move", owner=GRID, palette=False),
+    Action("first_row", "g", "First row", "Go to the first row", "move", "first / last row",
+           shows="g / G (home / end)"),
+    Action("last_row", "G", "Last row", "Go to the last row", "move"),
+    Action("jump", "slash", "Jump to row", "Jump to a row by name", "move", "jump to a row"),
+    # view
+    Action("cycle_metric", "m", "Metric", "Colour the grid by the next health metric", "view", "heatmap metric"),
+    Action("toggle_details", "d", "Details",
+           "Give the details panel more room (on a narrow terminal it sits below the grid)", "view",
+           "taller details (narrow terminals)"),
+    # recipe
+    Action("save_recipe", "ctrl+s", "Save", "Save the picks as a recipe", "recipe", "save", footer=True,
+           on_grid=False),
+    Action("save_recipe_as", "S", "Save as", "Save the picks as a recipe under another name", "recipe", "save as"),
+    Action("load_recipe", "ctrl+o", "Load", "Load a recipe's picks", "recipe", "load"),
+    Action("set_output", "o", "Output", "Set the output folder", "recipe", "output folder"),
+    Action("set_world_size", "w", "World size",
+           "Set the world size to compose for (reshard for another number of ranks)", "recipe",
+           "world size (ranks to compose for)", on_grid=False),
+    Action("undo", "u,ctrl+z", "Undo", "Undo the last change", "recipe", "undo"),
+    Action("redo", "ctrl+y,ctrl+shift+z", "Redo", "Redo the change undone last", "recipe", "redo"),
+    # export
+    Action("export", "e", "Export",
+           "Export for evaluation: the composition as a plain HF model folder (from_pretrained loads it)", "export",
+           "the composition as a plain HF model folder, to evaluate", on_grid=False),
+    # compose
+    Action("run_merge", "ctrl+r", "Merge", "Review the plan and merge", "compose",
+           "review the plan, then merge (Esc cancels); a large plan on a login node: s writes an sbatch script",
+           footer=True),
+    # other
+    Action("help", "question_mark,f1", "Help", "Help: what each mark means, the keys", "other", "help",
+           footer=True, on_grid=False),
+    Action("command_palette", "ctrl+p", "Commands", "", "other", "command palette", palette=False, on_grid=False,
+           owner="textual"),
+    Action("request_quit", "q", "Quit", "Quit tailor-tui (asks first if picks are unsaved or a merge runs)",
+           "other", "quit", footer=True, on_grid=False),
+)
+
+
+def bindings(owner: str) -> list[Binding]:
+    """The bindings of `owner` (HOME: the composer's screen; GRID: the grid widget)."""
+    return [Binding(a.keys, a.action, a.name, show=a.footer) for a in ACTIONS if a.owner == owner]
+
+
+def grid_actions() -> frozenset[str]:
+    """The composer's actions that belong to the grid: hidden under dialogs and the merge screen."""
+    return frozenset(a.method for a in ACTIONS if a.on_grid and a.owner == HOME)
+
+
+def palette_actions() -> list[Action]:
+    return [a for a in ACTIONS if a.palette and a.owner == HOME]
+
+
+def keys_help(width: int = 62) -> str:
+    """The help screen's keys section: one paragraph per group, `keys: what` entries."""
+    lines = ["Keys"]
+    for group in GROUPS:
+        entries = [f"{a.key_text}: {a.help}" for a in ACTIONS if a.group == group and a.help]
+        wrapped = textwrap.wrap("    ".join(entries), width - 11, break_long_words=False, break_on_hyphens=False)
+        for i, line in enumerate(wrapped):
+            lines.append(f"  {group if i == 0 else '':<8} {line}")
+    return "\n".join(lines) + "\n"
