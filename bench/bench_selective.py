@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tailor_tui.runs import demo_run  # noqa: E402
+from tailor_tui.runs import demo_run, ranks  # noqa: E402
 from tailor_tui.runs.demo_run import RunSpec  # noqa: E402
 
 SPEC = RunSpec(world_size=4, dtype="bf16", layout="deepspeed", layers=12, hidden=1024,
@@ -41,8 +41,8 @@ def size_of(folder: Path) -> int:
 
 
 def _bench_rank(rank, world, port, spec, out: str, repeats: int) -> None:
-    demo_run.quiet()
-    demo_run.setup_rank(rank, world, port, spec)
+    ranks.quiet()
+    ranks.setup_rank(rank, world, port, spec)
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -101,7 +101,7 @@ def main() -> None:
     args = ap.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
     args.dir.mkdir(parents=True)
-    demo_run.spawn_ranks(_bench_rank, SPEC, str(args.dir), args.repeats)
+    ranks.spawn_ranks(_bench_rank, SPEC, str(args.dir), args.repeats)
     result = json.loads((args.dir / "result.json").read_text())
     full = "full save_checkpoint"
     t_full = statistics.median(result["times"][full])

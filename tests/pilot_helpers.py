@@ -26,11 +26,11 @@ async def scanned(pilot):
     await pilot.app.workers.wait_for_complete()
     await pilot.pause()
     for _ in range(1200):
-        if pilot.app.health_status is None:
+        if pilot.app.home.health_status is None:
             break
         await pilot.pause(0.05)
     await pilot.pause()
-    assert pilot.app.composition is not None
+    assert pilot.app.home.composition is not None
 
 
 async def wait_for(pilot, condition, tries: int = 600):

@@ -70,7 +70,7 @@ def test_merge_screen_mid_progress(snap_compare, run):
         app = pilot.app
         from tailor_tui.planning.build import build_plan
 
-        plan = build_plan(app.composition.to_recipe())
+        plan = build_plan(app.home.composition.to_recipe())
         screen = MergeScreen(plan, workers=1, clock=lambda: next(times, 104.0), autostart=False,
                              title="Composing checkpoint-6-tailored")
         await app.push_screen(screen)

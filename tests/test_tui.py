@@ -35,8 +35,8 @@ async def test_grid_shows_rows_by_checkpoints_with_the_newest_as_base(run_copy):
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
         grid = app.query_one("#grid")
-        assert grid.row_count == 7 and len(app.composition.checkpoints) == 3
-        assert app.composition.base_checkpoint.path == ckpts[-1]
+        assert grid.row_count == 7 and len(app.home.composition.checkpoints) == 3
+        assert app.home.composition.base_checkpoint.path == ckpts[-1]
         assert grid.cursor_coordinate.column == 3  # starts on the base column
         details = str(app.query_one("#details").render())
         assert "checkpoint-6" in details and "2 ranks, bf16" in details
@@ -49,16 +49,16 @@ async def test_picks_change_the_recipe_and_undo_restores(run_copy):
         await scanned(pilot)
         await pilot.press("left", "down", "space")  # layers.0 from checkpoint-4
         await pilot.press("down", "left", "enter")  # layers.1 from checkpoint-2 (Enter picks too)
-        recipe = app.composition.to_recipe()
+        recipe = app.home.composition.to_recipe()
         assert recipe.base == c6
         assert recipe.layers == {"layers.0": c4, "layers.1": c2}
         await pilot.press("a")  # every row from checkpoint-2
-        assert set(app.composition.to_recipe().layers.values()) == {c2}
+        assert set(app.home.composition.to_recipe().layers.values()) == {c2}
         await pilot.press("u")
-        assert app.composition.to_recipe().layers == {"layers.0": c4, "layers.1": c2}
+        assert app.home.composition.to_recipe().layers == {"layers.0": c4, "layers.1": c2}
         await pilot.press("b")  # checkpoint-2 becomes the base: its own picks disappear
-        assert app.composition.to_recipe().base == c2
-        assert app.composition.to_recipe().layers == {"layers.0": c4}
+        assert app.home.composition.to_recipe().base == c2
+        assert app.home.composition.to_recipe().layers == {"layers.0": c4}
 
 
 async def test_clicking_a_cell_picks_it(run_copy):
@@ -71,7 +71,7 @@ async def test_clicking_a_cell_picks_it(run_copy):
         y = 2 + 4  # below the two header lines: layers.3 (the cursor is elsewhere: on embed_tokens)
         await pilot.click("#grid", offset=(x, y))
         await pilot.pause()
-        assert app.composition.to_recipe().layers == {"layers.3": c2}
+        assert app.home.composition.to_recipe().layers == {"layers.3": c2}
 
 
 async def test_save_and_load_round_trip(run_copy, tmp_path):
@@ -88,8 +88,8 @@ async def test_save_and_load_round_trip(run_copy, tmp_path):
     app = make_app(run, recipe=recipe_path)  # exists: its picks are loaded
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
-        assert app.composition.to_recipe().layers == {"layers.1": c4}
-        assert app.composition.saved
+        assert app.home.composition.to_recipe().layers == {"layers.1": c4}
+        assert app.home.composition.saved
         await pilot.press("a")  # change, then load it again with ctrl+o
         await pilot.press("ctrl+o")
         assert isinstance(app.screen, Confirm)  # the unsaved picks would be replaced: asked first
@@ -97,7 +97,7 @@ async def test_save_and_load_round_trip(run_copy, tmp_path):
         await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt))
         await pilot.press("enter")  # the prompt is pre-filled with the recipe's path
         await pilot.pause()
-        assert app.composition.to_recipe().layers == {"layers.1": c4}
+        assert app.home.composition.to_recipe().layers == {"layers.1": c4}
 
 
 async def test_save_asks_for_a_path_when_there_is_none(run_copy, tmp_path):
@@ -190,7 +190,7 @@ async def test_incompatible_checkpoints_are_disabled_with_the_reason(real_run, t
     app = make_app(tmp_path / "mixed")
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
-        comp = app.composition
+        comp = app.home.composition
         assert [c.name for c in comp.checkpoints] == ["checkpoint-2", "global_step2", "checkpoint-4", "checkpoint-6"]
         assert "world size 3, the base has 2" in comp.incompatibility(1)
         app.query_one("#grid").move_cursor(row=1, column=2)
@@ -220,7 +220,7 @@ async def test_every_action_is_in_the_command_palette(run_copy):
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
         titles = {c.title for c in app.get_system_commands(app.screen)}
-        for binding in app.BINDINGS:
+        for binding in [*app.BINDINGS, *app.home.BINDINGS]:
             assert binding.description and binding.description in titles
 
 
@@ -245,7 +245,7 @@ async def test_partial_checkpoints_show_only_their_rows_and_default_to_the_newes
     app = make_app(run / "run")
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
-        comp = app.composition
+        comp = app.home.composition
         full, p4, p6 = comp.checkpoints
         grid = app.query_one("#grid")
         lacking = next(r.name for r in comp.rows if not r.tied and not p6.holds(r.name))
@@ -266,7 +266,7 @@ async def test_details_point_out_a_checkpoint_from_another_run_folder(run_copy, 
     app = make_app(run)
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
-        names = [c.path.parent.name for c in app.composition.checkpoints]
+        names = [c.path.parent.name for c in app.home.composition.checkpoints]
         assert names == ["run", "run", "restored", "run"]
         await pilot.press("left")  # from the base (checkpoint-6) to the copied checkpoint
         details = str(app.query_one("#details").render())
@@ -280,7 +280,7 @@ async def test_a_full_hf_base_combines_with_partial_columns(real_run):
     app = make_app(run / "run")
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
-        comp = app.composition
+        comp = app.home.composition
         grid = app.query_one("#grid")
         grid.move_cursor(row=0, column=1)
         await pilot.press("b")  # the full checkpoint-2 as the base: it has model.safetensors, they do not
@@ -325,11 +325,11 @@ async def test_health_marks_the_blown_cell_and_heal_takes_the_previous_checkpoin
         assert "layers.2 ← global_step4" in app.screen.body
         await pilot.press("enter")
         await wait_for(pilot, lambda: len(app.screen_stack) == 1)
-        assert app.composition.to_recipe().layers == {"layers.2": ckpts[1]}
+        assert app.home.composition.to_recipe().layers == {"layers.2": ckpts[1]}
         await pilot.press("u")  # one undo step takes the whole heal back
-        assert app.composition.to_recipe().layers == {}
+        assert app.home.composition.to_recipe().layers == {}
         await pilot.press("m")
-        assert app.metric == "weight_rms"
+        assert app.home.metric == "weight_rms"
 
 
 async def test_merging_an_unhealthy_row_asks_to_merge_anyway(blown_copy):
@@ -360,9 +360,9 @@ async def test_a_composed_folder_is_marked_and_never_the_default_base(run_copy):
     app = make_app(run)
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
-        names = [c.name for c in app.composition.checkpoints]
+        names = [c.name for c in app.home.composition.checkpoints]
         assert "checkpoint-6-tailored" in names
-        assert app.composition.base_checkpoint.path == ckpts[-1]  # the newest training checkpoint
+        assert app.home.composition.base_checkpoint.path == ckpts[-1]  # the newest training checkpoint
         column = names.index("checkpoint-6-tailored")
         assert "composed" in app.query_one("#grid").header_text(column)
         app.query_one("#grid").move_cursor(row=0, column=column + 1)
@@ -384,7 +384,7 @@ async def test_skipped_checkpoints_stay_listed_and_an_empty_folder_says_what_was
     empty.mkdir()
     app = make_app(empty)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.health_status is None)  # the scan found nothing
+        await wait_for(pilot, lambda: app.home.health_status is None)  # the scan found nothing
         label = str(app.query_one("#scan-label").render())
         assert "looked for HF checkpoint-N folders" in label
         assert not app.query_one("#scan-bar").display
@@ -423,7 +423,7 @@ async def test_a_recipe_that_failed_to_load_is_never_silently_replaced(run_copy,
         await scanned(pilot)
         await wait_for(pilot, lambda: isinstance(app.screen, ErrorDialog))
         await pilot.press("escape")
-        assert app.composition.recipe_path is None
+        assert app.home.composition.recipe_path is None
         assert "fix.yaml" not in str(app.query_one("#title").render())
         await pilot.press("ctrl+s")  # not a silent save: Save as, pre-filled with fix.yaml
         await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt))
@@ -442,14 +442,14 @@ async def test_undo_back_to_the_saved_state_is_saved_and_redo_returns(run_copy, 
         await scanned(pilot)
         await pilot.press("left", "down", "space", "ctrl+s")
         await pilot.pause()
-        assert app.composition.saved and recipe.read_text().startswith("# tailor-tui recipe")
+        assert app.home.composition.saved and recipe.read_text().startswith("# tailor-tui recipe")
         await pilot.press("down", "space")
-        assert not app.composition.saved and "*" in str(app.query_one("#title").render())
+        assert not app.home.composition.saved and "*" in str(app.query_one("#title").render())
         await pilot.press("u")
-        assert app.composition.saved and "*" not in str(app.query_one("#title").render())
+        assert app.home.composition.saved and "*" not in str(app.query_one("#title").render())
         await pilot.press("ctrl+y")
-        assert app.composition.to_recipe().layers == {"layers.0": c4, "layers.1": c4}
-        assert not app.composition.saved
+        assert app.home.composition.to_recipe().layers == {"layers.0": c4, "layers.1": c4}
+        assert not app.home.composition.saved
 
 
 # --- editing many rows ---------------------------------------------------------------------------
@@ -466,13 +466,13 @@ async def test_a_block_of_rows_is_picked_in_one_action_and_one_undo(run_copy):
         await wait_for(pilot, lambda: len(app.screen_stack) == 1)
         assert app.query_one("#grid").cursor_coordinate.row == 2
         await pilot.press("v", "down", "down", "left", "left", "space")  # layers.1 – layers.3 from checkpoint-2
-        assert app.composition.to_recipe().layers == {"layers.1": c2, "layers.2": c2, "layers.3": c2}
+        assert app.home.composition.to_recipe().layers == {"layers.1": c2, "layers.2": c2, "layers.3": c2}
         await pilot.press("u")
-        assert app.composition.to_recipe().layers == {}
+        assert app.home.composition.to_recipe().layers == {}
         await pilot.press("G")
-        assert app.query_one("#grid").cursor_coordinate.row == len(app.composition.rows) - 1
+        assert app.query_one("#grid").cursor_coordinate.row == len(app.home.composition.rows) - 1
         await pilot.press("shift+up", "shift+up", "escape", "space")  # dropped: only the cursor's cell
-        assert set(app.composition.to_recipe().layers) == {"layers.3"}  # (lm_head, tied, is last)
+        assert set(app.home.composition.to_recipe().layers) == {"layers.3"}  # (lm_head, tied, is last)
         await pilot.press("g")
         assert app.query_one("#grid").cursor_coordinate.row == 0
 
@@ -509,7 +509,7 @@ async def test_the_world_size_set_from_the_plan_dialog_reshards(real_run, tmp_pa
     app = make_app(tmp_path / "mixed", workers=1)
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
-        comp = app.composition
+        comp = app.home.composition
         other = [c.path for c in comp.checkpoints].index(tmp_path / "mixed" / "b" / "global_step4")
         assert "world size 3, the base has 4" in comp.incompatibility(other)
         await pilot.press("ctrl+r")
@@ -519,7 +519,7 @@ async def test_the_world_size_set_from_the_plan_dialog_reshards(real_run, tmp_pa
         await pilot.press("2", "enter")
         await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
         assert "reshard: 4 → 2 ranks" in app.screen.body
-        assert "4 → 2 ranks" in app._title_text
+        assert "4 → 2 ranks" in app.home.title_text
         await pilot.press("escape")
         assert comp.incompatibility(other) is None
         app.query_one("#grid").move_cursor(row=2, column=1 + other)  # layers.1, the 3-rank checkpoint
@@ -564,7 +564,7 @@ async def test_a_large_plan_on_a_login_node_offers_a_batch_job(real_run, tmp_pat
         app.screen.query_one(Input).value = str(recipe)
         await pilot.press("enter")
         await wait_for(pilot, lambda: (tmp_path / "big.sbatch").is_file())
-        assert not app.merging
+        assert not app.home.merging
         monkeypatch.setenv("SLURM_JOB_ID", "1")
         await pilot.press("ctrl+r")
         await wait_for(pilot, lambda: isinstance(app.screen, Confirm))

@@ -31,8 +31,8 @@ async def test_pick_layers_40_to_59_review_merge_and_reopen_at_80x24(deep_run):
     async with app.run_test(size=TERMINAL) as pilot:
         await scanned(pilot)
         grid = app.query_one("#grid")
-        names = [r.name for r in app.composition.rows]
-        assert len(names) == 83 and app.composition.base_checkpoint.path == c4
+        names = [r.name for r in app.home.composition.rows]
+        assert len(names) == 83 and app.home.composition.base_checkpoint.path == c4
         footer = {b.binding.description for b in app.screen.active_bindings.values() if b.binding.show}
         assert {"Merge", "Save", "Help", "Quit"} <= footer
         details = app.query_one("#details")
@@ -56,12 +56,12 @@ async def test_pick_layers_40_to_59_review_merge_and_reopen_at_80x24(deep_run):
 
         await pilot.press("v", *["down"] * 19, "left", "space")  # one selection, one action
         picked = {f"layers.{i}": c2 for i in range(40, 60)}
-        assert app.composition.to_recipe().layers == picked
+        assert app.home.composition.to_recipe().layers == picked
         assert any(line(grid, y).lstrip().startswith("layers.59") for y in range(2, grid.size.height))
         await pilot.press("u")  # one undo step takes the whole block back
-        assert app.composition.to_recipe().layers == {}
+        assert app.home.composition.to_recipe().layers == {}
         await pilot.press("ctrl+y")
-        assert app.composition.to_recipe().layers == picked
+        assert app.home.composition.to_recipe().layers == picked
 
         await pilot.press("ctrl+r")  # the plan: totals first, then the block as one line
         await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
@@ -84,8 +84,8 @@ async def test_pick_layers_40_to_59_review_merge_and_reopen_at_80x24(deep_run):
     app = make_app(run)  # reopened: the output is a column marked composed, never the base
     async with app.run_test(size=TERMINAL) as pilot:
         await scanned(pilot)
-        columns = [c.name for c in app.composition.checkpoints]
-        assert columns[-1] == "checkpoint-4-tailored" and app.composition.base_checkpoint.path == c4
+        columns = [c.name for c in app.home.composition.checkpoints]
+        assert columns[-1] == "checkpoint-4-tailored" and app.home.composition.base_checkpoint.path == c4
         assert "composed" in app.query_one("#grid").header_text(len(columns) - 1)
 
 
@@ -97,7 +97,7 @@ async def test_the_plan_scrolls_from_the_keyboard(deep_run):
     async with app.run_test(size=TERMINAL) as pilot:
         await scanned(pilot)
         await pilot.press("g", "left", *["space", "down", "down"] * 42)
-        layers = app.composition.to_recipe().layers
+        layers = app.home.composition.to_recipe().layers
         assert len(layers) == 42 and "layers.1" in layers and "layers.2" not in layers
         await pilot.press("ctrl+r")
         await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
@@ -109,4 +109,4 @@ async def test_the_plan_scrolls_from_the_keyboard(deep_run):
         assert scroller.scroll_y > 0
         await pilot.press("escape")
         await pilot.pause()
-        assert app.composition.to_recipe().layers == layers  # declined: nothing merged, picks kept
+        assert app.home.composition.to_recipe().layers == layers  # declined: nothing merged, picks kept

@@ -31,7 +31,7 @@ from tailor_tui.fileio import copy_file, fsync_dir, output_error, write_file
 from tailor_tui.health.guard import nonfinite_error
 from tailor_tui.planning.jobs import BinFileJob
 from tailor_tui.compose.model_files import merge_model_file
-from tailor_tui.compose.provenance import plan_digest, provenance
+from tailor_tui.planning.provenance import plan_digest, provenance
 from tailor_tui.planning.output import OUTPUT_FILES, hidden_folder, output_lock, publish, signals_held, written_files
 from tailor_tui.planning.plan import MergePlan
 from tailor_tui.formats.ptfile import check_crcs

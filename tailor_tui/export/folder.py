@@ -25,7 +25,7 @@ from tailor_tui.events import Emit, TaskOptions
 from tailor_tui.export.plan import Export
 from tailor_tui.export.rank import export_rank
 from tailor_tui.fileio import copy_file, fsync_dir, output_error, pwrite_all, write_file
-from tailor_tui.compose.provenance import provenance
+from tailor_tui.planning.provenance import provenance
 from tailor_tui.planning.output import OUTPUT_FILES, hidden_folder, output_lock, publish, signals_held, written_files
 from tailor_tui.formats.safetensors_out import INDEX
 from tailor_tui.team.transaction import Task, TeamWork, run_as_team

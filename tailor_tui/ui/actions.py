@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from textual.binding import Binding
 
-HOME, GRID = "home", "grid"  # who binds an action: the composer's screen, or the grid widget itself
+APP, HOME, GRID = "app", "home", "grid"  # who binds an action: the app (every screen), the composer's screen, the grid
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,6 @@ class Action:
     shows: str = ""  # how the help screen writes its keys (default: from `keys`)
     footer: bool = False  # in the footer at every width (80 columns included)
     owner: str = HOME
-    on_grid: bool = True  # changes the picks or moves on the grid: unavailable under a dialog or the merge screen
     palette: bool = True
 
     @property
@@ -86,30 +85,30 @@ ACTIONS: tuple[Action, ...] = (
            "taller details (narrow terminals)"),
     # recipe
     Action("save_recipe", "ctrl+s", "Save", "Save the picks as a recipe", "recipe", "save", footer=True,
-           on_grid=False),
+           owner=APP),
     Action("save_recipe_as", "S", "Save as", "Save the picks as a recipe under another name", "recipe", "save as"),
     Action("load_recipe", "ctrl+o", "Load", "Load a recipe's picks", "recipe", "load"),
     Action("set_output", "o", "Output", "Set the output folder", "recipe", "output folder"),
     Action("set_world_size", "w", "World size",
            "Set the world size to compose for (reshard for another number of ranks)", "recipe",
-           "world size (ranks to compose for)", on_grid=False),
+           "world size (ranks to compose for)"),
     Action("undo", "u,ctrl+z", "Undo", "Undo the last change", "recipe", "undo"),
     Action("redo", "ctrl+y,ctrl+shift+z", "Redo", "Redo the change undone last", "recipe", "redo"),
     # export
     Action("export", "e", "Export",
            "Export for evaluation: the composition as a plain HF model folder (from_pretrained loads it)", "export",
-           "the composition as a plain HF model folder, to evaluate", on_grid=False),
+           "the composition as a plain HF model folder, to evaluate"),
     # compose
     Action("run_merge", "ctrl+r", "Merge", "Review the plan and merge", "compose",
            "review the plan, then merge (Esc cancels); a large plan on a login node: s writes an sbatch script",
            footer=True),
     # other
     Action("help", "question_mark,f1", "Help", "Help: what each mark means, the keys", "other", "help",
-           footer=True, on_grid=False),
-    Action("command_palette", "ctrl+p", "Commands", "", "other", "command palette", palette=False, on_grid=False,
+           footer=True, owner=APP),
+    Action("command_palette", "ctrl+p", "Commands", "", "other", "command palette", palette=False,
            owner="textual"),
     Action("request_quit", "q", "Quit", "Quit tailor-tui (asks first if picks are unsaved or a merge runs)",
-           "other", "quit", footer=True, on_grid=False),
+           "other", "quit", footer=True, owner=APP),
 )
 
 
@@ -118,21 +117,25 @@ def bindings(owner: str) -> list[Binding]:
     return [Binding(a.keys, a.action, a.name, show=a.footer) for a in ACTIONS if a.owner == owner]
 
 
-def grid_actions() -> frozenset[str]:
-    """The composer's actions that belong to the grid: hidden under dialogs and the merge screen."""
-    return frozenset(a.method for a in ACTIONS if a.on_grid and a.owner == HOME)
-
-
 def palette_actions() -> list[Action]:
-    return [a for a in ACTIONS if a.palette and a.owner == HOME]
+    """The actions the command palette offers (every one of the app and the composer's screen)."""
+    return [a for a in ACTIONS if a.palette and a.owner in (APP, HOME)]
 
 
-def keys_help(width: int = 62) -> str:
-    """The help screen's keys section: one paragraph per group, `keys: what` entries."""
+def keys_help(width: int = 68) -> str:
+    """The help screen's keys section: a paragraph per group of `keys: what` entries, an entry
+    broken across lines only when it is wider than a line."""
+    room = width - 11  # "  group    " before each line
     lines = ["Keys"]
     for group in GROUPS:
-        entries = [f"{a.key_text}: {a.help}" for a in ACTIONS if a.group == group and a.help]
-        wrapped = textwrap.wrap("    ".join(entries), width - 11, break_long_words=False, break_on_hyphens=False)
-        for i, line in enumerate(wrapped):
-            lines.append(f"  {group if i == 0 else '':<8} {line}")
+        rows: list[str] = []
+        for a in ACTIONS:
+            if a.group != group or not a.help:
+                continue
+            entry = f"{a.key_text}: {a.help}"
+            if rows and len(rows[-1]) + 3 + len(entry) <= room:
+                rows[-1] += "   " + entry
+            else:
+                rows.extend(textwrap.wrap(entry, room, break_long_words=False, break_on_hyphens=False))
+        lines += [f"  {group if i == 0 else '':<8} {row}" for i, row in enumerate(rows)]
     return "\n".join(lines) + "\n"

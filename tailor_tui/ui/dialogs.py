@@ -9,6 +9,8 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
+from tailor_tui.ui.actions import keys_help
+
 
 class PathPrompt(ModalScreen[str | None]):
     """Ask for a path (or a short answer); dismisses with the text ("" when left empty), or None on Esc."""
@@ -144,21 +146,7 @@ The base is what the output starts from: every row not picked
 elsewhere, and the optimizer settings, steps, scheduler, RNG
 states and every other file of the checkpoint.
 
-Keys
-  pick     space / Enter / click: this cell    a: whole column
-           v (or shift+arrows): select rows, arrows extend,
-           space picks them all from the cursor's column
-           b: make base    h: heal (newest healthy per row)
-  move     arrows    g / G: first / last row    /: jump to a row
-  view     m: heatmap metric    d: taller details (narrow terminals)
-           pgup / pgdn, home / end: a page, the first / last row
-  recipe   ctrl+s save    S save as    ctrl+o load    o output
-           w: world size (ranks to compose for)    u undo    ctrl+y redo
-  export   e: the composition as a plain HF model folder, to evaluate
-  compose  ctrl+r: review the plan, then merge (Esc cancels);
-           a large plan on a login node: s writes an sbatch script
-  other    ? or F1: help    ctrl+p: command palette    q: quit
-"""
+""" + keys_help()
 
 
 class HelpScreen(ModalScreen[None]):

@@ -1,4 +1,4 @@
-"""e: export the composition as a plain HF model folder, for evaluation (a mixin of TailorApp).
+"""e: export the composition as a plain HF model folder, for evaluation (a mixin of the composer's screen).
 
 Asks for the folder (beside the output by default), plans the export in a thread, then runs it
 on the merge screen (one bar per source rank, Esc cancels, nothing left behind). The same
@@ -29,7 +29,7 @@ DEFAULT_SHARD = "5GB"
 
 class ExportActions:
     def action_export(self) -> None:
-        if not self._editable():
+        if not self.editable():
             return
         comp = self.composition
         output = comp.output or comp.base_checkpoint.path.with_name(comp.base_checkpoint.name + "-tailored")
@@ -47,11 +47,11 @@ class ExportActions:
                 if config is not None:  # Esc cancels the export; empty: the weights only
                     self.export_worker(recipe, Path(os.path.expanduser(config)) if config else None)
 
-            self.push_screen(PathPrompt("The model's config.json, or a folder with it and its tokenizer "
+            self.app.push_screen(PathPrompt("The model's config.json, or a folder with it and its tokenizer "
                                         "(a DeepSpeed-layout run records none)",
                                         placeholder="empty: export the weights only"), with_config)
 
-        self.push_screen(PathPrompt("Export for evaluation (a plain HF model folder) to", str(default)), chosen)
+        self.app.push_screen(PathPrompt("Export for evaluation (a plain HF model folder) to", str(default)), chosen)
 
     @work(thread=True, exclusive=True, group="plan")
     def export_worker(self, recipe, config: Path | None) -> None:
@@ -60,7 +60,7 @@ class ExportActions:
             config_source(export, config)  # a folder without config.json is said now, not after the weights
             self.post_message(ExportReady(export, config))
         except TailorError as exc:
-            self.call_from_thread(self.export_failed, str(exc))
+            self.app.call_from_thread(self.export_failed, str(exc))
 
     def on_export_ready(self, message: ExportReady) -> None:
         export = message.export
@@ -69,10 +69,12 @@ class ExportActions:
                         "and give its config.json (or tailor-tui --export … --config PATH)", severity="warning",
                         timeout=10)
         self.merging = True
-        self.push_screen(MergeScreen(export.plan, self.merge_workers, clock=self.merge_clock, options=self.merge_options,
-                                     title=f"Exporting {self.rel(export.plan.output)}", export=export,
-                                     export_config=message.config),
-                         self.merge_closed)
+        self.app.push_screen(MergeScreen(export.plan, self.options.workers, clock=self.options.clock,
+                                         options=self.options.merge_options,
+                                         title=f"Exporting {self.rel(export.plan.output)}", export=export,
+                                         export_config=message.config,
+                                         finished=self.merge_finished),
+                             self.merge_closed)
 
     def export_failed(self, message: str) -> None:
-        self.push_screen(ErrorDialog(message, title="Cannot export"))
+        self.app.push_screen(ErrorDialog(message, title="Cannot export"))

@@ -16,7 +16,6 @@ from rich.cells import cell_len
 from rich.segment import Segment
 from rich.style import Style
 from textual import events
-from textual.binding import Binding
 from textual.coordinate import Coordinate
 from textual.geometry import Region, Size
 from textual.message import Message
@@ -25,7 +24,8 @@ from textual.strip import Strip
 
 from tailor_tui.compose.composition import Composition
 from tailor_tui.health.healing import Health, damage
-from tailor_tui.ui.heatmap import background, header_suffix, row_range
+from tailor_tui.ui.describe import background, header_suffix, row_range
+from tailor_tui.ui.actions import GRID, bindings
 
 PICKED, HOLDS, DISABLED, TIED = "●", "·", "✗", "tied"
 HEADER_HEIGHT = 2
@@ -43,17 +43,7 @@ class CheckpointGrid(ScrollView, can_focus=True):
     cell a checkpoint holds is coloured by the chosen metric (scaled per row) and an
     unhealthy one says NaN / CRC / ERR."""
 
-    BINDINGS = [
-        Binding("up", "cursor(-1, 0)", "Up", show=False),
-        Binding("down", "cursor(1, 0)", "Down", show=False),
-        Binding("left", "cursor(0, -1)", "Left", show=False),
-        Binding("right", "cursor(0, 1)", "Right", show=False),
-        Binding("pageup", "page(-1)", "Page up", show=False),
-        Binding("pagedown", "page(1)", "Page down", show=False),
-        Binding("home", "cursor(-1000000, 0)", "First row", show=False),
-        Binding("end", "cursor(1000000, 0)", "Last row", show=False),
-        Binding("enter", "choose", "Pick", show=False),
-    ]
+    BINDINGS = bindings(GRID)  # the moves and Enter (`actions`)
     COMPONENT_CLASSES = {"grid--header", "grid--names", "grid--cursor"}
     DEFAULT_CSS = """
     CheckpointGrid { background: $surface; }

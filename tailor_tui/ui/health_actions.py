@@ -1,6 +1,6 @@
 """The composer's row health: the statistics worker, the heatmap metric, healing.
 
-A mixin of TailorApp (it uses the app's composition, grid and dialogs); the statistics
+A mixin of the composer's screen (it uses the screen's composition, grid and dialogs); the statistics
 themselves come from the headless core (`stats_run`), in a thread worker with a cancel flag.
 """
 
@@ -15,7 +15,7 @@ from tailor_tui.errors import Cancelled, TailorError
 from tailor_tui.events import TaskFinished, TaskOptions, TaskProgressed
 from tailor_tui.health.stats_run import CellsComputed, StatsPlanned, compute_health
 from tailor_tui.ui.dialogs import Confirm
-from tailor_tui.ui.heatmap import LABEL, next_metric
+from tailor_tui.ui.describe import LABEL, next_metric
 from tailor_tui.ui.messages import CellsArrived, HealthEnded, HealthProgressed
 
 
@@ -41,7 +41,7 @@ class HealthActions:
                     self.post_message(HealthProgressed(sum(progress["tasks"].values()), progress["total"]))
 
         try:
-            compute_health(checkpoints, workers=self.merge_workers, emit=emit, cancel=self.stats_cancel,
+            compute_health(checkpoints, workers=self.options.workers, emit=emit, cancel=self.stats_cancel,
                            cache=cache_dir(), options=TaskOptions())
         except Cancelled:
             return
@@ -61,12 +61,12 @@ class HealthActions:
         if self.health is None:
             return
         self.health.add(message.column, message.cells)
-        if not self._redraw_due:  # many checkpoints arrive in a burst: one redraw for them
-            self._redraw_due = True
-            self.set_timer(0.25, self._redraw_health)
+        if not self.redraw_due:  # many checkpoints arrive in a burst: one redraw for them
+            self.redraw_due = True
+            self.set_timer(0.25, self.redraw_health)
 
-    def _redraw_health(self) -> None:
-        self._redraw_due = False
+    def redraw_health(self) -> None:
+        self.redraw_due = False
         self.health_version += 1
         self.refresh_view()
 
@@ -78,14 +78,14 @@ class HealthActions:
         self.refresh_view()
 
     def action_cycle_metric(self) -> None:
-        if self._editable():
+        if self.editable():
             self.metric = next_metric(self.metric)
             self.notify(f"heatmap: {LABEL[self.metric]}", timeout=2)
             self.refresh_view()
 
     def action_heal(self) -> None:
         """Every row from the newest checkpoint where it is healthy; shown first, one undo step."""
-        if not self._editable() or self.health is None:
+        if not self.editable() or self.health is None:
             return
         if self.health_status is not None:
             self.notify("row statistics are still being computed; heal when they are complete",
@@ -104,7 +104,7 @@ class HealthActions:
 
         def answer(yes: bool | None) -> None:
             if yes:
-                self._edit(lambda: comp.apply_healing(healing))
+                self.edit(lambda: comp.apply_healing(healing))
 
         body = "\n".join([*changes, *hopeless])
-        self.push_screen(Confirm(f"Heal {len(changes)} row(s)?", body, accept="Heal", decline="Back"), answer)
+        self.app.push_screen(Confirm(f"Heal {len(changes)} row(s)?", body, accept="Heal", decline="Back"), answer)

@@ -15,7 +15,6 @@ from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Footer, Label, ProgressBar, Static
 
@@ -23,40 +22,24 @@ from tailor_tui.errors import Cancelled, TailorError
 from tailor_tui.events import TaskOptions, TaskProgressed
 from tailor_tui.export.folder import run_export
 from tailor_tui.export.plan import Export
-from tailor_tui.compose.merge import MergeResult, planned_tasks, run_merge
+from tailor_tui.compose.merge import planned_tasks, run_merge
 from tailor_tui.planning.plan import MergePlan
 from tailor_tui.team.workers import STREAMING_WORKER, workers_for
+from tailor_tui.ui.messages import MergeFailed, MergeFinished, MergeProgressed
 from tailor_tui.units import size, throughput
-
-
-class MergeProgressed(Message):
-    def __init__(self, event: TaskProgressed) -> None:
-        super().__init__()
-        self.event = event
-
-
-class MergeFinished(Message):
-    def __init__(self, result: MergeResult) -> None:
-        super().__init__()
-        self.result = result
-
-
-class MergeFailed(Message):
-    def __init__(self, message: str, cancelled: bool) -> None:
-        super().__init__()
-        self.message, self.cancelled = message, cancelled
 
 
 class MergeScreen(Screen):
     BINDINGS = [
         Binding("escape", "cancel_or_close", "Cancel merge / close"),
-        Binding("ctrl+s", "app.save_recipe", "Save recipe"),
     ]
 
     def __init__(self, plan: MergePlan, workers: int | None, clock: Callable[[], float] = time.monotonic,
                  autostart: bool = True, title: str | None = None, options: TaskOptions = TaskOptions(),
-                 allow_nonfinite: bool = False, export: Export | None = None, export_config: Path | None = None):
+                 allow_nonfinite: bool = False, export: Export | None = None, export_config: Path | None = None,
+                 finished: Callable[[object], None] = lambda result: None):
         super().__init__()
+        self.on_finished = finished  # the composer's: told the result
         self.options, self.allow_nonfinite = options, allow_nonfinite
         self.export = export  # an export for evaluation runs here instead of the merge
         self.export_config = export_config  # as --config
@@ -144,7 +127,7 @@ class MergeScreen(Screen):
             "ctrl+s saves the recipe; Esc returns to the grid."
         )
         self.add_class("finished")
-        self.app.merge_finished(r)
+        self.on_finished(r)
 
     def on_merge_failed(self, message: MergeFailed) -> None:
         self.running = False

@@ -10,6 +10,7 @@ from pathlib import Path
 from textual.message import Message
 
 from tailor_tui.checkpoints.scan import ScanResult
+from tailor_tui.events import TaskProgressed
 from tailor_tui.planning.plan import MergePlan
 
 
@@ -71,3 +72,24 @@ class PlanFailed(Message):
     message: str
     replaceable: Path | None = None
     recipe: object = None
+
+
+@dataclass(eq=False)
+class MergeProgressed(Message):
+    """A task of the merge (or export) moved (a newer one of the same task replaces one still queued)."""
+
+    event: TaskProgressed
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, MergeProgressed) and message.event.task == self.event.task
+
+
+@dataclass(eq=False)
+class MergeFinished(Message):
+    result: object  # merge.MergeResult or export.folder.ExportResult
+
+
+@dataclass(eq=False)
+class MergeFailed(Message):
+    message: str
+    cancelled: bool

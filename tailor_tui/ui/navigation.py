@@ -1,4 +1,4 @@
-"""Moving around the grid and selecting blocks of rows (a mixin of TailorApp)."""
+"""Moving around the grid and selecting blocks of rows (a mixin of the composer's screen)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ class Navigation:
 
     def action_select_rows(self) -> None:
         """Start (or drop) a block selection at the cursor's row; moving up or down extends it."""
-        if not self._editable():
+        if not self.editable():
             return
-        grid = self.home.query_one(CheckpointGrid)
+        grid = self.query_one(CheckpointGrid)
         if grid.selection is not None:
             self.action_clear_selection()
             return
@@ -22,21 +22,21 @@ class Navigation:
         self.refresh_view()
 
     def action_extend_selection(self, step: int) -> None:
-        if not self._editable():
+        if not self.editable():
             return
-        grid = self.home.query_one(CheckpointGrid)
+        grid = self.query_one(CheckpointGrid)
         if grid.selection is None:
             self.action_select_rows()
         grid.move_cursor(row=max(0, min(grid.row_count - 1, grid.cursor_coordinate.row + step)))
 
     def action_clear_selection(self) -> None:
-        grid = self.home.query_one(CheckpointGrid)
+        grid = self.query_one(CheckpointGrid)
         if grid.selection is not None:
             grid.selection = self.anchor = None
             self.refresh_view()
 
-    def _follow_selection(self) -> None:
-        grid = self.home.query_one(CheckpointGrid)
+    def follow_selection(self) -> None:
+        grid = self.query_one(CheckpointGrid)
         if grid.selection is not None and self.anchor is not None:
             cursor = grid.cursor_coordinate.row
             selection = (min(self.anchor, cursor), max(self.anchor, cursor))
@@ -45,17 +45,17 @@ class Navigation:
                 self.refresh_view()
 
     def action_first_row(self) -> None:
-        if self._editable():
-            self.home.query_one(CheckpointGrid).move_cursor(row=0)
+        if self.editable():
+            self.query_one(CheckpointGrid).move_cursor(row=0)
 
     def action_last_row(self) -> None:
-        if self._editable():
-            grid = self.home.query_one(CheckpointGrid)
+        if self.editable():
+            grid = self.query_one(CheckpointGrid)
             grid.move_cursor(row=grid.row_count - 1)
 
     def action_jump(self) -> None:
         """Go to the first row whose name starts with (else contains) what is typed."""
-        if not self._editable():
+        if not self.editable():
             return
 
         def done(value: str | None) -> None:
@@ -69,6 +69,6 @@ class Navigation:
             if found is None:
                 self.notify(f"no row named like '{text}'", severity="warning")
             else:
-                self.home.query_one(CheckpointGrid).move_cursor(row=found)
+                self.query_one(CheckpointGrid).move_cursor(row=found)
 
-        self.push_screen(PathPrompt("Jump to row (e.g. layers.40)", ""), done)
+        self.app.push_screen(PathPrompt("Jump to row (e.g. layers.40)", ""), done)

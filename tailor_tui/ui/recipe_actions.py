@@ -1,4 +1,4 @@
-"""Saving and loading recipes from the composer, never losing one (a mixin of TailorApp)."""
+"""Saving and loading recipes from the composer, never losing one (a mixin of the composer's screen)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class RecipeActions:
         """Ask for the data-parallel world size to compose for (empty: the base's); from the plan
         dialog (`then_plan`), show the plan again with it."""
         comp = self.composition
-        if comp is None or (not then_plan and not self._editable()):
+        if comp is None or (not then_plan and not self.editable()):
             return
 
         def done(value: str | None) -> None:
@@ -27,7 +27,7 @@ class RecipeActions:
                 return
             text = value.strip()
             if text and not (text.isdigit() and int(text) >= 1):
-                self.push_screen(ErrorDialog(f"world size '{text}': a whole number of at least 1 (the data-parallel "
+                self.app.push_screen(ErrorDialog(f"world size '{text}': a whole number of at least 1 (the data-parallel "
                                              "ranks to compose for), or empty for the base's"))
                 return
             dropped = comp.set_world_size(int(text) if text else None)
@@ -39,7 +39,7 @@ class RecipeActions:
                 self.plan_worker(comp.to_recipe())
 
         base = comp.base_checkpoint.world_size
-        self.push_screen(PathPrompt(f"World size to compose for (the base: {base} ranks; empty keeps it)",
+        self.app.push_screen(PathPrompt(f"World size to compose for (the base: {base} ranks; empty keeps it)",
                                     str(comp.world_size or "")), done)
 
     def action_save_recipe(self, then=None) -> None:
@@ -61,8 +61,8 @@ class RecipeActions:
             if value:
                 self.save_to(Path(os.path.expanduser(value)), then=then)
 
-        default = comp.recipe_path or self.recipe_arg or Path("recipe.yaml")
-        self.push_screen(PathPrompt("Save the recipe as", str(default)), done)
+        default = comp.recipe_path or self.options.recipe or Path("recipe.yaml")
+        self.app.push_screen(PathPrompt("Save the recipe as", str(default)), done)
 
     def action_write_batch_job(self, bytes_to_write: int) -> None:
         """Save the recipe, then write the sbatch script that composes it over several nodes."""
@@ -70,7 +70,7 @@ class RecipeActions:
             try:
                 script = write_sbatch(recipe, bytes_to_write)
             except TailorError as exc:
-                self.push_screen(ErrorDialog(str(exc)))
+                self.app.push_screen(ErrorDialog(str(exc)))
                 return
             self.notify(f"wrote {self.rel(script)}; submit it with: sbatch {self.rel(script)}", timeout=15)
 
@@ -86,14 +86,14 @@ class RecipeActions:
                 if yes:
                     self.save_to(path, confirmed=True, then=then)
 
-            self.push_screen(Confirm(f"Replace {self.rel(path)}?",
+            self.app.push_screen(Confirm(f"Replace {self.rel(path)}?",
                                      f"{path} exists and was not loaded into this composer: its contents would "
                                      "be replaced by these picks.", accept="Replace", decline="Back"), answer)
             return
         try:
             saved = self.composition.save(path)
         except TailorError as exc:
-            self.push_screen(ErrorDialog(str(exc)))
+            self.app.push_screen(ErrorDialog(str(exc)))
             return
         self.notify(f"recipe saved to {saved}; run it with: tailor-tui --apply {saved}")
         self.update_title()
@@ -101,7 +101,7 @@ class RecipeActions:
             then(Path(saved))
 
     def action_load_recipe(self) -> None:
-        if not self._editable():
+        if not self.editable():
             return
 
         def done(value: str | None) -> None:
@@ -111,12 +111,12 @@ class RecipeActions:
 
         def ask_path(yes: bool | None = True) -> None:
             if yes:
-                self.push_screen(PathPrompt("Load a recipe", str(self.composition.recipe_path or "")), done)
+                self.app.push_screen(PathPrompt("Load a recipe", str(self.composition.recipe_path or "")), done)
 
         if self.composition.saved:
             ask_path()
         else:
-            self.push_screen(Confirm("Load a recipe?", "The current picks are not saved; loading a recipe "
+            self.app.push_screen(Confirm("Load a recipe?", "The current picks are not saved; loading a recipe "
                                      "replaces them (undo brings them back).", accept="Load", decline="Back"),
                              ask_path)
 
@@ -124,4 +124,4 @@ class RecipeActions:
         try:
             self.composition.load(load_recipe(path))
         except TailorError as exc:
-            self.push_screen(ErrorDialog(str(exc), title="Cannot load the recipe"))
+            self.app.push_screen(ErrorDialog(str(exc), title="Cannot load the recipe"))

@@ -1,13 +1,20 @@
-"""How row health looks in the composer: cell colours, column headers, the details block.
-
-Pure functions of the composition's Health (no widgets): the grid and the details panel
-call them. A metric's colours are scaled per row, so one layer's outlier stands out.
-"""
+"""What the composer shows of rows, cells and checkpoints: the heatmap's colours (a metric's
+colours are scaled per row, so one layer's outlier stands out), the column headers, and the
+details panel's text. The details come in the order the user decides from: the checkpoint,
+the cell's health, the row and where it comes from, then the row across checkpoints, then the
+checkpoint's files (below the grid on a narrow terminal only the first lines show). Pure
+functions of the composition and its Health: no widgets."""
 
 from __future__ import annotations
 
-from tailor_tui.checkpoints.checkpoint import Checkpoint
+import math
+from pathlib import Path
+from typing import Callable
+
+from tailor_tui.checkpoints.checkpoint import Checkpoint, tied_members, tied_partner
+from tailor_tui.compose.composition import Composition
 from tailor_tui.health.healing import METRICS, Cell, Health, damage_text, why_unhealthy
+from tailor_tui.units import size
 
 # low → high: dark blue, teal, olive, amber, red (readable with the cells' light text)
 PALETTE = ("#1f3a5f", "#1f5f5b", "#5f5f1f", "#8a5a12", "#9e2a2b")
@@ -107,3 +114,53 @@ def _num(x: float | None) -> str:
 
 def _pct(x: float | None) -> str:
     return "—" if x is None else f"{x:.2%}"
+
+
+def details_lines(comp: Composition, health: Health | None, row_name: str, column: int | None, *, metric: str,
+                  computing: str | None, problems: tuple = (), show: Callable[[Path], str] = str) -> list[str]:
+    row = comp.base_checkpoint.row(row_name)
+    lines = []
+    if column is not None:
+        c = comp.checkpoints[column]
+        lines.append(comp.label(column) + ("  (base)" if column == comp.base else "") + f" · step {c.step}")
+        reason = comp.incompatibility(column)
+        if reason:
+            lines.append(f"✗ cannot be combined with the base: {reason}")
+        elif warning := comp.other_run(column):
+            lines.append(f"! {warning}; make sure it is the same training run")
+    if not row.tied:
+        lines += cell_block(health, row.name, column, computing)
+    source = comp.source_of(row.name)
+    lines.append(f"row     {row.name}  ({row.module_path})")
+    lines.append(f"source  {comp.label(source)}" + ("  (base)" if source == comp.base else ""))
+    if row.tied:
+        lines.append(f"tied to {tied_partner(comp.base_checkpoint, row)}: no weights of its own")
+    else:
+        lines += [f"tied    {alias} = {target}: it comes with row {partner}"
+                  for alias, target, partner in tied_members(comp.base_checkpoint, row)]
+        shapes = dict(p for g in comp.base_checkpoint.layout.groups for p in g)
+        shapes.update(dict(comp.base_checkpoint.layout.frozen))
+        numel = sum(math.prod(shapes[p]) for p in row.params)
+        lines.append(f"params  {len(row.params)} tensors, {numel:,} elements")
+        lines.append(f"state   {size(numel * 12)} of fp32 + Adam moments")
+        block = row_block(health, comp.checkpoints, row.name, column, metric)
+        lines += [""] + block if block else []
+    if column is not None:
+        c = comp.checkpoints[column]
+        kind = {"hf": "HF Trainer", "accelerate": "Accelerate save_state"}.get(c.kind, "DeepSpeed save_dir")
+        model = sum(c.sizes[f] for f in c.model_files)
+        lines += [
+            "",
+            f"path    {show(c.path)}",
+            f"layout  {kind}, {c.world_size} ranks, {c.dtype}",
+            f"files   {size(c.total_bytes())}" + (f" ({size(model)} 16-bit model)" if model else ""),
+            f"rank 0  {size(c.rank_bytes(0))}",
+        ]
+        if c.partial:
+            lines.append(f"partial saved {len(c.saved_rows)} of {sum(not r.tied for r in c.rows)} rows")
+        if c.composed:
+            lines.append("composed by tailor-tui (tailor_provenance.json names its sources)")
+    if problems:  # kept here, not only in a toast
+        lines += ["", f"skipped while scanning ({len(problems)}):"]
+        lines += [f"  {show(path)}: {why}" for path, why in problems]
+    return lines

@@ -1,0 +1,96 @@
+"""Starting a run's ranks: one process per rank (torch.multiprocessing, spawn), each with
+DeepSpeed on the CPU accelerator over gloo, as DeepSpeed's launcher would set it up.
+
+Two settings keep a run to seconds instead of minutes of C++ op builds: a client optimizer
+(no `optimizer` block in the DeepSpeed config, `demo_run`) and the shared-memory comm op
+disabled before init_distributed (`setup_rank`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup_rank(rank: int, world: int, port: int, spec) -> None:
+    """This process as rank `rank` of `world` (`spec`: a RunSpec; its dtype)."""
+    os.environ.update(
+        DS_ACCELERATOR="cpu",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        # DeepSpeed's own launcher sets it; without it the CPU accelerator of DeepSpeed 0.14 and
+        # 0.15 counts devices by calling `numactl`, which most machines lack
+        LOCAL_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS="1",
+    )
+    import deepspeed
+    import torch
+
+    torch.set_num_threads(1)
+    if spec.dtype == "fp16":
+        _allow_fp16_on_cpu()
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+
+
+def _allow_fp16_on_cpu() -> None:
+    """Lift DeepSpeed's CPU accelerator's refusal of fp16 (see RunSpec.dtype): DeepSpeed's own
+    code still trains, scales the loss and saves; only its capability check is answered yes."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = type(get_accelerator())
+    supported = accelerator.supported_dtypes
+    accelerator.is_fp16_supported = lambda self: True
+    accelerator.supported_dtypes = lambda self: list(dict.fromkeys([*supported(self), torch.float16]))
+
+
+def quiet() -> None:
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def _run_rank(rank: int, fn, *args) -> None:
+    fn(rank, *args)
+    # Once every rank is done, leave without the interpreter's teardown: there, C++ threads of
+    # torch's distributed stack were at times destroyed still joinable ("terminate called
+    # without an active exception", SIGABRT), failing a run whose work was all written. Files
+    # are closed by now; an exception in `fn` never gets here and is reported by mp.spawn.
+    import sys
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def spawn_ranks(fn, spec, *args) -> None:
+    """Run `fn(rank, world, port, spec, *args)` in one process per rank of `spec` (a RunSpec)."""
+    import torch.multiprocessing as mp
+
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    mp.spawn(_run_rank, args=(fn, spec.world_size, free_port(), spec, *args), nprocs=spec.world_size)

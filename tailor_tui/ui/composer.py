@@ -1,0 +1,369 @@
+"""The composer's screen: the grid of rows and checkpoints, its details panel, and what the
+user does there (pick, heal, save and load recipes, plan and merge, export).
+
+The screen owns the session's state (the composition, the scan, the row health) and binds
+the composer's keys (`actions`); its parts by task are mixins (`navigation`, `recipe_actions`,
+`health_actions`, `export_actions`) working on that state. Slow work (scanning, planning,
+statistics) runs in thread workers that post messages; widgets are touched only by handlers.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from textual import work
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import Footer, Label, ProgressBar, Static
+from textual.worker import get_current_worker
+
+from tailor_tui.checkpoints.scan import ScanResult, scan
+from tailor_tui.compose.composition import Composition
+from tailor_tui.errors import OutputError, TailorError
+from tailor_tui.events import TaskOptions
+from tailor_tui.export.folder import ExportResult
+from tailor_tui.health.healing import Health, training_log, why_unhealthy
+from tailor_tui.planning.build import build_plan
+from tailor_tui.planning.output import not_replaceable
+from tailor_tui.team.sbatch import LARGE, offer_batch
+from tailor_tui.units import size
+from tailor_tui.ui.actions import HOME, bindings
+from tailor_tui.ui.describe import details_lines
+from tailor_tui.ui.dialogs import Confirm, ErrorDialog, PathPrompt, PlanDialog
+from tailor_tui.ui.export_actions import ExportActions
+from tailor_tui.ui.grid import CheckpointGrid
+from tailor_tui.ui.health_actions import HealthActions
+from tailor_tui.ui.merge_screen import MergeScreen
+from tailor_tui.ui.messages import PlanFailed, PlanReady, ScanComplete, ScanFailed, ScanProgressed
+from tailor_tui.ui.navigation import Navigation
+from tailor_tui.ui.recipe_actions import RecipeActions
+
+
+@dataclass(frozen=True)
+class ComposerOptions:
+    """What the composer is started with (`make_app`)."""
+
+    run_dir: Path
+    recipe: Path | None = None  # loaded at start; a recipe that does not exist yet is where ctrl+s saves
+    workers: int | None = None  # worker processes of a merge or statistics (None: as many as fit)
+    clock: Callable[[], float] = time.monotonic  # the merge screen's (snapshot tests fix it)
+    merge_options: TaskOptions = TaskOptions()
+    batch_threshold: int = LARGE  # bytes to write from which a login node offers a batch job
+
+
+class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Screen):
+    BINDINGS = bindings(HOME)
+
+    def __init__(self, options: ComposerOptions):
+        super().__init__()
+        self.options = options
+        self.composition: Composition | None = None
+        self.scan_result: ScanResult | None = None
+        self.merging = False
+        # Row health: filled in by the statistics worker, newest checkpoint first
+        self.health: Health | None = None
+        self.health_version = 0  # bumped as cells arrive: the grid redraws rows then
+        self.health_status: str | None = "statistics: starting"  # None once complete
+        self.metric = "rel_change"
+        self.stats_cancel = threading.Event()
+        self.redraw_due = False  # a redraw for arriving cells is scheduled
+        self.anchor: int | None = None  # the row a block selection (v) started at
+        self.details_text = self.title_text = ""  # what the details panel and the title show
+
+    # --- layout ------------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield Static("", id="title")
+        with Vertical(id="scanning"):
+            yield Label(f"Scanning {self.options.run_dir} …", id="scan-label")
+            yield ProgressBar(id="scan-bar", show_eta=False)
+        with Horizontal(id="main"):
+            yield CheckpointGrid(id="grid")
+            yield Static("", id="details", markup=False)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#main").display = False
+        self.update_title()
+        self.scan_worker()
+
+    def rel(self, path: Path | None) -> str:
+        """A path as the user thinks of it: relative to the run directory when inside it."""
+        if path is None:
+            return "(none)"
+        try:
+            return str(Path(path).resolve().relative_to(self.options.run_dir.resolve()))
+        except ValueError:
+            return str(path)
+
+    def update_title(self) -> None:
+        comp = self.composition
+        parts = [f"tailor-tui · {self.options.run_dir.name or self.options.run_dir}"]
+        if comp:
+            parts.append(f"base {comp.base_checkpoint.name}")
+            parts.append(f"output {self.rel(comp.output)}")
+            if comp.world_size is not None:
+                parts.append(f"{comp.base_checkpoint.world_size} → {comp.world_size} ranks")
+            recipe = self.rel(comp.recipe_path) if comp.recipe_path else "unsaved recipe"
+            parts.append(recipe + ("" if comp.saved else " *"))
+            if self.health_status:
+                parts.append(self.health_status)
+        title = " · ".join(parts)
+        if title != self.title_text:  # one line, its height fixed: no re-layout of the screen
+            self.title_text = title
+            self.query_one("#title", Static).update(title, layout=False)
+
+    # --- scanning ------------------------------------------------------------------------
+
+    @work(thread=True, exclusive=True, group="scan")
+    def scan_worker(self) -> None:
+        worker = get_current_worker()
+        try:
+            result = scan(
+                self.options.run_dir,
+                on_progress=lambda done, total, path: self.post_message(ScanProgressed(done, total, path)),
+                cancelled=lambda: worker.is_cancelled,
+            )
+        except TailorError as exc:
+            self.post_message(ScanFailed(str(exc)))
+        else:
+            self.post_message(ScanComplete(result))
+
+    def on_scan_progressed(self, message: ScanProgressed) -> None:
+        self.query_one("#scan-bar", ProgressBar).update(total=message.total, progress=message.done)
+        self.query_one("#scan-label", Label).update(
+            f"Scanning {self.options.run_dir} … {message.done}/{message.total} {self.rel(message.path)}"
+        )
+
+    def on_scan_failed(self, message: ScanFailed) -> None:
+        self.health_status = None
+        self.query_one("#scan-label", Label).update(f"error: {message.message}")
+        self.app.push_screen(ErrorDialog(message.message, title="Cannot scan"))
+
+    def on_scan_complete(self, message: ScanComplete) -> None:
+        result = self.scan_result = message.result
+        if not result.checkpoints:
+            self.health_status = None
+            why = "\n".join(f"  skipped {self.rel(p)}: {w}" for p, w in result.problems)
+            self.query_one("#scan-bar", ProgressBar).display = False  # nothing more is coming
+            self.query_one("#scan-label", Label).update(
+                f"No usable ZeRO-3 checkpoints under {self.options.run_dir}: looked for HF checkpoint-N folders "
+                "(trainer_state.json and a `latest` file), DeepSpeed tag folders (zero_pp_rank_*_model_states.pt) "
+                "and partial saves (tailor_partial.json). q quits." + (f"\n{why}" if why else "")
+            )
+            return
+        self.composition = Composition.start(list(result.checkpoints))
+        self.query_one("#scanning").display = False
+        self.query_one("#main").display = True
+        if self.options.recipe is not None:
+            if self.options.recipe.exists():
+                self.adopt_recipe(self.options.recipe)  # on failure it is not the save target
+            else:
+                self.composition.recipe_path = self.options.recipe  # a new recipe: ctrl+s creates it
+        self.health = Health(tuple(result.checkpoints), logs={i: training_log(c)
+                                                              for i, c in enumerate(result.checkpoints)})
+        self.refresh_view()
+        self.query_one(CheckpointGrid).focus()
+        for path, why in result.problems:
+            self.notify(why, title=f"Skipped {self.rel(path)}", severity="warning", timeout=8)
+        self.stats_worker(tuple(result.checkpoints))
+
+    # --- view ------------------------------------------------------------------------------
+
+    def refresh_view(self) -> None:
+        if not self.is_attached or self.composition is None:
+            return  # shutting down (a timer of the statistics fired after the screen went), or no run yet
+        grid = self.query_one(CheckpointGrid)
+        grid.show(self.composition, self.health, self.metric, self.health_version)
+        self.update_title()
+        self.update_details()
+
+    def on_checkpoint_grid_cursor_moved(self, message: CheckpointGrid.CursorMoved) -> None:
+        if message.grid.is_attached:  # may arrive while the app shuts down
+            self.follow_selection()
+            self.update_details()
+
+    def on_checkpoint_grid_chosen(self, message: CheckpointGrid.Chosen) -> None:
+        self.action_pick()  # Enter and mouse clicks pick, like space
+
+    def update_details(self) -> None:
+        comp = self.composition
+        if comp is None:
+            return
+        row_name, column = self.query_one(CheckpointGrid).current()
+        if row_name is None:
+            return
+        problems = self.scan_result.problems if self.scan_result else ()
+        lines = details_lines(comp, self.health, row_name, column, metric=self.metric, computing=self.health_status,
+                              problems=problems, show=self.rel)
+        text = "\n".join(lines)
+        details = self.query_one("#details", Static)
+        if text != self.details_text:  # its size is fixed by the layout: no re-layout of the screen
+            self.details_text = text
+            details.update(text, layout=False)
+
+    # --- actions --------------------------------------------------------------------------
+
+    def editable(self) -> bool:
+        """Picks change only on the grid itself, not under a dialog or the merge screen."""
+        return self.composition is not None and self.on_top
+
+    def edit(self, change: Callable[[], None]) -> None:
+        try:
+            change()
+        except TailorError as exc:
+            self.notify(str(exc), severity="error", timeout=6)
+        self.refresh_view()
+
+    def action_pick(self) -> None:
+        if not self.editable():
+            return
+        grid = self.query_one(CheckpointGrid)
+        row, column = grid.current()
+        if grid.selection is not None and column is not None:  # a block of rows, one undo step
+            rows = grid.selected_rows()
+            grid.selection = self.anchor = None
+            changed = []
+            self.edit(lambda: changed.extend(self.composition.pick_rows(rows, column)))
+            self.notify(f"{len(changed)} of {len(rows)} row(s) from {self.composition.checkpoints[column].name}",
+                        timeout=3)
+        elif row is not None and column is not None:
+            self.edit(lambda: self.composition.pick(row, column))
+
+    def action_pick_column(self) -> None:
+        if not self.editable():
+            return
+        _row, column = self.query_one(CheckpointGrid).current()
+        if column is not None:
+            self.edit(lambda: self.composition.pick_column(column))
+
+    def action_set_base(self) -> None:
+        if not self.editable():
+            return
+        _row, column = self.query_one(CheckpointGrid).current()
+        if column is not None:
+            self.edit(lambda: self.composition.set_base(column))
+
+    def action_undo(self) -> None:
+        if not self.editable():
+            return
+        if not self.composition.undo():
+            self.notify("nothing to undo")
+        self.refresh_view()
+
+    def action_redo(self) -> None:
+        if not self.editable():
+            return
+        if not self.composition.redo():
+            self.notify("nothing to redo")
+        self.refresh_view()
+
+    def action_set_output(self) -> None:
+        if not self.editable():
+            return
+
+        def done(value: str | None) -> None:
+            if value:
+                self.edit(lambda: self.composition.set_output(Path(os.path.expanduser(value))))
+
+        self.app.push_screen(PathPrompt("Output folder for the composed checkpoint", str(self.composition.output)), done)
+
+    def action_run_merge(self) -> None:
+        if self.editable():
+            self.plan_worker(self.composition.to_recipe())
+
+    @work(thread=True, exclusive=True, group="plan")
+    def plan_worker(self, recipe, force: bool = False) -> None:
+        try:
+            self.post_message(PlanReady(build_plan(recipe, force=force)))
+        except OutputError as exc:
+            out = Path(recipe.output) if recipe.output else None
+            earlier = (not force and out is not None and out.is_dir() and not out.is_symlink()
+                       and any(out.iterdir()) and not_replaceable(out) is None)
+            self.post_message(PlanFailed(str(exc), out if earlier else None, recipe))
+        except TailorError as exc:
+            self.post_message(PlanFailed(str(exc)))
+
+    def on_plan_failed(self, message: PlanFailed) -> None:
+        if message.replaceable is None:
+            self.app.push_screen(ErrorDialog(message.message, title="Cannot merge"))
+            return
+
+        def answer(yes: bool | None) -> None:
+            if yes:
+                self.plan_worker(message.recipe, force=True)
+
+        self.app.push_screen(Confirm(f"Replace {self.rel(message.replaceable)}?",
+                                 f"{message.replaceable} holds an earlier composition by tailor-tui. It is replaced "
+                                 "only once the new one is complete; until then it stays as it is.",
+                                 accept="Replace", decline="Back"), answer)
+
+    def on_plan_ready(self, message: PlanReady) -> None:
+        plan = message.plan
+        body = "\n".join(plan.describe(show=self.rel, every_file=False))
+        # Rows the statistics already know to be non-finite or damaged in their source: the
+        # merge would refuse them, so the user decides here ("Merge anyway" allows them).
+        bad = [f"{row} from {plan.sources[s].name}: {why_unhealthy(cell)}" for row, s in plan.picks.items()
+               if (cell := self.cell_of(row, plan.sources[s])) is not None and not cell.healthy]
+        if bad:
+            body = "\n".join(["✗ the output would hold unhealthy rows:", *bad, "(h heals them)", "", body])
+
+        batch = offer_batch(plan.bytes_to_write(), self.options.batch_threshold)
+        if batch:
+            body = "\n".join([f"This writes {size(plan.bytes_to_write())}: on this login node, "
+                              "s writes an sbatch script that composes it over several nodes instead.", "", body])
+
+        def confirmed(answer: bool | str | None) -> None:
+            if answer == "world_size":
+                self.action_set_world_size(then_plan=True)
+            elif answer == "sbatch":
+                self.action_write_batch_job(plan.bytes_to_write())
+            elif answer:
+                self.merging = True
+                self.app.push_screen(MergeScreen(plan, self.options.workers, clock=self.options.clock,
+                                             options=self.options.merge_options, allow_nonfinite=bool(bad),
+                                             title=f"Composing {self.rel(plan.output)}",
+                                             finished=self.merge_finished),
+                                 self.merge_closed)
+
+        accept = "Merge anyway" if bad else "Merge"
+        self.app.push_screen(PlanDialog("Compose this checkpoint?", body, accept=accept, decline="Back", batch=batch),
+                         confirmed)
+
+    def cell_of(self, row: str, checkpoint):
+        if self.health is None:
+            return None
+        for i, c in enumerate(self.health.checkpoints):
+            if c.path == checkpoint.path:
+                return self.health.cell(row, i)
+        return None
+
+    def merge_finished(self, result) -> None:
+        self.merging = False
+        self.notify(f"{'exported' if isinstance(result, ExportResult) else 'composed'} {result.output}")
+
+    def merge_closed(self, _result=None) -> None:
+        self.merging = False
+        self.refresh_view()
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # Under a dialog or the merge screen the grid's keys do nothing: the footer hides them.
+        return self.on_top
+
+    @property
+    def on_top(self) -> bool:
+        """Whether the user is on the grid itself (no dialog, no merge screen over it)."""
+        return self.app.screen is self
+
+    def action_toggle_details(self) -> None:
+        if self.editable():
+            self.query_one("#details").toggle_class("tall")
+
+    def on_unmount(self) -> None:
+        self.stats_cancel.set()  # statistics workers stop between chunks
