@@ -26,8 +26,8 @@ from tailor_tui.planning.recipe import Recipe
 TAILOR = str(Path(sys.executable).with_name("tailor-tui"))
 
 
-def tailor(*args, cwd=None, timeout=300):
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
+def tailor(*args, cwd=None, timeout=300, env: dict | None = None):
+    env = dict(os.environ, PYTHONWARNINGS="ignore", **(env or {}))
     return subprocess.run([TAILOR, *map(str, args)], capture_output=True, text=True,
                           cwd=cwd, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
 

@@ -114,6 +114,17 @@ def test_beyond_4_gib_the_archive_is_torchs_own(tmp_path):
             at = start + length
 
 
+def test_more_than_65535_records_are_written_as_torch_writes_them(tmp_path):
+    """Past 65,535 records the zip end record says 0xFFFF and the zip64 end record the count,
+    byte for byte as torch.save writes it (a structure of 66,000 tensors)."""
+    obj = [torch.full((1,), float(i)) for i in range(66_000)]
+    theirs, mine = tmp_path / "t.pt", tmp_path / "mine.pt"
+    torch.save(obj, theirs)
+    _rewrite(theirs, mine)
+    assert mine.read_bytes() == theirs.read_bytes()
+    assert torch.equal(torch.load(mine)[65_999], torch.full((1,), 65_999.0))
+
+
 def test_only_what_a_checkpoint_holds_is_pickled():
     with pytest.raises(pickle.PicklingError, match="not a global"):
         dumps({"f": print})

@@ -18,6 +18,8 @@ import stat
 import threading
 from pathlib import Path
 
+from tailor_tui.checkpoints.side_files import load_json
+
 
 class Where(enum.Enum):
     ROOT = "the cache root"  # cache_dir(), as the environment names it when the cache is used
@@ -41,9 +43,11 @@ def cache_dir() -> Path:
 
 
 def file_identity(path: Path) -> list:
-    """What a cached result of reading `path` is keyed by: where it is, its size and mtime."""
+    """What a cached result of reading `path` is keyed by: where it is, which file it is (device,
+    inode), its size, mtime and ctime. A file changed in place and given back its size and mtime
+    (`touch -r`) still has a new ctime, which no user can set back: its results are computed again."""
     st = os.stat(path)
-    return [os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+    return [os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def entry(cache: Path | None, kind: str, key: str) -> Path | None:
@@ -52,36 +56,35 @@ def entry(cache: Path | None, kind: str, key: str) -> Path | None:
 
 
 def read_json(path: Path | None, limit: int):
-    """The JSON value in `path`, or None if there is none, it is larger than `limit` bytes or
-    it is not JSON. The caller validates what it holds."""
+    """The JSON value in `path`, or None if there is none, it is not a regular file of ours (a
+    symlink, a FIFO), it is larger than `limit` bytes, nests too deeply or is not JSON. The
+    caller validates what it holds."""
     if path is None:
         return None
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO put there must not block the scan
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+        st = os.lstat(path)
+        if st.st_uid != os.geteuid():  # planted by someone else in a shared cache: not trusted
             return None
-        text = os.read(fd, st.st_size + 1)
-        if len(text) > st.st_size:  # it grew while being read: not one of ours
-            return None
-        return json.loads(text)
-    except (OSError, ValueError, RecursionError):
+        return load_json(path, limit, follow=False)
+    except (OSError, ValueError):
         return None
-    finally:
-        os.close(fd)
 
 
 def write_json(path: Path | None, value) -> None:
-    """Write `value` to `path` atomically; a read-only or full cache is skipped silently."""
+    """Write `value` to `path` atomically: a new file of this user's (0600, created exclusively,
+    never through a symlink) renamed into place; the cache's folders are made 0700. A read-only
+    or full cache, or a folder of the cache that is not this user's, is skipped silently."""
     if path is None:
         return
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")  # one writer per name
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(value, separators=(",", ":")))
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(path.parent)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            return
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(json.dumps(value, separators=(",", ":")).encode())
         os.replace(tmp, path)
     except OSError:
         with contextlib.suppress(OSError):

@@ -8,12 +8,12 @@ optim files are only stat()ed here.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json
 from tailor_tui.checkpoints import scan_cache
 from tailor_tui.formats.ds_format import (
     MODEL_STATES,
@@ -230,7 +230,7 @@ def read_manifest(folder: Path) -> dict:
     """A partial checkpoint's manifest, checked."""
     path = folder / PARTIAL_MANIFEST
     try:
-        manifest = json.loads(path.read_text())
+        manifest = load_json(path, limit=MAX_RECORD)
         if manifest.get("format") != "tailor-partial":
             raise ValueError("not a tailor-partial manifest")
         if manifest.get("version") != 1:
@@ -254,8 +254,10 @@ def hf_model_files(folder: Path) -> tuple[Path, ...]:
     index = folder / MODEL_FILE_INDEX
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as exc:
+            weight_map = load_json(index, limit=MAX_RECORD)["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise ValueError("its weight_map is not a table of tensor names to file names")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{index}: unreadable index ({exc}); re-copy it") from None
         return tuple(folder / f for f in sorted(set(weight_map.values())))
     single = folder / "model.safetensors"

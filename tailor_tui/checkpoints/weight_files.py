@@ -21,12 +21,12 @@ checkpoint's architecture (`config.json`), and a tensor that still has no row is
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from tailor_tui.checkpoints.side_files import load_json
 from tailor_tui.formats.ds_format import RECOVERY_SCRIPTS
 from tailor_tui.errors import CheckpointError, IncompatibleError
 from tailor_tui.formats.pickled import TensorRef
@@ -34,7 +34,6 @@ from tailor_tui.formats.ptfile import file_format, read_structure
 from tailor_tui.checkpoints.rows import Row, list_rows, row_index
 
 COMPOSED, COPIED = "composed per row", "copied from the base"
-MAX_CONFIG = 1 << 20  # config.json is a few KiB; anything larger is not read
 
 
 @dataclass(frozen=True)
@@ -155,10 +154,8 @@ def _renamings(folder: Path) -> list[tuple[str, str]]:
     `folder/config.json` names; none when it names none or transformers has no table."""
     config = folder / "config.json"
     try:
-        if not config.is_file() or config.stat().st_size > MAX_CONFIG:
-            return []
-        data = json.loads(config.read_text())
-    except (OSError, ValueError, RecursionError):
+        data = load_json(config) if config.is_file() else None
+    except (OSError, ValueError):
         return []
     keys = [*(data.get("architectures") or []), data.get("model_type")] if isinstance(data, dict) else []
     try:

@@ -218,84 +218,6 @@ def verify(args) -> int:
     return ExitCode.VERIFY_FAILED
 
 
-def _health(run_dir: Path, args, progress: str):
-    """The scanned run's health (training checkpoints: not tailor-tui's own outputs); None in a
-    process of a job other than process 0 (which alone holds every cell)."""
-    from tailor_tui.checkpoints.cache import cache_dir
-    from tailor_tui.checkpoints.scan import scan
-    from tailor_tui.cli.health_report import StatsProgress
-    from tailor_tui.team.launch import detect
-    from tailor_tui.health.stats_run import compute_health
-    from tailor_tui.team.team import SOLO, connect
-
-    if not run_dir.is_dir():
-        raise CheckpointError(f"{run_dir}: no such folder; name a directory of DeepSpeed checkpoints")
-    scanned = scan(run_dir)
-    for folder, problem in scanned.problems:
-        print(f"warning: skipped {problem}", file=sys.stderr)
-    checkpoints = tuple(c for c in scanned.checkpoints if not c.composed)
-    if not checkpoints:
-        raise CheckpointError(f"{run_dir}: holds no ZeRO-3 checkpoint (looked for HF checkpoint-N folders, "
-                              "DeepSpeed tag folders and partial saves)")
-    launch = detect(os.environ, args.distributed)
-    team = connect(launch, args.peer_timeout) if launch else SOLO
-    # in a job of several processes process 0 reports; the others read their share quietly
-    report = StatsProgress(sys.stderr, live={"bars": True, "lines": False}.get(progress)) if team.lead else None
-    cancel = threading.Event()
-    try:
-        health = compute_health(checkpoints, workers=args.workers, emit=report or (lambda event: None),
-                                cancel=cancel, cache=cache_dir(), options=TaskOptions(slow_down=_test_slow_down()),
-                                team=team)
-    finally:
-        if report is not None:
-            report.close()
-    if not team.lead:
-        return None
-    if args.report_peak_rss:
-        print(f"peak RSS: {report.peak_rss} bytes", file=sys.stderr)
-    return health
-
-
-def stats(args) -> int:
-    import json
-
-    from tailor_tui.cli.health_report import table
-
-    health = _health(args.stats, args, args.progress)
-    if health is None:
-        return ExitCode.OK  # process 0 of the job prints the statistics
-    if args.json:
-        print(json.dumps(health.to_json(), indent=1))
-    else:
-        print("\n".join(table(health)))
-    return ExitCode.OK
-
-
-def heal(args) -> int:
-    from tailor_tui.compose.composition import Composition
-    from tailor_tui.cli.health_report import healing_lines
-
-    if args.recipe is None:
-        raise UsageError("--heal needs --recipe OUT.yaml: where to write the recipe it makes")
-    health = _health(args.heal, args, args.progress)
-    if health is None:
-        return ExitCode.OK  # process 0 of the job writes the recipe
-    comp = Composition.start(list(health.checkpoints))
-    healing = comp.healing(health)
-    comp.apply_healing(healing)
-    saved = comp.save(args.recipe)
-    base = comp.base_checkpoint.name
-    lines = healing_lines(health, healing, comp.base)
-    print(f"base: {base}; {len(comp.picks)} row(s) from other checkpoints")
-    print("\n".join(lines) if lines else f"every row is healthy in {base}")
-    if healing.hopeless:
-        print(f"error: {len(healing.hopeless)} row(s) have no healthy checkpoint ({', '.join(healing.hopeless)}); "
-              f"{saved} keeps them from {base}: --apply refuses it without --allow-nonfinite", file=sys.stderr)
-        return ExitCode.NONFINITE
-    print(f"wrote {saved}; compose it with: tailor-tui --apply {saved}")
-    return ExitCode.OK
-
-
 def interactive(run_dir: Path, recipe: Path | None, workers: int | None) -> int:
     if not run_dir.is_dir():
         raise CheckpointError(f"{run_dir}: no such folder; name a directory of DeepSpeed checkpoints")
@@ -370,9 +292,13 @@ def main(argv: list[str] | None = None) -> int:
         elif args.verify:
             code = verify(args)
         elif args.stats:
-            code = stats(args)
+            from tailor_tui.cli.health import stats_command
+
+            code = stats_command(args, _test_slow_down())
         elif args.heal:
-            code = heal(args)
+            from tailor_tui.cli.health import heal_command
+
+            code = heal_command(args, _test_slow_down())
         elif args.make_demo:
             code = make_demo(args)
         elif args.demo:

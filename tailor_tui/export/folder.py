@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tailor_tui.checkpoints.checkpoint import PROVENANCE
+from tailor_tui.checkpoints.side_files import load_json
 from tailor_tui.errors import Cancelled, UsageError
 from tailor_tui.events import Emit, TaskOptions
 from tailor_tui.export.plan import Export
@@ -50,6 +51,9 @@ def config_source(export: Export, config: Path | None) -> Path | None:
     """The folder or config.json the model's config comes from: `--config`, else an HF base."""
     if config is not None:
         path = config / CONFIG if config.is_dir() else config
+        if path.exists() and not path.is_file():
+            raise UsageError(f"config {path}: not a regular file (a FIFO, a device or a socket), not read; name "
+                             "the model's config.json with --config")
         if not path.is_file():
             raise UsageError(f"config {config}: no {CONFIG} there; name the model's config.json or a folder "
                              "holding it (and the tokenizer files)")
@@ -153,16 +157,13 @@ def _make_files(export: Export, tmp: Path, durable: bool) -> None:
 def _write_config(source: Path, tmp: Path, dtype: str, durable: bool) -> None:
     """config.json with its dtype the export's; the generation config and tokenizer files beside it."""
     try:
-        with open(source, "rb") as f:
-            text = f.read(MAX_CONFIG + 1)
-        config = json.loads(text) if len(text) <= MAX_CONFIG else None
+        config = load_json(source, limit=MAX_CONFIG)
     except OSError as exc:
         raise UsageError(f"{source}: cannot be read ({exc.strerror or exc})") from None
-    except ValueError:
-        config = None
+    except ValueError as exc:
+        raise UsageError(f"{source}: not a model config ({exc}); name the model's config.json with --config") from None
     if not isinstance(config, dict):
-        raise UsageError(f"{source}: not a model config (a JSON object of at most {MAX_CONFIG >> 20} MiB); "
-                         "name the model's config.json with --config")
+        raise UsageError(f"{source}: not a model config (a JSON object); name the model's config.json with --config")
     keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]
     for key in keys:
         config[key] = TORCH_DTYPE[dtype]

@@ -32,6 +32,7 @@ BYTEORDER = b"little"
 VERSION = b"3\n"  # the archive format torch writes (caffe2's kProducedFileFormatVersion)
 _UTF8, _DESCRIBED = 0x0800, 0x0008  # names are UTF-8; a data descriptor follows a record (not an empty one)
 _ZIP64 = 0xFFFFFFFF  # a size or an offset this large or larger takes a zip64 field
+_ZIP64_COUNT = 0xFFFF  # more records than this: the end record says 0xFFFF, the zip64 one the count
 _LOCAL = struct.Struct("<4sHHHHHIIIHH")
 _CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")
 
@@ -144,8 +145,8 @@ def _end_records(count: int, size: int, start: int) -> bytes:
     zip64_at = start + size
     return (struct.pack("<4sQHHIIQQQQ", b"PK\x06\x06", 44, 0x031E, 45, 0, 0, count, count, size, start)
             + struct.pack("<4sIQI", b"PK\x06\x07", 0, zip64_at, 1)
-            + struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, count, count, min(size, _ZIP64),
-                          min(start, _ZIP64), 0))
+            + struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, min(count, _ZIP64_COUNT), min(count, _ZIP64_COUNT),
+                          min(size, _ZIP64), min(start, _ZIP64), 0))
 
 
 def _copy(fd: int, what: Copied, at: int, buffer: memoryview) -> int:

@@ -7,11 +7,11 @@ record it lies in passes its CRC-32 check. `stats_run` computes the cells.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tailor_tui.checkpoints.side_files import load_json
 from tailor_tui.checkpoints.checkpoint import Checkpoint
 
 METRICS = ("rel_change", "weight_rms", "adam_v_max")  # what the composer's heatmap can show
@@ -167,11 +167,7 @@ def training_log(ckpt: Checkpoint) -> TrainingLog:
     trainer_state.json; nothing for the DeepSpeed layout or a file that cannot be read."""
     path = Path(ckpt.path) / "trainer_state.json"
     try:
-        with open(path, "rb") as f:
-            text = f.read(MAX_TRAINER_STATE + 1)
-        if len(text) > MAX_TRAINER_STATE:
-            return TrainingLog()
-        history = json.loads(text).get("log_history") or []
+        history = load_json(path, limit=MAX_TRAINER_STATE).get("log_history") or []
     except (OSError, ValueError, AttributeError):
         return TrainingLog()
     loss = grad_norm = None

@@ -22,14 +22,15 @@ from __future__ import annotations
 import contextlib
 import errno
 import glob
-import json
 import os
 import shutil
 import signal
 import socket
+import stat
 import threading
 from pathlib import Path
 
+from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json
 from tailor_tui.checkpoints.checkpoint import PROVENANCE
 from tailor_tui.checkpoints.scan import find_checkpoint_dirs
 from tailor_tui.errors import OutputError
@@ -111,7 +112,7 @@ def not_replaceable(out: Path) -> str | None:
     if not provenance.is_file():
         return f"holds {_what(out)}, not written by tailor-tui (it has no {PROVENANCE})"
     try:
-        written = json.loads(provenance.read_text()).get(OUTPUT_FILES)
+        written = load_json(provenance, limit=MAX_RECORD).get(OUTPUT_FILES)
     except (OSError, ValueError, AttributeError):
         return f"has an unreadable {PROVENANCE}"
     if written is None:  # written by a tailor-tui that did not list its files yet
@@ -163,10 +164,17 @@ def output_lock(out: Path):
 
     path = _lock_path(out)
     while True:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # never through a link planted in its place (its target would be truncated)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise OutputError(f"{path}: a symbolic link stands where tailor-tui keeps the output's lock; "
+                                  "it is not followed: remove it (someone may have planted it) and run again") from None
             raise output_error(exc, path) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OutputError(f"{path}: not a regular file where tailor-tui keeps the output's lock (a FIFO or a "
+                              "device?); remove it and run again")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

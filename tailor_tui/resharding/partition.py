@@ -16,13 +16,13 @@ source, whatever its own world size, is located by its own layout.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from tailor_tui.checkpoints.side_files import load_json
 from tailor_tui.checkpoints.checkpoint import Checkpoint, RankFiles
 from tailor_tui.checkpoints.model_states import read_metadata
 from tailor_tui.formats.ds_format import (
@@ -38,7 +38,6 @@ from tailor_tui.checkpoints.layout import ZeroLayout, part, pieces
 from tailor_tui.formats.ptfile import read_structure
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's default (zero_optimization.sub_group_size)
-MAX_CONFIG_BYTES = 1 << 20
 ZEROS = -1  # a piece's source when it is padding
 FROZEN = -1  # a piece's group when it lies in a frozen parameter's fragment
 ITEMSIZE = {p: BY_NAME[name].itemsize for p, name in PRECISION.items()}  # a frozen fragment's, by the run's dtype (an estimate)
@@ -130,14 +129,14 @@ def _config(ckpt: Checkpoint) -> tuple[dict | None, str]:
     if isinstance(config, str) and config:
         path = Path(config).expanduser()
         try:
-            if path.stat().st_size > MAX_CONFIG_BYTES:
-                return None, f"the config file {path} model_states names is too large to be one"
-            found = json.loads(path.read_text())
-            if isinstance(found, dict):
-                return found, f"the config file {path} model_states names"
-        except (OSError, ValueError):
-            pass
-        return None, f"the config file {path} model_states names is gone or unreadable"
+            found = load_json(path)
+        except OSError as exc:
+            return None, f"the config file {path} model_states names is gone or unreadable ({exc.strerror or exc})"
+        except ValueError as exc:
+            return None, f"the config file {path} model_states names is not one ({exc})"
+        if isinstance(found, dict):
+            return found, f"the config file {path} model_states names"
+        return None, f"the config file {path} model_states names is not a JSON object"
     return None, "model_states records no DeepSpeed config"
 
 

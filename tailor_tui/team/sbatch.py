@@ -9,13 +9,16 @@ tailor-tui --apply`, README: Slurm) beside the recipe, instead of merging there.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shlex
 import shutil
+import stat
 import sys
 from pathlib import Path
 
+from tailor_tui.checkpoints.side_files import read_small
 from tailor_tui.errors import OutputError
 
 LARGE = 64 << 30  # bytes to write from which the composer offers a batch job
@@ -60,15 +63,27 @@ def sbatch_script(recipe: Path, bytes_to_write: int, *, name: str = "tailor") ->
 def write_sbatch(recipe: Path, bytes_to_write: int) -> Path:
     """Write the script beside `recipe` (replacing only one tailor-tui wrote); its path."""
     path = script_path(recipe)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    created = False
     try:
-        if path.exists() and MARK not in path.read_text(errors="replace")[:512]:
-            raise OutputError(f"{path}: exists and was not written by tailor-tui; move it away to write the "
-                              "batch script there")
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(sbatch_script(recipe, bytes_to_write))
-        os.chmod(tmp, 0o755)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            st = None
+        if st is not None and (not stat.S_ISREG(st.st_mode)
+                               or MARK.encode() not in read_small(path, 1 << 20, follow=False)[:512]):
+            raise OutputError(f"{path}: exists and was not written by tailor-tui (or is a link, a FIFO or a "
+                              "device); move it away to write the batch script there")
+        # created afresh, never through a link planted at the temporary name
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o755)
+        created = True
+        with os.fdopen(fd, "w") as f:
+            f.write(sbatch_script(recipe, bytes_to_write))
         os.replace(tmp, path)
-    except OSError as exc:
-        raise OutputError(f"{path}: cannot be written ({exc.strerror or exc}); check the folder's "
-                          "permissions and free space") from None
+    except (OSError, ValueError) as exc:
+        if created:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        raise OutputError(f"{path}: cannot be written ({getattr(exc, 'strerror', None) or exc}); check the "
+                          "folder's permissions and free space") from None
     return path
