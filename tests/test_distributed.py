@@ -9,6 +9,7 @@ peer timeout, leaves nothing at the output, and a re-run succeeds.
 from __future__ import annotations
 
 import filecmp
+import json
 import os
 import signal
 import socket
@@ -49,8 +50,7 @@ def test_the_launcher_is_told_by_its_environment():
              "SLURM_STEP_NODELIST": "node[07-08]"}
     found = detect(slurm)
     assert (found.rank, found.size, found.host, found.via) == (3, 8, "node07", "slurm")
-    assert 20000 <= found.port < 40000 and found.port == detect(slurm).port  # every task derives the same
-    assert detect({**slurm, "SLURM_STEP_ID": "1"}).port != found.port  # another step of the job: another port
+    assert found.port is None  # no formula an outsider could predict: process 0 picks one (team.meet)
     assert detect({**slurm, "MASTER_ADDR": "head", "MASTER_PORT": "4000"}).port == 4000
     assert detect({**slurm, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) is None  # one task: one process
     for bad in ({**slurm, "SLURM_PROCID": "8"}, {**slurm, "SLURM_NTASKS": "x"}, {"RANK": "0", "WORLD_SIZE": "2"}):
@@ -157,7 +157,8 @@ def test_processes_that_see_different_plans_refuse(real_run, tmp_path):
 
 def test_two_slurm_tasks_compute_the_statistics_one_process_does(real_run, tmp_path):
     """`--stats` as a job: each task reads its share of the rank files (each with its own empty
-    cache here, as on nodes without a shared home), process 0 adds them up and prints them."""
+    cache here, as on nodes without a shared home: the team's secret then comes from the
+    environment, as a batch script exports it), process 0 adds them up and prints them."""
     run, _spec = real_run("ds_frozen_blown_up")
     solo = subprocess.run([TAILOR, "--stats", str(run), "--json"], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "TAILOR_TUI_CACHE": str(tmp_path / "solo-cache")})
@@ -167,6 +168,7 @@ def test_two_slurm_tasks_compute_the_statistics_one_process_does(real_run, tmp_p
                               stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
                               env={**os.environ, "SLURM_PROCID": str(p), "SLURM_NTASKS": "2", "SLURM_JOB_ID": "5",
                                    "SLURM_STEP_NODELIST": "localhost", "MASTER_PORT": port,
+                                   "TAILOR_TUI_TEAM_SECRET": "a secret only this user's tasks hold",
                                    "TAILOR_TUI_CACHE": str(tmp_path / f"cache-{p}")})
              for p in range(2)]
     outs = [t.communicate(timeout=300) for t in tasks]
@@ -199,3 +201,58 @@ def test_a_task_whose_work_hangs_fails_the_job(real_run, tmp_path):
     for _out, err in (lead, other):
         assert [line for line in err.splitlines() if line.startswith("error: ")] == [expected], err
     assert not (tmp_path / "composed").exists() and not hidden(tmp_path)
+
+
+def test_slurm_tasks_without_a_port_meet_on_one_process_0_picked(real_run, tmp_path):
+    """No MASTER_PORT: process 0 serves the store on a port the kernel picks and leaves it, with
+    the job's secret, in a meeting folder only this user can enter; it is gone when the job ends."""
+    run, spec = real_run("hf_bf16_2")
+    c2, c4, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c4, "embed_tokens": c2})
+    assert tailor("--apply", recipe, "-o", tmp_path / "solo").returncode == 0
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
+    tasks = [subprocess.Popen([TAILOR, "--apply", str(recipe)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, stdin=subprocess.DEVNULL,
+                              env={**env, "PYTHONWARNINGS": "ignore", "SLURM_PROCID": str(p), "SLURM_NTASKS": "2",
+                                   "SLURM_JOB_ID": "31337", "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "localhost"})
+             for p in range(2)]
+    outs = [t.communicate(timeout=300) for t in tasks]
+    assert [t.returncode for t in tasks] == [0, 0], outs
+    _assert_same_output(tmp_path / "composed", tmp_path / "solo")
+    assert not hidden(tmp_path), hidden(tmp_path)  # the meeting folder went with the job
+
+
+def test_a_stranger_who_writes_into_the_jobs_store_stops_it_and_steers_nothing(real_run, tmp_path):
+    """An attacker on the node connects to the job's port (a TCPStore client without the
+    secret) and keeps writing: a progress record for process 1, and the shared folder pointing at
+    a folder of theirs. Every process stops with one line; nothing is published or written there."""
+    import torch.distributed as dist
+
+    run, spec = real_run("ds_bf16_3_subgroups")
+    c2, _c4, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.2": c2})
+    trap = tmp_path / "attackers"
+    trap.mkdir()
+    port = _free_port()
+    tasks = _slurm_tasks(["--apply", recipe], env={"TAILOR_TEST_SLOW_MERGE": "0.2", "MASTER_PORT": str(port)},
+                         job="4242")
+    while "[process 1] rank" not in (line := tasks[1].stderr.readline()):
+        assert line, "process 1 ended before it merged"
+    stranger = dist.TCPStore("localhost", port, 2, False, timeout=__import__("datetime").timedelta(seconds=10))
+    prefix = "tailor-tui/slurm/4242/0/0/localhost/"  # the job, as the ids squeue shows name it
+    deadline = time.monotonic() + 60
+    while any(t.poll() is None for t in tasks) and time.monotonic() < deadline:
+        try:
+            stranger.set(prefix + "post/progress/1", json.dumps({"rank 0": [1, 1, True]}))
+            stranger.set(prefix + "share/prepared", str(trap))
+        except Exception:  # noqa: BLE001 - the store went with process 0
+            break
+        time.sleep(0.05)
+    outs = [(t.stdout.read(), t.stderr.read()) for t in tasks]
+    assert [t.wait(timeout=60) for t in tasks] != [0, 0]
+    assert tasks[0].returncode != 0, outs
+    errors = [line for line in outs[0][1].splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "fails its authentication" in errors[0], outs[0][1]
+    assert "Traceback" not in outs[0][1] + outs[1][1]
+    assert not (tmp_path / "composed").exists() and not list(trap.iterdir())
+    assert not hidden(tmp_path), hidden(tmp_path)

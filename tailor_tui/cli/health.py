@@ -20,7 +20,8 @@ def _health(run_dir: Path, args, progress: str, slow_down: float):
     from tailor_tui.cli.health_report import StatsProgress
     from tailor_tui.team.launch import detect
     from tailor_tui.health.stats_run import compute_health
-    from tailor_tui.team.team import SOLO, connect
+    from tailor_tui.team.meet import connect
+    from tailor_tui.team.team import SOLO
 
     if not run_dir.is_dir():
         raise CheckpointError(f"{run_dir}: no such folder; name a directory of DeepSpeed checkpoints")
@@ -32,7 +33,7 @@ def _health(run_dir: Path, args, progress: str, slow_down: float):
         raise CheckpointError(f"{run_dir}: holds no ZeRO-3 checkpoint (looked for HF checkpoint-N folders, "
                               "DeepSpeed tag folders and partial saves)")
     launch = detect(os.environ, args.distributed)
-    team = connect(launch, args.peer_timeout) if launch else SOLO
+    team = connect(launch, args.peer_timeout, meeting=cache_dir()) if launch else SOLO
     # in a job of several processes process 0 reports; the others read their share quietly
     report = StatsProgress(sys.stderr, live={"bars": True, "lines": False}.get(progress)) if team.lead else None
     cancel = threading.Event()

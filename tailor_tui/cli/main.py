@@ -130,7 +130,8 @@ def apply(args) -> int:
     from tailor_tui.planning.build import build_plan
     from tailor_tui.planning.recipe import load_recipe
     from tailor_tui.report import BarReporter, LineReporter, reporter_for
-    from tailor_tui.team.team import SOLO, connect
+    from tailor_tui.team.meet import connect
+    from tailor_tui.team.team import SOLO
     from tailor_tui.team.progress import JobLines
     from tailor_tui.units import size
     from tailor_tui.team.workers import default_workers
@@ -142,7 +143,7 @@ def apply(args) -> int:
         print("\n".join(plan.describe()))
         print("dry run: nothing written")
         return ExitCode.OK
-    team = connect(launch, args.peer_timeout) if launch else SOLO
+    team = connect(launch, args.peer_timeout, meeting=plan.output.parent) if launch else SOLO
     if team.lead:
         for warning in plan.warnings:
             print(f"warning: {warning}", file=sys.stderr)

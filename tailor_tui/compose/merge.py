@@ -32,7 +32,8 @@ from tailor_tui.health.guard import nonfinite_error
 from tailor_tui.planning.jobs import BinFileJob
 from tailor_tui.compose.model_files import merge_model_file
 from tailor_tui.planning.provenance import plan_digest, provenance
-from tailor_tui.planning.output import OUTPUT_FILES, hidden_folder, output_lock, publish, signals_held, written_files
+from tailor_tui.planning.output import (OUTPUT_FILES, check_own_folder, hidden_folder, output_lock, publish,
+                                        signals_held, written_files)
 from tailor_tui.planning.plan import MergePlan
 from tailor_tui.formats.ptfile import check_crcs
 from tailor_tui.compose.rank_reshard import reshard_rank
@@ -127,7 +128,7 @@ class Composing(TeamWork[None]):
         return str(_prepare(self.plan, cancel, self.durable))
 
     def tasks(self, shared: str, emit: Emit) -> list[Task]:
-        self.tmp = Path(shared)
+        self.tmp = check_own_folder(Path(shared))
         tag_dir = self.tmp / self.plan.base.tag
         return [*(Task(self.rank_call, job, (tag_dir,)) for job in self.plan.rank_jobs()),
                 *(Task(_weight_writer(job), job, (self.tmp,)) for job in self.plan.model_file_jobs())]

@@ -245,10 +245,35 @@ def hidden_folder(out: Path, force: bool) -> Path:
         probe_swap(out)
     tmp = out.parent / f"{temp_prefix(out)}{os.getpid()}"
     try:
-        tmp.mkdir()
+        tmp.mkdir(mode=0o700)  # this user's alone until it is published (`publish` opens it up)
     except OSError as exc:
         raise output_error(exc, out.parent) from None
     return tmp
+
+
+def check_own_folder(path: Path) -> Path:
+    """`path` is a folder of this user's, not a link (the hidden folder process 0 of a job names
+    in the job's store, checked by the others before they write into it)."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise output_error(exc, path) from None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise OutputError(f"{path}: not a folder of this user's (a link, or another user's); the job does not "
+                          "write there: check who else writes beside the output")
+    return path
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (Linux's /proc; 022 elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
 
 
 def probe_swap(out: Path) -> None:
@@ -295,8 +320,10 @@ def signals_held():
 
 
 def publish(tmp: Path, out: Path, force: bool, durable: bool = True, swap: bool = True) -> None:
-    """Put the finished folder `tmp` at `out` (see `signals_held`: call it inside that)."""
+    """Put the finished folder `tmp` at `out` (see `signals_held`: call it inside that), with
+    the permissions a folder made now would have."""
     try:
+        os.chmod(tmp, 0o777 & ~_umask())
         if out.is_dir() and any(out.iterdir()):
             if not force:
                 raise OutputError(f"output {out}: appeared while merging; not overwritten")

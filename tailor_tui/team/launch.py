@@ -6,8 +6,8 @@
 
 Under Slurm the processes meet at `MASTER_ADDR` when set, else at the first host of
 `SLURM_STEP_NODELIST` (a Slurm hostlist such as `node[01-04,07]`, expanded here; `scontrol` is
-not needed), on `MASTER_PORT` when set, else on a port derived from the job and step ids, so
-two steps of one job, or two jobs sharing a node, do not collide.
+not needed), on `MASTER_PORT` when set, else on a port the kernel picks for process 0 (`meet`):
+no port an outsider can predict, none two jobs can share.
 
 Torch-free: deciding how to run costs nothing.
 """
@@ -18,9 +18,6 @@ from dataclasses import dataclass
 
 from tailor_tui.errors import UsageError
 
-PORT_BASE, PORT_SPAN = 20000, 20000  # Slurm without MASTER_PORT: 20000 + (job, step) % 20000
-
-
 @dataclass(frozen=True)
 class Launch:
     """This process's place in a job of `size` processes meeting at `host`:`port`."""
@@ -28,7 +25,7 @@ class Launch:
     rank: int
     size: int
     host: str
-    port: int
+    port: int | None  # None: process 0 picks one (Slurm without MASTER_PORT)
     via: str  # "torchrun" or "slurm"
     job: str = ""  # Slurm's job id, or "" under torchrun
     use_env: bool = False  # torchrun: meet through its own store (env://), not a new one
@@ -56,19 +53,14 @@ def detect(env, mode: str = "auto") -> Launch | None:
         else:
             raise UsageError("under Slurm but neither MASTER_ADDR nor SLURM_STEP_NODELIST is set: "
                              "cannot tell where the processes meet; set MASTER_ADDR")
-        if env.get("MASTER_PORT"):
-            port = _number(env, "MASTER_PORT")
-        else:
-            seed = int(job) if job.isdigit() else 0
-            seed = seed * 7 + (int(env["SLURM_STEP_ID"]) if env.get("SLURM_STEP_ID", "").isdigit() else 0)
-            port = PORT_BASE + seed % PORT_SPAN
+        port = _number(env, "MASTER_PORT") if env.get("MASTER_PORT") else None
         launch = Launch(rank, size, host, port, "slurm", job)
     else:
         return None
     if not 0 <= launch.rank < launch.size:
         raise UsageError(f"{launch.via} says this is process {launch.rank} of {launch.size}; "
                          "that cannot be: check the launcher's environment")
-    if not 0 < launch.port < 65536:
+    if launch.port is not None and not 0 < launch.port < 65536:
         raise UsageError(f"port {launch.port} is not a TCP port; set MASTER_PORT")
     return launch if launch.size > 1 else None
 

@@ -55,6 +55,8 @@ def sbatch_script(recipe: Path, bytes_to_write: int, *, name: str = "tailor") ->
         f"#SBATCH --cpus-per-task={WORKERS + 1}\n"
         "#SBATCH --time=01:00:00\n"
         "set -euo pipefail\n"
+        "# the job's tasks seal what they tell each other with a secret only they hold (README: security)\n"
+        "export TAILOR_TUI_TEAM_SECRET=\"$(od -An -tx1 -N32 /dev/urandom | tr -d ' \\n')\"\n"
         f"srun {shlex.quote(tailor)} --apply {shlex.quote(str(recipe.resolve()))} --workers {WORKERS} "
         "--progress lines\n"
     )

@@ -1,27 +1,32 @@
 """The processes of one `--apply` job, started by torchrun or srun (`launch`), working as one.
 
-They meet in a torch.distributed TCPStore (torchrun's own store under torchrun; one that process
-0 serves under Slurm): no GPU, no NCCL, no cluster manager of our own. Through it they
+They meet (`meet.connect`) in a torch.distributed TCPStore (torchrun's own store under torchrun;
+one that process 0 serves under Slurm): no GPU, no NCCL, no cluster manager of our own. Every
+value set in it is sealed with the job's secret and opened when read (`trust`): one written by
+anyone else stops every process. Through it they
 - agree on the plan (each posts a digest; any difference is refused);
 - learn the hidden output folder process 0 made, and post what each wrote;
-- notice failure: every process beats a counter once a second; one whose beat stops for
+- notice failure: every process posts a beat once a second; one whose beat stops for
   `timeout` seconds (killed, its node lost, hung) fails the job, as does any process that posts
   an error, and losing the store (process 0 gone) fails it at once. Every process then stops
   its work and exits non-zero with one line naming the process that failed and why.
 
 `SOLO` is the one-process team: every call is immediate. Importing this module does not
-import torch; `connect` does.
+import torch; `meet.connect` does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from tailor_tui.errors import ExitCode, TailorError
+from tailor_tui.team.trust import Forged, Seal
 
 DEFAULT_TIMEOUT = 60.0  # seconds without a beat before a process counts as gone
 CONNECT_TIMEOUT = 300.0  # seconds for every process to reach the store
@@ -39,15 +44,21 @@ class TeamError(TailorError):
 
 @dataclass(frozen=True)
 class Failure:
-    process: int
+    process: int  # OUTSIDER: a value in the store was not written by any process of the job
     message: str
     code: int
     gone: bool = False  # the process itself is gone (no beat): nobody waits for it
 
 
+OUTSIDER = -1
+
+
 class Team:
-    def __init__(self, rank: int = 0, size: int = 1, store=None, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(self, rank: int = 0, size: int = 1, store=None, timeout: float = DEFAULT_TIMEOUT,
+                 seal: Seal | None = None):
         self.rank, self.size, self.store, self.timeout = rank, size, store, timeout
+        self.seal = seal  # every value set in the store is sealed with it, and opened when read
+        self.meeting: Path | None = None  # process 0: the job's meeting folder (`meet`), removed at the end
         self.lead = rank == 0
         self.failure: Failure | None = None
         self._stop = threading.Event()
@@ -85,30 +96,30 @@ class Team:
         if self.store is None:
             return value
         if self.lead:
-            self._call(self.store.set, f"share/{key}", value)
+            self._set(f"share/{key}", value)
             return value
         self._await([f"share/{key}"])
-        return self._call(self.store.get, f"share/{key}").decode()
+        return self._get(f"share/{key}")
 
     def gather(self, stage: str, value) -> list:
         """Every process's `value` (JSON) at `stage`, in process order, once all have posted."""
         if self.store is None:
             return [value]
-        self._call(self.store.set, f"gather/{stage}/{self.rank}", json.dumps(value))
+        self._set(f"gather/{stage}/{self.rank}", json.dumps(value))
         keys = [f"gather/{stage}/{p}" for p in range(self.size)]
         self._await(keys)
-        return [json.loads(self._call(self.store.get, k)) for k in keys]
+        return [json.loads(self._get(k)) for k in keys]
 
     def post(self, key: str, value) -> None:
         """Publish `value` (JSON) under this process's `key`, replacing what was there."""
         if self.store is not None:
-            self._call(self.store.set, f"post/{key}/{self.rank}", json.dumps(value))
+            self._set(f"post/{key}/{self.rank}", json.dumps(value))
 
     def peek(self, key: str, process: int):
         """What `process` last posted under `key`, or None (never waits)."""
         if self.store is None or not self._call(self.store.check, [f"post/{key}/{process}"]):
             return None
-        return json.loads(self._call(self.store.get, f"post/{key}/{process}"))
+        return json.loads(self._get(f"post/{key}/{process}"))
 
     def fail(self, exc: BaseException) -> None:
         """Tell the others this process failed (the first failure posted is the job's)."""
@@ -117,7 +128,7 @@ class Team:
         code = int(getattr(exc, "exit_code", ExitCode.INTERNAL))
         record = json.dumps({"process": self.rank, "message": str(exc) or type(exc).__name__, "code": code})
         try:
-            self.store.compare_set("abort", "", record)
+            self.store.compare_set("abort", "", self.seal.seal("abort", record))
         except Exception:  # noqa: BLE001 - the store is gone: the others notice that themselves
             pass
 
@@ -163,25 +174,31 @@ class Team:
         try:
             if self.lead:
                 deadline = time.monotonic() + (self.timeout if succeeded else min(self.timeout, 10.0))
-                others = self.size - 1 - (1 if self.failure is not None and self.failure.gone else 0)
-                while self._call(self.store.add, "left", 0) < others and time.monotonic() < deadline:
+                gone = self.failure.process if self.failure is not None and self.failure.gone else None
+                keys = [f"left/{p}" for p in range(1, self.size) if p != gone]
+                while not self._call(self.store.check, keys) and time.monotonic() < deadline:
                     time.sleep(POLL)
             else:
-                self._call(self.store.add, "left", 1)
+                self._set(f"left/{self.rank}", "1")
         except TeamError:
             pass
         self._stop.set()
+        if self.meeting is not None:
+            shutil.rmtree(self.meeting, ignore_errors=True)
 
     def _beat(self, cancel: threading.Event) -> None:
         started = time.monotonic()
-        seen = {p: (0, started) for p in range(self.size) if p != self.rank}  # a process that never beats counts too
+        peers = [p for p in range(self.size) if p != self.rank]
+        keys = [f"beat/{p}" for p in peers]
+        seen = {p: ("", started) for p in peers}  # a process that never beats counts too
+        beats = 0
         while not self._stop.wait(BEAT):
             try:
-                self.store.add(f"beat/{self.rank}", 1)
+                beats += 1
+                self._set(f"beat/{self.rank}", str(beats))
                 self._check_abort()
                 now = time.monotonic()
-                for p in seen:
-                    value = self.store.add(f"beat/{p}", 0)  # its count of beats so far
+                for p, value in zip(peers, self._beats(keys)):  # each one's count of beats so far
                     if seen[p][0] != value:
                         seen[p] = (value, now)
                     elif now - seen[p][1] > self.timeout:
@@ -192,6 +209,8 @@ class Team:
                     self.failure = Failure(self.rank, f"its work made no progress for {self.timeout:.0f} s (hung: a "
                                                       "stuck file system or disk?)", ExitCode.INTERNAL)
                     self.fail(TeamError(self.failure.message))
+            except Forged as exc:
+                self._forged(exc)
             except TeamError:
                 pass
             except Exception:  # noqa: BLE001 - the store (process 0's, or torchrun's) is gone
@@ -200,13 +219,19 @@ class Team:
                 cancel.set()
                 return
 
+    def _beats(self, keys: list[str]) -> list[str]:
+        """The peers' latest beats ("" for one that has not beaten yet): one request once all have."""
+        if self.store.check(keys):
+            return [self.seal.open(k, v) for k, v in zip(keys, self.store.multi_get(keys))]
+        return [self.seal.open(k, self.store.get(k)) if self.store.check([k]) else "" for k in keys]
+
     def lead_lost(self) -> bool:
         """Whether process 0 is gone (its store lost): then nobody else cleans up its folder."""
         return self.failure is not None and self.failure.process == 0 and self.failure.message.startswith("lost")
 
     def _check_abort(self) -> None:
         if self.failure is None and self.store.check(["abort"]):
-            record = json.loads(self.store.get("abort"))
+            record = json.loads(self.seal.open("abort", self.store.get("abort")))
             if record["process"] != self.rank:
                 self.failure = Failure(record["process"], record["message"], record["code"])
 
@@ -219,9 +244,24 @@ class Team:
             self._call(self._check_abort)
             time.sleep(POLL)
 
+    def _forged(self, exc: Forged) -> None:
+        """Someone outside the job wrote into its store: tell the others, and stop."""
+        if self.failure is None:
+            self.fail(exc)
+            self.failure = Failure(OUTSIDER, str(exc), exc.exit_code)
+
+    def _set(self, key: str, value: str) -> None:
+        self._call(self.store.set, key, self.seal.seal(key, value))
+
+    def _get(self, key: str) -> str:
+        return self._call(lambda: self.seal.open(key, self.store.get(key)))
+
     def _call(self, fn, *args):
         try:
             return fn(*args)
+        except Forged as exc:  # a value someone outside the job wrote: every process stops
+            self._forged(exc)
+            raise self.error() from None
         except Exception:  # noqa: BLE001 - the store is gone with process 0 (or torchrun's agent)
             self.failure = self.failure or Failure(0, "lost contact with it (killed, or its node was lost)",
                                                    ExitCode.INTERNAL)
@@ -235,28 +275,9 @@ class Team:
     def error(self) -> TeamError:
         """The job's failure, as this process reports it."""
         f = self.failure
+        if f.process == OUTSIDER:
+            return TeamError(f"the job was stopped: {f.message}", f.code)
         return TeamError(f"process {f.process} of {self.size} failed: {f.message}", f.code)
 
 
 SOLO = Team()
-
-
-def connect(launch, timeout: float = DEFAULT_TIMEOUT) -> Team:
-    """Meet the job's other processes (`launch.Launch`); a TeamError if they do not all arrive."""
-    import datetime
-    import os
-
-    import torch.distributed as dist
-
-    url = "env://" if launch.use_env else f"tcp://{launch.host}:{launch.port}"
-    try:
-        store, _rank, _size = next(dist.rendezvous(url, launch.rank, launch.size,
-                                                   timeout=datetime.timedelta(seconds=CONNECT_TIMEOUT)))
-    except (RuntimeError, ValueError, OSError) as exc:
-        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        raise TeamError(f"process {launch.rank} of {launch.size} could not meet the others at "
-                        f"{launch.host}:{launch.port} ({first}); check that every process was started and "
-                        "that the port is free", ExitCode.USAGE) from None
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    prefix = f"tailor-tui/{launch.job or 'torchrun'}/{restart}/"
-    return Team(launch.rank, launch.size, dist.PrefixStore(prefix, store), timeout)

@@ -1,0 +1,120 @@
+"""How the processes of one job meet: a store only they can write to, on a port nobody predicts.
+
+- torchrun: its own store (`env://`, the port the user gave torchrun).
+- Slurm with `MASTER_PORT`: a store process 0 serves on that port.
+- Slurm without it: process 0 serves the store on a port the kernel picks and leaves the port
+  in the job's meeting folder (`trust.meeting_folder`, this user's alone) for the others.
+  (Nodes that share no such folder: set MASTER_PORT and TAILOR_TUI_TEAM_SECRET for every task.)
+Either way the values are sealed with the job's secret (`trust`): from `$TAILOR_TUI_TEAM_SECRET`,
+else made by process 0 and left in the meeting folder. Process 0 then greets the others with a
+sealed value; a process that cannot open it holds a stale secret (read again) or is talking to
+someone else's store (refused when the time is up). Process 0 removes the folder when the job ends.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from pathlib import Path
+
+from tailor_tui.errors import ExitCode
+from tailor_tui.team.team import CONNECT_TIMEOUT, DEFAULT_TIMEOUT, POLL, Team, TeamError
+from tailor_tui.team.trust import Forged, Seal, env_secret, lay_out, meeting_folder, new_secret, read_meeting
+
+GREETING = "greeting"
+TRY_PORT = 10.0  # seconds to reach a port read from the meeting folder before reading it again
+
+
+def job_name(launch, env) -> str:
+    """What names this job among every job on the cluster (its values are bound to it)."""
+    if launch.via == "slurm":
+        return "/".join(["slurm", launch.job or "?", env.get("SLURM_STEP_ID", "0"),
+                         env.get("SLURM_RESTART_COUNT", "0"), launch.host])
+    return "/".join(["torchrun", env.get("TORCHELASTIC_RUN_ID", "none"), env.get("TORCHELASTIC_RESTART_COUNT", "0"),
+                     f"{launch.host}:{launch.port}"])
+
+
+def connect(launch, timeout: float = DEFAULT_TIMEOUT, *, meeting: Path, env=None) -> Team:
+    """Meet the job's other processes (`launch.Launch`) through a meeting folder in `meeting`, a
+    folder every process sees (the output's parent; the user's cache for statistics); a
+    TeamError if they do not all arrive, or if what they meet through is not theirs alone."""
+    import torch.distributed as dist
+
+    env = os.environ if env is None else env
+    job = job_name(launch, env)
+    folder = meeting_folder(meeting, job)
+    deadline = time.monotonic() + CONNECT_TIMEOUT
+    given = env_secret(env)
+    lead = launch.rank == 0
+    try:
+        if launch.port is None:  # Slurm without MASTER_PORT: process 0 picks the port
+            if lead:
+                store = dist.TCPStore(launch.host, 0, launch.size, True, wait_for_workers=False,
+                                      timeout=datetime.timedelta(seconds=CONNECT_TIMEOUT))
+                secret = given or new_secret()
+                lay_out(folder, None if given else secret, store.port)
+            else:
+                store, secret = _join(launch, folder, deadline, given)
+        else:
+            url = "env://" if launch.use_env else f"tcp://{launch.host}:{launch.port}"
+            store, _rank, _size = next(dist.rendezvous(url, launch.rank, launch.size,
+                                                       timeout=datetime.timedelta(seconds=CONNECT_TIMEOUT)))
+            if lead:
+                secret = given or new_secret()
+                if given is None:
+                    lay_out(folder, secret, None)
+            else:
+                secret = given or read_meeting(folder, deadline, want_secret=True, want_port=False)[0]
+    except (RuntimeError, ValueError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        where = f"{launch.host}:{launch.port}" if launch.port is not None else f"{launch.host} (port in {folder})"
+        raise TeamError(f"process {launch.rank} of {launch.size} could not meet the others at {where} ({first}); "
+                        "check that every process was started and that the port is free", ExitCode.USAGE) from None
+    team = Team(launch.rank, launch.size, dist.PrefixStore(f"tailor-tui/{job}", store), timeout, Seal(secret, job))
+    _greet(team, folder if given is None else None, deadline)
+    if lead and (given is None or launch.port is None):
+        team.meeting = folder  # removed when the job ends
+    return team
+
+
+def _join(launch, folder, deadline: float, given: bytes | None):
+    """Another process, Slurm without MASTER_PORT: the store at the port process 0 left."""
+    import torch.distributed as dist
+
+    while True:
+        secret, port = read_meeting(folder, deadline, want_secret=given is None, want_port=True)
+        try:
+            store = dist.TCPStore(launch.host, port, launch.size, False,
+                                  timeout=datetime.timedelta(seconds=TRY_PORT))
+            return store, given or secret
+        except (RuntimeError, ValueError, OSError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(POLL)  # a crashed job's port, left in a stale folder: read it again
+
+
+def _greet(team: Team, folder, deadline: float) -> None:
+    """Process 0 greets the others with a sealed value; each opens it with its secret. A secret
+    read from a stale folder is read again; one that still fails when the time is up means the
+    store is someone else's (or the tasks were given different secrets)."""
+    store, key = team.store, f"share/{GREETING}"
+    if team.lead:
+        store.set(key, team.seal.seal(key, "hello"))
+        return
+    while True:
+        if store.check([key]):
+            try:
+                team.seal.open(key, store.get(key))
+                return
+            except Forged:
+                if time.monotonic() > deadline:
+                    raise TeamError(f"process {team.rank} of {team.size}: the job's store holds a greeting not "
+                                    "sealed with this job's secret (another program's store on that port, or "
+                                    "tasks given different TAILOR_TUI_TEAM_SECRET values)", ExitCode.USAGE) from None
+                if folder is not None:
+                    team.seal.secret = read_meeting(folder, deadline, want_secret=True, want_port=False)[0]
+        elif time.monotonic() > deadline:
+            raise TeamError(f"process {team.rank} of {team.size}: process 0 never greeted the others in the job's "
+                            "store; check that every task was started", ExitCode.USAGE)
+        time.sleep(POLL)
