@@ -32,6 +32,28 @@ def tailor(*args, cwd=None, timeout=300, env: dict | None = None):
                           cwd=cwd, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
 
 
+# Runs a command and writes its peak resident memory (wait4's, in KiB) to a file. It is its own
+# small process: a command forked straight from the test process would count the test process's
+# memory too (Linux keeps the pre-exec high-water mark).
+_MEASURE = ("import os, subprocess, sys\n"
+            "p = subprocess.Popen(sys.argv[2:])\n"
+            "_pid, status, usage = os.wait4(p.pid, 0)\n"
+            "open(sys.argv[1], 'w').write(str(usage.ru_maxrss))\n"
+            "sys.exit(os.waitstatus_to_exitcode(status))\n")
+
+
+def tailor_peak(*args, env: dict | None = None, timeout=300) -> tuple[subprocess.CompletedProcess, int]:
+    """`tailor`, and the command's own peak resident memory (bytes)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        peak = Path(folder) / "peak"
+        result = subprocess.run([sys.executable, "-c", _MEASURE, str(peak), TAILOR, *map(str, args)],
+                                capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                                env=dict(os.environ, PYTHONWARNINGS="ignore", **(env or {})))
+        return result, int(peak.read_text()) * 1024
+
+
 def write_recipe(folder: Path, base: Path, layers: dict, output: str | None = "composed") -> Path:
     """A recipe whose paths are relative to its own folder, as users write them."""
     rel = lambda p: os.path.relpath(p, folder)  # noqa: E731

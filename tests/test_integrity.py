@@ -179,13 +179,23 @@ def test_a_flipped_bit_in_a_partial_save_is_refused_wherever_it_is_read(real_run
     row = next(r for r in p4.saved_rows if not p6.holds(r))
     name = next(n for n in sorted(crcs) if n.startswith("fp32/") and param_row(n[5:]) == row)
     good = rows_file.read_bytes()
-    _flip_in_rows_file(rows_file, name)
-
     on_full_base = write_recipe(tmp_path, full.path, {r: p4.path for r in p4.saved_rows}, output="a")
     on_partial_base = write_recipe(tmp_path, p6.path, {r: p4.path if p4.holds(r) else full.path
                                                        for r in full.row_names() if not p6.holds(r)}, output="b")
+    made = [(on_full_base, "made", ()), (on_partial_base, "made-resharded", ("--world-size", "2"))]
+    for recipe, out, extra in made:  # composed while the partial save was whole
+        assert tailor("--apply", recipe, "-o", tmp_path / out, *extra).returncode == 0
+    _flip_in_rows_file(rows_file, name)
+    for recipe, out, extra in made:  # --verify reads the damaged save: it says so, it does not compare
+        assert_one_line_error(tailor("--verify", recipe, "-o", tmp_path / out, *extra), 4, rows_file.name, name,
+                              "fails its CRC-32 check")
+    for _recipe, out, _extra in made:
+        shutil.rmtree(tmp_path / out)
     for recipe in (on_full_base, on_partial_base):
         assert_one_line_error(tailor("--apply", recipe), 4, rows_file.name, name, "fails its CRC-32 check")
+        for world_size in ("2", "1"):  # resharding checks what it copies from a partial save too
+            assert_one_line_error(tailor("--apply", recipe, "--world-size", world_size), 4, rows_file.name, name,
+                                  "fails its CRC-32 check")
     assert_one_line_error(tailor("--export", on_full_base, "--to", tmp_path / "hf"), 4, rows_file.name, name,
                           "fails its CRC-32 check")
     assert not any((tmp_path / out).exists() for out in ("a", "b", "hf"))

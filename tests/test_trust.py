@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import checkpoints_of
-from helpers import assert_one_line_error, flat_record, flip_byte, tailor, write_recipe
+from helpers import assert_one_line_error, flat_record, flip_byte, tailor, tailor_peak, write_recipe
 
 from tailor_tui.errors import OutputError
 
@@ -111,9 +111,10 @@ def test_an_export_config_that_is_no_config_is_refused_in_one_line(real_run, tmp
             f.truncate(8 << 20)
     else:
         path = Path("/dev/zero")
-    result = tailor("--export", recipe, "--to", tmp_path / "hf", "--config", path, timeout=60)
+    result, peak = tailor_peak("--export", recipe, "--to", tmp_path / "hf", "--config", path, timeout=60)
     assert_one_line_error(result, 2, str(path), "not a regular file" if config in ("fifo", "device")
                           else "not a model config")
+    assert peak < 256 << 20, peak
     assert not (tmp_path / "hf").exists()
 
 
@@ -125,3 +126,56 @@ def test_heal_refuses_a_base_whose_rng_state_fails_its_crc(real_run, tmp_path):
     result = tailor("--heal", run, "--recipe", recipe, env={"TAILOR_TUI_CACHE": str(tmp_path / "cache")})
     assert_one_line_error(result, 4, "rng_state_0.pth", "CRC")
     assert not recipe.exists()
+
+
+def test_a_safetensors_header_far_larger_than_its_tensors_is_refused_within_bounds(real_run, tmp_path):
+    """90 MB of header for one tensor (the safetensors library would parse it, into gigabytes of
+    Python objects): refused before it is parsed, one line, well under 256 MiB."""
+    import struct
+
+    run, spec = _copy_run(real_run, tmp_path)
+    _c2, c4, c6 = checkpoints_of(run, spec)
+    header = json.dumps({"__metadata__": {"format": "pt"}, "t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                         "pad": [0] * 30_000_000}, separators=(",", ":")).encode()
+    with open(c4 / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header + bytes(4))
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c4})
+    result, peak = tailor_peak("--apply", recipe)
+    assert_one_line_error(result, 4, "model.safetensors", "for 1 tensor(s)")
+    assert peak < 256 << 20, peak
+    assert not (tmp_path / "composed").exists()
+
+
+def _size_bomb(copies: int = 2000, width: int = 100_000) -> bytes:
+    """torch.Size built `copies` times on one memoized tuple of `width` ints (1.5 GB unpickled)."""
+    return b"".join([b"\x80\x02ctorch\nSize\nq\x00(", b"K\x00" * width, b"tq\x01](", b"h\x00h\x01\x85R" * copies,
+                     b"e."])
+
+
+def _rebuild_bomb(records: int = 2_000_000) -> bytes:
+    """`records` tensors rebuilt from one memoized argument tuple: 10 MB of pickle, 600 MiB built."""
+    pid = b"(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x04tQ"
+    return b"".join([b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\nq\x00(", pid, b"K\x00)\x29\x89tq\x01](",
+                     b"h\x00h\x01R" * records, b"e."])
+
+
+@pytest.mark.parametrize(("bomb", "why"), [(_size_bomb, "not a shape"), (_rebuild_bomb, "MiB of objects")])
+def test_a_pickle_that_reuses_its_memo_to_build_gigabytes_is_refused_in_little_memory(real_run, tmp_path, bomb,
+                                                                                        why):
+    """Small pickles whose objects are each cheap to write but large to build (one memoized tuple
+    used over and over): bounded by what each construction builds, not by bytes alone."""
+    import zipfile
+
+    run, spec = real_run("hf_bf16_2")
+    c2, _c4, c6 = checkpoints_of(run, spec)
+    bad = tmp_path / "checkpoint-2"
+    shutil.copytree(c2, bad)
+    target = bad / "global_step2" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    with zipfile.ZipFile(c2 / "global_step2" / target.name) as z, \
+            zipfile.ZipFile(target, "w", zipfile.ZIP_STORED) as out:
+        for info in z.infolist():
+            out.writestr(info, bomb() if info.filename.endswith("/data.pkl") else z.read(info))
+    recipe = write_recipe(tmp_path, c6, {"layers.1": bad})
+    result, peak = tailor_peak("--apply", recipe, "--dry-run")
+    assert_one_line_error(result, 4, target.name, why)
+    assert peak < 256 << 20, peak

@@ -103,6 +103,7 @@ class Composing(TeamWork[None]):
         self.nonfinite: Counter = Counter()
         self.tmp: Path | None = None
         self.reports: list[dict] = []  # every process's, as gathered
+        self.made: Path | None = None  # the hidden folder, in process 0 (from the moment it exists)
         self.published = False
 
     def digest(self) -> str:
@@ -125,7 +126,10 @@ class Composing(TeamWork[None]):
             yield
 
     def prepare(self, cancel: threading.Event) -> str:
-        return str(_prepare(self.plan, cancel, self.durable))
+        with signals_held():  # a Ctrl-C waits until `abandon` knows the folder it must remove
+            self.made = hidden_folder(self.plan.output, self.plan.force)
+        _fill(self.plan, self.made, cancel, self.durable)
+        return str(self.made)
 
     def tasks(self, shared: str, emit: Emit) -> list[Task]:
         self.tmp = check_own_folder(Path(shared))
@@ -179,8 +183,9 @@ class Composing(TeamWork[None]):
                 return Cancelled(f"cancelled as the merge finished: {self.plan.output} is complete and holds the "
                                  "new composition (check it with --verify)")
             return None
-        if shared is not None and cleans:
-            shutil.rmtree(shared, ignore_errors=True)
+        folder = self.made or (Path(shared) if shared is not None else None)  # process 0's, or the one it shared
+        if folder is not None and cleans:
+            shutil.rmtree(folder, ignore_errors=True)
         return Cancelled() if isinstance(exc, KeyboardInterrupt) else None
 
 
@@ -208,22 +213,16 @@ def _confirm_sizes(tmp: Path, done: list[dict]) -> None:
                                   "does not show every process the same files: compose on one that does")
 
 
-def _prepare(plan: MergePlan, cancel: threading.Event, durable: bool) -> Path:
-    """The hidden folder the output is composed in, with the base's other files, `latest` and
-    the model-file index in it (process 0 of a job makes it; the others write into it)."""
-    tmp = hidden_folder(plan.output, plan.force)
-    try:
-        (tmp / plan.base.tag).mkdir()
-        _copy_other_files(plan, tmp, cancel, durable)
-        if plan.base.kind == "deepspeed" or plan.base.partial:  # an HF base's is among its files
-            write_file(tmp / "latest", plan.base.tag, durable)
-        layout = plan.model_layout()
-        if plan.base.partial and layout is not None and layout.index is not None:
-            write_file(tmp / MODEL_FILE_INDEX, layout.index, durable)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return tmp
+def _fill(plan: MergePlan, tmp: Path, cancel: threading.Event, durable: bool) -> None:
+    """The hidden folder the output is composed in gets the base's other files, `latest` and
+    the model-file index (process 0 of a job fills it; the others write into it)."""
+    (tmp / plan.base.tag).mkdir()
+    _copy_other_files(plan, tmp, cancel, durable)
+    if plan.base.kind == "deepspeed" or plan.base.partial:  # an HF base's is among its files
+        write_file(tmp / "latest", plan.base.tag, durable)
+    layout = plan.model_layout()
+    if plan.base.partial and layout is not None and layout.index is not None:
+        write_file(tmp / MODEL_FILE_INDEX, layout.index, durable)
 
 
 @contextlib.contextmanager

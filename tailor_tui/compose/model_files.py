@@ -5,7 +5,8 @@ and holds each tensor of its row's chosen source:
 
 - from a full HF source, that source's bytes, copied in the kernel;
 - from a partial checkpoint (tailor_tui.selective saves no 16-bit weights: that would
-  need a gather), the fp32 master slices of every rank, cast to the file's dtype. This
+  need a gather), the fp32 master slices of every rank (each checked against the CRC-32
+  its save recorded), cast to the file's dtype. This
   is exactly the 16-bit weight: ZeRO-3 makes its 16-bit partition by casting the fp32
   partition after each step (round to nearest even). Frozen parameters and buffers have
   no fp32 master; they come from the source's model_states, as DeepSpeed stores them.
@@ -37,7 +38,8 @@ from tailor_tui.fileio import (
     pwrite_all,
 )
 from tailor_tui.planning.jobs import ModelFileJob
-from tailor_tui.checkpoints.partial_rows import partial_slice
+from tailor_tui import crc
+from tailor_tui.checkpoints.partial_rows import check_crc, partial_slice, read_rows_file
 from tailor_tui.formats.safe_load import load_pt
 from tailor_tui.formats.safetensors_in import parse_prefix, safetensors_tensors
 
@@ -129,17 +131,19 @@ class _Fills:
             if not valid:
                 continue
             if files.rows not in self.rows_index:
-                self.rows_index[files.rows] = safetensors_tensors(files.rows)
-            begin = partial_slice(files.rows, self.rows_index[files.rows], "fp32", name, valid)[2]
+                self.rows_index[files.rows] = read_rows_file(files.rows)
+            tensors, recorded = self.rows_index[files.rows]
+            begin = partial_slice(files.rows, tensors, "fp32", name, valid)[2]
             at = offset + rank * slot.part * itemsize
-            if dtype == "F32":  # the master weights are the model's weights
-                copy_range(self.fd(files.rows), self.fout, begin, valid * 4, lambda n: None, at, self.writeback)
-                continue
+            value = 0  # the slice's CRC-32, checked against the one its save recorded
             for start in range(0, valid, CAST_CHUNK):
                 n = min(CAST_CHUNK, valid - start)
                 view = buffer[: n * 4]
                 pread_into(self.fd(files.rows), view, begin + start * 4)
-                pwrite_all(self.fout, _cast(view, dtype), at + start * itemsize)
+                value = crc.crc32(view, value)
+                # F32: the master weights are the model's weights
+                pwrite_all(self.fout, view if dtype == "F32" else _cast(view, dtype), at + start * itemsize)
+            check_crc(files.rows, recorded, f"fp32/{name}", value)
 
 
 def _cast(view: memoryview, dtype: str) -> bytes:

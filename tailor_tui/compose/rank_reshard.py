@@ -2,7 +2,8 @@
 
 Each big tensor of the output is one record; its pieces (`reshard`) are byte ranges of the
 sources' rank files, or zeros. First every record of a source that a piece comes from is read
-once and checked against the CRC-32 its archive stores (a corrupt source is refused, never
+once and checked against the CRC-32 its archive stores, and every slice of a partial save a
+piece comes from against the CRC-32 its save recorded (a corrupt source is refused, never
 carried over under a fresh CRC); that pass gives each piece's CRC and counts the non-finite
 values the output takes. Then, once the files' structure is there (`reshard_skeleton` writes
 them with the big tensors' space reserved, while the workers check), every piece is
@@ -27,12 +28,11 @@ from tailor_tui.errors import OutputError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.fileio import OpenFiles, Writeback, copy_range, crc_range, fsync, open_fd, output_error, pwrite_all
 from tailor_tui.formats.nonfinite import EXPONENT, Census, Region
-from tailor_tui.checkpoints.partial_rows import partial_slice
+from tailor_tui.checkpoints.partial_rows import check_crc, partial_slice, read_rows_file
 from tailor_tui.formats.pickled import dtype_name
 from tailor_tui.formats.ptfile import frozen_fragment_bytes, read_structure
 from tailor_tui.compose.rank_stream import STREAM_CHUNK, dtype_mismatch, flat_tensor_bytes, read_and_check, tensor_bytes
 from tailor_tui.resharding.partition import ZEROS, Piece, ReshardJob
-from tailor_tui.formats.safetensors_in import safetensors_tensors
 
 
 def reshard_rank(job: ReshardJob, out_tag_dir: Path, emit: Emit, cancelled: Callable[[], bool],
@@ -75,9 +75,12 @@ class _Place(NamedTuple):
 
     path: Path
     at: int  # first byte
-    record: object  # the record holding them, or None (a partial checkpoint's safetensors: no CRC)
+    record: object  # the record holding them, or None (a partial checkpoint's safetensors)
     dtype: str  # the source's storage type: `FloatStorage`, `BFloat16Storage`, …
     itemsize: int
+    # a partial checkpoint's slice holding them: (tensor name, first byte, bytes its recorded CRC-32
+    # covers, that CRC-32 or None for a save from before they were recorded)
+    slice: tuple | None = None
 
 
 class _Sources:
@@ -102,12 +105,14 @@ class _Sources:
                 self.fragments[piece.source, piece.rank] = frozen_fragment_bytes(files.model_states, names)
             tb = self.fragments[piece.source, piece.rank][piece.param]
             return _Place(files.model_states, tb.offset + piece.offset * tb.itemsize, tb.record, tb.dtype, tb.itemsize)
-        if files.rows is not None:  # a partial checkpoint: one fp32 slice per parameter, no CRCs
+        if files.rows is not None:  # a partial checkpoint: one fp32 slice per parameter, a CRC-32 for each
             if files.rows not in self.rows:
-                self.rows[files.rows] = safetensors_tensors(files.rows)
-            begin = partial_slice(files.rows, self.rows[files.rows], key, piece.param,
-                                  piece.within + piece.length)[2]
-            return _Place(files.rows, begin + piece.within * 4, None, "FloatStorage", 4)
+                self.rows[files.rows] = read_rows_file(files.rows)
+            tensors, recorded = self.rows[files.rows]
+            begin = partial_slice(files.rows, tensors, key, piece.param, max(piece.whole, piece.within + piece.length))[2]
+            name = f"{key}/{piece.param}"
+            return _Place(files.rows, begin + piece.within * 4, None, "FloatStorage", 4,
+                          (name, begin, piece.whole * 4, recorded.get(name)))
         if (piece.source, piece.rank) not in self.flat:
             self.flat[piece.source, piece.rank] = tensor_bytes(files.optim_states,
                                                                self.job.source_sizes[piece.source])
@@ -119,28 +124,54 @@ def _check(fills: list, sources: _Sources, counter: ByteCounter) -> tuple[dict, 
     """Read every source record a piece comes from once, checking its stored CRC-32: the CRC
     of each piece's bytes {(file, first byte, length): crc}, and the non-finite values per row."""
     ranges: dict[Path, set] = defaultdict(set)
+    slices: dict[Path, dict] = defaultdict(lambda: defaultdict(set))  # partial slices: the pieces in each
     regions: dict[Path, list] = defaultdict(list)
     for _target, _key, placed in fills:
         for piece, place in placed:
             if place is None:
                 continue
             n = piece.length * place.itemsize
-            ranges[place.path].add((place.record, place.at, n))
+            if place.slice is not None:
+                slices[place.path][place.slice].add((place.at, n))
+            else:
+                ranges[place.path].add((place.record, place.at, n))
             if dtype_name(place.dtype) in EXPONENT:  # floats: counted for the guard
                 regions[place.path].append(Region(place.at, n, piece.row, dtype_name(place.dtype)))
     buffer = memoryview(bytearray(STREAM_CHUNK))
     crcs: dict[tuple[Path, int, int], int] = {}
     nonfinite = Counter()
-    for path in sorted(ranges):
+    for path in sorted(ranges.keys() | slices.keys()):
         census = Census(regions[path])
         fd = sources.fd(path)
         checked = {(r, at, n) for r, at, n in ranges[path] if r is not None}
         found = read_and_check(fd, path, {r for r, _at, _n in checked}, checked, buffer, counter, census)
         crcs.update({(path, at, n): value for (at, n), value in found.items()})
-        for _r, at, n in ranges[path] - checked:  # a partial checkpoint's slices: no stored CRC
-            crcs[path, at, n] = crc_range(fd, at, n, buffer, counter.add, census.inspect)
+        for piece_slice, inside in slices[path].items():  # a partial checkpoint's slices
+            crcs.update(_check_slice(fd, path, piece_slice, sorted(inside), buffer, counter, census))
         nonfinite += census.counts
     return crcs, nonfinite
+
+
+def _check_slice(fd: int, path: Path, piece_slice: tuple, inside: list, buffer: memoryview, counter: ByteCounter,
+                 census: Census) -> dict:
+    """The CRC-32 of each piece (`inside`: its first byte and length) of a partial checkpoint's
+    slice; the whole slice is read, once, and checked against its recorded CRC-32 (a save from
+    before they were recorded: the pieces alone, unchecked)."""
+    name, begin, length, recorded = piece_slice
+    found = {}
+    if recorded is None:
+        for at, n in inside:
+            found[path, at, n] = crc_range(fd, at, n, buffer, counter.add, census.inspect)
+        return found
+    value, at = 0, begin
+    for start, n in inside:
+        gap = crc_range(fd, at, start - at, buffer, counter.add, census.inspect)
+        piece = found[path, start, n] = crc_range(fd, start, n, buffer, counter.add, census.inspect)
+        value, at = crc.combine(crc.combine(value, gap, start - at), piece, n), start + n
+    value = crc.combine(value, crc_range(fd, at, begin + length - at, buffer, counter.add, census.inspect),
+                        begin + length - at)
+    check_crc(path, {name: recorded}, name, value)
+    return found
 
 
 def _write(out: Path, fills: list, crcs: dict, sources: _Sources, counter: ByteCounter) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from tailor_tui.checkpoints.checkpoint import MODEL_FILE_INDEX, PROVENANCE, open_checkpoint
-from tailor_tui.compose.compare import differences, nonzero_bytes, same_bytes
+from tailor_tui.compose.compare import PartialSlices, differences, nonzero_bytes, same_bytes
 from tailor_tui.formats.ds_format import (
     EXP_AVG,
     EXP_AVG_SQ,
@@ -142,7 +142,6 @@ def _unplanned(plan: MergePlan, out: Path) -> list[Path]:
 
 
 def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled) -> None:
-    from safetensors import safe_open
 
     files = {i: src.ranks[rank] for i, src in enumerate(plan.sources)}
     sizes = tuple(plan.base.layout.group_sizes())
@@ -152,11 +151,11 @@ def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled) -> No
     got = optimizer_state(got_file, mine, sizes)
     loaded = {i: load_pt(f.optim_states) for i, f in files.items() if f.rows is None}
     wanted = {i: optimizer_state(obj, files[i].optim_states, sizes) for i, obj in loaded.items()}
-    partial = {i: safe_open(str(f.rows), "pt") for i, f in files.items() if f.rows is not None}
+    partial = PartialSlices()
 
     def source_slice(s: int, slot, key: str, valid: int):
-        if s in partial:  # a partial checkpoint stores each parameter's slice by name
-            return partial[s].get_slice(f"{key}/{slot.name}")[:valid]
+        if files[s].rows is not None:  # a partial checkpoint stores each parameter's slice by name
+            return partial.get(files[s].rows, f"{key}/{slot.name}", valid)
         return flat_tensor(wanted[s], slot.group, key)[slot.offset: slot.offset + valid]
 
     source_of = plan.source_of_param()

@@ -12,7 +12,7 @@ sources. Every record of every torch file read is checked against its CRC-32 (`l
 
 from __future__ import annotations
 
-from tailor_tui.compose.compare import differences, nonzero_bytes, same_bytes
+from tailor_tui.compose.compare import PartialSlices, differences, nonzero_bytes, same_bytes
 from tailor_tui.formats.ds_format import (
     DP_WORLD_SIZE,
     EXP_AVG,
@@ -48,14 +48,13 @@ def verify_resharded(plan, composed, report, emit, cancelled) -> None:
 
 
 def _verify_rank(plan, job, composed, report, emit, cancelled, base_file, base_states, buffer_states) -> None:
-    from safetensors import safe_open
 
     counter = ByteCounter(f"rank {job.rank}", job.write_bytes, emit, cancelled)
     reshard, rank = plan.reshard, job.rank
     mine = composed.ranks[rank].optim_states
     got_file = load_pt(mine)
     got = optimizer_state(got_file, mine, job.group_sizes)
-    loaded, partial = {}, {}
+    loaded, partial = {}, PartialSlices()
 
     def source_slice(p, key: str):
         files = job.files[p.source, p.rank]
@@ -63,10 +62,8 @@ def _verify_rank(plan, job, composed, report, emit, cancelled, base_file, base_s
             if files.model_states not in loaded:
                 loaded[files.model_states] = load_pt(files.model_states)
             return loaded[files.model_states][FROZEN_PARAM_FRAGMENTS][p.param][p.offset: p.offset + p.length]
-        if files.rows is not None:
-            if files.rows not in partial:
-                partial[files.rows] = safe_open(str(files.rows), "pt")
-            return partial[files.rows].get_slice(f"{key}/{p.param}")[p.within: p.within + p.length]
+        if files.rows is not None:  # the whole slice, checked, then the piece
+            return partial.get(files.rows, f"{key}/{p.param}", p.whole)[p.within: p.within + p.length]
         if files.optim_states not in loaded:
             path = files.optim_states
             loaded[path] = optimizer_state(load_pt(path), path, job.source_sizes[p.source])

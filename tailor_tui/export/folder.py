@@ -98,15 +98,12 @@ class Exporting(TeamWork[None]):
 
     def prepare(self, cancel: threading.Event) -> str:
         plan = self.export.plan
-        tmp = hidden_folder(plan.output, plan.force)
-        try:
-            _make_files(self.export, tmp, self.durable)
-            if self.source is not None:
-                _write_config(self.source, tmp, self.export.dtype, self.durable)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return str(tmp)
+        with signals_held():  # a Ctrl-C waits until `abandon` knows the folder it must remove
+            self.tmp = hidden_folder(plan.output, plan.force)
+        _make_files(self.export, self.tmp, self.durable)
+        if self.source is not None:
+            _write_config(self.source, self.tmp, self.export.dtype, self.durable)
+        return str(self.tmp)
 
     def tasks(self, shared: str, emit: Emit) -> list[Task]:
         self.tmp = Path(shared)
@@ -131,8 +128,8 @@ class Exporting(TeamWork[None]):
             if isinstance(exc, KeyboardInterrupt):
                 return Cancelled(f"cancelled as the export finished: {self.export.plan.output} is complete")
             return None
-        if shared is not None:
-            shutil.rmtree(shared, ignore_errors=True)
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
         return Cancelled(self.cancelled) if isinstance(exc, KeyboardInterrupt) else None
 
 

@@ -75,8 +75,16 @@ class TensorRef:
         return tuple(reversed(stride)) == tuple(self.stride) or self.numel() <= 1
 
 
+MAX_DIMS = 64  # of a tensor's shape or strides: a longer one is no tensor's (and would be copied per use)
+
+
 class Size(tuple):
-    """torch.Size."""
+    """torch.Size: at most MAX_DIMS whole numbers (not a copy of a huge memoized tuple per use)."""
+
+    def __new__(cls, dims=()):
+        if not isinstance(dims, (tuple, list)) or len(dims) > MAX_DIMS or not all(isinstance(d, int) for d in dims):
+            raise pickle.UnpicklingError(f"a torch.Size that is not a shape (at most {MAX_DIMS} whole numbers)")
+        return super().__new__(cls, dims)
 
 
 class PickledSet(set):
@@ -140,6 +148,8 @@ def _set(items=()):
 def rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, hooks=None, *metadata):
     if not isinstance(storage, StorageRef):
         raise pickle.UnpicklingError("a tensor whose storage is not a storage")
+    if not all(isinstance(t, tuple) and len(t) <= MAX_DIMS for t in (size, stride)):
+        raise pickle.UnpicklingError(f"a tensor whose shape or strides are not tuples of at most {MAX_DIMS}")
     hooks = collections.OrderedDict() if hooks is None else hooks
     return TensorRef(storage, storage_offset, tuple(size), tuple(stride), bool(requires_grad), hooks, metadata)
 
@@ -209,6 +219,10 @@ MAX_MEMO = 1 << 22  # memo slots (a crafted LONG_BINPUT 400000000 would allocate
 MAX_NESTING = 100  # open MARKs
 _CHEAP = {"BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE", "BINGET", "LONG_BINGET", "GET", "MARK", "STOP",
           "PROTO", "FRAME", "POP", "POP_MARK", "DUP", "BININT1", "NONE", "NEWTRUE", "NEWFALSE"}
+# opcodes that call a constructor: each builds an object (a tensor stand-in with its tuples and
+# hooks, a Size) whatever its arguments' cost was (they may all be one memoized tuple)
+_BUILDS = {"REDUCE", "BUILD", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST"}
+BUILD_COST = 512
 
 
 def check_bounds(stream) -> None:
@@ -228,7 +242,8 @@ def check_bounds(stream) -> None:
                 raise pickle.UnpicklingError(f"nested more than {MAX_NESTING} deep")
         elif pickletools.markobject in opcode.stack_before:
             nesting -= 1
-        cost += 8 if name in _CHEAP else 64 + (len(arg) if isinstance(arg, (str, bytes, bytearray)) else 0)
+        cost += 8 if name in _CHEAP else BUILD_COST if name in _BUILDS else \
+            64 + (len(arg) if isinstance(arg, (str, bytes, bytearray)) else 0)
         if cost > MAX_OBJECT_BYTES:
             raise pickle.UnpicklingError(f"it would build more than {MAX_OBJECT_BYTES >> 20} MiB of objects")
 
@@ -259,8 +274,8 @@ def _opcode_table() -> list[tuple]:
             kind = _SIZED
             n = {pickletools.TAKEN_FROM_ARGUMENT1: 1, pickletools.TAKEN_FROM_ARGUMENT4: -4,
                  pickletools.TAKEN_FROM_ARGUMENT4U: 4, pickletools.TAKEN_FROM_ARGUMENT8U: 8}[arg.n]
-        table[op.code.encode("latin-1")[0]] = (kind, n, 8 if cheap else 64, pickletools.markobject in op.stack_before,
-                                               op.name)
+        base = 8 if cheap else BUILD_COST if op.name in _BUILDS else 64
+        table[op.code.encode("latin-1")[0]] = (kind, n, base, pickletools.markobject in op.stack_before, op.name)
     return table
 
 

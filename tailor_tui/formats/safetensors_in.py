@@ -14,20 +14,35 @@ from pathlib import Path
 from tailor_tui.errors import CheckpointError
 
 
+MAX_HEADER = 100_000_000  # bytes: the safetensors library's own bound
+PER_TENSOR, METADATA = 1 << 10, 1 << 20  # a header's bytes beyond these per tensor it lists are no model's
+
+
 def safetensors_header(path: Path) -> tuple[dict, int]:
-    """(header, first data byte) of a safetensors file."""
+    """(header, first data byte) of a safetensors file. The header is bounded before it is parsed:
+    at most MAX_HEADER bytes, and at most PER_TENSOR bytes per tensor it lists plus METADATA (a
+    crafted header of a few tensors and 99 MB would take gigabytes as Python objects)."""
     try:
         with open(path, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
-            if length > 100 << 20:
-                raise ValueError("header too large")
-            header = json.loads(f.read(length))
+            if length > MAX_HEADER:
+                raise ValueError(f"a header of {length:,} bytes")
+            raw = f.read(length)
+        tensors = raw.count(b'"data_offsets"')
+        if length > METADATA + PER_TENSOR * tensors:
+            raise ValueError(f"a header of {length:,} bytes for {tensors:,} tensor(s)")
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("its header is not a JSON object")
         size = path.stat().st_size
         for name, info in header.items():
             if name != "__metadata__" and 8 + length + info["data_offsets"][1] > size:
                 raise ValueError(f"{name} runs past the end of the file")
         return header, 8 + length
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+    except RecursionError:
+        raise CheckpointError(f"{path}: not a safetensors file (its header nests too deeply); re-copy it from "
+                              "the training run") from None
+    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as exc:
         raise CheckpointError(f"{path}: not a complete safetensors file, truncated or corrupt ({exc}); "
                               "re-copy it from the training run") from None
 

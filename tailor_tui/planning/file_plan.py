@@ -16,7 +16,7 @@ from tailor_tui.errors import IncompatibleError
 from tailor_tui.planning.jobs import BinFileJob, ModelFileJob, WeightJob
 from tailor_tui.checkpoints.model_layout import ModelFileLayout
 from tailor_tui.checkpoints.rows import list_rows
-from tailor_tui.formats.safetensors_in import parse_prefix
+from tailor_tui.formats.safetensors_in import parse_prefix, safetensors_header
 from tailor_tui.checkpoints.weight_files import (
     COMPOSED,
     COPIED,
@@ -31,6 +31,13 @@ from tailor_tui.checkpoints.weight_files import (
     tensor_rows,
     unplaced_error,
 )
+
+
+def _check_headers(files) -> None:
+    """Each source safetensors file a job takes tensors from has a sound header (bounded, whole):
+    a damaged or crafted one refuses the plan now, not a worker mid-merge."""
+    for f in set(files):
+        safetensors_header(f)
 
 
 def weight_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], picks: dict[str, int],
@@ -51,6 +58,7 @@ def weight_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], picks: dict[s
         if lacking:
             raise IncompatibleError(f"{sources[lacking[0]].path}: has no {name} (16-bit model weights) while the "
                                     "base has; pick its rows from a checkpoint that has one")
+        _check_headers(f for i in used if i in full for f in full[i])
         jobs.append(ModelFileJob(name, prefix, base_files.get(name), chosen, rows,
                                  {i: full[i] for i in used if i in full}, partial, slots, names))
     for rel in _weight_files(base):
@@ -58,6 +66,7 @@ def weight_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], picks: dict[s
         prefix = ModelFileLayout.of_files((base_file,)).files[0][1]
         rows, chosen = _tensor_sources(base, picks, list(parse_prefix(prefix)), base_file)
         own = {i: _same_file(sources[i], rel, rows, chosen, i) for i in sorted(set(chosen.values()))}
+        _check_headers(f for files in own.values() for f in files)
         jobs.append(ModelFileJob(str(rel), prefix, base_file, chosen, rows, own, {}, {}, names))
     for rel in _bin_files(base):
         base_file = base.path / rel

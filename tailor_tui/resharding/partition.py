@@ -55,6 +55,7 @@ class Piece(NamedTuple):
     within: int  # first element within the parameter's part on that rank (a partial's slices are stored so)
     param: str
     row: str
+    whole: int = 0  # the real elements of the parameter's part on that rank (a partial's recorded CRC covers them)
 
 
 @dataclass(frozen=True)
@@ -240,8 +241,9 @@ def reshard_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], source_of: d
         taken = [p for g in groups for p in g if p.source != ZEROS]
         # a full source's records are read whole (their stored CRC-32 covers the whole record)
         whole = {(p.source, p.rank, p.group) for p in taken if files[p.source, p.rank].rows is None}
-        read = 12 * (sum(sizes[s][g] for s, _r, g in whole)
-                     + sum(p.length for p in taken if files[p.source, p.rank].rows is not None))
+        # and a partial source's slices too (its recorded CRC-32 covers a slice's real elements)
+        slices = {(p.source, p.rank, p.param): p.whole for p in taken if files[p.source, p.rank].rows is not None}
+        read = 12 * (sum(sizes[s][g] for s, _r, g in whole) + sum(slices.values()))
         read += itemsize * sum(p.length for _n, ps in frozen for p in ps if p.source != ZEROS)
         jobs.append(ReshardJob(rank, *names[rank], files, sizes, out_sizes,
                                tuple(tuple(g) for g in groups), tuple(frozen), read, written))
@@ -252,10 +254,11 @@ def _pieces(param: str, numel: int, from_world: int, to_world: int, rank: int, s
             place) -> list[Piece]:
     """The pieces of `param`'s part on output `rank`, then zeros for its padding; `place(within)`
     gives (group, offset) of an element of the source rank's part in its tensor."""
-    found = []
+    found, theirs = [], part(numel, from_world)
     for their_rank, within, at, count in pieces(numel, from_world, to_world, rank):
         group, offset = place(within)
-        found.append(Piece(at, count, source, their_rank, group, offset, within, param, row))
+        whole = max(0, min(theirs, numel - their_rank * theirs))
+        found.append(Piece(at, count, source, their_rank, group, offset, within, param, row, whole))
     size = part(numel, to_world)
     valid = sum(p.length for p in found)
     if valid < size:
