@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -149,6 +150,19 @@ def test_headless_path_never_imports_textual(real_run, tmp_path):
 def test_the_composer_needs_a_terminal_and_an_existing_folder(tmp_path):
     assert_one_line_error(tailor(tmp_path / "nope"), 4, "no such folder")
     assert_one_line_error(tailor(tmp_path), 2, "needs a terminal", "--apply")
+
+
+def test_a_path_of_the_wrong_kind_says_what_it_is_and_what_was_meant(real_run, tmp_path):
+    run, spec = real_run("hf_bf16_2")
+    c2, _c4, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c2})
+    for args in ([recipe], ["--stats", recipe], ["--heal", recipe, "--recipe", tmp_path / "fix.yaml"]):
+        assert_one_line_error(tailor(*args), 2, str(recipe), "is a recipe, not a run folder", "--apply")
+    assert_one_line_error(tailor("--apply", run), 3, str(run), "is a folder, not a recipe", f"tailor-tui {run}")
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)  # opening it would wait for a writer
+    assert_one_line_error(tailor("--apply", fifo, timeout=30), 3, str(fifo), "not a regular file")
+    assert not (tmp_path / "composed").exists() and not (tmp_path / "fix.yaml").exists()
 
 
 def test_no_fsync_output_verifies(real_run, tmp_path):

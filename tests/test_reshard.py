@@ -322,3 +322,13 @@ def test_cancelling_a_reshard_leaves_nothing(real_run, tmp_path):
     err = finish(proc, seen)
     assert proc.returncode == 130, err
     assert not (tmp_path / "composed").exists() and not hidden(tmp_path)
+
+
+def test_verifying_a_resharded_output_without_its_world_size_names_the_flag(real_run, tmp_path):
+    run, spec = real_run("ds_bf16_3_subgroups")
+    c2, _c4, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.2": c2})
+    assert tailor("--apply", recipe, "--world-size", "2").returncode == 0
+    assert_one_line_error(tailor("--verify", recipe), 2, "composed for 2 ranks", "--world-size 2")
+    verifies(recipe, "--world-size", "2")
+    assert_one_line_error(tailor("--verify", recipe, "--world-size", "1"), 2, "composed for 2 ranks")

@@ -332,7 +332,7 @@ async def test_health_marks_the_blown_cell_and_heal_takes_the_previous_checkpoin
         assert app.home.metric == "weight_rms"
 
 
-async def test_merging_an_unhealthy_row_asks_to_merge_anyway(blown_copy):
+async def test_merging_an_unhealthy_row_goes_back_unless_asked_to_merge_anyway(blown_copy):
     run, ckpts = blown_copy
     app = make_app(run, workers=1)
     async with app.run_test(size=SIZE) as pilot:
@@ -340,8 +340,13 @@ async def test_merging_an_unhealthy_row_asks_to_merge_anyway(blown_copy):
         await pilot.press("ctrl+r")
         await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
         body = app.screen.body
-        assert "layers.2 from global_step6: 5,120 non-finite value(s)" in body
-        await pilot.press("enter")  # "Merge anyway"
+        assert "layers.2 from global_step6: 5,120 non-finite value(s)" in body and "--allow-nonfinite" in body
+        await pilot.press("enter")  # the safe choice is the default: back to the grid
+        await wait_for(pilot, lambda: not isinstance(app.screen, Confirm))
+        assert not (run / "global_step6-tailored").exists()
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
+        await pilot.press("exclamation_mark")  # "Merge anyway", asked for explicitly
         await wait_for(pilot, lambda: isinstance(app.screen, MergeScreen) and not app.screen.running)
         assert (run / "global_step6-tailored" / "latest").is_file()
 
@@ -406,6 +411,32 @@ async def test_help_explains_every_mark_and_the_footer_keeps_the_essentials_at_8
         commands = list(app.get_system_commands(app.screen))
         assert [c.title for c in commands].count("Quit") == 1
         assert any("heal" in c.help.lower() for c in commands)
+
+
+async def test_help_lists_every_binding_and_scrolls_to_the_last_at_80x24(run_copy):
+    """The help's keys come from the one table of actions: every key bound on the app, the
+    composer's screen and the grid is in it, and at 80×24 the keyboard scrolls to the last."""
+    from textual.containers import VerticalScroll
+
+    from tailor_tui.ui.actions import ACTIONS
+    from tailor_tui.ui.dialogs import HELP
+
+    run, _ckpts = run_copy
+    app = make_app(run)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await scanned(pilot)
+        bound = [*app.BINDINGS, *app.home.BINDINGS, *app.home.query_one("#grid").BINDINGS]
+        listed = {a.action for a in ACTIONS if a.help} | {a.action for a in ACTIONS}
+        assert {b.action for b in bound} <= listed
+        for action in ACTIONS:
+            if action.help:
+                assert f"{action.key_text}: " in HELP.replace("\n           ", " "), action
+        await pilot.press("question_mark")
+        await wait_for(pilot, lambda: isinstance(app.screen, HelpScreen))
+        scroll = app.screen.query_one(VerticalScroll)
+        assert scroll.max_scroll_y > 0  # 80×24 does not hold it all
+        await pilot.press("end")
+        await wait_for(pilot, lambda: scroll.scroll_y == scroll.max_scroll_y)
 
 
 

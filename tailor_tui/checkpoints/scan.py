@@ -13,7 +13,7 @@ from typing import Callable
 
 from tailor_tui.checkpoints.cache import ROOT, Where, chosen
 from tailor_tui.checkpoints.checkpoint import PARTIAL_MANIFEST, Checkpoint, holds_checkpoint, is_tag_dir, open_checkpoint, read_latest
-from tailor_tui.errors import CheckpointError
+from tailor_tui.errors import CheckpointError, UsageError
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,22 @@ class ScanResult:
 
 
 STAGING = re.compile(r"^\.partial-step\d+\.saving$")  # a partial save not yet published (tailor_tui.selective)
+
+
+RECIPE_SUFFIXES = (".yaml", ".yml")
+
+
+def check_run_folder(path: Path) -> None:
+    """`path` names a run folder (the folder holding a run's checkpoints), or one line says
+    what it names instead and what was probably meant."""
+    if path.is_dir():
+        return
+    if path.suffix in RECIPE_SUFFIXES and path.exists():
+        raise UsageError(f"{path}: is a recipe, not a run folder; compose it with `tailor-tui --apply {path}`, "
+                         f"or open its run with `tailor-tui RUN_DIR --recipe {path}`")
+    if path.exists():
+        raise UsageError(f"{path}: is a file, not a run folder; name the folder that holds the run's checkpoints")
+    raise CheckpointError(f"{path}: no such folder; name the folder that holds the run's checkpoints")
 
 
 def find_checkpoint_dirs(root: Path, interrupted: list[Path] | None = None) -> list[Path]:

@@ -16,15 +16,14 @@ def _health(run_dir: Path, args, progress: str, slow_down: float):
     """The scanned run's health (training checkpoints: not tailor-tui's own outputs); None in a
     process of a job other than process 0 (which alone holds every cell)."""
     from tailor_tui.checkpoints.cache import cache_dir
-    from tailor_tui.checkpoints.scan import scan
+    from tailor_tui.checkpoints.scan import check_run_folder, scan
     from tailor_tui.cli.health_report import StatsProgress
     from tailor_tui.team.launch import detect
     from tailor_tui.health.stats_run import compute_health
     from tailor_tui.team.meet import connect
     from tailor_tui.team.team import SOLO
 
-    if not run_dir.is_dir():
-        raise CheckpointError(f"{run_dir}: no such folder; name a directory of DeepSpeed checkpoints")
+    check_run_folder(run_dir)
     scanned = scan(run_dir)
     for folder, problem in scanned.problems:
         print(f"warning: skipped {problem}", file=sys.stderr)

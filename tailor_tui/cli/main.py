@@ -22,7 +22,6 @@ from pathlib import Path
 
 from tailor_tui import __version__
 from tailor_tui.errors import (
-    CheckpointError,
     ExitCode,
     OutputError,
     TailorError,
@@ -196,6 +195,10 @@ def verify(args) -> int:
     plan = build_plan(load_recipe(args.verify), output=args.output, check_output=False, world_size=args.world_size)
     if not plan.output.is_dir():
         raise OutputError(f"output {plan.output}: does not exist; nothing to verify (run --apply first)")
+    composed_for = _composed_world_size(plan.output)
+    if composed_for is not None and composed_for != plan.world_size:
+        raise UsageError(f"output {plan.output}: was composed for {composed_for} ranks, this verification plans "
+                         f"{plan.world_size}; verify it with --world-size {composed_for}")
     print(f"verifying {plan.output} against {args.verify}", file=sys.stderr, flush=True)
     report = verify_against_recipe(plan, emit=reporter_for(sys.stderr, "lines"))
     width = max(len(r.name) for r in plan.base.rows)
@@ -219,9 +222,23 @@ def verify(args) -> int:
     return ExitCode.VERIFY_FAILED
 
 
+def _composed_world_size(out: Path) -> int | None:
+    """The world size `out`'s provenance record says it was composed for (None: not recorded)."""
+    from tailor_tui.checkpoints.checkpoint import PROVENANCE
+    from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json
+
+    try:
+        record = load_json(out / PROVENANCE, MAX_RECORD)
+        size = record.get("world_size") or record["base"]["world_size"]  # resharded, or the base's
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return None
+    return size if type(size) is int else None
+
+
 def interactive(run_dir: Path, recipe: Path | None, workers: int | None) -> int:
-    if not run_dir.is_dir():
-        raise CheckpointError(f"{run_dir}: no such folder; name a directory of DeepSpeed checkpoints")
+    from tailor_tui.checkpoints.scan import check_run_folder
+
+    check_run_folder(run_dir)
     if not sys.stdout.isatty():
         raise UsageError("the interactive composer needs a terminal; for batch jobs use --apply RECIPE")
     from tailor_tui.ui.app import make_app

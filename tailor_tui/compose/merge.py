@@ -112,18 +112,8 @@ class Composing(TeamWork[None]):
     def progress_tasks(self) -> list[tuple[str, int]]:
         return planned_tasks(self.plan)
 
-    @contextlib.contextmanager
     def held(self, lead: bool):
-        if not lead:
-            yield
-            return
-        out = self.plan.output
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise output_error(exc, out.parent) from None
-        with output_lock(out):
-            yield
+        return output_lock(self.plan.output) if lead else contextlib.nullcontext()
 
     def prepare(self, cancel: threading.Event) -> str:
         with signals_held():  # a Ctrl-C waits until `abandon` knows the folder it must remove

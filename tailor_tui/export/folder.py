@@ -10,7 +10,6 @@ earlier tailor-tui output is replaced only with `--force`; sources are only read
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -86,15 +85,8 @@ class Exporting(TeamWork[None]):
     def progress_tasks(self) -> list[tuple[str, int]]:
         return [(job.task, job.total_bytes) for job in self.export.jobs]
 
-    @contextlib.contextmanager
     def held(self, lead: bool):
-        out = self.export.plan.output
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise output_error(exc, out.parent) from None
-        with output_lock(out):
-            yield
+        return output_lock(self.export.plan.output)
 
     def prepare(self, cancel: threading.Event) -> str:
         plan = self.export.plan

@@ -158,10 +158,15 @@ def _lock_path(out: Path) -> Path:
 
 @contextlib.contextmanager
 def output_lock(out: Path):
-    """Hold an exclusive lock on `out` for the whole merge, or raise OutputError naming the
-    tailor-tui that holds it. File systems without flock (some Lustre mounts) get no lock."""
+    """Hold an exclusive lock on `out` for the whole merge (its parent folder made first if it is
+    not there), or raise OutputError naming the tailor-tui that holds it. File systems without
+    flock (some Lustre mounts) get no lock."""
     import fcntl
 
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise output_error(exc, out.parent) from None
     path = _lock_path(out)
     while True:
         try:  # never through a link planted in its place (its target would be truncated)

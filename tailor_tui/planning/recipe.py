@@ -21,7 +21,10 @@ from pathlib import Path
 
 import yaml
 
+from tailor_tui.checkpoints.side_files import read_small
 from tailor_tui.errors import RecipeError
+
+MAX_RECIPE = 16 << 20  # bytes: a recipe names a few lines per row
 
 VERSION = 1
 KEYS = ("version", "base", "output", "world_size", "layers")
@@ -175,12 +178,17 @@ def parse_recipe(text: str, source: str = "recipe", folder: Path = Path(".")) ->
 
 def load_recipe(path: str | Path) -> Recipe:
     path = Path(path)
+    if path.is_dir():
+        raise RecipeError(f"{path}: is a folder, not a recipe (a .yaml file); open its run with `tailor-tui {path}`, "
+                          f"or write a recipe for it with `tailor-tui --heal {path} --recipe fix.yaml`")
     try:
-        text = path.read_text()
+        text = read_small(path, MAX_RECIPE).decode()
     except FileNotFoundError:
         raise RecipeError(f"{path}: no such recipe file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise RecipeError(f"{path}: cannot read the recipe ({exc})") from None
+    except OSError as exc:
+        raise RecipeError(f"{path}: cannot read the recipe ({exc.strerror or exc})") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"{path}: not a recipe ({exc})") from None
     recipe = parse_recipe(text, source=str(path), folder=path.parent)
     recipe.source_file = path
     return recipe

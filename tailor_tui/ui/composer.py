@@ -237,31 +237,31 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
             self.edit(lambda: self.composition.pick(row, column))
 
     def action_pick_column(self) -> None:
-        if not self.editable():
-            return
-        _row, column = self.query_one(CheckpointGrid).current()
-        if column is not None:
-            self.edit(lambda: self.composition.pick_column(column))
+        self._edit_column(lambda column: self.composition.pick_column(column))
 
     def action_set_base(self) -> None:
+        self._edit_column(lambda column: self.composition.set_base(column))
+
+    def _edit_column(self, change: Callable[[int], None]) -> None:
+        """A change to the checkpoint under the cursor (on the grid itself)."""
         if not self.editable():
             return
         _row, column = self.query_one(CheckpointGrid).current()
         if column is not None:
-            self.edit(lambda: self.composition.set_base(column))
+            self.edit(lambda: change(column))
 
     def action_undo(self) -> None:
-        if not self.editable():
-            return
-        if not self.composition.undo():
-            self.notify("nothing to undo")
-        self.refresh_view()
+        self._step("undo")
 
     def action_redo(self) -> None:
+        self._step("redo")
+
+    def _step(self, way: str) -> None:
+        """Undo or redo one change of the picks."""
         if not self.editable():
             return
-        if not self.composition.redo():
-            self.notify("nothing to redo")
+        if not getattr(self.composition, way)():
+            self.notify(f"nothing to {way}")
         self.refresh_view()
 
     def action_set_output(self) -> None:
@@ -312,7 +312,9 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
         bad = [f"{row} from {plan.sources[s].name}: {why_unhealthy(cell)}" for row, s in plan.picks.items()
                if (cell := self.cell_of(row, plan.sources[s])) is not None and not cell.healthy]
         if bad:
-            body = "\n".join(["✗ the output would hold unhealthy rows:", *bad, "(h heals them)", "", body])
+            body = "\n".join(["✗ the output would hold unhealthy rows:", *bad,
+                              "Enter goes back (h heals them); ! merges anyway, as --apply --allow-nonfinite does",
+                              "", body])
 
         batch = offer_batch(plan.bytes_to_write(), self.options.batch_threshold)
         if batch:
@@ -333,8 +335,8 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
                                  self.merge_closed)
 
         accept = "Merge anyway" if bad else "Merge"
-        self.app.push_screen(PlanDialog("Compose this checkpoint?", body, accept=accept, decline="Back", batch=batch),
-                         confirmed)
+        self.app.push_screen(PlanDialog("Compose this checkpoint?", body, accept=accept, decline="Back", batch=batch,
+                                        risky=bool(bad)), confirmed)
 
     def cell_of(self, row: str, checkpoint):
         if self.health is None:

@@ -47,6 +47,8 @@ class Confirm(ModalScreen[bool]):
         Binding("pageup", "scroll(-10)", "Page", show=False),
     ]
 
+    accept_keys, decline_keys = "Enter", "Esc"  # as the buttons say them
+
     def __init__(self, title: str, body: str, accept: str = "Yes", decline: str = "No") -> None:
         super().__init__()
         self.title_text, self.body, self.accept, self.decline = title, body, accept, decline
@@ -57,8 +59,8 @@ class Confirm(ModalScreen[bool]):
             with VerticalScroll(classes="dialog-scroll", can_focus=False):
                 yield Static(Text(self.body), classes="dialog-body")  # Text keeps the plan's indentation
             with Horizontal(classes="dialog-buttons"):
-                yield Button(f"{self.accept} (Enter)", variant="primary", id="accept")
-                yield Button(f"{self.decline} (Esc)", id="decline")
+                yield Button(f"{self.accept} ({self.accept_keys})", variant="primary", id="accept")
+                yield Button(f"{self.decline} ({self.decline_keys})", id="decline")
                 yield from self.more_buttons()
 
     def more_buttons(self):
@@ -66,7 +68,12 @@ class Confirm(ModalScreen[bool]):
         return ()
 
     def on_mount(self) -> None:
-        self.query_one("#accept", Button).focus()
+        self.query_one(self.default_button, Button).focus()
+
+    @property
+    def default_button(self) -> str:
+        """The button Enter presses when the dialog opens."""
+        return "#accept"
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         self.dismiss(event.button.id == "accept" if event.button.id in ("accept", "decline") else event.button.id)
@@ -84,13 +91,22 @@ class Confirm(ModalScreen[bool]):
 class PlanDialog(Confirm):
     """The plan before a merge: Enter merges (True), Esc goes back (False), w sets the world size
     to compose for ("world_size"); with `batch` (a large plan on a login node), s writes an
-    sbatch script for the saved recipe instead ("sbatch")."""
+    sbatch script for the saved recipe instead ("sbatch"). With `risky` (the output would hold
+    unhealthy rows) going back is the default: Enter and y go back, and only ! (or a click on
+    its button) merges anyway, as `--allow-nonfinite` does headlessly."""
 
-    BINDINGS = [*Confirm.BINDINGS, Binding("w", "world_size", "World size"), Binding("s", "batch", "Batch job")]
+    BINDINGS = [*Confirm.BINDINGS, Binding("w", "world_size", "World size"), Binding("s", "batch", "Batch job"),
+                Binding("exclamation_mark", "accept_anyway", "Merge anyway")]
 
-    def __init__(self, *args, batch: bool = False, **kwargs) -> None:
+    def __init__(self, *args, batch: bool = False, risky: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.batch = batch
+        self.batch, self.risky = batch, risky
+        if risky:  # the safe choice is the default one
+            self.accept_keys, self.decline_keys = "!", "Enter, Esc"
+
+    @property
+    def default_button(self) -> str:
+        return "#decline" if self.risky else "#accept"
 
     def more_buttons(self):
         yield Button("World size… (w)", id="world_size")
@@ -98,7 +114,15 @@ class PlanDialog(Confirm):
             yield Button("sbatch (s)", id="sbatch")
 
     def check_action(self, action: str, parameters) -> bool:
+        if action == "accept_anyway":
+            return self.risky
         return self.batch if action == "batch" else True
+
+    def action_accept(self) -> None:
+        self.dismiss(not self.risky)  # Enter or y: merges, or goes back when the output would be unhealthy
+
+    def action_accept_anyway(self) -> None:
+        self.dismiss(True)
 
     def action_world_size(self) -> None:
         self.dismiss("world_size")
