@@ -77,10 +77,16 @@ def assert_one_line_error(result, code: int, *needles: str):
 
 
 def start_apply(recipe: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    """A merge slowed to several seconds (test checkpoints are tiny), so signals land mid-merge.
-    SIGINT starts at its default whatever this process inherited (a shell's background job
-    ignores it, and Python then never turns it into KeyboardInterrupt), as in a terminal."""
-    return subprocess.Popen([TAILOR, "--apply", str(recipe), *extra], stdout=subprocess.PIPE,
+    """A merge slowed to several seconds (test checkpoints are tiny), so signals land mid-merge."""
+    return start_tailor("--apply", recipe, *extra, env=env)
+
+
+def start_tailor(*args, env: dict | None = None) -> subprocess.Popen:
+    """tailor-tui started with its work slowed to several seconds (test checkpoints are tiny), so
+    signals land mid-work. SIGINT starts at its default whatever this process inherited (a
+    shell's background job ignores it, and Python then never turns it into KeyboardInterrupt),
+    as in a terminal."""
+    return subprocess.Popen([TAILOR, *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
                             env={**os.environ, "PYTHONWARNINGS": "ignore", "TAILOR_TEST_SLOW_MERGE": "0.4",

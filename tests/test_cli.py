@@ -9,7 +9,7 @@ import sys
 
 import pytest
 from conftest import checkpoints_of, tree_digest
-from helpers import assert_one_line_error, tailor, write_recipe
+from helpers import assert_one_line_error, finish, start_tailor, tailor, wait_for_line, write_recipe
 
 
 def test_apply_composes_and_logs_plain_progress_lines(real_run, tmp_path):
@@ -159,6 +159,9 @@ def test_a_path_of_the_wrong_kind_says_what_it_is_and_what_was_meant(real_run, t
     for args in ([recipe], ["--stats", recipe], ["--heal", recipe, "--recipe", tmp_path / "fix.yaml"]):
         assert_one_line_error(tailor(*args), 2, str(recipe), "is a recipe, not a run folder", "--apply")
     assert_one_line_error(tailor("--apply", run), 3, str(run), "is a folder, not a recipe", f"tailor-tui {run}")
+    for one in (c6, c6 / "global_step6"):  # an HF checkpoint folder, a DeepSpeed tag folder
+        assert_one_line_error(tailor("--heal", one, "--recipe", tmp_path / "fix.yaml"), 2, str(one),
+                              "is one checkpoint, not a run folder", str(c6.resolve().parent))
     fifo = tmp_path / "fifo.yaml"
     os.mkfifo(fifo)  # opening it would wait for a writer
     assert_one_line_error(tailor("--apply", fifo, timeout=30), 3, str(fifo), "not a regular file")
@@ -208,3 +211,16 @@ def test_the_plan_and_the_final_line_count_the_same_bytes(real_run, tmp_path):
     c2, c4 = checkpoints_of(run, spec)
     plan = tailor("--apply", write_recipe(tmp_path, c4, {"layers.1": c2}, output="frozen"), "--dry-run").stdout
     assert "write: ~" in plan and "torch writes 2 file(s) anew" in plan  # both ranks' model_states
+
+
+def test_ctrl_c_during_statistics_says_what_was_cancelled(real_run, tmp_path):
+    import signal
+
+    run, _spec = real_run("hf_bf16_2")
+    proc = start_tailor("--stats", run, "--progress", "lines", env={"TAILOR_TUI_CACHE": str(tmp_path / "cache")})
+    seen = wait_for_line(proc, "statistics: ")
+    os.killpg(proc.pid, signal.SIGINT)
+    err = finish(proc, seen)
+    assert proc.returncode == 130, err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: statistics cancelled"], err  # nothing about an output: --stats writes none

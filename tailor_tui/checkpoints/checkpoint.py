@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json
+from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json, read_small
 from tailor_tui.checkpoints import scan_cache
 from tailor_tui.formats.ds_format import (
     MODEL_STATES,
@@ -174,7 +174,10 @@ def read_latest(folder: Path) -> str | None:
     latest = folder / "latest"
     if not latest.is_file():
         return None
-    return latest.read_text().strip() or None
+    try:
+        return read_small(latest, 4096).decode(errors="replace").strip() or None  # a tag's name
+    except (OSError, ValueError):
+        return None
 
 
 def is_tag_dir(folder: Path) -> bool:

@@ -32,6 +32,13 @@ def check_run_folder(path: Path) -> None:
     """`path` names a run folder (the folder holding a run's checkpoints), or one line says
     what it names instead and what was probably meant."""
     if path.is_dir():
+        tag = read_latest(path) if (path / "latest").is_file() else None
+        if is_tag_dir(path) or (tag is not None and holds_checkpoint(path, tag) is not None):
+            run = path.resolve().parent
+            if (run / "trainer_state.json").is_file():  # the tag folder inside an HF checkpoint-N
+                run = run.parent
+            raise UsageError(f"{path}: is one checkpoint, not a run folder; name its run, {run} (the folder that "
+                             "holds the run's checkpoints), so there are checkpoints to compare and pick from")
         return
     if path.suffix in RECIPE_SUFFIXES and path.exists():
         raise UsageError(f"{path}: is a recipe, not a run folder; compose it with `tailor-tui --apply {path}`, "

@@ -328,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         code = exc.exit_code
     except KeyboardInterrupt:
-        print("error: cancelled; nothing was written to the output path", file=sys.stderr)
+        writes = args.apply or args.export or args.make_demo or args.demo
+        print("error: cancelled" + ("; nothing was written to the output path" if writes else ""), file=sys.stderr)
         code = ExitCode.CANCELLED
     except BrokenPipeError:  # `tailor-tui --stats RUN | head`: the reader has seen enough
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -244,7 +244,7 @@ class Composition:
     # --- recipes ----------------------------------------------------------------------------
 
     def to_recipe(self) -> Recipe:
-        layers = {row: self.checkpoints[col].path for row, col in self.picks.items()}
+        layers = {r.name: self.checkpoints[self.picks[r.name]].path for r in self.rows if r.name in self.picks}
         return Recipe(base=self.base_checkpoint.path, output=self.output, layers=layers, world_size=self.world_size)
 
     def save(self, path: Path) -> Path:

@@ -133,7 +133,7 @@ def _what(folder: Path) -> str:
     if checkpoints:
         return f"{len(checkpoints)} checkpoint(s) ({_names([str(c.relative_to(folder)) for c in checkpoints])})"
     entries = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
-    return f"{len(entries)} entries ({_names(entries)})"
+    return f"{len(entries)} {'entry' if len(entries) == 1 else 'entries'} ({_names(entries)})"
 
 
 def _names(names: list[str], most: int = 3) -> str:

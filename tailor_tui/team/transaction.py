@@ -96,8 +96,9 @@ class TeamWork(Generic[R]):
 
     def abandon(self, shared: str | None, exc: BaseException, cleans: bool) -> BaseException | None:
         """The job failed at `exc`; `cleans`: this process removes what was prepared (process 0,
-        or a survivor when process 0 is gone). Returns the exception to raise instead, if any."""
-        return None
+        or a survivor when process 0 is gone). Returns the exception to raise instead, if any:
+        by default a Ctrl-C is this work's cancel."""
+        return Cancelled(self.cancelled) if isinstance(exc, KeyboardInterrupt) else None
 
 
 def run_as_team(work: TeamWork[R], *, team: Team = SOLO, emit: Emit = lambda event: None,
