@@ -433,6 +433,8 @@ async def test_help_lists_every_binding_and_scrolls_to_the_last_at_80x24(run_cop
                 assert f"{action.key_text}: " in HELP.replace("\n           ", " "), action
         await pilot.press("question_mark")
         await wait_for(pilot, lambda: isinstance(app.screen, HelpScreen))
+        title = str(app.home.query_one("#title").render())
+        assert title.startswith("tailor-tui · unsaved recipe · base ")  # the recipe first, whole at 80 columns
         scroll = app.screen.query_one(VerticalScroll)
         assert scroll.max_scroll_y > 0  # 80×24 does not hold it all
         await pilot.press("end")

@@ -103,21 +103,31 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
             return str(path)
 
     def update_title(self) -> None:
+        """One line, most important first: the unsaved marker and the recipe, the world size, the
+        statistics' progress, base and output, then the run's folder, shortened from the left to
+        what the width leaves (80 columns keep the first ones whole)."""
         comp = self.composition
-        parts = [f"tailor-tui · {self.options.run_dir.name or self.options.run_dir}"]
+        parts = []
         if comp:
-            parts.append(f"base {comp.base_checkpoint.name}")
-            parts.append(f"output {self.rel(comp.output)}")
+            recipe = self.rel(comp.recipe_path) if comp.recipe_path else "unsaved recipe"
+            parts.append(("" if comp.saved else "* ") + recipe)
             if comp.world_size is not None:
                 parts.append(f"{comp.base_checkpoint.world_size} → {comp.world_size} ranks")
-            recipe = self.rel(comp.recipe_path) if comp.recipe_path else "unsaved recipe"
-            parts.append(recipe + ("" if comp.saved else " *"))
             if self.health_status:
                 parts.append(self.health_status)
-        title = " · ".join(parts)
+            parts += [f"base {comp.base_checkpoint.name}", f"output {self.rel(comp.output)}"]
+        head = " · ".join(["tailor-tui", *parts]) + " · "
+        run = self.options.run_dir.name or str(self.options.run_dir)  # its full path: the details panel
+        room = max(0, self.size.width - 2 - len(head))  # the title's padding
+        if len(run) > room:
+            run = "…" + run[len(run) - room + 1:] if room > 8 else ""
+        title = head + run if run else head[:-3]
         if title != self.title_text:  # one line, its height fixed: no re-layout of the screen
             self.title_text = title
             self.query_one("#title", Static).update(title, layout=False)
+
+    def on_resize(self) -> None:
+        self.update_title()
 
     # --- scanning ------------------------------------------------------------------------
 
