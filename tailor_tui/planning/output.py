@@ -161,13 +161,29 @@ def output_lock(out: Path):
     """Hold an exclusive lock on `out` for the whole merge (its parent folder made first if it is
     not there), or raise OutputError naming the tailor-tui that holds it. File systems without
     flock (some Lustre mounts) get no lock."""
-    import fcntl
-
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise output_error(exc, out.parent) from None
-    path = _lock_path(out)
+    path, fd = _lock_path(out), None
+    try:
+        with signals_held():  # a Ctrl-C waits until the lock file is one this call removes
+            fd = _lock(out, path)
+        if fd is not None:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        yield
+    finally:
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)  # while still locked: a waiter that opened it sees it gone and retries
+            os.close(fd)
+
+
+def _lock(out: Path, path: Path) -> int | None:
+    """The locked lock file of `out` at `path` (an fd), or None where the file system has no locks."""
+    import fcntl
+
     while True:
         try:  # never through a link planted in its place (its target would be truncated)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
@@ -190,21 +206,12 @@ def output_lock(out: Path):
         except OSError as exc:
             os.close(fd)
             if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                yield  # no locks on this file system
-                return
+                return None  # no locks on this file system
             raise output_error(exc, path) from None
         st = os.fstat(fd)
         if identity(path) == (st.st_dev, st.st_ino):  # still the file at `path`
-            break
+            return fd
         os.close(fd)  # its holder removed it as we opened it: lock the new one
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(path)  # while still locked: a waiter that opened it sees it gone and retries
-        os.close(fd)
 
 
 # --- taking its place ------------------------------------------------------------------------
