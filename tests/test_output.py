@@ -152,14 +152,16 @@ def test_a_cancel_during_the_swap_completes_it_and_says_so(hf_run, tmp_path, mon
     _, ckpts = hf_run
     merge.run_merge(_plan(ckpts, tmp_path), workers=1)
     old = (tmp_path / "composed" / output.PROVENANCE).read_text()
-    real = merge.publish
+    from tailor_tui.team import transaction  # where a finished folder is put in place
+
+    real = transaction.publish
 
     def interrupted(*args):  # Ctrl-C arrives while the new output is being swapped in
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.05)
         real(*args)
 
-    monkeypatch.setattr(merge, "publish", interrupted)
+    monkeypatch.setattr(transaction, "publish", interrupted)
     with pytest.raises(Cancelled, match="is complete and holds the new composition"):
         merge.run_merge(_plan(ckpts, tmp_path, force=True), workers=1)
     assert (tmp_path / "composed" / output.PROVENANCE).read_text() != old  # the new one, whole

@@ -14,8 +14,6 @@ output path. Sources are only ever opened for reading.
 from __future__ import annotations
 
 import contextlib
-import json
-import shutil
 import threading
 import time
 import zipfile
@@ -32,15 +30,13 @@ from tailor_tui.health.guard import nonfinite_error
 from tailor_tui.planning.jobs import BinFileJob
 from tailor_tui.compose.model_files import merge_model_file
 from tailor_tui.planning.provenance import plan_digest, provenance
-from tailor_tui.planning.output import (OUTPUT_FILES, check_own_folder, hidden_folder, output_lock, publish,
-                                        signals_held, written_files)
 from tailor_tui.planning.plan import MergePlan
 from tailor_tui.formats.ptfile import check_crcs
 from tailor_tui.compose.rank_reshard import reshard_rank
 from tailor_tui.compose.rank_task import merge_rank
 from tailor_tui.resharding.skeleton import write_skeletons
 from tailor_tui.team.team import SOLO, Team
-from tailor_tui.team.transaction import Task, TeamWork, run_as_team
+from tailor_tui.team.transaction import PublishingWork, Task, run_as_team
 from tailor_tui.team.workers import default_workers
 
 # --- the task list -------------------------------------------------------------------------
@@ -80,7 +76,7 @@ def run_merge(
     rank files and model files into the one hidden folder process 0 made, and process 0
     checks the whole and renames it into place; a failure anywhere fails every process."""
     started = time.monotonic()
-    work = Composing(plan, workers, options.durable, options.exchange, allow_nonfinite)
+    work = Composing(plan, workers, options, allow_nonfinite)
     run_as_team(work, team=team, emit=emit, cancel=cancel, options=options)
     # what the plan counted (bytes_to_write): every file but the provenance record written last
     out = plan.output
@@ -88,23 +84,22 @@ def run_merge(
     return MergeResult(out, time.monotonic() - started, written, work.peak, dict(work.nonfinite))
 
 
-class Composing(TeamWork[None]):
+class Composing(PublishingWork):
     """A composition's stages (`transaction`): process 0 makes the hidden folder with the
     base's other files; each process writes its share of the rank files and weight files
     into it; process 0 checks the whole, writes the provenance record and renames it into place."""
 
     cancelled = Cancelled().args[0]
+    finished = ("cancelled as the merge finished: {output} is complete and holds the new composition "
+                "(check it with --verify)")
 
-    def __init__(self, plan: MergePlan, workers: int | None, durable: bool, exchange: bool, allow_nonfinite: bool):
-        self.plan, self.durable, self.exchange, self.allow_nonfinite = plan, durable, exchange, allow_nonfinite
-        self.workers_asked = workers
+    def __init__(self, plan: MergePlan, workers: int | None, options: TaskOptions, allow_nonfinite: bool):
+        super().__init__(plan.output, plan.force, options)
+        self.plan, self.allow_nonfinite, self.workers_asked = plan, allow_nonfinite, workers
         self.rank_call = reshard_rank if plan.reshard is not None else merge_rank
         self.peak = 0
         self.nonfinite: Counter = Counter()
-        self.tmp: Path | None = None
         self.reports: list[dict] = []  # every process's, as gathered
-        self.made: Path | None = None  # the hidden folder, in process 0 (from the moment it exists)
-        self.published = False
 
     def digest(self) -> str:
         return plan_digest(self.plan)
@@ -112,18 +107,11 @@ class Composing(TeamWork[None]):
     def progress_tasks(self) -> list[tuple[str, int]]:
         return planned_tasks(self.plan)
 
-    def held(self, lead: bool):
-        return output_lock(self.plan.output) if lead else contextlib.nullcontext()
-
-    def prepare(self, cancel: threading.Event) -> str:
-        with signals_held():  # a Ctrl-C waits until `abandon` knows the folder it must remove
-            self.made = hidden_folder(self.plan.output, self.plan.force)
-        _fill(self.plan, self.made, cancel, self.durable)
-        return str(self.made)
+    def fill(self, tmp: Path, cancel: threading.Event) -> None:
+        _fill(self.plan, tmp, cancel, self.durable)
 
     def tasks(self, shared: str, emit: Emit) -> list[Task]:
-        self.tmp = check_own_folder(Path(shared))
-        tag_dir = self.tmp / self.plan.base.tag
+        tag_dir = self.folder(shared) / self.plan.base.tag
         return [*(Task(self.rank_call, job, (tag_dir,)) for job in self.plan.rank_jobs()),
                 *(Task(_weight_writer(job), job, (self.tmp,)) for job in self.plan.model_file_jobs())]
 
@@ -154,29 +142,13 @@ class Composing(TeamWork[None]):
         self.reports = reports
 
     def publish(self) -> None:
-        plan, tmp, durable = self.plan, self.tmp, self.durable
+        plan, tmp = self.plan, self.tmp
         _confirm_sizes(tmp, self.reports)
         if self.nonfinite and not self.allow_nonfinite:
             raise nonfinite_error(plan, self.nonfinite)
         verify_output(plan, tmp)
-        record = provenance(plan) | {OUTPUT_FILES: written_files(tmp)}
-        write_file(tmp / PROVENANCE, json.dumps(record, indent=2) + "\n", durable)
-        fsync_dir(tmp / plan.base.tag, durable)
-        fsync_dir(tmp, durable)
-        with signals_held():  # a cancel now waits until the output is whole at its path
-            publish(tmp, plan.output, plan.force, durable, self.exchange)
-            self.published = True
-
-    def abandon(self, shared: str | None, exc: BaseException, cleans: bool) -> BaseException | None:
-        if self.published:
-            if isinstance(exc, KeyboardInterrupt):
-                return Cancelled(f"cancelled as the merge finished: {self.plan.output} is complete and holds the "
-                                 "new composition (check it with --verify)")
-            return None
-        folder = self.made or (Path(shared) if shared is not None else None)  # process 0's, or the one it shared
-        if folder is not None and cleans:
-            shutil.rmtree(folder, ignore_errors=True)
-        return Cancelled() if isinstance(exc, KeyboardInterrupt) else None
+        fsync_dir(tmp / plan.base.tag, self.durable)
+        self.publish_folder(provenance(plan))
 
 
 def _weight_writer(job):

@@ -12,23 +12,20 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tailor_tui.checkpoints.checkpoint import PROVENANCE
 from tailor_tui.checkpoints.side_files import load_json
-from tailor_tui.errors import Cancelled, UsageError
+from tailor_tui.errors import UsageError
 from tailor_tui.events import Emit, TaskOptions
 from tailor_tui.export.plan import Export
 from tailor_tui.export.rank import export_rank
-from tailor_tui.fileio import copy_file, fsync_dir, output_error, pwrite_all, write_file
+from tailor_tui.fileio import copy_file, output_error, pwrite_all, write_file
 from tailor_tui.planning.provenance import provenance
-from tailor_tui.planning.output import OUTPUT_FILES, hidden_folder, output_lock, publish, signals_held, written_files
 from tailor_tui.formats.safetensors_out import INDEX
-from tailor_tui.team.transaction import Task, TeamWork, run_as_team
+from tailor_tui.team.transaction import PublishingWork, Task, run_as_team
 
 CONFIG = "config.json"
 # what save_pretrained and a tokenizer's save_pretrained write beside the weights
@@ -69,60 +66,35 @@ def run_export(export: Export, *, config: Path | None, workers: int, emit: Emit 
     return ExportResult(export.plan.output, time.monotonic() - started, export.bytes_to_write(), source)
 
 
-class Exporting(TeamWork[None]):
+class Exporting(PublishingWork):
     """An export's stages (`transaction`): the hidden folder with every shard's header, the
     config and tokenizer files; each source rank's weights written into the shards by the
     workers; the provenance record, and the folder renamed into place."""
 
     cancelled = "export cancelled; nothing was written to the output path"
+    finished = "cancelled as the export finished: {output} is complete"
 
     def __init__(self, export: Export, source: Path | None, workers: int, options: TaskOptions):
+        super().__init__(export.plan.output, export.plan.force, options)
         self.export, self.source, self.workers_asked = export, source, workers
-        self.durable, self.exchange = options.durable, options.exchange
-        self.tmp: Path | None = None
-        self.published = False
 
     def progress_tasks(self) -> list[tuple[str, int]]:
         return [(job.task, job.total_bytes) for job in self.export.jobs]
 
-    def held(self, lead: bool):
-        return output_lock(self.export.plan.output)
-
-    def prepare(self, cancel: threading.Event) -> str:
-        plan = self.export.plan
-        with signals_held():  # a Ctrl-C waits until `abandon` knows the folder it must remove
-            self.tmp = hidden_folder(plan.output, plan.force)
-        _make_files(self.export, self.tmp, self.durable)
+    def fill(self, tmp: Path, cancel: threading.Event) -> None:
+        _make_files(self.export, tmp, self.durable)
         if self.source is not None:
-            _write_config(self.source, self.tmp, self.export.dtype, self.durable)
-        return str(self.tmp)
+            _write_config(self.source, tmp, self.export.dtype, self.durable)
 
     def tasks(self, shared: str, emit: Emit) -> list[Task]:
-        self.tmp = Path(shared)
-        return [Task(export_rank, job, (self.tmp,)) for job in self.export.jobs]
+        return [Task(export_rank, job, (self.folder(shared),)) for job in self.export.jobs]
 
     def workers(self, mine: list[Task]) -> int:
         return self.workers_asked
 
     def publish(self) -> None:
-        plan, tmp = self.export.plan, self.tmp
         source = str(self.source) if self.source else None
-        record = provenance(plan) | {"export": {"dtype": self.export.dtype, "config": source},
-                                     OUTPUT_FILES: written_files(tmp)}
-        write_file(tmp / PROVENANCE, json.dumps(record, indent=2) + "\n", self.durable)
-        fsync_dir(tmp, self.durable)
-        with signals_held():
-            publish(tmp, plan.output, plan.force, self.durable, self.exchange)
-            self.published = True
-
-    def abandon(self, shared: str | None, exc: BaseException, cleans: bool) -> BaseException | None:
-        if self.published:
-            if isinstance(exc, KeyboardInterrupt):
-                return Cancelled(f"cancelled as the export finished: {self.export.plan.output} is complete")
-            return None
-        if self.tmp is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-        return Cancelled(self.cancelled) if isinstance(exc, KeyboardInterrupt) else None
+        self.publish_folder(provenance(self.export.plan) | {"export": {"dtype": self.export.dtype, "config": source}})
 
 
 def _make_files(export: Export, tmp: Path, durable: bool) -> None:

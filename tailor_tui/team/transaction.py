@@ -17,12 +17,19 @@ stages, each team call immediate.
 from __future__ import annotations
 
 import contextlib
+import json
+import shutil
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Generic, TypeVar
 
+from tailor_tui.checkpoints.checkpoint import PROVENANCE
 from tailor_tui.errors import Cancelled
 from tailor_tui.events import Emit, Job, TaskFinished, TaskOptions, TaskProgressed
+from tailor_tui.fileio import fsync_dir, write_file
+from tailor_tui.planning.output import (OUTPUT_FILES, check_own_folder, hidden_folder, output_lock, publish,
+                                        signals_held, written_files)
 from tailor_tui.team.progress import relay
 from tailor_tui.team.team import SOLO, Team
 from tailor_tui.team.workers import run_calls
@@ -99,6 +106,59 @@ class TeamWork(Generic[R]):
         or a survivor when process 0 is gone). Returns the exception to raise instead, if any:
         by default a Ctrl-C is this work's cancel."""
         return Cancelled(self.cancelled) if isinstance(exc, KeyboardInterrupt) else None
+
+
+class PublishingWork(TeamWork[None]):
+    """Work whose result is a folder at `output` (a composition, an export): process 0, holding
+    the output's lock, makes it hidden beside `output` and fills it (`fill`); each process writes
+    its share into it (`folder`); process 0 writes the provenance record and puts the whole in
+    place (`publish_folder`). A failure or a Ctrl-C before that removes the folder; a Ctrl-C
+    after says the output is complete (`finished`)."""
+
+    finished = "cancelled as it finished: {output} is complete"
+
+    def __init__(self, output: Path, force: bool, options: TaskOptions):
+        self.output, self.force = output, force
+        self.durable, self.exchange = options.durable, options.exchange
+        self.made: Path | None = None  # process 0's hidden folder, from the moment it exists
+        self.tmp: Path | None = None  # the folder every process writes into
+        self.published = False
+
+    def held(self, lead: bool):
+        return output_lock(self.output) if lead else contextlib.nullcontext()
+
+    def prepare(self, cancel: threading.Event) -> str:
+        with signals_held():  # a Ctrl-C waits until `abandon` knows the folder it must remove
+            self.made = hidden_folder(self.output, self.force)
+        self.fill(self.made, cancel)
+        return str(self.made)
+
+    def fill(self, tmp: Path, cancel: threading.Event) -> None:
+        """Process 0: what the folder holds before the workers write into it."""
+
+    def folder(self, shared: str) -> Path:
+        """The folder process 0 shared, checked (a folder of this user's, not a link)."""
+        self.tmp = check_own_folder(Path(shared))
+        return self.tmp
+
+    def publish_folder(self, record: dict) -> None:
+        """Process 0: `record`, with every file the folder holds, as its provenance record; then
+        the folder in place at `output`."""
+        tmp = self.tmp
+        write_file(tmp / PROVENANCE, json.dumps(record | {OUTPUT_FILES: written_files(tmp)}, indent=2) + "\n",
+                   self.durable)
+        fsync_dir(tmp, self.durable)
+        with signals_held():  # a cancel now waits until the output is whole at its path
+            publish(tmp, self.output, self.force, self.durable, self.exchange)
+            self.published = True
+
+    def abandon(self, shared: str | None, exc: BaseException, cleans: bool) -> BaseException | None:
+        if self.published:
+            return Cancelled(self.finished.format(output=self.output)) if isinstance(exc, KeyboardInterrupt) else None
+        folder = self.made or (Path(shared) if shared is not None else None)  # process 0's, or the one it shared
+        if folder is not None and cleans:
+            shutil.rmtree(folder, ignore_errors=True)
+        return super().abandon(shared, exc, cleans)
 
 
 def run_as_team(work: TeamWork[R], *, team: Team = SOLO, emit: Emit = lambda event: None,

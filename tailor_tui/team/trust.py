@@ -29,7 +29,8 @@ import stat
 import time
 from pathlib import Path
 
-from tailor_tui.errors import ExitCode, TailorError
+from tailor_tui.checkpoints.side_files import read_small
+from tailor_tui.errors import ExitCode, TailorError, UsageError
 
 SECRET_ENV = "TAILOR_TUI_TEAM_SECRET"
 SECRET, PORT = "secret", "port"
@@ -74,7 +75,7 @@ def env_secret(env) -> bytes | None:
     if not text:
         return None
     if len(text) < 16:
-        raise TailorError(f"{SECRET_ENV} holds {len(text)} characters: a team secret needs at least 16 "
+        raise UsageError(f"{SECRET_ENV} holds {len(text)} characters: a team secret needs at least 16 "
                           "(e.g. export it from `openssl rand -hex 32`)")
     return text.encode()
 
@@ -89,9 +90,9 @@ def meeting_folder(root: Path, job: str) -> Path:
 def _check_private(folder: Path) -> None:
     st = os.lstat(folder)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise TailorError(f"{folder}: not a folder (a link?) where tailor-tui's job meets; remove it and run again")
+        raise UsageError(f"{folder}: not a folder (a link?) where tailor-tui's job meets; remove it and run again")
     if st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        raise TailorError(f"{folder}: owned by another user or open to others (mode {stat.S_IMODE(st.st_mode):o}); "
+        raise UsageError(f"{folder}: owned by another user or open to others (mode {stat.S_IMODE(st.st_mode):o}); "
                           "a job's meeting folder must be this user's alone: remove it and run again")
 
 
@@ -128,18 +129,11 @@ def read_meeting(folder: Path, deadline: float, want_secret: bool, want_port: bo
             return secret, port
         except (FileNotFoundError, ValueError):
             if time.monotonic() > deadline:
-                raise TailorError(f"{folder}: process 0 of the job did not leave its secret and port there in "
+                raise UsageError(f"{folder}: process 0 of the job did not leave its secret and port there in "
                                   "time; check that every task was started and shares this file system "
                                   f"(or set {SECRET_ENV} and MASTER_PORT for every task)") from None
             time.sleep(0.1)
 
 
 def _read(path: Path) -> str:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > 200:
-            raise ValueError(f"{path}: not tailor-tui's")
-        return os.read(fd, 200).decode().strip()
-    finally:
-        os.close(fd)
+    return read_small(path, 200, follow=False).decode().strip()  # a hex secret or a port number
