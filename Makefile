@@ -20,7 +20,7 @@ demo-apply: install
 	$(BIN)/tailor-tui --make-demo demo-run
 	$(BIN)/tailor-tui --apply recipes/demo.yaml --force
 
-# two test processes: much of the suite waits (pilot pauses, merges slowed to be signalled),
+# two test processes: much of the suite waits (pilot pauses, compositions slowed to be signalled),
 # and the real runs each test needs are made once, by whichever process needs one first
 test: install
 	$(BIN)/python -m pytest -n 2

@@ -71,11 +71,11 @@ Emit = Callable[[object], None]
 
 @dataclass(frozen=True)
 class TaskOptions:
-    """How a merge's tasks write, carried with them (to worker processes too)."""
+    """How a composition's tasks write, carried with them (to worker processes too)."""
 
     durable: bool = True  # fsync before an output counts as written (--no-fsync: False)
-    # Fault injection for tests of cancel and kill: test checkpoints merge in well under a
-    # second, so tests slow each progress step down by this many seconds to hit one mid-merge.
+    # Fault injection for tests of cancel and kill: test checkpoints compose in well under a
+    # second, so tests slow each progress step down by this many seconds to hit one mid-composition.
     slow_down: float = 0.0
     # Tests of the replacing way file systems without renameat2 exchange need (NFS, Lustre):
     # False replaces an output by two renames even where the kernel could swap atomically.

@@ -253,7 +253,7 @@ def crc_range(fd: int, offset: int, length: int, buffer: memoryview,
               on_bytes: Callable[[int], None] = lambda n: None,
               inspect: Callable[[int, memoryview], None] | None = None) -> int:
     """CRC-32 of a byte range of a file, read through `buffer` (reused: no allocation per read);
-    `inspect(offset, chunk)` sees every chunk read (the merger counts non-finite values so)."""
+    `inspect(offset, chunk)` sees every chunk read (the compose step counts non-finite values so)."""
     value, end = 0, offset + length
     while offset < end:
         view = buffer[: min(len(buffer), end - offset)]
@@ -299,10 +299,10 @@ def copy_range(fin: int, fout: int, offset: int, count: int,
 class Writeback:
     """Starts the disk writes of a file's dirty pages as they accumulate.
 
-    Output files are fsynced before the merge counts as done; without this, all of a
+    Output files are fsynced before the composition counts as done; without this, all of a
     rank file's bytes would wait in the page cache and that fsync would write them all at
     the end, serially. sync_file_range(WRITE) queues the writes of each finished stretch
-    (it does not wait), so the disk works while the merge goes on and the final fsync
+    (it does not wait), so the disk works while the composition goes on and the final fsync
     waits for the tail only. A no-op where the call does not exist.
     """
 

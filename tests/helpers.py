@@ -1,6 +1,6 @@
 """Helpers the test modules share: the real CLI in a subprocess, recipes, comparisons of
 composed checkpoints with their sources (through DeepSpeed's own zero_to_fp32 code), and
-merges started and signalled as a batch job would see them."""
+compositions started and signalled as a batch job would see them."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from zero_reader import optim_states, read_full_state
 
 from tailor_tui.checkpoints.scan import scan
 from tailor_tui.compose.composition import Composition
-from tailor_tui.compose.merge import run_merge
+from tailor_tui.compose.folder import run_compose
 from tailor_tui.planning.build import build_plan
 from tailor_tui.formats.ptfile import read_structure
 from tailor_tui.formats.ptpickle import dumps, storage_bytes
@@ -77,7 +77,7 @@ def assert_one_line_error(result, code: int, *needles: str):
 
 
 def start_apply(recipe: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    """A merge slowed to several seconds (test checkpoints are tiny), so signals land mid-merge."""
+    """A composition slowed to several seconds (test checkpoints are tiny), so signals land mid-composition."""
     return start_tailor("--apply", recipe, *extra, env=env)
 
 
@@ -89,19 +89,19 @@ def start_tailor(*args, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([TAILOR, *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-                            env={**os.environ, "PYTHONWARNINGS": "ignore", "TAILOR_TEST_SLOW_MERGE": "0.4",
+                            env={**os.environ, "PYTHONWARNINGS": "ignore", "TAILOR_TEST_SLOW_COMPOSE": "0.4",
                                  **(env or {})})
 
 
 def wait_for_line(proc: subprocess.Popen, start: str) -> str:
-    """Read the merge's log up to the first line that starts with `start`; returns what was read.
-    "composing": planned, workers about to start; "rank ": a worker is merging."""
+    """Read the composition's log up to the first line that starts with `start`; returns what was read.
+    "composing": planned, workers about to start; "rank ": a worker is composing."""
     seen = ""
     while line := proc.stderr.readline():
         seen += line
         if line.startswith(start):
             return seen
-    raise AssertionError(f"the merge ended before a line starting {start!r}:\n{seen}")
+    raise AssertionError(f"the composition ended before a line starting {start!r}:\n{seen}")
 
 
 def finish(proc: subprocess.Popen, seen: str) -> str:
@@ -138,7 +138,7 @@ def compose(tmp_path: Path, ckpts: list[Path], picks: dict[str, Path], workers: 
     recipe = Recipe(base=ckpts[-1], output=tmp_path / "composed", layers=picks)
     plan = build_plan(recipe)
     events = []
-    run_merge(plan, workers=workers, emit=events.append)
+    run_compose(plan, workers=workers, emit=events.append)
     return plan.output, events
 
 

@@ -1,5 +1,5 @@
 """Helpers the composer's pilot and snapshot tests share: a private copy of a real run,
-waiting for the scan and the statistics, for a condition, and starting a merge from the keyboard."""
+waiting for the scan and the statistics, for a condition, and starting a composition from the keyboard."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from conftest import checkpoints_of
 
 from tailor_tui.ui.dialogs import Confirm
-from tailor_tui.ui.merge_screen import MergeScreen
+from tailor_tui.ui.compose_screen import ComposeScreen
 
 
 def private_copy(real_run, tmp_path: Path, name: str, folder: str = "run") -> tuple[Path, list[Path]]:
@@ -41,17 +41,17 @@ async def wait_for(pilot, condition, tries: int = 600):
     raise AssertionError("condition not reached")
 
 
-async def merge_finished(pilot, tries: int = 600) -> None:
-    """The merge screen (a merge or an export) ran to the end; Esc closes it."""
-    await wait_for(pilot, lambda: isinstance(pilot.app.screen, MergeScreen) and not pilot.app.screen.running, tries)
+async def compose_finished(pilot, tries: int = 600) -> None:
+    """The compose screen (a composition or an export) ran to the end; Esc closes it."""
+    await wait_for(pilot, lambda: isinstance(pilot.app.screen, ComposeScreen) and not pilot.app.screen.running, tries)
     assert pilot.app.screen.has_class("finished")
     await pilot.press("escape")
 
 
-async def start_merge(pilot) -> MergeScreen:
-    """ctrl+r, accept the plan, and return the merge screen."""
+async def start_composing(pilot) -> ComposeScreen:
+    """ctrl+r, accept the plan, and return the compose screen."""
     await pilot.press("ctrl+r")
     await wait_for(pilot, lambda: isinstance(pilot.app.screen, Confirm))
     await pilot.press("enter")
-    await wait_for(pilot, lambda: isinstance(pilot.app.screen, MergeScreen))
+    await wait_for(pilot, lambda: isinstance(pilot.app.screen, ComposeScreen))
     return pilot.app.screen

@@ -133,7 +133,7 @@ def test_headless_path_never_imports_textual(real_run, tmp_path):
     recipe = write_recipe(tmp_path, c6, {"layers.1": c4})
     code = (
         "import sys\n"
-        "import tailor_tui.checkpoints.checkpoint, tailor_tui.planning.recipe, tailor_tui.planning.plan, tailor_tui.compose.merge\n"
+        "import tailor_tui.checkpoints.checkpoint, tailor_tui.planning.recipe, tailor_tui.planning.plan, tailor_tui.compose.folder\n"
         "import tailor_tui.compose.composition, tailor_tui.report, tailor_tui.events, tailor_tui.compose.model_files\n"
         "import tailor_tui.selective.saver, tailor_tui.compose.verify\n"
         "from tailor_tui.cli.main import main\n"
@@ -141,7 +141,7 @@ def test_headless_path_never_imports_textual(real_run, tmp_path):
         "assert 'textual' not in sys.modules, 'the headless path imported textual'\n"
         # Streaming reads structure with its own allow-listed unpickler: no torch import,
         # which is what makes scanning and worker start-up cheap.
-        "assert 'torch' not in sys.modules, 'the streaming merge imported torch'\n"
+        "assert 'torch' not in sys.modules, 'the streaming composition imported torch'\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

@@ -2,7 +2,7 @@
 
 The real entry point runs under `torchrun --nproc-per-node 2` and as two Slurm tasks (the
 environment srun sets, on this one machine): the output is byte-identical, provenance aside,
-to a one-process `--apply`. A task killed with SIGKILL mid-merge fails the other within the
+to a one-process `--apply`. A task killed with SIGKILL mid-composition fails the other within the
 peer timeout, leaves nothing at the output, and a re-run succeeds.
 """
 
@@ -117,13 +117,13 @@ def test_two_slurm_tasks_reshard_what_one_process_does(real_run, tmp_path):
     _assert_same_output(tmp_path / "composed", tmp_path / "solo")
 
 
-def test_a_task_killed_mid_merge_fails_the_job_and_leaves_nothing(real_run, tmp_path):
+def test_a_task_killed_mid_composition_fails_the_job_and_leaves_nothing(real_run, tmp_path):
     run, spec = real_run("ds_bf16_3_subgroups")
     c2, _c4, c6 = checkpoints_of(run, spec)
     recipe = write_recipe(tmp_path, c6, {"layers.2": c2})
-    tasks = _slurm_tasks(["--apply", recipe, "--peer-timeout", "4"], env={"TAILOR_TEST_SLOW_MERGE": "0.2"})
+    tasks = _slurm_tasks(["--apply", recipe, "--peer-timeout", "4"], env={"TAILOR_TEST_SLOW_COMPOSE": "0.2"})
     while "[process 1] rank" not in (line := tasks[1].stderr.readline()):
-        assert line, "process 1 ended before it merged"
+        assert line, "process 1 ended before it composed"
     tasks[1].send_signal(signal.SIGKILL)
     killed = time.monotonic()
     _out, err = tasks[0].communicate(timeout=60)
@@ -188,7 +188,7 @@ def test_a_task_whose_work_hangs_fails_the_job(real_run, tmp_path):
                               stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
                               env={**os.environ, "PYTHONWARNINGS": "ignore", "SLURM_PROCID": str(p),
                                    "SLURM_NTASKS": "2", "SLURM_JOB_ID": "11", "SLURM_STEP_NODELIST": "localhost",
-                                   "MASTER_PORT": port, "TAILOR_TEST_SLOW_MERGE": "8" if p == 1 else "0.1"})
+                                   "MASTER_PORT": port, "TAILOR_TEST_SLOW_COMPOSE": "8" if p == 1 else "0.1"})
              for p in range(2)]
     started = time.monotonic()
     lead = tasks[0].communicate(timeout=60)
@@ -234,10 +234,10 @@ def test_a_stranger_who_writes_into_the_jobs_store_stops_it_and_steers_nothing(r
     trap = tmp_path / "attackers"
     trap.mkdir()
     port = _free_port()
-    tasks = _slurm_tasks(["--apply", recipe], env={"TAILOR_TEST_SLOW_MERGE": "0.2", "MASTER_PORT": str(port)},
+    tasks = _slurm_tasks(["--apply", recipe], env={"TAILOR_TEST_SLOW_COMPOSE": "0.2", "MASTER_PORT": str(port)},
                          job="4242")
     while "[process 1] rank" not in (line := tasks[1].stderr.readline()):
-        assert line, "process 1 ended before it merged"
+        assert line, "process 1 ended before it composed"
     stranger = dist.TCPStore("localhost", port, 2, False, timeout=__import__("datetime").timedelta(seconds=10))
     prefix = "tailor-tui/slurm/4242/0/0/localhost/"  # the job, as the ids squeue shows name it
     deadline = time.monotonic() + 60

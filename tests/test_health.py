@@ -8,6 +8,7 @@ import json
 import math
 import shutil
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -247,3 +248,43 @@ def test_distinct_names_add_parent_folders_only_where_names_repeat():
              Path("/r/checkpoint-6")]
     assert distinct_names(paths) == ["x/a/global_step2", "y/a/global_step2", "global_step4", "checkpoint-6"]
     assert distinct_names([Path("global_step2"), Path("/global_step2")]) == ["global_step2", "/global_step2"]
+
+
+@pytest.mark.parametrize("name", ["ds_blown_up", "hf_bf16_2"])
+def test_heal_then_apply_twice_writes_a_sibling_and_outputs_are_never_columns(real_run, tmp_path, name):
+    """The README's unattended recovery, run twice: the second output is a new sibling, never
+    written inside or over the first, and the first is never a checkpoint of the run (not a
+    column of --stats, not --heal's base)."""
+    source, spec = real_run(name)
+    run = tmp_path / "run"
+    shutil.copytree(source, run)
+    newest = checkpoints_of(run, spec)[-1]
+    recipe = tmp_path / "fix.yaml"
+    outputs = []
+    for attempt in (1, 2):
+        healed = tailor("--heal", run, "--recipe", recipe)
+        assert healed.returncode == 0, healed.stderr
+        doc = yaml.safe_load(recipe.read_text())
+        assert (recipe.parent / doc["base"]).resolve() == newest.resolve(), attempt
+        applied = tailor("--apply", recipe)
+        assert applied.returncode == 0, applied.stderr
+        outputs.append((recipe.parent / doc["output"]).resolve())
+    first, second = outputs
+    assert first == newest.resolve().with_name(newest.name + "-tailored")
+    assert second == newest.resolve().with_name(newest.name + "-tailored-2")
+    assert {p.name for p in run.iterdir()} >= {first.name, second.name}
+    assert not [p for p in first.rglob("*") if "tailored" in p.name]  # nothing written inside the first
+    columns = {Path(c["path"]).name for c in stats_json(run)["checkpoints"]}
+    assert columns == {c.name for c in checkpoints_of(run, spec)}
+
+
+def test_a_folder_of_outputs_only_names_them_and_their_sources(real_run, tmp_path):
+    run, spec = real_run("hf_bf16_2")
+    c2, c4, c6 = checkpoints_of(run, spec)
+    outputs = tmp_path / "outputs"
+    outputs.mkdir()
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c4}, output="outputs/fixed")
+    assert tailor("--apply", recipe).returncode == 0
+    result = tailor("--stats", outputs)
+    assert_one_line_error(result, 4, f"{outputs}: holds no training checkpoint, only what tailor-tui composed",
+                          "fixed (from checkpoint-6, checkpoint-4)", "open the run those came from")

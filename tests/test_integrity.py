@@ -1,5 +1,5 @@
 """Corruption is refused, never blessed: every byte the output takes from the base or a
-source is checked against the CRC-32 its archive stores, during the merge, before
+source is checked against the CRC-32 its archive stores, during the composition, before
 anything is published (torch.load itself never checks them)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The output path: nothing lost, one writer, the truth when cancelled.
 
 --force replaces only an earlier tailor-tui output; an output that reaches a source under
-another name (bind mount, symlink) is refused; two merges to one output do not both
+another name (bind mount, symlink) is refused; two compositions to one output do not both
 "succeed"; a swap interrupted by a signal or a kill leaves the old or the new output
 whole and says which; --dry-run never needs --force.
 """
@@ -21,7 +21,7 @@ from conftest import checkpoints_of, tree_digest
 from helpers import assert_one_line_error, finish, hidden, start_apply, tailor, wait_for_line, write_recipe
 
 from tailor_tui import fileio
-from tailor_tui.compose import merge
+from tailor_tui.compose import folder
 from tailor_tui.planning import output
 from tailor_tui.errors import CheckpointError, Cancelled
 from tailor_tui.planning.build import build_plan
@@ -87,7 +87,7 @@ def test_an_output_reaching_a_source_through_a_bind_mount_is_refused(hf_run, tmp
         subprocess.run(["umount", str(alias)], check=True)
 
 
-def test_symlinked_outputs_are_refused_before_merging(hf_run, tmp_path):
+def test_symlinked_outputs_are_refused_before_composing(hf_run, tmp_path):
     run, (c2, c4, c6) = hf_run
     (tmp_path / "link").symlink_to(run)
     recipe = write_recipe(tmp_path, c6, {}, output="link")
@@ -98,17 +98,17 @@ def test_symlinked_outputs_are_refused_before_merging(hf_run, tmp_path):
     assert (tmp_path / "dangling").is_symlink() and not (tmp_path / "nowhere").exists()
 
 
-def test_a_second_merge_to_the_same_output_is_refused_while_the_first_runs(hf_run, tmp_path):
+def test_a_second_composition_to_the_same_output_is_refused_while_the_first_runs(hf_run, tmp_path):
     run, (c2, c4, c6) = hf_run
     recipe = write_recipe(tmp_path, c6, {"layers.1": c4})
-    first = start_apply(recipe, "-j", "2", "--force", env={"TAILOR_TEST_SLOW_MERGE": "0.1"})  # ~7 s
+    first = start_apply(recipe, "-j", "2", "--force", env={"TAILOR_TEST_SLOW_COMPOSE": "0.1"})  # ~7 s
     seen = wait_for_line(first, "rank ")
     second = tailor("--apply", recipe, "--force", "-j", "1")
     assert_one_line_error(second, 6, "another tailor-tui (pid", "is writing it now")
     err = finish(first, seen)
     assert first.returncode == 0, err
     assert tailor("--verify", recipe).returncode == 0
-    assert hidden(tmp_path) == []  # the lock file goes with the merge
+    assert hidden(tmp_path) == []  # the lock file goes with the composition
 
 
 def test_dry_run_never_needs_force_and_warns_about_other_runs(real_run, tmp_path):
@@ -150,7 +150,7 @@ def _plan(ckpts, tmp_path, force=False):
 
 def test_a_cancel_during_the_swap_completes_it_and_says_so(hf_run, tmp_path, monkeypatch):
     _, ckpts = hf_run
-    merge.run_merge(_plan(ckpts, tmp_path), workers=1)
+    folder.run_compose(_plan(ckpts, tmp_path), workers=1)
     old = (tmp_path / "composed" / output.PROVENANCE).read_text()
     from tailor_tui.team import transaction  # where a finished folder is put in place
 
@@ -163,14 +163,14 @@ def test_a_cancel_during_the_swap_completes_it_and_says_so(hf_run, tmp_path, mon
 
     monkeypatch.setattr(transaction, "publish", interrupted)
     with pytest.raises(Cancelled, match="is complete and holds the new composition"):
-        merge.run_merge(_plan(ckpts, tmp_path, force=True), workers=1)
+        folder.run_compose(_plan(ckpts, tmp_path, force=True), workers=1)
     assert (tmp_path / "composed" / output.PROVENANCE).read_text() != old  # the new one, whole
     assert tailor("--verify", write_recipe(tmp_path, ckpts[2], {"layers.1": ckpts[1]})).returncode == 0
     assert hidden(tmp_path) == []
 
 
 @pytest.mark.parametrize("exchange", [True, False])
-def test_cancelling_a_forced_merge_leaves_the_old_or_the_new_output_whole(hf_run, tmp_path, exchange):
+def test_cancelling_a_forced_composition_leaves_the_old_or_the_new_output_whole(hf_run, tmp_path, exchange):
     _, (c2, c4, c6) = hf_run
     recipe = write_recipe(tmp_path, c6, {"layers.1": c4})
     assert tailor("--apply", recipe, "-j", "1").returncode == 0
@@ -197,7 +197,7 @@ def test_cancelling_a_forced_merge_leaves_the_old_or_the_new_output_whole(hf_run
         old = now
         outcomes.append(proc.returncode)
         assert hidden(tmp_path) == []
-    assert 130 in outcomes, outcomes  # some signals did land mid-merge
+    assert 130 in outcomes, outcomes  # some signals did land mid-composition
 
 
 def test_an_old_output_moved_aside_by_a_killed_swap_is_put_back(hf_run, tmp_path):

@@ -102,7 +102,7 @@ def test_kill_9_at_any_moment_leaves_nothing_and_a_rerun_succeeds(real_run, tmp_
         if not [p for p in workers if Path(f"/proc/{p}").exists()]:
             break
         time.sleep(0.1)
-    assert not [p for p in workers if Path(f"/proc/{p}").exists()], "worker processes outlived a killed merge"
+    assert not [p for p in workers if Path(f"/proc/{p}").exists()], "worker processes outlived a killed composition"
     if out.exists():
         # Killed after the atomic rename (or it had finished): then the output must be whole.
         verified = tailor("--verify", recipe)
@@ -113,7 +113,7 @@ def test_kill_9_at_any_moment_leaves_nothing_and_a_rerun_succeeds(real_run, tmp_
     assert hidden(tmp_path) == []  # the killed run's temp folder was cleaned up too
 
 
-@pytest.mark.parametrize("when", ["composing", "rank "])  # while workers start; mid-merge
+@pytest.mark.parametrize("when", ["composing", "rank "])  # while workers start; mid-composition
 def test_ctrl_c_stops_workers_and_cleans_up(real_run, tmp_path, when):
     run, spec = real_run("hf_bf16_2")
     c2, c4, c6 = checkpoints_of(run, spec)

@@ -31,7 +31,7 @@ from zero_reader import model_states, optim_states
 
 from tailor_tui.checkpoints.scan import scan
 from tailor_tui.runs.demo_run import RunSpec, resume_and_step
-from tailor_tui.compose.merge import run_merge
+from tailor_tui.compose.folder import run_compose
 from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.recipe import Recipe
 from tailor_tui.formats.safetensors_in import safetensors_tensors
@@ -113,7 +113,7 @@ def test_full_base_streams_rows_from_partial_checkpoints(selective, tmp_path):
     p4 = scan(runs).checkpoints[1]
     recipe = Recipe(base=runs / "global_step2", output=tmp_path / "out",
                     layers={row: runs / "partial-step4" for row in p4.saved_rows})
-    run_merge(build_plan(recipe), workers=1)
+    run_compose(build_plan(recipe), workers=1)
     expect_rows_from(tmp_path / "out", {r.name: ref / ("global_step4" if p4.holds(r.name) else "global_step2")
                                         for r in p4.rows})
 

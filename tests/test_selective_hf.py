@@ -32,7 +32,7 @@ from safetensors import safe_open
 from tailor_tui.checkpoints.checkpoint import PARTIAL_MODEL_FILES
 from tailor_tui.checkpoints.scan import scan
 from tailor_tui.runs.demo_run import resume_and_step
-from tailor_tui.compose.merge import run_merge
+from tailor_tui.compose.folder import run_compose
 from tailor_tui.planning.build import build_plan
 from tailor_tui.checkpoints.checkpoint import tied_partner
 from tailor_tui.planning.recipe import Recipe
@@ -116,7 +116,7 @@ def test_full_hf_base_takes_16bit_weights_of_partial_rows_from_their_masters(sel
     p4 = scan(runs).checkpoints[1]
     recipe = Recipe(base=runs / "checkpoint-2", output=tmp_path / "out",
                     layers={row: runs / "partial-step4" for row in p4.saved_rows})
-    run_merge(build_plan(recipe), workers=2)
+    run_compose(build_plan(recipe), workers=2)
     step_of = sources_of_rows(p4, p4, ref / "checkpoint-4", ref / "checkpoint-2")
     expect_rows_from(tmp_path / "out", step_of)
     expect_model_file_from(tmp_path / "out", step_of)
@@ -134,14 +134,14 @@ def test_partial_base_without_a_recorded_layout(selective, tmp_path):
     layers = {row: run / "partial-step4" for row in p4.saved_rows}
     with_full = Recipe(base=run / "partial-step6", output=tmp_path / "a",
                        layers=layers | {"layers.0": run / "checkpoint-2"})
-    run_merge(build_plan(with_full), workers=1)
+    run_compose(build_plan(with_full), workers=1)
     step_of = sources_of_rows(p4, p4, ref / "checkpoint-4", ref / "checkpoint-6") | {"layers.0": ref / "checkpoint-2"}
     expect_model_file_from(tmp_path / "a", step_of)
 
     alone = Recipe(base=run / "partial-step6", output=tmp_path / "b", layers=layers)
     plan = build_plan(alone)
     assert any("model files: none" in line for line in plan.describe())
-    run_merge(plan, workers=1)
+    run_compose(plan, workers=1)
     assert not (tmp_path / "b" / "model.safetensors").exists() and (tmp_path / "b" / "latest").is_file()
 
 

@@ -14,7 +14,7 @@ from pilot_helpers import private_copy, scanned, wait_for
 from tailor_tui.events import TaskProgressed
 from tailor_tui.ui.app import make_app
 from tailor_tui.ui.dialogs import Confirm
-from tailor_tui.ui.merge_screen import MergeProgressed, MergeScreen
+from tailor_tui.ui.compose_screen import ComposeProgressed, ComposeScreen
 
 SIZE = (130, 30)
 
@@ -62,24 +62,24 @@ def test_batch_job_offer_at_80x24(snap_compare, run, tmp_path, monkeypatch):
     assert snap_compare(make_app(run, batch_threshold=1), run_before=review, terminal_size=(80, 24))
 
 
-def test_merge_screen_mid_progress(snap_compare, run):
+def test_compose_screen_mid_progress(snap_compare, run):
     times = iter([100.0, 104.0, 104.0, 104.0, 104.0, 104.0, 104.0])
 
-    async def mid_merge(pilot):
+    async def mid_composition(pilot):
         await scanned(pilot)
         app = pilot.app
         from tailor_tui.planning.build import build_plan
 
         plan = build_plan(app.home.composition.to_recipe())
-        screen = MergeScreen(plan, workers=1, clock=lambda: next(times, 104.0), autostart=False,
+        screen = ComposeScreen(plan, workers=1, clock=lambda: next(times, 104.0), autostart=False,
                              title="Composing checkpoint-6-tailored")
         await app.push_screen(screen)
         (r0, t0), (r1, t1), (m, tm) = screen.tasks
         for event in (TaskProgressed(r0, t0 // 2, t0), TaskProgressed(r1, t1 // 4, t1), TaskProgressed(m, 0, tm)):
-            screen.post_message(MergeProgressed(event))
+            screen.post_message(ComposeProgressed(event))
         await pilot.pause()
 
-    assert snap_compare(make_app(run), run_before=mid_merge, terminal_size=SIZE)
+    assert snap_compare(make_app(run), run_before=mid_composition, terminal_size=SIZE)
 
 
 def test_grid_with_partial_checkpoints(snap_compare, real_run, tmp_path):

@@ -10,14 +10,14 @@ import pytest
 import torch
 from textual.widgets import Input
 from conftest import checkpoints_of, tree_digest
-from pilot_helpers import merge_finished, private_copy, scanned, start_merge, wait_for
+from pilot_helpers import compose_finished, private_copy, scanned, start_composing, wait_for
 from zero_reader import read_full_state
 
 from tailor_tui.events import TaskOptions
 from tailor_tui.planning.recipe import load_recipe
 from tailor_tui.ui.app import make_app
 from tailor_tui.ui.dialogs import Confirm, ErrorDialog, HelpScreen, PathPrompt
-from tailor_tui.ui.merge_screen import MergeScreen
+from tailor_tui.ui.compose_screen import ComposeScreen
 
 SIZE = (130, 32)
 SLOW = TaskOptions(slow_down=0.4)
@@ -114,7 +114,7 @@ async def test_save_asks_for_a_path_when_there_is_none(run_copy, tmp_path):
     assert load_recipe(tmp_path / "asked.yaml").layers == {}
 
 
-async def test_merge_from_the_ui_composes_the_picked_rows(run_copy):
+async def test_composing_from_the_ui_writes_the_picked_rows(run_copy):
     run, (c2, c4, c6) = run_copy
     before = tree_digest(*[c for c in (c2, c4, c6)])
     app = make_app(run, workers=1)
@@ -125,9 +125,9 @@ async def test_merge_from_the_ui_composes_the_picked_rows(run_copy):
         await pilot.press("ctrl+r")
         await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
         assert "layers.1" in app.screen.body and "checkpoint-4" in app.screen.body
-        await pilot.press("escape")  # back to the grid; then merge for real
-        await start_merge(pilot)
-        await merge_finished(pilot)
+        await pilot.press("escape")  # back to the grid; then compose for real
+        await start_composing(pilot)
+        await compose_finished(pilot)
         await pilot.pause()
     out = run / "checkpoint-6-tailored"
     got, sources = read_full_state(out), {c: read_full_state(c) for c in (c2, c4, c6)}
@@ -142,25 +142,25 @@ async def test_merge_from_the_ui_composes_the_picked_rows(run_copy):
 
 async def test_cancel_leaves_nothing_at_the_output(run_copy, monkeypatch):
     run, ckpts = run_copy
-    app = make_app(run, workers=2, merge_options=SLOW)  # tiny checkpoints: slow the merge to hit it mid-way
+    app = make_app(run, workers=2, compose_options=SLOW)  # tiny checkpoints: slow the composition to hit it mid-way
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
-        await start_merge(pilot)
+        await start_composing(pilot)
         await pilot.press("escape")
         await wait_for(pilot, lambda: not app.screen.running)
         assert app.screen.has_class("failed")
-        assert "Cancelled" in str(app.screen.query_one("#merge-status").render())
+        assert "Cancelled" in str(app.screen.query_one("#compose-status").render())
     assert not (run / "checkpoint-6-tailored").exists()
     assert not [p for p in run.iterdir() if p.name.startswith(".")]
 
 
-async def test_merge_errors_are_shown_in_a_dialog(run_copy):
+async def test_compose_errors_are_shown_in_a_dialog(run_copy):
     run, _ = run_copy
-    (run / "checkpoint-6-tailored").mkdir()
-    (run / "checkpoint-6-tailored" / "keep").write_text("x")
     app = make_app(run)
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
+        (run / "checkpoint-6-tailored").mkdir()  # another program's folder, made after the session chose the name
+        (run / "checkpoint-6-tailored" / "keep").write_text("x")
         await pilot.press("ctrl+r")
         await wait_for(pilot, lambda: isinstance(app.screen, ErrorDialog))
         assert "already exists" in app.screen.message
@@ -224,18 +224,18 @@ async def test_every_action_is_in_the_command_palette(run_copy):
             assert binding.description and binding.description in titles
 
 
-async def test_quit_during_a_merge_cancels_it(run_copy, monkeypatch):
+async def test_quit_during_a_composition_cancels_it(run_copy, monkeypatch):
     run, _ = run_copy
-    app = make_app(run, workers=2, merge_options=SLOW)
+    app = make_app(run, workers=2, compose_options=SLOW)
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
-        merge = await start_merge(pilot)
+        screen = await start_composing(pilot)
         await pilot.press("q")
-        assert isinstance(app.screen, Confirm) and "merge is running" in app.screen.body
+        assert isinstance(app.screen, Confirm) and "composition is running" in app.screen.body
         await pilot.press("y")
-        assert merge.cancel.is_set()
+        assert screen.cancel.is_set()
         await wait_for(pilot, lambda: app.return_code is not None)  # exits by itself, after cleanup
-        assert merge.finished.is_set() and app.return_code == 0
+        assert screen.finished.is_set() and app.return_code == 0
     assert not (run / "checkpoint-6-tailored").exists()
     assert not [p for p in run.iterdir() if p.name.startswith(".")]
 
@@ -332,7 +332,7 @@ async def test_health_marks_the_blown_cell_and_heal_takes_the_previous_checkpoin
         assert app.home.metric == "weight_rms"
 
 
-async def test_merging_an_unhealthy_row_goes_back_unless_asked_to_merge_anyway(blown_copy):
+async def test_composing_an_unhealthy_row_goes_back_unless_asked_to_compose_anyway(blown_copy):
     run, ckpts = blown_copy
     app = make_app(run, workers=1)
     async with app.run_test(size=SIZE) as pilot:
@@ -346,33 +346,31 @@ async def test_merging_an_unhealthy_row_goes_back_unless_asked_to_merge_anyway(b
         assert not (run / "global_step6-tailored").exists()
         await pilot.press("ctrl+r")
         await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
-        await pilot.press("exclamation_mark")  # "Merge anyway", asked for explicitly
-        await wait_for(pilot, lambda: isinstance(app.screen, MergeScreen) and not app.screen.running)
+        await pilot.press("exclamation_mark")  # "Compose anyway", asked for explicitly
+        await wait_for(pilot, lambda: isinstance(app.screen, ComposeScreen) and not app.screen.running)
         assert (run / "global_step6-tailored" / "latest").is_file()
 
 
 # --- what things are ----------------------------------------------------------------------------
 
 
-async def test_a_composed_folder_is_marked_and_never_the_default_base(run_copy):
+async def test_a_composed_folder_is_never_a_column_and_is_named_in_the_details(run_copy):
     run, ckpts = run_copy
-    from tailor_tui.compose.merge import run_merge
+    from tailor_tui.compose.folder import run_compose
     from tailor_tui.planning.build import build_plan
     from tailor_tui.planning.recipe import Recipe
 
-    run_merge(build_plan(Recipe(base=ckpts[-1], output=run / "checkpoint-6-tailored",
+    run_compose(build_plan(Recipe(base=ckpts[-1], output=run / "checkpoint-6-tailored",
                                 layers={"layers.0": ckpts[0]})), workers=1)
     app = make_app(run)
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
-        names = [c.name for c in app.home.composition.checkpoints]
-        assert "checkpoint-6-tailored" in names
-        assert app.home.composition.base_checkpoint.path == ckpts[-1]  # the newest training checkpoint
-        column = names.index("checkpoint-6-tailored")
-        assert "composed" in app.query_one("#grid").header_text(column)
-        app.query_one("#grid").move_cursor(row=0, column=column + 1)
-        await pilot.pause()
-        assert "composed by tailor-tui" in str(app.query_one("#details").render())
+        assert [c.path for c in app.home.composition.checkpoints] == list(ckpts)  # training checkpoints only
+        assert app.home.composition.base_checkpoint.path == ckpts[-1]
+        assert app.home.composition.output == run / "checkpoint-6-tailored-2"  # a new sibling, never over it
+        details = str(app.query_one("#details").render())
+        assert "composed by tailor-tui here, not columns (1):" in details
+        assert "checkpoint-6-tailored ← checkpoint-6, checkpoint-2" in details
 
 
 async def test_skipped_checkpoints_stay_listed_and_an_empty_folder_says_what_was_looked_for(run_copy, tmp_path):
@@ -401,7 +399,7 @@ async def test_help_explains_every_mark_and_the_footer_keeps_the_essentials_at_8
     async with app.run_test(size=(80, 24)) as pilot:
         await scanned(pilot)
         footer = {b.binding.description for b in app.screen.active_bindings.values() if b.binding.show}
-        assert {"Merge", "Save", "Help", "Quit"} <= footer
+        assert {"Compose", "Save", "Help", "Quit"} <= footer
         await pilot.press("question_mark")
         await wait_for(pilot, lambda: isinstance(app.screen, HelpScreen))
         await pilot.press("escape")
@@ -515,7 +513,7 @@ async def test_an_earlier_output_is_offered_for_replacement_not_force(run_copy):
     app = make_app(run, workers=1)
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
-        await start_merge(pilot)
+        await start_composing(pilot)
         await wait_for(pilot, lambda: not app.screen.running)
         first = (run / "checkpoint-6-tailored" / "tailor_provenance.json").read_text()
         await pilot.press("escape")
@@ -526,14 +524,14 @@ async def test_an_earlier_output_is_offered_for_replacement_not_force(run_copy):
         await pilot.press("enter")
         await wait_for(pilot, lambda: isinstance(app.screen, Confirm) and app.screen.title_text.startswith("Compose"))
         await pilot.press("enter")
-        await wait_for(pilot, lambda: isinstance(app.screen, MergeScreen) and not app.screen.running)
+        await wait_for(pilot, lambda: isinstance(app.screen, ComposeScreen) and not app.screen.running)
         assert app.screen.has_class("finished")
     assert (run / "checkpoint-6-tailored" / "tailor_provenance.json").read_text() != first
 
 
 async def test_the_world_size_set_from_the_plan_dialog_reshards(real_run, tmp_path):
     """w in the plan dialog: the plan is shown again for 2 ranks, a checkpoint of another world
-    size becomes combinable, the merge writes 2 ranks, the recipe keeps it; back at the base's
+    size becomes combinable, the composition writes 2 ranks, the recipe keeps it; back at the base's
     world size, the pick from the other world size is dropped."""
     run4, spec4 = real_run("ds_bf16_4_subgroups")
     run3, spec3 = real_run("ds_bf16_3_subgroups")
@@ -559,8 +557,8 @@ async def test_the_world_size_set_from_the_plan_dialog_reshards(real_run, tmp_pa
         await pilot.press("space")
         assert comp.to_recipe().layers == {"layers.1": tmp_path / "mixed" / "b" / "global_step4"}
         assert comp.to_recipe().world_size == 2
-        await start_merge(pilot)
-        await merge_finished(pilot)
+        await start_composing(pilot)
+        await compose_finished(pilot)
         await pilot.press("w")
         await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt))
         await pilot.press("end", "backspace", "enter")  # empty: the base's world size again
@@ -577,7 +575,7 @@ async def test_the_world_size_set_from_the_plan_dialog_reshards(real_run, tmp_pa
 async def test_a_large_plan_on_a_login_node_offers_a_batch_job(real_run, tmp_path, monkeypatch):
     """Where sbatch is at hand and no Slurm job is (a login node), a plan past the threshold
     offers `s`: the recipe is saved (asking where) and an sbatch script that runs it with srun
-    is written beside it; no merge runs here. Inside a job (SLURM_JOB_ID) nothing is offered."""
+    is written beside it; nothing is composed here. Inside a job (SLURM_JOB_ID) nothing is offered."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "sbatch").write_text("#!/bin/sh\nexit 1\n")  # only found on PATH, never run
@@ -597,7 +595,7 @@ async def test_a_large_plan_on_a_login_node_offers_a_batch_job(real_run, tmp_pat
         app.screen.query_one(Input).value = str(recipe)
         await pilot.press("enter")
         await wait_for(pilot, lambda: (tmp_path / "big.sbatch").is_file())
-        assert not app.home.merging
+        assert not app.home.composing
         monkeypatch.setenv("SLURM_JOB_ID", "1")
         await pilot.press("ctrl+r")
         await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
@@ -611,7 +609,7 @@ async def test_a_large_plan_on_a_login_node_offers_a_batch_job(real_run, tmp_pat
 
 
 async def test_export_for_evaluation_from_the_composer(real_run, tmp_path):
-    """e asks for a folder, then exports the picks there on the merge screen: a folder
+    """e asks for a folder, then exports the picks there on the compose screen: a folder
     from_pretrained loads, each row from its picked checkpoint."""
     from transformers import AutoModelForCausalLM
 
@@ -626,7 +624,7 @@ async def test_export_for_evaluation_from_the_composer(real_run, tmp_path):
         assert app.screen.query_one(Input).value.endswith("checkpoint-6-tailored-hf")
         app.screen.query_one(Input).value = str(tmp_path / "hf")
         await pilot.press("enter")
-        await merge_finished(pilot)
+        await compose_finished(pilot)
     model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     name = "model.layers.1.self_attn.q_proj.weight"
@@ -664,6 +662,6 @@ async def test_export_of_a_deepspeed_layout_run_asks_for_its_config(real_run, tm
         await pilot.press("escape")
         assert not (tmp_path / "hf").exists()
         await export_to(tmp_path / "hf", tmp_path / "cfg")
-        await merge_finished(pilot)
+        await compose_finished(pilot)
     _model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from pilot_helpers import merge_finished, private_copy, scanned, start_merge, wait_for
+from pilot_helpers import compose_finished, private_copy, scanned, start_composing, wait_for
 from zero_reader import read_full_state
 
 from tailor_tui.ui.app import make_app
@@ -25,7 +25,7 @@ def line(grid, y: int) -> str:
     return grid.render_line(y).text
 
 
-async def test_pick_layers_40_to_59_review_merge_and_reopen_at_80x24(deep_run):
+async def test_pick_layers_40_to_59_review_compose_and_reopen_at_80x24(deep_run):
     run, (c2, c4) = deep_run
     app = make_app(run, workers=1)
     async with app.run_test(size=TERMINAL) as pilot:
@@ -34,7 +34,7 @@ async def test_pick_layers_40_to_59_review_merge_and_reopen_at_80x24(deep_run):
         names = [r.name for r in app.home.composition.rows]
         assert len(names) == 83 and app.home.composition.base_checkpoint.path == c4
         footer = {b.binding.description for b in app.screen.active_bindings.values() if b.binding.show}
-        assert {"Merge", "Save", "Help", "Quit"} <= footer
+        assert {"Compose", "Save", "Help", "Quit"} <= footer
         details = app.query_one("#details")
         health = next(i for i, text in enumerate(details.render().plain.splitlines()) if "Δ since previous" in text)
         short = details.content_size.height
@@ -70,8 +70,8 @@ async def test_pick_layers_40_to_59_review_merge_and_reopen_at_80x24(deep_run):
         assert "layers.40–59  ← checkpoint-2" in body and "(20 of 83)" in body
         assert "layers.39" not in body and "layers.60" not in body
         await pilot.press("escape")
-        await start_merge(pilot)
-        await merge_finished(pilot, tries=2400)
+        await start_composing(pilot)
+        await compose_finished(pilot, tries=2400)
         await pilot.pause()
 
     out = run / "checkpoint-4-tailored"
@@ -81,12 +81,11 @@ async def test_pick_layers_40_to_59_review_merge_and_reopen_at_80x24(deep_run):
             name = f"model.layers.{layer}.mlp.up_proj.weight"
             assert torch.equal(got[key][name], source[key][name]), (key, name)
 
-    app = make_app(run)  # reopened: the output is a column marked composed, never the base
+    app = make_app(run)  # reopened: the output is not a column, and the next one is a sibling
     async with app.run_test(size=TERMINAL) as pilot:
         await scanned(pilot)
-        columns = [c.name for c in app.home.composition.checkpoints]
-        assert columns[-1] == "checkpoint-4-tailored" and app.home.composition.base_checkpoint.path == c4
-        assert "composed" in app.query_one("#grid").header_text(len(columns) - 1)
+        assert [c.path for c in app.home.composition.checkpoints] == [c2, c4]
+        assert app.home.composition.output == run / "checkpoint-4-tailored-2"
 
 
 async def test_the_plan_scrolls_from_the_keyboard(deep_run):
@@ -109,4 +108,4 @@ async def test_the_plan_scrolls_from_the_keyboard(deep_run):
         assert scroller.scroll_y > 0
         await pilot.press("escape")
         await pilot.pause()
-        assert app.home.composition.to_recipe().layers == layers  # declined: nothing merged, picks kept
+        assert app.home.composition.to_recipe().layers == layers  # declined: nothing composed, picks kept

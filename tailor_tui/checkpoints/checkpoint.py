@@ -35,6 +35,7 @@ PARTIAL_ROWS = "tailor_rows_rank_{rank}.safetensors"
 PARTIAL_SKELETON = "tailor_optim_skeleton_rank_{rank}.pt"
 PARTIAL_MODEL_FILES = "tailor_model_files.json"  # HF layout: the 16-bit model files' headers and index
 PROVENANCE = "tailor_provenance.json"  # in every folder tailor-tui composed: its recipe and sources
+OUTPUT_FILES = "files"  # provenance key: every file tailor-tui wrote (relative path -> [bytes, mtime_ns])
 
 
 @dataclass(frozen=True)
@@ -267,6 +268,22 @@ def hf_model_files(folder: Path) -> tuple[Path, ...]:
     return (single,) if single.is_file() else ()
 
 
+def _composed(named: Path, tag_dir: Path, save_dir: Path) -> bool:
+    """tailor-tui wrote it: its folder holds a provenance record or, where a checkpoint is a
+    DeepSpeed tag folder, the folder holding the tag has one that lists the tag's files (a run
+    resumed with that folder as its save_dir adds tags that are its own)."""
+    if (named / PROVENANCE).is_file():
+        return True
+    record = save_dir / PROVENANCE
+    if named != tag_dir or not record.is_file():
+        return False
+    try:
+        files = load_json(record, MAX_RECORD).get(OUTPUT_FILES)
+    except (OSError, ValueError, AttributeError):
+        return True  # unreadable: still a folder tailor-tui wrote
+    return not isinstance(files, dict) or any(f.startswith(tag_dir.name + "/") for f in files)
+
+
 def open_checkpoint(path: str | Path, *, cache: Path | None = None) -> Checkpoint:
     """Describe the checkpoint at `path` or raise CheckpointError saying why not. What rank 0's
     model_states file says is taken from `cache` (`scan_cache`) when it holds it; None: read."""
@@ -325,7 +342,7 @@ def open_checkpoint(path: str | Path, *, cache: Path | None = None) -> Checkpoin
         sizes=sizes,
         saved_rows=frozenset(manifest["rows"]) if manifest else None,
         model_layout=path / PARTIAL_MODEL_FILES if manifest and (path / PARTIAL_MODEL_FILES).is_file() else None,
-        composed=(named / PROVENANCE).is_file(),
+        composed=_composed(named, tag_dir, save_dir),
         weight_files=weight_file_names(named, tag_dir) if kind in ("hf", "accelerate") and not manifest else (),
     )
 

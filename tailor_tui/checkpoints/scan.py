@@ -1,6 +1,7 @@
 """Scanning a run directory: every folder that names a checkpoint, opened (rank 0's small
 model_states file only, cached), ordered by step; folders that look like checkpoints but cannot be
-used are reported, not raised.
+used are reported, not raised. What tailor-tui itself composed (a folder holding its provenance
+record) is kept apart: an output is never a column, a base or a statistic of the run.
 """
 
 from __future__ import annotations
@@ -12,14 +13,44 @@ from pathlib import Path
 from typing import Callable
 
 from tailor_tui.checkpoints.cache import ROOT, Where, chosen
-from tailor_tui.checkpoints.checkpoint import PARTIAL_MANIFEST, Checkpoint, holds_checkpoint, is_tag_dir, open_checkpoint, read_latest
+from tailor_tui.checkpoints.checkpoint import (PARTIAL_MANIFEST, PROVENANCE, Checkpoint, holds_checkpoint, is_tag_dir,
+                                               open_checkpoint, read_latest)
+from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json
 from tailor_tui.errors import CheckpointError, UsageError
 
 
 @dataclass(frozen=True)
 class ScanResult:
-    checkpoints: tuple[Checkpoint, ...]  # ordered by step
+    checkpoints: tuple[Checkpoint, ...]  # the run's training checkpoints, ordered by step
     problems: tuple[tuple[Path, str], ...]  # folders that look like checkpoints but are not usable
+    outputs: tuple[Checkpoint, ...] = ()  # what tailor-tui composed here (its provenance record): never a column
+
+    def nothing_found(self, root: Path) -> str:
+        """What to say when the scan found no training checkpoint under `root`."""
+        if self.outputs:
+            made = "; ".join(f"{output_folder(c).name} (from "
+                             f"{', '.join(composed_from(c)) or 'sources its record does not name'})" for c in self.outputs)
+            return (f"{root}: holds no training checkpoint, only what tailor-tui composed: {made}; "
+                    "open the run those came from")
+        return (f"{root}: holds no ZeRO-3 checkpoint (looked for HF checkpoint-N folders "
+                "(trainer_state.json and a `latest` file), DeepSpeed tag folders (zero_pp_rank_*_model_states.pt) "
+                "and partial saves (tailor_partial.json))")
+
+
+def output_folder(output: Checkpoint) -> Path:
+    """The folder tailor-tui wrote (holding its provenance record): the checkpoint's own, or in
+    DeepSpeed layout the folder holding its tag."""
+    return output.path if (output.path / PROVENANCE).is_file() else output.save_dir
+
+
+def composed_from(output: Checkpoint) -> list[str]:
+    """The folder names of the checkpoints an output's provenance record names (base first)."""
+    try:
+        record = load_json(output_folder(output) / PROVENANCE, MAX_RECORD)
+        paths = [record["base"]["path"], *(s["path"] for s in record["sources"])]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return list(dict.fromkeys(Path(p).name for p in paths if isinstance(p, str)))
 
 
 STAGING = re.compile(r"^\.partial-step\d+\.saving$")  # a partial save not yet published (tailor_tui.selective)
@@ -50,7 +81,7 @@ def check_run_folder(path: Path) -> None:
 
 def find_checkpoint_dirs(root: Path, interrupted: list[Path] | None = None) -> list[Path]:
     """Folders under `root` that name a checkpoint, without reading any checkpoint file.
-    Hidden folders are never checkpoints (a partial save being written, a merge's temp
+    Hidden folders are never checkpoints (a partial save being written, a composition's temp
     folder); partial saves a kill interrupted are added to `interrupted` when given."""
     found: list[Path] = []
     for dirpath, dirnames, _files in os.walk(root):
@@ -92,17 +123,19 @@ def scan(
         raise CheckpointError(f"{root}: no such folder to scan")
     interrupted: list[Path] = []
     dirs = find_checkpoint_dirs(root, interrupted)
-    checkpoints = []
+    checkpoints, outputs = [], []
     problems = [(d, f"{d}: an interrupted partial save (a save killed before it was published); "
                     "safe to delete") for d in interrupted]
     for i, d in enumerate(dirs):
         if cancelled():
             break
         try:
-            checkpoints.append(open_checkpoint(d, cache=cache))
+            ckpt = open_checkpoint(d, cache=cache)
+            (outputs if ckpt.composed else checkpoints).append(ckpt)
         except CheckpointError as exc:
             problems.append((d, str(exc)))
         if on_progress:
             on_progress(i + 1, len(dirs), d)
     checkpoints.sort(key=lambda c: (c.step, str(c.path)))
-    return ScanResult(tuple(checkpoints), tuple(problems))
+    outputs.sort(key=lambda c: (c.step, str(c.path)))
+    return ScanResult(tuple(checkpoints), tuple(problems), tuple(outputs))

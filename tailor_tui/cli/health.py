@@ -27,10 +27,9 @@ def _health(run_dir: Path, args, progress: str, slow_down: float):
     scanned = scan(run_dir)
     for folder, problem in scanned.problems:
         print(f"warning: skipped {problem}", file=sys.stderr)
-    checkpoints = tuple(c for c in scanned.checkpoints if not c.composed)
+    checkpoints = scanned.checkpoints  # tailor-tui's own outputs are never among them
     if not checkpoints:
-        raise CheckpointError(f"{run_dir}: holds no ZeRO-3 checkpoint (looked for HF checkpoint-N folders, "
-                              "DeepSpeed tag folders and partial saves)")
+        raise CheckpointError(scanned.nothing_found(run_dir))
     launch = detect(os.environ, args.distributed)
     team = connect(launch, args.peer_timeout, meeting=cache_dir()) if launch else SOLO
     # in a job of several processes process 0 reports; the others read their share quietly

@@ -125,7 +125,7 @@ def parser() -> argparse.ArgumentParser:
 
 def apply(args) -> int:
     from tailor_tui.team.launch import detect
-    from tailor_tui.compose.merge import planned_tasks, run_merge
+    from tailor_tui.compose.folder import planned_tasks, run_compose
     from tailor_tui.planning.build import build_plan
     from tailor_tui.planning.recipe import load_recipe
     from tailor_tui.report import BarReporter, LineReporter, reporter_for
@@ -166,7 +166,7 @@ def apply(args) -> int:
     options = TaskOptions(durable=args.durable, slow_down=_test_slow_down(),
                           exchange=not os.environ.get("TAILOR_TEST_NO_RENAME_EXCHANGE"))
     try:
-        result = run_merge(plan, workers=workers, emit=report, cancel=cancel, options=options,
+        result = run_compose(plan, workers=workers, emit=report, cancel=cancel, options=options,
                            allow_nonfinite=args.allow_nonfinite, team=team)
     finally:
         if isinstance(report, BarReporter):
@@ -271,10 +271,10 @@ def ensure_demo(out: Path) -> None:
 
 def _test_slow_down() -> float:
     """Seconds to sleep per progress step: fault injection that the tests of cancel and kill set
-    through the environment (their merges of tiny checkpoints end too fast to signal mid-way),
-    read here and handed to the merge (TaskOptions) like TAILOR_TEST_NO_RENAME_EXCHANGE."""
+    through the environment (their compositions of tiny checkpoints end too fast to signal mid-way),
+    read here and handed to the composition (TaskOptions) like TAILOR_TEST_NO_RENAME_EXCHANGE."""
     try:
-        return max(0.0, float(os.environ.get("TAILOR_TEST_SLOW_MERGE") or 0))
+        return max(0.0, float(os.environ.get("TAILOR_TEST_SLOW_COMPOSE") or 0))
     except ValueError:
         return 0.0
 

@@ -1,4 +1,4 @@
-"""Composing: the composer's picks (`composition`), the compose step as a whole (`merge`), the
+"""Composing: the composer's picks (`composition`), the compose step as a whole (`folder`), the
 writers of rank files (`rank_task`, `rank_stream`, `rank_partial`, `rank_torch`, `rank_reshard`) and
 of weight files (`model_files`, `bin_files`), and the independent check of an output (`verify`,
 `verify_reshard`, `compare`).

@@ -28,7 +28,7 @@ from tailor_tui.formats.ptwrite import Copied, write_archive
 
 
 
-def merge_bin_file(job: BinFileJob, out_dir: Path, emit: Emit, cancelled: Callable[[], bool],
+def compose_bin_file(job: BinFileJob, out_dir: Path, emit: Emit, cancelled: Callable[[], bool],
                    options: TaskOptions = TaskOptions()) -> None:
     """Write one torch-format weight file: the base's, every storage of a row picked elsewhere
     copied from its source's record of the same tensor."""

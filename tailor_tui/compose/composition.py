@@ -7,6 +7,8 @@ re-run headlessly with `tailor-tui --apply`.
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,14 +34,11 @@ class Composition:
 
     @classmethod
     def start(cls, checkpoints: list[Checkpoint]) -> "Composition":
-        """A composition of `checkpoints` (ordered by step) with the newest training checkpoint
-        as base (a folder tailor-tui composed only when there is nothing else) and every row from
-        the newest checkpoint that holds it (partial checkpoints hold some rows)."""
+        """A composition of `checkpoints` (ordered by step) with the newest as base and every row
+        from the newest checkpoint that holds it (partial checkpoints hold some rows)."""
         if not checkpoints:
             raise RecipeError("no checkpoints to compose")
-        trained = [i for i, c in enumerate(checkpoints) if not c.composed]
-        base = trained[-1] if trained else len(checkpoints) - 1
-        comp = cls(list(checkpoints), base)
+        comp = cls(list(checkpoints), len(checkpoints) - 1)
         comp._fill_missing()
         comp.output = comp.default_output()
         comp._saved_state = comp._state()
@@ -195,7 +194,7 @@ class Composition:
         if column == self.base:
             return
         self._remember()
-        old_output_default = self.output == self.default_output()
+        old_output_default = self._is_default_output()
         self.base = column
         self.picks = {
             row: col
@@ -238,8 +237,21 @@ class Composition:
         return True
 
     def default_output(self) -> Path:
-        base = self.base_checkpoint
-        return base.path.with_name(base.path.name + "-tailored")
+        """`BASE-tailored` beside the base; `BASE-tailored-2`, `-3`, … when an earlier output (or
+        anything else) has that name: a new composition never lands in or over a previous one."""
+        base = self.base_checkpoint.path
+        for n in range(1, 10_000):
+            candidate = base.with_name(f"{base.name}-tailored" + (f"-{n}" if n > 1 else ""))
+            if not os.path.lexists(candidate):
+                return candidate
+        raise RecipeError(f"{base.parent}: 10,000 outputs named {base.name}-tailored-N already; name one with "
+                          "`output:` in the recipe")
+
+    def _is_default_output(self) -> bool:
+        """Whether the output is a default name for the base (so it follows a change of base)."""
+        base = self.base_checkpoint.path
+        return (self.output is not None and self.output.parent == base.parent
+                and re.fullmatch(re.escape(base.name) + r"-tailored(-\d+)?", self.output.name) is not None)
 
     # --- recipes ----------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ from tailor_tui.formats.safetensors_in import parse_prefix, safetensors_tensors
 CAST_CHUNK = 1 << 20  # elements cast per step: memory stays small whatever the tensor size
 
 
-def merge_model_file(job: ModelFileJob, out_dir: Path, emit: Emit, cancelled: Callable[[], bool],
+def compose_model_file(job: ModelFileJob, out_dir: Path, emit: Emit, cancelled: Callable[[], bool],
                      options: TaskOptions = TaskOptions()) -> None:
     """Write one model file: the base's bytes (if it has a file) with every tensor of a row
     picked elsewhere replaced by that source's tensor."""

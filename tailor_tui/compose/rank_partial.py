@@ -1,7 +1,7 @@
 """A partial (selective) base's optim file, built from its skeleton and the rows' slices, torch-free.
 
 A partial checkpoint has no optim file of its own: `selective` saved the optimizer state
-without its big tensors (the skeleton) and each rank's slices of the saved rows. The merger
+without its big tensors (the skeleton) and each rank's slices of the saved rows. The compose step
 writes the full file a resume needs: the skeleton's structure with every flat tensor's space
 reserved, then every slice copied into place from the checkpoints the plan names.
 """

@@ -20,7 +20,7 @@ from tailor_tui.compose.rank_partial import build_optim_states_from_skeleton
 from tailor_tui.compose.rank_stream import stream_optim_states
 
 
-def merge_rank(job: RankJob, out_tag_dir: Path, emit: Emit, cancelled: Callable[[], bool],
+def compose_rank(job: RankJob, out_tag_dir: Path, emit: Emit, cancelled: Callable[[], bool],
                options: TaskOptions = TaskOptions()) -> Counter:
     """Compose rank `job.rank`'s model_states and optim_states files into `out_tag_dir`; the
     number of non-finite values each row's slices of this rank hold in the output (counted
@@ -37,9 +37,9 @@ def merge_rank(job: RankJob, out_tag_dir: Path, emit: Emit, cancelled: Callable[
 
     out_model = out_tag_dir / base_files.model_states.name
     if job.frozen or job.buffers or file_format(base_files.model_states) != "zip":
-        from tailor_tui.compose.rank_torch import merge_model_states
+        from tailor_tui.compose.rank_torch import compose_model_states
 
-        nonfinite += merge_model_states(job, out_model, counter)  # (a legacy-format base's is re-saved as zip)
+        nonfinite += compose_model_states(job, out_model, counter)  # (a legacy-format base's is re-saved as zip)
     else:
         census = _frozen_census(base_files.model_states, job.frozen_rows)
         check_crcs(base_files.model_states, census.inspect if census else None)

@@ -71,7 +71,7 @@ def reserialise_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> C
         for g, size in enumerate(job.group_sizes):
             for key in TENSORS:
                 original = flat_tensor(inner, g, key)
-                merged = original.detach().clone()
+                composed = original.detach().clone()
                 counter.add(size * 4)
                 for c in copies[g]:
                     span = slice(c.offset, c.offset + c.length)
@@ -80,18 +80,18 @@ def reserialise_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> C
                         if theirs.dtype != original.dtype:  # copy_ would cast silently
                             raise dtype_mismatch(job.files[c.source].optim_states, key, g,
                                                   str(theirs.dtype), str(original.dtype))
-                        merged[span].copy_(theirs[span])
+                        composed[span].copy_(theirs[span])
                     else:
                         partial_slice(partial[c.source], indexes[c.source], key, c.param, c.length)
-                        merged[span].copy_(opened[c.source].get_slice(f"{key}/{c.param}")[: c.length])
+                        composed[span].copy_(opened[c.source].get_slice(f"{key}/{c.param}")[: c.length])
                     counter.add(c.length * 4)
                 for offset, length in padding[g]:
-                    merged[offset : offset + length].zero_()  # padding holds garbage: write zeros
-                merged.requires_grad_(original.requires_grad)
-                set_flat_tensor(inner, g, key, merged)
+                    composed[offset : offset + length].zero_()  # padding holds garbage: write zeros
+                composed.requires_grad_(original.requires_grad)
+                set_flat_tensor(inner, g, key, composed)
                 for slot in job.row_slots:
                     if slot.group == g:
-                        nonfinite[slot.row] += _count(merged[slot.offset: slot.offset + slot.valid])
+                        nonfinite[slot.row] += _count(composed[slot.offset: slot.offset + slot.valid])
     del full
     save_pt(base, out, counter.add, counter.options.durable)
     return +nonfinite
@@ -101,7 +101,7 @@ def _count(t) -> int:
     return int((~torch.isfinite(t)).sum()) if t.is_floating_point() else 0
 
 
-def merge_model_states(job: RankJob, out: Path, counter: ByteCounter) -> Counter:
+def compose_model_states(job: RankJob, out: Path, counter: ByteCounter) -> Counter:
     """The base's model_states with frozen fragments and buffers of picked rows replaced;
     the non-finite values of each row's frozen fragments in it."""
     states = load_pt(job.files[0].model_states)

@@ -35,7 +35,7 @@ from tailor_tui.formats.ds_format import (
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit
 from tailor_tui.planning.jobs import BinFileJob
-from tailor_tui.planning.plan import MergePlan
+from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.formats.safe_load import load_pt
 
 
@@ -52,7 +52,7 @@ class VerifyReport:
         (self.other if row is None else self.problems[row]).append(problem)
 
 
-def verify_against_recipe(plan: MergePlan, emit: Emit = lambda e: None,
+def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
                   cancelled: Callable[[], bool] = lambda: False) -> VerifyReport:
     report = VerifyReport()
     out = plan.output
@@ -102,7 +102,7 @@ def verify_against_recipe(plan: MergePlan, emit: Emit = lambda e: None,
     return report
 
 
-def _verify_bin_file(plan: MergePlan, job: BinFileJob, report: VerifyReport) -> None:
+def _verify_bin_file(plan: ComposePlan, job: BinFileJob, report: VerifyReport) -> None:
     """A torch-format weight file: the base's names, each tensor's bytes its row's source's (every
     file loaded by torch, its records' CRC-32s checked first)."""
     out_file = plan.output / job.name
@@ -131,7 +131,7 @@ def _verify_bin_file(plan: MergePlan, job: BinFileJob, report: VerifyReport) -> 
                             f"{plan.sources[s].name}'s")
 
 
-def _unplanned(plan: MergePlan, out: Path) -> list[Path]:
+def _unplanned(plan: ComposePlan, out: Path) -> list[Path]:
     """Files in the output that the plan accounts for neither as composed nor as copied."""
     expected = {Path(plan.base.tag) / name for names in plan.output_rank_files() for name in names}
     expected |= {Path(job.name) for job in plan.model_file_jobs()}

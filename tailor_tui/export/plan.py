@@ -26,7 +26,7 @@ from tailor_tui.formats.ds_format import MODULE
 from tailor_tui.errors import CheckpointError, IncompatibleError
 from tailor_tui.checkpoints.layout import part
 from tailor_tui.formats.pickled import TensorRef, dtype_name
-from tailor_tui.planning.plan import MergePlan
+from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.formats.ptfile import read_structure
 from tailor_tui.formats.safetensors_out import DTYPES, ITEMSIZE, NAMED, Placed, ShardFile, lay_out
 
@@ -60,7 +60,7 @@ class ExportJob:
 
 @dataclass(frozen=True)
 class Export:
-    plan: MergePlan
+    plan: ComposePlan
     dtype: str  # fp32, bf16, fp16
     files: tuple[ShardFile, ...]
     placed: dict[str, Placed]
@@ -71,7 +71,7 @@ class Export:
         return sum(f.size for f in self.files)
 
 
-def plan_export(plan: MergePlan, dtype: str | None, max_shard: int) -> Export:
+def plan_export(plan: ComposePlan, dtype: str | None, max_shard: int) -> Export:
     """The export of `plan`'s composition in `dtype` (None: the training dtype)."""
     base = plan.base
     if base.peft:
@@ -96,7 +96,7 @@ def plan_export(plan: MergePlan, dtype: str | None, max_shard: int) -> Export:
     return Export(plan, dtype, tuple(files), placed, index, tuple(jobs))
 
 
-def _buffers(plan: MergePlan, source_of: dict[str, int]) -> dict[str, tuple[tuple[int, ...], str]]:
+def _buffers(plan: ComposePlan, source_of: dict[str, int]) -> dict[str, tuple[tuple[int, ...], str]]:
     """Every buffer the model saves (save_pretrained writes persistent buffers beside the
     weights): its shape and dtype as its row's source keeps it in rank 0's model_states."""
     found = {}

@@ -1,7 +1,7 @@
 """Counting NaN/±Inf values in bytes as they are read, per row.
 
 One rule for "non-finite" (every exponent bit set), used by the health statistics
-(`stats_rank`) and by the merger's guard, which counts the values of every row it
+(`stats_rank`) and by the compose step's guard, which counts the values of every row it
 writes while it reads them for their CRC-32 check: no extra pass over the data.
 Torch-free: numpy looks at the bits.
 """

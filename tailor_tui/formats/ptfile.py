@@ -7,7 +7,7 @@ stand-ins, no torch): that yields the object's structure and, for each tensor, w
 record and which byte offset hold it. Files in torch's legacy (non-zip) format are
 read by `ptlegacy` into the same records (with no CRC: that format has none).
 
-The streaming merger uses this to copy the base's rank file record by record at
+The streaming rank writer uses this to copy the base's rank file record by record at
 kernel speed and rewrite only the byte ranges a recipe replaces (then the records'
 CRC-32s), instead of deserialising and re-serialising whole files.
 """

@@ -14,13 +14,13 @@ from tailor_tui.checkpoints.cache import cache_dir
 from tailor_tui.checkpoints.checkpoint import incompatibility
 from tailor_tui.checkpoints.scan import scan
 from tailor_tui.errors import CheckpointError, NonFiniteError
-from tailor_tui.planning.plan import MergePlan
+from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.health.stats_run import compute_health
 
 MAX_NAMED = 8  # rows named in the one line; the rest are counted
 
 
-def nonfinite_error(plan: MergePlan, counts: Counter) -> NonFiniteError:
+def nonfinite_error(plan: ComposePlan, counts: Counter) -> NonFiniteError:
     """The refusal of `plan`, whose output would hold `counts` non-finite values per row."""
     suggestions = newest_finite(plan, list(counts))
     parts = []
@@ -35,14 +35,13 @@ def nonfinite_error(plan: MergePlan, counts: Counter) -> NonFiniteError:
         "checkpoints (tailor-tui --heal RUN_DIR --recipe R.yaml does) or compose anyway with --allow-nonfinite")
 
 
-def newest_finite(plan: MergePlan, rows: list[str]) -> dict[str, str]:
+def newest_finite(plan: ComposePlan, rows: list[str]) -> dict[str, str]:
     """{row: name of the newest checkpoint of the base's run where it is finite and whole}."""
     try:
         scanned = scan(plan.base.path.parent)
     except CheckpointError:
         return {}
-    candidates = [c for c in scanned.checkpoints
-                  if not c.composed and incompatibility(plan.base, c) is None]
+    candidates = [c for c in scanned.checkpoints if incompatibility(plan.base, c) is None]
     found: dict[str, str] = {}
     for column in reversed(range(len(candidates))):
         wanted = [r for r in rows if r not in found and candidates[column].holds(r)]

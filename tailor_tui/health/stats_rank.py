@@ -4,7 +4,7 @@ For each row a checkpoint holds, a rank contributes sums over the valid (non-pad
 elements of its slices: non-finite counts of the fp32 masters, exp_avg and exp_avg_sq
 (and of frozen parameters' fragments), the sum of squares of the masters, the largest
 exp_avg_sq, and against the row's previous checkpoint the squared distance of the masters.
-`stats_run` adds the ranks up. The same pass checks every record's CRC-32, as the merger
+`stats_run` adds the ranks up. The same pass checks every record's CRC-32, as the compose step
 does: a record that fails marks the rows with slices in it.
 
 Memory: two 1 MiB read buffers and the float64 copies of one chunk, whatever the file

@@ -1,7 +1,7 @@
 """Building a plan: a recipe checked against the checkpoints it names, raising a TailorError that
 names the first problem (a missing checkpoint, an unknown or tied row, a source that cannot be
 combined with the base, a partial source without the row, an output that would clobber
-something) before anything is written; the work itself is `plan.MergePlan`'s.
+something) before anything is written; the work itself is `plan.ComposePlan`'s.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tailor_tui.checkpoints.checkpoint import (
 from tailor_tui.checkpoints.rows import list_rows
 from tailor_tui.errors import CheckpointError, IncompatibleError, RecipeError, UsageError
 from tailor_tui.planning.output import check_output as check_writable
-from tailor_tui.planning.plan import MergePlan
+from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.planning.recipe import Recipe
 from tailor_tui.resharding.partition import check_world_size, plan_reshard
 
@@ -50,7 +50,7 @@ def _resolve_row(base: Checkpoint, name: str, where: str) -> str:
 
 
 def build_plan(recipe: Recipe, output: str | Path | None = None, force: bool = False,
-               check_output: bool = True, preview: bool = False, world_size: int | None = None) -> MergePlan:
+               check_output: bool = True, preview: bool = False, world_size: int | None = None) -> ComposePlan:
     """Check `recipe` against its checkpoints; raise a TailorError naming the first problem.
 
     `check_output=False` is for verifying a finished output, which exists by then;
@@ -100,7 +100,7 @@ def build_plan(recipe: Recipe, output: str | Path | None = None, force: bool = F
     if check_output:
         note = check_writable(out, sources, force, preview=preview)
         warnings += [note] if note else []
-    return MergePlan(recipe=recipe, base=base, sources=tuple(sources), picks=picks, output=out, force=force,
+    return ComposePlan(recipe=recipe, base=base, sources=tuple(sources), picks=picks, output=out, force=force,
                      warnings=tuple(warnings), reshard=reshard)
 
 

@@ -1,8 +1,8 @@
 """The plan for every file of the base folder but its rank files: which are composed per row
 (one job each), which are copied from the base, and which refuse the recipe.
 
-Computed once, with the plan (`plan.MergePlan`), from the base, the sources and the picks; the
-writers take the jobs as they are (`model_files.merge_model_file`, `bin_files.merge_bin_file`).
+Computed once, with the plan (`plan.ComposePlan`), from the base, the sources and the picks; the
+writers take the jobs as they are (`model_files.compose_model_file`, `bin_files.compose_bin_file`).
 What each kind of file is: `weight_files`.
 """
 
@@ -35,7 +35,7 @@ from tailor_tui.checkpoints.weight_files import (
 
 def _check_headers(files) -> None:
     """Each source safetensors file a job takes tensors from has a sound header (bounded, whole):
-    a damaged or crafted one refuses the plan now, not a worker mid-merge."""
+    a damaged or crafted one refuses the plan now, not a worker mid-composition."""
     for f in set(files):
         safetensors_header(f)
 

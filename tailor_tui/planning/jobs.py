@@ -1,8 +1,8 @@
 """The jobs of a composition: what a worker is asked to do, in full, picklable (`events.Job`).
 
-The plan (`plan.MergePlan`, `file_plan`) makes one job per output rank and per weight file; a
-worker process (`workers`) runs the writer for it (`rank_task.merge_rank`,
-`model_files.merge_model_file`, `bin_files.merge_bin_file`) and reports through `events`
+The plan (`plan.ComposePlan`, `file_plan`) makes one job per output rank and per weight file; a
+worker process (`workers`) runs the writer for it (`rank_task.compose_rank`,
+`model_files.compose_model_file`, `bin_files.compose_bin_file`) and reports through `events`
 (progress, finished, failed). A job holds everything its writer needs; the writer never calls
 back into the plan.
 """

@@ -13,7 +13,7 @@ finished composition takes its place.
   (atomically where the kernel can), with SIGINT and SIGTERM held back until the swap
   and the removal of the old folder are done, so a cancel never leaves the output path
   empty or reports "nothing was written" about a replaced output.
-- `remove_stale`: what merges on this host left when killed (kill -9, OOM): temp folders
+- `remove_stale`: what compositions on this host left when killed (kill -9, OOM): temp folders
   are removed, and an old output moved aside by a swap that was cut short is put back.
 """
 
@@ -31,7 +31,7 @@ import threading
 from pathlib import Path
 
 from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json
-from tailor_tui.checkpoints.checkpoint import PROVENANCE
+from tailor_tui.checkpoints.checkpoint import OUTPUT_FILES, PROVENANCE
 from tailor_tui.checkpoints.scan import find_checkpoint_dirs
 from tailor_tui.errors import OutputError
 from tailor_tui.fileio import (
@@ -43,7 +43,6 @@ from tailor_tui.fileio import (
     replace_dir,
 )
 
-OUTPUT_FILES = "files"  # provenance key: every file tailor-tui wrote (relative path -> [bytes, mtime_ns])
 
 
 # --- before anything is written ------------------------------------------------------------
@@ -158,7 +157,7 @@ def _lock_path(out: Path) -> Path:
 
 @contextlib.contextmanager
 def output_lock(out: Path):
-    """Hold an exclusive lock on `out` for the whole merge (its parent folder made first if it is
+    """Hold an exclusive lock on `out` for the whole composition (its parent folder made first if it is
     not there), or raise OutputError naming the tailor-tui that holds it. File systems without
     flock (some Lustre mounts) get no lock."""
     try:
@@ -223,7 +222,7 @@ def temp_prefix(out: Path) -> str:
 
 
 def remove_stale(out: Path) -> None:
-    """Clean up after merges on this host that were killed (kill -9, OOM): their temp folders
+    """Clean up after compositions on this host that were killed (kill -9, OOM): their temp folders
     are removed; an old output a swap had moved aside is put back if the output path is empty
     (killed between the two renames), else removed (killed while deleting it)."""
     if not out.parent.is_dir():
@@ -289,7 +288,7 @@ def _umask() -> int:
 
 
 def probe_swap(out: Path) -> None:
-    """Before merging: find out now, not after the merge, whether `out`'s folder lets
+    """Before composing: find out now, not after the composition, whether `out`'s folder lets
     tailor-tui create, swap and remove folders (OutputError if not)."""
     a, b = (out.parent / f".{out.name}.tailor-probe-{i}-{os.getpid()}" for i in (0, 1))
     try:
@@ -311,7 +310,7 @@ def signals_held():
     Their handlers are swapped for one that only notes them (Python runs handlers in the
     main thread whichever thread the kernel picks, so masking the main thread alone would
     not do). Only the main thread can do this; elsewhere (the composer's worker thread)
-    cancelling goes through the merge's cancel flag, which nothing reads once publishing."""
+    cancelling goes through the composition's cancel flag, which nothing reads once publishing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -338,10 +337,10 @@ def publish(tmp: Path, out: Path, force: bool, durable: bool = True, swap: bool 
         os.chmod(tmp, 0o777 & ~_umask())
         if out.is_dir() and any(out.iterdir()):
             if not force:
-                raise OutputError(f"output {out}: appeared while merging; not overwritten")
+                raise OutputError(f"output {out}: appeared while composing; not overwritten")
             why = not_replaceable(out)
             if why:
-                raise OutputError(f"output {out}: changed while merging and now {why}; not overwritten")
+                raise OutputError(f"output {out}: changed while composing and now {why}; not overwritten")
             replace_dir(tmp, out, durable, swap)
             return
         if out.is_dir():

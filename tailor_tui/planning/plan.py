@@ -1,4 +1,4 @@
-"""A merge plan: all the work a checked recipe takes, computed once when the plan is made (a job
+"""A composition plan: all the work a checked recipe takes, computed once when the plan is made (a job
 per output rank, a job per weight file, the files copied from the base), its totals and its
 description. `build.build_plan` checks a recipe against its checkpoints and makes one.
 """
@@ -31,7 +31,7 @@ from tailor_tui.checkpoints.weight_files import FileFate
 
 
 @dataclass(frozen=True)
-class MergePlan:
+class ComposePlan:
     """A recipe checked against its checkpoints, and all the work it takes, computed once when
     the plan is made (the writers take their jobs from it and never call back into it)."""
 
@@ -188,7 +188,7 @@ class MergePlan:
 
     def bytes_to_write(self) -> int:
         """Every byte of the output but its provenance record: rank files, model files, the
-        base's other files, and the `latest` file and model index the merge writes itself."""
+        base's other files, and the `latest` file and model index the composition writes itself."""
         root = self.other_files_root()
         others = sum((root / p).stat().st_size for p, _q in self.other_files())
         models = sum(j.size for j in self.model_file_jobs())

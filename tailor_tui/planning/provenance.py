@@ -11,10 +11,10 @@ import time
 
 from tailor_tui import __version__
 from tailor_tui.checkpoints.checkpoint import Checkpoint, tied_partner
-from tailor_tui.planning.plan import MergePlan
+from tailor_tui.planning.plan import ComposePlan
 
 
-def plan_digest(plan: MergePlan) -> str:
+def plan_digest(plan: ComposePlan) -> str:
     """What every process of a job must agree on: the recipe, the output, every checkpoint's
     files (sizes, times) and what is taken from where."""
     record = provenance(plan)
@@ -39,7 +39,7 @@ def _identity(ckpt: Checkpoint) -> dict:
     }
 
 
-def provenance(plan: MergePlan) -> dict:
+def provenance(plan: ComposePlan) -> dict:
     rows = {}
     for row in plan.base.rows:
         if row.tied:

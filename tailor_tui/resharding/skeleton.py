@@ -46,7 +46,7 @@ from tailor_tui.formats.ptwrite import write_archive
 from tailor_tui.resharding.partition import Reshard, optim_structure_file, output_names
 
 # A per-group optimizer value other than the moments (`step`) is compared between sub-groups
-# that merge; none is larger than this in any optimizer DeepSpeed wraps.
+# that are merged; none is larger than this in any optimizer DeepSpeed wraps.
 MAX_COMPARED_BYTES = 1 << 20
 
 

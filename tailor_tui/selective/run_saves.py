@@ -127,7 +127,7 @@ def resume_point(output_dir: str | Path, *, workers: int | None = 1) -> str | No
 
 def _compose_newest(output_dir: Path, target: Path, workers: int | None) -> None:
     from tailor_tui.compose.composition import Composition
-    from tailor_tui.compose.merge import run_merge
+    from tailor_tui.compose.folder import run_compose
     from tailor_tui.planning.build import build_plan
 
     found = scan(output_dir)
@@ -139,7 +139,7 @@ def _compose_newest(output_dir: Path, target: Path, workers: int | None) -> None
     composition.output = target
     if target.exists():
         shutil.rmtree(target)  # an incomplete earlier attempt (no provenance)
-    run_merge(build_plan(composition.to_recipe()), workers=workers)
+    run_compose(build_plan(composition.to_recipe()), workers=workers)
 
 
 def _complete(folder: Path) -> bool:

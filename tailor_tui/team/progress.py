@@ -51,7 +51,7 @@ class JobLines:
 
 
 def relay(team, emit: Emit, tasks) -> tuple[Emit, callable]:
-    """(the emit this process's merge uses, a stop function). One process: `emit` itself."""
+    """(the emit this process's composition uses, a stop function). One process: `emit` itself."""
     if team.size == 1:
         return emit, lambda: None
     if team.lead:
@@ -83,7 +83,7 @@ def _reader(team, emit: Emit, names: list[str]):
         for p in range(1, team.size):
             try:
                 theirs = team.peek("progress", p) or {}
-            except Exception:  # noqa: BLE001 - the job is failing: the merge says why
+            except Exception:  # noqa: BLE001 - the job is failing: the composition says why
                 return False
             for task, (done, total, finished) in theirs.items():
                 if task in names and seen.get(task) != [done, total, finished]:

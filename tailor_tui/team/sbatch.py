@@ -1,10 +1,10 @@
-"""A batch job instead of a merge on a login node: when and what to write.
+"""A batch job instead of a composition on a login node: when and what to write.
 
 A composition of hundreds of GiB does not belong on a login node (its etiquette forbids it,
 and one node composes at one node's bandwidth). When the composer runs where `sbatch` is at
 hand and no Slurm job is (a login node), and the plan writes at least `LARGE` bytes, it offers
 to write an sbatch script that runs the saved recipe as one job over several nodes (`srun
-tailor-tui --apply`, README: Slurm) beside the recipe, instead of merging there.
+tailor-tui --apply`, README: Slurm) beside the recipe, instead of composing there.
 """
 
 from __future__ import annotations

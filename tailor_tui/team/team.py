@@ -163,7 +163,7 @@ class Team:
         """This process's work moved (its tasks report progress); `moving=False`: it no longer has
         tasks to watch. While watched, `timeout` seconds without a move count as a hang (a worker
         stuck on a file system): this process then fails the job, as a silent one would."""
-        if self.store is not None:  # SOLO, shared by every one-process merge, stays as it is
+        if self.store is not None:  # SOLO, shared by every one-process composition, stays as it is
             self._progressed = time.monotonic() if moving else None
 
     def close(self, succeeded: bool) -> None:

@@ -1,4 +1,4 @@
-"""Running a merge's tasks: inline, or in a pool of worker processes.
+"""Running a composition's tasks: inline, or in a pool of worker processes.
 
 Workers are spawned (not forked) with SIGINT held back, ignore Ctrl-C (the parent alone
 decides how to stop), leave by themselves when orphaned (kill -9 of the parent), and
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from tailor_tui.events import Emit, TaskFinished, TaskOptions
 
 if TYPE_CHECKING:  # for annotations only: statistics run calls without loading the planner
-    from tailor_tui.planning.plan import MergePlan
+    from tailor_tui.planning.plan import ComposePlan
 
 _WORKER_QUEUE = None
 _WORKER_CANCEL = None
@@ -53,7 +53,7 @@ STREAMING_WORKER = 64 << 20
 TORCH_WORKER = 512 << 20
 
 
-def worker_memory(plan: MergePlan) -> int:
+def worker_memory(plan: ComposePlan) -> int:
     """The most memory any one task of `plan` needs in a worker (bytes)."""
     from tailor_tui.formats.ptfile import file_format
 
@@ -69,7 +69,7 @@ def worker_memory(plan: MergePlan) -> int:
     return max(needs)
 
 
-def default_workers(plan: MergePlan) -> int:
+def default_workers(plan: ComposePlan) -> int:
     """As many workers as there are tasks, cores, and memory for what each really holds."""
     return workers_for(len(plan.rank_jobs()) + len(plan.model_file_jobs()), worker_memory(plan))
 
@@ -169,7 +169,7 @@ def _children_ignore_sigint():
     a blocked signal stays blocked across exec, so a worker cannot receive it before its
     initializer ignores it (which also drops one already pending). The parent only defers
     it: a Ctrl-C pressed while workers start is delivered when it is unblocked, and the
-    merge is cancelled (ignoring SIGINT here instead lost that Ctrl-C: the merge ran on).
+    composition is cancelled (ignoring SIGINT here instead lost that Ctrl-C: the composition ran on).
     """
     if threading.current_thread() is not threading.main_thread():
         yield  # signals are the main thread's business (the TUI gets Ctrl-C as a key anyway)

@@ -99,15 +99,15 @@ ACTIONS: tuple[Action, ...] = (
            "Export for evaluation: the composition as a plain HF model folder (from_pretrained loads it)", "export",
            "the composition as a plain HF model folder, to evaluate"),
     # compose
-    Action("run_merge", "ctrl+r", "Merge", "Review the plan and merge", "compose",
-           "review the plan, then merge (Esc cancels); a large plan on a login node: s writes an sbatch script",
+    Action("run_compose", "ctrl+r", "Compose", "Review the plan and compose", "compose",
+           "review the plan, then compose (Esc cancels); a large plan on a login node: s writes an sbatch script",
            footer=True),
     # other
     Action("help", "question_mark,f1", "Help", "Help: what each mark means, the keys", "other", "help",
            footer=True, owner=APP),
     Action("command_palette", "ctrl+p", "Commands", "", "other", "command palette", palette=False,
            owner="textual"),
-    Action("request_quit", "q", "Quit", "Quit tailor-tui (asks first if picks are unsaved or a merge runs)",
+    Action("request_quit", "q", "Quit", "Quit tailor-tui (asks first if picks are unsaved or a composition runs)",
            "other", "quit", footer=True, owner=APP),
 )
 

@@ -24,7 +24,7 @@ from tailor_tui.team.workers import prepare_worker_processes
 from tailor_tui.ui.actions import APP, bindings, palette_actions
 from tailor_tui.ui.composer import ComposerOptions, ComposerScreen
 from tailor_tui.ui.dialogs import Confirm, HelpScreen
-from tailor_tui.ui.merge_screen import MergeScreen
+from tailor_tui.ui.compose_screen import ComposeScreen
 
 
 class TailorApp(App):
@@ -45,14 +45,14 @@ class TailorApp(App):
 
     @property
     def home(self) -> ComposerScreen:
-        """The composer's screen (under any dialog or the merge screen)."""
+        """The composer's screen (under any dialog or the compose screen)."""
         return self.screen_stack[0]
 
     def action_request_quit(self) -> None:
         comp = self.home.composition
-        running = isinstance(self.screen, MergeScreen) and self.screen.running
+        running = isinstance(self.screen, ComposeScreen) and self.screen.running
         if running:
-            question = "A merge is running. Cancel it and quit? Nothing will be left at the output path."
+            question = "A composition is running. Cancel it and quit? Nothing will be left at the output path."
         elif comp is not None and not comp.saved:
             question = "The picks are not saved as a recipe. Quit anyway?"
         else:
@@ -63,17 +63,17 @@ class TailorApp(App):
         def answer(yes: bool | None) -> None:
             if yes:
                 for screen in self.screen_stack:
-                    if isinstance(screen, MergeScreen):
-                        screen.cancel.set()  # workers stop; run_merge removes its temp folder
-                self.exit_after_merge()
+                    if isinstance(screen, ComposeScreen):
+                        screen.cancel.set()  # workers stop; run_compose removes its temp folder
+                self.exit_after_composing()
 
         self.push_screen(Confirm("Quit tailor-tui?", question, accept="Quit", decline="Stay"), answer)
 
     @work(exclusive=True, group="exit")
-    async def exit_after_merge(self) -> None:
-        """Exit once a cancelled merge has cleaned up (seconds), so nothing is left behind."""
+    async def exit_after_composing(self) -> None:
+        """Exit once a cancelled composition has cleaned up (seconds), so nothing is left behind."""
         for screen in self.screen_stack:
-            if isinstance(screen, MergeScreen):
+            if isinstance(screen, ComposeScreen):
                 while not screen.finished.is_set():
                     await asyncio.sleep(0.05)
         self.exit()
@@ -82,7 +82,7 @@ class TailorApp(App):
         self.action_request_quit()  # ctrl+q asks too
 
     def action_save_recipe(self) -> None:
-        """ctrl+s saves the session's recipe from any screen (a dialog, the merge screen)."""
+        """ctrl+s saves the session's recipe from any screen (a dialog, the compose screen)."""
         self.home.action_save_recipe()
 
     def action_help(self) -> None:
@@ -99,8 +99,8 @@ class TailorApp(App):
 
 
 def make_app(run_dir: str | Path, recipe: str | Path | None = None, workers: int | None = None,
-             clock: Callable[[], float] = time.monotonic, merge_options: TaskOptions = TaskOptions(),
+             clock: Callable[[], float] = time.monotonic, compose_options: TaskOptions = TaskOptions(),
              batch_threshold: int = LARGE) -> TailorApp:
     """Build the app (used by the CLI, the pilot tests and the snapshot tests)."""
-    return TailorApp(ComposerOptions(Path(run_dir), Path(recipe) if recipe else None, workers, clock, merge_options,
+    return TailorApp(ComposerOptions(Path(run_dir), Path(recipe) if recipe else None, workers, clock, compose_options,
                                      batch_threshold))

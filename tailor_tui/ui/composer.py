@@ -1,5 +1,5 @@
 """The composer's screen: the grid of rows and checkpoints, its details panel, and what the
-user does there (pick, heal, save and load recipes, plan and merge, export).
+user does there (pick, heal, save and load recipes, plan and compose, export).
 
 The screen owns the session's state (the composition, the scan, the row health) and binds
 the composer's keys (`actions`); its parts by task are mixins (`navigation`, `recipe_actions`,
@@ -39,7 +39,7 @@ from tailor_tui.ui.dialogs import Confirm, ErrorDialog, PathPrompt, PlanDialog
 from tailor_tui.ui.export_actions import ExportActions
 from tailor_tui.ui.grid import CheckpointGrid
 from tailor_tui.ui.health_actions import HealthActions
-from tailor_tui.ui.merge_screen import MergeScreen
+from tailor_tui.ui.compose_screen import ComposeScreen
 from tailor_tui.ui.messages import PlanFailed, PlanReady, ScanComplete, ScanFailed, ScanProgressed
 from tailor_tui.ui.navigation import Navigation
 from tailor_tui.ui.recipe_actions import RecipeActions
@@ -51,9 +51,9 @@ class ComposerOptions:
 
     run_dir: Path
     recipe: Path | None = None  # loaded at start; a recipe that does not exist yet is where ctrl+s saves
-    workers: int | None = None  # worker processes of a merge or statistics (None: as many as fit)
-    clock: Callable[[], float] = time.monotonic  # the merge screen's (snapshot tests fix it)
-    merge_options: TaskOptions = TaskOptions()
+    workers: int | None = None  # worker processes of a composition or statistics (None: as many as fit)
+    clock: Callable[[], float] = time.monotonic  # the compose screen's (snapshot tests fix it)
+    compose_options: TaskOptions = TaskOptions()
     batch_threshold: int = LARGE  # bytes to write from which a login node offers a batch job
 
 
@@ -65,7 +65,7 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
         self.options = options
         self.composition: Composition | None = None
         self.scan_result: ScanResult | None = None
-        self.merging = False
+        self.composing = False
         # Row health: filled in by the statistics worker, newest checkpoint first
         self.health: Health | None = None
         self.health_version = 0  # bumped as cells arrive: the grid redraws rows then
@@ -163,10 +163,7 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
             why = "\n".join(f"  skipped {self.rel(p)}: {w}" for p, w in result.problems)
             self.query_one("#scan-bar", ProgressBar).display = False  # nothing more is coming
             self.query_one("#scan-label", Label).update(
-                f"No usable ZeRO-3 checkpoints under {self.options.run_dir}: looked for HF checkpoint-N folders "
-                "(trainer_state.json and a `latest` file), DeepSpeed tag folders (zero_pp_rank_*_model_states.pt) "
-                "and partial saves (tailor_partial.json). q quits." + (f"\n{why}" if why else "")
-            )
+                f"{result.nothing_found(self.options.run_dir)}. q quits." + (f"\n{why}" if why else ""))
             return
         self.composition = Composition.start(list(result.checkpoints))
         self.query_one("#scanning").display = False
@@ -211,7 +208,8 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
             return
         problems = self.scan_result.problems if self.scan_result else ()
         lines = details_lines(comp, self.health, row_name, column, metric=self.metric, computing=self.health_status,
-                              problems=problems, show=self.rel)
+                              problems=problems, outputs=self.scan_result.outputs if self.scan_result else (),
+                              show=self.rel)
         text = "\n".join(lines)
         details = self.query_one("#details", Static)
         if text != self.details_text:  # its size is fixed by the layout: no re-layout of the screen
@@ -221,7 +219,7 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
     # --- actions --------------------------------------------------------------------------
 
     def editable(self) -> bool:
-        """Picks change only on the grid itself, not under a dialog or the merge screen."""
+        """Picks change only on the grid itself, not under a dialog or the compose screen."""
         return self.composition is not None and self.on_top
 
     def edit(self, change: Callable[[], None]) -> None:
@@ -284,7 +282,7 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
 
         self.app.push_screen(PathPrompt("Output folder for the composed checkpoint", str(self.composition.output)), done)
 
-    def action_run_merge(self) -> None:
+    def action_run_compose(self) -> None:
         if self.editable():
             self.plan_worker(self.composition.to_recipe())
 
@@ -302,7 +300,7 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
 
     def on_plan_failed(self, message: PlanFailed) -> None:
         if message.replaceable is None:
-            self.app.push_screen(ErrorDialog(message.message, title="Cannot merge"))
+            self.app.push_screen(ErrorDialog(message.message, title="Cannot compose"))
             return
 
         def answer(yes: bool | None) -> None:
@@ -318,12 +316,12 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
         plan = message.plan
         body = "\n".join(plan.describe(show=self.rel, every_file=False))
         # Rows the statistics already know to be non-finite or damaged in their source: the
-        # merge would refuse them, so the user decides here ("Merge anyway" allows them).
+        # --apply would refuse them, so the user decides here ("Compose anyway" allows them).
         bad = [f"{row} from {plan.sources[s].name}: {why_unhealthy(cell)}" for row, s in plan.picks.items()
                if (cell := self.cell_of(row, plan.sources[s])) is not None and not cell.healthy]
         if bad:
             body = "\n".join(["✗ the output would hold unhealthy rows:", *bad,
-                              "Enter goes back (h heals them); ! merges anyway, as --apply --allow-nonfinite does",
+                              "Enter goes back (h heals them); ! composes anyway, as --apply --allow-nonfinite does",
                               "", body])
 
         batch = offer_batch(plan.bytes_to_write(), self.options.batch_threshold)
@@ -337,14 +335,14 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
             elif answer == "sbatch":
                 self.action_write_batch_job(plan.bytes_to_write())
             elif answer:
-                self.merging = True
-                self.app.push_screen(MergeScreen(plan, self.options.workers, clock=self.options.clock,
-                                             options=self.options.merge_options, allow_nonfinite=bool(bad),
+                self.composing = True
+                self.app.push_screen(ComposeScreen(plan, self.options.workers, clock=self.options.clock,
+                                             options=self.options.compose_options, allow_nonfinite=bool(bad),
                                              title=f"Composing {self.rel(plan.output)}",
-                                             finished=self.merge_finished),
-                                 self.merge_closed)
+                                             finished=self.compose_finished),
+                                 self.compose_closed)
 
-        accept = "Merge anyway" if bad else "Merge"
+        accept = "Compose anyway" if bad else "Compose"
         self.app.push_screen(PlanDialog("Compose this checkpoint?", body, accept=accept, decline="Back", batch=batch,
                                         risky=bool(bad)), confirmed)
 
@@ -356,21 +354,21 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
                 return self.health.cell(row, i)
         return None
 
-    def merge_finished(self, result) -> None:
-        self.merging = False
+    def compose_finished(self, result) -> None:
+        self.composing = False
         self.notify(f"{'exported' if isinstance(result, ExportResult) else 'composed'} {result.output}")
 
-    def merge_closed(self, _result=None) -> None:
-        self.merging = False
+    def compose_closed(self, _result=None) -> None:
+        self.composing = False
         self.refresh_view()
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        # Under a dialog or the merge screen the grid's keys do nothing: the footer hides them.
+        # Under a dialog or the compose screen the grid's keys do nothing: the footer hides them.
         return self.on_top
 
     @property
     def on_top(self) -> bool:
-        """Whether the user is on the grid itself (no dialog, no merge screen over it)."""
+        """Whether the user is on the grid itself (no dialog, no compose screen over it)."""
         return self.app.screen is self
 
     def action_toggle_details(self) -> None:

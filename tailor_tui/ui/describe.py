@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from tailor_tui.checkpoints.checkpoint import Checkpoint, tied_members, tied_partner
+from tailor_tui.checkpoints.scan import composed_from, output_folder
 from tailor_tui.compose.composition import Composition
 from tailor_tui.health.healing import METRICS, Cell, Health, damage_text, why_unhealthy
 from tailor_tui.units import size
@@ -117,7 +118,8 @@ def _pct(x: float | None) -> str:
 
 
 def details_lines(comp: Composition, health: Health | None, row_name: str, column: int | None, *, metric: str,
-                  computing: str | None, problems: tuple = (), show: Callable[[Path], str] = str) -> list[str]:
+                  computing: str | None, problems: tuple = (), outputs: tuple = (),
+                  show: Callable[[Path], str] = str) -> list[str]:
     row = comp.base_checkpoint.row(row_name)
     lines = []
     if column is not None:
@@ -158,8 +160,9 @@ def details_lines(comp: Composition, health: Health | None, row_name: str, colum
         ]
         if c.partial:
             lines.append(f"partial saved {len(c.saved_rows)} of {sum(not r.tied for r in c.rows)} rows")
-        if c.composed:
-            lines.append("composed by tailor-tui (tailor_provenance.json names its sources)")
+    if outputs:  # tailor-tui's own outputs in the run folder: shown here, never as columns
+        lines += ["", f"composed by tailor-tui here, not columns ({len(outputs)}):"]
+        lines += [f"  {show(output_folder(o))} ← {', '.join(composed_from(o)) or '?'}" for o in outputs]
     if problems:  # kept here, not only in a toast
         lines += ["", f"skipped while scanning ({len(problems)}):"]
         lines += [f"  {show(path)}: {why}" for path, why in problems]

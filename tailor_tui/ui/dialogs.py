@@ -89,14 +89,14 @@ class Confirm(ModalScreen[bool]):
 
 
 class PlanDialog(Confirm):
-    """The plan before a merge: Enter merges (True), Esc goes back (False), w sets the world size
+    """The plan before a composition: Enter composes (True), Esc goes back (False), w sets the world size
     to compose for ("world_size"); with `batch` (a large plan on a login node), s writes an
     sbatch script for the saved recipe instead ("sbatch"). With `risky` (the output would hold
     unhealthy rows) going back is the default: Enter and y go back, and only ! (or a click on
-    its button) merges anyway, as `--allow-nonfinite` does headlessly."""
+    its button) composes anyway, as `--allow-nonfinite` does headlessly."""
 
     BINDINGS = [*Confirm.BINDINGS, Binding("w", "world_size", "World size"), Binding("s", "batch", "Batch job"),
-                Binding("exclamation_mark", "accept_anyway", "Merge anyway")]
+                Binding("exclamation_mark", "accept_anyway", "Compose anyway")]
 
     def __init__(self, *args, batch: bool = False, risky: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -119,7 +119,7 @@ class PlanDialog(Confirm):
         return self.batch if action == "batch" else True
 
     def action_accept(self) -> None:
-        self.dismiss(not self.risky)  # Enter or y: merges, or goes back when the output would be unhealthy
+        self.dismiss(not self.risky)  # Enter or y: composes, or goes back when the output would be unhealthy
 
     def action_accept_anyway(self) -> None:
         self.dismiss(True)

@@ -1,7 +1,7 @@
 """e: export the composition as a plain HF model folder, for evaluation (a mixin of the composer's screen).
 
 Asks for the folder (beside the output by default), plans the export in a thread, then runs it
-on the merge screen (one bar per source rank, Esc cancels, nothing left behind). The same
+on the compose screen (one bar per source rank, Esc cancels, nothing left behind). The same
 backend as `tailor-tui --export` (`export_plan`, `export`). A DeepSpeed-layout run records no
 config.json: the model's config is asked for too (as `--config`); left empty, the folder holds
 the weights and the notice says how to add one.
@@ -21,7 +21,7 @@ from tailor_tui.export.plan import plan_export
 from tailor_tui.planning.build import build_plan
 from tailor_tui.formats.safetensors_out import parse_size
 from tailor_tui.ui.dialogs import ErrorDialog, PathPrompt
-from tailor_tui.ui.merge_screen import MergeScreen
+from tailor_tui.ui.compose_screen import ComposeScreen
 from tailor_tui.ui.messages import ExportReady
 
 DEFAULT_SHARD = "5GB"
@@ -32,7 +32,7 @@ class ExportActions:
         if not self.editable():
             return
         comp = self.composition
-        output = comp.output or comp.base_checkpoint.path.with_name(comp.base_checkpoint.name + "-tailored")
+        output = comp.output or comp.default_output()
         default = output.with_name(output.name + "-hf")
 
         def chosen(value: str | None) -> None:
@@ -68,13 +68,13 @@ class ExportActions:
             self.notify("no config.json for this model: the folder will hold the weights only; export again "
                         "and give its config.json (or tailor-tui --export … --config PATH)", severity="warning",
                         timeout=10)
-        self.merging = True
-        self.app.push_screen(MergeScreen(export.plan, self.options.workers, clock=self.options.clock,
-                                         options=self.options.merge_options,
+        self.composing = True
+        self.app.push_screen(ComposeScreen(export.plan, self.options.workers, clock=self.options.clock,
+                                         options=self.options.compose_options,
                                          title=f"Exporting {self.rel(export.plan.output)}", export=export,
                                          export_config=message.config,
-                                         finished=self.merge_finished),
-                             self.merge_closed)
+                                         finished=self.compose_finished),
+                             self.compose_closed)
 
     def export_failed(self, message: str) -> None:
         self.app.push_screen(ErrorDialog(message, title="Cannot export"))

@@ -217,8 +217,7 @@ class CheckpointGrid(ScrollView, can_focus=True):
     def _header(self, column: int) -> tuple[GridCell, GridCell]:
         comp = self.composition
         ckpt = comp.checkpoints[column]
-        loss = header_suffix(self.health, column) + (" · composed" if ckpt.composed else "")
-        step = f"step {ckpt.step}{loss}"
+        step = f"step {ckpt.step}{header_suffix(self.health, column)}"
         name = comp.label(column)
         if column == comp.base:
             return GridCell(name, "bold reverse"), GridCell(f"{step} BASE", "bold reverse")

@@ -11,7 +11,7 @@ from textual.message import Message
 
 from tailor_tui.checkpoints.scan import ScanResult
 from tailor_tui.events import TaskProgressed
-from tailor_tui.planning.plan import MergePlan
+from tailor_tui.planning.plan import ComposePlan
 
 
 @dataclass(eq=False)
@@ -55,7 +55,7 @@ class HealthEnded(Message):
 
 @dataclass(eq=False)
 class PlanReady(Message):
-    plan: MergePlan
+    plan: ComposePlan
 
 
 @dataclass(eq=False)
@@ -75,21 +75,21 @@ class PlanFailed(Message):
 
 
 @dataclass(eq=False)
-class MergeProgressed(Message):
-    """A task of the merge (or export) moved (a newer one of the same task replaces one still queued)."""
+class ComposeProgressed(Message):
+    """A task of the composition (or export) moved (a newer one of the same task replaces one still queued)."""
 
     event: TaskProgressed
 
     def can_replace(self, message: Message) -> bool:
-        return isinstance(message, MergeProgressed) and message.event.task == self.event.task
+        return isinstance(message, ComposeProgressed) and message.event.task == self.event.task
 
 
 @dataclass(eq=False)
-class MergeFinished(Message):
-    result: object  # merge.MergeResult or export.folder.ExportResult
+class ComposeFinished(Message):
+    result: object  # compose.folder.ComposeResult or export.folder.ExportResult
 
 
 @dataclass(eq=False)
-class MergeFailed(Message):
+class ComposeFailed(Message):
     message: str
     cancelled: bool

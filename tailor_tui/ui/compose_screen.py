@@ -1,6 +1,6 @@
-"""The merge screen: one progress bar per rank plus an overall bar with throughput and ETA.
+"""The compose screen: one progress bar per rank plus an overall bar with throughput and ETA.
 
-The merge runs in a thread worker (which itself drives worker processes); progress
+The composition runs in a thread worker (which itself drives worker processes); progress
 arrives as backend events wrapped in messages, so no widget is touched off the event loop.
 """
 
@@ -22,40 +22,40 @@ from tailor_tui.errors import Cancelled, TailorError
 from tailor_tui.events import TaskOptions, TaskProgressed
 from tailor_tui.export.folder import run_export
 from tailor_tui.export.plan import Export
-from tailor_tui.compose.merge import planned_tasks, run_merge
-from tailor_tui.planning.plan import MergePlan
+from tailor_tui.compose.folder import planned_tasks, run_compose
+from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.team.workers import STREAMING_WORKER, workers_for
-from tailor_tui.ui.messages import MergeFailed, MergeFinished, MergeProgressed
+from tailor_tui.ui.messages import ComposeFailed, ComposeFinished, ComposeProgressed
 from tailor_tui.units import size, throughput
 
 
-class MergeScreen(Screen):
+class ComposeScreen(Screen):
     BINDINGS = [
-        Binding("escape", "cancel_or_close", "Cancel merge / close"),
+        Binding("escape", "cancel_or_close", "Cancel / close"),
     ]
 
-    def __init__(self, plan: MergePlan, workers: int | None, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, plan: ComposePlan, workers: int | None, clock: Callable[[], float] = time.monotonic,
                  autostart: bool = True, title: str | None = None, options: TaskOptions = TaskOptions(),
                  allow_nonfinite: bool = False, export: Export | None = None, export_config: Path | None = None,
                  finished: Callable[[object], None] = lambda result: None):
         super().__init__()
         self.on_finished = finished  # the composer's: told the result
         self.options, self.allow_nonfinite = options, allow_nonfinite
-        self.export = export  # an export for evaluation runs here instead of the merge
+        self.export = export  # an export for evaluation runs here instead of the composition
         self.export_config = export_config  # as --config
         self.autostart = autostart  # snapshot tests feed progress events themselves
         self.title_text = title or f"Composing {plan.output}"
-        self.plan, self.merge_workers, self.clock = plan, workers, clock  # `workers`: Textual's
+        self.plan, self.compose_workers, self.clock = plan, workers, clock  # `workers`: Textual's
         self.cancel = threading.Event()
-        self.finished = threading.Event()  # set when the merge thread has fully returned
+        self.finished = threading.Event()  # set when the composition thread has fully returned
         self.tasks = [(j.task, j.total_bytes) for j in export.jobs] if export else planned_tasks(plan)
         self.done = {name: 0 for name, _ in self.tasks}
         self.started = clock()
         self.running = True
 
     def compose(self) -> ComposeResult:
-        with Vertical(id="merge"):
-            yield Label(self.title_text, id="merge-title")
+        with Vertical(id="compose"):
+            yield Label(self.title_text, id="compose-title")
             with VerticalScroll(id="bars"):
                 for i, (name, _total) in enumerate(self.tasks):
                     with Horizontal(classes="bar-row"):
@@ -64,39 +64,39 @@ class MergeScreen(Screen):
                 with Horizontal(classes="bar-row overall"):
                     yield Label("overall", classes="bar-label")
                     yield ProgressBar(total=sum(t for _, t in self.tasks), show_eta=False, id="bar-overall")
-            yield Static("", id="merge-rate")
-            yield Static("Esc cancels: workers stop and nothing is left at the output path.", id="merge-status")
+            yield Static("", id="compose-rate")
+            yield Static("Esc cancels: workers stop and nothing is left at the output path.", id="compose-status")
         yield Footer()
 
     def on_mount(self) -> None:
         if self.autostart:
-            self.run_merge_worker()
+            self.run_compose_worker()
         else:
             self.finished.set()
 
-    @work(thread=True, exclusive=True, group="merge")
-    def run_merge_worker(self) -> None:
-        emit = lambda e: self.post_message(MergeProgressed(e)) if isinstance(e, TaskProgressed) else None  # noqa: E731
+    @work(thread=True, exclusive=True, group="compose")
+    def run_compose_worker(self) -> None:
+        emit = lambda e: self.post_message(ComposeProgressed(e)) if isinstance(e, TaskProgressed) else None  # noqa: E731
         try:
             if self.export is not None:
-                workers = self.merge_workers or workers_for(len(self.export.jobs), STREAMING_WORKER)
+                workers = self.compose_workers or workers_for(len(self.export.jobs), STREAMING_WORKER)
                 result = run_export(self.export, config=self.export_config, workers=workers, emit=emit, cancel=self.cancel,
                                     options=self.options)
             else:
-                result = run_merge(self.plan, workers=self.merge_workers, emit=emit, cancel=self.cancel,
+                result = run_compose(self.plan, workers=self.compose_workers, emit=emit, cancel=self.cancel,
                                    options=self.options, allow_nonfinite=self.allow_nonfinite)
         except Cancelled as exc:
-            self.post_message(MergeFailed(str(exc), cancelled=True))
+            self.post_message(ComposeFailed(str(exc), cancelled=True))
         except TailorError as exc:
-            self.post_message(MergeFailed(str(exc), cancelled=False))
+            self.post_message(ComposeFailed(str(exc), cancelled=False))
         except Exception as exc:  # a bug: still say it in plain words, never a traceback on screen
-            self.post_message(MergeFailed(f"internal error: {type(exc).__name__}: {exc}", cancelled=False))
+            self.post_message(ComposeFailed(f"internal error: {type(exc).__name__}: {exc}", cancelled=False))
         else:
-            self.post_message(MergeFinished(result))
+            self.post_message(ComposeFinished(result))
         finally:
             self.finished.set()
 
-    def on_merge_progressed(self, message: MergeProgressed) -> None:
+    def on_compose_progressed(self, message: ComposeProgressed) -> None:
         e = message.event
         index = [name for name, _ in self.tasks].index(e.task) if e.task in self.done else None
         if index is None:
@@ -110,11 +110,11 @@ class MergeScreen(Screen):
         total = sum(t for _, t in self.tasks)
         self.query_one("#bar-overall", ProgressBar).update(progress=done)
         rate, eta = throughput(done, total, self.clock() - self.started)
-        self.query_one("#merge-rate", Static).update(
+        self.query_one("#compose-rate", Static).update(
             f"{size(done)} of {size(total)} read and written · {size(rate)}/s · ETA {eta:.0f}s"
         )
 
-    def on_merge_finished(self, message: MergeFinished) -> None:
+    def on_compose_finished(self, message: ComposeFinished) -> None:
         self.running = False
         for name, total in self.tasks:
             self.done[name] = total
@@ -122,29 +122,29 @@ class MergeScreen(Screen):
             self.query_one(f"#bar-{i}", ProgressBar).update(progress=total)
         self.update_overall()
         r = message.result
-        self.query_one("#merge-status", Static).update(
+        self.query_one("#compose-status", Static).update(
             f"Done: {r.output} ({size(r.bytes_written)} in {r.seconds:.1f}s). "
             "ctrl+s saves the recipe; Esc returns to the grid."
         )
         self.add_class("finished")
         self.on_finished(r)
 
-    def on_merge_failed(self, message: MergeFailed) -> None:
+    def on_compose_failed(self, message: ComposeFailed) -> None:
         self.running = False
         self.add_class("failed")
         if message.cancelled:
-            self.query_one("#merge-status", Static).update(
+            self.query_one("#compose-status", Static).update(
                 "Cancelled: nothing was left at the output path. Esc returns to the grid."
             )
         else:
             from tailor_tui.ui.dialogs import ErrorDialog
 
-            self.query_one("#merge-status", Static).update("Failed: nothing was left at the output path.")
-            self.app.push_screen(ErrorDialog(message.message, title="The merge failed"))
+            self.query_one("#compose-status", Static).update("Failed: nothing was left at the output path.")
+            self.app.push_screen(ErrorDialog(message.message, title="The composition failed"))
 
     def action_cancel_or_close(self) -> None:
         if self.running:
             self.cancel.set()
-            self.query_one("#merge-status", Static).update("Cancelling…")
+            self.query_one("#compose-status", Static).update("Cancelling…")
         else:
             self.dismiss()

@@ -1,6 +1,6 @@
 """Composed checkpoints hold exactly the chosen source's state for every row.
 
-Checked with a reader that is not the merger's code path (DeepSpeed's zero_to_fp32),
+Checked with a reader that is not the compose step's code path (DeepSpeed's zero_to_fp32),
 on real DeepSpeed-written checkpoints of every supported shape.
 """
 
@@ -17,7 +17,7 @@ from helpers import compose, param_row, parity_picks
 from safetensors.torch import load_file
 from zero_reader import model_states, optim_states, read_full_state
 
-from tailor_tui.compose.merge import run_merge
+from tailor_tui.compose.folder import run_compose
 from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.recipe import Recipe
 
@@ -206,7 +206,7 @@ def test_sharded_model_files_are_composed_shard_by_shard(real_run, tmp_path):
 
 
 def test_rank_files_are_valid_archives_laid_out_like_the_base(composed):
-    """The streaming merger keeps the base's zip layout and rewrites CRCs of what it changed."""
+    """The streaming rank writer keeps the base's zip layout and rewrites CRCs of what it changed."""
     import zipfile
 
     run, spec, ckpts, picks, out, _ = composed
@@ -238,7 +238,7 @@ def test_reserialising_fallback_gives_the_same_state(real_run, tmp_path, monkeyp
 
 def test_no_fsync_skips_every_fsync_and_writes_the_same_output(real_run, tmp_path, monkeypatch):
     """--no-fsync (durable=False) trades crash durability for speed: no fsync at all, the
-    same bytes; the option travels with the merge (no process-wide switch to reset)."""
+    same bytes; the option travels with the composition (no process-wide switch to reset)."""
     import os
 
     from tailor_tui.events import TaskOptions
@@ -254,7 +254,7 @@ def test_no_fsync_skips_every_fsync_and_writes_the_same_output(real_run, tmp_pat
     assert calls
     calls.clear()
     recipe = Recipe(base=ckpts[-1], output=tmp_path / "b" / "composed", layers=picks)
-    run_merge(build_plan(recipe), workers=1, options=TaskOptions(durable=False))
+    run_compose(build_plan(recipe), workers=1, options=TaskOptions(durable=False))
     assert calls == []
     fast = recipe.output
     assert verify_against_recipe(build_plan(recipe, check_output=False)).ok

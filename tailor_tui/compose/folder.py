@@ -1,13 +1,13 @@
-"""The merger: composes one checkpoint from a MergePlan.
+"""The compose step: composes one checkpoint from a ComposePlan.
 
-Each rank's files are composed by `rank_task.merge_rank` (in a worker process when there
+Each rank's files are composed by `rank_task.compose_rank` (in a worker process when there
 are several workers, `workers`): the base's optim_states with the fp32 master weights, exp_avg and
 exp_avg_sq of every row picked from another checkpoint replaced slice by slice, and
 padding slots zeroed. Everything else in the rank files (optimizer `step` of every
 sub-group, loss scaler, counters, scheduler) is the base's.
 
 The output is built in a temporary folder beside the destination, checked, and
-renamed into place only when complete: an interrupted merge leaves nothing at the
+renamed into place only when complete: an interrupted composition leaves nothing at the
 output path. Sources are only ever opened for reading.
 """
 
@@ -21,19 +21,19 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tailor_tui.compose.bin_files import merge_bin_file
+from tailor_tui.compose.bin_files import compose_bin_file
 from tailor_tui.checkpoints.checkpoint import MODEL_FILE_INDEX, PROVENANCE
 from tailor_tui.errors import Cancelled, OutputError
 from tailor_tui.events import Emit, TaskFinished, TaskOptions
 from tailor_tui.fileio import copy_file, fsync_dir, output_error, write_file
 from tailor_tui.health.guard import nonfinite_error
 from tailor_tui.planning.jobs import BinFileJob
-from tailor_tui.compose.model_files import merge_model_file
+from tailor_tui.compose.model_files import compose_model_file
 from tailor_tui.planning.provenance import plan_digest, provenance
-from tailor_tui.planning.plan import MergePlan
+from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.formats.ptfile import check_crcs
 from tailor_tui.compose.rank_reshard import reshard_rank
-from tailor_tui.compose.rank_task import merge_rank
+from tailor_tui.compose.rank_task import compose_rank
 from tailor_tui.resharding.skeleton import write_skeletons
 from tailor_tui.team.team import SOLO, Team
 from tailor_tui.team.transaction import PublishingWork, Task, run_as_team
@@ -42,32 +42,32 @@ from tailor_tui.team.workers import default_workers
 # --- the task list -------------------------------------------------------------------------
 
 
-def planned_tasks(plan: MergePlan) -> list[tuple[str, int]]:
-    """(task name, total bytes) of every task a merge will report, in order."""
+def planned_tasks(plan: ComposePlan) -> list[tuple[str, int]]:
+    """(task name, total bytes) of every task a composition will report, in order."""
     return [(job.task, job.total_bytes) for job in (*plan.rank_jobs(), *plan.model_file_jobs())]
 
 
-# --- the whole merge --------------------------------------------------------------------------
+# --- the whole composition --------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class MergeResult:
+class ComposeResult:
     output: Path
     seconds: float
     bytes_written: int
-    peak_rss: int  # bytes: the largest peak resident memory of any process that merged a task
+    peak_rss: int  # bytes: the largest peak resident memory of any process that composed a task
     nonfinite: dict = field(default_factory=dict)  # row -> NaN/Inf values it holds (--allow-nonfinite)
 
 
-def run_merge(
-    plan: MergePlan,
+def run_compose(
+    plan: ComposePlan,
     workers: int | None = None,
     emit: Emit = lambda event: None,
     cancel: threading.Event | None = None,
     options: TaskOptions = TaskOptions(),
     allow_nonfinite: bool = False,
     team: Team = SOLO,
-) -> MergeResult:
+) -> ComposeResult:
     """Write the composed checkpoint described by `plan`; atomic, cancellable; fsynced
     before it is renamed into place unless `options.durable` is False (`--no-fsync`).
     An output that would hold NaN/Inf values is refused (NonFiniteError, nothing written)
@@ -81,7 +81,7 @@ def run_merge(
     # what the plan counted (bytes_to_write): every file but the provenance record written last
     out = plan.output
     written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file() and f != out / PROVENANCE)
-    return MergeResult(out, time.monotonic() - started, written, work.peak, dict(work.nonfinite))
+    return ComposeResult(out, time.monotonic() - started, written, work.peak, dict(work.nonfinite))
 
 
 class Composing(PublishingWork):
@@ -90,13 +90,13 @@ class Composing(PublishingWork):
     into it; process 0 checks the whole, writes the provenance record and renames it into place."""
 
     cancelled = Cancelled().args[0]
-    finished = ("cancelled as the merge finished: {output} is complete and holds the new composition "
+    finished = ("cancelled as the composition finished: {output} is complete and holds the new composition "
                 "(check it with --verify)")
 
-    def __init__(self, plan: MergePlan, workers: int | None, options: TaskOptions, allow_nonfinite: bool):
+    def __init__(self, plan: ComposePlan, workers: int | None, options: TaskOptions, allow_nonfinite: bool):
         super().__init__(plan.output, plan.force, options)
         self.plan, self.allow_nonfinite, self.workers_asked = plan, allow_nonfinite, workers
-        self.rank_call = reshard_rank if plan.reshard is not None else merge_rank
+        self.rank_call = reshard_rank if plan.reshard is not None else compose_rank
         self.peak = 0
         self.nonfinite: Counter = Counter()
         self.reports: list[dict] = []  # every process's, as gathered
@@ -153,7 +153,7 @@ class Composing(PublishingWork):
 
 def _weight_writer(job):
     """The writer of a weight file's job: torch's format or safetensors."""
-    return merge_bin_file if isinstance(job, BinFileJob) else merge_model_file
+    return compose_bin_file if isinstance(job, BinFileJob) else compose_model_file
 
 
 def _size_of(path: Path) -> int:
@@ -175,7 +175,7 @@ def _confirm_sizes(tmp: Path, done: list[dict]) -> None:
                                   "does not show every process the same files: compose on one that does")
 
 
-def _fill(plan: MergePlan, tmp: Path, cancel: threading.Event, durable: bool) -> None:
+def _fill(plan: ComposePlan, tmp: Path, cancel: threading.Event, durable: bool) -> None:
     """The hidden folder the output is composed in gets the base's other files, `latest` and
     the model-file index (process 0 of a job fills it; the others write into it)."""
     (tmp / plan.base.tag).mkdir()
@@ -188,10 +188,10 @@ def _fill(plan: MergePlan, tmp: Path, cancel: threading.Event, durable: bool) ->
 
 
 @contextlib.contextmanager
-def _skeletons(plan: MergePlan, tag_dir: Path, cancel: threading.Event, ranks: list[int]):
+def _skeletons(plan: ComposePlan, tag_dir: Path, cancel: threading.Event, ranks: list[int]):
     """When resharding: the structure of the output rank files in `ranks` (`reshard_skeleton`),
     written in a thread while the workers read and check their sources; the workers wait for
-    each file. Its failure cancels the workers and is what the merge raises."""
+    each file. Its failure cancels the workers and is what the composition raises."""
     if plan.reshard is None or not ranks:
         yield
         return
@@ -202,7 +202,7 @@ def _skeletons(plan: MergePlan, tag_dir: Path, cancel: threading.Event, ranks: l
         try:
             write_skeletons(plan.base, plan.sources, plan.buffer_sources(), plan.reshard, tag_dir,
                             lambda: stop.is_set() or cancel.is_set(), ranks=ranks, staging=f".skeletons-{ranks[0]}")
-        except BaseException as exc:  # noqa: BLE001 - handed to the merge's thread below
+        except BaseException as exc:  # noqa: BLE001 - handed to the composition's thread below
             failed.append(exc)
             cancel.set()  # the workers waiting for their files stop
 
@@ -222,7 +222,7 @@ def _skeletons(plan: MergePlan, tag_dir: Path, cancel: threading.Event, ranks: l
         raise failed[0]
 
 
-def _copy_other_files(plan: MergePlan, tmp: Path, cancel: threading.Event, durable: bool) -> None:
+def _copy_other_files(plan: ComposePlan, tmp: Path, cancel: threading.Event, durable: bool) -> None:
     root = plan.other_files_root()
     for rel, to in plan.other_files():
         if cancel.is_set():
@@ -236,7 +236,7 @@ def _copy_other_files(plan: MergePlan, tmp: Path, cancel: threading.Event, durab
             raise output_error(exc, dst) from None
 
 
-def verify_output(plan: MergePlan, root: Path) -> None:
+def verify_output(plan: ComposePlan, root: Path) -> None:
     """Check the composed folder before it is moved into place: every file there and whole."""
     tag_dir = root / plan.base.tag
     latest = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
@@ -246,7 +246,7 @@ def verify_output(plan: MergePlan, root: Path) -> None:
         for name in names:
             out = tag_dir / name
             if not out.is_file() or not zipfile.is_zipfile(out):
-                raise OutputError(f"{out}: missing or incomplete after the merge (internal error)")
+                raise OutputError(f"{out}: missing or incomplete after the composition (internal error)")
     for job in plan.model_file_jobs():
         if not (root / job.name).is_file():
-            raise OutputError(f"{root / job.name}: missing after the merge (internal error)")
+            raise OutputError(f"{root / job.name}: missing after the composition (internal error)")
