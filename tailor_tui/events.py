@@ -27,7 +27,10 @@ class Job(Protocol):
     def task(self) -> str: ...  # the name its progress is reported under: `rank 3`, `model file`
 
     @property
-    def total_bytes(self) -> int: ...  # bytes it reads and writes
+    def total_bytes(self) -> int: ...  # bytes it reads and writes: its cost, by which work is shared
+
+    @property
+    def progress_bytes(self) -> int: ...  # what its progress is shown in: bytes it writes (reads, if it only reads)
 
 
 @dataclass(frozen=True)
@@ -88,16 +91,30 @@ class ByteCounter:
 
     It is also where a task notices cancellation: `add` raises once `cancelled()` is true,
     so workers stop between chunks within a fraction of a second.
+
+    Writers count every byte they read or write (`total`, the task's cost); what is reported is
+    one thing, the bytes of output written (`shown`, e.g. a rank file's size): the share of the
+    task done, in bytes of what it writes. Without `shown` the counted bytes are reported.
     """
 
     def __init__(self, task: str, total: int, emit: Emit, cancelled: Callable[[], bool],
-                 options: TaskOptions = TaskOptions(), interval: float = 0.1):
+                 options: TaskOptions = TaskOptions(), interval: float = 0.1, shown: int | None = None):
         self.task, self.total, self.done = task, max(total, 1), 0
+        self.shown = max(shown, 1) if shown is not None else self.total
         self._emit, self._cancelled, self._interval = emit, cancelled, interval
         self.options = options
         self._last = 0.0
         self._delay = options.slow_down
-        emit(TaskProgressed(task, 0, self.total))
+        emit(TaskProgressed(task, 0, self.shown))
+
+    @classmethod
+    def for_job(cls, job: Job, emit: Emit, cancelled: Callable[[], bool],
+                options: TaskOptions = TaskOptions()) -> "ByteCounter":
+        """The counter of a job: counts its cost, reports its progress_bytes."""
+        return cls(job.task, job.total_bytes, emit, cancelled, options, shown=job.progress_bytes)
+
+    def _reported(self) -> int:
+        return self.shown if self.done >= self.total else self.shown * self.done // self.total
 
     def add(self, n: int) -> None:
         if self._cancelled():
@@ -108,9 +125,9 @@ class ByteCounter:
         now = time.monotonic()
         if now - self._last >= self._interval:
             self._last = now
-            self._emit(TaskProgressed(self.task, self.done, self.total))
+            self._emit(TaskProgressed(self.task, self._reported(), self.shown))
 
     def finish(self) -> None:
         self.done = self.total
-        self._emit(TaskProgressed(self.task, self.total, self.total))
-        self._emit(TaskFinished(self.task, self.total, peak_rss()))
+        self._emit(TaskProgressed(self.task, self.shown, self.shown))
+        self._emit(TaskFinished(self.task, self.shown, peak_rss()))

@@ -11,6 +11,8 @@ import pytest
 from conftest import checkpoints_of, tree_digest
 from helpers import assert_one_line_error, finish, start_tailor, tailor, wait_for_line, write_recipe
 
+from tailor_tui.units import size
+
 
 def test_apply_composes_and_logs_plain_progress_lines(real_run, tmp_path):
     run, spec = real_run("hf_bf16_2")
@@ -21,7 +23,20 @@ def test_apply_composes_and_logs_plain_progress_lines(real_run, tmp_path):
     assert result.returncode == 0, result.stderr
     out = tmp_path / "composed"  # relative output resolves against the recipe's folder
     assert (out / "global_step6" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").is_file()
-    assert "rank 0: done" in result.stderr and "rank 1: done" in result.stderr
+    # progress counts one thing, bytes written: each task's total is the size of the file it writes
+    tag = out / "global_step6"
+    for task, written in (("rank 0", tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+                          ("rank 1", tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+                          ("model file", out / "model.safetensors")):
+        assert f"{task}: done, " in result.stderr
+        if task.startswith("rank"):  # a rank's task writes its optim and model_states files
+            states = tag / f"zero_pp_rank_{task[-1]}_mp_rank_00_model_states.pt"
+            expected = written.stat().st_size + states.stat().st_size
+        else:
+            expected = written.stat().st_size
+        assert f"{task}: done, {size(expected)} written" in result.stderr
+    total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file() and f.name != "tailor_provenance.json")
+    assert f"{size(total)} to write" in result.stderr and f"({size(total)} written in" in result.stdout
     assert "\x1b[" not in result.stderr  # no terminal codes in logs
     assert f"done: {out}" in result.stdout
     assert tree_digest(run) == before

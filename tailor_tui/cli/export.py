@@ -38,7 +38,7 @@ def export_command(args, slow_down: float = 0.0) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     workers = args.workers or workers_for(len(export.jobs), 64 << 20)
     print(summary, file=sys.stderr, flush=True)
-    report = reporter_for(sys.stderr, args.progress, [(job.task, job.total_bytes) for job in export.jobs])
+    report = reporter_for(sys.stderr, args.progress, [(job.task, job.progress_bytes) for job in export.jobs])
     try:
         result = run_export(export, config=args.config, workers=workers, emit=report, cancel=threading.Event(),
                             options=TaskOptions(durable=args.durable, slow_down=slow_down))
@@ -50,5 +50,5 @@ def export_command(args, slow_down: float = 0.0) -> int:
               "export again with --config PATH (the model's config.json, or a folder with it and its tokenizer)",
               file=sys.stderr)
     rate = result.bytes_written / max(result.seconds, 1e-6)
-    print(f"done: {result.output} ({size(result.bytes_written)} in {result.seconds:.1f}s, {size(rate)}/s)")
+    print(f"done: {result.output} ({size(result.bytes_written)} written in {result.seconds:.1f}s, {size(rate)}/s)")
     return ExitCode.OK

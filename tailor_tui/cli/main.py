@@ -180,7 +180,7 @@ def apply(args) -> int:
         print(f"peak RSS: {result.peak_rss} bytes", file=sys.stderr)
     rate = result.bytes_written / max(result.seconds, 1e-6)
     print(
-        f"done: {result.output} ({size(result.bytes_written)} in "
+        f"done: {result.output} ({size(result.bytes_written)} written in "
         f"{result.seconds:.1f}s, {size(rate)}/s)"
     )
     return ExitCode.OK
@@ -200,7 +200,7 @@ def verify(args) -> int:
         raise UsageError(f"output {plan.output}: was composed for {composed_for} ranks, this verification plans "
                          f"{plan.world_size}; verify it with --world-size {composed_for}")
     print(f"verifying {plan.output} against {args.verify}", file=sys.stderr, flush=True)
-    report = verify_against_recipe(plan, emit=reporter_for(sys.stderr, "lines"))
+    report = verify_against_recipe(plan, emit=reporter_for(sys.stderr, "lines", unit="compared"))
     width = max(len(r.name) for r in plan.base.rows)
     for row in plan.base.rows:
         if row.tied:

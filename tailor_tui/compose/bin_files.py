@@ -32,7 +32,7 @@ def compose_bin_file(job: BinFileJob, out_dir: Path, emit: Emit, cancelled: Call
                    options: TaskOptions = TaskOptions()) -> None:
     """Write one torch-format weight file: the base's, every storage of a row picked elsewhere
     copied from its source's record of the same tensor."""
-    counter = ByteCounter(job.task, job.total_bytes, emit, cancelled, options)
+    counter = ByteCounter.for_job(job, emit, cancelled, options)
     obj, records, prefix = read_structure(job.base_file)
     data, storages = dumps(obj, location=None)
     users: dict[int, list[str]] = {}

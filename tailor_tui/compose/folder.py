@@ -43,8 +43,8 @@ from tailor_tui.team.workers import default_workers
 
 
 def planned_tasks(plan: ComposePlan) -> list[tuple[str, int]]:
-    """(task name, total bytes) of every task a composition will report, in order."""
-    return [(job.task, job.total_bytes) for job in (*plan.rank_jobs(), *plan.model_file_jobs())]
+    """(task name, bytes it writes) of every task a composition will report, in order."""
+    return [(job.task, job.progress_bytes) for job in (*plan.rank_jobs(), *plan.model_file_jobs())]
 
 
 # --- the whole composition --------------------------------------------------------------------------

@@ -50,7 +50,7 @@ def compose_model_file(job: ModelFileJob, out_dir: Path, emit: Emit, cancelled: 
                      options: TaskOptions = TaskOptions()) -> None:
     """Write one model file: the base's bytes (if it has a file) with every tensor of a row
     picked elsewhere replaced by that source's tensor."""
-    counter = ByteCounter(job.task, job.total_bytes, emit, cancelled, options)
+    counter = ByteCounter.for_job(job, emit, cancelled, options)
     edits = []  # (offset in the output, bytes, source index, tensor name, dtype)
     for name, (dtype, shape, begin, end) in parse_prefix(job.prefix).items():
         s = job.sources.get(name, 0)

@@ -42,7 +42,7 @@ def reshard_rank(job: ReshardJob, out_tag_dir: Path, emit: Emit, cancelled: Call
 
     The sources are read and checked first, which needs nothing of the output: the files'
     structure (`reshard_skeleton`) may still be on its way, and is waited for after."""
-    counter = ByteCounter(job.task, job.total_bytes, emit, cancelled, options)
+    counter = ByteCounter.for_job(job, emit, cancelled, options)
     with contextlib.ExitStack() as stack:
         sources = _Sources(job, stack)
         optim = [(g, key, [(p, sources.place(p, key)) for p in pieces])

@@ -25,7 +25,7 @@ def compose_rank(job: RankJob, out_tag_dir: Path, emit: Emit, cancelled: Callabl
     """Compose rank `job.rank`'s model_states and optim_states files into `out_tag_dir`; the
     number of non-finite values each row's slices of this rank hold in the output (counted
     while the writers read the data anyway: for CRC checks, or in memory)."""
-    counter = ByteCounter(job.task, job.total_bytes, emit, cancelled, options)
+    counter = ByteCounter.for_job(job, emit, cancelled, options)
     base_files = job.files[0]
     out_optim = out_tag_dir / base_files.optim_states.name
     if base_files.rows is not None:  # a partial base has no optim file to copy: build it

@@ -79,7 +79,7 @@ class Exporting(PublishingWork):
         self.export, self.source, self.workers_asked = export, source, workers
 
     def progress_tasks(self) -> list[tuple[str, int]]:
-        return [(job.task, job.total_bytes) for job in self.export.jobs]
+        return [(job.task, job.progress_bytes) for job in self.export.jobs]
 
     def fill(self, tmp: Path, cancel: threading.Event) -> None:
         _make_files(self.export, tmp, self.durable)

@@ -55,7 +55,8 @@ class ExportJob:
     frozen: tuple[tuple[str, Span], ...]  # (parameter, span) of its fragment in model_states
     buffers: tuple[tuple[str, Span], ...]  # (buffer, span) in model_states' module, written as stored
     out_dtype: str  # the weights' safetensors name: F32, BF16, F16
-    total_bytes: int  # bytes read, for progress
+    total_bytes: int  # bytes read and written: the job's cost
+    progress_bytes: int  # bytes written: what its progress is shown in
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ def _jobs_of(ckpt, names: set[str], placed: dict[str, Placed], label: str,
     sizes = tuple(ckpt.layout.group_sizes())
     jobs = []
     for rank, files in enumerate(ckpt.ranks):
-        groups, saved, fragments, read = defaultdict(list), [], [], 0
+        groups, saved, fragments, read, written = defaultdict(list), [], [], 0, 0
         for name in sorted(names):
             out = placed[name]
             size = ITEMSIZE[out.dtype]
@@ -134,6 +135,7 @@ def _jobs_of(ckpt, names: set[str], placed: dict[str, Placed], label: str,
                 count = max(0, min(each, numel - rank * each))
                 if count:
                     fragments.append((name, Span(0, count, out.file, out.offset + rank * each * size)))
+                    written += count * size
                     read += each * (4 if ckpt.dtype == "fp32" else 2)  # the fragment is read whole
                 continue
             slot = slots.get(name)
@@ -143,6 +145,7 @@ def _jobs_of(ckpt, names: set[str], placed: dict[str, Placed], label: str,
             if not count:
                 continue
             span = Span(slot.offset, count, out.file, out.offset + rank * slot.part * size)
+            written += count * size
             if files.rows is not None:
                 saved.append((name, Span(0, count, span.out_file, span.out_offset)))
                 read += count * 4
@@ -151,7 +154,8 @@ def _jobs_of(ckpt, names: set[str], placed: dict[str, Placed], label: str,
         read += sum(sizes[g] * 4 for g in groups)  # a sub-group's flat buffer is read whole (its CRC-32)
         mine = buffers if rank == 0 else ()  # replicated on every rank: rank 0's
         read += sum(placed[name].nbytes for name, _span in mine)
+        written += sum(placed[name].nbytes for name, _span in mine)
         jobs.append(ExportJob(f"{label} rank {rank}", files.optim_states, files.model_states, files.rows, sizes,
                               tuple(sorted((g, tuple(spans)) for g, spans in groups.items())), tuple(saved),
-                              tuple(fragments), mine, out_dtype, max(read, 1)))
+                              tuple(fragments), mine, out_dtype, max(read + written, 1), max(written, 1)))
     return jobs

@@ -37,7 +37,7 @@ _OUT = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 def export_rank(job: ExportJob, out_dir: Path, emit: Emit, cancelled: Callable[[], bool],
                 options: TaskOptions = TaskOptions()) -> None:
-    counter = ByteCounter(job.task, job.total_bytes, emit, cancelled, options)
+    counter = ByteCounter.for_job(job, emit, cancelled, options)
     buffer = memoryview(bytearray(STREAM_CHUNK))
     with contextlib.ExitStack() as stack:
         outputs: dict[str, int] = {}

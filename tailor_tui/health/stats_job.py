@@ -47,6 +47,10 @@ class StatsJob:
         return self.bytes_to_read
 
     @property
+    def progress_bytes(self) -> int:
+        return self.bytes_to_read  # statistics only read
+
+    @property
     def group_sizes(self) -> tuple[int, ...]:
         return tuple(self.layout.group_sizes())
 

@@ -49,7 +49,7 @@ class _Region:
 
 def rank_stats(job: StatsJob, emit: Emit, cancelled, options: TaskOptions = TaskOptions()) -> RankStats:
     """The sums of every row `job` reads (run in a worker: see `workers.run_calls`)."""
-    counter = ByteCounter(job.task, job.bytes_to_read, emit, cancelled, options)
+    counter = ByteCounter.for_job(job, emit, cancelled, options)
     slots = job.slots()
     sums = {slot.row: RowSums() for slot in slots} | {row: RowSums() for row, _ in job.frozen}
     try:

@@ -68,6 +68,10 @@ class RankJob:
     def total_bytes(self) -> int:
         return self.read_bytes + self.write_bytes
 
+    @property
+    def progress_bytes(self) -> int:
+        return self.write_bytes
+
 
 @dataclass(frozen=True)
 class ModelFileJob:
@@ -95,6 +99,10 @@ class ModelFileJob:
     def total_bytes(self) -> int:
         return self.size * 2  # read and written
 
+    @property
+    def progress_bytes(self) -> int:
+        return self.size
+
 
 @dataclass(frozen=True)
 class BinFileJob:
@@ -115,6 +123,10 @@ class BinFileJob:
     @property
     def total_bytes(self) -> int:
         return self.size * 2  # read and written
+
+    @property
+    def progress_bytes(self) -> int:
+        return self.size
 
 
 WeightJob = ModelFileJob | BinFileJob

@@ -219,9 +219,9 @@ class ComposePlan:
         models = sum(j.size for j in self.model_file_jobs())
         return sum(j.read_bytes for j in self.rank_jobs()) + models
 
-    def bytes_to_process(self) -> int:
-        """What the progress bars count: every rank's and model file's bytes read and written."""
-        return sum(j.total_bytes for j in self.rank_jobs()) + sum(j.total_bytes for j in self.model_file_jobs())
+    def progress_bytes(self) -> int:
+        """What the progress bars count: the bytes of every rank file and weight file written."""
+        return sum(j.progress_bytes for j in (*self.rank_jobs(), *self.model_file_jobs()))
 
     def describe(self, show=str, every_file: bool = True) -> list[str]:
         """The plan as text lines, what matters first: output, base, totals, then only the rows
@@ -235,8 +235,8 @@ class ComposePlan:
             *([f"reshard: {self.reshard.describe(self.base)}"] if self.reshard else []),
             f"read:   {size(self.bytes_to_read())}  write: {'~' if rewritten else ''}{size(self.bytes_to_write())}"
             + (f" (about: torch writes {rewritten} file(s) anew, their size known once written)" if rewritten else ""),
-            f"        (the progress bars count {size(self.bytes_to_process())}: rank and model files, "
-            "read and written)",
+            f"        (the progress bars count bytes written: {size(self.progress_bytes())} of rank and "
+            "weight files; the other files are copied)",
             *(f"warning: {w}" for w in self.warnings),
         ]
         rows = [r for r in self.base.rows if not r.tied]

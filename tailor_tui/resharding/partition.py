@@ -98,6 +98,10 @@ class ReshardJob:
     def total_bytes(self) -> int:
         return self.read_bytes + self.write_bytes
 
+    @property
+    def progress_bytes(self) -> int:
+        return self.write_bytes
+
 
 def optim_structure_file(files: RankFiles) -> Path:
     """The file holding a rank's optimizer state structure (a partial checkpoint's skeleton)."""

@@ -45,7 +45,7 @@ class JobLines:
                 done = sum(self.done.values())
                 rate, eta = throughput(done, self.total, now - self.started)
                 finished = sum(1 for name, d in self.done.items() if d >= self.sizes.get(name, 0))
-                print(f"job: {done / self.total if self.total else 1:.0%} {size(done)}/{size(self.total)}, "
+                print(f"job: {done / self.total if self.total else 1:.0%} {size(done)}/{size(self.total)} written, "
                       f"{size(int(rate))}/s, ETA {eta:.0f}s ({finished} of {len(self.done)} tasks done)",
                       file=self.out, flush=True)
 

@@ -48,7 +48,7 @@ class ComposeScreen(Screen):
         self.plan, self.compose_workers, self.clock = plan, workers, clock  # `workers`: Textual's
         self.cancel = threading.Event()
         self.finished = threading.Event()  # set when the composition thread has fully returned
-        self.tasks = [(j.task, j.total_bytes) for j in export.jobs] if export else planned_tasks(plan)
+        self.tasks = [(j.task, j.progress_bytes) for j in export.jobs] if export else planned_tasks(plan)
         self.done = {name: 0 for name, _ in self.tasks}
         self.started = clock()
         self.running = True
@@ -111,7 +111,7 @@ class ComposeScreen(Screen):
         self.query_one("#bar-overall", ProgressBar).update(progress=done)
         rate, eta = throughput(done, total, self.clock() - self.started)
         self.query_one("#compose-rate", Static).update(
-            f"{size(done)} of {size(total)} read and written · {size(rate)}/s · ETA {eta:.0f}s"
+            f"{size(done)} of {size(total)} written · {size(rate)}/s · ETA {eta:.0f}s"
         )
 
     def on_compose_finished(self, message: ComposeFinished) -> None:
