@@ -373,6 +373,19 @@ async def test_a_composed_folder_is_never_a_column_and_is_named_in_the_details(r
         assert "checkpoint-6-tailored ← checkpoint-6, checkpoint-2" in details
 
 
+async def test_the_cursor_never_lands_on_the_names_column(run_copy):
+    run, ckpts = run_copy
+    app = make_app(run)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        grid = app.query_one("#grid")
+        await pilot.press(*["left"] * 5)
+        assert grid.current()[1] == 0  # the first checkpoint's column, not the row names
+        await pilot.click("#grid", offset=(2, 5))  # a row's name: that row, the same column
+        await pilot.pause()
+        assert grid.current() == (app.home.composition.rows[3].name, 0)
+
+
 async def test_skipped_checkpoints_stay_listed_and_an_empty_folder_says_what_was_looked_for(run_copy, tmp_path):
     run, ckpts = run_copy
     broken = run / "checkpoint-8"

@@ -256,9 +256,9 @@ def make_demo(args) -> int:
 
 def ensure_demo(out: Path) -> None:
     """Train the demo run into `out` unless it is already there."""
-    from tailor_tui.runs.demo_run import RunSpec, make_run
+    from tailor_tui.runs.demo_run import DEMO, make_run
 
-    spec = RunSpec()
+    spec = DEMO
     marker = out / "tailor_demo_spec.json"
     if marker.is_file() and marker.read_text().strip() == spec.key():
         print(f"demo run {out} already exists; reusing it", file=sys.stderr)
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             code = make_demo(args)
         elif args.demo:
             ensure_demo(Path("demo-run"))
-            code = interactive(Path("demo-run"), args.recipe or Path("demo-run") / "recipe.yaml", args.workers)
+            code = interactive(Path("demo-run"), args.recipe, args.workers)  # as `tailor-tui demo-run` opens it
         else:
             code = interactive(args.run_dir, args.recipe, args.workers)
     except TailorError as exc:

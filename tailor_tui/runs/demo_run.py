@@ -20,6 +20,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tailor_tui.runs.blowup import blow_up, blow_up_callback
 # the models, datasets and Trainer of the runs; model_config is re-exported for the tests
 from tailor_tui.runs.ranks import quiet, setup_rank, spawn_ranks
 from tailor_tui.runs.models import (batch_inputs, build_model, make_trainer, model_config, param_groups,  # noqa: F401
@@ -56,7 +57,7 @@ class RunSpec:
     # DeepSpeed layout: pass the DeepSpeed config as a JSON file's path, as scripts launched with
     # `--deepspeed_config ds.json` do (model_states then records that path, not a dict)
     config_file: bool = False
-    # DeepSpeed layout: make these parameters "blow up" just before the save at step `blow_up_step`:
+    # make these parameters "blow up" just before the save at step `blow_up_step` (`blowup`):
     # their fp32 master weights and exp_avg_sq become NaN through DeepSpeed's own ZeRO-3 API
     # (safe_set_full_fp32_param / safe_set_full_optimizer_state); training goes on from there
     blow_up: tuple[str, ...] = ()
@@ -91,6 +92,12 @@ class RunSpec:
     def from_key(cls, text: str) -> "RunSpec":
         d = json.loads(text)
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+
+# The demo run (`tailor-tui --demo`, `--make-demo`): HF Trainer, 2 ranks, bf16, checkpoints at
+# steps 2, 4, 6; layer 2 blows up just before the last save, so there is something to heal.
+DEMO = RunSpec(blow_up=("model.layers.2.mlp.down_proj.weight", "model.layers.2.self_attn.q_proj.weight"),
+               blow_up_step=6)
 
 
 def ds_config(spec: RunSpec, for_trainer: bool) -> dict:
@@ -181,7 +188,7 @@ def _train_rank(rank: int, world: int, port: int, spec: RunSpec, out: str) -> No
         engine.backward(loss)
         engine.step()
         if step == spec.blow_up_step:
-            _blow_up(engine, spec.blow_up)
+            blow_up(engine.module, spec.blow_up)
         if step % spec.save_every == 0:
             if saver is None:
                 engine.save_checkpoint(str(out), tag=f"global_step{step}")
@@ -190,31 +197,12 @@ def _train_rank(rank: int, world: int, port: int, spec: RunSpec, out: str) -> No
                 engine.save_checkpoint(str(out / "reference"), tag=f"global_step{step}")
 
 
-def _blow_up(engine, names: tuple[str, ...]) -> None:
-    """Set parameters' fp32 master weights to NaN and their exp_avg_sq to +Inf, on every rank,
-    as a diverged layer leaves them (collective: every rank calls it). A frozen parameter has
-    neither: its own values become NaN (gathered, set on rank 0, re-partitioned by DeepSpeed)."""
-    import deepspeed
-    import torch
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
-    for name, param in engine.module.named_parameters():
-        if name not in names:
-            continue
-        if not param.requires_grad:
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-                if torch.distributed.get_rank() == 0:
-                    param.data.fill_(float("nan"))
-            continue
-        safe_set_full_fp32_param(param, torch.full(param.ds_shape, float("nan")))
-        safe_set_full_optimizer_state(param, torch.full(param.ds_shape, float("inf")), "exp_avg_sq")
-
-
 def _hf_trainer(spec: RunSpec, out: Path, max_steps: int, newer_saves: str = "refuse", callbacks=()):
     """The HF Trainer of an HF-layout run (its checkpoints in `out`, or `out/run` for a selective
     run, whose full reference saves go to `out/reference`)."""
+    faults = [blow_up_callback(spec.blow_up, spec.blow_up_step)] if spec.blow_up else []
     trainer = make_trainer(spec, _trainer_args(spec, out / "run" if spec.selective else out, max_steps),
-                           [*callbacks, *([_best_at(spec)] if spec.best_at else [])],
+                           [*callbacks, *faults, *([_best_at(spec)] if spec.best_at else [])],
                            eval_dataset=trainer_dataset(spec)[:8] if spec.best_at else None)
     if spec.selective:
         from tailor_tui.selective.hf import SelectiveCheckpointCallback

@@ -41,7 +41,8 @@ def background(cell: Cell | None, metric: str, scale: tuple[float, float] | None
 
 
 def header_suffix(health: Health | None, column: int) -> str:
-    """` · loss 4.62` (and ▲ where it jumped from the previous checkpoint's), or ""."""
+    """` · 4.62`, the loss (and ▲ where it jumped from the previous checkpoint's), or "": the names
+    column's header says `step · loss`."""
     if health is None:
         return ""
     log = health.logs.get(column)

@@ -100,7 +100,8 @@ class CheckpointGrid(ScrollView, can_focus=True):
             return
         row = self._cursor.row if row is None else row
         column = self._cursor.column if column is None else column
-        target = Coordinate(max(0, min(len(self._rows) - 1, row)), max(0, min(len(self._widths) - 1, column)))
+        # the names column is a label, not a cell: the cursor stays on the checkpoints' columns
+        target = Coordinate(max(0, min(len(self._rows) - 1, row)), max(1, min(len(self._widths) - 1, column)))
         self._scroll_to_cell(target)
         if target != self._cursor:
             before, self._cursor = self._cursor, target
@@ -145,7 +146,7 @@ class CheckpointGrid(ScrollView, can_focus=True):
         if self.composition is not composition or shape != self._shape:
             self.composition, self._shape = composition, shape
             self._index = {r.name: i for i, r in enumerate(composition.rows)}
-            self._headers = [(GridCell("row", "bold"), GridCell(""))]
+            self._headers = [(GridCell("row", "bold"), GridCell("step · loss" if any(losses) else "step", "dim"))]
             self._headers += [self._header(i) for i in range(len(composition.checkpoints))]
             self._rows = [self._cells(r.name) for r in composition.rows]
             self._drawn = {r.name: self._signature(r.name, health_version) for r in composition.rows}
@@ -367,6 +368,6 @@ class CheckpointGrid(ScrollView, can_focus=True):
         cell = self.cell_at(offset.x, offset.y) if offset is not None else None
         if cell is None:
             return
-        self.move_cursor(row=cell.row, column=cell.column)
+        self.move_cursor(row=cell.row, column=cell.column or None)  # a row's name: that row, same column
         if cell.column > 0:  # one click on a checkpoint's cell picks it
             self.post_message(self.Chosen(self, cell))
