@@ -5,7 +5,7 @@ The bench checkpoint of bench_merge.py (Llama-like, 12 layers, hidden 1024, bf16
 checkpoint) as one process, and as a job of 2 and of 4 processes started the way srun starts them
 (the environment srun sets, every process on this machine: one worker each). In turn, several
 times: cp -r then sync (the yardstick: tailor-tui fsyncs), then each. Prints medians, their ratios,
-and each process's throughput, from which the README estimates a 1 TB, 512-rank composition.
+and each process's throughput, from which docs/performance.md estimates a 1 TB, 512-rank composition.
 
     python bench/bench_distributed.py [--repeats 3] [--cache .tailor-cache/bench]
 """
@@ -93,7 +93,7 @@ def main() -> None:
         print(f"{name:<14} {med:6.2f} s  {med / yard:13.2f}x  {med / one:11.2f}x  "
               f"{gib(written / med / n) + '/s':>12}")
     print("one machine's processes share its cores and disk: more processes cannot go faster here; "
-          "across nodes each brings its own (README: Slurm)")
+          "across nodes each brings its own (docs/cluster.md)")
 
 
 if __name__ == "__main__":

@@ -123,7 +123,7 @@ RUNS = {
 
 
 INSTALLED_DEEPSPEED = importlib.metadata.version("deepspeed")
-OLDEST_DEEPSPEED = "0.14.4"  # the oldest release tests make runs with (README: DeepSpeed releases)
+OLDEST_DEEPSPEED = "0.14.4"  # the oldest release tests make runs with (docs/formats.md: DeepSpeed releases)
 
 
 def _cache_root() -> Path:
@@ -229,6 +229,27 @@ def statistics_cache(tmp_path_factory):
     os.environ["TAILOR_TUI_CACHE"] = str(tmp_path_factory.mktemp("statistics-cache"))
 
 
+def cached_run(name: str, deepspeed: str = INSTALLED_DEEPSPEED) -> Path:
+    """The folder of the run RUNS[name] made with DeepSpeed `deepspeed` (the installed release by
+    default), trained on first use into the cache and reused after (docs/samples.py uses it too)."""
+    spec = RUNS[name]
+    folder = _cache_root() / f"{name}-{_key(spec, deepspeed)}"
+    # made in place (a run records paths inside it, such as a config file's); it counts as
+    # made once its last file, tailor_demo_spec.json, is written: a run killed midway is remade
+    with _made_by_one(folder):  # test processes running side by side (pytest -n) make it once
+        if not (folder / "tailor_demo_spec.json").is_file():
+            shutil.rmtree(folder, ignore_errors=True)
+            if spec.layout == "accelerate":
+                from tailor_tui.runs.accelerate import make_accelerate_run
+
+                make_accelerate_run(folder, spec)
+            elif deepspeed == INSTALLED_DEEPSPEED:
+                demo_run.make_run(folder, spec)
+            else:
+                with_deepspeed(deepspeed, "make", str(folder), spec.key())
+    return folder
+
+
 @pytest.fixture(scope="session")
 def real_run():
     """real_run(name, deepspeed=VERSION) -> (run folder, spec); trains the run on first use,
@@ -236,24 +257,9 @@ def real_run():
     made: dict[tuple[str, str], Path] = {}
 
     def get(name: str, deepspeed: str = INSTALLED_DEEPSPEED) -> tuple[Path, RunSpec]:
-        spec = RUNS[name]
         if (name, deepspeed) not in made:
-            folder = _cache_root() / f"{name}-{_key(spec, deepspeed)}"
-            # made in place (a run records paths inside it, such as a config file's); it counts as
-            # made once its last file, tailor_demo_spec.json, is written: a run killed midway is remade
-            with _made_by_one(folder):  # test processes running side by side (pytest -n) make it once
-                if not (folder / "tailor_demo_spec.json").is_file():
-                    shutil.rmtree(folder, ignore_errors=True)
-                    if spec.layout == "accelerate":
-                        from tailor_tui.runs.accelerate import make_accelerate_run
-
-                        make_accelerate_run(folder, spec)
-                    elif deepspeed == INSTALLED_DEEPSPEED:
-                        demo_run.make_run(folder, spec)
-                    else:
-                        with_deepspeed(deepspeed, "make", str(folder), spec.key())
-            made[name, deepspeed] = folder
-        return made[name, deepspeed], spec
+            made[name, deepspeed] = cached_run(name, deepspeed)
+        return made[name, deepspeed], RUNS[name]
 
     return get
 

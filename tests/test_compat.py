@@ -10,7 +10,7 @@ same release resumes from the output, saves exactly what it loaded and takes a f
 `pytest` runs the oldest and the newest release (about a minute each on 2 cores);
 `make test-compat` (`--deepspeed-releases all`) runs all of them. 0.14.0 to 0.14.3 cannot
 be imported beside torch 2.13 (they import `torch.distributed.elastic` helpers torch has
-since removed); their save path is the same code as 0.14.4's (README).
+since removed); their save path is the same code as 0.14.4's (docs/formats.md).
 """
 
 from __future__ import annotations

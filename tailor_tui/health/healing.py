@@ -20,7 +20,7 @@ MAX_TRAINER_STATE = 64 << 20  # trainer_state.json of a long run: log_history gr
 
 @dataclass(frozen=True)
 class Cell:
-    """One row's statistics in one checkpoint (see the README's "Row health")."""
+    """One row's statistics in one checkpoint (see docs/health.md)."""
 
     nonfinite: int  # NaN/±Inf elements in fp32 masters, exp_avg, exp_avg_sq, frozen fragments
     weight_rms: float | None  # sqrt(mean(θ²)) of the fp32 masters; None if any value is non-finite

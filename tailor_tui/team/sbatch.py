@@ -4,7 +4,7 @@ A composition of hundreds of GiB does not belong on a login node (its etiquette 
 and one node composes at one node's bandwidth). When the composer runs where `sbatch` is at
 hand and no Slurm job is (a login node), and the plan writes at least `LARGE` bytes, it offers
 to write an sbatch script that runs the saved recipe as one job over several nodes (`srun
-tailor-tui --apply`, README: Slurm) beside the recipe, instead of composing there.
+tailor-tui --apply`, docs/cluster.md) beside the recipe, instead of composing there.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def sbatch_script(recipe: Path, bytes_to_write: int, *, name: str = "tailor") ->
         f"#SBATCH --cpus-per-task={WORKERS + 1}\n"
         "#SBATCH --time=01:00:00\n"
         "set -euo pipefail\n"
-        "# the job's tasks seal what they tell each other with a secret only they hold (README: security)\n"
+        "# the job's tasks seal what they tell each other with a secret only they hold (docs/security.md)\n"
         "export TAILOR_TUI_TEAM_SECRET=\"$(od -An -tx1 -N32 /dev/urandom | tr -d ' \\n')\"\n"
         f"srun {shlex.quote(tailor)} --apply {shlex.quote(str(recipe.resolve()))} --workers {WORKERS} "
         "--progress lines\n"

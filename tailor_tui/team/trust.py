@@ -56,8 +56,8 @@ class Seal:
         mac, sep, value = text.partition(":")
         if not sep or not hmac.compare_digest(mac, self._mac(key, value)):
             raise Forged(f"the value of '{key}' in the job's store fails its authentication: another program "
-                         "connected to the job's port and wrote it; nothing was published (see the README's "
-                         "security section)")
+                         "connected to the job's port and wrote it; nothing was published (see docs/security.md, "
+                         "shared clusters)")
         return value
 
     def _mac(self, key: str, value: str) -> str:
