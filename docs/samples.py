@@ -2,17 +2,16 @@
 
 Every block between `<!-- sample: NAME -->` and `<!-- /sample -->` in those files is written
 here: a command's block is the command line and what the real `tailor-tui` printed when this
-script ran it on real runs (the demo run, and a run whose layers.2 went NaN before its last
-save); the `keys` block is the composer's own list of keys. docs/grid.svg is the composer's
+script ran it on the demo run (`tailor-tui --make-demo`: HF Trainer, 2 ranks, its layers.2 NaN
+before its last save); the `keys` block is the composer's own list of keys. docs/grid.svg is the composer's
 snapshot that tests/test_snapshots.py checks against the running app.
 
     .venv/bin/python docs/samples.py                     rewrite every sample
     .venv/bin/python docs/samples.py --check             say which are out of date (exit 1)
-    .venv/bin/python docs/samples.py --spike-run DIR     copy the run with the NaN layer to DIR
 
 The runs are those of the test-suite (tests/conftest.py: trained on CPU on first use, in seconds,
 then cached in .tailor-cache/runs or $TAILOR_RUN_CACHE). The commands run in a
-scratch folder holding copies of them (demo-run/, spike-run/) and of recipes/, so the paths they
+scratch folder holding a copy of it (demo-run/) and of recipes/, so the paths they
 print are the ones a reader types. What varies from one run of a command to the next is set
 aside when samples are compared (timings, rates, the worker count, which worker finished first);
 a rewrite keeps a block whose only differences are those.
@@ -36,9 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-# the runs the samples are made on: the demo run (`tailor-tui --make-demo` trains the same spec)
-# and the DeepSpeed-layout run whose layers.2 was set to NaN just before its step-6 save
-RUNS = {"demo-run": "hf_bf16_2", "spike-run": "ds_blown_up"}
+# the run the samples are made on: the demo run (`tailor-tui --make-demo` trains the same spec)
+RUNS = {"demo-run": "demo"}
 # files of docs/ that are copies of what the program makes (checked byte for byte)
 COPIES = {ROOT / "docs" / "grid.svg": ROOT / "tests" / "__snapshots__" / "test_snapshots"
           / "test_health_heatmap[130x30].svg"}
@@ -57,24 +55,24 @@ class Command:
     tasks: int = 1  # run as that many tasks of a Slurm job step (the environment srun sets)
 
 
-COMMANDS = (
+COMMANDS = (  # the README's walkthrough first, as a reader runs it after `make demo`
+    Command("stats", "tailor-tui --stats demo-run", stdout_only=True),
+    Command("heal", "tailor-tui --heal demo-run --recipe demo-run/fix.yaml", stdout_only=True,
+            show_files=("demo-run/fix.yaml",)),
+    Command("apply-fix", "tailor-tui --apply demo-run/fix.yaml"),
+    Command("verify-fix", "tailor-tui --verify demo-run/fix.yaml", stdout_only=True),
+    Command("srun", "srun --ntasks 2 tailor-tui --apply demo-run/fix.yaml --output demo-run/by-srun", tasks=2),
     Command("dry-run", "tailor-tui --apply recipes/demo.yaml --dry-run"),
     Command("apply", "tailor-tui --apply recipes/demo.yaml"),
     Command("export", "tailor-tui --export recipes/demo.yaml --to demo-run/eval-hf"),
     Command("world-size", "tailor-tui --apply recipes/demo.yaml --world-size 1 --output demo-run/one-rank"),
-    Command("stats", "tailor-tui --stats spike-run", stdout_only=True),
-    Command("heal", "tailor-tui --heal spike-run --recipe spike-run/fix.yaml", stdout_only=True,
-            show_files=("spike-run/fix.yaml",)),
-    Command("apply-fix", "tailor-tui --apply spike-run/fix.yaml"),
-    Command("verify-fix", "tailor-tui --verify spike-run/fix.yaml", stdout_only=True),
-    Command("srun", "srun --ntasks 2 tailor-tui --apply spike-run/fix.yaml --output spike-run/by-srun", tasks=2),
 )
 
 # launchers' variables: a sample run inside a Slurm job or under torchrun must not join it
 _LAUNCHER = re.compile(r"^(SLURM_|TORCHELASTIC_|TAILOR_)|^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|"
                        r"MASTER_ADDR|MASTER_PORT)$")
 _PROGRESS = re.compile(r"^(\[process \d+\] )?[^:]+: \d+% ")  # `rank 0: 41% 1.2 GiB/2.9 GiB`: a moment's state
-_TASK_DONE = re.compile(r"^(\[process \d+\] )?(?!done:).+: done ")  # finished in whatever order the workers did
+_TASK_DONE = re.compile(r"^(\[process \d+\] )?(?!done:).+: done, ")  # finished in whatever order the workers did
 _VOLATILE = [
     (re.compile(r" in \d+(\.\d+)?s, \d+(\.\d+)? (Bytes|[KMGT]iB)/s\)"), " in …s, … /s)"),  # timing and rate
     (re.compile(r"\d+ worker\(s\)"), "… worker(s)"),  # from the machine's cores and memory
@@ -119,7 +117,7 @@ def run(command: Command, scratch: Path, env: dict[str, str]) -> str:
 def in_order(lines: list[str]) -> list[str]:
     """Each group of consecutive `TASK: done SIZE` lines sorted (rank 2 before rank 10)."""
     def key(line: str):
-        return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", line.partition(": done ")[0])]
+        return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", line.partition(": done, ")[0])]
 
     out: list[str] = []
     group: list[str] = []
@@ -206,16 +204,7 @@ def update(samples: dict[str, str], write: bool) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="change nothing; exit 1 if a sample is out of date")
-    ap.add_argument("--spike-run", metavar="DIR", type=Path,
-                    help="copy the run whose layers.2 went NaN to DIR (to follow the README's walkthrough)")
     args = ap.parse_args(argv)
-    if args.spike_run:
-        if args.spike_run.exists():
-            raise SystemExit(f"{args.spike_run}: already exists")
-        shutil.copytree(cached(RUNS["spike-run"]), args.spike_run, symlinks=True)
-        print(f"{args.spike_run}: a real ZeRO-3 run (DeepSpeed layout, 2 ranks, bf16) whose layers.2 went NaN "
-              f"before its step-6 save; open it with: tailor-tui {args.spike_run}")
-        return 0
     problems = update(generate(), write=not args.check)
     for problem in problems:
         print(problem)

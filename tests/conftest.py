@@ -30,12 +30,14 @@ import pytest
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from tailor_tui.runs import demo_run  # noqa: E402
-from tailor_tui.runs.demo_run import RunSpec  # noqa: E402
+from tailor_tui.runs.demo_run import DEMO, RunSpec  # noqa: E402
 from tailor_tui.formats.ds_format import parse_version  # noqa: E402
 
 RUNS = {
     # HF Trainer layout, 2 ranks, bf16, separate lm_head
     "hf_bf16_2": RunSpec(),
+    # the demo run (`tailor-tui --make-demo`): the same, with layers.2 blown up before its step-6 save
+    "demo": DEMO,
     # HF Trainer layout, 3 ranks (sizes that do not divide), fp32, tied embeddings, a frozen param
     "hf_fp32_3_tied": RunSpec(
         world_size=3, dtype="fp32", tied=True, frozen=("model.layers.2.mlp.down_proj.weight",)

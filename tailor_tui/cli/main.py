@@ -152,7 +152,8 @@ def apply(args) -> int:
         processes = f"{team.size} processes ({launch.via}) × " if team.size > 1 else ""
         print(
             f"composing {plan.output} from {len(plan.sources)} checkpoint(s): {ranks} ranks, "
-            f"{processes}{workers} worker(s), {size(plan.bytes_to_write())} to write",
+            f"{processes}{workers} worker(s), {'about ' if plan.rewritten_files() else ''}"
+            f"{size(plan.bytes_to_write())} to write",
             file=sys.stderr,
             flush=True,
         )
