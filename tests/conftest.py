@@ -38,6 +38,8 @@ RUNS = {
     "hf_bf16_2": RunSpec(),
     # the demo run (`tailor-tui --make-demo`): the same, with layers.2 blown up before its step-6 save
     "demo": DEMO,
+    # another training of the same model (other initial weights and data order): another run
+    "hf_bf16_2_seed1": RunSpec(seed=1),
     # HF Trainer layout, 3 ranks (sizes that do not divide), fp32, tied embeddings, a frozen param
     "hf_fp32_3_tied": RunSpec(
         world_size=3, dtype="fp32", tied=True, frozen=("model.layers.2.mlp.down_proj.weight",)

@@ -288,3 +288,24 @@ def test_a_folder_of_outputs_only_names_them_and_their_sources(real_run, tmp_pat
     result = tailor("--stats", outputs)
     assert_one_line_error(result, 4, f"{outputs}: holds no training checkpoint, only what tailor-tui composed",
                           "fixed (from checkpoint-6, checkpoint-4)", "open the run those came from")
+
+
+def test_two_runs_in_one_folder_are_refused_naming_both(real_run, tmp_path):
+    """Two trainings of the same model side by side: never one grid, statistics or healing
+    across them (their trainer_state.json histories differ); a restored copy of a checkpoint of
+    the same run is not another run."""
+    one, spec = real_run("hf_bf16_2")
+    other, _ = real_run("hf_bf16_2_seed1")
+    folder = tmp_path / "runs"
+    shutil.copytree(one, folder / "first")
+    shutil.copytree(other, folder / "second")
+    for command in (["--stats", folder], ["--heal", folder, "--recipe", tmp_path / "fix.yaml"]):
+        result = tailor(*command)
+        assert_one_line_error(result, 2, f"{folder}: holds checkpoints of 2 training runs",
+                              "first/checkpoint-2, first/checkpoint-4, first/checkpoint-6",
+                              "second/checkpoint-2, second/checkpoint-4, second/checkpoint-6",
+                              "trainer_state.json) differ at step", f"tailor-tui {folder / 'first'}")
+    assert not (tmp_path / "fix.yaml").exists()
+    shutil.rmtree(folder / "second")
+    shutil.copytree(one / "checkpoint-4", folder / "restored" / "checkpoint-4")  # the same run, elsewhere
+    assert tailor("--stats", folder).returncode == 0

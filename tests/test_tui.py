@@ -373,6 +373,16 @@ async def test_a_composed_folder_is_never_a_column_and_is_named_in_the_details(r
         assert "checkpoint-6-tailored ← checkpoint-6, checkpoint-2" in details
 
 
+async def test_two_runs_in_one_folder_are_never_one_grid(real_run, tmp_path):
+    for side, name in (("first", "hf_bf16_2"), ("second", "hf_bf16_2_seed1")):
+        shutil.copytree(real_run(name)[0], tmp_path / "runs" / side)
+    app = make_app(tmp_path / "runs")
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, ErrorDialog))
+        assert "holds checkpoints of 2 training runs" in app.screen.message
+        assert app.home.composition is None
+
+
 async def test_the_cursor_never_lands_on_the_names_column(run_copy):
     run, ckpts = run_copy
     app = make_app(run)

@@ -8,7 +8,6 @@ optim files are only stat()ed here.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,20 +154,6 @@ def incompatibility(base: Checkpoint, other: Checkpoint, *, repartitioned: bool 
         if lacking:
             return f"it has no {lacking[0]} while the base has; pick a base saved the same way"
     return None
-
-
-def other_run(base: Checkpoint, other: Checkpoint) -> str | None:
-    """Why `other` may come from another training run than `base` (one phrase), or None.
-
-    Checkpoints of one run sit side by side in its run folder (the HF Trainer's output_dir,
-    a DeepSpeed save_dir, the folder of selective saves); folders are compared by identity."""
-    mine, theirs = base.path.parent, other.path.parent
-    try:
-        if os.path.samefile(mine, theirs):
-            return None
-    except OSError:
-        pass
-    return f"it lies in another run folder ({theirs}) than the base ({mine})"
 
 
 def read_latest(folder: Path) -> str | None:

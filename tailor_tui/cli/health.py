@@ -16,6 +16,7 @@ def _health(run_dir: Path, args, progress: str, slow_down: float):
     """The scanned run's health (training checkpoints: not tailor-tui's own outputs); None in a
     process of a job other than process 0 (which alone holds every cell)."""
     from tailor_tui.checkpoints.cache import cache_dir
+    from tailor_tui.checkpoints.lineage import check_one_run
     from tailor_tui.checkpoints.scan import check_run_folder, scan
     from tailor_tui.cli.health_report import StatsProgress
     from tailor_tui.team.launch import detect
@@ -30,6 +31,7 @@ def _health(run_dir: Path, args, progress: str, slow_down: float):
     checkpoints = scanned.checkpoints  # tailor-tui's own outputs are never among them
     if not checkpoints:
         raise CheckpointError(scanned.nothing_found(run_dir))
+    check_one_run(run_dir, checkpoints)
     launch = detect(os.environ, args.distributed)
     team = connect(launch, args.peer_timeout, meeting=cache_dir()) if launch else SOLO
     # in a job of several processes process 0 reports; the others read their share quietly

@@ -12,6 +12,7 @@ from collections import Counter
 
 from tailor_tui.checkpoints.cache import cache_dir
 from tailor_tui.checkpoints.checkpoint import incompatibility
+from tailor_tui.checkpoints.lineage import Lineage
 from tailor_tui.checkpoints.scan import scan
 from tailor_tui.errors import CheckpointError, NonFiniteError
 from tailor_tui.planning.plan import ComposePlan
@@ -41,7 +42,9 @@ def newest_finite(plan: ComposePlan, rows: list[str]) -> dict[str, str]:
         scanned = scan(plan.base.path.parent)
     except CheckpointError:
         return {}
-    candidates = [c for c in scanned.checkpoints if incompatibility(plan.base, c) is None]
+    lineage = Lineage()  # the base's run only
+    candidates = [c for c in scanned.checkpoints
+                  if incompatibility(plan.base, c) is None and lineage.apart(plan.base, c) is None]
     found: dict[str, str] = {}
     for column in reversed(range(len(candidates))):
         wanted = [r for r in rows if r not in found and candidates[column].holds(r)]

@@ -13,9 +13,9 @@ from tailor_tui.checkpoints.checkpoint import (
     Checkpoint,
     incompatibility,
     open_checkpoint,
-    other_run,
     tied_partner,
 )
+from tailor_tui.checkpoints.lineage import other_run
 from tailor_tui.checkpoints.rows import list_rows
 from tailor_tui.errors import CheckpointError, IncompatibleError, RecipeError, UsageError
 from tailor_tui.planning.output import check_output as check_writable

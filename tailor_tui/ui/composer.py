@@ -23,6 +23,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Label, ProgressBar, Static
 from textual.worker import get_current_worker
 
+from tailor_tui.checkpoints.lineage import check_one_run
 from tailor_tui.checkpoints.scan import ScanResult, scan
 from tailor_tui.compose.composition import Composition
 from tailor_tui.errors import OutputError, TailorError
@@ -140,6 +141,7 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
                 on_progress=lambda done, total, path: self.post_message(ScanProgressed(done, total, path)),
                 cancelled=lambda: worker.is_cancelled,
             )
+            check_one_run(self.options.run_dir, result.checkpoints)  # reads each trainer_state.json: here, not in the UI
         except TailorError as exc:
             self.post_message(ScanFailed(str(exc)))
         else:
