@@ -220,12 +220,16 @@ def test_the_plan_and_the_final_line_count_the_same_bytes(real_run, tmp_path):
     result = tailor("--apply", recipe, "-j", "1")
     assert result.returncode == 0, result.stderr
     planned = result.stderr.split(" to write")[0].rsplit(", ", 1)[1]
-    assert f"({planned} in" in result.stdout
+    assert f"({planned} written in" in result.stdout
 
     run, spec = real_run("ds_frozen_blown_up")  # layers.1 holds the frozen parameter
     c2, c4 = checkpoints_of(run, spec)
-    plan = tailor("--apply", write_recipe(tmp_path, c4, {"layers.1": c2}, output="frozen"), "--dry-run").stdout
+    recipe = write_recipe(tmp_path, c4, {"layers.1": c2}, output="frozen")
+    plan = tailor("--apply", recipe, "--dry-run").stdout
     assert "write: ~" in plan and "torch writes 2 file(s) anew" in plan  # both ranks' model_states
+    result = tailor("--apply", recipe, "--allow-nonfinite")
+    assert result.returncode == 0, result.stderr
+    assert ", about " in result.stderr.split(" to write")[0]  # the header says so too
 
 
 def test_ctrl_c_during_statistics_says_what_was_cancelled(real_run, tmp_path):
