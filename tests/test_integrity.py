@@ -213,3 +213,15 @@ def test_a_flipped_bit_in_a_partial_save_is_refused_wherever_it_is_read(real_run
         assert read_rows_file(rows)[1] == {}
     done = tailor("--apply", on_full_base)
     assert done.returncode == 0, done.stderr
+
+
+def test_verify_reads_the_latest_file_it_vouches_for(real_run, tmp_path):
+    """`latest` is written by the composition (DeepSpeed layout): --verify reads it too. Pointing
+    it at another (complete) tag folder in the output would make DeepSpeed load that one."""
+    recipe, out, _ = _composed(real_run, tmp_path, "ds_bf16_3_subgroups")
+    assert tailor("--verify", recipe).returncode == 0
+    shutil.copytree(out / "global_step4", out / "global_step2")
+    (out / "latest").write_text("global_step2")
+    result = tailor("--verify", recipe)
+    assert result.returncode == 7, result.stderr
+    assert f"{out / 'latest'}: names 'global_step2', not the tag 'global_step4' composed" in result.stdout

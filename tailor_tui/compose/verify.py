@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from tailor_tui.checkpoints.checkpoint import MODEL_FILE_INDEX, PROVENANCE, open_checkpoint
+from tailor_tui.checkpoints.checkpoint import MODEL_FILE_INDEX, PROVENANCE, open_checkpoint, read_latest
 from tailor_tui.compose.compare import PartialSlices, differences, nonzero_bytes, same_bytes
 from tailor_tui.formats.ds_format import (
     EXP_AVG,
@@ -94,6 +94,9 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
             report.add(None, f"{out / to}: missing (the base has {rel})")
         elif not filecmp.cmp(root / rel, out / to, shallow=False):
             report.add(None, f"{out / to}: differs from the base's {root / rel}")
+    if (plan.base.kind == "deepspeed" or plan.base.partial) and read_latest(out) != plan.base.tag:
+        report.add(None, f"{out / 'latest'}: names {read_latest(out)!r}, not the tag {plan.base.tag!r} composed; "
+                         "DeepSpeed would load another checkpoint")  # (an HF base's `latest` is among its files)
     if not (out / PROVENANCE).is_file():
         report.add(None, f"{out / PROVENANCE}: missing; the output was not written by tailor-tui")
     for extra in _unplanned(plan, out):
