@@ -20,6 +20,7 @@ from tailor_tui.units import size
 # low → high: dark blue, teal, olive, amber, red (readable with the cells' light text)
 PALETTE = ("#1f3a5f", "#1f5f5b", "#5f5f1f", "#8a5a12", "#9e2a2b")
 LABEL = {"rel_change": "Δ since previous", "weight_rms": "weight RMS", "adam_v_max": "Adam v max"}
+SHORT = {"rel_change": "Δ", "weight_rms": "rms", "adam_v_max": "v max"}  # as the cell's lines label them
 LOSS_JUMP = 1.2  # a loss this many times the previous checkpoint's is marked
 
 
@@ -74,8 +75,10 @@ def metric_text(cell: Cell | None, metric: str) -> str:
     return _pct(value) if metric == "rel_change" else _num(value)
 
 
-def cell_block(health: Health | None, row: str, column: int | None, computing: str | None) -> list[str]:
-    """The cell under the cursor: the checkpoint's loss, then the row's statistics there."""
+def cell_block(health: Health | None, row: str, column: int | None, computing: str | None,
+               metric: str = "rel_change") -> list[str]:
+    """The cell under the cursor: the checkpoint's loss, then the row's statistics there (the
+    first line says which of them colours the heatmap)."""
     lines = [f"health  {computing}"] if computing else []
     if health is None or column is None:
         return lines
@@ -83,7 +86,10 @@ def cell_block(health: Health | None, row: str, column: int | None, computing: s
     if log is not None and log.loss is not None:
         grad = f" · grad {log.grad_norm:.3g}" if log.grad_norm is not None else ""
         lines.append(f"loss    {log.loss:.4g}{grad}")
-    return lines + [f"{'cell' if i == 0 else '':<8}{text}" for i, text in enumerate(cell_lines(health.cell(row, column)))]
+    cell = health.cell(row, column)
+    colour = f"   (colour: {SHORT[metric]})" if cell is not None and cell.healthy else ""
+    return lines + [f"{'cell' if i == 0 else '':<8}{text}{colour if i == 0 else ''}"
+                    for i, text in enumerate(cell_lines(cell))]
 
 
 def row_block(health: Health | None, checkpoints: tuple[Checkpoint, ...] | list, row: str, column: int | None,
@@ -132,7 +138,7 @@ def details_lines(comp: Composition, health: Health | None, row_name: str, colum
         elif warning := comp.other_run(column):
             lines.append(f"! {warning}; make sure it is the same training run")
     if not row.tied:
-        lines += cell_block(health, row.name, column, computing)
+        lines += cell_block(health, row.name, column, computing, metric)
     source = comp.source_of(row.name)
     lines.append(f"row     {row.name}  ({row.module_path})")
     lines.append(f"source  {comp.label(source)}" + ("  (base)" if source == comp.base else ""))
