@@ -106,10 +106,15 @@ class ZeroLayout:
 
     def group_sizes(self) -> list[int]:
         """Elements per rank in each sub-group's flat buffer."""
+        return list(self.sizes_per_group)
+
+    @cached_property
+    def sizes_per_group(self) -> tuple[int, ...]:
+        """`group_sizes`, worked out once (it is asked for every rank of every checkpoint)."""
         sizes = [0] * len(self.groups)
         for s in self.slots:
             sizes[s.group] += s.part
-        return sizes
+        return tuple(sizes)
 
     def regrouped(self, world_size: int, param_groups: tuple[tuple[int, ...], ...],
                   sub_group_size: int) -> tuple["ZeroLayout", tuple[tuple[int, ...], ...]]:

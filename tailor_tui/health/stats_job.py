@@ -52,7 +52,7 @@ class StatsJob:
 
     @property
     def group_sizes(self) -> tuple[int, ...]:
-        return tuple(self.layout.group_sizes())
+        return self.layout.sizes_per_group
 
     def slots(self) -> tuple[SlotRead, ...]:
         """Each trainable parameter's slice on this rank, of the rows to read."""

@@ -74,13 +74,14 @@ def rank_stats(job: StatsJob, emit: Emit, cancelled, options: TaskOptions = Task
 
 def _reads(job: StatsJob, slots: tuple[SlotRead, ...], sums: dict[str, RowSums], stack: contextlib.ExitStack) -> list:
     """[(fd, first byte, length, stored CRC-32 or None, regions)] in file order per file."""
-    prev_fds, prev_at = {}, {}
+    prev_at = {}
+    by_file: dict = {}  # each previous checkpoint's file, read once for all the rows it holds
     for row, files in job.prev:
-        path = files.rows or files.optim_states
-        if path not in prev_fds:
-            prev_fds[path] = open_fd(stack, path)
-        where = _fp32_places(files, job.group_sizes, [s for s in slots if s.row == row])
-        prev_at.update({(row, param): (prev_fds[path], at) for param, at in where.items()})
+        by_file.setdefault(files.rows or files.optim_states, (files, set()))[1].add(row)
+    for path, (files, rows) in by_file.items():
+        fd = open_fd(stack, path)
+        where = _fp32_places(files, job.group_sizes, [s for s in slots if s.row in rows])
+        prev_at.update({(s.row, s.param): (fd, where[s.param]) for s in slots if s.row in rows})
     reads = []
     if job.files.rows is not None:  # partial: one safetensors tensor per (key, parameter), its CRC-32 recorded
         fd = open_fd(stack, job.files.rows)
