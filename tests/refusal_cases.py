@@ -509,7 +509,7 @@ for _form in ("fifo", "dev-zero"):
         return Case(("--verify", path), 7, ("verification failed",))
 
 
-@case("--heal, the newest checkpoint's rng_state_0.pth: fifo (skipped, warned)")
+@case("--heal, the newest rng_state_0.pth: fifo (skipped, warned)")
 def _(run, tmp):
     fifo(run / "checkpoint-6" / "rng_state_0.pth")
     return Case(("--heal", run, "--recipe", tmp / "healed.yaml"), 0, ("warning: skipped", "rng_state_0.pth"),
