@@ -1,4 +1,5 @@
-"""Writing output files durably: chunked copies with progress, fsync, atomic renames."""
+"""Writing output files durably: chunked copies with progress, fsync, atomic renames; opening
+an input only when it is a regular file."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import contextlib
 import errno
 import os
 import shutil
+import stat
 from pathlib import Path
 from typing import Callable
 
@@ -173,6 +175,25 @@ def replace_dir(new: Path, dest: Path, durable: bool = True, swap: bool = True) 
         raise
     fsync_dir(dest.parent, durable)
     shutil.rmtree(old, ignore_errors=True)
+
+
+NOT_REGULAR = "not a regular file (a FIFO, a device or a socket); not read"
+
+
+def open_regular(path: Path, *, follow: bool = True) -> int:
+    """A read-only descriptor of the regular file at `path`. A FIFO, device or socket there is
+    refused (ValueError, NOT_REGULAR) without being opened: a FIFO would wait for a writer, and
+    /dev/zero never ends. `follow=False`: a symbolic link at `path` is refused too (OSError ELOOP)."""
+    st = os.stat(path) if follow else os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path))
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(NOT_REGULAR)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # put in its place since: not read either
+        os.close(fd)
+        raise ValueError(NOT_REGULAR)
+    return fd
 
 
 def open_fd(stack: contextlib.ExitStack, path: Path, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:

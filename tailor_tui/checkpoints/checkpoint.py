@@ -8,6 +8,7 @@ optim files are only stat()ed here.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,13 +157,18 @@ def incompatibility(base: Checkpoint, other: Checkpoint, *, repartitioned: bool 
     return None
 
 
-def read_latest(folder: Path) -> str | None:
+def read_latest(folder: Path, *, strict: bool = False) -> str | None:
+    """The tag `folder/latest` names; None if there is none, or one that cannot be read (not a
+    small regular file: a FIFO, /dev/zero), which is a CheckpointError instead when `strict`."""
     latest = folder / "latest"
-    if not latest.is_file():
+    if not os.path.lexists(latest):
         return None
     try:
         return read_small(latest, 4096).decode(errors="replace").strip() or None  # a tag's name
-    except (OSError, ValueError):
+    except (OSError, ValueError) as exc:
+        if strict:
+            raise CheckpointError(f"{latest}: unreadable ({exc}); it names the checkpoint's tag folder, "
+                                  "re-copy it from the training run") from None
         return None
 
 
@@ -197,7 +203,7 @@ def _locate(path: Path) -> tuple[str, Path, Path, Path]:
         if kind is not None:
             return kind, parent, path, parent
         return "deepspeed", path, path, parent
-    tag = read_latest(path)
+    tag = read_latest(path, strict=True)
     if tag is not None:
         tag_dir = path / tag
         if not is_tag_dir(tag_dir):
@@ -241,7 +247,7 @@ def _dtype(tag_dir: Path, states: ModelStates) -> tuple[str, str]:
 
 def hf_model_files(folder: Path) -> tuple[Path, ...]:
     index = folder / MODEL_FILE_INDEX
-    if index.is_file():
+    if os.path.lexists(index):  # a FIFO or a link to /dev/zero in its place is refused, not passed over
         try:
             weight_map = load_json(index, limit=MAX_RECORD)["weight_map"]
             if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
@@ -273,7 +279,7 @@ def open_checkpoint(path: str | Path, *, cache: Path | None = None) -> Checkpoin
     """Describe the checkpoint at `path` or raise CheckpointError saying why not. What rank 0's
     model_states file says is taken from `cache` (`scan_cache`) when it holds it; None: read."""
     path = Path(path)
-    manifest = read_manifest(path) if (path / PARTIAL_MANIFEST).is_file() else None
+    manifest = read_manifest(path) if os.path.lexists(path / PARTIAL_MANIFEST) else None
     if manifest:  # a partial checkpoint (tailor_tui.selective): its manifest names the tag
         kind, named, tag_dir, save_dir = manifest["layout"], path, path / manifest["tag"], path
     else:

@@ -89,7 +89,7 @@ def find_checkpoint_dirs(root: Path, interrupted: list[Path] | None = None) -> l
         if interrupted is not None:
             interrupted += [here / d for d in dirnames if STAGING.match(d)]
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        if (here / PARTIAL_MANIFEST).is_file():
+        if os.path.lexists(here / PARTIAL_MANIFEST):  # one that is no regular file: a problem, not a full save
             found.append(here)
             dirnames.clear()
         elif is_tag_dir(here):

@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 from pathlib import Path
+
+from tailor_tui.fileio import open_regular
 
 MAX_SIDE_FILE = 1 << 20  # bytes: config.json and the like are a few KiB
 MAX_RECORD = 64 << 20  # records that grow with the model or the run: an index, a manifest, a provenance record
@@ -34,12 +35,9 @@ def read_small(path: Path, limit: int | None = None, *, follow: bool = True) -> 
     more than `limit` bytes (default `side_file_limit()`); `follow=False`: a symlink at `path`
     is refused too (OSError ELOOP)."""
     limit = side_file_limit() if limit is None else limit
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
-    fd = os.open(path, flags)  # a FIFO opens without waiting
+    fd = open_regular(path, follow=follow)
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError("not a regular file (a FIFO, a device or a socket); not read")
         if st.st_size > limit:
             raise ValueError(f"{st.st_size:,} bytes, more than the {limit:,} such a file may hold; not read")
         parts, got = [], 0

@@ -29,6 +29,7 @@ from pathlib import Path
 from tailor_tui.checkpoints.side_files import load_json
 from tailor_tui.formats.ds_format import RECOVERY_SCRIPTS
 from tailor_tui.errors import CheckpointError, IncompatibleError
+from tailor_tui.fileio import NOT_REGULAR
 from tailor_tui.formats.pickled import TensorRef
 from tailor_tui.formats.ptfile import file_format, read_structure
 from tailor_tui.checkpoints.rows import Row, list_rows, row_index
@@ -78,12 +79,18 @@ def weight_kinds(names) -> set[str]:
 
 def folder_files(folder: Path, tag_dir: Path) -> list[Path]:
     """Every file of a checkpoint folder outside its tag folder, which is never entered (its rank
-    files are the rank writers'; a 512-rank tag holds a thousand of them)."""
+    files are the rank writers'; a 512-rank tag holds a thousand of them). One that is no regular
+    file (a FIFO, a link to a device) is refused: it could be neither read nor copied."""
     found = []
     for dirpath, dirnames, filenames in os.walk(folder):
         here = Path(dirpath)
         dirnames[:] = [d for d in dirnames if here / d != tag_dir]
-        found += [here / f for f in filenames if (here / f).is_file()]
+        for path in (here / f for f in filenames):
+            if path.is_file():
+                found.append(path)
+            elif path.exists():  # a FIFO, a device, a socket (a dangling link names no file: passed over)
+                raise CheckpointError(f"{path}: {NOT_REGULAR}; a checkpoint folder holds files tailor-tui reads or "
+                                      "copies: remove it, or put the file it stands for in its place")
     return sorted(found)
 
 

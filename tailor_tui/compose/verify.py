@@ -70,6 +70,7 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
         what = f"DeepSpeed's at world size {plan.world_size}" if plan.reshard else "the base's"
         report.add(None, f"{out}: its layout is not {what}: it has {diff}")
         return report
+    composed.check_complete()  # a rank file that is no whole archive (or no regular file): exit 4, before torch
     if plan.reshard is not None:
         from tailor_tui.compose.verify_reshard import verify_resharded
 

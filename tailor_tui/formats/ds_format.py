@@ -25,8 +25,6 @@ What differs between the releases tailor-tui reads:
 
 from __future__ import annotations
 
-import io
-import pickletools
 import re
 
 from tailor_tui.errors import CheckpointError
@@ -144,20 +142,24 @@ def unsupported_version(ds_version: str) -> str | None:
     return None
 
 
+# `ds_version` as a pickled key (protocol 2's BINUNICODE, or SHORT_BINUNICODE), maybe memoized,
+# then the string its value is
+_VERSION_AFTER_KEY = re.compile(b"(?:X" + re.escape(len(DS_VERSION).to_bytes(4, "little")) + b"|\x8c"
+                                + re.escape(bytes([len(DS_VERSION)])) + b")" + re.escape(DS_VERSION.encode())
+                                + rb"(?:q.|r.{4}|\x94)?(?:X(.{4})|\x8c(.))", re.S)
+
+
 def version_in_pickle(data: bytes) -> str | None:
     """The `ds_version` string in the pickles in `data` (one after another, as in a legacy
-    torch file), read from their opcodes without unpickling them, for naming the release
-    of a file that cannot be read; None if there is none."""
-    stream, previous = io.BytesIO(data), None
-    try:
-        while stream.tell() < len(data):
-            for opcode, arg, _pos in pickletools.genops(stream):
-                if isinstance(arg, str):
-                    if previous == DS_VERSION and opcode.name.endswith("UNICODE"):
-                        return arg
-                    previous = arg
-                elif opcode.name not in ("BINPUT", "LONG_BINPUT", "MEMOIZE"):
-                    previous = None
-    except Exception:  # noqa: BLE001 - damaged, truncated, or storage bytes after the pickles
-        return None
+    torch file), found by the bytes of its opcodes without unpickling them or walking every
+    opcode (linear in `data` whatever it holds), for naming the release of a file that cannot
+    be read; None if there is none."""
+    for found in _VERSION_AFTER_KEY.finditer(data):
+        size = int.from_bytes(found.group(1) or found.group(2), "little")
+        try:
+            if size <= 64 and found.end() + size <= len(data):  # a release's name
+                return data[found.end(): found.end() + size].decode()
+        except UnicodeDecodeError:
+            pass
+    return None
     return None

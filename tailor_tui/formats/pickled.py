@@ -193,8 +193,9 @@ class _Unpickler(pickle.Unpickler):
         if not isinstance(saved_id, tuple) or len(saved_id) not in (5, 6):
             raise pickle.UnpicklingError("unexpected persistent id")
         kind, storage_type, key, location, numel, *view = saved_id
-        if kind != "storage" or not isinstance(storage_type, StorageType) or type(numel) is not int:
-            raise pickle.UnpicklingError(f"unexpected persistent id {kind!r}")
+        if kind != "storage" or not isinstance(storage_type, StorageType) or type(numel) is not int \
+                or type(key) not in (str, int):
+            raise pickle.UnpicklingError(f"unexpected persistent id (a {type(kind).__name__})")
         if view and view[0] is not None:
             raise pickle.UnpicklingError("a storage view (torch before 1.0 wrote those)")
         if not isinstance(location, str):
@@ -214,7 +215,7 @@ class _Unpickler(pickle.Unpickler):
 # and ~15 MiB for a 47k-parameter MoE. Anything beyond these bounds is refused before a
 # single object is built, so reading any structure stays under 256 MiB of memory.
 MAX_PICKLE_BYTES = 64 << 20
-MAX_OBJECT_BYTES = 160 << 20  # estimated memory of the objects the pickle would build
+MAX_OBJECT_BYTES = 160 << 20  # estimated memory of the objects the pickle would build, unfolded
 MAX_MEMO = 1 << 22  # memo slots (a crafted LONG_BINPUT 400000000 would allocate 3 GiB)
 MAX_NESTING = 100  # open MARKs
 _CHEAP = {"BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE", "BINGET", "LONG_BINGET", "GET", "MARK", "STOP",
@@ -223,111 +224,80 @@ _CHEAP = {"BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE", "BINGET", "LONG_BINGET", "G
 # hooks, a Size) whatever its arguments' cost was (they may all be one memoized tuple)
 _BUILDS = {"REDUCE", "BUILD", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST"}
 BUILD_COST = 512
+# what an opcode makes that a later one may add to (APPEND…, BUILD: -1, the items up to the MARK)
+_CONTAINERS = {"EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET", "LIST", "DICT", "OBJ", "INST", "REDUCE", "NEWOBJ", "NEWOBJ_EX"}
+_ADDS = {"APPEND": 1, "SETITEM": 2, "BUILD": 1, "APPENDS": -1, "SETITEMS": -1, "ADDITEMS": -1}
+# How check_bounds_bytes steps over an opcode's argument, and what it does to the stack
+_FIXED, _MEMO_INDEX, _MEMO_LINE, _SIZED, _LINES, _UNKNOWN = range(6)
+_MAKE, _ADD, _GET, _PUT, _MARK, _POP, _POP_MARK, _STOP, _REFUSE = range(9)
 
 
-def check_bounds(stream) -> None:
-    """Walk one pickle's opcodes without building anything and refuse (UnpicklingError) one
-    whose memo, nesting or estimated object memory exceeds what a checkpoint ever needs."""
-    cost = nesting = memoized = 0
-    for opcode, arg, _pos in pickletools.genops(stream):
-        name = opcode.name
-        if name in ("BINPUT", "LONG_BINPUT", "PUT", "BINGET", "LONG_BINGET", "GET") and int(arg) >= MAX_MEMO:
-            raise pickle.UnpicklingError(f"memo index {arg} is beyond what any checkpoint uses")
-        memoized += name == "MEMOIZE"
-        if memoized >= MAX_MEMO:
-            raise pickle.UnpicklingError("more memo entries than any checkpoint uses")
-        if name == "MARK":
-            nesting += 1
-            if nesting > MAX_NESTING:
-                raise pickle.UnpicklingError(f"nested more than {MAX_NESTING} deep")
-        elif pickletools.markobject in opcode.stack_before:
-            nesting -= 1
-        cost += 8 if name in _CHEAP else BUILD_COST if name in _BUILDS else \
-            64 + (len(arg) if isinstance(arg, (str, bytes, bytearray)) else 0)
-        if cost > MAX_OBJECT_BYTES:
-            raise pickle.UnpicklingError(f"it would build more than {MAX_OBJECT_BYTES >> 20} MiB of objects")
-
-
-# How check_bounds_bytes steps over an opcode: by how its argument is laid out, whether it
-# indexes the memo, and whether it is _CHEAP (the estimated cost is not checked after those)
-_CHEAP_FIXED, _FIXED, _MEMO_INDEX, _MEMO_LINE, _SIZED, _LINES, _MARK, _MEMOIZE, _STOP, _UNKNOWN = range(10)
+class Truncated(pickle.UnpicklingError):
+    """The pickle goes on past the bytes given."""
 
 
 def _opcode_table() -> list[tuple]:
-    """code byte -> (how it is stepped over, argument bytes or lines, base cost, whether it pops
-    a MARK, name)."""
-    table = [(_UNKNOWN, 0, 0, False, "")] * 256
+    """code byte -> (how its argument is laid out, its bytes or lines, base cost, what it does to
+    the stack, how many items it takes (-1: to the MARK), what it leaves (0 nothing, 1 a value,
+    2 a container), name)."""
+    table = [(_UNKNOWN, 0, 0, _REFUSE, 0, 0, "")] * 256
+    special = {"MARK": _MARK, "POP": _POP, "POP_MARK": _POP_MARK, "STOP": _STOP, "DUP": _REFUSE, "MEMOIZE": _PUT}
     for op in pickletools.opcodes:
-        arg, cheap = op.arg, op.name in _CHEAP
-        n = 0
-        if op.name in ("MARK", "MEMOIZE", "STOP"):
-            kind = {"MARK": _MARK, "MEMOIZE": _MEMOIZE, "STOP": _STOP}[op.name]
-        elif arg is None or arg.n >= 0:
+        arg, name, n = op.arg, op.name, 0
+        if arg is None or arg.n >= 0:
             n = arg.n if arg is not None else 0
-            memo_index = op.name in ("BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET")
-            # an index of n bytes is checked only when it can reach MAX_MEMO (BINPUT's 1 byte cannot)
-            kind = _MEMO_INDEX if memo_index and 256 ** n > MAX_MEMO else _CHEAP_FIXED if cheap else _FIXED
+            kind = _MEMO_INDEX if name.endswith(("PUT", "GET")) else _FIXED
         elif arg.n == pickletools.UP_TO_NEWLINE:
-            kind = _MEMO_LINE if cheap else _LINES  # PUT / GET: a decimal index
-            n = 2 if arg.name.endswith("_pair") else 1
+            kind, n = _MEMO_LINE if name in ("PUT", "GET") else _LINES, 2 if arg.name.endswith("_pair") else 1
         else:
             kind = _SIZED
             n = {pickletools.TAKEN_FROM_ARGUMENT1: 1, pickletools.TAKEN_FROM_ARGUMENT4: -4,
                  pickletools.TAKEN_FROM_ARGUMENT4U: 4, pickletools.TAKEN_FROM_ARGUMENT8U: 8}[arg.n]
-        base = 8 if cheap else BUILD_COST if op.name in _BUILDS else 64
-        table[op.code.encode("latin-1")[0]] = (kind, n, base, pickletools.markobject in op.stack_before, op.name)
+        takes = -1 if pickletools.markobject in op.stack_before else len(op.stack_before)
+        action = special.get(name, _GET if name.endswith("GET") else _PUT if name.endswith("PUT") else
+                             _ADD if name in _ADDS else _MAKE)
+        base = 8 if name in _CHEAP else BUILD_COST if name in _BUILDS else 64
+        leaves = 2 if name in _CONTAINERS else 1 if op.stack_after else 0
+        table[op.code.encode("latin-1")[0]] = (kind, n, base, action, _ADDS.get(name, takes), leaves, name)
     return table
 
 
 _OPCODES = _opcode_table()
 
 
-def check_bounds_bytes(data: bytes) -> None:
-    """`check_bounds` for a pickle held in memory: the same limits, one pass over the bytes
-    without decoding arguments (pickletools.genops costs seconds on a run of 100 checkpoints).
-    The estimated cost is checked after each opcode that is not _CHEAP, as `check_bounds` does."""
-    cost = nesting = memoized = i = 0
-    end = len(data)
+def check_bounds_bytes(data: bytes) -> int:
+    """The index just past the STOP of the pickle `data` starts with; refuses (UnpicklingError)
+    one whose memo, nesting or estimated object memory, unfolded, exceeds what a checkpoint
+    ever needs: a memo fetch costs all that the object fetched holds (one tuple used a million
+    times costs a million tuples: hashing, printing or walking it costs that). A container
+    changed once fetched (a structure that holds itself) is refused: no checkpoint holds one.
+    One pass over the bytes, arguments not decoded (genops costs seconds on 100 checkpoints)."""
+    cost = i = 0
+    end, stack, marks, memo = len(data), [], [], {}  # stack: a value's weight, or a container's [weight, fetched]
     table, find, from_bytes, max_memo = _OPCODES, data.find, int.from_bytes, MAX_MEMO
+    FIXED, MEMO_INDEX, MAKE, ADD, GET, PUT = _FIXED, _MEMO_INDEX, _MAKE, _ADD, _GET, _PUT  # noqa: N806 (fast locals)
     while True:
         try:
-            kind, n, base, pops_mark, name = table[data[i]]
+            kind, n, base, action, takes, leaves, name = table[data[i]]
         except IndexError:  # i is past the last byte
-            raise pickle.UnpicklingError("the pickle ends before its STOP opcode (truncated)") from None
+            raise Truncated("the pickle ends before its STOP opcode (truncated)") from None
         i += 1
-        cost += base
-        if kind == _CHEAP_FIXED:
+        weight, index = base, -1
+        if kind == FIXED:
             i += n
-            if pops_mark:
-                nesting -= 1
-            continue
-        if kind == _MEMO_INDEX:
-            index = from_bytes(data[i: i + n], "little")
+        elif kind == MEMO_INDEX:
+            index, i = from_bytes(data[i: i + n], "little"), i + n
             if index >= max_memo:
                 raise pickle.UnpicklingError(f"memo index {index} is beyond what any checkpoint uses")
-            i += n
-            continue
-        if kind == _FIXED:
-            i += n
         elif kind == _SIZED:
             width = n if n > 0 else -n
             size = from_bytes(data[i: i + width], "little", signed=n < 0)
+            if size > MAX_PICKLE_BYTES:
+                raise pickle.UnpicklingError(f"its structure is larger than {MAX_PICKLE_BYTES >> 20} MiB")
             if size < 0 or i + width + size > end:
-                raise pickle.UnpicklingError(f"{name} at byte {i} claims {size} bytes past the end (truncated)")
+                raise Truncated(f"{name} at byte {i} claims {size} bytes past the end (truncated)")
             i += width + size
-            cost += size
-        elif kind == _MARK:
-            nesting += 1
-            if nesting > MAX_NESTING:
-                raise pickle.UnpicklingError(f"nested more than {MAX_NESTING} deep")
-            continue
-        elif kind == _MEMOIZE:
-            memoized += 1
-            if memoized >= MAX_MEMO:
-                raise pickle.UnpicklingError("more memo entries than any checkpoint uses")
-            continue
-        elif kind == _STOP:
-            return
+            weight += size
         elif kind == _MEMO_LINE:
             j = find(b"\n", i)
             try:
@@ -335,54 +305,76 @@ def check_bounds_bytes(data: bytes) -> None:
             except ValueError:
                 index = -1
             if index < 0:
-                raise pickle.UnpicklingError(f"{name} at byte {i} has no index (truncated?)")
-            if index >= MAX_MEMO:
+                raise Truncated(f"{name} at byte {i} has no index (truncated?)")
+            if index >= max_memo:
                 raise pickle.UnpicklingError(f"memo index {index} is beyond what any checkpoint uses")
             i = j + 1
-            continue
-        elif kind == _UNKNOWN:
-            raise pickle.UnpicklingError(f"unknown opcode {data[i - 1]:#04x} at byte {i - 1}")
-        else:  # _LINES
+        elif kind == _LINES:
             for _ in range(n):
                 j = find(b"\n", i)
                 if j < 0:
-                    raise pickle.UnpicklingError(f"{name} at byte {i} has no end of line (truncated)")
-                cost += j - i
+                    raise Truncated(f"{name} at byte {i} has no end of line (truncated)")
+                weight += j - i
                 i = j + 1
-        if pops_mark:
-            nesting -= 1
+        else:
+            raise pickle.UnpicklingError(f"unknown opcode {data[i - 1]:#04x} at byte {i - 1}")
+        cost += weight
+        if action == MAKE and not takes:  # a value of its own (the most frequent): a reference to it weighs 8
+            if leaves:
+                stack.append(8 if leaves == 1 else [weight, False])
+        elif action == MAKE or action == ADD:
+            if takes < 0 and not marks:
+                raise pickle.UnpicklingError(f"{name} at byte {i - 1} has no MARK")
+            start = marks.pop() if takes < 0 else len(stack) - takes
+            if start < (marks[-1] if marks and takes >= 0 else 0):
+                raise pickle.UnpicklingError(f"{name} at byte {i - 1} takes more than the stack holds")
+            taken = stack[start:]
+            del stack[start:]
+            for item in taken:
+                weight += item if item.__class__ is int else item[0]
+            if action == ADD:
+                held = stack[-1] if stack and (not marks or len(stack) > marks[-1]) else None
+                if held is None or held.__class__ is int or held[1]:
+                    raise pickle.UnpicklingError(f"{name} at byte {i - 1} adds to what is no new container")
+                held[0] += weight
+            else:
+                stack.append([weight, False] if leaves == 2 else weight)
+        elif action == GET:
+            try:
+                item = memo[index]
+            except KeyError:
+                raise pickle.UnpicklingError(f"{name} at byte {i - 1} fetches memo {index}, never set") from None
+            if item.__class__ is not int:
+                item[1] = True
+                cost += item[0]
+            else:
+                cost += item
+            stack.append(item)
+        elif action == PUT:
+            memo[len(memo) if index < 0 else index] = stack[-1]  # at most MAX_MEMO + 1 entries
+            continue
+        elif action == _MARK:
+            marks.append(len(stack))
+            if len(marks) > MAX_NESTING:
+                raise pickle.UnpicklingError(f"nested more than {MAX_NESTING} deep")
+            continue
+        elif action == _POP:  # the MARK when nothing lies above it
+            (marks if marks and len(stack) == marks[-1] else stack).pop()
+        elif action == _POP_MARK:
+            if not marks:
+                raise pickle.UnpicklingError(f"{name} at byte {i - 1} has no MARK")
+            del stack[marks.pop():]
+        elif action == _STOP:
+            return i
+        else:
+            raise pickle.UnpicklingError(f"{name} at byte {i - 1}, which no checkpoint uses")
         if cost > MAX_OBJECT_BYTES:
             raise pickle.UnpicklingError(f"it would build more than {MAX_OBJECT_BYTES >> 20} MiB of objects")
 
 
-class _Bounded:
-    """The file as the unpickler reads it: at most MAX_PICKLE_BYTES in all, so a crafted
-    length cannot make it allocate more; no read-ahead, so `f` is left just after the pickle."""
-
-    def __init__(self, f):
-        self.f, self.left = f, MAX_PICKLE_BYTES
-
-    def _take(self, n: int) -> int:
-        if n > self.left:
-            raise pickle.UnpicklingError(f"its structure is larger than {MAX_PICKLE_BYTES >> 20} MiB")
-        self.left -= n
-        return n
-
-    def read(self, n: int = -1) -> bytes:
-        return self.f.read(self._take(n if n >= 0 else self.left + 1))
-
-    def readinto(self, buffer) -> int:
-        return self.f.readinto(memoryview(buffer)[: self._take(len(buffer))])
-
-    def readline(self) -> bytes:
-        line = self.f.readline(self.left + 1)
-        self._take(len(line))
-        return line
-
-
 def read_pickle(data: bytes, storages: dict | None = None):
     """The object pickled in `data`, tensors as TensorRef; UnpicklingError for anything not
-    allow-listed or beyond a checkpoint's bounds (`check_bounds`). `storages`, if given,
+    allow-listed or beyond a checkpoint's bounds (`check_bounds_bytes`). `storages`, if given,
     receives every storage the pickle refers to (key -> StorageRef)."""
     if len(data) > MAX_PICKLE_BYTES:
         raise pickle.UnpicklingError(f"its structure is larger than {MAX_PICKLE_BYTES >> 20} MiB")
@@ -391,10 +383,18 @@ def read_pickle(data: bytes, storages: dict | None = None):
 
 
 def read_pickle_from(f, storages: dict | None = None):
-    """The next object pickled in the open binary file `f`, tensors as TensorRef; reads at
-    most MAX_PICKLE_BYTES and leaves `f` just after the pickle. `storages`, if given,
-    receives every storage the pickle refers to (key -> StorageRef)."""
-    start = f.tell()
-    check_bounds(_Bounded(f))
-    f.seek(start)
-    return _Unpickler(_Bounded(f), storages).load()
+    """The next object pickled in the open binary file `f`, as `read_pickle`; reads at most
+    MAX_PICKLE_BYTES (more as the pickle goes on) and leaves `f` just after the pickle."""
+    start, size = f.tell(), 1 << 16
+    while True:
+        f.seek(start)
+        data = f.read(size)
+        try:
+            end = check_bounds_bytes(data)
+            break
+        except Truncated:
+            if len(data) < size or size >= MAX_PICKLE_BYTES:
+                raise
+            size = min(size * 16, MAX_PICKLE_BYTES)
+    f.seek(start + end)
+    return _Unpickler(io.BytesIO(data[:end]), storages).load()

@@ -14,6 +14,7 @@ CRC-32s), instead of deserialising and re-serialising whole files.
 
 from __future__ import annotations
 
+import os
 import pickle
 import re
 import struct
@@ -24,7 +25,7 @@ from pathlib import Path
 from tailor_tui import crc
 from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, unsupported_version, version_in_pickle
 from tailor_tui.errors import CheckpointError
-from tailor_tui.fileio import crc_range
+from tailor_tui.fileio import crc_range, open_regular
 from tailor_tui.formats.pickled import MAX_PICKLE_BYTES, TensorRef, read_pickle
 from tailor_tui.formats.ptlegacy import START as LEGACY_START
 from tailor_tui.formats.ptlegacy import LegacyError, read_legacy
@@ -34,6 +35,11 @@ ZIP_START = b"PK\x03\x04"
 LOCAL_HEADER = 30
 CENTRAL_SIGNATURE = 0x02014B50
 DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
+# A torch file's zip archive lists one record per storage (a .bin of a large MoE: tens of
+# thousands); zipfile reads its whole directory into memory, about 500 bytes per record
+MAX_RECORDS = 1 << 17
+MAX_DIRECTORY = 32 << 20  # bytes
+MAX_INFLATION = 64  # of an archive of another kind (torch never compresses), as its CRC-32s are checked
 
 
 class Unsupported(Exception):
@@ -62,12 +68,19 @@ class TensorBytes:
 
 
 def _first_bytes(path: Path) -> bytes:
+    """Its first 4 bytes; every reading of a torch file starts here, so one that is not a regular
+    file (a FIFO, /dev/zero) is refused before anything opens it."""
     try:
-        with open(path, "rb") as f:
-            return f.read(4)
+        fd = open_regular(path)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot be opened ({exc.strerror or exc}); "
                               "check that it exists and is readable") from None
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: {exc}; re-copy it from the training run") from None
+    try:
+        return os.pread(fd, 4, 0)
+    finally:
+        os.close(fd)
 
 
 def file_format(path: Path) -> str | None:
@@ -106,6 +119,27 @@ def _start(path: Path) -> str:
     return f"it starts with bytes {_first_bytes(path).hex() or 'nothing: it is empty'}"
 
 
+def open_zip(path: Path) -> zipfile.ZipFile:
+    """The zip archive `path`, once its end record (zip64's where there is one) lists no more
+    records and no larger directory than a torch file has (BadZipFile): zipfile would read
+    whatever directory it claims, into objects of its own."""
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - (1 << 16) - 42))
+        tail = f.read()
+        at = tail.rfind(b"PK\x05\x06")
+        found = struct.unpack_from("<HI", tail, at + 10) if 0 <= at <= len(tail) - 22 else (0, 0)
+        if at >= 20 and tail[at - 20: at - 16] == b"PK\x06\x07":  # zip64: its own end record says
+            f.seek(struct.unpack_from("<Q", tail, at - 12)[0])
+            end64 = f.read(56)
+            found = struct.unpack_from("<QQ", end64, 32) if end64[:4] == b"PK\x06\x06" else found
+    records, directory = found
+    if records > MAX_RECORDS or directory > MAX_DIRECTORY:
+        raise zipfile.BadZipFile(f"its directory claims {records:,} records in {directory:,} bytes, more than any "
+                                 "torch file has")
+    return zipfile.ZipFile(path)
+
+
 def check_complete(path: Path) -> None:
     """Raise CheckpointError unless `path` is a whole `.pt` file: a zip archive's central
     directory, or every storage of a legacy file, is where it should be (no data is read)."""
@@ -114,7 +148,7 @@ def check_complete(path: Path) -> None:
         _legacy_records(path)
         return
     try:
-        with zipfile.ZipFile(path) as z:
+        with open_zip(path) as z:
             z.getinfo(z.namelist()[0])
     except (zipfile.BadZipFile, OSError, IndexError) as exc:
         raise unreadable(path, fmt, _first_line(exc) if fmt else _start(path)) from None
@@ -122,7 +156,7 @@ def check_complete(path: Path) -> None:
 
 def _records(path: Path) -> dict[str, Record]:
     try:
-        with zipfile.ZipFile(path) as z:
+        with open_zip(path) as z:
             infos = z.infolist()
             central_start = z.start_dir
     except (zipfile.BadZipFile, OSError) as exc:
@@ -263,7 +297,11 @@ def check_crcs(path: Path, inspect=None, *, skip: frozenset = frozenset()) -> No
     try:
         records = _records(path)
     except Unsupported:  # a zip archive of another kind (compressed members): zipfile checks it
-        with zipfile.ZipFile(path) as z:
+        with open_zip(path) as z:
+            packed, size = (sum(getattr(i, k) for i in z.infolist()) for k in ("compress_size", "file_size"))
+            if size > MAX_INFLATION * packed + (64 << 20):  # checking reads all it expands to
+                raise CheckpointError(f"{path}: a zip archive that expands {packed:,} bytes to {size:,}, more than "
+                                      "any checkpoint file does (a zip bomb?); remove it from the checkpoint folder")
             bad = z.testzip()
         if bad is not None:
             raise CheckpointError(f"{path}: member {bad} fails its CRC-32 check: the file is corrupt; "

@@ -8,22 +8,30 @@ Torch-free.
 from __future__ import annotations
 
 import json
+import math
+import os
 import struct
 from pathlib import Path
 
 from tailor_tui.errors import CheckpointError
+from tailor_tui.fileio import open_regular
+from tailor_tui.formats.dtypes import SAFETENSORS_ITEMSIZE
 
 
 MAX_HEADER = 100_000_000  # bytes: the safetensors library's own bound
 PER_TENSOR, METADATA = 1 << 10, 1 << 20  # a header's bytes beyond these per tensor it lists are no model's
+# what is parsed: a model's header takes ~150 bytes and ~8 JSON values (counted by their `,[{`) per
+# tensor; Python holds it three times over (bytes, text, objects), plus ~70 bytes per value
+MAX_PARSED, MAX_VALUES = 32 << 20, 1 << 20
 
 
 def safetensors_header(path: Path) -> tuple[dict, int]:
     """(header, first data byte) of a safetensors file. The header is bounded before it is parsed:
     at most MAX_HEADER bytes, and at most PER_TENSOR bytes per tensor it lists plus METADATA (a
-    crafted header of a few tensors and 99 MB would take gigabytes as Python objects)."""
+    crafted header of a few tensors and 99 MB would take gigabytes as Python objects), at most
+    MAX_PARSED bytes and MAX_VALUES values; each tensor's bytes are what its shape and dtype need."""
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
             if length > MAX_HEADER:
                 raise ValueError(f"a header of {length:,} bytes")
@@ -31,13 +39,21 @@ def safetensors_header(path: Path) -> tuple[dict, int]:
         tensors = raw.count(b'"data_offsets"')
         if length > METADATA + PER_TENSOR * tensors:
             raise ValueError(f"a header of {length:,} bytes for {tensors:,} tensor(s)")
+        values = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
+        if length > MAX_PARSED or values > MAX_VALUES:
+            raise ValueError(f"a header of {length:,} bytes and {values:,} JSON values, more than any model's")
         header = json.loads(raw)
         if not isinstance(header, dict):
             raise ValueError("its header is not a JSON object")
         size = path.stat().st_size
         for name, info in header.items():
-            if name != "__metadata__" and 8 + length + info["data_offsets"][1] > size:
+            if name == "__metadata__":
+                continue
+            (start, end), itemsize = info["data_offsets"], SAFETENSORS_ITEMSIZE.get(info["dtype"])
+            if 8 + length + end > size:
                 raise ValueError(f"{name} runs past the end of the file")
+            if not 0 <= start <= end or itemsize and math.prod(info["shape"]) * itemsize != end - start:
+                raise ValueError(f"{name}: its shape and dtype do not fit its {end - start:,} bytes")
         return header, 8 + length
     except RecursionError:
         raise CheckpointError(f"{path}: not a safetensors file (its header nests too deeply); re-copy it from "

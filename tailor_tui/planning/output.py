@@ -108,7 +108,7 @@ def not_replaceable(out: Path) -> str | None:
     present = {str(p.relative_to(out)): _stamp(p.lstat()) for p in out.rglob("*")
                if p.is_file() or p.is_symlink()}
     provenance = out / PROVENANCE
-    if not provenance.is_file():
+    if not os.path.lexists(provenance):  # one that is no regular file is unreadable, below
         return f"holds {_what(out)}, not written by tailor-tui (it has no {PROVENANCE})"
     try:
         written = load_json(provenance, limit=MAX_RECORD).get(OUTPUT_FILES)

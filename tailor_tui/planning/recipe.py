@@ -24,7 +24,12 @@ import yaml
 from tailor_tui.checkpoints.side_files import read_small
 from tailor_tui.errors import RecipeError
 
-MAX_RECIPE = 16 << 20  # bytes: a recipe names a few lines per row
+# A recipe names one line per row: bounded before PyYAML composes it (a node costs it about
+# 500 bytes and 30 µs): its bytes by the side files' bound (1 MiB, `$TAILOR_TUI_MAX_SIDE_FILE`),
+# its YAML nodes (two per row) and nesting counted by libyaml's parser first
+MAX_NODES = 1 << 15
+MAX_DEPTH = 8
+_PARSER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 VERSION = 1
 KEYS = ("version", "base", "output", "world_size", "layers")
@@ -104,8 +109,24 @@ def _within(path: Path) -> Path:
         return full
 
 
+def _check_size(text: str, source: str) -> None:
+    """Refuse text of more YAML nodes, or nested deeper, than a recipe has, before it is composed
+    (malformed YAML is left to the composer, which says where)."""
+    nodes = depth = 0
+    try:
+        for event in yaml.parse(text, Loader=_PARSER):
+            nodes += isinstance(event, yaml.NodeEvent)
+            depth += isinstance(event, yaml.CollectionStartEvent) - isinstance(event, yaml.CollectionEndEvent)
+            if nodes > MAX_NODES or depth > MAX_DEPTH:
+                raise RecipeError(f"{source}: not a recipe: more than {MAX_NODES:,} YAML values, or nested more than "
+                                  f"{MAX_DEPTH} deep (a recipe maps rows to checkpoints, one line each)")
+    except yaml.YAMLError:
+        pass
+
+
 def parse_recipe(text: str, source: str = "recipe", folder: Path = Path(".")) -> Recipe:
     """Parse recipe text; relative paths resolve against `folder`."""
+    _check_size(text, source)
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as exc:
@@ -114,6 +135,8 @@ def parse_recipe(text: str, source: str = "recipe", folder: Path = Path(".")) ->
         raise RecipeError(f"{where}: malformed YAML: {exc.problem or exc.context}") from None
     except yaml.YAMLError as exc:
         raise RecipeError(f"{source}: malformed YAML: {exc}") from None
+    except RecursionError:
+        raise RecipeError(f"{source}: not a recipe: nested more than {MAX_DEPTH} deep") from None
     if root is None:
         raise RecipeError(f"{source}: the recipe is empty; it needs at least `version: 1` and `base:`")
     if not isinstance(root, yaml.MappingNode):
@@ -182,7 +205,7 @@ def load_recipe(path: str | Path) -> Recipe:
         raise RecipeError(f"{path}: is a folder, not a recipe (a .yaml file); open its run with `tailor-tui {path}`, "
                           f"or write a recipe for it with `tailor-tui --heal {path} --recipe fix.yaml`")
     try:
-        text = read_small(path, MAX_RECIPE).decode()
+        text = read_small(path).decode()
     except FileNotFoundError:
         raise RecipeError(f"{path}: no such recipe file") from None
     except OSError as exc:
