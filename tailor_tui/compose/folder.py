@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tailor_tui.compose.bin_files import compose_bin_file
-from tailor_tui.checkpoints.checkpoint import MODEL_FILE_INDEX, PROVENANCE
+from tailor_tui.checkpoints.checkpoint import MODEL_FILE_INDEX, PROVENANCE, read_latest
 from tailor_tui.errors import Cancelled, OutputError
 from tailor_tui.events import Emit, TaskFinished, TaskOptions
 from tailor_tui.fileio import copy_file, fsync_dir, output_error, write_file
@@ -239,7 +239,7 @@ def _copy_other_files(plan: ComposePlan, tmp: Path, cancel: threading.Event, dur
 def verify_output(plan: ComposePlan, root: Path) -> None:
     """Check the composed folder before it is moved into place: every file there and whole."""
     tag_dir = root / plan.base.tag
-    latest = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
+    latest = read_latest(root)
     if latest != plan.base.tag:
         raise OutputError(f"{root}/latest names '{latest}', expected '{plan.base.tag}' (internal error)")
     for names in plan.output_rank_files():

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from tailor_tui.checkpoints.checkpoint import MODEL_FILE_INDEX, PROVENANCE, open_checkpoint, read_latest
+from tailor_tui.checkpoints.side_files import MAX_RECORD, read_small
 from tailor_tui.compose.compare import PartialSlices, differences, nonzero_bytes, same_bytes
 from tailor_tui.formats.ds_format import (
     EXP_AVG,
@@ -87,7 +88,11 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
     layout = plan.model_layout()
     if plan.base.partial and layout is not None and layout.index is not None:
         index = out / MODEL_FILE_INDEX
-        if not index.is_file() or index.read_text() != layout.index:
+        try:
+            written = read_small(index, MAX_RECORD, follow=False).decode(errors="replace")
+        except (OSError, ValueError):
+            written = None
+        if written != layout.index:
             report.add(None, f"{index}: missing or not the index the model files' layout records")
     root = plan.other_files_root()
     for rel, to in plan.other_files():

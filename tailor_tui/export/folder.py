@@ -31,7 +31,6 @@ CONFIG = "config.json"
 # what save_pretrained and a tokenizer's save_pretrained write beside the weights
 COMPANIONS = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
               "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
-MAX_CONFIG = 4 << 20
 TORCH_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -118,7 +117,7 @@ def _make_files(export: Export, tmp: Path, durable: bool) -> None:
 def _write_config(source: Path, tmp: Path, dtype: str, durable: bool) -> None:
     """config.json with its dtype the export's; the generation config and tokenizer files beside it."""
     try:
-        config = load_json(source, limit=MAX_CONFIG)
+        config = load_json(source)  # a side file: 1 MiB unless $TAILOR_TUI_MAX_SIDE_FILE says more
     except OSError as exc:
         raise UsageError(f"{source}: cannot be read ({exc.strerror or exc})") from None
     except ValueError as exc:

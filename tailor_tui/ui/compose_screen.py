@@ -123,7 +123,7 @@ class ComposeScreen(Screen):
         self.update_overall()
         r = message.result
         self.query_one("#compose-status", Static).update(
-            f"Done: {r.output} ({size(r.bytes_written)} in {r.seconds:.1f}s). "
+            f"Done: {r.output} ({size(r.bytes_written)} written in {r.seconds:.1f}s). "
             "ctrl+s saves the recipe; Esc returns to the grid."
         )
         self.add_class("finished")
