@@ -160,21 +160,23 @@ def _read(fd: int, start: int, length: int, expected: int | None, regions: list[
         chunk_end = position + len(view)
         while first < len(regions) and regions[first].end <= position:
             first += 1
-        i = first
+        i, here = first, []
         while i < len(regions) and regions[i].start < chunk_end:
             r = regions[i]
             a, b = max(r.start, position), min(r.end, chunk_end)
             if b > a:
+                here.append((r, a, b))
+            i += 1
+        if not _consume_together(here, view, position, prev_buffer, counter, ahead):
+            for r, a, b in here:
                 prev = None
                 if r.prev_fd is not None:
                     prev = prev_buffer[: b - a]
                     at = r.prev_at + (a - r.start)
-                    (ahead.get(r.prev_fd) or ahead.setdefault(r.prev_fd, Readahead(r.prev_fd))).before(
-                        at, r.prev_at + (r.end - r.start))
+                    _prefetch(ahead, r.prev_fd, at, r.prev_at + (r.end - r.start))
                     pread_into(r.prev_fd, prev, at)
                     counter.add(b - a)
                 _consume(r, view[a - position: b - position], prev)
-            i += 1
         position = chunk_end
         counter.add(len(view))
     return expected is None or value == expected
@@ -213,6 +215,74 @@ def _consume(region: _Region, data: memoryview, prev: memoryview | None) -> None
     d = x - p  # float32, as the optimizer computes; squared and summed below in blocks
     sums.diff_sq += _dot(d, d)
     sums.prev_sq += _dot(p, p)
+
+
+def _prefetch(ahead: dict[int, Readahead], fd: int, position: int, end: int) -> None:
+    (ahead.get(fd) or ahead.setdefault(fd, Readahead(fd))).before(position, end)
+
+
+def _consume_together(here: list, view: memoryview, position: int, prev_buffer: memoryview,
+                      counter: ByteCounter, ahead: dict[int, Readahead]) -> bool:
+    """`_consume` for every region of a chunk at once (a few numpy calls, however many
+    parameters the chunk holds): the regions of one record of fp32 values of one kind whose
+    previous checkpoint's values, if any, lie at one shift in one file. False: not so; the
+    caller consumes them one by one."""
+    if len(here) < 2:
+        return False
+    r0 = here[0][0]
+    shift = None if r0.prev_fd is None else r0.prev_at - r0.start
+    for r, _a, _b in here:
+        if r.kind != r0.kind or r.dtype != "float32" or r.kind == "frozen" or r.prev_fd != r0.prev_fd \
+                or (shift is not None and r.prev_at - r.start != shift):
+            return False
+    first, last = here[0][1], here[-1][2]
+    n = (last - first) // 4
+    x = np.frombuffer(view[first - position: last - position], dtype="<f4")
+    bounds = np.fromiter((q for _r, a, b in here for q in ((a - first) // 4, (b - first) // 4)),
+                         dtype=np.int64, count=2 * len(here))
+    lengths = bounds[1::2] - bounds[::2]
+
+    def per_region(ufunc, values, dtype=None):  # the reduction over each region's [a, b)
+        padded = np.empty(n + 1, dtype=dtype or values.dtype)
+        padded[:n], padded[n] = values, 0
+        return ufunc.reduceat(padded, bounds, dtype=dtype)[::2]
+
+    finite = np.isfinite(x)
+    bad = lengths - per_region(np.add, finite, np.int64)
+    for (r, _a, _b), k in zip(here, bad.tolist()):
+        r.sums.nonfinite += k
+    if r0.kind == "exp_avg":
+        return True
+    xz = np.where(finite, x, np.float32(0))
+    if r0.kind == "exp_avg_sq":
+        tops = per_region(np.maximum, xz).tolist()
+        for (r, _a, _b), k, length, top in zip(here, bad.tolist(), lengths.tolist(), tops):
+            if k < length:
+                r.sums.v_max = top if r.sums.v_max is None else max(r.sums.v_max, top)
+        return True
+    squares = per_region(np.add, np.square(xz, dtype=np.float64)).tolist()
+    for (r, _a, _b), length, sq in zip(here, lengths.tolist(), squares):
+        r.sums.count += length
+        r.sums.sumsq += sq
+    if shift is None:
+        return True
+    prev = prev_buffer[: last - first]
+    _prefetch(ahead, r0.prev_fd, first + shift, here[-1][0].end + shift)
+    pread_into(r0.prev_fd, prev, first + shift)
+    counter.add(int(lengths.sum()) * 4)
+    p = np.frombuffer(prev, dtype="<f4")
+    prev_finite = np.isfinite(p)
+    prev_bad = lengths - per_region(np.add, prev_finite, np.int64)
+    both = prev_finite & finite
+    p, xz = np.where(both, p, np.float32(0)), np.where(both, xz, np.float32(0))
+    diffs = per_region(np.add, np.square(xz - p, dtype=np.float64)).tolist()
+    prevs = per_region(np.add, np.square(p, dtype=np.float64)).tolist()
+    for (r, _a, _b), k, d, q in zip(here, prev_bad.tolist(), diffs, prevs):
+        r.sums.has_prev = True
+        r.sums.prev_nonfinite += k
+        r.sums.diff_sq += d
+        r.sums.prev_sq += q
+    return True
 
 
 _BLOCK = 1024
