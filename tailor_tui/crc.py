@@ -15,6 +15,8 @@ recomputed over bad bytes).
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 try:  # ISA-L's CRC-32 (carry-less multiply): about 3x zlib's on x86-64 and ARM
     from isal.isal_zlib import crc32
 except ImportError:  # no wheel for this platform: zlib gives the same values, slower
@@ -42,6 +44,7 @@ for _ in range(31):
     _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
 
 
+@lru_cache(maxsize=1 << 14)  # spans repeat their lengths rank after rank: worked out once each
 def _x8nmodp(n: int) -> int:
     """x^(8n) mod P: the operator that appends n zero bytes."""
     p, k = _X0, 3
