@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import checkpoints_of
 from helpers import assert_one_line_error, flat_record, flip_byte, tailor, tailor_peak, write_recipe
+from refusal_cases import rebuild_bomb, size_bomb
 
 from tailor_tui.errors import OutputError
 
@@ -146,20 +147,7 @@ def test_a_safetensors_header_far_larger_than_its_tensors_is_refused_within_boun
     assert not (tmp_path / "composed").exists()
 
 
-def _size_bomb(copies: int = 2000, width: int = 100_000) -> bytes:
-    """torch.Size built `copies` times on one memoized tuple of `width` ints (1.5 GB unpickled)."""
-    return b"".join([b"\x80\x02ctorch\nSize\nq\x00(", b"K\x00" * width, b"tq\x01](", b"h\x00h\x01\x85R" * copies,
-                     b"e."])
-
-
-def _rebuild_bomb(records: int = 2_000_000) -> bytes:
-    """`records` tensors rebuilt from one memoized argument tuple: 10 MB of pickle, 600 MiB built."""
-    pid = b"(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x04tQ"
-    return b"".join([b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\nq\x00(", pid, b"K\x00)\x29\x89tq\x01](",
-                     b"h\x00h\x01R" * records, b"e."])
-
-
-@pytest.mark.parametrize(("bomb", "why"), [(_size_bomb, "MiB of objects"), (_rebuild_bomb, "MiB of objects")])
+@pytest.mark.parametrize(("bomb", "why"), [(size_bomb, "MiB of objects"), (rebuild_bomb, "MiB of objects")])
 def test_a_pickle_that_reuses_its_memo_to_build_gigabytes_is_refused_in_little_memory(real_run, tmp_path, bomb,
                                                                                         why):
     """Small pickles whose objects are each cheap to write but large to build (one memoized tuple
