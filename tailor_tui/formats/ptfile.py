@@ -29,16 +29,12 @@ from tailor_tui.fileio import crc_range, open_regular
 from tailor_tui.formats.pickled import MAX_PICKLE_BYTES, TensorRef, read_pickle
 from tailor_tui.formats.ptlegacy import START as LEGACY_START
 from tailor_tui.formats.ptlegacy import LegacyError, read_legacy
+from tailor_tui.formats.zipdir import end_record, read_directory
 
 ZIP_START = b"PK\x03\x04"
 
 LOCAL_HEADER = 30
-CENTRAL_SIGNATURE = 0x02014B50
 DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
-# A torch file's zip archive lists one record per storage (a .bin of a large MoE: tens of
-# thousands); zipfile reads its whole directory into memory, about 500 bytes per record
-MAX_RECORDS = 1 << 17
-MAX_DIRECTORY = 32 << 20  # bytes
 MAX_INFLATION = 64  # of an archive of another kind (torch never compresses), as its CRC-32s are checked
 
 
@@ -120,23 +116,10 @@ def _start(path: Path) -> str:
 
 
 def open_zip(path: Path) -> zipfile.ZipFile:
-    """The zip archive `path`, once its end record (zip64's where there is one) lists no more
-    records and no larger directory than a torch file has (BadZipFile): zipfile would read
-    whatever directory it claims, into objects of its own."""
+    """The zip archive `path`, once its end record lists no more records and no larger directory
+    than a torch file has (BadZipFile): zipfile would read whatever directory it claims."""
     with open(path, "rb") as f:
-        size = f.seek(0, os.SEEK_END)
-        f.seek(max(0, size - (1 << 16) - 42))
-        tail = f.read()
-        at = tail.rfind(b"PK\x05\x06")
-        found = struct.unpack_from("<HI", tail, at + 10) if 0 <= at <= len(tail) - 22 else (0, 0)
-        if at >= 20 and tail[at - 20: at - 16] == b"PK\x06\x07":  # zip64: its own end record says
-            f.seek(struct.unpack_from("<Q", tail, at - 12)[0])
-            end64 = f.read(56)
-            found = struct.unpack_from("<QQ", end64, 32) if end64[:4] == b"PK\x06\x06" else found
-    records, directory = found
-    if records > MAX_RECORDS or directory > MAX_DIRECTORY:
-        raise zipfile.BadZipFile(f"its directory claims {records:,} records in {directory:,} bytes, more than any "
-                                 "torch file has")
+        end_record(f)
     return zipfile.ZipFile(path)
 
 
@@ -148,55 +131,40 @@ def check_complete(path: Path) -> None:
         _legacy_records(path)
         return
     try:
-        with open_zip(path) as z:
-            z.getinfo(z.namelist()[0])
-    except (zipfile.BadZipFile, OSError, IndexError) as exc:
+        if not read_directory(path):
+            raise zipfile.BadZipFile("it lists no record")
+    except (zipfile.BadZipFile, OSError) as exc:
         raise unreadable(path, fmt, _first_line(exc) if fmt else _start(path)) from None
 
 
 def _records(path: Path) -> dict[str, Record]:
     try:
-        with open_zip(path) as z:
-            infos = z.infolist()
-            central_start = z.start_dir
+        entries = read_directory(path)
     except (zipfile.BadZipFile, OSError) as exc:
         fmt = file_format(path)
         raise unreadable(path, fmt, f"not a complete archive: {exc}" if fmt else _start(path)) from None
     records = {}
     with open(path, "rb") as f:
-        f.seek(central_start)
-        central = {}
-        for _ in infos:
-            head = f.read(46)
-            if len(head) < 46 or struct.unpack_from("<I", head)[0] != CENTRAL_SIGNATURE:
-                raise Unsupported("unexpected central directory")
-            name_len, extra_len, comment_len = struct.unpack_from("<HHH", head, 28)
-            name = f.read(name_len).decode("utf-8")
-            central[name] = f.tell() - name_len - 46 + 16
-            f.seek(extra_len + comment_len, 1)
-        for info in infos:
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise Unsupported(f"record {info.filename} is compressed")
-            f.seek(info.header_offset)
+        for e in entries:
+            if e.compressed:
+                raise Unsupported(f"record {e.name} is compressed")
+            f.seek(e.header_offset)
             head = f.read(LOCAL_HEADER)
+            if len(head) < LOCAL_HEADER or head[:4] != b"PK\x03\x04":
+                raise unreadable(path, "zip", f"not a complete archive: record {e.name} has no local header "
+                                              f"at byte {e.header_offset}")
             name_len, extra_len = struct.unpack_from("<HH", head, 26)
-            data_offset = info.header_offset + LOCAL_HEADER + name_len + extra_len
-            if info.flag_bits & 0x08:
+            data_offset = e.header_offset + LOCAL_HEADER + name_len + extra_len
+            if e.flags & 0x08:
                 # torch writes a data descriptor after each record; its CRC is the one that counts
                 # (the local header's is 0). The descriptor may or may not start with a signature.
-                f.seek(data_offset + info.file_size)
+                f.seek(data_offset + e.size)
                 signed = f.read(4) == DESCRIPTOR_SIGNATURE
-                crc_at = data_offset + info.file_size + (4 if signed else 0)
+                crc_at = data_offset + e.size + (4 if signed else 0)
             else:
-                crc_at = info.header_offset + 14
-            records[info.filename] = Record(
-                name=info.filename,
-                header_offset=info.header_offset,
-                data_offset=data_offset,
-                size=info.file_size,
-                crc=info.CRC,
-                crc_offsets=(crc_at, central[info.filename]),
-            )
+                crc_at = e.header_offset + 14
+            records[e.name] = Record(name=e.name, header_offset=e.header_offset, data_offset=data_offset,
+                                     size=e.size, crc=e.crc, crc_offsets=(crc_at, e.crc_field))
     return records
 
 
