@@ -210,7 +210,7 @@ def _(run, tmp):
 def _name_ds_config(run: Path, config: Path) -> None:
     """checkpoint-6's model_states name `config` as the DeepSpeed config file (as DeepSpeed before
     0.16 recorded a config passed as a file), rewritten by the torch-free writer."""
-    from tailor_tui.formats.ptedit import Rewritable, write
+    from tailor_tui.formats.ptwrite import Rewritable, write
 
     for rank in (0, 1):
         path = run / "checkpoint-6" / MODEL_STATES.format(step=6, rank=rank)

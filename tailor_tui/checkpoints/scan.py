@@ -10,7 +10,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from tailor_tui.checkpoints.cache import ROOT, Where, chosen
 from tailor_tui.checkpoints.checkpoint import (PARTIAL_MANIFEST, PROVENANCE, Checkpoint, holds_checkpoint, is_tag_dir,
@@ -19,17 +19,25 @@ from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json
 from tailor_tui.errors import CheckpointError, UsageError
 
 
+class Output(NamedTuple):
+    """A folder tailor-tui composed, found where the run's checkpoints are: never a column."""
+
+    folder: Path  # the folder holding its provenance record
+    step: int
+    sources: tuple[str, ...]  # folder names of the checkpoints its record names, base first
+
+
 @dataclass(frozen=True)
 class ScanResult:
     checkpoints: tuple[Checkpoint, ...]  # the run's training checkpoints, ordered by step
     problems: tuple[tuple[Path, str], ...]  # folders that look like checkpoints but are not usable
-    outputs: tuple[Checkpoint, ...] = ()  # what tailor-tui composed here (its provenance record): never a column
+    outputs: tuple[Output, ...] = ()  # what tailor-tui composed here (its provenance record): never a column
 
     def nothing_found(self, root: Path) -> str:
         """What to say when the scan found no training checkpoint under `root`."""
         if self.outputs:
-            made = "; ".join(f"{output_folder(c).name} (from "
-                             f"{', '.join(composed_from(c)) or 'sources its record does not name'})" for c in self.outputs)
+            made = "; ".join(f"{o.folder.name} (from {', '.join(o.sources) or 'sources its record does not name'})"
+                             for o in self.outputs)
             return (f"{root}: holds no training checkpoint, only what tailor-tui composed: {made}; "
                     "open the run those came from")
         return (f"{root}: holds no ZeRO-3 checkpoint (looked for HF checkpoint-N folders "
@@ -131,11 +139,14 @@ def scan(
             break
         try:
             ckpt = open_checkpoint(d, cache=cache)
-            (outputs if ckpt.composed else checkpoints).append(ckpt)
+            if ckpt.composed:  # its record is read here, in the scan's thread, once
+                outputs.append(Output(output_folder(ckpt), ckpt.step, tuple(composed_from(ckpt))))
+            else:
+                checkpoints.append(ckpt)
         except CheckpointError as exc:
             problems.append((d, str(exc)))
         if on_progress:
             on_progress(i + 1, len(dirs), d)
     checkpoints.sort(key=lambda c: (c.step, str(c.path)))
-    outputs.sort(key=lambda c: (c.step, str(c.path)))
+    outputs.sort(key=lambda o: (o.step, str(o.folder)))
     return ScanResult(tuple(checkpoints), tuple(problems), tuple(outputs))

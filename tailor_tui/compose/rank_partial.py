@@ -22,7 +22,7 @@ from tailor_tui.planning.jobs import RankJob
 from tailor_tui.formats.nonfinite import Census, Region
 from tailor_tui.checkpoints.partial_rows import crc_range_checked, partial_slice, read_rows_file
 from tailor_tui.formats.pickled import TensorRef, dtype_name
-from tailor_tui.formats.ptedit import Rewritable, reserved, write
+from tailor_tui.formats.ptwrite import Rewritable, reserved, write
 from tailor_tui.formats.ptfile import read_structure
 from tailor_tui.compose.rank_stream import STREAM_CHUNK, check_dtypes, flat_tensor_bytes, read_and_check, tensor_bytes
 

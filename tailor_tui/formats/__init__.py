@@ -1,5 +1,5 @@
 """File formats, read and written without torch: torch's zip and legacy archives and their pickles
-(`ptfile`, `ptlegacy`, `pickled`, `ptpickle`, `ptwrite`, `ptedit`), safetensors (`safetensors_in`,
+(`ptfile`, its zip directory `zipdir`, `ptlegacy`, `pickled`, `ptpickle`, `ptwrite`), safetensors (`safetensors_in`,
 `safetensors_out`), DeepSpeed's vocabulary (`ds_format`), element types (`dtypes`), non-finite
 counting (`nonfinite`), and the one place torch loads a file (`safe_load`).
 """

@@ -10,6 +10,11 @@ too). A storage's bytes are given, copied from a record of another file in the k
 (its CRC-32 checked on the way), or reserved: left as a hole (a sparse file) for the caller
 to fill, with the CRC-32 fields at the offsets the returned `Record` names.
 
+A file's structure can also be read to be written again changed (`Rewritable`: the resharding
+skeleton, a partial base's optim file): `clone` gives a tensor its own copy of a storage (torch's
+`clone`), `reserved` a new tensor whose bytes the caller writes later, `write` puts the changed
+object out with each storage's bytes copied from where they lie.
+
 Torch-free; `ptfile` reads what this writes.
 """
 
@@ -23,8 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tailor_tui import crc
+from tailor_tui.errors import CheckpointError
 from tailor_tui.fileio import copy_range, open_fd, output_error, pwrite_all
-from tailor_tui.formats.ptfile import Record, checked_crcs
+from tailor_tui.formats.pickled import StorageRef, TensorRef
+from tailor_tui.formats.ptfile import Record, Unsupported, checked_crcs, locate, read_structure
+from tailor_tui.formats.ptpickle import dumps, storage_bytes, tensor
 
 ALIGNMENT = 64
 FORMAT_VERSION = b"1"
@@ -158,3 +166,62 @@ def _copy(fd: int, what: Copied, at: int, buffer: memoryview) -> int:
         value = (checked_crcs(src, what.path, what.record, ranges, buffer) or [0])[0]
         copy_range(src, fd, what.offset, what.size, out_offset=at)
     return value
+
+
+# --- a file read to be written again, changed ----------------------------------------------
+
+
+class Rewritable:
+    """One file's structure as read, and where each of its storages' bytes lie."""
+
+    def __init__(self, path: Path):
+        refs: dict[str, StorageRef] = {}
+        self.path = path
+        self.obj, self.records, self.prefix = read_structure(path, refs)
+        self.fills = {}  # id(StorageRef) -> Copied | Reserved
+        for key, ref in refs.items():
+            record = self.records.get(f"{self.prefix}data/{key}")
+            if record is None or record.size != storage_bytes(ref):
+                raise CheckpointError(f"{path}: storage {key} does not match its record in the archive; "
+                                      "the file is corrupt, re-copy it from the training run")
+            self.fills[id(ref)] = Copied(path, record, record.data_offset, record.size)
+
+    def clone(self, value: TensorRef, fills: dict) -> TensorRef:
+        """A copy of `value` in a storage of its own, as torch's `clone` makes one; its bytes
+        are recorded in `fills`."""
+        at = self.locate(value)
+        storage = StorageRef("", value.storage.itemsize, value.numel(), value.storage.type_name)
+        fills[id(storage)] = Copied(self.path, at.record, at.offset, at.numel * at.itemsize)
+        return tensor(storage, value.size, requires_grad=value.requires_grad)
+
+    def data(self, value: TensorRef, limit: int) -> bytes:
+        """`value`'s bytes (a small tensor: at most `limit` bytes, else CheckpointError)."""
+        at = self.locate(value)
+        if at.numel * at.itemsize > limit:
+            raise CheckpointError(f"{self.path}: a value of {at.numel} elements where a small one was expected; "
+                                  "the file is from another run or layout")
+        with open(self.path, "rb") as f:
+            f.seek(at.offset)
+            return f.read(at.numel * at.itemsize)
+
+    def locate(self, value: TensorRef):
+        try:
+            return locate(value, self.records, self.prefix)
+        except Unsupported as exc:
+            raise CheckpointError(f"{self.path}: a tensor that cannot be copied ({exc})") from None
+
+
+def reserved(size: int, like, fills: dict) -> TensorRef:
+    """A 1-D tensor of `size` elements like `like` (dtype, requires_grad) whose bytes are left
+    for the caller to write (TypeError if `like` is no tensor)."""
+    if not isinstance(like, TensorRef):
+        raise TypeError
+    storage = StorageRef("", like.storage.itemsize, size, like.storage.type_name)
+    fills[id(storage)] = Reserved(storage_bytes(storage))
+    return tensor(storage, (size,), requires_grad=like.requires_grad)
+
+
+def write(obj, fills: dict, path: Path, **kwargs) -> dict:
+    """Write `obj` to `path` as torch.save would, each storage's bytes from `fills`; its records."""
+    data, storages = dumps(obj)
+    return write_archive(path, archive=path.stem, pickle=data, storages=[fills[id(s)] for s in storages], **kwargs)

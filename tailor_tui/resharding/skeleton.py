@@ -40,7 +40,7 @@ from tailor_tui.formats.ds_format import (
 from tailor_tui.errors import CheckpointError
 from tailor_tui.checkpoints.layout import part
 from tailor_tui.formats.pickled import Size, TensorRef
-from tailor_tui.formats.ptedit import Rewritable, reserved
+from tailor_tui.formats.ptwrite import Rewritable, reserved
 from tailor_tui.formats.ptpickle import dumps
 from tailor_tui.formats.ptwrite import write_archive
 from tailor_tui.resharding.partition import Reshard, optim_structure_file, output_names

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Callable
 
 from tailor_tui.checkpoints.checkpoint import Checkpoint, tied_members, tied_partner
-from tailor_tui.checkpoints.scan import composed_from, output_folder
 from tailor_tui.compose.composition import Composition
 from tailor_tui.health.healing import METRICS, Cell, Health, damage_text, why_unhealthy
 from tailor_tui.units import size
@@ -169,7 +168,7 @@ def details_lines(comp: Composition, health: Health | None, row_name: str, colum
             lines.append(f"partial saved {len(c.saved_rows)} of {sum(not r.tied for r in c.rows)} rows")
     if outputs:  # tailor-tui's own outputs in the run folder: shown here, never as columns
         lines += ["", f"composed by tailor-tui here, not columns ({len(outputs)}):"]
-        lines += [f"  {show(output_folder(o))} ← {', '.join(composed_from(o)) or '?'}" for o in outputs]
+        lines += [f"  {show(o.folder)} ← {', '.join(o.sources) or '?'}" for o in outputs]
     if problems:  # kept here, not only in a toast
         lines += ["", f"skipped while scanning ({len(problems)}):"]
         lines += [f"  {show(path)}: {why}" for path, why in problems]
