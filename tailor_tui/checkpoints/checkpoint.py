@@ -36,6 +36,7 @@ PARTIAL_SKELETON = "tailor_optim_skeleton_rank_{rank}.pt"
 PARTIAL_MODEL_FILES = "tailor_model_files.json"  # HF layout: the 16-bit model files' headers and index
 PROVENANCE = "tailor_provenance.json"  # in every folder tailor-tui composed: its recipe and sources
 OUTPUT_FILES = "files"  # provenance key: every file tailor-tui wrote (relative path -> [bytes, mtime_ns])
+TRAINER_STATE = "trainer_state.json"  # in an HF checkpoint-N: the Trainer's state and log history
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,16 @@ def incompatibility(base: Checkpoint, other: Checkpoint, *, repartitioned: bool 
     return None
 
 
+def log_history(folder: Path) -> list | None:
+    """The HF Trainer's log history an HF checkpoint folder saved (its trainer_state.json, read
+    bounded); None where there is none to read (DeepSpeed's layout, an unreadable file)."""
+    try:
+        entries = load_json(folder / TRAINER_STATE, MAX_RECORD).get("log_history")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return entries if isinstance(entries, list) else None
+
+
 def read_latest(folder: Path, *, strict: bool = False) -> str | None:
     """The tag `folder/latest` names; None if there is none, or one that cannot be read (not a
     small regular file: a FIFO, /dev/zero), which is a CheckpointError instead when `strict`."""
@@ -184,7 +195,7 @@ def holds_checkpoint(folder: Path, tag: str) -> str | None:
     """"hf" or "accelerate" when `folder`, whose `latest` names `tag`, is a checkpoint folder
     holding the tag folder and the training loop's other files (the HF Trainer's checkpoint-N,
     Accelerate's save_state checkpoint_N); None for a bare DeepSpeed save_dir."""
-    if (folder / "trainer_state.json").is_file():
+    if (folder / TRAINER_STATE).is_file():
         return "hf"
     if ACCELERATE_TAG.match(tag) and any(ACCELERATE_STATE.match(p.name) for p in folder.iterdir()):
         return "accelerate"

@@ -14,11 +14,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tailor_tui.checkpoints.checkpoint import Checkpoint, distinct_names
-from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json
+from tailor_tui.checkpoints.checkpoint import Checkpoint, distinct_names, log_history
 from tailor_tui.errors import UsageError
-
-TRAINER_STATE = "trainer_state.json"
 
 
 def model_of(ckpt: Checkpoint) -> frozenset:
@@ -29,11 +26,8 @@ def model_of(ckpt: Checkpoint) -> frozenset:
 def history(ckpt: Checkpoint) -> tuple | None:
     """The HF Trainer's log history up to the checkpoint's step, as (step, entry) pairs; None
     where there is none to read (DeepSpeed's layout, a partial save without one, an unreadable file)."""
-    try:
-        entries = load_json(Path(ckpt.path) / TRAINER_STATE, MAX_RECORD).get("log_history")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if not isinstance(entries, list):
+    entries = log_history(Path(ckpt.path))
+    if entries is None:
         return None
     kept = [(e["step"], tuple(sorted((k, repr(v)) for k, v in e.items())))
             for e in entries if isinstance(e, dict) and isinstance(e.get("step"), int) and e["step"] <= ckpt.step]
@@ -74,30 +68,39 @@ class Lineage:
         return None
 
 
-def split_runs(checkpoints: tuple[Checkpoint, ...] | list[Checkpoint]) -> list[list[Checkpoint]]:
-    """The checkpoints grouped by run, each group in the given order (a checkpoint joins the
-    first run none of whose checkpoints it is told apart from)."""
-    lineage, runs = Lineage(), []
+def split_runs(checkpoints: tuple[Checkpoint, ...] | list[Checkpoint],
+               lineage: Lineage | None = None) -> list[list[Checkpoint]]:
+    """The checkpoints (ordered by step) grouped by run, each group in the given order: a
+    checkpoint joins the first run it is not told apart from. Holding the same model and
+    starting a history are both transitive, so it is compared with the run's newest checkpoint
+    and the newest that has a history, not with every one (a run of 100 checkpoints)."""
+    lineage = lineage or Lineage()
+    runs: list[list[Checkpoint]] = []
+    logged: list[Checkpoint | None] = []  # per run: its newest checkpoint with a history
     for ckpt in checkpoints:
-        for run in runs:
-            if all(lineage.apart(ckpt, other) is None for other in run):
+        for i, run in enumerate(runs):
+            if all(other is None or lineage.apart(ckpt, other) is None for other in (run[-1], logged[i])):
                 run.append(ckpt)
+                if lineage.history(ckpt) is not None:
+                    logged[i] = ckpt
                 break
         else:
             runs.append([ckpt])
+            logged.append(ckpt if lineage.history(ckpt) is not None else None)
     return runs
 
 
 def check_one_run(root: Path, checkpoints: tuple[Checkpoint, ...]) -> None:
     """UsageError (one line) when the checkpoints found under `root` are of several training runs:
     a grid, its Δ and healing compare checkpoints of one run only."""
-    runs = split_runs(checkpoints)
+    lineage = Lineage()
+    runs = split_runs(checkpoints, lineage)
     if len(runs) < 2:
         return
     labels = dict(zip((c.path for c in checkpoints), distinct_names([c.path for c in checkpoints])))
     named = "; ".join(", ".join(labels[c.path] for c in run) if len(run) <= 3
                       else f"{labels[run[0].path]} … {labels[run[-1].path]} ({len(run)} checkpoints)" for run in runs)
-    why = Lineage().apart(runs[0][0], runs[1][0]) or "nothing ties them together"
+    why = lineage.apart(runs[0][0], runs[1][0]) or "nothing ties them together"
     folders = [os.path.commonpath([str(c.path.parent) for c in run]) for run in runs]
     hint = (f"; open one run's folder, e.g. tailor-tui {folders[0]}" if len(set(folders)) == len(folders)
             else "; move each run's checkpoints into a folder of its own and open one")

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 from tailor_tui.checkpoints.cache import ROOT, Where, chosen
-from tailor_tui.checkpoints.checkpoint import (PARTIAL_MANIFEST, PROVENANCE, Checkpoint, holds_checkpoint, is_tag_dir,
-                                               open_checkpoint, read_latest)
+from tailor_tui.checkpoints.checkpoint import (PARTIAL_MANIFEST, PROVENANCE, TRAINER_STATE, Checkpoint,
+                                               holds_checkpoint, is_tag_dir, open_checkpoint, read_latest)
 from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json
 from tailor_tui.errors import CheckpointError, UsageError
 
@@ -74,7 +74,7 @@ def check_run_folder(path: Path) -> None:
         tag = read_latest(path) if (path / "latest").is_file() else None
         if is_tag_dir(path) or (tag is not None and holds_checkpoint(path, tag) is not None):
             run = path.resolve().parent
-            if (run / "trainer_state.json").is_file():  # the tag folder inside an HF checkpoint-N
+            if (run / TRAINER_STATE).is_file():  # the tag folder inside an HF checkpoint-N
                 run = run.parent
             raise UsageError(f"{path}: is one checkpoint, not a run folder; name its run, {run} (the folder that "
                              "holds the run's checkpoints), so there are checkpoints to compare and pick from")

@@ -11,11 +11,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tailor_tui.checkpoints.side_files import load_json
-from tailor_tui.checkpoints.checkpoint import Checkpoint
+from tailor_tui.checkpoints.checkpoint import Checkpoint, log_history
 
 METRICS = ("rel_change", "weight_rms", "adam_v_max")  # what the composer's heatmap can show
-MAX_TRAINER_STATE = 64 << 20  # trainer_state.json of a long run: log_history grows with steps
 
 
 @dataclass(frozen=True)
@@ -165,11 +163,7 @@ def why_unhealthy(cell: Cell) -> str:
 def training_log(ckpt: Checkpoint) -> TrainingLog:
     """The loss and grad norm logged at (or last before) `ckpt`'s step, from an HF checkpoint's
     trainer_state.json; nothing for the DeepSpeed layout or a file that cannot be read."""
-    path = Path(ckpt.path) / "trainer_state.json"
-    try:
-        history = load_json(path, limit=MAX_TRAINER_STATE).get("log_history") or []
-    except (OSError, ValueError, AttributeError):
-        return TrainingLog()
+    history = log_history(Path(ckpt.path)) or []
     loss = grad_norm = None
     for entry in history:
         if not isinstance(entry, dict) or not isinstance(entry.get("step"), int) or entry["step"] > ckpt.step:
