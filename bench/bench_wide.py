@@ -95,7 +95,7 @@ def recipe_of(run: Path, folder: Path, name: str) -> Path:
     """Rows from three checkpoints: the newest as base, every third layer from each older one."""
     recipe = folder / f"{name}.yaml"
     lines = ["version: 1", f"base: {run / TAGS[-1]}", f"output: {folder / name}", "layers:"]
-    lines += [f"  layers.{i}: {run / TAGS[i % 3]}" for i in range(0, SPEC.layers, 3)]
+    lines += [f"  layers.{i}: {run / TAGS[(i // 3) % 3]}" for i in range(0, SPEC.layers, 3)]
     recipe.write_text("\n".join(lines) + "\n")
     return recipe
 

@@ -18,9 +18,11 @@ from __future__ import annotations
 from functools import lru_cache
 
 try:  # ISA-L's CRC-32 (carry-less multiply): about 3x zlib's on x86-64 and ARM
-    from isal.isal_zlib import crc32
+    from isal.isal_zlib import crc32, crc32_combine as _c_combine
 except ImportError:  # no wheel for this platform: zlib gives the same values, slower
     from zlib import crc32
+
+    _c_combine = None
 
 _POLY = 0xEDB88320  # reflected CRC-32 polynomial
 _X0 = 1 << 31  # x^0 in the reflected representation
@@ -56,14 +58,26 @@ def _x8nmodp(n: int) -> int:
     return p
 
 
-def shift(raw: int, zero_bytes: int) -> int:
-    """The raw CRC of a message followed by `zero_bytes` zeros."""
+def shift_in_python(raw: int, zero_bytes: int) -> int:
+    """`shift` without ISA-L."""
     return _multmodp(_x8nmodp(zero_bytes), raw)
 
 
+def combine_in_python(crc1: int, crc2: int, len2: int) -> int:
+    """`combine` without ISA-L."""
+    return shift_in_python(crc1, len2) ^ crc2
+
+
+def shift(raw: int, zero_bytes: int) -> int:
+    """The raw CRC of a message followed by `zero_bytes` zeros."""
+    return _c_combine(raw, 0, zero_bytes) if _c_combine else shift_in_python(raw, zero_bytes)
+
+
 def combine(crc1: int, crc2: int, len2: int) -> int:
-    """crc(A + B) from crc(A), crc(B) and len(B) (zlib's crc32_combine)."""
-    return shift(crc1, len2) ^ crc2
+    """crc(A + B) from crc(A), crc(B) and len(B) (zlib's crc32_combine; ISA-L's in C where
+    installed: a wide run combines hundreds of thousands of slices' CRCs, ~0.5 us each
+    against ~6 us in Python)."""
+    return _c_combine(crc1, crc2, len2) if _c_combine else combine_in_python(crc1, crc2, len2)
 
 
 _ZEROS = bytes(1 << 20)

@@ -248,6 +248,30 @@ def pread_into(fd: int, view: memoryview, offset: int) -> None:
         done += n
 
 
+class Window:
+    """Small reads of one file through one reused buffer: a read inside what the previous one
+    brought costs no system call (a zip archive's local headers, one per record, hundreds of
+    them side by side in a model_states file: one read instead of one each)."""
+
+    def __init__(self, fd: int, size: int = 1 << 16):
+        self.fd, self.buffer = fd, bytearray(size)
+        self.at, self.filled = 0, 0
+
+    def read(self, offset: int, length: int) -> bytes:
+        """Up to `length` bytes at `offset` (fewer only where the file ends)."""
+        if length > len(self.buffer):
+            return os.pread(self.fd, length, offset)
+        return bytes(self.view(offset, length))
+
+    def view(self, offset: int, length: int) -> memoryview:
+        """Up to `length` (at most the buffer's size) bytes at `offset`, in the buffer: valid until
+        the next call."""
+        if not (self.at <= offset and offset + length <= self.at + self.filled):
+            self.filled, self.at = os.preadv(self.fd, [self.buffer], offset), offset
+        start = offset - self.at
+        return memoryview(self.buffer)[start: start + length]
+
+
 READAHEAD = 16 << 20
 
 

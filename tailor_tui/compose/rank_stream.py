@@ -175,8 +175,11 @@ def read_and_check(fd: int, path: Path, records, ranges: set, buffer: memoryview
     `ranges` as {(offset, length): crc}; `census` counts non-finite values on the way."""
     found = {}
     inspect = census.inspect if census is not None else None
+    by_record: dict[int, list[tuple[int, int]]] = {}  # grouped once (records compared by identity)
+    for r, at, n in ranges:
+        by_record.setdefault(id(r), []).append((at, n))
     for record in sorted(records, key=lambda r: r.data_offset):
-        mine = sorted((at, n) for r, at, n in ranges if r == record)
+        mine = sorted(by_record.get(id(record), ()))
         found.update(zip(mine, checked_crcs(fd, path, record, mine, buffer, counter.add, inspect)))
     return found
 
@@ -185,14 +188,18 @@ def _coalesced(spans: list[Span]) -> list[Span]:
     """Spans in file order, neighbours from the same source and records joined into one
     (the params of a layer lie side by side in both files: one copy, one CRC step)."""
     joined: list[Span] = []
+    last, length = None, 0  # the span being extended, and its length so far
     for span in sorted(spans, key=lambda s: s.at):
-        last = joined[-1] if joined else None
-        if (last and span.check is None and span.at == last.at + last.length and span.source == last.source
-                and span.record == last.record and span.source_record == last.source_record
-                and (span.source is None or span.source_at == last.source_at + last.length)):
-            joined[-1] = last._replace(length=last.length + span.length)
+        if (last is not None and span.check is None and span.at == last.at + length and span.source == last.source
+                and span.record is last.record and span.source_record is last.source_record
+                and (span.source is None or span.source_at == last.source_at + length)):
+            length += span.length
             continue
-        joined.append(span)
+        if last is not None:
+            joined.append(last if length == last.length else last._replace(length=length))
+        last, length = span, span.length
+    if last is not None:
+        joined.append(last if length == last.length else last._replace(length=length))
     return joined
 
 

@@ -1,17 +1,17 @@
 """Read the structure of a DeepSpeed checkpoint pickle without torch and without running it.
 
-The composer needs only structure from a `.pt` file: param shapes, world size and
-counters from model_states, and where each flat tensor's bytes sit in optim_states.
-Importing torch for that costs seconds in every process (and on a login node, every
-scan). This unpickler resolves exactly the globals DeepSpeed ZeRO-3 checkpoints hold
-(every supported release: `ds_format`) to inert stand-ins (a tensor becomes a
-`TensorRef`: storage key, offset, shape) and refuses every other global, so a hostile
-pickle can neither run code nor load a class.
+The composer needs only structure from a `.pt` file: param shapes, world size and counters from
+model_states, and where each flat tensor's bytes sit in optim_states. Importing torch for that costs
+seconds in every process (and on a login node, every scan). This unpickler resolves exactly the globals
+DeepSpeed ZeRO-3 checkpoints hold (every supported release: `ds_format`) to inert stand-ins (a tensor
+becomes a `TensorRef`: storage key, offset, shape) and refuses every other global, so a hostile pickle
+can neither run code nor load a class.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import math
 import pickle
@@ -47,10 +47,9 @@ class StorageRef:
 
 @dataclass
 class TensorRef:
-    """A tensor as pickled: which storage, where in it, what shape. No data. The rest is
-    what `ptpickle` needs to pickle it back exactly as it was: its backward hooks (always
-    an empty OrderedDict), the metadata newer torch appends, and, for a tensor pickled as
-    `_rebuild_from_type_v2`, its (type, state)."""
+    """A tensor as pickled: which storage, where in it, what shape. No data. The rest is what `ptpickle`
+    needs to pickle it back exactly as it was: its backward hooks (always an empty OrderedDict), the
+    metadata newer torch appends, and, for a tensor pickled as `_rebuild_from_type_v2`, its (type, state)."""
 
     storage: StorageRef
     storage_offset: int
@@ -88,8 +87,8 @@ class Size(tuple):
 
 
 class PickledSet(set):
-    """A pickled set, with its items in the order they were pickled (a set's own order
-    changes with the process's string hashing): `ptpickle` writes them back in that order."""
+    """A pickled set, with its items in the order they were pickled (a set's own order changes with the
+    process's string hashing): `ptpickle` writes them back in that order."""
 
     order: list
 
@@ -118,11 +117,11 @@ class ZeroStageEnum(Opaque):
 
 
 class LossScaler(Opaque):
-    pass
+    """DeepSpeed's static loss scaler: its state kept."""
 
 
 class DynamicLossScaler(Opaque):
-    pass
+    """DeepSpeed's dynamic loss scaler: its state kept."""
 
 
 @dataclass(frozen=True)
@@ -136,8 +135,8 @@ SET_ITEMS = (str, int)  # what DeepSpeed keeps in the sets it pickles (module na
 
 
 def _set(items=()):
-    """`__builtin__.set`, as DeepSpeed <= 0.18 pickles `sparse_tensor_module_names`: a set of
-    names. Anything but a list of strings or ints is refused (nothing else is ever called)."""
+    """`__builtin__.set`, as DeepSpeed <= 0.18 pickles `sparse_tensor_module_names`: a set of names.
+    Anything but a list of strings or ints is refused (nothing else is ever called)."""
     if not isinstance(items, list) or not all(type(x) in SET_ITEMS for x in items):
         raise pickle.UnpicklingError("a pickled set holds something other than names")
     found = PickledSet(items)
@@ -210,18 +209,18 @@ class _Unpickler(pickle.Unpickler):
         return ref
 
 
-# A ZeRO-3 checkpoint's pickle is small whatever the model size (shapes, counters, where
-# tensors sit): about 300 bytes and 60 opcodes per parameter, so a few MiB for a 70B model
-# and ~15 MiB for a 47k-parameter MoE. Anything beyond these bounds is refused before a
-# single object is built, so reading any structure stays under 256 MiB of memory.
+# A ZeRO-3 checkpoint's pickle is small whatever the model size (shapes, counters, where tensors sit):
+# about 300 bytes and 60 opcodes per parameter, so a few MiB for a 70B model and ~15 MiB for a 47k-parameter
+# MoE. Anything beyond these bounds is refused before one object is built: reading any structure stays under
+# 256 MiB of memory.
 MAX_PICKLE_BYTES = 64 << 20
 MAX_OBJECT_BYTES = 160 << 20  # estimated memory of the objects the pickle would build, unfolded
 MAX_MEMO = 1 << 22  # memo slots (a crafted LONG_BINPUT 400000000 would allocate 3 GiB)
 MAX_NESTING = 100  # open MARKs
 _CHEAP = {"BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE", "BINGET", "LONG_BINGET", "GET", "MARK", "STOP",
           "PROTO", "FRAME", "POP", "POP_MARK", "DUP", "BININT1", "NONE", "NEWTRUE", "NEWFALSE"}
-# opcodes that call a constructor: each builds an object (a tensor stand-in with its tuples and
-# hooks, a Size) whatever its arguments' cost was (they may all be one memoized tuple)
+# opcodes that call a constructor: each builds an object (a tensor stand-in with its tuples and hooks, a Size)
+# whatever its arguments' cost was (they may all be one memoized tuple)
 _BUILDS = {"REDUCE", "BUILD", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST"}
 BUILD_COST = 512
 # what an opcode makes that a later one may add to (APPEND…, BUILD: -1, the items up to the MARK)
@@ -237,9 +236,8 @@ class Truncated(pickle.UnpicklingError):
 
 
 def _opcode_table() -> list[tuple]:
-    """code byte -> (how its argument is laid out, its bytes or lines, base cost, what it does to
-    the stack, how many items it takes (-1: to the MARK), what it leaves (0 nothing, 1 a value,
-    2 a container), name)."""
+    """code byte -> (how its argument is laid out, its bytes or lines, base cost, what it does to the stack,
+    how many items it takes (-1: to the MARK), what it leaves (0 nothing, 1 a value, 2 a container), name)."""
     table = [(_UNKNOWN, 0, 0, _REFUSE, 0, 0, "")] * 256
     special = {"MARK": _MARK, "POP": _POP, "POP_MARK": _POP_MARK, "STOP": _STOP, "DUP": _REFUSE, "MEMOIZE": _PUT}
     for op in pickletools.opcodes:
@@ -266,12 +264,11 @@ _OPCODES = _opcode_table()
 
 
 def check_bounds_bytes(data: bytes) -> int:
-    """The index just past the STOP of the pickle `data` starts with; refuses (UnpicklingError)
-    one whose memo, nesting or estimated object memory, unfolded, exceeds what a checkpoint
-    ever needs: a memo fetch costs all that the object fetched holds (one tuple used a million
-    times costs a million tuples: hashing, printing or walking it costs that). A container
-    changed once fetched (a structure that holds itself) is refused: no checkpoint holds one.
-    One pass over the bytes, arguments not decoded (genops costs seconds on 100 checkpoints)."""
+    """The index just past the STOP of the pickle `data` starts with; refuses (UnpicklingError) one whose
+    memo, nesting or estimated object memory, unfolded, exceeds what a checkpoint ever needs: a memo fetch
+    costs all that the object fetched holds (one tuple used a million times costs a million tuples: hashing,
+    printing or walking it costs that). A container changed once fetched (a structure that holds itself) is
+    refused: no checkpoint holds one. One pass over the bytes, arguments not decoded."""
     cost = i = 0
     end, stack, marks, memo = len(data), [], [], {}  # stack: a value's weight, or a container's [weight, fetched]
     table, find, from_bytes, max_memo = _OPCODES, data.find, int.from_bytes, MAX_MEMO
@@ -372,13 +369,16 @@ def check_bounds_bytes(data: bytes) -> int:
             raise pickle.UnpicklingError(f"it would build more than {MAX_OBJECT_BYTES >> 20} MiB of objects")
 
 
+_bounds_of_equal = functools.lru_cache(maxsize=16)(check_bounds_bytes)  # of bytes <= 1 MiB: see read_pickle
+
+
 def read_pickle(data: bytes, storages: dict | None = None):
-    """The object pickled in `data`, tensors as TensorRef; UnpicklingError for anything not
-    allow-listed or beyond a checkpoint's bounds (`check_bounds_bytes`). `storages`, if given,
-    receives every storage the pickle refers to (key -> StorageRef)."""
+    """The object pickled in `data`, tensors as TensorRef; UnpicklingError for anything not allow-listed or
+    beyond a checkpoint's bounds (`check_bounds_bytes`; a checkpoint's ranks pickle the same structure byte for
+    byte: equal bytes are checked once per process). `storages` receives every storage it refers to."""
     if len(data) > MAX_PICKLE_BYTES:
         raise pickle.UnpicklingError(f"its structure is larger than {MAX_PICKLE_BYTES >> 20} MiB")
-    check_bounds_bytes(data)
+    (_bounds_of_equal if type(data) is bytes and len(data) <= 1 << 20 else check_bounds_bytes)(data)
     return _Unpickler(io.BytesIO(data), storages).load()
 
 

@@ -61,6 +61,18 @@ def end_record(f) -> tuple[int, int, int]:
     return records, directory, where - directory  # (measured back from its end, as zipfile does)
 
 
+def check_directory(path: Path) -> None:
+    """BadZipFile (or OSError) unless the archive `path` ends with an end record whose directory,
+    of at least one record, starts where it says: what a truncated copy loses. Reads a few KiB
+    whatever the number of records (a wide run's model_states files list hundreds each)."""
+    with open(path, "rb") as f:
+        records, directory, start = end_record(f)
+        f.seek(start)
+        if records == 0 or directory < 46 or f.read(4) != CENTRAL:
+            raise zipfile.BadZipFile("it lists no record" if records == 0 else
+                                     f"its directory does not start at byte {start} (truncated or damaged)")
+
+
 def read_directory(path: Path) -> list[Entry]:
     """Every record the archive `path` lists, in order (BadZipFile, OSError)."""
     with open(path, "rb") as f:

@@ -53,7 +53,9 @@ class ComposePlan:
         if self.reshard is not None:
             jobs = reshard_jobs(self.base, self.sources, self.source_of_param(), self.reshard)
         else:
-            jobs = tuple(self._rank_job(r) for r in range(self.base.world_size))
+            src, owner = self.source_of_param(), self.base.param_to_row()  # worked out once, not per rank
+            buffers = tuple(self.buffer_sources().items())
+            jobs = tuple(self._rank_job(r, src, owner, buffers) for r in range(self.base.world_size))
         for name, value in (("_jobs", jobs),
                             ("_model_layout", layout),
                             ("_model_jobs", weight_jobs(self.base, self.sources, self.picks, layout)),
@@ -84,12 +86,15 @@ class ComposePlan:
             return output_names(self.base, self.world_size)
         return tuple((f.model_states.name, f.optim_states.name) for f in self.base.ranks)
 
-    def _rank_job(self, rank: int) -> RankJob:
+    def _rank_job(self, rank: int, src: dict[str, int], owner: dict[str, str],
+                  buffers: tuple[tuple[str, int], ...]) -> RankJob:
         layout = self.base.layout
-        src = self.source_of_param()
-        copies, padding = [], []
+        copies, padding, row_slots = [], [], []
         for slot in layout.slots:
             valid = slot.valid(rank)
+            if valid:
+                row_slots.append(RowSlot(owner[slot.name], slot.name, slot.group, slot.offset, valid,
+                                         src.get(slot.name, 0)))
             s = src.get(slot.name, 0)
             if valid and self.sources[s].partial:
                 # a partial checkpoint keeps each parameter's slice apart; a partial base has no
@@ -105,7 +110,6 @@ class ComposePlan:
             if valid < slot.part:
                 padding.append((slot.group, slot.offset + valid, slot.part - valid))
         frozen = tuple((n, src[n]) for n, _ in layout.frozen if src.get(n, 0))
-        buffers = tuple(self.buffer_sources().items())
         used = {c.source for c in copies} | {s for _, s in frozen} | {s for _, s in buffers}
         files = {0: self.base.ranks[rank]} | {s: self.sources[s].ranks[rank] for s in sorted(used)}
         # every byte of the base, and the whole record of each full source's sub-group a slice
@@ -114,12 +118,9 @@ class ComposePlan:
         whole = {(c.source, c.group) for c in copies if not self.sources[c.source].partial}
         read = self.base.rank_bytes(rank) + BYTES_PER_ELEMENT * (
             sum(sizes[g] for _, g in whole) + sum(c.length for c in copies if self.sources[c.source].partial))
-        owner = self.base.param_to_row()
-        row_slots = tuple(RowSlot(owner[slot.name], slot.name, slot.group, slot.offset, slot.valid(rank),
-                                  src.get(slot.name, 0)) for slot in layout.slots if slot.valid(rank))
         frozen_rows = tuple((owner[n], n, src.get(n, 0)) for n, _ in layout.frozen)
         return RankJob(
-            row_slots=row_slots,
+            row_slots=tuple(row_slots),
             frozen_rows=frozen_rows,
             rank=rank,
             files=files,
