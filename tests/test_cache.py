@@ -182,8 +182,9 @@ def test_statistics_come_back_whole_from_the_cache_and_survive_corrupt_entries(r
     ranks = sum(c.world_size for c in checkpoints)
     assert planned.to_read > 0 and planned.cached_ranks == 0
     cells = sorted((cache / "cells").rglob("*.json"))
-    assert len(cells) == len(checkpoints) and len(list((cache / "stats").rglob("*.json"))) == ranks
-    shutil.rmtree(cache / "stats")  # each checkpoint's cells alone answer
+    # one entry of cells and one of its ranks' sums per checkpoint (not one per rank file)
+    assert len(cells) == len(checkpoints) == len(list((cache / "ranks").rglob("*.json")))
+    shutil.rmtree(cache / "ranks")  # each checkpoint's cells alone answer
     again, planned = _planned(checkpoints, cache)
     assert (planned.to_read, planned.cached_ranks) == (0, ranks) and again.cells == first.cells
     valid = json.loads(cells[0].read_text())
@@ -193,13 +194,35 @@ def test_statistics_come_back_whole_from_the_cache_and_survive_corrupt_entries(r
     cells[2].write_bytes(b"\x00garbage")
     again, planned = _planned(checkpoints, cache)  # read again: nothing is left to add up
     assert planned.to_read > 0 and again.cells == first.cells
-    for f in (cache / "stats").rglob("*.json"):
+    shutil.rmtree(cache / "cells")
+    again, planned = _planned(checkpoints, cache)  # the ranks' sums alone answer
+    assert (planned.to_read, planned.cached_ranks) == (0, ranks) and again.cells == first.cells
+    for f in (cache / "ranks").rglob("*.json"):
         data = json.loads(f.read_text())
-        r = next(iter(data["rows"]))
-        f.write_text(json.dumps({**data, "rows": {r: ["1", 0, 0.0, None, 0.0, 0.0, 0, False, True]}}))
+        k = next(iter(data["ranks"]))
+        r = next(iter(data["ranks"][k]))
+        f.write_text(json.dumps({**data, "ranks": {**data["ranks"], k: {r: ["1", 0, 0.0, None, 0.0, 0.0, 0, False,
+                                                                          True]}}}))
     shutil.rmtree(cache / "cells")
     again, planned = _planned(checkpoints, cache)  # rank sums of the wrong types: read again
     assert planned.cached_ranks == 0 and again.cells == first.cells
+
+
+def test_a_changed_rank_file_is_read_again_alone(real_run, tmp_path):
+    """A checkpoint's ranks' sums are cached in one entry, each under the identity of what it
+    read: a rank file changed since (its ctime moves) is read again, every other rank is not."""
+    run, _spec = real_run("ds_blown_up")
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, symlinks=True)
+    checkpoints = scan(copy, cache=None).checkpoints
+    cache = tmp_path / "cache"
+    first, _planned_first = _planned(checkpoints, cache)
+    ranks = sum(c.world_size for c in checkpoints)
+    newest = max(checkpoints, key=lambda c: c.step)
+    os.utime(newest.ranks[0].optim_states)  # the same bytes, another identity
+    again, planned = _planned(scan(copy, cache=None).checkpoints, cache)
+    assert (planned.cached_ranks, again.cells) == (ranks - 1, first.cells)
+    assert planned.to_read > 0
 
 
 def test_a_cached_stats_run_does_without_numpy(real_run, tmp_path):

@@ -55,7 +55,8 @@ def rank_stats(job: StatsJob, emit: Emit, cancelled, options: TaskOptions = Task
     try:
         with contextlib.ExitStack() as stack:
             reads = _reads(job, slots, sums, stack)
-            buffers = memoryview(bytearray(CHUNK)), memoryview(bytearray(CHUNK))
+            size = min(CHUNK, max((length for _fd, _start, length, _crc, _regions in reads), default=0))
+            buffers = memoryview(bytearray(size)), memoryview(bytearray(size))  # a small rank's: small
             ahead: dict[int, Readahead] = {}  # per file: the disk reads ahead while numpy computes
             for fd, start, length, expected, regions in reads:
                 if not _read(fd, start, length, expected, regions, buffers, counter, ahead):

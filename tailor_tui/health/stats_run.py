@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from tailor_tui.team.team import SOLO, Team
 from tailor_tui.team.transaction import Task, TeamWork, run_as_team
 from tailor_tui.team.workers import workers_for
 
-FORMAT = 1  # of the cached sums and cells: bump when what they mean changes
+FORMAT = 2  # of the cached sums and cells: bump when what they mean changes
 MAX_CACHED = 16 << 20  # a cache file larger than this is not one of ours
 STATS_WORKER = 64 << 20  # interpreter, numpy, two 1 MiB buffers and a chunk's float64 copies
 
@@ -118,9 +119,9 @@ def _row_elements(ckpt: Checkpoint, owner: dict, known: dict) -> list[dict[str, 
         per_rank = []
         for rank in range(ckpt.layout.world_size):
             counts: dict[str, int] = {}
-            for s in ckpt.layout.slots:
-                if (n := s.valid(rank)) and s.name in owner:
-                    counts[owner[s.name]] = counts.get(owner[s.name], 0) + n
+            for s in ckpt.layout.slots:  # `Slot.valid` inlined: ranks × parameters of them
+                if (n := min(s.part, s.numel - rank * s.part)) > 0 and (row := owner.get(s.name)) is not None:
+                    counts[row] = counts.get(row, 0) + n
             per_rank.append(counts)
         known[key] = per_rank
     return known[key]
@@ -166,10 +167,9 @@ class ReadingStatistics(TeamWork[Health]):
         self.jobs = {c: stats_jobs(self.health.checkpoints, c, rows, known) for c in self.columns}
         self.every = {j.key: j for c in self.columns for j in self.jobs[c]}
         self.added_up = {c: _cached_cells(cache, self.jobs[c]) for c in self.columns}
-        for job in (j for c in self.columns if self.added_up[c] is None for j in self.jobs[c]):
-            cached = _cached(cache, job.key)
-            if cached is not None:
-                self.found[job.key] = cached
+        for c in (c for c in self.columns if self.added_up[c] is None):
+            ranks = _cached_ranks(cache, self.health.checkpoints[c])
+            self.found.update((j.key, ranks[j.key]) for j in self.jobs[c] if j.key in ranks)
         self.pending = {c: set() if self.added_up[c] is not None else {j.key for j in self.jobs[c]} - self.found.keys()
                         for c in self.columns}
 
@@ -222,8 +222,6 @@ class ReadingStatistics(TeamWork[Health]):
         if job is None or key in self.found:
             return
         self.found[key] = stats
-        if stats.error is None:
-            _store(self.cache, key, stats)
         self.pending[job.checkpoint].discard(key)
         if not self.pending[job.checkpoint]:
             self._finish(job.checkpoint, emit)
@@ -234,6 +232,8 @@ class ReadingStatistics(TeamWork[Health]):
             ranks = [self.found[j.key] for j in self.jobs[column]]
             cells = reduce(self.health.checkpoints[column], ranks, self.rows)
             if not any(r.error for r in ranks):
+                _store_ranks(self.cache, self.health.checkpoints[column], {j.key: self.found[j.key]
+                                                                           for j in self.jobs[column]})
                 _store_cells(self.cache, self.jobs[column], cells)
         self.health.add(column, cells)
         emit(CellsComputed(column, self.health.checkpoints[column].name, cells))
@@ -268,14 +268,30 @@ def reduce(ckpt: Checkpoint, ranks: list[RankStats], rows: list[str] | None = No
     return cells
 
 
-def _cached(cache: Path | None, key: str) -> RankStats | None:
-    data = read_json(entry(cache, "stats", key), MAX_CACHED)
+def _ranks_key(ckpt: Checkpoint) -> str:
+    """A checkpoint's ranks' sums are one cache entry (O(checkpoints) entries, not O(rank files)),
+    found by its folder; each rank's sums in it are taken only under that rank's own key (the
+    identity of every file it read), so a changed rank file is read again, the others not."""
+    return hashlib.sha256(json.dumps([FORMAT, "ranks", os.path.realpath(ckpt.path)]).encode()).hexdigest()
+
+
+def _cached_ranks(cache: Path | None, ckpt: Checkpoint) -> dict[str, RankStats]:
+    key = _ranks_key(ckpt)
+    data = read_json(entry(cache, "ranks", key), MAX_CACHED)
     try:
         if data.get("format") != FORMAT or data.get("key") != key:
-            return None
-        return RankStats({row: RowSums.from_json(v) for row, v in data["rows"].items()})
+            return {}
+        return {k: RankStats({row: RowSums.from_json(v) for row, v in rows.items()})
+                for k, rows in data["ranks"].items()}
     except (ValueError, TypeError, KeyError, AttributeError):
-        return None  # not cached, or not ours: computed again
+        return {}  # not cached, or not ours: computed again
+
+
+def _store_ranks(cache: Path | None, ckpt: Checkpoint, ranks: dict[str, RankStats]) -> None:
+    # a read-only or full cache is skipped: statistics are computed again next time
+    key = _ranks_key(ckpt)
+    write_json(entry(cache, "ranks", key), {"format": FORMAT, "key": key, "ranks": {
+        k: {row: s.to_json() for row, s in stats.rows.items()} for k, stats in ranks.items()}})
 
 
 def _cells_key(jobs: list[StatsJob]) -> str:
@@ -301,8 +317,3 @@ def _store_cells(cache: Path | None, jobs: list[StatsJob], cells: dict[str, Cell
     write_json(entry(cache, "cells", key), {"format": FORMAT, "key": key,
                                             "cells": {row: c.to_json() for row, c in cells.items()}})
 
-
-def _store(cache: Path | None, key: str, result: RankStats) -> None:
-    # a read-only or full cache is skipped: statistics are computed again next time
-    write_json(entry(cache, "stats", key), {"format": FORMAT, "key": key,
-                                            "rows": {row: s.to_json() for row, s in result.rows.items()}})

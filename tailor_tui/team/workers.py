@@ -42,8 +42,31 @@ def _exit_when_orphaned(parent: int) -> None:
     os._exit(1)
 
 
-def _run_call(fn, args: tuple, options: TaskOptions):
-    return fn(*args, _WORKER_QUEUE.put, _WORKER_CANCEL.is_set, options)
+def _run_batch(calls: list, options: TaskOptions) -> list:
+    return [fn(*args, _WORKER_QUEUE.put, _WORKER_CANCEL.is_set, options) for fn, args in calls]
+
+
+# Small tasks (the rank files of a wide run: tens of KiB each) go to a worker in batches: one
+# submission, one pickled message each way, one future for the parent to watch per batch; jobs
+# sharing objects (a checkpoint's layout) are pickled with them once. A batch holds at most a
+# quarter of a worker's share of the bytes, so the workers stay evenly busy to the end.
+BATCH_BYTES = 64 << 20
+BATCH_CALLS = 64
+
+
+def batches(calls: list[Call], workers: int) -> list[list[Call]]:
+    """`calls`, in order, cut into consecutive batches (a call larger than a batch goes alone)."""
+    sizes = [getattr(args[0], "total_bytes", 0) if args else 0 for _fn, args in calls]
+    limit = min(BATCH_BYTES, max(1, sum(sizes) // (4 * workers)))
+    found: list[list[Call]] = []
+    held = 0
+    for call, n in zip(calls, sizes):
+        if not found or held + n > limit or len(found[-1]) >= BATCH_CALLS:
+            found.append([])
+            held = 0
+        found[-1].append(call)
+        held += n
+    return found
 
 
 # What one worker process holds besides its task's data: the interpreter and tailor-tui's
@@ -136,7 +159,7 @@ def run_pool(calls: list[Call], workers: int, emit: Emit, cancel: threading.Even
 
     try:  # from the first spawn on: a Ctrl-C deferred while spawning arrives as the block ends
         with _children_ignore_sigint():
-            futures = [pool.submit(_run_call, fn, args, options) for fn, args in calls]
+            futures = [pool.submit(_run_batch, batch, options) for batch in batches(calls, workers)]
         pending = set(futures)
         while pending:
             if cancel.is_set():
@@ -152,7 +175,7 @@ def run_pool(calls: list[Call], workers: int, emit: Emit, cancel: threading.Even
         deadline = time.monotonic() + 10
         while finished[0] < len(calls) and time.monotonic() < deadline:
             _drain(events, emit_and_count, timeout=0.05)
-        return [f.result() for f in futures]
+        return [result for f in futures for result in f.result()]
     finally:
         # Workers still starting up need the queue and event: they are shut down (and have
         # exited) before those are released.
