@@ -309,3 +309,39 @@ def test_two_runs_in_one_folder_are_refused_naming_both(real_run, tmp_path):
     shutil.rmtree(folder / "second")
     shutil.copytree(one / "checkpoint-4", folder / "restored" / "checkpoint-4")  # the same run, elsewhere
     assert tailor("--stats", folder).returncode == 0
+
+
+def test_flat_statistics_match_slice_by_slice_in_any_chunking(real_run):
+    """The flat reader (every slice of a chunk at once, `stats_flat`) gives what the general one,
+    slice by slice (`stats_rank`), does: on the blown-up checkpoint and the one before it, with
+    chunks of 64 bytes (slices split across reads), 4 KiB and 1 MiB."""
+    import contextlib
+    import dataclasses
+
+    from tailor_tui.checkpoints.scan import scan
+    from tailor_tui.events import ByteCounter, TaskOptions
+    from tailor_tui.health.stats_flat import can_read_flat, flat_stats
+    from tailor_tui.health.stats_rank import rank_stats
+    from tailor_tui.health.stats_run import stats_jobs
+
+    run, _spec = real_run("ds_blown_up")
+    checkpoints = scan(run, cache=None).checkpoints
+    for column in (len(checkpoints) - 2, len(checkpoints) - 1):
+        for job in stats_jobs(checkpoints, column):
+            assert can_read_flat(job)
+            general = rank_stats(dataclasses.replace(job, table=None), lambda e: None, lambda: False)
+            assert general.error is None and general.rows
+            for chunk in (64, 4096, 1 << 20):
+                sums = {}
+                counter = ByteCounter.for_job(job, lambda e: None, lambda: False, TaskOptions())
+                with contextlib.ExitStack() as stack:
+                    assert flat_stats(job, sums, stack, counter, {}, chunk=chunk)
+                assert sums.keys() == general.rows.keys()
+                for row, mine in sums.items():
+                    theirs = general.rows[row]
+                    for field in ("nonfinite", "count", "prev_nonfinite", "has_prev", "crc_ok"):
+                        assert getattr(mine, field) == getattr(theirs, field), (column, row, field, chunk)
+                    for field in ("sumsq", "v_max", "diff_sq", "prev_sq"):
+                        assert_close(getattr(mine, field), getattr(theirs, field), (column, row, field, chunk))
+                if column == len(checkpoints) - 1:
+                    assert sums[BLOWN].nonfinite > 0

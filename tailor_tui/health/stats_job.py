@@ -23,6 +23,31 @@ class SlotRead:
 
 
 @dataclass(frozen=True)
+class SlotTable:
+    """The trainable parameters of the rows read, as columns: where each lies in every rank's flat
+    buffers (`Slot`), which row it is of. Made once per checkpoint and shared by its ranks' jobs
+    (pickled once per batch of them); a rank's slices follow from its rank (`stats_flat`)."""
+
+    rows: tuple[str, ...]  # the rows read; `row` indexes them
+    row: tuple[int, ...]
+    group: tuple[int, ...]
+    offset: tuple[int, ...]
+    part: tuple[int, ...]
+    numel: tuple[int, ...]
+
+    @classmethod
+    def of(cls, layout: ZeroLayout, owner: dict, rows) -> "SlotTable":
+        names = tuple(sorted(rows))
+        index = {name: i for i, name in enumerate(names)}
+        columns: tuple[list, ...] = ([], [], [], [], [])
+        for s in layout.slots:
+            if (i := index.get(owner.get(s.name))) is not None:
+                for column, value in zip(columns, (i, s.group, s.offset, s.part, s.numel)):
+                    column.append(value)
+        return cls(names, *(tuple(column) for column in columns))
+
+
+@dataclass(frozen=True)
 class StatsJob:
     """Everything one worker needs for one rank of one checkpoint (picklable)."""
 
@@ -37,6 +62,7 @@ class StatsJob:
     frozen: tuple[tuple[str, str], ...]  # (row, parameter) of frozen parameters
     prev: tuple[tuple[str, RankFiles], ...]  # (row, this rank's files of the row's previous checkpoint)
     bytes_to_read: int
+    table: SlotTable | None = None  # the rows' slots, for reading the flat tensors all at once
 
     @property
     def task(self) -> str:

@@ -29,6 +29,7 @@ from tailor_tui.checkpoints.partial_rows import partial_slice, read_rows_file
 from tailor_tui.formats.pickled import dtype_name
 from tailor_tui.formats.ptfile import Unsupported, frozen_fragment_bytes, locate, read_structure
 from tailor_tui.formats.safetensors_in import safetensors_tensors
+from tailor_tui.health.stats_flat import can_read_flat, flat_stats
 from tailor_tui.health.stats_job import RankStats, RankStatsRead, RowSums, SlotRead, StatsJob
 
 CHUNK = 1 << 20
@@ -50,14 +51,18 @@ class _Region:
 def rank_stats(job: StatsJob, emit: Emit, cancelled, options: TaskOptions = TaskOptions()) -> RankStats:
     """The sums of every row `job` reads (run in a worker: see `workers.run_calls`)."""
     counter = ByteCounter.for_job(job, emit, cancelled, options)
-    slots = job.slots()
-    sums = {slot.row: RowSums() for slot in slots} | {row: RowSums() for row, _ in job.frozen}
+    sums = {row: RowSums() for row, _ in job.frozen}
     try:
         with contextlib.ExitStack() as stack:
-            reads = _reads(job, slots, sums, stack)
+            ahead: dict[int, Readahead] = {}  # per file: the disk reads ahead while numpy computes
+            if can_read_flat(job) and flat_stats(job, sums, stack, counter, ahead):
+                reads = _frozen_reads(job, sums, stack) if job.frozen else []
+            else:
+                slots = job.slots()
+                sums |= {slot.row: RowSums() for slot in slots}
+                reads = _reads(job, slots, sums, stack)
             size = min(CHUNK, max((length for _fd, _start, length, _crc, _regions in reads), default=0))
             buffers = memoryview(bytearray(size)), memoryview(bytearray(size))  # a small rank's: small
-            ahead: dict[int, Readahead] = {}  # per file: the disk reads ahead while numpy computes
             for fd, start, length, expected, regions in reads:
                 if not _read(fd, start, length, expected, regions, buffers, counter, ahead):
                     for region in regions:

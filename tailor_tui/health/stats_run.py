@@ -21,7 +21,7 @@ from tailor_tui.checkpoints.cache import entry, file_identity, read_json, write_
 from tailor_tui.checkpoints.checkpoint import Checkpoint, distinct_names
 from tailor_tui.events import Emit, TaskOptions
 from tailor_tui.health.healing import Cell, Health, rms, training_log
-from tailor_tui.health.stats_job import RankStats, RankStatsRead, RowSums, StatsJob
+from tailor_tui.health.stats_job import RankStats, RankStatsRead, RowSums, SlotTable, StatsJob
 from tailor_tui.team.team import SOLO, Team
 from tailor_tui.team.transaction import Task, TeamWork, run_as_team
 from tailor_tui.team.workers import workers_for
@@ -84,6 +84,7 @@ def stats_jobs(checkpoints: tuple[Checkpoint, ...], column: int, rows: list[str]
                      if not r.tied and ckpt.holds(r.name) and (rows is None or r.name in rows))
     frozen = tuple((owner[name], name) for name, _ in ckpt.layout.frozen if owner.get(name) in held)
     elements = _row_elements(ckpt, owner, known)
+    table = SlotTable.of(ckpt.layout, owner, held)  # shared by every rank's job
     if "labels" not in known:
         known["labels"] = distinct_names([c.path for c in checkpoints])
     label = known["labels"][column]
@@ -102,7 +103,8 @@ def stats_jobs(checkpoints: tuple[Checkpoint, ...], column: int, rows: list[str]
             previous.setdefault(_identity(f.rows or f.optim_states, known), []).extend(names)
         key = hashlib.sha256(json.dumps([FORMAT, rank, [_identity(p, known) for p in files.existing()],
                                          sorted(held), sorted(previous.items())]).encode()).hexdigest()
-        jobs.append(StatsJob(key, column, label, rank, files, ckpt.layout, owner, held, frozen, prev_files, read))
+        jobs.append(StatsJob(key, column, label, rank, files, ckpt.layout, owner, held, frozen, prev_files, read,
+                             table))
     return jobs
 
 

@@ -1,0 +1,215 @@
+"""One rank's statistics over the flat tensors of its optim file, every parameter at once.
+
+A rank's fp32 masters, exp_avg and exp_avg_sq of a sub-group are one flat tensor each, its
+parameters' slices side by side at the offsets every rank shares (`SlotTable`); only how much
+of each slice is real data (not padding) depends on the rank. So the slices are columns of
+numpy arrays, each chunk read is reduced per slice with a few `reduceat` calls, and the slices'
+sums are added into their rows with `add.at`: the Python work per chunk is the same for one
+parameter or a thousand (a wide run's rank files hold thousands of tiny slices; a 70B model's,
+hundreds of large ones). The previous checkpoint's masters of the same rank lie at one shift
+from this file's in each sub-group (the same layout): one read per chunk.
+
+Each byte of the file is read once, for its record's CRC-32 and for the sums, as `stats_rank`
+does for the other cases (a partial checkpoint's rows file, frozen fragments, a previous
+checkpoint that is partial), which it keeps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tailor_tui.crc import crc32
+from tailor_tui.errors import CheckpointError
+from tailor_tui.events import ByteCounter
+from tailor_tui.fileio import Readahead, open_fd, pread_into
+from tailor_tui.formats.ds_format import TENSORS, flat_tensor, optimizer_state
+from tailor_tui.formats.pickled import dtype_name
+from tailor_tui.formats.ptfile import TensorBytes, locate, read_structure
+from tailor_tui.health.stats_job import RowSums, StatsJob
+
+CHUNK = 1 << 20
+
+
+def can_read_flat(job: StatsJob) -> bool:
+    """Whether `flat_stats` reads `job`: a full checkpoint whose rows' previous checkpoints are full too."""
+    return job.table is not None and job.files.rows is None and all(f.rows is None for _row, f in job.prev)
+
+
+@dataclass
+class _Sums:
+    """Per row (an index into the table's rows), what `RowSums` holds, as arrays."""
+
+    nonfinite: np.ndarray
+    count: np.ndarray
+    sumsq: np.ndarray
+    v_max: np.ndarray  # -inf: no finite exp_avg_sq seen
+    diff_sq: np.ndarray
+    prev_sq: np.ndarray
+    prev_nonfinite: np.ndarray
+    has_prev: np.ndarray
+    crc_bad: np.ndarray
+
+    @classmethod
+    def zeros(cls, n: int) -> "_Sums":
+        ints, floats = (lambda: np.zeros(n, np.int64)), (lambda: np.zeros(n, np.float64))
+        return cls(ints(), ints(), floats(), np.full(n, -np.inf), floats(), floats(), ints(),
+                   np.zeros(n, bool), np.zeros(n, bool))
+
+    def into(self, sums: dict[str, RowSums], names: tuple[str, ...], present: np.ndarray) -> None:
+        for i in present.tolist():
+            s = sums.setdefault(names[i], RowSums())
+            s.add(RowSums(int(self.nonfinite[i]), int(self.count[i]), float(self.sumsq[i]),
+                          None if self.v_max[i] == -np.inf else float(self.v_max[i]), float(self.diff_sq[i]),
+                          float(self.prev_sq[i]), int(self.prev_nonfinite[i]), bool(self.has_prev[i]),
+                          not self.crc_bad[i]))
+
+
+def flat_stats(job: StatsJob, sums: dict[str, RowSums], stack, counter: ByteCounter,
+               ahead: dict[int, Readahead], chunk: int = CHUNK) -> bool:
+    """Add the sums of every row `job` reads from its optim file into `sums`; False (nothing read)
+    when the file is laid out otherwise than one aligned record per flat tensor (`stats_rank`
+    reads it then). `chunk`: bytes per read (tests make it small)."""
+    path, table = job.files.optim_states, job.table
+    obj, records, prefix = read_structure(path)
+    inner = optimizer_state(obj, path, job.group_sizes)
+    mine = {(g, key): _fp32(locate(flat_tensor(inner, g, key), records, prefix), path, g, key)
+            for g in range(len(job.group_sizes)) for key in TENSORS}
+    if not _laid_out_flat(mine.values()):
+        return False
+    part, numel = np.array(table.part, np.int64), np.array(table.numel, np.int64)
+    valid = np.clip(numel - job.rank * part, 0, part)
+    keep = valid > 0
+    valid, group = valid[keep], np.array(table.group, np.int64)[keep]
+    offset, row = np.array(table.offset, np.int64)[keep], np.array(table.row, np.int64)[keep]
+    # the previous checkpoints' files: a class per file, the rows that take theirs from it
+    classes: dict = {}
+    row_class = np.zeros(len(table.rows), np.int64)  # 0: no previous checkpoint
+    index = {name: i for i, name in enumerate(table.rows)}
+    for name, files in job.prev:
+        row_class[index[name]] = classes.setdefault(files.optim_states, len(classes) + 1)
+    prev = {}  # (class, group) -> (fd, where its masters lie relative to this file's)
+    for prev_path, c in classes.items():
+        fd = open_fd(stack, prev_path)
+        theirs = read_structure(prev_path)
+        inner_prev = optimizer_state(theirs[0], prev_path, job.group_sizes)
+        for g in range(len(job.group_sizes)):
+            tb = _fp32(locate(flat_tensor(inner_prev, g, "fp32"), theirs[1], theirs[2]), prev_path, g, "fp32")
+            prev[c, g] = (fd, tb.offset - mine[g, "fp32"].offset)
+    fd = open_fd(stack, path)
+    size = min(chunk, max(tb.record.size for tb in mine.values()))
+    buffers = memoryview(bytearray(size)), memoryview(bytearray(size))
+    acc = _Sums.zeros(len(table.rows))
+    for g in range(len(job.group_sizes)):
+        here = np.flatnonzero(group == g)
+        here = here[np.argsort(offset[here], kind="stable")]
+        r, c = row[here], row_class[row[here]]
+        for key in TENSORS:
+            tb = mine[g, key]
+            a = tb.offset + offset[here] * 4
+            shifts = {k: prev[k, g] for k in np.unique(c).tolist() if k} if key == "fp32" else {}
+            reader = _Reader(fd, key, a, a + valid[here] * 4, r, c, shifts, acc, buffers, counter, ahead)
+            if not reader.record(tb.record.data_offset, tb.record.size, tb.record.crc):
+                acc.crc_bad[r] = True
+    acc.into(sums, table.rows, np.unique(row))
+    return True
+
+
+def _fp32(tb: TensorBytes, path, group: int, key: str) -> TensorBytes:
+    dtype = dtype_name(tb.dtype) if tb.dtype != "UntypedStorage" else "float32"
+    if dtype != "float32" or tb.itemsize != 4:
+        raise CheckpointError(f"{path}: its {key} of sub-group {group} is {dtype}; health statistics "
+                              "read fp32 optimizer states")
+    return tb
+
+
+def _laid_out_flat(tensors) -> bool:
+    """Each flat tensor its own record, whose data its 4-byte values fill from an aligned start."""
+    records = [tb.record for tb in tensors]
+    return len({r.name for r in records}) == len(records) and all(
+        (tb.offset - tb.record.data_offset) % 4 == 0 and tb.record.size % 4 == 0 for tb in tensors)
+
+
+def _per_slice(ufunc, values: np.ndarray, bounds: np.ndarray, dtype=None) -> np.ndarray:
+    """`ufunc` reduced over each [lo, hi) of `bounds` ([lo0, hi0, lo1, hi1, ...], non-empty, in order)."""
+    if bounds[-1] == len(values):  # reduceat takes the last start to the end by itself
+        bounds = bounds[:-1]
+    return ufunc.reduceat(values, bounds, dtype=dtype)[::2]
+
+
+class _Reader:
+    """Reads one flat tensor's record in chunks; every slice (`a`..`b` bytes, of row `rows`,
+    whose previous masters are of class `classes`) gets its part of each chunk."""
+
+    def __init__(self, fd: int, key: str, a, b, rows, classes, shifts: dict, acc: _Sums, buffers,
+                 counter: ByteCounter, ahead: dict[int, Readahead]):
+        self.fd, self.key, self.a, self.b, self.rows, self.classes = fd, key, a, b, rows, classes
+        self.shifts, self.acc, self.buffers, self.counter, self.ahead = shifts, acc, buffers, counter, ahead
+
+    def record(self, start: int, size: int, expected: int | None) -> bool:
+        """Read the record at `start`; False if its CRC-32 is not `expected` (None: none to check)."""
+        buffer = self.buffers[0]
+        value, position, end = 0, start, start + size
+        while position < end:
+            view = buffer[: min(len(buffer), end - position)]
+            self._ahead(self.fd).before(position, end)
+            pread_into(self.fd, view, position)
+            if expected is not None:
+                value = crc32(view, value)
+            i, j = np.searchsorted(self.b, position, "right"), np.searchsorted(self.a, position + len(view), "left")
+            if j > i:
+                self._chunk(view, position, slice(i, j))
+            position += len(view)
+            self.counter.add(len(view))
+        return expected is None or value == expected
+
+    def _ahead(self, fd: int) -> Readahead:
+        return self.ahead.get(fd) or self.ahead.setdefault(fd, Readahead(fd))
+
+    def _chunk(self, view: memoryview, position: int, which: slice) -> None:
+        acc, key = self.acc, self.key
+        x = np.frombuffer(view, dtype="<f4")
+        lo = (np.maximum(self.a[which], position) - position) // 4
+        hi = (np.minimum(self.b[which], position + len(view)) - position) // 4
+        rows, lengths = self.rows[which], hi - lo
+        bounds = np.empty(2 * len(lo), np.int64)
+        bounds[0::2], bounds[1::2] = lo, hi
+        finite = np.isfinite(x)
+        bad = lengths - _per_slice(np.add, finite, bounds, np.int64)
+        np.add.at(acc.nonfinite, rows, bad)
+        if key == "exp_avg":
+            return
+        xz = x if finite.all() else np.where(finite, x, np.float32(0))
+        if key == "exp_avg_sq":
+            some = bad < lengths
+            np.maximum.at(acc.v_max, rows[some], _per_slice(np.maximum, xz, bounds)[some].astype(np.float64))
+            return
+        np.add.at(acc.count, rows, lengths)
+        np.add.at(acc.sumsq, rows, _per_slice(np.add, np.square(xz, dtype=np.float64), bounds))
+        classes = self.classes[which]
+        for c, (fd, shift) in self.shifts.items():
+            mine = np.flatnonzero(classes == c)
+            if len(mine):
+                self._against_previous(fd, position + shift, lo[mine], hi[mine], rows[mine], finite, xz)
+
+    def _against_previous(self, fd: int, at: int, lo, hi, rows, finite, xz) -> None:
+        """||θ − θ_prev||² and ||θ_prev||² of the slices [lo, hi) of this chunk, whose previous
+        masters lie at `at` + 4·lo in `fd` (elements finite in both only), into their rows."""
+        acc, first, last = self.acc, int(lo[0]), int(hi[-1])
+        prev = self.buffers[1][: (last - first) * 4]
+        self._ahead(fd).before(at + first * 4, at + last * 4)
+        pread_into(fd, prev, at + first * 4)
+        self.counter.add(int((hi - lo).sum()) * 4)
+        bounds = np.empty(2 * len(lo), np.int64)
+        bounds[0::2], bounds[1::2] = lo - first, hi - first
+        p = np.frombuffer(prev, dtype="<f4")
+        prev_finite = np.isfinite(p)
+        np.add.at(acc.prev_nonfinite, rows, (hi - lo) - _per_slice(np.add, prev_finite, bounds, np.int64))
+        both = prev_finite & finite[first:last]
+        x = xz[first:last]
+        if not both.all():
+            p, x = np.where(both, p, np.float32(0)), np.where(both, x, np.float32(0))
+        np.add.at(acc.diff_sq, rows, _per_slice(np.add, np.square(x - p, dtype=np.float64), bounds))
+        np.add.at(acc.prev_sq, rows, _per_slice(np.add, np.square(p, dtype=np.float64), bounds))
+        acc.has_prev[rows] = True
