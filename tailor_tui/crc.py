@@ -83,6 +83,7 @@ def combine(crc1: int, crc2: int, len2: int) -> int:
 _ZEROS = bytes(1 << 20)
 
 
+@lru_cache(maxsize=1 << 12)  # padding repeats its lengths part after part, rank after rank
 def zeros(n: int) -> int:
     """crc32 of n zero bytes."""
     crc = 0

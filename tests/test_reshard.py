@@ -15,6 +15,7 @@ import math
 import os
 import signal
 import struct
+import zipfile
 
 import pytest
 from conftest import INSTALLED_DEEPSPEED, OLDEST_DEEPSPEED, checkpoints_of, resume_with
@@ -332,3 +333,24 @@ def test_verifying_a_resharded_output_without_its_world_size_names_the_flag(real
     assert_one_line_error(tailor("--verify", recipe), 2, "composed for 2 ranks", "--world-size 2")
     verifies(recipe, "--world-size", "2")
     assert_one_line_error(tailor("--verify", recipe, "--world-size", "1"), 2, "composed for 2 ranks")
+
+
+@pytest.mark.parametrize("which", [0, -1])
+def test_a_corrupt_source_is_refused_whichever_output_rank_takes_from_it(real_run, tmp_path, which):
+    """Each source file's records are checked whole by one output rank's job (the first to take from
+    it), the others read only their pieces: a flipped bit in any flat tensor of a source, whether or not
+    that job takes from that tensor, is refused."""
+    _run, (c2, _c4, c6) = private_copy(real_run, tmp_path, "ds_bf16_3_subgroups")
+    target = next(c2.glob("*rank_1_*optim_states.pt"))
+    with zipfile.ZipFile(target) as z:
+        flat = sorted((i for i in z.infolist() if "/data/" in i.filename and i.file_size > 256),
+                      key=lambda i: i.header_offset)
+    record = flip_byte(target, flat[which].filename, where=0.5)
+    rows = ("embed_tokens", "layers.0", "layers.1", "layers.2", "layers.3", "norm", "lm_head")
+    recipe = write_recipe(tmp_path, c6, {r: c2 for r in rows})
+    jobs = build_plan(load_recipe(recipe), world_size=5).rank_jobs()
+    checked = [taken for job in jobs for taken in job.verifies]  # every source file, by one job each
+    assert sorted(checked) == sorted({taken for job in jobs for taken in job.files}) and len(jobs) == 5
+    result = tailor("--apply", recipe, "--world-size", "5")
+    assert_one_line_error(result, 4, target.name, f"record {record} fails its CRC-32 check")
+    assert not (tmp_path / "composed").exists() and not hidden(tmp_path)

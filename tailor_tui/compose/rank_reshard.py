@@ -26,8 +26,8 @@ from tailor_tui import crc
 from tailor_tui.formats.ds_format import TENSORS
 from tailor_tui.errors import OutputError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
-from tailor_tui.fileio import OpenFiles, Writeback, copy_range, crc_range, fsync, open_fd, output_error, pwrite_all
-from tailor_tui.formats.nonfinite import EXPONENT, Census, Region
+from tailor_tui.fileio import OpenFiles, Writeback, copy_range, crc_range, fsync, open_fd, output_error
+from tailor_tui.formats.nonfinite import EXPONENT, Census, Region, count
 from tailor_tui.checkpoints.partial_rows import check_crc, partial_slice, read_rows_file
 from tailor_tui.formats.pickled import dtype_name
 from tailor_tui.formats.ptfile import frozen_fragment_bytes, read_structure
@@ -55,8 +55,9 @@ def reshard_rank(job: ReshardJob, out_tag_dir: Path, emit: Emit, cancelled: Call
         flat = flat_tensor_bytes(obj, records, prefix, path, job.group_sizes)
         _write(path, [(flat[g, key], key, placed) for g, key, placed in optim], crcs, sources, counter)
         path = _arrived(out_tag_dir / job.model_states, counter)
-        fragments = frozen_fragment_bytes(path, [name for name, _ in job.frozen])
-        _write(path, [(fragments[name], key, placed) for name, key, placed in frozen], crcs, sources, counter)
+        if frozen:  # (the model_states skeleton is complete as written otherwise)
+            fragments = frozen_fragment_bytes(path, [name for name, _ in job.frozen])
+            _write(path, [(fragments[name], key, placed) for name, key, placed in frozen], crcs, sources, counter)
     counter.finish()
     return nonfinite
 
@@ -92,6 +93,24 @@ class _Sources:
         self.flat: dict[tuple[int, int], dict] = {}
         self.rows: dict[Path, dict] = {}
         self.fragments: dict[tuple[int, int], dict] = {}
+
+    def to_verify(self) -> dict[Path, set]:
+        """{file: its records to read whole} of the source files this job checks (`ReshardJob.verifies`):
+        a full source's every flat tensor and frozen fragment, whichever job takes from them."""
+        found: dict[Path, set] = {}
+        frozen = [name for name, _pieces in self.job.frozen]
+        for s, r in sorted(self.job.verifies):
+            files = self.job.files[s, r]
+            if files.rows is not None:  # a partial's slices: each job checks those it takes from
+                found.setdefault(files.rows, set())
+                continue
+            if (s, r) not in self.flat:
+                self.flat[s, r] = tensor_bytes(files.optim_states, self.job.source_sizes[s])
+            found.setdefault(files.optim_states, set()).update(tb.record for tb in self.flat[s, r].values())
+            if frozen:
+                fragments = frozen_fragment_bytes(files.model_states, frozen)
+                found.setdefault(files.model_states, set()).update(tb.record for tb in fragments.values())
+        return found
 
     def place(self, piece: Piece, key: str) -> _Place | None:
         """Where a piece's bytes lie in its source (None: zeros)."""
@@ -137,19 +156,38 @@ def _check(fills: list, sources: _Sources, counter: ByteCounter) -> tuple[dict, 
                 ranges[place.path].add((place.record, place.at, n))
             if dtype_name(place.dtype) in EXPONENT:  # floats: counted for the guard
                 regions[place.path].append(Region(place.at, n, piece.row, dtype_name(place.dtype)))
-    buffer = memoryview(bytearray(STREAM_CHUNK))
+    verifies = sources.to_verify()  # path -> every record of it to check (a partial's rows file: its slices)
+    largest = max((n for found in ranges.values() for _r, _at, n in found), default=0)
+    buffer = memoryview(bytearray(STREAM_CHUNK if slices or verifies or largest > STREAM_CHUNK else largest))
     crcs: dict[tuple[Path, int, int], int] = {}
     nonfinite = Counter()
-    for path in sorted(ranges.keys() | slices.keys()):
+    for path in sorted(ranges.keys() | slices.keys() | verifies.keys()):
         census = Census(regions[path])
         fd = sources.fd(path)
+        if path not in verifies:  # another job checks this file's records: the pieces alone are read
+            floats = {(r.at, r.length): r for r in regions[path]}
+            for at, n in sorted({(at, n) for _r, at, n in ranges[path]}
+                                | {piece for inside in slices[path].values() for piece in inside}):
+                region = floats.get((at, n))
+                crcs[path, at, n] = crc_range(fd, at, n, buffer, counter.add,
+                                              None if region is None else _counter_of(region, nonfinite))
+            continue
         checked = {(r, at, n) for r, at, n in ranges[path] if r is not None}
-        found = read_and_check(fd, path, {r for r, _at, _n in checked}, checked, buffer, counter, census)
+        records = {r for r, _at, _n in checked} | verifies[path]
+        found = read_and_check(fd, path, records, checked, buffer, counter, census)
         crcs.update({(path, at, n): value for (at, n), value in found.items()})
         for piece_slice, inside in slices[path].items():  # a partial checkpoint's slices
             crcs.update(_check_slice(fd, path, piece_slice, sorted(inside), buffer, counter, census))
         nonfinite += census.counts
     return crcs, nonfinite
+
+
+def _counter_of(region: Region, counts: Counter):
+    """An `inspect(offset, chunk)` adding the non-finite values of `region`'s chunks to its row in `counts`."""
+    def inspect(_offset: int, chunk) -> None:
+        if n := count(chunk, region.dtype):
+            counts[region.row] += n
+    return inspect
 
 
 def _check_slice(fd: int, path: Path, piece_slice: tuple, inside: list, buffer: memoryview, counter: ByteCounter,
@@ -197,8 +235,8 @@ def _write(out: Path, fills: list, crcs: dict, sources: _Sources, counter: ByteC
                 value = 0
                 for piece, place in placed:
                     at, n = target.offset + piece.at * target.itemsize, piece.length * target.itemsize
-                    if place is None:  # padding: zeros, as DeepSpeed's own saves hold
-                        pwrite_all(fout, bytes(n), at)
+                    if place is None:  # padding: zeros, as DeepSpeed's own saves hold; the skeleton
+                        # reserved the tensor's space as a hole of a new file, which reads as zeros
                         value = crc.combine(value, crc.zeros(n), n)
                         counter.add(n)
                     else:

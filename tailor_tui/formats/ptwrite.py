@@ -29,7 +29,7 @@ from pathlib import Path
 
 from tailor_tui import crc
 from tailor_tui.errors import CheckpointError
-from tailor_tui.fileio import copy_range, open_fd, output_error, pwrite_all
+from tailor_tui.fileio import OpenFiles, copy_range, open_fd, output_error, pwrite_all
 from tailor_tui.formats.pickled import StorageRef, TensorRef
 from tailor_tui.formats.ptfile import Record, Unsupported, checked_crcs, locate, read_structure
 from tailor_tui.formats.ptpickle import dumps, storage_bytes, tensor
@@ -85,6 +85,8 @@ def write_archive(path: Path, *, archive: str, pickle: bytes, storages: list, id
     try:
         with contextlib.ExitStack() as stack:
             fd = open_fd(stack, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            sources = OpenFiles(stack)  # each source file opened once, whatever its records copied
+            out = _Pending(fd)  # headers and small records gathered into few writes (hundreds per file)
             for name, content in entries:
                 full = f"{archive}/{name}".encode("utf-8")
                 size = content.size if isinstance(content, (Copied, Reserved)) else len(content)
@@ -92,19 +94,19 @@ def write_archive(path: Path, *, archive: str, pickle: bytes, storages: list, id
                 flags = _UTF8 | (_DESCRIBED if size else 0)
                 header = _local_header(full, size, at, flags)
                 data_at = at + len(header)
-                pwrite_all(fd, header, at)
+                out.put(header, at)
                 if isinstance(content, Reserved):
                     value = 0
                 elif isinstance(content, Copied):
-                    value = _copy(fd, content, data_at, buffer)
+                    value = _copy(fd, content, data_at, buffer, sources)
                 else:
-                    pwrite_all(fd, content, data_at)
+                    out.put(content, data_at)
                     value = crc.crc32(content)
                 end = data_at + size
                 descriptor = b""
                 if size:
                     descriptor = struct.pack("<4sIQQ" if wide else "<4sIII", b"PK\x07\x08", value, size, size)
-                    pwrite_all(fd, descriptor, end)
+                    out.put(descriptor, end)
                 central.append((full, size, at, value, flags))
                 records[full.decode()] = Record(full.decode(), at, data_at, size, value,
                                                 (end + 4,) if size else (at + 14,))
@@ -118,10 +120,31 @@ def write_archive(path: Path, *, archive: str, pickle: bytes, storages: list, id
                 records[name] = Record(name, offset, records[name].data_offset, size, value,
                                        (*records[name].crc_offsets, crc_at))
             directory += _end_records(len(central), len(directory), start)
-            pwrite_all(fd, directory, start)
+            out.put(directory, start)
+            out.flush()
     except OSError as exc:
         raise output_error(exc, path) from None
     return records
+
+
+class _Pending:
+    """Bytes to write at consecutive offsets of `fd`, gathered and written at once (a gap, where
+    a reserved record's space is left a hole or a copied one goes, starts another write)."""
+
+    def __init__(self, fd: int, limit: int = 1 << 20):
+        self.fd, self.limit, self.data, self.at = fd, limit, bytearray(), 0
+
+    def put(self, data: bytes, at: int) -> None:
+        if self.data and (self.at + len(self.data) != at or len(self.data) + len(data) > self.limit):
+            self.flush()
+        if not self.data:
+            self.at = at
+        self.data += data
+
+    def flush(self) -> None:
+        if self.data:
+            pwrite_all(self.fd, self.data, self.at)
+            self.data.clear()
 
 
 def _local_header(name: bytes, size: int, offset: int, flags: int) -> bytes:
@@ -157,14 +180,15 @@ def _end_records(count: int, size: int, start: int) -> bytes:
                           min(size, _ZIP64), min(start, _ZIP64), 0))
 
 
-def _copy(fd: int, what: Copied, at: int, buffer: memoryview) -> int:
+def _copy(fd: int, what: Copied, at: int, buffer: memoryview, sources: OpenFiles) -> int:
     """Copy `what` to `at` in `fd` (in the kernel); its CRC-32, from the source's bytes as its
     record's stored CRC-32 is checked (CheckpointError naming the source if it fails)."""
-    with contextlib.ExitStack() as stack:
-        src = open_fd(stack, what.path)
-        ranges = [(what.offset, what.size)] if what.size else []
-        value = (checked_crcs(src, what.path, what.record, ranges, buffer) or [0])[0]
-        copy_range(src, fd, what.offset, what.size, out_offset=at)
+    if what.record.size == 0 and what.record.crc in (0, None):  # an empty storage (ZeRO-3's placeholders)
+        return 0
+    src = sources.fd(what.path)
+    ranges = [(what.offset, what.size)] if what.size else []
+    value = (checked_crcs(src, what.path, what.record, ranges, buffer) or [0])[0]
+    copy_range(src, fd, what.offset, what.size, out_offset=at)
     return value
 
 

@@ -89,6 +89,12 @@ class ReshardJob:
     frozen: tuple[tuple[str, tuple[Piece, ...]], ...]  # (frozen parameter, the pieces of its fragment)
     read_bytes: int
     write_bytes: int
+    # the (source, source rank) files whose records this job reads whole to check their stored CRC-32s:
+    # each full file is checked by one job, the first to take from it, every flat tensor and frozen
+    # fragment of it; the others read only their pieces (M output ranks read their sources once, not M
+    # times). A partial checkpoint's files are listed in every job taking from them: each checks the
+    # slices it takes from against their recorded CRC-32s.
+    verifies: frozenset = frozenset()
 
     @property
     def task(self) -> str:
@@ -223,7 +229,7 @@ def reshard_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], source_of: d
     source_sizes = [tuple(src.layout.group_sizes()) for src in sources]
     written = 12 * sum(out_sizes) + itemsize * sum(part(math.prod(shape), reshard.world_size)
                                                    for _n, shape in base.layout.frozen)
-    jobs = []
+    jobs, verified = [], set()
     for rank in range(reshard.world_size):
         groups: list[list[Piece]] = [[] for _ in reshard.layout.groups]
         for slot in reshard.layout.slots:
@@ -243,14 +249,18 @@ def reshard_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], source_of: d
         files = {(s, r): sources[s].ranks[r] for s, r in sorted(used)}
         sizes = {s: source_sizes[s] for s in sorted({s for s, _r in used})}
         taken = [p for g in groups for p in g if p.source != ZEROS]
-        # a full source's records are read whole (their stored CRC-32 covers the whole record)
-        whole = {(p.source, p.rank, p.group) for p in taken if files[p.source, p.rank].rows is None}
-        # and a partial source's slices too (its recorded CRC-32 covers a slice's real elements)
-        slices = {(p.source, p.rank, p.param): p.whole for p in taken if files[p.source, p.rank].rows is not None}
-        read = 12 * (sum(sizes[s][g] for s, _r, g in whole) + sum(slices.values()))
+        full = {u for u in used if files[u].rows is None}
+        verifies = frozenset(full - verified) | {u for u in used if u not in full}  # a partial's: each job its own
+        verified |= verifies
+        # the files it checks: a full source's records read whole (their stored CRC-32 covers the
+        # whole record), a partial source's slices (its recorded CRC-32 covers a slice's real elements)
+        slices = {(p.source, p.rank, p.param): p.whole for p in taken
+                  if files[p.source, p.rank].rows is not None and (p.source, p.rank) in verifies}
+        read = 12 * (sum(sum(sizes[s]) for s, r in verifies if files[s, r].rows is None) + sum(slices.values()))
+        read += 12 * sum(p.length for p in taken if (p.source, p.rank) not in verifies)  # the others: pieces
         read += itemsize * sum(p.length for _n, ps in frozen for p in ps if p.source != ZEROS)
         jobs.append(ReshardJob(rank, *names[rank], files, sizes, out_sizes,
-                               tuple(tuple(g) for g in groups), tuple(frozen), read, written))
+                               tuple(tuple(g) for g in groups), tuple(frozen), read, written, verifies))
     return tuple(jobs)
 
 
