@@ -12,6 +12,8 @@ import torch
 from conftest import checkpoints_of
 from helpers import assert_one_line_error, flat_record, flip_byte, tailor, write_recipe
 
+from tailor_tui.errors import CheckpointError
+
 
 @pytest.fixture
 def run_copy(real_run, tmp_path):
@@ -42,6 +44,28 @@ def test_a_flipped_bit_in_a_file_copied_whole_is_refused(run_copy, tmp_path):
     record = flip_byte(target, "data.pkl", where=0.9)
     recipe = write_recipe(tmp_path, c6, {"layers.0": c2})
     assert_one_line_error(tailor("--apply", recipe), 4, target.name, f"record {record} fails its CRC-32")
+
+
+@pytest.mark.parametrize("small", [None, 0])
+def test_every_record_of_a_file_is_checked_read_whole_or_streamed(run_copy, small):
+    """`check_crcs` reads a small file whole and checks it in memory (`small`: None), a larger one
+    record by record (0: as if every file were large): both pass a sound file, both name the record
+    of a flipped bit, and both show `inspect` every byte of every record."""
+    from tailor_tui.formats.ptfile import check_crcs
+    from tailor_tui.formats.zipdir import read_directory
+
+    _c2, _c4, c6 = run_copy
+    for target in sorted(c6.glob("*rank_1_*.pt")):
+        seen = []
+        check_crcs(target, lambda at, chunk: seen.append(len(chunk)), small=small)
+        assert sum(seen) == sum(e.size for e in read_directory(target))
+        for suffix in ("data.pkl", flat_record(target)):
+            copy = target.with_name(f"flipped-{suffix.replace('/', '-')}-{target.name}")
+            shutil.copy(target, copy)
+            record = flip_byte(copy, suffix, where=0.7)
+            with pytest.raises(CheckpointError, match=f"record {record} fails its CRC-32 check"):
+                check_crcs(copy, small=small)
+            copy.unlink()
 
 
 def test_verify_refuses_a_corrupt_source(run_copy, tmp_path):

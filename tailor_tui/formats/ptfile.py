@@ -30,7 +30,7 @@ from tailor_tui.fileio import Window, crc_range, open_regular
 from tailor_tui.formats.pickled import MAX_PICKLE_BYTES, TensorRef, read_pickle
 from tailor_tui.formats.ptlegacy import START as LEGACY_START
 from tailor_tui.formats.ptlegacy import LegacyError, read_legacy
-from tailor_tui.formats.zipdir import check_directory, end_record, read_directory
+from tailor_tui.formats.zipdir import check_directory, directory_in, end_record, read_directory
 
 ZIP_START = b"PK\x03\x04"
 
@@ -254,15 +254,22 @@ def _crc_failed(path: Path, record: Record, computed: int) -> CheckpointError:
         "run or pick another checkpoint")
 
 
-def check_crcs(path: Path, inspect=None, *, skip: frozenset = frozenset()) -> None:
+def check_crcs(path: Path, inspect=None, *, skip: frozenset = frozenset(), small: int | None = None) -> None:
     """Read every record of a zip-format torch file and check the CRC-32 each stores
     (CheckpointError naming the record if one fails; torch.load itself never checks them).
     Files in the legacy format, and files that are no torch file, have none to check.
     `inspect(offset, chunk)` sees every chunk read. `skip`: names of records the caller
-    checks itself as it reads them."""
+    checks itself as it reads them. A file of at most `small` bytes (default SMALL_FILE) is
+    read whole and checked in memory."""
     if file_format(path) != "zip":
         return
     try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            whole = f.read(size) if size <= (SMALL_FILE if small is None else small) else None
+        if whole is not None:
+            _check_in_memory(path, whole, inspect, skip)
+            return
         records = _records(path)
     except Unsupported:  # a zip archive of another kind (compressed members): zipfile checks it
         with open_zip(path) as z:
@@ -292,6 +299,37 @@ def check_crcs(path: Path, inspect=None, *, skip: frozenset = frozenset()) -> No
                 inspect(record.data_offset, data)
             if crc.crc32(data) != record.crc:
                 raise _crc_failed(path, record, crc.crc32(data))
+
+
+# A file this small (a ZeRO-3 model_states: one record per parameter, nearly all empty) is read
+# whole and checked from memory: no Record made, no read per record
+SMALL_FILE = 16 << 20
+
+
+def _check_in_memory(path: Path, whole: bytes, inspect, skip: frozenset) -> None:
+    """`check_crcs` of the archive `path` whose bytes are `whole`."""
+    try:
+        entries = directory_in(whole)
+    except zipfile.BadZipFile as exc:
+        raise unreadable(path, "zip", f"not a complete archive: {exc}") from None
+    view, crc32, unpack = memoryview(whole), crc.crc32, struct.unpack_from
+    for e in entries:
+        if e.compressed:
+            raise Unsupported(f"record {e.name} is compressed")
+        if e.name in skip or (e.size == 0 and e.crc == 0):
+            continue
+        at = e.header_offset
+        if whole[at: at + 4] != b"PK\x03\x04" or at + LOCAL_HEADER > len(whole):
+            raise unreadable(path, "zip", f"not a complete archive: record {e.name} has no local header at byte {at}")
+        name_len, extra_len = unpack("<HH", whole, at + 26)
+        start = at + LOCAL_HEADER + name_len + extra_len
+        data = view[start: start + e.size]
+        if len(data) < e.size:
+            raise unreadable(path, "zip", f"not a complete archive: record {e.name} is cut short")
+        if inspect is not None and e.size:
+            inspect(start, data)
+        if (value := crc32(data)) != e.crc:
+            raise _crc_failed(path, Record(e.name, at, start, e.size, e.crc, ()), value)
 
 
 def frozen_fragment_bytes(path: Path, names) -> dict[str, TensorBytes]:

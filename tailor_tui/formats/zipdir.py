@@ -9,6 +9,7 @@ followed for sizes and offsets past 4 GiB. Errors are `zipfile.BadZipFile`, as z
 
 from __future__ import annotations
 
+import io
 import os
 import struct
 import zipfile
@@ -79,6 +80,16 @@ def read_directory(path: Path) -> list[Entry]:
         records, directory, start = end_record(f)
         f.seek(start)
         data = f.read(directory)
+    return _entries(data, records, directory, start)
+
+
+def directory_in(archive: bytes) -> list[Entry]:
+    """Every record the whole archive `archive` (its bytes, read at once) lists, in order (BadZipFile)."""
+    records, directory, start = end_record(io.BytesIO(archive))
+    return _entries(archive[start: start + directory], records, directory, start)
+
+
+def _entries(data: bytes, records: int, directory: int, start: int) -> list[Entry]:
     if len(data) < directory:
         raise zipfile.BadZipFile("its directory is cut short (truncated)")
     entries, i, unpack = [], 0, _ENTRY.unpack_from
