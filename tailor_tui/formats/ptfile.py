@@ -309,14 +309,14 @@ SMALL_FILE = 16 << 20
 def _check_in_memory(path: Path, whole: bytes, inspect, skip: frozenset) -> None:
     """`check_crcs` of the archive `path` whose bytes are `whole`."""
     try:
-        entries = directory_in(whole)
+        entries = directory_in(whole, skip_empty=True)
     except zipfile.BadZipFile as exc:
         raise unreadable(path, "zip", f"not a complete archive: {exc}") from None
     view, crc32, unpack = memoryview(whole), crc.crc32, struct.unpack_from
     for e in entries:
         if e.compressed:
             raise Unsupported(f"record {e.name} is compressed")
-        if e.name in skip or (e.size == 0 and e.crc == 0):
+        if e.name in skip:
             continue
         at = e.header_offset
         if whole[at: at + 4] != b"PK\x03\x04" or at + LOCAL_HEADER > len(whole):

@@ -83,18 +83,20 @@ def read_directory(path: Path) -> list[Entry]:
     return _entries(data, records, directory, start)
 
 
-def directory_in(archive: bytes) -> list[Entry]:
-    """Every record the whole archive `archive` (its bytes, read at once) lists, in order (BadZipFile)."""
+def directory_in(archive: bytes, *, skip_empty: bool = False) -> list[Entry]:
+    """Every record the whole archive `archive` (its bytes, read at once) lists, in order (BadZipFile);
+    `skip_empty`: but those stored uncompressed, empty, with the CRC-32 of nothing (0), which a CRC
+    check passes unread (a ZeRO-3 model_states lists one such placeholder per parameter)."""
     records, directory, start = end_record(io.BytesIO(archive))
-    return _entries(archive[start: start + directory], records, directory, start)
+    return _entries(archive[start: start + directory], records, directory, start, skip_empty)
 
 
-def _entries(data: bytes, records: int, directory: int, start: int) -> list[Entry]:
+def _entries(data: bytes, records: int, directory: int, start: int, skip_empty: bool = False) -> list[Entry]:
     if len(data) < directory:
         raise zipfile.BadZipFile("its directory is cut short (truncated)")
-    entries, i, unpack = [], 0, _ENTRY.unpack_from
+    entries, i, unpack, central = [], 0, _ENTRY.unpack_from, data.startswith
     for _ in range(records):
-        if data[i: i + 4] != CENTRAL or i + 46 > len(data):
+        if i + 46 > len(data) or not central(CENTRAL, i):
             raise zipfile.BadZipFile(f"its directory entry at byte {start + i} is damaged")
         flags, method, crc, packed, size, name_len, extra_len, comment_len, offset = unpack(data, i)
         name_at = i + 46
@@ -102,6 +104,9 @@ def _entries(data: bytes, records: int, directory: int, start: int) -> list[Entr
         end = extra_at + extra_len + comment_len
         if end > len(data):
             raise zipfile.BadZipFile(f"its directory entry at byte {start + i} runs past the directory")
+        if skip_empty and not (size or packed or crc or method):
+            i = end
+            continue
         raw = data[name_at: extra_at]
         name = raw.decode("utf-8" if flags & 0x800 else "cp437")
         if _FULL in (size, packed, offset):
