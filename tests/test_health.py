@@ -345,3 +345,23 @@ def test_flat_statistics_match_slice_by_slice_in_any_chunking(real_run):
                         assert_close(getattr(mine, field), getattr(theirs, field), (column, row, field, chunk))
                 if column == len(checkpoints) - 1:
                     assert sums[BLOWN].nonfinite > 0
+
+
+@pytest.mark.parametrize("name", ["ds_blown_up", "ds_bf16_3_subgroups"])
+def test_each_ranks_elements_per_row_are_its_slots_real_elements(real_run, name):
+    """`row_elements` adds each slot's real elements up per row and rank as steps of a running sum;
+    the same as counting every slot on every rank, padding excluded."""
+    from tailor_tui.checkpoints.scan import scan
+    from tailor_tui.health.stats_run import row_elements
+
+    run, _spec = real_run(name)
+    for ckpt in scan(run, cache=None).checkpoints:
+        owner = ckpt.param_to_row()
+        want = []
+        for rank in range(ckpt.world_size):
+            counts: dict[str, int] = {}
+            for s in ckpt.layout.slots:
+                if s.valid(rank) and s.name in owner:
+                    counts[owner[s.name]] = counts.get(owner[s.name], 0) + s.valid(rank)
+            want.append(counts)
+        assert row_elements(ckpt, owner, {}) == want and any(want)

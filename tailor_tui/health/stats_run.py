@@ -83,7 +83,7 @@ def stats_jobs(checkpoints: tuple[Checkpoint, ...], column: int, rows: list[str]
     held = frozenset(r.name for r in ckpt.rows
                      if not r.tied and ckpt.holds(r.name) and (rows is None or r.name in rows))
     frozen = tuple((owner[name], name) for name, _ in ckpt.layout.frozen if owner.get(name) in held)
-    elements = _row_elements(ckpt, owner, known)
+    elements = row_elements(ckpt, owner, known)
     table = SlotTable.of(ckpt.layout, owner, held)  # shared by every rank's job
     if "labels" not in known:
         known["labels"] = distinct_names([c.path for c in checkpoints])
@@ -114,17 +114,30 @@ def _identity(path: Path, known: dict) -> str:
     return known["file", path]
 
 
-def _row_elements(ckpt: Checkpoint, owner: dict, known: dict) -> list[dict[str, int]]:
+def row_elements(ckpt: Checkpoint, owner: dict, known: dict) -> list[dict[str, int]]:
     """Per rank, {row: its trainable elements on that rank} (padding excluded)."""
     key = ("layout", ckpt.layout)  # every checkpoint of a run has an equal one: worked out once
     if key not in known:
-        per_rank = []
-        for rank in range(ckpt.layout.world_size):
-            counts: dict[str, int] = {}
-            for s in ckpt.layout.slots:  # `Slot.valid` inlined: ranks × parameters of them
-                if (n := min(s.part, s.numel - rank * s.part)) > 0 and (row := owner.get(s.name)) is not None:
-                    counts[row] = counts.get(row, 0) + n
-            per_rank.append(counts)
+        world = ckpt.layout.world_size
+        # a slot gives `part` elements to each rank before its last, the rest to its last: steps of a
+        # running sum per row (slots + rows × ranks of work, not slots × ranks)
+        steps: dict[str, list[int]] = {}
+        for s in ckpt.layout.slots:
+            if (row := owner.get(s.name)) is None or s.part <= 0:
+                continue
+            step = steps.setdefault(row, [0] * (world + 1))
+            full = min(s.numel // s.part, world)
+            step[0] += s.part
+            step[full] -= s.part
+            if full < world and (rest := s.numel - full * s.part) > 0:
+                step[full] += rest
+                step[full + 1] -= rest
+        per_rank: list[dict[str, int]] = [{} for _ in range(world)]
+        for row, step in steps.items():
+            n = 0
+            for rank in range(world):
+                if (n := n + step[rank]) > 0:
+                    per_rank[rank][row] = n
         known[key] = per_rank
     return known[key]
 
