@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import struct
 import zipfile
@@ -352,5 +353,23 @@ def test_a_corrupt_source_is_refused_whichever_output_rank_takes_from_it(real_ru
     checked = [taken for job in jobs for taken in job.verifies]  # every source file, by one job each
     assert sorted(checked) == sorted({taken for job in jobs for taken in job.files}) and len(jobs) == 5
     result = tailor("--apply", recipe, "--world-size", "5")
+    assert_one_line_error(result, 4, target.name, f"record {record} fails its CRC-32 check")
+    assert not (tmp_path / "composed").exists() and not hidden(tmp_path)
+
+
+def test_a_corrupt_frozen_fragment_of_a_partial_base_is_refused_when_resharding(real_run, tmp_path):
+    """A partial checkpoint's files are checked by every job that takes from them, its model_states'
+    frozen fragments whole too: a flipped bit in one is refused, not carried under a fresh CRC-32."""
+    from tailor_tui.formats.ptfile import frozen_fragment_bytes
+
+    run, spec = real_run("ds_selective_parity")
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    p4, p6 = copy / "run" / "partial-step4", copy / "run" / "partial-step6"
+    target = next(p6.glob("*/*rank_1_*model_states.pt"))
+    (fragment,) = frozen_fragment_bytes(target, list(spec.frozen)).values()
+    record = flip_byte(target, fragment.record.name, where=0.5)
+    recipe = with_world_size(write_recipe(tmp_path, p6, {"layers.0": p4, "layers.2": p4, "norm": p4}), 2)
+    result = tailor("--apply", recipe)
     assert_one_line_error(result, 4, target.name, f"record {record} fails its CRC-32 check")
     assert not (tmp_path / "composed").exists() and not hidden(tmp_path)

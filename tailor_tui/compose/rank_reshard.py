@@ -96,17 +96,17 @@ class _Sources:
 
     def to_verify(self) -> dict[Path, set]:
         """{file: its records to read whole} of the source files this job checks (`ReshardJob.verifies`):
-        a full source's every flat tensor and frozen fragment, whichever job takes from them."""
+        a full source's every flat tensor, and every frozen fragment, whichever job takes from them."""
         found: dict[Path, set] = {}
         frozen = [name for name, _pieces in self.job.frozen]
         for s, r in sorted(self.job.verifies):
             files = self.job.files[s, r]
             if files.rows is not None:  # a partial's slices: each job checks those it takes from
                 found.setdefault(files.rows, set())
-                continue
-            if (s, r) not in self.flat:
-                self.flat[s, r] = tensor_bytes(files.optim_states, self.job.source_sizes[s])
-            found.setdefault(files.optim_states, set()).update(tb.record for tb in self.flat[s, r].values())
+            else:
+                if (s, r) not in self.flat:
+                    self.flat[s, r] = tensor_bytes(files.optim_states, self.job.source_sizes[s])
+                found.setdefault(files.optim_states, set()).update(tb.record for tb in self.flat[s, r].values())
             if frozen:
                 fragments = frozen_fragment_bytes(files.model_states, frozen)
                 found.setdefault(files.model_states, set()).update(tb.record for tb in fragments.values())
@@ -164,10 +164,9 @@ def _check(fills: list, sources: _Sources, counter: ByteCounter) -> tuple[dict, 
     for path in sorted(ranges.keys() | slices.keys() | verifies.keys()):
         census = Census(regions[path])
         fd = sources.fd(path)
-        if path not in verifies:  # another job checks this file's records: the pieces alone are read
+        if path not in verifies:  # another job checks this full file's records: the pieces alone are read
             floats = {(r.at, r.length): r for r in regions[path]}
-            for at, n in sorted({(at, n) for _r, at, n in ranges[path]}
-                                | {piece for inside in slices[path].values() for piece in inside}):
+            for at, n in sorted({(at, n) for _r, at, n in ranges[path]}):
                 region = floats.get((at, n))
                 crcs[path, at, n] = crc_range(fd, at, n, buffer, counter.add,
                                               None if region is None else _counter_of(region, nonfinite))
