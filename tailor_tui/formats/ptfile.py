@@ -150,12 +150,7 @@ def _records(path: Path) -> dict[str, Record]:
         for e in entries:
             if e.compressed:
                 raise Unsupported(f"record {e.name} is compressed")
-            head = window.read(e.header_offset, LOCAL_HEADER)
-            if len(head) < LOCAL_HEADER or head[:4] != b"PK\x03\x04":
-                raise unreadable(path, "zip", f"not a complete archive: record {e.name} has no local header "
-                                              f"at byte {e.header_offset}")
-            name_len, extra_len = struct.unpack_from("<HH", head, 26)
-            data_offset = e.header_offset + LOCAL_HEADER + name_len + extra_len
+            data_offset = _data_start(path, e.name, window.read(e.header_offset, LOCAL_HEADER), e.header_offset)
             if e.flags & 0x08:
                 # torch writes a data descriptor after each record; its CRC is the one that counts
                 # (the local header's is 0). The descriptor may or may not start with a signature.
@@ -166,6 +161,15 @@ def _records(path: Path) -> dict[str, Record]:
             records[e.name] = Record(name=e.name, header_offset=e.header_offset, data_offset=data_offset,
                                      size=e.size, crc=e.crc, crc_offsets=(crc_at, e.crc_field))
     return records
+
+
+def _data_start(path: Path, name: str, head: bytes, header_offset: int) -> int:
+    """Where the data of record `name` starts, from `head`, the bytes of its local header."""
+    if len(head) < LOCAL_HEADER or head[:4] != b"PK\x03\x04":
+        raise unreadable(path, "zip", f"not a complete archive: record {name} has no local header at byte "
+                                      f"{header_offset}")
+    name_len, extra_len = struct.unpack_from("<HH", head, 26)
+    return header_offset + LOCAL_HEADER + name_len + extra_len
 
 
 # How reading a damaged or crafted pickle fails, besides a refused global
@@ -312,17 +316,14 @@ def _check_in_memory(path: Path, whole: bytes, inspect, skip: frozenset) -> None
         entries = directory_in(whole, skip_empty=True)
     except zipfile.BadZipFile as exc:
         raise unreadable(path, "zip", f"not a complete archive: {exc}") from None
-    view, crc32, unpack = memoryview(whole), crc.crc32, struct.unpack_from
+    view, crc32 = memoryview(whole), crc.crc32
     for e in entries:
         if e.compressed:
             raise Unsupported(f"record {e.name} is compressed")
         if e.name in skip:
             continue
         at = e.header_offset
-        if whole[at: at + 4] != b"PK\x03\x04" or at + LOCAL_HEADER > len(whole):
-            raise unreadable(path, "zip", f"not a complete archive: record {e.name} has no local header at byte {at}")
-        name_len, extra_len = unpack("<HH", whole, at + 26)
-        start = at + LOCAL_HEADER + name_len + extra_len
+        start = _data_start(path, e.name, whole[at: at + LOCAL_HEADER], at)
         data = view[start: start + e.size]
         if len(data) < e.size:
             raise unreadable(path, "zip", f"not a complete archive: record {e.name} is cut short")

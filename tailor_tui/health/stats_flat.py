@@ -74,7 +74,7 @@ def flat_stats(job: StatsJob, sums: dict[str, RowSums], stack, counter: ByteCoun
     path, table = job.files.optim_states, job.table
     obj, records, prefix = read_structure(path)
     inner = optimizer_state(obj, path, job.group_sizes)
-    mine = {(g, key): _fp32(locate(flat_tensor(inner, g, key), records, prefix), path, g, key)
+    mine = {(g, key): fp32_tensor(locate(flat_tensor(inner, g, key), records, prefix), path, g, key)
             for g in range(len(job.group_sizes)) for key in TENSORS}
     if not _laid_out_flat(mine.values()):
         return False
@@ -95,7 +95,7 @@ def flat_stats(job: StatsJob, sums: dict[str, RowSums], stack, counter: ByteCoun
         theirs = read_structure(prev_path)
         inner_prev = optimizer_state(theirs[0], prev_path, job.group_sizes)
         for g in range(len(job.group_sizes)):
-            tb = _fp32(locate(flat_tensor(inner_prev, g, "fp32"), theirs[1], theirs[2]), prev_path, g, "fp32")
+            tb = fp32_tensor(locate(flat_tensor(inner_prev, g, "fp32"), theirs[1], theirs[2]), prev_path, g, "fp32")
             prev[c, g] = (fd, tb.offset - mine[g, "fp32"].offset)
     fd = open_fd(stack, path)
     size = min(chunk, max(tb.record.size for tb in mine.values()))
@@ -116,7 +116,15 @@ def flat_stats(job: StatsJob, sums: dict[str, RowSums], stack, counter: ByteCoun
     return True
 
 
-def _fp32(tb: TensorBytes, path, group: int, key: str) -> TensorBytes:
+def prefetch(ahead: dict[int, Readahead], fd: int, position: int, end: int) -> None:
+    """Keep the disk reading ahead of a reader of `fd` about to read from `position` of a range ending at
+    `end` (one `Readahead` per file in `ahead`)."""
+    (ahead.get(fd) or ahead.setdefault(fd, Readahead(fd))).before(position, end)
+
+
+def fp32_tensor(tb: TensorBytes, path, group: int, key: str) -> TensorBytes:
+    """`tb`, a flat tensor of optimizer state; CheckpointError unless it holds fp32 values (health
+    statistics read those)."""
     dtype = dtype_name(tb.dtype) if tb.dtype != "UntypedStorage" else "float32"
     if dtype != "float32" or tb.itemsize != 4:
         raise CheckpointError(f"{path}: its {key} of sub-group {group} is {dtype}; health statistics "
@@ -131,7 +139,7 @@ def _laid_out_flat(tensors) -> bool:
         (tb.offset - tb.record.data_offset) % 4 == 0 and tb.record.size % 4 == 0 for tb in tensors)
 
 
-def _per_slice(ufunc, values: np.ndarray, bounds: np.ndarray, dtype=None) -> np.ndarray:
+def per_slice(ufunc, values: np.ndarray, bounds: np.ndarray, dtype=None) -> np.ndarray:
     """`ufunc` reduced over each [lo, hi) of `bounds` ([lo0, hi0, lo1, hi1, ...], non-empty, in order)."""
     if bounds[-1] == len(values):  # reduceat takes the last start to the end by itself
         bounds = bounds[:-1]
@@ -153,7 +161,7 @@ class _Reader:
         value, position, end = 0, start, start + size
         while position < end:
             view = buffer[: min(len(buffer), end - position)]
-            self._ahead(self.fd).before(position, end)
+            prefetch(self.ahead, self.fd, position, end)
             pread_into(self.fd, view, position)
             if expected is not None:
                 value = crc32(view, value)
@@ -164,9 +172,6 @@ class _Reader:
             self.counter.add(len(view))
         return expected is None or value == expected
 
-    def _ahead(self, fd: int) -> Readahead:
-        return self.ahead.get(fd) or self.ahead.setdefault(fd, Readahead(fd))
-
     def _chunk(self, view: memoryview, position: int, which: slice) -> None:
         acc, key = self.acc, self.key
         x = np.frombuffer(view, dtype="<f4")
@@ -176,17 +181,17 @@ class _Reader:
         bounds = np.empty(2 * len(lo), np.int64)
         bounds[0::2], bounds[1::2] = lo, hi
         finite = np.isfinite(x)
-        bad = lengths - _per_slice(np.add, finite, bounds, np.int64)
+        bad = lengths - per_slice(np.add, finite, bounds, np.int64)
         np.add.at(acc.nonfinite, rows, bad)
         if key == "exp_avg":
             return
         xz = x if finite.all() else np.where(finite, x, np.float32(0))
         if key == "exp_avg_sq":
             some = bad < lengths
-            np.maximum.at(acc.v_max, rows[some], _per_slice(np.maximum, xz, bounds)[some].astype(np.float64))
+            np.maximum.at(acc.v_max, rows[some], per_slice(np.maximum, xz, bounds)[some].astype(np.float64))
             return
         np.add.at(acc.count, rows, lengths)
-        np.add.at(acc.sumsq, rows, _per_slice(np.add, np.square(xz, dtype=np.float64), bounds))
+        np.add.at(acc.sumsq, rows, per_slice(np.add, np.square(xz, dtype=np.float64), bounds))
         classes = self.classes[which]
         for c, (fd, shift) in self.shifts.items():
             mine = np.flatnonzero(classes == c)
@@ -198,18 +203,18 @@ class _Reader:
         masters lie at `at` + 4·lo in `fd` (elements finite in both only), into their rows."""
         acc, first, last = self.acc, int(lo[0]), int(hi[-1])
         prev = self.buffers[1][: (last - first) * 4]
-        self._ahead(fd).before(at + first * 4, at + last * 4)
+        prefetch(self.ahead, fd, at + first * 4, at + last * 4)
         pread_into(fd, prev, at + first * 4)
         self.counter.add(int((hi - lo).sum()) * 4)
         bounds = np.empty(2 * len(lo), np.int64)
         bounds[0::2], bounds[1::2] = lo - first, hi - first
         p = np.frombuffer(prev, dtype="<f4")
         prev_finite = np.isfinite(p)
-        np.add.at(acc.prev_nonfinite, rows, (hi - lo) - _per_slice(np.add, prev_finite, bounds, np.int64))
+        np.add.at(acc.prev_nonfinite, rows, (hi - lo) - per_slice(np.add, prev_finite, bounds, np.int64))
         both = prev_finite & finite[first:last]
         x = xz[first:last]
         if not both.all():
             p, x = np.where(both, p, np.float32(0)), np.where(both, x, np.float32(0))
-        np.add.at(acc.diff_sq, rows, _per_slice(np.add, np.square(x - p, dtype=np.float64), bounds))
-        np.add.at(acc.prev_sq, rows, _per_slice(np.add, np.square(p, dtype=np.float64), bounds))
+        np.add.at(acc.diff_sq, rows, per_slice(np.add, np.square(x - p, dtype=np.float64), bounds))
+        np.add.at(acc.prev_sq, rows, per_slice(np.add, np.square(p, dtype=np.float64), bounds))
         acc.has_prev[rows] = True

@@ -82,10 +82,9 @@ class StatsJob:
 
     def slots(self) -> tuple[SlotRead, ...]:
         """Each trainable parameter's slice on this rank, of the rows to read."""
-        rank, owner, rows, found = self.rank, self.owner, self.rows, []
+        found = []
         for s in self.layout.slots:
-            valid = min(s.part, s.numel - rank * s.part)  # `Slot.valid`, inlined: 100,000s of slots on a wide run
-            if valid > 0 and (row := owner.get(s.name)) in rows:
+            if (valid := s.valid(self.rank)) and (row := self.owner.get(s.name)) in self.rows:
                 found.append(SlotRead(row, s.name, s.group, s.offset, valid))
         return tuple(found)
 

@@ -29,7 +29,7 @@ from tailor_tui.checkpoints.partial_rows import partial_slice, read_rows_file
 from tailor_tui.formats.pickled import dtype_name
 from tailor_tui.formats.ptfile import Unsupported, frozen_fragment_bytes, locate, read_structure
 from tailor_tui.formats.safetensors_in import safetensors_tensors
-from tailor_tui.health.stats_flat import can_read_flat, flat_stats
+from tailor_tui.health.stats_flat import can_read_flat, flat_stats, fp32_tensor, per_slice, prefetch
 from tailor_tui.health.stats_job import RankStats, RankStatsRead, RowSums, SlotRead, StatsJob
 
 CHUNK = 1 << 20
@@ -105,13 +105,9 @@ def _reads(job: StatsJob, slots: tuple[SlotRead, ...], sums: dict[str, RowSums],
         by_record: dict = {}
         for g in range(len(job.group_sizes)):
             for key in TENSORS:
-                tb = locate(flat_tensor(inner, g, key), records, prefix)
-                dtype = dtype_name(tb.dtype) if tb.dtype != "UntypedStorage" else "float32"
-                if dtype != "float32" or tb.itemsize != 4:
-                    raise CheckpointError(f"{path}: its {key} of sub-group {g} is {dtype}; health statistics "
-                                          "read fp32 optimizer states")
+                tb = fp32_tensor(locate(flat_tensor(inner, g, key), records, prefix), path, g, key)
                 regions = by_record.setdefault(tb.record, [])
-                regions += [_region(s, key, tb.offset + s.offset * 4, dtype, sums, prev_at)
+                regions += [_region(s, key, tb.offset + s.offset * 4, "float32", sums, prev_at)
                             for s in slots if s.group == g and s.valid]
         reads += [(fd, r.data_offset, r.size, r.crc, sorted(regs, key=lambda x: x.start))
                   for r, regs in sorted(by_record.items(), key=lambda item: item[0].data_offset)]
@@ -159,7 +155,7 @@ def _read(fd: int, start: int, length: int, expected: int | None, regions: list[
     value, position, end, first = 0, start, start + length, 0
     while position < end:
         view = buffer[: min(len(buffer), end - position)]
-        (ahead.get(fd) or ahead.setdefault(fd, Readahead(fd))).before(position, end)
+        prefetch(ahead, fd, position, end)
         pread_into(fd, view, position)
         if expected is not None:
             value = crc32(view, value)
@@ -179,7 +175,7 @@ def _read(fd: int, start: int, length: int, expected: int | None, regions: list[
                 if r.prev_fd is not None:
                     prev = prev_buffer[: b - a]
                     at = r.prev_at + (a - r.start)
-                    _prefetch(ahead, r.prev_fd, at, r.prev_at + (r.end - r.start))
+                    prefetch(ahead, r.prev_fd, at, r.prev_at + (r.end - r.start))
                     pread_into(r.prev_fd, prev, at)
                     counter.add(b - a)
                 _consume(r, view[a - position: b - position], prev)
@@ -223,10 +219,6 @@ def _consume(region: _Region, data: memoryview, prev: memoryview | None) -> None
     sums.prev_sq += _dot(p, p)
 
 
-def _prefetch(ahead: dict[int, Readahead], fd: int, position: int, end: int) -> None:
-    (ahead.get(fd) or ahead.setdefault(fd, Readahead(fd))).before(position, end)
-
-
 def _consume_together(here: list, view: memoryview, position: int, prev_buffer: memoryview,
                       counter: ByteCounter, ahead: dict[int, Readahead]) -> bool:
     """`_consume` for every region of a chunk at once (a few numpy calls, however many
@@ -242,47 +234,41 @@ def _consume_together(here: list, view: memoryview, position: int, prev_buffer: 
                 or (shift is not None and r.prev_at - r.start != shift):
             return False
     first, last = here[0][1], here[-1][2]
-    n = (last - first) // 4
     x = np.frombuffer(view[first - position: last - position], dtype="<f4")
     bounds = np.fromiter((q for _r, a, b in here for q in ((a - first) // 4, (b - first) // 4)),
                          dtype=np.int64, count=2 * len(here))
     lengths = bounds[1::2] - bounds[::2]
 
-    def per_region(ufunc, values, dtype=None):  # the reduction over each region's [a, b)
-        padded = np.empty(n + 1, dtype=dtype or values.dtype)
-        padded[:n], padded[n] = values, 0
-        return ufunc.reduceat(padded, bounds, dtype=dtype)[::2]
-
     finite = np.isfinite(x)
-    bad = lengths - per_region(np.add, finite, np.int64)
+    bad = lengths - per_slice(np.add, finite, bounds, np.int64)
     for (r, _a, _b), k in zip(here, bad.tolist()):
         r.sums.nonfinite += k
     if r0.kind == "exp_avg":
         return True
     xz = np.where(finite, x, np.float32(0))
     if r0.kind == "exp_avg_sq":
-        tops = per_region(np.maximum, xz).tolist()
+        tops = per_slice(np.maximum, xz, bounds).tolist()
         for (r, _a, _b), k, length, top in zip(here, bad.tolist(), lengths.tolist(), tops):
             if k < length:
                 r.sums.v_max = top if r.sums.v_max is None else max(r.sums.v_max, top)
         return True
-    squares = per_region(np.add, np.square(xz, dtype=np.float64)).tolist()
+    squares = per_slice(np.add, np.square(xz, dtype=np.float64), bounds).tolist()
     for (r, _a, _b), length, sq in zip(here, lengths.tolist(), squares):
         r.sums.count += length
         r.sums.sumsq += sq
     if shift is None:
         return True
     prev = prev_buffer[: last - first]
-    _prefetch(ahead, r0.prev_fd, first + shift, here[-1][0].end + shift)
+    prefetch(ahead, r0.prev_fd, first + shift, here[-1][0].end + shift)
     pread_into(r0.prev_fd, prev, first + shift)
     counter.add(int(lengths.sum()) * 4)
     p = np.frombuffer(prev, dtype="<f4")
     prev_finite = np.isfinite(p)
-    prev_bad = lengths - per_region(np.add, prev_finite, np.int64)
+    prev_bad = lengths - per_slice(np.add, prev_finite, bounds, np.int64)
     both = prev_finite & finite
     p, xz = np.where(both, p, np.float32(0)), np.where(both, xz, np.float32(0))
-    diffs = per_region(np.add, np.square(xz - p, dtype=np.float64)).tolist()
-    prevs = per_region(np.add, np.square(p, dtype=np.float64)).tolist()
+    diffs = per_slice(np.add, np.square(xz - p, dtype=np.float64), bounds).tolist()
+    prevs = per_slice(np.add, np.square(p, dtype=np.float64), bounds).tolist()
     for (r, _a, _b), k, d, q in zip(here, prev_bad.tolist(), diffs, prevs):
         r.sums.has_prev = True
         r.sums.prev_nonfinite += k

@@ -91,7 +91,7 @@ class ComposePlan:
         layout = self.base.layout
         copies, padding, row_slots = [], [], []
         for slot in layout.slots:
-            valid = max(0, min(slot.part, slot.numel - rank * slot.part))  # `Slot.valid`, inlined: ranks × slots
+            valid = slot.valid(rank)
             if valid:
                 row_slots.append(RowSlot(owner[slot.name], slot.name, slot.group, slot.offset, valid,
                                          src.get(slot.name, 0)))
