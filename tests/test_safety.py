@@ -113,6 +113,23 @@ def test_kill_9_at_any_moment_leaves_nothing_and_a_rerun_succeeds(real_run, tmp_
     assert hidden(tmp_path) == []  # the killed run's temp folder was cleaned up too
 
 
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP])
+def test_a_worker_that_dies_is_one_line_and_leaves_nothing(real_run, tmp_path, sig):
+    """A worker killed mid-composition (the OOM killer's SIGKILL; a hangup) is said in one line,
+    by its signal; nothing is left behind."""
+    run, spec = real_run("hf_bf16_2")
+    c2, c4, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c4})
+    proc = start_apply(recipe, "-j", "2")
+    seen = wait_for_line(proc, "rank ")
+    for pid in children_of(proc.pid):  # the workers (forked: no other child)
+        os.kill(pid, sig)
+    err = finish(proc, seen)
+    assert_one_line_error(subprocess.CompletedProcess([], proc.returncode, "", err), 6,
+                          f"a worker process died before its task was done (killed by {sig.name}")
+    assert not (tmp_path / "composed").exists() and hidden(tmp_path) == []
+
+
 @pytest.mark.parametrize("when", ["composing", "rank "])  # while workers start; mid-composition
 def test_ctrl_c_stops_workers_and_cleans_up(real_run, tmp_path, when):
     run, spec = real_run("hf_bf16_2")

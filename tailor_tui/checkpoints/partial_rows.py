@@ -16,7 +16,7 @@ from typing import Callable
 
 from tailor_tui import crc
 from tailor_tui.errors import CheckpointError
-from tailor_tui.fileio import crc_range
+from tailor_tui.reading import crc_range
 from tailor_tui.formats.safetensors_in import safetensors_header, tensor_places
 
 CRC_METADATA = "crc32"
@@ -64,7 +64,7 @@ Check = tuple  # (offset in the file read, length, the rows file, its CRC-32s, t
 def crc_range_checked(fd: int, offset: int, length: int, checks: list[Check], buffer: memoryview,
                       on_bytes: Callable[[int], None] = lambda n: None,
                       inspect: Callable[[int, memoryview], None] | None = None) -> int:
-    """`fileio.crc_range` of a range of `fd` that holds slices copied from rows files: each
+    """`reading.crc_range` of a range of `fd` that holds slices copied from rows files: each
     slice's CRC-32 is also checked (`checks`, inside the range, not overlapping), with every
     byte still read once."""
     value, at, end = 0, offset, offset + length

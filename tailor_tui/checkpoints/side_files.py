@@ -15,7 +15,7 @@ import os
 import re
 from pathlib import Path
 
-from tailor_tui.fileio import open_regular
+from tailor_tui.reading import open_regular
 
 MAX_SIDE_FILE = 1 << 20  # bytes: config.json and the like are a few KiB
 MAX_RECORD = 64 << 20  # records that grow with the model or the run: an index, a manifest, a provenance record

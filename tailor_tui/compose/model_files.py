@@ -27,16 +27,8 @@ from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, MODULE
 from tailor_tui.formats.dtypes import SAFETENSORS_ITEMSIZE
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
-from tailor_tui.fileio import (
-    OpenFiles,
-    Writeback,
-    copy_range,
-    fsync,
-    open_fd,
-    output_error,
-    pread_into,
-    pwrite_all,
-)
+from tailor_tui.fileio import OpenFiles, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
+from tailor_tui.reading import pread_into
 from tailor_tui.planning.jobs import ModelFileJob
 from tailor_tui import crc
 from tailor_tui.checkpoints.partial_rows import check_crc, partial_slice, read_rows_file

@@ -26,7 +26,8 @@ from tailor_tui import crc
 from tailor_tui.formats.ds_format import TENSORS
 from tailor_tui.errors import OutputError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
-from tailor_tui.fileio import OpenFiles, Writeback, copy_range, crc_range, fsync, open_fd, output_error
+from tailor_tui.fileio import OpenFiles, Writeback, copy_range, fsync, open_fd, output_error
+from tailor_tui.reading import crc_range
 from tailor_tui.formats.nonfinite import EXPONENT, Census, Region, count
 from tailor_tui.checkpoints.partial_rows import check_crc, partial_slice, read_rows_file
 from tailor_tui.formats.pickled import dtype_name

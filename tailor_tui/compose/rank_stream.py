@@ -18,15 +18,8 @@ from tailor_tui import crc
 from tailor_tui.formats.ds_format import TENSORS, flat_tensor, optimizer_state
 from tailor_tui.errors import IncompatibleError
 from tailor_tui.events import ByteCounter
-from tailor_tui.fileio import (
-    Writeback,
-    copy_range,
-    crc_range,
-    fsync,
-    open_fd,
-    output_error,
-    pwrite_all,
-)
+from tailor_tui.fileio import Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
+from tailor_tui.reading import crc_range
 from tailor_tui.planning.jobs import RankJob
 from tailor_tui.formats.nonfinite import Census, Region
 from tailor_tui.checkpoints.partial_rows import check_crc, partial_slice, read_rows_file

@@ -25,7 +25,8 @@ from tailor_tui.formats.ds_format import MODULE
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.export.plan import ExportJob, Span
-from tailor_tui.fileio import crc_range, fsync, open_fd, output_error, pwrite_all
+from tailor_tui.fileio import fsync, open_fd, output_error, pwrite_all
+from tailor_tui.reading import crc_range
 from tailor_tui.checkpoints.partial_rows import check_crc, partial_slice, read_rows_file
 from tailor_tui.formats.pickled import dtype_name
 from tailor_tui.formats.ptfile import Unsupported, checked_crcs, frozen_fragment_bytes, locate, read_structure

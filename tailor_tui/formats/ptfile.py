@@ -26,7 +26,7 @@ from typing import NamedTuple
 from tailor_tui import crc
 from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, unsupported_version, version_in_pickle
 from tailor_tui.errors import CheckpointError
-from tailor_tui.fileio import Window, crc_range, open_regular
+from tailor_tui.reading import Window, crc_range, open_regular
 from tailor_tui.formats.pickled import MAX_PICKLE_BYTES, TensorRef, read_pickle
 from tailor_tui.formats.ptlegacy import START as LEGACY_START
 from tailor_tui.formats.ptlegacy import LegacyError, read_legacy

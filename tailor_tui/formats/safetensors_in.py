@@ -14,7 +14,7 @@ import struct
 from pathlib import Path
 
 from tailor_tui.errors import CheckpointError
-from tailor_tui.fileio import open_regular
+from tailor_tui.reading import open_regular
 from tailor_tui.formats.dtypes import SAFETENSORS_ITEMSIZE
 
 

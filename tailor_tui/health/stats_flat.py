@@ -23,7 +23,8 @@ import numpy as np
 from tailor_tui.crc import crc32
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter
-from tailor_tui.fileio import Readahead, open_fd, pread_into
+from tailor_tui.fileio import open_fd
+from tailor_tui.reading import Readahead, pread_into
 from tailor_tui.formats.ds_format import TENSORS, flat_tensor, optimizer_state
 from tailor_tui.formats.pickled import dtype_name
 from tailor_tui.formats.ptfile import TensorBytes, locate, read_structure

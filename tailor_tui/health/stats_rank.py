@@ -23,7 +23,8 @@ from tailor_tui.crc import crc32
 from tailor_tui.formats.ds_format import TENSORS, flat_tensor, optimizer_state
 from tailor_tui.errors import CheckpointError, Cancelled
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
-from tailor_tui.fileio import Readahead, open_fd, pread_into
+from tailor_tui.fileio import open_fd
+from tailor_tui.reading import Readahead, pread_into
 from tailor_tui.formats.nonfinite import EXPONENT, count
 from tailor_tui.checkpoints.partial_rows import partial_slice, read_rows_file
 from tailor_tui.formats.pickled import dtype_name

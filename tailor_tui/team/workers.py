@@ -1,8 +1,9 @@
 """Running a composition's tasks: inline, or in a pool of worker processes.
 
-Workers are spawned (not forked) with SIGINT held back, ignore Ctrl-C (the parent alone
-decides how to stop), leave by themselves when orphaned (kill -9 of the parent), and
-report progress through a queue; the parent turns a cancel flag into a stop event.
+Workers start with SIGINT held back, ignore Ctrl-C (the parent alone decides how to stop),
+leave by themselves when orphaned (kill -9 of the parent), and report progress through a
+queue; the parent turns a cancel flag into a stop event. They are forked where that is safe
+(see `start_method`), else spawned.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ import contextlib
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING
 
+from tailor_tui.errors import OutputError
 from tailor_tui.events import Emit, TaskFinished, TaskOptions
 
 if TYPE_CHECKING:  # for annotations only: statistics run calls without loading the planner
@@ -142,11 +145,27 @@ def prepare_worker_processes() -> None:
     resource_tracker.ensure_running()
 
 
+# Modules that start threads of their own (OpenMP, BLAS pools) that Python does not count
+THREADED_MODULES = ("torch", "numpy", "textual")
+
+
+def start_method() -> str:
+    """How workers start: forked where this process is one thread and has loaded nothing that
+    starts threads of its own (a fork copies a lock another thread holds, still held, so a
+    worker could wait on it forever): the command line's composing process. A forked worker
+    starts in milliseconds with what its parent imported; a spawned one (the TUI, a process
+    with torch or numpy loaded) starts a fresh interpreter and imports what it runs (~0.15 s)."""
+    if sys.platform != "linux" or threading.active_count() > 1 or any(m in sys.modules for m in THREADED_MODULES):
+        return "spawn"
+    return "fork"
+
+
 def run_pool(calls: list[Call], workers: int, emit: Emit, cancel: threading.Event, options: TaskOptions) -> list:
     import multiprocessing as mp
     from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+    from concurrent.futures.process import BrokenProcessPool
 
-    ctx = mp.get_context("spawn")  # fork after torch has started threads can deadlock
+    ctx = mp.get_context(start_method())
     events, stop = ctx.Queue(), ctx.Event()
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
                                initargs=(events, stop, os.getpid()))
@@ -169,6 +188,8 @@ def run_pool(calls: list[Call], workers: int, emit: Emit, cancel: threading.Even
             for f in done:
                 if f.exception() is not None:
                     stop.set()
+                    if isinstance(f.exception(), BrokenProcessPool):
+                        raise worker_lost(pool) from None
                     raise f.exception()
         # A worker's events go through its queue's feeder thread and may arrive after its
         # result: wait for every task's last event, so no rank's bar stops short of done.
@@ -181,6 +202,16 @@ def run_pool(calls: list[Call], workers: int, emit: Emit, cancel: threading.Even
         # exited) before those are released.
         stop.set()
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def worker_lost(pool) -> OutputError:
+    """What to say when a worker process died mid-task (the pool is broken): by its signal, read
+    from the pool's processes where it keeps them (the others were then stopped with SIGTERM)."""
+    codes = {p.exitcode for p in (getattr(pool, "_processes", None) or {}).values()}
+    killed = sorted(signal.Signals(-c).name for c in codes if c is not None and c < 0 and -c != signal.SIGTERM)
+    how = f" (killed by {killed[0]}{', the out-of-memory killer?' if killed[0] == 'SIGKILL' else ''})" if killed else ""
+    return OutputError(f"a worker process died before its task was done{how}; run again, with fewer --workers "
+                       "if memory is short")
 
 
 @contextlib.contextmanager
