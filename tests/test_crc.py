@@ -42,4 +42,3 @@ def test_the_c_combine_and_the_python_one_agree():
         a, b, n = rng.getrandbits(32), rng.getrandbits(32), rng.randrange(0, 1 << 42)
         assert crc.combine(a, b, n) == crc.combine_in_python(a, b, n)
         assert crc.shift(a, n) == crc.shift_in_python(a, n)
-
