@@ -78,6 +78,26 @@ def test_scan_caches_under_the_cache_root_by_default(real_run, tmp_path, monkeyp
     assert scan(run) == first and unpickled == []
 
 
+def test_a_plan_after_a_scan_unpickles_nothing_and_is_the_same(real_run, tmp_path, unpickled):
+    """build_plan opens its checkpoints as a scan does: from the cache when it holds them."""
+    from helpers import write_recipe
+
+    from tailor_tui.planning.build import build_plan
+    from tailor_tui.planning.recipe import parse_recipe
+
+    run, spec = real_run("hf_bf16_2")
+    c2, c4, c6 = checkpoints_of(run, spec)
+    path = write_recipe(tmp_path, c6, {"layers.1": c4, "embed_tokens": c2})
+    recipe = parse_recipe(path.read_text(), str(path), path.parent)
+    fresh = build_plan(recipe, cache=None)
+    cache = tmp_path / "cache"
+    scan(run, cache=cache)
+    unpickled.clear()
+    cached = build_plan(recipe, cache=cache)
+    assert unpickled == []
+    assert cached.rank_jobs() == fresh.rank_jobs() and cached.model_file_jobs() == fresh.model_file_jobs()
+
+
 def test_a_changed_model_states_file_is_read_again(real_run, tmp_path, unpickled):
     run, spec = real_run("ds_bf16_3_subgroups")
     copy = tmp_path / "run"

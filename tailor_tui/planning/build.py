@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 from pathlib import Path
 
+from tailor_tui.checkpoints.cache import ROOT, Where, chosen
 from tailor_tui.checkpoints.checkpoint import (
     Checkpoint,
     incompatibility,
@@ -24,9 +25,9 @@ from tailor_tui.planning.recipe import Recipe
 from tailor_tui.resharding.partition import check_world_size, plan_reshard
 
 
-def _open(path: Path, where: str, what: str) -> Checkpoint:
+def _open(path: Path, where: str, what: str, cache: Path | None) -> Checkpoint:
     try:
-        ckpt = open_checkpoint(path)
+        ckpt = open_checkpoint(path, cache=cache)
         ckpt.check_complete()
         return ckpt
     except CheckpointError as exc:
@@ -50,13 +51,16 @@ def _resolve_row(base: Checkpoint, name: str, where: str) -> str:
 
 
 def build_plan(recipe: Recipe, output: str | Path | None = None, force: bool = False,
-               check_output: bool = True, preview: bool = False, world_size: int | None = None) -> ComposePlan:
+               check_output: bool = True, preview: bool = False, world_size: int | None = None, *,
+               cache: Path | None | Where = ROOT) -> ComposePlan:
     """Check `recipe` against its checkpoints; raise a TailorError naming the first problem.
 
     `check_output=False` is for verifying a finished output, which exists by then;
     `preview=True` (`--dry-run`) turns what only writing would refuse into a warning;
-    `world_size` (`--world-size`) overrides the recipe's."""
-    base = _open(recipe.base, recipe.location("base"), "base")
+    `world_size` (`--world-size`) overrides the recipe's. What each checkpoint's rank-0
+    model_states file says comes from `cache` as a scan's does (`scan_cache`; None: read)."""
+    cache = chosen(cache)
+    base = _open(recipe.base, recipe.location("base"), "base", cache)
     target = world_size or recipe.world_size
     if target is not None:
         why = check_world_size(base, target)
@@ -82,7 +86,7 @@ def build_plan(recipe: Recipe, output: str | Path | None = None, force: bool = F
         spelled[row] = name
         ckpt_index = by_path.get(_resolved(path))
         if ckpt_index is None:
-            src = _open(path, where, f"row '{row}'")
+            src = _open(path, where, f"row '{row}'", cache)
             ckpt_index = by_path.get(src.path.resolve())
             if ckpt_index is None:
                 _check_compatible(base, src, where, row, resharding=target is not None)
