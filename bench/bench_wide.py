@@ -5,7 +5,8 @@ made once) is resharded by tailor-tui into W ranks (256, 512), checkpoint by che
 tag folders are put side by side in a save_dir: the same model and checkpoints, saved by W ranks.
 Then, in turn, several times, on the 2-rank run and on each W-rank run (everything in page cache):
 
-- `--apply --no-fsync` of a recipe taking rows from three checkpoints (the newest as base);
+- `--apply --no-fsync` of a recipe taking rows from three checkpoints (the newest as base; the
+  checkpoints scanned once before, as the TUI or an earlier command would have);
 - `--stats` with an empty statistics cache (cold: every rank file read);
 - `--apply --world-size W` of one checkpoint (the reshard that made the wide run);
 - `cp -r` of one checkpoint (the yardstick: the bytes alone).
@@ -31,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench_merge import as_installed  # noqa: E402
 from tailor_tui.runs.demo_run import RunSpec, make_run  # noqa: E402
 
 TAILOR = str(Path(sys.executable).with_name("tailor-tui"))
@@ -106,11 +108,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cache", type=Path, default=ROOT / ".tailor-cache" / "bench")
     args = ap.parse_args()
+    as_installed()
     narrow = narrow_run(args.cache)
     runs = {2: narrow, **{w: wide_run(args.cache, narrow, w) for w in args.ranks}}
     rows: dict[tuple[int, str], list[tuple[float, int]]] = {}
     with tempfile.TemporaryDirectory(dir=args.cache) as tmp:
         work = Path(tmp)
+        for w, run in runs.items():  # scanned once before, as the TUI or an earlier command would have
+            subprocess.run([TAILOR, "--apply", recipe_of(run, work, f"scan-{w}"), "--dry-run"], check=True,
+                           stdout=subprocess.DEVNULL)
         for _ in range(args.repeats):
             for w, run in runs.items():
                 out = work / f"out-{w}"
