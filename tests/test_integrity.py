@@ -146,6 +146,50 @@ def test_verify_compares_bytes_negative_zero_is_not_zero(real_run, tmp_path):
     assert result.returncode == 7 and f"padding after {slot.name} (fp32) is not zero bytes" in result.stdout
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_base_whose_padding_is_not_zero_gives_zeros_there(real_run, tmp_path, workers):
+    """The output's padding is zero bytes: a base's is kept where it already is (nearly always) and
+    replaced by zeros, with its records' CRC-32s, where it is not (here: -0.0, 1.5 and NaN in the
+    padding of a rank's three flat tensors); the output passes --verify and DeepSpeed's own load."""
+    from zero_reader import read_full_state
+
+    from tailor_tui.planning.build import build_plan
+    from tailor_tui.planning.recipe import load_recipe
+
+    run, spec = real_run("hf_fp32_3_tied")  # 3 ranks: padded parameters
+    c2, c4, c6 = checkpoints_of(run, spec)
+    base = tmp_path / "base" / c6.name
+    shutil.copytree(c6, base)
+    recipe = write_recipe(tmp_path, base, {"layers.1": c4})
+    layout = build_plan(load_recipe(recipe), check_output=False, cache=None).base.layout
+    rank = layout.world_size - 1
+    padded = [s for s in layout.slots if s.valid(rank) < s.part]
+    optim = next(base.glob(f"*/*rank_{rank}_*optim_states.pt"))
+
+    def garbage_in_padding(state):
+        inner = state["optimizer_state_dict"]
+        flats = [inner["fp32_flat_groups"], *([g["exp_avg"] for g in inner["optimizer_state_dict"]["state"].values()],
+                                              [g["exp_avg_sq"] for g in inner["optimizer_state_dict"]["state"].values()])]
+        with torch.no_grad():
+            for flat, value in zip(flats, (-0.0, 1.5, float("nan"))):
+                for slot in padded:
+                    flat[slot.group][slot.offset + slot.valid(rank): slot.offset + slot.part] = value
+
+    _resave(optim, garbage_in_padding)
+    result = tailor("--apply", recipe, "-j", workers)
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "composed"
+    state = torch.load(next(out.glob(f"*/*rank_{rank}_*optim_states.pt")), weights_only=False)["optimizer_state_dict"]
+    flats = [state["fp32_flat_groups"], *([g["exp_avg"] for g in state["optimizer_state_dict"]["state"].values()],
+                                          [g["exp_avg_sq"] for g in state["optimizer_state_dict"]["state"].values()])]
+    for flat in flats:
+        for slot in padded:
+            assert flat[slot.group][slot.offset + slot.valid(rank): slot.offset + slot.part].view(torch.int32).eq(0).all()
+    verified = tailor("--verify", recipe)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert read_full_state(out)["fp32"].keys() == read_full_state(c6)["fp32"].keys()
+
+
 def test_verify_checks_the_model_file_header(real_run, tmp_path):
     recipe, out, _ = _composed(real_run, tmp_path)
     model = out / "model.safetensors"

@@ -121,3 +121,24 @@ def test_output_must_not_exist_or_touch_a_source(real_run, tmp_path):
         plan_for(c6, {"layers.1": c2}, c2)
     with pytest.raises(OutputError, match="source checkpoint"):
         plan_for(c6, {}, run)  # would hold the sources
+
+
+def test_ranks_said_to_hold_the_same_elements_do():
+    """ZeroLayout.same_holdings (the plan lists a slot's slices once per group of such ranks)
+    against Slot.valid, rank by rank, on layouts of every shape: params smaller than the world,
+    remainders, empty params, one rank."""
+    import random
+
+    from tailor_tui.checkpoints.layout import ZeroLayout
+
+    rng = random.Random(0)
+    for _ in range(300):
+        world = rng.choice([1, 2, 3, 7, 16, 256, 512])
+        groups = tuple(tuple((f"p{g}.{i}", (rng.choice([0, 1, 3, 8, 64, 100, 4096, 256_000]),))
+                             for i in range(rng.randint(1, 30))) for g in range(rng.randint(1, 3)))
+        layout = ZeroLayout(world, groups, ())
+        held: dict[int, tuple] = {}
+        for rank in range(world):
+            valid = tuple(slot.valid(rank) for slot in layout.slots)
+            assert held.setdefault(layout.same_holdings(rank), valid) == valid
+        assert len(held) <= 2 * len(layout.slots) + 1

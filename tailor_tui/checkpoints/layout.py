@@ -15,6 +15,7 @@ optimizer param group into sub-groups of about `sub_group_size` elements per ran
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -103,6 +104,16 @@ class ZeroLayout:
                 slots.append(Slot(name, g, offset, size, numel))
                 offset += size
         return tuple(slots)
+
+    @cached_property
+    def _changes(self) -> tuple[int, ...]:
+        """The ranks where some slot's `valid` changes: from its full part to its remainder, and to 0."""
+        return tuple(sorted({min(self.world_size, s.numel // s.part + k) for s in self.slots if s.part for k in (0, 1)}))
+
+    def same_holdings(self, rank: int) -> int:
+        """A number shared by the ranks that hold the same real elements (`Slot.valid`) of every slot:
+        all but a few ranks of a real model's (the last ones carry the padding)."""
+        return bisect.bisect_right(self._changes, rank)
 
     def group_sizes(self) -> list[int]:
         """Elements per rank in each sub-group's flat buffer."""

@@ -7,6 +7,7 @@ fraction of a second); `rank_torch` holds the writers that need it.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import os
 import struct
@@ -18,7 +19,7 @@ from tailor_tui import crc
 from tailor_tui.formats.ds_format import TENSORS, flat_tensor, optimizer_state
 from tailor_tui.errors import IncompatibleError
 from tailor_tui.events import ByteCounter
-from tailor_tui.fileio import Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
+from tailor_tui.fileio import Writeback, copy_range, fsync, open_fd, output_error
 from tailor_tui.reading import crc_range
 from tailor_tui.planning.jobs import RankJob
 from tailor_tui.formats.nonfinite import Census, Region
@@ -58,8 +59,8 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counte
     its archive stores (a flipped byte is refused, never carried into the output under a
     fresh CRC); that pass also gives the CRCs of the replaced ranges, old and new. Then every
     byte is copied in the kernel (copy_file_range): the base's where nothing replaces it, a
-    source's slice where the recipe picks it; padding is written as zeros; each record's
-    CRC-32 is updated from its replaced ranges alone (see `crc`). Memory stays at one small
+    source's slice where the recipe picks it; padding keeps the base's zero bytes (zeros where
+    they are not: `Padding`); each record's CRC-32 is updated from its replaced ranges alone (see `crc`). Memory stays at one small
     buffer whatever the file size. The same reads count each row's non-finite values in what
     the output takes (returned per row). Returns None (writing nothing) when the archive is laid
     out in a way this does not handle, or the base's file is in torch's legacy format; the
@@ -82,27 +83,28 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counte
     for s in used:
         if job.files[s].rows is not None:
             partial[s], crcs[s] = read_rows_file(job.files[s].rows)
-    census = {s: Census(Region(at, length, row) for row, at, length in _row_places(job, s, base, sources, partial))
+    slots = defaultdict(list)
+    for slot in job.row_slots:
+        slots[slot.source].append(slot)
+    census = {s: Census(Region(at, length, row) for row, at, length in _row_places(job, s, slots[s], base, sources,
+                                                                                   partial))
               for s in [0, *used]}
     spans = []
-    for c in job.copies:
+    for group, offset, length, source, param in _joined(job.copies):
         for key in TENSORS:
-            b = base[c.group, key]
+            b = base[group, key]
             check = None
-            if c.param is None:
-                theirs = sources[c.source][c.group, key]
-                at, record = theirs.offset + c.offset * b.itemsize, theirs.record
+            if param is None:
+                theirs = sources[source][group, key]
+                at, record = theirs.offset + offset * b.itemsize, theirs.record
             else:
-                rows = job.files[c.source].rows
-                at, record = partial_slice(rows, partial[c.source], key, c.param, c.length)[2], None
-                check = (rows, crcs[c.source], f"{key}/{c.param}")
-            spans.append(Span(b.offset + c.offset * b.itemsize, c.length * b.itemsize, c.source, at, b.record, record,
+                rows = job.files[source].rows
+                at, record = partial_slice(rows, partial[source], key, param, length)[2], None
+                check = (rows, crcs[source], f"{key}/{param}")
+            spans.append(Span(b.offset + offset * b.itemsize, length * b.itemsize, source, at, b.record, record,
                               check))
-    for g, offset, length in job.padding:
-        for key in TENSORS:
-            b = base[g, key]
-            spans.append(Span(b.offset + offset * b.itemsize, length * b.itemsize, None, 0, b.record, None))
     spans = _coalesced(spans)
+    padding = Padding(_pads(job.padding, base))
 
     try:
         with contextlib.ExitStack() as stack:
@@ -110,7 +112,13 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counte
             fds = {s: open_fd(stack, job.files[s].rows or job.files[s].optim_states) for s in used}
             buffer = memoryview(bytearray(STREAM_CHUNK))
             old = read_and_check(fin, base_path, base_records.values(),
-                                  {(sp.record, sp.at, sp.length) for sp in spans}, buffer, counter, census[0])
+                                  {(sp.record, sp.at, sp.length) for sp in spans}, buffer, counter, census[0],
+                                  padding.inspect)
+            if padding.dirty:  # a base whose padding is not zero bytes: zeros there
+                for at, length, record, value in padding.found():
+                    spans.append(Span(at, length, None, 0, record, None))
+                    old[at, length] = value
+                spans.sort(key=lambda sp: sp.at)
             new = {}
             for s in sources:
                 taken = {(sp.source_record, sp.source_at, sp.length) for sp in spans if sp.source == s}
@@ -122,8 +130,7 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counte
             position, crc_changes = 0, defaultdict(int)
             for sp in spans:
                 copy_range(fin, fout, position, sp.at - position, counter.add, writeback=writeback)
-                if sp.source is None:  # padding holds garbage: write zeros
-                    pwrite_all(fout, bytes(sp.length), sp.at)
+                if sp.source is None:  # padding that held garbage: left a hole, which reads as zeros
                     value = crc.zeros(sp.length)
                 else:
                     copy_range(fds[sp.source], fout, sp.source_at, sp.length, counter.add, sp.at, writeback)
@@ -145,29 +152,52 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counte
     return sum((c.counts for c in census.values()), Counter())
 
 
-def _row_places(job: RankJob, s: int, base: dict, sources: dict, partial: dict):
-    """(row, first byte, length) of every slice the output takes from source `s`, in that
-    source's file: the base's own, a full source's optim file or a partial's rows file."""
-    for slot in job.row_slots:
-        if slot.source != s:
-            continue
-        for key in TENSORS:
+def _joined(copies) -> list[list]:
+    """`copies` as [group, offset, length, source, param], neighbours from one full source joined
+    (a wide run's rank takes hundreds of small slices side by side: one span each, not three)."""
+    joined: list[list] = []
+    for c in sorted(copies, key=lambda c: (c.group, c.offset)):
+        last = joined[-1] if joined else None
+        if (last is not None and c.param is None and last[4] is None and last[3] == c.source and last[0] == c.group
+                and last[1] + last[2] == c.offset):
+            last[2] += c.length
+        else:
+            joined.append([c.group, c.offset, c.length, c.source, c.param])
+    return joined
+
+
+def _row_places(job: RankJob, s: int, slots: list, base: dict, sources: dict, partial: dict) -> list[list]:
+    """[row, first byte, length] of every slice the output takes from source `s` (its `slots`), in
+    that source's file: the base's own, a full source's optim file or a partial's rows file;
+    neighbouring slices of one row joined."""
+    places: list[list] = []
+    for key in TENSORS:
+        last = None
+        for slot in slots:
             if s == 0:
-                yield slot.row, base[slot.group, key].offset + slot.offset * 4, slot.valid * 4
+                at = base[slot.group, key].offset + slot.offset * 4
             elif s in sources:
-                yield slot.row, sources[s][slot.group, key].offset + slot.offset * 4, slot.valid * 4
+                at = sources[s][slot.group, key].offset + slot.offset * 4
             else:
                 at = partial_slice(job.files[s].rows, partial[s], key, slot.param, slot.valid)[2]
-                yield slot.row, at, slot.valid * 4
+            if last is not None and last[0] == slot.row and last[1] + last[2] == at:
+                last[2] += slot.valid * 4
+            else:
+                last = [slot.row, at, slot.valid * 4]
+                places.append(last)
+    return places
 
 
 def read_and_check(fd: int, path: Path, records, ranges: set, buffer: memoryview,
-                    counter: ByteCounter, census: Census | None = None) -> dict[tuple[int, int], int]:
+                    counter: ByteCounter, census: Census | None = None, also=None) -> dict[tuple[int, int], int]:
     """Read every byte of `records` of the file `fd` once, checking each record's stored
     CRC-32 (`ptfile.checked_crcs`), and return the CRC of each (record, offset, length) in
-    `ranges` as {(offset, length): crc}; `census` counts non-finite values on the way."""
+    `ranges` as {(offset, length): crc}; `census` counts non-finite values on the way, and
+    `also(offset, chunk)` sees every chunk too."""
     found = {}
     inspect = census.inspect if census is not None else None
+    if also is not None:
+        inspect = also if inspect is None else _both(inspect, also)
     by_record: dict[int, list[tuple[int, int]]] = {}  # grouped once (records compared by identity)
     for r, at, n in ranges:
         by_record.setdefault(id(r), []).append((at, n))
@@ -175,6 +205,46 @@ def read_and_check(fd: int, path: Path, records, ranges: set, buffer: memoryview
         mine = sorted(by_record.get(id(record), ()))
         found.update(zip(mine, checked_crcs(fd, path, record, mine, buffer, counter.add, inspect)))
     return found
+
+
+def _both(first, second):
+    def inspect(offset: int, chunk) -> None:
+        first(offset, chunk)
+        second(offset, chunk)
+    return inspect
+
+
+def _pads(padding, base: dict) -> list[tuple[int, int, Record]]:
+    """(at, length, record) of the padding (`RankJob.padding`) of each flat tensor, in file order."""
+    return sorted((base[g, key].offset + offset * base[g, key].itemsize, length * base[g, key].itemsize,
+                   base[g, key].record) for key in TENSORS for g, offset, length in padding)
+
+
+class Padding:
+    """The base's padding, looked at as it is read (`inspect`): the output's padding is zero bytes
+    (what --verify checks) and a base's nearly always already is, so it is kept as it is; a range
+    that is not (`found`: with the CRC-32 of its bytes) is replaced by zeros."""
+
+    def __init__(self, pads: list[tuple[int, int, Record]]):
+        self.pads, self._starts = pads, [at for at, _n, _r in pads]
+        self.dirty: dict[int, int] = {}  # pad index -> the CRC-32 of its bytes read so far
+
+    def inspect(self, offset: int, chunk) -> None:
+        end = offset + len(chunk)
+        i = max(0, bisect.bisect_right(self._starts, offset) - 1)
+        while i < len(self.pads) and self.pads[i][0] < end:
+            at, n, _record = self.pads[i]
+            a, b = max(at, offset), min(at + n, end)
+            if b > a:  # a pad's parts come in order: those before this one were read already
+                part = chunk[a - offset: b - offset]
+                if i in self.dirty:
+                    self.dirty[i] = crc.crc32(part, self.dirty[i])
+                elif bytes(part).count(0) != b - a:
+                    self.dirty[i] = crc.crc32(part, crc.zeros(a - at))
+            i += 1
+
+    def found(self) -> list[tuple[int, int, Record, int]]:
+        return [(*self.pads[i], value) for i, value in sorted(self.dirty.items())]
 
 
 def _coalesced(spans: list[Span]) -> list[Span]:

@@ -26,7 +26,7 @@ from typing import NamedTuple
 from tailor_tui import crc
 from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, unsupported_version, version_in_pickle
 from tailor_tui.errors import CheckpointError
-from tailor_tui.reading import Window, crc_range, open_regular
+from tailor_tui.reading import Window, crc_range, open_regular, pread_into
 from tailor_tui.formats.pickled import MAX_PICKLE_BYTES, TensorRef, read_pickle
 from tailor_tui.formats.ptlegacy import START as LEGACY_START
 from tailor_tui.formats.ptlegacy import LegacyError, read_legacy
@@ -230,22 +230,38 @@ def checked_crcs(fd: int, path: Path, record: Record, ranges: list[tuple[int, in
     record once and checking the CRC-32 the archive stores for it: a record whose bytes do
     not match (bit rot, a damaged copy) is a CheckpointError naming the file and the record.
     `ranges` are sorted, disjoint and inside the record's data. A legacy-format record has
-    no CRC to check: only its ranges are read. `inspect(offset, chunk)` sees every chunk read."""
+    no CRC to check: only its ranges are read. The record is read in chunks the size of
+    `buffer`, whatever the ranges (a record of a wide run's rank file, hundreds of small ranges,
+    is one read); `inspect(offset, chunk)` sees every chunk read."""
     if record.crc is None:
         return [crc_range(fd, at, n, buffer, on_bytes, inspect) for at, n in ranges]
-    whole, position, found = 0, record.data_offset, []
-    end = record.data_offset + record.size
-    for at, n in [*ranges, (end, 0)]:
+    offset, end = record.data_offset, record.data_offset + record.size
+    position = offset
+    for at, n in ranges:
         if not (position <= at and at + n <= end):
             raise ValueError(f"range {at}+{n} is outside record {record.name} or out of order")
-        if at > position:
-            whole = crc.combine(whole, crc_range(fd, position, at - position, buffer, on_bytes, inspect),
-                                at - position)
-        if n:
-            value = crc_range(fd, at, n, buffer, on_bytes, inspect)
-            whole = crc.combine(whole, value, n)
-            found.append(value)
         position = at + n
+    found, whole, i = [0] * len(ranges), 0, 0  # i: the first range not read to its end
+    while offset < end:
+        view = buffer[: min(len(buffer), end - offset)]
+        pread_into(fd, view, offset)
+        stop, at = offset + len(view), offset
+        while at < stop or (i < len(ranges) and ranges[i][0] == at and ranges[i][1] == 0):
+            if i < len(ranges) and ranges[i][0] <= at:  # in range i: its CRC and the record's
+                last = min(stop, ranges[i][0] + ranges[i][1])
+                value = crc.crc32(view[at - offset: last - offset])
+                whole = crc.combine(whole, value, last - at)
+                found[i] = crc.combine(found[i], value, last - at)
+                if last == ranges[i][0] + ranges[i][1]:
+                    i += 1
+            else:  # between ranges: the record's CRC only
+                last = min(stop, ranges[i][0]) if i < len(ranges) else stop
+                whole = crc.crc32(view[at - offset: last - offset], whole)
+            at = last
+        if inspect is not None:
+            inspect(offset, view)
+        on_bytes(len(view))
+        offset = stop
     if whole != record.crc:
         raise _crc_failed(path, record, whole)
     return found

@@ -50,7 +50,7 @@ class RankJob:
     files: dict[int, RankFiles]  # source index -> that checkpoint's files of this rank; 0 is base
     group_sizes: tuple[int, ...]
     copies: tuple[SliceCopy, ...]  # slices that do not come from the base
-    padding: tuple[tuple[int, int, int], ...]  # (group, offset, length) written as zeros
+    padding: tuple[tuple[int, int, int], ...]  # (group, offset, length): zeros in the output; neighbours joined
     frozen: tuple[tuple[str, int], ...]  # frozen params taken from a non-base source
     buffers: tuple[tuple[str, int], ...]  # buffers taken from a non-base source
     read_bytes: int

@@ -55,7 +55,8 @@ class ComposePlan:
         else:
             src, owner = self.source_of_param(), self.base.param_to_row()  # worked out once, not per rank
             buffers = tuple(self.buffer_sources().items())
-            jobs = tuple(self._rank_job(r, src, owner, buffers) for r in range(self.base.world_size))
+            held: dict[int, tuple] = {}  # ranks that hold the same elements share their slots' lists
+            jobs = tuple(self._rank_job(r, src, owner, buffers, held) for r in range(self.base.world_size))
         for name, value in (("_jobs", jobs),
                             ("_model_layout", layout),
                             ("_model_jobs", weight_jobs(self.base, self.sources, self.picks, layout)),
@@ -87,7 +88,38 @@ class ComposePlan:
         return tuple((f.model_states.name, f.optim_states.name) for f in self.base.ranks)
 
     def _rank_job(self, rank: int, src: dict[str, int], owner: dict[str, str],
-                  buffers: tuple[tuple[str, int], ...]) -> RankJob:
+                  buffers: tuple[tuple[str, int], ...], held: dict[int, tuple]) -> RankJob:
+        layout = self.base.layout
+        key = layout.same_holdings(rank)
+        if key not in held:
+            held[key] = self._slices(rank, src, owner)
+        row_slots, copies, padding = held[key]
+        frozen = tuple((n, src[n]) for n, _ in layout.frozen if src.get(n, 0))
+        used = {c.source for c in copies} | {s for _, s in frozen} | {s for _, s in buffers}
+        files = {0: self.base.ranks[rank]} | {s: self.sources[s].ranks[rank] for s in sorted(used)}
+        # every byte of the base, and the whole record of each full source's sub-group a slice
+        # comes from (its stored CRC-32 covers the whole record); a partial's slices alone
+        sizes = layout.group_sizes()
+        whole = {(c.source, c.group) for c in copies if not self.sources[c.source].partial}
+        read = self.base.rank_bytes(rank) + BYTES_PER_ELEMENT * (
+            sum(sizes[g] for _, g in whole) + sum(c.length for c in copies if self.sources[c.source].partial))
+        frozen_rows = tuple((owner[n], n, src.get(n, 0)) for n, _ in layout.frozen)
+        return RankJob(
+            row_slots=row_slots,
+            frozen_rows=frozen_rows,
+            rank=rank,
+            files=files,
+            group_sizes=tuple(layout.group_sizes()),
+            copies=copies,
+            padding=padding,
+            frozen=frozen,
+            buffers=buffers,
+            read_bytes=read,
+            write_bytes=self._rank_output_bytes(rank),
+        )
+
+    def _slices(self, rank: int, src: dict[str, int], owner: dict[str, str]) -> tuple[tuple, tuple, tuple]:
+        """(row_slots, copies, padding) of `rank`: where each slot's elements come from."""
         layout = self.base.layout
         copies, padding, row_slots = [], [], []
         for slot in layout.slots:
@@ -107,31 +139,12 @@ class ComposePlan:
                     copies[-1] = SliceCopy(slot.group, last.offset, last.length + valid, s)
                 else:
                     copies.append(SliceCopy(slot.group, slot.offset, valid, s))
-            if valid < slot.part:
-                padding.append((slot.group, slot.offset + valid, slot.part - valid))
-        frozen = tuple((n, src[n]) for n, _ in layout.frozen if src.get(n, 0))
-        used = {c.source for c in copies} | {s for _, s in frozen} | {s for _, s in buffers}
-        files = {0: self.base.ranks[rank]} | {s: self.sources[s].ranks[rank] for s in sorted(used)}
-        # every byte of the base, and the whole record of each full source's sub-group a slice
-        # comes from (its stored CRC-32 covers the whole record); a partial's slices alone
-        sizes = layout.group_sizes()
-        whole = {(c.source, c.group) for c in copies if not self.sources[c.source].partial}
-        read = self.base.rank_bytes(rank) + BYTES_PER_ELEMENT * (
-            sum(sizes[g] for _, g in whole) + sum(c.length for c in copies if self.sources[c.source].partial))
-        frozen_rows = tuple((owner[n], n, src.get(n, 0)) for n, _ in layout.frozen)
-        return RankJob(
-            row_slots=tuple(row_slots),
-            frozen_rows=frozen_rows,
-            rank=rank,
-            files=files,
-            group_sizes=tuple(layout.group_sizes()),
-            copies=tuple(copies),
-            padding=tuple(padding),
-            frozen=frozen,
-            buffers=buffers,
-            read_bytes=read,
-            write_bytes=self._rank_output_bytes(rank),
-        )
+            if valid < slot.part:  # neighbours joined: past a parameter's elements a rank holds only padding
+                if padding and padding[-1][0] == slot.group and sum(padding[-1][1:]) == slot.offset + valid:
+                    padding[-1][2] += slot.part - valid
+                else:
+                    padding.append([slot.group, slot.offset + valid, slot.part - valid])
+        return tuple(row_slots), tuple(copies), tuple(tuple(p) for p in padding)
 
     def _rank_output_bytes(self, rank: int) -> int:
         if not self.base.partial:

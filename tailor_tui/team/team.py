@@ -24,6 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from tailor_tui.errors import ExitCode, TailorError
 from tailor_tui.team.trust import Forged, Seal
@@ -80,12 +81,14 @@ class Team:
 
     # --- talking ------------------------------------------------------------------------------
 
-    def agree(self, what: str, digest: str) -> None:
-        """Every process holds the same `digest` of `what`, or the job fails."""
+    def agree(self, what: str, digest: Callable[[], str]) -> None:
+        """Every process holds the same `digest()` of `what`, or the job fails (a process alone
+        does not work it out: a wide run's digest stats every rank file)."""
         if self.store is None:
             return
-        theirs = self.gather(f"agree/{what}", digest)
-        differ = [p for p, d in enumerate(theirs) if d != digest]
+        mine = digest()
+        theirs = self.gather(f"agree/{what}", mine)
+        differ = [p for p, d in enumerate(theirs) if d != mine]
         if differ:
             raise self._fail(f"processes {self.rank} and {differ[0]} see different {what}s (different files, "
                              "recipes or tailor-tui versions on different nodes?); every process must see the same",

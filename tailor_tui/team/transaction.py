@@ -171,7 +171,7 @@ def run_as_team(work: TeamWork[R], *, team: Team = SOLO, emit: Emit = lambda eve
         emit, halt = relay(team, emit, planned) if planned is not None else (emit, lambda: None)
         try:
             work.begin()
-            team.agree(work.what, work.digest())
+            team.agree(work.what, work.digest)
             with work.held(team.lead):
                 shared = None
                 try:
