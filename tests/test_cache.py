@@ -261,15 +261,22 @@ def test_the_process_that_composes_with_workers_does_without_numpy(real_run, tmp
     assert (tmp_path / "composed").is_dir()
 
 
-def test_a_cached_stats_run_does_without_numpy(real_run, tmp_path):
-    """The process that plans the statistics and reads their cache never loads numpy (only the
-    workers that read ranks do): most of a cached `--stats` would otherwise be imports."""
+def test_a_stats_run_does_without_numpy_where_workers_read(real_run, tmp_path):
+    """The process that plans the statistics, starts the workers and reads the cache never loads
+    numpy (only what reads ranks does): a cached `--stats` would otherwise be mostly imports, and
+    a process without it forks its workers instead of spawning them."""
     run, _spec = real_run("ds_blown_up")
-    code = ("import sys\nfrom tailor_tui.cli.main import main\n"
-            f"assert main(['--stats', {str(run)!r}, '--json']) == 0\n"
-            "assert 'numpy' not in sys.modules, 'numpy imported'\n")
-    env = dict(os.environ, TAILOR_TUI_CACHE=str(tmp_path / "cache"))
-    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert "numpy imported" in first.stderr  # the first run reads ranks (stats_rank is imported)
-    again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+
+    def stats(*extra: str, cache: str) -> subprocess.CompletedProcess:
+        code = ("import sys\nfrom tailor_tui.cli.main import main\n"
+                f"assert main(['--stats', {str(run)!r}, '--json', *{list(extra)!r}]) == 0\n"
+                "assert 'numpy' not in sys.modules, 'numpy imported'\n")
+        env = dict(os.environ, TAILOR_TUI_CACHE=str(tmp_path / cache))
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+
+    alone = stats("-j", "1", cache="one")
+    assert "numpy imported" in alone.stderr  # read in this process: numpy is loaded here
+    cold = stats("-j", "2", cache="two")
+    assert cold.returncode == 0, cold.stderr
+    again = stats(cache="two")
     assert again.returncode == 0, again.stderr

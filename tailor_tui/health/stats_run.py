@@ -21,7 +21,7 @@ from tailor_tui.checkpoints.cache import entry, file_identity, read_json, write_
 from tailor_tui.checkpoints.checkpoint import Checkpoint, distinct_names
 from tailor_tui.events import Emit, TaskOptions
 from tailor_tui.health.healing import Cell, Health, rms, training_log
-from tailor_tui.health.stats_job import RankStats, RankStatsRead, RowSums, SlotTable, StatsJob
+from tailor_tui.health.stats_job import RankStats, RankStatsRead, RowSums, SlotTable, StatsJob, read_rank
 from tailor_tui.team.team import SOLO, Team
 from tailor_tui.team.transaction import Task, TeamWork, run_as_team
 from tailor_tui.team.workers import workers_for
@@ -206,10 +206,7 @@ class ReadingStatistics(TeamWork[Health]):
                 self._finish(c, emit)
         if not todo:
             return []
-        # numpy is loaded only when ranks are read: a run whose statistics are cached does without
-        from tailor_tui.health.stats_rank import rank_stats
-
-        return [Task(rank_stats, j) for j in todo]
+        return [Task(read_rank, j) for j in todo]  # numpy is loaded where ranks are read, not here
 
     def workers(self, mine: list[Task]) -> int:
         return self.workers_asked or workers_for(len(mine), STATS_WORKER)
