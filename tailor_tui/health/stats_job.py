@@ -146,12 +146,3 @@ class RankStatsRead:
 
     key: str  # the job's
     stats: RankStats
-
-
-def read_rank(job: StatsJob, emit, cancelled, options=None) -> RankStats:
-    """A statistics task: `stats_rank.rank_stats`, imported where the task runs. The process that
-    plans the tasks and starts the workers does without numpy (its 60 ms), so they can be forked."""
-    from tailor_tui.events import TaskOptions
-    from tailor_tui.health.stats_rank import rank_stats
-
-    return rank_stats(job, emit, cancelled, options or TaskOptions())

@@ -21,7 +21,7 @@ from tailor_tui.checkpoints.cache import entry, file_identity, read_json, write_
 from tailor_tui.checkpoints.checkpoint import Checkpoint, distinct_names
 from tailor_tui.events import Emit, TaskOptions
 from tailor_tui.health.healing import Cell, Health, rms, training_log
-from tailor_tui.health.stats_job import RankStats, RankStatsRead, RowSums, SlotTable, StatsJob, read_rank
+from tailor_tui.health.stats_job import RankStats, RankStatsRead, RowSums, SlotTable, StatsJob
 from tailor_tui.team.team import SOLO, Team
 from tailor_tui.team.transaction import Task, TeamWork, run_as_team
 from tailor_tui.team.workers import workers_for
@@ -329,3 +329,10 @@ def _store_cells(cache: Path | None, jobs: list[StatsJob], cells: dict[str, Cell
     write_json(entry(cache, "cells", key), {"format": FORMAT, "key": key,
                                             "cells": {row: c.to_json() for row, c in cells.items()}})
 
+
+def read_rank(job: StatsJob, emit: Emit, cancelled, options: TaskOptions = TaskOptions()) -> RankStats:
+    """A statistics task: `stats_rank.rank_stats`, imported where the task runs. The process that
+    plans the tasks and starts the workers does without numpy (its 60 ms), so they can be forked."""
+    from tailor_tui.health.stats_rank import rank_stats
+
+    return rank_stats(job, emit, cancelled, options)
