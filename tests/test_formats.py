@@ -230,3 +230,25 @@ def test_structure_bounds_nesting_and_negative_offsets():
     for offset, size in ((-1, 10), (95, 10)):
         with pytest.raises(CheckpointError, match="outside its record"):
             locate(TensorRef(storage, offset, (size,), (1,)), {"archive/data/0": record}, "archive/")
+
+
+def test_ranks_with_the_same_structure_share_one_built_object(real_run):
+    """read_structure(shared=True): the ranks of one checkpoint pickle their optim file's structure
+    byte for byte the same, so it is built once per process; what each gives is what an unshared read
+    gives, and each file keeps its own records."""
+    from tailor_tui.checkpoints.checkpoint import open_checkpoint
+    from tailor_tui.compose.rank_stream import flat_tensor_bytes
+    from tailor_tui.formats.ptfile import read_structure
+
+    run, spec = real_run("hf_bf16_2")
+    ckpt = checkpoints_of(run, spec)[-1]
+    files = sorted(ckpt.glob("*/*optim_states.pt"))
+    assert len(files) == 2
+    first, second = (read_structure(f, shared=True) for f in files)
+    assert first[0] is second[0]
+    assert first[1] != second[1]  # each rank file's own records (names, offsets, CRC-32s)
+    sizes = tuple(open_checkpoint(ckpt).layout.group_sizes())
+    for f, got in zip(files, (first, second)):
+        alone = read_structure(f)
+        assert alone[0] is not got[0]  # an unshared read builds its own
+        assert flat_tensor_bytes(*got, f, sizes) == flat_tensor_bytes(*alone, f, sizes)

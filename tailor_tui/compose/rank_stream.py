@@ -71,7 +71,7 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counte
         return None  # the output is a zip archive: a legacy-format base's file is re-serialised
     used = sorted({c.source for c in job.copies})
     try:
-        obj, base_records, prefix = read_structure(base_path)
+        obj, base_records, prefix = read_structure(base_path, shared=True)
         base = flat_tensor_bytes(obj, base_records, prefix, base_path, job.group_sizes)
         sources = {s: tensor_bytes(job.files[s].optim_states, job.group_sizes)
                    for s in used if job.files[s].rows is None}
@@ -286,7 +286,7 @@ def dtype_mismatch(path: Path, key: str, group: int, theirs: str, mine: str) -> 
 
 def tensor_bytes(path: Path, group_sizes: tuple[int, ...]) -> dict:
     """{(group, key): TensorBytes} of the flat fp32 weights and moments of an optim file."""
-    return flat_tensor_bytes(*read_structure(path), path, group_sizes)
+    return flat_tensor_bytes(*read_structure(path, shared=True), path, group_sizes)
 
 
 def flat_tensor_bytes(obj, records: dict, prefix: str, path: Path, group_sizes: tuple[int, ...]) -> dict:

@@ -14,6 +14,7 @@ CRC-32s), instead of deserialising and re-serialising whole files.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import re
@@ -195,10 +196,19 @@ def _legacy_records(path: Path, refs: dict | None = None) -> tuple[object, dict[
     return obj, records
 
 
-def read_structure(path: Path, storages: dict | None = None):
+@functools.lru_cache(maxsize=8)
+def _shared_pickle(data: bytes):
+    """`read_pickle(data)`, once per process for equal bytes (see read_structure's `shared`)."""
+    return read_pickle(data)
+
+
+def read_structure(path: Path, storages: dict | None = None, *, shared: bool = False):
     """(object with TensorRefs, records, record-name prefix) of a `.pt` file in either of
     torch's formats; reads only the pickled structure, never tensor data. `storages`, if
-    given, receives every storage the object refers to (key -> StorageRef)."""
+    given, receives every storage the object refers to (key -> StorageRef). `shared`: the
+    object may be one this process built for equal pickle bytes before (a checkpoint's ranks
+    pickle the same structure: a wide run's is built once, not once per rank file); the caller
+    only reads it."""
     path = Path(path)
     if file_format(path) == "legacy":
         return (*_legacy_records(path, storages), "")
@@ -216,7 +226,7 @@ def read_structure(path: Path, storages: dict | None = None):
     if crc.crc32(data) != rec.crc:  # the structure everything else relies on: never read a damaged one
         raise _crc_failed(path, rec, crc.crc32(data))
     try:
-        obj = read_pickle(data, storages)
+        obj = _shared_pickle(data) if shared and storages is None else read_pickle(data, storages)
     except pickle.UnpicklingError as exc:  # a global outside the allow-list
         raise refused(path, exc, version_in_pickle(data)) from None
     except PICKLE_FAILURES as exc:

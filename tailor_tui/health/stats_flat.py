@@ -73,7 +73,7 @@ def flat_stats(job: StatsJob, sums: dict[str, RowSums], stack, counter: ByteCoun
     when the file is laid out otherwise than one aligned record per flat tensor (`stats_rank`
     reads it then). `chunk`: bytes per read (tests make it small)."""
     path, table = job.files.optim_states, job.table
-    obj, records, prefix = read_structure(path)
+    obj, records, prefix = read_structure(path, shared=True)
     inner = optimizer_state(obj, path, job.group_sizes)
     mine = {(g, key): fp32_tensor(locate(flat_tensor(inner, g, key), records, prefix), path, g, key)
             for g in range(len(job.group_sizes)) for key in TENSORS}
@@ -93,7 +93,7 @@ def flat_stats(job: StatsJob, sums: dict[str, RowSums], stack, counter: ByteCoun
     prev = {}  # (class, group) -> (fd, where its masters lie relative to this file's)
     for prev_path, c in classes.items():
         fd = open_fd(stack, prev_path)
-        theirs = read_structure(prev_path)
+        theirs = read_structure(prev_path, shared=True)
         inner_prev = optimizer_state(theirs[0], prev_path, job.group_sizes)
         for g in range(len(job.group_sizes)):
             tb = fp32_tensor(locate(flat_tensor(inner_prev, g, "fp32"), theirs[1], theirs[2]), prev_path, g, "fp32")

@@ -100,7 +100,7 @@ def _reads(job: StatsJob, slots: tuple[SlotRead, ...], sums: dict[str, RowSums],
                               [_region(slot, key, begin, "float32", sums, prev_at)]))
     else:
         path = job.files.optim_states
-        obj, records, prefix = read_structure(path)
+        obj, records, prefix = read_structure(path, shared=True)
         inner = optimizer_state(obj, path, job.group_sizes)
         fd = open_fd(stack, path)
         by_record: dict = {}
@@ -127,7 +127,7 @@ def _fp32_places(files: RankFiles, group_sizes: tuple[int, ...], slots: list[Slo
     if files.rows is not None:
         tensors = safetensors_tensors(files.rows)
         return {s.param: partial_slice(files.rows, tensors, "fp32", s.param, s.valid)[2] for s in slots}
-    obj, records, prefix = read_structure(files.optim_states)
+    obj, records, prefix = read_structure(files.optim_states, shared=True)
     inner = optimizer_state(obj, files.optim_states, group_sizes)
     flat = {g: locate(flat_tensor(inner, g, "fp32"), records, prefix) for g in {s.group for s in slots}}
     return {s.param: flat[s.group].offset + s.offset * 4 for s in slots}
