@@ -272,3 +272,29 @@ def test_workers_are_budgeted_by_what_they_hold(real_run, tmp_path):
     assert worker_memory(streaming) == STREAMING_WORKER  # 1 MiB buffer: not one rank per worker
     frozen = build_plan(Recipe(base=ckpts[-1], output=tmp_path / "b", layers={"layers.1": ckpts[0]}))
     assert worker_memory(frozen) == TORCH_WORKER
+
+
+def test_a_counter_of_small_steps_still_notices_a_cancel_within_32_steps():
+    """ByteCounter.add looks at the cancel flag and the clock every 32 steps or MiB (a resharded
+    piece of a few bytes is a step): a cancel is noticed within 32 small steps, at once after a big one,
+    and every byte still counts."""
+    from tailor_tui.errors import Cancelled
+    from tailor_tui.events import ByteCounter, TaskProgressed
+
+    events, cancelled = [], [False]
+    counter = ByteCounter("rank 0", 10 << 20, events.append, lambda: cancelled[0], interval=0.0)
+    for _ in range(100):
+        counter.add(4)
+    assert counter.done == 400 and any(isinstance(e, TaskProgressed) and e.done > 0 for e in events)
+    cancelled[0] = True
+    steps = 0
+    with pytest.raises(Cancelled):
+        for steps in range(1, 100):
+            counter.add(4)
+    assert steps <= 32
+    cancelled[0] = False
+    counter = ByteCounter("rank 1", 10 << 20, events.append, lambda: cancelled[0])
+    counter.add(4)
+    cancelled[0] = True
+    with pytest.raises(Cancelled):
+        counter.add(1 << 20)
