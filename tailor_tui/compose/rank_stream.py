@@ -60,8 +60,8 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counte
     fresh CRC); that pass also gives the CRCs of the replaced ranges, old and new. Then every
     byte is copied in the kernel (copy_file_range): the base's where nothing replaces it, a
     source's slice where the recipe picks it; padding keeps the base's zero bytes (zeros where
-    they are not: `Padding`); each record's CRC-32 is updated from its replaced ranges alone (see `crc`). Memory stays at one small
-    buffer whatever the file size. The same reads count each row's non-finite values in what
+    they are not: `Padding`); each record's CRC-32 is updated from its replaced ranges alone
+    (see `crc`). Memory stays at one small buffer whatever the file size. The same reads count each row's non-finite values in what
     the output takes (returned per row). Returns None (writing nothing) when the archive is laid
     out in a way this does not handle, or the base's file is in torch's legacy format; the
     caller then re-serialises. Sources may be in either format (legacy ones have no CRC).
@@ -90,18 +90,18 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counte
                                                                                    partial))
               for s in [0, *used]}
     spans = []
-    for group, offset, length, source, param in _joined(job.copies):
+    for c in job.copies:  # (the plan joined neighbours from one full source)
         for key in TENSORS:
-            b = base[group, key]
+            b = base[c.group, key]
             check = None
-            if param is None:
-                theirs = sources[source][group, key]
-                at, record = theirs.offset + offset * b.itemsize, theirs.record
+            if c.param is None:
+                theirs = sources[c.source][c.group, key]
+                at, record = theirs.offset + c.offset * b.itemsize, theirs.record
             else:
-                rows = job.files[source].rows
-                at, record = partial_slice(rows, partial[source], key, param, length)[2], None
-                check = (rows, crcs[source], f"{key}/{param}")
-            spans.append(Span(b.offset + offset * b.itemsize, length * b.itemsize, source, at, b.record, record,
+                rows = job.files[c.source].rows
+                at, record = partial_slice(rows, partial[c.source], key, c.param, c.length)[2], None
+                check = (rows, crcs[c.source], f"{key}/{c.param}")
+            spans.append(Span(b.offset + c.offset * b.itemsize, c.length * b.itemsize, c.source, at, b.record, record,
                               check))
     spans = _coalesced(spans)
     padding = Padding(_pads(job.padding, base))
@@ -150,20 +150,6 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counte
     except OSError as exc:
         raise output_error(exc, out) from None
     return sum((c.counts for c in census.values()), Counter())
-
-
-def _joined(copies) -> list[list]:
-    """`copies` as [group, offset, length, source, param], neighbours from one full source joined
-    (a wide run's rank takes hundreds of small slices side by side: one span each, not three)."""
-    joined: list[list] = []
-    for c in sorted(copies, key=lambda c: (c.group, c.offset)):
-        last = joined[-1] if joined else None
-        if (last is not None and c.param is None and last[4] is None and last[3] == c.source and last[0] == c.group
-                and last[1] + last[2] == c.offset):
-            last[2] += c.length
-        else:
-            joined.append([c.group, c.offset, c.length, c.source, c.param])
-    return joined
 
 
 def _row_places(job: RankJob, s: int, slots: list, base: dict, sources: dict, partial: dict) -> list[list]:
