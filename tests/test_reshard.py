@@ -221,13 +221,15 @@ def test_a_legacy_format_base_reshards(real_run, tmp_path):
     verifies(recipe)
 
 
-def test_a_nan_row_is_refused_when_resharding(real_run, tmp_path):
-    """The non-finite guard counts what the reshard writers read: layers.2 blew up at step 6."""
+@pytest.mark.parametrize("world", ["1", "3"])
+def test_a_nan_row_is_refused_when_resharding(real_run, tmp_path, world):
+    """The non-finite guard counts what the reshard writers read: layers.2 blew up at step 6. Into 3
+    ranks, the jobs that take pieces of a file another job checks count theirs too: the same total."""
     run, spec = real_run("ds_blown_up")
     c2, c4, c6 = checkpoints_of(run, spec)
     recipe = write_recipe(tmp_path, c6, {"layers.1": c4})
-    result = tailor("--apply", recipe, "--world-size", "1")
-    assert_one_line_error(result, 8, "layers.2", "global_step6", "global_step4")
+    result = tailor("--apply", recipe, "--world-size", world)
+    assert_one_line_error(result, 8, "layers.2", "global_step6", "global_step4", "5,120 NaN/Inf")
     assert not (tmp_path / "composed").exists() and not hidden(tmp_path)
 
 

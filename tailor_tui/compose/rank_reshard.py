@@ -28,7 +28,7 @@ from tailor_tui.errors import OutputError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.fileio import OpenFiles, Writeback, copy_range, fsync, open_fd, output_error
 from tailor_tui.reading import crc_range
-from tailor_tui.formats.nonfinite import EXPONENT, Census, Region, count
+from tailor_tui.formats.nonfinite import EXPONENT, Census, Region
 from tailor_tui.checkpoints.partial_rows import check_crc, partial_slice, read_rows_file
 from tailor_tui.formats.pickled import dtype_name
 from tailor_tui.formats.ptfile import frozen_fragment_bytes, read_structure
@@ -166,28 +166,17 @@ def _check(fills: list, sources: _Sources, counter: ByteCounter) -> tuple[dict, 
         census = Census(regions[path])
         fd = sources.fd(path)
         if path not in verifies:  # another job checks this full file's records: the pieces alone are read
-            floats = {(r.at, r.length): r for r in regions[path]}
             for at, n in sorted({(at, n) for _r, at, n in ranges[path]}):
-                region = floats.get((at, n))
-                crcs[path, at, n] = crc_range(fd, at, n, buffer, counter.add,
-                                              None if region is None else _counter_of(region, nonfinite))
-            continue
-        checked = {(r, at, n) for r, at, n in ranges[path] if r is not None}
-        records = {r for r, _at, _n in checked} | verifies[path]
-        found = read_and_check(fd, path, records, checked, buffer, counter, census)
-        crcs.update({(path, at, n): value for (at, n), value in found.items()})
-        for piece_slice, inside in slices[path].items():  # a partial checkpoint's slices
-            crcs.update(_check_slice(fd, path, piece_slice, sorted(inside), buffer, counter, census))
+                crcs[path, at, n] = crc_range(fd, at, n, buffer, counter.add, census.inspect)
+        else:
+            checked = {(r, at, n) for r, at, n in ranges[path] if r is not None}
+            records = {r for r, _at, _n in checked} | verifies[path]
+            found = read_and_check(fd, path, records, checked, buffer, counter, census)
+            crcs.update({(path, at, n): value for (at, n), value in found.items()})
+            for piece_slice, inside in slices[path].items():  # a partial checkpoint's slices
+                crcs.update(_check_slice(fd, path, piece_slice, sorted(inside), buffer, counter, census))
         nonfinite += census.counts
     return crcs, nonfinite
-
-
-def _counter_of(region: Region, counts: Counter):
-    """An `inspect(offset, chunk)` adding the non-finite values of `region`'s chunks to its row in `counts`."""
-    def inspect(_offset: int, chunk) -> None:
-        if n := count(chunk, region.dtype):
-            counts[region.row] += n
-    return inspect
 
 
 def _check_slice(fd: int, path: Path, piece_slice: tuple, inside: list, buffer: memoryview, counter: ByteCounter,
