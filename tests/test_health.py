@@ -349,8 +349,9 @@ def test_flat_statistics_match_slice_by_slice_in_any_chunking(real_run):
 
 @pytest.mark.parametrize("name", ["ds_blown_up", "ds_bf16_3_subgroups"])
 def test_each_ranks_elements_per_row_are_its_slots_real_elements(real_run, name):
-    """`row_elements` adds each slot's real elements up per row and rank as steps of a running sum;
-    the same as counting every slot on every rank, padding excluded."""
+    """`row_elements` adds each slot's real elements up per row once per group of ranks holding the
+    same elements (`ZeroLayout.same_holdings`); the same as counting every slot on every rank, padding
+    excluded."""
     from tailor_tui.checkpoints.scan import scan
     from tailor_tui.health.stats_run import row_elements
 

@@ -115,29 +115,19 @@ def _identity(path: Path, known: dict) -> str:
 
 
 def row_elements(ckpt: Checkpoint, owner: dict, known: dict) -> list[dict[str, int]]:
-    """Per rank, {row: its trainable elements on that rank} (padding excluded)."""
+    """Per rank, {row: its trainable elements on that rank} (padding excluded; shared, read-only)."""
     key = ("layout", ckpt.layout)  # every checkpoint of a run has an equal one: worked out once
     if key not in known:
-        world = ckpt.layout.world_size
-        # a slot gives `part` elements to each rank before its last, the rest to its last: steps of a
-        # running sum per row (slots + rows × ranks of work, not slots × ranks)
-        steps: dict[str, list[int]] = {}
-        for s in ckpt.layout.slots:
-            if (row := owner.get(s.name)) is None or s.part <= 0:
-                continue
-            step = steps.setdefault(row, [0] * (world + 1))
-            full = min(s.numel // s.part, world)
-            step[0] += s.part
-            step[full] -= s.part
-            if full < world and (rest := s.numel - full * s.part) > 0:
-                step[full] += rest
-                step[full + 1] -= rest
-        per_rank: list[dict[str, int]] = [{} for _ in range(world)]
-        for row, step in steps.items():
-            n = 0
-            for rank in range(world):
-                if (n := n + step[rank]) > 0:
-                    per_rank[rank][row] = n
+        layout, held, per_rank = ckpt.layout, {}, []
+        for rank in range(layout.world_size):  # ranks holding the same elements share one count
+            group = layout.same_holdings(rank)
+            if group not in held:
+                counts: dict[str, int] = {}
+                for s in layout.slots:
+                    if (n := s.valid(rank)) and (row := owner.get(s.name)) is not None:
+                        counts[row] = counts.get(row, 0) + n
+                held[group] = counts
+            per_rank.append(held[group])
         known[key] = per_rank
     return known[key]
 
