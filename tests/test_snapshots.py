@@ -82,6 +82,34 @@ def test_compose_screen_mid_progress(snap_compare, run):
     assert snap_compare(make_app(run), run_before=mid_composition, terminal_size=SIZE)
 
 
+def test_compose_screen_of_512_ranks_at_80x24(snap_compare, run):
+    """A 512-GPU composition: bar rows for the ranks in progress only (a fixed number of them,
+    handed on as ranks finish), a line of how many are done, in progress and waiting, the overall bar."""
+    times = iter([100.0])
+
+    async def mid_composition(pilot):
+        await scanned(pilot)
+        app = pilot.app
+        from tailor_tui.planning.build import build_plan
+
+        plan = build_plan(app.home.composition.to_recipe(), world_size=512)
+        screen = ComposeScreen(plan, workers=1, clock=lambda: next(times, 112.0), autostart=False,
+                               title="Composing checkpoint-6-tailored for 512 ranks")
+        await app.push_screen(screen)
+        ranks = [(name, total) for name, total in screen.tasks if name.startswith("rank ")]
+        assert len(ranks) == 512 and len(screen.tasks) > len(ranks)  # and the model file
+        for name, total in ranks[:400]:  # done
+            screen.post_message(ComposeProgressed(TaskProgressed(name, 0, total)))
+            screen.post_message(ComposeProgressed(TaskProgressed(name, total, total)))
+        for i, (name, total) in enumerate(ranks[400:412]):  # in progress: more than there are rows
+            screen.post_message(ComposeProgressed(TaskProgressed(name, total * (i + 1) // 13, total)))
+        screen.post_message(ComposeProgressed(TaskProgressed(ranks[401][0], ranks[401][1], ranks[401][1])))
+        await wait_for(pilot, lambda: screen.tally.finished == 401)
+        await pilot.pause()
+
+    assert snap_compare(make_app(run), run_before=mid_composition, terminal_size=(80, 24))
+
+
 def test_grid_with_partial_checkpoints(snap_compare, real_run, tmp_path):
     """Selective checkpointing (HF Trainer callback): a full checkpoint and two parity partials;
     each partial column holds only its rows, every row picked from its newest holder."""

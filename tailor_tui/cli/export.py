@@ -44,7 +44,9 @@ def export_command(args, slow_down: float = 0.0) -> int:
                             options=TaskOptions(durable=args.durable, slow_down=slow_down))
     finally:
         if isinstance(report, BarReporter):
-            report.close()
+            report.close()  # the bars' final state, whatever happened
+    if not isinstance(report, BarReporter):
+        report.close()  # logs: the last line for all the tasks, where many were summed up
     if result.config is None:
         print(f"note: {result.output} holds the weights but no config.json (a DeepSpeed-layout run records none); "
               "export again with --config PATH (the model's config.json, or a folder with it and its tokenizer)",

@@ -128,7 +128,7 @@ def apply(args) -> int:
     from tailor_tui.compose.folder import planned_tasks, run_compose
     from tailor_tui.planning.build import build_plan
     from tailor_tui.planning.recipe import load_recipe
-    from tailor_tui.report import BarReporter, LineReporter, reporter_for
+    from tailor_tui.report import FEW, BarReporter, LineReporter, reporter_for
     from tailor_tui.team.meet import connect
     from tailor_tui.team.team import SOLO
     from tailor_tui.team.progress import JobLines
@@ -159,8 +159,8 @@ def apply(args) -> int:
         )
     if team.lead and team.size > 1:  # the whole job's lines (every process's tasks) and its throughput
         report = JobLines(sys.stderr, planned_tasks(plan))
-    elif team.size > 1:  # several processes share the log: lines, each saying whose
-        report = LineReporter(sys.stderr, prefix=f"[process {team.rank}] ")
+    elif team.size > 1:  # several processes share the log: lines, each saying whose (its tasks' sum, if many)
+        report = LineReporter(sys.stderr, prefix=f"[process {team.rank}] ", each=len(planned_tasks(plan)) <= FEW)
     else:
         report = reporter_for(sys.stderr, args.progress, planned_tasks(plan))
     cancel = threading.Event()
@@ -171,7 +171,9 @@ def apply(args) -> int:
                            allow_nonfinite=args.allow_nonfinite, team=team)
     finally:
         if isinstance(report, BarReporter):
-            report.close()
+            report.close()  # the bars' final state, whatever happened
+    if not isinstance(report, BarReporter):
+        report.close()  # logs: the last line for all the tasks, where many were summed up
     if not team.lead:
         return ExitCode.OK  # process 0 says how the job went
     if result.nonfinite:
@@ -201,7 +203,9 @@ def verify(args) -> int:
         raise UsageError(f"output {plan.output}: was composed for {composed_for} ranks, this verification plans "
                          f"{plan.world_size}; verify it with --world-size {composed_for}")
     print(f"verifying {plan.output} against {args.verify}", file=sys.stderr, flush=True)
-    report = verify_against_recipe(plan, emit=reporter_for(sys.stderr, "lines", unit="compared"))
+    lines = reporter_for(sys.stderr, "lines", unit="compared")
+    report = verify_against_recipe(plan, emit=lines)
+    lines.close()
     width = max(len(r.name) for r in plan.base.rows)
     for row in plan.base.rows:
         if row.tied:

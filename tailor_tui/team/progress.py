@@ -3,9 +3,9 @@
 Every other process posts the state of its tasks (bytes done of each rank file or model file)
 to the job's store at most once a second and whenever a task finishes; process 0 reads them
 every two seconds and hands them, as progress events, to its own reporter with its own
-tasks' events: its log then follows every rank of the job (`rank 311: 41% …`) and, with
-`JobLines`, the whole job's bytes and throughput. Each process's own lines still go to its
-stderr, prefixed by its process rank.
+tasks' events: its log then follows every rank of the job (`rank 311: 41% …`; once they are
+many, one line for them all) and, with `JobLines`, the whole job's bytes and throughput. Each
+process's own lines still go to its stderr, prefixed by its process rank.
 """
 
 from __future__ import annotations
@@ -15,39 +15,28 @@ import time
 
 from tailor_tui.events import Emit, TaskFinished, TaskProgressed
 from tailor_tui.report import LineReporter
-from tailor_tui.units import size, throughput
 
 POST_EVERY = 1.0
 READ_EVERY = 2.0
 
 
 class JobLines:
-    """Process 0's log of a job: each task's lines (as `LineReporter`) and, at most every
-    `every_seconds`, one line for the whole job with its throughput."""
+    """Process 0's log of a job: `LineReporter`'s lines for every task of the job, and its summary
+    line for the whole job (`job: 41% …, 37 of 512 tasks done, …`) at most every `every_seconds`
+    or tenth: with a handful of tasks besides each task's lines, with many in their place. Events
+    come from two threads (its own tasks', the reader of the others'): one at a time."""
 
-    def __init__(self, out, tasks, every_seconds: float = 5.0):
-        self.lines = LineReporter(out)
-        self.out, self.every = out, every_seconds
-        self.sizes = dict(tasks)
-        self.done = dict.fromkeys(self.sizes, 0)
-        self.total = sum(self.sizes.values())
-        self.started = self.last = time.monotonic()
+    def __init__(self, out, tasks, every_seconds: float = 5.0, *, clock=time.monotonic):
+        self.lines = LineReporter(out, every_seconds, tasks=tasks, label="job", summary=True, clock=clock)
         self.lock = threading.Lock()
 
     def __call__(self, event) -> None:
         with self.lock:
             self.lines(event)
-            if isinstance(event, (TaskProgressed, TaskFinished)):
-                self.done[event.task] = event.total if isinstance(event, TaskFinished) else event.done
-            now = time.monotonic()
-            if now - self.last >= self.every:
-                self.last = now
-                done = sum(self.done.values())
-                rate, eta = throughput(done, self.total, now - self.started)
-                finished = sum(1 for name, d in self.done.items() if d >= self.sizes.get(name, 0))
-                print(f"job: {done / self.total if self.total else 1:.0%} {size(done)}/{size(self.total)} written, "
-                      f"{size(int(rate))}/s, ETA {eta:.0f}s ({finished} of {len(self.done)} tasks done)",
-                      file=self.out, flush=True)
+
+    def close(self) -> None:
+        with self.lock:
+            self.lines.close()
 
 
 def relay(team, emit: Emit, tasks) -> tuple[Emit, callable]:

@@ -2,6 +2,11 @@
 
 The composition runs in a thread worker (which itself drives worker processes); progress
 arrives as backend events wrapped in messages, so no widget is touched off the event loop.
+
+A handful of tasks (up to `report.FEW`) get a bar each. More (512 ranks) get a fixed number of
+bar rows, `SLOTS`, each showing a task in progress and passed on to the next when it is done,
+a line saying how many are done, in progress and waiting, and the overall bar: the screen stays
+as tall at 512 ranks as at 8, and each message costs O(1) (`report.Tally`).
 """
 
 from __future__ import annotations
@@ -26,7 +31,10 @@ from tailor_tui.compose.folder import planned_tasks, run_compose
 from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.team.workers import STREAMING_WORKER, workers_for
 from tailor_tui.ui.messages import ComposeFailed, ComposeFinished, ComposeProgressed
+from tailor_tui.report import FEW, Tally
 from tailor_tui.units import size, throughput
+
+SLOTS = FEW  # bar rows for tasks in progress when there are many: they fit at 80x24
 
 
 class ComposeScreen(Screen):
@@ -49,7 +57,11 @@ class ComposeScreen(Screen):
         self.cancel = threading.Event()
         self.finished = threading.Event()  # set when the composition thread has fully returned
         self.tasks = [(j.task, j.progress_bytes) for j in export.jobs] if export else planned_tasks(plan)
-        self.done = {name: 0 for name, _ in self.tasks}
+        self.tally = Tally(self.tasks)  # every task's bytes done; which are waiting, in progress, done
+        self.many = len(self.tasks) > FEW
+        self.index = {name: i for i, (name, _) in enumerate(self.tasks)}  # few: a task's bar
+        self.slots: list[str | None] = [None] * SLOTS  # many: the task each bar row shows
+        self.slot_of: dict[str, int] = {}
         self.started = clock()
         self.running = True
 
@@ -57,10 +69,17 @@ class ComposeScreen(Screen):
         with Vertical(id="compose"):
             yield Label(self.title_text, id="compose-title")
             with VerticalScroll(id="bars"):
-                for i, (name, _total) in enumerate(self.tasks):
-                    with Horizontal(classes="bar-row"):
-                        yield Label(name, classes="bar-label")
-                        yield ProgressBar(total=_total, show_eta=False, id=f"bar-{i}")
+                if self.many:
+                    for i in range(SLOTS):
+                        with Horizontal(classes="bar-row idle", id=f"slot-{i}"):
+                            yield Label("", classes="bar-label", id=f"slot-label-{i}")
+                            yield ProgressBar(total=1, show_eta=False, id=f"bar-{i}")
+                    yield Static(self.counts(), id="compose-tasks")
+                else:
+                    for i, (name, _total) in enumerate(self.tasks):
+                        with Horizontal(classes="bar-row"):
+                            yield Label(name, classes="bar-label")
+                            yield ProgressBar(total=_total, show_eta=False, id=f"bar-{i}")
                 with Horizontal(classes="bar-row overall"):
                     yield Label("overall", classes="bar-label")
                     yield ProgressBar(total=sum(t for _, t in self.tasks), show_eta=False, id="bar-overall")
@@ -98,17 +117,49 @@ class ComposeScreen(Screen):
 
     def on_compose_progressed(self, message: ComposeProgressed) -> None:
         e = message.event
-        index = [name for name, _ in self.tasks].index(e.task) if e.task in self.done else None
-        if index is None:
+        if e.task not in self.index:
             return
-        self.done[e.task] = e.done
-        self.query_one(f"#bar-{index}", ProgressBar).update(progress=e.done)
+        self.tally.add(e)
+        if self.many:
+            self.place(e.task)
+            self.query_one("#compose-tasks", Static).update(self.counts())
+        else:
+            self.query_one(f"#bar-{self.index[e.task]}", ProgressBar).update(progress=e.done)
         self.update_overall()
 
+    def counts(self) -> str:
+        t = self.tally
+        return f"{t.finished} of {len(t.totals)} done · {len(t.running)} in progress · {t.waiting} waiting"
+
+    def place(self, task: str) -> None:
+        """Many tasks: a task in progress takes a free bar row; a finished one hands its row to the
+        next task in progress without one (in the order they started)."""
+        slot = self.slot_of.get(task)
+        if task in self.tally.ended:
+            if slot is None:
+                return
+            del self.slot_of[task]
+            task = next((name for name in self.tally.running if name not in self.slot_of), None)
+            if task is not None:
+                self.slot_of[task] = slot
+        elif slot is None:
+            if None not in self.slots:
+                return  # every row is taken: it is counted in progress until one is free
+            slot = self.slots.index(None)  # SLOTS rows: O(1) in the number of tasks
+            self.slot_of[task] = slot
+        self.slots[slot] = task
+        self.show_slot(slot)
+
+    def show_slot(self, slot: int) -> None:
+        task = self.slots[slot]
+        self.query_one(f"#slot-{slot}").set_class(task is None, "idle")
+        self.query_one(f"#slot-label-{slot}", Label).update(task or "")
+        if task is not None:
+            self.query_one(f"#bar-{slot}", ProgressBar).update(total=self.tally.totals[task], progress=self.tally.done[task])
+
     def update_overall(self) -> None:
-        done = sum(self.done.values())
-        total = sum(t for _, t in self.tasks)
-        self.query_one("#bar-overall", ProgressBar).update(progress=done)
+        done, total = self.tally.bytes_done, self.tally.bytes_total
+        self.query_one("#bar-overall", ProgressBar).update(total=total, progress=done)
         rate, eta = throughput(done, total, self.clock() - self.started)
         self.query_one("#compose-rate", Static).update(
             f"{size(done)} of {size(total)} written · {size(rate)}/s · ETA {eta:.0f}s"
@@ -116,10 +167,16 @@ class ComposeScreen(Screen):
 
     def on_compose_finished(self, message: ComposeFinished) -> None:
         self.running = False
-        for name, total in self.tasks:
-            self.done[name] = total
-        for i, (_, total) in enumerate(self.tasks):
-            self.query_one(f"#bar-{i}", ProgressBar).update(progress=total)
+        self.tally.finish_all()
+        if self.many:
+            self.slot_of.clear()
+            self.slots = [None] * SLOTS
+            for slot in range(SLOTS):
+                self.show_slot(slot)
+            self.query_one("#compose-tasks", Static).update(self.counts())
+        else:
+            for i, (_, total) in enumerate(self.tasks):
+                self.query_one(f"#bar-{i}", ProgressBar).update(progress=total)
         self.update_overall()
         r = message.result
         self.query_one("#compose-status", Static).update(
