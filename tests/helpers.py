@@ -249,3 +249,24 @@ def flat_record(path: Path) -> str:
     """The record of the largest storage (a flat fp32 / exp_avg / exp_avg_sq group)."""
     with zipfile.ZipFile(path) as z:
         return max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size).filename
+
+
+def fsynced_files(monkeypatch) -> set:
+    """The files (device, inode) fsynced from now on in this process (os.fsync recorded)."""
+    found: set = set()
+    real = os.fsync
+
+    def record(fd: int) -> None:
+        st = os.fstat(fd)
+        found.add((st.st_dev, st.st_ino))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    return found
+
+
+def assert_every_file_fsynced(out: Path, fsynced: set) -> None:
+    """Every file and folder of a published output was fsynced before it counted as written."""
+    for f in [out, *out.rglob("*")]:
+        st = f.stat()
+        assert (st.st_dev, st.st_ino) in fsynced, f"{f} was never fsynced"

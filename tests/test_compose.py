@@ -263,6 +263,16 @@ def test_no_fsync_skips_every_fsync_and_writes_the_same_output(real_run, tmp_pat
             assert f.read_bytes() == (fast / f.relative_to(durable)).read_bytes(), f
 
 
+def test_every_file_of_a_composed_output_is_fsynced_before_it_is_published(real_run, tmp_path, monkeypatch):
+    from helpers import assert_every_file_fsynced, fsynced_files
+
+    run, spec = real_run("hf_bf16_2")
+    ckpts = checkpoints_of(run, spec)
+    fsynced = fsynced_files(monkeypatch)
+    out, _events = compose(tmp_path, ckpts, parity_picks(spec, ckpts))  # workers=1: all in this process
+    assert_every_file_fsynced(out, fsynced)
+
+
 def test_workers_are_budgeted_by_what_they_hold(real_run, tmp_path):
     from tailor_tui.team.workers import STREAMING_WORKER, TORCH_WORKER, worker_memory
 

@@ -140,3 +140,46 @@ def test_a_copied_storage_whose_source_rotted_is_refused(real_run, tmp_path):
     flip_byte(copy, "data/0")  # a sub-group's fp32 weights
     with pytest.raises(CheckpointError, match="fails its CRC-32 check"):
         _rewrite(copy, tmp_path / "out.pt")
+
+
+def test_archives_of_one_structure_under_many_names_are_what_write_archive_writes(real_run, tmp_path):
+    """`SameArchives` (a resharded output's rank files) lays out the first archive of each name
+    length and writes the others as renamed copies of it: byte for byte write_archive's, copied
+    records' CRC-32s set as they are copied, reserved ones left for the caller, and torch loads them."""
+    from tailor_tui.formats.ptwrite import SameArchives
+
+    run, spec = real_run("hf_bf16_2")
+    source = next(checkpoints_of(run, spec)[-1].rglob("*optim_states.pt"))
+    refs = {}
+    obj, records, prefix = read_structure(source, refs)
+    data, storages = dumps(obj, location=None)
+    fills = [Copied(source, records[f"{prefix}data/{s.key}"], records[f"{prefix}data/{s.key}"].data_offset,
+                    storage_bytes(s)) for s in storages]
+    k = next(i for i, f in enumerate(fills) if f.size)
+    kept, fills[k] = fills[k], Reserved(fills[k].size)  # one reserved, the rest copied
+    same = SameArchives(data, fills)
+    names = ["rank_7_states", "rank_8_states", "rank_10_states", "ränk_9_states", "rank_99_states"]
+    for name in names:
+        mine, theirs = tmp_path / "same" / f"{name}.pt", tmp_path / "one" / f"{name}.pt"
+        mine.parent.mkdir(exist_ok=True)
+        theirs.parent.mkdir(exist_ok=True)
+        got = same.write(mine, name)
+        assert got == write_archive(theirs, archive=name, pickle=data, storages=fills), name
+        assert mine.read_bytes() == theirs.read_bytes(), name
+        assert all(n.startswith(f"{name}/") for n in got)
+    with zipfile.ZipFile(tmp_path / "same" / "rank_8_states.pt") as z:
+        assert z.testzip() == storage_name(z, k)  # the reserved record alone: not filled
+    fills[k] = kept
+    same = SameArchives(data, fills)
+    same.write(tmp_path / "x_1.pt", "x_1")
+    renamed = tmp_path / "x_2.pt"
+    same.write(renamed, "x_2")
+    with zipfile.ZipFile(renamed) as z:
+        assert z.testzip() is None and z.read("x_2/.data/serialization_id") != b""
+    loaded, original = torch.load(renamed, weights_only=False), torch.load(source, weights_only=False)
+    assert loaded.keys() == original.keys()
+
+
+def storage_name(z: zipfile.ZipFile, key: int) -> str | None:
+    names = [n for n in z.namelist() if n.endswith(f"/data/{key}")]
+    return names[0] if names else None

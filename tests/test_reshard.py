@@ -21,6 +21,7 @@ import zipfile
 import pytest
 from conftest import INSTALLED_DEEPSPEED, OLDEST_DEEPSPEED, checkpoints_of, resume_with
 from helpers import (
+    assert_every_file_fsynced,
     assert_one_line_error,
     assert_optim_states_equal,
     assert_rows_from_picks,
@@ -29,6 +30,7 @@ from helpers import (
     finish,
     flat_record,
     flip_byte,
+    fsynced_files,
     hidden,
     start_apply,
     tailor,
@@ -375,3 +377,16 @@ def test_a_corrupt_frozen_fragment_of_a_partial_base_is_refused_when_resharding(
     result = tailor("--apply", recipe)
     assert_one_line_error(result, 4, target.name, f"record {record} fails its CRC-32 check")
     assert not (tmp_path / "composed").exists() and not hidden(tmp_path)
+
+
+def test_every_file_of_a_resharded_output_is_fsynced_before_it_is_published(real_run, tmp_path, monkeypatch):
+    """Durable by default: each rank file's structure and filled tensors, model_states without frozen
+    fragments included, and every folder, reach the disk before the output is renamed into place."""
+    from tailor_tui.compose.folder import run_compose
+
+    run, spec = real_run("hf_bf16_2")
+    c2, _c4, c6 = checkpoints_of(run, spec)
+    plan = build_plan(load_recipe(write_recipe(tmp_path, c6, {"layers.1": c2})), world_size=3)
+    fsynced = fsynced_files(monkeypatch)
+    run_compose(plan, workers=1)
+    assert_every_file_fsynced(plan.output, fsynced)

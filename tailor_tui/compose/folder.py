@@ -13,7 +13,6 @@ output path. Sources are only ever opened for reading.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 import zipfile
@@ -34,7 +33,7 @@ from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.formats.ptfile import check_crcs
 from tailor_tui.compose.rank_reshard import reshard_rank
 from tailor_tui.compose.rank_task import compose_rank
-from tailor_tui.resharding.skeleton import write_skeletons
+from tailor_tui.resharding.skeleton import skeleton
 from tailor_tui.team.team import SOLO, Team
 from tailor_tui.team.transaction import PublishingWork, Task, run_as_team
 from tailor_tui.team.workers import default_workers
@@ -112,15 +111,15 @@ class Composing(PublishingWork):
 
     def tasks(self, shared: str, emit: Emit) -> list[Task]:
         tag_dir = self.folder(shared) / self.plan.base.tag
-        return [*(Task(self.rank_call, job, (tag_dir,)) for job in self.plan.rank_jobs()),
+        rank_args = (tag_dir,)
+        if self.plan.reshard is not None:  # the structure every output rank file shares: made once, here
+            rank_args = (tag_dir, skeleton(self.plan.base, self.plan.sources, self.plan.buffer_sources(),
+                                           self.plan.reshard))
+        return [*(Task(self.rank_call, job, rank_args) for job in self.plan.rank_jobs()),
                 *(Task(_weight_writer(job), job, (self.tmp,)) for job in self.plan.model_file_jobs())]
 
     def workers(self, mine: list[Task]) -> int:
         return self.workers_asked if self.workers_asked is not None else default_workers(self.plan)
-
-    def around(self, mine: list[Task], cancel: threading.Event):
-        ranks = [t.job.rank for t in mine if t.call is self.rank_call]
-        return _skeletons(self.plan, self.tmp / self.plan.base.tag, cancel, ranks)
 
     def observe(self, event, emit: Emit) -> bool:
         if isinstance(event, TaskFinished):
@@ -185,41 +184,6 @@ def _fill(plan: ComposePlan, tmp: Path, cancel: threading.Event, durable: bool) 
     layout = plan.model_layout()
     if plan.base.partial and layout is not None and layout.index is not None:
         write_file(tmp / MODEL_FILE_INDEX, layout.index, durable)
-
-
-@contextlib.contextmanager
-def _skeletons(plan: ComposePlan, tag_dir: Path, cancel: threading.Event, ranks: list[int]):
-    """When resharding: the structure of the output rank files in `ranks` (`reshard_skeleton`),
-    written in a thread while the workers read and check their sources; the workers wait for
-    each file. Its failure cancels the workers and is what the composition raises."""
-    if plan.reshard is None or not ranks:
-        yield
-        return
-    failed: list[BaseException] = []
-    stop = threading.Event()  # the workers failed: no more skeletons
-
-    def write() -> None:
-        try:
-            write_skeletons(plan.base, plan.sources, plan.buffer_sources(), plan.reshard, tag_dir,
-                            lambda: stop.is_set() or cancel.is_set(), ranks=ranks, staging=f".skeletons-{ranks[0]}")
-        except BaseException as exc:  # noqa: BLE001 - handed to the composition's thread below
-            failed.append(exc)
-            cancel.set()  # the workers waiting for their files stop
-
-    thread = threading.Thread(target=write, name="reshard-skeletons", daemon=True)
-    thread.start()
-    try:
-        yield
-    except Cancelled:
-        if not failed:
-            raise
-    except BaseException:
-        stop.set()
-        raise
-    finally:
-        thread.join()
-    if failed:
-        raise failed[0]
 
 
 def _copy_other_files(plan: ComposePlan, tmp: Path, cancel: threading.Event, durable: bool) -> None:

@@ -1,15 +1,15 @@
-"""Filling one output rank's files of a resharded composition, streamed, torch-free.
+"""Writing one output rank's files of a resharded composition, streamed, torch-free.
 
 Each big tensor of the output is one record; its pieces (`reshard`) are byte ranges of the
 sources' rank files, or zeros. First every record of a source that a piece comes from is read
 once and checked against the CRC-32 its archive stores, and every slice of a partial save a
 piece comes from against the CRC-32 its save recorded (a corrupt source is refused, never
 carried over under a fresh CRC); that pass gives each piece's CRC and counts the non-finite
-values the output takes. Then, once the files' structure is there (`reshard_skeleton` writes
-them with the big tensors' space reserved, while the workers check), every piece is
-copied in the kernel (copy_file_range) and each output record's CRC-32 is put together from
-its pieces' CRCs (`crc.combine`): no byte is read twice into user space. Memory: one 1 MiB
-buffer.
+values the output takes. Then the rank's two files are written as the run's `Skeleton` has
+them, the big tensors' space reserved; every piece is copied into place in the kernel
+(copy_file_range) and each output record's CRC-32 is put together from its pieces' CRCs
+(`crc.combine`): no byte is read twice into user space. Both files are fsynced (unless
+--no-fsync). Memory: two 1 MiB buffers.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
-import time
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -26,50 +25,42 @@ from tailor_tui import crc
 from tailor_tui.formats.ds_format import TENSORS
 from tailor_tui.errors import OutputError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
-from tailor_tui.fileio import OpenFiles, Writeback, copy_range, fsync, open_fd, output_error
-from tailor_tui.reading import crc_range
+from tailor_tui.fileio import OpenFiles, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
+from tailor_tui.reading import crc_range, pread_into
 from tailor_tui.formats.nonfinite import EXPONENT, Census, Region
 from tailor_tui.checkpoints.partial_rows import check_crc, partial_slice, read_rows_file
 from tailor_tui.formats.pickled import dtype_name
-from tailor_tui.formats.ptfile import frozen_fragment_bytes, read_structure
-from tailor_tui.compose.rank_stream import STREAM_CHUNK, dtype_mismatch, flat_tensor_bytes, read_and_check, tensor_bytes
+from tailor_tui.formats.ptfile import frozen_fragment_bytes
+from tailor_tui.compose.rank_stream import STREAM_CHUNK, dtype_mismatch, read_and_check, tensor_bytes
 from tailor_tui.resharding.partition import ZEROS, Piece, ReshardJob
+from tailor_tui.resharding.skeleton import Skeleton, write_rank_file
 
 
-def reshard_rank(job: ReshardJob, out_tag_dir: Path, emit: Emit, cancelled: Callable[[], bool],
+def reshard_rank(job: ReshardJob, out_tag_dir: Path, skeleton: Skeleton, emit: Emit, cancelled: Callable[[], bool],
                  options: TaskOptions = TaskOptions()) -> Counter:
-    """Fill output rank `job.rank`'s optim_states and model_states in `out_tag_dir`; the
-    non-finite values each row's pieces hold, counted as the sources are checked.
-
-    The sources are read and checked first, which needs nothing of the output: the files'
-    structure (`reshard_skeleton`) may still be on its way, and is waited for after."""
+    """Write output rank `job.rank`'s optim_states and model_states in `out_tag_dir` (each as
+    `skeleton` has it, its big tensors filled from their pieces); the non-finite values each
+    row's pieces hold, counted as the sources are checked (before anything is written)."""
     counter = ByteCounter.for_job(job, emit, cancelled, options)
+    buffer = memoryview(bytearray(STREAM_CHUNK))
     with contextlib.ExitStack() as stack:
         sources = _Sources(job, stack)
         optim = [(g, key, [(p, sources.place(p, key)) for p in pieces])
-                 for g, pieces in enumerate(job.groups) for key in TENSORS]
-        frozen = [(name, "frozen", [(p, sources.place(p, "frozen")) for p in pieces]) for name, pieces in job.frozen]
-        crcs, nonfinite = _check([*optim, *frozen], sources, counter)
+                 for g, pieces in enumerate(map(_joined_zeros, job.groups)) for key in TENSORS]
+        frozen = [(name, "frozen", [(p, sources.place(p, "frozen")) for p in _joined_zeros(pieces)])
+                  for name, pieces in job.frozen]
+        checked, nonfinite = _check([*optim, *frozen], sources, counter, buffer)
 
-        path = _arrived(out_tag_dir / job.optim_states, counter)
-        obj, records, prefix = read_structure(path)
-        flat = flat_tensor_bytes(obj, records, prefix, path, job.group_sizes)
-        _write(path, [(flat[g, key], key, placed) for g, key, placed in optim], crcs, sources, counter)
-        path = _arrived(out_tag_dir / job.model_states, counter)
-        if frozen:  # (the model_states skeleton is complete as written otherwise)
-            fragments = frozen_fragment_bytes(path, [name for name, _ in job.frozen])
-            _write(path, [(fragments[name], key, placed) for name, key, placed in frozen], crcs, sources, counter)
+        path = out_tag_dir / job.optim_states
+        archive, records = write_rank_file(path, skeleton.optim, buffer)
+        flat = {where: hole.located(records, archive) for where, hole in skeleton.flat.items()}
+        _write(path, [(flat[g, key], key, placed) for g, key, placed in optim], checked, sources, counter)
+        path = out_tag_dir / job.model_states
+        archive, records = write_rank_file(path, skeleton.model, buffer)
+        fragments = {name: hole.located(records, archive) for name, hole in skeleton.fragments.items()}
+        _write(path, [(fragments[name], key, placed) for name, key, placed in frozen], checked, sources, counter)
     counter.finish()
     return nonfinite
-
-
-def _arrived(path: Path, counter: ByteCounter) -> Path:
-    """`path`, once it is there (the skeleton writer renames each file into place whole);
-    a cancel (or the skeleton writer's failure, which cancels) stops the wait."""
-    while not path.exists():
-        counter.add(0)  # raises Cancelled once cancelled
-        time.sleep(0.01)
-    return path
 
 
 class _Place(NamedTuple):
@@ -140,9 +131,28 @@ class _Sources:
         return _Place(files.optim_states, tb.offset + piece.offset * tb.itemsize, tb.record, tb.dtype, tb.itemsize)
 
 
-def _check(fills: list, sources: _Sources, counter: ByteCounter) -> tuple[dict, Counter]:
+def _joined_zeros(pieces) -> list[Piece]:
+    """`pieces` with each run of neighbouring padding pieces joined into one (a small parameter
+    is all padding on most ranks of a wide run: one step for the run instead of one each)."""
+    joined: list[Piece] = []
+    run, length = None, 0  # the padding run being joined, and its length so far
+    for p in pieces:
+        if p.source == ZEROS:
+            run, length = (p, p.length) if run is None else (run, length + p.length)
+            continue
+        if run is not None:
+            joined.append(run if length == run.length else run._replace(length=length))
+            run = None
+        joined.append(p)
+    if run is not None:
+        joined.append(run if length == run.length else run._replace(length=length))
+    return joined
+
+
+def _check(fills: list, sources: _Sources, counter: ByteCounter, buffer: memoryview) -> tuple[Checked, Counter]:
     """Read every source record a piece comes from once, checking its stored CRC-32: the CRC
-    of each piece's bytes {(file, first byte, length): crc}, and the non-finite values per row."""
+    of each piece's bytes {(file, first byte, length): crc} (and the bytes themselves, where a
+    job's pieces are few enough to keep), and the non-finite values per row."""
     ranges: dict[Path, set] = defaultdict(set)
     slices: dict[Path, dict] = defaultdict(lambda: defaultdict(set))  # partial slices: the pieces in each
     regions: dict[Path, list] = defaultdict(list)
@@ -158,16 +168,16 @@ def _check(fills: list, sources: _Sources, counter: ByteCounter) -> tuple[dict, 
             if dtype_name(place.dtype) in EXPONENT:  # floats: counted for the guard
                 regions[place.path].append(Region(place.at, n, piece.row, dtype_name(place.dtype)))
     verifies = sources.to_verify()  # path -> every record of it to check (a partial's rows file: its slices)
-    largest = max((n for found in ranges.values() for _r, _at, n in found), default=0)
-    buffer = memoryview(bytearray(STREAM_CHUNK if slices or verifies or largest > STREAM_CHUNK else largest))
-    crcs: dict[tuple[Path, int, int], int] = {}
+    alone = {path: sorted({(at, n) for _r, at, n in found}) for path, found in ranges.items() if path not in verifies}
+    keep = sum(n for wanted in alone.values() for _at, n in wanted) <= KEEP_BYTES
+    result = Checked({}, {})
+    crcs = result.crcs
     nonfinite = Counter()
     for path in sorted(ranges.keys() | slices.keys() | verifies.keys()):
         census = Census(regions[path])
         fd = sources.fd(path)
         if path not in verifies:  # another job checks this full file's records: the pieces alone are read
-            for at, n in sorted({(at, n) for _r, at, n in ranges[path]}):
-                crcs[path, at, n] = crc_range(fd, at, n, buffer, counter.add, census.inspect)
+            _read_pieces(fd, path, alone[path], buffer, counter, census, result, keep)
         else:
             checked = {(r, at, n) for r, at, n in ranges[path] if r is not None}
             records = {r for r, _at, _n in checked} | verifies[path]
@@ -176,7 +186,49 @@ def _check(fills: list, sources: _Sources, counter: ByteCounter) -> tuple[dict, 
             for piece_slice, inside in slices[path].items():  # a partial checkpoint's slices
                 crcs.update(_check_slice(fd, path, piece_slice, sorted(inside), buffer, counter, census))
         nonfinite += census.counts
-    return crcs, nonfinite
+    return result, nonfinite
+
+
+class Checked(NamedTuple):
+    """What reading the sources found: each piece's CRC-32, and the bytes of those kept."""
+
+    crcs: dict  # (file, first byte, length) -> CRC-32
+    kept: dict  # (file, first byte, length) -> bytes, as checked
+
+
+# A job keeps the bytes of the pieces it reads alone (not as part of records it checks whole)
+# when they are this few: a wide run's small ranks are then written from memory, a record at a
+# time, instead of a copy per piece. Reads of pieces less than GAP_BYTES apart are joined (a
+# read of the gap costs less than another read).
+KEEP_BYTES = 8 << 20
+GAP_BYTES = 32 << 10
+
+
+def _read_pieces(fd: int, path: Path, wanted: list, buffer: memoryview, counter: ByteCounter, census: Census,
+                 checked: Checked, keep: bool) -> None:
+    """The CRC-32 of each (first byte, length) in `wanted` (sorted) of `path`, and its bytes if
+    `keep`; neighbours share one read of the buffer, one larger than the buffer is streamed."""
+    i = 0
+    while i < len(wanted):
+        start, end, j = wanted[i][0], wanted[i][0], i
+        while (j < len(wanted) and wanted[j][0] - end <= GAP_BYTES
+               and max(end, wanted[j][0] + wanted[j][1]) - start <= len(buffer)):
+            end, j = max(end, wanted[j][0] + wanted[j][1]), j + 1
+        if j == i:  # larger than the buffer
+            at, n = wanted[i]
+            checked.crcs[path, at, n] = crc_range(fd, at, n, buffer, counter.add, census.inspect)
+            i += 1
+            continue
+        view = buffer[: end - start]
+        pread_into(fd, view, start)
+        census.inspect(start, view)  # (it counts inside the pieces' regions only, not in the gaps)
+        for at, n in wanted[i:j]:
+            piece = view[at - start: at - start + n]
+            checked.crcs[path, at, n] = crc.crc32(piece)
+            if keep:
+                checked.kept[path, at, n] = bytes(piece)
+        counter.add(sum(n for _at, n in wanted[i:j]))
+        i = j
 
 
 def _check_slice(fd: int, path: Path, piece_slice: tuple, inside: list, buffer: memoryview, counter: ByteCounter,
@@ -201,9 +253,9 @@ def _check_slice(fd: int, path: Path, piece_slice: tuple, inside: list, buffer: 
     return found
 
 
-def _write(out: Path, fills: list, crcs: dict, sources: _Sources, counter: ByteCounter) -> None:
-    """Copy each (output tensor, key, placed pieces) of `out` into place and set each output
-    record's CRC-32 from its pieces' (`_check` gave them)."""
+def _write(out: Path, fills: list, checked: Checked, sources: _Sources, counter: ByteCounter) -> None:
+    """Copy each (output tensor, key, placed pieces) of `out` into place, set each output
+    record's CRC-32 from its pieces' (`_check` gave them), and fsync `out` (unless --no-fsync)."""
     steps = []
     for target, key, placed in fills:
         record = target.record
@@ -221,6 +273,13 @@ def _write(out: Path, fills: list, crcs: dict, sources: _Sources, counter: ByteC
             fout = open_fd(stack, out, os.O_RDWR)
             writeback = Writeback(fout, counter.options.durable)
             for record, target, placed in steps:
+                if record.size <= STREAM_CHUNK and all(
+                        place is None or (place.path, place.at, p.length * target.itemsize) in checked.kept
+                        for p, place in placed):
+                    value = _write_whole(fout, record, target, placed, checked.kept, counter)
+                    for at in record.crc_offsets:
+                        os.pwrite(fout, struct.pack("<I", value), at)
+                    continue
                 value = 0
                 for piece, place in placed:
                     at, n = target.offset + piece.at * target.itemsize, piece.length * target.itemsize
@@ -230,9 +289,22 @@ def _write(out: Path, fills: list, crcs: dict, sources: _Sources, counter: ByteC
                         counter.add(n)
                     else:
                         copy_range(sources.fd(place.path), fout, place.at, n, counter.add, at, writeback)
-                        value = crc.combine(value, crcs[place.path, place.at, n], n)
+                        value = crc.combine(value, checked.crcs[place.path, place.at, n], n)
                 for at in record.crc_offsets:
                     os.pwrite(fout, struct.pack("<I", value), at)
             fsync(fout, counter.options.durable)
     except OSError as exc:
         raise output_error(exc, out) from None
+
+
+def _write_whole(fout: int, record, target, placed: list, kept: dict, counter: ByteCounter) -> int:
+    """Write a small record at once from the pieces' bytes kept as they were checked (zeros
+    where padding); its CRC-32. The bytes are the checked ones: their CRC is the pieces' combined."""
+    data = bytearray(record.size)
+    for piece, place in placed:
+        if place is not None:
+            at, n = piece.at * target.itemsize, piece.length * target.itemsize
+            data[at: at + n] = kept[place.path, place.at, n]
+    pwrite_all(fout, data, target.offset)
+    counter.add(len(data))
+    return crc.crc32(data)

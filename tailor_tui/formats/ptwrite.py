@@ -20,6 +20,7 @@ Torch-free; `ptfile` reads what this writes.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hashlib
 import os
@@ -67,7 +68,11 @@ def serialization_id(pickle: bytes, archive: str) -> str:
     """An archive's id, 40 decimal digits as torch's. torch draws its at random; this one is
     drawn from what the archive holds, so that writing the same structure again (a re-run,
     or a job over several processes) gives the same bytes."""
-    digest = hashlib.sha256(archive.encode("utf-8") + b"\0" + pickle).digest()
+    return _ident(hashlib.sha256(pickle).digest(), archive)
+
+
+def _ident(pickle_digest: bytes, archive: str) -> str:
+    digest = hashlib.sha256(archive.encode("utf-8") + b"\0" + pickle_digest).digest()
     return f"{int.from_bytes(digest, 'big') % 10 ** 40:040d}"
 
 
@@ -76,75 +81,130 @@ def write_archive(path: Path, *, archive: str, pickle: bytes, storages: list, id
     """Write `path` as torch.save would: records named `archive/…`, `pickle` as data.pkl and
     `storages[k]` (bytes, `Copied` or `Reserved`) as `data/k`. Returns every record, by name.
     Not fsynced: the caller fsyncs once the reserved records are filled."""
-    buffer = buffer if buffer is not None else memoryview(bytearray(1 << 20))
-    entries = [("data.pkl", pickle), (".format_version", FORMAT_VERSION), (".storage_alignment", b"64"),
-               ("byteorder", BYTEORDER), *((f"data/{k}", s) for k, s in enumerate(storages)),
-               ("version", VERSION),
-               (".data/serialization_id", (ident or serialization_id(pickle, archive)).encode("ascii"))]
-    records, central, at = {}, [], 0
-    try:
-        with contextlib.ExitStack() as stack:
-            fd = open_fd(stack, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            sources = OpenFiles(stack)  # each source file opened once, whatever its records copied
-            out = _Pending(fd)  # headers and small records gathered into few writes (hundreds per file)
-            for name, content in entries:
-                full = f"{archive}/{name}".encode("utf-8")
-                size = content.size if isinstance(content, (Copied, Reserved)) else len(content)
-                wide = size >= _ZIP64 or at >= _ZIP64
-                flags = _UTF8 | (_DESCRIBED if size else 0)
-                header = _local_header(full, size, at, flags)
-                data_at = at + len(header)
-                out.put(header, at)
-                if isinstance(content, Reserved):
-                    value = 0
-                elif isinstance(content, Copied):
-                    value = _copy(fd, content, data_at, buffer, sources)
-                else:
-                    out.put(content, data_at)
-                    value = crc.crc32(content)
-                end = data_at + size
-                descriptor = b""
-                if size:
-                    descriptor = struct.pack("<4sIQQ" if wide else "<4sIII", b"PK\x07\x08", value, size, size)
-                    out.put(descriptor, end)
-                central.append((full, size, at, value, flags))
-                records[full.decode()] = Record(full.decode(), at, data_at, size, value,
-                                                (end + 4,) if size else (at + 14,))
-                at = end + len(descriptor)
-            start = at
-            directory = bytearray()
-            for full, size, offset, value, flags in central:
-                crc_at = start + len(directory) + 16
-                directory += _central_entry(full, size, offset, value, flags)
-                name = full.decode()
-                records[name] = Record(name, offset, records[name].data_offset, size, value,
-                                       (*records[name].crc_offsets, crc_at))
-            directory += _end_records(len(central), len(directory), start)
-            out.put(directory, start)
-            out.flush()
-    except OSError as exc:
-        raise output_error(exc, path) from None
-    return records
+    layout = _Layout(archive, pickle, storages, ident or serialization_id(pickle, archive))
+    return layout.write(path, buffer)
 
 
-class _Pending:
-    """Bytes to write at consecutive offsets of `fd`, gathered and written at once (a gap, where
-    a reserved record's space is left a hole or a copied one goes, starts another write)."""
+class SameArchives:
+    """Archives of one structure (`pickle`, `storages`) under many names: a resharded output's
+    rank files. The layout of the first of each name length is kept, and every other of that
+    length is written as that layout with its names and its serialization id changed: the bytes
+    `write_archive` writes, without its per-record work again (a model_states file holds a
+    record per parameter, and a wide run hundreds of such files)."""
 
-    def __init__(self, fd: int, limit: int = 1 << 20):
-        self.fd, self.limit, self.data, self.at = fd, limit, bytearray(), 0
+    def __init__(self, pickle: bytes, storages: list):
+        self.pickle, self.storages = pickle, list(storages)
+        self.digest = hashlib.sha256(pickle).digest()
+        self._layouts: dict[int, _Layout] = {}
 
-    def put(self, data: bytes, at: int) -> None:
-        if self.data and (self.at + len(self.data) != at or len(self.data) + len(data) > self.limit):
-            self.flush()
-        if not self.data:
-            self.at = at
-        self.data += data
+    def write(self, path: Path, archive: str, buffer: memoryview | None = None) -> dict[str, Record]:
+        ident = _ident(self.digest, archive)
+        length = len(archive.encode("utf-8"))
+        known = self._layouts.get(length)
+        if known is None:
+            known = self._layouts[length] = _Layout(archive, self.pickle, self.storages, ident)
+            return known.write(path, buffer)
+        return known.renamed(archive, ident).write(path, buffer)
 
-    def flush(self) -> None:
-        if self.data:
-            pwrite_all(self.fd, self.data, self.at)
-            self.data.clear()
+
+class _Layout:
+    """An archive's bytes but those copied from other files and the reserved holes: its chunks
+    of consecutive bytes (headers, small records, descriptors, the central directory) by offset,
+    where each record lies, and where the archive's name, its serialization id and the CRC-32s
+    of copied records go."""
+
+    def __init__(self, archive: str, pickle: bytes, storages: list, ident: str):
+        self.archive = archive
+        self.chunks: list[list] = []  # [offset, bytearray], in file order
+        self.names: list[int] = []  # where the archive's name starts: in each local header and central entry
+        self.copies: list[tuple[Copied, int]] = []  # (what, index of its record)
+        self.records: list[list] = []  # [name in the archive, header offset, data offset, size, CRC-32, CRC offsets]
+        entries = [("data.pkl", pickle), (".format_version", FORMAT_VERSION), (".storage_alignment", b"64"),
+                   ("byteorder", BYTEORDER), *((f"data/{k}", s) for k, s in enumerate(storages)),
+                   ("version", VERSION), (".data/serialization_id", ident.encode("ascii"))]
+        prefix = f"{archive}/".encode("utf-8")
+        central, at = [], 0
+        for name, content in entries:
+            full = prefix + name.encode("utf-8")
+            size = content.size if isinstance(content, (Copied, Reserved)) else len(content)
+            wide = size >= _ZIP64 or at >= _ZIP64
+            flags = _UTF8 | (_DESCRIBED if size else 0)
+            header = _local_header(full, size, at, flags)
+            data_at = at + len(header)
+            self._put(header, at)
+            self.names.append(at + _LOCAL.size)
+            value = 0  # reserved: the caller's; copied: set as it is copied
+            if isinstance(content, Copied) and not _empty(content):
+                self.copies.append((content, len(self.records)))
+            elif not isinstance(content, (Copied, Reserved)):
+                self._put(content, data_at)
+                value = crc.crc32(content)
+            end = data_at + size
+            descriptor = b""
+            if size:
+                descriptor = struct.pack("<4sIQQ" if wide else "<4sIII", b"PK\x07\x08", value, size, size)
+                self._put(descriptor, end)
+            central.append((full, size, at, flags))
+            self.records.append([name, at, data_at, size, value, [end + 4] if size else [at + 14]])
+            at = end + len(descriptor)
+        start, directory = at, bytearray()
+        for (full, size, offset, flags), record in zip(central, self.records):
+            record[5].append(start + len(directory) + 16)
+            self.names.append(start + len(directory) + _CENTRAL.size)
+            directory += _central_entry(full, size, offset, record[4], flags)
+        directory += _end_records(len(central), len(directory), start)
+        self._put(directory, start)
+
+    def _put(self, data, at: int) -> None:
+        if self.chunks and self.chunks[-1][0] + len(self.chunks[-1][1]) == at:
+            self.chunks[-1][1] += data
+        else:
+            self.chunks.append([at, bytearray(data)])
+
+    def _patch(self, at: int, data: bytes) -> None:
+        i = bisect.bisect_right([c[0] for c in self.chunks], at) - 1
+        start, chunk = self.chunks[i]
+        chunk[at - start: at - start + len(data)] = data
+
+    def renamed(self, archive: str, ident: str) -> "_Layout":
+        """This layout for an archive named `archive` (as long in UTF-8 as its own) with id `ident`."""
+        other = object.__new__(_Layout)  # filled here, not laid out again
+        other.archive, name = archive, archive.encode("utf-8")
+        other.copies, other.names, other.records = self.copies, self.names, [list(r) for r in self.records]
+        other.chunks = [[at, bytearray(chunk)] for at, chunk in self.chunks]
+        i = 0
+        for at in self.names:  # in file order, as the chunks are
+            while other.chunks[i][0] + len(other.chunks[i][1]) <= at:
+                i += 1
+            start, chunk = other.chunks[i]
+            chunk[at - start: at - start + len(name)] = name
+        record = other.records[-1]  # .data/serialization_id
+        other._patch(record[2], ident.encode("ascii"))
+        record[4] = crc.crc32(ident.encode("ascii"))
+        for at in record[5]:
+            other._patch(at, struct.pack("<I", record[4]))
+        return other
+
+    def write(self, path: Path, buffer: memoryview | None = None) -> dict[str, Record]:
+        """Write it to `path`, copied records copied (their CRC-32s checked as they are, and set); its
+        records by name. Not fsynced."""
+        buffer = buffer if buffer is not None else memoryview(bytearray(1 << 20))
+        try:
+            with contextlib.ExitStack() as stack:
+                fd = open_fd(stack, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW)
+                sources = OpenFiles(stack)  # each source file opened once, whatever its records copied
+                for what, i in self.copies:
+                    record = self.records[i]
+                    record[4] = _copy(fd, what, record[2], buffer, sources)
+                    for at in record[5]:
+                        self._patch(at, struct.pack("<I", record[4]))
+                for at, chunk in self.chunks:
+                    pwrite_all(fd, chunk, at)
+        except OSError as exc:
+            raise output_error(exc, path) from None
+        prefix = f"{self.archive}/"
+        return {prefix + name: Record(prefix + name, at, data_at, size, value, tuple(offsets))
+                for name, at, data_at, size, value, offsets in self.records}
 
 
 def _local_header(name: bytes, size: int, offset: int, flags: int) -> bytes:
@@ -180,10 +240,15 @@ def _end_records(count: int, size: int, start: int) -> bytes:
                           min(size, _ZIP64), min(start, _ZIP64), 0))
 
 
+def _empty(what: Copied) -> bool:
+    """An empty storage (ZeRO-3's placeholders): nothing to copy, CRC-32 0."""
+    return what.record.size == 0 and what.record.crc in (0, None)
+
+
 def _copy(fd: int, what: Copied, at: int, buffer: memoryview, sources: OpenFiles) -> int:
     """Copy `what` to `at` in `fd` (in the kernel); its CRC-32, from the source's bytes as its
     record's stored CRC-32 is checked (CheckpointError naming the source if it fails)."""
-    if what.record.size == 0 and what.record.crc in (0, None):  # an empty storage (ZeRO-3's placeholders)
+    if _empty(what):
         return 0
     src = sources.fd(what.path)
     ranges = [(what.offset, what.size)] if what.size else []

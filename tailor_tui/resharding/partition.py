@@ -229,21 +229,23 @@ def reshard_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], source_of: d
     source_sizes = [tuple(src.layout.group_sizes()) for src in sources]
     written = 12 * sum(out_sizes) + itemsize * sum(part(math.prod(shape), reshard.world_size)
                                                    for _n, shape in base.layout.frozen)
+    # each parameter's facts, once: (its pieces' maker, where they go); a rank holding none of its
+    # elements gets the one padding piece every such rank shares (most ranks of a wide run, for
+    # small parameters: planned and pickled once)
+    trainable = []
+    for slot in reshard.layout.slots:
+        s = source_of[slot.name]
+        theirs = slots[s][slot.name]
+        trainable.append((_Parameter(slot.name, slot.numel, sources[s].world_size, reshard.world_size, s,
+                                     owner[slot.name], theirs.group, theirs.offset, slot.offset), slot.group))
+    frozen_params = [_Parameter(name, math.prod(shape), sources[source_of[name]].world_size, reshard.world_size,
+                                source_of[name], owner[name], FROZEN, 0, 0) for name, shape in base.layout.frozen]
     jobs, verified = [], set()
     for rank in range(reshard.world_size):
         groups: list[list[Piece]] = [[] for _ in reshard.layout.groups]
-        for slot in reshard.layout.slots:
-            s = source_of[slot.name]
-            theirs = slots[s][slot.name]
-            found = _pieces(slot.name, slot.numel, sources[s].world_size, reshard.world_size, rank, s,
-                            owner[slot.name], lambda within, t=theirs: (t.group, t.offset + within))
-            groups[slot.group] += [p._replace(at=slot.offset + p.at) for p in found]
-        frozen = []
-        for name, shape in base.layout.frozen:
-            s = source_of[name]
-            frozen.append((name, tuple(_pieces(name, math.prod(shape), sources[s].world_size,
-                                               reshard.world_size, rank, s, owner[name],
-                                               lambda within: (FROZEN, within)))))
+        for param, g in trainable:
+            groups[g] += param.pieces(rank)
+        frozen = [(param.name, tuple(param.pieces(rank))) for param in frozen_params]
         used = {(p.source, p.rank) for g in groups for p in g if p.source != ZEROS}
         used |= {(p.source, p.rank) for _n, ps in frozen for p in ps if p.source != ZEROS}
         files = {(s, r): sources[s].ranks[r] for s, r in sorted(used)}
@@ -264,20 +266,30 @@ def reshard_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], source_of: d
     return tuple(jobs)
 
 
-def _pieces(param: str, numel: int, from_world: int, to_world: int, rank: int, source: int, row: str,
-            place) -> list[Piece]:
-    """The pieces of `param`'s part on output `rank`, then zeros for its padding; `place(within)`
-    gives (group, offset) of an element of the source rank's part in its tensor."""
-    found, theirs = [], part(numel, from_world)
-    for their_rank, within, at, count in pieces(numel, from_world, to_world, rank):
-        group, offset = place(within)
-        whole = max(0, min(theirs, numel - their_rank * theirs))
-        found.append(Piece(at, count, source, their_rank, group, offset, within, param, row, whole))
-    size = part(numel, to_world)
-    valid = sum(p.length for p in found)
-    if valid < size:
-        found.append(Piece(valid, size - valid, ZEROS, 0, FROZEN, 0, 0, param, row))
-    return found
+class _Parameter:
+    """One parameter of a reshard: the pieces of its part on each output rank (`pieces`), its
+    padding included, at `at` in the output tensor; its elements lie in the source rank's tensor
+    at `offset` of sub-group `group` (FROZEN: its fragment)."""
+
+    def __init__(self, name: str, numel: int, from_world: int, to_world: int, source: int, row: str,
+                 group: int, offset: int, at: int):
+        self.name, self.numel, self.from_world, self.to_world = name, numel, from_world, to_world
+        self.source, self.row, self.group, self.offset, self.at = source, row, group, offset, at
+        self.size, self.theirs = part(numel, to_world), part(numel, from_world)
+        self.padding = [Piece(at, self.size, ZEROS, 0, FROZEN, 0, 0, name, row)]  # a rank past its elements
+
+    def pieces(self, rank: int) -> list[Piece]:
+        if rank * self.size >= self.numel:
+            return self.padding
+        found, theirs, numel = [], self.theirs, self.numel
+        for their_rank, within, at, count in pieces(numel, self.from_world, self.to_world, rank):
+            whole = max(0, min(theirs, numel - their_rank * theirs))
+            found.append(Piece(self.at + at, count, self.source, their_rank, self.group, self.offset + within,
+                               within, self.name, self.row, whole))
+        valid = sum(p.length for p in found)
+        if valid < self.size:
+            found.append(Piece(self.at + valid, self.size - valid, ZEROS, 0, FROZEN, 0, 0, self.name, self.row))
+        return found
 
 
 RNG_STATE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")

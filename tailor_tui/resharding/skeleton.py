@@ -3,8 +3,8 @@
 For each output rank, its model_states and optim_states file as DeepSpeed at the new world
 size would save them, but with the space of every big tensor (fp32 master weights, exp_avg,
 exp_avg_sq of each sub-group, frozen parameters' fragments) reserved and not written (holes
-of a sparse file, written in milliseconds whatever the model's size); `rank_reshard` fills
-them in worker processes. Everything else is the base's rank 0 (every rank's is the same
+of a sparse file, written in milliseconds whatever the model's size). Each worker writes the
+files of its ranks (`write_rank_file`), then fills them (`rank_reshard`). Everything else is the base's rank 0 (every rank's is the same
 but for its slices): optimizer hyperparameters, loss scaler, counters, scheduler, config;
 the new `partition_count`/`dp_world_size`, `param_shapes` and param groups' sub-group
 lists; each new sub-group's `step` is that of the base's sub-groups its parameters come
@@ -12,15 +12,17 @@ from (they must agree); buffers follow their rows' sources.
 
 The base's structure is read by the torch-free reader (`ptfile`), changed as stand-ins, and
 written as torch.save would write it (`ptpickle`, `ptwrite`: the same bytes, tested against
-torch). Every output rank's two files hold the same structure: each is pickled once.
+torch). Every output rank's two files hold the same structure but their names: each is
+pickled once (`skeleton`, where the work is planned) and shared by every job.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from tailor_tui.checkpoints.checkpoint import Checkpoint
 from tailor_tui.formats.ds_format import (
@@ -36,46 +38,74 @@ from tailor_tui.formats.ds_format import (
     PARTITION_COUNT,
     PARTITION_GROUPS,
     STATE,
+    TENSORS,
+    flat_tensor,
 )
 from tailor_tui.errors import CheckpointError
 from tailor_tui.checkpoints.layout import part
 from tailor_tui.formats.pickled import Size, TensorRef
-from tailor_tui.formats.ptwrite import Rewritable, reserved
+from tailor_tui.formats.ptfile import TensorBytes
+from tailor_tui.formats.ptwrite import Rewritable, SameArchives, reserved
 from tailor_tui.formats.ptpickle import dumps
-from tailor_tui.formats.ptwrite import write_archive
-from tailor_tui.resharding.partition import Reshard, optim_structure_file, output_names
+from tailor_tui.resharding.partition import Reshard, optim_structure_file
 
 # A per-group optimizer value other than the moments (`step`) is compared between sub-groups
 # that are merged; none is larger than this in any optimizer DeepSpeed wraps.
 MAX_COMPARED_BYTES = 1 << 20
 
 
-def write_skeletons(base: Checkpoint, sources: tuple[Checkpoint, ...], buffer_sources: dict[str, int],
-                    reshard: Reshard, tag_dir: Path, cancelled=lambda: False, *, ranks=None,
-                    staging: str = ".skeletons") -> None:
-    """The two files of each output rank in `ranks` (default: all) in `tag_dir`, big tensors
-    reserved, rank by rank. Each file is written in the hidden folder `staging` beside `tag_dir`
-    and renamed into place whole: the workers filling them wait for them. `buffer_sources`:
-    each buffer -> the index of the source its row is taken from."""
+@dataclass(frozen=True)
+class Skeleton:
+    """What every output rank's two files hold but their names (picklable, computed once and shared
+    by every job): each file's pickled structure and where its storages' bytes come from (`Copied`
+    from a source, or `Reserved` for the worker to fill), and which storage holds each tensor the
+    workers fill: the flat fp32 weights and moments of each sub-group, each frozen fragment."""
+
+    optim: SameArchives  # the optim_states file's pickle and storages
+    model: SameArchives  # the model_states file's
+    flat: dict  # (sub-group, key in TENSORS) -> Hole in the optim_states file
+    fragments: dict  # frozen parameter -> Hole in the model_states file
+
+
+class Hole(NamedTuple):
+    """A reserved storage: `data/{index}` of its archive, `numel` elements of `dtype` (torch's
+    storage type name) and `itemsize` bytes each."""
+
+    index: int
+    numel: int
+    itemsize: int
+    dtype: str
+
+    def located(self, records: dict, archive: str) -> TensorBytes:
+        """Where its bytes lie in a file written with `records` (`write_archive`'s)."""
+        record = records[f"{archive}/data/{self.index}"]
+        return TensorBytes(record, record.data_offset, self.numel, self.itemsize, self.dtype)
+
+
+def skeleton(base: Checkpoint, sources: tuple[Checkpoint, ...], buffer_sources: dict[str, int],
+             reshard: Reshard) -> Skeleton:
+    """The structure every output rank's two files share (CheckpointError when the base's cannot
+    be resharded). `buffer_sources`: each buffer -> the index of the source its row is taken from."""
     fills: dict[int, object] = {}  # id(StorageRef) -> Copied | Reserved: where its bytes come from
     optim = _optim_states(base, reshard, fills)
     states = _model_states(base, sources, buffer_sources, reshard, fills)
-    kinds = []
+    kinds, index = [], {}
     for obj in (optim, states):  # every rank's file holds the same structure: pickled once
         data, storages = dumps(obj)
-        kinds.append((data, [fills[id(s)] for s in storages]))
-    staging = tag_dir.parent / staging
-    staging.mkdir()
-    buffer = memoryview(bytearray(1 << 20))
-    names = output_names(base, reshard.world_size)
-    for model_name, optim_name in (names[r] for r in (range(len(names)) if ranks is None else ranks)):
-        if cancelled():
-            return
-        for (data, storages), name in zip(kinds, (optim_name, model_name), strict=True):
-            # torch names an archive's records after its file
-            write_archive(staging / name, archive=Path(name).stem, pickle=data, storages=storages, buffer=buffer)
-            os.rename(staging / name, tag_dir / name)
-    staging.rmdir()
+        index.update({id(s): Hole(k, s.numel, s.itemsize, s.type_name) for k, s in enumerate(storages)})
+        kinds.append(SameArchives(data, [fills[id(s)] for s in storages]))
+    inner = optim[OPTIMIZER_STATE_DICT]
+    flat = {(g, key): index[id(flat_tensor(inner, g, key).storage)]
+            for g in range(len(reshard.layout.groups)) for key in TENSORS}
+    fragments = {name: index[id(states[FROZEN_PARAM_FRAGMENTS][name].storage)] for name, _ in base.layout.frozen}
+    return Skeleton(kinds[0], kinds[1], flat, fragments)
+
+
+def write_rank_file(path: Path, kind: SameArchives, buffer: memoryview) -> tuple[str, dict]:
+    """Write one output rank file of a `Skeleton` (`kind`: its optim or model files'), big tensors
+    reserved; (its archive name, its records). Not fsynced: the caller fills it, then fsyncs."""
+    archive = path.stem  # torch names an archive's records after its file
+    return archive, kind.write(path, archive, buffer)
 
 
 def _optim_states(base: Checkpoint, reshard: Reshard, fills: dict) -> dict:

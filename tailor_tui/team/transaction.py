@@ -81,11 +81,6 @@ class TeamWork(Generic[R]):
         """How many worker processes run this process's tasks."""
         return 1
 
-    def around(self, mine: list[Task], cancel: threading.Event):
-        """A context around this process's workers (resharding writes skeletons meanwhile; their
-        failure sets `cancel`, which stops the workers)."""
-        return contextlib.nullcontext()
-
     def observe(self, event, emit: Emit) -> bool:
         """See every event of the workers first; True: it is a result, not passed on to `emit`."""
         return False
@@ -209,9 +204,7 @@ def _work(work: TeamWork, mine: list[Task], team: Team, emit: Emit, cancel: thre
 
     team.progressing()
     try:
-        with work.around(mine, cancel):
-            results = run_calls([(t.call, (t.job, *t.args)) for t in mine], work.workers(mine), watch, cancel,
-                                options)
+        results = run_calls([(t.call, (t.job, *t.args)) for t in mine], work.workers(mine), watch, cancel, options)
     finally:
         team.progressing(False)
     if cancel.is_set():
