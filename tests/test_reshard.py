@@ -17,6 +17,7 @@ import shutil
 import signal
 import struct
 import zipfile
+import zlib
 
 import pytest
 from conftest import INSTALLED_DEEPSPEED, OLDEST_DEEPSPEED, checkpoints_of, resume_with
@@ -41,8 +42,11 @@ from pilot_helpers import private_copy
 
 from tailor_tui.resharding import partition as reshard
 from tailor_tui.checkpoints.checkpoint import open_checkpoint
+from tailor_tui.compose.verify import verify_against_recipe
+from tailor_tui.compose.verify_reshard import SameContent
 from tailor_tui.errors import CheckpointError
 from tailor_tui.checkpoints.layout import pieces
+from tailor_tui.formats.ptfile import locate, read_structure
 from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.recipe import load_recipe
 from tailor_tui.resharding.partition import consistent_sizes, param_groups_of, plan_reshard
@@ -390,3 +394,78 @@ def test_every_file_of_a_resharded_output_is_fsynced_before_it_is_published(real
     fsynced = fsynced_files(monkeypatch)
     run_compose(plan, workers=1)
     assert_every_file_fsynced(plan.output, fsynced)
+
+
+def _change_element(path, tensor_of, element: int, change) -> None:
+    """Change the bytes of element `element` of the tensor `tensor_of(obj)` (obj: the file's
+    structure as the torch-free reader reads it) to `change(its bytes)`, in place, and set its
+    record's CRC-32 anew: a file load_pt accepts, holding other bytes."""
+    obj, records, prefix = read_structure(path)
+    found = locate(tensor_of(obj), records, prefix)
+    at = found.offset + element * found.itemsize
+    with open(path, "r+b") as f:
+        f.seek(at)
+        old = f.read(found.itemsize)
+        f.seek(at)
+        f.write(change(old))
+        f.seek(found.record.data_offset)
+        data = f.read(found.record.size)
+        for crc_at in found.record.crc_offsets:
+            f.seek(crc_at)
+            f.write(struct.pack("<I", zlib.crc32(data)))
+
+
+def _problems(report) -> list:
+    return [*report.other, *(p for found in report.problems.values() for p in found)]
+
+
+def test_verifying_a_resharded_output_reports_each_changed_piece(real_run, tmp_path):
+    """A rank's tensors are compared whole against their pieces side by side: one padding byte
+    changed (-0.0), one byte of one piece of an exp_avg and one of a frozen fragment are each
+    reported for its row, rank and piece, as piece by piece, and nothing else is."""
+    run, spec = real_run("ds_bf16_3_subgroups")
+    c2, _c4, c6 = checkpoints_of(run, spec)
+    recipe = resharded(tmp_path, c6, {"layers.2": c2}, 5)
+    plan = build_plan(load_recipe(recipe), check_output=False)
+    assert verify_against_recipe(plan).ok
+    jobs, zeros = plan.rank_jobs(), reshard.ZEROS
+    job, g = next((job, g) for job in jobs for g, group in enumerate(job.groups)
+                  if any(p.source == zeros and p.length for p in group) and sum(p.source != zeros for p in group) > 2)
+    pad = next(p for p in job.groups[g] if p.source == zeros and p.length)
+    piece = [p for p in job.groups[g] if p.source != zeros and p.length][1]
+    frozen_job, (name, frozen) = next((j, (n, ps)) for j in jobs[::-1] for n, ps in j.frozen
+                                      if j.rank != job.rank and sum(p.source != zeros for p in ps) > 1)
+    fragment = [p for p in frozen if p.source != zeros and p.length][-1]
+    composed = open_checkpoint(tmp_path / "composed")
+    optim = composed.ranks[job.rank].optim_states
+    _change_element(optim, lambda obj: obj["optimizer_state_dict"]["fp32_flat_groups"][g], pad.at,
+                    lambda old: old[:-1] + bytes([old[-1] ^ 0x80]))
+    _change_element(optim, lambda obj: obj["optimizer_state_dict"]["optimizer_state_dict"]["state"][g]["exp_avg"],
+                    piece.at + piece.length - 1, lambda old: bytes([old[0] ^ 1]) + old[1:])
+    _change_element(composed.ranks[frozen_job.rank].model_states,
+                    lambda obj: obj["frozen_param_fragments"][name], fragment.at, lambda old: bytes([old[0] ^ 1]) + old[1:])
+    report = verify_against_recipe(plan)
+    expected = {
+        pad.row: f"rank {job.rank}: padding after {pad.param} (fp32) is not zero bytes",
+        piece.row: f"rank {job.rank}: exp_avg of {piece.param} (elements {piece.at}…) differs from "
+                   f"{plan.sources[piece.source].name} rank {piece.rank}",
+        fragment.row: f"rank {frozen_job.rank}: frozen of {name} (elements {fragment.at}…) differs from "
+                      f"{plan.sources[fragment.source].name} rank {fragment.rank}",
+    }
+    for row, problem in expected.items():
+        assert problem in report.problems[row], (problem, dict(report.problems))
+    assert len(_problems(report)) == 3, _problems(report)
+
+
+def test_verifying_a_resharded_output_checks_each_ranks_model_states(real_run, tmp_path):
+    """Output ranks' model_states files that hold the same records are unpickled once: one whose
+    bytes differ (its global_steps, CRC-32s right) is loaded and reported on its own."""
+    run, spec = real_run("hf_bf16_2")
+    c2, _c4, c6 = checkpoints_of(run, spec)
+    recipe = resharded(tmp_path, c6, {"layers.1": c2}, 3)
+    composed = open_checkpoint(tmp_path / "composed")
+    files = [composed.ranks[r].model_states for r in range(3)]
+    assert SameContent.content(files[0]) == SameContent.content(files[2]) is not None  # rank 2 reuses rank 0's
+    edit_structure(files[1], lambda obj: obj.update(global_steps=obj["global_steps"] + 1))
+    report = verify_against_recipe(build_plan(load_recipe(recipe), check_output=False))
+    assert _problems(report) == ["rank 1: model_states ['global_steps'] is not the base's"]

@@ -8,10 +8,23 @@ hold: the base's rank 0 with `partition_count`/`dp_world_size` the new world siz
 `param_shapes` and param groups' sub-group lists, each new sub-group's state (its `step`)
 that of the base's sub-group its first parameter came from, and buffers from their rows'
 sources. Every record of every torch file read is checked against its CRC-32 (`load_pt`).
+
+What it costs goes with the bytes, not with the pieces or the ranks (a 512-rank output of a small
+model is hundreds of thousands of pieces of a few elements, nearly all padding, and 512 model_states
+files of hundreds of parameter placeholders each): each output tensor is compared whole against its
+pieces' bytes put side by side, and piece by piece only when it differs, so that each difference is
+reported as before; a model_states file holding what one checked before (`SameContent`) is not
+unpickled by torch again, nor its structure compared again, though every byte of it is read and checked.
 """
 
 from __future__ import annotations
 
+import os
+import struct
+import zipfile
+from pathlib import Path
+
+from tailor_tui import crc
 from tailor_tui.compose.compare import PartialSlices, differences, nonzero_bytes, same_bytes
 from tailor_tui.formats.ds_format import (
     DP_WORLD_SIZE,
@@ -31,7 +44,10 @@ from tailor_tui.formats.ds_format import (
 )
 from tailor_tui.events import ByteCounter
 from tailor_tui.resharding.partition import ZEROS, optim_structure_file
+from tailor_tui.formats.ptfile import LOCAL_HEADER, SMALL_FILE, ZIP_START
 from tailor_tui.formats.safe_load import load_pt
+from tailor_tui.formats.zipdir import directory_in
+from tailor_tui.reading import open_regular
 
 OUTER = f"[{OPTIMIZER_STATE_DICT!r}]"
 # paths in an optim file that differ from the base's by design; each is checked on its own
@@ -43,42 +59,55 @@ def verify_resharded(plan, composed, report, emit, cancelled) -> None:
     base_optim = load_pt(optim_structure_file(plan.base.ranks[0]))
     base_states = load_pt(plan.base.ranks[0].model_states)
     buffers = {s: load_pt(plan.sources[s].ranks[0].model_states) for s in set(plan.buffer_sources().values())}
+    same, loaded = SameContent(), {}
     for job in plan.rank_jobs():
-        _verify_rank(plan, job, composed, report, emit, cancelled, base_optim, base_states, buffers)
+        _verify_rank(plan, job, composed, report, emit, cancelled, base_optim, base_states, buffers, same, loaded)
 
 
-def _verify_rank(plan, job, composed, report, emit, cancelled, base_file, base_states, buffer_states) -> None:
-
+def _verify_rank(plan, job, composed, report, emit, cancelled, base_file, base_states, buffer_states, same,
+                 loaded) -> None:
+    """`loaded`: source files loaded, by path: those the previous rank loaded are kept for this
+    one where it takes from them too (neighbouring ranks take from the same source ranks)."""
     counter = ByteCounter(f"rank {job.rank}", job.write_bytes, emit, cancelled)
     reshard, rank = plan.reshard, job.rank
     mine = composed.ranks[rank].optim_states
     got_file = load_pt(mine)
     got = optimizer_state(got_file, mine, job.group_sizes)
-    loaded, partial = {}, PartialSlices()
+    wanted = {path for files in job.files.values() for path in (files.optim_states, files.model_states)}
+    for path in [path for path in loaded if path not in wanted]:
+        del loaded[path]
+    partial = PartialSlices()
 
-    def source_slice(p, key: str):
+    def source_of(p, key: str):
+        """The source tensor piece `p` is taken from, and its first element there."""
         files = job.files[p.source, p.rank]
         if key == "frozen":
             if files.model_states not in loaded:
                 loaded[files.model_states] = load_pt(files.model_states)
-            return loaded[files.model_states][FROZEN_PARAM_FRAGMENTS][p.param][p.offset: p.offset + p.length]
+            return loaded[files.model_states][FROZEN_PARAM_FRAGMENTS][p.param], p.offset
         if files.rows is not None:  # the whole slice, checked, then the piece
-            return partial.get(files.rows, f"{key}/{p.param}", p.whole)[p.within: p.within + p.length]
+            return partial.get(files.rows, f"{key}/{p.param}", p.whole), p.within
         if files.optim_states not in loaded:
             path = files.optim_states
             loaded[path] = optimizer_state(load_pt(path), path, job.source_sizes[p.source])
-        return flat_tensor(loaded[files.optim_states], p.group, key)[p.offset: p.offset + p.length]
+        return flat_tensor(loaded[files.optim_states], p.group, key), p.offset
 
     def check(tensor, pieces, key: str) -> None:
-        for p in pieces:
-            out = tensor[p.at: p.at + p.length]
-            if p.source == ZEROS:
-                if nonzero_bytes(out):
-                    report.add(p.row, f"rank {rank}: padding after {p.param} ({key}) is not zero bytes")
-            elif not same_bytes(out, source_slice(p, key)):
-                report.add(p.row, f"rank {rank}: {key} of {p.param} (elements {p.at}…) differs from "
-                                  f"{plan.sources[p.source].name} rank {p.rank}")
-            counter.add(p.length * 4)
+        for batch in _batches(pieces):
+            if whole_matches(tensor, batch, lambda p: source_of(p, key)):
+                counter.add(sum(p.length for p in batch) * 4)
+                continue
+            for p in batch:  # one piece, or it differs somewhere: where, piece by piece
+                out = tensor[p.at: p.at + p.length]
+                if p.source == ZEROS:
+                    if nonzero_bytes(out):
+                        report.add(p.row, f"rank {rank}: padding after {p.param} ({key}) is not zero bytes")
+                else:
+                    whole, at = source_of(p, key)
+                    if not same_bytes(out, whole[at: at + p.length]):
+                        report.add(p.row, f"rank {rank}: {key} of {p.param} (elements {p.at}…) differs from "
+                                          f"{plan.sources[p.source].name} rank {p.rank}")
+                counter.add(p.length * 4)
 
     for g, pieces in enumerate(job.groups):
         for key in TENSORS:
@@ -104,7 +133,7 @@ def _verify_rank(plan, job, composed, report, emit, cancelled, base_file, base_s
                             skip=lambda w: w.endswith((f"[{EXP_AVG!r}]", f"[{EXP_AVG_SQ!r}]")))
         for where in found[:2]:
             report.add(None, f"rank {rank}: optimizer state {where} is not the base's sub-group {first}'s")
-    _model_states(plan, job, composed, report, check, base_states, buffer_states)
+    _model_states(plan, job, composed, report, check, base_states, buffer_states, same)
     counter.finish()
 
 
@@ -113,25 +142,155 @@ def _replaced(where: str) -> bool:
         where.startswith(f"{OUTER}{OUTER}[{PARAM_GROUPS!r}]") and where.endswith("['params']"))
 
 
-def _model_states(plan, job, composed, report, check, base, buffer_states) -> None:
-    rank, reshard = job.rank, plan.reshard
-    states = load_pt(composed.ranks[rank].model_states)
-    if states.get(DP_WORLD_SIZE) != reshard.world_size:
-        report.add(None, f"rank {rank}: model_states dp_world_size is {states.get(DP_WORLD_SIZE)!r}, "
-                         f"not {reshard.world_size}")
-    shapes = [tuple((name, tuple(shape)) for name, shape in group.items()) for group in states.get(PARAM_SHAPES) or ()]
-    if tuple(shapes) != reshard.layout.groups:
-        report.add(None, f"rank {rank}: model_states param_shapes are not DeepSpeed's sub-groups at world size "
-                         f"{reshard.world_size}")
+def _model_states(plan, job, composed, report, check, base, buffer_states, same) -> None:
+    rank = job.rank
+    states, found = same.load(composed.ranks[rank].model_states)
+    if not found:  # what it holds is checked once per content, every rank's frozen pieces on their own
+        found["layout"], found["rest"] = _states_problems(plan, states, base, buffer_states)
+    for row, problem in found["layout"]:
+        report.add(row, f"rank {rank}: {problem}")
     fragments = states.get(FROZEN_PARAM_FRAGMENTS) or {}
     for name, pieces in job.frozen:
         check(fragments[name].reshape(-1), pieces, "frozen")
+    for row, problem in found["rest"]:
+        report.add(row, f"rank {rank}: {problem}")
+
+
+def _states_problems(plan, states, base, buffer_states) -> tuple[list, list]:
+    """(row, problem) found in a loaded model_states file but in its frozen fragments: those
+    found before its frozen fragments are checked, and those after (the order they are reported in)."""
+    reshard, layout, rest = plan.reshard, [], []
+    if states.get(DP_WORLD_SIZE) != reshard.world_size:
+        layout.append((None, f"model_states dp_world_size is {states.get(DP_WORLD_SIZE)!r}, not {reshard.world_size}"))
+    shapes = [tuple((name, tuple(shape)) for name, shape in group.items()) for group in states.get(PARAM_SHAPES) or ()]
+    if tuple(shapes) != reshard.layout.groups:
+        layout.append((None, f"model_states param_shapes are not DeepSpeed's sub-groups at world size "
+                             f"{reshard.world_size}"))
     buffers = plan.buffer_sources()
     for name, s in buffers.items():
         if not same_bytes(states[MODULE][name], buffer_states[s][MODULE][name]):
-            report.add(plan.base.param_to_row()[name], f"rank {rank}: buffer {name} differs from "
-                                                       f"{plan.sources[s].name}")
+            rest.append((plan.base.param_to_row()[name], f"buffer {name} differs from {plan.sources[s].name}"))
     skip = {f"[{DP_WORLD_SIZE!r}]", f"[{PARAM_SHAPES!r}]", *(f"[{MODULE!r}][{b!r}]" for b in buffers)}
     for where in differences(states, base, skip=lambda w: w in skip or w.startswith(
             f"[{FROZEN_PARAM_FRAGMENTS!r}]"))[:5]:
-        report.add(None, f"rank {rank}: model_states {where} is not the base's")
+        rest.append((None, f"model_states {where} is not the base's"))
+    return layout, rest
+
+
+BATCH = 1 << 18  # elements: the pieces compared at once hold at most this many, or are one piece
+
+
+def _batches(pieces):
+    """`pieces` in runs of consecutive pieces of at most BATCH elements together, or of one piece."""
+    batch, held = [], 0
+    for p in pieces:
+        if batch and held + p.length > BATCH:
+            yield batch
+            batch, held = [], 0
+        batch.append(p)
+        held += p.length
+    if batch:
+        yield batch
+
+
+def whole_matches(tensor, pieces, source_of) -> bool:
+    """Whether the 1-D `tensor` holds the bytes of `pieces`, two or more pieces side by side
+    (`source_of(piece)`: the tensor a source piece is taken from and its first element there;
+    padding: zero bytes), compared at once. False too where that cannot be told so (one piece,
+    pieces apart, a source that is no 1-D contiguous tensor of the tensor's dtype holding the
+    piece, a tensor too short): the caller compares those piece by piece, reporting each difference."""
+    import torch
+
+    if len(pieces) < 2 or tensor.dim() != 1:
+        return False
+    size, first, end = tensor.element_size(), pieces[0].at, pieces[0].at
+    parts, padding, sources = [], 0, {}
+    for p in pieces:
+        if p.at != end:
+            return False
+        end += p.length
+        if p.source == ZEROS:
+            padding += p.length  # joined with the padding next to it
+            continue
+        if padding:
+            parts.append(torch.zeros(padding * size, dtype=torch.uint8))
+            padding = 0
+        whole, at = source_of(p)
+        held = sources.get(id(whole))
+        if held is None:
+            if whole.dtype != tensor.dtype or whole.dim() != 1 or not whole.is_contiguous():
+                return False
+            held = sources[id(whole)] = (whole, whole.view(torch.uint8))  # (kept: its id stays its own)
+        if at < 0 or at + p.length > len(held[0]):
+            return False
+        parts.append(held[1][at * size: (at + p.length) * size])
+    if padding:
+        parts.append(torch.zeros(padding * size, dtype=torch.uint8))
+    if end > tensor.numel():
+        return False
+    mine = tensor[first:end]
+    return torch.equal(mine.contiguous().view(torch.uint8), torch.cat(parts))
+
+
+class SameContent:
+    """`load_pt` of the output's model_states files, torch's unpickling done once per content.
+
+    A resharded output's model_states files are one structure under each rank's archive name
+    (`ptwrite.SameArchives`), and torch's weights-only unpickler takes ~0.1 s for each of a wide
+    run's (a placeholder tensor per parameter): most of a 512-rank verification. A file whose
+    archive lists, in order, the records of one torch loaded (`load_pt`, every check it makes),
+    each with the same name within the archive and the same bytes, each of them checked against
+    its CRC-32, loads as that one did: its object is that one's. (`.data/serialization_id` aside:
+    an id drawn per archive name, which torch only logs; its CRC-32 is checked too.) Any other file
+    is loaded by `load_pt`. `load` returns the loaded object and a dict for what the caller found
+    in it."""
+
+    def __init__(self, keep: int = 4):
+        self.keep, self.known = keep, {}  # content -> (object, found): the last `keep` contents
+
+    def load(self, path) -> tuple[object, dict]:
+        content = self.content(Path(path))
+        if content is None:
+            return load_pt(path), {}
+        if content not in self.known:
+            if len(self.known) >= self.keep:
+                del self.known[next(iter(self.known))]
+            self.known[content] = (load_pt(path), {})
+        return self.known[content]
+
+    @staticmethod
+    def content(path: Path) -> tuple | None:
+        """Every record's name within the archive and bytes, in the archive's order, each record
+        checked against its CRC-32; None when `path` is no small torch zip file, or fails a check
+        (`load_pt` then says how)."""
+        try:
+            fd = open_regular(path)
+            try:
+                whole = os.pread(fd, SMALL_FILE + 1, 0)
+            finally:
+                os.close(fd)
+            entries = directory_in(whole) if len(whole) <= SMALL_FILE and whole.startswith(ZIP_START) else []
+        except (OSError, ValueError, zipfile.BadZipFile):
+            return None
+        pickles = [e.name for e in entries if e.name.endswith("/data.pkl")]
+        prefix = pickles[0][: -len("data.pkl")] if len(pickles) == 1 else ""
+        if prefix.count("/") != 1 or prefix == "/":  # torch's: one folder, named after the archive
+            return None
+        names, sizes, data, view, skip = [], [], [], memoryview(whole), len(prefix)
+        for e in entries:
+            at, size, inner = e.header_offset, e.size, e.name[skip:]
+            if e.compressed or e.packed != size or whole[at: at + 4] != ZIP_START or not e.name.startswith(prefix):
+                return None
+            held = b""
+            if size or e.crc:  # (an empty record's CRC-32 is 0: a ZeRO-3 model_states holds one per parameter)
+                if at + LOCAL_HEADER > len(whole):
+                    return None
+                start = at + LOCAL_HEADER + sum(struct.unpack_from("<HH", whole, at + 26))  # name, extra field
+                held = view[start: start + size]
+                if len(held) != size or crc.crc32(held) != e.crc:
+                    return None
+            if inner != ".data/serialization_id":
+                names.append(inner)
+                sizes.append(size)
+                data.append(held)
+        return tuple(names), tuple(sizes), b"".join(data)
