@@ -43,10 +43,20 @@ def fsync(fd: int, durable: bool = True) -> None:
         os.fsync(fd)
 
 
+# How an output file is created: a new file, never through a symbolic link or onto a file already
+# there (another user's link planted where an output goes would have it written elsewhere)
+CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def create(path: Path, mode: int = 0o644) -> int:
+    """A write-only descriptor of a new file at `path` (CREATE)."""
+    return os.open(path, CREATE, mode)
+
+
 def write_file(path: Path, data: bytes | str, durable: bool = True) -> None:
     """Write a small file of the output whole (text as UTF-8), fsynced when `durable`."""
     try:
-        with open(path, "wb") as f:
+        with open(create(path), "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             fsync(f.fileno(), durable)
@@ -76,7 +86,7 @@ def fsync_dir(path: Path, durable: bool = True) -> None:
 def copy_file(src: Path, dst: Path, on_bytes: Callable[[int], None] = lambda n: None, durable: bool = True) -> None:
     """Copy bytes (never a hard link), in chunks so progress and cancellation stay live.
     A source that changes size while it is copied is an error, never a short copy."""
-    with open(src, "rb") as fin, open(dst, "wb") as fout:
+    with open(src, "rb") as fin, open(create(dst), "wb") as fout:
         size = os.fstat(fin.fileno()).st_size
         offset, writeback = 0, Writeback(fout.fileno(), durable)
         while offset < size:

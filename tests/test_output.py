@@ -23,7 +23,7 @@ from helpers import assert_one_line_error, finish, hidden, start_apply, tailor, 
 from tailor_tui import fileio
 from tailor_tui.compose import folder
 from tailor_tui.planning import output
-from tailor_tui.errors import CheckpointError, Cancelled
+from tailor_tui.errors import CheckpointError, Cancelled, OutputError
 from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.recipe import Recipe
 
@@ -141,6 +141,31 @@ def test_a_file_that_shrinks_while_copied_is_an_error_not_a_short_copy(tmp_path,
     monkeypatch.setattr(os, "sendfile", lambda o, i, off, n: 0 if off >= 4096 else real(o, i, off, min(n, 4096)))
     with pytest.raises(CheckpointError, match="changed while it was copied"):
         fileio.copy_file(src, tmp_path / "copy")
+
+
+def test_output_files_are_created_new_never_through_a_planted_link(tmp_path):
+    """Every writer creates its files new (fileio.CREATE): a symbolic link or a file another user
+    put where an output file goes is refused, and what it points at is left as it was."""
+    from tailor_tui.formats.ptwrite import write_archive
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    src = tmp_path / "src"
+    src.write_bytes(b"new bytes")
+    writers = {
+        "write_file": lambda out: fileio.write_file(out, "x"),
+        "copy_file": lambda out: fileio.copy_file(src, out),
+        "write_archive": lambda out: write_archive(out, archive="a", pickle=b"\x80\x02}q\x00.", storages=[]),
+    }
+    for name, write in writers.items():
+        link, there = tmp_path / f"{name}-link", tmp_path / f"{name}-there"
+        link.symlink_to(victim)
+        there.write_bytes(b"theirs")
+        for out in (link, there):
+            with pytest.raises((OSError, CheckpointError, OutputError)):
+                write(out)
+        assert victim.read_bytes() == b"precious" and there.read_bytes() == b"theirs", name
+        write(tmp_path / f"{name}-new")  # a new file: written
 
 
 def _plan(ckpts, tmp_path, force=False):

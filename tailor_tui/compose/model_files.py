@@ -27,7 +27,7 @@ from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, MODULE
 from tailor_tui.formats.dtypes import SAFETENSORS_ITEMSIZE
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
-from tailor_tui.fileio import OpenFiles, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
+from tailor_tui.fileio import CREATE, OpenFiles, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
 from tailor_tui.reading import pread_into
 from tailor_tui.planning.jobs import ModelFileJob
 from tailor_tui import crc
@@ -53,7 +53,7 @@ def compose_model_file(job: ModelFileJob, out_dir: Path, emit: Emit, cancelled: 
     try:
         out.parent.mkdir(parents=True, exist_ok=True)  # a weight file in a subfolder of the checkpoint
         with contextlib.ExitStack() as stack:
-            fout = open_fd(stack, out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            fout = open_fd(stack, out, CREATE)
             writeback = Writeback(fout, options.durable)
             fin = open_fd(stack, job.base_file) if job.base_file is not None else None
             if fin is None:

@@ -19,7 +19,7 @@ from tailor_tui import crc
 from tailor_tui.formats.ds_format import TENSORS, flat_tensor, optimizer_state
 from tailor_tui.errors import IncompatibleError
 from tailor_tui.events import ByteCounter
-from tailor_tui.fileio import Writeback, copy_range, fsync, open_fd, output_error
+from tailor_tui.fileio import CREATE, Writeback, copy_range, fsync, open_fd, output_error
 from tailor_tui.reading import crc_range
 from tailor_tui.planning.jobs import RankJob
 from tailor_tui.formats.nonfinite import Census, Region
@@ -125,7 +125,7 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counte
                 checked = read_and_check(fds[s], job.files[s].optim_states, {r for r, _, _ in taken}, taken,
                                           buffer, counter, census[s])
                 new.update({(s, at): value for (at, _n), value in checked.items()})
-            fout = open_fd(stack, out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            fout = open_fd(stack, out, CREATE)
             writeback = Writeback(fout, counter.options.durable)
             position, crc_changes = 0, defaultdict(int)
             for sp in spans:

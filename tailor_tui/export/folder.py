@@ -22,7 +22,7 @@ from tailor_tui.errors import UsageError
 from tailor_tui.events import Emit, TaskOptions
 from tailor_tui.export.plan import Export
 from tailor_tui.export.rank import export_rank
-from tailor_tui.fileio import copy_file, output_error, pwrite_all, write_file
+from tailor_tui.fileio import copy_file, create, output_error, pwrite_all, write_file
 from tailor_tui.planning.provenance import provenance
 from tailor_tui.formats.safetensors_out import INDEX
 from tailor_tui.team.transaction import PublishingWork, Task, run_as_team
@@ -102,7 +102,7 @@ def _make_files(export: Export, tmp: Path, durable: bool) -> None:
     for f in export.files:
         path = tmp / f.name
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = create(path)
             try:
                 os.ftruncate(fd, f.size)
                 pwrite_all(fd, f.header, 0)

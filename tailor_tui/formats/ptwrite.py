@@ -23,14 +23,13 @@ from __future__ import annotations
 import bisect
 import contextlib
 import hashlib
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from tailor_tui import crc
 from tailor_tui.errors import CheckpointError
-from tailor_tui.fileio import OpenFiles, copy_range, open_fd, output_error, pwrite_all
+from tailor_tui.fileio import CREATE, OpenFiles, copy_range, open_fd, output_error, pwrite_all
 from tailor_tui.formats.pickled import StorageRef, TensorRef
 from tailor_tui.formats.ptfile import Record, Unsupported, checked_crcs, locate, read_structure
 from tailor_tui.formats.ptpickle import dumps, storage_bytes, tensor
@@ -191,7 +190,7 @@ class _Layout:
         buffer = buffer if buffer is not None else memoryview(bytearray(1 << 20))
         try:
             with contextlib.ExitStack() as stack:
-                fd = open_fd(stack, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW)
+                fd = open_fd(stack, path, CREATE)
                 sources = OpenFiles(stack)  # each source file opened once, whatever its records copied
                 for what, i in self.copies:
                     record = self.records[i]
