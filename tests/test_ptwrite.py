@@ -48,8 +48,9 @@ def test_every_real_file_is_written_back_byte_for_byte(real_run, tmp_path, name,
     files = sorted(f for f in run.rglob("*.pt") if file_format(f) == "zip" and "rng_state" not in f.name
                    and "scheduler" not in f.name and "training_args" not in f.name)
     assert len(files) >= 6
-    for f in files:
-        out = tmp_path / f.name
+    for i, f in enumerate(files):
+        out = tmp_path / str(i) / f.name  # (checkpoints' files share names: each written new)
+        out.parent.mkdir()
         _rewrite(f, out)
         assert out.read_bytes() == f.read_bytes(), f
 
