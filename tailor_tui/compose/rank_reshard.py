@@ -8,8 +8,10 @@ carried over under a fresh CRC); that pass gives each piece's CRC and counts the
 values the output takes. Then the rank's two files are written as the run's `Skeleton` has
 them, the big tensors' space reserved; every piece is copied into place in the kernel
 (copy_file_range) and each output record's CRC-32 is put together from its pieces' CRCs
-(`crc.combine`): no byte is read twice into user space. Both files are fsynced (unless
---no-fsync). Memory: two 1 MiB buffers.
+(`crc.combine`): no byte is read twice into user space. A rank of small pieces (a wide world
+size of a small model) keeps the checked bytes of its pieces and writes each small record at
+once instead. Both files are fsynced (unless --no-fsync). Memory: a 1 MiB buffer, and at most
+KEEP_BYTES of small pieces.
 """
 
 from __future__ import annotations

@@ -4,11 +4,11 @@ For each output rank, its model_states and optim_states file as DeepSpeed at the
 size would save them, but with the space of every big tensor (fp32 master weights, exp_avg,
 exp_avg_sq of each sub-group, frozen parameters' fragments) reserved and not written (holes
 of a sparse file, written in milliseconds whatever the model's size). Each worker writes the
-files of its ranks (`write_rank_file`), then fills them (`rank_reshard`). Everything else is the base's rank 0 (every rank's is the same
-but for its slices): optimizer hyperparameters, loss scaler, counters, scheduler, config;
-the new `partition_count`/`dp_world_size`, `param_shapes` and param groups' sub-group
-lists; each new sub-group's `step` is that of the base's sub-groups its parameters come
-from (they must agree); buffers follow their rows' sources.
+files of its ranks (`write_rank_file`), then fills them (`rank_reshard`). Everything else is
+the base's rank 0 (every rank's is the same but for its slices): optimizer hyperparameters,
+loss scaler, counters, scheduler, config; the new `partition_count`/`dp_world_size`,
+`param_shapes` and param groups' sub-group lists; each new sub-group's `step` is that of the
+base's sub-groups its parameters come from (they must agree); buffers follow their rows' sources.
 
 The base's structure is read by the torch-free reader (`ptfile`), changed as stand-ins, and
 written as torch.save would write it (`ptpickle`, `ptwrite`: the same bytes, tested against
