@@ -35,12 +35,18 @@ class Slot:
 
     def valid(self, rank: int) -> int:
         """Elements of real data (not padding) that `rank` holds."""
-        return max(0, min(self.part, self.numel - rank * self.part))
+        return valid_elements(self.numel, self.part, rank)
 
 
 def part(numel: int, world_size: int) -> int:
     """Elements per rank, padding included, of a parameter of `numel` elements."""
     return math.ceil(numel / world_size)
+
+
+def valid_elements(numel: int, each: int, rank: int) -> int:
+    """Elements of real data (not padding) `rank` holds of a parameter of `numel` elements
+    partitioned `each` (its `part`) per rank."""
+    return max(0, min(each, numel - rank * each))
 
 
 def pieces(numel: int, from_world: int, to_world: int, to_rank: int) -> list[tuple[int, int, int, int]]:

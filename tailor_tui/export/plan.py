@@ -24,7 +24,7 @@ from pathlib import Path
 from tailor_tui.checkpoints.checkpoint import distinct_names
 from tailor_tui.formats.ds_format import MODULE
 from tailor_tui.errors import CheckpointError, IncompatibleError
-from tailor_tui.checkpoints.layout import part
+from tailor_tui.checkpoints.layout import part, valid_elements
 from tailor_tui.formats.pickled import TensorRef, dtype_name
 from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.formats.ptfile import read_structure
@@ -132,7 +132,7 @@ def _jobs_of(ckpt, names: set[str], placed: dict[str, Placed], label: str,
             if name in frozen:
                 numel = math.prod(frozen[name])
                 each = part(numel, ckpt.world_size)
-                count = max(0, min(each, numel - rank * each))
+                count = valid_elements(numel, each, rank)
                 if count:
                     fragments.append((name, Span(0, count, out.file, out.offset + rank * each * size)))
                     written += count * size

@@ -34,7 +34,7 @@ from tailor_tui.formats.ds_format import (
 )
 from tailor_tui.formats.dtypes import BY_NAME, PRECISION
 from tailor_tui.errors import CheckpointError
-from tailor_tui.checkpoints.layout import ZeroLayout, part, pieces
+from tailor_tui.checkpoints.layout import ZeroLayout, part, pieces, valid_elements
 from tailor_tui.formats.ptfile import read_structure
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's default (zero_optimization.sub_group_size)
@@ -276,16 +276,15 @@ class _Parameter:
         self.name, self.numel, self.from_world, self.to_world = name, numel, from_world, to_world
         self.source, self.row, self.group, self.offset, self.at = source, row, group, offset, at
         self.size, self.theirs = part(numel, to_world), part(numel, from_world)
-        self.padding = [Piece(at, self.size, ZEROS, 0, FROZEN, 0, 0, name, row)]  # a rank past its elements
+        self.padding = (Piece(at, self.size, ZEROS, 0, FROZEN, 0, 0, name, row),)  # a rank past its elements
 
-    def pieces(self, rank: int) -> list[Piece]:
+    def pieces(self, rank: int) -> tuple[Piece, ...] | list[Piece]:
         if rank * self.size >= self.numel:
             return self.padding
         found, theirs, numel = [], self.theirs, self.numel
         for their_rank, within, at, count in pieces(numel, self.from_world, self.to_world, rank):
-            whole = max(0, min(theirs, numel - their_rank * theirs))
             found.append(Piece(self.at + at, count, self.source, their_rank, self.group, self.offset + within,
-                               within, self.name, self.row, whole))
+                               within, self.name, self.row, valid_elements(numel, theirs, their_rank)))
         valid = sum(p.length for p in found)
         if valid < self.size:
             found.append(Piece(self.at + valid, self.size - valid, ZEROS, 0, FROZEN, 0, 0, self.name, self.row))
