@@ -20,11 +20,8 @@ unpickled by torch again, nor its structure compared again, though every byte of
 from __future__ import annotations
 
 import os
-import struct
-import zipfile
 from pathlib import Path
 
-from tailor_tui import crc
 from tailor_tui.compose.compare import PartialSlices, differences, nonzero_bytes, same_bytes
 from tailor_tui.formats.ds_format import (
     DP_WORLD_SIZE,
@@ -44,9 +41,9 @@ from tailor_tui.formats.ds_format import (
 )
 from tailor_tui.events import ByteCounter
 from tailor_tui.resharding.partition import ZEROS, optim_structure_file
-from tailor_tui.formats.ptfile import LOCAL_HEADER, SMALL_FILE, ZIP_START
+from tailor_tui.errors import CheckpointError
+from tailor_tui.formats.ptfile import SMALL_FILE, ZIP_START, Unsupported, records_in
 from tailor_tui.formats.safe_load import load_pt
-from tailor_tui.formats.zipdir import directory_in
 from tailor_tui.reading import open_regular
 
 OUTER = f"[{OPTIMIZER_STATE_DICT!r}]"
@@ -269,28 +266,21 @@ class SameContent:
                 whole = os.pread(fd, SMALL_FILE + 1, 0)
             finally:
                 os.close(fd)
-            entries = directory_in(whole) if len(whole) <= SMALL_FILE and whole.startswith(ZIP_START) else []
-        except (OSError, ValueError, zipfile.BadZipFile):
+            if len(whole) > SMALL_FILE or not whole.startswith(ZIP_START):
+                return None
+            records = list(records_in(path, whole))
+        except (OSError, ValueError, CheckpointError, Unsupported):
             return None
-        pickles = [e.name for e in entries if e.name.endswith("/data.pkl")]
+        pickles = [e.name for e, _data in records if e.name.endswith("/data.pkl")]
         prefix = pickles[0][: -len("data.pkl")] if len(pickles) == 1 else ""
         if prefix.count("/") != 1 or prefix == "/":  # torch's: one folder, named after the archive
             return None
-        names, sizes, data, view, skip = [], [], [], memoryview(whole), len(prefix)
-        for e in entries:
-            at, size, inner = e.header_offset, e.size, e.name[skip:]
-            if e.compressed or e.packed != size or whole[at: at + 4] != ZIP_START or not e.name.startswith(prefix):
+        names, sizes, held, skip = [], [], [], len(prefix)
+        for e, data in records:
+            if e.packed != e.size or not e.name.startswith(prefix):
                 return None
-            held = b""
-            if size or e.crc:  # (an empty record's CRC-32 is 0: a ZeRO-3 model_states holds one per parameter)
-                if at + LOCAL_HEADER > len(whole):
-                    return None
-                start = at + LOCAL_HEADER + sum(struct.unpack_from("<HH", whole, at + 26))  # name, extra field
-                held = view[start: start + size]
-                if len(held) != size or crc.crc32(held) != e.crc:
-                    return None
-            if inner != ".data/serialization_id":
-                names.append(inner)
-                sizes.append(size)
-                data.append(held)
-        return tuple(names), tuple(sizes), b"".join(data)
+            if e.name[skip:] != ".data/serialization_id":
+                names.append(e.name[skip:])
+                sizes.append(e.size)
+                held.append(data)
+        return tuple(names), tuple(sizes), b"".join(held)

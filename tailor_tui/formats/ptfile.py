@@ -338,8 +338,17 @@ SMALL_FILE = 16 << 20
 
 def _check_in_memory(path: Path, whole: bytes, inspect, skip: frozenset) -> None:
     """`check_crcs` of the archive `path` whose bytes are `whole`."""
+    for _entry, _data in records_in(path, whole, skip_empty=True, skip=skip, inspect=inspect):
+        pass
+
+
+def records_in(path: Path, whole: bytes, *, skip_empty: bool = False, skip: frozenset = frozenset(), inspect=None):
+    """Each record of the archive `path` whose bytes are `whole`, in order: (its directory entry,
+    its bytes), each checked against its CRC-32 first (CheckpointError if one fails or is cut
+    short, Unsupported if compressed). `skip_empty`, `skip`: as `directory_in`'s, `check_crcs`'s;
+    `inspect(offset, data)` sees each record's bytes before its check."""
     try:
-        entries = directory_in(whole, skip_empty=True)
+        entries = directory_in(whole, skip_empty=skip_empty)
     except zipfile.BadZipFile as exc:
         raise unreadable(path, "zip", f"not a complete archive: {exc}") from None
     view, crc32 = memoryview(whole), crc.crc32
@@ -357,6 +366,7 @@ def _check_in_memory(path: Path, whole: bytes, inspect, skip: frozenset) -> None
             inspect(start, data)
         if (value := crc32(data)) != e.crc:
             raise _crc_failed(path, Record(e.name, at, start, e.size, e.crc, ()), value)
+        yield e, data
 
 
 def frozen_fragment_bytes(path: Path, names) -> dict[str, TensorBytes]:
