@@ -279,24 +279,29 @@ def _write(out: Path, fills: list, checked: Checked, sources: _Sources, counter:
                         place is None or (place.path, place.at, p.length * target.itemsize) in checked.kept
                         for p, place in placed):
                     value = _write_whole(fout, record, target, placed, checked.kept, counter)
-                    for at in record.crc_offsets:
-                        os.pwrite(fout, struct.pack("<I", value), at)
-                    continue
-                value = 0
-                for piece, place in placed:
-                    at, n = target.offset + piece.at * target.itemsize, piece.length * target.itemsize
-                    if place is None:  # padding: zeros, as DeepSpeed's own saves hold; the skeleton
-                        # reserved the tensor's space as a hole of a new file, which reads as zeros
-                        value = crc.combine(value, crc.zeros(n), n)
-                        counter.add(n)
-                    else:
-                        copy_range(sources.fd(place.path), fout, place.at, n, counter.add, at, writeback)
-                        value = crc.combine(value, checked.crcs[place.path, place.at, n], n)
+                else:
+                    value = _copy_pieces(fout, target, placed, checked.crcs, sources, counter, writeback)
                 for at in record.crc_offsets:
                     os.pwrite(fout, struct.pack("<I", value), at)
             fsync(fout, counter.options.durable)
     except OSError as exc:
         raise output_error(exc, out) from None
+
+
+def _copy_pieces(fout: int, target, placed: list, crcs: dict, sources: _Sources, counter: ByteCounter,
+                 writeback: Writeback) -> int:
+    """Copy a record's pieces into place in the kernel; its CRC-32, put together from the pieces'."""
+    value = 0
+    for piece, place in placed:
+        at, n = target.offset + piece.at * target.itemsize, piece.length * target.itemsize
+        if place is None:  # padding: zeros, as DeepSpeed's own saves hold; the skeleton
+            # reserved the tensor's space as a hole of a new file, which reads as zeros
+            value = crc.combine(value, crc.zeros(n), n)
+            counter.add(n)
+        else:
+            copy_range(sources.fd(place.path), fout, place.at, n, counter.add, at, writeback)
+            value = crc.combine(value, crcs[place.path, place.at, n], n)
+    return value
 
 
 def _write_whole(fout: int, record, target, placed: list, kept: dict, counter: ByteCounter) -> int:
