@@ -114,3 +114,44 @@ def crc_range(fd: int, offset: int, length: int, buffer: memoryview,
         offset += len(view)
         on_bytes(len(view))
     return value
+
+
+class RangeCrcs:
+    """The CRC-32 of the stretch [start, end) of a file and of each byte range (offset, length)
+    inside it, as the stretch's bytes are fed in order (`feed`): one pass gives a record's CRC
+    to check and those of the ranges a writer replaces or takes. `ranges` are sorted, disjoint
+    and inside the stretch."""
+
+    def __init__(self, start: int, end: int, ranges: list[tuple[int, int]]):
+        position = start
+        for at, n in ranges:
+            if not (position <= at and at + n <= end):
+                raise ValueError(f"range {at}+{n} is outside {start}..{end} or out of order")
+            position = at + n
+        self.position, self.end, self.ranges = start, end, ranges
+        self.whole, self.found, self._i = 0, [0] * len(ranges), 0  # _i: the first range not fed to its end
+
+    def feed(self, view: memoryview) -> None:
+        """The stretch's next bytes."""
+        ranges, found, i = self.ranges, self.found, self._i
+        offset = self.position
+        stop, at = offset + len(view), offset
+        if stop > self.end:
+            raise ValueError(f"{stop - self.end} bytes fed past the end of {self.end}")
+        while at < stop or (i < len(ranges) and ranges[i][0] == at and ranges[i][1] == 0):
+            if i < len(ranges) and ranges[i][0] <= at:  # in range i: its CRC and the stretch's
+                last = min(stop, ranges[i][0] + ranges[i][1])
+                value = crc.crc32(view[at - offset: last - offset])
+                self.whole = crc.combine(self.whole, value, last - at)
+                found[i] = crc.combine(found[i], value, last - at)
+                if last == ranges[i][0] + ranges[i][1]:
+                    i += 1
+            else:  # between ranges: the stretch's CRC only
+                last = min(stop, ranges[i][0]) if i < len(ranges) else stop
+                self.whole = crc.crc32(view[at - offset: last - offset], self.whole)
+            at = last
+        self._i, self.position = i, stop
+
+    @property
+    def complete(self) -> bool:
+        return self.position == self.end

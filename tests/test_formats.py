@@ -94,6 +94,29 @@ def test_legacy_optim_files_compose_as_a_source(llmtailor_style, tmp_path):
     assert_rows_from_picks(tmp_path / "composed", picks, c6)
 
 
+def test_a_source_whose_records_lie_elsewhere_in_its_files_composes_bit_exactly(real_run, tmp_path):
+    """A source's optim files re-saved under another archive name: their records hold the same
+    tensors at other offsets, and are read in step with the base's at that distance (each chunk
+    checked and counted where it lies, the slices taken copied from there)."""
+    run, spec = real_run("ds_bf16_3_subgroups")
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    c2, _, c6 = checkpoints_of(copy, spec)
+    for f in c2.glob("*optim_states.pt"):
+        renamed = f.with_name("a_much_longer_archive_name_than_deepspeed_gives.pt")
+        torch.save(torch.load(f, weights_only=False), renamed)
+        renamed.replace(f)
+        with zipfile.ZipFile(f) as z, zipfile.ZipFile(next(c6.glob(f"*{f.name[-30:]}"))) as theirs:
+            assert z.infolist()[-1].header_offset != theirs.infolist()[-1].header_offset
+    picks = {"layers.1": c2, "layers.2": c2, "lm_head": c2}
+    recipe = write_recipe(tmp_path, c6, picks)
+    applied = tailor("--apply", recipe, "-j", "2")
+    assert applied.returncode == 0, applied.stderr
+    verified = tailor("--verify", recipe)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert_rows_from_picks(tmp_path / "composed", picks, c6)
+
+
 def test_legacy_optim_files_compose_as_the_base(llmtailor_style, tmp_path):
     run, spec, legacy = llmtailor_style
     c2, _, c6 = checkpoints_of(run, spec)

@@ -19,8 +19,8 @@ from tailor_tui import crc
 from tailor_tui.formats.ds_format import TENSORS, flat_tensor, optimizer_state
 from tailor_tui.errors import IncompatibleError
 from tailor_tui.events import ByteCounter
-from tailor_tui.fileio import CREATE, Writeback, copy_range, fsync, open_fd, output_error
-from tailor_tui.reading import crc_range
+from tailor_tui.fileio import CREATE, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
+from tailor_tui.reading import RangeCrcs, crc_range, pread_into
 from tailor_tui.planning.jobs import RankJob
 from tailor_tui.formats.nonfinite import Census, Region
 from tailor_tui.checkpoints.partial_rows import check_crc, partial_slice, read_rows_file
@@ -30,6 +30,7 @@ from tailor_tui.formats.ptfile import (
     TensorBytes,
     Unsupported,
     checked_crcs,
+    checked_ranges,
     file_format,
     locate,
     read_structure,
@@ -44,27 +45,31 @@ class Span(NamedTuple):
 
     at: int  # where it lies in the base's (and the output's) file
     length: int
-    source: int | None  # the checkpoint its bytes come from; None: zeros (padding)
+    source: int  # the checkpoint its bytes come from
     source_at: int  # where they lie in that checkpoint's file
     record: Record  # the base's record it lies in
-    source_record: Record | None  # the full source's record they come from (None: partial, zeros)
+    source_record: Record | None  # the full source's record they come from (None: a partial's rows file)
     check: tuple | None = None  # from a partial's rows file: (its path, its CRC-32s, the tensor's name)
 
 
 def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counter | None:
     """Write the composed optim_states file as the base's bytes with replaced ranges.
 
-    The output has the base's exact zip layout. First every record of the base, and every
-    record of a source that a slice comes from, is read once and checked against the CRC-32
-    its archive stores (a flipped byte is refused, never carried into the output under a
-    fresh CRC); that pass also gives the CRCs of the replaced ranges, old and new. Then every
-    byte is copied in the kernel (copy_file_range): the base's where nothing replaces it, a
-    source's slice where the recipe picks it; padding keeps the base's zero bytes (zeros where
-    they are not: `Padding`); each record's CRC-32 is updated from its replaced ranges alone
-    (see `crc`). Memory stays at one small buffer whatever the file size. The same reads count each row's non-finite values in what
-    the output takes (returned per row). Returns None (writing nothing) when the archive is laid
-    out in a way this does not handle, or the base's file is in torch's legacy format; the
-    caller then re-serialises. Sources may be in either format (legacy ones have no CRC).
+    The output has the base's exact zip layout and is written front to back, in the kernel
+    (copy_file_range): the base's bytes where nothing replaces them, a source's slice where the
+    recipe picks it. Every record of the base, and every record of a source that a slice comes
+    from, is read once and checked against the CRC-32 its archive stores (a flipped byte is
+    refused, never carried into the output under a fresh CRC; a failed check fails the task, and
+    its unfinished output is never published). A source's record laid out as the base's is read
+    in step with it (`_in_step`), chunk by chunk, each chunk just before it is copied: the copy
+    finds its bytes in the CPU's cache. The same reads give the CRCs of the replaced ranges, old
+    and new, and each record's CRC-32 is updated from them alone (see `crc`); padding keeps the
+    base's zero bytes (zeros where they are not: `Padding`). Memory stays at one small buffer
+    whatever the file size. The same reads count each row's non-finite values in what the output
+    takes (returned per row). Returns None (writing nothing) when the archive is laid out in a way
+    this does not handle, or the base's file is in torch's legacy format; the caller then
+    re-serialises. Sources may be in either format (legacy ones have no CRC: only the slices taken
+    are read).
     """
     base_path = job.files[0].optim_states
     if file_format(base_path) != "zip":
@@ -106,43 +111,51 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counte
     spans = _coalesced(spans)
     padding = Padding(_pads(job.padding, base))
 
+    records = sorted(base_records.values(), key=lambda r: r.data_offset)
+    if any(a.data_offset + a.size > b.header_offset for a, b in zip(records, records[1:])):
+        return None  # records that overlap (a crafted archive): not streamed
+    steps = _in_step(spans)
+    stepped = {id(q) for group in steps.values() for _s, q, _d in group}
     try:
         with contextlib.ExitStack() as stack:
             fin = open_fd(stack, base_path)
             fds = {s: open_fd(stack, job.files[s].rows or job.files[s].optim_states) for s in used}
-            buffer = memoryview(bytearray(STREAM_CHUNK))
-            old = read_and_check(fin, base_path, base_records.values(),
-                                  {(sp.record, sp.at, sp.length) for sp in spans}, buffer, counter, census[0],
-                                  padding.inspect)
-            if padding.dirty:  # a base whose padding is not zero bytes: zeros there
-                for at, length, record, value in padding.found():
-                    spans.append(Span(at, length, None, 0, record, None))
-                    old[at, length] = value
-                spans.sort(key=lambda sp: sp.at)
-            new = {}
-            for s in sources:
-                taken = {(sp.source_record, sp.source_at, sp.length) for sp in spans if sp.source == s}
-                checked = read_and_check(fds[s], job.files[s].optim_states, {r for r, _, _ in taken}, taken,
-                                          buffer, counter, census[s])
-                new.update({(s, at): value for (at, _n), value in checked.items()})
             fout = open_fd(stack, out, CREATE)
-            writeback = Writeback(fout, counter.options.durable)
-            position, crc_changes = 0, defaultdict(int)
+            sweep = _Sweep(fin, fout, spans, fds, counter)
+            new = {}  # (source, offset) -> the CRC-32 of the span taken there
+            for s in sources:  # a source's records not read in step: read and checked first
+                ahead = [sp for sp in spans if sp.source == s and id(sp.source_record) not in stepped]
+                checked = read_and_check(fds[s], job.files[s].optim_states, {sp.source_record for sp in ahead},
+                                         {(sp.source_record, sp.source_at, sp.length) for sp in ahead},
+                                         sweep.buffer, counter, census[s])
+                new.update({(s, at): value for (at, _n), value in checked.items()})
+            old = {}  # (offset, length) -> the CRC-32 of the base's bytes a span replaces
+            for record in records:
+                sweep.copy_to(record.data_offset, new, census)  # its local header (and what lies before)
+                mine = [(sp.at, sp.length) for sp in spans if sp.record is record]
+                base_crcs = RangeCrcs(record.data_offset, record.data_offset + record.size, mine)
+                beside = [(s, q, delta, RangeCrcs(q.data_offset, q.data_offset + q.size,
+                                                  [(sp.source_at, sp.length) for sp in spans if sp.source_record is q]))
+                          for s, q, delta in steps.get(id(record), ())]
+                for offset in range(record.data_offset, record.data_offset + record.size, STREAM_CHUNK):
+                    n = min(STREAM_CHUNK, record.data_offset + record.size - offset)
+                    sweep.read(fin, offset, n, base_crcs, census[0], padding.inspect)
+                    for s, _q, delta, crcs in beside:
+                        sweep.read(fds[s], offset + delta, n, crcs, census[s])
+                    sweep.copy_to(offset + n, new, census)
+                old.update(zip(mine, checked_ranges(base_path, record, base_crcs)))
+                for s, q, _delta, crcs in beside:
+                    new.update({(s, at): value for (at, _n), value in
+                                zip(crcs.ranges, checked_ranges(job.files[s].optim_states, q, crcs))})
+            sweep.copy_to(os.fstat(fin).st_size, new, census)  # the zip's directory
+            crc_changes = defaultdict(int)
             for sp in spans:
-                copy_range(fin, fout, position, sp.at - position, counter.add, writeback=writeback)
-                if sp.source is None:  # padding that held garbage: left a hole, which reads as zeros
-                    value = crc.zeros(sp.length)
-                else:
-                    copy_range(fds[sp.source], fout, sp.source_at, sp.length, counter.add, sp.at, writeback)
-                    value = new.get((sp.source, sp.source_at))
-                    if value is None:  # from a partial checkpoint: its rows file records each slice's CRC-32
-                        value = crc_range(fds[sp.source], sp.source_at, sp.length, buffer, counter.add,
-                                          census[sp.source].inspect)
-                        check_crc(*sp.check, value)
                 tail = sp.record.data_offset + sp.record.size - sp.at - sp.length
-                crc_changes[sp.record] ^= crc.shift(old[sp.at, sp.length] ^ value, tail)
-                position = sp.at + sp.length
-            copy_range(fin, fout, position, os.fstat(fin).st_size - position, counter.add, writeback=writeback)
+                crc_changes[sp.record] ^= crc.shift(old[sp.at, sp.length] ^ new[sp.source, sp.source_at], tail)
+            for at, length, record, value in padding.found():  # a base whose padding is not zero bytes: zeros
+                pwrite_all(fout, bytes(length), at)
+                tail = record.data_offset + record.size - at - length
+                crc_changes[record] ^= crc.shift(value ^ crc.zeros(length), tail)
             for record, change in crc_changes.items():
                 for at in record.crc_offsets:
                     os.pwrite(fout, struct.pack("<I", record.crc ^ change), at)
@@ -193,6 +206,71 @@ def read_and_check(fd: int, path: Path, records, ranges: set, buffer: memoryview
     return found
 
 
+def _in_step(spans: list[Span]) -> dict[int, list[tuple[int, Record, int]]]:
+    """The source records read in step with the base's record they replace ranges of, chunk by
+    chunk at the same place, so that each chunk is copied right after it was read and checked:
+    {id(base record): [(source, its record, its offsets minus the base record's)]}. A record
+    qualifies when it has a CRC-32 (zip), the base record's size, and all its spans lie in that one
+    record at that one distance: the same layout, as every full source of a run has."""
+    by_record = defaultdict(list)
+    for sp in spans:
+        if sp.source_record is not None:
+            by_record[id(sp.source_record)].append(sp)
+    steps = defaultdict(list)
+    for mine in by_record.values():
+        q, r = mine[0].source_record, mine[0].record
+        delta = q.data_offset - r.data_offset
+        if q.crc is not None and q.size == r.size and all(sp.record is r and sp.source_at - sp.at == delta
+                                                           for sp in mine):
+            steps[id(r)].append((mine[0].source, q, delta))
+    return steps
+
+
+class _Sweep:
+    """Writes the output front to back, in the kernel (`copy_to`): the base's bytes, and over them
+    each span's from its source. Called chunk by chunk right after that chunk of the base and of
+    the sources in step was read and checked (`read`), the copy finds those bytes in the CPU's
+    cache. A partial's slice is read whole and checked against its rows file's CRC-32 first."""
+
+    def __init__(self, fin: int, fout: int, spans: list[Span], fds: dict[int, int], counter: ByteCounter):
+        self.fin, self.fout, self.spans, self.fds, self.counter = fin, fout, spans, fds, counter
+        self.writeback = Writeback(fout, counter.options.durable)
+        self.buffer = memoryview(bytearray(STREAM_CHUNK))
+        self.written, self._j = 0, 0  # the output is written up to `written`; spans before _j lie behind
+
+    def read(self, fd: int, offset: int, n: int, crcs: RangeCrcs, census: Census, also=None) -> None:
+        """Read `n` bytes at `offset` of `fd`: fed to the CRC-32s, the census and `also`."""
+        view = self.buffer[:n]
+        pread_into(fd, view, offset)
+        crcs.feed(view)
+        census.inspect(offset, view)
+        if also is not None:
+            also(offset, view)
+        self.counter.add(n)
+
+    def copy_to(self, end: int, new: dict, census: dict) -> None:
+        """Write the output up to `end`."""
+        spans = self.spans
+        while self.written < end:
+            at = self.written
+            while self._j < len(spans) and spans[self._j].at + spans[self._j].length <= at:
+                self._j += 1
+            sp = spans[self._j] if self._j < len(spans) else None
+            if sp is None or sp.at > at:  # the base's bytes, up to the next span
+                stop = end if sp is None else min(end, sp.at)
+                fd, source_at = self.fin, at
+            else:
+                if sp.check is not None and at == sp.at:  # a partial's slice: checked whole first
+                    value = crc_range(self.fds[sp.source], sp.source_at, sp.length, self.buffer, self.counter.add,
+                                      census[sp.source].inspect)
+                    check_crc(*sp.check, value)
+                    new[sp.source, sp.source_at] = value
+                stop = min(end, sp.at + sp.length)
+                fd, source_at = self.fds[sp.source], sp.source_at + at - sp.at
+            copy_range(fd, self.fout, source_at, stop - at, self.counter.add, at, self.writeback)
+            self.written = stop
+
+
 def _both(first, second):
     def inspect(offset: int, chunk) -> None:
         first(offset, chunk)
@@ -241,7 +319,7 @@ def _coalesced(spans: list[Span]) -> list[Span]:
     for span in sorted(spans, key=lambda s: s.at):
         if (last is not None and span.check is None and span.at == last.at + length and span.source == last.source
                 and span.record is last.record and span.source_record is last.source_record
-                and (span.source is None or span.source_at == last.source_at + length)):
+                and span.source_at == last.source_at + length):
             length += span.length
             continue
         if last is not None:

@@ -24,6 +24,8 @@ def count(data, dtype: str = "float32") -> int:
     """NaN/±Inf elements in `data` (bytes of little-endian `dtype` values)."""
     import numpy as np  # (after the first call, a lookup in sys.modules)
 
+    if dtype == "float32" and np.isfinite(np.frombuffer(data, dtype="<f4")).all():
+        return 0  # the common case, in half the time of the bit test (no temporary of the data's size)
     int_type, exponent = EXPONENT[dtype]
     bits = np.frombuffer(data, dtype=int_type)
     return int(np.count_nonzero((bits & exponent) == exponent))

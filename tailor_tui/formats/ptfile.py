@@ -27,7 +27,7 @@ from typing import NamedTuple
 from tailor_tui import crc
 from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, unsupported_version, version_in_pickle
 from tailor_tui.errors import CheckpointError
-from tailor_tui.reading import Window, crc_range, open_regular, pread_into
+from tailor_tui.reading import RangeCrcs, Window, crc_range, open_regular, pread_into
 from tailor_tui.formats.pickled import MAX_PICKLE_BYTES, TensorRef, read_pickle
 from tailor_tui.formats.ptlegacy import START as LEGACY_START
 from tailor_tui.formats.ptlegacy import LegacyError, read_legacy
@@ -245,36 +245,27 @@ def checked_crcs(fd: int, path: Path, record: Record, ranges: list[tuple[int, in
     is one read); `inspect(offset, chunk)` sees every chunk read."""
     if record.crc is None:
         return [crc_range(fd, at, n, buffer, on_bytes, inspect) for at, n in ranges]
-    offset, end = record.data_offset, record.data_offset + record.size
-    position = offset
-    for at, n in ranges:
-        if not (position <= at and at + n <= end):
-            raise ValueError(f"range {at}+{n} is outside record {record.name} or out of order")
-        position = at + n
-    found, whole, i = [0] * len(ranges), 0, 0  # i: the first range not read to its end
-    while offset < end:
-        view = buffer[: min(len(buffer), end - offset)]
+    crcs = RangeCrcs(record.data_offset, record.data_offset + record.size, ranges)
+    offset = record.data_offset
+    while not crcs.complete:
+        view = buffer[: min(len(buffer), crcs.end - offset)]
         pread_into(fd, view, offset)
-        stop, at = offset + len(view), offset
-        while at < stop or (i < len(ranges) and ranges[i][0] == at and ranges[i][1] == 0):
-            if i < len(ranges) and ranges[i][0] <= at:  # in range i: its CRC and the record's
-                last = min(stop, ranges[i][0] + ranges[i][1])
-                value = crc.crc32(view[at - offset: last - offset])
-                whole = crc.combine(whole, value, last - at)
-                found[i] = crc.combine(found[i], value, last - at)
-                if last == ranges[i][0] + ranges[i][1]:
-                    i += 1
-            else:  # between ranges: the record's CRC only
-                last = min(stop, ranges[i][0]) if i < len(ranges) else stop
-                whole = crc.crc32(view[at - offset: last - offset], whole)
-            at = last
+        crcs.feed(view)
         if inspect is not None:
             inspect(offset, view)
         on_bytes(len(view))
-        offset = stop
-    if whole != record.crc:
-        raise _crc_failed(path, record, whole)
-    return found
+        offset += len(view)
+    return checked_ranges(path, record, crcs)
+
+
+def checked_ranges(path: Path, record: Record, crcs: RangeCrcs) -> list[int]:
+    """The CRC-32s of `crcs`' ranges, once every byte of `record` was fed to it (`crcs`) and its
+    bytes match the CRC-32 its archive stores (else a CheckpointError naming file and record)."""
+    if not crcs.complete:
+        raise ValueError(f"record {record.name} was not read to its end")
+    if crcs.whole != record.crc:
+        raise _crc_failed(path, record, crcs.whole)
+    return crcs.found
 
 
 def _crc_failed(path: Path, record: Record, computed: int) -> CheckpointError:
