@@ -16,7 +16,6 @@ from tailor_tui.checkpoints.lineage import Lineage
 from tailor_tui.checkpoints.scan import scan
 from tailor_tui.errors import CheckpointError, NonFiniteError
 from tailor_tui.planning.plan import ComposePlan
-from tailor_tui.health.stats_run import compute_health
 
 MAX_NAMED = 8  # rows named in the one line; the rest are counted
 
@@ -38,6 +37,10 @@ def nonfinite_error(plan: ComposePlan, counts: Counter) -> NonFiniteError:
 
 def newest_finite(plan: ComposePlan, rows: list[str]) -> dict[str, str]:
     """{row: name of the newest checkpoint of the base's run where it is finite and whole}."""
+    # the statistics' machinery, loaded on a refusal only: every composition imports this module
+    # (~15 ms of its start), few are refused
+    from tailor_tui.health.stats_run import compute_health
+
     try:
         scanned = scan(plan.base.path.parent)
     except CheckpointError:
