@@ -19,7 +19,9 @@ unpickled by torch again, nor its structure compared again, though every byte of
 
 from __future__ import annotations
 
+import collections
 import os
+import pickle
 from pathlib import Path
 
 from tailor_tui.compose.compare import PartialSlices, differences, nonzero_bytes, same_bytes
@@ -42,7 +44,7 @@ from tailor_tui.formats.ds_format import (
 from tailor_tui.events import ByteCounter
 from tailor_tui.resharding.partition import ZEROS, optim_structure_file
 from tailor_tui.errors import CheckpointError
-from tailor_tui.formats.ptfile import SMALL_FILE, ZIP_START, Unsupported, records_in
+from tailor_tui.formats.ptfile import PICKLE_FAILURES, SMALL_FILE, ZIP_START, Unsupported, records_in
 from tailor_tui.formats.safe_load import load_pt
 from tailor_tui.reading import open_regular
 
@@ -141,7 +143,7 @@ def _replaced(where: str) -> bool:
 
 def _model_states(plan, job, composed, report, check, base, buffer_states, same) -> None:
     rank = job.rank
-    states, found = same.load(composed.ranks[rank].model_states)
+    states, found = same.load(composed.ranks[rank].model_states, tuple(name for name, _pieces in job.frozen))
     if not found:  # what it holds is checked once per content, every rank's frozen pieces on their own
         found["layout"], found["rest"] = _states_problems(plan, states, base, buffer_states)
     for row, problem in found["layout"]:
@@ -238,28 +240,36 @@ class SameContent:
     archive lists, in order, the records of one torch loaded (`load_pt`, every check it makes),
     each with the same name within the archive and the same bytes, each of them checked against
     its CRC-32, loads as that one did: its object is that one's. (`.data/serialization_id` aside:
-    an id drawn per archive name, which torch only logs; its CRC-32 is checked too.) Any other file
-    is loaded by `load_pt`. `load` returns the loaded object and a dict for what the caller found
-    in it."""
+    an id drawn per archive name, which torch only logs; its CRC-32 is checked too.) Frozen
+    parameters' fragments are each rank's own: a record that holds one of them and nothing else (by
+    its structure, which is the same byte for byte) may differ, and the object then holds this
+    file's bytes for that fragment, laid out as torch laid out that one's. Any other file is loaded
+    by `load_pt`. `load` returns the loaded object and a dict for what the caller found in it (what
+    does not depend on the frozen fragments' values)."""
 
     def __init__(self, keep: int = 4):
         self.keep, self.known = keep, {}  # content -> (object, found): the last `keep` contents
+        self.holding = {}  # (structure, frozen) -> `_fragment_records`: the last `keep` structures
 
-    def load(self, path) -> tuple[object, dict]:
-        content = self.content(Path(path))
-        if content is None:
+    def load(self, path, frozen: tuple[str, ...] = ()) -> tuple[object, dict]:
+        """`frozen`: the names of the frozen parameters whose fragments the file holds."""
+        found = self.content(Path(path), frozen)
+        if found is None:
             return load_pt(path), {}
+        content, own = found
         if content not in self.known:
             if len(self.known) >= self.keep:
                 del self.known[next(iter(self.known))]
             self.known[content] = (load_pt(path), {})
-        return self.known[content]
+            return self.known[content]  # (its fragments are its own)
+        states, problems = self.known[content]
+        return (_with_fragments(states, own) if own else states), problems
 
-    @staticmethod
-    def content(path: Path) -> tuple | None:
-        """Every record's name within the archive and bytes, in the archive's order, each record
-        checked against its CRC-32; None when `path` is no small torch zip file, or fails a check
-        (`load_pt` then says how)."""
+    def content(self, path: Path, frozen: tuple[str, ...] = ()) -> tuple | None:
+        """(what `path` holds: every record's name within the archive and bytes, in the archive's
+        order, but the bytes of the records that hold one of the `frozen` fragments alone; those
+        bytes, by parameter), each record checked against its CRC-32; None when `path` is no small
+        torch zip file, or fails a check (`load_pt` then says how)."""
         try:
             fd = open_regular(path)
             try:
@@ -275,12 +285,75 @@ class SameContent:
         prefix = pickles[0][: -len("data.pkl")] if len(pickles) == 1 else ""
         if prefix.count("/") != 1 or prefix == "/":  # torch's: one folder, named after the archive
             return None
-        names, sizes, held, skip = [], [], [], len(prefix)
+        holding = self._holding(next(data for e, data in records if e.name == pickles[0]), frozen)
+        if holding is None:
+            return None
+        names, sizes, held, skip, own = [], [], [], len(prefix), {}
         for e, data in records:
             if e.packed != e.size or not e.name.startswith(prefix):
                 return None
             if e.name[skip:] != ".data/serialization_id":
                 names.append(e.name[skip:])
                 sizes.append(e.size)
-                held.append(data)
-        return tuple(names), tuple(sizes), b"".join(held)
+                if e.name[skip:] in holding:
+                    own[holding[e.name[skip:]]] = bytes(data)
+                else:
+                    held.append(data)
+        if len(own) != len(holding):
+            return None
+        return (tuple(names), tuple(sizes), b"".join(held)), own
+
+    def _holding(self, pickled, frozen: tuple[str, ...]) -> dict[str, str] | None:
+        """`_fragment_records`, worked out once per structure (the ranks' is one, byte for byte)."""
+        if not frozen:
+            return {}
+        key = (bytes(pickled), frozen)
+        if key not in self.holding:
+            if len(self.holding) >= self.keep:
+                del self.holding[next(iter(self.holding))]
+            self.holding[key] = _fragment_records(key[0], frozen)
+        return self.holding[key]
+
+
+def _fragment_records(pickled: bytes, frozen: tuple[str, ...]) -> dict[str, str] | None:
+    """{record name within the archive: frozen parameter} of the records that hold one of the `frozen`
+    parameters' fragments and nothing else, from the structure `pickled` (data.pkl's bytes); None where a
+    fragment is no plain tensor, shares its storage, or the structure holds what may hide one."""
+    from tailor_tui.formats.pickled import TensorRef, read_pickle
+
+    try:
+        obj = read_pickle(pickled)
+    except PICKLE_FAILURES + (pickle.UnpicklingError,):
+        return None
+    users = collections.Counter()  # storage key -> tensors that refer to it
+    todo = [(obj, 0)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, TensorRef):
+            users[item.storage.key] += 1
+        elif isinstance(item, dict) and depth < 16:
+            todo.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, (list, tuple)) and depth < 16:
+            todo.extend((v, depth + 1) for v in item)
+        elif not isinstance(item, (str, bytes, int, float, bool, type(None))):
+            return None  # an object (or a structure deeper than a model_states file's) that may hold a tensor
+    fragments = obj.get(FROZEN_PARAM_FRAGMENTS) if isinstance(obj, dict) else None
+    holding = {}
+    for name in frozen:
+        ref = fragments.get(name) if isinstance(fragments, dict) else None
+        if not isinstance(ref, TensorRef) or users[ref.storage.key] != 1:
+            return None
+        holding[f"data/{ref.storage.key}"] = name
+    return holding
+
+
+def _with_fragments(states: dict, own: dict[str, bytes]) -> dict:
+    """`states` with each frozen fragment in `own` made of those bytes, laid out as its own is."""
+    import torch
+
+    fragments = dict(states[FROZEN_PARAM_FRAGMENTS])
+    for name, data in own.items():
+        known = fragments[name]
+        storage = torch.frombuffer(bytearray(data), dtype=known.dtype) if data else known.new_empty(0)
+        fragments[name] = storage.as_strided(known.size(), known.stride(), known.storage_offset())
+    return {**states, FROZEN_PARAM_FRAGMENTS: fragments}
