@@ -67,6 +67,14 @@ def write_recipe(folder: Path, base: Path, layers: dict, output: str | None = "c
     return path
 
 
+def apply_and_verify(recipe: Path, *extra: str) -> None:
+    """`--apply` the recipe (with `extra` options), then `--verify` it: both succeed."""
+    applied = tailor("--apply", recipe, *extra)
+    assert applied.returncode == 0, applied.stderr
+    verified = tailor("--verify", recipe)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
 def assert_one_line_error(result, code: int, *needles: str):
     assert result.returncode == code, result.stderr
     assert "Traceback" not in result.stderr

@@ -24,6 +24,7 @@ import torch
 from conftest import checkpoints_of, tree_digest
 from helpers import (
     TAILOR,
+    apply_and_verify,
     assert_one_line_error,
     assert_optim_states_equal,
     assert_rows_from_picks,
@@ -87,10 +88,7 @@ def test_legacy_optim_files_compose_as_a_source(llmtailor_style, tmp_path):
     run, spec, legacy = llmtailor_style
     c2, _, c6 = checkpoints_of(run, spec)
     picks = {"layers.1": legacy, "layers.3": legacy, "embed_tokens": c2}
-    recipe = write_recipe(tmp_path, c6, picks)
-    assert tailor("--apply", recipe).returncode == 0
-    verified = tailor("--verify", recipe)
-    assert verified.returncode == 0, verified.stdout + verified.stderr
+    apply_and_verify(write_recipe(tmp_path, c6, picks))
     assert_rows_from_picks(tmp_path / "composed", picks, c6)
 
 
@@ -109,11 +107,7 @@ def test_a_source_whose_records_lie_elsewhere_in_its_files_composes_bit_exactly(
         with zipfile.ZipFile(f) as z, zipfile.ZipFile(next(c6.glob(f"*{f.name[-30:]}"))) as theirs:
             assert z.infolist()[-1].header_offset != theirs.infolist()[-1].header_offset
     picks = {"layers.1": c2, "layers.2": c2, "lm_head": c2}
-    recipe = write_recipe(tmp_path, c6, picks)
-    applied = tailor("--apply", recipe, "-j", "2")
-    assert applied.returncode == 0, applied.stderr
-    verified = tailor("--verify", recipe)
-    assert verified.returncode == 0, verified.stdout + verified.stderr
+    apply_and_verify(write_recipe(tmp_path, c6, picks), "-j", "2")
     assert_rows_from_picks(tmp_path / "composed", picks, c6)
 
 
@@ -121,11 +115,7 @@ def test_legacy_optim_files_compose_as_the_base(llmtailor_style, tmp_path):
     run, spec, legacy = llmtailor_style
     c2, _, c6 = checkpoints_of(run, spec)
     picks = {"layers.0": c6, "layers.1": c2, "norm": c6}
-    recipe = write_recipe(tmp_path, legacy, picks)
-    applied = tailor("--apply", recipe, "-j", "2")
-    assert applied.returncode == 0, applied.stderr
-    verified = tailor("--verify", recipe)
-    assert verified.returncode == 0, verified.stdout + verified.stderr
+    apply_and_verify(write_recipe(tmp_path, legacy, picks), "-j", "2")
     out = tmp_path / "composed"
     assert {starts(f) for f in out.rglob("*.pt")} == {ZIP}
     assert_rows_from_picks(out, picks, legacy)
