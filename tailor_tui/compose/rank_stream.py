@@ -140,13 +140,13 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counte
                 for offset in range(record.data_offset, record.data_offset + record.size, STREAM_CHUNK):
                     n = min(STREAM_CHUNK, record.data_offset + record.size - offset)
                     sweep.read(fin, offset, n, base_crcs, census[0], padding.inspect)
-                    for s, _q, delta, crcs in beside:
-                        sweep.read(fds[s], offset + delta, n, crcs, census[s])
+                    for s, _q, delta, theirs in beside:
+                        sweep.read(fds[s], offset + delta, n, theirs, census[s])
                     sweep.copy_to(offset + n, new, census)
                 old.update(zip(mine, checked_ranges(base_path, record, base_crcs)))
-                for s, q, _delta, crcs in beside:
+                for s, q, _delta, theirs in beside:
                     new.update({(s, at): value for (at, _n), value in
-                                zip(crcs.ranges, checked_ranges(job.files[s].optim_states, q, crcs))})
+                                zip(theirs.ranges, checked_ranges(job.files[s].optim_states, q, theirs))})
             sweep.copy_to(os.fstat(fin).st_size, new, census)  # the zip's directory
             crc_changes = defaultdict(int)
             for sp in spans:
