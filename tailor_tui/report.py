@@ -182,9 +182,8 @@ class BarReporter:
         self.out, self.refresh, self.unit = out, refresh, unit
         self.clock, self.terminal = clock, terminal  # terminal(): (columns, lines), as shutil's
         # Tasks known up front get their bar at once, so every rank shows before it starts.
-        self._tasks: dict[str, TaskProgressed] = {name: TaskProgressed(name, 0, total) for name, total in tasks}
         self.tally = Tally(tasks)
-        self._width = max((len(name) for name in self._tasks), default=0)
+        self._width = max((len(name) for name in self.tally.totals), default=0)
         self._drawn = 0
         self._last = float("-inf")
         self._started = clock()
@@ -192,12 +191,10 @@ class BarReporter:
     def __call__(self, event) -> None:
         name = self.tally.add(event)
         if name is not None:
-            done = event.total if isinstance(event, TaskFinished) else event.done
-            self._tasks[name] = TaskProgressed(name, done, event.total)
             self._width = max(self._width, len(name))
         now = self.clock()
         # few: every finish is shown at once; many: at most every `refresh`, and the end
-        due = isinstance(event, TaskFinished) and (len(self._tasks) <= FEW or self.tally.all_done)
+        due = isinstance(event, TaskFinished) and (len(self.tally.totals) <= FEW or self.tally.all_done)
         if now - self._last >= self.refresh or due:
             self._last = now
             self.draw()
@@ -218,8 +215,8 @@ class BarReporter:
 
     def _few(self) -> list[str]:
         """Today's block for a handful of tasks: every task's bar, then the total."""
-        width = max(max(len(t) for t in self._tasks), len("total"))
-        return [*(self._line(t.task, t.done, t.total, width) for t in self._tasks.values()), self._total(width)]
+        t, width = self.tally, max(self._width, len("total"))
+        return [*(self._line(name, t.done[name], total, width) for name, total in t.totals.items()), self._total(width)]
 
     def _many(self, columns: int, rows: int) -> list[str]:
         """The tasks in progress that fit in `rows - 2` (a row for the cursor, one to spare), a line
@@ -239,9 +236,9 @@ class BarReporter:
         return [line[:max(1, columns - 1)] for line in lines]
 
     def draw(self) -> None:
-        if not self._tasks:
+        if not self.tally.totals:
             return
-        if len(self._tasks) <= FEW:
+        if len(self.tally.totals) <= FEW:
             lines, clear = self._few(), ""
         else:
             columns, rows = self.terminal()
