@@ -44,6 +44,7 @@ from tailor_tui.formats.ds_format import (
 from tailor_tui.events import ByteCounter
 from tailor_tui.resharding.partition import ZEROS, optim_structure_file
 from tailor_tui.errors import CheckpointError
+from tailor_tui.formats.pickled import TensorRef, read_pickle
 from tailor_tui.formats.ptfile import PICKLE_FAILURES, SMALL_FILE, ZIP_START, Unsupported, records_in
 from tailor_tui.formats.safe_load import load_pt
 from tailor_tui.reading import open_regular
@@ -257,12 +258,7 @@ class SameContent:
         if found is None:
             return load_pt(path), {}
         content, own = found
-        if content not in self.known:
-            if len(self.known) >= self.keep:
-                del self.known[next(iter(self.known))]
-            self.known[content] = (load_pt(path), {})
-            return self.known[content]  # (its fragments are its own)
-        states, problems = self.known[content]
+        states, problems = _remembered(self.known, content, self.keep, lambda: (load_pt(path), {}))
         return (_with_fragments(states, own) if own else states), problems
 
     def content(self, path: Path, frozen: tuple[str, ...] = ()) -> tuple | None:
@@ -308,19 +304,22 @@ class SameContent:
         if not frozen:
             return {}
         key = (bytes(pickled), frozen)
-        if key not in self.holding:
-            if len(self.holding) >= self.keep:
-                del self.holding[next(iter(self.holding))]
-            self.holding[key] = _fragment_records(key[0], frozen)
-        return self.holding[key]
+        return _remembered(self.holding, key, self.keep, lambda: _fragment_records(key[0], frozen))
+
+
+def _remembered(memo: dict, key, keep: int, make):
+    """`memo[key]`, made by `make()` the first time; past `keep` entries, the oldest is forgotten."""
+    if key not in memo:
+        if len(memo) >= keep:
+            del memo[next(iter(memo))]
+        memo[key] = make()
+    return memo[key]
 
 
 def _fragment_records(pickled: bytes, frozen: tuple[str, ...]) -> dict[str, str] | None:
     """{record name within the archive: frozen parameter} of the records that hold one of the `frozen`
     parameters' fragments and nothing else, from the structure `pickled` (data.pkl's bytes); None where a
     fragment is no plain tensor, shares its storage, or the structure holds what may hide one."""
-    from tailor_tui.formats.pickled import TensorRef, read_pickle
-
     try:
         obj = read_pickle(pickled)
     except PICKLE_FAILURES + (pickle.UnpicklingError,):
