@@ -115,6 +115,7 @@ class _Layout:
     def __init__(self, archive: str, pickle: bytes, storages: list, ident: str):
         self.archive = archive
         self.chunks: list[list] = []  # [offset, bytearray], in file order
+        self.starts: list[int] = []  # each chunk's offset, kept beside them: _patch bisects it
         self.names: list[int] = []  # where the archive's name starts: in each local header and central entry
         self.copies: list[tuple[Copied, int]] = []  # (what, index of its record)
         self.records: list[list] = []  # [name in the archive, header offset, data offset, size, CRC-32, CRC offsets]
@@ -159,9 +160,11 @@ class _Layout:
             self.chunks[-1][1] += data
         else:
             self.chunks.append([at, bytearray(data)])
+            self.starts.append(at)
 
     def _patch(self, at: int, data: bytes) -> None:
-        i = bisect.bisect_right([c[0] for c in self.chunks], at) - 1
+        """Overwrite bytes of one chunk: O(log chunks), so laying out an archive is linear in records."""
+        i = bisect.bisect_right(self.starts, at) - 1
         start, chunk = self.chunks[i]
         chunk[at - start: at - start + len(data)] = data
 
@@ -171,6 +174,7 @@ class _Layout:
         other.archive, name = archive, archive.encode("utf-8")
         other.copies, other.names, other.records = self.copies, self.names, [list(r) for r in self.records]
         other.chunks = [[at, bytearray(chunk)] for at, chunk in self.chunks]
+        other.starts = self.starts  # never changed once laid out: shared
         i = 0
         for at in self.names:  # in file order, as the chunks are
             while other.chunks[i][0] + len(other.chunks[i][1]) <= at:
