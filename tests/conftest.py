@@ -233,11 +233,50 @@ def statistics_cache(tmp_path_factory):
     os.environ["TAILOR_TUI_CACHE"] = str(tmp_path_factory.mktemp("statistics-cache"))
 
 
-def cached_run(name: str, deepspeed: str = INSTALLED_DEEPSPEED) -> Path:
+def other_python() -> tuple[str, str] | None:
+    """(path, version) of an installed interpreter other than this one that can run this environment's
+    packages (the same major.minor: compiled packages are built per minor release), such as Debian 12's
+    /usr/bin/python3 (3.11.2) beside a 3.11.7 venv; None if the machine has none."""
+    mine = sys.version.split()[0]
+    minor = f"{sys.version_info.major}.{sys.version_info.minor}"
+    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3", f"/usr/bin/python{minor}",
+                      f"/usr/local/bin/python{minor}"):
+        if not os.access(candidate, os.X_OK):
+            continue
+        said = subprocess.run([candidate, "-c", "import sys; print(sys.version.split()[0])"], capture_output=True,
+                              text=True, timeout=60)
+        version = said.stdout.strip()
+        if said.returncode == 0 and version != mine and version.rsplit(".", 1)[0] == minor:
+            return candidate, version
+    return None
+
+
+def python_env(python: str, version: str) -> Path:
+    """The interpreter of a venv of `python` (made on first use, without pip) that sees this environment's
+    packages, tailor-tui's editable install among them (a .pth file adds this venv's site-packages)."""
+    import sysconfig
+
+    folder = _cache_root().parent / "python" / f"{version}-beside-{sys.version.split()[0]}"
+    with _made_by_one(folder):
+        if not (folder / "made").is_file():
+            shutil.rmtree(folder, ignore_errors=True)
+            subprocess.run([python, "-m", "venv", "--without-pip", str(folder)], check=True, capture_output=True)
+            site = subprocess.run([folder / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()"
+                                   "['purelib'])"], check=True, capture_output=True, text=True).stdout.strip()
+            (Path(site) / "tailor_tui_tests.pth").write_text(
+                f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
+            (folder / "made").write_text(version + "\n")
+    return folder / "bin" / "python"
+
+
+def cached_run(name: str, deepspeed: str = INSTALLED_DEEPSPEED, python: tuple[str, str] | None = None) -> Path:
     """The folder of the run RUNS[name] made with DeepSpeed `deepspeed` (the installed release by
-    default), trained on first use into the cache and reused after (docs/samples.py uses it too)."""
+    default) under the interpreter `python` ((path, version): `other_python`; this one by default),
+    trained on first use into the cache and reused after (docs/samples.py uses it too)."""
     spec = RUNS[name]
     folder = _cache_root() / f"{name}-{_key(spec, deepspeed)}"
+    if python is not None:
+        folder = folder.with_name(f"{folder.name}-python{python[1]}")
     # made in place (a run records paths inside it, such as a config file's); it counts as
     # made once its last file, tailor_demo_spec.json, is written: a run killed midway is remade
     with _made_by_one(folder):  # test processes running side by side (pytest -n) make it once
@@ -247,6 +286,11 @@ def cached_run(name: str, deepspeed: str = INSTALLED_DEEPSPEED) -> Path:
                 from tailor_tui.runs.accelerate import make_accelerate_run
 
                 make_accelerate_run(folder, spec)
+            elif python is not None:
+                assert deepspeed == INSTALLED_DEEPSPEED, "another interpreter makes runs with the installed DeepSpeed"
+                done = subprocess.run([python_env(*python), "-m", "tailor_tui.runs.demo_run", "make", str(folder),
+                                       spec.key()], capture_output=True, text=True, timeout=600)
+                assert done.returncode == 0, f"python {python[1]}: demo_run make failed:\n{done.stderr[-4000:]}"
             elif deepspeed == INSTALLED_DEEPSPEED:
                 demo_run.make_run(folder, spec)
             else:
@@ -256,14 +300,15 @@ def cached_run(name: str, deepspeed: str = INSTALLED_DEEPSPEED) -> Path:
 
 @pytest.fixture(scope="session")
 def real_run():
-    """real_run(name, deepspeed=VERSION) -> (run folder, spec); trains the run on first use,
-    with the installed DeepSpeed or the given release."""
-    made: dict[tuple[str, str], Path] = {}
+    """real_run(name, deepspeed=VERSION, python=(PATH, VERSION)) -> (run folder, spec); trains the run on
+    first use, with the installed DeepSpeed or the given release, under this interpreter or the given one."""
+    made: dict[tuple, Path] = {}
 
-    def get(name: str, deepspeed: str = INSTALLED_DEEPSPEED) -> tuple[Path, RunSpec]:
-        if (name, deepspeed) not in made:
-            made[name, deepspeed] = cached_run(name, deepspeed)
-        return made[name, deepspeed], RUNS[name]
+    def get(name: str, deepspeed: str = INSTALLED_DEEPSPEED,
+            python: tuple[str, str] | None = None) -> tuple[Path, RunSpec]:
+        if (name, deepspeed, python) not in made:
+            made[name, deepspeed, python] = cached_run(name, deepspeed, python)
+        return made[name, deepspeed, python], RUNS[name]
 
     return get
 

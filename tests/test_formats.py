@@ -36,6 +36,11 @@ from helpers import (
 from tailor_tui.runs.demo_run import resume_and_step
 from tailor_tui.formats.ds_format import SUPPORTED
 from tailor_tui.formats.pickled import read_pickle, read_pickle_from
+from tailor_tui.formats.ptfile import read_structure
+from tailor_tui.formats.ptpickle import dumps
+from tailor_tui.formats.ptwrite import write_archive
+from tailor_tui.formats.safe_load import enum_member as safe_enum_member
+from tailor_tui.formats.safe_load import load_pt
 
 ZIP, LEGACY = b"PK\x03\x04", b"\x80\x02\x8a\x0a"
 
@@ -180,6 +185,61 @@ def test_sets_are_read_as_names_only():
     for hostile in ({("a", 1)}, {frozenset()}):
         with pytest.raises(pickle.UnpicklingError):
             read_pickle(pickle.dumps({"sparse_tensor_module_names": hostile}, protocol=2))
+
+
+class _ByName:
+    """Pickles as early Python 3.11 releases pickle an enum member: `getattr(cls, name)`."""
+
+    def __init__(self, cls, name):
+        self.cls, self.name = cls, name
+
+    def __reduce_ex__(self, protocol):
+        return getattr, (self.cls, self.name)
+
+
+def _getattr_pickle(module: str, qualname: str, name) -> bytes:
+    """`getattr(module.qualname, name)` pickled by Python's own pickler, protocol 2 (as torch.save)."""
+    import importlib
+
+    return pickle.dumps(_ByName(getattr(importlib.import_module(module), qualname), name), protocol=2)
+
+
+ZERO_STAGE = ("deepspeed.runtime.zero.config", "ZeroStageEnum")
+
+
+def test_an_enum_member_pickled_by_name_is_read_and_written_back_so(tmp_path):
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    data = _getattr_pickle(*ZERO_STAGE, "weights")
+    assert pickle.loads(data) is ZeroStageEnum.weights  # what Python makes of it
+    member = read_pickle(data)
+    assert member == 3 and member.name == "weights"
+    assert dumps(member)[0] == data  # byte for byte
+    # a torch file holding it: the torch-free reader and torch.load (load_pt) read it alike
+    path = tmp_path / "optim.pt"
+    write_archive(path, archive="optim", pickle=dumps({"zero_stage": member})[0], storages=[])
+    assert read_structure(path)[0]["zero_stage"].name == "weights"
+    assert load_pt(path)["zero_stage"] is ZeroStageEnum.weights
+    assert safe_enum_member(ZeroStageEnum, "gradients") is ZeroStageEnum.gradients
+
+
+@pytest.mark.parametrize("module, qualname, name", [
+    (*ZERO_STAGE, "max_stage"),  # an alias: Python pickles a member under its own name
+    (*ZERO_STAGE, "__class__"),
+    (*ZERO_STAGE, "_missing_"),
+    (*ZERO_STAGE, 3),
+    ("collections", "OrderedDict", "fromkeys"),  # an allowed class, but no enumeration
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler", "__init__"),
+    ("torch", "Size", "count"),
+])
+def test_getattr_is_honoured_for_nothing_but_a_member_by_name(module, qualname, name):
+    with pytest.raises(pickle.UnpicklingError, match="not a member of a DeepSpeed enumeration"):
+        read_pickle(_getattr_pickle(module, qualname, name))
+    import importlib
+
+    cls = getattr(importlib.import_module(module), qualname)  # torch.load's rule (load_pt) is the same
+    with pytest.raises(pickle.UnpicklingError, match="not a member of a DeepSpeed enumeration"):
+        safe_enum_member(cls, name)
 
 
 def test_a_pickle_claiming_a_huge_string_is_refused_without_allocating_it():

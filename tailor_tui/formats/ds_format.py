@@ -25,6 +25,7 @@ What differs between the releases tailor-tui reads:
 
 from __future__ import annotations
 
+import pickle
 import re
 
 from tailor_tui.errors import CheckpointError
@@ -42,6 +43,28 @@ DEEPSPEED_CLASSES = (
     ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),  # optim: static scaler (bf16, fp32)
     ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),  # optim: fp16's scaler
 )
+
+# The enumerations among DEEPSPEED_CLASSES: each member's name and value (aliases, such as
+# ZeroStageEnum.max_stage, are never pickled: a member pickles under its own name). Python pickles a
+# member as `ZeroStageEnum(3)`, except early 3.11 releases (3.11.2, Debian 12's python3, is one), whose
+# Enum.__reduce_ex__ pickles it by name: `getattr(ZeroStageEnum, 'weights')`, GLOBAL `__builtin__ getattr`.
+ENUM_MEMBERS = {
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"): {"disabled": 0, "optimizer_states": 1, "gradients": 2,
+                                                          "weights": 3},
+}
+
+
+def enum_member_value(module: str, qualname: str, name) -> int:
+    """The value of the member `name` of the DeepSpeed enumeration `module.qualname`: what the
+    pickled call `getattr(that class, name)` stands for. The readers resolve `getattr` to this
+    alone, so it is honoured exactly where Python uses it to pickle: a member of an allowed
+    enumeration, by its name as a string. Anything else is refused (pickle.UnpicklingError)."""
+    members = ENUM_MEMBERS.get((module, qualname))
+    if members is None or type(name) is not str or name not in members:
+        what = f"{module}.{qualname}" if members is not None else "something other than a DeepSpeed enumeration"
+        raise pickle.UnpicklingError(f"getattr({what}, {str(name)[:40]!r}) is not a member of a DeepSpeed "
+                                     "enumeration taken by its name; nothing else is looked up")
+    return members[name]
 
 # File names in a tag folder (rank r, model-parallel rank 0), and beside it in a save_dir.
 MODEL_STATES = "zero_pp_rank_{rank}_mp_rank_00_model_states.pt"

@@ -31,6 +31,7 @@ from tailor_tui.formats.pickled import (
     StorageType,
     TensorRef,
     ZeroStageEnum,
+    enum_member,
     rebuild_from_type_v2,
     rebuild_tensor_v2,
 )
@@ -93,8 +94,8 @@ class _Pickler(pickle._Pickler):
             return Size, (tuple(obj),)
         if kind is PickledSet:
             return set, (list(obj.order),)
-        if kind is ZeroStageEnum:
-            return ZeroStageEnum, (obj.value,)
+        if kind is ZeroStageEnum:  # by name, if it was pickled so (early Python 3.11 releases)
+            return (ZeroStageEnum, (obj.value,)) if obj.name is None else (enum_member, (ZeroStageEnum, obj.name))
         if isinstance(obj, Opaque):
             return copyreg.__newobj__, (kind,), getattr(obj, "state", None)
         if kind is DType or kind is StorageType:

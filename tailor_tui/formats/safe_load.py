@@ -15,7 +15,7 @@ import os
 import pickle
 from pathlib import Path
 
-from tailor_tui.formats.ds_format import DEEPSPEED_CLASSES
+from tailor_tui.formats.ds_format import DEEPSPEED_CLASSES, enum_member_value
 from tailor_tui.errors import CheckpointError
 from tailor_tui.formats.ptfile import (
     Unsupported,
@@ -28,9 +28,18 @@ from tailor_tui.formats.ptfile import (
 
 
 def allowed_globals() -> list:
-    """The DeepSpeed classes that checkpoint files pickle, imported from the installed DeepSpeed."""
+    """The DeepSpeed classes that checkpoint files pickle, imported from the installed DeepSpeed, and
+    `getattr` as early Python 3.11 releases pickle an enum member by name (`enum_member`)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    return [getattr(importlib.import_module(module), name) for module, name in DEEPSPEED_CLASSES]
+    classes = [getattr(importlib.import_module(module), name) for module, name in DEEPSPEED_CLASSES]
+    return [*classes, (enum_member, "builtins.getattr")]
+
+
+def enum_member(cls, name):
+    """`getattr(cls, name)` for torch.load: the member `name` of an allowed DeepSpeed enumeration, by the
+    rule the torch-free reader applies (`ds_format.enum_member_value`); anything else is refused."""
+    enum_member_value(getattr(cls, "__module__", ""), getattr(cls, "__qualname__", ""), name)
+    return cls[name]
 
 
 def load_pt(path: Path, mmap: bool = True, *, unread: frozenset = frozenset()):
