@@ -36,7 +36,9 @@ from tailor_tui.formats.ds_format import parse_version  # noqa: E402
 RUNS = {
     # HF Trainer layout, 2 ranks, bf16, separate lm_head
     "hf_bf16_2": RunSpec(),
-    # the demo run (`tailor-tui --make-demo`): the same, with layers.2 blown up before its step-6 save
+    # the demo run (`tailor-tui --make-demo`): the same, with layers.2 blown up before its step-6 save,
+    # pinned (known values at every save: runs/pinned.py), as are the other runs whose numbers a snapshot
+    # or a sample shows: no test expects a float that training computed on this CPU
     "demo": DEMO,
     # another training of the same model (other initial weights and data order): another run
     "hf_bf16_2_seed1": RunSpec(seed=1),
@@ -74,6 +76,7 @@ RUNS = {
         tied=True,
         frozen=("model.layers.2.mlp.down_proj.weight",),
         selective="parity",
+        pinned=True,  # a snapshot shows its numbers
     ),
     # HF Trainer + the selective callback inside the Trainer's machinery: evaluation at every save
     # with load_best_model_at_end (the best at step 4, which Parity would save partially),
@@ -91,12 +94,13 @@ RUNS = {
     ),
     # DeepSpeed writing torch's legacy (non-zip) format (checkpoint_serialization: false)
     "ds_legacy_serialization": RunSpec(layout="deepspeed", zip_serialization=False),
+    # A model of real depth for the composer at scale: 80 layers (83 rows), two checkpoints
+    "hf_80_layers": RunSpec(layers=80, hidden=8, steps=4, save_every=2, pinned=True),
     # A run whose layers.2 blew up just before the last save, at step 6 (NaN masters, +Inf
     # exp_avg_sq, set through DeepSpeed's own ZeRO-3 API); steps 2 and 4 are healthy
-    # A model of real depth for the composer at scale: 80 layers (83 rows), two checkpoints
-    "hf_80_layers": RunSpec(layers=80, hidden=8, steps=4, save_every=2),
     "ds_blown_up": RunSpec(layout="deepspeed", blow_up=(
-        "model.layers.2.self_attn.q_proj.weight", "model.layers.2.mlp.down_proj.weight"), blow_up_step=6),
+        "model.layers.2.self_attn.q_proj.weight", "model.layers.2.mlp.down_proj.weight"), blow_up_step=6,
+        pinned=True),
     # AdamW with amsgrad: a per-element optimizer state (max_exp_avg_sq) besides Adam's two moments
     "ds_amsgrad": RunSpec(layout="deepspeed", steps=2, amsgrad=True),
     # HF layout with a persistent buffer (model.norm.tailor_scale): save_pretrained writes it

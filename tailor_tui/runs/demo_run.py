@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tailor_tui.runs.blowup import blow_up, blow_up_callback
+from tailor_tui.runs.pinned import pin, pin_callback
 # the models, datasets and Trainer of the runs; model_config is re-exported for the tests
 from tailor_tui.runs.ranks import quiet, setup_rank, spawn_ranks
 from tailor_tui.runs.models import (batch_inputs, build_model, make_trainer, model_config, param_groups,  # noqa: F401
@@ -62,6 +63,10 @@ class RunSpec:
     # (safe_set_full_fp32_param / safe_set_full_optimizer_state); training goes on from there
     blow_up: tuple[str, ...] = ()
     blow_up_step: int = 0
+    # just before every save, every parameter's weights and Adam moments, and the logged loss and grad
+    # norm, are set to known values through DeepSpeed's own API (`pinned`): the numbers shown of the
+    # run are the same on every CPU (the demo, the README's samples, the snapshot tests)
+    pinned: bool = False
     # DeepSpeed layout: AdamW with amsgrad, which keeps a third per-element state (max_exp_avg_sq)
     amsgrad: bool = False
     # a persistent buffer on the final norm (`model.norm.tailor_scale`): model_states keeps it in
@@ -95,9 +100,10 @@ class RunSpec:
 
 
 # The demo run (`tailor-tui --demo`, `--make-demo`): HF Trainer, 2 ranks, bf16, checkpoints at
-# steps 2, 4, 6; layer 2 blows up just before the last save, so there is something to heal.
+# steps 2, 4, 6; layer 2 blows up just before the last save, so there is something to heal. Pinned:
+# it shows the same numbers on every machine, those of the README.
 DEMO = RunSpec(blow_up=("model.layers.2.mlp.down_proj.weight", "model.layers.2.self_attn.q_proj.weight"),
-               blow_up_step=6)
+               blow_up_step=6, pinned=True)
 
 
 def ds_config(spec: RunSpec, for_trainer: bool) -> dict:
@@ -187,6 +193,8 @@ def _train_rank(rank: int, world: int, port: int, spec: RunSpec, out: str) -> No
         loss = engine(**batch_inputs(spec, ids)).loss
         engine.backward(loss)
         engine.step()
+        if spec.pinned and step % spec.save_every == 0:
+            pin(engine.module, step)
         if step == spec.blow_up_step:
             blow_up(engine.module, spec.blow_up)
         if step % spec.save_every == 0:
@@ -200,9 +208,10 @@ def _train_rank(rank: int, world: int, port: int, spec: RunSpec, out: str) -> No
 def _hf_trainer(spec: RunSpec, out: Path, max_steps: int, newer_saves: str = "refuse", callbacks=()):
     """The HF Trainer of an HF-layout run (its checkpoints in `out`, or `out/run` for a selective
     run, whose full reference saves go to `out/reference`)."""
+    pinned = [pin_callback(spec.save_every)] if spec.pinned else []  # before the blow-up and the saves
     faults = [blow_up_callback(spec.blow_up, spec.blow_up_step)] if spec.blow_up else []
     trainer = make_trainer(spec, _trainer_args(spec, out / "run" if spec.selective else out, max_steps),
-                           [*callbacks, *faults, *([_best_at(spec)] if spec.best_at else [])],
+                           [*callbacks, *pinned, *faults, *([_best_at(spec)] if spec.best_at else [])],
                            eval_dataset=trainer_dataset(spec)[:8] if spec.best_at else None)
     if spec.selective:
         from tailor_tui.selective.hf import SelectiveCheckpointCallback
