@@ -233,6 +233,9 @@ def test_an_enum_member_pickled_by_name_is_read_and_written_back_so(tmp_path):
     ("torch", "Size", "count"),
 ])
 def test_getattr_is_honoured_for_nothing_but_a_member_by_name(module, qualname, name):
+    for unhashable in ([], {}):  # not a class at all
+        with pytest.raises(pickle.UnpicklingError, match="not a member of a DeepSpeed enumeration"):
+            read_pickle(pickle.dumps(_ByName(unhashable, name), protocol=2))
     with pytest.raises(pickle.UnpicklingError, match="not a member of a DeepSpeed enumeration"):
         read_pickle(_getattr_pickle(module, qualname, name))
     import importlib

@@ -169,8 +169,8 @@ _ENUM_OF = {_STAND_INS[name]: (module, name) for module, name in ENUM_MEMBERS}  
 def enum_member(cls, name):
     """`__builtin__.getattr`, as early Python 3.11 releases pickle an enum member (`ds_format.ENUM_MEMBERS`):
     the member `name` of an allowed DeepSpeed enumeration's stand-in, and nothing else (UnpicklingError)."""
-    module, qualname = _ENUM_OF.get(cls, ("", ""))
-    return cls(enum_member_value(module, qualname, name), name)
+    module, qualname = next((where for stand_in, where in _ENUM_OF.items() if stand_in is cls), ("", ""))
+    return cls(enum_member_value(module, qualname, name), name)  # by identity: `cls` may be unhashable
 
 
 ALLOWED = {
