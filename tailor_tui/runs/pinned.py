@@ -84,21 +84,24 @@ def pin(module, step: int) -> None:
         if torch.distributed.get_rank() == 0:
             for name, param in params:
                 param.data.copy_(weights(name, param.shape, step if param.requires_grad else 0))
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     for name, param in params:
         if not param.requires_grad:
             continue
-        size = param.ds_tensor.numel()  # each rank's partition, the last one padded
-
-        def mine(full):
-            padded = torch.zeros(size * world, dtype=torch.float32)
-            padded[: full.numel()] = full.flatten()
-            return padded.narrow(0, size * rank, size)
-
-        safe_set_local_fp32_param(param, mine(weights(name, param.ds_shape, step)))
+        safe_set_local_fp32_param(param, _partition(param, weights(name, param.ds_shape, step)))
         exp_avg, exp_avg_sq = moments(name, param.ds_shape, step)
-        safe_set_local_optimizer_state(param, mine(exp_avg), "exp_avg")
-        safe_set_local_optimizer_state(param, mine(exp_avg_sq), "exp_avg_sq")
+        safe_set_local_optimizer_state(param, _partition(param, exp_avg), "exp_avg")
+        safe_set_local_optimizer_state(param, _partition(param, exp_avg_sq), "exp_avg_sq")
+
+
+def _partition(param, full):
+    """This rank's partition of `full`, the values of the ZeRO-3 parameter `param`: equal slices, the
+    last one padded with zeros."""
+    import torch
+
+    size, rank = param.ds_tensor.numel(), torch.distributed.get_rank()
+    padded = torch.zeros(size * torch.distributed.get_world_size(), dtype=torch.float32)
+    padded[: full.numel()] = full.flatten()
+    return padded.narrow(0, size * rank, size)
 
 
 def pin_callback(save_every: int):
