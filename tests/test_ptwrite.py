@@ -116,8 +116,9 @@ def test_beyond_4_gib_the_archive_is_torchs_own(tmp_path):
 
 
 # bench/bench_ptwrite.py, 2 cores: write_archive takes ~0.5 s for 10k records, ~3.5 s for 66k and ~7.5 s
-# for 200k (linear: 40-55 µs a record); this test (torch.save, read, write back) 16-26 s. Quadratic, as the
-# writer once was, it took ~4 minutes: the limit is ~7x the linear time.
+# for 200k (linear: 40-55 µs a record); this test (torch.save, read, write back) 16-26 s alone, ~37 s
+# beside another test process. Quadratic, as the writer once was, it took ~4 minutes: the limit is
+# ~5-7x the linear time.
 @pytest.mark.timeout(180)
 def test_more_than_65535_records_are_written_as_torch_writes_them(tmp_path):
     """Past 65,535 records the zip end record says 0xFFFF and the zip64 end record the count,
