@@ -5,7 +5,8 @@ model_states, and where each flat tensor's bytes sit in optim_states. Importing 
 seconds in every process (and on a login node, every scan). This unpickler resolves exactly the globals
 DeepSpeed ZeRO-3 checkpoints hold (every supported release: `ds_format`) to inert stand-ins (a tensor
 becomes a `TensorRef`: storage key, offset, shape) and refuses every other global, so a hostile pickle
-can neither run code nor load a class.
+can neither run code nor load a class. `getattr` resolves to `enum_member` alone: a member of an allowed
+DeepSpeed enumeration by its name, as early Python 3.11 releases pickle one (`ds_format.enum_member_value`).
 """
 
 from __future__ import annotations
