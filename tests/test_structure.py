@@ -19,13 +19,15 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 import tailor_tui
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "tailor_tui"
 MAX_LINES = 400  # no module over 400 lines
 MAX_MODULES = 16  # per subpackage, its __init__ included: headroom over the largest (14); past it, split by concern
-ROOT_MODULES = {"__init__", "__main__", "errors", "units", "events", "report", "fileio", "reading", "crc"}
+ROOT_MODULES = {"__init__", "__main__", "errors", "units", "events", "report", "fileio", "reading", "crc", "moved"}
 
 
 def contracts() -> list[dict]:
@@ -125,3 +127,24 @@ def test_team_calls_are_made_by_the_team_skeleton_alone():
             continue
         calls = re.findall(r"\bteam\.(gather|share|agree|mine|working|post|peek)\(", path.read_text())
         assert not calls, f"{path.relative_to(ROOT)} calls team.{calls[0]}(): plug into team/transaction.py instead"
+
+
+# Every import path a name left, and the module it lives in now: the old path keeps working, warning.
+MOVED = [
+    ("tailor_tui.formats.pickled", "MAX_MEMO", "tailor_tui.formats.pickle_bounds"),
+    ("tailor_tui.compose.rank_stream", "dtype_mismatch", "tailor_tui.checkpoints.rank_reader"),
+    ("tailor_tui.compose.rank_stream", "tensor_bytes", "tailor_tui.checkpoints.rank_reader"),
+    ("tailor_tui.compose.rank_stream", "flat_tensor_bytes", "tailor_tui.checkpoints.rank_reader"),
+    ("tailor_tui.checkpoints.partial_rows", "crc_range_checked", "tailor_tui.checkpoints.rank_reader"),
+]
+
+
+@pytest.mark.parametrize("old, name, new", MOVED)
+def test_a_moved_name_is_still_found_where_it_was(old, name, new):
+    import importlib
+
+    with pytest.warns(DeprecationWarning, match=f"{old}.{name} is now {new}.{name}"):
+        found = getattr(importlib.import_module(old), name)
+    assert found is getattr(importlib.import_module(new), name)
+    with pytest.raises(AttributeError):
+        getattr(importlib.import_module(old), "no_such_name_anywhere")

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable
-
-from tailor_tui import crc
+from tailor_tui import crc, moved
 from tailor_tui.errors import CheckpointError
-from tailor_tui.reading import crc_range
 from tailor_tui.formats.safetensors_in import safetensors_header, tensor_places
 
 CRC_METADATA = "crc32"
+
+__getattr__ = moved.names(__name__, {"crc_range_checked": "tailor_tui.checkpoints.rank_reader"})
 
 
 def crc_metadata(slices: dict[str, memoryview]) -> str:
@@ -56,25 +55,6 @@ def check_crc(path: Path, crcs: dict[str, int], name: str, found: int) -> None:
     if stored is not None and stored != found:
         raise CheckpointError(f"{path}: tensor {name} fails its CRC-32 check (the file is damaged); re-copy the "
                               "partial checkpoint, or take its rows from another checkpoint")
-
-
-Check = tuple  # (offset in the file read, length, the rows file, its CRC-32s, tensor name)
-
-
-def crc_range_checked(fd: int, offset: int, length: int, checks: list[Check], buffer: memoryview,
-                      on_bytes: Callable[[int], None] = lambda n: None,
-                      inspect: Callable[[int, memoryview], None] | None = None) -> int:
-    """`reading.crc_range` of a range of `fd` that holds slices copied from rows files: each
-    slice's CRC-32 is also checked (`checks`, inside the range, not overlapping), with every
-    byte still read once."""
-    value, at, end = 0, offset, offset + length
-    for start, n, path, crcs, name in sorted(checks, key=lambda c: c[0]):
-        gap = crc_range(fd, at, start - at, buffer, on_bytes, inspect)
-        piece = crc_range(fd, start, n, buffer, on_bytes, inspect)
-        check_crc(path, crcs, name, piece)
-        value = crc.combine(crc.combine(value, gap, start - at), piece, n)
-        at = start + n
-    return crc.combine(value, crc_range(fd, at, end - at, buffer, on_bytes, inspect), end - at)
 
 
 def partial_slice(path: Path, tensors: dict, key: str, param: str, length: int) -> tuple:

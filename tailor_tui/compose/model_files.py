@@ -31,7 +31,7 @@ from tailor_tui.fileio import CREATE, OpenFiles, Writeback, copy_range, fsync, o
 from tailor_tui.reading import pread_into
 from tailor_tui.planning.jobs import ModelFileJob
 from tailor_tui import crc
-from tailor_tui.checkpoints.partial_rows import check_crc, partial_slice, read_rows_file
+from tailor_tui.checkpoints.rank_reader import RankReader
 from tailor_tui.formats.safe_load import load_pt
 from tailor_tui.formats.safetensors_in import parse_prefix, safetensors_tensors
 
@@ -84,7 +84,7 @@ class _Fills:
         self.job, self.stack, self.fout, self.writeback, self.on_bytes = job, stack, fout, writeback, on_bytes
         self.fd = OpenFiles(stack).fd
         self.where: dict[int, dict[str, tuple[Path, tuple]]] = {}
-        self.rows_index: dict[Path, dict] = {}
+        self.rows_index: dict[Path, RankReader] = {}  # a partial rank's rows file, read once
 
     def write(self, s: int, name: str, dtype: str, shape: tuple, offset: int, length: int) -> None:
         if s in self.job.partial_ranks:
@@ -123,9 +123,9 @@ class _Fills:
             if not valid:
                 continue
             if files.rows not in self.rows_index:
-                self.rows_index[files.rows] = read_rows_file(files.rows)
-            tensors, recorded = self.rows_index[files.rows]
-            begin = partial_slice(files.rows, tensors, "fp32", name, valid)[2]
+                self.rows_index[files.rows] = RankReader(files, ())
+            place = self.rows_index[files.rows].place("fp32", param=name, group=None, offset=0, valid=valid)
+            begin = place.at
             at = offset + rank * slot.part * itemsize
             value = 0  # the slice's CRC-32, checked against the one its save recorded
             for start in range(0, valid, CAST_CHUNK):
@@ -135,7 +135,7 @@ class _Fills:
                 value = crc.crc32(view, value)
                 # F32: the master weights are the model's weights
                 pwrite_all(self.fout, view if dtype == "F32" else _cast(view, dtype), at + start * itemsize)
-            check_crc(files.rows, recorded, f"fp32/{name}", value)
+            place.slice.check(value)
 
 
 def _cast(view: memoryview, dtype: str) -> bytes:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
+from dataclasses import replace
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -20,11 +21,10 @@ from tailor_tui.events import ByteCounter
 from tailor_tui.fileio import Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
 from tailor_tui.planning.jobs import RankJob
 from tailor_tui.formats.nonfinite import Census, Region
-from tailor_tui.checkpoints.partial_rows import crc_range_checked, partial_slice, read_rows_file
+from tailor_tui.checkpoints.rank_reader import FP32, STREAM_CHUNK, RankReader, check_dtypes, crc_range_checked, \
+    read_and_check
 from tailor_tui.formats.pickled import TensorRef, dtype_name
 from tailor_tui.formats.ptwrite import Rewritable, reserved, write
-from tailor_tui.formats.ptfile import read_structure
-from tailor_tui.compose.rank_stream import STREAM_CHUNK, check_dtypes, flat_tensor_bytes, read_and_check, tensor_bytes
 
 
 def build_optim_states_from_skeleton(job: RankJob, out: Path, counter: ByteCounter) -> Counter:
@@ -50,41 +50,36 @@ def build_optim_states_from_skeleton(job: RankJob, out: Path, counter: ByteCount
                 raise CheckpointError(f"{skeleton.path}: sub-group {g}'s {key} is not an fp32 tensor; the partial "
                                       "checkpoint is corrupt or from another run")
             set_flat_tensor(inner, g, key, reserved(size, like, fills))
-    records = write(skeleton.obj, fills, out)
-    obj, _records, prefix = read_structure(out)
-    layout = flat_tensor_bytes(obj, records, prefix, out, job.group_sizes)
+    write(skeleton.obj, fills, out)
+    layout = RankReader(replace(job.files[0], optim_states=out, rows=None), job.group_sizes).flat()
     del skeleton, inner
     big = [tb.record for tb in layout.values()]
 
-    partial, crcs = {}, {}  # per partial source: where its rows file's tensors lie, their CRC-32s
-    for s in {c.source for c in job.copies if job.files[c.source].rows is not None}:
-        partial[s], crcs[s] = read_rows_file(job.files[s].rows)
     checks = defaultdict(list)  # record -> the partial slices copied into it, checked as it is read back
     try:
         with contextlib.ExitStack() as stack:
             fout = open_fd(stack, out, os.O_RDWR)
-            fds = {s: open_fd(stack, job.files[s].rows or job.files[s].optim_states)
-                   for s in {c.source for c in job.copies}}
-            full = {s: tensor_bytes(job.files[s].optim_states, job.group_sizes)
-                    for s in fds if job.files[s].rows is None}
+            used = {c.source for c in job.copies}
+            readers = {s: RankReader(job.files[s], job.group_sizes) for s in used}
+            fds = {s: open_fd(stack, readers[s].path) for s in used}
             buffer = memoryview(bytearray(STREAM_CHUNK))
-            for s, theirs in full.items():  # the skeleton's flat tensors are fp32
-                check_dtypes({k: ("FloatStorage", 4) for k in theirs}, theirs, job.files[s].optim_states)
+            for s, reader in readers.items():
+                if reader.partial:
+                    continue
+                theirs = reader.flat()  # the skeleton's flat tensors are fp32
+                check_dtypes({k: FP32 for k in theirs}, theirs, reader.path)
                 taken = {(theirs[c.group, key].record, theirs[c.group, key].offset + c.offset * 4, c.length * 4)
                          for c in job.copies if c.source == s for key in TENSORS}
-                read_and_check(fds[s], job.files[s].optim_states, {r for r, _, _ in taken}, taken, buffer, counter)
+                read_and_check(fds[s], reader.path, {r for r, _, _ in taken}, taken, buffer, counter)
             writeback = Writeback(fout, counter.options.durable)
             for c in job.copies:
                 for key in TENSORS:
                     into = layout[c.group, key].offset + c.offset * 4
-                    if c.param is None:
-                        at = full[c.source][c.group, key].offset + c.offset * 4
-                    else:
-                        rows = job.files[c.source].rows
-                        at = partial_slice(rows, partial[c.source], key, c.param, c.length)[2]
-                        checks[layout[c.group, key].record].append(
-                            (into, c.length * 4, rows, crcs[c.source], f"{key}/{c.param}"))
-                    copy_range(fds[c.source], fout, at, c.length * 4, counter.add, into, writeback)
+                    place = readers[c.source].place(key, param=c.param, group=c.group, offset=c.offset,
+                                                    valid=c.length)
+                    if place.slice is not None:  # checked as the output is read back
+                        checks[layout[c.group, key].record].append((into, place.slice))
+                    copy_range(fds[c.source], fout, place.at, c.length * 4, counter.add, into, writeback)
             for g, offset, length in job.padding:
                 for key in TENSORS:
                     pwrite_all(fout, bytes(length * 4), layout[g, key].offset + offset * 4)

@@ -30,10 +30,8 @@ from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.fileio import OpenFiles, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
 from tailor_tui.reading import crc_range, pread_into
 from tailor_tui.formats.nonfinite import EXPONENT, Census, Region
-from tailor_tui.checkpoints.partial_rows import check_crc, partial_slice, read_rows_file
+from tailor_tui.checkpoints.rank_reader import STREAM_CHUNK, Place, RankReader, dtype_mismatch, read_and_check
 from tailor_tui.formats.pickled import dtype_name
-from tailor_tui.formats.ptfile import frozen_fragment_bytes
-from tailor_tui.compose.rank_stream import STREAM_CHUNK, dtype_mismatch, read_and_check, tensor_bytes
 from tailor_tui.resharding.partition import ZEROS, Piece, ReshardJob
 from tailor_tui.resharding.skeleton import Skeleton, write_rank_file
 
@@ -65,28 +63,19 @@ def reshard_rank(job: ReshardJob, out_tag_dir: Path, skeleton: Skeleton, emit: E
     return nonfinite
 
 
-class _Place(NamedTuple):
-    """Where a piece's bytes lie in its source, and what they are."""
-
-    path: Path
-    at: int  # first byte
-    record: object  # the record holding them, or None (a partial checkpoint's safetensors)
-    dtype: str  # the source's storage type: `FloatStorage`, `BFloat16Storage`, …
-    itemsize: int
-    # a partial checkpoint's slice holding them: (tensor name, first byte, bytes its recorded CRC-32
-    # covers, that CRC-32 or None for a save from before they were recorded)
-    slice: tuple | None = None
-
-
 class _Sources:
     """The source rank files a job reads: opened once, their tensors located once."""
 
     def __init__(self, job: ReshardJob, stack: contextlib.ExitStack):
         self.job, self.stack = job, stack
         self.fd = OpenFiles(stack).fd
-        self.flat: dict[tuple[int, int], dict] = {}
-        self.rows: dict[Path, dict] = {}
-        self.fragments: dict[tuple[int, int], dict] = {}
+        self.readers: dict[tuple[int, int], RankReader] = {}
+        self.frozen = sorted({p.param for _n, ps in job.frozen for p in ps})  # the fragments any piece takes
+
+    def reader(self, source: int, rank: int) -> RankReader:
+        if (source, rank) not in self.readers:
+            self.readers[source, rank] = RankReader(self.job.files[source, rank], self.job.source_sizes[source])
+        return self.readers[source, rank]
 
     def to_verify(self) -> dict[Path, set]:
         """{file: its records to read whole} of the source files this job checks (`ReshardJob.verifies`):
@@ -94,43 +83,27 @@ class _Sources:
         found: dict[Path, set] = {}
         frozen = [name for name, _pieces in self.job.frozen]
         for s, r in sorted(self.job.verifies):
-            files = self.job.files[s, r]
-            if files.rows is not None:  # a partial's slices: each job checks those it takes from
-                found.setdefault(files.rows, set())
+            reader = self.reader(s, r)
+            if reader.partial:  # a partial's slices: each job checks those it takes from
+                found.setdefault(reader.path, set())
             else:
-                if (s, r) not in self.flat:
-                    self.flat[s, r] = tensor_bytes(files.optim_states, self.job.source_sizes[s])
-                found.setdefault(files.optim_states, set()).update(tb.record for tb in self.flat[s, r].values())
+                found.setdefault(reader.path, set()).update(tb.record for tb in reader.flat().values())
             if frozen:
-                fragments = frozen_fragment_bytes(files.model_states, frozen)
-                found.setdefault(files.model_states, set()).update(tb.record for tb in fragments.values())
+                fragments = reader.fragments(frozen)
+                found.setdefault(reader.files.model_states, set()).update(tb.record for tb in fragments.values())
         return found
 
-    def place(self, piece: Piece, key: str) -> _Place | None:
+    def place(self, piece: Piece, key: str) -> Place | None:
         """Where a piece's bytes lie in its source (None: zeros)."""
         if piece.source == ZEROS:
             return None
-        files = self.job.files[piece.source, piece.rank]
+        reader = self.reader(piece.source, piece.rank)
         if key == "frozen":
-            if (piece.source, piece.rank) not in self.fragments:
-                names = sorted({p.param for _n, ps in self.job.frozen for p in ps
-                                if (p.source, p.rank) == (piece.source, piece.rank)})
-                self.fragments[piece.source, piece.rank] = frozen_fragment_bytes(files.model_states, names)
-            tb = self.fragments[piece.source, piece.rank][piece.param]
-            return _Place(files.model_states, tb.offset + piece.offset * tb.itemsize, tb.record, tb.dtype, tb.itemsize)
-        if files.rows is not None:  # a partial checkpoint: one fp32 slice per parameter, a CRC-32 for each
-            if files.rows not in self.rows:
-                self.rows[files.rows] = read_rows_file(files.rows)
-            tensors, recorded = self.rows[files.rows]
-            begin = partial_slice(files.rows, tensors, key, piece.param, max(piece.whole, piece.within + piece.length))[2]
-            name = f"{key}/{piece.param}"
-            return _Place(files.rows, begin + piece.within * 4, None, "FloatStorage", 4,
-                          (name, begin, piece.whole * 4, recorded.get(name)))
-        if (piece.source, piece.rank) not in self.flat:
-            self.flat[piece.source, piece.rank] = tensor_bytes(files.optim_states,
-                                                               self.job.source_sizes[piece.source])
-        tb = self.flat[piece.source, piece.rank][piece.group, key]
-        return _Place(files.optim_states, tb.offset + piece.offset * tb.itemsize, tb.record, tb.dtype, tb.itemsize)
+            tb = reader.fragments([piece.param])[piece.param]
+            return Place(reader.files.model_states, tb.offset + piece.offset * tb.itemsize, tb.record, tb.dtype,
+                         tb.itemsize)
+        return reader.place(key, param=piece.param, group=piece.group, offset=piece.offset - piece.within,
+                            valid=piece.whole, within=piece.within, count=piece.length)
 
 
 def _joined_zeros(pieces) -> list[Piece]:
@@ -186,7 +159,8 @@ def _check(fills: list, sources: _Sources, counter: ByteCounter, buffer: memoryv
             found = read_and_check(fd, path, records, checked, buffer, counter, census)
             crcs.update({(path, at, n): value for (at, n), value in found.items()})
             for piece_slice, inside in slices[path].items():  # a partial checkpoint's slices
-                crcs.update(_check_slice(fd, path, piece_slice, sorted(inside), buffer, counter, census))
+                found = piece_slice.read_checked(fd, sorted(inside), buffer, counter.add, census.inspect)
+                crcs.update({(path, at, n): value for (at, n), value in found.items()})
         nonfinite += census.counts
     return result, nonfinite
 
@@ -231,28 +205,6 @@ def _read_pieces(fd: int, path: Path, wanted: list, buffer: memoryview, counter:
                 checked.kept[path, at, n] = bytes(piece)
         counter.add(sum(n for _at, n in wanted[i:j]))
         i = j
-
-
-def _check_slice(fd: int, path: Path, piece_slice: tuple, inside: list, buffer: memoryview, counter: ByteCounter,
-                 census: Census) -> dict:
-    """The CRC-32 of each piece (`inside`: its first byte and length) of a partial checkpoint's
-    slice; the whole slice is read, once, and checked against its recorded CRC-32 (a save from
-    before they were recorded: the pieces alone, unchecked)."""
-    name, begin, length, recorded = piece_slice
-    found = {}
-    if recorded is None:
-        for at, n in inside:
-            found[path, at, n] = crc_range(fd, at, n, buffer, counter.add, census.inspect)
-        return found
-    value, at = 0, begin
-    for start, n in inside:
-        gap = crc_range(fd, at, start - at, buffer, counter.add, census.inspect)
-        piece = found[path, start, n] = crc_range(fd, start, n, buffer, counter.add, census.inspect)
-        value, at = crc.combine(crc.combine(value, gap, start - at), piece, n), start + n
-    value = crc.combine(value, crc_range(fd, at, begin + length - at, buffer, counter.add, census.inspect),
-                        begin + length - at)
-    check_crc(path, {name: recorded}, name, value)
-    return found
 
 
 def _write(out: Path, fills: list, checked: Checked, sources: _Sources, counter: ByteCounter) -> None:

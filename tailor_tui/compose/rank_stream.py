@@ -15,30 +15,20 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import NamedTuple
 
-from tailor_tui import crc
-from tailor_tui.formats.ds_format import TENSORS, flat_tensor, optimizer_state
-from tailor_tui.errors import IncompatibleError
+from tailor_tui import crc, moved
+from tailor_tui.checkpoints.rank_reader import RankReader, SliceCheck, STREAM_CHUNK, check_dtypes, read_and_check
 from tailor_tui.events import ByteCounter
 from tailor_tui.fileio import CREATE, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
-from tailor_tui.reading import RangeCrcs, crc_range, pread_into
-from tailor_tui.planning.jobs import RankJob
+from tailor_tui.formats.ds_format import TENSORS
 from tailor_tui.formats.nonfinite import Census, Region
-from tailor_tui.checkpoints.partial_rows import check_crc, partial_slice, read_rows_file
-from tailor_tui.formats.pickled import dtype_name
-from tailor_tui.formats.ptfile import (
-    Record,
-    TensorBytes,
-    Unsupported,
-    checked_crcs,
-    checked_ranges,
-    file_format,
-    locate,
-    read_structure,
-)
+from tailor_tui.formats.ptfile import Record, Unsupported, checked_ranges, file_format
+from tailor_tui.planning.jobs import RankJob
+from tailor_tui.reading import RangeCrcs, crc_range, pread_into
 
-# One small buffer, reused: on this kind of VM fresh 64 MiB buffers ran at 0.6 GiB/s (page
-# faults on every chunk); a reused 1 MiB buffer stays in CPU cache between read and CRC.
-STREAM_CHUNK = 1 << 20
+# the reading of rank files moved to checkpoints.rank_reader
+__getattr__ = moved.names(__name__, {name: "tailor_tui.checkpoints.rank_reader" for name in (
+    "dtype_mismatch", "tensor_bytes", "flat_tensor_bytes")})  # (read_and_check, check_dtypes: imported)
+
 
 class Span(NamedTuple):
     """A byte range of the output optim file that does not keep the base's bytes."""
@@ -49,7 +39,7 @@ class Span(NamedTuple):
     source_at: int  # where they lie in that checkpoint's file
     record: Record  # the base's record it lies in
     source_record: Record | None  # the full source's record they come from (None: a partial's rows file)
-    check: tuple | None = None  # from a partial's rows file: (its path, its CRC-32s, the tensor's name)
+    check: SliceCheck | None = None  # from a partial's rows file: the slice it is, checked whole
 
 
 def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counter | None:
@@ -75,39 +65,27 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counte
     if file_format(base_path) != "zip":
         return None  # the output is a zip archive: a legacy-format base's file is re-serialised
     used = sorted({c.source for c in job.copies})
+    readers = {s: RankReader(job.files[s], job.group_sizes) for s in [0, *used]}
     try:
-        obj, base_records, prefix = read_structure(base_path, shared=True)
-        base = flat_tensor_bytes(obj, base_records, prefix, base_path, job.group_sizes)
-        sources = {s: tensor_bytes(job.files[s].optim_states, job.group_sizes)
-                   for s in used if job.files[s].rows is None}
+        base_records = readers[0].records()
+        base = readers[0].flat()
+        sources = {s: readers[s].flat() for s in used if not readers[s].partial}
     except Unsupported:
         return None
     for s, theirs in sources.items():
         check_dtypes(base, theirs, job.files[s].optim_states)
-    partial, crcs = {}, {}  # per partial source: where its rows file's tensors lie, their CRC-32s
-    for s in used:
-        if job.files[s].rows is not None:
-            partial[s], crcs[s] = read_rows_file(job.files[s].rows)
     slots = defaultdict(list)
     for slot in job.row_slots:
         slots[slot.source].append(slot)
-    census = {s: Census(Region(at, length, row) for row, at, length in _row_places(job, s, slots[s], base, sources,
-                                                                                   partial))
+    census = {s: Census(Region(at, length, row) for row, at, length in _row_places(readers[s], slots[s]))
               for s in [0, *used]}
     spans = []
     for c in job.copies:  # (the plan joined neighbours from one full source)
         for key in TENSORS:
             b = base[c.group, key]
-            check = None
-            if c.param is None:
-                theirs = sources[c.source][c.group, key]
-                at, record = theirs.offset + c.offset * b.itemsize, theirs.record
-            else:
-                rows = job.files[c.source].rows
-                at, record = partial_slice(rows, partial[c.source], key, c.param, c.length)[2], None
-                check = (rows, crcs[c.source], f"{key}/{c.param}")
-            spans.append(Span(b.offset + c.offset * b.itemsize, c.length * b.itemsize, c.source, at, b.record, record,
-                              check))
+            place = readers[c.source].place(key, param=c.param, group=c.group, offset=c.offset, valid=c.length)
+            spans.append(Span(b.offset + c.offset * b.itemsize, c.length * b.itemsize, c.source, place.at, b.record,
+                              place.record, place.slice))
     spans = _coalesced(spans)
     padding = Padding(_pads(job.padding, base))
 
@@ -165,45 +143,21 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counte
     return sum((c.counts for c in census.values()), Counter())
 
 
-def _row_places(job: RankJob, s: int, slots: list, base: dict, sources: dict, partial: dict) -> list[list]:
-    """[row, first byte, length] of every slice the output takes from source `s` (its `slots`), in
-    that source's file: the base's own, a full source's optim file or a partial's rows file;
-    neighbouring slices of one row joined."""
+def _row_places(reader: RankReader, slots: list) -> list[list]:
+    """[row, first byte, length] of every slice the output takes from one source (its `slots`), in
+    that source's file (`reader`'s: the base's own, a full source's optim file or a partial's rows
+    file); neighbouring slices of one row joined."""
     places: list[list] = []
     for key in TENSORS:
         last = None
         for slot in slots:
-            if s == 0:
-                at = base[slot.group, key].offset + slot.offset * 4
-            elif s in sources:
-                at = sources[s][slot.group, key].offset + slot.offset * 4
-            else:
-                at = partial_slice(job.files[s].rows, partial[s], key, slot.param, slot.valid)[2]
+            at = reader.place(key, param=slot.param, group=slot.group, offset=slot.offset, valid=slot.valid).at
             if last is not None and last[0] == slot.row and last[1] + last[2] == at:
                 last[2] += slot.valid * 4
             else:
                 last = [slot.row, at, slot.valid * 4]
                 places.append(last)
     return places
-
-
-def read_and_check(fd: int, path: Path, records, ranges: set, buffer: memoryview,
-                    counter: ByteCounter, census: Census | None = None, also=None) -> dict[tuple[int, int], int]:
-    """Read every byte of `records` of the file `fd` once, checking each record's stored
-    CRC-32 (`ptfile.checked_crcs`), and return the CRC of each (record, offset, length) in
-    `ranges` as {(offset, length): crc}; `census` counts non-finite values on the way, and
-    `also(offset, chunk)` sees every chunk too."""
-    found = {}
-    inspect = census.inspect if census is not None else None
-    if also is not None:
-        inspect = also if inspect is None else _both(inspect, also)
-    by_record: dict[int, list[tuple[int, int]]] = {}  # grouped once (records compared by identity)
-    for r, at, n in ranges:
-        by_record.setdefault(id(r), []).append((at, n))
-    for record in sorted(records, key=lambda r: r.data_offset):
-        mine = sorted(by_record.get(id(record), ()))
-        found.update(zip(mine, checked_crcs(fd, path, record, mine, buffer, counter.add, inspect)))
-    return found
 
 
 def _in_step(spans: list[Span]) -> dict[int, list[tuple[int, Record, int]]]:
@@ -263,19 +217,12 @@ class _Sweep:
                 if sp.check is not None and at == sp.at:  # a partial's slice: checked whole first
                     value = crc_range(self.fds[sp.source], sp.source_at, sp.length, self.buffer, self.counter.add,
                                       census[sp.source].inspect)
-                    check_crc(*sp.check, value)
+                    sp.check.check(value)
                     new[sp.source, sp.source_at] = value
                 stop = min(end, sp.at + sp.length)
                 fd, source_at = self.fds[sp.source], sp.source_at + at - sp.at
             copy_range(fd, self.fout, source_at, stop - at, self.counter.add, at, self.writeback)
             self.written = stop
-
-
-def _both(first, second):
-    def inspect(offset: int, chunk) -> None:
-        first(offset, chunk)
-        second(offset, chunk)
-    return inspect
 
 
 def _pads(padding, base: dict) -> list[tuple[int, int, Record]]:
@@ -328,35 +275,3 @@ def _coalesced(spans: list[Span]) -> list[Span]:
     if last is not None:
         joined.append(last if length == last.length else last._replace(length=length))
     return joined
-
-
-def check_dtypes(base: dict, theirs: dict, path: Path) -> None:
-    """Refuse a source whose flat tensors are stored in another dtype than the base's (bf16
-    optimizer states, say): their bytes would be reinterpreted. `base` maps (group, key) to
-    TensorBytes or to (dtype, itemsize)."""
-    for (g, key), tb in theirs.items():
-        mine = base[g, key]
-        expected = (mine.dtype, mine.itemsize) if isinstance(mine, TensorBytes) else mine
-        if (tb.dtype, tb.itemsize) != expected:
-            raise dtype_mismatch(path, key, g, tb.dtype, expected[0])
-
-
-def dtype_mismatch(path: Path, key: str, group: int, theirs: str, mine: str) -> IncompatibleError:
-    """`theirs`, `mine`: a torch dtype (`torch.bfloat16`) or storage type (`BFloat16Storage`)."""
-    return IncompatibleError(
-        f"{path}: its {key} of sub-group {group} is stored as {dtype_name(theirs)}, the base's as "
-        f"{dtype_name(mine)}; checkpoints saved with another optimizer-state precision cannot be combined")
-
-
-def tensor_bytes(path: Path, group_sizes: tuple[int, ...]) -> dict:
-    """{(group, key): TensorBytes} of the flat fp32 weights and moments of an optim file."""
-    return flat_tensor_bytes(*read_structure(path, shared=True), path, group_sizes)
-
-
-def flat_tensor_bytes(obj, records: dict, prefix: str, path: Path, group_sizes: tuple[int, ...]) -> dict:
-    inner = optimizer_state(obj, path, group_sizes)
-    return {(g, key): locate(flat_tensor(inner, g, key), records, prefix)
-            for g in range(len(group_sizes)) for key in TENSORS}
-
-
-

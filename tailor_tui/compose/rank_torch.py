@@ -19,10 +19,8 @@ from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter
 from tailor_tui.fileio import CountingWriter, fsync, output_error
 from tailor_tui.planning.jobs import RankJob
-from tailor_tui.checkpoints.partial_rows import partial_slice
-from tailor_tui.compose.rank_stream import dtype_mismatch
+from tailor_tui.checkpoints.rank_reader import RankReader, dtype_mismatch
 from tailor_tui.formats.safe_load import load_pt
-from tailor_tui.formats.safetensors_in import safetensors_tensors
 
 
 def save_pt(obj, path: Path, on_bytes: Callable[[int], None] | None, durable: bool = True) -> None:
@@ -57,7 +55,7 @@ def reserialise_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> C
         if s and f.rows is None and any(c.source == s for c in job.copies)
     }
     partial = {s: f.rows for s, f in job.files.items() if f.rows is not None}
-    indexes = {s: safetensors_tensors(p) for s, p in partial.items()}
+    readers = {s: RankReader(job.files[s], job.group_sizes) for s in partial}  # (checks each slice's shape)
     copies, padding = defaultdict(list), defaultdict(list)
     for c in job.copies:
         copies[c.group].append(c)
@@ -82,7 +80,7 @@ def reserialise_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> C
                                                   str(theirs.dtype), str(original.dtype))
                         composed[span].copy_(theirs[span])
                     else:
-                        partial_slice(partial[c.source], indexes[c.source], key, c.param, c.length)
+                        readers[c.source].place(key, param=c.param, group=g, offset=c.offset, valid=c.length)
                         composed[span].copy_(opened[c.source].get_slice(f"{key}/{c.param}")[: c.length])
                     counter.add(c.length * 4)
                 for offset, length in padding[g]:

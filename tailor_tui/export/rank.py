@@ -21,16 +21,15 @@ from typing import Callable
 
 import numpy as np
 
-from tailor_tui.formats.ds_format import MODULE
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.export.plan import ExportJob, Span
 from tailor_tui.fileio import fsync, open_fd, output_error, pwrite_all
 from tailor_tui.reading import crc_range
-from tailor_tui.checkpoints.partial_rows import check_crc, partial_slice, read_rows_file
+from tailor_tui.checkpoints.checkpoint import RankFiles
+from tailor_tui.checkpoints.rank_reader import STREAM_CHUNK, RankReader
 from tailor_tui.formats.pickled import dtype_name
-from tailor_tui.formats.ptfile import Unsupported, checked_crcs, frozen_fragment_bytes, locate, read_structure
-from tailor_tui.compose.rank_stream import STREAM_CHUNK, tensor_bytes
+from tailor_tui.formats.ptfile import checked_crcs
 
 _NUMPY = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 _OUT = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
@@ -51,8 +50,9 @@ def export_rank(job: ExportJob, out_dir: Path, emit: Emit, cancelled: Callable[[
                     raise output_error(exc, out_dir / name) from None
             return outputs[name]
 
+        reader = RankReader(RankFiles(0, job.model_states, job.optim_states, job.rows), job.group_sizes)
         if job.groups:
-            located = tensor_bytes(job.optim_states, job.group_sizes)
+            located = reader.flat()
             fd = open_fd(stack, job.optim_states)
             for g, spans in job.groups:
                 flat = located[g, "fp32"]
@@ -61,36 +61,29 @@ def export_rank(job: ExportJob, out_dir: Path, emit: Emit, cancelled: Callable[[
                                           f"{dtype_name(flat.dtype)}, not fp32; the file is not a ZeRO-3 optimizer state")
                 _stream(fd, job.optim_states, flat, spans, "float32", job.out_dtype, out_fd, buffer, counter)
         if job.frozen:
-            located = frozen_fragment_bytes(job.model_states, [name for name, _span in job.frozen])
+            located = reader.fragments([name for name, _span in job.frozen])
             fd = open_fd(stack, job.model_states)
             for name, span in job.frozen:
                 tb = located[name]
                 _stream(fd, job.model_states, tb, [span], dtype_name(tb.dtype), job.out_dtype, out_fd, buffer,
                         counter)
         if job.buffers:
-            obj, records, prefix = read_structure(job.model_states)
             fd = open_fd(stack, job.model_states)
             for name, span in job.buffers:
-                try:
-                    tb = locate(obj[MODULE][name], records, prefix)
-                except (KeyError, TypeError, Unsupported):
-                    raise CheckpointError(f"{job.model_states}: has no readable buffer {name}; the file is damaged "
-                                          "or from another model") from None
+                tb = reader.buffer(name)
                 kind = dtype_name(tb.dtype)
                 _stream(fd, job.model_states, tb, [span], kind, kind, out_fd, buffer, counter)
         if job.saved:  # (the header was checked against the file's size: no slice runs past its end)
-            tensors, crcs = read_rows_file(job.rows)
             fd = open_fd(stack, job.rows)
             out_size = np.dtype(_NUMPY[_OUT.get(job.out_dtype, job.out_dtype)]).itemsize
             for name, span in job.saved:
-                begin = partial_slice(job.rows, tensors, "fp32", name, span.count)[2]
+                place = reader.place("fp32", param=name, group=None, offset=0, valid=span.count)
 
-                def write_cast(offset: int, chunk: memoryview, span=span, begin=begin) -> None:
+                def write_cast(offset: int, chunk: memoryview, span=span, begin=place.at) -> None:
                     pwrite_all(out_fd(span.out_file), cast(chunk, "float32", job.out_dtype),
                                span.out_offset + (offset - begin) // 4 * out_size)
 
-                value = crc_range(fd, begin, span.count * 4, buffer, counter.add, write_cast)
-                check_crc(job.rows, crcs, f"fp32/{name}", value)
+                place.slice.check(crc_range(fd, place.at, span.count * 4, buffer, counter.add, write_cast))
         for fd in outputs.values():
             fsync(fd, options.durable)
     counter.finish()

@@ -20,22 +20,13 @@ from dataclasses import dataclass, field
 
 from tailor_tui.formats.ds_format import DEEPSPEED_CLASSES, ENUM_MEMBERS, enum_member_value
 from tailor_tui.formats.dtypes import STORAGE_DTYPE, STORAGE_ITEMSIZE
+from tailor_tui import moved
 from tailor_tui.formats import pickle_bounds
 from tailor_tui.formats.pickle_bounds import MAX_PICKLE_BYTES, Truncated, check_bounds_bytes
 
-_MOVED = ("MAX_OBJECT_BYTES", "MAX_MEMO", "MAX_NESTING", "BUILD_COST")  # to pickle_bounds
-
-
-def __getattr__(name: str):
-    """The bounds this module held before they moved to `pickle_bounds`: still found here, with a
-    DeprecationWarning."""
-    if name in _MOVED:
-        import warnings
-
-        warnings.warn(f"tailor_tui.formats.pickled.{name} is now tailor_tui.formats.pickle_bounds.{name}",
-                      DeprecationWarning, stacklevel=2)
-        return getattr(pickle_bounds, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# the bounds this module held before they moved to pickle_bounds: still found here, with a DeprecationWarning
+__getattr__ = moved.names(__name__, {name: pickle_bounds.__name__
+                                     for name in ("MAX_OBJECT_BYTES", "MAX_MEMO", "MAX_NESTING", "BUILD_COST")})
 
 
 def dtype_name(what: str) -> str:

@@ -360,10 +360,11 @@ def records_in(path: Path, whole: bytes, *, skip_empty: bool = False, skip: froz
         yield e, data
 
 
-def frozen_fragment_bytes(path: Path, names) -> dict[str, TensorBytes]:
+def frozen_fragment_bytes(path: Path, names, structure: tuple | None = None) -> dict[str, TensorBytes]:
     """{name: TensorBytes} of frozen parameters' fragments in a model_states file
-    (CheckpointError naming the parameter whose fragment is missing or unreadable)."""
-    obj, records, prefix = read_structure(path)
+    (CheckpointError naming the parameter whose fragment is missing or unreadable); `structure`:
+    the file's `read_structure`, if read already."""
+    obj, records, prefix = structure if structure is not None else read_structure(path)
     fragments = obj.get(FROZEN_PARAM_FRAGMENTS) if isinstance(obj, dict) else None
     found = {}
     for name in names:

@@ -20,17 +20,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tailor_tui.checkpoints.rank_reader import RankReader
 from tailor_tui.crc import crc32
-from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter
 from tailor_tui.fileio import open_fd
-from tailor_tui.reading import Readahead, pread_into
-from tailor_tui.formats.ds_format import TENSORS, flat_tensor, optimizer_state
-from tailor_tui.formats.pickled import dtype_name
-from tailor_tui.formats.ptfile import TensorBytes, locate, read_structure
+from tailor_tui.formats.ds_format import TENSORS
 from tailor_tui.health.stats_job import RowSums, StatsJob
+from tailor_tui.reading import Readahead, pread_into
 
 CHUNK = 1 << 20
+PURPOSE = "health statistics"  # what refuses a checkpoint whose optimizer states are not fp32
 
 
 def can_read_flat(job: StatsJob) -> bool:
@@ -73,10 +72,7 @@ def flat_stats(job: StatsJob, sums: dict[str, RowSums], stack, counter: ByteCoun
     when the file is laid out otherwise than one aligned record per flat tensor (`stats_rank`
     reads it then). `chunk`: bytes per read (tests make it small)."""
     path, table = job.files.optim_states, job.table
-    obj, records, prefix = read_structure(path, shared=True)
-    inner = optimizer_state(obj, path, job.group_sizes)
-    mine = {(g, key): fp32_tensor(locate(flat_tensor(inner, g, key), records, prefix), path, g, key)
-            for g in range(len(job.group_sizes)) for key in TENSORS}
+    mine = RankReader(job.files, job.group_sizes).fp32_flat(PURPOSE)
     if not _laid_out_flat(mine.values()):
         return False
     part, numel = np.array(table.part, np.int64), np.array(table.numel, np.int64)
@@ -85,19 +81,17 @@ def flat_stats(job: StatsJob, sums: dict[str, RowSums], stack, counter: ByteCoun
     valid, group = valid[keep], np.array(table.group, np.int64)[keep]
     offset, row = np.array(table.offset, np.int64)[keep], np.array(table.row, np.int64)[keep]
     # the previous checkpoints' files: a class per file, the rows that take theirs from it
-    classes: dict = {}
+    classes: dict = {}  # a previous checkpoint's optim file -> (its class, its files)
     row_class = np.zeros(len(table.rows), np.int64)  # 0: no previous checkpoint
     index = {name: i for i, name in enumerate(table.rows)}
     for name, files in job.prev:
-        row_class[index[name]] = classes.setdefault(files.optim_states, len(classes) + 1)
+        row_class[index[name]] = classes.setdefault(files.optim_states, (len(classes) + 1, files))[0]
     prev = {}  # (class, group) -> (fd, where its masters lie relative to this file's)
-    for prev_path, c in classes.items():
+    for prev_path, (c, files) in classes.items():
         fd = open_fd(stack, prev_path)
-        theirs = read_structure(prev_path, shared=True)
-        inner_prev = optimizer_state(theirs[0], prev_path, job.group_sizes)
+        theirs = RankReader(files, job.group_sizes).fp32_flat(PURPOSE)
         for g in range(len(job.group_sizes)):
-            tb = fp32_tensor(locate(flat_tensor(inner_prev, g, "fp32"), theirs[1], theirs[2]), prev_path, g, "fp32")
-            prev[c, g] = (fd, tb.offset - mine[g, "fp32"].offset)
+            prev[c, g] = (fd, theirs[g, "fp32"].offset - mine[g, "fp32"].offset)
     fd = open_fd(stack, path)
     size = min(chunk, max(tb.record.size for tb in mine.values()))
     buffers = memoryview(bytearray(size)), memoryview(bytearray(size))
@@ -121,16 +115,6 @@ def prefetch(ahead: dict[int, Readahead], fd: int, position: int, end: int) -> N
     """Keep the disk reading ahead of a reader of `fd` about to read from `position` of a range ending at
     `end` (one `Readahead` per file in `ahead`)."""
     (ahead.get(fd) or ahead.setdefault(fd, Readahead(fd))).before(position, end)
-
-
-def fp32_tensor(tb: TensorBytes, path, group: int, key: str) -> TensorBytes:
-    """`tb`, a flat tensor of optimizer state; CheckpointError unless it holds fp32 values (health
-    statistics read those)."""
-    dtype = dtype_name(tb.dtype) if tb.dtype != "UntypedStorage" else "float32"
-    if dtype != "float32" or tb.itemsize != 4:
-        raise CheckpointError(f"{path}: its {key} of sub-group {group} is {dtype}; health statistics "
-                              "read fp32 optimizer states")
-    return tb
 
 
 def _laid_out_flat(tensors) -> bool:

@@ -20,17 +20,16 @@ import numpy as np
 
 from tailor_tui.checkpoints.checkpoint import RankFiles
 from tailor_tui.crc import crc32
-from tailor_tui.formats.ds_format import TENSORS, flat_tensor, optimizer_state
+from tailor_tui.formats.ds_format import TENSORS
 from tailor_tui.errors import CheckpointError, Cancelled
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.fileio import open_fd
 from tailor_tui.reading import Readahead, pread_into
 from tailor_tui.formats.nonfinite import EXPONENT, count
-from tailor_tui.checkpoints.partial_rows import partial_slice, read_rows_file
+from tailor_tui.checkpoints.rank_reader import RankReader
 from tailor_tui.formats.pickled import dtype_name
-from tailor_tui.formats.ptfile import Unsupported, frozen_fragment_bytes, locate, read_structure
-from tailor_tui.formats.safetensors_in import safetensors_tensors
-from tailor_tui.health.stats_flat import can_read_flat, flat_stats, fp32_tensor, per_slice, prefetch
+from tailor_tui.formats.ptfile import Unsupported
+from tailor_tui.health.stats_flat import PURPOSE, can_read_flat, flat_stats, per_slice, prefetch
 from tailor_tui.health.stats_job import RankStats, RankStatsRead, RowSums, SlotRead, StatsJob
 
 CHUNK = 1 << 20
@@ -90,23 +89,20 @@ def _reads(job: StatsJob, slots: tuple[SlotRead, ...], sums: dict[str, RowSums],
         where = _fp32_places(files, job.group_sizes, [s for s in slots if s.row in rows])
         prev_at.update({(s.row, s.param): (fd, where[s.param]) for s in slots if s.row in rows})
     reads = []
-    if job.files.rows is not None:  # partial: one safetensors tensor per (key, parameter), its CRC-32 recorded
-        fd = open_fd(stack, job.files.rows)
-        tensors, crcs = read_rows_file(job.files.rows)
+    reader = RankReader(job.files, job.group_sizes)
+    fd = open_fd(stack, reader.path)
+    if reader.partial:  # partial: one safetensors tensor per (key, parameter), its CRC-32 recorded
         for slot in slots:
             for key in TENSORS:
-                begin = partial_slice(job.files.rows, tensors, key, slot.param, slot.valid)[2]
-                reads.append((fd, begin, slot.valid * 4, crcs.get(f"{key}/{slot.param}"),
-                              [_region(slot, key, begin, "float32", sums, prev_at)]))
+                place = reader.place(key, param=slot.param, group=slot.group, offset=slot.offset, valid=slot.valid)
+                reads.append((fd, place.at, slot.valid * 4, place.slice.crc,
+                              [_region(slot, key, place.at, "float32", sums, prev_at)]))
     else:
-        path = job.files.optim_states
-        obj, records, prefix = read_structure(path, shared=True)
-        inner = optimizer_state(obj, path, job.group_sizes)
-        fd = open_fd(stack, path)
+        flat = reader.fp32_flat(PURPOSE)
         by_record: dict = {}
         for g in range(len(job.group_sizes)):
             for key in TENSORS:
-                tb = fp32_tensor(locate(flat_tensor(inner, g, key), records, prefix), path, g, key)
+                tb = flat[g, key]
                 regions = by_record.setdefault(tb.record, [])
                 regions += [_region(s, key, tb.offset + s.offset * 4, "float32", sums, prev_at)
                             for s in slots if s.group == g and s.valid]
@@ -124,18 +120,14 @@ def _region(slot: SlotRead, key: str, at: int, dtype: str, sums: dict, prev_at: 
 
 def _fp32_places(files: RankFiles, group_sizes: tuple[int, ...], slots: list[SlotRead]) -> dict[str, int]:
     """Where each slot's fp32 masters lie in another checkpoint's file of this rank."""
-    if files.rows is not None:
-        tensors = safetensors_tensors(files.rows)
-        return {s.param: partial_slice(files.rows, tensors, "fp32", s.param, s.valid)[2] for s in slots}
-    obj, records, prefix = read_structure(files.optim_states, shared=True)
-    inner = optimizer_state(obj, files.optim_states, group_sizes)
-    flat = {g: locate(flat_tensor(inner, g, "fp32"), records, prefix) for g in {s.group for s in slots}}
-    return {s.param: flat[s.group].offset + s.offset * 4 for s in slots}
+    reader = RankReader(files, group_sizes)
+    return {s.param: reader.place("fp32", param=s.param, group=s.group, offset=s.offset, valid=s.valid).at
+            for s in slots}
 
 
 def _frozen_reads(job: StatsJob, sums: dict[str, RowSums], stack: contextlib.ExitStack) -> list:
     path = job.files.model_states
-    fragments = frozen_fragment_bytes(path, [param for _row, param in job.frozen])
+    fragments = RankReader(job.files, job.group_sizes).fragments([param for _row, param in job.frozen])
     fd, by_record = open_fd(stack, path), {}
     for row, param in job.frozen:
         tb = fragments[param]

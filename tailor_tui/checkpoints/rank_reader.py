@@ -1,0 +1,258 @@
+"""The one reader of a rank's files: where a row's fp32 / exp_avg / exp_avg_sq bytes lie, checked.
+
+A rank of a full save keeps, per sub-group, one flat tensor per key (`ds_format.TENSORS`) in
+its optim_states file (a zip archive, or torch's legacy format): parameter p's slice on the
+rank lies at its slot's offset in its sub-group's tensor. A rank of a partial save
+(`selective`) keeps each saved parameter's slice as its own fp32 tensor `{key}/{param}` of its
+rows file (safetensors), with a CRC-32 of its valid bytes recorded (`partial_rows`). Frozen
+parameters' fragments and buffers lie in model_states. Every job that reads rank files —
+merge, reshard, export, health statistics — asks a `RankReader` where bytes lie (`place`,
+`flat`, `fragments`, `buffer`) and reads them checked through `read_and_check` (whole records
+against their stored CRC-32) or `SliceCheck` (a partial's slice against its recorded one): a
+change of DeepSpeed's format or of a partial save's is made here alone.
+
+Torch-free; each file's structure is read once, when first asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from tailor_tui import crc
+
+from tailor_tui.checkpoints.partial_rows import check_crc, partial_slice, read_rows_file
+from tailor_tui.errors import CheckpointError, IncompatibleError
+from tailor_tui.events import ByteCounter
+from tailor_tui.formats.ds_format import MODULE, TENSORS, flat_tensor, optimizer_state
+from tailor_tui.formats.nonfinite import Census
+from tailor_tui.formats.pickled import dtype_name
+from tailor_tui.formats.ptfile import Record, TensorBytes, Unsupported, checked_crcs, frozen_fragment_bytes, locate, \
+    read_structure
+from tailor_tui.reading import crc_range
+
+# The read buffer every streaming reader reuses: on this kind of VM fresh 64 MiB buffers ran at
+# 0.6 GiB/s (page faults on every chunk); a reused 1 MiB buffer stays in CPU cache between read and CRC.
+STREAM_CHUNK = 1 << 20
+
+FP32 = ("FloatStorage", 4)  # a partial save's slices, and the flat tensors health statistics read
+
+
+@dataclass(frozen=True)
+class SliceCheck:
+    """A partial save's slice that some bytes lie in: `length` bytes from `begin` of its rows file
+    `path`, tensor `name`, whose CRC-32 its save recorded as `crc` (None: a save from before)."""
+
+    path: Path
+    name: str
+    begin: int
+    length: int
+    crc: int | None
+
+    def check(self, found: int) -> None:
+        """Refuse the slice if its bytes read (CRC-32 `found`) are not the ones saved."""
+        if self.crc is not None:
+            check_crc(self.path, {self.name: self.crc}, self.name, found)
+
+    def read_checked(self, fd: int, inside: list[tuple[int, int]], buffer: memoryview,
+                     on_bytes: Callable[[int], None], inspect=None) -> dict[tuple[int, int], int]:
+        """{(first byte, length): CRC-32} of each piece `inside` the slice (sorted, not overlapping)
+        of the rows file open as `fd`; the whole slice is read, once, and checked (a save from before
+        CRC-32s were recorded: the pieces alone, unchecked)."""
+        found = {}
+        if self.crc is None:
+            for at, n in inside:
+                found[at, n] = crc_range(fd, at, n, buffer, on_bytes, inspect)
+            return found
+        value, at, end = 0, self.begin, self.begin + self.length
+        for start, n in inside:
+            gap = crc_range(fd, at, start - at, buffer, on_bytes, inspect)
+            piece = found[start, n] = crc_range(fd, start, n, buffer, on_bytes, inspect)
+            value, at = crc.combine(crc.combine(value, gap, start - at), piece, n), start + n
+        self.check(crc.combine(value, crc_range(fd, at, end - at, buffer, on_bytes, inspect), end - at))
+        return found
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where some elements of a rank's files lie: from byte `at` of `path`, in `record` (a full
+    save's archive record, whose stored CRC-32 covers it) or in a partial's slice (`slice`)."""
+
+    path: Path
+    at: int
+    record: Record | None
+    dtype: str  # the storage type or dtype stored: FloatStorage, BFloat16Storage, torch.float32, …
+    itemsize: int
+    slice: SliceCheck | None = None
+
+
+class RankReader:
+    """One checkpoint's files of one rank (`files`: a `checkpoint.RankFiles`), its sub-groups
+    `group_sizes`; each file's structure read once, when first needed."""
+
+    def __init__(self, files, group_sizes: tuple[int, ...]):
+        self.files, self.group_sizes = files, tuple(group_sizes)
+        self._structure = None
+        self._flat: dict | None = None
+        self._rows: tuple[dict, dict] | None = None
+        self._fragments: dict[str, TensorBytes] = {}
+        self._model = None
+
+    @property
+    def partial(self) -> bool:
+        return self.files.rows is not None
+
+    @property
+    def path(self) -> Path:
+        """The file a row's optimizer bytes are read from: the optim file, or a partial's rows file."""
+        return self.files.rows if self.partial else self.files.optim_states
+
+    # -- a full save's optim file ----------------------------------------------------------------
+
+    def structure(self) -> tuple:
+        """(pickled object, {name: Record}, prefix) of the optim file (`ptfile.read_structure`)."""
+        if self._structure is None:
+            self._structure = read_structure(self.files.optim_states, shared=True)
+        return self._structure
+
+    def records(self) -> dict[str, Record]:
+        return self.structure()[1]
+
+    def flat(self) -> dict[tuple[int, str], TensorBytes]:
+        """{(sub-group, key): TensorBytes} of the optim file's flat fp32 weights and moments."""
+        if self._flat is None:
+            self._flat = flat_tensor_bytes(*self.structure(), self.files.optim_states, self.group_sizes)
+        return self._flat
+
+    def fp32_flat(self, purpose: str) -> dict[tuple[int, str], TensorBytes]:
+        """`flat`, refused (CheckpointError naming `purpose`) unless every tensor holds fp32 values."""
+        found = self.flat()
+        for (g, key), tb in found.items():
+            dtype = dtype_name(tb.dtype) if tb.dtype != "UntypedStorage" else "float32"
+            if dtype != "float32" or tb.itemsize != 4:
+                raise CheckpointError(f"{self.files.optim_states}: its {key} of sub-group {g} is {dtype}; "
+                                      f"{purpose} read fp32 optimizer states")
+        return found
+
+    # -- a partial save's rows file --------------------------------------------------------------
+
+    def rows(self) -> tuple[dict, dict[str, int]]:
+        """(where each tensor of the rows file lies, {tensor: its recorded CRC-32})."""
+        if self._rows is None:
+            self._rows = read_rows_file(self.files.rows)
+        return self._rows
+
+    # -- where a parameter's slice lies ----------------------------------------------------------
+
+    def place(self, key: str, *, param: str | None, group: int | None, offset: int, valid: int, within: int = 0,
+              count: int = 0) -> Place:
+        """Where element `within` on of parameter `param`'s slice on this rank lies, for `key` (one of
+        TENSORS): a full save holds the slice from element `offset` of sub-group `group`'s flat tensor
+        on; a partial save as tensor `{key}/{param}` of its rows file, checked to hold the slice's
+        `valid` fp32 elements (its recorded CRC-32 covers those) and the `count` taken from `within`."""
+        if self.partial:
+            tensors, crcs = self.rows()
+            begin = partial_slice(self.files.rows, tensors, key, param, max(valid, within + count))[2]
+            name = f"{key}/{param}"
+            return Place(self.files.rows, begin + within * 4, None, FP32[0], FP32[1],
+                         SliceCheck(self.files.rows, name, begin, valid * 4, crcs.get(name)))
+        tb = self.flat()[group, key]
+        return Place(self.files.optim_states, tb.offset + (offset + within) * tb.itemsize, tb.record, tb.dtype,
+                     tb.itemsize)
+
+    # -- model_states ----------------------------------------------------------------------------
+
+    def model_structure(self) -> tuple:
+        """(pickled object, {name: Record}, prefix) of model_states, read once."""
+        if self._model is None:
+            self._model = read_structure(self.files.model_states)
+        return self._model
+
+    def fragments(self, names) -> dict[str, TensorBytes]:
+        """{name: TensorBytes} of frozen parameters' fragments in model_states."""
+        missing = [name for name in names if name not in self._fragments]
+        if missing:
+            self._fragments.update(frozen_fragment_bytes(self.files.model_states, missing, self.model_structure()))
+        return {name: self._fragments[name] for name in names}
+
+    def buffer(self, name: str) -> TensorBytes:
+        """Where persistent buffer `name` of the module lies in model_states."""
+        obj, records, prefix = self.model_structure()
+        try:
+            return locate(obj[MODULE][name], records, prefix)
+        except (KeyError, TypeError, Unsupported):
+            raise CheckpointError(f"{self.files.model_states}: has no readable buffer {name}; the file is damaged "
+                                  "or from another model") from None
+
+
+def flat_tensor_bytes(obj, records: dict, prefix: str, path: Path, group_sizes: tuple[int, ...]) -> dict:
+    """{(sub-group, key): TensorBytes} of the flat tensors of an optim file read by `read_structure`."""
+    inner = optimizer_state(obj, path, group_sizes)
+    return {(g, key): locate(flat_tensor(inner, g, key), records, prefix)
+            for g in range(len(group_sizes)) for key in TENSORS}
+
+
+def tensor_bytes(path: Path, group_sizes: tuple[int, ...]) -> dict:
+    """`flat_tensor_bytes` of the optim file `path`."""
+    return flat_tensor_bytes(*read_structure(path, shared=True), path, group_sizes)
+
+
+def read_and_check(fd: int, path: Path, records, ranges: set, buffer: memoryview,
+                   counter: ByteCounter, census: Census | None = None, also=None) -> dict[tuple[int, int], int]:
+    """Read every byte of `records` of the file `fd` once, checking each record's stored
+    CRC-32 (`ptfile.checked_crcs`), and return the CRC of each (record, offset, length) in
+    `ranges` as {(offset, length): crc}; `census` counts non-finite values on the way, and
+    `also(offset, chunk)` sees every chunk too."""
+    found = {}
+    inspect = census.inspect if census is not None else None
+    if also is not None:
+        inspect = also if inspect is None else _both(inspect, also)
+    by_record: dict[int, list[tuple[int, int]]] = {}  # grouped once (records compared by identity)
+    for r, at, n in ranges:
+        by_record.setdefault(id(r), []).append((at, n))
+    for record in sorted(records, key=lambda r: r.data_offset):
+        mine = sorted(by_record.get(id(record), ()))
+        found.update(zip(mine, checked_crcs(fd, path, record, mine, buffer, counter.add, inspect)))
+    return found
+
+
+def crc_range_checked(fd: int, offset: int, length: int, checks: list[tuple[int, SliceCheck]], buffer: memoryview,
+                      on_bytes: Callable[[int], None] = lambda n: None,
+                      inspect: Callable[[int, memoryview], None] | None = None) -> int:
+    """`reading.crc_range` of a range of `fd` that holds slices copied from rows files: each
+    slice's CRC-32 is also checked (`checks`: where in `fd` each slice lies, inside the range, not
+    overlapping), with every byte still read once."""
+    value, at, end = 0, offset, offset + length
+    for start, piece in sorted(checks, key=lambda c: c[0]):
+        gap = crc_range(fd, at, start - at, buffer, on_bytes, inspect)
+        found = crc_range(fd, start, piece.length, buffer, on_bytes, inspect)
+        piece.check(found)
+        value = crc.combine(crc.combine(value, gap, start - at), found, piece.length)
+        at = start + piece.length
+    return crc.combine(value, crc_range(fd, at, end - at, buffer, on_bytes, inspect), end - at)
+
+
+def _both(first, second):
+    def inspect(offset: int, chunk) -> None:
+        first(offset, chunk)
+        second(offset, chunk)
+    return inspect
+
+
+def check_dtypes(base: dict, theirs: dict, path: Path) -> None:
+    """Refuse a source whose flat tensors are stored in another dtype than the base's (bf16
+    optimizer states, say): their bytes would be reinterpreted. `base` maps (group, key) to
+    TensorBytes or to (dtype, itemsize)."""
+    for (g, key), tb in theirs.items():
+        mine = base[g, key]
+        expected = (mine.dtype, mine.itemsize) if isinstance(mine, TensorBytes) else mine
+        if (tb.dtype, tb.itemsize) != expected:
+            raise dtype_mismatch(path, key, g, tb.dtype, expected[0])
+
+
+def dtype_mismatch(path: Path, key: str, group: int, theirs: str, mine: str) -> IncompatibleError:
+    """`theirs`, `mine`: a torch dtype (`torch.bfloat16`) or storage type (`BFloat16Storage`)."""
+    return IncompatibleError(
+        f"{path}: its {key} of sub-group {group} is stored as {dtype_name(theirs)}, the base's as "
+        f"{dtype_name(mine)}; checkpoints saved with another optimizer-state precision cannot be combined")
