@@ -28,6 +28,7 @@ from typing import Callable
 from tailor_tui.checkpoints.checkpoint import distinct_names
 from tailor_tui.formats.ds_format import MODULE
 from tailor_tui.errors import CheckpointError, IncompatibleError
+from tailor_tui.events import JobCost
 from tailor_tui.checkpoints.layout import part, valid_elements
 from tailor_tui.checkpoints.model_states import read_metadata
 from tailor_tui.formats.pickled import TensorRef, dtype_name
@@ -46,7 +47,7 @@ class Span:
 
 
 @dataclass(frozen=True)
-class ExportJob:
+class ExportJob(JobCost):
     """One source rank's share of an export (picklable)."""
 
     task: str
@@ -59,8 +60,8 @@ class ExportJob:
     frozen: tuple[tuple[str, Span], ...]  # (parameter, span) of its fragment in model_states
     buffers: tuple[tuple[str, Span], ...]  # (buffer, span) in model_states' module, written as stored
     out_dtype: str  # the weights' safetensors name: F32, BF16, F16
-    total_bytes: int  # bytes read and written: the job's cost
-    progress_bytes: int  # bytes written: what its progress is shown in
+    read_bytes: int
+    write_bytes: int
 
 
 @dataclass(frozen=True)
@@ -182,5 +183,5 @@ def _jobs_of(ckpt, names: set[str], placed: dict[str, Placed], label: str,
         written += sum(placed[name].nbytes for name, _span in mine)
         jobs.append(ExportJob(f"{label} rank {rank}", files.optim_states, files.model_states, files.rows, sizes,
                               tuple(sorted((g, tuple(spans)) for g, spans in groups.items())), tuple(saved),
-                              tuple(fragments), mine, out_dtype, max(read + written, 1), max(written, 1)))
+                              tuple(fragments), mine, out_dtype, read, written))
     return jobs
