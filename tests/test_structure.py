@@ -5,8 +5,8 @@
 - the torch-free parts also import without torch and Textual, transitively (what a streaming
   worker or the planner pays at start-up), the modules named by that same contract;
 - no module imports another module's private (`_name`) names;
-- no module grows past MAX_LINES, no subpackage past MAX_MODULES, and the root holds only the
-  ground floor;
+- no module grows past MAX_CODE_LINES lines of code or MAX_LINES lines in all, no subpackage
+  past MAX_MODULES, and the root holds only the ground floor;
 - every kind of job keeps the one job contract, and only team/ makes the team's calls.
 """
 
@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import ast
 import inspect
+import io
 import pkgutil
 import subprocess
 import sys
+import tokenize
 import tomllib
 from pathlib import Path
 
@@ -24,7 +26,12 @@ import tailor_tui
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "tailor_tui"
-MAX_LINES = 400  # no module over 400 lines
+# A module's size is its code: the lines holding code, its docstrings, comments and blank lines not
+# counted, so explaining a module never pushes it over, and squeezing prose out never makes room.
+# Past MAX_CODE_LINES a module does more than one job: split it by concern (the largest has ~300).
+# MAX_LINES, every line counted, only stops a module too long to read, prose and all (the largest ~390).
+MAX_CODE_LINES = 400
+MAX_LINES = 550
 MAX_MODULES = 16  # per subpackage, its __init__ included: headroom over the largest (14); past it, split by concern
 ROOT_MODULES = {"__init__", "__main__", "errors", "units", "events", "report", "fileio", "reading", "crc"}
 
@@ -79,9 +86,49 @@ def test_no_module_imports_another_modules_private_names():
     assert not found, found
 
 
+def code_lines(source: str) -> int:
+    """The lines of `source` that hold code: not blank, not only a comment, not a docstring's."""
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                    and isinstance(first.value.value, str):
+                docstrings.update(range(first.lineno, first.end_lineno + 1))
+    lines = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+                              tokenize.ENDMARKER):
+            lines.update(range(token.start[0], token.end[0] + 1))
+    return len(lines - docstrings)
+
+
+def test_code_lines_count_code_alone():
+    source = '''"""A module.
+
+Its docstring.
+"""
+
+# a comment
+X = [1,
+     2]  # a trailing comment
+
+
+def f():
+    """A function's docstring."""
+    return """a string that is code,
+not a docstring"""
+'''
+    assert code_lines(source) == 5
+
+
 def test_modules_and_subpackages_stay_small():
-    too_long = [f"{path.relative_to(ROOT)}: {n} lines" for _name, path in _modules()
-                if (n := len(path.read_text().splitlines())) > MAX_LINES]
+    too_long = []
+    for _name, path in _modules():
+        text = path.read_text()
+        code, n = code_lines(text), len(text.splitlines())
+        if code > MAX_CODE_LINES or n > MAX_LINES:
+            too_long.append(f"{path.relative_to(ROOT)}: {code} lines of code, {n} lines")
     assert not too_long, too_long
     for package in (p for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()):
         modules = list(package.glob("*.py"))
