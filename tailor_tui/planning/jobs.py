@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from tailor_tui.checkpoints.checkpoint import RankFiles
 from tailor_tui.checkpoints.layout import Slot
@@ -62,15 +62,20 @@ class RankJob(RankJobCost):
     frozen_rows: tuple[tuple[str, str, int], ...] = ()
 
 
+class _Sized(Protocol):
+    @property
+    def size(self) -> int: ...
+
+
 class WeightFileCost(JobCost):
     """A job that composes one weight file (`size` bytes): it reads as much as it writes."""
 
     @property
-    def read_bytes(self) -> int:
+    def read_bytes(self: _Sized) -> int:
         return self.size
 
     @property
-    def write_bytes(self) -> int:
+    def write_bytes(self: _Sized) -> int:
         return self.size
 
 
