@@ -4,8 +4,8 @@ it reports while it does it (events: plain data, picklable).
 Every kind of work (composing a rank or a weight file, resharding a rank, exporting a rank,
 reading a rank's statistics) is planned as jobs: frozen, picklable dataclasses holding all
 their worker needs, each with a `task` (the name its progress is reported under) and
-`total_bytes` (what it reads and writes: how a team divides the work, what bars count). A
-worker runs `call(job, ..., emit, cancelled, options)` and emits `TaskProgressed` and one
+`total_bytes` (what it reads and writes: how a team divides the work, what bars count), worked
+out by one rule (`JobCost`) from the bytes each says it reads and writes. A worker runs `call(job, ..., emit, cancelled, options)` and emits `TaskProgressed` and one
 `TaskFinished`. The backend never draws anything: front ends (the terminal reporter, the
 TUI) turn these into bars. Names are past tense: each says what has happened.
 """
@@ -31,6 +31,42 @@ class Job(Protocol):
 
     @property
     def progress_bytes(self) -> int: ...  # what its progress is shown in: bytes it writes (reads, if it only reads)
+
+
+class _ReadsAndWrites(Protocol):
+    @property
+    def read_bytes(self) -> int: ...
+
+    @property
+    def write_bytes(self) -> int: ...
+
+
+class _OfRank(Protocol):
+    @property
+    def rank(self) -> int: ...
+
+
+class JobCost:
+    """The one cost rule of every kind of job, from the bytes it reads (`read_bytes`) and writes
+    (`write_bytes`), its fields or properties: it costs both (`total_bytes`); its progress is
+    shown in what it writes, or in what it reads if it writes nothing (`progress_bytes`); each at
+    least a byte, as a `ByteCounter` counts."""
+
+    @property
+    def total_bytes(self: _ReadsAndWrites) -> int:
+        return max(self.read_bytes + self.write_bytes, 1)
+
+    @property
+    def progress_bytes(self: _ReadsAndWrites) -> int:
+        return max(self.write_bytes or self.read_bytes, 1)
+
+
+class RankJobCost(JobCost):
+    """A job that fills one output rank's files (`rank`): its progress is reported as `rank N`."""
+
+    @property
+    def task(self: _OfRank) -> str:
+        return f"rank {self.rank}"
 
 
 @dataclass(frozen=True)

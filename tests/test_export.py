@@ -213,3 +213,93 @@ def test_persistent_buffers_are_exported_as_save_pretrained_writes_them(real_run
     model = build_model(spec)
     model.load_state_dict(got, strict=True)
     assert torch.equal(model.model.norm.tailor_scale, saved["model.norm.tailor_scale"])
+
+
+# --- sharding: huggingface_hub's rule (what save_pretrained shards by) ---------------------------------
+
+def _state_dicts() -> dict[str, dict[str, torch.Tensor]]:
+    """Real state dicts, in their own order (not their names'): a tiny Llama (with an
+    embedding larger than most limits below), a Sequential of mixed dtypes (fp32, bf16, fp16, an
+    int64 scalar buffer: BatchNorm's num_batches_tracked) and one with a tensor larger than
+    every other put together."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False))
+    mixed = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.BatchNorm1d(10), torch.nn.Linear(10, 4),
+                                torch.nn.LayerNorm(4), torch.nn.Embedding(7, 4))
+    mixed[2].to(torch.bfloat16)
+    mixed[4].to(torch.float16)
+    big = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Embedding(200, 8), torch.nn.Linear(5, 2),
+                              torch.nn.Linear(2, 2))
+    return {"llama": llama.state_dict(), "mixed": mixed.state_dict(), "big": big.state_dict()}
+
+
+def _limits(state: dict[str, torch.Tensor]) -> list[int]:
+    """Max shard sizes that split a state dict at every point: each tensor's size and each running
+    total, one byte either side of it, one byte, and room for everything."""
+    sizes = [t.numel() * t.element_size() for t in state.values()]
+    totals = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+    return sorted({max(1, n + d) for n in (*sizes, *totals) for d in (-1, 0, 1)} | {1, 5 * 10**9})
+
+
+@pytest.mark.parametrize("which", ["llama", "mixed", "big"])
+def test_lay_out_shards_as_huggingface_hub_does(which):
+    """The same state dict, given in its own order, at every split point: the same files (names
+    and order), each holding the same tensors, the same weight_map and total_size as
+    huggingface_hub's split_torch_state_dict_into_shards (its rule for tensors sharing storage
+    does not arise: an export's tensors share none)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    from tailor_tui.formats.dtypes import SAFETENSORS_NAME
+    from tailor_tui.formats.safetensors_out import lay_out
+
+    state = _state_dicts()[which]
+    tensors = [(name, tuple(t.shape), SAFETENSORS_NAME[str(t.dtype).removeprefix("torch.")])
+               for name, t in state.items()]
+    assert [name for name, *_ in tensors] != sorted(state)  # their order, not their names'
+    seen = set()
+    for limit in _limits(state):
+        hub = split_torch_state_dict_into_shards(state, max_shard_size=limit)
+        files, placed, index = lay_out(tensors, limit)
+        assert [f.name for f in files] == list(hub.filename_to_tensors), limit
+        assert {f.name: [n for n in state if placed[n].file == f.name] for f in files} == hub.filename_to_tensors
+        if hub.is_sharded:
+            assert index == {"metadata": hub.metadata, "weight_map": hub.tensor_to_filename}, limit
+        else:
+            assert index is None and hub.metadata["total_size"] == sum(p.nbytes for p in placed.values())
+        for f in files:  # each file's tensors fill it, after its header
+            ends = [placed[n].offset + placed[n].nbytes for n in placed if placed[n].file == f.name]
+            assert f.size == max(ends, default=len(f.header)), (limit, f.name)
+        seen.add(len(files))
+    assert len(seen) > 3  # the limits split it in many ways
+
+
+@pytest.mark.parametrize("run_name,limit", [("hf_bf16_2", 5000), ("hf_buffer", 3000), ("hf_fp32_3_tied", 10_000)])
+def test_export_shards_as_save_pretrained(real_run, tmp_path, run_name, limit):
+    """The export's files, weight_map and total_size are those of the model's own save_pretrained
+    at the same max_shard_size, for the model holding the exported tensors (a persistent buffer,
+    tied embeddings and a frozen parameter among them): the export takes the tensors in the
+    state dict's order, as the base's model_states records it."""
+    from tailor_tui.runs.models import build_model
+
+    run, spec = real_run(run_name)
+    c2, _c4, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c2})
+    out = tmp_path / "model"
+    done = tailor("--export", recipe, "--to", out, "--max-shard-size", str(limit))
+    assert done.returncode == 0, done.stderr
+    got = exported(out)
+    model = build_model(spec)
+    missing, unexpected = model.load_state_dict(got, strict=False, assign=True)  # keeps each tensor's dtype
+    assert not unexpected and set(missing) <= {"lm_head.weight"} and bool(missing) == spec.tied
+    model.tie_weights()
+    model.save_pretrained(tmp_path / "reference", max_shard_size=limit)
+    ours = json.loads((out / "model.safetensors.index.json").read_text())
+    theirs = json.loads((tmp_path / "reference" / "model.safetensors.index.json").read_text())
+    assert len(set(ours["weight_map"].values())) > 2
+    assert ours["weight_map"] == theirs["weight_map"]
+    assert ours["metadata"]["total_size"] == theirs["metadata"]["total_size"]
+    assert sorted(p.name for p in out.glob("model*.safetensors")) == sorted(
+        p.name for p in (tmp_path / "reference").glob("model*.safetensors"))

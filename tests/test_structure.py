@@ -5,17 +5,21 @@
 - the torch-free parts also import without torch and Textual, transitively (what a streaming
   worker or the planner pays at start-up), the modules named by that same contract;
 - no module imports another module's private (`_name`) names;
-- no module grows past MAX_LINES, no subpackage past MAX_MODULES, and the root holds only the
-  ground floor;
-- every kind of job keeps the one job contract, and only team/ makes the team's calls.
+- no module grows past MAX_CODE_LINES lines of code or MAX_LINES lines in all, no subpackage
+  past MAX_MODULES, and the root holds only the ground floor;
+- every kind of job keeps the one job contract, and only team/ makes the team's calls;
+- the composer screen's parts use of it exactly what `ui.host.ComposerHost` declares.
 """
 
 from __future__ import annotations
 
 import ast
+import inspect
+import io
 import pkgutil
 import subprocess
 import sys
+import tokenize
 import tomllib
 from pathlib import Path
 
@@ -25,7 +29,12 @@ import tailor_tui
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "tailor_tui"
-MAX_LINES = 400  # no module over 400 lines
+# A module's size is its code: the lines holding code, its docstrings, comments and blank lines not
+# counted, so explaining a module never pushes it over, and squeezing prose out never makes room.
+# Past MAX_CODE_LINES a module does more than one job: split it by concern (the largest has ~300).
+# MAX_LINES, every line counted, only stops a module too long to read, prose and all (the largest ~390).
+MAX_CODE_LINES = 400
+MAX_LINES = 550
 MAX_MODULES = 16  # per subpackage, its __init__ included: headroom over the largest (14); past it, split by concern
 ROOT_MODULES = {"__init__", "__main__", "errors", "units", "events", "report", "fileio", "reading", "crc", "moved"}
 
@@ -80,9 +89,49 @@ def test_no_module_imports_another_modules_private_names():
     assert not found, found
 
 
+def code_lines(source: str) -> int:
+    """The lines of `source` that hold code: not blank, not only a comment, not a docstring's."""
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                    and isinstance(first.value.value, str):
+                docstrings.update(range(first.lineno, first.end_lineno + 1))
+    lines = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+                              tokenize.ENDMARKER):
+            lines.update(range(token.start[0], token.end[0] + 1))
+    return len(lines - docstrings)
+
+
+def test_code_lines_count_code_alone():
+    source = '''"""A module.
+
+Its docstring.
+"""
+
+# a comment
+X = [1,
+     2]  # a trailing comment
+
+
+def f():
+    """A function's docstring."""
+    return """a string that is code,
+not a docstring"""
+'''
+    assert code_lines(source) == 5
+
+
 def test_modules_and_subpackages_stay_small():
-    too_long = [f"{path.relative_to(ROOT)}: {n} lines" for _name, path in _modules()
-                if (n := len(path.read_text().splitlines())) > MAX_LINES]
+    too_long = []
+    for _name, path in _modules():
+        text = path.read_text()
+        code, n = code_lines(text), len(text.splitlines())
+        if code > MAX_CODE_LINES or n > MAX_LINES:
+            too_long.append(f"{path.relative_to(ROOT)}: {code} lines of code, {n} lines")
     assert not too_long, too_long
     for package in (p for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()):
         modules = list(package.glob("*.py"))
@@ -90,16 +139,21 @@ def test_modules_and_subpackages_stay_small():
     assert {p.stem for p in PACKAGE.glob("*.py")} <= ROOT_MODULES
 
 
+OWN_COST_RULE = {"StatsJob"}  # jobs that still work out their cost themselves (health/stats_job.py): to move
+
+
 def test_every_job_keeps_the_job_contract():
     """Every kind of job (a frozen dataclass named `...Job`) has the task its progress is
     reported under and the bytes it reads and writes (`events.Job`): one contract for planners,
-    workers, the team's division of work and the progress bars."""
+    workers, the team's division of work and the progress bars. Its cost and progress follow
+    from its read_bytes and write_bytes by the one rule (`events.JobCost`), not a rule of its own;
+    the jobs not there yet are named (OWN_COST_RULE), and only they."""
     import dataclasses
     import importlib
 
-    from tailor_tui.events import Job
+    from tailor_tui.events import Job, JobCost
 
-    found = []
+    found, own_rule = [], set()
     for name, path in _modules():
         if name.startswith("tailor_tui.ui.") or name.endswith("__main__"):
             continue
@@ -109,12 +163,41 @@ def test_every_job_keeps_the_job_contract():
                 if dataclasses.is_dataclass(cls):
                     found.append(cls)
                     fields = {f.name for f in dataclasses.fields(cls)}
-                    for attribute in ("task", "total_bytes"):
+                    for attribute in ("task", "total_bytes", "progress_bytes"):
                         assert attribute in fields or isinstance(getattr(cls, attribute, None), property), \
                             f"{name}.{node.name} lacks {attribute} ({Job.__name__})"
                     assert cls.__dataclass_params__.frozen, f"{name}.{node.name} is not frozen"
+                    by_rule = issubclass(cls, JobCost) and all(
+                        inspect.getattr_static(cls, a) is JobCost.__dict__[a] for a in ("total_bytes", "progress_bytes"))
+                    if by_rule:
+                        for attribute in ("read_bytes", "write_bytes"):
+                            assert attribute in fields or isinstance(getattr(cls, attribute, None), property), \
+                                f"{name}.{node.name} lacks {attribute} ({JobCost.__name__})"
+                    else:
+                        own_rule.add(node.name)
     names = {cls.__name__ for cls in found}
     assert {"RankJob", "ReshardJob", "ModelFileJob", "BinFileJob", "ExportJob", "StatsJob"} <= names, names
+    assert own_rule == OWN_COST_RULE, f"jobs with a cost rule of their own: {sorted(own_rule)}"
+
+
+def test_the_job_cost_rule_gives_each_kind_of_job_its_numbers():
+    """What each kind of job reports, by the one rule: a rank job costs what it reads and writes
+    and shows what it writes, as `rank N`; a weight file job reads and writes its size; an export
+    job of nothing still costs a byte (a bar never counts to zero)."""
+    from pathlib import Path as P
+
+    from tailor_tui.export.plan import ExportJob
+    from tailor_tui.planning.jobs import BinFileJob, RankJob
+    from tailor_tui.resharding.partition import ReshardJob
+
+    rank = RankJob(3, {}, (), (), (), (), (), read_bytes=700, write_bytes=200)
+    reshard = ReshardJob(2, "m", "o", {}, {}, (), (), (), read_bytes=50, write_bytes=20)
+    weights = BinFileJob("pytorch_model.bin", P("b"), {}, {}, {}, {}, size=123)
+    export = ExportJob("base rank 1", P("o"), P("m"), None, (), (), (), (), (), "BF16", 0, 0)
+    assert (rank.task, rank.total_bytes, rank.progress_bytes) == ("rank 3", 900, 200)
+    assert (reshard.task, reshard.total_bytes, reshard.progress_bytes) == ("rank 2", 70, 20)
+    assert (weights.task, weights.total_bytes, weights.progress_bytes) == ("pytorch_model.bin", 246, 123)
+    assert (export.task, export.total_bytes, export.progress_bytes) == ("base rank 1", 1, 1)
 
 
 def test_team_calls_are_made_by_the_team_skeleton_alone():
@@ -148,3 +231,40 @@ def test_a_moved_name_is_still_found_where_it_was(old, name, new):
     assert found is getattr(importlib.import_module(new), name)
     with pytest.raises(AttributeError):
         getattr(importlib.import_module(old), "no_such_name_anywhere")
+
+
+def test_the_composer_parts_need_of_their_screen_what_composer_host_declares():
+    """The parts mixed into the composer's screen (`ui.navigation`, …) take `self: ComposerHost`
+    in every method, use of the screen exactly what `ui.host.ComposerHost` declares (nothing
+    more: a type checker would find it undeclared; nothing less: no stale declaration), and the
+    screen has all of it (a type checker checks the types: `mypy tailor_tui/ui/`)."""
+    from tailor_tui.ui import host
+    from tailor_tui.ui.composer import ComposerScreen
+
+    def members(cls: ast.ClassDef) -> set[str]:
+        return {node.target.id if isinstance(node, ast.AnnAssign) else node.name for node in cls.body
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                or isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+
+    def classes(module) -> dict[str, ast.ClassDef]:
+        return {n.name: n for n in ast.parse(Path(module.__file__).read_text()).body if isinstance(n, ast.ClassDef)}
+
+    declared = members(classes(host)["ComposerHost"])
+    parts = [cls for cls in ComposerScreen.__mro__[1:] if cls.__module__.startswith("tailor_tui.ui.")]
+    assert {cls.__name__ for cls in parts} >= {"Navigation", "RecipeActions", "HealthActions", "ExportActions"}
+    used = set()
+    for part in parts:
+        node = classes(sys.modules[part.__module__])[part.__name__]
+        for method in (n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            first = method.args.args[0]
+            assert ast.unparse(first.annotation or ast.Constant(None)) == "ComposerHost", \
+                f"{part.__name__}.{method.name}: self is not a ComposerHost"
+        used |= {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+                 and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    assert used - declared == set(), "the parts use of the screen what ComposerHost does not declare"
+    assert declared - used == set(), "ComposerHost declares what no part uses"
+    screen = classes(sys.modules[ComposerScreen.__module__])["ComposerScreen"]
+    init = next(n for n in screen.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    state = {n.attr for n in ast.walk(init) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+             and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    assert {name for name in declared if not hasattr(ComposerScreen, name) and name not in state} == set()

@@ -9,25 +9,30 @@ parameter: of every rank's fragment in model_states). An `ExportJob` is one sour
 share: for each sub-group's flat buffer (or frozen fragment, or a partial checkpoint's saved
 slice) the element ranges to take and the output bytes they go to. Sources are read by
 their own layouts, whatever their world size. Persistent buffers (which save_pretrained writes
-beside the weights) come from rank 0's model_states of their row's source, as stored.
+beside the weights) come from rank 0's model_states of their row's source, as stored. The
+files are those save_pretrained shards the model's state dict into (`safetensors_out.lay_out`),
+the tensors taken in the state dict's order as the base's model_states records it.
 
 Torch-free; `export_rank` does the jobs.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from tailor_tui.checkpoints.checkpoint import distinct_names
 from tailor_tui.formats.ds_format import MODULE
 from tailor_tui.errors import CheckpointError, IncompatibleError
+from tailor_tui.events import JobCost
 from tailor_tui.checkpoints.layout import part, valid_elements
+from tailor_tui.checkpoints.model_states import read_metadata
 from tailor_tui.formats.pickled import TensorRef, dtype_name
 from tailor_tui.planning.plan import ComposePlan
-from tailor_tui.formats.ptfile import read_structure
 from tailor_tui.formats.safetensors_out import DTYPES, ITEMSIZE, NAMED, Placed, ShardFile, lay_out
 
 
@@ -42,7 +47,7 @@ class Span:
 
 
 @dataclass(frozen=True)
-class ExportJob:
+class ExportJob(JobCost):
     """One source rank's share of an export (picklable)."""
 
     task: str
@@ -55,8 +60,8 @@ class ExportJob:
     frozen: tuple[tuple[str, Span], ...]  # (parameter, span) of its fragment in model_states
     buffers: tuple[tuple[str, Span], ...]  # (buffer, span) in model_states' module, written as stored
     out_dtype: str  # the weights' safetensors name: F32, BF16, F16
-    total_bytes: int  # bytes read and written: the job's cost
-    progress_bytes: int  # bytes written: what its progress is shown in
+    read_bytes: int
+    write_bytes: int
 
 
 @dataclass(frozen=True)
@@ -83,9 +88,11 @@ def plan_export(plan: ComposePlan, dtype: str | None, max_shard: int) -> Export:
     dtype = dtype or base.dtype
     shapes = {name: shape for group in base.layout.groups for name, shape in group} | dict(base.layout.frozen)
     source_of = plan.source_of_param()
-    buffers = _buffers(plan, source_of)  # name -> (shape, its own dtype): written as stored
-    files, placed, index = lay_out([(name, shape, DTYPES[dtype]) for name, shape in shapes.items()]
-                                   + [(name, shape, kind) for name, (shape, kind) in buffers.items()], max_shard)
+    modules = _module_reader(plan)
+    buffers = _buffers(plan, source_of, modules)  # name -> (shape, its own dtype): written as stored
+    tensors = {name: (shape, DTYPES[dtype]) for name, shape in shapes.items()} | buffers
+    files, placed, index = lay_out([(name, *tensors[name]) for name in _state_dict_order(plan, tensors, modules)],
+                                   max_shard)
     jobs = []
     labels = distinct_names([ckpt.path for ckpt in plan.sources])
     for s, ckpt in enumerate(plan.sources):
@@ -97,19 +104,38 @@ def plan_export(plan: ComposePlan, dtype: str | None, max_shard: int) -> Export:
     return Export(plan, dtype, tuple(files), placed, index, tuple(jobs))
 
 
-def _buffers(plan: ComposePlan, source_of: dict[str, int]) -> dict[str, tuple[tuple[int, ...], str]]:
+def _module_reader(plan: ComposePlan) -> Callable[[int], dict | None]:
+    """Source s -> the module state dict it saved in its rank-0 model_states (None: none), each
+    read once."""
+    @functools.cache
+    def module(s: int) -> dict | None:
+        found = read_metadata(plan.sources[s].ranks[0].model_states).get(MODULE)
+        return found if isinstance(found, dict) else None
+
+    return module
+
+
+def _state_dict_order(plan: ComposePlan, tensors: dict, modules: Callable[[int], dict | None]) -> list[str]:
+    """The tensors' names in the model's state dict order, the order save_pretrained shards them
+    in: the order of the module state dict DeepSpeed saved in the base's rank-0 model_states
+    (`model.state_dict()`'s: a module's parameters, its persistent buffers, then its children's);
+    a name it does not list (a frozen parameter a save left out) follows, in the rows' order."""
+    listed = [name for name in modules(0) or () if name in tensors]
+    rows = [name for row in plan.base.rows for name in (*row.params, *row.buffers) if name in tensors]
+    return list(dict.fromkeys([*listed, *rows, *tensors]))
+
+
+def _buffers(plan: ComposePlan, source_of: dict[str, int],
+             modules: Callable[[int], dict | None]) -> dict[str, tuple[tuple[int, ...], str]]:
     """Every buffer the model saves (save_pretrained writes persistent buffers beside the
     weights): its shape and dtype as its row's source keeps it in rank 0's model_states."""
     found = {}
-    read: dict[int, dict] = {}
     for row in plan.base.rows:
         for name in row.buffers:
             s = source_of[name]
             path = plan.sources[s].ranks[0].model_states
-            if s not in read:
-                obj, _records, _prefix = read_structure(path)
-                read[s] = obj.get(MODULE) if isinstance(obj, dict) else None
-            tensor = read[s].get(name) if isinstance(read[s], dict) else None
+            module = modules(s)
+            tensor = module.get(name) if module is not None else None
             kind = NAMED.get(dtype_name(tensor.storage.type_name)) if isinstance(tensor, TensorRef) else None
             if kind is None or not all(type(d) is int and d >= 0 for d in tensor.size):
                 raise CheckpointError(f"{path}: has no readable buffer {name}; the file is damaged or from "
@@ -157,5 +183,5 @@ def _jobs_of(ckpt, names: set[str], placed: dict[str, Placed], label: str,
         written += sum(placed[name].nbytes for name, _span in mine)
         jobs.append(ExportJob(f"{label} rank {rank}", files.optim_states, files.model_states, files.rows, sizes,
                               tuple(sorted((g, tuple(spans)) for g, spans in groups.items())), tuple(saved),
-                              tuple(fragments), mine, out_dtype, max(read + written, 1), max(written, 1)))
+                              tuple(fragments), mine, out_dtype, read, written))
     return jobs

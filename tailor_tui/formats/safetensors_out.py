@@ -4,9 +4,11 @@ An export knows every tensor's name, shape and dtype up front, so each file's JS
 each tensor's byte range and the shard each tensor lands in are fixed first; workers then
 write every tensor's bytes straight into place (`export_rank`), in any order, and nothing
 is ever held whole. The format (safetensors): an 8-byte little-endian header length, the
-JSON header padded with spaces to a multiple of 8, then the data; tensors laid out in name
-order. Shards as `save_pretrained` names them (`model-00001-of-00003.safetensors`, with
-`model.safetensors.index.json`), or a single `model.safetensors` when everything fits.
+JSON header padded with spaces to a multiple of 8, then the data; a file's tensors laid out in
+name order. Which tensor goes to which file, the files' names and the index are
+huggingface_hub's (`split_torch_state_dict_into_shards`, what `save_pretrained` shards by), for
+the tensors given in the state dict's order: `model-00001-of-00003.safetensors` with
+`model.safetensors.index.json`, or a single `model.safetensors` when everything fits.
 
 Torch-free.
 """
@@ -64,26 +66,41 @@ def parse_size(text: str) -> int:
     return value
 
 
+def shards(tensors: list[tuple[str, tuple[int, ...], str]],
+           max_shard: int) -> list[list[tuple[str, tuple[int, ...], str]]]:
+    """`tensors` (name, shape, safetensors dtype; in the state dict's order) split as huggingface_hub
+    splits a state dict (`split_state_dict_into_shards_factory`): in their order, a new shard begun
+    when the next tensor would take the open one past `max_shard` bytes; a tensor larger than
+    `max_shard` gets a shard of its own at once, placed before the open shard, which stays open."""
+    found: list[list[tuple[str, tuple[int, ...], str]]] = []
+    current: list[tuple[str, tuple[int, ...], str]] = []
+    size = 0
+    for tensor in tensors:
+        n = math.prod(tensor[1]) * ITEMSIZE[tensor[2]]
+        if n > max_shard:
+            found.append([tensor])
+            continue
+        if size + n > max_shard:
+            found.append(current)
+            current, size = [], 0
+        current.append(tensor)
+        size += n
+    return found + [current] if current else found
+
+
 def lay_out(tensors: list[tuple[str, tuple[int, ...], str]], max_shard: int,
             metadata: dict | None = None) -> tuple[list[ShardFile], dict[str, Placed], dict | None]:
     """(files, every tensor's place, the index to write or None) of `tensors` (name, shape,
-    safetensors dtype). Tensors go in name order, a new shard starting when the next would pass
-    `max_shard` bytes (a tensor larger than it gets a shard of its own, as save_pretrained does)."""
-    groups: list[list[tuple[str, tuple[int, ...], str]]] = [[]]
-    size = 0
-    for name, shape, dtype in sorted(tensors):
-        n = math.prod(shape) * ITEMSIZE[dtype]
-        if groups[-1] and size + n > max_shard:
-            groups.append([])
-            size = 0
-        groups[-1].append((name, shape, dtype))
-        size += n
+    safetensors dtype), given in the state dict's order: sharded by `shards`, named and indexed
+    as huggingface_hub names and indexes them (one shard: `model.safetensors` and no index).
+    No tensors at all: one `model.safetensors` holding none."""
+    groups = shards(tensors, max_shard) or [[]]
     names = [SINGLE] if len(groups) == 1 else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
                                                for i in range(len(groups))]
     files, placed = [], {}
     for file, group in zip(names, groups, strict=True):
         header, begin = {"__metadata__": {"format": "pt", **(metadata or {})}}, 0
-        for name, shape, dtype in group:
+        for name, shape, dtype in sorted(group):
             end = begin + math.prod(shape) * ITEMSIZE[dtype]
             header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
             begin = end

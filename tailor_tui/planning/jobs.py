@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from tailor_tui.checkpoints.checkpoint import RankFiles
 from tailor_tui.checkpoints.layout import Slot
+from tailor_tui.events import JobCost, RankJobCost
 from tailor_tui.formats.safetensors_in import parse_prefix
 
 BYTES_PER_ELEMENT = 4 * 3  # fp32 master weight + exp_avg + exp_avg_sq
@@ -43,7 +44,7 @@ class RowSlot(NamedTuple):
 
 
 @dataclass(frozen=True)
-class RankJob:
+class RankJob(RankJobCost):
     """Everything one worker needs to compose one rank's files (picklable)."""
 
     rank: int
@@ -60,21 +61,26 @@ class RankJob:
     row_slots: tuple[RowSlot, ...] = ()
     frozen_rows: tuple[tuple[str, str, int], ...] = ()
 
+
+class _Sized(Protocol):
     @property
-    def task(self) -> str:
-        return f"rank {self.rank}"
+    def size(self) -> int: ...
+
+
+class WeightFileCost(JobCost):
+    """A job that composes one weight file (`size` bytes): it reads as much as it writes."""
 
     @property
-    def total_bytes(self) -> int:
-        return self.read_bytes + self.write_bytes
+    def read_bytes(self: _Sized) -> int:
+        return self.size
 
     @property
-    def progress_bytes(self) -> int:
-        return self.write_bytes
+    def write_bytes(self: _Sized) -> int:
+        return self.size
 
 
 @dataclass(frozen=True)
-class ModelFileJob:
+class ModelFileJob(WeightFileCost):
     """Everything one worker needs to compose one 16-bit model file (picklable)."""
 
     name: str  # file name in the output
@@ -95,17 +101,9 @@ class ModelFileJob:
     def size(self) -> int:
         return max((end for *_x, end in parse_prefix(self.prefix).values()), default=len(self.prefix))
 
-    @property
-    def total_bytes(self) -> int:
-        return self.size * 2  # read and written
-
-    @property
-    def progress_bytes(self) -> int:
-        return self.size
-
 
 @dataclass(frozen=True)
-class BinFileJob:
+class BinFileJob(WeightFileCost):
     """Everything one worker needs to compose one torch-format weight file (picklable)."""
 
     name: str  # relative path in the output (and in the base)
@@ -119,14 +117,6 @@ class BinFileJob:
     @property
     def task(self) -> str:
         return self.name
-
-    @property
-    def total_bytes(self) -> int:
-        return self.size * 2  # read and written
-
-    @property
-    def progress_bytes(self) -> int:
-        return self.size
 
 
 WeightJob = ModelFileJob | BinFileJob

@@ -34,6 +34,7 @@ from tailor_tui.formats.ds_format import (
 )
 from tailor_tui.formats.dtypes import BY_NAME, PRECISION
 from tailor_tui.errors import CheckpointError
+from tailor_tui.events import RankJobCost
 from tailor_tui.checkpoints.layout import ZeroLayout, part, pieces, valid_elements
 from tailor_tui.formats.ptfile import read_structure
 
@@ -75,7 +76,7 @@ class Reshard:
 
 
 @dataclass(frozen=True)
-class ReshardJob:
+class ReshardJob(RankJobCost):
     """Everything one worker needs to fill output rank `rank`'s two files (picklable). Their
     structure is written beforehand (`reshard_skeleton`); the worker fills the big tensors."""
 
@@ -95,18 +96,6 @@ class ReshardJob:
     # times). A partial checkpoint's files are listed in every job taking from them: each checks the
     # slices it takes from against their recorded CRC-32s.
     verifies: frozenset = frozenset()
-
-    @property
-    def task(self) -> str:
-        return f"rank {self.rank}"
-
-    @property
-    def total_bytes(self) -> int:
-        return self.read_bytes + self.write_bytes
-
-    @property
-    def progress_bytes(self) -> int:
-        return self.write_bytes
 
 
 def optim_structure_file(files: RankFiles) -> Path:

@@ -3,7 +3,8 @@ user does there (pick, heal, save and load recipes, plan and compose, export).
 
 The screen owns the session's state (the composition, the scan, the row health) and binds
 the composer's keys (`actions`); its parts by task are mixins (`navigation`, `recipe_actions`,
-`health_actions`, `export_actions`) working on that state. Slow work (scanning, planning,
+`health_actions`, `export_actions`) working on that state, through what `host.ComposerHost`
+declares of the screen. Slow work (scanning, planning,
 statistics) runs in thread workers that post messages; widgets are touched only by handlers.
 """
 
@@ -74,7 +75,7 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
         self.metric = "rel_change"
         self.stats_cancel = threading.Event()
         self.redraw_due = False  # a redraw for arriving cells is scheduled
-        self.anchor: int | None = None  # the row a block selection (v) started at
+        self.selection_anchor: int | None = None  # the row a block selection (v) started at
         self.details_text = self.title_text = ""  # what the details panel and the title show
 
     # --- layout ------------------------------------------------------------------------
@@ -224,7 +225,7 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
         """Picks change only on the grid itself, not under a dialog or the compose screen."""
         return self.composition is not None and self.on_top
 
-    def edit(self, change: Callable[[], None]) -> None:
+    def edit(self, change: Callable[[], object]) -> None:
         try:
             change()
         except TailorError as exc:
@@ -238,7 +239,7 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
         row, column = grid.current()
         if grid.selection is not None and column is not None:  # a block of rows, one undo step
             rows = grid.selected_rows()
-            grid.selection = self.anchor = None
+            grid.selection = self.selection_anchor = None
             changed = []
             self.edit(lambda: changed.extend(self.composition.pick_rows(rows, column)))
             self.notify(f"{len(changed)} of {len(rows)} row(s) from {self.composition.checkpoints[column].name}",

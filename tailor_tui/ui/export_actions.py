@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from textual import work
 
@@ -24,11 +25,14 @@ from tailor_tui.ui.dialogs import ErrorDialog, PathPrompt
 from tailor_tui.ui.compose_screen import ComposeScreen
 from tailor_tui.ui.messages import ExportReady
 
+if TYPE_CHECKING:
+    from tailor_tui.ui.host import ComposerHost
+
 DEFAULT_SHARD = "5GB"
 
 
 class ExportActions:
-    def action_export(self) -> None:
+    def action_export(self: ComposerHost) -> None:
         if not self.editable():
             return
         comp = self.composition
@@ -54,7 +58,7 @@ class ExportActions:
         self.app.push_screen(PathPrompt("Export for evaluation (a plain HF model folder) to", str(default)), chosen)
 
     @work(thread=True, exclusive=True, group="plan")
-    def export_worker(self, recipe, config: Path | None) -> None:
+    def export_worker(self: ComposerHost, recipe, config: Path | None) -> None:
         try:
             export = plan_export(build_plan(recipe), None, parse_size(DEFAULT_SHARD))
             config_source(export, config)  # a folder without config.json is said now, not after the weights
@@ -62,7 +66,7 @@ class ExportActions:
         except TailorError as exc:
             self.app.call_from_thread(self.export_failed, str(exc))
 
-    def on_export_ready(self, message: ExportReady) -> None:
+    def on_export_ready(self: ComposerHost, message: ExportReady) -> None:
         export = message.export
         if config_source(export, message.config) is None:
             self.notify("no config.json for this model: the folder will hold the weights only; export again "
@@ -76,5 +80,5 @@ class ExportActions:
                                          finished=self.compose_finished),
                              self.compose_closed)
 
-    def export_failed(self, message: str) -> None:
+    def export_failed(self: ComposerHost, message: str) -> None:
         self.app.push_screen(ErrorDialog(message, title="Cannot export"))

@@ -7,6 +7,7 @@ themselves come from the headless core (`stats_run`), in a thread worker with a 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Any
 
 from textual import work
 
@@ -18,15 +19,18 @@ from tailor_tui.ui.dialogs import Confirm
 from tailor_tui.ui.describe import LABEL, next_metric
 from tailor_tui.ui.messages import CellsArrived, HealthEnded, HealthProgressed
 
+if TYPE_CHECKING:
+    from tailor_tui.ui.host import ComposerHost
+
 
 class HealthActions:
     """Statistics of every cell, the heatmap metric (m) and healing (h)."""
 
     @work(thread=True, exclusive=True, group="stats")
-    def stats_worker(self, checkpoints) -> None:
+    def stats_worker(self: ComposerHost, checkpoints) -> None:
         """Statistics of every cell, newest checkpoint first, from the cache where it has them;
         the grid stays usable throughout (it only gets messages)."""
-        progress = {"total": 0, "tasks": {}, "last": 0.0}
+        progress: dict[str, Any] = {"total": 0, "tasks": {}, "last": 0.0}
 
         def emit(event) -> None:
             if isinstance(event, CellsComputed):
@@ -52,12 +56,12 @@ class HealthActions:
         else:
             self.post_message(HealthEnded())
 
-    def on_health_progressed(self, message: HealthProgressed) -> None:
+    def on_health_progressed(self: ComposerHost, message: HealthProgressed) -> None:
         if self.health_status is not None and message.total:
             self.health_status = f"statistics {message.done / message.total:.0%}"
             self.update_title()
 
-    def on_cells_arrived(self, message: CellsArrived) -> None:
+    def on_cells_arrived(self: ComposerHost, message: CellsArrived) -> None:
         if self.health is None:
             return
         self.health.add(message.column, message.cells)
@@ -65,25 +69,25 @@ class HealthActions:
             self.redraw_due = True
             self.set_timer(0.25, self.redraw_health)
 
-    def redraw_health(self) -> None:
+    def redraw_health(self: ComposerHost) -> None:
         self.redraw_due = False
         self.health_version += 1
         self.refresh_view()
 
-    def on_health_ended(self, message: HealthEnded) -> None:
+    def on_health_ended(self: ComposerHost, message: HealthEnded) -> None:
         self.health_status = None
         self.health_version += 1
         if message.problem:
             self.notify(message.problem, title="No row statistics", severity="warning", timeout=8)
         self.refresh_view()
 
-    def action_cycle_metric(self) -> None:
+    def action_cycle_metric(self: ComposerHost) -> None:
         if self.editable():
             self.metric = next_metric(self.metric)
             self.notify(f"heatmap: {LABEL[self.metric]}", timeout=2)
             self.refresh_view()
 
-    def action_heal(self) -> None:
+    def action_heal(self: ComposerHost) -> None:
         """Every row from the newest checkpoint where it is healthy; shown first, one undo step."""
         if not self.editable() or self.health is None:
             return

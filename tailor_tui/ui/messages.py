@@ -6,12 +6,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from textual.message import Message
 
 from tailor_tui.checkpoints.scan import ScanResult
 from tailor_tui.events import TaskProgressed
 from tailor_tui.planning.plan import ComposePlan
+
+if TYPE_CHECKING:
+    from tailor_tui.compose.folder import ComposeResult
+    from tailor_tui.export.folder import ExportResult
+    from tailor_tui.export.plan import Export
+    from tailor_tui.planning.recipe import Recipe
 
 
 @dataclass(eq=False)
@@ -60,8 +67,8 @@ class PlanReady(Message):
 
 @dataclass(eq=False)
 class ExportReady(Message):
-    export: object  # export.plan.Export
-    config: object  # the model's config.json or its folder (as --config), or None
+    export: Export
+    config: Path | None  # the model's config.json or its folder (as --config)
 
 
 @dataclass(eq=False)
@@ -71,7 +78,7 @@ class PlanFailed(Message):
 
     message: str
     replaceable: Path | None = None
-    recipe: object = None
+    recipe: Recipe | None = None
 
 
 @dataclass(eq=False)
@@ -86,7 +93,7 @@ class ComposeProgressed(Message):
 
 @dataclass(eq=False)
 class ComposeFinished(Message):
-    result: object  # compose.folder.ComposeResult or export.folder.ExportResult
+    result: ComposeResult | ExportResult
 
 
 @dataclass(eq=False)

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tailor_tui.ui.dialogs import PathPrompt
 from tailor_tui.ui.grid import CheckpointGrid
+
+if TYPE_CHECKING:
+    from tailor_tui.ui.host import ComposerHost
 
 
 class Navigation:
     """g / G, / (jump to a row), v and shift+arrows (select rows)."""
 
-    def action_select_rows(self) -> None:
+    def action_select_rows(self: ComposerHost) -> None:
         """Start (or drop) a block selection at the cursor's row; moving up or down extends it."""
         if not self.editable():
             return
@@ -17,11 +22,11 @@ class Navigation:
         if grid.selection is not None:
             self.action_clear_selection()
             return
-        self.anchor = grid.cursor_coordinate.row
-        grid.selection = (self.anchor, self.anchor)
+        self.selection_anchor = grid.cursor_coordinate.row
+        grid.selection = (self.selection_anchor, self.selection_anchor)
         self.refresh_view()
 
-    def action_extend_selection(self, step: int) -> None:
+    def action_extend_selection(self: ComposerHost, step: int) -> None:
         if not self.editable():
             return
         grid = self.query_one(CheckpointGrid)
@@ -29,31 +34,31 @@ class Navigation:
             self.action_select_rows()
         grid.move_cursor(row=max(0, min(grid.row_count - 1, grid.cursor_coordinate.row + step)))
 
-    def action_clear_selection(self) -> None:
+    def action_clear_selection(self: ComposerHost) -> None:
         grid = self.query_one(CheckpointGrid)
         if grid.selection is not None:
-            grid.selection = self.anchor = None
+            grid.selection = self.selection_anchor = None
             self.refresh_view()
 
-    def follow_selection(self) -> None:
+    def follow_selection(self: ComposerHost) -> None:
         grid = self.query_one(CheckpointGrid)
-        if grid.selection is not None and self.anchor is not None:
+        if grid.selection is not None and self.selection_anchor is not None:
             cursor = grid.cursor_coordinate.row
-            selection = (min(self.anchor, cursor), max(self.anchor, cursor))
+            selection = (min(self.selection_anchor, cursor), max(self.selection_anchor, cursor))
             if selection != grid.selection:
                 grid.selection = selection
                 self.refresh_view()
 
-    def action_first_row(self) -> None:
+    def action_first_row(self: ComposerHost) -> None:
         if self.editable():
             self.query_one(CheckpointGrid).move_cursor(row=0)
 
-    def action_last_row(self) -> None:
+    def action_last_row(self: ComposerHost) -> None:
         if self.editable():
             grid = self.query_one(CheckpointGrid)
             grid.move_cursor(row=grid.row_count - 1)
 
-    def action_jump(self) -> None:
+    def action_jump(self: ComposerHost) -> None:
         """Go to the first row whose name starts with (else contains) what is typed."""
         if not self.editable():
             return

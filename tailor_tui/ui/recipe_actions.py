@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tailor_tui.errors import TailorError
 from tailor_tui.planning.recipe import load_recipe
 from tailor_tui.team.sbatch import write_sbatch
 from tailor_tui.ui.dialogs import Confirm, ErrorDialog, PathPrompt
 
+if TYPE_CHECKING:
+    from tailor_tui.ui.host import ComposerHost
+
 
 class RecipeActions:
     """ctrl+s, S (save as) and ctrl+o: a recipe that failed to load is never the save target;
     w: the world size to compose for (in the recipe too)."""
 
-    def action_set_world_size(self, then_plan: bool = False) -> None:
+    def action_set_world_size(self: ComposerHost, then_plan: bool = False) -> None:
         """Ask for the data-parallel world size to compose for (empty: the base's); from the plan
         dialog (`then_plan`), show the plan again with it."""
         comp = self.composition
@@ -42,7 +46,7 @@ class RecipeActions:
         self.app.push_screen(PathPrompt(f"World size to compose for (the base: {base} ranks; empty keeps it)",
                                     str(comp.world_size or "")), done)
 
-    def action_save_recipe(self, then=None) -> None:
+    def action_save_recipe(self: ComposerHost, then=None) -> None:
         """Save the picks (asking where, the first time); `then(path)` once they are saved."""
         comp = self.composition
         if comp is None:
@@ -52,7 +56,7 @@ class RecipeActions:
         else:
             self.action_save_recipe_as(then=then)
 
-    def action_save_recipe_as(self, then=None) -> None:
+    def action_save_recipe_as(self: ComposerHost, then=None) -> None:
         comp = self.composition
         if comp is None:
             return
@@ -64,7 +68,7 @@ class RecipeActions:
         default = comp.recipe_path or self.options.recipe or Path("recipe.yaml")
         self.app.push_screen(PathPrompt("Save the recipe as", str(default)), done)
 
-    def action_write_batch_job(self, bytes_to_write: int) -> None:
+    def action_write_batch_job(self: ComposerHost, bytes_to_write: int) -> None:
         """Save the recipe, then write the sbatch script that composes it over several nodes."""
         def write(recipe: Path) -> None:
             try:
@@ -76,7 +80,7 @@ class RecipeActions:
 
         self.action_save_recipe(then=write)
 
-    def save_to(self, path: Path, confirmed: bool = False, then=None) -> None:
+    def save_to(self: ComposerHost, path: Path, confirmed: bool = False, then=None) -> None:
         """Save there; a file the composer did not load or save is replaced only when confirmed;
         `then(path)` once saved."""
         target = self.composition.recipe_path
@@ -100,7 +104,7 @@ class RecipeActions:
         if then is not None:
             then(Path(saved))
 
-    def action_load_recipe(self) -> None:
+    def action_load_recipe(self: ComposerHost) -> None:
         if not self.editable():
             return
 
@@ -120,7 +124,7 @@ class RecipeActions:
                                      "replaces them (undo brings them back).", accept="Load", decline="Back"),
                              ask_path)
 
-    def adopt_recipe(self, path: Path) -> None:
+    def adopt_recipe(self: ComposerHost, path: Path) -> None:
         try:
             self.composition.load(load_recipe(path))
         except TailorError as exc:

@@ -1,0 +1,97 @@
+"""What the composer screen's parts (`navigation`, `recipe_actions`, `health_actions`,
+`export_actions`) need of the screen they are mixed into, declared once (`ComposerHost`).
+
+Each part's methods take `self: ComposerHost`: a type checker holds every part to what is
+declared here and `ComposerScreen` to providing it (tests/test_structure.py checks, without
+one, that the parts use nothing more and nothing less).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from textual.app import App
+    from textual.message import Message
+    from textual.notifications import SeverityLevel
+    from textual.timer import Timer, TimerCallback
+    from textual.widget import Widget
+    from textual.worker import Worker
+
+    from tailor_tui.compose.composition import Composition
+    from tailor_tui.health.healing import Health
+    from tailor_tui.planning.recipe import Recipe
+    from tailor_tui.ui.composer import ComposerOptions
+
+    W = TypeVar("W", bound=Widget)
+
+
+class ComposerHost(Protocol):
+    """The composer screen, as its parts see it."""
+
+    # --- of Textual's screen ---------------------------------------------------------------
+
+    @property
+    def app(self) -> App[Any]: ...
+
+    def notify(self, message: str, *, title: str = ..., severity: SeverityLevel = ...,
+               timeout: float | None = ...) -> None: ...
+
+    def query_one(self, selector: type[W]) -> W: ...
+
+    def post_message(self, message: Message) -> bool: ...
+
+    def set_timer(self, delay: float, callback: TimerCallback | None = ...) -> Timer: ...
+
+    # --- the session's state (`ComposerScreen.__init__`) ------------------------------------
+
+    options: ComposerOptions
+    composition: Composition | None
+    composing: bool  # a composition or an export runs on the compose screen
+    health: Health | None
+    health_version: int
+    health_status: str | None
+    metric: str
+    stats_cancel: threading.Event
+    redraw_due: bool
+    selection_anchor: int | None
+
+    # --- the screen's own ---------------------------------------------------------------------
+
+    def rel(self, path: Path | None) -> str: ...
+
+    def update_title(self) -> None: ...
+
+    def refresh_view(self) -> None: ...
+
+    def editable(self) -> bool: ...
+
+    def edit(self, change: Callable[[], object]) -> None: ...
+
+    def plan_worker(self, recipe: Recipe, force: bool = False) -> Worker[None]: ...
+
+    def compose_finished(self, result: Any) -> None: ...
+
+    def compose_closed(self, _result: Any = None) -> None: ...
+
+    # --- the parts' own, that their methods call through the screen -----------------------
+
+    def action_select_rows(self) -> None: ...
+
+    def action_clear_selection(self) -> None: ...
+
+    def action_save_recipe(self, then: Callable[[Path], None] | None = None) -> None: ...
+
+    def action_save_recipe_as(self, then: Callable[[Path], None] | None = None) -> None: ...
+
+    def save_to(self, path: Path, confirmed: bool = False, then: Callable[[Path], None] | None = None) -> None: ...
+
+    def adopt_recipe(self, path: Path) -> None: ...
+
+    def redraw_health(self) -> None: ...
+
+    def export_worker(self, recipe: Recipe, config: Path | None) -> Worker[None]: ...
+
+    def export_failed(self, message: str) -> None: ...
