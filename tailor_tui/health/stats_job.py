@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from tailor_tui.checkpoints.checkpoint import RankFiles
 from tailor_tui.checkpoints.layout import ZeroLayout
+from tailor_tui.events import JobCost
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,8 @@ class SlotTable:
 
 
 @dataclass(frozen=True)
-class StatsJob:
-    """Everything one worker needs for one rank of one checkpoint (picklable)."""
+class StatsJob(JobCost):
+    """Everything one worker needs for one rank of one checkpoint (picklable); it only reads."""
 
     key: str  # the cache key: identities of every file read and what is read of them
     checkpoint: int
@@ -61,7 +62,7 @@ class StatsJob:
     rows: frozenset  # the rows to read
     frozen: tuple[tuple[str, str], ...]  # (row, parameter) of frozen parameters
     prev: tuple[tuple[str, RankFiles], ...]  # (row, this rank's files of the row's previous checkpoint)
-    bytes_to_read: int
+    read_bytes: int
     table: SlotTable | None = None  # the rows' slots, for reading the flat tensors all at once
 
     @property
@@ -69,12 +70,8 @@ class StatsJob:
         return f"{self.label} rank {self.rank}"
 
     @property
-    def total_bytes(self) -> int:
-        return self.bytes_to_read
-
-    @property
-    def progress_bytes(self) -> int:
-        return self.bytes_to_read  # statistics only read
+    def write_bytes(self) -> int:
+        return 0  # statistics only read
 
     @property
     def group_sizes(self) -> tuple[int, ...]:
