@@ -16,7 +16,9 @@ recomputed over bad bytes).
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Callable
 
+_c_combine: Callable[[int, int, int], int] | None
 try:  # ISA-L's CRC-32 (carry-less multiply): about 3x zlib's on x86-64 and ARM
     from isal.isal_zlib import crc32, crc32_combine as _c_combine
 except ImportError:  # no wheel for this platform: zlib gives the same values, slower

@@ -47,7 +47,7 @@ def exit_codes_help() -> str:
 class TailorError(Exception):
     """A failure the user can act on; `str(err)` is the whole one-line message."""
 
-    exit_code = ExitCode.INTERNAL
+    exit_code: int = ExitCode.INTERNAL  # an ExitCode; a team's failure carries the code another process failed with
 
 
 class UsageError(TailorError):

@@ -8,7 +8,7 @@ import errno
 import os
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
 from tailor_tui.errors import CheckpointError, OutputError
 from tailor_tui.reading import pread_exact
@@ -18,14 +18,15 @@ CHUNK = 64 << 20
 
 def output_error(exc: OSError, path: Path) -> OutputError:
     """Turn an OSError while writing `path` into one clear line."""
-    reason = {
+    reasons: dict[int | None, str] = {
         errno.ENOSPC: "the disk is full",
         errno.EDQUOT: "the disk quota is exceeded",
         errno.EFBIG: "the file size limit was hit (ulimit -f)",
         errno.EROFS: "the file system is read-only",
         errno.EACCES: "permission denied",
         errno.EPERM: "permission denied",
-    }.get(exc.errno, exc.strerror or str(exc))
+    }
+    reason = reasons.get(exc.errno, exc.strerror or str(exc))
     return OutputError(
         f"{path}: cannot write ({reason}); nothing was left at the output path, "
         "free space or choose another output folder"
@@ -261,7 +262,7 @@ class Writeback:
     """
 
     STEP = 32 << 20
-    _call = None
+    _call: Callable[[int, int, int, int], int] | Literal[False] | None = None  # sync_file_range, once looked up
 
     def __init__(self, fd: int, durable: bool = True):
         self.fd, self.started, self.durable = fd, 0, durable
@@ -275,7 +276,7 @@ class Writeback:
             self.started = written_to
 
 
-def _sync_file_range():
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
     import ctypes
 
     call = getattr(_libc(), "sync_file_range", None)

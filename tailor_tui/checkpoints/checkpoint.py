@@ -50,6 +50,7 @@ class RankFiles:
     def existing(self) -> tuple[Path, ...]:
         if self.rows is None:
             return (self.model_states, self.optim_states)
+        assert self.skeleton is not None, "a partial rank names its skeleton file too"
         return (self.model_states, self.rows, self.skeleton)
 
 
@@ -367,5 +368,5 @@ def tied_members(ckpt: Checkpoint, row) -> list[tuple[str, str, str]]:
     if row.tied:
         return []
     index = row_index(ckpt.rows)
-    return [(alias, target, index.row_of(target)) for alias, target in row.aliases
-            if index.row_of(target) not in (None, row.name)]
+    return [(alias, target, owner) for alias, target in row.aliases
+            if (owner := index.row_of(target)) is not None and owner != row.name]

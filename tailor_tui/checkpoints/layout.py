@@ -138,7 +138,8 @@ class ZeroLayout:
         """This layout as DeepSpeed lays the same parameters out at `world_size`: each optimizer
         param group (`param_groups`: the sub-groups it holds here) split again into sub-groups
         by `sub_groups`. Returns the layout and the sub-groups of each param group in it."""
-        groups, members = [], []
+        groups: list[tuple[tuple[str, tuple[int, ...]], ...]] = []
+        members: list[tuple[int, ...]] = []
         for held in param_groups:
             params = [p for g in held for p in self.groups[g]]
             split = sub_groups(params, world_size, sub_group_size) if params else []

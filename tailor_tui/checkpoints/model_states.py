@@ -81,9 +81,9 @@ def _precision(states: dict, layout: ZeroLayout) -> str:
 
 def _element_type(tensor) -> str | None:
     """A saved tensor's element type: its storage type (torch-free reader) or torch dtype."""
-    storage = getattr(tensor, "storage", None)
-    if isinstance(getattr(storage, "type_name", None), str):
-        return storage.type_name
+    type_name = getattr(getattr(tensor, "storage", None), "type_name", None)
+    if isinstance(type_name, str):
+        return type_name
     dtype = getattr(tensor, "dtype", None)
     return str(dtype).removeprefix("torch.") if dtype is not None else None
 

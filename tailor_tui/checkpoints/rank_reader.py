@@ -28,8 +28,8 @@ from tailor_tui.events import ByteCounter
 from tailor_tui.formats.ds_format import MODULE, TENSORS, flat_tensor, optimizer_state
 from tailor_tui.formats.nonfinite import Census
 from tailor_tui.formats.pickled import dtype_name
-from tailor_tui.formats.ptfile import Record, TensorBytes, Unsupported, checked_crcs, frozen_fragment_bytes, locate, \
-    read_structure
+from tailor_tui.formats.ptfile import Record, Structure, TensorBytes, Unsupported, checked_crcs, \
+    frozen_fragment_bytes, locate, read_structure
 from tailor_tui.reading import crc_range
 
 # The read buffer every streaming reader reuses: on this kind of VM fresh 64 MiB buffers ran at
@@ -93,11 +93,11 @@ class RankReader:
 
     def __init__(self, files, group_sizes: tuple[int, ...]):
         self.files, self.group_sizes = files, tuple(group_sizes)
-        self._structure = None
-        self._flat: dict | None = None
+        self._structure: Structure | None = None
+        self._flat: dict[tuple[int, str], TensorBytes] | None = None
         self._rows: tuple[dict, dict] | None = None
         self._fragments: dict[str, TensorBytes] = {}
-        self._model = None
+        self._model: Structure | None = None
 
     @property
     def partial(self) -> bool:
@@ -110,7 +110,7 @@ class RankReader:
 
     # -- a full save's optim file ----------------------------------------------------------------
 
-    def structure(self) -> tuple:
+    def structure(self) -> Structure:
         """(pickled object, {name: Record}, prefix) of the optim file (`ptfile.read_structure`)."""
         if self._structure is None:
             self._structure = read_structure(self.files.optim_states, shared=True)
@@ -152,18 +152,20 @@ class RankReader:
         on; a partial save as tensor `{key}/{param}` of its rows file, checked to hold the slice's
         `valid` fp32 elements (its recorded CRC-32 covers those) and the `count` taken from `within`."""
         if self.partial:
+            assert param is not None, "a partial save's slices are found by parameter"
             tensors, crcs = self.rows()
             begin = partial_slice(self.files.rows, tensors, key, param, max(valid, within + count))[2]
             name = f"{key}/{param}"
             return Place(self.files.rows, begin + within * 4, None, FP32[0], FP32[1],
                          SliceCheck(self.files.rows, name, begin, valid * 4, crcs.get(name)))
+        assert group is not None, "a full save's slices are found by sub-group"
         tb = self.flat()[group, key]
         return Place(self.files.optim_states, tb.offset + (offset + within) * tb.itemsize, tb.record, tb.dtype,
                      tb.itemsize)
 
     # -- model_states ----------------------------------------------------------------------------
 
-    def model_structure(self) -> tuple:
+    def model_structure(self) -> Structure:
         """(pickled object, {name: Record}, prefix) of model_states, read once."""
         if self._model is None:
             self._model = read_structure(self.files.model_states)
@@ -186,14 +188,15 @@ class RankReader:
                                   "or from another model") from None
 
 
-def flat_tensor_bytes(obj, records: dict, prefix: str, path: Path, group_sizes: tuple[int, ...]) -> dict:
+def flat_tensor_bytes(obj, records: dict[str, Record], prefix: str, path: Path,
+                      group_sizes: tuple[int, ...]) -> dict[tuple[int, str], TensorBytes]:
     """{(sub-group, key): TensorBytes} of the flat tensors of an optim file read by `read_structure`."""
     inner = optimizer_state(obj, path, group_sizes)
     return {(g, key): locate(flat_tensor(inner, g, key), records, prefix)
             for g in range(len(group_sizes)) for key in TENSORS}
 
 
-def tensor_bytes(path: Path, group_sizes: tuple[int, ...]) -> dict:
+def tensor_bytes(path: Path, group_sizes: tuple[int, ...]) -> dict[tuple[int, str], TensorBytes]:
     """`flat_tensor_bytes` of the optim file `path`."""
     return flat_tensor_bytes(*read_structure(path, shared=True), path, group_sizes)
 
@@ -204,7 +207,7 @@ def read_and_check(fd: int, path: Path, records, ranges: set, buffer: memoryview
     CRC-32 (`ptfile.checked_crcs`), and return the CRC of each (record, offset, length) in
     `ranges` as {(offset, length): crc}; `census` counts non-finite values on the way, and
     `also(offset, chunk)` sees every chunk too."""
-    found = {}
+    found: dict[tuple[int, int], int] = {}
     inspect = census.inspect if census is not None else None
     if also is not None:
         inspect = also if inspect is None else _both(inspect, also)

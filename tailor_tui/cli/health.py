@@ -46,6 +46,7 @@ def _health(run_dir: Path, args, progress: str, slow_down: float):
             report.close()
     if not team.lead:
         return None
+    assert report is not None, "process 0 reports"
     if args.report_peak_rss:
         print(f"peak RSS: {report.peak_rss} bytes", file=sys.stderr)
     return health

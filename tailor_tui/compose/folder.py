@@ -19,6 +19,7 @@ import zipfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 from tailor_tui.compose.bin_files import compose_bin_file
 from tailor_tui.checkpoints.checkpoint import MODEL_FILE_INDEX, PROVENANCE, read_latest
@@ -26,14 +27,15 @@ from tailor_tui.errors import Cancelled, OutputError
 from tailor_tui.events import Emit, TaskFinished, TaskOptions
 from tailor_tui.fileio import copy_file, fsync_dir, output_error, write_file
 from tailor_tui.health.guard import nonfinite_error
-from tailor_tui.planning.jobs import BinFileJob
+from tailor_tui.planning.jobs import BinFileJob, RankJob, WeightJob
 from tailor_tui.compose.model_files import compose_model_file
 from tailor_tui.planning.provenance import plan_digest, provenance
 from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.formats.ptfile import check_crcs
 from tailor_tui.compose.rank_reshard import reshard_rank
 from tailor_tui.compose.rank_task import compose_rank
-from tailor_tui.resharding.skeleton import skeleton
+from tailor_tui.resharding.partition import ReshardJob
+from tailor_tui.resharding.skeleton import Skeleton, skeleton
 from tailor_tui.team.team import SOLO, Team
 from tailor_tui.team.transaction import PublishingWork, Task, run_as_team
 from tailor_tui.team.workers import default_workers
@@ -111,7 +113,7 @@ class Composing(PublishingWork):
 
     def tasks(self, shared: str, emit: Emit) -> list[Task]:
         tag_dir = self.folder(shared) / self.plan.base.tag
-        rank_args = (tag_dir,)
+        rank_args: tuple[Path] | tuple[Path, Skeleton] = (tag_dir,)
         if self.plan.reshard is not None:  # the structure every output rank file shares: made once, here
             rank_args = (tag_dir, skeleton(self.plan.base, self.plan.sources, self.plan.buffer_sources(),
                                            self.plan.reshard))
@@ -128,12 +130,13 @@ class Composing(PublishingWork):
 
     def report(self, mine: list[Task], results: list) -> dict:
         nonfinite = sum((Counter(r) for r in results if r), Counter())
-        names = self.plan.output_rank_files()
+        names, tmp = self.plan.output_rank_files(), self.tmp
+        assert tmp is not None, "folder() named it before any task ran"
         files = [f"{self.plan.base.tag}/{name}" for t in mine if t.call is self.rank_call
-                 for name in names[t.job.rank]]
-        files += [t.job.name for t in mine if t.call is not self.rank_call]
+                 for name in names[cast("RankJob | ReshardJob", t.job).rank]]
+        files += [cast(WeightJob, t.job).name for t in mine if t.call is not self.rank_call]
         return {"nonfinite": dict(nonfinite), "peak": self.peak,
-                "files": {f: _size_of(self.tmp / f) for f in files}}
+                "files": {f: _size_of(tmp / f) for f in files}}
 
     def gathered(self, reports: list, lead: bool, emit: Emit) -> None:
         self.nonfinite = sum((Counter(d["nonfinite"]) for d in reports), Counter())
@@ -142,6 +145,7 @@ class Composing(PublishingWork):
 
     def publish(self) -> None:
         plan, tmp = self.plan, self.tmp
+        assert tmp is not None, "folder() named it before any task ran"
         _confirm_sizes(tmp, self.reports)
         if self.nonfinite and not self.allow_nonfinite:
             raise nonfinite_error(plan, self.nonfinite)

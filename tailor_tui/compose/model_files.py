@@ -122,20 +122,24 @@ class _Fills:
             valid = slot.valid(rank)
             if not valid:
                 continue
-            if files.rows not in self.rows_index:
-                self.rows_index[files.rows] = RankReader(files, ())
-            place = self.rows_index[files.rows].place("fp32", param=name, group=None, offset=0, valid=valid)
+            rows = files.rows
+            assert rows is not None, "a partial source's ranks have rows files"
+            if rows not in self.rows_index:
+                self.rows_index[rows] = RankReader(files, ())
+            place = self.rows_index[rows].place("fp32", param=name, group=None, offset=0, valid=valid)
+            saved = place.slice
+            assert saved is not None, "a partial save's place names its slice"
             begin = place.at
             at = offset + rank * slot.part * itemsize
             value = 0  # the slice's CRC-32, checked against the one its save recorded
             for start in range(0, valid, CAST_CHUNK):
                 n = min(CAST_CHUNK, valid - start)
                 view = buffer[: n * 4]
-                pread_into(self.fd(files.rows), view, begin + start * 4)
+                pread_into(self.fd(rows), view, begin + start * 4)
                 value = crc.crc32(view, value)
                 # F32: the master weights are the model's weights
                 pwrite_all(self.fout, view if dtype == "F32" else _cast(view, dtype), at + start * itemsize)
-            place.slice.check(value)
+            saved.check(value)
 
 
 def _cast(view: memoryview, dtype: str) -> bytes:

@@ -40,6 +40,7 @@ def build_optim_states_from_skeleton(job: RankJob, out: Path, counter: ByteCount
     Memory: the skeleton and one small buffer, whatever the file size. Returns the non-finite
     values of each row, counted as the written records are read back for their CRC-32.
     """
+    assert job.files[0].skeleton is not None, "a partial base names its skeleton file"
     skeleton = Rewritable(job.files[0].skeleton)
     inner = _skeleton_state(skeleton.obj, skeleton.path, job.group_sizes)
     fills = dict(skeleton.fills)

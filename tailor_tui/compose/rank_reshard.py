@@ -147,7 +147,7 @@ def _check(fills: list, sources: _Sources, counter: ByteCounter, buffer: memoryv
     keep = sum(n for wanted in alone.values() for _at, n in wanted) <= KEEP_BYTES
     result = Checked({}, {})
     crcs = result.crcs
-    nonfinite = Counter()
+    nonfinite: Counter[str] = Counter()
     for path in sorted(ranges.keys() | slices.keys() | verifies.keys()):
         census = Census(regions[path])
         fd = sources.fd(path)

@@ -72,8 +72,8 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counte
         sources = {s: readers[s].flat() for s in used if not readers[s].partial}
     except Unsupported:
         return None
-    for s, theirs in sources.items():
-        check_dtypes(base, theirs, job.files[s].optim_states)
+    for s, flats in sources.items():
+        check_dtypes(base, flats, job.files[s].optim_states)
     slots = defaultdict(list)
     for slot in job.row_slots:
         slots[slot.source].append(slot)
@@ -107,7 +107,7 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counte
                                          {(sp.source_record, sp.source_at, sp.length) for sp in ahead},
                                          sweep.buffer, counter, census[s])
                 new.update({(s, at): value for (at, _n), value in checked.items()})
-            old = {}  # (offset, length) -> the CRC-32 of the base's bytes a span replaces
+            old: dict[tuple[int, int], int] = {}  # (offset, length) -> the CRC-32 of the base's bytes a span replaces
             for record in records:
                 sweep.copy_to(record.data_offset, new, census)  # its local header (and what lies before)
                 mine = [(sp.at, sp.length) for sp in spans if sp.record is record]
@@ -126,7 +126,7 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counte
                     new.update({(s, at): value for (at, _n), value in
                                 zip(theirs.ranges, checked_ranges(job.files[s].optim_states, q, theirs))})
             sweep.copy_to(os.fstat(fin).st_size, new, census)  # the zip's directory
-            crc_changes = defaultdict(int)
+            crc_changes: defaultdict[Record, int] = defaultdict(int)
             for sp in spans:
                 tail = sp.record.data_offset + sp.record.size - sp.at - sp.length
                 crc_changes[sp.record] ^= crc.shift(old[sp.at, sp.length] ^ new[sp.source, sp.source_at], tail)
@@ -135,6 +135,7 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counte
                 tail = record.data_offset + record.size - at - length
                 crc_changes[record] ^= crc.shift(value ^ crc.zeros(length), tail)
             for record, change in crc_changes.items():
+                assert record.crc is not None, "the base is a zip archive: its records have CRC-32s"
                 for at in record.crc_offsets:
                     os.pwrite(fout, struct.pack("<I", record.crc ^ change), at)
             fsync(fout, counter.options.durable)
@@ -166,13 +167,14 @@ def _in_step(spans: list[Span]) -> dict[int, list[tuple[int, Record, int]]]:
     {id(base record): [(source, its record, its offsets minus the base record's)]}. A record
     qualifies when it has a CRC-32 (zip), the base record's size, and all its spans lie in that one
     record at that one distance: the same layout, as every full source of a run has."""
-    by_record = defaultdict(list)
+    by_record: defaultdict[int, list[Span]] = defaultdict(list)
     for sp in spans:
         if sp.source_record is not None:
             by_record[id(sp.source_record)].append(sp)
-    steps = defaultdict(list)
+    steps: defaultdict[int, list[tuple[int, Record, int]]] = defaultdict(list)
     for mine in by_record.values():
         q, r = mine[0].source_record, mine[0].record
+        assert q is not None, "by_record holds spans from a full source's record only"
         delta = q.data_offset - r.data_offset
         if q.crc is not None and q.size == r.size and all(sp.record is r and sp.source_at - sp.at == delta
                                                            for sp in mine):

@@ -30,7 +30,9 @@ def compose_rank(job: RankJob, out_tag_dir: Path, emit: Emit, cancelled: Callabl
     out_optim = out_tag_dir / base_files.optim_states.name
     if base_files.rows is not None:  # a partial base has no optim file to copy: build it
         nonfinite = build_optim_states_from_skeleton(job, out_optim, counter)
-    elif (nonfinite := stream_optim_states(job, out_optim, counter)) is None:
+    elif (streamed := stream_optim_states(job, out_optim, counter)) is not None:
+        nonfinite = streamed
+    else:
         from tailor_tui.compose.rank_torch import reserialise_optim_states
 
         nonfinite = reserialise_optim_states(job, out_optim, counter)

@@ -30,7 +30,7 @@ def save_pt(obj, path: Path, on_bytes: Callable[[int], None] | None, durable: bo
     try:
         with open(path, "wb") as f:
             writer = CountingWriter(f, on_bytes) if on_bytes is not None else None
-            torch.save(obj, writer or f)
+            torch.save(obj, writer or f)  # type: ignore[arg-type]  # any object with write(); the stub says IO
             f.flush()
             fsync(f.fileno(), durable)
     except OSError as exc:
@@ -45,7 +45,7 @@ def reserialise_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> C
     """Load (memory-mapped), build whole flat tensors, torch.save: the fallback for base
     archives the streaming path does not handle. Memory: the composed rank file. Returns
     the non-finite values of each row, counted in memory."""
-    nonfinite = Counter()
+    nonfinite: Counter[str] = Counter()
     base_files = job.files[0]
     base = load_pt(base_files.optim_states)
     inner = optimizer_state(base, base_files.optim_states, job.group_sizes)
@@ -122,7 +122,7 @@ def compose_model_states(job: RankJob, out: Path, counter: ByteCounter) -> Count
     for name, s in job.buffers:
         states[MODULE][name] = source(s)[MODULE][name].clone()
     save_pt(states, out, counter.add, counter.options.durable)
-    nonfinite = Counter()
+    nonfinite: Counter[str] = Counter()
     for row, name, _source in job.frozen_rows:
         nonfinite[row] += _count(states[FROZEN_PARAM_FRAGMENTS][name])
     return +nonfinite

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -61,10 +61,10 @@ def export_rank(job: ExportJob, out_dir: Path, emit: Emit, cancelled: Callable[[
                                           f"{dtype_name(flat.dtype)}, not fp32; the file is not a ZeRO-3 optimizer state")
                 _stream(fd, job.optim_states, flat, spans, "float32", job.out_dtype, out_fd, buffer, counter)
         if job.frozen:
-            located = reader.fragments([name for name, _span in job.frozen])
+            fragments = reader.fragments([name for name, _span in job.frozen])
             fd = open_fd(stack, job.model_states)
             for name, span in job.frozen:
-                tb = located[name]
+                tb = fragments[name]
                 _stream(fd, job.model_states, tb, [span], dtype_name(tb.dtype), job.out_dtype, out_fd, buffer,
                         counter)
         if job.buffers:
@@ -74,22 +74,25 @@ def export_rank(job: ExportJob, out_dir: Path, emit: Emit, cancelled: Callable[[
                 kind = dtype_name(tb.dtype)
                 _stream(fd, job.model_states, tb, [span], kind, kind, out_fd, buffer, counter)
         if job.saved:  # (the header was checked against the file's size: no slice runs past its end)
+            assert job.rows is not None, "a job with saved slices reads a partial save's rows file"
             fd = open_fd(stack, job.rows)
             out_size = np.dtype(_NUMPY[_OUT.get(job.out_dtype, job.out_dtype)]).itemsize
             for name, span in job.saved:
                 place = reader.place("fp32", param=name, group=None, offset=0, valid=span.count)
+                saved = place.slice
+                assert saved is not None, "a partial save's place names its slice"
 
                 def write_cast(offset: int, chunk: memoryview, span=span, begin=place.at) -> None:
                     pwrite_all(out_fd(span.out_file), cast(chunk, "float32", job.out_dtype),
                                span.out_offset + (offset - begin) // 4 * out_size)
 
-                place.slice.check(crc_range(fd, place.at, span.count * 4, buffer, counter.add, write_cast))
+                saved.check(crc_range(fd, place.at, span.count * 4, buffer, counter.add, write_cast))
         for fd in outputs.values():
             fsync(fd, options.durable)
     counter.finish()
 
 
-def _stream(fd: int, path: Path, tensor, spans: list[Span], src: str, out: str, out_fd, buffer: memoryview,
+def _stream(fd: int, path: Path, tensor, spans: Sequence[Span], src: str, out: str, out_fd, buffer: memoryview,
             counter: ByteCounter) -> None:
     """Read `tensor`'s record whole (CRC-32 checked); write each span's elements, cast, to its place."""
     if src != _OUT.get(out, out) and src not in _NUMPY:

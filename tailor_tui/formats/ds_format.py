@@ -145,7 +145,7 @@ def parse_version(text: str) -> tuple[int, int, int] | None:
     """(major, minor, patch) of a DeepSpeed version string such as `0.16.9` or
     `0.17.1+a1b2c3`, or None when it is not one."""
     found = re.match(r"\s*(\d+)\.(\d+)\.(\d+)", text or "")
-    return tuple(int(x) for x in found.groups()) if found else None
+    return (int(found[1]), int(found[2]), int(found[3])) if found else None
 
 
 def unsupported_version(ds_version: str) -> str | None:

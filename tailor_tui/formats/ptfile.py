@@ -22,7 +22,7 @@ import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from tailor_tui import crc
 from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, unsupported_version, version_in_pickle
@@ -53,6 +53,10 @@ class Record(NamedTuple):  # a tuple: a model_states file lists one per paramete
     size: int
     crc: int | None  # CRC-32 of the stored data, as the archive records it (None: legacy format)
     crc_offsets: tuple[int, ...]  # where the CRC-32 sits: local header or data descriptor, central entry
+
+
+# What `read_structure` reads of a `.pt` file: (pickled object, {record name: Record}, record-name prefix)
+Structure = tuple[Any, dict[str, Record], str]
 
 
 @dataclass(frozen=True)
@@ -202,7 +206,7 @@ def _shared_pickle(data: bytes):
     return read_pickle(data)
 
 
-def read_structure(path: Path, storages: dict | None = None, *, shared: bool = False):
+def read_structure(path: Path, storages: dict | None = None, *, shared: bool = False) -> Structure:
     """(object with TensorRefs, records, record-name prefix) of a `.pt` file in either of
     torch's formats; reads only the pickled structure, never tensor data. `storages`, if
     given, receives every storage the object refers to (key -> StorageRef). `shared`: the
@@ -360,12 +364,12 @@ def records_in(path: Path, whole: bytes, *, skip_empty: bool = False, skip: froz
         yield e, data
 
 
-def frozen_fragment_bytes(path: Path, names, structure: tuple | None = None) -> dict[str, TensorBytes]:
+def frozen_fragment_bytes(path: Path, names, structure: Structure | None = None) -> dict[str, TensorBytes]:
     """{name: TensorBytes} of frozen parameters' fragments in a model_states file
     (CheckpointError naming the parameter whose fragment is missing or unreadable); `structure`:
     the file's `read_structure`, if read already."""
     obj, records, prefix = structure if structure is not None else read_structure(path)
-    fragments = obj.get(FROZEN_PARAM_FRAGMENTS) if isinstance(obj, dict) else None
+    fragments: Any = obj.get(FROZEN_PARAM_FRAGMENTS) if isinstance(obj, dict) else None  # as pickled: checked below
     found = {}
     for name in names:
         try:

@@ -20,6 +20,7 @@ import copyreg
 import io
 import pickle
 import types
+from typing import Any, Callable, ClassVar, cast
 
 from tailor_tui.formats.pickled import (
     ALLOWED,
@@ -50,7 +51,7 @@ _GLOBALS[id(Opaque)] = ("torch", "Tensor")
 
 def storage_type(type_name: str) -> StorageType:
     """The one StorageType the reader gives for `FloatStorage`, `HalfStorage`, …"""
-    return ALLOWED["torch", type_name]
+    return cast(StorageType, ALLOWED["torch", type_name])  # the allow-list maps each storage type's name so
 
 
 def tensor(storage: StorageRef, shape: tuple, *, requires_grad: bool = False) -> TensorRef:
@@ -113,7 +114,7 @@ class _Pickler(pickle._Pickler):
         self.write(pickle.GLOBAL + f"{module}\n{name}\n".encode("ascii"))
         self.memoize(obj)
 
-    dispatch = dict(pickle._Pickler.dispatch)
+    dispatch: ClassVar[dict[type, Callable[..., Any]]] = dict(pickle._Pickler.dispatch)
     dispatch[types.FunctionType] = save_global
 
 

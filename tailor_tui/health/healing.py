@@ -118,15 +118,16 @@ def heal(health: Health, rows: list[str], usable=lambda column: True) -> Healing
     rel_change are not skipped: a big move is not damage."""
     picks, reasons, hopeless = {}, {}, []
     for row in rows:
-        holders = [i for i in sorted(health.row_cells(row), reverse=True) if usable(i)]
-        choice = next((i for i in holders if health.cell(row, i).healthy), None)
+        cells = health.row_cells(row)
+        holders = [i for i in sorted(cells, reverse=True) if usable(i)]
+        choice = next((i for i in holders if cells[i].healthy), None)
         if choice is None:
             hopeless.append(row)
             continue
         picks[row] = choice
         passed = holders[: holders.index(choice)]
         if passed:
-            reasons[row] = "; ".join(f"{health.checkpoints[i].name}: {why_unhealthy(health.cell(row, i))}"
+            reasons[row] = "; ".join(f"{health.checkpoints[i].name}: {why_unhealthy(cells[i])}"
                                      for i in passed)
     return Healing(picks, reasons, tuple(hopeless))
 

@@ -72,6 +72,7 @@ def flat_stats(job: StatsJob, sums: dict[str, RowSums], stack, counter: ByteCoun
     when the file is laid out otherwise than one aligned record per flat tensor (`stats_rank`
     reads it then). `chunk`: bytes per read (tests make it small)."""
     path, table = job.files.optim_states, job.table
+    assert table is not None, "can_read_flat(job) holds"
     mine = RankReader(job.files, job.group_sizes).fp32_flat(PURPOSE)
     if not _laid_out_flat(mine.values()):
         return False

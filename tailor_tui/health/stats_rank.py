@@ -28,7 +28,7 @@ from tailor_tui.reading import Readahead, pread_into
 from tailor_tui.formats.nonfinite import EXPONENT, count
 from tailor_tui.checkpoints.rank_reader import RankReader
 from tailor_tui.formats.pickled import dtype_name
-from tailor_tui.formats.ptfile import Unsupported
+from tailor_tui.formats.ptfile import Record, Unsupported
 from tailor_tui.health.stats_flat import PURPOSE, can_read_flat, flat_stats, per_slice, prefetch
 from tailor_tui.health.stats_job import RankStats, RankStatsRead, RowSums, SlotRead, StatsJob
 
@@ -95,6 +95,7 @@ def _reads(job: StatsJob, slots: tuple[SlotRead, ...], sums: dict[str, RowSums],
         for slot in slots:
             for key in TENSORS:
                 place = reader.place(key, param=slot.param, group=slot.group, offset=slot.offset, valid=slot.valid)
+                assert place.slice is not None, "a partial save's place names its slice"
                 reads.append((fd, place.at, slot.valid * 4, place.slice.crc,
                               [_region(slot, key, place.at, "float32", sums, prev_at)]))
     else:
@@ -128,7 +129,8 @@ def _fp32_places(files: RankFiles, group_sizes: tuple[int, ...], slots: list[Slo
 def _frozen_reads(job: StatsJob, sums: dict[str, RowSums], stack: contextlib.ExitStack) -> list:
     path = job.files.model_states
     fragments = RankReader(job.files, job.group_sizes).fragments([param for _row, param in job.frozen])
-    fd, by_record = open_fd(stack, path), {}
+    fd = open_fd(stack, path)
+    by_record: dict[Record, list[_Region]] = {}
     for row, param in job.frozen:
         tb = fragments[param]
         dtype = dtype_name(tb.dtype)
@@ -166,6 +168,7 @@ def _read(fd: int, start: int, length: int, expected: int | None, regions: list[
             for r, a, b in here:
                 prev = None
                 if r.prev_fd is not None:
+                    assert r.prev_at is not None, "a region read beside a previous file knows where in it"
                     prev = prev_buffer[: b - a]
                     at = r.prev_at + (a - r.start)
                     prefetch(ahead, r.prev_fd, at, r.prev_at + (r.end - r.start))

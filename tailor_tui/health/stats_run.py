@@ -16,6 +16,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from tailor_tui.checkpoints.cache import entry, file_identity, read_json, write_json
 from tailor_tui.checkpoints.checkpoint import Checkpoint, distinct_names
@@ -97,7 +98,7 @@ def stats_jobs(checkpoints: tuple[Checkpoint, ...], column: int, rows: list[str]
         by_source: dict[int, list[str]] = {}  # previous checkpoint -> its rows read
         for row, _ in prev_files:
             by_source.setdefault(prev[row], []).append(row)
-        previous = {}
+        previous: dict[str, list[str]] = {}  # a previous file's identity -> its rows read
         for j, names in by_source.items():
             f = checkpoints[j].ranks[rank]
             previous.setdefault(_identity(f.rows or f.optim_states, known), []).extend(names)
@@ -208,7 +209,8 @@ class ReadingStatistics(TeamWork[Health]):
         return True
 
     def report(self, mine: list[Task], results: list) -> dict:
-        return {t.job.key: _stats_json(self.found[t.job.key]) for t in mine}
+        jobs = [cast(StatsJob, t.job) for t in mine]  # the tasks `tasks` made
+        return {j.key: _stats_json(self.found[j.key]) for j in jobs}
 
     def gathered(self, reports: list, lead: bool, emit: Emit) -> None:
         if lead:  # the others' ranks: process 0 adds every checkpoint up

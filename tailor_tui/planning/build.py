@@ -125,6 +125,7 @@ def _check_rows_held(recipe: Recipe, sources: list[Checkpoint], picks: dict[str,
     for row, s in picks.items():
         if s and not sources[s].holds(row):
             src = sources[s]
+            assert src.saved_rows is not None, "only a partial checkpoint lacks a row"
             raise RecipeError(
                 f"{recipe.location(f'row:{row}')}: row '{row}' picks {src.path.name}, a partial checkpoint "
                 f"that did not save it (it holds {_list([r for r in base.row_names() if r in src.saved_rows])}); "

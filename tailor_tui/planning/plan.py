@@ -121,7 +121,9 @@ class ComposePlan:
     def _slices(self, rank: int, src: dict[str, int], owner: dict[str, str]) -> tuple[tuple, tuple, tuple]:
         """(row_slots, copies, padding) of `rank`: where each slot's elements come from."""
         layout = self.base.layout
-        copies, padding, row_slots = [], [], []
+        copies: list[SliceCopy] = []
+        padding: list[list[int]] = []  # [group, offset, length]
+        row_slots: list[RowSlot] = []
         for slot in layout.slots:
             valid = slot.valid(rank)
             if valid:
@@ -222,6 +224,7 @@ class ComposePlan:
             return 2 * self.world_size  # every rank file: its structure written by torch
         n = 0
         for job in self.rank_jobs():
+            assert isinstance(job, RankJob), "not resharding: every rank's job is a RankJob"
             base = job.files[0]
             legacy = file_format(base.model_states) != "zip"
             n += base.rows is not None or file_format(base.optim_states) != "zip"

@@ -131,8 +131,8 @@ def parse_recipe(text: str, source: str = "recipe", folder: Path = Path(".")) ->
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
-        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
-        raise RecipeError(f"{where}: malformed YAML: {exc.problem or exc.context}") from None
+        at = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
+        raise RecipeError(f"{at}: malformed YAML: {exc.problem or exc.context}") from None
     except yaml.YAMLError as exc:
         raise RecipeError(f"{source}: malformed YAML: {exc}") from None
     except RecursionError:

@@ -100,7 +100,10 @@ class ReshardJob(RankJobCost):
 
 def optim_structure_file(files: RankFiles) -> Path:
     """The file holding a rank's optimizer state structure (a partial checkpoint's skeleton)."""
-    return files.skeleton if files.rows is not None else files.optim_states
+    if files.rows is None:
+        return files.optim_states
+    assert files.skeleton is not None, "a partial checkpoint's rank names its skeleton"
+    return files.skeleton
 
 
 def param_groups_of(ckpt: Checkpoint) -> tuple[tuple[int, ...], ...]:
@@ -182,7 +185,7 @@ def plan_reshard(base: Checkpoint, world_size: int) -> Reshard:
         return Reshard(world_size, layout, members, size, where)
     lo, hi = consistent_sizes(base.layout, groups)
     low = base.layout.regrouped(world_size, groups, lo)
-    high = base.layout.regrouped(world_size, groups, DEFAULT_SUB_GROUP_SIZE * 1000 if hi == math.inf else hi)
+    high = base.layout.regrouped(world_size, groups, DEFAULT_SUB_GROUP_SIZE * 1000 if hi == math.inf else int(hi))
     if low != high:
         raise CheckpointError(
             f"{base.path}: cannot tell the run's sub_group_size ({where}), and the sizes its sub-groups allow "
@@ -229,7 +232,8 @@ def reshard_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], source_of: d
                                      owner[slot.name], theirs.group, theirs.offset, slot.offset), slot.group))
     frozen_params = [_Parameter(name, math.prod(shape), sources[source_of[name]].world_size, reshard.world_size,
                                 source_of[name], owner[name], FROZEN, 0, 0) for name, shape in base.layout.frozen]
-    jobs, verified = [], set()
+    jobs: list[ReshardJob] = []
+    verified: set[tuple[int, int]] = set()  # (source, rank) of the full files a job checks already
     for rank in range(reshard.world_size):
         groups: list[list[Piece]] = [[] for _ in reshard.layout.groups]
         for param, g in trainable:

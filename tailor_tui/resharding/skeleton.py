@@ -71,7 +71,7 @@ class Hole(NamedTuple):
     """A reserved storage: `data/{index}` of its archive, `numel` elements of `dtype` (torch's
     storage type name) and `itemsize` bytes each."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # a field named as tuple.index, which it hides (a NamedTuple may)
     numel: int
     itemsize: int
     dtype: str

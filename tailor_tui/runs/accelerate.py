@@ -58,7 +58,9 @@ def _prepared(accelerator, spec: RunSpec):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 1.0 / (1 + 0.1 * n))
     g = torch.Generator().manual_seed(2000 + spec.seed)
     rows = torch.randint(0, spec.vocab, (spec.steps * ROWS_PER_BATCH * spec.world_size, ROW_LEN), generator=g)
-    loader = DataLoader(list(rows), batch_size=ROWS_PER_BATCH, shuffle=True)
+    # a list of rows is a map-style dataset (len, getitem); the stub asks for a Dataset
+    loader: DataLoader[torch.Tensor] = DataLoader(list(rows), batch_size=ROWS_PER_BATCH,  # type: ignore[arg-type]
+                                                  shuffle=True)
     return accelerator.prepare(model, opt, loader, sched)
 
 

@@ -19,6 +19,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tailor_tui.runs.blowup import blow_up, blow_up_callback
 from tailor_tui.runs.pinned import pin, pin_callback
@@ -96,7 +97,8 @@ class RunSpec:
     @classmethod
     def from_key(cls, text: str) -> "RunSpec":
         d = json.loads(text)
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+        return cls(**fields)
 
 
 # The demo run (`tailor-tui --demo`, `--make-demo`): HF Trainer, 2 ranks, bf16, checkpoints at
@@ -110,7 +112,7 @@ def ds_config(spec: RunSpec, for_trainer: bool) -> dict:
     zero = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}
     if spec.sub_group_size:
         zero["sub_group_size"] = spec.sub_group_size
-    cfg = {
+    cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": "auto" if for_trainer else 2,
         "gradient_accumulation_steps": "auto" if for_trainer else 1,
         "zero_optimization": zero,
@@ -143,7 +145,7 @@ def _engine_config(spec: RunSpec, folder: Path):
 def _trainer_args(spec: RunSpec, out: Path, max_steps: int):
     from transformers import TrainingArguments
 
-    best = dict(eval_strategy="steps", eval_steps=spec.save_every, load_best_model_at_end=True,
+    best: dict[str, Any] = dict(eval_strategy="steps", eval_steps=spec.save_every, load_best_model_at_end=True,
                 metric_for_best_model="score", greater_is_better=True) if spec.best_at else {}
     return TrainingArguments(
         **best,
@@ -168,7 +170,7 @@ def _trainer_args(spec: RunSpec, out: Path, max_steps: int):
     )
 
 
-def _train_rank(rank: int, world: int, port: int, spec: RunSpec, out: str) -> None:
+def _train_rank(rank: int, world: int, port: int, spec: RunSpec, out: str | Path) -> None:
     quiet()
     setup_rank(rank, world, port, spec)
     out = Path(out)
@@ -279,7 +281,7 @@ def make_run(out: str | Path, spec: RunSpec = RunSpec()) -> Path:
 # --- resuming (used by the tests to prove that composed checkpoints load) ------------------
 
 
-def _resume_rank(rank, world, port, spec: RunSpec, ckpt: str, resave: str, result: str) -> None:
+def _resume_rank(rank, world, port, spec: RunSpec, ckpt: str | Path, resave: str, result: str) -> None:
     """Load `ckpt` the way a user resumes, re-save the loaded state, train one step."""
     quiet()
     setup_rank(rank, world, port, spec)
@@ -320,7 +322,7 @@ def _resume_rank(rank, world, port, spec: RunSpec, ckpt: str, resave: str, resul
         Path(result).write_text(json.dumps({"losses": losses}))
 
 
-def _continue_rank(rank, world, port, spec: RunSpec, out: str, steps: int, resume: str, newer_saves: str,
+def _continue_rank(rank, world, port, spec: RunSpec, out: str | Path, steps: int, resume: str, newer_saves: str,
                    resave: str | None, result: str) -> None:
     """Relaunch an HF selective run to `steps` in total, resuming as `resume` says."""
     quiet()

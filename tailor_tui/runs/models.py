@@ -14,6 +14,11 @@ from __future__ import annotations
 import json
 import os
 from functools import cache
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for annotations only (see above)
+    import torch
+    from transformers import PreTrainedModel
 
 ARCHS = ("llama", "opt", "bert", "t5", "gpt_neox")
 HEADS = 4
@@ -92,7 +97,8 @@ def build_model(spec):
 
 def param_groups(model, weight_decay: float = 0.1):
     """HF Trainer's split: decay for matrices, none for norms and biases."""
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -194,7 +200,7 @@ def save_torch_pretrained(model, output_dir, state_dict, max_shard_size="5GB") -
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # transformers 4.x: module names are the checkpoint names already
-        def revert_weight_conversion(model, state_dict):
+        def revert_weight_conversion(model: PreTrainedModel, state_dict: dict[str, torch.Tensor]) -> Any:
             return state_dict
 
     model.config.architectures = [type(model).__name__]

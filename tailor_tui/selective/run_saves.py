@@ -17,6 +17,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import AbstractSet
 
 from tailor_tui.checkpoints.checkpoint import PARTIAL_MANIFEST, PROVENANCE, read_manifest
 from tailor_tui.checkpoints.scan import find_checkpoint_dirs, scan
@@ -64,9 +65,10 @@ def _step(folder: Path) -> int:
 def newest_holders(saves: list[Save]) -> set[Path]:
     """The saves that hold the newest copy of some row: what a newest-per-row composition
     needs (a full save holds every row, so nothing older than the newest full one is needed)."""
-    holders, covered = set(), set()
+    holders: set[Path] = set()
+    covered: set[str] = set()
     for save in sorted(saves, key=lambda s: (s.step, not s.partial), reverse=True):
-        if save.partial:
+        if save.rows is not None:  # partial
             if save.rows - covered:
                 holders.add(save.path)
                 covered |= save.rows
@@ -76,7 +78,7 @@ def newest_holders(saves: list[Save]) -> set[Path]:
     return holders
 
 
-def removable(saves: list[Save], keep_newest: int, protect: set[Path] = frozenset()) -> list[Save]:
+def removable(saves: list[Save], keep_newest: int, protect: AbstractSet[Path] = frozenset()) -> list[Save]:
     """Saves `save_total_limit=keep_newest` lets go: not among the newest `keep_newest`, not
     holding the newest copy of any row, not the newest full save (which the partials after it
     depend on, for their model-file layout too), not in `protect` (the best model)."""

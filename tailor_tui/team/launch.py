@@ -111,7 +111,7 @@ def _expand_one(item: str, whole: str) -> list[str]:
     end = item.index("]", at)
     head, ranges, rest = item[:at], item[at + 1:end], item[end + 1:]
     tails = _expand_one(rest, whole) if rest else [""]
-    out = []
+    out: list[str] = []
     for part in ranges.split(","):
         low, _, high = part.partition("-")
         if not low.isdigit() or (high and not high.isdigit()):

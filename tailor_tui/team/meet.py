@@ -98,14 +98,15 @@ def _greet(team: Team, folder, deadline: float) -> None:
     """Process 0 greets the others with a sealed value; each opens it with its secret. A secret
     read from a stale folder is read again; one that still fails when the time is up means the
     store is someone else's (or the tasks were given different secrets)."""
-    store, key = team.store, f"share/{GREETING}"
+    store, key, seal = team.store, f"share/{GREETING}", team.seal
+    assert seal is not None, "connect made the team with its seal"
     if team.lead:
-        store.set(key, team.seal.seal(key, "hello"))
+        store.set(key, seal.seal(key, "hello"))
         return
     while True:
         if store.check([key]):
             try:
-                team.seal.open(key, store.get(key))
+                seal.open(key, store.get(key))
                 return
             except Forged:
                 if time.monotonic() > deadline:
@@ -113,7 +114,7 @@ def _greet(team: Team, folder, deadline: float) -> None:
                                     "sealed with this job's secret (another program's store on that port, or "
                                     "tasks given different TAILOR_TUI_TEAM_SECRET values)", ExitCode.USAGE) from None
                 if folder is not None:
-                    team.seal.secret = read_meeting(folder, deadline, want_secret=True, want_port=False)[0]
+                    seal.secret = read_meeting(folder, deadline, want_secret=True, want_port=False)[0]
         elif time.monotonic() > deadline:
             raise TeamError(f"process {team.rank} of {team.size}: process 0 never greeted the others in the job's "
                             "store; check that every task was started", ExitCode.USAGE)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Callable
 
 from tailor_tui.events import Emit, TaskFinished, TaskProgressed
 from tailor_tui.report import LineReporter
@@ -39,7 +40,7 @@ class JobLines:
             self.lines.close()
 
 
-def relay(team, emit: Emit, tasks) -> tuple[Emit, callable]:
+def relay(team, emit: Emit, tasks) -> tuple[Emit, Callable[[], None]]:
     """(the emit this process's composition uses, a stop function). One process: `emit` itself."""
     if team.size == 1:
         return emit, lambda: None

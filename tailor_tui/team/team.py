@@ -96,10 +96,10 @@ class Team:
 
     def share(self, key: str, value: str | None = None) -> str:
         """Process 0's `value` for `key`, on every process."""
-        if self.store is None:
-            return value
-        if self.lead:
-            self._set(f"share/{key}", value)
+        if self.store is None or self.lead:
+            assert value is not None, "process 0 gives the value (a team without a store is process 0 alone)"
+            if self.store is not None:
+                self._set(f"share/{key}", value)
             return value
         self._await([f"share/{key}"])
         return self._get(f"share/{key}")
@@ -131,7 +131,7 @@ class Team:
         code = int(getattr(exc, "exit_code", ExitCode.INTERNAL))
         record = json.dumps({"process": self.rank, "message": str(exc) or type(exc).__name__, "code": code})
         try:
-            self.store.compare_set("abort", "", self.seal.seal("abort", record))
+            self.store.compare_set("abort", "", self._sealing().seal("abort", record))
         except Exception:  # noqa: BLE001 - the store is gone: the others notice that themselves
             pass
 
@@ -225,8 +225,8 @@ class Team:
     def _beats(self, keys: list[str]) -> list[str]:
         """The peers' latest beats ("" for one that has not beaten yet): one request once all have."""
         if self.store.check(keys):
-            return [self.seal.open(k, v) for k, v in zip(keys, self.store.multi_get(keys))]
-        return [self.seal.open(k, self.store.get(k)) if self.store.check([k]) else "" for k in keys]
+            return [self._sealing().open(k, v) for k, v in zip(keys, self.store.multi_get(keys))]
+        return [self._sealing().open(k, self.store.get(k)) if self.store.check([k]) else "" for k in keys]
 
     def lead_lost(self) -> bool:
         """Whether process 0 is gone (its store lost): then nobody else cleans up its folder."""
@@ -234,7 +234,7 @@ class Team:
 
     def _check_abort(self) -> None:
         if self.failure is None and self.store.check(["abort"]):
-            record = json.loads(self.seal.open("abort", self.store.get("abort")))
+            record = json.loads(self._sealing().open("abort", self.store.get("abort")))
             if record["process"] != self.rank:
                 self.failure = Failure(record["process"], record["message"], record["code"])
 
@@ -254,10 +254,15 @@ class Team:
             self.failure = Failure(OUTSIDER, str(exc), exc.exit_code)
 
     def _set(self, key: str, value: str) -> None:
-        self._call(self.store.set, key, self.seal.seal(key, value))
+        self._call(self.store.set, key, self._sealing().seal(key, value))
 
     def _get(self, key: str) -> str:
-        return self._call(lambda: self.seal.open(key, self.store.get(key)))
+        return self._call(lambda: self._sealing().open(key, self.store.get(key)))
+
+    def _sealing(self) -> Seal:
+        """`seal`: a team with a store has one (`meet.connect` makes both)."""
+        assert self.seal is not None, "a team with a store has a seal"
+        return self.seal
 
     def _call(self, fn, *args):
         try:
@@ -278,6 +283,7 @@ class Team:
     def error(self) -> TeamError:
         """The job's failure, as this process reports it."""
         f = self.failure
+        assert f is not None, "asked once a failure is known"
         if f.process == OUTSIDER:
             return TeamError(f"the job was stopped: {f.message}", f.code)
         return TeamError(f"process {f.process} of {self.size} failed: {f.message}", f.code)

@@ -140,6 +140,7 @@ class PublishingWork(TeamWork[None]):
         """Process 0: `record`, with every file the folder holds, as its provenance record; then
         the folder in place at `output`."""
         tmp = self.tmp
+        assert tmp is not None, "folder() named it before any task ran"
         write_file(tmp / PROVENANCE, json.dumps(record | {OUTPUT_FILES: written_files(tmp)}, indent=2) + "\n",
                    self.durable)
         fsync_dir(tmp, self.durable)

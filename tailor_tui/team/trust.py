@@ -28,6 +28,7 @@ import shutil
 import stat
 import time
 from pathlib import Path
+from typing import Literal, overload
 
 from tailor_tui.checkpoints.side_files import read_small
 from tailor_tui.errors import ExitCode, TailorError, UsageError
@@ -116,6 +117,16 @@ def lay_out(folder: Path, secret: bytes | None, port: int | None) -> None:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+@overload
+def read_meeting(folder: Path, deadline: float, want_secret: Literal[True],
+                 want_port: Literal[False]) -> tuple[bytes, None]: ...
+
+
+@overload
+def read_meeting(folder: Path, deadline: float, want_secret: bool,
+                 want_port: Literal[True]) -> tuple[bytes | None, int]: ...
 
 
 def read_meeting(folder: Path, deadline: float, want_secret: bool, want_port: bool) -> tuple[bytes | None, int | None]:

@@ -46,9 +46,10 @@ def _exit_when_orphaned(parent: int) -> None:
 
 
 def _run_batch(calls: list, options: TaskOptions) -> list:
-    outbox = _Outbox(_WORKER_QUEUE)
+    outbox, cancel = _Outbox(_WORKER_QUEUE), _WORKER_CANCEL
+    assert cancel is not None, "_worker_init set it"
     try:
-        return [fn(*args, outbox, _WORKER_CANCEL.is_set, options) for fn, args in calls]
+        return [fn(*args, outbox, cancel.is_set, options) for fn, args in calls]
     finally:
         outbox.flush()
 
@@ -110,9 +111,11 @@ TORCH_WORKER = 512 << 20
 def worker_memory(plan: ComposePlan) -> int:
     """The most memory any one task of `plan` needs in a worker (bytes)."""
     from tailor_tui.formats.ptfile import file_format
+    from tailor_tui.planning.jobs import RankJob
 
     needs = [STREAMING_WORKER]
     for job in plan.rank_jobs() if plan.reshard is None else ():  # resharding workers stream
+        assert isinstance(job, RankJob), "not resharding: every rank's job is a RankJob"
         base = job.files[0]
         if job.frozen or job.buffers:  # model_states re-saved by torch (a partial base's optim file is not)
             needs.append(TORCH_WORKER)
@@ -214,11 +217,11 @@ def run_pool(calls: list[Call], workers: int, emit: Emit, cancel: threading.Even
             _drain(events, emit_and_count, timeout=0.05)
             done, pending = wait(pending, timeout=0, return_when=FIRST_EXCEPTION)
             for f in done:
-                if f.exception() is not None:
+                if (exc := f.exception()) is not None:
                     stop.set()
-                    if isinstance(f.exception(), BrokenProcessPool):
+                    if isinstance(exc, BrokenProcessPool):
                         raise worker_lost(pool) from None
-                    raise f.exception()
+                    raise exc
         # A worker's events go through its queue's feeder thread and may arrive after its
         # result: wait for every task's last event, so no rank's bar stops short of done.
         deadline = time.monotonic() + 10
