@@ -72,24 +72,27 @@ def _corrupt(path: Path, why: str) -> CheckpointError:
     return CheckpointError(f"{path}: {why}; the file is truncated or corrupt, re-copy it from the training run")
 
 
-def _records(path: Path, f, size: int) -> list[Record]:
-    """Every record of the zip archive `f` (a file object of `size` bytes), located by its local header."""
+def _records(path: Path, f, size: int, whole: bytes | None = None) -> list[Record]:
+    """Every record of the zip archive `f` (a file object of `size` bytes; `whole`: its bytes, when
+    they are read already), located by its local header."""
     try:
-        infos = zipfile.ZipFile(f).infolist()
+        infos = zipfile.ZipFile(io.BytesIO(whole) if whole is not None else f).infolist()
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError, struct.error) as exc:
         raise _corrupt(path, f"not a whole zip archive ({exc})") from None
     found = []
     for info in infos:
         if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 1 or info.compress_size != info.file_size:
             raise _corrupt(path, f"record {info.filename} is compressed or encrypted, which torch never writes")
-        f.seek(info.header_offset)
-        header = f.read(LOCAL_HEADER)
+        name = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
+        at = info.header_offset
+        header = (whole[at: at + LOCAL_HEADER + len(name)] if whole is not None
+                  else os.pread(f.fileno(), LOCAL_HEADER + len(name), at))
         if len(header) < LOCAL_HEADER or not header.startswith(ZIP_MAGIC):
             raise _corrupt(path, f"record {info.filename} has no local header where the directory puts it")
         name_length, extra_length = struct.unpack_from("<HH", header, 26)
-        if f.read(name_length) != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437"):
+        if header[LOCAL_HEADER:] != name or name_length != len(name):
             raise _corrupt(path, f"record {info.filename}'s local header names another record")
-        offset = info.header_offset + LOCAL_HEADER + name_length + extra_length
+        offset = at + LOCAL_HEADER + name_length + extra_length
         if offset + info.file_size > size:
             raise _corrupt(path, f"record {info.filename} runs past the end of the file")
         found.append(Record(info.filename, offset, info.file_size, info.CRC))
@@ -164,7 +167,7 @@ def small_records(path: Path) -> list[tuple[str, memoryview]] | None:
     if len(whole) > SMALL or not whole.startswith(ZIP_MAGIC):
         return None
     view, found = memoryview(whole), []
-    for record in _records(path, io.BytesIO(whole), len(whole)):
+    for record in _records(path, None, len(whole), whole):
         data = view[record.offset: record.offset + record.size]
         if zlib.crc32(data) != record.crc:
             raise _failed(path, record)
