@@ -242,7 +242,7 @@ def test_no_fsync_skips_every_fsync_and_writes_the_same_output(real_run, tmp_pat
     import os
 
     from tailor_tui.events import TaskOptions
-    from tailor_tui.compose.verify import verify_against_recipe
+    from tailor_tui.verifying.recipe import verify_against_recipe
 
     run, spec = real_run("hf_bf16_2")
     ckpts = checkpoints_of(run, spec)

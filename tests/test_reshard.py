@@ -42,8 +42,8 @@ from pilot_helpers import private_copy
 
 from tailor_tui.resharding import partition as reshard
 from tailor_tui.checkpoints.checkpoint import open_checkpoint
-from tailor_tui.compose.verify import verify_against_recipe
-from tailor_tui.compose.verify_reshard import SameContent
+from tailor_tui.verifying.recipe import verify_against_recipe
+from tailor_tui.verifying.same_content import SameContent
 from tailor_tui.errors import CheckpointError
 from tailor_tui.checkpoints.layout import pieces
 from tailor_tui.formats.ptfile import locate, read_structure

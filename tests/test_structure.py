@@ -219,6 +219,14 @@ MOVED = [
     ("tailor_tui.compose.rank_stream", "tensor_bytes", "tailor_tui.checkpoints.rank_reader"),
     ("tailor_tui.compose.rank_stream", "flat_tensor_bytes", "tailor_tui.checkpoints.rank_reader"),
     ("tailor_tui.checkpoints.partial_rows", "crc_range_checked", "tailor_tui.checkpoints.rank_reader"),
+    ("tailor_tui.compose.verify", "verify_against_recipe", "tailor_tui.verifying.recipe"),
+    ("tailor_tui.compose.verify", "VerifyReport", "tailor_tui.verifying.recipe"),
+    ("tailor_tui.compose.verify_reshard", "verify_resharded", "tailor_tui.verifying.resharded"),
+    ("tailor_tui.compose.verify_reshard", "whole_matches", "tailor_tui.verifying.resharded"),
+    ("tailor_tui.compose.verify_reshard", "SameContent", "tailor_tui.verifying.same_content"),
+    ("tailor_tui.compose.compare", "same_bytes", "tailor_tui.verifying.compare"),
+    ("tailor_tui.compose.compare", "differences", "tailor_tui.verifying.compare"),
+    ("tailor_tui.compose.compare", "nonzero_bytes", "tailor_tui.verifying.compare"),
 ]
 
 

@@ -193,7 +193,7 @@ def verify(args) -> int:
     from tailor_tui.planning.build import build_plan
     from tailor_tui.planning.recipe import load_recipe
     from tailor_tui.report import reporter_for
-    from tailor_tui.compose.verify import verify_against_recipe
+    from tailor_tui.verifying.recipe import verify_against_recipe
 
     plan = build_plan(load_recipe(args.verify), output=args.output, check_output=False, world_size=args.world_size)
     if not plan.output.is_dir():

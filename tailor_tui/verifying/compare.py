@@ -1,0 +1,52 @@
+"""Comparing loaded checkpoint structures byte for byte.
+
+Every comparison is of bytes, not values: -0.0 is not 0.0, and a NaN equals the same NaN.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+def same_bytes(a, b) -> bool:
+    """Whether two tensors hold the same bytes (dtype and shape included)."""
+    import torch
+
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def nonzero_bytes(t) -> bool:
+    """Any byte not zero (-0.0 counts)."""
+    import torch
+
+    return bool(t.contiguous().reshape(-1).view(torch.uint8).any())
+
+
+def differences(mine, theirs, where: str = "", skip: Callable[[str], bool] = lambda where: False) -> list[str]:
+    """Where two loaded checkpoint structures differ, byte for byte (`skip`: paths not compared)."""
+    import struct
+
+    import torch
+
+    if skip(where):
+        return []
+    if isinstance(mine, torch.Tensor) or isinstance(theirs, torch.Tensor):
+        same = isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor) and same_bytes(mine, theirs)
+        return [] if same else [where]
+    if type(mine) is not type(theirs):
+        return [where]
+    if isinstance(mine, dict):
+        if list(mine) != list(theirs):
+            return [f"{where} (keys)"]
+        return [d for k in mine for d in differences(mine[k], theirs[k], f"{where}[{k!r}]", skip)]
+    if isinstance(mine, (list, tuple)):
+        if len(mine) != len(theirs):
+            return [f"{where} (length)"]
+        return [d for i, (a, b) in enumerate(zip(mine, theirs)) for d in differences(a, b, f"{where}[{i}]", skip)]
+    if isinstance(mine, float):
+        return [] if struct.pack("<d", mine) == struct.pack("<d", theirs) else [where]
+    if hasattr(mine, "__dict__") and not isinstance(mine, type):  # the loss scaler
+        return differences(vars(mine), vars(theirs), where, skip)
+    return [] if mine == theirs else [where]

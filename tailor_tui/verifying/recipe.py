@@ -1,0 +1,205 @@
+"""Re-check a finished output against its recipe and sources, row by row, byte for byte.
+
+Every comparison is of bytes, not values: -0.0 is not 0.0, a NaN equals the same NaN
+(so a row that holds NaNs verifies when it was copied exactly). For every rank, each
+row's fp32 master weights, exp_avg and exp_avg_sq in the output equal its chosen
+source's and padding is zero bytes; everything else in the optimizer state (param
+groups, loss scaler, sub-group steps, counters) and in model_states equals the base's,
+but frozen fragments and buffers, which follow their row; the weight files have the
+header tailor-tui writes and each tensor of the chosen source (`weight_files`); every other
+file equals the base's. Every record of every torch file read, the output's and the
+sources', is checked against its stored CRC-32 on the way (`torch_files`), every slice of a
+partial checkpoint against the CRC-32 its save recorded (`rows_files`). Sources are only read
+(memory-mapped), never modified.
+
+What the output must hold is worked out here from the plan's picks and each checkpoint's
+layout, read with the formats' reference readers (torch, safetensors): none of the writers'
+code or readers is used, so a bug there is caught here, not repeated.
+"""
+
+from __future__ import annotations
+
+import ast
+import filecmp
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from tailor_tui.checkpoints.checkpoint import MODEL_FILE_INDEX, PROVENANCE, open_checkpoint, read_latest
+from tailor_tui.checkpoints.side_files import MAX_RECORD, read_small
+from tailor_tui.errors import CheckpointError
+from tailor_tui.events import ByteCounter, Emit
+from tailor_tui.formats.ds_format import (
+    EXP_AVG,
+    EXP_AVG_SQ,
+    FP32_FLAT_GROUPS,
+    OPTIMIZER_STATE_DICT,
+    STATE,
+    TENSORS,
+    flat_tensor,
+    optimizer_state,
+)
+from tailor_tui.planning.plan import ComposePlan
+from tailor_tui.verifying.compare import differences, nonzero_bytes, same_bytes
+from tailor_tui.verifying.rows_files import RowsFiles
+from tailor_tui.verifying.torch_files import load
+from tailor_tui.verifying.weight_files import verify_weight_file
+
+
+@dataclass
+class VerifyReport:
+    problems: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))  # row -> problems
+    other: list[str] = field(default_factory=list)  # problems not tied to a row
+
+    @property
+    def ok(self) -> bool:
+        return not self.other and not any(self.problems.values())
+
+    def add(self, row: str | None, problem: str) -> None:
+        (self.other if row is None else self.problems[row]).append(problem)
+
+
+def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
+                          cancelled: Callable[[], bool] = lambda: False) -> VerifyReport:
+    report = VerifyReport()
+    out = plan.output
+    if not (out / plan.base.tag).is_dir():
+        report.add(None, f"{out}: no tag folder {plan.base.tag}; is this the output of this recipe?")
+        return report
+    try:
+        composed = open_checkpoint(out)
+    except CheckpointError as exc:
+        report.add(None, str(exc))
+        return report
+    expected = plan.reshard.layout if plan.reshard else plan.base.layout
+    diff = expected.describe_difference(composed.layout)
+    if diff:
+        what = f"DeepSpeed's at world size {plan.world_size}" if plan.reshard else "the base's"
+        report.add(None, f"{out}: its layout is not {what}: it has {diff}")
+        return report
+    composed.check_complete()  # a rank file that is no whole archive (or no regular file): exit 4, before torch
+    if plan.reshard is not None:
+        from tailor_tui.verifying.resharded import verify_resharded
+
+        verify_resharded(plan, composed, report, emit, cancelled)
+    else:
+        param_row = plan.base.param_to_row()
+        for rank in range(plan.base.world_size):
+            _verify_rank(plan, rank, composed, param_row, report, emit, cancelled)
+    partial = RowsFiles()
+    for job in plan.model_file_jobs():
+        verify_weight_file(plan, job, report, partial)
+    layout = plan.model_layout()
+    if plan.base.partial and layout is not None and layout.index is not None:
+        index = out / MODEL_FILE_INDEX
+        try:
+            written = read_small(index, MAX_RECORD, follow=False).decode(errors="replace")
+        except (OSError, ValueError):
+            written = None
+        if written != layout.index:
+            report.add(None, f"{index}: missing or not the index the model files' layout records")
+    root = plan.other_files_root()
+    for rel, to in plan.other_files():
+        if not (out / to).is_file():
+            report.add(None, f"{out / to}: missing (the base has {rel})")
+        elif not filecmp.cmp(root / rel, out / to, shallow=False):
+            report.add(None, f"{out / to}: differs from the base's {root / rel}")
+    if (plan.base.kind == "deepspeed" or plan.base.partial) and read_latest(out) != plan.base.tag:
+        report.add(None, f"{out / 'latest'}: names {read_latest(out)!r}, not the tag {plan.base.tag!r} composed; "
+                         "DeepSpeed would load another checkpoint")  # (an HF base's `latest` is among its files)
+    if not (out / PROVENANCE).is_file():
+        report.add(None, f"{out / PROVENANCE}: missing; the output was not written by tailor-tui")
+    for extra in _unplanned(plan, out):
+        report.add(None, f"{out / extra}: not a file this composition writes (neither composed nor copied "
+                         "from the base); it was added to the output afterwards")
+    return report
+
+
+def _unplanned(plan: ComposePlan, out: Path) -> list[Path]:
+    """Files in the output that the plan accounts for neither as composed nor as copied."""
+    expected = {Path(plan.base.tag) / name for names in plan.output_rank_files() for name in names}
+    expected |= {Path(job.name) for job in plan.model_file_jobs()}
+    expected |= {to for _rel, to in plan.other_files()}
+    expected |= {Path("latest"), Path(MODEL_FILE_INDEX), Path(PROVENANCE)}
+    return sorted(p.relative_to(out) for p in out.rglob("*")
+                  if (p.is_file() or p.is_symlink()) and p.relative_to(out) not in expected)
+
+
+def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled) -> None:
+    """Rank `rank` of an output at the base's world size: every slot of the base's layout holds,
+    in the output, its source's elements at the same place (every checkpoint of the recipe has the
+    base's layout), then padding of zero bytes."""
+    source_of = plan.source_of_param()
+    used = {0} | {source_of[slot.name] for slot in plan.base.layout.slots}
+    files = {s: plan.sources[s].ranks[rank] for s in sorted(used)}
+    sizes = tuple(plan.base.layout.group_sizes())
+    counter = ByteCounter(f"rank {rank}", plan.base.rank_bytes(rank), emit, cancelled)
+    mine = composed.ranks[rank].optim_states
+    got_file = load(mine)
+    got = optimizer_state(got_file, mine, sizes)
+    loaded = {s: load(f.optim_states) for s, f in files.items() if f.rows is None}
+    wanted = {s: optimizer_state(obj, files[s].optim_states, sizes) for s, obj in loaded.items()}
+    partial = RowsFiles()
+
+    def source_slice(s: int, slot, key: str, valid: int):
+        if files[s].rows is not None:  # a partial checkpoint stores each parameter's slice by name
+            return partial.slice(files[s].rows, f"{key}/{slot.name}", valid)
+        return flat_tensor(wanted[s], slot.group, key)[slot.offset: slot.offset + valid]
+
+    for slot in plan.base.layout.slots:
+        s = source_of[slot.name]
+        valid = slot.valid(rank)
+        row = param_row[slot.name]
+        for key in TENSORS:
+            out_t = flat_tensor(got, slot.group, key)
+            if valid and not same_bytes(out_t[slot.offset: slot.offset + valid], source_slice(s, slot, key, valid)):
+                report.add(row, f"rank {rank}: {key} of {slot.name} differs from {plan.sources[s].name}")
+            if valid < slot.part and nonzero_bytes(out_t[slot.offset + valid: slot.offset + slot.part]):
+                report.add(row, f"rank {rank}: padding after {slot.name} ({key}) is not zero bytes")
+        counter.add(valid * 12)
+    # Everything but the flat tensors is the base's: param groups, loss scaler, steps, counters.
+    base_file = loaded[0] if 0 in loaded else load(files[0].skeleton)
+
+    outer = f"[{OPTIMIZER_STATE_DICT!r}]"
+
+    def flat(where: str) -> bool:
+        return where.startswith(f"{outer}[{FP32_FLAT_GROUPS!r}]") or (
+            where.startswith(f"{outer}{outer}[{STATE!r}]")
+            and where.endswith((f"[{EXP_AVG!r}]", f"[{EXP_AVG_SQ!r}]")))
+
+    for where in differences(got_file, base_file, skip=flat)[:5]:
+        report.add(None, f"rank {rank}: optimizer state {where} is not the base's")
+    _verify_model_states(plan, rank, composed, source_of, param_row, report)
+    counter.finish()
+
+
+def _verify_model_states(plan, rank, composed, source_of, param_row, report) -> None:
+    """model_states: the base's, but frozen fragments and buffers, each from its row's source."""
+    states = load(composed.ranks[rank].model_states)
+    loaded = {0: load(plan.sources[0].ranks[rank].model_states)}
+
+    def source(s: int) -> dict:
+        if s not in loaded:
+            loaded[s] = load(plan.sources[s].ranks[rank].model_states)
+        return loaded[s]
+
+    followed = {}  # path in model_states -> (source, row) for what follows its row
+    for name, _shape in plan.base.layout.frozen:
+        followed[f"['frozen_param_fragments'][{name!r}]"] = (source_of[name], param_row[name])
+    for row in plan.base.rows:
+        for buffer in row.buffers:
+            followed[f"['module'][{buffer!r}]"] = (source_of[buffer], row.name)
+    for where, (s, row) in followed.items():
+        for difference in differences(_at(states, where), _at(source(s), where), where):
+            report.add(row, f"rank {rank}: model_states {difference} differs from {plan.sources[s].name}")
+    for where in differences(states, loaded[0], skip=lambda w: w in followed)[:5]:
+        report.add(None, f"rank {rank}: model_states {where} is not the base's")
+
+
+def _at(states: dict, where: str):
+    """The value at a path such as ['module']['model.x'] (None if absent)."""
+    value = states
+    for key in where[1:-1].split("]["):
+        value = (value or {}).get(ast.literal_eval(key)) if isinstance(value, dict) else None
+    return value

@@ -1,0 +1,153 @@
+"""Re-checking an output's weight files: each tensor its row's chosen source's, byte for byte.
+
+- A safetensors file (the 16-bit model files, a PEFT adapter) starts with the header tailor-tui
+  writes (the plan's: names, dtypes, shapes, offsets and metadata, the base's), and each tensor,
+  read with the safetensors library, is its source's: from a full checkpoint, the tensor of the
+  same name in the files the plan names; from a partial checkpoint (which saves no 16-bit
+  weights), its fp32 master put together from every rank's slice (`rows_files`, each checked
+  against its recorded CRC-32) and cast to the file's dtype by torch (`Tensor.to`: round to
+  nearest even, as ZeRO-3 makes its 16-bit partition after each step); a frozen parameter or a
+  buffer of a partial checkpoint, which has no master, from its ranks' model_states.
+- A torch-format weight file (`pytorch_model*.bin`) holds the base's names in the base's order,
+  each tensor its source's (every file loaded by `torch_files.load`, CRC-32s checked first).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, MODULE
+from tailor_tui.planning.jobs import BinFileJob
+from tailor_tui.verifying.compare import same_bytes
+from tailor_tui.verifying.rows_files import RowsFiles
+from tailor_tui.verifying.torch_files import load, open_regular
+
+
+def verify_weight_file(plan, job, report, partial: RowsFiles) -> None:
+    """Check the output's weight file of `job` (a plan's ModelFileJob or BinFileJob)."""
+    if isinstance(job, BinFileJob):
+        _verify_bin_file(plan, job, report)
+    else:
+        _verify_safetensors_file(plan, job, report, partial)
+
+
+def _differs(plan, job, report, name: str, s: int) -> None:
+    row = job.rows.get(name) or None
+    report.add(row, f"{job.name}: {name}{f' (row {row})' if row else ''} differs from {plan.sources[s].name}'s")
+
+
+def _verify_bin_file(plan, job: BinFileJob, report) -> None:
+    """A torch-format weight file: the base's names, each tensor's bytes its row's source's."""
+    out_file = plan.output / job.name
+    if not out_file.is_file():
+        report.add(None, f"{out_file}: missing (the base has {job.name})")
+        return
+    got, base = load(out_file), load(job.base_file)
+    if list(got) != list(base):
+        report.add(None, f"{job.name}: does not hold the base's tensors in the base's order")
+        return
+    loaded: dict[Path, dict] = {job.base_file: base}
+
+    def source(s: int, name: str):
+        for path in (job.base_file,) if s == 0 else job.source_files[s]:
+            if path not in loaded:
+                loaded[path] = load(path)
+            if name in loaded[path]:
+                return loaded[path][name]
+        return None
+
+    for name, tensor in got.items():
+        s = job.sources.get(name, 0)
+        want = source(s, name)
+        if want is None or not same_bytes(tensor, want):
+            _differs(plan, job, report, name, s)
+
+
+def _header_names(prefix: bytes) -> list[str]:
+    """The tensor names of a safetensors header (8-byte little-endian length, then JSON), in its order."""
+    (length,) = struct.unpack("<Q", prefix[:8])
+    return [name for name in json.loads(prefix[8: 8 + length]) if name != "__metadata__"]
+
+
+def _verify_safetensors_file(plan, job, report, partial: RowsFiles) -> None:
+    from safetensors import SafetensorError, safe_open
+
+    out_file = plan.output / job.name
+    if not out_file.is_file():
+        report.add(None, f"{out_file}: missing (the base has {job.name})")
+        return
+    with open_regular(out_file) as f:
+        if f.read(len(job.prefix)) != job.prefix:  # names, dtypes, shapes, offsets and metadata
+            report.add(None, f"{out_file}: its header is not the base's {job.name} header")
+            return
+    sources = _Sources(plan, job, partial)
+    try:
+        out = safe_open(str(out_file), "pt")
+    except (SafetensorError, OSError) as exc:
+        report.add(None, f"{out_file}: not a readable safetensors file ({str(exc)[:200]})")
+        return
+    for name in _header_names(job.prefix):
+        s = job.sources.get(name, 0)
+        got = out.get_tensor(name)
+        want = sources.tensor(s, name, got)
+        if want is None or not same_bytes(got, want):
+            _differs(plan, job, report, name, s)
+
+
+class _Sources:
+    """The tensors an output weight file's tensors must equal, from each source, read as needed."""
+
+    def __init__(self, plan, job, partial: RowsFiles):
+        self.plan, self.job, self.partial = plan, job, partial
+        self.files: dict[Path, object] = {}  # full sources' safetensors files, opened
+        self.states: dict[int, list] = {}  # partial sources: every rank's model_states, loaded
+        self.slots: dict[int, dict] = {}  # partial sources: each trainable parameter's slot
+
+    def tensor(self, s: int, name: str, got):
+        """Tensor `name` as source `s` holds it, as the output holds it (`got`: its dtype and
+        shape); None when the source has no such tensor."""
+        source = self.plan.sources[s]
+        if source.partial:
+            value = self._partial(s, name)
+            if value is None or value.numel() != got.numel():
+                return None
+            return value.to(got.dtype).reshape(got.shape)
+        for path in self.job.source_files.get(s, ()):
+            handle = self._open(path)
+            if name in handle.keys():
+                return handle.get_tensor(name)
+        return None
+
+    def _open(self, path: Path):
+        from safetensors import safe_open
+
+        if path not in self.files:
+            with open_regular(path):  # not a FIFO or a device: safetensors would wait on it
+                pass
+            self.files[path] = safe_open(str(path), "pt")
+        return self.files[path]
+
+    def _partial(self, s: int, name: str):
+        """A partial checkpoint's parameter `name`, flattened: the fp32 master from every rank's
+        slice, or a frozen parameter's fragments or a buffer from its ranks' model_states."""
+        import torch
+
+        source = self.plan.sources[s]
+        if s not in self.slots:
+            self.slots[s] = {slot.name: slot for slot in source.layout.slots}
+        slot = self.slots[s].get(name)
+        if slot is not None:
+            return self.partial.parameter(source.ranks, "fp32", name, slot.numel, slot.part)
+        if s not in self.states:
+            self.states[s] = [load(files.model_states) for files in source.ranks]
+        states = self.states[s]
+        shapes = dict(source.layout.frozen)
+        if name in shapes and all(name in (st.get(FROZEN_PARAM_FRAGMENTS) or {}) for st in states):
+            # ZeRO-3 keeps each rank's part of a frozen parameter, padded
+            whole = torch.cat([st[FROZEN_PARAM_FRAGMENTS][name].reshape(-1) for st in states])
+            return whole[: math.prod(shapes[name])]
+        module = states[0].get(MODULE) or {}
+        return module[name].reshape(-1) if name in module else None
