@@ -16,7 +16,7 @@ from zero_reader import optim_states, read_full_state
 
 from tailor_tui.checkpoints.scan import scan
 from tailor_tui.compose.composition import Composition
-from tailor_tui.compose.folder import run_compose
+from tailor_tui.compose.compose_run import run_compose
 from tailor_tui.planning.build import build_plan
 from tailor_tui.formats.ptfile import read_structure
 from tailor_tui.formats.ptpickle import dumps, storage_bytes

@@ -9,7 +9,7 @@ from pathlib import Path
 from conftest import checkpoints_of
 
 from tailor_tui.ui.dialogs import Confirm
-from tailor_tui.ui.compose_screen import ComposeScreen
+from tailor_tui.ui.progress_screen import ProgressScreen
 
 
 def private_copy(real_run, tmp_path: Path, name: str, folder: str = "run") -> tuple[Path, list[Path]]:
@@ -42,16 +42,16 @@ async def wait_for(pilot, condition, tries: int = 600):
 
 
 async def compose_finished(pilot, tries: int = 600) -> None:
-    """The compose screen (a composition or an export) ran to the end; Esc closes it."""
-    await wait_for(pilot, lambda: isinstance(pilot.app.screen, ComposeScreen) and not pilot.app.screen.running, tries)
+    """The progress screen (a composition or an export) ran to the end; Esc closes it."""
+    await wait_for(pilot, lambda: isinstance(pilot.app.screen, ProgressScreen) and not pilot.app.screen.running, tries)
     assert pilot.app.screen.has_class("finished")
     await pilot.press("escape")
 
 
-async def start_composing(pilot) -> ComposeScreen:
-    """ctrl+r, accept the plan, and return the compose screen."""
+async def start_composing(pilot) -> ProgressScreen:
+    """ctrl+r, accept the plan, and return the progress screen."""
     await pilot.press("ctrl+r")
     await wait_for(pilot, lambda: isinstance(pilot.app.screen, Confirm))
     await pilot.press("enter")
-    await wait_for(pilot, lambda: isinstance(pilot.app.screen, ComposeScreen))
+    await wait_for(pilot, lambda: isinstance(pilot.app.screen, ProgressScreen))
     return pilot.app.screen

@@ -17,7 +17,7 @@ from helpers import compose, param_row, parity_picks
 from safetensors.torch import load_file
 from zero_reader import model_states, optim_states, read_full_state
 
-from tailor_tui.compose.folder import run_compose
+from tailor_tui.compose.compose_run import run_compose
 from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.recipe import Recipe
 
@@ -242,7 +242,7 @@ def test_no_fsync_skips_every_fsync_and_writes_the_same_output(real_run, tmp_pat
     import os
 
     from tailor_tui.events import TaskOptions
-    from tailor_tui.verifying.recipe import verify_against_recipe
+    from tailor_tui.verifying.against_recipe import verify_against_recipe
 
     run, spec = real_run("hf_bf16_2")
     ckpts = checkpoints_of(run, spec)

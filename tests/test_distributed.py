@@ -25,7 +25,7 @@ from helpers import TAILOR, hidden, tailor, write_recipe
 from tailor_tui.checkpoints.checkpoint import PROVENANCE
 from tailor_tui.errors import UsageError
 from tailor_tui.team.launch import Launch, detect, expand_hostlist
-from tailor_tui.team.team import Team
+from tailor_tui.team.members import Team
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 

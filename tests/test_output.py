@@ -21,7 +21,7 @@ from conftest import checkpoints_of, tree_digest
 from helpers import assert_one_line_error, finish, hidden, start_apply, tailor, wait_for_line, write_recipe
 
 from tailor_tui import fileio
-from tailor_tui.compose import folder
+from tailor_tui.compose import compose_run
 from tailor_tui.planning import output
 from tailor_tui.errors import CheckpointError, Cancelled, OutputError
 from tailor_tui.planning.build import build_plan
@@ -175,7 +175,7 @@ def _plan(ckpts, tmp_path, force=False):
 
 def test_a_cancel_during_the_swap_completes_it_and_says_so(hf_run, tmp_path, monkeypatch):
     _, ckpts = hf_run
-    folder.run_compose(_plan(ckpts, tmp_path), workers=1)
+    compose_run.run_compose(_plan(ckpts, tmp_path), workers=1)
     old = (tmp_path / "composed" / output.PROVENANCE).read_text()
     from tailor_tui.team import transaction  # where a finished folder is put in place
 
@@ -188,7 +188,7 @@ def test_a_cancel_during_the_swap_completes_it_and_says_so(hf_run, tmp_path, mon
 
     monkeypatch.setattr(transaction, "publish", interrupted)
     with pytest.raises(Cancelled, match="is complete and holds the new composition"):
-        folder.run_compose(_plan(ckpts, tmp_path, force=True), workers=1)
+        compose_run.run_compose(_plan(ckpts, tmp_path, force=True), workers=1)
     assert (tmp_path / "composed" / output.PROVENANCE).read_text() != old  # the new one, whole
     assert tailor("--verify", write_recipe(tmp_path, ckpts[2], {"layers.1": ckpts[1]})).returncode == 0
     assert hidden(tmp_path) == []

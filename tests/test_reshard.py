@@ -42,7 +42,7 @@ from pilot_helpers import private_copy
 
 from tailor_tui.resharding import partition as reshard
 from tailor_tui.checkpoints.checkpoint import open_checkpoint
-from tailor_tui.verifying.recipe import verify_against_recipe
+from tailor_tui.verifying.against_recipe import verify_against_recipe
 from tailor_tui.verifying.same_content import SameContent
 from tailor_tui.errors import CheckpointError
 from tailor_tui.checkpoints.layout import pieces
@@ -386,7 +386,7 @@ def test_a_corrupt_frozen_fragment_of_a_partial_base_is_refused_when_resharding(
 def test_every_file_of_a_resharded_output_is_fsynced_before_it_is_published(real_run, tmp_path, monkeypatch):
     """Durable by default: each rank file's structure and filled tensors, model_states without frozen
     fragments included, and every folder, reach the disk before the output is renamed into place."""
-    from tailor_tui.compose.folder import run_compose
+    from tailor_tui.compose.compose_run import run_compose
 
     run, spec = real_run("hf_bf16_2")
     c2, _c4, c6 = checkpoints_of(run, spec)

@@ -32,7 +32,7 @@ from safetensors import safe_open
 from tailor_tui.checkpoints.checkpoint import PARTIAL_MODEL_FILES
 from tailor_tui.checkpoints.scan import scan
 from tailor_tui.runs.demo_run import resume_and_step
-from tailor_tui.compose.folder import run_compose
+from tailor_tui.compose.compose_run import run_compose
 from tailor_tui.planning.build import build_plan
 from tailor_tui.checkpoints.checkpoint import tied_partner
 from tailor_tui.planning.recipe import Recipe

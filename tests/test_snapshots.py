@@ -14,7 +14,7 @@ from pilot_helpers import private_copy, scanned, wait_for
 from tailor_tui.events import TaskProgressed
 from tailor_tui.ui.app import make_app
 from tailor_tui.ui.dialogs import Confirm
-from tailor_tui.ui.compose_screen import ComposeProgressed, ComposeScreen
+from tailor_tui.ui.progress_screen import ComposeProgressed, ProgressScreen
 
 SIZE = (130, 30)
 
@@ -72,7 +72,7 @@ def test_compose_screen_mid_progress(snap_compare, run):
         from tailor_tui.planning.build import build_plan
 
         plan = build_plan(app.home.composition.to_recipe())
-        screen = ComposeScreen(plan, workers=1, clock=lambda: next(times, 104.0), autostart=False,
+        screen = ProgressScreen(plan, workers=1, clock=lambda: next(times, 104.0), autostart=False,
                              title="Composing checkpoint-6-tailored")
         await app.push_screen(screen)
         (r0, t0), (r1, t1), (m, tm) = screen.tasks
@@ -94,7 +94,7 @@ def test_compose_screen_of_512_ranks_at_80x24(snap_compare, run):
         from tailor_tui.planning.build import build_plan
 
         plan = build_plan(app.home.composition.to_recipe(), world_size=512)
-        screen = ComposeScreen(plan, workers=1, clock=lambda: next(times, 112.0), autostart=False,
+        screen = ProgressScreen(plan, workers=1, clock=lambda: next(times, 112.0), autostart=False,
                                title="Composing checkpoint-6-tailored for 512 ranks")
         await app.push_screen(screen)
         ranks = [(name, total) for name, total in screen.tasks if name.startswith("rank ")]

@@ -186,7 +186,7 @@ def test_the_job_cost_rule_gives_each_kind_of_job_its_numbers():
     job of nothing still costs a byte (a bar never counts to zero)."""
     from pathlib import Path as P
 
-    from tailor_tui.export.plan import ExportJob
+    from tailor_tui.export.export_plan import ExportJob
     from tailor_tui.planning.jobs import BinFileJob, RankJob
     from tailor_tui.resharding.partition import ReshardJob
 
@@ -219,14 +219,27 @@ MOVED = [
     ("tailor_tui.compose.rank_stream", "tensor_bytes", "tailor_tui.checkpoints.rank_reader"),
     ("tailor_tui.compose.rank_stream", "flat_tensor_bytes", "tailor_tui.checkpoints.rank_reader"),
     ("tailor_tui.checkpoints.partial_rows", "crc_range_checked", "tailor_tui.checkpoints.rank_reader"),
-    ("tailor_tui.compose.verify", "verify_against_recipe", "tailor_tui.verifying.recipe"),
-    ("tailor_tui.compose.verify", "VerifyReport", "tailor_tui.verifying.recipe"),
+    ("tailor_tui.compose.verify", "verify_against_recipe", "tailor_tui.verifying.against_recipe"),
+    ("tailor_tui.compose.verify", "VerifyReport", "tailor_tui.verifying.against_recipe"),
     ("tailor_tui.compose.verify_reshard", "verify_resharded", "tailor_tui.verifying.resharded"),
     ("tailor_tui.compose.verify_reshard", "whole_matches", "tailor_tui.verifying.resharded"),
     ("tailor_tui.compose.verify_reshard", "SameContent", "tailor_tui.verifying.same_content"),
     ("tailor_tui.compose.compare", "same_bytes", "tailor_tui.verifying.compare"),
     ("tailor_tui.compose.compare", "differences", "tailor_tui.verifying.compare"),
     ("tailor_tui.compose.compare", "nonzero_bytes", "tailor_tui.verifying.compare"),
+    ("tailor_tui.formats.pickled", "DType", "tailor_tui.formats.pickled:TorchDtype"),
+    ("tailor_tui.compose.rank_stream", "Span", "tailor_tui.compose.rank_stream:Replacement"),
+]
+
+# Every module that moved whole, and where: its old path is a shim (`moved.module`) holding its names.
+MOVED_MODULES = [
+    ("tailor_tui.compose.folder", "tailor_tui.compose.compose_run", "run_compose"),
+    ("tailor_tui.export.folder", "tailor_tui.export.export_run", "run_export"),
+    ("tailor_tui.export.plan", "tailor_tui.export.export_plan", "plan_export"),
+    ("tailor_tui.cli.export", "tailor_tui.cli.export_command", "export_command"),
+    ("tailor_tui.cli.health", "tailor_tui.cli.health_command", "stats_command"),
+    ("tailor_tui.team.team", "tailor_tui.team.members", "Team"),
+    ("tailor_tui.ui.compose_screen", "tailor_tui.ui.progress_screen", "ProgressScreen"),
 ]
 
 
@@ -234,9 +247,10 @@ MOVED = [
 def test_a_moved_name_is_still_found_where_it_was(old, name, new):
     import importlib
 
-    with pytest.warns(DeprecationWarning, match=f"{old}.{name} is now {new}.{name}"):
+    module, _, now = new.partition(":")
+    with pytest.warns(DeprecationWarning, match=f"{old}.{name} is now {module}.{now or name}"):
         found = getattr(importlib.import_module(old), name)
-    assert found is getattr(importlib.import_module(new), name)
+    assert found is getattr(importlib.import_module(module), now or name)
     with pytest.raises(AttributeError):
         getattr(importlib.import_module(old), "no_such_name_anywhere")
 
@@ -276,3 +290,62 @@ def test_the_composer_parts_need_of_their_screen_what_composer_host_declares():
     state = {n.attr for n in ast.walk(init) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
              and isinstance(n.value, ast.Name) and n.value.id == "self"}
     assert {name for name in declared if not hasattr(ComposerScreen, name) and name not in state} == set()
+
+
+@pytest.mark.parametrize("old, new, name", MOVED_MODULES)
+def test_a_moved_module_is_still_found_where_it_was(old, new, name):
+    """Imported in a fresh interpreter (this one may have imported the old path already): the old
+    path warns once, and holds the new module's names."""
+    code = (f"import warnings\nwarnings.simplefilter('error', DeprecationWarning)\n"
+            f"try:\n    import {old}\nexcept DeprecationWarning as w:\n    print('warned:', w)\n"
+            f"warnings.simplefilter('ignore')\nimport {old} as o, {new} as n\nprint(o.{name} is n.{name})\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.stdout.splitlines() == [f"warned: {old} is now {new}", "True"], out.stdout + out.stderr
+    assert {p.stem for p in PACKAGE.rglob("*.py")} >= {old.rsplit(".", 1)[1], new.rsplit(".", 1)[1]}
+
+
+def _shim(path: Path) -> bool:
+    """Whether a module only keeps old import paths working (`moved`): nothing defined but `__getattr__`."""
+    tree = ast.parse(path.read_text())
+    defined = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    return "moved" in path.read_text() and all(n.name == "__getattr__" for n in defined)
+
+
+def test_each_module_has_a_name_of_its_own():
+    """No two modules of the package share a file name, and none is named as a subpackage (a reader
+    of `folder` or `plan` would not know which; an old path kept by `moved` is not a module of its own)."""
+    packages = {p.parent.name for p in PACKAGE.rglob("__init__.py")} - {PACKAGE.name}
+    seen: dict[str, Path] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.stem in ("__init__", "__main__") or _shim(path):
+            continue
+        assert path.stem not in seen, f"{path.relative_to(ROOT)} and {seen[path.stem].relative_to(ROOT)}"
+        assert path.stem not in packages, f"{path.relative_to(ROOT)} is named as the subpackage {path.stem}/"
+        seen[path.stem] = path
+
+
+# Classes of the same name in two places, each the verifier's own re-derivation of the writers' (on purpose).
+SAME_NAME_ON_PURPOSE = {"Piece", "Record", "_Parameter"}
+
+
+def test_no_two_classes_are_told_apart_by_a_letter():
+    """Two classes for different things never share a name, nor differ by one letter (ComposeScreen
+    beside ComposerScreen)."""
+    import itertools
+
+    where: dict[str, list[str]] = {}
+    for name, path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name.lstrip("_"), []).append(name)
+    twice = {n: w for n, w in where.items() if len(w) > 1 and n not in {s.lstrip("_") for s in SAME_NAME_ON_PURPOSE}}
+    assert not twice, twice
+
+    def one_letter(a: str, b: str) -> bool:
+        if len(a) == len(b):
+            return sum(x != y for x, y in zip(a, b)) == 1
+        short, long = sorted((a, b), key=len)
+        return len(long) - len(short) == 1 and any(long[:i] + long[i + 1:] == short for i in range(len(long)))
+
+    close = [(a, b) for a, b in itertools.combinations(sorted(where), 2) if one_letter(a.lower(), b.lower())]
+    assert not close, close

@@ -17,7 +17,7 @@ from tailor_tui.events import TaskOptions
 from tailor_tui.planning.recipe import load_recipe
 from tailor_tui.ui.app import make_app
 from tailor_tui.ui.dialogs import Confirm, ErrorDialog, HelpScreen, PathPrompt
-from tailor_tui.ui.compose_screen import ComposeScreen
+from tailor_tui.ui.progress_screen import ProgressScreen
 
 SIZE = (130, 32)
 SLOW = TaskOptions(slow_down=0.4)
@@ -347,7 +347,7 @@ async def test_composing_an_unhealthy_row_goes_back_unless_asked_to_compose_anyw
         await pilot.press("ctrl+r")
         await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
         await pilot.press("exclamation_mark")  # "Compose anyway", asked for explicitly
-        await wait_for(pilot, lambda: isinstance(app.screen, ComposeScreen) and not app.screen.running)
+        await wait_for(pilot, lambda: isinstance(app.screen, ProgressScreen) and not app.screen.running)
         assert (run / "global_step6-tailored" / "latest").is_file()
 
 
@@ -356,7 +356,7 @@ async def test_composing_an_unhealthy_row_goes_back_unless_asked_to_compose_anyw
 
 async def test_a_composed_folder_is_never_a_column_and_is_named_in_the_details(run_copy):
     run, ckpts = run_copy
-    from tailor_tui.compose.folder import run_compose
+    from tailor_tui.compose.compose_run import run_compose
     from tailor_tui.planning.build import build_plan
     from tailor_tui.planning.recipe import Recipe
 
@@ -547,7 +547,7 @@ async def test_an_earlier_output_is_offered_for_replacement_not_force(run_copy):
         await pilot.press("enter")
         await wait_for(pilot, lambda: isinstance(app.screen, Confirm) and app.screen.title_text.startswith("Compose"))
         await pilot.press("enter")
-        await wait_for(pilot, lambda: isinstance(app.screen, ComposeScreen) and not app.screen.running)
+        await wait_for(pilot, lambda: isinstance(app.screen, ProgressScreen) and not app.screen.running)
         assert app.screen.has_class("finished")
     assert (run / "checkpoint-6-tailored" / "tailor_provenance.json").read_text() != first
 
@@ -632,7 +632,7 @@ async def test_a_large_plan_on_a_login_node_offers_a_batch_job(real_run, tmp_pat
 
 
 async def test_export_for_evaluation_from_the_composer(real_run, tmp_path):
-    """e asks for a folder, then exports the picks there on the compose screen: a folder
+    """e asks for a folder, then exports the picks there on the progress screen: a folder
     from_pretrained loads, each row from its picked checkpoint."""
     from transformers import AutoModelForCausalLM
 

@@ -17,12 +17,12 @@ from helpers import write_recipe
 
 from tailor_tui.checkpoints.scan import scan
 from tailor_tui.compose import model_files
-from tailor_tui.compose.folder import run_compose
+from tailor_tui.compose.compose_run import run_compose
 from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.planning.recipe import Recipe, load_recipe
 from tailor_tui.resharding import partition
-from tailor_tui.verifying.recipe import verify_against_recipe
+from tailor_tui.verifying.against_recipe import verify_against_recipe
 
 
 def _rows(report) -> dict[str, list[str]]:

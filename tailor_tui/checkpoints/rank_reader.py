@@ -75,7 +75,7 @@ class SliceCheck:
 
 
 @dataclass(frozen=True)
-class Place:
+class RankBytes:
     """Where some elements of a rank's files lie: from byte `at` of `path`, in `record` (a full
     save's archive record, whose stored CRC-32 covers it) or in a partial's slice (`slice`)."""
 
@@ -146,7 +146,7 @@ class RankReader:
     # -- where a parameter's slice lies ----------------------------------------------------------
 
     def place(self, key: str, *, param: str | None, group: int | None, offset: int, valid: int, within: int = 0,
-              count: int = 0) -> Place:
+              count: int = 0) -> RankBytes:
         """Where element `within` on of parameter `param`'s slice on this rank lies, for `key` (one of
         TENSORS): a full save holds the slice from element `offset` of sub-group `group`'s flat tensor
         on; a partial save as tensor `{key}/{param}` of its rows file, checked to hold the slice's
@@ -156,11 +156,11 @@ class RankReader:
             tensors, crcs = self.rows()
             begin = partial_slice(self.files.rows, tensors, key, param, max(valid, within + count))[2]
             name = f"{key}/{param}"
-            return Place(self.files.rows, begin + within * 4, None, FP32[0], FP32[1],
+            return RankBytes(self.files.rows, begin + within * 4, None, FP32[0], FP32[1],
                          SliceCheck(self.files.rows, name, begin, valid * 4, crcs.get(name)))
         assert group is not None, "a full save's slices are found by sub-group"
         tb = self.flat()[group, key]
-        return Place(self.files.optim_states, tb.offset + (offset + within) * tb.itemsize, tb.record, tb.dtype,
+        return RankBytes(self.files.optim_states, tb.offset + (offset + within) * tb.itemsize, tb.record, tb.dtype,
                      tb.itemsize)
 
     # -- model_states ----------------------------------------------------------------------------

@@ -125,12 +125,12 @@ def parser() -> argparse.ArgumentParser:
 
 def apply(args) -> int:
     from tailor_tui.team.launch import detect
-    from tailor_tui.compose.folder import planned_tasks, run_compose
+    from tailor_tui.compose.compose_run import planned_tasks, run_compose
     from tailor_tui.planning.build import build_plan
     from tailor_tui.planning.recipe import load_recipe
     from tailor_tui.report import FEW, BarReporter, LineReporter, reporter_for
     from tailor_tui.team.meet import connect
-    from tailor_tui.team.team import SOLO
+    from tailor_tui.team.members import SOLO
     from tailor_tui.team.progress import JobLines
     from tailor_tui.units import size
     from tailor_tui.team.workers import default_workers
@@ -193,7 +193,7 @@ def verify(args) -> int:
     from tailor_tui.planning.build import build_plan
     from tailor_tui.planning.recipe import load_recipe
     from tailor_tui.report import reporter_for
-    from tailor_tui.verifying.recipe import verify_against_recipe
+    from tailor_tui.verifying.against_recipe import verify_against_recipe
 
     plan = build_plan(load_recipe(args.verify), output=args.output, check_output=False, world_size=args.world_size)
     if not plan.output.is_dir():
@@ -309,17 +309,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.apply:
             code = apply(args)
         elif args.export:
-            from tailor_tui.cli.export import export_command
+            from tailor_tui.cli.export_command import export_command
 
             code = export_command(args, _test_slow_down())
         elif args.verify:
             code = verify(args)
         elif args.stats:
-            from tailor_tui.cli.health import stats_command
+            from tailor_tui.cli.health_command import stats_command
 
             code = stats_command(args, _test_slow_down())
         elif args.heal:
-            from tailor_tui.cli.health import heal_command
+            from tailor_tui.cli.health_command import heal_command
 
             code = heal_command(args, _test_slow_down())
         elif args.make_demo:

@@ -30,7 +30,7 @@ from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.fileio import OpenFiles, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
 from tailor_tui.reading import crc_range, pread_into
 from tailor_tui.formats.nonfinite import EXPONENT, Census, Region
-from tailor_tui.checkpoints.rank_reader import STREAM_CHUNK, Place, RankReader, dtype_mismatch, read_and_check
+from tailor_tui.checkpoints.rank_reader import STREAM_CHUNK, RankBytes, RankReader, dtype_mismatch, read_and_check
 from tailor_tui.formats.pickled import dtype_name
 from tailor_tui.resharding.partition import ZEROS, Piece, ReshardJob
 from tailor_tui.resharding.skeleton import Skeleton, write_rank_file
@@ -93,14 +93,14 @@ class _Sources:
                 found.setdefault(reader.files.model_states, set()).update(tb.record for tb in fragments.values())
         return found
 
-    def place(self, piece: Piece, key: str) -> Place | None:
+    def place(self, piece: Piece, key: str) -> RankBytes | None:
         """Where a piece's bytes lie in its source (None: zeros)."""
         if piece.source == ZEROS:
             return None
         reader = self.reader(piece.source, piece.rank)
         if key == "frozen":
             tb = reader.fragments([piece.param])[piece.param]
-            return Place(reader.files.model_states, tb.offset + piece.offset * tb.itemsize, tb.record, tb.dtype,
+            return RankBytes(reader.files.model_states, tb.offset + piece.offset * tb.itemsize, tb.record, tb.dtype,
                          tb.itemsize)
         return reader.place(key, param=piece.param, group=piece.group, offset=piece.offset - piece.within,
                             valid=piece.whole, within=piece.within, count=piece.length)

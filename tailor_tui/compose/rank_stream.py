@@ -26,11 +26,12 @@ from tailor_tui.planning.jobs import RankJob
 from tailor_tui.reading import RangeCrcs, crc_range, pread_into
 
 # the reading of rank files moved to checkpoints.rank_reader
-__getattr__ = moved.names(__name__, {name: "tailor_tui.checkpoints.rank_reader" for name in (
-    "dtype_mismatch", "tensor_bytes", "flat_tensor_bytes")})  # (read_and_check, check_dtypes: imported)
+__getattr__ = moved.names(__name__, {**{name: "tailor_tui.checkpoints.rank_reader" for name in (
+    "dtype_mismatch", "tensor_bytes", "flat_tensor_bytes")},  # (read_and_check, check_dtypes: imported)
+    "Span": f"{__name__}:Replacement"})  # (export_plan.Span is another thing)
 
 
-class Span(NamedTuple):
+class Replacement(NamedTuple):
     """A byte range of the output optim file that does not keep the base's bytes."""
 
     at: int  # where it lies in the base's (and the output's) file
@@ -84,7 +85,7 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counte
         for key in TENSORS:
             b = base[c.group, key]
             place = readers[c.source].place(key, param=c.param, group=c.group, offset=c.offset, valid=c.length)
-            spans.append(Span(b.offset + c.offset * b.itemsize, c.length * b.itemsize, c.source, place.at, b.record,
+            spans.append(Replacement(b.offset + c.offset * b.itemsize, c.length * b.itemsize, c.source, place.at, b.record,
                               place.record, place.slice))
     spans = _coalesced(spans)
     padding = Padding(_pads(job.padding, base))
@@ -161,13 +162,13 @@ def _row_places(reader: RankReader, slots: list) -> list[list]:
     return places
 
 
-def _in_step(spans: list[Span]) -> dict[int, list[tuple[int, Record, int]]]:
+def _in_step(spans: list[Replacement]) -> dict[int, list[tuple[int, Record, int]]]:
     """The source records read in step with the base's record they replace ranges of, chunk by
     chunk at the same place, so that each chunk is copied right after it was read and checked:
     {id(base record): [(source, its record, its offsets minus the base record's)]}. A record
     qualifies when it has a CRC-32 (zip), the base record's size, and all its spans lie in that one
     record at that one distance: the same layout, as every full source of a run has."""
-    by_record: defaultdict[int, list[Span]] = defaultdict(list)
+    by_record: defaultdict[int, list[Replacement]] = defaultdict(list)
     for sp in spans:
         if sp.source_record is not None:
             by_record[id(sp.source_record)].append(sp)
@@ -188,7 +189,7 @@ class _Sweep:
     the sources in step was read and checked (`read`), the copy finds those bytes in the CPU's
     cache. A partial's slice is read whole and checked against its rows file's CRC-32 first."""
 
-    def __init__(self, fin: int, fout: int, spans: list[Span], fds: dict[int, int], counter: ByteCounter):
+    def __init__(self, fin: int, fout: int, spans: list[Replacement], fds: dict[int, int], counter: ByteCounter):
         self.fin, self.fout, self.spans, self.fds, self.counter = fin, fout, spans, fds, counter
         self.writeback = Writeback(fout, counter.options.durable)
         self.buffer = memoryview(bytearray(STREAM_CHUNK))
@@ -260,10 +261,10 @@ class Padding:
         return [(*self.pads[i], value) for i, value in sorted(self.dirty.items())]
 
 
-def _coalesced(spans: list[Span]) -> list[Span]:
+def _coalesced(spans: list[Replacement]) -> list[Replacement]:
     """Spans in file order, neighbours from the same source and records joined into one
     (the params of a layer lie side by side in both files: one copy, one CRC step)."""
-    joined: list[Span] = []
+    joined: list[Replacement] = []
     last, length = None, 0  # the span being extended, and its length so far
     for span in sorted(spans, key=lambda s: s.at):
         if (last is not None and span.check is None and span.at == last.at + length and span.source == last.source

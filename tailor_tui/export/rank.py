@@ -23,7 +23,7 @@ import numpy as np
 
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
-from tailor_tui.export.plan import ExportJob, Span
+from tailor_tui.export.export_plan import ExportJob, Span
 from tailor_tui.fileio import fsync, open_fd, output_error, pwrite_all
 from tailor_tui.reading import crc_range
 from tailor_tui.checkpoints.checkpoint import RankFiles

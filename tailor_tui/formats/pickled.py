@@ -25,8 +25,9 @@ from tailor_tui.formats import pickle_bounds
 from tailor_tui.formats.pickle_bounds import MAX_PICKLE_BYTES, Truncated, check_bounds_bytes
 
 # the bounds this module held before they moved to pickle_bounds: still found here, with a DeprecationWarning
-__getattr__ = moved.names(__name__, {name: pickle_bounds.__name__
-                                     for name in ("MAX_OBJECT_BYTES", "MAX_MEMO", "MAX_NESTING", "BUILD_COST")})
+__getattr__ = moved.names(__name__, {**{name: pickle_bounds.__name__
+                                        for name in ("MAX_OBJECT_BYTES", "MAX_MEMO", "MAX_NESTING", "BUILD_COST")},
+                                     "DType": f"{__name__}:TorchDtype"})  # (dtypes.DType is the table's row)
 
 
 def dtype_name(what: str) -> str:
@@ -134,7 +135,7 @@ class DynamicLossScaler(Opaque):
 
 
 @dataclass(frozen=True)
-class DType:
+class TorchDtype:
     """A torch dtype (`torch.float16`): DeepSpeed's fp16 loss scaler keeps one."""
 
     name: str
@@ -188,7 +189,7 @@ ALLOWED = {
     ("builtins", "getattr"): enum_member,
     ("torch", "Size"): Size,
     ("torch", "Tensor"): Opaque,
-    ("torch", "float16"): DType("float16"),
+    ("torch", "float16"): TorchDtype("float16"),
     ("torch._utils", "_rebuild_tensor_v2"): rebuild_tensor_v2,
     ("torch._tensor", "_rebuild_from_type_v2"): rebuild_from_type_v2,
     **{(module, name): _STAND_INS[name] for module, name in DEEPSPEED_CLASSES},

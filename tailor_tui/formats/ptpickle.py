@@ -24,7 +24,7 @@ from typing import Any, Callable, ClassVar, cast
 
 from tailor_tui.formats.pickled import (
     ALLOWED,
-    DType,
+    TorchDtype,
     Opaque,
     PickledSet,
     Size,
@@ -99,12 +99,12 @@ class _Pickler(pickle._Pickler):
             return (ZeroStageEnum, (obj.value,)) if obj.name is None else (enum_member, (ZeroStageEnum, obj.name))
         if isinstance(obj, Opaque):
             return copyreg.__newobj__, (kind,), getattr(obj, "state", None)
-        if kind is DType or kind is StorageType:
+        if kind is TorchDtype or kind is StorageType:
             return obj.name  # a global: `torch.float16`, `torch.FloatStorage`
         return NotImplemented
 
     def save_global(self, obj, name=None):
-        if type(obj) in (DType, StorageType):
+        if type(obj) in (TorchDtype, StorageType):
             where = ("torch", obj.name)
         else:
             where = _GLOBALS.get(id(obj))

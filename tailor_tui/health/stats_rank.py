@@ -36,7 +36,7 @@ CHUNK = 1 << 20
 
 
 @dataclass
-class _Region:
+class _SumRegion:
     """A byte range of a file whose elements feed one row's sums."""
 
     start: int
@@ -114,9 +114,9 @@ def _reads(job: StatsJob, slots: tuple[SlotRead, ...], sums: dict[str, RowSums],
     return reads
 
 
-def _region(slot: SlotRead, key: str, at: int, dtype: str, sums: dict, prev_at: dict) -> _Region:
+def _region(slot: SlotRead, key: str, at: int, dtype: str, sums: dict, prev_at: dict) -> _SumRegion:
     fd, prev = prev_at.get((slot.row, slot.param), (None, None)) if key == "fp32" else (None, None)
-    return _Region(at, at + slot.valid * 4, key, dtype, sums[slot.row], prev, fd)
+    return _SumRegion(at, at + slot.valid * 4, key, dtype, sums[slot.row], prev, fd)
 
 
 def _fp32_places(files: RankFiles, group_sizes: tuple[int, ...], slots: list[SlotRead]) -> dict[str, int]:
@@ -130,19 +130,19 @@ def _frozen_reads(job: StatsJob, sums: dict[str, RowSums], stack: contextlib.Exi
     path = job.files.model_states
     fragments = RankReader(job.files, job.group_sizes).fragments([param for _row, param in job.frozen])
     fd = open_fd(stack, path)
-    by_record: dict[Record, list[_Region]] = {}
+    by_record: dict[Record, list[_SumRegion]] = {}
     for row, param in job.frozen:
         tb = fragments[param]
         dtype = dtype_name(tb.dtype)
         if dtype not in EXPONENT:
             raise CheckpointError(f"{path}: frozen parameter {param} is stored as {dtype}")
         by_record.setdefault(tb.record, []).append(
-            _Region(tb.offset, tb.offset + tb.numel * tb.itemsize, "frozen", dtype, sums[row]))
+            _SumRegion(tb.offset, tb.offset + tb.numel * tb.itemsize, "frozen", dtype, sums[row]))
     return [(fd, r.data_offset, r.size, r.crc, sorted(regs, key=lambda x: x.start))
             for r, regs in by_record.items()]
 
 
-def _read(fd: int, start: int, length: int, expected: int | None, regions: list[_Region], buffers,
+def _read(fd: int, start: int, length: int, expected: int | None, regions: list[_SumRegion], buffers,
           counter: ByteCounter, ahead: dict[int, Readahead]) -> bool:
     """Read [start, start+length) in chunks, feeding each region the part of each chunk it
     covers; False if the range's CRC-32 is not `expected` (None: nothing to check)."""
@@ -180,7 +180,7 @@ def _read(fd: int, start: int, length: int, expected: int | None, regions: list[
     return expected is None or value == expected
 
 
-def _consume(region: _Region, data: memoryview, prev: memoryview | None) -> None:
+def _consume(region: _SumRegion, data: memoryview, prev: memoryview | None) -> None:
     sums = region.sums
     if region.dtype == "float32" and region.kind != "frozen":
         x = np.frombuffer(data, dtype="<f4")

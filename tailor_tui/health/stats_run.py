@@ -23,7 +23,7 @@ from tailor_tui.checkpoints.checkpoint import Checkpoint, distinct_names
 from tailor_tui.events import Emit, TaskOptions
 from tailor_tui.health.healing import Cell, Health, rms, training_log
 from tailor_tui.health.stats_job import RankStats, RankStatsRead, RowSums, SlotTable, StatsJob
-from tailor_tui.team.team import SOLO, Team
+from tailor_tui.team.members import SOLO, Team
 from tailor_tui.team.transaction import Task, TeamWork, run_as_team
 from tailor_tui.team.workers import workers_for
 

@@ -62,7 +62,7 @@ class RankJob(RankJobCost):
     frozen_rows: tuple[tuple[str, str, int], ...] = ()
 
 
-class _Sized(Protocol):
+class _HasSize(Protocol):
     @property
     def size(self) -> int: ...
 
@@ -71,11 +71,11 @@ class WeightFileCost(JobCost):
     """A job that composes one weight file (`size` bytes): it reads as much as it writes."""
 
     @property
-    def read_bytes(self: _Sized) -> int:
+    def read_bytes(self: _HasSize) -> int:
         return self.size
 
     @property
-    def write_bytes(self: _Sized) -> int:
+    def write_bytes(self: _HasSize) -> int:
         return self.size
 
 

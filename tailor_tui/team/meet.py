@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from tailor_tui.errors import ExitCode
-from tailor_tui.team.team import CONNECT_TIMEOUT, DEFAULT_TIMEOUT, POLL, Team, TeamError
+from tailor_tui.team.members import CONNECT_TIMEOUT, DEFAULT_TIMEOUT, POLL, Team, TeamError
 from tailor_tui.team.trust import Forged, Seal, env_secret, lay_out, meeting_folder, new_secret, read_meeting
 
 GREETING = "greeting"

@@ -31,7 +31,7 @@ from tailor_tui.fileio import fsync_dir, write_file
 from tailor_tui.planning.output import (check_own_folder, hidden_folder, output_lock, publish,
                                         signals_held, written_files)
 from tailor_tui.team.progress import relay
-from tailor_tui.team.team import SOLO, Team
+from tailor_tui.team.members import SOLO, Team
 from tailor_tui.team.workers import run_calls
 
 R = TypeVar("R")

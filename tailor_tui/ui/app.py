@@ -24,7 +24,7 @@ from tailor_tui.team.workers import prepare_worker_processes
 from tailor_tui.ui.actions import APP, bindings, palette_actions
 from tailor_tui.ui.composer import ComposerOptions, ComposerScreen
 from tailor_tui.ui.dialogs import Confirm, HelpScreen
-from tailor_tui.ui.compose_screen import ComposeScreen
+from tailor_tui.ui.progress_screen import ProgressScreen
 
 
 class TailorApp(App):
@@ -45,12 +45,12 @@ class TailorApp(App):
 
     @property
     def home(self) -> ComposerScreen:
-        """The composer's screen (under any dialog or the compose screen)."""
+        """The composer's screen (under any dialog or the progress screen)."""
         return self.screen_stack[0]
 
     def action_request_quit(self) -> None:
         comp = self.home.composition
-        running = isinstance(self.screen, ComposeScreen) and self.screen.running
+        running = isinstance(self.screen, ProgressScreen) and self.screen.running
         if running:
             question = "A composition is running. Cancel it and quit? Nothing will be left at the output path."
         elif comp is not None and not comp.saved:
@@ -63,7 +63,7 @@ class TailorApp(App):
         def answer(yes: bool | None) -> None:
             if yes:
                 for screen in self.screen_stack:
-                    if isinstance(screen, ComposeScreen):
+                    if isinstance(screen, ProgressScreen):
                         screen.cancel.set()  # workers stop; run_compose removes its temp folder
                 self.exit_after_composing()
 
@@ -73,7 +73,7 @@ class TailorApp(App):
     async def exit_after_composing(self) -> None:
         """Exit once a cancelled composition has cleaned up (seconds), so nothing is left behind."""
         for screen in self.screen_stack:
-            if isinstance(screen, ComposeScreen):
+            if isinstance(screen, ProgressScreen):
                 while not screen.finished.is_set():
                     await asyncio.sleep(0.05)
         self.exit()
@@ -82,7 +82,7 @@ class TailorApp(App):
         self.action_request_quit()  # ctrl+q asks too
 
     def action_save_recipe(self) -> None:
-        """ctrl+s saves the session's recipe from any screen (a dialog, the compose screen)."""
+        """ctrl+s saves the session's recipe from any screen (a dialog, the progress screen)."""
         self.home.action_save_recipe()
 
     def action_help(self) -> None:

@@ -29,7 +29,7 @@ from tailor_tui.checkpoints.scan import ScanResult, scan
 from tailor_tui.compose.composition import Composition
 from tailor_tui.errors import OutputError, TailorError
 from tailor_tui.events import TaskOptions
-from tailor_tui.export.folder import ExportResult
+from tailor_tui.export.export_run import ExportResult
 from tailor_tui.health.healing import Health, training_log, why_unhealthy
 from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.output import not_replaceable
@@ -41,7 +41,7 @@ from tailor_tui.ui.dialogs import Confirm, ErrorDialog, PathPrompt, PlanDialog
 from tailor_tui.ui.export_actions import ExportActions
 from tailor_tui.ui.grid import CheckpointGrid
 from tailor_tui.ui.health_actions import HealthActions
-from tailor_tui.ui.compose_screen import ComposeScreen
+from tailor_tui.ui.progress_screen import ProgressScreen
 from tailor_tui.ui.messages import PlanFailed, PlanReady, ScanComplete, ScanFailed, ScanProgressed
 from tailor_tui.ui.navigation import Navigation
 from tailor_tui.ui.recipe_actions import RecipeActions
@@ -54,7 +54,7 @@ class ComposerOptions:
     run_dir: Path
     recipe: Path | None = None  # loaded at start; a recipe that does not exist yet is where ctrl+s saves
     workers: int | None = None  # worker processes of a composition or statistics (None: as many as fit)
-    clock: Callable[[], float] = time.monotonic  # the compose screen's (snapshot tests fix it)
+    clock: Callable[[], float] = time.monotonic  # the progress screen's (snapshot tests fix it)
     compose_options: TaskOptions = TaskOptions()
     batch_threshold: int = LARGE  # bytes to write from which a login node offers a batch job
 
@@ -222,7 +222,7 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
     # --- actions --------------------------------------------------------------------------
 
     def editable(self) -> bool:
-        """Picks change only on the grid itself, not under a dialog or the compose screen."""
+        """Picks change only on the grid itself, not under a dialog or the progress screen."""
         return self.composition is not None and self.on_top
 
     def edit(self, change: Callable[[], object]) -> None:
@@ -339,7 +339,7 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
                 self.action_write_batch_job(plan.bytes_to_write())
             elif answer:
                 self.composing = True
-                self.app.push_screen(ComposeScreen(plan, self.options.workers, clock=self.options.clock,
+                self.app.push_screen(ProgressScreen(plan, self.options.workers, clock=self.options.clock,
                                              options=self.options.compose_options, allow_nonfinite=bool(bad),
                                              title=f"Composing {self.rel(plan.output)}",
                                              finished=self.compose_finished),
@@ -366,12 +366,12 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
         self.refresh_view()
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        # Under a dialog or the compose screen the grid's keys do nothing: the footer hides them.
+        # Under a dialog or the progress screen the grid's keys do nothing: the footer hides them.
         return self.on_top
 
     @property
     def on_top(self) -> bool:
-        """Whether the user is on the grid itself (no dialog, no compose screen over it)."""
+        """Whether the user is on the grid itself (no dialog, no progress screen over it)."""
         return self.app.screen is self
 
     def action_toggle_details(self) -> None:

@@ -1,7 +1,7 @@
 """e: export the composition as a plain HF model folder, for evaluation (a mixin of the composer's screen).
 
 Asks for the folder (beside the output by default), plans the export in a thread, then runs it
-on the compose screen (one bar per source rank, Esc cancels, nothing left behind). The same
+on the progress screen (one bar per source rank, Esc cancels, nothing left behind). The same
 backend as `tailor-tui --export` (`export_plan`, `export`). A DeepSpeed-layout run records no
 config.json: the model's config is asked for too (as `--config`); left empty, the folder holds
 the weights and the notice says how to add one.
@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING
 from textual import work
 
 from tailor_tui.errors import TailorError
-from tailor_tui.export.folder import config_source
-from tailor_tui.export.plan import plan_export
+from tailor_tui.export.export_run import config_source
+from tailor_tui.export.export_plan import plan_export
 from tailor_tui.planning.build import build_plan
 from tailor_tui.formats.safetensors_out import parse_size
 from tailor_tui.ui.dialogs import ErrorDialog, PathPrompt
-from tailor_tui.ui.compose_screen import ComposeScreen
+from tailor_tui.ui.progress_screen import ProgressScreen
 from tailor_tui.ui.messages import ExportReady
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ class ExportActions:
                         "and give its config.json (or tailor-tui --export … --config PATH)", severity="warning",
                         timeout=10)
         self.composing = True
-        self.app.push_screen(ComposeScreen(export.plan, self.options.workers, clock=self.options.clock,
+        self.app.push_screen(ProgressScreen(export.plan, self.options.workers, clock=self.options.clock,
                                          options=self.options.compose_options,
                                          title=f"Exporting {self.rel(export.plan.output)}", export=export,
                                          export_config=message.config,

@@ -49,7 +49,7 @@ class ComposerHost(Protocol):
 
     options: ComposerOptions
     composition: Composition | None
-    composing: bool  # a composition or an export runs on the compose screen
+    composing: bool  # a composition or an export runs on the progress screen
     health: Health | None
     health_version: int
     health_status: str | None

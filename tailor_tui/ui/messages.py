@@ -15,9 +15,9 @@ from tailor_tui.events import TaskProgressed
 from tailor_tui.planning.plan import ComposePlan
 
 if TYPE_CHECKING:
-    from tailor_tui.compose.folder import ComposeResult
-    from tailor_tui.export.folder import ExportResult
-    from tailor_tui.export.plan import Export
+    from tailor_tui.compose.compose_run import ComposeResult
+    from tailor_tui.export.export_run import ExportResult
+    from tailor_tui.export.export_plan import Export
     from tailor_tui.planning.recipe import Recipe
 
 

@@ -5,9 +5,9 @@ output's layout) and what exists (each checkpoint's layout, `checkpoints.open_ch
 read with the formats' own reference readers: torch files by torch (`torch_files`: CRC-32s
 checked first, weights-only, memory-mapped), safetensors files and a partial checkpoint's rows
 files by the safetensors library (`rows_files`: recorded CRC-32s checked). The check of an
-output against its recipe (`recipe`: `verify_against_recipe`, `VerifyReport`), of a resharded
+output against its recipe (`against_recipe`: `verify_against_recipe`, `VerifyReport`), of a resharded
 output (`resharded`, where each of its elements comes from: `pieces`; its model_states files
-unpickled once per content: `same_content`), of weight files (`weight_files`), and comparing
+unpickled once per content: `same_content`), of weight files (`weights`), and comparing
 loaded structures byte for byte (`compare`). None of `compose/` nor the writers' readers
 (`formats.ptfile`, `pickled`, `ptwrite`, `safetensors_in`, `safe_load`, `checkpoints.partial_rows`,
 `resharding.partition`) is imported here (an import-linter contract says so); only the bounds

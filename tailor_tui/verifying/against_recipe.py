@@ -6,7 +6,7 @@ row's fp32 master weights, exp_avg and exp_avg_sq in the output equal its chosen
 source's and padding is zero bytes; everything else in the optimizer state (param
 groups, loss scaler, sub-group steps, counters) and in model_states equals the base's,
 but frozen fragments and buffers, which follow their row; the weight files have the
-header tailor-tui writes and each tensor of the chosen source (`weight_files`); every other
+header tailor-tui writes and each tensor of the chosen source (`weights`); every other
 file equals the base's. Every record of every torch file read, the output's and the
 sources', is checked against its stored CRC-32 on the way (`torch_files`), every slice of a
 partial checkpoint against the CRC-32 its save recorded (`rows_files`). Sources are only read
@@ -44,7 +44,7 @@ from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.verifying.compare import differences, nonzero_bytes, same_bytes
 from tailor_tui.verifying.rows_files import RowsFiles
 from tailor_tui.verifying.torch_files import load
-from tailor_tui.verifying.weight_files import verify_weight_file
+from tailor_tui.verifying.weights import verify_weight_file
 
 
 @dataclass

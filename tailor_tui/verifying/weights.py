@@ -83,7 +83,7 @@ def _verify_safetensors_file(plan, job, report, partial: RowsFiles) -> None:
         if f.read(len(job.prefix)) != job.prefix:  # names, dtypes, shapes, offsets and metadata
             report.add(None, f"{out_file}: its header is not the base's {job.name} header")
             return
-    sources = _Sources(plan, job, partial)
+    sources = _WeightSources(plan, job, partial)
     try:
         out = safe_open(str(out_file), "pt")
     except (SafetensorError, OSError) as exc:
@@ -97,7 +97,7 @@ def _verify_safetensors_file(plan, job, report, partial: RowsFiles) -> None:
             _differs(plan, job, report, name, s)
 
 
-class _Sources:
+class _WeightSources:
     """The tensors an output weight file's tensors must equal, from each source, read as needed."""
 
     def __init__(self, plan, job, partial: RowsFiles):

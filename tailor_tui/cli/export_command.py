@@ -1,0 +1,56 @@
+"""`tailor-tui --export RECIPE --to DIR`: the command line of an export (`export`)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+from tailor_tui.errors import ExitCode, UsageError
+from tailor_tui.events import TaskOptions
+
+
+def export_command(args, slow_down: float = 0.0) -> int:
+    from tailor_tui.export.export_run import config_source, run_export
+    from tailor_tui.export.export_plan import plan_export
+    from tailor_tui.planning.build import build_plan
+    from tailor_tui.planning.recipe import load_recipe
+    from tailor_tui.report import BarReporter, reporter_for
+    from tailor_tui.formats.safetensors_out import parse_size
+    from tailor_tui.units import size
+    from tailor_tui.team.workers import workers_for
+
+    if args.to is None:
+        raise UsageError("--export needs --to DIR: the folder to write the model to")
+    max_shard = parse_size(args.max_shard_size)
+    recipe = load_recipe(args.export)
+    plan = build_plan(recipe, output=args.to, force=args.force, preview=args.dry_run)
+    export = plan_export(plan, args.dtype, max_shard)
+    source = config_source(export, args.config)
+    files = ", ".join(f.name for f in export.files[:3]) + (f" … ({len(export.files)} files)"
+                                                            if len(export.files) > 3 else "")
+    summary = (f"exporting {plan.output}: {len(export.placed)} tensors in {export.dtype}, "
+               f"{size(export.bytes_to_write())} in {files}; config: {source or 'none'}")
+    if args.dry_run:
+        print(summary)
+        print("dry run: nothing written")
+        return ExitCode.OK
+    for warning in plan.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    workers = args.workers or workers_for(len(export.jobs), 64 << 20)
+    print(summary, file=sys.stderr, flush=True)
+    report = reporter_for(sys.stderr, args.progress, [(job.task, job.progress_bytes) for job in export.jobs])
+    try:
+        result = run_export(export, config=args.config, workers=workers, emit=report, cancel=threading.Event(),
+                            options=TaskOptions(durable=args.durable, slow_down=slow_down))
+    finally:
+        if isinstance(report, BarReporter):
+            report.close()  # the bars' final state, whatever happened
+    if not isinstance(report, BarReporter):
+        report.close()  # logs: the last line for all the tasks, where many were summed up
+    if result.config is None:
+        print(f"note: {result.output} holds the weights but no config.json (a DeepSpeed-layout run records none); "
+              "export again with --config PATH (the model's config.json, or a folder with it and its tokenizer)",
+              file=sys.stderr)
+    rate = result.bytes_written / max(result.seconds, 1e-6)
+    print(f"done: {result.output} ({size(result.bytes_written)} written in {result.seconds:.1f}s, {size(rate)}/s)")
+    return ExitCode.OK

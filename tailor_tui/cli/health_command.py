@@ -1,0 +1,105 @@
+"""`--stats RUN_DIR` (the health of every row in every checkpoint) and `--heal RUN_DIR --recipe
+OUT.yaml` (the recipe taking every row where it is healthy), over one process or a job of many."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+
+from tailor_tui.errors import CheckpointError, ExitCode, UsageError
+from tailor_tui.events import TaskOptions
+
+
+def _health(run_dir: Path, args, progress: str, slow_down: float):
+    """The scanned run's health (training checkpoints: not tailor-tui's own outputs); None in a
+    process of a job other than process 0 (which alone holds every cell)."""
+    from tailor_tui.checkpoints.cache import cache_dir
+    from tailor_tui.checkpoints.lineage import check_one_run
+    from tailor_tui.checkpoints.scan import check_run_folder, scan
+    from tailor_tui.cli.health_report import StatsProgress
+    from tailor_tui.team.launch import detect
+    from tailor_tui.health.stats_run import compute_health
+    from tailor_tui.team.meet import connect
+    from tailor_tui.team.members import SOLO
+
+    check_run_folder(run_dir)
+    scanned = scan(run_dir)
+    for folder, problem in scanned.problems:
+        print(f"warning: skipped {problem}", file=sys.stderr)
+    checkpoints = scanned.checkpoints  # tailor-tui's own outputs are never among them
+    if not checkpoints:
+        raise CheckpointError(scanned.nothing_found(run_dir))
+    check_one_run(run_dir, checkpoints)
+    launch = detect(os.environ, args.distributed)
+    team = connect(launch, args.peer_timeout, meeting=cache_dir()) if launch else SOLO
+    # in a job of several processes process 0 reports; the others read their share quietly
+    report = StatsProgress(sys.stderr, live={"bars": True, "lines": False}.get(progress)) if team.lead else None
+    cancel = threading.Event()
+    try:
+        health = compute_health(checkpoints, workers=args.workers, emit=report or (lambda event: None),
+                                cancel=cancel, cache=cache_dir(), options=TaskOptions(slow_down=slow_down),
+                                team=team)
+    finally:
+        if report is not None:
+            report.close()
+    if not team.lead:
+        return None
+    assert report is not None, "process 0 reports"
+    if args.report_peak_rss:
+        print(f"peak RSS: {report.peak_rss} bytes", file=sys.stderr)
+    return health
+
+
+def stats_command(args, slow_down: float = 0.0) -> int:
+    import json
+
+    from tailor_tui.cli.health_report import table
+
+    health = _health(args.stats, args, args.progress, slow_down)
+    if health is None:
+        return ExitCode.OK  # process 0 of the job prints the statistics
+    if args.json:
+        print(json.dumps(health.to_json(), indent=1))
+    else:
+        print("\n".join(table(health)))
+    return ExitCode.OK
+
+
+def heal_command(args, slow_down: float = 0.0) -> int:
+    from tailor_tui.compose.composition import Composition
+    from tailor_tui.cli.health_report import healing_lines
+
+    if args.recipe is None:
+        raise UsageError("--heal needs --recipe OUT.yaml: where to write the recipe it makes")
+    health = _health(args.heal, args, args.progress, slow_down)
+    if health is None:
+        return ExitCode.OK  # process 0 of the job writes the recipe
+    comp = Composition.start(list(health.checkpoints))
+    healing = comp.healing(health)
+    comp.apply_healing(healing)
+    _check_copied_files(comp.to_recipe())  # a recipe that --apply would refuse is not written
+    saved = comp.save(args.recipe)
+    base = comp.base_checkpoint.name
+    lines = healing_lines(health, healing, comp.base)
+    print(f"base: {base}; {len(comp.picks)} row(s) from other checkpoints")
+    print("\n".join(lines) if lines else f"every row is healthy in {base}")
+    if healing.hopeless:
+        print(f"error: {len(healing.hopeless)} row(s) have no healthy checkpoint ({', '.join(healing.hopeless)}); "
+              f"{saved} keeps them from {base}: --apply refuses it without --allow-nonfinite", file=sys.stderr)
+        return ExitCode.NONFINITE
+    print(f"wrote {saved}; compose it with: tailor-tui --apply {saved}")
+    return ExitCode.OK
+
+
+def _check_copied_files(recipe) -> None:
+    """Every file the recipe's output would take whole from its base (RNG states, scheduler,
+    training arguments) passes its CRC-32 check (CheckpointError naming the file and record)."""
+    from tailor_tui.formats.ptfile import check_crcs
+    from tailor_tui.planning.build import build_plan
+
+    plan = build_plan(recipe, preview=True)
+    root = plan.other_files_root()
+    for rel, _to in plan.other_files():
+        check_crcs(root / rel)

@@ -1,0 +1,220 @@
+"""The compose step: composes one checkpoint from a ComposePlan.
+
+Each rank's files are composed by `rank_task.compose_rank` (in a worker process when there
+are several workers, `workers`): the base's optim_states with the fp32 master weights, exp_avg and
+exp_avg_sq of every row picked from another checkpoint replaced slice by slice, and
+padding slots zeroed. Everything else in the rank files (optimizer `step` of every
+sub-group, loss scaler, counters, scheduler) is the base's.
+
+The output is built in a temporary folder beside the destination, checked, and
+renamed into place only when complete: an interrupted composition leaves nothing at the
+output path. Sources are only ever opened for reading.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import zipfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import cast
+
+from tailor_tui.compose.bin_files import compose_bin_file
+from tailor_tui.checkpoints.checkpoint import MODEL_FILE_INDEX, PROVENANCE, read_latest
+from tailor_tui.errors import Cancelled, OutputError
+from tailor_tui.events import Emit, TaskFinished, TaskOptions
+from tailor_tui.fileio import copy_file, fsync_dir, output_error, write_file
+from tailor_tui.health.guard import nonfinite_error
+from tailor_tui.planning.jobs import BinFileJob, RankJob, WeightJob
+from tailor_tui.compose.model_files import compose_model_file
+from tailor_tui.planning.provenance import plan_digest, provenance
+from tailor_tui.planning.plan import ComposePlan
+from tailor_tui.formats.ptfile import check_crcs
+from tailor_tui.compose.rank_reshard import reshard_rank
+from tailor_tui.compose.rank_task import compose_rank
+from tailor_tui.resharding.partition import ReshardJob
+from tailor_tui.resharding.skeleton import Skeleton, skeleton
+from tailor_tui.team.members import SOLO, Team
+from tailor_tui.team.transaction import PublishingWork, Task, run_as_team
+from tailor_tui.team.workers import default_workers
+
+# --- the task list -------------------------------------------------------------------------
+
+
+def planned_tasks(plan: ComposePlan) -> list[tuple[str, int]]:
+    """(task name, bytes it writes) of every task a composition will report, in order."""
+    return [(job.task, job.progress_bytes) for job in (*plan.rank_jobs(), *plan.model_file_jobs())]
+
+
+# --- the whole composition --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ComposeResult:
+    output: Path
+    seconds: float
+    bytes_written: int
+    peak_rss: int  # bytes: the largest peak resident memory of any process that composed a task
+    nonfinite: dict = field(default_factory=dict)  # row -> NaN/Inf values it holds (--allow-nonfinite)
+
+
+def run_compose(
+    plan: ComposePlan,
+    workers: int | None = None,
+    emit: Emit = lambda event: None,
+    cancel: threading.Event | None = None,
+    options: TaskOptions = TaskOptions(),
+    allow_nonfinite: bool = False,
+    team: Team = SOLO,
+) -> ComposeResult:
+    """Write the composed checkpoint described by `plan`; atomic, cancellable; fsynced
+    before it is renamed into place unless `options.durable` is False (`--no-fsync`).
+    An output that would hold NaN/Inf values is refused (NonFiniteError, nothing written)
+    unless `allow_nonfinite`; the result says how many it holds either way. With a `team`
+    of several processes (`--apply` under torchrun or srun), each writes its share of the
+    rank files and model files into the one hidden folder process 0 made, and process 0
+    checks the whole and renames it into place; a failure anywhere fails every process."""
+    started = time.monotonic()
+    work = Composing(plan, workers, options, allow_nonfinite)
+    run_as_team(work, team=team, emit=emit, cancel=cancel, options=options)
+    # what the plan counted (bytes_to_write): every file but the provenance record written last
+    out = plan.output
+    written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file() and f != out / PROVENANCE)
+    return ComposeResult(out, time.monotonic() - started, written, work.peak, dict(work.nonfinite))
+
+
+class Composing(PublishingWork):
+    """A composition's stages (`transaction`): process 0 makes the hidden folder with the
+    base's other files; each process writes its share of the rank files and weight files
+    into it; process 0 checks the whole, writes the provenance record and renames it into place."""
+
+    cancelled = Cancelled().args[0]
+    finished = ("cancelled as the composition finished: {output} is complete and holds the new composition "
+                "(check it with --verify)")
+
+    def __init__(self, plan: ComposePlan, workers: int | None, options: TaskOptions, allow_nonfinite: bool):
+        super().__init__(plan.output, plan.force, options)
+        self.plan, self.allow_nonfinite, self.workers_asked = plan, allow_nonfinite, workers
+        self.rank_call = reshard_rank if plan.reshard is not None else compose_rank
+        self.peak = 0
+        self.nonfinite: Counter = Counter()
+        self.reports: list[dict] = []  # every process's, as gathered
+
+    def digest(self) -> str:
+        return plan_digest(self.plan)
+
+    def progress_tasks(self) -> list[tuple[str, int]]:
+        return planned_tasks(self.plan)
+
+    def fill(self, tmp: Path, cancel: threading.Event) -> None:
+        _fill(self.plan, tmp, cancel, self.durable)
+
+    def tasks(self, shared: str, emit: Emit) -> list[Task]:
+        tag_dir = self.folder(shared) / self.plan.base.tag
+        rank_args: tuple[Path] | tuple[Path, Skeleton] = (tag_dir,)
+        if self.plan.reshard is not None:  # the structure every output rank file shares: made once, here
+            rank_args = (tag_dir, skeleton(self.plan.base, self.plan.sources, self.plan.buffer_sources(),
+                                           self.plan.reshard))
+        return [*(Task(self.rank_call, job, rank_args) for job in self.plan.rank_jobs()),
+                *(Task(_weight_writer(job), job, (self.tmp,)) for job in self.plan.model_file_jobs())]
+
+    def workers(self, mine: list[Task]) -> int:
+        return self.workers_asked if self.workers_asked is not None else default_workers(self.plan)
+
+    def observe(self, event, emit: Emit) -> bool:
+        if isinstance(event, TaskFinished):
+            self.peak = max(self.peak, event.peak_rss)
+        return False
+
+    def report(self, mine: list[Task], results: list) -> dict:
+        nonfinite = sum((Counter(r) for r in results if r), Counter())
+        names, tmp = self.plan.output_rank_files(), self.tmp
+        assert tmp is not None, "folder() named it before any task ran"
+        files = [f"{self.plan.base.tag}/{name}" for t in mine if t.call is self.rank_call
+                 for name in names[cast("RankJob | ReshardJob", t.job).rank]]
+        files += [cast(WeightJob, t.job).name for t in mine if t.call is not self.rank_call]
+        return {"nonfinite": dict(nonfinite), "peak": self.peak,
+                "files": {f: _size_of(tmp / f) for f in files}}
+
+    def gathered(self, reports: list, lead: bool, emit: Emit) -> None:
+        self.nonfinite = sum((Counter(d["nonfinite"]) for d in reports), Counter())
+        self.peak = max(d["peak"] for d in reports)
+        self.reports = reports
+
+    def publish(self) -> None:
+        plan, tmp = self.plan, self.tmp
+        assert tmp is not None, "folder() named it before any task ran"
+        _confirm_sizes(tmp, self.reports)
+        if self.nonfinite and not self.allow_nonfinite:
+            raise nonfinite_error(plan, self.nonfinite)
+        verify_output(plan, tmp)
+        fsync_dir(tmp / plan.base.tag, self.durable)
+        self.publish_folder(provenance(plan))
+
+
+def _weight_writer(job):
+    """The writer of a weight file's job: torch's format or safetensors."""
+    return compose_bin_file if isinstance(job, BinFileJob) else compose_model_file
+
+
+def _size_of(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError as exc:
+        raise output_error(exc, path) from None
+
+
+def _confirm_sizes(tmp: Path, done: list[dict]) -> None:
+    """Every file each process wrote has, seen from here, the size it had there: on a shared
+    file system that lost or has not yet shown a write, the job fails instead of publishing."""
+    for process, record in enumerate(done):
+        for rel, size in record["files"].items():
+            seen = (tmp / rel).stat().st_size if (tmp / rel).is_file() else None
+            if seen != size:
+                raise OutputError(f"{tmp / rel}: process {process} wrote {size} bytes, process 0 sees "
+                                  f"{'no file' if seen is None else f'{seen} bytes'}; the shared file system "
+                                  "does not show every process the same files: compose on one that does")
+
+
+def _fill(plan: ComposePlan, tmp: Path, cancel: threading.Event, durable: bool) -> None:
+    """The hidden folder the output is composed in gets the base's other files, `latest` and
+    the model-file index (process 0 of a job fills it; the others write into it)."""
+    (tmp / plan.base.tag).mkdir()
+    _copy_other_files(plan, tmp, cancel, durable)
+    if plan.base.kind == "deepspeed" or plan.base.partial:  # an HF base's is among its files
+        write_file(tmp / "latest", plan.base.tag, durable)
+    layout = plan.model_layout()
+    if plan.base.partial and layout is not None and layout.index is not None:
+        write_file(tmp / MODEL_FILE_INDEX, layout.index, durable)
+
+
+def _copy_other_files(plan: ComposePlan, tmp: Path, cancel: threading.Event, durable: bool) -> None:
+    root = plan.other_files_root()
+    for rel, to in plan.other_files():
+        if cancel.is_set():
+            raise Cancelled()
+        dst = tmp / to
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        check_crcs(root / rel)  # scheduler.pt, rng_state_*.pth, training_args.bin: torch zip archives
+        try:
+            copy_file(root / rel, dst, durable=durable)
+        except OSError as exc:
+            raise output_error(exc, dst) from None
+
+
+def verify_output(plan: ComposePlan, root: Path) -> None:
+    """Check the composed folder before it is moved into place: every file there and whole."""
+    tag_dir = root / plan.base.tag
+    latest = read_latest(root)
+    if latest != plan.base.tag:
+        raise OutputError(f"{root}/latest names '{latest}', expected '{plan.base.tag}' (internal error)")
+    for names in plan.output_rank_files():
+        for name in names:
+            out = tag_dir / name
+            if not out.is_file() or not zipfile.is_zipfile(out):
+                raise OutputError(f"{out}: missing or incomplete after the composition (internal error)")
+    for job in plan.model_file_jobs():
+        if not (root / job.name).is_file():
+            raise OutputError(f"{root / job.name}: missing after the composition (internal error)")
