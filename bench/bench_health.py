@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench_merge import bench_run  # noqa: E402
+
 from tailor_tui.runs.demo_run import RunSpec, make_run  # noqa: E402
 
 # 78 layers + embed_tokens + norm + lm_head = 81 rows; 100 checkpoints of 8 ranks

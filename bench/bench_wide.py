@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench_merge import as_installed  # noqa: E402
+
 from tailor_tui.runs.demo_run import RunSpec, make_run  # noqa: E402
 
 TAILOR = str(Path(sys.executable).with_name("tailor-tui"))

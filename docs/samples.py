@@ -178,7 +178,7 @@ def update(samples: dict[str, str], write: bool) -> list[str]:
         text = page.read_text()
         rel = page.relative_to(ROOT)
 
-        def fill(match: re.Match) -> str:
+        def fill(match: re.Match, rel: object = rel) -> str:
             name, body = match["name"], match["body"]
             if name not in samples:
                 problems.append(f"{rel}: no sample is named '{name}' (docs/samples.py makes "

@@ -20,7 +20,8 @@ from typing import Callable
 
 _c_combine: Callable[[int, int, int], int] | None
 try:  # ISA-L's CRC-32 (carry-less multiply): about 3x zlib's on x86-64 and ARM
-    from isal.isal_zlib import crc32, crc32_combine as _c_combine
+    from isal.isal_zlib import crc32
+    from isal.isal_zlib import crc32_combine as _c_combine
 except ImportError:  # no wheel for this platform: zlib gives the same values, slower
     from zlib import crc32
 

@@ -29,9 +29,9 @@ import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+from tailor_tui.formats.ds_format import parse_version  # noqa: E402
 from tailor_tui.runs import demo_run  # noqa: E402
 from tailor_tui.runs.demo_run import DEMO, RunSpec  # noqa: E402
-from tailor_tui.formats.ds_format import parse_version  # noqa: E402
 
 RUNS = {
     # HF Trainer layout, 2 ranks, bf16, separate lm_head

@@ -15,12 +15,12 @@ import torch
 from zero_reader import optim_states, read_full_state
 
 from tailor_tui.checkpoints.scan import scan
-from tailor_tui.compose.composition import Composition
 from tailor_tui.compose.compose_run import run_compose
-from tailor_tui.planning.build import build_plan
+from tailor_tui.compose.composition import Composition
 from tailor_tui.formats.ptfile import read_structure
 from tailor_tui.formats.ptpickle import dumps, storage_bytes
 from tailor_tui.formats.ptwrite import Copied, write_archive
+from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.recipe import Recipe
 
 TAILOR = str(Path(sys.executable).with_name("tailor-tui"))

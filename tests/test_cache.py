@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import checkpoints_of
 
-from tailor_tui.checkpoints import model_states
-from tailor_tui.checkpoints import scan_cache
+from tailor_tui.checkpoints import model_states, scan_cache
 from tailor_tui.checkpoints.scan import scan
 from tailor_tui.formats.ds_format import MODEL_STATES
 from tailor_tui.health.stats_run import StatsPlanned, compute_health

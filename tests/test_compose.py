@@ -299,7 +299,7 @@ def test_a_counter_of_small_steps_still_notices_a_cancel_within_32_steps():
     cancelled[0] = True
     steps = 0
     with pytest.raises(Cancelled):
-        for steps in range(1, 100):
+        for steps in range(1, 100):  # noqa: B007 - read after the loop
             counter.add(4)
     assert steps <= 32
     cancelled[0] = False

@@ -76,7 +76,7 @@ def test_a_record_read_in_chunks_gives_every_range_its_crc_and_checks_the_whole(
                 with pytest.raises(CheckpointError, match="fails its CRC-32 check"):
                     checked_crcs(fd, path, record, ranges, buffer)
                 continue
-            found = checked_crcs(fd, path, record, ranges, buffer, inspect=lambda o, c: seen.append((o, bytes(c))))
+            found = checked_crcs(fd, path, record, ranges, buffer, inspect=lambda o, c, seen=seen: seen.append((o, bytes(c))))
             assert found == [zlib.crc32(data[a: a + n]) for a, n in ranges]
             assert b"".join(c for _o, c in seen) == data[start: start + size]
             assert [o for o, _c in seen] == sorted(o for o, _c in seen)

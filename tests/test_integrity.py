@@ -57,7 +57,7 @@ def test_every_record_of_a_file_is_checked_read_whole_or_streamed(run_copy, smal
     _c2, _c4, c6 = run_copy
     for target in sorted(c6.glob("*rank_1_*.pt")):
         seen = []
-        check_crcs(target, lambda at, chunk: seen.append(len(chunk)), small=small)
+        check_crcs(target, lambda at, chunk, seen=seen: seen.append(len(chunk)), small=small)
         assert sum(seen) == sum(e.size for e in read_directory(target))
         for suffix in ("data.pkl", flat_record(target)):
             copy = target.with_name(f"flipped-{suffix.replace('/', '-')}-{target.name}")
@@ -233,8 +233,8 @@ def test_a_flipped_bit_in_a_partial_save_is_refused_wherever_it_is_read(real_run
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from tailor_tui.checkpoints.scan import scan
     from tailor_tui.checkpoints.partial_rows import read_rows_file
+    from tailor_tui.checkpoints.scan import scan
 
     run, _spec = real_run("ds_selective_parity")
     copy = tmp_path / "sel"

@@ -19,8 +19,8 @@ import pytest
 from conftest import INSTALLED_DEEPSPEED, checkpoints_of, other_python, resume_with
 from helpers import apply_and_verify, assert_rows_from_picks, two_checkpoint_picks, write_recipe
 
-from tailor_tui.formats.ptfile import read_structure
 from tailor_tui.formats.pickled import ZeroStageEnum
+from tailor_tui.formats.ptfile import read_structure
 from tailor_tui.formats.ptpickle import dumps
 
 _BY_NAME = ("import enum, pickle\n"

@@ -22,8 +22,8 @@ from helpers import assert_one_line_error, finish, hidden, start_apply, tailor, 
 
 from tailor_tui import fileio
 from tailor_tui.compose import compose_run
+from tailor_tui.errors import Cancelled, CheckpointError, OutputError
 from tailor_tui.planning import output
-from tailor_tui.errors import CheckpointError, Cancelled, OutputError
 from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.recipe import Recipe
 

@@ -30,11 +30,11 @@ from safetensors.torch import load_file, save_file
 from zero_reader import model_states, optim_states
 
 from tailor_tui.checkpoints.scan import scan
-from tailor_tui.runs.demo_run import RunSpec, resume_and_step
 from tailor_tui.compose.compose_run import run_compose
+from tailor_tui.formats.safetensors_in import safetensors_tensors
 from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.recipe import Recipe
-from tailor_tui.formats.safetensors_in import safetensors_tensors
+from tailor_tui.runs.demo_run import RunSpec, resume_and_step
 from tailor_tui.selective.saver import Filter, Parity
 
 RUN = "ds_selective_parity"

@@ -29,14 +29,13 @@ from helpers import (
 )
 from safetensors import safe_open
 
-from tailor_tui.checkpoints.checkpoint import PARTIAL_MODEL_FILES
+from tailor_tui.checkpoints.checkpoint import PARTIAL_MODEL_FILES, tied_partner
+from tailor_tui.checkpoints.rows import RowNaming
 from tailor_tui.checkpoints.scan import scan
-from tailor_tui.runs.demo_run import resume_and_step
 from tailor_tui.compose.compose_run import run_compose
 from tailor_tui.planning.build import build_plan
-from tailor_tui.checkpoints.checkpoint import tied_partner
 from tailor_tui.planning.recipe import Recipe
-from tailor_tui.checkpoints.rows import RowNaming
+from tailor_tui.runs.demo_run import resume_and_step
 
 RUN = "hf_selective_parity"
 
@@ -159,8 +158,8 @@ def test_a_damaged_model_file_layout_is_refused_with_one_line(selective, tmp_pat
 def test_the_callback_needs_a_deepspeed_engine():
     from types import SimpleNamespace
 
-    from tailor_tui.selective.saver import Parity
     from tailor_tui.selective.hf import SelectiveCheckpointCallback
+    from tailor_tui.selective.saver import Parity
 
     trainer = SimpleNamespace(model_wrapped=torch.nn.Linear(2, 2),  # a run without DeepSpeed
                               _save_checkpoint=lambda model, trial: None, args=None, state=None)

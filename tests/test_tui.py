@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from textual.widgets import Input
 from conftest import checkpoints_of, tree_digest
 from pilot_helpers import compose_finished, private_copy, scanned, start_composing, wait_for
+from textual.widgets import Input
 from zero_reader import read_full_state
 
 from tailor_tui.events import TaskOptions

@@ -10,7 +10,6 @@ verifier from importing the writers; these show that it also does not need them.
 
 from __future__ import annotations
 
-
 import pytest
 from conftest import checkpoints_of
 from helpers import write_recipe

@@ -13,20 +13,20 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json, read_small
 from tailor_tui.checkpoints import scan_cache
+from tailor_tui.checkpoints.layout import ZeroLayout
+from tailor_tui.checkpoints.model_states import check_version, read_model_states
+from tailor_tui.checkpoints.rows import PEFT_PREFIX, Row, row_index
+from tailor_tui.checkpoints.scan_cache import ModelStates
+from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json, read_small
+from tailor_tui.checkpoints.weight_files import weight_file_names, weight_kinds
+from tailor_tui.errors import CheckpointError
 from tailor_tui.formats.ds_format import (
     MODEL_STATES,
     OPTIM_STATES,
 )
-from tailor_tui.errors import CheckpointError
-from tailor_tui.checkpoints.layout import ZeroLayout
 from tailor_tui.formats.ptfile import check_complete
-from tailor_tui.checkpoints.rows import PEFT_PREFIX, Row, row_index
 from tailor_tui.formats.safetensors_in import safetensors_header
-from tailor_tui.checkpoints.model_states import check_version, read_model_states
-from tailor_tui.checkpoints.scan_cache import ModelStates
-from tailor_tui.checkpoints.weight_files import weight_file_names, weight_kinds
 
 MODEL_FILE_INDEX = "model.safetensors.index.json"
 # A partial checkpoint (tailor_tui.selective): some rows' optimizer state, per rank

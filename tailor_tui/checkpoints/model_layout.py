@@ -10,8 +10,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json
 from tailor_tui.checkpoints.checkpoint import MODEL_FILE_INDEX
+from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json
 from tailor_tui.errors import CheckpointError
 from tailor_tui.formats.safetensors_in import header_prefix, parse_prefix, safetensors_header
 
@@ -44,7 +44,7 @@ class ModelFileLayout:
         try:
             data = load_json(path, limit=MAX_RECORD)
             files = tuple((name, header_prefix(header)) for name, header in data["files"].items())
-            for name, prefix in files:
+            for _name, prefix in files:
                 parse_prefix(prefix)
             return cls(files, data.get("index"))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
 from tailor_tui import crc, moved
 from tailor_tui.errors import CheckpointError
 from tailor_tui.formats.safetensors_in import safetensors_header, tensor_places

@@ -21,15 +21,22 @@ from pathlib import Path
 from typing import Callable
 
 from tailor_tui import crc
-
 from tailor_tui.checkpoints.partial_rows import check_crc, partial_slice, read_rows_file
 from tailor_tui.errors import CheckpointError, IncompatibleError
 from tailor_tui.events import ByteCounter
 from tailor_tui.formats.ds_format import MODULE, TENSORS, flat_tensor, optimizer_state
 from tailor_tui.formats.nonfinite import Census
 from tailor_tui.formats.pickled import dtype_name
-from tailor_tui.formats.ptfile import Record, Structure, TensorBytes, Unsupported, checked_crcs, \
-    frozen_fragment_bytes, locate, read_structure
+from tailor_tui.formats.ptfile import (
+    Record,
+    Structure,
+    TensorBytes,
+    Unsupported,
+    checked_crcs,
+    frozen_fragment_bytes,
+    locate,
+    read_structure,
+)
 from tailor_tui.reading import crc_range
 
 # The read buffer every streaming reader reuses: on this kind of VM fresh 64 MiB buffers ran at

@@ -13,8 +13,16 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 from tailor_tui.checkpoints.cache import ROOT, Where, chosen
-from tailor_tui.checkpoints.checkpoint import (PARTIAL_MANIFEST, PROVENANCE, TRAINER_STATE, Checkpoint,
-                                               holds_checkpoint, is_tag_dir, open_checkpoint, read_latest)
+from tailor_tui.checkpoints.checkpoint import (
+    PARTIAL_MANIFEST,
+    PROVENANCE,
+    TRAINER_STATE,
+    Checkpoint,
+    holds_checkpoint,
+    is_tag_dir,
+    open_checkpoint,
+    read_latest,
+)
 from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json
 from tailor_tui.errors import CheckpointError, UsageError
 

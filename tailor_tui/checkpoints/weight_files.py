@@ -26,13 +26,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from tailor_tui.checkpoints.rows import Row, list_rows, row_index
 from tailor_tui.checkpoints.side_files import load_json
-from tailor_tui.formats.ds_format import RECOVERY_SCRIPTS
 from tailor_tui.errors import CheckpointError, IncompatibleError
-from tailor_tui.reading import NOT_REGULAR
+from tailor_tui.formats.ds_format import RECOVERY_SCRIPTS
 from tailor_tui.formats.pickled import TensorRef
 from tailor_tui.formats.ptfile import file_format, read_structure
-from tailor_tui.checkpoints.rows import Row, list_rows, row_index
+from tailor_tui.reading import NOT_REGULAR
 
 COMPOSED, COPIED = "composed per row", "copied from the base"
 

@@ -10,14 +10,14 @@ from tailor_tui.events import TaskOptions
 
 
 def export_command(args, slow_down: float = 0.0) -> int:
-    from tailor_tui.export.export_run import config_source, run_export
     from tailor_tui.export.export_plan import plan_export
+    from tailor_tui.export.export_run import config_source, run_export
+    from tailor_tui.formats.safetensors_out import parse_size
     from tailor_tui.planning.build import build_plan
     from tailor_tui.planning.recipe import load_recipe
     from tailor_tui.report import BarReporter, reporter_for
-    from tailor_tui.formats.safetensors_out import parse_size
-    from tailor_tui.units import size
     from tailor_tui.team.workers import workers_for
+    from tailor_tui.units import size
 
     if args.to is None:
         raise UsageError("--export needs --to DIR: the folder to write the model to")

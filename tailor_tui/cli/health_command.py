@@ -19,14 +19,14 @@ def _health(run_dir: Path, args, progress: str, slow_down: float):
     from tailor_tui.checkpoints.lineage import check_one_run
     from tailor_tui.checkpoints.scan import check_run_folder, scan
     from tailor_tui.cli.health_report import StatsProgress
-    from tailor_tui.team.launch import detect
     from tailor_tui.health.stats_run import compute_health
+    from tailor_tui.team.launch import detect
     from tailor_tui.team.meet import connect
     from tailor_tui.team.members import SOLO
 
     check_run_folder(run_dir)
     scanned = scan(run_dir)
-    for folder, problem in scanned.problems:
+    for _folder, problem in scanned.problems:
         print(f"warning: skipped {problem}", file=sys.stderr)
     checkpoints = scanned.checkpoints  # tailor-tui's own outputs are never among them
     if not checkpoints:
@@ -68,8 +68,8 @@ def stats_command(args, slow_down: float = 0.0) -> int:
 
 
 def heal_command(args, slow_down: float = 0.0) -> int:
-    from tailor_tui.compose.composition import Composition
     from tailor_tui.cli.health_report import healing_lines
+    from tailor_tui.compose.composition import Composition
 
     if args.recipe is None:
         raise UsageError("--heal needs --recipe OUT.yaml: where to write the recipe it makes")

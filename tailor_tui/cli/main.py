@@ -124,16 +124,16 @@ def parser() -> argparse.ArgumentParser:
 
 
 def apply(args) -> int:
-    from tailor_tui.team.launch import detect
     from tailor_tui.compose.compose_run import planned_tasks, run_compose
     from tailor_tui.planning.build import build_plan
     from tailor_tui.planning.recipe import load_recipe
     from tailor_tui.report import FEW, BarReporter, LineReporter, reporter_for
+    from tailor_tui.team.launch import detect
     from tailor_tui.team.meet import connect
     from tailor_tui.team.members import SOLO
     from tailor_tui.team.progress import JobLines
-    from tailor_tui.units import size
     from tailor_tui.team.workers import default_workers
+    from tailor_tui.units import size
 
     launch = None if args.dry_run else detect(os.environ, args.distributed)
     recipe = load_recipe(args.apply)

@@ -20,12 +20,11 @@ from typing import Callable
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.fileio import fsync, open_fd, output_error
-from tailor_tui.planning.jobs import BinFileJob
 from tailor_tui.formats.pickled import TensorRef
 from tailor_tui.formats.ptfile import read_structure
 from tailor_tui.formats.ptpickle import dumps, storage_bytes
 from tailor_tui.formats.ptwrite import Copied, write_archive
-
+from tailor_tui.planning.jobs import BinFileJob
 
 
 def compose_bin_file(job: BinFileJob, out_dir: Path, emit: Emit, cancelled: Callable[[], bool],

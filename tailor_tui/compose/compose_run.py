@@ -21,19 +21,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
-from tailor_tui.compose.bin_files import compose_bin_file
 from tailor_tui.checkpoints.checkpoint import MODEL_FILE_INDEX, PROVENANCE, read_latest
+from tailor_tui.compose.bin_files import compose_bin_file
+from tailor_tui.compose.model_files import compose_model_file
+from tailor_tui.compose.rank_reshard import reshard_rank
+from tailor_tui.compose.rank_task import compose_rank
 from tailor_tui.errors import Cancelled, OutputError
 from tailor_tui.events import Emit, TaskFinished, TaskOptions
 from tailor_tui.fileio import copy_file, fsync_dir, output_error, write_file
+from tailor_tui.formats.ptfile import check_crcs
 from tailor_tui.health.guard import nonfinite_error
 from tailor_tui.planning.jobs import BinFileJob, RankJob, WeightJob
-from tailor_tui.compose.model_files import compose_model_file
-from tailor_tui.planning.provenance import plan_digest, provenance
 from tailor_tui.planning.plan import ComposePlan
-from tailor_tui.formats.ptfile import check_crcs
-from tailor_tui.compose.rank_reshard import reshard_rank
-from tailor_tui.compose.rank_task import compose_rank
+from tailor_tui.planning.provenance import plan_digest, provenance
 from tailor_tui.resharding.partition import ReshardJob
 from tailor_tui.resharding.skeleton import Skeleton, skeleton
 from tailor_tui.team.members import SOLO, Team

@@ -12,11 +12,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tailor_tui.checkpoints.checkpoint import Checkpoint, Row, distinct_names, incompatibility
+from tailor_tui.checkpoints.checkpoint import Checkpoint, Row, distinct_names, incompatibility, tied_partner
 from tailor_tui.checkpoints.lineage import other_run
 from tailor_tui.errors import RecipeError
 from tailor_tui.health.healing import Healing, Health, heal
-from tailor_tui.checkpoints.checkpoint import tied_partner
 from tailor_tui.planning.recipe import Recipe
 
 

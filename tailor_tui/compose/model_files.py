@@ -23,17 +23,17 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, MODULE
-from tailor_tui.formats.dtypes import SAFETENSORS_ITEMSIZE
+from tailor_tui import crc
+from tailor_tui.checkpoints.rank_reader import RankReader
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.fileio import CREATE, OpenFiles, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
-from tailor_tui.reading import pread_into
-from tailor_tui.planning.jobs import ModelFileJob
-from tailor_tui import crc
-from tailor_tui.checkpoints.rank_reader import RankReader
+from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, MODULE
+from tailor_tui.formats.dtypes import SAFETENSORS_ITEMSIZE
 from tailor_tui.formats.safe_load import load_pt
 from tailor_tui.formats.safetensors_in import parse_prefix, safetensors_tensors
+from tailor_tui.planning.jobs import ModelFileJob
+from tailor_tui.reading import pread_into
 
 CAST_CHUNK = 1 << 20  # elements cast per step: memory stays small whatever the tensor size
 

@@ -11,20 +11,33 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
-from dataclasses import replace
 from collections import Counter, defaultdict
+from dataclasses import replace
 from pathlib import Path
 
-from tailor_tui.formats.ds_format import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT, STATE, TENSORS, flat_tensor, set_flat_tensor
+from tailor_tui.checkpoints.rank_reader import (
+    FP32,
+    STREAM_CHUNK,
+    RankReader,
+    check_dtypes,
+    crc_range_checked,
+    read_and_check,
+)
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter
 from tailor_tui.fileio import Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
-from tailor_tui.planning.jobs import RankJob
+from tailor_tui.formats.ds_format import (
+    FP32_FLAT_GROUPS,
+    OPTIMIZER_STATE_DICT,
+    STATE,
+    TENSORS,
+    flat_tensor,
+    set_flat_tensor,
+)
 from tailor_tui.formats.nonfinite import Census, Region
-from tailor_tui.checkpoints.rank_reader import FP32, STREAM_CHUNK, RankReader, check_dtypes, crc_range_checked, \
-    read_and_check
 from tailor_tui.formats.pickled import TensorRef, dtype_name
 from tailor_tui.formats.ptwrite import Rewritable, reserved, write
+from tailor_tui.planning.jobs import RankJob
 
 
 def build_optim_states_from_skeleton(job: RankJob, out: Path, counter: ByteCounter) -> Counter:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from tailor_tui import crc, moved
-from tailor_tui.checkpoints.rank_reader import RankReader, SliceCheck, STREAM_CHUNK, check_dtypes, read_and_check
+from tailor_tui.checkpoints.rank_reader import STREAM_CHUNK, RankReader, SliceCheck, check_dtypes, read_and_check
 from tailor_tui.events import ByteCounter
 from tailor_tui.fileio import CREATE, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
 from tailor_tui.formats.ds_format import TENSORS

@@ -10,14 +10,14 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
+from tailor_tui.compose.rank_partial import build_optim_states_from_skeleton
+from tailor_tui.compose.rank_stream import stream_optim_states
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.fileio import copy_file, output_error
-from tailor_tui.planning.jobs import RankJob
 from tailor_tui.formats.nonfinite import ITEMSIZE, Census, Region
 from tailor_tui.formats.pickled import dtype_name
 from tailor_tui.formats.ptfile import check_crcs, file_format, frozen_fragment_bytes
-from tailor_tui.compose.rank_partial import build_optim_states_from_skeleton
-from tailor_tui.compose.rank_stream import stream_optim_states
+from tailor_tui.planning.jobs import RankJob
 
 
 def compose_rank(job: RankJob, out_tag_dir: Path, emit: Emit, cancelled: Callable[[], bool],

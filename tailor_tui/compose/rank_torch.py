@@ -14,13 +14,20 @@ from typing import Callable
 
 import torch
 
-from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, MODULE, TENSORS, flat_tensor, optimizer_state, set_flat_tensor
+from tailor_tui.checkpoints.rank_reader import RankReader, dtype_mismatch
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter
 from tailor_tui.fileio import CountingWriter, fsync, output_error
-from tailor_tui.planning.jobs import RankJob
-from tailor_tui.checkpoints.rank_reader import RankReader, dtype_mismatch
+from tailor_tui.formats.ds_format import (
+    FROZEN_PARAM_FRAGMENTS,
+    MODULE,
+    TENSORS,
+    flat_tensor,
+    optimizer_state,
+    set_flat_tensor,
+)
 from tailor_tui.formats.safe_load import load_pt
+from tailor_tui.planning.jobs import RankJob
 
 
 def save_pt(obj, path: Path, on_bytes: Callable[[int], None] | None, durable: bool = True) -> None:

@@ -26,14 +26,14 @@ from pathlib import Path
 from typing import Callable
 
 from tailor_tui.checkpoints.checkpoint import distinct_names
-from tailor_tui.formats.ds_format import MODULE
-from tailor_tui.errors import CheckpointError, IncompatibleError
-from tailor_tui.events import JobCost
 from tailor_tui.checkpoints.layout import part, valid_elements
 from tailor_tui.checkpoints.model_states import read_metadata
+from tailor_tui.errors import CheckpointError, IncompatibleError
+from tailor_tui.events import JobCost
+from tailor_tui.formats.ds_format import MODULE
 from tailor_tui.formats.pickled import TensorRef, dtype_name
-from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.formats.safetensors_out import DTYPES, ITEMSIZE, NAMED, Placed, ShardFile, lay_out
+from tailor_tui.planning.plan import ComposePlan
 
 
 @dataclass(frozen=True)

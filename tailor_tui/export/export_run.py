@@ -23,8 +23,8 @@ from tailor_tui.events import Emit, TaskOptions
 from tailor_tui.export.export_plan import Export
 from tailor_tui.export.rank import export_rank
 from tailor_tui.fileio import copy_file, create, output_error, pwrite_all, write_file
-from tailor_tui.planning.provenance import provenance
 from tailor_tui.formats.safetensors_out import INDEX
+from tailor_tui.planning.provenance import provenance
 from tailor_tui.team.transaction import PublishingWork, Task, run_as_team
 
 CONFIG = "config.json"

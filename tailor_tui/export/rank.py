@@ -21,15 +21,15 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from tailor_tui.checkpoints.checkpoint import RankFiles
+from tailor_tui.checkpoints.rank_reader import STREAM_CHUNK, RankReader
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.export.export_plan import ExportJob, Span
 from tailor_tui.fileio import fsync, open_fd, output_error, pwrite_all
-from tailor_tui.reading import crc_range
-from tailor_tui.checkpoints.checkpoint import RankFiles
-from tailor_tui.checkpoints.rank_reader import STREAM_CHUNK, RankReader
 from tailor_tui.formats.pickled import dtype_name
 from tailor_tui.formats.ptfile import checked_crcs
+from tailor_tui.reading import crc_range
 
 _NUMPY = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 _OUT = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
@@ -101,7 +101,7 @@ def _stream(fd: int, path: Path, tensor, spans: Sequence[Span], src: str, out: s
     itemsize = tensor.itemsize
     out_size = np.dtype(_NUMPY[_OUT.get(out, out)]).itemsize if _OUT.get(out, out) in _NUMPY else itemsize
     wanted = sorted((tensor.offset + s.first * itemsize, s) for s in spans)
-    for at, s in wanted:
+    for _at, s in wanted:
         if s.first + s.count > tensor.numel:
             raise CheckpointError(f"{path}: {tensor.record.name} holds {tensor.numel} elements, the layout needs "
                                   f"{s.first + s.count}; the file is from another run or layout")

@@ -18,10 +18,10 @@ import math
 import pickle
 from dataclasses import dataclass, field
 
-from tailor_tui.formats.ds_format import DEEPSPEED_CLASSES, ENUM_MEMBERS, enum_member_value
-from tailor_tui.formats.dtypes import STORAGE_DTYPE, STORAGE_ITEMSIZE
 from tailor_tui import moved
 from tailor_tui.formats import pickle_bounds
+from tailor_tui.formats.ds_format import DEEPSPEED_CLASSES, ENUM_MEMBERS, enum_member_value
+from tailor_tui.formats.dtypes import STORAGE_DTYPE, STORAGE_ITEMSIZE
 from tailor_tui.formats.pickle_bounds import MAX_PICKLE_BYTES, Truncated, check_bounds_bytes
 
 # the bounds this module held before they moved to pickle_bounds: still found here, with a DeprecationWarning

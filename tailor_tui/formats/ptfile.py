@@ -25,13 +25,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from tailor_tui import crc
-from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, unsupported_version, version_in_pickle
 from tailor_tui.errors import CheckpointError
-from tailor_tui.reading import RangeCrcs, Window, crc_range, open_regular, pread_into
+from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, unsupported_version, version_in_pickle
 from tailor_tui.formats.pickled import MAX_PICKLE_BYTES, TensorRef, read_pickle
 from tailor_tui.formats.ptlegacy import START as LEGACY_START
 from tailor_tui.formats.ptlegacy import LegacyError, read_legacy
 from tailor_tui.formats.zipdir import check_directory, directory_in, end_record, read_directory
+from tailor_tui.reading import RangeCrcs, Window, crc_range, open_regular, pread_into
 
 ZIP_START = b"PK\x03\x04"
 
@@ -301,7 +301,8 @@ def check_crcs(path: Path, inspect=None, *, skip: frozenset = frozenset(), small
             packed, size = (sum(getattr(i, k) for i in z.infolist()) for k in ("compress_size", "file_size"))
             if size > MAX_INFLATION * packed + (64 << 20):  # checking reads all it expands to
                 raise CheckpointError(f"{path}: a zip archive that expands {packed:,} bytes to {size:,}, more than "
-                                      "any checkpoint file does (a zip bomb?); remove it from the checkpoint folder")
+                                      "any checkpoint file does (a zip bomb?); remove it from the checkpoint folder"
+                                      ) from None
             bad = z.testzip()
         if bad is not None:
             raise CheckpointError(f"{path}: member {bad} fails its CRC-32 check: the file is corrupt; "

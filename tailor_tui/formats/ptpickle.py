@@ -24,13 +24,13 @@ from typing import Any, Callable, ClassVar, cast
 
 from tailor_tui.formats.pickled import (
     ALLOWED,
-    TorchDtype,
     Opaque,
     PickledSet,
     Size,
     StorageRef,
     StorageType,
     TensorRef,
+    TorchDtype,
     ZeroStageEnum,
     enum_member,
     rebuild_from_type_v2,

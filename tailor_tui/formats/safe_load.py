@@ -15,8 +15,8 @@ import os
 import pickle
 from pathlib import Path
 
-from tailor_tui.formats.ds_format import DEEPSPEED_CLASSES, enum_member_value
 from tailor_tui.errors import CheckpointError
+from tailor_tui.formats.ds_format import DEEPSPEED_CLASSES, enum_member_value
 from tailor_tui.formats.ptfile import (
     Unsupported,
     check_complete,

@@ -21,8 +21,8 @@ import re
 import struct
 from dataclasses import dataclass
 
-from tailor_tui.formats.dtypes import PRECISION, SAFETENSORS_ITEMSIZE, SAFETENSORS_NAME
 from tailor_tui.errors import UsageError
+from tailor_tui.formats.dtypes import PRECISION, SAFETENSORS_ITEMSIZE, SAFETENSORS_NAME
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

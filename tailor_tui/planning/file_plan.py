@@ -11,26 +11,26 @@ from __future__ import annotations
 from pathlib import Path
 
 from tailor_tui.checkpoints.checkpoint import PARTIAL_MANIFEST, PARTIAL_MODEL_FILES, Checkpoint
-from tailor_tui.formats.ds_format import RECOVERY_SCRIPTS
-from tailor_tui.errors import IncompatibleError
-from tailor_tui.planning.jobs import BinFileJob, ModelFileJob, WeightJob
 from tailor_tui.checkpoints.model_layout import ModelFileLayout
 from tailor_tui.checkpoints.rows import list_rows
-from tailor_tui.formats.safetensors_in import parse_prefix, safetensors_header
 from tailor_tui.checkpoints.weight_files import (
     COMPOSED,
     COPIED,
     FileFate,
     composable,
     describe_run_level,
-    folder_files,
     family,
+    folder_files,
     is_bin_weights,
     is_safetensors,
     tensor_names,
     tensor_rows,
     unplaced_error,
 )
+from tailor_tui.errors import IncompatibleError
+from tailor_tui.formats.ds_format import RECOVERY_SCRIPTS
+from tailor_tui.formats.safetensors_in import parse_prefix, safetensors_header
+from tailor_tui.planning.jobs import BinFileJob, ModelFileJob, WeightJob
 
 
 def _check_headers(files) -> None:

@@ -30,9 +30,9 @@ import stat
 import threading
 from pathlib import Path
 
-from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json
 from tailor_tui.checkpoints.checkpoint import OUTPUT_FILES, PROVENANCE
 from tailor_tui.checkpoints.scan import find_checkpoint_dirs
+from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json
 from tailor_tui.errors import OutputError
 from tailor_tui.fileio import (
     aside_prefix,
@@ -42,8 +42,6 @@ from tailor_tui.fileio import (
     pid_alive,
     replace_dir,
 )
-
-
 
 # --- before anything is written ------------------------------------------------------------
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tailor_tui.checkpoints.checkpoint import Checkpoint, tied_members, tied_partner
+from tailor_tui.checkpoints.model_layout import ModelFileLayout
+from tailor_tui.checkpoints.weight_files import FileFate
 from tailor_tui.planning.file_plan import (
     copied_files,
     describe_files,
@@ -17,7 +19,6 @@ from tailor_tui.planning.file_plan import (
     weight_jobs,
 )
 from tailor_tui.planning.jobs import BYTES_PER_ELEMENT, RankJob, RowSlot, SliceCopy, WeightJob
-from tailor_tui.checkpoints.model_layout import ModelFileLayout
 from tailor_tui.planning.recipe import Recipe
 from tailor_tui.resharding.partition import (
     Reshard,
@@ -27,7 +28,6 @@ from tailor_tui.resharding.partition import (
     reshard_jobs,
 )
 from tailor_tui.units import size
-from tailor_tui.checkpoints.weight_files import FileFate
 
 
 @dataclass(frozen=True)

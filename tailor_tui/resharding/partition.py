@@ -22,9 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from tailor_tui.checkpoints.side_files import load_json
 from tailor_tui.checkpoints.checkpoint import Checkpoint, RankFiles
+from tailor_tui.checkpoints.layout import ZeroLayout, part, pieces, valid_elements
 from tailor_tui.checkpoints.model_states import read_metadata
+from tailor_tui.checkpoints.side_files import load_json
+from tailor_tui.errors import CheckpointError
+from tailor_tui.events import RankJobCost
 from tailor_tui.formats.ds_format import (
     DS_CONFIG,
     MODEL_STATES,
@@ -33,9 +36,6 @@ from tailor_tui.formats.ds_format import (
     PARAM_GROUPS,
 )
 from tailor_tui.formats.dtypes import BY_NAME, PRECISION
-from tailor_tui.errors import CheckpointError
-from tailor_tui.events import RankJobCost
-from tailor_tui.checkpoints.layout import ZeroLayout, part, pieces, valid_elements
 from tailor_tui.formats.ptfile import read_structure
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's default (zero_optimization.sub_group_size)

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from tailor_tui.checkpoints.checkpoint import Checkpoint
+from tailor_tui.checkpoints.layout import part
+from tailor_tui.errors import CheckpointError
 from tailor_tui.formats.ds_format import (
     DP_WORLD_SIZE,
     EXP_AVG,
@@ -41,12 +43,10 @@ from tailor_tui.formats.ds_format import (
     TENSORS,
     flat_tensor,
 )
-from tailor_tui.errors import CheckpointError
-from tailor_tui.checkpoints.layout import part
 from tailor_tui.formats.pickled import Size, TensorRef
 from tailor_tui.formats.ptfile import TensorBytes
-from tailor_tui.formats.ptwrite import Rewritable, SameArchives, reserved
 from tailor_tui.formats.ptpickle import dumps
+from tailor_tui.formats.ptwrite import Rewritable, SameArchives, reserved
 from tailor_tui.resharding.partition import Reshard, optim_structure_file
 
 # A per-group optimizer value other than the moments (`step`) is compared between sub-groups

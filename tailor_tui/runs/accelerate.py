@@ -23,8 +23,8 @@ import os
 from pathlib import Path
 
 from tailor_tui.runs.demo_run import RunSpec, ds_config, resume_with
-from tailor_tui.runs.ranks import quiet, setup_rank, spawn_ranks
 from tailor_tui.runs.models import batch_inputs, build_model, param_groups
+from tailor_tui.runs.ranks import quiet, setup_rank, spawn_ranks
 
 ROWS_PER_BATCH = 2  # ds_config's train_micro_batch_size_per_gpu
 ROW_LEN = 8

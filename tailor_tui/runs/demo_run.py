@@ -22,11 +22,19 @@ from pathlib import Path
 from typing import Any
 
 from tailor_tui.runs.blowup import blow_up, blow_up_callback
+from tailor_tui.runs.models import (  # noqa: F401
+    batch_inputs,
+    build_model,
+    make_trainer,
+    model_config,
+    param_groups,
+    trainer_dataset,
+    training_batches,
+)
 from tailor_tui.runs.pinned import pin, pin_callback
+
 # the models, datasets and Trainer of the runs; model_config is re-exported for the tests
 from tailor_tui.runs.ranks import quiet, setup_rank, spawn_ranks
-from tailor_tui.runs.models import (batch_inputs, build_model, make_trainer, model_config, param_groups,  # noqa: F401
-                         trainer_dataset, training_batches)
 
 VOCAB = 101  # prime, so embedding and lm_head never split evenly across ranks
 

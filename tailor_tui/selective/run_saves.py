@@ -128,8 +128,8 @@ def resume_point(output_dir: str | Path, *, workers: int | None = 1) -> str | No
 
 
 def _compose_newest(output_dir: Path, target: Path, workers: int | None) -> None:
-    from tailor_tui.compose.composition import Composition
     from tailor_tui.compose.compose_run import run_compose
+    from tailor_tui.compose.composition import Composition
     from tailor_tui.planning.build import build_plan
 
     found = scan(output_dir)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from tailor_tui.errors import UsageError
 
+
 @dataclass(frozen=True)
 class Launch:
     """This process's place in a job of `size` processes meeting at `host`:`port`."""

@@ -34,17 +34,17 @@ from tailor_tui.health.healing import Health, training_log, why_unhealthy
 from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.output import not_replaceable
 from tailor_tui.team.sbatch import LARGE, offer_batch
-from tailor_tui.units import size
 from tailor_tui.ui.actions import HOME, bindings
 from tailor_tui.ui.describe import details_lines
 from tailor_tui.ui.dialogs import Confirm, ErrorDialog, PathPrompt, PlanDialog
 from tailor_tui.ui.export_actions import ExportActions
 from tailor_tui.ui.grid import CheckpointGrid
 from tailor_tui.ui.health_actions import HealthActions
-from tailor_tui.ui.progress_screen import ProgressScreen
 from tailor_tui.ui.messages import PlanFailed, PlanReady, ScanComplete, ScanFailed, ScanProgressed
 from tailor_tui.ui.navigation import Navigation
+from tailor_tui.ui.progress_screen import ProgressScreen
 from tailor_tui.ui.recipe_actions import RecipeActions
+from tailor_tui.units import size
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 from textual import work
 
 from tailor_tui.errors import TailorError
-from tailor_tui.export.export_run import config_source
 from tailor_tui.export.export_plan import plan_export
-from tailor_tui.planning.build import build_plan
+from tailor_tui.export.export_run import config_source
 from tailor_tui.formats.safetensors_out import parse_size
+from tailor_tui.planning.build import build_plan
 from tailor_tui.ui.dialogs import ErrorDialog, PathPrompt
-from tailor_tui.ui.progress_screen import ProgressScreen
 from tailor_tui.ui.messages import ExportReady
+from tailor_tui.ui.progress_screen import ProgressScreen
 
 if TYPE_CHECKING:
     from tailor_tui.ui.host import ComposerHost

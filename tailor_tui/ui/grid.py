@@ -24,8 +24,8 @@ from textual.strip import Strip
 
 from tailor_tui.compose.composition import Composition
 from tailor_tui.health.healing import Health, damage
-from tailor_tui.ui.describe import background, header_suffix, row_range
 from tailor_tui.ui.actions import GRID, bindings
+from tailor_tui.ui.describe import background, header_suffix, row_range
 
 PICKED, HOLDS, DISABLED, TIED = "●", "·", "✗", "tied"
 HEADER_HEIGHT = 2

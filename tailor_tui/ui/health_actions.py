@@ -15,8 +15,8 @@ from tailor_tui.checkpoints.cache import cache_dir
 from tailor_tui.errors import Cancelled, TailorError
 from tailor_tui.events import TaskFinished, TaskOptions, TaskProgressed
 from tailor_tui.health.stats_run import CellsComputed, StatsPlanned, compute_health
-from tailor_tui.ui.dialogs import Confirm
 from tailor_tui.ui.describe import LABEL, next_metric
+from tailor_tui.ui.dialogs import Confirm
 from tailor_tui.ui.messages import CellsArrived, HealthEnded, HealthProgressed
 
 if TYPE_CHECKING:

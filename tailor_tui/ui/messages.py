@@ -16,8 +16,8 @@ from tailor_tui.planning.plan import ComposePlan
 
 if TYPE_CHECKING:
     from tailor_tui.compose.compose_run import ComposeResult
-    from tailor_tui.export.export_run import ExportResult
     from tailor_tui.export.export_plan import Export
+    from tailor_tui.export.export_run import ExportResult
     from tailor_tui.planning.recipe import Recipe
 
 

@@ -23,15 +23,15 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Label, ProgressBar, Static
 
+from tailor_tui.compose.compose_run import planned_tasks, run_compose
 from tailor_tui.errors import Cancelled, TailorError
 from tailor_tui.events import TaskOptions, TaskProgressed
-from tailor_tui.export.export_run import run_export
 from tailor_tui.export.export_plan import Export
-from tailor_tui.compose.compose_run import planned_tasks, run_compose
+from tailor_tui.export.export_run import run_export
 from tailor_tui.planning.plan import ComposePlan
+from tailor_tui.report import FEW, Tally
 from tailor_tui.team.workers import STREAMING_WORKER, workers_for
 from tailor_tui.ui.messages import ComposeFailed, ComposeFinished, ComposeProgressed
-from tailor_tui.report import FEW, Tally
 from tailor_tui.units import size, throughput
 
 SLOTS = FEW  # bar rows for tasks in progress when there are many: they fit at 80x24
