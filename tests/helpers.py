@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,6 +26,22 @@ from tailor_tui.planning.recipe import Recipe
 
 TAILOR = str(Path(sys.executable).with_name("tailor-tui"))
 
+
+
+
+@dataclass(frozen=True)
+class Composed:
+    """A real composition that a module's tests examine (its fixture makes it once), by name."""
+
+    spec: object  # the run's RunSpec
+    ckpts: list[Path]  # the run's checkpoints, oldest first
+    out: Path  # the composed checkpoint
+    run: Path | None = None  # the run folder
+    picks: dict = field(default_factory=dict)  # row -> the checkpoint it was picked from
+    recipe: Path | None = None  # the recipe --apply read
+    events: list = field(default_factory=list)  # an in-process composition's events
+    applied: subprocess.CompletedProcess | None = None  # the --apply process, its output
+    name: str = ""  # what the fixture's parameter names (an architecture)
 
 def tailor(*args, cwd=None, timeout=300, env: dict | None = None):
     env = dict(os.environ, PYTHONWARNINGS="ignore", **(env or {}))

@@ -17,7 +17,7 @@ import shutil
 import pytest
 import torch
 from conftest import checkpoints_of
-from helpers import assert_optim_states_equal, tailor, write_recipe
+from helpers import Composed, assert_optim_states_equal, tailor, write_recipe
 from zero_reader import read_full_state
 
 from tailor_tui.checkpoints.scan import scan
@@ -34,11 +34,11 @@ def composed(real_run, tmp_path_factory):
     recipe = write_recipe(tmp, ckpts[-1], {row: ckpts[i] for row, i in PICKS.items()})
     applied = tailor("--apply", recipe)
     assert applied.returncode == 0, applied.stderr
-    return run, spec, ckpts, recipe, tmp / "composed", applied
+    return Composed(spec, ckpts, tmp / "composed", run=run, recipe=recipe, applied=applied)
 
 
 def test_scan_names_each_save_state_folder(composed):
-    run, _spec, ckpts, *_ = composed
+    run, ckpts = composed.run, composed.ckpts
     result = scan(run)
     assert not result.problems
     assert [c.path for c in result.checkpoints] == ckpts
@@ -46,7 +46,7 @@ def test_scan_names_each_save_state_folder(composed):
 
 
 def test_output_holds_every_file_and_each_rows_pick(composed):
-    _run, _spec, ckpts, _recipe, out, applied = composed
+    ckpts, out, applied = composed.ckpts, composed.out, composed.applied
     assert "another run folder" not in applied.stderr
     base = ckpts[-1]
     for f in base.rglob("*"):
@@ -64,14 +64,14 @@ def test_output_holds_every_file_and_each_rows_pick(composed):
 
 
 def test_load_state_resumes_from_the_output(composed, tmp_path):
-    _run, spec, _ckpts, _recipe, out, _applied = composed
+    spec, out = composed.spec, composed.out
     losses = resume_accelerate(out, spec, tmp_path / "resume")
     assert losses and all(math.isfinite(x) for x in losses)
     assert_optim_states_equal(out, tmp_path / "resume" / "resaved")
 
 
 def test_verify_passes_and_fails_on_a_copied_file_not_the_bases(composed, tmp_path):
-    _run, _spec, ckpts, recipe, out, _applied = composed
+    ckpts, recipe, out = composed.ckpts, composed.recipe, composed.out
     verified = tailor("--verify", recipe)
     assert verified.returncode == 0, verified.stdout + verified.stderr
     copy = tmp_path / "copy"

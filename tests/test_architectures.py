@@ -20,7 +20,7 @@ import shutil
 import pytest
 import torch
 from conftest import checkpoints_of
-from helpers import assert_one_line_error, assert_optim_states_equal, tailor, write_recipe
+from helpers import Composed, assert_one_line_error, assert_optim_states_equal, tailor, write_recipe
 from safetensors import safe_open
 from zero_reader import read_full_state
 
@@ -100,18 +100,18 @@ def composed(request, real_run, tmp_path_factory):
     recipe = write_recipe(tmp, ckpts[-1], picks)
     applied = tailor("--apply", recipe)
     assert applied.returncode == 0, applied.stderr
-    return request.param, spec, ckpts, picks, recipe, tmp / "composed"
+    return Composed(spec, ckpts, tmp / "composed", picks=picks, recipe=recipe, name=request.param)
 
 
 def test_rows_come_from_the_models_own_structure(composed):
-    name, _spec, ckpts, *_ = composed
+    name, ckpts = composed.name, composed.ckpts
     ckpt = open_checkpoint(ckpts[-1])
     assert ckpt.row_names() == ARCHS[name][0]
     assert {r.name for r in ckpt.rows if r.tied} == TIED.get(name, set())
 
 
 def test_every_parameter_and_moment_is_its_rows_pick(composed):
-    name, _spec, ckpts, picks, _recipe, out = composed
+    name, ckpts, picks, out = composed.name, composed.ckpts, composed.picks, composed.out
     got = read_full_state(out)
     states = {c: read_full_state(c) for c in ckpts}
     used = set()
@@ -138,7 +138,7 @@ def tensors(path) -> dict:
 
 
 def test_every_weight_file_tensor_is_its_rows_pick(composed):
-    name, _spec, ckpts, picks, _recipe, out = composed
+    name, ckpts, picks, out = composed.name, composed.ckpts, composed.picks, composed.out
     files = weight_files(ckpts[-1])
     assert files and weight_files(out) == files
     if name == "hf_peft_lora":
@@ -159,7 +159,7 @@ def test_every_weight_file_tensor_is_its_rows_pick(composed):
 
 
 def test_plan_names_the_fate_of_every_file(composed):
-    name, _spec, ckpts, _picks, recipe, _out = composed
+    ckpts, recipe = composed.ckpts, composed.recipe
     dry = tailor("--apply", recipe, "--dry-run", "--force")
     assert dry.returncode == 0, dry.stderr
     text = dry.stdout + dry.stderr
@@ -171,14 +171,14 @@ def test_plan_names_the_fate_of_every_file(composed):
 
 
 def test_output_resumes_in_the_trainer(composed, tmp_path):
-    name, spec, _ckpts, _picks, _recipe, out = composed
+    spec, out = composed.spec, composed.out
     losses = resume_and_step(out, spec, tmp_path / "resume")
     assert losses and all(math.isfinite(x) for x in losses)
     assert_optim_states_equal(out, tmp_path / "resume" / "resaved")
 
 
 def test_verify_fails_naming_the_file_and_row_of_a_weight_file_from_the_base(composed, tmp_path):
-    name, _spec, ckpts, picks, recipe, out = composed
+    name, ckpts, picks, recipe, out = composed.name, composed.ckpts, composed.picks, composed.recipe, composed.out
     assert tailor("--verify", recipe).returncode == 0
     file = weight_files(ckpts[-1])[0]
     copy = tmp_path / "copy"
@@ -195,7 +195,7 @@ def test_verify_fails_naming_the_file_and_row_of_a_weight_file_from_the_base(com
 
 
 def test_peft_output_loads_as_an_adapter(real_run, composed):
-    name, spec, ckpts, picks, _recipe, out = composed
+    name, spec, out = composed.name, composed.spec, composed.out
     if name != "hf_peft_lora":
         pytest.skip("PEFT only")
     from peft import PeftModel
@@ -236,7 +236,7 @@ def test_bin_weights_keep_the_bases_archive_but_for_moved_rows(composed):
     """A composed pytorch_model.bin is torch's archive of the base's pickle (names, shapes, dtypes,
     storage layout) with only the records of moved rows changed: torch loads it as a dict of the
     same tensors, and the shards' index is the base's."""
-    name, _spec, ckpts, _picks, _recipe, out = composed
+    name, ckpts, out = composed.name, composed.ckpts, composed.out
     if name not in ("hf_bin", "hf_bin_sharded"):
         pytest.skip(".bin runs only")
     import zipfile

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import checkpoints_of, tree_digest
-from helpers import compose, param_row, parity_picks
+from helpers import Composed, compose, param_row, parity_picks
 from safetensors.torch import load_file
 from zero_reader import model_states, optim_states, read_full_state
 
@@ -40,7 +40,7 @@ def composed(request, real_run, tmp_path_factory):
     before = tree_digest(run)
     out, events = compose(tmp_path_factory.mktemp(request.param), ckpts, picks, workers=2)
     assert tree_digest(run) == before, "a source file changed"
-    return run, spec, ckpts, picks, out, events
+    return Composed(spec, ckpts, out, run=run, picks=picks, events=events)
 
 
 def expected_source(name: str, picks: dict[str, Path], base: Path, tied: bool = False) -> Path:
@@ -51,7 +51,7 @@ def expected_source(name: str, picks: dict[str, Path], base: Path, tied: bool = 
 
 
 def test_every_parameter_and_moment_equals_its_chosen_source(composed):
-    run, spec, ckpts, picks, out, _ = composed
+    spec, ckpts, picks, out = composed.spec, composed.ckpts, composed.picks, composed.out
     got = read_full_state(out)
     states = {c: read_full_state(c) for c in ckpts}
     names = list(got["fp32"])
@@ -72,14 +72,14 @@ def test_every_parameter_and_moment_equals_its_chosen_source(composed):
 
 def test_sources_really_differ(composed):
     """Guards the test above: picking a row must be observable."""
-    _, _, ckpts, _, _, _ = composed
+    ckpts = composed.ckpts
     a, b = read_full_state(ckpts[0]), read_full_state(ckpts[-1])
     assert not torch.equal(a["fp32"]["model.layers.1.self_attn.q_proj.weight"],
                            b["fp32"]["model.layers.1.self_attn.q_proj.weight"])
 
 
 def test_everything_else_is_the_base(composed):
-    run, spec, ckpts, picks, out, _ = composed
+    spec, ckpts, out = composed.spec, composed.ckpts, composed.out
     base = ckpts[-1]
     base_optim, out_optim = optim_states(base), optim_states(out)
     for b, o in zip(base_optim, out_optim):
@@ -105,7 +105,7 @@ def test_everything_else_is_the_base(composed):
 
 
 def test_padding_is_zero(composed):
-    run, spec, ckpts, picks, out, _ = composed
+    spec, out = composed.spec, composed.out
     world = spec.world_size
     padded = 0
     for rank, (ms, osd) in enumerate(zip(model_states(out), optim_states(out))):
@@ -127,7 +127,7 @@ def test_padding_is_zero(composed):
 
 
 def test_16bit_model_file_is_composed_from_sources(composed):
-    run, spec, ckpts, picks, out, _ = composed
+    spec, ckpts, picks, out = composed.spec, composed.ckpts, composed.picks, composed.out
     if spec.layout != "hf":
         pytest.skip("save_dir runs have no model.safetensors")
     got = load_file(out / "model.safetensors")
@@ -139,7 +139,7 @@ def test_16bit_model_file_is_composed_from_sources(composed):
 
 
 def test_progress_was_reported_per_rank(composed):
-    run, spec, ckpts, picks, out, events = composed
+    spec, events = composed.spec, composed.events
     finished = {e.task for e in events if type(e).__name__ == "TaskFinished"}
     assert {f"rank {r}" for r in range(spec.world_size)} <= finished
 
@@ -147,7 +147,7 @@ def test_progress_was_reported_per_rank(composed):
 def test_provenance_records_recipe_and_sources(composed):
     import json
 
-    run, spec, ckpts, picks, out, _ = composed
+    spec, ckpts, out = composed.spec, composed.ckpts, composed.out
     prov = json.loads((out / "tailor_provenance.json").read_text())
     assert prov["base"]["step"] == spec.steps
     assert {s["step"] for s in prov["sources"]} == {2, 4}
@@ -156,7 +156,7 @@ def test_provenance_records_recipe_and_sources(composed):
 
 
 def test_no_hard_links_into_sources(composed):
-    run, spec, ckpts, picks, out, _ = composed
+    run, out = composed.run, composed.out
     src_inodes = {f.stat().st_ino for f in run.rglob("*") if f.is_file()}
     assert all(f.stat().st_ino not in src_inodes for f in out.rglob("*") if f.is_file())
 
@@ -209,7 +209,7 @@ def test_rank_files_are_valid_archives_laid_out_like_the_base(composed):
     """The streaming rank writer keeps the base's zip layout and rewrites CRCs of what it changed."""
     import zipfile
 
-    run, spec, ckpts, picks, out, _ = composed
+    spec, ckpts, out = composed.spec, composed.ckpts, composed.out
     base_tag = ckpts[-1] / "global_step6" if spec.layout == "hf" else ckpts[-1]
     for base_file in sorted(base_tag.glob("*optim_states.pt")):
         mine = out / "global_step6" / base_file.name

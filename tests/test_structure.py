@@ -8,7 +8,9 @@
 - no module grows past MAX_CODE_LINES lines of code or MAX_LINES lines in all, no subpackage
   past MAX_MODULES, and the root holds only the ground floor;
 - every kind of job keeps the one job contract, and only team/ makes the team's calls;
-- the composer screen's parts use of it exactly what `ui.host.ComposerHost` declares.
+- the composer screen's parts use of it exactly what `ui.host.ComposerHost` declares;
+- ruff (imports sorted, F, B) and mypy find nothing;
+- no two modules share a name, no two classes are a letter apart, and every moved path still works.
 """
 
 from __future__ import annotations
@@ -41,6 +43,22 @@ ROOT_MODULES = {"__init__", "__main__", "errors", "units", "events", "report", "
 
 def contracts() -> list[dict]:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+
+
+def test_ruff_finds_nothing():
+    """The import sorter and the linter (ruff: I, F, B; the config in pyproject.toml) over the package,
+    the tests, the benchmarks and the docs' sample maker."""
+    result = subprocess.run([str(Path(sys.executable).with_name("ruff")), "check", "--no-cache", "tailor_tui",
+                             "tests", "bench", "docs"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+
+
+def test_the_type_checker_finds_nothing():
+    """mypy over the package (`[tool.mypy]` in pyproject.toml): every module checks clean; its cache
+    lives with the runs' (a rerun checks only what changed)."""
+    result = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(ROOT / ".tailor-cache" / "mypy")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
 
 
 def test_import_contracts_hold():
