@@ -43,7 +43,8 @@ def selective_hf(real_run):
 
 def _compose_from_partial(selective_hf, out):
     runs, p4 = selective_hf
-    recipe = Recipe(base=runs / "checkpoint-2", output=out, layers={row: runs / "partial-step4" for row in p4.saved_rows})
+    recipe = Recipe(base=runs / "checkpoint-2", output=out,
+                    layers={row: runs / "partial-step4" for row in p4.saved_rows})
     run_compose(build_plan(recipe), workers=1)
     return verify_against_recipe(build_plan(recipe, check_output=False))
 
@@ -117,7 +118,8 @@ def test_a_slice_copied_one_element_off_is_reported(real_run, tmp_path, monkeypa
     assert shifted
     found = _rows(report)
     for rank, row in shifted:
-        assert any(p.startswith(f"rank {rank}: ") and "differs from checkpoint-2" in p for p in found.get(row, ())), found
+        assert any(p.startswith(f"rank {rank}: ") and "differs from checkpoint-2" in p
+                   for p in found.get(row, ())), found
     monkeypatch.undo()
     run_compose(build_plan(Recipe(base=c6, output=tmp_path / "clean", layers={"layers.1": c2})), workers=1)
     assert verify_against_recipe(build_plan(Recipe(base=c6, output=tmp_path / "clean", layers={"layers.1": c2}),
@@ -151,7 +153,8 @@ def test_a_resharded_piece_read_one_element_off_is_reported(real_run, tmp_path, 
     report = verify_against_recipe(build_plan(recipe, check_output=False))
     found = _rows(report)
     assert list(found) == ["layers.2"], found
-    assert all(f" of {target} (elements " in p and f"differs from {c2.name} rank" in p for p in found["layers.2"]), found
+    assert all(f" of {target} (elements " in p and f"differs from {c2.name} rank" in p
+               for p in found["layers.2"]), found
     monkeypatch.undo()
     clean = build_plan(load_recipe(recipe_path), output=tmp_path / "clean")
     run_compose(clean, workers=1)
