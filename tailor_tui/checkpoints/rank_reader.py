@@ -164,11 +164,11 @@ class RankReader:
             begin = partial_slice(self.files.rows, tensors, key, param, max(valid, within + count))[2]
             name = f"{key}/{param}"
             return RankBytes(self.files.rows, begin + within * 4, None, FP32[0], FP32[1],
-                         SliceCheck(self.files.rows, name, begin, valid * 4, crcs.get(name)))
+                             SliceCheck(self.files.rows, name, begin, valid * 4, crcs.get(name)))
         assert group is not None, "a full save's slices are found by sub-group"
         tb = self.flat()[group, key]
         return RankBytes(self.files.optim_states, tb.offset + (offset + within) * tb.itemsize, tb.record, tb.dtype,
-                     tb.itemsize)
+                         tb.itemsize)
 
     # -- model_states ----------------------------------------------------------------------------
 

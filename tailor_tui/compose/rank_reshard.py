@@ -101,7 +101,7 @@ class _Sources:
         if key == "frozen":
             tb = reader.fragments([piece.param])[piece.param]
             return RankBytes(reader.files.model_states, tb.offset + piece.offset * tb.itemsize, tb.record, tb.dtype,
-                         tb.itemsize)
+                             tb.itemsize)
         return reader.place(key, param=piece.param, group=piece.group, offset=piece.offset - piece.within,
                             valid=piece.whole, within=piece.within, count=piece.length)
 
