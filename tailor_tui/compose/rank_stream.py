@@ -85,8 +85,8 @@ def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counte
         for key in TENSORS:
             b = base[c.group, key]
             place = readers[c.source].place(key, param=c.param, group=c.group, offset=c.offset, valid=c.length)
-            spans.append(Replacement(b.offset + c.offset * b.itemsize, c.length * b.itemsize, c.source, place.at, b.record,
-                              place.record, place.slice))
+            spans.append(Replacement(b.offset + c.offset * b.itemsize, c.length * b.itemsize, c.source, place.at,
+                                     b.record, place.record, place.slice))
     spans = _coalesced(spans)
     padding = Padding(_pads(job.padding, base))
 
