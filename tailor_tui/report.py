@@ -17,7 +17,7 @@ import shutil
 import sys
 import time
 from itertools import islice
-from typing import Callable, TextIO
+from typing import Callable, Iterable, TextIO
 
 from tailor_tui.events import TaskFinished, TaskProgressed
 from tailor_tui.units import size, throughput
@@ -34,7 +34,7 @@ class Tally:
     tasks: a 512-rank composition reports every rank ten times a second.
     """
 
-    def __init__(self, tasks=()):
+    def __init__(self, tasks: Iterable[tuple[str, int]] = ()) -> None:
         self.totals: dict[str, int] = dict(tasks)
         self.done: dict[str, int] = dict.fromkeys(self.totals, 0)
         self.known = bool(self.totals)  # the whole set is known: percent, `of N`, waiting and ETA make sense
@@ -143,7 +143,8 @@ class LineReporter:
             self.close()
             return
         when, fraction = self._summed
-        due = now - when >= self.every_seconds or (self.tally.known and self.tally.fraction - fraction >= self.every_fraction)
+        due = (now - when >= self.every_seconds
+               or (self.tally.known and self.tally.fraction - fraction >= self.every_fraction))
         if due and not (self.tally.all_done and self.tally.known):
             self._summed = (now, self.tally.fraction)
             self._print(self.tally.line(self.label, self.unit, now - self._started))
@@ -211,7 +212,8 @@ class BarReporter:
 
     def _total(self, width: int, speed: bool = True) -> str:
         t = self.tally
-        return self._line("total", t.bytes_done, t.bytes_total, width) + f" {self.unit}" + (f"  {self._speed()}" if speed else "")
+        return (self._line("total", t.bytes_done, t.bytes_total, width) + f" {self.unit}"
+                + (f"  {self._speed()}" if speed else ""))
 
     def _few(self) -> list[str]:
         """Today's block for a handful of tasks: every task's bar, then the total."""

@@ -89,7 +89,8 @@ def parser() -> argparse.ArgumentParser:
                    help="with --apply/--verify: compose for M data-parallel ranks (every source re-partitioned, "
                         "as DeepSpeed at world size M saves); overrides the recipe's world_size")
     p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
-    p.add_argument("--force", action="store_true", help="replace an earlier tailor-tui output once the new one is complete "
+    p.add_argument("--force", action="store_true",
+                   help="replace an earlier tailor-tui output once the new one is complete "
                         "(never a folder tailor-tui did not write)")
     p.add_argument("--no-fsync", dest="durable", action="store_false",
                    help="do not fsync the output before renaming it into place: faster on slow disks; still "
@@ -149,7 +150,7 @@ def apply(args) -> int:
     workers = args.workers or default_workers(plan)
     ranks = f"{plan.base.world_size} → {plan.world_size}" if plan.reshard else plan.world_size
     if team.lead:
-        processes = f"{team.size} processes ({launch.via}) × " if team.size > 1 else ""
+        processes = f"{team.size} processes ({launch.via}) × " if launch is not None and team.size > 1 else ""
         print(
             f"composing {plan.output} from {len(plan.sources)} checkpoint(s): {ranks} ranks, "
             f"{processes}{workers} worker(s), {'about ' if plan.rewritten_files() else ''}"
@@ -157,6 +158,7 @@ def apply(args) -> int:
             file=sys.stderr,
             flush=True,
         )
+    report: JobLines | LineReporter | BarReporter
     if team.lead and team.size > 1:  # the whole job's lines (every process's tasks) and its throughput
         report = JobLines(sys.stderr, planned_tasks(plan))
     elif team.size > 1:  # several processes share the log: lines, each saying whose (its tasks' sum, if many)
@@ -328,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             ensure_demo(Path("demo-run"))
             code = interactive(Path("demo-run"), args.recipe, args.workers)  # as `tailor-tui demo-run` opens it
         else:
+            assert args.run_dir is not None  # no action given: RUN_DIR is (the checks above)
             code = interactive(args.run_dir, args.recipe, args.workers)
     except TailorError as exc:
         print(f"error: {exc}", file=sys.stderr)

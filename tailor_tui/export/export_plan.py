@@ -136,8 +136,8 @@ def _buffers(plan: ComposePlan, source_of: dict[str, int],
             path = plan.sources[s].ranks[0].model_states
             module = modules(s)
             tensor = module.get(name) if module is not None else None
-            kind = NAMED.get(dtype_name(tensor.storage.type_name)) if isinstance(tensor, TensorRef) else None
-            if kind is None or not all(type(d) is int and d >= 0 for d in tensor.size):
+            if (not isinstance(tensor, TensorRef) or (kind := NAMED.get(dtype_name(tensor.storage.type_name))) is None
+                    or not all(type(d) is int and d >= 0 for d in tensor.size)):
                 raise CheckpointError(f"{path}: has no readable buffer {name}; the file is damaged or from "
                                       "another model")
             found[name] = (tensor.size, kind)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from tailor_tui.formats.dtypes import BY_NAME
@@ -45,7 +46,7 @@ class Census:
     """Counts, per row, the non-finite values in regions of one file, fed the chunks that are
     read of it (`inspect(offset, chunk)`, in any order; parts outside regions are ignored)."""
 
-    def __init__(self, regions):
+    def __init__(self, regions: Iterable[Region]) -> None:
         self.regions = sorted(regions, key=lambda r: r.at)
         self._starts = [r.at for r in self.regions]
         self._ends = [r.at + r.length for r in self.regions]

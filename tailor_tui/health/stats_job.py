@@ -81,7 +81,7 @@ class StatsJob(JobCost):
         """Each trainable parameter's slice on this rank, of the rows to read."""
         found = []
         for s in self.layout.slots:
-            if (valid := s.valid(self.rank)) and (row := self.owner.get(s.name)) in self.rows:
+            if (valid := s.valid(self.rank)) and (row := self.owner.get(s.name)) is not None and row in self.rows:
                 found.append(SlotRead(row, s.name, s.group, s.offset, valid))
         return tuple(found)
 

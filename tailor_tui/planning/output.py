@@ -28,6 +28,7 @@ import signal
 import socket
 import stat
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from tailor_tui.checkpoints.checkpoint import OUTPUT_FILES, PROVENANCE
@@ -302,7 +303,7 @@ def probe_swap(out: Path) -> None:
 
 
 @contextlib.contextmanager
-def signals_held():
+def signals_held() -> Iterator[None]:
     """SIGINT and SIGTERM wait until the block is done, then act as they would have.
 
     Their handlers are swapped for one that only notes them (Python runs handlers in the
@@ -321,7 +322,7 @@ def signals_held():
         for s, handler in previous.items():
             signal.signal(s, handler)
         if caught:
-            handler = previous[caught[0]]
+            handler = previous[signal.Signals(caught[0])]
             if callable(handler):
                 handler(caught[0], None)  # KeyboardInterrupt, or the CLI's SIGTERM handler
             elif handler == signal.SIG_DFL:

@@ -48,8 +48,9 @@ class ComposePlan:
     _model_jobs: tuple[WeightJob, ...] = field(init=False, repr=False)
     _other_files: tuple[tuple[Path, Path], ...] = field(init=False, repr=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         layout = self._read_model_layout()
+        jobs: tuple[RankJob | ReshardJob, ...]
         if self.reshard is not None:
             jobs = reshard_jobs(self.base, self.sources, self.source_of_param(), self.reshard)
         else:

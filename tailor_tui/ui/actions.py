@@ -11,7 +11,7 @@ import ast
 import textwrap
 from dataclasses import dataclass
 
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 
 APP, HOME, GRID = "app", "home", "grid"  # who binds an action: the app (every screen), the composer's screen, the grid
 
@@ -112,7 +112,7 @@ ACTIONS: tuple[Action, ...] = (
 )
 
 
-def bindings(owner: str) -> list[Binding]:
+def bindings(owner: str) -> list[BindingType]:
     """The bindings of `owner` (HOME: the composer's screen; GRID: the grid widget)."""
     return [Binding(a.keys, a.action, a.name, show=a.footer) for a in ACTIONS if a.owner == owner]
 

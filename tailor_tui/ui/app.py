@@ -23,7 +23,7 @@ from tailor_tui.team.sbatch import LARGE
 from tailor_tui.team.workers import prepare_worker_processes
 from tailor_tui.ui.actions import APP, bindings, palette_actions
 from tailor_tui.ui.composer import ComposerOptions, ComposerScreen
-from tailor_tui.ui.dialogs import Confirm, HelpScreen
+from tailor_tui.ui.dialogs import Answer, Confirm, HelpScreen
 from tailor_tui.ui.progress_screen import ProgressScreen
 
 
@@ -40,13 +40,16 @@ class TailorApp(App):
         prepare_worker_processes()  # before Textual takes over stderr
         self.options = options
 
-    def get_default_screen(self) -> Screen:
+    def get_default_screen(self) -> ComposerScreen:
         return ComposerScreen(self.options)
 
     @property
     def home(self) -> ComposerScreen:
         """The composer's screen (under any dialog or the progress screen)."""
-        return self.screen_stack[0]
+        home = self.screen_stack[0]
+        if not isinstance(home, ComposerScreen):  # `get_default_screen`'s: never another
+            raise RuntimeError(f"the app's first screen is a {type(home).__name__}, not the composer's")
+        return home
 
     def action_request_quit(self) -> None:
         comp = self.home.composition
@@ -60,7 +63,7 @@ class TailorApp(App):
             self.exit()
             return
 
-        def answer(yes: bool | None) -> None:
+        def answer(yes: Answer) -> None:
             if yes:
                 for screen in self.screen_stack:
                     if isinstance(screen, ProgressScreen):

@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from textual import work
 from textual.app import ComposeResult
@@ -36,7 +36,7 @@ from tailor_tui.planning.output import not_replaceable
 from tailor_tui.team.sbatch import LARGE, offer_batch
 from tailor_tui.ui.actions import HOME, bindings
 from tailor_tui.ui.describe import details_lines
-from tailor_tui.ui.dialogs import Confirm, ErrorDialog, PathPrompt, PlanDialog
+from tailor_tui.ui.dialogs import Answer, Confirm, ErrorDialog, PathPrompt, PlanDialog
 from tailor_tui.ui.export_actions import ExportActions
 from tailor_tui.ui.grid import CheckpointGrid
 from tailor_tui.ui.health_actions import HealthActions
@@ -45,6 +45,12 @@ from tailor_tui.ui.navigation import Navigation
 from tailor_tui.ui.progress_screen import ProgressScreen
 from tailor_tui.ui.recipe_actions import RecipeActions
 from tailor_tui.units import size
+
+if TYPE_CHECKING:
+    from tailor_tui.checkpoints.checkpoint import Checkpoint
+    from tailor_tui.health.healing import Cell
+    from tailor_tui.planning.recipe import Recipe
+    from tailor_tui.ui.messages import Outcome
 
 
 @dataclass(frozen=True)
@@ -59,7 +65,7 @@ class ComposerOptions:
     batch_threshold: int = LARGE  # bytes to write from which a login node offers a batch job
 
 
-class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Screen):
+class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Screen[None]):
     BINDINGS = bindings(HOME)
 
     def __init__(self, options: ComposerOptions):
@@ -136,13 +142,18 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
     @work(thread=True, exclusive=True, group="scan")
     def scan_worker(self) -> None:
         worker = get_current_worker()
+
+        def progressed(done: int, total: int, path: Path) -> None:
+            self.post_message(ScanProgressed(done, total, path))
+
         try:
             result = scan(
                 self.options.run_dir,
-                on_progress=lambda done, total, path: self.post_message(ScanProgressed(done, total, path)),
+                on_progress=progressed,
                 cancelled=lambda: worker.is_cancelled,
             )
-            check_one_run(self.options.run_dir, result.checkpoints)  # reads each trainer_state.json: here, not in the UI
+            # reads each trainer_state.json: here, not in the UI
+            check_one_run(self.options.run_dir, result.checkpoints)
         except TailorError as exc:
             self.post_message(ScanFailed(str(exc)))
         else:
@@ -225,6 +236,12 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
         """Picks change only on the grid itself, not under a dialog or the progress screen."""
         return self.composition is not None and self.on_top
 
+    @property
+    def active_composition(self) -> Composition:
+        if self.composition is None:
+            raise RuntimeError("no composition yet: the scan has not found the run's checkpoints")
+        return self.composition
+
     def edit(self, change: Callable[[], object]) -> None:
         try:
             change()
@@ -235,23 +252,22 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
     def action_pick(self) -> None:
         if not self.editable():
             return
-        grid = self.query_one(CheckpointGrid)
+        comp, grid = self.active_composition, self.query_one(CheckpointGrid)
         row, column = grid.current()
         if grid.selection is not None and column is not None:  # a block of rows, one undo step
             rows = grid.selected_rows()
             grid.selection = self.selection_anchor = None
-            changed = []
-            self.edit(lambda: changed.extend(self.composition.pick_rows(rows, column)))
-            self.notify(f"{len(changed)} of {len(rows)} row(s) from {self.composition.checkpoints[column].name}",
-                        timeout=3)
+            changed: list[str] = []
+            self.edit(lambda: changed.extend(comp.pick_rows(rows, column)))
+            self.notify(f"{len(changed)} of {len(rows)} row(s) from {comp.checkpoints[column].name}", timeout=3)
         elif row is not None and column is not None:
-            self.edit(lambda: self.composition.pick(row, column))
+            self.edit(lambda: comp.pick(row, column))
 
     def action_pick_column(self) -> None:
-        self._edit_column(lambda column: self.composition.pick_column(column))
+        self._edit_column(lambda column: self.active_composition.pick_column(column))
 
     def action_set_base(self) -> None:
-        self._edit_column(lambda column: self.composition.set_base(column))
+        self._edit_column(lambda column: self.active_composition.set_base(column))
 
     def _edit_column(self, change: Callable[[int], None]) -> None:
         """A change to the checkpoint under the cursor (on the grid itself)."""
@@ -278,19 +294,20 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
     def action_set_output(self) -> None:
         if not self.editable():
             return
+        comp = self.active_composition
 
         def done(value: str | None) -> None:
             if value:
-                self.edit(lambda: self.composition.set_output(Path(os.path.expanduser(value))))
+                self.edit(lambda: comp.set_output(Path(os.path.expanduser(value))))
 
-        self.app.push_screen(PathPrompt("Output folder for the composed checkpoint", str(self.composition.output)), done)
+        self.app.push_screen(PathPrompt("Output folder for the composed checkpoint", str(comp.output)), done)
 
     def action_run_compose(self) -> None:
         if self.editable():
-            self.plan_worker(self.composition.to_recipe())
+            self.plan_worker(self.active_composition.to_recipe())
 
     @work(thread=True, exclusive=True, group="plan")
-    def plan_worker(self, recipe, force: bool = False) -> None:
+    def plan_worker(self, recipe: Recipe, force: bool = False) -> None:
         try:
             self.post_message(PlanReady(build_plan(recipe, force=force)))
         except OutputError as exc:
@@ -306,7 +323,7 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
             self.app.push_screen(ErrorDialog(message.message, title="Cannot compose"))
             return
 
-        def answer(yes: bool | None) -> None:
+        def answer(yes: Answer) -> None:
             if yes:
                 self.plan_worker(message.recipe, force=True)
 
@@ -332,7 +349,7 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
             body = "\n".join([f"This writes {size(plan.bytes_to_write())}: on this login node, "
                               "s writes an sbatch script that composes it over several nodes instead.", "", body])
 
-        def confirmed(answer: bool | str | None) -> None:
+        def confirmed(answer: Answer) -> None:
             if answer == "world_size":
                 self.action_set_world_size(then_plan=True)
             elif answer == "sbatch":
@@ -349,7 +366,7 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
         self.app.push_screen(PlanDialog("Compose this checkpoint?", body, accept=accept, decline="Back", batch=batch,
                                         risky=bool(bad)), confirmed)
 
-    def cell_of(self, row: str, checkpoint):
+    def cell_of(self, row: str, checkpoint: Checkpoint) -> Cell | None:
         if self.health is None:
             return None
         for i, c in enumerate(self.health.checkpoints):
@@ -357,11 +374,11 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
                 return self.health.cell(row, i)
         return None
 
-    def compose_finished(self, result) -> None:
+    def compose_finished(self, result: Outcome) -> None:
         self.composing = False
         self.notify(f"{'exported' if isinstance(result, ExportResult) else 'composed'} {result.output}")
 
-    def compose_closed(self, _result=None) -> None:
+    def compose_closed(self, _result: object = None) -> None:
         self.composing = False
         self.refresh_view()
 

@@ -33,10 +33,11 @@ def row_range(health: Health | None, row: str, metric: str) -> tuple[float, floa
 
 def background(cell: Cell | None, metric: str, scale: tuple[float, float] | None) -> str:
     """The cell's background style for `metric` ("" when there is nothing to show)."""
-    if cell is None or scale is None or cell.value(metric) is None:
+    value = cell.value(metric) if cell is not None else None
+    if value is None or scale is None:
         return ""
     lo, hi = scale
-    t = 0.5 if hi <= lo else (cell.value(metric) - lo) / (hi - lo)
+    t = 0.5 if hi <= lo else (value - lo) / (hi - lo)
     return f" on {PALETTE[min(len(PALETTE) - 1, int(t * len(PALETTE)))]}"
 
 
@@ -164,7 +165,7 @@ def details_lines(comp: Composition, health: Health | None, row_name: str, colum
             f"files   {size(c.total_bytes())}" + (f" ({size(model)} 16-bit model)" if model else ""),
             f"rank 0  {size(c.rank_bytes(0))}",
         ]
-        if c.partial:
+        if c.saved_rows is not None:  # partial
             lines.append(f"partial saved {len(c.saved_rows)} of {sum(not r.tied for r in c.rows)} rows")
     if outputs:  # tailor-tui's own outputs in the run folder: shown here, never as columns
         lines += ["", f"composed by tailor-tui here, not columns ({len(outputs)}):"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Iterable
+
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -34,8 +36,14 @@ class PathPrompt(ModalScreen[str | None]):
         self.dismiss(None)
 
 
-class Confirm(ModalScreen[bool]):
-    """A yes/no question; Enter (or y) accepts, Esc (or n) declines."""
+# What a `Confirm` answers its callback: True or False, a further button's id (`more_buttons`),
+# or None (Textual's: a screen dismissed without a result)
+Answer = bool | str | None
+
+
+class Confirm(ModalScreen[bool | str]):
+    """A yes/no question; Enter (or y) accepts, Esc (or n) declines: it answers True or False, or
+    the id of a further button a subclass adds (`more_buttons`)."""
 
     BINDINGS = [
         Binding("enter,y", "accept", "Yes"),
@@ -63,7 +71,7 @@ class Confirm(ModalScreen[bool]):
                 yield Button(f"{self.decline} ({self.decline_keys})", id="decline")
                 yield from self.more_buttons()
 
-    def more_buttons(self):
+    def more_buttons(self) -> Iterable[Button]:
         """Further choices: a button whose id the dialog dismisses with (see PlanDialog)."""
         return ()
 
@@ -98,9 +106,9 @@ class PlanDialog(Confirm):
     BINDINGS = [*Confirm.BINDINGS, Binding("w", "world_size", "World size"), Binding("s", "batch", "Batch job"),
                 Binding("exclamation_mark", "accept_anyway", "Compose anyway")]
 
-    def __init__(self, *args, batch: bool = False, risky: bool = False, **kwargs) -> None:
+    def __init__(self, *args: Any, batch: bool = False, risky: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.batch, self.risky = batch, risky
+        self.offers_batch, self.risky = batch, risky  # `batch` would hide Textual's Widget.batch
         if risky:  # the safe choice is the default one
             self.accept_keys, self.decline_keys = "!", "Enter, Esc"
 
@@ -108,15 +116,15 @@ class PlanDialog(Confirm):
     def default_button(self) -> str:
         return "#decline" if self.risky else "#accept"
 
-    def more_buttons(self):
+    def more_buttons(self) -> Iterable[Button]:
         yield Button("World size… (w)", id="world_size")
-        if self.batch:
+        if self.offers_batch:
             yield Button("sbatch (s)", id="sbatch")
 
-    def check_action(self, action: str, parameters) -> bool:
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool:
         if action == "accept_anyway":
             return self.risky
-        return self.batch if action == "batch" else True
+        return self.offers_batch if action == "batch" else True
 
     def action_accept(self) -> None:
         self.dismiss(not self.risky)  # Enter or y: composes, or goes back when the output would be unhealthy

@@ -26,6 +26,7 @@ from tailor_tui.ui.messages import ExportReady
 from tailor_tui.ui.progress_screen import ProgressScreen
 
 if TYPE_CHECKING:
+    from tailor_tui.planning.recipe import Recipe
     from tailor_tui.ui.host import ComposerHost
 
 DEFAULT_SHARD = "5GB"
@@ -35,7 +36,7 @@ class ExportActions:
     def action_export(self: ComposerHost) -> None:
         if not self.editable():
             return
-        comp = self.composition
+        comp = self.active_composition
         output = comp.output or comp.default_output()
         default = output.with_name(output.name + "-hf")
 
@@ -58,7 +59,7 @@ class ExportActions:
         self.app.push_screen(PathPrompt("Export for evaluation (a plain HF model folder) to", str(default)), chosen)
 
     @work(thread=True, exclusive=True, group="plan")
-    def export_worker(self: ComposerHost, recipe, config: Path | None) -> None:
+    def export_worker(self: ComposerHost, recipe: Recipe, config: Path | None) -> None:
         try:
             export = plan_export(build_plan(recipe), None, parse_size(DEFAULT_SHARD))
             config_source(export, config)  # a folder without config.json is said now, not after the weights

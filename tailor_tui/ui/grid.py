@@ -187,8 +187,15 @@ class CheckpointGrid(ScrollView, can_focus=True):
         if regions:
             self.refresh(*regions)
 
+    @property
+    def _shown(self) -> Composition:
+        """The composition `show` works out the cells of (set before it does)."""
+        if self.composition is None:
+            raise RuntimeError("the grid shows no composition yet")
+        return self.composition
+
     def _signature(self, row: str, health_version: int) -> tuple:
-        comp = self.composition
+        comp = self._shown
         return (comp.source_of(row), comp.base, self.metric, health_version, self._selected(row))
 
     def _selected(self, row: str) -> bool:
@@ -216,7 +223,7 @@ class CheckpointGrid(ScrollView, can_focus=True):
         return True
 
     def _header(self, column: int) -> tuple[GridCell, GridCell]:
-        comp = self.composition
+        comp = self._shown
         ckpt = comp.checkpoints[column]
         step = f"step {ckpt.step}{header_suffix(self.health, column)}"
         name = comp.label(column)
@@ -227,7 +234,7 @@ class CheckpointGrid(ScrollView, can_focus=True):
         return GridCell(name, "bold"), GridCell(step, "bold")
 
     def _cells(self, row: str) -> list[GridCell]:
-        comp, health = self.composition, self.health
+        comp, health = self._shown, self.health
         r = comp.base_checkpoint.row(row)
         style = "dim italic" if r.tied else ""
         cells = [GridCell(row, style + (" reverse bold" if self._selected(row) else ""))]
@@ -270,14 +277,14 @@ class CheckpointGrid(ScrollView, can_focus=True):
         if line is None:
             if len(self._lines) > 4 * (self.size.height + 8):  # another frame's: drop them
                 self._lines.clear()
-            line = self._lines[key] = self._render(y, width)
+            line = self._lines[key] = self._draw_line(y, width)
         return line
 
     def notify_style_update(self) -> None:
         super().notify_style_update()
         self._lines.clear()  # another theme or focus: every line looks different
 
-    def _render(self, y: int, width: int) -> Strip:
+    def _draw_line(self, y: int, width: int) -> Strip:
         base = self.rich_style
         if y < HEADER_HEIGHT:
             cells = [h[y] for h in self._headers]

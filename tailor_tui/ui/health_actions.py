@@ -16,23 +16,28 @@ from tailor_tui.errors import Cancelled, TailorError
 from tailor_tui.events import TaskFinished, TaskOptions, TaskProgressed
 from tailor_tui.health.stats_run import CellsComputed, StatsPlanned, compute_health
 from tailor_tui.ui.describe import LABEL, next_metric
-from tailor_tui.ui.dialogs import Confirm
+from tailor_tui.ui.dialogs import Answer, Confirm
 from tailor_tui.ui.messages import CellsArrived, HealthEnded, HealthProgressed
 
 if TYPE_CHECKING:
+    from tailor_tui.checkpoints.checkpoint import Checkpoint
     from tailor_tui.ui.host import ComposerHost
 
 
 class HealthActions:
     """Statistics of every cell, the heatmap metric (m) and healing (h)."""
 
+    # The screen's (`ComposerHost`), declared here too: a type checker takes an assignment to
+    # `self.health_status` in this class's methods as declaring it on this class.
+    health_status: str | None
+
     @work(thread=True, exclusive=True, group="stats")
-    def stats_worker(self: ComposerHost, checkpoints) -> None:
+    def stats_worker(self: ComposerHost, checkpoints: tuple[Checkpoint, ...]) -> None:
         """Statistics of every cell, newest checkpoint first, from the cache where it has them;
         the grid stays usable throughout (it only gets messages)."""
         progress: dict[str, Any] = {"total": 0, "tasks": {}, "last": 0.0}
 
-        def emit(event) -> None:
+        def emit(event: object) -> None:
             if isinstance(event, CellsComputed):
                 self.post_message(CellsArrived(event.column, event.cells))
             elif isinstance(event, StatsPlanned):
@@ -95,7 +100,7 @@ class HealthActions:
             self.notify("row statistics are still being computed; heal when they are complete",
                         severity="warning", timeout=4)
             return
-        comp = self.composition
+        comp = self.active_composition
         healing = comp.healing(self.health)
         changes = [f"{row} ← {comp.checkpoints[col].name}" + (f"  ({healing.reasons[row]})" if row in healing.reasons
                                                               else "")
@@ -106,7 +111,7 @@ class HealthActions:
                         + (f"; {len(hopeless)} row(s) have none" if hopeless else ""), timeout=5)
             return
 
-        def answer(yes: bool | None) -> None:
+        def answer(yes: Answer) -> None:
             if yes:
                 self.edit(lambda: comp.apply_healing(healing))
 

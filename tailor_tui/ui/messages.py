@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from tailor_tui.export.export_run import ExportResult
     from tailor_tui.planning.recipe import Recipe
 
+    Outcome = ComposeResult | ExportResult  # what the progress screen's run gives: a composition or an export
+
 
 @dataclass(eq=False)
 class ScanProgressed(Message):
@@ -93,7 +95,7 @@ class ComposeProgressed(Message):
 
 @dataclass(eq=False)
 class ComposeFinished(Message):
-    result: ComposeResult | ExportResult
+    result: Outcome
 
 
 @dataclass(eq=False)

@@ -14,6 +14,10 @@ if TYPE_CHECKING:
 class Navigation:
     """g / G, / (jump to a row), v and shift+arrows (select rows)."""
 
+    # The screen's (`ComposerHost`), declared here too: a type checker takes an assignment to
+    # `self.selection_anchor` in this class's methods as declaring it on this class.
+    selection_anchor: int | None
+
     def action_select_rows(self: ComposerHost) -> None:
         """Start (or drop) a block selection at the cursor's row; moving up or down extends it."""
         if not self.editable():
@@ -62,12 +66,13 @@ class Navigation:
         """Go to the first row whose name starts with (else contains) what is typed."""
         if not self.editable():
             return
+        comp = self.active_composition
 
         def done(value: str | None) -> None:
             text = (value or "").strip()
             if not text:
                 return
-            names = [r.name for r in self.composition.rows]
+            names = [r.name for r in comp.rows]
             found = next((i for i, n in enumerate(names) if n == text), None)
             found = found if found is not None else next((i for i, n in enumerate(names) if n.startswith(text)), None)
             found = found if found is not None else next((i for i, n in enumerate(names) if text in n), None)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from textual import work
 from textual.app import ComposeResult
@@ -34,10 +34,13 @@ from tailor_tui.team.workers import STREAMING_WORKER, workers_for
 from tailor_tui.ui.messages import ComposeFailed, ComposeFinished, ComposeProgressed
 from tailor_tui.units import size, throughput
 
+if TYPE_CHECKING:
+    from tailor_tui.ui.messages import Outcome
+
 SLOTS = FEW  # bar rows for tasks in progress when there are many: they fit at 80x24
 
 
-class ProgressScreen(Screen):
+class ProgressScreen(Screen[None]):
     BINDINGS = [
         Binding("escape", "cancel_or_close", "Cancel / close"),
     ]
@@ -45,7 +48,7 @@ class ProgressScreen(Screen):
     def __init__(self, plan: ComposePlan, workers: int | None, clock: Callable[[], float] = time.monotonic,
                  autostart: bool = True, title: str | None = None, options: TaskOptions = TaskOptions(),
                  allow_nonfinite: bool = False, export: Export | None = None, export_config: Path | None = None,
-                 finished: Callable[[object], None] = lambda result: None):
+                 finished: Callable[[Outcome], None] = lambda result: None):
         super().__init__()
         self.on_finished = finished  # the composer's: told the result
         self.options, self.allow_nonfinite = options, allow_nonfinite
@@ -95,12 +98,16 @@ class ProgressScreen(Screen):
 
     @work(thread=True, exclusive=True, group="compose")
     def run_compose_worker(self) -> None:
-        emit = lambda e: self.post_message(ComposeProgressed(e)) if isinstance(e, TaskProgressed) else None  # noqa: E731
+        def emit(event: object) -> None:
+            if isinstance(event, TaskProgressed):
+                self.post_message(ComposeProgressed(event))
+
+        result: Outcome
         try:
             if self.export is not None:
                 workers = self.compose_workers or workers_for(len(self.export.jobs), STREAMING_WORKER)
-                result = run_export(self.export, config=self.export_config, workers=workers, emit=emit, cancel=self.cancel,
-                                    options=self.options)
+                result = run_export(self.export, config=self.export_config, workers=workers, emit=emit,
+                                    cancel=self.cancel, options=self.options)
             else:
                 result = run_compose(self.plan, workers=self.compose_workers, emit=emit, cancel=self.cancel,
                                    options=self.options, allow_nonfinite=self.allow_nonfinite)
@@ -135,19 +142,20 @@ class ProgressScreen(Screen):
         """Many tasks: a task in progress takes a free bar row; a finished one hands its row to the
         next task in progress without one (in the order they started)."""
         slot = self.slot_of.get(task)
+        shown: str | None = task  # what the row shows now
         if task in self.tally.ended:
             if slot is None:
                 return
             del self.slot_of[task]
-            task = next((name for name in self.tally.running if name not in self.slot_of), None)
-            if task is not None:
-                self.slot_of[task] = slot
+            shown = next((name for name in self.tally.running if name not in self.slot_of), None)
+            if shown is not None:
+                self.slot_of[shown] = slot
         elif slot is None:
             if None not in self.slots:
                 return  # every row is taken: it is counted in progress until one is free
             slot = self.slots.index(None)  # SLOTS rows: O(1) in the number of tasks
             self.slot_of[task] = slot
-        self.slots[slot] = task
+        self.slots[slot] = shown
         self.show_slot(slot)
 
     def show_slot(self, slot: int) -> None:
@@ -155,7 +163,8 @@ class ProgressScreen(Screen):
         self.query_one(f"#slot-{slot}").set_class(task is None, "idle")
         self.query_one(f"#slot-label-{slot}", Label).update(task or "")
         if task is not None:
-            self.query_one(f"#bar-{slot}", ProgressBar).update(total=self.tally.totals[task], progress=self.tally.done[task])
+            bar = self.query_one(f"#bar-{slot}", ProgressBar)
+            bar.update(total=self.tally.totals[task], progress=self.tally.done[task])
 
     def update_overall(self) -> None:
         done, total = self.tally.bytes_done, self.tally.bytes_total

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 from tailor_tui.errors import TailorError
 from tailor_tui.planning.recipe import load_recipe
 from tailor_tui.team.sbatch import write_sbatch
-from tailor_tui.ui.dialogs import Confirm, ErrorDialog, PathPrompt
+from tailor_tui.ui.dialogs import Answer, Confirm, ErrorDialog, PathPrompt
 
 if TYPE_CHECKING:
-    from tailor_tui.ui.host import ComposerHost
+    from tailor_tui.ui.host import ComposerHost, Saved
 
 
 class RecipeActions:
@@ -31,8 +31,8 @@ class RecipeActions:
                 return
             text = value.strip()
             if text and not (text.isdigit() and int(text) >= 1):
-                self.app.push_screen(ErrorDialog(f"world size '{text}': a whole number of at least 1 (the data-parallel "
-                                             "ranks to compose for), or empty for the base's"))
+                self.app.push_screen(ErrorDialog(f"world size '{text}': a whole number of at least 1 (the "
+                                                 "data-parallel ranks to compose for), or empty for the base's"))
                 return
             dropped = comp.set_world_size(int(text) if text else None)
             if dropped:
@@ -46,7 +46,7 @@ class RecipeActions:
         self.app.push_screen(PathPrompt(f"World size to compose for (the base: {base} ranks; empty keeps it)",
                                     str(comp.world_size or "")), done)
 
-    def action_save_recipe(self: ComposerHost, then=None) -> None:
+    def action_save_recipe(self: ComposerHost, then: Saved | None = None) -> None:
         """Save the picks (asking where, the first time); `then(path)` once they are saved."""
         comp = self.composition
         if comp is None:
@@ -56,7 +56,7 @@ class RecipeActions:
         else:
             self.action_save_recipe_as(then=then)
 
-    def action_save_recipe_as(self: ComposerHost, then=None) -> None:
+    def action_save_recipe_as(self: ComposerHost, then: Saved | None = None) -> None:
         comp = self.composition
         if comp is None:
             return
@@ -80,13 +80,14 @@ class RecipeActions:
 
         self.action_save_recipe(then=write)
 
-    def save_to(self: ComposerHost, path: Path, confirmed: bool = False, then=None) -> None:
+    def save_to(self: ComposerHost, path: Path, confirmed: bool = False, then: Saved | None = None) -> None:
         """Save there; a file the composer did not load or save is replaced only when confirmed;
         `then(path)` once saved."""
-        target = self.composition.recipe_path
+        comp = self.active_composition  # the save actions return before this without one
+        target = comp.recipe_path
         ours = target is not None and target.exists() and path.exists() and os.path.samefile(path, target)
         if path.exists() and not ours and not confirmed:
-            def answer(yes: bool | None) -> None:
+            def answer(yes: Answer) -> None:
                 if yes:
                     self.save_to(path, confirmed=True, then=then)
 
@@ -95,7 +96,7 @@ class RecipeActions:
                                      "be replaced by these picks.", accept="Replace", decline="Back"), answer)
             return
         try:
-            saved = self.composition.save(path)
+            saved = comp.save(path)
         except TailorError as exc:
             self.app.push_screen(ErrorDialog(str(exc)))
             return
@@ -107,17 +108,18 @@ class RecipeActions:
     def action_load_recipe(self: ComposerHost) -> None:
         if not self.editable():
             return
+        comp = self.active_composition
 
         def done(value: str | None) -> None:
             if value:
                 self.adopt_recipe(Path(os.path.expanduser(value)))
                 self.refresh_view()
 
-        def ask_path(yes: bool | None = True) -> None:
+        def ask_path(yes: Answer = True) -> None:
             if yes:
-                self.app.push_screen(PathPrompt("Load a recipe", str(self.composition.recipe_path or "")), done)
+                self.app.push_screen(PathPrompt("Load a recipe", str(comp.recipe_path or "")), done)
 
-        if self.composition.saved:
+        if comp.saved:
             ask_path()
         else:
             self.app.push_screen(Confirm("Load a recipe?", "The current picks are not saved; loading a recipe "
@@ -126,6 +128,6 @@ class RecipeActions:
 
     def adopt_recipe(self: ComposerHost, path: Path) -> None:
         try:
-            self.composition.load(load_recipe(path))
+            self.active_composition.load(load_recipe(path))
         except TailorError as exc:
             self.app.push_screen(ErrorDialog(str(exc), title="Cannot load the recipe"))

@@ -199,7 +199,7 @@ def _verify_model_states(plan, rank, composed, source_of, param_row, report) -> 
 
 def _at(states: dict, where: str):
     """The value at a path such as ['module']['model.x'] (None if absent)."""
-    value = states
+    value: object = states
     for key in where[1:-1].split("]["):
         value = (value or {}).get(ast.literal_eval(key)) if isinstance(value, dict) else None
     return value

@@ -16,7 +16,10 @@ the recipe asked (which source each parameter comes from) and each checkpoint's 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from tailor_tui.planning.plan import ComposePlan
 
 ZEROS = -1  # a piece's source when it is padding
 FROZEN = -1  # a piece's group when it lies in a frozen parameter's fragment
@@ -76,8 +79,10 @@ class OutputPieces:
     """The pieces of every output rank of a resharded plan: `groups(rank)`, per output sub-group,
     and `frozen(rank)`, per frozen parameter. Each parameter's facts are worked out once."""
 
-    def __init__(self, plan):
+    def __init__(self, plan: ComposePlan) -> None:
         reshard, owner, source_of = plan.reshard, plan.base.param_to_row(), plan.source_of_param()
+        if reshard is None:
+            raise ValueError("OutputPieces: the plan composes into the base's world size (no pieces to move)")
         theirs = [{slot.name: slot for slot in src.layout.slots} for src in plan.sources]
         self.world_size = reshard.world_size
         self.trainable: list[list[_Parameter]] = [[] for _ in reshard.layout.groups]

@@ -20,6 +20,8 @@ unpickled by torch again, nor its structure compared again, though every byte of
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tailor_tui.events import ByteCounter
 from tailor_tui.formats.ds_format import (
     DP_WORLD_SIZE,
@@ -54,7 +56,8 @@ def verify_resharded(plan, composed, report, emit, cancelled) -> None:
     base_optim = load(first.skeleton if first.rows is not None else first.optim_states)
     base_states = load(first.model_states)
     buffers = {s: load(plan.sources[s].ranks[0].model_states) for s in set(plan.buffer_sources().values())}
-    where, same, loaded = OutputPieces(plan), SameContent(), {}
+    where, same = OutputPieces(plan), SameContent()
+    loaded: dict[Path, object] = {}  # source files by path (`_verify_rank`)
     totals = {job.rank: job.write_bytes for job in plan.rank_jobs()}  # progress: what the plan writes
     for rank in range(plan.world_size):
         _verify_rank(plan, rank, where, composed, report, ByteCounter(f"rank {rank}", totals[rank], emit, cancelled),
@@ -113,8 +116,8 @@ def _verify_rank(plan, rank, where, composed, report, counter, base_file, base_s
             check(flat_tensor(got, g, key), pieces, key)
 
     base_inner = base_file[OPTIMIZER_STATE_DICT]
-    for found in differences(got_file, base_file, skip=_replaced)[:5]:
-        report.add(None, f"rank {rank}: optimizer state {found} is not the base's")
+    for difference in differences(got_file, base_file, skip=_replaced)[:5]:
+        report.add(None, f"rank {rank}: optimizer state {difference} is not the base's")
     if got.get(PARTITION_COUNT) != reshard.world_size:
         report.add(None, f"rank {rank}: partition_count is {got.get(PARTITION_COUNT)!r}, not {reshard.world_size}")
     for i, (group, members) in enumerate(zip(got[OPTIMIZER_STATE_DICT][PARAM_GROUPS], reshard.param_groups)):
@@ -202,7 +205,8 @@ def whole_matches(tensor, pieces, source_of) -> bool:
     if len(pieces) < 2 or tensor.dim() != 1:
         return False
     size, first, end = tensor.element_size(), pieces[0].at, pieces[0].at
-    parts, padding, sources = [], 0, {}
+    parts, padding = [], 0
+    sources: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id of a source tensor -> it, and its bytes
     for p in pieces:
         if p.at != end:
             return False

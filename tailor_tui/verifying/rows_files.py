@@ -30,7 +30,7 @@ def _damaged(path: Path, why: str) -> CheckpointError:
 class RowsFiles:
     """Slices of rows files, each read and checked once (kept for the caller's lifetime)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.handles: dict[Path, tuple[object, dict[str, int]]] = {}
         self.slices: dict[tuple[Path, str], object] = {}
 
@@ -66,7 +66,9 @@ class RowsFiles:
                 raise _damaged(path, f"tensor {name} is {dtype} {list(shape)}, not F32 of at least {valid} elements")
             tensor = found[:valid] if valid else torch.zeros(0, dtype=torch.float32)
             stored = recorded.get(name)
-            if stored is not None and zlib.crc32(tensor.contiguous().view(torch.uint8).numpy()) != stored:
+            # an ndarray is a buffer; numpy's stubs declare its __buffer__ for Python 3.12 on only
+            if stored is not None and zlib.crc32(
+                    tensor.contiguous().view(torch.uint8).numpy()) != stored:  # type: ignore[arg-type]
                 raise CheckpointError(f"{path}: tensor {name} fails its CRC-32 check (the file is damaged); "
                                       "re-copy the partial checkpoint, or take its rows from another checkpoint")
             self.slices[key] = tensor

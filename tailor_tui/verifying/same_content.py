@@ -31,15 +31,16 @@ class SameContent:
     depend on the frozen fragments' values), shared by the files of one content."""
 
     def __init__(self, keep: int = 4):
-        self.keep, self.known = keep, {}  # content -> (object, found): the last `keep` contents
-        self.holding = {}  # (structure, frozen) -> {record: frozen parameter} or None: the last `keep`
+        self.keep = keep
+        self.known: dict[tuple, tuple[object, dict]] = {}  # content -> (object, found): the last `keep` contents
+        # (structure, frozen) -> {record: frozen parameter} or None: the last `keep`
+        self.holding: dict[tuple[bytes, tuple[str, ...]], dict[str, str] | None] = {}
 
     def load(self, path, frozen: tuple[str, ...] = ()) -> tuple[object, dict]:
         """`frozen`: the names of the frozen parameters whose fragments the file holds."""
         path = Path(path)
         records = small_records(path)
-        prefix = _prefix(records)
-        if prefix is None:
+        if records is None or (prefix := _prefix(records)) is None:
             return load(path), {}
         key = (bytes(dict(records)[prefix + "data.pkl"]), frozen)
         first = None  # the first file of its structure: loaded by torch, which finds the fragments
@@ -61,17 +62,14 @@ class SameContent:
         a file of its structure was loaded); None when `path` is no small torch zip file or its
         structure's fragments could not be told."""
         records = small_records(Path(path))
-        prefix = _prefix(records)
-        if prefix is None:
+        if records is None or (prefix := _prefix(records)) is None:
             return None
         holding = self.holding.get((bytes(dict(records)[prefix + "data.pkl"]), frozen), None if frozen else {})
         return None if holding is None else _content(records, prefix, holding)[0]
 
 
-def _prefix(records) -> str | None:
+def _prefix(records: list[tuple[str, memoryview]]) -> str | None:
     """The archive's folder (`name/`, torch's: one, holding data.pkl); None if it is not so."""
-    if records is None:
-        return None
     pickles = [name for name, _data in records if name.endswith("/data.pkl")]
     prefix = pickles[0][: -len("data.pkl")] if len(pickles) == 1 else ""
     if prefix.count("/") != 1 or prefix == "/" or not all(name.startswith(prefix) for name, _data in records):
