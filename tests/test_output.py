@@ -29,6 +29,20 @@ from tailor_tui.planning.recipe import Recipe
 
 
 @pytest.fixture
+def terminal_sigint():
+    """SIGINT as a terminal's Ctrl-C finds a Python process: its default handler, not blocked. A test
+    run started in the background by a shell without job control (`( make test & )`) inherits SIGINT
+    ignored, and tailor-tui then rightly ignores it too; these tests are about what it does with a Ctrl-C."""
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+@pytest.fixture
 def hf_run(real_run):
     run, spec = real_run("hf_bf16_2")
     return run, checkpoints_of(run, spec)
@@ -173,7 +187,7 @@ def _plan(ckpts, tmp_path, force=False):
     return build_plan(Recipe(base=c6, output=tmp_path / "composed", layers={"layers.1": c4}), force=force)
 
 
-def test_a_cancel_during_the_swap_completes_it_and_says_so(hf_run, tmp_path, monkeypatch):
+def test_a_cancel_during_the_swap_completes_it_and_says_so(hf_run, tmp_path, monkeypatch, terminal_sigint):
     _, ckpts = hf_run
     compose_run.run_compose(_plan(ckpts, tmp_path), workers=1)
     old = (tmp_path / "composed" / output.PROVENANCE).read_text()
@@ -239,7 +253,7 @@ def test_an_old_output_moved_aside_by_a_killed_swap_is_put_back(hf_run, tmp_path
     assert not aside.exists() and out.is_dir() and hidden(tmp_path) == []
 
 
-def test_signals_held_defers_sigint_to_the_end_of_the_block():
+def test_signals_held_defers_sigint_to_the_end_of_the_block(terminal_sigint):
     got = []
     with pytest.raises(KeyboardInterrupt):
         with output.signals_held():
