@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -295,3 +296,31 @@ def assert_every_file_fsynced(out: Path, fsynced: set) -> None:
     for f in [out, *out.rglob("*")]:
         st = f.stat()
         assert (st.st_dev, st.st_ino) in fsynced, f"{f} was never fsynced"
+
+
+
+# Worker tasks for `workers.run_calls`, each given a job-like namespace (task, total_bytes): one per batch.
+def task_until_cancelled(job, emit, cancelled, options) -> str:
+    """Counts until the composition is cancelled."""
+    from tailor_tui.events import ByteCounter
+
+    counter = ByteCounter(job.task, 1 << 40, emit, cancelled, options, interval=0.0)
+    while True:
+        counter.add(1 << 20)
+        time.sleep(0.002)
+
+
+def task_failing_soon(job, emit, cancelled, options) -> str:
+    time.sleep(0.5)
+    raise OSError(f"{job.task} failed")
+
+
+def task_flooding_events(job, emit, cancelled, options) -> str:
+    """Sends far more events than a pipe holds, looking at no cancel flag, then ends."""
+    from tailor_tui.events import TaskProgressed
+
+    for i in range(50_000):
+        emit(TaskProgressed(job.task, i, 50_000))
+        if i % 1000 == 0:
+            time.sleep(0.01)  # one message per 1000 events would not fill the pipe: let the outbox send often
+    return job.task

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -158,6 +159,56 @@ def test_sigterm_from_slurm_cleans_up(real_run, tmp_path):
     err = finish(proc, seen)
     assert proc.returncode == 130 and "Traceback" not in err
     assert not (tmp_path / "composed").exists() and hidden(tmp_path) == []
+
+
+def test_a_signal_while_workers_run_cancels_them_and_is_raised_once_they_are_gone():
+    """A SIGTERM (or Ctrl-C) while the pool runs must not be raised inside concurrent.futures: raised in
+    `wait` while that held a future's lock, it once left the pool's shutdown waiting forever (a hang in CI).
+    It cancels the workers through the flag and is raised by the block that held it, the pool shut down."""
+    import multiprocessing
+    import threading
+    import traceback
+
+    from helpers import task_until_cancelled
+
+    from tailor_tui.events import TaskOptions
+    from tailor_tui.team.workers import run_calls
+
+    def as_interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGTERM, as_interrupt)  # what the CLI installs
+    seen, cancel = [], threading.Event()
+    try:
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        with pytest.raises(KeyboardInterrupt) as raised:
+            run_calls([(task_until_cancelled, (SimpleNamespace(task=f"rank {i}", total_bytes=1),)) for i in range(2)],
+                      2, seen.append, cancel, TaskOptions())
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert cancel.is_set() and seen, "the workers ran, and were cancelled through the flag"
+    where = traceback.extract_tb(raised.tb)
+    assert "concurrent" not in "".join(f.filename for f in where), where.format()
+    assert where[-2].filename.endswith("interrupts.py"), where.format()
+    assert multiprocessing.active_children() == []
+
+
+def test_a_worker_never_waits_on_events_nobody_reads_to_exit():
+    """One task fails: the parent stops reading events and shuts the pool down, while another worker
+    sends more than the pipe holds. That worker must still exit (not wait for its queue to be read)."""
+    import multiprocessing
+    import threading
+
+    from helpers import task_failing_soon, task_flooding_events
+
+    from tailor_tui.events import TaskOptions
+    from tailor_tui.team.workers import run_calls
+
+    calls = [(task_failing_soon, (SimpleNamespace(task="rank 0", total_bytes=1),)),
+             (task_flooding_events, (SimpleNamespace(task="rank 1", total_bytes=1),))]
+    with pytest.raises(OSError, match="rank 0 failed"):
+        run_calls(calls, 2, lambda event: None, threading.Event(), TaskOptions())
+    assert multiprocessing.active_children() == []
 
 
 def test_file_size_limit_is_one_clear_error(real_run, tmp_path):

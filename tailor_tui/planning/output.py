@@ -24,11 +24,8 @@ import errno
 import glob
 import os
 import shutil
-import signal
 import socket
 import stat
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 from tailor_tui.checkpoints.checkpoint import OUTPUT_FILES, PROVENANCE
@@ -43,6 +40,7 @@ from tailor_tui.fileio import (
     pid_alive,
     replace_dir,
 )
+from tailor_tui.interrupts import signals_held
 
 # --- before anything is written ------------------------------------------------------------
 
@@ -300,33 +298,6 @@ def probe_swap(out: Path) -> None:
         for p in (a, b):
             with contextlib.suppress(OSError):
                 p.rmdir()
-
-
-@contextlib.contextmanager
-def signals_held() -> Iterator[None]:
-    """SIGINT and SIGTERM wait until the block is done, then act as they would have.
-
-    Their handlers are swapped for one that only notes them (Python runs handlers in the
-    main thread whichever thread the kernel picks, so masking the main thread alone would
-    not do). Only the main thread can do this; elsewhere (the composer's worker thread)
-    cancelling goes through the composition's cancel flag, which nothing reads once publishing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[int] = []
-    previous = {s: signal.signal(s, lambda signum, _frame: caught.append(signum))
-                for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        if caught:
-            handler = previous[signal.Signals(caught[0])]
-            if callable(handler):
-                handler(caught[0], None)  # KeyboardInterrupt, or the CLI's SIGTERM handler
-            elif handler == signal.SIG_DFL:
-                signal.raise_signal(caught[0])
 
 
 def publish(tmp: Path, out: Path, force: bool, durable: bool = True, swap: bool = True) -> None:

@@ -28,12 +28,12 @@ from tailor_tui.checkpoints.checkpoint import OUTPUT_FILES, PROVENANCE
 from tailor_tui.errors import Cancelled
 from tailor_tui.events import Emit, Job, TaskFinished, TaskOptions, TaskProgressed
 from tailor_tui.fileio import fsync_dir, write_file
+from tailor_tui.interrupts import signals_held
 from tailor_tui.planning.output import (
     check_own_folder,
     hidden_folder,
     output_lock,
     publish,
-    signals_held,
     written_files,
 )
 from tailor_tui.team.members import SOLO, Team

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from tailor_tui.errors import OutputError
 from tailor_tui.events import Emit, TaskFinished, TaskOptions
+from tailor_tui.interrupts import signals_held
 
 if TYPE_CHECKING:  # for annotations only: statistics run calls without loading the planner
     from tailor_tui.planning.plan import ComposePlan
@@ -31,11 +32,20 @@ def _worker_init(events, cancel, parent: int) -> None:
     global _WORKER_QUEUE, _WORKER_CANCEL
     # Ctrl-C reaches the whole process group: the parent alone decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A forked worker inherits the parent's SIGTERM handler (the CLI's, or the one noting it while the
+    # pool runs): a SIGTERM (scancel signals every process of the job) ends it, as in a spawned one.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # A worker holds its own copy of the task queue's pipe, so it would wait forever if the
     # parent were killed (kill -9, OOM killer): it leaves as soon as it is orphaned.
     # `parent` comes from the parent itself: read here, it could already be init's PID.
     threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # A process that put to a queue waits, as it exits, until the pipe has taken all of it: once
+    # the parent has stopped reading (a task failed, a cancel), a worker with more events than a
+    # pipe holds would never exit, and the pool's shutdown would wait for it forever. Those events
+    # are only progress nobody reads any more (a finished task's last event is read before the
+    # shutdown: `run_pool`), so a worker exits without waiting for them.
+    events.cancel_join_thread()
     _WORKER_QUEUE, _WORKER_CANCEL = events, cancel
 
 
@@ -192,6 +202,14 @@ def start_method() -> str:
 
 
 def run_pool(calls: list[Call], workers: int, emit: Emit, cancel: threading.Event, options: TaskOptions) -> list:
+    # A Ctrl-C or SIGTERM cancels through the flag, and is raised once every worker is gone:
+    # raised at once, it could land inside `wait` while that holds a future's lock (see
+    # `interrupts`), and the shutdown below would then wait for the pool forever.
+    with signals_held(on_signal=cancel.set):
+        return _run_pool(calls, workers, emit, cancel, options)
+
+
+def _run_pool(calls: list[Call], workers: int, emit: Emit, cancel: threading.Event, options: TaskOptions) -> list:
     import multiprocessing as mp
     from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
     from concurrent.futures.process import BrokenProcessPool
