@@ -262,3 +262,36 @@ def test_signals_held_defers_sigint_to_the_end_of_the_block(terminal_sigint):
             got.append("the block ran to its end")
     assert got == ["the block ran to its end"]
     assert threading.current_thread() is threading.main_thread()
+
+
+def test_a_lock_left_to_a_killed_runs_workers_is_waited_for_a_moment(tmp_path):
+    """kill -9 of a composition leaves its forked workers holding the output's lock (they share its open
+    file) until they notice, within half a second, that they are orphans: a re-run waits for them. A
+    lock whose holder is alive is refused at once."""
+    import fcntl
+    import socket
+
+    out = tmp_path / "composed"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    lock = tmp_path / ".composed.tailor-lock"  # where the lock of `out` lies (docs/security.md)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    os.write(fd, f"pid {dead.pid} on {socket.gethostname()}\n".encode())
+    orphan = subprocess.Popen(["flock", "-x", str(lock), "sleep", "1"])  # holds it for 1 s
+    time.sleep(0.3)
+    started = time.monotonic()
+    with output.output_lock(out):
+        assert time.monotonic() - started > 0.3
+    orphan.wait()
+    os.close(fd)
+    assert not lock.exists()  # the lock file went with the lock
+
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    started = time.monotonic()
+    with pytest.raises(OutputError, match="is writing it now"):
+        with output.output_lock(out):
+            pass
+    assert time.monotonic() - started < output.ORPHANS_LEAVE_WITHIN
+    os.close(fd)

@@ -23,9 +23,11 @@ import contextlib
 import errno
 import glob
 import os
+import re
 import shutil
 import socket
 import stat
+import time
 from pathlib import Path
 
 from tailor_tui.checkpoints.checkpoint import OUTPUT_FILES, PROVENANCE
@@ -180,6 +182,7 @@ def _lock(out: Path, path: Path) -> int | None:
     """The locked lock file of `out` at `path` (an fd), or None where the file system has no locks."""
     import fcntl
 
+    drain_until = time.monotonic() + ORPHANS_LEAVE_WITHIN
     while True:
         try:  # never through a link planted in its place (its target would be truncated)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
@@ -197,6 +200,9 @@ def _lock(out: Path, path: Path) -> int | None:
         except BlockingIOError:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
             os.close(fd)
+            if _holder_is_gone(holder) and time.monotonic() < drain_until:
+                time.sleep(0.1)
+                continue
             raise OutputError(f"output {out}: another tailor-tui ({holder}) is writing it now; wait for it "
                               "to finish or choose another output folder") from None
         except OSError as exc:
@@ -208,6 +214,18 @@ def _lock(out: Path, path: Path) -> int | None:
         if identity(path) == (st.st_dev, st.st_ino):  # still the file at `path`
             return fd
         os.close(fd)  # its holder removed it as we opened it: lock the new one
+
+
+# A tailor-tui killed with kill -9 leaves its forked workers holding the lock (they share its open
+# file) until they notice they are orphaned (`workers._exit_when_orphaned` looks twice a second).
+ORPHANS_LEAVE_WITHIN = 3.0
+
+
+def _holder_is_gone(holder: str) -> bool:
+    """Whether the lock's holder, as it wrote itself ("pid N on HOST"), is a process of this host that
+    has ended (its lock is then held only by its orphaned workers, for a moment)."""
+    match = re.fullmatch(r"pid (\d+) on (\S+)", holder)
+    return bool(match) and match[2] == socket.gethostname() and not pid_alive(int(match[1]))
 
 
 # --- taking its place ------------------------------------------------------------------------
