@@ -16,7 +16,6 @@ def export_command(args, slow_down: float = 0.0) -> int:
     from tailor_tui.planning.build import build_plan
     from tailor_tui.planning.recipe import load_recipe
     from tailor_tui.report import BarReporter, reporter_for
-    from tailor_tui.team.workers import workers_for
     from tailor_tui.units import size
 
     if args.to is None:
@@ -36,11 +35,10 @@ def export_command(args, slow_down: float = 0.0) -> int:
         return ExitCode.OK
     for warning in plan.warnings:
         print(f"warning: {warning}", file=sys.stderr)
-    workers = args.workers or workers_for(len(export.jobs), 64 << 20)
     print(summary, file=sys.stderr, flush=True)
     report = reporter_for(sys.stderr, args.progress, [(job.task, job.progress_bytes) for job in export.jobs])
     try:
-        result = run_export(export, config=args.config, workers=workers, emit=report, cancel=threading.Event(),
+        result = run_export(export, config=args.config, workers=args.workers, emit=report, cancel=threading.Event(),
                             options=TaskOptions(durable=args.durable, slow_down=slow_down))
     finally:
         if isinstance(report, BarReporter):

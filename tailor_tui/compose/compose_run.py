@@ -37,8 +37,8 @@ from tailor_tui.planning.provenance import plan_digest, provenance
 from tailor_tui.resharding.partition import ReshardJob
 from tailor_tui.resharding.skeleton import Skeleton, skeleton
 from tailor_tui.team.members import SOLO, Team
-from tailor_tui.team.transaction import PublishingWork, Task, run_as_team
-from tailor_tui.team.workers import default_workers
+from tailor_tui.team.transaction import Declaration, PublishingWork, Task, run_as_team
+from tailor_tui.team.workers import worker_memory
 
 # --- the task list -------------------------------------------------------------------------
 
@@ -102,11 +102,10 @@ class Composing(PublishingWork):
         self.nonfinite: Counter = Counter()
         self.reports: list[dict] = []  # every process's, as gathered
 
-    def digest(self) -> str:
-        return plan_digest(self.plan)
-
-    def progress_tasks(self) -> list[tuple[str, int]]:
-        return planned_tasks(self.plan)
+    def begin(self) -> Declaration:
+        plan = self.plan
+        return Declaration(digest=lambda: plan_digest(plan), progress=planned_tasks(plan),
+                           workers=self.workers_asked, worker_memory=worker_memory(plan))
 
     def fill(self, tmp: Path, cancel: threading.Event) -> None:
         _fill(self.plan, tmp, cancel, self.durable)
@@ -119,9 +118,6 @@ class Composing(PublishingWork):
                                            self.plan.reshard))
         return [*(Task(self.rank_call, job, rank_args) for job in self.plan.rank_jobs()),
                 *(Task(_weight_writer(job), job, (self.tmp,)) for job in self.plan.model_file_jobs())]
-
-    def workers(self, mine: list[Task]) -> int:
-        return self.workers_asked if self.workers_asked is not None else default_workers(self.plan)
 
     def observe(self, event, emit: Emit) -> bool:
         if isinstance(event, TaskFinished):

@@ -25,7 +25,8 @@ from tailor_tui.export.rank import export_rank
 from tailor_tui.fileio import copy_file, create, output_error, pwrite_all, write_file
 from tailor_tui.formats.safetensors_out import INDEX
 from tailor_tui.planning.provenance import provenance
-from tailor_tui.team.transaction import PublishingWork, Task, run_as_team
+from tailor_tui.team.transaction import Declaration, PublishingWork, Task, run_as_team
+from tailor_tui.team.workers import STREAMING_WORKER
 
 CONFIG = "config.json"
 # what save_pretrained and a tokenizer's save_pretrained write beside the weights
@@ -57,7 +58,7 @@ def config_source(export: Export, config: Path | None) -> Path | None:
     return base.path / CONFIG if base.kind == "hf" and (base.path / CONFIG).is_file() else None
 
 
-def run_export(export: Export, *, config: Path | None, workers: int, emit: Emit = lambda e: None,
+def run_export(export: Export, *, config: Path | None, workers: int | None = None, emit: Emit = lambda e: None,
                cancel: threading.Event | None = None, options: TaskOptions = TaskOptions()) -> ExportResult:
     started = time.monotonic()
     source = config_source(export, config)
@@ -73,12 +74,13 @@ class Exporting(PublishingWork):
     cancelled = "export cancelled; nothing was written to the output path"
     finished = "cancelled as the export finished: {output} is complete"
 
-    def __init__(self, export: Export, source: Path | None, workers: int, options: TaskOptions):
+    def __init__(self, export: Export, source: Path | None, workers: int | None, options: TaskOptions):
         super().__init__(export.plan.output, export.plan.force, options)
         self.export, self.source, self.workers_asked = export, source, workers
 
-    def progress_tasks(self) -> list[tuple[str, int]]:
-        return [(job.task, job.progress_bytes) for job in self.export.jobs]
+    def begin(self) -> Declaration:
+        return Declaration(progress=[(job.task, job.progress_bytes) for job in self.export.jobs],
+                           workers=self.workers_asked, worker_memory=STREAMING_WORKER)
 
     def fill(self, tmp: Path, cancel: threading.Event) -> None:
         _make_files(self.export, tmp, self.durable)
@@ -87,9 +89,6 @@ class Exporting(PublishingWork):
 
     def tasks(self, shared: str, emit: Emit) -> list[Task]:
         return [Task(export_rank, job, (self.folder(shared),)) for job in self.export.jobs]
-
-    def workers(self, mine: list[Task]) -> int:
-        return self.workers_asked
 
     def publish(self) -> None:
         source = str(self.source) if self.source else None

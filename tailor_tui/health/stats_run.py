@@ -24,8 +24,7 @@ from tailor_tui.events import Emit, TaskOptions
 from tailor_tui.health.healing import Cell, Health, rms, training_log
 from tailor_tui.health.stats_job import RankStats, RankStatsRead, RowSums, SlotTable, StatsJob
 from tailor_tui.team.members import SOLO, Team
-from tailor_tui.team.transaction import Task, TeamWork, run_as_team
-from tailor_tui.team.workers import workers_for
+from tailor_tui.team.transaction import Declaration, Task, TeamWork, run_as_team
 
 FORMAT = 2  # of the cached sums and cells: bump when what they mean changes
 MAX_CACHED = 16 << 20  # a cache file larger than this is not one of ours
@@ -167,7 +166,7 @@ class ReadingStatistics(TeamWork[Health]):
         self.pending: dict[int, set[str]] = {}  # per column, the ranks still to read
         self.reading: dict[str, StatsJob] = {}  # the jobs read by this job's processes
 
-    def begin(self) -> None:
+    def begin(self) -> Declaration:
         cache, rows = self.cache, self.rows
         known: dict = {}
         self.jobs = {c: stats_jobs(self.health.checkpoints, c, rows, known) for c in self.columns}
@@ -178,9 +177,9 @@ class ReadingStatistics(TeamWork[Health]):
             self.found.update((j.key, ranks[j.key]) for j in self.jobs[c] if j.key in ranks)
         self.pending = {c: set() if self.added_up[c] is not None else {j.key for j in self.jobs[c]} - self.found.keys()
                         for c in self.columns}
-
-    def digest(self) -> str:
-        return hashlib.sha256(json.dumps(sorted(self.every)).encode()).hexdigest()
+        every = sorted(self.every)
+        return Declaration(digest=lambda: hashlib.sha256(json.dumps(every).encode()).hexdigest(),
+                           workers=self.workers_asked, worker_memory=STATS_WORKER)
 
     def prepare(self, cancel: threading.Event) -> str:
         todo = [j.key for c in self.columns if self.added_up[c] is None for j in self.jobs[c] if j.key not in self.found]
@@ -198,9 +197,6 @@ class ReadingStatistics(TeamWork[Health]):
         if not todo:
             return []
         return [Task(read_rank, j) for j in todo]  # numpy is loaded where ranks are read, not here
-
-    def workers(self, mine: list[Task]) -> int:
-        return self.workers_asked or workers_for(len(mine), STATS_WORKER)
 
     def observe(self, event, emit: Emit) -> bool:
         if not isinstance(event, RankStatsRead):

@@ -225,7 +225,7 @@ def _holder_is_gone(holder: str) -> bool:
     """Whether the lock's holder, as it wrote itself ("pid N on HOST"), is a process of this host that
     has ended (its lock is then held only by its orphaned workers, for a moment)."""
     match = re.fullmatch(r"pid (\d+) on (\S+)", holder)
-    return bool(match) and match[2] == socket.gethostname() and not pid_alive(int(match[1]))
+    return match is not None and match[2] == socket.gethostname() and not pid_alive(int(match[1]))
 
 
 # --- taking its place ------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """One skeleton for every job a team of processes does: compose (and reshard), export, statistics.
 
-    begin    every process works out what to do;
+    begin    every process works out what to do, and declares it (`Declaration`: what to agree on,
+             whose progress to tell, how many workers);
     agree    every process holds the same work (a digest of it), or the job fails;
     prepare  process 0 makes what the others need (the hidden output folder, the ranks left
              to read) and shares it;
@@ -38,7 +39,7 @@ from tailor_tui.planning.output import (
 )
 from tailor_tui.team.members import SOLO, Team
 from tailor_tui.team.progress import relay
-from tailor_tui.team.workers import run_calls
+from tailor_tui.team.workers import STREAMING_WORKER, run_calls, workers_for
 
 R = TypeVar("R")
 
@@ -53,23 +54,36 @@ class Task:
     args: tuple = ()
 
 
+def _nothing_to_agree_on() -> str:
+    return ""
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """What a job is, as its planning decided (no I/O of the team's yet): every process declares
+    the same (`TeamWork.begin`), and the skeleton runs the stages by it."""
+
+    # What every process must hold the same of (a hash), worked out only where there are several
+    # processes (a wide run's plan digest stats every rank file).
+    digest: Callable[[], str] = _nothing_to_agree_on
+    # (task, bytes) whose progress process 0 tells for the whole job; None: each process its own.
+    progress: list[tuple[str, int]] | None = None
+    # Worker processes for this process's tasks; None: as many as there are tasks, cores and
+    # memory for `worker_memory` bytes each (`workers.workers_for`).
+    workers: int | None = None
+    worker_memory: int = STREAMING_WORKER
+
+
 class TeamWork(Generic[R]):
-    """What one kind of work does at each stage (every hook but `tasks` and `publish` has a
+    """What one kind of work does at each stage (every hook but `begin`, `tasks` and `publish` has a
     default that does nothing). One instance per run: it may keep what it learns between stages."""
 
     what = "plan"  # what the processes agree on, named when they do not
     cancelled = "cancelled"  # the message of a cancel (Ctrl-C, the UI's cancel)
 
-    def begin(self) -> None:
+    def begin(self) -> Declaration:
         """Work out what to do, on every process (a failure here fails every process at once)."""
-
-    def digest(self) -> str:
-        """What every process must hold the same of (a hash)."""
-        return ""
-
-    def progress_tasks(self) -> list[tuple[str, int]] | None:
-        """(task, bytes) whose progress process 0 tells for the whole job; None: each process's own."""
-        return None
+        raise NotImplementedError
 
     def held(self, lead: bool):
         """A context around every stage after agreeing (process 0: the output's lock)."""
@@ -82,10 +96,6 @@ class TeamWork(Generic[R]):
     def tasks(self, shared: str, emit: Emit) -> list[Task]:
         """Every task of the whole job (the same list on every process), given what process 0 shared."""
         raise NotImplementedError
-
-    def workers(self, mine: list[Task]) -> int:
-        """How many worker processes run this process's tasks."""
-        return 1
 
     def observe(self, event, emit: Emit) -> bool:
         """See every event of the workers first; True: it is a result, not passed on to `emit`."""
@@ -169,18 +179,19 @@ def run_as_team(work: TeamWork[R], *, team: Team = SOLO, emit: Emit = lambda eve
     the others None."""
     cancel = cancel or threading.Event()
     with team.working(cancel):
-        planned = work.progress_tasks()
-        emit, halt = relay(team, emit, planned) if planned is not None else (emit, lambda: None)
+        halt: Callable[[], None] = _nothing_to_halt
         try:
-            work.begin()
-            team.agree(work.what, work.digest)
+            declared = work.begin()
+            if declared.progress is not None:
+                emit, halt = relay(team, emit, declared.progress)
+            team.agree(work.what, declared.digest)
             with work.held(team.lead):
                 shared = None
                 try:
                     shared = team.share("prepared", work.prepare(cancel) if team.lead else None)
                     tasks = work.tasks(shared, emit)
                     mine = [tasks[i] for i in team.mine([t.job.total_bytes for t in tasks])]
-                    results = _work(work, mine, team, emit, cancel, options)
+                    results = _work(work, declared, mine, team, emit, cancel, options)
                     work.gathered(team.gather("done", work.report(mine, results)), team.lead, emit)
                     outcome = work.publish() if team.lead else None
                     team.gather("published", True)
@@ -196,8 +207,12 @@ def run_as_team(work: TeamWork[R], *, team: Team = SOLO, emit: Emit = lambda eve
             halt()
 
 
-def _work(work: TeamWork, mine: list[Task], team: Team, emit: Emit, cancel: threading.Event,
-          options: TaskOptions) -> list:
+def _nothing_to_halt() -> None:
+    pass
+
+
+def _work(work: TeamWork, declared: Declaration, mine: list[Task], team: Team, emit: Emit,
+          cancel: threading.Event, options: TaskOptions) -> list:
     """This process's tasks, in its workers; a worker whose progress stops for the team's
     timeout fails the job (a stuck file system)."""
     if not mine:
@@ -211,7 +226,8 @@ def _work(work: TeamWork, mine: list[Task], team: Team, emit: Emit, cancel: thre
 
     team.progressing()
     try:
-        results = run_calls([(t.call, (t.job, *t.args)) for t in mine], work.workers(mine), watch, cancel, options)
+        workers = declared.workers or workers_for(len(mine), declared.worker_memory)
+        results = run_calls([(t.call, (t.job, *t.args)) for t in mine], workers, watch, cancel, options)
     finally:
         team.progressing(False)
     if cancel.is_set():

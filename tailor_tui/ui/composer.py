@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -28,18 +26,18 @@ from tailor_tui.checkpoints.lineage import check_one_run
 from tailor_tui.checkpoints.scan import ScanResult, scan
 from tailor_tui.compose.composition import Composition
 from tailor_tui.errors import OutputError, TailorError
-from tailor_tui.events import TaskOptions
 from tailor_tui.export.export_run import ExportResult
 from tailor_tui.health.healing import Health, training_log, why_unhealthy
 from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.output import not_replaceable
-from tailor_tui.team.sbatch import LARGE, offer_batch
+from tailor_tui.team.sbatch import offer_batch
 from tailor_tui.ui.actions import HOME, bindings
 from tailor_tui.ui.describe import details_lines
 from tailor_tui.ui.dialogs import Answer, Confirm, ErrorDialog, PathPrompt, PlanDialog
 from tailor_tui.ui.export_actions import ExportActions
 from tailor_tui.ui.grid import CheckpointGrid
 from tailor_tui.ui.health_actions import HealthActions
+from tailor_tui.ui.host import ComposerOptions  # its home is host.py, named here where it always was
 from tailor_tui.ui.messages import PlanFailed, PlanReady, ScanComplete, ScanFailed, ScanProgressed
 from tailor_tui.ui.navigation import Navigation
 from tailor_tui.ui.progress_screen import ProgressScreen
@@ -51,18 +49,6 @@ if TYPE_CHECKING:
     from tailor_tui.health.healing import Cell
     from tailor_tui.planning.recipe import Recipe
     from tailor_tui.ui.messages import Outcome
-
-
-@dataclass(frozen=True)
-class ComposerOptions:
-    """What the composer is started with (`make_app`)."""
-
-    run_dir: Path
-    recipe: Path | None = None  # loaded at start; a recipe that does not exist yet is where ctrl+s saves
-    workers: int | None = None  # worker processes of a composition or statistics (None: as many as fit)
-    clock: Callable[[], float] = time.monotonic  # the progress screen's (snapshot tests fix it)
-    compose_options: TaskOptions = TaskOptions()
-    batch_threshold: int = LARGE  # bytes to write from which a login node offers a batch job
 
 
 class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Screen[None]):

@@ -9,8 +9,13 @@ one, that the parts use nothing more and nothing less).
 from __future__ import annotations
 
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
+
+from tailor_tui.events import TaskOptions
+from tailor_tui.team.sbatch import LARGE
 
 if TYPE_CHECKING:
     from textual.app import App
@@ -23,12 +28,23 @@ if TYPE_CHECKING:
     from tailor_tui.compose.composition import Composition
     from tailor_tui.health.healing import Health
     from tailor_tui.planning.recipe import Recipe
-    from tailor_tui.ui.composer import ComposerOptions
     from tailor_tui.ui.messages import Outcome
 
     W = TypeVar("W", bound=Widget)
 
 Saved = Callable[[Path], None]  # told where a recipe was saved (`then` of the save actions)
+
+
+@dataclass(frozen=True)
+class ComposerOptions:
+    """What the composer is started with (`make_app`)."""
+
+    run_dir: Path
+    recipe: Path | None = None  # loaded at start; a recipe that does not exist yet is where ctrl+s saves
+    workers: int | None = None  # worker processes of a composition or statistics (None: as many as fit)
+    clock: Callable[[], float] = time.monotonic  # the progress screen's (snapshot tests fix it)
+    compose_options: TaskOptions = TaskOptions()
+    batch_threshold: int = LARGE  # bytes to write from which a login node offers a batch job
 
 
 class ComposerHost(Protocol):

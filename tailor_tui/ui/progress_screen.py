@@ -30,7 +30,6 @@ from tailor_tui.export.export_plan import Export
 from tailor_tui.export.export_run import run_export
 from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.report import FEW, Tally
-from tailor_tui.team.workers import STREAMING_WORKER, workers_for
 from tailor_tui.ui.messages import ComposeFailed, ComposeFinished, ComposeProgressed
 from tailor_tui.units import size, throughput
 
@@ -105,8 +104,7 @@ class ProgressScreen(Screen[None]):
         result: Outcome
         try:
             if self.export is not None:
-                workers = self.compose_workers or workers_for(len(self.export.jobs), STREAMING_WORKER)
-                result = run_export(self.export, config=self.export_config, workers=workers, emit=emit,
+                result = run_export(self.export, config=self.export_config, workers=self.compose_workers, emit=emit,
                                     cancel=self.cancel, options=self.options)
             else:
                 result = run_compose(self.plan, workers=self.compose_workers, emit=emit, cancel=self.cancel,
