@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from tailor_tui import crc
 from tailor_tui.checkpoints.partial_rows import check_crc, partial_slice, read_rows_file
@@ -38,6 +38,9 @@ from tailor_tui.formats.ptfile import (
     read_structure,
 )
 from tailor_tui.reading import crc_range
+
+if TYPE_CHECKING:
+    from tailor_tui.checkpoints.checkpoint import RankFiles
 
 # The read buffer every streaming reader reuses: on this kind of VM fresh 64 MiB buffers ran at
 # 0.6 GiB/s (page faults on every chunk); a reused 1 MiB buffer stays in CPU cache between read and CRC.
@@ -95,10 +98,10 @@ class RankBytes:
 
 
 class RankReader:
-    """One checkpoint's files of one rank (`files`: a `checkpoint.RankFiles`), its sub-groups
-    `group_sizes`; each file's structure read once, when first needed."""
+    """One checkpoint's files of one rank, its sub-groups `group_sizes`; each file's structure
+    read once, when first needed."""
 
-    def __init__(self, files, group_sizes: tuple[int, ...]):
+    def __init__(self, files: RankFiles, group_sizes: tuple[int, ...]):
         self.files, self.group_sizes = files, tuple(group_sizes)
         self._structure: Structure | None = None
         self._flat: dict[tuple[int, str], TensorBytes] | None = None
@@ -113,7 +116,13 @@ class RankReader:
     @property
     def path(self) -> Path:
         """The file a row's optimizer bytes are read from: the optim file, or a partial's rows file."""
-        return self.files.rows if self.partial else self.files.optim_states
+        return self.files.rows if self.files.rows is not None else self.files.optim_states
+
+    @property
+    def rows_file(self) -> Path:
+        """A partial save's rows file."""
+        assert self.files.rows is not None, "asked of a partial save only"
+        return self.files.rows
 
     # -- a full save's optim file ----------------------------------------------------------------
 
@@ -147,7 +156,7 @@ class RankReader:
     def rows(self) -> tuple[dict, dict[str, int]]:
         """(where each tensor of the rows file lies, {tensor: its recorded CRC-32})."""
         if self._rows is None:
-            self._rows = read_rows_file(self.files.rows)
+            self._rows = read_rows_file(self.rows_file)
         return self._rows
 
     # -- where a parameter's slice lies ----------------------------------------------------------
@@ -161,10 +170,10 @@ class RankReader:
         if self.partial:
             assert param is not None, "a partial save's slices are found by parameter"
             tensors, crcs = self.rows()
-            begin = partial_slice(self.files.rows, tensors, key, param, max(valid, within + count))[2]
+            begin = partial_slice(self.rows_file, tensors, key, param, max(valid, within + count))[2]
             name = f"{key}/{param}"
-            return RankBytes(self.files.rows, begin + within * 4, None, FP32[0], FP32[1],
-                             SliceCheck(self.files.rows, name, begin, valid * 4, crcs.get(name)))
+            return RankBytes(self.rows_file, begin + within * 4, None, FP32[0], FP32[1],
+                             SliceCheck(self.rows_file, name, begin, valid * 4, crcs.get(name)))
         assert group is not None, "a full save's slices are found by sub-group"
         tb = self.flat()[group, key]
         return RankBytes(self.files.optim_states, tb.offset + (offset + within) * tb.itemsize, tb.record, tb.dtype,
