@@ -165,3 +165,20 @@ def test_a_zip_archive_whose_first_local_header_is_damaged_is_refused(run, tmp_p
     poke(target, 3, "<B", lambda v: v ^ 0x10)
     with pytest.raises(CheckpointError, match="does not start with a record's local header"):
         check_crcs(target)
+
+
+@pytest.mark.parametrize("flip", ["encrypted flag", "compression method 0→1"])
+def test_verify_proves_a_copied_file_loads_as_torch_would(run, tmp_path, flip):
+    """`--verify` said "verified" for an rng file torch cannot load (its bytes match the base's):
+    each copied torch file is now read by torch's own reader too."""
+    recipe = write_recipe(tmp_path, run / "checkpoint-6", {"layers.1": run / "checkpoint-4"})
+    assert tailor("--apply", recipe).returncode == 0
+    assert tailor("--verify", recipe).returncode == 0
+    offset, fmt, change, _needle = FLIPS[flip]
+    for folder in (run / "checkpoint-6", tmp_path / "composed"):  # the base's and the output's, alike
+        target = folder / "rng_state_1.pth"
+        at, _name = central_entry(target, "data.pkl")
+        poke(target, at + offset, fmt, change)
+    result = tailor("--verify", recipe)
+    assert result.returncode == 7, result.stdout + result.stderr
+    assert "rng_state_1.pth: torch's reader cannot read it" in result.stdout, result.stdout

@@ -141,7 +141,7 @@ def _entries(data: bytes, records: int, directory: int, start: int, archive: byt
     if len(data) < directory:
         raise zipfile.BadZipFile("its directory is cut short (truncated)")
     entries, i, unpack, central = Directory(), 0, _ENTRY.unpack_from, data.startswith
-    entries.start, seen = start, set()
+    entries.start, seen = start, set[bytes]()
     for _ in range(records):
         if i + 46 > len(data) or not central(CENTRAL, i):
             raise zipfile.BadZipFile(f"its directory entry at byte {start + i} is damaged")
@@ -206,7 +206,7 @@ def _refuse(raw: bytes, flags: int, method: int, packed: int, size: int, seen: s
     if disk:
         raise RecordError(name, f"lies on another disk of a multi-disk archive, which torch's reader refuses; "
                                 f"{RECOPY}")
-    raise RecordError(name, f"is marked a folder, which torch's reader does not read (damaged); {RECOPY}")
+    raise RecordError(name, f"marked a folder, which torch's reader does not read (damaged); {RECOPY}")
 
 
 def local_data_start(name: str, raw: bytes, flags: int, crc: int, size: int, head: bytes, at: int = 0) -> int:
