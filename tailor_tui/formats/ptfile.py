@@ -30,14 +30,24 @@ from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, unsupported_ver
 from tailor_tui.formats.pickled import MAX_PICKLE_BYTES, TensorRef, read_pickle
 from tailor_tui.formats.ptlegacy import START as LEGACY_START
 from tailor_tui.formats.ptlegacy import LegacyError, read_legacy
-from tailor_tui.formats.zipdir import check_directory, directory_in, end_record, read_directory
+from tailor_tui.formats.zipdir import (
+    DESCRIBED,
+    RecordError,
+    check_directory,
+    check_spans,
+    descriptor_crc_at,
+    directory_in,
+    end_record,
+    local_data_start,
+    raw_name,
+    read_directory,
+)
 from tailor_tui.reading import RangeCrcs, Window, crc_range, open_regular, pread_into
 
 ZIP_START = b"PK\x03\x04"
 
 LOCAL_HEADER = 30
 DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
-MAX_INFLATION = 64  # of an archive of another kind (torch never compresses), as its CRC-32s are checked
 
 
 class Unsupported(Exception):
@@ -143,38 +153,46 @@ def check_complete(path: Path) -> None:
         raise unreadable(path, fmt, _first_line(exc) if fmt else _start(path)) from None
 
 
+def record_refused(path: Path, exc: RecordError) -> CheckpointError:
+    """The one line for a record torch's reader would refuse or misread: file, record, what, what to do."""
+    return CheckpointError(f"{path}: {exc}")
+
+
 def _records(path: Path) -> dict[str, Record]:
     try:
         entries = read_directory(path)
+    except RecordError as exc:
+        raise record_refused(path, exc) from None
     except (zipfile.BadZipFile, OSError) as exc:
         fmt = file_format(path)
         raise unreadable(path, fmt, f"not a complete archive: {exc}" if fmt else _start(path)) from None
-    records = {}
+    records, spans = {}, []
     with open(path, "rb") as f:
         window = Window(f.fileno())
-        for e in entries:
-            if e.compressed:
-                raise Unsupported(f"record {e.name} is compressed")
-            data_offset = _data_start(path, e.name, window.read(e.header_offset, LOCAL_HEADER), e.header_offset)
-            if e.flags & 0x08:
-                # torch writes a data descriptor after each record; its CRC is the one that counts
-                # (the local header's is 0). The descriptor may or may not start with a signature.
-                signed = window.read(data_offset + e.size, 4) == DESCRIPTOR_SIGNATURE
-                crc_at = data_offset + e.size + (4 if signed else 0)
-            else:
-                crc_at = e.header_offset + 14
-            records[e.name] = Record(name=e.name, header_offset=e.header_offset, data_offset=data_offset,
-                                     size=e.size, crc=e.crc, crc_offsets=(crc_at, e.crc_field))
+        try:
+            for e in entries:
+                raw = raw_name(e)
+                head = window.read(e.header_offset, LOCAL_HEADER + len(raw))
+                data_offset = local_data_start(e.name, raw, e.flags, e.crc, e.size, head, e.header_offset)
+                crc_at, end = _crc_at(e, data_offset, window.read(data_offset + e.size, 8))
+                spans.append((e.header_offset, end, e.name))
+                records[e.name] = Record(name=e.name, header_offset=e.header_offset, data_offset=data_offset,
+                                         size=e.size, crc=e.crc, crc_offsets=(crc_at, e.crc_field))
+            check_spans(spans, entries.start)
+        except RecordError as exc:
+            raise record_refused(path, exc) from None
     return records
 
 
-def _data_start(path: Path, name: str, head: bytes, header_offset: int) -> int:
-    """Where the data of record `name` starts, from `head`, the bytes of its local header."""
-    if len(head) < LOCAL_HEADER or head[:4] != b"PK\x03\x04":
-        raise unreadable(path, "zip", f"not a complete archive: record {name} has no local header at byte "
-                                      f"{header_offset}")
-    name_len, extra_len = struct.unpack_from("<HH", head, 26)
-    return header_offset + LOCAL_HEADER + name_len + extra_len
+def _crc_at(e, data_offset: int, tail: bytes) -> tuple[int, int]:
+    """(where the CRC-32 of entry `e`, whose data starts at `data_offset`, sits to be rewritten, where
+    its record ends), from `tail`, the 8 bytes after its data. torch writes a data descriptor after
+    each record: its CRC is the one that counts (the local header's is 0); it may or may not start
+    with a signature."""
+    if e.flags & DESCRIBED:
+        crc_at = descriptor_crc_at(e, data_offset + e.size, tail)
+        return crc_at, crc_at + 12  # the CRC-32 and two sizes, at least
+    return e.header_offset + 14, data_offset + e.size
 
 
 # How reading a damaged or crafted pickle fails, besides a refused global
@@ -286,28 +304,19 @@ def check_crcs(path: Path, inspect=None, *, skip: frozenset = frozenset(), small
     `inspect(offset, chunk)` sees every chunk read. `skip`: names of records the caller
     checks itself as it reads them. A file of at most `small` bytes (default SMALL_FILE) is
     read whole and checked in memory."""
-    if file_format(path) != "zip":
+    fmt = file_format(path)
+    if fmt is None and _ends_as_zip(path):  # torch.load would take it for a legacy file, and fail
+        raise CheckpointError(f"{path}: a zip archive that does not start with a record's local header (damaged); "
+                              "re-copy it from the training run")
+    if fmt != "zip":
         return
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            whole = f.read(size) if size <= (SMALL_FILE if small is None else small) else None
-        if whole is not None:
-            _check_in_memory(path, whole, inspect, skip)
-            return
-        records = _records(path)
-    except Unsupported:  # a zip archive of another kind (compressed members): zipfile checks it
-        with open_zip(path) as z:
-            packed, size = (sum(getattr(i, k) for i in z.infolist()) for k in ("compress_size", "file_size"))
-            if size > MAX_INFLATION * packed + (64 << 20):  # checking reads all it expands to
-                raise CheckpointError(f"{path}: a zip archive that expands {packed:,} bytes to {size:,}, more than "
-                                      "any checkpoint file does (a zip bomb?); remove it from the checkpoint folder"
-                                      ) from None
-            bad = z.testzip()
-        if bad is not None:
-            raise CheckpointError(f"{path}: member {bad} fails its CRC-32 check: the file is corrupt; "
-                                  "re-copy it from the training run") from None
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        whole = f.read(size) if size <= (SMALL_FILE if small is None else small) else None
+    if whole is not None:
+        _check_in_memory(path, whole, inspect, skip)
         return
+    records = _records(path)
     end = max((r.data_offset + r.size for r in records.values()), default=0)
     buffer = memoryview(bytearray(min(1 << 20, end)))
     with open(path, "rb") as f:
@@ -327,6 +336,15 @@ def check_crcs(path: Path, inspect=None, *, skip: frozenset = frozenset(), small
                 raise _crc_failed(path, record, crc.crc32(data))
 
 
+def _ends_as_zip(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            end_record(f)
+    except (zipfile.BadZipFile, OSError, struct.error):
+        return False
+    return True
+
+
 # A file this small (a ZeRO-3 model_states: one record per parameter, nearly all empty) is read
 # whole and checked from memory: no Record made, no read per record
 SMALL_FILE = 16 << 20
@@ -341,27 +359,32 @@ def _check_in_memory(path: Path, whole: bytes, inspect, skip: frozenset) -> None
 def records_in(path: Path, whole: bytes, *, skip_empty: bool = False, skip: frozenset = frozenset(), inspect=None):
     """Each record of the archive `path` whose bytes are `whole`, in order: (its directory entry,
     its bytes), each checked against its CRC-32 first (CheckpointError if one fails or is cut
-    short, Unsupported if compressed). `skip_empty`, `skip`: as `directory_in`'s, `check_crcs`'s;
+    short, or one torch's reader would refuse or misread: see zipdir). `skip_empty`, `skip`: as `directory_in`'s, `check_crcs`'s;
     `inspect(offset, data)` sees each record's bytes before its check."""
     try:
         entries = directory_in(whole, skip_empty=skip_empty)
+        located = []
+        for e in entries:
+            at, raw = e.header_offset, raw_name(e)
+            start = local_data_start(e.name, raw, e.flags, e.crc, e.size, whole[at: at + LOCAL_HEADER + len(raw)], at)
+            end = start + e.size
+            located.append((e, start, _crc_at(e, start, whole[end: end + 8])[1]))
+        check_spans([(e.header_offset, span_end, e.name) for e, _start, span_end in located], entries.start)
+    except RecordError as exc:
+        raise record_refused(path, exc) from None
     except zipfile.BadZipFile as exc:
         raise unreadable(path, "zip", f"not a complete archive: {exc}") from None
     view, crc32 = memoryview(whole), crc.crc32
-    for e in entries:
-        if e.compressed:
-            raise Unsupported(f"record {e.name} is compressed")
+    for e, start, _end in located:
         if e.name in skip:
             continue
-        at = e.header_offset
-        start = _data_start(path, e.name, whole[at: at + LOCAL_HEADER], at)
         data = view[start: start + e.size]
         if len(data) < e.size:
             raise unreadable(path, "zip", f"not a complete archive: record {e.name} is cut short")
         if inspect is not None and e.size:
             inspect(start, data)
         if (value := crc32(data)) != e.crc:
-            raise _crc_failed(path, Record(e.name, at, start, e.size, e.crc, ()), value)
+            raise _crc_failed(path, Record(e.name, e.header_offset, start, e.size, e.crc, ()), value)
         yield e, data
 
 

@@ -5,6 +5,16 @@ of opening the rank files of a 512-rank run).
 The end record (zip64's where there is one, as torch writes it) must list no more records and no
 larger directory than a torch file has, before anything else is read; zip64 extra fields are
 followed for sizes and offsets past 4 GiB. Errors are `zipfile.BadZipFile`, as zipfile's are.
+
+An archive is read as torch's reader (miniz, in PyTorchStreamReader) would read it, and whatever
+that reader would refuse or read otherwise than zipfile does is refused first (`RecordError`,
+naming the record): a record compressed, encrypted or with flags torch never writes, on another
+disk, listed twice (names compared as miniz does, ASCII case ignored), its local header or data
+descriptor disagreeing with its directory entry, its data outside the archive or overlapping
+another's; a directory that does not end where its end record begins (miniz reads it where the
+end record says, zipfile where it ends), an end record of several disks. `local_data_start`,
+`descriptor_crc_at` and `check_spans` are the checks of the bytes outside the directory; the
+caller reads them (one small read each, or from the archive in memory).
 """
 
 from __future__ import annotations
@@ -21,8 +31,33 @@ from typing import NamedTuple
 MAX_RECORDS = 1 << 17
 MAX_DIRECTORY = 32 << 20  # bytes
 CENTRAL = b"PK\x01\x02"
-_ENTRY = struct.Struct("<4x2x2xHH4xIIIHHH2x2x4xI")  # flags, method, crc, packed, size, name, extra, comment, offset
+_LOCAL = struct.Struct("<4x2xHH4xIIIHH")  # flags, method, crc, packed, size, name, extra
+# flags, method, crc, packed, size, name, extra, comment, disk, external attributes, offset
+_ENTRY = struct.Struct("<4x2x2xHH4xIIIHHHH2xII")
+DIRECTORY = 0x10  # an MS-DOS attribute: torch's reader takes a record with it for a folder, and reads nothing
 _FULL = 0xFFFFFFFF
+LOCAL_HEADER = 30
+LOCAL = b"PK\x03\x04"
+DESCRIPTOR = b"PK\x07\x08"
+DESCRIBED, UTF8 = 0x0008, 0x0800  # the only flags torch writes: a data descriptor follows, names are UTF-8
+ENCRYPTED = 0x0001 | 0x0040 | 0x2000  # encrypted, strongly encrypted, local headers masked
+MAX_INFLATION = 64  # a compressed record's size to its stored size beyond which it is called a zip bomb
+RECOPY = "re-copy it from the training run"
+
+
+class RecordError(zipfile.BadZipFile):
+    """A record torch's reader would refuse or misread: `what` is wrong with record `name`."""
+
+    def __init__(self, name: str, what: str):
+        super().__init__(f"record {name}: {what}")
+        self.name, self.what = name, what
+
+
+class Directory(list):
+    """The entries of an archive's central directory, in order, and where the directory starts
+    (the end of the bytes its records may use)."""
+
+    start: int = 0
 
 
 class Entry(NamedTuple):  # a tuple: made hundreds of thousands of times on a wide run
@@ -45,19 +80,27 @@ def end_record(f) -> tuple[int, int, int]:
     at = tail.rfind(b"PK\x05\x06")
     if at < 0 or at > len(tail) - 22:
         raise zipfile.BadZipFile("File is not a zip file")
-    records, directory, start = struct.unpack_from("<HII", tail, at + 10)
+    disk, disk_dir, here, records, directory, start = struct.unpack_from("<HHHHII", tail, at + 4)
     where = size - len(tail) + at  # of the end record
     if at >= 20 and tail[at - 20: at - 16] == b"PK\x06\x07":  # zip64: its own end record says
-        f.seek(where64 := struct.unpack_from("<Q", tail, at - 12)[0])
+        disks, where64 = struct.unpack_from("<I", tail, at - 4)[0], struct.unpack_from("<Q", tail, at - 12)[0]
+        if where64 > where:
+            raise zipfile.BadZipFile("its zip64 end record is missing (damaged)")
+        f.seek(where64)
         end64 = f.read(56)
         if len(end64) < 56 or end64[:4] != b"PK\x06\x06":
             raise zipfile.BadZipFile("its zip64 end record is missing (truncated or damaged)")
-        records, directory, start = struct.unpack_from("<QQQ", end64, 32)
+        length, disk, disk_dir, here, records, directory, start = struct.unpack_from("<Q4xII4Q", end64, 4)
+        if disks != 1 or length < 44 or where64 + 56 > where - 20:
+            raise zipfile.BadZipFile("its zip64 end record is damaged (torch's reader refuses it)")
         where = where64
     if records > MAX_RECORDS or directory > MAX_DIRECTORY:
         raise zipfile.BadZipFile(f"its directory claims {records:,} records in {directory:,} bytes, more than any "
                                  "torch file has")
-    if start + directory > where or directory > where:
+    if disk or disk_dir or here != records:
+        raise zipfile.BadZipFile("its end record describes an archive of several disks (damaged; torch's reader "
+                                 "refuses it)")
+    if start + directory != where or directory > where:  # torch's reader starts where it says, zipfile back from here
         raise zipfile.BadZipFile("its directory does not end where its end record begins (truncated or damaged)")
     return records, directory, where - directory  # (measured back from its end, as zipfile does)
 
@@ -74,7 +117,7 @@ def check_directory(path: Path) -> None:
                                      f"its directory does not start at byte {start} (truncated or damaged)")
 
 
-def read_directory(path: Path) -> list[Entry]:
+def read_directory(path: Path) -> Directory:
     """Every record the archive `path` lists, in order (BadZipFile, OSError)."""
     with open(path, "rb") as f:
         records, directory, start = end_record(f)
@@ -83,37 +126,132 @@ def read_directory(path: Path) -> list[Entry]:
     return _entries(data, records, directory, start)
 
 
-def directory_in(archive: bytes, *, skip_empty: bool = False) -> list[Entry]:
+def directory_in(archive: bytes, *, skip_empty: bool = False) -> Directory:
     """Every record the whole archive `archive` (its bytes, read at once) lists, in order (BadZipFile);
     `skip_empty`: but those stored uncompressed, empty, with the CRC-32 of nothing (0), which a CRC
-    check passes unread (a ZeRO-3 model_states lists one such placeholder per parameter)."""
+    check passes unread (a ZeRO-3 model_states lists one such placeholder per parameter): their local
+    headers are checked here instead."""
     records, directory, start = end_record(io.BytesIO(archive))
-    return _entries(archive[start: start + directory], records, directory, start, skip_empty)
+    return _entries(archive[start: start + directory], records, directory, start, archive if skip_empty else None)
 
 
-def _entries(data: bytes, records: int, directory: int, start: int, skip_empty: bool = False) -> list[Entry]:
+def _entries(data: bytes, records: int, directory: int, start: int, archive: bytes | None = None) -> Directory:
+    """The entries of the directory `data`, each checked as torch's reader would read it; `archive`:
+    the whole archive, whose empty placeholders (see `directory_in`) are checked here and left out."""
     if len(data) < directory:
         raise zipfile.BadZipFile("its directory is cut short (truncated)")
-    entries, i, unpack, central = [], 0, _ENTRY.unpack_from, data.startswith
+    entries, i, unpack, central = Directory(), 0, _ENTRY.unpack_from, data.startswith
+    entries.start, seen = start, set[bytes]()
     for _ in range(records):
         if i + 46 > len(data) or not central(CENTRAL, i):
             raise zipfile.BadZipFile(f"its directory entry at byte {start + i} is damaged")
-        flags, method, crc, packed, size, name_len, extra_len, comment_len, offset = unpack(data, i)
+        flags, method, crc, packed, size, name_len, extra_len, comment_len, disk, external, offset = unpack(data, i)
         name_at = i + 46
         extra_at = name_at + name_len
         end = extra_at + extra_len + comment_len
         if end > len(data):
             raise zipfile.BadZipFile(f"its directory entry at byte {start + i} runs past the directory")
-        if skip_empty and not (size or packed or crc or method):
-            i = end
-            continue
         raw = data[name_at: extra_at]
-        name = raw.decode("utf-8" if flags & 0x800 else "cp437")
+        if raw.lower() in seen or flags & ~(DESCRIBED | UTF8) or method or disk or external & DIRECTORY \
+                or raw.endswith(b"/") or (packed != size and _FULL not in (size, packed)):
+            _refuse(raw, flags, method, packed, size, seen, disk)
+        seen.add(raw.lower())
         if _FULL in (size, packed, offset):
             size, packed, offset = _zip64(data[extra_at: extra_at + extra_len], size, packed, offset)
-        entries.append(Entry(name, offset, method != 0, flags, crc, size, packed, start + i + 16))
+            if packed != size:
+                _refuse(raw, flags, method, packed, size, set())
+        if archive is not None and not (size or crc):  # a placeholder: checked, left out
+            local_data_start(_decode(raw, flags), raw, flags, crc, 0,
+                             archive[offset: offset + LOCAL_HEADER + name_len], offset)
+            i = end
+            continue
+        if offset + LOCAL_HEADER + size > start:
+            raise RecordError(_decode(raw, flags), f"its data would lie past byte {start:,}, where the archive's "
+                                                   f"directory starts (damaged); {RECOPY}")
+        entries.append(Entry(_decode(raw, flags), offset, False, flags, crc, size, packed, start + i + 16))
         i = end
     return entries
+
+
+def _decode(raw: bytes, flags: int) -> str:
+    try:
+        return raw.decode("utf-8" if flags & UTF8 else "cp437")
+    except UnicodeDecodeError:
+        raise RecordError(raw.decode("utf-8", "backslashreplace"), "its name is flagged UTF-8 but is not "
+                                                                   f"(damaged); {RECOPY}") from None
+
+
+def raw_name(entry: Entry) -> bytes:
+    """The bytes of `entry`'s name, as its directory entry stores them."""
+    return entry.name.encode("utf-8" if entry.flags & UTF8 else "cp437")
+
+
+def _refuse(raw: bytes, flags: int, method: int, packed: int, size: int, seen: set, disk: int = 0):
+    """The RecordError of a directory entry torch's reader would refuse or misread."""
+    name = _decode(raw, flags)
+    if raw.lower() in seen:
+        raise RecordError(name, "listed twice in the archive's directory (torch's reader, which ignores case, "
+                                f"would pick one of them); {RECOPY}")
+    if flags & ENCRYPTED:
+        raise RecordError(name, f"marked encrypted (flags {flags:#06x}), which torch's reader refuses; {RECOPY}")
+    if flags & ~(DESCRIBED | UTF8):
+        raise RecordError(name, f"has flags {flags:#06x}, which torch never writes (damaged); {RECOPY}")
+    if method:
+        bomb = (f", {packed:,} bytes expanding to {size:,}: a zip bomb?" if size > MAX_INFLATION * packed + (64 << 20)
+                else "")
+        raise RecordError(name, f"compressed (method {method}{bomb}), which torch never writes and its reader "
+                                f"misreads; {RECOPY}")
+    if packed != size:
+        raise RecordError(name, f"stored as {packed:,} bytes but listed as {size:,} (damaged); {RECOPY}")
+    if disk:
+        raise RecordError(name, f"lies on another disk of a multi-disk archive, which torch's reader refuses; "
+                                f"{RECOPY}")
+    raise RecordError(name, f"marked a folder, which torch's reader does not read (damaged); {RECOPY}")
+
+
+def local_data_start(name: str, raw: bytes, flags: int, crc: int, size: int, head: bytes, at: int = 0) -> int:
+    """Where the data of record `name` (`raw`: its name's bytes) starts, from `head`, the first
+    LOCAL_HEADER + len(raw) bytes at `at`, its local header: RecordError unless that header agrees
+    with the record's directory entry (torch's reader skips it by its own name and extra lengths)."""
+    if len(head) < LOCAL_HEADER + len(raw) or head[:4] != LOCAL:
+        raise RecordError(name, f"has no local header at byte {at:,} (truncated or damaged); {RECOPY}")
+    local_flags, method, local_crc, packed, local_size, name_len, extra_len = _LOCAL.unpack_from(head)
+    if head[LOCAL_HEADER: LOCAL_HEADER + name_len] != raw:
+        raise RecordError(name, f"its local header names another record (damaged); {RECOPY}")
+    if local_flags != flags or method:
+        raise RecordError(name, f"its local header says flags {local_flags:#06x}, method {method}, its directory "
+                                f"entry flags {flags:#06x}, method 0 (damaged); {RECOPY}")
+    blank = (0,) if flags & DESCRIBED else ()  # the descriptor tells them
+    if local_crc not in (crc, *blank) or packed not in (size, _FULL, *blank) or local_size not in (size, _FULL, *blank):
+        raise RecordError(name, f"its local header disagrees with its directory entry on its CRC-32 or size "
+                                f"(damaged); {RECOPY}")
+    return at + LOCAL_HEADER + name_len + extra_len
+
+
+def descriptor_crc_at(entry: Entry, data_end: int, tail: bytes) -> int:
+    """Where the CRC-32 of `entry` (flagged DESCRIBED) sits in its data descriptor, which starts at
+    `data_end` and whose first 8 bytes are `tail`: RecordError unless the descriptor holds the CRC-32
+    its directory entry lists."""
+    signed = tail[:4] == DESCRIPTOR
+    crc_at = data_end + (4 if signed else 0)
+    found = tail[crc_at - data_end: crc_at - data_end + 4]
+    if len(found) < 4 or int.from_bytes(found, "little") != entry.crc:
+        raise RecordError(entry.name, f"its data descriptor at byte {data_end:,} does not hold the CRC-32 its "
+                                      f"directory entry lists (damaged); {RECOPY}")
+    return crc_at
+
+
+def check_spans(spans: list[tuple[int, int, str]], directory_start: int) -> None:
+    """RecordError unless the records' byte ranges (header offset, end of data or descriptor,
+    name) lie before the directory and none overlaps another."""
+    previous_end, previous = 0, ""
+    for begin, end, name in sorted(spans):
+        if begin < previous_end:
+            raise RecordError(name, f"overlaps record {previous} (damaged or crafted); {RECOPY}")
+        if end > directory_start:
+            raise RecordError(name, f"runs past byte {directory_start:,}, where the archive's directory starts "
+                                    f"(damaged); {RECOPY}")
+        previous_end, previous = end, name
 
 
 def _zip64(extra: bytes, size: int, packed: int, offset: int) -> tuple[int, int, int]:

@@ -43,7 +43,7 @@ from tailor_tui.formats.ds_format import (
 from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.verifying.compare import differences, nonzero_bytes, same_bytes
 from tailor_tui.verifying.rows_files import RowsFiles
-from tailor_tui.verifying.torch_files import load
+from tailor_tui.verifying.torch_files import is_zip, load, torch_reads
 from tailor_tui.verifying.weights import verify_weight_file
 
 
@@ -105,6 +105,8 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
             report.add(None, f"{out / to}: missing (the base has {rel})")
         elif not filecmp.cmp(root / rel, out / to, shallow=False):
             report.add(None, f"{out / to}: differs from the base's {root / rel}")
+        elif is_zip(out / to) and (why := torch_reads(out / to)) is not None:  # its bytes match: torch reads it?
+            report.add(None, f"{out / to}: torch's reader cannot read it ({why}), nor the base's {root / rel}")
     if (plan.base.kind == "deepspeed" or plan.base.partial) and read_latest(out) != plan.base.tag:
         report.add(None, f"{out / 'latest'}: names {read_latest(out)!r}, not the tag {plan.base.tag!r} composed; "
                          "DeepSpeed would load another checkpoint")  # (an HF base's `latest` is among its files)

@@ -190,6 +190,23 @@ def _member(cls, name):
     return cls[name]
 
 
+def torch_reads(path: Path) -> str | None:
+    """None if `path`, a zip-format torch file, is read by torch's own reader (miniz, as torch.load
+    reads it): the archive opens and every record is read whole (a file of at most SMALL bytes: the
+    files copied from the base) or located (a larger one: mapped as torch.load(mmap=True) would);
+    else the reason it is not, in one line. Bounded: nothing larger than SMALL is read."""
+    import torch
+
+    try:
+        reader = torch._C.PyTorchFileReader(str(path))
+        whole = os.stat(path).st_size <= SMALL
+        for name in reader.get_all_records():
+            reader.get_record(name) if whole else reader.get_record_offset(name)  # type: ignore[attr-defined]
+    except (RuntimeError, OSError, ValueError) as exc:
+        return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    return None
+
+
 def load(path: Path, *, checked: bool = False):
     """The object in torch file `path`, weights-only: a zip-format file's records checked against
     their CRC-32s first (`checked`: the caller has just done so) and its tensors memory-mapped; a

@@ -1,0 +1,184 @@
+"""A zip archive is checked as torch's reader will read it, before anything is trusted or copied
+(issue 43, item 2): one bit flipped in a central-directory entry of a rank file or of a file
+copied whole — the "encrypted" flag, the compression method — left every CRC-32 matching, so
+`--apply` published a file torch cannot load (or ended in zipfile's NotImplementedError). Each is
+now refused through the real command line in one line naming file and record, exit 4, nothing
+written; the other ways an archive can disagree with torch's reader are refused by the reader
+every path uses (tests/test_fuzz.py flips every bit)."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+import zipfile
+from pathlib import Path
+
+import pytest
+from helpers import assert_one_line_error, tailor, write_recipe
+
+from tailor_tui.errors import CheckpointError
+from tailor_tui.formats.ptfile import check_crcs, read_structure
+
+FILES = {
+    "optim_states": "global_step6/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    "model_states": "global_step6/zero_pp_rank_1_mp_rank_00_model_states.pt",
+    "rng_state": "rng_state_1.pth",
+    "scheduler.pt": "scheduler.pt",
+}
+
+
+def central_entry(path: Path, suffix: str) -> tuple[int, str]:
+    """(offset, name) of the central-directory entry of the record whose name ends with `suffix`."""
+    data = path.read_bytes()
+    with zipfile.ZipFile(path) as z:
+        i = z.start_dir
+    while data[i: i + 4] == b"PK\x01\x02":
+        name_len, extra_len, comment_len = struct.unpack_from("<HHH", data, i + 28)
+        name = data[i + 46: i + 46 + name_len].decode()
+        if name.endswith(suffix):
+            return i, name
+        i += 46 + name_len + extra_len + comment_len
+    raise KeyError(suffix)
+
+
+def poke(path: Path, at: int, fmt: str, change) -> None:
+    data = bytearray(path.read_bytes())
+    struct.pack_into(fmt, data, at, change(struct.unpack_from(fmt, data, at)[0]))
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def source(real_run):
+    return real_run("hf_bf16_2")[0]
+
+
+@pytest.fixture
+def run(source, tmp_path):
+    shutil.copytree(source, tmp_path / "run", symlinks=True)
+    return tmp_path / "run"
+
+
+# (what is flipped, offset in the central entry, field format, how it changes, what the line says)
+FLIPS = {
+    "encrypted flag": (8, "<H", lambda v: v | 1, "marked encrypted"),
+    "compression method 0→1": (10, "<H", lambda v: v ^ 1, "compressed (method 1)"),
+    "compression method 0→8": (10, "<H", lambda v: 8, "compressed (method 8)"),
+    "folder attribute": (38, "<I", lambda v: v | 0x10, "marked a folder"),
+}
+
+
+@pytest.mark.parametrize("flip", list(FLIPS))
+@pytest.mark.parametrize("kind", list(FILES))
+def test_a_flipped_directory_bit_is_refused_in_one_line_naming_file_and_record(run, tmp_path, kind, flip):
+    target = run / "checkpoint-6" / FILES[kind]
+    offset, fmt, change, needle = FLIPS[flip]
+    at, name = central_entry(target, "data/0" if kind == "optim_states" else "data.pkl")
+    poke(target, at + offset, fmt, change)
+    recipe = write_recipe(tmp_path, run / "checkpoint-6", {"layers.1": run / "checkpoint-4"})
+    assert_one_line_error(tailor("--apply", recipe), 4, str(target), f"record {name}: {needle}",
+                          "re-copy it from the training run")
+    assert not (tmp_path / "composed").exists()
+
+
+def test_heal_refuses_a_compressed_scheduler_in_one_line(run, tmp_path):
+    """The traceback of item 2 (`--heal`: NotImplementedError from zipfile.testzip) is one line."""
+    target = run / "checkpoint-6" / "scheduler.pt"
+    at, name = central_entry(target, "data.pkl")
+    poke(target, at + 10, "<H", lambda v: 1)
+    result = tailor("--heal", run, "--recipe", tmp_path / "healed.yaml")
+    assert not (tmp_path / "healed.yaml").exists()
+    assert_one_line_error(result, 4, str(target), f"record {name}: compressed")
+
+
+def copy_of(run: Path, kind: str, tmp_path: Path) -> Path:
+    target = tmp_path / Path(FILES[kind]).name
+    shutil.copy(run / "checkpoint-6" / FILES[kind], target)
+    return target
+
+
+def refused(path: Path, *needles: str) -> None:
+    for small in (None, 0):  # read whole, and streamed
+        with pytest.raises(CheckpointError) as caught:
+            check_crcs(path, small=small)
+        assert all(n in str(caught.value) for n in (str(path), *needles)), str(caught.value)
+    with pytest.raises(CheckpointError, match="|".join(needles[:1])):
+        read_structure(path)
+
+
+def local_header(path: Path, suffix: str) -> int:
+    with zipfile.ZipFile(path) as z:
+        return next(i for i in z.infolist() if i.filename.endswith(suffix)).header_offset
+
+
+def test_a_local_header_disagreeing_with_its_directory_entry_is_refused(run, tmp_path):
+    for at, fmt, change in ((6, "<H", lambda v: v | 1), (8, "<H", lambda v: 8), (30 + 3, "<B", lambda v: v ^ 1)):
+        target = copy_of(run, "optim_states", tmp_path)  # its flags, its method, its name
+        poke(target, local_header(target, "data/1") + at, fmt, change)
+        refused(target, "data/1", "local header")
+
+
+def test_a_data_descriptor_disagreeing_with_its_directory_entry_is_refused(run, tmp_path):
+    target = copy_of(run, "optim_states", tmp_path)
+    with zipfile.ZipFile(target) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("data/1"))
+    name_len, extra_len = struct.unpack_from("<HH", target.read_bytes(), info.header_offset + 26)
+    poke(target, info.header_offset + 30 + name_len + extra_len + info.file_size + 4, "<I", lambda v: v ^ 1)
+    refused(target, "data/1", "data descriptor")
+
+
+def test_overlapping_records_are_refused(run, tmp_path):
+    """Two directory entries pointing at the same local header (data read twice, under two names)."""
+    target = copy_of(run, "optim_states", tmp_path)
+    at1, _ = central_entry(target, "data/1")
+    at2, name2 = central_entry(target, "data/2")
+    offset1 = struct.unpack_from("<I", target.read_bytes(), at1 + 42)[0]
+    poke(target, at2 + 42, "<I", lambda v: offset1)
+    refused(target, "data/2")
+
+
+def test_a_name_listed_twice_is_refused(run, tmp_path):
+    """Two records of one name (ASCII case aside: torch's reader ignores case): which one is read
+    would be the reader's choice."""
+    target = copy_of(run, "optim_states", tmp_path)
+    at, name = central_entry(target, "data/2")
+    data = bytearray(target.read_bytes())
+    for where in (at + 46, local_header(target, "data/2") + 30):  # data/2 -> DATA/1, in both headers
+        cut = where + len(name) - len("data/2")
+        data[cut: cut + 6] = b"DATA/1"
+    target.write_bytes(bytes(data))
+    refused(target, "listed twice")
+
+
+def test_data_past_the_directory_is_refused(run, tmp_path):
+    target = copy_of(run, "optim_states", tmp_path)
+    at, name = central_entry(target, "data/1")
+    with zipfile.ZipFile(target) as z:
+        start = z.start_dir
+    poke(target, at + 20, "<I", lambda v: start)  # its stored and listed sizes: past the directory
+    poke(target, at + 24, "<I", lambda v: start)
+    refused(target, name)
+
+
+def test_a_zip_archive_whose_first_local_header_is_damaged_is_refused(run, tmp_path):
+    """torch.load would take it for a legacy-format file and fail; it used to be copied unchecked."""
+    target = copy_of(run, "scheduler.pt", tmp_path)
+    poke(target, 3, "<B", lambda v: v ^ 0x10)
+    with pytest.raises(CheckpointError, match="does not start with a record's local header"):
+        check_crcs(target)
+
+
+@pytest.mark.parametrize("flip", ["encrypted flag", "compression method 0→1"])
+def test_verify_proves_a_copied_file_loads_as_torch_would(run, tmp_path, flip):
+    """`--verify` said "verified" for an rng file torch cannot load (its bytes match the base's):
+    each copied torch file is now read by torch's own reader too."""
+    recipe = write_recipe(tmp_path, run / "checkpoint-6", {"layers.1": run / "checkpoint-4"})
+    assert tailor("--apply", recipe).returncode == 0
+    assert tailor("--verify", recipe).returncode == 0
+    offset, fmt, change, _needle = FLIPS[flip]
+    for folder in (run / "checkpoint-6", tmp_path / "composed"):  # the base's and the output's, alike
+        target = folder / "rng_state_1.pth"
+        at, _name = central_entry(target, "data.pkl")
+        poke(target, at + offset, fmt, change)
+    result = tailor("--verify", recipe)
+    assert result.returncode == 7, result.stdout + result.stderr
+    assert "rng_state_1.pth: torch's reader cannot read it" in result.stdout, result.stdout
