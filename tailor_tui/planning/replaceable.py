@@ -24,7 +24,7 @@ import stat
 from pathlib import Path
 
 from tailor_tui.checkpoints.checkpoint import OUTPUT_FILES, PROVENANCE
-from tailor_tui.checkpoints.scan import training_checkpoints
+from tailor_tui.checkpoints.scan import find_checkpoint_dirs, training_checkpoints
 from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json
 
 _KINDS = {stat.S_IFLNK: "symbolic link", stat.S_IFIFO: "FIFO", stat.S_IFSOCK: "socket",
@@ -45,8 +45,8 @@ def not_replaceable(out: Path) -> str | None:
         return f"has an unreadable {PROVENANCE} ({_short(str(exc))}); it is not trusted"
     written = record.get(OUTPUT_FILES) if isinstance(record, dict) else None
     if written is None:
-        inside = _training_inside(out)
-        held = f"; it holds training checkpoint(s) {_names(inside)}" if inside else ""
+        inside = [c for c in _inside(out) if c != "."]  # which of them tailor-tui wrote, nothing says
+        held = f"; it holds checkpoint folder(s) {_names(inside)}" if inside else ""
         return (f"has a {PROVENANCE} without the list of files tailor-tui wrote (an older tailor-tui made it), "
                 f"so nothing proves it holds only those{held}; remove it yourself once you have checked it")
     if why := _malformed(written):
@@ -103,7 +103,7 @@ def _unaccounted(out: Path, written: dict) -> str | None:
             else:
                 added.append(name + "/" if kind == stat.S_IFDIR else f"{name} (a {_KINDS.get(kind, 'special file')})")
     if added:
-        inside = _training_inside(out)
+        inside = _inside(out, training=True)
         why = f"training checkpoint(s) {_names(inside)}: did training resume into it?" if inside else \
             "did training resume into it?"
         return (f"is an earlier tailor-tui output that now also holds {_names(sorted(added))}, which tailor-tui "
@@ -117,14 +117,16 @@ def _unaccounted(out: Path, written: dict) -> str | None:
     return None
 
 
-def _training_inside(folder: Path) -> list[str]:
-    """The checkpoints training saved under `folder` (relative names), not those tailor-tui composed."""
-    return [os.path.relpath(c, folder) for c in training_checkpoints(folder)]
+def _inside(folder: Path, training: bool = False) -> list[str]:
+    """The checkpoint folders under `folder` (relative names; itself "."), or with `training` only
+    those training saved, not those tailor-tui composed."""
+    found = training_checkpoints(folder) if training else find_checkpoint_dirs(folder)
+    return [os.path.relpath(c, folder) for c in found]
 
 
 def _what(folder: Path) -> str:
     """What a folder holds, for a message: its checkpoints if it is a run, else some entries."""
-    checkpoints = _training_inside(folder)
+    checkpoints = _inside(folder)
     if checkpoints:
         return f"{len(checkpoints)} checkpoint(s) ({_names(checkpoints)})"
     entries = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
