@@ -165,6 +165,36 @@ for _name, _file in (("manifest", "tailor_partial.json"), ("index", "model.safet
         return dry_run(tmp, run, 4, file, "nested")
 
 
+def shards_in_folders(ckpt: Path, shards: tuple[str, str]) -> None:
+    """checkpoint's model.safetensors split by an index between two shards at `shards` (relative
+    paths; those inside the checkpoint are made, each a copy of the whole file)."""
+    model = ckpt / "model.safetensors"
+    with open(model, "rb") as f:
+        names = sorted(k for k in json.loads(f.read(struct.unpack("<Q", f.read(8))[0])) if k != "__metadata__")
+    for shard in shards:
+        target = (ckpt / shard).resolve()
+        if target.is_relative_to(ckpt.resolve()):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(model.read_bytes())
+    model.unlink()
+    weight_map = {name: shards[i % 2] for i, name in enumerate(names)}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@case("index: two shards of one name in different folders")
+def _(run, tmp):
+    shards_in_folders(run / "checkpoint-6", ("a/model.safetensors", "b/model.safetensors"))
+    return dry_run(tmp, run, 4, "2 shards of one name in different folders", "'a/model.safetensors'",
+                   "'b/model.safetensors'")
+
+
+for _shard in ("sub/model-1.safetensors", "../model-1.safetensors", "/tmp/model-1.safetensors"):
+    @case(f"index: a shard at {_shard}")
+    def _(run, tmp, shard=_shard):
+        shards_in_folders(run / "checkpoint-6", ("model-0.safetensors", shard))
+        return dry_run(tmp, run, 4, f"shard {shard!r}, not a file beside the index")
+
+
 # --- config.json (--export), trainer_state.json (--stats), the DeepSpeed config -----------
 
 def export(tmp: Path, run: Path, code: int, *needles: str) -> Case:
@@ -474,6 +504,72 @@ def _(run, tmp):
 @case("provenance: nested 100,000 deep")
 def _(run, tmp):
     return provenance(tmp, run, deep_json)
+
+
+# --- --force replaces only what tailor-tui can prove it wrote; no output inside a checkpoint --
+
+def forced(tmp: Path, run: Path, change, *needles: str) -> Case:
+    """An earlier output (a real composition) changed by `change(output)`; `--apply --force`
+    must refuse to replace it, exit 6, naming what `needles` say."""
+    path, out = composed(tmp, run)
+    change(out)
+    return Case(("--apply", path, "--force"), 6, ("--force replaces only", *needles))
+
+
+def record(out: Path, edit) -> None:
+    """The output's provenance record, as `edit(record)` leaves it."""
+    path = out / "tailor_provenance.json"
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+@case("--force: an older tailor-tui's output (no file list) that training resumed into")
+def _(run, tmp):
+    def change(out):
+        record(out, lambda r: r.pop("files"))
+        subprocess.run(["cp", "-a", str(run / "checkpoint-6"), str(out / "checkpoint-8")], check=True)
+    return forced(tmp, run, change, "without the list of files", "checkpoint-8")
+
+
+FORCED = {  # name -> (change to a listed output, what the one line names)
+    "a file it did not write": (lambda out: (out / "notes.txt").write_text("mine"), ("also holds notes.txt",)),
+    "a folder it did not write": (lambda out: (out / "mine").mkdir(), ("also holds mine/",)),
+    "a FIFO": (lambda out: os.mkfifo(out / "pipe"), ("pipe (a FIFO)",)),
+    "a symbolic link to a folder": (lambda out: (out / "elsewhere").symlink_to(out.parent),
+                                    ("elsewhere (a symbolic link)",)),
+    "a listed file now a symbolic link": (lambda out: (out / "latest").unlink() or (out / "latest").symlink_to(
+        out / "global_step6" / "zero_pp_rank_0_mp_rank_00_model_states.pt"), ("latest (now a symbolic link)",)),
+    "a listed file now a folder": (lambda out: (out / "latest").unlink() or (out / "latest").mkdir(),
+                                   ("latest (now a folder)",)),
+    "a listed file gone": (lambda out: (out / "scheduler.pt").unlink(), ("scheduler.pt is gone",)),
+    "a record listing ../x": (lambda out: record(out, lambda r: r["files"].update({"../x": [1, 1]})),
+                              ("'../x'", "not a file inside the output")),
+    "a record listing an absolute path": (lambda out: record(out, lambda r: r["files"].update({"/etc/x": [1, 1]})),
+                                          ("'/etc/x'", "not a file inside the output")),
+    "a record whose file list is not a table": (lambda out: record(out, lambda r: r.update(files=[])),
+                                                ("not a table of file names",)),
+    "a record that is not JSON": (lambda out: (out / "tailor_provenance.json").write_bytes(b"\xff{not json"),
+                                  ("tailor_provenance.json", "unreadable")),
+    "a record that is a symbolic link": (lambda out: os.replace(out / "tailor_provenance.json", out.parent / "r")
+                                         or (out / "tailor_provenance.json").symlink_to(out.parent / "r"),
+                                         ("tailor_provenance.json", "unreadable")),
+}
+for _name, (_change, _needles) in FORCED.items():
+    @case(f"--force: {_name}")
+    def _(run, tmp, change=_change, needles=_needles):
+        return forced(tmp, run, change, *needles)
+
+
+for _output, _force in (("checkpoint-2/fixed", ""), ("checkpoint-2/global_step2/fixed", ""),
+                        ("checkpoint-2", "--force")):
+    @case(f"an output at {_output} (a training checkpoint, no source)")
+    def _(run, tmp, output=_output, force=_force):
+        path = tmp / "inside.yaml"
+        path.write_text(f"version: 1\nbase: {run / 'checkpoint-6'}\noutput: {run / output}\n"
+                        f"layers:\n  layers.1: {run / 'checkpoint-4'}\n")
+        what = "is training checkpoint" if output == "checkpoint-2" else "would nest inside training checkpoint"
+        return Case(("--apply", path, *([force] if force else [])), 6, (what, "checkpoint-2"))
 
 
 @case("statistics cache: every entry hostile (skipped)")

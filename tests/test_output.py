@@ -81,6 +81,53 @@ def test_force_replaces_an_earlier_output_but_not_one_training_resumed_into(real
     assert_one_line_error(tailor("--apply", recipe, "--force"), 6, "latest changed since it was written")
 
 
+@pytest.mark.parametrize("name", ["hf_bf16_2", "ds_bf16_3_subgroups"])
+def test_force_never_replaces_an_older_output_that_training_resumed_into(real_run, tmp_path, name):
+    """An output whose record lists no files (a tailor-tui before the list was kept) cannot be told
+    apart from what training saved into it since: --force is refused, naming the checkpoint, and
+    the output is kept whole; with its list back (what a newer tailor-tui writes) it is still
+    refused, naming what tailor-tui did not write."""
+    run, spec = real_run(name)
+    c2, _, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c2})
+    assert tailor("--apply", recipe).returncode == 0
+    out = tmp_path / "composed"
+    record = json.loads((out / output.PROVENANCE).read_text())
+    listed = record.pop(output.OUTPUT_FILES)
+    (out / output.PROVENANCE).write_text(json.dumps(record))
+    resumed = out / ("checkpoint-8" if spec.layout == "hf" else "global_step8")
+    subprocess.run(["cp", "-a", str(c6), str(resumed)], check=True)  # training resumed into the output
+    before = tree_digest(out)
+    assert_one_line_error(tailor("--apply", recipe, "--force"), 6, "without the list of files tailor-tui wrote",
+                          resumed.name)
+    assert tree_digest(out) == before
+    (out / output.PROVENANCE).write_text(json.dumps(record | {output.OUTPUT_FILES: listed}))
+    assert_one_line_error(tailor("--apply", recipe, "--force"), 6, f"now also holds {resumed.name}/",
+                          f"training checkpoint(s) {resumed.name}")
+    assert resumed.is_dir()
+
+
+@pytest.mark.parametrize("name", ["hf_bf16_2", "ds_bf16_3_subgroups"])
+def test_an_output_inside_a_training_checkpoint_is_refused(real_run, tmp_path, name):
+    """An output inside (or being) a checkpoint training saved is refused though that checkpoint
+    is no source, and nothing is written; beside the checkpoints, in the run folder, it is fine."""
+    source, spec = real_run(name)
+    run = tmp_path / "run"
+    shutil.copytree(source, run)
+    c2, c4, c6 = checkpoints_of(run, spec)
+    before = tree_digest(run)
+    for inside in (c2 / "fixed", c2 / "sub" / "fixed"):
+        recipe = write_recipe(tmp_path, c6, {"layers.1": c4}, output=str(inside))
+        assert_one_line_error(tailor("--apply", recipe, "--force"), 6, "would nest inside training checkpoint",
+                              str(c2))
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c4}, output=str(c2))
+    assert_one_line_error(tailor("--apply", recipe, "--force"), 6, "is training checkpoint", str(c2))
+    assert tree_digest(run) == before and not (c2 / "fixed").exists()
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c4}, output=str(run / "fixed"))
+    assert tailor("--apply", recipe).returncode == 0
+    assert tailor("--apply", recipe, "--force").returncode == 0  # an earlier output: not a training checkpoint
+
+
 def test_an_output_reaching_a_source_through_a_bind_mount_is_refused(hf_run, tmp_path):
     run, (c2, c4, c6) = hf_run
     alias = tmp_path / "alias"

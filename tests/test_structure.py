@@ -248,6 +248,7 @@ MOVED = [
     ("tailor_tui.compose.compare", "nonzero_bytes", "tailor_tui.verifying.compare"),
     ("tailor_tui.formats.pickled", "DType", "tailor_tui.formats.pickled:TorchDtype"),
     ("tailor_tui.compose.rank_stream", "Span", "tailor_tui.compose.rank_stream:Replacement"),
+    ("tailor_tui.planning.output", "written_files", "tailor_tui.planning.replaceable"),
 ]
 
 # Every module that moved whole, and where: its old path is a shim (`moved.module`) holding its names.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -550,6 +551,30 @@ async def test_an_earlier_output_is_offered_for_replacement_not_force(run_copy):
         await wait_for(pilot, lambda: isinstance(app.screen, ProgressScreen) and not app.screen.running)
         assert app.screen.has_class("finished")
     assert (run / "checkpoint-6-tailored" / "tailor_provenance.json").read_text() != first
+
+
+async def test_an_earlier_output_training_resumed_into_is_not_offered_for_replacement(run_copy):
+    """The composer asks `replaceable` as --force does: an output of an older tailor-tui (its record
+    lists no files) that a checkpoint was saved into is refused in a dialog, never offered to replace."""
+    run, (c2, c4, c6) = run_copy
+    out = run / "checkpoint-6-tailored"
+    app = make_app(run, workers=1)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        await start_composing(pilot)
+        await wait_for(pilot, lambda: not app.screen.running)
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: len(app.screen_stack) == 1)
+        record = json.loads((out / "tailor_provenance.json").read_text())
+        del record["files"]
+        (out / "tailor_provenance.json").write_text(json.dumps(record))
+        shutil.copytree(c6, out / "checkpoint-8")  # training resumed into it
+        before = tree_digest(out)
+        await pilot.press("left", "down", "space", "ctrl+r")
+        await wait_for(pilot, lambda: isinstance(app.screen, (ErrorDialog, Confirm)))
+        assert isinstance(app.screen, ErrorDialog) and "already exists" in app.screen.message
+        await pilot.press("escape")
+    assert tree_digest(out) == before
 
 
 async def test_the_world_size_set_from_the_plan_dialog_reshards(real_run, tmp_path):

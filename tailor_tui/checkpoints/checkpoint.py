@@ -266,12 +266,33 @@ def hf_model_files(folder: Path) -> tuple[Path, ...]:
                 raise ValueError("its weight_map is not a table of tensor names to file names")
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{index}: unreadable index ({exc}); re-copy it") from None
-        return tuple(folder / f for f in sorted(set(weight_map.values())))
+        shards = sorted(set(weight_map.values()))
+        _check_shards_beside(index, shards)
+        return tuple(folder / f for f in shards)
     single = folder / "model.safetensors"
     return (single,) if single.is_file() else ()
 
 
-def _composed(named: Path, tag_dir: Path, save_dir: Path) -> bool:
+def _check_shards_beside(index: Path, shards: list[str]) -> None:
+    """The shards an index names are files beside it, as save_pretrained saves them (an output
+    holds them so, one file of each name): two of one name in different folders, or one in another
+    folder (absolute, `..`), are refused, naming them."""
+    by_name: dict[str, list[str]] = {}
+    for shard in shards:
+        by_name.setdefault(shard.rsplit("/", 1)[-1], []).append(shard)
+    clash = next((named for named in by_name.values() if len(named) > 1), None)
+    if clash:
+        raise CheckpointError(f"{index}: maps tensors to {len(clash)} shards of one name in different folders "
+                              f"({', '.join(map(repr, clash[:3]))}); an output holds one file of each name beside "
+                              "its index: give the shards distinct names (or re-copy the checkpoint)")
+    elsewhere = [s for s in shards if "/" in s or s in ("", ".", "..") or "\0" in s]
+    if elsewhere:
+        raise CheckpointError(f"{index}: maps tensors to shard {elsewhere[0]!r}, not a file beside the index; a "
+                              "checkpoint's shards lie beside its index (as save_pretrained saves them): move "
+                              "them there and name them so in the index (or re-copy the checkpoint)")
+
+
+def written_by_tailor(named: Path, tag_dir: Path, save_dir: Path) -> bool:
     """tailor-tui wrote it: its folder holds a provenance record or, where a checkpoint is a
     DeepSpeed tag folder, the folder holding the tag has one that lists the tag's files (a run
     resumed with that folder as its save_dir adds tags that are its own)."""
@@ -345,7 +366,7 @@ def open_checkpoint(path: str | Path, *, cache: Path | None = None) -> Checkpoin
         sizes=sizes,
         saved_rows=frozenset(manifest["rows"]) if manifest else None,
         model_layout=path / PARTIAL_MODEL_FILES if manifest and (path / PARTIAL_MODEL_FILES).is_file() else None,
-        composed=_composed(named, tag_dir, save_dir),
+        composed=written_by_tailor(named, tag_dir, save_dir),
         weight_files=weight_file_names(named, tag_dir) if kind in ("hf", "accelerate") and not manifest else (),
     )
 

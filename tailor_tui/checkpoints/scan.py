@@ -22,6 +22,7 @@ from tailor_tui.checkpoints.checkpoint import (
     is_tag_dir,
     open_checkpoint,
     read_latest,
+    written_by_tailor,
 )
 from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json
 from tailor_tui.errors import CheckpointError, UsageError
@@ -119,6 +120,29 @@ def find_checkpoint_dirs(root: Path, interrupted: list[Path] | None = None) -> l
             dirnames[:] = [d for d in dirnames if d != tag]
         dirnames.sort()
     return found
+
+
+def is_training_checkpoint(folder: Path) -> bool:
+    """Whether `folder` itself is a checkpoint that training saved, as `find_checkpoint_dirs` tells
+    one (a partial save, a DeepSpeed tag folder, an HF Trainer or Accelerate checkpoint folder, or
+    the tag folder inside one), not one that tailor-tui composed. Reads no checkpoint file."""
+    if os.path.lexists(folder / PARTIAL_MANIFEST):
+        return not written_by_tailor(folder, folder, folder)
+    if is_tag_dir(folder):
+        parent = folder.parent
+        if read_latest(parent) == folder.name and holds_checkpoint(parent, folder.name):
+            return not written_by_tailor(parent, folder, parent)
+        return not written_by_tailor(folder, folder, parent)
+    tag = read_latest(folder) if folder.is_dir() else None
+    if not tag or not holds_checkpoint(folder, tag):
+        return False
+    return not written_by_tailor(folder, folder / tag, folder)
+
+
+def training_checkpoints(root: Path) -> list[Path]:
+    """The folders under `root` (itself included) that training saved as checkpoints, not those
+    tailor-tui composed."""
+    return [d for d in find_checkpoint_dirs(root) if is_training_checkpoint(d)]
 
 
 _STEP = re.compile(r"(\d+)$")

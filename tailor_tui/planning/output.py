@@ -4,9 +4,10 @@ finished composition takes its place.
 - `check_output` (before anything is written): the output must not be, hold or sit inside
   any source checkpoint, compared by identity (device and inode), so that a bind mount,
   a second mount of the same NFS export or a symlinked path cannot reach a source under
-  another name. An existing non-empty folder is replaced only with `--force`, and only
-  if it is an earlier tailor-tui output that still holds just what tailor-tui wrote
-  (its provenance lists every file), never a training run.
+  another name; nor be or sit inside any checkpoint training saved (of the run or any other),
+  each folder on its path looked at itself. An existing non-empty folder is replaced only with
+  `--force`, and only if it is an earlier tailor-tui output whose every entry its provenance
+  accounts for (`replaceable`), never a training run.
 - `output_lock`: an flock on a lock file beside the output; a second tailor-tui writing
   the same output is refused instead of one result silently replacing the other.
 - `publish`: the finished folder is renamed into place, or swapped with the old one
@@ -30,9 +31,10 @@ import stat
 import time
 from pathlib import Path
 
-from tailor_tui.checkpoints.checkpoint import OUTPUT_FILES, PROVENANCE
-from tailor_tui.checkpoints.scan import find_checkpoint_dirs
-from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json
+from tailor_tui import moved
+from tailor_tui.checkpoints.checkpoint import OUTPUT_FILES as OUTPUT_FILES  # found here too, as before
+from tailor_tui.checkpoints.checkpoint import PROVENANCE as PROVENANCE
+from tailor_tui.checkpoints.scan import is_training_checkpoint
 from tailor_tui.errors import OutputError
 from tailor_tui.fileio import (
     aside_prefix,
@@ -43,6 +45,10 @@ from tailor_tui.fileio import (
     replace_dir,
 )
 from tailor_tui.interrupts import signals_held
+from tailor_tui.planning.replaceable import not_replaceable
+
+# what a provenance record lists moved to `replaceable`, beside the rule that reads it
+__getattr__ = moved.names(__name__, {"written_files": "tailor_tui.planning.replaceable"})
 
 # --- before anything is written ------------------------------------------------------------
 
@@ -87,6 +93,7 @@ def check_output(out: Path, sources, force: bool, preview: bool = False) -> str 
                               "delete the source; choose another output folder")
         if src.kind == "deepspeed" and mine is not None and mine == identity(src.save_dir):
             raise OutputError(f"output {out}: is the save_dir of source {src.path}; choose another folder")
+    _check_not_in_training_checkpoint(out, mine)
     if out.exists() and not out.is_dir():
         raise OutputError(f"output {out}: exists and is not a folder; choose another output path")
     problem = None
@@ -102,49 +109,20 @@ def check_output(out: Path, sources, force: bool, preview: bool = False) -> str 
     return f"the real run would refuse it: {problem}" if problem else None
 
 
-def not_replaceable(out: Path) -> str | None:
-    """Why `--force` must not replace the existing folder `out` (one phrase), or None."""
-    present = {str(p.relative_to(out)): _stamp(p.lstat()) for p in out.rglob("*")
-               if p.is_file() or p.is_symlink()}
-    provenance = out / PROVENANCE
-    if not os.path.lexists(provenance):  # one that is no regular file is unreadable, below
-        return f"holds {_what(out)}, not written by tailor-tui (it has no {PROVENANCE})"
-    try:
-        written = load_json(provenance, limit=MAX_RECORD).get(OUTPUT_FILES)
-    except (OSError, ValueError, AttributeError):
-        return f"has an unreadable {PROVENANCE}"
-    if written is None:  # written by a tailor-tui that did not list its files yet
-        return None
-    added = sorted(p for p in present if p != PROVENANCE and p not in written)
-    if added:
-        return (f"is an earlier tailor-tui output that now also holds {_names(added)}, which tailor-tui "
-                "did not write (did training resume into it?)")
-    changed = sorted(p for p, stamp in present.items() if p in written and written[p] != stamp)
-    if changed:
-        return f"is an earlier tailor-tui output whose {_names(changed)} changed since it was written"
-    return None
-
-
-def _what(folder: Path) -> str:
-    """What a folder holds, for a message: its checkpoints if it is a run, else some entries."""
-    checkpoints = find_checkpoint_dirs(folder)
-    if checkpoints:
-        return f"{len(checkpoints)} checkpoint(s) ({_names([str(c.relative_to(folder)) for c in checkpoints])})"
-    entries = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
-    return f"{len(entries)} {'entry' if len(entries) == 1 else 'entries'} ({_names(entries)})"
-
-
-def _names(names: list[str], most: int = 3) -> str:
-    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
-
-
-def written_files(folder: Path) -> dict[str, list[int]]:
-    """Every file under `folder` (relative path -> [bytes, mtime_ns]): what a provenance records."""
-    return {str(p.relative_to(folder)): _stamp(p.stat()) for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def _stamp(st: os.stat_result) -> list[int]:
-    return [st.st_size, st.st_mtime_ns]
+def _check_not_in_training_checkpoint(out: Path, mine: tuple[int, int] | None) -> None:
+    """An output is never a checkpoint training saved, nor inside one (of this run or any other):
+    the checkpoint would no longer be one as saved, and the Trainer's rotation would delete the output
+    with it. Each folder on the output's path (as spelled and as resolved) is looked at itself, so a
+    bind mount of a checkpoint is one too; one holding a checkpoint is `not_replaceable`'s to refuse."""
+    for folder in dict.fromkeys(_ancestors(out)):
+        if not is_training_checkpoint(folder):
+            continue
+        if identity(folder) == mine:
+            raise OutputError(f"output {out}: is training checkpoint {folder}, not an output; "
+                              "choose another output folder")
+        raise OutputError(f"output {out}: would nest inside training checkpoint {folder} (it would no longer "
+                          "be the checkpoint training saved, and rotating checkpoints would delete the output "
+                          "with it); choose an output folder outside every checkpoint")
 
 
 # --- one writer per output ------------------------------------------------------------------

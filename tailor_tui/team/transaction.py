@@ -35,8 +35,8 @@ from tailor_tui.planning.output import (
     hidden_folder,
     output_lock,
     publish,
-    written_files,
 )
+from tailor_tui.planning.replaceable import written_files
 from tailor_tui.team.members import SOLO, Team
 from tailor_tui.team.progress import relay
 from tailor_tui.team.workers import STREAMING_WORKER, run_calls, workers_for
