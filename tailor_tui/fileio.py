@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable, Literal
 
 from tailor_tui.errors import CheckpointError, OutputError
-from tailor_tui.reading import pread_exact
+from tailor_tui.reading import open_regular, pread_exact
 
 CHUNK = 64 << 20
 
@@ -84,10 +84,17 @@ def fsync_dir(path: Path, durable: bool = True) -> None:
         os.close(fd)
 
 
-def copy_file(src: Path, dst: Path, on_bytes: Callable[[int], None] = lambda n: None, durable: bool = True) -> None:
+def copy_file(src: Path, dst: Path, on_bytes: Callable[[int], None] = lambda n: None, durable: bool = True,
+              within: Path | None = None) -> None:
     """Copy bytes (never a hard link), in chunks so progress and cancellation stay live.
-    A source that changes size while it is copied is an error, never a short copy."""
-    with open(src, "rb") as fin, open(create(dst), "wb") as fout:
+    A source that changes size while it is copied is an error, never a short copy. `within`: the
+    run folder `src` lies in; a symbolic link on the way that leaves it (or a file swapped in
+    after the check) is refused, not read (`reading.open_regular`)."""
+    try:
+        source = open_regular(src, within=within)
+    except ValueError as exc:  # a FIFO or a device put in its place
+        raise CheckpointError(f"{src}: {exc}") from None
+    with open(source, "rb") as fin, open(create(dst), "wb") as fout:
         size = os.fstat(fin.fileno()).st_size
         offset, writeback = 0, Writeback(fout.fileno(), durable)
         while offset < size:

@@ -1,5 +1,6 @@
-"""Reading inputs: a regular file only, exact reads, chunks of a range through one reused
-buffer and their CRC-32s, and readahead for a sequential reader."""
+"""Reading inputs: a regular file only, never through a symbolic link that leaves its run
+(`confine`), exact reads, chunks of a range through one reused buffer and their CRC-32s, and
+readahead for a sequential reader."""
 
 from __future__ import annotations
 
@@ -11,23 +12,108 @@ from pathlib import Path
 from typing import Callable
 
 from tailor_tui import crc
+from tailor_tui.errors import CheckpointError
 
 NOT_REGULAR = "not a regular file (a FIFO, a device or a socket); not read"
 
 
-def open_regular(path: Path, *, follow: bool = True) -> int:
+# --- symbolic links: never out of the run -------------------------------------------------------
+#
+# The one rule for links inside a checkpoint (docs/security.md, "Symbolic links"): a link on the
+# way from a run folder down to a file it holds (the checkpoint folder, a subfolder, the tag
+# folder, the file itself) is followed only where it leads inside that run folder, found by
+# resolving it whole (chains, `..`) and comparing the folders above the result with the run
+# folder by identity (device, inode), so another name of the run (a bind mount) is inside and a
+# look-alike path is not. A link that leads out of the run, or nowhere, refuses the checkpoint in
+# one line naming it and its target; a link to a FIFO or device is left to the regular-file check
+# (refused unread, as such).
+
+
+def identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def _inside(real: str, run: tuple[int, int], run_real: str) -> bool:
+    """Whether the resolved path `real` lies below the run folder (its identity `run`)."""
+    if real.startswith(run_real.rstrip("/") + "/"):
+        return True
+    for parent in Path(real).parents:
+        try:
+            if identity(os.stat(parent)) == run:
+                return True
+        except OSError:
+            return False
+    return False
+
+
+def link_refusal(link: Path, target: str, run: Path, why: str = "") -> CheckpointError:
+    """The one line refusing a link that leaves the run (`why` says otherwise: it leads nowhere, …)."""
+    folder = os.path.isdir(target)
+    what, fix = (("folder", f"rm {link} && cp -r {target} {link}") if folder
+                 else ("file", f"cp --remove-destination {target} {link}"))
+    return CheckpointError(f"{link} is a symbolic link to {target}, {why or f'outside the run {run}'}; tailor-tui "
+                           f"reads no file through a link that leaves the run: replace it with the {what} itself "
+                           f"({fix}) if you trust it")
+
+
+def confine(path: Path, run: Path) -> tuple[int, int] | None:
+    """Check every symbolic link on `path` below the folder `run` (`path` spelled as run/…) by the
+    rule above: CheckpointError for one that leads out of the run or nowhere. Returns the
+    identity of what `path` leads to, or None where nothing is there."""
+    try:
+        rel = Path(os.path.abspath(path)).relative_to(os.path.abspath(run))
+    except ValueError:
+        raise ValueError(f"{path} is not spelled below {run}") from None
+    try:
+        run_st = os.stat(run)
+    except OSError:
+        return None
+    run_real, at = os.path.realpath(run), Path(run)
+    for part in rel.parts:
+        at = at / part
+        try:
+            st = os.lstat(at)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if not stat.S_ISLNK(st.st_mode):
+            continue
+        real = os.path.realpath(at)
+        try:
+            target = os.stat(real)
+        except OSError:
+            raise link_refusal(at, os.readlink(at), run, "which leads nowhere (nothing is there)") from None
+        special = not (stat.S_ISREG(target.st_mode) or stat.S_ISDIR(target.st_mode))
+        if identity(target) == identity(run_st):
+            raise link_refusal(at, real, run, "the run folder itself (a loop)")
+        if not special and not _inside(real, identity(run_st), run_real):
+            raise link_refusal(at, real, run)
+    try:
+        return identity(os.stat(path))
+    except OSError:
+        return None
+
+
+def open_regular(path: Path, *, follow: bool = True, within: Path | None = None) -> int:
     """A read-only descriptor of the regular file at `path`. A FIFO, device or socket there is
     refused (ValueError, NOT_REGULAR) without being opened: a FIFO would wait for a writer, and
-    /dev/zero never ends. `follow=False`: a symbolic link at `path` is refused too (OSError ELOOP)."""
+    /dev/zero never ends. `follow=False`: a symbolic link at `path` is refused too (OSError ELOOP).
+    `within`: the run folder `path` lies in; a link on the way that leaves it is refused (`confine`),
+    and so is a file that is not, once opened, the one checked (a link swapped in meanwhile)."""
+    expected = confine(path, within) if within is not None else None
     st = os.stat(path) if follow else os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path))
     if not stat.S_ISREG(st.st_mode):
         raise ValueError(NOT_REGULAR)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
-    if not stat.S_ISREG(os.fstat(fd).st_mode):  # put in its place since: not read either
+    opened = os.fstat(fd)
+    if not stat.S_ISREG(opened.st_mode):  # put in its place since: not read either
         os.close(fd)
         raise ValueError(NOT_REGULAR)
+    if within is not None and identity(opened) != expected:
+        os.close(fd)
+        raise CheckpointError(f"{path}: changed while it was opened (another file, or a symbolic link, was put in "
+                              "its place); not read: run again once nothing changes the run")
     return fd
 
 

@@ -27,6 +27,7 @@ from tailor_tui.formats.ds_format import (
 )
 from tailor_tui.formats.ptfile import check_complete
 from tailor_tui.formats.safetensors_in import safetensors_header
+from tailor_tui.reading import confine
 
 MODEL_FILE_INDEX = "model.safetensors.index.json"
 # A partial checkpoint (tailor_tui.selective): some rows' optimizer state, per rank
@@ -169,14 +170,15 @@ def log_history(folder: Path) -> list | None:
     return entries if isinstance(entries, list) else None
 
 
-def read_latest(folder: Path, *, strict: bool = False) -> str | None:
+def read_latest(folder: Path, *, strict: bool = False, run: Path | None = None) -> str | None:
     """The tag `folder/latest` names; None if there is none, or one that cannot be read (not a
-    small regular file: a FIFO, /dev/zero), which is a CheckpointError instead when `strict`."""
+    small regular file: a FIFO, /dev/zero), which is a CheckpointError instead when `strict`.
+    `run`: the run folder it lies in; a link on the way that leaves it is a CheckpointError."""
     latest = folder / "latest"
     if not os.path.lexists(latest):
         return None
     try:
-        return read_small(latest, 4096).decode(errors="replace").strip() or None  # a tag's name
+        return read_small(latest, 4096, within=run).decode(errors="replace").strip() or None  # a tag's name
     except (OSError, ValueError) as exc:
         if strict:
             raise CheckpointError(f"{latest}: unreadable ({exc}); it names the checkpoint's tag folder, "
@@ -211,11 +213,11 @@ def _locate(path: Path) -> tuple[str, Path, Path, Path]:
         raise CheckpointError(f"{path}: not a folder; name a checkpoint-N or tag folder")
     if is_tag_dir(path):
         parent = path.parent
-        kind = holds_checkpoint(parent, path.name) if read_latest(parent) == path.name else None
+        kind = holds_checkpoint(parent, path.name) if read_latest(parent, run=parent) == path.name else None
         if kind is not None:
             return kind, parent, path, parent
         return "deepspeed", path, path, parent
-    tag = read_latest(path, strict=True)
+    tag = read_latest(path, strict=True, run=path.parent)
     if tag is not None:
         tag_dir = path / tag
         if not is_tag_dir(tag_dir):
@@ -237,7 +239,7 @@ def read_manifest(folder: Path) -> dict:
     """A partial checkpoint's manifest, checked."""
     path = folder / PARTIAL_MANIFEST
     try:
-        manifest = load_json(path, limit=MAX_RECORD)
+        manifest = load_json(path, limit=MAX_RECORD, within=folder.parent)
         if manifest.get("format") != "tailor-partial":
             raise ValueError("not a tailor-partial manifest")
         if manifest.get("version") != 1:
@@ -261,7 +263,7 @@ def hf_model_files(folder: Path) -> tuple[Path, ...]:
     index = folder / MODEL_FILE_INDEX
     if os.path.lexists(index):  # a FIFO or a link to /dev/zero in its place is refused, not passed over
         try:
-            weight_map = load_json(index, limit=MAX_RECORD)["weight_map"]
+            weight_map = load_json(index, limit=MAX_RECORD, within=folder.parent)["weight_map"]
             if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
                 raise ValueError("its weight_map is not a table of tensor names to file names")
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -318,6 +320,10 @@ def open_checkpoint(path: str | Path, *, cache: Path | None = None) -> Checkpoin
     else:
         kind, named, tag_dir, save_dir = _locate(path)
     model_states = tag_dir / MODEL_STATES.format(rank=0)
+    run = named.parent  # no link inside the checkpoint leads out of it (`reading.confine`)
+    for f in (model_states, *(save_dir / n for n in (PROVENANCE, "latest")),
+              *(named / n for n in (TRAINER_STATE, "config.json", PARTIAL_MODEL_FILES))):
+        confine(f, run)
     states = scan_cache.cached(model_states, read_model_states, cache=cache)
     check_version(model_states, states.ds_version)  # a cached entry too: the releases read may change
     layout = states.layout
@@ -337,6 +343,7 @@ def open_checkpoint(path: str | Path, *, cache: Path | None = None) -> Checkpoin
     sizes: dict[Path, int] = {}
     for files in ranks:
         for f in files.existing():
+            confine(f, run)
             try:
                 sizes[f] = f.stat().st_size
             except FileNotFoundError:
@@ -346,6 +353,7 @@ def open_checkpoint(path: str | Path, *, cache: Path | None = None) -> Checkpoin
                 ) from None
     model_files = hf_model_files(named) if kind == "hf" and not manifest else ()
     for f in model_files:
+        confine(f, run)
         if not f.is_file():
             raise CheckpointError(f"{f}: listed in {MODEL_FILE_INDEX} but missing")
         sizes[f] = f.stat().st_size

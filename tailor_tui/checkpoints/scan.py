@@ -112,12 +112,15 @@ def find_checkpoint_dirs(root: Path, interrupted: list[Path] | None = None) -> l
         elif is_tag_dir(here):
             # A tag folder inside an HF checkpoint-N (or Accelerate checkpoint_N) folder is named by its parent.
             parent = here.parent
-            if not (read_latest(parent) == here.name and holds_checkpoint(parent, here.name)):
+            if not (_latest(parent, root) == here.name and holds_checkpoint(parent, here.name)):
                 found.append(here)
             dirnames.clear()
-        elif (tag := read_latest(here)) and holds_checkpoint(here, tag):
+        elif (tag := _latest(here, root)) and holds_checkpoint(here, tag):
             found.append(here)
             dirnames[:] = [d for d in dirnames if d != tag]
+        elif tag is _LEAVES and here != root:  # opening it says why it is unusable
+            found.append(here)
+            dirnames.clear()
         dirnames.sort()
     return found
 
@@ -143,6 +146,17 @@ def training_checkpoints(root: Path) -> list[Path]:
     """The folders under `root` (itself included) that training saved as checkpoints, not those
     tailor-tui composed."""
     return [d for d in find_checkpoint_dirs(root) if is_training_checkpoint(d)]
+
+
+_LEAVES = "\0"  # `_latest`: the file is a symbolic link that leaves the run
+
+
+def _latest(folder: Path, root: Path) -> str | None:
+    """The tag `folder/latest` names (`read_latest`), or _LEAVES where it is a link out of the run."""
+    try:
+        return read_latest(folder, run=root)
+    except CheckpointError:
+        return _LEAVES
 
 
 _STEP = re.compile(r"(\d+)$")

@@ -30,12 +30,13 @@ def side_file_limit() -> int:
     return int(value) if value.isdigit() and int(value) > 0 else MAX_SIDE_FILE
 
 
-def read_small(path: Path, limit: int | None = None, *, follow: bool = True) -> bytes:
+def read_small(path: Path, limit: int | None = None, *, follow: bool = True, within: Path | None = None) -> bytes:
     """The bytes of the regular file at `path`, refused (ValueError) if it is not one or holds
     more than `limit` bytes (default `side_file_limit()`); `follow=False`: a symlink at `path`
-    is refused too (OSError ELOOP)."""
+    is refused too (OSError ELOOP); `within`: the run folder it lies in, which no link on the way
+    may leave (CheckpointError, `reading.confine`)."""
     limit = side_file_limit() if limit is None else limit
-    fd = open_regular(path, follow=follow)
+    fd = open_regular(path, follow=follow, within=within)
     try:
         st = os.fstat(fd)
         if st.st_size > limit:
@@ -69,6 +70,7 @@ def parse_json(text: bytes | str, depth: int = MAX_DEPTH):
         raise ValueError("JSON nested too deeply") from None
 
 
-def load_json(path: Path, limit: int | None = None, depth: int = MAX_DEPTH, *, follow: bool = True):
+def load_json(path: Path, limit: int | None = None, depth: int = MAX_DEPTH, *, follow: bool = True,
+              within: Path | None = None):
     """The JSON value of the side file `path` (bounded as `read_small` and `parse_json`)."""
-    return parse_json(read_small(path, limit, follow=follow), depth)
+    return parse_json(read_small(path, limit, follow=follow, within=within), depth)

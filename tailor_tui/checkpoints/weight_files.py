@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from tailor_tui.errors import CheckpointError, IncompatibleError
 from tailor_tui.formats.ds_format import RECOVERY_SCRIPTS
 from tailor_tui.formats.pickled import TensorRef
 from tailor_tui.formats.ptfile import file_format, read_structure
-from tailor_tui.reading import NOT_REGULAR
+from tailor_tui.reading import NOT_REGULAR, confine, identity, link_refusal
 
 COMPOSED, COPIED = "composed per row", "copied from the base"
 
@@ -80,18 +81,45 @@ def weight_kinds(names) -> set[str]:
 def folder_files(folder: Path, tag_dir: Path) -> list[Path]:
     """Every file of a checkpoint folder outside its tag folder, which is never entered (its rank
     files are the rank writers'; a 512-rank tag holds a thousand of them). One that is no regular
-    file (a FIFO, a link to a device) is refused: it could be neither read nor copied."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(folder):
-        here = Path(dirpath)
-        dirnames[:] = [d for d in dirnames if here / d != tag_dir]
-        for path in (here / f for f in filenames):
-            if path.is_file():
+    file (a FIFO, a link to a device) is refused: it could be neither read nor copied. A symbolic
+    link is read as the file or folder it leads to where that lies inside the run (the folder
+    holding `folder`), and refused where it leaves the run or leads nowhere (`reading.confine`);
+    a link to a folder this one already holds (its tag folder, a loop) is refused too."""
+    run, found = folder.parent, []
+    seen = {identity(st) for p in (folder, tag_dir) if (st := _stat(p)) is not None}
+    pending = [folder]
+    while pending:
+        here = pending.pop()
+        with os.scandir(here) as entries:
+            names = sorted((e.name, e.is_symlink()) for e in entries)
+        for name, linked in names:
+            path = here / name
+            if path == tag_dir:
+                continue
+            if linked:
+                confine(path, run)  # out of the run, or nowhere: refused
+            st = _stat(path)
+            if st is None:  # removed meanwhile
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                if identity(st) in seen:
+                    raise link_refusal(path, os.path.realpath(path), run,
+                                       "a folder this checkpoint already holds (its tag folder, or a loop)")
+                seen.add(identity(st))
+                pending.append(path)
+            elif stat.S_ISREG(st.st_mode):
                 found.append(path)
-            elif path.exists():  # a FIFO, a device, a socket (a dangling link names no file: passed over)
+            else:  # a FIFO, a device, a socket
                 raise CheckpointError(f"{path}: {NOT_REGULAR}; a checkpoint folder holds files tailor-tui reads or "
                                       "copies: remove it, or put the file it stands for in its place")
     return sorted(found)
+
+
+def _stat(path: Path) -> os.stat_result | None:
+    try:
+        return os.stat(path)
+    except OSError:
+        return None
 
 
 def weight_file_names(folder: Path, tag_dir: Path) -> tuple[str, ...]:

@@ -195,7 +195,7 @@ def _copy_other_files(plan: ComposePlan, tmp: Path, cancel: threading.Event, dur
         dst.parent.mkdir(parents=True, exist_ok=True)
         check_crcs(root / rel)  # scheduler.pt, rng_state_*.pth, training_args.bin: torch zip archives
         try:
-            copy_file(root / rel, dst, durable=durable)
+            copy_file(root / rel, dst, durable=durable, within=plan.base.path.parent)  # no link out of the run
         except OSError as exc:
             raise output_error(exc, dst) from None
 

@@ -85,7 +85,9 @@ class Exporting(PublishingWork):
     def fill(self, tmp: Path, cancel: threading.Event) -> None:
         _make_files(self.export, tmp, self.durable)
         if self.source is not None:
-            _write_config(self.source, tmp, self.export.dtype, self.durable)
+            base = self.export.plan.base  # its own config: read as its files are, no link out of its run
+            within = base.path.parent if self.source == base.path / CONFIG else None
+            _write_config(self.source, tmp, self.export.dtype, self.durable, within)
 
     def tasks(self, shared: str, emit: Emit) -> list[Task]:
         return [Task(export_rank, job, (self.folder(shared),)) for job in self.export.jobs]
@@ -113,10 +115,12 @@ def _make_files(export: Export, tmp: Path, durable: bool) -> None:
         write_file(tmp / INDEX, json.dumps(export.index, indent=2) + "\n", durable)
 
 
-def _write_config(source: Path, tmp: Path, dtype: str, durable: bool) -> None:
-    """config.json with its dtype the export's; the generation config and tokenizer files beside it."""
+def _write_config(source: Path, tmp: Path, dtype: str, durable: bool, within: Path | None = None) -> None:
+    """config.json with its dtype the export's; the generation config and tokenizer files beside it.
+    `within`: the run folder of the base checkpoint they come from, which no symbolic link on the way
+    may leave (`reading.confine`); None: a folder the user named with --config, read as it is."""
     try:
-        config = load_json(source)  # a side file: 1 MiB unless $TAILOR_TUI_MAX_SIDE_FILE says more
+        config = load_json(source, within=within)  # a side file: 1 MiB unless $TAILOR_TUI_MAX_SIDE_FILE says more
     except OSError as exc:
         raise UsageError(f"{source}: cannot be read ({exc.strerror or exc})") from None
     except ValueError as exc:
@@ -131,7 +135,7 @@ def _write_config(source: Path, tmp: Path, dtype: str, durable: bool) -> None:
         companion = source.parent / name
         if companion.is_file():
             try:
-                copy_file(companion, tmp / name, durable=durable)
+                copy_file(companion, tmp / name, durable=durable, within=within)
             except OSError as exc:
                 raise output_error(exc, tmp / name) from None
 

@@ -8,6 +8,7 @@ What each kind of file is: `weight_files`.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from tailor_tui.checkpoints.checkpoint import PARTIAL_MANIFEST, PARTIAL_MODEL_FILES, Checkpoint
@@ -31,6 +32,7 @@ from tailor_tui.errors import IncompatibleError
 from tailor_tui.formats.ds_format import RECOVERY_SCRIPTS
 from tailor_tui.formats.safetensors_in import parse_prefix, safetensors_header
 from tailor_tui.planning.jobs import BinFileJob, ModelFileJob, WeightJob
+from tailor_tui.reading import confine
 
 
 def _check_headers(files) -> None:
@@ -128,7 +130,10 @@ def copied_files(base: Checkpoint, picks: dict[str, int]) -> list[Path]:
     partial save aside); a DeepSpeed tag's recovery scripts. A weight file that cannot be composed
     refuses the recipe when a row moves."""
     if not base.in_folder:
-        return [Path(s) for s in RECOVERY_SCRIPTS if (base.save_dir / s).is_file()]
+        scripts = [Path(s) for s in RECOVERY_SCRIPTS if os.path.lexists(base.save_dir / s)]
+        for rel in scripts:
+            confine(base.save_dir / rel, base.path.parent)  # a link out of the run, or nowhere: refused
+        return [rel for rel in scripts if (base.save_dir / rel).is_file()]
     skip = set(base.model_files) | {base.path / rel for rel in (*_weight_files(base), *_bin_files(base))}
     own = {PARTIAL_MANIFEST, PARTIAL_MODEL_FILES} if base.partial else set()  # tailor-tui's
     found = [p.relative_to(base.path) for p in folder_files(base.path, base.tag_dir)
