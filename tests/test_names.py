@@ -48,6 +48,13 @@ def hostile_run(real_run, tmp_path: Path, run_name: str = "run") -> tuple[Path, 
     return run, named, ckpts[2]
 
 
+async def scan_notices(pilot) -> list:
+    """The notices shown once the scan is complete (read at once: each lasts 8 s)."""
+    await wait_for(pilot, lambda: pilot.app.home.scan_result is not None, tries=2400)
+    await pilot.pause()
+    return list(pilot.app._notifications)
+
+
 def assert_no_control_codes(*texts: str) -> None:
     for text in texts:
         assert not CONTROLS & set(text), repr(text)
@@ -112,6 +119,8 @@ async def test_hostile_names_show_as_text_in_every_part_of_the_composer(real_run
     assert len(str(named)) > 300
     app = make_app(run, workers=1)
     async with app.run_test(size=SIZE, notifications=True) as pilot:
+        notices = await scan_notices(pilot)
+        assert len(notices) == 1 and notices[0].title.startswith("Skipped checkpoint-7\\x1b[2J")
         await scanned(pilot)
         assert [c.path for c in app.home.composition.checkpoints][1] == named
         grid = app.query_one("#grid")
@@ -119,8 +128,6 @@ async def test_hostile_names_show_as_text_in_every_part_of_the_composer(real_run
         assert "[bold]x[@click=quit]\\nerror: forged\\r\\u202e-4" in header  # as written, escaped
         title = app.query_one("#title").render().plain
         assert title.startswith("tailor-tui · ") and "y" * 8 in title
-        notices = list(app._notifications)
-        assert len(notices) == 1 and notices[0].title.startswith("Skipped checkpoint-7\\x1b[2J")
         await pilot.press("left")  # the hostile checkpoint's column: its name and path in the details
         await pilot.pause()
         details = app.query_one("#details").render().plain
@@ -137,7 +144,7 @@ async def test_hostile_names_show_as_text_in_every_part_of_the_composer(real_run
         await pilot.pause()
         texts = [grid.render_line(y).text for y in range(grid.size.height)]
         texts += [app.query_one("#title").render().plain, app.query_one("#details").render().plain]
-        texts += [n.message + n.title for n in app._notifications]
+        texts += [n.message + n.title for n in notices]
         assert_no_control_codes(*texts)
     assert (run / "checkpoint-6-tailored" / "latest").is_file()
 
@@ -200,9 +207,9 @@ async def test_thousands_of_broken_folders_give_one_notice_and_keys_stay_quick(r
         baseline = await key_round_trips(pilot)
     app = make_app(run, workers=1)
     async with app.run_test(size=SIZE, notifications=True) as pilot:
+        notices = await scan_notices(pilot)
         await scanned(pilot)
         assert len(app.home.scan_result.problems) == BROKEN
-        notices = list(app._notifications)
         assert len(notices) == 1 and notices[0].title == f"Skipped {BROKEN:,} folders"
         first = ", ".join(f"checkpoint-{n}/global_step{n}" for n in (100, 1000, 1001))  # the tags of junk
         assert notices[0].message.startswith(f"{first} and 2,997 more: they look like checkpoints")
