@@ -20,7 +20,7 @@ from itertools import islice
 from typing import Callable, Iterable, TextIO
 
 from tailor_tui.events import TaskFinished, TaskProgressed
-from tailor_tui.units import size, throughput
+from tailor_tui.units import shown, size, throughput
 
 FEW = 8  # up to this many tasks, each has its own lines (or bar); beyond, they are summed up
 
@@ -129,7 +129,7 @@ class LineReporter:
         return self.summary if self.summary is not None else not self._each()
 
     def _print(self, text: str) -> None:
-        print(f"{self.prefix}{text}", file=self.out, flush=True)
+        print(shown(f"{self.prefix}{text}"), file=self.out, flush=True)
 
     def __call__(self, event) -> None:
         if self.tally.add(event) is None:
@@ -229,9 +229,9 @@ class BarReporter:
         if room < 2:
             lines = [self._total(width)]
         else:
-            shown = list(islice(t.running, room - 2))
-            lines = [self._line(name, t.done[name], t.totals[name], width) for name in shown]
-            more = len(t.running) - len(shown)
+            drawn = list(islice(t.running, room - 2))
+            lines = [self._line(name, t.done[name], t.totals[name], width) for name in drawn]
+            more = len(t.running) - len(drawn)
             lines.append(f"… {t.finished} done, " + (f"{more} more in progress, " if more else "")
                          + f"{t.waiting} waiting  {self._speed()}")
             lines.append(self._total(width, speed=False))
@@ -246,7 +246,7 @@ class BarReporter:
             columns, rows = self.terminal()
             lines, clear = self._many(columns, rows), "\x1b[J"  # the block shrinks: what was below it goes
         up = f"\x1b[{self._drawn}F" if self._drawn else ""
-        self.out.write(up + "".join(f"\x1b[2K{line}\n" for line in lines) + clear)
+        self.out.write(up + "".join(f"\x1b[2K{shown(line)}\n" for line in lines) + clear)
         self.out.flush()
         self._drawn = len(lines)
 

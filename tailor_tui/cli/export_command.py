@@ -7,6 +7,7 @@ import threading
 
 from tailor_tui.errors import ExitCode, UsageError
 from tailor_tui.events import TaskOptions
+from tailor_tui.units import shown
 
 
 def export_command(args, slow_down: float = 0.0) -> int:
@@ -30,12 +31,12 @@ def export_command(args, slow_down: float = 0.0) -> int:
     summary = (f"exporting {plan.output}: {len(export.placed)} tensors in {export.dtype}, "
                f"{size(export.bytes_to_write())} in {files}; config: {source or 'none'}")
     if args.dry_run:
-        print(summary)
+        print(shown(summary))
         print("dry run: nothing written")
         return ExitCode.OK
     for warning in plan.warnings:
-        print(f"warning: {warning}", file=sys.stderr)
-    print(summary, file=sys.stderr, flush=True)
+        print(shown(f"warning: {warning}"), file=sys.stderr)
+    print(shown(summary), file=sys.stderr, flush=True)
     report = reporter_for(sys.stderr, args.progress, [(job.task, job.progress_bytes) for job in export.jobs])
     try:
         result = run_export(export, config=args.config, workers=args.workers, emit=report, cancel=threading.Event(),
@@ -46,9 +47,9 @@ def export_command(args, slow_down: float = 0.0) -> int:
     if not isinstance(report, BarReporter):
         report.close()  # logs: the last line for all the tasks, where many were summed up
     if result.config is None:
-        print(f"note: {result.output} holds the weights but no config.json (a DeepSpeed-layout run records none); "
-              "export again with --config PATH (the model's config.json, or a folder with it and its tokenizer)",
-              file=sys.stderr)
+        print(shown(f"note: {result.output} holds the weights but no config.json (a DeepSpeed-layout run records "
+                    "none); export again with --config PATH (the model's config.json, or a folder with it and its "
+                    "tokenizer)"), file=sys.stderr)
     rate = result.bytes_written / max(result.seconds, 1e-6)
-    print(f"done: {result.output} ({size(result.bytes_written)} written in {result.seconds:.1f}s, {size(rate)}/s)")
+    print(shown(f"done: {result.output} ({size(result.bytes_written)} written in {result.seconds:.1f}s, {size(rate)}/s)"))
     return ExitCode.OK

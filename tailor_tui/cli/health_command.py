@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tailor_tui.errors import CheckpointError, ExitCode, UsageError
 from tailor_tui.events import TaskOptions
+from tailor_tui.units import shown
 
 
 def _health(run_dir: Path, args, progress: str, slow_down: float):
@@ -27,7 +28,7 @@ def _health(run_dir: Path, args, progress: str, slow_down: float):
     check_run_folder(run_dir)
     scanned = scan(run_dir)
     for _folder, problem in scanned.problems:
-        print(f"warning: skipped {problem}", file=sys.stderr)
+        print(shown(f"warning: skipped {problem}"), file=sys.stderr)
     checkpoints = scanned.checkpoints  # tailor-tui's own outputs are never among them
     if not checkpoints:
         raise CheckpointError(scanned.nothing_found(run_dir))
@@ -63,7 +64,7 @@ def stats_command(args, slow_down: float = 0.0) -> int:
     if args.json:
         print(json.dumps(health.to_json(), indent=1))
     else:
-        print("\n".join(table(health)))
+        print("\n".join(map(shown, table(health))))
     return ExitCode.OK
 
 
@@ -83,13 +84,13 @@ def heal_command(args, slow_down: float = 0.0) -> int:
     saved = comp.save(args.recipe)
     base = comp.base_checkpoint.name
     lines = healing_lines(health, healing, comp.base)
-    print(f"base: {base}; {len(comp.picks)} row(s) from other checkpoints")
-    print("\n".join(lines) if lines else f"every row is healthy in {base}")
+    print(shown(f"base: {base}; {len(comp.picks)} row(s) from other checkpoints"))
+    print("\n".join(map(shown, lines)) if lines else shown(f"every row is healthy in {base}"))
     if healing.hopeless:
-        print(f"error: {len(healing.hopeless)} row(s) have no healthy checkpoint ({', '.join(healing.hopeless)}); "
-              f"{saved} keeps them from {base}: --apply refuses it without --allow-nonfinite", file=sys.stderr)
+        print(shown(f"error: {len(healing.hopeless)} row(s) have no healthy checkpoint ({', '.join(healing.hopeless)}); "
+                    f"{saved} keeps them from {base}: --apply refuses it without --allow-nonfinite"), file=sys.stderr)
         return ExitCode.NONFINITE
-    print(f"wrote {saved}; compose it with: tailor-tui --apply {saved}")
+    print(shown(f"wrote {saved}; compose it with: tailor-tui --apply {saved}"))
     return ExitCode.OK
 
 

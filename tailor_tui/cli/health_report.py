@@ -12,7 +12,7 @@ from tailor_tui.checkpoints.checkpoint import distinct_names
 from tailor_tui.events import TaskFinished, TaskProgressed
 from tailor_tui.health.healing import Cell, Healing, Health, damage_text, why_unhealthy
 from tailor_tui.health.stats_run import CellsComputed, StatsPlanned
-from tailor_tui.units import size, throughput
+from tailor_tui.units import shown, size, throughput
 
 OUTLIER = 3.0  # a rel_change this many times the row's median is marked
 
@@ -124,7 +124,7 @@ class StatsProgress:
     def _say(self, text: str) -> None:
         if self.live:
             self.out.write("\r\x1b[2K")
-        print(text, file=self.out, flush=True)
+        print(shown(text), file=self.out, flush=True)
 
 
 def _percent(x: float) -> str:

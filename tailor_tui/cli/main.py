@@ -29,6 +29,7 @@ from tailor_tui.errors import (
     exit_codes_help,
 )
 from tailor_tui.events import TaskOptions
+from tailor_tui.units import shown
 
 
 def _positive(text: str) -> int:
@@ -140,21 +141,21 @@ def apply(args) -> int:
     recipe = load_recipe(args.apply)
     plan = build_plan(recipe, output=args.output, force=args.force, preview=args.dry_run, world_size=args.world_size)
     if args.dry_run:
-        print("\n".join(plan.describe()))
+        print("\n".join(map(shown, plan.describe())))  # a line per line, whatever the names
         print("dry run: nothing written")
         return ExitCode.OK
     team = connect(launch, args.peer_timeout, meeting=plan.output.parent) if launch else SOLO
     if team.lead:
         for warning in plan.warnings:
-            print(f"warning: {warning}", file=sys.stderr)
+            print(shown(f"warning: {warning}"), file=sys.stderr)
     workers = args.workers or default_workers(plan)
     ranks = f"{plan.base.world_size} → {plan.world_size}" if plan.reshard else plan.world_size
     if team.lead:
         processes = f"{team.size} processes ({launch.via}) × " if launch is not None and team.size > 1 else ""
         print(
-            f"composing {plan.output} from {len(plan.sources)} checkpoint(s): {ranks} ranks, "
+            shown(f"composing {plan.output} from {len(plan.sources)} checkpoint(s): {ranks} ranks, "
             f"{processes}{workers} worker(s), {'about ' if plan.rewritten_files() else ''}"
-            f"{size(plan.bytes_to_write())} to write",
+            f"{size(plan.bytes_to_write())} to write"),
             file=sys.stderr,
             flush=True,
         )
@@ -179,15 +180,13 @@ def apply(args) -> int:
     if not team.lead:
         return ExitCode.OK  # process 0 says how the job went
     if result.nonfinite:
-        print("warning: composed with --allow-nonfinite: the output holds NaN/Inf values in "
-              + ", ".join(f"{row} ({n:,})" for row, n in result.nonfinite.items()), file=sys.stderr)
+        print(shown("warning: composed with --allow-nonfinite: the output holds NaN/Inf values in "
+                    + ", ".join(f"{row} ({n:,})" for row, n in result.nonfinite.items())), file=sys.stderr)
     if args.report_peak_rss:
         print(f"peak RSS: {result.peak_rss} bytes", file=sys.stderr)
     rate = result.bytes_written / max(result.seconds, 1e-6)
-    print(
-        f"done: {result.output} ({size(result.bytes_written)} written in "
-        f"{result.seconds:.1f}s, {size(rate)}/s)"
-    )
+    print(shown(f"done: {result.output} ({size(result.bytes_written)} written in "
+                f"{result.seconds:.1f}s, {size(rate)}/s)"))
     return ExitCode.OK
 
 
@@ -204,7 +203,7 @@ def verify(args) -> int:
     if composed_for is not None and composed_for != plan.world_size:
         raise UsageError(f"output {plan.output}: was composed for {composed_for} ranks, this verification plans "
                          f"{plan.world_size}; verify it with --world-size {composed_for}")
-    print(f"verifying {plan.output} against {args.verify}", file=sys.stderr, flush=True)
+    print(shown(f"verifying {plan.output} against {args.verify}"), file=sys.stderr, flush=True)
     lines = reporter_for(sys.stderr, "lines", unit="compared")
     report = verify_against_recipe(plan, emit=lines)
     lines.close()
@@ -215,13 +214,13 @@ def verify(args) -> int:
         source = plan.sources[plan.picks[row.name]].name
         problems = report.problems.get(row.name)
         status = "FAIL" if problems else "ok"
-        print(f"{status:<4}  {row.name:<{width}}  {source}" + (f": {problems[0]}" if problems else ""))
+        print(shown(f"{status:<4}  {row.name:<{width}}  {source}" + (f": {problems[0]}" if problems else "")))
         for extra in (problems or [])[1:]:
-            print(f"{'':<4}  {'':<{width}}  {extra}")
+            print(shown(f"{'':<4}  {'':<{width}}  {extra}"))
     for problem in report.other:
-        print(f"FAIL  {problem}")
+        print(shown(f"FAIL  {problem}"))
     if report.ok:
-        print(f"verified: every row of {plan.output} matches its source")
+        print(shown(f"verified: every row of {plan.output} matches its source"))
         return ExitCode.OK
     bad = sum(1 for p in report.problems.values() if p)
     print(f"error: verification failed: {bad} row(s) and {len(report.other)} other problem(s) differ; "
@@ -250,14 +249,26 @@ def interactive(run_dir: Path, recipe: Path | None, workers: int | None) -> int:
         raise UsageError("the interactive composer needs a terminal; for batch jobs use --apply RECIPE")
     from tailor_tui.ui.app import make_app
 
-    make_app(run_dir, recipe=recipe, workers=workers).run()
-    return ExitCode.OK
+    app = make_app(run_dir, recipe=recipe, workers=workers)
+    app.run()
+    return ended(app)
+
+
+def ended(app) -> int:
+    """The exit code of a composer that has ended: an internal error that ended it is one line
+    on stderr, its traceback in a log file (`crash`), and exit code 1."""
+    from tailor_tui.cli.crash import crash_line, log_crash
+
+    if app.crash is not None:
+        print(crash_line(app.crash, log_crash(app.crash)), file=sys.stderr)
+        return ExitCode.INTERNAL
+    return app.return_code or ExitCode.OK
 
 
 def make_demo(args) -> int:
     out = args.make_demo
     ensure_demo(out)
-    print(f"done: {out} holds {', '.join(sorted(p.name for p in out.glob('checkpoint-*')))}")
+    print(shown(f"done: {out} holds {', '.join(sorted(p.name for p in out.glob('checkpoint-*')))}"))
     return ExitCode.OK
 
 
@@ -268,11 +279,11 @@ def ensure_demo(out: Path) -> None:
     spec = DEMO
     marker = out / "tailor_demo_spec.json"
     if marker.is_file() and marker.read_text().strip() == spec.key():
-        print(f"demo run {out} already exists; reusing it", file=sys.stderr)
+        print(shown(f"demo run {out} already exists; reusing it"), file=sys.stderr)
         return
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise OutputError(f"{out}: already exists and is not empty; choose another folder for the demo run")
-    print(f"training a small real DeepSpeed ZeRO-3 run into {out} (HF Trainer, 2 ranks, CPU)…", file=sys.stderr)
+    print(shown(f"training a small real DeepSpeed ZeRO-3 run into {out} (HF Trainer, 2 ranks, CPU)…"), file=sys.stderr)
     make_run(out, spec)
 
 
@@ -333,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             assert args.run_dir is not None  # no action given: RUN_DIR is (the checks above)
             code = interactive(args.run_dir, args.recipe, args.workers)
     except TailorError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {shown(exc)}", file=sys.stderr)  # one line, whatever names it holds
         code = exc.exit_code
     except KeyboardInterrupt:
         writes = args.apply or args.export or args.make_demo or args.demo

@@ -16,6 +16,7 @@ from typing import Callable, Iterable
 
 from textual import work
 from textual.app import App, SystemCommand
+from textual.notifications import SeverityLevel
 from textual.screen import Screen
 
 from tailor_tui.events import TaskOptions
@@ -24,6 +25,7 @@ from tailor_tui.team.workers import prepare_worker_processes
 from tailor_tui.ui.actions import APP, bindings, palette_actions
 from tailor_tui.ui.composer import ComposerOptions, ComposerScreen
 from tailor_tui.ui.dialogs import Answer, Confirm, HelpScreen
+from tailor_tui.ui.plain import notice
 from tailor_tui.ui.progress_screen import ProgressScreen
 
 
@@ -39,6 +41,18 @@ class TailorApp(App):
         super().__init__()
         prepare_worker_processes()  # before Textual takes over stderr
         self.options = options
+        self.crash: BaseException | None = None  # what ended the app, if anything did (cli.crash logs it)
+
+    def _handle_exception(self, error: Exception) -> None:
+        # Textual's one door for an exception nothing handled: it ends the app, code 1
+        if self.crash is None:
+            self.crash = error
+        super()._handle_exception(error)
+
+    def _print_error_renderables(self) -> None:
+        if self.crash is not None:  # its traceback goes to a log file (cli.crash), not a page of the terminal
+            self._exit_renderables.clear()
+        super()._print_error_renderables()
 
     def get_default_screen(self) -> ComposerScreen:
         return ComposerScreen(self.options)
@@ -91,6 +105,11 @@ class TailorApp(App):
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
             self.push_screen(HelpScreen())
+
+    def notify(self, message: str, *, title: str = "", severity: SeverityLevel = "information",
+               timeout: float | None = None, markup: bool = True) -> None:
+        """Every notice of every screen, as text: names in it are never markup nor control codes."""
+        super().notify(notice(message), title=notice(title), severity=severity, timeout=timeout, markup=False)
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         # Textual's own Quit would leave without asking: ours is the one Quit entry

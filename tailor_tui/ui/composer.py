@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -40,15 +41,20 @@ from tailor_tui.ui.health_actions import HealthActions
 from tailor_tui.ui.host import ComposerOptions  # its home is host.py, named here where it always was
 from tailor_tui.ui.messages import PlanFailed, PlanReady, ScanComplete, ScanFailed, ScanProgressed
 from tailor_tui.ui.navigation import Navigation
+from tailor_tui.ui.plain import plain, plain_lines
 from tailor_tui.ui.progress_screen import ProgressScreen
 from tailor_tui.ui.recipe_actions import RecipeActions
-from tailor_tui.units import size
+from tailor_tui.units import shown, size
 
 if TYPE_CHECKING:
     from tailor_tui.checkpoints.checkpoint import Checkpoint
     from tailor_tui.health.healing import Cell
     from tailor_tui.planning.recipe import Recipe
     from tailor_tui.ui.messages import Outcome
+
+
+SCAN_REDRAW = 0.05  # seconds between redraws of the scan's progress
+FEW_NAMED = 3  # folders a notice of skipped ones names
 
 
 class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Screen[None]):
@@ -75,11 +81,11 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
     def compose(self) -> ComposeResult:
         yield Static("", id="title")
         with Vertical(id="scanning"):
-            yield Label(f"Scanning {self.options.run_dir} …", id="scan-label")
+            yield Label(plain(f"Scanning {self.options.run_dir} …"), id="scan-label")
             yield ProgressBar(id="scan-bar", show_eta=False)
         with Horizontal(id="main"):
             yield CheckpointGrid(id="grid")
-            yield Static("", id="details", markup=False)
+            yield Static("", id="details")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -111,14 +117,14 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
                 parts.append(self.health_status)
             parts += [f"base {comp.base_checkpoint.name}", f"output {self.rel(comp.output)}"]
         head = " · ".join(["tailor-tui", *parts]) + " · "
-        run = self.options.run_dir.name or str(self.options.run_dir)  # its full path: the details panel
+        run = shown(self.options.run_dir.name or self.options.run_dir)  # its full path: the details panel
         room = max(0, self.size.width - 2 - len(head))  # the title's padding
         if len(run) > room:
             run = "…" + run[len(run) - room + 1:] if room > 8 else ""
         title = head + run if run else head[:-3]
         if title != self.title_text:  # one line, its height fixed: no re-layout of the screen
             self.title_text = title
-            self.query_one("#title", Static).update(title, layout=False)
+            self.query_one("#title", Static).update(plain(title), layout=False)
 
     def on_resize(self) -> None:
         self.update_title()
@@ -129,8 +135,14 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
     def scan_worker(self) -> None:
         worker = get_current_worker()
 
+        last = 0.0
+
         def progressed(done: int, total: int, path: Path) -> None:
-            self.post_message(ScanProgressed(done, total, path))
+            nonlocal last
+            now = time.monotonic()
+            if now - last >= SCAN_REDRAW or done == total:  # a redraw a tick, not one a folder
+                last = now
+                self.post_message(ScanProgressed(done, total, path))
 
         try:
             result = scan(
@@ -148,22 +160,21 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
     def on_scan_progressed(self, message: ScanProgressed) -> None:
         self.query_one("#scan-bar", ProgressBar).update(total=message.total, progress=message.done)
         self.query_one("#scan-label", Label).update(
-            f"Scanning {self.options.run_dir} … {message.done}/{message.total} {self.rel(message.path)}"
-        )
+            plain(f"Scanning {self.options.run_dir} … {message.done}/{message.total} {self.rel(message.path)}"))
 
     def on_scan_failed(self, message: ScanFailed) -> None:
         self.health_status = None
-        self.query_one("#scan-label", Label).update(f"error: {message.message}")
+        self.query_one("#scan-label", Label).update(plain(f"error: {message.message}"))
         self.app.push_screen(ErrorDialog(message.message, title="Cannot scan"))
 
     def on_scan_complete(self, message: ScanComplete) -> None:
         result = self.scan_result = message.result
         if not result.checkpoints:
             self.health_status = None
-            why = "\n".join(f"  skipped {self.rel(p)}: {w}" for p, w in result.problems)
+            why = [f"  skipped {self.rel(p)}: {w}" for p, w in result.problems]
             self.query_one("#scan-bar", ProgressBar).display = False  # nothing more is coming
             self.query_one("#scan-label", Label).update(
-                f"{result.nothing_found(self.options.run_dir)}. q quits." + (f"\n{why}" if why else ""))
+                plain_lines([f"{result.nothing_found(self.options.run_dir)}. q quits.", *why]))
             return
         self.composition = Composition.start(list(result.checkpoints))
         self.query_one("#scanning").display = False
@@ -177,9 +188,19 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
                                                               for i, c in enumerate(result.checkpoints)})
         self.refresh_view()
         self.query_one(CheckpointGrid).focus()
-        for path, why in result.problems:
-            self.notify(why, title=f"Skipped {self.rel(path)}", severity="warning", timeout=8)
+        self.tell_skipped(result.problems)
         self.stats_worker(tuple(result.checkpoints))
+
+    def tell_skipped(self, problems: tuple[tuple[Path, str], ...]) -> None:
+        """One notice for what the scan skipped, however many folders (the details panel lists them)."""
+        if len(problems) == 1:
+            (path, why), = problems
+            self.notify(why, title=f"Skipped {self.rel(path)}", severity="warning", timeout=8)
+        elif problems:
+            names = ", ".join(self.rel(path) for path, _why in problems[:FEW_NAMED])
+            more = f" and {len(problems) - FEW_NAMED:,} more" if len(problems) > FEW_NAMED else ""
+            self.notify(f"{names}{more}: they look like checkpoints but cannot be used; the details panel says why",
+                        title=f"Skipped {len(problems):,} folders", severity="warning", timeout=8)
 
     # --- view ------------------------------------------------------------------------------
 
@@ -214,7 +235,7 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
         details = self.query_one("#details", Static)
         if text != self.details_text:  # its size is fixed by the layout: no re-layout of the screen
             self.details_text = text
-            details.update(text, layout=False)
+            details.update(plain_lines(lines), layout=False)
 
     # --- actions --------------------------------------------------------------------------
 
@@ -314,19 +335,19 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
                 self.plan_worker(message.recipe, force=True)
 
         self.app.push_screen(Confirm(f"Replace {self.rel(message.replaceable)}?",
-                                 f"{message.replaceable} holds an earlier composition by tailor-tui. It is replaced "
+                                 f"{shown(message.replaceable)} holds an earlier composition by tailor-tui. It is replaced "
                                  "only once the new one is complete; until then it stays as it is.",
                                  accept="Replace", decline="Back"), answer)
 
     def on_plan_ready(self, message: PlanReady) -> None:
         plan = message.plan
-        body = "\n".join(plan.describe(show=self.rel, every_file=False))
+        body = "\n".join(map(shown, plan.describe(show=self.rel, every_file=False)))  # a line per line
         # Rows the statistics already know to be non-finite or damaged in their source: the
         # --apply would refuse them, so the user decides here ("Compose anyway" allows them).
         bad = [f"{row} from {plan.sources[s].name}: {why_unhealthy(cell)}" for row, s in plan.picks.items()
                if (cell := self.cell_of(row, plan.sources[s])) is not None and not cell.healthy]
         if bad:
-            body = "\n".join(["✗ the output would hold unhealthy rows:", *bad,
+            body = "\n".join(["✗ the output would hold unhealthy rows:", *map(shown, bad),
                               "Enter goes back (h heals them); ! composes anyway, as --apply --allow-nonfinite does",
                               "", body])
 

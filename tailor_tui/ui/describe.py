@@ -21,6 +21,7 @@ PALETTE = ("#1f3a5f", "#1f5f5b", "#5f5f1f", "#8a5a12", "#9e2a2b")
 LABEL = {"rel_change": "Δ since previous", "weight_rms": "weight RMS", "adam_v_max": "Adam v max"}
 SHORT = {"rel_change": "Δ", "weight_rms": "rms", "adam_v_max": "v max"}  # as the cell's lines label them
 LOSS_JUMP = 1.2  # a loss this many times the previous checkpoint's is marked
+PROBLEMS_LISTED = 20  # folders the details panel lists of those the scan skipped
 
 
 def row_range(health: Health | None, row: str, metric: str) -> tuple[float, float] | None:
@@ -170,7 +171,9 @@ def details_lines(comp: Composition, health: Health | None, row_name: str, colum
     if outputs:  # tailor-tui's own outputs in the run folder: shown here, never as columns
         lines += ["", f"composed by tailor-tui here, not columns ({len(outputs)}):"]
         lines += [f"  {show(o.folder)} ← {', '.join(o.sources) or '?'}" for o in outputs]
-    if problems:  # kept here, not only in a toast
+    if problems:  # kept here, not only in a toast; thousands: the first ones (--stats warns of each)
         lines += ["", f"skipped while scanning ({len(problems)}):"]
-        lines += [f"  {show(path)}: {why}" for path, why in problems]
+        lines += [f"  {show(path)}: {why}" for path, why in problems[:PROBLEMS_LISTED]]
+        if len(problems) > PROBLEMS_LISTED:
+            lines.append(f"  … and {len(problems) - PROBLEMS_LISTED:,} more (tailor-tui --stats RUN_DIR names each)")
     return lines

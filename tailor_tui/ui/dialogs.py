@@ -12,6 +12,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
 from tailor_tui.ui.actions import keys_help
+from tailor_tui.ui.plain import plain, plain_lines
 
 
 class PathPrompt(ModalScreen[str | None]):
@@ -25,7 +26,7 @@ class PathPrompt(ModalScreen[str | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
-            yield Label(self.title_text, classes="dialog-title")
+            yield Label(plain(self.title_text), classes="dialog-title")
             yield Input(value=self.value, placeholder=self.placeholder, id="path")
             yield Label("Enter accepts, Esc cancels", classes="dialog-hint")
 
@@ -63,9 +64,9 @@ class Confirm(ModalScreen[bool | str]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
-            yield Label(self.title_text, classes="dialog-title")
-            with VerticalScroll(classes="dialog-scroll", can_focus=False):
-                yield Static(Text(self.body), classes="dialog-body")  # Text keeps the plan's indentation
+            yield Label(plain(self.title_text), classes="dialog-title")
+            with VerticalScroll(classes="dialog-scroll", can_focus=False):  # the plan's lines, indented
+                yield Static(plain_lines(self.body.split("\n")), classes="dialog-body")
             with Horizontal(classes="dialog-buttons"):
                 yield Button(f"{self.accept} ({self.accept_keys})", variant="primary", id="accept")
                 yield Button(f"{self.decline} ({self.decline_keys})", id="decline")
@@ -150,8 +151,8 @@ class ErrorDialog(ModalScreen[None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog error"):
-            yield Label(self.title_text, classes="dialog-title")
-            yield Static(self.message, classes="dialog-body", markup=False)
+            yield Label(plain(self.title_text), classes="dialog-title")
+            yield Static(plain(self.message), classes="dialog-body")
             yield Label("Enter or Esc closes", classes="dialog-hint")
 
     def action_close(self) -> None:

@@ -26,6 +26,7 @@ from tailor_tui.compose.composition import Composition
 from tailor_tui.health.healing import Health, damage
 from tailor_tui.ui.actions import GRID, bindings
 from tailor_tui.ui.describe import background, header_suffix, row_range
+from tailor_tui.units import shown
 
 PICKED, HOLDS, DISABLED, TIED = "●", "·", "✗", "tied"
 HEADER_HEIGHT = 2
@@ -226,7 +227,7 @@ class CheckpointGrid(ScrollView, can_focus=True):
         comp = self._shown
         ckpt = comp.checkpoints[column]
         step = f"step {ckpt.step}{header_suffix(self.health, column)}"
-        name = comp.label(column)
+        name = shown(comp.label(column))  # a folder's name, as text (never control codes)
         if column == comp.base:
             return GridCell(name, "bold reverse"), GridCell(f"{step} BASE", "bold reverse")
         if comp.incompatibility(column):
@@ -237,7 +238,7 @@ class CheckpointGrid(ScrollView, can_focus=True):
         comp, health = self._shown, self.health
         r = comp.base_checkpoint.row(row)
         style = "dim italic" if r.tied else ""
-        cells = [GridCell(row, style + (" reverse bold" if self._selected(row) else ""))]
+        cells = [GridCell(shown(row), style + (" reverse bold" if self._selected(row) else ""))]
         source = comp.source_of(row)
         scale = row_range(health, row, self.metric)
         for column in range(len(comp.checkpoints)):

@@ -25,9 +25,15 @@ if TYPE_CHECKING:
 
 @dataclass(eq=False)
 class ScanProgressed(Message):
+    """`done` of `total` folders opened, the last `path` (a newer one replaces one still queued:
+    thousands of folders are not thousands of redraws)."""
+
     done: int
     total: int
     path: Path
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, ScanProgressed)
 
 
 @dataclass(eq=False)

@@ -31,6 +31,7 @@ from tailor_tui.export.export_run import run_export
 from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.report import FEW, Tally
 from tailor_tui.ui.messages import ComposeFailed, ComposeFinished, ComposeProgressed
+from tailor_tui.ui.plain import plain
 from tailor_tui.units import size, throughput
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ class ProgressScreen(Screen[None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="compose"):
-            yield Label(self.title_text, id="compose-title")
+            yield Label(plain(self.title_text), id="compose-title")
             with VerticalScroll(id="bars"):
                 if self.many:
                     for i in range(SLOTS):
@@ -80,7 +81,7 @@ class ProgressScreen(Screen[None]):
                 else:
                     for i, (name, _total) in enumerate(self.tasks):
                         with Horizontal(classes="bar-row"):
-                            yield Label(name, classes="bar-label")
+                            yield Label(plain(name), classes="bar-label")
                             yield ProgressBar(total=_total, show_eta=False, id=f"bar-{i}")
                 with Horizontal(classes="bar-row overall"):
                     yield Label("overall", classes="bar-label")
@@ -159,7 +160,7 @@ class ProgressScreen(Screen[None]):
     def show_slot(self, slot: int) -> None:
         task = self.slots[slot]
         self.query_one(f"#slot-{slot}").set_class(task is None, "idle")
-        self.query_one(f"#slot-label-{slot}", Label).update(task or "")
+        self.query_one(f"#slot-label-{slot}", Label).update(plain(task or ""))
         if task is not None:
             bar = self.query_one(f"#bar-{slot}", ProgressBar)
             bar.update(total=self.tally.totals[task], progress=self.tally.done[task])
@@ -186,10 +187,9 @@ class ProgressScreen(Screen[None]):
                 self.query_one(f"#bar-{i}", ProgressBar).update(progress=total)
         self.update_overall()
         r = message.result
-        self.query_one("#compose-status", Static).update(
+        self.query_one("#compose-status", Static).update(plain(
             f"Done: {r.output} ({size(r.bytes_written)} written in {r.seconds:.1f}s). "
-            "ctrl+s saves the recipe; Esc returns to the grid."
-        )
+            "ctrl+s saves the recipe; Esc returns to the grid."))
         self.add_class("finished")
         self.on_finished(r)
 

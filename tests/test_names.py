@@ -1,0 +1,220 @@
+"""Names are data (issue 43): folder names holding markup, terminal control sequences, newlines
+and bidi overrides are shown as what they are — in the composer (never markup: no MarkupError)
+and in every headless command (escaped as repr writes them: nothing reaches the terminal, a
+one-line refusal stays one line) — and thousands of broken checkpoint-like folders give one
+notice while the composer stays responsive."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+from helpers import assert_one_line_error, tailor
+from pilot_helpers import compose_finished, private_copy, scanned, start_composing, wait_for
+
+from tailor_tui.cli.main import ended
+from tailor_tui.ui.app import make_app
+from tailor_tui.ui.composer import ComposerScreen
+from tailor_tui.ui.dialogs import Confirm
+from tailor_tui.units import shown
+
+# What a downloaded run's folder may be named: erase the screen, retitle the terminal (OSC … BEL),
+# Textual markup (a link, a style, an action), a newline that would forge a
+# line, a carriage return, a bidi override that reads the rest backwards.
+HOSTILE = "\x1b[2J\x1b]0;pwned\x07[link=a:b][bold]x[@click=quit]\nerror: forged\r\u202e"
+CONTROLS = {chr(c) for c in [*range(0x20), *range(0x7F, 0xA0), 0x202E]} - {"\n"}
+SIZE = (130, 32)
+
+
+def junk_checkpoint(folder: Path, step: int) -> Path:
+    """A folder that looks like an HF checkpoint (`latest` naming a tag of rank files) and holds junk."""
+    tag = folder / f"global_step{step}"
+    tag.mkdir(parents=True)
+    (folder / "latest").write_text(tag.name)
+    (tag / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"junk")
+    return folder
+
+
+def hostile_run(real_run, tmp_path: Path, run_name: str = "run") -> tuple[Path, Path, Path]:
+    """A copy of a real HF run whose middle checkpoint has a hostile name, beside a broken
+    checkpoint-like folder with one too: (run, the hostile checkpoint, the newest checkpoint)."""
+    run, ckpts = private_copy(real_run, tmp_path, "hf_bf16_2", folder=run_name)
+    named = ckpts[1].rename(run / f"checkpoint-{HOSTILE}-4")
+    junk_checkpoint(run / f"checkpoint-7{HOSTILE}", 7)
+    return run, named, ckpts[2]
+
+
+async def scan_notices(pilot) -> list:
+    """The notices shown once the scan is complete (read at once: each lasts 8 s)."""
+    await wait_for(pilot, lambda: pilot.app.home.scan_result is not None, tries=2400)
+    await pilot.pause()
+    return list(pilot.app._notifications)
+
+
+def assert_no_control_codes(*texts: str) -> None:
+    for text in texts:
+        assert not CONTROLS & set(text), repr(text)
+
+
+def recipe(folder: Path, base: Path, layers: dict[str, Path], output: Path) -> Path:
+    """A recipe naming paths that YAML writes only escaped (JSON's strings are YAML's)."""
+    path = folder / "recipe.yaml"
+    path.write_text("\n".join(["version: 1", f"base: {json.dumps(str(base))}", f"output: {json.dumps(str(output))}",
+                               "layers:", *(f"  {row}: {json.dumps(str(src))}" for row, src in layers.items())]) + "\n")
+    return path
+
+
+# --- the headless commands ----------------------------------------------------------------------
+
+
+def test_stats_prints_hostile_names_escaped(real_run, tmp_path):
+    run, named, _newest = hostile_run(real_run, tmp_path)
+    result = tailor("--stats", run)
+    assert result.returncode == 0, result.stderr
+    assert_no_control_codes(result.stdout, result.stderr)
+    assert shown(named.name) in result.stdout.splitlines()[0]  # the table's header names it, escaped
+    assert "\\x1b[2J\\x1b]0;pwned\\x07[link=a:b]" in result.stdout
+    skipped = [line for line in result.stderr.splitlines() if line.startswith("warning: skipped")]
+    assert len(skipped) == 1 and "checkpoint-7\\x1b[2J" in skipped[0]
+    assert not any(line.startswith("error: forged") for line in (result.stdout + result.stderr).splitlines())
+
+
+def test_dry_run_apply_and_verify_print_hostile_names_escaped(real_run, tmp_path):
+    run, named, newest = hostile_run(real_run, tmp_path)
+    path = recipe(tmp_path, named, {"layers.0": newest}, output=tmp_path / f"out{HOSTILE}")
+    planned = tailor("--apply", path, "--dry-run")
+    assert planned.returncode == 0, planned.stderr
+    assert_no_control_codes(planned.stdout, planned.stderr)
+    assert "dry run: nothing written" in planned.stdout and shown(named.name) in planned.stdout
+    applied = tailor("--apply", path, "--progress", "lines")
+    assert applied.returncode == 0, applied.stderr
+    assert_no_control_codes(applied.stdout, applied.stderr)
+    assert applied.stdout.startswith("done: ") and len(applied.stdout.splitlines()) == 1
+    verified = tailor("--verify", path)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert_no_control_codes(verified.stdout, verified.stderr)
+    assert f"verified: every row of {shown(tmp_path / f'out{HOSTILE}')} matches" in verified.stdout
+
+
+def test_a_refusal_stays_one_line_whatever_the_names_hold(real_run, tmp_path):
+    run, named, newest = hostile_run(real_run, tmp_path)
+    missing = run / f"checkpoint-6{HOSTILE}"  # no such folder: refused, naming it
+    result = tailor("--apply", recipe(tmp_path, missing, {"layers.0": newest}, output=tmp_path / "out"))
+    assert_one_line_error(result, 4, shown(missing.name))
+    assert_no_control_codes(result.stdout, result.stderr)
+    assert len(result.stderr.splitlines()) == 1
+
+
+# --- the composer ---------------------------------------------------------------------------------
+
+
+async def test_hostile_names_show_as_text_in_every_part_of_the_composer(real_run, tmp_path):
+    # the run's own folder is hostile too, and long: its checkpoints' paths are over 300 characters
+    run_name = f"run{HOSTILE}{'[' * 8}{'y' * 150}"
+    run, named, _newest = hostile_run(real_run, tmp_path, run_name)
+    assert len(str(named)) > 300
+    app = make_app(run, workers=1)
+    async with app.run_test(size=SIZE, notifications=True) as pilot:
+        notices = await scan_notices(pilot)
+        assert len(notices) == 1 and notices[0].title.startswith("Skipped checkpoint-7\\x1b[2J")
+        await scanned(pilot)
+        assert [c.path for c in app.home.composition.checkpoints][1] == named
+        grid = app.query_one("#grid")
+        header = grid.render_line(0).text  # scrolled to the base: the long name's end in view
+        assert "[bold]x[@click=quit]\\nerror: forged\\r\\u202e-4" in header  # as written, escaped
+        title = app.query_one("#title").render().plain
+        assert title.startswith("tailor-tui · ") and "y" * 8 in title
+        await pilot.press("left")  # the hostile checkpoint's column: its name and path in the details
+        await pilot.pause()
+        details = app.query_one("#details").render().plain
+        assert shown(named.name) in details and shown(run_name) in details
+        await pilot.press("space", "ctrl+r")  # a row from it: the plan names it
+        await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
+        body = app.screen.query_one(".dialog-body").render().plain
+        assert shown(named.name) in body
+        await pilot.press("escape")
+        progress = await start_composing(pilot)
+        await wait_for(pilot, lambda: not progress.running, tries=2400)
+        assert shown(run_name) in progress.query_one("#compose-status").render().plain  # "Done: <its path>"
+        await compose_finished(pilot)
+        await pilot.pause()
+        texts = [grid.render_line(y).text for y in range(grid.size.height)]
+        texts += [app.query_one("#title").render().plain, app.query_one("#details").render().plain]
+        texts += [n.message + n.title for n in notices]
+        assert_no_control_codes(*texts)
+    assert (run / "checkpoint-6-tailored" / "latest").is_file()
+
+
+async def test_an_error_that_ends_the_composer_is_one_line_and_a_logged_traceback(run_copy_hf, tmp_path, capsys,
+                                                                                  monkeypatch):
+    monkeypatch.setenv("TAILOR_TUI_CACHE", str(tmp_path / "cache"))
+
+    def broken(self) -> None:
+        raise RuntimeError(f"a bug, quoting {HOSTILE}")
+
+    monkeypatch.setattr(ComposerScreen, "action_pick", broken)
+    app = make_app(run_copy_hf)
+    with pytest.raises(RuntimeError, match="a bug"):  # the pilot raises what ended the app
+        async with app.run_test(size=SIZE) as pilot:
+            await scanned(pilot)
+            await pilot.press("space")
+            await pilot.pause()
+    capsys.readouterr()
+    assert ended(app) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("error: the composer stopped on an internal error")
+    assert "RuntimeError: a bug, quoting \\x1b[2J" in err
+    assert_no_control_codes(err)
+    log = Path(err.split("its traceback is in ")[1].split("; ")[0])
+    assert log.parent == tmp_path / "cache" / "crashes"
+    assert "Traceback" in log.read_text() and "in broken" in log.read_text()
+
+
+@pytest.fixture
+def run_copy_hf(real_run, tmp_path) -> Path:
+    return private_copy(real_run, tmp_path, "hf_bf16_2")[0]
+
+
+# --- thousands of broken checkpoint-like folders --------------------------------------------------
+
+BROKEN = 3000
+
+
+async def key_round_trips(pilot, presses: int = 8) -> float:
+    """The median time from a key press until the app has handled it and redrawn."""
+    times = []
+    for key in ["down", "up"] * (presses // 2):
+        started = time.perf_counter()
+        await pilot.press(key)
+        await pilot.pause()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+async def test_thousands_of_broken_folders_give_one_notice_and_keys_stay_quick(real_run, tmp_path):
+    clean, _ckpts = private_copy(real_run, tmp_path, "hf_bf16_2", folder="clean")
+    run = tmp_path / "run"
+    shutil.copytree(clean, run)
+    for i in range(BROKEN):
+        junk_checkpoint(run / f"checkpoint-{100 + i}", 100 + i)
+    app = make_app(clean, workers=1)
+    async with app.run_test(size=SIZE, notifications=True) as pilot:
+        await scanned(pilot)
+        baseline = await key_round_trips(pilot)
+    app = make_app(run, workers=1)
+    async with app.run_test(size=SIZE, notifications=True) as pilot:
+        notices = await scan_notices(pilot)
+        await scanned(pilot)
+        assert len(app.home.scan_result.problems) == BROKEN
+        assert len(notices) == 1 and notices[0].title == f"Skipped {BROKEN:,} folders"
+        first = ", ".join(f"checkpoint-{n}/global_step{n}" for n in (100, 1000, 1001))  # the tags of junk
+        assert notices[0].message.startswith(f"{first} and 2,997 more: they look like checkpoints")
+        details = app.query_one("#details").render().plain
+        assert f"skipped while scanning ({BROKEN}):" in details and "… and 2,980 more" in details
+        hostile = await key_round_trips(pilot)
+    # a key under 100 ms, or (a loaded CI machine) no slower than twice the same key on a clean run
+    assert hostile < max(0.1, 2 * baseline + 0.02), (hostile, baseline)
