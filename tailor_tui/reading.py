@@ -64,11 +64,7 @@ def confine(path: Path, run: Path) -> tuple[int, int] | None:
         rel = Path(os.path.abspath(path)).relative_to(os.path.abspath(run))
     except ValueError:
         raise ValueError(f"{path} is not spelled below {run}") from None
-    try:
-        run_st = os.stat(run)
-    except OSError:
-        return None
-    run_real, at = os.path.realpath(run), Path(run)
+    at = Path(run)
     for part in rel.parts:
         at = at / part
         try:
@@ -76,8 +72,12 @@ def confine(path: Path, run: Path) -> tuple[int, int] | None:
         except (FileNotFoundError, NotADirectoryError):
             return None
         if not stat.S_ISLNK(st.st_mode):
-            continue
-        real = os.path.realpath(at)
+            continue  # (the common case: what the run is and where it lies are looked up for a link only)
+        try:
+            run_st = os.stat(run)
+        except OSError:
+            return None
+        run_real, real = os.path.realpath(run), os.path.realpath(at)
         try:
             target = os.stat(real)
         except OSError:

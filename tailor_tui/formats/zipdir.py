@@ -141,7 +141,7 @@ def _entries(data: bytes, records: int, directory: int, start: int, archive: byt
     if len(data) < directory:
         raise zipfile.BadZipFile("its directory is cut short (truncated)")
     entries, i, unpack, central = Directory(), 0, _ENTRY.unpack_from, data.startswith
-    entries.start, seen = start, set[bytes]()
+    entries.start, lowered, names, local_of = start, data.lower(), set[bytes](), _LOCAL.unpack_from
     for _ in range(records):
         if i + 46 > len(data) or not central(CENTRAL, i):
             raise zipfile.BadZipFile(f"its directory entry at byte {start + i} is damaged")
@@ -151,24 +151,32 @@ def _entries(data: bytes, records: int, directory: int, start: int, archive: byt
         end = extra_at + extra_len + comment_len
         if end > len(data):
             raise zipfile.BadZipFile(f"its directory entry at byte {start + i} runs past the directory")
-        raw = data[name_at: extra_at]
-        if raw.lower() in seen or flags & ~(DESCRIBED | UTF8) or method or disk or external & DIRECTORY \
-                or raw.endswith(b"/") or (packed != size and _FULL not in (size, packed)):
-            _refuse(raw, flags, method, packed, size, seen, disk)
-        seen.add(raw.lower())
+        folded = lowered[name_at: extra_at]
+        if folded in names or flags & ~(DESCRIBED | UTF8) or method or disk or external & DIRECTORY \
+                or folded.endswith(b"/") or (packed != size and _FULL not in (size, packed)):
+            _refuse(data[name_at: extra_at], flags, method, packed, size, names, disk)
+        names.add(folded)
         if _FULL in (size, packed, offset):
             size, packed, offset = _zip64(data[extra_at: extra_at + extra_len], size, packed, offset)
             if packed != size:
-                _refuse(raw, flags, method, packed, size, set())
-        if archive is not None and not (size or crc):  # a placeholder: checked, left out
-            local_data_start(_decode(raw, flags), raw, flags, crc, 0,
-                             archive[offset: offset + LOCAL_HEADER + name_len], offset)
-            i = end
-            continue
-        if offset + LOCAL_HEADER + size > start:
-            raise RecordError(_decode(raw, flags), f"its data would lie past byte {start:,}, where the archive's "
-                                                   f"directory starts (damaged); {RECOPY}")
-        entries.append(Entry(_decode(raw, flags), offset, False, flags, crc, size, packed, start + i + 16))
+                _refuse(data[name_at: extra_at], flags, method, packed, size, set())
+        if archive is not None and not (size or crc):  # a placeholder: its local header checked, left out
+            raw = data[name_at: extra_at]
+            if offset + LOCAL_HEADER + name_len > len(archive) or not archive.startswith(LOCAL, offset):
+                local_data_start(_decode(raw, flags), raw, flags, 0, 0, archive[offset: offset + 64], offset)
+            local_flags, local_method, local_crc, local_packed, local_size, local_name, _ = local_of(archive, offset)
+            if local_flags != flags or local_method or local_crc or local_name != name_len \
+                    or local_packed not in (0, _FULL) or local_size not in (0, _FULL) \
+                    or not archive.startswith(raw, offset + LOCAL_HEADER):
+                local_data_start(_decode(raw, flags), raw, flags, 0, 0, archive[offset: offset + LOCAL_HEADER + name_len],
+                                 offset)
+        elif offset + LOCAL_HEADER + size > start:
+            raise RecordError(_decode(data[name_at: extra_at], flags), f"its data would lie past byte {start:,}, "
+                                                                       f"where the archive's directory starts "
+                                                                       f"(damaged); {RECOPY}")
+        else:
+            entries.append(Entry(_decode(data[name_at: extra_at], flags), offset, False, flags, crc, size, packed,
+                                 start + i + 16))
         i = end
     return entries
 
@@ -216,7 +224,7 @@ def local_data_start(name: str, raw: bytes, flags: int, crc: int, size: int, hea
     if len(head) < LOCAL_HEADER + len(raw) or head[:4] != LOCAL:
         raise RecordError(name, f"has no local header at byte {at:,} (truncated or damaged); {RECOPY}")
     local_flags, method, local_crc, packed, local_size, name_len, extra_len = _LOCAL.unpack_from(head)
-    if head[LOCAL_HEADER: LOCAL_HEADER + name_len] != raw:
+    if name_len != len(raw) or head[LOCAL_HEADER: LOCAL_HEADER + name_len] != raw:
         raise RecordError(name, f"its local header names another record (damaged); {RECOPY}")
     if local_flags != flags or method:
         raise RecordError(name, f"its local header says flags {local_flags:#06x}, method {method}, its directory "
