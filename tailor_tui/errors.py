@@ -11,7 +11,7 @@ from enum import IntEnum
 
 class ExitCode(IntEnum):
     OK = 0
-    INTERNAL = 1  # a bug in tailor-tui: the only case that prints a traceback
+    INTERNAL = 1  # a bug in tailor-tui: one line, its traceback in a log file (cli/crash)
     USAGE = 2  # bad command line (argparse uses 2 as well)
     RECIPE = 3  # the recipe file is malformed or names unknown rows/keys
     CHECKPOINT = 4  # a checkpoint is missing, unreadable, truncated or unsafe

@@ -95,7 +95,7 @@ def apply_and_verify(recipe: Path, *extra: str) -> None:
 
 def assert_one_line_error(result, code: int, *needles: str):
     assert result.returncode == code, result.stderr
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr and "internal error" not in result.stderr, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, result.stderr
     for needle in needles:

@@ -7,8 +7,11 @@ notice while the composer stays responsive."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -172,6 +175,25 @@ async def test_an_error_that_ends_the_composer_is_one_line_and_a_logged_tracebac
     log = Path(err.split("its traceback is in ")[1].split("; ")[0])
     assert log.parent == tmp_path / "cache" / "crashes"
     assert "Traceback" in log.read_text() and "in broken" in log.read_text()
+
+
+# A bug injected into the real entry point (`apply` raising), run as its own process.
+HEADLESS_BUG = ("import sys\nimport tailor_tui.cli.main as cli\n"
+                "def apply(args):\n    raise RuntimeError('a bug, quoting ' + sys.argv[1])\n"
+                "cli.apply = apply\nsys.exit(cli.main(['--apply', 'recipe.yaml']))\n")
+
+
+def test_an_error_that_ends_a_headless_command_is_one_line_and_a_logged_traceback(tmp_path):
+    result = subprocess.run([sys.executable, "-c", HEADLESS_BUG, HOSTILE], capture_output=True, text=True,
+                            env={**os.environ, "TAILOR_TUI_CACHE": str(tmp_path / "cache")})
+    assert result.returncode == 1, result.stderr
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("error: tailor-tui --apply stopped on an internal error (RuntimeError: a bug, "
+                                    "quoting \\x1b[2J")
+    assert_no_control_codes(result.stderr)
+    log = Path(result.stderr.split("its traceback is in ")[1].split("; ")[0])
+    assert log.parent == tmp_path / "cache" / "crashes"
+    assert "Traceback" in log.read_text() and "in apply" in log.read_text()
 
 
 @pytest.fixture

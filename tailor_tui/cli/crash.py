@@ -1,6 +1,7 @@
-"""An internal error that ends the interactive composer: its traceback goes to a log file and
-the terminal gets one line, `error: ...`, saying what broke and where the traceback is (the
-alternate screen is gone by then; a page of traceback with locals helps nobody read it)."""
+"""An internal error that ends the interactive composer or a headless command: its traceback goes
+to a log file and the terminal gets one line, `error: ...`, saying what broke and where the
+traceback is (the composer's alternate screen is gone by then, and a page of traceback with locals
+helps nobody read it; a batch job's log keeps one line per failure)."""
 
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ def log_crash(error: BaseException) -> Path | None:
     return None
 
 
-def crash_line(error: BaseException, log: Path | None) -> str:
-    """The one line that says so (escaped: the error may quote a hostile name)."""
+def crash_line(error: BaseException, log: Path | None, *, who: str = "the composer") -> str:
+    """The one line that says `who` stopped on it (escaped: the error may quote a hostile name)."""
     where = f"its traceback is in {log}" if log else "its traceback could not be written anywhere"
-    return shown(f"error: the composer stopped on an internal error ({type(error).__name__}: {error}); {where}; "
+    return shown(f"error: {who} stopped on an internal error ({type(error).__name__}: {error}); {where}; "
                  "please report it")

@@ -302,11 +302,14 @@ def _sigterm_as_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+ACTIONS = ("apply", "verify", "stats", "heal", "export", "make_demo", "demo")  # the headless ones (not RUN_DIR)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no GPU needed to read checkpoints
-    if args.apply or args.verify or args.make_demo or args.demo or args.stats or args.heal or args.export:
+    if any(getattr(args, name) for name in ACTIONS):
         if args.run_dir is not None:
             parser().error("RUN_DIR opens the interactive composer; it does not go with "
                            "--apply, --verify, --stats, --heal, --make-demo or --demo")
@@ -353,6 +356,12 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `tailor-tui --stats RUN | head`: the reader has seen enough
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = ExitCode.OK
+    except Exception as exc:  # a bug: one line, its traceback in a log file (as the composer's)
+        from tailor_tui.cli.crash import crash_line, log_crash
+
+        action = next((f"--{name.replace('_', '-')}" for name in ACTIONS if getattr(args, name)), "tailor-tui")
+        print(crash_line(exc, log_crash(exc), who=f"tailor-tui {action}"), file=sys.stderr)
+        code = ExitCode.INTERNAL
     return int(code)
 
 
