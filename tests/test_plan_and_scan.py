@@ -115,7 +115,8 @@ def test_output_must_not_exist_or_touch_a_source(real_run, tmp_path):
     c2, _, c6 = checkpoints_of(run, spec)
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "file").write_text("x")
-    with pytest.raises(OutputError, match="already exists and is not empty; .*--force"):
+    with pytest.raises(OutputError, match=r"already exists and holds 1 entry \(file\), not written by tailor-tui .*"
+                                          "--force replaces only an earlier tailor-tui output"):
         plan_for(c6, {}, tmp_path / "taken")
     with pytest.raises(OutputError, match="source checkpoint"):
         plan_for(c6, {"layers.1": c2}, c2)

@@ -573,6 +573,8 @@ async def test_an_earlier_output_training_resumed_into_is_not_offered_for_replac
         await pilot.press("left", "down", "space", "ctrl+r")
         await wait_for(pilot, lambda: isinstance(app.screen, (ErrorDialog, Confirm)))
         assert isinstance(app.screen, ErrorDialog) and "already exists" in app.screen.message
+        assert "without the list of files tailor-tui wrote" in app.screen.message  # why, not "pass --force"
+        assert "pass --force" not in app.screen.message
         await pilot.press("escape")
     assert tree_digest(out) == before
 

@@ -98,12 +98,12 @@ def check_output(out: Path, sources, force: bool, preview: bool = False) -> str 
         raise OutputError(f"output {out}: exists and is not a folder; choose another output path")
     problem = None
     if out.is_dir() and any(out.iterdir()):
-        if not force:
-            problem = (f"output {out}: already exists and is not empty; choose another folder or pass --force "
-                       "(it replaces an earlier tailor-tui output, only once the new one is complete)")
-        elif why := not_replaceable(out):
-            problem = (f"output {out}: --force replaces only an earlier tailor-tui output or an empty "
-                       f"folder, and this one {why}; choose another output folder")
+        if why := not_replaceable(out):  # said first: passing --force would not help
+            problem = (f"output {out}: already exists and {why}; --force replaces only an earlier tailor-tui "
+                       "output or an empty folder, so choose another output folder")
+        elif not force:
+            problem = (f"output {out}: already exists and holds an earlier tailor-tui output; choose another "
+                       "folder or pass --force (it replaces it, only once the new one is complete)")
     if problem and not preview:
         raise OutputError(problem)
     return f"the real run would refuse it: {problem}" if problem else None
