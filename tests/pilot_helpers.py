@@ -33,6 +33,13 @@ async def scanned(pilot):
     assert pilot.app.home.composition is not None
 
 
+async def scan_notices(pilot) -> list:
+    """The notices shown once the scan is complete (read at once: each lasts 8 s)."""
+    await wait_for(pilot, lambda: pilot.app.home.scan_result is not None, tries=2400)
+    await pilot.pause()
+    return list(pilot.app._notifications)
+
+
 async def wait_for(pilot, condition, tries: int = 600):
     for _ in range(tries):
         if condition():

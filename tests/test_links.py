@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 from conftest import checkpoints_of
 from helpers import assert_one_line_error, tailor, write_recipe
+from pilot_helpers import compose_finished, scan_notices, scanned, start_composing
 
 from tailor_tui.checkpoints.scan import scan
 from tailor_tui.errors import CheckpointError
+from tailor_tui.ui.app import make_app
 
 SECRET = "tailor-links-test-secret-token\n"
 OPTIM_1 = "global_step6/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
@@ -165,6 +168,24 @@ def test_stats_and_the_composers_scan_skip_the_checkpoint_naming_the_link(hf, tm
     assert [(p, "symbolic link to" in why) for p, why in found.problems] == [(c6, True)]
 
 
+async def test_the_composer_skips_a_checkpoint_linked_out_of_the_run_and_says_why(hf, tmp_path):
+    """In the composer: one notice naming the link and its target; the checkpoint is no column, and
+    the composition (from what is left) holds no byte of the secret."""
+    run, c6, secret, _recipe = hf
+    (c6 / "tokenizer_config.json").symlink_to(secret)
+    app = make_app(run, workers=1)
+    async with app.run_test(size=(130, 32), notifications=True) as pilot:
+        notices = await scan_notices(pilot)
+        assert len(notices) == 1 and notices[0].title == "Skipped checkpoint-6", notices
+        assert f"is a symbolic link to {secret}" in notices[0].message
+        await scanned(pilot)
+        assert c6 not in [c.path for c in app.home.composition.checkpoints]
+        assert len(app.home.composition.checkpoints) == 2
+        await start_composing(pilot)
+        await compose_finished(pilot)
+    assert not _leaked(tmp_path)
+
+
 # --- links that stay inside the run: read as that file ---------------------------------------------
 
 def test_links_inside_the_run_are_read_as_their_files(hf, tmp_path):
@@ -197,6 +218,26 @@ def test_links_inside_the_run_are_read_as_their_files(hf, tmp_path):
     exported = tailor("--export", recipe, "--to", tmp_path / "hf")
     assert exported.returncode == 0, exported.stderr
     assert (tmp_path / "hf" / "tokenizer_config.json").read_bytes() == b'{"shared": true}\n'
+
+
+def test_a_link_through_a_bind_mount_of_the_run_is_inside_it(hf, tmp_path):
+    """The run reached by another name (a bind mount of it): compared by identity, a link into the
+    run through that name is inside the run and read as its file; nothing else moved."""
+    run, c6, _secret, recipe = hf
+    (run / "shared").mkdir()
+    (run / "shared" / "tokenizer_config.json").write_text('{"shared": true}\n')
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    if subprocess.run(["mount", "--bind", run, mount], capture_output=True).returncode != 0:
+        pytest.skip("bind mounts need root (or a user namespace) here")
+    try:
+        (c6 / "tokenizer_config.json").symlink_to(mount / "shared" / "tokenizer_config.json")
+        applied = tailor("--apply", recipe)
+        assert applied.returncode == 0, applied.stderr
+        copied = tmp_path / "composed" / "tokenizer_config.json"
+        assert not copied.is_symlink() and copied.read_bytes() == b'{"shared": true}\n'
+    finally:
+        subprocess.run(["umount", mount], check=True)
 
 
 def test_a_link_to_a_folder_the_checkpoint_already_holds_is_refused(hf, tmp_path):

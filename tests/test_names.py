@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from helpers import assert_one_line_error, tailor
-from pilot_helpers import compose_finished, private_copy, scanned, start_composing, wait_for
+from pilot_helpers import compose_finished, private_copy, scan_notices, scanned, start_composing, wait_for
 
 from tailor_tui.cli.main import ended
 from tailor_tui.ui.app import make_app
@@ -49,13 +49,6 @@ def hostile_run(real_run, tmp_path: Path, run_name: str = "run") -> tuple[Path, 
     named = ckpts[1].rename(run / f"checkpoint-{HOSTILE}-4")
     junk_checkpoint(run / f"checkpoint-7{HOSTILE}", 7)
     return run, named, ckpts[2]
-
-
-async def scan_notices(pilot) -> list:
-    """The notices shown once the scan is complete (read at once: each lasts 8 s)."""
-    await wait_for(pilot, lambda: pilot.app.home.scan_result is not None, tries=2400)
-    await pilot.pause()
-    return list(pilot.app._notifications)
 
 
 def assert_no_control_codes(*texts: str) -> None:
