@@ -74,6 +74,8 @@ def test_stats_prints_hostile_names_escaped(real_run, tmp_path):
     assert_no_control_codes(result.stdout, result.stderr)
     assert shown(named.name) in result.stdout.splitlines()[0]  # the table's header names it, escaped
     assert "\\x1b[2J\\x1b]0;pwned\\x07[link=a:b]" in result.stdout
+    table = result.stdout.split("\n\n")[0].splitlines()  # its columns aligned as printed, escapes and all
+    assert len(table) > 3 and len({len(line) for line in table}) == 1, table
     skipped = [line for line in result.stderr.splitlines() if line.startswith("warning: skipped")]
     assert len(skipped) == 1 and "checkpoint-7\\x1b[2J" in skipped[0]
     assert not any(line.startswith("error: forged") for line in (result.stdout + result.stderr).splitlines())

@@ -39,8 +39,9 @@ def outliers(health: Health, row: str) -> set[int]:
 
 def table(health: Health) -> list[str]:
     """One line per row; a column per checkpoint; unhealthy cells ✗, outlying changes ▲."""
-    names = distinct_names([c.path for c in health.checkpoints])
+    names = [shown(name) for name in distinct_names([c.path for c in health.checkpoints])]  # measured as printed
     rows = health.rows()
+    label = {row: shown(row) for row in rows}
     texts = {}
     for row in rows:
         marked = outliers(health, row)
@@ -48,7 +49,7 @@ def table(health: Health) -> list[str]:
             text = cell_text(health.cell(row, i))
             texts[row, i] = text + (" ▲" if i in marked else "")
     width = [max([len(names[i]), *(len(texts[r, i]) for r in rows)]) for i in range(len(names))]
-    first = max([len("row"), *(len(r) for r in rows)])
+    first = max([len("row"), *(len(label[r]) for r in rows)])
 
     def line(label: str, cells: list[str]) -> str:
         return "  ".join([f"{label:<{first}}", *(f"{c:>{w}}" for c, w in zip(cells, width))]).rstrip()
@@ -57,7 +58,7 @@ def table(health: Health) -> list[str]:
     out = [line("row", names)]
     if any(log and log.loss is not None for log in losses):
         out.append(line("loss", ["—" if not log or log.loss is None else f"{log.loss:.4g}" for log in losses]))
-    out += [line(row, [texts[row, i] for i in range(len(names))]) for row in rows]
+    out += [line(label[row], [texts[row, i] for i in range(len(names))]) for row in rows]
     bad = sum(1 for c in health.cells.values() if not c.healthy)
     out.append("")
     out.append("cells: fp32 weight RMS and Δ (change since the previous checkpoint holding the row); "
