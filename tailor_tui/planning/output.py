@@ -141,18 +141,20 @@ def output_lock(out: Path):
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise output_error(exc, out.parent) from None
-    path, fd = _lock_path(out), None
+    path, fd, mine = _lock_path(out), None, False
     try:
         with signals_held():  # a Ctrl-C waits until the lock file is one this call removes
             fd = _lock(out, path)
-        if fd is not None:
+        if fd is not None and os.fstat(fd).st_uid == os.geteuid():  # another user's: locked, left as it is
+            mine = True
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         yield
     finally:
         if fd is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(path)  # while still locked: a waiter that opened it sees it gone and retries
+            if mine:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)  # while still locked: a waiter that opened it sees it gone and retries
             os.close(fd)
 
 
@@ -163,7 +165,7 @@ def _lock(out: Path, path: Path) -> int | None:
     drain_until = time.monotonic() + ORPHANS_LEAVE_WITHIN
     while True:
         try:  # never through a link planted in its place (its target would be truncated)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+            fd = _open_lock(path)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise OutputError(f"{path}: a symbolic link stands where tailor-tui keeps the output's lock; "
@@ -176,8 +178,12 @@ def _lock(out: Path, path: Path) -> int | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            owner, holder = os.fstat(fd).st_uid, _holder(fd)
             os.close(fd)
+            if owner != os.geteuid():  # what it holds is never read into a message
+                raise OutputError(f"output {out}: its lock file {path} belongs to another user (uid {owner}), "
+                                  "whose process holds it now; tailor-tui neither reads nor removes it: wait for "
+                                  "it to end or choose another output folder") from None
             if _holder_is_gone(holder) and time.monotonic() < drain_until:
                 time.sleep(0.1)
                 continue
@@ -199,10 +205,30 @@ def _lock(out: Path, path: Path) -> int | None:
 ORPHANS_LEAVE_WITHIN = 3.0
 
 
+def _open_lock(path: Path) -> int:
+    """The lock file at `path`, opened (made, 0644, where there is none) without following a link; one
+    another user made and this one may not write is opened to read: it can be locked all the same."""
+    flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o644)
+    except PermissionError:
+        return os.open(path, os.O_RDONLY | flags)
+
+
+HOLDER = re.compile(r"pid (\d+) on ([A-Za-z0-9._-]{1,255})")  # what `output_lock` writes in its lock file
+
+
+def _holder(fd: int) -> str:
+    """Who holds this user's lock file `fd`, for a message: what a tailor-tui wrote there ("pid N on
+    HOST"), and only that (never a file's text as it is)."""
+    written = os.pread(fd, 300, 0).decode("ascii", errors="replace").strip()
+    return written if HOLDER.fullmatch(written) else "another process"
+
+
 def _holder_is_gone(holder: str) -> bool:
     """Whether the lock's holder, as it wrote itself ("pid N on HOST"), is a process of this host that
     has ended (its lock is then held only by its orphaned workers, for a moment)."""
-    match = re.fullmatch(r"pid (\d+) on (\S+)", holder)
+    match = HOLDER.fullmatch(holder)
     return match is not None and match[2] == socket.gethostname() and not pid_alive(int(match[1]))
 
 
@@ -231,11 +257,19 @@ def remove_stale(out: Path) -> None:
 
 
 def _left_by_dead(out: Path, prefix: str) -> list[Path]:
-    """Folders beside `out` named `prefix` + the PID of a process that is gone."""
+    """Folders beside `out` named `prefix` + the PID of a process that is gone, and this user's own: a
+    folder (not a link) whose owner is this user. One another user put there under such a name (in a
+    group-writable project folder) is never restored, removed or read."""
     found = []
     for p in out.parent.glob(glob.escape(prefix) + "*"):
         pid = p.name[len(prefix):]
-        if pid.isdigit() and not pid_alive(int(pid)):
+        if not pid.isdigit() or pid_alive(int(pid)):
+            continue
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
             found.append(p)
     return found
 
