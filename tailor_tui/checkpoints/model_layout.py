@@ -28,7 +28,8 @@ class ModelFileLayout:
     def of_files(cls, files: tuple[Path, ...]) -> "ModelFileLayout":
         """The layout of `files` (the bytes of each header as checked), the index beside them
         (read as a side file) mapping each tensor to the shard that holds it, as loaders trust it."""
-        prefixes, held = [], {}
+        prefixes: list[tuple[str, bytes]] = []
+        held: dict[str, str] = {}  # tensor name -> the file holding it
         for f in files:
             header, prefix = safetensors_prefix(f)
             prefixes.append((f.name, prefix))

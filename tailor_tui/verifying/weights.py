@@ -81,8 +81,8 @@ def _header_names(prefix: bytes) -> list[str]:
 def _once(pairs: list) -> dict:
     found = dict(pairs)
     if len(found) != len(pairs):
-        seen: set = set()
-        twice = next(name for name, _value in pairs if name in seen or seen.add(name))
+        names = sorted(name for name, _value in pairs)
+        twice = next(a for a, b in zip(names, names[1:]) if a == b)
         raise ValueError(f"its header names {twice!r} twice")
     return found
 
