@@ -5,7 +5,10 @@ read the way every path of tailor-tui reads one before trusting or copying it (`
 whole and streamed, and `read_structure`). Each mutation must end either in a one-line
 CheckpointError, or, where tailor-tui accepts the file, in a file torch's own reader loads to the
 same values as the original (the flipped bit is one nobody reads: a time stamp, alignment padding).
-Never another exception, never an accepted file torch cannot load or reads otherwise.
+Never another exception, never an accepted file torch cannot load or reads otherwise. The
+safetensors kinds likewise: every bit of a model.safetensors' and a PEFT adapter's 8-byte length
+and JSON header, and of a shard index, read as every path reads them; accepted, the safetensors
+library loads what tailor-tui's reader says the file holds.
 
 The composition in full (the real command line) meets the same mutations in tests/test_zip_records.py;
 here the readers run in-process so that thousands of mutations take seconds. The counts and the

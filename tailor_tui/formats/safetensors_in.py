@@ -137,9 +137,11 @@ def check_header(raw: bytes, data_length: int | None) -> dict:
         for d in shape:  # in the library's order, overflowing as it does
             elements *= _count(d, f"tensor {name!r} has a shape entry")
             if elements > USIZE:
-                raise ValueError(f"tensor {name!r} has shape {shape}, more elements than 2**64")
+                raise ValueError(f"tensor {name!r}: its shape {shape} does not fit 64 bits (more elements "
+                                 "than 2**64)")
         if elements * SAFETENSORS_ITEMSIZE[dtype] * 8 > USIZE:
-            raise ValueError(f"tensor {name!r} has shape {shape}, more bits than 2**64")
+            raise ValueError(f"tensor {name!r}: its shape {shape} and dtype {dtype} do not fit 64 bits (more "
+                             "bits than 2**64)")
         if elements * SAFETENSORS_ITEMSIZE[dtype] != end - start:
             raise ValueError(f"tensor {name!r}: its shape {shape} and dtype {dtype} do not fit its "
                              f"{end - start:,} bytes")
