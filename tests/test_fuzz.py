@@ -5,7 +5,10 @@ read the way every path of tailor-tui reads one before trusting or copying it (`
 whole and streamed, and `read_structure`). Each mutation must end either in a one-line
 CheckpointError, or, where tailor-tui accepts the file, in a file torch's own reader loads to the
 same values as the original (the flipped bit is one nobody reads: a time stamp, alignment padding).
-Never another exception, never an accepted file torch cannot load or reads otherwise.
+Never another exception, never an accepted file torch cannot load or reads otherwise. The
+safetensors kinds likewise: every bit of a model.safetensors' and a PEFT adapter's 8-byte length
+and JSON header, and of a shard index, read as every path reads them; accepted, the safetensors
+library loads what tailor-tui's reader says the file holds.
 
 The composition in full (the real command line) meets the same mutations in tests/test_zip_records.py;
 here the readers run in-process so that thousands of mutations take seconds. The counts and the
@@ -114,3 +117,135 @@ def test_every_flipped_bit_of_zip_metadata_is_refused_in_one_line_or_harmless(re
     print(f"\n{kind}: {len(bits)} mutations of {len(original):,} bytes in {took:.1f}s: "
           f"{refused} refused in one line, {accepted} harmless (loaded by torch, same values)")
     assert refused and accepted  # both outcomes happen: the test can fail either way
+
+
+# safetensors files: every bit of the 8-byte length and of the JSON header (a seeded sample of
+# MAX_BITS), read as every path reads one (`safetensors_in.safetensors_tensors`)
+SAFETENSORS_KINDS = {
+    "model.safetensors": ("hf_bf16_2", "checkpoint-6/model.safetensors"),
+    "adapter_model.safetensors": ("hf_peft_lora", "checkpoint-4/adapter_model.safetensors"),
+}
+
+
+def _tensors(path: Path) -> dict:
+    """Every tensor of a safetensors file as the safetensors library loads it (raises what it raises)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
+
+
+def _raw(tensor) -> bytes:
+    return tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _sample(spots: range | list[int], bits: int = 8) -> list[tuple[int, int]]:
+    every = [(at, bit) for at in spots for bit in range(bits)]
+    return random.Random(43).sample(every, MAX_BITS) if len(every) > MAX_BITS else every
+
+
+def _flips(path: Path, original: bytes, bits: list[tuple[int, int]]):
+    """(byte, bit, the file's bytes) for each bit of `bits` flipped in turn in the file at `path`
+    (holding `original`), in place: a rewrite of the whole file would cost more than the reading
+    tested. The file is the original again at the end."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        for at, bit in bits:
+            os.pwrite(fd, bytes([original[at] ^ (1 << bit)]), at)
+            mutated = bytearray(original)
+            mutated[at] ^= 1 << bit
+            yield at, bit, bytes(mutated)
+            os.pwrite(fd, original[at: at + 1], at)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("kind", list(SAFETENSORS_KINDS))
+def test_every_flipped_bit_of_a_safetensors_header_is_refused_in_one_line_or_harmless(real_run, tmp_path, kind):
+    """Accepted, a file loads with the safetensors library to the tensors tailor-tui's reader
+    says it holds — the same names, dtypes, shapes and bytes where it says they lie — and each
+    tensor of a name the original has, with the original's dtype and shape, equals it."""
+    from tailor_tui.formats.dtypes import SAFETENSORS_NAME
+    from tailor_tui.formats.safetensors_in import safetensors_tensors
+
+    name, rel = SAFETENSORS_KINDS[kind]
+    run, _spec = real_run(name)
+    original = (run / rel).read_bytes()
+    target = tmp_path / Path(rel).name
+    target.write_bytes(original)
+    expected = _tensors(target)
+    assert safetensors_tensors(target).keys() == expected.keys()
+    (length,) = struct.unpack("<Q", original[:8])
+    bits = _sample(range(8 + length))
+    began, refused, accepted, renamed = time.monotonic(), 0, 0, 0
+    for at, bit, mutated in _flips(target, original, bits):
+        try:
+            places = safetensors_tensors(target)
+        except CheckpointError as exc:
+            line = str(exc)
+            assert "\n" not in line and line.startswith(f"{target}: "), (at, bit, line)
+            refused += 1
+            continue
+        except Exception as exc:  # noqa: BLE001 (any other exception is the failure looked for)
+            pytest.fail(f"byte {at} bit {bit}: {type(exc).__name__}: {exc}")
+        accepted += 1
+        try:
+            loaded = _tensors(target)
+        except Exception as exc:  # noqa: BLE001
+            pytest.fail(f"byte {at} bit {bit}: accepted, but the safetensors library refuses it: {exc}")
+        assert loaded.keys() == places.keys(), (at, bit)
+        for tensor_name, (dtype, shape, begin, end) in places.items():
+            got = loaded[tensor_name]
+            assert SAFETENSORS_NAME[str(got.dtype).removeprefix("torch.")] == dtype, (at, bit, tensor_name)
+            assert tuple(got.shape) == shape and _raw(got) == mutated[begin:end], (at, bit, tensor_name)
+            was = expected.get(tensor_name)
+            if was is not None and was.dtype == got.dtype and was.shape == got.shape:
+                assert torch.equal(was, got), (at, bit, tensor_name)
+            else:
+                renamed += 1
+    took = time.monotonic() - began
+    print(f"\n{kind}: {len(bits)} mutations of its {8 + length:,}-byte header in {took:.1f}s: {refused} refused "
+          f"in one line, {accepted} accepted (loaded by the safetensors library as read; {renamed} tensor(s) "
+          "under another name, dtype or shape)")
+    assert refused and accepted
+
+
+def test_every_flipped_bit_of_a_shard_index_is_refused_in_one_line_or_harmless(real_run, tmp_path):
+    """`model.safetensors.index.json` of a sharded model, read as a checkpoint's model files and
+    the base's layout are (`hf_model_files`, `ModelFileLayout.of_files`). Accepted, it maps each
+    tensor to the shard that holds it: each loads from there equal to the original."""
+    from tailor_tui.checkpoints.checkpoint import MODEL_FILE_INDEX, hf_model_files
+    from tailor_tui.checkpoints.model_layout import ModelFileLayout
+
+    run, _spec = real_run("hf_sharded_safetensors")
+    folder = tmp_path / "run" / "checkpoint-4"
+    shutil.copytree(run / "checkpoint-4", folder, symlinks=True)
+    index = folder / MODEL_FILE_INDEX
+    original = index.read_bytes()
+    expected = {}
+    for shard in hf_model_files(folder):
+        expected |= _tensors(shard)
+    bits = _sample(range(len(original)))
+    by_shard = {shard.name: set(_tensors(shard)) for shard in hf_model_files(folder)}
+    began, refused, accepted = time.monotonic(), 0, 0
+    for at, bit, _mutated in _flips(index, original, bits):
+        try:
+            layout = ModelFileLayout.of_files(hf_model_files(folder))
+        except CheckpointError as exc:
+            line = str(exc)
+            assert "\n" not in line and str(folder) in line, (at, bit, line)
+            refused += 1
+            continue
+        except Exception as exc:  # noqa: BLE001
+            pytest.fail(f"byte {at} bit {bit}: {type(exc).__name__}: {exc}")
+        accepted += 1
+        weight_map = __import__("json").loads(layout.index)["weight_map"]
+        assert weight_map.keys() == expected.keys(), (at, bit)
+        for tensor_name, shard in weight_map.items():  # the shards are the original's: each tensor where it was
+            assert tensor_name in by_shard[shard], (at, bit, tensor_name)
+        for shard in {folder / shard for shard in weight_map.values()}:
+            assert all(torch.equal(t, expected[n]) for n, t in _tensors(shard).items()), (at, bit, shard)
+    took = time.monotonic() - began
+    print(f"\n{MODEL_FILE_INDEX}: {len(bits)} mutations of {len(original):,} bytes in {took:.1f}s: {refused} "
+          f"refused in one line, {accepted} accepted (each tensor where the index says, equal)")
+    assert refused and accepted

@@ -67,9 +67,24 @@ def _verify_bin_file(plan, job: BinFileJob, report) -> None:
 
 
 def _header_names(prefix: bytes) -> list[str]:
-    """The tensor names of a safetensors header (8-byte little-endian length, then JSON), in its order."""
+    """The tensor names of a safetensors header (8-byte little-endian length, then JSON), in its
+    order. ValueError where the safetensors library would read it otherwise than it looks (it
+    checks the rest itself): a header not starting with `{`, or naming something twice (the
+    library keeps one of the two silently)."""
     (length,) = struct.unpack("<Q", prefix[:8])
-    return [name for name in json.loads(prefix[8: 8 + length]) if name != "__metadata__"]
+    raw = prefix[8: 8 + length]
+    if not raw.startswith(b"{"):
+        raise ValueError(f"its header starts with {raw[:1]!r}, not '{{'")
+    return [name for name in json.loads(raw, object_pairs_hook=_once) if name != "__metadata__"]
+
+
+def _once(pairs: list) -> dict:
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        names = sorted(name for name, _value in pairs)
+        twice = next(a for a, b in zip(names, names[1:]) if a == b)
+        raise ValueError(f"its header names {twice!r} twice")
+    return found
 
 
 def _verify_safetensors_file(plan, job, report, partial: RowsFiles) -> None:
@@ -89,7 +104,12 @@ def _verify_safetensors_file(plan, job, report, partial: RowsFiles) -> None:
     except (SafetensorError, OSError) as exc:
         report.add(None, f"{out_file}: not a readable safetensors file ({str(exc)[:200]})")
         return
-    for name in _header_names(job.prefix):
+    try:
+        names = _header_names(job.prefix)
+    except ValueError as exc:
+        report.add(None, f"{out_file}: not a sound safetensors file ({exc})")
+        return
+    for name in names:
         s = job.sources.get(name, 0)
         got = out.get_tensor(name)
         want = sources.tensor(s, name, got)
