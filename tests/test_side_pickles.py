@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pickle
 import shutil
-import zipfile
 from pathlib import Path
 
 import pytest
 from helpers import assert_one_line_error, tailor, write_recipe
+from side_pickles_helpers import rezipped
 
 from tailor_tui.errors import CheckpointError
 from tailor_tui.formats.side_pickles import check_side_file
@@ -23,12 +23,7 @@ from tailor_tui.formats.side_pickles import check_side_file
 
 def rezip(src: Path, dst: Path, change=lambda data: data, drop: str | None = None) -> Path:
     """`src` written again to `dst` record by record (stored, CRC-32s right), its data.pkl through `change`."""
-    with zipfile.ZipFile(src) as z, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as out:
-        for info in z.infolist():
-            if drop is not None and info.filename.endswith(drop):
-                continue
-            data = z.read(info.filename)
-            out.writestr(info.filename, change(data) if info.filename.endswith("/data.pkl") else data)
+    dst.write_bytes(rezipped(src, change, drop))
     return dst
 
 
