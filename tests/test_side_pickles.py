@@ -44,6 +44,8 @@ CRAFTED = {  # what is changed in rng_state's data.pkl, what the line says
                                "names storage 7, but it has no record"),
     "record too short for numel": (replace(STORAGE_ID, STORAGE_ID.replace(b"\xc0\x13", b"\xc1\x13")),
                                    "needs 5057 bytes, its record"),
+    "record too long for numel": (lambda data: replace(VIEW, VIEW.replace(b"M\xc0\x13", b"M\xbf\x13"))(
+        replace(STORAGE_ID, STORAGE_ID.replace(b"\xc0\x13", b"\xbf\x13"))(data)), "needs 5055 bytes, its record"),
     "unknown storage type": (replace(b"torch\nByteStorage", b"torch\nBogusStorage"), "torch.BogusStorage"),
     "view past its storage": (replace(VIEW, VIEW.replace(b"M\xc0\x13", b"M\xc1\x13")),
                               "reaches past the 5056 elements"),
