@@ -249,3 +249,70 @@ def test_every_flipped_bit_of_a_shard_index_is_refused_in_one_line_or_harmless(r
     print(f"\n{MODEL_FILE_INDEX}: {len(bits)} mutations of {len(original):,} bytes in {took:.1f}s: {refused} "
           f"refused in one line, {accepted} accepted (each tensor where the index says, equal)")
     assert refused and accepted
+
+
+PICKLED = {"rng_state": KINDS["rng_state"], "scheduler.pt": KINDS["scheduler.pt"]}
+
+
+def pickle_record(data: bytes) -> tuple[int, int, int, int]:
+    """(first byte, size, local header's CRC-32 offset, central entry's) of the data.pkl record of a
+    zip archive Python's zipfile wrote (stored, no data descriptor)."""
+    with zipfile.ZipFile(__import__("io").BytesIO(data)) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("/data.pkl"))
+        at = info.header_offset
+        name_len, extra_len = struct.unpack_from("<HH", data, at + 26)
+        central = z.start_dir
+        while not data[central + 46: central + 46 + len(info.orig_filename)] == info.orig_filename.encode():
+            n, e, c = struct.unpack_from("<HHH", data, central + 28)
+            central += 46 + n + e + c
+    return at + 30 + name_len + extra_len, info.file_size, at + 14, central + 16
+
+
+@pytest.mark.parametrize("kind", list(PICKLED))
+def test_every_flipped_bit_or_byte_of_a_side_files_pickle_is_refused_in_one_line_or_loads(real_run, tmp_path, kind):
+    """Bits and bytes of the pickle record (data.pkl) of rng_state and scheduler.pt flipped, the CRC-32s
+    made right again (so no CRC check hides them), a seeded sample of MAX_BITS / 2 each (bits and bytes): `check_side_file`
+    (what --apply and --heal run on a file copied whole) either refuses it in one line naming the file, or
+    torch.load(weights_only=False) loads it (the values may differ: a flip inside a pickled value)."""
+    from side_pickles_helpers import rezipped
+
+    from tailor_tui import crc
+    from tailor_tui.formats.side_pickles import check_side_file
+
+    run, _spec = real_run("hf_bf16_2")
+    target = tmp_path / Path(PICKLED[kind]).name  # its name: torch finds the records under it
+    original = rezipped(run / PICKLED[kind])
+    start, size, local_crc, central_crc = pickle_record(original)
+    target.write_bytes(original)
+    check_side_file(target)
+    rng = random.Random(43)
+    bits = [(at, 1 << bit) for at in range(start, start + size) for bit in range(8)]
+    mutations = rng.sample(bits, min(len(bits), MAX_BITS // 4))  # half of MAX_BITS: each accepted one is loaded
+    mutations += [(at, rng.randrange(1, 256)) for at in rng.choices(range(start, start + size), k=MAX_BITS // 4)]
+    began, refused, accepted, messages = time.monotonic(), 0, 0, set()
+    for at, xor in mutations:
+        mutated = bytearray(original)
+        mutated[at] ^= xor
+        value = crc.crc32(mutated[start: start + size])
+        struct.pack_into("<I", mutated, local_crc, value)
+        struct.pack_into("<I", mutated, central_crc, value)
+        target.write_bytes(mutated)
+        try:
+            check_side_file(target)
+        except CheckpointError as exc:
+            line = str(exc)
+            assert "\n" not in line and str(target) in line, (at, xor, line)
+            refused += 1
+            messages.add(line.split(": ", 3)[-1][:30])
+            continue
+        except Exception as exc:  # noqa: BLE001 (any other exception is the failure looked for)
+            pytest.fail(f"byte {at} ^ {xor:#04x}: {type(exc).__name__}: {exc}")
+        accepted += 1
+        try:
+            torch.load(target, weights_only=False)
+        except Exception as exc:  # noqa: BLE001
+            pytest.fail(f"byte {at} ^ {xor:#04x}: accepted, but torch cannot load it: {type(exc).__name__}: {exc}")
+    took = time.monotonic() - began
+    print(f"\n{kind} pickle: {len(mutations)} mutations of {size:,} bytes in {took:.1f}s: {refused} refused in "
+          f"one line ({len(messages)} kinds of line), {accepted} loaded by torch")
+    assert refused and accepted  # both outcomes happen: the test can fail either way

@@ -96,11 +96,11 @@ def heal_command(args, slow_down: float = 0.0) -> int:
 
 def _check_copied_files(recipe) -> None:
     """Every file the recipe's output would take whole from its base (RNG states, scheduler,
-    training arguments) passes its CRC-32 check (CheckpointError naming the file and record)."""
-    from tailor_tui.formats.ptfile import check_crcs
+    training arguments) loads as torch reads it (`side_pickles`: CheckpointError naming the file and why)."""
+    from tailor_tui.formats.side_pickles import check_side_file
     from tailor_tui.planning.build import build_plan
 
     plan = build_plan(recipe, preview=True)
     root = plan.other_files_root()
     for rel, _to in plan.other_files():
-        check_crcs(root / rel)
+        check_side_file(root / rel)

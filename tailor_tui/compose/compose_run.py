@@ -29,7 +29,7 @@ from tailor_tui.compose.rank_task import compose_rank
 from tailor_tui.errors import Cancelled, OutputError
 from tailor_tui.events import Emit, TaskFinished, TaskOptions
 from tailor_tui.fileio import copy_file, fsync_dir, output_error, write_file
-from tailor_tui.formats.ptfile import check_crcs
+from tailor_tui.formats.side_pickles import check_side_file
 from tailor_tui.health.guard import nonfinite_error
 from tailor_tui.planning.jobs import BinFileJob, RankJob, WeightJob
 from tailor_tui.planning.plan import ComposePlan
@@ -193,7 +193,7 @@ def _copy_other_files(plan: ComposePlan, tmp: Path, cancel: threading.Event, dur
             raise Cancelled()
         dst = tmp / to
         dst.parent.mkdir(parents=True, exist_ok=True)
-        check_crcs(root / rel)  # scheduler.pt, rng_state_*.pth, training_args.bin: torch zip archives
+        check_side_file(root / rel)  # scheduler.pt, rng_state_*.pth, training_args.bin: as torch reads them
         try:
             copy_file(root / rel, dst, durable=durable, within=plan.base.path.parent)  # no link out of the run
         except OSError as exc:

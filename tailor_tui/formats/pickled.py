@@ -154,13 +154,33 @@ def _set(items=()):
     return found
 
 
+FLOATING = frozenset({"DoubleStorage", "FloatStorage", "HalfStorage", "BFloat16Storage", "ComplexFloatStorage",
+                      "ComplexDoubleStorage"})  # the storages whose tensors may require gradients
+
+
 def rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, hooks=None, *metadata):
     if not isinstance(storage, StorageRef):
         raise pickle.UnpicklingError("a tensor whose storage is not a storage")
     if not all(isinstance(t, tuple) and len(t) <= MAX_DIMS for t in (size, stride)):
         raise pickle.UnpicklingError(f"a tensor whose shape or strides are not tuples of at most {MAX_DIMS}")
+    check_view(storage, storage_offset, size, stride)
+    if requires_grad and storage.type_name not in FLOATING:
+        raise pickle.UnpicklingError(f"a tensor of storage {storage.key} ({storage.type_name}) requires gradients: "
+                                     "only floating-point tensors can (torch refuses it)")
     hooks = collections.OrderedDict() if hooks is None else hooks
     return TensorRef(storage, storage_offset, tuple(size), tuple(stride), bool(requires_grad), hooks, metadata)
+
+
+def check_view(storage: StorageRef, offset, size: tuple, stride: tuple) -> None:
+    """Refuse (UnpicklingError) a tensor view torch's `set_` would refuse: a shape, strides or offset that
+    are not whole numbers >= 0, as many strides as dimensions, and its last element inside its storage."""
+    if type(offset) is not int or offset < 0 or len(size) != len(stride) \
+            or not all(type(n) is int and n >= 0 for n in (*size, *stride)):
+        raise pickle.UnpicklingError(f"a tensor of storage {storage.key} whose shape {size}, strides {stride} or "
+                                     f"offset {offset!r} are not a view torch makes")
+    if 0 not in size and offset + sum((n - 1) * s for n, s in zip(size, stride)) >= storage.numel:
+        raise pickle.UnpicklingError(f"a tensor (offset {offset}, shape {size}, strides {stride}) reaches past the "
+                                     f"{storage.numel} elements of its storage {storage.key}")
 
 
 def rebuild_from_type_v2(func, new_type, args, state):
@@ -198,12 +218,15 @@ ALLOWED = {
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file, storages: dict | None = None):
+    def __init__(self, file, storages: dict | None = None, stand_in=None):
         super().__init__(file)
         self.storages = storages  # key -> StorageRef of every storage met, when given
         self.met: dict[str, StorageRef] = {}  # one StorageRef per storage: sharing one is identity
+        self.stand_in = stand_in  # (module, name) -> what stands in for that global, instead of ALLOWED
 
     def find_class(self, module, name):
+        if self.stand_in is not None:
+            return self.stand_in(module, name)
         try:
             return ALLOWED[module, name]
         except KeyError:
@@ -234,17 +257,19 @@ class _Unpickler(pickle.Unpickler):
 _bounds_of_equal = functools.lru_cache(maxsize=16)(check_bounds_bytes)  # of bytes <= 1 MiB: see read_pickle
 
 
-def read_pickle(data: bytes, storages: dict | None = None):
+def read_pickle(data: bytes, storages: dict | None = None, stand_in=None):
     """The object pickled in `data`, tensors as TensorRef; UnpicklingError for anything not allow-listed or
     beyond a checkpoint's bounds (`check_bounds_bytes`; a checkpoint's ranks pickle the same structure byte for
-    byte: equal bytes are checked once per process). `storages` receives every storage it refers to."""
+    byte: equal bytes are checked once per process). `storages` receives every storage it refers to.
+    `stand_in(module, name)`: what stands in for each global instead of the DeepSpeed allow-list (a side
+    file's: `side_globals.stand_in`); the tensor and storage rules hold either way."""
     if len(data) > MAX_PICKLE_BYTES:
         raise pickle.UnpicklingError(f"its structure is larger than {MAX_PICKLE_BYTES >> 20} MiB")
     (_bounds_of_equal if type(data) is bytes and len(data) <= 1 << 20 else check_bounds_bytes)(data)
-    return _Unpickler(io.BytesIO(data), storages).load()
+    return _Unpickler(io.BytesIO(data), storages, stand_in).load()
 
 
-def read_pickle_from(f, storages: dict | None = None):
+def read_pickle_from(f, storages: dict | None = None, stand_in=None):
     """The next object pickled in the open binary file `f`, as `read_pickle`; reads at most
     MAX_PICKLE_BYTES (more as the pickle goes on) and leaves `f` just after the pickle."""
     start, size = f.tell(), 1 << 16
@@ -259,4 +284,4 @@ def read_pickle_from(f, storages: dict | None = None):
                 raise
             size = min(size * 16, MAX_PICKLE_BYTES)
     f.seek(start + end)
-    return _Unpickler(io.BytesIO(data[:end]), storages).load()
+    return _Unpickler(io.BytesIO(data[:end]), storages, stand_in).load()

@@ -204,9 +204,9 @@ def _first_line(exc: Exception) -> str:
     return str(exc).splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
 
 
-def _legacy_records(path: Path, refs: dict | None = None) -> tuple[object, dict[str, Record]]:
+def _legacy_records(path: Path, refs: dict | None = None, stand_in=None) -> tuple[object, dict[str, Record]]:
     try:
-        obj, storages = read_legacy(path, refs)
+        obj, storages = read_legacy(path, refs, stand_in)
     except pickle.UnpicklingError as exc:  # a global outside the allow-list, or too large
         with open(path, "rb") as f:
             head = f.read(MAX_PICKLE_BYTES)  # the pickles come before the storages
@@ -224,16 +224,16 @@ def _shared_pickle(data: bytes):
     return read_pickle(data)
 
 
-def read_structure(path: Path, storages: dict | None = None, *, shared: bool = False) -> Structure:
+def read_structure(path: Path, storages: dict | None = None, *, shared: bool = False, stand_in=None) -> Structure:
     """(object with TensorRefs, records, record-name prefix) of a `.pt` file in either of
     torch's formats; reads only the pickled structure, never tensor data. `storages`, if
     given, receives every storage the object refers to (key -> StorageRef). `shared`: the
     object may be one this process built for equal pickle bytes before (a checkpoint's ranks
     pickle the same structure: a wide run's is built once, not once per rank file); the caller
-    only reads it."""
+    only reads it. `stand_in`: the pickle's globals' stand-ins (`pickled.read_pickle`)."""
     path = Path(path)
     if file_format(path) == "legacy":
-        return (*_legacy_records(path, storages), "")
+        return (*_legacy_records(path, storages, stand_in), "")
     records = _records(path)
     pickles = [n for n in records if n.endswith("/data.pkl") or n == "data.pkl"]
     if len(pickles) != 1:
@@ -248,7 +248,8 @@ def read_structure(path: Path, storages: dict | None = None, *, shared: bool = F
     if crc.crc32(data) != rec.crc:  # the structure everything else relies on: never read a damaged one
         raise _crc_failed(path, rec, crc.crc32(data))
     try:
-        obj = _shared_pickle(data) if shared and storages is None else read_pickle(data, storages)
+        obj = _shared_pickle(data) if shared and storages is None and stand_in is None \
+            else read_pickle(data, storages, stand_in)
     except pickle.UnpicklingError as exc:  # a global outside the allow-list
         raise refused(path, exc, version_in_pickle(data)) from None
     except PICKLE_FAILURES as exc:

@@ -26,9 +26,10 @@ class LegacyError(ValueError):
     """What is wrong with a file that starts like a legacy torch file (one phrase)."""
 
 
-def read_legacy(path: Path, refs: dict | None = None) -> tuple[object, dict[str, tuple[int, int]]]:
+def read_legacy(path: Path, refs: dict | None = None, stand_in=None) -> tuple[object, dict[str, tuple[int, int]]]:
     """(object with TensorRefs, storage key -> (first data byte, bytes)) of a legacy file;
-    `refs`, if given, receives each storage's StorageRef by key.
+    `refs`, if given, receives each storage's StorageRef by key; `stand_in`: the object's globals'
+    stand-ins, as `pickled.read_pickle`'s (the file's own header pickles hold none).
 
     Raises LegacyError saying why the file is not a whole legacy torch file, and
     pickle.UnpicklingError for a global outside the allow-list."""
@@ -43,7 +44,7 @@ def read_legacy(path: Path, refs: dict | None = None) -> tuple[object, dict[str,
         if not isinstance(info, dict) or info.get("little_endian") is not True:
             raise LegacyError("was not written on a little-endian machine (or its header is damaged)")
         seen: dict[str, StorageRef] = {} if refs is None else refs
-        obj = read_pickle_from(f, seen)
+        obj = read_pickle_from(f, seen, stand_in)
         keys = read_pickle_from(f)
         if not isinstance(keys, list) or sorted(set(keys)) != sorted(seen) or len(keys) != len(seen):
             raise LegacyError("lists other storages than its pickle uses")
