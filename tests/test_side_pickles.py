@@ -119,6 +119,14 @@ def test_a_global_that_would_run_is_refused_and_nothing_is_called(hf_run, tmp_pa
     assert not marker.exists()
 
 
+def test_a_training_scripts_own_arguments_class_passes(hf_run, tmp_path):
+    """training_args.bin of a script that subclassed TrainingArguments pickles `__main__.MyArguments`:
+    a load resolves it in the loading program's own script, so it is read as an inert stand-in."""
+    payload = b"\x80\x02c__main__\nMyArguments\n)\x81}X\x03\x00\x00\x00lr_G?\x00\x00\x00\x00\x00\x00\x00sb."
+    crafted = rezip(hf_run / "checkpoint-6" / "scheduler.pt", tmp_path / "training_args.bin", lambda data: payload)
+    check_side_file(crafted)
+
+
 @pytest.mark.parametrize("why, payload, needle", [
     ("nested too deep", b"\x80\x02" + b"(" * 101 + b"l" * 101 + b".", "nested more than"),
     ("a memo index no checkpoint uses", b"\x80\x02Nr\x00\x00\x00\x40.", "memo index"),

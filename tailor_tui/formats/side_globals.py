@@ -28,8 +28,10 @@ import re
 from tailor_tui.formats.dtypes import BY_NAME, STORAGE_ITEMSIZE
 from tailor_tui.formats.pickled import FLOATING, Size, StorageType, TensorRef, rebuild_from_type_v2, rebuild_tensor_v2
 
-# the packages whose classes training pickles into its side files (TrainingArguments, DeepSpeedPlugin, …)
-TRUSTED_PACKAGES = ("transformers", "accelerate", "deepspeed", "peft", "trl")
+# the packages whose classes training pickles into its side files (TrainingArguments, DeepSpeedPlugin, …),
+# and `__main__`: a training script's own TrainingArguments subclass, which a load finds in the loading
+# program's own main module (the user's script), never in anything the file brings
+TRUSTED_PACKAGES = ("transformers", "accelerate", "deepspeed", "peft", "trl", "__main__")
 TRUSTED_ENV = "TAILOR_TUI_TRUSTED_PICKLES"  # more top-level packages, comma-separated (a training script's own)
 # where torch restores a storage (`torch.serialization.default_restore_location`); a `torch.device` likewise
 DEVICE = re.compile(r"(cpu|meta|mps|(cuda|xpu|hpu|npu|mtia|privateuseone)(:\d{1,4})?)")
