@@ -108,9 +108,10 @@ class _Fills:
             self.where[s] = {n: (f, info) for f in self.job.source_files[s]
                              for n, info in safetensors_tensors(f).items()}
         if name not in self.where[s]:
+            base = f"the base's {self.job.base_file}" if self.job.base_file else "the base's"
             raise CheckpointError(
-                f"{self.job.source_names[s]}: its 16-bit model file has no tensor {name}; "
-                "the checkpoint is incomplete or from another model"
+                f"{self.job.source_names[s]}: its 16-bit model file has no tensor {name}, which {base} names; "
+                "one of the two is incomplete or damaged, or they are from different models"
             )
         return self.where[s][name]
 
