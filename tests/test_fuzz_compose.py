@@ -5,7 +5,8 @@ worker: the composition, its CLI error mapping and `--verify`, without a process
 
 Each mutated run must end in either
 - a one-line refusal (`error: ...`, exit 4, or 5 where the file no longer fits the model, naming the
-  mutated file) and nothing at the output, or
+  mutated file; exit 3 naming its checkpoint where a partial save's record no longer lists a row the
+  recipe takes from it) and nothing at the output, or
 - exit 0, an output that `--verify` proves, and every torch file of the output loading (torch's own
   reader) to the same values as the output composed from the untouched run.
 Never an internal error, never a published file torch (or the safetensors library) cannot load or reads
@@ -23,7 +24,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import checkpoints_of
 from helpers import write_recipe
 from safetensors.torch import load_file
 from test_fuzz import KINDS, metadata_bytes, same
@@ -37,6 +37,8 @@ def spots(name: str, data: bytes) -> list[int]:
     """The bytes of a file's metadata: a zip archive's (see test_fuzz), a safetensors file's length and header."""
     if name.endswith(".safetensors"):
         return list(range(8 + int.from_bytes(data[:8], "little")))
+    if name.endswith(".json"):
+        return list(range(len(data)))
     return metadata_bytes(data)
 
 
@@ -52,19 +54,35 @@ def compose(recipe: Path, capsys) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("kind", [*KINDS, "model.safetensors"])
+# (run, folder in its cache entry, base, {row: source}, the file mutated, mutations): each file kind
+# tailor-tui reads; a partial save is the base (its record, its recorded model-file headers, a rank's rows
+# and optimizer skeleton all read), the rows it did not save from the full save before it
+UNSAVED = ("embed_tokens", "layers.1", "layers.3")  # what the parity strategy left out at step 4
+CASES = {
+    **{kind: ("hf_bf16_2", ".", "checkpoint-6", {"layers.1": "checkpoint-2"}, KINDS[kind], SAMPLE) for kind in KINDS},
+    "model.safetensors": ("hf_bf16_2", ".", "checkpoint-6", {"layers.1": "checkpoint-2"},
+                          "checkpoint-6/model.safetensors", SAMPLE),
+    "pytorch_model.bin": ("hf_bin", ".", "checkpoint-4", {"layers.1": "checkpoint-2"}, "checkpoint-4/pytorch_model.bin",
+                          SAMPLE),
+    **{f"partial save: {name}": ("hf_selective_parity", "run", "partial-step4", dict.fromkeys(UNSAVED, "checkpoint-2"),
+                                 f"partial-step4/{name}", SAMPLE // 3)
+       for name in ("global_step4/tailor_rows_rank_1.safetensors", "global_step4/tailor_optim_skeleton_rank_1.pt",
+                    "tailor_partial.json", "tailor_model_files.json")},
+}
+
+
+@pytest.mark.parametrize("kind", list(CASES))
 def test_a_flipped_bit_composes_correctly_or_is_refused_in_one_line(real_run, tmp_path, kind, capsys):
-    source, spec = real_run("hf_bf16_2")
+    name, folder, base, layers, mutated_file, sample = CASES[kind]
     run = tmp_path / "run"
-    shutil.copytree(source, run)
-    c2, _c4, c6 = checkpoints_of(run, spec)
-    recipe = write_recipe(tmp_path, c6, {"layers.1": c2})
+    shutil.copytree(real_run(name)[0] / folder, run)
+    recipe = write_recipe(tmp_path, run / base, {row: run / src for row, src in layers.items()})
     out = tmp_path / "composed"
     assert compose(recipe, capsys)[0] == 0
     expected = torch_files(out)
-    target = run / KINDS.get(kind, f"checkpoint-6/{kind}")
+    target = run / mutated_file
     original = target.read_bytes()
-    bits = random.Random(4343).sample([(at, bit) for at in spots(kind, original) for bit in range(8)], SAMPLE)
+    bits = random.Random(4343).sample([(at, bit) for at in spots(mutated_file, original) for bit in range(8)], sample)
     began, refused, composed = time.monotonic(), 0, 0
     for at, bit in bits:
         shutil.rmtree(out, ignore_errors=True)
@@ -75,8 +93,9 @@ def test_a_flipped_bit_composes_correctly_or_is_refused_in_one_line(real_run, tm
         where = f"byte {at} bit {bit} of {kind}"
         if code != 0:
             lines = [line for line in err.splitlines() if line.startswith("error: ")]
-            assert code in (4, 5) and len(lines) == 1 and "Traceback" not in err, (where, code, err)
-            assert str(target) in lines[0] and "internal error" not in lines[0], (where, err)  # the file to blame
+            assert code in (3, 4, 5) and len(lines) == 1 and "Traceback" not in err, (where, code, err)
+            blamed = target if code != 3 else target.parent.name  # a record's rows: the recipe asks what it lacks
+            assert str(blamed) in lines[0] and "internal error" not in lines[0], (where, err)
             assert not out.exists(), where
             refused += 1
             continue

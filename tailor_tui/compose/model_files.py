@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from tailor_tui import crc
+from tailor_tui.checkpoints.checkpoint import PARTIAL_MODEL_FILES
 from tailor_tui.checkpoints.rank_reader import RankReader
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
@@ -108,7 +109,8 @@ class _Fills:
             self.where[s] = {n: (f, info) for f in self.job.source_files[s]
                              for n, info in safetensors_tensors(f).items()}
         if name not in self.where[s]:
-            base = f"the base's {self.job.base_file}" if self.job.base_file else "the base's"
+            base = (f"the base's {self.job.base_file}" if self.job.base_file else  # a partial base: its record
+                    f"the base's record {Path(self.job.source_names[0]) / PARTIAL_MODEL_FILES}")
             raise CheckpointError(
                 f"{self.job.source_names[s]}: its 16-bit model file has no tensor {name}, which {base} names; "
                 "one of the two is incomplete or damaged, or they are from different models"

@@ -101,8 +101,9 @@ def _tensor_sources(base: Checkpoint, picks: dict[str, int], tensors: list[str],
     is refused (IncompatibleError) unless every row comes from the base."""
     found = tensor_rows(tensors, base.rows, base.path)
     unplaced = [n for n, row in found.items() if row is None]
-    if unplaced and any(picks.values()):
-        raise unplaced_error(file, unplaced, base.rows)
+    if unplaced and any(picks.values()):  # (a partial save's model file is a header its record holds)
+        raise unplaced_error(file if file.is_file() or not base.partial else base.path / PARTIAL_MODEL_FILES,
+                             unplaced, base.rows)
     return ({n: row or "" for n, row in found.items()},
             {n: picks.get(row, 0) if row else 0 for n, row in found.items()})
 
