@@ -256,3 +256,44 @@ def test_a_stranger_who_writes_into_the_jobs_store_stops_it_and_steers_nothing(r
     assert "Traceback" not in outs[0][1] + outs[1][1]
     assert not (tmp_path / "composed").exists() and not list(trap.iterdir())
     assert not hidden(tmp_path), hidden(tmp_path)
+
+
+def test_a_stranger_who_deletes_the_jobs_values_stops_it_within_seconds(real_run, tmp_path):
+    """An attacker on the node connects to the job's port and deletes the values the processes wait
+    for (the folder process 0 shared, each one's "done"), as soon as they are written. Each process
+    knows, from the others' sealed beats, what they have posted: a value posted and gone stops every
+    process within seconds with one line, where they used to wait forever; nothing is published."""
+    import datetime
+
+    import torch.distributed as dist
+
+    run, spec = real_run("hf_bf16_2")
+    c2, _c4, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c2})
+    port = _free_port()
+    began = time.monotonic()
+    tasks = _slurm_tasks(["--apply", recipe, "--peer-timeout", "10"], job="4343",
+                         env={"MASTER_PORT": str(port), "TAILOR_TEST_SLOW_COMPOSE": "0.05"})
+    prefix = "tailor-tui/slurm/4343/0/0/localhost/"
+    keys = [prefix + k for k in ("share/prepared", "gather/done/0", "gather/done/1")]
+    stranger = None
+    while any(t.poll() is None for t in tasks) and time.monotonic() < began + 60:
+        try:
+            stranger = stranger or dist.TCPStore("localhost", port, 2, False, timeout=datetime.timedelta(seconds=5))
+            for key in keys:
+                stranger.delete_key(key)
+        except Exception:  # noqa: BLE001 - not served yet, or gone with process 0
+            stranger = None
+        time.sleep(0.02)
+    try:
+        outs = [t.communicate(timeout=60) for t in tasks]
+    finally:
+        for t in tasks:  # (a job that hangs, as it did, is not left behind)
+            t.kill()
+    assert time.monotonic() - began < 45, outs  # not the peer timeout's many multiples, nor forever
+    assert all(t.returncode != 0 for t in tasks), outs
+    for _out, err in outs:
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and "is gone from the job's store" in errors[0], err
+        assert "Traceback" not in err
+    assert not (tmp_path / "composed").exists() and not hidden(tmp_path), hidden(tmp_path)

@@ -65,6 +65,8 @@ class Team:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._progressed: float | None = None  # when this process's work last moved (None: not watched)
+        self._posted: list[str] = []  # the values this process shared or gathered, told in its beats
+        self._told: dict[int, frozenset[str]] = {}  # what each peer's latest beat says it has posted
 
     # --- dividing the work --------------------------------------------------------------------
 
@@ -198,10 +200,11 @@ class Team:
         while not self._stop.wait(BEAT):
             try:
                 beats += 1
-                self._set(f"beat/{self.rank}", str(beats))
+                self._set(f"beat/{self.rank}", json.dumps([beats, self._posted]))
                 self._check_abort()
                 now = time.monotonic()
                 for p, value in zip(peers, self._beats(keys)):  # each one's count of beats so far
+                    self._told[p] = _posted_in(value)
                     if seen[p][0] != value:
                         seen[p] = (value, now)
                     elif now - seen[p][1] > self.timeout:
@@ -239,13 +242,29 @@ class Team:
                 self.failure = Failure(record["process"], record["message"], record["code"])
 
     def _await(self, keys: list[str]) -> None:
+        """Until every one of `keys` is in the store. One that its process has posted (its beat says
+        so, sealed) and that is not there was deleted by someone outside the job: every process stops
+        (within a beat), instead of waiting for a value that will never come again."""
         while True:
             if self.failure is not None:
                 raise self.error()
             if self._call(self.store.check, keys):
                 return
+            for key in keys:
+                owner = self.rank if key in self._posted else _poster(key)
+                if (key in self._posted or key in self._told.get(owner, ())) and not self._call(self.store.check, [key]):
+                    self._gone(key, owner)
             self._call(self._check_abort)
             time.sleep(POLL)
+
+    def _gone(self, key: str, owner: int) -> None:
+        """The value of `key`, which process `owner` posted, is no longer in the store: stop every process."""
+        if self.failure is None:
+            message = (f"the value of '{key}' that process {owner} posted is gone from the job's store (someone "
+                       "outside the job deleted it; its port is open to every user of the node)")
+            self.fail(TeamError(message, ExitCode.USAGE))
+            self.failure = Failure(OUTSIDER, message, ExitCode.USAGE)
+        raise self.error()
 
     def _forged(self, exc: Forged) -> None:
         """Someone outside the job wrote into its store: tell the others, and stop."""
@@ -255,6 +274,8 @@ class Team:
 
     def _set(self, key: str, value: str) -> None:
         self._call(self.store.set, key, self._sealing().seal(key, value))
+        if key.startswith(("share/", "gather/")) and key not in self._posted:
+            self._posted = [*self._posted, key]  # (a new list: the beat thread reads it)
 
     def _get(self, key: str) -> str:
         return self._call(lambda: self._sealing().open(key, self.store.get(key)))
@@ -287,6 +308,22 @@ class Team:
         if f.process == OUTSIDER:
             return TeamError(f"the job was stopped: {f.message}", f.code)
         return TeamError(f"process {f.process} of {self.size} failed: {f.message}", f.code)
+
+
+def _poster(key: str) -> int:
+    """The process that posts `key`: process 0 a shared value, the last part of a gathered one's name."""
+    last = key.rsplit("/", 1)[-1]
+    return int(last) if key.startswith("gather/") and last.isdigit() else 0
+
+
+def _posted_in(beat: str) -> frozenset[str]:
+    """The keys a peer's beat (sealed: written by the job) says it has posted; none from a beat of
+    another form (a tailor-tui of another version, which the plan's agreement refuses anyway)."""
+    try:
+        _count, posted = json.loads(beat)
+        return frozenset(k for k in posted if isinstance(k, str))
+    except (ValueError, TypeError):
+        return frozenset()
 
 
 SOLO = Team()
