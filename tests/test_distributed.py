@@ -297,3 +297,32 @@ def test_a_stranger_who_deletes_the_jobs_values_stops_it_within_seconds(real_run
         assert len(errors) == 1 and "is gone from the job's store" in errors[0], err
         assert "Traceback" not in err
     assert not (tmp_path / "composed").exists() and not hidden(tmp_path), hidden(tmp_path)
+
+
+def test_a_squatted_master_port_is_one_line_on_every_process_within_seconds(real_run, tmp_path):
+    """Another program (another user's) listens on the job's MASTER_PORT and never answers: process
+    0 cannot serve there, process 1 would wait on it (torch's client, 300 s, a page of C++ frames per
+    retry). Each says so in one line within seconds; no stack frames; nothing written."""
+    import socket
+
+    run, spec = real_run("hf_bf16_2")
+    _c2, _c4, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {})
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen(16)  # accepts connections in the kernel's backlog, answers nothing
+    began = time.monotonic()
+    tasks = _slurm_tasks(["--apply", recipe], job="4444", env={"MASTER_PORT": str(squatter.getsockname()[1])})
+    try:
+        outs = [t.communicate(timeout=120) for t in tasks]
+    finally:
+        for t in tasks:
+            t.kill()
+        squatter.close()
+    assert time.monotonic() - began < 60, outs
+    assert all(t.returncode == 2 for t in tasks), outs
+    for (_out, err), needle in zip(outs, ("could not meet the others", "is not this job's store")):
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and needle in errors[0], err
+        assert "frame #" not in err and "Traceback" not in err, err
+    assert not (tmp_path / "composed").exists()

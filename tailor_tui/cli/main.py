@@ -309,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no GPU needed to read checkpoints
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # (read as torch loads) no C++ stack frames per retry
     if any(getattr(args, name) for name in ACTIONS):
         if args.run_dir is not None:
             parser().error("RUN_DIR opens the interactive composer; it does not go with "

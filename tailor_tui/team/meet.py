@@ -56,6 +56,9 @@ def connect(launch, timeout: float = DEFAULT_TIMEOUT, *, meeting: Path, env=None
                 lay_out(folder, None if given else secret, store.port)
             else:
                 store, secret = _join(launch, folder, deadline, given)
+        elif not lead and not launch.use_env:  # Slurm with MASTER_PORT: process 0's store there, or not
+            store = _client(launch, deadline)
+            secret = given or read_meeting(folder, deadline, want_secret=True, want_port=False)[0]
         else:
             url = "env://" if launch.use_env else f"tcp://{launch.host}:{launch.port}"
             store, _rank, _size = next(dist.rendezvous(url, launch.rank, launch.size,
@@ -72,7 +75,9 @@ def connect(launch, timeout: float = DEFAULT_TIMEOUT, *, meeting: Path, env=None
         raise TeamError(f"process {launch.rank} of {launch.size} could not meet the others at {where} ({first}); "
                         "check that every process was started and that the port is free", ExitCode.USAGE) from None
     team = Team(launch.rank, launch.size, dist.PrefixStore(f"tailor-tui/{job}", store), timeout, Seal(secret, job))
-    _greet(team, folder if given is None else None, deadline)
+    # process 0 greets as soon as every process has reached its store: a store reached that gives no
+    # greeting within the peer timeout is not the job's (someone else's on that port)
+    _greet(team, folder if given is None else None, min(deadline, time.monotonic() + timeout), given is not None)
     if lead and (given is None or launch.port is None):
         team.meeting = folder  # removed when the job ends
     return team
@@ -94,10 +99,51 @@ def _join(launch, folder, deadline: float, given: bytes | None):
             time.sleep(POLL)  # a crashed job's port, left in a stale folder: read it again
 
 
-def _greet(team: Team, folder, deadline: float) -> None:
+def _client(launch, deadline: float):
+    """Another process, Slurm with MASTER_PORT: a client of the store process 0 serves there. Nobody
+    listening yet (process 0 still starting) is tried again until `deadline`; something else
+    answering there — a program that is not a store, or one that never answers (torch's client
+    would wait on it without end) — is refused at once: another program or user holds the port."""
+    import threading
+
+    import torch.distributed as dist
+
+    where = f"{launch.host}:{launch.port}"
+    while True:
+        outcome: dict = {}
+
+        def attempt(outcome: dict = outcome) -> None:
+            try:
+                outcome["store"] = dist.TCPStore(launch.host, launch.port, launch.size, False,
+                                                 timeout=datetime.timedelta(seconds=TRY_PORT))
+            except Exception as exc:  # noqa: BLE001 - told apart below
+                outcome["error"] = exc
+
+        trying = threading.Thread(target=attempt, name="team-connect", daemon=True)  # (left behind if stuck)
+        trying.start()
+        trying.join(TRY_PORT + 5)
+        if "store" in outcome:
+            store = outcome["store"]
+            store.set_timeout(datetime.timedelta(seconds=CONNECT_TIMEOUT))  # (TRY_PORT was to reach it)
+            return store
+        error = outcome.get("error")
+        nobody = error is not None and "timed out" in str(error) and "trying to connect" in str(error)
+        if not nobody:
+            why = "it never answered as a store does" if error is None else str(error).strip().splitlines()[0][:120]
+            raise TeamError(f"process {launch.rank} of {launch.size}: what listens at {where} is not this job's "
+                            f"store ({why}): another program, or another user, holds the port; start the job "
+                            "again with a free MASTER_PORT (or none: process 0 then picks one)", ExitCode.USAGE)
+        if time.monotonic() > deadline:
+            raise TeamError(f"process {launch.rank} of {launch.size} could not meet the others at {where}: nothing "
+                            "listens there; check that every process was started", ExitCode.USAGE)
+        time.sleep(POLL)
+
+
+def _greet(team: Team, folder, deadline: float, given: bool = False) -> None:
     """Process 0 greets the others with a sealed value; each opens it with its secret. A secret
-    read from a stale folder is read again; one that still fails when the time is up means the
-    store is someone else's (or the tasks were given different secrets)."""
+    read from a stale folder is read again; one that still fails when the time is up, or at once
+    where the secret was `given` (nothing to read again), means the store is someone else's (or the
+    tasks were given different secrets)."""
     store, key, seal = team.store, f"share/{GREETING}", team.seal
     assert seal is not None, "connect made the team with its seal"
     if team.lead:
@@ -109,7 +155,7 @@ def _greet(team: Team, folder, deadline: float) -> None:
                 seal.open(key, store.get(key))
                 return
             except Forged:
-                if time.monotonic() > deadline:
+                if given or time.monotonic() > deadline:
                     raise TeamError(f"process {team.rank} of {team.size}: the job's store holds a greeting not "
                                     "sealed with this job's secret (another program's store on that port, or "
                                     "tasks given different TAILOR_TUI_TEAM_SECRET values)", ExitCode.USAGE) from None
