@@ -156,3 +156,32 @@ def test_a_meeting_folder_another_user_took_moves_the_job_to_a_private_place(pro
     assert (folder / "composed" / "tailor_provenance.json").is_file()
     assert squatted.stat().st_uid == uid and not list(squatted.iterdir())
     assert not list((tmp_path / "cache" / "teams").iterdir())  # met there, and gone with the job
+
+
+def test_a_hidden_folder_swapped_by_another_user_is_never_published_and_theirs_is_left(project):
+    """While the job composes, the other user renames its hidden folder aside (the project folder is
+    group-writable) and puts a folder of theirs in its place. The job stops with one line saying so
+    (not blaming the disk), publishes nothing, removes its own folder wherever it was renamed to, and
+    leaves theirs alone."""
+    uid, folder, recipe = project
+    job = subprocess.Popen([TAILOR, "--apply", str(recipe), "--workers", "1"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                           env={**os.environ, "PYTHONWARNINGS": "ignore", "TAILOR_TEST_SLOW_COMPOSE": "0.2"})
+    try:
+        for _ in range(600):
+            hidden = [p for p in folder.glob(".composed.tailor-partial-*") if p.stat().st_uid != uid]
+            if hidden and (hidden[0] / "tailor_provenance.json").exists() is False and any(hidden[0].iterdir()):
+                break
+            time.sleep(0.05)
+        assert hidden, "the job made no hidden folder"
+        swap = f"mv {hidden[0]} {hidden[0]}.stolen && mkdir -m 0777 {hidden[0]} && echo theirs > {hidden[0]}/mark"
+        assert as_attacker("sh", "-c", swap).returncode == 0
+        _out, err = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert job.returncode == 6 and len(errors) == 1, err
+    assert "no longer the folder tailor-tui made there" in errors[0] and "Traceback" not in err, err
+    assert not (folder / "composed").exists()
+    assert hidden[0].stat().st_uid == uid and (hidden[0] / "mark").read_text() == "theirs\n"  # theirs: left
+    assert not Path(f"{hidden[0]}.stolen").exists()  # its own, renamed aside: removed

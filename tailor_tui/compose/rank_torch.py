@@ -17,7 +17,7 @@ import torch
 from tailor_tui.checkpoints.rank_reader import RankReader, dtype_mismatch
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter
-from tailor_tui.fileio import CountingWriter, fsync, output_error
+from tailor_tui.fileio import CountingWriter, create, fsync, output_error
 from tailor_tui.formats.ds_format import (
     FROZEN_PARAM_FRAGMENTS,
     MODULE,
@@ -35,7 +35,7 @@ def save_pt(obj, path: Path, on_bytes: Callable[[int], None] | None, durable: bo
     file, which torch.serialization.skip_data needs)."""
     writer = None
     try:
-        with open(path, "wb") as f:
+        with open(create(path), "wb") as f:  # a new file, never through a link (as every writer's)
             writer = CountingWriter(f, on_bytes) if on_bytes is not None else None
             torch.save(obj, writer or f)  # type: ignore[arg-type]  # any object with write(); the stub says IO
             f.flush()

@@ -289,6 +289,42 @@ def hidden_folder(out: Path, force: bool) -> Path:
     return tmp
 
 
+def folder_identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the folder of this user's at `path` (lstat: never through a link), or None
+    where there is none: nothing, a link, a file, another user's."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        return None
+    return st.st_dev, st.st_ino
+
+
+def check_made(tmp: Path, made: tuple[int, int] | None) -> None:
+    """OutputError unless the folder at `tmp` is still the hidden folder this job made (`made`: its
+    identity): in a folder others can write, it could be renamed aside and another put in its place."""
+    if made is not None and folder_identity(tmp) != made:
+        raise OutputError(f"{tmp}: no longer the folder tailor-tui made there (it was renamed, and something else "
+                          f"put in its place: someone else who can write in {tmp.parent}?); nothing was published, "
+                          "and what is there now is left alone: run again, in a folder only you can write")
+
+
+def remove_made(tmp: Path, made: tuple[int, int] | None) -> None:
+    """Remove the hidden folder this job made: at `tmp` if it is still there, else where it was renamed
+    to beside it (found by `made`, its identity); never another folder. Without `made` (a process that
+    did not make it), only a folder of this user's at `tmp`."""
+    if made is None:
+        if folder_identity(tmp) is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return
+    with contextlib.suppress(OSError):
+        for candidate in (tmp, *tmp.parent.iterdir()):
+            if folder_identity(candidate) == made:
+                shutil.rmtree(candidate, ignore_errors=True)
+                return
+
+
 def check_own_folder(path: Path) -> Path:
     """`path` is a folder of this user's, not a link (the hidden folder process 0 of a job names
     in the job's store, checked by the others before they write into it)."""

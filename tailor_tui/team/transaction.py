@@ -19,22 +19,24 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Generic, TypeVar
 
 from tailor_tui.checkpoints.checkpoint import OUTPUT_FILES, PROVENANCE
-from tailor_tui.errors import Cancelled
+from tailor_tui.errors import Cancelled, OutputError
 from tailor_tui.events import Emit, Job, TaskFinished, TaskOptions, TaskProgressed
 from tailor_tui.fileio import fsync_dir, write_file
 from tailor_tui.interrupts import signals_held
 from tailor_tui.planning.output import (
+    check_made,
     check_own_folder,
+    folder_identity,
     hidden_folder,
     output_lock,
     publish,
+    remove_made,
 )
 from tailor_tui.planning.replaceable import written_files
 from tailor_tui.team.members import SOLO, Team
@@ -132,6 +134,7 @@ class PublishingWork(TeamWork[None]):
         self.output, self.force = output, force
         self.durable, self.exchange = options.durable, options.exchange
         self.made: Path | None = None  # process 0's hidden folder, from the moment it exists
+        self.made_as: tuple[int, int] | None = None  # its identity: what is at its path is checked to be it
         self.tmp: Path | None = None  # the folder every process writes into
         self.published = False
 
@@ -141,6 +144,7 @@ class PublishingWork(TeamWork[None]):
     def prepare(self, cancel: threading.Event) -> str:
         with signals_held():  # a Ctrl-C waits until `abandon` knows the folder it must remove
             self.made = hidden_folder(self.output, self.force)
+            self.made_as = folder_identity(self.made)
         self.fill(self.made, cancel)
         return str(self.made)
 
@@ -157,10 +161,12 @@ class PublishingWork(TeamWork[None]):
         the folder in place at `output`."""
         tmp = self.tmp
         assert tmp is not None, "folder() named it before any task ran"
+        check_made(tmp, self.made_as)
         write_file(tmp / PROVENANCE, json.dumps(record | {OUTPUT_FILES: written_files(tmp)}, indent=2) + "\n",
                    self.durable)
         fsync_dir(tmp, self.durable)
         with signals_held():  # a cancel now waits until the output is whole at its path
+            check_made(tmp, self.made_as)
             publish(tmp, self.output, self.force, self.durable, self.exchange)
             self.published = True
 
@@ -168,9 +174,15 @@ class PublishingWork(TeamWork[None]):
         if self.published:
             return Cancelled(self.finished.format(output=self.output)) if isinstance(exc, KeyboardInterrupt) else None
         folder = self.made or (Path(shared) if shared is not None else None)  # process 0's, or the one it shared
+        swapped = None
+        if self.made is not None:  # what failed may be the folder put in its place: then that is the error
+            try:
+                check_made(self.made, self.made_as)
+            except OutputError as error:
+                swapped = error
         if folder is not None and cleans:
-            shutil.rmtree(folder, ignore_errors=True)
-        return super().abandon(shared, exc, cleans)
+            remove_made(folder, self.made_as)
+        return swapped or super().abandon(shared, exc, cleans)
 
 
 def run_as_team(work: TeamWork[R], *, team: Team = SOLO, emit: Emit = lambda event: None,
