@@ -81,6 +81,20 @@ def read_as_tailor(path: Path, rank_file: bool) -> None:
         read_structure(path)
 
 
+def attempt(read, where: str, named: str):
+    """(the one line `read()` is refused with, None) or (None, what it returned): a refusal is a
+    CheckpointError of one line naming `named`; any other exception fails the test (`where`: the
+    mutation, for its message)."""
+    try:
+        return None, read()
+    except CheckpointError as exc:
+        line = str(exc)
+        assert "\n" not in line and named in line, (where, line)
+        return line, None
+    except Exception as exc:  # noqa: BLE001 (any other exception is the failure looked for)
+        pytest.fail(f"{where}: {type(exc).__name__}: {exc}")
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_every_flipped_bit_of_zip_metadata_is_refused_in_one_line_or_harmless(real_run, tmp_path, kind):
     run, _spec = real_run("hf_bf16_2")
@@ -97,16 +111,12 @@ def test_every_flipped_bit_of_zip_metadata_is_refused_in_one_line_or_harmless(re
         mutated = bytearray(original)
         mutated[at] ^= 1 << bit
         target.write_bytes(mutated)
-        try:
-            read_as_tailor(target, kind.endswith("_states"))
-        except CheckpointError as exc:
-            line = str(exc)
-            assert "\n" not in line and str(target) in line, (at, bit, line)
+        line, _ = attempt(lambda: read_as_tailor(target, kind.endswith("_states")), f"byte {at} bit {bit}",
+                          str(target))
+        if line is not None:
             refused += 1
             messages.add(line.split(": ", 2)[-1][:40])
             continue
-        except Exception as exc:  # noqa: BLE001 (any other exception is the failure looked for)
-            pytest.fail(f"byte {at} bit {bit}: {type(exc).__name__}: {exc}")
         accepted += 1
         try:
             loaded = torch.load(target, weights_only=False)
@@ -179,15 +189,10 @@ def test_every_flipped_bit_of_a_safetensors_header_is_refused_in_one_line_or_har
     bits = _sample(range(8 + length))
     began, refused, accepted, renamed = time.monotonic(), 0, 0, 0
     for at, bit, mutated in _flips(target, original, bits):
-        try:
-            places = safetensors_tensors(target)
-        except CheckpointError as exc:
-            line = str(exc)
-            assert "\n" not in line and line.startswith(f"{target}: "), (at, bit, line)
+        line, places = attempt(lambda: safetensors_tensors(target), f"byte {at} bit {bit}", f"{target}: ")
+        if line is not None:
             refused += 1
             continue
-        except Exception as exc:  # noqa: BLE001 (any other exception is the failure looked for)
-            pytest.fail(f"byte {at} bit {bit}: {type(exc).__name__}: {exc}")
         accepted += 1
         try:
             loaded = _tensors(target)
@@ -229,15 +234,11 @@ def test_every_flipped_bit_of_a_shard_index_is_refused_in_one_line_or_harmless(r
     by_shard = {shard.name: set(_tensors(shard)) for shard in hf_model_files(folder)}
     began, refused, accepted = time.monotonic(), 0, 0
     for at, bit, _mutated in _flips(index, original, bits):
-        try:
-            layout = ModelFileLayout.of_files(hf_model_files(folder))
-        except CheckpointError as exc:
-            line = str(exc)
-            assert "\n" not in line and str(folder) in line, (at, bit, line)
+        line, layout = attempt(lambda: ModelFileLayout.of_files(hf_model_files(folder)), f"byte {at} bit {bit}",
+                               str(folder))
+        if line is not None:
             refused += 1
             continue
-        except Exception as exc:  # noqa: BLE001
-            pytest.fail(f"byte {at} bit {bit}: {type(exc).__name__}: {exc}")
         accepted += 1
         weight_map = __import__("json").loads(layout.index)["weight_map"]
         assert weight_map.keys() == expected.keys(), (at, bit)
@@ -297,16 +298,11 @@ def test_every_flipped_bit_or_byte_of_a_side_files_pickle_is_refused_in_one_line
         struct.pack_into("<I", mutated, local_crc, value)
         struct.pack_into("<I", mutated, central_crc, value)
         target.write_bytes(mutated)
-        try:
-            check_side_file(target)
-        except CheckpointError as exc:
-            line = str(exc)
-            assert "\n" not in line and str(target) in line, (at, xor, line)
+        line, _ = attempt(lambda: check_side_file(target), f"byte {at} ^ {xor:#04x}", str(target))
+        if line is not None:
             refused += 1
             messages.add(line.split(": ", 3)[-1][:30])
             continue
-        except Exception as exc:  # noqa: BLE001 (any other exception is the failure looked for)
-            pytest.fail(f"byte {at} ^ {xor:#04x}: {type(exc).__name__}: {exc}")
         accepted += 1
         try:
             torch.load(target, weights_only=False)
