@@ -263,13 +263,7 @@ def _left_by_dead(out: Path, prefix: str) -> list[Path]:
     found = []
     for p in out.parent.glob(glob.escape(prefix) + "*"):
         pid = p.name[len(prefix):]
-        if not pid.isdigit() or pid_alive(int(pid)):
-            continue
-        try:
-            st = os.lstat(p)
-        except OSError:
-            continue
-        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+        if pid.isdigit() and not pid_alive(int(pid)) and folder_identity(p) is not None:
             found.append(p)
     return found
 
@@ -289,6 +283,11 @@ def hidden_folder(out: Path, force: bool) -> Path:
     return tmp
 
 
+def _own_folder(st: os.stat_result) -> bool:
+    """Whether what `st` (an lstat's: a link is no folder) describes is a folder of this user's."""
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+
+
 def folder_identity(path: Path) -> tuple[int, int] | None:
     """(device, inode) of the folder of this user's at `path` (lstat: never through a link), or None
     where there is none: nothing, a link, a file, another user's."""
@@ -296,9 +295,7 @@ def folder_identity(path: Path) -> tuple[int, int] | None:
         st = os.lstat(path)
     except OSError:
         return None
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        return None
-    return st.st_dev, st.st_ino
+    return (st.st_dev, st.st_ino) if _own_folder(st) else None
 
 
 def check_made(tmp: Path, made: tuple[int, int] | None) -> None:
@@ -332,7 +329,7 @@ def check_own_folder(path: Path) -> Path:
         st = os.lstat(path)
     except OSError as exc:
         raise output_error(exc, path) from None
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+    if not _own_folder(st):
         raise OutputError(f"{path}: not a folder of this user's (a link, or another user's); the job does not "
                           "write there: check who else writes beside the output")
     return path
