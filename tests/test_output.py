@@ -311,6 +311,23 @@ def test_signals_held_defers_sigint_to_the_end_of_the_block(terminal_sigint):
     assert threading.current_thread() is threading.main_thread()
 
 
+def test_a_ctrl_c_as_the_lock_is_taken_removes_the_lock_file(terminal_sigint, tmp_path, monkeypatch):
+    """A Ctrl-C that arrives while the lock is being taken acts once it is taken, and the lock file
+    goes with it (it once acted before the lock file was known to be this run's, and stayed)."""
+    take = output._lock
+
+    def interrupted(out, path):
+        fd = take(out, path)
+        os.kill(os.getpid(), signal.SIGINT)
+        return fd
+
+    monkeypatch.setattr(output, "_lock", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with output.output_lock(tmp_path / "composed"):
+            pass
+    assert hidden(tmp_path) == []
+
+
 def test_a_lock_left_to_a_killed_runs_workers_is_waited_for_a_moment(tmp_path):
     """kill -9 of a composition leaves its forked workers holding the output's lock (they share its open
     file) until they notice, within half a second, that they are orphans: a re-run waits for them. A

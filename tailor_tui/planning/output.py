@@ -143,10 +143,10 @@ def output_lock(out: Path):
         raise output_error(exc, out.parent) from None
     path, fd, mine = _lock_path(out), None, False
     try:
-        with signals_held():  # a Ctrl-C waits until the lock file is one this call removes
+        with signals_held():  # a Ctrl-C waits until the lock file is one this call knows to remove
             fd = _lock(out, path)
-        if fd is not None and os.fstat(fd).st_uid == os.geteuid():  # another user's: locked, left as it is
-            mine = True
+            mine = fd is not None and os.fstat(fd).st_uid == os.geteuid()  # another user's: locked, left
+        if mine:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         yield
