@@ -11,12 +11,23 @@ from pathlib import Path
 from typing import Callable, Literal
 
 from tailor_tui.errors import CheckpointError, OutputError
+from tailor_tui.held import HeldFolder, Place
 from tailor_tui.reading import open_regular, pread_exact
+
+# Where an output file goes: a path, or a place inside the job's hidden folder held open (`held`),
+# made relative to its descriptor
+Target = Path | Place
+Folder = Path | HeldFolder | Place  # where output files go, each `folder / name`
+
+
+def path_of(target: Target) -> Path:
+    """Where `target` is now, by path (to read back what was written, or name it)."""
+    return target.path if isinstance(target, Place) else target
 
 CHUNK = 64 << 20
 
 
-def output_error(exc: OSError, path: Path) -> OutputError:
+def output_error(exc: OSError, path: Path | Place | HeldFolder) -> OutputError:
     """Turn an OSError while writing `path` into one clear line."""
     reasons: dict[int | None, str] = {
         errno.ENOSPC: "the disk is full",
@@ -49,12 +60,17 @@ def fsync(fd: int, durable: bool = True) -> None:
 CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def create(path: Path, mode: int = 0o644) -> int:
+def create(path: Target, mode: int = 0o644) -> int:
     """A write-only descriptor of a new file at `path` (CREATE)."""
-    return os.open(path, CREATE, mode)
+    return open_target(path, CREATE, mode)
 
 
-def write_file(path: Path, data: bytes | str, durable: bool = True) -> None:
+def open_target(path: Target, flags: int, mode: int = 0o644) -> int:
+    """os.open of `path`; a `Place` relative to its held folder's descriptor, never through a link."""
+    return path.open(flags, mode) if isinstance(path, Place) else os.open(path, flags, mode)
+
+
+def write_file(path: Target, data: bytes | str, durable: bool = True) -> None:
     """Write a small file of the output whole (text as UTF-8), fsynced when `durable`."""
     try:
         with open(create(path), "wb") as f:
@@ -73,18 +89,23 @@ def fsync_file(path: Path, durable: bool = True) -> None:
         os.close(fd)
 
 
-def fsync_dir(path: Path, durable: bool = True) -> None:
+def fsync_dir(path: Path | HeldFolder | Place, durable: bool = True) -> None:
+    if not durable:
+        return
+    if isinstance(path, HeldFolder):
+        os.fsync(path.fd())
+        return
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        fd = open_target(path, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
         return
     try:
-        fsync(fd, durable)
+        os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def copy_file(src: Path, dst: Path, on_bytes: Callable[[int], None] = lambda n: None, durable: bool = True,
+def copy_file(src: Path, dst: Target, on_bytes: Callable[[int], None] = lambda n: None, durable: bool = True,
               within: Path | None = None) -> None:
     """Copy bytes (never a hard link), in chunks so progress and cancellation stay live.
     A source that changes size while it is copied is an error, never a short copy. `within`: the
@@ -109,9 +130,9 @@ def copy_file(src: Path, dst: Path, on_bytes: Callable[[int], None] = lambda n: 
             raise CheckpointError(
                 f"{src}: changed while it was copied ({size} bytes, then {now}); is training still "
                 "writing it? Run again once it is not")
+        os.fchmod(fout.fileno(), os.fstat(fin.fileno()).st_mode & 0o777 | 0o200)
         fout.flush()
         fsync(fout.fileno(), durable)
-    os.chmod(dst, os.stat(src).st_mode & 0o777 | 0o200)
 
 
 class CountingWriter:
@@ -198,9 +219,9 @@ def replace_dir(new: Path, dest: Path, durable: bool = True, swap: bool = True) 
     shutil.rmtree(old, ignore_errors=True)
 
 
-def open_fd(stack: contextlib.ExitStack, path: Path, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
-    """os.open whose descriptor `stack` closes (also when a later open fails)."""
-    fd = os.open(path, flags, mode)
+def open_fd(stack: contextlib.ExitStack, path: Target, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
+    """os.open (`open_target`) whose descriptor `stack` closes (also when a later open fails)."""
+    fd = open_target(path, flags, mode)
     stack.callback(os.close, fd)
     return fd
 

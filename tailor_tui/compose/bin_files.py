@@ -19,7 +19,7 @@ from typing import Callable
 
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
-from tailor_tui.fileio import fsync, open_fd, output_error
+from tailor_tui.fileio import Folder, fsync, open_fd, output_error
 from tailor_tui.formats.pickled import TensorRef
 from tailor_tui.formats.ptfile import read_structure
 from tailor_tui.formats.ptpickle import dumps, storage_bytes
@@ -27,7 +27,7 @@ from tailor_tui.formats.ptwrite import Copied, write_archive
 from tailor_tui.planning.jobs import BinFileJob
 
 
-def compose_bin_file(job: BinFileJob, out_dir: Path, emit: Emit, cancelled: Callable[[], bool],
+def compose_bin_file(job: BinFileJob, out_dir: Folder, emit: Emit, cancelled: Callable[[], bool],
                    options: TaskOptions = TaskOptions()) -> None:
     """Write one torch-format weight file: the base's, every storage of a row picked elsewhere
     copied from its source's record of the same tensor."""

@@ -31,6 +31,7 @@ from tailor_tui.events import Emit, TaskFinished, TaskOptions
 from tailor_tui.fileio import copy_file, fsync_dir, output_error, write_file
 from tailor_tui.formats.side_pickles import check_side_file
 from tailor_tui.health.guard import nonfinite_error
+from tailor_tui.held import HeldFolder, Place
 from tailor_tui.planning.jobs import BinFileJob, RankJob, WeightJob
 from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.planning.provenance import plan_digest, provenance
@@ -107,17 +108,18 @@ class Composing(PublishingWork):
         return Declaration(digest=lambda: plan_digest(plan), progress=planned_tasks(plan),
                            workers=self.workers_asked, worker_memory=worker_memory(plan))
 
-    def fill(self, tmp: Path, cancel: threading.Event) -> None:
+    def fill(self, tmp: HeldFolder, cancel: threading.Event) -> None:
         _fill(self.plan, tmp, cancel, self.durable)
 
     def tasks(self, shared: str, emit: Emit) -> list[Task]:
-        tag_dir = self.folder(shared) / self.plan.base.tag
-        rank_args: tuple[Path] | tuple[Path, Skeleton] = (tag_dir,)
+        held = self.folder(shared)
+        tag_dir = held / self.plan.base.tag
+        rank_args: tuple[Place] | tuple[Place, Skeleton] = (tag_dir,)
         if self.plan.reshard is not None:  # the structure every output rank file shares: made once, here
             rank_args = (tag_dir, skeleton(self.plan.base, self.plan.sources, self.plan.buffer_sources(),
                                            self.plan.reshard))
         return [*(Task(self.rank_call, job, rank_args) for job in self.plan.rank_jobs()),
-                *(Task(_weight_writer(job), job, (self.tmp,)) for job in self.plan.model_file_jobs())]
+                *(Task(_weight_writer(job), job, (held,)) for job in self.plan.model_file_jobs())]
 
     def observe(self, event, emit: Emit) -> bool:
         if isinstance(event, TaskFinished):
@@ -140,13 +142,13 @@ class Composing(PublishingWork):
         self.reports = reports
 
     def publish(self) -> None:
-        plan, tmp = self.plan, self.tmp
-        assert tmp is not None, "folder() named it before any task ran"
+        plan, tmp, held = self.plan, self.tmp, self.hidden
+        assert tmp is not None and held is not None, "folder() named it before any task ran"
         _confirm_sizes(tmp, self.reports)
         if self.nonfinite and not self.allow_nonfinite:
             raise nonfinite_error(plan, self.nonfinite)
         verify_output(plan, tmp)
-        fsync_dir(tmp / plan.base.tag, self.durable)
+        fsync_dir(held / plan.base.tag, self.durable)
         self.publish_folder(provenance(plan))
 
 
@@ -174,7 +176,7 @@ def _confirm_sizes(tmp: Path, done: list[dict]) -> None:
                                   "does not show every process the same files: compose on one that does")
 
 
-def _fill(plan: ComposePlan, tmp: Path, cancel: threading.Event, durable: bool) -> None:
+def _fill(plan: ComposePlan, tmp: HeldFolder, cancel: threading.Event, durable: bool) -> None:
     """The hidden folder the output is composed in gets the base's other files, `latest` and
     the model-file index (process 0 of a job fills it; the others write into it)."""
     (tmp / plan.base.tag).mkdir()
@@ -186,13 +188,16 @@ def _fill(plan: ComposePlan, tmp: Path, cancel: threading.Event, durable: bool) 
         write_file(tmp / MODEL_FILE_INDEX, layout.index, durable)
 
 
-def _copy_other_files(plan: ComposePlan, tmp: Path, cancel: threading.Event, durable: bool) -> None:
+def _copy_other_files(plan: ComposePlan, tmp: HeldFolder, cancel: threading.Event, durable: bool) -> None:
     root = plan.other_files_root()
     for rel, to in plan.other_files():
         if cancel.is_set():
             raise Cancelled()
         dst = tmp / to
-        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise output_error(exc, dst.parent) from None
         check_side_file(root / rel)  # scheduler.pt, rng_state_*.pth, training_args.bin: as torch reads them
         try:
             copy_file(root / rel, dst, durable=durable, within=plan.base.path.parent)  # no link out of the run

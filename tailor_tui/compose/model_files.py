@@ -28,7 +28,7 @@ from tailor_tui.checkpoints.checkpoint import PARTIAL_MODEL_FILES
 from tailor_tui.checkpoints.rank_reader import RankReader
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
-from tailor_tui.fileio import CREATE, OpenFiles, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
+from tailor_tui.fileio import CREATE, Folder, OpenFiles, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
 from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, MODULE
 from tailor_tui.formats.dtypes import SAFETENSORS_ITEMSIZE
 from tailor_tui.formats.safe_load import load_pt
@@ -39,7 +39,7 @@ from tailor_tui.reading import pread_into
 CAST_CHUNK = 1 << 20  # elements cast per step: memory stays small whatever the tensor size
 
 
-def compose_model_file(job: ModelFileJob, out_dir: Path, emit: Emit, cancelled: Callable[[], bool],
+def compose_model_file(job: ModelFileJob, out_dir: Folder, emit: Emit, cancelled: Callable[[], bool],
                      options: TaskOptions = TaskOptions()) -> None:
     """Write one model file: the base's bytes (if it has a file) with every tensor of a row
     picked elsewhere replaced by that source's tensor."""

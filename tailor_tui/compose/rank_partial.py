@@ -25,7 +25,7 @@ from tailor_tui.checkpoints.rank_reader import (
 )
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter
-from tailor_tui.fileio import Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
+from tailor_tui.fileio import Target, Writeback, copy_range, fsync, open_fd, output_error, path_of, pwrite_all
 from tailor_tui.formats.ds_format import (
     FP32_FLAT_GROUPS,
     OPTIMIZER_STATE_DICT,
@@ -40,7 +40,7 @@ from tailor_tui.formats.ptwrite import Rewritable, reserved, write
 from tailor_tui.planning.jobs import RankJob
 
 
-def build_optim_states_from_skeleton(job: RankJob, out: Path, counter: ByteCounter) -> Counter:
+def build_optim_states_from_skeleton(job: RankJob, out: Target, counter: ByteCounter) -> Counter:
     """Write a partial base's optim file: its skeleton (everything but the flat tensors) as
     the archive, every slice copied into place in the kernel.
 
@@ -65,7 +65,7 @@ def build_optim_states_from_skeleton(job: RankJob, out: Path, counter: ByteCount
                                       "checkpoint is corrupt or from another run")
             set_flat_tensor(inner, g, key, reserved(size, like, fills))
     write(skeleton.obj, fills, out)
-    layout = RankReader(replace(job.files[0], optim_states=out, rows=None), job.group_sizes).flat()
+    layout = RankReader(replace(job.files[0], optim_states=path_of(out), rows=None), job.group_sizes).flat()
     del skeleton, inner
     big = [tb.record for tb in layout.values()]
 

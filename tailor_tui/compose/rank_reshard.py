@@ -27,7 +27,7 @@ from tailor_tui import crc
 from tailor_tui.checkpoints.rank_reader import STREAM_CHUNK, RankBytes, RankReader, dtype_mismatch, read_and_check
 from tailor_tui.errors import OutputError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
-from tailor_tui.fileio import OpenFiles, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
+from tailor_tui.fileio import Folder, OpenFiles, Target, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
 from tailor_tui.formats.ds_format import TENSORS
 from tailor_tui.formats.nonfinite import EXPONENT, Census, Region
 from tailor_tui.formats.pickled import dtype_name
@@ -36,7 +36,7 @@ from tailor_tui.resharding.partition import ZEROS, Piece, ReshardJob
 from tailor_tui.resharding.skeleton import Skeleton, write_rank_file
 
 
-def reshard_rank(job: ReshardJob, out_tag_dir: Path, skeleton: Skeleton, emit: Emit, cancelled: Callable[[], bool],
+def reshard_rank(job: ReshardJob, out_tag_dir: Folder, skeleton: Skeleton, emit: Emit, cancelled: Callable[[], bool],
                  options: TaskOptions = TaskOptions()) -> Counter:
     """Write output rank `job.rank`'s optim_states and model_states in `out_tag_dir` (each as
     `skeleton` has it, its big tensors filled from their pieces); the non-finite values each
@@ -207,7 +207,7 @@ def _read_pieces(fd: int, path: Path, wanted: list, buffer: memoryview, counter:
         i = j
 
 
-def _write(out: Path, fills: list, checked: Checked, sources: _Sources, counter: ByteCounter) -> None:
+def _write(out: Target, fills: list, checked: Checked, sources: _Sources, counter: ByteCounter) -> None:
     """Copy each (output tensor, key, placed pieces) of `out` into place, set each output
     record's CRC-32 from its pieces' (`_check` gave them), and fsync `out` (unless --no-fsync)."""
     steps = []

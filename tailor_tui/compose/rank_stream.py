@@ -12,13 +12,12 @@ import contextlib
 import os
 import struct
 from collections import Counter, defaultdict
-from pathlib import Path
 from typing import NamedTuple
 
 from tailor_tui import crc, moved
 from tailor_tui.checkpoints.rank_reader import STREAM_CHUNK, RankReader, SliceCheck, check_dtypes, read_and_check
 from tailor_tui.events import ByteCounter
-from tailor_tui.fileio import CREATE, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
+from tailor_tui.fileio import CREATE, Target, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
 from tailor_tui.formats.ds_format import TENSORS
 from tailor_tui.formats.nonfinite import Census, Region
 from tailor_tui.formats.ptfile import Record, Unsupported, checked_ranges, file_format
@@ -43,7 +42,7 @@ class Replacement(NamedTuple):
     check: SliceCheck | None = None  # from a partial's rows file: the slice it is, checked whole
 
 
-def stream_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counter | None:
+def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Counter | None:
     """Write the composed optim_states file as the base's bytes with replaced ranges.
 
     The output has the base's exact zip layout and is written front to back, in the kernel

@@ -13,14 +13,14 @@ from typing import Callable
 from tailor_tui.compose.rank_partial import build_optim_states_from_skeleton
 from tailor_tui.compose.rank_stream import stream_optim_states
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
-from tailor_tui.fileio import copy_file, output_error
+from tailor_tui.fileio import Folder, copy_file, output_error
 from tailor_tui.formats.nonfinite import ITEMSIZE, Census, Region
 from tailor_tui.formats.pickled import dtype_name
 from tailor_tui.formats.ptfile import check_crcs, file_format, frozen_fragment_bytes
 from tailor_tui.planning.jobs import RankJob
 
 
-def compose_rank(job: RankJob, out_tag_dir: Path, emit: Emit, cancelled: Callable[[], bool],
+def compose_rank(job: RankJob, out_tag_dir: Folder, emit: Emit, cancelled: Callable[[], bool],
                options: TaskOptions = TaskOptions()) -> Counter:
     """Compose rank `job.rank`'s model_states and optim_states files into `out_tag_dir`; the
     number of non-finite values each row's slices of this rank hold in the output (counted

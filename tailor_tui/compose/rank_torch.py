@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter, defaultdict
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -17,7 +16,7 @@ import torch
 from tailor_tui.checkpoints.rank_reader import RankReader, dtype_mismatch
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter
-from tailor_tui.fileio import CountingWriter, create, fsync, output_error
+from tailor_tui.fileio import CountingWriter, Target, create, fsync, output_error
 from tailor_tui.formats.ds_format import (
     FROZEN_PARAM_FRAGMENTS,
     MODULE,
@@ -30,7 +29,7 @@ from tailor_tui.formats.safe_load import load_pt
 from tailor_tui.planning.jobs import RankJob
 
 
-def save_pt(obj, path: Path, on_bytes: Callable[[int], None] | None, durable: bool = True) -> None:
+def save_pt(obj, path: Target, on_bytes: Callable[[int], None] | None, durable: bool = True) -> None:
     """torch.save to `path`, durably; `on_bytes` counts the bytes (None: a plain seekable
     file, which torch.serialization.skip_data needs)."""
     writer = None
@@ -48,7 +47,7 @@ def save_pt(obj, path: Path, on_bytes: Callable[[int], None] | None, durable: bo
         raise
 
 
-def reserialise_optim_states(job: RankJob, out: Path, counter: ByteCounter) -> Counter:
+def reserialise_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Counter:
     """Load (memory-mapped), build whole flat tensors, torch.save: the fallback for base
     archives the streaming path does not handle. Memory: the composed rank file. Returns
     the non-finite values of each row, counted in memory."""
@@ -106,7 +105,7 @@ def _count(t) -> int:
     return int((~torch.isfinite(t)).sum()) if t.is_floating_point() else 0
 
 
-def compose_model_states(job: RankJob, out: Path, counter: ByteCounter) -> Counter:
+def compose_model_states(job: RankJob, out: Target, counter: ByteCounter) -> Counter:
     """The base's model_states with frozen fragments and buffers of picked rows replaced;
     the non-finite values of each row's frozen fragments in it."""
     states = load_pt(job.files[0].model_states)

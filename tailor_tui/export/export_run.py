@@ -24,6 +24,7 @@ from tailor_tui.export.export_plan import Export
 from tailor_tui.export.rank import export_rank
 from tailor_tui.fileio import copy_file, create, output_error, pwrite_all, write_file
 from tailor_tui.formats.safetensors_out import INDEX
+from tailor_tui.held import HeldFolder
 from tailor_tui.planning.provenance import provenance
 from tailor_tui.team.transaction import Declaration, PublishingWork, Task, run_as_team
 from tailor_tui.team.workers import STREAMING_WORKER
@@ -82,7 +83,7 @@ class Exporting(PublishingWork):
         return Declaration(progress=[(job.task, job.progress_bytes) for job in self.export.jobs],
                            workers=self.workers_asked, worker_memory=STREAMING_WORKER)
 
-    def fill(self, tmp: Path, cancel: threading.Event) -> None:
+    def fill(self, tmp: HeldFolder, cancel: threading.Event) -> None:
         _make_files(self.export, tmp, self.durable)
         if self.source is not None:
             base = self.export.plan.base  # its own config: read as its files are, no link out of its run
@@ -97,7 +98,7 @@ class Exporting(PublishingWork):
         self.publish_folder(provenance(self.export.plan) | {"export": {"dtype": self.export.dtype, "config": source}})
 
 
-def _make_files(export: Export, tmp: Path, durable: bool) -> None:
+def _make_files(export: Export, tmp: HeldFolder, durable: bool) -> None:
     """Every shard at its full size with its header in place (the tensors' bytes come from the
     workers), and the index when there are several."""
     for f in export.files:
@@ -115,7 +116,7 @@ def _make_files(export: Export, tmp: Path, durable: bool) -> None:
         write_file(tmp / INDEX, json.dumps(export.index, indent=2) + "\n", durable)
 
 
-def _write_config(source: Path, tmp: Path, dtype: str, durable: bool, within: Path | None = None) -> None:
+def _write_config(source: Path, tmp: HeldFolder, dtype: str, durable: bool, within: Path | None = None) -> None:
     """config.json with its dtype the export's; the generation config and tokenizer files beside it.
     `within`: the run folder of the base checkpoint they come from, which no symbolic link on the way
     may leave (`reading.confine`); None: a folder the user named with --config, read as it is."""

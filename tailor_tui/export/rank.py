@@ -26,7 +26,7 @@ from tailor_tui.checkpoints.rank_reader import STREAM_CHUNK, RankReader
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.export.export_plan import ExportJob, Span
-from tailor_tui.fileio import fsync, open_fd, output_error, pwrite_all
+from tailor_tui.fileio import Folder, fsync, open_fd, output_error, pwrite_all
 from tailor_tui.formats.pickled import dtype_name
 from tailor_tui.formats.ptfile import checked_crcs
 from tailor_tui.reading import crc_range
@@ -35,7 +35,7 @@ _NUMPY = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 _OUT = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
-def export_rank(job: ExportJob, out_dir: Path, emit: Emit, cancelled: Callable[[], bool],
+def export_rank(job: ExportJob, out_dir: Folder, emit: Emit, cancelled: Callable[[], bool],
                 options: TaskOptions = TaskOptions()) -> None:
     counter = ByteCounter.for_job(job, emit, cancelled, options)
     buffer = memoryview(bytearray(STREAM_CHUNK))

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from tailor_tui import crc
 from tailor_tui.errors import CheckpointError
-from tailor_tui.fileio import CREATE, OpenFiles, copy_range, open_fd, output_error, pwrite_all
+from tailor_tui.fileio import CREATE, OpenFiles, Target, copy_range, open_fd, output_error, pwrite_all
 from tailor_tui.formats.pickled import StorageRef, TensorRef
 from tailor_tui.formats.ptfile import Record, Unsupported, checked_crcs, locate, read_structure
 from tailor_tui.formats.ptpickle import dumps, storage_bytes, tensor
@@ -75,7 +75,7 @@ def _ident(pickle_digest: bytes, archive: str) -> str:
     return f"{int.from_bytes(digest, 'big') % 10 ** 40:040d}"
 
 
-def write_archive(path: Path, *, archive: str, pickle: bytes, storages: list, ident: str | None = None,
+def write_archive(path: Target, *, archive: str, pickle: bytes, storages: list, ident: str | None = None,
                   buffer: memoryview | None = None) -> dict[str, Record]:
     """Write `path` as torch.save would: records named `archive/…`, `pickle` as data.pkl and
     `storages[k]` (bytes, `Copied` or `Reserved`) as `data/k`. Returns every record, by name.
@@ -96,7 +96,7 @@ class SameArchives:
         self.digest = hashlib.sha256(pickle).digest()
         self._layouts: dict[int, _Layout] = {}
 
-    def write(self, path: Path, archive: str, buffer: memoryview | None = None) -> dict[str, Record]:
+    def write(self, path: Target, archive: str, buffer: memoryview | None = None) -> dict[str, Record]:
         ident = _ident(self.digest, archive)
         length = len(archive.encode("utf-8"))
         known = self._layouts.get(length)
@@ -188,7 +188,7 @@ class _Layout:
             other._patch(at, struct.pack("<I", record[4]))
         return other
 
-    def write(self, path: Path, buffer: memoryview | None = None) -> dict[str, Record]:
+    def write(self, path: Target, buffer: memoryview | None = None) -> dict[str, Record]:
         """Write it to `path`, copied records copied (their CRC-32s checked as they are, and set); its
         records by name. Not fsynced."""
         buffer = buffer if buffer is not None else memoryview(bytearray(1 << 20))
@@ -313,7 +313,7 @@ def reserved(size: int, like, fills: dict) -> TensorRef:
     return tensor(storage, (size,), requires_grad=like.requires_grad)
 
 
-def write(obj, fills: dict, path: Path, **kwargs) -> dict:
+def write(obj, fills: dict, path: Target, **kwargs) -> dict:
     """Write `obj` to `path` as torch.save would, each storage's bytes from `fills`; its records."""
     data, storages = dumps(obj)
     return write_archive(path, archive=path.stem, pickle=data, storages=[fills[id(s)] for s in storages], **kwargs)

@@ -44,6 +44,7 @@ from tailor_tui.fileio import (
     pid_alive,
     replace_dir,
 )
+from tailor_tui.held import HeldFolder, own_folder, swapped
 from tailor_tui.interrupts import signals_held
 from tailor_tui.planning.replaceable import not_replaceable
 
@@ -146,7 +147,7 @@ def output_lock(out: Path):
         with signals_held():  # a Ctrl-C waits until the lock file is one this call knows to remove
             fd = _lock(out, path)
             mine = fd is not None and os.fstat(fd).st_uid == os.geteuid()  # another user's: locked, left
-        if mine:
+        if fd is not None and mine:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         yield
@@ -268,24 +269,18 @@ def _left_by_dead(out: Path, prefix: str) -> list[Path]:
     return found
 
 
-def hidden_folder(out: Path, force: bool) -> Path:
+def hidden_folder(out: Path, force: bool) -> HeldFolder:
     """The empty hidden folder beside `out` that an output is written in before it takes its
-    place (call holding `output_lock`): what killed runs left is cleaned up first, and with
-    `force` an existing output's folder is probed for the swap."""
+    place (call holding `output_lock`), held open: what killed runs left is cleaned up first, and
+    with `force` an existing output's folder is probed for the swap."""
     remove_stale(out)
     if force and out.is_dir():
         probe_swap(out)
     tmp = out.parent / f"{temp_prefix(out)}{os.getpid()}"
     try:
-        tmp.mkdir(mode=0o700)  # this user's alone until it is published (`publish` opens it up)
+        return HeldFolder.make(tmp)  # this user's alone until it is published (`publish` opens it up)
     except OSError as exc:
         raise output_error(exc, out.parent) from None
-    return tmp
-
-
-def _own_folder(st: os.stat_result) -> bool:
-    """Whether what `st` (an lstat's: a link is no folder) describes is a folder of this user's."""
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
 
 
 def folder_identity(path: Path) -> tuple[int, int] | None:
@@ -295,16 +290,23 @@ def folder_identity(path: Path) -> tuple[int, int] | None:
         st = os.lstat(path)
     except OSError:
         return None
-    return (st.st_dev, st.st_ino) if _own_folder(st) else None
+    return (st.st_dev, st.st_ino) if own_folder(st) else None
 
 
 def check_made(tmp: Path, made: tuple[int, int] | None) -> None:
     """OutputError unless the folder at `tmp` is still the hidden folder this job made (`made`: its
     identity): in a folder others can write, it could be renamed aside and another put in its place."""
     if made is not None and folder_identity(tmp) != made:
-        raise OutputError(f"{tmp}: no longer the folder tailor-tui made there (it was renamed, and something else "
-                          f"put in its place: someone else who can write in {tmp.parent}?); nothing was published, "
-                          "and what is there now is left alone: run again, in a folder only you can write")
+        raise swapped(tmp)
+
+
+def check_published(out: Path, made: tuple[int, int] | None) -> None:
+    """After `publish`: OutputError unless what is at `out` is the folder the job made (one put in its
+    place between the last `check_made` and the rename would be there instead)."""
+    if made is not None and folder_identity(out) != made:
+        raise OutputError(f"output {out}: holds a folder someone put in the place of the one tailor-tui made, as "
+                          "it was published; it is not this composition and is left as it is: see who else writes "
+                          f"in {out.parent}, and run again in a folder only you can write")
 
 
 def remove_made(tmp: Path, made: tuple[int, int] | None) -> None:
@@ -329,7 +331,7 @@ def check_own_folder(path: Path) -> Path:
         st = os.lstat(path)
     except OSError as exc:
         raise output_error(exc, path) from None
-    if not _own_folder(st):
+    if not own_folder(st):
         raise OutputError(f"{path}: not a folder of this user's (a link, or another user's); the job does not "
                           "write there: check who else writes beside the output")
     return path
@@ -363,11 +365,12 @@ def probe_swap(out: Path) -> None:
                 p.rmdir()
 
 
-def publish(tmp: Path, out: Path, force: bool, durable: bool = True, swap: bool = True) -> None:
-    """Put the finished folder `tmp` at `out` (see `signals_held`: call it inside that), with
+def publish(held: HeldFolder, out: Path, force: bool, durable: bool = True, swap: bool = True) -> None:
+    """Put the finished folder `held` at `out` (see `signals_held`: call it inside that), with
     the permissions a folder made now would have."""
+    tmp = held.path
     try:
-        os.chmod(tmp, 0o777 & ~_umask())
+        os.fchmod(held.fd(), 0o777 & ~_umask())
         if out.is_dir() and any(out.iterdir()):
             if not force:
                 raise OutputError(f"output {out}: appeared while composing; not overwritten")

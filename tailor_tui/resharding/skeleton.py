@@ -21,12 +21,12 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import NamedTuple
 
 from tailor_tui.checkpoints.checkpoint import Checkpoint
 from tailor_tui.checkpoints.layout import part
 from tailor_tui.errors import CheckpointError
+from tailor_tui.fileio import Target
 from tailor_tui.formats.ds_format import (
     DP_WORLD_SIZE,
     EXP_AVG,
@@ -101,7 +101,7 @@ def skeleton(base: Checkpoint, sources: tuple[Checkpoint, ...], buffer_sources: 
     return Skeleton(kinds[0], kinds[1], flat, fragments)
 
 
-def write_rank_file(path: Path, kind: SameArchives, buffer: memoryview) -> tuple[str, dict]:
+def write_rank_file(path: Target, kind: SameArchives, buffer: memoryview) -> tuple[str, dict]:
     """Write one output rank file of a `Skeleton` (`kind`: its optim or model files'), big tensors
     reserved; (its archive name, its records). Not fsynced: the caller fills it, then fsyncs."""
     archive = path.stem  # torch names an archive's records after its file

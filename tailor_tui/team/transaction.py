@@ -27,12 +27,12 @@ from typing import Callable, Generic, TypeVar
 from tailor_tui.checkpoints.checkpoint import OUTPUT_FILES, PROVENANCE
 from tailor_tui.errors import Cancelled, OutputError
 from tailor_tui.events import Emit, Job, TaskFinished, TaskOptions, TaskProgressed
-from tailor_tui.fileio import fsync_dir, write_file
+from tailor_tui.fileio import fsync_dir, output_error, write_file
+from tailor_tui.held import HeldFolder
 from tailor_tui.interrupts import signals_held
 from tailor_tui.planning.output import (
     check_made,
-    check_own_folder,
-    folder_identity,
+    check_published,
     hidden_folder,
     output_lock,
     publish,
@@ -135,7 +135,8 @@ class PublishingWork(TeamWork[None]):
         self.durable, self.exchange = options.durable, options.exchange
         self.made: Path | None = None  # process 0's hidden folder, from the moment it exists
         self.made_as: tuple[int, int] | None = None  # its identity: what is at its path is checked to be it
-        self.tmp: Path | None = None  # the folder every process writes into
+        self.tmp: Path | None = None  # the folder every process writes into (read back by its path)
+        self.hidden: HeldFolder | None = None  # that folder held open: what is written goes in by its descriptor
         self.published = False
 
     def held(self, lead: bool):
@@ -143,31 +144,39 @@ class PublishingWork(TeamWork[None]):
 
     def prepare(self, cancel: threading.Event) -> str:
         with signals_held():  # a Ctrl-C waits until `abandon` knows the folder it must remove
-            self.made = hidden_folder(self.output, self.force)
-            self.made_as = folder_identity(self.made)
-        self.fill(self.made, cancel)
+            held = hidden_folder(self.output, self.force)
+            self.made, self.made_as, self.hidden = held.path, held.identity, held
+        self.fill(held, cancel)
         return str(self.made)
 
-    def fill(self, tmp: Path, cancel: threading.Event) -> None:
+    def fill(self, tmp: HeldFolder, cancel: threading.Event) -> None:
         """Process 0: what the folder holds before the workers write into it."""
 
-    def folder(self, shared: str) -> Path:
-        """The folder process 0 shared, checked (a folder of this user's, not a link)."""
-        self.tmp = check_own_folder(Path(shared))
-        return self.tmp
+    def folder(self, shared: str) -> HeldFolder:
+        """The folder process 0 shared, held open: on process 0 the one it made; on the others a folder
+        of this user's (not a link) found at that path now, which their workers check they write into."""
+        if self.hidden is None or str(self.hidden.path) != shared:
+            self.hidden = HeldFolder(Path(shared))
+            try:
+                self.hidden.fd()
+            except OSError as exc:
+                raise output_error(exc, self.hidden.path) from None
+        self.tmp = self.hidden.path
+        return self.hidden
 
     def publish_folder(self, record: dict) -> None:
         """Process 0: `record`, with every file the folder holds, as its provenance record; then
         the folder in place at `output`."""
-        tmp = self.tmp
-        assert tmp is not None, "folder() named it before any task ran"
+        tmp, held = self.tmp, self.hidden
+        assert tmp is not None and held is not None, "folder() named it before any task ran"
         check_made(tmp, self.made_as)
-        write_file(tmp / PROVENANCE, json.dumps(record | {OUTPUT_FILES: written_files(tmp)}, indent=2) + "\n",
+        write_file(held / PROVENANCE, json.dumps(record | {OUTPUT_FILES: written_files(tmp)}, indent=2) + "\n",
                    self.durable)
-        fsync_dir(tmp, self.durable)
+        fsync_dir(held, self.durable)
         with signals_held():  # a cancel now waits until the output is whole at its path
             check_made(tmp, self.made_as)
-            publish(tmp, self.output, self.force, self.durable, self.exchange)
+            publish(held, self.output, self.force, self.durable, self.exchange)
+            check_published(self.output, self.made_as)
             self.published = True
 
     def abandon(self, shared: str | None, exc: BaseException, cleans: bool) -> BaseException | None:
