@@ -299,6 +299,51 @@ def test_a_stranger_who_deletes_the_jobs_values_stops_it_within_seconds(real_run
     assert not (tmp_path / "composed").exists() and not hidden(tmp_path), hidden(tmp_path)
 
 
+@pytest.mark.parametrize("how", ["replayed", "deleted"])
+def test_a_stranger_who_replays_or_deletes_a_beat_stops_the_job(real_run, tmp_path, how):
+    """A process's beat (sealed) could be written again, old, by anyone who reads it from the job's port,
+    to keep a process that died looking alive; or deleted. A beat only ever counts up and, once seen, stays:
+    either change stops every process within seconds with one line; nothing is published."""
+    import datetime
+
+    import torch.distributed as dist
+
+    run, spec = real_run("hf_bf16_2")
+    c2, _c4, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c2})
+    port = _free_port()
+    began = time.monotonic()
+    tasks = _slurm_tasks(["--apply", recipe, "--peer-timeout", "30"], job="4444",
+                         env={"MASTER_PORT": str(port), "TAILOR_TEST_SLOW_COMPOSE": "0.2"})
+    beat = "tailor-tui/slurm/4444/0/0/localhost/beat/1"
+    stranger, old = None, None
+    while any(t.poll() is None for t in tasks) and time.monotonic() < began + 60:
+        try:
+            stranger = stranger or dist.TCPStore("localhost", port, 2, False, timeout=datetime.timedelta(seconds=5))
+            if how == "deleted":
+                stranger.delete_key(beat)
+            elif old is None and stranger.check([beat]):
+                old, seen = stranger.get(beat), time.monotonic()
+            elif old is not None and time.monotonic() > seen + 2.5:  # process 1 has beaten since
+                stranger.set(beat, old)
+        except Exception:  # noqa: BLE001 - not served yet, or gone with process 0
+            stranger = None
+        time.sleep(0.02)
+    try:
+        outs = [t.communicate(timeout=60) for t in tasks]
+    finally:
+        for t in tasks:
+            t.kill()
+    assert time.monotonic() - began < 45, outs  # not the peer timeout of 30 s after the work
+    assert all(t.returncode != 0 for t in tasks), outs
+    said = "went back from" if how == "replayed" else "the beat of process 1 is gone"
+    for _out, err in outs:
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and said in errors[0], err
+        assert "Traceback" not in err
+    assert not (tmp_path / "composed").exists() and not hidden(tmp_path), hidden(tmp_path)
+
+
 def test_a_squatted_master_port_is_one_line_on_every_process_within_seconds(real_run, tmp_path):
     """Another program (another user's) listens on the job's MASTER_PORT and never answers: process
     0 cannot serve there, process 1 would wait on it (torch's client, 300 s, a page of C++ frames per

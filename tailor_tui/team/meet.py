@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from tailor_tui.errors import ExitCode
-from tailor_tui.team.members import CONNECT_TIMEOUT, DEFAULT_TIMEOUT, POLL, Team, TeamError
+from tailor_tui.team.members import CONNECT_TIMEOUT, DEFAULT_TIMEOUT, POLL, STORE_READ, Team, TeamError
 from tailor_tui.team.trust import Forged, Seal, env_secret, lay_out, meeting_folder, new_secret, read_meeting
 
 GREETING = "greeting"
@@ -78,6 +78,9 @@ def connect(launch, timeout: float = DEFAULT_TIMEOUT, *, meeting: Path, env=None
     # process 0 greets as soon as every process has reached its store: a store reached that gives no
     # greeting within the peer timeout is not the job's (someone else's on that port)
     _greet(team, folder if given is None else None, min(deadline, time.monotonic() + timeout), given is not None)
+    # from now on, a read waits seconds, not minutes: the job only reads what the store holds (a value
+    # someone deleted between the check and the read is then said to be gone, not waited for)
+    store.set_timeout(datetime.timedelta(seconds=STORE_READ))
     if lead and (given is None or launch.port is None):
         team.meeting = folder  # removed when the job ends
     return team

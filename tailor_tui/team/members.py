@@ -31,6 +31,7 @@ from tailor_tui.team.trust import Forged, Seal
 
 DEFAULT_TIMEOUT = 60.0  # seconds without a beat before a process counts as gone
 CONNECT_TIMEOUT = 300.0  # seconds for every process to reach the store
+STORE_READ = 10.0  # seconds a read of a value the store holds may take, once every process is there
 BEAT = 1.0
 POLL = 0.1
 
@@ -196,14 +197,18 @@ class Team:
         peers = [p for p in range(self.size) if p != self.rank]
         keys = [f"beat/{p}" for p in peers]
         seen = {p: ("", started) for p in peers}  # a process that never beats counts too
+        counts = {p: 0 for p in peers}  # each one's count of beats so far: it only ever grows
         beats = 0
         while not self._stop.wait(BEAT):
             try:
+                if beats and not self.store.check([f"beat/{self.rank}"]):  # its own last one, deleted
+                    self._gone("beat", self.rank)
                 beats += 1
                 self._set(f"beat/{self.rank}", json.dumps([beats, self._posted]))
                 self._check_abort()
                 now = time.monotonic()
-                for p, value in zip(peers, self._beats(keys)):  # each one's count of beats so far
+                for p, value in zip(peers, self._beats(keys)):
+                    counts[p] = self._check_beat(p, value, counts[p])
                     self._told[p] = _posted_in(value)
                     if seen[p][0] != value:
                         seen[p] = (value, now)
@@ -226,10 +231,27 @@ class Team:
                 return
 
     def _beats(self, keys: list[str]) -> list[str]:
-        """The peers' latest beats ("" for one that has not beaten yet): one request once all have."""
+        """The peers' latest beats ("" for one that has not beaten yet, or whose beat is gone): one
+        request once all have."""
         if self.store.check(keys):
-            return [self._sealing().open(k, v) for k, v in zip(keys, self.store.multi_get(keys))]
-        return [self._sealing().open(k, self.store.get(k)) if self.store.check([k]) else "" for k in keys]
+            try:
+                return [self._sealing().open(k, v) for k, v in zip(keys, self.store.multi_get(keys))]
+            except Forged:
+                raise
+            except Exception:  # noqa: BLE001 - one deleted since the check (or the store gone: the next says)
+                pass
+        return [self._get_if_there(k) or "" for k in keys]
+
+    def _check_beat(self, process: int, beat: str, before: int) -> int:
+        """A peer's beat, as read now, after `before` beats seen: its count. A beat that went back (an
+        old one written again) or that is gone once seen was not the peer's doing: every process stops."""
+        count = _count_in(beat)
+        if before and not beat:
+            self._gone("beat", process)
+        if count < before:
+            self._outsider(f"the beat of process {process} went back from {before} to {count} (an old one written "
+                           "again by someone outside the job; its port is open to every user of the node)")
+        return max(count, before)
 
     def lead_lost(self) -> bool:
         """Whether process 0 is gone (its store lost): then nobody else cleans up its folder."""
@@ -258,10 +280,15 @@ class Team:
             time.sleep(POLL)
 
     def _gone(self, key: str, owner: int) -> None:
-        """The value of `key`, which process `owner` posted, is no longer in the store: stop every process."""
+        """The value of `key` (or the beat), which process `owner` posted, is no longer in the store: stop
+        every process."""
+        what = f"the beat of process {owner}" if key == "beat" else f"the value of '{key}' that process {owner} posted"
+        self._outsider(f"{what} is gone from the job's store (someone outside the job deleted it; its port is open "
+                       "to every user of the node)")
+
+    def _outsider(self, message: str) -> None:
+        """Someone outside the job changed its store (`message`: how): tell the others, and stop."""
         if self.failure is None:
-            message = (f"the value of '{key}' that process {owner} posted is gone from the job's store (someone "
-                       "outside the job deleted it; its port is open to every user of the node)")
             self.fail(TeamError(message, ExitCode.USAGE))
             self.failure = Failure(OUTSIDER, message, ExitCode.USAGE)
         raise self.error()
@@ -278,7 +305,29 @@ class Team:
             self._posted = [*self._posted, key]  # (a new list: the beat thread reads it)
 
     def _get(self, key: str) -> str:
-        return self._call(lambda: self._sealing().open(key, self.store.get(key)))
+        """The value of `key`, which the store held a moment ago (`check`)."""
+        value = self._get_if_there(key)
+        if value is None:
+            self._gone(key, self.rank if key in self._posted else _poster(key))
+        assert value is not None
+        return value
+
+    def _get_if_there(self, key: str) -> str | None:
+        """The value of `key`, or None if it is not there: not yet, or deleted since a `check` saw it
+        (a read of a key that is not there waits for the store's timeout, a few seconds, then fails)."""
+        try:
+            return self._sealing().open(key, self.store.get(key)) if self._call(self.store.check, [key]) else None
+        except Forged as exc:
+            self._forged(exc)
+            raise self.error() from None
+        except TeamError:
+            raise
+        except Exception:  # noqa: BLE001 - deleted since the check, or the store is gone: which, asked once more
+            if self._call(self.store.check, [key]):
+                self.failure = self.failure or Failure(0, "lost contact with it (killed, or its node was lost)",
+                                                       ExitCode.INTERNAL)
+                raise self.error() from None
+            return None
 
     def _sealing(self) -> Seal:
         """`seal`: a team with a store has one (`meet.connect` makes both)."""
@@ -314,6 +363,15 @@ def _poster(key: str) -> int:
     """The process that posts `key`: process 0 a shared value, the last part of a gathered one's name."""
     last = key.rsplit("/", 1)[-1]
     return int(last) if key.startswith("gather/") and last.isdigit() else 0
+
+
+def _count_in(beat: str) -> int:
+    """A peer's count of beats, as its beat (sealed: written by the job) says; 0 for none."""
+    try:
+        count = json.loads(beat)[0] if beat else 0
+        return count if isinstance(count, int) else 0
+    except (ValueError, TypeError, IndexError, KeyError):
+        return 0
 
 
 def _posted_in(beat: str) -> frozenset[str]:
