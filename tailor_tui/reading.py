@@ -105,7 +105,12 @@ def open_regular(path: Path, *, follow: bool = True, within: Path | None = None)
         raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path))
     if not stat.S_ISREG(st.st_mode):
         raise ValueError(NOT_REGULAR)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
+    except PermissionError:  # not damage: said as what it is
+        raise CheckpointError(f"{path}: cannot be read (permission denied: its owner is uid {st.st_uid}, its mode "
+                              f"{stat.S_IMODE(st.st_mode):04o}); ask its owner to let you read it, or compose "
+                              "from a copy you can read") from None
     opened = os.fstat(fd)
     if not stat.S_ISREG(opened.st_mode):  # put in its place since: not read either
         os.close(fd)

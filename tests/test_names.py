@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import assert_one_line_error, tailor
+from helpers import TAILOR, assert_one_line_error, tailor
 from pilot_helpers import compose_finished, private_copy, scan_notices, scanned, start_composing, wait_for
 
 from tailor_tui.cli.main import ended
@@ -189,6 +189,26 @@ def test_an_error_that_ends_a_headless_command_is_one_line_and_a_logged_tracebac
     log = Path(result.stderr.split("its traceback is in ")[1].split("; ")[0])
     assert log.parent == tmp_path / "cache" / "crashes"
     assert "Traceback" in log.read_text() and "in apply" in log.read_text()
+
+
+# A pipe of its own breaking (a worker's, multiprocessing's resource tracker gone), while stdout is fine.
+OWN_PIPE_BROKEN = ("import sys\nimport tailor_tui.cli.main as cli\n"
+                   "def apply(args):\n    raise BrokenPipeError(32, 'Broken pipe')\n"
+                   "cli.apply = apply\nsys.exit(cli.main(['--apply', 'recipe.yaml']))\n")
+
+
+def test_a_broken_pipe_of_its_own_is_an_error_only_a_gone_reader_is_not(real_run, tmp_path):
+    """`tailor-tui --stats RUN | true` (a reader that has seen enough before anything was written) ends
+    quietly with 0; a pipe of its own that breaks is an error, one line, exit 1. It used to end with 0,
+    silently, as if done."""
+    result = subprocess.run([sys.executable, "-c", OWN_PIPE_BROKEN], capture_output=True, text=True,
+                            env={**os.environ, "TAILOR_TUI_CACHE": str(tmp_path / "cache")})
+    assert result.returncode == 1 and result.stderr.startswith(
+        "error: tailor-tui --apply stopped on an internal error (BrokenPipeError"), result.stderr
+    run, _spec = real_run("hf_bf16_2")
+    piped = subprocess.run(f"set -o pipefail; {TAILOR} --stats {run} | true", shell=True, capture_output=True,
+                           text=True, executable="/bin/bash", env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert piped.returncode == 0 and "error" not in piped.stderr, piped.stderr
 
 
 @pytest.fixture

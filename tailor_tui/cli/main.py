@@ -287,6 +287,27 @@ def ensure_demo(out: Path) -> None:
     make_run(out, spec)
 
 
+def _crashed(exc: BaseException, args) -> int:
+    """A bug: one line, its traceback in a log file (as the composer's)."""
+    from tailor_tui.cli.crash import crash_line, log_crash
+
+    action = next((f"--{name.replace('_', '-')}" for name in ACTIONS if getattr(args, name)), "tailor-tui")
+    print(crash_line(exc, log_crash(exc), who=f"tailor-tui {action}"), file=sys.stderr)
+    return ExitCode.INTERNAL
+
+
+def _reader_gone(stream) -> bool:
+    """Whether `stream` is a pipe whose reader has closed it (poll says POLLERR on its write end)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(stream.fileno(), 0)
+        return any(events & select.POLLERR for _fd, events in poller.poll(0))
+    except (OSError, ValueError):
+        return False
+
+
 def _test_slow_down() -> float:
     """Seconds to sleep per progress step: fault injection that the tests of cancel and kill set
     through the environment (their compositions of tiny checkpoints end too fast to signal mid-way),
@@ -354,15 +375,14 @@ def main(argv: list[str] | None = None) -> int:
         writes = args.apply or args.export or args.make_demo or args.demo
         print("error: cancelled" + ("; nothing was written to the output path" if writes else ""), file=sys.stderr)
         code = ExitCode.CANCELLED
-    except BrokenPipeError:  # `tailor-tui --stats RUN | head`: the reader has seen enough
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        code = ExitCode.OK
+    except BrokenPipeError as exc:
+        if _reader_gone(sys.stdout):  # `--stats RUN | head`: the reader has seen enough
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            code = ExitCode.OK
+        else:  # a pipe of its own (a worker's) broke: not the reader's doing
+            code = _crashed(exc, args)
     except Exception as exc:  # a bug: one line, its traceback in a log file (as the composer's)
-        from tailor_tui.cli.crash import crash_line, log_crash
-
-        action = next((f"--{name.replace('_', '-')}" for name in ACTIONS if getattr(args, name)), "tailor-tui")
-        print(crash_line(exc, log_crash(exc), who=f"tailor-tui {action}"), file=sys.stderr)
-        code = ExitCode.INTERNAL
+        code = _crashed(exc, args)
     return int(code)
 
 
