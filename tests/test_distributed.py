@@ -203,6 +203,55 @@ def test_a_task_whose_work_hangs_fails_the_job(real_run, tmp_path):
     assert not (tmp_path / "composed").exists() and not hidden(tmp_path)
 
 
+def test_process_0_stuck_while_publishing_fails_the_job_within_the_peer_timeout():
+    """The others wait for process 0 as it prepares and publishes; a file system that stops answering
+    there (its publishing sleeps here, as a stuck one would hold it) fails the job after the peer
+    timeout, as a stuck worker does, where every other process used to wait without end. Two processes'
+    teams over a real TCPStore, each in a thread of this one."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from tailor_tui.team.members import Team, TeamError
+    from tailor_tui.team.transaction import Declaration, TeamWork, run_as_team
+    from tailor_tui.team.trust import Seal
+
+    class Stuck(TeamWork):
+        def begin(self):
+            return Declaration()
+
+        def tasks(self, shared, emit):
+            return []
+
+        def publish(self):
+            time.sleep(8)
+
+    server = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+    client = dist.TCPStore("127.0.0.1", server.port, 2, False, timeout=datetime.timedelta(seconds=30))
+    seal = Seal(b"s" * 32, "stuck")
+    teams = [Team(rank, 2, dist.PrefixStore("stuck", store), 1.5, seal) for rank, store in enumerate((server, client))]
+    ended: dict = {}
+
+    def other() -> None:
+        started = time.monotonic()
+        try:
+            run_as_team(Stuck(), team=teams[1])
+            ended["outcome"] = "published"
+        except TeamError as exc:
+            ended["outcome"] = str(exc)
+        ended["after"] = time.monotonic() - started
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    with pytest.raises(TeamError):
+        run_as_team(Stuck(), team=teams[0])
+    thread.join(30)
+    assert ended["outcome"] == ("process 0 of 2 failed: its work made no progress for 2 s (hung: a stuck file "
+                                "system or disk?)"), ended
+    assert ended["after"] < 8, ended  # before process 0's publishing would have ended
+
+
 def test_slurm_tasks_without_a_port_meet_on_one_process_0_picked(real_run, tmp_path):
     """No MASTER_PORT: process 0 serves the store on a port the kernel picks and leaves it, with
     the job's secret, in a meeting folder only this user can enter; it is gone when the job ends."""

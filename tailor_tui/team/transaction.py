@@ -209,12 +209,12 @@ def run_as_team(work: TeamWork[R], *, team: Team = SOLO, emit: Emit = lambda eve
             with work.held(team.lead):
                 shared = None
                 try:
-                    shared = team.share("prepared", work.prepare(cancel) if team.lead else None)
+                    shared = team.share("prepared", _watched(team, lambda: work.prepare(cancel)) if team.lead else None)
                     tasks = work.tasks(shared, emit)
                     mine = [tasks[i] for i in team.mine([t.job.total_bytes for t in tasks])]
                     results = _work(work, declared, mine, team, emit, cancel, options)
                     work.gathered(team.gather("done", work.report(mine, results)), team.lead, emit)
-                    outcome = work.publish() if team.lead else None
+                    outcome = _watched(team, work.publish) if team.lead else None
                     team.gather("published", True)
                     return outcome
                 except BaseException as exc:
@@ -226,6 +226,17 @@ def run_as_team(work: TeamWork[R], *, team: Team = SOLO, emit: Emit = lambda eve
                     raise
         finally:
             halt()
+
+
+def _watched(team: Team, step: Callable[[], R]) -> R:
+    """Process 0's `step` that every other process waits for (preparing, publishing): watched as the
+    work is, so that one stuck (a file system that stopped answering) fails the job after the peer
+    timeout instead of holding every process without end."""
+    team.progressing()
+    try:
+        return step()
+    finally:
+        team.progressing(False)
 
 
 def _nothing_to_halt() -> None:
