@@ -324,19 +324,6 @@ def remove_made(tmp: Path, made: tuple[int, int] | None) -> None:
                 return
 
 
-def check_own_folder(path: Path) -> Path:
-    """`path` is a folder of this user's, not a link (the hidden folder process 0 of a job names
-    in the job's store, checked by the others before they write into it)."""
-    try:
-        st = os.lstat(path)
-    except OSError as exc:
-        raise output_error(exc, path) from None
-    if not own_folder(st):
-        raise OutputError(f"{path}: not a folder of this user's (a link, or another user's); the job does not "
-                          "write there: check who else writes beside the output")
-    return path
-
-
 def _umask() -> int:
     """This process's umask, read without changing it (Linux's /proc; 022 elsewhere)."""
     try:
