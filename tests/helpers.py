@@ -324,3 +324,12 @@ def task_flooding_events(job, emit, cancelled, options) -> str:
         if i % 1000 == 0:
             time.sleep(0.01)  # one message per 1000 events would not fill the pipe: let the outbox send often
     return job.task
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (for a job's MASTER_PORT)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import checkpoints_of
-from helpers import TAILOR, hidden, tailor, write_recipe
+from helpers import TAILOR, free_port, hidden, tailor, write_recipe
 
 from tailor_tui.checkpoints.checkpoint import PROVENANCE
 from tailor_tui.errors import UsageError
@@ -65,14 +65,8 @@ def test_work_is_divided_by_bytes():
     assert [sum(sizes[i] for i in share) for share in shares] == [41, 40]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _slurm_tasks(args, n=2, env=None, job="777") -> list[subprocess.Popen]:
-    port = str(_free_port())
+    port = str(free_port())
     return [subprocess.Popen([TAILOR, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              stdin=subprocess.DEVNULL,
                              env={**os.environ, "PYTHONWARNINGS": "ignore", "SLURM_PROCID": str(p),
@@ -95,7 +89,7 @@ def test_torchrun_two_processes_compose_what_one_does(real_run, tmp_path):
     c2, c4, c6 = checkpoints_of(run, spec)
     recipe = write_recipe(tmp_path, c6, {"layers.1": c4, "embed_tokens": c2})
     assert tailor("--apply", recipe, "-o", tmp_path / "solo").returncode == 0
-    done = subprocess.run([TORCHRUN, "--nproc-per-node", "2", "--master-port", str(_free_port()), "--no-python",
+    done = subprocess.run([TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), "--no-python",
                            TAILOR, "--apply", str(recipe)], capture_output=True, text=True, timeout=300,
                           stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert done.returncode == 0, done.stderr
@@ -144,7 +138,7 @@ def test_processes_that_see_different_plans_refuse(real_run, tmp_path):
     one = write_recipe(tmp_path, c6, {"layers.1": c4})
     other = tmp_path / "other.yaml"
     other.write_text(one.read_text().replace(os.path.relpath(c4, tmp_path), os.path.relpath(c2, tmp_path)))
-    port = str(_free_port())
+    port = str(free_port())
     tasks = [subprocess.Popen([TAILOR, "--apply", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "SLURM_PROCID": str(p), "SLURM_NTASKS": "2", "SLURM_JOB_ID": "9",
                                    "SLURM_STEP_NODELIST": "localhost", "MASTER_PORT": port})
@@ -163,7 +157,7 @@ def test_two_slurm_tasks_compute_the_statistics_one_process_does(real_run, tmp_p
     solo = subprocess.run([TAILOR, "--stats", str(run), "--json"], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "TAILOR_TUI_CACHE": str(tmp_path / "solo-cache")})
     assert solo.returncode == 0, solo.stderr
-    port = str(_free_port())
+    port = str(free_port())
     tasks = [subprocess.Popen([TAILOR, "--stats", str(run), "--json"], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
                               env={**os.environ, "SLURM_PROCID": str(p), "SLURM_NTASKS": "2", "SLURM_JOB_ID": "5",
@@ -183,7 +177,7 @@ def test_a_task_whose_work_hangs_fails_the_job(real_run, tmp_path):
     run, spec = real_run("ds_bf16_3_subgroups")
     c2, _c4, c6 = checkpoints_of(run, spec)
     recipe = write_recipe(tmp_path, c6, {"layers.2": c2})
-    port = str(_free_port())
+    port = str(free_port())
     tasks = [subprocess.Popen([TAILOR, "--apply", str(recipe), "--peer-timeout", "3"], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
                               env={**os.environ, "PYTHONWARNINGS": "ignore", "SLURM_PROCID": str(p),
@@ -282,7 +276,7 @@ def test_a_stranger_who_writes_into_the_jobs_store_stops_it_and_steers_nothing(r
     recipe = write_recipe(tmp_path, c6, {"layers.2": c2})
     trap = tmp_path / "attackers"
     trap.mkdir()
-    port = _free_port()
+    port = free_port()
     tasks = _slurm_tasks(["--apply", recipe], env={"TAILOR_TEST_SLOW_COMPOSE": "0.2", "MASTER_PORT": str(port)},
                          job="4242")
     while "[process 1] rank" not in (line := tasks[1].stderr.readline()):
@@ -319,7 +313,7 @@ def _attacked(real_run, tmp_path, job: str, peer_timeout: str, slow: str, attack
     run, spec = real_run("hf_bf16_2")
     c2, _c4, c6 = checkpoints_of(run, spec)
     recipe = write_recipe(tmp_path, c6, {"layers.1": c2})
-    port = _free_port()
+    port = free_port()
     began = time.monotonic()
     tasks = _slurm_tasks(["--apply", recipe, "--peer-timeout", peer_timeout], job=job,
                          env={"MASTER_PORT": str(port), "TAILOR_TEST_SLOW_COMPOSE": slow})
@@ -381,7 +375,6 @@ def test_a_squatted_master_port_is_one_line_on_every_process_within_seconds(real
     """Another program (another user's) listens on the job's MASTER_PORT and never answers: process
     0 cannot serve there, process 1 would wait on it (torch's client, 300 s, a page of C++ frames per
     retry). Each says so in one line within seconds; no stack frames; nothing written."""
-    import socket
 
     run, spec = real_run("hf_bf16_2")
     _c2, _c4, c6 = checkpoints_of(run, spec)

