@@ -239,18 +239,25 @@ def test_a_meeting_folder_another_user_took_moves_the_job_to_a_private_place(pro
     assert not list((victim.home / "cache" / "teams").iterdir())  # met there, and gone with the job
 
 
-def test_a_hidden_folder_swapped_by_another_user_is_never_published_and_theirs_is_left(project):
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_hidden_folder_swapped_by_another_user_is_never_published_and_theirs_is_left(project, processes):
     """While the job composes, the other user renames its hidden folder aside (the project folder is
     group-writable) and puts a folder of theirs in its place, its checkpoint tag a link to a folder the
     job's user can write. Nothing is written through it (every file goes in by the descriptor of the
     folder the job made); the job stops with one line saying so (not blaming the disk), publishes
-    nothing, removes its own folder wherever it was renamed to, and leaves theirs alone."""
+    nothing, removes its own folder wherever it was renamed to, and leaves theirs alone. Alone, and as
+    a 2-task job (each process holds the folder open; one that opens it after the swap finds theirs)."""
     uid, folder, recipe, victim = project
     tag = next(p.name for p in (folder / "run" / "checkpoint-6").iterdir() if p.name.startswith("global_step"))
     decoy = folder / "decoy"  # the job's user's own, where a link could send its writes
     decoy.mkdir()
     os.chown(decoy, victim.uid, -1)
-    job = victim.popen("--apply", recipe, "--workers", "1", env={"TAILOR_TEST_SLOW_COMPOSE": "0.2"})
+    slurm = {"SLURM_NTASKS": "2", "SLURM_JOB_ID": "4747", "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "localhost",
+             "MASTER_PORT": str(free_port())}
+    jobs = [victim.popen("--apply", recipe, "--workers", "1",
+                         env={"TAILOR_TEST_SLOW_COMPOSE": "0.2", **({**slurm, "SLURM_PROCID": str(p)} if processes > 1
+                                                                    else {})})
+            for p in range(processes)]
     try:
         for _ in range(600):
             hidden = [p for p in folder.glob(".composed.tailor-partial-*") if p.stat().st_uid != uid]
@@ -261,12 +268,14 @@ def test_a_hidden_folder_swapped_by_another_user_is_never_published_and_theirs_i
         swap = (f"mv {hidden[0]} {hidden[0]}.stolen && mkdir -m 0777 {hidden[0]} && echo theirs > {hidden[0]}/mark"
                 f" && ln -s {decoy} {hidden[0]}/{tag}")
         assert as_attacker("sh", "-c", swap).returncode == 0
-        _out, err = job.communicate(timeout=120)
+        errs = [job.communicate(timeout=120)[1] for job in jobs]
     finally:
-        job.kill()
-    errors = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert job.returncode == 6 and len(errors) == 1, err
-    assert "no longer the folder tailor-tui made there" in errors[0] and "Traceback" not in err, err
+        for job in jobs:
+            job.kill()
+    for job, err in zip(jobs, errs):
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert job.returncode == 6 and len(errors) == 1, err
+        assert "no longer the folder tailor-tui made there" in errors[0] and "Traceback" not in err, err
     assert not (folder / "composed").exists()
     assert hidden[0].stat().st_uid == uid and (hidden[0] / "mark").read_text() == "theirs\n"  # theirs: left
     assert not Path(f"{hidden[0]}.stolen").exists()  # its own, renamed aside: removed
