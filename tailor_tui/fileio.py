@@ -11,23 +11,23 @@ from pathlib import Path
 from typing import Callable, Literal
 
 from tailor_tui.errors import CheckpointError, OutputError
-from tailor_tui.held import HeldFolder, Place
+from tailor_tui.held import HeldFolder, HeldPath
 from tailor_tui.reading import open_regular, pread_exact
 
 # Where an output file goes: a path, or a place inside the job's hidden folder held open (`held`),
 # made relative to its descriptor
-Target = Path | Place
-Folder = Path | HeldFolder | Place  # where output files go, each `folder / name`
+Target = Path | HeldPath
+Folder = Path | HeldFolder | HeldPath  # where output files go, each `folder / name`
 
 
 def path_of(target: Target) -> Path:
     """Where `target` is now, by path (to read back what was written, or name it)."""
-    return target.path if isinstance(target, Place) else target
+    return target.path if isinstance(target, HeldPath) else target
 
 CHUNK = 64 << 20
 
 
-def output_error(exc: OSError, path: Path | Place | HeldFolder) -> OutputError:
+def output_error(exc: OSError, path: Path | HeldPath | HeldFolder) -> OutputError:
     """Turn an OSError while writing `path` into one clear line."""
     reasons: dict[int | None, str] = {
         errno.ENOSPC: "the disk is full",
@@ -66,8 +66,8 @@ def create(path: Target, mode: int = 0o644) -> int:
 
 
 def open_target(path: Target, flags: int, mode: int = 0o644) -> int:
-    """os.open of `path`; a `Place` relative to its held folder's descriptor, never through a link."""
-    return path.open(flags, mode) if isinstance(path, Place) else os.open(path, flags, mode)
+    """os.open of `path`; a `HeldPath` relative to its held folder's descriptor, never through a link."""
+    return path.open(flags, mode) if isinstance(path, HeldPath) else os.open(path, flags, mode)
 
 
 def write_file(path: Target, data: bytes | str, durable: bool = True) -> None:
@@ -89,7 +89,7 @@ def fsync_file(path: Path, durable: bool = True) -> None:
         os.close(fd)
 
 
-def fsync_dir(path: Path | HeldFolder | Place, durable: bool = True) -> None:
+def fsync_dir(path: Path | HeldFolder | HeldPath, durable: bool = True) -> None:
     if not durable:
         return
     if isinstance(path, HeldFolder):

@@ -5,7 +5,7 @@ folder, mode 2775): they cannot write inside it (it is 0700), but they can renam
 a folder of their own, with links in it, at its path. So nothing is made in it by path. Each
 process opens it once (`HeldFolder`: never through a link, a folder of this user's, the one the
 job made, told by device and inode) and makes every file and folder inside it relative to that
-descriptor (`Place`), one component at a time, none of them followed if it is a link. A swap after
+descriptor (`HeldPath`), one component at a time, none of them followed if it is a link. A swap after
 the opening cannot move where anything goes; one before it is found at the opening.
 
 A `HeldFolder` travels to worker processes (pickled) as its path and identity; the worker opens it
@@ -42,7 +42,7 @@ def swapped(path: Path) -> OutputError:
 class HeldFolder:
     """A folder of this user's at `path`, opened (once per process, at its first use) by descriptor;
     `identity` (device, inode): the folder it must be, else it is taken to be the one found at the
-    first opening. `folder / "a/b"` is a `Place` inside it."""
+    first opening. `folder / "a/b"` is a `HeldPath` inside it."""
 
     def __init__(self, path: Path, identity: tuple[int, int] | None = None):
         self.path, self.identity = Path(path), identity
@@ -81,8 +81,8 @@ class HeldFolder:
     def __setstate__(self, state: dict) -> None:
         self.path, self.identity, self._fd = state["path"], state["identity"], None
 
-    def __truediv__(self, rel: str | os.PathLike[str]) -> "Place":
-        return Place(self, ()) / rel
+    def __truediv__(self, rel: str | os.PathLike[str]) -> "HeldPath":
+        return HeldPath(self, ()) / rel
 
     def __str__(self) -> str:
         return str(self.path)
@@ -92,18 +92,18 @@ class HeldFolder:
 
 
 @dataclass(frozen=True)
-class Place:
+class HeldPath:
     """A file or folder inside a `HeldFolder`, by its path from there; made and opened relative to the
     held folder's descriptor. Named in messages by its path (`str`)."""
 
     folder: HeldFolder
     parts: tuple[str, ...]
 
-    def __truediv__(self, rel: str | os.PathLike[str]) -> "Place":
+    def __truediv__(self, rel: str | os.PathLike[str]) -> "HeldPath":
         parts = [p for p in os.fspath(rel).split("/") if p not in ("", ".")]
         if ".." in parts:
             raise ValueError(f"{rel}: a place inside the output never climbs out of it")
-        return Place(self.folder, (*self.parts, *parts))
+        return HeldPath(self.folder, (*self.parts, *parts))
 
     @property
     def name(self) -> str:
@@ -114,8 +114,8 @@ class Place:
         return Path(self.name).stem
 
     @property
-    def parent(self) -> "Place":
-        return Place(self.folder, self.parts[:-1])
+    def parent(self) -> "HeldPath":
+        return HeldPath(self.folder, self.parts[:-1])
 
     @property
     def path(self) -> Path:

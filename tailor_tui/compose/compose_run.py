@@ -31,7 +31,7 @@ from tailor_tui.events import Emit, TaskFinished, TaskOptions
 from tailor_tui.fileio import copy_file, fsync_dir, output_error, write_file
 from tailor_tui.formats.side_pickles import check_side_file
 from tailor_tui.health.guard import nonfinite_error
-from tailor_tui.held import HeldFolder, Place
+from tailor_tui.held import HeldFolder, HeldPath
 from tailor_tui.planning.jobs import BinFileJob, RankJob, WeightJob
 from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.planning.provenance import plan_digest, provenance
@@ -114,7 +114,7 @@ class Composing(PublishingWork):
     def tasks(self, shared: str, emit: Emit) -> list[Task]:
         held = self.folder(shared)
         tag_dir = held / self.plan.base.tag
-        rank_args: tuple[Place] | tuple[Place, Skeleton] = (tag_dir,)
+        rank_args: tuple[HeldPath] | tuple[HeldPath, Skeleton] = (tag_dir,)
         if self.plan.reshard is not None:  # the structure every output rank file shares: made once, here
             rank_args = (tag_dir, skeleton(self.plan.base, self.plan.sources, self.plan.buffer_sources(),
                                            self.plan.reshard))
