@@ -117,6 +117,9 @@ RUNS = {
     "hf_bert": RunSpec(arch="bert", tied=True, layers=3, steps=4, save_every=2),
     "hf_t5": RunSpec(arch="t5", layers=3, steps=4, save_every=2),
     "hf_gpt_neox": RunSpec(arch="gpt_neox", layers=3, steps=4, save_every=2),
+    # a vision encoder (BEiT, 16x16 images): each block holds its layer-scale factors itself, and
+    # transformers 5 saves `beit.layers.N` as `beit.encoder.layer.N` (its conversion mapping)
+    "hf_beit": RunSpec(arch="beit", layers=3, steps=4, save_every=2),
     "hf_peft_lora": RunSpec(peft=True, layers=3, steps=4, save_every=2),
     "hf_sharded_safetensors": RunSpec(max_shard_size="20KB", layers=3, steps=4, save_every=2),
     "hf_bin": RunSpec(save_safetensors=False, layers=3, steps=4, save_every=2),

@@ -1,7 +1,8 @@
 """Every file of the output composed per row or copied from the base, for models beyond Llama.
 
 Real runs under the HF Trainer with ZeRO-3 (tiny configs, random weights): OPT, BERT (masked LM),
-T5 (encoder-decoder), GPT-NeoX, a PEFT LoRA Llama (its adapter in safetensors and with torch.save),
+T5 (encoder-decoder), GPT-NeoX, BEiT (a vision encoder whose blocks hold their layer-scale factors
+themselves, saved under transformers 5's conversion-mapping names), a PEFT LoRA Llama (its adapter in safetensors and with torch.save),
 sharded safetensors, and transformers 4.x's pytorch_model.bin (one file, sharded, tied). For each:
 the rows the model's own structure gives; a per-layer recipe taking rows from two checkpoints,
 applied through the real CLI; every parameter and Adam moment (DeepSpeed's zero_to_fp32 reader)
@@ -52,6 +53,13 @@ ARCHS = {
         ["embed_in", "layers.0", "layers.1", "layers.2", "final_layer_norm", "lm_head"],
         [(r"gpt_neox\.layers\.(\d+)\.", r"layers.\1"), (r"gpt_neox\.(\w+)\.", r"\1"),
          (r"(lm_head|embed_out)\.", "lm_head")],  # transformers 5 saves lm_head as embed_out
+    ),
+    # parameters `beit.layers.N.…` (each block's own lambda_1, lambda_2 among them), saved as
+    # `beit.encoder.layer.N.…` with attention.query as attention.attention.query, and so on
+    "hf_beit": (
+        ["embeddings", "layers.0", "layers.1", "layers.2", "pooler", "classifier"],
+        [(r"beit\.(?:layers|encoder\.layer)\.(\d+)\.", r"layers.\1"), (r"beit\.(embeddings|pooler)\.", r"\1"),
+         (r"classifier\.", "classifier")],
     ),
     # the Trainer saves a PEFT model's trainable parameters only: LoRA's and modules_to_save's
     "hf_peft_lora": (

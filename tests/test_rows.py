@@ -28,6 +28,9 @@ def _model(arch: str):
         "gpt_neox": lambda: t.GPTNeoXForCausalLM(t.GPTNeoXConfig(
             **small, hidden_size=16, intermediate_size=24, num_hidden_layers=2, max_position_embeddings=32,
             tie_word_embeddings=False)),
+        "beit": lambda: t.BeitForImageClassification(t.BeitConfig(
+            image_size=16, patch_size=4, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+            num_attention_heads=4, layer_scale_init_value=0.1, num_labels=3)),
         "mixtral": lambda: t.MixtralForCausalLM(t.MixtralConfig(
             **small, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_key_value_heads=2,
             num_local_experts=2)),
@@ -63,6 +66,7 @@ def shown(rows):
             "decoder.final_layer_norm", "lm_head (tied)"]),
     ("gpt_neox", ["embed_in", "layers.0", "layers.1", "final_layer_norm", "lm_head"]),
     ("mixtral", ["embed_tokens", "layers.0", "layers.1", "norm", "lm_head"]),
+    ("beit", ["embeddings", "layers.0", "layers.1", "pooler", "classifier"]),  # no row `layers` of the scales
 ])
 def test_rows_of_real_architectures(arch, expected):
     assert shown(rows_of(_model(arch))) == expected
@@ -80,6 +84,20 @@ def test_module_paths_and_ownership():
     index = RowIndex(bert.values())
     assert index.row_of("cls.predictions.decoder.weight") == "embeddings"
     assert index.row_of("cls.predictions.transform.dense.weight") == "cls"
+
+
+def test_a_blocks_own_parameters_are_its_rows():
+    """A parameter a block holds itself (a layer-scale factor, BEiT's lambda_1 and lambda_2 of each
+    block; `layers.N.scale` beside `layers.N.mlp.w.weight`) is in that block's row: no row gathers one
+    parameter from each block."""
+    beit = {r.name: r for r in rows_of(_model("beit"))}
+    assert {p.rsplit(".", 1)[-1] for p in beit["layers.1"].params} >= {"lambda_1", "lambda_2"}
+    assert all(".layers.1." in p for p in beit["layers.1"].params)
+    names = ["model.embed_tokens.weight", *(f"model.layers.{i}.{n}" for i in range(3) for n in ("mlp.w.weight", "scale")),
+             "model.norm.weight", "lm_head.weight"]
+    rows = model_rows(names)
+    assert [r.name for r in rows] == ["embed_tokens", "layers.0", "layers.1", "layers.2", "norm", "lm_head"]
+    assert rows[2].params == ("model.layers.1.mlp.w.weight", "model.layers.1.scale")
 
 
 def test_peft_names_are_read_through_the_prefix():

@@ -5,7 +5,8 @@ A model's rows come from all of its parameter and buffer names at once (`RowNami
 - a **block list** is a numbered list of modules that hold modules themselves, found wherever it
   stands: `model.layers.N.…` (Llama, Mixtral, Qwen2-MoE, GPT-NeoX's `gpt_neox.layers`), `model.decoder.layers`
   (OPT), `transformer.h` (GPT-2), `bert.encoder.layer` (BERT), `encoder.block` and `decoder.block`
-  (T5). Each entry is a row;
+  (T5). Each entry is a row, with every parameter it holds: its submodules' and its own (a
+  layer-scale factor `encoder.layer.N.lambda_1`, `layers.N.scale`);
 - every other parameter belongs to the row of the module it sits in beside the block lists
   (embeddings, positional embeddings, final norms, pooler), or to its top-level module (heads);
 - a row's name is its module path less the prefix that every block list shares: `layers.3`,
@@ -97,14 +98,23 @@ class RowNaming:
                 return parts[1], self._path(parts[:2])
             take = 2 if len(parts) > 2 and parts[1].isdigit() else 1
             return ".".join(parts[:take]), self._path(parts[:take])
-        i = _first_index(parts)
-        if i is not None and tuple(parts[:i]) in self.lists:
+        i = self._entry(parts)
+        if i is not None:
             module = parts[: i + 1]
         else:
             shared = max((len(_common([tuple(parts[:-1]), p])) for p in self.parents), default=0)
             module = parts[: shared + 1]
         row = module[len(_common([tuple(module), self.container])):]
         return ".".join(row or module), self._path(module)
+
+    def _entry(self, parts: list[str]) -> int | None:
+        """Where the number of an entry of one of the block lists stands in a name's parts: a block's
+        submodules (`layers.3.mlp.weight`) and the parameters it holds itself (`layers.3.scale`, a
+        layer-scale factor `encoder.layer.3.lambda_1`) are the block's."""
+        for i in range(1, len(parts) - 1):
+            if parts[i].isdigit() and tuple(parts[:i]) in self.lists:
+                return i
+        return None
 
     def _path(self, parts: list[str]) -> str:
         return self.prefix + ".".join(parts)

@@ -21,7 +21,7 @@ from tailor_tui.checkpoints.cache import entry, file_identity, read_json, write_
 from tailor_tui.checkpoints.layout import ZeroLayout
 from tailor_tui.checkpoints.rows import Row
 
-FORMAT = 2  # of the entries: bump when what they hold or mean changes
+FORMAT = 3  # of the entries: bump when what they hold or mean changes (3: a block's own parameters are its row's)
 MAX_CACHED = 64 << 20  # an entry larger than this is not one of ours
 PRECISIONS = ("fp16", "fp32")
 

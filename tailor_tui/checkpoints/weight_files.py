@@ -14,21 +14,21 @@ checkpoint folder holds:
   configs, tokenizer files, and anything unknown): copied from the base, and listed as such.
 
 Which row a weight-file tensor belongs to is `rows.RowIndex`'s answer for its name. transformers
-5 saves a few tensors under another name than the model's parameter (GPT-NeoX's `lm_head.weight`
-as `embed_out.weight`); those are renamed back with transformers' own table of renamings for the
-checkpoint's architecture (`config.json`), and a tensor that still has no row is refused by name.
+5 saves many tensors under other names than the model's parameters (GPT-NeoX's `lm_head.weight`
+as `embed_out.weight`, BEiT's `beit.layers.N` as `beit.encoder.layer.N`, a Llava's
+`model.language_model.layers.N` as `language_model.model.layers.N`); those are named as loading
+would name them (`saved_names`), and a tensor that still has no row is refused by name.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from tailor_tui.checkpoints.rows import Row, list_rows, row_index
-from tailor_tui.checkpoints.side_files import load_json
+from tailor_tui.checkpoints.saved_names import loading_names
 from tailor_tui.errors import CheckpointError, IncompatibleError
 from tailor_tui.formats.ds_format import RECOVERY_SCRIPTS
 from tailor_tui.formats.pickled import TensorRef
@@ -166,14 +166,9 @@ def tensor_rows(names: list[str], rows: tuple[Row, ...], folder: Path) -> dict[s
     index = row_index(tuple(rows))
     found = {name: index.row_of(name) for name in names}
     missing = [n for n, row in found.items() if row is None]
-    if missing:
-        renames = _renamings(folder)
+    if missing and (loaded_as := loading_names(folder)) is not None:
         for name in missing:
-            for pattern, target in renames:
-                renamed = re.sub(pattern, target, name)
-                if renamed != name and (row := index.row_of(renamed)) is not None:
-                    found[name] = row
-                    break
+            found[name] = index.row_of(loaded_as(name))
     return found
 
 
@@ -182,38 +177,6 @@ def unplaced_error(file: Path, names: list[str], rows: tuple[Row, ...]) -> Incom
         f"{file}: tensor(s) {', '.join(names[:3])}{' …' if len(names) > 3 else ''} belong to no row of the model "
         f"(rows {list_rows([r.name for r in rows])}); tailor-tui cannot tell which checkpoint they should come "
         "from: pick every row from the base, or remove the file from the base if it is not the model's")
-
-
-def _renamings(folder: Path) -> list[tuple[str, str]]:
-    """transformers' renamings (checkpoint name -> parameter name) for the architecture that
-    `folder/config.json` names; none when it names none or transformers has no table."""
-    config = folder / "config.json"
-    try:
-        data = load_json(config) if config.is_file() else None
-    except (OSError, ValueError):
-        return []
-    keys = [*(data.get("architectures") or []), data.get("model_type")] if isinstance(data, dict) else []
-    try:
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-    except ImportError:
-        return []
-    found = []
-    for key in keys:
-        if not isinstance(key, str):
-            continue
-        try:
-            transforms = get_checkpoint_conversion_mapping(key) or []
-        except Exception:  # noqa: BLE001 - transformers' table, whatever its version: no renamings then
-            continue
-        for t in transforms:
-            if type(t).__name__ != "WeightRenaming":
-                continue
-            sources, targets = t.source_patterns, t.target_patterns
-            sources = [sources] if isinstance(sources, str) else list(sources)
-            targets = [targets] if isinstance(targets, str) else list(targets)
-            if len(targets) == 1:
-                found += [(s, targets[0]) for s in sources if isinstance(s, str)]
-    return found
 
 
 def family(folder: Path, rel: Path) -> tuple[Path, ...]:

@@ -1,8 +1,9 @@
 """The models and Trainer saves of the demo and test runs (tailor_tui.runs.demo_run).
 
 Every model is tiny and built from its config with random weights (nothing is downloaded):
-Llama (with the frozen / buffer / tied variants of RunSpec), OPT, BERT (masked LM), T5 and
-GPT-NeoX, optionally wrapped with a PEFT LoRA adapter. `RunTrainer` is the HF Trainer of the
+Llama (with the frozen / buffer / tied variants of RunSpec), OPT, BERT (masked LM), T5,
+GPT-NeoX and BEiT (a vision encoder classifying 16x16 images, each block holding its layer-scale
+factors itself), optionally wrapped with a PEFT LoRA adapter. `RunTrainer` is the HF Trainer of the
 HF-layout runs: it writes the model file as the spec says, sharded (`max_shard_size`) and/or as
 `pytorch_model.bin` the way transformers 4.x did with `save_safetensors=False`.
 
@@ -20,9 +21,10 @@ if TYPE_CHECKING:  # for annotations only (see above)
     import torch
     from transformers import PreTrainedModel
 
-ARCHS = ("llama", "opt", "bert", "t5", "gpt_neox")
+ARCHS = ("llama", "opt", "bert", "t5", "gpt_neox", "beit")
 HEADS = 4
 MAX_POSITIONS = 64
+IMAGE, LABELS = 16, 4  # the vision models': 16x16 images, 4 classes
 
 
 def model_config(spec):
@@ -56,6 +58,11 @@ def model_config(spec):
                                 intermediate_size=inter, num_hidden_layers=spec.layers,
                                 num_attention_heads=HEADS, max_position_embeddings=MAX_POSITIONS,
                                 rotary_pct=0.5, hidden_dropout=0.0, attention_dropout=0.0)
+    if spec.arch == "beit":  # layer scale: each block holds parameters of its own (lambda_1, lambda_2)
+        return tf.BeitConfig(image_size=IMAGE, patch_size=4, num_channels=3, hidden_size=spec.hidden,
+                             intermediate_size=inter, num_hidden_layers=spec.layers, num_attention_heads=HEADS,
+                             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0,
+                             layer_scale_init_value=0.1, use_mean_pooling=True, num_labels=LABELS)
     raise ValueError(f"unknown arch {spec.arch!r}: one of {', '.join(ARCHS)}")
 
 
@@ -65,7 +72,8 @@ def base_model(spec):
     import transformers as tf
 
     cls = {"llama": tf.LlamaForCausalLM, "opt": tf.OPTForCausalLM, "bert": tf.BertForMaskedLM,
-           "t5": tf.T5ForConditionalGeneration, "gpt_neox": tf.GPTNeoXForCausalLM}[spec.arch]
+           "t5": tf.T5ForConditionalGeneration, "gpt_neox": tf.GPTNeoXForCausalLM,
+           "beit": tf.BeitForImageClassification}[spec.arch]
     torch.manual_seed(spec.seed)
     model = cls(model_config(spec))
     for name, p in model.named_parameters():
@@ -123,6 +131,15 @@ def batch_inputs(spec, ids):
                 "labels": ids.masked_fill(~masked, -100)}
     if spec.arch == "t5":
         return {"input_ids": ids, "labels": ids.flip(-1)}
+    if spec.arch == "beit":  # an image drawn from the ids (a seed), its class the first id's
+        import torch
+
+        rows = ids.reshape(-1, ids.shape[-1])
+        images = [torch.randn(3, IMAGE, IMAGE, generator=torch.Generator().manual_seed(int(r.sum()) * 31 + int(r[0])))
+                  for r in rows]
+        pixels, labels = torch.stack(images), rows[:, 0] % LABELS
+        return ({"pixel_values": pixels[0], "labels": labels[0]} if ids.dim() == 1
+                else {"pixel_values": pixels, "labels": labels})
     return {"input_ids": ids, "labels": ids}
 
 

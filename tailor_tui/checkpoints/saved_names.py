@@ -1,0 +1,113 @@
+"""The names transformers saves a model's parameters under, told back to the parameters' own.
+
+transformers 5 writes a model's weight files under the names of its checkpoint conversion
+mapping, not always its module names (which DeepSpeed partitions): BEiT's `beit.layers.N.…` are
+saved as `beit.encoder.layer.N.…`, a Llava's `model.language_model.layers.N.…` as
+`language_model.model.layers.N.…`, GPT-NeoX's `lm_head` as `embed_out`. `loading_names(folder)`
+renames a saved name as `from_pretrained` would when it loads the checkpoint: with the installed
+transformers' own transforms for the model class `folder/config.json` names (its
+`architectures`), worked out on a model made on the meta device (no weights, nothing
+downloaded). Where that cannot be done (an older transformers, a class it does not know), its
+table for the config's `model_type` or class name serves, as far as it goes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from pathlib import Path
+from typing import Callable
+
+from tailor_tui.checkpoints.side_files import load_json
+
+Rename = Callable[[str], str]
+
+
+def loading_names(folder: Path) -> Rename | None:
+    """How loading `folder`'s checkpoint names a saved tensor (a function of the saved name), or
+    None where its config names no architecture transformers knows."""
+    config = folder / "config.json"
+    try:
+        data = load_json(config) if config.is_file() else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    return _renamer(json.dumps(data, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=8)
+def _renamer(config: str) -> Rename | None:
+    data = json.loads(config)
+    return _by_model(data) or _by_table(data)
+
+
+def _by_model(data: dict) -> Rename | None:
+    """transformers' own renaming, from the transforms of the model class the config names."""
+    try:
+        import torch
+        import transformers
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:
+        return None
+    for arch in data.get("architectures") or []:
+        cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
+        if cls is None:
+            continue
+        try:
+            config = transformers.AutoConfig.for_model(**data)
+            with torch.device("meta"):
+                model = cls(config)
+            transforms = get_model_conversion_mapping(model, add_legacy=True)
+        except Exception:  # noqa: BLE001 - a config this transformers cannot build: the table then
+            continue
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        if not renamings and not converters:
+            return None
+
+        def rename(name: str, renamings=renamings, converters=converters) -> str:
+            try:
+                return rename_source_key(name, renamings, converters)[0]
+            except Exception:  # noqa: BLE001 - a name transformers' patterns choke on: as it is
+                return name
+
+        return rename
+    return None
+
+
+def _by_table(data: dict) -> Rename | None:
+    """transformers' table of renamings for the config's class or `model_type` (one-to-one ones)."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:
+        return None
+    found = []
+    for key in [*(data.get("architectures") or []), data.get("model_type")]:
+        if not isinstance(key, str):
+            continue
+        try:
+            transforms = get_checkpoint_conversion_mapping(key) or []
+        except Exception:  # noqa: BLE001 - transformers' table, whatever its version: no renamings then
+            continue
+        for t in transforms:
+            if type(t).__name__ != "WeightRenaming":
+                continue
+            sources, targets = t.source_patterns, t.target_patterns
+            sources = [sources] if isinstance(sources, str) else list(sources)
+            targets = [targets] if isinstance(targets, str) else list(targets)
+            if len(targets) == 1:
+                found += [(s, targets[0]) for s in sources if isinstance(s, str)]
+    if not found:
+        return None
+
+    def rename(name: str) -> str:
+        for pattern, target in found:
+            renamed = re.sub(pattern, target, name)
+            if renamed != name:
+                return renamed
+        return name
+
+    return rename
