@@ -120,6 +120,10 @@ RUNS = {
     # a vision encoder (BEiT, 16x16 images): each block holds its layer-scale factors itself, and
     # transformers 5 saves `beit.layers.N` as `beit.encoder.layer.N` (its conversion mapping)
     "hf_beit": RunSpec(arch="beit", layers=3, steps=4, save_every=2),
+    # a vision-language model (Llava: CLIP vision tower, projector, Llama), saved by transformers 5 under
+    # its legacy names (`language_model.model.layers.N`); fp32 (with bf16 DeepSpeed 0.18's ZeRO-3 init
+    # finds parameters of two dtypes in one partition: to be looked into)
+    "hf_llava": RunSpec(arch="llava", dtype="fp32", layers=3, steps=4, save_every=2),
     "hf_peft_lora": RunSpec(peft=True, layers=3, steps=4, save_every=2),
     "hf_sharded_safetensors": RunSpec(max_shard_size="20KB", layers=3, steps=4, save_every=2),
     "hf_bin": RunSpec(save_safetensors=False, layers=3, steps=4, save_every=2),

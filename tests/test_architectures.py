@@ -2,7 +2,8 @@
 
 Real runs under the HF Trainer with ZeRO-3 (tiny configs, random weights): OPT, BERT (masked LM),
 T5 (encoder-decoder), GPT-NeoX, BEiT (a vision encoder whose blocks hold their layer-scale factors
-themselves, saved under transformers 5's conversion-mapping names), a PEFT LoRA Llama (its adapter in safetensors and with torch.save),
+themselves, saved under transformers 5's conversion-mapping names), Llava (a vision-language model:
+rows of its vision tower and of its language model picked from two checkpoints each), a PEFT LoRA Llama (its adapter in safetensors and with torch.save),
 sharded safetensors, and transformers 4.x's pytorch_model.bin (one file, sharded, tied). For each:
 the rows the model's own structure gives; a per-layer recipe taking rows from two checkpoints,
 applied through the real CLI; every parameter and Adam moment (DeepSpeed's zero_to_fp32 reader)
@@ -60,6 +61,21 @@ ARCHS = {
         ["embeddings", "layers.0", "layers.1", "layers.2", "pooler", "classifier"],
         [(r"beit\.(?:layers|encoder\.layer)\.(\d+)\.", r"layers.\1"), (r"beit\.(embeddings|pooler)\.", r"\1"),
          (r"classifier\.", "classifier")],
+    ),
+    # parameters `model.vision_tower.…`, `model.multi_modal_projector.…`, `model.language_model.…`,
+    # `lm_head`; saved as `vision_tower.…`, `multi_modal_projector.…`, `language_model.model.…` and
+    # `language_model.lm_head` (transformers 5 reverses its conversion mapping)
+    "hf_llava": (
+        ["vision_tower.embeddings", "vision_tower.pre_layrnorm", "vision_tower.encoder.layers.0",
+         "vision_tower.encoder.layers.1", "vision_tower.post_layernorm", "multi_modal_projector",
+         "language_model.embed_tokens", "language_model.layers.0", "language_model.layers.1",
+         "language_model.layers.2", "language_model.norm", "lm_head"],
+        [(r"(?:model\.)?vision_tower\.encoder\.layers\.(\d+)\.", r"vision_tower.encoder.layers.\1"),
+         (r"(?:model\.)?vision_tower\.(\w+)\.", r"vision_tower.\1"),
+         (r"(?:model\.)?multi_modal_projector\.", "multi_modal_projector"),
+         (r"(?:model\.language_model|language_model\.model)\.layers\.(\d+)\.", r"language_model.layers.\1"),
+         (r"(?:model\.language_model|language_model\.model)\.(\w+)\.", r"language_model.\1"),
+         (r"(?:language_model\.)?lm_head\.", "lm_head")],
     ),
     # the Trainer saves a PEFT model's trainable parameters only: LoRA's and modules_to_save's
     "hf_peft_lora": (

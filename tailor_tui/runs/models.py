@@ -21,10 +21,11 @@ if TYPE_CHECKING:  # for annotations only (see above)
     import torch
     from transformers import PreTrainedModel
 
-ARCHS = ("llama", "opt", "bert", "t5", "gpt_neox", "beit")
+ARCHS = ("llama", "opt", "bert", "t5", "gpt_neox", "beit", "llava")
 HEADS = 4
 MAX_POSITIONS = 64
 IMAGE, LABELS = 16, 4  # the vision models': 16x16 images, 4 classes
+IMAGE_TOKENS = (IMAGE // 4) ** 2  # a Llava's image tokens: one per 4x4 patch (its CLS dropped)
 
 
 def model_config(spec):
@@ -63,6 +64,14 @@ def model_config(spec):
                              intermediate_size=inter, num_hidden_layers=spec.layers, num_attention_heads=HEADS,
                              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0,
                              layer_scale_init_value=0.1, use_mean_pooling=True, num_labels=LABELS)
+    if spec.arch == "llava":  # a CLIP vision tower, a projector and a Llama; 16 image tokens per image
+        vision = tf.CLIPVisionConfig(hidden_size=spec.hidden, intermediate_size=inter, num_hidden_layers=2,
+                                     num_attention_heads=HEADS, image_size=IMAGE, patch_size=4)
+        text = tf.LlamaConfig(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=inter,
+                              num_hidden_layers=spec.layers, num_attention_heads=HEADS, num_key_value_heads=2,
+                              max_position_embeddings=MAX_POSITIONS)
+        return tf.LlavaConfig(vision_config=vision, text_config=text, image_token_index=spec.vocab - 1,
+                              tie_word_embeddings=spec.tied)
     raise ValueError(f"unknown arch {spec.arch!r}: one of {', '.join(ARCHS)}")
 
 
@@ -73,7 +82,7 @@ def base_model(spec):
 
     cls = {"llama": tf.LlamaForCausalLM, "opt": tf.OPTForCausalLM, "bert": tf.BertForMaskedLM,
            "t5": tf.T5ForConditionalGeneration, "gpt_neox": tf.GPTNeoXForCausalLM,
-           "beit": tf.BeitForImageClassification}[spec.arch]
+           "beit": tf.BeitForImageClassification, "llava": tf.LlavaForConditionalGeneration}[spec.arch]
     torch.manual_seed(spec.seed)
     model = cls(model_config(spec))
     for name, p in model.named_parameters():
@@ -140,6 +149,17 @@ def batch_inputs(spec, ids):
         pixels, labels = torch.stack(images), rows[:, 0] % LABELS
         return ({"pixel_values": pixels[0], "labels": labels[0]} if ids.dim() == 1
                 else {"pixel_values": pixels, "labels": labels})
+    if spec.arch == "llava":  # 16 image tokens, then the text; the loss on the text alone
+        import torch
+
+        rows = ids.reshape(-1, ids.shape[-1]) % (spec.vocab - 1)
+        images = torch.stack([torch.randn(3, IMAGE, IMAGE, generator=torch.Generator().manual_seed(int(r.sum())))
+                              for r in rows])
+        tokens = torch.cat([torch.full((rows.shape[0], IMAGE_TOKENS), spec.vocab - 1), rows], dim=1)
+        labels = torch.cat([torch.full((rows.shape[0], IMAGE_TOKENS), -100), rows], dim=1)
+        one = ids.dim() == 1
+        return {"input_ids": tokens[0] if one else tokens, "labels": labels[0] if one else labels,
+                "pixel_values": images[0] if one else images}
     return {"input_ids": ids, "labels": ids}
 
 
