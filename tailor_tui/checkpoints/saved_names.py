@@ -7,8 +7,11 @@ saved as `beit.encoder.layer.N.â€¦`, a Llava's `model.language_model.layers.N.â€
 renames a saved name as `from_pretrained` would when it loads the checkpoint: with the installed
 transformers' own transforms for the model class `folder/config.json` names (its
 `architectures`), worked out on a model made on the meta device (no weights, nothing
-downloaded). Where that cannot be done (an older transformers, a class it does not know), its
-table for the config's `model_type` or class name serves, as far as it goes.
+downloaded). The config is the checkpoint's, so it is read as input: only a model class of
+transformers is ever made from it (a name of anything else in `architectures` is passed over), and
+none where it asks for more than MAX_LAYERS layers. Where that cannot be done (an older
+transformers, a class it does not know), its table for the config's `model_type` or class name
+serves, as far as it goes.
 """
 
 from __future__ import annotations
@@ -52,10 +55,12 @@ def _by_model(data: dict) -> Rename | None:
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
     except ImportError:
         return None
+    if _too_deep(data):
+        return None
     for arch in data.get("architectures") or []:
         cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
-        if cls is None:
-            continue
+        if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+            continue  # a name of the config is never anything of transformers' but a model class
         try:
             config = transformers.AutoConfig.for_model(**data)
             with torch.device("meta"):
@@ -76,6 +81,22 @@ def _by_model(data: dict) -> Rename | None:
 
         return rename
     return None
+
+
+MAX_LAYERS = 10_000  # a config's layer counts beyond this are no model's: its model is not made
+
+
+def _too_deep(value, depth: int = 0) -> bool:
+    """Whether a config (read from the checkpoint: crafted, perhaps) asks for more layers than any
+    model has, anywhere in its sub-configs (a model of millions of modules takes long even on meta)."""
+    if depth > 8:
+        return True
+    if isinstance(value, dict):
+        return any((isinstance(v, int) and "layers" in k and v > MAX_LAYERS) or _too_deep(v, depth + 1)
+                   for k, v in value.items())
+    if isinstance(value, list):
+        return any(_too_deep(v, depth + 1) for v in value)
+    return False
 
 
 def _by_table(data: dict) -> Rename | None:
