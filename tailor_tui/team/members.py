@@ -208,8 +208,8 @@ class Team:
                 self._check_abort()
                 now = time.monotonic()
                 for p, value in zip(peers, self._beats(keys)):
-                    counts[p] = self._check_beat(p, value, counts[p])
-                    self._told[p] = _posted_in(value)
+                    count, self._told[p] = _read_beat(value)
+                    counts[p] = self._check_beat(p, value, count, counts[p])
                     if seen[p][0] != value:
                         seen[p] = (value, now)
                     elif now - seen[p][1] > self.timeout:
@@ -242,10 +242,10 @@ class Team:
                 pass
         return [self._get_if_there(k) or "" for k in keys]
 
-    def _check_beat(self, process: int, beat: str, before: int) -> int:
-        """A peer's beat, as read now, after `before` beats seen: its count. A beat that went back (an
-        old one written again) or that is gone once seen was not the peer's doing: every process stops."""
-        count = _count_in(beat)
+    def _check_beat(self, process: int, beat: str, count: int, before: int) -> int:
+        """A peer's beat as read now (`count`: the count it holds), after `before` beats seen: the count
+        seen so far. A beat that went back (an old one written again) or that is gone once seen was not
+        the peer's doing: every process stops."""
         if before and not beat:
             self._gone("beat", process)
         if count < before:
@@ -365,23 +365,15 @@ def _poster(key: str) -> int:
     return int(last) if key.startswith("gather/") and last.isdigit() else 0
 
 
-def _count_in(beat: str) -> int:
-    """A peer's count of beats, as its beat (sealed: written by the job) says; 0 for none."""
+def _read_beat(beat: str) -> tuple[int, frozenset[str]]:
+    """(its count of beats, the keys it says it has posted) of a peer's beat (sealed: written by the
+    job); (0, none) for no beat, or one of another form (a tailor-tui of another version, which the
+    plan's agreement refuses anyway)."""
     try:
-        count = json.loads(beat)[0] if beat else 0
-        return count if isinstance(count, int) else 0
-    except (ValueError, TypeError, IndexError, KeyError):
-        return 0
-
-
-def _posted_in(beat: str) -> frozenset[str]:
-    """The keys a peer's beat (sealed: written by the job) says it has posted; none from a beat of
-    another form (a tailor-tui of another version, which the plan's agreement refuses anyway)."""
-    try:
-        _count, posted = json.loads(beat)
-        return frozenset(k for k in posted if isinstance(k, str))
+        count, posted = json.loads(beat)
+        return (count if isinstance(count, int) else 0), frozenset(k for k in posted if isinstance(k, str))
     except (ValueError, TypeError):
-        return frozenset()
+        return 0, frozenset()
 
 
 SOLO = Team()
