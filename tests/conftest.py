@@ -124,6 +124,10 @@ RUNS = {
     # its legacy names (`language_model.model.layers.N`); fp32 (with bf16 DeepSpeed 0.18's ZeRO-3 init
     # finds parameters of two dtypes in one partition: to be looked into)
     "hf_llava": RunSpec(arch="llava", dtype="fp32", layers=3, steps=4, save_every=2),
+    # a vision-language model of real depth for the grouped grid: 24 vision and 28 language blocks
+    # (pinned: the losses in its headers are the same on every CPU)
+    "hf_llava_deep": RunSpec(arch="llava", dtype="fp32", layers=28, vision_layers=24, hidden=16, steps=4,
+                             save_every=2, pinned=True),
     "hf_peft_lora": RunSpec(peft=True, layers=3, steps=4, save_every=2),
     "hf_sharded_safetensors": RunSpec(max_shard_size="20KB", layers=3, steps=4, save_every=2),
     "hf_bin": RunSpec(save_safetensors=False, layers=3, steps=4, save_every=2),

@@ -66,15 +66,13 @@ ARCHS = {
     # `lm_head`; saved as `vision_tower.…`, `multi_modal_projector.…`, `language_model.model.…` and
     # `language_model.lm_head` (transformers 5 reverses its conversion mapping)
     "hf_llava": (
-        ["vision_tower.embeddings", "vision_tower.pre_layrnorm", "vision_tower.encoder.layers.0",
-         "vision_tower.encoder.layers.1", "vision_tower.post_layernorm", "multi_modal_projector",
-         "language_model.embed_tokens", "language_model.layers.0", "language_model.layers.1",
-         "language_model.layers.2", "language_model.norm", "lm_head"],
-        [(r"(?:model\.)?vision_tower\.encoder\.layers\.(\d+)\.", r"vision_tower.encoder.layers.\1"),
-         (r"(?:model\.)?vision_tower\.(\w+)\.", r"vision_tower.\1"),
+        ["vision.embeddings", "vision.pre_layrnorm", "vision.layers.0", "vision.layers.1", "vision.post_layernorm",
+         "multi_modal_projector", "embed_tokens", "layers.0", "layers.1", "layers.2", "norm", "lm_head"],
+        [(r"(?:model\.)?vision_tower\.encoder\.layers\.(\d+)\.", r"vision.layers.\1"),
+         (r"(?:model\.)?vision_tower\.(\w+)\.", r"vision.\1"),
          (r"(?:model\.)?multi_modal_projector\.", "multi_modal_projector"),
-         (r"(?:model\.language_model|language_model\.model)\.layers\.(\d+)\.", r"language_model.layers.\1"),
-         (r"(?:model\.language_model|language_model\.model)\.(\w+)\.", r"language_model.\1"),
+         (r"(?:model\.language_model|language_model\.model)\.layers\.(\d+)\.", r"layers.\1"),
+         (r"(?:model\.language_model|language_model\.model)\.(\w+)\.", r"\1"),
          (r"(?:language_model\.)?lm_head\.", "lm_head")],
     ),
     # the Trainer saves a PEFT model's trainable parameters only: LoRA's and modules_to_save's
@@ -313,7 +311,8 @@ def test_a_legacy_format_bin_is_refused_when_rows_move(real_run, tmp_path):
 
 def test_a_weight_tensor_of_no_row_is_refused_by_name(real_run, tmp_path):
     """GPT-NeoX's model file names its head embed_out: without config.json, nothing says which row
-    it is, so moving a row is refused naming the file and the tensor (never the base's copy)."""
+    it is, so moving a row is refused naming the file, the tensor and the row it is closest to (never
+    the base's copy, never advice to delete the model's own file)."""
     run, spec = real_run("hf_gpt_neox")
     ckpts = checkpoints_of(run, spec)
     copies = []
@@ -323,7 +322,9 @@ def test_a_weight_tensor_of_no_row_is_refused_by_name(real_run, tmp_path):
         (copy / "config.json").unlink()
         copies.append(copy)
     recipe = write_recipe(tmp_path, copies[-1], {"lm_head": copies[0]})
-    assert_one_line_error(tailor("--apply", recipe), 5, "model.safetensors", "embed_out.weight", "no row")
+    refused = tailor("--apply", recipe)
+    assert_one_line_error(refused, 5, "model.safetensors", "embed_out.weight", "no row", "the closest is")
+    assert "remove the file" not in refused.stderr  # the model's own file: its names need reading, not deleting
     assert not (tmp_path / "composed").exists()
 
 

@@ -1,10 +1,57 @@
 """Rows from the model's own structure: block lists wherever they stand, every other module by
-name, PEFT's prefix read through, tied names with their partner's row. The names are those of
-real transformers models built from tiny configs (no weights downloaded)."""
+name, PEFT's prefix read through, tied names with their partner's row, a multimodal model's stacks.
+The names are those of real transformers models built from tiny configs (no weights downloaded;
+the multimodal ones on the meta device)."""
 
 import pytest
 
-from tailor_tui.checkpoints.rows import RowIndex, RowNaming, list_rows, model_rows
+from tailor_tui.checkpoints.rows import RowIndex, RowNaming, find_row, list_rows, model_rows
+
+LM = dict(vocab_size=101, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+          num_key_value_heads=2)
+VIT = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4, image_size=16,
+           patch_size=4)
+MROPE = dict(**LM, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 0]})
+
+
+def _multimodal(arch: str):
+    """A multimodal model of transformers, on the meta device (only its names are read)."""
+    import torch
+    import transformers as t
+
+    make = {
+        "llava": lambda: t.LlavaForConditionalGeneration(t.LlavaConfig(
+            vision_config=t.CLIPVisionConfig(**VIT), text_config=t.LlamaConfig(**LM), image_token_index=100)),
+        "llava_next": lambda: t.LlavaNextForConditionalGeneration(t.LlavaNextConfig(
+            vision_config=t.CLIPVisionConfig(**VIT), text_config=t.LlamaConfig(**LM), image_token_index=100,
+            image_grid_pinpoints=[[16, 16]])),
+        "qwen2_vl": lambda: t.Qwen2VLForConditionalGeneration(t.Qwen2VLConfig(
+            vision_config=dict(depth=2, embed_dim=16, hidden_size=16, num_heads=4, mlp_ratio=2, patch_size=4,
+                               spatial_merge_size=2, temporal_patch_size=2), text_config=MROPE)),
+        "qwen2_5_vl": lambda: t.Qwen2_5_VLForConditionalGeneration(t.Qwen2_5_VLConfig(
+            vision_config=dict(depth=2, hidden_size=16, intermediate_size=24, out_hidden_size=16, num_heads=4,
+                               patch_size=4, spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[1]),
+            text_config=MROPE)),
+        "mllama": lambda: t.MllamaForConditionalGeneration(t.MllamaConfig(
+            vision_config=dict(hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_global_layers=1,
+                               attention_heads=4, image_size=16, patch_size=4, max_num_tiles=4,
+                               vision_output_dim=32, intermediate_layers_indices=[0]),
+            text_config=dict(vocab_size=101, hidden_size=16, intermediate_size=24, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, cross_attention_layers=[1],
+                             pad_token_id=0, bos_token_id=1, eos_token_id=2))),
+        "blip2": lambda: t.Blip2ForConditionalGeneration(t.Blip2Config(
+            vision_config=VIT, qformer_config=dict(hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                                                   num_attention_heads=4, encoder_hidden_size=16, vocab_size=101),
+            text_config=t.OPTConfig(vocab_size=101, hidden_size=16, ffn_dim=24, num_hidden_layers=2,
+                                    num_attention_heads=4, word_embed_proj_dim=16), num_query_tokens=4)),
+        "qwen2_audio": lambda: t.Qwen2AudioForConditionalGeneration(t.Qwen2AudioConfig(
+            audio_config=dict(d_model=16, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=24,
+                              num_mel_bins=8, max_source_positions=16), text_config=t.Qwen2Config(**LM))),
+        "idefics3": lambda: t.Idefics3ForConditionalGeneration(t.Idefics3Config(
+            vision_config=VIT, text_config=t.LlamaConfig(**LM), scale_factor=2)),
+    }[arch]
+    with torch.device("meta"):
+        return make()
 
 
 def _model(arch: str):
@@ -70,6 +117,72 @@ def shown(rows):
 ])
 def test_rows_of_real_architectures(arch, expected):
     assert shown(rows_of(_model(arch))) == expected
+
+
+VISION = ["vision.embeddings", "vision.pre_layrnorm", "vision.layers.0", "vision.layers.1", "vision.post_layernorm"]
+LANGUAGE = ["embed_tokens", "layers.0", "layers.1", "norm", "lm_head"]
+
+
+@pytest.mark.parametrize("arch, vision, language", [
+    ("llava", [*VISION, "multi_modal_projector"], LANGUAGE),
+    ("llava_next", ["image_newline", *VISION, "multi_modal_projector"], LANGUAGE),
+    ("qwen2_vl", ["vision.patch_embed", "vision.blocks.0", "vision.blocks.1", "vision.merger"], LANGUAGE),
+    ("qwen2_5_vl", ["vision.patch_embed", "vision.blocks.0", "vision.blocks.1", "vision.merger"], LANGUAGE),
+    # the vision encoder's two block lists; the cross-attention layer (layers.1) is a row of its index
+    ("mllama", ["vision.class_embedding", "vision.patch_embedding", "vision.gated_positional_embedding",
+                "vision.pre_tile_positional_embedding", "vision.post_tile_positional_embedding",
+                "vision.layernorm_pre", "vision.layernorm_post", "vision.transformer.layers.0",
+                "vision.transformer.layers.1", "vision.global_transformer.layers.0"],
+     ["embed_tokens", "layers.0", "layers.1", "layers.2", "norm", "multi_modal_projector", "lm_head"]),
+    ("idefics3", ["vision.embeddings", "vision.layers.0", "vision.layers.1", "vision.post_layernorm",
+                  "connector"], LANGUAGE),
+])
+def test_a_multimodal_models_rows_are_its_stacks(arch, vision, language):
+    """Each stack's rows in the state dict's order, grouped: the vision encoder's prefixed `vision.`,
+    the language model's named as a plain language model's; the projector with the rows before it."""
+    rows = rows_of(_multimodal(arch))
+    assert [r.name for r in rows] == [*vision, *language]
+    assert [r.group for r in rows] == ["vision"] * len(vision) + ["language"] * len(language)
+
+
+def test_other_stacks_follow_the_same_rule():
+    """Speech and text (Qwen2-Audio): `audio.`; a Q-Former beside a language model (BLIP-2): each
+    stack of no modality named by its module."""
+    audio = rows_of(_multimodal("qwen2_audio"))
+    assert [r.name for r in audio] == ["audio.conv1", "audio.conv2", "audio.embed_positions", "audio.layers.0",
+                                       "audio.layers.1", "audio.layer_norm", "multi_modal_projector", *LANGUAGE]
+    assert {r.group for r in audio} == {"audio", "language"}
+    blip = rows_of(_multimodal("blip2"))
+    assert [r.name for r in blip if r.group == "qformer"] == [
+        "qformer.layernorm", "qformer.layer.0", "qformer.layer.1", "language_projection"]
+    assert "language_model.layers.1" in [r.name for r in blip if r.group == "language_model"]
+
+
+def test_a_row_is_found_by_its_name_module_path_or_an_unambiguous_end_of_it():
+    rows = rows_of(_multimodal("llava"))
+    for key in ("vision.layers.1", "model.vision_tower.encoder.layers.1", "vision_tower.encoder.layers.1",
+                "encoder.layers.1"):
+        assert find_row(rows, key).name == "vision.layers.1", key
+    assert find_row(rows, "layers.1").name == "layers.1"  # a name before any end of a path
+    assert find_row(rows, "language_model.layers.1").name == "layers.1"
+    assert find_row(rows, "model.layers.1") is None  # no module path ends so
+    assert find_row(rows, "post_layernorm").name == "vision.post_layernorm"
+    t5 = rows_of(_model("t5"))
+    assert find_row(t5, "block.0") is None  # encoder's or decoder's: ambiguous
+
+
+def test_names_that_would_clash_per_stack_keep_their_module_paths():
+    """A stack's rows named less their own container must not meet: else no stacks at all."""
+    names = ["model.vision_tower.encoder.layers.0.w.weight", "model.vision_tower.encoder.norm.weight",
+             "model.vision_tower.norm.weight",  # `vision.norm` too, less its stack's container
+             "model.language_model.layers.0.w.weight"]
+    rows = model_rows(names)
+    assert [r.name for r in rows] == ["vision_tower.encoder.layers.0", "vision_tower.encoder.norm",
+                                      "vision_tower.norm", "language_model.layers.0"]
+    assert {r.group for r in rows} == {""}
+    beside = model_rows([*names[:1], *names[3:], "model.norm.weight", "model.language_model.norm.weight"])
+    assert [r.name for r in beside] == ["vision_tower.encoder.layers.0", "language_model.layers.0", "norm",
+                                        "language_model.norm"]
 
 
 def test_module_paths_and_ownership():

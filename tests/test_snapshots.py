@@ -174,3 +174,19 @@ def test_deep_plan_at_80x24(snap_compare, deep_run):
         await pilot.pause()
 
     assert snap_compare(make_app(deep_run), run_before=review, terminal_size=(80, 24))
+
+
+# --- a vision-language model (24 vision, 28 language blocks): a header per stack --------------------
+
+
+@pytest.mark.parametrize("size", [(200, 50), (80, 24)], ids=["200x50", "80x24"])
+def test_vision_language_grid(snap_compare, real_run, tmp_path, size):
+    """The vision stack folded into its header (every row from checkpoint-2), the language stack
+    open under its own with layers.0–3 picked from checkpoint-2."""
+    run = private_copy(real_run, tmp_path, "hf_llava_deep")[0]
+
+    async def stacks(pilot):
+        await scanned(pilot)
+        await pilot.press("f", "left", "space", "down", "down", "v", "down", "down", "down", "space")
+
+    assert snap_compare(make_app(run), run_before=stacks, terminal_size=size)

@@ -153,7 +153,7 @@ def test_modules_and_subpackages_stay_small():
             too_long.append(f"{path.relative_to(ROOT)}: {code} lines of code, {n} lines")
     assert not too_long, too_long
     for package in (p for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()):
-        modules = list(package.glob("*.py"))
+        modules = [m for m in package.glob("*.py") if not _shim(m)]  # an old path kept by `moved` is no module
         assert len(modules) <= MAX_MODULES, f"{package.name}: {len(modules)} modules"
     assert {p.stem for p in PACKAGE.glob("*.py")} <= ROOT_MODULES
 

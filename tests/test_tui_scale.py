@@ -109,3 +109,54 @@ async def test_the_plan_scrolls_from_the_keyboard(deep_run):
         await pilot.press("escape")
         await pilot.pause()
         assert app.home.composition.to_recipe().layers == layers  # declined: nothing composed, picks kept
+
+
+# --- a vision-language model: 24 vision and 28 language blocks, a header per stack ---------------
+
+
+@pytest.mark.parametrize("size", [(80, 24), (200, 50)], ids=["80x24", "200x50"])
+async def test_a_vision_language_models_stacks_fold_and_pick_as_blocks(real_run, tmp_path, size):
+    """Each stack under its header (vision first, then language), foldable with f; a pick on a
+    folded stack picks its every row as one undo step; a range pick inside the language stack;
+    a jump by name into a folded stack unfolds it; the recipe names rows by their short names."""
+    run, (c2, c4) = private_copy(real_run, tmp_path, "hf_llava_deep")
+    app = make_app(run, workers=1)
+    async with app.run_test(size=size) as pilot:
+        await scanned(pilot)
+        grid, comp = app.query_one("#grid"), app.home.composition
+        names = [r.name for r in comp.rows]
+        assert names[:3] == ["vision.embeddings", "vision.pre_layrnorm", "vision.layers.0"]
+        assert "vision.layers.23" in names and "layers.27" in names and names[-1] == "lm_head"
+        assert sum(n.startswith("vision.layers.") for n in names) == 24
+        assert sum(n.startswith("layers.") for n in names) == 28
+        assert line(grid, 2).lstrip().startswith("▾ vision · 28 rows")  # the vision stack's header first
+        assert line(grid, 3).lstrip().startswith("vision.embeddings")
+
+        await pilot.press("f")  # fold the vision stack: the language stack's header comes next
+        await pilot.pause()
+        assert line(grid, 2).lstrip().startswith("▸ vision · 28 rows")
+        assert line(grid, 3).lstrip().startswith("▾ language · 31 rows")
+        assert line(grid, 4).lstrip().startswith("embed_tokens")
+        await pilot.press("left", "space")  # on the folded header: every vision row from checkpoint-2
+        vision = {n: c2 for n in names if comp.base_checkpoint.row(n).group == "vision"}
+        assert comp.to_recipe().layers == vision and len(vision) == 28
+        assert "● 28" in line(grid, 2)
+        await pilot.press("u")  # one undo step
+        assert comp.to_recipe().layers == {}
+
+        await pilot.press("down")  # past the open stack's header, onto its first row
+        assert grid.current()[0] == "embed_tokens"
+        await pilot.press("down", "v", *["down"] * 9, "space")  # layers.0–9 of the language stack
+        assert comp.to_recipe().layers == {f"layers.{i}": c2 for i in range(10)}
+        await pilot.press("up")  # back up: the language header is passed over to the folded vision
+        await pilot.press(*["up"] * 12)
+        assert grid.current()[0] == "vision.embeddings" and line(grid, 2).lstrip().startswith("▸ vision")
+
+        await pilot.press("slash")  # a jump into the folded stack unfolds it
+        await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt))
+        await pilot.press(*"vision.layers.20", "enter")
+        await wait_for(pilot, lambda: len(app.screen_stack) == 1)
+        assert grid.current()[0] == "vision.layers.20"
+        assert any(line(grid, y).lstrip().startswith("vision.layers.20") for y in range(3, grid.size.height))
+        await pilot.press("space")
+        assert comp.to_recipe().layers == {**{f"layers.{i}": c2 for i in range(10)}, "vision.layers.20": c2}

@@ -16,7 +16,7 @@ from pathlib import Path
 from tailor_tui.checkpoints import scan_cache
 from tailor_tui.checkpoints.layout import ZeroLayout
 from tailor_tui.checkpoints.model_states import check_version, read_model_states
-from tailor_tui.checkpoints.rows import PEFT_PREFIX, Row, row_index
+from tailor_tui.checkpoints.rows import PEFT_PREFIX, Row, find_row, row_index
 from tailor_tui.checkpoints.scan_cache import ModelStates
 from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json, read_small
 from tailor_tui.checkpoints.weight_files import weight_file_names, weight_kinds
@@ -100,10 +100,11 @@ class Checkpoint:
         return self.path.name
 
     def row(self, name: str) -> Row:
-        for row in self.rows:
-            if name in (row.name, row.module_path):
-                return row
-        raise KeyError(name)
+        """The row `name` means: its name, module path or an unambiguous end of it (`find_row`)."""
+        row = find_row(self.rows, name)
+        if row is None:
+            raise KeyError(name)
+        return row
 
     def row_names(self) -> list[str]:
         return [r.name for r in self.rows]

@@ -16,6 +16,21 @@ A model's rows come from all of its parameter and buffer names at once (`RowNami
   are read without PEFT's prefix: its LoRA and `modules_to_save` parameters are in the row of the
   module they adapt, and the rows are named as the plain model's.
 
+Stacks: a multimodal model holds its block lists in modules of their own, one per stack
+(`model.vision_tower.encoder.layers`, `model.language_model.layers`; Qwen2-VL's `model.visual.blocks`).
+When a stack's module is named for a modality (`MODALITIES`: vision, audio), the model's rows are
+named per stack, each less its own stack's container, the modality's stack prefixed by its name:
+`vision.embeddings`, `vision.layers.3`, `vision.post_layernorm`; the one other stack (the language
+model) is named as a plain language model is: `embed_tokens`, `layers.12`, `norm` (several others,
+as BLIP-2's Q-Former beside its language model: each prefixed by its module's name); rows outside
+every stack keep their module's name (`multi_modal_projector`, `lm_head`). Each row's `group` is its
+stack's (`vision`, `language`); a row outside the stacks is in the group of the row before it (a
+projector after its vision tower, a head after its language model). A model whose stacks are no
+modality's (T5's `encoder.block` and `decoder.block`), or whose names per stack would clash, is named
+as above, with no groups. Any row is also found by its module path or an unambiguous end of it
+(`find_row`): a recipe naming `model.vision_tower.encoder.layers.3` or `vision_tower.encoder.layers.3`
+picks `vision.layers.3`.
+
 Tied weights: a name the model's state dict holds that is no parameter of its own (DeepSpeed's
 `shared_params`: `lm_head.weight` -> `model.embed_tokens.weight`) is an alias. A row made only of
 aliases has no weights of its own and follows the row it is tied to; an alias inside a row with
@@ -25,11 +40,14 @@ weights of its own (BERT's `cls.predictions.decoder.weight`) stays with its part
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 PEFT_PREFIX = "base_model.model."  # how PEFT's PeftModel names the wrapped model's parameters
 CONTAINERS = ("model", "transformer", "gpt_neox", "backbone", "decoder")  # a model without block lists
+# a stack's modality, by the words its module's name holds (`vision_tower`, `visual`, `audio_tower`)
+MODALITIES = (("vision", ("vision", "visual", "image", "img")), ("audio", ("audio", "speech", "sound")))
+LANGUAGE = "language"  # the group of the one stack of no modality (a multimodal model's language model)
 
 
 @dataclass(frozen=True)
@@ -41,6 +59,7 @@ class Row:
     params: tuple[str, ...]  # trainable and frozen parameter names
     buffers: tuple[str, ...]
     aliases: tuple[tuple[str, str], ...] = ()  # (name in the state dict, the parameter it is tied to)
+    group: str = ""  # its stack in a multimodal model (`vision`, `language`); "" in a model of one
 
     @property
     def tied(self) -> bool:
@@ -72,6 +91,22 @@ def _common(paths: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
     return first[:n]
 
 
+def modality(module: str) -> str | None:
+    """The modality a stack's module is named for (`vision_tower`: vision), or None."""
+    low = module.lower()
+    return next((name for name, words in MODALITIES if any(w in low for w in words)), None)
+
+
+@dataclass(frozen=True)
+class Stack:
+    """One stack of a multimodal model: the module holding some of its block lists."""
+
+    path: tuple[str, ...]  # `("model", "vision_tower")`
+    container: tuple[str, ...]  # what its rows are named less: its block lists' parents' common part
+    prefix: str  # `vision.` (the language model's: "")
+    group: str  # `vision`, `language`
+
+
 class RowNaming:
     """The row of every name of one model (parameters, buffers, aliases, and the tensor names
     of its weight files), from all of its parameter and buffer names."""
@@ -88,6 +123,42 @@ class RowNaming:
         self.parents = sorted({lst[:-1] for lst in lists}, key=len, reverse=True)
         self.lists = lists
         self.container = _common(self.parents) if lists else None
+        self.stacks = self._stacks()
+        if self.stacks and not self._distinct(names):
+            self.stacks = ()
+
+    def _stacks(self) -> tuple[Stack, ...]:
+        """The model's stacks, when some are a modality's (each of another); else ()."""
+        if self.container is None:
+            return ()
+        depth = len(self.container)
+        keys = sorted({p[depth] for p in self.parents if len(p) > depth})
+        if len(keys) < 2 or any(len(p) <= depth for p in self.parents):
+            return ()
+        kinds = {key: modality(key) for key in keys}
+        found = [k for k in kinds.values() if k]
+        plain = [key for key, kind in kinds.items() if kind is None]
+        if not found or len(set(found)) != len(found):
+            return ()
+        stacks = []
+        for key, kind in kinds.items():
+            path = (*self.container, key)
+            container = _common(p for p in self.parents if p[: depth + 1] == path)
+            name = kind or (LANGUAGE if len(plain) == 1 else key)  # several others: each by its module
+            stacks.append(Stack(path, container, "" if name == LANGUAGE else f"{name}.", name))
+        return tuple(stacks)
+
+    def _distinct(self, names: list[str]) -> bool:
+        """Whether the names per stack tell every row apart (one module path per row name)."""
+        seen: dict[str, str] = {}
+        for name in names:
+            row, path = self.split(name)
+            if seen.setdefault(row, path) != path:
+                return False
+        return True
+
+    def stack_of(self, parts: list[str]) -> Stack | None:
+        return next((s for s in self.stacks if tuple(parts[: len(s.path)]) == s.path), None)
 
     def split(self, name: str) -> tuple[str, str]:
         """(row name, module path of the row) of a parameter, buffer or weight-file tensor name."""
@@ -104,8 +175,16 @@ class RowNaming:
         else:
             shared = max((len(_common([tuple(parts[:-1]), p])) for p in self.parents), default=0)
             module = parts[: shared + 1]
-        row = module[len(_common([tuple(module), self.container])):]
-        return ".".join(row or module), self._path(module)
+        stack = self.stack_of(parts)
+        container, prefix = (stack.container, stack.prefix) if stack else (self.container, "")
+        row = module[len(_common([tuple(module), container])):]
+        return prefix + ".".join(row or module), self._path(module)
+
+    def group(self, name: str) -> str:
+        """The group of a name's row: its stack's, "" outside the stacks (or with none)."""
+        stripped = name[len(self.prefix):] if self.prefix and name.startswith(self.prefix) else name
+        stack = self.stack_of(stripped.split("."))
+        return stack.group if stack else ""
 
     def _entry(self, parts: list[str]) -> int | None:
         """Where the number of an entry of one of the block lists stands in a name's parts: a block's
@@ -132,17 +211,43 @@ def model_rows(params: Iterable[str], buffers: Iterable[str] = (), aliases: dict
     is_param, is_buffer = set(params), set(buffers)
     names = list(dict.fromkeys([*order, *params, *buffers, *aliases]))
     owned: dict[str, tuple[str, list[str], list[str], list[tuple[str, str]]]] = {}
+    groups: dict[str, str] = {}
     for name in names:
         row, module_path = naming.split(name)
         entry = owned.setdefault(row, (module_path, [], [], []))
+        groups.setdefault(row, naming.group(name))
         if name in is_param:
             entry[1].append(name)
         elif name in is_buffer:
             entry[2].append(name)
         elif name in aliases:
             entry[3].append((name, aliases[name]))
-    rows = [Row(r, mp, tuple(p), tuple(b), tuple(a)) for r, (mp, p, b, a) in owned.items()]
-    return tuple(r for r in rows if r.params or r.buffers or r.aliases)
+    rows = [Row(r, mp, tuple(p), tuple(b), tuple(a), groups[r]) for r, (mp, p, b, a) in owned.items()]
+    return _grouped(tuple(r for r in rows if r.params or r.buffers or r.aliases))
+
+
+def _grouped(rows: tuple[Row, ...]) -> tuple[Row, ...]:
+    """A row outside the stacks joins the group of the row before it (the first rows: after them)."""
+    if not any(r.group for r in rows):
+        return rows
+    first = next(r.group for r in rows if r.group)
+    out, last = [], first
+    for r in rows:
+        last = r.group or last
+        out.append(r if r.group else replace(r, group=last))
+    return tuple(out)
+
+
+def find_row(rows: Iterable[Row], key: str) -> Row | None:
+    """The row a recipe means by `key`: its name, its module path, or the one row whose module path
+    (less PEFT's prefix) ends with `key` after a dot (`vision_tower.encoder.layers.3`); None if none
+    or several."""
+    rows = list(rows)
+    for row in rows:
+        if key in (row.name, row.module_path):
+            return row
+    ends = [r for r in rows if ("." + r.module_path.removeprefix(PEFT_PREFIX)).endswith("." + key)]
+    return ends[0] if len(ends) == 1 else None
 
 
 class RowIndex:

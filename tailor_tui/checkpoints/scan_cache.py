@@ -21,7 +21,7 @@ from tailor_tui.checkpoints.cache import entry, file_identity, read_json, write_
 from tailor_tui.checkpoints.layout import ZeroLayout
 from tailor_tui.checkpoints.rows import Row
 
-FORMAT = 3  # of the entries: bump when what they hold or mean changes (3: a block's own parameters are its row's)
+FORMAT = 4  # of the entries: bump when what they hold or mean changes (4: a multimodal model's rows per stack)
 MAX_CACHED = 64 << 20  # an entry larger than this is not one of ours
 PRECISIONS = ("fp16", "fp32")
 
@@ -63,7 +63,7 @@ def to_json(states: ModelStates, identity: list) -> dict:
         "world_size": layout.world_size,
         "groups": [[[name, list(shape)] for name, shape in group] for group in layout.groups],
         "frozen": [[name, list(shape)] for name, shape in layout.frozen],
-        "rows": [[r.name, r.module_path, list(r.params), list(r.buffers), [list(a) for a in r.aliases]]
+        "rows": [[r.name, r.module_path, list(r.params), list(r.buffers), [list(a) for a in r.aliases], r.group]
                  for r in states.rows],
         "precision": states.precision,
     }
@@ -77,8 +77,8 @@ def from_json(data, identity: list) -> ModelStates | None:
         layout = ZeroLayout(_count(data["world_size"], least=1),
                             tuple(_shapes(group) for group in _list(data["groups"])), _shapes(data["frozen"]))
         rows = tuple(Row(_str(name), _str(path), _strs(params), _strs(buffers),
-                         tuple(_pair(a) for a in _list(aliases)))
-                     for name, path, params, buffers, aliases in _list(data["rows"]))
+                         tuple(_pair(a) for a in _list(aliases)), _str(group))
+                     for name, path, params, buffers, aliases, group in _list(data["rows"]))
         if data["precision"] not in PRECISIONS:
             return None
         return ModelStates(_str(data["ds_version"]), _count(data["step"]), layout, rows, data["precision"])

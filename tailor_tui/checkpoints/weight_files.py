@@ -22,6 +22,7 @@ would name them (`saved_names`), and a tensor that still has no row is refused b
 
 from __future__ import annotations
 
+import difflib
 import os
 import stat
 from dataclasses import dataclass
@@ -173,10 +174,16 @@ def tensor_rows(names: list[str], rows: tuple[Row, ...], folder: Path) -> dict[s
 
 
 def unplaced_error(file: Path, names: list[str], rows: tuple[Row, ...]) -> IncompatibleError:
+    """A weight file's tensors of no row: named, with the row the first is closest to; never advice to
+    delete the file (it is the model's own: its names are what needs reading)."""
+    params = {p: r.name for r in rows for p in (*r.params, *r.buffers)}
+    close = difflib.get_close_matches(names[0], list(params), n=1, cutoff=0.0)
+    closest = f"; the closest is {params[close[0]]}'s {close[0]}" if close else ""
     return IncompatibleError(
         f"{file}: tensor(s) {', '.join(names[:3])}{' …' if len(names) > 3 else ''} belong to no row of the model "
-        f"(rows {list_rows([r.name for r in rows])}); tailor-tui cannot tell which checkpoint they should come "
-        "from: pick every row from the base, or remove the file from the base if it is not the model's")
+        f"(rows {list_rows([r.name for r in rows])}{closest}); tailor-tui cannot tell which checkpoint they "
+        "should come from: pick every row from the base to keep the file as the base has it, or give the "
+        "checkpoint the config.json its model was saved with (transformers' names are read through it)")
 
 
 def family(folder: Path, rel: Path) -> tuple[Path, ...]:

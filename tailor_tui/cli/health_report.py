@@ -58,7 +58,14 @@ def table(health: Health) -> list[str]:
     out = [line("row", names)]
     if any(log and log.loss is not None for log in losses):
         out.append(line("loss", ["—" if not log or log.loss is None else f"{log.loss:.4g}" for log in losses]))
-    out += [line(label[row], [texts[row, i] for i in range(len(names))]) for row in rows]
+    groups = {r.name: r.group for c in health.checkpoints for r in c.rows}
+    last = ""
+    for row in rows:
+        group = groups.get(row, "")
+        if group and group != last:  # a multimodal model's stack: a line before its first row
+            out.append(f"[{shown(group)}]")
+        last = group
+        out.append(line(label[row], [texts[row, i] for i in range(len(names))]))
     bad = sum(1 for c in health.cells.values() if not c.healthy)
     out.append("")
     out.append("cells: fp32 weight RMS and Δ (change since the previous checkpoint holding the row); "

@@ -26,7 +26,7 @@ from tailor_tui.health.stats_job import RankStats, RankStatsRead, RowSums, SlotT
 from tailor_tui.team.members import SOLO, Team
 from tailor_tui.team.transaction import Declaration, Task, TeamWork, run_as_team
 
-FORMAT = 3  # of the cached sums and cells: bump when what they mean changes (3: rows hold their blocks' own parameters)
+FORMAT = 4  # of the cached sums and cells: bump when what they mean changes (4: a multimodal model's rows per stack)
 MAX_CACHED = 16 << 20  # a cache file larger than this is not one of ours
 STATS_WORKER = 64 << 20  # interpreter, numpy, two 1 MiB buffers and a chunk's float64 copies
 

@@ -39,6 +39,9 @@ from tailor_tui.runs.ranks import quiet, setup_rank, spawn_ranks
 VOCAB = 101  # prime, so embedding and lm_head never split evenly across ranks
 
 
+LATER_FIELDS = {"vision_layers": 0}  # RunSpec's fields added after run keys were first kept: their defaults
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """What kind of training run to make."""
@@ -94,12 +97,18 @@ class RunSpec:
     peft: bool = False  # HF layout: train a PEFT LoRA adapter (run_models.lora_config)
     save_safetensors: bool = True  # HF layout: False writes pytorch_model.bin, as transformers 4.x did
     max_shard_size: str | None = None  # HF layout: shard the model file (e.g. "20KB")
+    vision_layers: int = 0  # a vision-language model's vision encoder blocks (0: the arch's own default)
     extra: dict = field(default_factory=dict, hash=False, compare=False)
 
     def key(self) -> str:
-        """A stable name for caching runs made from this spec (`from_key` reads it back)."""
+        """A stable name for caching runs made from this spec (`from_key` reads it back); a field
+        added since keys were first kept (`LATER_FIELDS`) is left out at its default, so a run made
+        before it keeps its key."""
         d = asdict(self)
         d.pop("extra")
+        for name, default in LATER_FIELDS.items():
+            if d[name] == default:
+                d.pop(name)
         return json.dumps(d, sort_keys=True)
 
     @classmethod

@@ -65,7 +65,8 @@ def model_config(spec):
                              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0,
                              layer_scale_init_value=0.1, use_mean_pooling=True, num_labels=LABELS)
     if spec.arch == "llava":  # a CLIP vision tower, a projector and a Llama; 16 image tokens per image
-        vision = tf.CLIPVisionConfig(hidden_size=spec.hidden, intermediate_size=inter, num_hidden_layers=2,
+        vision = tf.CLIPVisionConfig(hidden_size=spec.hidden, intermediate_size=inter,
+                                     num_hidden_layers=spec.vision_layers or 2,
                                      num_attention_heads=HEADS, image_size=IMAGE, patch_size=4)
         text = tf.LlamaConfig(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=inter,
                               num_hidden_layers=spec.layers, num_attention_heads=HEADS, num_key_value_heads=2,

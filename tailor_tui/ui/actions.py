@@ -78,6 +78,8 @@ ACTIONS: tuple[Action, ...] = (
            shows="g / G (home / end)"),
     Action("last_row", "G", "Last row", "Go to the last row", "move"),
     Action("jump", "slash", "Jump to row", "Jump to a row by name", "move", "jump to a row"),
+    Action("fold", "f", "Fold", "Fold or unfold the stack under the cursor (a multimodal model's vision, "
+           "language…); a pick on a folded stack picks its every row", "move", "fold / unfold a stack"),
     # view
     Action("cycle_metric", "m", "Metric", "Colour the grid by the next health metric", "view", "heatmap metric"),
     Action("toggle_details", "d", "Details",

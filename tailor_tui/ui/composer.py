@@ -261,8 +261,8 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
             return
         comp, grid = self.active_composition, self.query_one(CheckpointGrid)
         row, column = grid.current()
-        if grid.selection is not None and column is not None:  # a block of rows, one undo step
-            rows = grid.selected_rows()
+        rows = grid.block_rows()  # the selected rows, or a folded stack's
+        if rows and column is not None:  # a block of rows, one undo step
             grid.selection = self.selection_anchor = None
             changed: list[str] = []
             self.edit(lambda: changed.extend(comp.pick_rows(rows, column)))

@@ -4,7 +4,9 @@ A line-API widget: each frame renders only the cells in view, so a run of 81 row
 checkpoints redraws a pick in milliseconds (a DataTable re-renders every cell of every
 visible row on any change). The row names (column 0) and the two header lines stay in view
 while the rest scrolls. Coordinates are DataTable's: column 0 is the names, checkpoint i is
-column i + 1.
+column i + 1; a coordinate's row is the composition's row, whatever line shows it. A multimodal
+model's rows come under a header line per stack (`grid_lines`): `f` folds the stack under the
+cursor into its header, which then stands for its every row (a pick there picks them all).
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from tailor_tui.compose.composition import Composition
 from tailor_tui.health.healing import Health, damage
 from tailor_tui.ui.actions import GRID, bindings
 from tailor_tui.ui.describe import background, header_suffix, row_range
+from tailor_tui.ui.grid_lines import GridLines, RowGroup, groups_of
 from tailor_tui.units import shown
 
 PICKED, HOLDS, DISABLED, TIED = "●", "·", "✗", "tied"
+OPEN, FOLDED, INDENT = "▾", "▸", "  "  # a stack's header, open and folded; its rows' names, indented
 HEADER_HEIGHT = 2
 MIN_WIDTH = 10  # a checkpoint column fits "● picked" and its padding
 
@@ -85,6 +89,8 @@ class CheckpointGrid(ScrollView, can_focus=True):
         self._cursor = Coordinate(0, 0)
         self._versions: list[int] = []  # per row, bumped when its cells change: the line cache's key
         self._lines: dict[tuple, Strip] = {}  # rendered lines of this frame's geometry
+        self.folded: set[str] = set()  # the stacks folded into their header line
+        self._layout = GridLines(0)
 
     # --- what DataTable users expect ----------------------------------------------------
 
@@ -134,6 +140,39 @@ class CheckpointGrid(ScrollView, can_focus=True):
         first, last = self.selection
         return [r.name for r in self.composition.rows[first: last + 1]]
 
+    def block_rows(self) -> list[str]:
+        """The rows a pick takes at once: the selection's, or those of the folded stack under the
+        cursor; [] for a pick of one row."""
+        folded = self._layout.folded_at(self._cursor.row)
+        if self.selection is None and folded is not None and self.composition is not None:
+            return [r.name for r in self.composition.rows[folded.first: folded.last + 1]]
+        return self.selected_rows()
+
+    def group_under_cursor(self) -> RowGroup | None:
+        """The stack the cursor's row is in (None in a model of one stack)."""
+        return self._layout.stack_of(self._cursor.row)
+
+    def reveal(self, row: int) -> None:
+        """Unfold the stack `row` is in, if it is folded (a jump to a row by name shows the row)."""
+        folded = self._layout.folded_at(row)
+        if folded is not None:
+            self.folded.discard(folded.name)
+            self._lay_out()
+            self._lines.clear()
+            self.refresh()
+
+    def toggle_fold(self) -> str | None:
+        """Fold the stack under the cursor into its header line, or unfold it; its name, or None."""
+        group = self.group_under_cursor()
+        if group is None:
+            return None
+        self.folded ^= {group.name}
+        self._lay_out()
+        self._lines.clear()
+        self.refresh()
+        self.call_after_refresh(self._scroll_to_cell, self._cursor)
+        return group.name
+
     # --- what is shown ------------------------------------------------------------------
 
     def show(self, composition: Composition, health: Health | None = None, metric: str = "rel_change",
@@ -154,6 +193,7 @@ class CheckpointGrid(ScrollView, can_focus=True):
             self._versions = [v + 1 for v in self._versions[: len(self._rows)]]
             self._versions += [0] * (len(self._rows) - len(self._versions))
             self._lines.clear()
+            self._lay_out()
             self._widths = []
             self._measure(self._rows)
             cursor = self._cursor
@@ -179,12 +219,21 @@ class CheckpointGrid(ScrollView, can_focus=True):
             else:
                 self._refresh_rows(changed)
 
+    def _lay_out(self) -> None:
+        """Which line shows which row or stack header (after new rows or a fold)."""
+        groups = groups_of(r.group for r in self._shown.rows)
+        self.folded &= {g.name for g in groups}
+        self._layout = GridLines(len(self._rows), groups, self.folded)
+        self.virtual_size = Size(self.virtual_size.width, HEADER_HEIGHT + len(self._layout))
+
     def _refresh_rows(self, rows: list[int], header: bool = False) -> None:
-        """Repaint only the lines of `rows` (and the header) where they are in view."""
-        width, top = self.size.width, round(self.scroll_y)
+        """Repaint only the lines of `rows` and of their stacks' headers (and the header) where in view."""
+        width, top, layout = self.size.width, round(self.scroll_y), self._layout
+        lines = {layout.lines[row] for row in rows if 0 <= row < layout.count}
+        lines |= {layout.entries.index(g) for row in rows if (g := layout.stack_of(row)) is not None}
         regions = [Region(0, 0, width, HEADER_HEIGHT)] if header else []
-        regions += [Region(0, HEADER_HEIGHT + row - top, width, 1) for row in set(rows)
-                    if 0 <= row - top < self.size.height - HEADER_HEIGHT]
+        regions += [Region(0, HEADER_HEIGHT + line - top, width, 1) for line in lines
+                    if 0 <= line - top < self.size.height - HEADER_HEIGHT]
         if regions:
             self.refresh(*regions)
 
@@ -220,7 +269,7 @@ class CheckpointGrid(ScrollView, can_focus=True):
         for w in widths[1:]:
             self._starts.append(x)
             x += w
-        self.virtual_size = Size(widths[0] + x, HEADER_HEIGHT + len(self._rows))
+        self.virtual_size = Size(widths[0] + x, HEADER_HEIGHT + len(self._layout))
         return True
 
     def _header(self, column: int) -> tuple[GridCell, GridCell]:
@@ -238,7 +287,8 @@ class CheckpointGrid(ScrollView, can_focus=True):
         comp, health = self._shown, self.health
         r = comp.base_checkpoint.row(row)
         style = "dim italic" if r.tied else ""
-        cells = [GridCell(shown(row), style + (" reverse bold" if self._selected(row) else ""))]
+        indent = INDENT if r.group else ""
+        cells = [GridCell(indent + shown(row), style + (" reverse bold" if self._selected(row) else ""))]
         source = comp.source_of(row)
         scale = row_range(health, row, self.metric)
         for column in range(len(comp.checkpoints)):
@@ -264,16 +314,38 @@ class CheckpointGrid(ScrollView, can_focus=True):
                 cells.append(GridCell("–", "dim"))
         return cells
 
+    def _group_cells(self, group: RowGroup) -> list[GridCell]:
+        """A stack's header line: its name and size, then how many of its rows each checkpoint gives."""
+        comp = self._shown
+        folded = group.name in self.folded
+        title = f"{FOLDED if folded else OPEN} {shown(group.name)} · {len(group.rows)} rows"
+        sources = [comp.source_of(r.name) for r in comp.rows[group.first: group.last + 1]]
+        cells = [GridCell(title, "bold")]
+        for column in range(len(comp.checkpoints)):
+            count = sources.count(column)
+            if comp.incompatibility(column):
+                cells.append(GridCell(DISABLED, "dim"))
+            else:
+                cells.append(GridCell(f"{PICKED} {count}" if count else "", "bold" if folded else "dim"))
+        return cells
+
     # --- drawing --------------------------------------------------------------------------
 
     def render_line(self, y: int) -> Strip:
         width = self.scrollable_content_region.width
         if not self._rows or width <= 0:
             return Strip.blank(width, self.rich_style)
-        row = y - HEADER_HEIGHT + round(self.scroll_y) if y >= HEADER_HEIGHT else -1 - y
-        version = self._versions[row] if 0 <= row < len(self._rows) else 0
-        on_row = self._cursor.column if row in (self._cursor.row, -1, -2) else -1
-        key = (row, version, on_row, round(self.scroll_x), width, self.has_focus)
+        at = y - HEADER_HEIGHT + round(self.scroll_y)
+        entry = self._layout.entries[at] if y >= HEADER_HEIGHT and at < len(self._layout) else None
+        if isinstance(entry, RowGroup):
+            on = self._cursor.column if self._layout.folded_at(self._cursor.row) == entry else -1
+            version: object = tuple(self._versions[entry.first: entry.last + 1])
+            row: object = (entry, entry.name in self.folded)
+        else:
+            row = entry if entry is not None else (-1 - y if y < HEADER_HEIGHT else len(self._rows))
+            version = self._versions[row] if 0 <= row < len(self._rows) else 0
+            on = self._cursor.column if row in (self._cursor.row, -1, -2) else -1
+        key = (row, version, on, round(self.scroll_x), width, self.has_focus)
         line = self._lines.get(key)
         if line is None:
             if len(self._lines) > 4 * (self.size.height + 8):  # another frame's: drop them
@@ -287,14 +359,22 @@ class CheckpointGrid(ScrollView, can_focus=True):
 
     def _draw_line(self, y: int, width: int) -> Strip:
         base = self.rich_style
+        cursor_line = self._layout.lines[self._cursor.row] if self._layout.count else -1
         if y < HEADER_HEIGHT:
             cells = [h[y] for h in self._headers]
             row, line_style = -1, base + self.get_component_rich_style("grid--header")
         else:
-            row = y - HEADER_HEIGHT + round(self.scroll_y)
-            if row >= len(self._rows):
+            line = y - HEADER_HEIGHT + round(self.scroll_y)
+            if line >= len(self._layout):
                 return Strip.blank(width, base)
-            cells, line_style = self._rows[row], base
+            entry = self._layout.entries[line]
+            folded = isinstance(entry, RowGroup) and entry.name in self.folded
+            # the cursor's row is drawn on its line: a folded stack's header, or the row's own
+            row = self._cursor.row if line == cursor_line and (folded or entry == self._cursor.row) else -3
+            if isinstance(entry, RowGroup):
+                cells, line_style = self._group_cells(entry), base + self.get_component_rich_style("grid--header")
+            else:
+                cells, line_style, row = self._rows[entry], base, entry
         names = self._widths[0]
         name_style = line_style + (self.get_component_rich_style("grid--names") if row >= 0 else Style())
         segments = [self._segment(cells[0], names, name_style, row == self._cursor.row and self._cursor.column == 0)]
@@ -306,7 +386,7 @@ class CheckpointGrid(ScrollView, can_focus=True):
         while column < len(self._starts) and x < left + room:
             w = self._widths[column + 1]
             cursor = row == self._cursor.row and self._cursor.column == column + 1
-            style = line_style + (underline if row < 0 and self._cursor.column == column + 1 else Style())
+            style = line_style + (underline if row == -1 and self._cursor.column == column + 1 else Style())
             scrolled.append(self._segment(cells[column + 1], w, style, cursor))
             x += w
             column += 1
@@ -325,10 +405,11 @@ class CheckpointGrid(ScrollView, can_focus=True):
         region = self.scrollable_content_region
         body = max(1, region.height - HEADER_HEIGHT)
         y = self.scroll_y
-        if cell.row < y:
-            y = cell.row
-        elif cell.row >= y + body:
-            y = cell.row - body + 1
+        line = self._layout.lines[cell.row] if 0 <= cell.row < self._layout.count else cell.row
+        if line < y:
+            y = line
+        elif line >= y + body:
+            y = line - body + 1
         x = self.scroll_x
         if cell.column > 0 and self._starts:
             start = self._starts[cell.column - 1]
@@ -346,11 +427,12 @@ class CheckpointGrid(ScrollView, can_focus=True):
     # --- keys and the mouse ----------------------------------------------------------------
 
     def action_cursor(self, rows: int, columns: int) -> None:
-        self.move_cursor(row=self._cursor.row + rows, column=self._cursor.column + columns)
+        row = self._layout.step(self._cursor.row, rows) if rows else self._cursor.row
+        self.move_cursor(row=row, column=self._cursor.column + columns)
 
     def action_page(self, direction: int) -> None:
         page = max(1, self.scrollable_content_region.height - HEADER_HEIGHT - 1)
-        self.move_cursor(row=self._cursor.row + direction * page)
+        self.move_cursor(row=self._layout.step(self._cursor.row, direction * page))
 
     def action_choose(self) -> None:
         if self._rows:
@@ -360,8 +442,8 @@ class CheckpointGrid(ScrollView, can_focus=True):
         """The cell at (x, y) of the widget's content, None outside the rows."""
         if not self._rows or y < HEADER_HEIGHT:
             return None
-        row = y - HEADER_HEIGHT + round(self.scroll_y)
-        if row >= len(self._rows):
+        row = self._layout.row_at(y - HEADER_HEIGHT + round(self.scroll_y))
+        if row is None:  # past the last line, or an open stack's header
             return None
         if x < self._widths[0]:
             return Coordinate(row, 0)
@@ -373,9 +455,24 @@ class CheckpointGrid(ScrollView, can_focus=True):
 
     def on_click(self, event: events.Click) -> None:
         offset = event.get_content_offset(self)
+        if offset is not None and offset.x < self._widths[0] and self._header_clicked(offset.y):
+            return
         cell = self.cell_at(offset.x, offset.y) if offset is not None else None
         if cell is None:
             return
         self.move_cursor(row=cell.row, column=cell.column or None)  # a row's name: that row, same column
         if cell.column > 0:  # one click on a checkpoint's cell picks it
             self.post_message(self.Chosen(self, cell))
+
+    def _header_clicked(self, y: int) -> bool:
+        """A click on a stack header's name folds or unfolds that stack."""
+        line = y - HEADER_HEIGHT + round(self.scroll_y)
+        if y < HEADER_HEIGHT or not 0 <= line < len(self._layout):
+            return False
+        entry = self._layout.entries[line]
+        if not isinstance(entry, RowGroup):
+            return False
+        if self._layout.stack_of(self._cursor.row) != entry:
+            self.move_cursor(row=entry.first)
+        self.toggle_fold()
+        return True

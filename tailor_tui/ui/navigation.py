@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 
 class Navigation:
-    """g / G, / (jump to a row), v and shift+arrows (select rows)."""
+    """g / G, / (jump to a row), v and shift+arrows (select rows), f (fold a stack)."""
 
     # The screen's (`ComposerHost`), declared here too: a type checker takes an assignment to
     # `self.selection_anchor` in this class's methods as declaring it on this class.
@@ -53,6 +53,15 @@ class Navigation:
                 grid.selection = selection
                 self.refresh_view()
 
+    def action_fold(self: ComposerHost) -> None:
+        """Fold the stack under the cursor (a multimodal model's vision encoder, language model…)
+        into its header line, or unfold it."""
+        if not self.editable():
+            return
+        if self.query_one(CheckpointGrid).toggle_fold() is None:
+            self.notify("this model has one stack: nothing to fold", timeout=3)
+        self.refresh_view()
+
     def action_first_row(self: ComposerHost) -> None:
         if self.editable():
             self.query_one(CheckpointGrid).move_cursor(row=0)
@@ -79,6 +88,8 @@ class Navigation:
             if found is None:
                 self.notify(f"no row named like '{text}'", severity="warning")
             else:
-                self.query_one(CheckpointGrid).move_cursor(row=found)
+                grid = self.query_one(CheckpointGrid)
+                grid.reveal(found)
+                grid.move_cursor(row=found)
 
         self.app.push_screen(PathPrompt("Jump to row (e.g. layers.40)", ""), done)
