@@ -360,3 +360,31 @@ def test_a_peft_adapter_saved_with_torch_is_composed_per_row(real_run, tmp_path)
         source = picks.get(row_of("hf_peft_lora", name), ckpts[-1])
         assert torch.equal(value, torch.load(source / "adapter_model.bin", weights_only=True)[name]), name
     assert tailor("--verify", recipe).returncode == 0
+
+
+def test_a_vision_language_recipe_names_rows_short_by_module_path_or_by_earlier_names(real_run, tmp_path):
+    """Through the CLI on the real Llava run: a recipe naming a vision block by its full module path, and
+    a language block by the name tailor-tui gave it before stacks (`language_model.layers.1`), composes
+    the same as one naming them `vision.layers.1` and `layers.1`; --stats shows a line per stack."""
+    run, spec = real_run("hf_llava")
+    ckpts = checkpoints_of(run, spec)
+    for folder in ("short", "long", "bad"):
+        (tmp_path / folder).mkdir()
+    short = write_recipe(tmp_path / "short", ckpts[-1], {"vision.layers.1": ckpts[0], "layers.1": ckpts[0]})
+    long = write_recipe(tmp_path / "long", ckpts[-1], {"model.vision_tower.encoder.layers.1": ckpts[0],
+                                                      "language_model.layers.1": ckpts[0]})
+    for recipe in (short, long):
+        dry = tailor("--apply", recipe, "--dry-run")
+        assert dry.returncode == 0, dry.stderr
+        assert "vision.layers.1" in dry.stdout and "language_model" not in dry.stdout
+        assert tailor("--apply", recipe).returncode == 0
+    a, b = read_full_state(tmp_path / "short" / "composed"), read_full_state(tmp_path / "long" / "composed")
+    for key in ("fp32", "exp_avg", "exp_avg_sq"):
+        assert all(torch.equal(a[key][p], b[key][p]) for p in a[key])
+    unknown = write_recipe(tmp_path / "bad", ckpts[-1], {"layers.9": ckpts[0]})
+    assert_one_line_error(tailor("--apply", unknown), 3, "unknown row 'layers.9'")
+    stats = tailor("--stats", run)
+    assert stats.returncode == 0, stats.stderr
+    lines = stats.stdout.splitlines()
+    assert lines.index("[vision]") < next(i for i, x in enumerate(lines) if x.startswith("vision.layers.0"))
+    assert lines.index("[language]") < next(i for i, x in enumerate(lines) if x.startswith("layers.0"))
