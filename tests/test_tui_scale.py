@@ -141,6 +141,8 @@ async def test_a_vision_language_models_stacks_fold_and_pick_as_blocks(real_run,
         vision = {n: c2 for n in names if comp.base_checkpoint.row(n).group == "vision"}
         assert comp.to_recipe().layers == vision and len(vision) == 28
         assert "● 28" in line(grid, 2)
+        details = app.query_one("#details").render().plain
+        assert "stack   vision · 28 rows" in details and "checkpoint-2: 28 rows" in details
         await pilot.press("u")  # one undo step
         assert comp.to_recipe().layers == {}
 

@@ -224,13 +224,15 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
         comp = self.composition
         if comp is None:
             return
-        row_name, column = self.query_one(CheckpointGrid).current()
+        grid = self.query_one(CheckpointGrid)
+        row_name, column = grid.current()
         if row_name is None:
             return
         problems = self.scan_result.problems if self.scan_result else ()
+        folded = grid.folded_stack()
         lines = details_lines(comp, self.health, row_name, column, metric=self.metric, computing=self.health_status,
                               problems=problems, outputs=self.scan_result.outputs if self.scan_result else (),
-                              show=self.rel)
+                              show=self.rel, stack=folded)
         text = "\n".join(lines)
         details = self.query_one("#details", Static)
         if text != self.details_text:  # its size is fixed by the layout: no re-layout of the screen

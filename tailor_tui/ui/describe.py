@@ -8,6 +8,7 @@ functions of the composition and its Health: no widgets."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 
@@ -125,9 +126,49 @@ def _pct(x: float | None) -> str:
     return "—" if x is None else f"{x:.2%}"
 
 
+def stack_block(comp: Composition, stack: str, rows: list[str]) -> list[str]:
+    """A folded stack's lines in the details panel: its rows, where they come from, their size."""
+    sources = Counter(comp.source_of(r) for r in rows)
+    lines = [f"stack   {stack} · {len(rows)} rows, folded (f unfolds; a pick here picks them all)"]
+    lines += [f"source  {comp.label(c)}" + ("  (base)" if c == comp.base else "") + f": {n} rows"
+              for c, n in sorted(sources.items())]
+    shapes = _shapes(comp)
+    params = [p for r in rows for p in comp.base_checkpoint.row(r).params]
+    numel = sum(math.prod(shapes[p]) for p in params)
+    return [*lines, f"params  {len(params)} tensors, {numel:,} elements"]
+
+
+def _row_lines(comp: Composition, health: Health | None, row, column: int | None, *, metric: str,
+               computing: str | None) -> list[str]:
+    """The details panel's lines of the row under the cursor: its cells, source, ties and size."""
+    lines = [] if row.tied else cell_block(health, row.name, column, computing, metric)
+    source = comp.source_of(row.name)
+    lines.append(f"row     {row.name}  ({row.module_path})")
+    lines.append(f"source  {comp.label(source)}" + ("  (base)" if source == comp.base else ""))
+    if row.tied:
+        lines.append(f"tied to {tied_partner(comp.base_checkpoint, row)}: no weights of its own")
+        return lines
+    lines += [f"tied    {alias} = {target}: it comes with row {partner}"
+              for alias, target, partner in tied_members(comp.base_checkpoint, row)]
+    numel = sum(math.prod(_shapes(comp)[p]) for p in row.params)
+    lines.append(f"params  {len(row.params)} tensors, {numel:,} elements")
+    lines.append(f"state   {size(numel * 12)} of fp32 + Adam moments")
+    block = row_block(health, comp.checkpoints, row.name, column, metric)
+    return lines + ([""] + block if block else [])
+
+
+def _shapes(comp: Composition) -> dict:
+    """Every parameter's shape in the base (trained and frozen)."""
+    shapes = dict(p for g in comp.base_checkpoint.layout.groups for p in g)
+    shapes.update(dict(comp.base_checkpoint.layout.frozen))
+    return shapes
+
+
 def details_lines(comp: Composition, health: Health | None, row_name: str, column: int | None, *, metric: str,
                   computing: str | None, problems: tuple = (), outputs: tuple = (),
-                  show: Callable[[Path], str] = str) -> list[str]:
+                  show: Callable[[Path], str] = str, stack: tuple[str, list[str]] | None = None) -> list[str]:
+    """The details panel: the checkpoint under the cursor, then its row (or, on a folded stack's
+    header, `stack`: its name and rows), then the checkpoint's files and the scan's notices."""
     row = comp.base_checkpoint.row(row_name)
     lines = []
     if column is not None:
@@ -138,23 +179,10 @@ def details_lines(comp: Composition, health: Health | None, row_name: str, colum
             lines.append(f"✗ cannot be combined with the base: {reason}")
         elif warning := comp.other_run(column):
             lines.append(f"! {warning}; make sure it is the same training run")
-    if not row.tied:
-        lines += cell_block(health, row.name, column, computing, metric)
-    source = comp.source_of(row.name)
-    lines.append(f"row     {row.name}  ({row.module_path})")
-    lines.append(f"source  {comp.label(source)}" + ("  (base)" if source == comp.base else ""))
-    if row.tied:
-        lines.append(f"tied to {tied_partner(comp.base_checkpoint, row)}: no weights of its own")
+    if stack is not None:
+        lines += stack_block(comp, *stack)
     else:
-        lines += [f"tied    {alias} = {target}: it comes with row {partner}"
-                  for alias, target, partner in tied_members(comp.base_checkpoint, row)]
-        shapes = dict(p for g in comp.base_checkpoint.layout.groups for p in g)
-        shapes.update(dict(comp.base_checkpoint.layout.frozen))
-        numel = sum(math.prod(shapes[p]) for p in row.params)
-        lines.append(f"params  {len(row.params)} tensors, {numel:,} elements")
-        lines.append(f"state   {size(numel * 12)} of fp32 + Adam moments")
-        block = row_block(health, comp.checkpoints, row.name, column, metric)
-        lines += [""] + block if block else []
+        lines += _row_lines(comp, health, row, column, metric=metric, computing=computing)
     if column is not None:
         c = comp.checkpoints[column]
         kind = {"hf": "HF Trainer", "accelerate": "Accelerate save_state"}.get(c.kind, "DeepSpeed save_dir")

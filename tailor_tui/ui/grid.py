@@ -143,10 +143,15 @@ class CheckpointGrid(ScrollView, can_focus=True):
     def block_rows(self) -> list[str]:
         """The rows a pick takes at once: the selection's, or those of the folded stack under the
         cursor; [] for a pick of one row."""
+        folded = self.folded_stack()
+        return folded[1] if self.selection is None and folded is not None else self.selected_rows()
+
+    def folded_stack(self) -> tuple[str, list[str]] | None:
+        """(name, rows) of the folded stack whose header the cursor is on, or None."""
         folded = self._layout.folded_at(self._cursor.row)
-        if self.selection is None and folded is not None and self.composition is not None:
-            return [r.name for r in self.composition.rows[folded.first: folded.last + 1]]
-        return self.selected_rows()
+        if folded is None or self.composition is None:
+            return None
+        return folded.name, [r.name for r in self.composition.rows[folded.first: folded.last + 1]]
 
     def group_under_cursor(self) -> RowGroup | None:
         """The stack the cursor's row is in (None in a model of one stack)."""
