@@ -134,11 +134,14 @@ def test_missing_and_truncated_rank_files(real_run, tmp_path):
     assert not (tmp_path / "composed").exists()
 
 
-def test_usage_errors():
-    result = tailor()
-    assert result.returncode == 2 and "usage: tailor-tui" in result.stderr
-    result = tailor("--apply", "x.yaml", "--workers", "0")
-    assert result.returncode == 2 and "--workers" in result.stderr and "at least 1" in result.stderr
+def test_usage_errors_are_one_line():
+    """A bad command line is one line as every user error is, never the usage first."""
+    assert_one_line_error(tailor(), 2, "name a RUN_DIR", "--help")
+    assert_one_line_error(tailor("--apply", "x.yaml", "--workers", "0"), 2, "--workers", "at least 1")
+    assert_one_line_error(tailor("--apply", "x.yaml", "--world-size", "0"), 2, "--world-size", "at least 1")
+    assert_one_line_error(tailor("--apply", "x.yaml", "--bogus"), 2, "--bogus")
+    assert_one_line_error(tailor("--stats", "a", "--heal", "b"), 2, "not allowed with")
+    assert "usage: tailor-tui" in tailor("--help").stdout  # asked for: the whole usage
     assert_one_line_error(tailor("--apply", "x.yaml"), 3, "x.yaml: no such recipe file")
 
 

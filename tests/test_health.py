@@ -366,3 +366,22 @@ def test_each_ranks_elements_per_row_are_its_slots_real_elements(real_run, name)
                     counts[owner[s.name]] = counts.get(owner[s.name], 0) + s.valid(rank)
             want.append(counts)
         assert row_elements(ckpt, owner, {}) == want and any(want)
+
+
+def test_heal_never_replaces_a_recipe_a_person_wrote(real_run, tmp_path):
+    """--heal --recipe of a recipe a person wrote or edited is refused in one line before any statistic
+    is computed (--force replaces it); one tailor-tui wrote and nobody changed is written again; a
+    folder given as --recipe is named as such."""
+    run, spec = real_run("ds_blown_up")
+    hand = tmp_path / "hand.yaml"
+    hand.write_text("# my notes\nbase: x\noutput: mine\n")
+    refused = tailor("--heal", run, "--recipe", hand)
+    assert_one_line_error(refused, 6, str(hand), "--force")
+    assert "statistics" not in refused.stderr  # refused before any was computed
+    assert hand.read_text() == "# my notes\nbase: x\noutput: mine\n"
+    assert tailor("--heal", run, "--recipe", hand, "--force").returncode == 0
+    assert "# my notes" not in hand.read_text()
+    assert tailor("--heal", run, "--recipe", hand).returncode == 0  # as tailor-tui wrote it: again
+    hand.write_text(hand.read_text() + "# edited\n")
+    assert_one_line_error(tailor("--heal", run, "--recipe", hand), 6, str(hand))
+    assert_one_line_error(tailor("--heal", run, "--recipe", tmp_path), 2, "is a folder", "heal.yaml")

@@ -52,8 +52,15 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, whose errors are one line as every user error is (not the usage, then the error)."""
+
+    def error(self, message: str):  # type: ignore[override]  # argparse's own signature, NoReturn
+        self.exit(ExitCode.USAGE, f"error: {shown(message)} ({self.prog} --help lists every option)\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _OneLineParser(
         prog="tailor-tui",
         description="Compose DeepSpeed ZeRO-3 checkpoints layer by layer.",
         epilog=exit_codes_help(),

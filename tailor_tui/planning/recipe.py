@@ -23,6 +23,7 @@ import yaml
 
 from tailor_tui.checkpoints.side_files import read_small
 from tailor_tui.errors import RecipeError
+from tailor_tui.fileio import create
 
 # A recipe names one line per row: bounded before PyYAML composes it (a node costs it about
 # 500 bytes and 30 µs): its bytes by the side files' bound (1 MiB, `$TAILOR_TUI_MAX_SIDE_FILE`),
@@ -75,11 +76,15 @@ class Recipe:
         path = Path(path)
         text = HEADER + self.to_yaml(relative_to=path.parent)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        made = False
         try:
-            tmp.write_text(text)
+            with open(create(tmp), "w") as f:  # new, never through a link left at its name
+                made = True
+                f.write(text)
             os.replace(tmp, path)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
+            if made:
+                tmp.unlink(missing_ok=True)
             raise RecipeError(f"{path}: cannot write the recipe ({exc.strerror})") from None
         self.source_file = path
         return path
@@ -215,3 +220,14 @@ def load_recipe(path: str | Path) -> Recipe:
     recipe = parse_recipe(text, source=str(path), folder=path.parent)
     recipe.source_file = path
     return recipe
+
+
+def as_tailor_wrote_it(path: Path) -> bool:
+    """Whether the file at `path` is a recipe exactly as tailor-tui saves one (its header, its keys,
+    nothing a person added or changed since): one that may be written again without asking."""
+    try:
+        text = read_small(path).decode()
+        recipe = parse_recipe(text, source=str(path), folder=path.parent)
+    except (OSError, ValueError, UnicodeDecodeError, RecipeError):
+        return False
+    return not path.is_symlink() and text == HEADER + recipe.to_yaml(relative_to=path.parent)
