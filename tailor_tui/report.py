@@ -175,7 +175,7 @@ class BarReporter:
     taller than the terminal (it could not go back above its top) and no line is wider (a wrapped
     line would take two rows)."""
 
-    WIDTH = 30
+    WIDTH, MIN_BAR = 30, 8  # a bar's cells: at most, and at least on a narrow terminal
 
     def __init__(self, out: TextIO = sys.stderr, refresh: float = 0.1, tasks=(), unit: str = "written", *,
                  clock: Callable[[], float] = time.monotonic,
@@ -188,6 +188,7 @@ class BarReporter:
         self._drawn = 0
         self._last = float("-inf")
         self._started = clock()
+        self._columns = 80  # the terminal's, as of the last draw
 
     def __call__(self, event) -> None:
         name = self.tally.add(event)
@@ -200,11 +201,14 @@ class BarReporter:
             self._last = now
             self.draw()
 
-    def _line(self, label: str, done: int, total: int, width: int) -> str:
+    def _line(self, label: str, done: int, total: int, width: int, suffix: str = "") -> str:
+        """`label ████░░ 41%  1.2 GiB/2.9 GiB{suffix}`, its bar narrowed (down to MIN_BAR) to fit the
+        terminal's columns."""
         fraction = min(1.0, done / total) if total else 1.0
-        filled = int(fraction * self.WIDTH)
-        bar = "█" * filled + "░" * (self.WIDTH - filled)
-        return f"{label:<{width}} {bar} {fraction:>4.0%}  {size(done)}/{size(total)}"
+        text = f" {fraction:>4.0%}  {size(done)}/{size(total)}{suffix}"
+        bar_width = max(self.MIN_BAR, min(self.WIDTH, self._columns - 2 - width - len(text)))
+        filled = int(fraction * bar_width)
+        return f"{label:<{width}} {'█' * filled}{'░' * (bar_width - filled)}{text}"
 
     def _speed(self) -> str:
         rate, eta = throughput(self.tally.bytes_done, self.tally.bytes_total, self.clock() - self._started)
@@ -212,8 +216,8 @@ class BarReporter:
 
     def _total(self, width: int, speed: bool = True) -> str:
         t = self.tally
-        return (self._line("total", t.bytes_done, t.bytes_total, width) + f" {self.unit}"
-                + (f"  {self._speed()}" if speed else ""))
+        return self._line("total", t.bytes_done, t.bytes_total, width,
+                          f" {self.unit}" + (f"  {self._speed()}" if speed else ""))
 
     def _few(self) -> list[str]:
         """Today's block for a handful of tasks: every task's bar, then the total."""
@@ -235,18 +239,19 @@ class BarReporter:
             lines.append(f"… {t.finished} done, " + (f"{more} more in progress, " if more else "")
                          + f"{t.waiting} waiting  {self._speed()}")
             lines.append(self._total(width, speed=False))
-        return [line[:max(1, columns - 1)] for line in lines]
+        return lines
 
     def draw(self) -> None:
         if not self.tally.totals:
             return
-        if len(self.tally.totals) <= FEW:
-            lines, clear = self._few(), ""
-        else:
-            columns, rows = self.terminal()
-            lines, clear = self._many(columns, rows), "\x1b[J"  # the block shrinks: what was below it goes
+        columns, rows = self.terminal()
+        self._columns = columns
+        lines = self._few() if len(self.tally.totals) <= FEW else self._many(columns, rows)
+        # no line as wide as the terminal (a wrapped line takes two rows: the next redraw would go up too
+        # few and leave stale lines); what was below a shrunk block goes
+        lines = [shown(line)[:max(1, columns - 1)] for line in lines]
         up = f"\x1b[{self._drawn}F" if self._drawn else ""
-        self.out.write(up + "".join(f"\x1b[2K{shown(line)}\n" for line in lines) + clear)
+        self.out.write(up + "".join(f"\x1b[2K{line}\n" for line in lines) + "\x1b[J")
         self.out.flush()
         self._drawn = len(lines)
 

@@ -385,3 +385,18 @@ def test_heal_never_replaces_a_recipe_a_person_wrote(real_run, tmp_path):
     hand.write_text(hand.read_text() + "# edited\n")
     assert_one_line_error(tailor("--heal", run, "--recipe", hand), 6, str(hand))
     assert_one_line_error(tailor("--heal", run, "--recipe", tmp_path), 2, "is a folder", "heal.yaml")
+
+
+def test_stats_check_exits_8_on_an_unhealthy_cell_for_scripts(real_run, tmp_path):
+    """--stats --check: the table, then one error line naming the unhealthy cells and what heals
+    them, exit 8; a healthy run exits 0; --check without --stats is a usage error."""
+    blown, _spec = real_run("ds_blown_up")
+    checked = tailor("--stats", blown, "--check")
+    assert checked.returncode == 8, checked.stderr
+    assert "row" in checked.stdout  # the table is printed as without --check
+    error = [line for line in checked.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and f"{BLOWN} in global_step6" in error[0] and "--heal" in error[0]
+    assert tailor("--stats", blown).returncode == 0  # without --check: a report, exit 0
+    healthy, _spec = real_run("hf_bf16_2")
+    assert tailor("--stats", healthy, "--check").returncode == 0
+    assert_one_line_error(tailor("--apply", tmp_path / "r.yaml", "--check"), 2, "--check")

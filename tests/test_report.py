@@ -71,13 +71,30 @@ def test_few_tasks_print_each_task_lines_as_before():
 
 def test_few_tasks_draw_a_bar_each_and_the_total():
     out = io.StringIO()
-    bars = BarReporter(out, tasks=tasks(FEW), clock=Clock(), terminal=lambda: terminal_size((80, 5)))
+    bars = BarReporter(out, tasks=tasks(FEW), clock=Clock(), terminal=lambda: terminal_size((200, 5)))
     feed(bars, events(tasks(FEW)))
     bars.close()
     frames = parse(out.getvalue())
     assert all(len(lines) == FEW + 1 for _up, lines in frames)  # every task's bar, as before: whatever the height
     assert frames[-1][1][0].startswith("rank 0 ██████████████████████████████ 100%  8.5 KiB/8.5 KiB")
     assert frames[-1][1][-1].startswith(f"total  {'█' * 30} 100%  68.0 KiB/68.0 KiB written")
+
+
+def test_few_bars_at_80_columns_never_wrap_and_keep_the_total_whole():
+    """At 80 columns the bars narrow so that no line wraps (a wrapped line would make the next redraw
+    go up one row too few and leave a stale line): every rank's label, the total with its speed and ETA."""
+    out = io.StringIO()
+    bars = BarReporter(out, tasks=tasks(FEW), clock=Clock(0.5), terminal=lambda: terminal_size((80, 24)))
+    feed(bars, events(tasks(FEW)))
+    bars.close()
+    frames = parse(out.getvalue())
+    drawn = 0
+    for up, lines in frames:
+        assert up == drawn and all(len(line) < 80 for line in lines)
+        drawn = len(lines)
+    last = frames[-1][1]
+    assert [line.split(" █")[0] for line in last[:-1]] == [f"rank {i}" for i in range(FEW)]
+    assert re.fullmatch(r"total  █+ 100%  68.0 KiB/68.0 KiB written  [\d.]+ \w+/s  ETA \d+s", last[-1])
 
 
 # --- many tasks: logs ------------------------------------------------------------------------------

@@ -65,6 +65,12 @@ def stats_command(args, slow_down: float = 0.0) -> int:
         print(json.dumps(health.to_json(), indent=1))
     else:
         print("\n".join(map(shown, table(health))))
+    bad = [(row, health.checkpoints[i].name) for (row, i), cell in health.cells.items() if not cell.healthy]
+    if args.check and bad:
+        listed = ", ".join(f"{row} in {name}" for row, name in bad[:3]) + (" …" if len(bad) > 3 else "")
+        print(shown(f"error: {len(bad)} unhealthy cell(s) ({listed}); tailor-tui --heal {args.stats} "
+                    "--recipe fix.yaml writes the recipe that takes each row where it is healthy"), file=sys.stderr)
+        return ExitCode.NONFINITE
     return ExitCode.OK
 
 

@@ -55,7 +55,7 @@ def _positive_seconds(text: str) -> float:
 class _OneLineParser(argparse.ArgumentParser):
     """argparse, whose errors are one line as every user error is (not the usage, then the error)."""
 
-    def error(self, message: str):  # type: ignore[override]  # argparse's own signature, NoReturn
+    def error(self, message: str):  # argparse calls it and expects it not to return (exit does not)
         self.exit(ExitCode.USAGE, f"error: {shown(message)} ({self.prog} --help lists every option)\n")
 
 
@@ -124,6 +124,10 @@ def parser() -> argparse.ArgumentParser:
                    help="in a job of several processes: how long one may stay silent (killed, hung, node "
                         "lost) before the whole job fails (default 60)")
     p.add_argument("--json", action="store_true", help="with --stats: print JSON instead of a table")
+    p.add_argument("--check", action="store_true",
+                   help="with --stats: exit 8 when any cell is unhealthy (NaN/Inf, CRC failure), for scripts")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="with --verify: every difference of a failing row (default: its first and a count)")
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="with --apply: compose even if the output would hold NaN/Inf values")
     p.add_argument("--report-peak-rss", action="store_true",
@@ -221,8 +225,11 @@ def verify(args) -> int:
         source = plan.sources[plan.picks[row.name]].name
         problems = report.problems.get(row.name)
         status = "FAIL" if problems else "ok"
-        print(shown(f"{status:<4}  {row.name:<{width}}  {source}" + (f": {problems[0]}" if problems else "")))
-        for extra in (problems or [])[1:]:
+        more = len(problems or ()) - 1
+        told = f": {problems[0]}" + (f" (and {more} more: -v lists them)" if more and not args.verbose else "") \
+            if problems else ""
+        print(shown(f"{status:<4}  {row.name:<{width}}  {source}{told}"))  # one line a row
+        for extra in (problems or [])[1:] if args.verbose else ():
             print(shown(f"{'':<4}  {'':<{width}}  {extra}"))
     for problem in report.other:
         print(shown(f"FAIL  {problem}"))
@@ -344,8 +351,10 @@ def main(argv: list[str] | None = None) -> int:
                            "--apply, --verify, --stats, --heal, --make-demo or --demo")
     elif args.run_dir is None:
         parser().error("name a RUN_DIR to open, or use --demo, --apply RECIPE, --stats RUN_DIR or --make-demo DIR")
-    if args.json and not args.stats:
-        parser().error("--json goes with --stats")
+    if (args.json or args.check) and not args.stats:
+        parser().error("--json and --check go with --stats")
+    if args.verbose and not args.verify:
+        parser().error("--verbose goes with --verify")
     if (args.to or args.dtype or args.config) and not args.export:
         parser().error("--to, --dtype and --config go with --export")
     if args.world_size and not (args.apply or args.verify):
