@@ -81,14 +81,15 @@ def model_config(spec):
                               max_position_embeddings=MAX_POSITIONS)
         return tf.LlavaConfig(vision_config=vision, text_config=text, image_token_index=spec.vocab - 1,
                               tie_word_embeddings=spec.tied)
-    if spec.arch in ("qwen2_vl", "qwen2_5_vl"):  # a ViT of 2 blocks and a patch merger, then a Qwen2
+    if spec.arch in ("qwen2_vl", "qwen2_5_vl"):  # a ViT (2 blocks) and a patch merger, then a Qwen2
         half = spec.hidden // HEADS // 2  # multimodal RoPE: the head's frequencies split in (t, h, w)
         text = dict(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=inter,
                     num_hidden_layers=spec.layers, num_attention_heads=HEADS, num_key_value_heads=2,
                     max_position_embeddings=MAX_POSITIONS, bos_token_id=None, eos_token_id=None,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                      "mrope_section": [half - 2 * (half // 4), half // 4, half // 4]})
-        vision = dict(depth=2, num_heads=HEADS, patch_size=QWEN_PATCH, temporal_patch_size=QWEN_FRAMES,
+        depth = spec.vision_layers or 2
+        vision = dict(depth=depth, num_heads=HEADS, patch_size=QWEN_PATCH, temporal_patch_size=QWEN_FRAMES,
                       spatial_merge_size=QWEN_MERGE)
         ids = dict(image_token_id=spec.vocab - 1, video_token_id=spec.vocab - 2,
                    vision_start_token_id=spec.vocab - 3, vision_end_token_id=spec.vocab - 4,
@@ -98,11 +99,12 @@ def model_config(spec):
             return tf.Qwen2VLConfig(vision_config=vision, text_config=text, **ids)
         # Qwen2.5-VL: gated MLPs, RMS norms, windowed attention but in its last block (full)
         vision.update(hidden_size=spec.hidden, out_hidden_size=spec.hidden, intermediate_size=inter,
-                      window_size=2 * QWEN_PATCH * QWEN_MERGE, fullatt_block_indexes=[1])
+                      window_size=2 * QWEN_PATCH * QWEN_MERGE, fullatt_block_indexes=[depth - 1])
         return tf.Qwen2_5_VLConfig(vision_config=vision, text_config=text, **ids)
-    if spec.arch == "mllama":  # a tiled ViT (2 local, 2 gated global blocks), a projector, a Llama whose
+    if spec.arch == "mllama":  # a tiled ViT (2 local and 2 gated global blocks), a projector, a Llama whose
         # second layer is a cross-attention layer reading the image
-        vision = tf.MllamaVisionConfig(hidden_size=spec.hidden, num_hidden_layers=2, num_global_layers=2,
+        vision = tf.MllamaVisionConfig(hidden_size=spec.hidden, num_hidden_layers=spec.vision_layers or 2,
+                                       num_global_layers=spec.vision_layers or 2,
                                        attention_heads=HEADS, intermediate_size=inter,
                                        vision_output_dim=2 * spec.hidden, intermediate_layers_indices=[0],
                                        image_size=MLLAMA_IMAGE, patch_size=4, max_num_tiles=1,
