@@ -128,6 +128,13 @@ RUNS = {
     # (pinned: the losses in its headers are the same on every CPU)
     "hf_llava_deep": RunSpec(arch="llava", dtype="fp32", layers=28, vision_layers=24, hidden=16, steps=4,
                              save_every=2, pinned=True),
+    # Qwen2-VL and Qwen2.5-VL (a ViT of 2 blocks and a patch merger before a Qwen2; images as their
+    # processor flattens them, `image_grid_thw`, M-RoPE) and Mllama (a tiled ViT with local and gated
+    # global blocks, a projector, and a Llama whose layers.1 is a cross-attention layer), in bf16: the
+    # runs make a model of sub-models whole inside zero.Init (runs.models.base_model)
+    "hf_qwen2_vl": RunSpec(arch="qwen2_vl", layers=3, steps=4, save_every=2),
+    "hf_qwen2_5_vl": RunSpec(arch="qwen2_5_vl", layers=3, steps=4, save_every=2),
+    "hf_mllama": RunSpec(arch="mllama", layers=3, steps=4, save_every=2),
     "hf_peft_lora": RunSpec(peft=True, layers=3, steps=4, save_every=2),
     "hf_sharded_safetensors": RunSpec(max_shard_size="20KB", layers=3, steps=4, save_every=2),
     "hf_bin": RunSpec(save_safetensors=False, layers=3, steps=4, save_every=2),

@@ -2,8 +2,10 @@
 
 Real runs under the HF Trainer with ZeRO-3 (tiny configs, random weights): OPT, BERT (masked LM),
 T5 (encoder-decoder), GPT-NeoX, BEiT (a vision encoder whose blocks hold their layer-scale factors
-themselves, saved under transformers 5's conversion-mapping names), Llava (a vision-language model:
-rows of its vision tower and of its language model picked from two checkpoints each), a PEFT LoRA Llama (its adapter in safetensors and with torch.save),
+themselves, saved under transformers 5's conversion-mapping names), the vision-language models Llava,
+Qwen2-VL, Qwen2.5-VL and Mllama (rows of the vision stack and of the language model picked from two
+checkpoints each; Mllama's vision encoder holds two block lists, its language model a cross-attention
+layer among its layers), a PEFT LoRA Llama (its adapter in safetensors and with torch.save),
 sharded safetensors, and transformers 4.x's pytorch_model.bin (one file, sharded, tied). For each:
 the rows the model's own structure gives; a per-layer recipe taking rows from two checkpoints,
 applied through the real CLI; every parameter and Adam moment (DeepSpeed's zero_to_fp32 reader)
@@ -28,6 +30,11 @@ from zero_reader import read_full_state
 
 from tailor_tui.checkpoints.checkpoint import open_checkpoint
 from tailor_tui.runs.demo_run import resume_and_step
+
+QWEN2_VL_ROWS = [(r"(?:model\.)?visual\.blocks\.(\d+)\.", r"vision.blocks.\1"),
+                 (r"(?:model\.)?visual\.(\w+)\.", r"vision.\1"),
+                 (r"model\.(?:language_model\.)?layers\.(\d+)\.", r"layers.\1"),
+                 (r"model\.(?:language_model\.)?(\w+)\.", r"\1"), (r"lm_head\.", "lm_head")]
 
 # Each architecture's rows, and the row of a parameter or weight-file tensor by this test's own
 # rules (regular expressions over the names transformers gives; independent of tailor_tui.checkpoints.rows)
@@ -70,6 +77,35 @@ ARCHS = {
          "multi_modal_projector", "embed_tokens", "layers.0", "layers.1", "layers.2", "norm", "lm_head"],
         [(r"(?:model\.)?vision_tower\.encoder\.layers\.(\d+)\.", r"vision.layers.\1"),
          (r"(?:model\.)?vision_tower\.(\w+)\.", r"vision.\1"),
+         (r"(?:model\.)?multi_modal_projector\.", "multi_modal_projector"),
+         (r"(?:model\.language_model|language_model\.model)\.layers\.(\d+)\.", r"layers.\1"),
+         (r"(?:model\.language_model|language_model\.model)\.(\w+)\.", r"\1"),
+         (r"(?:language_model\.)?lm_head\.", "lm_head")],
+    ),
+    # parameters `model.visual.…` and `model.language_model.…`, `lm_head`; saved as `visual.…` and
+    # `model.layers.N.…`, `model.embed_tokens`, `model.norm` (transformers 5's conversion mapping)
+    "hf_qwen2_vl": (
+        ["vision.patch_embed", "vision.blocks.0", "vision.blocks.1", "vision.merger", "embed_tokens", "layers.0",
+         "layers.1", "layers.2", "norm", "lm_head"],
+        QWEN2_VL_ROWS,
+    ),
+    "hf_qwen2_5_vl": (
+        ["vision.patch_embed", "vision.blocks.0", "vision.blocks.1", "vision.merger", "embed_tokens", "layers.0",
+         "layers.1", "layers.2", "norm", "lm_head"],
+        QWEN2_VL_ROWS,
+    ),
+    # parameters `model.vision_model.…` (two block lists, `transformer.layers` and `global_transformer.layers`,
+    # and tensors of its own: `class_embedding`), `model.language_model.…` (layers.1 a cross-attention layer),
+    # `model.multi_modal_projector`, `lm_head`; saved as `vision_model.…`, `language_model.model.…`,
+    # `multi_modal_projector.…` and `language_model.lm_head`
+    "hf_mllama": (
+        ["vision.class_embedding", "vision.patch_embedding", "vision.gated_positional_embedding",
+         "vision.pre_tile_positional_embedding", "vision.post_tile_positional_embedding", "vision.layernorm_pre",
+         "vision.layernorm_post", "vision.transformer.layers.0", "vision.transformer.layers.1",
+         "vision.global_transformer.layers.0", "vision.global_transformer.layers.1", "embed_tokens", "layers.0",
+         "layers.1", "layers.2", "norm", "multi_modal_projector", "lm_head"],
+        [(r"(?:model\.)?vision_model\.((?:global_)?transformer)\.layers\.(\d+)\.", r"vision.\1.layers.\2"),
+         (r"(?:model\.)?vision_model\.(\w+)(?:\.|$)", r"vision.\1"),
          (r"(?:model\.)?multi_modal_projector\.", "multi_modal_projector"),
          (r"(?:model\.language_model|language_model\.model)\.layers\.(\d+)\.", r"layers.\1"),
          (r"(?:model\.language_model|language_model\.model)\.(\w+)\.", r"\1"),

@@ -2,8 +2,9 @@
 
 Every model is tiny and built from its config with random weights (nothing is downloaded):
 Llama (with the frozen / buffer / tied variants of RunSpec), OPT, BERT (masked LM), T5,
-GPT-NeoX and BEiT (a vision encoder classifying 16x16 images, each block holding its layer-scale
-factors itself), optionally wrapped with a PEFT LoRA adapter. `RunTrainer` is the HF Trainer of the
+GPT-NeoX, BEiT (a vision encoder classifying 16x16 images, each block holding its layer-scale
+factors itself) and the vision-language models Llava, Qwen2-VL, Qwen2.5-VL and Mllama (tiny images
+beside image tokens), optionally wrapped with a PEFT LoRA adapter. `RunTrainer` is the HF Trainer of the
 HF-layout runs: it writes the model file as the spec says, sharded (`max_shard_size`) and/or as
 `pytorch_model.bin` the way transformers 4.x did with `save_safetensors=False`.
 
@@ -21,11 +22,18 @@ if TYPE_CHECKING:  # for annotations only (see above)
     import torch
     from transformers import PreTrainedModel
 
-ARCHS = ("llama", "opt", "bert", "t5", "gpt_neox", "beit", "llava")
+ARCHS = ("llama", "opt", "bert", "t5", "gpt_neox", "beit", "llava", "qwen2_vl", "qwen2_5_vl", "mllama")
 HEADS = 4
 MAX_POSITIONS = 64
 IMAGE, LABELS = 16, 4  # the vision models': 16x16 images, 4 classes
 IMAGE_TOKENS = (IMAGE // 4) ** 2  # a Llava's image tokens: one per 4x4 patch (its CLS dropped)
+# Qwen2-VL / Qwen2.5-VL: 4x4 patches of 2 frames (a still image repeated, as their processor does),
+# merged 2x2 into one image token: a 16x16 image is a 1x4x4 grid of 16 patches and 4 image tokens
+QWEN_PATCH, QWEN_FRAMES, QWEN_MERGE = 4, 2, 2
+QWEN_GRID = (1, IMAGE // QWEN_PATCH, IMAGE // QWEN_PATCH)
+QWEN_IMAGE_TOKENS = QWEN_GRID[1] * QWEN_GRID[2] // QWEN_MERGE**2
+MLLAMA_IMAGE = 8  # Mllama: one 8x8 tile per image (4 patches and a CLS), read by cross-attention
+VISION_LMS = ("llava", "qwen2_vl", "qwen2_5_vl", "mllama")
 
 
 def model_config(spec):
@@ -73,6 +81,39 @@ def model_config(spec):
                               max_position_embeddings=MAX_POSITIONS)
         return tf.LlavaConfig(vision_config=vision, text_config=text, image_token_index=spec.vocab - 1,
                               tie_word_embeddings=spec.tied)
+    if spec.arch in ("qwen2_vl", "qwen2_5_vl"):  # a ViT (2 blocks) and a patch merger, then a Qwen2
+        half = spec.hidden // HEADS // 2  # multimodal RoPE: the head's frequencies split in (t, h, w)
+        text = dict(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=inter,
+                    num_hidden_layers=spec.layers, num_attention_heads=HEADS, num_key_value_heads=2,
+                    max_position_embeddings=MAX_POSITIONS, bos_token_id=None, eos_token_id=None,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                     "mrope_section": [half - 2 * (half // 4), half // 4, half // 4]})
+        depth = spec.vision_layers or 2
+        vision = dict(depth=depth, num_heads=HEADS, patch_size=QWEN_PATCH, temporal_patch_size=QWEN_FRAMES,
+                      spatial_merge_size=QWEN_MERGE)
+        ids = dict(image_token_id=spec.vocab - 1, video_token_id=spec.vocab - 2,
+                   vision_start_token_id=spec.vocab - 3, vision_end_token_id=spec.vocab - 4,
+                   tie_word_embeddings=spec.tied)
+        if spec.arch == "qwen2_vl":
+            vision.update(embed_dim=spec.hidden, hidden_size=spec.hidden, mlp_ratio=2)
+            return tf.Qwen2VLConfig(vision_config=vision, text_config=text, **ids)
+        # Qwen2.5-VL: gated MLPs, RMS norms, windowed attention but in its last block (full)
+        vision.update(hidden_size=spec.hidden, out_hidden_size=spec.hidden, intermediate_size=inter,
+                      window_size=2 * QWEN_PATCH * QWEN_MERGE, fullatt_block_indexes=[depth - 1])
+        return tf.Qwen2_5_VLConfig(vision_config=vision, text_config=text, **ids)
+    if spec.arch == "mllama":  # a tiled ViT (2 local and 2 gated global blocks), a projector, a Llama whose
+        # second layer is a cross-attention layer reading the image
+        vision = tf.MllamaVisionConfig(hidden_size=spec.hidden, num_hidden_layers=spec.vision_layers or 2,
+                                       num_global_layers=spec.vision_layers or 2,
+                                       attention_heads=HEADS, intermediate_size=inter,
+                                       vision_output_dim=2 * spec.hidden, intermediate_layers_indices=[0],
+                                       image_size=MLLAMA_IMAGE, patch_size=4, max_num_tiles=1,
+                                       supported_aspect_ratios=[[1, 1]])
+        text = tf.MllamaTextConfig(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=inter,
+                                   num_hidden_layers=spec.layers, num_attention_heads=HEADS, num_key_value_heads=2,
+                                   max_position_embeddings=MAX_POSITIONS, cross_attention_layers=[1],
+                                   bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=spec.tied)
+        return tf.MllamaConfig(vision_config=vision, text_config=text, image_token_index=spec.vocab - 1)
     raise ValueError(f"unknown arch {spec.arch!r}: one of {', '.join(ARCHS)}")
 
 
@@ -83,9 +124,19 @@ def base_model(spec):
 
     cls = {"llama": tf.LlamaForCausalLM, "opt": tf.OPTForCausalLM, "bert": tf.BertForMaskedLM,
            "t5": tf.T5ForConditionalGeneration, "gpt_neox": tf.GPTNeoXForCausalLM,
-           "beit": tf.BeitForImageClassification, "llava": tf.LlavaForConditionalGeneration}[spec.arch]
+           "beit": tf.BeitForImageClassification, "llava": tf.LlavaForConditionalGeneration,
+           "qwen2_vl": tf.Qwen2VLForConditionalGeneration, "qwen2_5_vl": tf.Qwen2_5_VLForConditionalGeneration,
+           "mllama": tf.MllamaForConditionalGeneration}[spec.arch]
     torch.manual_seed(spec.seed)
-    model = cls(model_config(spec))
+    config = model_config(spec)
+    # A model of sub-models (a vision-language model: its vision tower, its language model) is made
+    # as transformers makes one from a config, `_from_config`: under ZeRO-3 the whole model then is
+    # made inside zero.Init, as from_pretrained makes it. Made by its class alone, transformers still
+    # makes the sub-models inside zero.Init (their `_from_config`), in the training dtype and
+    # partitioned, but not the parameters of the model itself (lm_head, a projector), left in fp32:
+    # DeepSpeed then takes the model for one made by zero.Init, casts nothing, and its ZeRO-3
+    # optimizer finds two dtypes in one parameter group (`defragment`'s assertion) under bf16.
+    model = cls._from_config(config) if config.sub_configs else cls(config)
     for name, p in model.named_parameters():
         if name in spec.frozen:
             p.requires_grad_(False)
@@ -150,18 +201,70 @@ def batch_inputs(spec, ids):
         pixels, labels = torch.stack(images), rows[:, 0] % LABELS
         return ({"pixel_values": pixels[0], "labels": labels[0]} if ids.dim() == 1
                 else {"pixel_values": pixels, "labels": labels})
-    if spec.arch == "llava":  # 16 image tokens, then the text; the loss on the text alone
-        import torch
-
-        rows = ids.reshape(-1, ids.shape[-1]) % (spec.vocab - 1)
-        images = torch.stack([torch.randn(3, IMAGE, IMAGE, generator=torch.Generator().manual_seed(int(r.sum())))
-                              for r in rows])
-        tokens = torch.cat([torch.full((rows.shape[0], IMAGE_TOKENS), spec.vocab - 1), rows], dim=1)
-        labels = torch.cat([torch.full((rows.shape[0], IMAGE_TOKENS), -100), rows], dim=1)
-        one = ids.dim() == 1
-        return {"input_ids": tokens[0] if one else tokens, "labels": labels[0] if one else labels,
-                "pixel_values": images[0] if one else images}
+    if spec.arch in VISION_LMS:
+        return _vision_lm_inputs(spec, ids)
     return {"input_ids": ids, "labels": ids}
+
+
+def _vision_lm_inputs(spec, ids):
+    """A vision-language model's inputs: an image drawn from each row of ids (a seed), its image
+    tokens (id vocab-1) before the text (the ids, less that id); the loss on the text alone.
+    Llava: 16 image tokens, a 16x16 image. Qwen2-VL / Qwen2.5-VL: the image as their processor
+    gives it, its patches flattened (`pixel_values` of the batch's images one after the other, one
+    `image_grid_thw` row each), 4 image tokens marked in `mm_token_type_ids`. Mllama: one image of
+    one 8x8 tile (`aspect_ratio_ids`, `aspect_ratio_mask`), one image token, every token reading
+    the image by cross-attention (`cross_attention_mask`)."""
+    import torch
+
+    rows = ids.reshape(-1, ids.shape[-1]) % (spec.vocab - 1)
+    n = rows.shape[0]
+    side = MLLAMA_IMAGE if spec.arch == "mllama" else IMAGE
+    images = torch.stack([torch.randn(3, side, side, generator=torch.Generator().manual_seed(int(r.sum())))
+                          for r in rows])
+    count = {"llava": IMAGE_TOKENS, "mllama": 1}.get(spec.arch, QWEN_IMAGE_TOKENS)
+    tokens = torch.cat([torch.full((n, count), spec.vocab - 1), rows], dim=1)
+    labels = torch.cat([torch.full((n, count), -100), rows], dim=1)
+    out = {"input_ids": tokens, "labels": labels}
+    if spec.arch == "llava":
+        out["pixel_values"] = images
+    elif spec.arch == "mllama":  # (batch, images, tiles, channels, height, width)
+        out.update(pixel_values=images[:, None, None], aspect_ratio_ids=torch.ones(n, 1, dtype=torch.long),
+                   aspect_ratio_mask=torch.ones(n, 1, 1, dtype=torch.long),
+                   cross_attention_mask=torch.ones(n, tokens.shape[1], 1, 1, dtype=torch.long))
+    else:
+        out.update(mm_token_type_ids=(tokens == spec.vocab - 1).long(), image_grid_thw=torch.tensor([QWEN_GRID] * n))
+    if ids.dim() == 1:
+        out = {k: v[0] for k, v in out.items()}
+    if spec.arch in ("qwen2_vl", "qwen2_5_vl"):  # not per row: every image's patches, one after another
+        out["pixel_values"] = torch.cat([qwen_patches(image) for image in images])
+        if ids.dim() == 1:
+            out["image_grid_thw"] = out["image_grid_thw"][None]
+    return out
+
+
+def qwen_patches(image):
+    """A still image (channels, height, width) as Qwen2-VL's image processor flattens it: repeated
+    to QWEN_FRAMES frames, cut into patches in the order of their 2x2 merge windows, one row each."""
+    (t, h, w), m, p = QWEN_GRID, QWEN_MERGE, QWEN_PATCH
+    frames = image[None].repeat(QWEN_FRAMES, 1, 1, 1)
+    patches = frames.reshape(t, QWEN_FRAMES, image.shape[0], h // m, m, p, w // m, m, p)
+    patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return patches.reshape(t * h * w, image.shape[0] * QWEN_FRAMES * p * p)
+
+
+def collate(spec):
+    """The Trainer's data collator for `spec`: None (transformers' default, stacking each input)
+    but for Qwen2-VL / Qwen2.5-VL, whose image patches and grids are concatenated, as their processor
+    batches them."""
+    if spec.arch not in ("qwen2_vl", "qwen2_5_vl"):
+        return None
+    import torch
+
+    def collate_rows(rows: list[dict]) -> dict:
+        return {k: (torch.cat if k in ("pixel_values", "image_grid_thw") else torch.stack)([r[k] for r in rows])
+                for k in rows[0]}
+
+    return collate_rows
 
 
 def training_batches(spec, count: int, rank: int):
@@ -183,7 +286,8 @@ def trainer_dataset(spec):
 def make_trainer(spec, args, callbacks=(), eval_dataset=None):
     """The HF Trainer (`RunTrainer`) of an HF-layout run of `spec`, on a fresh `build_model`."""
     return run_trainer_class()(model=build_model(spec), args=args, train_dataset=trainer_dataset(spec),
-                               eval_dataset=eval_dataset, callbacks=list(callbacks), run_spec=spec)
+                               eval_dataset=eval_dataset, callbacks=list(callbacks), run_spec=spec,
+                               data_collator=collate(spec))
 
 
 @cache
