@@ -121,9 +121,11 @@ RUNS = {
     # transformers 5 saves `beit.layers.N` as `beit.encoder.layer.N` (its conversion mapping)
     "hf_beit": RunSpec(arch="beit", layers=3, steps=4, save_every=2),
     # a vision-language model (Llava: CLIP vision tower, projector, Llama), saved by transformers 5 under
-    # its legacy names (`language_model.model.layers.N`); fp32 (with bf16 DeepSpeed 0.18's ZeRO-3 init
-    # finds parameters of two dtypes in one partition: to be looked into)
-    "hf_llava": RunSpec(arch="llava", dtype="fp32", layers=3, steps=4, save_every=2),
+    # its legacy names (`language_model.model.layers.N`), in bf16 (the model made whole inside zero.Init:
+    # models.base_model)
+    "hf_llava": RunSpec(arch="llava", layers=3, steps=4, save_every=2),
+    # LLaVA-NeXT: Llava's stacks and its learnt image_newline (a row of its own), images tiled (anyres)
+    "hf_llava_next": RunSpec(arch="llava_next", layers=3, steps=4, save_every=2),
     # a vision-language model of real depth for the grouped grid: 24 vision and 28 language blocks
     # (pinned: the losses in its headers are the same on every CPU)
     "hf_llava_deep": RunSpec(arch="llava", dtype="fp32", layers=28, vision_layers=24, hidden=16, steps=4,

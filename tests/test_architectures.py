@@ -111,6 +111,19 @@ ARCHS = {
          (r"(?:model\.language_model|language_model\.model)\.(\w+)\.", r"\1"),
          (r"(?:language_model\.)?lm_head\.", "lm_head")],
     ),
+    # LLaVA-NeXT: Llava's layout and its learnt image_newline (`model.image_newline`, saved as `image_newline`)
+    "hf_llava_next": (
+        ["image_newline", "vision.embeddings", "vision.pre_layrnorm", "vision.layers.0", "vision.layers.1",
+         "vision.post_layernorm", "multi_modal_projector", "embed_tokens", "layers.0", "layers.1", "layers.2",
+         "norm", "lm_head"],
+        [(r"(?:model\.)?image_newline$", "image_newline"),
+         (r"(?:model\.)?vision_tower\.encoder\.layers\.(\d+)\.", r"vision.layers.\1"),
+         (r"(?:model\.)?vision_tower\.(\w+)\.", r"vision.\1"),
+         (r"(?:model\.)?multi_modal_projector\.", "multi_modal_projector"),
+         (r"(?:model\.language_model|language_model\.model)\.layers\.(\d+)\.", r"layers.\1"),
+         (r"(?:model\.language_model|language_model\.model)\.(\w+)\.", r"\1"),
+         (r"(?:language_model\.)?lm_head\.", "lm_head")],
+    ),
     # the Trainer saves a PEFT model's trainable parameters only: LoRA's and modules_to_save's
     "hf_peft_lora": (
         ["layers.0", "layers.1", "layers.2", "lm_head"],

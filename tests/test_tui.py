@@ -435,9 +435,11 @@ async def test_help_explains_every_mark_and_the_footer_keeps_the_essentials_at_8
         assert any("heal" in c.help.lower() for c in commands)
 
 
-async def test_help_lists_every_binding_and_scrolls_to_the_last_at_80x24(run_copy):
+@pytest.mark.parametrize("size", [(80, 24), (200, 50)], ids=["80x24", "200x50"])
+async def test_help_lists_every_binding_and_scrolls_to_the_last(run_copy, size):
     """The help's keys come from the one table of actions: every key bound on the app, the
-    composer's screen and the grid is in it, and at 80×24 the keyboard scrolls to the last."""
+    composer's screen and the grid is in it; at 80×24 and 200×50 the keyboard scrolls it to its last
+    line, none cut or wrapped, and how to close it is always in view."""
     from textual.containers import VerticalScroll
 
     from tailor_tui.ui.actions import ACTIONS
@@ -445,7 +447,7 @@ async def test_help_lists_every_binding_and_scrolls_to_the_last_at_80x24(run_cop
 
     run, _ckpts = run_copy
     app = make_app(run)
-    async with app.run_test(size=(80, 24)) as pilot:
+    async with app.run_test(size=size) as pilot:
         await scanned(pilot)
         bound = [*app.BINDINGS, *app.home.BINDINGS, *app.home.query_one("#grid").BINDINGS]
         listed = {a.action for a in ACTIONS if a.help} | {a.action for a in ACTIONS}
@@ -458,9 +460,16 @@ async def test_help_lists_every_binding_and_scrolls_to_the_last_at_80x24(run_cop
         title = str(app.home.query_one("#title").render())
         assert title.startswith("tailor-tui · unsaved recipe · base ")  # the recipe first, whole at 80 columns
         scroll = app.screen.query_one(VerticalScroll)
-        assert scroll.max_scroll_y > 0  # 80×24 does not hold it all
+        lines = HELP.splitlines()
+        assert scroll.virtual_size.height == len(lines)  # every line, none cut, none wrapped in two
+        assert scroll.virtual_size.width <= scroll.size.width
+        assert scroll.max_scroll_y > 0 or size != (80, 24)  # 80×24 does not hold it all
+        assert "Esc closes" in str(app.screen.query_one(".dialog-title").render())
         await pilot.press("end")
         await wait_for(pilot, lambda: scroll.scroll_y == scroll.max_scroll_y)
+        assert app.screen.query_one(".dialog-title").region.height == 1  # still in view, above the scroll
+        await pilot.press("home", "pagedown")
+        await wait_for(pilot, lambda: scroll.scroll_y > 0 or scroll.max_scroll_y == 0)
 
 
 

@@ -22,7 +22,8 @@ if TYPE_CHECKING:  # for annotations only (see above)
     import torch
     from transformers import PreTrainedModel
 
-ARCHS = ("llama", "opt", "bert", "t5", "gpt_neox", "beit", "llava", "qwen2_vl", "qwen2_5_vl", "mllama")
+ARCHS = ("llama", "opt", "bert", "t5", "gpt_neox", "beit", "llava", "llava_next", "qwen2_vl", "qwen2_5_vl",
+         "mllama")
 HEADS = 4
 MAX_POSITIONS = 64
 IMAGE, LABELS = 16, 4  # the vision models': 16x16 images, 4 classes
@@ -33,7 +34,10 @@ QWEN_PATCH, QWEN_FRAMES, QWEN_MERGE = 4, 2, 2
 QWEN_GRID = (1, IMAGE // QWEN_PATCH, IMAGE // QWEN_PATCH)
 QWEN_IMAGE_TOKENS = QWEN_GRID[1] * QWEN_GRID[2] // QWEN_MERGE**2
 MLLAMA_IMAGE = 8  # Mllama: one 8x8 tile per image (4 patches and a CLS), read by cross-attention
-VISION_LMS = ("llava", "qwen2_vl", "qwen2_5_vl", "mllama")
+# LLaVA-NeXT: its one grid pinpoint is the image's size, so an image is two 16x16 patches (the image
+# resized, and its one tile): 16 features of the first, 16 of the tile and a newline per tile row
+NEXT_IMAGE_TOKENS = 2 * IMAGE_TOKENS + IMAGE // 4
+VISION_LMS = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "mllama")
 
 
 def model_config(spec):
@@ -72,13 +76,17 @@ def model_config(spec):
                              intermediate_size=inter, num_hidden_layers=spec.layers, num_attention_heads=HEADS,
                              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0,
                              layer_scale_init_value=0.1, use_mean_pooling=True, num_labels=LABELS)
-    if spec.arch == "llava":  # a CLIP vision tower, a projector and a Llama; 16 image tokens per image
+    if spec.arch in ("llava", "llava_next"):  # a CLIP vision tower, a projector and a Llama; 16 image tokens
+        # per image (LLaVA-NeXT: its images tiled, NEXT_IMAGE_TOKENS, a learnt image_newline)
         vision = tf.CLIPVisionConfig(hidden_size=spec.hidden, intermediate_size=inter,
                                      num_hidden_layers=spec.vision_layers or 2,
                                      num_attention_heads=HEADS, image_size=IMAGE, patch_size=4)
         text = tf.LlamaConfig(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=inter,
                               num_hidden_layers=spec.layers, num_attention_heads=HEADS, num_key_value_heads=2,
                               max_position_embeddings=MAX_POSITIONS)
+        if spec.arch == "llava_next":
+            return tf.LlavaNextConfig(vision_config=vision, text_config=text, image_token_index=spec.vocab - 1,
+                                      image_grid_pinpoints=[[IMAGE, IMAGE]], tie_word_embeddings=spec.tied)
         return tf.LlavaConfig(vision_config=vision, text_config=text, image_token_index=spec.vocab - 1,
                               tie_word_embeddings=spec.tied)
     if spec.arch in ("qwen2_vl", "qwen2_5_vl"):  # a ViT (2 blocks) and a patch merger, then a Qwen2
@@ -125,6 +133,7 @@ def base_model(spec):
     cls = {"llama": tf.LlamaForCausalLM, "opt": tf.OPTForCausalLM, "bert": tf.BertForMaskedLM,
            "t5": tf.T5ForConditionalGeneration, "gpt_neox": tf.GPTNeoXForCausalLM,
            "beit": tf.BeitForImageClassification, "llava": tf.LlavaForConditionalGeneration,
+           "llava_next": tf.LlavaNextForConditionalGeneration,
            "qwen2_vl": tf.Qwen2VLForConditionalGeneration, "qwen2_5_vl": tf.Qwen2_5_VLForConditionalGeneration,
            "mllama": tf.MllamaForConditionalGeneration}[spec.arch]
     torch.manual_seed(spec.seed)
@@ -209,7 +218,8 @@ def batch_inputs(spec, ids):
 def _vision_lm_inputs(spec, ids):
     """A vision-language model's inputs: an image drawn from each row of ids (a seed), its image
     tokens (id vocab-1) before the text (the ids, less that id); the loss on the text alone.
-    Llava: 16 image tokens, a 16x16 image. Qwen2-VL / Qwen2.5-VL: the image as their processor
+    Llava: 16 image tokens, a 16x16 image (LLaVA-NeXT: 36, its image twice: resized and its one tile,
+    with `image_sizes`). Qwen2-VL / Qwen2.5-VL: the image as their processor
     gives it, its patches flattened (`pixel_values` of the batch's images one after the other, one
     `image_grid_thw` row each), 4 image tokens marked in `mm_token_type_ids`. Mllama: one image of
     one 8x8 tile (`aspect_ratio_ids`, `aspect_ratio_mask`), one image token, every token reading
@@ -221,12 +231,14 @@ def _vision_lm_inputs(spec, ids):
     side = MLLAMA_IMAGE if spec.arch == "mllama" else IMAGE
     images = torch.stack([torch.randn(3, side, side, generator=torch.Generator().manual_seed(int(r.sum())))
                           for r in rows])
-    count = {"llava": IMAGE_TOKENS, "mllama": 1}.get(spec.arch, QWEN_IMAGE_TOKENS)
+    count = {"llava": IMAGE_TOKENS, "llava_next": NEXT_IMAGE_TOKENS, "mllama": 1}.get(spec.arch, QWEN_IMAGE_TOKENS)
     tokens = torch.cat([torch.full((n, count), spec.vocab - 1), rows], dim=1)
     labels = torch.cat([torch.full((n, count), -100), rows], dim=1)
     out = {"input_ids": tokens, "labels": labels}
     if spec.arch == "llava":
         out["pixel_values"] = images
+    elif spec.arch == "llava_next":  # the image resized and its one tile: the same 16x16 twice
+        out.update(pixel_values=images[:, None].repeat(1, 2, 1, 1, 1), image_sizes=torch.tensor([[side, side]] * n))
     elif spec.arch == "mllama":  # (batch, images, tiles, channels, height, width)
         out.update(pixel_values=images[:, None, None], aspect_ratio_ids=torch.ones(n, 1, dtype=torch.long),
                    aspect_ratio_mask=torch.ones(n, 1, 1, dtype=torch.long),

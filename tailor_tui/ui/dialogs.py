@@ -159,6 +159,7 @@ class ErrorDialog(ModalScreen[None]):
         self.dismiss(None)
 
 
+HELP_WIDTH = 64  # the help's lines: its dialog's width less border, padding and scroll bar (no line wraps)
 HELP = """\
 A row per model row, a column per checkpoint (oldest left).
 
@@ -179,19 +180,23 @@ The base is what the output starts from: every row not picked
 elsewhere, and the optimizer settings, steps, scheduler, RNG
 states and every other file of the checkpoint.
 
-""" + keys_help()
+""" + keys_help(HELP_WIDTH)
 
 
 class HelpScreen(ModalScreen[None]):
-    """What every mark means and the keys by task; Esc closes."""
+    """What every mark means and the keys by task, scrolled by the keyboard (arrows, pgup/pgdn,
+    home/end) at any size, never cut; its title says how to close it, always in view."""
 
     BINDINGS = [Binding("escape,question_mark,f1,q", "close", "Close")]
 
     def compose(self) -> ComposeResult:
-        with VerticalScroll(classes="dialog help"):
-            yield Label("tailor-tui: help", classes="dialog-title")
-            yield Static(Text(HELP), classes="dialog-body")
-            yield Label("Esc closes", classes="dialog-hint")
+        with Vertical(classes="dialog help"):
+            yield Label("tailor-tui: help · Esc closes · arrows, pgup/pgdn, home/end scroll", classes="dialog-title")
+            with VerticalScroll(classes="help-scroll"):
+                yield Static(Text(HELP.rstrip("\n"), no_wrap=True), classes="help-body")
+
+    def on_mount(self) -> None:
+        self.query_one(VerticalScroll).focus()  # the keys scroll it at once
 
     def action_close(self) -> None:
         self.dismiss(None)
