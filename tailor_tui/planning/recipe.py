@@ -23,6 +23,7 @@ import yaml
 
 from tailor_tui.checkpoints.side_files import read_small
 from tailor_tui.errors import RecipeError
+from tailor_tui.planning.mergekit import looks_like as looks_like_mergekit
 
 # A recipe names one line per row: bounded before PyYAML composes it (a node costs it about
 # 500 bytes and 30 µs): its bytes by the side files' bound (1 MiB, `$TAILOR_TUI_MAX_SIDE_FILE`),
@@ -50,6 +51,9 @@ class Recipe:
     source_file: Path | None = None
     # Where each key / row was written, for error messages: key -> "file:line:col".
     where: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    # The format it was read from when not tailor-tui's ("LLMTailor": planning.mergekit); ctrl+s never
+    # saves over such a file
+    converted_from: str | None = field(default=None, compare=False)
 
     def location(self, key: str) -> str:
         return self.where.get(key) or str(self.source_file or "recipe")
@@ -199,7 +203,9 @@ def parse_recipe(text: str, source: str = "recipe", folder: Path = Path(".")) ->
     return Recipe(base=base, output=output, layers=layers, world_size=world_size, where=where)
 
 
-def load_recipe(path: str | Path) -> Recipe:
+def load_recipe(path: str | Path, run: Path | None = None) -> Recipe:
+    """The recipe at `path`: tailor-tui's, or LLMTailor's (mergekit's YAML, told by its keys), whose
+    model paths are found in the run folder `run` by their last names when it is given."""
     path = Path(path)
     if path.is_dir():
         raise RecipeError(f"{path}: is a folder, not a recipe (a .yaml file); open its run with `tailor-tui {path}`, "
@@ -212,6 +218,11 @@ def load_recipe(path: str | Path) -> Recipe:
         raise RecipeError(f"{path}: cannot read the recipe ({exc.strerror or exc})") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise RecipeError(f"{path}: not a recipe ({exc})") from None
+    _check_size(text, str(path))
+    if looks_like_mergekit(text):
+        from tailor_tui.planning.mergekit_recipe import load_llmtailor  # (it makes this module's Recipe)
+
+        return load_llmtailor(text, path, run)
     recipe = parse_recipe(text, source=str(path), folder=path.parent)
     recipe.source_file = path
     return recipe
