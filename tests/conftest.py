@@ -98,6 +98,9 @@ RUNS = {
     "ds_legacy_serialization": RunSpec(layout="deepspeed", zip_serialization=False),
     # A model of real depth for the composer at scale: 80 layers (83 rows), two checkpoints
     "hf_80_layers": RunSpec(layers=80, hidden=8, steps=4, save_every=2, pinned=True),
+    # LLMTailor's examples/Llama_cut.yaml as it is (tests/test_mergekit.py): 32 layers, untied lm_head, saves at
+    # steps 1 and 2 (checkpoint-1, checkpoint-2, the names it gives); not pinned: every row moves between saves
+    "hf_32_layers": RunSpec(layers=32, hidden=8, steps=2, save_every=1),
     # A run whose layers.2 blew up just before the last save, at step 6 (NaN masters, +Inf
     # exp_avg_sq, set through DeepSpeed's own ZeRO-3 API); steps 2 and 4 are healthy
     "ds_blown_up": RunSpec(layout="deepspeed", blow_up=(

@@ -384,7 +384,7 @@ def test_heal_never_replaces_a_recipe_a_person_wrote(real_run, tmp_path):
     assert tailor("--heal", run, "--recipe", hand).returncode == 0  # as tailor-tui wrote it: again
     hand.write_text(hand.read_text() + "# edited\n")
     assert_one_line_error(tailor("--heal", run, "--recipe", hand), 6, str(hand))
-    assert_one_line_error(tailor("--heal", run, "--recipe", tmp_path), 2, "is a folder", "heal.yaml")
+    assert_one_line_error(tailor("--heal", run, "--recipe", tmp_path), 2, "is a folder", "fix.yaml")
 
 
 def test_stats_check_exits_8_on_an_unhealthy_cell_for_scripts(real_run, tmp_path):

@@ -11,18 +11,18 @@ from tailor_tui.units import shown
 
 
 def export_command(args, slow_down: float = 0.0) -> int:
+    from tailor_tui.cli.import_command import load_for
     from tailor_tui.export.export_plan import plan_export
     from tailor_tui.export.export_run import config_source, run_export
     from tailor_tui.formats.safetensors_out import parse_size
     from tailor_tui.planning.build import build_plan
-    from tailor_tui.planning.recipe import load_recipe
     from tailor_tui.report import BarReporter, reporter_for
     from tailor_tui.units import size
 
     if args.to is None:
         raise UsageError("--export needs --to DIR: the folder to write the model to")
     max_shard = parse_size(args.max_shard_size)
-    recipe = load_recipe(args.export)
+    recipe = load_for(args, args.export)
     plan = build_plan(recipe, output=args.to, force=args.force, preview=args.dry_run)
     export = plan_export(plan, args.dtype, max_shard)
     source = config_source(export, args.config)

@@ -8,8 +8,9 @@ import sys
 import threading
 from pathlib import Path
 
-from tailor_tui.errors import CheckpointError, ExitCode, OutputError, UsageError
+from tailor_tui.errors import CheckpointError, ExitCode, UsageError
 from tailor_tui.events import TaskOptions
+from tailor_tui.planning.recipe import check_recipe_target
 from tailor_tui.units import shown
 
 
@@ -80,7 +81,7 @@ def heal_command(args, slow_down: float = 0.0) -> int:
 
     if args.recipe is None:
         raise UsageError("--heal needs --recipe OUT.yaml: where to write the recipe it makes")
-    _check_recipe_target(args.recipe, args.force)  # before any statistics are computed
+    check_recipe_target(args.recipe, args.force)  # before any statistics are computed
     health = _health(args.heal, args, args.progress, slow_down)
     if health is None:
         return ExitCode.OK  # process 0 of the job writes the recipe
@@ -99,21 +100,6 @@ def heal_command(args, slow_down: float = 0.0) -> int:
         return ExitCode.NONFINITE
     print(shown(f"wrote {saved}; compose it with: tailor-tui --apply {saved}"))
     return ExitCode.OK
-
-
-def _check_recipe_target(path: Path, force: bool) -> None:
-    """Where --heal writes its recipe: a new file, one tailor-tui wrote and nobody changed since (a
-    recovery run again), or one the user lets it replace (--force); a recipe a person wrote or edited
-    (its comments, its output) is never replaced in silence."""
-    if path.is_dir():
-        raise UsageError(f"--recipe {path}: is a folder; name the recipe file to write there, e.g. {path / 'heal.yaml'}")
-    if not path.parent.is_dir():
-        raise OutputError(f"--recipe {path}: its folder {path.parent} does not exist; create it or name another file")
-    from tailor_tui.planning.recipe import as_tailor_wrote_it
-
-    if (path.exists() or path.is_symlink()) and not force and not as_tailor_wrote_it(path):
-        raise OutputError(f"--recipe {path}: the file exists and is not a recipe as tailor-tui wrote it (edited, "
-                          "or a person's); --heal replaces it only with --force (or name a new file)")
 
 
 def _check_copied_files(recipe) -> None:

@@ -5,6 +5,7 @@
     tailor-tui --apply recipe.yaml [--output DIR] [--workers N] [--dry-run] [--force] [--no-fsync]
     tailor-tui --stats RUN_DIR [--json]           the health of every row in every checkpoint
     tailor-tui --heal RUN_DIR --recipe OUT.yaml   the recipe that takes every row where it is healthy
+    tailor-tui --import LLMTAILOR.yaml --recipe OUT.yaml [--run RUN_DIR]   an LLMTailor recipe as tailor-tui's
     tailor-tui --make-demo DIR
 
 Textual is imported only when the interactive composer starts: batch jobs on login
@@ -69,7 +70,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", nargs="?", type=Path, metavar="RUN_DIR",
                    help="open the interactive composer on a directory of ZeRO-3 checkpoints")
     p.add_argument("--recipe", type=Path, help="with RUN_DIR: load this recipe's picks (if it exists); ctrl+s saves "
-                                               "there; with --heal: where to write the recipe")
+                                               "there; with --heal or --import: where to write the recipe")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--demo", action="store_true",
                       help="train a small real ZeRO-3 run into ./demo-run (once) and open the composer on it")
@@ -85,6 +86,10 @@ def parser() -> argparse.ArgumentParser:
     mode.add_argument("--heal", metavar="RUN_DIR", type=Path,
                       help="write the recipe (--recipe OUT.yaml) that takes every row from the newest checkpoint "
                            "where it is healthy; base: the newest checkpoint")
+    mode.add_argument("--import", metavar="RECIPE", type=Path,
+                      help="write an LLMTailor (mergekit passthrough) recipe as a tailor-tui recipe (--recipe "
+                           "OUT.yaml; --force replaces it), showing each row's source; --apply, --verify and "
+                           "--export also read LLMTailor recipes as they are")
     mode.add_argument(
         "--make-demo",
         metavar="DIR",
@@ -92,6 +97,9 @@ def parser() -> argparse.ArgumentParser:
         help="train a small real DeepSpeed ZeRO-3 run on CPU (HF Trainer, 2 ranks) into DIR",
     )
     p.add_argument("--output", "-o", type=Path, help="output folder (overrides the recipe's `output`)")
+    p.add_argument("--run", type=Path, metavar="RUN_DIR",
+                   help="with an LLMTailor recipe: find each of its model paths in RUN_DIR by its last name "
+                        "(checkpoint-N); without it, a path is taken as written, else beside the recipe")
     p.add_argument("--workers", "-j", type=_positive, help="worker processes (default: from cores and memory)")
     p.add_argument("--world-size", type=_positive, metavar="M",
                    help="with --apply/--verify: compose for M data-parallel ranks (every source re-partitioned, "
@@ -137,9 +145,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def apply(args) -> int:
+    from tailor_tui.cli.import_command import load_for
     from tailor_tui.compose.compose_run import planned_tasks, run_compose
     from tailor_tui.planning.build import build_plan
-    from tailor_tui.planning.recipe import load_recipe
     from tailor_tui.report import FEW, BarReporter, LineReporter, reporter_for
     from tailor_tui.team.launch import detect
     from tailor_tui.team.meet import connect
@@ -149,7 +157,7 @@ def apply(args) -> int:
     from tailor_tui.units import size
 
     launch = None if args.dry_run else detect(os.environ, args.distributed)
-    recipe = load_recipe(args.apply)
+    recipe = load_for(args, args.apply)
     plan = build_plan(recipe, output=args.output, force=args.force, preview=args.dry_run, world_size=args.world_size)
     if args.dry_run:
         print("\n".join(map(shown, plan.describe())))  # a line per line, whatever the names
@@ -202,12 +210,12 @@ def apply(args) -> int:
 
 
 def verify(args) -> int:
+    from tailor_tui.cli.import_command import load_for
     from tailor_tui.planning.build import build_plan
-    from tailor_tui.planning.recipe import load_recipe
     from tailor_tui.report import reporter_for
     from tailor_tui.verifying.against_recipe import verify_against_recipe
 
-    plan = build_plan(load_recipe(args.verify), output=args.output, check_output=False, world_size=args.world_size)
+    plan = build_plan(load_for(args, args.verify), output=args.output, check_output=False, world_size=args.world_size)
     if not plan.output.is_dir():
         raise OutputError(f"output {plan.output}: does not exist; nothing to verify (run --apply first)")
     composed_for = _composed_world_size(plan.output)
@@ -337,7 +345,7 @@ def _sigterm_as_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-ACTIONS = ("apply", "verify", "stats", "heal", "export", "make_demo", "demo")  # the headless ones (not RUN_DIR)
+ACTIONS = ("apply", "verify", "stats", "heal", "export", "import", "make_demo", "demo")  # the headless ones (not RUN_DIR)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -348,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(getattr(args, name) for name in ACTIONS):
         if args.run_dir is not None:
             parser().error("RUN_DIR opens the interactive composer; it does not go with "
-                           "--apply, --verify, --stats, --heal, --make-demo or --demo")
+                           "--apply, --verify, --stats, --heal, --import, --make-demo or --demo")
     elif args.run_dir is None:
         parser().error("name a RUN_DIR to open, or use --demo, --apply RECIPE, --stats RUN_DIR or --make-demo DIR")
     if (args.json or args.check) and not args.stats:
@@ -359,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         parser().error("--to, --dtype and --config go with --export")
     if args.world_size and not (args.apply or args.verify):
         parser().error("--world-size goes with --apply or --verify")
+    if args.run and not (args.apply or args.verify or args.export or getattr(args, "import")):
+        parser().error("--run goes with --apply, --verify, --export or --import (an LLMTailor recipe's run folder)")
     try:
         if args.apply:
             code = apply(args)
@@ -376,6 +386,10 @@ def main(argv: list[str] | None = None) -> int:
             from tailor_tui.cli.health_command import heal_command
 
             code = heal_command(args, _test_slow_down())
+        elif getattr(args, "import"):
+            from tailor_tui.cli.import_command import import_command
+
+            code = import_command(args)
         elif args.make_demo:
             code = make_demo(args)
         elif args.demo:

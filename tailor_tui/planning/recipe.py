@@ -22,8 +22,9 @@ from pathlib import Path
 import yaml
 
 from tailor_tui.checkpoints.side_files import read_small
-from tailor_tui.errors import RecipeError
+from tailor_tui.errors import OutputError, RecipeError, UsageError
 from tailor_tui.fileio import create
+from tailor_tui.planning.mergekit import looks_like as looks_like_mergekit
 
 # A recipe names one line per row: bounded before PyYAML composes it (a node costs it about
 # 500 bytes and 30 µs): its bytes by the side files' bound (1 MiB, `$TAILOR_TUI_MAX_SIDE_FILE`),
@@ -51,6 +52,9 @@ class Recipe:
     source_file: Path | None = None
     # Where each key / row was written, for error messages: key -> "file:line:col".
     where: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    # The format it was read from when not tailor-tui's ("LLMTailor": planning.mergekit); ctrl+s never
+    # saves over such a file
+    converted_from: str | None = field(default=None, compare=False)
 
     def location(self, key: str) -> str:
         return self.where.get(key) or str(self.source_file or "recipe")
@@ -204,7 +208,9 @@ def parse_recipe(text: str, source: str = "recipe", folder: Path = Path(".")) ->
     return Recipe(base=base, output=output, layers=layers, world_size=world_size, where=where)
 
 
-def load_recipe(path: str | Path) -> Recipe:
+def load_recipe(path: str | Path, run: Path | None = None) -> Recipe:
+    """The recipe at `path`: tailor-tui's, or LLMTailor's (mergekit's YAML, told by its keys), whose
+    model paths are found in the run folder `run` by their last names when it is given."""
     path = Path(path)
     if path.is_dir():
         raise RecipeError(f"{path}: is a folder, not a recipe (a .yaml file); open its run with `tailor-tui {path}`, "
@@ -217,6 +223,11 @@ def load_recipe(path: str | Path) -> Recipe:
         raise RecipeError(f"{path}: cannot read the recipe ({exc.strerror or exc})") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise RecipeError(f"{path}: not a recipe ({exc})") from None
+    _check_size(text, str(path))
+    if looks_like_mergekit(text):
+        from tailor_tui.planning.mergekit_recipe import load_llmtailor  # (it makes this module's Recipe)
+
+        return load_llmtailor(text, path, run)
     recipe = parse_recipe(text, source=str(path), folder=path.parent)
     recipe.source_file = path
     return recipe
@@ -231,3 +242,16 @@ def as_tailor_wrote_it(path: Path) -> bool:
     except (OSError, ValueError, UnicodeDecodeError, RecipeError):
         return False
     return not path.is_symlink() and text == HEADER + recipe.to_yaml(relative_to=path.parent)
+
+
+def check_recipe_target(path: Path, force: bool) -> None:
+    """Where a command writes a recipe it makes (--heal, --import): a new file, one tailor-tui wrote
+    and nobody changed since (a recovery run again), or one the user lets it replace (--force); a
+    recipe a person wrote or edited (its comments, its output) is never replaced in silence."""
+    if path.is_dir():
+        raise UsageError(f"--recipe {path}: is a folder; name the recipe file to write there, e.g. {path / 'fix.yaml'}")
+    if not path.parent.is_dir():
+        raise OutputError(f"--recipe {path}: its folder {path.parent} does not exist; create it or name another file")
+    if (path.exists() or path.is_symlink()) and not force and not as_tailor_wrote_it(path):
+        raise OutputError(f"--recipe {path}: the file exists and is not a recipe as tailor-tui wrote it (edited, "
+                          "or a person's); it is replaced only with --force (or name a new file)")

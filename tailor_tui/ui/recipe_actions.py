@@ -128,6 +128,12 @@ class RecipeActions:
 
     def adopt_recipe(self: ComposerHost, path: Path) -> None:
         try:
-            self.active_composition.load(load_recipe(path))
+            recipe = load_recipe(path, run=self.options.run_dir)  # an LLMTailor recipe's paths: in this run
+            self.active_composition.load(recipe)
         except TailorError as exc:
             self.app.push_screen(ErrorDialog(str(exc), title="Cannot load the recipe"))
+            return
+        if recipe.converted_from is not None:  # ctrl+s asks where: never over the LLMTailor file
+            self.active_composition.recipe_path = None
+            self.notify(f"read {self.rel(path)} as an {recipe.converted_from} recipe; ctrl+s saves the picks "
+                        "as a tailor-tui recipe")
