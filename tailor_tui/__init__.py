@@ -1,3 +1,12 @@
-"""tailor-tui: compose DeepSpeed ZeRO-3 checkpoints layer by layer."""
+"""tailor-tui: compose DeepSpeed ZeRO-3 checkpoints layer by layer.
+
+Importing the package installs the one rule that keeps old import paths working (`moved`): no
+torch, no Textual, nothing else is imported here.
+"""
+
+from tailor_tui import moved
 
 __version__ = "0.1.0"
+__all__ = ["__version__"]
+
+moved.install()

@@ -3,3 +3,7 @@
 (`weight_files`, `model_layout`), a partial save's rows (`partial_rows`), and the cache outside
 every run (`cache`, `scan_cache`).
 """
+
+# its public API is its modules
+__all__ = ["cache", "checkpoint", "layout", "lineage", "model_layout", "model_states", "partial_rows",
+           "rank_reader", "rows", "saved_names", "scan", "scan_cache", "side_files", "weight_files"]

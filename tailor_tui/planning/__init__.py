@@ -2,3 +2,6 @@
 (`plan`), what happens to every file of the base (`file_plan`), the job contract between the
 planner and the workers (`jobs`), and the output folder's rules (`output`).
 """
+
+# its public API is its modules
+__all__ = ["build", "file_plan", "jobs", "output", "plan", "provenance", "recipe", "replaceable"]

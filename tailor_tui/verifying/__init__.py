@@ -13,3 +13,7 @@ loaded structures byte for byte (`compare`). None of `compose/` nor the writers'
 `resharding.partition`) is imported here (an import-linter contract says so); only the bounds
 any checkpoint's pickle is held to (`formats.pickle_bounds`) guard torch's unpickling here too.
 """
+
+# its public API is its modules
+__all__ = ["against_recipe", "compare", "pieces", "resharded", "rows_files", "same_content", "torch_files",
+           "weights"]
