@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo demo-apply test test-compat install
+.PHONY: demo demo-apply demo-resume test test-compat install
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -19,6 +19,10 @@ demo: install
 demo-apply: install
 	$(BIN)/tailor-tui --make-demo demo-run
 	$(BIN)/tailor-tui --apply recipes/demo.yaml --force
+
+# resume the composed demo checkpoint with the real HF Trainer on 2 ranks, one step: its step and loss
+demo-resume: demo-apply
+	$(BIN)/python -m tailor_tui.runs.demo_run resume-demo demo-run/checkpoint-6-demo-recipe
 
 # two test processes: much of the suite waits (pilot pauses, compositions slowed to be signalled),
 # and the real runs each test needs are made once, by whichever process needs one first

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -180,6 +181,12 @@ def test_a_path_of_the_wrong_kind_says_what_it_is_and_what_was_meant(real_run, t
     for one in (c6, c6 / "global_step6"):  # an HF checkpoint folder, a DeepSpeed tag folder
         assert_one_line_error(tailor("--heal", one, "--recipe", tmp_path / "fix.yaml"), 2, str(one),
                               "is one checkpoint, not a run folder", str(c6.resolve().parent))
+    for one in (c6, c6 / "global_step6"):  # a checkpoint as --apply's recipe: its run is named, and the
+        refused = tailor("--apply", one)        # advice works when followed (the checkpoint itself would not)
+        assert_one_line_error(refused, 3, str(one), "is a checkpoint of the run", f"tailor-tui {run.resolve()}")
+        heal = re.search(r"`tailor-tui (--heal [^`]*)`", refused.stderr)[1].replace("fix.yaml", str(tmp_path / "h.yaml"))
+        assert tailor(*heal.split()).returncode == 0, heal
+        (tmp_path / "h.yaml").unlink()
     fifo = tmp_path / "fifo.yaml"
     os.mkfifo(fifo)  # opening it would wait for a writer
     assert_one_line_error(tailor("--apply", fifo, timeout=30), 3, str(fifo), "not a regular file")
@@ -246,3 +253,24 @@ def test_ctrl_c_during_statistics_says_what_was_cancelled(real_run, tmp_path):
     assert proc.returncode == 130, err
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert errors == ["error: statistics cancelled"], err  # nothing about an output: --stats writes none
+
+
+def test_make_demo_names_training_checkpoints_only_and_the_composed_demo_resumes(real_run, tmp_path):
+    """`make demo-apply` then `make demo-resume`, as a newcomer runs them: --make-demo of a demo run
+    holding an output and an export lists its training checkpoints alone; the composed checkpoint
+    resumes in the real HF Trainer on 2 ranks (`python -m tailor_tui.runs.demo_run resume-demo`)."""
+    from pilot_helpers import private_copy
+
+    run, (_c2, c4, c6) = private_copy(real_run, tmp_path, "demo")
+    recipe = write_recipe(tmp_path, c6, {"layers.2": c4}, output="run/checkpoint-6-tailored")
+    assert tailor("--apply", recipe).returncode == 0
+    assert tailor("--export", recipe, "--to", run / "checkpoint-6-tailored-hf").returncode == 0
+    made = tailor("--make-demo", run)
+    assert made.returncode == 0, made.stderr
+    assert made.stdout.strip() == f"done: {run} holds the training checkpoints checkpoint-2, checkpoint-4, checkpoint-6"
+    resumed = subprocess.run([sys.executable, "-m", "tailor_tui.runs.demo_run", "resume-demo",
+                              str(run / "checkpoint-6-tailored")], capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    last = resumed.stdout.splitlines()[-1]  # after the Trainer's own log lines
+    assert re.fullmatch(rf"resumed {run / 'checkpoint-6-tailored'} \(step 6\) with the HF Trainer on 2 ranks: "
+                        r"the next step trained, loss [\d.]+", last)

@@ -76,15 +76,24 @@ STAGING = re.compile(r"^\.partial-step\d+\.saving$")  # a partial save not yet p
 RECIPE_SUFFIXES = (".yaml", ".yml")
 
 
+def run_of_checkpoint(path: Path) -> Path | None:
+    """The run folder of the checkpoint folder `path` (a DeepSpeed tag folder, or a folder holding
+    `latest` and its tag: an HF checkpoint-N, a save_dir); None when `path` is no checkpoint."""
+    tag = read_latest(path) if (path / "latest").is_file() else None
+    if not (is_tag_dir(path) or (tag is not None and holds_checkpoint(path, tag) is not None)):
+        return None
+    run = path.resolve().parent
+    if (run / TRAINER_STATE).is_file():  # the tag folder inside an HF checkpoint-N
+        run = run.parent
+    return run
+
+
 def check_run_folder(path: Path) -> None:
     """`path` names a run folder (the folder holding a run's checkpoints), or one line says
     what it names instead and what was probably meant."""
     if path.is_dir():
-        tag = read_latest(path) if (path / "latest").is_file() else None
-        if is_tag_dir(path) or (tag is not None and holds_checkpoint(path, tag) is not None):
-            run = path.resolve().parent
-            if (run / TRAINER_STATE).is_file():  # the tag folder inside an HF checkpoint-N
-                run = run.parent
+        run = run_of_checkpoint(path)
+        if run is not None:
             raise UsageError(f"{path}: is one checkpoint, not a run folder; name its run, {run} (the folder that "
                              "holds the run's checkpoints), so there are checkpoints to compare and pick from")
         return

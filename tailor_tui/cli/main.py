@@ -290,7 +290,10 @@ def ended(app) -> int:
 def make_demo(args) -> int:
     out = args.make_demo
     ensure_demo(out)
-    print(shown(f"done: {out} holds {', '.join(sorted(p.name for p in out.glob('checkpoint-*')))}"))
+    from tailor_tui.checkpoints.scan import training_checkpoints
+
+    names = sorted((p.name for p in training_checkpoints(out)), key=lambda n: (len(n), n))
+    print(shown(f"done: {out} holds the training checkpoints {', '.join(names)}"))  # never outputs, exports
     return ExitCode.OK
 
 

@@ -213,8 +213,13 @@ def load_recipe(path: str | Path, run: Path | None = None) -> Recipe:
     model paths are found in the run folder `run` by their last names when it is given."""
     path = Path(path)
     if path.is_dir():
-        raise RecipeError(f"{path}: is a folder, not a recipe (a .yaml file); open its run with `tailor-tui {path}`, "
-                          f"or write a recipe for it with `tailor-tui --heal {path} --recipe fix.yaml`")
+        from tailor_tui.checkpoints.scan import run_of_checkpoint
+
+        run = run_of_checkpoint(path)  # advice that works when followed: a checkpoint's run, not the checkpoint
+        what = f"is a checkpoint of the run {run}" if run is not None else "is a folder"
+        run = run if run is not None else path
+        raise RecipeError(f"{path}: {what}, not a recipe (a .yaml file); open the run with `tailor-tui {run}`, "
+                          f"or write a recipe for it with `tailor-tui --heal {run} --recipe fix.yaml`")
     try:
         text = read_small(path).decode()
     except FileNotFoundError:

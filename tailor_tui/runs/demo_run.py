@@ -392,9 +392,29 @@ def resume_with(resume_rank, ckpt: str | Path, spec: RunSpec, resave: str | Path
     return json.loads(result.read_text())["losses"]
 
 
+def resume_demo(ckpt: Path) -> str:
+    """Resume the composed checkpoint `ckpt` of a run made here (its folder's spec file says how it
+    was trained) with real DeepSpeed and the HF Trainer on its ranks, for one more step: what happened,
+    in a line (`make demo-resume`)."""
+    import tempfile
+
+    spec_file = ckpt.parent / "tailor_demo_spec.json"
+    if not spec_file.is_file():
+        raise SystemExit(f"error: {ckpt}: not beside a run made by tailor-tui --make-demo (no {spec_file.name})")
+    spec = RunSpec.from_key(spec_file.read_text())
+    state = json.loads((ckpt / "trainer_state.json").read_text()) if spec.layout == "hf" else {}
+    step = state.get("global_step", "?")
+    with tempfile.TemporaryDirectory(prefix="tailor-resume-") as scratch:
+        losses = resume_and_step(ckpt, spec, scratch)
+    trainer = "the HF Trainer" if spec.layout == "hf" else "DeepSpeed"
+    return (f"resumed {ckpt} (step {step}) with {trainer} on {spec.world_size} ranks: the next step trained, "
+            f"loss {losses[0]:.4g}")
+
+
 def main(argv: list[str] | None = None) -> None:
-    """`python -m tailor_tui.runs.demo_run make OUT SPEC` or `resume CKPT SPEC RESAVE` (SPEC: a
-    RunSpec.key()): how the tests make and resume runs under another DeepSpeed release."""
+    """`python -m tailor_tui.runs.demo_run make OUT SPEC`, `resume CKPT SPEC RESAVE` (SPEC: a
+    RunSpec.key()): how the tests make and resume runs under another DeepSpeed release;
+    `resume-demo CKPT`: `make demo-resume`."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
@@ -402,8 +422,11 @@ def main(argv: list[str] | None = None) -> None:
         make_run(args[1], RunSpec.from_key(args[2]))
     elif len(args) == 4 and args[0] == "resume":
         print(json.dumps(resume_and_step(args[1], RunSpec.from_key(args[2]), args[3])))
+    elif len(args) == 2 and args[0] == "resume-demo":
+        print(resume_demo(Path(args[1])))
     else:
-        raise SystemExit("usage: python -m tailor_tui.runs.demo_run make OUT SPEC | resume CKPT SPEC RESAVE")
+        raise SystemExit("usage: python -m tailor_tui.runs.demo_run make OUT SPEC | resume CKPT SPEC RESAVE | "
+                         "resume-demo CKPT")
 
 
 if __name__ == "__main__":
