@@ -352,6 +352,33 @@ async def test_composing_an_unhealthy_row_goes_back_unless_asked_to_compose_anyw
         assert (run / "global_step6-tailored" / "latest").is_file()
 
 
+async def test_a_row_failing_its_crc_is_never_offered_to_compose_anyway(blown_copy):
+    """A pick whose source fails its CRC-32 check can never compose (--apply refuses it whatever the
+    flags): the composer says so and offers no "compose anyway", which it does for NaN rows only."""
+    from tailor_tui.health.healing import damage
+
+    run, (_c2, c4, _c6) = blown_copy
+    target = next(c4.glob("*rank_1_*optim_states.pt"))
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x01  # the middle of an optim file: its flat tensors' data
+    target.write_bytes(bytes(data))
+    app = make_app(run, workers=1)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        comp, health = app.home.composition, app.home.health
+        rows = [r.name for r in comp.rows]
+        crc = next(row for row in rows if damage(health.cell(row, 1)) == "CRC")
+        app.query_one("#grid").move_cursor(row=rows.index(crc), column=2)
+        await pilot.press("space", "ctrl+r")
+        await wait_for(pilot, lambda: isinstance(app.screen, (ErrorDialog, Confirm)))
+        assert isinstance(app.screen, ErrorDialog)
+        text = str(app.screen.query_one(".dialog-body").render())
+        assert f"{crc} from global_step4" in text and "CRC" in text and "anyway" not in text
+        await pilot.press("exclamation_mark", "escape")
+        await wait_for(pilot, lambda: len(app.screen_stack) == 1)
+        assert not (run / "global_step6-tailored").exists()
+
+
 # --- what things are ----------------------------------------------------------------------------
 
 
@@ -724,3 +751,18 @@ async def test_export_of_a_deepspeed_layout_run_asks_for_its_config(real_run, tm
         await compose_finished(pilot)
     _model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_the_title_keeps_every_part_at_80_columns_shortening_paths_from_the_left():
+    """Long recipe and output paths are shortened from the left, so that the output is named at 80
+    columns (it used to end at `output` and nothing after it)."""
+    from tailor_tui.ui.composer import fit_title
+
+    recipe = "experiments/2026-11/llama-8b-pubmed/recipes/new.yaml"
+    output = "/scratch/team/llama-8b-pubmed/run-3/checkpoint-6-tailored"
+    parts = [("tailor-tui", ""), ("* ", recipe), ("base checkpoint-6", ""), ("output ", output)]
+    title = fit_title(parts, 78)
+    assert len(title) <= 78 and title.startswith("tailor-tui · * …") and "base checkpoint-6" in title
+    assert title.endswith("checkpoint-6-tailored") and "output …" in title
+    assert "new.yaml" in title
+    assert fit_title(parts, 400) == f"tailor-tui · * {recipe} · base checkpoint-6 · output {output}"

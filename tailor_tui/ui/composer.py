@@ -28,7 +28,7 @@ from tailor_tui.checkpoints.scan import ScanResult, scan
 from tailor_tui.compose.composition import Composition
 from tailor_tui.errors import OutputError, TailorError
 from tailor_tui.export.export_run import ExportResult
-from tailor_tui.health.healing import Health, training_log, why_unhealthy
+from tailor_tui.health.healing import Health, damage, training_log, why_unhealthy
 from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.output import not_replaceable
 from tailor_tui.team.sbatch import offer_batch
@@ -55,6 +55,28 @@ if TYPE_CHECKING:
 
 SCAN_REDRAW = 0.05  # seconds between redraws of the scan's progress
 FEW_NAMED = 3  # folders a notice of skipped ones names
+
+
+def fit_title(parts: list[tuple[str, str]], room: int) -> str:
+    """`label + path` parts joined by ` · `, their paths shortened from the left until the line fits
+    `room`: first down to `…/` and their own names (the longest first), then further if need be."""
+    paths = [shown(path) for _label, path in parts]
+    floors = [min(len(p), len("…/" + p.rsplit("/", 1)[-1])) for p in paths]
+
+    def line() -> str:
+        return " · ".join(shown(label) + path for (label, _), path in zip(parts, paths))
+
+    while (over := len(line()) - room) > 0:
+        above = [i for i in range(len(paths)) if len(paths[i]) > floors[i]]
+        if not above:  # every path at its own name: shorten the longest name itself
+            floors = [min(f, 2) for f in floors]
+            above = [i for i in range(len(paths)) if len(paths[i]) > floors[i]]
+            if not above:
+                break
+        i = max(above, key=lambda j: len(paths[j]))
+        keep = max(floors[i], len(paths[i]) - over) - 1  # what is left of it after "…"
+        paths[i] = "…" + paths[i][-keep:]
+    return line()
 
 
 class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Screen[None]):
@@ -104,24 +126,26 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
 
     def update_title(self) -> None:
         """One line, most important first: the unsaved marker and the recipe, the world size, the
-        statistics' progress, base and output, then the run's folder, shortened from the left to
-        what the width leaves (80 columns keep the first ones whole)."""
+        statistics' progress, base and output, then the run's folder. Where the width is short, the
+        paths are shortened from the left (`…/new.yaml`, `…/checkpoint-6-tailored`) so that every part
+        keeps its name, the run's folder first to go (80 columns keep every other part)."""
         comp = self.composition
-        parts = []
+        parts: list[tuple[str, str]] = []  # (label, path: shortened from the left when room is short)
         if comp:
-            recipe = self.rel(comp.recipe_path) if comp.recipe_path else "unsaved recipe"
-            parts.append(("" if comp.saved else "* ") + recipe)
+            recipe = self.rel(comp.recipe_path) if comp.recipe_path else ""
+            parts.append(("" if comp.saved else "* ", recipe or "unsaved recipe"))
             if comp.world_size is not None:
-                parts.append(f"{comp.base_checkpoint.world_size} → {comp.world_size} ranks")
+                parts.append((f"{comp.base_checkpoint.world_size} → {comp.world_size} ranks", ""))
             if self.health_status:
-                parts.append(self.health_status)
-            parts += [f"base {comp.base_checkpoint.name}", f"output {self.rel(comp.output)}"]
-        head = " · ".join(["tailor-tui", *parts]) + " · "
+                parts.append((self.health_status, ""))
+            parts += [(f"base {comp.base_checkpoint.name}", ""), ("output ", self.rel(comp.output))]
+        room = self.size.width - 2  # the title's padding
         run = shown(self.options.run_dir.name or self.options.run_dir)  # its full path: the details panel
-        room = max(0, self.size.width - 2 - len(head))  # the title's padding
-        if len(run) > room:
-            run = "…" + run[len(run) - room + 1:] if room > 8 else ""
-        title = head + run if run else head[:-3]
+        title = fit_title([("tailor-tui", ""), *parts], room)
+        if len(title) + 3 + len(run) <= room:
+            title += " · " + run
+        elif room - len(title) - 3 > 8:
+            title += " · …" + run[len(run) - (room - len(title) - 4):]
         if title != self.title_text:  # one line, its height fixed: no re-layout of the screen
             self.title_text = title
             self.query_one("#title", Static).update(plain(title), layout=False)
@@ -346,8 +370,17 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
         body = "\n".join(map(shown, plan.describe(show=self.rel, every_file=False)))  # a line per line
         # Rows the statistics already know to be non-finite or damaged in their source: the
         # --apply would refuse them, so the user decides here ("Compose anyway" allows them).
-        bad = [f"{row} from {plan.sources[s].name}: {why_unhealthy(cell)}" for row, s in plan.picks.items()
-               if (cell := self.cell_of(row, plan.sources[s])) is not None and not cell.healthy]
+        cells = [(row, plan.sources[s].name, cell) for row, s in plan.picks.items()
+                 if (cell := self.cell_of(row, plan.sources[s])) is not None and not cell.healthy]
+        # a record failing its CRC-32 or a file that cannot be read never composes: no "anyway" for those
+        broken = [f"{row} from {name}: {why_unhealthy(cell)}" for row, name, cell in cells if damage(cell) != "NaN"]
+        bad = [f"{row} from {name}: {why_unhealthy(cell)}" for row, name, cell in cells if damage(cell) == "NaN"]
+        if broken:
+            self.app.push_screen(ErrorDialog("\n".join([
+                "These rows cannot be composed from the checkpoints picked for them (their files are damaged):",
+                *map(shown, broken), "Pick another checkpoint for each (h heals: the newest healthy one)."]),
+                title="Cannot compose"))
+            return
         if bad:
             body = "\n".join(["✗ the output would hold unhealthy rows:", *map(shown, bad),
                               "Enter goes back (h heals them); ! composes anyway, as --apply --allow-nonfinite does",
