@@ -766,3 +766,59 @@ def test_the_title_keeps_every_part_at_80_columns_shortening_paths_from_the_left
     assert title.endswith("checkpoint-6-tailored") and "output …" in title
     assert "new.yaml" in title
     assert fit_title(parts, 400) == f"tailor-tui · * {recipe} · base checkpoint-6 · output {output}"
+
+
+async def test_every_message_says_what_happened(run_copy, tmp_path):
+    """ctrl+o of a recipe with a misspelt row says which row was meant, as --apply does; a quit with
+    only the world size changed says that, not that the picks are unsaved; a folder typed as where to
+    save is named as a folder; an export's bars carry each rank's whole name; a cancelled replacement
+    of an earlier output says that output is as it was."""
+    run, (_c2, c4, c6) = run_copy
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(f"version: 1\nbase: {c6}\nlayers:\n  layres.1: {c4}\n")
+    app = make_app(run, workers=1)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await scanned(pilot)
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt))
+        app.screen.query_one(Input).value = str(typo)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, ErrorDialog))
+        assert "did you mean 'layers.1'?" in str(app.screen.query_one(".dialog-body").render())
+        await pilot.press("escape")
+        app.home.composition.world_size = 1  # as `w` sets it
+        await pilot.press("q")
+        await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
+        assert "the world size changed" in app.screen.body and "picks" not in app.screen.body
+        await pilot.press("escape")
+        app.home.composition.world_size = None
+        await pilot.press("S")
+        await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt))
+        app.screen.query_one(Input).value = str(tmp_path)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, ErrorDialog))
+        assert "is a folder" in str(app.screen.query_one(".dialog-body").render())
+        await pilot.press("escape")
+
+    from tailor_tui.export.export_plan import plan_export
+    from tailor_tui.planning.build import build_plan
+    from tailor_tui.planning.recipe import Recipe
+
+    plan = build_plan(Recipe(base=c6, output=tmp_path / "hf", layers={"layers.1": c4}))
+    export = plan_export(plan, None, 5 << 30)
+    screen = ProgressScreen(plan, 1, autostart=False, export=export)
+    app = make_app(run, workers=1)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await scanned(pilot)
+        app.push_screen(screen)
+        await pilot.pause()
+        labels = [str(label.render()) for label in screen.query(".bar-label")]
+        assert all(label.size.width >= len(str(label.render())) for label in screen.query(".bar-label"))
+        assert "checkpoint-6 (base) rank 1" in labels and "checkpoint-4 rank 0" in labels  # not cut to `checkpoint-6`
+        screen.plan.output.mkdir()  # an earlier output at the path, which the cancelled run was to replace
+        from tailor_tui.ui.messages import ComposeFailed
+
+        screen.post_message(ComposeFailed("cancelled", cancelled=True))
+        await pilot.pause()
+        status = str(screen.query_one("#compose-status").render())
+        assert "hf is the earlier output, as it was" in status and "nothing was left" not in status

@@ -8,6 +8,7 @@ optim files are only stat()ed here.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from dataclasses import dataclass, field
@@ -16,11 +17,11 @@ from pathlib import Path
 from tailor_tui.checkpoints import scan_cache
 from tailor_tui.checkpoints.layout import ZeroLayout
 from tailor_tui.checkpoints.model_states import check_version, read_model_states
-from tailor_tui.checkpoints.rows import PEFT_PREFIX, Row, find_row, row_index
+from tailor_tui.checkpoints.rows import PEFT_PREFIX, Row, find_row, list_rows, row_index
 from tailor_tui.checkpoints.scan_cache import ModelStates
 from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json, read_small
 from tailor_tui.checkpoints.weight_files import weight_file_names, weight_kinds
-from tailor_tui.errors import CheckpointError
+from tailor_tui.errors import CheckpointError, RecipeError
 from tailor_tui.formats.ds_format import (
     MODEL_STATES,
     OPTIM_STATES,
@@ -105,6 +106,18 @@ class Checkpoint:
         if row is None:
             raise KeyError(name)
         return row
+
+    def recipe_row(self, name: str, where: str) -> Row:
+        """The row a recipe's `name` means (`row`), or one line naming it, the closest row name and
+        every row (RecipeError): the composer's ctrl+o and --apply say the same."""
+        try:
+            return self.row(name)
+        except KeyError:
+            names = self.row_names()
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise RecipeError(f"{where}: unknown row '{name}'; {hint}{self.path.name} has rows {list_rows(names)}") \
+                from None
 
     def row_names(self) -> list[str]:
         return [r.name for r in self.rows]

@@ -267,6 +267,9 @@ def interactive(run_dir: Path, recipe: Path | None, workers: int | None) -> int:
     from tailor_tui.checkpoints.scan import check_run_folder
 
     check_run_folder(run_dir)
+    if recipe is not None and recipe.is_dir():
+        raise UsageError(f"--recipe {recipe}: is a folder; name the recipe file to load or save, e.g. "
+                         f"{recipe / 'fix.yaml'}")
     if not sys.stdout.isatty():
         raise UsageError("the interactive composer needs a terminal; for batch jobs use --apply RECIPE")
     from tailor_tui.ui.app import make_app

@@ -50,6 +50,12 @@ class Composition:
     def _restore(self, state: tuple) -> None:
         self.base, self.picks, self.output, self.world_size = state
 
+    def unsaved_changes(self) -> list[str]:
+        """What changed since the last save or load, in words (`the picks`, `the world size`, …)."""
+        names = ("the base", "the picks", "the output folder", "the world size")
+        return [name for name, now, then in zip(names, self._state(), self._saved_state or (None,) * 4)
+                if now != then]
+
     @property
     def saved(self) -> bool:
         """No change since the last save or load (undo back to that state counts as none)."""
@@ -276,10 +282,7 @@ class Composition:
         base = column(recipe.base, "base")
         picks = {}
         for row, path in recipe.layers.items():
-            try:
-                name = self.checkpoints[base].row(row).name
-            except KeyError:
-                raise RecipeError(f"{recipe.location('row:' + row)}: unknown row '{row}'") from None
+            name = self.checkpoints[base].recipe_row(row, recipe.location("row:" + row)).name
             col = column(path, "row:" + row)
             if col != base:
                 picks[name] = col

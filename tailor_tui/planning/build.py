@@ -6,7 +6,6 @@ something) before anything is written; the work itself is `plan.ComposePlan`'s.
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 
 from tailor_tui.checkpoints.cache import ROOT, Where, chosen
@@ -17,7 +16,6 @@ from tailor_tui.checkpoints.checkpoint import (
     tied_partner,
 )
 from tailor_tui.checkpoints.lineage import other_run
-from tailor_tui.checkpoints.rows import list_rows
 from tailor_tui.errors import CheckpointError, IncompatibleError, RecipeError, UsageError
 from tailor_tui.planning.output import check_output as check_writable
 from tailor_tui.planning.plan import ComposePlan
@@ -35,13 +33,7 @@ def _open(path: Path, where: str, what: str, cache: Path | None) -> Checkpoint:
 
 
 def _resolve_row(base: Checkpoint, name: str, where: str) -> str:
-    try:
-        row = base.row(name)
-    except KeyError:
-        names = base.row_names()
-        close = difflib.get_close_matches(name, names, n=1)
-        hint = f"did you mean '{close[0]}'? " if close else ""
-        raise RecipeError(f"{where}: unknown row '{name}'; {hint}{base.path.name} has rows {list_rows(names)}") from None
+    row = base.recipe_row(name, where)
     if row.tied:
         raise RecipeError(
             f"{where}: row '{name}' is tied to {tied_partner(base, row)} (it has no weights of its "

@@ -69,9 +69,11 @@ class TailorApp(App):
         comp = self.home.composition
         running = isinstance(self.screen, ProgressScreen) and self.screen.running
         if running:
-            question = "A composition is running. Cancel it and quit? Nothing will be left at the output path."
+            question = "A composition is running. Cancel it and quit? Nothing new will be left at the output path."
         elif comp is not None and not comp.saved:
-            question = "The picks are not saved as a recipe. Quit anyway?"
+            changed = comp.unsaved_changes() or ["the recipe"]
+            what = ", ".join(changed[:-1]) + (" and " if len(changed) > 1 else "") + changed[-1]
+            question = f"The recipe is not saved: {what} changed since it was. Quit anyway?"
         else:
             self.home.stats_cancel.set()
             self.exit()

@@ -11,6 +11,7 @@ as tall at 512 ranks as at 8, and each message costs O(1) (`report.Tally`).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -87,10 +88,14 @@ class ProgressScreen(Screen[None]):
                     yield Label("overall", classes="bar-label")
                     yield ProgressBar(total=sum(t for _, t in self.tasks), show_eta=False, id="bar-overall")
             yield Static("", id="compose-rate")
-            yield Static("Esc cancels: workers stop and nothing is left at the output path.", id="compose-status")
+            yield Static("Esc cancels: workers stop, and the output path is left as it was.", id="compose-status")
         yield Footer()
 
     def on_mount(self) -> None:
+        # every task's name whole beside its bar (an export's `checkpoint-6 rank 1`), within reason
+        width = max(len("overall"), *(len(name) for name, _ in self.tasks[:SLOTS * 64])) + 1
+        for label in self.query(".bar-label"):
+            label.styles.width = max(14, min(width, 32))
         if self.autostart:
             self.run_compose_worker()
         else:
@@ -196,14 +201,15 @@ class ProgressScreen(Screen[None]):
     def on_compose_failed(self, message: ComposeFailed) -> None:
         self.running = False
         self.add_class("failed")
+        # what is at the output path now: an earlier output that was to be replaced stays as it was
+        left = (f"{self.plan.output.name} is the earlier output, as it was; nothing new was written"
+                if os.path.lexists(self.plan.output) else "nothing was left at the output path")
         if message.cancelled:
-            self.query_one("#compose-status", Static).update(
-                "Cancelled: nothing was left at the output path. Esc returns to the grid."
-            )
+            self.query_one("#compose-status", Static).update(plain(f"Cancelled: {left}. Esc returns to the grid."))
         else:
             from tailor_tui.ui.dialogs import ErrorDialog
 
-            self.query_one("#compose-status", Static).update("Failed: nothing was left at the output path.")
+            self.query_one("#compose-status", Static).update(plain(f"Failed: {left}."))
             self.app.push_screen(ErrorDialog(message.message, title="The composition failed"))
 
     def action_cancel_or_close(self) -> None:

@@ -84,6 +84,10 @@ class RecipeActions:
         """Save there; a file the composer did not load or save is replaced only when confirmed;
         `then(path)` once saved."""
         comp = self.active_composition  # the save actions return before this without one
+        if path.is_dir():  # a folder is no recipe file: say so, never "Replace .?" then "Is a directory"
+            self.app.push_screen(ErrorDialog(f"{path} is a folder: name the recipe file to save, e.g. "
+                                             f"{path / 'fix.yaml'}", title="Cannot save the recipe"))
+            return
         target = comp.recipe_path
         ours = target is not None and target.exists() and path.exists() and os.path.samefile(path, target)
         if path.exists() and not ours and not confirmed:
