@@ -18,6 +18,7 @@ from helpers import assert_one_line_error, param_row, tailor, write_recipe
 from zero_reader import read_full_state
 
 from tailor_tui.formats.nonfinite import Census, Region, count
+from tailor_tui.planning.recipe import load_recipe
 
 BLOWN = "layers.2"
 
@@ -385,6 +386,24 @@ def test_heal_never_replaces_a_recipe_a_person_wrote(real_run, tmp_path):
     hand.write_text(hand.read_text() + "# edited\n")
     assert_one_line_error(tailor("--heal", run, "--recipe", hand), 6, str(hand))
     assert_one_line_error(tailor("--heal", run, "--recipe", tmp_path), 2, "is a folder", "fix.yaml")
+
+
+def test_heal_force_over_a_persons_recipe_keeps_their_comments(real_run, tmp_path):
+    """--heal --force over a recipe a person wrote edits their file: their comments, blank lines and
+    the lines it does not change stay; the rows healing does not take go, each with its own comment."""
+    run, spec = real_run("ds_blown_up")
+    c2, c4, c6 = checkpoints_of(run, spec)
+    hand = tmp_path / "hand.yaml"
+    hand.write_text(f"# my notes: the loss spiked at step 6\n\nversion: 1\nbase: {c6}   # the newest\n"
+                    f"output: mine   # my output\n\nlayers:\n  # by hand\n  layers.0: {c2}  # a hand pick\n")
+    healed = tailor("--heal", run, "--recipe", hand, "--force")
+    assert healed.returncode == 0, healed.stderr
+    text = hand.read_text()
+    assert text.startswith(f"# my notes: the loss spiked at step 6\n\nversion: 1\nbase: {c6}   # the newest\n")
+    assert "   # my output\n\nlayers:\n" in text and "  # by hand\n" in text and "a hand pick" not in text
+    recipe = load_recipe(hand)
+    assert recipe.base.resolve() == c6.resolve() and recipe.output.name == f"{c6.name}-tailored"
+    assert {row: p.resolve() for row, p in recipe.layers.items()} == {BLOWN: c4.resolve()}
 
 
 def test_stats_check_exits_8_on_an_unhealthy_cell_for_scripts(real_run, tmp_path):

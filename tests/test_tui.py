@@ -101,6 +101,29 @@ async def test_save_and_load_round_trip(run_copy, tmp_path):
         assert app.home.composition.to_recipe().layers == {"layers.1": c4}
 
 
+async def test_ctrl_s_keeps_what_a_person_wrote_in_the_recipe(run_copy, tmp_path):
+    """A hand-written recipe loaded into the composer: ctrl+s with nothing changed leaves its bytes as
+    they are (its comments, blank lines, a row named by its module path, a path with a trailing slash);
+    a new pick is one line more, beside the rows the person wrote."""
+    run, (c2, c4, c6) = run_copy
+    rel = {c: os.path.relpath(c, tmp_path) for c in (c2, c4, c6)}
+    hand = (f"# my notes on this merge\n\nversion: 1\nbase: {rel[c6]}   # newest\noutput: mine  # where it goes\n\n"
+            f"layers:\n  # from step 4\n  model.layers.1: {rel[c4]}/   # a hand pick\n# the end\n")
+    path = tmp_path / "mine.yaml"
+    path.write_text(hand)
+    app = make_app(run, recipe=path)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        assert app.home.composition.to_recipe().layers == {"layers.1": c4}
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert path.read_text() == hand
+        await pilot.press("left", "down", "space", "ctrl+s")  # layers.0 from checkpoint-4
+        await pilot.pause()
+    assert path.read_text() == hand.replace("layers:\n", f"layers:\n  layers.0: {rel[c4]}\n")
+    assert load_recipe(path).layers == {"layers.0": tmp_path / rel[c4], "model.layers.1": tmp_path / rel[c4]}
+
+
 async def test_save_asks_for_a_path_when_there_is_none(run_copy, tmp_path):
     run, _ = run_copy
     app = make_app(run)

@@ -17,6 +17,7 @@ from tailor_tui.checkpoints.lineage import other_run
 from tailor_tui.errors import RecipeError
 from tailor_tui.health.healing import Healing, Health, heal
 from tailor_tui.planning.recipe import Recipe
+from tailor_tui.planning.recipe_text import Sameness
 
 
 @dataclass
@@ -266,18 +267,36 @@ class Composition:
         return Recipe(base=self.base_checkpoint.path, output=self.output, layers=layers, world_size=self.world_size)
 
     def save(self, path: Path) -> Path:
-        saved = self.to_recipe().save(path)
+        """Save the picks to `path`; over a recipe a person wrote, only what changed is edited in it."""
+        saved = self.to_recipe().save(path, same=Sameness(row=self._row_name, place=self._place))
         self.recipe_path, self._saved_state = saved, self._state()
         return saved
+
+    def _column_of(self, path: Path) -> int | None:
+        """The scanned checkpoint `path` names (its folder or a DeepSpeed tag folder in it), or None."""
+        resolved = Path(path).resolve()
+        for i, c in enumerate(self.checkpoints):
+            if resolved in (c.path.resolve(), c.tag_dir.resolve()):
+                return i
+        return None
+
+    def _place(self, path: Path) -> object:
+        column = self._column_of(path)
+        return Path(path).resolve() if column is None else column
+
+    def _row_name(self, written: str) -> str:
+        try:
+            return self.base_checkpoint.row(written).name
+        except KeyError:
+            return written
 
     def load(self, recipe: Recipe) -> None:
         """Adopt a recipe's picks; its checkpoints must be among the scanned ones."""
         def column(path: Path, what: str) -> int:
-            resolved = Path(path).resolve()
-            for i, c in enumerate(self.checkpoints):
-                if resolved in (c.path.resolve(), c.tag_dir.resolve()):
-                    return i
-            raise RecipeError(f"{recipe.location(what)}: {path} is not among the scanned checkpoints")
+            found = self._column_of(path)
+            if found is None:
+                raise RecipeError(f"{recipe.location(what)}: {path} is not among the scanned checkpoints")
+            return found
 
         base = column(recipe.base, "base")
         picks = {}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -25,6 +26,9 @@ from tailor_tui.checkpoints.side_files import read_small
 from tailor_tui.errors import OutputError, RecipeError, UsageError
 from tailor_tui.fileio import create
 from tailor_tui.planning.mergekit import looks_like as looks_like_mergekit
+
+if TYPE_CHECKING:
+    from tailor_tui.planning.recipe_text import Sameness
 
 # A recipe names one line per row: bounded before PyYAML composes it (a node costs it about
 # 500 bytes and 30 µs): its bytes by the side files' bound (1 MiB, `$TAILOR_TUI_MAX_SIDE_FILE`),
@@ -37,10 +41,13 @@ VERSION = 1
 KEYS = ("version", "base", "output", "world_size", "layers")
 
 
-# Written at the top of every recipe tailor-tui saves. Saving rewrites the file from its picks:
-# comments are not carried over (the README says so).
+# Written at the top of every new recipe tailor-tui saves. Saving over a recipe keeps what a person
+# wrote in it (`recipe_text`); one tailor-tui wrote and nobody changed is written anew.
 HEADER = ("# tailor-tui recipe: compose it with `tailor-tui --apply THIS_FILE`.\n"
-          "# Saved by tailor-tui; comments are not kept when it saves this file again.\n")
+          "# Saved by tailor-tui; saving it again keeps your comments, key order and blank lines.\n")
+# The headers earlier releases wrote: a recipe under one, unchanged since, is still tailor-tui's own
+OLD_HEADERS = ("# tailor-tui recipe: compose it with `tailor-tui --apply THIS_FILE`.\n"
+               "# Saved by tailor-tui; comments are not kept when it saves this file again.\n",)
 
 
 @dataclass
@@ -75,10 +82,24 @@ class Recipe:
         doc["layers"] = {row: show(p) for row, p in self.layers.items()}
         return yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
 
-    def save(self, path: str | Path) -> Path:
-        """Write the recipe to `path` (atomically: a crash never leaves half a recipe)."""
+    def fresh_text(self, folder: Path) -> str:
+        """The recipe as tailor-tui writes a new one: HEADER, then its keys, paths relative to `folder`."""
+        return HEADER + self.to_yaml(relative_to=folder)
+
+    def as_saved(self, text: str, folder: Path) -> bool:
+        """Whether `text` (this recipe's file, in `folder`) is it exactly as tailor-tui writes it, under
+        this release's header or an earlier one's."""
+        body = self.to_yaml(relative_to=folder)
+        return any(text == header + body for header in (HEADER, *OLD_HEADERS))
+
+    def save(self, path: str | Path, same: Sameness | None = None) -> Path:
+        """Write the recipe to `path` (atomically: a crash never leaves half a recipe); over a recipe a
+        person wrote, their file with only what changed edited (`recipe_text`; `same`: when two
+        spellings of a row or checkpoint mean the same)."""
+        from tailor_tui.planning.recipe_text import text_to_save  # (it parses with this module)
+
         path = Path(path)
-        text = HEADER + self.to_yaml(relative_to=path.parent)
+        text = text_to_save(self, path, same)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         made = False
         try:
@@ -246,7 +267,7 @@ def as_tailor_wrote_it(path: Path) -> bool:
         recipe = parse_recipe(text, source=str(path), folder=path.parent)
     except (OSError, ValueError, UnicodeDecodeError, RecipeError):
         return False
-    return not path.is_symlink() and text == HEADER + recipe.to_yaml(relative_to=path.parent)
+    return not path.is_symlink() and recipe.as_saved(text, path.parent)
 
 
 def check_recipe_target(path: Path, force: bool) -> None:
