@@ -27,7 +27,7 @@ from textual.strip import Strip
 from tailor_tui.compose.composition import Composition
 from tailor_tui.health.healing import Health, damage
 from tailor_tui.ui.actions import GRID, bindings
-from tailor_tui.ui.describe import background, header_suffix, row_range
+from tailor_tui.ui.describe import background, header_suffix, metric_text, row_range
 from tailor_tui.ui.grid_lines import GridLines, RowGroup, groups_of
 from tailor_tui.units import shown
 
@@ -35,6 +35,7 @@ PICKED, HOLDS, DISABLED, TIED = "●", "·", "✗", "tied"
 OPEN, FOLDED, INDENT = "▾", "▸", "  "  # a stack's header, open and folded; its rows' names, indented
 HEADER_HEIGHT = 2
 MIN_WIDTH = 10  # a checkpoint column fits "● picked" and its padding
+WIDE = 24  # a checkpoint column that also shows its cell's value (`● picked  2.48%`): where they all fit
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,8 @@ class CheckpointGrid(ScrollView, can_focus=True):
         self._versions: list[int] = []  # per row, bumped when its cells change: the line cache's key
         self._lines: dict[tuple, Strip] = {}  # rendered lines of this frame's geometry
         self.folded: set[str] = set()  # the stacks folded into their header line
+        self.numbers = False  # the cells show their value of the metric beside their mark (wide terminals)
+        self._health_version = 0
         self._layout = GridLines(0)
 
     # --- what DataTable users expect ----------------------------------------------------
@@ -185,9 +188,10 @@ class CheckpointGrid(ScrollView, can_focus=True):
         """Show `composition`: only rows whose source, base, statistics or selection changed
         are worked out again (a pick: one row); the columns are rebuilt only when they change
         (another base relabels every header, new losses too)."""
-        self.health, self.metric = health, metric
+        self.health, self.metric, self._health_version = health, metric, health_version
         losses = tuple(header_suffix(health, i) for i in range(len(composition.checkpoints)))
-        shape = (composition.base, len(composition.checkpoints), len(composition.rows), losses)
+        self.numbers = self._numbers(composition)
+        shape = (composition.base, len(composition.checkpoints), len(composition.rows), losses, self.numbers)
         if self.composition is not composition or shape != self._shape:
             self.composition, self._shape = composition, shape
             self._index = {r.name: i for i, r in enumerate(composition.rows)}
@@ -310,11 +314,12 @@ class CheckpointGrid(ScrollView, can_focus=True):
                 if bad:
                     cells.append(GridCell(f"{PICKED} {bad}", "bold red reverse"))
                 elif column == comp.base:
-                    cells.append(GridCell(f"{PICKED} base", "bold cyan" + colour))
+                    cells.append(GridCell(f"{PICKED} base{self._value(cell)}", "bold cyan" + colour))
                 else:
-                    cells.append(GridCell(f"{PICKED} picked", "bold green" + colour))
+                    cells.append(GridCell(f"{PICKED} picked{self._value(cell)}", "bold green" + colour))
             elif comp.holds(column, row):
-                cells.append(GridCell(bad, "bold red") if bad else GridCell(f" {HOLDS} ", "dim" + colour))
+                cells.append(GridCell(bad, "bold red") if bad else
+                             GridCell(f" {HOLDS} {self._value(cell) or ' '}", "dim" + colour))
             else:
                 cells.append(GridCell("–", "dim"))
         return cells
@@ -333,6 +338,10 @@ class CheckpointGrid(ScrollView, can_focus=True):
             else:
                 cells.append(GridCell(f"{PICKED} {count}" if count else "", "bold" if folded else "dim"))
         return cells
+
+    def _value(self, cell) -> str:
+        """`  2.48%`: a healthy cell's value of the metric, where the cells show numbers; else ""."""
+        return f"  {metric_text(cell, self.metric)}" if self.numbers and cell is not None and cell.healthy else ""
 
     # --- drawing --------------------------------------------------------------------------
 
@@ -427,7 +436,17 @@ class CheckpointGrid(ScrollView, can_focus=True):
             self.scroll_to(x=x, y=y, animate=False, immediate=True)
 
     def on_resize(self, _event: events.Resize) -> None:
+        if self.composition is not None and self._numbers(self.composition) != self.numbers:
+            self.show(self.composition, self.health, self.metric, self._health_version)  # numbers in or out
         self._scroll_to_cell(self._cursor)
+
+    def _numbers(self, composition: Composition) -> bool:
+        """Whether the cells show their values: the statistics are in, and every checkpoint's column
+        fits WIDE in the widget's width (a 200-column terminal; never at 80)."""
+        if self.health is None or not composition.rows:
+            return False
+        names = max(cell_len(r.name) for r in composition.rows) + 2 + len(INDENT)
+        return self.size.width >= names + WIDE * len(composition.checkpoints)
 
     # --- keys and the mouse ----------------------------------------------------------------
 
