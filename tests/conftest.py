@@ -153,6 +153,9 @@ RUNS = {
     "hf_llava_vision_blown_up": RunSpec(arch="llava", dtype="fp32", layers=2, steps=4, save_every=2,
                                         blow_up=("model.vision_tower.encoder.layers.1.mlp.fc1.weight",),
                                         blow_up_step=4),
+    # a Llava saved selectively (the HF callback, parity): checkpoint-2 full, partial-step4 the rows it
+    # saved; its model file names are transformers 5's legacy ones (language_model.model.layers.N)
+    "hf_llava_selective": RunSpec(arch="llava", dtype="fp32", layers=2, steps=4, save_every=2, selective="parity"),
     "hf_peft_lora": RunSpec(peft=True, layers=3, steps=4, save_every=2),
     "hf_sharded_safetensors": RunSpec(max_shard_size="20KB", layers=3, steps=4, save_every=2),
     "hf_bin": RunSpec(save_safetensors=False, layers=3, steps=4, save_every=2),

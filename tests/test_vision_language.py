@@ -23,6 +23,7 @@ Which checkpoint a parameter should come from is this test's own rule: the pick 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -35,6 +36,7 @@ from helpers import assert_optim_states_equal, row_at, stats_json, tailor, write
 from safetensors import safe_open
 from zero_reader import read_full_state
 
+from tailor_tui.checkpoints.checkpoint import open_checkpoint
 from tailor_tui.checkpoints.rows import PEFT_PREFIX
 from tailor_tui.runs.demo_run import resume_and_step
 from tailor_tui.runs.models import base_model
@@ -156,6 +158,25 @@ def test_a_frozen_vision_tower_output_resumes_in_the_trainer(frozen_composed, tm
     assert got.keys() == loaded.keys() and all(torch.equal(got[n], loaded[n]) for n in got)
 
 
+def test_a_frozen_vision_tower_is_repartitioned_for_another_world_size(frozen_composed, tmp_path):
+    """--world-size 3 re-partitions every source, the frozen fragments in model_states among them: the
+    output verifies, holds every value of its pick, and the Trainer resumes it on 3 ranks."""
+    spec, old, base, picks, recipe, out = frozen_composed
+    resharded = tmp_path / "three"
+    applied = tailor("--apply", recipe, "--world-size", "3", "--output", resharded)
+    assert applied.returncode == 0, applied.stderr
+    verified = tailor("--verify", recipe, "--world-size", "3", "--output", resharded)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    got, want = read_full_state(resharded), read_full_state(out)
+    for key in ("fp32", "exp_avg", "exp_avg_sq"):
+        assert got[key].keys() == want[key].keys() and all(torch.equal(got[key][n], want[key][n]) for n in want[key])
+    three = dataclasses.replace(spec, world_size=3)
+    losses = resume_and_step(resharded, three, tmp_path / "resume")
+    assert losses and all(math.isfinite(x) for x in losses)
+    loaded = read_full_state(tmp_path / "resume" / "resaved")["fp32"]
+    assert all(torch.equal(loaded[n], got["fp32"][n]) for n in got["fp32"])
+
+
 def test_a_frozen_vision_tower_exports_as_picked(frozen_composed, tmp_path):
     """Frozen rows are exported from model_states' fragments of their pick (they have no fp32 master)."""
     spec, old, base, picks, recipe, out = frozen_composed
@@ -219,6 +240,36 @@ def test_a_lora_on_both_stacks_composes_per_row_and_loads_as_an_adapter(real_run
     assert_optim_states_equal(out, tmp_path / "resume" / "resaved")
 
 
+# --- a selective save ------------------------------------------------------------------------------------
+
+
+def test_a_selectively_saved_llava_composes_newest_per_row_and_loads(real_run, tmp_path):
+    """A partial save (the HF callback) holds no model file: the output's is made from each row's fp32
+    master slices, named as transformers 5 saves a Llava (`language_model.model.layers.N`, not the
+    parameter's `model.language_model.layers.N`). Rows the partial save holds come from it, the others
+    from the full checkpoint; from_pretrained loads the output's model file, every parameter the one the
+    run's own full reference save of that step holds."""
+    run, spec = real_run("hf_llava_selective")
+    full, partial = run / "run" / "checkpoint-2", run / "run" / "partial-step4"
+    saved = set(json.loads((partial / "tailor_partial.json").read_text())["rows"])
+    rows = open_checkpoint(full).rows
+    assert saved and {r.name for r in rows} > saved
+    recipe = write_recipe(tmp_path, partial, {r.name: full for r in rows if r.name not in saved})
+    applied = tailor("--apply", recipe)
+    assert applied.returncode == 0, applied.stderr
+    verified = tailor("--verify", recipe)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    reference = {step: read_full_state(run / "reference" / f"checkpoint-{step}")["fp32"] for step in (2, 4)}
+    step_of = {r.module_path: 4 if r.name in saved else 2 for r in rows}
+    model, info = transformers.LlavaForConditionalGeneration.from_pretrained(tmp_path / "composed",
+                                                                            output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    params = dict(model.named_parameters())
+    assert params.keys() == reference[4].keys()
+    for name, value in params.items():
+        assert torch.equal(value, reference[source_of(name, step_of, 4)][name]), name
+
+
 # --- healing a vision row ---------------------------------------------------------------------------
 
 
@@ -254,3 +305,5 @@ def test_heal_takes_the_blown_vision_row_alone_from_the_last_good_checkpoint(rea
         assert torch.isfinite(value).all(), param
     provenance = json.loads((out / "tailor_provenance.json").read_text())
     assert blown in json.dumps(provenance)
+    verified = tailor("--verify", recipe, "--output", out)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
