@@ -16,9 +16,10 @@ a Llama) and BEiT (a vision encoder).
   a frozen one: NaN values): `--stats` flags that vision row alone, `--heal` takes it alone from the last
   good checkpoint and every other row from the newest, and `--apply` of that recipe is finite throughout.
 
-Recipes name rows by their module paths (`model.vision_tower.encoder.layers.1`); the rows of a PEFT model,
-and what --stats and --heal report, are told by module path too (`helpers.row_at`), whatever rows are called.
-Which checkpoint a parameter should come from is this test's own rule: the pick of the module it lies in.
+Recipes name rows by their short names (`vision.layers.1`, `layers.0`: a multimodal model's rows come per
+stack), a PEFT model's as the plain model's; each is checked to be the row of the module this test means
+(`helpers.row_at`). Which checkpoint a parameter should come from is this test's own rule: the pick of the
+module it lies in.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -45,6 +47,17 @@ VISION_BLOCK = "model.vision_tower.encoder.layers.1"
 LANGUAGE_BLOCK = "model.language_model.layers.0"
 PROJECTOR = "model.multi_modal_projector"
 BLOWN = f"{VISION_BLOCK}.mlp.fc1.weight"  # the parameter the blown-up runs poison at their last save
+# the row a recipe names for each module (BEiT's and Llava's)
+ROWS = {VISION_BLOCK: "vision.layers.1", LANGUAGE_BLOCK: "layers.0", PROJECTOR: "multi_modal_projector",
+        "lm_head": "lm_head", "beit.layers.1": "layers.1", "classifier": "classifier"}
+
+
+def recipe_of(folder, base, picks: dict):
+    """A recipe picking, for each module of `picks`, its row by its short name (checked to be that
+    module's row in `base`) from the checkpoint given."""
+    for module in picks:
+        assert row_at(base, module).name == ROWS[module], module
+    return write_recipe(folder, base, {ROWS[module]: source for module, source in picks.items()})
 
 
 def source_of(name: str, picks: dict, base):
@@ -84,7 +97,7 @@ def test_export_loads_with_from_pretrained_each_parameter_its_rows_pick(real_run
     old, base = checkpoints_of(run, spec)
     cls_name, modules = EXPORTS[name]
     picks = {module: old for module in modules}
-    recipe = write_recipe(tmp_path, base, picks)
+    recipe = recipe_of(tmp_path, base, picks)
     done = tailor("--export", recipe, "--to", tmp_path / "model", "--dtype", "fp32")  # hf_beit trained in bf16
     assert done.returncode == 0, done.stderr
     model, info = getattr(transformers, cls_name).from_pretrained(tmp_path / "model", output_loading_info=True)
@@ -114,7 +127,7 @@ def frozen_composed(real_run, tmp_path_factory):
     old, base = checkpoints_of(run, spec)
     tmp = tmp_path_factory.mktemp("frozen")
     picks = {VISION_BLOCK: old, LANGUAGE_BLOCK: old}
-    recipe = write_recipe(tmp, base, picks)
+    recipe = recipe_of(tmp, base, picks)
     applied = tailor("--apply", recipe)
     assert applied.returncode == 0, applied.stderr
     return spec, old, base, picks, recipe, tmp / "composed"
@@ -202,7 +215,7 @@ def test_a_lora_on_both_stacks_composes_per_row_and_loads_as_an_adapter(real_run
     old, base = checkpoints_of(run, spec)
     modules = (VISION_BLOCK, PROJECTOR, LANGUAGE_BLOCK)
     picks = {module: old for module in modules}
-    recipe = write_recipe(tmp_path, base, {row_at(base, m).name: old for m in modules})
+    recipe = recipe_of(tmp_path, base, picks)
     applied = tailor("--apply", recipe)
     assert applied.returncode == 0, applied.stderr
     verified = tailor("--verify", recipe)
@@ -270,6 +283,30 @@ def test_a_selectively_saved_llava_composes_newest_per_row_and_loads(real_run, t
         assert torch.equal(value, reference[source_of(name, step_of, 4)][name]), name
 
 
+def test_a_partial_save_recording_the_row_names_of_an_earlier_tailor_tui_holds_its_rows(real_run, tmp_path):
+    """A partial save of a tailor-tui from before a multimodal model's rows came per stack recorded its rows
+    by the names given then (`vision_tower.encoder.layers.1`, `language_model.layers.0`): they are its rows
+    still, so --heal takes them from it (newer) and only the others from the full checkpoint."""
+    run, spec = real_run("hf_llava_selective")
+    copy = tmp_path / "run"
+    shutil.copytree(run / "run", copy)
+    manifest = copy / "partial-step4" / "tailor_partial.json"
+    record = json.loads(manifest.read_text())
+    rows = open_checkpoint(copy / "checkpoint-2").rows
+    saved = set(record["rows"])
+    before = {r.name: r.module_path.removeprefix("model.") for r in rows}  # the names rows had then
+    assert {before[r] for r in saved} != saved  # (some names did change)
+    record["rows"] = [before[r] for r in record["rows"]]
+    manifest.write_text(json.dumps(record, indent=2))
+    assert open_checkpoint(copy / "partial-step4").saved_rows == saved
+    recipe = tmp_path / "healed.yaml"
+    healed = tailor("--heal", copy, "--recipe", recipe)
+    assert healed.returncode == 0, healed.stderr
+    written = yaml.safe_load(recipe.read_text())
+    assert (recipe.parent / written["base"]).resolve() == (copy / "partial-step4").resolve()
+    assert set(written["layers"]) == {r.name for r in rows} - saved
+
+
 # --- healing a vision row ---------------------------------------------------------------------------
 
 
@@ -277,11 +314,12 @@ def test_a_selectively_saved_llava_composes_newest_per_row_and_loads(real_run, t
 def test_heal_takes_the_blown_vision_row_alone_from_the_last_good_checkpoint(real_run, tmp_path, name):
     run, spec = real_run(name)
     old, base = checkpoints_of(run, spec)
-    blown = row_at(base, VISION_BLOCK).name
+    blown = ROWS[VISION_BLOCK]
+    assert row_at(base, VISION_BLOCK).name == blown
     doc = stats_json(run)
     flagged = {(c["row"], c["checkpoint"]) for c in doc["cells"] if c["nonfinite"]}
     assert flagged == {(blown, str(base))}
-    assert {c["row"] for c in doc["cells"]} > {blown, row_at(base, LANGUAGE_BLOCK).name}
+    assert {c["row"] for c in doc["cells"]} > {blown, ROWS[LANGUAGE_BLOCK]}
 
     recipe = tmp_path / "healed.yaml"
     healed = tailor("--heal", run, "--recipe", recipe)
