@@ -140,6 +140,22 @@ RUNS = {
     "hf_qwen2_vl": RunSpec(arch="qwen2_vl", layers=3, steps=4, save_every=2),
     "hf_qwen2_5_vl": RunSpec(arch="qwen2_5_vl", layers=3, steps=4, save_every=2),
     "hf_mllama": RunSpec(arch="mllama", layers=3, steps=4, save_every=2),
+    # Llavas beyond plain composition (tests/test_vision_language.py): the whole vision tower frozen
+    # (`frozen` names a module: every parameter in it; no optimizer state, its values in model_states),
+    # one frozen vision block turning NaN just before the last save, so that its checkpoints differ;
+    # a LoRA adapter on both stacks and the projector (models.lora_config); a trainable vision block
+    # that blows up just before the last save (NaN masters, +Inf exp_avg_sq), for --stats and --heal
+    "hf_llava_frozen_vision": RunSpec(arch="llava", dtype="fp32", layers=2, steps=4, save_every=2,
+                                      frozen=("model.vision_tower",),
+                                      blow_up=("model.vision_tower.encoder.layers.1.mlp.fc1.weight",),
+                                      blow_up_step=4),
+    "hf_llava_lora": RunSpec(arch="llava", dtype="fp32", layers=2, steps=4, save_every=2, peft=True),
+    "hf_llava_vision_blown_up": RunSpec(arch="llava", dtype="fp32", layers=2, steps=4, save_every=2,
+                                        blow_up=("model.vision_tower.encoder.layers.1.mlp.fc1.weight",),
+                                        blow_up_step=4),
+    # a Llava saved selectively (the HF callback, parity): checkpoint-2 full, partial-step4 the rows it
+    # saved; its model file names are transformers 5's legacy ones (language_model.model.layers.N)
+    "hf_llava_selective": RunSpec(arch="llava", dtype="fp32", layers=2, steps=4, save_every=2, selective="parity"),
     "hf_peft_lora": RunSpec(peft=True, layers=3, steps=4, save_every=2),
     "hf_sharded_safetensors": RunSpec(max_shard_size="20KB", layers=3, steps=4, save_every=2),
     "hf_bin": RunSpec(save_safetensors=False, layers=3, steps=4, save_every=2),

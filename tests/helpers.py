@@ -85,6 +85,27 @@ def write_recipe(folder: Path, base: Path, layers: dict, output: str | None = "c
     return path
 
 
+def stats_json(run) -> dict:
+    """`--stats RUN --json` through the real CLI: the run's checkpoints and a cell per row and checkpoint."""
+    import json
+
+    result = tailor("--stats", run, "--json", "-j", "2")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def row_at(ckpt: Path, module: str):
+    """The row (tailor_tui's `Row`) of checkpoint `ckpt` whose module is `module` (a plain model's
+    module path, such as `model.vision_tower.encoder.layers.1`, that of a PEFT model's too): what a
+    recipe names it, whatever rows are called."""
+    from tailor_tui.checkpoints.checkpoint import open_checkpoint
+    from tailor_tui.checkpoints.rows import PEFT_PREFIX
+
+    rows = [r for r in open_checkpoint(ckpt).rows if r.module_path in (module, PEFT_PREFIX + module)]
+    assert len(rows) == 1, (module, [r.module_path for r in open_checkpoint(ckpt).rows])
+    return rows[0]
+
+
 def apply_and_verify(recipe: Path, *extra: str) -> None:
     """`--apply` the recipe (with `extra` options), then `--verify` it: both succeed."""
     applied = tailor("--apply", recipe, *extra)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 from conftest import checkpoints_of, resume_with, tree_digest
-from helpers import assert_one_line_error, param_row, tailor, write_recipe
+from helpers import assert_one_line_error, param_row, stats_json, tailor, write_recipe
 from zero_reader import read_full_state
 
 from tailor_tui.formats.nonfinite import Census, Region, count
@@ -28,12 +28,6 @@ def stats_cache(tmp_path, monkeypatch):
     """Each test starts with an empty statistics cache of its own (the CLI inherits it)."""
     monkeypatch.setenv("TAILOR_TUI_CACHE", str(tmp_path / "stats-cache"))
     return tmp_path / "stats-cache"
-
-
-def stats_json(run) -> dict:
-    result = tailor("--stats", run, "--json", "-j", "2")
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
 
 
 def expected_cells(ckpts, frozen=()) -> dict:

@@ -249,6 +249,18 @@ def _locate(path: Path) -> tuple[str, Path, Path, Path]:
     )
 
 
+def _saved_rows(names, rows: tuple[Row, ...]) -> frozenset:
+    """A partial save's rows, by their names now: a save of an earlier tailor-tui recorded the names it
+    gave then (a multimodal model's `vision_tower.encoder.layers.3`, now `vision.layers.3`), which find
+    their row as a recipe's do (`find_row`: a module path or an unambiguous end of it)."""
+    known = {r.name for r in rows}
+    found = set()
+    for name in names:
+        row = find_row(rows, name) if isinstance(name, str) and name not in known else None
+        found.add(row.name if row is not None else name)
+    return frozenset(found)
+
+
 def read_manifest(folder: Path) -> dict:
     """A partial checkpoint's manifest, checked."""
     path = folder / PARTIAL_MANIFEST
@@ -386,7 +398,7 @@ def open_checkpoint(path: str | Path, *, cache: Path | None = None) -> Checkpoin
         model_files=model_files,
         ds_version=states.ds_version,
         sizes=sizes,
-        saved_rows=frozenset(manifest["rows"]) if manifest else None,
+        saved_rows=_saved_rows(manifest["rows"], states.rows) if manifest else None,
         model_layout=path / PARTIAL_MODEL_FILES if manifest and (path / PARTIAL_MODEL_FILES).is_file() else None,
         composed=written_by_tailor(named, tag_dir, save_dir),
         weight_files=weight_file_names(named, tag_dir) if kind in ("hf", "accelerate") and not manifest else (),

@@ -173,6 +173,20 @@ def tensor_rows(names: list[str], rows: tuple[Row, ...], folder: Path) -> dict[s
     return found
 
 
+def tensor_params(names: list[str], rows: tuple[Row, ...], folder: Path) -> dict[str, str]:
+    """Each tensor name of a weight file of checkpoint folder `folder` that is not itself the name of
+    a parameter or buffer -> the parameter or buffer it holds, as transformers renames it when it
+    loads the architecture `folder/config.json` names (transformers 5 saves a Llava's
+    `model.language_model.layers.0.…` as `language_model.model.layers.0.…`). What a partial save,
+    which has no model file, reads a tensor's values by (its fp32 master slices, model_states)."""
+    known = {n for row in rows for n in (*row.params, *row.buffers)}
+    other = [n for n in names if n not in known]
+    loaded_as = loading_names(folder) if other else None
+    if loaded_as is None:
+        return {}
+    return {n: param for n in other if (param := loaded_as(n)) != n and param in known}
+
+
 def unplaced_error(file: Path, names: list[str], rows: tuple[Row, ...]) -> IncompatibleError:
     """A weight file's tensors of no row: named, with the row the first is closest to; never advice to
     delete the file (it is the model's own: its names are what needs reading)."""

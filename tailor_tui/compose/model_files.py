@@ -89,10 +89,11 @@ class _Fills:
 
     def write(self, s: int, name: str, dtype: str, shape: tuple, offset: int, length: int) -> None:
         if s in self.job.partial_ranks:
-            if name in self.job.slots[s]:
-                self._cast_slices(s, name, dtype, offset)
+            param = self.job.params.get(name, name)  # the file's name for it may be another (saved names)
+            if param in self.job.slots[s]:
+                self._cast_slices(s, param, dtype, offset)
             else:  # a frozen parameter or a buffer: small, kept in model_states
-                data = source_tensor(self.job, s, name, dtype, shape)
+                data = source_tensor(self.job, s, param, dtype, shape)
                 pwrite_all(self.fout, data, offset)
             self.on_bytes(length)
             return
@@ -118,7 +119,7 @@ class _Fills:
         return self.where[s][name]
 
     def _cast_slices(self, s: int, name: str, dtype: str, offset: int) -> None:
-        """Each rank's fp32 slice, cast to `dtype`, at its place in the flattened tensor."""
+        """Each rank's fp32 slice of parameter `name`, cast to `dtype`, at its place in the flattened tensor."""
         slot, itemsize = self.job.slots[s][name], SAFETENSORS_ITEMSIZE[dtype]
         buffer = memoryview(bytearray(CAST_CHUNK * 4))
         for rank, files in enumerate(self.job.partial_ranks[s]):
@@ -163,8 +164,8 @@ def _to_bytes(t, dtype: str) -> bytes:
 
 
 def source_tensor(job: ModelFileJob, s: int, name: str, dtype: str, shape: tuple) -> bytes:
-    """The bytes of tensor `name` as partial source `s` holds it, in `dtype` (torch-loaded:
-    frozen parameters and buffers, and what --verify compares against)."""
+    """The bytes of parameter or buffer `name` (`job.params`: not always the file's name for it) as
+    partial source `s` holds it, in `dtype` (torch-loaded: frozen parameters and buffers)."""
     import torch
     from safetensors import safe_open
 

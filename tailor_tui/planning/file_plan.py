@@ -25,6 +25,7 @@ from tailor_tui.checkpoints.weight_files import (
     is_bin_weights,
     is_safetensors,
     tensor_names,
+    tensor_params,
     tensor_rows,
     unplaced_error,
 )
@@ -61,8 +62,9 @@ def weight_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], picks: dict[s
             raise IncompatibleError(f"{sources[lacking[0]].path}: has no {name} (16-bit model weights) while the "
                                     "base has; pick its rows from a checkpoint that has one")
         _check_headers(f for i in used if i in full for f in full[i])
+        params = tensor_params(list(rows), base.rows, base.path) if partial else {}
         jobs.append(ModelFileJob(name, prefix, base_files.get(name), chosen, rows,
-                                 {i: full[i] for i in used if i in full}, partial, slots, names))
+                                 {i: full[i] for i in used if i in full}, partial, slots, names, params))
     for rel in _weight_files(base):
         base_file = base.path / rel
         prefix = ModelFileLayout.of_files((base_file,)).files[0][1]

@@ -9,7 +9,7 @@ back into the plan.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
@@ -92,6 +92,9 @@ class ModelFileJob(WeightFileCost):
     partial_ranks: dict[int, tuple[RankFiles, ...]]  # partial sources: every rank's files
     slots: dict[int, dict[str, Slot]]  # partial sources: where each rank's slice of each trainable parameter sits
     source_names: dict[int, str]  # for messages
+    # tensor -> the parameter or buffer it holds, where the file names it otherwise (transformers 5's
+    # saved names, `weight_files.tensor_params`): how a partial source's values are found
+    params: dict[str, str] = field(default_factory=dict)
 
     @property
     def task(self) -> str:

@@ -60,7 +60,7 @@ class RunSpec:
     steps: int = 6
     save_every: int = 2
     sub_group_size: int | None = None  # ZeRO-3 sub_group_size; small values split groups
-    frozen: tuple[str, ...] = ()  # parameter names to freeze (frozen_param_fragments)
+    frozen: tuple[str, ...] = ()  # parameters, or modules (all they hold), to freeze (frozen_param_fragments)
     seed: int = 0
     vocab: int = VOCAB
     intermediate: int | None = None  # MLP width; default 1.5 x hidden

@@ -147,7 +147,7 @@ def base_model(spec):
     # optimizer finds two dtypes in one parameter group (`defragment`'s assertion) under bf16.
     model = cls._from_config(config) if config.sub_configs else cls(config)
     for name, p in model.named_parameters():
-        if name in spec.frozen:
+        if is_frozen(spec, name):
             p.requires_grad_(False)
     if spec.buffer:
         if spec.arch != "llama":
@@ -156,10 +156,24 @@ def base_model(spec):
     return model
 
 
-def lora_config():
+def is_frozen(spec, name: str) -> bool:
+    """Whether `spec.frozen` freezes parameter `name`: it names the parameter, or a module it lies in
+    (`model.vision_tower`: the whole vision tower)."""
+    return any(name == f or name.startswith(f + ".") for f in spec.frozen)
+
+
+def lora_config(spec=None):
+    """The LoRA adapter of a PEFT run: Llama's attention q/v projections; a Llava's adapts both of its
+    stacks and what joins them (the vision tower's q/v projections and MLP fc1, the projector's first
+    linear, the language model's q/v projections)."""
     from peft import LoraConfig
 
-    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+    targets = ["q_proj", "v_proj"]
+    if spec is not None and spec.arch == "llava":
+        targets = [r"model\.vision_tower\..*\.(q_proj|v_proj|fc1)", r"model\.multi_modal_projector\.linear_1",
+                   r"model\.language_model\..*\.(q_proj|v_proj)"]
+        targets = "|".join(f"(?:{t})" for t in targets)
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets,
                       modules_to_save=["lm_head"], task_type="CAUSAL_LM")
 
 
@@ -170,7 +184,7 @@ def build_model(spec):
         return model
     from peft import get_peft_model
 
-    return get_peft_model(model, lora_config())
+    return get_peft_model(model, lora_config(spec))
 
 
 def param_groups(model, weight_decay: float = 0.1):

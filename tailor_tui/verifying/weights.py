@@ -131,7 +131,7 @@ class _WeightSources:
         shape); None when the source has no such tensor."""
         source = self.plan.sources[s]
         if source.partial:
-            value = self._partial(s, name)
+            value = self._partial(s, self.job.params.get(name, name))  # the file may name it otherwise
             if value is None or value.numel() != got.numel():
                 return None
             return value.to(got.dtype).reshape(got.shape)
