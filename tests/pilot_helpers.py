@@ -33,6 +33,17 @@ async def scanned(pilot):
     assert pilot.app.home.composition is not None
 
 
+async def curve_drawn(pilot):
+    """The loss curve shows what was asked for last (it draws in a thread worker)."""
+    from tailor_tui.ui.health_actions import LossCurve
+
+    curve = pilot.app.home.query_one(LossCurve)
+    await pilot.pause()
+    await wait_for(pilot, lambda: curve.up_to_date)
+    await pilot.pause()
+    return curve
+
+
 async def scan_notices(pilot) -> list:
     """The notices shown once the scan is complete (read at once: each lasts 8 s)."""
     await wait_for(pilot, lambda: pilot.app.home.scan_result is not None, tries=2400)

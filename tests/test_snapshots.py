@@ -9,7 +9,7 @@ import os
 import shutil
 
 import pytest
-from pilot_helpers import private_copy, scanned, wait_for
+from pilot_helpers import curve_drawn, private_copy, scanned, wait_for
 
 from tailor_tui.events import TaskProgressed
 from tailor_tui.ui.app import make_app
@@ -17,6 +17,22 @@ from tailor_tui.ui.dialogs import Confirm
 from tailor_tui.ui.progress_screen import ComposeProgressed, ProgressScreen
 
 SIZE = (130, 30)
+
+
+@pytest.fixture
+def snap_compare(snap_compare):
+    """Every screen as it settles: the loss curve (drawn in a thread worker) shows what it was asked for."""
+
+    def compare(app, run_before=None, **options):
+        async def settled(pilot):
+            if run_before is not None:
+                await run_before(pilot)
+            if pilot.app.home.composition is not None:
+                await curve_drawn(pilot)
+
+        return snap_compare(app, run_before=settled, **options)
+
+    return compare
 
 
 @pytest.fixture
@@ -32,6 +48,19 @@ def test_grid(snap_compare, run, size):
         await pilot.press("left", "down", "space", "down", "left", "space", "down")
 
     assert snap_compare(make_app(run), run_before=pick_two, terminal_size=size)
+
+
+@pytest.mark.parametrize("size", [(200, 50), (80, 24)], ids=["200x50", "80x24"])
+def test_loss_curve(snap_compare, run, size):
+    """The run's loss (and grad norm, right axis) over steps, each checkpoint's step on the axis and ○
+    on the curve, the cursor's (checkpoint-4, step 4) ● with a line across: beside the grid below the
+    details at 200x50; at 80x24 in the details' place (c)."""
+
+    async def on_checkpoint_4(pilot):
+        await scanned(pilot)
+        await pilot.press(*(["c"] if size == (80, 24) else []), "left")
+
+    assert snap_compare(make_app(run), run_before=on_checkpoint_4, terminal_size=size)
 
 
 def test_confirmation(snap_compare, run):

@@ -8,12 +8,16 @@ record it lies in passes its CRC-32 check. `stats_run` computes the cells.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from bisect import bisect_right
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Sequence
 
 from tailor_tui.checkpoints.checkpoint import Checkpoint, log_history
 
 METRICS = ("rel_change", "weight_rms", "adam_v_max")  # what the composer's heatmap can show
+MAX_CURVE_POINTS = 2000  # a training curve's points: a longer log is thinned to about this many (a plot's width)
+CURVE_LOGS_TRIED = 3  # checkpoints whose trainer_state.json a curve is looked for in, newest first
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,53 @@ class TrainingLog:
 
     loss: float | None = None
     grad_norm: float | None = None
+
+
+@dataclass(frozen=True)
+class TrainingCurve:
+    """The run's training loss over steps (and the grad norm where it was logged), as the newest
+    checkpoint's trainer_state.json holds it (its log_history holds the whole run's), and each
+    checkpoint's step: what the composer plots. No steps: no training log (DeepSpeed's layout)."""
+
+    checkpoint_steps: tuple[int, ...]
+    steps: tuple[int, ...] = ()
+    losses: tuple[float, ...] = ()
+    grad_steps: tuple[int, ...] = ()
+    grad_norms: tuple[float, ...] = ()
+    points_logged: int = 0  # losses in the log (more than `steps` where a long log was thinned)
+    log_read: bool = False  # a checkpoint's trainer_state.json was read (it may log no loss yet)
+
+    @property
+    def logged(self) -> bool:
+        return bool(self.steps)
+
+    def loss_at(self, step: int) -> float | None:
+        """The loss logged at `step`, or last before it (None before the first)."""
+        i = bisect_right(self.steps, step)
+        return self.losses[i - 1] if i else None
+
+    def grad_norm_at(self, step: int) -> float | None:
+        i = bisect_right(self.grad_steps, step)
+        return self.grad_norms[i - 1] if i else None
+
+    def thinned(self, most: int) -> TrainingCurve:
+        """The curve in at most `most` points of each line: each the mean of a run of consecutive
+        points, at the run's last step (a long, noisy log reads as its trend)."""
+        if len(self.steps) <= most and len(self.grad_steps) <= most:
+            return self
+        steps, losses = _means(self.steps, self.losses, most)
+        grad_steps, grad_norms = _means(self.grad_steps, self.grad_norms, most)
+        return replace(self, steps=steps, losses=losses, grad_steps=grad_steps, grad_norms=grad_norms)
+
+
+def _means(steps: tuple[int, ...], values: tuple[float, ...], most: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    n = len(steps)
+    if n <= most:
+        return steps, values
+    k = -(-n // max(1, most))
+    runs = range(0, n, k)
+    return (tuple(steps[min(i + k, n) - 1] for i in runs),
+            tuple(math.fsum(values[i:i + k]) / len(values[i:i + k]) for i in runs))
 
 
 @dataclass
@@ -173,6 +224,33 @@ def training_log(ckpt: Checkpoint) -> TrainingLog:
             loss = _number(entry["loss"])
             grad_norm = _number(entry.get("grad_norm"))
     return TrainingLog(loss, grad_norm)
+
+
+def training_curve(checkpoints: Sequence[Checkpoint]) -> TrainingCurve:
+    """The run's curve from the newest checkpoint with a training log (HF layout: its
+    trainer_state.json, read bounded; the next newest where one cannot be read, a few at most):
+    every finite loss logged by step (a step logged twice: its last entry, as after a resume), the
+    grad norm beside it where logged, thinned to MAX_CURVE_POINTS (means of runs of steps). Nothing
+    for DeepSpeed's or Accelerate's layout."""
+    marks = tuple(c.step for c in checkpoints)
+    points: dict[int, tuple[float, float | None]] = {}
+    read = False
+    newest = sorted((c for c in checkpoints if c.kind == "hf"), key=lambda c: c.step, reverse=True)
+    for ckpt in newest[:CURVE_LOGS_TRIED]:
+        history = log_history(Path(ckpt.path))
+        read = read or history is not None
+        for entry in history or []:
+            if isinstance(entry, dict) and type(entry.get("step")) is int \
+                    and (loss := _number(entry.get("loss"))) is not None and math.isfinite(loss):
+                grad = _number(entry.get("grad_norm"))
+                points[entry["step"]] = (loss, grad if grad is not None and math.isfinite(grad) else None)
+        if points:
+            break
+    logged = sorted(points.items())
+    grads = [(s, g) for s, (_loss, g) in logged if g is not None]
+    return TrainingCurve(marks, tuple(s for s, _ in logged), tuple(v for _, (v, _g) in logged),
+                         tuple(s for s, _ in grads), tuple(g for _, g in grads), len(logged),
+                         read).thinned(MAX_CURVE_POINTS)
 
 
 def _number(value) -> float | None:

@@ -83,8 +83,12 @@ ACTIONS: tuple[Action, ...] = (
     # view
     Action("cycle_metric", "m", "Metric", "Colour the grid by the next health metric", "view", "heatmap metric"),
     Action("toggle_details", "d", "Details",
-           "Give the details panel more room (on a narrow terminal it sits below the grid)", "view",
-           "taller details (narrow terminals)"),
+           "Give the details panel (or the loss curve) more room (on a narrow terminal they sit below the grid)",
+           "view", "taller details or curve (narrow terminals)"),
+    Action("toggle_curve", "c", "Curve",
+           "The run's loss curve, each checkpoint marked: hide or show it below the details (on a narrow "
+           "terminal: show it in the details' place)", "view",
+           "loss curve: hide / show (narrow terminals: in the details' place)", footer=True),
     # recipe
     Action("save_recipe", "ctrl+s", "Save", "Save the picks as a recipe", "recipe", "save", footer=True,
            owner=APP),

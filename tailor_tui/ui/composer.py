@@ -1,5 +1,6 @@
-"""The composer's screen: the grid of rows and checkpoints, its details panel, and what the
-user does there (pick, heal, save and load recipes, plan and compose, export).
+"""The composer's screen: the grid of rows and checkpoints, its details panel and the run's loss
+curve beside it, and what the user does there (pick, heal, save and load recipes, plan and compose,
+export).
 
 The screen owns the session's state (the composition, the scan, the row health) and binds
 the composer's keys (`actions`); its parts by task are mixins (`navigation`, `recipe_actions`,
@@ -28,7 +29,7 @@ from tailor_tui.checkpoints.scan import ScanResult, scan
 from tailor_tui.compose.composition import Composition
 from tailor_tui.errors import OutputError, TailorError
 from tailor_tui.export.export_run import ExportResult
-from tailor_tui.health.healing import Health, damage, training_log, why_unhealthy
+from tailor_tui.health.healing import Health, TrainingCurve, damage, training_curve, training_log, why_unhealthy
 from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.output import not_replaceable
 from tailor_tui.team.sbatch import offer_batch
@@ -37,7 +38,7 @@ from tailor_tui.ui.describe import details_lines
 from tailor_tui.ui.dialogs import Answer, Confirm, ErrorDialog, PathPrompt, PlanDialog
 from tailor_tui.ui.export_actions import ExportActions
 from tailor_tui.ui.grid import CheckpointGrid
-from tailor_tui.ui.health_actions import HealthActions
+from tailor_tui.ui.health_actions import HealthActions, LossCurve
 from tailor_tui.ui.host import ComposerOptions  # its home is host.py, named here where it always was
 from tailor_tui.ui.messages import PlanFailed, PlanReady, ScanComplete, ScanFailed, ScanProgressed
 from tailor_tui.ui.navigation import Navigation
@@ -97,6 +98,7 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
         self.redraw_due = False  # a redraw for arriving cells is scheduled
         self.selection_anchor: int | None = None  # the row a block selection (v) started at
         self.details_text = self.title_text = ""  # what the details panel and the title show
+        self.curve: TrainingCurve | None = None  # the run's training curve, read by the scan's worker
 
     # --- layout ------------------------------------------------------------------------
 
@@ -107,7 +109,9 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
             yield ProgressBar(id="scan-bar", show_eta=False)
         with Horizontal(id="main"):
             yield CheckpointGrid(id="grid")
-            yield Static("", id="details")
+            with Vertical(id="side"):  # wide: beside the grid, the curve below the details; narrow: below the grid
+                yield Static("", id="details")
+                yield LossCurve(id="curve")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -176,10 +180,12 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
             )
             # reads each trainer_state.json: here, not in the UI
             check_one_run(self.options.run_dir, result.checkpoints)
+            logs = {i: training_log(c) for i, c in enumerate(result.checkpoints)}
+            curve = training_curve(result.checkpoints)
         except TailorError as exc:
             self.post_message(ScanFailed(str(exc)))
         else:
-            self.post_message(ScanComplete(result))
+            self.post_message(ScanComplete(result, logs, curve))
 
     def on_scan_progressed(self, message: ScanProgressed) -> None:
         self.query_one("#scan-bar", ProgressBar).update(total=message.total, progress=message.done)
@@ -208,8 +214,8 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
                 self.adopt_recipe(self.options.recipe)  # on failure it is not the save target
             else:
                 self.composition.recipe_path = self.options.recipe  # a new recipe: ctrl+s creates it
-        self.health = Health(tuple(result.checkpoints), logs={i: training_log(c)
-                                                              for i, c in enumerate(result.checkpoints)})
+        self.health = Health(tuple(result.checkpoints), logs=message.logs)
+        self.curve = message.curve
         self.refresh_view()
         self.query_one(CheckpointGrid).focus()
         self.tell_skipped(result.problems)
@@ -236,6 +242,12 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
         self.update_title()
         self.update_details()
 
+    def update_curve(self, column: int | None) -> None:
+        """The curve, its cursor on the checkpoint of `column` (None: no column under the cursor)."""
+        comp = self.composition
+        step = comp.checkpoints[column].step if comp is not None and column is not None else None
+        self.query_one(LossCurve).show(self.curve, step)
+
     def on_checkpoint_grid_cursor_moved(self, message: CheckpointGrid.CursorMoved) -> None:
         if message.grid.is_attached:  # may arrive while the app shuts down
             self.follow_selection()
@@ -250,6 +262,7 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
             return
         grid = self.query_one(CheckpointGrid)
         row_name, column = grid.current()
+        self.update_curve(column)
         if row_name is None:
             return
         problems = self.scan_result.problems if self.scan_result else ()
@@ -435,7 +448,12 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
 
     def action_toggle_details(self) -> None:
         if self.editable():
-            self.query_one("#details").toggle_class("tall")
+            self.query_one("#side").toggle_class("tall")
+
+    def action_toggle_curve(self) -> None:
+        """Wide: hide (or show again) the curve below the details; narrow: the curve in the details' place."""
+        if self.editable():
+            self.query_one("#side").toggle_class("curve-toggled")
 
     def on_unmount(self) -> None:
         self.stats_cancel.set()  # statistics workers stop between chunks

@@ -14,7 +14,7 @@ from typing import Callable
 
 from tailor_tui.checkpoints.checkpoint import Checkpoint, tied_members, tied_partner
 from tailor_tui.compose.composition import Composition
-from tailor_tui.health.healing import METRICS, Cell, Health, damage_text, why_unhealthy
+from tailor_tui.health.healing import METRICS, Cell, Health, TrainingCurve, damage_text, why_unhealthy
 from tailor_tui.units import size
 
 # low → high: dark blue, teal, olive, amber, red (readable with the cells' light text)
@@ -57,6 +57,27 @@ def header_suffix(health: Health | None, column: int) -> str:
     if log.loss != log.loss or (prev is not None and prev > 0 and log.loss > LOSS_JUMP * prev):
         text += " ▲"
     return text
+
+
+def no_curve(curve: TrainingCurve) -> str:
+    """What the curve's place says where there is no curve to plot."""
+    if curve.log_read:
+        return "no loss logged yet: the newest checkpoint's trainer_state.json holds no training loss"
+    return ("no training log: these checkpoints keep no trainer_state.json (DeepSpeed's and Accelerate's "
+            "saves do not; the HF Trainer's do), so there is no loss curve")
+
+
+def curve_title(curve: TrainingCurve, cursor: int | None, width: int, circles: bool = True) -> str:
+    """The loss curve's title: the cursor's checkpoint's step, loss and grad norm, then (where
+    `width` leaves room) what the checkpoints' marks on the curve are (`circles`: drawn)."""
+    loss = curve.loss_at(cursor) if cursor is not None else None
+    if cursor is None or loss is None:
+        head = f"loss over {curve.steps[-1]:,} steps" if curve.steps else "loss"
+    else:
+        grad = curve.grad_norm_at(cursor)
+        head = f"● step {cursor:,}: loss {loss:.4g}" + (f" · grad {grad:.3g}" if grad is not None else "")
+    key = " · ○ checkpoints" if circles else ""
+    return head + key if len(head) + len(key) <= width - 2 else head
 
 
 def cell_lines(cell: Cell | None) -> list[str]:

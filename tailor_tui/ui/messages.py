@@ -12,6 +12,7 @@ from textual.message import Message
 
 from tailor_tui.checkpoints.scan import ScanResult
 from tailor_tui.events import TaskProgressed
+from tailor_tui.health.healing import TrainingCurve, TrainingLog
 from tailor_tui.planning.plan import ComposePlan
 
 if TYPE_CHECKING:
@@ -38,7 +39,12 @@ class ScanProgressed(Message):
 
 @dataclass(eq=False)
 class ScanComplete(Message):
+    """The scan's result, with what the worker read of the training logs: each checkpoint's loss
+    (`logs`, by column) and the run's curve."""
+
     result: ScanResult
+    logs: dict[int, TrainingLog]
+    curve: TrainingCurve
 
 
 @dataclass(eq=False)
