@@ -156,10 +156,6 @@ class CheckpointGrid(ScrollView, can_focus=True):
             return None
         return folded.name, [r.name for r in self.composition.rows[folded.first: folded.last + 1]]
 
-    def group_under_cursor(self) -> RowGroup | None:
-        """The stack the cursor's row is in (None in a model of one stack)."""
-        return self._layout.stack_of(self._cursor.row)
-
     def reveal(self, row: int) -> None:
         """Unfold the stack `row` is in, if it is folded (a jump to a row by name shows the row)."""
         folded = self._layout.folded_at(row)
@@ -171,7 +167,7 @@ class CheckpointGrid(ScrollView, can_focus=True):
 
     def toggle_fold(self) -> str | None:
         """Fold the stack under the cursor into its header line, or unfold it; its name, or None."""
-        group = self.group_under_cursor()
+        group = self._layout.stack_of(self._cursor.row)  # None in a model of one stack
         if group is None:
             return None
         self.folded ^= {group.name}
