@@ -791,6 +791,19 @@ def test_the_title_keeps_every_part_at_80_columns_shortening_paths_from_the_left
     assert fit_title(parts, 400) == f"tailor-tui · * {recipe} · base checkpoint-6 · output {output}"
 
 
+async def _error_after_prompt(pilot, key: str, path: Path) -> str:
+    """`key`, `path` typed into the prompt it opens: the error dialog's text (closed again)."""
+    app = pilot.app
+    await pilot.press(key)
+    await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt))
+    app.screen.query_one(Input).value = str(path)
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: isinstance(app.screen, ErrorDialog))
+    text = str(app.screen.query_one(".dialog-body").render())
+    await pilot.press("escape")
+    return text
+
+
 async def test_every_message_says_what_happened(run_copy, tmp_path):
     """ctrl+o of a recipe with a misspelt row says which row was meant, as --apply does; a quit with
     only the world size changed says that, not that the picks are unsaved; a folder typed as where to
@@ -802,26 +815,14 @@ async def test_every_message_says_what_happened(run_copy, tmp_path):
     app = make_app(run, workers=1)
     async with app.run_test(size=(80, 24)) as pilot:
         await scanned(pilot)
-        await pilot.press("ctrl+o")
-        await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt))
-        app.screen.query_one(Input).value = str(typo)
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: isinstance(app.screen, ErrorDialog))
-        assert "did you mean 'layers.1'?" in str(app.screen.query_one(".dialog-body").render())
-        await pilot.press("escape")
+        assert "did you mean 'layers.1'?" in await _error_after_prompt(pilot, "ctrl+o", typo)
         app.home.composition.world_size = 1  # as `w` sets it
         await pilot.press("q")
         await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
         assert "the world size changed" in app.screen.body and "picks" not in app.screen.body
         await pilot.press("escape")
         app.home.composition.world_size = None
-        await pilot.press("S")
-        await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt))
-        app.screen.query_one(Input).value = str(tmp_path)
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: isinstance(app.screen, ErrorDialog))
-        assert "is a folder" in str(app.screen.query_one(".dialog-body").render())
-        await pilot.press("escape")
+        assert "is a folder" in await _error_after_prompt(pilot, "S", tmp_path)
 
     from tailor_tui.export.export_plan import plan_export
     from tailor_tui.planning.build import build_plan
