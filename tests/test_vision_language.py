@@ -3,9 +3,9 @@ DeepSpeed ZeRO-3 (2 ranks, fp32, tiny configs): Llavas (a CLIP vision tower, the
 a Llama) and BEiT (a vision encoder).
 
 - `--export` of a composition (rows from two checkpoints, in the vision tower and in the language model)
-  is a folder that transformers' own `from_pretrained` loads (BeitForImageClassification,
-  LlavaForConditionalGeneration) with no missing, unexpected or mismatched key, every parameter of the
-  loaded model the fp32 master of the checkpoint its row was picked from;
+  is a folder that transformers' own `from_pretrained` loads (BEiT, Llava, LLaVA-NeXT, Qwen2-VL,
+  Qwen2.5-VL, Mllama) with no missing, unexpected or mismatched key, every parameter of the loaded
+  model the fp32 master of the checkpoint its row was picked from;
 - a Llava whose whole vision tower is frozen (no optimizer state: its values live in model_states'
   fragments and in the model file): a vision row and a language row from another checkpoint compose
   bit-exact (fp32 masters and Adam moments where they exist, frozen values as picked), `--verify`
@@ -49,7 +49,12 @@ PROJECTOR = "model.multi_modal_projector"
 BLOWN = f"{VISION_BLOCK}.mlp.fc1.weight"  # the parameter the blown-up runs poison at their last save
 # the row a recipe names for each module (BEiT's and Llava's)
 ROWS = {VISION_BLOCK: "vision.layers.1", LANGUAGE_BLOCK: "layers.0", PROJECTOR: "multi_modal_projector",
-        "lm_head": "lm_head", "beit.layers.1": "layers.1", "classifier": "classifier"}
+        "lm_head": "lm_head", "beit.layers.1": "layers.1", "classifier": "classifier",
+        "model.image_newline": "image_newline", "model.visual.blocks.0": "vision.blocks.0",
+        "model.visual.blocks.1": "vision.blocks.1", "model.visual.merger": "vision.merger",
+        "model.language_model.layers.1": "layers.1", "model.language_model.layers.2": "layers.2",
+        "model.vision_model.transformer.layers.1": "vision.transformer.layers.1",
+        "model.vision_model.global_transformer.layers.0": "vision.global_transformer.layers.0"}
 
 
 def recipe_of(folder, base, picks: dict):
@@ -65,7 +70,7 @@ def source_of(name: str, picks: dict, base):
     in, else the base (PEFT's prefix left aside)."""
     name = name.removeprefix(PEFT_PREFIX)
     for module, source in picks.items():
-        if name.startswith(module + "."):
+        if name == module or name.startswith(module + "."):  # a module's, or a parameter picked itself
             return source
     return base
 
@@ -78,7 +83,8 @@ def file_tensors(path) -> dict[str, torch.Tensor]:
 def assert_picks_observable(states: dict, picks: dict, old, base, key: str = "fp32") -> None:
     """Guards the comparisons: every picked module holds a value that differs between the checkpoints."""
     for module in picks:
-        names = [n for n in states[base][key] if n.removeprefix(PEFT_PREFIX).startswith(module + ".")]
+        names = [n for n in states[base][key] if (bare := n.removeprefix(PEFT_PREFIX)) == module
+                 or bare.startswith(module + ".")]
         assert names, module
         assert any(not torch.equal(states[old][key][n], states[base][key][n]) for n in names), module
 
@@ -88,6 +94,16 @@ def assert_picks_observable(states: dict, picks: dict, old, base, key: str = "fp
 EXPORTS = {
     "hf_beit": ("BeitForImageClassification", ["beit.layers.1", "classifier"]),
     "hf_llava": ("LlavaForConditionalGeneration", [VISION_BLOCK, PROJECTOR, LANGUAGE_BLOCK, "lm_head"]),
+    "hf_llava_next": ("LlavaNextForConditionalGeneration",
+                      ["model.image_newline", VISION_BLOCK, PROJECTOR, LANGUAGE_BLOCK, "lm_head"]),
+    "hf_qwen2_vl": ("Qwen2VLForConditionalGeneration",
+                    ["model.visual.blocks.1", "model.visual.merger", "model.language_model.layers.1", "lm_head"]),
+    "hf_qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration",
+                      ["model.visual.blocks.0", "model.visual.merger", "model.language_model.layers.2", "lm_head"]),
+    # both vision block lists, the cross-attention layer (layers.1) and the projector
+    "hf_mllama": ("MllamaForConditionalGeneration",
+                  ["model.vision_model.transformer.layers.1", "model.vision_model.global_transformer.layers.0",
+                   "model.language_model.layers.1", PROJECTOR, "lm_head"]),
 }
 
 
