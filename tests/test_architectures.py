@@ -36,6 +36,15 @@ QWEN2_VL_ROWS = [(r"(?:model\.)?visual\.blocks\.(\d+)\.", r"vision.blocks.\1"),
                  (r"model\.(?:language_model\.)?layers\.(\d+)\.", r"layers.\1"),
                  (r"model\.(?:language_model\.)?(\w+)\.", r"\1"), (r"lm_head\.", "lm_head")]
 
+# Llava's (and LLaVA-NeXT's): its vision tower, projector and language model under their names in the
+# model (`model.vision_tower.…`) and as transformers 5 saves them (`vision_tower.…`, `language_model.model.…`)
+LLAVA_ROWS = [(r"(?:model\.)?vision_tower\.encoder\.layers\.(\d+)\.", r"vision.layers.\1"),
+              (r"(?:model\.)?vision_tower\.(\w+)\.", r"vision.\1"),
+              (r"(?:model\.)?multi_modal_projector\.", "multi_modal_projector"),
+              (r"(?:model\.language_model|language_model\.model)\.layers\.(\d+)\.", r"layers.\1"),
+              (r"(?:model\.language_model|language_model\.model)\.(\w+)\.", r"\1"),
+              (r"(?:language_model\.)?lm_head\.", "lm_head")]
+
 # Each architecture's rows, and the row of a parameter or weight-file tensor by this test's own
 # rules (regular expressions over the names transformers gives; independent of tailor_tui.checkpoints.rows)
 ARCHS = {
@@ -75,12 +84,7 @@ ARCHS = {
     "hf_llava": (
         ["vision.embeddings", "vision.pre_layrnorm", "vision.layers.0", "vision.layers.1", "vision.post_layernorm",
          "multi_modal_projector", "embed_tokens", "layers.0", "layers.1", "layers.2", "norm", "lm_head"],
-        [(r"(?:model\.)?vision_tower\.encoder\.layers\.(\d+)\.", r"vision.layers.\1"),
-         (r"(?:model\.)?vision_tower\.(\w+)\.", r"vision.\1"),
-         (r"(?:model\.)?multi_modal_projector\.", "multi_modal_projector"),
-         (r"(?:model\.language_model|language_model\.model)\.layers\.(\d+)\.", r"layers.\1"),
-         (r"(?:model\.language_model|language_model\.model)\.(\w+)\.", r"\1"),
-         (r"(?:language_model\.)?lm_head\.", "lm_head")],
+        LLAVA_ROWS,
     ),
     # parameters `model.visual.…` and `model.language_model.…`, `lm_head`; saved as `visual.…` and
     # `model.layers.N.…`, `model.embed_tokens`, `model.norm` (transformers 5's conversion mapping)
@@ -106,23 +110,14 @@ ARCHS = {
          "layers.1", "layers.2", "norm", "multi_modal_projector", "lm_head"],
         [(r"(?:model\.)?vision_model\.((?:global_)?transformer)\.layers\.(\d+)\.", r"vision.\1.layers.\2"),
          (r"(?:model\.)?vision_model\.(\w+)(?:\.|$)", r"vision.\1"),
-         (r"(?:model\.)?multi_modal_projector\.", "multi_modal_projector"),
-         (r"(?:model\.language_model|language_model\.model)\.layers\.(\d+)\.", r"layers.\1"),
-         (r"(?:model\.language_model|language_model\.model)\.(\w+)\.", r"\1"),
-         (r"(?:language_model\.)?lm_head\.", "lm_head")],
+         *LLAVA_ROWS[2:]],  # the projector and the language model as Llava's
     ),
     # LLaVA-NeXT: Llava's layout and its learnt image_newline (`model.image_newline`, saved as `image_newline`)
     "hf_llava_next": (
         ["image_newline", "vision.embeddings", "vision.pre_layrnorm", "vision.layers.0", "vision.layers.1",
          "vision.post_layernorm", "multi_modal_projector", "embed_tokens", "layers.0", "layers.1", "layers.2",
          "norm", "lm_head"],
-        [(r"(?:model\.)?image_newline$", "image_newline"),
-         (r"(?:model\.)?vision_tower\.encoder\.layers\.(\d+)\.", r"vision.layers.\1"),
-         (r"(?:model\.)?vision_tower\.(\w+)\.", r"vision.\1"),
-         (r"(?:model\.)?multi_modal_projector\.", "multi_modal_projector"),
-         (r"(?:model\.language_model|language_model\.model)\.layers\.(\d+)\.", r"layers.\1"),
-         (r"(?:model\.language_model|language_model\.model)\.(\w+)\.", r"\1"),
-         (r"(?:language_model\.)?lm_head\.", "lm_head")],
+        [(r"(?:model\.)?image_newline$", "image_newline"), *LLAVA_ROWS],
     ),
     # the Trainer saves a PEFT model's trainable parameters only: LoRA's and modules_to_save's
     "hf_peft_lora": (
