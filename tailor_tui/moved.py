@@ -9,7 +9,8 @@ Public import paths are promises, kept by one rule, all of it here:
 - a module or package that lost names to another gets `__getattr__ = moved.names(__name__, {name: new
   module})`: each name warns where it is used. A subpackage's `__init__` gives its public API, found in
   its modules only when first used (torch is imported by the module that needs it, not by the
-  package), through the same `__getattr__`: `moved.names(__name__, old_names, public={name: module})`.
+  package), through the same `__getattr__`: `moved.names(__name__, old_names, public={name: module})`;
+- a method that became another module's function is `name = moved.method("module:function", "Class.name")`.
 """
 
 from __future__ import annotations
@@ -107,6 +108,19 @@ def names(old: str, homes: dict[str, str], public: dict[str, str] | None = None)
 
     __getattr__.homes = homes  # type: ignore[attr-defined]  # an old module's shim finds moved names here
     return __getattr__
+
+
+def method(home: str, old: str):
+    """A method that became a function of another module (`home`, "module:function", taking the
+    object first): calling `old` ("Class.method") warns, naming the function, and calls it."""
+    module, _, new = home.partition(":")
+
+    def call(self, *args, **kwargs):
+        warnings.warn(f"{old}() is now {module}.{new}()", DeprecationWarning, stacklevel=2)
+        return _find(home, new)(self, *args, **kwargs)
+
+    call.__name__, call.__doc__ = old.rpartition(".")[2], f"Deprecated: {module}.{new}(self, ...)."
+    return call
 
 
 class OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):

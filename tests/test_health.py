@@ -18,7 +18,7 @@ from helpers import assert_one_line_error, param_row, stats_json, tailor, write_
 from zero_reader import read_full_state
 
 from tailor_tui.formats.nonfinite import Census, Region, count
-from tailor_tui.planning.recipe import load_recipe
+from tailor_tui.planning.recipe_file import load_recipe
 
 BLOWN = "layers.2"
 

@@ -116,6 +116,10 @@ SHOWN_BEFORE = [
     ("from tailor_tui.merge import run_merge", "tailor_tui.compose.compose_run"),
     ("from tailor_tui import demo_run", "tailor_tui.runs.demo_run"),
     ("from tailor_tui.health import rms", "tailor_tui.health.healing.rms"),
+    ("from tailor_tui.planning.recipe import load_recipe", "tailor_tui.planning.recipe_file.load_recipe"),
+    ("import tempfile; from pathlib import Path; from tailor_tui.planning.recipe import Recipe; "
+     "assert Recipe(base=Path('b')).save(Path(tempfile.mkdtemp(), 'r.yaml')).read_text().count('base: ')",
+     "tailor_tui.planning.recipe_file.save_recipe()"),
 ]
 
 

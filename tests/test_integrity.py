@@ -130,7 +130,7 @@ def test_verify_catches_a_changed_learning_rate(real_run, tmp_path):
 def test_verify_compares_bytes_negative_zero_is_not_zero(real_run, tmp_path):
     recipe, out, _ = _composed(real_run, tmp_path, "hf_fp32_3_tied")  # 3 ranks: padded parameters
     from tailor_tui.planning.build import build_plan
-    from tailor_tui.planning.recipe import load_recipe
+    from tailor_tui.planning.recipe_file import load_recipe
 
     layout = build_plan(load_recipe(recipe), check_output=False).base.layout
     rank = layout.world_size - 1  # the last rank holds the padding
@@ -154,7 +154,7 @@ def test_a_base_whose_padding_is_not_zero_gives_zeros_there(real_run, tmp_path, 
     from zero_reader import read_full_state
 
     from tailor_tui.planning.build import build_plan
-    from tailor_tui.planning.recipe import load_recipe
+    from tailor_tui.planning.recipe_file import load_recipe
 
     run, spec = real_run("hf_fp32_3_tied")  # 3 ranks: padded parameters
     c2, c4, c6 = checkpoints_of(run, spec)

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from tailor_tui.errors import RecipeError
-from tailor_tui.planning.recipe import HEADER, OLD_HEADERS, Recipe, as_tailor_wrote_it, load_recipe, parse_recipe
+from tailor_tui.planning.recipe import HEADER, OLD_HEADERS, Recipe, as_tailor_wrote_it, parse_recipe
+from tailor_tui.planning.recipe_file import load_recipe, save_recipe
 
 
 def parse(text: str) -> Recipe:
@@ -53,7 +54,7 @@ def test_save_and_load_round_trip(tmp_path):
     r = Recipe(base=runs / "checkpoint-6", output=runs / "out",
                layers={"embed_tokens": runs / "checkpoint-2", "layers.1": runs / "checkpoint-4"})
     (tmp_path / "recipes").mkdir()
-    path = r.save(tmp_path / "recipes" / "fix.yaml")
+    path = save_recipe(r, tmp_path / "recipes" / "fix.yaml")
     text = path.read_text()
     assert "../runs/checkpoint-6" in text  # written relative to the recipe's folder
     again = load_recipe(path)
@@ -99,7 +100,7 @@ def hand_recipe(tmp_path) -> Path:
 
 def test_a_recipe_with_comments_is_saved_byte_for_byte(tmp_path):
     path = hand_recipe(tmp_path)
-    load_recipe(path).save(path)
+    save_recipe(load_recipe(path), path)
     assert path.read_bytes() == HAND.encode()
     assert not as_tailor_wrote_it(path)
 
@@ -109,7 +110,7 @@ def test_a_changed_source_changes_that_value_only(tmp_path):
     recipe = load_recipe(path)
     recipe.layers["layers.3"] = tmp_path / "runs" / "checkpoint-2"
     recipe.base = tmp_path / "runs" / "checkpoint-4"
-    recipe.save(path)
+    save_recipe(recipe, path)
     assert path.read_text() == (HAND.replace('layers.3: "../runs/checkpoint-4"', 'layers.3: "../runs/checkpoint-2"')
                                 .replace("base: '../runs/checkpoint-6'", "base: '../runs/checkpoint-4'"))
 
@@ -122,13 +123,13 @@ def test_added_and_removed_rows_and_keys(tmp_path):
                      "layers.2": runs / "checkpoint-2", "layers.3": recipe.layers["layers.3"],  # layers.1: removed
                      "norm": runs / "checkpoint-4"}
     recipe.world_size = None
-    recipe.save(path)
+    save_recipe(recipe, path)
     assert path.read_text() == HAND.replace("world_size: 2\n", "").replace(
         "    layers.1: ../runs/checkpoint-4\n",
         "    layers.0: ../runs/checkpoint-2\n    layers.2: ../runs/checkpoint-2\n").replace(
         '  # three\n', '  # three\n    norm: "../runs/checkpoint-4"\n')  # quoted as its neighbour
     recipe.layers, recipe.world_size = {}, 4
-    recipe.save(path)
+    save_recipe(recipe, path)
     assert path.read_text() == (
         HAND.split("---\n")[0] + "---\nversion: 1    # always 1\n\n# the newest checkpoint is the base\n"
         "output: \"../runs/out\"   # beside the runs\nbase: '../runs/checkpoint-6'   # newest\nworld_size: 4\n\n"
@@ -136,7 +137,7 @@ def test_added_and_removed_rows_and_keys(tmp_path):
         "# the end\n")
     assert load_recipe(path).layers == {}
     recipe.layers = {"lm_head": runs / "checkpoint-2"}
-    recipe.save(path)
+    save_recipe(recipe, path)
     assert "layers:   # rows taken from elsewhere\n  lm_head: ../runs/checkpoint-2\n" in path.read_text()
 
 
@@ -145,7 +146,7 @@ def test_a_missing_key_goes_where_a_recipe_has_it(tmp_path):
     path.write_text("# mine\nversion: 1\nbase: a  # the base\nlayers: {x: b}  # flow\n")
     recipe = load_recipe(path)
     recipe.output, recipe.layers = tmp_path / "out", {"x": tmp_path / "b", "y": tmp_path / "c"}
-    recipe.save(path)
+    save_recipe(recipe, path)
     assert path.read_text() == "# mine\nversion: 1\nbase: a  # the base\noutput: out\nlayers: {x: b, y: c}  # flow\n"
 
 
@@ -153,12 +154,12 @@ def test_a_recipe_tailor_tui_wrote_is_written_anew(tmp_path):
     """Its own recipe (under this header or an earlier one) stays its own: --heal may write it again."""
     runs = tmp_path / "runs"
     recipe = Recipe(base=runs / "checkpoint-6", layers={"layers.1": runs / "checkpoint-4"})
-    path = recipe.save(tmp_path / "fix.yaml")
+    path = save_recipe(recipe, tmp_path / "fix.yaml")
     assert path.read_text().startswith(HEADER) and as_tailor_wrote_it(path)
     path.write_text(path.read_text().replace(HEADER, OLD_HEADERS[0]))
     assert as_tailor_wrote_it(path)
     recipe.layers = {"layers.0": runs / "checkpoint-2"}
-    recipe.save(path)
+    save_recipe(recipe, path)
     assert path.read_text() == recipe.fresh_text(tmp_path) and as_tailor_wrote_it(path)
 
 
@@ -167,5 +168,5 @@ def test_over_a_file_that_is_no_recipe_the_recipe_is_written_anew(tmp_path, text
     path = tmp_path / "r.yaml"
     path.write_text(text)
     recipe = Recipe(base=tmp_path / "b")
-    recipe.save(path)
+    save_recipe(recipe, path)
     assert path.read_text() == recipe.fresh_text(tmp_path)

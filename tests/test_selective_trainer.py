@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from tailor_tui.checkpoints.scan import scan
 from tailor_tui.compose.composition import Composition
+from tailor_tui.planning.recipe_file import save_recipe
 from tailor_tui.runs.demo_run import continue_run
 from tailor_tui.selective.run_saves import newest_holders, removable, run_saves
 from tailor_tui.selective.saver import Filter, Parity
@@ -48,7 +49,7 @@ def test_save_total_limit_keeps_what_the_newest_state_needs_and_recovery_verifie
     assert sorted(p.name for p in run.iterdir() if p.is_dir()) == ["checkpoint-4", "partial-step10", "partial-step8"]
     composition = Composition.start([c for c in scan(run).checkpoints])
     composition.output = tmp_path / "recovered"
-    recipe = composition.to_recipe().save(tmp_path / "recover.yaml")
+    recipe = save_recipe(composition.to_recipe(), tmp_path / "recover.yaml")
     assert tailor("--apply", recipe).returncode == 0
     verified = tailor("--verify", recipe)
     assert verified.returncode == 0, verified.stdout + verified.stderr

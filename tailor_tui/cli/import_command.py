@@ -12,7 +12,7 @@ from tailor_tui.units import shown
 
 def load_for(args, path: Path):
     """The recipe at `path`, an LLMTailor recipe's model paths found in `--run` when given."""
-    from tailor_tui.planning.recipe import load_recipe
+    from tailor_tui.planning.recipe_file import load_recipe
 
     recipe = load_recipe(path, run=args.run)
     if args.run is not None and recipe.converted_from is None:
@@ -25,6 +25,7 @@ def import_command(args) -> int:
     from tailor_tui.planning.build import build_plan
     from tailor_tui.planning.mergekit_recipe import sources_of
     from tailor_tui.planning.recipe import Recipe, check_recipe_target
+    from tailor_tui.planning.recipe_file import save_recipe
 
     source: Path = getattr(args, "import")
     out: Path | None = args.recipe
@@ -44,6 +45,6 @@ def import_command(args) -> int:
     print(shown(f"base: {recipe.base.name} (the newest of the slices' checkpoints); output: {ours.output}"))
     for row, name, said in rows:
         print(shown(f"{row:<{width}}  {name:<{named}}  {said}"))
-    saved = ours.save(out)
+    saved = save_recipe(ours, out)
     print(shown(f"wrote {saved}; compose it with: tailor-tui --apply {saved}"))
     return ExitCode.OK

@@ -17,6 +17,7 @@ from tailor_tui.checkpoints.lineage import other_run
 from tailor_tui.errors import RecipeError
 from tailor_tui.health.healing import Healing, Health, heal
 from tailor_tui.planning.recipe import Recipe
+from tailor_tui.planning.recipe_file import save_recipe
 from tailor_tui.planning.recipe_text import Sameness
 
 
@@ -268,7 +269,7 @@ class Composition:
 
     def save(self, path: Path) -> Path:
         """Save the picks to `path`; over a recipe a person wrote, only what changed is edited in it."""
-        saved = self.to_recipe().save(path, same=Sameness(row=self._row_name, place=self._place))
+        saved = save_recipe(self.to_recipe(), path, same=Sameness(row=self._row_name, place=self._place))
         self.recipe_path, self._saved_state = saved, self._state()
         return saved
 

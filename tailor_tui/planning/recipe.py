@@ -18,17 +18,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import yaml
 
+from tailor_tui import moved
 from tailor_tui.checkpoints.side_files import read_small
 from tailor_tui.errors import OutputError, RecipeError, UsageError
-from tailor_tui.fileio import create
-from tailor_tui.planning.mergekit import looks_like as looks_like_mergekit
 
-if TYPE_CHECKING:
-    from tailor_tui.planning.recipe_text import Sameness
+# reading and saving a recipe file moved to recipe_file (above this module and the formats it reads)
+__getattr__ = moved.names(__name__, {"load_recipe": f"{__package__}.recipe_file"})
 
 # A recipe names one line per row: bounded before PyYAML composes it (a node costs it about
 # 500 bytes and 30 µs): its bytes by the side files' bound (1 MiB, `$TAILOR_TUI_MAX_SIDE_FILE`),
@@ -92,27 +90,8 @@ class Recipe:
         body = self.to_yaml(relative_to=folder)
         return any(text == header + body for header in (HEADER, *OLD_HEADERS))
 
-    def save(self, path: str | Path, same: Sameness | None = None) -> Path:
-        """Write the recipe to `path` (atomically: a crash never leaves half a recipe); over a recipe a
-        person wrote, their file with only what changed edited (`recipe_text`; `same`: when two
-        spellings of a row or checkpoint mean the same)."""
-        from tailor_tui.planning.recipe_text import text_to_save  # (it parses with this module)
-
-        path = Path(path)
-        text = text_to_save(self, path, same)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        made = False
-        try:
-            with open(create(tmp), "w") as f:  # new, never through a link left at its name
-                made = True
-                f.write(text)
-            os.replace(tmp, path)
-        except OSError as exc:
-            if made:
-                tmp.unlink(missing_ok=True)
-            raise RecipeError(f"{path}: cannot write the recipe ({exc.strerror})") from None
-        self.source_file = path
-        return path
+    # Saving is `recipe_file.save_recipe` (it edits a person's file: above this module)
+    save = moved.method(f"{__package__}.recipe_file:save_recipe", f"{__name__}.Recipe.save")
 
 
 def _at(source: str, node: yaml.Node) -> str:
@@ -139,7 +118,7 @@ def _within(path: Path) -> Path:
         return full
 
 
-def _check_size(text: str, source: str) -> None:
+def check_size(text: str, source: str) -> None:
     """Refuse text of more YAML nodes, or nested deeper, than a recipe has, before it is composed
     (malformed YAML is left to the composer, which says where)."""
     nodes = depth = 0
@@ -156,7 +135,7 @@ def _check_size(text: str, source: str) -> None:
 
 def parse_recipe(text: str, source: str = "recipe", folder: Path = Path(".")) -> Recipe:
     """Parse recipe text; relative paths resolve against `folder`."""
-    _check_size(text, source)
+    check_size(text, source)
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as exc:
@@ -227,36 +206,6 @@ def parse_recipe(text: str, source: str = "recipe", folder: Path = Path(".")) ->
                 layers[row] = _scalar_path(value, source, f"the source of row '{row}'", folder)
                 where[f"row:{row}"] = _at(source, key)
     return Recipe(base=base, output=output, layers=layers, world_size=world_size, where=where)
-
-
-def load_recipe(path: str | Path, run: Path | None = None) -> Recipe:
-    """The recipe at `path`: tailor-tui's, or LLMTailor's (mergekit's YAML, told by its keys), whose
-    model paths are found in the run folder `run` by their last names when it is given."""
-    path = Path(path)
-    if path.is_dir():
-        from tailor_tui.checkpoints.scan import run_of_checkpoint
-
-        run = run_of_checkpoint(path)  # advice that works when followed: a checkpoint's run, not the checkpoint
-        what = f"is a checkpoint of the run {run}" if run is not None else "is a folder"
-        run = run if run is not None else path
-        raise RecipeError(f"{path}: {what}, not a recipe (a .yaml file); open the run with `tailor-tui {run}`, "
-                          f"or write a recipe for it with `tailor-tui --heal {run} --recipe fix.yaml`")
-    try:
-        text = read_small(path).decode()
-    except FileNotFoundError:
-        raise RecipeError(f"{path}: no such recipe file") from None
-    except OSError as exc:
-        raise RecipeError(f"{path}: cannot read the recipe ({exc.strerror or exc})") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RecipeError(f"{path}: not a recipe ({exc})") from None
-    _check_size(text, str(path))
-    if looks_like_mergekit(text):
-        from tailor_tui.planning.mergekit_recipe import load_llmtailor  # (it makes this module's Recipe)
-
-        return load_llmtailor(text, path, run)
-    recipe = parse_recipe(text, source=str(path), folder=path.parent)
-    recipe.source_file = path
-    return recipe
 
 
 def as_tailor_wrote_it(path: Path) -> bool:

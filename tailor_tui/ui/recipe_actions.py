@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tailor_tui.errors import TailorError
-from tailor_tui.planning.recipe import load_recipe
+from tailor_tui.planning.recipe_file import load_recipe
 from tailor_tui.team.sbatch import write_sbatch
 from tailor_tui.ui.dialogs import Answer, Confirm, ErrorDialog, PathPrompt
 
