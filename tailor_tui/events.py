@@ -87,6 +87,8 @@ class TaskFinished:
     task: str
     total: int
     peak_rss: int = 0  # bytes: the peak resident memory of the process that ran the task
+    shared: int = 0  # bytes of its output files that share the base's blocks, not written (`cloning`)
+    shared_how: str = ""  # how ("reflink", "server-side copy"), where any are
 
 
 def peak_rss() -> int:
@@ -119,6 +121,9 @@ class TaskOptions:
     # Tests of the replacing way file systems without renameat2 exchange need (NFS, Lustre):
     # False replaces an output by two renames even where the kernel could swap atomically.
     exchange: bool = True
+    # Output files start as clones of the base's where the filesystem shares blocks (`cloning`);
+    # False (--no-clone): every byte written
+    clone: bool = True
 
 
 class ByteCounter:
@@ -143,6 +148,7 @@ class ByteCounter:
         self._last = 0.0
         self._delay = options.slow_down
         self._steps, self._look_at = 0, 0  # `add` looks at the clock and the cancel flag when due
+        self.shared, self.shared_how = 0, ""  # output bytes sharing the base's blocks (`shares`)
         emit(TaskProgressed(task, 0, self.shown))
 
     @classmethod
@@ -169,7 +175,11 @@ class ByteCounter:
             self._last = now
             self._emit(TaskProgressed(self.task, self._reported(), self.shown))
 
+    def shares(self, n: int, how: str) -> None:
+        """`n` bytes of the task's output share the base's blocks (`how`), not written."""
+        self.shared, self.shared_how = self.shared + n, how
+
     def finish(self) -> None:
         self.done = self.total
         self._emit(TaskProgressed(self.task, self.shown, self.shown))
-        self._emit(TaskFinished(self.task, self.shown, peak_rss()))
+        self._emit(TaskFinished(self.task, self.shown, peak_rss(), self.shared, self.shared_how))

@@ -2,7 +2,7 @@
 
     tailor-tui RUN_DIR [--recipe fix.yaml]      the interactive composer
     tailor-tui --demo                           make a small real run and open it
-    tailor-tui --apply recipe.yaml [--output DIR] [--workers N] [--dry-run] [--force] [--no-fsync]
+    tailor-tui --apply recipe.yaml [--output DIR] [--workers N] [--dry-run] [--force] [--no-fsync] [--no-clone]
     tailor-tui --stats RUN_DIR [--json]           the health of every row in every checkpoint
     tailor-tui --heal RUN_DIR --recipe OUT.yaml   the recipe that takes every row where it is healthy
     tailor-tui --import LLMTAILOR.yaml --recipe OUT.yaml [--run RUN_DIR]   an LLMTailor recipe as tailor-tui's
@@ -108,6 +108,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true",
                    help="replace an earlier tailor-tui output once the new one is complete "
                         "(never a folder tailor-tui did not write)")
+    p.add_argument("--no-clone", dest="clone", action="store_false",
+                   help="write every byte of the output, even where its filesystem could share the base's blocks "
+                        "(XFS, Btrfs, OpenZFS: by default output files start as clones of the base's and only "
+                        "the replaced rows are written)")
     p.add_argument("--no-fsync", dest="durable", action="store_false",
                    help="do not fsync the output before renaming it into place: faster on slow disks; still "
                         "atomic if tailor-tui is killed, but a power loss soon after can damage the output")
@@ -160,7 +164,7 @@ def apply(args) -> int:
     recipe = load_for(args, args.apply)
     plan = build_plan(recipe, output=args.output, force=args.force, preview=args.dry_run, world_size=args.world_size)
     if args.dry_run:
-        print("\n".join(map(shown, plan.describe())))  # a line per line, whatever the names
+        print("\n".join(map(shown, plan.describe(clone=args.clone))))  # a line per line, whatever the names
         print("dry run: nothing written")
         return ExitCode.OK
     team = connect(launch, args.peer_timeout, meeting=plan.output.parent) if launch else SOLO
@@ -186,7 +190,7 @@ def apply(args) -> int:
     else:
         report = reporter_for(sys.stderr, args.progress, planned_tasks(plan))
     cancel = threading.Event()
-    options = TaskOptions(durable=args.durable, slow_down=_test_slow_down(),
+    options = TaskOptions(durable=args.durable, slow_down=_test_slow_down(), clone=args.clone,
                           exchange=not os.environ.get("TAILOR_TEST_NO_RENAME_EXCHANGE"))
     try:
         result = run_compose(plan, workers=workers, emit=report, cancel=cancel, options=options,
@@ -204,8 +208,11 @@ def apply(args) -> int:
     if args.report_peak_rss:
         print(f"peak RSS: {result.peak_rss} bytes", file=sys.stderr)
     rate = result.bytes_written / max(result.seconds, 1e-6)
-    print(shown(f"done: {result.output} ({size(result.bytes_written)} written in "
-                f"{result.seconds:.1f}s, {size(rate)}/s)"))
+    if result.bytes_shared:
+        print(shown(f"sharing the base's blocks ({result.shared_how}): "
+                    f"{size(result.bytes_written - result.bytes_shared)} written, {size(result.bytes_shared)} shared"))
+    print(shown(f"done: {result.output} ({size(result.bytes_written)} {'composed' if result.bytes_shared else 'written'}"
+                f" in {result.seconds:.1f}s, {size(rate)}/s)"))
     return ExitCode.OK
 
 

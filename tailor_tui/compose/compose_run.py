@@ -59,6 +59,8 @@ class ComposeResult:
     bytes_written: int
     peak_rss: int  # bytes: the largest peak resident memory of any process that composed a task
     nonfinite: dict = field(default_factory=dict)  # row -> NaN/Inf values it holds (--allow-nonfinite)
+    bytes_shared: int = 0  # of bytes_written: bytes that share the base's blocks, not written (`cloning`)
+    shared_how: str = ""  # how they share them ("reflink", "server-side copy"); "" where none do
 
 
 def run_compose(
@@ -83,7 +85,8 @@ def run_compose(
     # what the plan counted (bytes_to_write): every file but the provenance record written last
     out = plan.output
     written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file() and f != out / PROVENANCE)
-    return ComposeResult(out, time.monotonic() - started, written, work.peak, dict(work.nonfinite))
+    return ComposeResult(out, time.monotonic() - started, written, work.peak, dict(work.nonfinite),
+                         work.shared, work.shared_how)
 
 
 class Composing(PublishingWork):
@@ -99,7 +102,7 @@ class Composing(PublishingWork):
         super().__init__(plan.output, plan.force, options)
         self.plan, self.allow_nonfinite, self.workers_asked = plan, allow_nonfinite, workers
         self.rank_call = reshard_rank if plan.reshard is not None else compose_rank
-        self.peak = 0
+        self.peak, self.shared, self.shared_how = 0, 0, ""
         self.nonfinite: Counter = Counter()
         self.reports: list[dict] = []  # every process's, as gathered
 
@@ -124,6 +127,8 @@ class Composing(PublishingWork):
     def observe(self, event, emit: Emit) -> bool:
         if isinstance(event, TaskFinished):
             self.peak = max(self.peak, event.peak_rss)
+            self.shared += event.shared
+            self.shared_how = self.shared_how or event.shared_how
         return False
 
     def report(self, mine: list[Task], results: list) -> dict:
@@ -133,12 +138,14 @@ class Composing(PublishingWork):
         files = [f"{self.plan.base.tag}/{name}" for t in mine if t.call is self.rank_call
                  for name in names[cast("RankJob | ReshardJob", t.job).rank]]
         files += [cast(WeightJob, t.job).name for t in mine if t.call is not self.rank_call]
-        return {"nonfinite": dict(nonfinite), "peak": self.peak,
+        return {"nonfinite": dict(nonfinite), "peak": self.peak, "shared": self.shared, "how": self.shared_how,
                 "files": {f: _size_of(tmp / f) for f in files}}
 
     def gathered(self, reports: list, lead: bool, emit: Emit) -> None:
         self.nonfinite = sum((Counter(d["nonfinite"]) for d in reports), Counter())
         self.peak = max(d["peak"] for d in reports)
+        self.shared = sum(d["shared"] for d in reports)
+        self.shared_how = next((d["how"] for d in reports if d["how"]), "")
         self.reports = reports
 
     def publish(self) -> None:

@@ -26,6 +26,7 @@ from typing import Callable
 from tailor_tui import crc
 from tailor_tui.checkpoints.checkpoint import PARTIAL_MODEL_FILES
 from tailor_tui.checkpoints.rank_reader import RankReader
+from tailor_tui.cloning import clone
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.fileio import CREATE, Folder, OpenFiles, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
@@ -59,22 +60,36 @@ def compose_model_file(job: ModelFileJob, out_dir: Folder, emit: Emit, cancelled
             fin = open_fd(stack, job.base_file) if job.base_file is not None else None
             if fin is None:
                 pwrite_all(fout, job.prefix, 0)
+            # the base's blocks shared (`cloning`): only the tensors picked elsewhere are written
+            how = clone(fin, fout) if fin is not None and options.clone else None
             fills = _Fills(job, stack, fout, writeback, lambda n: counter.add(2 * n))
             position = 0
             for offset, length, s, name, dtype, shape in sorted(edits):
-                if fin is not None:
-                    copy_range(fin, fout, position, offset - position, counter.add, writeback=writeback)
+                _keep(fin, fout, position, offset - position, counter, writeback, how)
                 fills.write(s, name, dtype, shape, offset, length)
                 position = offset + length
             if fin is not None:
-                copy_range(fin, fout, position, os.fstat(fin).st_size - position, counter.add, writeback=writeback)
+                _keep(fin, fout, position, os.fstat(fin).st_size - position, counter, writeback, how)
             os.ftruncate(fout, job.size)
             fsync(fout, options.durable)
+            if how is not None:
+                counter.shares(job.size - sum(length for _o, length, *_rest in edits), how)
             if job.base_file is not None:
                 os.fchmod(fout, os.stat(job.base_file).st_mode & 0o777 | 0o200)
     except OSError as exc:
         raise output_error(exc, out) from None
     counter.finish()
+
+
+def _keep(fin: int | None, fout: int, at: int, n: int, counter: ByteCounter, writeback: Writeback,
+          how: str | None) -> None:
+    """The base's `n` bytes at `at` kept in the output: copied, or already there in a clone (`how`)."""
+    if fin is None or n <= 0:
+        return
+    if how is None:
+        copy_range(fin, fout, at, n, counter.add, writeback=writeback)
+    else:
+        counter.add(n)
 
 
 class _Fills:

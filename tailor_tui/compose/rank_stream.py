@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from tailor_tui import crc, moved
 from tailor_tui.checkpoints.rank_reader import STREAM_CHUNK, RankReader, SliceCheck, check_dtypes, read_and_check
+from tailor_tui.cloning import clone
 from tailor_tui.events import ByteCounter
 from tailor_tui.fileio import CREATE, Target, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
 from tailor_tui.formats.ds_format import TENSORS
@@ -99,7 +100,8 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Coun
             fin = open_fd(stack, base_path)
             fds = {s: open_fd(stack, job.files[s].rows or job.files[s].optim_states) for s in used}
             fout = open_fd(stack, out, CREATE)
-            sweep = _Sweep(fin, fout, spans, fds, counter)
+            how = clone(fin, fout) if counter.options.clone else None  # the base's blocks shared: spans written
+            sweep = _Sweep(fin, fout, spans, fds, counter, cloned=how is not None)
             new = {}  # (source, offset) -> the CRC-32 of the span taken there
             for s in sources:  # a source's records not read in step: read and checked first
                 ahead = [sp for sp in spans if sp.source == s and id(sp.source_record) not in stepped]
@@ -139,6 +141,8 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Coun
                 for at in record.crc_offsets:
                     os.pwrite(fout, struct.pack("<I", record.crc ^ change), at)
             fsync(fout, counter.options.durable)
+            if how is not None:
+                counter.shares(sweep.kept - sum(length for _at, length, _r, _v in padding.found()), how)
     except OSError as exc:
         raise output_error(exc, out) from None
     return sum((c.counts for c in census.values()), Counter())
@@ -186,10 +190,14 @@ class _Sweep:
     """Writes the output front to back, in the kernel (`copy_to`): the base's bytes, and over them
     each span's from its source. Called chunk by chunk right after that chunk of the base and of
     the sources in step was read and checked (`read`), the copy finds those bytes in the CPU's
-    cache. A partial's slice is read whole and checked against its rows file's CRC-32 first."""
+    cache. A partial's slice is read whole and checked against its rows file's CRC-32 first.
+    `cloned`: the output is a clone of the base's file already (`cloning`): the base's bytes are
+    kept where they are, shared (`kept` counts them), and only the spans are written."""
 
-    def __init__(self, fin: int, fout: int, spans: list[Replacement], fds: dict[int, int], counter: ByteCounter):
+    def __init__(self, fin: int, fout: int, spans: list[Replacement], fds: dict[int, int], counter: ByteCounter,
+                 cloned: bool = False):
         self.fin, self.fout, self.spans, self.fds, self.counter = fin, fout, spans, fds, counter
+        self.cloned, self.kept = cloned, 0
         self.writeback = Writeback(fout, counter.options.durable)
         self.buffer = memoryview(bytearray(STREAM_CHUNK))
         self.written, self._j = 0, 0  # the output is written up to `written`; spans before _j lie behind
@@ -215,6 +223,11 @@ class _Sweep:
             if sp is None or sp.at > at:  # the base's bytes, up to the next span
                 stop = end if sp is None else min(end, sp.at)
                 fd, source_at = self.fin, at
+                if self.cloned:  # the clone holds them already
+                    self.counter.add(stop - at)
+                    self.kept += stop - at
+                    self.written = stop
+                    continue
             else:
                 if sp.check is not None and at == sp.at:  # a partial's slice: checked whole first
                     value = crc_range(self.fds[sp.source], sp.source_at, sp.length, self.buffer, self.counter.add,

@@ -11,6 +11,7 @@ from pathlib import Path
 from tailor_tui.checkpoints.checkpoint import Checkpoint, tied_members, tied_partner
 from tailor_tui.checkpoints.model_layout import ModelFileLayout
 from tailor_tui.checkpoints.weight_files import FileFate
+from tailor_tui.cloning import may_share
 from tailor_tui.planning.file_plan import (
     copied_files,
     describe_files,
@@ -241,10 +242,12 @@ class ComposePlan:
         """What the progress bars count: the bytes of every rank file and weight file written."""
         return sum(j.progress_bytes for j in (*self.rank_jobs(), *self.model_file_jobs()))
 
-    def describe(self, show=str, every_file: bool = True) -> list[str]:
+    def describe(self, show=str, every_file: bool = True, clone: bool = True) -> list[str]:
         """The plan as text lines, what matters first: output, base, totals, then only the rows
         that do not come from the base, runs of layers grouped (`layers.40–59 ← checkpoint-8`).
-        `show` formats paths (the TUI shows them relative to the run)."""
+        `show` formats paths (the TUI shows them relative to the run); `clone`: whether output
+        files may start as clones of the base's (False: --no-clone)."""
+        shares = may_share(self.base.path, self.output.parent) if clone else None
         rewritten = self.rewritten_files()
         lines = [
             f"output: {show(self.output)}",
@@ -255,6 +258,10 @@ class ComposePlan:
             + (f" (about: torch writes {rewritten} file(s) anew, their size known once written)" if rewritten else ""),
             f"        (the progress bars count bytes written: {size(self.progress_bytes())} of rank and "
             "weight files; the other files are copied)",
+            *([f"blocks: the output is on {shares}: {'model' if self.reshard else 'rank and model'} files start as "
+               "clones of the base's, "
+               "only what the recipe replaces is written (the log says how much; --no-clone writes every byte)"]
+              if shares else []),
             *(f"warning: {w}" for w in self.warnings),
         ]
         rows = [r for r in self.base.rows if not r.tied]

@@ -1,0 +1,152 @@
+"""Where the filesystem shares blocks, an output costs what changes: its rank and model files start
+as clones of the base's (`cloning`) and only the replaced rows are written — the same bytes as
+`--no-clone` writes, the same checks, resumed by DeepSpeed and the HF Trainer.
+
+On a loop-mounted XFS with reflink (`runs.scratch_xfs`: root and xfsprogs; `.ci/run` installs
+xfsprogs where it can); where one cannot be mounted, the tests say why in their skip reason.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from conftest import checkpoints_of
+from helpers import (
+    assert_one_line_error,
+    assert_optim_states_equal,
+    flat_record,
+    flip_byte,
+    hidden,
+    parity_picks,
+    start_apply,
+    tailor,
+    wait_for_line,
+    write_recipe,
+)
+
+from tailor_tui.cloning import clone, filesystem_type, may_share
+from tailor_tui.runs.demo_run import resume_and_step
+from tailor_tui.runs.scratch_xfs import loop_xfs, shared_bytes, unavailable
+
+WHY_NOT = unavailable()
+
+
+@pytest.fixture(scope="module")
+def xfs(tmp_path_factory):
+    if WHY_NOT is not None:
+        pytest.skip(f"no loop-mounted XFS: {WHY_NOT}")
+    folder = tmp_path_factory.mktemp("xfs")
+    try:
+        with loop_xfs(folder / "image", folder / "mnt", size=1 << 30) as mounted:
+            yield mounted
+    except RuntimeError as exc:
+        pytest.skip(f"no loop-mounted XFS: {exc}")
+
+
+def _on_xfs(real_run, xfs: Path, name: str) -> tuple[Path, object, list[Path]]:
+    """The cached real run `name`, copied onto the XFS (byte by byte: sharing nothing)."""
+    run, spec = real_run(name)
+    there = xfs / name
+    if not there.exists():
+        shutil.copytree(run, there)
+    return there, spec, checkpoints_of(there, spec)
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*"))
+            if f.is_file() and f.name != "tailor_provenance.json"}
+
+
+@pytest.mark.parametrize("name", ["hf_bf16_2", "ds_bf16_3_subgroups"])
+def test_a_cloned_output_is_the_bytes_no_clone_writes_shares_the_rest_and_resumes(real_run, xfs, tmp_path, name):
+    run, spec, ckpts = _on_xfs(real_run, xfs, name)
+    picks = parity_picks(spec, ckpts)
+    (run / "cloned").mkdir()
+    (run / "written").mkdir()
+    recipe = write_recipe(run / "cloned", ckpts[-1], picks, output="out")
+    plain = write_recipe(run / "written", ckpts[-1], picks, output="out")
+    plan = tailor("--apply", recipe, "--dry-run")
+    assert "blocks: the output is on the base's xfs filesystem" in plan.stdout, plan.stdout
+    assert "blocks:" not in tailor("--apply", plain, "--dry-run", "--no-clone").stdout
+
+    cloned = tailor("--apply", recipe)
+    assert cloned.returncode == 0, cloned.stderr
+    assert "sharing the base's blocks (reflink): " in cloned.stdout, cloned.stdout
+    written = tailor("--apply", plain, "--no-clone")
+    assert written.returncode == 0 and "sharing" not in written.stdout, written.stdout + written.stderr
+    out, reference = run / "cloned" / "out", run / "written" / "out"
+    assert _files(out) == _files(reference)  # bit for bit what every byte written gives
+
+    # blocks of the base's, not copies (copy_file_range shares a few too where a copy is block-aligned)
+    shared = {f: shared_bytes(out / f) for f in _files(out) if f.endswith(("optim_states.pt", ".safetensors"))}
+    assert shared and all(shared.values()), shared
+    assert sum(shared.values()) > sum(shared_bytes(reference / f) for f in shared)
+    verified = tailor("--verify", recipe)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+
+    losses = resume_and_step(out, spec, tmp_path / "resume")  # DeepSpeed; the HF Trainer for an HF run
+    assert losses and all(math.isfinite(x) for x in losses)
+    assert_optim_states_equal(out, tmp_path / "resume" / "resaved")
+
+
+def test_a_flipped_byte_in_a_row_kept_from_the_base_is_refused_not_shared(real_run, xfs):
+    """The base's bytes kept are read and checked against their CRC-32 though never written: damage
+    there is refused, never carried into the output under a CRC that blesses it."""
+    run, spec, ckpts = _on_xfs(real_run, xfs, "hf_bf16_2")
+    damaged = xfs / "damaged"
+    shutil.copytree(ckpts[-1], damaged)
+    rank0 = sorted(damaged.rglob("*rank_0_mp_rank_00_optim_states.pt"))[0]
+    flip_byte(rank0, flat_record(rank0), where=0.9)
+    recipe = write_recipe(xfs, damaged, {"layers.0": ckpts[0]}, output="from-damaged")
+    result = tailor("--apply", recipe)
+    assert_one_line_error(result, 4, str(rank0), "CRC")
+    assert not (xfs / "from-damaged").exists() and hidden(xfs) == []
+
+
+def test_killed_while_patching_a_clone_nothing_is_published(real_run, xfs):
+    run, spec, ckpts = _on_xfs(real_run, xfs, "hf_bf16_2")
+    recipe = write_recipe(run, ckpts[-1], {"layers.1": ckpts[0]}, output="killed")
+    proc = start_apply(recipe, "-j", "2")
+    wait_for_line(proc, "rank ")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    time.sleep(0.5)
+    assert not (run / "killed").exists()
+    again = tailor("--apply", recipe, "-j", "2")
+    assert again.returncode == 0, again.stderr
+    assert "sharing the base's blocks" in again.stdout and hidden(run) == []
+    assert tailor("--verify", recipe).returncode == 0
+
+
+def test_where_blocks_cannot_be_shared_every_byte_is_written(tmp_path):
+    """ext4, tmpfs, another filesystem: `clone` says it cannot and leaves the output empty."""
+    if filesystem_type(tmp_path) in {"xfs", "btrfs", "zfs", "bcachefs"}:
+        pytest.skip(f"{tmp_path} is on {filesystem_type(tmp_path)}, which may share blocks")
+    src, dst = tmp_path / "a", tmp_path / "b"
+    src.write_bytes(os.urandom(1 << 16))
+    fin, fout = os.open(src, os.O_RDONLY), os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        assert clone(fin, fout) is None and os.fstat(fout).st_size == 0
+    finally:
+        os.close(fin)
+        os.close(fout)
+    assert may_share(src, tmp_path) is None
+
+
+def test_clone_shares_a_file_and_says_so_on_xfs(xfs):
+    src, dst = xfs / "c", xfs / "d"
+    src.write_bytes(os.urandom(1 << 20))
+    fin, fout = os.open(src, os.O_RDONLY), os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        assert clone(fin, fout) == "reflink"
+    finally:
+        os.close(fin)
+        os.close(fout)
+    assert dst.read_bytes() == src.read_bytes() and shared_bytes(dst) == 1 << 20
+    assert filesystem_type(xfs) == "xfs" and may_share(src, xfs) == "the base's xfs filesystem"
