@@ -27,6 +27,13 @@ SERVER_COPY = frozenset({"nfs", "nfs4", "ceph", "cifs", "smb3"})
 COPY_STEP = 1 << 30  # bytes per copy_file_range call of a server-side copy (progress between them)
 
 
+def worth_it(replaced: int, size: int) -> bool:
+    """Whether a file of `size` bytes, `replaced` of which are written anew, is better cloned first:
+    when less than half of it is replaced (more: writing every byte costs about as much, and leaves
+    no file fragmented by copy-on-write)."""
+    return 2 * replaced < size
+
+
 def clone(fin: int, fout: int, fs_type: str | None = None) -> str | None:
     """Make the empty file `fout` a copy of `fin` that shares its blocks: "reflink" (FICLONE), or
     "server-side copy" on a network filesystem that copies in its server (`fs_type`, as

@@ -23,13 +23,13 @@ from helpers import (
     flat_record,
     flip_byte,
     hidden,
-    parity_picks,
     start_apply,
     tailor,
     wait_for_line,
     write_recipe,
 )
 
+from tailor_tui.checkpoints.checkpoint import open_checkpoint
 from tailor_tui.cloning import clone, filesystem_type, may_share
 from tailor_tui.runs.demo_run import resume_and_step
 from tailor_tui.runs.scratch_xfs import loop_xfs, shared_bytes, unavailable
@@ -66,8 +66,9 @@ def _files(folder: Path) -> dict[str, bytes]:
 @pytest.mark.parametrize("name", ["hf_bf16_2", "ds_bf16_3_subgroups"])
 def test_a_cloned_output_is_the_bytes_no_clone_writes_shares_the_rest_and_resumes(real_run, xfs, tmp_path, name):
     run, spec, ckpts = _on_xfs(real_run, xfs, name)
-    picks = parity_picks(spec, ckpts)
+    picks = {"layers.0": ckpts[0], "layers.1": ckpts[1]}  # rows from two checkpoints, most from the base
     (run / "cloned").mkdir()
+    (run / "every").mkdir()
     (run / "written").mkdir()
     recipe = write_recipe(run / "cloned", ckpts[-1], picks, output="out")
     plain = write_recipe(run / "written", ckpts[-1], picks, output="out")
@@ -87,6 +88,8 @@ def test_a_cloned_output_is_the_bytes_no_clone_writes_shares_the_rest_and_resume
     shared = {f: shared_bytes(out / f) for f in _files(out) if f.endswith(("optim_states.pt", ".safetensors"))}
     assert shared and all(shared.values()), shared
     assert sum(shared.values()) > sum(shared_bytes(reference / f) for f in shared)
+    every = write_recipe(run / "every", ckpts[-1], {r.name: ckpts[0] for r in open_checkpoint(ckpts[-1]).rows if not r.tied}, output="out")
+    assert "sharing" not in tailor("--apply", every).stdout  # half the rank files or more replaced: written
     verified = tailor("--verify", recipe)
     assert verified.returncode == 0, verified.stdout + verified.stderr
 
@@ -95,18 +98,22 @@ def test_a_cloned_output_is_the_bytes_no_clone_writes_shares_the_rest_and_resume
     assert_optim_states_equal(out, tmp_path / "resume" / "resaved")
 
 
-def test_a_flipped_byte_in_a_row_kept_from_the_base_is_refused_not_shared(real_run, xfs):
-    """The base's bytes kept are read and checked against their CRC-32 though never written: damage
-    there is refused, never carried into the output under a CRC that blesses it."""
+def test_a_flipped_byte_the_base_keeps_stays_detectable_in_a_clone_never_blessed(real_run, xfs):
+    """A cloned output does not read the base's kept bytes: their record keeps the CRC-32 the base
+    declares (combined with the replaced ranges'), so damage there fails --verify of the output as
+    it fails a read of the base; with --no-clone every byte is read and the damage refused."""
     run, spec, ckpts = _on_xfs(real_run, xfs, "hf_bf16_2")
     damaged = xfs / "damaged"
     shutil.copytree(ckpts[-1], damaged)
     rank0 = sorted(damaged.rglob("*rank_0_mp_rank_00_optim_states.pt"))[0]
     flip_byte(rank0, flat_record(rank0), where=0.9)
     recipe = write_recipe(xfs, damaged, {"layers.0": ckpts[0]}, output="from-damaged")
-    result = tailor("--apply", recipe)
-    assert_one_line_error(result, 4, str(rank0), "CRC")
-    assert not (xfs / "from-damaged").exists() and hidden(xfs) == []
+    cloned = tailor("--apply", recipe)
+    assert cloned.returncode == 0 and "sharing the base's blocks" in cloned.stdout, cloned.stderr
+    verified = tailor("--verify", recipe)
+    assert verified.returncode != 0 and "CRC" in verified.stdout + verified.stderr, verified.stdout + verified.stderr
+    refused = tailor("--apply", recipe, "--no-clone", "--force")
+    assert_one_line_error(refused, 4, str(rank0), "CRC")
 
 
 def test_killed_while_patching_a_clone_nothing_is_published(real_run, xfs):

@@ -26,7 +26,7 @@ from typing import Callable
 from tailor_tui import crc
 from tailor_tui.checkpoints.checkpoint import PARTIAL_MODEL_FILES
 from tailor_tui.checkpoints.rank_reader import RankReader
-from tailor_tui.cloning import clone
+from tailor_tui.cloning import clone, worth_it
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.fileio import CREATE, Folder, OpenFiles, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
@@ -61,7 +61,8 @@ def compose_model_file(job: ModelFileJob, out_dir: Folder, emit: Emit, cancelled
             if fin is None:
                 pwrite_all(fout, job.prefix, 0)
             # the base's blocks shared (`cloning`): only the tensors picked elsewhere are written
-            how = clone(fin, fout) if fin is not None and options.clone else None
+            replaced = sum(length for _o, length, *_rest in edits)
+            how = clone(fin, fout) if fin is not None and options.clone and worth_it(replaced, job.size) else None
             fills = _Fills(job, stack, fout, writeback, lambda n: counter.add(2 * n))
             position = 0
             for offset, length, s, name, dtype, shape in sorted(edits):
@@ -73,7 +74,7 @@ def compose_model_file(job: ModelFileJob, out_dir: Folder, emit: Emit, cancelled
             os.ftruncate(fout, job.size)
             fsync(fout, options.durable)
             if how is not None:
-                counter.shares(job.size - sum(length for _o, length, *_rest in edits), how)
+                counter.shares(job.size - replaced, how)
             if job.base_file is not None:
                 os.fchmod(fout, os.stat(job.base_file).st_mode & 0o777 | 0o200)
     except OSError as exc:

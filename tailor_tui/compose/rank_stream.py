@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from tailor_tui import crc, moved
 from tailor_tui.checkpoints.rank_reader import STREAM_CHUNK, RankReader, SliceCheck, check_dtypes, read_and_check
-from tailor_tui.cloning import clone
+from tailor_tui.cloning import clone, worth_it
 from tailor_tui.events import ByteCounter
 from tailor_tui.fileio import CREATE, Target, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
 from tailor_tui.formats.ds_format import TENSORS
@@ -61,6 +61,14 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Coun
     this does not handle, or the base's file is in torch's legacy format; the caller then
     re-serialises. Sources may be in either format (legacy ones have no CRC: only the slices taken
     are read).
+
+    Where the filesystem shares blocks (`cloning`; not with `--no-clone`, nor when the spans
+    replace half the file or more), the output starts as a clone of the base's file and only the
+    spans (and padding that is not zeros) are written; the base's records are then not read but
+    for the bytes the spans replace (their CRC-32s, old, for the combination) and the padding: a
+    record's CRC-32 is carried as the base declares it, so damage in the bytes it keeps stays
+    detectable in the output (by --verify, by torch), never blessed; their non-finite values are
+    not counted (the statistics, `--stats`, read them). Sources are read and checked whole as above.
     """
     base_path = job.files[0].optim_states
     if file_format(base_path) != "zip":
@@ -100,16 +108,22 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Coun
             fin = open_fd(stack, base_path)
             fds = {s: open_fd(stack, job.files[s].rows or job.files[s].optim_states) for s in used}
             fout = open_fd(stack, out, CREATE)
-            how = clone(fin, fout) if counter.options.clone else None  # the base's blocks shared: spans written
+            how = _clone(fin, fout, spans, counter)  # the base's blocks shared: only the spans are written
             sweep = _Sweep(fin, fout, spans, fds, counter, cloned=how is not None)
             new = {}  # (source, offset) -> the CRC-32 of the span taken there
             for s in sources:  # a source's records not read in step: read and checked first
-                ahead = [sp for sp in spans if sp.source == s and id(sp.source_record) not in stepped]
+                ahead = [sp for sp in spans if sp.source == s and (how or id(sp.source_record) not in stepped)]
                 checked = read_and_check(fds[s], job.files[s].optim_states, {sp.source_record for sp in ahead},
                                          {(sp.source_record, sp.source_at, sp.length) for sp in ahead},
                                          sweep.buffer, counter, census[s])
                 new.update({(s, at): value for (at, _n), value in checked.items()})
             old: dict[tuple[int, int], int] = {}  # (offset, length) -> the CRC-32 of the base's bytes a span replaces
+            if how is not None:  # the base's records are not read: only the bytes the spans replace, and padding
+                for sp in spans:
+                    old[sp.at, sp.length] = crc_range(fin, sp.at, sp.length, sweep.buffer, counter.add)
+                for at, length, _record in padding.pads:
+                    crc_range(fin, at, length, sweep.buffer, counter.add, padding.inspect)
+                records = []
             for record in records:
                 sweep.copy_to(record.data_offset, new, census)  # its local header (and what lies before)
                 mine = [(sp.at, sp.length) for sp in spans if sp.record is record]
@@ -146,6 +160,14 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Coun
     except OSError as exc:
         raise output_error(exc, out) from None
     return sum((c.counts for c in census.values()), Counter())
+
+
+def _clone(fin: int, fout: int, spans: list[Replacement], counter: ByteCounter) -> str | None:
+    """Make the output a clone of the base's file where the filesystem shares blocks and the spans
+    replace little enough of it (`cloning`); how, or None."""
+    if not counter.options.clone or not worth_it(sum(sp.length for sp in spans), os.fstat(fin).st_size):
+        return None
+    return clone(fin, fout)
 
 
 def _row_places(reader: RankReader, slots: list) -> list[list]:

@@ -1,0 +1,139 @@
+"""Benchmark: what an output costs where the filesystem shares blocks (issue 47), in one run.
+
+As root on Linux with xfsprogs: makes a loop-mounted XFS with reflink (`mkfs.xfs -m reflink=1` on a
+sparse file in the cache folder), copies the bench checkpoint onto it (bench_merge's real ZeRO-3
+run: 4 ranks, 2.3 GiB a checkpoint; made by `bench/bench_merge.py`), then, several rounds in turn,
+measures the new space (`df` after `sync`, before and after) and the time of:
+
+- `cp -r --reflink=never` of the base's tag folder (the yardstick) and `cp -r --reflink=always`;
+- `tailor-tui --apply` of a recipe replacing 1 row (layers.5) and of one replacing every row, each
+  cloned (the default) and with `--no-clone`;
+- on the cache folder's own filesystem (ext4 here: it cannot share blocks), the 1-row recipe both
+  ways and `cp -r`: unchanged, within noise.
+
+The bytes the 1-row recipe replaces are the plan's (every slice copied from another checkpoint:
+fp32 master, exp_avg, exp_avg_sq). Prints medians and each round's ratio to that round's cp.
+
+    sudo python bench/bench_clone.py [--repeats 3] [--cache .tailor-cache/bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_merge import SPEC, as_installed, bench_run, fresh_work, gib  # noqa: E402
+
+from tailor_tui.runs.scratch_xfs import loop_xfs, unavailable  # noqa: E402
+
+ONE_ROW = "layers.5"
+
+
+def used(folder: Path) -> int:
+    """Bytes in use on `folder`'s filesystem, once everything written reached it."""
+    subprocess.run(["sync"], check=True)
+    st = os.statvfs(folder)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def recipe(path: Path, base: Path, source: Path, output: Path, rows: list[str]) -> Path:
+    path.write_text(f"version: 1\nbase: {base}\noutput: {output}\nlayers:\n"
+                    + "".join(f"  {r}: {source}\n" for r in rows))
+    return path
+
+
+def replaced_bytes(path: Path) -> int:
+    """The bytes of rank files the recipe at `path` takes from another checkpoint (its plan's)."""
+    from tailor_tui.planning.build import build_plan
+    from tailor_tui.planning.jobs import BYTES_PER_ELEMENT
+    from tailor_tui.planning.recipe_file import load_recipe
+
+    plan = build_plan(load_recipe(path), check_output=False)
+    return sum(c.length for job in plan.rank_jobs() for c in job.copies) * BYTES_PER_ELEMENT
+
+
+def measure(cmd: list[str], out: Path, on: Path) -> tuple[float, int]:
+    """(seconds, new bytes on `on`'s filesystem) of running `cmd`, which writes `out`."""
+    shutil.rmtree(out, ignore_errors=True)
+    before = used(on)
+    time.sleep(1)  # let the filesystem finish freeing the removed output
+    before = used(on)
+    started = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    if done.returncode != 0:
+        raise SystemExit(f"bench: {' '.join(map(str, cmd[:3]))} failed:\n{done.stderr[-2000:]}")
+    grown = used(on) - before
+    shutil.rmtree(out, ignore_errors=True)
+    return seconds, grown
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cache", type=Path, default=ROOT / ".tailor-cache" / "bench")
+    args = ap.parse_args()
+    if (why := unavailable()) is not None:
+        raise SystemExit(f"bench: cannot mount a loop XFS: {why}")
+    as_installed()
+    run = bench_run(args.cache)
+    work = fresh_work(args.cache, "clone-work")
+    tailor = [str(Path(sys.executable).with_name("tailor-tui")), "--apply"]
+    with loop_xfs(work / "xfs.img", work / "xfs", size=16 << 30) as xfs:
+        print(f"copying the bench run onto {xfs} (byte by byte)…", flush=True)
+        subprocess.run(["cp", "-r", "--reflink=never", str(run), str(xfs / "run")], check=True)
+        places = {"xfs": (xfs / "run", xfs), "ext4": (run, work)}
+        commands: dict[str, tuple[list[str], Path, Path]] = {}
+        rows_all = [f"layers.{i}" for i in range(SPEC.layers)] + ["embed_tokens", "norm", "lm_head"]
+        for fs, (where, scratch) in places.items():
+            base, source, out = where / "global_step2", where / "global_step1", scratch / "out"
+            one = recipe(scratch / "one.yaml", base, source, out, [ONE_ROW])
+            every = recipe(scratch / "every.yaml", base, source, out, rows_all)
+            commands[f"{fs}: cp -r --reflink=never"] = (["cp", "-r", "--reflink=never", str(base), str(out)],
+                                                         out, scratch)
+            if fs == "xfs":
+                commands["xfs: cp -r --reflink=always"] = (["cp", "-r", "--reflink=always", str(base), str(out)],
+                                                           out, scratch)
+            commands[f"{fs}: --apply 1 row"] = ([*tailor, str(one)], out, scratch)
+            commands[f"{fs}: --apply 1 row --no-clone"] = ([*tailor, str(one), "--no-clone"], out, scratch)
+            if fs == "xfs":
+                commands["xfs: --apply every row"] = ([*tailor, str(every)], out, scratch)
+                commands["xfs: --apply every row --no-clone"] = ([*tailor, str(every), "--no-clone"], out, scratch)
+        replaced = replaced_bytes(xfs / "one.yaml")
+        files = len(list((xfs / "run" / "global_step2").iterdir()))
+        results: dict[str, list[tuple[float, int]]] = {k: [] for k in commands}
+        for i in range(args.repeats):
+            for name, (cmd, out, scratch) in commands.items():
+                results[name].append(measure(cmd, out, scratch))
+                seconds, grown = results[name][-1]
+                print(f"  round {i + 1}: {name:<36} {seconds:6.2f} s  {gib(grown):>10} new", flush=True)
+    shutil.rmtree(work, ignore_errors=True)
+
+    total = sum(f.stat().st_size for f in (run / "global_step2").iterdir())
+    print(f"\nbase tag folder: {gib(total)} in {files} files, {SPEC.world_size} ranks; the 1-row recipe replaces "
+          f"{replaced / 2**20:.1f} MiB ({ONE_ROW} of {SPEC.layers + 3} rows); {args.repeats} rounds; "
+          f"{os.cpu_count()} cores")
+    print(f"{'':<36} {'median':>7}  {'x cp (per round)':>16}  {'new space (median)':>19}  {'/ replaced':>10}")
+    for name, got in results.items():
+        fs = name.split(":")[0]
+        cp = results[f"{fs}: cp -r --reflink=never"]
+        ratio = statistics.median(s / c for (s, _), (c, _) in zip(got, cp))
+        space = statistics.median(g for _, g in got)
+        print(f"{name:<36} {statistics.median(s for s, _ in got):6.2f} s  {ratio:14.2f}x  "
+              f"{space / 2**20:15.1f} MiB  {space / replaced:9.2f}x")
+    print(f"(goal, 1 row on XFS: new space ≤ 2 × replaced + 1 MiB per file = "
+          f"{(2 * replaced + files * 2**20) / 2**20:.1f} MiB; time ≤ 0.5 × cp -r --reflink=never)")
+
+
+if __name__ == "__main__":
+    main()
