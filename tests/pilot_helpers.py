@@ -1,5 +1,6 @@
 """Helpers the composer's pilot and snapshot tests share: a private copy of a real run,
-waiting for the scan and the statistics, for a condition, and starting a composition from the keyboard."""
+waiting for the scan and the statistics, for a condition, what the terminal shows, and starting a
+composition from the keyboard."""
 
 from __future__ import annotations
 
@@ -57,6 +58,21 @@ async def wait_for(pilot, condition, tries: int = 600):
             return
         await pilot.pause(0.05)
     raise AssertionError("condition not reached")
+
+
+def on_screen(app, widget=None) -> list[str]:
+    """What the terminal shows now, a line of text each (no styles): the whole screen, or the part
+    of it inside `widget`'s content region (what of the widget is scrolled into view, or a notice over it)."""
+    lines = [strip.text for strip in app.screen._compositor.render_strips()]
+    if widget is None:
+        return lines
+    region = widget.content_region
+    return [line[region.x:region.right] for line in lines[region.y:region.bottom]]
+
+
+def footer_keys(app) -> set[str]:
+    """The names of the keys the footer shows now (those that work where the focus is)."""
+    return {b.binding.description for b in app.screen.active_bindings.values() if b.binding.show and b.enabled}
 
 
 async def compose_finished(pilot, tries: int = 600) -> None:

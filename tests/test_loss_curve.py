@@ -91,7 +91,7 @@ async def test_the_curve_beside_the_grid_at_200x50(demo):
     async with app.run_test(size=WIDE) as pilot:
         await scanned(pilot)
         curve = await curve_drawn(pilot)
-        grid, details = app.query_one("#grid"), app.query_one("#details")
+        grid, details = app.query_one("#grid"), app.query_one("#details-panel")
         assert _shown(curve) and _shown(details) and curve.region.height >= 12
         assert curve.region.x > grid.region.right - 1 and curve.region.y > details.region.y  # beside, below the details
         assert curve.marks == [(2, 4.640625), (4, 4.6328125), (6, 4.625)]
@@ -112,7 +112,7 @@ async def test_the_curve_in_the_details_place_at_80x24(demo):
     app = make_app(demo)
     async with app.run_test(size=NARROW) as pilot:
         await scanned(pilot)
-        curve, details, grid = app.query_one(LossCurve), app.query_one("#details"), app.query_one("#grid")
+        curve, details, grid = app.query_one(LossCurve), app.query_one("#details-panel"), app.query_one("#grid")
         assert not _shown(curve) and _shown(details)
         footer = {b.binding.description for b in app.screen.active_bindings.values() if b.binding.show}
         assert "Curve" in footer  # how to show it, at 80 columns

@@ -3,11 +3,13 @@ what a recovery session on a login node does (issue: the composer at real model 
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from pilot_helpers import compose_finished, private_copy, scanned, start_composing, wait_for
+from pilot_helpers import compose_finished, footer_keys, on_screen, private_copy, scanned, start_composing, wait_for
 from zero_reader import read_full_state
 
 from tailor_tui.ui.app import make_app
@@ -35,16 +37,16 @@ async def test_pick_layers_40_to_59_review_compose_and_reopen_at_80x24(deep_run)
         assert len(names) == 83 and app.home.composition.base_checkpoint.path == c4
         footer = {b.binding.description for b in app.screen.active_bindings.values() if b.binding.show}
         assert {"Compose", "Save", "Help", "Quit"} <= footer
-        details = app.query_one("#details")
-        health = next(i for i, text in enumerate(details.render().plain.splitlines()) if "Δ since previous" in text)
-        short = details.content_size.height
+        panel = app.query_one("#details-panel")  # the details' scroll: what of them shows
+        health = next(i for i, text in enumerate(app.home.details_text.splitlines()) if "Δ since previous" in text)
+        short = panel.content_size.height
         assert health >= short  # below the grid at 80 columns, the row's health is out of view
         await pilot.press("d")  # d gives the details room for it
         await pilot.pause()
-        assert details.content_size.height > health
+        assert panel.content_size.height > health
         await pilot.press("d")
         await pilot.pause()
-        assert details.content_size.height == short
+        assert panel.content_size.height == short
 
         await pilot.press("slash")  # jump to layers.40 by name
         await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt))
@@ -109,6 +111,109 @@ async def test_the_plan_scrolls_from_the_keyboard(deep_run):
         await pilot.press("escape")
         await pilot.pause()
         assert app.home.composition.to_recipe().layers == layers  # declined: nothing composed, picks kept
+
+
+# --- the details panel: all of it within reach from the keyboard ---------------------------------
+
+
+@pytest.mark.parametrize("size", [(80, 24), (200, 50)], ids=["80x24", "200x50"])
+async def test_tab_scrolls_the_details_panel_to_its_last_line(deep_run, size):
+    """Details longer than their panel at any size (21 saves cut short, listed last): tab focuses the
+    panel (its border lights up, the footer says Grid), the arrows, pgdn, end scroll it to its last
+    line, Esc / tab / Enter come back to the grid, where the keys pick and move as ever; the screen's
+    keys (d, c, a pick) work from the panel too; a move of the cursor keeps the panel where it was read
+    unless the row changes (its details from the top)."""
+    run, (c2, c4) = deep_run
+    for step in range(8, 50, 2):  # each without a rank's optimizer file: skipped, named in the details
+        broken = run / f"checkpoint-{step}"
+        shutil.copytree(c2, broken, copy_function=os.link)
+        next(broken.rglob("*rank_1_mp_rank_00_optim_states.pt")).unlink()
+    app = make_app(run)
+    async with app.run_test(size=size) as pilot:
+        await scanned(pilot)
+        app.clear_notifications()  # the notice of the skipped folders would cover the panel's corner
+        await pilot.pause()
+        grid, panel, comp = app.query_one("#grid"), app.query_one("#details-panel"), app.home.composition
+        last = "names each)"  # "  … and 1 more (tailor-tui --stats RUN_DIR names each)", wrapped or not
+        assert app.home.details_text.endswith(last) and "skipped while scanning (21):" in app.home.details_text
+        assert app.focused is grid and panel.max_scroll_y > 0 and "Details" in footer_keys(app)
+        assert on_screen(app)[-1].startswith(" tab Details ")  # the footer names it, at 80 columns too
+        assert not any(last in line for line in on_screen(app))  # cut by the panel
+        border = panel.parent.styles.border_top if size == (80, 24) else panel.parent.styles.border_left
+
+        await pilot.press("tab")
+        await pilot.pause()
+        assert app.focused is panel and "Grid" in footer_keys(app) and "Details" not in footer_keys(app)
+        assert on_screen(app)[-1].startswith(" esc Grid ")
+        lit = panel.parent.styles.border_top if size == (80, 24) else panel.parent.styles.border_left
+        assert lit != border  # the focus shows
+        await pilot.press("down")
+        await wait_for(pilot, lambda: panel.scroll_y == 1)
+        await pilot.press("pagedown")
+        await wait_for(pilot, lambda: panel.scroll_y > 2)
+        await pilot.press("end")
+        await wait_for(pilot, lambda: panel.scroll_y == panel.max_scroll_y)
+        await pilot.pause()
+        shown = on_screen(app, panel)
+        assert last in shown[-1], shown  # the details' last line, on the screen
+        assert any("checkpoint-48" in line for line in shown)  # the last folder listed
+        assert not comp.to_recipe().layers  # the scroll keys picked nothing, moved no cursor
+        assert grid.current() == ("embed_tokens", 1)
+
+        await pilot.press("escape")  # back to the grid: the panel stays where it was read
+        await pilot.pause()
+        assert app.focused is grid and panel.scroll_y == panel.max_scroll_y
+        await pilot.press("left", "space")  # the same row: a pick, the panel kept
+        await pilot.pause()
+        assert comp.to_recipe().layers == {"embed_tokens": c2} and panel.scroll_y == panel.max_scroll_y
+        await pilot.press("down")  # another row: its details from the top
+        await pilot.pause()
+        assert grid.current() == ("layers.0", 0) and panel.scroll_y == 0
+
+        await pilot.press("tab", "enter")  # Enter in the panel goes back to the grid, picking nothing
+        await pilot.pause()
+        assert app.focused is grid and comp.to_recipe().layers == {"embed_tokens": c2}
+        await pilot.press("tab", "shift+tab")
+        await pilot.pause()
+        assert app.focused is grid
+        await pilot.press("tab", "a")  # the screen's keys work from the panel: a picks the cursor's column
+        await pilot.pause()
+        assert app.focused is panel and set(comp.to_recipe().layers.values()) == {c2}
+        await pilot.press("u")
+        await pilot.pause()
+        assert comp.to_recipe().layers == {"embed_tokens": c2}
+
+        if size == (80, 24):  # d: taller, still focused; c: the curve in its place, the grid takes the focus
+            short = panel.size.height
+            await pilot.press("d")
+            await pilot.pause()
+            assert panel.size.height > short and app.focused is panel
+            await pilot.press("end")
+            await wait_for(pilot, lambda: panel.scroll_y == panel.max_scroll_y)
+            await pilot.pause()
+            assert last in on_screen(app, panel)[-1]
+            await pilot.press("d", "c")
+            await pilot.pause()
+            assert not panel.display and app.focused is grid and "Details" not in footer_keys(app)
+            assert "tab Details" not in on_screen(app)[-1]
+            await pilot.press("tab")  # nothing to go into
+            await pilot.pause()
+            assert app.focused is grid
+            await pilot.press("c", "tab")
+            await pilot.pause()
+            assert app.focused is panel
+        else:  # c hides the curve: the panel takes the column, focused still
+            tall = panel.size.height
+            await pilot.press("c")
+            await pilot.pause()
+            assert panel.size.height > tall and app.focused is panel
+            await pilot.press("end")
+            await wait_for(pilot, lambda: panel.scroll_y == panel.max_scroll_y)
+            await pilot.pause()
+            assert last in on_screen(app, panel)[-1]
+        await pilot.press("escape", "down", "space")  # picks work on the grid as before
+        await pilot.pause()
+        assert app.focused is grid and comp.to_recipe().layers == {"embed_tokens": c2, "layers.1": c2}
 
 
 # --- a vision-language model: 24 vision and 28 language blocks, a header per stack ---------------

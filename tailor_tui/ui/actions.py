@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from textual.binding import Binding, BindingType
 
-APP, HOME, GRID = "app", "home", "grid"  # who binds an action: the app (every screen), the composer's screen, the grid
+# who binds an action: the app (every screen), the composer's screen, the grid, the details panel
+APP, HOME, GRID, DETAILS = "app", "home", "grid", "details"
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,12 @@ ACTIONS: tuple[Action, ...] = (
            "language…); a pick on a folded stack picks its every row", "move", "fold / unfold a stack"),
     # view
     Action("cycle_metric", "m", "Metric", "Colour the grid by the next health metric", "view", "heatmap metric"),
-    Action("toggle_details", "d", "Details",
+    Action("focus_details", "tab,shift+tab", "Details",
+           "Into the details panel, to read all of it: the arrows, pgup/pgdn, home/end scroll it; Esc, tab or "
+           "Enter go back to the grid", "view", "into the details panel, to scroll it (Esc / tab / Enter: back)",
+           shows="tab / shift+tab", footer=True),
+    Action("focus_grid", "escape,tab,shift+tab,enter", "Grid", "", "view", owner=DETAILS, footer=True, palette=False),
+    Action("toggle_details", "d", "Taller details",
            "Give the details panel (or the loss curve) more room (on a narrow terminal they sit below the grid)",
            "view", "taller details or curve (narrow terminals)"),
     Action("toggle_curve", "c", "Curve",
@@ -119,7 +125,8 @@ ACTIONS: tuple[Action, ...] = (
 
 
 def bindings(owner: str) -> list[BindingType]:
-    """The bindings of `owner` (HOME: the composer's screen; GRID: the grid widget)."""
+    """The bindings of `owner` (HOME: the composer's screen; GRID: the grid widget; DETAILS: the
+    details panel, focused)."""
     return [Binding(a.keys, a.action, a.name, show=a.footer) for a in ACTIONS if a.owner == owner]
 
 

@@ -33,6 +33,7 @@ class TailorApp(App):
     CSS_PATH = "tailor.tcss"
     TITLE = "tailor-tui"
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (110, "-wide")]  # narrow: details below the grid
+    SUSPENDED_SCREEN_CLASS = "-covered"  # the composer's screen under a dialog (tailor.tcss: its footer)
     # The footer shows the keys a session needs at any width (80 columns included); the others
     # are in the help screen and the command palette, which says what each does.
     BINDINGS = bindings(APP)

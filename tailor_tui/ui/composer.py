@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable
 
 from textual import work
 from textual.app import ComposeResult
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Label, ProgressBar, Static
 from textual.worker import get_current_worker
@@ -33,7 +33,7 @@ from tailor_tui.health.healing import Health, TrainingCurve, damage, training_cu
 from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.output import not_replaceable
 from tailor_tui.team.sbatch import offer_batch
-from tailor_tui.ui.actions import HOME, bindings
+from tailor_tui.ui.actions import DETAILS, HOME, bindings
 from tailor_tui.ui.describe import details_lines
 from tailor_tui.ui.dialogs import Answer, Confirm, ErrorDialog, PathPrompt, PlanDialog
 from tailor_tui.ui.export_actions import ExportActions
@@ -80,6 +80,17 @@ def fit_title(parts: list[tuple[str, str]], room: int) -> str:
     return line()
 
 
+class DetailsPanel(VerticalScroll):
+    """The details panel: its text whole (the Static `#details` inside), scrolled. Tab from the grid
+    focuses it; the arrows, pgup/pgdn, home/end scroll it; Esc, tab or Enter go back to the grid.
+    The screen's keys work there as on the grid: a pick picks the grid's cell, the one described."""
+
+    BINDINGS = bindings(DETAILS)
+
+    def action_focus_grid(self) -> None:
+        self.screen.query_one(CheckpointGrid).focus()
+
+
 class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Screen[None]):
     BINDINGS = bindings(HOME)
 
@@ -98,6 +109,7 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
         self.redraw_due = False  # a redraw for arriving cells is scheduled
         self.selection_anchor: int | None = None  # the row a block selection (v) started at
         self.details_text = self.title_text = ""  # what the details panel and the title show
+        self.details_row: str | None = None  # the row the details describe (another: shown from the top)
         self.curve: TrainingCurve | None = None  # the run's training curve, read by the scan's worker
 
     # --- layout ------------------------------------------------------------------------
@@ -110,7 +122,8 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
         with Horizontal(id="main"):
             yield CheckpointGrid(id="grid")
             with Vertical(id="side"):  # wide: beside the grid, the curve below the details; narrow: below the grid
-                yield Static("", id="details")
+                with DetailsPanel(id="details-panel"):
+                    yield Static("", id="details")
                 yield LossCurve(id="curve")
         yield Footer()
 
@@ -156,6 +169,7 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
 
     def on_resize(self) -> None:
         self.update_title()
+        self.keep_focus_shown()
 
     # --- scanning ------------------------------------------------------------------------
 
@@ -271,10 +285,18 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
                               problems=problems, outputs=self.scan_result.outputs if self.scan_result else (),
                               show=self.rel, stack=folded)
         text = "\n".join(lines)
-        details = self.query_one("#details", Static)
-        if text != self.details_text:  # its size is fixed by the layout: no re-layout of the screen
+        if text != self.details_text:
             self.details_text = text
+            details = self.query_one("#details", Static)
             details.update(plain_lines(lines), layout=False)
+            # the whole text, as tall as it wraps, in a scroll of fixed size: a layout only where that
+            # height changes (the scroll's content; the rest keeps its place), not on every move of the cursor
+            width = details.content_size.width
+            if width and details.get_content_height(details.size, details.size, width) != details.content_size.height:
+                details.refresh(layout=True)
+        if row_name != self.details_row:  # another row: its details from the top (the same: left where read)
+            self.details_row = row_name
+            self.query_one(DetailsPanel).scroll_home(animate=False)
 
     # --- actions --------------------------------------------------------------------------
 
@@ -439,12 +461,31 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         # Under a dialog or the progress screen the grid's keys do nothing: the footer hides them.
-        return self.on_top
+        return self.on_top and (action != "focus_details" or self.details_shown)
 
     @property
     def on_top(self) -> bool:
         """Whether the user is on the grid itself (no dialog, no progress screen over it)."""
         return self.app.screen is self
+
+    @property
+    def details_shown(self) -> bool:
+        """Whether the details panel is on the screen (narrow, `c` puts the curve in its place)."""
+        return not (self.has_class("-narrow") and self.query_one("#side").has_class("curve-toggled"))
+
+    def keep_focus_shown(self) -> None:
+        """The details panel shown or hidden (the curve in its place): the footer names tab only where it
+        shows (in place of the palette's key at 80 columns: tailor.tcss), and the grid takes the focus from it
+        hidden."""
+        self.set_class(self.details_shown, "-details-shown")
+        self.refresh_bindings()
+        if not self.details_shown and self.query_one(DetailsPanel).has_focus:
+            self.query_one(CheckpointGrid).focus()
+
+    def action_focus_details(self) -> None:
+        """Tab: into the details panel, to scroll it (its Esc, tab or Enter come back)."""
+        if self.editable() and self.details_shown:
+            self.query_one(DetailsPanel).focus()
 
     def action_toggle_details(self) -> None:
         if self.editable():
@@ -454,6 +495,7 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
         """Wide: hide (or show again) the curve below the details; narrow: the curve in the details' place."""
         if self.editable():
             self.query_one("#side").toggle_class("curve-toggled")
+            self.keep_focus_shown()
 
     def on_unmount(self) -> None:
         self.stats_cancel.set()  # statistics workers stop between chunks
