@@ -136,6 +136,17 @@ class HeldPath:
             if parent != self.folder.fd():
                 os.close(parent)
 
+    def unlink(self) -> None:
+        """Remove this file (a name in its folder, as os.unlink: never what a link points to)."""
+        if not self.parts:
+            raise IsADirectoryError(errno.EISDIR, "the held folder itself", str(self.path))
+        parent = self._folder_fd(self.parts[:-1], make=False)
+        try:
+            os.unlink(self.parts[-1], dir_fd=parent)
+        finally:
+            if parent != self.folder.fd():
+                os.close(parent)
+
     def mkdir(self, mode: int = 0o777, parents: bool = False, exist_ok: bool = False) -> None:
         """Make this folder (as Path.mkdir: `parents`, `exist_ok`), inside the held folder."""
         if not self.parts:

@@ -354,3 +354,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def slurm_tasks(args, n=2, env=None, job="777") -> list[subprocess.Popen]:
+    """`n` tailor-tui processes started as srun starts the tasks of one job step (on this one machine)."""
+    port = str(free_port())
+    return [subprocess.Popen([TAILOR, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             stdin=subprocess.DEVNULL,
+                             env={**os.environ, "PYTHONWARNINGS": "ignore", "SLURM_PROCID": str(p),
+                                  "SLURM_NTASKS": str(n), "SLURM_JOB_ID": job, "SLURM_STEP_ID": "0",
+                                  "SLURM_STEP_NODELIST": "localhost", "MASTER_PORT": port, **(env or {})})
+            for p in range(n)]

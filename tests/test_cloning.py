@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import checkpoints_of
 from helpers import (
     assert_one_line_error,
@@ -23,6 +24,7 @@ from helpers import (
     flat_record,
     flip_byte,
     hidden,
+    slurm_tasks,
     start_apply,
     tailor,
     wait_for_line,
@@ -58,12 +60,19 @@ def _on_xfs(real_run, xfs: Path, name: str) -> tuple[Path, object, list[Path]]:
     return there, spec, checkpoints_of(there, spec)
 
 
-def _files(folder: Path) -> dict[str, bytes]:
-    return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*"))
-            if f.is_file() and f.name != "tailor_provenance.json"}
+def _files(folder: Path) -> dict[str, object]:
+    """Every file of an output but its provenance record: its bytes, or a torch-format weight file's
+    tensors (a clone keeps the base's archive, whose pickle and id torch's writer would write anew)."""
+    return {str(f.relative_to(folder)): _tensors(f) if f.suffix == ".bin" and f.name != "training_args.bin" else f.read_bytes()
+            for f in sorted(folder.rglob("*")) if f.is_file() and f.name != "tailor_provenance.json"}
 
 
-@pytest.mark.parametrize("name", ["hf_bf16_2", "ds_bf16_3_subgroups"])
+def _tensors(path: Path) -> dict[str, bytes]:
+    return {name: t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            for name, t in torch.load(path, weights_only=True).items()}
+
+
+@pytest.mark.parametrize("name", ["hf_bf16_2", "ds_bf16_3_subgroups", "hf_bin"])
 def test_a_cloned_output_is_the_bytes_no_clone_writes_shares_the_rest_and_resumes(real_run, xfs, tmp_path, name):
     run, spec, ckpts = _on_xfs(real_run, xfs, name)
     picks = {"layers.0": ckpts[0], "layers.1": ckpts[1]}  # rows from two checkpoints, most from the base
@@ -85,7 +94,8 @@ def test_a_cloned_output_is_the_bytes_no_clone_writes_shares_the_rest_and_resume
     assert _files(out) == _files(reference)  # bit for bit what every byte written gives
 
     # blocks of the base's, not copies (copy_file_range shares a few too where a copy is block-aligned)
-    shared = {f: shared_bytes(out / f) for f in _files(out) if f.endswith(("optim_states.pt", ".safetensors"))}
+    shared = {f: shared_bytes(out / f) for f in _files(out) if f.endswith(("optim_states.pt", ".safetensors", ".bin"))
+              and not f.endswith("training_args.bin")}
     assert shared and all(shared.values()), shared
     assert sum(shared.values()) > sum(shared_bytes(reference / f) for f in shared)
     every = write_recipe(run / "every", ckpts[-1], {r.name: ckpts[0] for r in open_checkpoint(ckpts[-1]).rows if not r.tied}, output="out")
@@ -129,6 +139,29 @@ def test_killed_while_patching_a_clone_nothing_is_published(real_run, xfs):
     assert again.returncode == 0, again.stderr
     assert "sharing the base's blocks" in again.stdout and hidden(run) == []
     assert tailor("--verify", recipe).returncode == 0
+
+
+def test_two_slurm_tasks_each_clone_and_patch_their_own_ranks(real_run, xfs):
+    """A job over several processes: each clones and patches the files of its ranks; process 0 adds up
+    what every process shared, and the output is the one a single process writes."""
+    run, spec, ckpts = _on_xfs(real_run, xfs, "ds_bf16_3_subgroups")
+    picks = {"layers.0": ckpts[0], "layers.1": ckpts[1]}
+    (run / "team").mkdir()
+    (run / "alone").mkdir()
+    recipe = write_recipe(run / "team", ckpts[-1], picks, output="out")
+    alone = tailor("--apply", write_recipe(run / "alone", ckpts[-1], picks, output="out"))
+    tasks = slurm_tasks(["--apply", recipe], job="4747")
+    said = [task.communicate(timeout=300) for task in tasks]
+    assert [task.returncode for task in tasks] == [0, 0], said
+    lead = said[0][0]
+    assert "sharing the base's blocks (reflink)" in lead and "sharing" in alone.stdout, (lead, alone.stdout)
+    assert _shared_line(lead) == _shared_line(alone.stdout)  # every process's shares, added up
+    assert _files(run / "team" / "out") == _files(run / "alone" / "out")
+    assert tailor("--verify", recipe).returncode == 0
+
+
+def _shared_line(log: str) -> str:
+    return next(line for line in log.splitlines() if line.startswith("sharing the base's blocks"))
 
 
 def test_where_blocks_cannot_be_shared_every_byte_is_written(tmp_path):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import checkpoints_of
-from helpers import TAILOR, free_port, hidden, tailor, write_recipe
+from helpers import TAILOR, free_port, hidden, slurm_tasks, tailor, write_recipe
 
 from tailor_tui.checkpoints.checkpoint import PROVENANCE
 from tailor_tui.errors import UsageError
@@ -65,16 +65,6 @@ def test_work_is_divided_by_bytes():
     assert [sum(sizes[i] for i in share) for share in shares] == [41, 40]
 
 
-def _slurm_tasks(args, n=2, env=None, job="777") -> list[subprocess.Popen]:
-    port = str(free_port())
-    return [subprocess.Popen([TAILOR, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             stdin=subprocess.DEVNULL,
-                             env={**os.environ, "PYTHONWARNINGS": "ignore", "SLURM_PROCID": str(p),
-                                  "SLURM_NTASKS": str(n), "SLURM_JOB_ID": job, "SLURM_STEP_ID": "0",
-                                  "SLURM_STEP_NODELIST": "localhost", "MASTER_PORT": port, **(env or {})})
-            for p in range(n)]
-
-
 def _assert_same_output(mine: Path, theirs: Path) -> None:
     files = sorted(p.relative_to(mine) for p in mine.rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(theirs) for p in theirs.rglob("*") if p.is_file())
@@ -104,7 +94,7 @@ def test_two_slurm_tasks_reshard_what_one_process_does(real_run, tmp_path):
     c2, _c4, c6 = checkpoints_of(run, spec)
     recipe = write_recipe(tmp_path, c6, {"layers.2": c2})
     assert tailor("--apply", recipe, "-o", tmp_path / "solo", "--world-size", "2").returncode == 0
-    tasks = _slurm_tasks(["--apply", recipe, "--world-size", "2"])
+    tasks = slurm_tasks(["--apply", recipe, "--world-size", "2"])
     outs = [t.communicate(timeout=300) for t in tasks]
     assert [t.returncode for t in tasks] == [0, 0], outs
     assert "done: " in outs[0][0] and not outs[1][0]
@@ -115,7 +105,7 @@ def test_a_task_killed_mid_composition_fails_the_job_and_leaves_nothing(real_run
     run, spec = real_run("ds_bf16_3_subgroups")
     c2, _c4, c6 = checkpoints_of(run, spec)
     recipe = write_recipe(tmp_path, c6, {"layers.2": c2})
-    tasks = _slurm_tasks(["--apply", recipe, "--peer-timeout", "4"], env={"TAILOR_TEST_SLOW_COMPOSE": "0.2"})
+    tasks = slurm_tasks(["--apply", recipe, "--peer-timeout", "4"], env={"TAILOR_TEST_SLOW_COMPOSE": "0.2"})
     while "[process 1] rank" not in (line := tasks[1].stderr.readline()):
         assert line, "process 1 ended before it composed"
     tasks[1].send_signal(signal.SIGKILL)
@@ -127,7 +117,7 @@ def test_a_task_killed_mid_composition_fails_the_job_and_leaves_nothing(real_run
     assert errors == ["error: process 1 of 2 failed: it stopped responding for 4 s (killed, hung, or its node "
                       "was lost)"], err
     assert not (tmp_path / "composed").exists() and not hidden(tmp_path)
-    again = _slurm_tasks(["--apply", recipe], job="778")
+    again = slurm_tasks(["--apply", recipe], job="778")
     assert [t.wait(timeout=300) for t in again] == [0, 0]
     assert (tmp_path / "composed" / PROVENANCE).is_file()
 
@@ -277,7 +267,7 @@ def test_a_stranger_who_writes_into_the_jobs_store_stops_it_and_steers_nothing(r
     trap = tmp_path / "attackers"
     trap.mkdir()
     port = free_port()
-    tasks = _slurm_tasks(["--apply", recipe], env={"TAILOR_TEST_SLOW_COMPOSE": "0.2", "MASTER_PORT": str(port)},
+    tasks = slurm_tasks(["--apply", recipe], env={"TAILOR_TEST_SLOW_COMPOSE": "0.2", "MASTER_PORT": str(port)},
                          job="4242")
     while "[process 1] rank" not in (line := tasks[1].stderr.readline()):
         assert line, "process 1 ended before it composed"
@@ -315,7 +305,7 @@ def _attacked(real_run, tmp_path, job: str, peer_timeout: str, slow: str, attack
     recipe = write_recipe(tmp_path, c6, {"layers.1": c2})
     port = free_port()
     began = time.monotonic()
-    tasks = _slurm_tasks(["--apply", recipe, "--peer-timeout", peer_timeout], job=job,
+    tasks = slurm_tasks(["--apply", recipe, "--peer-timeout", peer_timeout], job=job,
                          env={"MASTER_PORT": str(port), "TAILOR_TEST_SLOW_COMPOSE": slow})
     stranger = None
     while any(t.poll() is None for t in tasks) and time.monotonic() < began + 60:
@@ -383,7 +373,7 @@ def test_a_squatted_master_port_is_one_line_on_every_process_within_seconds(real
     squatter.bind(("127.0.0.1", 0))
     squatter.listen(16)  # accepts connections in the kernel's backlog, answers nothing
     began = time.monotonic()
-    tasks = _slurm_tasks(["--apply", recipe], job="4444", env={"MASTER_PORT": str(squatter.getsockname()[1])})
+    tasks = slurm_tasks(["--apply", recipe], job="4444", env={"MASTER_PORT": str(squatter.getsockname()[1])})
     try:
         outs = [t.communicate(timeout=120) for t in tasks]
     finally:

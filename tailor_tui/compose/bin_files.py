@@ -8,20 +8,26 @@ belong to a row picked elsewhere copied from that source's record of the same te
 by the torch-free writer (`ptwrite`) as torch.save writes it; every record copied, the base's
 and the sources', has its stored CRC-32 checked on the way. A storage shared by tensors of rows
 with different sources, or a source tensor of another shape, dtype or layout, is refused.
+Where the filesystem shares blocks (`cloning`), the output is instead a clone of the base's file
+with the picked records written over in place (`_patch_clone`): the base's pickle and other
+records are kept, unread, their CRC-32s as declared.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import struct
 from pathlib import Path
 from typing import Callable
 
+from tailor_tui.checkpoints.rank_reader import STREAM_CHUNK
+from tailor_tui.cloning import clone, worth_it
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
-from tailor_tui.fileio import Folder, fsync, open_fd, output_error
+from tailor_tui.fileio import CREATE, Folder, OpenFiles, Target, copy_range, fsync, open_fd, output_error
 from tailor_tui.formats.pickled import TensorRef
-from tailor_tui.formats.ptfile import read_structure
+from tailor_tui.formats.ptfile import Record, checked_crcs, file_format, read_structure
 from tailor_tui.formats.ptpickle import dumps, storage_bytes
 from tailor_tui.formats.ptwrite import Copied, write_archive
 from tailor_tui.planning.jobs import BinFileJob
@@ -38,7 +44,7 @@ def compose_bin_file(job: BinFileJob, out_dir: Folder, emit: Emit, cancelled: Ca
     for name, tensor in obj.items():
         users.setdefault(id(tensor.storage), []).append(name)
     where = _SourceTensors(job)
-    fills = []
+    fills, replaced = [], []  # replaced: (the base's record, the source's Copied that takes its place)
     for storage in storages:
         names = users.get(id(storage), [])
         picked = {job.sources.get(n, 0) for n in names} or {0}
@@ -53,10 +59,14 @@ def compose_bin_file(job: BinFileJob, out_dir: Folder, emit: Emit, cancelled: Ca
             fills.append(Copied(job.base_file, record, record.data_offset, storage_bytes(storage)))
         else:
             fills.append(where.copy_of(s, names[0], obj[names[0]]))
+            replaced.append((records[f"{prefix}data/{storage.key}"], fills[-1]))
         counter.add(2 * storage_bytes(storage))
     out = out_dir / job.name
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        if options.clone and _patch_clone(job, out, records, replaced, counter):
+            counter.finish()
+            return
         write_archive(out, archive=prefix.rstrip("/"), pickle=data, storages=fills)
         with contextlib.ExitStack() as stack:
             fd = open_fd(stack, out, os.O_WRONLY)
@@ -65,6 +75,39 @@ def compose_bin_file(job: BinFileJob, out_dir: Folder, emit: Emit, cancelled: Ca
     except OSError as exc:
         raise output_error(exc, out) from None
     counter.finish()
+
+
+def _patch_clone(job: BinFileJob, out: Target, records: dict[str, Record], replaced: list[tuple[Record, Copied]],
+                 counter: ByteCounter) -> bool:
+    """Where the filesystem shares blocks (`cloning`) and the picked storages are less than half the
+    file: the output is a clone of the base's file with each picked storage's record written over
+    from its source's (read whole and checked against its CRC-32 first), and that record's CRC-32
+    set to the source's. The base's other records are not read: their CRC-32s stand as declared.
+    False (nothing left at `out`): written whole instead."""
+    size = os.stat(job.base_file).st_size
+    spans = sorted((r.header_offset, r.data_offset + r.size) for r in records.values())
+    if (file_format(job.base_file) != "zip" or not worth_it(sum(r.size for r, _c in replaced), size)
+            or any(end > start for (_s, end), (start, _e) in zip(spans, spans[1:])) or spans[-1][1] > size
+            or any(r.crc is None or r.size != c.size for r, c in replaced)):
+        return False  # a legacy or crafted archive (records that overlap): written whole
+    with contextlib.ExitStack() as stack:
+        fin = open_fd(stack, job.base_file)
+        fout = open_fd(stack, out, CREATE)
+        how = clone(fin, fout)
+        if how is None:
+            out.unlink()  # (ours, just made: the archive is written in its place)
+            return False
+        sources, buffer = OpenFiles(stack), memoryview(bytearray(STREAM_CHUNK))
+        for record, what in replaced:
+            src = sources.fd(what.path)
+            value = (checked_crcs(src, what.path, what.record, [(what.offset, what.size)], buffer) or [0])[0]
+            copy_range(src, fout, what.offset, what.size, out_offset=record.data_offset)
+            for at in record.crc_offsets:
+                os.pwrite(fout, struct.pack("<I", value), at)
+        fsync(fout, counter.options.durable)
+        os.fchmod(fout, os.stat(job.base_file).st_mode & 0o777 | 0o200)
+    counter.shares(size - sum(r.size for r, _c in replaced), how)
+    return True
 
 
 class _SourceTensors:
