@@ -190,3 +190,12 @@ def test_clone_shares_a_file_and_says_so_on_xfs(xfs):
         os.close(fout)
     assert dst.read_bytes() == src.read_bytes() and shared_bytes(dst) == 1 << 20
     assert filesystem_type(xfs) == "xfs" and may_share(src, xfs) == "the base's xfs filesystem"
+
+
+def test_the_log_and_the_composer_say_what_was_written_and_what_shared():
+    from tailor_tui.compose.compose_run import ComposeResult
+
+    plain = ComposeResult(Path("out"), 1.0, 3 << 30, 0)
+    assert plain.amount() == "3.0 GiB written"
+    cloned = ComposeResult(Path("out"), 1.0, 3 << 30, 0, bytes_shared=(3 << 30) - (135 << 20), shared_how="reflink")
+    assert cloned.amount() == "3.0 GiB: 135.0 MiB written, 2.9 GiB sharing the base's blocks (reflink)"

@@ -213,8 +213,7 @@ def apply(args) -> int:
                     f"{size(result.bytes_written - result.bytes_shared)} written, {size(result.bytes_shared)} shared "
                     "(not read: their CRC-32s stand as the base declares them, for --verify to check; NaN/Inf in "
                     "them is --stats' to find; --no-clone reads every byte)"))
-    print(shown(f"done: {result.output} ({size(result.bytes_written)} {'composed' if result.bytes_shared else 'written'}"
-                f" in {result.seconds:.1f}s, {size(rate)}/s)"))
+    print(shown(f"done: {result.output} ({result.amount()} in {result.seconds:.1f}s, {size(rate)}/s)"))
     return ExitCode.OK
 
 

@@ -40,6 +40,7 @@ from tailor_tui.resharding.skeleton import Skeleton, skeleton
 from tailor_tui.team.members import SOLO, Team
 from tailor_tui.team.transaction import Declaration, PublishingWork, Task, run_as_team
 from tailor_tui.team.workers import worker_memory
+from tailor_tui.units import size
 
 # --- the task list -------------------------------------------------------------------------
 
@@ -61,6 +62,13 @@ class ComposeResult:
     nonfinite: dict = field(default_factory=dict)  # row -> NaN/Inf values it holds (--allow-nonfinite)
     bytes_shared: int = 0  # of bytes_written: bytes that share the base's blocks, not written (`cloning`)
     shared_how: str = ""  # how they share them ("reflink", "server-side copy"); "" where none do
+
+    def amount(self) -> str:
+        """What the output cost, as the log and the composer say it: its bytes written, or shared."""
+        if not self.bytes_shared:
+            return f"{size(self.bytes_written)} written"
+        return (f"{size(self.bytes_written)}: {size(self.bytes_written - self.bytes_shared)} written, "
+                f"{size(self.bytes_shared)} sharing the base's blocks ({self.shared_how})")
 
 
 def run_compose(
@@ -175,10 +183,10 @@ def _confirm_sizes(tmp: Path, done: list[dict]) -> None:
     """Every file each process wrote has, seen from here, the size it had there: on a shared
     file system that lost or has not yet shown a write, the job fails instead of publishing."""
     for process, record in enumerate(done):
-        for rel, size in record["files"].items():
+        for rel, length in record["files"].items():
             seen = (tmp / rel).stat().st_size if (tmp / rel).is_file() else None
-            if seen != size:
-                raise OutputError(f"{tmp / rel}: process {process} wrote {size} bytes, process 0 sees "
+            if seen != length:
+                raise OutputError(f"{tmp / rel}: process {process} wrote {length} bytes, process 0 sees "
                                   f"{'no file' if seen is None else f'{seen} bytes'}; the shared file system "
                                   "does not show every process the same files: compose on one that does")
 

@@ -28,7 +28,7 @@ from tailor_tui.compose.compose_run import planned_tasks, run_compose
 from tailor_tui.errors import Cancelled, TailorError
 from tailor_tui.events import TaskOptions, TaskProgressed
 from tailor_tui.export.export_plan import Export
-from tailor_tui.export.export_run import run_export
+from tailor_tui.export.export_run import ExportResult, run_export
 from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.report import FEW, Tally
 from tailor_tui.ui.messages import ComposeFailed, ComposeFinished, ComposeProgressed
@@ -193,7 +193,8 @@ class ProgressScreen(Screen[None]):
         self.update_overall()
         r = message.result
         self.query_one("#compose-status", Static).update(plain(
-            f"Done: {r.output} ({size(r.bytes_written)} written in {r.seconds:.1f}s). "
+            f"Done: {r.output} ({f'{size(r.bytes_written)} written' if isinstance(r, ExportResult) else r.amount()} "
+            f"in {r.seconds:.1f}s). "
             "ctrl+s saves the recipe; Esc returns to the grid."))
         self.add_class("finished")
         self.on_finished(r)
