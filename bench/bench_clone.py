@@ -7,7 +7,9 @@ measures the new space (`df` after `sync`, before and after) and the time of:
 
 - `cp -r --reflink=never` of the base's tag folder (the yardstick) and `cp -r --reflink=always`;
 - `tailor-tui --apply` of a recipe replacing 1 row (layers.5) and of one replacing every row, each
-  cloned (the default) and with `--no-clone`;
+  cloned (the default) and with `--no-clone`; the 1-row recipe cloned both with an empty statistics
+  cache (the base's kept rows are read and checked, not written) and after `--stats` of the run (the
+  statistics checked them: not read again), each command with a cache of its own;
 - on the cache folder's own filesystem (ext4 here: it cannot share blocks), the 1-row recipe both
   ways and `cp -r`: unchanged, within noise.
 
@@ -62,14 +64,14 @@ def replaced_bytes(path: Path) -> int:
     return sum(c.length for job in plan.rank_jobs() for c in job.copies) * BYTES_PER_ELEMENT
 
 
-def measure(cmd: list[str], out: Path, on: Path) -> tuple[float, int]:
-    """(seconds, new bytes on `on`'s filesystem) of running `cmd`, which writes `out`."""
+def measure(cmd: list[str], out: Path, on: Path, env: dict) -> tuple[float, int]:
+    """(seconds, new bytes on `on`'s filesystem) of running `cmd` (in `env`), which writes `out`."""
     shutil.rmtree(out, ignore_errors=True)
     before = used(on)
     time.sleep(1)  # let the filesystem finish freeing the removed output
     before = used(on)
     started = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     seconds = time.perf_counter() - started
     if done.returncode != 0:
         raise SystemExit(f"bench: {' '.join(map(str, cmd[:3]))} failed:\n{done.stderr[-2000:]}")
@@ -105,31 +107,37 @@ def main() -> None:
                 commands["xfs: cp -r --reflink=always"] = (["cp", "-r", "--reflink=always", str(base), str(out)],
                                                            out, scratch)
             commands[f"{fs}: --apply 1 row"] = ([*tailor, str(one)], out, scratch)
+            if fs == "xfs":
+                commands["xfs: --apply 1 row, after --stats"] = ([*tailor, str(one)], out, scratch)
             commands[f"{fs}: --apply 1 row --no-clone"] = ([*tailor, str(one), "--no-clone"], out, scratch)
             if fs == "xfs":
                 commands["xfs: --apply every row"] = ([*tailor, str(every)], out, scratch)
                 commands["xfs: --apply every row --no-clone"] = ([*tailor, str(every), "--no-clone"], out, scratch)
         replaced = replaced_bytes(xfs / "one.yaml")
+        caches = {name: work / "caches" / str(i) for i, name in enumerate(commands)}  # a statistics cache each
+        stats_env = {**os.environ, "TAILOR_TUI_CACHE": str(caches["xfs: --apply 1 row, after --stats"])}
+        subprocess.run([tailor[0], "--stats", str(xfs / "run")], env=stats_env, capture_output=True, check=True)
         files = len(list((xfs / "run" / "global_step2").iterdir()))
         results: dict[str, list[tuple[float, int]]] = {k: [] for k in commands}
         for i in range(args.repeats):
             for name, (cmd, out, scratch) in commands.items():
-                results[name].append(measure(cmd, out, scratch))
+                env = {**os.environ, "TAILOR_TUI_CACHE": str(caches[name])}
+                results[name].append(measure(cmd, out, scratch, env))
                 seconds, grown = results[name][-1]
-                print(f"  round {i + 1}: {name:<36} {seconds:6.2f} s  {gib(grown):>10} new", flush=True)
+                print(f"  round {i + 1}: {name:<40} {seconds:6.2f} s  {gib(grown):>10} new", flush=True)
     shutil.rmtree(work, ignore_errors=True)
 
     total = sum(f.stat().st_size for f in (run / "global_step2").iterdir())
     print(f"\nbase tag folder: {gib(total)} in {files} files, {SPEC.world_size} ranks; the 1-row recipe replaces "
           f"{replaced / 2**20:.1f} MiB ({ONE_ROW} of {SPEC.layers + 3} rows); {args.repeats} rounds; "
           f"{os.cpu_count()} cores")
-    print(f"{'':<36} {'median':>7}  {'x cp (per round)':>16}  {'new space (median)':>19}  {'/ replaced':>10}")
+    print(f"{'':<40} {'median':>7}  {'x cp (per round)':>16}  {'new space (median)':>19}  {'/ replaced':>10}")
     for name, got in results.items():
         fs = name.split(":")[0]
         cp = results[f"{fs}: cp -r --reflink=never"]
         ratio = statistics.median(s / c for (s, _), (c, _) in zip(got, cp))
         space = statistics.median(g for _, g in got)
-        print(f"{name:<36} {statistics.median(s for s, _ in got):6.2f} s  {ratio:14.2f}x  "
+        print(f"{name:<40} {statistics.median(s for s, _ in got):6.2f} s  {ratio:14.2f}x  "
               f"{space / 2**20:15.1f} MiB  {space / replaced:9.2f}x")
     print(f"(goal, 1 row on XFS: new space ≤ 2 × replaced + 1 MiB per file = "
           f"{(2 * replaced + files * 2**20) / 2**20:.1f} MiB; time ≤ 0.5 × cp -r --reflink=never)")

@@ -124,6 +124,9 @@ class TaskOptions:
     # Output files start as clones of the base's where the filesystem shares blocks (`cloning`);
     # False (--no-clone): every byte written
     clone: bool = True
+    # The base's rows the output keeps were found whole and finite by the run's cached statistics
+    # (`guard.checked_by_statistics`): a clone keeps their bytes without reading them again
+    kept_checked: bool = False
 
 
 class ByteCounter:

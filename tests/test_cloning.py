@@ -33,6 +33,10 @@ from helpers import (
 
 from tailor_tui.checkpoints.checkpoint import open_checkpoint
 from tailor_tui.cloning import clone, filesystem_type, may_share
+from tailor_tui.compose.compose_run import run_compose
+from tailor_tui.events import TaskOptions
+from tailor_tui.planning.build import build_plan
+from tailor_tui.planning.recipe_file import load_recipe
 from tailor_tui.runs.demo_run import resume_and_step
 from tailor_tui.runs.scratch_xfs import loop_xfs, shared_bytes, unavailable
 
@@ -108,22 +112,50 @@ def test_a_cloned_output_is_the_bytes_no_clone_writes_shares_the_rest_and_resume
     assert_optim_states_equal(out, tmp_path / "resume" / "resaved")
 
 
-def test_a_flipped_byte_the_base_keeps_stays_detectable_in_a_clone_never_blessed(real_run, xfs):
-    """A cloned output does not read the base's kept bytes: their record keeps the CRC-32 the base
-    declares (combined with the replaced ranges'), so damage there fails --verify of the output as
-    it fails a read of the base; with --no-clone every byte is read and the damage refused."""
+def test_a_clone_reads_the_kept_rows_unless_the_runs_statistics_checked_them(real_run, xfs):
+    """Rows kept in shared blocks cost no writes; they are read and checked (CRC-32, NaN/Inf) unless the
+    run's cached statistics found them whole and finite as the files are now (`--stats`, the composer)."""
+    run, spec, ckpts = _on_xfs(real_run, xfs, "hf_bf16_2")
+    (run / "stats").mkdir()
+    recipe = write_recipe(run / "stats", ckpts[-1], {"layers.0": ckpts[0]}, output="out")
+    read = tailor("--apply", recipe)
+    assert read.returncode == 0 and "sharing the base's blocks (reflink)" in read.stdout, read.stderr
+    assert "checked by the run's statistics" not in read.stdout
+    assert tailor("--stats", run).returncode == 0
+    unread = tailor("--apply", recipe, "--force")
+    assert "(the rows kept were checked by the run's statistics, not read again)" in unread.stdout, unread.stdout
+    assert tailor("--verify", recipe).returncode == 0
+
+
+def test_a_flipped_byte_the_base_keeps_is_refused_or_stays_detectable_never_blessed(real_run, xfs):
+    """Damage in a kept row: a clone that reads the kept rows refuses it, as --no-clone does; one that
+    does not (the statistics vouched for them before the bit flipped, as bit rot does behind every
+    cache) keeps the record's declared CRC-32, so --verify of the output finds it."""
     run, spec, ckpts = _on_xfs(real_run, xfs, "hf_bf16_2")
     damaged = xfs / "damaged"
     shutil.copytree(ckpts[-1], damaged)
     rank0 = sorted(damaged.rglob("*rank_0_mp_rank_00_optim_states.pt"))[0]
     flip_byte(rank0, flat_record(rank0), where=0.9)
     recipe = write_recipe(xfs, damaged, {"layers.0": ckpts[0]}, output="from-damaged")
-    cloned = tailor("--apply", recipe)
-    assert cloned.returncode == 0 and "sharing the base's blocks" in cloned.stdout, cloned.stderr
+    for how in ([], ["--no-clone"]):
+        assert_one_line_error(tailor("--apply", recipe, *how), 4, str(rank0), "CRC")
+        assert not (xfs / "from-damaged").exists() and hidden(xfs) == []
+
+    plan = build_plan(load_recipe(recipe))
+    result = run_compose(plan, options=TaskOptions(kept_checked=True))  # as if the statistics had vouched
+    assert result.bytes_shared and result.kept_checked
     verified = tailor("--verify", recipe)
     assert verified.returncode != 0 and "CRC" in verified.stdout + verified.stderr, verified.stdout + verified.stderr
-    refused = tailor("--apply", recipe, "--no-clone", "--force")
-    assert_one_line_error(refused, 4, str(rank0), "CRC")
+
+
+def test_a_non_finite_row_the_base_keeps_is_refused_in_a_clone(real_run, xfs):
+    run, spec, ckpts = _on_xfs(real_run, xfs, "ds_blown_up")
+    stats = tailor("--stats", run, "--check")
+    assert stats.returncode == 8, stats.stderr  # the statistics see the blown row: they vouch for none
+    (run / "nan").mkdir()
+    recipe = write_recipe(run / "nan", ckpts[-1], {"layers.1": ckpts[1]}, output="out")
+    assert_one_line_error(tailor("--apply", recipe), 8, "layers.2 from global_step6 (5,120 NaN/Inf", "--allow-nonfinite")
+    assert not (run / "nan" / "out").exists()
 
 
 def test_killed_while_patching_a_clone_nothing_is_published(real_run, xfs):

@@ -210,9 +210,9 @@ def apply(args) -> int:
     rate = result.bytes_written / max(result.seconds, 1e-6)
     if result.bytes_shared:
         print(shown(f"sharing the base's blocks ({result.shared_how}): "
-                    f"{size(result.bytes_written - result.bytes_shared)} written, {size(result.bytes_shared)} shared "
-                    "(not read: their CRC-32s stand as the base declares them, for --verify to check; NaN/Inf in "
-                    "them is --stats' to find; --no-clone reads every byte)"))
+                    f"{size(result.bytes_written - result.bytes_shared)} written, {size(result.bytes_shared)} shared"
+                    + (" (the rows kept were checked by the run's statistics, not read again)" if result.kept_checked
+                       else "")))
     print(shown(f"done: {result.output} ({result.amount()} in {result.seconds:.1f}s, {size(rate)}/s)"))
     return ExitCode.OK
 

@@ -17,11 +17,12 @@ import threading
 import time
 import zipfile
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import cast
 
 from tailor_tui.checkpoints.checkpoint import MODEL_FILE_INDEX, PROVENANCE, read_latest
+from tailor_tui.cloning import may_share
 from tailor_tui.compose.bin_files import compose_bin_file
 from tailor_tui.compose.model_files import compose_model_file
 from tailor_tui.compose.rank_reshard import reshard_rank
@@ -30,7 +31,7 @@ from tailor_tui.errors import Cancelled, OutputError
 from tailor_tui.events import Emit, TaskFinished, TaskOptions
 from tailor_tui.fileio import copy_file, fsync_dir, output_error, write_file
 from tailor_tui.formats.side_pickles import check_side_file
-from tailor_tui.health.guard import nonfinite_error
+from tailor_tui.health.guard import checked_by_statistics, nonfinite_error
 from tailor_tui.held import HeldFolder, HeldPath
 from tailor_tui.planning.jobs import BinFileJob, RankJob, WeightJob
 from tailor_tui.planning.plan import ComposePlan
@@ -62,6 +63,8 @@ class ComposeResult:
     nonfinite: dict = field(default_factory=dict)  # row -> NaN/Inf values it holds (--allow-nonfinite)
     bytes_shared: int = 0  # of bytes_written: bytes that share the base's blocks, not written (`cloning`)
     shared_how: str = ""  # how they share them ("reflink", "server-side copy"); "" where none do
+    # the rows kept from the base in shared blocks were not read: the run's statistics had checked them
+    kept_checked: bool = False
 
     def amount(self) -> str:
         """What the output cost, as the log and the composer say it: its bytes written, or shared."""
@@ -88,13 +91,16 @@ def run_compose(
     rank files and model files into the one hidden folder process 0 made, and process 0
     checks the whole and renames it into place; a failure anywhere fails every process."""
     started = time.monotonic()
+    if options.clone and not options.kept_checked and may_share(plan.base.path, plan.output.parent):
+        kept = [r.name for r in plan.base.rows if not r.tied and not plan.picks.get(r.name)]
+        options = replace(options, kept_checked=checked_by_statistics(plan, kept))
     work = Composing(plan, workers, options, allow_nonfinite)
     run_as_team(work, team=team, emit=emit, cancel=cancel, options=options)
     # what the plan counted (bytes_to_write): every file but the provenance record written last
     out = plan.output
     written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file() and f != out / PROVENANCE)
     return ComposeResult(out, time.monotonic() - started, written, work.peak, dict(work.nonfinite),
-                         work.shared, work.shared_how)
+                         work.shared, work.shared_how, options.kept_checked and bool(work.shared))
 
 
 class Composing(PublishingWork):

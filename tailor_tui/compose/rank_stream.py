@@ -64,11 +64,12 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Coun
 
     Where the filesystem shares blocks (`cloning`; not with `--no-clone`, nor when the spans
     replace half the file or more), the output starts as a clone of the base's file and only the
-    spans (and padding that is not zeros) are written; the base's records are then not read but
-    for the bytes the spans replace (their CRC-32s, old, for the combination) and the padding: a
-    record's CRC-32 is carried as the base declares it, so damage in the bytes it keeps stays
-    detectable in the output (by --verify, by torch), never blessed; their non-finite values are
-    not counted (the statistics, `--stats`, read them). Sources are read and checked whole as above.
+    spans (and padding that is not zeros) are written; everything is read and checked as above. When
+    the run's cached statistics found the rows the output keeps whole and finite as the files are
+    now (`options.kept_checked`), the base's records are not read but for the bytes the spans
+    replace (their CRC-32s, old, for the combination) and the padding: a record's CRC-32 is carried
+    as the base declares it, so damage since (bit rot) stays detectable in the output (by --verify,
+    by torch), never blessed. Sources are read and checked whole in every mode.
     """
     base_path = job.files[0].optim_states
     if file_format(base_path) != "zip":
@@ -112,13 +113,15 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Coun
             sweep = _Sweep(fin, fout, spans, fds, counter, cloned=how is not None)
             new = {}  # (source, offset) -> the CRC-32 of the span taken there
             for s in sources:  # a source's records not read in step: read and checked first
-                ahead = [sp for sp in spans if sp.source == s and (how or id(sp.source_record) not in stepped)]
+                ahead = [sp for sp in spans if sp.source == s
+                         and ((how and counter.options.kept_checked) or id(sp.source_record) not in stepped)]
                 checked = read_and_check(fds[s], job.files[s].optim_states, {sp.source_record for sp in ahead},
                                          {(sp.source_record, sp.source_at, sp.length) for sp in ahead},
                                          sweep.buffer, counter, census[s])
                 new.update({(s, at): value for (at, _n), value in checked.items()})
             old: dict[tuple[int, int], int] = {}  # (offset, length) -> the CRC-32 of the base's bytes a span replaces
-            if how is not None:  # the base's records are not read: only the bytes the spans replace, and padding
+            if how is not None and counter.options.kept_checked:  # the base's kept bytes are not read (checked by
+                # the run's statistics): only the bytes the spans replace, for their CRC-32s, and padding
                 for sp in spans:
                     old[sp.at, sp.length] = crc_range(fin, sp.at, sp.length, sweep.buffer, counter.add)
                 for at, length, _record in padding.pads:

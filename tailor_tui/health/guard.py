@@ -8,6 +8,7 @@ or computed for that row alone).
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 from tailor_tui.checkpoints.cache import cache_dir
@@ -33,6 +34,34 @@ def nonfinite_error(plan: ComposePlan, counts: Counter) -> NonFiniteError:
     return NonFiniteError(
         f"the output {plan.output} would hold non-finite values: {'; '.join(parts)}{more}; pick those "
         "checkpoints (tailor-tui --heal RUN_DIR --recipe R.yaml does) or compose anyway with --allow-nonfinite")
+
+
+def checked_by_statistics(plan: ComposePlan, rows: list[str]) -> bool:
+    """Whether the run's cached statistics (`--stats`, the composer) found every one of the base's
+    `rows` whole and finite, as its files are now (their cache keys name every file's identity): then
+    a composition that keeps them in shared blocks (`cloning`) need not read them again. No rank file
+    is read here; False where they are not cached, or a row is not healthy (the writers then read it,
+    and refuse what fails)."""
+    from tailor_tui.health.stats_run import cached_cells  # (as newest_finite: only where it is needed)
+
+    try:
+        scanned = scan(plan.base.path.parent)
+        mine = os.stat(plan.base.tag_dir)
+    except (CheckpointError, OSError):
+        return False
+    same = [i for i, c in enumerate(scanned.checkpoints) if _identity(c.tag_dir) == (mine.st_dev, mine.st_ino)]
+    if len(same) != 1:
+        return False
+    cells = cached_cells(tuple(scanned.checkpoints), same[0], cache_dir())
+    return cells is not None and all(row in cells and cells[row].healthy for row in rows)
+
+
+def _identity(path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def newest_finite(plan: ComposePlan, rows: list[str]) -> dict[str, str]:

@@ -108,6 +108,12 @@ def stats_jobs(checkpoints: tuple[Checkpoint, ...], column: int, rows: list[str]
     return jobs
 
 
+def cached_cells(checkpoints: tuple[Checkpoint, ...], column: int, cache: Path | None) -> dict[str, Cell] | None:
+    """Checkpoint `column`'s cells (every row) as the statistics of `checkpoints` cached them, no rank
+    file read (a stat() per file: the keys name every file's identity); None where not cached whole."""
+    return _cached_cells(cache, stats_jobs(checkpoints, column))
+
+
 def _identity(path: Path, known: dict) -> str:
     if ("file", path) not in known:
         known["file", path] = json.dumps(file_identity(path))
