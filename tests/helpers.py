@@ -106,6 +106,22 @@ def row_at(ckpt: Path, module: str):
     return rows[0]
 
 
+def weight_files(folder: Path) -> list[str]:
+    """The model's (or adapter's) weight files in a checkpoint folder: safetensors and pytorch_model*.bin."""
+    return sorted(p.name for p in folder.iterdir() if p.suffix == ".safetensors"
+                  or (p.name.startswith("pytorch_model") and p.suffix == ".bin"))
+
+
+def tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a weight file, read by its own library (safetensors, torch.load)."""
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(path, "pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+    return torch.load(path, weights_only=True)
+
+
 def apply_and_verify(recipe: Path, *extra: str) -> None:
     """`--apply` the recipe (with `extra` options), then `--verify` it: both succeed."""
     applied = tailor("--apply", recipe, *extra)

@@ -24,7 +24,15 @@ import shutil
 import pytest
 import torch
 from conftest import checkpoints_of
-from helpers import Composed, assert_one_line_error, assert_optim_states_equal, tailor, write_recipe
+from helpers import (
+    Composed,
+    assert_one_line_error,
+    assert_optim_states_equal,
+    tailor,
+    tensors,
+    weight_files,
+    write_recipe,
+)
 from safetensors import safe_open
 from zero_reader import read_full_state
 
@@ -188,19 +196,6 @@ def test_every_parameter_and_moment_is_its_rows_pick(composed):
             used.add(source)
             assert torch.equal(value, states[source][key][param]), (key, param)
     assert used == set(ckpts)
-
-
-def weight_files(folder):
-    return sorted(p.name for p in folder.iterdir() if p.suffix == ".safetensors"
-                  or (p.name.startswith("pytorch_model") and p.suffix == ".bin"))
-
-
-def tensors(path) -> dict:
-    """Every tensor of a weight file, read by its own library (safetensors, torch.load)."""
-    if path.suffix == ".safetensors":
-        with safe_open(path, "pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}
-    return torch.load(path, weights_only=True)
 
 
 def test_every_weight_file_tensor_is_its_rows_pick(composed):

@@ -233,6 +233,29 @@ def test_peft_names_are_read_through_the_prefix():
     assert index.row_of("embed_out.weight") is None
 
 
+@pytest.mark.parametrize("arch", ["qwen2_vl", "mllama"])
+def test_a_lora_wrapped_multimodal_models_rows_are_the_plain_models(arch):
+    """LoRA (real PEFT) on both stacks and the projector, Qwen2-VL's a numbered Sequential
+    (`visual.merger.mlp.0`), Mllama's a bare Linear (`multi_modal_projector`): the rows are the plain
+    model's, named as its, whether all of its names are read or the trainable ones alone (what the
+    Trainer saves of a PEFT model)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    model = _multimodal(arch)
+    plain = [r.name for r in rows_of(model)]
+    lora = LoraConfig(r=2, target_modules=r".*\.(qkv|fc1|q_proj|v_proj|merger\.mlp\.0|multi_modal_projector)",
+                      modules_to_save=["lm_head"])
+    with torch.device("meta"):
+        peft = get_peft_model(model, lora)
+    rows = rows_of(peft)
+    assert [r.name for r in rows] == plain
+    assert all(r.module_path.startswith("base_model.model.") for r in rows)
+    trainable = model_rows([n for n, p in peft.named_parameters() if p.requires_grad])
+    projector = {"qwen2_vl": "vision.merger", "mllama": "multi_modal_projector"}[arch]
+    assert projector in [r.name for r in trainable] and {r.name for r in trainable} < set(plain)
+
+
 def test_row_names_of_module_paths():
     naming = RowNaming(["model.embed_tokens.weight", "model.layers.0.mlp.up.weight", "model.norm.weight",
                         "lm_head.weight"])

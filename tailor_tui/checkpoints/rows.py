@@ -13,8 +13,11 @@ A model's rows come from all of its parameter and buffer names at once (`RowNami
   `embed_tokens`, `norm`, `lm_head` (Llama), `h.0`, `wte` (GPT-2), `layer.2`, `embeddings`, `cls`
   (BERT), `encoder.block.1`, `decoder.block.0`, `encoder.final_layer_norm`, `shared` (T5);
 - a PEFT model's names (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight`)
-  are read without PEFT's prefix: its LoRA and `modules_to_save` parameters are in the row of the
-  module they adapt, and the rows are named as the plain model's.
+  are read without PEFT's prefix, and what PEFT puts inside a module it adapts (`PEFT_PARTS`: LoRA's
+  layers, the wrapped original, modules_to_save's copies) as a tensor of that module: its LoRA and
+  `modules_to_save` parameters are in the row of the module they adapt, and the rows are the plain
+  model's, named as its (a numbered Sequential that LoRA adapts, Qwen2-VL's `visual.merger.mlp.0`,
+  is no more a block list than in the plain model).
 
 Stacks: a multimodal model holds its block lists in modules of their own, one per stack
 (`model.vision_tower.encoder.layers`, `model.language_model.layers`; Qwen2-VL's `model.visual.blocks`).
@@ -44,6 +47,10 @@ from dataclasses import dataclass, replace
 from typing import Iterable
 
 PEFT_PREFIX = "base_model.model."  # how PEFT's PeftModel names the wrapped model's parameters
+# the modules PEFT puts inside a module it adapts: LoRA's (peft's LoraLayer.adapter_layer_names), the
+# adapted original (`base_layer`), and a modules_to_save wrapper's original and copies
+PEFT_PARTS = frozenset({"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector",
+                        "base_layer", "original_module", "modules_to_save"})
 CONTAINERS = ("model", "transformer", "gpt_neox", "backbone", "decoder")  # a model without block lists
 # a stack's modality, by the words its module's name holds (`vision_tower`, `visual`, `audio_tower`)
 MODALITIES = (("vision", ("vision", "visual", "image", "img")), ("audio", ("audio", "speech", "sound")))
@@ -116,7 +123,7 @@ class RowNaming:
         self.prefix = PEFT_PREFIX if names and all(n.startswith(PEFT_PREFIX) for n in names) else ""
         lists = set()
         for name in names:
-            parts = name[len(self.prefix):].split(".")
+            parts = self._parts(name)
             i = _first_index(parts)
             if i is not None:
                 lists.add(tuple(parts[:i]))
@@ -162,8 +169,7 @@ class RowNaming:
 
     def split(self, name: str) -> tuple[str, str]:
         """(row name, module path of the row) of a parameter, buffer or weight-file tensor name."""
-        stripped = name[len(self.prefix):] if self.prefix and name.startswith(self.prefix) else name
-        parts = stripped.split(".")
+        parts = self._parts(name)
         if self.container is None:  # no block list: the top-level module (under a container)
             if len(parts) > 2 and parts[0] in CONTAINERS:
                 return parts[1], self._path(parts[:2])
@@ -182,9 +188,18 @@ class RowNaming:
 
     def group(self, name: str) -> str:
         """The group of a name's row: its stack's, "" outside the stacks (or with none)."""
-        stripped = name[len(self.prefix):] if self.prefix and name.startswith(self.prefix) else name
-        stack = self.stack_of(stripped.split("."))
+        stack = self.stack_of(self._parts(name))
         return stack.group if stack else ""
+
+    def _parts(self, name: str) -> list[str]:
+        """A name's parts as the plain model's: a PEFT model's less PEFT's prefix, and cut after the first
+        of PEFT's modules in the module it adapts (`mlp.0.lora_A.default.weight`: `mlp.0.lora_A`, a tensor
+        of `mlp.0`)."""
+        if not (self.prefix and name.startswith(self.prefix)):
+            return name.split(".")
+        parts = name[len(self.prefix):].split(".")
+        cut = next((i for i, part in enumerate(parts) if part in PEFT_PARTS), len(parts))
+        return parts[: cut + 1]
 
     def _entry(self, parts: list[str]) -> int | None:
         """Where the number of an entry of one of the block lists stands in a name's parts: a block's

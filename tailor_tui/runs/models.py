@@ -162,17 +162,22 @@ def is_frozen(spec, name: str) -> bool:
     return any(name == f or name.startswith(f + ".") for f in spec.frozen)
 
 
+# A vision-language model's LoRA adapts both of its stacks and what joins them: the vision tower's
+# attention (q/v, or its fused qkv) and MLP fc1, the projector's (first) linear; and the language model's q/v
+LORA_VISION = {"llava": (r"model\.vision_tower\..*\.(q_proj|v_proj|fc1)", r"model\.multi_modal_projector\.linear_1"),
+               "qwen2_vl": (r"model\.visual\.blocks\..*\.(qkv|fc1)", r"model\.visual\.merger\.mlp\.0"),
+               "mllama": (r"model\.vision_model\..*\.(q_proj|v_proj|fc1)", r"model\.multi_modal_projector")}
+
+
 def lora_config(spec=None):
-    """The LoRA adapter of a PEFT run: Llama's attention q/v projections; a Llava's adapts both of its
-    stacks and what joins them (the vision tower's q/v projections and MLP fc1, the projector's first
-    linear, the language model's q/v projections)."""
+    """The LoRA adapter of a PEFT run: Llama's attention q/v projections; a vision-language model's
+    (`LORA_VISION`: Llava, Qwen2-VL, Mllama) adapts its vision tower, projector and language model."""
     from peft import LoraConfig
 
-    targets = ["q_proj", "v_proj"]
-    if spec is not None and spec.arch == "llava":
-        targets = [r"model\.vision_tower\..*\.(q_proj|v_proj|fc1)", r"model\.multi_modal_projector\.linear_1",
-                   r"model\.language_model\..*\.(q_proj|v_proj)"]
-        targets = "|".join(f"(?:{t})" for t in targets)
+    targets: list[str] | str = ["q_proj", "v_proj"]
+    if spec is not None and spec.arch in LORA_VISION:
+        stacks = [*LORA_VISION[spec.arch], r"model\.language_model\..*\.(q_proj|v_proj)"]
+        targets = "|".join(f"(?:{t})" for t in stacks)
     return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets,
                       modules_to_save=["lm_head"], task_type="CAUSAL_LM")
 
