@@ -10,7 +10,7 @@ from typing import TextIO
 
 from tailor_tui.checkpoints.checkpoint import distinct_names
 from tailor_tui.events import TaskFinished, TaskProgressed
-from tailor_tui.health.healing import Cell, Healing, Health, damage_text, why_unhealthy
+from tailor_tui.health.healing import Cell, Healing, Health, numbers, why_unhealthy
 from tailor_tui.health.stats_run import CellsComputed, StatsPlanned
 from tailor_tui.units import shown, size, throughput
 
@@ -18,14 +18,8 @@ OUTLIER = 3.0  # a rel_change this many times the row's median is marked
 
 
 def cell_text(cell: Cell | None) -> str:
-    """`0.0213 Δ0.41%` (weight RMS, relative change), or what is wrong with it."""
-    if cell is None:
-        return "·"  # not saved in this checkpoint (a partial one)
-    if not cell.healthy:
-        return damage_text(cell)
-    rms = "—" if cell.weight_rms is None else f"{cell.weight_rms:.3g}"
-    change = "" if cell.rel_change is None else f" Δ{_percent(cell.rel_change)}"
-    return rms + change
+    """`0.0213 Δ0.41%` (`healing.numbers`), `·` for a row not saved there (a partial checkpoint)."""
+    return "·" if cell is None else numbers(cell)
 
 
 def outliers(health: Health, row: str) -> set[int]:
@@ -135,5 +129,3 @@ class StatsProgress:
         print(shown(text), file=self.out, flush=True)
 
 
-def _percent(x: float) -> str:
-    return f"{x:.2%}" if x < 0.1 else f"{x:.0%}" if x < 10 else f"{x:.3g}×"

@@ -202,6 +202,21 @@ def damage_text(cell: Cell) -> str:
     return f"✗ {damage(cell)}{count}"
 
 
+def numbers(cell: Cell) -> str:
+    """`0.0213 Δ0.41%`: a cell's weight RMS and relative change, as `--stats` prints them and the
+    composer's widest cells show them; what is wrong with it (`damage_text`) where it is not healthy."""
+    if not cell.healthy:
+        return damage_text(cell)
+    rms = "—" if cell.weight_rms is None else f"{cell.weight_rms:.3g}"
+    change = "" if cell.rel_change is None else f" Δ{percent(cell.rel_change)}"
+    return rms + change
+
+
+def percent(x: float) -> str:
+    """A relative change in a few characters: `0.41%`, `12%`, `15.3×`."""
+    return f"{x:.2%}" if x < 0.1 else f"{x:.0%}" if x < 10 else f"{x:.3g}×"
+
+
 def why_unhealthy(cell: Cell) -> str:
     if cell.error:
         return f"unreadable ({cell.error})"

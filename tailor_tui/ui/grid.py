@@ -25,7 +25,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from tailor_tui.compose.composition import Composition
-from tailor_tui.health.healing import Health, damage
+from tailor_tui.health.healing import Health, damage, numbers
 from tailor_tui.ui.actions import GRID, bindings
 from tailor_tui.ui.describe import background, header_suffix, metric_text, row_range
 from tailor_tui.ui.grid_lines import GridLines, RowGroup, groups_of
@@ -36,6 +36,7 @@ OPEN, FOLDED, INDENT = "▾", "▸", "  "  # a stack's header, open and folded; 
 HEADER_HEIGHT = 2
 MIN_WIDTH = 10  # a checkpoint column fits "● picked" and its padding
 WIDE = 24  # a checkpoint column that also shows its cell's value (`● picked  2.48%`): where they all fit
+WIDER = 32  # one that shows its weight RMS and Δ (`● picked  0.115 Δ2.48%`, as --stats): where they all fit
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ class CheckpointGrid(ScrollView, can_focus=True):
         self._versions: list[int] = []  # per row, bumped when its cells change: the line cache's key
         self._lines: dict[tuple, Strip] = {}  # rendered lines of this frame's geometry
         self.folded: set[str] = set()  # the stacks folded into their header line
-        self.numbers = False  # the cells show their value of the metric beside their mark (wide terminals)
+        self.numbers = 0  # what the cells show of their values beside their mark (`_numbers`: wide terminals)
         self._health_version = 0
         self._layout = GridLines(0)
 
@@ -336,8 +337,11 @@ class CheckpointGrid(ScrollView, can_focus=True):
         return cells
 
     def _value(self, cell) -> str:
-        """`  2.48%`: a healthy cell's value of the metric, where the cells show numbers; else ""."""
-        return f"  {metric_text(cell, self.metric)}" if self.numbers and cell is not None and cell.healthy else ""
+        """`  2.48%`: a healthy cell's value of the metric where the cells show numbers, `  0.115 Δ2.48%`
+        (weight RMS and Δ) where they show both; else ""."""
+        if not self.numbers or cell is None or not cell.healthy:
+            return ""
+        return f"  {numbers(cell) if self.numbers > 1 else metric_text(cell, self.metric)}"
 
     # --- drawing --------------------------------------------------------------------------
 
@@ -436,13 +440,15 @@ class CheckpointGrid(ScrollView, can_focus=True):
             self.show(self.composition, self.health, self.metric, self._health_version)  # numbers in or out
         self._scroll_to_cell(self._cursor)
 
-    def _numbers(self, composition: Composition) -> bool:
-        """Whether the cells show their values: the statistics are in, and every checkpoint's column
-        fits WIDE in the widget's width (a 200-column terminal; never at 80)."""
+    def _numbers(self, composition: Composition) -> int:
+        """What the cells show of their values: 0 nothing (no statistics yet, or narrow: 80 columns), 1
+        the metric's value where every checkpoint's column fits WIDE in the widget's width, 2 weight RMS
+        and Δ where each fits WIDER (a 200-column terminal, a few checkpoints)."""
         if self.health is None or not composition.rows:
-            return False
+            return 0
         names = max(cell_len(r.name) for r in composition.rows) + 2 + len(INDENT)
-        return self.size.width >= names + WIDE * len(composition.checkpoints)
+        room = (self.size.width - names) // len(composition.checkpoints)
+        return 2 if room >= WIDER else 1 if room >= WIDE else 0
 
     # --- keys and the mouse ----------------------------------------------------------------
 
