@@ -27,7 +27,7 @@ demo-resume: demo-apply
 # two test processes: much of the suite waits (pilot pauses, compositions slowed to be signalled),
 # and the real runs each test needs are made once, by whichever process needs one first
 test: install
-	$(BIN)/python -m pytest -n 2
+	$(BIN)/python -m pytest -n 2 --durations=30
 
 # every DeepSpeed release of tests/test_compat.py (`make test` runs the oldest and the newest)
 test-compat: install
