@@ -150,16 +150,26 @@ RUNS = {
                                       blow_up=("model.vision_tower.encoder.layers.1.mlp.fc1.weight",),
                                       blow_up_step=4),
     "hf_llava_lora": RunSpec(arch="llava", dtype="fp32", layers=2, steps=4, save_every=2, peft=True),
-    # the same beyond Llava: Qwen2-VL's and Mllama's whole vision tower frozen (a frozen block turning
-    # NaN before the last save), and their LoRA on both stacks and the projector (models.LORA_VISION)
+    # the same beyond Llava: LLaVA-NeXT's, Qwen2-VL's, Qwen2.5-VL's and Mllama's whole vision tower frozen
+    # (a frozen block turning NaN before the last save), and their LoRA on both stacks and the projector
+    # (models.LORA_VISION)
+    "hf_llava_next_frozen_vision": RunSpec(arch="llava_next", dtype="fp32", layers=2, steps=4, save_every=2,
+                                           frozen=("model.vision_tower",),
+                                           blow_up=("model.vision_tower.encoder.layers.1.mlp.fc1.weight",),
+                                           blow_up_step=4),
     "hf_qwen2_vl_frozen_vision": RunSpec(arch="qwen2_vl", dtype="fp32", layers=2, steps=4, save_every=2,
                                          frozen=("model.visual",),
                                          blow_up=("model.visual.blocks.1.mlp.fc1.weight",), blow_up_step=4),
+    "hf_qwen2_5_vl_frozen_vision": RunSpec(arch="qwen2_5_vl", dtype="fp32", layers=2, steps=4, save_every=2,
+                                           frozen=("model.visual",),
+                                           blow_up=("model.visual.blocks.1.mlp.up_proj.weight",), blow_up_step=4),
     "hf_mllama_frozen_vision": RunSpec(arch="mllama", dtype="fp32", layers=2, steps=4, save_every=2,
                                        frozen=("model.vision_model",),
                                        blow_up=("model.vision_model.transformer.layers.1.mlp.fc1.weight",),
                                        blow_up_step=4),
+    "hf_llava_next_lora": RunSpec(arch="llava_next", dtype="fp32", layers=2, steps=4, save_every=2, peft=True),
     "hf_qwen2_vl_lora": RunSpec(arch="qwen2_vl", dtype="fp32", layers=2, steps=4, save_every=2, peft=True),
+    "hf_qwen2_5_vl_lora": RunSpec(arch="qwen2_5_vl", dtype="fp32", layers=2, steps=4, save_every=2, peft=True),
     "hf_mllama_lora": RunSpec(arch="mllama", dtype="fp32", layers=2, steps=4, save_every=2, peft=True),
     # a Llava saved as transformers 4.x did (save_safetensors=False): pytorch_model.bin, legacy names
     "hf_llava_bin": RunSpec(arch="llava", dtype="fp32", layers=2, steps=4, save_every=2, save_safetensors=False),

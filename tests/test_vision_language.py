@@ -6,14 +6,15 @@ LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Mllama and BEiT (a vision encoder).
   is a folder that transformers' own `from_pretrained` loads (BEiT, Llava, LLaVA-NeXT, Qwen2-VL,
   Qwen2.5-VL, Mllama) with no missing, unexpected or mismatched key, every parameter of the loaded
   model the fp32 master of the checkpoint its row was picked from;
-- one set of tests over the runs of VARIANTS, each composed once: a Llava, a Qwen2-VL and an Mllama whose
-  whole vision tower is frozen (no optimizer state: its values live in model_states' fragments and in the
-  model file), a PEFT LoRA of each adapting both stacks and the projector, and a Llava saved as
-  pytorch_model.bin. Rows of the vision tower, the projector and the language model from another checkpoint
-  compose bit-exact on every rank (fp32 masters and Adam moments where they exist, frozen values as
-  picked), `--verify` passes, the model file (a LoRA's adapter) holds each tensor of its pick and loads
-  with from_pretrained (PeftModel.from_pretrained), a whole model exports, and the Trainer resumes the
-  output; the frozen Llava is also re-partitioned for 3 ranks;
+- one set of tests over the runs of VARIANTS, each composed once: a Llava, a LLaVA-NeXT, a Qwen2-VL, a
+  Qwen2.5-VL and an Mllama whose whole vision tower is frozen (no optimizer state: its values live in
+  model_states' fragments and in the model file), a PEFT LoRA of each adapting both stacks and the
+  projector, and a Llava saved as pytorch_model.bin. Rows of the vision tower, the projector and the
+  language model (and LLaVA-NeXT's image_newline) from another checkpoint compose bit-exact on every rank
+  (fp32 masters and Adam moments where they exist, frozen values as picked), `--verify` passes, the model
+  file (a LoRA's adapter) holds each tensor of its pick and loads with from_pretrained
+  (PeftModel.from_pretrained), a whole model exports, and the Trainer resumes the output; the frozen Llava
+  is also re-partitioned for 3 ranks;
 - a vision block that blows up just before the last save (a trainable one: NaN masters, +Inf exp_avg_sq;
   a frozen one: NaN values): `--stats` flags that vision row alone, `--heal` takes it alone from the last
   good checkpoint and every other row from the newest, and `--apply` of that recipe is finite throughout.
@@ -145,10 +146,14 @@ def test_export_loads_with_from_pretrained_each_parameter_its_rows_pick(real_run
 # are picked. A PEFT LoRA adapting both stacks and the projector (models.LORA_VISION): a block of each stack
 # and the projector are picked. A Llava saved as transformers 4.x did (pytorch_model.bin, legacy names).
 FROZEN = {"hf_llava_frozen_vision": (VISION_BLOCK, LANGUAGE_BLOCK),
+          "hf_llava_next_frozen_vision": (VISION_BLOCK, "model.image_newline", LANGUAGE_BLOCK),
           "hf_qwen2_vl_frozen_vision": ("model.visual.blocks.1", "model.language_model.layers.1"),
+          "hf_qwen2_5_vl_frozen_vision": ("model.visual.blocks.1", "model.language_model.layers.1"),
           "hf_mllama_frozen_vision": ("model.vision_model.transformer.layers.1", "model.language_model.layers.1")}
 LORA = {"hf_llava_lora": (VISION_BLOCK, PROJECTOR, LANGUAGE_BLOCK),
+        "hf_llava_next_lora": (VISION_BLOCK, PROJECTOR, LANGUAGE_BLOCK),
         "hf_qwen2_vl_lora": ("model.visual.blocks.1", "model.visual.merger", "model.language_model.layers.1"),
+        "hf_qwen2_5_vl_lora": ("model.visual.blocks.1", "model.visual.merger", "model.language_model.layers.1"),
         "hf_mllama_lora": ("model.vision_model.transformer.layers.1", "model.vision_model.global_transformer.layers.0",
                            PROJECTOR, "model.language_model.layers.1")}
 VARIANTS = {**FROZEN, **LORA, "hf_llava_bin": (VISION_BLOCK, PROJECTOR, LANGUAGE_BLOCK, "lm_head")}

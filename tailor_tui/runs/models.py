@@ -163,15 +163,19 @@ def is_frozen(spec, name: str) -> bool:
 
 
 # A vision-language model's LoRA adapts both of its stacks and what joins them: the vision tower's
-# attention (q/v, or its fused qkv) and MLP fc1, the projector's (first) linear; and the language model's q/v
-LORA_VISION = {"llava": (r"model\.vision_tower\..*\.(q_proj|v_proj|fc1)", r"model\.multi_modal_projector\.linear_1"),
+# attention (q/v, or its fused qkv) and MLP fc1 (a gated MLP's gate and up projections), the projector's
+# (first) linear; and the language model's q/v. LLaVA-NeXT has Llava's modules (its image_newline, a bare
+# parameter, stays frozen)
+_LORA_LLAVA = (r"model\.vision_tower\..*\.(q_proj|v_proj|fc1)", r"model\.multi_modal_projector\.linear_1")
+LORA_VISION = {"llava": _LORA_LLAVA, "llava_next": _LORA_LLAVA,
                "qwen2_vl": (r"model\.visual\.blocks\..*\.(qkv|fc1)", r"model\.visual\.merger\.mlp\.0"),
+               "qwen2_5_vl": (r"model\.visual\.blocks\..*\.(qkv|gate_proj|up_proj)", r"model\.visual\.merger\.mlp\.0"),
                "mllama": (r"model\.vision_model\..*\.(q_proj|v_proj|fc1)", r"model\.multi_modal_projector")}
 
 
 def lora_config(spec=None):
     """The LoRA adapter of a PEFT run: Llama's attention q/v projections; a vision-language model's
-    (`LORA_VISION`: Llava, Qwen2-VL, Mllama) adapts its vision tower, projector and language model."""
+    (`LORA_VISION`: Llava, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Mllama) adapts its vision tower, projector and language model."""
     from peft import LoraConfig
 
     targets: list[str] | str = ["q_proj", "v_proj"]
