@@ -30,11 +30,13 @@ from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, unsupported_ver
 from tailor_tui.formats.pickled import MAX_PICKLE_BYTES, TensorRef, read_pickle
 from tailor_tui.formats.ptlegacy import START as LEGACY_START
 from tailor_tui.formats.ptlegacy import LegacyError, read_legacy
-from tailor_tui.formats.same_archive import Kept, SameArchives
 from tailor_tui.formats.zipdir import (
     DESCRIBED,
+    CheckedArchives,
+    KeptRecord,
     RecordError,
     check_directory,
+    check_directory_of,
     check_spans,
     descriptor_crc_at,
     directory_in,
@@ -144,7 +146,21 @@ def open_zip(path: Path) -> zipfile.ZipFile:
 def check_complete(path: Path) -> None:
     """Raise CheckpointError unless `path` is a whole `.pt` file: a zip archive's central
     directory, or every storage of a legacy file, is where it should be (no data is read)."""
-    fmt = file_format(path)
+    try:
+        fd = open_regular(path)
+    except (OSError, ValueError):
+        fd = None  # `file_format` says why
+    if fd is None:
+        fmt = file_format(path)
+    else:
+        with os.fdopen(fd, "rb") as f:  # one open: the first bytes and the directory (a wide run: 1,000s of files)
+            fmt = {ZIP_START: "zip", LEGACY_START: "legacy"}.get(os.pread(fd, 4, 0))
+            if fmt != "legacy":
+                try:
+                    check_directory_of(f)
+                except (zipfile.BadZipFile, OSError) as exc:
+                    raise unreadable(path, fmt, _first_line(exc) if fmt else _start(path)) from None
+                return
     if fmt == "legacy":
         _legacy_records(path)
         return
@@ -287,7 +303,7 @@ def read_whole(path: Path, limit: int) -> bytes | None:
 
 def structure_in(path: Path, whole: bytes) -> Structure:
     """`read_structure(path, shared=True)` of the zip-format file `path` whose bytes are `whole`. One
-    laid out as a file read before (`same_archive`: a wide run's ranks' files), each of its records
+    laid out as a file read before (`zipdir.CheckedArchives`: a wide run's ranks' files), each of its records
     matching its CRC-32, has the records of that one, its own names and CRC-32s in them; another is
     read whole, and kept as a reference where every record matches its CRC-32."""
     found = _CHECKED.match(whole)
@@ -408,8 +424,8 @@ SMALL_FILE = 16 << 20
 
 
 # Small archives checked whole, as references for the next ones laid out alike but for their records'
-# names and bytes (a wide run's ranks' files: `same_archive`)
-_CHECKED = SameArchives()
+# names and bytes (a wide run's ranks' files: `zipdir.CheckedArchives`)
+_CHECKED = CheckedArchives()
 
 
 def _check_in_memory(path: Path, whole: bytes, inspect, skip: frozenset) -> None:
@@ -468,9 +484,9 @@ def _checked(path: Path, whole: bytes, located: list, skip: frozenset, inspect):
         yield e, data
 
 
-def _kept(located: list) -> list[Kept]:
-    """The records of an archive checked whole, as `same_archive` keeps them."""
-    return [Kept(e.name.partition("/")[2], e.header_offset, start, e.size, (crc_at, e.crc_field),
+def _kept(located: list) -> list[KeptRecord]:
+    """The records of an archive checked whole, as `CheckedArchives` keeps them."""
+    return [KeptRecord(e.name.partition("/")[2], e.header_offset, start, e.size, (crc_at, e.crc_field),
                  e.header_offset + 14 if e.flags & DESCRIBED else None) for e, start, crc_at in located]
 
 
