@@ -80,9 +80,13 @@ def end_record(f) -> tuple[int, int, int]:
     """(records, directory bytes, where the directory starts) of the open archive `f`, refused
     (BadZipFile) when it claims more than a torch file has."""
     size = f.seek(0, os.SEEK_END)
-    f.seek(max(0, size - (1 << 16) - 22))
+    f.seek(max(0, size - 256))  # (where its comment is empty, as torch writes it, the end record lies here)
     tail = f.read()
     at = tail.rfind(b"PK\x05\x06")
+    if at < 20 < size - len(tail) + at or at < 0:  # not found in the last 256 bytes, or zip64's may lie before
+        f.seek(max(0, size - (1 << 16) - 22))
+        tail = f.read()
+        at = tail.rfind(b"PK\x05\x06")
     if at < 0 or at > len(tail) - 22:
         raise zipfile.BadZipFile("File is not a zip file")
     disk, disk_dir, here, records, directory, start = struct.unpack_from("<HHHHII", tail, at + 4)
