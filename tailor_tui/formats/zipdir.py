@@ -302,7 +302,7 @@ def _zip64(extra: bytes, size: int, packed: int, offset: int) -> tuple[int, int,
 # each record (`zero_pp_rank_5_mp_rank_00_model_states/data/17`: the archive's name, then the record's)
 # and the bytes of their records (their tensors, their serialization id) with those bytes' CRC-32s; a
 # wide run's model_states files list one empty placeholder per parameter. Checking such a file record
-# by record was most of the cost of composing a rank of a 256-rank run (729 records, 1.5 ms, for 357
+# by record was most of the cost of composing a rank of a 256-rank run (729 records, 723 of them empty, for 357
 # KiB), and reading each rank file's structure most of a statistics task's.
 #
 # A file checked whole (every record's place, header and CRC-32: `ptfile`) becomes a reference
