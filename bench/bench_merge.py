@@ -74,13 +74,13 @@ def parity_recipe(path: Path, base: Path, source: Path, output: Path) -> list[st
     return odd
 
 
-def as_installed() -> None:
-    """Compile tailor-tui's bytecode, as `pip install` does: run from a checkout where
-    PYTHONDONTWRITEBYTECODE is set (this VM sets it), every command would compile each module it
-    imports again (~0.1 s of its start), which an installed copy never does."""
+def as_installed(root: Path = ROOT) -> None:
+    """Compile the bytecode of tailor-tui (the checkout at `root`), as `pip install` does: run from a
+    checkout where PYTHONDONTWRITEBYTECODE is set (this VM sets it), every command would compile each
+    module it imports again (~0.1 s of its start), which an installed copy never does."""
     import compileall
 
-    compileall.compile_dir(ROOT / "tailor_tui", quiet=1)
+    compileall.compile_dir(root / "tailor_tui", quiet=1)
 
 
 def size_of(folder: Path) -> int:

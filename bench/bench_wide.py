@@ -12,9 +12,15 @@ Then, in turn, several times, on the 2-rank run and on each W-rank run (everythi
 - `cp -r` of one checkpoint (the yardstick: the bytes alone).
 
 Prints medians, each W-rank time over the 2-rank one (the issue's targets: --apply and cold
---stats at most 4x at 256 ranks), over cp -r of the same checkpoint, and the command's peak RSS.
+--stats at most 4x at 256 ranks), over cp -r of the same checkpoint, the command's CPU time (its
+workers' included: on a shared machine, steadier than its wall time) and its peak RSS.
+
+`--against DIR`: another checkout of tailor-tui (the code before a change, say) is measured in the
+same rounds, each command run by one then the other in turn, its rows marked "(against)": the
+comparison a busy machine allows. `--only apply stats` leaves the other commands out.
 
     python bench/bench_wide.py [--ranks 256 512] [--repeats 3] [--cache .tailor-cache/bench]
+                               [--against DIR] [--only apply stats reshard]
 """
 
 from __future__ import annotations
@@ -47,19 +53,20 @@ MEASURE = ("import os, subprocess, sys\n"
            "_pid, status, usage = os.wait4(p.pid, 0)\n"
            "code = os.waitstatus_to_exitcode(status)\n"
            "sys.stderr.write(err.decode(errors='replace')[-3000:] if code else '')\n"
-           "print(usage.ru_maxrss * 1024)\n"
+           "print(usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024)\n"
            "sys.exit(code)\n")
 
 
-def measure(cmd: list[str], env: dict | None = None) -> tuple[float, int]:
-    """(seconds, peak RSS in bytes) of `cmd`."""
+def measure(cmd: list[str], env: dict | None = None) -> tuple[float, float, int]:
+    """(seconds, CPU seconds of it and its workers, peak RSS in bytes) of `cmd`."""
     started = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", MEASURE, *cmd], capture_output=True, text=True,
                           env={**os.environ, **(env or {})})
     seconds = time.perf_counter() - started
     if proc.returncode != 0:
         raise SystemExit(f"bench: {' '.join(map(str, cmd[:4]))} failed:\n{proc.stderr}")
-    return seconds, int(proc.stdout.split()[-1])
+    cpu, peak = proc.stdout.split()[-2:]
+    return seconds, float(cpu), int(peak)
 
 
 def narrow_run(cache: Path) -> Path:
@@ -108,44 +115,60 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, nargs="+", default=[256, 512])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cache", type=Path, default=ROOT / ".tailor-cache" / "bench")
+    ap.add_argument("--against", type=Path, help="another checkout of tailor-tui, measured in the same rounds")
+    ap.add_argument("--only", nargs="+", choices=("apply", "stats", "reshard"), default=["apply", "stats", "reshard"])
     args = ap.parse_args()
     as_installed()
+    trees = {"": ROOT}
+    if args.against is not None:
+        as_installed(args.against.resolve())
+        trees[" (against)"] = args.against.resolve()
     narrow = narrow_run(args.cache)
     runs = {2: narrow, **{w: wide_run(args.cache, narrow, w) for w in args.ranks}}
-    rows: dict[tuple[int, str], list[tuple[float, int]]] = {}
+    rows: dict[tuple[int, str], list[tuple[float, float, int]]] = {}
     with tempfile.TemporaryDirectory(dir=args.cache) as tmp:
         work = Path(tmp)
         for w, run in runs.items():  # scanned once before, as the TUI or an earlier command would have
             subprocess.run([TAILOR, "--apply", recipe_of(run, work, f"scan-{w}"), "--dry-run"], check=True,
                            stdout=subprocess.DEVNULL)
-        for _ in range(args.repeats):
+        for repeat in range(args.repeats):
             for w, run in runs.items():
                 out = work / f"out-{w}"
                 shutil.rmtree(out, ignore_errors=True)
                 out.mkdir()
-                cp = out / "copy"
                 started = time.perf_counter()
-                subprocess.run(["cp", "-r", run / TAGS[-1], cp], check=True)
-                rows.setdefault((w, "cp -r of one checkpoint"), []).append((time.perf_counter() - started, 0))
-                rows.setdefault((w, "--apply --no-fsync, rows from 3 checkpoints"), []).append(
-                    measure([TAILOR, "--apply", recipe_of(run, out, "composed"), "--no-fsync"]))
-                rows.setdefault((w, "cold --stats of 4 checkpoints"), []).append(
-                    measure([TAILOR, "--stats", run], env={"TAILOR_TUI_CACHE": str(out / f"stats-{_}")}))
-                if w != 2:
-                    reshard = work / f"reshard-{w}.yaml"
-                    reshard.write_text(f"version: 1\nbase: {narrow / TAGS[-1]}\noutput: {out / 'resharded'}\n")
-                    rows.setdefault((w, f"--world-size {w} of one checkpoint"), []).append(
-                        measure([TAILOR, "--apply", reshard, "--world-size", str(w), "--no-fsync"]))
+                subprocess.run(["cp", "-r", run / TAGS[-1], out / "copy"], check=True)
+                rows.setdefault((w, "cp -r of one checkpoint"), []).append((time.perf_counter() - started, 0.0, 0))
+                for mark, tree in trees.items():
+                    code = {"PYTHONPATH": str(tree)}
+                    out = work / f"out-{w}{mark.strip(' ()')}"
+                    shutil.rmtree(out, ignore_errors=True)
+                    out.mkdir()
+                    if "apply" in args.only:
+                        rows.setdefault((w, "--apply --no-fsync, rows from 3 checkpoints" + mark), []).append(
+                            measure([TAILOR, "--apply", recipe_of(run, out, "composed"), "--no-fsync"], code))
+                    if "stats" in args.only:
+                        rows.setdefault((w, "cold --stats of 4 checkpoints" + mark), []).append(
+                            measure([TAILOR, "--stats", run], code | {"TAILOR_TUI_CACHE": str(out / f"stats-{repeat}")}))
+                    if w != 2 and "reshard" in args.only:
+                        reshard = work / f"reshard-{w}.yaml"
+                        reshard.write_text(f"version: 1\nbase: {narrow / TAGS[-1]}\noutput: {out / 'resharded'}\n")
+                        rows.setdefault((w, f"--world-size {w} of one checkpoint" + mark), []).append(
+                            measure([TAILOR, "--apply", reshard, "--world-size", str(w), "--no-fsync"], code))
     sizes = {w: sum(f.stat().st_size for f in (run / TAGS[-1]).rglob("*") if f.is_file()) for w, run in runs.items()}
     print("\none checkpoint: " + ", ".join(f"{w} ranks {sizes[w] / 2**20:.1f} MiB" for w in runs))
-    print(f"{'ranks':>5}  {'what':<44} {'median s':>9} {'vs 2 ranks':>10} {'vs cp -r':>9} {'peak MiB':>9}")
-    for (w, what), samples in rows.items():
-        median = statistics.median(s for s, _ in samples)
-        peak = max(p for _, p in samples)
-        narrow_time = statistics.median(s for s, _ in rows[(2, what)]) if (2, what) in rows else None
-        cp = statistics.median(s for s, _ in rows[(w, "cp -r of one checkpoint")])
+    print(f"{'ranks':>5}  {'what':<56} {'median s':>9} {'vs 2 ranks':>10} {'vs cp -r':>9} {'CPU s':>6} "
+          f"{'CPU vs 2':>8} {'peak MiB':>9}")
+    for (w, what), samples in sorted(rows.items()):
+        median, cpu = (statistics.median(s[i] for s in samples) for i in (0, 1))
+        peak = max(s[2] for s in samples)
+        narrow_time = statistics.median(s[0] for s in rows[(2, what)]) if (2, what) in rows else None
+        narrow_cpu = statistics.median(s[1] for s in rows[(2, what)]) if (2, what) in rows else None
+        cp = statistics.median(s[0] for s in rows[(w, "cp -r of one checkpoint")])
         ratio = f"{median / narrow_time:.2f}x" if narrow_time else "—"
-        print(f"{w:>5}  {what:<44} {median:>9.2f} {ratio:>10} {median / cp:>8.1f}x {peak / 2**20:>9.0f}")
+        cpu_ratio = f"{cpu / narrow_cpu:.2f}x" if narrow_cpu else "—"
+        print(f"{w:>5}  {what:<56} {median:>9.2f} {ratio:>10} {median / cp:>8.1f}x {cpu:>6.2f} {cpu_ratio:>8} "
+              f"{peak / 2**20:>9.0f}")
 
 
 if __name__ == "__main__":

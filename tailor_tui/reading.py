@@ -60,33 +60,36 @@ def confine(path: Path, run: Path) -> tuple[int, int] | None:
     """Check every symbolic link on `path` below the folder `run` (`path` spelled as run/…) by the
     rule above: CheckpointError for one that leads out of the run or nowhere. Returns the
     identity of what `path` leads to, or None where nothing is there."""
-    try:
-        rel = Path(os.path.abspath(path)).relative_to(os.path.abspath(run))
-    except ValueError:
-        raise ValueError(f"{path} is not spelled below {run}") from None
-    at = Path(run)
-    for part in rel.parts:
-        at = at / part
+    spelled, top = os.path.abspath(path), os.path.abspath(run)
+    if spelled != top and not spelled.startswith(top.rstrip(os.sep) + os.sep):
+        raise ValueError(f"{path} is not spelled below {run}")
+    parts = [p for p in spelled[len(top):].split(os.sep) if p]
+    at, st = os.fspath(run), None
+    for part in parts:
+        at = os.path.join(at, part)
         try:
             st = os.lstat(at)
         except (FileNotFoundError, NotADirectoryError):
             return None
         if not stat.S_ISLNK(st.st_mode):
             continue  # (the common case: what the run is and where it lies are looked up for a link only)
+        link = Path(at)
         try:
             run_st = os.stat(run)
         except OSError:
             return None
-        run_real, real = os.path.realpath(run), os.path.realpath(at)
+        run_real, real = os.path.realpath(run), os.path.realpath(link)
         try:
             target = os.stat(real)
         except OSError:
-            raise link_refusal(at, os.readlink(at), run, "which leads nowhere (nothing is there)") from None
+            raise link_refusal(link, os.readlink(link), run, "which leads nowhere (nothing is there)") from None
         special = not (stat.S_ISREG(target.st_mode) or stat.S_ISDIR(target.st_mode))
         if identity(target) == identity(run_st):
-            raise link_refusal(at, real, run, "the run folder itself (a loop)")
+            raise link_refusal(link, real, run, "the run folder itself (a loop)")
         if not special and not _inside(real, identity(run_st), run_real):
-            raise link_refusal(at, real, run)
+            raise link_refusal(link, real, run)
+    if st is not None and not stat.S_ISLNK(st.st_mode) and at == os.fspath(path):
+        return identity(st)  # (what lstat found of a path spelled as given, no link at its end: what stat finds)
     try:
         return identity(os.stat(path))
     except OSError:

@@ -17,7 +17,7 @@ import pytest
 from helpers import assert_one_line_error, tailor, write_recipe
 
 from tailor_tui.errors import CheckpointError
-from tailor_tui.formats.ptfile import check_crcs, read_structure
+from tailor_tui.formats.ptfile import check_crcs, read_structure, records_in, structure_in
 
 FILES = {
     "optim_states": "global_step6/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
@@ -182,3 +182,37 @@ def test_verify_proves_a_copied_file_loads_as_torch_would(run, tmp_path, flip):
     result = tailor("--verify", recipe)
     assert result.returncode == 7, result.stdout + result.stderr
     assert "rng_state_1.pth: torch's reader cannot read it" in result.stdout, result.stdout
+
+
+def test_a_rank_file_laid_out_as_one_checked_before_passes_or_fails_as_it_would_alone(run, tmp_path):
+    """A file laid out as one checked before but for its records' names and bytes (the next rank's, issue
+    47) is taken by one comparison and a CRC-32 per record (`zipdir.CheckedArchives`): whatever byte of it is
+    changed, it passes or fails exactly as when checked record by record, with nothing checked before."""
+    tag = run / "checkpoint-6" / "global_step6"
+    for first, second in [("zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"),
+                          ("bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                           "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")]:
+        check_crcs(tag / first)  # checked whole: a reference
+        assert structure_in(tag / first, (tag / first).read_bytes())[1] == read_structure(tag / first)[1]
+        whole = (tag / second).read_bytes()
+        assert len(whole) <= 4 << 20
+        found = structure_in(tag / second, whole)  # laid out as the first: its records, its own names and CRCs
+        assert found[1:] == read_structure(tag / second)[1:]
+        check_crcs(tag / second)
+        changed = tmp_path / second
+        for at in sorted({*range(0, len(whole), max(1, len(whole) // 1500)), *range(max(0, len(whole) - 3000),
+                                                                                    len(whole))}):
+            data = bytearray(whole)
+            data[at] ^= 0x10
+            changed.write_bytes(bytes(data))
+            try:
+                list(records_in(changed, bytes(data), skip_empty=True))
+                alone = None
+            except CheckpointError as exc:
+                alone = str(exc)
+            try:
+                check_crcs(changed)
+                taken = None
+            except CheckpointError as exc:
+                taken = str(exc)
+            assert (taken is None) == (alone is None), f"byte {at}: {taken or alone}"

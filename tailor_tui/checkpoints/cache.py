@@ -42,12 +42,24 @@ def cache_dir() -> Path:
     return Path(base) / "tailor-tui"
 
 
-def file_identity(path: Path) -> list:
+def file_identity(path: Path, folders: dict | None = None) -> list:
     """What a cached result of reading `path` is keyed by: where it is, which file it is (device,
     inode), its size, mtime and ctime. A file changed in place and given back its size and mtime
-    (`touch -r`) still has a new ctime, which no user can set back: its results are computed again."""
-    st = os.stat(path)
-    return [os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    (`touch -r`) still has a new ctime, which no user can set back: its results are computed again.
+    `folders`: the real paths of folders, kept by a caller that asks for many files of a few
+    folders (a wide run's rank files), whose own paths are not links: one lstat each, not one per
+    folder above it."""
+    plain = folders is not None and ".." not in str(path).split(os.sep)  # (`..` after a link: realpath's to say)
+    st = os.lstat(path) if plain else None
+    if st is None or stat.S_ISLNK(st.st_mode):
+        st = os.stat(path)
+        return [os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    assert folders is not None, "lstat'ed only with folders"
+    folder, name = os.path.split(os.path.abspath(path))
+    if folder not in folders:
+        folders[folder] = os.path.realpath(folder)
+    real = os.path.join(folders[folder], name) if name not in ("", ".") else os.path.realpath(path)
+    return [real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def entry(cache: Path | None, kind: str, key: str) -> Path | None:

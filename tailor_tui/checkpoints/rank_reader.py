@@ -36,6 +36,7 @@ from tailor_tui.formats.ptfile import (
     frozen_fragment_bytes,
     locate,
     read_structure,
+    structure_in,
 )
 from tailor_tui.reading import crc_range
 
@@ -45,6 +46,10 @@ if TYPE_CHECKING:
 # The read buffer every streaming reader reuses: on this kind of VM fresh 64 MiB buffers ran at
 # 0.6 GiB/s (page faults on every chunk); a reused 1 MiB buffer stays in CPU cache between read and CRC.
 STREAM_CHUNK = 1 << 20
+
+# A full save's optim file this small (a wide run's: tens of KiB) is read whole, once, by a job that
+# reads its structure (`ptfile.read_whole`, `RankReader(optim=...)`): one read instead of several opens
+SMALL_RANK_FILE = 1 << 20
 
 FP32 = ("FloatStorage", 4)  # a partial save's slices, and the flat tensors health statistics read
 
@@ -99,10 +104,11 @@ class RankBytes:
 
 class RankReader:
     """One checkpoint's files of one rank, its sub-groups `group_sizes`; each file's structure
-    read once, when first needed."""
+    read once, when first needed (the optim file's from `optim`, its bytes, where given)."""
 
-    def __init__(self, files: RankFiles, group_sizes: tuple[int, ...]):
+    def __init__(self, files: RankFiles, group_sizes: tuple[int, ...], optim: bytes | None = None):
         self.files, self.group_sizes = files, tuple(group_sizes)
+        self.optim = optim  # the optim file's bytes, where the caller read it whole (`ptfile.read_whole`)
         self._structure: Structure | None = None
         self._flat: dict[tuple[int, str], TensorBytes] | None = None
         self._rows: tuple[dict, dict] | None = None
@@ -129,7 +135,8 @@ class RankReader:
     def structure(self) -> Structure:
         """(pickled object, {name: Record}, prefix) of the optim file (`ptfile.read_structure`)."""
         if self._structure is None:
-            self._structure = read_structure(self.files.optim_states, shared=True)
+            self._structure = (read_structure(self.files.optim_states, shared=True) if self.optim is None
+                               else structure_in(self.files.optim_states, self.optim))
         return self._structure
 
     def records(self) -> dict[str, Record]:
@@ -178,6 +185,14 @@ class RankReader:
         tb = self.flat()[group, key]
         return RankBytes(self.files.optim_states, tb.offset + (offset + within) * tb.itemsize, tb.record, tb.dtype,
                          tb.itemsize)
+
+    def starts(self, key: str, slots) -> list[int]:
+        """`place(key, ...).at` (where the slice starts) of each of `slots` (each with a param, group,
+        offset and valid), without a RankBytes each: a wide run's rank file is asked for thousands."""
+        if self.partial:
+            return [self.place(key, param=s.param, group=s.group, offset=s.offset, valid=s.valid).at for s in slots]
+        flat = self.flat()
+        return [flat[s.group, key].offset + s.offset * flat[s.group, key].itemsize for s in slots]
 
     # -- model_states ----------------------------------------------------------------------------
 

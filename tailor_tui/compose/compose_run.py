@@ -145,7 +145,7 @@ class Composing(PublishingWork):
             self.shared_how = self.shared_how or event.shared_how
         return False
 
-    def report(self, mine: list[Task], results: list) -> dict:
+    def report(self, mine: list[Task], results: list, lead: bool) -> dict:
         nonfinite = sum((Counter(r) for r in results if r), Counter())
         names, tmp = self.plan.output_rank_files(), self.tmp
         assert tmp is not None, "folder() named it before any task ran"

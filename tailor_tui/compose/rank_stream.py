@@ -12,18 +12,28 @@ import contextlib
 import os
 import struct
 from collections import Counter, defaultdict
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from tailor_tui import crc, moved
-from tailor_tui.checkpoints.rank_reader import STREAM_CHUNK, RankReader, SliceCheck, check_dtypes, read_and_check
+from tailor_tui.checkpoints.rank_reader import (
+    SMALL_RANK_FILE,
+    STREAM_CHUNK,
+    RankReader,
+    SliceCheck,
+    check_dtypes,
+    read_and_check,
+)
 from tailor_tui.cloning import clone, worth_it
 from tailor_tui.events import ByteCounter
 from tailor_tui.fileio import CREATE, Target, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
 from tailor_tui.formats.ds_format import TENSORS
 from tailor_tui.formats.nonfinite import Census, Region
-from tailor_tui.formats.ptfile import Record, Unsupported, checked_ranges, file_format
+from tailor_tui.formats.ptfile import Record, Unsupported, checked_ranges, file_format, read_whole
 from tailor_tui.planning.jobs import RankJob
 from tailor_tui.reading import RangeCrcs, crc_range, pread_into
+
+if TYPE_CHECKING:
+    from tailor_tui.checkpoints.checkpoint import RankFiles
 
 # the reading of rank files moved to checkpoints.rank_reader
 __getattr__ = moved.names(__name__, {**{name: "tailor_tui.checkpoints.rank_reader" for name in (
@@ -72,10 +82,12 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Coun
     by torch), never blessed. Sources are read and checked whole in every mode.
     """
     base_path = job.files[0].optim_states
-    if file_format(base_path) != "zip":
+    whole = read_whole(base_path, SMALL_RANK_FILE)  # a wide run's: its structure read from one read
+    if whole is None and file_format(base_path) != "zip":
         return None  # the output is a zip archive: a legacy-format base's file is re-serialised
     used = sorted({c.source for c in job.copies})
-    readers = {s: RankReader(job.files[s], job.group_sizes) for s in [0, *used]}
+    readers = {s: RankReader(job.files[s], job.group_sizes, whole if s == 0 else _small(job.files[s]))
+               for s in [0, *used]}
     try:
         base_records = readers[0].records()
         base = readers[0].flat()
@@ -165,6 +177,11 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Coun
     return sum((c.counts for c in census.values()), Counter())
 
 
+def _small(files: RankFiles) -> bytes | None:
+    """A full source's optim file, read whole where it is small (`SMALL_RANK_FILE`)."""
+    return None if files.rows is not None else read_whole(files.optim_states, SMALL_RANK_FILE)
+
+
 def _clone(fin: int, fout: int, spans: list[Replacement], counter: ByteCounter) -> str | None:
     """Make the output a clone of the base's file where the filesystem shares blocks and the spans
     replace little enough of it (`cloning`); how, or None."""
@@ -180,8 +197,7 @@ def _row_places(reader: RankReader, slots: list) -> list[list]:
     places: list[list] = []
     for key in TENSORS:
         last = None
-        for slot in slots:
-            at = reader.place(key, param=slot.param, group=slot.group, offset=slot.offset, valid=slot.valid).at
+        for slot, at in zip(slots, reader.starts(key, slots)):
             if last is not None and last[0] == slot.row and last[1] + last[2] == at:
                 last[2] += slot.valid * 4
             else:

@@ -32,8 +32,11 @@ from tailor_tui.formats.ptlegacy import START as LEGACY_START
 from tailor_tui.formats.ptlegacy import LegacyError, read_legacy
 from tailor_tui.formats.zipdir import (
     DESCRIBED,
+    CheckedArchives,
+    KeptRecord,
     RecordError,
     check_directory,
+    check_directory_of,
     check_spans,
     descriptor_crc_at,
     directory_in,
@@ -143,7 +146,21 @@ def open_zip(path: Path) -> zipfile.ZipFile:
 def check_complete(path: Path) -> None:
     """Raise CheckpointError unless `path` is a whole `.pt` file: a zip archive's central
     directory, or every storage of a legacy file, is where it should be (no data is read)."""
-    fmt = file_format(path)
+    try:
+        fd = open_regular(path)
+    except (OSError, ValueError):
+        fd = None  # `file_format` says why
+    if fd is None:
+        fmt = file_format(path)
+    else:
+        with os.fdopen(fd, "rb") as f:  # one open: the first bytes and the directory (a wide run: 1,000s of files)
+            fmt = {ZIP_START: "zip", LEGACY_START: "legacy"}.get(os.pread(fd, 4, 0))
+            if fmt != "legacy":
+                try:
+                    check_directory_of(f)
+                except (zipfile.BadZipFile, OSError) as exc:
+                    raise unreadable(path, fmt, _first_line(exc) if fmt else _start(path)) from None
+                return
     if fmt == "legacy":
         _legacy_records(path)
         return
@@ -235,16 +252,25 @@ def read_structure(path: Path, storages: dict | None = None, *, shared: bool = F
     if file_format(path) == "legacy":
         return (*_legacy_records(path, storages, stand_in), "")
     records = _records(path)
-    pickles = [n for n in records if n.endswith("/data.pkl") or n == "data.pkl"]
-    if len(pickles) != 1:
-        raise Unsupported("no single data.pkl")
-    prefix = pickles[0][: -len("data.pkl")]
-    rec = records[pickles[0]]
+    rec, prefix = _pickle_record(records)
     if rec.size > MAX_PICKLE_BYTES:
         raise unreadable(path, "zip", f"its data.pkl is {rec.size} bytes, more than a checkpoint's structure needs")
     with open(path, "rb") as f:
         f.seek(rec.data_offset)
         data = f.read(rec.size)
+    return _structure(path, records, prefix, rec, data, storages, shared, stand_in)
+
+
+def _pickle_record(records: dict[str, Record]) -> tuple[Record, str]:
+    pickles = [n for n in records if n.endswith("/data.pkl") or n == "data.pkl"]
+    if len(pickles) != 1:
+        raise Unsupported("no single data.pkl")
+    return records[pickles[0]], pickles[0][: -len("data.pkl")]
+
+
+def _structure(path: Path, records: dict[str, Record], prefix: str, rec: Record, data, storages: dict | None,
+               shared: bool, stand_in) -> Structure:
+    """`read_structure`'s result, from the bytes of its data.pkl (record `rec`)."""
     if crc.crc32(data) != rec.crc:  # the structure everything else relies on: never read a damaged one
         raise _crc_failed(path, rec, crc.crc32(data))
     try:
@@ -255,6 +281,52 @@ def read_structure(path: Path, storages: dict | None = None, *, shared: bool = F
     except PICKLE_FAILURES as exc:
         raise unreadable(path, "zip", _first_line(exc)) from None
     return obj, records, prefix
+
+
+def read_whole(path: Path, limit: int) -> bytes | None:
+    """The bytes of `path` where it is a regular file of at most `limit` bytes that starts as a zip
+    archive (a wide run's rank file: one read, where reading its structure reads a few times); else
+    None, also where it cannot be read (the caller reads it as it would have, which says why)."""
+    try:
+        fd = open_regular(path)
+    except (OSError, ValueError):
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        data = os.pread(fd, size, 0) if size <= limit else b""
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return data if len(data) == size and data.startswith(ZIP_START) else None
+
+
+def structure_in(path: Path, whole: bytes) -> Structure:
+    """`read_structure(path, shared=True)` of the zip-format file `path` whose bytes are `whole`. One
+    laid out as a file read before (`zipdir.CheckedArchives`: a wide run's ranks' files), each of its records
+    matching its CRC-32, has the records of that one, its own names and CRC-32s in them; another is
+    read whole, and kept as a reference where every record matches its CRC-32."""
+    found = _CHECKED.match(whole)
+    if found is not None and found[1].complete:
+        mine, ref = found
+        records = {}
+        for k in ref.kept:
+            name = mine + k.name
+            records[name] = Record(name, k.header_offset, k.data_offset, k.size,
+                                   int.from_bytes(whole[k.crc_offsets[-1]: k.crc_offsets[-1] + 4], "little"),
+                                   k.crc_offsets)
+    else:
+        located = _located(path, whole, skip_empty=False)
+        records = {e.name: Record(e.name, e.header_offset, start, e.size, e.crc, (crc_at, e.crc_field))
+                   for e, start, crc_at in located}
+        view = memoryview(whole)
+        if all(crc.crc32(view[r.data_offset: r.data_offset + r.size]) == r.crc for r in records.values()):
+            _CHECKED.remember(whole, _kept(located), complete=True)
+    rec, prefix = _pickle_record(records)
+    if rec.size > MAX_PICKLE_BYTES:
+        raise unreadable(path, "zip", f"its data.pkl is {rec.size} bytes, more than a checkpoint's structure needs")
+    return _structure(path, records, prefix, rec, whole[rec.data_offset: rec.data_offset + rec.size], None, True,
+                      None)
 
 
 def checked_crcs(fd: int, path: Path, record: Record, ranges: list[tuple[int, int]], buffer: memoryview,
@@ -351,10 +423,21 @@ def _ends_as_zip(path: Path) -> bool:
 SMALL_FILE = 16 << 20
 
 
+# Small archives checked whole, as references for the next ones laid out alike but for their records'
+# names and bytes (a wide run's ranks' files: `zipdir.CheckedArchives`)
+_CHECKED = CheckedArchives()
+
+
 def _check_in_memory(path: Path, whole: bytes, inspect, skip: frozenset) -> None:
     """`check_crcs` of the archive `path` whose bytes are `whole`."""
-    for _entry, _data in records_in(path, whole, skip_empty=True, skip=skip, inspect=inspect):
+    plain = inspect is None and not skip
+    if plain and _CHECKED.match(whole) is not None:
+        return  # laid out as one checked before, every record's bytes matching its CRC-32
+    located = _located(path, whole, skip_empty=True)
+    for _entry, _data in _checked(path, whole, located, skip, inspect):
         pass
+    if plain:
+        _CHECKED.remember(whole, _kept(located))
 
 
 def records_in(path: Path, whole: bytes, *, skip_empty: bool = False, skip: frozenset = frozenset(), inspect=None):
@@ -362,21 +445,33 @@ def records_in(path: Path, whole: bytes, *, skip_empty: bool = False, skip: froz
     its bytes), each checked against its CRC-32 first (CheckpointError if one fails or is cut
     short, or one torch's reader would refuse or misread: see zipdir). `skip_empty`, `skip`: as `directory_in`'s, `check_crcs`'s;
     `inspect(offset, data)` sees each record's bytes before its check."""
+    yield from _checked(path, whole, _located(path, whole, skip_empty), skip, inspect)
+
+
+def _located(path: Path, whole: bytes, skip_empty: bool) -> list[tuple[Any, int, int]]:
+    """(directory entry, where its data starts, where its CRC-32 sits) of each record of `whole`,
+    their headers and places checked (see `records_in`)."""
     try:
         entries = directory_in(whole, skip_empty=skip_empty)
-        located = []
+        located, spans = [], []
         for e in entries:
             at, raw = e.header_offset, raw_name(e)
             start = local_data_start(e.name, raw, e.flags, e.crc, e.size, whole[at: at + LOCAL_HEADER + len(raw)], at)
             end = start + e.size
-            located.append((e, start, _crc_at(e, start, whole[end: end + 8])[1]))
-        check_spans([(e.header_offset, span_end, e.name) for e, _start, span_end in located], entries.start)
+            crc_at, span_end = _crc_at(e, start, whole[end: end + 8])
+            located.append((e, start, crc_at))
+            spans.append((e.header_offset, span_end, e.name))
+        check_spans(spans, entries.start)
     except RecordError as exc:
         raise record_refused(path, exc) from None
     except zipfile.BadZipFile as exc:
         raise unreadable(path, "zip", f"not a complete archive: {exc}") from None
+    return located
+
+
+def _checked(path: Path, whole: bytes, located: list, skip: frozenset, inspect):
     view, crc32 = memoryview(whole), crc.crc32
-    for e, start, _end in located:
+    for e, start, _crc_at in located:
         if e.name in skip:
             continue
         data = view[start: start + e.size]
@@ -387,6 +482,12 @@ def records_in(path: Path, whole: bytes, *, skip_empty: bool = False, skip: froz
         if (value := crc32(data)) != e.crc:
             raise _crc_failed(path, Record(e.name, e.header_offset, start, e.size, e.crc, ()), value)
         yield e, data
+
+
+def _kept(located: list) -> list[KeptRecord]:
+    """The records of an archive checked whole, as `CheckedArchives` keeps them."""
+    return [KeptRecord(e.name.partition("/")[2], e.header_offset, start, e.size, (crc_at, e.crc_field),
+                 e.header_offset + 14 if e.flags & DESCRIBED else None) for e, start, crc_at in located]
 
 
 def frozen_fragment_bytes(path: Path, names, structure: Structure | None = None) -> dict[str, TensorBytes]:

@@ -16,16 +16,18 @@ checkpoint that is partial), which it keeps.
 
 from __future__ import annotations
 
+import errno
 from dataclasses import dataclass
 
 import numpy as np
 
-from tailor_tui.checkpoints.rank_reader import RankReader
+from tailor_tui.checkpoints.rank_reader import SMALL_RANK_FILE, RankReader
 from tailor_tui.crc import crc32
 from tailor_tui.events import ByteCounter
 from tailor_tui.fileio import open_fd
 from tailor_tui.formats.ds_format import TENSORS
-from tailor_tui.health.stats_job import RowSums, StatsJob
+from tailor_tui.formats.ptfile import read_whole
+from tailor_tui.health.stats_job import RowSums, SlotTable, StatsJob
 from tailor_tui.reading import Readahead, pread_into
 
 CHUNK = 1 << 20
@@ -58,12 +60,16 @@ class _Sums:
                    np.zeros(n, bool), np.zeros(n, bool))
 
     def into(self, sums: dict[str, RowSums], names: tuple[str, ...], present: np.ndarray) -> None:
-        for i in present.tolist():
-            s = sums.setdefault(names[i], RowSums())
-            s.add(RowSums(int(self.nonfinite[i]), int(self.count[i]), float(self.sumsq[i]),
-                          None if self.v_max[i] == -np.inf else float(self.v_max[i]), float(self.diff_sq[i]),
-                          float(self.prev_sq[i]), int(self.prev_nonfinite[i]), bool(self.has_prev[i]),
-                          not self.crc_bad[i]))
+        columns = (self.nonfinite, self.count, self.sumsq, self.v_max, self.diff_sq, self.prev_sq, self.prev_nonfinite,
+                   self.has_prev, self.crc_bad)
+        for i, nonfinite, n, sumsq, v_max, diff_sq, prev_sq, prev_nonfinite, has_prev, bad in zip(
+                present.tolist(), *(column[present].tolist() for column in columns)):
+            found = RowSums(nonfinite, n, sumsq, None if v_max == -np.inf else v_max, diff_sq, prev_sq, prev_nonfinite,
+                            has_prev, not bad)
+            if (s := sums.get(names[i])) is None:
+                sums[names[i]] = found
+            else:
+                s.add(found)
 
 
 def flat_stats(job: StatsJob, sums: dict[str, RowSums], stack, counter: ByteCounter,
@@ -73,27 +79,28 @@ def flat_stats(job: StatsJob, sums: dict[str, RowSums], stack, counter: ByteCoun
     reads it then). `chunk`: bytes per read (tests make it small)."""
     path, table = job.files.optim_states, job.table
     assert table is not None, "can_read_flat(job) holds"
-    mine = RankReader(job.files, job.group_sizes).fp32_flat(PURPOSE)
+    whole = read_whole(path, SMALL_RANK_FILE)  # a wide run's small rank file: one read, its structure from memory
+    mine = RankReader(job.files, job.group_sizes, whole).fp32_flat(PURPOSE)
     if not _laid_out_flat(mine.values()):
         return False
-    part, numel = np.array(table.part, np.int64), np.array(table.numel, np.int64)
+    part, numel, group, offset, row = _columns(table)
     valid = np.clip(numel - job.rank * part, 0, part)
     keep = valid > 0
-    valid, group = valid[keep], np.array(table.group, np.int64)[keep]
-    offset, row = np.array(table.offset, np.int64)[keep], np.array(table.row, np.int64)[keep]
+    valid, group, offset, row = valid[keep], group[keep], offset[keep], row[keep]
     # the previous checkpoints' files: a class per file, the rows that take theirs from it
     classes: dict = {}  # a previous checkpoint's optim file -> (its class, its files)
     row_class = np.zeros(len(table.rows), np.int64)  # 0: no previous checkpoint
     index = {name: i for i, name in enumerate(table.rows)}
     for name, files in job.prev:
         row_class[index[name]] = classes.setdefault(files.optim_states, (len(classes) + 1, files))[0]
-    prev = {}  # (class, group) -> (fd, where its masters lie relative to this file's)
+    prev = {}  # (class, group) -> (its fd or bytes, where its masters lie relative to this file's)
     for prev_path, (c, files) in classes.items():
-        fd = open_fd(stack, prev_path)
-        theirs = RankReader(files, job.group_sizes).fp32_flat(PURPOSE)
+        held = read_whole(prev_path, SMALL_RANK_FILE)
+        theirs = RankReader(files, job.group_sizes, held).fp32_flat(PURPOSE)
+        source = held if held is not None else open_fd(stack, prev_path)
         for g in range(len(job.group_sizes)):
-            prev[c, g] = (fd, theirs[g, "fp32"].offset - mine[g, "fp32"].offset)
-    fd = open_fd(stack, path)
+            prev[c, g] = (source, theirs[g, "fp32"].offset - mine[g, "fp32"].offset)
+    fd = whole if whole is not None else open_fd(stack, path)
     size = min(chunk, max(tb.record.size for tb in mine.values()))
     buffers = memoryview(bytearray(size)), memoryview(bytearray(size))
     acc = _Sums.zeros(len(table.rows))
@@ -110,6 +117,33 @@ def flat_stats(job: StatsJob, sums: dict[str, RowSums], stack, counter: ByteCoun
                 acc.crc_bad[r] = True
     acc.into(sums, table.rows, np.unique(row))
     return True
+
+
+_LAST_TABLE: list = [None, None]  # the table the jobs of a batch share, and its columns as arrays
+
+
+def _columns(table: SlotTable) -> tuple[np.ndarray, ...]:
+    """(part, numel, group, offset, row) of `table` as arrays (read-only), made once per table
+    object: the jobs of a batch share one (pickled once with them)."""
+    if _LAST_TABLE[0] is not table:
+        columns = tuple(np.array(c, np.int64) for c in (table.part, table.numel, table.group, table.offset, table.row))
+        for column in columns:
+            column.flags.writeable = False
+        _LAST_TABLE[:] = [table, columns]
+    return _LAST_TABLE[1]
+
+
+def _read(source: int | bytes, buffer: memoryview, position: int, ahead: dict[int, Readahead], end: int) -> memoryview:
+    """`buffer`'s length of bytes from `position` of a file: `source`, its descriptor (read into
+    `buffer`, the disk kept reading ahead up to `end`), or its bytes read whole."""
+    if isinstance(source, bytes):
+        found = memoryview(source)[position: position + len(buffer)]
+        if len(found) < len(buffer):
+            raise OSError(errno.EIO, f"file ended {len(buffer) - len(found)} bytes early (truncated?)")
+        return found
+    prefetch(ahead, source, position, end)
+    pread_into(source, buffer, position)
+    return buffer
 
 
 def prefetch(ahead: dict[int, Readahead], fd: int, position: int, end: int) -> None:
@@ -136,7 +170,7 @@ class _Reader:
     """Reads one flat tensor's record in chunks; every slice (`a`..`b` bytes, of row `rows`,
     whose previous masters are of class `classes`) gets its part of each chunk."""
 
-    def __init__(self, fd: int, key: str, a, b, rows, classes, shifts: dict, acc: _Sums, buffers,
+    def __init__(self, fd: int | bytes, key: str, a, b, rows, classes, shifts: dict, acc: _Sums, buffers,
                  counter: ByteCounter, ahead: dict[int, Readahead]):
         self.fd, self.key, self.a, self.b, self.rows, self.classes = fd, key, a, b, rows, classes
         self.shifts, self.acc, self.buffers, self.counter, self.ahead = shifts, acc, buffers, counter, ahead
@@ -146,9 +180,7 @@ class _Reader:
         buffer = self.buffers[0]
         value, position, end = 0, start, start + size
         while position < end:
-            view = buffer[: min(len(buffer), end - position)]
-            prefetch(self.ahead, self.fd, position, end)
-            pread_into(self.fd, view, position)
+            view = _read(self.fd, buffer[: min(len(buffer), end - position)], position, self.ahead, end)
             if expected is not None:
                 value = crc32(view, value)
             i, j = np.searchsorted(self.b, position, "right"), np.searchsorted(self.a, position + len(view), "left")
@@ -184,13 +216,11 @@ class _Reader:
             if len(mine):
                 self._against_previous(fd, position + shift, lo[mine], hi[mine], rows[mine], finite, xz)
 
-    def _against_previous(self, fd: int, at: int, lo, hi, rows, finite, xz) -> None:
+    def _against_previous(self, fd: int | bytes, at: int, lo, hi, rows, finite, xz) -> None:
         """||θ − θ_prev||² and ||θ_prev||² of the slices [lo, hi) of this chunk, whose previous
         masters lie at `at` + 4·lo in `fd` (elements finite in both only), into their rows."""
         acc, first, last = self.acc, int(lo[0]), int(hi[-1])
-        prev = self.buffers[1][: (last - first) * 4]
-        prefetch(self.ahead, fd, at + first * 4, at + last * 4)
-        pread_into(fd, prev, at + first * 4)
+        prev = _read(fd, self.buffers[1][: (last - first) * 4], at + first * 4, self.ahead, at + last * 4)
         self.counter.add(int((hi - lo).sum()) * 4)
         bounds = np.empty(2 * len(lo), np.int64)
         bounds[0::2], bounds[1::2] = lo - first, hi - first

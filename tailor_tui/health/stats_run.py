@@ -116,7 +116,7 @@ def cached_cells(checkpoints: tuple[Checkpoint, ...], column: int, cache: Path |
 
 def _identity(path: Path, known: dict) -> str:
     if ("file", path) not in known:
-        known["file", path] = json.dumps(file_identity(path))
+        known["file", path] = json.dumps(file_identity(path, known.setdefault("folders", {})))
     return known["file", path]
 
 
@@ -210,13 +210,15 @@ class ReadingStatistics(TeamWork[Health]):
         self._collect(event.key, event.stats, emit)
         return True
 
-    def report(self, mine: list[Task], results: list) -> dict:
+    def report(self, mine: list[Task], results: list, lead: bool) -> dict:
+        if lead:  # process 0 adds every checkpoint up: what it read itself, it holds
+            return {}
         jobs = [cast(StatsJob, t.job) for t in mine]  # the tasks `tasks` made
         return {j.key: _stats_json(self.found[j.key]) for j in jobs}
 
     def gathered(self, reports: list, lead: bool, emit: Emit) -> None:
         if lead:  # the others' ranks: process 0 adds every checkpoint up
-            for theirs in reports:
+            for theirs in reports[1:]:
                 for key, value in theirs.items():
                     self._collect(key, _stats_from_json(value), emit)
 

@@ -103,8 +103,8 @@ class TeamWork(Generic[R]):
         """See every event of the workers first; True: it is a result, not passed on to `emit`."""
         return False
 
-    def report(self, mine: list[Task], results: list) -> object:
-        """What this process tells the others it did (JSON)."""
+    def report(self, mine: list[Task], results: list, lead: bool) -> object:
+        """What this process (`lead`: process 0) tells the others it did (JSON)."""
         return None
 
     def gathered(self, reports: list, lead: bool, emit: Emit) -> None:
@@ -213,7 +213,7 @@ def run_as_team(work: TeamWork[R], *, team: Team = SOLO, emit: Emit = lambda eve
                     tasks = work.tasks(shared, emit)
                     mine = [tasks[i] for i in team.mine([t.job.total_bytes for t in tasks])]
                     results = _work(work, declared, mine, team, emit, cancel, options)
-                    work.gathered(team.gather("done", work.report(mine, results)), team.lead, emit)
+                    work.gathered(team.gather("done", work.report(mine, results, team.lead)), team.lead, emit)
                     outcome = _watched(team, work.publish) if team.lead else None
                     team.gather("published", True)
                     return outcome
