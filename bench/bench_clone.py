@@ -5,16 +5,19 @@ sparse file in the cache folder), copies the bench checkpoint onto it (bench_mer
 run: 4 ranks, 2.3 GiB a checkpoint; made by `bench/bench_merge.py`), then, several rounds in turn,
 measures the new space (`df` after `sync`, before and after) and the time of:
 
-- `cp -r --reflink=never` of the base's tag folder (the yardstick) and `cp -r --reflink=always`;
+- `cp -r --reflink=never` of the base's tag folder (the yardstick), the same followed by `sync`
+  (tailor-tui fsyncs its output: like for like) and `cp -r --reflink=always`;
 - `tailor-tui --apply` of a recipe replacing 1 row (layers.5) and of one replacing every row, each
   cloned (the default) and with `--no-clone`; the 1-row recipe cloned both with an empty statistics
   cache (the base's kept rows are read and checked, not written) and after `--stats` of the run (the
-  statistics checked them: not read again), each command with a cache of its own;
+  statistics checked them: not read again; also with `--no-fsync`), each command with a cache of
+  its own;
 - on the cache folder's own filesystem (ext4 here: it cannot share blocks), the 1-row recipe both
   ways and `cp -r`: unchanged, within noise.
 
 The bytes the 1-row recipe replaces are the plan's (every slice copied from another checkpoint:
-fp32 master, exp_avg, exp_avg_sq). Prints medians and each round's ratio to that round's cp.
+fp32 master, exp_avg, exp_avg_sq). Every other round runs the commands in reverse order (a command
+right after a large delete runs slower). Prints medians and each round's ratio to that round's cp.
 
     sudo python bench/bench_clone.py [--repeats 3] [--cache .tailor-cache/bench]
 """
@@ -103,41 +106,46 @@ def main() -> None:
             every = recipe(scratch / "every.yaml", base, source, out, rows_all)
             commands[f"{fs}: cp -r --reflink=never"] = (["cp", "-r", "--reflink=never", str(base), str(out)],
                                                          out, scratch)
-            if fs == "xfs":
+            if fs == "xfs":  # tailor-tui fsyncs what it writes (a promise), cp does not: like for like, cp; sync
+                commands["xfs: cp -r --reflink=never; sync"] = (
+                    ["sh", "-c", f'cp -r --reflink=never "{base}" "{out}" && sync'], out, scratch)
                 commands["xfs: cp -r --reflink=always"] = (["cp", "-r", "--reflink=always", str(base), str(out)],
                                                            out, scratch)
             commands[f"{fs}: --apply 1 row"] = ([*tailor, str(one)], out, scratch)
             if fs == "xfs":
                 commands["xfs: --apply 1 row, after --stats"] = ([*tailor, str(one)], out, scratch)
+                commands["xfs: --apply 1 row, after --stats, --no-fsync"] = ([*tailor, str(one), "--no-fsync"], out,
+                                                                            scratch)
             commands[f"{fs}: --apply 1 row --no-clone"] = ([*tailor, str(one), "--no-clone"], out, scratch)
             if fs == "xfs":
                 commands["xfs: --apply every row"] = ([*tailor, str(every)], out, scratch)
                 commands["xfs: --apply every row --no-clone"] = ([*tailor, str(every), "--no-clone"], out, scratch)
         replaced = replaced_bytes(xfs / "one.yaml")
         caches = {name: work / "caches" / str(i) for i, name in enumerate(commands)}  # a statistics cache each
-        stats_env = {**os.environ, "TAILOR_TUI_CACHE": str(caches["xfs: --apply 1 row, after --stats"])}
-        subprocess.run([tailor[0], "--stats", str(xfs / "run")], env=stats_env, capture_output=True, check=True)
+        for name in ("xfs: --apply 1 row, after --stats", "xfs: --apply 1 row, after --stats, --no-fsync"):
+            subprocess.run([tailor[0], "--stats", str(xfs / "run")], capture_output=True, check=True,
+                           env={**os.environ, "TAILOR_TUI_CACHE": str(caches[name])})
         files = len(list((xfs / "run" / "global_step2").iterdir()))
         results: dict[str, list[tuple[float, int]]] = {k: [] for k in commands}
-        for i in range(args.repeats):
-            for name, (cmd, out, scratch) in commands.items():
+        for i in range(args.repeats):  # every other round in reverse: no command always follows the same one
+            for name, (cmd, out, scratch) in (reversed(commands.items()) if i % 2 else commands.items()):
                 env = {**os.environ, "TAILOR_TUI_CACHE": str(caches[name])}
                 results[name].append(measure(cmd, out, scratch, env))
                 seconds, grown = results[name][-1]
-                print(f"  round {i + 1}: {name:<40} {seconds:6.2f} s  {gib(grown):>10} new", flush=True)
+                print(f"  round {i + 1}: {name:<46} {seconds:6.2f} s  {gib(grown):>10} new", flush=True)
     shutil.rmtree(work, ignore_errors=True)
 
     total = sum(f.stat().st_size for f in (run / "global_step2").iterdir())
     print(f"\nbase tag folder: {gib(total)} in {files} files, {SPEC.world_size} ranks; the 1-row recipe replaces "
           f"{replaced / 2**20:.1f} MiB ({ONE_ROW} of {SPEC.layers + 3} rows); {args.repeats} rounds; "
           f"{os.cpu_count()} cores")
-    print(f"{'':<40} {'median':>7}  {'x cp (per round)':>16}  {'new space (median)':>19}  {'/ replaced':>10}")
+    print(f"{'':<46} {'median':>7}  {'x cp (per round)':>16}  {'new space (median)':>19}  {'/ replaced':>10}")
     for name, got in results.items():
         fs = name.split(":")[0]
         cp = results[f"{fs}: cp -r --reflink=never"]
         ratio = statistics.median(s / c for (s, _), (c, _) in zip(got, cp))
         space = statistics.median(g for _, g in got)
-        print(f"{name:<40} {statistics.median(s for s, _ in got):6.2f} s  {ratio:14.2f}x  "
+        print(f"{name:<46} {statistics.median(s for s, _ in got):6.2f} s  {ratio:14.2f}x  "
               f"{space / 2**20:15.1f} MiB  {space / replaced:9.2f}x")
     print(f"(goal, 1 row on XFS: new space ≤ 2 × replaced + 1 MiB per file = "
           f"{(2 * replaced + files * 2**20) / 2**20:.1f} MiB; time ≤ 0.5 × cp -r --reflink=never)")

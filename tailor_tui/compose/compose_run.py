@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import cast
 
 from tailor_tui.checkpoints.checkpoint import MODEL_FILE_INDEX, PROVENANCE, read_latest
-from tailor_tui.cloning import may_share
+from tailor_tui.cloning import may_share, worth_it
 from tailor_tui.compose.bin_files import compose_bin_file
 from tailor_tui.compose.model_files import compose_model_file
 from tailor_tui.compose.rank_reshard import reshard_rank
@@ -33,7 +33,7 @@ from tailor_tui.fileio import copy_file, fsync_dir, output_error, write_file
 from tailor_tui.formats.side_pickles import check_side_file
 from tailor_tui.health.guard import checked_by_statistics, nonfinite_error
 from tailor_tui.held import HeldFolder, HeldPath
-from tailor_tui.planning.jobs import BinFileJob, RankJob, WeightJob
+from tailor_tui.planning.jobs import BYTES_PER_ELEMENT, BinFileJob, RankJob, WeightJob
 from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.planning.provenance import plan_digest, provenance
 from tailor_tui.resharding.partition import ReshardJob
@@ -91,9 +91,7 @@ def run_compose(
     rank files and model files into the one hidden folder process 0 made, and process 0
     checks the whole and renames it into place; a failure anywhere fails every process."""
     started = time.monotonic()
-    if options.clone and not options.kept_checked and may_share(plan.base.path, plan.output.parent):
-        kept = [r.name for r in plan.base.rows if not r.tied and not plan.picks.get(r.name)]
-        options = replace(options, kept_checked=checked_by_statistics(plan, kept))
+    options = _vouched(plan, options)
     work = Composing(plan, workers, options, allow_nonfinite)
     run_as_team(work, team=team, emit=emit, cancel=cancel, options=options)
     # what the plan counted (bytes_to_write): every file but the provenance record written last
@@ -101,6 +99,22 @@ def run_compose(
     written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file() and f != out / PROVENANCE)
     return ComposeResult(out, time.monotonic() - started, written, work.peak, dict(work.nonfinite),
                          work.shared, work.shared_how, options.kept_checked and bool(work.shared))
+
+
+def _vouched(plan: ComposePlan, options: TaskOptions) -> TaskOptions:
+    """`options`, `kept_checked` where the rank files will be clones (`cloning`: the output on the
+    base's filesystem of a kind that shares blocks, the recipe replacing less than half of them) and
+    the run's cached statistics found every row they keep whole and finite (no rank file read)."""
+    if not options.clone or options.kept_checked or plan.reshard is not None:
+        return options
+    jobs = [j for j in plan.rank_jobs() if isinstance(j, RankJob)]
+    replaced = sum(c.length for j in jobs for c in j.copies) * BYTES_PER_ELEMENT
+    if not worth_it(replaced, sum(plan.base.rank_bytes(j.rank) for j in jobs)):
+        return options
+    if may_share(plan.base.path, plan.output.parent) is None:
+        return options
+    kept = [r.name for r in plan.base.rows if not r.tied and not plan.picks.get(r.name)]
+    return replace(options, kept_checked=checked_by_statistics(plan, kept))
 
 
 class Composing(PublishingWork):
