@@ -184,14 +184,7 @@ async def test_tab_scrolls_the_details_panel_to_its_last_line(deep_run, size):
         assert comp.to_recipe().layers == {"embed_tokens": c2}
 
         if size == (80, 24):  # d: taller, still focused; c: the curve in its place, the grid takes the focus
-            short = panel.size.height
-            await pilot.press("d")
-            await pilot.pause()
-            assert panel.size.height > short and app.focused is panel
-            await pilot.press("end")
-            await wait_for(pilot, lambda: panel.scroll_y == panel.max_scroll_y)
-            await pilot.pause()
-            assert last in on_screen(app, panel)[-1]
+            await _taller_to_the_end(pilot, app, panel, "d", last)
             await pilot.press("d", "c")
             await pilot.pause()
             assert not panel.display and app.focused is grid and "Details" not in footer_keys(app)
@@ -203,14 +196,7 @@ async def test_tab_scrolls_the_details_panel_to_its_last_line(deep_run, size):
             await pilot.pause()
             assert app.focused is panel
         else:  # c hides the curve: the panel takes the column, focused still
-            tall = panel.size.height
-            await pilot.press("c")
-            await pilot.pause()
-            assert panel.size.height > tall and app.focused is panel
-            await pilot.press("end")
-            await wait_for(pilot, lambda: panel.scroll_y == panel.max_scroll_y)
-            await pilot.pause()
-            assert last in on_screen(app, panel)[-1]
+            await _taller_to_the_end(pilot, app, panel, "c", last)
         await pilot.press("escape", "down", "space")  # picks work on the grid as before
         await pilot.pause()
         assert app.focused is grid and comp.to_recipe().layers == {"embed_tokens": c2, "layers.1": c2}
@@ -267,3 +253,15 @@ async def test_a_vision_language_models_stacks_fold_and_pick_as_blocks(real_run,
         assert any(line(grid, y).lstrip().startswith("vision.layers.20") for y in range(3, grid.size.height))
         await pilot.press("space")
         assert comp.to_recipe().layers == {**{f"layers.{i}": c2 for i in range(10)}, "vision.layers.20": c2}
+
+
+async def _taller_to_the_end(pilot, app, panel, key: str, last: str) -> None:
+    """`key` gives the focused details panel more room, keeping the focus; `end` scrolls to its `last` line."""
+    before = panel.size.height
+    await pilot.press(key)
+    await pilot.pause()
+    assert panel.size.height > before and app.focused is panel
+    await pilot.press("end")
+    await wait_for(pilot, lambda: panel.scroll_y == panel.max_scroll_y)
+    await pilot.pause()
+    assert last in on_screen(app, panel)[-1]
