@@ -93,8 +93,7 @@ class CheckpointGrid(ScrollView, can_focus=True):
         self._lines: dict[tuple, Strip] = {}  # rendered lines of this frame's geometry
         self.folded: set[str] = set()  # the stacks folded into their header line
         self.numbers = 0  # what the cells show of their values beside their mark (`_numbers`: wide terminals)
-        self._health_version = 0
-        self._layout = GridLines(0)
+        self._health_version, self._layout = 0, GridLines(0)
 
     # --- what DataTable users expect ----------------------------------------------------
 
@@ -109,8 +108,7 @@ class CheckpointGrid(ScrollView, can_focus=True):
     def move_cursor(self, *, row: int | None = None, column: int | None = None) -> None:
         if not self._rows:
             return
-        row = self._cursor.row if row is None else row
-        column = self._cursor.column if column is None else column
+        row, column = self._cursor.row if row is None else row, self._cursor.column if column is None else column
         # the names column is a label, not a cell: the cursor stays on the checkpoints' columns
         target = Coordinate(max(0, min(len(self._rows) - 1, row)), max(1, min(len(self._widths) - 1, column)))
         self._scroll_to_cell(target)
@@ -123,16 +121,14 @@ class CheckpointGrid(ScrollView, can_focus=True):
         """(row name, checkpoint column) under the cursor; column None on the names column."""
         if self.composition is None or not self._rows:
             return None, None
-        row = self.composition.rows[self._cursor.row].name
-        return row, (self._cursor.column - 1 if self._cursor.column > 0 else None)
+        return self.composition.rows[self._cursor.row].name, (self._cursor.column - 1 if self._cursor.column else None)
 
     def cell_text(self, row: str, checkpoint: int) -> str:
         """What the cell of `row` and checkpoint `checkpoint` says (tests and tools)."""
         return self._rows[self._index[row]][checkpoint + 1].text
 
     def header_text(self, checkpoint: int) -> str:
-        top, bottom = self._headers[checkpoint + 1]
-        return f"{top.text}\n{bottom.text}"
+        return "\n".join(cell.text for cell in self._headers[checkpoint + 1])
 
     def column_x(self, checkpoint: int) -> int:
         """Where checkpoint `checkpoint`'s column starts on screen (scrolled to the left)."""
