@@ -64,7 +64,7 @@ def compose_bin_file(job: BinFileJob, out_dir: Folder, emit: Emit, cancelled: Ca
     out = out_dir / job.name
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        if options.clone and _patch_clone(job, out, records, replaced, counter):
+        if options.clone and _patch_clone(job, out, replaced, counter):
             counter.finish()
             return
         write_archive(out, archive=prefix.rstrip("/"), pickle=data, storages=fills)
@@ -77,19 +77,17 @@ def compose_bin_file(job: BinFileJob, out_dir: Folder, emit: Emit, cancelled: Ca
     counter.finish()
 
 
-def _patch_clone(job: BinFileJob, out: Target, records: dict[str, Record], replaced: list[tuple[Record, Copied]],
-                 counter: ByteCounter) -> bool:
+def _patch_clone(job: BinFileJob, out: Target, replaced: list[tuple[Record, Copied]], counter: ByteCounter) -> bool:
     """Where the filesystem shares blocks (`cloning`) and the picked storages are less than half the
     file: the output is a clone of the base's file with each picked storage's record written over
     from its source's (read whole and checked against its CRC-32 first), and that record's CRC-32
-    set to the source's. The base's other records are not read: their CRC-32s stand as declared.
+    set to the source's. The base's other records are not read: their CRC-32s stand as declared
+    (`read_structure` refused an archive whose records overlap or run past its directory).
     False (nothing left at `out`): written whole instead."""
     size = os.stat(job.base_file).st_size
-    spans = sorted((r.header_offset, r.data_offset + r.size) for r in records.values())
     if (file_format(job.base_file) != "zip" or not worth_it(sum(r.size for r, _c in replaced), size)
-            or any(end > start for (_s, end), (start, _e) in zip(spans, spans[1:])) or spans[-1][1] > size
             or any(r.crc is None or r.size != c.size for r, c in replaced)):
-        return False  # a legacy or crafted archive (records that overlap): written whole
+        return False  # a legacy archive (re-written as zip), or a record not the storage's size: written whole
     with contextlib.ExitStack() as stack:
         fin = open_fd(stack, job.base_file)
         fout = open_fd(stack, out, CREATE)

@@ -8,7 +8,6 @@ or computed for that row alone).
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 
 from tailor_tui.checkpoints.cache import cache_dir
@@ -16,6 +15,7 @@ from tailor_tui.checkpoints.checkpoint import incompatibility
 from tailor_tui.checkpoints.lineage import Lineage
 from tailor_tui.checkpoints.scan import scan
 from tailor_tui.errors import CheckpointError, NonFiniteError
+from tailor_tui.planning.output import identity
 from tailor_tui.planning.plan import ComposePlan
 
 MAX_NAMED = 8  # rows named in the one line; the rest are counted
@@ -46,22 +46,14 @@ def checked_by_statistics(plan: ComposePlan, rows: list[str]) -> bool:
 
     try:
         scanned = scan(plan.base.path.parent)
-        mine = os.stat(plan.base.tag_dir)
-    except (CheckpointError, OSError):
+    except CheckpointError:
         return False
-    same = [i for i, c in enumerate(scanned.checkpoints) if _identity(c.tag_dir) == (mine.st_dev, mine.st_ino)]
+    mine = identity(plan.base.tag_dir)
+    same = [i for i, c in enumerate(scanned.checkpoints) if mine is not None and identity(c.tag_dir) == mine]
     if len(same) != 1:
         return False
     cells = cached_cells(tuple(scanned.checkpoints), same[0], cache_dir())
     return cells is not None and all(row in cells and cells[row].healthy for row in rows)
-
-
-def _identity(path) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
 
 
 def newest_finite(plan: ComposePlan, rows: list[str]) -> dict[str, str]:
