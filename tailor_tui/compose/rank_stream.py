@@ -123,17 +123,18 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Coun
             fout = open_fd(stack, out, CREATE)
             how = _clone(fin, fout, spans, counter)  # the base's blocks shared: only the spans are written
             sweep = _Sweep(fin, fout, spans, fds, counter, cloned=how is not None)
+            # the base's kept bytes not read (the run's statistics checked them): no record is read in step
+            unread = how is not None and counter.options.kept_checked
             new = {}  # (source, offset) -> the CRC-32 of the span taken there
             for s in sources:  # a source's records not read in step: read and checked first
                 ahead = [sp for sp in spans if sp.source == s
-                         and ((how and counter.options.kept_checked) or id(sp.source_record) not in stepped)]
+                         and (unread or id(sp.source_record) not in stepped)]
                 checked = read_and_check(fds[s], job.files[s].optim_states, {sp.source_record for sp in ahead},
                                          {(sp.source_record, sp.source_at, sp.length) for sp in ahead},
                                          sweep.buffer, counter, census[s])
                 new.update({(s, at): value for (at, _n), value in checked.items()})
             old: dict[tuple[int, int], int] = {}  # (offset, length) -> the CRC-32 of the base's bytes a span replaces
-            if how is not None and counter.options.kept_checked:  # the base's kept bytes are not read (checked by
-                # the run's statistics): only the bytes the spans replace, for their CRC-32s, and padding
+            if unread:  # of the base, only the bytes the spans replace (their CRC-32s) and padding are read
                 for sp in spans:
                     old[sp.at, sp.length] = crc_range(fin, sp.at, sp.length, sweep.buffer, counter.add)
                 for at, length, _record in padding.pads:
