@@ -1,5 +1,12 @@
-"""Starting a run's ranks: one process per rank (torch.multiprocessing, spawn), each with
-DeepSpeed on the CPU accelerator over gloo, as DeepSpeed's launcher would set it up.
+"""Starting a run's ranks: one process per rank (torch.multiprocessing), each with DeepSpeed on
+the CPU accelerator over gloo, as DeepSpeed's launcher would set it up.
+
+The ranks are forked from a server process that imported torch, DeepSpeed and the HF Trainer once
+(multiprocessing's forkserver, `rank_imports`): those imports take most of a small run's time, and
+each rank of each run made them anew when it was spawned. A rank is still a fresh process of its
+own (nothing of the parent's state, no threads); the server is used only while this process's
+environment is the one it started with (variables such as ATEN_CPU_CAPABILITY are read at import),
+and spawn otherwise.
 
 Two settings keep a run to seconds instead of minutes of C++ op builds: a client optimizer
 (no `optimizer` block in the DeepSpeed config, `demo_run`) and the shared-memory comm op
@@ -93,4 +100,21 @@ def spawn_ranks(fn, spec, *args) -> None:
     import torch.multiprocessing as mp
 
     os.environ["DS_ACCELERATOR"] = "cpu"
-    mp.spawn(_run_rank, args=(fn, spec.world_size, free_port(), spec, *args), nprocs=spec.world_size)
+    mp.start_processes(_run_rank, args=(fn, spec.world_size, free_port(), spec, *args), nprocs=spec.world_size,
+                       start_method=_start_method())
+
+
+# The environment the fork server of this process started with (empty until it starts): the record of
+# a server that exists, not a switch; ranks are forked from it only while the environment is the same
+_SERVER_ENV: dict[str, str] = {}
+
+
+def _start_method() -> str:
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    if not _SERVER_ENV:
+        multiprocessing.set_forkserver_preload(["tailor_tui.runs.rank_imports"])
+        _SERVER_ENV.update(os.environ)
+    return "forkserver" if dict(os.environ) == _SERVER_ENV else "spawn"
