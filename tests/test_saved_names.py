@@ -6,6 +6,7 @@ absurd depth. (Real runs that compose by these names: tests/test_architectures.p
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -57,3 +58,53 @@ def test_a_config_names_only_a_model_class_and_a_sane_depth(tmp_path, monkeypatc
     (tmp_path / "config.json").write_text(json.dumps(config))
     loading_names(tmp_path)
     assert made  # a sane one is made (on the meta device)
+
+
+def test_names_found_are_cached_for_the_next_command(tmp_path, monkeypatch):
+    """What loading_names found for a weight file's names is cached (the model made to find it costs
+    torch's and transformers' imports); a cached entry that does not answer for the names asked is
+    found again."""
+    from tailor_tui.checkpoints import saved_names
+
+    monkeypatch.setenv("TAILOR_TUI_CACHE", str(tmp_path / "cache"))
+    config, _cls = _llava()
+    (tmp_path / "config.json").write_text(config.to_json_string())
+    saved = ["language_model.model.layers.0.mlp.up_proj.weight", "vision_tower.vision_model.post_layernorm.bias"]
+    rename = loading_names(tmp_path)
+    assert rename is not None
+    want = {name: rename(name) for name in saved}
+    assert saved_names.loaded_names(tmp_path, saved) == want and any(k != v for k, v in want.items())
+    (entry,) = (tmp_path / "cache" / "names").rglob("*.json")
+
+    def never(config):
+        raise AssertionError("made the model again")
+
+    monkeypatch.setattr(saved_names, "_renamer", never)
+    assert saved_names.loaded_names(tmp_path, reversed(saved)) == want  # from the cache
+    entry.write_text(json.dumps({"renamed": {saved[0]: "x"}}))  # an entry for other names (or tampered)
+    with pytest.raises(AssertionError, match="made the model again"):
+        saved_names.loaded_names(tmp_path, saved)
+
+
+def test_a_command_reading_a_llava_checkpoint_again_imports_neither_torch_nor_transformers(real_run, tmp_path):
+    """A Llava's weight files are saved under transformers' names; the first --apply finds what they load
+    as (torch and transformers imported: seconds), the next finds it in the cache."""
+    import subprocess
+    import sys
+
+    from conftest import checkpoints_of
+    from helpers import write_recipe
+
+    run, spec = real_run("hf_llava")
+    oldest, base = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, base, {"model.language_model.layers.1": oldest})
+    imported = []
+    env = dict(os.environ, TAILOR_TUI_CACHE=str(tmp_path / "cache"))  # empty: the first --apply finds the names
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-X", "importtime", "-m", "tailor_tui", "--apply", recipe, "--force"],
+                              capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        imported.append({line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()
+                         if line.startswith("import time:")})
+    assert "transformers" in imported[0]
+    assert "transformers" not in imported[1] and "torch" not in imported[1]

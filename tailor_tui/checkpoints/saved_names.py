@@ -12,32 +12,82 @@ transformers is ever made from it (a name of anything else in `architectures` is
 none where it asks for more than MAX_LAYERS layers. Where that cannot be done (an older
 transformers, a class it does not know), its table for the config's `model_type` or class name
 serves, as far as it goes.
+
+Making that model means importing torch and transformers: seconds of a command's start. So
+`loaded_names(folder, names)` caches what it found for a weight file's names (JSON, under
+`cache.cache_dir()`), keyed by the config, the names and the installed transformers' and torch's
+releases: the next command reading the same checkpoint imports neither.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib.metadata
 import json
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Callable
 
+from tailor_tui.checkpoints.cache import cache_dir, entry, read_json, write_json
 from tailor_tui.checkpoints.side_files import load_json
 
 Rename = Callable[[str], str]
+
+NAMES_FORMAT = 1  # of the cached names: bump when what loading_names does changes
+MAX_CACHED_NAMES = 16 << 20  # a cached entry larger than this is not one of ours (a model's names: ~100 KiB)
 
 
 def loading_names(folder: Path) -> Rename | None:
     """How loading `folder`'s checkpoint names a saved tensor (a function of the saved name), or
     None where its config names no architecture transformers knows."""
+    config = _config(folder)
+    return None if config is None else _renamer(config)
+
+
+def loaded_names(folder: Path, names: Iterable[str]) -> dict[str, str] | None:
+    """Each of `names` (tensors saved in a weight file of `folder`) -> the name loading the checkpoint
+    gives it (`loading_names`), or None where that is None; what was found is cached (see above), and
+    a cached entry is used only where it answers for exactly these names."""
+    config = _config(folder)
+    if config is None:
+        return None
+    wanted = sorted(set(names))
+    key = hashlib.sha256(json.dumps([NAMES_FORMAT, _releases(), config, wanted]).encode()).hexdigest()
+    path = entry(cache_dir(), "names", key)
+    cached = read_json(path, MAX_CACHED_NAMES)
+    if isinstance(cached, dict) and "renamed" in cached:
+        found = cached["renamed"]
+        if found is None or (isinstance(found, dict) and sorted(found) == wanted
+                             and all(isinstance(v, str) for v in found.values())):
+            return found
+    rename = _renamer(config)
+    found = None if rename is None else {name: rename(name) for name in wanted}
+    write_json(path, {"renamed": found})
+    return found
+
+
+def _config(folder: Path) -> str | None:
+    """`folder/config.json`, canonical (keys sorted), or None where there is none that is an object."""
     config = folder / "config.json"
     try:
         data = load_json(config) if config.is_file() else None
     except (OSError, ValueError):
         return None
-    if not isinstance(data, dict):
-        return None
-    return _renamer(json.dumps(data, sort_keys=True))
+    return json.dumps(data, sort_keys=True) if isinstance(data, dict) else None
+
+
+def _releases() -> list[str | None]:
+    """The installed transformers' and torch's releases (what the names found depend on), read
+    from their metadata: neither is imported."""
+    found: list[str | None] = []
+    for package in ("transformers", "torch"):
+        try:
+            found.append(importlib.metadata.version(package))
+        except importlib.metadata.PackageNotFoundError:
+            found.append(None)
+    return found
 
 
 @functools.lru_cache(maxsize=8)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tailor_tui.checkpoints.rows import Row, list_rows, row_index
-from tailor_tui.checkpoints.saved_names import loading_names
+from tailor_tui.checkpoints.saved_names import loaded_names
 from tailor_tui.errors import CheckpointError, IncompatibleError
 from tailor_tui.formats.ds_format import RECOVERY_SCRIPTS
 from tailor_tui.formats.pickled import TensorRef
@@ -167,9 +167,9 @@ def tensor_rows(names: list[str], rows: tuple[Row, ...], folder: Path) -> dict[s
     index = row_index(tuple(rows))
     found = {name: index.row_of(name) for name in names}
     missing = [n for n, row in found.items() if row is None]
-    if missing and (loaded_as := loading_names(folder)) is not None:
+    if missing and (loaded_as := loaded_names(folder, missing)) is not None:
         for name in missing:
-            found[name] = index.row_of(loaded_as(name))
+            found[name] = index.row_of(loaded_as[name])
     return found
 
 
@@ -181,10 +181,10 @@ def tensor_params(names: list[str], rows: tuple[Row, ...], folder: Path) -> dict
     which has no model file, reads a tensor's values by (its fp32 master slices, model_states)."""
     known = {n for row in rows for n in (*row.params, *row.buffers)}
     other = [n for n in names if n not in known]
-    loaded_as = loading_names(folder) if other else None
+    loaded_as = loaded_names(folder, other) if other else None
     if loaded_as is None:
         return {}
-    return {n: param for n in other if (param := loaded_as(n)) != n and param in known}
+    return {n: param for n in other if (param := loaded_as[n]) != n and param in known}
 
 
 def unplaced_error(file: Path, names: list[str], rows: tuple[Row, ...]) -> IncompatibleError:
