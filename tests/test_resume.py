@@ -33,3 +33,18 @@ def test_resume_from_composed_checkpoint(real_run, tmp_path, name):
         assert mine["frozen_param_fragments"].keys() == theirs["frozen_param_fragments"].keys()
         for k, v in mine["frozen_param_fragments"].items():
             assert torch.equal(v, theirs["frozen_param_fragments"][k])
+
+
+def test_ranks_are_forked_from_the_import_server_only_in_the_environment_it_started_with(monkeypatch):
+    """Ranks are forked from a server that imported torch and DeepSpeed once (`runs.ranks`); a variable
+    read at import (such as ATEN_CPU_CAPABILITY) set since it started would not reach them: they are
+    then spawned, each importing anew under the environment as it is."""
+    from tailor_tui.runs import ranks
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # as spawn_ranks sets it before it starts any rank
+    assert ranks._start_method() == "forkserver"  # the server of this process, or the one it starts now
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    assert ranks._start_method() == "spawn"
+    monkeypatch.undo()
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert ranks._start_method() == "forkserver"

@@ -4,8 +4,9 @@ Used by `tailor-tui --make-demo` and by the test-suite: every checkpoint the
 project is tested on was written by real DeepSpeed (and, for the HF layout, by
 the real HF Trainer), never by hand.
 
-Each rank is a process started with torch.multiprocessing (spawn) on the gloo
-backend. Two settings keep this to seconds instead of minutes of C++ op
+Each rank is a process started with torch.multiprocessing (`ranks.spawn_ranks`:
+forked from a server that imported torch, DeepSpeed and the Trainer once) on the
+gloo backend. Two settings keep this to seconds instead of minutes of C++ op
 builds: a client `torch.optim.AdamW` (no `optimizer` block in the DeepSpeed
 config) and disabling the shared-memory comm op before init_distributed.
 

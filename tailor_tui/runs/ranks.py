@@ -114,7 +114,10 @@ def _start_method() -> str:
 
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
-    if not _SERVER_ENV:
+    if not _SERVER_ENV:  # started now, and its environment recorded with it
+        from multiprocessing import forkserver
+
         multiprocessing.set_forkserver_preload(["tailor_tui.runs.rank_imports"])
+        forkserver.ensure_running()
         _SERVER_ENV.update(os.environ)
     return "forkserver" if dict(os.environ) == _SERVER_ENV else "spawn"
