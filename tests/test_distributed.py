@@ -162,8 +162,8 @@ def test_two_slurm_tasks_compute_the_statistics_one_process_does(real_run, tmp_p
     assert list((tmp_path / "cache-1").rglob("*.json")), "process 1 read no rank"
     # the block CRC-32s of every rank file, those process 1 read too, cached by process 0 as one process does
     optim = sorted(run.rglob("*optim_states.pt"))
-    alone = block_cache.cached(tmp_path / "solo-cache", optim)
-    assert alone.keys() == set(optim) and block_cache.cached(tmp_path / "cache-0", optim) == alone
+    alone = block_cache.cached(tmp_path / "solo-cache", paths=optim)
+    assert alone.keys() == set(optim) and block_cache.cached(tmp_path / "cache-0", paths=optim) == alone
 
 
 def test_a_task_whose_work_hangs_fails_the_job(real_run, tmp_path):

@@ -172,7 +172,7 @@ def test_without_blocks_recorded_of_a_source_as_it_is_a_clone_reads_what_it_take
     recipe, plain = _composing(run, ckpts, name)
     if case != "no statistics":
         compute_health(tuple(scan(run).checkpoints), cache=cache, crc_block=SMALL, workers=1)
-        assert block_cache.cached(cache, sorted(ckpts[0].rglob("*optim_states.pt")))  # (recorded, and found)
+        assert block_cache.cached(cache, paths=sorted(ckpts[0].rglob("*optim_states.pt")))  # (recorded, and found)
     if case == "no blocks cached":
         shutil.rmtree(cache / "blocks")
     elif case == "blocks of another shape":

@@ -134,8 +134,8 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Coun
                          and (unread or id(sp.source_record) not in stepped)]
                 taken = {(sp.source_record, sp.source_at, sp.length) for sp in ahead}
                 if unread:  # of a record with recorded block CRC-32s, only the blocks taken from
-                    checked = read_taken(fds[s], job.files[s].optim_states, taken, of_source(job, s), sweep.buffer,
-                                         counter, census[s])
+                    checked = read_taken(fds[s], job.files[s].optim_states, taken, of_source(job, s),
+                                         buffer=sweep.buffer, counter=counter, census=census[s])
                 else:
                     checked = read_and_check(fds[s], job.files[s].optim_states, {sp.source_record for sp in ahead},
                                              taken, sweep.buffer, counter, census[s])

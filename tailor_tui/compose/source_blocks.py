@@ -38,7 +38,7 @@ def blocks_for(jobs: list[RankJob]) -> dict[int, tuple[tuple[int, RecordBlocks],
     each full source's optim file the jobs take slices from, for the file as it is now (its identity:
     one stat, no rank file read); ranks with none are left out."""
     paths = {job.files[s].optim_states for job in jobs for s in _full_sources(job)}
-    found = block_cache.cached(cache_dir(), sorted(paths))
+    found = block_cache.cached(cache_dir(), paths=sorted(paths))
     per_rank = {}
     for job in jobs:
         mine = tuple((s, b) for s in _full_sources(job) for b in found.get(job.files[s].optim_states, {}).values())
@@ -56,7 +56,7 @@ def of_source(job: RankJob, source: int) -> dict[str, RecordBlocks]:
     return {b.name: b for s, b in job.source_blocks if s == source}
 
 
-def read_taken(fd: int, path: Path, taken: set[tuple[Record | None, int, int]], blocks: dict[str, RecordBlocks],
+def read_taken(fd: int, path: Path, taken: set[tuple[Record | None, int, int]], blocks: dict[str, RecordBlocks], *,
                buffer: memoryview, counter: ByteCounter, census: Census) -> dict[tuple[int, int], int]:
     """The CRC-32 of each range `taken` (record, offset, length) of a source's file `fd`, as
     `read_and_check` returns them, every byte taken checked: the ranges of a record whose `blocks` (by

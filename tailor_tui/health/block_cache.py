@@ -93,7 +93,7 @@ def store(cache: Path | None, *, folder: str, read: dict[str, dict[str, RecordBl
     write_json(entry(cache, "blocks", key), {"format": FORMAT, "key": key, "files": files})
 
 
-def cached(cache: Path | None, paths: list[Path]) -> dict[Path, dict[str, RecordBlocks]]:
+def cached(cache: Path | None, *, paths: list[Path]) -> dict[Path, dict[str, RecordBlocks]]:
     """The cached blocks of each of `paths` (full checkpoints' optim files) for the file's identity now:
     {path: {record name: blocks}}, without the files it has none for (or whose entry is not ours).
     A stat per file and a read per folder's entry; no rank file is read."""

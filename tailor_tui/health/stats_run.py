@@ -255,7 +255,6 @@ class ReadingStatistics(TeamWork[Health]):
         self.health.add(column, cells)
         emit(CellsComputed(column, self.health.checkpoints[column].name, cells))
 
-
     def _store_blocks(self, column: int) -> None:
         """Cache the block CRC-32s of the full rank files of `column` read now, under each file's identity
         as planning saw it before reading it (a file changed since has another: its blocks are never
