@@ -10,8 +10,9 @@ measures the new space (`df` after `sync`, before and after) and the time of:
 - `tailor-tui --apply` of a recipe replacing 1 row (layers.5) and of one replacing every row, each
   cloned (the default) and with `--no-clone`; the 1-row recipe cloned both with an empty statistics
   cache (the base's kept rows are read and checked, not written) and after `--stats` of the run (the
-  statistics checked them: not read again; also with `--no-fsync`), each command with a cache of
-  its own;
+  statistics checked them: not read again; of the source, only the 1 MiB blocks holding the row taken
+  are read, checked against the CRC-32s the statistics recorded: the bench checks the log says so;
+  also with `--no-fsync`), each command with a cache of its own;
 - on the cache folder's own filesystem (ext4 here: it cannot share blocks), the 1-row recipe both
   ways and `cp -r`: unchanged, within noise.
 
@@ -42,6 +43,8 @@ from bench_merge import SPEC, as_installed, bench_run, fresh_work, gib  # noqa: 
 from tailor_tui.runs.scratch_xfs import loop_xfs, unavailable  # noqa: E402
 
 ONE_ROW = "layers.5"
+# what an --apply after --stats says: of the source, only the blocks holding the row taken were read
+AFTER_STATS = "reading only the sources' blocks the output takes from: "
 
 
 def used(folder: Path) -> int:
@@ -67,8 +70,9 @@ def replaced_bytes(path: Path) -> int:
     return sum(c.length for job in plan.rank_jobs() for c in job.copies) * BYTES_PER_ELEMENT
 
 
-def measure(cmd: list[str], out: Path, on: Path, env: dict) -> tuple[float, int]:
-    """(seconds, new bytes on `on`'s filesystem) of running `cmd` (in `env`), which writes `out`."""
+def measure(cmd: list[str], out: Path, on: Path, env: dict, expect: str | None = None) -> tuple[float, int]:
+    """(seconds, new bytes on `on`'s filesystem) of running `cmd` (in `env`), which writes `out`; `expect`:
+    what its log must say (the path measured is the one meant)."""
     shutil.rmtree(out, ignore_errors=True)
     before = used(on)
     time.sleep(1)  # let the filesystem finish freeing the removed output
@@ -78,6 +82,8 @@ def measure(cmd: list[str], out: Path, on: Path, env: dict) -> tuple[float, int]
     seconds = time.perf_counter() - started
     if done.returncode != 0:
         raise SystemExit(f"bench: {' '.join(map(str, cmd[:3]))} failed:\n{done.stderr[-2000:]}")
+    if expect is not None and expect not in done.stdout:
+        raise SystemExit(f"bench: {' '.join(map(str, cmd[:3]))} did not say '{expect}':\n{done.stdout[-2000:]}")
     grown = used(on) - before
     shutil.rmtree(out, ignore_errors=True)
     return seconds, grown
@@ -91,7 +97,7 @@ def main() -> None:
     if (why := unavailable()) is not None:
         raise SystemExit(f"bench: cannot mount a loop XFS: {why}")
     as_installed()
-    run = bench_run(args.cache)
+    run = bench_run(args.cache).resolve()  # (a link to the bench run made elsewhere: its folder copied, not the link)
     work = fresh_work(args.cache, "clone-work")
     tailor = [str(Path(sys.executable).with_name("tailor-tui")), "--apply"]
     with loop_xfs(work / "xfs.img", work / "xfs", size=16 << 30) as xfs:
@@ -130,7 +136,7 @@ def main() -> None:
         for i in range(args.repeats):  # every other round in reverse: no command always follows the same one
             for name, (cmd, out, scratch) in (reversed(commands.items()) if i % 2 else commands.items()):
                 env = {**os.environ, "TAILOR_TUI_CACHE": str(caches[name])}
-                results[name].append(measure(cmd, out, scratch, env))
+                results[name].append(measure(cmd, out, scratch, env, AFTER_STATS if "after --stats" in name else None))
                 seconds, grown = results[name][-1]
                 print(f"  round {i + 1}: {name:<46} {seconds:6.2f} s  {gib(grown):>10} new", flush=True)
     shutil.rmtree(work, ignore_errors=True)

@@ -15,8 +15,9 @@ recomputed over bad bytes).
 
 from __future__ import annotations
 
+import struct
 from functools import lru_cache
-from typing import Callable
+from typing import Callable, NamedTuple
 
 _c_combine: Callable[[int, int, int], int] | None
 try:  # ISA-L's CRC-32 (carry-less multiply): about 3x zlib's on x86-64 and ARM
@@ -95,3 +96,98 @@ def zeros(n: int) -> int:
         crc = crc32(memoryview(_ZEROS)[:k], crc)
         n -= k
     return crc
+
+
+# --- the CRC-32s of a record's blocks ------------------------------------------------------------
+#
+# A pass that reads a record whole to check its CRC-32 (the health statistics) also records the
+# CRC-32 of each block of its data (BLOCK bytes; tests make them smaller, their records being
+# smaller than that), from the data's first byte (the last block shorter).
+# A later reader that needs only some of the record's bytes (a cloned composition takes a few rows
+# from a source) reads just the blocks that cover them and checks each against its recorded value:
+# a byte the output takes is still one that was checked, without the rest of the record being read.
+
+BLOCK = 1 << 20
+BLOCK_SIZES = range(10, 27)  # the powers of two a block may be (1 KiB .. 64 MiB): whole 4-byte values
+
+
+def block_count(size: int, block: int) -> int:
+    """How many blocks of `block` bytes `size` bytes of data make."""
+    return -(-size // block)
+
+
+class BlockCrcs:
+    """The CRC-32 of a stretch of bytes fed in order (`feed`), and of each `block`-byte block of it:
+    every byte goes through crc32 once (into its block's value), and the stretch's value is the
+    blocks' combined (one `combine` a block), so recording the blocks costs a reader that checks
+    the whole anyway next to nothing."""
+
+    def __init__(self, block: int = BLOCK) -> None:
+        self.block = block
+        self.values: list[int] = []  # the blocks completed so far
+        self.whole = 0  # the CRC-32 of those blocks, combined
+        self._value, self._filled = 0, 0  # the block being fed
+
+    def feed(self, view) -> None:
+        at, n = 0, len(view)
+        while at < n:
+            k = min(self.block - self._filled, n - at)
+            self._value = crc32(view[at: at + k], self._value)
+            self._filled += k
+            at += k
+            if self._filled == self.block:
+                self._close()
+
+    def finish(self) -> int:
+        """The whole stretch's CRC-32, once every byte was fed (its last, shorter block closed)."""
+        if self._filled:
+            self._close()
+        return self.whole
+
+    def _close(self) -> None:
+        self.whole = combine(self.whole, self._value, self._filled)
+        self.values.append(self._value)
+        self._value, self._filled = 0, 0
+
+
+class RecordBlocks(NamedTuple):
+    """The block CRC-32s (`BlockCrcs`) of one zip record's data, as a pass that checked the record
+    whole against the CRC-32 its archive declares found them: which record (its name, where its
+    data lies, its size, that declared CRC-32: a reader uses them only for a record that is still
+    all of these), the block size, and the values, 4 bytes each, little-endian (compact to pickle
+    and to cache)."""
+
+    name: str
+    data_offset: int
+    size: int
+    crc: int
+    block: int
+    values: bytes
+
+    @classmethod
+    def of(cls, record, blocks: BlockCrcs) -> "RecordBlocks":
+        """`record`'s (a `ptfile.Record`), from what `blocks` found of all of its data."""
+        return cls(record.name, record.data_offset, record.size, record.crc, blocks.block,
+                   struct.pack(f"<{len(blocks.values)}I", *blocks.values))
+
+    def well_formed(self) -> bool:
+        """Whether the block size is one of BLOCK_SIZES and the values are as many as the record's
+        blocks (what a cache entry claims is checked)."""
+        return (self.block.bit_length() - 1 in BLOCK_SIZES and self.block & (self.block - 1) == 0
+                and len(self.values) == 4 * block_count(self.size, self.block))
+
+    def describes(self, record) -> bool:
+        """Whether these are the blocks of `record` (a `ptfile.Record`) as it is laid out now."""
+        return (self.name, self.data_offset, self.size, self.crc) == (
+            record.name, record.data_offset, record.size, record.crc) and self.well_formed()
+
+    def value(self, i: int) -> int:
+        """The recorded CRC-32 of block `i`."""
+        return struct.unpack_from("<I", self.values, 4 * i)[0]
+
+    def combined(self) -> int:
+        """The blocks' values combined: the record's CRC-32, if they are its blocks'."""
+        whole = 0
+        for i in range(block_count(self.size, self.block)):
+            whole = combine(whole, self.value(i), min(self.block, self.size - i * self.block))
+        return whole

@@ -89,6 +89,9 @@ class TaskFinished:
     peak_rss: int = 0  # bytes: the peak resident memory of the process that ran the task
     shared: int = 0  # bytes of its output files that share the base's blocks, not written (`cloning`)
     shared_how: str = ""  # how ("reflink", "server-side copy"), where any are
+    # bytes of the sources' records its output takes from that were not read: only the blocks that hold
+    # what it takes were, checked against the CRC-32s the run's statistics recorded (`source_blocks`)
+    sources_unread: int = 0
 
 
 def peak_rss() -> int:
@@ -156,6 +159,7 @@ class ByteCounter:
         self._delay = options.slow_down
         self._steps, self._look_at = 0, 0  # `add` looks at the clock and the cancel flag when due
         self.shared, self.shared_how = 0, ""  # output bytes sharing the base's blocks (`shares`)
+        self.sources_unread = 0  # bytes of the records it takes from not read (`skips`)
         emit(TaskProgressed(task, 0, self.shown))
 
     @classmethod
@@ -186,7 +190,11 @@ class ByteCounter:
         """`n` bytes of the task's output share the base's blocks (`how`), not written."""
         self.shared, self.shared_how = self.shared + n, how
 
+    def skips(self, n: int) -> None:
+        """`n` bytes of a source's record the task takes from are not read (`source_blocks`)."""
+        self.sources_unread += n
+
     def finish(self) -> None:
         self.done = self.total
         self._emit(TaskProgressed(self.task, self.shown, self.shown))
-        self._emit(TaskFinished(self.task, self.shown, peak_rss(), self.shared, self.shared_how))
+        self._emit(TaskFinished(self.task, self.shown, peak_rss(), self.shared, self.shared_how, self.sources_unread))

@@ -294,6 +294,22 @@ def resume_with(version: str, ckpt: Path, spec: RunSpec, resave: Path) -> list[f
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def xfs(tmp_path_factory):
+    """A loop-mounted XFS with reflink (1 GiB) for a module's tests of shared blocks (`cloning`); the
+    test is skipped, saying why, where one cannot be mounted (root and xfsprogs are needed)."""
+    from tailor_tui.runs.scratch_xfs import loop_xfs, unavailable
+
+    if (why := unavailable()) is not None:
+        pytest.skip(f"no loop-mounted XFS: {why}")
+    folder = tmp_path_factory.mktemp("xfs")
+    try:
+        with loop_xfs(folder / "image", folder / "mnt", size=1 << 30) as mounted:
+            yield mounted
+    except RuntimeError as exc:
+        pytest.skip(f"no loop-mounted XFS: {exc}")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def statistics_cache(tmp_path_factory):
     """Row statistics (the composer's, --stats, the guard's suggestions) are cached in a

@@ -130,6 +130,31 @@ def apply_and_verify(recipe: Path, *extra: str) -> None:
     assert verified.returncode == 0, verified.stdout + verified.stderr
 
 
+def on_xfs(real_run, xfs: Path, name: str) -> tuple[Path, object, list[Path]]:
+    """The cached real run `name`, copied onto the loop XFS (the `xfs` fixture) byte by byte: sharing
+    nothing; its spec and its checkpoints, oldest first."""
+    import shutil
+
+    from conftest import checkpoints_of
+
+    run, spec = real_run(name)
+    there = xfs / name
+    if not there.exists():
+        shutil.copytree(run, there)
+    return there, spec, checkpoints_of(there, spec)
+
+
+def output_files(folder: Path) -> dict[str, object]:
+    """Every file of an output but its provenance record: its bytes, or a torch-format weight file's
+    tensors (a clone keeps the base's archive, whose pickle and id torch's writer would write anew)."""
+    def tensor_bytes(path: Path) -> dict[str, bytes]:
+        return {name: t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                for name, t in torch.load(path, weights_only=True).items()}
+
+    return {str(f.relative_to(folder)): tensor_bytes(f) if f.suffix == ".bin" and f.name != "training_args.bin"
+            else f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file() and f.name != "tailor_provenance.json"}
+
+
 def assert_one_line_error(result, code: int, *needles: str):
     assert result.returncode == code, result.stderr
     assert "Traceback" not in result.stderr and "internal error" not in result.stderr, result.stderr

@@ -2,8 +2,8 @@
 as clones of the base's (`cloning`) and only the replaced rows are written — the same bytes as
 `--no-clone` writes, the same checks, resumed by DeepSpeed and the HF Trainer.
 
-On a loop-mounted XFS with reflink (`runs.scratch_xfs`: root and xfsprogs; `.ci/run` installs
-xfsprogs where it can); where one cannot be mounted, the tests say why in their skip reason.
+On a loop-mounted XFS with reflink (the `xfs` fixture, `runs.scratch_xfs`: root and xfsprogs; `.ci/run`
+installs xfsprogs where it can); where one cannot be mounted, the tests say why in their skip reason.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import checkpoints_of
 from helpers import (
     assert_one_line_error,
     assert_optim_states_equal,
     flat_record,
     flip_byte,
     hidden,
+    on_xfs,
+    output_files,
     slurm_tasks,
     start_apply,
     tailor,
@@ -38,47 +38,12 @@ from tailor_tui.events import TaskOptions
 from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.recipe_file import load_recipe
 from tailor_tui.runs.demo_run import resume_and_step
-from tailor_tui.runs.scratch_xfs import loop_xfs, shared_bytes, unavailable
-
-WHY_NOT = unavailable()
-
-
-@pytest.fixture(scope="module")
-def xfs(tmp_path_factory):
-    if WHY_NOT is not None:
-        pytest.skip(f"no loop-mounted XFS: {WHY_NOT}")
-    folder = tmp_path_factory.mktemp("xfs")
-    try:
-        with loop_xfs(folder / "image", folder / "mnt", size=1 << 30) as mounted:
-            yield mounted
-    except RuntimeError as exc:
-        pytest.skip(f"no loop-mounted XFS: {exc}")
-
-
-def _on_xfs(real_run, xfs: Path, name: str) -> tuple[Path, object, list[Path]]:
-    """The cached real run `name`, copied onto the XFS (byte by byte: sharing nothing)."""
-    run, spec = real_run(name)
-    there = xfs / name
-    if not there.exists():
-        shutil.copytree(run, there)
-    return there, spec, checkpoints_of(there, spec)
-
-
-def _files(folder: Path) -> dict[str, object]:
-    """Every file of an output but its provenance record: its bytes, or a torch-format weight file's
-    tensors (a clone keeps the base's archive, whose pickle and id torch's writer would write anew)."""
-    return {str(f.relative_to(folder)): _tensors(f) if f.suffix == ".bin" and f.name != "training_args.bin" else f.read_bytes()
-            for f in sorted(folder.rglob("*")) if f.is_file() and f.name != "tailor_provenance.json"}
-
-
-def _tensors(path: Path) -> dict[str, bytes]:
-    return {name: t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-            for name, t in torch.load(path, weights_only=True).items()}
+from tailor_tui.runs.scratch_xfs import shared_bytes
 
 
 @pytest.mark.parametrize("name", ["hf_bf16_2", "ds_bf16_3_subgroups", "hf_bin"])
 def test_a_cloned_output_is_the_bytes_no_clone_writes_shares_the_rest_and_resumes(real_run, xfs, tmp_path, name):
-    run, spec, ckpts = _on_xfs(real_run, xfs, name)
+    run, spec, ckpts = on_xfs(real_run, xfs, name)
     picks = {"layers.0": ckpts[0], "layers.1": ckpts[1]}  # rows from two checkpoints, most from the base
     (run / "cloned").mkdir()
     (run / "every").mkdir()
@@ -95,10 +60,10 @@ def test_a_cloned_output_is_the_bytes_no_clone_writes_shares_the_rest_and_resume
     written = tailor("--apply", plain, "--no-clone")
     assert written.returncode == 0 and "sharing" not in written.stdout, written.stdout + written.stderr
     out, reference = run / "cloned" / "out", run / "written" / "out"
-    assert _files(out) == _files(reference)  # bit for bit what every byte written gives
+    assert output_files(out) == output_files(reference)  # bit for bit what every byte written gives
 
     # blocks of the base's, not copies (copy_file_range shares a few too where a copy is block-aligned)
-    shared = {f: shared_bytes(out / f) for f in _files(out) if f.endswith(("optim_states.pt", ".safetensors", ".bin"))
+    shared = {f: shared_bytes(out / f) for f in output_files(out) if f.endswith(("optim_states.pt", ".safetensors", ".bin"))
               and not f.endswith("training_args.bin")}
     assert shared and all(shared.values()), shared
     assert sum(shared.values()) > sum(shared_bytes(reference / f) for f in shared)
@@ -115,7 +80,7 @@ def test_a_cloned_output_is_the_bytes_no_clone_writes_shares_the_rest_and_resume
 def test_a_clone_reads_the_kept_rows_unless_the_runs_statistics_checked_them(real_run, xfs):
     """Rows kept in shared blocks cost no writes; they are read and checked (CRC-32, NaN/Inf) unless the
     run's cached statistics found them whole and finite as the files are now (`--stats`, the composer)."""
-    run, spec, ckpts = _on_xfs(real_run, xfs, "hf_bf16_2")
+    run, spec, ckpts = on_xfs(real_run, xfs, "hf_bf16_2")
     (run / "stats").mkdir()
     recipe = write_recipe(run / "stats", ckpts[-1], {"layers.0": ckpts[0]}, output="out")
     read = tailor("--apply", recipe)
@@ -131,7 +96,7 @@ def test_a_flipped_byte_the_base_keeps_is_refused_or_stays_detectable_never_bles
     """Damage in a kept row: a clone that reads the kept rows refuses it, as --no-clone does; one that
     does not (the statistics vouched for them before the bit flipped, as bit rot does behind every
     cache) keeps the record's declared CRC-32, so --verify of the output finds it."""
-    run, spec, ckpts = _on_xfs(real_run, xfs, "hf_bf16_2")
+    run, spec, ckpts = on_xfs(real_run, xfs, "hf_bf16_2")
     damaged = xfs / "damaged"
     shutil.copytree(ckpts[-1], damaged)
     rank0 = sorted(damaged.rglob("*rank_0_mp_rank_00_optim_states.pt"))[0]
@@ -149,7 +114,7 @@ def test_a_flipped_byte_the_base_keeps_is_refused_or_stays_detectable_never_bles
 
 
 def test_a_non_finite_row_the_base_keeps_is_refused_in_a_clone(real_run, xfs):
-    run, spec, ckpts = _on_xfs(real_run, xfs, "ds_blown_up")
+    run, spec, ckpts = on_xfs(real_run, xfs, "ds_blown_up")
     stats = tailor("--stats", run, "--check")
     assert stats.returncode == 8, stats.stderr  # the statistics see the blown row: they vouch for none
     (run / "nan").mkdir()
@@ -159,7 +124,7 @@ def test_a_non_finite_row_the_base_keeps_is_refused_in_a_clone(real_run, xfs):
 
 
 def test_killed_while_patching_a_clone_nothing_is_published(real_run, xfs):
-    run, spec, ckpts = _on_xfs(real_run, xfs, "hf_bf16_2")
+    run, spec, ckpts = on_xfs(real_run, xfs, "hf_bf16_2")
     recipe = write_recipe(run, ckpts[-1], {"layers.1": ckpts[0]}, output="killed")
     proc = start_apply(recipe, "-j", "2")
     wait_for_line(proc, "rank ")
@@ -176,7 +141,7 @@ def test_killed_while_patching_a_clone_nothing_is_published(real_run, xfs):
 def test_two_slurm_tasks_each_clone_and_patch_their_own_ranks(real_run, xfs):
     """A job over several processes: each clones and patches the files of its ranks; process 0 adds up
     what every process shared, and the output is the one a single process writes."""
-    run, spec, ckpts = _on_xfs(real_run, xfs, "ds_bf16_3_subgroups")
+    run, spec, ckpts = on_xfs(real_run, xfs, "ds_bf16_3_subgroups")
     picks = {"layers.0": ckpts[0], "layers.1": ckpts[1]}
     (run / "team").mkdir()
     (run / "alone").mkdir()
@@ -188,7 +153,7 @@ def test_two_slurm_tasks_each_clone_and_patch_their_own_ranks(real_run, xfs):
     lead = said[0][0]
     assert "sharing the base's blocks (reflink)" in lead and "sharing" in alone.stdout, (lead, alone.stdout)
     assert _shared_line(lead) == _shared_line(alone.stdout)  # every process's shares, added up
-    assert _files(run / "team" / "out") == _files(run / "alone" / "out")
+    assert output_files(run / "team" / "out") == output_files(run / "alone" / "out")
     assert tailor("--verify", recipe).returncode == 0
 
 

@@ -62,6 +62,12 @@ def file_identity(path: Path, folders: dict | None = None) -> list:
     return [real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
+def identity_key(path: Path, folders: dict | None = None) -> str:
+    """`file_identity`, as a string: what cache keys and entries name a file by (OSError where it
+    cannot be looked at)."""
+    return json.dumps(file_identity(path, folders))
+
+
 def entry(cache: Path | None, kind: str, key: str) -> Path | None:
     """The file of entry `key` (a hex digest) among the cache's `kind` entries; None: no cache."""
     return None if cache is None else cache / kind / key[:2] / f"{key}.json"

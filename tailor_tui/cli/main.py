@@ -213,6 +213,10 @@ def apply(args) -> int:
                     f"{size(result.bytes_written - result.bytes_shared)} written, {size(result.bytes_shared)} shared"
                     + (" (the rows kept were checked by the run's statistics, not read again)" if result.kept_checked
                        else "")))
+    if result.sources_unread:
+        print(shown(f"reading only the sources' blocks the output takes from: {size(result.sources_unread)} of their "
+                    "records not read, so not checked (the blocks read were checked against the CRC-32s the run's "
+                    "statistics recorded)"))
     print(shown(f"done: {result.output} ({result.amount()} in {result.seconds:.1f}s, {size(rate)}/s)"))
     return ExitCode.OK
 

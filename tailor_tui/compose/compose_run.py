@@ -27,6 +27,7 @@ from tailor_tui.compose.bin_files import compose_bin_file
 from tailor_tui.compose.model_files import compose_model_file
 from tailor_tui.compose.rank_reshard import reshard_rank
 from tailor_tui.compose.rank_task import compose_rank
+from tailor_tui.compose.source_blocks import blocks_for
 from tailor_tui.errors import Cancelled, OutputError
 from tailor_tui.events import Emit, TaskFinished, TaskOptions
 from tailor_tui.fileio import copy_file, fsync_dir, output_error, write_file
@@ -65,6 +66,9 @@ class ComposeResult:
     shared_how: str = ""  # how they share them ("reflink", "server-side copy"); "" where none do
     # the rows kept from the base in shared blocks were not read: the run's statistics had checked them
     kept_checked: bool = False
+    # bytes of the sources' records the output takes from that were not read: only the blocks holding what
+    # it takes were, each checked against the CRC-32 the run's statistics recorded (`source_blocks`)
+    sources_unread: int = 0
 
     def amount(self) -> str:
         """What the output cost, as the log and the composer say it: its bytes written, or shared."""
@@ -91,30 +95,35 @@ def run_compose(
     rank files and model files into the one hidden folder process 0 made, and process 0
     checks the whole and renames it into place; a failure anywhere fails every process."""
     started = time.monotonic()
-    options = _vouched(plan, options)
-    work = Composing(plan, workers, options, allow_nonfinite)
+    options, blocks = _vouched(plan, options)
+    work = Composing(plan, workers, options, allow_nonfinite, blocks)
     run_as_team(work, team=team, emit=emit, cancel=cancel, options=options)
     # what the plan counted (bytes_to_write): every file but the provenance record written last
     out = plan.output
     written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file() and f != out / PROVENANCE)
     return ComposeResult(out, time.monotonic() - started, written, work.peak, dict(work.nonfinite),
-                         work.shared, work.shared_how, options.kept_checked and bool(work.shared))
+                         work.shared, work.shared_how, options.kept_checked and bool(work.shared),
+                         work.sources_unread)
 
 
-def _vouched(plan: ComposePlan, options: TaskOptions) -> TaskOptions:
+def _vouched(plan: ComposePlan, options: TaskOptions) -> tuple[TaskOptions, dict[int, tuple]]:
     """`options`, `kept_checked` where the rank files will be clones (`cloning`: the output on the
     base's filesystem of a kind that shares blocks, the recipe replacing less than half of them) and
-    the run's cached statistics found every row they keep whole and finite (no rank file read)."""
-    if not options.clone or options.kept_checked or plan.reshard is not None:
-        return options
+    the run's cached statistics found every row they keep whole and finite (no rank file read); and
+    then, per rank, the block CRC-32s those statistics recorded of the sources' rank files as they
+    are now (`source_blocks.blocks_for`: a stat per file), so that only the blocks taken are read."""
+    if not options.clone or plan.reshard is not None:
+        return options, {}
     jobs = [j for j in plan.rank_jobs() if isinstance(j, RankJob)]
     replaced = sum(c.length for j in jobs for c in j.copies) * BYTES_PER_ELEMENT
     if not worth_it(replaced, sum(plan.base.rank_bytes(j.rank) for j in jobs)):
-        return options
+        return options, {}
     if may_share(plan.base.path, plan.output.parent) is None:
-        return options
-    kept = [r.name for r in plan.base.rows if not r.tied and not plan.picks.get(r.name)]
-    return replace(options, kept_checked=checked_by_statistics(plan, kept))
+        return options, {}
+    if not options.kept_checked:
+        kept = [r.name for r in plan.base.rows if not r.tied and not plan.picks.get(r.name)]
+        options = replace(options, kept_checked=checked_by_statistics(plan, kept))
+    return options, blocks_for(jobs) if options.kept_checked else {}
 
 
 class Composing(PublishingWork):
@@ -126,11 +135,13 @@ class Composing(PublishingWork):
     finished = ("cancelled as the composition finished: {output} is complete and holds the new composition "
                 "(check it with --verify)")
 
-    def __init__(self, plan: ComposePlan, workers: int | None, options: TaskOptions, allow_nonfinite: bool):
+    def __init__(self, plan: ComposePlan, workers: int | None, options: TaskOptions, allow_nonfinite: bool,
+                 blocks: dict[int, tuple] | None = None):
         super().__init__(plan.output, plan.force, options)
         self.plan, self.allow_nonfinite, self.workers_asked = plan, allow_nonfinite, workers
+        self.blocks = blocks or {}  # per rank, the sources' block CRC-32s its task is given (`_vouched`)
         self.rank_call = reshard_rank if plan.reshard is not None else compose_rank
-        self.peak, self.shared, self.shared_how = 0, 0, ""
+        self.peak, self.shared, self.shared_how, self.sources_unread = 0, 0, "", 0
         self.nonfinite: Counter = Counter()
         self.reports: list[dict] = []  # every process's, as gathered
 
@@ -149,14 +160,20 @@ class Composing(PublishingWork):
         if self.plan.reshard is not None:  # the structure every output rank file shares: made once, here
             rank_args = (tag_dir, skeleton(self.plan.base, self.plan.sources, self.plan.buffer_sources(),
                                            self.plan.reshard))
-        return [*(Task(self.rank_call, job, rank_args) for job in self.plan.rank_jobs()),
+        return [*(Task(self.rank_call, self._given_blocks(job), rank_args) for job in self.plan.rank_jobs()),
                 *(Task(_weight_writer(job), job, (held,)) for job in self.plan.model_file_jobs())]
+
+    def _given_blocks(self, job):
+        """The task's copy of a rank's job, with the block CRC-32s of its sources (the plan's is left as is)."""
+        mine = self.blocks.get(job.rank) if isinstance(job, RankJob) else None
+        return replace(job, source_blocks=mine) if mine else job
 
     def observe(self, event, emit: Emit) -> bool:
         if isinstance(event, TaskFinished):
             self.peak = max(self.peak, event.peak_rss)
             self.shared += event.shared
             self.shared_how = self.shared_how or event.shared_how
+            self.sources_unread += event.sources_unread
         return False
 
     def report(self, mine: list[Task], results: list, lead: bool) -> dict:
@@ -167,13 +184,14 @@ class Composing(PublishingWork):
                  for name in names[cast("RankJob | ReshardJob", t.job).rank]]
         files += [cast(WeightJob, t.job).name for t in mine if t.call is not self.rank_call]
         return {"nonfinite": dict(nonfinite), "peak": self.peak, "shared": self.shared, "how": self.shared_how,
-                "files": {f: _size_of(tmp / f) for f in files}}
+                "unread": self.sources_unread, "files": {f: _size_of(tmp / f) for f in files}}
 
     def gathered(self, reports: list, lead: bool, emit: Emit) -> None:
         self.nonfinite = sum((Counter(d["nonfinite"]) for d in reports), Counter())
         self.peak = max(d["peak"] for d in reports)
         self.shared = sum(d["shared"] for d in reports)
         self.shared_how = next((d["how"] for d in reports if d["how"]), "")
+        self.sources_unread = sum(d["unread"] for d in reports)
         self.reports = reports
 
     def publish(self) -> None:

@@ -24,6 +24,7 @@ from tailor_tui.checkpoints.rank_reader import (
     read_and_check,
 )
 from tailor_tui.cloning import clone, worth_it
+from tailor_tui.compose.source_blocks import of_source, read_taken
 from tailor_tui.events import ByteCounter
 from tailor_tui.fileio import CREATE, Target, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
 from tailor_tui.formats.ds_format import TENSORS
@@ -79,7 +80,9 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Coun
     now (`options.kept_checked`), the base's records are not read but for the bytes the spans
     replace (their CRC-32s, old, for the combination) and the padding: a record's CRC-32 is carried
     as the base declares it, so damage since (bit rot) stays detectable in the output (by --verify,
-    by torch), never blessed. Sources are read and checked whole in every mode.
+    by torch), never blessed. Sources are read and checked whole, but there: a source's record whose
+    block CRC-32s the statistics recorded (`job.source_blocks`) is read only in the blocks that hold
+    what the output takes, each checked against its recorded CRC-32 (`source_blocks`).
     """
     base_path = job.files[0].optim_states
     whole = read_whole(base_path, SMALL_RANK_FILE)  # a wide run's: its structure read from one read
@@ -129,9 +132,13 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Coun
             for s in sources:  # a source's records not read in step: read and checked first
                 ahead = [sp for sp in spans if sp.source == s
                          and (unread or id(sp.source_record) not in stepped)]
-                checked = read_and_check(fds[s], job.files[s].optim_states, {sp.source_record for sp in ahead},
-                                         {(sp.source_record, sp.source_at, sp.length) for sp in ahead},
-                                         sweep.buffer, counter, census[s])
+                taken = {(sp.source_record, sp.source_at, sp.length) for sp in ahead}
+                if unread:  # of a record with recorded block CRC-32s, only the blocks taken from
+                    checked = read_taken(fds[s], job.files[s].optim_states, taken, of_source(job, s),
+                                         buffer=sweep.buffer, counter=counter, census=census[s])
+                else:
+                    checked = read_and_check(fds[s], job.files[s].optim_states, {sp.source_record for sp in ahead},
+                                             taken, sweep.buffer, counter, census[s])
                 new.update({(s, at): value for (at, _n), value in checked.items()})
             old: dict[tuple[int, int], int] = {}  # (offset, length) -> the CRC-32 of the base's bytes a span replaces
             if unread:  # of the base, only the bytes the spans replace (their CRC-32s) and padding are read

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tailor_tui.checkpoints.rank_reader import SMALL_RANK_FILE, RankReader
-from tailor_tui.crc import crc32
+from tailor_tui.crc import BlockCrcs, RecordBlocks, crc32
 from tailor_tui.events import ByteCounter
 from tailor_tui.fileio import open_fd
 from tailor_tui.formats.ds_format import TENSORS
@@ -73,10 +73,11 @@ class _Sums:
 
 
 def flat_stats(job: StatsJob, sums: dict[str, RowSums], stack, counter: ByteCounter,
-               ahead: dict[int, Readahead], chunk: int = CHUNK) -> bool:
+               ahead: dict[int, Readahead], chunk: int = CHUNK, *, blocks: dict | None = None) -> bool:
     """Add the sums of every row `job` reads from its optim file into `sums`; False (nothing read)
     when the file is laid out otherwise than one aligned record per flat tensor (`stats_rank`
-    reads it then). `chunk`: bytes per read (tests make it small)."""
+    reads it then). `chunk`: bytes per read (tests make it small). `blocks`: gets each record's
+    block CRC-32s ({name: `crc.RecordBlocks`}) where it passed its CRC-32 check."""
     path, table = job.files.optim_states, job.table
     assert table is not None, "can_read_flat(job) holds"
     whole = read_whole(path, SMALL_RANK_FILE)  # a wide run's small rank file: one read, its structure from memory
@@ -113,8 +114,11 @@ def flat_stats(job: StatsJob, sums: dict[str, RowSums], stack, counter: ByteCoun
             a = tb.offset + offset[here] * 4
             shifts = {k: prev[k, g] for k in np.unique(c).tolist() if k} if key == "fp32" else {}
             reader = _Reader(fd, key, a, a + valid[here] * 4, r, c, shifts, acc, buffers, counter, ahead)
-            if not reader.record(tb.record.data_offset, tb.record.size, tb.record.crc):
+            recorder = BlockCrcs(job.crc_block) if blocks is not None and tb.record.crc is not None else None
+            if not reader.record(tb.record.data_offset, tb.record.size, tb.record.crc, recorder):
                 acc.crc_bad[r] = True
+            elif blocks is not None and recorder is not None:
+                blocks[tb.record.name] = RecordBlocks.of(tb.record, recorder)
     acc.into(sums, table.rows, np.unique(row))
     return True
 
@@ -175,19 +179,24 @@ class _Reader:
         self.fd, self.key, self.a, self.b, self.rows, self.classes = fd, key, a, b, rows, classes
         self.shifts, self.acc, self.buffers, self.counter, self.ahead = shifts, acc, buffers, counter, ahead
 
-    def record(self, start: int, size: int, expected: int | None) -> bool:
-        """Read the record at `start`; False if its CRC-32 is not `expected` (None: none to check)."""
+    def record(self, start: int, size: int, expected: int | None, blocks: BlockCrcs | None = None) -> bool:
+        """Read the record at `start`; False if its CRC-32 is not `expected` (None: none to check).
+        `blocks`: its CRC-32 is worked out as its blocks' (recorded there), each byte CRC'd once."""
         buffer = self.buffers[0]
         value, position, end = 0, start, start + size
         while position < end:
             view = _read(self.fd, buffer[: min(len(buffer), end - position)], position, self.ahead, end)
-            if expected is not None:
+            if blocks is not None:
+                blocks.feed(view)
+            elif expected is not None:
                 value = crc32(view, value)
             i, j = np.searchsorted(self.b, position, "right"), np.searchsorted(self.a, position + len(view), "left")
             if j > i:
                 self._chunk(view, position, slice(i, j))
             position += len(view)
             self.counter.add(len(view))
+        if blocks is not None:
+            value = blocks.finish()
         return expected is None or value == expected
 
     def _chunk(self, view: memoryview, position: int, which: slice) -> None:

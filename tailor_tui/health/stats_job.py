@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from tailor_tui.checkpoints.checkpoint import RankFiles
 from tailor_tui.checkpoints.layout import ZeroLayout
+from tailor_tui.crc import BLOCK, RecordBlocks
 from tailor_tui.events import JobCost
 
 
@@ -64,6 +65,7 @@ class StatsJob(JobCost):
     prev: tuple[tuple[str, RankFiles], ...]  # (row, this rank's files of the row's previous checkpoint)
     read_bytes: int
     table: SlotTable | None = None  # the rows' slots, for reading the flat tensors all at once
+    crc_block: int = BLOCK  # the size of the blocks whose CRC-32s are recorded (`crc.BlockCrcs`)
 
     @property
     def task(self) -> str:
@@ -131,10 +133,12 @@ class RowSums:
 
 @dataclass(frozen=True)
 class RankStats:
-    """What one rank found: per row its sums, and why the rank could not be read at all."""
+    """What one rank found: per row its sums, and why the rank could not be read at all; of a full
+    checkpoint's optim file, the block CRC-32s of each record that passed its CRC-32 check (by name)."""
 
     rows: dict[str, RowSums] = field(default_factory=dict)
     error: str | None = None
+    blocks: dict[str, RecordBlocks] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import numpy as np
 
 from tailor_tui.checkpoints.checkpoint import RankFiles
 from tailor_tui.checkpoints.rank_reader import RankReader
-from tailor_tui.crc import crc32
+from tailor_tui.crc import BlockCrcs, RecordBlocks, crc32
 from tailor_tui.errors import Cancelled, CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.fileio import open_fd
@@ -52,34 +52,40 @@ def rank_stats(job: StatsJob, emit: Emit, cancelled, options: TaskOptions = Task
     """The sums of every row `job` reads (run in a worker: see `workers.run_calls`)."""
     counter = ByteCounter.for_job(job, emit, cancelled, options)
     sums = {row: RowSums() for row, _ in job.frozen}
+    blocks: dict[str, RecordBlocks] = {}  # of the optim file's records that passed their CRC-32 check
     try:
         with contextlib.ExitStack() as stack:
             ahead: dict[int, Readahead] = {}  # per file: the disk reads ahead while numpy computes
-            if can_read_flat(job) and flat_stats(job, sums, stack, counter, ahead):
+            if can_read_flat(job) and flat_stats(job, sums, stack, counter, ahead, blocks=blocks):
                 reads = _frozen_reads(job, sums, stack) if job.frozen else []
             else:
                 slots = job.slots()
                 sums |= {slot.row: RowSums() for slot in slots}
                 reads = _reads(job, slots, sums, stack)
-            size = min(CHUNK, max((length for _fd, _start, length, _crc, _regions in reads), default=0))
+            size = min(CHUNK, max((length for _fd, _start, length, _crc, _regions, _r in reads), default=0))
             buffers = memoryview(bytearray(size)), memoryview(bytearray(size))  # a small rank's: small
-            for fd, start, length, expected, regions in reads:
-                if not _read(fd, start, length, expected, regions, buffers, counter, ahead):
+            for fd, start, length, expected, regions, record in reads:
+                recorder = BlockCrcs(job.crc_block) if record is not None and expected is not None else None
+                if not _read(fd, start, length, expected, regions, buffers, counter, ahead, recorder):
                     for region in regions:
                         region.sums.crc_ok = False
+                elif recorder is not None:
+                    blocks[record.name] = RecordBlocks.of(record, recorder)
     except Cancelled:
         raise
     except (CheckpointError, Unsupported, OSError) as exc:
         found = RankStats(error=str(exc) if isinstance(exc, CheckpointError) else f"rank {job.rank}: {exc}")
     else:
-        found = RankStats(sums)
+        found = RankStats(sums, blocks=blocks)
     emit(RankStatsRead(job.key, found))
     counter.finish()
     return found
 
 
 def _reads(job: StatsJob, slots: tuple[SlotRead, ...], sums: dict[str, RowSums], stack: contextlib.ExitStack) -> list:
-    """[(fd, first byte, length, stored CRC-32 or None, regions)] in file order per file."""
+    """[(fd, first byte, length, stored CRC-32 or None, regions, the optim file's record or None)] in
+    file order per file: a full checkpoint's optim file is read record by record, whole (its records'
+    block CRC-32s are recorded: `crc.BlockCrcs`)."""
     prev_at = {}
     by_file: dict = {}  # each previous checkpoint's file, read once for all the rows it holds
     for row, files in job.prev:
@@ -97,7 +103,7 @@ def _reads(job: StatsJob, slots: tuple[SlotRead, ...], sums: dict[str, RowSums],
                 place = reader.place(key, param=slot.param, group=slot.group, offset=slot.offset, valid=slot.valid)
                 assert place.slice is not None, "a partial save's place names its slice"
                 reads.append((fd, place.at, slot.valid * 4, place.slice.crc,
-                              [_region(slot, key, place.at, "float32", sums, prev_at)]))
+                              [_region(slot, key, place.at, "float32", sums, prev_at)], None))
     else:
         flat = reader.fp32_flat(PURPOSE)
         by_record: dict = {}
@@ -107,7 +113,7 @@ def _reads(job: StatsJob, slots: tuple[SlotRead, ...], sums: dict[str, RowSums],
                 regions = by_record.setdefault(tb.record, [])
                 regions += [_region(s, key, tb.offset + s.offset * 4, "float32", sums, prev_at)
                             for s in slots if s.group == g and s.valid]
-        reads += [(fd, r.data_offset, r.size, r.crc, sorted(regs, key=lambda x: x.start))
+        reads += [(fd, r.data_offset, r.size, r.crc, sorted(regs, key=lambda x: x.start), r)
                   for r, regs in sorted(by_record.items(), key=lambda item: item[0].data_offset)]
     if job.frozen:
         reads += _frozen_reads(job, sums, stack)
@@ -138,21 +144,24 @@ def _frozen_reads(job: StatsJob, sums: dict[str, RowSums], stack: contextlib.Exi
             raise CheckpointError(f"{path}: frozen parameter {param} is stored as {dtype}")
         by_record.setdefault(tb.record, []).append(
             _SumRegion(tb.offset, tb.offset + tb.numel * tb.itemsize, "frozen", dtype, sums[row]))
-    return [(fd, r.data_offset, r.size, r.crc, sorted(regs, key=lambda x: x.start))
+    return [(fd, r.data_offset, r.size, r.crc, sorted(regs, key=lambda x: x.start), None)
             for r, regs in by_record.items()]
 
 
 def _read(fd: int, start: int, length: int, expected: int | None, regions: list[_SumRegion], buffers,
-          counter: ByteCounter, ahead: dict[int, Readahead]) -> bool:
+          counter: ByteCounter, ahead: dict[int, Readahead], blocks: BlockCrcs | None = None) -> bool:
     """Read [start, start+length) in chunks, feeding each region the part of each chunk it
-    covers; False if the range's CRC-32 is not `expected` (None: nothing to check)."""
+    covers; False if the range's CRC-32 is not `expected` (None: nothing to check). `blocks`:
+    the range's CRC-32 is worked out as its blocks' (recorded there), not byte by byte again."""
     buffer, prev_buffer = buffers
     value, position, end, first = 0, start, start + length, 0
     while position < end:
         view = buffer[: min(len(buffer), end - position)]
         prefetch(ahead, fd, position, end)
         pread_into(fd, view, position)
-        if expected is not None:
+        if blocks is not None:
+            blocks.feed(view)
+        elif expected is not None:
             value = crc32(view, value)
         chunk_end = position + len(view)
         while first < len(regions) and regions[first].end <= position:
@@ -177,6 +186,8 @@ def _read(fd: int, start: int, length: int, expected: int | None, regions: list[
                 _consume(r, view[a - position: b - position], prev)
         position = chunk_end
         counter.add(len(view))
+    if blocks is not None:
+        value = blocks.finish()
     return expected is None or value == expected
 
 

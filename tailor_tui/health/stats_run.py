@@ -18,15 +18,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
-from tailor_tui.checkpoints.cache import entry, file_identity, read_json, write_json
+from tailor_tui.checkpoints.cache import entry, identity_key, read_json, write_json
 from tailor_tui.checkpoints.checkpoint import Checkpoint, distinct_names
+from tailor_tui.crc import BLOCK
 from tailor_tui.events import Emit, TaskOptions
+from tailor_tui.health import block_cache
 from tailor_tui.health.healing import Cell, Health, rms, training_log
 from tailor_tui.health.stats_job import RankStats, RankStatsRead, RowSums, SlotTable, StatsJob
 from tailor_tui.team.members import SOLO, Team
 from tailor_tui.team.transaction import Declaration, Task, TeamWork, run_as_team
 
-FORMAT = 4  # of the cached sums and cells: bump when what they mean changes (4: a multimodal model's rows per stack)
+# of the cached sums and cells: bump when what they mean changes (4: a multimodal model's rows per stack; 5: the
+# ranks' block CRC-32s are recorded beside them, `block_cache`: sums cached before are read once more to record them)
+FORMAT = 5
 MAX_CACHED = 16 << 20  # a cache file larger than this is not one of ours
 STATS_WORKER = 64 << 20  # interpreter, numpy, two 1 MiB buffers and a chunk's float64 copies
 
@@ -70,12 +74,12 @@ def previous_holders(checkpoints: tuple[Checkpoint, ...], column: int) -> dict[s
 
 
 def stats_jobs(checkpoints: tuple[Checkpoint, ...], column: int, rows: list[str] | None = None,
-               known: dict | None = None) -> list[StatsJob]:
+               known: dict | None = None, *, crc_block: int = BLOCK) -> list[StatsJob]:
     """One job per rank of checkpoint `column`: the rows it holds (of `rows`, default all), and
     their previous checkpoints. The cache key names what is read (the identity of every file,
     the rank, the rows); the slices to read are worked out in the worker, so a run whose
     statistics are cached costs a stat() per file. `known` memoises identities and layouts
-    across calls."""
+    across calls. `crc_block`: the size of the blocks whose CRC-32s are recorded (`block_cache`)."""
     known = {} if known is None else known
     ckpt = checkpoints[column]
     prev = previous_holders(checkpoints, column)
@@ -104,7 +108,7 @@ def stats_jobs(checkpoints: tuple[Checkpoint, ...], column: int, rows: list[str]
         key = hashlib.sha256(json.dumps([FORMAT, rank, [_identity(p, known) for p in files.existing()],
                                          sorted(held), sorted(previous.items())]).encode()).hexdigest()
         jobs.append(StatsJob(key, column, label, rank, files, ckpt.layout, owner, held, frozen, prev_files, read,
-                             table))
+                             table, crc_block))
     return jobs
 
 
@@ -116,7 +120,7 @@ def cached_cells(checkpoints: tuple[Checkpoint, ...], column: int, cache: Path |
 
 def _identity(path: Path, known: dict) -> str:
     if ("file", path) not in known:
-        known["file", path] = json.dumps(file_identity(path, known.setdefault("folders", {})))
+        known["file", path] = identity_key(path, known.setdefault("folders", {}))
     return known["file", path]
 
 
@@ -141,13 +145,15 @@ def row_elements(ckpt: Checkpoint, owner: dict, known: dict) -> list[dict[str, i
 def compute_health(checkpoints: tuple[Checkpoint, ...], *, workers: int | None = None, emit: Emit = lambda e: None,
                    cancel: threading.Event | None = None, cache: Path | None = None,
                    options: TaskOptions = TaskOptions(), columns: list[int] | None = None,
-                   rows: list[str] | None = None, team: Team = SOLO) -> Health:
+                   rows: list[str] | None = None, team: Team = SOLO, crc_block: int = BLOCK) -> Health:
     """Every cell of `columns` (default: all) of `checkpoints` (of `rows`, default all), newest first, from the cache
     where it holds them; `emit` gets progress and one CellsComputed per checkpoint. A cache
     that cannot be written is skipped (statistics still come out). With a `team` of several
     processes (`--stats` under torchrun or srun), each reads its share of the rank files and
-    process 0 adds them all up: only its Health holds every cell."""
-    work = ReadingStatistics(checkpoints, workers=workers, cache=cache, columns=columns, rows=rows)
+    process 0 adds them all up: only its Health holds every cell. The CRC-32 of every `crc_block` bytes
+    of each record read is cached too (`block_cache`; tests make the blocks smaller than their records)."""
+    work = ReadingStatistics(checkpoints, workers=workers, cache=cache, columns=columns, rows=rows,
+                             crc_block=crc_block)
     run_as_team(work, team=team, emit=emit, cancel=cancel, options=options)
     return work.health
 
@@ -161,9 +167,9 @@ class ReadingStatistics(TeamWork[Health]):
     cancelled = "statistics cancelled"
 
     def __init__(self, checkpoints: tuple[Checkpoint, ...], *, workers: int | None, cache: Path | None,
-                 columns: list[int] | None, rows: list[str] | None):
+                 columns: list[int] | None, rows: list[str] | None, crc_block: int = BLOCK):
         self.health = Health(tuple(checkpoints), logs={i: training_log(c) for i, c in enumerate(checkpoints)})
-        self.cache, self.rows, self.workers_asked = cache, rows, workers
+        self.cache, self.rows, self.workers_asked, self.crc_block = cache, rows, workers, crc_block
         self.columns = sorted(range(len(checkpoints)) if columns is None else columns, reverse=True)
         self.jobs: dict[int, list[StatsJob]] = {}  # per column, one per rank (`begin`)
         self.every: dict[str, StatsJob] = {}
@@ -171,11 +177,13 @@ class ReadingStatistics(TeamWork[Health]):
         self.found: dict[str, RankStats] = {}  # each rank's sums, cached or read
         self.pending: dict[int, set[str]] = {}  # per column, the ranks still to read
         self.reading: dict[str, StatsJob] = {}  # the jobs read by this job's processes
+        self.known: dict = {}  # the files' identities (and layouts) as planning saw them, before any read
 
     def begin(self) -> Declaration:
         cache, rows = self.cache, self.rows
-        known: dict = {}
-        self.jobs = {c: stats_jobs(self.health.checkpoints, c, rows, known) for c in self.columns}
+        known = self.known
+        self.jobs = {c: stats_jobs(self.health.checkpoints, c, rows, known, crc_block=self.crc_block)
+                     for c in self.columns}
         self.every = {j.key: j for c in self.columns for j in self.jobs[c]}
         self.added_up = {c: _cached_cells(cache, self.jobs[c]) for c in self.columns}
         for c in (c for c in self.columns if self.added_up[c] is None):
@@ -243,16 +251,38 @@ class ReadingStatistics(TeamWork[Health]):
                 _store_ranks(self.cache, self.health.checkpoints[column], {j.key: self.found[j.key]
                                                                            for j in self.jobs[column]})
                 _store_cells(self.cache, self.jobs[column], cells)
+                self._store_blocks(column)
         self.health.add(column, cells)
         emit(CellsComputed(column, self.health.checkpoints[column].name, cells))
 
+    def _store_blocks(self, column: int) -> None:
+        """Cache the block CRC-32s of the full rank files of `column` read now, under each file's identity
+        as planning saw it before reading it (a file changed since has another: its blocks are never
+        taken for it); those cached before of its files not read again are kept."""
+        by_folder: dict[str, tuple[dict, set]] = {}
+        for j in self.jobs[column]:
+            if j.files.rows is None:
+                read, current = by_folder.setdefault(block_cache.folder_key(j.files.optim_states), ({}, set()))
+                ident = _identity(j.files.optim_states, self.known)
+                current.add(ident)
+                if j.key in self.reading:
+                    read[ident] = self.found[j.key].blocks
+        for folder, (read, current) in by_folder.items():
+            if read:
+                block_cache.store(self.cache, folder=folder, read=read, current=current)
+
 
 def _stats_json(stats: RankStats) -> dict:
-    return {"rows": {row: s.to_json() for row, s in stats.rows.items()}, "error": stats.error}
+    return {"rows": {row: s.to_json() for row, s in stats.rows.items()}, "error": stats.error,
+            "blocks": block_cache.to_json(stats.blocks)}
 
 
 def _stats_from_json(value: dict) -> RankStats:
-    return RankStats({row: RowSums.from_json(v) for row, v in value["rows"].items()}, value["error"])
+    try:
+        blocks = block_cache.from_json(value.get("blocks", {}))
+    except (ValueError, TypeError):
+        blocks = {}  # not recorded: a composition reads those records whole
+    return RankStats({row: RowSums.from_json(v) for row, v in value["rows"].items()}, value["error"], blocks)
 
 
 def reduce(ckpt: Checkpoint, ranks: list[RankStats], rows: list[str] | None = None) -> dict[str, Cell]:

@@ -15,6 +15,7 @@ from typing import NamedTuple, Protocol
 
 from tailor_tui.checkpoints.checkpoint import RankFiles
 from tailor_tui.checkpoints.layout import Slot
+from tailor_tui.crc import RecordBlocks
 from tailor_tui.events import JobCost, RankJobCost
 from tailor_tui.formats.safetensors_in import parse_prefix
 
@@ -60,6 +61,10 @@ class RankJob(RankJobCost):
     # the writers count non-finite values of, per row
     row_slots: tuple[RowSlot, ...] = ()
     frozen_rows: tuple[tuple[str, str, int], ...] = ()
+    # (source, a record's block CRC-32s): what the run's statistics recorded of the full sources' optim
+    # files, where a cloned composition reads only the blocks it takes (`compose.source_blocks`); the
+    # plan's jobs have none, the task's copy of a job is given them
+    source_blocks: tuple[tuple[int, RecordBlocks], ...] = ()
 
 
 class _HasSize(Protocol):

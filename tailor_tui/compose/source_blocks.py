@@ -1,0 +1,122 @@
+"""A cloned composition's sources read only where the output takes their bytes, each block read
+checked against the CRC-32 the run's statistics recorded of it.
+
+A record's CRC-32 covers all of it: checking the few rows a recipe takes from a source against it
+means reading the whole record (a rank file's flat tensors are a few large records: a 1-row recipe
+would read the source's rank files whole). The health statistics read every record of a full
+checkpoint's optim file whole anyway, checked its CRC-32, and recorded the CRC-32 of each 1 MiB
+block of it (`crc.BlockCrcs`, cached by `health.block_cache` under each file's identity). Where the
+output is a clone and the rows it keeps were vouched for by those statistics (`kept_checked`),
+each source's rank files are looked up by their identity now (`blocks_for`: a stat per file, no
+rank file read) and the ranges the output takes from a record with recorded blocks are read as
+those blocks only, each block once and checked (`read_taken`); a block whose bytes fail its
+recorded CRC-32 fails the task as a failed record CRC-32 does (the file changed since its
+statistics without its identity changing: bit rot). A record without recorded blocks, or laid out
+otherwise than when they were recorded, is read whole and checked, as always.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from tailor_tui import crc
+from tailor_tui.checkpoints.cache import cache_dir
+from tailor_tui.checkpoints.rank_reader import read_and_check
+from tailor_tui.crc import RecordBlocks
+from tailor_tui.errors import CheckpointError
+from tailor_tui.events import ByteCounter
+from tailor_tui.formats.nonfinite import Census
+from tailor_tui.formats.ptfile import Record
+from tailor_tui.health import block_cache
+from tailor_tui.planning.jobs import RankJob
+from tailor_tui.reading import RangeCrcs, pread_into
+
+
+def blocks_for(jobs: list[RankJob]) -> dict[int, tuple[tuple[int, RecordBlocks], ...]]:
+    """{rank: ((source, a record's blocks), ...)}: the block CRC-32s the run's statistics cached of
+    each full source's optim file the jobs take slices from, for the file as it is now (its identity:
+    one stat, no rank file read); ranks with none are left out."""
+    paths = {job.files[s].optim_states for job in jobs for s in _full_sources(job)}
+    found = block_cache.cached(cache_dir(), paths=sorted(paths))
+    per_rank = {}
+    for job in jobs:
+        mine = tuple((s, b) for s in _full_sources(job) for b in found.get(job.files[s].optim_states, {}).values())
+        if mine:
+            per_rank[job.rank] = mine
+    return per_rank
+
+
+def _full_sources(job: RankJob) -> list[int]:
+    return sorted({c.source for c in job.copies if c.source != 0 and job.files[c.source].rows is None})
+
+
+def of_source(job: RankJob, source: int) -> dict[str, RecordBlocks]:
+    """The blocks `job` carries of `source`'s optim file, by record name."""
+    return {b.name: b for s, b in job.source_blocks if s == source}
+
+
+def read_taken(fd: int, path: Path, taken: set[tuple[Record | None, int, int]], blocks: dict[str, RecordBlocks], *,
+               buffer: memoryview, counter: ByteCounter, census: Census) -> dict[tuple[int, int], int]:
+    """The CRC-32 of each range `taken` (record, offset, length) of a source's file `fd`, as
+    `read_and_check` returns them, every byte taken checked: the ranges of a record whose `blocks` (by
+    name) still describe it are read as the blocks that cover them, each checked against its recorded
+    CRC-32 (the rest of the record not read: counted as `counter.skips`); the other records are read
+    whole and checked against their own CRC-32s. `census` counts the non-finite values of what is read."""
+    ranges: defaultdict[Record, list[tuple[int, int]]] = defaultdict(list)
+    for record, at, n in taken:
+        assert record is not None, "a full source's ranges lie in its records"
+        ranges[record].append((at, n))
+    by_blocks = {r for r, mine in ranges.items() if _usable(r, blocks.get(r.name), mine)}
+    found = read_and_check(fd, path, ranges.keys() - by_blocks, {t for t in taken if t[0] not in by_blocks},
+                           buffer, counter, census)
+    for record in sorted(by_blocks, key=lambda r: r.data_offset):
+        found.update(_read_blocks(fd, path, record, blocks[record.name], sorted(ranges[record]), buffer, counter,
+                                  census))
+    return found
+
+
+def _usable(record: Record, blocks: RecordBlocks | None, ranges: list[tuple[int, int]]) -> bool:
+    """Whether `record`'s ranges are read by its recorded blocks: recorded of the record as it is laid out
+    now, and every range starting a whole number of 4-byte values from its data's start, as the blocks
+    do (a block's bytes are counted for NaN/Inf, which never splits a value)."""
+    return blocks is not None and blocks.describes(record) and all(
+        (at - record.data_offset) % 4 == 0 for at, _n in ranges)
+
+
+def _read_blocks(fd: int, path: Path, record: Record, blocks: RecordBlocks, ranges: list[tuple[int, int]],
+                 buffer: memoryview, counter: ByteCounter, census: Census) -> dict[tuple[int, int], int]:
+    """The CRC-32s of `ranges` (sorted, inside `record`), from the blocks that cover them: each read
+    once, checked against its recorded CRC-32 (CheckpointError naming the file, the record and the
+    block's bytes where it fails); the ranges' bytes fed to `census`."""
+    start, block = record.data_offset, blocks.block
+    wanted = sorted({i for at, n in ranges if n for i in range((at - start) // block, (at + n - 1 - start) // block + 1)})
+    values = [0] * len(ranges)
+    read = 0
+    for i in wanted:
+        a, b = start + i * block, start + min((i + 1) * block, record.size)
+        pieces = [(max(at, a), min(at + n, b), k) for k, (at, n) in enumerate(ranges) if at < b and at + n > a]
+        crcs = RangeCrcs(a, b, [(lo, hi - lo) for lo, hi, _k in pieces])
+        for offset in range(a, b, len(buffer)):
+            view = buffer[: min(len(buffer), b - offset)]
+            pread_into(fd, view, offset)
+            crcs.feed(view)
+            end = offset + len(view)
+            for lo, hi, _k in pieces:
+                if lo < end and hi > offset:
+                    census.inspect(max(lo, offset), view[max(lo, offset) - offset: min(hi, end) - offset])
+            counter.add(len(view))
+        if crcs.whole != blocks.value(i):
+            raise _block_failed(path, record, a, b, blocks.value(i), crcs.whole)
+        for (lo, hi, k), value in zip(pieces, crcs.found):
+            values[k] = crc.combine(values[k], value, hi - lo)
+        read += b - a
+    counter.skips(record.size - read)
+    return dict(zip(ranges, values))
+
+
+def _block_failed(path: Path, record: Record, a: int, b: int, recorded: int, computed: int) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: record {record.name}, bytes {a}..{b}, fails the CRC-32 the run's statistics recorded of them "
+        f"(recorded {recorded:08x}, its bytes give {computed:08x}): the file changed since the statistics read it "
+        "(bit rot or a damaged copy); re-copy it from the training run or pick another checkpoint")
