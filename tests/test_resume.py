@@ -43,6 +43,8 @@ def test_ranks_are_forked_from_the_import_server_only_in_the_environment_it_star
 
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # as spawn_ranks sets it before it starts any rank
     assert ranks._start_method() == "forkserver"  # the server of this process, or the one it starts now
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test")  # pytest's, changed for each test: left out
+    assert ranks._start_method() == "forkserver"
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
     assert ranks._start_method() == "spawn"
     monkeypatch.undo()

@@ -4,9 +4,11 @@ the CPU accelerator over gloo, as DeepSpeed's launcher would set it up.
 The ranks are forked from a server process that imported torch, DeepSpeed and the HF Trainer once
 (multiprocessing's forkserver, `rank_imports`): those imports take most of a small run's time, and
 each rank of each run made them anew when it was spawned. A rank is still a fresh process of its
-own (nothing of the parent's state, no threads); the server is used only while this process's
-environment is the one it started with (variables such as ATEN_CPU_CAPABILITY are read at import),
-and spawn otherwise.
+own (nothing of the parent's state, no threads), given the caller's environment as it is when it
+starts; the server is used only while that environment is the one the server started with
+(variables such as ATEN_CPU_CAPABILITY are read at import), and spawn otherwise. One variable is
+left out of that comparison: the one pytest sets to the test running, which it changes for every
+test and nothing imported reads.
 
 Two settings keep a run to seconds instead of minutes of C++ op builds: a client optimizer
 (no `optimizer` block in the DeepSpeed config, `demo_run`) and the shared-memory comm op
@@ -78,7 +80,9 @@ def quiet() -> None:
         pass
 
 
-def _run_rank(rank: int, fn, *args) -> None:
+def _run_rank(rank: int, env: dict[str, str], fn, *args) -> None:
+    os.environ.clear()
+    os.environ.update(env)  # the caller's, as it was when it started the ranks (a forked rank has the server's)
     fn(rank, *args)
     # Once every rank is done, leave without the interpreter's teardown: there, C++ threads of
     # torch's distributed stack were at times destroyed still joinable ("terminate called
@@ -100,13 +104,18 @@ def spawn_ranks(fn, spec, *args) -> None:
     import torch.multiprocessing as mp
 
     os.environ["DS_ACCELERATOR"] = "cpu"
-    mp.start_processes(_run_rank, args=(fn, spec.world_size, free_port(), spec, *args), nprocs=spec.world_size,
-                       start_method=_start_method())
+    mp.start_processes(_run_rank, args=(dict(os.environ), fn, spec.world_size, free_port(), spec, *args),
+                       nprocs=spec.world_size, start_method=_start_method())
 
 
 # The environment the fork server of this process started with (empty until it starts): the record of
 # a server that exists, not a switch; ranks are forked from it only while the environment is the same
 _SERVER_ENV: dict[str, str] = {}
+_PER_TEST = "PYTEST_CURRENT_TEST"  # pytest's name of the test running: changed for each, read by no import
+
+
+def _compared(env) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k != _PER_TEST}
 
 
 def _start_method() -> str:
@@ -119,5 +128,5 @@ def _start_method() -> str:
 
         multiprocessing.set_forkserver_preload(["tailor_tui.runs.rank_imports"])
         forkserver.ensure_running()
-        _SERVER_ENV.update(os.environ)
-    return "forkserver" if dict(os.environ) == _SERVER_ENV else "spawn"
+        _SERVER_ENV.update(_compared(os.environ))
+    return "forkserver" if _compared(os.environ) == _SERVER_ENV else "spawn"
