@@ -14,7 +14,7 @@ from typing import Callable
 
 from tailor_tui.checkpoints.checkpoint import Checkpoint, tied_members, tied_partner
 from tailor_tui.compose.composition import Composition
-from tailor_tui.health.healing import METRICS, Cell, Health, TrainingCurve, damage_text, why_unhealthy
+from tailor_tui.health.healing import METRICS, Cell, Health, TrainingCurve, damage_text, percent, why_unhealthy
 from tailor_tui.units import size
 
 # low → high: dark blue, teal, olive, amber, red (readable with the cells' light text)
@@ -144,7 +144,7 @@ def _num(x: float | None) -> str:
 
 
 def _pct(x: float | None) -> str:
-    return "—" if x is None else f"{x:.2%}"
+    return "—" if x is None else percent(x)  # as the health report says it
 
 
 def stack_block(comp: Composition, stack: str, rows: list[str]) -> list[str]:
