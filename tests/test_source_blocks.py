@@ -15,6 +15,7 @@ import json
 import os
 import random
 import shutil
+import struct
 import zlib
 from dataclasses import replace
 from pathlib import Path
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 from helpers import assert_one_line_error, flat_record, flip_byte, hidden, on_xfs, output_files, tailor, write_recipe
 
+from tailor_tui import crc
 from tailor_tui.checkpoints.scan import scan
 from tailor_tui.compose.compose_run import run_compose
 from tailor_tui.crc import BLOCK, BlockCrcs, RecordBlocks
@@ -132,17 +134,35 @@ def _flip_each_block(fields: list) -> None:
     fields[4] = base64.b64encode(bytes(values)).decode()
 
 
-def test_a_block_crc_changed_in_the_cached_statistics_fails_the_composition_in_one_line(real_run, xfs, tmp_path):
-    """What the statistics recorded and what a source holds now differ where its identity did not change
-    (bit rot, or here a changed cache entry): the composition fails as on a failed CRC-32, nothing published."""
-    run, _spec, ckpts = on_xfs(real_run, xfs, "hf_bf16_2")
-    env = {"TAILOR_TUI_CACHE": str(tmp_path / "cache")}
-    recipe, _plain = _composing(run, ckpts, "tampered")
-    assert tailor("--stats", run, env=env).returncode == 0  # the default blocks: each of these records is one
-    assert tailor("--apply", recipe, env=env).returncode == 0
-    shutil.rmtree(run / "tampered" / "out")
+def _rot_in_every_block(fields: list) -> None:
+    """Every block's value changed as bit rot in the record's bytes would change it, and the values still
+    combining to the record's CRC-32, as those of a file that rotted since the statistics, its identity
+    unchanged, do (`source_blocks._usable` takes no other entry): a change `d` to block i's value moves
+    the record's CRC-32 by `shift(d, bytes after block i)`, one of `shift(d, len(block i+1))` to block
+    i+1's by the same, so each pair of neighbours is changed by both and the whole is unchanged."""
+    values = bytearray(base64.b64decode(fields[4]))
+    size, block = fields[1], fields[3]
+    count = len(values) // 4  # (a record of one block is left as it is: not one TAKEN lies in)
+    for i in range(count - 1):
+        d = 0x1234_5678 + i
+        after = min(block, size - (i + 1) * block)  # block i+1's length
+        mine, theirs = struct.unpack_from("<2I", values, 4 * i)
+        struct.pack_into("<2I", values, 4 * i, mine ^ d, theirs ^ crc.shift(d, after))
+    fields[4] = base64.b64encode(bytes(values)).decode()
 
-    assert _rewrite_blocks(tmp_path / "cache", _flip_each_block)
+
+def test_a_block_that_fails_its_recorded_crc_fails_the_composition_in_one_line(real_run, xfs, tmp_path):
+    """What the statistics recorded and what a source holds now differ where its identity did not change
+    (bit rot; here the recorded values changed as rot would change them): the composition fails as on a
+    failed CRC-32, nothing published."""
+    run, _spec, ckpts = on_xfs(real_run, xfs, "hf_bf16_2")
+    cache = tmp_path / "cache"
+    env = {"TAILOR_TUI_CACHE": str(cache)}
+    recipe, _plain = _composing(run, ckpts, "tampered")
+    compute_health(tuple(scan(run).checkpoints), cache=cache, crc_block=SMALL, workers=1)
+    assert _rewrite_blocks(cache, _rot_in_every_block)
+    assert all(b.combined() == b.crc for f in block_cache.cached(cache, paths=sorted(ckpts[0].rglob("*optim*")))
+               .values() for b in f.values())
     failed = tailor("--apply", recipe, env=env)
     assert_one_line_error(failed, 4, str(ckpts[0]), "optim_states.pt: record ", ", bytes ",
                           "fails the CRC-32 the run's statistics recorded of them")
@@ -162,13 +182,14 @@ def _changed_in_place(ckpt: Path) -> None:
         os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
-@pytest.mark.parametrize("case", ["no statistics", "no blocks cached", "blocks of another shape", "source changed"])
+@pytest.mark.parametrize("case", ["no statistics", "no blocks cached", "blocks of another shape",
+                                  "blocks that do not combine to the record's CRC-32", "source changed"])
 def test_without_blocks_recorded_of_a_source_as_it_is_a_clone_reads_what_it_takes_from_whole(
         real_run, xfs, monkeypatch, tmp_path, case):
     run, _spec, ckpts = on_xfs(real_run, xfs, "hf_bf16_2")
     cache = tmp_path / "cache"
     monkeypatch.setenv("TAILOR_TUI_CACHE", str(cache))
-    name = case.replace(" ", "-")
+    name = case.replace(" ", "-").replace("'", "")
     recipe, plain = _composing(run, ckpts, name)
     if case != "no statistics":
         compute_health(tuple(scan(run).checkpoints), cache=cache, crc_block=SMALL, workers=1)
@@ -177,6 +198,8 @@ def test_without_blocks_recorded_of_a_source_as_it_is_a_clone_reads_what_it_take
         shutil.rmtree(cache / "blocks")
     elif case == "blocks of another shape":
         assert _rewrite_blocks(cache, _shortened)
+    elif case == "blocks that do not combine to the record's CRC-32":
+        assert _rewrite_blocks(cache, _flip_each_block)
     elif case == "source changed":
         _changed_in_place(ckpts[0])
 

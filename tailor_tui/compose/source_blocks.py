@@ -12,7 +12,8 @@ rank file read) and the ranges the output takes from a record with recorded bloc
 those blocks only, each block once and checked (`read_taken`); a block whose bytes fail its
 recorded CRC-32 fails the task as a failed record CRC-32 does (the file changed since its
 statistics without its identity changing: bit rot). A record without recorded blocks, or laid out
-otherwise than when they were recorded, is read whole and checked, as always.
+otherwise than when they were recorded, or whose recorded values do not combine to the CRC-32 it
+declares (a damaged cache entry), is read whole and checked, as always.
 """
 
 from __future__ import annotations
@@ -78,9 +79,11 @@ def read_taken(fd: int, path: Path, taken: set[tuple[Record | None, int, int]], 
 
 def _usable(record: Record, blocks: RecordBlocks | None, ranges: list[tuple[int, int]]) -> bool:
     """Whether `record`'s ranges are read by its recorded blocks: recorded of the record as it is laid out
-    now, and every range starting a whole number of 4-byte values from its data's start, as the blocks
-    do (a block's bytes are counted for NaN/Inf, which never splits a value)."""
-    return blocks is not None and blocks.describes(record) and all(
+    now, their values combining to the CRC-32 its archive declares (a cache entry damaged or made up
+    is not taken for a source that changed: the record is read whole), and every range starting a
+    whole number of 4-byte values from its data's start, as the blocks do (a block's bytes are
+    counted for NaN/Inf, which never splits a value)."""
+    return blocks is not None and blocks.describes(record) and blocks.combined() == record.crc and all(
         (at - record.data_offset) % 4 == 0 for at, _n in ranges)
 
 
