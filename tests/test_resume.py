@@ -7,6 +7,7 @@ and one more training step gives a finite loss.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -35,18 +36,30 @@ def test_resume_from_composed_checkpoint(real_run, tmp_path, name):
             assert torch.equal(v, theirs["frozen_param_fragments"][k])
 
 
-def test_ranks_are_forked_from_the_import_server_only_in_the_environment_it_started_with(monkeypatch):
+def test_ranks_are_forked_from_the_import_server_only_in_the_environment_it_started_with():
     """Ranks are forked from a server that imported torch and DeepSpeed once (`runs.ranks`); a variable
     read at import (such as ATEN_CPU_CAPABILITY) set since it started would not reach them: they are
-    then spawned, each importing anew under the environment as it is."""
-    from tailor_tui.runs import ranks
+    then spawned, each importing anew under the environment as it is. (In a process of its own: this
+    one's server started under whatever environment an earlier test left.)"""
+    import subprocess
+    import sys
 
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # as spawn_ranks sets it before it starts any rank
-    assert ranks._start_method() == "forkserver"  # the server of this process, or the one it starts now
-    monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test")  # pytest's, changed for each test: left out
-    assert ranks._start_method() == "forkserver"
-    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
-    assert ranks._start_method() == "spawn"
-    monkeypatch.undo()
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    assert ranks._start_method() == "forkserver"
+    script = (
+        "import os\n"
+        "from tailor_tui.runs import ranks\n"
+        "os.environ['DS_ACCELERATOR'] = 'cpu'\n"  # as spawn_ranks sets it before it starts any rank
+        "said = [ranks._start_method()]\n"
+        "os.environ['PYTEST_CURRENT_TEST'] = 'another test'\n"  # pytest's, changed for each test: left out
+        "said.append(ranks._start_method())\n"
+        "from transformers import Trainer\n"  # sets TORCHINDUCTOR_CACHE_DIR, as the server's imports did
+        "said.append(ranks._start_method())\n"
+        "os.environ['ATEN_CPU_CAPABILITY'] = 'default'\n"
+        "said.append(ranks._start_method())\n"
+        "del os.environ['ATEN_CPU_CAPABILITY']\n"
+        "said.append(ranks._start_method())\n"
+        "print(' '.join(said))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "PYTEST_CURRENT_TEST",
+                                                          "TORCHINDUCTOR_CACHE_DIR")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["forkserver", "forkserver", "forkserver", "spawn", "forkserver"]

@@ -8,7 +8,7 @@ own (nothing of the parent's state, no threads), given the caller's environment 
 starts; the server is used only while that environment is the one the server started with
 (variables such as ATEN_CPU_CAPABILITY are read at import), and spawn otherwise. One variable is
 left out of that comparison: the one pytest sets to the test running, which it changes for every
-test and nothing imported reads.
+test and nothing imported reads, and those torch and DeepSpeed set themselves when imported.
 
 Two settings keep a run to seconds instead of minutes of C++ op builds: a client optimizer
 (no `optimizer` block in the DeepSpeed config, `demo_run`) and the shared-memory comm op
@@ -111,11 +111,14 @@ def spawn_ranks(fn, spec, *args) -> None:
 # The environment the fork server of this process started with (empty until it starts): the record of
 # a server that exists, not a switch; ranks are forked from it only while the environment is the same
 _SERVER_ENV: dict[str, str] = {}
-_PER_TEST = "PYTEST_CURRENT_TEST"  # pytest's name of the test running: changed for each, read by no import
+# Left out of the comparison: pytest's name of the test running (changed for each, read by no import), and
+# what torch and DeepSpeed set themselves when first imported, which the server's imports set too (a caller
+# that imports them after the server started has them then, and nothing else changed)
+_NOT_COMPARED = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK"})
 
 
 def _compared(env) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k != _PER_TEST}
+    return {k: v for k, v in env.items() if k not in _NOT_COMPARED}
 
 
 def _start_method() -> str:
