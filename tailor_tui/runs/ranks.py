@@ -6,9 +6,9 @@ The ranks are forked from a server process that imported torch, DeepSpeed and th
 each rank of each run made them anew when it was spawned. A rank is still a fresh process of its
 own (nothing of the parent's state, no threads), given the caller's environment as it is when it
 starts; the server is used only while that environment is the one the server started with
-(variables such as ATEN_CPU_CAPABILITY are read at import), and spawn otherwise. One variable is
-left out of that comparison: the one pytest sets to the test running, which it changes for every
-test and nothing imported reads, and those torch and DeepSpeed set themselves when imported.
+(variables such as ATEN_CPU_CAPABILITY are read at import), and spawn otherwise. Left out of that
+comparison (`_NOT_COMPARED`): the variable pytest sets to the test running, which no import reads,
+and those torch and DeepSpeed set themselves when imported, as the server's imports did.
 
 Two settings keep a run to seconds instead of minutes of C++ op builds: a client optimizer
 (no `optimizer` block in the DeepSpeed config, `demo_run`) and the shared-memory comm op
