@@ -208,15 +208,14 @@ def apply(args) -> int:
     if args.report_peak_rss:
         print(f"peak RSS: {result.peak_rss} bytes", file=sys.stderr)
     rate = result.bytes_written / max(result.seconds, 1e-6)
+    unread = result.unread()
     if result.bytes_shared:
+        kept = f" ({unread.pop(0)})" if result.kept_checked else ""
         print(shown(f"sharing the base's blocks ({result.shared_how}): "
                     f"{size(result.bytes_written - result.bytes_shared)} written, {size(result.bytes_shared)} shared"
-                    + (" (the rows kept were checked by the run's statistics, not read again)" if result.kept_checked
-                       else "")))
-    if result.sources_unread:
-        print(shown(f"reading only the sources' blocks the output takes from: {size(result.sources_unread)} of their "
-                    "records not read, so not checked (the blocks read were checked against the CRC-32s the run's "
-                    "statistics recorded)"))
+                    + kept))
+    for line in unread:
+        print(shown(line))
     print(shown(f"done: {result.output} ({result.amount()} in {result.seconds:.1f}s, {size(rate)}/s)"))
     return ExitCode.OK
 

@@ -77,6 +77,18 @@ class ComposeResult:
         return (f"{size(self.bytes_written)}: {size(self.bytes_written - self.bytes_shared)} written, "
                 f"{size(self.bytes_shared)} sharing the base's blocks ({self.shared_how})")
 
+    def unread(self) -> list[str]:
+        """What this composition did not read, a sentence each, as the log and the composer say it
+        (none where it read every byte it relied on)."""
+        said = []
+        if self.kept_checked:
+            said.append("the rows kept were checked by the run's statistics, not read again")
+        if self.sources_unread:
+            said.append(f"reading only the sources' blocks the output takes from: {size(self.sources_unread)} of "
+                        "their records not read, so not checked (the blocks read were checked against the CRC-32s "
+                        "the run's statistics recorded)")
+        return said
+
 
 def run_compose(
     plan: ComposePlan,

@@ -24,7 +24,7 @@ from tailor_tui.checkpoints.rank_reader import (
     read_and_check,
 )
 from tailor_tui.cloning import clone, worth_it
-from tailor_tui.compose.source_blocks import of_source, read_taken
+from tailor_tui.compose.source_blocks import of_source, read_taken, replaced_crcs
 from tailor_tui.events import ByteCounter
 from tailor_tui.fileio import CREATE, Target, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
 from tailor_tui.formats.ds_format import TENSORS
@@ -78,10 +78,11 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Coun
     spans (and padding that is not zeros) are written; everything is read and checked as above. When
     the run's cached statistics found the rows the output keeps whole and finite as the files are
     now (`options.kept_checked`), the base's records are not read but for the bytes the spans
-    replace (their CRC-32s, old, for the combination) and the padding: a record's CRC-32 is carried
-    as the base declares it, so damage since (bit rot) stays detectable in the output (by --verify,
-    by torch), never blessed. Sources are read and checked whole, but there: a source's record whose
-    block CRC-32s the statistics recorded (`job.source_blocks`) is read only in the blocks that hold
+    replace (their CRC-32s, old, for the combination; where the statistics recorded the base's
+    block CRC-32s, only the blocks a span cuts: `source_blocks.replaced_crcs`) and the padding: a
+    record's CRC-32 is carried as the base declares it, so damage since (bit rot) stays detectable
+    in the output (by --verify, by torch), never blessed. Sources are read and checked whole, but
+    there: a source's record whose block CRC-32s the statistics recorded (`job.source_blocks`) is read only in the blocks that hold
     what the output takes, each checked against its recorded CRC-32 (`source_blocks`).
     """
     base_path = job.files[0].optim_states
@@ -141,9 +142,9 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Coun
                                              taken, sweep.buffer, counter, census[s])
                 new.update({(s, at): value for (at, _n), value in checked.items()})
             old: dict[tuple[int, int], int] = {}  # (offset, length) -> the CRC-32 of the base's bytes a span replaces
-            if unread:  # of the base, only the bytes the spans replace (their CRC-32s) and padding are read
-                for sp in spans:
-                    old[sp.at, sp.length] = crc_range(fin, sp.at, sp.length, sweep.buffer, counter.add)
+            if unread:  # of the base, at most the bytes the spans replace (their CRC-32s) and padding are read
+                old = replaced_crcs(fin, base_path, [(sp.record, sp.at, sp.length) for sp in spans], of_source(job, 0),
+                                    buffer=sweep.buffer, counter=counter)
                 for at, length, _record in padding.pads:
                     crc_range(fin, at, length, sweep.buffer, counter.add, padding.inspect)
                 records = []

@@ -13,7 +13,9 @@ those blocks only, each block once and checked (`read_taken`); a block whose byt
 recorded CRC-32 fails the task as a failed record CRC-32 does (the file changed since its
 statistics without its identity changing: bit rot). A record without recorded blocks, or laid out
 otherwise than when they were recorded, or whose recorded values do not combine to the CRC-32 it
-declares (a damaged cache entry), is read whole and checked, as always.
+declares (a damaged cache entry), is read whole and checked, as always. Of the base, the bytes the
+output replaces are read only in the blocks a replaced range cuts (`replaced_crcs`: the CRC-32s of
+those ranges, which the records' new ones are worked out from).
 """
 
 from __future__ import annotations
@@ -31,13 +33,14 @@ from tailor_tui.formats.nonfinite import Census
 from tailor_tui.formats.ptfile import Record
 from tailor_tui.health import block_cache
 from tailor_tui.planning.jobs import RankJob
-from tailor_tui.reading import RangeCrcs, pread_into
+from tailor_tui.reading import RangeCrcs, crc_range, pread_into
 
 
 def blocks_for(jobs: list[RankJob]) -> dict[int, tuple[tuple[int, RecordBlocks], ...]]:
     """{rank: ((source, a record's blocks), ...)}: the block CRC-32s the run's statistics cached of
-    each full source's optim file the jobs take slices from, for the file as it is now (its identity:
-    one stat, no rank file read); ranks with none are left out."""
+    each full source's optim file the jobs take slices from, and of the base's (source 0: the CRC-32s
+    of the bytes the output replaces, `replaced_crcs`), for the file as it is now (its identity: one
+    stat, no rank file read); ranks with none are left out."""
     paths = {job.files[s].optim_states for job in jobs for s in _full_sources(job)}
     found = block_cache.cached(cache_dir(), paths=sorted(paths))
     per_rank = {}
@@ -49,7 +52,11 @@ def blocks_for(jobs: list[RankJob]) -> dict[int, tuple[tuple[int, RecordBlocks],
 
 
 def _full_sources(job: RankJob) -> list[int]:
-    return sorted({c.source for c in job.copies if c.source != 0 and job.files[c.source].rows is None})
+    """The base (where it is a full checkpoint and the job replaces some of its bytes) and the full sources
+    the job takes slices from."""
+    if not job.copies:
+        return []
+    return sorted(s for s in {0, *(c.source for c in job.copies)} if job.files[s].rows is None)
 
 
 def of_source(job: RankJob, source: int) -> dict[str, RecordBlocks]:
@@ -77,6 +84,33 @@ def read_taken(fd: int, path: Path, taken: set[tuple[Record | None, int, int]], 
     return found
 
 
+def replaced_crcs(fd: int, path: Path, replaced: list[tuple[Record, int, int]], blocks: dict[str, RecordBlocks], *,
+                  buffer: memoryview, counter: ByteCounter) -> dict[tuple[int, int], int]:
+    """{(offset, length): CRC-32} of each byte range `replaced` (record, offset, length) of the base's file
+    `fd`: the bytes a clone replaces, whose CRC-32s its records' new ones are worked out from (`crc`).
+    Where the record's `blocks` (by name) still describe it, the blocks inside a range are not read (their
+    recorded values are the CRC-32s of the bytes the record declares, whatever has happened to them since:
+    the output replaces them) and a block a range's end cuts is read whole and checked against its value;
+    other ranges are read."""
+    found = {}
+    for record, at, n in replaced:
+        mine = blocks.get(record.name)
+        if mine is None or not _usable(record, mine, [(at, n)]):
+            found[at, n] = crc_range(fd, at, n, buffer, counter.add)
+            continue
+        start, block, value = record.data_offset, mine.block, 0
+        for i in range((at - start) // block, (at + n - 1 - start) // block + 1) if n else ():
+            a, b = start + i * block, start + min((i + 1) * block, record.size)
+            lo, hi = max(a, at), min(b, at + n)
+            if (lo, hi) == (a, b):
+                value = crc.combine(value, mine.value(i), b - a)
+                continue
+            piece, = _checked_block(fd, path, record, mine, i, [(lo, hi - lo)], buffer, counter)
+            value = crc.combine(value, piece, hi - lo)
+        found[at, n] = value
+    return found
+
+
 def _usable(record: Record, blocks: RecordBlocks | None, ranges: list[tuple[int, int]]) -> bool:
     """Whether `record`'s ranges are read by its recorded blocks: recorded of the record as it is laid out
     now, their values combining to the CRC-32 its archive declares (a cache entry damaged or made up
@@ -99,23 +133,39 @@ def _read_blocks(fd: int, path: Path, record: Record, blocks: RecordBlocks, rang
     for i in wanted:
         a, b = start + i * block, start + min((i + 1) * block, record.size)
         pieces = [(max(at, a), min(at + n, b), k) for k, (at, n) in enumerate(ranges) if at < b and at + n > a]
-        crcs = RangeCrcs(a, b, [(lo, hi - lo) for lo, hi, _k in pieces])
-        for offset in range(a, b, len(buffer)):
-            view = buffer[: min(len(buffer), b - offset)]
-            pread_into(fd, view, offset)
-            crcs.feed(view)
+
+        def seen(offset: int, view: memoryview, pieces=pieces) -> None:
             end = offset + len(view)
             for lo, hi, _k in pieces:
                 if lo < end and hi > offset:
                     census.inspect(max(lo, offset), view[max(lo, offset) - offset: min(hi, end) - offset])
-            counter.add(len(view))
-        if crcs.whole != blocks.value(i):
-            raise _block_failed(path, record, a, b, blocks.value(i), crcs.whole)
-        for (lo, hi, k), value in zip(pieces, crcs.found):
+
+        found = _checked_block(fd, path, record, blocks, i, [(lo, hi - lo) for lo, hi, _k in pieces], buffer, counter,
+                               seen)
+        for (lo, hi, k), value in zip(pieces, found):
             values[k] = crc.combine(values[k], value, hi - lo)
         read += b - a
     counter.skips(record.size - read)
     return dict(zip(ranges, values))
+
+
+def _checked_block(fd: int, path: Path, record: Record, blocks: RecordBlocks, i: int, pieces: list[tuple[int, int]],
+                   buffer: memoryview, counter: ByteCounter, seen=None) -> list[int]:
+    """The CRC-32s of `pieces` ((offset, length), sorted, inside `record`'s block i), from one read of the
+    whole block, checked against its recorded CRC-32 (CheckpointError naming the file, the record and the
+    block's bytes where it fails); `seen(offset, bytes)` is given what is read, chunk by chunk."""
+    a, b = record.data_offset + i * blocks.block, record.data_offset + min((i + 1) * blocks.block, record.size)
+    crcs = RangeCrcs(a, b, pieces)
+    for offset in range(a, b, len(buffer)):
+        view = buffer[: min(len(buffer), b - offset)]
+        pread_into(fd, view, offset)
+        crcs.feed(view)
+        if seen is not None:
+            seen(offset, view)
+        counter.add(len(view))
+    if crcs.whole != blocks.value(i):
+        raise _block_failed(path, record, a, b, blocks.value(i), crcs.whole)
+    return crcs.found
 
 
 def _block_failed(path: Path, record: Record, a: int, b: int, recorded: int, computed: int) -> CheckpointError:

@@ -5,10 +5,13 @@ The ranks are forked from a server process that imported torch, DeepSpeed and th
 (multiprocessing's forkserver, `rank_imports`): those imports take most of a small run's time, and
 each rank of each run made them anew when it was spawned. A rank is still a fresh process of its
 own (nothing of the parent's state, no threads), given the caller's environment as it is when it
-starts; the server is used only while that environment is the one the server started with
-(variables such as ATEN_CPU_CAPABILITY are read at import), and spawn otherwise. Left out of that
-comparison (`_NOT_COMPARED`): the variable pytest sets to the test running, which no import reads,
-and those torch and DeepSpeed set themselves when imported, as the server's imports did.
+starts. The server's imports saw the environment it started with (variables such as
+ATEN_CPU_CAPABILITY are read at import): where the caller's differs, the server is stopped and
+started anew under the caller's (one set of imports, where spawning would make them for each rank
+of each run; a process whose environment changed between runs, as a test's does, used to spawn every
+later rank). Left out of that comparison (`_NOT_COMPARED`, `_OURS`): the variable pytest sets to
+the test running, which no import reads, those torch and DeepSpeed set themselves when imported, as
+the server's imports did, and tailor-tui's own, read where they are used.
 
 Two settings keep a run to seconds instead of minutes of C++ op builds: a client optimizer
 (no `optimizer` block in the DeepSpeed config, `demo_run`) and the shared-memory comm op
@@ -110,26 +113,35 @@ def spawn_ranks(fn, spec, *args) -> None:
 
 # The environment the fork server of this process started with (empty until it starts): the record of
 # a server that exists, not a switch; ranks are forked from it only while the environment is the same
+# (it is started anew where it is not)
 _SERVER_ENV: dict[str, str] = {}
-# Left out of the comparison: pytest's name of the test running (changed for each, read by no import), and
+# Left out of the comparison: pytest's name of the test running (changed for each, read by no import),
 # what torch and DeepSpeed set themselves when first imported, which the server's imports set too (a caller
-# that imports them after the server started has them then, and nothing else changed)
+# that imports them after the server started has them then, and nothing else changed), and tailor-tui's
+# own variables (`_OURS`: each read where it is used, never at import; tests set their own per test)
 _NOT_COMPARED = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK"})
+_OURS = "TAILOR_"
 
 
 def _compared(env) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k not in _NOT_COMPARED}
+    return {k: v for k, v in env.items() if k not in _NOT_COMPARED and not k.startswith(_OURS)}
 
 
 def _start_method() -> str:
     import multiprocessing
+    from multiprocessing import forkserver
 
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
+    now = _compared(os.environ)
+    if _SERVER_ENV and now != _SERVER_ENV:  # started under another environment: stopped, to start under this one
+        stop = getattr(forkserver._forkserver, "_stop", None)  # (the standard library's own tests stop it so)
+        if stop is None:
+            return "spawn"
+        stop()
+        _SERVER_ENV.clear()
     if not _SERVER_ENV:  # started now, and its environment recorded with it
-        from multiprocessing import forkserver
-
         multiprocessing.set_forkserver_preload(["tailor_tui.runs.rank_imports"])
         forkserver.ensure_running()
-        _SERVER_ENV.update(_compared(os.environ))
-    return "forkserver" if _compared(os.environ) == _SERVER_ENV else "spawn"
+        _SERVER_ENV.update(now)
+    return "forkserver"

@@ -192,9 +192,10 @@ class ProgressScreen(Screen[None]):
                 self.query_one(f"#bar-{i}", ProgressBar).update(progress=total)
         self.update_overall()
         r = message.result
+        unread = "" if isinstance(r, ExportResult) else "".join(f" {line[0].upper()}{line[1:]}." for line in r.unread())
         self.query_one("#compose-status", Static).update(plain(
             f"Done: {r.output} ({f'{size(r.bytes_written)} written' if isinstance(r, ExportResult) else r.amount()} "
-            f"in {r.seconds:.1f}s). "
+            f"in {r.seconds:.1f}s).{unread} "
             "ctrl+s saves the recipe; Esc returns to the grid."))
         self.add_class("finished")
         self.on_finished(r)
