@@ -143,6 +143,24 @@ def test_a_non_finite_row_the_base_keeps_is_refused_in_a_clone(real_run, xfs):
     assert not (run / "nan" / "out").exists()
 
 
+def test_a_clone_counts_the_nan_inf_of_a_row_it_takes_unless_the_statistics_found_it_finite(real_run, xfs):
+    """After the statistics, a clone whose kept rows they vouched for takes a row they found finite without
+    counting its NaN/Inf again (its bytes still checked against their CRC-32s), and says so; a row they
+    found blown up is counted and refused, as ever."""
+    run, spec, ckpts = on_xfs(real_run, xfs, "ds_blown_up")
+    assert tailor("--stats", run).returncode == 0
+    (run / "taken").mkdir()
+    good = write_recipe(run / "taken", ckpts[1], {"layers.1": ckpts[0]}, output="good")
+    applied = tailor("--apply", good)
+    assert applied.returncode == 0, applied.stderr
+    assert "the rows taken were found whole and finite by the run's statistics: their bytes checked against " \
+           "their CRC-32s, their NaN/Inf not counted again" in applied.stdout, applied.stdout
+    assert tailor("--verify", good).returncode == 0
+    bad = write_recipe(run / "taken", ckpts[1], {"layers.2": ckpts[2]}, output="bad")
+    assert_one_line_error(tailor("--apply", bad), 8, "layers.2 from global_step6 (5,120 NaN/Inf", "--allow-nonfinite")
+    assert not (run / "taken" / "bad").exists()
+
+
 def test_killed_while_patching_a_clone_nothing_is_published(real_run, xfs):
     run, spec, ckpts = on_xfs(real_run, xfs, "hf_bf16_2")
     recipe = write_recipe(run, ckpts[-1], {"layers.1": ckpts[0]}, output="killed")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.metadata
 import json
 import re
 from collections.abc import Iterable
@@ -81,6 +80,8 @@ def _config(folder: Path) -> str | None:
 def _releases() -> list[str | None]:
     """The installed transformers' and torch's releases (what the names found depend on), read
     from their metadata: neither is imported."""
+    import importlib.metadata  # (~20 ms: a composition of a checkpoint with no model file never needs it)
+
     found: list[str | None] = []
     for package in ("transformers", "torch"):
         try:

@@ -32,7 +32,7 @@ from tailor_tui.errors import Cancelled, OutputError
 from tailor_tui.events import Emit, TaskFinished, TaskOptions
 from tailor_tui.fileio import copy_file, fsync_dir, output_error, write_file
 from tailor_tui.formats.side_pickles import check_side_file
-from tailor_tui.health.guard import checked_by_statistics, nonfinite_error
+from tailor_tui.health.guard import checked_by_statistics, nonfinite_error, taken_by_statistics
 from tailor_tui.held import HeldFolder, HeldPath
 from tailor_tui.planning.jobs import BYTES_PER_ELEMENT, BinFileJob, RankJob, WeightJob
 from tailor_tui.planning.plan import ComposePlan
@@ -69,6 +69,8 @@ class ComposeResult:
     # bytes of the sources' records the output takes from that were not read: only the blocks holding what
     # it takes were, each checked against the CRC-32 the run's statistics recorded (`source_blocks`)
     sources_unread: int = 0
+    # the rows taken from the sources were found finite by the run's statistics: their NaN/Inf not counted again
+    taken_checked: bool = False
 
     def amount(self) -> str:
         """What the output cost, as the log and the composer say it: its bytes written, or shared."""
@@ -83,6 +85,9 @@ class ComposeResult:
         said = []
         if self.kept_checked:
             said.append("the rows kept were checked by the run's statistics, not read again")
+        if self.taken_checked:
+            said.append("the rows taken were found whole and finite by the run's statistics: their bytes checked "
+                        "against their CRC-32s, their NaN/Inf not counted again")
         if self.sources_unread:
             said.append(f"reading only the sources' blocks the output takes from: {size(self.sources_unread)} of "
                         "their records not read, so not checked (the blocks read were checked against the CRC-32s "
@@ -115,7 +120,7 @@ def run_compose(
     written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file() and f != out / PROVENANCE)
     return ComposeResult(out, time.monotonic() - started, written, work.peak, dict(work.nonfinite),
                          work.shared, work.shared_how, options.kept_checked and bool(work.shared),
-                         work.sources_unread)
+                         work.sources_unread, bool(options.taken_checked) and bool(work.shared))
 
 
 def _vouched(plan: ComposePlan, options: TaskOptions) -> tuple[TaskOptions, dict[int, tuple]]:
@@ -135,7 +140,9 @@ def _vouched(plan: ComposePlan, options: TaskOptions) -> tuple[TaskOptions, dict
     if not options.kept_checked:
         kept = [r.name for r in plan.base.rows if not r.tied and not plan.picks.get(r.name)]
         options = replace(options, kept_checked=checked_by_statistics(plan, kept))
-    return options, blocks_for(jobs) if options.kept_checked else {}
+    if not options.kept_checked:
+        return options, {}
+    return replace(options, taken_checked=options.taken_checked | taken_by_statistics(plan)), blocks_for(jobs)
 
 
 class Composing(PublishingWork):

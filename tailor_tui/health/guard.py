@@ -36,24 +36,36 @@ def nonfinite_error(plan: ComposePlan, counts: Counter) -> NonFiniteError:
         "checkpoints (tailor-tui --heal RUN_DIR --recipe R.yaml does) or compose anyway with --allow-nonfinite")
 
 
-def checked_by_statistics(plan: ComposePlan, rows: list[str]) -> bool:
-    """Whether the run's cached statistics (`--stats`, the composer) found every one of the base's
-    `rows` whole and finite, as its files are now (their cache keys name every file's identity): then
-    a composition that keeps them in shared blocks (`cloning`) need not read them again. No rank file
-    is read here; False where they are not cached, or a row is not healthy (the writers then read it,
-    and refuse what fails)."""
+def checked_by_statistics(plan: ComposePlan, rows: list[str], source: int = 0) -> bool:
+    """Whether the run's cached statistics (`--stats`, the composer) found every one of `rows` of the
+    plan's checkpoint `source` (the base by default) whole and finite, as its files are now (their cache
+    keys name every file's identity): then a composition that keeps the base's in shared blocks
+    (`cloning`) need not read them again, nor count again the NaN/Inf of what it takes from a source
+    (`taken_by_statistics`). No rank file is read here; False where they are not cached, or a row is not
+    healthy (the writers then read and count it, and refuse what fails)."""
     from tailor_tui.health.stats_run import cached_cells  # (as newest_finite: only where it is needed)
 
+    checkpoint = plan.sources[source]
     try:
-        scanned = scan(plan.base.path.parent)
+        scanned = scan(checkpoint.path.parent)
     except CheckpointError:
         return False
-    mine = identity(plan.base.tag_dir)
+    mine = identity(checkpoint.tag_dir)
     same = [i for i, c in enumerate(scanned.checkpoints) if mine is not None and identity(c.tag_dir) == mine]
     if len(same) != 1:
         return False
     cells = cached_cells(tuple(scanned.checkpoints), same[0], cache_dir())
     return cells is not None and all(row in cells and cells[row].healthy for row in rows)
+
+
+def taken_by_statistics(plan: ComposePlan) -> frozenset[int]:
+    """The sources (indices into `plan.sources`, the base left out) every row taken from which the run's
+    cached statistics found whole and finite, as their files are now (`checked_by_statistics`)."""
+    taken: dict[int, list[str]] = {}
+    for row, source in plan.picks.items():
+        if source:
+            taken.setdefault(source, []).append(row)
+    return frozenset(s for s, rows in taken.items() if checked_by_statistics(plan, rows, s))
 
 
 def newest_finite(plan: ComposePlan, rows: list[str]) -> dict[str, str]:
