@@ -80,8 +80,8 @@ class ComposeResult:
                 f"{size(self.bytes_shared)} sharing the base's blocks ({self.shared_how})")
 
     def unread(self) -> list[str]:
-        """What this composition did not read, a sentence each, as the log and the composer say it
-        (none where it read every byte it relied on)."""
+        """What this composition did not read or count again, the run's statistics having done it, a
+        sentence each, as the log and the composer say it (none where it did all of it itself)."""
         said = []
         if self.kept_checked:
             said.append("the rows kept were checked by the run's statistics, not read again")

@@ -82,8 +82,10 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Coun
     block CRC-32s, only the blocks a span cuts: `source_blocks.replaced_crcs`) and the padding: a
     record's CRC-32 is carried as the base declares it, so damage since (bit rot) stays detectable
     in the output (by --verify, by torch), never blessed. Sources are read and checked whole, but
-    there: a source's record whose block CRC-32s the statistics recorded (`job.source_blocks`) is read only in the blocks that hold
-    what the output takes, each checked against its recorded CRC-32 (`source_blocks`).
+    there: a source's record whose block CRC-32s the statistics recorded (`job.source_blocks`) is
+    read only in the blocks that hold what the output takes, each checked against its recorded
+    CRC-32 (`source_blocks`), and the NaN/Inf of rows those statistics found finite are not counted
+    again (`options.taken_checked`).
     """
     base_path = job.files[0].optim_states
     whole = read_whole(base_path, SMALL_RANK_FILE)  # a wide run's: its structure read from one read
