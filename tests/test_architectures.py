@@ -255,8 +255,9 @@ def test_verify_fails_naming_the_file_and_row_of_a_weight_file_from_the_base(com
     assert any(row in report for row in moved), report
     fails = [line.split()[1] for line in verified.stdout.splitlines() if line.startswith("FAIL")]
     assert fails and len(fails) == len(set(fails))  # one line a failing row, however many tensors differ
-    detailed = tailor("--verify", bad, "-v")  # -v: every difference
-    assert detailed.returncode == 7 and len(detailed.stdout.splitlines()) >= len(verified.stdout.splitlines())
+    if name == "hf_opt":  # -v: every difference (how much is printed: the same whatever the architecture)
+        detailed = tailor("--verify", bad, "-v")
+        assert detailed.returncode == 7 and len(detailed.stdout.splitlines()) > len(verified.stdout.splitlines())
 
 
 def test_peft_output_loads_as_an_adapter(real_run, composed):
