@@ -46,6 +46,18 @@ def test_the_samples_are_what_the_program_prints(real_run):
     assert not problems, "\n".join(problems) + "\nrewrite them with: .venv/bin/python docs/samples.py"
 
 
+def test_a_runs_files_do_not_depend_on_the_folder_it_was_made_in(real_run):
+    """The HF Trainer pickles its arguments, output_dir among them, into every checkpoint (training_args.bin):
+    runs give it relative to the run's folder, so the samples' sizes do not depend on where the suite's run
+    cache lies (a longer path once made a sample's size 0.1 KiB larger)."""
+    from conftest import checkpoints_of
+
+    run, spec = real_run("demo")
+    for ckpt in checkpoints_of(run, spec):
+        pickled = (ckpt / "training_args.bin").read_bytes()  # (torch's archive stores its records as they are)
+        assert b"output_dir" in pickled and str(run.resolve()).encode() not in pickled, ckpt
+
+
 def _shell_commands(text: str):
     """Every command line of the page's sh, bash and console blocks (console: the `$ ` lines), as
     tokens, split at `&&`, `||`, `;` and `|`."""

@@ -191,9 +191,13 @@ def _trainer_args(spec: RunSpec, out: Path, max_steps: int):
 def _train_rank(rank: int, world: int, port: int, spec: RunSpec, out: str | Path) -> None:
     quiet()
     setup_rank(rank, world, port, spec)
-    out = Path(out)
+    out = Path(out).absolute()
     if spec.layout == "hf":
-        trainer = _hf_trainer(spec, out, spec.steps)
+        # The Trainer pickles its arguments, output_dir among them, into every checkpoint (training_args.bin):
+        # given relative to the run's folder, a run's files are the same wherever it is made (their sizes,
+        # which the README's samples show, do not depend on the path of the folder it was made in)
+        os.chdir(out)
+        trainer = _hf_trainer(spec, Path("."), spec.steps)
         trainer.train()
         if spec.best_at:  # the weights training ended with (the best model's, loaded at the end)
             trainer.save_model(str(out / "final"))
