@@ -49,7 +49,7 @@ def test_the_samples_are_what_the_program_prints(real_run):
 def test_a_runs_files_do_not_depend_on_the_folder_it_was_made_in(real_run):
     """The HF Trainer pickles its arguments, output_dir among them, into every checkpoint (training_args.bin):
     runs give it relative to the run's folder, so the samples' sizes do not depend on where the suite's run
-    cache lies (a longer path once made a sample's size 0.1 KiB larger)."""
+    cache lies (a cache at another path once changed a sample's size by 0.1 KiB)."""
     from conftest import checkpoints_of
 
     run, spec = real_run("demo")
