@@ -92,24 +92,31 @@ def test_a_clone_reads_the_kept_rows_unless_the_runs_statistics_checked_them(rea
     assert tailor("--verify", recipe).returncode == 0
 
 
-async def test_the_composer_says_what_a_clone_shared_and_did_not_read(real_run, xfs):
-    """In the composer (whose statistics vouch for the kept rows), a composition on the XFS says, as the
-    log does, what it shared and what it did not read (`ComposeResult.unread`)."""
-    from pilot_helpers import scanned, start_composing, wait_for
+@pytest.mark.parametrize("size", [(130, 32), (80, 24)])
+async def test_the_composer_says_what_a_clone_shared_and_did_not_read(real_run, xfs, size):
+    """In the composer (whose statistics vouch for the rows kept and taken), a composition on the XFS says,
+    as the log does, what it shared and what it did not read or count again (`ComposeResult.unread`), all
+    of it on screen, at 80x24 too."""
+    from pilot_helpers import on_screen, scanned, start_composing, wait_for
 
     from tailor_tui.ui.app import make_app
 
     run, spec, ckpts = on_xfs(real_run, xfs, "hf_bf16_2")
     app = make_app(run, workers=1)
-    async with app.run_test(size=(130, 32)) as pilot:
+    async with app.run_test(size=size) as pilot:
         await scanned(pilot)
         await pilot.press("left", "space")  # the first row from the checkpoint before the base
         progress = await start_composing(pilot)
         await wait_for(pilot, lambda: not progress.running, tries=2400)
-        status = " ".join(progress.query_one("#compose-status").render().plain.split())
+        await pilot.pause()
+        widget = progress.query_one("#compose-status")
+        status = " ".join(widget.render().plain.split())
+        shown_now = "".join(on_screen(app, widget))
     assert progress.has_class("finished"), status
     assert "sharing the base's blocks (reflink)" in status, status
     assert "The rows kept were checked by the run's statistics, not read again." in status, status
+    assert "The rows taken were found whole and finite by the run's statistics" in status, status
+    assert "".join(status.split()) in "".join(shown_now.split()), (status, shown_now)  # none of it cut off
 
 
 def test_a_flipped_byte_the_base_keeps_is_refused_or_stays_detectable_never_blessed(real_run, xfs):
