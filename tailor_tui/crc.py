@@ -185,9 +185,21 @@ class RecordBlocks(NamedTuple):
         """The recorded CRC-32 of block `i`."""
         return struct.unpack_from("<I", self.values, 4 * i)[0]
 
+    def span(self, i: int) -> tuple[int, int]:
+        """Where block `i` lies in the file: its first byte and the byte after its last."""
+        a = self.data_offset + i * self.block
+        return a, min(a + self.block, self.data_offset + self.size)
+
+    def covering(self, at: int, n: int) -> range:
+        """The blocks that hold the `n` bytes at `at` of the file (none where `n` is 0)."""
+        if not n:
+            return range(0)
+        return range((at - self.data_offset) // self.block, (at + n - 1 - self.data_offset) // self.block + 1)
+
     def combined(self) -> int:
         """The blocks' values combined: the record's CRC-32, if they are its blocks'."""
         whole = 0
         for i in range(block_count(self.size, self.block)):
-            whole = combine(whole, self.value(i), min(self.block, self.size - i * self.block))
+            a, b = self.span(i)
+            whole = combine(whole, self.value(i), b - a)
         return whole

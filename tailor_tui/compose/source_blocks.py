@@ -98,9 +98,9 @@ def replaced_crcs(fd: int, path: Path, replaced: list[tuple[Record, int, int]], 
         if mine is None or not _usable(record, mine, [(at, n)]):
             found[at, n] = crc_range(fd, at, n, buffer, counter.add)
             continue
-        start, block, value = record.data_offset, mine.block, 0
-        for i in range((at - start) // block, (at + n - 1 - start) // block + 1) if n else ():
-            a, b = start + i * block, start + min((i + 1) * block, record.size)
+        value = 0
+        for i in mine.covering(at, n):
+            a, b = mine.span(i)
             lo, hi = max(a, at), min(b, at + n)
             if (lo, hi) == (a, b):
                 value = crc.combine(value, mine.value(i), b - a)
@@ -126,12 +126,11 @@ def _read_blocks(fd: int, path: Path, record: Record, blocks: RecordBlocks, rang
     """The CRC-32s of `ranges` (sorted, inside `record`), from the blocks that cover them: each read
     once, checked against its recorded CRC-32 (CheckpointError naming the file, the record and the
     block's bytes where it fails); the ranges' bytes fed to `census`."""
-    start, block = record.data_offset, blocks.block
-    wanted = sorted({i for at, n in ranges if n for i in range((at - start) // block, (at + n - 1 - start) // block + 1)})
+    wanted = sorted({i for at, n in ranges for i in blocks.covering(at, n)})
     values = [0] * len(ranges)
     read = 0
     for i in wanted:
-        a, b = start + i * block, start + min((i + 1) * block, record.size)
+        a, b = blocks.span(i)
         pieces = [(max(at, a), min(at + n, b), k) for k, (at, n) in enumerate(ranges) if at < b and at + n > a]
 
         def seen(offset: int, view: memoryview, pieces=pieces) -> None:
@@ -154,7 +153,7 @@ def _checked_block(fd: int, path: Path, record: Record, blocks: RecordBlocks, i:
     """The CRC-32s of `pieces` ((offset, length), sorted, inside `record`'s block i), from one read of the
     whole block, checked against its recorded CRC-32 (CheckpointError naming the file, the record and the
     block's bytes where it fails); `seen(offset, bytes)` is given what is read, chunk by chunk."""
-    a, b = record.data_offset + i * blocks.block, record.data_offset + min((i + 1) * blocks.block, record.size)
+    a, b = blocks.span(i)
     crcs = RangeCrcs(a, b, pieces)
     for offset in range(a, b, len(buffer)):
         view = buffer[: min(len(buffer), b - offset)]
