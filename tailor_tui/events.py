@@ -135,7 +135,7 @@ class TaskOptions:
     # (`guard.checked_by_statistics`): a clone keeps their bytes without reading them again
     kept_checked: bool = False
     # The sources (indices into the plan's) whose rows the output takes were found whole and finite by
-    # those statistics (`guard.taken_by_statistics`): a clone that keeps the base's rows so checked takes
+    # those statistics (`guard.checked_by_statistics`): a clone that keeps the base's rows so checked takes
     # their bytes checked against their CRC-32s, without counting their NaN/Inf again
     taken_checked: frozenset[int] = frozenset()
 

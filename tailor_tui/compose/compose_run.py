@@ -32,7 +32,7 @@ from tailor_tui.errors import Cancelled, OutputError
 from tailor_tui.events import Emit, TaskFinished, TaskOptions
 from tailor_tui.fileio import copy_file, fsync_dir, output_error, write_file
 from tailor_tui.formats.side_pickles import check_side_file
-from tailor_tui.health.guard import checked_by_statistics, nonfinite_error, taken_by_statistics
+from tailor_tui.health.guard import checked_by_statistics, nonfinite_error
 from tailor_tui.held import HeldFolder, HeldPath
 from tailor_tui.planning.jobs import BYTES_PER_ELEMENT, BinFileJob, RankJob, WeightJob
 from tailor_tui.planning.plan import ComposePlan
@@ -126,8 +126,9 @@ def run_compose(
 def _vouched(plan: ComposePlan, options: TaskOptions) -> tuple[TaskOptions, dict[int, tuple]]:
     """`options`, `kept_checked` where the rank files will be clones (`cloning`: the output on the
     base's filesystem of a kind that shares blocks, the recipe replacing less than half of them) and
-    the run's cached statistics found every row they keep whole and finite (no rank file read); and
-    then, per rank, the block CRC-32s those statistics recorded of the sources' rank files as they
+    the run's cached statistics found every row they keep whole and finite (no rank file read), with
+    `taken_checked` the sources every row taken from which they found so; and then, per rank, the
+    block CRC-32s those statistics recorded of the base's and the sources' rank files as they
     are now (`source_blocks.blocks_for`: a stat per file), so that only the blocks taken are read."""
     if not options.clone or plan.reshard is not None:
         return options, {}
@@ -137,12 +138,15 @@ def _vouched(plan: ComposePlan, options: TaskOptions) -> tuple[TaskOptions, dict
         return options, {}
     if may_share(plan.base.path, plan.output.parent) is None:
         return options, {}
-    if not options.kept_checked:
-        kept = [r.name for r in plan.base.rows if not r.tied and not plan.picks.get(r.name)]
-        options = replace(options, kept_checked=checked_by_statistics(plan, kept))
-    if not options.kept_checked:
+    rows: dict[int, list[str]] = {} if options.kept_checked else {
+        0: [r.name for r in plan.base.rows if not r.tied and not plan.picks.get(r.name)]}
+    for row, source in plan.picks.items():  # the rows taken, by the checkpoint they come from
+        if source:
+            rows.setdefault(source, []).append(row)
+    vouched = checked_by_statistics(plan, rows)
+    if not (options.kept_checked or 0 in vouched):
         return options, {}
-    return replace(options, taken_checked=options.taken_checked | taken_by_statistics(plan)), blocks_for(jobs)
+    return replace(options, kept_checked=True, taken_checked=options.taken_checked | (vouched - {0})), blocks_for(jobs)
 
 
 class Composing(PublishingWork):

@@ -105,7 +105,7 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Coun
     slots = defaultdict(list)
     for slot in job.row_slots:
         slots[slot.source].append(slot)
-    # (a source whose rows taken the run's statistics found finite: not counted again, `guard.taken_by_statistics`)
+    # (a source whose rows taken the run's statistics found finite: not counted again, `guard.checked_by_statistics`)
     census = {s: Census(Region(at, length, row) for row, at, length in _row_places(readers[s], slots[s])
                         if s not in counter.options.taken_checked) for s in [0, *used]}
     spans = []

@@ -9,6 +9,7 @@ or computed for that row alone).
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 from tailor_tui.checkpoints.cache import cache_dir
 from tailor_tui.checkpoints.checkpoint import incompatibility
@@ -36,36 +37,35 @@ def nonfinite_error(plan: ComposePlan, counts: Counter) -> NonFiniteError:
         "checkpoints (tailor-tui --heal RUN_DIR --recipe R.yaml does) or compose anyway with --allow-nonfinite")
 
 
-def checked_by_statistics(plan: ComposePlan, rows: list[str], source: int = 0) -> bool:
-    """Whether the run's cached statistics (`--stats`, the composer) found every one of `rows` of the
-    plan's checkpoint `source` (the base by default) whole and finite, as its files are now (their cache
-    keys name every file's identity): then a composition that keeps the base's in shared blocks
-    (`cloning`) need not read them again, nor count again the NaN/Inf of what it takes from a source
-    (`taken_by_statistics`). No rank file is read here; False where they are not cached, or a row is not
-    healthy (the writers then read and count it, and refuse what fails)."""
+def checked_by_statistics(plan: ComposePlan, rows: dict[int, list[str]]) -> frozenset[int]:
+    """The checkpoints of the plan (indices into `plan.sources`; 0 is the base) every one of whose `rows`
+    the run's cached statistics (`--stats`, the composer) found whole and finite, as its files are now
+    (their cache keys name every file's identity): a composition that keeps the base's in shared blocks
+    (`cloning`) need not read them again, nor count again the NaN/Inf of what it takes from a source so
+    found. Each run folder is scanned once (from the scan cache) and no rank file is read here; a
+    checkpoint is left out where its rows are not cached, or one is not healthy (the writers then read
+    and count it, and refuse what fails)."""
     from tailor_tui.health.stats_run import cached_cells  # (as newest_finite: only where it is needed)
 
-    checkpoint = plan.sources[source]
-    try:
-        scanned = scan(checkpoint.path.parent)
-    except CheckpointError:
-        return False
-    mine = identity(checkpoint.tag_dir)
-    same = [i for i, c in enumerate(scanned.checkpoints) if mine is not None and identity(c.tag_dir) == mine]
-    if len(same) != 1:
-        return False
-    cells = cached_cells(tuple(scanned.checkpoints), same[0], cache_dir())
-    return cells is not None and all(row in cells and cells[row].healthy for row in rows)
-
-
-def taken_by_statistics(plan: ComposePlan) -> frozenset[int]:
-    """The sources (indices into `plan.sources`, the base left out) every row taken from which the run's
-    cached statistics found whole and finite, as their files are now (`checked_by_statistics`)."""
-    taken: dict[int, list[str]] = {}
-    for row, source in plan.picks.items():
-        if source:
-            taken.setdefault(source, []).append(row)
-    return frozenset(s for s, rows in taken.items() if checked_by_statistics(plan, rows, s))
+    scans: dict[Path, tuple | None] = {}
+    found = set()
+    for source, wanted in rows.items():
+        checkpoint = plan.sources[source]
+        folder = checkpoint.path.parent
+        if folder not in scans:
+            try:
+                scans[folder] = tuple(scan(folder).checkpoints)
+            except CheckpointError:
+                scans[folder] = None
+        scanned = scans[folder]
+        mine = identity(checkpoint.tag_dir)
+        same = [i for i, c in enumerate(scanned or ()) if mine is not None and identity(c.tag_dir) == mine]
+        if scanned is None or len(same) != 1:
+            continue
+        cells = cached_cells(scanned, same[0], cache_dir())
+        if cells is not None and all(row in cells and cells[row].healthy for row in wanted):
+            found.add(source)
+    return frozenset(found)
 
 
 def newest_finite(plan: ComposePlan, rows: list[str]) -> dict[str, str]:
