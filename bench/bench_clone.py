@@ -14,7 +14,11 @@ measures the new space (`df` after `sync`, before and after) and the time of:
   are read, checked against the CRC-32s the statistics recorded: the bench checks the log says so;
   also with `--no-fsync`), each command with a cache of its own;
 - on the cache folder's own filesystem (ext4 here: it cannot share blocks), the 1-row recipe both
-  ways and `cp -r`: unchanged, within noise.
+  ways and `cp -r`: unchanged, within noise;
+- on XFS again, `cp -r` (with and without `sync`) and the 1-row recipe (before and after `--stats`),
+  each with the page cache emptied first (`/proc/sys/vm/drop_caches`): cold, as a checkpoint too
+  large for a node's memory, or written by other nodes, is read (a warm `cp -r` of 2.3 GiB copies
+  memory to memory).
 
 The bytes the 1-row recipe replaces are the plan's (every slice copied from another checkpoint:
 fp32 master, exp_avg, exp_avg_sq). Every other round runs the commands in reverse order (a command
@@ -43,6 +47,9 @@ from bench_merge import SPEC, as_installed, bench_run, fresh_work, gib  # noqa: 
 from tailor_tui.runs.scratch_xfs import loop_xfs, unavailable  # noqa: E402
 
 ONE_ROW = "layers.5"
+# what is also measured with the page cache emptied before each command (on XFS)
+COLD = ("xfs: cp -r --reflink=never", "xfs: cp -r --reflink=never; sync", "xfs: --apply 1 row",
+        "xfs: --apply 1 row, after --stats", "xfs: --apply 1 row, after --stats, --no-fsync")
 # what an --apply after --stats says: of the source, only the blocks holding the row taken were read
 AFTER_STATS = "reading only the sources' blocks the output takes from: "
 
@@ -70,13 +77,23 @@ def replaced_bytes(path: Path) -> int:
     return sum(c.length for job in plan.rank_jobs() for c in job.copies) * BYTES_PER_ELEMENT
 
 
-def measure(cmd: list[str], out: Path, on: Path, env: dict, expect: str | None = None) -> tuple[float, int]:
+def drop_page_cache() -> None:
+    """Empty the kernel's page cache (root): every file is read from its disk again, as a checkpoint
+    written hours ago by other nodes is on the node that composes it."""
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def measure(cmd: list[str], out: Path, on: Path, env: dict, expect: str | None = None,
+            cold: bool = False) -> tuple[float, int]:
     """(seconds, new bytes on `on`'s filesystem) of running `cmd` (in `env`), which writes `out`; `expect`:
-    what its log must say (the path measured is the one meant)."""
+    what its log must say (the path measured is the one meant); `cold`: with the page cache emptied first."""
     shutil.rmtree(out, ignore_errors=True)
     before = used(on)
     time.sleep(1)  # let the filesystem finish freeing the removed output
     before = used(on)
+    if cold:
+        drop_page_cache()
     started = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     seconds = time.perf_counter() - started
@@ -132,29 +149,34 @@ def main() -> None:
             subprocess.run([tailor[0], "--stats", str(xfs / "run")], capture_output=True, check=True,
                            env={**os.environ, "TAILOR_TUI_CACHE": str(caches[name])})
         files = len(list((xfs / "run" / "global_step2").iterdir()))
-        results: dict[str, list[tuple[float, int]]] = {k: [] for k in commands}
+        # the same on XFS with the page cache emptied before each command: the base (and the source) read
+        # from the disk, as a checkpoint too large for a node's memory, or written by other nodes, always is
+        cold = {name.replace("xfs:", "xfs, cold:"): name for name in COLD}
+        results: dict[str, list[tuple[float, int]]] = {k: [] for k in [*commands, *cold]}
         for i in range(args.repeats):  # every other round in reverse: no command always follows the same one
-            for name, (cmd, out, scratch) in (reversed(commands.items()) if i % 2 else commands.items()):
-                env = {**os.environ, "TAILOR_TUI_CACHE": str(caches[name])}
-                results[name].append(measure(cmd, out, scratch, env, AFTER_STATS if "after --stats" in name else None))
+            for name in (reversed(results) if i % 2 else results):
+                cmd, out, scratch = commands[cold.get(name, name)]
+                env = {**os.environ, "TAILOR_TUI_CACHE": str(caches[cold.get(name, name)])}
+                results[name].append(measure(cmd, out, scratch, env, AFTER_STATS if "after --stats" in name else None,
+                                             cold=name in cold))
                 seconds, grown = results[name][-1]
-                print(f"  round {i + 1}: {name:<46} {seconds:6.2f} s  {gib(grown):>10} new", flush=True)
+                print(f"  round {i + 1}: {name:<52} {seconds:6.2f} s  {gib(grown):>10} new", flush=True)
     shutil.rmtree(work, ignore_errors=True)
 
     total = sum(f.stat().st_size for f in (run / "global_step2").iterdir())
     print(f"\nbase tag folder: {gib(total)} in {files} files, {SPEC.world_size} ranks; the 1-row recipe replaces "
           f"{replaced / 2**20:.1f} MiB ({ONE_ROW} of {SPEC.layers + 3} rows); {args.repeats} rounds; "
           f"{os.cpu_count()} cores")
-    print(f"{'':<46} {'median':>7}  {'x cp (per round)':>16}  {'new space (median)':>19}  {'/ replaced':>10}")
+    print(f"{'':<52} {'median':>7}  {'x cp (per round)':>16}  {'new space (median)':>19}  {'/ replaced':>10}")
     for name, got in results.items():
         fs = name.split(":")[0]
         cp = results[f"{fs}: cp -r --reflink=never"]
         ratio = statistics.median(s / c for (s, _), (c, _) in zip(got, cp))
         space = statistics.median(g for _, g in got)
-        print(f"{name:<46} {statistics.median(s for s, _ in got):6.2f} s  {ratio:14.2f}x  "
+        print(f"{name:<52} {statistics.median(s for s, _ in got):6.2f} s  {ratio:14.2f}x  "
               f"{space / 2**20:15.1f} MiB  {space / replaced:9.2f}x")
     print(f"(goal, 1 row on XFS: new space ≤ 2 × replaced + 1 MiB per file = "
-          f"{(2 * replaced + files * 2**20) / 2**20:.1f} MiB; time ≤ 0.5 × cp -r --reflink=never)")
+          f"{(2 * replaced + files * 2**20) / 2**20:.1f} MiB; time ≤ 0.5 × cp -r --reflink=never, warm and cold)")
 
 
 if __name__ == "__main__":
