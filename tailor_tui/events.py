@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol, runtime_checkable
 
 from tailor_tui.errors import Cancelled
+from tailor_tui.units import size
 
 
 @runtime_checkable
@@ -92,6 +93,16 @@ class TaskFinished:
     # bytes of the sources' records its output takes from that were not read: only the blocks that hold
     # what it takes were, checked against the CRC-32s the run's statistics recorded (`source_blocks`)
     sources_unread: int = 0
+
+
+def written_and_shared(total: int, shared: int, how: str = "") -> str:
+    """`total` bytes of output of which `shared` share the base's blocks (`how` they do), as every
+    line and screen says it: "2.3 GiB written", or "2.3 GiB: 135.3 MiB written, 2.2 GiB sharing the
+    base's blocks (reflink)"."""
+    if not shared:
+        return f"{size(total)} written"
+    return (f"{size(total)}: {size(total - shared)} written, {size(shared)} sharing the base's blocks"
+            + (f" ({how})" if how else ""))
 
 
 def peak_rss() -> int:

@@ -19,7 +19,7 @@ import time
 from itertools import islice
 from typing import Callable, Iterable, TextIO
 
-from tailor_tui.events import TaskFinished, TaskProgressed
+from tailor_tui.events import TaskFinished, TaskProgressed, written_and_shared
 from tailor_tui.units import shown, size, throughput
 
 FEW = 8  # up to this many tasks, each has its own lines (or bar); beyond, they are summed up
@@ -41,11 +41,14 @@ class Tally:
         self.running: dict[str, None] = {}  # started, not done: in the order they started
         self.ended: set[str] = set()
         self.bytes_done, self.bytes_total = 0, sum(self.totals.values())
+        self.shared, self.shared_how = 0, ""  # of the bytes done, those that share the base's blocks (a clone's)
 
     def add(self, event) -> str | None:
         """Counts a progress event: the name of its task, None for any other event."""
         if isinstance(event, TaskFinished):
             name, done, total = event.task, event.total, event.total
+            self.shared += event.shared
+            self.shared_how = self.shared_how or event.shared_how
         elif isinstance(event, TaskProgressed):
             name, done, total = event.task, event.done, event.total
         else:
@@ -90,7 +93,9 @@ class Tally:
         speed = f"{size(int(rate))}/s"
         n = len(self.totals)
         if self.all_done and (self.known or final):
-            return f"{label}: done, {size(self.bytes_done)} {unit} by {n} tasks in {elapsed:.1f}s, {speed}"
+            amount = written_and_shared(self.bytes_done, self.shared, self.shared_how) if self.shared else \
+                f"{size(self.bytes_done)} {unit}"
+            return f"{label}: done, {amount} by {n} tasks in {elapsed:.1f}s, {speed}"
         if not self.known:  # a process's own tasks, seen as they start: how many there will be is unknown
             return (f"{label}: {size(self.bytes_done)} {unit}, {self.finished} tasks done, "
                     f"{len(self.running)} in progress, {speed}")
@@ -140,7 +145,8 @@ class LineReporter:
         if not self._summarises() or self._closed:
             return
         if self.tally.all_done and self.tally.known and not self._each():
-            self.close()
+            if isinstance(event, TaskFinished):  # (a task's last: what it shared is known)
+                self.close()
             return
         when, fraction = self._summed
         due = (now - when >= self.every_seconds
@@ -150,8 +156,10 @@ class LineReporter:
             self._print(self.tally.line(self.label, self.unit, now - self._started))
 
     def _task_line(self, event, now: float) -> None:
-        if isinstance(event, TaskFinished):
-            self._print(f"{event.task}: done, {size(event.total)} {self.unit}")
+        if isinstance(event, TaskFinished):  # a clone's: what it wrote, and what shares the base's blocks
+            amount = written_and_shared(event.total, event.shared, event.shared_how) if event.shared else \
+                f"{size(event.total)} {self.unit}"
+            self._print(f"{event.task}: done, {amount}")
         elif isinstance(event, TaskProgressed):
             when, fraction = self._last.get(event.task, (0.0, -1.0))
             due = now - when >= self.every_seconds or event.fraction - fraction >= self.every_fraction

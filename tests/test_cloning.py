@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import signal
 import time
@@ -57,8 +58,15 @@ def test_a_cloned_output_is_the_bytes_no_clone_writes_shares_the_rest_and_resume
     cloned = tailor("--apply", recipe)
     assert cloned.returncode == 0, cloned.stderr
     assert "sharing the base's blocks (reflink): " in cloned.stdout, cloned.stdout
+    # the progress counts bytes composed, each rank's last line says how many it wrote: never all of them
+    assert "to compose (on the base's xfs filesystem: " in cloned.stderr, cloned.stderr
+    ends = [line for line in cloned.stderr.splitlines() if line.startswith("rank ") and ": done, " in line]
+    cloned_ends = [line for line in ends if re.fullmatch(r"rank \d+: done, [\d.]+ \w+: [\d.]+ \w+ written, "
+                                                          r"[\d.]+ \w+ sharing the base's blocks \(reflink\)", line)]
+    assert cloned_ends and all(line in cloned_ends or line.endswith(" composed") for line in ends), ends
     written = tailor("--apply", plain, "--no-clone")
     assert written.returncode == 0 and "sharing" not in written.stdout, written.stdout + written.stderr
+    assert " to write" in written.stderr and " composed" not in written.stderr, written.stderr  # every byte written
     out, reference = run / "cloned" / "out", run / "written" / "out"
     assert output_files(out) == output_files(reference)  # bit for bit what every byte written gives
 
@@ -112,7 +120,9 @@ async def test_the_composer_says_what_a_clone_shared_and_did_not_read(real_run, 
         widget = progress.query_one("#compose-status")
         status = " ".join(widget.render().plain.split())
         shown_now = "".join(on_screen(app, widget))
+        rate = progress.query_one("#compose-rate").render().plain
     assert progress.has_class("finished"), status
+    assert " composed · " in rate and "written" not in rate, rate  # a clone's bytes are not all written
     assert "sharing the base's blocks (reflink)" in status, status
     assert "The rows kept were checked by the run's statistics, not read again." in status, status
     assert "The rows taken were found whole and finite by the run's statistics" in status, status
@@ -198,6 +208,10 @@ def test_two_slurm_tasks_each_clone_and_patch_their_own_ranks(real_run, xfs):
     lead = said[0][0]
     assert "sharing the base's blocks (reflink)" in lead and "sharing" in alone.stdout, (lead, alone.stdout)
     assert _shared_line(lead) == _shared_line(alone.stdout)  # every process's shares, added up
+    # process 0's log says what each rank shared, its own and the other process's (posted with their progress)
+    ends = {line.split(":")[0] for line in said[0][1].splitlines()
+            if re.fullmatch(r"rank \d+: done, .+ written, .+ sharing the base's blocks \(reflink\)", line)}
+    assert ends == {f"rank {r}" for r in range(spec.world_size)}, said[0][1]
     assert output_files(run / "team" / "out") == output_files(run / "alone" / "out")
     assert tailor("--verify", recipe).returncode == 0
 

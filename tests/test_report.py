@@ -69,6 +69,28 @@ def test_few_tasks_print_each_task_lines_as_before():
         ]
 
 
+def test_a_cloned_task_says_what_it_wrote_and_what_shares_the_base_blocks():
+    """A clone's bytes are composed without being written: its progress counts them "composed", its
+    last line and the summary's last say how many were written, in the words of the final result."""
+    cloned = [(name, total) for name, total in tasks(FEW + 1)]
+    stream = [TaskFinished(e.task, e.total, shared=e.total - 1024, shared_how="reflink")
+              if isinstance(e, TaskFinished) else e for e in events(cloned, steps=2)]
+    few, many = io.StringIO(), io.StringIO()
+    feed(LineReporter(few, unit="composed", tasks=cloned[:2], clock=Clock()), stream[:8])
+    assert few.getvalue().splitlines() == [
+        "rank 0: 0% 0 Bytes/8.5 KiB composed",
+        "rank 1: 0% 0 Bytes/8.5 KiB composed",
+        "rank 0: 50% 4.2 KiB/8.5 KiB composed",
+        "rank 1: 50% 4.2 KiB/8.5 KiB composed",
+        "rank 0: done, 8.5 KiB: 1.0 KiB written, 7.5 KiB sharing the base's blocks (reflink)",
+        "rank 1: done, 8.5 KiB: 1.0 KiB written, 7.5 KiB sharing the base's blocks (reflink)",
+    ]
+    feed(LineReporter(many, unit="composed", tasks=cloned, clock=Clock(0.01)), stream)
+    last = many.getvalue().splitlines()[-1]
+    assert re.fullmatch(r"total: done, 76\.5 KiB: 9\.0 KiB written, 67\.5 KiB sharing the base's blocks \(reflink\) "
+                        r"by 9 tasks in \d+\.\ds, [\d.]+ \w+/s", last), last
+
+
 def test_few_tasks_draw_a_bar_each_and_the_total():
     out = io.StringIO()
     bars = BarReporter(out, tasks=tasks(FEW), clock=Clock(), terminal=lambda: terminal_size((200, 5)))

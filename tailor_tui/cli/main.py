@@ -172,23 +172,27 @@ def apply(args) -> int:
         for warning in plan.warnings:
             print(shown(f"warning: {warning}"), file=sys.stderr)
     workers = args.workers or default_workers(plan)
+    unit = plan.progress_unit(clone=args.clone)  # "composed" where the output may share the base's blocks
     ranks = f"{plan.base.world_size} → {plan.world_size}" if plan.reshard else plan.world_size
     if team.lead:
         processes = f"{team.size} processes ({launch.via}) × " if launch is not None and team.size > 1 else ""
         print(
             shown(f"composing {plan.output} from {len(plan.sources)} checkpoint(s): {ranks} ranks, "
             f"{processes}{workers} worker(s), {'about ' if plan.rewritten_files() else ''}"
-            f"{size(plan.bytes_to_write())} to write"),
+            f"{size(plan.bytes_to_write())} to "
+            + (f"compose (on {plan.shares(clone=args.clone)}: a file mostly kept starts as a clone of the base's, "
+               "only what the recipe replaces written into it)" if unit == "composed" else "write")),
             file=sys.stderr,
             flush=True,
         )
     report: JobLines | LineReporter | BarReporter
     if team.lead and team.size > 1:  # the whole job's lines (every process's tasks) and its throughput
-        report = JobLines(sys.stderr, planned_tasks(plan))
+        report = JobLines(sys.stderr, planned_tasks(plan), unit=unit)
     elif team.size > 1:  # several processes share the log: lines, each saying whose (its tasks' sum, if many)
-        report = LineReporter(sys.stderr, prefix=f"[process {team.rank}] ", each=len(planned_tasks(plan)) <= FEW)
+        report = LineReporter(sys.stderr, prefix=f"[process {team.rank}] ", unit=unit,
+                              each=len(planned_tasks(plan)) <= FEW)
     else:
-        report = reporter_for(sys.stderr, args.progress, planned_tasks(plan))
+        report = reporter_for(sys.stderr, args.progress, planned_tasks(plan), unit=unit)
     cancel = threading.Event()
     options = TaskOptions(durable=args.durable, slow_down=_test_slow_down(), clone=args.clone,
                           exchange=not os.environ.get("TAILOR_TEST_NO_RENAME_EXCHANGE"))

@@ -22,14 +22,14 @@ from pathlib import Path
 from typing import cast
 
 from tailor_tui.checkpoints.checkpoint import MODEL_FILE_INDEX, PROVENANCE, read_latest
-from tailor_tui.cloning import may_share, worth_it
+from tailor_tui.cloning import worth_it
 from tailor_tui.compose.bin_files import compose_bin_file
 from tailor_tui.compose.model_files import compose_model_file
 from tailor_tui.compose.rank_reshard import reshard_rank
 from tailor_tui.compose.rank_task import compose_rank
 from tailor_tui.compose.source_blocks import blocks_for
 from tailor_tui.errors import Cancelled, OutputError
-from tailor_tui.events import Emit, TaskFinished, TaskOptions
+from tailor_tui.events import Emit, TaskFinished, TaskOptions, written_and_shared
 from tailor_tui.fileio import copy_file, fsync_dir, output_error, write_file
 from tailor_tui.formats.side_pickles import check_side_file
 from tailor_tui.health.guard import checked_by_statistics, nonfinite_error
@@ -74,10 +74,7 @@ class ComposeResult:
 
     def amount(self) -> str:
         """What the output cost, as the log and the composer say it: its bytes written, or shared."""
-        if not self.bytes_shared:
-            return f"{size(self.bytes_written)} written"
-        return (f"{size(self.bytes_written)}: {size(self.bytes_written - self.bytes_shared)} written, "
-                f"{size(self.bytes_shared)} sharing the base's blocks ({self.shared_how})")
+        return written_and_shared(self.bytes_written, self.bytes_shared, self.shared_how)
 
     def unread(self) -> list[str]:
         """What this composition did not read or count again, the run's statistics having done it, a
@@ -136,7 +133,7 @@ def _vouched(plan: ComposePlan, options: TaskOptions) -> tuple[TaskOptions, dict
     replaced = sum(c.length for j in jobs for c in j.copies) * BYTES_PER_ELEMENT
     if not worth_it(replaced, sum(plan.base.rank_bytes(j.rank) for j in jobs)):
         return options, {}
-    if may_share(plan.base.path, plan.output.parent) is None:
+    if plan.shares() is None:
         return options, {}
     rows: dict[int, list[str]] = {} if options.kept_checked else {
         0: [r.name for r in plan.base.rows if not r.tied and not plan.picks.get(r.name)]}

@@ -48,6 +48,7 @@ class ComposePlan:
     _model_layout: ModelFileLayout | None = field(init=False, repr=False)
     _model_jobs: tuple[WeightJob, ...] = field(init=False, repr=False)
     _other_files: tuple[tuple[Path, Path], ...] = field(init=False, repr=False)
+    _shares: str | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         layout = self._read_model_layout()
@@ -62,7 +63,8 @@ class ComposePlan:
         for name, value in (("_jobs", jobs),
                             ("_model_layout", layout),
                             ("_model_jobs", weight_jobs(self.base, self.sources, self.picks, layout)),
-                            ("_other_files", self._list_other_files())):
+                            ("_other_files", self._list_other_files()),
+                            ("_shares", may_share(self.base.path, self.output.parent))):
             object.__setattr__(self, name, value)
 
     # --- per rank work ---------------------------------------------------------------
@@ -242,12 +244,23 @@ class ComposePlan:
         """What the progress bars count: the bytes of every rank file and weight file written."""
         return sum(j.progress_bytes for j in (*self.rank_jobs(), *self.model_file_jobs()))
 
+    def shares(self, *, clone: bool = True) -> str | None:
+        """Where the output may share the base's blocks ("the base's xfs filesystem", found once with
+        the plan: `cloning.may_share`); None where it cannot, or `clone` is False (--no-clone)."""
+        return self._shares if clone else None
+
+    def progress_unit(self, *, clone: bool = True) -> str:
+        """What the progress of this plan's tasks counts, as every bar and line says it: bytes
+        "written", or "composed" where the output may share the base's blocks (a clone's bytes are
+        done without being written: each task's last line, and the log's, say how many were)."""
+        return "composed" if self.shares(clone=clone) else "written"
+
     def describe(self, show=str, every_file: bool = True, clone: bool = True) -> list[str]:
         """The plan as text lines, what matters first: output, base, totals, then only the rows
         that do not come from the base, runs of layers grouped (`layers.40–59 ← checkpoint-8`).
         `show` formats paths (the TUI shows them relative to the run); `clone`: whether output
         files may start as clones of the base's (False: --no-clone)."""
-        shares = may_share(self.base.path, self.output.parent) if clone else None
+        shares = self.shares(clone=clone)
         rewritten = self.rewritten_files()
         lines = [
             f"output: {show(self.output)}",
@@ -256,8 +269,8 @@ class ComposePlan:
             *([f"reshard: {self.reshard.describe(self.base)}"] if self.reshard else []),
             f"read:   {size(self.bytes_to_read())}  write: {'~' if rewritten else ''}{size(self.bytes_to_write())}"
             + (f" (about: torch writes {rewritten} file(s) anew, their size known once written)" if rewritten else ""),
-            f"        (the progress bars count bytes written: {size(self.progress_bytes())} of rank and "
-            "weight files; the other files are copied)",
+            f"        (the progress bars count bytes {self.progress_unit(clone=clone)}: {size(self.progress_bytes())} "
+            "of rank and weight files; the other files are copied)",
             *([f"blocks: the output is on {shares}: {'model' if self.reshard else 'rank and model'} files start as "
                "clones of the base's, "
                "only what the recipe replaces is written (the log says how much; --no-clone writes every byte)"]

@@ -27,8 +27,8 @@ class JobLines:
     or tenth: with a handful of tasks besides each task's lines, with many in their place. Events
     come from two threads (its own tasks', the reader of the others'): one at a time."""
 
-    def __init__(self, out, tasks, every_seconds: float = 5.0, *, clock=time.monotonic):
-        self.lines = LineReporter(out, every_seconds, tasks=tasks, label="job", summary=True, clock=clock)
+    def __init__(self, out, tasks, every_seconds: float = 5.0, *, unit: str = "written", clock=time.monotonic):
+        self.lines = LineReporter(out, every_seconds, unit=unit, tasks=tasks, label="job", summary=True, clock=clock)
         self.lock = threading.Lock()
 
     def __call__(self, event) -> None:
@@ -53,8 +53,8 @@ def relay(team, emit: Emit, tasks) -> tuple[Emit, Callable[[], None]]:
         emit(event)
         if isinstance(event, TaskProgressed):
             state[event.task] = [event.done, event.total, False]
-        elif isinstance(event, TaskFinished):
-            state[event.task] = [event.total, event.total, True]
+        elif isinstance(event, TaskFinished):  # with what it shared of the base's blocks, for the job's lines
+            state[event.task] = [event.total, event.total, True, event.shared, event.shared_how]
         else:
             return
         now = time.monotonic()
@@ -75,10 +75,11 @@ def _reader(team, emit: Emit, names: list[str]):
                 theirs = team.peek("progress", p) or {}
             except Exception:  # noqa: BLE001 - the job is failing: the composition says why
                 return False
-            for task, (done, total, finished) in theirs.items():
-                if task in names and seen.get(task) != [done, total, finished]:
-                    seen[task] = [done, total, finished]
-                    emit(TaskFinished(task, total) if finished else TaskProgressed(task, done, total))
+            for task, entry in theirs.items():
+                if task in names and seen.get(task) != entry:
+                    seen[task] = entry
+                    done, total, finished, *shares = entry  # a finished task's: [shared bytes, how]
+                    emit(TaskFinished(task, total, 0, *shares) if finished else TaskProgressed(task, done, total))
         return True
 
     def read() -> None:

@@ -61,6 +61,8 @@ class ProgressScreen(Screen[None]):
         self.cancel = threading.Event()
         self.finished = threading.Event()  # set when the composition thread has fully returned
         self.tasks = [(j.task, j.progress_bytes) for j in export.jobs] if export else planned_tasks(plan)
+        # what the bars count: bytes written, or composed where a clone shares the base's blocks
+        self.unit = "written" if export else plan.progress_unit(clone=options.clone)
         self.tally = Tally(self.tasks)  # every task's bytes done; which are waiting, in progress, done
         self.many = len(self.tasks) > FEW
         self.index = {name: i for i, (name, _) in enumerate(self.tasks)}  # few: a task's bar
@@ -175,7 +177,7 @@ class ProgressScreen(Screen[None]):
         self.query_one("#bar-overall", ProgressBar).update(total=total, progress=done)
         rate, eta = throughput(done, total, self.clock() - self.started)
         self.query_one("#compose-rate", Static).update(
-            f"{size(done)} of {size(total)} written · {size(rate)}/s · ETA {eta:.0f}s"
+            f"{size(done)} of {size(total)} {self.unit} · {size(rate)}/s · ETA {eta:.0f}s"
         )
 
     def on_compose_finished(self, message: ComposeFinished) -> None:
