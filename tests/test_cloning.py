@@ -235,6 +235,30 @@ def test_where_blocks_cannot_be_shared_every_byte_is_written(tmp_path):
     assert may_share(src, tmp_path) is None
 
 
+def test_on_a_network_filesystem_the_server_copies_or_every_byte_is_written(tmp_path, monkeypatch):
+    """NFS 4.2, CephFS, SMB: no FICLONE, a copy in the server (`copy_file_range`) instead. Here on a local
+    filesystem that cannot clone, told it is NFS: the copy is whole, or, cut short, the output is left
+    empty for the writer to write every byte (never half a file)."""
+    if filesystem_type(tmp_path) in {"xfs", "btrfs", "zfs", "bcachefs"}:
+        pytest.skip(f"{tmp_path} is on {filesystem_type(tmp_path)}, which clones with FICLONE first")
+    src = tmp_path / "a"
+    src.write_bytes(os.urandom((1 << 16) + 7))
+
+    def cloned(name: str) -> tuple[str | None, bytes]:
+        fin, fout = os.open(src, os.O_RDONLY), os.open(tmp_path / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            return clone(fin, fout, fs_type="nfs4"), (tmp_path / name).read_bytes()
+        finally:
+            os.close(fin)
+            os.close(fout)
+
+    assert cloned("whole") == ("server-side copy", src.read_bytes())
+    copy = os.copy_file_range
+    monkeypatch.setattr(os, "copy_file_range", lambda fin, fout, n, at, to: copy(fin, fout, min(n, 4096), at, to)
+                        if at == 0 else 0)  # the server stops after 4 KiB
+    assert cloned("short") == (None, b"")
+
+
 def test_clone_shares_a_file_and_says_so_on_xfs(xfs):
     src, dst = xfs / "c", xfs / "d"
     src.write_bytes(os.urandom(1 << 20))
