@@ -19,13 +19,11 @@ import zipfile
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import cast
+from typing import Callable, cast
 
 from tailor_tui.checkpoints.checkpoint import MODEL_FILE_INDEX, PROVENANCE, read_latest
 from tailor_tui.cloning import worth_it
-from tailor_tui.compose.bin_files import compose_bin_file
 from tailor_tui.compose.model_files import compose_model_file
-from tailor_tui.compose.rank_reshard import reshard_rank
 from tailor_tui.compose.rank_task import compose_rank
 from tailor_tui.compose.source_blocks import blocks_for
 from tailor_tui.errors import Cancelled, OutputError
@@ -160,7 +158,13 @@ class Composing(PublishingWork):
         super().__init__(plan.output, plan.force, options)
         self.plan, self.allow_nonfinite, self.workers_asked = plan, allow_nonfinite, workers
         self.blocks = blocks or {}  # per rank, the sources' block CRC-32s its task is given (`_vouched`)
-        self.rank_call = reshard_rank if plan.reshard is not None else compose_rank
+        self.rank_call: Callable[..., Counter]
+        if plan.reshard is not None:  # (its module imported only where it is used, as bin_files' below)
+            from tailor_tui.compose.rank_reshard import reshard_rank
+
+            self.rank_call = reshard_rank
+        else:
+            self.rank_call = compose_rank
         self.peak, self.shared, self.shared_how, self.sources_unread = 0, 0, "", 0
         self.nonfinite: Counter = Counter()
         self.reports: list[dict] = []  # every process's, as gathered
@@ -226,8 +230,13 @@ class Composing(PublishingWork):
 
 
 def _weight_writer(job):
-    """The writer of a weight file's job: torch's format or safetensors."""
-    return compose_bin_file if isinstance(job, BinFileJob) else compose_model_file
+    """The writer of a weight file's job: torch's format or safetensors (torch's writer imported only
+    where a composition has such a file: ~5 ms of every start otherwise)."""
+    if isinstance(job, BinFileJob):
+        from tailor_tui.compose.bin_files import compose_bin_file
+
+        return compose_bin_file
+    return compose_model_file
 
 
 def _size_of(path: Path) -> int:
