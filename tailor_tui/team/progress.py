@@ -78,8 +78,10 @@ def _reader(team, emit: Emit, names: list[str]):
             for task, entry in theirs.items():
                 if task in names and seen.get(task) != entry:
                     seen[task] = entry
-                    done, total, finished, *shares = entry  # a finished task's: [shared bytes, how]
-                    emit(TaskFinished(task, total, 0, *shares) if finished else TaskProgressed(task, done, total))
+                    done, total, finished = entry[:3]
+                    shared, how = entry[3:5] if len(entry) >= 5 else (0, "")  # a finished task's (`post`)
+                    emit(TaskFinished(task, total, shared=shared, shared_how=how) if finished
+                         else TaskProgressed(task, done, total))
         return True
 
     def read() -> None:
