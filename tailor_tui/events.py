@@ -95,12 +95,12 @@ class TaskFinished:
     sources_unread: int = 0
 
 
-def written_and_shared(total: int, shared: int, how: str = "") -> str:
+def written_and_shared(total: int, shared: int, how: str = "", *, unit: str = "written") -> str:
     """`total` bytes of output of which `shared` share the base's blocks (`how` they do), as every
-    line and screen says it: "2.3 GiB written", or "2.3 GiB: 135.3 MiB written, 2.2 GiB sharing the
-    base's blocks (reflink)"."""
+    line and screen says it: "2.3 GiB written" (where none do: `unit`, what a progress counted), or
+    "2.3 GiB: 135.3 MiB written, 2.2 GiB sharing the base's blocks (reflink)"."""
     if not shared:
-        return f"{size(total)} written"
+        return f"{size(total)} {unit}"
     return (f"{size(total)}: {size(total - shared)} written, {size(shared)} sharing the base's blocks"
             + (f" ({how})" if how else ""))
 

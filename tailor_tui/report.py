@@ -93,8 +93,7 @@ class Tally:
         speed = f"{size(int(rate))}/s"
         n = len(self.totals)
         if self.all_done and (self.known or final):
-            amount = written_and_shared(self.bytes_done, self.shared, self.shared_how) if self.shared else \
-                f"{size(self.bytes_done)} {unit}"
+            amount = written_and_shared(self.bytes_done, self.shared, self.shared_how, unit=unit)
             return f"{label}: done, {amount} by {n} tasks in {elapsed:.1f}s, {speed}"
         if not self.known:  # a process's own tasks, seen as they start: how many there will be is unknown
             return (f"{label}: {size(self.bytes_done)} {unit}, {self.finished} tasks done, "
@@ -157,9 +156,7 @@ class LineReporter:
 
     def _task_line(self, event, now: float) -> None:
         if isinstance(event, TaskFinished):  # a clone's: what it wrote, and what shares the base's blocks
-            amount = written_and_shared(event.total, event.shared, event.shared_how) if event.shared else \
-                f"{size(event.total)} {self.unit}"
-            self._print(f"{event.task}: done, {amount}")
+            self._print(f"{event.task}: done, {written_and_shared(event.total, event.shared, event.shared_how, unit=self.unit)}")
         elif isinstance(event, TaskProgressed):
             when, fraction = self._last.get(event.task, (0.0, -1.0))
             due = now - when >= self.every_seconds or event.fraction - fraction >= self.every_fraction
