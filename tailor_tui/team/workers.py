@@ -246,7 +246,11 @@ def _run_pool(calls: list[Call], workers: int, emit: Emit, cancel: threading.Eve
                 if (exc := f.exception()) is not None:
                     stop.set()
                     if isinstance(exc, BrokenProcessPool):
-                        raise worker_lost(pool) from None
+                        # the futures fail before the pool has stopped and reaped its workers: their exit
+                        # codes are read once it has (read sooner, one being reaped by the pool reads None)
+                        processes = list((getattr(pool, "_processes", None) or {}).values())
+                        pool.shutdown(wait=True, cancel_futures=True)
+                        raise worker_lost(processes) from None
                     raise exc
         # A worker's events go through its queue's feeder thread and may arrive after its
         # result: wait for every task's last event, so no rank's bar stops short of done.
@@ -261,10 +265,10 @@ def _run_pool(calls: list[Call], workers: int, emit: Emit, cancel: threading.Eve
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def worker_lost(pool) -> OutputError:
+def worker_lost(processes) -> OutputError:
     """What to say when a worker process died mid-task (the pool is broken): by its signal, read
-    from the pool's processes where it keeps them (the others were then stopped with SIGTERM)."""
-    codes = {p.exitcode for p in (getattr(pool, "_processes", None) or {}).values()}
+    from the pool's `processes` once it has stopped them all (the others with SIGTERM)."""
+    codes = {p.exitcode for p in processes}
     killed = sorted(signal.Signals(-c).name for c in codes if c is not None and c < 0 and -c != signal.SIGTERM)
     how = f" (killed by {killed[0]}{', the out-of-memory killer?' if killed[0] == 'SIGKILL' else ''})" if killed else ""
     return OutputError(f"a worker process died before its task was done{how}; run again, with fewer --workers "
