@@ -142,13 +142,6 @@ class TaskOptions:
     # Output files start as clones of the base's where the filesystem shares blocks (`cloning`);
     # False (--no-clone): every byte written
     clone: bool = True
-    # The base's rows the output keeps were found whole and finite by the run's cached statistics
-    # (`guard.checked_by_statistics`): a clone keeps their bytes without reading them again
-    kept_checked: bool = False
-    # The sources (indices into the plan's) whose rows the output takes were found whole and finite by
-    # those statistics (`guard.checked_by_statistics`): a clone that keeps the base's rows so checked takes
-    # their bytes checked against their CRC-32s, without counting their NaN/Inf again
-    taken_checked: frozenset[int] = frozenset()
 
 
 class ByteCounter:

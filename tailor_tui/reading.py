@@ -9,7 +9,7 @@ import errno
 import os
 import stat
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping, NamedTuple
 
 from tailor_tui import crc
 from tailor_tui.errors import CheckpointError
@@ -123,6 +123,121 @@ def open_regular(path: Path, *, follow: bool = True, within: Path | None = None)
         raise CheckpointError(f"{path}: changed while it was opened (another file, or a symbolic link, was put in "
                               "its place); not read: run again once nothing changes the run")
     return fd
+
+
+# --- a file's identity: the one the plan recorded, the one read ----------------------------------
+#
+# A checkpoint's files are looked at when it is opened (`checkpoints.checkpoint`, which records each
+# one's identity) and read later, by workers, maybe minutes later (the composer) and in other
+# processes. Training may save again meanwhile, in place or by renaming a new file over the old. A
+# task opens each file it reads and compares what it opened (fstat of the descriptor, in the process
+# that reads it) with what the plan recorded, then again once it has read everything: any write
+# changes a file's ctime, which no user can set back, and a rename gives the path another inode
+# (and the renamed file a new ctime), so bytes read between two equal identities are the planned
+# file's bytes. A file that changed is refused in one line (exit 4), never read into an output.
+
+
+class FileIdentity(NamedTuple):
+    """Which file, and which state of it: device, inode, size, mtime and ctime (ns)."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> "FileIdentity":
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def differences(self, other: "FileIdentity") -> str:
+        """What differs between the two, in words ("its size 10 -> 12, its ctime")."""
+        said = []
+        if (self.device, self.inode) != (other.device, other.inode):
+            said.append("another file is in its place")
+        if self.size != other.size:
+            said.append(f"its size {self.size:,} -> {other.size:,} bytes")
+        said += [f"its {what}" for what, a, b in (("mtime", self.mtime_ns, other.mtime_ns),
+                                                  ("ctime", self.ctime_ns, other.ctime_ns)) if a != b]
+        return ", ".join(said)
+
+
+def changed_error(path: Path, planned: FileIdentity, now: FileIdentity, when: str) -> CheckpointError:
+    """The one line refusing a file that is not, or no longer, the one the plan recorded."""
+    return CheckpointError(f"{path}: changed {when} ({planned.differences(now)}); nothing read from it is used: "
+                           "run again once nothing writes to the run (training saving a checkpoint)")
+
+
+MAX_HELD = 64  # descriptors a task keeps open between its two looks at its files; the rest are reopened
+
+
+class PlannedFiles:
+    """The files a task reads, each the file the plan recorded (`identities`: path -> FileIdentity).
+
+    Entering opens each (a regular file only) and compares its descriptor's identity (fstat) with
+    the planned one; `fd(path)` is a descriptor of that very file, to read it through; leaving
+    without an exception looks again, by fstat of the same descriptor (or of the path opened anew,
+    past MAX_HELD descriptors), and refuses the task if any changed while it was read. A path the
+    plan recorded no identity of is opened as any input is (`open_regular`)."""
+
+    def __init__(self, identities: Mapping[Path, FileIdentity]):
+        self.identities = identities
+        self._held: dict[Path, int] = {}
+
+    def __enter__(self) -> "PlannedFiles":
+        try:
+            for path in self.identities:
+                fd = self._open_checked(path, "since the composition was planned")
+                if len(self._held) < MAX_HELD:
+                    self._held[path] = fd
+                else:
+                    os.close(fd)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        try:
+            if kind is None:
+                for path, planned in self.identities.items():
+                    if path in self._held:
+                        now = FileIdentity.of(os.fstat(self._held[path]))
+                    else:
+                        os.close(self._open_checked(path, "while it was read"))
+                        continue
+                    if now != planned:
+                        raise changed_error(path, planned, now, "while it was read")
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for fd in self._held.values():
+            os.close(fd)
+        self._held.clear()
+
+    def fd(self, path: Path, stack: contextlib.ExitStack) -> int:
+        """A read-only descriptor of `path`, the planned file's (closed with `stack`)."""
+        if path in self._held:
+            fd = os.dup(self._held[path])  # (the writer closes its own; the held one is looked at again)
+        elif path in self.identities:
+            fd = self._open_checked(path, "since the composition was planned")
+        else:
+            fd = open_regular(path)
+        stack.callback(os.close, fd)
+        return fd
+
+    def _open_checked(self, path: Path, when: str) -> int:
+        try:
+            fd = open_regular(path)
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{path}: cannot be opened any more ({exc}); it changed {when}: run again once "
+                                  "nothing writes to the run (training saving a checkpoint)") from None
+        planned, now = self.identities[path], FileIdentity.of(os.fstat(fd))
+        if now != planned:
+            os.close(fd)
+            raise changed_error(path, planned, now, when)
+        return fd
 
 
 def pread_exact(fd: int, count: int, offset: int) -> bytes:

@@ -26,10 +26,7 @@ from helpers import assert_one_line_error, flat_record, flip_byte, hidden, on_xf
 from tailor_tui import crc
 from tailor_tui.checkpoints.scan import scan
 from tailor_tui.compose.compose_run import run_compose
-from tailor_tui.compose.source_blocks import replaced_crcs
 from tailor_tui.crc import BLOCK, BlockCrcs, RecordBlocks
-from tailor_tui.errors import CheckpointError
-from tailor_tui.events import ByteCounter
 from tailor_tui.formats.ptfile import read_structure
 from tailor_tui.health import block_cache
 from tailor_tui.health.stats_rank import rank_stats
@@ -76,48 +73,6 @@ def test_the_statistics_record_each_records_block_crcs_either_way_they_read_it(r
     rotten = flip_byte(damaged, flat_record(damaged))
     found = rank_stats(replace(job, files=replace(job.files, optim_states=damaged)), lambda e: None, lambda: False)
     assert rotten not in found.blocks and found.blocks.keys() == flat.blocks.keys() - {rotten}
-
-
-def test_the_bytes_a_clone_replaces_are_read_only_in_the_blocks_a_range_cuts(real_run, tmp_path):
-    """The CRC-32 of a range of the base that the output replaces (what its record's new CRC-32 is worked
-    out from) comes from the blocks the statistics recorded: those wholly inside the range are not read
-    (what they hold now is replaced: here a flipped byte in one changes nothing), those the range cuts
-    are read whole and checked (a flipped byte in the part the output keeps fails in one line)."""
-    run, _spec = real_run("hf_bf16_2")
-    checkpoints = tuple(scan(run).checkpoints)
-    job = stats_jobs(checkpoints, len(checkpoints) - 1, crc_block=SMALL)[0]
-    found = rank_stats(job, lambda e: None, lambda: False)
-    path = tmp_path / job.files.optim_states.name
-    shutil.copy(job.files.optim_states, path)
-    record = max(read_structure(path)[1].values(), key=lambda r: r.size)
-    blocks = found.blocks[record.name]
-    assert record.size > 5 * SMALL
-    at, n = record.data_offset + SMALL // 2, 3 * SMALL  # half of block 0, blocks 1 and 2, half of block 3
-    want = zlib.crc32(path.read_bytes()[at: at + n])
-
-    def replaced() -> tuple[dict, int]:
-        counter = ByteCounter("rank 0", 1 << 40, lambda e: None, lambda: False)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            got = replaced_crcs(fd, path, [(record, at, n)], {record.name: blocks},
-                                buffer=memoryview(bytearray(1 << 20)), counter=counter)
-        finally:
-            os.close(fd)
-        return got, counter.done
-
-    def rot(offset: int) -> None:
-        with open(path, "r+b") as f:
-            f.seek(offset)
-            byte = f.read(1)[0]
-            f.seek(offset)
-            f.write(bytes([byte ^ 0xFF]))
-
-    assert replaced() == ({(at, n): want}, 2 * SMALL)  # the two cut blocks read, whole
-    rot(record.data_offset + SMALL + 100)  # the replaced bytes of block 1 rot: not read, not needed
-    assert replaced() == ({(at, n): want}, 2 * SMALL)
-    rot(record.data_offset + 8)  # a byte of block 0 that the output keeps rots: refused
-    with pytest.raises(CheckpointError, match=f"record {record.name}, bytes {record.data_offset}\\.\\."):
-        replaced()
 
 
 def _composing(run: Path, ckpts: list[Path], name: str) -> tuple[Path, Path]:

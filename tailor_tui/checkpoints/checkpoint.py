@@ -28,7 +28,7 @@ from tailor_tui.formats.ds_format import (
 )
 from tailor_tui.formats.ptfile import check_complete
 from tailor_tui.formats.safetensors_in import safetensors_header
-from tailor_tui.reading import confine
+from tailor_tui.reading import FileIdentity, confine
 
 MODEL_FILE_INDEX = "model.safetensors.index.json"
 # A partial checkpoint (tailor_tui.selective): some rows' optimizer state, per rank
@@ -72,6 +72,9 @@ class Checkpoint:
     model_files: tuple[Path, ...] = ()  # 16-bit safetensors files of an HF checkpoint
     ds_version: str = ""
     sizes: dict = field(default_factory=dict, compare=False, hash=False)  # file -> bytes
+    # file -> its identity when the checkpoint was opened (`reading.FileIdentity`): what a composition's
+    # tasks check the files they read against (`reading.PlannedFiles`)
+    identities: dict = field(default_factory=dict, compare=False, hash=False)
     saved_rows: frozenset | None = None  # a partial checkpoint's rows; None: every row
     model_layout: Path | None = None  # a partial HF checkpoint's record of the model files' layout
     composed: bool = False  # tailor-tui composed it (it has tailor_provenance.json): not a training save
@@ -367,22 +370,25 @@ def open_checkpoint(path: str | Path, *, cache: Path | None = None) -> Checkpoin
         for r in range(layout.world_size)
     )
     sizes: dict[Path, int] = {}
+    identities: dict[Path, FileIdentity] = {}
     for files in ranks:
         for f in files.existing():
             confine(f, run)
             try:
-                sizes[f] = f.stat().st_size
+                st = f.stat()
             except FileNotFoundError:
                 raise CheckpointError(
                     f"{f}: missing; the checkpoint {named} was written by "
                     f"{layout.world_size} ranks and is incomplete"
                 ) from None
+            sizes[f], identities[f] = st.st_size, FileIdentity.of(st)
     model_files = hf_model_files(named) if kind == "hf" and not manifest else ()
     for f in model_files:
         confine(f, run)
         if not f.is_file():
             raise CheckpointError(f"{f}: listed in {MODEL_FILE_INDEX} but missing")
-        sizes[f] = f.stat().st_size
+        st = f.stat()
+        sizes[f], identities[f] = st.st_size, FileIdentity.of(st)
     return Checkpoint(
         path=named,
         kind=kind,
@@ -398,6 +404,7 @@ def open_checkpoint(path: str | Path, *, cache: Path | None = None) -> Checkpoin
         model_files=model_files,
         ds_version=states.ds_version,
         sizes=sizes,
+        identities=identities,
         saved_rows=_saved_rows(manifest["rows"], states.rows) if manifest else None,
         model_layout=path / PARTIAL_MODEL_FILES if manifest and (path / PARTIAL_MODEL_FILES).is_file() else None,
         composed=written_by_tailor(named, tag_dir, save_dir),

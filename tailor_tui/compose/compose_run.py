@@ -35,6 +35,7 @@ from tailor_tui.held import HeldFolder, HeldPath
 from tailor_tui.planning.jobs import BYTES_PER_ELEMENT, BinFileJob, RankJob, WeightJob
 from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.planning.provenance import plan_digest, provenance
+from tailor_tui.reading import FileIdentity, PlannedFiles
 from tailor_tui.resharding.partition import ReshardJob
 from tailor_tui.resharding.skeleton import Skeleton, skeleton
 from tailor_tui.team.members import SOLO, Team
@@ -62,7 +63,8 @@ class ComposeResult:
     nonfinite: dict = field(default_factory=dict)  # row -> NaN/Inf values it holds (--allow-nonfinite)
     bytes_shared: int = 0  # of bytes_written: bytes that share the base's blocks, not written (`cloning`)
     shared_how: str = ""  # how they share them ("reflink", "server-side copy"); "" where none do
-    # the rows kept from the base in shared blocks were not read: the run's statistics had checked them
+    # the rows kept from the base in shared blocks were read and checked against their CRC-32s, their NaN/Inf
+    # not counted again: the run's statistics had counted those very bytes (`RankJob.vouched`)
     kept_checked: bool = False
     # bytes of the sources' records the output takes from that were not read: only the blocks holding what
     # it takes were, each checked against the CRC-32 the run's statistics recorded (`source_blocks`)
@@ -79,7 +81,8 @@ class ComposeResult:
         sentence each, as the log and the composer say it (none where it did all of it itself)."""
         said = []
         if self.kept_checked:
-            said.append("the rows kept were checked by the run's statistics, not read again")
+            said.append("the rows kept were read and checked against their CRC-32s, their NaN/Inf not counted "
+                        "again: the run's statistics found those bytes finite")
         if self.taken_checked:
             said.append("the rows taken were found whole and finite by the run's statistics: their bytes checked "
                         "against their CRC-32s, their NaN/Inf not counted again")
@@ -107,41 +110,64 @@ def run_compose(
     rank files and model files into the one hidden folder process 0 made, and process 0
     checks the whole and renames it into place; a failure anywhere fails every process."""
     started = time.monotonic()
-    options, blocks = _vouched(plan, options)
-    work = Composing(plan, workers, options, allow_nonfinite, blocks)
+    vouched = _vouched(plan, options)
+    work = Composing(plan, workers, options, allow_nonfinite, vouched)
     run_as_team(work, team=team, emit=emit, cancel=cancel, options=options)
     # what the plan counted (bytes_to_write): every file but the provenance record written last
     out = plan.output
     written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file() and f != out / PROVENANCE)
+    shared = bool(work.shared)
     return ComposeResult(out, time.monotonic() - started, written, work.peak, dict(work.nonfinite),
-                         work.shared, work.shared_how, options.kept_checked and bool(work.shared),
-                         work.sources_unread, bool(options.taken_checked) and bool(work.shared))
+                         work.shared, work.shared_how, shared and any(0 in v for v, _b in vouched.values()),
+                         work.sources_unread, shared and any(v - {0} for v, _b in vouched.values()))
 
 
-def _vouched(plan: ComposePlan, options: TaskOptions) -> tuple[TaskOptions, dict[int, tuple]]:
-    """`options`, `kept_checked` where the rank files will be clones (`cloning`: the output on the
-    base's filesystem of a kind that shares blocks, the recipe replacing less than half of them) and
-    the run's cached statistics found every row they keep whole and finite (no rank file read), with
-    `taken_checked` the sources every row taken from which they found so; and then, per rank, the
-    block CRC-32s those statistics recorded of the base's and the sources' rank files as they
-    are now (`source_blocks.blocks_for`: a stat per file), so that only the blocks taken are read."""
+def _vouched(plan: ComposePlan, options: TaskOptions) -> dict[int, tuple[frozenset[int], tuple]]:
+    """{rank: (its vouched sources, its sources' block CRC-32s)} where the rank files will be clones
+    (`cloning`: the output on the base's filesystem of a kind that shares blocks, the recipe replacing
+    less than half of them): the checkpoints (0: the base) every row of which the output keeps or takes
+    the run's cached statistics found whole and finite as the files are now (no rank file read), whose
+    NaN/Inf the writer need not count again (it still reads and checks every byte against its CRC-32:
+    those prove them the bytes the statistics counted), and the block CRC-32s the statistics recorded of
+    the base's and the sources' rank files as they are now (`source_blocks.blocks_for`: a stat per file),
+    so that only the blocks taken are read of a source. Empty where the output is not a clone."""
     if not options.clone or plan.reshard is not None:
-        return options, {}
+        return {}
     jobs = [j for j in plan.rank_jobs() if isinstance(j, RankJob)]
     replaced = sum(c.length for j in jobs for c in j.copies) * BYTES_PER_ELEMENT
     if not worth_it(replaced, sum(plan.base.rank_bytes(j.rank) for j in jobs)):
-        return options, {}
+        return {}
     if plan.shares() is None:
-        return options, {}
-    rows: dict[int, list[str]] = {} if options.kept_checked else {
-        0: [r.name for r in plan.base.rows if not r.tied and not plan.picks.get(r.name)]}
+        return {}
+    rows: dict[int, list[str]] = {0: [r.name for r in plan.base.rows if not r.tied and not plan.picks.get(r.name)]}
     for row, source in plan.picks.items():  # the rows taken, by the checkpoint they come from
         if source:
             rows.setdefault(source, []).append(row)
     vouched = checked_by_statistics(plan, rows)
-    if not (options.kept_checked or 0 in vouched):
-        return options, {}
-    return replace(options, kept_checked=True, taken_checked=options.taken_checked | (vouched - {0})), blocks_for(jobs)
+    blocks = blocks_for(jobs)
+    return {j.rank: (vouched, blocks.get(j.rank, ())) for j in jobs if vouched or j.rank in blocks}
+
+
+def read_as_planned(job, call: Callable, identities: dict, *args):
+    """A task's writer `call`, its every source file checked to be the one the plan recorded, by fstat of
+    the descriptor this process opens, before and after the writer reads (`reading.PlannedFiles`): a
+    file that training saved again meanwhile fails the task in one line (exit 4), nothing published."""
+    with PlannedFiles(identities):
+        return call(job, *args)
+
+
+def files_read(plan: ComposePlan, job) -> dict[Path, FileIdentity]:
+    """The identity the plan recorded of each source file `job` reads (its checkpoints' when opened)."""
+    if isinstance(job, (RankJob, ReshardJob)):
+        paths = [f for files in job.files.values() for f in files.existing()]
+    elif isinstance(job, BinFileJob):
+        paths = [job.base_file, *(f for files in job.source_files.values() for f in files)]
+    else:
+        paths = [*(() if job.base_file is None else (job.base_file,)),
+                 *(f for files in job.source_files.values() for f in files),
+                 *(f for ranks in job.partial_ranks.values() for files in ranks for f in files.existing())]
+    known = plan.identities()
+    return {f: known[f] for f in dict.fromkeys(paths) if f in known}
 
 
 class Composing(PublishingWork):
@@ -154,10 +180,10 @@ class Composing(PublishingWork):
                 "(check it with --verify)")
 
     def __init__(self, plan: ComposePlan, workers: int | None, options: TaskOptions, allow_nonfinite: bool,
-                 blocks: dict[int, tuple] | None = None):
+                 vouched: dict[int, tuple[frozenset[int], tuple]] | None = None):
         super().__init__(plan.output, plan.force, options)
         self.plan, self.allow_nonfinite, self.workers_asked = plan, allow_nonfinite, workers
-        self.blocks = blocks or {}  # per rank, the sources' block CRC-32s its task is given (`_vouched`)
+        self.vouched = vouched or {}  # per rank, what its task is given of the run's statistics (`_vouched`)
         self.rank_call: Callable[..., Counter]
         if plan.reshard is not None:  # (its module imported only where it is used, as bin_files' below)
             from tailor_tui.compose.rank_reshard import reshard_rank
@@ -184,13 +210,19 @@ class Composing(PublishingWork):
         if self.plan.reshard is not None:  # the structure every output rank file shares: made once, here
             rank_args = (tag_dir, skeleton(self.plan.base, self.plan.sources, self.plan.buffer_sources(),
                                            self.plan.reshard))
-        return [*(Task(self.rank_call, self._given_blocks(job), rank_args) for job in self.plan.rank_jobs()),
-                *(Task(_weight_writer(job), job, (held,)) for job in self.plan.model_file_jobs())]
+        planned = self.plan
+        return [*(Task(read_as_planned, self._given(job), (self.rank_call, files_read(planned, job), *rank_args))
+                  for job in planned.rank_jobs()),
+                *(Task(read_as_planned, job, (_weight_writer(job), files_read(planned, job), held))
+                  for job in planned.model_file_jobs())]
 
-    def _given_blocks(self, job):
-        """The task's copy of a rank's job, with the block CRC-32s of its sources (the plan's is left as is)."""
-        mine = self.blocks.get(job.rank) if isinstance(job, RankJob) else None
-        return replace(job, source_blocks=mine) if mine else job
+    def _given(self, job):
+        """The task's copy of a rank's job, with what the run's statistics vouch for and the block CRC-32s of
+        its sources (`_vouched`; the plan's is left as is)."""
+        if not isinstance(job, RankJob) or job.rank not in self.vouched:
+            return job
+        vouched, blocks = self.vouched[job.rank]
+        return replace(job, vouched=vouched, source_blocks=blocks)
 
     def observe(self, event, emit: Emit) -> bool:
         if isinstance(event, TaskFinished):
@@ -204,9 +236,9 @@ class Composing(PublishingWork):
         nonfinite = sum((Counter(r) for r in results if r), Counter())
         names, tmp = self.plan.output_rank_files(), self.tmp
         assert tmp is not None, "folder() named it before any task ran"
-        files = [f"{self.plan.base.tag}/{name}" for t in mine if t.call is self.rank_call
-                 for name in names[cast("RankJob | ReshardJob", t.job).rank]]
-        files += [cast(WeightJob, t.job).name for t in mine if t.call is not self.rank_call]
+        ranks = [t.job for t in mine if isinstance(t.job, (RankJob, ReshardJob))]
+        files = [f"{self.plan.base.tag}/{name}" for job in ranks for name in names[job.rank]]
+        files += [cast(WeightJob, t.job).name for t in mine if not isinstance(t.job, (RankJob, ReshardJob))]
         return {"nonfinite": dict(nonfinite), "peak": self.peak, "shared": self.shared, "how": self.shared_how,
                 "unread": self.sources_unread, "files": {f: _size_of(tmp / f) for f in files}}
 

@@ -24,7 +24,7 @@ from tailor_tui.checkpoints.rank_reader import (
     read_and_check,
 )
 from tailor_tui.cloning import clone, worth_it
-from tailor_tui.compose.source_blocks import of_source, read_taken, replaced_crcs
+from tailor_tui.compose.source_blocks import of_source, read_taken
 from tailor_tui.events import ByteCounter
 from tailor_tui.fileio import CREATE, Target, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
 from tailor_tui.formats.ds_format import TENSORS
@@ -75,17 +75,14 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Coun
 
     Where the filesystem shares blocks (`cloning`; not with `--no-clone`, nor when the spans
     replace half the file or more), the output starts as a clone of the base's file and only the
-    spans (and padding that is not zeros) are written; everything is read and checked as above. When
-    the run's cached statistics found the rows the output keeps whole and finite as the files are
-    now (`options.kept_checked`), the base's records are not read but for the bytes the spans
-    replace (their CRC-32s, old, for the combination; where the statistics recorded the base's
-    block CRC-32s, only the blocks a span cuts: `source_blocks.replaced_crcs`) and the padding: a
-    record's CRC-32 is carried as the base declares it, so damage since (bit rot) stays detectable
-    in the output (by --verify, by torch), never blessed. Sources are read and checked whole, but
-    there: a source's record whose block CRC-32s the statistics recorded (`job.source_blocks`) is
-    read only in the blocks that hold what the output takes, each checked against its recorded
-    CRC-32 (`source_blocks`), and the NaN/Inf of rows those statistics found finite are not counted
-    again (`options.taken_checked`).
+    spans (and padding that is not zeros) are written; every record of the base is still read once,
+    front to back, and checked against its CRC-32 as above: a clone keeps only bytes it has checked
+    (bit rot since the run's statistics is refused, never published). Where those statistics found
+    every row a checkpoint gives the output whole and finite (`job.vouched`), its NaN/Inf are not
+    counted again: the CRC-32 checked on the way proves them the bytes the statistics counted. A
+    source's record whose block CRC-32s the statistics recorded (`job.source_blocks`) is read only
+    in the blocks that hold what the output takes, each checked against its recorded CRC-32
+    (`source_blocks`): evidence of what the bytes should be, each block read proving what they are.
     """
     base_path = job.files[0].optim_states
     whole = read_whole(base_path, SMALL_RANK_FILE)  # a wide run's: its structure read from one read
@@ -105,9 +102,9 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Coun
     slots = defaultdict(list)
     for slot in job.row_slots:
         slots[slot.source].append(slot)
-    # (a source whose rows taken the run's statistics found finite: not counted again, `guard.checked_by_statistics`)
+    # (a checkpoint whose rows the run's statistics found finite: not counted again, `guard.checked_by_statistics`)
     census = {s: Census(Region(at, length, row) for row, at, length in _row_places(readers[s], slots[s])
-                        if s not in counter.options.taken_checked) for s in [0, *used]}
+                        if s not in job.vouched) for s in [0, *used]}
     spans = []
     for c in job.copies:  # (the plan joined neighbours from one full source)
         for key in TENSORS:
@@ -121,7 +118,8 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Coun
     records = sorted(base_records.values(), key=lambda r: r.data_offset)
     if any(a.data_offset + a.size > b.header_offset for a, b in zip(records, records[1:])):
         return None  # records that overlap (a crafted archive): not streamed
-    steps = _in_step(spans)
+    blocked = {s for s in sources if of_source(job, s)}  # read in the blocks they are taken from, not in step
+    steps = _in_step([sp for sp in spans if sp.source not in blocked])
     stepped = {id(q) for group in steps.values() for _s, q, _d in group}
     try:
         with contextlib.ExitStack() as stack:
@@ -130,14 +128,11 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Coun
             fout = open_fd(stack, out, CREATE)
             how = _clone(fin, fout, spans, counter)  # the base's blocks shared: only the spans are written
             sweep = _Sweep(fin, fout, spans, fds, counter, cloned=how is not None)
-            # the base's kept bytes not read (the run's statistics checked them): no record is read in step
-            unread = how is not None and counter.options.kept_checked
             new = {}  # (source, offset) -> the CRC-32 of the span taken there
             for s in sources:  # a source's records not read in step: read and checked first
-                ahead = [sp for sp in spans if sp.source == s
-                         and (unread or id(sp.source_record) not in stepped)]
+                ahead = [sp for sp in spans if sp.source == s and (s in blocked or id(sp.source_record) not in stepped)]
                 taken = {(sp.source_record, sp.source_at, sp.length) for sp in ahead}
-                if unread:  # of a record with recorded block CRC-32s, only the blocks taken from
+                if s in blocked:  # of a record with recorded block CRC-32s, only the blocks taken from
                     checked = read_taken(fds[s], job.files[s].optim_states, taken, of_source(job, s),
                                          buffer=sweep.buffer, counter=counter, census=census[s])
                 else:
@@ -145,12 +140,6 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Coun
                                              taken, sweep.buffer, counter, census[s])
                 new.update({(s, at): value for (at, _n), value in checked.items()})
             old: dict[tuple[int, int], int] = {}  # (offset, length) -> the CRC-32 of the base's bytes a span replaces
-            if unread:  # of the base, at most the bytes the spans replace (their CRC-32s) and padding are read
-                old = replaced_crcs(fin, base_path, [(sp.record, sp.at, sp.length) for sp in spans], of_source(job, 0),
-                                    buffer=sweep.buffer, counter=counter)
-                for at, length, _record in padding.pads:
-                    crc_range(fin, at, length, sweep.buffer, counter.add, padding.inspect)
-                records = []
             for record in records:
                 sweep.copy_to(record.data_offset, new, census)  # its local header (and what lies before)
                 mine = [(sp.at, sp.length) for sp in spans if sp.record is record]

@@ -6,16 +6,15 @@ means reading the whole record (a rank file's flat tensors are a few large recor
 would read the source's rank files whole). The health statistics read every record of a full
 checkpoint's optim file whole anyway, checked its CRC-32, and recorded the CRC-32 of each 1 MiB
 block of it (`crc.BlockCrcs`, cached by `health.block_cache` under each file's identity). Where the
-output is a clone and the rows it keeps were vouched for by those statistics (`kept_checked`),
-each source's rank files are looked up by their identity now (`blocks_for`: a stat per file, no
-rank file read) and the ranges the output takes from a record with recorded blocks are read as
-those blocks only, each block once and checked (`read_taken`); a block whose bytes fail its
-recorded CRC-32 fails the task as a failed record CRC-32 does (the file changed since its
-statistics without its identity changing: bit rot). A record without recorded blocks, or laid out
-otherwise than when they were recorded, or whose recorded values do not combine to the CRC-32 it
-declares (a damaged cache entry), is read whole and checked, as always. Of the base, the bytes the
-output replaces are read only in the blocks a replaced range cuts (`replaced_crcs`: the CRC-32s of
-those ranges, which the records' new ones are worked out from).
+output is a clone, each source's rank files are looked up by their identity now (`blocks_for`: a stat
+per file, no rank file read) and the ranges the output takes from a record with recorded blocks are
+read as those blocks only, each block once and checked (`read_taken`); a block whose bytes fail its
+recorded CRC-32 fails the task as a failed record CRC-32 does (the file changed since its statistics
+without its identity changing: bit rot). The recorded values are evidence of what the bytes should
+be; each block read proves what they are. A record without recorded blocks, or laid out otherwise
+than when they were recorded, or whose recorded values do not combine to the CRC-32 it declares (a
+damaged cache entry), is read whole and checked, as always. The base is always read whole (the
+clone keeps only bytes it checked: `rank_stream`).
 """
 
 from __future__ import annotations
@@ -33,14 +32,13 @@ from tailor_tui.formats.nonfinite import Census
 from tailor_tui.formats.ptfile import Record
 from tailor_tui.health import block_cache
 from tailor_tui.planning.jobs import RankJob
-from tailor_tui.reading import RangeCrcs, crc_range, pread_into
+from tailor_tui.reading import RangeCrcs, pread_into
 
 
 def blocks_for(jobs: list[RankJob]) -> dict[int, tuple[tuple[int, RecordBlocks], ...]]:
     """{rank: ((source, a record's blocks), ...)}: the block CRC-32s the run's statistics cached of
-    each full source's optim file the jobs take slices from, and of the base's (source 0: the CRC-32s
-    of the bytes the output replaces, `replaced_crcs`), for the file as it is now (its identity: one
-    stat, no rank file read); ranks with none are left out."""
+    each full source's optim file the jobs take slices from, for the file as it is now (its identity:
+    one stat, no rank file read); ranks with none are left out."""
     paths = {job.files[s].optim_states for job in jobs for s in _full_sources(job)}
     found = block_cache.cached(cache_dir(), paths=sorted(paths))
     per_rank = {}
@@ -52,11 +50,8 @@ def blocks_for(jobs: list[RankJob]) -> dict[int, tuple[tuple[int, RecordBlocks],
 
 
 def _full_sources(job: RankJob) -> list[int]:
-    """The base (where it is a full checkpoint and the job replaces some of its bytes) and the full sources
-    the job takes slices from."""
-    if not job.copies:
-        return []
-    return sorted(s for s in {0, *(c.source for c in job.copies)} if job.files[s].rows is None)
+    """The full sources the job takes slices from (the base is read whole)."""
+    return sorted(s for s in {c.source for c in job.copies} - {0} if job.files[s].rows is None)
 
 
 def of_source(job: RankJob, source: int) -> dict[str, RecordBlocks]:
@@ -81,33 +76,6 @@ def read_taken(fd: int, path: Path, taken: set[tuple[Record | None, int, int]], 
     for record in sorted(by_blocks, key=lambda r: r.data_offset):
         found.update(_read_blocks(fd, path, record, blocks[record.name], sorted(ranges[record]), buffer, counter,
                                   census))
-    return found
-
-
-def replaced_crcs(fd: int, path: Path, replaced: list[tuple[Record, int, int]], blocks: dict[str, RecordBlocks], *,
-                  buffer: memoryview, counter: ByteCounter) -> dict[tuple[int, int], int]:
-    """{(offset, length): CRC-32} of each byte range `replaced` (record, offset, length) of the base's file
-    `fd`: the bytes a clone replaces, whose CRC-32s its records' new ones are worked out from (`crc`).
-    Where the record's `blocks` (by name) still describe it, the blocks inside a range are not read (their
-    recorded values are the CRC-32s of the bytes the record declares, whatever has happened to them since:
-    the output replaces them) and a block a range's end cuts is read whole and checked against its value;
-    other ranges are read."""
-    found = {}
-    for record, at, n in replaced:
-        mine = blocks.get(record.name)
-        if mine is None or not _usable(record, mine, [(at, n)]):
-            found[at, n] = crc_range(fd, at, n, buffer, counter.add)
-            continue
-        value = 0
-        for i in mine.covering(at, n):
-            a, b = mine.span(i)
-            lo, hi = max(a, at), min(b, at + n)
-            if (lo, hi) == (a, b):
-                value = crc.combine(value, mine.value(i), b - a)
-                continue
-            piece, = _checked_block(fd, path, record, mine, i, [(lo, hi - lo)], buffer, counter)
-            value = crc.combine(value, piece, hi - lo)
-        found[at, n] = value
     return found
 
 

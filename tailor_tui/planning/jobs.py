@@ -65,6 +65,11 @@ class RankJob(RankJobCost):
     # files, where a cloned composition reads only the blocks it takes (`compose.source_blocks`); the
     # plan's jobs have none, the task's copy of a job is given them
     source_blocks: tuple[tuple[int, RecordBlocks], ...] = ()
+    # the checkpoints (0: the base) every row of which the output keeps or takes the run's statistics found
+    # whole and finite, as their files are: the writer reads and checks their bytes against their CRC-32s
+    # (which prove them the bytes the statistics counted) without counting their NaN/Inf again; the plan's
+    # jobs have none, a cloned composition's task is given them (`compose_run._vouched`)
+    vouched: frozenset[int] = frozenset()
 
 
 class _HasSize(Protocol):

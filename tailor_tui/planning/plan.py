@@ -5,6 +5,7 @@ description. `build.build_plan` checks a recipe against its checkpoints and make
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from tailor_tui.planning.file_plan import (
 )
 from tailor_tui.planning.jobs import BYTES_PER_ELEMENT, RankJob, RowSlot, SliceCopy, WeightJob
 from tailor_tui.planning.recipe import Recipe
+from tailor_tui.reading import FileIdentity
 from tailor_tui.resharding.partition import (
     Reshard,
     ReshardJob,
@@ -49,6 +51,7 @@ class ComposePlan:
     _model_jobs: tuple[WeightJob, ...] = field(init=False, repr=False)
     _other_files: tuple[tuple[Path, Path], ...] = field(init=False, repr=False)
     _shares: str | None = field(init=False, repr=False)
+    _identities: dict[Path, FileIdentity] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         layout = self._read_model_layout()
@@ -60,12 +63,29 @@ class ComposePlan:
             buffers = tuple(self.buffer_sources().items())
             held: dict[int, tuple] = {}  # ranks that hold the same elements share their slots' lists
             jobs = tuple(self._rank_job(r, src, owner, buffers, held) for r in range(self.base.world_size))
+        model_jobs = weight_jobs(self.base, self.sources, self.picks, layout)
         for name, value in (("_jobs", jobs),
                             ("_model_layout", layout),
-                            ("_model_jobs", weight_jobs(self.base, self.sources, self.picks, layout)),
+                            ("_model_jobs", model_jobs),
                             ("_other_files", self._list_other_files()),
-                            ("_shares", may_share(self.base.path, self.output.parent))):
+                            ("_shares", may_share(self.base.path, self.output.parent)),
+                            ("_identities", self._record_identities(model_jobs))):
             object.__setattr__(self, name, value)
+
+    def identities(self) -> dict[Path, FileIdentity]:
+        """Every source file's identity as the plan knows it (`reading.FileIdentity`): its checkpoint's rank
+        and model files as they were when it was opened, its other weight files (`.bin`) as the plan found
+        them. What a composition's tasks check the files they read against (`reading.PlannedFiles`)."""
+        return self._identities
+
+    def _record_identities(self, model_jobs: tuple[WeightJob, ...]) -> dict[Path, FileIdentity]:
+        known = {f: i for s in self.sources for f, i in s.identities.items()}
+        for job in model_jobs:  # weight files the checkpoints do not list (torch's format)
+            for f in (job.base_file, *(f for files in job.source_files.values() for f in files)):
+                if f is not None and f not in known:
+                    with contextlib.suppress(OSError):
+                        known[f] = FileIdentity.of(f.stat())
+        return known
 
     # --- per rank work ---------------------------------------------------------------
 

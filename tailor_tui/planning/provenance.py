@@ -8,10 +8,12 @@ import hashlib
 import json
 import os
 import time
+from pathlib import Path
 
 from tailor_tui import __version__
 from tailor_tui.checkpoints.checkpoint import Checkpoint, tied_partner
 from tailor_tui.planning.plan import ComposePlan
+from tailor_tui.reading import FileIdentity
 
 
 def plan_digest(plan: ComposePlan) -> str:
@@ -22,11 +24,17 @@ def plan_digest(plan: ComposePlan) -> str:
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
-def _identity(ckpt: Checkpoint) -> dict:
+def _identity(ckpt: Checkpoint, known: dict[Path, FileIdentity]) -> dict:
+    """A checkpoint as the output records it: each file's size, times and inode as the composition read
+    them (the plan's identities, which its tasks checked: `reading.PlannedFiles`), what `--verify` finds a
+    source that changed since by (`changed_since`). The device is left out: it differs between the nodes
+    of a job on a shared filesystem, whose processes must agree on this record."""
     files = {}
     for f, size in sorted(ckpt.sizes.items()):
-        st = f.stat()
-        files[os.path.relpath(f, ckpt.path)] = {"bytes": size, "mtime": st.st_mtime}
+        found = known.get(f) or FileIdentity.of(f.stat())
+        files[os.path.relpath(f, ckpt.path)] = {"bytes": size, "mtime": found.mtime_ns / 1e9,
+                                                 "mtime_ns": found.mtime_ns, "ctime_ns": found.ctime_ns,
+                                                 "inode": found.inode}
     return {
         "path": str(ckpt.path.resolve()),
         "kind": ckpt.kind,
@@ -37,6 +45,32 @@ def _identity(ckpt: Checkpoint) -> dict:
         "deepspeed_version": ckpt.ds_version,
         "files": files,
     }
+
+
+def changed_since(record: dict) -> list[str]:
+    """The source files a provenance record (`provenance`) names that are not, now, as the composition read
+    them, a line each ("PATH: changed since the composition (its ctime)"); those it names without their
+    times (an older record) are not looked at. `record` comes from a file: every field is checked."""
+    said = []
+    entries = [record.get("base"), *(record.get("sources") or [])] if isinstance(record, dict) else []
+    for entry in entries:
+        if not (isinstance(entry, dict) and isinstance(entry.get("path"), str) and isinstance(entry.get("files"), dict)):
+            continue
+        for rel, was in entry["files"].items():
+            if not (isinstance(rel, str) and isinstance(was, dict)
+                    and all(type(was.get(k)) is int for k in ("bytes", "mtime_ns", "ctime_ns", "inode"))):
+                continue
+            path = Path(entry["path"]) / rel
+            try:
+                st = os.stat(path)
+            except OSError:
+                said.append(f"{path}: gone since the composition (it read {was['bytes']:,} bytes there)")
+                continue
+            then = FileIdentity(st.st_dev, was["inode"], was["bytes"], was["mtime_ns"], was["ctime_ns"])
+            now = FileIdentity.of(st)
+            if then != now:
+                said.append(f"{path}: changed since the composition ({then.differences(now)})")
+    return said
 
 
 def provenance(plan: ComposePlan) -> dict:
@@ -52,8 +86,8 @@ def provenance(plan: ComposePlan) -> dict:
         "recipe": plan.recipe.to_yaml(),
         "recipe_file": str(plan.recipe.source_file.resolve()) if plan.recipe.source_file else None,
         "rows": rows,
-        "base": _identity(plan.base),
-        "sources": [_identity(s) for s in plan.sources[1:]],
+        "base": _identity(plan.base, plan.identities()),
+        "sources": [_identity(s, plan.identities()) for s in plan.sources[1:]],
         **({"world_size": plan.world_size, "resharded": plan.reshard.describe(plan.base)} if plan.reshard else {}),
     }
 

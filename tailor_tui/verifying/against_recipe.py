@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from tailor_tui.checkpoints.checkpoint import MODEL_FILE_INDEX, PROVENANCE, open_checkpoint, read_latest
-from tailor_tui.checkpoints.side_files import MAX_RECORD, read_small
+from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json, read_small
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit
 from tailor_tui.formats.ds_format import (
@@ -41,6 +41,7 @@ from tailor_tui.formats.ds_format import (
     optimizer_state,
 )
 from tailor_tui.planning.plan import ComposePlan
+from tailor_tui.planning.provenance import changed_since
 from tailor_tui.verifying.compare import differences, nonzero_bytes, same_bytes
 from tailor_tui.verifying.rows_files import RowsFiles
 from tailor_tui.verifying.torch_files import is_zip, load, torch_reads
@@ -66,6 +67,12 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
     out = plan.output
     if not (out / plan.base.tag).is_dir():
         report.add(None, f"{out}: no tag folder {plan.base.tag}; is this the output of this recipe?")
+        return report
+    changed = _sources_changed(out)
+    if changed:  # its bytes are not what was composed from: comparing with them proves nothing
+        for line in changed:
+            report.add(None, f"{line}: the output is not compared with what it holds now; compose again from "
+                             "the checkpoints as they are, or verify before they change")
         return report
     try:
         composed = open_checkpoint(out)
@@ -116,6 +123,16 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
         report.add(None, f"{out / extra}: not a file this composition writes (neither composed nor copied "
                          "from the base); it was added to the output afterwards")
     return report
+
+
+def _sources_changed(out: Path) -> list[str]:
+    """The sources `out`'s provenance record names that changed since the composition read them
+    (`provenance.changed_since`); none where it has no readable record (said apart, below)."""
+    try:
+        record = load_json(out / PROVENANCE, MAX_RECORD, follow=False)
+    except (OSError, ValueError):
+        return []
+    return changed_since(record)
 
 
 def _unplanned(plan: ComposePlan, out: Path) -> list[Path]:

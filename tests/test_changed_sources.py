@@ -1,0 +1,233 @@
+"""Every byte an output relies on is checked where it is used, at the speed of a clone too (issue 58):
+bit rot in a kept row after the run's statistics is refused, a checkpoint saved again between the
+plan and the workers' reads is refused, and `--verify` names a source that changed since the
+composition instead of comparing with its new bytes. Each through the real command line, on real runs.
+
+Bit rot here is real: the byte is changed on the loop XFS's disk image, under the filesystem, so
+the file's device, inode, size, mtime and ctime stay as they were (the run's cached statistics still
+name the file as it is); its page cache is dropped so the next read sees the disk.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import zipfile
+import zlib
+from pathlib import Path
+
+import pytest
+from helpers import assert_one_line_error, flat_record, hidden, on_xfs, tailor, write_recipe
+
+from tailor_tui.checkpoints.cache import cache_dir
+from tailor_tui.checkpoints.scan import scan
+from tailor_tui.errors import CheckpointError
+from tailor_tui.health.stats_run import compute_health
+from tailor_tui.reading import FileIdentity, PlannedFiles
+
+
+def _record_data(path: Path, suffix: str) -> tuple[zipfile.ZipInfo, int]:
+    """The zip entry of the record whose name ends with `suffix`, and where its data starts."""
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith(suffix))
+    with open(path, "rb") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", f.read(4))
+    return info, info.header_offset + 30 + name_len + extra_len
+
+
+def _physical(path: Path, offset: int) -> int:
+    """Where byte `offset` of `path` lies on its filesystem's device (FIEMAP, through `filefrag`)."""
+    os.sync()
+    done = subprocess.run(["filefrag", "-v", "-b1", str(path)], capture_output=True, text=True, check=True)
+    for line in done.stdout.splitlines():
+        fields = line.replace(":", " ").replace("..", " ").split()
+        if len(fields) >= 6 and fields[0].isdigit():
+            start, end, physical = int(fields[1]), int(fields[2]), int(fields[3])
+            if start <= offset <= end:
+                return physical + offset - start
+    raise AssertionError(f"no extent of {path} holds byte {offset}:\n{done.stdout}")
+
+
+def rot_on_disk(xfs: Path, path: Path, offset: int, data: bytes) -> None:
+    """Write `data` at byte `offset` of `path` under the filesystem (into the loop XFS's image), as bit
+    rot would: nothing of the file's identity changes; its cached pages are dropped."""
+    where = _physical(path, offset)
+    assert where // 4096 == (where + len(data) - 1) // 4096, "one block"
+    with open(xfs.parent / "image", "r+b") as image:
+        image.seek(where)
+        image.write(data)
+        image.flush()
+        os.fsync(image.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def nan_in_place(path: Path, suffix: str, where: float) -> None:
+    """Training saving the file again in place, a NaN inside: a float32 NaN written into a record and the
+    record's CRC-32 made right in both its headers (a valid archive); the same inode, a new ctime."""
+    info, data = _record_data(path, suffix)
+    at = data + (int(info.file_size * where) // 4) * 4
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(struct.pack("<f", float("nan")))
+        f.seek(data)
+        value = zlib.crc32(f.read(info.file_size))
+        f.seek(info.header_offset + 14)
+        f.write(struct.pack("<I", value))
+        if info.flag_bits & 0x08:  # a data descriptor after the data holds it too (torch's writer adds one)
+            f.seek(data + info.file_size)
+            f.seek(data + info.file_size + (4 if f.read(4) == b"PK\x07\x08" else 0))
+            f.write(struct.pack("<I", value))
+        with zipfile.ZipFile(path) as z:
+            z.fp.seek(z.start_dir)  # the central directory: this record's entry holds the CRC-32 too
+            directory = z.fp.read()
+            start = z.start_dir
+        entry = 0
+        while directory[entry: entry + 4] == b"PK\x01\x02":
+            name_len, extra_len, comment_len = struct.unpack_from("<3H", directory, entry + 28)
+            if directory[entry + 46: entry + 46 + name_len].decode() == info.filename:
+                f.seek(start + entry + 16)
+                f.write(struct.pack("<I", value))
+                break
+            entry += 46 + name_len + extra_len + comment_len
+        else:
+            raise AssertionError(f"{info.filename} not in the central directory of {path}")
+    with zipfile.ZipFile(path) as z:
+        assert z.testzip() is None, "the archive is valid: every CRC-32 right"
+
+
+def _rank0(ckpt: Path) -> Path:
+    return sorted(ckpt.rglob("*rank_0_mp_rank_00_optim_states.pt"))[0]
+
+
+def test_bit_rot_in_a_kept_row_after_the_statistics_is_refused_and_nothing_published(real_run, xfs):
+    """The base's kept bytes rot after `--stats` vouched for its rows, the file's identity unchanged: a
+    clone still reads every byte it keeps once and checks it against its record's CRC-32 (the statistics'
+    are evidence of what the bytes should be, not of what they are now): exit 4, nothing published, as
+    `--no-clone` does."""
+    run, _spec, ckpts = on_xfs(real_run, xfs, "hf_bf16_2")
+    rotten_run = xfs / "rotten-run"
+    shutil.copytree(run, rotten_run)
+    ckpts = [rotten_run / c.relative_to(run) for c in ckpts]
+    (rotten_run / "rot").mkdir()
+    recipe = write_recipe(rotten_run / "rot", ckpts[-1], {"layers.0": ckpts[0]}, output="out")
+    # the run's statistics (`--stats`'s), with blocks of 4 KiB: a test run's record is dozens of them, as a
+    # real run's is of the 1 MiB blocks `--stats` records (the rot lies in one the recipe does not cut)
+    compute_health(tuple(scan(rotten_run).checkpoints), cache=cache_dir(), crc_block=4096, workers=1)
+
+    rank0 = _rank0(ckpts[-1])
+    info, data = _record_data(rank0, flat_record(rank0))
+    before = FileIdentity.of(os.stat(rank0))
+    at = data + (int(info.file_size * 0.9) // 4) * 4  # a kept row (the recipe takes layers.0 only)
+    rot_on_disk(xfs, rank0, at, struct.pack("<f", float("nan")))
+    assert FileIdentity.of(os.stat(rank0)) == before
+    with open(rank0, "rb") as f:
+        f.seek(at)
+        assert f.read(4) == struct.pack("<f", float("nan")), "the rot is seen through the filesystem"
+
+    for how in ([], ["--no-clone"]):
+        failed = tailor("--apply", recipe, *how)
+        assert_one_line_error(failed, 4, str(rank0), "CRC")
+        assert not (rotten_run / "rot" / "out").exists() and hidden(rotten_run / "rot") == []
+
+
+# The command line's own entry point, in a process of its own, with one fault-injection point of the
+# test's: just before the composition runs (after the plan was made and the statistics vouched for its
+# rows), training saves the base's rank-0 optim file again in place, a NaN in a kept row.
+_SAVED_AGAIN = """
+import sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from test_changed_sources import nan_in_place
+from tailor_tui.cli.main import main
+import tailor_tui.compose.compose_run as compose_run
+
+real = compose_run.run_compose
+def saved_again(plan, *args, **kwargs):
+    nan_in_place(Path({path!r}), {record!r}, 0.9)
+    return real(plan, *args, **kwargs)
+compose_run.run_compose = saved_again
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("where", ["xfs after --stats", "plain"])
+def test_a_base_saved_again_between_the_plan_and_the_read_is_refused(real_run, xfs, tmp_path, where):
+    """Each task compares every file it reads (fstat of what it opened, in the worker) with the identity the
+    plan recorded: a base saved again in place after the plan is refused in one line naming it (exit 4), on
+    a clone whose kept rows the statistics vouched for too, and nothing is published."""
+    if where == "plain":
+        run, _spec = real_run("hf_bf16_2")
+        folder = tmp_path / "run"
+    else:
+        run, _spec, _ckpts = on_xfs(real_run, xfs, "hf_bf16_2")
+        folder = xfs / "saved-again"
+    shutil.copytree(run, folder)
+    ckpts = sorted((p for p in folder.iterdir() if p.name.startswith("checkpoint-")),
+                   key=lambda p: int(p.name.split("-")[1]))
+    (folder / "out").mkdir()
+    recipe = write_recipe(folder / "out", ckpts[-1], {"layers.0": ckpts[0]}, output="composed")
+    if where != "plain":
+        assert tailor("--stats", folder).returncode == 0
+    rank0 = _rank0(ckpts[-1])
+    script = _SAVED_AGAIN.format(tests=str(Path(__file__).parent), path=str(rank0), record=flat_record(rank0))
+    done = subprocess.run([sys.executable, "-c", script, "--apply", str(recipe)], capture_output=True, text=True,
+                          timeout=300, stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert_one_line_error(done, 4, str(rank0), "changed since the composition was planned", "ctime")
+    assert not (folder / "out" / "composed").exists() and hidden(folder / "out") == []
+
+
+def test_verify_names_a_source_changed_since_the_composition(real_run, tmp_path):
+    """The output's provenance record holds each source file's identity as the composition read it:
+    `--verify` of an output whose source was saved again since says so, naming the file (exit 7), and
+    does not compare the output with the source's new bytes."""
+    run, _spec = real_run("hf_bf16_2")
+    folder = tmp_path / "run"
+    shutil.copytree(run, folder)
+    ckpts = sorted((p for p in folder.iterdir() if p.name.startswith("checkpoint-")),
+                   key=lambda p: int(p.name.split("-")[1]))
+    (folder / "out").mkdir()
+    recipe = write_recipe(folder / "out", ckpts[-1], {"layers.0": ckpts[0]}, output="composed")
+    applied = tailor("--apply", recipe)
+    assert applied.returncode == 0, applied.stderr
+    assert tailor("--verify", recipe).returncode == 0
+
+    source = _rank0(ckpts[0])
+    nan_in_place(source, flat_record(source), 0.1)
+    verified = tailor("--verify", recipe)
+    assert verified.returncode == 7, verified.stdout + verified.stderr
+    said = verified.stdout + verified.stderr
+    assert f"{source}: changed since the composition (its mtime, its ctime)" in said, said
+    assert "Traceback" not in said
+
+
+def test_planned_files_refuse_a_file_changed_before_or_while_it_is_read(tmp_path):
+    path = tmp_path / "file"
+    path.write_bytes(b"x" * 100)
+    planned = {path: FileIdentity.of(os.stat(path))}
+    with PlannedFiles(planned) as files:  # unchanged: read through the checked descriptor
+        import contextlib
+
+        with contextlib.ExitStack() as stack:
+            assert os.pread(files.fd(path, stack), 3, 0) == b"xxx"
+    with pytest.raises(CheckpointError, match="changed while it was read"):
+        with PlannedFiles(planned):
+            with open(path, "r+b") as f:  # written in place meanwhile: the same size, mtime set back
+                f.write(b"y")
+            os.utime(path, ns=(planned[path].mtime_ns, planned[path].mtime_ns))
+    with pytest.raises(CheckpointError, match="changed since the composition was planned"):
+        with PlannedFiles(planned):
+            pass
+    replaced = tmp_path / "new"
+    replaced.write_bytes(b"x" * 100)
+    os.replace(replaced, path)  # another file renamed over it
+    with pytest.raises(CheckpointError, match="another file is in its place"):
+        with PlannedFiles({path: planned[path]}):
+            pass
