@@ -10,9 +10,10 @@ measures the new space (`df` after `sync`, before and after) and the time of:
 - `tailor-tui --apply` of a recipe replacing 1 row (layers.5) and of one replacing every row, each
   cloned (the default) and with `--no-clone`; the 1-row recipe cloned both with an empty statistics
   cache (the base's kept rows are read and checked, not written) and after `--stats` of the run (the
-  statistics checked them: not read again; of the source, only the 1 MiB blocks holding the row taken
-  are read, checked against the CRC-32s the statistics recorded: the bench checks the log says so;
-  also with `--no-fsync`), each command with a cache of its own;
+  base's kept rows still read once and checked against their CRC-32s, their NaN/Inf not counted again;
+  of the source, only the 1 MiB blocks holding the row taken are read, checked against the CRC-32s the
+  statistics recorded: the bench checks the log says so; also with `--no-fsync`), each command with a
+  cache of its own;
 - on the cache folder's own filesystem (ext4 here: it cannot share blocks), the 1-row recipe both
   ways and `cp -r`: unchanged, within noise;
 - on XFS again, `cp -r` (with and without `sync`) and the 1-row recipe (before and after `--stats`),

@@ -240,6 +240,14 @@ class PlannedFiles:
         return fd
 
 
+def read_as_planned(job, call: Callable, identities: Mapping[Path, FileIdentity], *args):
+    """A task (`team.transaction.Task`: `call(job, *args)`) whose every source file is checked to be the one
+    its plan recorded, in the process that runs it, before and after it reads (`PlannedFiles`): a file that
+    training saved again meanwhile fails the task in one line (exit 4), and nothing is published."""
+    with PlannedFiles(identities):
+        return call(job, *args)
+
+
 def pread_exact(fd: int, count: int, offset: int) -> bytes:
     """Read exactly `count` bytes at `offset` (pread may return less on some file systems)."""
     parts, done = [], 0

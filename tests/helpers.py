@@ -406,3 +406,22 @@ def slurm_tasks(args, n=2, env=None, job="777") -> list[subprocess.Popen]:
                                   "SLURM_NTASKS": str(n), "SLURM_JOB_ID": job, "SLURM_STEP_ID": "0",
                                   "SLURM_STEP_NODELIST": "localhost", "MASTER_PORT": port, **(env or {})})
             for p in range(n)]
+
+
+def as_if_rotted_in_place(output: Path, changed: Path) -> None:
+    """Make `output`'s provenance record hold `changed`'s identity as it is now: as bit rot, which changes
+    no file's size, mtime or ctime, would have left it (a test's flip of a byte is a write, which does):
+    `--verify` then reads the source as a rotten file it cannot tell changed, not as one saved again."""
+    import json
+
+    record_file = output / "tailor_provenance.json"
+    record = json.loads(record_file.read_text())
+    st, found = changed.stat(), 0
+    for entry in [record["base"], *record["sources"]]:
+        for rel, was in entry["files"].items():
+            if (Path(entry["path"]) / rel).resolve() == changed.resolve():
+                was.update(bytes=st.st_size, mtime=st.st_mtime, mtime_ns=st.st_mtime_ns, ctime_ns=st.st_ctime_ns,
+                           inode=st.st_ino)
+                found += 1
+    assert found, f"{changed} is not in {record_file}"
+    record_file.write_text(json.dumps(record))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import checkpoints_of
-from helpers import assert_one_line_error, flat_record, flip_byte, tailor, write_recipe
+from helpers import as_if_rotted_in_place, assert_one_line_error, flat_record, flip_byte, tailor, write_recipe
 
 from tailor_tui.errors import CheckpointError
 
@@ -75,6 +75,9 @@ def test_verify_refuses_a_corrupt_source(run_copy, tmp_path):
     assert tailor("--apply", recipe).returncode == 0
     target = next(c2.glob("*rank_2_*optim_states.pt"))
     flip_byte(target, flat_record(target), where=0.01)
+    changed = tailor("--verify", recipe)  # the flip is a write: the source is not what was composed from
+    assert changed.returncode == 7 and f"{target}: changed since the composition" in changed.stdout, changed.stdout
+    as_if_rotted_in_place(tmp_path / "composed", target)  # bit rot: the same identity, a byte that fails its CRC
     result = tailor("--verify", recipe)
     assert result.returncode != 0 and "fails its CRC-32 check" in result.stdout + result.stderr
 
@@ -255,6 +258,9 @@ def test_a_flipped_bit_in_a_partial_save_is_refused_wherever_it_is_read(real_run
         assert tailor("--apply", recipe, "-o", tmp_path / out, *extra).returncode == 0
     _flip_in_rows_file(rows_file, name)
     for recipe, out, extra in made:  # --verify reads the damaged save: it says so, it does not compare
+        changed = tailor("--verify", recipe, "-o", tmp_path / out, *extra)  # (a write: a new ctime)
+        assert changed.returncode == 7 and f"{rows_file}: changed since the composition" in changed.stdout
+        as_if_rotted_in_place(tmp_path / out, rows_file)  # as bit rot would leave it: the same identity
         assert_one_line_error(tailor("--verify", recipe, "-o", tmp_path / out, *extra), 4, rows_file.name, name,
                               "fails its CRC-32 check")
     for _recipe, out, _extra in made:

@@ -35,7 +35,7 @@ from tailor_tui.held import HeldFolder, HeldPath
 from tailor_tui.planning.jobs import BYTES_PER_ELEMENT, BinFileJob, RankJob, WeightJob
 from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.planning.provenance import plan_digest, provenance
-from tailor_tui.reading import FileIdentity, PlannedFiles
+from tailor_tui.reading import FileIdentity, read_as_planned
 from tailor_tui.resharding.partition import ReshardJob
 from tailor_tui.resharding.skeleton import Skeleton, skeleton
 from tailor_tui.team.members import SOLO, Team
@@ -146,14 +146,6 @@ def _vouched(plan: ComposePlan, options: TaskOptions) -> dict[int, tuple[frozens
     vouched = checked_by_statistics(plan, rows)
     blocks = blocks_for(jobs)
     return {j.rank: (vouched, blocks.get(j.rank, ())) for j in jobs if vouched or j.rank in blocks}
-
-
-def read_as_planned(job, call: Callable, identities: dict, *args):
-    """A task's writer `call`, its every source file checked to be the one the plan recorded, by fstat of
-    the descriptor this process opens, before and after the writer reads (`reading.PlannedFiles`): a
-    file that training saved again meanwhile fails the task in one line (exit 4), nothing published."""
-    with PlannedFiles(identities):
-        return call(job, *args)
 
 
 def files_read(plan: ComposePlan, job) -> dict[Path, FileIdentity]:

@@ -63,6 +63,10 @@ class ExportJob(JobCost):
     read_bytes: int
     write_bytes: int
 
+    def files(self) -> tuple[Path, ...]:
+        """The source files it reads."""
+        return (self.model_states, self.optim_states) if self.rows is None else (self.model_states, self.rows)
+
 
 @dataclass(frozen=True)
 class Export:

@@ -26,6 +26,7 @@ from tailor_tui.fileio import copy_file, create, output_error, pwrite_all, write
 from tailor_tui.formats.safetensors_out import INDEX
 from tailor_tui.held import HeldFolder
 from tailor_tui.planning.provenance import provenance
+from tailor_tui.reading import read_as_planned
 from tailor_tui.team.transaction import Declaration, PublishingWork, Task, run_as_team
 from tailor_tui.team.workers import STREAMING_WORKER
 
@@ -91,7 +92,9 @@ class Exporting(PublishingWork):
             _write_config(self.source, tmp, self.export.dtype, self.durable, within)
 
     def tasks(self, shared: str, emit: Emit) -> list[Task]:
-        return [Task(export_rank, job, (self.folder(shared),)) for job in self.export.jobs]
+        held, known = self.folder(shared), self.export.plan.identities()
+        return [Task(read_as_planned, job, (export_rank, {f: known[f] for f in job.files() if f in known}, held))
+                for job in self.export.jobs]
 
     def publish(self) -> None:
         source = str(self.source) if self.source else None
