@@ -132,6 +132,28 @@ def _(run, tmp):
     return Case(("--apply", path, "--dry-run"), 3, ("recipe.yaml", "unknown key"))
 
 
+# Whole numbers YAML reads as integers but tailor-tui does not (issue 58): a digit int() refuses
+# (`²`, which str.isdigit takes), another script's digits int() reads (`٣`), more digits than int()
+# reads (5,000), past 64 bits, an octal YAML 1.1 reads otherwise (`010` is 8)
+NUMBERS = {"superscript two": '!!int "\u00b2"', "Arabic-Indic three": '!!int "\u0663"', "5,000 digits": "9" * 5000,
+           "2**64": str(1 << 64), "YAML 1.1 octal": "010"}
+for _what, _number in NUMBERS.items():
+    @case(f"recipe: world_size {_what}")
+    def _(run, tmp, number=_number):
+        path = recipe(tmp, run)
+        path.write_text(path.read_text() + f"world_size: {number}\n")
+        return Case(("--apply", path, "--dry-run"), 3, ("recipe.yaml:6:13", "`world_size` must be a whole number",
+                                                         "plain decimal digits"))
+
+    @case(f"LLMTailor recipe: layer_range end {_what}")
+    def _(run, tmp, number=_number):
+        path = tmp / "llmtailor.yaml"
+        path.write_text(f"slices:\n  - sources: [{{model: {run / 'checkpoint-4'}, layer_range: [0, {number}]}}]\n"
+                        "merge_method: passthrough\n")
+        return Case(("--apply", path, "--run", run, "--dry-run"), 3,
+                    ("llmtailor.yaml:2:", "`layer_range` must be [first, end]", "plain decimal digits"))
+
+
 # --- `latest`, the partial-save manifest, the model files' index -------------------------
 
 for _form in ("fifo", "dev-zero"):

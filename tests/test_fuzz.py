@@ -312,3 +312,52 @@ def test_every_flipped_bit_or_byte_of_a_side_files_pickle_is_refused_in_one_line
     print(f"\n{kind} pickle: {len(mutations)} mutations of {size:,} bytes in {took:.1f}s: {refused} refused in "
           f"one line ({len(messages)} kinds of line), {accepted} loaded by torch")
     assert refused and accepted  # both outcomes happen: the test can fail either way
+
+
+# --- a recipe's whole numbers (issue 58) -----------------------------------------------------------
+
+# What a number in a recipe may be spelt with: ASCII digits, other scripts' digits (which int() reads),
+# digits int() refuses (superscripts, circled), fullwidth digits, YAML 1.1's signs, `_`, bases and `:`
+NUMBER_CHARS = "0123456789" * 4 + "٣۷৪६๓０９²³¹①⁰_+-xobXB:.e " + "abcdef"
+
+
+def _spelling(rng: random.Random) -> str:
+    length = rng.choice([1, 2, 3, 5, 19, 20, 40, rng.randint(1, 5000)])
+    return "".join(rng.choice(NUMBER_CHARS) for _ in range(length))
+
+
+def test_every_spelling_of_a_recipes_whole_number_is_read_plainly_or_refused_in_one_line():
+    """Seeded spellings as `world_size` and as an LLMTailor `layer_range` end, plain and as `!!int "…"`:
+    each is read as the plain ASCII decimal number it is (no leading zero, below 2**63), or refused in a
+    one-line RecipeError of bounded length; never another exception (int()'s ValueError, an internal error)."""
+    from tailor_tui.errors import RecipeError
+    from tailor_tui.planning.mergekit import looks_like
+    from tailor_tui.planning.mergekit import parse as parse_llmtailor
+    from tailor_tui.planning.recipe import parse_recipe
+
+    rng, read, refused = random.Random(58), 0, 0
+    started = time.perf_counter()
+    for _ in range(MAX_BITS // 3):  # 500 spellings, four ways each: 2,000 recipes
+        text = _spelling(rng)
+        for written, spelt in ((text, text.strip(" ")), ('!!int "' + text + '"', text)):  # YAML strips a plain one
+            plain = spelt.isascii() and spelt.isdigit() and (spelt == "0" or spelt[0] != "0") and int(spelt) < 1 << 63
+            for kind in ("world_size", "layer_range"):
+                yaml_text = (f"version: 1\nbase: b\nworld_size: {written}\n" if kind == "world_size" else
+                             f"slices:\n  - sources: [{{model: m, layer_range: [0, {written}]}}]\n"
+                             "merge_method: passthrough\n")
+                try:
+                    if kind == "world_size":
+                        value = parse_recipe(yaml_text, source="r.yaml").world_size
+                    elif not looks_like(yaml_text):  # malformed YAML: read as tailor-tui's, which says so
+                        value = parse_recipe(yaml_text, source="r.yaml").world_size
+                    else:
+                        value = parse_llmtailor(yaml_text, "r.yaml").slices[0].end
+                except RecipeError as exc:
+                    message = str(exc)
+                    assert message.startswith("r.yaml") and "\n" not in message and len(message) < 500, message
+                    refused += 1
+                    continue
+                read += 1
+                assert plain and value == int(spelt), (kind, written, value)
+    print(f"\n{read} spellings read, {refused} refused in {time.perf_counter() - started:.1f} s")
+    assert read and refused

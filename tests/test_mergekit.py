@@ -77,6 +77,17 @@ def test_what_llmtailor_would_not_compose_as_tailor_tui_does_is_one_line(change,
     assert message in str(err.value) and "\n" not in str(err.value) and str(err.value).startswith("r.yaml")
 
 
+@pytest.mark.parametrize("end", ['!!int "\\u00b2"', '!!int "\\u0663"', "3" * 5000, str(1 << 64), "0x20", "032"],
+                         ids=lambda v: v if len(v) < 30 else f"{len(v):,} digits")
+def test_a_layer_range_yaml_reads_as_an_integer_but_no_plain_whole_number_is_one_line(end):
+    """`032` is 26 to mergekit's YAML 1.1 (LLMTailor's reading) and was 32 to tailor-tui: refused, never misread."""
+    with pytest.raises(RecipeError) as err:
+        parse(LLAMA.replace("layer_range: [16, 32]", f"layer_range: [16, {end}]"), "r.yaml")
+    message = str(err.value)
+    assert message.startswith("r.yaml:10:") and "slices[2]: `layer_range` must be [first, end]" in message
+    assert "plain decimal digits 0-9" in message and "\n" not in message and len(message) < 400, message
+
+
 @pytest.fixture(scope="module")
 def llama(real_run):
     run, _spec = real_run("hf_32_layers")

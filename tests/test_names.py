@@ -13,6 +13,7 @@ import statistics
 import subprocess
 import sys
 import time
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from pilot_helpers import compose_finished, private_copy, scan_notices, scanned,
 from tailor_tui.cli.main import ended
 from tailor_tui.ui.app import make_app
 from tailor_tui.ui.composer import ComposerScreen
-from tailor_tui.ui.dialogs import Confirm
+from tailor_tui.ui.dialogs import Confirm, ErrorDialog
 from tailor_tui.units import shown
 
 # What a downloaded run's folder may be named: erase the screen, retitle the terminal (OSC … BEL),
@@ -105,6 +106,63 @@ def test_a_refusal_stays_one_line_whatever_the_names_hold(real_run, tmp_path):
     assert_one_line_error(result, 4, shown(missing.name))
     assert_no_control_codes(result.stdout, result.stderr)
     assert len(result.stderr.splitlines()) == 1
+
+
+# --- names that pass for others (issue 58) ---------------------------------------------------------
+
+# Format characters (Unicode category Cf), unseen in a terminal: a soft hyphen, a zero-width space,
+# non-joiner and joiner, a word joiner, a BOM, an invisible operator, a tag
+FORMAT = "\u00ad\u200b\u200c\u200d\u2060\ufeff\u2061\U000e0001"
+
+
+def test_every_format_character_is_shown_escaped_and_other_names_as_they_are():
+    cf = [chr(c) for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c)) == "Cf"]
+    assert len(cf) > 150 and set(FORMAT) <= set(cf)
+    assert [c for c in cf if shown(f"a{c}b") != f"a{repr(c)[1:-1]}b" or "\\" not in shown(c)] == []
+    assert shown("checkpoint-\u200b6\ufeff") == "checkpoint-\\u200b6\\ufeff"
+    ordinary = "checkpoint-６ é 中文 ﬁ Ω 🙂 ~!@#$%^&*()[]{}"
+    assert shown(ordinary) == ordinary
+
+
+def test_stats_and_heal_show_format_characters_escaped(real_run, tmp_path):
+    run, ckpts = private_copy(real_run, tmp_path, "hf_bf16_2")
+    ckpts[0].rename(run / "checkpoint-\u00ad2\u2060")  # reads as checkpoint-2: no other checkpoint does
+    ckpts[2].rename(run / "checkpoint-6\ufeff")
+    stats = tailor("--stats", run)
+    assert stats.returncode == 0, stats.stderr
+    header = stats.stdout.splitlines()[0]
+    assert "checkpoint-\\xad2\\u2060" in header and "checkpoint-6\\ufeff" in header, header
+    healed = tailor("--heal", run, "--recipe", tmp_path / "fix.yaml")
+    assert healed.returncode == 0, healed.stderr
+    assert healed.stdout.startswith("base: checkpoint-6\\ufeff;"), healed.stdout
+    assert not set(FORMAT) & set(stats.stdout + stats.stderr + healed.stdout + healed.stderr)
+
+
+@pytest.mark.parametrize("twin", ["checkpoint-6\u200b", "checkpoint-\u20606", "\ufeffcheckpoint-6",
+                                  "checkpoint-\uff16", "checkpoint\u00ad-6"])
+def test_a_checkpoint_whose_name_reads_as_another_is_refused_naming_both(real_run, tmp_path, twin):
+    """A copy of checkpoint-6 named with an invisible character, or a fullwidth `６`, would be a second
+    `checkpoint-6` in the table, the recipe and the healing lines: the scan refuses the run."""
+    run, ckpts = private_copy(real_run, tmp_path, "hf_bf16_2")
+    shutil.copytree(ckpts[2], run / twin)
+    for args in (("--stats", run), ("--heal", run, "--recipe", tmp_path / "fix.yaml")):
+        result = tailor(*args)
+        assert_one_line_error(result, 4, f"checkpoint folders checkpoint-6 and {shown(twin)} read as one name "
+                              "(checkpoint-6)", "rename or remove one")
+        assert not set(FORMAT) & set(result.stderr), result.stderr
+    assert not (tmp_path / "fix.yaml").exists()
+
+
+async def test_the_composer_refuses_a_run_whose_checkpoint_names_read_as_one(real_run, tmp_path):
+    run, ckpts = private_copy(real_run, tmp_path, "hf_bf16_2")
+    shutil.copytree(ckpts[2], run / "checkpoint-6\u200b")
+    app = make_app(run, workers=1)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, ErrorDialog))
+        assert "read as one name (checkpoint-6)" in app.screen.message
+        await pilot.pause()
+        body = app.screen.query_one(".dialog-body").render().plain
+        assert "checkpoint-6 and checkpoint-6\\u200b read as one name" in body and "\u200b" not in body
 
 
 # --- the composer ---------------------------------------------------------------------------------

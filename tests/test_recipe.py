@@ -49,6 +49,24 @@ def test_malformed_recipes_are_one_clear_error(text, message):
     assert "\n" not in str(err.value)
 
 
+# YAML integers tailor-tui does not read as whole numbers (issue 58): each one line naming the key,
+# never int()'s ValueError; a long one cut
+@pytest.mark.parametrize("value", ['!!int "\\u00b2"', '!!int "\\u0663"', "9" * 5000, str(1 << 63), "0x10", "0b10",
+                                   "010", "1_000", "+4", "-2", "1:30", '!!int "4 "'],
+                         ids=lambda v: v if len(v) < 30 else f"{len(v):,} digits")
+def test_world_sizes_yaml_reads_as_integers_but_are_no_plain_whole_number_are_one_line(value):
+    with pytest.raises(RecipeError) as err:
+        parse(f"version: 1\nbase: b\nworld_size: {value}\n")
+    message = str(err.value)
+    assert message.startswith("r.yaml:3:13: `world_size` must be a whole number of at least 1")
+    assert "plain decimal digits 0-9" in message and "\n" not in message and len(message) < 400, message
+
+
+@pytest.mark.parametrize("value, size", [("1", 1), ('!!int "4"', 4), (str((1 << 63) - 1), (1 << 63) - 1)])
+def test_a_world_size_in_plain_digits_is_read(value, size):
+    assert parse(f"version: 1\nbase: b\nworld_size: {value}\n").world_size == size
+
+
 def test_save_and_load_round_trip(tmp_path):
     runs = tmp_path / "runs"
     r = Recipe(base=runs / "checkpoint-6", output=runs / "out",

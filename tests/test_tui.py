@@ -804,6 +804,19 @@ async def _error_after_prompt(pilot, key: str, path: Path) -> str:
     return text
 
 
+async def test_a_world_size_typed_in_no_plain_whole_number_is_refused(run_copy):
+    """`w`: what int() refuses (`²`), reads as another number (`٣`, another script's 3) or cannot read
+    (5,000 digits), and what YAML would read otherwise (`010`), each an error dialog; nothing changes."""
+    run, _ckpts = run_copy
+    app = make_app(run)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        for typed in ("\u00b2", "\u0663", "9" * 5000, "010", "0"):
+            text = await _error_after_prompt(pilot, "w", typed)
+            assert "a whole number of at least 1" in text and "plain decimal digits" in text, text
+        assert app.home.composition.world_size is None
+
+
 async def test_every_message_says_what_happened(run_copy, tmp_path):
     """ctrl+o of a recipe with a misspelt row says which row was meant, as --apply does; a quit with
     only the world size changed says that, not that the picks are unsaved; a folder typed as where to

@@ -207,8 +207,8 @@ def is_tag_dir(folder: Path) -> bool:
     return (folder / MODEL_STATES.format(rank=0)).is_file()
 
 
-ACCELERATE_TAG = re.compile(r"^pytorch_model(_\d+)?$")  # Accelerate's save_state: DeepSpeed's tag of model i
-ACCELERATE_STATE = re.compile(r"^random_states_\d+\.pkl$")  # and the RNG state of every process beside it
+ACCELERATE_TAG = re.compile(r"^pytorch_model(_\d+)?$", re.ASCII)  # Accelerate's save_state: DeepSpeed's tag of model i
+ACCELERATE_STATE = re.compile(r"^random_states_\d+\.pkl$", re.ASCII)  # and the RNG state of every process beside it
 
 
 def holds_checkpoint(folder: Path, tag: str) -> str | None:

@@ -26,6 +26,7 @@ from tailor_tui.checkpoints.checkpoint import (
 )
 from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json
 from tailor_tui.errors import CheckpointError, UsageError
+from tailor_tui.units import read_as
 
 
 class Output(NamedTuple):
@@ -70,7 +71,8 @@ def composed_from(output: Checkpoint) -> list[str]:
     return list(dict.fromkeys(Path(p).name for p in paths if isinstance(p, str)))
 
 
-STAGING = re.compile(r"^\.partial-step\d+\.saving$")  # a partial save not yet published (tailor_tui.selective)
+# a partial save not yet published (tailor_tui.selective)
+STAGING = re.compile(r"^\.partial-step\d+\.saving$", re.ASCII)
 
 
 RECIPE_SUFFIXES = (".yaml", ".yml")
@@ -168,7 +170,22 @@ def _latest(folder: Path, root: Path) -> str | None:
         return _LEAVES
 
 
-_STEP = re.compile(r"(\d+)$")
+def check_told_apart(root: Path, dirs: list[Path]) -> None:
+    """CheckpointError (one line) where two checkpoint folders under `root` differ only in what does
+    not show: invisible format characters (U+200B, a word joiner, a BOM, a soft hyphen) or look-alike
+    compatibility forms (a fullwidth `６`) — `units.read_as`. A copy named `checkpoint-6` + U+200B
+    would be a second `checkpoint-6` in every table, recipe and healing line; the scan refuses the run
+    rather than guess which one is meant. Reads no file."""
+    seen: dict[str, Path] = {}
+    for folder in dirs:
+        name = os.path.relpath(folder, root)
+        first = seen.setdefault(read_as(name), folder)
+        if first != folder:
+            raise CheckpointError(
+                f"{root}: checkpoint folders {os.path.relpath(first, root)} and {name} read as one name "
+                f"({read_as(name)}): they differ only in invisible characters (Unicode format characters, shown "
+                "escaped) or look-alike forms (fullwidth digits, ligatures: NFKC); rename or remove one, so each "
+                "checkpoint has a name of its own")
 
 
 def scan(
@@ -178,7 +195,8 @@ def scan(
     *,
     cache: Path | None | Where = ROOT,
 ) -> ScanResult:
-    """Open every checkpoint under `root`; unusable ones are reported, not raised. What each
+    """Open every checkpoint under `root`; unusable ones are reported, not raised (two whose names read
+    as one are refused: `check_told_apart`). What each
     checkpoint's model_states file says is cached under `cache` (default: `cache.cache_dir()`,
     `scan_cache`); None reads every one."""
     root, cache = Path(root), chosen(cache)
@@ -186,6 +204,7 @@ def scan(
         raise CheckpointError(f"{root}: no such folder to scan")
     interrupted: list[Path] = []
     dirs = find_checkpoint_dirs(root, interrupted)
+    check_told_apart(root, dirs)
     checkpoints, outputs = [], []
     problems = [(d, f"{d}: an interrupted partial save (a save killed before it was published); "
                     "safe to delete") for d in interrupted]

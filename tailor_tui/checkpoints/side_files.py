@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 
 from tailor_tui.reading import open_regular
+from tailor_tui.units import whole_number
 
 MAX_SIDE_FILE = 1 << 20  # bytes: config.json and the like are a few KiB
 MAX_RECORD = 64 << 20  # records that grow with the model or the run: an index, a manifest, a provenance record
@@ -27,7 +28,8 @@ _BRACKETS = re.compile(rb"[\[\]{}]")
 def side_file_limit() -> int:
     """The default size bound of a side file: MAX_SIDE_FILE, or `$TAILOR_TUI_MAX_SIDE_FILE` bytes."""
     value = os.environ.get("TAILOR_TUI_MAX_SIDE_FILE", "")
-    return int(value) if value.isdigit() and int(value) > 0 else MAX_SIDE_FILE
+    bound = whole_number(value)
+    return bound if bound else MAX_SIDE_FILE
 
 
 def read_small(path: Path, limit: int | None = None, *, follow: bool = True, within: Path | None = None) -> bytes:

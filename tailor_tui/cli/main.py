@@ -30,16 +30,13 @@ from tailor_tui.errors import (
     exit_codes_help,
 )
 from tailor_tui.events import TaskOptions
-from tailor_tui.units import shown
+from tailor_tui.units import WHOLE_NUMBER, clipped, shown, whole_number
 
 
 def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got '{text}'")
+    value = whole_number(text)  # the rule of every whole number a person writes (a recipe's too)
+    if value is None or value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1 ({WHOLE_NUMBER}), got '{clipped(text)}'")
     return value
 
 

@@ -259,7 +259,7 @@ class Composition:
         """Whether the output is a default name for the base (so it follows a change of base)."""
         base = self.base_checkpoint.path
         return (self.output is not None and self.output.parent == base.parent
-                and re.fullmatch(re.escape(base.name) + r"-tailored(-\d+)?", self.output.name) is not None)
+                and re.fullmatch(re.escape(base.name) + r"-tailored(-\d+)?", self.output.name, re.ASCII) is not None)
 
     # --- recipes ----------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from tailor_tui.formats.pickled import FLOATING, Size, StorageType, TensorRef, r
 TRUSTED_PACKAGES = ("transformers", "accelerate", "deepspeed", "peft", "trl", "__main__")
 TRUSTED_ENV = "TAILOR_TUI_TRUSTED_PICKLES"  # more top-level packages, comma-separated (a training script's own)
 # where torch restores a storage (`torch.serialization.default_restore_location`); a `torch.device` likewise
-DEVICE = re.compile(r"(cpu|meta|mps|(cuda|xpu|hpu|npu|mtia|privateuseone)(:\d{1,4})?)")
+DEVICE = re.compile(r"(cpu|meta|mps|(cuda|xpu|hpu|npu|mtia|privateuseone)(:\d{1,4})?)", re.ASCII)
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 

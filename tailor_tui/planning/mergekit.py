@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import yaml
 
 from tailor_tui.errors import RecipeError
+from tailor_tui.planning.recipe import recipe_int
 
 KEYS = ("slices", "merge_method", "pre_weights", "post_weights", "dtype", "out_dtype")
 # mergekit keys that say something tailor-tui does not do, and what to do instead
@@ -59,7 +60,7 @@ REFUSED = {
 WEIGHT_ROWS = {"model.embed_tokens.weight": "embed_tokens", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
 DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16",
           "float32": "fp32", "fp32": "fp32", "float": "fp32"}
-SEQ, MAP, STR, INT = yaml.SequenceNode, yaml.MappingNode, "tag:yaml.org,2002:str", "tag:yaml.org,2002:int"
+SEQ, MAP, STR = yaml.SequenceNode, yaml.MappingNode, "tag:yaml.org,2002:str"
 
 
 @dataclass(frozen=True)
@@ -163,11 +164,11 @@ def _slice(node: yaml.Node, i: int, source: str) -> Slice:
             raise RecipeError(f"{_at(source, items[0])}: {what}.sources[0] has no `{key}`")
     model = ModelRef(_text(src["model"], source, f"{what}: `model`"), _at(source, src["model"]), what)
     lr = src["layer_range"]
-    if not (isinstance(lr, SEQ) and len(lr.value) == 2 and all(
-            isinstance(n, yaml.ScalarNode) and n.tag == INT and n.value.isdigit() for n in lr.value)):
-        raise RecipeError(f"{_at(source, lr)}: {what}: `layer_range` must be [first, end]: two whole numbers "
-                          "(half-open: layers first .. end-1)")
-    start, end = (int(n.value) for n in lr.value)
+    must = (f"{what}: `layer_range` must be [first, end]: two whole numbers "
+            "(half-open: layers first .. end-1)")
+    if not (isinstance(lr, SEQ) and len(lr.value) == 2):
+        raise RecipeError(f"{_at(source, lr)}: {must}")
+    start, end = (recipe_int(n, source, must) for n in lr.value)
     if end < start:
         raise RecipeError(f"{_at(source, lr)}: {what}: layer_range [{start}, {end}] ends before it starts")
     return Slice(start, end, model, _at(source, lr))

@@ -28,7 +28,7 @@ from tailor_tui.planning.mergekit import LLMTailorRecipe, ModelRef, parse, row_s
 from tailor_tui.planning.recipe import Recipe
 
 FORMAT = "LLMTailor"
-_LAYER = re.compile(r"layers\.\d+")
+_LAYER = re.compile(r"layers\.\d+", re.ASCII)
 
 
 class _Paths:

@@ -216,7 +216,7 @@ def _open_lock(path: Path) -> int:
         return os.open(path, os.O_RDONLY | flags)
 
 
-HOLDER = re.compile(r"pid (\d+) on ([A-Za-z0-9._-]{1,255})")  # what `output_lock` writes in its lock file
+HOLDER = re.compile(r"pid (\d+) on ([A-Za-z0-9._-]{1,255})", re.ASCII)  # what `output_lock` writes in its lock file
 
 
 def _holder(fd: int) -> str:

@@ -330,7 +330,7 @@ def row_groups(rows: list[tuple[str, int]]) -> list[tuple[str, int]]:
     groups: list[tuple[str, int, int, int]] = []  # (label, source, first layer, last layer)
     for name, source in rows:
         number = name.rsplit(".", 1)[-1]
-        layer = int(number) if name.startswith("layers.") and number.isdigit() else None
+        layer = int(number) if name.startswith("layers.") and number.isascii() and number.isdigit() else None
         if groups and layer is not None:
             label, s, first, last = groups[-1]
             if s == source and first >= 0 and last == layer - 1:

@@ -24,6 +24,7 @@ import yaml
 from tailor_tui import moved
 from tailor_tui.checkpoints.side_files import read_small
 from tailor_tui.errors import OutputError, RecipeError, UsageError
+from tailor_tui.units import WHOLE_NUMBER, clipped, whole_number
 
 # reading and saving a recipe file moved to recipe_file (above this module and the formats it reads)
 __getattr__ = moved.names(__name__, {"load_recipe": f"{__package__}.recipe_file"})
@@ -106,6 +107,23 @@ def _scalar_path(node: yaml.Node, source: str, what: str, folder: Path) -> Path:
     return p if p.is_absolute() else _within(folder / p)
 
 
+INT = "tag:yaml.org,2002:int"
+
+
+def recipe_int(node: yaml.Node, source: str, must: str, least: int = 0) -> int:
+    """The one reading of a whole number in a recipe (`world_size`, an LLMTailor `layer_range`): a
+    YAML integer (`4`, `!!int "4"`) spelt as `units.whole_number` reads one, at least `least`; else
+    RecipeError `FILE:LINE:COL: {must}, not 'VALUE'` (a long value cut), saying how to write one
+    where the YAML is an integer tailor-tui does not read (`²`, `0x10`, 5,000 digits)."""
+    text = node.value if isinstance(node, yaml.ScalarNode) else None
+    value = whole_number(text) if text is not None and node.tag == INT else None
+    if value is not None and value >= least:
+        return value
+    said = "?" if text is None else clipped(text)
+    how = f" (a recipe's whole numbers are {WHOLE_NUMBER})" if value is None and node.tag == INT else ""
+    raise RecipeError(f"{_at(source, node)}: {must}, not '{said}'{how}")
+
+
 def _within(path: Path) -> Path:
     """`path` with `..` and symlinks above its last name resolved (as the file system does, not
     by text), relative to the working folder when it lies under it: messages say `demo-run/x`,
@@ -181,12 +199,8 @@ def parse_recipe(text: str, source: str = "recipe", folder: Path = Path(".")) ->
 
     world_size = None
     if "world_size" in nodes:
-        node = nodes["world_size"][1]
-        if not (isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:int"
-                and node.value.isdigit() and int(node.value) >= 1):
-            raise RecipeError(f"{_at(source, node)}: `world_size` must be a whole number of at least 1 (the "
-                              f"data-parallel ranks to reshard for), not '{getattr(node, 'value', '?')}'")
-        world_size = int(node.value)
+        world_size = recipe_int(nodes["world_size"][1], source, "`world_size` must be a whole number of at least 1 "
+                                "(the data-parallel ranks to reshard for)", least=1)
 
     layers: dict[str, Path] = {}
     if "layers" in nodes:

@@ -284,8 +284,8 @@ class _Parameter:
         return found
 
 
-RNG_STATE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
-ACCELERATE_RNG_STATE = re.compile(r"^random_states_(\d+)\.pkl$")  # Accelerate's, one per process
+RNG_STATE = re.compile(r"^rng_state(?:_(\d+))?\.pth$", re.ASCII)  # ASCII: `rng_state_٣.pth` is no rank 3's
+ACCELERATE_RNG_STATE = re.compile(r"^random_states_(\d+)\.pkl$", re.ASCII)  # Accelerate's, one per process
 
 
 def renamed_for(rel: Path, to_world: int) -> Path | None:

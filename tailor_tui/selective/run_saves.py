@@ -58,7 +58,7 @@ def _step(folder: Path) -> int:
     try:
         return int(json.loads((folder / "trainer_state.json").read_text())["global_step"])
     except (OSError, ValueError, KeyError, TypeError):
-        found = re.search(r"(\d+)$", folder.name)
+        found = re.search(r"(\d+)$", folder.name, re.ASCII)
         return int(found.group(1)) if found else 0
 
 

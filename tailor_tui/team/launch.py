@@ -115,7 +115,7 @@ def _expand_one(item: str, whole: str) -> list[str]:
     out: list[str] = []
     for part in ranges.split(","):
         low, _, high = part.partition("-")
-        if not low.isdigit() or (high and not high.isdigit()):
+        if not (low.isascii() and low.isdigit()) or (high and not (high.isascii() and high.isdigit())):
             raise UsageError(f"hostlist {whole!r}: [{ranges}] is not a list of numbers and ranges")
         width = len(low)
         for n in range(int(low), int(high or low) + 1):

@@ -10,6 +10,7 @@ from tailor_tui.errors import TailorError
 from tailor_tui.planning.recipe_file import load_recipe
 from tailor_tui.team.sbatch import write_sbatch
 from tailor_tui.ui.dialogs import Answer, Confirm, ErrorDialog, PathPrompt
+from tailor_tui.units import WHOLE_NUMBER, clipped, whole_number
 
 if TYPE_CHECKING:
     from tailor_tui.ui.host import ComposerHost, Saved
@@ -30,11 +31,13 @@ class RecipeActions:
             if value is None:  # Esc: nothing changes
                 return
             text = value.strip()
-            if text and not (text.isdigit() and int(text) >= 1):
-                self.app.push_screen(ErrorDialog(f"world size '{text}': a whole number of at least 1 (the "
-                                                 "data-parallel ranks to compose for), or empty for the base's"))
+            size = whole_number(text)
+            if text and not (size is not None and size >= 1):
+                self.app.push_screen(ErrorDialog(f"world size '{clipped(text)}': a whole number of at least 1 (the "
+                                                 f"data-parallel ranks to compose for, in {WHOLE_NUMBER}), or "
+                                                 "empty for the base's"))
                 return
-            dropped = comp.set_world_size(int(text) if text else None)
+            dropped = comp.set_world_size(size if text else None)
             if dropped:
                 self.notify(f"{', '.join(dropped)}: back to the base (their checkpoints have another world size)",
                             severity="warning", timeout=8)
