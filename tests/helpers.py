@@ -61,14 +61,23 @@ _MEASURE = ("import os, subprocess, sys\n"
 
 
 def tailor_peak(*args, env: dict | None = None, timeout=300) -> tuple[subprocess.CompletedProcess, int]:
-    """`tailor`, and the command's own peak resident memory (bytes)."""
+    """`tailor`, and the command's own peak resident memory (bytes). Past `timeout` the command is
+    killed with its measuring process (a session of their own) and TimeoutExpired raised."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as folder:
         peak = Path(folder) / "peak"
-        result = subprocess.run([sys.executable, "-c", _MEASURE, str(peak), TAILOR, *map(str, args)],
-                                capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-                                env=dict(os.environ, PYTHONWARNINGS="ignore", **(env or {})))
+        with subprocess.Popen([sys.executable, "-c", _MEASURE, str(peak), TAILOR, *map(str, args)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                              env=dict(os.environ, PYTHONWARNINGS="ignore", **(env or {})),
+                              start_new_session=True) as measuring:
+            try:
+                out, err = measuring.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(measuring.pid, signal.SIGKILL)  # the command too, not only what measures it
+                measuring.communicate()
+                raise
+        result = subprocess.CompletedProcess(measuring.args, measuring.returncode, out, err)
         return result, int(peak.read_text()) * 1024
 
 

@@ -8,7 +8,9 @@ same values as the original (the flipped bit is one nobody reads: a time stamp, 
 Never another exception, never an accepted file torch cannot load or reads otherwise. The
 safetensors kinds likewise: every bit of a model.safetensors' and a PEFT adapter's 8-byte length
 and JSON header, and of a shard index, read as every path reads them; accepted, the safetensors
-library loads what tailor-tui's reader says the file holds.
+library loads what tailor-tui's reader says the file holds. And every integer of transformers' own
+configs of a dozen models, set to a million in turn, as a checkpoint's config.json: reading its
+weight files' names (which makes a model of it, within bounds) takes seconds and never raises.
 
 The composition in full (the real command line) meets the same mutations in tests/test_zip_records.py;
 here the readers run in-process so that thousands of mutations take seconds. The counts and the
@@ -17,6 +19,7 @@ time are printed (`pytest -s`); TAILOR_FUZZ_BITS raises the sample (a nightly va
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -361,3 +364,65 @@ def test_every_spelling_of_a_recipes_whole_number_is_read_plainly_or_refused_in_
                 assert plain and value == int(spelt), (kind, written, value)
     print(f"\n{read} spellings read, {refused} refused in {time.perf_counter() - started:.1f} s")
     assert read and refused
+
+
+# A model is made of a checkpoint's config.json to read its weight files' names (checkpoints/saved_names):
+# every count of transformers' own configs of these models, in turn, asking for a million
+CONFIG_MODELS = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM",
+                 "t5": "T5ForConditionalGeneration", "bart": "BartForConditionalGeneration",
+                 "albert": "AlbertForMaskedLM", "swin": "SwinForImageClassification",
+                 "beit": "BeitForMaskedImageModeling", "llava": "LlavaForConditionalGeneration",
+                 "mllama": "MllamaForConditionalGeneration", "deepseek_v3": "DeepseekV3ForCausalLM",
+                 "nemotron_h": "NemotronHForCausalLM"}
+MAKE_SECONDS = 15  # the most a config may take here (importing the model's module included)
+
+
+def _integers(value, path=()):
+    """Where `value` (a config as a dict) holds an integer, as paths of keys."""
+    if isinstance(value, dict):
+        for key, held in value.items():
+            yield from _integers(held, (*path, key))
+    elif isinstance(value, int) and not isinstance(value, bool):
+        yield path
+
+
+def test_every_count_of_a_config_asking_for_a_million_makes_no_model_past_the_bounds(tmp_path, capsys):
+    """Each integer of each config (any key, any depth: layers, experts, heads, widths, token ids),
+    set to a million in turn: reading the names takes at most MAKE_SECONDS and never raises (a model
+    past the bounds is not made: the table serves)."""
+    import signal
+
+    import transformers
+
+    from tailor_tui.checkpoints.saved_names import loading_names
+
+    class TooSlow(BaseException):  # not an Exception: nothing on the way takes it for a failed make
+        pass
+
+    def too_slow(*_args):
+        raise TooSlow
+
+    previous = signal.signal(signal.SIGALRM, too_slow)
+    started, tried = time.monotonic(), 0
+    try:
+        for model_type, arch in CONFIG_MODELS.items():
+            config = transformers.AutoConfig.for_model(model_type).to_dict()
+            for path in _integers(config):
+                asked = json.loads(json.dumps({**config, "architectures": [arch]}))
+                held = asked
+                for key in path[:-1]:
+                    held = held[key]
+                held[path[-1]] = 1_000_000
+                (tmp_path / "config.json").write_text(json.dumps(asked))
+                signal.alarm(MAKE_SECONDS)
+                try:
+                    loading_names(tmp_path)
+                except TooSlow:
+                    pytest.fail(f"{model_type}: {'.'.join(map(str, path))} = 1,000,000 took more than {MAKE_SECONDS} s")
+                finally:
+                    signal.alarm(0)
+                tried += 1
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    with capsys.disabled():
+        print(f"\n{tried} configs of {len(CONFIG_MODELS)} models in {time.monotonic() - started:.0f} s")
