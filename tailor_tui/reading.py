@@ -175,10 +175,10 @@ class PlannedFiles:
     """The files a task reads, each the file the plan recorded (`identities`: path -> FileIdentity).
 
     Entering opens each (a regular file only) and compares its descriptor's identity (fstat) with
-    the planned one; `fd(path)` is a descriptor of that very file, to read it through; leaving
-    without an exception looks again, by fstat of the same descriptor (or of the path opened anew,
-    past MAX_HELD descriptors), and refuses the task if any changed while it was read. A path the
-    plan recorded no identity of is opened as any input is (`open_regular`)."""
+    the planned one, holding the descriptor; leaving without an exception looks again, by fstat of
+    the same descriptor (or of the path opened anew, past MAX_HELD descriptors), and refuses the task
+    if any changed while it was read. The task's readers open the files by path in between: what they
+    read is what the two equal looks bracket (the module's account above)."""
 
     def __init__(self, identities: Mapping[Path, FileIdentity]):
         self.identities = identities
@@ -215,17 +215,6 @@ class PlannedFiles:
         for fd in self._held.values():
             os.close(fd)
         self._held.clear()
-
-    def fd(self, path: Path, stack: contextlib.ExitStack) -> int:
-        """A read-only descriptor of `path`, the planned file's (closed with `stack`)."""
-        if path in self._held:
-            fd = os.dup(self._held[path])  # (the writer closes its own; the held one is looked at again)
-        elif path in self.identities:
-            fd = self._open_checked(path, "since the composition was planned")
-        else:
-            fd = open_regular(path)
-        stack.callback(os.close, fd)
-        return fd
 
     def _open_checked(self, path: Path, when: str) -> int:
         try:

@@ -129,8 +129,8 @@ def _vouched(plan: ComposePlan, options: TaskOptions) -> dict[int, tuple[frozens
     the run's cached statistics found whole and finite as the files are now (no rank file read), whose
     NaN/Inf the writer need not count again (it still reads and checks every byte against its CRC-32:
     those prove them the bytes the statistics counted), and the block CRC-32s the statistics recorded of
-    the base's and the sources' rank files as they are now (`source_blocks.blocks_for`: a stat per file),
-    so that only the blocks taken are read of a source. Empty where the output is not a clone."""
+    the sources' rank files as they are now (`source_blocks.blocks_for`: a stat per file), so that only
+    the blocks taken are read of a source. Empty where the output is not a clone."""
     if not options.clone or plan.reshard is not None:
         return {}
     jobs = [j for j in plan.rank_jobs() if isinstance(j, RankJob)]
