@@ -31,7 +31,7 @@ from tailor_tui.formats.ds_format import TENSORS
 from tailor_tui.formats.nonfinite import Census, Region
 from tailor_tui.formats.ptfile import Record, Unsupported, checked_ranges, file_format, read_whole
 from tailor_tui.planning.jobs import RankJob
-from tailor_tui.reading import RangeCrcs, crc_range, pread_into
+from tailor_tui.reading import RangeCrcs, Readahead, crc_range, pread_into
 
 if TYPE_CHECKING:
     from tailor_tui.checkpoints.checkpoint import RankFiles
@@ -243,9 +243,16 @@ class _Sweep:
         self.writeback = Writeback(fout, counter.options.durable)
         self.buffer = memoryview(bytearray(STREAM_CHUNK))
         self.written, self._j = 0, 0  # the output is written up to `written`; spans before _j lie behind
+        self.ahead: dict[int, tuple[Readahead, int]] = {}  # per file read in order: its readahead, its size
 
     def read(self, fd: int, offset: int, n: int, crcs: RangeCrcs, census: Census, also=None) -> None:
-        """Read `n` bytes at `offset` of `fd`: fed to the CRC-32s, the census and `also`."""
+        """Read `n` bytes at `offset` of `fd`: fed to the CRC-32s, the census and `also`. The kernel reads
+        ahead of this sequential reader (`Readahead`): a cold file comes at the disk's rate, while this
+        process checks what it has."""
+        if fd not in self.ahead:
+            self.ahead[fd] = (Readahead(fd), os.fstat(fd).st_size)
+        ahead, end = self.ahead[fd]
+        ahead.before(offset, end)
         view = self.buffer[:n]
         pread_into(fd, view, offset)
         crcs.feed(view)
