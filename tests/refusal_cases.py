@@ -15,7 +15,7 @@ import os
 import struct
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 RUN_SPEC = "hf_bf16_2"  # the run every case copies (tests/conftest.py RUNS)
@@ -257,6 +257,34 @@ for _form in ("fifo", "dev-zero"):
 def _(run, tmp):
     huge(run / "checkpoint-4" / "trainer_state.json", 2 << 30)
     return stats(tmp, run)
+
+
+def log_numbers(run: Path, numbers: dict[int, dict[str, str]]) -> None:
+    """Every checkpoint's trainer_state.json alike (one run still) with the log entry at each step
+    given holding each field given as that JSON number text (which json.dumps cannot write)."""
+    for state in sorted(run.glob("checkpoint-*/trainer_state.json")):
+        doc = json.loads(state.read_text())
+        for entry in doc["log_history"]:
+            for key in numbers.get(entry.get("step"), {}):
+                entry[key] = f"@{entry['step']}:{key}@"
+        text = json.dumps(doc, indent=2, sort_keys=True)
+        for step, fields in numbers.items():
+            for key, number in fields.items():
+                text = text.replace(f'"@{step}:{key}@"', number)
+        state.write_text(text)
+
+
+@case("trainer_state.json: a 401-digit loss and step (ignored, noted)")
+def _(run, tmp):
+    log_numbers(run, {2: {"loss": "9" * 401}, 4: {"step": "-" + "9" * 401}})
+    return replace(stats(tmp, run), needles=("note: ", "trainer_state.json: 2 integers past 64 bits ignored"))
+
+
+@case("trainer_state.json: a 5,000-digit grad norm, losses 1e999 and NaN (ignored, noted)")
+def _(run, tmp):
+    log_numbers(run, {1: {"grad_norm": "1" * 5_000}, 2: {"loss": "1e999"}, 3: {"loss": "NaN"}})
+    return Case(("--heal", run, "--recipe", tmp / "healed.yaml"), 0, ("note: ", "5,000 digits"),
+                {"TAILOR_TUI_CACHE": str(tmp / "cache")})
 
 
 def _name_ds_config(run: Path, config: Path) -> None:

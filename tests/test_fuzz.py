@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import struct
 import time
@@ -426,3 +427,155 @@ def test_every_count_of_a_config_asking_for_a_million_makes_no_model_past_the_bo
         signal.signal(signal.SIGALRM, previous)
     with capsys.disabled():
         print(f"\n{tried} configs of {len(CONFIG_MODELS)} models in {time.monotonic() - started:.0f} s")
+
+
+# trainer_state.json: its numbers (and its layout), read item by item (`side_files.json_items`) as
+# json.loads reads the whole file, and compared (`lineage`) as its entries' repr() were
+NUMBERS = ("9" * 401, "-" + "9" * 401, "1" + "0" * 4_400, str(2**64), str(2**64 - 1), str(-2**63), str(-2**63 - 1),
+           "1e999", "-1e999", "NaN", "Infinity", "-Infinity", "1.5e-400", "-0", "-0.0", "1E+2", "true", "null",
+           '"4"', "[1, [2]]", '{"a": 1}', "1\u0663", "\u0663", "01", "1.", ".5", "+1", "0x1F", "1e", "--1", "1 2")
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+def _as_json_loads(raw: bytes):
+    """The log history json.loads finds in `raw` (integers past 64 bits as `Unread`, as tailor-tui
+    reads them), or None where tailor-tui's rules find none: not JSON, nested past 64 levels, no
+    object, no list at `log_history`."""
+    from tailor_tui.checkpoints.side_files import Unread
+
+    def integer(digits: str):
+        value = int(digits) if len(digits) < 4_300 else None
+        return value if value is not None and -2**63 <= value < 2**64 else Unread(digits)
+
+    def deepest(value, above: int = 0) -> int:  # levels of arrays and objects, counted up to 65
+        if not isinstance(value, (dict, list)) or above > 64:
+            return above
+        return max((deepest(v, above + 1) for v in (value.values() if isinstance(value, dict) else value)),
+                   default=above + 1)
+
+    try:
+        doc = json.loads(raw, parse_int=integer)
+    except (ValueError, RecursionError):
+        return None
+    if deepest(doc) > 64 or not isinstance(doc, dict) or not isinstance(doc.get("log_history"), list):
+        return None
+    return doc["log_history"]
+
+
+def _by_repr(entries, step: int) -> tuple:
+    """The log history up to `step` as the lineage compared it before issue 58: (step, (key, repr(value)) …)."""
+    return tuple((e["step"], tuple(sorted((k, repr(v)) for k, v in e.items()))) for e in entries or ()
+                 if isinstance(e, dict) and isinstance(e.get("step"), int) and e["step"] <= step)
+
+
+def _apart_by_repr(older: tuple, newer: tuple, shared: int) -> str | None:
+    start = tuple(entry for entry in newer if entry[0] <= shared)
+    if older == start:
+        return None
+    step = next((x[0] for x, y in zip(older, start) if x != y), None)
+    return "their training logs (trainer_state.json) differ" + (f" at step {step}" if step is not None else "")
+
+
+def _mutations(text: str, rng: random.Random, count: int) -> list[tuple[str, str]]:
+    """(what, the mutated text): a number replaced by a hostile one or by another of the file's, a
+    character of one changed, the file rewritten in another layout or structure."""
+    spots = [m.span() for m in NUMBER.finditer(text)]
+    found = []
+    for i in range(count):
+        start, end = rng.choice(spots)
+        if i % 3 == 0:
+            new = rng.choice(NUMBERS)
+        elif i % 3 == 1:
+            new = text.__getitem__(slice(*rng.choice(spots)))
+        else:
+            at = rng.randrange(start, end)
+            new = text[start:at] + rng.choice("0123456789-+.eE\u0663 x,]}") + text[at + 1:end]
+        found.append((f"{text[start:end]!r} at {start} -> {new[:20]!r}", text[:start] + new + text[end:]))
+    doc = json.loads(text)
+    entries = doc["log_history"]
+    layouts = {"compact": json.dumps(doc), "indent 1": json.dumps(doc, indent=1), "tabs": json.dumps(doc, indent="\t"),
+               "keys reversed": json.dumps({**doc, "log_history": [dict(reversed(e.items())) for e in entries]}),
+               "log history twice": text.replace('"log_history": [', '"log_history": [{"step": 1, "loss": 9.0}], '
+                                                 '"log_history": [', 1),
+               "an empty log history before": '{"log_history": [],' + text.lstrip()[1:],
+               "an entry dropped": json.dumps({**doc, "log_history": entries[1:]}),
+               "an entry more": json.dumps({**doc, "log_history": [*entries, {**entries[-1], "step": 7}]}, indent=2,
+                                           sort_keys=True),
+               "the last entry's loss changed": json.dumps({**doc, "log_history": [*entries[:-1], {**entries[-1],
+                                                            "loss": 1.0}]}, indent=2, sort_keys=True),
+               "two entries swapped": json.dumps({**doc, "log_history": [entries[1], entries[0], *entries[2:]]}),
+               "a step true": json.dumps({**doc, "log_history": [{**entries[0], "step": True}, *entries[1:]]}),
+               "a step 1.0": json.dumps({**doc, "log_history": [{**entries[0], "step": 1.0}, *entries[1:]]}),
+               "an entry nested 70 deep": json.dumps({**doc, "log_history": [*entries, {"step": 1, "x": [[[]]]}]})
+               .replace("[[[]]]", "[" * 70 + "]" * 70),
+               "UTF-16": text, "a UTF-8 BOM": "\ufeff" + text,
+               "the log history an object": text.replace('"log_history": [', '"log_history": {"x": [', 1)}
+    return found + list(layouts.items())
+
+
+def _streamed(path: Path) -> list | None:
+    """The items `json_items` gives of the log history in `path` (those after a RESTART), None where it refuses."""
+    from tailor_tui.checkpoints.side_files import MAX_RECORD, RESTART, json_items
+
+    items: list = []
+    try:
+        for item in json_items(path, "log_history", MAX_RECORD):
+            if item is RESTART:
+                items = []
+            else:
+                items.append(item)
+    except ValueError:
+        return None
+    return items
+
+
+def _loss_by_rule(entries, step: int) -> tuple:
+    """The loss and grad norm logged at or last before `step`, as read before issue 58."""
+    number = lambda v: float(v) if type(v) in (int, float) else None  # noqa: E731 (an `Unread` is no number)
+    loss = grad = None
+    for e in entries or ():
+        if isinstance(e, dict) and isinstance(e.get("step"), int) and e["step"] <= step and number(e.get("loss")) is not None:
+            loss, grad = number(e["loss"]), number(e.get("grad_norm"))
+    return loss, grad
+
+
+def test_every_mutated_number_of_a_training_log_is_read_as_json_loads_reads_it(real_run, tmp_path):
+    """trainer_state.json of a real run, its numbers replaced by hostile ones (401 and 4,400 digits,
+    2⁶⁴, 1e999, NaN, non-ASCII digits …) or by each other, a character of one changed, the file in
+    other layouts and structures, as the log of checkpoint 6 then of checkpoint 4: its items, one at
+    a time, are json.loads' (`json_items`); the loss and grad norm at the checkpoint's step, and
+    whether it is of the other checkpoint's run, are what the rules before issue 58 give on json.loads'
+    reading (integers past 64 bits taken for absent: `Unread`); never an exception, nor from the
+    composer's curve."""
+    from types import SimpleNamespace
+
+    from tailor_tui.checkpoints.lineage import Lineage, logged_at
+    from tailor_tui.health.healing import training_curve
+
+    run, _spec = real_run("hf_bf16_2")
+    text = (run / "checkpoint-6" / "trainer_state.json").read_text()
+    mutations = _mutations(text, random.Random(58), MAX_BITS // 2)
+    originals = {s: _as_json_loads((run / f"checkpoint-{s}" / "trainer_state.json").read_bytes()) for s in (4, 6)}
+    layout = SimpleNamespace(groups=(), frozen=())
+    began, read, ignored, apart = time.monotonic(), 0, 0, 0
+    for n, (what, mutated) in enumerate(mutations):
+        for step, other in ((6, 4), (4, 6)):
+            folder = tmp_path / f"{n}-{step}"
+            folder.mkdir()
+            raw = mutated.encode("utf-16") if what == "UTF-16" else mutated.encode(errors="surrogatepass")
+            (folder / "trainer_state.json").write_bytes(raw)
+            expected = _as_json_loads(raw)
+            assert repr(_streamed(folder / "trainer_state.json")) == repr(expected), what
+            mine = SimpleNamespace(path=folder, step=step, kind="hf", layout=layout)
+            theirs = SimpleNamespace(path=run / f"checkpoint-{other}", step=other, kind="hf", layout=layout)
+            logged = logged_at(mine)
+            assert repr((logged.loss, logged.grad_norm)) == repr(_loss_by_rule(expected, step)), what
+            histories = {step: _by_repr(expected, step), other: _by_repr(originals[other], other)}
+            want = None if expected is None else _apart_by_repr(histories[4], histories[6], 4)
+            assert Lineage().apart(mine, theirs) == want, what
+            training_curve([theirs, mine])
+            read, ignored, apart = read + (expected is not None), ignored + (expected is None), apart + bool(want)
+    took = time.monotonic() - began
+    print(f"\ntrainer_state.json: {len(mutations)} mutations, each as the newer and the older log, in {took:.1f}s: "
+          f"{read} read, {ignored} ignored (not JSON, no log history), {apart} another run's")
+    assert read and ignored and apart

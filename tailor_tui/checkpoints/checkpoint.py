@@ -177,16 +177,6 @@ def incompatibility(base: Checkpoint, other: Checkpoint, *, repartitioned: bool 
     return None
 
 
-def log_history(folder: Path) -> list | None:
-    """The HF Trainer's log history an HF checkpoint folder saved (its trainer_state.json, read
-    bounded); None where there is none to read (DeepSpeed's layout, an unreadable file)."""
-    try:
-        entries = load_json(folder / TRAINER_STATE, MAX_RECORD).get("log_history")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return entries if isinstance(entries, list) else None
-
-
 def read_latest(folder: Path, *, strict: bool = False, run: Path | None = None) -> str | None:
     """The tag `folder/latest` names; None if there is none, or one that cannot be read (not a
     small regular file: a FIFO, /dev/zero), which is a CheckpointError instead when `strict`.

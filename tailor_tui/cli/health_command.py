@@ -49,6 +49,8 @@ def _health(run_dir: Path, args, progress: str, slow_down: float):
     if not team.lead:
         return None
     assert report is not None, "process 0 reports"
+    for note in dict.fromkeys(log.note for log in health.logs.values() if log.note):
+        print(shown(f"note: {note}"), file=sys.stderr)  # what of a training log was ignored
     if args.report_peak_rss:
         print(f"peak RSS: {report.peak_rss} bytes", file=sys.stderr)
     return health

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
-from tailor_tui.checkpoints.checkpoint import Checkpoint, log_history
+from tailor_tui.checkpoints.checkpoint import Checkpoint
+from tailor_tui.checkpoints.lineage import RESTART, log_entries, logged_at, logged_number
 
 METRICS = ("rel_change", "weight_rms", "adam_v_max")  # what the composer's heatmap can show
 MAX_CURVE_POINTS = 2000  # a training curve's points: a longer log is thinned to about this many (a plot's width)
@@ -58,6 +59,7 @@ class TrainingLog:
 
     loss: float | None = None
     grad_norm: float | None = None
+    note: str | None = None  # what of its trainer_state.json was ignored (a number past 64 bits, the file)
 
 
 @dataclass(frozen=True)
@@ -229,16 +231,10 @@ def why_unhealthy(cell: Cell) -> str:
 
 def training_log(ckpt: Checkpoint) -> TrainingLog:
     """The loss and grad norm logged at (or last before) `ckpt`'s step, from an HF checkpoint's
-    trainer_state.json; nothing for the DeepSpeed layout or a file that cannot be read."""
-    history = log_history(Path(ckpt.path)) or []
-    loss = grad_norm = None
-    for entry in history:
-        if not isinstance(entry, dict) or not isinstance(entry.get("step"), int) or entry["step"] > ckpt.step:
-            continue
-        if _number(entry.get("loss")) is not None:
-            loss = _number(entry["loss"])
-            grad_norm = _number(entry.get("grad_norm"))
-    return TrainingLog(loss, grad_norm)
+    trainer_state.json, and what of it was ignored; nothing for the DeepSpeed layout or a file
+    that cannot be read (`lineage.logged_at`: read once for the run's lineage and this)."""
+    logged = logged_at(ckpt)
+    return TrainingLog(logged.loss, logged.grad_norm, logged.note)
 
 
 def training_curve(checkpoints: Sequence[Checkpoint]) -> TrainingCurve:
@@ -252,13 +248,9 @@ def training_curve(checkpoints: Sequence[Checkpoint]) -> TrainingCurve:
     read = False
     newest = sorted((c for c in checkpoints if c.kind == "hf"), key=lambda c: c.step, reverse=True)
     for ckpt in newest[:CURVE_LOGS_TRIED]:
-        history = log_history(Path(ckpt.path))
-        read = read or history is not None
-        for entry in history or []:
-            if isinstance(entry, dict) and type(entry.get("step")) is int \
-                    and (loss := _number(entry.get("loss"))) is not None and math.isfinite(loss):
-                grad = _number(entry.get("grad_norm"))
-                points[entry["step"]] = (loss, grad if grad is not None and math.isfinite(grad) else None)
+        found = _curve_points(Path(ckpt.path))
+        read = read or found is not None
+        points = found or {}
         if points:
             break
     logged = sorted(points.items())
@@ -266,6 +258,23 @@ def training_curve(checkpoints: Sequence[Checkpoint]) -> TrainingCurve:
     return TrainingCurve(marks, tuple(s for s, _ in logged), tuple(v for _, (v, _g) in logged),
                          tuple(s for s, _ in grads), tuple(g for _, g in grads), len(logged),
                          read).thinned(MAX_CURVE_POINTS)
+
+
+def _curve_points(folder: Path) -> dict[int, tuple[float, float | None]] | None:
+    """{step: (loss, grad norm)} of every finite loss the log of `folder` holds; None where it
+    cannot be read (or there is none)."""
+    points: dict[int, tuple[float, float | None]] = {}
+    try:
+        for entry in log_entries(folder):
+            if entry is RESTART:  # the log history given twice: the last counts
+                points = {}
+            elif isinstance(entry, dict) and type(step := entry.get("step")) is int \
+                    and (loss := logged_number(entry.get("loss"))) is not None and math.isfinite(loss):
+                grad = logged_number(entry.get("grad_norm"))
+                points[step] = (loss, grad if grad is not None and math.isfinite(grad) else None)
+    except (OSError, ValueError):
+        return None
+    return points
 
 
 def _number(value) -> float | None:

@@ -233,6 +233,7 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
         self.refresh_view()
         self.query_one(CheckpointGrid).focus()
         self.tell_skipped(result.problems)
+        self.tell_ignored([log.note for log in message.logs.values() if log.note])
         self.stats_worker(tuple(result.checkpoints))
 
     def tell_skipped(self, problems: tuple[tuple[Path, str], ...]) -> None:
@@ -245,6 +246,13 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
             more = f" and {len(problems) - FEW_NAMED:,} more" if len(problems) > FEW_NAMED else ""
             self.notify(f"{names}{more}: they look like checkpoints but cannot be used; the details panel says why",
                         title=f"Skipped {len(problems):,} folders", severity="warning", timeout=8)
+
+    def tell_ignored(self, notes: list[str]) -> None:
+        """One notice for what the training logs held that was ignored (a number past 64 bits, a log
+        that cannot be read), however many checkpoints'."""
+        if notes:
+            more = f" (and {len(notes) - 1:,} more such logs)" if len(notes) > 1 else ""
+            self.notify(notes[0] + more, title="Training log", severity="warning", timeout=8)
 
     # --- view ------------------------------------------------------------------------------
 
