@@ -62,11 +62,30 @@ def rot_on_disk(xfs: Path, path: Path, offset: int, data: bytes) -> None:
         image.write(data)
         image.flush()
         os.fsync(image.fileno())
+    os.sync()  # (none of the file's pages dirty: each can be dropped)
+    for drop in (_drop_file_pages, _drop_page_cache):  # the file's pages; where one stays (in use), every clean page
+        drop(path)
+        if _read(path, offset, len(data)) == data:
+            return
+    raise AssertionError(f"{path}: its cached pages could not be dropped: the rot is not seen through the filesystem")
+
+
+def _drop_file_pages(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def _drop_page_cache(_path: Path) -> None:
+    Path("/proc/sys/vm/drop_caches").write_text("1\n")
+
+
+def _read(path: Path, offset: int, n: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(n)
 
 
 def nan_in_place(path: Path, suffix: str, where: float) -> None:
@@ -127,10 +146,7 @@ def test_bit_rot_in_a_kept_row_after_the_statistics_is_refused_and_nothing_publi
     before = FileIdentity.of(os.stat(rank0))
     at = data + (int(info.file_size * 0.9) // 4) * 4  # a kept row (the recipe takes layers.0 only)
     rot_on_disk(xfs, rank0, at, struct.pack("<f", float("nan")))
-    assert FileIdentity.of(os.stat(rank0)) == before
-    with open(rank0, "rb") as f:
-        f.seek(at)
-        assert f.read(4) == struct.pack("<f", float("nan")), "the rot is seen through the filesystem"
+    assert FileIdentity.of(os.stat(rank0)) == before and _read(rank0, at, 4) == struct.pack("<f", float("nan"))
 
     for how in ([], ["--no-clone"]):
         failed = tailor("--apply", recipe, *how)
