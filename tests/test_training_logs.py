@@ -101,8 +101,9 @@ def test_the_curve_leaves_out_what_is_past_64_bits(tmp_path):
     assert (curve.grad_steps, curve.grad_norms) == ((6,), (float(2**64 - 1),))
 
 
-ENTRIES = 200_000  # per log: 28 MB as the Trainer writes it (indented); before issue 58, --stats peaked at 608 MiB
-PEAK = 160 << 20  # measured on a 2-core machine: 113 MiB, and 114 MiB where two logs are read again side by side
+ENTRIES = 100_000  # per log: 14 MB as the Trainer writes it (indented); before issue 58, --stats peaked at 316 MiB (608
+# MiB at 200,000: a repr() string per entry per checkpoint)
+PEAK = 160 << 20  # measured on a 2-core machine at 200,000 entries: 113 MiB, 114 MiB where two logs are read again
 
 
 def long_log(run: Path, entries: int, seed: int = 0) -> list[dict]:
@@ -119,7 +120,7 @@ def long_log(run: Path, entries: int, seed: int = 0) -> list[dict]:
 
 
 def test_three_long_logs_are_compared_in_bounded_memory(run, tmp_path):
-    """Three checkpoints' logs of 200,000 entries each: `--stats` compares them whole (one run) under
+    """Three checkpoints' logs of 100,000 entries each: `--stats` compares them whole (one run) under
     160 MiB at its peak (each entry read one at a time and kept as its step and a digest); the same
     logs with one value changed deep in checkpoint-4's are two runs, the line naming the step where
     they part; with checkpoint-4's rewritten in another layout, keys in another order and its
