@@ -159,6 +159,16 @@ def test_bit_rot_in_a_kept_row_after_the_statistics_is_refused_and_nothing_publi
         assert not (rotten_run / "rot" / "out").exists() and hidden(rotten_run / "rot") == []
 
 
+def _copied_with_recipe(run: Path, folder: Path) -> tuple[list[Path], Path]:
+    """`run` copied to `folder`: its checkpoints, oldest first, and a recipe in folder/out taking layers.0
+    from the oldest onto the newest, writing folder/out/composed."""
+    shutil.copytree(run, folder)
+    ckpts = sorted((p for p in folder.iterdir() if p.name.startswith("checkpoint-")),
+                   key=lambda p: int(p.name.split("-")[1]))
+    (folder / "out").mkdir()
+    return ckpts, write_recipe(folder / "out", ckpts[-1], {"layers.0": ckpts[0]}, output="composed")
+
+
 # The command line's own entry point, in a process of its own, with one fault-injection point of the
 # test's: just before the composition runs (after the plan was made and the statistics vouched for its
 # rows), training saves the base's rank-0 optim file again in place, a NaN in a kept row.
@@ -190,11 +200,7 @@ def test_a_base_saved_again_between_the_plan_and_the_read_is_refused(real_run, x
     else:
         run, _spec, _ckpts = on_xfs(real_run, xfs, "hf_bf16_2")
         folder = xfs / "saved-again"
-    shutil.copytree(run, folder)
-    ckpts = sorted((p for p in folder.iterdir() if p.name.startswith("checkpoint-")),
-                   key=lambda p: int(p.name.split("-")[1]))
-    (folder / "out").mkdir()
-    recipe = write_recipe(folder / "out", ckpts[-1], {"layers.0": ckpts[0]}, output="composed")
+    ckpts, recipe = _copied_with_recipe(run, folder)
     if where != "plain":
         assert tailor("--stats", folder).returncode == 0
     rank0 = _rank0(ckpts[-1])
@@ -211,11 +217,7 @@ def test_verify_names_a_source_changed_since_the_composition(real_run, tmp_path)
     does not compare the output with the source's new bytes."""
     run, _spec = real_run("hf_bf16_2")
     folder = tmp_path / "run"
-    shutil.copytree(run, folder)
-    ckpts = sorted((p for p in folder.iterdir() if p.name.startswith("checkpoint-")),
-                   key=lambda p: int(p.name.split("-")[1]))
-    (folder / "out").mkdir()
-    recipe = write_recipe(folder / "out", ckpts[-1], {"layers.0": ckpts[0]}, output="composed")
+    ckpts, recipe = _copied_with_recipe(run, folder)
     applied = tailor("--apply", recipe)
     assert applied.returncode == 0, applied.stderr
     assert tailor("--verify", recipe).returncode == 0

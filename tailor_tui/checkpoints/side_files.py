@@ -149,15 +149,21 @@ def _too_deep(value: object, levels: int) -> bool:
     return levels <= 0 or any(_too_deep(v, levels - 1) for v in (value.values() if isinstance(value, dict) else value))
 
 
-def _value(scan: Callable, text: str, at: int, levels: int) -> tuple[object, int]:
-    """The JSON value at `text[at]` and where it ends; ValueError if there is none or it nests
-    more than `levels` levels (walked only where a bracket follows its first: a log entry is flat)."""
+def _scanned(scan: Callable, text: str, at: int) -> tuple[object, int]:
+    """The JSON value at `text[at]` and where it ends, as json's scanner reads it; ValueError where there
+    is none, or it nests past the interpreter's recursion."""
     try:
-        value, end = scan(text, at)
+        return scan(text, at)
     except StopIteration:
         raise ValueError(f"expecting a JSON value at character {at}") from None
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
+
+
+def _value(scan: Callable, text: str, at: int, levels: int) -> tuple[object, int]:
+    """The JSON value at `text[at]` and where it ends; ValueError if there is none or it nests
+    more than `levels` levels (walked only where a bracket follows its first: a log entry is flat)."""
+    value, end = _scanned(scan, text, at)
     if (text.find("[", at + 1, end) >= 0 or text.find("{", at + 1, end) >= 0) and _too_deep(value, levels):
         raise ValueError(f"JSON nested more than the {MAX_DEPTH} levels a side file may nest")
     return value, end
@@ -206,12 +212,7 @@ def _items(scan: Callable, text: str, at: int, texts: bool, known: Known | None,
     scanned = at
     while not done:
         start = at
-        try:
-            item, at = scan(text, at)
-        except StopIteration:
-            raise ValueError(f"expecting a JSON value at character {at}") from None
-        except RecursionError:
-            raise ValueError("JSON nested too deeply") from None
+        item, at = _scanned(scan, text, at)
         objects += type(item) is dict
         yield (item, text[start:at]) if texts else item
         end = at
