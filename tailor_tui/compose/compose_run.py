@@ -158,8 +158,7 @@ def files_read(plan: ComposePlan, job) -> dict[Path, FileIdentity]:
         paths = [*(() if job.base_file is None else (job.base_file,)),
                  *(f for files in job.source_files.values() for f in files),
                  *(f for ranks in job.partial_ranks.values() for files in ranks for f in files.existing())]
-    known = plan.identities()
-    return {f: known[f] for f in dict.fromkeys(paths) if f in known}
+    return plan.identities_of(paths)
 
 
 class Composing(PublishingWork):

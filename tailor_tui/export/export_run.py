@@ -92,9 +92,8 @@ class Exporting(PublishingWork):
             _write_config(self.source, tmp, self.export.dtype, self.durable, within)
 
     def tasks(self, shared: str, emit: Emit) -> list[Task]:
-        held, known = self.folder(shared), self.export.plan.identities()
-        return [Task(read_as_planned, job, (export_rank, {f: known[f] for f in job.files() if f in known}, held))
-                for job in self.export.jobs]
+        held, plan = self.folder(shared), self.export.plan
+        return [Task(read_as_planned, job, (export_rank, plan.identities_of(job.files()), held)) for job in self.export.jobs]
 
     def publish(self) -> None:
         source = str(self.source) if self.source else None

@@ -78,6 +78,10 @@ class ComposePlan:
         them. What a composition's tasks check the files they read against (`reading.PlannedFiles`)."""
         return self._identities
 
+    def identities_of(self, paths) -> dict[Path, FileIdentity]:
+        """The identities the plan recorded of `paths` (those it knows: `identities`), each once."""
+        return {f: self._identities[f] for f in dict.fromkeys(paths) if f in self._identities}
+
     def _record_identities(self, model_jobs: tuple[WeightJob, ...]) -> dict[Path, FileIdentity]:
         known = {f: i for s in self.sources for f, i in s.identities.items()}
         for job in model_jobs:  # weight files the checkpoints do not list (torch's format)

@@ -24,14 +24,14 @@ def plan_digest(plan: ComposePlan) -> str:
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
-def _identity(ckpt: Checkpoint, known: dict[Path, FileIdentity]) -> dict:
+def _identity(ckpt: Checkpoint) -> dict:
     """A checkpoint as the output records it: each file's size, times and inode as the composition read
-    them (the plan's identities, which its tasks checked: `reading.PlannedFiles`), what `--verify` finds a
+    them (its identities when it was opened, which the tasks checked: `reading.PlannedFiles`), what `--verify` finds a
     source that changed since by (`changed_since`). The device is left out: it differs between the nodes
     of a job on a shared filesystem, whose processes must agree on this record."""
     files = {}
     for f, size in sorted(ckpt.sizes.items()):
-        found = known.get(f) or FileIdentity.of(f.stat())
+        found = ckpt.identities[f]  # (recorded beside its size)
         files[os.path.relpath(f, ckpt.path)] = {"bytes": size, "mtime": found.mtime_ns / 1e9,
                                                  "mtime_ns": found.mtime_ns, "ctime_ns": found.ctime_ns,
                                                  "inode": found.inode}
@@ -86,8 +86,8 @@ def provenance(plan: ComposePlan) -> dict:
         "recipe": plan.recipe.to_yaml(),
         "recipe_file": str(plan.recipe.source_file.resolve()) if plan.recipe.source_file else None,
         "rows": rows,
-        "base": _identity(plan.base, plan.identities()),
-        "sources": [_identity(s, plan.identities()) for s in plan.sources[1:]],
+        "base": _identity(plan.base),
+        "sources": [_identity(s) for s in plan.sources[1:]],
         **({"world_size": plan.world_size, "resharded": plan.reshard.describe(plan.base)} if plan.reshard else {}),
     }
 
