@@ -10,9 +10,10 @@ import shutil
 from pathlib import Path
 from typing import Callable, Literal
 
+from tailor_tui.checked.files import open_regular
+from tailor_tui.checked.ranges import pread_exact
 from tailor_tui.errors import CheckpointError, OutputError
 from tailor_tui.held import HeldFolder, HeldPath
-from tailor_tui.reading import open_regular, pread_exact
 
 # Where an output file goes: a path, or a place inside the job's hidden folder held open (`held`),
 # made relative to its descriptor

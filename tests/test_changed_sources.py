@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 from helpers import assert_one_line_error, flat_record, hidden, on_xfs, tailor, write_recipe
 
+from tailor_tui.checked.files import FileIdentity, PlannedFiles
 from tailor_tui.checkpoints.cache import cache_dir
 from tailor_tui.checkpoints.scan import scan
 from tailor_tui.errors import CheckpointError
 from tailor_tui.health.stats_run import compute_health
-from tailor_tui.reading import FileIdentity, PlannedFiles
 
 
 def _record_data(path: Path, suffix: str) -> tuple[zipfile.ZipInfo, int]:

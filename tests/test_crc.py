@@ -3,7 +3,7 @@
 import random
 import zlib
 
-from tailor_tui import crc
+from tailor_tui.checked import crc
 
 
 def test_combine_matches_zlib_on_concatenations():
@@ -52,8 +52,9 @@ def test_a_record_read_in_chunks_gives_every_range_its_crc_and_checks_the_whole(
 
     import pytest
 
+    from tailor_tui.checked.evidence import checked_crcs
     from tailor_tui.errors import CheckpointError
-    from tailor_tui.formats.ptfile import Record, checked_crcs
+    from tailor_tui.formats.ptfile import Record
 
     rng = random.Random(4)
     data = rng.randbytes(40_000)

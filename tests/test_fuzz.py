@@ -281,7 +281,7 @@ def test_every_flipped_bit_or_byte_of_a_side_files_pickle_is_refused_in_one_line
     torch.load(weights_only=False) loads it (the values may differ: a flip inside a pickled value)."""
     from side_pickles_helpers import rezipped
 
-    from tailor_tui import crc
+    from tailor_tui.checked import crc
     from tailor_tui.formats.side_pickles import check_side_file
 
     run, _spec = real_run("hf_bf16_2")

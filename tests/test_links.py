@@ -254,7 +254,7 @@ def test_a_link_to_a_folder_the_checkpoint_already_holds_is_refused(hf, tmp_path
 def test_a_file_swapped_for_a_link_after_the_check_is_not_read(hf, tmp_path, monkeypatch):
     """The copy checks the links on the way (`confine`), then opens: a link to the secret put in
     the file's place between the two is caught by the opened file's identity, and nothing is copied."""
-    from tailor_tui import reading
+    from tailor_tui.checked import files as reading
     from tailor_tui.fileio import copy_file
 
     run, c6, secret, _recipe = hf

@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 from helpers import assert_one_line_error, flat_record, flip_byte, hidden, on_xfs, output_files, tailor, write_recipe
 
-from tailor_tui import crc
+from tailor_tui.checked import crc
+from tailor_tui.checked.crc import BLOCK, BlockCrcs, RecordBlocks
 from tailor_tui.checkpoints.scan import scan
 from tailor_tui.compose.compose_run import run_compose
-from tailor_tui.crc import BLOCK, BlockCrcs, RecordBlocks
 from tailor_tui.formats.ptfile import read_structure
 from tailor_tui.health import block_cache
 from tailor_tui.health.stats_rank import rank_stats

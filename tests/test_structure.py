@@ -237,7 +237,7 @@ MOVED = [
     ("tailor_tui.compose.rank_stream", "dtype_mismatch", "tailor_tui.checkpoints.rank_reader"),
     ("tailor_tui.compose.rank_stream", "tensor_bytes", "tailor_tui.checkpoints.rank_reader"),
     ("tailor_tui.compose.rank_stream", "flat_tensor_bytes", "tailor_tui.checkpoints.rank_reader"),
-    ("tailor_tui.checkpoints.partial_rows", "crc_range_checked", "tailor_tui.checkpoints.rank_reader"),
+    ("tailor_tui.checkpoints.partial_rows", "crc_range_checked", "tailor_tui.checked.evidence"),
     ("tailor_tui.compose.verify", "verify_against_recipe", "tailor_tui.verifying.against_recipe"),
     ("tailor_tui.compose.verify", "VerifyReport", "tailor_tui.verifying.against_recipe"),
     ("tailor_tui.compose.verify_reshard", "verify_resharded", "tailor_tui.verifying.resharded"),

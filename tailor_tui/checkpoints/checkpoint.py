@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tailor_tui.checked.files import FileIdentity, confine
 from tailor_tui.checkpoints import scan_cache
 from tailor_tui.checkpoints.layout import ZeroLayout
 from tailor_tui.checkpoints.model_states import check_version, read_model_states
@@ -28,7 +29,6 @@ from tailor_tui.formats.ds_format import (
 )
 from tailor_tui.formats.ptfile import check_complete
 from tailor_tui.formats.safetensors_in import safetensors_header
-from tailor_tui.reading import FileIdentity, confine
 
 MODEL_FILE_INDEX = "model.safetensors.index.json"
 # A partial checkpoint (tailor_tui.selective): some rows' optimizer state, per rank

@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tailor_tui import crc, moved
+from tailor_tui import moved
+from tailor_tui.checked import crc
 from tailor_tui.errors import CheckpointError
 from tailor_tui.formats.safetensors_in import safetensors_header, tensor_places
 
 CRC_METADATA = "crc32"
 
-__getattr__ = moved.names(__name__, {"crc_range_checked": "tailor_tui.checkpoints.rank_reader"})
+__getattr__ = moved.names(__name__, {"crc_range_checked": "tailor_tui.checked.evidence"})
 
 
 def crc_metadata(slices: dict[str, memoryview]) -> str:
@@ -47,15 +48,6 @@ def _recorded_crcs(path: Path, header: dict) -> dict[str, int]:
     except (TypeError, ValueError):
         pass
     raise CheckpointError(f"{path}: its recorded CRC-32s are unreadable; the partial checkpoint is corrupt, re-copy it")
-
-
-def check_crc(path: Path, crcs: dict[str, int], name: str, found: int) -> None:
-    """Refuse tensor `name` of the rows file `path` if its bytes read (CRC-32 `found`) are not
-    the ones saved."""
-    stored = crcs.get(name)
-    if stored is not None and stored != found:
-        raise CheckpointError(f"{path}: tensor {name} fails its CRC-32 check (the file is damaged); re-copy the "
-                              "partial checkpoint, or take its rows from another checkpoint")
 
 
 def partial_slice(path: Path, tensors: dict, key: str, param: str, length: int) -> tuple:

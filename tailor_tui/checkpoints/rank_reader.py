@@ -7,9 +7,9 @@ rank lies at its slot's offset in its sub-group's tensor. A rank of a partial sa
 rows file (safetensors), with a CRC-32 of its valid bytes recorded (`partial_rows`). Frozen
 parameters' fragments and buffers lie in model_states. Every job that reads rank files —
 merge, reshard, export, health statistics — asks a `RankReader` where bytes lie (`place`,
-`flat`, `fragments`, `buffer`) and reads them checked through `read_and_check` (whole records
-against their stored CRC-32) or `SliceCheck` (a partial's slice against its recorded one): a
-change of DeepSpeed's format or of a partial save's is made here alone.
+`flat`, `fragments`, `buffer`) and reads them checked through `checked.evidence` (whole records
+against their stored CRC-32, `read_and_check`; a partial's slice against its recorded one,
+`SliceCheck`): a change of DeepSpeed's format or of a partial save's is made here alone.
 
 Torch-free; each file's structure is read once, when first asked for.
 """
@@ -18,27 +18,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
-from tailor_tui import crc
-from tailor_tui.checkpoints.partial_rows import check_crc, partial_slice, read_rows_file
+from tailor_tui.checked.evidence import SliceCheck
+from tailor_tui.checkpoints.partial_rows import partial_slice, read_rows_file
 from tailor_tui.errors import CheckpointError, IncompatibleError
-from tailor_tui.events import ByteCounter
 from tailor_tui.formats.ds_format import MODULE, TENSORS, flat_tensor, optimizer_state
-from tailor_tui.formats.nonfinite import Census
 from tailor_tui.formats.pickled import dtype_name
 from tailor_tui.formats.ptfile import (
     Record,
     Structure,
     TensorBytes,
     Unsupported,
-    checked_crcs,
     frozen_fragment_bytes,
     locate,
     read_structure,
     structure_in,
 )
-from tailor_tui.reading import crc_range
 
 if TYPE_CHECKING:
     from tailor_tui.checkpoints.checkpoint import RankFiles
@@ -52,41 +48,6 @@ STREAM_CHUNK = 1 << 20
 SMALL_RANK_FILE = 1 << 20
 
 FP32 = ("FloatStorage", 4)  # a partial save's slices, and the flat tensors health statistics read
-
-
-@dataclass(frozen=True)
-class SliceCheck:
-    """A partial save's slice that some bytes lie in: `length` bytes from `begin` of its rows file
-    `path`, tensor `name`, whose CRC-32 its save recorded as `crc` (None: a save from before)."""
-
-    path: Path
-    name: str
-    begin: int
-    length: int
-    crc: int | None
-
-    def check(self, found: int) -> None:
-        """Refuse the slice if its bytes read (CRC-32 `found`) are not the ones saved."""
-        if self.crc is not None:
-            check_crc(self.path, {self.name: self.crc}, self.name, found)
-
-    def read_checked(self, fd: int, inside: list[tuple[int, int]], buffer: memoryview,
-                     on_bytes: Callable[[int], None], inspect=None) -> dict[tuple[int, int], int]:
-        """{(first byte, length): CRC-32} of each piece `inside` the slice (sorted, not overlapping)
-        of the rows file open as `fd`; the whole slice is read, once, and checked (a save from before
-        CRC-32s were recorded: the pieces alone, unchecked)."""
-        found = {}
-        if self.crc is None:
-            for at, n in inside:
-                found[at, n] = crc_range(fd, at, n, buffer, on_bytes, inspect)
-            return found
-        value, at, end = 0, self.begin, self.begin + self.length
-        for start, n in inside:
-            gap = crc_range(fd, at, start - at, buffer, on_bytes, inspect)
-            piece = found[start, n] = crc_range(fd, start, n, buffer, on_bytes, inspect)
-            value, at = crc.combine(crc.combine(value, gap, start - at), piece, n), start + n
-        self.check(crc.combine(value, crc_range(fd, at, end - at, buffer, on_bytes, inspect), end - at))
-        return found
 
 
 @dataclass(frozen=True)
@@ -230,48 +191,6 @@ def flat_tensor_bytes(obj, records: dict[str, Record], prefix: str, path: Path,
 def tensor_bytes(path: Path, group_sizes: tuple[int, ...]) -> dict[tuple[int, str], TensorBytes]:
     """`flat_tensor_bytes` of the optim file `path`."""
     return flat_tensor_bytes(*read_structure(path, shared=True), path, group_sizes)
-
-
-def read_and_check(fd: int, path: Path, records, ranges: set, buffer: memoryview,
-                   counter: ByteCounter, census: Census | None = None, also=None) -> dict[tuple[int, int], int]:
-    """Read every byte of `records` of the file `fd` once, checking each record's stored
-    CRC-32 (`ptfile.checked_crcs`), and return the CRC of each (record, offset, length) in
-    `ranges` as {(offset, length): crc}; `census` counts non-finite values on the way, and
-    `also(offset, chunk)` sees every chunk too."""
-    found: dict[tuple[int, int], int] = {}
-    inspect = census.inspect if census is not None else None
-    if also is not None:
-        inspect = also if inspect is None else _both(inspect, also)
-    by_record: dict[int, list[tuple[int, int]]] = {}  # grouped once (records compared by identity)
-    for r, at, n in ranges:
-        by_record.setdefault(id(r), []).append((at, n))
-    for record in sorted(records, key=lambda r: r.data_offset):
-        mine = sorted(by_record.get(id(record), ()))
-        found.update(zip(mine, checked_crcs(fd, path, record, mine, buffer, counter.add, inspect)))
-    return found
-
-
-def crc_range_checked(fd: int, offset: int, length: int, checks: list[tuple[int, SliceCheck]], buffer: memoryview,
-                      on_bytes: Callable[[int], None] = lambda n: None,
-                      inspect: Callable[[int, memoryview], None] | None = None) -> int:
-    """`reading.crc_range` of a range of `fd` that holds slices copied from rows files: each
-    slice's CRC-32 is also checked (`checks`: where in `fd` each slice lies, inside the range, not
-    overlapping), with every byte still read once."""
-    value, at, end = 0, offset, offset + length
-    for start, piece in sorted(checks, key=lambda c: c[0]):
-        gap = crc_range(fd, at, start - at, buffer, on_bytes, inspect)
-        found = crc_range(fd, start, piece.length, buffer, on_bytes, inspect)
-        piece.check(found)
-        value = crc.combine(crc.combine(value, gap, start - at), found, piece.length)
-        at = start + piece.length
-    return crc.combine(value, crc_range(fd, at, end - at, buffer, on_bytes, inspect), end - at)
-
-
-def _both(first, second):
-    def inspect(offset: int, chunk) -> None:
-        first(offset, chunk)
-        second(offset, chunk)
-    return inspect
 
 
 def check_dtypes(base: dict, theirs: dict, path: Path) -> None:

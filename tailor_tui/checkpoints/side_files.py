@@ -21,7 +21,7 @@ from json.scanner import make_scanner
 from pathlib import Path
 from typing import Any
 
-from tailor_tui.reading import open_regular
+from tailor_tui.checked.files import open_regular
 from tailor_tui.units import whole_number
 
 MAX_SIDE_FILE = 1 << 20  # bytes: config.json and the like are a few KiB

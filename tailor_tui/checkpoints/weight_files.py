@@ -28,13 +28,13 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from tailor_tui.checked.files import NOT_REGULAR, confine, identity, link_refusal
 from tailor_tui.checkpoints.rows import Row, list_rows, row_index
 from tailor_tui.checkpoints.saved_names import loaded_names
 from tailor_tui.errors import CheckpointError, IncompatibleError
 from tailor_tui.formats.ds_format import RECOVERY_SCRIPTS
 from tailor_tui.formats.pickled import TensorRef
 from tailor_tui.formats.ptfile import file_format, read_structure
-from tailor_tui.reading import NOT_REGULAR, confine, identity, link_refusal
 
 COMPOSED, COPIED = "composed per row", "copied from the base"
 

@@ -21,13 +21,14 @@ import struct
 from pathlib import Path
 from typing import Callable
 
+from tailor_tui.checked.evidence import checked_crcs
 from tailor_tui.checkpoints.rank_reader import STREAM_CHUNK
 from tailor_tui.cloning import clone, worth_it
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.fileio import CREATE, Folder, OpenFiles, Target, copy_range, fsync, open_fd, output_error
 from tailor_tui.formats.pickled import TensorRef
-from tailor_tui.formats.ptfile import Record, checked_crcs, file_format, read_structure
+from tailor_tui.formats.ptfile import Record, file_format, read_structure
 from tailor_tui.formats.ptpickle import dumps, storage_bytes
 from tailor_tui.formats.ptwrite import Copied, write_archive
 from tailor_tui.planning.jobs import BinFileJob

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, cast
 
+from tailor_tui.checked.files import FileIdentity, read_as_planned
 from tailor_tui.checkpoints.checkpoint import MODEL_FILE_INDEX, PROVENANCE, read_latest
 from tailor_tui.cloning import worth_it
 from tailor_tui.compose.model_files import compose_model_file
@@ -35,7 +36,6 @@ from tailor_tui.held import HeldFolder, HeldPath
 from tailor_tui.planning.jobs import BYTES_PER_ELEMENT, BinFileJob, RankJob, WeightJob
 from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.planning.provenance import plan_digest, provenance
-from tailor_tui.reading import FileIdentity, read_as_planned
 from tailor_tui.resharding.partition import ReshardJob
 from tailor_tui.resharding.skeleton import Skeleton, skeleton
 from tailor_tui.team.members import SOLO, Team

@@ -23,7 +23,8 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from tailor_tui import crc
+from tailor_tui.checked import crc
+from tailor_tui.checked.ranges import pread_into
 from tailor_tui.checkpoints.checkpoint import PARTIAL_MODEL_FILES
 from tailor_tui.checkpoints.rank_reader import RankReader
 from tailor_tui.cloning import clone, worth_it
@@ -35,7 +36,6 @@ from tailor_tui.formats.dtypes import SAFETENSORS_ITEMSIZE
 from tailor_tui.formats.safe_load import load_pt
 from tailor_tui.formats.safetensors_in import parse_prefix, safetensors_tensors
 from tailor_tui.planning.jobs import ModelFileJob
-from tailor_tui.reading import pread_into
 
 CAST_CHUNK = 1 << 20  # elements cast per step: memory stays small whatever the tensor size
 

@@ -15,14 +15,8 @@ from collections import Counter, defaultdict
 from dataclasses import replace
 from pathlib import Path
 
-from tailor_tui.checkpoints.rank_reader import (
-    FP32,
-    STREAM_CHUNK,
-    RankReader,
-    check_dtypes,
-    crc_range_checked,
-    read_and_check,
-)
+from tailor_tui.checked.evidence import crc_range_checked, read_and_check
+from tailor_tui.checkpoints.rank_reader import FP32, STREAM_CHUNK, RankReader, check_dtypes
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter
 from tailor_tui.fileio import Target, Writeback, copy_range, fsync, open_fd, output_error, path_of, pwrite_all

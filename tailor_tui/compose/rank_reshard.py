@@ -23,15 +23,16 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from tailor_tui import crc
-from tailor_tui.checkpoints.rank_reader import STREAM_CHUNK, RankBytes, RankReader, dtype_mismatch, read_and_check
+from tailor_tui.checked import crc
+from tailor_tui.checked.evidence import read_and_check
+from tailor_tui.checked.ranges import crc_range, pread_into
+from tailor_tui.checkpoints.rank_reader import STREAM_CHUNK, RankBytes, RankReader, dtype_mismatch
 from tailor_tui.errors import OutputError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.fileio import Folder, OpenFiles, Target, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
 from tailor_tui.formats.ds_format import TENSORS
 from tailor_tui.formats.nonfinite import EXPONENT, Census, Region
 from tailor_tui.formats.pickled import dtype_name
-from tailor_tui.reading import crc_range, pread_into
 from tailor_tui.resharding.partition import ZEROS, Piece, ReshardJob
 from tailor_tui.resharding.skeleton import Skeleton, write_rank_file
 

@@ -14,24 +14,19 @@ import struct
 from collections import Counter, defaultdict
 from typing import TYPE_CHECKING, NamedTuple
 
-from tailor_tui import crc, moved
-from tailor_tui.checkpoints.rank_reader import (
-    SMALL_RANK_FILE,
-    STREAM_CHUNK,
-    RankReader,
-    SliceCheck,
-    check_dtypes,
-    read_and_check,
-)
+from tailor_tui import moved
+from tailor_tui.checked import crc
+from tailor_tui.checked.evidence import SliceCheck, checked_ranges, read_and_check
+from tailor_tui.checked.ranges import RangeCrcs, Readahead, crc_range, pread_into
+from tailor_tui.checkpoints.rank_reader import SMALL_RANK_FILE, STREAM_CHUNK, RankReader, check_dtypes
 from tailor_tui.cloning import clone, worth_it
 from tailor_tui.compose.source_blocks import of_source, read_taken
 from tailor_tui.events import ByteCounter
 from tailor_tui.fileio import CREATE, Target, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
 from tailor_tui.formats.ds_format import TENSORS
 from tailor_tui.formats.nonfinite import Census, Region
-from tailor_tui.formats.ptfile import Record, Unsupported, checked_ranges, file_format, read_whole
+from tailor_tui.formats.ptfile import Record, Unsupported, file_format, read_whole
 from tailor_tui.planning.jobs import RankJob
-from tailor_tui.reading import RangeCrcs, Readahead, crc_range, pread_into
 
 if TYPE_CHECKING:
     from tailor_tui.checkpoints.checkpoint import RankFiles

@@ -22,17 +22,14 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from tailor_tui import crc
+from tailor_tui.checked.crc import RecordBlocks
+from tailor_tui.checked.evidence import blocks_usable, read_and_check, read_blocks
 from tailor_tui.checkpoints.cache import cache_dir
-from tailor_tui.checkpoints.rank_reader import read_and_check
-from tailor_tui.crc import RecordBlocks
-from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter
 from tailor_tui.formats.nonfinite import Census
 from tailor_tui.formats.ptfile import Record
 from tailor_tui.health import block_cache
 from tailor_tui.planning.jobs import RankJob
-from tailor_tui.reading import RangeCrcs, pread_into
 
 
 def blocks_for(jobs: list[RankJob]) -> dict[int, tuple[tuple[int, RecordBlocks], ...]]:
@@ -70,73 +67,10 @@ def read_taken(fd: int, path: Path, taken: set[tuple[Record | None, int, int]], 
     for record, at, n in taken:
         assert record is not None, "a full source's ranges lie in its records"
         ranges[record].append((at, n))
-    by_blocks = {r for r, mine in ranges.items() if _usable(r, blocks.get(r.name), mine)}
+    by_blocks = {r for r, mine in ranges.items() if blocks_usable(r, blocks.get(r.name), mine)}
     found = read_and_check(fd, path, ranges.keys() - by_blocks, {t for t in taken if t[0] not in by_blocks},
                            buffer, counter, census)
     for record in sorted(by_blocks, key=lambda r: r.data_offset):
-        found.update(_read_blocks(fd, path, record, blocks[record.name], sorted(ranges[record]), buffer, counter,
-                                  census))
+        found.update(read_blocks(fd, path, record, blocks[record.name], sorted(ranges[record]), buffer, counter,
+                                 census))
     return found
-
-
-def _usable(record: Record, blocks: RecordBlocks | None, ranges: list[tuple[int, int]]) -> bool:
-    """Whether `record`'s ranges are read by its recorded blocks: recorded of the record as it is laid out
-    now, their values combining to the CRC-32 its archive declares (a cache entry damaged or made up
-    is not taken for a source that changed: the record is read whole), and every range starting a
-    whole number of 4-byte values from its data's start, as the blocks do (a block's bytes are
-    counted for NaN/Inf, which never splits a value)."""
-    return blocks is not None and blocks.describes(record) and blocks.combined() == record.crc and all(
-        (at - record.data_offset) % 4 == 0 for at, _n in ranges)
-
-
-def _read_blocks(fd: int, path: Path, record: Record, blocks: RecordBlocks, ranges: list[tuple[int, int]],
-                 buffer: memoryview, counter: ByteCounter, census: Census) -> dict[tuple[int, int], int]:
-    """The CRC-32s of `ranges` (sorted, inside `record`), from the blocks that cover them: each read
-    once, checked against its recorded CRC-32 (CheckpointError naming the file, the record and the
-    block's bytes where it fails); the ranges' bytes fed to `census`."""
-    wanted = sorted({i for at, n in ranges for i in blocks.covering(at, n)})
-    values = [0] * len(ranges)
-    read = 0
-    for i in wanted:
-        a, b = blocks.span(i)
-        pieces = [(max(at, a), min(at + n, b), k) for k, (at, n) in enumerate(ranges) if at < b and at + n > a]
-
-        def seen(offset: int, view: memoryview, pieces=pieces) -> None:
-            end = offset + len(view)
-            for lo, hi, _k in pieces:
-                if lo < end and hi > offset:
-                    census.inspect(max(lo, offset), view[max(lo, offset) - offset: min(hi, end) - offset])
-
-        found = _checked_block(fd, path, record, blocks, i, [(lo, hi - lo) for lo, hi, _k in pieces], buffer, counter,
-                               seen)
-        for (lo, hi, k), value in zip(pieces, found):
-            values[k] = crc.combine(values[k], value, hi - lo)
-        read += b - a
-    counter.skips(record.size - read)
-    return dict(zip(ranges, values))
-
-
-def _checked_block(fd: int, path: Path, record: Record, blocks: RecordBlocks, i: int, pieces: list[tuple[int, int]],
-                   buffer: memoryview, counter: ByteCounter, seen=None) -> list[int]:
-    """The CRC-32s of `pieces` ((offset, length), sorted, inside `record`'s block i), from one read of the
-    whole block, checked against its recorded CRC-32 (CheckpointError naming the file, the record and the
-    block's bytes where it fails); `seen(offset, bytes)` is given what is read, chunk by chunk."""
-    a, b = blocks.span(i)
-    crcs = RangeCrcs(a, b, pieces)
-    for offset in range(a, b, len(buffer)):
-        view = buffer[: min(len(buffer), b - offset)]
-        pread_into(fd, view, offset)
-        crcs.feed(view)
-        if seen is not None:
-            seen(offset, view)
-        counter.add(len(view))
-    if crcs.whole != blocks.value(i):
-        raise _block_failed(path, record, a, b, blocks.value(i), crcs.whole)
-    return crcs.found
-
-
-def _block_failed(path: Path, record: Record, a: int, b: int, recorded: int, computed: int) -> CheckpointError:
-    return CheckpointError(
-        f"{path}: record {record.name}, bytes {a}..{b}, fails the CRC-32 the run's statistics recorded of them "
-        f"(recorded {recorded:08x}, its bytes give {computed:08x}): the file changed since the statistics read it "
-        "(bit rot or a damaged copy); re-copy it from the training run or pick another checkpoint")

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tailor_tui.checked.files import read_as_planned
 from tailor_tui.checkpoints.side_files import load_json
 from tailor_tui.errors import UsageError
 from tailor_tui.events import Emit, TaskOptions
@@ -26,7 +27,6 @@ from tailor_tui.fileio import copy_file, create, output_error, pwrite_all, write
 from tailor_tui.formats.safetensors_out import INDEX
 from tailor_tui.held import HeldFolder
 from tailor_tui.planning.provenance import provenance
-from tailor_tui.reading import read_as_planned
 from tailor_tui.team.transaction import Declaration, PublishingWork, Task, run_as_team
 from tailor_tui.team.workers import STREAMING_WORKER
 

@@ -21,6 +21,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from tailor_tui.checked.evidence import checked_crcs
+from tailor_tui.checked.ranges import crc_range
 from tailor_tui.checkpoints.checkpoint import RankFiles
 from tailor_tui.checkpoints.rank_reader import STREAM_CHUNK, RankReader
 from tailor_tui.errors import CheckpointError
@@ -28,8 +30,6 @@ from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.export.export_plan import ExportJob, Span
 from tailor_tui.fileio import Folder, fsync, open_fd, output_error, pwrite_all
 from tailor_tui.formats.pickled import dtype_name
-from tailor_tui.formats.ptfile import checked_crcs
-from tailor_tui.reading import crc_range
 
 _NUMPY = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 _OUT = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}

@@ -24,7 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from tailor_tui import crc
+from tailor_tui.checked import crc
+from tailor_tui.checked.evidence import checked_crcs, record_failed
+from tailor_tui.checked.files import open_regular
+from tailor_tui.checked.ranges import Window
 from tailor_tui.errors import CheckpointError
 from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, unsupported_version, version_in_pickle
 from tailor_tui.formats.pickled import MAX_PICKLE_BYTES, TensorRef, read_pickle
@@ -45,7 +48,6 @@ from tailor_tui.formats.zipdir import (
     raw_name,
     read_directory,
 )
-from tailor_tui.reading import RangeCrcs, Window, crc_range, open_regular, pread_into
 
 ZIP_START = b"PK\x03\x04"
 
@@ -272,7 +274,7 @@ def _structure(path: Path, records: dict[str, Record], prefix: str, rec: Record,
                shared: bool, stand_in) -> Structure:
     """`read_structure`'s result, from the bytes of its data.pkl (record `rec`)."""
     if crc.crc32(data) != rec.crc:  # the structure everything else relies on: never read a damaged one
-        raise _crc_failed(path, rec, crc.crc32(data))
+        raise record_failed(path, rec, crc.crc32(data))
     try:
         obj = _shared_pickle(data) if shared and storages is None and stand_in is None \
             else read_pickle(data, storages, stand_in)
@@ -329,47 +331,6 @@ def structure_in(path: Path, whole: bytes) -> Structure:
                       None)
 
 
-def checked_crcs(fd: int, path: Path, record: Record, ranges: list[tuple[int, int]], buffer: memoryview,
-                 on_bytes=lambda n: None, inspect=None) -> list[int]:
-    """The CRC-32 of each byte range (offset, length) of `record`, reading every byte of the
-    record once and checking the CRC-32 the archive stores for it: a record whose bytes do
-    not match (bit rot, a damaged copy) is a CheckpointError naming the file and the record.
-    `ranges` are sorted, disjoint and inside the record's data. A legacy-format record has
-    no CRC to check: only its ranges are read. The record is read in chunks the size of
-    `buffer`, whatever the ranges (a record of a wide run's rank file, hundreds of small ranges,
-    is one read); `inspect(offset, chunk)` sees every chunk read."""
-    if record.crc is None:
-        return [crc_range(fd, at, n, buffer, on_bytes, inspect) for at, n in ranges]
-    crcs = RangeCrcs(record.data_offset, record.data_offset + record.size, ranges)
-    offset = record.data_offset
-    while not crcs.complete:
-        view = buffer[: min(len(buffer), crcs.end - offset)]
-        pread_into(fd, view, offset)
-        crcs.feed(view)
-        if inspect is not None:
-            inspect(offset, view)
-        on_bytes(len(view))
-        offset += len(view)
-    return checked_ranges(path, record, crcs)
-
-
-def checked_ranges(path: Path, record: Record, crcs: RangeCrcs) -> list[int]:
-    """The CRC-32s of `crcs`' ranges, once every byte of `record` was fed to it (`crcs`) and its
-    bytes match the CRC-32 its archive stores (else a CheckpointError naming file and record)."""
-    if not crcs.complete:
-        raise ValueError(f"record {record.name} was not read to its end")
-    if crcs.whole != record.crc:
-        raise _crc_failed(path, record, crcs.whole)
-    return crcs.found
-
-
-def _crc_failed(path: Path, record: Record, computed: int) -> CheckpointError:
-    return CheckpointError(
-        f"{path}: record {record.name} fails its CRC-32 check (stored {record.crc:08x}, its bytes give "
-        f"{computed:08x}): the file is corrupt (bit rot or a damaged copy); re-copy it from the training "
-        "run or pick another checkpoint")
-
-
 def check_crcs(path: Path, inspect=None, *, skip: frozenset = frozenset(), small: int | None = None) -> None:
     """Read every record of a zip-format torch file and check the CRC-32 each stores
     (CheckpointError naming the record if one fails; torch.load itself never checks them).
@@ -406,7 +367,7 @@ def check_crcs(path: Path, inspect=None, *, skip: frozenset = frozenset(), small
             if inspect is not None and record.size:
                 inspect(record.data_offset, data)
             if crc.crc32(data) != record.crc:
-                raise _crc_failed(path, record, crc.crc32(data))
+                raise record_failed(path, record, crc.crc32(data))
 
 
 def _ends_as_zip(path: Path) -> bool:
@@ -480,7 +441,7 @@ def _checked(path: Path, whole: bytes, located: list, skip: frozenset, inspect):
         if inspect is not None and e.size:
             inspect(start, data)
         if (value := crc32(data)) != e.crc:
-            raise _crc_failed(path, Record(e.name, e.header_offset, start, e.size, e.crc, ()), value)
+            raise record_failed(path, Record(e.name, e.header_offset, start, e.size, e.crc, ()), value)
         yield e, data
 
 

@@ -27,11 +27,12 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from tailor_tui import crc
+from tailor_tui.checked import crc
+from tailor_tui.checked.evidence import checked_crcs
 from tailor_tui.errors import CheckpointError
 from tailor_tui.fileio import CREATE, OpenFiles, Target, copy_range, open_fd, output_error, pwrite_all
 from tailor_tui.formats.pickled import StorageRef, TensorRef
-from tailor_tui.formats.ptfile import Record, Unsupported, checked_crcs, locate, read_structure
+from tailor_tui.formats.ptfile import Record, Unsupported, locate, read_structure
 from tailor_tui.formats.ptpickle import dumps, storage_bytes, tensor
 
 ALIGNMENT = 64

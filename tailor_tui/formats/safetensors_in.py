@@ -18,9 +18,9 @@ import os
 import struct
 from pathlib import Path
 
+from tailor_tui.checked.files import open_regular
 from tailor_tui.errors import CheckpointError
 from tailor_tui.formats.dtypes import SAFETENSORS_ITEMSIZE
-from tailor_tui.reading import open_regular
 
 MAX_HEADER = 100_000_000  # bytes: the safetensors library's own bound
 PER_TENSOR, METADATA = 1 << 10, 1 << 20  # a header's bytes beyond these per tensor it lists are no model's

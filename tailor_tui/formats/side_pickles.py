@@ -30,6 +30,7 @@ import pickle
 import re
 from pathlib import Path
 
+from tailor_tui.checked.files import open_regular
 from tailor_tui.errors import CheckpointError
 from tailor_tui.formats.pickle_bounds import MAX_PICKLE_BYTES
 from tailor_tui.formats.pickled import read_pickle
@@ -42,7 +43,6 @@ from tailor_tui.formats.ptfile import (
     read_structure,
 )
 from tailor_tui.formats.side_globals import DEVICE, stand_in
-from tailor_tui.reading import open_regular
 
 # torch's reader (caffe2 serialize): the file format versions it reads
 MIN_VERSION, MAX_VERSION = 1, 10

@@ -28,7 +28,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import NamedTuple
 
-from tailor_tui import crc
+from tailor_tui.checked import crc
 
 # A torch file's zip archive lists one record per storage (a .bin of a large MoE: tens of
 # thousands); its directory is a few MiB at most

@@ -25,8 +25,8 @@ import json
 import os
 from pathlib import Path
 
+from tailor_tui.checked.crc import RecordBlocks
 from tailor_tui.checkpoints.cache import entry, identity_key, read_json, write_json
-from tailor_tui.crc import RecordBlocks
 
 FORMAT = 1  # of the cached block CRC-32s: bump when what they mean changes
 MAX_CACHED = 64 << 20  # a folder's entry (~5.4 bytes per MiB of its rank files: ~12 TiB of them); larger: not ours

@@ -21,14 +21,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tailor_tui.checked.crc import BlockCrcs, RecordBlocks, crc32
+from tailor_tui.checked.ranges import Readahead, pread_into
 from tailor_tui.checkpoints.rank_reader import SMALL_RANK_FILE, RankReader
-from tailor_tui.crc import BlockCrcs, RecordBlocks, crc32
 from tailor_tui.events import ByteCounter
 from tailor_tui.fileio import open_fd
 from tailor_tui.formats.ds_format import TENSORS
 from tailor_tui.formats.ptfile import read_whole
 from tailor_tui.health.stats_job import RowSums, SlotTable, StatsJob
-from tailor_tui.reading import Readahead, pread_into
 
 CHUNK = 1 << 20
 PURPOSE = "health statistics"  # what refuses a checkpoint whose optimizer states are not fp32

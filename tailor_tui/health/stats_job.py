@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tailor_tui.checked.crc import BLOCK, RecordBlocks
 from tailor_tui.checkpoints.checkpoint import RankFiles
 from tailor_tui.checkpoints.layout import ZeroLayout
-from tailor_tui.crc import BLOCK, RecordBlocks
 from tailor_tui.events import JobCost
 
 

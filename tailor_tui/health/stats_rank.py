@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tailor_tui.checked.crc import BlockCrcs, RecordBlocks, crc32
+from tailor_tui.checked.ranges import Readahead, pread_into
 from tailor_tui.checkpoints.checkpoint import RankFiles
 from tailor_tui.checkpoints.rank_reader import RankReader
-from tailor_tui.crc import BlockCrcs, RecordBlocks, crc32
 from tailor_tui.errors import Cancelled, CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.fileio import open_fd
@@ -30,7 +31,6 @@ from tailor_tui.formats.pickled import dtype_name
 from tailor_tui.formats.ptfile import Record, Unsupported
 from tailor_tui.health.stats_flat import PURPOSE, can_read_flat, flat_stats, per_slice, prefetch
 from tailor_tui.health.stats_job import RankStats, RankStatsRead, RowSums, SlotRead, StatsJob
-from tailor_tui.reading import Readahead, pread_into
 
 CHUNK = 1 << 20
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
+from tailor_tui.checked.crc import BLOCK
 from tailor_tui.checkpoints.cache import entry, identity_key, read_json, write_json
 from tailor_tui.checkpoints.checkpoint import Checkpoint, distinct_names
-from tailor_tui.crc import BLOCK
 from tailor_tui.events import Emit, TaskOptions
 from tailor_tui.health import block_cache
 from tailor_tui.health.healing import Cell, Health, rms, training_log

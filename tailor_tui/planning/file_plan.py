@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from tailor_tui.checked.files import confine
 from tailor_tui.checkpoints.checkpoint import PARTIAL_MANIFEST, PARTIAL_MODEL_FILES, Checkpoint
 from tailor_tui.checkpoints.model_layout import ModelFileLayout
 from tailor_tui.checkpoints.rows import list_rows
@@ -33,7 +34,6 @@ from tailor_tui.errors import IncompatibleError
 from tailor_tui.formats.ds_format import RECOVERY_SCRIPTS
 from tailor_tui.formats.safetensors_in import parse_prefix, safetensors_header
 from tailor_tui.planning.jobs import BinFileJob, ModelFileJob, WeightJob
-from tailor_tui.reading import confine
 
 
 def _check_headers(files) -> None:

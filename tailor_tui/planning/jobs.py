@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
+from tailor_tui.checked.crc import RecordBlocks
 from tailor_tui.checkpoints.checkpoint import RankFiles
 from tailor_tui.checkpoints.layout import Slot
-from tailor_tui.crc import RecordBlocks
 from tailor_tui.events import JobCost, RankJobCost
 from tailor_tui.formats.safetensors_in import parse_prefix
 

@@ -9,6 +9,7 @@ import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tailor_tui.checked.files import FileIdentity
 from tailor_tui.checkpoints.checkpoint import Checkpoint, tied_members, tied_partner
 from tailor_tui.checkpoints.model_layout import ModelFileLayout
 from tailor_tui.checkpoints.weight_files import FileFate
@@ -22,7 +23,6 @@ from tailor_tui.planning.file_plan import (
 )
 from tailor_tui.planning.jobs import BYTES_PER_ELEMENT, RankJob, RowSlot, SliceCopy, WeightJob
 from tailor_tui.planning.recipe import Recipe
-from tailor_tui.reading import FileIdentity
 from tailor_tui.resharding.partition import (
     Reshard,
     ReshardJob,

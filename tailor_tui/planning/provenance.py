@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 from tailor_tui import __version__
+from tailor_tui.checked.files import FileIdentity
 from tailor_tui.checkpoints.checkpoint import Checkpoint, tied_partner
 from tailor_tui.planning.plan import ComposePlan
-from tailor_tui.reading import FileIdentity
 
 
 def plan_digest(plan: ComposePlan) -> str:
