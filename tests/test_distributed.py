@@ -22,9 +22,9 @@ import pytest
 from conftest import checkpoints_of
 from helpers import TAILOR, free_port, hidden, slurm_tasks, tailor, write_recipe
 
+from tailor_tui.checkpoints import file_facts
 from tailor_tui.checkpoints.checkpoint import PROVENANCE
 from tailor_tui.errors import UsageError
-from tailor_tui.health import block_cache
 from tailor_tui.team.launch import Launch, detect, expand_hostlist
 from tailor_tui.team.members import Team
 
@@ -160,10 +160,11 @@ def test_two_slurm_tasks_compute_the_statistics_one_process_does(real_run, tmp_p
     assert [t.returncode for t in tasks] == [0, 0], outs
     assert outs[0][0] == solo.stdout and not outs[1][0]
     assert list((tmp_path / "cache-1").rglob("*.json")), "process 1 read no rank"
-    # the block CRC-32s of every rank file, those process 1 read too, cached by process 0 as one process does
+    # the facts of every rank file (block CRC-32s, rows found finite), those process 1 read too, cached by
+    # process 0 as one process does
     optim = sorted(run.rglob("*optim_states.pt"))
-    alone = block_cache.cached(tmp_path / "solo-cache", paths=optim)
-    assert alone.keys() == set(optim) and block_cache.cached(tmp_path / "cache-0", paths=optim) == alone
+    alone = file_facts.cached(tmp_path / "solo-cache", paths=optim)
+    assert alone.keys() == set(optim) and file_facts.cached(tmp_path / "cache-0", paths=optim) == alone
 
 
 def test_a_task_whose_work_hangs_fails_the_job(real_run, tmp_path):

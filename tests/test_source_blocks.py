@@ -1,6 +1,6 @@
 """After the run's statistics, a cloned composition reads of its sources only the blocks that hold
 the rows it takes, each checked against the CRC-32 the statistics recorded of it (`crc.BlockCrcs`,
-`health.block_cache`, `compose.source_blocks`); without them, the records it takes from whole.
+`checkpoints.file_facts`, `planning.reads`, `compose.source_blocks`); without them, the records it takes from whole.
 
 The XFS tests run on a loop-mounted XFS with reflink (the `xfs` fixture: root and xfsprogs; skipped,
 saying why, where one cannot be mounted). The test runs' records are smaller than the 1 MiB blocks the
@@ -25,10 +25,10 @@ from helpers import assert_one_line_error, flat_record, flip_byte, hidden, on_xf
 
 from tailor_tui.checked import crc
 from tailor_tui.checked.crc import BLOCK, BlockCrcs, RecordBlocks
+from tailor_tui.checkpoints import file_facts
 from tailor_tui.checkpoints.scan import scan
 from tailor_tui.compose.compose_run import run_compose
 from tailor_tui.formats.ptfile import read_structure
-from tailor_tui.health import block_cache
 from tailor_tui.health.stats_rank import rank_stats
 from tailor_tui.health.stats_run import compute_health, stats_jobs
 from tailor_tui.planning.build import build_plan
@@ -117,10 +117,10 @@ def _rewrite_blocks(cache: Path, change) -> int:
     """Apply `change` to the fields of every record's blocks ([offset, size, crc, block, base64 values])
     in every cached entry; how many records it changed."""
     changed = 0
-    for entry in (cache / "blocks").rglob("*.json"):
+    for entry in (cache / "facts").rglob("*.json"):
         data = json.loads(entry.read_text())
-        for records in data["files"].values():
-            for fields in records.values():
+        for facts in data["files"].values():
+            for fields in facts["blocks"].values():
                 change(fields)
                 changed += 1
         entry.write_text(json.dumps(data))
@@ -161,8 +161,8 @@ def test_a_block_that_fails_its_recorded_crc_fails_the_composition_in_one_line(r
     recipe, _plain = _composing(run, ckpts, "tampered")
     compute_health(tuple(scan(run).checkpoints), cache=cache, crc_block=SMALL, workers=1)
     assert _rewrite_blocks(cache, _rot_in_every_block)
-    assert all(b.combined() == b.crc for f in block_cache.cached(cache, paths=sorted(ckpts[0].rglob("*optim*")))
-               .values() for b in f.values())
+    assert all(b.combined() == b.crc for f in file_facts.cached(cache, paths=sorted(ckpts[0].rglob("*optim*")))
+               .values() for b in f.blocks.values())
     failed = tailor("--apply", recipe, env=env)
     assert_one_line_error(failed, 4, str(ckpts[0]), "optim_states.pt: record ", ", bytes ",
                           "fails the CRC-32 the run's statistics recorded of them")
@@ -182,7 +182,7 @@ def _changed_in_place(ckpt: Path) -> None:
         os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
-@pytest.mark.parametrize("case", ["no statistics", "no blocks cached", "blocks of another shape",
+@pytest.mark.parametrize("case", ["no statistics", "no facts cached", "blocks of another shape",
                                   "blocks that do not combine to the record's CRC-32", "source changed"])
 def test_without_blocks_recorded_of_a_source_as_it_is_a_clone_reads_what_it_takes_from_whole(
         real_run, xfs, monkeypatch, tmp_path, case):
@@ -193,9 +193,9 @@ def test_without_blocks_recorded_of_a_source_as_it_is_a_clone_reads_what_it_take
     recipe, plain = _composing(run, ckpts, name)
     if case != "no statistics":
         compute_health(tuple(scan(run).checkpoints), cache=cache, crc_block=SMALL, workers=1)
-        assert block_cache.cached(cache, paths=sorted(ckpts[0].rglob("*optim_states.pt")))  # (recorded, and found)
-    if case == "no blocks cached":
-        shutil.rmtree(cache / "blocks")
+        assert file_facts.cached(cache, paths=sorted(ckpts[0].rglob("*optim_states.pt")))  # (recorded, and found)
+    if case == "no facts cached":
+        shutil.rmtree(cache / "facts")
     elif case == "blocks of another shape":
         assert _rewrite_blocks(cache, _shortened)
     elif case == "blocks that do not combine to the record's CRC-32":
@@ -204,7 +204,9 @@ def test_without_blocks_recorded_of_a_source_as_it_is_a_clone_reads_what_it_take
         _changed_in_place(ckpts[0])
 
     result = run_compose(build_plan(load_recipe(recipe)))
-    assert result.bytes_shared and result.kept_checked == (case != "no statistics")
+    # (an entry whose blocks are not well formed is not ours: the rows it found finite are not taken either)
+    vouched = case in ("blocks that do not combine to the record's CRC-32", "source changed")
+    assert result.bytes_shared and result.kept_checked == vouched
     assert result.sources_unread == 0
     assert tailor("--apply", plain, "--no-clone").returncode == 0
     assert output_files(run / name / "out") == output_files(run / f"{name}-written" / "out")
@@ -213,12 +215,19 @@ def test_without_blocks_recorded_of_a_source_as_it_is_a_clone_reads_what_it_take
 def test_a_cached_entry_is_taken_for_no_more_than_it_claims():
     """`from_json` refuses every field out of its type or range, and values that are not one per block."""
     good = RecordBlocks("archive/data/0", 64, 4096, 0x1234, 4096, bytes(4))
-    assert block_cache.from_json(block_cache.to_json({good.name: good})) == {good.name: good}
-    fields = block_cache.to_json({good.name: good})[good.name]
+    assert file_facts.blocks_from_json(file_facts.blocks_to_json({good.name: good})) == {good.name: good}
+    fields = file_facts.blocks_to_json({good.name: good})[good.name]
     for i, bad in [(0, -1), (1, True), (2, 1 << 32), (3, 3000), (3, 1 << 40), (4, "!!"),
                    (4, base64.b64encode(bytes(8)).decode())]:
         with pytest.raises((ValueError, TypeError)):
-            block_cache.from_json({good.name: [*fields[:i], bad, *fields[i + 1:]]})
+            file_facts.blocks_from_json({good.name: [*fields[:i], bad, *fields[i + 1:]]})
     for bad_value in ([], {good.name: fields[:4]}, {good.name: "x"}):
         with pytest.raises((ValueError, TypeError)):
-            block_cache.from_json(bad_value)
+            file_facts.blocks_from_json(bad_value)
+    facts = file_facts.FileFacts({good.name: good}, frozenset({"layers.0"}), (("mp_rank_00_model_states.pt", "[1]"),))
+    assert file_facts.from_json(file_facts.to_json(facts)) == facts
+    for key, bad in [("finite", "layers.0"), ("finite", [""]), ("finite", [7]), ("finite", ["x" * 2000]),
+                     ("along", []), ("along", {"../model_states.pt": "[1]"}), ("along", {"a/b": "[1]"}),
+                     ("along", {"..": "[1]"}), ("along", {"m.pt": 1}), ("blocks", [])]:
+        with pytest.raises((ValueError, TypeError)):
+            file_facts.from_json({**file_facts.to_json(facts), key: bad})

@@ -80,6 +80,7 @@ def stats_command(args, slow_down: float = 0.0) -> int:
 def heal_command(args, slow_down: float = 0.0) -> int:
     from tailor_tui.cli.health_report import healing_lines
     from tailor_tui.compose.composition import Composition
+    from tailor_tui.health.healing import heal
 
     if args.recipe is None:
         raise UsageError("--heal needs --recipe OUT.yaml: where to write the recipe it makes")
@@ -88,8 +89,8 @@ def heal_command(args, slow_down: float = 0.0) -> int:
     if health is None:
         return ExitCode.OK  # process 0 of the job writes the recipe
     comp = Composition.start(list(health.checkpoints))
-    healing = comp.healing(health)
-    comp.apply_healing(healing)
+    healing = heal(health, comp.healable_rows(), usable=comp.combines_with)
+    comp.apply_healing(healing.picks)
     _check_copied_files(comp.to_recipe())  # a recipe that --apply would refuse is not written
     saved = comp.save(args.recipe)
     base = comp.base_checkpoint.name

@@ -148,6 +148,7 @@ def parser() -> argparse.ArgumentParser:
 def apply(args) -> int:
     from tailor_tui.cli.import_command import load_for
     from tailor_tui.compose.compose_run import planned_tasks, run_compose
+    from tailor_tui.health.guard import newest_finite
     from tailor_tui.planning.build import build_plan
     from tailor_tui.report import FEW, BarReporter, LineReporter, reporter_for
     from tailor_tui.team.launch import detect
@@ -195,7 +196,7 @@ def apply(args) -> int:
                           exchange=not os.environ.get("TAILOR_TEST_NO_RENAME_EXCHANGE"))
     try:
         result = run_compose(plan, workers=workers, emit=report, cancel=cancel, options=options,
-                           allow_nonfinite=args.allow_nonfinite, team=team)
+                           allow_nonfinite=args.allow_nonfinite, team=team, newest_finite=newest_finite)
     finally:
         if isinstance(report, BarReporter):
             report.close()  # the bars' final state, whatever happened

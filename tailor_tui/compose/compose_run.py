@@ -17,25 +17,24 @@ import threading
 import time
 import zipfile
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, cast
 
 from tailor_tui.checked.files import FileIdentity, read_as_planned
+from tailor_tui.checkpoints.cache import cache_dir
 from tailor_tui.checkpoints.checkpoint import MODEL_FILE_INDEX, PROVENANCE, read_latest
-from tailor_tui.cloning import worth_it
 from tailor_tui.compose.model_files import compose_model_file
 from tailor_tui.compose.rank_task import compose_rank
-from tailor_tui.compose.source_blocks import blocks_for
-from tailor_tui.errors import Cancelled, OutputError
+from tailor_tui.errors import Cancelled, NonFiniteError, OutputError
 from tailor_tui.events import Emit, TaskFinished, TaskOptions, written_and_shared
 from tailor_tui.fileio import copy_file, fsync_dir, output_error, write_file
 from tailor_tui.formats.side_pickles import check_side_file
-from tailor_tui.health.guard import checked_by_statistics, nonfinite_error
 from tailor_tui.held import HeldFolder, HeldPath
-from tailor_tui.planning.jobs import BYTES_PER_ELEMENT, BinFileJob, RankJob, WeightJob
+from tailor_tui.planning.jobs import BinFileJob, RankJob, WeightJob
 from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.planning.provenance import plan_digest, provenance
+from tailor_tui.planning.reads import jobs_to_run
 from tailor_tui.resharding.partition import ReshardJob
 from tailor_tui.resharding.skeleton import Skeleton, skeleton
 from tailor_tui.team.members import SOLO, Team
@@ -101,6 +100,7 @@ def run_compose(
     options: TaskOptions = TaskOptions(),
     allow_nonfinite: bool = False,
     team: Team = SOLO,
+    newest_finite: Callable[[ComposePlan, list[str]], dict[str, str]] | None = None,
 ) -> ComposeResult:
     """Write the composed checkpoint described by `plan`; atomic, cancellable; fsynced
     before it is renamed into place unless `options.durable` is False (`--no-fsync`).
@@ -108,44 +108,44 @@ def run_compose(
     unless `allow_nonfinite`; the result says how many it holds either way. With a `team`
     of several processes (`--apply` under torchrun or srun), each writes its share of the
     rank files and model files into the one hidden folder process 0 made, and process 0
-    checks the whole and renames it into place; a failure anywhere fails every process."""
+    checks the whole and renames it into place; a failure anywhere fails every process. `newest_finite`
+    (`health.guard.newest_finite`, given by the front ends) names in a refusal where each row is finite.
+    What each rank's task reads is decided once, before any starts (`planning.reads`)."""
     started = time.monotonic()
-    vouched = _vouched(plan, options)
-    work = Composing(plan, workers, options, allow_nonfinite, vouched)
+    jobs = jobs_to_run(plan, clone=options.clone, cache=cache_dir())
+    work = Composing(plan, workers, options, allow_nonfinite, jobs, newest_finite)
     run_as_team(work, team=team, emit=emit, cancel=cancel, options=options)
     # what the plan counted (bytes_to_write): every file but the provenance record written last
     out = plan.output
     written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file() and f != out / PROVENANCE)
     shared = bool(work.shared)
+    vouched = [j.vouched for j in jobs if isinstance(j, RankJob)]
     return ComposeResult(out, time.monotonic() - started, written, work.peak, dict(work.nonfinite),
-                         work.shared, work.shared_how, shared and any(0 in v for v, _b in vouched.values()),
-                         work.sources_unread, shared and any(v - {0} for v, _b in vouched.values()))
+                         work.shared, work.shared_how, shared and any(0 in v for v in vouched),
+                         work.sources_unread, shared and any(v - {0} for v in vouched))
 
 
-def _vouched(plan: ComposePlan, options: TaskOptions) -> dict[int, tuple[frozenset[int], tuple]]:
-    """{rank: (its vouched sources, its sources' block CRC-32s)} where the rank files will be clones
-    (`cloning`: the output on the base's filesystem of a kind that shares blocks, the recipe replacing
-    less than half of them): the checkpoints (0: the base) every row of which the output keeps or takes
-    the run's cached statistics found whole and finite as the files are now (no rank file read), whose
-    NaN/Inf the writer need not count again (it still reads and checks every byte against its CRC-32:
-    those prove them the bytes the statistics counted), and the block CRC-32s the statistics recorded of
-    the sources' rank files as they are now (`source_blocks.blocks_for`: a stat per file), so that only
-    the blocks taken are read of a source. Empty where the output is not a clone."""
-    if not options.clone or plan.reshard is not None:
-        return {}
-    jobs = [j for j in plan.rank_jobs() if isinstance(j, RankJob)]
-    replaced = sum(c.length for j in jobs for c in j.copies) * BYTES_PER_ELEMENT
-    if not worth_it(replaced, sum(plan.base.rank_bytes(j.rank) for j in jobs)):
-        return {}
-    if plan.shares() is None:
-        return {}
-    rows: dict[int, list[str]] = {0: [r.name for r in plan.base.rows if not r.tied and not plan.picks.get(r.name)]}
-    for row, source in plan.picks.items():  # the rows taken, by the checkpoint they come from
-        if source:
-            rows.setdefault(source, []).append(row)
-    vouched = checked_by_statistics(plan, rows)
-    blocks = blocks_for(jobs)
-    return {j.rank: (vouched, blocks.get(j.rank, ())) for j in jobs if vouched or j.rank in blocks}
+MAX_NAMED = 8  # rows a refusal of non-finite values names in its one line; the rest are counted
+
+
+def nonfinite_error(plan: ComposePlan, counts: Counter,
+                    newest_finite: Callable[[ComposePlan, list[str]], dict[str, str]] | None) -> NonFiniteError:
+    """The refusal of `plan`, whose output would hold `counts` non-finite values per row; `newest_finite`
+    ({row: the newest checkpoint where it is finite}, from the run's statistics: `health.guard`) names
+    where each such row is finite, where the caller has it."""
+    suggestions = newest_finite(plan, list(counts)) if newest_finite is not None else None
+    parts = []
+    for row in list(counts)[:MAX_NAMED]:
+        source = plan.sources[plan.picks[row]]
+        hint = ""
+        if suggestions is not None:
+            found = suggestions.get(row)
+            hint = f"; newest finite: {found}" if found else "; no finite checkpoint found"
+        parts.append(f"{row} from {source.name} ({counts[row]:,} NaN/Inf{hint})")
+    more = f" and {len(counts) - MAX_NAMED} more row(s)" if len(counts) > MAX_NAMED else ""
+    return NonFiniteError(
+        f"the output {plan.output} would hold non-finite values: {'; '.join(parts)}{more}; pick those "
+        "checkpoints (tailor-tui --heal RUN_DIR --recipe R.yaml does) or compose anyway with --allow-nonfinite")
 
 
 def files_read(plan: ComposePlan, job) -> dict[Path, FileIdentity]:
@@ -171,10 +171,11 @@ class Composing(PublishingWork):
                 "(check it with --verify)")
 
     def __init__(self, plan: ComposePlan, workers: int | None, options: TaskOptions, allow_nonfinite: bool,
-                 vouched: dict[int, tuple[frozenset[int], tuple]] | None = None):
+                 jobs: tuple, newest_finite=None):
         super().__init__(plan.output, plan.force, options)
         self.plan, self.allow_nonfinite, self.workers_asked = plan, allow_nonfinite, workers
-        self.vouched = vouched or {}  # per rank, what its task is given of the run's statistics (`_vouched`)
+        self.jobs = jobs  # the rank jobs as their tasks run them (`planning.reads.jobs_to_run`)
+        self.newest_finite = newest_finite  # where a refused row is finite (`nonfinite_error`), or None
         self.rank_call: Callable[..., Counter]
         if plan.reshard is not None:  # (its module imported only where it is used, as bin_files' below)
             from tailor_tui.compose.rank_reshard import reshard_rank
@@ -202,18 +203,10 @@ class Composing(PublishingWork):
             rank_args = (tag_dir, skeleton(self.plan.base, self.plan.sources, self.plan.buffer_sources(),
                                            self.plan.reshard))
         planned = self.plan
-        return [*(Task(read_as_planned, self._given(job), (self.rank_call, files_read(planned, job), *rank_args))
-                  for job in planned.rank_jobs()),
+        return [*(Task(read_as_planned, job, (self.rank_call, files_read(planned, job), *rank_args))
+                  for job in self.jobs),
                 *(Task(read_as_planned, job, (_weight_writer(job), files_read(planned, job), held))
                   for job in planned.model_file_jobs())]
-
-    def _given(self, job):
-        """The task's copy of a rank's job, with what the run's statistics vouch for and the block CRC-32s of
-        its sources (`_vouched`; the plan's is left as is)."""
-        if not isinstance(job, RankJob) or job.rank not in self.vouched:
-            return job
-        vouched, blocks = self.vouched[job.rank]
-        return replace(job, vouched=vouched, source_blocks=blocks)
 
     def observe(self, event, emit: Emit) -> bool:
         if isinstance(event, TaskFinished):
@@ -246,7 +239,7 @@ class Composing(PublishingWork):
         assert tmp is not None and held is not None, "folder() named it before any task ran"
         _confirm_sizes(tmp, self.reports)
         if self.nonfinite and not self.allow_nonfinite:
-            raise nonfinite_error(plan, self.nonfinite)
+            raise nonfinite_error(plan, self.nonfinite, self.newest_finite)
         verify_output(plan, tmp)
         fsync_dir(held / plan.base.tag, self.durable)
         self.publish_folder(provenance(plan))

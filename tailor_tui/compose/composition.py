@@ -11,11 +11,11 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping
 
 from tailor_tui.checkpoints.checkpoint import Checkpoint, Row, distinct_names, incompatibility, tied_partner
 from tailor_tui.checkpoints.lineage import other_run
 from tailor_tui.errors import RecipeError
-from tailor_tui.health.healing import Healing, Health, heal
 from tailor_tui.planning.recipe import Recipe
 from tailor_tui.planning.recipe_file import save_recipe
 from tailor_tui.planning.recipe_text import Sameness
@@ -180,21 +180,25 @@ class Composition:
         else:  # a partial column gives the rows it saved; the others keep their source
             self.picks.update({r.name: column for r in self.rows if self.holds(column, r.name)})
 
-    def healing(self, health: Health) -> Healing:
-        """What healing would pick (`health.heal`) among the checkpoints this base combines with."""
-        rows = [r.name for r in self.rows if not r.tied]
-        return heal(health, rows, usable=lambda column: self.incompatibility(column) is None)
+    def healable_rows(self) -> list[str]:
+        """The rows healing picks a checkpoint for (`health.healing.heal`): those with weights of their own."""
+        return [r.name for r in self.rows if not r.tied]
 
-    def apply_healing(self, healing: Healing) -> list[str]:
-        """Take healing's picks as one undoable change; the rows whose source changed."""
-        changed = [row for row, col in healing.picks.items() if self.source_of(row) != col]
+    def combines_with(self, column: int) -> bool:
+        """Whether checkpoint `column` can be combined with the base (what healing may pick from)."""
+        return self.incompatibility(column) is None
+
+    def apply_healing(self, picks: Mapping[str, int]) -> list[str]:
+        """Take healing's `picks` ({row: column}, `Healing.picks`) as one undoable change; the rows whose
+        source changed."""
+        changed = [row for row, col in picks.items() if self.source_of(row) != col]
         if changed:
             self._remember()
             for row in changed:
-                if healing.picks[row] == self.base:
+                if picks[row] == self.base:
                     self.picks.pop(row, None)
                 else:
-                    self.picks[row] = healing.picks[row]
+                    self.picks[row] = picks[row]
         return changed
 
     def set_base(self, column: int) -> None:

@@ -97,7 +97,7 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Coun
     slots = defaultdict(list)
     for slot in job.row_slots:
         slots[slot.source].append(slot)
-    # (a checkpoint whose rows the run's statistics found finite: not counted again, `guard.checked_by_statistics`)
+    # (a checkpoint whose rows the run's statistics found finite: not counted again, `planning.reads`)
     census = {s: Census(Region(at, length, row) for row, at, length in _row_places(readers[s], slots[s])
                         if s not in job.vouched) for s in [0, *used]}
     spans = []

@@ -5,12 +5,13 @@ A record's CRC-32 covers all of it: checking the few rows a recipe takes from a 
 means reading the whole record (a rank file's flat tensors are a few large records: a 1-row recipe
 would read the source's rank files whole). The health statistics read every record of a full
 checkpoint's optim file whole anyway, checked its CRC-32, and recorded the CRC-32 of each 1 MiB
-block of it (`crc.BlockCrcs`, cached by `health.block_cache` under each file's identity). Where the
-output is a clone, each source's rank files are looked up by their identity now (`blocks_for`: a stat
-per file, no rank file read) and the ranges the output takes from a record with recorded blocks are
-read as those blocks only, each block once and checked (`read_taken`); a block whose bytes fail its
-recorded CRC-32 fails the task as a failed record CRC-32 does (the file changed since its statistics
-without its identity changing: bit rot). The recorded values are evidence of what the bytes should
+block of it (`crc.BlockCrcs`, cached by `checkpoints.file_facts` under each file's identity). Where the
+output is a clone, planning looked each source's rank files up by their identity (`planning.reads`: a
+stat per file, no rank file read) and gave each rank's job the blocks of its sources
+(`RankJob.source_blocks`); the ranges the output takes from a record with recorded blocks are read as
+those blocks only, each block once and checked (`read_taken`, `checked.evidence.read_blocks`); a block
+whose bytes fail its recorded CRC-32 fails the task as a failed record CRC-32 does (the file changed
+since its statistics without its identity changing: bit rot). The recorded values are evidence of what the bytes should
 be; each block read proves what they are. A record without recorded blocks, or laid out otherwise
 than when they were recorded, or whose recorded values do not combine to the CRC-32 it declares (a
 damaged cache entry), is read whole and checked, as always. The base is always read whole (the
@@ -24,31 +25,10 @@ from pathlib import Path
 
 from tailor_tui.checked.crc import RecordBlocks
 from tailor_tui.checked.evidence import blocks_usable, read_and_check, read_blocks
-from tailor_tui.checkpoints.cache import cache_dir
 from tailor_tui.events import ByteCounter
 from tailor_tui.formats.nonfinite import Census
 from tailor_tui.formats.ptfile import Record
-from tailor_tui.health import block_cache
 from tailor_tui.planning.jobs import RankJob
-
-
-def blocks_for(jobs: list[RankJob]) -> dict[int, tuple[tuple[int, RecordBlocks], ...]]:
-    """{rank: ((source, a record's blocks), ...)}: the block CRC-32s the run's statistics cached of
-    each full source's optim file the jobs take slices from, for the file as it is now (its identity:
-    one stat, no rank file read); ranks with none are left out."""
-    paths = {job.files[s].optim_states for job in jobs for s in _full_sources(job)}
-    found = block_cache.cached(cache_dir(), paths=sorted(paths))
-    per_rank = {}
-    for job in jobs:
-        mine = tuple((s, b) for s in _full_sources(job) for b in found.get(job.files[s].optim_states, {}).values())
-        if mine:
-            per_rank[job.rank] = mine
-    return per_rank
-
-
-def _full_sources(job: RankJob) -> list[int]:
-    """The full sources the job takes slices from (the base is read whole)."""
-    return sorted(s for s in {c.source for c in job.copies} - {0} if job.files[s].rows is None)
 
 
 def of_source(job: RankJob, source: int) -> dict[str, RecordBlocks]:

@@ -19,18 +19,19 @@ from pathlib import Path
 from typing import cast
 
 from tailor_tui.checked.crc import BLOCK
+from tailor_tui.checkpoints import file_facts
 from tailor_tui.checkpoints.cache import entry, identity_key, read_json, write_json
 from tailor_tui.checkpoints.checkpoint import Checkpoint, distinct_names
 from tailor_tui.events import Emit, TaskOptions
-from tailor_tui.health import block_cache
 from tailor_tui.health.healing import Cell, Health, rms, training_log
 from tailor_tui.health.stats_job import RankStats, RankStatsRead, RowSums, SlotTable, StatsJob
 from tailor_tui.team.members import SOLO, Team
 from tailor_tui.team.transaction import Declaration, Task, TeamWork, run_as_team
 
 # of the cached sums and cells: bump when what they mean changes (4: a multimodal model's rows per stack; 5: the
-# ranks' block CRC-32s are recorded beside them, `block_cache`: sums cached before are read once more to record them)
-FORMAT = 5
+# ranks' block CRC-32s are recorded beside them, `file_facts`: sums cached before are read once more to record them;
+# 6: the rows found finite are recorded beside the blocks)
+FORMAT = 6
 MAX_CACHED = 16 << 20  # a cache file larger than this is not one of ours
 STATS_WORKER = 64 << 20  # interpreter, numpy, two 1 MiB buffers and a chunk's float64 copies
 
@@ -79,7 +80,7 @@ def stats_jobs(checkpoints: tuple[Checkpoint, ...], column: int, rows: list[str]
     their previous checkpoints. The cache key names what is read (the identity of every file,
     the rank, the rows); the slices to read are worked out in the worker, so a run whose
     statistics are cached costs a stat() per file. `known` memoises identities and layouts
-    across calls. `crc_block`: the size of the blocks whose CRC-32s are recorded (`block_cache`)."""
+    across calls. `crc_block`: the size of the blocks whose CRC-32s are recorded (`file_facts`)."""
     known = {} if known is None else known
     ckpt = checkpoints[column]
     prev = previous_holders(checkpoints, column)
@@ -151,7 +152,7 @@ def compute_health(checkpoints: tuple[Checkpoint, ...], *, workers: int | None =
     that cannot be written is skipped (statistics still come out). With a `team` of several
     processes (`--stats` under torchrun or srun), each reads its share of the rank files and
     process 0 adds them all up: only its Health holds every cell. The CRC-32 of every `crc_block` bytes
-    of each record read is cached too (`block_cache`; tests make the blocks smaller than their records)."""
+    of each record read is cached too (`file_facts`; tests make the blocks smaller than their records)."""
     work = ReadingStatistics(checkpoints, workers=workers, cache=cache, columns=columns, rows=rows,
                              crc_block=crc_block)
     run_as_team(work, team=team, emit=emit, cancel=cancel, options=options)
@@ -251,35 +252,46 @@ class ReadingStatistics(TeamWork[Health]):
                 _store_ranks(self.cache, self.health.checkpoints[column], {j.key: self.found[j.key]
                                                                            for j in self.jobs[column]})
                 _store_cells(self.cache, self.jobs[column], cells)
-                self._store_blocks(column)
+                self._store_facts(column)
         self.health.add(column, cells)
         emit(CellsComputed(column, self.health.checkpoints[column].name, cells))
 
-    def _store_blocks(self, column: int) -> None:
-        """Cache the block CRC-32s of the full rank files of `column` read now, under each file's identity
-        as planning saw it before reading it (a file changed since has another: its blocks are never
-        taken for it); those cached before of its files not read again are kept."""
+    def _store_facts(self, column: int) -> None:
+        """Cache what the statistics established of the rank files of `column` read now (`file_facts`: each
+        record's block CRC-32s, the rows found whole and finite), under each file's identity as planning
+        saw it before reading it (a file changed since has another: its facts are never taken for it);
+        those cached before of its files not read again are kept."""
         by_folder: dict[str, tuple[dict, set]] = {}
         for j in self.jobs[column]:
-            if j.files.rows is None:
-                read, current = by_folder.setdefault(block_cache.folder_key(j.files.optim_states), ({}, set()))
-                ident = _identity(j.files.optim_states, self.known)
-                current.add(ident)
-                if j.key in self.reading:
-                    read[ident] = self.found[j.key].blocks
+            main = j.files.optim_states if j.files.rows is None else j.files.rows
+            read, current = by_folder.setdefault(file_facts.folder_key(main), ({}, set()))
+            ident = _identity(main, self.known)
+            current.add(ident)
+            if j.key in self.reading:
+                read[ident] = _facts(self.found[j.key], main, j.files.existing(), self.known)
         for folder, (read, current) in by_folder.items():
             if read:
-                block_cache.store(self.cache, folder=folder, read=read, current=current)
+                file_facts.store(self.cache, folder=folder, read=read, current=current)
+
+
+def _facts(stats: RankStats, main: Path, files: tuple[Path, ...], known: dict) -> file_facts.FileFacts:
+    """What a rank's statistics establish of its file `main`: the block CRC-32s of its records, and the rows
+    they found whole and finite, which hold while the rank's other `files` (beside it) keep their identity."""
+    others = [f for f in files if f != main]
+    if stats.error or any(f.parent != main.parent for f in others):
+        return file_facts.FileFacts(stats.blocks, frozenset())
+    finite = frozenset(row for row, s in stats.rows.items() if s.nonfinite == 0 and s.crc_ok)
+    return file_facts.FileFacts(stats.blocks, finite, tuple((f.name, _identity(f, known)) for f in others))
 
 
 def _stats_json(stats: RankStats) -> dict:
     return {"rows": {row: s.to_json() for row, s in stats.rows.items()}, "error": stats.error,
-            "blocks": block_cache.to_json(stats.blocks)}
+            "blocks": file_facts.blocks_to_json(stats.blocks)}
 
 
 def _stats_from_json(value: dict) -> RankStats:
     try:
-        blocks = block_cache.from_json(value.get("blocks", {}))
+        blocks = file_facts.blocks_from_json(value.get("blocks", {}))
     except (ValueError, TypeError):
         blocks = {}  # not recorded: a composition reads those records whole
     return RankStats({row: RowSums.from_json(v) for row, v in value["rows"].items()}, value["error"], blocks)

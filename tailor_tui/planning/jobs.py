@@ -63,12 +63,12 @@ class RankJob(RankJobCost):
     frozen_rows: tuple[tuple[str, str, int], ...] = ()
     # (source, a record's block CRC-32s): what the run's statistics recorded of the full sources' optim
     # files, where a cloned composition reads only the blocks it takes (`compose.source_blocks`); the
-    # plan's jobs have none, the task's copy of a job is given them
+    # plan's jobs have none, a cloned composition's are given them before any task starts (`reads`)
     source_blocks: tuple[tuple[int, RecordBlocks], ...] = ()
-    # the checkpoints (0: the base) every row of which the output keeps or takes the run's statistics found
-    # whole and finite, as their files are: the writer reads and checks their bytes against their CRC-32s
-    # (which prove them the bytes the statistics counted) without counting their NaN/Inf again; the plan's
-    # jobs have none, a cloned composition's task is given them (`compose_run._vouched`)
+    # the checkpoints (0: the base) every row of which this rank keeps or takes the run's statistics found
+    # whole and finite in their files of this rank, as the files are: the writer reads and checks their
+    # bytes against their CRC-32s (which prove them the bytes the statistics counted) without counting
+    # their NaN/Inf again; the plan's jobs have none, a cloned composition's are given them (`reads`)
     vouched: frozenset[int] = frozenset()
 
 

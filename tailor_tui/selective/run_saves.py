@@ -22,6 +22,7 @@ from typing import AbstractSet
 from tailor_tui.checkpoints.checkpoint import PARTIAL_MANIFEST, PROVENANCE, read_manifest
 from tailor_tui.checkpoints.scan import find_checkpoint_dirs, scan
 from tailor_tui.errors import CheckpointError
+from tailor_tui.health.guard import newest_finite
 
 RESUME_PREFIX = "resume-step"
 
@@ -141,7 +142,7 @@ def _compose_newest(output_dir: Path, target: Path, workers: int | None) -> None
     composition.output = target
     if target.exists():
         shutil.rmtree(target)  # an incomplete earlier attempt (no provenance)
-    run_compose(build_plan(composition.to_recipe()), workers=workers)
+    run_compose(build_plan(composition.to_recipe()), workers=workers, newest_finite=newest_finite)
 
 
 def _complete(folder: Path) -> bool:

@@ -21,7 +21,7 @@ from textual_plotext import Plot, PlotextPlot
 from tailor_tui.checkpoints.cache import cache_dir
 from tailor_tui.errors import Cancelled, TailorError
 from tailor_tui.events import TaskFinished, TaskOptions, TaskProgressed
-from tailor_tui.health.healing import TrainingCurve
+from tailor_tui.health.healing import TrainingCurve, heal
 from tailor_tui.health.stats_run import CellsComputed, StatsPlanned, compute_health
 from tailor_tui.ui.describe import LABEL, curve_title, next_metric, no_curve
 from tailor_tui.ui.dialogs import Answer, Confirm
@@ -216,7 +216,7 @@ class HealthActions:
                         severity="warning", timeout=4)
             return
         comp = self.active_composition
-        healing = comp.healing(self.health)
+        healing = heal(self.health, comp.healable_rows(), usable=comp.combines_with)
         changes = [f"{row} ← {comp.checkpoints[col].name}" + (f"  ({healing.reasons[row]})" if row in healing.reasons
                                                               else "")
                    for row, col in healing.picks.items() if comp.source_of(row) != col]
@@ -228,7 +228,7 @@ class HealthActions:
 
         def answer(yes: Answer) -> None:
             if yes:
-                self.edit(lambda: comp.apply_healing(healing))
+                self.edit(lambda: comp.apply_healing(healing.picks))
 
         body = "\n".join([*changes, *hopeless])
         self.app.push_screen(Confirm(f"Heal {len(changes)} row(s)?", body, accept="Heal", decline="Back"), answer)

@@ -29,6 +29,7 @@ from tailor_tui.errors import Cancelled, TailorError
 from tailor_tui.events import TaskOptions, TaskProgressed
 from tailor_tui.export.export_plan import Export
 from tailor_tui.export.export_run import ExportResult, run_export
+from tailor_tui.health.guard import newest_finite
 from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.report import FEW, Tally
 from tailor_tui.ui.messages import ComposeFailed, ComposeFinished, ComposeProgressed
@@ -116,7 +117,8 @@ class ProgressScreen(Screen[None]):
                                     cancel=self.cancel, options=self.options)
             else:
                 result = run_compose(self.plan, workers=self.compose_workers, emit=emit, cancel=self.cancel,
-                                   options=self.options, allow_nonfinite=self.allow_nonfinite)
+                                   options=self.options, allow_nonfinite=self.allow_nonfinite,
+                                   newest_finite=newest_finite)
         except Cancelled as exc:
             self.post_message(ComposeFailed(str(exc), cancelled=True))
         except TailorError as exc:
