@@ -211,6 +211,42 @@ def test_a_base_saved_again_between_the_plan_and_the_read_is_refused(real_run, x
     assert not (folder / "out" / "composed").exists() and hidden(folder / "out") == []
 
 
+# The same, for the statistics: training saves the newest checkpoint's rank-0 optim file again in place
+# (a NaN inside) after the run was scanned, before the statistics read it.
+_STATS_SAVED_AGAIN = """
+import sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from test_changed_sources import nan_in_place
+from tailor_tui.cli.main import main
+import tailor_tui.health.stats_run as stats_run
+
+real = stats_run.compute_health
+def saved_again(checkpoints, *args, **kwargs):
+    nan_in_place(Path({path!r}), {record!r}, 0.9)
+    return real(checkpoints, *args, **kwargs)
+stats_run.compute_health = saved_again
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_statistics_of_a_checkpoint_saved_again_after_the_scan_are_refused(real_run, tmp_path):
+    """The statistics' tasks read only the files the scan recorded, checked by fstat before and after they
+    read: a rank file saved again in between is one line naming it (exit 4), and no sums or facts of its
+    old identity are cached from its new bytes; the next `--stats` reads it anew and finds its NaN."""
+    run, _spec = real_run("hf_bf16_2")
+    ckpts, _recipe = _copied_with_recipe(run, tmp_path / "run")
+    rank0 = _rank0(ckpts[-1])
+    env = dict(os.environ, PYTHONWARNINGS="ignore", TAILOR_TUI_CACHE=str(tmp_path / "cache"))
+    script = _STATS_SAVED_AGAIN.format(tests=str(Path(__file__).parent), path=str(rank0), record=flat_record(rank0))
+    done = subprocess.run([sys.executable, "-c", script, "--stats", str(tmp_path / "run"), "-j", "1"],
+                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL, env=env)
+    assert_one_line_error(done, 4, str(rank0), "changed since the run was scanned", "ctime")
+    again = tailor("--stats", tmp_path / "run", env={"TAILOR_TUI_CACHE": str(tmp_path / "cache")})
+    assert again.returncode == 0, again.stderr
+    assert "NaN×1" in again.stdout, again.stdout
+
+
 def test_verify_names_a_source_changed_since_the_composition(real_run, tmp_path):
     """The output's provenance record holds each source file's identity as the composition read it:
     `--verify` of an output whose source was saved again since says so, naming the file (exit 7), and

@@ -178,14 +178,14 @@ class PlannedFiles:
     if any changed while it was read. The task's readers open the files by path in between: what they
     read is what the two equal looks bracket (the module's account above)."""
 
-    def __init__(self, identities: Mapping[Path, FileIdentity], planned: str = "the composition"):
-        self.identities, self.planned = identities, planned  # (`planned`: what recorded them, as said)
+    def __init__(self, identities: Mapping[Path, FileIdentity], since: str = "since the composition was planned"):
+        self.identities, self.since = identities, since  # (`since`: when they were recorded, as the line says it)
         self._held: dict[Path, int] = {}
 
     def __enter__(self) -> "PlannedFiles":
         try:
             for path in self.identities:
-                fd = self._open_checked(path, f"since {self.planned} was planned")
+                fd = self._open_checked(path, self.since)
                 if len(self._held) < MAX_HELD:
                     self._held[path] = fd
                 else:
@@ -227,11 +227,9 @@ class PlannedFiles:
         return fd
 
 
-def read_as_planned(job, call: Callable, identities: Mapping[Path, FileIdentity], *args,
-                    planned: str = "the composition"):
+def read_as_planned(job, call: Callable, identities: Mapping[Path, FileIdentity], *args):
     """A task (`team.transaction.Task`: `call(job, *args)`) whose every source file is checked to be the one
     its plan recorded, in the process that runs it, before and after it reads (`PlannedFiles`): a file that
-    training saved again meanwhile fails the task in one line (exit 4), and nothing is published or cached.
-    `planned`: what planned it, as the line says ("the composition", "the statistics")."""
-    with PlannedFiles(identities, planned):
+    training saved again meanwhile fails the task in one line (exit 4), and nothing is published."""
+    with PlannedFiles(identities):
         return call(job, *args)

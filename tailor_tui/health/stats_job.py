@@ -6,6 +6,7 @@ numpy; only `stats_rank`, in the workers, does the arithmetic.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tailor_tui.checked.crc import BLOCK, RecordBlocks
 from tailor_tui.checkpoints.checkpoint import RankFiles
@@ -78,6 +79,11 @@ class StatsJob(JobCost):
     @property
     def group_sizes(self) -> tuple[int, ...]:
         return self.layout.sizes_per_group
+
+    def files_read(self) -> tuple[Path, ...]:
+        """Every file the job may read: this rank's files and those of its rows' previous checkpoints."""
+        return tuple(dict.fromkeys(f for files in (self.files, *(files for _row, files in self.prev))
+                                   for f in files.existing()))
 
     def slots(self) -> tuple[SlotRead, ...]:
         """Each trainable parameter's slice on this rank, of the rows to read."""

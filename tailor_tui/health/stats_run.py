@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import cast
 
 from tailor_tui.checked.crc import BLOCK
+from tailor_tui.checked.files import PlannedFiles
 from tailor_tui.checkpoints import file_facts
 from tailor_tui.checkpoints.cache import entry, identity_key, read_json, write_json
 from tailor_tui.checkpoints.checkpoint import Checkpoint, distinct_names
@@ -211,7 +212,9 @@ class ReadingStatistics(TeamWork[Health]):
                 self._finish(c, emit)
         if not todo:
             return []
-        return [Task(read_rank, j) for j in todo]  # numpy is loaded where ranks are read, not here
+        known = {f: i for c in self.health.checkpoints for f, i in c.identities.items()}
+        return [Task(read_rank, j, ({f: known[f] for f in j.files_read() if f in known},))
+                for j in todo]  # numpy is loaded where ranks are read, not here
 
     def observe(self, event, emit: Emit) -> bool:
         if not isinstance(event, RankStatsRead):
@@ -368,9 +371,13 @@ def _store_cells(cache: Path | None, jobs: list[StatsJob], cells: dict[str, Cell
                                             "cells": {row: c.to_json() for row, c in cells.items()}})
 
 
-def read_rank(job: StatsJob, emit: Emit, cancelled, options: TaskOptions = TaskOptions()) -> RankStats:
-    """A statistics task: `stats_rank.rank_stats`, imported where the task runs. The process that
-    plans the tasks and starts the workers does without numpy (its 60 ms), so they can be forked."""
+def read_rank(job: StatsJob, identities: dict, emit: Emit, cancelled, options: TaskOptions = TaskOptions()) -> RankStats:
+    """A statistics task: `stats_rank.rank_stats`, imported where the task runs (the process that plans the
+    tasks and starts the workers does without numpy, its 60 ms, so they can be forked), reading only the
+    files the scan recorded (`identities`: each file's identity when its checkpoint was opened, compared by
+    fstat before and after the task reads, `checked.files.PlannedFiles`): sums of a checkpoint that training
+    saved again meanwhile are refused in one line (exit 4), never cached under its old identity."""
     from tailor_tui.health.stats_rank import rank_stats
 
-    return rank_stats(job, emit, cancelled, options)
+    with PlannedFiles(identities, "since the run was scanned"):
+        return rank_stats(job, emit, cancelled, options)
