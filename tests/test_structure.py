@@ -205,6 +205,7 @@ def test_the_job_cost_rule_gives_each_kind_of_job_its_numbers():
     job of nothing still costs a byte (a bar never counts to zero)."""
     from pathlib import Path as P
 
+    from tailor_tui.checkpoints.checkpoint import RankFiles
     from tailor_tui.export.export_plan import ExportJob
     from tailor_tui.planning.jobs import BinFileJob, RankJob
     from tailor_tui.resharding.partition import ReshardJob
@@ -212,7 +213,7 @@ def test_the_job_cost_rule_gives_each_kind_of_job_its_numbers():
     rank = RankJob(3, {}, (), (), (), (), (), read_bytes=700, write_bytes=200)
     reshard = ReshardJob(2, "m", "o", {}, {}, (), (), (), read_bytes=50, write_bytes=20)
     weights = BinFileJob("pytorch_model.bin", P("b"), {}, {}, {}, {}, size=123)
-    export = ExportJob("base rank 1", P("o"), P("m"), None, (), (), (), (), (), "BF16", 0, 0)
+    export = ExportJob("base rank 1", RankFiles(1, P("m"), P("o")), (), (), (), (), (), "BF16", 0, 0)
     assert (rank.task, rank.total_bytes, rank.progress_bytes) == ("rank 3", 900, 200)
     assert (reshard.task, reshard.total_bytes, reshard.progress_bytes) == ("rank 2", 70, 20)
     assert (weights.task, weights.total_bytes, weights.progress_bytes) == ("pytorch_model.bin", 246, 123)

@@ -49,6 +49,12 @@ class RankFiles:
     rows: Path | None = None  # partial: the saved rows' fp32 / exp_avg / exp_avg_sq slices
     skeleton: Path | None = None  # partial: the optimizer state without its big tensors
 
+    @property
+    def state_file(self) -> Path:
+        """The file holding the rank's optimizer state (fp32 masters, exp_avg, exp_avg_sq): its optim_states
+        file, or a partial save's rows file."""
+        return self.optim_states if self.rows is None else self.rows
+
     def existing(self) -> tuple[Path, ...]:
         if self.rows is None:
             return (self.model_states, self.optim_states)

@@ -83,7 +83,7 @@ class RankReader:
     @property
     def path(self) -> Path:
         """The file a row's optimizer bytes are read from: the optim file, or a partial's rows file."""
-        return self.files.rows if self.files.rows is not None else self.files.optim_states
+        return self.files.state_file
 
     @property
     def rows_file(self) -> Path:

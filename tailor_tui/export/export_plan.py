@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from tailor_tui.checkpoints.checkpoint import distinct_names
+from tailor_tui.checkpoints.checkpoint import RankFiles, distinct_names
 from tailor_tui.checkpoints.layout import part, valid_elements
 from tailor_tui.checkpoints.model_states import read_metadata
 from tailor_tui.errors import CheckpointError, IncompatibleError
@@ -51,9 +51,7 @@ class ExportJob(JobCost):
     """One source rank's share of an export (picklable)."""
 
     task: str
-    optim_states: Path  # the full optim file (absent in a partial checkpoint)
-    model_states: Path
-    rows: Path | None  # a partial checkpoint's saved slices, else None
+    files: RankFiles  # the source rank's files (a partial checkpoint's: its rows file, no optim file)
     group_sizes: tuple[int, ...]
     groups: tuple[tuple[int, tuple[Span, ...]], ...]  # (sub-group, spans of its flat fp32 buffer)
     saved: tuple[tuple[str, Span], ...]  # (parameter, span) from the partial rows file
@@ -63,9 +61,9 @@ class ExportJob(JobCost):
     read_bytes: int
     write_bytes: int
 
-    def files(self) -> tuple[Path, ...]:
-        """The source files it reads."""
-        return (self.model_states, self.optim_states) if self.rows is None else (self.model_states, self.rows)
+    def files_read(self) -> tuple[Path, ...]:
+        """The source files it reads: model_states and the file holding the optimizer state."""
+        return (self.files.model_states, self.files.state_file)
 
 
 @dataclass(frozen=True)
@@ -185,7 +183,7 @@ def _jobs_of(ckpt, names: set[str], placed: dict[str, Placed], label: str,
         mine = buffers if rank == 0 else ()  # replicated on every rank: rank 0's
         read += sum(placed[name].nbytes for name, _span in mine)
         written += sum(placed[name].nbytes for name, _span in mine)
-        jobs.append(ExportJob(f"{label} rank {rank}", files.optim_states, files.model_states, files.rows, sizes,
+        jobs.append(ExportJob(f"{label} rank {rank}", files, sizes,
                               tuple(sorted((g, tuple(spans)) for g, spans in groups.items())), tuple(saved),
                               tuple(fragments), mine, out_dtype, read, written))
     return jobs

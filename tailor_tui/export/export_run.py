@@ -93,7 +93,7 @@ class Exporting(PublishingWork):
 
     def tasks(self, shared: str, emit: Emit) -> list[Task]:
         held, plan = self.folder(shared), self.export.plan
-        return [Task(read_as_planned, job, (export_rank, plan.identities_of(job.files()), held)) for job in self.export.jobs]
+        return [Task(read_as_planned, job, (export_rank, plan.identities_of(job.files_read()), held)) for job in self.export.jobs]
 
     def publish(self) -> None:
         source = str(self.source) if self.source else None

@@ -23,7 +23,6 @@ import numpy as np
 
 from tailor_tui.checked.evidence import checked_crcs
 from tailor_tui.checked.ranges import crc_range
-from tailor_tui.checkpoints.checkpoint import RankFiles
 from tailor_tui.checkpoints.rank_reader import STREAM_CHUNK, RankReader
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
@@ -50,32 +49,32 @@ def export_rank(job: ExportJob, out_dir: Folder, emit: Emit, cancelled: Callable
                     raise output_error(exc, out_dir / name) from None
             return outputs[name]
 
-        reader = RankReader(RankFiles(0, job.model_states, job.optim_states, job.rows), job.group_sizes)
+        reader = RankReader(job.files, job.group_sizes)
         if job.groups:
             located = reader.flat()
-            fd = open_fd(stack, job.optim_states)
+            fd = open_fd(stack, job.files.optim_states)
             for g, spans in job.groups:
                 flat = located[g, "fp32"]
                 if dtype_name(flat.dtype) != "float32":
-                    raise CheckpointError(f"{job.optim_states}: sub-group {g}'s master weights are "
+                    raise CheckpointError(f"{job.files.optim_states}: sub-group {g}'s master weights are "
                                           f"{dtype_name(flat.dtype)}, not fp32; the file is not a ZeRO-3 optimizer state")
-                _stream(fd, job.optim_states, flat, spans, "float32", job.out_dtype, out_fd, buffer, counter)
+                _stream(fd, job.files.optim_states, flat, spans, "float32", job.out_dtype, out_fd, buffer, counter)
         if job.frozen:
             fragments = reader.fragments([name for name, _span in job.frozen])
-            fd = open_fd(stack, job.model_states)
+            fd = open_fd(stack, job.files.model_states)
             for name, span in job.frozen:
                 tb = fragments[name]
-                _stream(fd, job.model_states, tb, [span], dtype_name(tb.dtype), job.out_dtype, out_fd, buffer,
+                _stream(fd, job.files.model_states, tb, [span], dtype_name(tb.dtype), job.out_dtype, out_fd, buffer,
                         counter)
         if job.buffers:
-            fd = open_fd(stack, job.model_states)
+            fd = open_fd(stack, job.files.model_states)
             for name, span in job.buffers:
                 tb = reader.buffer(name)
                 kind = dtype_name(tb.dtype)
-                _stream(fd, job.model_states, tb, [span], kind, kind, out_fd, buffer, counter)
+                _stream(fd, job.files.model_states, tb, [span], kind, kind, out_fd, buffer, counter)
         if job.saved:  # (the header was checked against the file's size: no slice runs past its end)
-            assert job.rows is not None, "a job with saved slices reads a partial save's rows file"
-            fd = open_fd(stack, job.rows)
+            assert job.files.rows is not None, "a job with saved slices reads a partial save's rows file"
+            fd = open_fd(stack, job.files.rows)
             out_size = np.dtype(_NUMPY[_OUT.get(job.out_dtype, job.out_dtype)]).itemsize
             for name, span in job.saved:
                 place = reader.place("fp32", param=name, group=None, offset=0, valid=span.count)

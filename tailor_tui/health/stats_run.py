@@ -266,7 +266,7 @@ class ReadingStatistics(TeamWork[Health]):
         those cached before of its files not read again are kept."""
         by_folder: dict[str, tuple[dict, set]] = {}
         for j in self.jobs[column]:
-            main = j.files.optim_states if j.files.rows is None else j.files.rows
+            main = j.files.state_file
             read, current = by_folder.setdefault(file_facts.folder_key(main), ({}, set()))
             ident = _identity(main, self.known)
             current.add(ident)

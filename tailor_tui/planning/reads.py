@@ -41,14 +41,8 @@ def jobs_to_run(plan: ComposePlan, *, clone: bool, cache: Path | None) -> tuple:
     replaced = sum(c.length for j in full for c in j.copies) * BYTES_PER_ELEMENT
     if not worth_it(replaced, sum(plan.base.rank_bytes(j.rank) for j in full)):
         return jobs
-    facts = file_facts.cached(cache, paths=sorted({_main(j, s) for j in full for s in j.files}))
+    facts = file_facts.cached(cache, paths=sorted({j.files[s].state_file for j in full for s in j.files}))
     return tuple(_given(j, facts) for j in full)
-
-
-def _main(job: RankJob, source: int) -> Path:
-    """The file of `source` the statistics keep their facts of this rank under (`file_facts`)."""
-    files = job.files[source]
-    return files.optim_states if files.rows is None else files.rows
 
 
 def _given(job: RankJob, facts: dict[Path, file_facts.FileFacts]) -> RankJob:
@@ -58,9 +52,9 @@ def _given(job: RankJob, facts: dict[Path, file_facts.FileFacts]) -> RankJob:
     for row, _name, source in job.frozen_rows:
         wanted.setdefault(source, set()).add(row)
     vouched = frozenset(s for s, rows in wanted.items()
-                        if (found := facts.get(_main(job, s))) is not None and rows <= found.finite)
+                        if (found := facts.get(job.files[s].state_file)) is not None and rows <= found.finite)
     blocks: tuple[tuple[int, RecordBlocks], ...] = tuple(
-        (s, b) for s in _full_sources(job) if (found := facts.get(_main(job, s))) is not None
+        (s, b) for s in _full_sources(job) if (found := facts.get(job.files[s].state_file)) is not None
         for b in found.blocks.values())
     return replace(job, vouched=vouched, source_blocks=blocks) if vouched or blocks else job
 
