@@ -130,15 +130,11 @@ Emit = Callable[[object], None]
 
 @dataclass(frozen=True)
 class TaskOptions:
-    """How a composition's tasks write, carried with them (to worker processes too)."""
+    """How a composition's tasks write, carried with them (to worker processes too): the user's
+    options alone. (The tests' fault injection, slowed tasks and a kernel without renameat2's
+    exchange, lives with the tests: tests/faults.)"""
 
     durable: bool = True  # fsync before an output counts as written (--no-fsync: False)
-    # Fault injection for tests of cancel and kill: test checkpoints compose in well under a
-    # second, so tests slow each progress step down by this many seconds to hit one mid-composition.
-    slow_down: float = 0.0
-    # Tests of the replacing way file systems without renameat2 exchange need (NFS, Lustre):
-    # False replaces an output by two renames even where the kernel could swap atomically.
-    exchange: bool = True
     # Output files start as clones of the base's where the filesystem shares blocks (`cloning`);
     # False (--no-clone): every byte written
     clone: bool = True
@@ -149,8 +145,8 @@ class ByteCounter:
     seconds, and carries its TaskOptions to every writer it is handed to.
 
     It is also where a task notices cancellation: `add` raises once `cancelled()` is true,
-    so workers stop between chunks within a fraction of a second (it looks every 32 steps or
-    MiB: a step of a few bytes costs no clock read).
+    so workers stop between chunks within a fraction of a second (it looks, `look`, every 32
+    steps or MiB: a step of a few bytes costs no clock read).
 
     Writers count every byte they read or write (`total`, the task's cost); what is reported is
     one thing, the bytes of output written (`shown`, e.g. a rank file's size): the share of the
@@ -164,7 +160,6 @@ class ByteCounter:
         self._emit, self._cancelled, self._interval = emit, cancelled, interval
         self.options = options
         self._last = 0.0
-        self._delay = options.slow_down
         self._steps, self._look_at = 0, 0  # `add` looks at the clock and the cancel flag when due
         self.shared, self.shared_how = 0, ""  # output bytes sharing the base's blocks (`shares`)
         self.sources_unread = 0  # bytes of the records it takes from not read (`skips`)
@@ -182,13 +177,17 @@ class ByteCounter:
     def add(self, n: int) -> None:
         self.done = min(self.done + n, self.total)
         self._steps += 1
-        if self._steps < 32 and self.done < self._look_at and not self._delay:
+        if self._steps < 32 and self.done < self._look_at:
             return  # a small step (a resharded piece of a few bytes): looked at every 32 steps or MiB
+        self.look()
+
+    def look(self) -> None:
+        """Look now at the cancel flag (Cancelled if it is set) and at the clock (progress is
+        reported if `interval` has passed since the last report); the next look `add` makes
+        by itself is 32 steps or a MiB on."""
         self._steps, self._look_at = 0, self.done + (1 << 20)
         if self._cancelled():
             raise Cancelled()
-        if self._delay:
-            time.sleep(self._delay)
         now = time.monotonic()
         if now - self._last >= self._interval:
             self._last = now

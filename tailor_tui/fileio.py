@@ -197,14 +197,13 @@ def aside_prefix(dest: Path) -> str:
     return f".{dest.name}.tailor-old-{socket.gethostname()}-"
 
 
-def replace_dir(new: Path, dest: Path, durable: bool = True, swap: bool = True) -> None:
+def replace_dir(new: Path, dest: Path, durable: bool = True) -> None:
     """Put the finished folder `new` at `dest`, replacing the folder there: swapped atomically
     where the kernel can (never a moment without one), else the old one is moved aside first
     and put back if the second rename fails. The old folder is deleted only at the end.
     Callers hold SIGINT/SIGTERM back around it; after a kill -9 between the two renames the
-    old folder is found beside `dest` under `aside_prefix` (output.remove_stale restores it).
-    `swap=False` takes the second way even where the kernel could swap (tests of that way)."""
-    if swap and exchange(new, dest):  # the old folder is now at `new`
+    old folder is found beside `dest` under `aside_prefix` (output.remove_stale restores it)."""
+    if exchange(new, dest):  # the old folder is now at `new`
         fsync_dir(dest.parent, durable)
         shutil.rmtree(new, ignore_errors=True)
         return

@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from faults import inject
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -308,6 +309,21 @@ def xfs(tmp_path_factory):
             yield mounted
     except RuntimeError as exc:
         pytest.skip(f"no loop-mounted XFS: {exc}")
+
+
+@pytest.fixture
+def slow_tasks(monkeypatch):
+    """slow_tasks(seconds): from the call on, every task of the test, in its own process and in the
+    workers it starts, sleeps `seconds` a progress step and then looks at the cancel flag, so that a
+    cancel lands mid-way on the tests' tiny checkpoints (faults/inject.py: the rule the processes
+    tests start follow too). Called once what should not be slowed (a scan's statistics) is done;
+    undone at the test's end."""
+    def slow(seconds: float) -> None:
+        for name, value in inject.environment(slow=seconds).items():
+            monkeypatch.setenv(name, value)  # spawned workers: a fresh interpreter loads faults/sitecustomize
+        inject.slow_tasks(seconds, monkeypatch.setattr)  # this process, and the workers it forks
+
+    return slow
 
 
 @pytest.fixture(scope="session", autouse=True)

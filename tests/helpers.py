@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from faults import inject
 from zero_reader import optim_states, read_full_state
 
 from tailor_tui.checkpoints.scan import scan
@@ -180,13 +181,14 @@ def start_apply(recipe: Path, *extra: str, env: dict | None = None) -> subproces
 
 def start_tailor(*args, env: dict | None = None) -> subprocess.Popen:
     """tailor-tui started with its work slowed to several seconds (test checkpoints are tiny), so
-    signals land mid-work. SIGINT starts at its default whatever this process inherited (a
-    shell's background job ignores it, and Python then never turns it into KeyboardInterrupt),
-    as in a terminal."""
+    signals land mid-work: each progress step sleeps 0.4 s (faults/inject.py; `env` may ask for
+    another pace, `inject.environment(slow=...)`, or for more faults). SIGINT starts at its default
+    whatever this process inherited (a shell's background job ignores it, and Python then never
+    turns it into KeyboardInterrupt), as in a terminal."""
     return subprocess.Popen([TAILOR, *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-                            env={**os.environ, "PYTHONWARNINGS": "ignore", "TAILOR_TEST_SLOW_COMPOSE": "0.4",
+                            env={**os.environ, "PYTHONWARNINGS": "ignore", **inject.environment(slow=0.4),
                                  **(env or {})})
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import checkpoints_of
+from faults import inject
 from helpers import TAILOR, free_port, hidden, slurm_tasks, tailor, write_recipe
 
 from tailor_tui.checkpoints import file_facts
@@ -106,7 +107,7 @@ def test_a_task_killed_mid_composition_fails_the_job_and_leaves_nothing(real_run
     run, spec = real_run("ds_bf16_3_subgroups")
     c2, _c4, c6 = checkpoints_of(run, spec)
     recipe = write_recipe(tmp_path, c6, {"layers.2": c2})
-    tasks = slurm_tasks(["--apply", recipe, "--peer-timeout", "4"], env={"TAILOR_TEST_SLOW_COMPOSE": "0.2"})
+    tasks = slurm_tasks(["--apply", recipe, "--peer-timeout", "4"], env=inject.environment(slow=0.2))
     while "[process 1] rank" not in (line := tasks[1].stderr.readline()):
         assert line, "process 1 ended before it composed"
     tasks[1].send_signal(signal.SIGKILL)
@@ -178,7 +179,7 @@ def test_a_task_whose_work_hangs_fails_the_job(real_run, tmp_path):
                               stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
                               env={**os.environ, "PYTHONWARNINGS": "ignore", "SLURM_PROCID": str(p),
                                    "SLURM_NTASKS": "2", "SLURM_JOB_ID": "11", "SLURM_STEP_NODELIST": "localhost",
-                                   "MASTER_PORT": port, "TAILOR_TEST_SLOW_COMPOSE": "8" if p == 1 else "0.1"})
+                                   "MASTER_PORT": port, **inject.environment(slow=8 if p == 1 else 0.1)})
              for p in range(2)]
     started = time.monotonic()
     lead = tasks[0].communicate(timeout=60)
@@ -273,7 +274,7 @@ def test_a_stranger_who_writes_into_the_jobs_store_stops_it_and_steers_nothing(r
     trap = tmp_path / "attackers"
     trap.mkdir()
     port = free_port()
-    tasks = slurm_tasks(["--apply", recipe], env={"TAILOR_TEST_SLOW_COMPOSE": "0.2", "MASTER_PORT": str(port)},
+    tasks = slurm_tasks(["--apply", recipe], env={**inject.environment(slow=0.2), "MASTER_PORT": str(port)},
                          job="4242")
     while "[process 1] rank" not in (line := tasks[1].stderr.readline()):
         assert line, "process 1 ended before it composed"
@@ -297,7 +298,7 @@ def test_a_stranger_who_writes_into_the_jobs_store_stops_it_and_steers_nothing(r
     assert not hidden(tmp_path), hidden(tmp_path)
 
 
-def _attacked(real_run, tmp_path, job: str, peer_timeout: str, slow: str, attack, said: str) -> None:
+def _attacked(real_run, tmp_path, job: str, peer_timeout: str, slow: float, attack, said: str) -> None:
     """A real 2-task Slurm job (hf_bf16_2, MASTER_PORT given) that a stranger on the node attacks through
     its port while it runs: `attack(store, prefix)` again and again (a TCPStore client without the secret;
     prefix: the job's keys' as the ids squeue shows name them). Every process stops within seconds, each
@@ -312,7 +313,7 @@ def _attacked(real_run, tmp_path, job: str, peer_timeout: str, slow: str, attack
     port = free_port()
     began = time.monotonic()
     tasks = slurm_tasks(["--apply", recipe, "--peer-timeout", peer_timeout], job=job,
-                         env={"MASTER_PORT": str(port), "TAILOR_TEST_SLOW_COMPOSE": slow})
+                         env={"MASTER_PORT": str(port), **inject.environment(slow=slow)})
     stranger = None
     while any(t.poll() is None for t in tasks) and time.monotonic() < began + 60:
         try:
@@ -344,7 +345,7 @@ def test_a_stranger_who_deletes_the_jobs_values_stops_it_within_seconds(real_run
         for key in ("share/prepared", "gather/done/0", "gather/done/1"):
             store.delete_key(prefix + key)
 
-    _attacked(real_run, tmp_path, "4343", "10", "0.05", delete, "is gone from the job's store")
+    _attacked(real_run, tmp_path, "4343", "10", 0.05, delete, "is gone from the job's store")
 
 
 @pytest.mark.parametrize("how", ["replayed", "deleted"])
@@ -364,7 +365,7 @@ def test_a_stranger_who_replays_or_deletes_a_beat_stops_the_job(real_run, tmp_pa
             store.set(beat, old["value"])
 
     said = "went back from" if how == "replayed" else "the beat of process 1 is gone"
-    _attacked(real_run, tmp_path, "4444", "30", "0.2", replay, said)
+    _attacked(real_run, tmp_path, "4444", "30", 0.2, replay, said)
 
 
 def test_a_squatted_master_port_is_one_line_on_every_process_within_seconds(real_run, tmp_path):

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 from conftest import checkpoints_of
+from faults import inject
 from helpers import TAILOR, assert_one_line_error, free_port, write_recipe
 
 from tailor_tui.team.trust import SECRET, meeting_name
@@ -255,7 +256,7 @@ def test_a_hidden_folder_swapped_by_another_user_is_never_published_and_theirs_i
     slurm = {"SLURM_NTASKS": "2", "SLURM_JOB_ID": "4747", "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "localhost",
              "MASTER_PORT": str(free_port())}
     jobs = [victim.popen("--apply", recipe, "--workers", "1",
-                         env={"TAILOR_TEST_SLOW_COMPOSE": "0.2", **({**slurm, "SLURM_PROCID": str(p)} if processes > 1
+                         env={**inject.environment(slow=0.2), **({**slurm, "SLURM_PROCID": str(p)} if processes > 1
                                                                     else {})})
             for p in range(processes)]
     try:
@@ -317,7 +318,7 @@ def test_the_other_user_at_the_jobs_port_can_neither_steer_nor_hang_it(project, 
     assert as_attacker("mkdir", "-m", "0777", str(trap)).returncode == 0
     port = free_port()
     env = {"SLURM_NTASKS": "2", "SLURM_JOB_ID": "4646", "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "localhost",
-           "MASTER_PORT": str(port), "TAILOR_TEST_SLOW_COMPOSE": "0.2"}
+           "MASTER_PORT": str(port), **inject.environment(slow=0.2)}
     began = time.monotonic()
     tasks = [victim.popen("--apply", recipe, env={**env, "SLURM_PROCID": str(p)}) for p in range(2)]
     try:

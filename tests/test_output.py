@@ -18,6 +18,7 @@ import time
 
 import pytest
 from conftest import checkpoints_of, tree_digest
+from faults import inject
 from helpers import assert_one_line_error, finish, hidden, start_apply, tailor, wait_for_line, write_recipe
 
 from tailor_tui import fileio
@@ -162,7 +163,7 @@ def test_symlinked_outputs_are_refused_before_composing(hf_run, tmp_path):
 def test_a_second_composition_to_the_same_output_is_refused_while_the_first_runs(hf_run, tmp_path):
     run, (c2, c4, c6) = hf_run
     recipe = write_recipe(tmp_path, c6, {"layers.1": c4})
-    first = start_apply(recipe, "-j", "2", "--force", env={"TAILOR_TEST_SLOW_COMPOSE": "0.1"})  # ~7 s
+    first = start_apply(recipe, "-j", "2", "--force", env=inject.environment(slow=0.1))  # ~7 s
     seen = wait_for_line(first, "rank ")
     second = tailor("--apply", recipe, "--force", "-j", "1")
     assert_one_line_error(second, 6, "another tailor-tui (pid", "is writing it now")
@@ -257,12 +258,16 @@ def test_a_cancel_during_the_swap_completes_it_and_says_so(hf_run, tmp_path, mon
 
 @pytest.mark.parametrize("exchange", [True, False])
 def test_cancelling_a_forced_composition_leaves_the_old_or_the_new_output_whole(hf_run, tmp_path, exchange):
+    """Alike where the kernel swaps the old output and the new atomically and where it cannot
+    (exchange False: renameat2's exchange refused, as on NFS; faults/inject.py), which replaces
+    the old output by two renames."""
     _, (c2, c4, c6) = hf_run
     recipe = write_recipe(tmp_path, c6, {"layers.1": c4})
     assert tailor("--apply", recipe, "-j", "1").returncode == 0
     out = tmp_path / "composed"
     old = (out / output.PROVENANCE).read_text()
-    env = {} if exchange else {"TAILOR_TEST_NO_RENAME_EXCHANGE": "1"}
+    log = tmp_path.parent / f"{tmp_path.name}-faults.log"  # (beside: the output's folder is to hold no stray file)
+    env = inject.environment(no_exchange=not exchange, log=log)
     outcomes = []
     for delay in (0.0, 0.6, 2.0):
         proc = start_apply(recipe, "-j", "2", "--force", env=env)
@@ -283,6 +288,12 @@ def test_cancelling_a_forced_composition_leaves_the_old_or_the_new_output_whole(
         old = now
         outcomes.append(proc.returncode)
         assert hidden(tmp_path) == []
+        # without the exchange, a run that replaced the output did so by the two renames: the
+        # exchange it tried first was refused (and none that left the old output tried one)
+        replaced = proc.returncode == 0 or "is complete and holds the new composition" in err
+        refused = [a for a, b in inject.refused_exchanges(log) if b == str(out)]
+        log.unlink(missing_ok=True)
+        assert len(refused) == (replaced and not exchange), (delay, refused, err)
     assert 130 in outcomes, outcomes  # some signals did land mid-composition
 
 

@@ -14,14 +14,12 @@ from pilot_helpers import compose_finished, private_copy, scanned, start_composi
 from textual.widgets import Input
 from zero_reader import read_full_state
 
-from tailor_tui.events import TaskOptions
 from tailor_tui.planning.recipe import load_recipe
 from tailor_tui.ui.app import make_app
 from tailor_tui.ui.dialogs import Confirm, ErrorDialog, HelpScreen, PathPrompt
 from tailor_tui.ui.progress_screen import ProgressScreen
 
 SIZE = (130, 32)
-SLOW = TaskOptions(slow_down=0.4)
 
 
 @pytest.fixture
@@ -164,11 +162,12 @@ async def test_composing_from_the_ui_writes_the_picked_rows(run_copy):
     assert tree_digest(c2, c4, c6) == before
 
 
-async def test_cancel_leaves_nothing_at_the_output(run_copy, monkeypatch):
+async def test_cancel_leaves_nothing_at_the_output(run_copy, slow_tasks):
     run, ckpts = run_copy
-    app = make_app(run, workers=2, compose_options=SLOW)  # tiny checkpoints: slow the composition to hit it mid-way
+    app = make_app(run, workers=2)
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
+        slow_tasks(0.4)  # tiny checkpoints: the composition slowed to hit it mid-way
         await start_composing(pilot)
         await pilot.press("escape")
         await wait_for(pilot, lambda: not app.screen.running)
@@ -248,11 +247,12 @@ async def test_every_action_is_in_the_command_palette(run_copy):
             assert binding.description and binding.description in titles
 
 
-async def test_quit_during_a_composition_cancels_it(run_copy, monkeypatch):
+async def test_quit_during_a_composition_cancels_it(run_copy, slow_tasks):
     run, _ = run_copy
-    app = make_app(run, workers=2, compose_options=SLOW)
+    app = make_app(run, workers=2)
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
+        slow_tasks(0.4)
         screen = await start_composing(pilot)
         await pilot.press("q")
         assert isinstance(app.screen, Confirm) and "composition is running" in app.screen.body

@@ -10,7 +10,7 @@ from tailor_tui.events import TaskOptions
 from tailor_tui.units import shown
 
 
-def export_command(args, slow_down: float = 0.0) -> int:
+def export_command(args) -> int:
     from tailor_tui.cli.import_command import load_for
     from tailor_tui.export.export_plan import plan_export
     from tailor_tui.export.export_run import config_source, run_export
@@ -40,7 +40,7 @@ def export_command(args, slow_down: float = 0.0) -> int:
     report = reporter_for(sys.stderr, args.progress, [(job.task, job.progress_bytes) for job in export.jobs])
     try:
         result = run_export(export, config=args.config, workers=args.workers, emit=report, cancel=threading.Event(),
-                            options=TaskOptions(durable=args.durable, slow_down=slow_down))
+                            options=TaskOptions(durable=args.durable))
     finally:
         if isinstance(report, BarReporter):
             report.close()  # the bars' final state, whatever happened

@@ -9,12 +9,11 @@ import threading
 from pathlib import Path
 
 from tailor_tui.errors import CheckpointError, ExitCode, UsageError
-from tailor_tui.events import TaskOptions
 from tailor_tui.planning.recipe import check_recipe_target
 from tailor_tui.units import shown
 
 
-def _health(run_dir: Path, args, progress: str, slow_down: float):
+def _health(run_dir: Path, args, progress: str):
     """The scanned run's health (training checkpoints: not tailor-tui's own outputs); None in a
     process of a job other than process 0 (which alone holds every cell)."""
     from tailor_tui.checkpoints.cache import cache_dir
@@ -41,8 +40,7 @@ def _health(run_dir: Path, args, progress: str, slow_down: float):
     cancel = threading.Event()
     try:
         health = compute_health(checkpoints, workers=args.workers, emit=report or (lambda event: None),
-                                cancel=cancel, cache=cache_dir(), options=TaskOptions(slow_down=slow_down),
-                                team=team)
+                                cancel=cancel, cache=cache_dir(), team=team)
     finally:
         if report is not None:
             report.close()
@@ -56,12 +54,12 @@ def _health(run_dir: Path, args, progress: str, slow_down: float):
     return health
 
 
-def stats_command(args, slow_down: float = 0.0) -> int:
+def stats_command(args) -> int:
     import json
 
     from tailor_tui.cli.health_report import table
 
-    health = _health(args.stats, args, args.progress, slow_down)
+    health = _health(args.stats, args, args.progress)
     if health is None:
         return ExitCode.OK  # process 0 of the job prints the statistics
     if args.json:
@@ -77,7 +75,7 @@ def stats_command(args, slow_down: float = 0.0) -> int:
     return ExitCode.OK
 
 
-def heal_command(args, slow_down: float = 0.0) -> int:
+def heal_command(args) -> int:
     from tailor_tui.cli.health_report import healing_lines
     from tailor_tui.compose.composition import Composition
     from tailor_tui.health.healing import heal
@@ -85,7 +83,7 @@ def heal_command(args, slow_down: float = 0.0) -> int:
     if args.recipe is None:
         raise UsageError("--heal needs --recipe OUT.yaml: where to write the recipe it makes")
     check_recipe_target(args.recipe, args.force)  # before any statistics are computed
-    health = _health(args.heal, args, args.progress, slow_down)
+    health = _health(args.heal, args, args.progress)
     if health is None:
         return ExitCode.OK  # process 0 of the job writes the recipe
     comp = Composition.start(list(health.checkpoints))

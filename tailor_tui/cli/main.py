@@ -192,8 +192,7 @@ def apply(args) -> int:
     else:
         report = reporter_for(sys.stderr, args.progress, planned_tasks(plan), unit=unit)
     cancel = threading.Event()
-    options = TaskOptions(durable=args.durable, slow_down=_test_slow_down(), clone=args.clone,
-                          exchange=not os.environ.get("TAILOR_TEST_NO_RENAME_EXCHANGE"))
+    options = TaskOptions(durable=args.durable, clone=args.clone)
     try:
         result = run_compose(plan, workers=workers, emit=report, cancel=cancel, options=options,
                            allow_nonfinite=args.allow_nonfinite, team=team, newest_finite=newest_finite)
@@ -349,16 +348,6 @@ def _reader_gone(stream) -> bool:
         return False
 
 
-def _test_slow_down() -> float:
-    """Seconds to sleep per progress step: fault injection that the tests of cancel and kill set
-    through the environment (their compositions of tiny checkpoints end too fast to signal mid-way),
-    read here and handed to the composition (TaskOptions) like TAILOR_TEST_NO_RENAME_EXCHANGE."""
-    try:
-        return max(0.0, float(os.environ.get("TAILOR_TEST_SLOW_COMPOSE") or 0))
-    except ValueError:
-        return 0.0
-
-
 def _sigterm_as_interrupt(signum, frame):
     # Slurm's scancel and timeouts send SIGTERM: clean up exactly as for Ctrl-C.
     raise KeyboardInterrupt
@@ -394,17 +383,17 @@ def main(argv: list[str] | None = None) -> int:
         elif args.export:
             from tailor_tui.cli.export_command import export_command
 
-            code = export_command(args, _test_slow_down())
+            code = export_command(args)
         elif args.verify:
             code = verify(args)
         elif args.stats:
             from tailor_tui.cli.health_command import stats_command
 
-            code = stats_command(args, _test_slow_down())
+            code = stats_command(args)
         elif args.heal:
             from tailor_tui.cli.health_command import heal_command
 
-            code = heal_command(args, _test_slow_down())
+            code = heal_command(args)
         elif getattr(args, "import"):
             from tailor_tui.cli.import_command import import_command
 

@@ -352,7 +352,7 @@ def probe_swap(out: Path) -> None:
                 p.rmdir()
 
 
-def publish(held: HeldFolder, out: Path, force: bool, durable: bool = True, swap: bool = True) -> None:
+def publish(held: HeldFolder, out: Path, force: bool, durable: bool = True) -> None:
     """Put the finished folder `held` at `out` (see `signals_held`: call it inside that), with
     the permissions a folder made now would have."""
     tmp = held.path
@@ -364,7 +364,7 @@ def publish(held: HeldFolder, out: Path, force: bool, durable: bool = True, swap
             why = not_replaceable(out)
             if why:
                 raise OutputError(f"output {out}: changed while composing and now {why}; not overwritten")
-            replace_dir(tmp, out, durable, swap)
+            replace_dir(tmp, out, durable)
             return
         if out.is_dir():
             out.rmdir()

@@ -132,7 +132,7 @@ class PublishingWork(TeamWork[None]):
 
     def __init__(self, output: Path, force: bool, options: TaskOptions):
         self.output, self.force = output, force
-        self.durable, self.exchange = options.durable, options.exchange
+        self.durable = options.durable
         self.made: Path | None = None  # process 0's hidden folder, from the moment it exists
         self.made_as: tuple[int, int] | None = None  # its identity: what is at its path is checked to be it
         self.tmp: Path | None = None  # the folder every process writes into (read back by its path)
@@ -175,7 +175,7 @@ class PublishingWork(TeamWork[None]):
         fsync_dir(held, self.durable)
         with signals_held():  # a cancel now waits until the output is whole at its path
             check_made(tmp, self.made_as)
-            publish(held, self.output, self.force, self.durable, self.exchange)
+            publish(held, self.output, self.force, self.durable)
             check_published(self.output, self.made_as)
             self.published = True
 
