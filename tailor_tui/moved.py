@@ -65,11 +65,15 @@ MODULES = {
     "tailor_tui.verifying.recipe": _V + "against_recipe", "tailor_tui.verifying.weight_files": _V + "weights",
     "tailor_tui.ui.merge_screen": "tailor_tui.ui.progress_screen", "tailor_tui.ui.compose_screen": "tailor_tui.ui.progress_screen",
     "tailor_tui.ui.details": "tailor_tui.ui.describe", "tailor_tui.ui.heatmap": "tailor_tui.ui.describe",
+    # the checked read path, one subpackage since issue 58
+    "tailor_tui.crc": "tailor_tui.checked.crc", "tailor_tui.reading": "tailor_tui.checked.files",
 }
 
 _MERGE = {"MergeResult": _CO + "compose_run:ComposeResult", "run_merge": _CO + "compose_run:run_compose"}
 # A moved module's names that its new home calls otherwise, or that live elsewhere now: name -> "module[:new name]".
 RENAMED = {
+    "tailor_tui.reading": dict.fromkeys(("pread_exact", "pread_into", "Window", "READAHEAD", "Readahead", "crc_range",
+                                         "RangeCrcs"), "tailor_tui.checked.ranges"),
     "tailor_tui.checkpoint": {"other_run": _C + "lineage", "read_metadata": _C + "model_states",
                               **dict.fromkeys(("ScanResult", "STAGING", "find_checkpoint_dirs", "scan"), _C + "scan")},
     "tailor_tui.bin_files": {"merge_bin_file": _CO + "bin_files:compose_bin_file"},
