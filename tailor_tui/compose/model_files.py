@@ -26,7 +26,7 @@ from typing import Callable
 from tailor_tui.checked import crc
 from tailor_tui.checked.ranges import pread_into
 from tailor_tui.checkpoints.checkpoint import PARTIAL_MODEL_FILES
-from tailor_tui.checkpoints.rank_reader import RankReader
+from tailor_tui.checkpoints.rank_reader import PartialRankReader
 from tailor_tui.cloning import clone, worth_it
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
@@ -101,7 +101,7 @@ class _Fills:
         self.job, self.stack, self.fout, self.writeback, self.on_bytes = job, stack, fout, writeback, on_bytes
         self.fd = OpenFiles(stack).fd
         self.where: dict[int, dict[str, tuple[Path, tuple]]] = {}
-        self.rows_index: dict[Path, RankReader] = {}  # a partial rank's rows file, read once
+        self.rows_index: dict[Path, PartialRankReader] = {}  # a partial rank's rows file, read once
 
     def write(self, s: int, name: str, dtype: str, shape: tuple, offset: int, length: int) -> None:
         if s in self.job.partial_ranks:
@@ -145,7 +145,7 @@ class _Fills:
             rows = files.rows
             assert rows is not None, "a partial source's ranks have rows files"
             if rows not in self.rows_index:
-                self.rows_index[rows] = RankReader(files, ())
+                self.rows_index[rows] = PartialRankReader(files, ())
             place = self.rows_index[rows].place("fp32", param=name, group=None, offset=0, valid=valid)
             saved = place.slice
             assert saved is not None, "a partial save's place names its slice"

@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from tailor_tui.checked.evidence import crc_range_checked, read_and_check
-from tailor_tui.checkpoints.rank_reader import FP32, STREAM_CHUNK, RankReader, check_dtypes
+from tailor_tui.checkpoints.rank_reader import FP32, STREAM_CHUNK, ZeroRankReader, check_dtypes, rank_reader
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter
 from tailor_tui.fileio import Target, Writeback, copy_range, fsync, open_fd, output_error, path_of, pwrite_all
@@ -59,7 +59,7 @@ def build_optim_states_from_skeleton(job: RankJob, out: Target, counter: ByteCou
                                       "checkpoint is corrupt or from another run")
             set_flat_tensor(inner, g, key, reserved(size, like, fills))
     write(skeleton.obj, fills, out)
-    layout = RankReader(replace(job.files[0], optim_states=path_of(out), rows=None), job.group_sizes).flat()
+    layout = ZeroRankReader(replace(job.files[0], optim_states=path_of(out), rows=None), job.group_sizes).flat()
     del skeleton, inner
     big = [tb.record for tb in layout.values()]
 
@@ -68,11 +68,11 @@ def build_optim_states_from_skeleton(job: RankJob, out: Target, counter: ByteCou
         with contextlib.ExitStack() as stack:
             fout = open_fd(stack, out, os.O_RDWR)
             used = {c.source for c in job.copies}
-            readers = {s: RankReader(job.files[s], job.group_sizes) for s in used}
+            readers = {s: rank_reader(job.files[s], job.group_sizes) for s in used}
             fds = {s: open_fd(stack, readers[s].path) for s in used}
             buffer = memoryview(bytearray(STREAM_CHUNK))
             for s, reader in readers.items():
-                if reader.partial:
+                if not isinstance(reader, ZeroRankReader):  # a partial's slices: checked as read back
                     continue
                 theirs = reader.flat()  # the skeleton's flat tensors are fp32
                 check_dtypes({k: FP32 for k in theirs}, theirs, reader.path)

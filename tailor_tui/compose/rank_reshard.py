@@ -26,7 +26,14 @@ from typing import Callable, NamedTuple
 from tailor_tui.checked import crc
 from tailor_tui.checked.evidence import read_and_check
 from tailor_tui.checked.ranges import crc_range, pread_into
-from tailor_tui.checkpoints.rank_reader import STREAM_CHUNK, RankBytes, RankReader, dtype_mismatch
+from tailor_tui.checkpoints.rank_reader import (
+    STREAM_CHUNK,
+    RankBytes,
+    RankReader,
+    ZeroRankReader,
+    dtype_mismatch,
+    rank_reader,
+)
 from tailor_tui.errors import OutputError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.fileio import Folder, OpenFiles, Target, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
@@ -75,7 +82,7 @@ class _Sources:
 
     def reader(self, source: int, rank: int) -> RankReader:
         if (source, rank) not in self.readers:
-            self.readers[source, rank] = RankReader(self.job.files[source, rank], self.job.source_sizes[source])
+            self.readers[source, rank] = rank_reader(self.job.files[source, rank], self.job.source_sizes[source])
         return self.readers[source, rank]
 
     def to_verify(self) -> dict[Path, set]:
@@ -85,7 +92,7 @@ class _Sources:
         frozen = [name for name, _pieces in self.job.frozen]
         for s, r in sorted(self.job.verifies):
             reader = self.reader(s, r)
-            if reader.partial:  # a partial's slices: each job checks those it takes from
+            if not isinstance(reader, ZeroRankReader):  # a partial's slices: each job checks those it takes from
                 found.setdefault(reader.path, set())
             else:
                 found.setdefault(reader.path, set()).update(tb.record for tb in reader.flat().values())

@@ -18,7 +18,14 @@ from tailor_tui import moved
 from tailor_tui.checked import crc
 from tailor_tui.checked.evidence import SliceCheck, checked_ranges, read_and_check
 from tailor_tui.checked.ranges import RangeCrcs, Readahead, crc_range, pread_into
-from tailor_tui.checkpoints.rank_reader import SMALL_RANK_FILE, STREAM_CHUNK, RankReader, check_dtypes
+from tailor_tui.checkpoints.rank_reader import (
+    SMALL_RANK_FILE,
+    STREAM_CHUNK,
+    RankReader,
+    ZeroRankReader,
+    check_dtypes,
+    rank_reader,
+)
 from tailor_tui.cloning import clone, worth_it
 from tailor_tui.compose.source_blocks import of_source, read_taken
 from tailor_tui.events import ByteCounter
@@ -84,12 +91,13 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Coun
     if whole is None and file_format(base_path) != "zip":
         return None  # the output is a zip archive: a legacy-format base's file is re-serialised
     used = sorted({c.source for c in job.copies})
-    readers = {s: RankReader(job.files[s], job.group_sizes, whole if s == 0 else _small(job.files[s]))
-               for s in [0, *used]}
+    readers = {s: _reader(job.files[s], job.group_sizes, whole if s == 0 else None) for s in [0, *used]}
+    base_reader = readers[0]
+    assert isinstance(base_reader, ZeroRankReader), "a partial base is composed by rank_partial"
     try:
-        base_records = readers[0].records()
-        base = readers[0].flat()
-        sources = {s: readers[s].flat() for s in used if not readers[s].partial}
+        base_records = base_reader.records()
+        base = base_reader.flat()
+        sources = {s: r.flat() for s, r in readers.items() if s in used and isinstance(r, ZeroRankReader)}
     except Unsupported:
         return None
     for s, flats in sources.items():
@@ -173,9 +181,13 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Coun
     return sum((c.counts for c in census.values()), Counter())
 
 
-def _small(files: RankFiles) -> bytes | None:
-    """A full source's optim file, read whole where it is small (`SMALL_RANK_FILE`)."""
-    return None if files.rows is not None else read_whole(files.optim_states, SMALL_RANK_FILE)
+def _reader(files: RankFiles, group_sizes: tuple[int, ...], whole: bytes | None) -> RankReader:
+    """The reader of a checkpoint's files of this rank; a full save's optim file read whole where it was
+    (`whole`: the base's) or is small (`SMALL_RANK_FILE`)."""
+    reader = rank_reader(files, group_sizes, whole)
+    if isinstance(reader, ZeroRankReader) and reader.optim is None:  # (nothing read of it yet)
+        reader.optim = read_whole(files.optim_states, SMALL_RANK_FILE)
+    return reader
 
 
 def _clone(fin: int, fout: int, spans: list[Replacement], counter: ByteCounter) -> str | None:

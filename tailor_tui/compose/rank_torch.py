@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from tailor_tui.checkpoints.rank_reader import RankReader, dtype_mismatch
+from tailor_tui.checkpoints.rank_reader import PartialRankReader, dtype_mismatch
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter
 from tailor_tui.fileio import CountingWriter, Target, create, fsync, output_error
@@ -61,7 +61,7 @@ def reserialise_optim_states(job: RankJob, out: Target, counter: ByteCounter) ->
         if s and f.rows is None and any(c.source == s for c in job.copies)
     }
     partial = {s: f.rows for s, f in job.files.items() if f.rows is not None}
-    readers = {s: RankReader(job.files[s], job.group_sizes) for s in partial}  # (checks each slice's shape)
+    readers = {s: PartialRankReader(job.files[s], job.group_sizes) for s in partial}  # (checks each slice's shape)
     copies, padding = defaultdict(list), defaultdict(list)
     for c in job.copies:
         copies[c.group].append(c)

@@ -23,7 +23,7 @@ import numpy as np
 
 from tailor_tui.checked.evidence import checked_crcs
 from tailor_tui.checked.ranges import crc_range
-from tailor_tui.checkpoints.rank_reader import STREAM_CHUNK, RankReader
+from tailor_tui.checkpoints.rank_reader import STREAM_CHUNK, ZeroRankReader, rank_reader
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.export.export_plan import ExportJob, Span
@@ -49,8 +49,9 @@ def export_rank(job: ExportJob, out_dir: Folder, emit: Emit, cancelled: Callable
                     raise output_error(exc, out_dir / name) from None
             return outputs[name]
 
-        reader = RankReader(job.files, job.group_sizes)
+        reader = rank_reader(job.files, job.group_sizes)
         if job.groups:
+            assert isinstance(reader, ZeroRankReader), "a job with sub-groups reads a full save's optim file"
             located = reader.flat()
             fd = open_fd(stack, job.files.optim_states)
             for g, spans in job.groups:

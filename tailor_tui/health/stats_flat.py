@@ -23,7 +23,7 @@ import numpy as np
 
 from tailor_tui.checked.crc import BlockCrcs, RecordBlocks, crc32
 from tailor_tui.checked.ranges import Readahead, pread_into
-from tailor_tui.checkpoints.rank_reader import SMALL_RANK_FILE, RankReader
+from tailor_tui.checkpoints.rank_reader import SMALL_RANK_FILE, ZeroRankReader
 from tailor_tui.events import ByteCounter
 from tailor_tui.fileio import open_fd
 from tailor_tui.formats.ds_format import TENSORS
@@ -81,7 +81,7 @@ def flat_stats(job: StatsJob, sums: dict[str, RowSums], stack, counter: ByteCoun
     path, table = job.files.optim_states, job.table
     assert table is not None, "can_read_flat(job) holds"
     whole = read_whole(path, SMALL_RANK_FILE)  # a wide run's small rank file: one read, its structure from memory
-    mine = RankReader(job.files, job.group_sizes, whole).fp32_flat(PURPOSE)
+    mine = ZeroRankReader(job.files, job.group_sizes, whole).fp32_flat(PURPOSE)
     if not _laid_out_flat(mine.values()):
         return False
     part, numel, group, offset, row = _columns(table)
@@ -97,7 +97,7 @@ def flat_stats(job: StatsJob, sums: dict[str, RowSums], stack, counter: ByteCoun
     prev = {}  # (class, group) -> (its fd or bytes, where its masters lie relative to this file's)
     for prev_path, (c, files) in classes.items():
         held = read_whole(prev_path, SMALL_RANK_FILE)
-        theirs = RankReader(files, job.group_sizes, held).fp32_flat(PURPOSE)
+        theirs = ZeroRankReader(files, job.group_sizes, held).fp32_flat(PURPOSE)
         source = held if held is not None else open_fd(stack, prev_path)
         for g in range(len(job.group_sizes)):
             prev[c, g] = (source, theirs[g, "fp32"].offset - mine[g, "fp32"].offset)

@@ -21,7 +21,7 @@ import numpy as np
 from tailor_tui.checked.crc import BlockCrcs, RecordBlocks, crc32
 from tailor_tui.checked.ranges import Readahead, pread_into
 from tailor_tui.checkpoints.checkpoint import RankFiles
-from tailor_tui.checkpoints.rank_reader import RankReader
+from tailor_tui.checkpoints.rank_reader import ZeroRankReader, rank_reader
 from tailor_tui.errors import Cancelled, CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.fileio import open_fd
@@ -95,9 +95,9 @@ def _reads(job: StatsJob, slots: tuple[SlotRead, ...], sums: dict[str, RowSums],
         where = _fp32_places(files, job.group_sizes, [s for s in slots if s.row in rows])
         prev_at.update({(s.row, s.param): (fd, where[s.param]) for s in slots if s.row in rows})
     reads = []
-    reader = RankReader(job.files, job.group_sizes)
+    reader = rank_reader(job.files, job.group_sizes)
     fd = open_fd(stack, reader.path)
-    if reader.partial:  # partial: one safetensors tensor per (key, parameter), its CRC-32 recorded
+    if not isinstance(reader, ZeroRankReader):  # partial: one safetensors tensor per (key, parameter), its CRC-32 recorded
         for slot in slots:
             for key in TENSORS:
                 place = reader.place(key, param=slot.param, group=slot.group, offset=slot.offset, valid=slot.valid)
@@ -127,14 +127,14 @@ def _region(slot: SlotRead, key: str, at: int, dtype: str, sums: dict, prev_at: 
 
 def _fp32_places(files: RankFiles, group_sizes: tuple[int, ...], slots: list[SlotRead]) -> dict[str, int]:
     """Where each slot's fp32 masters lie in another checkpoint's file of this rank."""
-    reader = RankReader(files, group_sizes)
+    reader = rank_reader(files, group_sizes)
     return {s.param: reader.place("fp32", param=s.param, group=s.group, offset=s.offset, valid=s.valid).at
             for s in slots}
 
 
 def _frozen_reads(job: StatsJob, sums: dict[str, RowSums], stack: contextlib.ExitStack) -> list:
     path = job.files.model_states
-    fragments = RankReader(job.files, job.group_sizes).fragments([param for _row, param in job.frozen])
+    fragments = rank_reader(job.files, job.group_sizes).fragments([param for _row, param in job.frozen])
     fd = open_fd(stack, path)
     by_record: dict[Record, list[_SumRegion]] = {}
     for row, param in job.frozen:
