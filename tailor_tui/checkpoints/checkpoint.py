@@ -55,6 +55,14 @@ class RankFiles:
         file, or a partial save's rows file."""
         return self.optim_states if self.rows is None else self.rows
 
+    def elements_checked(self, groups, taken: int, group_sizes) -> int:
+        """The elements read to check `taken` elements of sub-groups `groups` (ids into `group_sizes`) taken
+        from this rank's state, per key: a full save's whole sub-group records (their stored CRC-32 covers
+        the whole record), a partial save's slices alone (its recorded CRC-32s cover each slice)."""
+        if self.rows is None:
+            return sum(group_sizes[g] for g in set(groups))
+        return taken
+
     def existing(self) -> tuple[Path, ...]:
         if self.rows is None:
             return (self.model_states, self.optim_states)

@@ -106,7 +106,7 @@ def stats_jobs(checkpoints: tuple[Checkpoint, ...], column: int, rows: list[str]
         previous: dict[str, list[str]] = {}  # a previous file's identity -> its rows read
         for j, names in by_source.items():
             f = checkpoints[j].ranks[rank]
-            previous.setdefault(_identity(f.rows or f.optim_states, known), []).extend(names)
+            previous.setdefault(_identity(f.state_file, known), []).extend(names)
         key = hashlib.sha256(json.dumps([FORMAT, rank, [_identity(p, known) for p in files.existing()],
                                          sorted(held), sorted(previous.items())]).encode()).hexdigest()
         jobs.append(StatsJob(key, column, label, rank, files, ckpt.layout, owner, held, frozen, prev_files, read,

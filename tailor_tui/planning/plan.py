@@ -128,9 +128,10 @@ class ComposePlan:
         # every byte of the base, and the whole record of each full source's sub-group a slice
         # comes from (its stored CRC-32 covers the whole record); a partial's slices alone
         sizes = layout.group_sizes()
-        whole = {(c.source, c.group) for c in copies if not self.sources[c.source].partial}
-        read = self.base.rank_bytes(rank) + BYTES_PER_ELEMENT * (
-            sum(sizes[g] for _, g in whole) + sum(c.length for c in copies if self.sources[c.source].partial))
+        read = self.base.rank_bytes(rank) + BYTES_PER_ELEMENT * sum(
+            files[s].elements_checked({c.group for c in copies if c.source == s},
+                                      sum(c.length for c in copies if c.source == s), sizes)
+            for s in sorted({c.source for c in copies}))
         frozen_rows = tuple((owner[n], n, src.get(n, 0)) for n, _ in layout.frozen)
         return RankJob(
             row_slots=row_slots,

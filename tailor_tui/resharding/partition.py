@@ -249,9 +249,12 @@ def reshard_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], source_of: d
         verified |= verifies
         # the files it checks: a full source's records read whole (their stored CRC-32 covers the
         # whole record), a partial source's slices (its recorded CRC-32 covers a slice's real elements)
-        slices = {(p.source, p.rank, p.param): p.whole for p in taken
-                  if files[p.source, p.rank].rows is not None and (p.source, p.rank) in verifies}
-        read = 12 * (sum(sum(sizes[s]) for s, r in verifies if files[s, r].rows is None) + sum(slices.values()))
+        slices: dict[tuple[int, int], dict[str, int]] = {}  # per source rank checked: each slice taken from, whole
+        for p in taken:
+            if (p.source, p.rank) in verifies:
+                slices.setdefault((p.source, p.rank), {})[p.param] = p.whole
+        read = 12 * sum(files[u].elements_checked(range(len(sizes[u[0]])), sum(slices.get(u, {}).values()),
+                                                  sizes[u[0]]) for u in verifies)
         read += 12 * sum(p.length for p in taken if (p.source, p.rank) not in verifies)  # the others: pieces
         read += itemsize * sum(p.length for _n, ps in frozen for p in ps if p.source != ZEROS)
         jobs.append(ReshardJob(rank, *names[rank], files, sizes, out_sizes,
