@@ -170,23 +170,32 @@ def _copied_with_recipe(run: Path, folder: Path) -> tuple[list[Path], Path]:
 
 
 # The command line's own entry point, in a process of its own, with one fault-injection point of the
-# test's: just before the composition runs (after the plan was made and the statistics vouched for its
-# rows), training saves the base's rank-0 optim file again in place, a NaN in a kept row.
+# test's: just before `module.function` runs (`compose_run.run_compose`: after the plan was made and the
+# statistics vouched for its rows; `stats_run.compute_health`: after the run was scanned), training saves
+# a rank file (`path`) again in place, a NaN inside (record `record`).
 _SAVED_AGAIN = """
 import sys
 from pathlib import Path
 sys.path.insert(0, {tests!r})
 from test_changed_sources import nan_in_place
 from tailor_tui.cli.main import main
-import tailor_tui.compose.compose_run as compose_run
+import {module} as where
 
-real = compose_run.run_compose
-def saved_again(plan, *args, **kwargs):
+real = where.{function}
+def saved_again(*args, **kwargs):
     nan_in_place(Path({path!r}), {record!r}, 0.9)
-    return real(plan, *args, **kwargs)
-compose_run.run_compose = saved_again
+    return real(*args, **kwargs)
+where.{function} = saved_again
 sys.exit(main(sys.argv[1:]))
 """
+
+
+def saved_again(path: Path, module: str, function: str, *args: str, env: dict | None = None):
+    """tailor-tui `args`, `path` saved again just before `module.function` runs (`_SAVED_AGAIN`)."""
+    script = _SAVED_AGAIN.format(tests=str(Path(__file__).parent), path=str(path), record=flat_record(path),
+                                 module=module, function=function)
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONWARNINGS="ignore", **(env or {})))
 
 
 @pytest.mark.parametrize("where", ["xfs after --stats", "plain"])
@@ -204,30 +213,9 @@ def test_a_base_saved_again_between_the_plan_and_the_read_is_refused(real_run, x
     if where != "plain":
         assert tailor("--stats", folder).returncode == 0
     rank0 = _rank0(ckpts[-1])
-    script = _SAVED_AGAIN.format(tests=str(Path(__file__).parent), path=str(rank0), record=flat_record(rank0))
-    done = subprocess.run([sys.executable, "-c", script, "--apply", str(recipe)], capture_output=True, text=True,
-                          timeout=300, stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    done = saved_again(rank0, "tailor_tui.compose.compose_run", "run_compose", "--apply", str(recipe))
     assert_one_line_error(done, 4, str(rank0), "changed since the composition was planned", "ctime")
     assert not (folder / "out" / "composed").exists() and hidden(folder / "out") == []
-
-
-# The same, for the statistics: training saves the newest checkpoint's rank-0 optim file again in place
-# (a NaN inside) after the run was scanned, before the statistics read it.
-_STATS_SAVED_AGAIN = """
-import sys
-from pathlib import Path
-sys.path.insert(0, {tests!r})
-from test_changed_sources import nan_in_place
-from tailor_tui.cli.main import main
-import tailor_tui.health.stats_run as stats_run
-
-real = stats_run.compute_health
-def saved_again(checkpoints, *args, **kwargs):
-    nan_in_place(Path({path!r}), {record!r}, 0.9)
-    return real(checkpoints, *args, **kwargs)
-stats_run.compute_health = saved_again
-sys.exit(main(sys.argv[1:]))
-"""
 
 
 def test_statistics_of_a_checkpoint_saved_again_after_the_scan_are_refused(real_run, tmp_path):
@@ -237,10 +225,8 @@ def test_statistics_of_a_checkpoint_saved_again_after_the_scan_are_refused(real_
     run, _spec = real_run("hf_bf16_2")
     ckpts, _recipe = _copied_with_recipe(run, tmp_path / "run")
     rank0 = _rank0(ckpts[-1])
-    env = dict(os.environ, PYTHONWARNINGS="ignore", TAILOR_TUI_CACHE=str(tmp_path / "cache"))
-    script = _STATS_SAVED_AGAIN.format(tests=str(Path(__file__).parent), path=str(rank0), record=flat_record(rank0))
-    done = subprocess.run([sys.executable, "-c", script, "--stats", str(tmp_path / "run"), "-j", "1"],
-                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL, env=env)
+    done = saved_again(rank0, "tailor_tui.health.stats_run", "compute_health", "--stats", str(tmp_path / "run"),
+                       "-j", "1", env={"TAILOR_TUI_CACHE": str(tmp_path / "cache")})
     assert_one_line_error(done, 4, str(rank0), "changed since the run was scanned", "ctime")
     again = tailor("--stats", tmp_path / "run", env={"TAILOR_TUI_CACHE": str(tmp_path / "cache")})
     assert again.returncode == 0, again.stderr
