@@ -23,7 +23,7 @@ from typing import Callable, cast
 
 from tailor_tui.checked.files import FileIdentity, read_as_planned
 from tailor_tui.checkpoints.cache import cache_dir
-from tailor_tui.checkpoints.checkpoint import MODEL_FILE_INDEX, PROVENANCE, read_latest
+from tailor_tui.checkpoints.checkpoint import PROVENANCE, read_latest
 from tailor_tui.compose.model_files import compose_model_file
 from tailor_tui.compose.rank_task import compose_rank
 from tailor_tui.errors import Cancelled, NonFiniteError, OutputError
@@ -279,11 +279,8 @@ def _fill(plan: ComposePlan, tmp: HeldFolder, cancel: threading.Event, durable: 
     the model-file index (process 0 of a job fills it; the others write into it)."""
     (tmp / plan.base.tag).mkdir()
     _copy_other_files(plan, tmp, cancel, durable)
-    if plan.base.kind == "deepspeed" or plan.base.partial:  # an HF base's is among its files
-        write_file(tmp / "latest", plan.base.tag, durable)
-    layout = plan.model_layout()
-    if plan.base.partial and layout is not None and layout.index is not None:
-        write_file(tmp / MODEL_FILE_INDEX, layout.index, durable)
+    for name, text in plan.own_files().items():
+        write_file(tmp / name, text, durable)
 
 
 def _copy_other_files(plan: ComposePlan, tmp: HeldFolder, cancel: threading.Event, durable: bool) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tailor_tui.checked.files import FileIdentity
-from tailor_tui.checkpoints.checkpoint import Checkpoint, tied_members, tied_partner
+from tailor_tui.checkpoints.checkpoint import MODEL_FILE_INDEX, Checkpoint, tied_members, tied_partner
 from tailor_tui.checkpoints.model_layout import ModelFileLayout
 from tailor_tui.checkpoints.weight_files import FileFate
 from tailor_tui.cloning import may_share
@@ -237,11 +237,21 @@ class ComposePlan:
         root = self.other_files_root()
         others = sum((root / p).stat().st_size for p, _q in self.other_files())
         models = sum(j.size for j in self.model_file_jobs())
-        own = len(self.base.tag) if self.base.kind == "deepspeed" or self.base.partial else 0  # `latest`
+        own = sum(len(text.encode()) for text in self.own_files().values())
+        return sum(j.write_bytes for j in self.rank_jobs()) + models + others + own
+
+    def own_files(self) -> dict[str, str]:
+        """The files the composition writes itself, neither composed per row nor copied from the base, by
+        their path in the output: `latest`, naming the tag, where the base is a DeepSpeed save_dir or a
+        partial save (an HF base's is among its files), and the model files' index a partial base's
+        layout records. The writer writes them, `--verify` checks them, the plan counts them: this rule."""
+        own = {}
+        if self.base.kind == "deepspeed" or self.base.partial:
+            own["latest"] = self.base.tag
         layout = self.model_layout()
         if self.base.partial and layout is not None and layout.index is not None:
-            own += len(layout.index.encode())
-        return sum(j.write_bytes for j in self.rank_jobs()) + models + others + own
+            own[MODEL_FILE_INDEX] = layout.index
+        return own
 
     def rewritten_files(self) -> int:
         """How many rank files torch writes anew (their size known only once written): a

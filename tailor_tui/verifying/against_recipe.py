@@ -97,14 +97,14 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
     partial = RowsFiles()
     for job in plan.model_file_jobs():
         verify_weight_file(plan, job, report, partial)
-    layout = plan.model_layout()
-    if plan.base.partial and layout is not None and layout.index is not None:
+    own = plan.own_files()
+    if MODEL_FILE_INDEX in own:
         index = out / MODEL_FILE_INDEX
         try:
             written = read_small(index, MAX_RECORD, follow=False).decode(errors="replace")
         except (OSError, ValueError):
             written = None
-        if written != layout.index:
+        if written != own[MODEL_FILE_INDEX]:
             report.add(None, f"{index}: missing or not the index the model files' layout records")
     root = plan.other_files_root()
     for rel, to in plan.other_files():
@@ -114,7 +114,7 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
             report.add(None, f"{out / to}: differs from the base's {root / rel}")
         elif is_zip(out / to) and (why := torch_reads(out / to)) is not None:  # its bytes match: torch reads it?
             report.add(None, f"{out / to}: torch's reader cannot read it ({why}), nor the base's {root / rel}")
-    if (plan.base.kind == "deepspeed" or plan.base.partial) and read_latest(out) != plan.base.tag:
+    if "latest" in own and read_latest(out) != own["latest"]:
         report.add(None, f"{out / 'latest'}: names {read_latest(out)!r}, not the tag {plan.base.tag!r} composed; "
                          "DeepSpeed would load another checkpoint")  # (an HF base's `latest` is among its files)
     if not (out / PROVENANCE).is_file():
