@@ -1,5 +1,5 @@
 """Writing output files durably: chunked copies with progress, fsync, atomic renames
-(reading inputs is `reading`'s)."""
+(reading inputs is `checked`'s)."""
 
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def copy_file(src: Path, dst: Target, on_bytes: Callable[[int], None] = lambda n
     """Copy bytes (never a hard link), in chunks so progress and cancellation stay live.
     A source that changes size while it is copied is an error, never a short copy. `within`: the
     run folder `src` lies in; a symbolic link on the way that leaves it (or a file swapped in
-    after the check) is refused, not read (`reading.open_regular`)."""
+    after the check) is refused, not read (`checked.files.open_regular`)."""
     try:
         source = open_regular(src, within=within)
     except ValueError as exc:  # a FIFO or a device put in its place

@@ -45,7 +45,7 @@ def test_the_c_combine_and_the_python_one_agree():
 
 
 def test_a_record_read_in_chunks_gives_every_range_its_crc_and_checks_the_whole(tmp_path):
-    """ptfile.checked_crcs reads a record in chunks of its buffer whatever the ranges (empty ones,
+    """checked.evidence.checked_crcs reads a record in chunks of its buffer whatever the ranges (empty ones,
     neighbours, ranges across chunks, at either end); each range's CRC and the record's check come
     out as zlib gives them, every byte is seen once, and one flipped byte fails the check."""
     import os

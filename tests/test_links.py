@@ -254,19 +254,19 @@ def test_a_link_to_a_folder_the_checkpoint_already_holds_is_refused(hf, tmp_path
 def test_a_file_swapped_for_a_link_after_the_check_is_not_read(hf, tmp_path, monkeypatch):
     """The copy checks the links on the way (`confine`), then opens: a link to the secret put in
     the file's place between the two is caught by the opened file's identity, and nothing is copied."""
-    from tailor_tui.checked import files as reading
+    from tailor_tui.checked import files
     from tailor_tui.fileio import copy_file
 
     run, c6, secret, _recipe = hf
     victim = c6 / "generation_config.json"
-    real_confine = reading.confine
+    real_confine = files.confine
 
     def confine_then_swap(path, within):
         found = real_confine(path, within)
         _replace_with_link(victim, secret)  # the race, won by the attacker
         return found
 
-    monkeypatch.setattr(reading, "confine", confine_then_swap)
+    monkeypatch.setattr(files, "confine", confine_then_swap)
     with pytest.raises(CheckpointError, match="changed while it was opened"):
         copy_file(victim, tmp_path / "copied", within=run)
     assert not (tmp_path / "copied").exists()

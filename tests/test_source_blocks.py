@@ -137,7 +137,7 @@ def _flip_each_block(fields: list) -> None:
 def _rot_in_every_block(fields: list) -> None:
     """Every block's value changed as bit rot in the record's bytes would change it, and the values still
     combining to the record's CRC-32, as those of a file that rotted since the statistics, its identity
-    unchanged, do (`source_blocks._usable` takes no other entry): a change `d` to block i's value moves
+    unchanged, do (`checked.evidence.blocks_usable` takes no other entry): a change `d` to block i's value moves
     the record's CRC-32 by `shift(d, bytes after block i)`, one of `shift(d, len(block i+1))` to block
     i+1's by the same, so each pair of neighbours is changed by both and the whole is unchanged."""
     values = bytearray(base64.b64decode(fields[4]))

@@ -86,8 +86,8 @@ class Checkpoint:
     model_files: tuple[Path, ...] = ()  # 16-bit safetensors files of an HF checkpoint
     ds_version: str = ""
     sizes: dict = field(default_factory=dict, compare=False, hash=False)  # file -> bytes
-    # file -> its identity when the checkpoint was opened (`reading.FileIdentity`): what a composition's
-    # tasks check the files they read against (`reading.PlannedFiles`)
+    # file -> its identity when the checkpoint was opened (`checked.files.FileIdentity`): what a composition's
+    # tasks check the files they read against (`checked.files.PlannedFiles`)
     identities: dict = field(default_factory=dict, compare=False, hash=False)
     saved_rows: frozenset | None = None  # a partial checkpoint's rows; None: every row
     model_layout: Path | None = None  # a partial HF checkpoint's record of the model files' layout
@@ -353,7 +353,7 @@ def open_checkpoint(path: str | Path, *, cache: Path | None = None) -> Checkpoin
     else:
         kind, named, tag_dir, save_dir = _locate(path)
     model_states = tag_dir / MODEL_STATES.format(rank=0)
-    run = named.parent  # no link inside the checkpoint leads out of it (`reading.confine`)
+    run = named.parent  # no link inside the checkpoint leads out of it (`checked.files.confine`)
     for f in (model_states, *(save_dir / n for n in (PROVENANCE, "latest")),
               *(named / n for n in (TRAINER_STATE, "config.json", PARTIAL_MODEL_FILES))):
         confine(f, run)

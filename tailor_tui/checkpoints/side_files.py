@@ -45,7 +45,7 @@ def read_small(path: Path, limit: int | None = None, *, follow: bool = True, wit
     """The bytes of the regular file at `path`, refused (ValueError) if it is not one or holds
     more than `limit` bytes (default `side_file_limit()`); `follow=False`: a symlink at `path`
     is refused too (OSError ELOOP); `within`: the run folder it lies in, which no link on the way
-    may leave (CheckpointError, `reading.confine`)."""
+    may leave (CheckpointError, `checked.files.confine`)."""
     limit = side_file_limit() if limit is None else limit
     fd = open_regular(path, follow=follow, within=within)
     try:

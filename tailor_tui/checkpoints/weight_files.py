@@ -84,7 +84,7 @@ def folder_files(folder: Path, tag_dir: Path) -> list[Path]:
     files are the rank writers'; a 512-rank tag holds a thousand of them). One that is no regular
     file (a FIFO, a link to a device) is refused: it could be neither read nor copied. A symbolic
     link is read as the file or folder it leads to where that lies inside the run (the folder
-    holding `folder`), and refused where it leaves the run or leads nowhere (`reading.confine`);
+    holding `folder`), and refused where it leaves the run or leads nowhere (`checked.files.confine`);
     a link to a folder this one already holds (its tag folder, a loop) is refused too."""
     run, found = folder.parent, []
     seen = {identity(st) for p in (folder, tag_dir) if (st := _stat(p)) is not None}

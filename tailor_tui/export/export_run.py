@@ -121,7 +121,7 @@ def _make_files(export: Export, tmp: HeldFolder, durable: bool) -> None:
 def _write_config(source: Path, tmp: HeldFolder, dtype: str, durable: bool, within: Path | None = None) -> None:
     """config.json with its dtype the export's; the generation config and tokenizer files beside it.
     `within`: the run folder of the base checkpoint they come from, which no symbolic link on the way
-    may leave (`reading.confine`); None: a folder the user named with --config, read as it is."""
+    may leave (`checked.files.confine`); None: a folder the user named with --config, read as it is."""
     try:
         config = load_json(source, within=within)  # a side file: 1 MiB unless $TAILOR_TUI_MAX_SIDE_FILE says more
     except OSError as exc:

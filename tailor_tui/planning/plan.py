@@ -73,9 +73,9 @@ class ComposePlan:
             object.__setattr__(self, name, value)
 
     def identities(self) -> dict[Path, FileIdentity]:
-        """Every source file's identity as the plan knows it (`reading.FileIdentity`): its checkpoint's rank
+        """Every source file's identity as the plan knows it (`checked.files.FileIdentity`): its checkpoint's rank
         and model files as they were when it was opened, its other weight files (`.bin`) as the plan found
-        them. What a composition's tasks check the files they read against (`reading.PlannedFiles`)."""
+        them. What a composition's tasks check the files they read against (`checked.files.PlannedFiles`)."""
         return self._identities
 
     def identities_of(self, paths) -> dict[Path, FileIdentity]:

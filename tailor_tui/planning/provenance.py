@@ -26,7 +26,7 @@ def plan_digest(plan: ComposePlan) -> str:
 
 def _identity(ckpt: Checkpoint) -> dict:
     """A checkpoint as the output records it: each file's size, times and inode as the composition read
-    them (its identities when it was opened, which the tasks checked: `reading.PlannedFiles`), what `--verify` finds a
+    them (its identities when it was opened, which the tasks checked: `checked.files.PlannedFiles`), what `--verify` finds a
     source that changed since by (`changed_since`). The device is left out: it differs between the nodes
     of a job on a shared filesystem, whose processes must agree on this record."""
     files = {}
