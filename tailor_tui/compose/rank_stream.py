@@ -184,10 +184,9 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Coun
 def _reader(files: RankFiles, group_sizes: tuple[int, ...], whole: bytes | None) -> RankReader:
     """The reader of a checkpoint's files of this rank; a full save's optim file read whole where it was
     (`whole`: the base's) or is small (`SMALL_RANK_FILE`)."""
-    reader = rank_reader(files, group_sizes, whole)
-    if isinstance(reader, ZeroRankReader) and reader.optim is None:  # (nothing read of it yet)
-        reader.optim = read_whole(files.optim_states, SMALL_RANK_FILE)
-    return reader
+    if whole is None and files.rows is None:
+        whole = read_whole(files.optim_states, SMALL_RANK_FILE)
+    return rank_reader(files, group_sizes, whole)
 
 
 def _clone(fin: int, fout: int, spans: list[Replacement], counter: ByteCounter) -> str | None:
