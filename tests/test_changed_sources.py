@@ -273,3 +273,89 @@ def test_planned_files_refuse_a_file_changed_before_or_while_it_is_read(tmp_path
     with pytest.raises(CheckpointError, match="another file is in its place"):
         with PlannedFiles({path: planned[path]}):
             pass
+
+
+def _change_a_row(out: Path, row: str) -> None:
+    """Change one fp32 element of `row` in rank 0's optim file of the output `out`, as a sound file (torch
+    saves it again: its CRC-32s right), as a later edit of the output would."""
+    import torch
+
+    from tailor_tui.checkpoints.checkpoint import open_checkpoint
+    from tailor_tui.formats.ds_format import flat_tensor, optimizer_state
+
+    composed = open_checkpoint(out)
+    owner = composed.param_to_row()
+    slot = next(s for s in composed.layout.slots if owner[s.name] == row and s.valid(0))
+    path = composed.ranks[0].optim_states
+    obj = torch.load(path, weights_only=False)
+    inner = optimizer_state(obj, path, tuple(composed.layout.group_sizes()))
+    flat = flat_tensor(inner, slot.group, "fp32")
+    with torch.no_grad():
+        flat[slot.offset] = -flat[slot.offset] - 1
+    torch.save(obj, path)
+
+
+@pytest.mark.parametrize("world_size", [None, "1"])
+def test_verify_proves_an_output_whose_source_changed_by_what_was_taken(real_run, tmp_path, world_size):
+    """Training saves a source again after the composition (a NaN in its rank 0's optim file, a valid
+    archive): `--verify` says so (exit 7, a CHANGED line naming the file), does not compare the output with
+    its new bytes, and still proves every row against the CRC-32s the output's provenance record keeps of
+    what each rank took, at the base's world size and resharded; what it cannot compare without the source
+    as it was (the model file that takes from it) is UNPROVEN, named. A row edited in the output afterwards
+    is a FAIL, proven wrong by the record alone."""
+    import json
+
+    run, _spec = real_run("hf_bf16_2")
+    ckpts, recipe = _copied_with_recipe(run, tmp_path / "run")
+    extra = ("--world-size", world_size) if world_size else ()
+    applied = tailor("--apply", recipe, *extra)
+    assert applied.returncode == 0, applied.stderr
+    out = recipe.parent / "composed"
+    taken = json.loads((out / "tailor_provenance.json").read_text())["taken"]
+    ranks = int(world_size) if world_size else 2
+    assert list(taken) == [str(r) for r in range(ranks)], list(taken)
+    assert all(set(rows["layers.0"]) == {"fp32", "exp_avg", "exp_avg_sq"} for rows in taken.values()), taken
+
+    source = _rank0(ckpts[0])
+    nan_in_place(source, flat_record(source), 0.1)  # saved again: layers.0 is among what it holds
+    verified = tailor("--verify", recipe, *extra)
+    said = verified.stdout + verified.stderr
+    assert verified.returncode == 7, said
+    changed = [line for line in verified.stdout.splitlines() if line.startswith("CHANGED")]
+    assert changed == [f"CHANGED  {source}: changed since the composition (its mtime, its ctime)"], said
+    assert "FAIL" not in verified.stdout and "Traceback" not in said, said
+    assert any(line.startswith("ok") and "layers.0" in line for line in verified.stdout.splitlines()), said
+    unproven = [line for line in verified.stdout.splitlines() if line.startswith("UNPROVEN")]
+    assert unproven and all(ckpts[0].name in line for line in unproven), said
+    assert "hold what the composition took" in verified.stderr.splitlines()[-1], said
+    assert "ok    layers.0      checkpoint-2: as the composition took it" in verified.stdout, said
+
+    _change_a_row(out, "layers.0")  # the row the changed source gave: proven wrong by the record alone
+    edited = tailor("--verify", recipe, *extra)
+    failed = [line for line in edited.stdout.splitlines() if line.startswith("FAIL")]
+    assert edited.returncode == 7 and len(failed) == 1 and "layers.0" in failed[0], edited.stdout
+    assert f"differs from what the composition took from {ckpts[0].name}" in failed[0], failed
+    assert "do not resume from this output" in edited.stderr, edited.stderr
+
+
+def test_verify_of_an_output_whose_record_holds_no_crcs_compares_nothing_once_a_source_changed(real_run, tmp_path):
+    """An output of an older tailor-tui (its provenance record without what was taken): a source changed
+    since the composition leaves nothing to prove its rows by; `--verify` says so and compares nothing
+    (exit 7)."""
+    import json
+
+    run, _spec = real_run("hf_bf16_2")
+    ckpts, recipe = _copied_with_recipe(run, tmp_path / "run")
+    assert tailor("--apply", recipe).returncode == 0
+    record_file = recipe.parent / "composed" / "tailor_provenance.json"
+    record = json.loads(record_file.read_text())
+    del record["taken"]
+    record_file.write_text(json.dumps(record))
+    assert tailor("--verify", recipe).returncode == 0  # its sources as they were: compared with them
+    source = _rank0(ckpts[0])
+    nan_in_place(source, flat_record(source), 0.1)
+    verified = tailor("--verify", recipe)
+    assert verified.returncode == 7, verified.stdout + verified.stderr
+    assert f"FAIL  {source}: changed since the composition" in verified.stdout, verified.stdout
+    assert "the output is not compared" in verified.stdout and "CHANGED" not in verified.stdout
+    assert "do not resume" in verified.stderr

@@ -47,7 +47,8 @@ class Checkable(Protocol):
 
 
 class Counts(Protocol):
-    """What counts the non-finite values of the bytes read (`formats.nonfinite.Census`)."""
+    """What looks at the bytes read: counts their non-finite values (`formats.nonfinite.Census`), takes
+    the CRC-32s of parts of them (`ranges.RegionCrcs`), or both (`compose.taken.Looks`)."""
 
     def inspect(self, offset: int, chunk: memoryview) -> None: ...
 

@@ -4,6 +4,7 @@ and readahead for a sequential reader."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import os
@@ -136,3 +137,36 @@ class RangeCrcs:
     @property
     def complete(self) -> bool:
         return self.position == self.end
+
+
+class RegionCrcs:
+    """The CRC-32 of each region (offset, length, key) of one file, fed the chunks that are read of it
+    (`inspect(offset, chunk)`, as `formats.nonfinite.Census` is: chunks of different regions in any
+    order, each region's own bytes in order; a part read again is not fed twice, parts outside the
+    regions are ignored). `found()`: {key: (CRC-32, length)} of the regions fed whole; a region not fed
+    whole is a writer's bug (ValueError)."""
+
+    def __init__(self, regions) -> None:
+        self.regions = sorted(regions, key=lambda r: r[0])
+        self._starts = [at for at, _n, _key in self.regions]
+        self._crcs = [0] * len(self.regions)
+        self._fed = [0] * len(self.regions)  # bytes of each region fed so far
+
+    def inspect(self, offset: int, chunk) -> None:
+        end = offset + len(chunk)
+        i = max(0, bisect.bisect_right(self._starts, offset) - 1)
+        while i < len(self.regions) and self.regions[i][0] < end:
+            at, n, _key = self.regions[i]
+            a, b = max(at + self._fed[i], offset), min(at + n, end)
+            if b > a:
+                if a != at + self._fed[i]:
+                    raise ValueError(f"region {at}+{n}: bytes from {a} fed before those from {at + self._fed[i]}")
+                self._crcs[i] = crc.crc32(chunk[a - offset: b - offset], self._crcs[i])
+                self._fed[i] += b - a
+            i += 1
+
+    def found(self) -> dict:
+        for (at, n, _key), fed in zip(self.regions, self._fed):
+            if fed != n:
+                raise ValueError(f"region {at}+{n}: {fed} of its bytes were read")
+        return {key: (value, n) for (_at, n, key), value in zip(self.regions, self._crcs)}

@@ -38,6 +38,10 @@ PARTIAL_SKELETON = "tailor_optim_skeleton_rank_{rank}.pt"
 PARTIAL_MODEL_FILES = "tailor_model_files.json"  # HF layout: the 16-bit model files' headers and index
 PROVENANCE = "tailor_provenance.json"  # in every folder tailor-tui composed: its recipe and sources
 OUTPUT_FILES = "files"  # provenance key: every file tailor-tui wrote (relative path -> [bytes, mtime_ns])
+# provenance key: what each rank's files took, {rank: {row: {tensor: CRC-32}}}, the CRC-32 of the row's real
+# elements of that flat tensor (fp32, exp_avg, exp_avg_sq; "frozen": its frozen parameters' fragments) on that
+# rank, its parameters in the output's order (sub-group, then offset), padding left out
+TAKEN = "taken"
 TRAINER_STATE = "trainer_state.json"  # in an HF checkpoint-N: the Trainer's state and log history
 
 

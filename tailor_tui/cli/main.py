@@ -248,14 +248,28 @@ def verify(args) -> int:
         more = len(problems or ()) - 1
         told = f": {problems[0]}" + (f" (and {more} more: -v lists them)" if more and not args.verbose else "") \
             if problems else ""
+        if not problems and row.name in report.by_record:
+            told = ": as the composition took it (the CRC-32s its provenance record keeps; the source changed since)"
         print(shown(f"{status:<4}  {row.name:<{width}}  {source}{told}"))  # one line a row
         for extra in (problems or [])[1:] if args.verbose else ():
             print(shown(f"{'':<4}  {'':<{width}}  {extra}"))
     for problem in report.other:
         print(shown(f"FAIL  {problem}"))
+    for line in report.changed:
+        print(shown(f"CHANGED  {line}"))
+    for line in report.unproven:
+        print(shown(f"UNPROVEN  {line}"))
     if report.ok:
         print(shown(f"verified: every row of {plan.output} matches its source"))
         return ExitCode.OK
+    if report.output_ok:  # nothing wrong found in the output: its sources changed since the composition
+        left = (f"; {len(report.unproven)} part(s) that come from them could not be compared (UNPROVEN)"
+                if report.unproven else "")
+        print(shown(f"error: {len(report.changed)} source file(s) changed since the composition (CHANGED): the "
+                    f"rows of {plan.output}'s rank files hold what the composition took (the CRC-32s its provenance "
+                    f"record keeps){left}; compose again to check against the checkpoints as they are now"),
+              file=sys.stderr)
+        return ExitCode.VERIFY_FAILED
     bad = sum(1 for p in report.problems.values() if p)
     print(f"error: verification failed: {bad} row(s) and {len(report.other)} other problem(s) differ; "
           "do not resume from this output", file=sys.stderr)

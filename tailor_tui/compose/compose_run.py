@@ -23,9 +23,10 @@ from typing import Callable, cast
 
 from tailor_tui.checked.files import FileIdentity, read_as_planned
 from tailor_tui.checkpoints.cache import cache_dir
-from tailor_tui.checkpoints.checkpoint import PROVENANCE, read_latest
+from tailor_tui.checkpoints.checkpoint import PROVENANCE, TAKEN, read_latest
 from tailor_tui.compose.model_files import compose_model_file
 from tailor_tui.compose.rank_task import compose_rank
+from tailor_tui.compose.taken import RankComposed
 from tailor_tui.errors import Cancelled, NonFiniteError, OutputError
 from tailor_tui.events import Emit, TaskFinished, TaskOptions, written_and_shared
 from tailor_tui.fileio import copy_file, fsync_dir, output_error, write_file
@@ -176,7 +177,7 @@ class Composing(PublishingWork):
         self.plan, self.allow_nonfinite, self.workers_asked = plan, allow_nonfinite, workers
         self.jobs = jobs  # the rank jobs as their tasks run them (`planning.reads.jobs_to_run`)
         self.newest_finite = newest_finite  # where a refused row is finite (`nonfinite_error`), or None
-        self.rank_call: Callable[..., Counter]
+        self.rank_call: Callable[..., RankComposed]
         if plan.reshard is not None:  # (its module imported only where it is used, as bin_files' below)
             from tailor_tui.compose.rank_reshard import reshard_rank
 
@@ -185,6 +186,7 @@ class Composing(PublishingWork):
             self.rank_call = compose_rank
         self.peak, self.shared, self.shared_how, self.sources_unread = 0, 0, "", 0
         self.nonfinite: Counter = Counter()
+        self.taken: dict[str, dict] = {}  # rank -> what its files took (`compose.taken`), as gathered
         self.reports: list[dict] = []  # every process's, as gathered
 
     def begin(self) -> Declaration:
@@ -217,14 +219,15 @@ class Composing(PublishingWork):
         return False
 
     def report(self, mine: list[Task], results: list, lead: bool) -> dict:
-        nonfinite = sum((Counter(r) for r in results if r), Counter())
+        nonfinite = sum((r.nonfinite if isinstance(r, RankComposed) else Counter(r) for r in results if r), Counter())
+        taken = {str(r.rank): r.taken for r in results if isinstance(r, RankComposed)}
         names, tmp = self.plan.output_rank_files(), self.tmp
         assert tmp is not None, "folder() named it before any task ran"
         ranks = [t.job for t in mine if isinstance(t.job, (RankJob, ReshardJob))]
         files = [f"{self.plan.base.tag}/{name}" for job in ranks for name in names[job.rank]]
         files += [cast(WeightJob, t.job).name for t in mine if not isinstance(t.job, (RankJob, ReshardJob))]
         return {"nonfinite": dict(nonfinite), "peak": self.peak, "shared": self.shared, "how": self.shared_how,
-                "unread": self.sources_unread, "files": {f: _size_of(tmp / f) for f in files}}
+                "unread": self.sources_unread, "files": {f: _size_of(tmp / f) for f in files}, "taken": taken}
 
     def gathered(self, reports: list, lead: bool, emit: Emit) -> None:
         self.nonfinite = sum((Counter(d["nonfinite"]) for d in reports), Counter())
@@ -232,6 +235,7 @@ class Composing(PublishingWork):
         self.shared = sum(d["shared"] for d in reports)
         self.shared_how = next((d["how"] for d in reports if d["how"]), "")
         self.sources_unread = sum(d["unread"] for d in reports)
+        self.taken = {rank: rows for d in reports for rank, rows in d["taken"].items()}
         self.reports = reports
 
     def publish(self) -> None:
@@ -242,7 +246,7 @@ class Composing(PublishingWork):
             raise nonfinite_error(plan, self.nonfinite, self.newest_finite)
         verify_output(plan, tmp)
         fsync_dir(held / plan.base.tag, self.durable)
-        self.publish_folder(provenance(plan))
+        self.publish_folder(provenance(plan) | {TAKEN: dict(sorted(self.taken.items(), key=lambda kv: int(kv[0])))})
 
 
 def _weight_writer(job):

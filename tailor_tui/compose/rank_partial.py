@@ -16,7 +16,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from tailor_tui.checked.evidence import crc_range_checked, read_and_check
+from tailor_tui.checked.ranges import RegionCrcs
 from tailor_tui.checkpoints.rank_reader import FP32, STREAM_CHUNK, ZeroRankReader, check_dtypes, rank_reader
+from tailor_tui.compose.taken import Looks, Parts
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter
 from tailor_tui.fileio import Target, Writeback, copy_range, fsync, open_fd, output_error, path_of, pwrite_all
@@ -34,7 +36,7 @@ from tailor_tui.formats.ptwrite import Rewritable, reserved, write
 from tailor_tui.planning.jobs import RankJob
 
 
-def build_optim_states_from_skeleton(job: RankJob, out: Target, counter: ByteCounter) -> Counter:
+def build_optim_states_from_skeleton(job: RankJob, out: Target, counter: ByteCounter) -> tuple[Counter, Parts]:
     """Write a partial base's optim file: its skeleton (everything but the flat tensors) as
     the archive, every slice copied into place in the kernel.
 
@@ -45,7 +47,8 @@ def build_optim_states_from_skeleton(job: RankJob, out: Target, counter: ByteCou
     written, read back once, which also checks each slice from a rows file against its recorded
     CRC-32. The flat tensors are `torch.empty`: never touched, they occupy no memory.
     Memory: the skeleton and one small buffer, whatever the file size. Returns the non-finite
-    values of each row, counted as the written records are read back for their CRC-32.
+    values of each row, counted as the written records are read back for their CRC-32, and the
+    CRC-32 of each part of a row (`compose.taken`), taken in the same reads.
     """
     assert job.files[0].skeleton is not None, "a partial base names its skeleton file"
     skeleton = Rewritable(job.files[0].skeleton)
@@ -91,8 +94,11 @@ def build_optim_states_from_skeleton(job: RankJob, out: Target, counter: ByteCou
             for g, offset, length in job.padding:
                 for key in TENSORS:
                     pwrite_all(fout, bytes(length * 4), layout[g, key].offset + offset * 4)
-            census = Census(Region(layout[slot.group, key].offset + slot.offset * 4, slot.valid * 4, slot.row)
-                            for slot in job.row_slots for key in TENSORS)
+            places = [(layout[slot.group, key].offset + slot.offset * 4, slot, key)
+                      for slot in job.row_slots for key in TENSORS]
+            census = Looks(Census(Region(at, slot.valid * 4, slot.row) for at, slot, _key in places),
+                           RegionCrcs((at, slot.valid * 4, (slot.row, key, (slot.group, slot.offset)))
+                                      for at, slot, key in places))
             for record in big:  # the small records' CRCs were set as they were written
                 value = crc_range_checked(fout, record.data_offset, record.size, checks[record], buffer,
                                           inspect=census.inspect)
@@ -101,7 +107,7 @@ def build_optim_states_from_skeleton(job: RankJob, out: Target, counter: ByteCou
             fsync(fout, counter.options.durable)
     except OSError as exc:
         raise output_error(exc, out) from None
-    return census.counts
+    return census.counts, census.parts.found()
 
 
 def _skeleton_state(obj, path: Path, group_sizes: tuple[int, ...]) -> dict:

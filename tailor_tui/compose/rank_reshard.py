@@ -34,6 +34,7 @@ from tailor_tui.checkpoints.rank_reader import (
     dtype_mismatch,
     rank_reader,
 )
+from tailor_tui.compose.taken import FROZEN, Parts, RankComposed, rows_taken
 from tailor_tui.errors import OutputError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.fileio import Folder, OpenFiles, Target, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
@@ -45,17 +46,18 @@ from tailor_tui.resharding.skeleton import Skeleton, write_rank_file
 
 
 def reshard_rank(job: ReshardJob, out_tag_dir: Folder, skeleton: Skeleton, emit: Emit, cancelled: Callable[[], bool],
-                 options: TaskOptions = TaskOptions()) -> Counter:
+                 options: TaskOptions = TaskOptions()) -> RankComposed:
     """Write output rank `job.rank`'s optim_states and model_states in `out_tag_dir` (each as
     `skeleton` has it, its big tensors filled from their pieces); the non-finite values each
-    row's pieces hold, counted as the sources are checked (before anything is written)."""
+    row's pieces hold, counted as the sources are checked (before anything is written), and the
+    CRC-32s of what each row took (`compose.taken`: from its pieces')."""
     counter = ByteCounter.for_job(job, emit, cancelled, options)
     buffer = memoryview(bytearray(STREAM_CHUNK))
     with contextlib.ExitStack() as stack:
         sources = _Sources(job, stack)
         optim = [(g, key, [(p, sources.place(p, key)) for p in pieces])
                  for g, pieces in enumerate(map(_joined_zeros, job.groups)) for key in TENSORS]
-        frozen = [(name, "frozen", [(p, sources.place(p, "frozen")) for p in _joined_zeros(pieces)])
+        frozen = [(name, FROZEN, [(p, sources.place(p, FROZEN)) for p in _joined_zeros(pieces)])
                   for name, pieces in job.frozen]
         checked, nonfinite = _check([*optim, *frozen], sources, counter, buffer)
 
@@ -68,7 +70,14 @@ def reshard_rank(job: ReshardJob, out_tag_dir: Folder, skeleton: Skeleton, emit:
         fragments = {name: hole.located(records, archive) for name, hole in skeleton.fragments.items()}
         _write(path, [(fragments[name], key, placed) for name, key, placed in frozen], checked, sources, counter)
     counter.finish()
-    return nonfinite
+    parts: Parts = {}
+    for where, key, placed in [*((g, key, placed) for g, key, placed in optim),
+                               *((i, key, placed) for i, (_name, key, placed) in enumerate(frozen))]:
+        for piece, place in placed:
+            if place is not None:
+                n = piece.length * place.itemsize
+                parts[piece.row, key, (where, piece.at)] = checked.crcs[place.path, place.at, n], n
+    return RankComposed(job.rank, nonfinite, rows_taken(parts))
 
 
 class _Sources:
@@ -106,7 +115,7 @@ class _Sources:
         if piece.source == ZEROS:
             return None
         reader = self.reader(piece.source, piece.rank)
-        if key == "frozen":
+        if key == FROZEN:
             tb = reader.fragments([piece.param])[piece.param]
             return RankBytes(reader.files.model_states, tb.offset + piece.offset * tb.itemsize, tb.record, tb.dtype,
                              tb.itemsize)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from tailor_tui import moved
 from tailor_tui.checked import crc
 from tailor_tui.checked.evidence import SliceCheck, checked_ranges, read_and_check
-from tailor_tui.checked.ranges import RangeCrcs, Readahead, crc_range, pread_into
+from tailor_tui.checked.ranges import RangeCrcs, Readahead, RegionCrcs, crc_range, pread_into
 from tailor_tui.checkpoints.rank_reader import (
     SMALL_RANK_FILE,
     STREAM_CHUNK,
@@ -28,6 +28,7 @@ from tailor_tui.checkpoints.rank_reader import (
 )
 from tailor_tui.cloning import clone, worth_it
 from tailor_tui.compose.source_blocks import of_source, read_taken
+from tailor_tui.compose.taken import Looks, Parts
 from tailor_tui.events import ByteCounter
 from tailor_tui.fileio import CREATE, Target, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
 from tailor_tui.formats.ds_format import TENSORS
@@ -56,7 +57,7 @@ class Replacement(NamedTuple):
     check: SliceCheck | None = None  # from a partial's rows file: the slice it is, checked whole
 
 
-def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Counter | None:
+def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tuple[Counter, Parts] | None:
     """Write the composed optim_states file as the base's bytes with replaced ranges.
 
     The output has the base's exact zip layout and is written front to back, in the kernel
@@ -70,7 +71,8 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Coun
     and new, and each record's CRC-32 is updated from them alone (see `crc`); padding keeps the
     base's zero bytes (zeros where they are not: `Padding`). Memory stays at one small buffer
     whatever the file size. The same reads count each row's non-finite values in what the output
-    takes (returned per row). Returns None (writing nothing) when the archive is laid out in a way
+    takes (returned per row), and the same reads give the CRC-32 of every part of a row the output takes
+    (`compose.taken`: returned with them). Returns None (writing nothing) when the archive is laid out in a way
     this does not handle, or the base's file is in torch's legacy format; the caller then
     re-serialises. Sources may be in either format (legacy ones have no CRC: only the slices taken
     are read).
@@ -106,8 +108,9 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Coun
     for slot in job.row_slots:
         slots[slot.source].append(slot)
     # (a checkpoint whose rows the run's statistics found finite: not counted again, `planning.reads`)
-    census = {s: Census(Region(at, length, row) for row, at, length in _row_places(readers[s], slots[s])
-                        if s not in job.vouched) for s in [0, *used]}
+    census = {s: Looks(Census(Region(at, length, row) for row, at, length in _row_places(readers[s], slots[s])
+                              if s not in job.vouched), RegionCrcs(_parts(readers[s], slots[s])))
+              for s in [0, *used]}
     spans = []
     for c in job.copies:  # (the plan joined neighbours from one full source)
         for key in TENSORS:
@@ -178,7 +181,10 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Coun
                 counter.shares(sweep.kept - sum(length for _at, length, _r, _v in padding.found()), how)
     except OSError as exc:
         raise output_error(exc, out) from None
-    return sum((c.counts for c in census.values()), Counter())
+    parts: Parts = {}
+    for looks in census.values():
+        parts.update(looks.parts.found())
+    return sum((c.counts for c in census.values()), Counter()), parts
 
 
 def _reader(files: RankFiles, group_sizes: tuple[int, ...], whole: bytes | None) -> RankReader:
@@ -211,6 +217,13 @@ def _row_places(reader: RankReader, slots: list) -> list[list]:
                 last = [slot.row, at, slot.valid * 4]
                 places.append(last)
     return places
+
+
+def _parts(reader: RankReader, slots: list) -> list[tuple[int, int, tuple[str, str, tuple[int, int]]]]:
+    """(first byte, length, part) of every slice the output takes from one source, as `_row_places`, a slice
+    apiece, keyed by the part of its row it is (`compose.taken.Parts`)."""
+    return [(at, slot.valid * 4, (slot.row, key, (slot.group, slot.offset)))
+            for key in TENSORS for slot, at in zip(slots, reader.starts(key, slots))]
 
 
 def _in_step(spans: list[Replacement]) -> dict[int, list[tuple[int, Record, int]]]:
@@ -251,7 +264,7 @@ class _Sweep:
         self.written, self._j = 0, 0  # the output is written up to `written`; spans before _j lie behind
         self.ahead: dict[int, tuple[Readahead, int]] = {}  # per file read in order: its readahead, its size
 
-    def read(self, fd: int, offset: int, n: int, crcs: RangeCrcs, census: Census, also=None) -> None:
+    def read(self, fd: int, offset: int, n: int, crcs: RangeCrcs, census: Looks, also=None) -> None:
         """Read `n` bytes at `offset` of `fd`: fed to the CRC-32s, the census and `also`. The kernel reads
         ahead of this sequential reader (`Readahead`): a cold file comes at the disk's rate, while this
         process checks what it has."""

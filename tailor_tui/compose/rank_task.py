@@ -6,12 +6,13 @@ legacy-format base or model_states that take frozen fragments or buffers from ot
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 from typing import Callable
 
+from tailor_tui.checked.ranges import RegionCrcs
 from tailor_tui.compose.rank_partial import build_optim_states_from_skeleton
 from tailor_tui.compose.rank_stream import stream_optim_states
+from tailor_tui.compose.taken import FROZEN, Looks, RankComposed, rows_taken
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.fileio import Folder, copy_file, output_error
 from tailor_tui.formats.nonfinite import ITEMSIZE, Census, Region
@@ -21,51 +22,56 @@ from tailor_tui.planning.jobs import RankJob
 
 
 def compose_rank(job: RankJob, out_tag_dir: Folder, emit: Emit, cancelled: Callable[[], bool],
-               options: TaskOptions = TaskOptions()) -> Counter:
-    """Compose rank `job.rank`'s model_states and optim_states files into `out_tag_dir`; the
+               options: TaskOptions = TaskOptions()) -> RankComposed:
+    """Compose rank `job.rank`'s model_states and optim_states files into `out_tag_dir`: the
     number of non-finite values each row's slices of this rank hold in the output (counted
-    while the writers read the data anyway: for CRC checks, or in memory)."""
+    while the writers read the data anyway: for CRC checks, or in memory) and the CRC-32s of what
+    each row took (`compose.taken`)."""
     counter = ByteCounter.for_job(job, emit, cancelled, options)
     base_files = job.files[0]
     out_optim = out_tag_dir / base_files.optim_states.name
     if base_files.rows is not None:  # a partial base has no optim file to copy: build it
-        nonfinite = build_optim_states_from_skeleton(job, out_optim, counter)
+        nonfinite, parts = build_optim_states_from_skeleton(job, out_optim, counter)
     elif (streamed := stream_optim_states(job, out_optim, counter)) is not None:
-        nonfinite = streamed
+        nonfinite, parts = streamed
     else:
         from tailor_tui.compose.rank_torch import reserialise_optim_states
 
-        nonfinite = reserialise_optim_states(job, out_optim, counter)
+        nonfinite, parts = reserialise_optim_states(job, out_optim, counter)
 
     out_model = out_tag_dir / base_files.model_states.name
     if job.frozen or job.buffers or file_format(base_files.model_states) != "zip":
         from tailor_tui.compose.rank_torch import compose_model_states
 
-        nonfinite += compose_model_states(job, out_model, counter)  # (a legacy-format base's is re-saved as zip)
+        frozen_counts, frozen_parts = compose_model_states(job, out_model, counter)  # (a legacy-format base's:
+        nonfinite += frozen_counts  # re-saved as zip)
+        parts.update(frozen_parts)
     else:
-        census = _frozen_census(base_files.model_states, job.frozen_rows)
-        check_crcs(base_files.model_states, census.inspect if census else None)
-        if census is not None:
-            nonfinite += census.counts
+        looks = _frozen_looks(base_files.model_states, job.frozen_rows)
+        check_crcs(base_files.model_states, looks.inspect if looks else None)
+        if looks is not None:
+            nonfinite += looks.counts
+            parts.update(looks.parts.found())
         try:
             copy_file(base_files.model_states, out_model, counter.add, options.durable)
         except OSError as exc:
             raise output_error(exc, out_model) from None
     counter.finish()
-    return nonfinite
+    return RankComposed(job.rank, nonfinite, rows_taken(parts))
 
 
-def _frozen_census(path: Path, frozen_rows) -> Census | None:
-    """A census of the frozen parameters' fragments in a model_states file (None: none)."""
+def _frozen_looks(path: Path, frozen_rows) -> Looks | None:
+    """A census of the frozen parameters' fragments in a model_states file and their CRC-32s (None: none)."""
     if not frozen_rows:
         return None
     fragments = frozen_fragment_bytes(path, [name for _row, name, _source in frozen_rows])
-    regions = []
-    for row, name, _source in frozen_rows:
+    regions, parts = [], []
+    for i, (row, name, _source) in enumerate(frozen_rows):
         tb = fragments[name]
         dtype = dtype_name(tb.dtype)
         if dtype in ITEMSIZE:
             regions.append(Region(tb.offset, tb.numel * tb.itemsize, row, dtype))
-    return Census(regions)
+        parts.append((tb.offset, tb.numel * tb.itemsize, (row, FROZEN, (i, 0))))
+    return Looks(Census(regions), RegionCrcs(parts))
 
 

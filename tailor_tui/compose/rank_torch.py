@@ -13,7 +13,9 @@ from typing import Callable
 
 import torch
 
+from tailor_tui.checked import crc
 from tailor_tui.checkpoints.rank_reader import PartialRankReader, dtype_mismatch
+from tailor_tui.compose.taken import FROZEN, Parts
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter
 from tailor_tui.fileio import CountingWriter, Target, create, fsync, output_error
@@ -47,11 +49,13 @@ def save_pt(obj, path: Target, on_bytes: Callable[[int], None] | None, durable: 
         raise
 
 
-def reserialise_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> Counter:
+def reserialise_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tuple[Counter, Parts]:
     """Load (memory-mapped), build whole flat tensors, torch.save: the fallback for base
     archives the streaming path does not handle. Memory: the composed rank file. Returns
-    the non-finite values of each row, counted in memory."""
+    the non-finite values of each row, counted in memory, and the CRC-32 of each part of a row
+    (`compose.taken`), of the bytes composed in memory."""
     nonfinite: Counter[str] = Counter()
+    parts: Parts = {}
     base_files = job.files[0]
     base = load_pt(base_files.optim_states)
     inner = optimizer_state(base, base_files.optim_states, job.group_sizes)
@@ -95,19 +99,27 @@ def reserialise_optim_states(job: RankJob, out: Target, counter: ByteCounter) ->
                 set_flat_tensor(inner, g, key, composed)
                 for slot in job.row_slots:
                     if slot.group == g:
-                        nonfinite[slot.row] += _count(composed[slot.offset: slot.offset + slot.valid])
+                        mine = composed[slot.offset: slot.offset + slot.valid]
+                        nonfinite[slot.row] += _count(mine)
+                        parts[slot.row, key, (g, slot.offset)] = _crc(mine)
     del full
     save_pt(base, out, counter.add, counter.options.durable)
-    return +nonfinite
+    return +nonfinite, parts
 
 
 def _count(t) -> int:
     return int((~torch.isfinite(t)).sum()) if t.is_floating_point() else 0
 
 
-def compose_model_states(job: RankJob, out: Target, counter: ByteCounter) -> Counter:
+def _crc(t) -> tuple[int, int]:
+    """(CRC-32, length) of a tensor's bytes."""
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return crc.crc32(data), len(data)
+
+
+def compose_model_states(job: RankJob, out: Target, counter: ByteCounter) -> tuple[Counter, Parts]:
     """The base's model_states with frozen fragments and buffers of picked rows replaced;
-    the non-finite values of each row's frozen fragments in it."""
+    the non-finite values of each row's frozen fragments in it, and their CRC-32s (`compose.taken`)."""
     states = load_pt(job.files[0].model_states)
     loaded: dict[int, dict] = {}
 
@@ -129,8 +141,11 @@ def compose_model_states(job: RankJob, out: Target, counter: ByteCounter) -> Cou
         states[MODULE][name] = source(s)[MODULE][name].clone()
     save_pt(states, out, counter.add, counter.options.durable)
     nonfinite: Counter[str] = Counter()
-    for row, name, _source in job.frozen_rows:
-        nonfinite[row] += _count(states[FROZEN_PARAM_FRAGMENTS][name])
-    return +nonfinite
+    parts: Parts = {}
+    for i, (row, name, _source) in enumerate(job.frozen_rows):
+        fragment = states[FROZEN_PARAM_FRAGMENTS][name]
+        nonfinite[row] += _count(fragment)
+        parts[row, FROZEN, (i, 0)] = _crc(fragment)
+    return +nonfinite, parts
 
 

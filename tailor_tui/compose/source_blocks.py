@@ -24,9 +24,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from tailor_tui.checked.crc import RecordBlocks
-from tailor_tui.checked.evidence import blocks_usable, read_and_check, read_blocks
+from tailor_tui.checked.evidence import Counts, blocks_usable, read_and_check, read_blocks
 from tailor_tui.events import ByteCounter
-from tailor_tui.formats.nonfinite import Census
 from tailor_tui.formats.ptfile import Record
 from tailor_tui.planning.jobs import RankJob
 
@@ -37,7 +36,7 @@ def of_source(job: RankJob, source: int) -> dict[str, RecordBlocks]:
 
 
 def read_taken(fd: int, path: Path, taken: set[tuple[Record | None, int, int]], blocks: dict[str, RecordBlocks], *,
-               buffer: memoryview, counter: ByteCounter, census: Census) -> dict[tuple[int, int], int]:
+               buffer: memoryview, counter: ByteCounter, census: Counts) -> dict[tuple[int, int], int]:
     """The CRC-32 of each range `taken` (record, offset, length) of a source's file `fd`, as
     `read_and_check` returns them, every byte taken checked: the ranges of a record whose `blocks` (by
     name) still describe it are read as the blocks that cover them, each checked against its recorded

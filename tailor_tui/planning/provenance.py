@@ -47,10 +47,11 @@ def _identity(ckpt: Checkpoint) -> dict:
     }
 
 
-def changed_since(record: dict) -> list[str]:
+def changed_since(record: dict) -> list[tuple[str, str]]:
     """The source files a provenance record (`provenance`) names that are not, now, as the composition read
-    them, a line each ("PATH: changed since the composition (its ctime)"); those it names without their
-    times (an older record) are not looked at. `record` comes from a file: every field is checked."""
+    them: (the checkpoint's path as recorded, a line: "PATH: changed since the composition (its ctime)") each;
+    those it names without their times (an older record) are not looked at. `record` comes from a file:
+    every field is checked."""
     said = []
     entries = [record.get("base"), *(record.get("sources") or [])] if isinstance(record, dict) else []
     for entry in entries:
@@ -64,12 +65,12 @@ def changed_since(record: dict) -> list[str]:
             try:
                 st = os.stat(path)
             except OSError:
-                said.append(f"{path}: gone since the composition (it read {was['bytes']:,} bytes there)")
+                said.append((entry["path"], f"{path}: gone since the composition (it read {was['bytes']:,} bytes there)"))
                 continue
             then = FileIdentity(st.st_dev, was["inode"], was["bytes"], was["mtime_ns"], was["ctime_ns"])
             now = FileIdentity.of(st)
             if then != now:
-                said.append(f"{path}: changed since the composition ({then.differences(now)})")
+                said.append((entry["path"], f"{path}: changed since the composition ({then.differences(now)})"))
     return said
 
 

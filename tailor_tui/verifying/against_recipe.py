@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from tailor_tui.checkpoints.checkpoint import MODEL_FILE_INDEX, PROVENANCE, open_checkpoint, read_latest
+from tailor_tui.checkpoints.checkpoint import MODEL_FILE_INDEX, PROVENANCE, TAKEN, open_checkpoint, read_latest
 from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json, read_small
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit
@@ -34,6 +34,7 @@ from tailor_tui.formats.ds_format import (
     EXP_AVG,
     EXP_AVG_SQ,
     FP32_FLAT_GROUPS,
+    FROZEN_PARAM_FRAGMENTS,
     OPTIMIZER_STATE_DICT,
     STATE,
     TENSORS,
@@ -44,6 +45,7 @@ from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.planning.provenance import changed_since
 from tailor_tui.verifying.compare import differences, nonzero_bytes, same_bytes
 from tailor_tui.verifying.rows_files import RowsFiles
+from tailor_tui.verifying.taken import FROZEN, RankRows, recorded, settle
 from tailor_tui.verifying.torch_files import is_zip, load, torch_reads
 from tailor_tui.verifying.weights import verify_weight_file
 
@@ -52,13 +54,27 @@ from tailor_tui.verifying.weights import verify_weight_file
 class VerifyReport:
     problems: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))  # row -> problems
     other: list[str] = field(default_factory=list)  # problems not tied to a row
+    # sources that changed since the composition (its provenance record tells them), a line each: the
+    # output's rows are proven against the CRC-32s of what was taken instead (`taken`)
+    changed: list[str] = field(default_factory=list)
+    unproven: list[str] = field(default_factory=list)  # what was not compared, as it comes from those
+    by_record: set[str] = field(default_factory=set)  # rows proven against the record alone (on some rank)
 
     @property
     def ok(self) -> bool:
+        return not self.other and not any(self.problems.values()) and not self.changed and not self.unproven
+
+    @property
+    def output_ok(self) -> bool:
+        """Nothing found wrong with the output (its sources may have changed since: `changed`)."""
         return not self.other and not any(self.problems.values())
 
     def add(self, row: str | None, problem: str) -> None:
         (self.other if row is None else self.problems[row]).append(problem)
+
+    def changed_in_place(self, line: str) -> None:
+        if line not in self.changed:
+            self.changed.append(line)
 
 
 def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
@@ -68,12 +84,16 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
     if not (out / plan.base.tag).is_dir():
         report.add(None, f"{out}: no tag folder {plan.base.tag}; is this the output of this recipe?")
         return report
-    changed = _sources_changed(out)
-    if changed:  # its bytes are not what was composed from: comparing with them proves nothing
-        for line in changed:
-            report.add(None, f"{line}: the output is not compared with what it holds now; compose again from "
-                             "the checkpoints as they are, or verify before they change")
+    record = _record(out)
+    taken = recorded(record, TAKEN)
+    changed = _sources_changed(plan, record)
+    if changed and taken is None:  # an older record: nothing to prove the output against but its sources
+        for lines in changed.values():
+            for line in lines:
+                report.add(None, f"{line}: the output is not compared with what it holds now; compose again from "
+                                 "the checkpoints as they are, or verify before they change")
         return report
+    report.changed.extend(line for lines in changed.values() for line in lines)
     try:
         composed = open_checkpoint(out)
     except CheckpointError as exc:
@@ -86,16 +106,21 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
         report.add(None, f"{out}: its layout is not {what}: it has {diff}")
         return report
     composed.check_complete()  # a rank file that is no whole archive (or no regular file): exit 4, before torch
+    gone = set(changed)  # and those found changed on the way: files that fail the checks the composition passed
     if plan.reshard is not None:
         from tailor_tui.verifying.resharded import verify_resharded
 
-        verify_resharded(plan, composed, report, emit, cancelled)
+        verify_resharded(plan, composed, report, emit, cancelled, changed=gone, taken=taken)
     else:
         param_row = plan.base.param_to_row()
         for rank in range(plan.base.world_size):
-            _verify_rank(plan, rank, composed, param_row, report, emit, cancelled)
+            _verify_rank(plan, rank, composed, param_row, report, emit, cancelled, gone, taken)
     partial = RowsFiles()
     for job in plan.model_file_jobs():
+        if (left := sorted(gone & set(job.sources.values()) | ({0} & gone))):
+            report.unproven.append(f"{out / job.name}: not compared: it takes from "
+                                   f"{', '.join(plan.sources[s].name for s in left)}, changed since the composition")
+            continue
         verify_weight_file(plan, job, report, partial)
     own = plan.own_files()
     if MODEL_FILE_INDEX in own:
@@ -108,6 +133,10 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
             report.add(None, f"{index}: missing or not the index the model files' layout records")
     root = plan.other_files_root()
     for rel, to in plan.other_files():
+        if 0 in gone and (out / to).is_file():
+            report.unproven.append(f"{out / to}: not compared: the base's {rel} may have changed since the "
+                                   "composition")
+            continue
         if not (out / to).is_file():
             report.add(None, f"{out / to}: missing (the base has {rel})")
         elif not filecmp.cmp(root / rel, out / to, shallow=False):
@@ -125,14 +154,25 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
     return report
 
 
-def _sources_changed(out: Path) -> list[str]:
-    """The sources `out`'s provenance record names that changed since the composition read them
-    (`provenance.changed_since`); none where it has no readable record (said apart, below)."""
+def _record(out: Path) -> dict | None:
+    """`out`'s provenance record (None where it has no readable one: said apart, below)."""
     try:
         record = load_json(out / PROVENANCE, MAX_RECORD, follow=False)
     except (OSError, ValueError):
-        return []
-    return changed_since(record)
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _sources_changed(plan: ComposePlan, record: dict | None) -> dict[int, list[str]]:
+    """{the plan's index of a source: a line per file of it} of the sources `record` names that changed
+    since the composition read them (`provenance.changed_since`); -1 for one the plan does not name."""
+    if record is None:
+        return {}
+    index = {str(src.path.resolve()): s for s, src in enumerate(plan.sources)}
+    found: dict[int, list[str]] = {}
+    for path, line in changed_since(record):
+        found.setdefault(index.get(path, -1), []).append(line)
+    return found
 
 
 def _unplanned(plan: ComposePlan, out: Path) -> list[Path]:
@@ -145,10 +185,12 @@ def _unplanned(plan: ComposePlan, out: Path) -> list[Path]:
                   if (p.is_file() or p.is_symlink()) and p.relative_to(out) not in expected)
 
 
-def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled) -> None:
+def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled, changed: set[int], taken) -> None:
     """Rank `rank` of an output at the base's world size: every slot of the base's layout holds,
     in the output, its source's elements at the same place (every checkpoint of the recipe has the
-    base's layout), then padding of zero bytes."""
+    base's layout), then padding of zero bytes. A source that changed since the composition
+    (`changed`) is not read: the rows it gave are proven against what the composition recorded it
+    took (`taken`, `verifying.taken`), as every row is where the record holds it."""
     source_of = plan.source_of_param()
     used = {0} | {source_of[slot.name] for slot in plan.base.layout.slots}
     files = {s: plan.sources[s].ranks[rank] for s in sorted(used)}
@@ -157,29 +199,48 @@ def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled) -> No
     mine = composed.ranks[rank].optim_states
     got_file = load(mine)
     got = optimizer_state(got_file, mine, sizes)
-    loaded = {s: load(f.optim_states) for s, f in files.items() if f.rows is None}
+    loaded = {}
+    for s, f in files.items():
+        if f.rows is None and s not in changed:
+            try:
+                loaded[s] = load(f.optim_states)
+            except CheckpointError as exc:  # the composition read it whole and checked: it changed since
+                if taken is None:
+                    raise
+                report.changed_in_place(f"{exc} (the composition read it whole and checked it)")
+                changed.add(s)
     wanted = {s: optimizer_state(obj, files[s].optim_states, sizes) for s, obj in loaded.items()}
     partial = RowsFiles()
+    rows = RankRows()
 
     def source_slice(s: int, slot, key: str, valid: int):
         if files[s].rows is not None:  # a partial checkpoint stores each parameter's slice by name
             return partial.slice(files[s].rows, f"{key}/{slot.name}", valid)
         return flat_tensor(wanted[s], slot.group, key)[slot.offset: slot.offset + valid]
 
-    for slot in plan.base.layout.slots:
+    for slot in sorted(plan.base.layout.slots, key=lambda slot: (slot.group, slot.offset)):
         s = source_of[slot.name]
         valid = slot.valid(rank)
         row = param_row[slot.name]
         for key in TENSORS:
             out_t = flat_tensor(got, slot.group, key)
-            if valid and not same_bytes(out_t[slot.offset: slot.offset + valid], source_slice(s, slot, key, valid)):
-                report.add(row, f"rank {rank}: {key} of {slot.name} differs from {plan.sources[s].name}")
+            if valid:
+                rows.crcs.add(row, key, out_t[slot.offset: slot.offset + valid])
+                try:
+                    theirs = None if s in changed else source_slice(s, slot, key, valid)
+                except CheckpointError as exc:  # a partial's slice the composition read and checked: changed
+                    if taken is None:
+                        raise
+                    report.changed_in_place(f"{exc} (the composition read it and checked it)")
+                    changed.add(s)
+                    theirs = None
+                if theirs is None:
+                    rows.from_changed[row] = s
+                elif not same_bytes(out_t[slot.offset: slot.offset + valid], theirs):
+                    rows.differs(row, f"rank {rank}: {key} of {slot.name} differs from {plan.sources[s].name}", s)
             if valid < slot.part and nonzero_bytes(out_t[slot.offset + valid: slot.offset + slot.part]):
                 report.add(row, f"rank {rank}: padding after {slot.name} ({key}) is not zero bytes")
         counter.add(valid * 12)
-    # Everything but the flat tensors is the base's: param groups, loss scaler, steps, counters.
-    base_file = loaded[0] if 0 in loaded else load(files[0].skeleton)
-
     outer = f"[{OPTIMIZER_STATE_DICT!r}]"
 
     def flat(where: str) -> bool:
@@ -187,16 +248,27 @@ def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled) -> No
             where.startswith(f"{outer}{outer}[{STATE!r}]")
             and where.endswith((f"[{EXP_AVG!r}]", f"[{EXP_AVG_SQ!r}]")))
 
-    for where in differences(got_file, base_file, skip=flat)[:5]:
-        report.add(None, f"rank {rank}: optimizer state {where} is not the base's")
-    _verify_model_states(plan, rank, composed, source_of, param_row, report)
+    # Everything but the flat tensors is the base's: param groups, loss scaler, steps, counters.
+    if 0 in changed:
+        report.unproven.append(f"rank {rank}: the optimizer state but the rows' tensors, and model_states but "
+                               "what follows a row, not compared: the base changed since the composition")
+    else:
+        base_file = loaded[0] if 0 in loaded else load(files[0].skeleton)
+        for where in differences(got_file, base_file, skip=flat)[:5]:
+            report.add(None, f"rank {rank}: optimizer state {where} is not the base's")
+    _verify_model_states(plan, rank, composed, source_of, param_row, report, rows, changed)
+    settle(report, rank, rows, taken, [src.name for src in plan.sources])
     counter.finish()
 
 
-def _verify_model_states(plan, rank, composed, source_of, param_row, report) -> None:
+def _verify_model_states(plan, rank, composed, source_of, param_row, report, rows: RankRows, changed) -> None:
     """model_states: the base's, but frozen fragments and buffers, each from its row's source."""
     states = load(composed.ranks[rank].model_states)
-    loaded = {0: load(plan.sources[0].ranks[rank].model_states)}
+    fragments = states.get(FROZEN_PARAM_FRAGMENTS) or {}
+    for name, _shape in plan.base.layout.frozen:  # what the record holds of them
+        if name in fragments:
+            rows.crcs.add(param_row[name], FROZEN, fragments[name])
+    loaded = {}
 
     def source(s: int) -> dict:
         if s not in loaded:
@@ -205,15 +277,27 @@ def _verify_model_states(plan, rank, composed, source_of, param_row, report) -> 
 
     followed = {}  # path in model_states -> (source, row) for what follows its row
     for name, _shape in plan.base.layout.frozen:
-        followed[f"['frozen_param_fragments'][{name!r}]"] = (source_of[name], param_row[name])
+        followed[f"[{FROZEN_PARAM_FRAGMENTS!r}][{name!r}]"] = (source_of[name], param_row[name])
     for row in plan.base.rows:
         for buffer in row.buffers:
             followed[f"['module'][{buffer!r}]"] = (source_of[buffer], row.name)
     for where, (s, row) in followed.items():
+        if s in changed:
+            if where.startswith(f"[{FROZEN_PARAM_FRAGMENTS!r}]"):
+                rows.from_changed[row] = s  # proven by the record
+            else:
+                report.unproven.append(f"rank {rank}: model_states {where} ({row}) not compared: "
+                                       f"{plan.sources[s].name} changed since the composition")
+            continue
         for difference in differences(_at(states, where), _at(source(s), where), where):
-            report.add(row, f"rank {rank}: model_states {difference} differs from {plan.sources[s].name}")
-    for where in differences(states, loaded[0], skip=lambda w: w in followed)[:5]:
-        report.add(None, f"rank {rank}: model_states {where} is not the base's")
+            problem = f"rank {rank}: model_states {difference} differs from {plan.sources[s].name}"
+            if where.startswith(f"[{FROZEN_PARAM_FRAGMENTS!r}]"):
+                rows.differs(row, problem, s)
+            else:
+                report.add(row, problem)
+    if 0 not in changed:
+        for where in differences(states, source(0), skip=lambda w: w in followed)[:5]:
+            report.add(None, f"rank {rank}: model_states {where} is not the base's")
 
 
 def _at(states: dict, where: str):

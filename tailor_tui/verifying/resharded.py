@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter
 from tailor_tui.formats.ds_format import (
     DP_WORLD_SIZE,
@@ -43,6 +44,7 @@ from tailor_tui.verifying.compare import differences, nonzero_bytes, same_bytes
 from tailor_tui.verifying.pieces import ZEROS, OutputPieces
 from tailor_tui.verifying.rows_files import RowsFiles
 from tailor_tui.verifying.same_content import SameContent
+from tailor_tui.verifying.taken import FROZEN, RankRows, settle
 from tailor_tui.verifying.torch_files import load
 
 OUTER = f"[{OPTIMIZER_STATE_DICT!r}]"
@@ -50,24 +52,41 @@ OUTER = f"[{OPTIMIZER_STATE_DICT!r}]"
 REPLACED = (f"{OUTER}[{FP32_FLAT_GROUPS!r}]", f"{OUTER}{OUTER}[{STATE!r}]", f"{OUTER}[{PARTITION_COUNT!r}]")
 
 
-def verify_resharded(plan, composed, report, emit, cancelled) -> None:
-    """Check every output rank of a resharded `plan` (`report`: recipe.VerifyReport)."""
+def verify_resharded(plan, composed, report, emit, cancelled, *, changed: set[int] = frozenset(),  # type: ignore[assignment]
+                     taken: dict | None = None) -> None:
+    """Check every output rank of a resharded `plan` (`report`: recipe.VerifyReport). A source that changed
+    since the composition (`changed`) is not read: the rows it gave are proven against what the
+    composition recorded it took (`taken`, `verifying.taken`), as every row is where the record holds it."""
     first = plan.base.ranks[0]
-    base_optim = load(first.skeleton if first.rows is not None else first.optim_states)
-    base_states = load(first.model_states)
-    buffers = {s: load(plan.sources[s].ranks[0].model_states) for s in set(plan.buffer_sources().values())}
+    base_optim = base_states = None
+    if 0 not in changed:
+        base_optim = load(first.skeleton if first.rows is not None else first.optim_states)
+        base_states = load(first.model_states)
+    else:
+        report.unproven.append("the output's optimizer state but the rows' tensors, and its model_states but "
+                               "the frozen fragments, not compared: the base changed since the composition")
+    buffers = {s: load(plan.sources[s].ranks[0].model_states) for s in set(plan.buffer_sources().values())
+               if s not in changed}
+    for name, s in plan.buffer_sources().items():
+        if s in changed:
+            report.unproven.append(f"buffer {name}: not compared: {plan.sources[s].name} changed since the "
+                                   "composition")
     where, same = OutputPieces(plan), SameContent()
     loaded: dict[Path, object] = {}  # source files by path (`_verify_rank`)
     totals = {job.rank: job.write_bytes for job in plan.rank_jobs()}  # progress: what the plan writes
     for rank in range(plan.world_size):
+        rows = RankRows()
         _verify_rank(plan, rank, where, composed, report, ByteCounter(f"rank {rank}", totals[rank], emit, cancelled),
-                     base_optim, base_states, buffers, same, loaded)
+                     base_optim, base_states, buffers, same, loaded, rows, changed, taken is not None)
+        settle(report, rank, rows, taken, [src.name for src in plan.sources])
 
 
 def _verify_rank(plan, rank, where, composed, report, counter, base_file, base_states, buffer_states, same,
-                 loaded) -> None:
+                 loaded, rows: RankRows, changed: set[int], proving: bool) -> None:
     """`loaded`: source files loaded, by path: those the previous rank loaded are kept for this
-    one where it takes from them too (neighbouring ranks take from the same source ranks)."""
+    one where it takes from them too (neighbouring ranks take from the same source ranks). A source
+    file that fails its checks now, which the composition read and checked, is a source changed since
+    (`changed` gets it) where the output's record proves its rows (`proving`)."""
     reshard = plan.reshard
     groups, frozen = where.groups(rank), where.frozen(rank)
     mine = composed.ranks[rank].optim_states
@@ -82,8 +101,18 @@ def _verify_rank(plan, rank, where, composed, report, counter, base_file, base_s
 
     def source_of(p, key: str):
         """The source tensor piece `p` is taken from, and its first element there."""
+        try:
+            return read_source(p, key)
+        except CheckpointError as exc:
+            if not proving:
+                raise
+            report.changed_in_place(f"{exc} (the composition read it and checked it)")
+            changed.add(p.source)
+            raise _Changed from None
+
+    def read_source(p, key: str):
         files = plan.sources[p.source].ranks[p.rank]
-        if key == "frozen":
+        if key == FROZEN:
             if files.model_states not in loaded:
                 loaded[files.model_states] = load(files.model_states)
             return loaded[files.model_states][FROZEN_PARAM_FRAGMENTS][p.param], p.offset
@@ -95,7 +124,21 @@ def _verify_rank(plan, rank, where, composed, report, counter, base_file, base_s
         return flat_tensor(loaded[files.optim_states], p.group, key), p.offset
 
     def check(tensor, pieces, key: str) -> None:
-        for batch in _batches(pieces):
+        for p in sorted(pieces, key=lambda p: p.at):  # what the output holds of each row, in its order
+            if p.source != ZEROS:
+                rows.crcs.add(p.row, key, tensor[p.at: p.at + p.length])
+        while True:
+            try:
+                compare(tensor, pieces, key)
+                break
+            except _Changed:  # a source found changed: compared again without it
+                continue
+        for p in pieces:
+            if p.source != ZEROS and p.source in changed:
+                rows.from_changed[p.row] = p.source
+
+    def compare(tensor, pieces, key: str) -> None:
+        for batch in _batches([p for p in pieces if p.source not in changed]):
             if whole_matches(tensor, batch, lambda p: source_of(p, key)):
                 counter.add(sum(p.length for p in batch) * 4)
                 continue
@@ -107,16 +150,15 @@ def _verify_rank(plan, rank, where, composed, report, counter, base_file, base_s
                 else:
                     whole, at = source_of(p, key)
                     if not same_bytes(out, whole[at: at + p.length]):
-                        report.add(p.row, f"rank {rank}: {key} of {p.param} (elements {p.at}…) differs from "
-                                          f"{plan.sources[p.source].name} rank {p.rank}")
+                        rows.differs(p.row, f"rank {rank}: {key} of {p.param} (elements {p.at}…) differs from "
+                                            f"{plan.sources[p.source].name} rank {p.rank}", p.source)
                 counter.add(p.length * 4)
 
     for g, pieces in enumerate(groups):
         for key in TENSORS:
             check(flat_tensor(got, g, key), pieces, key)
 
-    base_inner = base_file[OPTIMIZER_STATE_DICT]
-    for difference in differences(got_file, base_file, skip=_replaced)[:5]:
+    for difference in differences(got_file, base_file, skip=_replaced)[:5] if base_file is not None else ():
         report.add(None, f"rank {rank}: optimizer state {difference} is not the base's")
     if got.get(PARTITION_COUNT) != reshard.world_size:
         report.add(None, f"rank {rank}: partition_count is {got.get(PARTITION_COUNT)!r}, not {reshard.world_size}")
@@ -124,12 +166,13 @@ def _verify_rank(plan, rank, where, composed, report, counter, base_file, base_s
         if list(group.get("params", ())) != list(members):
             report.add(None, f"rank {rank}: param group {i} lists sub-groups {group.get('params')}, "
                              f"DeepSpeed at world size {reshard.world_size} has {list(members)}")
-    state, base_state = got[OPTIMIZER_STATE_DICT][STATE], base_inner[OPTIMIZER_STATE_DICT][STATE]
+    state = got[OPTIMIZER_STATE_DICT][STATE]
     if sorted(state) != list(range(len(reshard.layout.groups))):
         report.add(None, f"rank {rank}: optimizer state of sub-groups {sorted(state)}, expected "
                          f"{len(reshard.layout.groups)}")
     group_of = {slot.name: slot.group for slot in plan.base.layout.slots}
-    for g, params in enumerate(reshard.layout.groups):
+    base_state = base_file[OPTIMIZER_STATE_DICT][OPTIMIZER_STATE_DICT][STATE] if base_file is not None else {}
+    for g, params in enumerate(reshard.layout.groups if base_file is not None else ()):
         first = group_of[params[0][0]]
         found = differences(state.get(g), base_state.get(first), f"[{STATE!r}][{g}]",
                             skip=lambda w: w.endswith((f"[{EXP_AVG!r}]", f"[{EXP_AVG_SQ!r}]")))
@@ -137,6 +180,10 @@ def _verify_rank(plan, rank, where, composed, report, counter, base_file, base_s
             report.add(None, f"rank {rank}: optimizer state {difference} is not the base's sub-group {first}'s")
     _model_states(plan, rank, frozen, composed, report, check, base_states, buffer_states, same)
     counter.finish()
+
+
+class _Changed(Exception):
+    """A source file the composition read and checked fails its checks now (`changed` has it)."""
 
 
 def _replaced(where: str) -> bool:
@@ -152,7 +199,7 @@ def _model_states(plan, rank, frozen, composed, report, check, base, buffer_stat
         report.add(row, f"rank {rank}: {problem}")
     fragments = states.get(FROZEN_PARAM_FRAGMENTS) or {}
     for name, pieces in frozen:
-        check(fragments[name].reshape(-1), pieces, "frozen")
+        check(fragments[name].reshape(-1), pieces, FROZEN)
     for row, problem in found["rest"]:
         report.add(row, f"rank {rank}: {problem}")
 
@@ -169,11 +216,11 @@ def _states_problems(plan, states, base, buffer_states) -> tuple[list, list]:
                              f"{reshard.world_size}"))
     buffers = plan.buffer_sources()
     for name, s in buffers.items():
-        if not same_bytes(states[MODULE][name], buffer_states[s][MODULE][name]):
+        if s in buffer_states and not same_bytes(states[MODULE][name], buffer_states[s][MODULE][name]):
             rest.append((plan.base.param_to_row()[name], f"buffer {name} differs from {plan.sources[s].name}"))
     skip = {f"[{DP_WORLD_SIZE!r}]", f"[{PARAM_SHAPES!r}]", *(f"[{MODULE!r}][{b!r}]" for b in buffers)}
     for where in differences(states, base, skip=lambda w: w in skip or w.startswith(
-            f"[{FROZEN_PARAM_FRAGMENTS!r}]"))[:5]:
+            f"[{FROZEN_PARAM_FRAGMENTS!r}]"))[:5] if base is not None else ():
         rest.append((None, f"model_states {where} is not the base's"))
     return layout, rest
 

@@ -1,0 +1,94 @@
+"""What the composition took, as its provenance record says (`checkpoint.TAKEN`), against what the output
+holds: the verifier's own reading of that record and its own CRC-32s of the output's rows.
+
+The record holds, per output rank, row and tensor (fp32, exp_avg, exp_avg_sq; "frozen": the row's frozen
+parameters' fragments), the CRC-32 of the row's real elements on that rank, its parameters in the output's
+order (sub-group, then offset; frozen ones in the layout's order), padding left out: what the writers read
+and checked in the sources. The verifier works the same CRC-32s out of the output's bytes (`RowCrcs`, zlib's
+CRC over the elements in that order, none of the writers' code) and settles each row (`settle`): rows of a
+source that changed since the composition (its files' identities, or a file that fails its CRC-32s now
+though the composition read and checked it: bit rot) are proven against the record alone; the others are
+compared with their sources byte for byte and must match the record too. The record is what the writers
+took: it proves the output is what was composed, never that the writers took the right bytes (a row that
+differs from its unchanged source is a bad output whatever the record says).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+FROZEN = "frozen"  # the record's name for a row's frozen fragments
+MAX_CRC = 0xFFFFFFFF
+
+
+def recorded(record: object, taken_key: str) -> dict[str, dict[str, dict[str, int]]] | None:
+    """{rank: {row: {tensor: CRC-32}}} of a provenance record (None: it has none, an older output's, or
+    one not well formed: nothing is taken from it then). `record` comes from a file: every field is checked."""
+    if not isinstance(record, dict):
+        return None
+    taken = record.get(taken_key)
+    if not isinstance(taken, dict):
+        return None
+    for rank, rows in taken.items():
+        if not (isinstance(rank, str) and rank.isascii() and rank.isdigit() and isinstance(rows, dict)):
+            return None
+        for row, crcs in rows.items():
+            if not (isinstance(row, str) and isinstance(crcs, dict)):
+                return None
+            if not all(isinstance(k, str) and type(v) is int and 0 <= v <= MAX_CRC for k, v in crcs.items()):
+                return None
+    return taken
+
+
+class RowCrcs:
+    """The CRC-32 of each (row, tensor) of one output rank, fed its parts in order (`add`)."""
+
+    def __init__(self) -> None:
+        self.found: dict[str, dict[str, int]] = {}
+
+    def add(self, row: str, key: str, tensor) -> None:
+        import torch
+
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        if not len(data):
+            return
+        mine = self.found.setdefault(row, {})
+        mine[key] = zlib.crc32(data, mine.get(key, 0))
+
+
+@dataclass
+class RankRows:
+    """What the checks of one output rank found, for `settle`."""
+
+    crcs: RowCrcs = field(default_factory=RowCrcs)
+    differing: dict[str, list[tuple[str, int]]] = field(default_factory=dict)  # row -> (problem, source)
+    from_changed: dict[str, int] = field(default_factory=dict)  # row -> its changed source: not compared
+
+    def differs(self, row: str, problem: str, source: int) -> None:
+        found = self.differing.setdefault(row, [])
+        if (problem, source) not in found:  # (a rank compared again once a source was found changed)
+            found.append((problem, source))
+
+
+def settle(report, rank: int, rows: RankRows, taken: dict | None, names: list[str]) -> None:
+    """Report one output rank's rows: each problem a row has, and each source found changed in place."""
+    mine = taken.get(str(rank)) if taken is not None else None
+    for row in sorted(rows.crcs.found.keys() | rows.differing.keys() | rows.from_changed.keys()):
+        matches = mine is not None and mine.get(row) == rows.crcs.found.get(row)
+        if row in rows.from_changed:
+            s = rows.from_changed[row]
+            if mine is None:
+                report.add(row, f"rank {rank}: not proven: {names[s]} changed since the composition, and the "
+                                "output's provenance record holds no CRC-32s of what was taken")
+            elif not matches:
+                report.add(row, f"rank {rank}: differs from what the composition took from {names[s]} "
+                                "(the CRC-32s its provenance record holds)")
+            else:
+                report.by_record.add(row)
+        elif row in rows.differing:  # from a source as the composition read it (its identity, its CRC-32s):
+            for problem, _s in rows.differing[row]:  # what the record says was taken does not excuse it
+                report.add(row, problem)
+        elif mine is not None and not matches:
+            report.add(row, f"rank {rank}: equals its source but not the CRC-32s the composition recorded of "
+                            "what it took (the provenance record is not this output's)")
