@@ -17,7 +17,7 @@ class ExitCode(IntEnum):
     CHECKPOINT = 4  # a checkpoint is missing, unreadable, truncated or unsafe
     INCOMPATIBLE = 5  # a source cannot be combined with the base
     OUTPUT = 6  # the output cannot be written (exists, read-only, disk full)
-    VERIFY_FAILED = 7  # --verify found rows that do not match their sources
+    VERIFY_FAILED = 7  # --verify found rows that do not match their sources, or sources changed since
     NONFINITE = 8  # the output would hold NaN/Inf (--apply), a row has no healthy checkpoint (--heal), or
     # a cell is unhealthy (--stats --check)
     CANCELLED = 130  # stopped by the user (Ctrl-C), like a shell's SIGINT status
@@ -31,7 +31,7 @@ MEANING = {
     ExitCode.CHECKPOINT: "checkpoint (missing, truncated, corrupt, unsafe)",
     ExitCode.INCOMPATIBLE: "incompatible source",
     ExitCode.OUTPUT: "output (exists, read-only, full, locked)",
-    ExitCode.VERIFY_FAILED: "--verify found differences",
+    ExitCode.VERIFY_FAILED: "--verify found differences, or sources changed since the composition",
     ExitCode.NONFINITE: "non-finite values (NaN/Inf) kept, a row nothing heals, or (--stats --check) an unhealthy cell",
     ExitCode.CANCELLED: "cancelled",
     ExitCode.INTERNAL: "internal error",

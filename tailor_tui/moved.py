@@ -21,15 +21,15 @@ import sys
 import types
 import warnings
 
-_C, _CO, _F, _H, _P, _R, _T, _V = (f"tailor_tui.{p}." for p in (
-    "checkpoints", "compose", "formats", "health", "planning", "runs", "team", "verifying"))
+_C, _CO, _F, _H, _K, _P, _R, _T, _V = (f"tailor_tui.{p}." for p in (
+    "checkpoints", "compose", "formats", "health", "kinds", "planning", "runs", "team", "verifying"))
 
 # Every module path that moved whole, and the module it is now. The root modules before the
 # subpackages (commit 675123b) first; those now a subpackage's own name (selective, health, export,
 # cli, team) are served by that subpackage's `__init__` instead.
 MODULES = {
     "tailor_tui.cache": _C + "cache", "tailor_tui.checkpoint": _C + "checkpoint", "tailor_tui.layout": _C + "layout",
-    "tailor_tui.model_layout": _C + "model_layout", "tailor_tui.partial_rows": _C + "partial_rows",
+    "tailor_tui.model_layout": _C + "model_layout", "tailor_tui.partial_rows": _K + "partial",
     "tailor_tui.rows": _C + "rows", "tailor_tui.scan_cache": _C + "scan_cache",
     "tailor_tui.weight_files": _C + "weight_files",
     "tailor_tui.cli_export": "tailor_tui.cli.export_command", "tailor_tui.health_report": "tailor_tui.cli.health_report",
@@ -67,11 +67,17 @@ MODULES = {
     "tailor_tui.ui.details": "tailor_tui.ui.describe", "tailor_tui.ui.heatmap": "tailor_tui.ui.describe",
     # the checked read path, one subpackage since issue 58
     "tailor_tui.crc": "tailor_tui.checked.crc", "tailor_tui.reading": "tailor_tui.checked.files",
+    # the kinds of checkpoint a rank's files come in, one subpackage of adapters since issue 58
+    _C + "rank_reader": _K + "base", _C + "partial_rows": _K + "partial",
 }
 
 _MERGE = {"MergeResult": _CO + "compose_run:ComposeResult", "run_merge": _CO + "compose_run:run_compose"}
 # A moved module's names that its new home calls otherwise, or that live elsewhere now: name -> "module[:new name]".
+_PARTIAL_ROWS = {"crc_range_checked": "tailor_tui.checked.evidence"}
 RENAMED = {
+    _C + "rank_reader": {**dict.fromkeys(("ZeroRankReader", "SMALL_RANK_FILE", "flat_tensor_bytes", "tensor_bytes"),
+                                         _K + "zero"), "PartialRankReader": _K + "partial"},
+    _C + "partial_rows": _PARTIAL_ROWS, "tailor_tui.partial_rows": _PARTIAL_ROWS,
     "tailor_tui.reading": dict.fromkeys(("pread_exact", "pread_into", "Window", "READAHEAD", "Readahead", "crc_range",
                                          "RangeCrcs"), "tailor_tui.checked.ranges"),
     "tailor_tui.checkpoint": {"other_run": _C + "lineage", "read_metadata": _C + "model_states",

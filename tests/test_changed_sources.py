@@ -300,9 +300,9 @@ def test_verify_proves_an_output_whose_source_changed_by_what_was_taken(real_run
     """Training saves a source again after the composition (a NaN in its rank 0's optim file, a valid
     archive): `--verify` says so (exit 7, a CHANGED line naming the file), does not compare the output with
     its new bytes, and still proves every row against the CRC-32s the output's provenance record keeps of
-    what each rank took, at the base's world size and resharded; what it cannot compare without the source
-    as it was (the model file that takes from it) is UNPROVEN, named. A row edited in the output afterwards
-    is a FAIL, proven wrong by the record alone."""
+    what each rank took, and each tensor the model file took from it against those of what that file took,
+    at the base's world size and resharded: nothing is left unproven. A row edited in the output afterwards,
+    in a rank file or in the model file, is a FAIL, proven wrong by the record alone."""
     import json
 
     run, _spec = real_run("hf_bf16_2")
@@ -311,10 +311,13 @@ def test_verify_proves_an_output_whose_source_changed_by_what_was_taken(real_run
     applied = tailor("--apply", recipe, *extra)
     assert applied.returncode == 0, applied.stderr
     out = recipe.parent / "composed"
-    taken = json.loads((out / "tailor_provenance.json").read_text())["taken"]
+    record = json.loads((out / "tailor_provenance.json").read_text())
+    taken, weights = record["taken"], record["taken_weights"]
     ranks = int(world_size) if world_size else 2
     assert list(taken) == [str(r) for r in range(ranks)], list(taken)
     assert all(set(rows["layers.0"]) == {"fp32", "exp_avg", "exp_avg_sq"} for rows in taken.values()), taken
+    assert list(weights) == ["model.safetensors"] and weights["model.safetensors"], weights
+    assert all(".layers.0." in name for name in weights["model.safetensors"]), weights  # what it took, no more
 
     source = _rank0(ckpts[0])
     nan_in_place(source, flat_record(source), 0.1)  # saved again: layers.0 is among what it holds
@@ -325,8 +328,7 @@ def test_verify_proves_an_output_whose_source_changed_by_what_was_taken(real_run
     assert changed == [f"CHANGED  {source}: changed since the composition (its mtime, its ctime)"], said
     assert "FAIL" not in verified.stdout and "Traceback" not in said, said
     assert any(line.startswith("ok") and "layers.0" in line for line in verified.stdout.splitlines()), said
-    unproven = [line for line in verified.stdout.splitlines() if line.startswith("UNPROVEN")]
-    assert unproven and all(ckpts[0].name in line for line in unproven), said
+    assert "UNPROVEN" not in verified.stdout, said
     assert "hold what the composition took" in verified.stderr.splitlines()[-1], said
     assert "ok    layers.0      checkpoint-2: as the composition took it" in verified.stdout, said
 
@@ -336,6 +338,26 @@ def test_verify_proves_an_output_whose_source_changed_by_what_was_taken(real_run
     assert edited.returncode == 7 and len(failed) == 1 and "layers.0" in failed[0], edited.stdout
     assert f"differs from what the composition took from {ckpts[0].name}" in failed[0], failed
     assert "do not resume from this output" in edited.stderr, edited.stderr
+
+    tensor = next(iter(weights["model.safetensors"]))
+    _change_a_tensor(out / "model.safetensors", tensor)
+    edited = tailor("--verify", recipe, "-v", *extra)  # (-v: every problem of the row, the rank file's first)
+    assert edited.returncode == 7, edited.stdout
+    assert (f"model.safetensors: {tensor} (row layers.0) differs from what the composition took from "
+            f"{ckpts[0].name}") in edited.stdout, edited.stdout
+
+
+def _change_a_tensor(path: Path, name: str) -> None:
+    """Flip a bit of tensor `name` in the safetensors file `path`, in place (a sound file still: safetensors
+    keeps no checksum)."""
+    import json
+
+    data = path.read_bytes()
+    (header_len,) = struct.unpack("<Q", data[:8])
+    at = 8 + header_len + json.loads(data[8: 8 + header_len])[name]["data_offsets"][0]
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(bytes([data[at] ^ 0x01]))
 
 
 def test_verify_of_an_output_whose_record_holds_no_crcs_compares_nothing_once_a_source_changed(real_run, tmp_path):

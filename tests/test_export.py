@@ -19,7 +19,7 @@ from safetensors import safe_open
 from zero_reader import read_full_state
 
 from tailor_tui.checkpoints.checkpoint import open_checkpoint
-from tailor_tui.checkpoints.rank_reader import tensor_bytes
+from tailor_tui.kinds.zero import tensor_bytes
 from tailor_tui.runs.demo_run import model_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -322,8 +322,8 @@ def test_ranks_with_the_same_structure_share_one_built_object(real_run):
     byte for byte the same, so it is built once per process; what each gives is what an unshared read
     gives, and each file keeps its own records."""
     from tailor_tui.checkpoints.checkpoint import open_checkpoint
-    from tailor_tui.checkpoints.rank_reader import flat_tensor_bytes
     from tailor_tui.formats.ptfile import read_structure
+    from tailor_tui.kinds.zero import flat_tensor_bytes
 
     run, spec = real_run("hf_bf16_2")
     ckpt = checkpoints_of(run, spec)[-1]

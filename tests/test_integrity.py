@@ -236,8 +236,8 @@ def test_a_flipped_bit_in_a_partial_save_is_refused_wherever_it_is_read(real_run
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from tailor_tui.checkpoints.partial_rows import read_rows_file
     from tailor_tui.checkpoints.scan import scan
+    from tailor_tui.kinds.partial import read_rows_file
 
     run, _spec = real_run("ds_selective_parity")
     copy = tmp_path / "sel"

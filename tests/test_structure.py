@@ -205,15 +205,15 @@ def test_the_job_cost_rule_gives_each_kind_of_job_its_numbers():
     job of nothing still costs a byte (a bar never counts to zero)."""
     from pathlib import Path as P
 
-    from tailor_tui.checkpoints.checkpoint import RankFiles
     from tailor_tui.export.export_plan import ExportJob
+    from tailor_tui.kinds.zero import ZeroRankFiles
     from tailor_tui.planning.jobs import BinFileJob, RankJob
     from tailor_tui.resharding.partition import ReshardJob
 
     rank = RankJob(3, {}, (), (), (), (), (), read_bytes=700, write_bytes=200)
     reshard = ReshardJob(2, "m", "o", {}, {}, (), (), (), read_bytes=50, write_bytes=20)
     weights = BinFileJob("pytorch_model.bin", P("b"), {}, {}, {}, {}, size=123)
-    export = ExportJob("base rank 1", RankFiles(1, P("m"), P("o")), (), (), (), (), (), "BF16", 0, 0)
+    export = ExportJob("base rank 1", ZeroRankFiles(1, P("m"), P("o")), (), (), (), (), (), "BF16", 0, 0)
     assert (rank.task, rank.total_bytes, rank.progress_bytes) == ("rank 3", 900, 200)
     assert (reshard.task, reshard.total_bytes, reshard.progress_bytes) == ("rank 2", 70, 20)
     assert (weights.task, weights.total_bytes, weights.progress_bytes) == ("pytorch_model.bin", 246, 123)
@@ -235,10 +235,9 @@ def test_team_calls_are_made_by_the_team_skeleton_alone():
 # Every import path a name left, and the module it lives in now: the old path keeps working, warning.
 MOVED = [
     ("tailor_tui.formats.pickled", "MAX_MEMO", "tailor_tui.formats.pickle_bounds"),
-    ("tailor_tui.compose.rank_stream", "dtype_mismatch", "tailor_tui.checkpoints.rank_reader"),
-    ("tailor_tui.compose.rank_stream", "tensor_bytes", "tailor_tui.checkpoints.rank_reader"),
-    ("tailor_tui.compose.rank_stream", "flat_tensor_bytes", "tailor_tui.checkpoints.rank_reader"),
-    ("tailor_tui.checkpoints.partial_rows", "crc_range_checked", "tailor_tui.checked.evidence"),
+    ("tailor_tui.compose.rank_stream", "dtype_mismatch", "tailor_tui.kinds.base"),
+    ("tailor_tui.compose.rank_stream", "tensor_bytes", "tailor_tui.kinds.zero"),
+    ("tailor_tui.compose.rank_stream", "flat_tensor_bytes", "tailor_tui.kinds.zero"),
     ("tailor_tui.compose.verify", "verify_against_recipe", "tailor_tui.verifying.against_recipe"),
     ("tailor_tui.compose.verify", "VerifyReport", "tailor_tui.verifying.against_recipe"),
     ("tailor_tui.compose.verify_reshard", "verify_resharded", "tailor_tui.verifying.resharded"),

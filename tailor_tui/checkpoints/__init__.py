@@ -1,9 +1,10 @@
 """Checkpoints as found on disk: finding and describing them (`checkpoint`), where rows are found
 (`rows`), the ZeRO-3 partition layout (`layout`), what each file of a checkpoint folder is
-(`weight_files`, `model_layout`), a partial save's rows (`partial_rows`), and the cache outside
-every run (`cache`, `scan_cache`).
+(`weight_files`, `model_layout`), and the cache outside every run (`cache`, `scan_cache`). Each rank's
+files, as the kind of checkpoint that keeps them, are `tailor_tui.kinds` (`checkpoints.rank_reader` and
+`checkpoints.partial_rows` are its old paths, kept with a DeprecationWarning).
 """
 
 # its public API is its modules
-__all__ = ["cache", "checkpoint", "layout", "lineage", "model_layout", "model_states", "partial_rows",
-           "rank_reader", "rows", "saved_names", "scan", "scan_cache", "side_files", "weight_files"]
+__all__ = ["cache", "checkpoint", "layout", "lineage", "model_layout", "model_states", "rows", "saved_names", "scan",
+           "scan_cache", "side_files", "weight_files"]

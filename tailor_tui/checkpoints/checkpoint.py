@@ -29,6 +29,9 @@ from tailor_tui.formats.ds_format import (
 )
 from tailor_tui.formats.ptfile import check_complete
 from tailor_tui.formats.safetensors_in import safetensors_header
+from tailor_tui.kinds.base import RankFiles
+from tailor_tui.kinds.partial import PartialRankFiles
+from tailor_tui.kinds.zero import ZeroRankFiles
 
 MODEL_FILE_INDEX = "model.safetensors.index.json"
 # A partial checkpoint (tailor_tui.selective): some rows' optimizer state, per rank
@@ -42,36 +45,11 @@ OUTPUT_FILES = "files"  # provenance key: every file tailor-tui wrote (relative 
 # elements of that flat tensor (fp32, exp_avg, exp_avg_sq; "frozen": its frozen parameters' fragments) on that
 # rank, its parameters in the output's order (sub-group, then offset), padding left out
 TAKEN = "taken"
+# provenance key: what each composed model file took, {file: {tensor: CRC-32}}, the CRC-32 of each tensor's bytes
+# as written from its source (read from a source's file, or cast from a partial save's masters); the base's kept
+# tensors are not among them
+TAKEN_WEIGHTS = "taken_weights"
 TRAINER_STATE = "trainer_state.json"  # in an HF checkpoint-N: the Trainer's state and log history
-
-
-@dataclass(frozen=True)
-class RankFiles:
-    rank: int
-    model_states: Path
-    optim_states: Path  # in a partial checkpoint: the name a full one would have (absent)
-    rows: Path | None = None  # partial: the saved rows' fp32 / exp_avg / exp_avg_sq slices
-    skeleton: Path | None = None  # partial: the optimizer state without its big tensors
-
-    @property
-    def state_file(self) -> Path:
-        """The file holding the rank's optimizer state (fp32 masters, exp_avg, exp_avg_sq): its optim_states
-        file, or a partial save's rows file."""
-        return self.optim_states if self.rows is None else self.rows
-
-    def elements_checked(self, groups, taken: int, group_sizes) -> int:
-        """The elements read to check `taken` elements of sub-groups `groups` (ids into `group_sizes`) taken
-        from this rank's state, per key: a full save's whole sub-group records (their stored CRC-32 covers
-        the whole record), a partial save's slices alone (its recorded CRC-32s cover each slice)."""
-        if self.rows is None:
-            return sum(group_sizes[g] for g in set(groups))
-        return taken
-
-    def existing(self) -> tuple[Path, ...]:
-        if self.rows is None:
-            return (self.model_states, self.optim_states)
-        assert self.skeleton is not None, "a partial rank names its skeleton file too"
-        return (self.model_states, self.rows, self.skeleton)
 
 
 @dataclass(frozen=True)
@@ -368,13 +346,11 @@ def open_checkpoint(path: str | Path, *, cache: Path | None = None) -> Checkpoin
         dtype, prefix = manifest["dtype"], ("bf16_" if manifest["dtype"] == "bf16" else "")
     else:
         dtype, prefix = _dtype(tag_dir, states)
-    ranks = tuple(
-        RankFiles(
-            r,
-            tag_dir / MODEL_STATES.format(rank=r),
-            tag_dir / OPTIM_STATES.format(prefix=prefix, rank=r),
-            *((tag_dir / PARTIAL_ROWS.format(rank=r), tag_dir / PARTIAL_SKELETON.format(rank=r)) if manifest else ()),
-        )
+    ranks: tuple[RankFiles, ...] = tuple(
+        PartialRankFiles(r, tag_dir / MODEL_STATES.format(rank=r), tag_dir / OPTIM_STATES.format(prefix=prefix, rank=r),
+                         tag_dir / PARTIAL_ROWS.format(rank=r), tag_dir / PARTIAL_SKELETON.format(rank=r))
+        if manifest else
+        ZeroRankFiles(r, tag_dir / MODEL_STATES.format(rank=r), tag_dir / OPTIM_STATES.format(prefix=prefix, rank=r))
         for r in range(layout.world_size)
     )
     sizes: dict[Path, int] = {}

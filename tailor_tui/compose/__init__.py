@@ -1,10 +1,10 @@
 """Composing: the composer's picks (`composition`), the compose step as a whole (`compose_run`), the
 writers of rank files (`rank_task`, `rank_stream`, `rank_partial`, `rank_torch`, `rank_reshard`) and
-of weight files (`model_files`, `bin_files`). The independent check of an output is
+of weight files (`model_files`, `bin_files`), and what they report they took (`taken`). The independent check of an output is
 `tailor_tui.verifying`; `verify`, `verify_reshard` and `compare` here are its old paths, kept
 with a DeprecationWarning.
 """
 
 # its public API is its modules
 __all__ = ["bin_files", "compose_run", "composition", "model_files", "rank_partial", "rank_reshard", "rank_stream",
-           "rank_task", "rank_torch"]
+           "rank_task", "rank_torch", "taken"]

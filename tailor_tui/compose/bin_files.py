@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Callable
 
 from tailor_tui.checked.evidence import checked_crcs
-from tailor_tui.checkpoints.rank_reader import STREAM_CHUNK
 from tailor_tui.cloning import clone, worth_it
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
@@ -31,6 +30,7 @@ from tailor_tui.formats.pickled import TensorRef
 from tailor_tui.formats.ptfile import Record, file_format, read_structure
 from tailor_tui.formats.ptpickle import dumps, storage_bytes
 from tailor_tui.formats.ptwrite import Copied, write_archive
+from tailor_tui.kinds.base import STREAM_CHUNK
 from tailor_tui.planning.jobs import BinFileJob
 
 

@@ -23,10 +23,10 @@ from typing import Callable, cast
 
 from tailor_tui.checked.files import FileIdentity, read_as_planned
 from tailor_tui.checkpoints.cache import cache_dir
-from tailor_tui.checkpoints.checkpoint import PROVENANCE, TAKEN, read_latest
+from tailor_tui.checkpoints.checkpoint import PROVENANCE, TAKEN, TAKEN_WEIGHTS, read_latest
 from tailor_tui.compose.model_files import compose_model_file
 from tailor_tui.compose.rank_task import compose_rank
-from tailor_tui.compose.taken import RankComposed
+from tailor_tui.compose.taken import FileComposed, RankComposed
 from tailor_tui.errors import Cancelled, NonFiniteError, OutputError
 from tailor_tui.events import Emit, TaskFinished, TaskOptions, written_and_shared
 from tailor_tui.fileio import copy_file, fsync_dir, output_error, write_file
@@ -187,6 +187,7 @@ class Composing(PublishingWork):
         self.peak, self.shared, self.shared_how, self.sources_unread = 0, 0, "", 0
         self.nonfinite: Counter = Counter()
         self.taken: dict[str, dict] = {}  # rank -> what its files took (`compose.taken`), as gathered
+        self.weights: dict[str, dict] = {}  # model file -> what it took (`compose.taken`), as gathered
         self.reports: list[dict] = []  # every process's, as gathered
 
     def begin(self) -> Declaration:
@@ -219,15 +220,17 @@ class Composing(PublishingWork):
         return False
 
     def report(self, mine: list[Task], results: list, lead: bool) -> dict:
-        nonfinite = sum((r.nonfinite if isinstance(r, RankComposed) else Counter(r) for r in results if r), Counter())
+        nonfinite = sum((r.nonfinite for r in results if isinstance(r, RankComposed)), Counter())
         taken = {str(r.rank): r.taken for r in results if isinstance(r, RankComposed)}
+        weights = {r.name: r.taken for r in results if isinstance(r, FileComposed)}
         names, tmp = self.plan.output_rank_files(), self.tmp
         assert tmp is not None, "folder() named it before any task ran"
         ranks = [t.job for t in mine if isinstance(t.job, (RankJob, ReshardJob))]
         files = [f"{self.plan.base.tag}/{name}" for job in ranks for name in names[job.rank]]
         files += [cast(WeightJob, t.job).name for t in mine if not isinstance(t.job, (RankJob, ReshardJob))]
         return {"nonfinite": dict(nonfinite), "peak": self.peak, "shared": self.shared, "how": self.shared_how,
-                "unread": self.sources_unread, "files": {f: _size_of(tmp / f) for f in files}, "taken": taken}
+                "unread": self.sources_unread, "files": {f: _size_of(tmp / f) for f in files}, "taken": taken,
+                "weights": weights}
 
     def gathered(self, reports: list, lead: bool, emit: Emit) -> None:
         self.nonfinite = sum((Counter(d["nonfinite"]) for d in reports), Counter())
@@ -236,6 +239,7 @@ class Composing(PublishingWork):
         self.shared_how = next((d["how"] for d in reports if d["how"]), "")
         self.sources_unread = sum(d["unread"] for d in reports)
         self.taken = {rank: rows for d in reports for rank, rows in d["taken"].items()}
+        self.weights = {name: crcs for d in reports for name, crcs in d["weights"].items()}
         self.reports = reports
 
     def publish(self) -> None:
@@ -246,7 +250,8 @@ class Composing(PublishingWork):
             raise nonfinite_error(plan, self.nonfinite, self.newest_finite)
         verify_output(plan, tmp)
         fsync_dir(held / plan.base.tag, self.durable)
-        self.publish_folder(provenance(plan) | {TAKEN: dict(sorted(self.taken.items(), key=lambda kv: int(kv[0])))})
+        self.publish_folder(provenance(plan) | {TAKEN: dict(sorted(self.taken.items(), key=lambda kv: int(kv[0]))),
+                                                TAKEN_WEIGHTS: dict(sorted(self.weights.items()))})
 
 
 def _weight_writer(job):

@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Callable
 
 from tailor_tui.checked import crc
-from tailor_tui.checked.ranges import pread_into
+from tailor_tui.checked.ranges import crc_range, pread_into
 from tailor_tui.checkpoints.checkpoint import PARTIAL_MODEL_FILES
-from tailor_tui.checkpoints.rank_reader import PartialRankReader
 from tailor_tui.cloning import clone, worth_it
+from tailor_tui.compose.taken import FileComposed
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.fileio import CREATE, Folder, OpenFiles, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
@@ -35,15 +35,17 @@ from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, MODULE
 from tailor_tui.formats.dtypes import SAFETENSORS_ITEMSIZE
 from tailor_tui.formats.safe_load import load_pt
 from tailor_tui.formats.safetensors_in import parse_prefix, safetensors_tensors
+from tailor_tui.kinds.partial import PartialRankReader
 from tailor_tui.planning.jobs import ModelFileJob
 
 CAST_CHUNK = 1 << 20  # elements cast per step: memory stays small whatever the tensor size
 
 
 def compose_model_file(job: ModelFileJob, out_dir: Folder, emit: Emit, cancelled: Callable[[], bool],
-                     options: TaskOptions = TaskOptions()) -> None:
+                     options: TaskOptions = TaskOptions()) -> FileComposed:
     """Write one model file: the base's bytes (if it has a file) with every tensor of a row
-    picked elsewhere replaced by that source's tensor."""
+    picked elsewhere replaced by that source's tensor; the CRC-32 of each tensor so written, of the
+    bytes read from its source or cast in memory (`compose.taken`)."""
     counter = ByteCounter.for_job(job, emit, cancelled, options)
     edits = []  # (offset in the output, bytes, source index, tensor name, dtype)
     for name, (dtype, shape, begin, end) in parse_prefix(job.prefix).items():
@@ -80,6 +82,7 @@ def compose_model_file(job: ModelFileJob, out_dir: Folder, emit: Emit, cancelled
     except OSError as exc:
         raise output_error(exc, out) from None
     counter.finish()
+    return FileComposed(job.name, fills.taken)
 
 
 def _keep(fin: int | None, fout: int, at: int, n: int, counter: ByteCounter, writeback: Writeback,
@@ -102,15 +105,18 @@ class _Fills:
         self.fd = OpenFiles(stack).fd
         self.where: dict[int, dict[str, tuple[Path, tuple]]] = {}
         self.rows_index: dict[Path, PartialRankReader] = {}  # a partial rank's rows file, read once
+        self.taken: dict[str, int] = {}  # tensor -> the CRC-32 of the bytes written for it
+        self.buffer = memoryview(bytearray(CAST_CHUNK * 4))
 
     def write(self, s: int, name: str, dtype: str, shape: tuple, offset: int, length: int) -> None:
         if s in self.job.partial_ranks:
             param = self.job.params.get(name, name)  # the file's name for it may be another (saved names)
             if param in self.job.slots[s]:
-                self._cast_slices(s, param, dtype, offset)
+                self.taken[name] = self._cast_slices(s, param, dtype, offset)
             else:  # a frozen parameter or a buffer: small, kept in model_states
                 data = source_tensor(self.job, s, param, dtype, shape)
                 pwrite_all(self.fout, data, offset)
+                self.taken[name] = crc.crc32(data)
             self.on_bytes(length)
             return
         path, (their_dtype, their_shape, begin, end) = self._find(s, name)
@@ -119,7 +125,9 @@ class _Fills:
                 f"{path}: tensor {name} is {their_dtype} {list(their_shape)}, the base's "
                 f"{dtype} {list(shape)}; the checkpoints are from different models"
             )
-        copy_range(self.fd(path), self.fout, begin, length, self.on_bytes, offset, self.writeback)
+        fd = self.fd(path)
+        self.taken[name] = crc_range(fd, begin, length, self.buffer)  # what is taken (safetensors stores no CRC)
+        copy_range(fd, self.fout, begin, length, self.on_bytes, offset, self.writeback)
 
     def _find(self, s: int, name: str) -> tuple[Path, tuple]:
         if s not in self.where:
@@ -134,16 +142,16 @@ class _Fills:
             )
         return self.where[s][name]
 
-    def _cast_slices(self, s: int, name: str, dtype: str, offset: int) -> None:
-        """Each rank's fp32 slice of parameter `name`, cast to `dtype`, at its place in the flattened tensor."""
+    def _cast_slices(self, s: int, name: str, dtype: str, offset: int) -> int:
+        """Each rank's fp32 slice of parameter `name`, cast to `dtype`, at its place in the flattened tensor;
+        the CRC-32 of the tensor's bytes so written (the ranks' real elements lie side by side, in order)."""
         slot, itemsize = self.job.slots[s][name], SAFETENSORS_ITEMSIZE[dtype]
-        buffer = memoryview(bytearray(CAST_CHUNK * 4))
+        buffer, written = self.buffer, 0
         for rank, files in enumerate(self.job.partial_ranks[s]):
             valid = slot.valid(rank)
             if not valid:
                 continue
             rows = files.rows
-            assert rows is not None, "a partial source's ranks have rows files"
             if rows not in self.rows_index:
                 self.rows_index[rows] = PartialRankReader(files, ())
             place = self.rows_index[rows].place("fp32", param=name, group=None, offset=0, valid=valid)
@@ -158,8 +166,11 @@ class _Fills:
                 pread_into(self.fd(rows), view, begin + start * 4)
                 value = crc.crc32(view, value)
                 # F32: the master weights are the model's weights
-                pwrite_all(self.fout, view if dtype == "F32" else _cast(view, dtype), at + start * itemsize)
+                data = view if dtype == "F32" else _cast(view, dtype)
+                pwrite_all(self.fout, data, at + start * itemsize)
+                written = crc.crc32(data, written)
             saved.check(value)
+        return written
 
 
 def _cast(view: memoryview, dtype: str) -> bytes:

@@ -12,12 +12,10 @@ import contextlib
 import os
 import struct
 from collections import Counter, defaultdict
-from dataclasses import replace
 from pathlib import Path
 
 from tailor_tui.checked.evidence import crc_range_checked, read_and_check
 from tailor_tui.checked.ranges import RegionCrcs
-from tailor_tui.checkpoints.rank_reader import FP32, STREAM_CHUNK, ZeroRankReader, check_dtypes, rank_reader
 from tailor_tui.compose.taken import Looks, Parts
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter
@@ -33,6 +31,9 @@ from tailor_tui.formats.ds_format import (
 from tailor_tui.formats.nonfinite import Census, Region
 from tailor_tui.formats.pickled import TensorRef, dtype_name
 from tailor_tui.formats.ptwrite import Rewritable, reserved, write
+from tailor_tui.kinds.base import FP32, STREAM_CHUNK, check_dtypes, rank_reader
+from tailor_tui.kinds.partial import PartialRankFiles
+from tailor_tui.kinds.zero import ZeroRankFiles, ZeroRankReader
 from tailor_tui.planning.jobs import RankJob
 
 
@@ -50,8 +51,9 @@ def build_optim_states_from_skeleton(job: RankJob, out: Target, counter: ByteCou
     values of each row, counted as the written records are read back for their CRC-32, and the
     CRC-32 of each part of a row (`compose.taken`), taken in the same reads.
     """
-    assert job.files[0].skeleton is not None, "a partial base names its skeleton file"
-    skeleton = Rewritable(job.files[0].skeleton)
+    base = job.files[0]
+    assert isinstance(base, PartialRankFiles), "a partial base's rank"
+    skeleton = Rewritable(base.skeleton)
     inner = _skeleton_state(skeleton.obj, skeleton.path, job.group_sizes)
     fills = dict(skeleton.fills)
     for g, size in enumerate(job.group_sizes):
@@ -62,7 +64,7 @@ def build_optim_states_from_skeleton(job: RankJob, out: Target, counter: ByteCou
                                       "checkpoint is corrupt or from another run")
             set_flat_tensor(inner, g, key, reserved(size, like, fills))
     write(skeleton.obj, fills, out)
-    layout = ZeroRankReader(replace(job.files[0], optim_states=path_of(out), rows=None), job.group_sizes).flat()
+    layout = ZeroRankReader(ZeroRankFiles(base.rank, base.model_states, path_of(out)), job.group_sizes).flat()
     del skeleton, inner
     big = [tb.record for tb in layout.values()]
 

@@ -26,14 +26,6 @@ from typing import Callable, NamedTuple
 from tailor_tui.checked import crc
 from tailor_tui.checked.evidence import read_and_check
 from tailor_tui.checked.ranges import crc_range, pread_into
-from tailor_tui.checkpoints.rank_reader import (
-    STREAM_CHUNK,
-    RankBytes,
-    RankReader,
-    ZeroRankReader,
-    dtype_mismatch,
-    rank_reader,
-)
 from tailor_tui.compose.taken import FROZEN, Parts, RankComposed, rows_taken
 from tailor_tui.errors import OutputError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
@@ -41,6 +33,8 @@ from tailor_tui.fileio import Folder, OpenFiles, Target, Writeback, copy_range, 
 from tailor_tui.formats.ds_format import TENSORS
 from tailor_tui.formats.nonfinite import EXPONENT, Census, Region
 from tailor_tui.formats.pickled import dtype_name
+from tailor_tui.kinds.base import STREAM_CHUNK, RankBytes, RankReader, dtype_mismatch, rank_reader
+from tailor_tui.kinds.zero import ZeroRankReader
 from tailor_tui.resharding.partition import ZEROS, Piece, ReshardJob
 from tailor_tui.resharding.skeleton import Skeleton, write_rank_file
 

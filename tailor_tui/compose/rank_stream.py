@@ -12,20 +12,12 @@ import contextlib
 import os
 import struct
 from collections import Counter, defaultdict
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from tailor_tui import moved
 from tailor_tui.checked import crc
 from tailor_tui.checked.evidence import SliceCheck, checked_ranges, read_and_check
 from tailor_tui.checked.ranges import RangeCrcs, Readahead, RegionCrcs, crc_range, pread_into
-from tailor_tui.checkpoints.rank_reader import (
-    SMALL_RANK_FILE,
-    STREAM_CHUNK,
-    RankReader,
-    ZeroRankReader,
-    check_dtypes,
-    rank_reader,
-)
 from tailor_tui.cloning import clone, worth_it
 from tailor_tui.compose.source_blocks import of_source, read_taken
 from tailor_tui.compose.taken import Looks, Parts
@@ -34,14 +26,13 @@ from tailor_tui.fileio import CREATE, Target, Writeback, copy_range, fsync, open
 from tailor_tui.formats.ds_format import TENSORS
 from tailor_tui.formats.nonfinite import Census, Region
 from tailor_tui.formats.ptfile import Record, Unsupported, file_format, read_whole
+from tailor_tui.kinds.base import STREAM_CHUNK, RankReader, check_dtypes, rank_reader
+from tailor_tui.kinds.zero import SMALL_RANK_FILE, ZeroRankReader
 from tailor_tui.planning.jobs import RankJob
 
-if TYPE_CHECKING:
-    from tailor_tui.checkpoints.checkpoint import RankFiles
-
-# the reading of rank files moved to checkpoints.rank_reader
-__getattr__ = moved.names(__name__, {**{name: "tailor_tui.checkpoints.rank_reader" for name in (
-    "dtype_mismatch", "tensor_bytes", "flat_tensor_bytes")},  # (read_and_check, check_dtypes: imported)
+# the reading of rank files moved to the kinds' readers (`kinds`)
+__getattr__ = moved.names(__name__, {"dtype_mismatch": "tailor_tui.kinds.base", **{name: "tailor_tui.kinds.zero" for name in (
+    "tensor_bytes", "flat_tensor_bytes")},  # (read_and_check, check_dtypes: imported)
     "Span": f"{__name__}:Replacement"})  # (export_plan.Span is another thing)
 
 
@@ -93,7 +84,8 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
     if whole is None and file_format(base_path) != "zip":
         return None  # the output is a zip archive: a legacy-format base's file is re-serialised
     used = sorted({c.source for c in job.copies})
-    readers = {s: _reader(job.files[s], job.group_sizes, whole if s == 0 else None) for s in [0, *used]}
+    readers = {s: rank_reader(job.files[s], job.group_sizes, whole if s == 0 else None, small=True)
+               for s in [0, *used]}
     base_reader = readers[0]
     assert isinstance(base_reader, ZeroRankReader), "a partial base is composed by rank_partial"
     try:
@@ -130,7 +122,7 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
     try:
         with contextlib.ExitStack() as stack:
             fin = open_fd(stack, base_path)
-            fds = {s: open_fd(stack, job.files[s].rows or job.files[s].optim_states) for s in used}
+            fds = {s: open_fd(stack, job.files[s].state_file) for s in used}
             fout = open_fd(stack, out, CREATE)
             how = _clone(fin, fout, spans, counter)  # the base's blocks shared: only the spans are written
             sweep = _Sweep(fin, fout, spans, fds, counter, cloned=how is not None)
@@ -185,14 +177,6 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
     for looks in census.values():
         parts.update(looks.parts.found())
     return sum((c.counts for c in census.values()), Counter()), parts
-
-
-def _reader(files: RankFiles, group_sizes: tuple[int, ...], whole: bytes | None) -> RankReader:
-    """The reader of a checkpoint's files of this rank; a full save's optim file read whole where it was
-    (`whole`: the base's) or is small (`SMALL_RANK_FILE`)."""
-    if whole is None and files.rows is None:
-        whole = read_whole(files.optim_states, SMALL_RANK_FILE)
-    return rank_reader(files, group_sizes, whole)
 
 
 def _clone(fin: int, fout: int, spans: list[Replacement], counter: ByteCounter) -> str | None:

@@ -18,7 +18,7 @@ from tailor_tui.fileio import Folder, copy_file, output_error
 from tailor_tui.formats.nonfinite import ITEMSIZE, Census, Region
 from tailor_tui.formats.pickled import dtype_name
 from tailor_tui.formats.ptfile import check_crcs, file_format, frozen_fragment_bytes
-from tailor_tui.planning.jobs import RankJob
+from tailor_tui.planning.jobs import SKELETON, STREAM, RankJob, optim_writer
 
 
 def compose_rank(job: RankJob, out_tag_dir: Folder, emit: Emit, cancelled: Callable[[], bool],
@@ -30,9 +30,10 @@ def compose_rank(job: RankJob, out_tag_dir: Folder, emit: Emit, cancelled: Calla
     counter = ByteCounter.for_job(job, emit, cancelled, options)
     base_files = job.files[0]
     out_optim = out_tag_dir / base_files.optim_states.name
-    if base_files.rows is not None:  # a partial base has no optim file to copy: build it
+    writer = optim_writer(base_files)
+    if writer == SKELETON:  # a partial base has no optim file to copy: build it
         nonfinite, parts = build_optim_states_from_skeleton(job, out_optim, counter)
-    elif (streamed := stream_optim_states(job, out_optim, counter)) is not None:
+    elif writer == STREAM and (streamed := stream_optim_states(job, out_optim, counter)) is not None:
         nonfinite, parts = streamed
     else:
         from tailor_tui.compose.rank_torch import reserialise_optim_states

@@ -14,7 +14,6 @@ from typing import Callable
 import torch
 
 from tailor_tui.checked import crc
-from tailor_tui.checkpoints.rank_reader import PartialRankReader, dtype_mismatch
 from tailor_tui.compose.taken import FROZEN, Parts
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter
@@ -28,6 +27,8 @@ from tailor_tui.formats.ds_format import (
     set_flat_tensor,
 )
 from tailor_tui.formats.safe_load import load_pt
+from tailor_tui.kinds.base import dtype_mismatch, rank_reader
+from tailor_tui.kinds.partial import PartialRankFiles
 from tailor_tui.planning.jobs import RankJob
 
 
@@ -62,10 +63,10 @@ def reserialise_optim_states(job: RankJob, out: Target, counter: ByteCounter) ->
     full = {
         s: optimizer_state(load_pt(f.optim_states), f.optim_states, job.group_sizes)
         for s, f in job.files.items()
-        if s and f.rows is None and any(c.source == s for c in job.copies)
+        if s and f.whole_records and any(c.source == s for c in job.copies)
     }
-    partial = {s: f.rows for s, f in job.files.items() if f.rows is not None}
-    readers = {s: PartialRankReader(job.files[s], job.group_sizes) for s in partial}  # (checks each slice's shape)
+    partial = {s: f.rows for s, f in job.files.items() if isinstance(f, PartialRankFiles)}
+    readers = {s: rank_reader(job.files[s], job.group_sizes) for s in partial}  # (checks each slice's shape)
     copies, padding = defaultdict(list), defaultdict(list)
     for c in job.copies:
         copies[c.group].append(c)

@@ -30,6 +30,15 @@ class RankComposed:
     taken: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class FileComposed:
+    """What composing one weight file gives back: the CRC-32 of each tensor written into it from a source
+    (`taken`: {tensor: CRC-32}; the base's kept bytes are not among them)."""
+
+    name: str
+    taken: dict[str, int] = field(default_factory=dict)
+
+
 def rows_taken(parts: Parts) -> dict[str, dict[str, int]]:
     """{row: {tensor: CRC-32}} of a rank's parts, each row's parts of a tensor combined in order."""
     found: dict[str, dict[str, int]] = {}

@@ -174,7 +174,7 @@ def _jobs_of(ckpt, names: set[str], placed: dict[str, Placed], label: str,
                 continue
             span = Span(slot.offset, count, out.file, out.offset + rank * slot.part * size)
             written += count * size
-            if files.rows is not None:
+            if not files.whole_records:  # a partial save's slices, by parameter
                 saved.append((name, Span(0, count, span.out_file, span.out_offset)))
                 read += count * 4
             else:

@@ -23,12 +23,14 @@ import numpy as np
 
 from tailor_tui.checked.evidence import checked_crcs
 from tailor_tui.checked.ranges import crc_range
-from tailor_tui.checkpoints.rank_reader import STREAM_CHUNK, ZeroRankReader, rank_reader
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.export.export_plan import ExportJob, Span
 from tailor_tui.fileio import Folder, fsync, open_fd, output_error, pwrite_all
 from tailor_tui.formats.pickled import dtype_name
+from tailor_tui.kinds.base import STREAM_CHUNK, rank_reader
+from tailor_tui.kinds.partial import PartialRankReader
+from tailor_tui.kinds.zero import ZeroRankReader
 
 _NUMPY = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 _OUT = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
@@ -74,8 +76,8 @@ def export_rank(job: ExportJob, out_dir: Folder, emit: Emit, cancelled: Callable
                 kind = dtype_name(tb.dtype)
                 _stream(fd, job.files.model_states, tb, [span], kind, kind, out_fd, buffer, counter)
         if job.saved:  # (the header was checked against the file's size: no slice runs past its end)
-            assert job.files.rows is not None, "a job with saved slices reads a partial save's rows file"
-            fd = open_fd(stack, job.files.rows)
+            assert isinstance(reader, PartialRankReader), "a job with saved slices reads a partial save's rows file"
+            fd = open_fd(stack, reader.path)
             out_size = np.dtype(_NUMPY[_OUT.get(job.out_dtype, job.out_dtype)]).itemsize
             for name, span in job.saved:
                 place = reader.place("fp32", param=name, group=None, offset=0, valid=span.count)

@@ -23,12 +23,12 @@ import numpy as np
 
 from tailor_tui.checked.crc import BlockCrcs, RecordBlocks, crc32
 from tailor_tui.checked.ranges import Readahead, pread_into
-from tailor_tui.checkpoints.rank_reader import SMALL_RANK_FILE, ZeroRankReader
 from tailor_tui.events import ByteCounter
 from tailor_tui.fileio import open_fd
 from tailor_tui.formats.ds_format import TENSORS
 from tailor_tui.formats.ptfile import read_whole
 from tailor_tui.health.stats_job import RowSums, SlotTable, StatsJob
+from tailor_tui.kinds.zero import SMALL_RANK_FILE, ZeroRankReader
 
 CHUNK = 1 << 20
 PURPOSE = "health statistics"  # what refuses a checkpoint whose optimizer states are not fp32
@@ -36,7 +36,7 @@ PURPOSE = "health statistics"  # what refuses a checkpoint whose optimizer state
 
 def can_read_flat(job: StatsJob) -> bool:
     """Whether `flat_stats` reads `job`: a full checkpoint whose rows' previous checkpoints are full too."""
-    return job.table is not None and job.files.rows is None and all(f.rows is None for _row, f in job.prev)
+    return job.table is not None and job.files.whole_records and all(f.whole_records for _row, f in job.prev)
 
 
 @dataclass
@@ -80,8 +80,9 @@ def flat_stats(job: StatsJob, sums: dict[str, RowSums], stack, counter: ByteCoun
     block CRC-32s ({name: `crc.RecordBlocks`}) where it passed its CRC-32 check."""
     path, table = job.files.optim_states, job.table
     assert table is not None, "can_read_flat(job) holds"
-    whole = read_whole(path, SMALL_RANK_FILE)  # a wide run's small rank file: one read, its structure from memory
-    mine = ZeroRankReader(job.files, job.group_sizes, whole).fp32_flat(PURPOSE)
+    located = job.files.reader(job.group_sizes, small=True)  # a wide run's small rank file: one read, its structure
+    assert isinstance(located, ZeroRankReader), "can_read_flat(job): a full save's whole records"  # from memory
+    mine, whole = located.fp32_flat(PURPOSE), located.optim
     if not _laid_out_flat(mine.values()):
         return False
     part, numel, group, offset, row = _columns(table)

@@ -21,7 +21,6 @@ import numpy as np
 from tailor_tui.checked.crc import BlockCrcs, RecordBlocks, crc32
 from tailor_tui.checked.ranges import Readahead, pread_into
 from tailor_tui.checkpoints.checkpoint import RankFiles
-from tailor_tui.checkpoints.rank_reader import ZeroRankReader, rank_reader
 from tailor_tui.errors import Cancelled, CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.fileio import open_fd
@@ -31,6 +30,8 @@ from tailor_tui.formats.pickled import dtype_name
 from tailor_tui.formats.ptfile import Record, Unsupported
 from tailor_tui.health.stats_flat import PURPOSE, can_read_flat, flat_stats, per_slice, prefetch
 from tailor_tui.health.stats_job import RankStats, RankStatsRead, RowSums, SlotRead, StatsJob
+from tailor_tui.kinds.base import rank_reader
+from tailor_tui.kinds.zero import ZeroRankReader
 
 CHUNK = 1 << 20
 
@@ -89,7 +90,7 @@ def _reads(job: StatsJob, slots: tuple[SlotRead, ...], sums: dict[str, RowSums],
     prev_at = {}
     by_file: dict = {}  # each previous checkpoint's file, read once for all the rows it holds
     for row, files in job.prev:
-        by_file.setdefault(files.rows or files.optim_states, (files, set()))[1].add(row)
+        by_file.setdefault(files.state_file, (files, set()))[1].add(row)
     for path, (files, rows) in by_file.items():
         fd = open_fd(stack, path)
         where = _fp32_places(files, job.group_sizes, [s for s in slots if s.row in rows])

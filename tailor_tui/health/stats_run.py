@@ -98,8 +98,8 @@ def stats_jobs(checkpoints: tuple[Checkpoint, ...], column: int, rows: list[str]
     for rank, files in enumerate(ckpt.ranks):
         mine = {row: n for row, n in elements[rank].items() if row in held}
         prev_files = tuple((row, checkpoints[prev[row]].ranks[rank]) for row in sorted(mine) if row in prev)
-        read = (sum(n * 12 for n in mine.values()) if files.rows is not None
-                else ckpt.sizes.get(files.optim_states, 0)) + sum(mine[row] * 4 for row, _ in prev_files)
+        read = (ckpt.sizes.get(files.optim_states, 0) if files.whole_records  # its records read whole
+                else sum(n * 12 for n in mine.values())) + sum(mine[row] * 4 for row, _ in prev_files)
         by_source: dict[int, list[str]] = {}  # previous checkpoint -> its rows read
         for row, _ in prev_files:
             by_source.setdefault(prev[row], []).append(row)

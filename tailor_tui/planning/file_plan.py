@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import cast
 
 from tailor_tui.checked.files import confine
 from tailor_tui.checkpoints.checkpoint import PARTIAL_MANIFEST, PARTIAL_MODEL_FILES, Checkpoint
@@ -33,6 +34,7 @@ from tailor_tui.checkpoints.weight_files import (
 from tailor_tui.errors import IncompatibleError
 from tailor_tui.formats.ds_format import RECOVERY_SCRIPTS
 from tailor_tui.formats.safetensors_in import parse_prefix, safetensors_header
+from tailor_tui.kinds.partial import PartialRankFiles
 from tailor_tui.planning.jobs import BinFileJob, ModelFileJob, WeightJob
 
 
@@ -50,7 +52,7 @@ def weight_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], picks: dict[s
     from the source picked for its row."""
     names = {i: str(src.path) for i, src in enumerate(sources)}
     full = {i: src.model_files for i, src in enumerate(sources) if src.model_files}
-    partial = {i: src.ranks for i, src in enumerate(sources) if src.partial}
+    partial = {i: cast(tuple[PartialRankFiles, ...], src.ranks) for i, src in enumerate(sources) if src.partial}
     slots = {i: {slot.name: slot for slot in sources[i].layout.slots} for i in partial}
     base_files = {f.name: f for f in base.model_files}
     jobs: list[WeightJob] = []

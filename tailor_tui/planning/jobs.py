@@ -14,12 +14,27 @@ from pathlib import Path
 from typing import NamedTuple, Protocol
 
 from tailor_tui.checked.crc import RecordBlocks
-from tailor_tui.checkpoints.checkpoint import RankFiles
 from tailor_tui.checkpoints.layout import Slot
 from tailor_tui.events import JobCost, RankJobCost
+from tailor_tui.formats.ptfile import file_format
 from tailor_tui.formats.safetensors_in import parse_prefix
+from tailor_tui.kinds.base import RankFiles
+from tailor_tui.kinds.partial import PartialRankFiles
 
 BYTES_PER_ELEMENT = 4 * 3  # fp32 master weight + exp_avg + exp_avg_sq
+
+# How an output rank's optim file is written (`optim_writer`): built from a partial base's skeleton, torch-free
+# (`rank_partial`); the base's bytes with ranges replaced (`rank_stream`); re-serialised by torch (`rank_torch`)
+SKELETON, STREAM, TORCH = "skeleton", "stream", "torch"
+
+
+def optim_writer(base: RankFiles) -> str:
+    """How the output's optim file of a rank whose base files are `base` is written, by their kind: the one
+    rule the writer (`rank_task`), the workers' memory (`team.workers`) and the plan's count of files torch
+    writes follow. (`STREAM` falls back to `TORCH` where the archive is laid out in a way it does not handle.)"""
+    if isinstance(base, PartialRankFiles):
+        return SKELETON
+    return STREAM if file_format(base.optim_states) == "zip" else TORCH
 
 
 @dataclass(frozen=True)
@@ -99,7 +114,7 @@ class ModelFileJob(WeightFileCost):
     sources: dict[str, int]  # tensor -> source index: its row's pick (a tied tensor's partner's row)
     rows: dict[str, str]  # tensor -> its row ("" for a tensor of no row, kept from the base)
     source_files: dict[int, tuple[Path, ...]]  # full sources: their files holding the same tensors
-    partial_ranks: dict[int, tuple[RankFiles, ...]]  # partial sources: every rank's files
+    partial_ranks: dict[int, tuple[PartialRankFiles, ...]]  # partial sources: every rank's files
     slots: dict[int, dict[str, Slot]]  # partial sources: where each rank's slice of each trainable parameter sits
     source_names: dict[int, str]  # for messages
     # tensor -> the parameter or buffer it holds, where the file names it otherwise (transformers 5's

@@ -21,7 +21,7 @@ from tailor_tui.planning.file_plan import (
     root_of,
     weight_jobs,
 )
-from tailor_tui.planning.jobs import BYTES_PER_ELEMENT, RankJob, RowSlot, SliceCopy, WeightJob
+from tailor_tui.planning.jobs import BYTES_PER_ELEMENT, STREAM, RankJob, RowSlot, SliceCopy, WeightJob, optim_writer
 from tailor_tui.planning.recipe import Recipe
 from tailor_tui.resharding.partition import (
     Reshard,
@@ -266,7 +266,7 @@ class ComposePlan:
             assert isinstance(job, RankJob), "not resharding: every rank's job is a RankJob"
             base = job.files[0]
             legacy = file_format(base.model_states) != "zip"
-            n += base.rows is not None or file_format(base.optim_states) != "zip"
+            n += optim_writer(base) != STREAM
             n += bool(job.frozen or job.buffers or legacy)
         return n
 

@@ -61,4 +61,4 @@ def _given(job: RankJob, facts: dict[Path, file_facts.FileFacts]) -> RankJob:
 
 def _full_sources(job: RankJob) -> list[int]:
     """The full sources the job takes slices from (the base is read whole)."""
-    return sorted(s for s in {c.source for c in job.copies} - {0} if job.files[s].rows is None)
+    return sorted(s for s in {c.source for c in job.copies} - {0} if job.files[s].whole_records)

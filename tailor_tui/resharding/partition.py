@@ -99,11 +99,8 @@ class ReshardJob(RankJobCost):
 
 
 def optim_structure_file(files: RankFiles) -> Path:
-    """The file holding a rank's optimizer state structure (a partial checkpoint's skeleton)."""
-    if files.rows is None:
-        return files.optim_states
-    assert files.skeleton is not None, "a partial checkpoint's rank names its skeleton"
-    return files.skeleton
+    """The file holding a rank's optimizer state structure (`RankFiles.structure_file`)."""
+    return files.structure_file
 
 
 def param_groups_of(ckpt: Checkpoint) -> tuple[tuple[int, ...], ...]:
@@ -244,7 +241,7 @@ def reshard_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], source_of: d
         files = {(s, r): sources[s].ranks[r] for s, r in sorted(used)}
         sizes = {s: source_sizes[s] for s in sorted({s for s, _r in used})}
         taken = [p for g in groups for p in g if p.source != ZEROS]
-        full = {u for u in used if files[u].rows is None}
+        full = {u for u in used if files[u].whole_records}
         verifies = frozenset(full - verified) | {u for u in used if u not in full}  # a partial's: each job its own
         verified |= verifies
         # the files it checks: a full source's records read whole (their stored CRC-32 covers the

@@ -120,8 +120,7 @@ TORCH_WORKER = 512 << 20
 
 def worker_memory(plan: ComposePlan) -> int:
     """The most memory any one task of `plan` needs in a worker (bytes)."""
-    from tailor_tui.formats.ptfile import file_format
-    from tailor_tui.planning.jobs import RankJob
+    from tailor_tui.planning.jobs import TORCH, RankJob, optim_writer
 
     needs = [STREAMING_WORKER]
     for job in plan.rank_jobs() if plan.reshard is None else ():  # resharding workers stream
@@ -129,7 +128,7 @@ def worker_memory(plan: ComposePlan) -> int:
         base = job.files[0]
         if job.frozen or job.buffers:  # model_states re-saved by torch (a partial base's optim file is not)
             needs.append(TORCH_WORKER)
-        elif base.rows is None and file_format(base.optim_states) != "zip":  # re-serialised: the whole rank
+        elif optim_writer(base) == TORCH:  # re-serialised: the whole rank
             needs.append(TORCH_WORKER + 2 * plan.base.rank_bytes(job.rank))
     if any(getattr(job, "partial_ranks", None) for job in plan.model_file_jobs()):
         needs.append(TORCH_WORKER)

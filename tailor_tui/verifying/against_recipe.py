@@ -26,7 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from tailor_tui.checkpoints.checkpoint import MODEL_FILE_INDEX, PROVENANCE, TAKEN, open_checkpoint, read_latest
+from tailor_tui.checkpoints.checkpoint import (
+    MODEL_FILE_INDEX,
+    PROVENANCE,
+    TAKEN,
+    TAKEN_WEIGHTS,
+    open_checkpoint,
+    read_latest,
+)
 from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json, read_small
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit
@@ -44,8 +51,8 @@ from tailor_tui.formats.ds_format import (
 from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.planning.provenance import changed_since
 from tailor_tui.verifying.compare import differences, nonzero_bytes, same_bytes
+from tailor_tui.verifying.recorded import FROZEN, RankRows, recorded, recorded_weights, settle
 from tailor_tui.verifying.rows_files import RowsFiles
-from tailor_tui.verifying.taken import FROZEN, RankRows, recorded, settle
 from tailor_tui.verifying.torch_files import is_zip, load, torch_reads
 from tailor_tui.verifying.weights import verify_weight_file
 
@@ -116,12 +123,10 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
         for rank in range(plan.base.world_size):
             _verify_rank(plan, rank, composed, param_row, report, emit, cancelled, gone, taken)
     partial = RowsFiles()
+    weights = recorded_weights(record, TAKEN_WEIGHTS)
     for job in plan.model_file_jobs():
-        if (left := sorted(gone & set(job.sources.values()) | ({0} & gone))):
-            report.unproven.append(f"{out / job.name}: not compared: it takes from "
-                                   f"{', '.join(plan.sources[s].name for s in left)}, changed since the composition")
-            continue
-        verify_weight_file(plan, job, report, partial)
+        verify_weight_file(plan, job, report, partial, changed=frozenset(gone),
+                           taken=None if weights is None else weights.get(job.name))
     own = plan.own_files()
     if MODEL_FILE_INDEX in own:
         index = out / MODEL_FILE_INDEX
@@ -190,7 +195,7 @@ def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled, chang
     in the output, its source's elements at the same place (every checkpoint of the recipe has the
     base's layout), then padding of zero bytes. A source that changed since the composition
     (`changed`) is not read: the rows it gave are proven against what the composition recorded it
-    took (`taken`, `verifying.taken`), as every row is where the record holds it."""
+    took (`taken`, `verifying.recorded`), as every row is where the record holds it."""
     source_of = plan.source_of_param()
     used = {0} | {source_of[slot.name] for slot in plan.base.layout.slots}
     files = {s: plan.sources[s].ranks[rank] for s in sorted(used)}
@@ -201,7 +206,7 @@ def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled, chang
     got = optimizer_state(got_file, mine, sizes)
     loaded = {}
     for s, f in files.items():
-        if f.rows is None and s not in changed:
+        if f.whole_records and s not in changed:
             try:
                 loaded[s] = load(f.optim_states)
             except CheckpointError as exc:  # the composition read it whole and checked: it changed since
@@ -214,8 +219,8 @@ def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled, chang
     rows = RankRows()
 
     def source_slice(s: int, slot, key: str, valid: int):
-        if files[s].rows is not None:  # a partial checkpoint stores each parameter's slice by name
-            return partial.slice(files[s].rows, f"{key}/{slot.name}", valid)
+        if not files[s].whole_records:  # a partial checkpoint stores each parameter's slice by name
+            return partial.slice(files[s].state_file, f"{key}/{slot.name}", valid)
         return flat_tensor(wanted[s], slot.group, key)[slot.offset: slot.offset + valid]
 
     for slot in sorted(plan.base.layout.slots, key=lambda slot: (slot.group, slot.offset)):
@@ -253,7 +258,7 @@ def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled, chang
         report.unproven.append(f"rank {rank}: the optimizer state but the rows' tensors, and model_states but "
                                "what follows a row, not compared: the base changed since the composition")
     else:
-        base_file = loaded[0] if 0 in loaded else load(files[0].skeleton)
+        base_file = loaded[0] if 0 in loaded else load(files[0].structure_file)
         for where in differences(got_file, base_file, skip=flat)[:5]:
             report.add(None, f"rank {rank}: optimizer state {where} is not the base's")
     _verify_model_states(plan, rank, composed, source_of, param_row, report, rows, changed)

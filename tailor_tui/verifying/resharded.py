@@ -42,9 +42,9 @@ from tailor_tui.formats.ds_format import (
 )
 from tailor_tui.verifying.compare import differences, nonzero_bytes, same_bytes
 from tailor_tui.verifying.pieces import ZEROS, OutputPieces
+from tailor_tui.verifying.recorded import FROZEN, RankRows, settle
 from tailor_tui.verifying.rows_files import RowsFiles
 from tailor_tui.verifying.same_content import SameContent
-from tailor_tui.verifying.taken import FROZEN, RankRows, settle
 from tailor_tui.verifying.torch_files import load
 
 OUTER = f"[{OPTIMIZER_STATE_DICT!r}]"
@@ -56,11 +56,11 @@ def verify_resharded(plan, composed, report, emit, cancelled, *, changed: set[in
                      taken: dict | None = None) -> None:
     """Check every output rank of a resharded `plan` (`report`: recipe.VerifyReport). A source that changed
     since the composition (`changed`) is not read: the rows it gave are proven against what the
-    composition recorded it took (`taken`, `verifying.taken`), as every row is where the record holds it."""
+    composition recorded it took (`taken`, `verifying.recorded`), as every row is where the record holds it."""
     first = plan.base.ranks[0]
     base_optim = base_states = None
     if 0 not in changed:
-        base_optim = load(first.skeleton if first.rows is not None else first.optim_states)
+        base_optim = load(first.structure_file)
         base_states = load(first.model_states)
     else:
         report.unproven.append("the output's optimizer state but the rows' tensors, and its model_states but "
@@ -116,8 +116,8 @@ def _verify_rank(plan, rank, where, composed, report, counter, base_file, base_s
             if files.model_states not in loaded:
                 loaded[files.model_states] = load(files.model_states)
             return loaded[files.model_states][FROZEN_PARAM_FRAGMENTS][p.param], p.offset
-        if files.rows is not None:  # the whole slice, checked, then the piece
-            return partial.slice(files.rows, f"{key}/{p.param}", p.whole), p.within
+        if not files.whole_records:  # a partial checkpoint: the whole slice, checked, then the piece
+            return partial.slice(files.state_file, f"{key}/{p.param}", p.whole), p.within
         if files.optim_states not in loaded:
             path, sizes = files.optim_states, tuple(plan.sources[p.source].layout.group_sizes())
             loaded[path] = optimizer_state(load(path), path, sizes)

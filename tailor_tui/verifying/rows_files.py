@@ -76,17 +76,17 @@ class RowsFiles:
 
     def parameter(self, ranks, key: str, name: str, numel: int, part: int):
         """Parameter `name`'s flattened tensor `key` (fp32, exp_avg, exp_avg_sq) of `numel`
-        elements, `part` per rank, put together from the slices of `ranks` (RankFiles, in order)."""
+        elements, `part` per rank, put together from the slices of `ranks` (a partial save's `kinds.partial.PartialRankFiles`, in order)."""
         import torch
 
         pieces = []
         for rank, files in enumerate(ranks):
             valid = max(0, min(part, numel - rank * part))
             if valid:
-                pieces.append(self.slice(files.rows, f"{key}/{name}", valid))
+                pieces.append(self.slice(files.state_file, f"{key}/{name}", valid))
         whole = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.float32)
         if whole.numel() != numel:
-            raise CheckpointError(f"{ranks[0].rows.parent}: its ranks' slices of {name} hold {whole.numel()} "
+            raise CheckpointError(f"{ranks[0].state_file.parent}: its ranks' slices of {name} hold {whole.numel()} "
                                   f"elements, the parameter has {numel}; the partial checkpoint is incomplete")
         return whole
 

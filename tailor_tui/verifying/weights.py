@@ -26,12 +26,22 @@ from tailor_tui.verifying.rows_files import RowsFiles
 from tailor_tui.verifying.torch_files import load, open_regular
 
 
-def verify_weight_file(plan, job, report, partial: RowsFiles) -> None:
-    """Check the output's weight file of `job` (a plan's ModelFileJob or BinFileJob)."""
+def verify_weight_file(plan, job, report, partial: RowsFiles, *, changed: frozenset = frozenset(),
+                       taken: dict | None = None) -> None:
+    """Check the output's weight file of `job` (a plan's ModelFileJob or BinFileJob). `changed`: the
+    sources that changed since the composition, not read: a model file's tensors from them are proven
+    against what the composition recorded it took (`taken`: {tensor: CRC-32}, or None), the rest of such a
+    file not compared (`report.unproven`), as a torch-format weight file taking from them."""
+    used = set(job.sources.values()) | {0}
     if isinstance(job, BinFileJob):
+        if used & changed:
+            report.unproven.append(f"{plan.output / job.name}: not compared: it takes from "
+                                   f"{', '.join(plan.sources[s].name for s in sorted(used & changed))}, changed "
+                                   "since the composition")
+            return
         _verify_bin_file(plan, job, report)
     else:
-        _verify_safetensors_file(plan, job, report, partial)
+        _verify_safetensors_file(plan, job, report, partial, changed, taken)
 
 
 def _differs(plan, job, report, name: str, s: int) -> None:
@@ -87,17 +97,21 @@ def _once(pairs: list) -> dict:
     return found
 
 
-def _verify_safetensors_file(plan, job, report, partial: RowsFiles) -> None:
+def _verify_safetensors_file(plan, job, report, partial: RowsFiles, changed: frozenset, taken: dict | None) -> None:
     from safetensors import SafetensorError, safe_open
 
     out_file = plan.output / job.name
     if not out_file.is_file():
         report.add(None, f"{out_file}: missing (the base has {job.name})")
         return
-    with open_regular(out_file) as f:
-        if f.read(len(job.prefix)) != job.prefix:  # names, dtypes, shapes, offsets and metadata
-            report.add(None, f"{out_file}: its header is not the base's {job.name} header")
-            return
+    if 0 in changed and job.base_file is not None:
+        report.unproven.append(f"{out_file}: its header and the base's tensors not compared: the base changed "
+                               "since the composition")
+    else:
+        with open_regular(out_file) as f:
+            if f.read(len(job.prefix)) != job.prefix:  # names, dtypes, shapes, offsets and metadata
+                report.add(None, f"{out_file}: its header is not the base's {job.name} header")
+                return
     sources = _WeightSources(plan, job, partial)
     try:
         out = safe_open(str(out_file), "pt")
@@ -112,9 +126,27 @@ def _verify_safetensors_file(plan, job, report, partial: RowsFiles) -> None:
     for name in names:
         s = job.sources.get(name, 0)
         got = out.get_tensor(name)
+        if s in changed:  # what was taken, as recorded; the base's kept tensors: none recorded
+            if taken is not None and name in taken:
+                if _crc(got) != taken[name]:
+                    row = job.rows.get(name) or None
+                    report.add(row, f"{job.name}: {name}{f' (row {row})' if row else ''} differs from what the "
+                                    f"composition took from {plan.sources[s].name} (its provenance record)")
+            elif s:
+                report.unproven.append(f"{out_file}: {name} not compared: {plan.sources[s].name} changed since the "
+                                       "composition, and the output's provenance record holds no CRC-32 of it")
+            continue
         want = sources.tensor(s, name, got)
         if want is None or not same_bytes(got, want):
             _differs(plan, job, report, name, s)
+
+
+def _crc(tensor) -> int:
+    import zlib
+
+    import torch
+
+    return zlib.crc32(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 class _WeightSources:

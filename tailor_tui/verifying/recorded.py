@@ -41,6 +41,18 @@ def recorded(record: object, taken_key: str) -> dict[str, dict[str, dict[str, in
     return taken
 
 
+def recorded_weights(record: object, key: str) -> dict[str, dict[str, int]] | None:
+    """{model file: {tensor: CRC-32}} of a provenance record (None: it has none, or not well formed)."""
+    found = record.get(key) if isinstance(record, dict) else None
+    if not isinstance(found, dict):
+        return None
+    for name, crcs in found.items():
+        if not (isinstance(name, str) and isinstance(crcs, dict)
+                and all(isinstance(k, str) and type(v) is int and 0 <= v <= MAX_CRC for k, v in crcs.items())):
+            return None
+    return found
+
+
 class RowCrcs:
     """The CRC-32 of each (row, tensor) of one output rank, fed its parts in order (`add`)."""
 

@@ -1,4 +1,5 @@
-"""The CRC-32s of a partial checkpoint's rows file (`tailor_rows_rank_{r}.safetensors`).
+"""A partial save's rank (`selective`): each saved parameter's slice as its own fp32 tensor `{key}/{param}` of its
+rows file (`tailor_rows_rank_{r}.safetensors`), the rest of its optimizer state in a skeleton file.
 
 safetensors stores no checksum, so `selective.save_rows` records one per tensor in the file's
 metadata: under "crc32", a JSON object {tensor name: CRC-32 of its first `valid` elements}
@@ -11,17 +12,73 @@ recorded have none: their slices are taken unchecked, as before.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
-from tailor_tui import moved
 from tailor_tui.checked import crc
+from tailor_tui.checked.evidence import SliceCheck
 from tailor_tui.errors import CheckpointError
 from tailor_tui.formats.safetensors_in import safetensors_header, tensor_places
+from tailor_tui.kinds.base import FP32, RankBytes, RankFiles, RankReader
+
+
+@dataclass(frozen=True)
+class PartialRankFiles(RankFiles):
+    """A partial (selective) save's rank."""
+
+    rows: Path  # the saved rows' fp32 / exp_avg / exp_avg_sq slices (safetensors)
+    skeleton: Path  # the optimizer state without its big tensors
+
+    kind: ClassVar[str] = "partial"
+    whole_records: ClassVar[bool] = False
+
+    @property
+    def state_file(self) -> Path:
+        return self.rows
+
+    @property
+    def structure_file(self) -> Path:
+        return self.skeleton
+
+    def existing(self) -> tuple[Path, ...]:
+        return (self.model_states, self.rows, self.skeleton)
+
+    def reader(self, group_sizes: tuple[int, ...], optim: bytes | None = None, *, small: bool = False) -> RankReader:
+        return PartialRankReader(self, group_sizes)
+
+
+class PartialRankReader(RankReader):
+    """A partial save's rank (`selective`): each saved parameter's slice as its own fp32 tensor `{key}/{param}`
+    of its rows file (safetensors), checked against the CRC-32 of its valid bytes the save recorded
+    (`read_rows_file`, `checked.evidence.SliceCheck`)."""
+
+    partial = True
+
+    def __init__(self, files: PartialRankFiles, group_sizes: tuple[int, ...]):
+        super().__init__(files, group_sizes)
+        self.rows_file: Path = files.rows
+        self._rows: tuple[dict, dict[str, int]] | None = None
+
+    def rows(self) -> tuple[dict, dict[str, int]]:
+        """(where each tensor of the rows file lies, {tensor: its recorded CRC-32})."""
+        if self._rows is None:
+            self._rows = read_rows_file(self.rows_file)
+        return self._rows
+
+    def place(self, key: str, *, param: str | None, group: int | None, offset: int, valid: int, within: int = 0,
+              count: int = 0) -> RankBytes:
+        """Checked to hold the slice's `valid` fp32 elements (its recorded CRC-32 covers those) and the
+        `count` taken from `within`."""
+        assert param is not None, "a partial save's slices are found by parameter"
+        tensors, crcs = self.rows()
+        begin = partial_slice(self.rows_file, tensors, key, param, max(valid, within + count))[2]
+        name = f"{key}/{param}"
+        return RankBytes(self.rows_file, begin + within * 4, None, FP32[0], FP32[1],
+                         SliceCheck(self.rows_file, name, begin, valid * 4, crcs.get(name)))
+
 
 CRC_METADATA = "crc32"
-
-__getattr__ = moved.names(__name__, {"crc_range_checked": "tailor_tui.checked.evidence"})
-
 
 def crc_metadata(slices: dict[str, memoryview]) -> str:
     """The metadata value recording each slice's CRC-32 (`slices`: name -> its valid bytes)."""

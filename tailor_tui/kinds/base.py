@@ -1,0 +1,177 @@
+"""What every kind of checkpoint's rank files is asked, and the helpers the kinds share.
+
+A rank's files (`RankFiles`) say which files hold what: its model_states, the file of its optimizer
+state's tensors (`state_file`) and of the structure around them (`structure_file`), whether those tensors
+are whole records checked whole against the CRC-32 their archive stores (`whole_records`; else slices,
+each checked against a CRC-32 recorded apiece), and its reader (`reader`). The reader (`RankReader`) says
+where a parameter's slice of a key lies and the evidence it is checked against (`place`, `starts`), and
+where frozen parameters' fragments and buffers lie in model_states (the same for every kind here).
+
+Each kind is a module of this package, its files and its reader: `zero` (a full ZeRO-3 save) and
+`partial` (a partial save of `selective`). Planning, the writers, the statistics and the exporter ask
+these, never telling the kinds apart themselves; another kind (PyTorch DCP's `.distcp` shards) is one
+more module. Torch-free; each file's structure is read once, when first asked for.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from tailor_tui.checked.evidence import SliceCheck
+from tailor_tui.errors import CheckpointError, IncompatibleError
+from tailor_tui.formats.ds_format import MODULE
+from tailor_tui.formats.pickled import dtype_name
+from tailor_tui.formats.ptfile import (
+    Record,
+    Structure,
+    TensorBytes,
+    Unsupported,
+    frozen_fragment_bytes,
+    locate,
+    read_structure,
+)
+
+# The read buffer every streaming reader reuses: on this kind of VM fresh 64 MiB buffers ran at
+# 0.6 GiB/s (page faults on every chunk); a reused 1 MiB buffer stays in CPU cache between read and CRC.
+STREAM_CHUNK = 1 << 20
+
+FP32 = ("FloatStorage", 4)  # a partial save's slices, and the flat tensors health statistics read
+
+
+@dataclass(frozen=True)
+class RankFiles(ABC):
+    """One rank's files of a checkpoint (its model_states, and where its optimizer state lies)."""
+
+    rank: int
+    model_states: Path
+    optim_states: Path  # the optim file's name (in a partial save: the name a full one would have, absent)
+
+    kind: ClassVar[str]  # for messages: "full", "partial"
+    # its optimizer state's tensors lie in whole records, each checked whole against the CRC-32 it stores
+    # (the run's statistics record their blocks' CRC-32s too); else in slices, each checked apiece
+    whole_records: ClassVar[bool]
+
+    @property
+    @abstractmethod
+    def state_file(self) -> Path:
+        """The file holding the rank's optimizer state's tensors (fp32 masters, exp_avg, exp_avg_sq)."""
+
+    @property
+    @abstractmethod
+    def structure_file(self) -> Path:
+        """The file holding the rest of the optimizer state (param groups, loss scaler, steps, counters): a
+        torch file DeepSpeed's loader reads, with or without the big tensors."""
+
+    @abstractmethod
+    def existing(self) -> tuple[Path, ...]:
+        """Every file of the rank, as the checkpoint holds them."""
+
+    @abstractmethod
+    def reader(self, group_sizes: tuple[int, ...], optim: bytes | None = None, *, small: bool = False) -> RankReader:
+        """The reader of these files (its sub-groups `group_sizes`; `optim`: a full save's optim file's bytes,
+        where the caller read it whole; `small`: read it whole here where it is small)."""
+
+    def elements_checked(self, groups, taken: int, group_sizes) -> int:
+        """The elements read to check `taken` elements of sub-groups `groups` (ids into `group_sizes`) taken
+        from this rank's state, per key: whole sub-group records (their stored CRC-32 covers the whole
+        record), or the slices alone (recorded CRC-32s cover each slice)."""
+        return sum(group_sizes[g] for g in set(groups)) if self.whole_records else taken
+
+
+@dataclass(frozen=True)
+class RankBytes:
+    """Where some elements of a rank's files lie: from byte `at` of `path`, in `record` (a full
+    save's archive record, whose stored CRC-32 covers it) or in a partial's slice (`slice`)."""
+
+    path: Path
+    at: int
+    record: Record | None
+    dtype: str  # the storage type or dtype stored: FloatStorage, BFloat16Storage, torch.float32, …
+    itemsize: int
+    slice: SliceCheck | None = None
+
+
+class RankReader(ABC):
+    """One checkpoint's files of one rank, its sub-groups `group_sizes`: the adapter every kind of rank files
+    implements (`RankFiles.reader`, `rank_reader`, gives the one for a rank's files). What is common, the model_states file
+    (frozen parameters' fragments, buffers), is here; where a parameter's slice of a key lies, and what
+    evidence checks it (`place`, `starts`), each kind says: a full ZeRO-3 save in its optim file's flat
+    sub-group tensors (`ZeroRankReader`), a partial save in its rows file's per-parameter tensors
+    (`PartialRankReader`). Each file's structure is read once, when first needed."""
+
+    partial: ClassVar[bool]  # whether the kind keeps some rows only (a partial save)
+
+    def __init__(self, files: RankFiles, group_sizes: tuple[int, ...]):
+        self.files, self.group_sizes = files, tuple(group_sizes)
+        self._fragments: dict[str, TensorBytes] = {}
+        self._model: Structure | None = None
+
+    @property
+    def path(self) -> Path:
+        """The file a row's optimizer bytes are read from (`RankFiles.state_file`)."""
+        return self.files.state_file
+
+    # -- where a parameter's slice lies: each kind's ------------------------------------------------
+
+    @abstractmethod
+    def place(self, key: str, *, param: str | None, group: int | None, offset: int, valid: int, within: int = 0,
+              count: int = 0) -> RankBytes:
+        """Where element `within` on of parameter `param`'s slice on this rank lies, for `key` (one of
+        TENSORS), and the evidence it is checked against; the slice lies from element `offset` of sub-group
+        `group`'s flat tensor (a full save) and holds `valid` elements, `count` of them taken from `within`."""
+
+    def starts(self, key: str, slots) -> list[int]:
+        """`place(key, ...).at` (where the slice starts) of each of `slots` (each with a param, group,
+        offset and valid)."""
+        return [self.place(key, param=s.param, group=s.group, offset=s.offset, valid=s.valid).at for s in slots]
+
+    # -- model_states ----------------------------------------------------------------------------
+
+    def model_structure(self) -> Structure:
+        """(pickled object, {name: Record}, prefix) of model_states, read once."""
+        if self._model is None:
+            self._model = read_structure(self.files.model_states)
+        return self._model
+
+    def fragments(self, names) -> dict[str, TensorBytes]:
+        """{name: TensorBytes} of frozen parameters' fragments in model_states."""
+        missing = [name for name in names if name not in self._fragments]
+        if missing:
+            self._fragments.update(frozen_fragment_bytes(self.files.model_states, missing, self.model_structure()))
+        return {name: self._fragments[name] for name in names}
+
+    def buffer(self, name: str) -> TensorBytes:
+        """Where persistent buffer `name` of the module lies in model_states."""
+        obj, records, prefix = self.model_structure()
+        try:
+            return locate(obj[MODULE][name], records, prefix)
+        except (KeyError, TypeError, Unsupported):
+            raise CheckpointError(f"{self.files.model_states}: has no readable buffer {name}; the file is damaged "
+                                  "or from another model") from None
+
+
+def rank_reader(files: RankFiles, group_sizes: tuple[int, ...], optim: bytes | None = None, *,
+                small: bool = False) -> RankReader:
+    """The reader of a rank's files, of their kind (`RankFiles.reader`)."""
+    return files.reader(group_sizes, optim, small=small)
+
+
+def check_dtypes(base: dict, theirs: dict, path: Path) -> None:
+    """Refuse a source whose flat tensors are stored in another dtype than the base's (bf16
+    optimizer states, say): their bytes would be reinterpreted. `base` maps (group, key) to
+    TensorBytes or to (dtype, itemsize)."""
+    for (g, key), tb in theirs.items():
+        mine = base[g, key]
+        expected = (mine.dtype, mine.itemsize) if isinstance(mine, TensorBytes) else mine
+        if (tb.dtype, tb.itemsize) != expected:
+            raise dtype_mismatch(path, key, g, tb.dtype, expected[0])
+
+
+def dtype_mismatch(path: Path, key: str, group: int, theirs: str, mine: str) -> IncompatibleError:
+    """`theirs`, `mine`: a torch dtype (`torch.bfloat16`) or storage type (`BFloat16Storage`)."""
+    return IncompatibleError(
+        f"{path}: its {key} of sub-group {group} is stored as {dtype_name(theirs)}, the base's as "
+        f"{dtype_name(mine)}; checkpoints saved with another optimizer-state precision cannot be combined")
