@@ -45,6 +45,7 @@ OUTPUT_FILES = "files"  # provenance key: every file tailor-tui wrote (relative 
 # elements of that flat tensor (fp32, exp_avg, exp_avg_sq; "frozen": its frozen parameters' fragments) on that
 # rank, its parameters in the output's order (sub-group, then offset), padding left out
 TAKEN = "taken"
+TAKEN_FROZEN = "frozen"  # the tensor name, in `taken`, of a row's frozen parameters' fragments
 # provenance key: what each composed model file took, {file: {tensor: CRC-32}}, the CRC-32 of each tensor's bytes
 # as written from its source (read from a source's file, or cast from a partial save's masters); the base's kept
 # tensors are not among them

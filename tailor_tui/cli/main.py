@@ -266,8 +266,9 @@ def verify(args) -> int:
         left = (f"; {len(report.unproven)} part(s) that come from them could not be compared (UNPROVEN)"
                 if report.unproven else "")
         print(shown(f"error: {len(report.changed)} source file(s) changed since the composition (CHANGED): the "
-                    f"rows of {plan.output}'s rank files hold what the composition took (the CRC-32s its provenance "
-                    f"record keeps){left}; compose again to check against the checkpoints as they are now"),
+                    f"rows of {plan.output} (its rank files, its model files' tensors) hold what the composition took "
+                    f"(the CRC-32s its provenance record keeps){left}; compose again to check against the "
+                    "checkpoints as they are now"),
               file=sys.stderr)
         return ExitCode.VERIFY_FAILED
     bad = sum(1 for p in report.problems.values() if p)

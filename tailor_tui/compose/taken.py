@@ -12,8 +12,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from tailor_tui.checked import crc
+from tailor_tui.checkpoints.checkpoint import TAKEN_FROZEN
 
-FROZEN = "frozen"  # the tensor name of a row's frozen fragments in the record
+FROZEN = TAKEN_FROZEN  # a row's frozen fragments, in the record
 
 # a part of a row on one rank: (row, tensor, where: (sub-group, its first element in that flat tensor), or
 # for a frozen fragment (the parameter's place in the layout's frozen ones, its first element)) -> (CRC-32, bytes)

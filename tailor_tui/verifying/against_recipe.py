@@ -255,8 +255,9 @@ def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled, chang
 
     # Everything but the flat tensors is the base's: param groups, loss scaler, steps, counters.
     if 0 in changed:
-        report.unproven.append(f"rank {rank}: the optimizer state but the rows' tensors, and model_states but "
-                               "what follows a row, not compared: the base changed since the composition")
+        line = ("every rank's optimizer state but the rows' tensors, and its model_states but what follows a row: "
+                "not compared, the base changed since the composition")
+        report.unproven += [line] if line not in report.unproven else []
     else:
         base_file = loaded[0] if 0 in loaded else load(files[0].structure_file)
         for where in differences(got_file, base_file, skip=flat)[:5]:

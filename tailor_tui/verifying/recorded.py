@@ -18,7 +18,9 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, field
 
-FROZEN = "frozen"  # the record's name for a row's frozen fragments
+from tailor_tui.checkpoints.checkpoint import TAKEN_FROZEN
+
+FROZEN = TAKEN_FROZEN  # a row's frozen fragments, in the record
 MAX_CRC = 0xFFFFFFFF
 
 
@@ -84,7 +86,8 @@ class RankRows:
 
 
 def settle(report, rank: int, rows: RankRows, taken: dict | None, names: list[str]) -> None:
-    """Report one output rank's rows: each problem a row has, and each source found changed in place."""
+    """Report the problems each row of one output rank has, given what the provenance record says it took
+    (`taken`; None: no record), and note each row proven by the record alone (`report.by_record`)."""
     mine = taken.get(str(rank)) if taken is not None else None
     for row in sorted(rows.crcs.found.keys() | rows.differing.keys() | rows.from_changed.keys()):
         matches = mine is not None and mine.get(row) == rows.crcs.found.get(row)
