@@ -381,3 +381,36 @@ def test_verify_of_an_output_whose_record_holds_no_crcs_compares_nothing_once_a_
     assert f"FAIL  {source}: changed since the composition" in verified.stdout, verified.stdout
     assert "the output is not compared" in verified.stdout and "CHANGED" not in verified.stdout
     assert "do not resume" in verified.stderr
+
+
+@pytest.mark.parametrize("world_size", [None, "1"])
+def test_verify_proves_an_output_whose_source_was_deleted_since(real_run, tmp_path, world_size):
+    """The HF Trainer's save_total_limit deletes old checkpoints: `--verify` of an output whose source was
+    deleted since the composition plans it from the output's provenance record (the base's layout, nothing
+    of it read), says so in one CHANGED line (exit 7), and proves the rows and model-file tensors it gave
+    against what was taken, at the base's world size and resharded. Without the record to plan it by, the
+    missing folder is the one line it always was (exit 4)."""
+    import json
+
+    run, _spec = real_run("hf_bf16_2")
+    ckpts, recipe = _copied_with_recipe(run, tmp_path / "run")
+    extra = ("--world-size", world_size) if world_size else ()
+    assert tailor("--apply", recipe, *extra).returncode == 0
+    out = recipe.parent / "composed"
+    files = len(json.loads((out / "tailor_provenance.json").read_text())["sources"][0]["files"])
+    shutil.rmtree(ckpts[0])  # rotated away
+
+    verified = tailor("--verify", recipe, *extra)
+    said = verified.stdout + verified.stderr
+    assert verified.returncode == 7, said
+    changed = [line for line in verified.stdout.splitlines() if line.startswith("CHANGED")]
+    assert changed == [f"CHANGED  {ckpts[0]}: gone since the composition (it read {files:,} file(s) there)"], said
+    assert "FAIL" not in verified.stdout and "UNPROVEN" not in verified.stdout and "Traceback" not in said, said
+    assert "ok    layers.0      checkpoint-2: as the composition took it" in verified.stdout, said
+
+    _change_a_row(out, "layers.0")
+    edited = tailor("--verify", recipe, *extra)
+    assert edited.returncode == 7 and "FAIL  layers.0" in edited.stdout, edited.stdout
+
+    (out / "tailor_provenance.json").unlink()  # nothing to plan the deleted source by
+    assert_one_line_error(tailor("--verify", recipe, *extra), 4, str(ckpts[0]), "no such checkpoint folder")

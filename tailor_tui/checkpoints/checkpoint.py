@@ -76,6 +76,9 @@ class Checkpoint:
     model_layout: Path | None = None  # a partial HF checkpoint's record of the model files' layout
     composed: bool = False  # tailor-tui composed it (it has tailor_provenance.json): not a training save
     weight_files: tuple[str, ...] = ()  # a checkpoint folder's weight files (model, adapter, .bin), relative
+    # deleted since an output's composition, which its provenance record names: planned from that record for
+    # `--verify` (`planning.provenance.stand_in`), nothing of it read
+    gone: bool = False
 
     @property
     def in_folder(self) -> bool:

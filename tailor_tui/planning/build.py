@@ -6,7 +6,9 @@ something) before anything is written; the work itself is `plan.ComposePlan`'s.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Callable
 
 from tailor_tui.checkpoints.cache import ROOT, Where, chosen
 from tailor_tui.checkpoints.checkpoint import (
@@ -44,13 +46,15 @@ def _resolve_row(base: Checkpoint, name: str, where: str) -> str:
 
 def build_plan(recipe: Recipe, output: str | Path | None = None, force: bool = False,
                check_output: bool = True, preview: bool = False, world_size: int | None = None, *,
-               cache: Path | None | Where = ROOT) -> ComposePlan:
+               cache: Path | None | Where = ROOT,
+               stand_in: Callable[[Path, Checkpoint], Checkpoint | None] | None = None) -> ComposePlan:
     """Check `recipe` against its checkpoints; raise a TailorError naming the first problem.
 
     `check_output=False` is for verifying a finished output, which exists by then;
     `preview=True` (`--dry-run`) turns what only writing would refuse into a warning;
     `world_size` (`--world-size`) overrides the recipe's. What each checkpoint's rank-0
-    model_states file says comes from `cache` as a scan's does (`scan_cache`; None: read)."""
+    model_states file says comes from `cache` as a scan's does (`scan_cache`; None: read). `stand_in(path,
+    base)`: what to plan a source deleted since by (`--verify`: `provenance.stand_in`), or None."""
     cache = chosen(cache)
     base = _open(recipe.base, recipe.location("base"), "base", cache)
     target = world_size or recipe.world_size
@@ -78,7 +82,8 @@ def build_plan(recipe: Recipe, output: str | Path | None = None, force: bool = F
         spelled[row] = name
         ckpt_index = by_path.get(_resolved(path))
         if ckpt_index is None:
-            src = _open(path, where, f"row '{row}'", cache)
+            gone = stand_in(Path(path), base) if stand_in is not None and not os.path.lexists(path) else None
+            src = gone or _open(path, where, f"row '{row}'", cache)
             ckpt_index = by_path.get(src.path.resolve())
             if ckpt_index is None:
                 _check_compatible(base, src, where, row, resharding=target is not None)
@@ -104,7 +109,7 @@ def _other_runs(base: Checkpoint, sources: list[Checkpoint], picks: dict[str, in
     """A warning for each source that lies in another run folder than the base."""
     found = []
     for s, src in enumerate(sources[1:], start=1):
-        why = other_run(base, src)
+        why = None if src.gone else other_run(base, src)
         if why:
             rows = [row for row, i in picks.items() if i == s]
             found.append(f"{_list(rows)} come(s) from {src.path}: {why}; make sure it is the same training run")

@@ -63,7 +63,7 @@ def weight_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], picks: dict[s
         if lacking:
             raise IncompatibleError(f"{sources[lacking[0]].path}: has no {name} (16-bit model weights) while the "
                                     "base has; pick its rows from a checkpoint that has one")
-        _check_headers(f for i in used if i in full for f in full[i])
+        _check_headers(f for i in used if i in full and not sources[i].gone for f in full[i])
         params = tensor_params(list(rows), base.rows, base.path) if partial else {}
         jobs.append(ModelFileJob(name, prefix, base_files.get(name), chosen, rows,
                                  {i: full[i] for i in used if i in full}, partial, slots, names, params))
@@ -72,14 +72,14 @@ def weight_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], picks: dict[s
         prefix = ModelFileLayout.of_files((base_file,)).files[0][1]
         rows, chosen = _tensor_sources(base, picks, list(parse_prefix(prefix)), base_file)
         own = {i: _same_file(sources[i], rel, rows, chosen, i) for i in sorted(set(chosen.values()))}
-        _check_headers(f for files in own.values() for f in files)
+        _check_headers(f for i, files in own.items() if not sources[i].gone for f in files)
         jobs.append(ModelFileJob(str(rel), prefix, base_file, chosen, rows, own, {}, {}, names))
     for rel in _bin_files(base):
         base_file = base.path / rel
         rows, chosen = _tensor_sources(base, picks, tensor_names(base_file), base_file)
         own = {}
         for i in sorted(set(chosen.values()) - {0}):
-            own[i] = family(sources[i].path, rel)
+            own[i] = (sources[i].path / rel,) if sources[i].gone else family(sources[i].path, rel)
             if not own[i]:
                 raise _lacks(sources[i], rel, rows, chosen, i)
         jobs.append(BinFileJob(str(rel), base_file, chosen, rows, own, names, base_file.stat().st_size))
@@ -88,7 +88,7 @@ def weight_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], picks: dict[s
 
 def _same_file(src: Checkpoint, rel: Path, rows: dict, chosen: dict, i: int) -> tuple[Path, ...]:
     theirs = src.path / rel
-    if not theirs.is_file():
+    if not theirs.is_file() and not src.gone:
         raise _lacks(src, rel, rows, chosen, i)
     return (theirs,)
 

@@ -4,6 +4,7 @@ of every checkpoint's files (sizes, times)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -47,6 +48,41 @@ def _identity(ckpt: Checkpoint) -> dict:
     }
 
 
+def stand_in(record: dict, path: Path, base: Checkpoint) -> Checkpoint | None:
+    """The checkpoint at `path`, deleted since the composition `record` (its provenance record) tells of,
+    as a `--verify` of that output plans it: the base's layout, rows and file names under `path`, marked
+    `gone` (nothing of it is read: `changed_since` names it gone, and the rows it gave are proven against
+    what the record says was taken). None where the record does not name it, or names it with another world
+    size, dtype, kind or other files than the base's (a plan from the base's layout would be wrong)."""
+    where = str(path.resolve()) if path.is_absolute() else str(path.absolute())
+    entries = record.get("sources") if isinstance(record, dict) else None
+    entry = next((e for e in entries or () if isinstance(e, dict) and e.get("path") == where), None)
+    if entry is None or base.partial or (entry.get("world_size"), entry.get("dtype"), entry.get("kind")) != (
+            base.world_size, base.dtype, base.kind) or not isinstance(entry.get("step"), int):
+        return None
+    tag, gone = entry.get("tag"), Path(where)
+    base_tag = os.path.relpath(base.tag_dir, base.path)  # "." where the checkpoint is named by its tag folder
+    if not isinstance(tag, str) or (base_tag != "." and (not tag or "/" in tag or tag in (".", ".."))):
+        return None
+
+    def moved(f: Path) -> Path:  # the base's file as the gone checkpoint named it: under its path, its tag
+        rel = os.path.relpath(f, base.path)
+        if base_tag != "." and (rel == base_tag or rel.startswith(base_tag + os.sep)):
+            rel = tag + rel[len(base_tag):]
+        return gone / rel
+
+    if not isinstance(entry.get("files"), dict) or set(entry["files"]) != {
+            os.path.relpath(moved(f), gone) for f in base.sizes}:
+        return None
+
+    ranks = tuple(dataclasses.replace(r, model_states=moved(r.model_states), optim_states=moved(r.optim_states))
+                  for r in base.ranks)
+    return dataclasses.replace(base, path=gone, tag=tag, tag_dir=moved(base.tag_dir),
+                               save_dir=moved(base.save_dir), step=entry["step"], ranks=ranks,
+                               model_files=tuple(moved(f) for f in base.model_files), sizes={}, identities={},
+                               composed=False, gone=True)
+
+
 def changed_since(record: dict) -> list[tuple[str, str]]:
     """The source files a provenance record (`provenance`) names that are not, now, as the composition read
     them: (the checkpoint's path as recorded, a line: "PATH: changed since the composition (its ctime)") each;
@@ -56,6 +92,10 @@ def changed_since(record: dict) -> list[tuple[str, str]]:
     entries = [record.get("base"), *(record.get("sources") or [])] if isinstance(record, dict) else []
     for entry in entries:
         if not (isinstance(entry, dict) and isinstance(entry.get("path"), str) and isinstance(entry.get("files"), dict)):
+            continue
+        if not os.path.lexists(entry["path"]):  # the whole checkpoint: one line, not one per file
+            said.append((entry["path"], f"{entry['path']}: gone since the composition (it read "
+                                        f"{len(entry['files']):,} file(s) there)"))
             continue
         for rel, was in entry["files"].items():
             if not (isinstance(rel, str) and isinstance(was, dict)
