@@ -224,12 +224,13 @@ def apply(args) -> int:
 def verify(args) -> int:
     from tailor_tui.cli.import_command import load_for
     from tailor_tui.planning.build import build_plan
-    from tailor_tui.planning.provenance import stand_in
+    from tailor_tui.planning.provenance import read_record, stand_in
     from tailor_tui.report import reporter_for
     from tailor_tui.verifying.against_recipe import verify_against_recipe
 
     recipe = load_for(args, args.verify)
-    record = _provenance_of(Path(args.output) if args.output else recipe.output)
+    out = Path(args.output) if args.output else recipe.output
+    record = None if out is None else read_record(out)  # (no output: build_plan says so)
     plan = build_plan(recipe, output=args.output, check_output=False, world_size=args.world_size,
                       stand_in=None if record is None else lambda path, base: stand_in(record, path, base))
     if not plan.output.is_dir():
@@ -279,20 +280,6 @@ def verify(args) -> int:
     print(f"error: verification failed: {bad} row(s) and {len(report.other)} other problem(s) differ; "
           "do not resume from this output", file=sys.stderr)
     return ExitCode.VERIFY_FAILED
-
-
-def _provenance_of(out: Path | None) -> dict | None:
-    """The provenance record of the output `out` (None: none readable; `--verify` says so on its own)."""
-    from tailor_tui.checkpoints.checkpoint import PROVENANCE
-    from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json
-
-    if out is None:
-        return None
-    try:
-        record = load_json(out / PROVENANCE, MAX_RECORD, follow=False)
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
 
 
 def _composed_world_size(out: Path) -> int | None:

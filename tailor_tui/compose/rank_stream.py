@@ -100,8 +100,9 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
     for slot in job.row_slots:
         slots[slot.source].append(slot)
     # (a checkpoint whose rows the run's statistics found finite: not counted again, `planning.reads`)
-    census = {s: Looks(Census(Region(at, length, row) for row, at, length in _row_places(readers[s], slots[s])
-                              if s not in job.vouched), RegionCrcs(_parts(readers[s], slots[s])))
+    taking = {s: _parts(readers[s], slots[s]) for s in [0, *used]}  # where each slice lies, located once
+    census = {s: Looks(Census(Region(at, length, row) for row, at, length in _row_places(taking[s])
+                              if s not in job.vouched), RegionCrcs(taking[s]))
               for s in [0, *used]}
     spans = []
     for c in job.copies:  # (the plan joined neighbours from one full source)
@@ -187,27 +188,26 @@ def _clone(fin: int, fout: int, spans: list[Replacement], counter: ByteCounter) 
     return clone(fin, fout)
 
 
-def _row_places(reader: RankReader, slots: list) -> list[list]:
-    """[row, first byte, length] of every slice the output takes from one source (its `slots`), in
-    that source's file (`reader`'s: the base's own, a full source's optim file or a partial's rows
-    file); neighbouring slices of one row joined."""
-    places: list[list] = []
-    for key in TENSORS:
-        last = None
-        for slot, at in zip(slots, reader.starts(key, slots)):
-            if last is not None and last[0] == slot.row and last[1] + last[2] == at:
-                last[2] += slot.valid * 4
-            else:
-                last = [slot.row, at, slot.valid * 4]
-                places.append(last)
-    return places
-
-
 def _parts(reader: RankReader, slots: list) -> list[tuple[int, int, tuple[str, str, tuple[int, int]]]]:
-    """(first byte, length, part) of every slice the output takes from one source, as `_row_places`, a slice
-    apiece, keyed by the part of its row it is (`compose.taken.Parts`)."""
+    """(first byte, length, part) of every slice the output takes from one source (its `slots`), in that
+    source's file (`reader`'s: the base's own, a full source's optim file or a partial's rows file), key by
+    key in slot order, keyed by the part of its row it is (`compose.taken.Parts`)."""
     return [(at, slot.valid * 4, (slot.row, key, (slot.group, slot.offset)))
             for key in TENSORS for slot, at in zip(slots, reader.starts(key, slots))]
+
+
+def _row_places(parts: list) -> list[list]:
+    """[row, first byte, length] of the slices `parts` (`_parts`), neighbouring slices of one row and key
+    joined (what the census counts: fewer, larger regions)."""
+    places: list[list] = []
+    last, last_key = None, None
+    for at, n, (row, key, _where) in parts:
+        if last is not None and key == last_key and last[0] == row and last[1] + last[2] == at:
+            last[2] += n
+        else:
+            last, last_key = [row, at, n], key
+            places.append(last)
+    return places
 
 
 def _in_step(spans: list[Replacement]) -> dict[int, list[tuple[int, Record, int]]]:

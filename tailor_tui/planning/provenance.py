@@ -13,7 +13,8 @@ from pathlib import Path
 
 from tailor_tui import __version__
 from tailor_tui.checked.files import FileIdentity
-from tailor_tui.checkpoints.checkpoint import Checkpoint, tied_partner
+from tailor_tui.checkpoints.checkpoint import PROVENANCE, Checkpoint, tied_partner
+from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json
 from tailor_tui.planning.plan import ComposePlan
 
 
@@ -46,6 +47,15 @@ def _identity(ckpt: Checkpoint) -> dict:
         "deepspeed_version": ckpt.ds_version,
         "files": files,
     }
+
+
+def read_record(out: Path) -> dict | None:
+    """The provenance record of the output folder `out` (None: none readable; a link is not followed)."""
+    try:
+        record = load_json(out / PROVENANCE, MAX_RECORD, follow=False)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def stand_in(record: dict, path: Path, base: Checkpoint) -> Checkpoint | None:

@@ -34,7 +34,7 @@ from tailor_tui.checkpoints.checkpoint import (
     open_checkpoint,
     read_latest,
 )
-from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json, read_small
+from tailor_tui.checkpoints.side_files import MAX_RECORD, read_small
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit
 from tailor_tui.formats.ds_format import (
@@ -49,7 +49,7 @@ from tailor_tui.formats.ds_format import (
     optimizer_state,
 )
 from tailor_tui.planning.plan import ComposePlan
-from tailor_tui.planning.provenance import changed_since
+from tailor_tui.planning.provenance import changed_since, read_record
 from tailor_tui.verifying.compare import differences, nonzero_bytes, same_bytes
 from tailor_tui.verifying.recorded import FROZEN, RankRows, recorded, recorded_weights, settle
 from tailor_tui.verifying.rows_files import RowsFiles
@@ -91,7 +91,7 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
     if not (out / plan.base.tag).is_dir():
         report.add(None, f"{out}: no tag folder {plan.base.tag}; is this the output of this recipe?")
         return report
-    record = _record(out)
+    record = read_record(out)  # (none readable: said apart, below)
     taken = recorded(record, TAKEN)
     changed = _sources_changed(plan, record)
     if changed and taken is None:  # an older record: nothing to prove the output against but its sources
@@ -157,15 +157,6 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
         report.add(None, f"{out / extra}: not a file this composition writes (neither composed nor copied "
                          "from the base); it was added to the output afterwards")
     return report
-
-
-def _record(out: Path) -> dict | None:
-    """`out`'s provenance record (None where it has no readable one: said apart, below)."""
-    try:
-        record = load_json(out / PROVENANCE, MAX_RECORD, follow=False)
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
 
 
 def _sources_changed(plan: ComposePlan, record: dict | None) -> dict[int, list[str]]:

@@ -35,11 +35,8 @@ def recorded(record: object, taken_key: str) -> dict[str, dict[str, dict[str, in
     for rank, rows in taken.items():
         if not (isinstance(rank, str) and rank.isascii() and rank.isdigit() and isinstance(rows, dict)):
             return None
-        for row, crcs in rows.items():
-            if not (isinstance(row, str) and isinstance(crcs, dict)):
-                return None
-            if not all(isinstance(k, str) and type(v) is int and 0 <= v <= MAX_CRC for k, v in crcs.items()):
-                return None
+        if not all(isinstance(row, str) and _crcs(crcs) for row, crcs in rows.items()):
+            return None
     return taken
 
 
@@ -48,11 +45,15 @@ def recorded_weights(record: object, key: str) -> dict[str, dict[str, int]] | No
     found = record.get(key) if isinstance(record, dict) else None
     if not isinstance(found, dict):
         return None
-    for name, crcs in found.items():
-        if not (isinstance(name, str) and isinstance(crcs, dict)
-                and all(isinstance(k, str) and type(v) is int and 0 <= v <= MAX_CRC for k, v in crcs.items())):
-            return None
+    if not all(isinstance(name, str) and _crcs(crcs) for name, crcs in found.items()):
+        return None
     return found
+
+
+def _crcs(crcs: object) -> bool:
+    """Whether a record's {tensor: CRC-32} is one: names, and whole numbers a CRC-32 can be."""
+    return isinstance(crcs, dict) and all(isinstance(k, str) and type(v) is int and 0 <= v <= MAX_CRC
+                                          for k, v in crcs.items())
 
 
 class RowCrcs:
