@@ -294,7 +294,7 @@ def compose_newest_per_row(runs, tmp_path):
     comp = Composition.start(list(scan(runs).checkpoints))
     full, p4, p6 = comp.checkpoints
     assert comp.base == 2 and comp.missing_rows() == []  # the default: newest checkpoint per row
-    assert {row: col for row, col in comp.picks.items()} == {r: 1 for r in p4.saved_rows}
+    assert {row: col for row, col in comp.picks.items()} == {r: 1 for r in p4.saved.rows}
     recipe = comp.to_recipe()
     path = write_recipe(tmp_path, recipe.base, recipe.layers, output="composed")
 

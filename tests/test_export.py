@@ -175,8 +175,8 @@ def test_partial_checkpoints_export_their_saved_rows(real_run, tmp_path):
 
     run, _spec = real_run("ds_selective_parity")
     runs, ref = run / "run", run / "reference"
-    p4, p6 = (c for c in scan(runs).checkpoints if c.partial)
-    rows = {row: runs / "partial-step4" for row in p4.saved_rows if not p6.holds(row)}
+    p4, p6 = (c for c in scan(runs).checkpoints if c.saved.kind == "partial")
+    rows = {row: runs / "partial-step4" for row in p4.saved.rows if not p6.holds(row)}
     recipe = write_recipe(tmp_path, runs / "partial-step6", rows)
     done = tailor("--export", recipe, "--to", tmp_path / "model", "--dtype", "fp32")
     assert done.returncode == 0, done.stderr

@@ -247,10 +247,10 @@ def test_a_flipped_bit_in_a_partial_save_is_refused_wherever_it_is_read(real_run
     crcs = read_rows_file(rows_file)[1]
     with safe_open(str(rows_file), "pt") as f:
         assert set(crcs) == set(f.keys())  # every slice saved has its CRC-32
-    row = next(r for r in p4.saved_rows if not p6.holds(r))
+    row = next(r for r in p4.saved.rows if not p6.holds(r))
     name = next(n for n in sorted(crcs) if n.startswith("fp32/") and param_row(n[5:]) == row)
     good = rows_file.read_bytes()
-    on_full_base = write_recipe(tmp_path, full.path, {r: p4.path for r in p4.saved_rows}, output="a")
+    on_full_base = write_recipe(tmp_path, full.path, {r: p4.path for r in p4.saved.rows}, output="a")
     on_partial_base = write_recipe(tmp_path, p6.path, {r: p4.path if p4.holds(r) else full.path
                                                        for r in full.row_names() if not p6.holds(r)}, output="b")
     made = [(on_full_base, "made", ()), (on_partial_base, "made-resharded", ("--world-size", "2"))]

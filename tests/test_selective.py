@@ -70,11 +70,11 @@ def test_partial_saves_hold_only_their_rows_and_each_ranks_own_slices(selective)
     assert [c.name for c in result.checkpoints] == ["global_step2", "partial-step4", "partial-step6"]
     assert [c.step for c in result.checkpoints] == [2, 4, 6]
     rows = [r.name for r in full.rows if not r.tied]
-    assert not full.partial
-    assert sorted(p4.saved_rows) == sorted(rows[1::2]) and sorted(p6.saved_rows) == sorted(rows[0::2])
+    assert full.saved.kind == "full"
+    assert sorted(p4.saved.rows) == sorted(rows[1::2]) and sorted(p6.saved.rows) == sorted(rows[0::2])
     assert (runs / "latest").read_text().strip() == "global_step2"  # a partial save is never `latest`
     for part in (p4, p6):
-        held = {s.name: s for s in full.layout.slots if param_row(s.name) in part.saved_rows}
+        held = {s.name: s for s in full.layout.slots if param_row(s.name) in part.saved.rows}
         for files in part.ranks:
             tensors = safetensors_tensors(files.rows)
             assert set(tensors) == {f"{k}/{n}" for n in held for k in ("fp32", "exp_avg", "exp_avg_sq")}
@@ -112,7 +112,7 @@ def test_full_base_streams_rows_from_partial_checkpoints(selective, tmp_path):
     runs, ref, _spec = selective
     p4 = scan(runs).checkpoints[1]
     recipe = Recipe(base=runs / "global_step2", output=tmp_path / "out",
-                    layers={row: runs / "partial-step4" for row in p4.saved_rows})
+                    layers={row: runs / "partial-step4" for row in p4.saved.rows})
     run_compose(build_plan(recipe), workers=1)
     expect_rows_from(tmp_path / "out", {r.name: ref / ("global_step4" if p4.holds(r.name) else "global_step2")
                                         for r in p4.rows})
@@ -150,7 +150,7 @@ def test_damaged_partial_checkpoints_are_refused_with_one_line(selective, tmp_pa
     runs, _ref, _spec = selective
     run = _copy_run(runs, tmp_path)
     p4 = run / "partial-step4"
-    layers = {row: p4 for row in scan(run).checkpoints[1].saved_rows}
+    layers = {row: p4 for row in scan(run).checkpoints[1].saved.rows}
     recipe = write_recipe(tmp_path, run / "global_step2", layers)
 
     # a manifest from a newer tailor-tui: the scanner says why it skips it, --apply refuses it
@@ -201,7 +201,7 @@ def test_a_partial_base_is_composed_by_streaming_workers(selective, tmp_path):
     runs, _ref, _spec = selective
     full, p4, p6 = scan(runs).checkpoints
     recipe = Recipe(base=runs / "partial-step6", output=tmp_path / "out",
-                    layers={row: runs / "partial-step4" for row in p4.saved_rows if not p6.holds(row)}
+                    layers={row: runs / "partial-step4" for row in p4.saved.rows if not p6.holds(row)}
                     | {row: runs / "global_step2" for row in full.row_names()
                        if not p6.holds(row) and not p4.holds(row)})
     assert worker_memory(build_plan(recipe)) == STREAMING_WORKER

@@ -67,7 +67,7 @@ def expect_model_file_from(out, sources: dict[str, object]) -> None:
 def sources_of_rows(ckpt, partial, held: object, other: object) -> dict:
     """row -> `held` for the rows partial checkpoint `partial` saved, else `other`; a tied
     row (lm_head) follows the row it shares its weight with."""
-    picked = {r.name: held if r.name in partial.saved_rows else other for r in ckpt.rows if not r.tied}
+    picked = {r.name: held if r.name in partial.saved.rows else other for r in ckpt.rows if not r.tied}
     return picked | {r.name: picked[tied_partner(ckpt, r)] for r in ckpt.rows if r.tied}
 
 
@@ -77,8 +77,8 @@ def test_callback_saves_full_then_partial_hf_folders(selective):
 
     result = scan(runs)
     assert not result.problems
-    assert [(c.name, c.kind, c.partial) for c in result.checkpoints] == [
-        ("checkpoint-2", "hf", False), ("partial-step4", "hf", True), ("partial-step6", "hf", True)]
+    assert [(c.name, c.kind, c.saved.kind) for c in result.checkpoints] == [
+        ("checkpoint-2", "hf", "full"), ("partial-step4", "hf", "partial"), ("partial-step6", "hf", "partial")]
     assert get_last_checkpoint(str(runs)).endswith("checkpoint-2")  # the Trainer never takes a partial
     for part, step in ((runs / "partial-step4", 4), (runs / "partial-step6", 6)):
         assert not (part / "latest").exists()  # nothing resumes from it by mistake
@@ -114,7 +114,7 @@ def test_full_hf_base_takes_16bit_weights_of_partial_rows_from_their_masters(sel
     runs, ref, _spec = selective
     p4 = scan(runs).checkpoints[1]
     recipe = Recipe(base=runs / "checkpoint-2", output=tmp_path / "out",
-                    layers={row: runs / "partial-step4" for row in p4.saved_rows})
+                    layers={row: runs / "partial-step4" for row in p4.saved.rows})
     run_compose(build_plan(recipe), workers=2)
     step_of = sources_of_rows(p4, p4, ref / "checkpoint-4", ref / "checkpoint-2")
     expect_rows_from(tmp_path / "out", step_of)
@@ -130,7 +130,7 @@ def test_partial_base_without_a_recorded_layout(selective, tmp_path):
     for step in (4, 6):
         (run / f"partial-step{step}" / PARTIAL_MODEL_FILES).unlink()
     p4 = scan(run).checkpoints[1]
-    layers = {row: run / "partial-step4" for row in p4.saved_rows}
+    layers = {row: run / "partial-step4" for row in p4.saved.rows}
     with_full = Recipe(base=run / "partial-step6", output=tmp_path / "a",
                        layers=layers | {"layers.0": run / "checkpoint-2"})
     run_compose(build_plan(with_full), workers=1)
@@ -150,7 +150,7 @@ def test_a_damaged_model_file_layout_is_refused_with_one_line(selective, tmp_pat
     shutil.copytree(runs, run)
     (run / "partial-step6" / PARTIAL_MODEL_FILES).write_text("{not json")
     p4 = scan(run).checkpoints[1]
-    recipe = write_recipe(tmp_path, run / "partial-step6", {row: run / "partial-step4" for row in p4.saved_rows})
+    recipe = write_recipe(tmp_path, run / "partial-step6", {row: run / "partial-step4" for row in p4.saved.rows})
     assert_one_line_error(tailor("--apply", recipe), 4, PARTIAL_MODEL_FILES, "unreadable model-file layout")
     assert not (tmp_path / "composed").exists()
 

@@ -37,14 +37,14 @@ def selective_hf(real_run):
     run, _spec = real_run("hf_selective_parity")
     runs = run / "run"
     p4 = scan(runs).checkpoints[1]
-    assert "layers.2" in p4.saved_rows  # the row of the run's frozen parameter
+    assert "layers.2" in p4.saved.rows  # the row of the run's frozen parameter
     return runs, p4
 
 
 def _compose_from_partial(selective_hf, out):
     runs, p4 = selective_hf
     recipe = Recipe(base=runs / "checkpoint-2", output=out,
-                    layers={row: runs / "partial-step4" for row in p4.saved_rows})
+                    layers={row: runs / "partial-step4" for row in p4.saved.rows})
     run_compose(build_plan(recipe), workers=1)
     return verify_against_recipe(build_plan(recipe, check_output=False))
 
@@ -87,7 +87,7 @@ def test_a_wrong_cast_of_a_partials_masters_is_reported(selective_hf, tmp_path, 
     monkeypatch.setattr(model_files, "_cast", lambda view, dtype: _one_bit_off(real(view, dtype)))
     report = _compose_from_partial(selective_hf, tmp_path / "out")
     found = _rows(report)
-    assert set(found) == set(p4.saved_rows), found
+    assert set(found) == set(p4.saved.rows), found
     assert all(p.startswith("model.safetensors: model.") and p.endswith("differs from partial-step4's")
                for problems in found.values() for p in problems)
 

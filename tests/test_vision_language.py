@@ -360,7 +360,7 @@ def test_a_partial_save_recording_the_row_names_of_an_earlier_tailor_tui_holds_i
     assert {before[r] for r in saved} != saved  # (some names did change)
     record["rows"] = [before[r] for r in record["rows"]]
     manifest.write_text(json.dumps(record, indent=2))
-    assert open_checkpoint(copy / "partial-step4").saved_rows == saved
+    assert open_checkpoint(copy / "partial-step4").saved.rows == saved
     recipe = tmp_path / "healed.yaml"
     healed = tailor("--heal", copy, "--recipe", recipe)
     assert healed.returncode == 0, healed.stderr

@@ -29,16 +29,18 @@ from tailor_tui.formats.ds_format import (
 )
 from tailor_tui.formats.ptfile import check_complete
 from tailor_tui.formats.safetensors_in import safetensors_header
-from tailor_tui.kinds.base import RankFiles
-from tailor_tui.kinds.partial import PartialRankFiles
-from tailor_tui.kinds.zero import ZeroRankFiles
+from tailor_tui.kinds.base import RankFiles, SaveKind
+from tailor_tui.kinds.partial import (
+    PARTIAL_MANIFEST,
+    PARTIAL_MODEL_FILES,
+    PARTIAL_ROWS,
+    PARTIAL_SKELETON,
+    PartialRankFiles,
+    PartialSave,
+)
+from tailor_tui.kinds.zero import FULL_SAVE, ZeroRankFiles
 
 MODEL_FILE_INDEX = "model.safetensors.index.json"
-# A partial checkpoint (tailor_tui.selective): some rows' optimizer state, per rank
-PARTIAL_MANIFEST = "tailor_partial.json"
-PARTIAL_ROWS = "tailor_rows_rank_{rank}.safetensors"
-PARTIAL_SKELETON = "tailor_optim_skeleton_rank_{rank}.pt"
-PARTIAL_MODEL_FILES = "tailor_model_files.json"  # HF layout: the 16-bit model files' headers and index
 PROVENANCE = "tailor_provenance.json"  # in every folder tailor-tui composed: its recipe and sources
 OUTPUT_FILES = "files"  # provenance key: every file tailor-tui wrote (relative path -> [bytes, mtime_ns])
 # provenance key: what each rank's files took, {rank: {row: {tensor: CRC-32}}}, the CRC-32 of the row's real
@@ -72,8 +74,7 @@ class Checkpoint:
     # file -> its identity when the checkpoint was opened (`checked.files.FileIdentity`): what a composition's
     # tasks check the files they read against (`checked.files.PlannedFiles`)
     identities: dict = field(default_factory=dict, compare=False, hash=False)
-    saved_rows: frozenset | None = None  # a partial checkpoint's rows; None: every row
-    model_layout: Path | None = None  # a partial HF checkpoint's record of the model files' layout
+    saved: SaveKind = FULL_SAVE  # what it saved, as its kind (`kinds`): every row, or a partial save's
     composed: bool = False  # tailor-tui composed it (it has tailor_provenance.json): not a training save
     weight_files: tuple[str, ...] = ()  # a checkpoint folder's weight files (model, adapter, .bin), relative
     # deleted since an output's composition, which its provenance record names: planned from that record for
@@ -91,13 +92,9 @@ class Checkpoint:
         """A PEFT model's checkpoint (its parameters under PEFT's `base_model.model.` prefix)."""
         return any(r.module_path.startswith(PEFT_PREFIX) for r in self.rows)
 
-    @property
-    def partial(self) -> bool:
-        return self.saved_rows is not None
-
     def holds(self, row: str) -> bool:
         """Whether this checkpoint saved row `row` (rows without weights of their own: always)."""
-        return self.saved_rows is None or row in self.saved_rows or self.row(row).tied
+        return self.saved.holds(row) or self.row(row).tied
 
     @property
     def name(self) -> str:
@@ -167,13 +164,14 @@ def incompatibility(base: Checkpoint, other: Checkpoint, *, repartitioned: bool 
         return f"it has {diff}"
     if other.dtype != base.dtype:
         return f"it was trained in {other.dtype}, the base in {base.dtype}"
-    if base.model_files and not other.model_files and not other.partial:  # a partial's come from its masters
+    if other.saved.masters_only:  # its rows are refused by the plan where a weight file it lacks needs them
+        return None
+    if base.model_files and not other.model_files:
         return ("it has no model.safetensors (16-bit weights) while the base has; save it with "
                 "stage3_gather_16bit_weights_on_model_save or pick a base without one")
-    if not other.partial:  # a partial source's rows are refused by the plan where a weight file needs them
-        lacking = sorted(weight_kinds(base.weight_files) - weight_kinds(other.weight_files) - {"model.safetensors"})
-        if lacking:
-            return f"it has no {lacking[0]} while the base has; pick a base saved the same way"
+    lacking = sorted(weight_kinds(base.weight_files) - weight_kinds(other.weight_files) - {"model.safetensors"})
+    if lacking:
+        return f"it has no {lacking[0]} while the base has; pick a base saved the same way"
     return None
 
 
@@ -393,8 +391,9 @@ def open_checkpoint(path: str | Path, *, cache: Path | None = None) -> Checkpoin
         ds_version=states.ds_version,
         sizes=sizes,
         identities=identities,
-        saved_rows=_saved_rows(manifest["rows"], states.rows) if manifest else None,
-        model_layout=path / PARTIAL_MODEL_FILES if manifest and (path / PARTIAL_MODEL_FILES).is_file() else None,
+        saved=PartialSave(_saved_rows(manifest["rows"], states.rows),
+                           path / PARTIAL_MODEL_FILES if (path / PARTIAL_MODEL_FILES).is_file() else None)
+        if manifest else FULL_SAVE,
         composed=written_by_tailor(named, tag_dir, save_dir),
         weight_files=weight_file_names(named, tag_dir) if kind in ("hf", "accelerate") and not manifest else (),
     )

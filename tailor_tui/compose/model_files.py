@@ -25,7 +25,6 @@ from typing import Callable
 
 from tailor_tui.checked import crc
 from tailor_tui.checked.ranges import crc_range, pread_into
-from tailor_tui.checkpoints.checkpoint import PARTIAL_MODEL_FILES
 from tailor_tui.cloning import clone, worth_it
 from tailor_tui.compose.taken import FileComposed
 from tailor_tui.errors import CheckpointError
@@ -35,7 +34,7 @@ from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, MODULE
 from tailor_tui.formats.dtypes import SAFETENSORS_ITEMSIZE
 from tailor_tui.formats.safe_load import load_pt
 from tailor_tui.formats.safetensors_in import parse_prefix, safetensors_tensors
-from tailor_tui.kinds.partial import PartialRankReader
+from tailor_tui.kinds.partial import PARTIAL_MODEL_FILES, PartialRankReader
 from tailor_tui.planning.jobs import ModelFileJob
 
 CAST_CHUNK = 1 << 20  # elements cast per step: memory stays small whatever the tensor size

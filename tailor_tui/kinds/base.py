@@ -7,7 +7,10 @@ each checked against a CRC-32 recorded apiece), and its reader (`reader`). The r
 where a parameter's slice of a key lies and the evidence it is checked against (`place`, `starts`), and
 where frozen parameters' fragments and buffers lie in model_states (the same for every kind here).
 
-Each kind is a module of this package, its files and its reader: `zero` (a full ZeRO-3 save) and
+What a checkpoint of a kind saved as a whole (`SaveKind`) says which rows it holds, where its 16-bit
+weights come from, and which of its folder's files are tailor-tui's own.
+
+Each kind is a module of this package, what it saved, its files and its reader: `zero` (a full ZeRO-3 save) and
 `partial` (a partial save of `selective`). Planning, the writers, the statistics and the exporter ask
 these, never telling the kinds apart themselves; another kind (PyTorch DCP's `.distcp` shards) is one
 more module. Torch-free; each file's structure is read once, when first asked for.
@@ -39,6 +42,37 @@ from tailor_tui.formats.ptfile import (
 STREAM_CHUNK = 1 << 20
 
 FP32 = ("FloatStorage", 4)  # a partial save's slices, and the flat tensors health statistics read
+
+
+class SaveKind(ABC):
+    """What a checkpoint of one kind saved as a whole, beside each rank's files (`RankFiles`): the questions
+    planning, the writers, the statistics and the verifier ask of a checkpoint's kind, never telling kinds
+    apart themselves. A full save (`zero.FullSave`) holds every row, its 16-bit weights in model files of its
+    own; a partial save (`partial.PartialSave`) some rows, its weights cast from their fp32 masters."""
+
+    kind: ClassVar[str]  # for messages: "full", "partial"
+    # its rows' optimizer state lies in slices kept apart per parameter: an output taking a row from it lists
+    # each slice, and one on it as base has no optim file to start from (written whole)
+    sliced: ClassVar[bool]
+    # its 16-bit weights are cast from its fp32 masters: it has no model files (nor a PEFT adapter, nor `.bin`
+    # files) of its own; planning refuses it where a weight file it lacks needs a row picked from it
+    masters_only: ClassVar[bool]
+    # its folder keeps a `latest` naming its tag (a DeepSpeed tag base's lies outside what is composed)
+    keeps_latest: ClassVar[bool]
+    own_files: ClassVar[frozenset[str]]  # tailor-tui's records in its folder, never copied into an output
+
+    @abstractmethod
+    def holds(self, row: str) -> bool:
+        """Whether it saved row `row` (by its name; a tied row, with no weights of its own, is the caller's)."""
+
+    @property
+    def model_layout(self) -> Path | None:
+        """The file recording the layout (names, headers, index) its model files had, where it has none."""
+        return None
+
+    def summary(self, rows: int) -> str | None:
+        """What sets it apart in a checkpoint's description (of `rows` rows with weights), or None."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -101,8 +135,6 @@ class RankReader(ABC):
     evidence checks it (`place`, `starts`), each kind says: a full ZeRO-3 save in its optim file's flat
     sub-group tensors (`ZeroRankReader`), a partial save in its rows file's per-parameter tensors
     (`PartialRankReader`). Each file's structure is read once, when first needed."""
-
-    partial: ClassVar[bool]  # whether the kind keeps some rows only (a partial save)
 
     def __init__(self, files: RankFiles, group_sizes: tuple[int, ...]):
         self.files, self.group_sizes = files, tuple(group_sizes)

@@ -20,7 +20,39 @@ from tailor_tui.checked import crc
 from tailor_tui.checked.evidence import SliceCheck
 from tailor_tui.errors import CheckpointError
 from tailor_tui.formats.safetensors_in import safetensors_header, tensor_places
-from tailor_tui.kinds.base import FP32, RankBytes, RankFiles, RankReader
+from tailor_tui.kinds.base import FP32, RankBytes, RankFiles, RankReader, SaveKind
+
+# A partial save's folder: its manifest (the rows it saved, its tag, layout and dtype), per rank its rows
+# file and its skeleton, and (HF layout) the 16-bit model files' headers and index it had
+PARTIAL_MANIFEST = "tailor_partial.json"
+PARTIAL_ROWS = "tailor_rows_rank_{rank}.safetensors"
+PARTIAL_SKELETON = "tailor_optim_skeleton_rank_{rank}.pt"
+PARTIAL_MODEL_FILES = "tailor_model_files.json"
+
+
+@dataclass(frozen=True)
+class PartialSave(SaveKind):
+    """A partial save: the rows its manifest names (`rows`), their slices in its rows files, no model files (the
+    layout they had recorded in `layout_file` where its save saw them), its tag named by its manifest."""
+
+    rows: frozenset[str]
+    layout_file: Path | None = None
+
+    kind: ClassVar[str] = "partial"
+    sliced: ClassVar[bool] = True
+    masters_only: ClassVar[bool] = True
+    keeps_latest: ClassVar[bool] = False
+    own_files: ClassVar[frozenset[str]] = frozenset({PARTIAL_MANIFEST, PARTIAL_MODEL_FILES})
+
+    def holds(self, row: str) -> bool:
+        return row in self.rows
+
+    @property
+    def model_layout(self) -> Path | None:
+        return self.layout_file
+
+    def summary(self, rows: int) -> str | None:
+        return f"partial saved {len(self.rows)} of {rows} rows"
 
 
 @dataclass(frozen=True)
@@ -52,8 +84,6 @@ class PartialRankReader(RankReader):
     """A partial save's rank (`selective`): each saved parameter's slice as its own fp32 tensor `{key}/{param}`
     of its rows file (safetensors), checked against the CRC-32 of its valid bytes the save recorded
     (`read_rows_file`, `checked.evidence.SliceCheck`)."""
-
-    partial = True
 
     def __init__(self, files: PartialRankFiles, group_sizes: tuple[int, ...]):
         super().__init__(files, group_sizes)

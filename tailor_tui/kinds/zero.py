@@ -13,11 +13,29 @@ from tailor_tui.errors import CheckpointError
 from tailor_tui.formats.ds_format import TENSORS, flat_tensor, optimizer_state
 from tailor_tui.formats.pickled import dtype_name
 from tailor_tui.formats.ptfile import Record, Structure, TensorBytes, locate, read_structure, read_whole, structure_in
-from tailor_tui.kinds.base import RankBytes, RankFiles, RankReader
+from tailor_tui.kinds.base import RankBytes, RankFiles, RankReader, SaveKind
 
 # A full save's optim file this small (a wide run's: tens of KiB) is read whole, once, by a job that
 # reads its structure (`ptfile.read_whole`, `ZeroRankReader(optim=...)`): one read instead of several opens
 SMALL_RANK_FILE = 1 << 20
+
+
+@dataclass(frozen=True)
+class FullSave(SaveKind):
+    """A full save: every row, its 16-bit weights in its model files (an HF checkpoint's), `latest` beside its
+    tag."""
+
+    kind: ClassVar[str] = "full"
+    sliced: ClassVar[bool] = False
+    masters_only: ClassVar[bool] = False
+    keeps_latest: ClassVar[bool] = True
+    own_files: ClassVar[frozenset[str]] = frozenset()
+
+    def holds(self, row: str) -> bool:
+        return True
+
+
+FULL_SAVE = FullSave()
 
 
 @dataclass(frozen=True)
@@ -49,8 +67,6 @@ class ZeroRankReader(RankReader):
     or torch's legacy format), each parameter's slice at its slot's offset; checked against the stored
     CRC-32 of the record holding it (`checked.evidence`). `optim`: the optim file's bytes, where the caller
     read it whole (`ptfile.read_whole`)."""
-
-    partial = False
 
     def __init__(self, files: ZeroRankFiles, group_sizes: tuple[int, ...], optim: bytes | None = None):
         super().__init__(files, group_sizes)

@@ -122,16 +122,15 @@ def _check_rows_held(recipe: Recipe, sources: list[Checkpoint], picks: dict[str,
     for row, s in picks.items():
         if s and not sources[s].holds(row):
             src = sources[s]
-            assert src.saved_rows is not None, "only a partial checkpoint lacks a row"
             raise RecipeError(
-                f"{recipe.location(f'row:{row}')}: row '{row}' picks {src.path.name}, a partial checkpoint "
-                f"that did not save it (it holds {_list([r for r in base.row_names() if r in src.saved_rows])}); "
+                f"{recipe.location(f'row:{row}')}: row '{row}' picks {src.path.name}, a {src.saved.kind} checkpoint "
+                f"that did not save it (it holds {_list([r for r in base.row_names() if src.saved.holds(r)])}); "
                 "pick a checkpoint that has it"
             )
     lacking = [row for row, s in picks.items() if s == 0 and not base.holds(row)]
     if lacking:
         raise RecipeError(
-            f"{recipe.location('base')}: base {base.path.name} is a partial checkpoint without rows "
+            f"{recipe.location('base')}: base {base.path.name} is a {base.saved.kind} checkpoint without rows "
             f"{_list(lacking)}; pick a source for each of them under `layers:`"
         )
 

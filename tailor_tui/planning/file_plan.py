@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import cast
 
 from tailor_tui.checked.files import confine
-from tailor_tui.checkpoints.checkpoint import PARTIAL_MANIFEST, PARTIAL_MODEL_FILES, Checkpoint
+from tailor_tui.checkpoints.checkpoint import Checkpoint
 from tailor_tui.checkpoints.model_layout import ModelFileLayout
 from tailor_tui.checkpoints.rows import list_rows
 from tailor_tui.checkpoints.weight_files import (
@@ -52,7 +52,8 @@ def weight_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], picks: dict[s
     from the source picked for its row."""
     names = {i: str(src.path) for i, src in enumerate(sources)}
     full = {i: src.model_files for i, src in enumerate(sources) if src.model_files}
-    partial = {i: cast(tuple[PartialRankFiles, ...], src.ranks) for i, src in enumerate(sources) if src.partial}
+    partial = {i: cast(tuple[PartialRankFiles, ...], src.ranks) for i, src in enumerate(sources)
+               if src.saved.masters_only}
     slots = {i: {slot.name: slot for slot in sources[i].layout.slots} for i in partial}
     base_files = {f.name: f for f in base.model_files}
     jobs: list[WeightJob] = []
@@ -106,7 +107,7 @@ def _tensor_sources(base: Checkpoint, picks: dict[str, int], tensors: list[str],
     found = tensor_rows(tensors, base.rows, base.path)
     unplaced = [n for n, row in found.items() if row is None]
     if unplaced and any(picks.values()):  # (a partial save's model file is a header its record holds)
-        raise unplaced_error(file if file.is_file() or not base.partial else base.path / PARTIAL_MODEL_FILES,
+        raise unplaced_error(file if file.is_file() or base.saved.model_layout is None else base.saved.model_layout,
                              unplaced, base.rows)
     return ({n: row or "" for n, row in found.items()},
             {n: picks.get(row, 0) if row else 0 for n, row in found.items()})
@@ -140,9 +141,8 @@ def copied_files(base: Checkpoint, picks: dict[str, int]) -> list[Path]:
             confine(base.save_dir / rel, base.path.parent)  # a link out of the run, or nowhere: refused
         return [rel for rel in scripts if (base.save_dir / rel).is_file()]
     skip = set(base.model_files) | {base.path / rel for rel in (*_weight_files(base), *_bin_files(base))}
-    own = {PARTIAL_MANIFEST, PARTIAL_MODEL_FILES} if base.partial else set()  # tailor-tui's
     found = [p.relative_to(base.path) for p in folder_files(base.path, base.tag_dir)
-             if p not in skip and not (p.parent == base.path and p.name in own)]
+             if p not in skip and not (p.parent == base.path and p.name in base.saved.own_files)]
     moved = sorted({row for row, s in picks.items() if s})
     for rel in found:  # a torch-format weight file left among them is one that is not composed
         if is_bin_weights(rel) and moved:

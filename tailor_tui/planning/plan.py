@@ -159,7 +159,7 @@ class ComposePlan:
                 row_slots.append(RowSlot(owner[slot.name], slot.name, slot.group, slot.offset, valid,
                                          src.get(slot.name, 0)))
             s = src.get(slot.name, 0)
-            if valid and self.sources[s].partial:
+            if valid and self.sources[s].saved.sliced:
                 # a partial checkpoint keeps each parameter's slice apart; a partial base has no
                 # optim file to start from, so every slice is listed, the base's own included
                 copies.append(SliceCopy(slot.group, slot.offset, valid, s, slot.name))
@@ -178,9 +178,9 @@ class ComposePlan:
         return tuple(row_slots), tuple(copies), tuple(tuple(p) for p in padding)
 
     def _rank_output_bytes(self, rank: int) -> int:
-        if not self.base.partial:
+        if not self.base.saved.sliced:
             return self.base.rank_bytes(rank)
-        files = self.base.ranks[rank]
+        files = self.base.ranks[rank]  # its optim file written whole
         return self.base.sizes[files.model_states] + sum(self.base.layout.group_sizes()) * BYTES_PER_ELEMENT
 
     # --- the 16-bit model files ------------------------------------------------------
@@ -197,8 +197,8 @@ class ComposePlan:
             return ModelFileLayout.of_files(self.base.model_files)
         if self.base.kind != "hf":
             return None
-        if self.base.model_layout is not None:
-            return ModelFileLayout.read(self.base.model_layout)
+        if self.base.saved.model_layout is not None:
+            return ModelFileLayout.read(self.base.saved.model_layout)
         for src in self.sources:
             if src.model_files:
                 return ModelFileLayout.of_files(src.model_files)
@@ -246,10 +246,10 @@ class ComposePlan:
         partial save (an HF base's is among its files), and the model files' index a partial base's
         layout records. The writer writes them, `--verify` checks them, the plan counts them: this rule."""
         own = {}
-        if self.base.kind == "deepspeed" or self.base.partial:
+        if not self.base.in_folder or not self.base.saved.keeps_latest:
             own["latest"] = self.base.tag
         layout = self.model_layout()
-        if self.base.partial and layout is not None and layout.index is not None:
+        if self.base.saved.masters_only and layout is not None and layout.index is not None:
             own[MODEL_FILE_INDEX] = layout.index
         return own
 
@@ -328,7 +328,7 @@ class ComposePlan:
         tied = [f"{r.name} tied to {tied_partner(self.base, r)}" for r in self.base.rows if r.tied]
         if tied:
             lines.append("; ".join(tied))
-        if self.base.kind == "hf" and self.base.partial and self.model_layout() is None:
+        if self.base.kind == "hf" and self.base.saved.masters_only and self.model_layout() is None:
             lines.append("model files: none (the partial base recorded no 16-bit model-file layout and no source "
                          "in the recipe is a full HF checkpoint; DeepSpeed and the HF Trainer resume without them)")
         for row in self.base.rows:

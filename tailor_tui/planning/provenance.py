@@ -63,11 +63,12 @@ def stand_in(record: dict, path: Path, base: Checkpoint) -> Checkpoint | None:
     as a `--verify` of that output plans it: the base's layout, rows and file names under `path`, marked
     `gone` (nothing of it is read: `changed_since` names it gone, and the rows it gave are proven against
     what the record says was taken). None where the record does not name it, or names it with another world
-    size, dtype, kind or other files than the base's (a plan from the base's layout would be wrong)."""
+    size, dtype, kind or other files than the base's (a plan from the base's layout would be wrong), or the base
+    keeps its rows' slices apart (`SaveKind.sliced`: a partial save's rows and slices are its own)."""
     where = str(path.resolve()) if path.is_absolute() else str(path.absolute())
     entries = record.get("sources") if isinstance(record, dict) else None
     entry = next((e for e in entries or () if isinstance(e, dict) and e.get("path") == where), None)
-    if entry is None or base.partial or (entry.get("world_size"), entry.get("dtype"), entry.get("kind")) != (
+    if entry is None or base.saved.sliced or (entry.get("world_size"), entry.get("dtype"), entry.get("kind")) != (
             base.world_size, base.dtype, base.kind) or not isinstance(entry.get("step"), int):
         return None
     tag, gone = entry.get("tag"), Path(where)

@@ -44,8 +44,9 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from tailor_tui.checkpoints.checkpoint import PARTIAL_MODEL_FILES, hf_model_files
+from tailor_tui.checkpoints.checkpoint import hf_model_files
 from tailor_tui.checkpoints.model_layout import ModelFileLayout
+from tailor_tui.kinds.partial import PARTIAL_MODEL_FILES
 from tailor_tui.selective.run_saves import barrier, newer_than, removable, run_saves, set_aside
 from tailor_tui.selective.saver import model_rows, save_rows
 

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AbstractSet
 
-from tailor_tui.checkpoints.checkpoint import PARTIAL_MANIFEST, PROVENANCE, read_manifest
+from tailor_tui.checkpoints.checkpoint import PROVENANCE, read_manifest
 from tailor_tui.checkpoints.scan import find_checkpoint_dirs, scan
 from tailor_tui.errors import CheckpointError
 from tailor_tui.health.guard import newest_finite
+from tailor_tui.kinds.partial import PARTIAL_MANIFEST
 
 RESUME_PREFIX = "resume-step"
 

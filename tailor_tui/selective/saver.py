@@ -37,7 +37,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tailor_tui.checkpoints.checkpoint import PARTIAL_MANIFEST, PARTIAL_ROWS, PARTIAL_SKELETON
 from tailor_tui.checkpoints.layout import ZeroLayout
 from tailor_tui.checkpoints.rows import RowNaming, list_rows
 from tailor_tui.fileio import fsync_dir, fsync_file, replace_dir
@@ -51,7 +50,7 @@ from tailor_tui.formats.ds_format import (
     STATE,
     TENSORS,
 )
-from tailor_tui.kinds.partial import CRC_METADATA, crc_metadata
+from tailor_tui.kinds.partial import CRC_METADATA, PARTIAL_MANIFEST, PARTIAL_ROWS, PARTIAL_SKELETON, crc_metadata
 
 
 def partial_name(step: int) -> str:

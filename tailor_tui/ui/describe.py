@@ -215,8 +215,9 @@ def details_lines(comp: Composition, health: Health | None, row_name: str, colum
             f"files   {size(c.total_bytes())}" + (f" ({size(model)} 16-bit model)" if model else ""),
             f"rank 0  {size(c.rank_bytes(0))}",
         ]
-        if c.saved_rows is not None:  # partial
-            lines.append(f"partial saved {len(c.saved_rows)} of {sum(not r.tied for r in c.rows)} rows")
+        summary = c.saved.summary(sum(not r.tied for r in c.rows))
+        if summary:
+            lines.append(summary)
     if outputs:  # tailor-tui's own outputs in the run folder: shown here, never as columns
         lines += ["", f"composed by tailor-tui here, not columns ({len(outputs)}):"]
         lines += [f"  {show(o.folder)} ← {', '.join(o.sources) or '?'}" for o in outputs]

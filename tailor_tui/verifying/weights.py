@@ -162,7 +162,7 @@ class _WeightSources:
         """Tensor `name` as source `s` holds it, as the output holds it (`got`: its dtype and
         shape); None when the source has no such tensor."""
         source = self.plan.sources[s]
-        if source.partial:
+        if source.saved.masters_only:
             value = self._partial(s, self.job.params.get(name, name))  # the file may name it otherwise
             if value is None or value.numel() != got.numel():
                 return None
