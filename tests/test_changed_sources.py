@@ -347,6 +347,41 @@ def test_verify_proves_an_output_whose_source_changed_by_what_was_taken(real_run
             f"{ckpts[0].name}") in edited.stdout, edited.stdout
 
 
+def test_verify_proves_a_torch_format_weight_file_whose_source_changed_by_what_was_taken(real_run, tmp_path):
+    """transformers 4.x's `pytorch_model.bin`: the provenance record keeps the CRC-32 of each storage the file
+    took from a source, under its tensors' names; once that source changed, `--verify` proves them against it
+    (nothing unproven), and a tensor edited in the output afterwards is a FAIL proven by the record alone."""
+    import json
+
+    import torch
+
+    run, _spec = real_run("hf_bin")
+    ckpts, recipe = _copied_with_recipe(run, tmp_path / "run")
+    assert tailor("--apply", recipe).returncode == 0
+    out = recipe.parent / "composed"
+    weights = json.loads((out / "tailor_provenance.json").read_text())["taken_weights"]
+    assert list(weights) == ["pytorch_model.bin"] and weights["pytorch_model.bin"], weights
+    assert all(".layers.0." in name for name in weights["pytorch_model.bin"]), weights  # what it took, no more
+
+    source = _rank0(ckpts[0])
+    nan_in_place(source, flat_record(source), 0.1)
+    verified = tailor("--verify", recipe)
+    said = verified.stdout + verified.stderr
+    assert verified.returncode == 7 and "CHANGED" in verified.stdout, said
+    assert "FAIL" not in verified.stdout and "UNPROVEN" not in verified.stdout and "Traceback" not in said, said
+    assert "hold what the composition took" in verified.stderr.splitlines()[-1], said
+
+    tensor = next(iter(weights["pytorch_model.bin"]))
+    state = torch.load(out / "pytorch_model.bin", weights_only=True)
+    with torch.no_grad():
+        state[tensor].view(-1)[0] += 1
+    torch.save(state, out / "pytorch_model.bin")  # a sound archive, edited afterwards
+    edited = tailor("--verify", recipe, "-v")
+    assert edited.returncode == 7, edited.stdout
+    assert (f"pytorch_model.bin: {tensor} (row layers.0) differs from what the composition took from "
+            f"{ckpts[0].name}") in edited.stdout, edited.stdout
+
+
 def _change_a_tensor(path: Path, name: str) -> None:
     """Flip a bit of tensor `name` in the safetensors file `path`, in place (a sound file still: safetensors
     keeps no checksum)."""

@@ -8,6 +8,7 @@ installs xfsprogs where it can); where one cannot be mounted, the tests say why 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -65,6 +66,9 @@ def test_a_cloned_output_is_the_bytes_no_clone_writes_shares_the_rest_and_resume
     assert " to write" in written.stderr and " composed" not in written.stderr, written.stderr  # every byte written
     out, reference = run / "cloned" / "out", run / "written" / "out"
     assert output_files(out) == output_files(reference)  # bit for bit what every byte written gives
+    took = [{k: v for k, v in json.loads((o / "tailor_provenance.json").read_text()).items()
+             if k in ("taken", "taken_weights")} for o in (out, reference)]
+    assert took[0] == took[1] and took[0]["taken"], took  # what each took, as the record keeps it
 
     # blocks of the base's, not copies (copy_file_range shares a few too where a copy is block-aligned)
     shared = {f: shared_bytes(out / f) for f in output_files(out) if f.endswith(("optim_states.pt", ".safetensors", ".bin"))

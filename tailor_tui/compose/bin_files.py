@@ -10,7 +10,8 @@ and the sources', has its stored CRC-32 checked on the way. A storage shared by 
 with different sources, or a source tensor of another shape, dtype or layout, is refused.
 Where the filesystem shares blocks (`cloning`), the output is instead a clone of the base's file
 with the picked records written over in place (`_patch_clone`): the base's pickle and other
-records are kept, unread, their CRC-32s as declared.
+records are kept, unread, their CRC-32s as declared. Either way the CRC-32 of each storage taken from a
+source, as written, is what the file took (`FileComposed`: each of its tensors' names, for `--verify`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Callable
 
 from tailor_tui.checked.evidence import checked_crcs
 from tailor_tui.cloning import clone, worth_it
+from tailor_tui.compose.taken import FileComposed
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.fileio import CREATE, Folder, OpenFiles, Target, copy_range, fsync, open_fd, output_error
@@ -35,9 +37,10 @@ from tailor_tui.planning.jobs import BinFileJob
 
 
 def compose_bin_file(job: BinFileJob, out_dir: Folder, emit: Emit, cancelled: Callable[[], bool],
-                   options: TaskOptions = TaskOptions()) -> None:
+                   options: TaskOptions = TaskOptions()) -> FileComposed:
     """Write one torch-format weight file: the base's, every storage of a row picked elsewhere
-    copied from its source's record of the same tensor."""
+    copied from its source's record of the same tensor. Returns what it took: the CRC-32 of each storage
+    taken from a source, under the name of each tensor on it."""
     counter = ByteCounter.for_job(job, emit, cancelled, options)
     obj, records, prefix = read_structure(job.base_file)
     data, storages = dumps(obj, location=None)
@@ -46,7 +49,8 @@ def compose_bin_file(job: BinFileJob, out_dir: Folder, emit: Emit, cancelled: Ca
         users.setdefault(id(tensor.storage), []).append(name)
     where = _SourceTensors(job)
     fills, replaced = [], []  # replaced: (the base's record, the source's Copied that takes its place)
-    for storage in storages:
+    taken: dict[int, list[str]] = {}  # storage key (in the output) -> its tensors' names: taken from a source
+    for key, storage in enumerate(storages):
         names = users.get(id(storage), [])
         picked = {job.sources.get(n, 0) for n in names} or {0}
         if len(picked) > 1:
@@ -61,14 +65,16 @@ def compose_bin_file(job: BinFileJob, out_dir: Folder, emit: Emit, cancelled: Ca
         else:
             fills.append(where.copy_of(s, names[0], obj[names[0]]))
             replaced.append((records[f"{prefix}data/{storage.key}"], fills[-1]))
+            taken[key] = names
         counter.add(2 * storage_bytes(storage))
     out = out_dir / job.name
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        if options.clone and _patch_clone(job, out, replaced, counter):
+        crcs = _patch_clone(job, out, replaced, counter) if options.clone else None
+        if crcs is not None:
             counter.finish()
-            return
-        write_archive(out, archive=prefix.rstrip("/"), pickle=data, storages=fills)
+            return _took(job, taken, crcs)
+        written = write_archive(out, archive=prefix.rstrip("/"), pickle=data, storages=fills)
         with contextlib.ExitStack() as stack:
             fd = open_fd(stack, out, os.O_WRONLY)
             fsync(fd, options.durable)
@@ -76,37 +82,52 @@ def compose_bin_file(job: BinFileJob, out_dir: Folder, emit: Emit, cancelled: Ca
     except OSError as exc:
         raise output_error(exc, out) from None
     counter.finish()
+    return _took(job, taken, [_crc(written[f"{prefix}data/{key}"]) for key in taken])
 
 
-def _patch_clone(job: BinFileJob, out: Target, replaced: list[tuple[Record, Copied]], counter: ByteCounter) -> bool:
+def _crc(record: Record) -> int:
+    assert record.crc is not None, "write_archive writes zip archives"
+    return record.crc
+
+
+def _took(job: BinFileJob, taken: dict[int, list[str]], crcs: list[int]) -> FileComposed:
+    """What `job`'s file took: `taken`'s storages, in order, their CRC-32s `crcs`, under each tensor's name."""
+    return FileComposed(job.name, {name: crc for names, crc in zip(taken.values(), crcs, strict=True)
+                                   for name in names})
+
+
+def _patch_clone(job: BinFileJob, out: Target, replaced: list[tuple[Record, Copied]],
+                 counter: ByteCounter) -> list[int] | None:
     """Where the filesystem shares blocks (`cloning`) and the picked storages are less than half the
     file: the output is a clone of the base's file with each picked storage's record written over
     from its source's (read whole and checked against its CRC-32 first), and that record's CRC-32
     set to the source's. The base's other records are not read: their CRC-32s stand as declared
     (`read_structure` refused an archive whose records overlap or run past its directory).
-    False (nothing left at `out`): written whole instead."""
+    Returns the CRC-32 of each picked storage, as written; None (nothing left at `out`): written whole
+    instead."""
     size = os.stat(job.base_file).st_size
     if (file_format(job.base_file) != "zip" or not worth_it(sum(r.size for r, _c in replaced), size)
             or any(r.crc is None or r.size != c.size for r, c in replaced)):
-        return False  # a legacy archive (re-written as zip), or a record not the storage's size: written whole
+        return None  # a legacy archive (re-written as zip), or a record not the storage's size: written whole
     with contextlib.ExitStack() as stack:
         fin = open_fd(stack, job.base_file)
         fout = open_fd(stack, out, CREATE)
         how = clone(fin, fout)
         if how is None:
             out.unlink()  # (ours, just made: the archive is written in its place)
-            return False
-        sources, buffer = OpenFiles(stack), memoryview(bytearray(STREAM_CHUNK))
+            return None
+        sources, buffer, crcs = OpenFiles(stack), memoryview(bytearray(STREAM_CHUNK)), []
         for record, what in replaced:
             src = sources.fd(what.path)
             value = (checked_crcs(src, what.path, what.record, [(what.offset, what.size)], buffer) or [0])[0]
             copy_range(src, fout, what.offset, what.size, out_offset=record.data_offset)
             for at in record.crc_offsets:
                 os.pwrite(fout, struct.pack("<I", value), at)
+            crcs.append(value)
         fsync(fout, counter.options.durable)
         os.fchmod(fout, os.stat(job.base_file).st_mode & 0o777 | 0o200)
     counter.shares(size - sum(r.size for r, _c in replaced), how)
-    return True
+    return crcs
 
 
 class _SourceTensors:

@@ -31,15 +31,10 @@ def verify_weight_file(plan, job, report, partial: RowsFiles, *, changed: frozen
     """Check the output's weight file of `job` (a plan's ModelFileJob or BinFileJob). `changed`: the
     sources that changed since the composition, not read: a model file's tensors from them are proven
     against what the composition recorded it took (`taken`: {tensor: CRC-32}, or None), the rest of such a
-    file not compared (`report.unproven`), as a torch-format weight file taking from them."""
-    used = set(job.sources.values()) | {0}
+    file not compared (`report.unproven`): where the base changed, its header (a safetensors file's) or its
+    names and order (a torch-format file's) and the base's kept tensors."""
     if isinstance(job, BinFileJob):
-        if used & changed:
-            report.unproven.append(f"{plan.output / job.name}: not compared: it takes from "
-                                   f"{', '.join(plan.sources[s].name for s in sorted(used & changed))}, changed "
-                                   "since the composition")
-            return
-        _verify_bin_file(plan, job, report)
+        _verify_bin_file(plan, job, report, changed, taken)
     else:
         _verify_safetensors_file(plan, job, report, partial, changed, taken)
 
@@ -49,17 +44,23 @@ def _differs(plan, job, report, name: str, s: int) -> None:
     report.add(row, f"{job.name}: {name}{f' (row {row})' if row else ''} differs from {plan.sources[s].name}'s")
 
 
-def _verify_bin_file(plan, job: BinFileJob, report) -> None:
-    """A torch-format weight file: the base's names, each tensor's bytes its row's source's."""
+def _verify_bin_file(plan, job: BinFileJob, report, changed: frozenset, taken: dict | None) -> None:
+    """A torch-format weight file: the base's names, each tensor's bytes its row's source's (from a source that
+    changed since: its storage's CRC-32 what the composition took)."""
     out_file = plan.output / job.name
     if not out_file.is_file():
         report.add(None, f"{out_file}: missing (the base has {job.name})")
         return
-    got, base = load(out_file), load(job.base_file)
-    if list(got) != list(base):
-        report.add(None, f"{job.name}: does not hold the base's tensors in the base's order")
-        return
-    loaded: dict[Path, dict] = {job.base_file: base}
+    got = load(out_file)
+    loaded: dict[Path, dict] = {}
+    if 0 in changed:
+        report.unproven.append(f"{out_file}: its names, their order and the base's tensors not compared: the base "
+                               "changed since the composition")
+    else:
+        loaded[job.base_file] = load(job.base_file)
+        if list(got) != list(loaded[job.base_file]):
+            report.add(None, f"{job.name}: does not hold the base's tensors in the base's order")
+            return
 
     def source(s: int, name: str):
         for path in (job.base_file,) if s == 0 else job.source_files[s]:
@@ -71,6 +72,10 @@ def _verify_bin_file(plan, job: BinFileJob, report) -> None:
 
     for name, tensor in got.items():
         s = job.sources.get(name, 0)
+        if s in changed:
+            if s:
+                _taken(plan, job, report, out_file, name, s, taken, _storage_crc(tensor))
+            continue
         want = source(s, name)
         if want is None or not same_bytes(tensor, want):
             _differs(plan, job, report, name, s)
@@ -127,18 +132,33 @@ def _verify_safetensors_file(plan, job, report, partial: RowsFiles, changed: fro
         s = job.sources.get(name, 0)
         got = out.get_tensor(name)
         if s in changed:  # what was taken, as recorded; the base's kept tensors: none recorded
-            if taken is not None and name in taken:
-                if _crc(got) != taken[name]:
-                    row = job.rows.get(name) or None
-                    report.add(row, f"{job.name}: {name}{f' (row {row})' if row else ''} differs from what the "
-                                    f"composition took from {plan.sources[s].name} (its provenance record)")
-            elif s:
-                report.unproven.append(f"{out_file}: {name} not compared: {plan.sources[s].name} changed since the "
-                                       "composition, and the output's provenance record holds no CRC-32 of it")
+            if s:
+                _taken(plan, job, report, out_file, name, s, taken, _crc(got))
             continue
         want = sources.tensor(s, name, got)
         if want is None or not same_bytes(got, want):
             _differs(plan, job, report, name, s)
+
+
+def _taken(plan, job, report, out_file: Path, name: str, s: int, taken: dict | None, crc: int) -> None:
+    """Tensor `name` of a weight file, from source `s` that changed since the composition: its CRC-32 `crc`
+    (its bytes', a torch-format file's storage's) is what the composition recorded it took."""
+    if taken is None or name not in taken:
+        report.unproven.append(f"{out_file}: {name} not compared: {plan.sources[s].name} changed since the "
+                               "composition, and the output's provenance record holds no CRC-32 of it")
+    elif crc != taken[name]:
+        row = job.rows.get(name) or None
+        report.add(row, f"{job.name}: {name}{f' (row {row})' if row else ''} differs from what the "
+                        f"composition took from {plan.sources[s].name} (its provenance record)")
+
+
+def _storage_crc(tensor) -> int:
+    """The CRC-32 of a torch-format file's tensor's whole storage (its record's bytes)."""
+    import zlib
+
+    import torch
+
+    return zlib.crc32(torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()).numpy())
 
 
 def _crc(tensor) -> int:
