@@ -101,8 +101,9 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
         slots[slot.source].append(slot)
     # (a checkpoint whose rows the run's statistics found finite: not counted again, `planning.reads`)
     taking = {s: _parts(readers[s], slots[s]) for s in [0, *used]}  # where each slice lies, located once
+    # (the base's parts: their CRC-32s from the pass that checks its records, `RangeCrcs`, not a second one)
     census = {s: Looks(Census(Region(at, length, row) for row, at, length in _row_places(taking[s])
-                              if s not in job.vouched), RegionCrcs(taking[s]))
+                              if s not in job.vouched), RegionCrcs(taking[s] if s else ()))
               for s in [0, *used]}
     spans = []
     for c in job.copies:  # (the plan joined neighbours from one full source)
@@ -117,6 +118,7 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
     records = sorted(base_records.values(), key=lambda r: r.data_offset)
     if any(a.data_offset + a.size > b.header_offset for a, b in zip(records, records[1:])):
         return None  # records that overlap (a crafted archive): not streamed
+    kept = _by_record(records, taking[0])
     blocked = {s for s in sources if of_source(job, s)}  # read in the blocks they are taken from, not in step
     steps = _in_step([sp for sp in spans if sp.source not in blocked])
     stepped = {id(q) for group in steps.values() for _s, q, _d in group}
@@ -139,10 +141,14 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
                                              taken, sweep.buffer, counter, census[s])
                 new.update({(s, at): value for (at, _n), value in checked.items()})
             old: dict[tuple[int, int], int] = {}  # (offset, length) -> the CRC-32 of the base's bytes a span replaces
+            parts: Parts = {}
             for record in records:
                 sweep.copy_to(record.data_offset, new, census)  # its local header (and what lies before)
-                mine = [(sp.at, sp.length) for sp in spans if sp.record is record]
-                base_crcs = RangeCrcs(record.data_offset, record.data_offset + record.size, mine)
+                # the spans it replaces and the parts the output keeps of it: their CRC-32s in one pass
+                mine = sorted([(sp.at, sp.length, None) for sp in spans if sp.record is record]
+                              + kept.get(record.data_offset, []), key=lambda r: r[0])
+                base_crcs = RangeCrcs(record.data_offset, record.data_offset + record.size,
+                                      [(at, n) for at, n, _part in mine])
                 beside = [(s, q, delta, RangeCrcs(q.data_offset, q.data_offset + q.size,
                                                   [(sp.source_at, sp.length) for sp in spans if sp.source_record is q]))
                           for s, q, delta in steps.get(id(record), ())]
@@ -152,7 +158,11 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
                     for s, _q, delta, theirs in beside:
                         sweep.read(fds[s], offset + delta, n, theirs, census[s])
                     sweep.copy_to(offset + n, new, census)
-                old.update(zip(mine, checked_ranges(base_path, record, base_crcs)))
+                for (at, n, part), value in zip(mine, checked_ranges(base_path, record, base_crcs), strict=True):
+                    if part is None:
+                        old[at, n] = value
+                    else:
+                        parts[part] = (value, n)
                 for s, q, _delta, theirs in beside:
                     new.update({(s, at): value for (at, _n), value in
                                 zip(theirs.ranges, checked_ranges(job.files[s].optim_states, q, theirs))})
@@ -174,10 +184,22 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
                 counter.shares(sweep.kept - sum(length for _at, length, _r, _v in padding.found()), how)
     except OSError as exc:
         raise output_error(exc, out) from None
-    parts: Parts = {}
     for looks in census.values():
         parts.update(looks.parts.found())
     return sum((c.counts for c in census.values()), Counter()), parts
+
+
+def _by_record(records: list[Record], parts: list) -> dict[int, list]:
+    """The base's parts the output keeps (`_parts`), by the record they lie in (its data_offset): each lies in
+    one, a flat tensor's."""
+    starts = [r.data_offset for r in records]
+    found: defaultdict[int, list] = defaultdict(list)
+    for at, n, part in parts:
+        i = bisect.bisect_right(starts, at) - 1
+        if i < 0 or at + n > records[i].data_offset + records[i].size:
+            raise ValueError(f"a slice at {at}+{n} lies outside the base's records")
+        found[records[i].data_offset].append((at, n, part))
+    return found
 
 
 def _clone(fin: int, fout: int, spans: list[Replacement], counter: ByteCounter) -> str | None:

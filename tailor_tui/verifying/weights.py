@@ -154,11 +154,9 @@ def _taken(plan, job, report, out_file: Path, name: str, s: int, taken: dict | N
 
 def _storage_crc(tensor) -> int:
     """The CRC-32 of a torch-format file's tensor's whole storage (its record's bytes)."""
-    import zlib
-
     import torch
 
-    return zlib.crc32(torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()).numpy())
+    return _crc(torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()))
 
 
 def _crc(tensor) -> int:
