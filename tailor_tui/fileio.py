@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable, Literal
 
 from tailor_tui.checked.files import open_regular
-from tailor_tui.checked.ranges import pread_exact
+from tailor_tui.checked.ranges import crc_range, pread_exact
 from tailor_tui.errors import CheckpointError, OutputError
 from tailor_tui.held import HeldFolder, HeldPath
 
@@ -26,6 +26,7 @@ def path_of(target: Target) -> Path:
     return target.path if isinstance(target, HeldPath) else target
 
 CHUNK = 64 << 20
+CRC_CHUNK = 1 << 20  # a copy whose bytes are CRC'd on the way: a buffer that stays in the CPU's cache
 
 
 def output_error(exc: OSError, path: Path | HeldPath | HeldFolder) -> OutputError:
@@ -107,19 +108,31 @@ def fsync_dir(path: Path | HeldFolder | HeldPath, durable: bool = True) -> None:
 
 
 def copy_file(src: Path, dst: Target, on_bytes: Callable[[int], None] = lambda n: None, durable: bool = True,
-              within: Path | None = None) -> None:
+              within: Path | None = None, *, crc: bool = False) -> int | None:
     """Copy bytes (never a hard link), in chunks so progress and cancellation stay live.
     A source that changes size while it is copied is an error, never a short copy. `within`: the
     run folder `src` lies in; a symbolic link on the way that leaves it (or a file swapped in
-    after the check) is refused, not read (`checked.files.open_regular`)."""
+    after the check) is refused, not read (`checked.files.open_regular`). `crc`: the bytes pass
+    through this process, and their CRC-32 is returned (else None: copied in the kernel)."""
     try:
         source = open_regular(src, within=within)
     except ValueError as exc:  # a FIFO or a device put in its place
         raise CheckpointError(f"{src}: {exc}") from None
     with open(source, "rb") as fin, open(create(dst), "wb") as fout:
         size = os.fstat(fin.fileno()).st_size
-        offset, writeback = 0, Writeback(fout.fileno(), durable)
-        while offset < size:
+        offset, writeback, value = 0, Writeback(fout.fileno(), durable), None
+        if crc:
+            def write(at: int, view: memoryview) -> None:
+                pwrite_all(fout.fileno(), view, at)
+                writeback.advance(at + len(view))
+
+            try:
+                value = crc_range(fin.fileno(), 0, size, memoryview(bytearray(CRC_CHUNK)), on_bytes, write)
+                offset = size
+            except OSError:
+                if os.fstat(fin.fileno()).st_size == size:
+                    raise
+        while offset < size and not crc:
             n = os.sendfile(fout.fileno(), fin.fileno(), offset, min(CHUNK, size - offset))
             if n == 0:
                 break
@@ -134,6 +147,7 @@ def copy_file(src: Path, dst: Target, on_bytes: Callable[[int], None] = lambda n
         os.fchmod(fout.fileno(), os.fstat(fin.fileno()).st_mode & 0o777 | 0o200)
         fout.flush()
         fsync(fout.fileno(), durable)
+    return value
 
 
 class CountingWriter:

@@ -347,6 +347,40 @@ def test_verify_proves_an_output_whose_source_changed_by_what_was_taken(real_run
             f"{ckpts[0].name}") in edited.stdout, edited.stdout
 
 
+def test_verify_proves_an_output_whose_base_changed_by_what_was_taken_and_copied(real_run, tmp_path):
+    """The base saved again after the composition: its rows in the output are proven against what each rank
+    took, and each run-level file copied from it (trainer_state.json, the scheduler, RNG states, configs,
+    `latest`) against the CRC-32 the record keeps of the bytes copied. What no record covers is one UNPROVEN
+    line each: the rank files' state around the rows, the model file's header and kept tensors. A copied
+    file edited in the output afterwards is a FAIL, proven by the record alone."""
+    import json
+
+    run, _spec = real_run("hf_bf16_2")
+    ckpts, recipe = _copied_with_recipe(run, tmp_path / "run")
+    assert tailor("--apply", recipe).returncode == 0
+    out = recipe.parent / "composed"
+    copied = json.loads((out / "tailor_provenance.json").read_text())["copied"]
+    assert {"trainer_state.json", "scheduler.pt", "config.json", "latest"} <= set(copied), copied
+    assert all(zlib.crc32((out / f).read_bytes()) == value for f, value in copied.items()), copied
+
+    source = _rank0(ckpts[-1])
+    nan_in_place(source, flat_record(source), 0.5)
+    verified = tailor("--verify", recipe)
+    said = verified.stdout + verified.stderr
+    assert verified.returncode == 7 and "FAIL" not in verified.stdout and "Traceback" not in said, said
+    assert f"CHANGED  {source}: changed since the composition" in verified.stdout, said
+    assert "ok    layers.1      checkpoint-6: as the composition took it" in verified.stdout, said
+    unproven = [line for line in verified.stdout.splitlines() if line.startswith("UNPROVEN")]
+    assert len(unproven) == 2 and "model_states" in unproven[0] and "model.safetensors" in unproven[1], said
+
+    state = out / "trainer_state.json"
+    state.write_text(state.read_text().replace('"global_step": 6', '"global_step": 7'))
+    edited = tailor("--verify", recipe)
+    assert edited.returncode == 7, edited.stdout
+    assert (f"FAIL  {state}: differs from what the composition copied from the base's trainer_state.json"
+            in edited.stdout), edited.stdout
+
+
 def test_verify_proves_a_torch_format_weight_file_whose_source_changed_by_what_was_taken(real_run, tmp_path):
     """transformers 4.x's `pytorch_model.bin`: the provenance record keeps the CRC-32 of each storage the file
     took from a source, under its tensors' names; once that source changed, `--verify` proves them against it

@@ -52,6 +52,9 @@ TAKEN_FROZEN = "frozen"  # the tensor name, in `taken`, of a row's frozen parame
 # as written from its source (read from a source's file, or cast from a partial save's masters); the base's kept
 # tensors are not among them
 TAKEN_WEIGHTS = "taken_weights"
+# provenance key: what was copied from the base, {path in the output: CRC-32 of its bytes}, each run-level file
+# (`latest`, the scheduler, RNG states, trainer_state.json, configs) as it passed through the copy
+COPIED = "copied"
 TRAINER_STATE = "trainer_state.json"  # in an HF checkpoint-N: the Trainer's state and log history
 
 

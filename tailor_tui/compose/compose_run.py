@@ -23,7 +23,7 @@ from typing import Callable, cast
 
 from tailor_tui.checked.files import FileIdentity, read_as_planned
 from tailor_tui.checkpoints.cache import cache_dir
-from tailor_tui.checkpoints.checkpoint import PROVENANCE, TAKEN, TAKEN_WEIGHTS, read_latest
+from tailor_tui.checkpoints.checkpoint import COPIED, PROVENANCE, TAKEN, TAKEN_WEIGHTS, read_latest
 from tailor_tui.compose.model_files import compose_model_file
 from tailor_tui.compose.rank_task import compose_rank
 from tailor_tui.compose.taken import FileComposed, RankComposed
@@ -188,6 +188,7 @@ class Composing(PublishingWork):
         self.nonfinite: Counter = Counter()
         self.taken: dict[str, dict] = {}  # rank -> what its files took (`compose.taken`), as gathered
         self.weights: dict[str, dict] = {}  # model file -> what it took (`compose.taken`), as gathered
+        self.copied: dict[str, int] = {}  # the base's files copied (process 0's): output path -> CRC-32
         self.reports: list[dict] = []  # every process's, as gathered
 
     def begin(self) -> Declaration:
@@ -196,7 +197,7 @@ class Composing(PublishingWork):
                            workers=self.workers_asked, worker_memory=worker_memory(plan))
 
     def fill(self, tmp: HeldFolder, cancel: threading.Event) -> None:
-        _fill(self.plan, tmp, cancel, self.durable)
+        self.copied = _fill(self.plan, tmp, cancel, self.durable)
 
     def tasks(self, shared: str, emit: Emit) -> list[Task]:
         held = self.folder(shared)
@@ -251,7 +252,8 @@ class Composing(PublishingWork):
         verify_output(plan, tmp)
         fsync_dir(held / plan.base.tag, self.durable)
         self.publish_folder(provenance(plan) | {TAKEN: dict(sorted(self.taken.items(), key=lambda kv: int(kv[0]))),
-                                                TAKEN_WEIGHTS: dict(sorted(self.weights.items()))})
+                                                TAKEN_WEIGHTS: dict(sorted(self.weights.items())),
+                                                COPIED: dict(sorted(self.copied.items()))})
 
 
 def _weight_writer(job):
@@ -283,17 +285,19 @@ def _confirm_sizes(tmp: Path, done: list[dict]) -> None:
                                   "does not show every process the same files: compose on one that does")
 
 
-def _fill(plan: ComposePlan, tmp: HeldFolder, cancel: threading.Event, durable: bool) -> None:
+def _fill(plan: ComposePlan, tmp: HeldFolder, cancel: threading.Event, durable: bool) -> dict[str, int]:
     """The hidden folder the output is composed in gets the base's other files, `latest` and
-    the model-file index (process 0 of a job fills it; the others write into it)."""
+    the model-file index (process 0 of a job fills it; the others write into it). Returns the CRC-32
+    of each file copied from the base, by its path in the output."""
     (tmp / plan.base.tag).mkdir()
-    _copy_other_files(plan, tmp, cancel, durable)
+    copied = _copy_other_files(plan, tmp, cancel, durable)
     for name, text in plan.own_files().items():
         write_file(tmp / name, text, durable)
+    return copied
 
 
-def _copy_other_files(plan: ComposePlan, tmp: HeldFolder, cancel: threading.Event, durable: bool) -> None:
-    root = plan.other_files_root()
+def _copy_other_files(plan: ComposePlan, tmp: HeldFolder, cancel: threading.Event, durable: bool) -> dict[str, int]:
+    root, copied = plan.other_files_root(), {}
     for rel, to in plan.other_files():
         if cancel.is_set():
             raise Cancelled()
@@ -303,10 +307,13 @@ def _copy_other_files(plan: ComposePlan, tmp: HeldFolder, cancel: threading.Even
         except OSError as exc:
             raise output_error(exc, dst.parent) from None
         check_side_file(root / rel)  # scheduler.pt, rng_state_*.pth, training_args.bin: as torch reads them
-        try:
-            copy_file(root / rel, dst, durable=durable, within=plan.base.path.parent)  # no link out of the run
+        try:  # (no link out of the run)
+            value = copy_file(root / rel, dst, durable=durable, within=plan.base.path.parent, crc=True)
         except OSError as exc:
             raise output_error(exc, dst) from None
+        assert value is not None, "copy_file(crc=True) returns the CRC-32"
+        copied[str(to)] = value
+    return copied
 
 
 def verify_output(plan: ComposePlan, root: Path) -> None:

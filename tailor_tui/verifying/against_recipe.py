@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from tailor_tui.checkpoints.checkpoint import (
+    COPIED,
     MODEL_FILE_INDEX,
     PROVENANCE,
     TAKEN,
@@ -51,7 +52,15 @@ from tailor_tui.formats.ds_format import (
 from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.planning.provenance import changed_since, read_record
 from tailor_tui.verifying.compare import differences, nonzero_bytes, same_bytes
-from tailor_tui.verifying.recorded import FROZEN, RankRows, recorded, recorded_weights, settle
+from tailor_tui.verifying.recorded import (
+    FROZEN,
+    RankRows,
+    file_crc,
+    recorded,
+    recorded_copies,
+    recorded_weights,
+    settle,
+)
 from tailor_tui.verifying.rows_files import RowsFiles
 from tailor_tui.verifying.torch_files import is_zip, load, torch_reads
 from tailor_tui.verifying.weights import verify_weight_file
@@ -136,11 +145,15 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
             written = None
         if written != own[MODEL_FILE_INDEX]:
             report.add(None, f"{index}: missing or not the index the model files' layout records")
-    root = plan.other_files_root()
+    root, copied = plan.other_files_root(), recorded_copies(record, COPIED)
     for rel, to in plan.other_files():
-        if 0 in gone and (out / to).is_file():
-            report.unproven.append(f"{out / to}: not compared: the base's {rel} may have changed since the "
-                                   "composition")
+        if 0 in gone and (out / to).is_file():  # what was copied, as recorded
+            if copied is None or str(to) not in copied:
+                report.unproven.append(f"{out / to}: not compared: the base's {rel} may have changed since the "
+                                       "composition, and the output's provenance record holds no CRC-32 of it")
+            elif file_crc(out / to) != copied[str(to)]:
+                report.add(None, f"{out / to}: differs from what the composition copied from the base's {rel} (its "
+                                 "provenance record)")
             continue
         if not (out / to).is_file():
             report.add(None, f"{out / to}: missing (the base has {rel})")

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tailor_tui.checkpoints.checkpoint import TAKEN_FROZEN
+from tailor_tui.verifying.torch_files import open_regular
 
 FROZEN = TAKEN_FROZEN  # a row's frozen fragments, in the record
 MAX_CRC = 0xFFFFFFFF
@@ -48,6 +50,22 @@ def recorded_weights(record: object, key: str) -> dict[str, dict[str, int]] | No
     if not all(isinstance(name, str) and _crcs(crcs) for name, crcs in found.items()):
         return None
     return found
+
+
+def recorded_copies(record: object, key: str) -> dict[str, int] | None:
+    """{path in the output: CRC-32} of the files a provenance record says were copied from the base (None: it
+    has none, or not well formed)."""
+    found = record.get(key) if isinstance(record, dict) else None
+    return found if _crcs(found) else None
+
+
+def file_crc(path: Path) -> int:
+    """zlib's CRC-32 of the bytes of the regular file at `path`, read in chunks."""
+    value = 0
+    with open_regular(path) as f:
+        while chunk := f.read(1 << 20):
+            value = zlib.crc32(chunk, value)
+    return value
 
 
 def _crcs(crcs: object) -> bool:
