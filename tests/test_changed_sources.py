@@ -347,38 +347,51 @@ def test_verify_proves_an_output_whose_source_changed_by_what_was_taken(real_run
             f"{ckpts[0].name}") in edited.stdout, edited.stdout
 
 
-def test_verify_proves_an_output_whose_base_changed_by_what_was_taken_and_copied(real_run, tmp_path):
+@pytest.mark.parametrize("world_size", [None, "1"])
+def test_verify_proves_an_output_whose_base_changed_by_what_was_taken_and_copied(real_run, tmp_path, world_size):
     """The base saved again after the composition: its rows in the output are proven against what each rank
-    took, and each run-level file copied from it (trainer_state.json, the scheduler, RNG states, configs,
-    `latest`) against the CRC-32 the record keeps of the bytes copied. What no record covers is one UNPROVEN
-    line each: the rank files' state around the rows, the model file's header and kept tensors. A copied
-    file edited in the output afterwards is a FAIL, proven by the record alone."""
+    took, the rest of each rank file (the optimizer's param groups, steps and counters, model_states) against
+    the records the composition wrote (the CRC-32 of each file's records' listing), and each run-level file
+    copied from it (trainer_state.json, the scheduler, RNG states, configs, `latest`) against the CRC-32 the
+    record keeps of the bytes copied, at the base's world size and resharded. What no record covers is one
+    UNPROVEN line: the model file's header and kept tensors. A copied file or a rank file's state edited in
+    the output afterwards is a FAIL, proven by the record alone."""
     import json
+
+    import torch
 
     run, _spec = real_run("hf_bf16_2")
     ckpts, recipe = _copied_with_recipe(run, tmp_path / "run")
-    assert tailor("--apply", recipe).returncode == 0
+    extra = ("--world-size", world_size) if world_size else ()
+    assert tailor("--apply", recipe, *extra).returncode == 0
     out = recipe.parent / "composed"
-    copied = json.loads((out / "tailor_provenance.json").read_text())["copied"]
+    record = json.loads((out / "tailor_provenance.json").read_text())
+    copied, archives = record["copied"], record["archives"]
     assert {"trainer_state.json", "scheduler.pt", "config.json", "latest"} <= set(copied), copied
     assert all(zlib.crc32((out / f).read_bytes()) == value for f, value in copied.items()), copied
+    assert len(archives) == 2 * int(world_size or 2) and all((out / f).is_file() for f in archives), archives
 
     source = _rank0(ckpts[-1])
     nan_in_place(source, flat_record(source), 0.5)
-    verified = tailor("--verify", recipe)
+    verified = tailor("--verify", recipe, *extra)
     said = verified.stdout + verified.stderr
     assert verified.returncode == 7 and "FAIL" not in verified.stdout and "Traceback" not in said, said
     assert f"CHANGED  {source}: changed since the composition" in verified.stdout, said
     assert "ok    layers.1      checkpoint-6: as the composition took it" in verified.stdout, said
     unproven = [line for line in verified.stdout.splitlines() if line.startswith("UNPROVEN")]
-    assert len(unproven) == 2 and "model_states" in unproven[0] and "model.safetensors" in unproven[1], said
+    assert len(unproven) == 1 and "model.safetensors: its header and the base's tensors" in unproven[0], said
 
     state = out / "trainer_state.json"
     state.write_text(state.read_text().replace('"global_step": 6', '"global_step": 7'))
-    edited = tailor("--verify", recipe)
+    optim = sorted(out.rglob("*rank_0_mp_rank_00_optim_states.pt"))[0]
+    saved = torch.load(optim, weights_only=False)
+    saved["ds_version"] += "+edited"  # the state around the rows edited, the rows untouched
+    torch.save(saved, optim)
+    edited = tailor("--verify", recipe, *extra)
     assert edited.returncode == 7, edited.stdout
     assert (f"FAIL  {state}: differs from what the composition copied from the base's trainer_state.json"
             in edited.stdout), edited.stdout
+    assert f"FAIL  {optim}: its records are not those the composition wrote" in edited.stdout, edited.stdout
 
 
 def test_verify_proves_a_torch_format_weight_file_whose_source_changed_by_what_was_taken(real_run, tmp_path):

@@ -55,6 +55,10 @@ TAKEN_WEIGHTS = "taken_weights"
 # provenance key: what was copied from the base, {path in the output: CRC-32 of its bytes}, each run-level file
 # (`latest`, the scheduler, RNG states, trainer_state.json, configs) as it passed through the copy
 COPIED = "copied"
+# provenance key: each rank file's records as written, {path in the output: the CRC-32 of its listing}, the
+# listing being, for each record in the archive's order, its name (UTF-8), a zero byte and the CRC-32 its
+# directory entry stores (4 bytes, little-endian): one number proves which records, each by its own CRC-32
+ARCHIVES = "archives"
 TRAINER_STATE = "trainer_state.json"  # in an HF checkpoint-N: the Trainer's state and log history
 
 

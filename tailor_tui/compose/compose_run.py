@@ -23,7 +23,7 @@ from typing import Callable, cast
 
 from tailor_tui.checked.files import FileIdentity, read_as_planned
 from tailor_tui.checkpoints.cache import cache_dir
-from tailor_tui.checkpoints.checkpoint import COPIED, PROVENANCE, TAKEN, TAKEN_WEIGHTS, read_latest
+from tailor_tui.checkpoints.checkpoint import ARCHIVES, COPIED, PROVENANCE, TAKEN, TAKEN_WEIGHTS, read_latest
 from tailor_tui.compose.model_files import compose_model_file
 from tailor_tui.compose.rank_task import compose_rank
 from tailor_tui.compose.taken import FileComposed, RankComposed
@@ -189,6 +189,7 @@ class Composing(PublishingWork):
         self.taken: dict[str, dict] = {}  # rank -> what its files took (`compose.taken`), as gathered
         self.weights: dict[str, dict] = {}  # model file -> what it took (`compose.taken`), as gathered
         self.copied: dict[str, int] = {}  # the base's files copied (process 0's): output path -> CRC-32
+        self.archives: dict[str, int] = {}  # rank file (output path) -> its records' listing's CRC-32, as gathered
         self.reports: list[dict] = []  # every process's, as gathered
 
     def begin(self) -> Declaration:
@@ -223,6 +224,8 @@ class Composing(PublishingWork):
     def report(self, mine: list[Task], results: list, lead: bool) -> dict:
         nonfinite = sum((r.nonfinite for r in results if isinstance(r, RankComposed)), Counter())
         taken = {str(r.rank): r.taken for r in results if isinstance(r, RankComposed)}
+        archives = {f"{self.plan.base.tag}/{name}": crcs for r in results if isinstance(r, RankComposed)
+                    for name, crcs in r.archives.items()}
         weights = {r.name: r.taken for r in results if isinstance(r, FileComposed)}
         names, tmp = self.plan.output_rank_files(), self.tmp
         assert tmp is not None, "folder() named it before any task ran"
@@ -231,7 +234,7 @@ class Composing(PublishingWork):
         files += [cast(WeightJob, t.job).name for t in mine if not isinstance(t.job, (RankJob, ReshardJob))]
         return {"nonfinite": dict(nonfinite), "peak": self.peak, "shared": self.shared, "how": self.shared_how,
                 "unread": self.sources_unread, "files": {f: _size_of(tmp / f) for f in files}, "taken": taken,
-                "weights": weights}
+                "weights": weights, "archives": archives}
 
     def gathered(self, reports: list, lead: bool, emit: Emit) -> None:
         self.nonfinite = sum((Counter(d["nonfinite"]) for d in reports), Counter())
@@ -241,6 +244,7 @@ class Composing(PublishingWork):
         self.sources_unread = sum(d["unread"] for d in reports)
         self.taken = {rank: rows for d in reports for rank, rows in d["taken"].items()}
         self.weights = {name: crcs for d in reports for name, crcs in d["weights"].items()}
+        self.archives = {name: crcs for d in reports for name, crcs in d["archives"].items()}
         self.reports = reports
 
     def publish(self) -> None:
@@ -253,7 +257,8 @@ class Composing(PublishingWork):
         fsync_dir(held / plan.base.tag, self.durable)
         self.publish_folder(provenance(plan) | {TAKEN: dict(sorted(self.taken.items(), key=lambda kv: int(kv[0]))),
                                                 TAKEN_WEIGHTS: dict(sorted(self.weights.items())),
-                                                COPIED: dict(sorted(self.copied.items()))})
+                                                COPIED: dict(sorted(self.copied.items())),
+                                                ARCHIVES: dict(sorted(self.archives.items()))})
 
 
 def _weight_writer(job):

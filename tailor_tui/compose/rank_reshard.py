@@ -26,7 +26,7 @@ from typing import Callable, NamedTuple
 from tailor_tui.checked import crc
 from tailor_tui.checked.evidence import read_and_check
 from tailor_tui.checked.ranges import crc_range, pread_into
-from tailor_tui.compose.taken import FROZEN, Parts, RankComposed, rows_taken
+from tailor_tui.compose.taken import FROZEN, Parts, RankComposed, rows_taken, written
 from tailor_tui.errors import OutputError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.fileio import Folder, OpenFiles, Target, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
@@ -63,6 +63,7 @@ def reshard_rank(job: ReshardJob, out_tag_dir: Folder, skeleton: Skeleton, emit:
         archive, records = write_rank_file(path, skeleton.model, buffer)
         fragments = {name: hole.located(records, archive) for name, hole in skeleton.fragments.items()}
         _write(path, [(fragments[name], key, placed) for name, key, placed in frozen], checked, sources, counter)
+        archives = written(out_tag_dir / job.optim_states, out_tag_dir / job.model_states)
     counter.finish()
     parts: Parts = {}
     for where, key, placed in [*((g, key, placed) for g, key, placed in optim),
@@ -71,7 +72,7 @@ def reshard_rank(job: ReshardJob, out_tag_dir: Folder, skeleton: Skeleton, emit:
             if place is not None:
                 n = piece.length * place.itemsize
                 parts[piece.row, key, (where, piece.at)] = checked.crcs[place.path, place.at, n], n
-    return RankComposed(job.rank, nonfinite, rows_taken(parts))
+    return RankComposed(job.rank, nonfinite, rows_taken(parts), archives)
 
 
 class _Sources:

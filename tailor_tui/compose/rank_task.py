@@ -12,7 +12,7 @@ from typing import Callable
 from tailor_tui.checked.ranges import RegionCrcs
 from tailor_tui.compose.rank_partial import build_optim_states_from_skeleton
 from tailor_tui.compose.rank_stream import stream_optim_states
-from tailor_tui.compose.taken import FROZEN, Looks, RankComposed, rows_taken
+from tailor_tui.compose.taken import FROZEN, Looks, RankComposed, rows_taken, written
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.fileio import Folder, copy_file, output_error
 from tailor_tui.formats.nonfinite import ITEMSIZE, Census, Region
@@ -58,7 +58,7 @@ def compose_rank(job: RankJob, out_tag_dir: Folder, emit: Emit, cancelled: Calla
         except OSError as exc:
             raise output_error(exc, out_model) from None
     counter.finish()
-    return RankComposed(job.rank, nonfinite, rows_taken(parts))
+    return RankComposed(job.rank, nonfinite, rows_taken(parts), written(out_optim, out_model))
 
 
 def _frozen_looks(path: Path, frozen_rows) -> Looks | None:

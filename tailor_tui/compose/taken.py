@@ -3,16 +3,22 @@ row and tensor, the CRC-32 of the row's real elements on that rank, its paramete
 (sub-group, then offset; frozen parameters in the layout's order), padding left out. The writers work
 them out from the bytes they read and checked, in the same reads (`RegionCrcs`, or in memory); `--verify`
 proves the output's rows against them, and so tells a source that changed since the composition from an
-output that differs from what was composed (`verifying.against_recipe`).
+output that differs from what was composed (`verifying.against_recipe`). Each rank file's records, as
+written, are kept too (`written`: the CRC-32 each record's directory entry stores), which proves the state
+around the rows once the base changed.
 """
 
 from __future__ import annotations
 
+import os
+import struct
 from collections import Counter
 from dataclasses import dataclass, field
 
 from tailor_tui.checked import crc
 from tailor_tui.checkpoints.checkpoint import TAKEN_FROZEN
+from tailor_tui.fileio import Target, open_target, path_of
+from tailor_tui.formats.zipdir import read_directory_of
 
 FROZEN = TAKEN_FROZEN  # a row's frozen fragments, in the record
 
@@ -29,6 +35,8 @@ class RankComposed:
     rank: int
     nonfinite: Counter = field(default_factory=Counter)
     taken: dict[str, dict[str, int]] = field(default_factory=dict)
+    # the rank's files as written: {file name: the CRC-32 of its records' listing} (`written`)
+    archives: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,19 @@ class FileComposed:
 
     name: str
     taken: dict[str, int] = field(default_factory=dict)
+
+
+def written(*files: Target) -> dict[str, int]:
+    """{file name: the CRC-32 of its records' listing (`checkpoint.ARCHIVES`)} of the zip archives `files` as
+    they were just written, their directories read back through the folder held open: what `--verify` proves
+    a rank file's every record by once its sources changed."""
+    found = {}
+    for target in files:
+        with os.fdopen(open_target(target, os.O_RDONLY), "rb") as f:
+            listing = b"".join(entry.name.encode() + b"\0" + struct.pack("<I", entry.crc)
+                               for entry in read_directory_of(f))
+        found[path_of(target).name] = crc.crc32(listing)
+    return found
 
 
 def rows_taken(parts: Parts) -> dict[str, dict[str, int]]:

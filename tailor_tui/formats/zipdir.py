@@ -134,9 +134,14 @@ def check_directory_of(f) -> None:
 def read_directory(path: Path) -> Directory:
     """Every record the archive `path` lists, in order (BadZipFile, OSError)."""
     with open(path, "rb") as f:
-        records, directory, start = end_record(f)
-        f.seek(start)
-        data = f.read(directory)
+        return read_directory_of(f)
+
+
+def read_directory_of(f) -> Directory:
+    """`read_directory` of the archive open as `f`."""
+    records, directory, start = end_record(f)
+    f.seek(start)
+    data = f.read(directory)
     return _entries(data, records, directory, start)
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from tailor_tui.checkpoints.checkpoint import (
+    ARCHIVES,
     COPIED,
     MODEL_FILE_INDEX,
     PROVENANCE,
@@ -54,6 +55,7 @@ from tailor_tui.planning.provenance import changed_since, read_record
 from tailor_tui.verifying.compare import differences, nonzero_bytes, same_bytes
 from tailor_tui.verifying.recorded import (
     FROZEN,
+    Archives,
     RankRows,
     file_crc,
     recorded,
@@ -123,14 +125,17 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
         return report
     composed.check_complete()  # a rank file that is no whole archive (or no regular file): exit 4, before torch
     gone = set(changed)  # and those found changed on the way: files that fail the checks the composition passed
+    archives = Archives(recorded_copies(record, ARCHIVES), out, plan.base.tag)  # (asked only once one changed)
     if plan.reshard is not None:
         from tailor_tui.verifying.resharded import verify_resharded
 
-        verify_resharded(plan, composed, report, emit, cancelled, changed=gone, taken=taken)
+        verify_resharded(plan, composed, report, emit, cancelled, changed=gone, taken=taken, archives=archives)
     else:
         param_row = plan.base.param_to_row()
         for rank in range(plan.base.world_size):
-            _verify_rank(plan, rank, composed, param_row, report, emit, cancelled, gone, taken)
+            _verify_rank(plan, rank, composed, param_row, report, emit, cancelled, gone, taken, archives)
+    for line in archives.failed:
+        report.add(None, line)
     partial = RowsFiles()
     weights = recorded_weights(record, TAKEN_WEIGHTS)
     for job in plan.model_file_jobs():
@@ -194,13 +199,16 @@ def _unplanned(plan: ComposePlan, out: Path) -> list[Path]:
                   if (p.is_file() or p.is_symlink()) and p.relative_to(out) not in expected)
 
 
-def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled, changed: set[int], taken) -> None:
+def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled, changed: set[int], taken,
+                 archives: Archives) -> None:
     """Rank `rank` of an output at the base's world size: every slot of the base's layout holds,
     in the output, its source's elements at the same place (every checkpoint of the recipe has the
     base's layout), then padding of zero bytes. A source that changed since the composition
     (`changed`) is not read: the rows it gave are proven against what the composition recorded it
-    took (`taken`, `verifying.recorded`), as every row is where the record holds it."""
+    took (`taken`, `verifying.recorded`), as every row is where the record holds it, and the rest of its files
+    against the records the composition wrote (`archives`)."""
     source_of = plan.source_of_param()
+    written = plan.output_rank_files()[rank]
     used = {0} | {source_of[slot.name] for slot in plan.base.layout.slots}
     files = {s: plan.sources[s].ranks[rank] for s in sorted(used)}
     sizes = tuple(plan.base.layout.group_sizes())
@@ -259,20 +267,24 @@ def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled, chang
 
     # Everything but the flat tensors is the base's: param groups, loss scaler, steps, counters.
     if 0 in changed:
-        line = ("every rank's optimizer state but the rows' tensors, and its model_states but what follows a row: "
-                "not compared, the base changed since the composition")
-        report.unproven += [line] if line not in report.unproven else []
+        if not archives.proven(written):
+            line = ("every rank's optimizer state but the rows' tensors, and its model_states but what follows a "
+                    "row: not compared, the base changed since the composition")
+            report.unproven += [line] if line not in report.unproven else []
     else:
         base_file = loaded[0] if 0 in loaded else load(files[0].structure_file)
         for where in differences(got_file, base_file, skip=flat)[:5]:
             report.add(None, f"rank {rank}: optimizer state {where} is not the base's")
-    _verify_model_states(plan, rank, composed, source_of, param_row, report, rows, changed)
+    _verify_model_states(plan, rank, composed, source_of, param_row, report, rows, changed,
+                         lambda: archives.proven(written))
     settle(report, rank, rows, taken, [src.name for src in plan.sources])
     counter.finish()
 
 
-def _verify_model_states(plan, rank, composed, source_of, param_row, report, rows: RankRows, changed) -> None:
-    """model_states: the base's, but frozen fragments and buffers, each from its row's source."""
+def _verify_model_states(plan, rank, composed, source_of, param_row, report, rows: RankRows, changed,
+                         proven: Callable[[], bool]) -> None:
+    """model_states: the base's, but frozen fragments and buffers, each from its row's source (from a source
+    that changed since the composition: proven where the rank's files hold the records written, `proven`)."""
     states = load(composed.ranks[rank].model_states)
     fragments = states.get(FROZEN_PARAM_FRAGMENTS) or {}
     for name, _shape in plan.base.layout.frozen:  # what the record holds of them
@@ -295,7 +307,7 @@ def _verify_model_states(plan, rank, composed, source_of, param_row, report, row
         if s in changed:
             if where.startswith(f"[{FROZEN_PARAM_FRAGMENTS!r}]"):
                 rows.from_changed[row] = s  # proven by the record
-            else:
+            elif not proven():
                 report.unproven.append(f"rank {rank}: model_states {where} ({row}) not compared: "
                                        f"{plan.sources[s].name} changed since the composition")
             continue

@@ -15,6 +15,8 @@ differs from its unchanged source is a bad output whatever the record says).
 
 from __future__ import annotations
 
+import struct
+import zipfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +68,39 @@ def file_crc(path: Path) -> int:
         while chunk := f.read(1 << 20):
             value = zlib.crc32(chunk, value)
     return value
+
+
+class Archives:
+    """The output's rank files' records as the composition wrote them (`checkpoint.ARCHIVES`: per file, the
+    CRC-32 of its records' listing), compared with the output's own directories (zipfile's reading), each
+    file once. A file whose records match, each of them checked against its stored CRC-32 where it is read,
+    holds what was composed: the state around the rows is proven so once the base changed."""
+
+    def __init__(self, recorded: dict[str, int] | None, out: Path, tag: str):
+        self.recorded, self.out, self.tag = recorded, out, tag
+        self.found: dict[str, bool] = {}
+        self.failed: list[str] = []  # a FAIL line for each file whose records are not those written
+
+    def proven(self, names) -> bool:
+        """Whether the output's rank files `names` (in its tag folder) hold the records the composition wrote;
+        False where the record keeps none of one (an older output's)."""
+        return all(self._proven(f"{self.tag}/{name}") for name in names)
+
+    def _proven(self, rel: str) -> bool:
+        if self.recorded is None or rel not in self.recorded:
+            return False
+        if rel not in self.found:
+            try:
+                with open_regular(self.out / rel) as f, zipfile.ZipFile(f) as archive:
+                    listing = b"".join(info.filename.encode() + b"\0" + struct.pack("<I", info.CRC)
+                                       for info in archive.infolist())
+                self.found[rel] = zlib.crc32(listing) == self.recorded[rel]
+            except (OSError, zipfile.BadZipFile):
+                self.found[rel] = False
+            if not self.found[rel]:
+                self.failed.append(f"{self.out / rel}: its records are not those the composition wrote (its "
+                                   "provenance record)")
+        return self.found[rel]
 
 
 def _crcs(crcs: object) -> bool:

@@ -42,7 +42,7 @@ from tailor_tui.formats.ds_format import (
 )
 from tailor_tui.verifying.compare import differences, nonzero_bytes, same_bytes
 from tailor_tui.verifying.pieces import ZEROS, OutputPieces
-from tailor_tui.verifying.recorded import FROZEN, RankRows, settle
+from tailor_tui.verifying.recorded import FROZEN, Archives, RankRows, settle
 from tailor_tui.verifying.rows_files import RowsFiles
 from tailor_tui.verifying.same_content import SameContent
 from tailor_tui.verifying.torch_files import load
@@ -53,22 +53,25 @@ REPLACED = (f"{OUTER}[{FP32_FLAT_GROUPS!r}]", f"{OUTER}{OUTER}[{STATE!r}]", f"{O
 
 
 def verify_resharded(plan, composed, report, emit, cancelled, *, changed: set[int] = frozenset(),  # type: ignore[assignment]
-                     taken: dict | None = None) -> None:
+                     taken: dict | None = None, archives: Archives | None = None) -> None:
     """Check every output rank of a resharded `plan` (`report`: recipe.VerifyReport). A source that changed
     since the composition (`changed`) is not read: the rows it gave are proven against what the
-    composition recorded it took (`taken`, `verifying.recorded`), as every row is where the record holds it."""
+    composition recorded it took (`taken`, `verifying.recorded`), as every row is where the record holds it,
+    and the rest of the rank files against the records the composition wrote (`archives`)."""
     first = plan.base.ranks[0]
     base_optim = base_states = None
+    written = archives is not None and bool(changed) and all(archives.proven(names)
+                                                            for names in plan.output_rank_files())
     if 0 not in changed:
         base_optim = load(first.structure_file)
         base_states = load(first.model_states)
-    else:
+    elif not written:
         report.unproven.append("the output's optimizer state but the rows' tensors, and its model_states but "
                                "the frozen fragments, not compared: the base changed since the composition")
     buffers = {s: load(plan.sources[s].ranks[0].model_states) for s in set(plan.buffer_sources().values())
                if s not in changed}
     for name, s in plan.buffer_sources().items():
-        if s in changed:
+        if s in changed and not written:
             report.unproven.append(f"buffer {name}: not compared: {plan.sources[s].name} changed since the "
                                    "composition")
     where, same = OutputPieces(plan), SameContent()
