@@ -383,6 +383,26 @@ def task_until_cancelled(job, emit, cancelled, options) -> str:
         time.sleep(0.002)
 
 
+def task_asking_to_stop(job, emit, cancelled, options) -> str:
+    """Asks whether to stop, from four threads at once, again and again, for up to 60 s: whatever the stop
+    flag takes to be asked, one of them nearly always holds it."""
+    import threading
+
+    Path(job.asking).touch()  # (a namespace's: the test's folder) asking from now on
+    end = time.monotonic() + 60
+
+    def ask() -> None:
+        while not cancelled() and time.monotonic() < end:
+            pass
+
+    askers = [threading.Thread(target=ask) for _ in range(4)]
+    for thread in askers:
+        thread.start()
+    for thread in askers:
+        thread.join()
+    return job.task
+
+
 def task_failing_soon(job, emit, cancelled, options) -> str:
     time.sleep(0.5)
     raise OSError(f"{job.task} failed")

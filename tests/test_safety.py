@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -196,6 +197,48 @@ def test_a_signal_while_workers_run_cancels_them_and_is_raised_once_they_are_gon
     assert "concurrent" not in "".join(f.filename for f in where), where.format()
     assert where[-2].filename.endswith("interrupts.py"), where.format()
     assert multiprocessing.active_children() == []
+
+
+_KILLED_WHILE_ASKING = """
+import os, random, signal, sys, tempfile, threading, time
+from types import SimpleNamespace
+sys.path.insert(0, {tests!r})
+import multiprocessing
+from helpers import task_asking_to_stop
+from tailor_tui.errors import OutputError
+from tailor_tui.events import TaskOptions
+from tailor_tui.team.workers import run_calls
+
+def kill_one(folder):  # once both workers ask (a worker killed as it starts is another story)
+    while len(os.listdir(folder)) < 2:
+        time.sleep(0.05)
+    time.sleep(random.uniform(0.2, 0.6))
+    os.kill(random.choice(multiprocessing.active_children()).pid, signal.SIGKILL)
+
+if __name__ == "__main__":  # (workers are spawned: torch is loaded)
+  for _round in range(3):  # the worker killed holds what it asks with some odds: three rounds
+    folder = tempfile.mkdtemp()
+    threading.Thread(target=kill_one, args=(folder,), daemon=True).start()
+    try:
+      run_calls([(task_asking_to_stop, (SimpleNamespace(task=f"rank {{i}}", total_bytes=1,
+                                                        asking=os.path.join(folder, str(i))),))
+                 for i in range(2)], 2, lambda event: None, threading.Event(), TaskOptions())
+    except OutputError as exc:
+      print(exc)
+"""
+
+
+def test_a_worker_killed_while_it_asks_whether_to_stop_leaves_the_parent_free():
+    """The out-of-memory killer takes a worker while it is asking the parent's stop flag: the parent still
+    stops the other and says so in one line, within seconds, every time (a multiprocessing Event's lock, held
+    by a dead worker, once left the parent's `set` waiting forever: its workers ask from four threads at
+    once, so that whatever asking takes is nearly always held)."""
+    done = subprocess.run([sys.executable, "-c", _KILLED_WHILE_ASKING.format(tests=str(Path(__file__).parent))],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    said = done.stdout.splitlines()
+    assert len(said) == 3 and all("a worker process died before its task was done (killed by SIGKILL" in line
+                                  for line in said), done.stdout
 
 
 def test_a_worker_never_waits_on_events_nobody_reads_to_exit():

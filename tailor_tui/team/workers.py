@@ -2,7 +2,7 @@
 
 Workers start with SIGINT held back, ignore Ctrl-C (the parent alone decides how to stop),
 leave by themselves when orphaned (kill -9 of the parent), and report progress through a
-queue (in lists: `_Outbox`); the parent turns a cancel flag into a stop event. They are forked where that is safe
+queue (in lists: `_Outbox`); the parent turns a cancel flag into a stop flag (`StopFlag`). They are forked where that is safe
 (see `start_method`), else spawned.
 """
 
@@ -47,6 +47,22 @@ def _worker_init(events, cancel, parent: int) -> None:
     # shutdown: `run_pool`), so a worker exits without waiting for them.
     events.cancel_join_thread()
     _WORKER_QUEUE, _WORKER_CANCEL = events, cancel
+
+
+class StopFlag:
+    """The parent's word to its workers to stop: one byte of shared memory, written by the parent, read by
+    the workers, without a lock. A multiprocessing Event takes a lock a worker holds while it asks it: a
+    worker killed in that moment (the out-of-memory killer) leaves it held, and the parent's `set` then
+    waits forever."""
+
+    def __init__(self, ctx) -> None:
+        self.flag = ctx.RawValue("b", 0)
+
+    def set(self) -> None:
+        self.flag.value = 1
+
+    def is_set(self) -> bool:
+        return bool(self.flag.value)
 
 
 def _exit_when_orphaned(parent: int) -> None:
@@ -222,7 +238,7 @@ def _run_pool(calls: list[Call], workers: int, emit: Emit, cancel: threading.Eve
     from concurrent.futures.process import BrokenProcessPool
 
     ctx = mp.get_context(start_method())
-    events, stop = ctx.Queue(), ctx.Event()
+    events, stop = ctx.Queue(), StopFlag(ctx)
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
                                initargs=(events, stop, os.getpid()))
     finished = [0]  # each call ends with one TaskFinished (counted: two tasks may share a name)
