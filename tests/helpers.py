@@ -179,15 +179,22 @@ def start_apply(recipe: Path, *extra: str, env: dict | None = None) -> subproces
     return start_tailor("--apply", recipe, *extra, env=env)
 
 
+def _signals_at_default() -> None:
+    """SIGINT and SIGHUP at their defaults in a started tailor-tui, whatever this process inherited (a shell's
+    background job ignores SIGINT, `nohup` SIGHUP: ignored signals stay ignored across exec, and its workers
+    would then shrug off the hangup a test sends them)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def start_tailor(*args, env: dict | None = None) -> subprocess.Popen:
     """tailor-tui started with its work slowed to several seconds (test checkpoints are tiny), so
     signals land mid-work: each progress step sleeps 0.4 s (faults/inject.py; `env` may ask for
-    another pace, `inject.environment(slow=...)`, or for more faults). SIGINT starts at its default
-    whatever this process inherited (a shell's background job ignores it, and Python then never
-    turns it into KeyboardInterrupt), as in a terminal."""
+    another pace, `inject.environment(slow=...)`, or for more faults). SIGINT and SIGHUP start at their
+    defaults whatever this process inherited (`_signals_at_default`), as in a terminal."""
     return subprocess.Popen([TAILOR, *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+                            preexec_fn=_signals_at_default,
                             env={**os.environ, "PYTHONWARNINGS": "ignore", **inject.environment(slow=0.4),
                                  **(env or {})})
 

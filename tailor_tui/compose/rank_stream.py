@@ -101,10 +101,6 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
         slots[slot.source].append(slot)
     # (a checkpoint whose rows the run's statistics found finite: not counted again, `planning.reads`)
     taking = {s: _parts(readers[s], slots[s]) for s in [0, *used]}  # where each slice lies, located once
-    # (the base's parts: their CRC-32s from the pass that checks its records, `RangeCrcs`, not a second one)
-    census = {s: Looks(Census(Region(at, length, row) for row, at, length in _row_places(taking[s])
-                              if s not in job.vouched), RegionCrcs(taking[s] if s else ()))
-              for s in [0, *used]}
     spans = []
     for c in job.copies:  # (the plan joined neighbours from one full source)
         for key in TENSORS:
@@ -118,7 +114,13 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
     records = sorted(base_records.values(), key=lambda r: r.data_offset)
     if any(a.data_offset + a.size > b.header_offset for a, b in zip(records, records[1:])):
         return None  # records that overlap (a crafted archive): not streamed
-    kept = _by_record(records, taking[0])
+    # the base's parts the output keeps: their CRC-32s from the pass that checks each base record (`RangeCrcs`,
+    # beside the spans it replaces), not a second one; where a span overlaps one (a plan that is wrong), apart
+    kept = _by_record(records, taking[0], spans)
+    census = {s: Looks(Census(Region(at, length, row) for row, at, length in _row_places(taking[s])
+                              if s not in job.vouched), RegionCrcs(() if s == 0 and kept is not None else taking[s]))
+              for s in [0, *used]}
+    kept = kept or {}
     blocked = {s for s in sources if of_source(job, s)}  # read in the blocks they are taken from, not in step
     steps = _in_step([sp for sp in spans if sp.source not in blocked])
     stepped = {id(q) for group in steps.values() for _s, q, _d in group}
@@ -189,16 +191,20 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
     return sum((c.counts for c in census.values()), Counter()), parts
 
 
-def _by_record(records: list[Record], parts: list) -> dict[int, list]:
+def _by_record(records: list[Record], parts: list, spans: list[Replacement]) -> dict[int, list] | None:
     """The base's parts the output keeps (`_parts`), by the record they lie in (its data_offset): each lies in
-    one, a flat tensor's."""
+    one, a flat tensor's. None where one lies outside them or a span overlaps one: their CRC-32s are then taken
+    apart."""
     starts = [r.data_offset for r in records]
     found: defaultdict[int, list] = defaultdict(list)
     for at, n, part in parts:
         i = bisect.bisect_right(starts, at) - 1
         if i < 0 or at + n > records[i].data_offset + records[i].size:
-            raise ValueError(f"a slice at {at}+{n} lies outside the base's records")
+            return None
         found[records[i].data_offset].append((at, n, part))
+    every = sorted([(at, n) for at, n, _part in parts] + [(sp.at, sp.length) for sp in spans])
+    if any(a + n > b for (a, n), (b, _m) in zip(every, every[1:])):
+        return None
     return found
 
 

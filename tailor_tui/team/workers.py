@@ -257,6 +257,13 @@ def _run_pool(calls: list[Call], workers: int, emit: Emit, cancel: threading.Eve
                 stop.set()
             _drain(events, emit_and_count, timeout=WAKE_EVERY)
             done, pending = wait(pending, timeout=0, return_when=FIRST_EXCEPTION)
+            processes = list((getattr(pool, "_processes", None) or {}).values())
+            if pending and any(p.exitcode is not None for p in processes):
+                # a worker died: the pool notices only when it is woken (a result, a submit), and a worker it
+                # spawned after its last wake-up may die unnoticed until another's batch ends
+                stop.set()
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise worker_lost(processes)
             for f in done:
                 if (exc := f.exception()) is not None:
                     stop.set()

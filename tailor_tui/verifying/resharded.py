@@ -60,8 +60,9 @@ def verify_resharded(plan, composed, report, emit, cancelled, *, changed: set[in
     and the rest of the rank files against the records the composition wrote (`archives`)."""
     first = plan.base.ranks[0]
     base_optim = base_states = None
-    written = archives is not None and bool(changed) and all(archives.proven(names)
-                                                            for names in plan.output_rank_files())
+    # (asked only where the base or a buffer's source changed: what else a source gave, its rows, the record proves)
+    asked = 0 in changed or any(s in changed for s in plan.buffer_sources().values())
+    written = archives is not None and asked and all(archives.proven(names) for names in plan.output_rank_files())
     if 0 not in changed:
         base_optim = load(first.structure_file)
         base_states = load(first.model_states)
