@@ -131,14 +131,15 @@ def copy_file(src: Path, dst: Target, on_bytes: Callable[[int], None] = lambda n
                 offset = size
             except OSError:
                 if os.fstat(fin.fileno()).st_size == size:
-                    raise
-        while offset < size and not crc:
-            n = os.sendfile(fout.fileno(), fin.fileno(), offset, min(CHUNK, size - offset))
-            if n == 0:
-                break
-            offset += n
-            writeback.advance(offset)
-            on_bytes(n)
+                    raise  # (one that shrank is said below)
+        else:
+            while offset < size:
+                n = os.sendfile(fout.fileno(), fin.fileno(), offset, min(CHUNK, size - offset))
+                if n == 0:
+                    break
+                offset += n
+                writeback.advance(offset)
+                on_bytes(n)
         now = os.fstat(fin.fileno()).st_size
         if offset != size or now != size:
             raise CheckpointError(

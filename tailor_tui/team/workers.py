@@ -257,23 +257,19 @@ def _run_pool(calls: list[Call], workers: int, emit: Emit, cancel: threading.Eve
                 stop.set()
             _drain(events, emit_and_count, timeout=WAKE_EVERY)
             done, pending = wait(pending, timeout=0, return_when=FIRST_EXCEPTION)
+            failed = next((exc for f in done if (exc := f.exception()) is not None), None)
             processes = list((getattr(pool, "_processes", None) or {}).values())
-            if pending and any(p.exitcode is not None for p in processes):
-                # a worker died: the pool notices only when it is woken (a result, a submit), and a worker it
-                # spawned after its last wake-up may die unnoticed until another's batch ends
+            # A worker died: the pool says so (its futures fail) only once it is woken (a result, a submit), and a
+            # worker it spawned after its last wake-up may die unnoticed until another's batch ends, so this
+            # process looks too. The exit codes are read once the pool has stopped and reaped every worker (read
+            # sooner, one being reaped by the pool reads None).
+            if isinstance(failed, BrokenProcessPool) or (pending and any(p.exitcode is not None for p in processes)):
                 stop.set()
                 pool.shutdown(wait=True, cancel_futures=True)
-                raise worker_lost(processes)
-            for f in done:
-                if (exc := f.exception()) is not None:
-                    stop.set()
-                    if isinstance(exc, BrokenProcessPool):
-                        # the futures fail before the pool has stopped and reaped its workers: their exit
-                        # codes are read once it has (read sooner, one being reaped by the pool reads None)
-                        processes = list((getattr(pool, "_processes", None) or {}).values())
-                        pool.shutdown(wait=True, cancel_futures=True)
-                        raise worker_lost(processes) from None
-                    raise exc
+                raise worker_lost(processes) from None
+            if failed is not None:
+                stop.set()
+                raise failed
         # A worker's events go through its queue's feeder thread and may arrive after its
         # result: wait for every task's last event, so no rank's bar stops short of done.
         deadline = time.monotonic() + 10
