@@ -20,7 +20,7 @@ import zlib
 from pathlib import Path
 
 import pytest
-from helpers import assert_one_line_error, flat_record, hidden, on_xfs, tailor, write_recipe
+from helpers import assert_one_line_error, flat_record, hidden, on_xfs, tailor, tensors, write_recipe
 
 from tailor_tui.checked.files import FileIdentity, PlannedFiles
 from tailor_tui.checkpoints.cache import cache_dir
@@ -316,8 +316,9 @@ def test_verify_proves_an_output_whose_source_changed_by_what_was_taken(real_run
     ranks = int(world_size) if world_size else 2
     assert list(taken) == [str(r) for r in range(ranks)], list(taken)
     assert all(set(rows["layers.0"]) == {"fp32", "exp_avg", "exp_avg_sq"} for rows in taken.values()), taken
-    assert list(weights) == ["model.safetensors"] and weights["model.safetensors"], weights
-    assert all(".layers.0." in name for name in weights["model.safetensors"]), weights  # what it took, no more
+    assert list(weights) == ["model.safetensors"], weights
+    assert list(weights["model.safetensors"]) == sorted(tensors(out / "model.safetensors")), weights  # every one
+    assert list(record["weight_headers"]) == ["model.safetensors"], record  # and its header
 
     source = _rank0(ckpts[0])
     nan_in_place(source, flat_record(source), 0.1)  # saved again: layers.0 is among what it holds
@@ -339,7 +340,7 @@ def test_verify_proves_an_output_whose_source_changed_by_what_was_taken(real_run
     assert f"differs from what the composition took from {ckpts[0].name}" in failed[0], failed
     assert "do not resume from this output" in edited.stderr, edited.stderr
 
-    tensor = next(iter(weights["model.safetensors"]))
+    tensor = next(name for name in weights["model.safetensors"] if ".layers.0." in name)
     _change_a_tensor(out / "model.safetensors", tensor)
     edited = tailor("--verify", recipe, "-v", *extra)  # (-v: every problem of the row, the rank file's first)
     assert edited.returncode == 7, edited.stdout
@@ -353,8 +354,9 @@ def test_verify_proves_an_output_whose_base_changed_by_what_was_taken_and_copied
     took, the rest of each rank file (the optimizer's param groups, steps and counters, model_states) against
     the records the composition wrote (the CRC-32 of each file's records' listing), and each run-level file
     copied from it (trainer_state.json, the scheduler, RNG states, configs, `latest`) against the CRC-32 the
-    record keeps of the bytes copied, at the base's world size and resharded. What no record covers is one
-    UNPROVEN line: the model file's header and kept tensors. A copied file or a rank file's state edited in
+    record keeps of the bytes copied, and the model file's header and every tensor (the base's kept ones
+    too) against the CRC-32s the record keeps of them, at the base's world size and resharded: nothing is
+    left unproven. A copied file, a rank file's state, a model file's kept tensor or its header edited in
     the output afterwards is a FAIL, proven by the record alone."""
     import json
 
@@ -378,8 +380,8 @@ def test_verify_proves_an_output_whose_base_changed_by_what_was_taken_and_copied
     assert verified.returncode == 7 and "FAIL" not in verified.stdout and "Traceback" not in said, said
     assert f"CHANGED  {source}: changed since the composition" in verified.stdout, said
     assert "ok    layers.1      checkpoint-6: as the composition took it" in verified.stdout, said
-    unproven = [line for line in verified.stdout.splitlines() if line.startswith("UNPROVEN")]
-    assert len(unproven) == 1 and "model.safetensors: its header and the base's tensors" in unproven[0], said
+    assert "UNPROVEN" not in verified.stdout, said
+    assert "hold what the composition took" in verified.stderr.splitlines()[-1], said
 
     state = out / "trainer_state.json"
     state.write_text(state.read_text().replace('"global_step": 6', '"global_step": 7'))
@@ -387,17 +389,31 @@ def test_verify_proves_an_output_whose_base_changed_by_what_was_taken_and_copied
     saved = torch.load(optim, weights_only=False)
     saved["ds_version"] += "+edited"  # the state around the rows edited, the rows untouched
     torch.save(saved, optim)
+    kept = "model.norm.weight"  # a row kept from the base (`_copied_with_recipe` moves layers.0 alone)
+    _change_a_tensor(out / "model.safetensors", kept)
     edited = tailor("--verify", recipe, *extra)
     assert edited.returncode == 7, edited.stdout
     assert (f"FAIL  {state}: differs from what the composition copied from the base's trainer_state.json"
             in edited.stdout), edited.stdout
     assert f"FAIL  {optim}: its records are not those the composition wrote" in edited.stdout, edited.stdout
+    assert (f"model.safetensors: {kept} (row norm) differs from what the composition took from {ckpts[-1].name}"
+            in edited.stdout), edited.stdout
+
+    model = out / "model.safetensors"
+    data = bytearray(model.read_bytes())
+    at = data.index(b'"format":"pt"')  # the header's metadata edited (a sound file still): not the one written
+    data[at + 11] = ord("x")
+    model.write_bytes(bytes(data))
+    header = tailor("--verify", recipe, *extra)
+    assert header.returncode == 7, header.stdout
+    assert f"FAIL  {model}: its header is not the one the composition wrote" in header.stdout, header.stdout
 
 
 def test_verify_proves_a_torch_format_weight_file_whose_source_changed_by_what_was_taken(real_run, tmp_path):
     """transformers 4.x's `pytorch_model.bin`: the provenance record keeps the CRC-32 of each storage the file
-    took from a source, under its tensors' names; once that source changed, `--verify` proves them against it
-    (nothing unproven), and a tensor edited in the output afterwards is a FAIL proven by the record alone."""
+    took from a source, under its tensors' names; once that
+    source changed, `--verify` proves them against it (nothing unproven), and a tensor edited in the output
+    afterwards is a FAIL proven by the record alone."""
     import json
 
     import torch
@@ -427,6 +443,33 @@ def test_verify_proves_a_torch_format_weight_file_whose_source_changed_by_what_w
     assert edited.returncode == 7, edited.stdout
     assert (f"pytorch_model.bin: {tensor} (row layers.0) differs from what the composition took from "
             f"{ckpts[0].name}") in edited.stdout, edited.stdout
+
+
+def test_verify_proves_a_torch_format_weight_file_whose_base_changed_by_its_records(real_run, tmp_path):
+    """`pytorch_model.bin` once the base changed: its names, their order and the base's kept tensors are
+    proven by the listing of the file's records the provenance record keeps (each record checked against its
+    stored CRC-32 as it is read); nothing is unproven, and a kept tensor edited afterwards is a FAIL."""
+    import torch
+
+    run, _spec = real_run("hf_bin")
+    ckpts, recipe = _copied_with_recipe(run, tmp_path / "run")
+    assert tailor("--apply", recipe).returncode == 0
+    out = recipe.parent / "composed"
+    base = _rank0(ckpts[-1])
+    nan_in_place(base, flat_record(base), 0.5)
+    proven = tailor("--verify", recipe)
+    said = proven.stdout + proven.stderr
+    assert proven.returncode == 7 and "CHANGED" in proven.stdout, said
+    assert "FAIL" not in proven.stdout and "UNPROVEN" not in proven.stdout, said
+    kept = "model.norm.weight"  # kept from the base
+    state = torch.load(out / "pytorch_model.bin", weights_only=True)
+    with torch.no_grad():
+        state[kept].view(-1)[0] += 1
+    torch.save(state, out / "pytorch_model.bin")
+    edited = tailor("--verify", recipe)
+    assert edited.returncode == 7, edited.stdout
+    assert f"FAIL  {out / 'pytorch_model.bin'}: its records are not those the composition wrote" in edited.stdout, \
+        edited.stdout
 
 
 def _change_a_tensor(path: Path, name: str) -> None:

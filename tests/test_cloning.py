@@ -147,6 +147,24 @@ def test_a_flipped_byte_the_base_keeps_is_refused_by_a_clone_as_without(real_run
 
 
 
+def test_a_flipped_byte_of_a_kept_tensor_in_a_torch_format_weight_file_is_refused_by_a_clone_as_without(
+        real_run, xfs):
+    """`pytorch_model.bin` as a clone of the base's, its picked records written over: the records it keeps,
+    their blocks shared, are still read once and checked against their stored CRC-32s, as `--no-clone`
+    checks each record it copies."""
+    from tailor_tui.formats.ptfile import read_structure
+
+    run, spec, ckpts = on_xfs(real_run, xfs, "hf_bin")
+    damaged = xfs / "damaged-bin"
+    shutil.copytree(ckpts[-1], damaged)
+    obj, _records, prefix = read_structure(damaged / "pytorch_model.bin")
+    flip_byte(damaged / "pytorch_model.bin", f"{prefix}data/{obj['model.norm.weight'].storage.key}")  # kept
+    recipe = write_recipe(xfs, damaged, {"layers.0": ckpts[0]}, output="from-damaged-bin")
+    for how in ([], ["--no-clone"]):
+        assert_one_line_error(tailor("--apply", recipe, *how), 4, "pytorch_model.bin", "CRC")
+        assert not (xfs / "from-damaged-bin").exists() and hidden(xfs) == []
+
+
 def test_a_non_finite_row_the_base_keeps_is_refused_in_a_clone(real_run, xfs):
     run, spec, ckpts = on_xfs(real_run, xfs, "ds_blown_up")
     stats = tailor("--stats", run, "--check")

@@ -48,16 +48,20 @@ OUTPUT_FILES = "files"  # provenance key: every file tailor-tui wrote (relative 
 # rank, its parameters in the output's order (sub-group, then offset), padding left out
 TAKEN = "taken"
 TAKEN_FROZEN = "frozen"  # the tensor name, in `taken`, of a row's frozen parameters' fragments
-# provenance key: what each composed model file took, {file: {tensor: CRC-32}}, the CRC-32 of each tensor's bytes
-# as written from its source (read from a source's file, or cast from a partial save's masters); the base's kept
-# tensors are not among them
+# provenance key: what each composed weight file took, {file: {tensor: CRC-32}}: of a safetensors file, the CRC-32
+# of each tensor's bytes as written (read from a source's file, the base's kept ones too, or cast from a partial
+# save's masters; older records leave the base's out); of a torch-format file, each storage
+# taken from a source (its archive's listing, in ARCHIVES, proves the rest)
 TAKEN_WEIGHTS = "taken_weights"
+# provenance key: each composed safetensors file's header as written, {file: CRC-32 of its 8-byte length and JSON}
+WEIGHT_HEADERS = "weight_headers"
 # provenance key: what was copied from the base, {path in the output: CRC-32 of its bytes}, each run-level file
 # (`latest`, the scheduler, RNG states, trainer_state.json, configs) as it passed through the copy
 COPIED = "copied"
-# provenance key: each rank file's records as written, {path in the output: the CRC-32 of its listing}, the
-# listing being, for each record in the archive's order, its name (UTF-8), a zero byte and the CRC-32 its
-# directory entry stores (4 bytes, little-endian): one number proves which records, each by its own CRC-32
+# provenance key: each rank file's (and torch-format weight file's) records as written, {path in the output: the
+# CRC-32 of its listing}, the listing being, for each record in the archive's order, its name (UTF-8), a zero byte
+# and the CRC-32 its directory entry stores (4 bytes, little-endian): one number proves which records, each by
+# its own CRC-32
 ARCHIVES = "archives"
 TRAINER_STATE = "trainer_state.json"  # in an HF checkpoint-N: the Trainer's state and log history
 

@@ -10,8 +10,9 @@ and the sources', has its stored CRC-32 checked on the way. A storage shared by 
 with different sources, or a source tensor of another shape, dtype or layout, is refused.
 Where the filesystem shares blocks (`cloning`), the output is instead a clone of the base's file
 with the picked records written over in place (`_patch_clone`): the base's pickle and other
-records are kept, unread, their CRC-32s as declared. Either way the CRC-32 of each storage taken from a
-source, as written, is what the file took (`FileComposed`: each of its tensors' names, for `--verify`).
+records are kept, each read once and checked against its stored CRC-32 all the same. Either way the
+CRC-32 of each storage taken from a source, as written, is what the file took, and the listing of
+the output's records (`FileComposed`: for `--verify`).
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from typing import Callable
 
 from tailor_tui.checked.evidence import checked_crcs
 from tailor_tui.cloning import clone, worth_it
-from tailor_tui.compose.taken import FileComposed
+from tailor_tui.compose.taken import FileComposed, written
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
-from tailor_tui.fileio import CREATE, Folder, OpenFiles, Target, copy_range, fsync, open_fd, output_error
+from tailor_tui.fileio import CREATE, Folder, OpenFiles, Target, copy_range, fsync, open_fd, output_error, path_of
 from tailor_tui.formats.pickled import TensorRef
 from tailor_tui.formats.ptfile import Record, file_format, read_structure
 from tailor_tui.formats.ptpickle import dumps, storage_bytes
@@ -70,11 +71,11 @@ def compose_bin_file(job: BinFileJob, out_dir: Folder, emit: Emit, cancelled: Ca
     out = out_dir / job.name
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        crcs = _patch_clone(job, out, replaced, counter) if options.clone else None
+        crcs = _patch_clone(job, out, records, replaced, counter) if options.clone else None
         if crcs is not None:
             counter.finish()
-            return _took(job, taken, crcs)
-        written = write_archive(out, archive=prefix.rstrip("/"), pickle=data, storages=fills)
+            return _took(job, out, taken, crcs)
+        archive = write_archive(out, archive=prefix.rstrip("/"), pickle=data, storages=fills)
         with contextlib.ExitStack() as stack:
             fd = open_fd(stack, out, os.O_WRONLY)
             fsync(fd, options.durable)
@@ -82,7 +83,7 @@ def compose_bin_file(job: BinFileJob, out_dir: Folder, emit: Emit, cancelled: Ca
     except OSError as exc:
         raise output_error(exc, out) from None
     counter.finish()
-    return _took(job, taken, [_crc(written[f"{prefix}data/{key}"]) for key in taken])
+    return _took(job, out, taken, [_crc(archive[f"{prefix}data/{key}"]) for key in taken])
 
 
 def _crc(record: Record) -> int:
@@ -90,21 +91,22 @@ def _crc(record: Record) -> int:
     return record.crc
 
 
-def _took(job: BinFileJob, taken: dict[int, list[str]], crcs: list[int]) -> FileComposed:
-    """What `job`'s file took: `taken`'s storages, in order, their CRC-32s `crcs`, under each tensor's name."""
+def _took(job: BinFileJob, out: Target, taken: dict[int, list[str]], crcs: list[int]) -> FileComposed:
+    """What `job`'s file `out` took: `taken`'s storages, in order, their CRC-32s `crcs`, under each tensor's
+    name; and its records as written (`compose.taken.written`)."""
     return FileComposed(job.name, {name: crc for names, crc in zip(taken.values(), crcs, strict=True)
-                                   for name in names})
+                                   for name in names}, archive=written(out)[path_of(out).name])
 
 
-def _patch_clone(job: BinFileJob, out: Target, replaced: list[tuple[Record, Copied]],
+def _patch_clone(job: BinFileJob, out: Target, records: dict[str, Record], replaced: list[tuple[Record, Copied]],
                  counter: ByteCounter) -> list[int] | None:
     """Where the filesystem shares blocks (`cloning`) and the picked storages are less than half the
     file: the output is a clone of the base's file with each picked storage's record written over
     from its source's (read whole and checked against its CRC-32 first), and that record's CRC-32
-    set to the source's. The base's other records are not read: their CRC-32s stand as declared
-    (`read_structure` refused an archive whose records overlap or run past its directory).
-    Returns the CRC-32 of each picked storage, as written; None (nothing left at `out`): written whole
-    instead."""
+    set to the source's. The base's other `records`, shared with the clone, are each read once and
+    checked against their stored CRC-32 (`read_structure` refused an archive whose records overlap or
+    run past its directory). Returns the CRC-32 of each picked storage, as written; None (nothing
+    left at `out`): written whole instead."""
     size = os.stat(job.base_file).st_size
     if (file_format(job.base_file) != "zip" or not worth_it(sum(r.size for r, _c in replaced), size)
             or any(r.crc is None or r.size != c.size for r, c in replaced)):
@@ -117,6 +119,10 @@ def _patch_clone(job: BinFileJob, out: Target, replaced: list[tuple[Record, Copi
             out.unlink()  # (ours, just made: the archive is written in its place)
             return None
         sources, buffer, crcs = OpenFiles(stack), memoryview(bytearray(STREAM_CHUNK)), []
+        gone = {id(record) for record, _what in replaced}
+        for record in sorted(records.values(), key=lambda r: r.data_offset):
+            if id(record) not in gone:  # kept, its blocks shared: read once all the same, and checked
+                checked_crcs(fin, job.base_file, record, [], buffer, lambda _n: counter.look())
         for record, what in replaced:
             src = sources.fd(what.path)
             value = (checked_crcs(src, what.path, what.record, [(what.offset, what.size)], buffer) or [0])[0]

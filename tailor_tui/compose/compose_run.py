@@ -23,7 +23,15 @@ from typing import Callable, cast
 
 from tailor_tui.checked.files import FileIdentity, read_as_planned
 from tailor_tui.checkpoints.cache import cache_dir
-from tailor_tui.checkpoints.checkpoint import ARCHIVES, COPIED, PROVENANCE, TAKEN, TAKEN_WEIGHTS, read_latest
+from tailor_tui.checkpoints.checkpoint import (
+    ARCHIVES,
+    COPIED,
+    PROVENANCE,
+    TAKEN,
+    TAKEN_WEIGHTS,
+    WEIGHT_HEADERS,
+    read_latest,
+)
 from tailor_tui.compose.model_files import compose_model_file
 from tailor_tui.compose.rank_task import compose_rank
 from tailor_tui.compose.taken import FileComposed, RankComposed
@@ -189,7 +197,9 @@ class Composing(PublishingWork):
         self.taken: dict[str, dict] = {}  # rank -> what its files took (`compose.taken`), as gathered
         self.weights: dict[str, dict] = {}  # model file -> what it took (`compose.taken`), as gathered
         self.copied: dict[str, int] = {}  # the base's files copied (process 0's): output path -> CRC-32
-        self.archives: dict[str, int] = {}  # rank file (output path) -> its records' listing's CRC-32, as gathered
+        # rank file or torch-format weight file (output path) -> its records' listing's CRC-32, as gathered
+        self.archives: dict[str, int] = {}
+        self.headers: dict[str, int] = {}  # safetensors weight file -> its header's CRC-32, as gathered
         self.reports: list[dict] = []  # every process's, as gathered
 
     def begin(self) -> Declaration:
@@ -227,6 +237,8 @@ class Composing(PublishingWork):
         archives = {f"{self.plan.base.tag}/{name}": crcs for r in results if isinstance(r, RankComposed)
                     for name, crcs in r.archives.items()}
         weights = {r.name: r.taken for r in results if isinstance(r, FileComposed)}
+        headers = {r.name: r.header for r in results if isinstance(r, FileComposed) and r.header is not None}
+        archives |= {r.name: r.archive for r in results if isinstance(r, FileComposed) and r.archive is not None}
         names, tmp = self.plan.output_rank_files(), self.tmp
         assert tmp is not None, "folder() named it before any task ran"
         ranks = [t.job for t in mine if isinstance(t.job, (RankJob, ReshardJob))]
@@ -234,7 +246,7 @@ class Composing(PublishingWork):
         files += [cast(WeightJob, t.job).name for t in mine if not isinstance(t.job, (RankJob, ReshardJob))]
         return {"nonfinite": dict(nonfinite), "peak": self.peak, "shared": self.shared, "how": self.shared_how,
                 "unread": self.sources_unread, "files": {f: _size_of(tmp / f) for f in files}, "taken": taken,
-                "weights": weights, "archives": archives}
+                "weights": weights, "headers": headers, "archives": archives}
 
     def gathered(self, reports: list, lead: bool, emit: Emit) -> None:
         self.nonfinite = sum((Counter(d["nonfinite"]) for d in reports), Counter())
@@ -245,6 +257,7 @@ class Composing(PublishingWork):
         self.taken = {rank: rows for d in reports for rank, rows in d["taken"].items()}
         self.weights = {name: crcs for d in reports for name, crcs in d["weights"].items()}
         self.archives = {name: crcs for d in reports for name, crcs in d["archives"].items()}
+        self.headers = {name: crc for d in reports for name, crc in d["headers"].items()}
         self.reports = reports
 
     def publish(self) -> None:
@@ -258,7 +271,8 @@ class Composing(PublishingWork):
         self.publish_folder(provenance(plan) | {TAKEN: dict(sorted(self.taken.items(), key=lambda kv: int(kv[0]))),
                                                 TAKEN_WEIGHTS: dict(sorted(self.weights.items())),
                                                 COPIED: dict(sorted(self.copied.items())),
-                                                ARCHIVES: dict(sorted(self.archives.items()))})
+                                                ARCHIVES: dict(sorted(self.archives.items())),
+                                                WEIGHT_HEADERS: dict(sorted(self.headers.items()))})
 
 
 def _weight_writer(job):

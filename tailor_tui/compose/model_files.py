@@ -14,6 +14,11 @@ and holds each tensor of its row's chosen source:
 A partial base has no model file of its own; its save recorded the layout of the run's
 newest full checkpoint's files (`tailor_model_files.json`: headers and index), so its
 output gets the same files a full save would have written.
+
+safetensors stores no checksum: the writer records what each file holds (`FileComposed`), the CRC-32
+of every tensor as read from its source (the base's kept tensors too: read once, sequentially, even
+where the output shares their blocks) and of its header, for `--verify` to prove the file by once
+a source changed.
 """
 
 from __future__ import annotations
@@ -21,10 +26,10 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, cast
 
 from tailor_tui.checked import crc
-from tailor_tui.checked.ranges import crc_range, pread_into
+from tailor_tui.checked.ranges import crc_range, pread_exact, pread_into
 from tailor_tui.cloning import clone, worth_it
 from tailor_tui.compose.taken import FileComposed
 from tailor_tui.errors import CheckpointError
@@ -43,14 +48,19 @@ CAST_CHUNK = 1 << 20  # elements cast per step: memory stays small whatever the 
 def compose_model_file(job: ModelFileJob, out_dir: Folder, emit: Emit, cancelled: Callable[[], bool],
                      options: TaskOptions = TaskOptions()) -> FileComposed:
     """Write one model file: the base's bytes (if it has a file) with every tensor of a row
-    picked elsewhere replaced by that source's tensor; the CRC-32 of each tensor so written, of the
-    bytes read from its source or cast in memory (`compose.taken`)."""
+    picked elsewhere replaced by that source's tensor. Returns what it holds (`compose.taken`): the
+    CRC-32 of each tensor's bytes as read from its source (the base's kept ones too: read once, even
+    where the output shares their blocks) or cast in memory, and of its header (the plan's, which the
+    base's file is checked to start with)."""
     counter = ByteCounter.for_job(job, emit, cancelled, options)
-    edits = []  # (offset in the output, bytes, source index, tensor name, dtype)
+    edits = []  # (offset in the output, bytes, source index, tensor name, dtype, shape)
+    kept = []  # (offset, bytes, tensor name): the base's, kept where they are
     for name, (dtype, shape, begin, end) in parse_prefix(job.prefix).items():
         s = job.sources.get(name, 0)
         if s or job.base_file is None:
             edits.append((begin, end - begin, s, name, dtype, shape))
+        else:
+            kept.append((begin, end - begin, name))
 
     out = out_dir / job.name
     try:
@@ -61,10 +71,14 @@ def compose_model_file(job: ModelFileJob, out_dir: Folder, emit: Emit, cancelled
             fin = open_fd(stack, job.base_file) if job.base_file is not None else None
             if fin is None:
                 pwrite_all(fout, job.prefix, 0)
+            else:  # the offsets of every tensor below are the plan's header's: the base's must be it
+                _check_header(fin, job)
             # the base's blocks shared (`cloning`): only the tensors picked elsewhere are written
             replaced = sum(length for _o, length, *_rest in edits)
             how = clone(fin, fout) if fin is not None and options.clone and worth_it(replaced, job.size) else None
             fills = _Fills(job, stack, fout, writeback, lambda n: counter.add(2 * n))
+            for offset, length, name in kept:  # checked by no stored CRC-32 (safetensors has none): recorded
+                fills.taken[name] = crc_range(cast(int, fin), offset, length, fills.buffer, counter.add)
             position = 0
             for offset, length, s, name, dtype, shape in sorted(edits):
                 _keep(fin, fout, position, offset - position, counter, writeback, how)
@@ -81,9 +95,15 @@ def compose_model_file(job: ModelFileJob, out_dir: Folder, emit: Emit, cancelled
     except OSError as exc:
         raise output_error(exc, out) from None
     counter.finish()
-    return FileComposed(job.name, fills.taken)
+    return FileComposed(job.name, dict(sorted(fills.taken.items())), header=crc.crc32(job.prefix))
 
 
+def _check_header(fin: int, job: ModelFileJob) -> None:
+    """The base's file starts with the header the plan read (names, dtypes, shapes, offsets): every
+    tensor is placed by it."""
+    if pread_exact(fin, len(job.prefix), 0) != job.prefix:
+        raise CheckpointError(f"{job.base_file}: its header is not the one the composition was planned with; it "
+                              "changed since: run again once nothing writes to the run")
 def _keep(fin: int | None, fout: int, at: int, n: int, counter: ByteCounter, writeback: Writeback,
           how: str | None) -> None:
     """The base's `n` bytes at `at` kept in the output: copied, or already there in a clone (`how`)."""

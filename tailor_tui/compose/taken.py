@@ -41,11 +41,16 @@ class RankComposed:
 
 @dataclass(frozen=True)
 class FileComposed:
-    """What composing one weight file gives back: the CRC-32 of each tensor written into it from a source
-    (`taken`: {tensor: CRC-32}; the base's kept bytes are not among them)."""
+    """What composing one weight file gives back, for `--verify` to prove it by once a source changed:
+    `taken`, {tensor: CRC-32}, of a safetensors file every tensor's bytes as written (the base's kept ones
+    too), of a torch-format one each storage taken from a source; `header`, the CRC-32 of a safetensors
+    file's header (its 8-byte length and JSON); `archive`, the CRC-32 of a torch-format file's records'
+    listing as written (`written`)."""
 
     name: str
     taken: dict[str, int] = field(default_factory=dict)
+    header: int | None = None
+    archive: int | None = None
 
 
 def written(*files: Target) -> dict[str, int]:

@@ -33,6 +33,7 @@ from tailor_tui.checkpoints.checkpoint import (
     PROVENANCE,
     TAKEN,
     TAKEN_WEIGHTS,
+    WEIGHT_HEADERS,
     open_checkpoint,
     read_latest,
 )
@@ -59,13 +60,13 @@ from tailor_tui.verifying.recorded import (
     RankRows,
     file_crc,
     recorded,
-    recorded_copies,
+    recorded_crcs,
     recorded_weights,
     settle,
 )
 from tailor_tui.verifying.rows_files import RowsFiles
 from tailor_tui.verifying.torch_files import is_zip, load, torch_reads
-from tailor_tui.verifying.weights import verify_weight_file
+from tailor_tui.verifying.weights import WeightRecord, verify_weight_file
 
 
 @dataclass
@@ -125,7 +126,7 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
         return report
     composed.check_complete()  # a rank file that is no whole archive (or no regular file): exit 4, before torch
     gone = set(changed)  # and those found changed on the way: files that fail the checks the composition passed
-    archives = Archives(recorded_copies(record, ARCHIVES), out, plan.base.tag)  # (asked only once one changed)
+    archives = Archives(recorded_crcs(record, ARCHIVES), out, plan.base.tag)  # (asked only once one changed)
     if plan.reshard is not None:
         from tailor_tui.verifying.resharded import verify_resharded
 
@@ -134,13 +135,14 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
         param_row = plan.base.param_to_row()
         for rank in range(plan.base.world_size):
             _verify_rank(plan, rank, composed, param_row, report, emit, cancelled, gone, taken, archives)
+    partial = RowsFiles()
+    weights, headers = recorded_weights(record, TAKEN_WEIGHTS), recorded_crcs(record, WEIGHT_HEADERS)
+    for job in plan.model_file_jobs():
+        verify_weight_file(plan, job, report, partial, changed=frozenset(gone), record=WeightRecord(
+            None if weights is None else weights.get(job.name), None if headers is None else headers.get(job.name),
+            archives))
     for line in archives.failed:
         report.add(None, line)
-    partial = RowsFiles()
-    weights = recorded_weights(record, TAKEN_WEIGHTS)
-    for job in plan.model_file_jobs():
-        verify_weight_file(plan, job, report, partial, changed=frozenset(gone),
-                           taken=None if weights is None else weights.get(job.name))
     own = plan.own_files()
     if MODEL_FILE_INDEX in own:
         index = out / MODEL_FILE_INDEX
@@ -150,7 +152,7 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
             written = None
         if written != own[MODEL_FILE_INDEX]:
             report.add(None, f"{index}: missing or not the index the model files' layout records")
-    root, copied = plan.other_files_root(), recorded_copies(record, COPIED)
+    root, copied = plan.other_files_root(), recorded_crcs(record, COPIED)
     for rel, to in plan.other_files():
         if 0 in gone and (out / to).is_file():  # what was copied, as recorded
             if copied is None or str(to) not in copied:

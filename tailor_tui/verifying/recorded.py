@@ -54,9 +54,9 @@ def recorded_weights(record: object, key: str) -> dict[str, dict[str, int]] | No
     return found
 
 
-def recorded_copies(record: object, key: str) -> dict[str, int] | None:
-    """{path in the output: CRC-32} of the files a provenance record says were copied from the base (None: it
-    has none, or not well formed)."""
+def recorded_crcs(record: object, key: str) -> dict[str, int] | None:
+    """{path in the output: CRC-32} a provenance record keeps under `key` (the files copied from the base,
+    the archives' listings, the weight files' headers); None: it has none, or not well formed."""
     found = record.get(key) if isinstance(record, dict) else None
     return found if _crcs(found) else None
 
@@ -71,10 +71,11 @@ def file_crc(path: Path) -> int:
 
 
 class Archives:
-    """The output's rank files' records as the composition wrote them (`checkpoint.ARCHIVES`: per file, the
-    CRC-32 of its records' listing), compared with the output's own directories (zipfile's reading), each
-    file once. A file whose records match, each of them checked against its stored CRC-32 where it is read,
-    holds what was composed: the state around the rows is proven so once the base changed."""
+    """The output's rank files' (and torch-format weight files') records as the composition wrote them
+    (`checkpoint.ARCHIVES`: per file, the CRC-32 of its records' listing), compared with the output's own
+    directories (zipfile's reading), each file once. A file whose records match, each of them checked against
+    its stored CRC-32 where it is read, holds what was composed: the state around the rows is proven so once
+    the base changed."""
 
     def __init__(self, recorded: dict[str, int] | None, out: Path, tag: str):
         self.recorded, self.out, self.tag = recorded, out, tag
@@ -84,9 +85,15 @@ class Archives:
     def proven(self, names) -> bool:
         """Whether the output's rank files `names` (in its tag folder) hold the records the composition wrote;
         False where the record keeps none of one (an older output's)."""
-        return all(self._proven(f"{self.tag}/{name}") for name in names)
+        return all(self.file_proven(f"{self.tag}/{name}") for name in names)
 
-    def _proven(self, rel: str) -> bool:
+    def recorded_for(self, rel: str) -> bool:
+        """Whether the record keeps the listing of the output's file `rel` (relative to the output)."""
+        return self.recorded is not None and rel in self.recorded
+
+    def file_proven(self, rel: str) -> bool:
+        """Whether the output's file `rel` (a rank file or a torch-format weight file, relative to the output)
+        holds the records the composition wrote; a FAIL line (`failed`) where it is recorded and does not."""
         if self.recorded is None or rel not in self.recorded:
             return False
         if rel not in self.found:

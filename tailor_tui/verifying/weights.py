@@ -17,26 +17,41 @@ from __future__ import annotations
 import json
 import math
 import struct
+from dataclasses import dataclass
 from pathlib import Path
+from zlib import crc32
 
 from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, MODULE
+from tailor_tui.formats.safetensors_in import safetensors_prefix
 from tailor_tui.planning.jobs import BinFileJob
 from tailor_tui.verifying.compare import same_bytes
+from tailor_tui.verifying.recorded import Archives
 from tailor_tui.verifying.rows_files import RowsFiles
 from tailor_tui.verifying.torch_files import load, open_regular
 
 
+@dataclass(frozen=True)
+class WeightRecord:
+    """What the output's provenance record holds of one weight file (`checkpoint.TAKEN_WEIGHTS`,
+    `WEIGHT_HEADERS`, `ARCHIVES`): each tensor's CRC-32 as written, a safetensors file's header's, and the
+    output's rank and torch-format files' records' listings (`recorded.Archives`); None: not recorded."""
+
+    taken: dict | None = None
+    header: int | None = None
+    archives: Archives | None = None
+
+
 def verify_weight_file(plan, job, report, partial: RowsFiles, *, changed: frozenset = frozenset(),
-                       taken: dict | None = None) -> None:
+                       record: WeightRecord = WeightRecord()) -> None:
     """Check the output's weight file of `job` (a plan's ModelFileJob or BinFileJob). `changed`: the
-    sources that changed since the composition, not read: a model file's tensors from them are proven
-    against what the composition recorded it took (`taken`: {tensor: CRC-32}, or None), the rest of such a
-    file not compared (`report.unproven`): where the base changed, its header (a safetensors file's) or its
-    names and order (a torch-format file's) and the base's kept tensors."""
+    sources that changed since the composition, not read: the file's tensors from them are proven
+    against what the composition recorded (`record`); where the base changed, a safetensors file's header
+    too, and a torch-format file's names, order and kept tensors by its records' listing. What an older
+    record lacks is not compared (`report.unproven`)."""
     if isinstance(job, BinFileJob):
-        _verify_bin_file(plan, job, report, changed, taken)
+        _verify_bin_file(plan, job, report, changed, record)
     else:
-        _verify_safetensors_file(plan, job, report, partial, changed, taken)
+        _verify_safetensors_file(plan, job, report, partial, changed, record)
 
 
 def _differs(plan, job, report, name: str, s: int) -> None:
@@ -44,18 +59,25 @@ def _differs(plan, job, report, name: str, s: int) -> None:
     report.add(row, f"{job.name}: {name}{f' (row {row})' if row else ''} differs from {plan.sources[s].name}'s")
 
 
-def _verify_bin_file(plan, job: BinFileJob, report, changed: frozenset, taken: dict | None) -> None:
+def _verify_bin_file(plan, job: BinFileJob, report, changed: frozenset, record: WeightRecord) -> None:
     """A torch-format weight file: the base's names, each tensor's bytes its row's source's (from a source that
-    changed since: its storage's CRC-32 what the composition took)."""
+    changed since: its storage's CRC-32 what the composition took). Once the base changed, the file's records
+    as the composition wrote them (`record.archives`: names and stored CRC-32s, each record's bytes checked
+    against its own as torch's loader here reads it) prove its names, order and the base's kept tensors."""
     out_file = plan.output / job.name
     if not out_file.is_file():
         report.add(None, f"{out_file}: missing (the base has {job.name})")
         return
-    got = load(out_file)
+    got = load(out_file)  # (every record's CRC-32 checked)
     loaded: dict[Path, dict] = {}
-    if 0 in changed:
-        report.unproven.append(f"{out_file}: its names, their order and the base's tensors not compared: the base "
-                               "changed since the composition")
+    taken = record.taken
+    if 0 in changed:  # (a listing recorded that fails is a FAIL line of its own: `Archives.failed`)
+        if record.archives is None or not record.archives.recorded_for(job.name):
+            report.unproven.append(f"{out_file}: its names, their order and the base's tensors not compared: the "
+                                   "base changed since the composition, and the output's provenance record holds "
+                                   "no listing of its records")
+        else:
+            record.archives.file_proven(job.name)
     else:
         loaded[job.base_file] = load(job.base_file)
         if list(got) != list(loaded[job.base_file]):
@@ -102,16 +124,28 @@ def _once(pairs: list) -> dict:
     return found
 
 
-def _verify_safetensors_file(plan, job, report, partial: RowsFiles, changed: frozenset, taken: dict | None) -> None:
+def _verify_safetensors_file(plan, job, report, partial: RowsFiles, changed: frozenset,
+                             record: WeightRecord) -> None:
     from safetensors import SafetensorError, safe_open
 
     out_file = plan.output / job.name
     if not out_file.is_file():
         report.add(None, f"{out_file}: missing (the base has {job.name})")
         return
-    if 0 in changed and job.base_file is not None:
+    taken, prefix = record.taken, job.prefix
+    older = 0 in changed and job.base_file is not None and (record.header is None or taken is None)
+    if older:  # an older record: neither the header nor the base's tensors recorded
         report.unproven.append(f"{out_file}: its header and the base's tensors not compared: the base changed "
-                               "since the composition")
+                               "since the composition, and the output's provenance record holds no CRC-32 of them")
+    elif 0 in changed and job.base_file is not None:  # the header as written, by its recorded CRC-32
+        try:
+            prefix = safetensors_prefix(out_file)[1]
+        except (OSError, ValueError) as exc:
+            report.add(None, f"{out_file}: not a sound safetensors file ({exc})")
+            return
+        if crc32(prefix) != record.header:
+            report.add(None, f"{out_file}: its header is not the one the composition wrote (its provenance record)")
+            return
     else:
         with open_regular(out_file) as f:
             if f.read(len(job.prefix)) != job.prefix:  # names, dtypes, shapes, offsets and metadata
@@ -124,15 +158,15 @@ def _verify_safetensors_file(plan, job, report, partial: RowsFiles, changed: fro
         report.add(None, f"{out_file}: not a readable safetensors file ({str(exc)[:200]})")
         return
     try:
-        names = _header_names(job.prefix)
+        names = _header_names(prefix)
     except ValueError as exc:
         report.add(None, f"{out_file}: not a sound safetensors file ({exc})")
         return
     for name in names:
         s = job.sources.get(name, 0)
         got = out.get_tensor(name)
-        if s in changed:  # what was taken, as recorded; the base's kept tensors: none recorded
-            if s:
+        if s in changed:  # what was taken, as recorded (an older record: the base's kept tensors not among them)
+            if s or not older:
                 _taken(plan, job, report, out_file, name, s, taken, _crc(got))
             continue
         want = sources.tensor(s, name, got)
