@@ -22,7 +22,6 @@ from pathlib import Path
 from zlib import crc32
 
 from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, MODULE
-from tailor_tui.formats.safetensors_in import safetensors_prefix
 from tailor_tui.planning.jobs import BinFileJob
 from tailor_tui.verifying.compare import same_bytes
 from tailor_tui.verifying.recorded import Archives
@@ -103,6 +102,26 @@ def _verify_bin_file(plan, job: BinFileJob, report, changed: frozenset, record: 
             _differs(plan, job, report, name, s)
 
 
+# the safetensors library's own bound on a header (it refuses a longer one)
+MAX_HEADER = 100_000_000
+
+
+def _prefix(path: Path) -> bytes:
+    """A safetensors file's 8-byte header length and header, as it holds them (bounded; parsed by the library
+    and `_header_names`)."""
+    with open_regular(path) as f:
+        first = f.read(8)
+        if len(first) < 8:
+            raise ValueError(f"{len(first)} byte(s), fewer than the 8 of a header's length")
+        (length,) = struct.unpack("<Q", first)
+        if length > MAX_HEADER:
+            raise ValueError(f"a header of {length:,} bytes")
+        raw = f.read(length)
+    if len(raw) != length:
+        raise ValueError(f"a header of {length:,} bytes of which {len(raw):,} could be read")
+    return first + raw
+
+
 def _header_names(prefix: bytes) -> list[str]:
     """The tensor names of a safetensors header (8-byte little-endian length, then JSON), in its
     order. ValueError where the safetensors library would read it otherwise than it looks (it
@@ -139,7 +158,7 @@ def _verify_safetensors_file(plan, job, report, partial: RowsFiles, changed: fro
                                "since the composition, and the output's provenance record holds no CRC-32 of them")
     elif 0 in changed and job.base_file is not None:  # the header as written, by its recorded CRC-32
         try:
-            prefix = safetensors_prefix(out_file)[1]
+            prefix = _prefix(out_file)
         except (OSError, ValueError) as exc:
             report.add(None, f"{out_file}: not a sound safetensors file ({exc})")
             return
