@@ -108,16 +108,20 @@ def fsync_dir(path: Path | HeldFolder | HeldPath, durable: bool = True) -> None:
 
 
 def copy_file(src: Path, dst: Target, on_bytes: Callable[[int], None] = lambda n: None, durable: bool = True,
-              within: Path | None = None, *, crc: bool = False) -> int | None:
+              within: Path | None = None, *, crc: bool = False, opened: int | None = None) -> int | None:
     """Copy bytes (never a hard link), in chunks so progress and cancellation stay live.
     A source that changes size while it is copied is an error, never a short copy. `within`: the
     run folder `src` lies in; a symbolic link on the way that leaves it (or a file swapped in
     after the check) is refused, not read (`checked.files.open_regular`). `crc`: the bytes pass
-    through this process, and their CRC-32 is returned (else None: copied in the kernel)."""
-    try:
-        source = open_regular(src, within=within)
-    except ValueError as exc:  # a FIFO or a device put in its place
-        raise CheckpointError(f"{src}: {exc}") from None
+    through this process, and their CRC-32 is returned (else None: copied in the kernel). `opened`:
+    a descriptor of `src` the caller opened (and checked): copied from it, left open."""
+    if opened is not None:
+        source = os.dup(opened)
+    else:
+        try:
+            source = open_regular(src, within=within)
+        except ValueError as exc:  # a FIFO or a device put in its place
+            raise CheckpointError(f"{src}: {exc}") from None
     with open(source, "rb") as fin, open(create(dst), "wb") as fout:
         size = os.fstat(fin.fileno()).st_size
         offset, writeback, value = 0, Writeback(fout.fileno(), durable), None

@@ -35,6 +35,7 @@ import torch
 
 from tailor_tui.errors import CheckpointError
 from tailor_tui.formats.ptfile import check_crcs, read_structure
+from tailor_tui.kinds.folders import HF
 
 MAX_BITS = int(os.environ.get("TAILOR_FUZZ_BITS", 1500))  # per file kind
 KINDS = {
@@ -566,8 +567,8 @@ def test_every_mutated_number_of_a_training_log_is_read_as_json_loads_reads_it(r
             (folder / "trainer_state.json").write_bytes(raw)
             expected = _as_json_loads(raw)
             assert repr(_streamed(folder / "trainer_state.json")) == repr(expected), what
-            mine = SimpleNamespace(path=folder, step=step, kind="hf", layout=layout)
-            theirs = SimpleNamespace(path=run / f"checkpoint-{other}", step=other, kind="hf", layout=layout)
+            mine = SimpleNamespace(path=folder, step=step, folder=HF, layout=layout)
+            theirs = SimpleNamespace(path=run / f"checkpoint-{other}", step=other, folder=HF, layout=layout)
             logged = logged_at(mine)
             assert repr((logged.loss, logged.grad_norm)) == repr(_loss_by_rule(expected, step)), what
             histories = {step: _by_repr(expected, step), other: _by_repr(originals[other], other)}

@@ -13,6 +13,7 @@ import pytest
 from pilot_helpers import curve_drawn, private_copy, scanned
 
 from tailor_tui.health.healing import MAX_CURVE_POINTS, TrainingCurve, training_curve
+from tailor_tui.kinds.folders import FOLDER_KINDS
 from tailor_tui.ui.app import make_app
 from tailor_tui.ui.dialogs import HelpScreen
 from tailor_tui.ui.health_actions import LossCurve
@@ -24,7 +25,7 @@ def _checkpoint(folder: Path, step: int, history: list | None, kind: str = "hf")
     folder.mkdir(parents=True)
     if history is not None:
         (folder / "trainer_state.json").write_text(json.dumps({"log_history": history}))
-    return SimpleNamespace(path=folder, step=step, kind=kind)
+    return SimpleNamespace(path=folder, step=step, folder=FOLDER_KINDS[kind])
 
 
 # --- what is read ------------------------------------------------------------------------------

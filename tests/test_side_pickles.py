@@ -99,6 +99,33 @@ def test_a_missing_storage_record_is_refused(rng, tmp_path):
     torch_fails(crafted)
 
 
+def test_the_check_reads_the_file_the_copy_reads_whatever_is_at_its_path_by_then(rng, tmp_path):
+    """The composer checks a run-level file through the descriptor it copies from (`fd=`): a crafted file
+    opened, then a sound one renamed over its path, is refused, naming the path; a sound one opened, then a
+    crafted one put at its path, passes (the crafted one is never read, nor copied)."""
+    import os
+
+    change, needle = CRAFTED["unknown device"]
+    crafted, sound, path = tmp_path / "crafted", tmp_path / "sound", tmp_path / rng.name
+    for opened, then, fails in ((crafted, sound, True), (sound, crafted, False)):
+        rezip(rng, crafted, change)
+        shutil.copyfile(rng, sound)
+        shutil.copyfile(opened, path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.replace(then, path)
+            if fails:
+                with pytest.raises(CheckpointError) as caught:
+                    check_side_file(path, fd=fd)
+                assert str(caught.value).startswith(f"{path}: refused to load: ") and needle in str(caught.value)
+            else:
+                check_side_file(path, fd=fd)
+                with pytest.raises(CheckpointError):
+                    check_side_file(path)  # (what is at the path now is the crafted one)
+        finally:
+            os.close(fd)
+
+
 def test_the_same_records_rezipped_pass_and_load(rng, tmp_path):
     """The crafting itself is no cause: the file re-zipped unchanged passes and torch loads it."""
     import torch

@@ -18,6 +18,7 @@ from helpers import assert_one_line_error, tailor, tailor_peak
 from refusal_cases import log_numbers
 
 from tailor_tui.health.healing import training_curve
+from tailor_tui.kinds.folders import HF
 
 WIDE = "9" * 401  # a 401-digit integer
 WIDER = "1" + "0" * 4_999  # past the 4,300 digits Python's int() reads
@@ -96,7 +97,7 @@ def test_the_curve_leaves_out_what_is_past_64_bits(tmp_path):
                f'{{"step": 4, "loss": 2.5, "grad_norm": {WIDER}}}', '{"step": 5, "loss": 1e999}',
                '{"step": 6, "loss": 2.0, "grad_norm": 18446744073709551615}']
     (folder / "trainer_state.json").write_text('{"log_history": [' + ", ".join(entries) + "]}")
-    curve = training_curve([SimpleNamespace(path=folder, step=6, kind="hf")])
+    curve = training_curve([SimpleNamespace(path=folder, step=6, folder=HF)])
     assert (curve.steps, curve.losses) == ((1, 4, 6), (3.0, 2.5, 2.0))
     assert (curve.grad_steps, curve.grad_norms) == ((6,), (float(2**64 - 1),))
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from tailor_tui.formats.ds_format import (
 from tailor_tui.formats.ptfile import check_complete
 from tailor_tui.formats.safetensors_in import safetensors_header
 from tailor_tui.kinds.base import RankFiles, SaveKind
+from tailor_tui.kinds.folders import DEEPSPEED, FOLDER_KINDS, HF, MODEL_CONFIG, TRAINER_STATE, FolderKind, folder_kind
 from tailor_tui.kinds.partial import (
     PARTIAL_MANIFEST,
     PARTIAL_MODEL_FILES,
@@ -63,13 +63,12 @@ COPIED = "copied"
 # and the CRC-32 its directory entry stores (4 bytes, little-endian): one number proves which records, each by
 # its own CRC-32
 ARCHIVES = "archives"
-TRAINER_STATE = "trainer_state.json"  # in an HF checkpoint-N: the Trainer's state and log history
 
 
 @dataclass(frozen=True)
 class Checkpoint:
     path: Path  # how recipes name it: the HF checkpoint-N folder, or the tag folder
-    kind: str  # "hf" (HF Trainer checkpoint-N), "accelerate" (save_state's checkpoint_N) or "deepspeed"
+    folder: FolderKind  # the layout of the folder it lies in (`kinds.folders`): HF, ACCELERATE or DEEPSPEED
     tag: str
     tag_dir: Path
     save_dir: Path  # the folder holding `latest` and the recovery scripts
@@ -93,10 +92,16 @@ class Checkpoint:
     gone: bool = False
 
     @property
+    def kind(self) -> str:
+        """Its folder's kind by name: "hf" (HF Trainer checkpoint-N), "accelerate" (save_state's checkpoint_N)
+        or "deepspeed" (a tag folder of a save_dir)."""
+        return self.folder.name
+
+    @property
     def in_folder(self) -> bool:
         """Named by a checkpoint folder that holds the tag folder beside the training loop's other
         files (HF Trainer, Accelerate): composed as a whole folder; else a DeepSpeed tag folder."""
-        return self.kind in ("hf", "accelerate")
+        return self.folder.in_folder
 
     @property
     def peft(self) -> bool:
@@ -206,22 +211,7 @@ def is_tag_dir(folder: Path) -> bool:
     return (folder / MODEL_STATES.format(rank=0)).is_file()
 
 
-ACCELERATE_TAG = re.compile(r"^pytorch_model(_\d+)?$", re.ASCII)  # Accelerate's save_state: DeepSpeed's tag of model i
-ACCELERATE_STATE = re.compile(r"^random_states_\d+\.pkl$", re.ASCII)  # and the RNG state of every process beside it
-
-
-def holds_checkpoint(folder: Path, tag: str) -> str | None:
-    """"hf" or "accelerate" when `folder`, whose `latest` names `tag`, is a checkpoint folder
-    holding the tag folder and the training loop's other files (the HF Trainer's checkpoint-N,
-    Accelerate's save_state checkpoint_N); None for a bare DeepSpeed save_dir."""
-    if (folder / TRAINER_STATE).is_file():
-        return "hf"
-    if ACCELERATE_TAG.match(tag) and any(ACCELERATE_STATE.match(p.name) for p in folder.iterdir()):
-        return "accelerate"
-    return None
-
-
-def _locate(path: Path) -> tuple[str, Path, Path, Path]:
+def _locate(path: Path) -> tuple[FolderKind, Path, Path, Path]:
     """(kind, named path, tag_dir, save_dir) for whatever folder the user named."""
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint folder; check the path")
@@ -229,10 +219,10 @@ def _locate(path: Path) -> tuple[str, Path, Path, Path]:
         raise CheckpointError(f"{path}: not a folder; name a checkpoint-N or tag folder")
     if is_tag_dir(path):
         parent = path.parent
-        kind = holds_checkpoint(parent, path.name) if read_latest(parent, run=parent) == path.name else None
+        kind = folder_kind(parent, path.name) if read_latest(parent, run=parent) == path.name else None
         if kind is not None:
             return kind, parent, path, parent
-        return "deepspeed", path, path, parent
+        return DEEPSPEED, path, path, parent
     tag = read_latest(path, strict=True, run=path.parent)
     if tag is not None:
         tag_dir = path / tag
@@ -241,10 +231,10 @@ def _locate(path: Path) -> tuple[str, Path, Path, Path]:
                 f"{path}/latest names tag '{tag}', but {tag_dir} holds no "
                 f"{MODEL_STATES.format(rank=0)}; the checkpoint is incomplete"
             )
-        kind = holds_checkpoint(path, tag)
+        kind = folder_kind(path, tag)
         if kind is not None:
             return kind, path, tag_dir, path
-        return "deepspeed", tag_dir, tag_dir, path
+        return DEEPSPEED, tag_dir, tag_dir, path
     raise CheckpointError(
         f"{path}: not a DeepSpeed ZeRO-3 checkpoint (no `latest` file and no "
         f"{MODEL_STATES.format(rank=0)}); name a checkpoint-N folder or a tag folder"
@@ -272,7 +262,7 @@ def read_manifest(folder: Path) -> dict:
             raise ValueError("not a tailor-partial manifest")
         if manifest.get("version") != 1:
             raise ValueError(f"version {manifest.get('version')}; this tailor-tui reads version 1, upgrade it")
-        if manifest.get("layout") not in ("hf", "deepspeed"):
+        if manifest.get("layout") not in (HF.name, DEEPSPEED.name):
             raise ValueError(f"unknown layout {manifest.get('layout')!r}")
         manifest["tag"], manifest["rows"], manifest["dtype"]  # noqa: B018 (must be there)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -344,13 +334,13 @@ def open_checkpoint(path: str | Path, *, cache: Path | None = None) -> Checkpoin
     path = Path(path)
     manifest = read_manifest(path) if os.path.lexists(path / PARTIAL_MANIFEST) else None
     if manifest:  # a partial checkpoint (tailor_tui.selective): its manifest names the tag
-        kind, named, tag_dir, save_dir = manifest["layout"], path, path / manifest["tag"], path
+        kind, named, tag_dir, save_dir = FOLDER_KINDS[manifest["layout"]], path, path / manifest["tag"], path
     else:
         kind, named, tag_dir, save_dir = _locate(path)
     model_states = tag_dir / MODEL_STATES.format(rank=0)
     run = named.parent  # no link inside the checkpoint leads out of it (`checked.files.confine`)
     for f in (model_states, *(save_dir / n for n in (PROVENANCE, "latest")),
-              *(named / n for n in (TRAINER_STATE, "config.json", PARTIAL_MODEL_FILES))):
+              *(named / n for n in (TRAINER_STATE, MODEL_CONFIG, PARTIAL_MODEL_FILES))):
         confine(f, run)
     states = scan_cache.cached(model_states, read_model_states, cache=cache)
     check_version(model_states, states.ds_version)  # a cached entry too: the releases read may change
@@ -379,7 +369,7 @@ def open_checkpoint(path: str | Path, *, cache: Path | None = None) -> Checkpoin
                     f"{layout.world_size} ranks and is incomplete"
                 ) from None
             sizes[f], identities[f] = st.st_size, FileIdentity.of(st)
-    model_files = hf_model_files(named) if kind == "hf" and not manifest else ()
+    model_files = hf_model_files(named) if kind.weights_per_row and not manifest else ()
     for f in model_files:
         confine(f, run)
         if not f.is_file():
@@ -388,7 +378,7 @@ def open_checkpoint(path: str | Path, *, cache: Path | None = None) -> Checkpoin
         sizes[f], identities[f] = st.st_size, FileIdentity.of(st)
     return Checkpoint(
         path=named,
-        kind=kind,
+        folder=kind,
         tag=tag_dir.name,
         tag_dir=tag_dir,
         save_dir=save_dir,
@@ -406,7 +396,7 @@ def open_checkpoint(path: str | Path, *, cache: Path | None = None) -> Checkpoin
                            path / PARTIAL_MODEL_FILES if (path / PARTIAL_MODEL_FILES).is_file() else None)
         if manifest else FULL_SAVE,
         composed=written_by_tailor(named, tag_dir, save_dir),
-        weight_files=weight_file_names(named, tag_dir) if kind in ("hf", "accelerate") and not manifest else (),
+        weight_files=weight_file_names(named, tag_dir) if kind.in_folder and not manifest else (),
     )
 
 

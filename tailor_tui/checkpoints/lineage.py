@@ -27,9 +27,10 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
-from tailor_tui.checkpoints.checkpoint import TRAINER_STATE, Checkpoint, distinct_names
+from tailor_tui.checkpoints.checkpoint import Checkpoint, distinct_names
 from tailor_tui.checkpoints.side_files import MAX_RECORD, RESTART, SKIPPED, Known, Unread, WideIntegers, json_items
 from tailor_tui.errors import UsageError
+from tailor_tui.kinds.folders import TRAINER_STATE
 
 WHOLE = (1 << 63) - 1  # a log read whole: every entry's step but those no checkpoint reaches (nor an array's 'q' holds)
 KEPT_ENTRIES = 8_000_000  # log entries the histories kept between their readers hold at most (16 bytes each)

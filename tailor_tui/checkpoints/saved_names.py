@@ -60,6 +60,7 @@ from typing import Callable
 
 from tailor_tui.checkpoints.cache import cache_dir, entry, read_json, write_json
 from tailor_tui.checkpoints.side_files import load_json
+from tailor_tui.kinds.folders import MODEL_CONFIG
 
 Rename = Callable[[str], str]
 
@@ -98,7 +99,7 @@ def loaded_names(folder: Path, names: Iterable[str]) -> dict[str, str] | None:
 
 def _config(folder: Path) -> str | None:
     """`folder/config.json`, canonical (keys sorted), or None where there is none that is an object."""
-    config = folder / "config.json"
+    config = folder / MODEL_CONFIG
     try:
         data = load_json(config) if config.is_file() else None
     except (OSError, ValueError):

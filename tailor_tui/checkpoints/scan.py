@@ -16,9 +16,7 @@ from tailor_tui.checkpoints.cache import ROOT, Where, chosen
 from tailor_tui.checkpoints.checkpoint import (
     PARTIAL_MANIFEST,
     PROVENANCE,
-    TRAINER_STATE,
     Checkpoint,
-    holds_checkpoint,
     is_tag_dir,
     open_checkpoint,
     read_latest,
@@ -26,6 +24,7 @@ from tailor_tui.checkpoints.checkpoint import (
 )
 from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json
 from tailor_tui.errors import CheckpointError, UsageError
+from tailor_tui.kinds.folders import TRAINER_STATE, folder_kind
 from tailor_tui.units import read_as
 
 
@@ -82,7 +81,7 @@ def run_of_checkpoint(path: Path) -> Path | None:
     """The run folder of the checkpoint folder `path` (a DeepSpeed tag folder, or a folder holding
     `latest` and its tag: an HF checkpoint-N, a save_dir); None when `path` is no checkpoint."""
     tag = read_latest(path) if (path / "latest").is_file() else None
-    if not (is_tag_dir(path) or (tag is not None and holds_checkpoint(path, tag) is not None)):
+    if not (is_tag_dir(path) or (tag is not None and folder_kind(path, tag) is not None)):
         return None
     run = path.resolve().parent
     if (run / TRAINER_STATE).is_file():  # the tag folder inside an HF checkpoint-N
@@ -123,10 +122,10 @@ def find_checkpoint_dirs(root: Path, interrupted: list[Path] | None = None) -> l
         elif is_tag_dir(here):
             # A tag folder inside an HF checkpoint-N (or Accelerate checkpoint_N) folder is named by its parent.
             parent = here.parent
-            if not (_latest(parent, root) == here.name and holds_checkpoint(parent, here.name)):
+            if not (_latest(parent, root) == here.name and folder_kind(parent, here.name)):
                 found.append(here)
             dirnames.clear()
-        elif (tag := _latest(here, root)) and holds_checkpoint(here, tag):
+        elif (tag := _latest(here, root)) and folder_kind(here, tag):
             found.append(here)
             dirnames[:] = [d for d in dirnames if d != tag]
         elif tag is _LEAVES and here != root:  # opening it says why it is unusable
@@ -144,11 +143,11 @@ def is_training_checkpoint(folder: Path) -> bool:
         return not written_by_tailor(folder, folder, folder)
     if is_tag_dir(folder):
         parent = folder.parent
-        if read_latest(parent) == folder.name and holds_checkpoint(parent, folder.name):
+        if read_latest(parent) == folder.name and folder_kind(parent, folder.name):
             return not written_by_tailor(parent, folder, parent)
         return not written_by_tailor(folder, folder, parent)
     tag = read_latest(folder) if folder.is_dir() else None
-    if not tag or not holds_checkpoint(folder, tag):
+    if not tag or not folder_kind(folder, tag):
         return False
     return not written_by_tailor(folder, folder / tag, folder)
 

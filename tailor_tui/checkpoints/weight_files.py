@@ -35,6 +35,7 @@ from tailor_tui.errors import CheckpointError, IncompatibleError
 from tailor_tui.formats.ds_format import RECOVERY_SCRIPTS
 from tailor_tui.formats.pickled import TensorRef
 from tailor_tui.formats.ptfile import file_format, read_structure
+from tailor_tui.kinds.folders import MODEL_CONFIG, TRAINER_STATE
 
 COMPOSED, COPIED = "composed per row", "copied from the base"
 
@@ -131,11 +132,11 @@ def weight_file_names(folder: Path, tag_dir: Path) -> tuple[str, ...]:
 def describe_run_level(rel: Path) -> str:
     name = rel.name
     known = {
-        "trainer_state.json": "run-level: the Trainer's state",
+        TRAINER_STATE: "run-level: the Trainer's state",
         "training_args.bin": "run-level: the training arguments",
         "scheduler.pt": "run-level: the LR scheduler",
         "optimizer.pt": "run-level",
-        "config.json": "run-level: the model's config",
+        MODEL_CONFIG: "run-level: the model's config",
         "generation_config.json": "run-level: the model's config",
         "adapter_config.json": "run-level: the adapter's config",
         "README.md": "run-level: the model card",

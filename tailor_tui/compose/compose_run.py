@@ -13,6 +13,7 @@ output path. Sources are only ever opened for reading.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import zipfile
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, cast
 
-from tailor_tui.checked.files import FileIdentity, read_as_planned
+from tailor_tui.checked.files import FileIdentity, changed_error, open_regular, read_as_planned
 from tailor_tui.checkpoints.cache import cache_dir
 from tailor_tui.checkpoints.checkpoint import (
     ARCHIVES,
@@ -35,7 +36,7 @@ from tailor_tui.checkpoints.checkpoint import (
 from tailor_tui.compose.model_files import compose_model_file
 from tailor_tui.compose.rank_task import compose_rank
 from tailor_tui.compose.taken import FileComposed, RankComposed
-from tailor_tui.errors import Cancelled, NonFiniteError, OutputError
+from tailor_tui.errors import Cancelled, CheckpointError, NonFiniteError, OutputError
 from tailor_tui.events import Emit, TaskFinished, TaskOptions, written_and_shared
 from tailor_tui.fileio import copy_file, fsync_dir, output_error, write_file
 from tailor_tui.formats.side_pickles import check_side_file
@@ -325,14 +326,33 @@ def _copy_other_files(plan: ComposePlan, tmp: HeldFolder, cancel: threading.Even
             dst.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise output_error(exc, dst.parent) from None
-        check_side_file(root / rel)  # scheduler.pt, rng_state_*.pth, training_args.bin: as torch reads them
-        try:  # (no link out of the run)
-            value = copy_file(root / rel, dst, durable=durable, within=plan.base.path.parent, crc=True)
+        copied[str(to)] = _copy_checked(root / rel, dst, plan.base.path.parent, durable)
+    return copied
+
+
+def _copy_checked(src: Path, dst: HeldPath, run: Path, durable: bool) -> int:
+    """A run-level file of the base copied into the output, checked as torch reads it (scheduler.pt,
+    rng_state_*.pth, training_args.bin: `side_pickles`) through the one descriptor the copy reads, the
+    file's identity the same (fstat) from before the check to after the copy: the bytes checked are the
+    bytes copied. Returns their CRC-32."""
+    try:
+        fd = open_regular(src, within=run)  # (no link out of the run)
+    except ValueError as exc:  # a FIFO or a device
+        raise CheckpointError(f"{src}: {exc}") from None
+    try:
+        before = FileIdentity.of(os.fstat(fd))
+        check_side_file(src, fd=fd)
+        try:
+            value = copy_file(src, dst, durable=durable, crc=True, opened=fd)
         except OSError as exc:
             raise output_error(exc, dst) from None
-        assert value is not None, "copy_file(crc=True) returns the CRC-32"
-        copied[str(to)] = value
-    return copied
+        now = FileIdentity.of(os.fstat(fd))
+        if now != before:
+            raise changed_error(src, before, now, "while it was checked and copied")
+    finally:
+        os.close(fd)
+    assert value is not None, "copy_file(crc=True) returns the CRC-32"
+    return value
 
 
 def verify_output(plan: ComposePlan, root: Path) -> None:

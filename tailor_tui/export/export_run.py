@@ -26,11 +26,12 @@ from tailor_tui.export.rank import export_rank
 from tailor_tui.fileio import copy_file, create, output_error, pwrite_all, write_file
 from tailor_tui.formats.safetensors_out import INDEX
 from tailor_tui.held import HeldFolder
+from tailor_tui.kinds.folders import MODEL_CONFIG
 from tailor_tui.planning.provenance import provenance
 from tailor_tui.team.transaction import Declaration, PublishingWork, Task, run_as_team
 from tailor_tui.team.workers import STREAMING_WORKER
 
-CONFIG = "config.json"
+CONFIG = MODEL_CONFIG  # (its name here, a documented one: `export.CONFIG`)
 # what save_pretrained and a tokenizer's save_pretrained write beside the weights
 COMPANIONS = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
               "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
@@ -57,7 +58,8 @@ def config_source(export: Export, config: Path | None) -> Path | None:
                              "holding it (and the tokenizer files)")
         return path
     base = export.plan.base
-    return base.path / CONFIG if base.kind == "hf" and (base.path / CONFIG).is_file() else None
+    kept = base.folder.model_config
+    return base.path / kept if kept is not None and (base.path / kept).is_file() else None
 
 
 def run_export(export: Export, *, config: Path | None, workers: int | None = None, emit: Emit = lambda e: None,

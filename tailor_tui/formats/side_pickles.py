@@ -48,10 +48,23 @@ from tailor_tui.formats.side_globals import DEVICE, stand_in
 MIN_VERSION, MAX_VERSION = 1, 10
 
 
-def check_side_file(path: Path) -> None:
+def check_side_file(path: Path, *, fd: int | None = None) -> None:
     """Refuse (CheckpointError, one line naming the file) a side file torch would not load as it is
-    (see the module's doc); nothing it names is imported or run."""
+    (see the module's doc); nothing it names is imported or run. `fd`: a descriptor of the file, opened by
+    the caller, who copies from it: the checks read that file (through /proc/self/fd, whatever is at
+    `path` by now), so the bytes checked are the bytes copied."""
     path = Path(path)
+    through = Path(f"/proc/self/fd/{fd}") if fd is not None else None
+    if through is None or not through.exists():  # (no /proc: by its path, the caller's fstat compares)
+        _check(path)
+        return
+    try:
+        _check(through)
+    except CheckpointError as exc:
+        raise CheckpointError(str(exc).replace(str(through), str(path))) from None
+
+
+def _check(path: Path) -> None:
     check_crcs(path)
     fmt = file_format(path)
     if fmt == "zip":

@@ -246,7 +246,7 @@ def training_curve(checkpoints: Sequence[Checkpoint]) -> TrainingCurve:
     marks = tuple(c.step for c in checkpoints)
     points: dict[int, tuple[float, float | None]] = {}
     read = False
-    newest = sorted((c for c in checkpoints if c.kind == "hf"), key=lambda c: c.step, reverse=True)
+    newest = sorted((c for c in checkpoints if c.folder.training_log), key=lambda c: c.step, reverse=True)
     for ckpt in newest[:CURVE_LOGS_TRIED]:
         found = _curve_points(Path(ckpt.path))
         read = read or found is not None

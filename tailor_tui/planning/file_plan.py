@@ -116,7 +116,7 @@ def _tensor_sources(base: Checkpoint, picks: dict[str, int], tensors: list[str],
 def _weight_files(base: Checkpoint) -> list[Path]:
     """An HF base's safetensors files other than its 16-bit model files (a PEFT adapter, …), from
     the weight files its opening listed."""
-    if base.kind != "hf":
+    if not base.folder.weights_per_row:
         return []
     model = {f.relative_to(base.path) for f in base.model_files}
     return [rel for rel in map(Path, base.weight_files) if is_safetensors(rel) and rel not in model]
@@ -125,7 +125,7 @@ def _weight_files(base: Checkpoint) -> list[Path]:
 def _bin_files(base: Checkpoint) -> list[Path]:
     """An HF base's torch-format weight files (`pytorch_model*.bin`, `adapter_model.bin`) in torch's
     zip format, which the torch-free writer composes."""
-    if base.kind != "hf":
+    if not base.folder.weights_per_row:
         return []
     return [rel for rel in map(Path, base.weight_files) if is_bin_weights(rel) and composable(base.path / rel)]
 

@@ -92,7 +92,7 @@ def check_output(out: Path, sources, force: bool, preview: bool = False) -> str 
         if mine is not None and mine in {identity(p) for p in _ancestors(src.path)}:
             raise OutputError(f"output {out}: holds source checkpoint {src.path}; replacing it would "
                               "delete the source; choose another output folder")
-        if src.kind == "deepspeed" and mine is not None and mine == identity(src.save_dir):
+        if not src.in_folder and mine is not None and mine == identity(src.save_dir):
             raise OutputError(f"output {out}: is the save_dir of source {src.path}; choose another folder")
     _check_not_in_training_checkpoint(out, mine)
     if out.exists() and not out.is_dir():

@@ -195,7 +195,7 @@ class ComposePlan:
     def _read_model_layout(self):
         if self.base.model_files:
             return ModelFileLayout.of_files(self.base.model_files)
-        if self.base.kind != "hf":
+        if not self.base.folder.weights_per_row:
             return None
         if self.base.saved.model_layout is not None:
             return ModelFileLayout.read(self.base.saved.model_layout)
@@ -328,7 +328,7 @@ class ComposePlan:
         tied = [f"{r.name} tied to {tied_partner(self.base, r)}" for r in self.base.rows if r.tied]
         if tied:
             lines.append("; ".join(tied))
-        if self.base.kind == "hf" and self.base.saved.masters_only and self.model_layout() is None:
+        if self.base.folder.weights_per_row and self.base.saved.masters_only and self.model_layout() is None:
             lines.append("model files: none (the partial base recorded no 16-bit model-file layout and no source "
                          "in the recipe is a full HF checkpoint; DeepSpeed and the HF Trainer resume without them)")
         for row in self.base.rows:

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tailor_tui.kinds.folders import TRAINER_STATE
 from tailor_tui.runs.blowup import blow_up, blow_up_callback
 from tailor_tui.runs.models import (  # noqa: F401
     batch_inputs,
@@ -321,7 +322,7 @@ def _resume_rank(rank, world, port, spec: RunSpec, ckpt: str | Path, resave: str
                 if logs and "loss" in logs:
                     losses.append(float(logs["loss"]))
 
-        step = json.loads((ckpt / "trainer_state.json").read_text())["global_step"]
+        step = json.loads((ckpt / TRAINER_STATE).read_text())["global_step"]
         trainer = make_trainer(spec, _trainer_args(spec, Path(resave) / "trainer-out", step + 1), [ResaveThenLog()])
         trainer.train(resume_from_checkpoint=str(ckpt))
     else:
@@ -407,7 +408,7 @@ def resume_demo(ckpt: Path) -> str:
     if not spec_file.is_file():
         raise SystemExit(f"error: {ckpt}: not beside a run made by tailor-tui --make-demo (no {spec_file.name})")
     spec = RunSpec.from_key(spec_file.read_text())
-    state = json.loads((ckpt / "trainer_state.json").read_text()) if spec.layout == "hf" else {}
+    state = json.loads((ckpt / TRAINER_STATE).read_text()) if spec.layout == "hf" else {}
     step = state.get("global_step", "?")
     with tempfile.TemporaryDirectory(prefix="tailor-resume-") as scratch:
         losses = resume_and_step(ckpt, spec, scratch)

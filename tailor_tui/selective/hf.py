@@ -46,6 +46,7 @@ from transformers import TrainerCallback
 
 from tailor_tui.checkpoints.checkpoint import hf_model_files
 from tailor_tui.checkpoints.model_layout import ModelFileLayout
+from tailor_tui.kinds.folders import TRAINER_STATE
 from tailor_tui.kinds.partial import PARTIAL_MODEL_FILES
 from tailor_tui.selective.run_saves import barrier, newer_than, removable, run_saves, set_aside
 from tailor_tui.selective.saver import model_rows, save_rows
@@ -150,7 +151,7 @@ class SelectiveCheckpointCallback(TrainerCallback):
                     trainer.state.stateful_callbacks[name].append(exported)
                 else:
                     trainer.state.stateful_callbacks[name] = exported
-        trainer.state.save_to_json(str(folder / "trainer_state.json"))
+        trainer.state.save_to_json(str(folder / TRAINER_STATE))
         layout = self._model_file_layout(Path(trainer.args.output_dir))
         if layout is not None:
             (folder / PARTIAL_MODEL_FILES).write_text(layout.to_json())

@@ -23,6 +23,7 @@ from tailor_tui.checkpoints.checkpoint import PROVENANCE, read_manifest
 from tailor_tui.checkpoints.scan import find_checkpoint_dirs, scan
 from tailor_tui.errors import CheckpointError
 from tailor_tui.health.guard import newest_finite
+from tailor_tui.kinds.folders import TRAINER_STATE
 from tailor_tui.kinds.partial import PARTIAL_MANIFEST
 
 RESUME_PREFIX = "resume-step"
@@ -58,7 +59,7 @@ def run_saves(output_dir: str | Path) -> list[Save]:
 
 def _step(folder: Path) -> int:
     try:
-        return int(json.loads((folder / "trainer_state.json").read_text())["global_step"])
+        return int(json.loads((folder / TRAINER_STATE).read_text())["global_step"])
     except (OSError, ValueError, KeyError, TypeError):
         found = re.search(r"(\d+)$", folder.name, re.ASCII)
         return int(found.group(1)) if found else 0

@@ -206,7 +206,7 @@ def details_lines(comp: Composition, health: Health | None, row_name: str, colum
         lines += _row_lines(comp, health, row, column, metric=metric, computing=computing)
     if column is not None:
         c = comp.checkpoints[column]
-        kind = {"hf": "HF Trainer", "accelerate": "Accelerate save_state"}.get(c.kind, "DeepSpeed save_dir")
+        kind = c.folder.label
         model = sum(c.sizes[f] for f in c.model_files)
         lines += [
             "",

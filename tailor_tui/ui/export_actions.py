@@ -44,7 +44,7 @@ class ExportActions:
             if not value:
                 return
             recipe = dataclasses.replace(comp.to_recipe(), output=Path(os.path.expanduser(value)))
-            if comp.base_checkpoint.kind == "hf":  # the config comes with the base
+            if comp.base_checkpoint.folder.model_config:  # the config comes with the base
                 self.export_worker(recipe, None)
                 return
 
