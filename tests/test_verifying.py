@@ -84,7 +84,7 @@ def test_a_wrong_cast_of_a_partials_masters_is_reported(selective_hf, tmp_path, 
     reported, and no other row."""
     runs, p4 = selective_hf
     real = model_files._cast
-    monkeypatch.setattr(model_files, "_cast", lambda view, dtype: _one_bit_off(real(view, dtype)))
+    monkeypatch.setattr(model_files, "_cast", lambda view, stored, dtype: _one_bit_off(real(view, stored, dtype)))
     report = _compose_from_partial(selective_hf, tmp_path / "out")
     found = _rows(report)
     assert set(found) == set(p4.saved.rows), found

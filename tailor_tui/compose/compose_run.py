@@ -162,12 +162,8 @@ def files_read(plan: ComposePlan, job) -> dict[Path, FileIdentity]:
     """The identity the plan recorded of each source file `job` reads (its checkpoints' when opened)."""
     if isinstance(job, (RankJob, ReshardJob)):
         paths = [f for files in job.files.values() for f in files.existing()]
-    elif isinstance(job, BinFileJob):
-        paths = [job.base_file, *(f for files in job.source_files.values() for f in files)]
     else:
-        paths = [*(() if job.base_file is None else (job.base_file,)),
-                 *(f for files in job.source_files.values() for f in files),
-                 *(f for ranks in job.partial_ranks.values() for files in ranks for f in files.existing())]
+        paths = [*(() if job.base_file is None else (job.base_file,)), *job.source_paths()]
     return plan.identities_of(paths)
 
 

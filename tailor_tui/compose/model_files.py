@@ -38,8 +38,9 @@ from tailor_tui.fileio import CREATE, Folder, OpenFiles, Writeback, copy_range, 
 from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, MODULE
 from tailor_tui.formats.dtypes import SAFETENSORS_ITEMSIZE
 from tailor_tui.formats.safe_load import load_pt
-from tailor_tui.formats.safetensors_in import parse_prefix, safetensors_tensors
-from tailor_tui.kinds.partial import PARTIAL_MODEL_FILES, PartialRankReader
+from tailor_tui.formats.safetensors_in import parse_prefix
+from tailor_tui.kinds.base import WeightPiece
+from tailor_tui.kinds.partial import PARTIAL_MODEL_FILES, MasterWeights
 from tailor_tui.planning.jobs import ModelFileJob
 
 CAST_CHUNK = 1 << 20  # elements cast per step: memory stays small whatever the tensor size
@@ -116,85 +117,70 @@ def _keep(fin: int | None, fout: int, at: int, n: int, counter: ByteCounter, wri
 
 
 class _Fills:
-    """Writes one tensor's bytes at its place in the output, from its chosen source."""
+    """Writes one tensor's bytes at its place in the output, from its chosen source, where its kind says they
+    lie (`kinds.base.WeightSource`): copied as they are stored, or read (checked against the CRC-32 a
+    partial save recorded) and cast to the file's dtype."""
 
     def __init__(self, job: ModelFileJob, stack: contextlib.ExitStack, fout: int, writeback: Writeback,
                  on_bytes: Callable[[int], None]):
         self.job, self.stack, self.fout, self.writeback, self.on_bytes = job, stack, fout, writeback, on_bytes
         self.fd = OpenFiles(stack).fd
-        self.where: dict[int, dict[str, tuple[Path, tuple]]] = {}
-        self.rows_index: dict[Path, PartialRankReader] = {}  # a partial rank's rows file, read once
         self.taken: dict[str, int] = {}  # tensor -> the CRC-32 of the bytes written for it
         self.buffer = memoryview(bytearray(CAST_CHUNK * 4))
 
     def write(self, s: int, name: str, dtype: str, shape: tuple, offset: int, length: int) -> None:
-        if s in self.job.partial_ranks:
-            param = self.job.params.get(name, name)  # the file's name for it may be another (saved names)
-            if param in self.job.slots[s]:
-                self.taken[name] = self._cast_slices(s, param, dtype, offset)
-            else:  # a frozen parameter or a buffer: small, kept in model_states
-                data = source_tensor(self.job, s, param, dtype, shape)
-                pwrite_all(self.fout, data, offset)
-                self.taken[name] = crc.crc32(data)
-            self.on_bytes(length)
-            return
-        path, (their_dtype, their_shape, begin, end) = self._find(s, name)
-        if (their_dtype, their_shape) != (dtype, shape):
-            raise CheckpointError(
-                f"{path}: tensor {name} is {their_dtype} {list(their_shape)}, the base's "
-                f"{dtype} {list(shape)}; the checkpoints are from different models"
-            )
-        fd = self.fd(path)
-        self.taken[name] = crc_range(fd, begin, length, self.buffer)  # what is taken (safetensors stores no CRC)
-        copy_range(fd, self.fout, begin, length, self.on_bytes, offset, self.writeback)
-
-    def _find(self, s: int, name: str) -> tuple[Path, tuple]:
-        if s not in self.where:
-            self.where[s] = {n: (f, info) for f in self.job.source_files[s]
-                             for n, info in safetensors_tensors(f).items()}
-        if name not in self.where[s]:
+        source, param = self.job.weights[s], self.job.params.get(name, name)  # (the file's name may be another)
+        try:
+            pieces = source.pieces(name, param, dtype, shape)
+        except KeyError:
             base = (f"the base's {self.job.base_file}" if self.job.base_file else  # a partial base: its record
                     f"the base's record {Path(self.job.source_names[0]) / PARTIAL_MODEL_FILES}")
             raise CheckpointError(
                 f"{self.job.source_names[s]}: its 16-bit model file has no tensor {name}, which {base} names; "
-                "one of the two is incomplete or damaged, or they are from different models"
-            )
-        return self.where[s][name]
+                "one of the two is incomplete or damaged, or they are from different models") from None
+        if pieces is None:  # a frozen parameter or a buffer: small, kept in model_states
+            data = source_tensor(self.job, s, param, dtype, shape)
+            pwrite_all(self.fout, data, offset)
+            self.taken[name] = crc.crc32(data)
+            self.on_bytes(length)
+            return
+        written, itemsize = 0, SAFETENSORS_ITEMSIZE[dtype]
+        for piece in pieces:  # side by side, in order: the tensor's CRC-32 is theirs combined
+            at, n = offset + piece.into * itemsize, piece.count * itemsize
+            if piece.stored == dtype and piece.check is None:  # as stored: copied in the kernel, its CRC-32 read
+                fd = self.fd(piece.path)
+                value = crc_range(fd, piece.at, n, self.buffer)  # what is taken (safetensors stores no CRC)
+                copy_range(fd, self.fout, piece.at, n, out_offset=at, writeback=self.writeback)
+            else:
+                value = self._cast(piece, dtype, at)
+            written = crc.combine(written, value, n)
+        self.taken[name] = written
+        self.on_bytes(length)
 
-    def _cast_slices(self, s: int, name: str, dtype: str, offset: int) -> int:
-        """Each rank's fp32 slice of parameter `name`, cast to `dtype`, at its place in the flattened tensor;
-        the CRC-32 of the tensor's bytes so written (the ranks' real elements lie side by side, in order)."""
-        slot, itemsize = self.job.slots[s][name], SAFETENSORS_ITEMSIZE[dtype]
-        buffer, written = self.buffer, 0
-        for rank, files in enumerate(self.job.partial_ranks[s]):
-            valid = slot.valid(rank)
-            if not valid:
-                continue
-            rows = files.rows
-            if rows not in self.rows_index:
-                self.rows_index[rows] = PartialRankReader(files, ())
-            place = self.rows_index[rows].place("fp32", param=name, group=None, offset=0, valid=valid)
-            saved = place.slice
-            assert saved is not None, "a partial save's place names its slice"
-            begin = place.at
-            at = offset + rank * slot.part * itemsize
-            value = 0  # the slice's CRC-32, checked against the one its save recorded
-            for start in range(0, valid, CAST_CHUNK):
-                n = min(CAST_CHUNK, valid - start)
-                view = buffer[: n * 4]
-                pread_into(self.fd(rows), view, begin + start * 4)
-                value = crc.crc32(view, value)
-                # F32: the master weights are the model's weights
-                data = view if dtype == "F32" else _cast(view, dtype)
-                pwrite_all(self.fout, data, at + start * itemsize)
-                written = crc.crc32(data, written)
-            saved.check(value)
+    def _cast(self, piece: WeightPiece, dtype: str, at: int) -> int:
+        """`piece`'s elements read in chunks (checked against its CRC-32, where it has one), cast to `dtype` and
+        written from byte `at` of the output; the CRC-32 of the bytes written."""
+        stored, itemsize = SAFETENSORS_ITEMSIZE[piece.stored], SAFETENSORS_ITEMSIZE[dtype]
+        value = written = 0  # the piece's CRC-32 as stored, checked against its recorded one; as written
+        fd = self.fd(piece.path)
+        for start in range(0, piece.count, CAST_CHUNK):
+            n = min(CAST_CHUNK, piece.count - start)
+            view = self.buffer[: n * stored]
+            pread_into(fd, view, piece.at + start * stored)
+            value = crc.crc32(view, value)
+            data = view if piece.stored == dtype else _cast(view, piece.stored, dtype)
+            pwrite_all(self.fout, data, at + start * itemsize)
+            written = crc.crc32(data, written)
+        if piece.check is not None:
+            piece.check.check(value)
         return written
 
 
-def _cast(view: memoryview, dtype: str) -> bytes:
+def _cast(view: memoryview, stored: str, dtype: str) -> bytes:
     import torch
 
+    if stored != "F32":
+        raise CheckpointError(f"a weight stored as {stored} cannot be cast to {dtype} here (only fp32 masters are)")
     return _to_bytes(torch.frombuffer(view, dtype=torch.float32), dtype)
 
 
@@ -210,31 +196,23 @@ def _to_bytes(t, dtype: str) -> bytes:
 
 
 def source_tensor(job: ModelFileJob, s: int, name: str, dtype: str, shape: tuple) -> bytes:
-    """The bytes of parameter or buffer `name` (`job.params`: not always the file's name for it) as
-    partial source `s` holds it, in `dtype` (torch-loaded: frozen parameters and buffers)."""
+    """The bytes of frozen parameter or buffer `name` (`job.params`: not always the file's name for it) as
+    partial source `s` holds it in its ranks' model_states, in `dtype` (torch-loaded)."""
     import torch
-    from safetensors import safe_open
 
-    ranks = job.partial_ranks[s]
+    source = job.weights[s]
+    assert isinstance(source, MasterWeights), "a tensor in no byte range is a partial save's"
     numel = 1
     for d in shape:
         numel *= d
-    if name in job.slots[s]:
-        slot, parts = job.slots[s][name], []
-        for rank, files in enumerate(ranks):
-            if slot.valid(rank):
-                with safe_open(str(files.rows), "pt") as f:
-                    parts.append(f.get_slice(f"fp32/{name}")[: slot.valid(rank)])
-        value = torch.cat(parts)
+    states = [load_pt(files.model_states) for files in source.ranks]
+    fragments = states[0].get(FROZEN_PARAM_FRAGMENTS) or {}
+    if name in fragments:  # ZeRO-3 keeps each rank's part of a frozen parameter
+        value = torch.cat([st[FROZEN_PARAM_FRAGMENTS][name].flatten() for st in states])[:numel]
+    elif name in (states[0].get(MODULE) or {}):
+        value = states[0][MODULE][name].flatten()
     else:
-        states = [load_pt(files.model_states) for files in ranks]
-        fragments = states[0].get(FROZEN_PARAM_FRAGMENTS) or {}
-        if name in fragments:  # ZeRO-3 keeps each rank's part of a frozen parameter
-            value = torch.cat([st[FROZEN_PARAM_FRAGMENTS][name].flatten() for st in states])[:numel]
-        elif name in (states[0].get(MODULE) or {}):
-            value = states[0][MODULE][name].flatten()
-        else:
-            raise CheckpointError(
-                f"{job.source_names[s]}: holds no {name}; the checkpoint is from another model"
-            )
+        raise CheckpointError(
+            f"{job.source_names[s]}: holds no {name}; the checkpoint is from another model"
+        )
     return _to_bytes(value, dtype)

@@ -94,8 +94,9 @@ PARAM_GROUPS = "param_groups"
 STEP = "step"
 EXP_AVG = "exp_avg"
 EXP_AVG_SQ = "exp_avg_sq"
+MASTERS = "fp32"  # tailor-tui's name of the fp32 master weights' flat tensor (DeepSpeed's FP32_FLAT_GROUPS)
 # The three flat tensors of every sub-group that a row's slices live in, by tailor-tui's names
-TENSORS = ("fp32", EXP_AVG, EXP_AVG_SQ)
+TENSORS = (MASTERS, EXP_AVG, EXP_AVG_SQ)
 
 
 def optimizer_state(obj, path, group_sizes: tuple[int, ...]) -> dict:

@@ -8,7 +8,8 @@ where a parameter's slice of a key lies and the evidence it is checked against (
 where frozen parameters' fragments and buffers lie in model_states (the same for every kind here).
 
 What a checkpoint of a kind saved as a whole (`SaveKind`) says which rows it holds, where its 16-bit
-weights come from, and which of its folder's files are tailor-tui's own.
+weights come from, and which of its folder's files are tailor-tui's own; its weights, for an output's weight
+files (`WeightSource`), where each tensor lies (`WeightPiece`s).
 
 Each kind is a module of this package, what it saved, its files and its reader: `zero` (a full ZeRO-3 save) and
 `partial` (a partial save of `selective`). Planning, the writers, the statistics and the exporter ask
@@ -183,6 +184,45 @@ class RankReader(ABC):
         except (KeyError, TypeError, Unsupported):
             raise CheckpointError(f"{self.files.model_states}: has no readable buffer {name}; the file is damaged "
                                   "or from another model") from None
+
+
+@dataclass(frozen=True)
+class WeightPiece:
+    """Where part of an output weight file's tensor lies in a source's files: `count` elements stored as
+    `stored` (a safetensors dtype: "BF16", "F32", …) from byte `at` of `path`, for the tensor's elements from
+    `into` on; checked against `check` (a partial save's recorded slice CRC-32), or by nothing stored (a
+    safetensors file keeps no checksum: what is taken is recorded, `compose.taken`)."""
+
+    path: Path
+    at: int
+    count: int
+    stored: str
+    into: int = 0
+    check: SliceCheck | None = None
+
+
+class WeightSource(ABC):
+    """One source's weights for an output's safetensors weight files (16-bit model files or shards, a PEFT
+    adapter): the adapter every kind implements, saying where each tensor lies. A full HF save keeps them in
+    files of its own (`hf_weights.FileWeights`: each tensor whole, by name, copied as it is); a partial save has none
+    and gives its fp32 masters' slices (`partial.MasterWeights`: cast to the file's dtype). Picklable: a job
+    carries it to its worker."""
+
+    name: str  # the checkpoint's, for messages
+    # it may give tensors that are no byte range of its files (frozen parameters, buffers: in its ranks'
+    # model_states, read by torch): the worker writing from it loads torch
+    loads_states: ClassVar[bool] = False
+
+    @property
+    @abstractmethod
+    def files(self) -> tuple[Path, ...]:
+        """Every file it may read (their identities are checked where they are read)."""
+
+    @abstractmethod
+    def pieces(self, tensor: str, param: str, dtype: str, shape: tuple[int, ...]) -> tuple[WeightPiece, ...] | None:
+        """Where the output's tensor `tensor` (of parameter or buffer `param`), `dtype` and `shape` in the output's
+        file, lies, in order, side by side; None where it is no byte range of its files (`loads_states`). KeyError:
+        it has no such tensor; CheckpointError: it has one of another dtype or shape."""
 
 
 def rank_reader(files: RankFiles, group_sizes: tuple[int, ...], optim: bytes | None = None, *,

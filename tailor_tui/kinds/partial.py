@@ -12,15 +12,16 @@ recorded have none: their slices are taken unchecked, as before.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
 from tailor_tui.checked import crc
 from tailor_tui.checked.evidence import SliceCheck
 from tailor_tui.errors import CheckpointError
+from tailor_tui.formats.ds_format import MASTERS
 from tailor_tui.formats.safetensors_in import safetensors_header, tensor_places
-from tailor_tui.kinds.base import FP32, RankBytes, RankFiles, RankReader, SaveKind
+from tailor_tui.kinds.base import FP32, RankBytes, RankFiles, RankReader, SaveKind, WeightPiece, WeightSource
 
 # A partial save's folder: its manifest (the rows it saved, its tag, layout and dtype), per rank its rows
 # file and its skeleton, and (HF layout) the 16-bit model files' headers and index it had
@@ -106,6 +107,40 @@ class PartialRankReader(RankReader):
         name = f"{key}/{param}"
         return RankBytes(self.rows_file, begin + within * 4, None, FP32[0], FP32[1],
                          SliceCheck(self.rows_file, name, begin, valid * 4, crcs.get(name)))
+
+
+@dataclass(frozen=True)
+class MasterWeights(WeightSource):
+    """A partial save as the source of an output's model-file tensors: it saves no 16-bit weights, so each
+    trainable parameter is its fp32 master, every rank's slice (`parts`: parameter -> (elements per rank, the
+    valid elements on each rank)) side by side, each checked against the CRC-32 its save recorded, cast to the
+    file's dtype: exactly the 16-bit weight, which ZeRO-3 casts from the master after each step (round to
+    nearest even). Frozen parameters and buffers have no master: they lie in its ranks' model_states."""
+
+    name: str
+    ranks: tuple[PartialRankFiles, ...]
+    parts: dict[str, tuple[int, tuple[int, ...]]]
+    _readers: dict = field(default_factory=dict, compare=False, repr=False)  # rows file -> its reader, read once
+
+    loads_states: ClassVar[bool] = True
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        return tuple(f for files in self.ranks for f in files.existing())
+
+    def pieces(self, tensor: str, param: str, dtype: str, shape: tuple[int, ...]) -> tuple[WeightPiece, ...] | None:
+        if param not in self.parts:
+            return None
+        part, valid = self.parts[param]
+        found = []
+        for rank, files in enumerate(self.ranks):
+            if not valid[rank]:
+                continue
+            if files.rows not in self._readers:
+                self._readers[files.rows] = PartialRankReader(files, ())
+            place = self._readers[files.rows].place(MASTERS, param=param, group=None, offset=0, valid=valid[rank])
+            found.append(WeightPiece(place.path, place.at, valid[rank], "F32", rank * part, place.slice))
+        return tuple(found)
 
 
 CRC_METADATA = "crc32"

@@ -34,7 +34,9 @@ from tailor_tui.checkpoints.weight_files import (
 from tailor_tui.errors import IncompatibleError
 from tailor_tui.formats.ds_format import RECOVERY_SCRIPTS
 from tailor_tui.formats.safetensors_in import parse_prefix, safetensors_header
-from tailor_tui.kinds.partial import PartialRankFiles
+from tailor_tui.kinds.base import WeightSource
+from tailor_tui.kinds.hf_weights import FileWeights
+from tailor_tui.kinds.partial import MasterWeights, PartialRankFiles
 from tailor_tui.planning.jobs import BinFileJob, ModelFileJob, WeightJob
 
 
@@ -52,29 +54,29 @@ def weight_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], picks: dict[s
     from the source picked for its row."""
     names = {i: str(src.path) for i, src in enumerate(sources)}
     full = {i: src.model_files for i, src in enumerate(sources) if src.model_files}
-    partial = {i: cast(tuple[PartialRankFiles, ...], src.ranks) for i, src in enumerate(sources)
-               if src.saved.masters_only}
-    slots = {i: {slot.name: slot for slot in sources[i].layout.slots} for i in partial}
+    masters = {i: _masters(src) for i, src in enumerate(sources) if src.saved.masters_only}
     base_files = {f.name: f for f in base.model_files}
     jobs: list[WeightJob] = []
     for name, prefix in (layout.files if layout else ()):
         rows, chosen = _tensor_sources(base, picks, list(parse_prefix(prefix)), base.path / name)
-        used = set(chosen.values())
-        lacking = [i for i in used if i and i not in full and i not in partial]
+        used = set(chosen.values()) | ({0} if 0 in masters else set())  # (a partial base: every tensor written)
+        lacking = [i for i in used if i and i not in full and i not in masters]
         if lacking:
             raise IncompatibleError(f"{sources[lacking[0]].path}: has no {name} (16-bit model weights) while the "
                                     "base has; pick its rows from a checkpoint that has one")
         _check_headers(f for i in used if i in full and not sources[i].gone for f in full[i])
-        params = tensor_params(list(rows), base.rows, base.path) if partial else {}
-        jobs.append(ModelFileJob(name, prefix, base_files.get(name), chosen, rows,
-                                 {i: full[i] for i in used if i in full}, partial, slots, names, params))
+        params = tensor_params(list(rows), base.rows, base.path) if masters else {}
+        weights: dict[int, WeightSource] = {i: masters[i] if i in masters else FileWeights(names[i], full[i])
+                                            for i in sorted(used) if i in masters or i in full}
+        jobs.append(ModelFileJob(name, prefix, base_files.get(name), chosen, rows, weights, names, params))
     for rel in _weight_files(base):
         base_file = base.path / rel
         prefix = ModelFileLayout.of_files((base_file,)).files[0][1]
         rows, chosen = _tensor_sources(base, picks, list(parse_prefix(prefix)), base_file)
         own = {i: _same_file(sources[i], rel, rows, chosen, i) for i in sorted(set(chosen.values()))}
         _check_headers(f for i, files in own.items() if not sources[i].gone for f in files)
-        jobs.append(ModelFileJob(str(rel), prefix, base_file, chosen, rows, own, {}, {}, names))
+        jobs.append(ModelFileJob(str(rel), prefix, base_file, chosen, rows,
+                                 {i: FileWeights(names[i], files) for i, files in own.items()}, names))
     for rel in _bin_files(base):
         base_file = base.path / rel
         rows, chosen = _tensor_sources(base, picks, tensor_names(base_file), base_file)
@@ -85,6 +87,14 @@ def weight_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], picks: dict[s
                 raise _lacks(sources[i], rel, rows, chosen, i)
         jobs.append(BinFileJob(str(rel), base_file, chosen, rows, own, names, base_file.stat().st_size))
     return tuple(jobs)
+
+
+def _masters(src: Checkpoint) -> MasterWeights:
+    """A partial save's fp32 masters as the source of model-file tensors: each trainable parameter's elements
+    per rank and its valid elements on each rank (`layout.Slot`)."""
+    ranks = cast(tuple[PartialRankFiles, ...], src.ranks)
+    parts = {slot.name: (slot.part, tuple(slot.valid(r) for r in range(len(ranks)))) for slot in src.layout.slots}
+    return MasterWeights(str(src.path), ranks, parts)
 
 
 def _same_file(src: Checkpoint, rel: Path, rows: dict, chosen: dict, i: int) -> tuple[Path, ...]:

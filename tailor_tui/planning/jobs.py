@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import NamedTuple, Protocol
 
 from tailor_tui.checked.crc import RecordBlocks
-from tailor_tui.checkpoints.layout import Slot
 from tailor_tui.events import JobCost, RankJobCost
 from tailor_tui.formats.ptfile import file_format
 from tailor_tui.formats.safetensors_in import parse_prefix
-from tailor_tui.kinds.base import RankFiles
+from tailor_tui.kinds.base import RankFiles, WeightSource
 from tailor_tui.kinds.partial import PartialRankFiles
 
 BYTES_PER_ELEMENT = 4 * 3  # fp32 master weight + exp_avg + exp_avg_sq
@@ -113,9 +112,9 @@ class ModelFileJob(WeightFileCost):
     base_file: Path | None  # whose bytes stay where the base's rows are kept; None: a partial base
     sources: dict[str, int]  # tensor -> source index: its row's pick (a tied tensor's partner's row)
     rows: dict[str, str]  # tensor -> its row ("" for a tensor of no row, kept from the base)
-    source_files: dict[int, tuple[Path, ...]]  # full sources: their files holding the same tensors
-    partial_ranks: dict[int, tuple[PartialRankFiles, ...]]  # partial sources: every rank's files
-    slots: dict[int, dict[str, Slot]]  # partial sources: where each rank's slice of each trainable parameter sits
+    # the sources picked (and a partial base): where each tensor lies in them, as their kind says (`kinds`: a full
+    # HF save's files of the same tensors, a partial save's fp32 masters)
+    weights: dict[int, WeightSource]
     source_names: dict[int, str]  # for messages
     # tensor -> the parameter or buffer it holds, where the file names it otherwise (transformers 5's
     # saved names, `weight_files.tensor_params`): how a partial source's values are found
@@ -124,6 +123,15 @@ class ModelFileJob(WeightFileCost):
     @property
     def task(self) -> str:
         return "model file" if self.name == "model.safetensors" else self.name
+
+    def source_paths(self) -> tuple[Path, ...]:
+        """Every file of its sources it may read (not the base's file)."""
+        return tuple(f for source in self.weights.values() for f in source.files)
+
+    @property
+    def loads_states(self) -> bool:
+        """Whether it may load a source's model_states with torch (a partial save's frozen parameters)."""
+        return any(source.loads_states for source in self.weights.values())
 
     @property
     def size(self) -> int:
@@ -145,6 +153,14 @@ class BinFileJob(WeightFileCost):
     @property
     def task(self) -> str:
         return self.name
+
+    def source_paths(self) -> tuple[Path, ...]:
+        """Every file of its sources it may read (not the base's file)."""
+        return tuple(f for files in self.source_files.values() for f in files)
+
+    @property
+    def loads_states(self) -> bool:
+        return False
 
 
 WeightJob = ModelFileJob | BinFileJob

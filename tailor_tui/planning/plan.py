@@ -85,7 +85,7 @@ class ComposePlan:
     def _record_identities(self, model_jobs: tuple[WeightJob, ...]) -> dict[Path, FileIdentity]:
         known = {f: i for s in self.sources for f, i in s.identities.items()}
         for job in model_jobs:  # weight files the checkpoints do not list (torch's format)
-            for f in (job.base_file, *(f for files in job.source_files.values() for f in files)):
+            for f in (job.base_file, *job.source_paths()):
                 if f is not None and f not in known:
                     with contextlib.suppress(OSError):
                         known[f] = FileIdentity.of(f.stat())

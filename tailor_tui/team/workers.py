@@ -146,7 +146,7 @@ def worker_memory(plan: ComposePlan) -> int:
             needs.append(TORCH_WORKER)
         elif optim_writer(base) == TORCH:  # re-serialised: the whole rank
             needs.append(TORCH_WORKER + 2 * plan.base.rank_bytes(job.rank))
-    if any(getattr(job, "partial_ranks", None) for job in plan.model_file_jobs()):
+    if any(job.loads_states for job in plan.model_file_jobs()):
         needs.append(TORCH_WORKER)
     return max(needs)
 

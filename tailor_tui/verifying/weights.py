@@ -170,7 +170,7 @@ def _verify_safetensors_file(plan, job, report, partial: RowsFiles, changed: fro
             if f.read(len(job.prefix)) != job.prefix:  # names, dtypes, shapes, offsets and metadata
                 report.add(None, f"{out_file}: its header is not the base's {job.name} header")
                 return
-    sources = _WeightSources(plan, job, partial)
+    sources = _Expected(plan, job, partial)
     try:
         out = safe_open(str(out_file), "pt")
     except (SafetensorError, OSError) as exc:
@@ -220,7 +220,7 @@ def _crc(tensor) -> int:
     return zlib.crc32(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-class _WeightSources:
+class _Expected:
     """The tensors an output weight file's tensors must equal, from each source, read as needed."""
 
     def __init__(self, plan, job, partial: RowsFiles):
@@ -238,7 +238,7 @@ class _WeightSources:
             if value is None or value.numel() != got.numel():
                 return None
             return value.to(got.dtype).reshape(got.shape)
-        for path in self.job.source_files.get(s, ()):
+        for path in self.job.weights[s].files if s in self.job.weights else ():  # (a full source's own files)
             handle = self._open(path)
             if name in handle.keys():
                 return handle.get_tensor(name)
