@@ -105,6 +105,8 @@ def _check_header(fin: int, job: ModelFileJob) -> None:
     if pread_exact(fin, len(job.prefix), 0) != job.prefix:
         raise CheckpointError(f"{job.base_file}: its header is not the one the composition was planned with; it "
                               "changed since: run again once nothing writes to the run")
+
+
 def _keep(fin: int | None, fout: int, at: int, n: int, counter: ByteCounter, writeback: Writeback,
           how: str | None) -> None:
     """The base's `n` bytes at `at` kept in the output: copied, or already there in a clone (`how`)."""
@@ -150,27 +152,27 @@ class _Fills:
             if piece.stored == dtype and piece.check is None:  # as stored: copied in the kernel, its CRC-32 read
                 fd = self.fd(piece.path)
                 value = crc_range(fd, piece.at, n, self.buffer)  # what is taken (safetensors stores no CRC)
-                copy_range(fd, self.fout, piece.at, n, out_offset=at, writeback=self.writeback)
+                copy_range(fd, self.fout, piece.at, n, self.on_bytes, at, self.writeback)
             else:
                 value = self._cast(piece, dtype, at)
             written = crc.combine(written, value, n)
         self.taken[name] = written
-        self.on_bytes(length)
 
     def _cast(self, piece: WeightPiece, dtype: str, at: int) -> int:
         """`piece`'s elements read in chunks (checked against its CRC-32, where it has one), cast to `dtype` and
         written from byte `at` of the output; the CRC-32 of the bytes written."""
         stored, itemsize = SAFETENSORS_ITEMSIZE[piece.stored], SAFETENSORS_ITEMSIZE[dtype]
         value = written = 0  # the piece's CRC-32 as stored, checked against its recorded one; as written
-        fd = self.fd(piece.path)
-        for start in range(0, piece.count, CAST_CHUNK):
-            n = min(CAST_CHUNK, piece.count - start)
+        fd, step = self.fd(piece.path), len(self.buffer) // stored
+        for start in range(0, piece.count, step):
+            n = min(step, piece.count - start)
             view = self.buffer[: n * stored]
             pread_into(fd, view, piece.at + start * stored)
             value = crc.crc32(view, value)
             data = view if piece.stored == dtype else _cast(view, piece.stored, dtype)
             pwrite_all(self.fout, data, at + start * itemsize)
             written = crc.crc32(data, written)
+            self.on_bytes(len(data))
         if piece.check is not None:
             piece.check.check(value)
         return written
