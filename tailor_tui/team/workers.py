@@ -17,7 +17,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from tailor_tui.errors import OutputError
+from tailor_tui.errors import Cancelled, OutputError
 from tailor_tui.events import Emit, TaskFinished, TaskOptions
 from tailor_tui.interrupts import signals_held
 
@@ -222,6 +222,10 @@ def start_method() -> str:
 # itself: a worker that exits while its queue's thread holds the queue's write lock (they exit
 # without waiting for it) leaves that lock held, and a put of the parent's would wait for it at exit.
 WAKE_EVERY = 0.01
+# How long workers told to stop (a Ctrl-C, a failure of the job's) may take to see the flag and leave: they
+# look at it every MiB they read or write, and at most finish an fsync. A worker still at work past it is
+# stuck (a file system that stopped answering): it is killed, and the process leaves without waiting on it.
+STOP_GRACE = 15.0
 
 
 def run_pool(calls: list[Call], workers: int, emit: Emit, cancel: threading.Event, options: TaskOptions) -> list:
@@ -242,6 +246,7 @@ def _run_pool(calls: list[Call], workers: int, emit: Emit, cancel: threading.Eve
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
                                initargs=(events, stop, os.getpid()))
     finished = [0]  # each call ends with one TaskFinished (counted: two tasks may share a name)
+    stuck = False  # workers killed as stuck: not waited for
 
     def emit_and_count(event) -> None:
         if isinstance(event, TaskFinished):
@@ -251,10 +256,15 @@ def _run_pool(calls: list[Call], workers: int, emit: Emit, cancel: threading.Eve
     try:  # from the first spawn on: a Ctrl-C deferred while spawning arrives as the block ends
         with _children_ignore_sigint():
             futures = [pool.submit(_run_batch, batch, options) for batch in batches(calls, workers)]
-        pending = set(futures)
+        pending, stopping = set(futures), None
         while pending:
             if cancel.is_set():
                 stop.set()
+                stopping = stopping or time.monotonic()
+                if time.monotonic() - stopping > STOP_GRACE:  # a worker stuck: not waited for any longer
+                    stuck = True
+                    _kill(pool)
+                    raise Cancelled()
             _drain(events, emit_and_count, timeout=WAKE_EVERY)
             done, pending = wait(pending, timeout=0, return_when=FIRST_EXCEPTION)
             failed = next((exc for f in done if (exc := f.exception()) is not None), None)
@@ -278,9 +288,16 @@ def _run_pool(calls: list[Call], workers: int, emit: Emit, cancel: threading.Eve
         return [result for f in futures for result in f.result()]
     finally:
         # Workers still starting up need the queue and event: they are shut down (and have
-        # exited) before those are released.
+        # exited) before those are released; those killed as stuck are not waited for.
         stop.set()
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.shutdown(wait=not stuck, cancel_futures=True)
+
+
+def _kill(pool) -> None:
+    """Kill the pool's workers (SIGKILL: one stuck in a system call leaves once it returns)."""
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        with contextlib.suppress(OSError, ValueError):
+            process.kill()
 
 
 def worker_lost(processes) -> OutputError:

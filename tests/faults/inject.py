@@ -12,7 +12,8 @@ Each fault is asked for by an environment variable:
   two names (NFS, Lustre). tailor-tui's own fallback then runs, as it does there: an output is
   replaced by two renames, the old folder moved aside first.
 - `TAILOR_TEST_FAULTS_LOG=FILE`: each exchange refused appends a line to FILE (`refused_exchanges`
-  reads them back), so a test can tell that the fallback really ran.
+  reads them back), so a test can tell that the fallback really ran; each slowed step appends one
+  (`slow PID`) before it sleeps, so a test can tell that a task is in its sleep.
 
 A process started with `environment(...)` among its variables has this folder first on its
 PYTHONPATH: its `sitecustomize` calls `install`, which patches each module as the process imports
@@ -61,16 +62,17 @@ def install(environ=os.environ) -> None:
     slow, no_exchange, log = environ.get(SLOW), environ.get(NO_EXCHANGE), environ.get(LOG)
     if slow:
         seconds = float(slow)  # a malformed value is the test's mistake: said at once, not ignored
-        after_import("tailor_tui.events", lambda _module: slow_tasks(seconds))
+        after_import("tailor_tui.events", lambda _module: slow_tasks(seconds, log=log or None))
     if no_exchange:
         after_import("tailor_tui.fileio", lambda _module: refuse_exchange(log or None))
 
 
-def slow_tasks(seconds: float, setattr=setattr) -> None:
+def slow_tasks(seconds: float, setattr=setattr, log: str | None = None) -> None:
     """Every `ByteCounter.add` (a task's progress step) counts the step, sleeps `seconds`, and then
     looks at the cancel flag and the clock (`ByteCounter.look`). `add` by itself looks only every
     32 steps or MiB: slowed, a step could then sleep 32 times before a cancel was seen. `setattr`:
-    how the class is patched (monkeypatch.setattr to undo it at a test's end)."""
+    how the class is patched (monkeypatch.setattr to undo it at a test's end). `log`: a file each
+    step appends `slow PID` to before it sleeps."""
     from tailor_tui.events import ByteCounter
 
     add = ByteCounter.add
@@ -79,6 +81,9 @@ def slow_tasks(seconds: float, setattr=setattr) -> None:
 
     def slowed(self, n: int) -> None:
         add(self, n)
+        if log is not None:
+            with open(log, "a") as f:
+                f.write(f"slow {os.getpid()}\n")
         time.sleep(seconds)
         self.look()
 
