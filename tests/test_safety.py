@@ -162,7 +162,7 @@ def test_ctrl_c_while_the_workers_are_stuck_ends_the_command(real_run, tmp_path)
     c2, c4, c6 = checkpoints_of(run, spec)
     recipe = write_recipe(tmp_path, c6, {"layers.1": c4})
     steps = tmp_path / "steps"
-    proc = start_apply(recipe, "-j", "2", env=inject.environment(slow=3600, log=steps))
+    proc = start_apply(recipe, "-j", "2", env=inject.environment(slow=3600, slow_log=steps))
     seen = wait_for_line(proc, "composing")
     while not (steps.is_file() and steps.read_text()):  # a worker is in its hour-long step
         assert proc.poll() is None, seen + proc.stderr.read()

@@ -12,8 +12,9 @@ Each fault is asked for by an environment variable:
   two names (NFS, Lustre). tailor-tui's own fallback then runs, as it does there: an output is
   replaced by two renames, the old folder moved aside first.
 - `TAILOR_TEST_FAULTS_LOG=FILE`: each exchange refused appends a line to FILE (`refused_exchanges`
-  reads them back), so a test can tell that the fallback really ran; each slowed step appends one
-  (`slow PID`) before it sleeps, so a test can tell that a task is in its sleep.
+  reads them back), so a test can tell that the fallback really ran.
+- `TAILOR_TEST_SLOW_LOG=FILE`: each slowed step appends a line (`slow PID`) to FILE before it sleeps,
+  so a test can tell that a task is in its sleep.
 
 A process started with `environment(...)` among its variables has this folder first on its
 PYTHONPATH: its `sitecustomize` calls `install`, which patches each module as the process imports
@@ -34,13 +35,14 @@ import time
 SLOW = "TAILOR_TEST_SLOW_COMPOSE"
 NO_EXCHANGE = "TAILOR_TEST_NO_RENAME_EXCHANGE"
 LOG = "TAILOR_TEST_FAULTS_LOG"
+SLOW_LOG = "TAILOR_TEST_SLOW_LOG"
 FOLDER = os.path.dirname(os.path.abspath(__file__))  # put first on a process's PYTHONPATH
 
 RENAME_EXCHANGE = 2  # renameat2's flag (linux/fs.h)
 
 
 def environment(*, slow: float | None = None, no_exchange: bool = False, log: str | os.PathLike | None = None,
-                inherited: dict[str, str] | None = None) -> dict[str, str]:
+                slow_log: str | os.PathLike | None = None, inherited: dict[str, str] | None = None) -> dict[str, str]:
     """The variables that make a process started with them inject these faults: each asked for,
     and PYTHONPATH with this folder first, the entries `inherited` (this process's environment by
     default) has kept after it, so that what the path held before still wins over the rest."""
@@ -53,6 +55,8 @@ def environment(*, slow: float | None = None, no_exchange: bool = False, log: st
         env[NO_EXCHANGE] = "1"
     if log is not None:
         env[LOG] = os.fspath(log)
+    if slow_log is not None:
+        env[SLOW_LOG] = os.fspath(slow_log)
     return env
 
 
@@ -62,7 +66,7 @@ def install(environ=os.environ) -> None:
     slow, no_exchange, log = environ.get(SLOW), environ.get(NO_EXCHANGE), environ.get(LOG)
     if slow:
         seconds = float(slow)  # a malformed value is the test's mistake: said at once, not ignored
-        after_import("tailor_tui.events", lambda _module: slow_tasks(seconds, log=log or None))
+        after_import("tailor_tui.events", lambda _module: slow_tasks(seconds, log=environ.get(SLOW_LOG) or None))
     if no_exchange:
         after_import("tailor_tui.fileio", lambda _module: refuse_exchange(log or None))
 
