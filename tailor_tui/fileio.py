@@ -13,7 +13,7 @@ from typing import Callable, Literal
 from tailor_tui.checked.files import open_regular
 from tailor_tui.checked.ranges import crc_range, pread_exact
 from tailor_tui.errors import CheckpointError, OutputError
-from tailor_tui.held import HeldFolder, HeldPath
+from tailor_tui.held import HeldFolder, HeldPath, swapped
 
 # Where an output file goes: a path, or a place inside the job's hidden folder held open (`held`),
 # made relative to its descriptor
@@ -30,7 +30,11 @@ CRC_CHUNK = 1 << 20  # a copy whose bytes are CRC'd on the way: a buffer that st
 
 
 def output_error(exc: OSError, path: Path | HeldPath | HeldFolder) -> OutputError:
-    """Turn an OSError while writing `path` into one clear line."""
+    """Turn an OSError while writing `path` into one clear line (inside a held folder that is no longer at
+    its path, that is what it says: `held.swapped`)."""
+    folder = path.folder if isinstance(path, HeldPath) else path if isinstance(path, HeldFolder) else None
+    if folder is not None and folder.vanished():
+        return swapped(folder.path)
     reasons: dict[int | None, str] = {
         errno.ENOSPC: "the disk is full",
         errno.EDQUOT: "the disk quota is exceeded",

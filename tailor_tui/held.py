@@ -14,6 +14,7 @@ again and checks that it is the same folder before it writes anything.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -75,6 +76,17 @@ class HeldFolder:
             weakref.finalize(self, os.close, fd)
         return self._fd
 
+    def vanished(self) -> bool:
+        """Whether the folder this process holds is no longer at its path (renamed away, or removed: by
+        another process of the job that found it swapped, or by someone else)."""
+        if self._fd is None:
+            return False
+        try:
+            st = os.lstat(self.path)
+        except OSError:
+            return True
+        return (st.st_dev, st.st_ino) != self.identity or os.fstat(self._fd).st_nlink == 0
+
     def __getstate__(self) -> dict:
         return {"path": self.path, "identity": self.identity}  # a descriptor is this process's alone
 
@@ -89,6 +101,17 @@ class HeldFolder:
 
     def __repr__(self) -> str:
         return f"HeldFolder({str(self.path)!r})"
+
+
+@contextlib.contextmanager
+def _blamed(folder: HeldFolder):
+    """An OSError inside a held folder that is no longer at its path is that (`swapped`), not the disk's."""
+    try:
+        yield
+    except OSError:
+        if folder.vanished():
+            raise swapped(folder.path) from None
+        raise
 
 
 @dataclass(frozen=True)
@@ -129,23 +152,25 @@ class HeldPath:
         """os.open of this place (never through a link, on the way or at its end)."""
         if not self.parts:
             raise IsADirectoryError(errno.EISDIR, "the held folder itself", str(self.path))
-        parent = self._folder_fd(self.parts[:-1], make=False)
-        try:
-            return os.open(self.parts[-1], flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=parent)
-        finally:
-            if parent != self.folder.fd():
-                os.close(parent)
+        with _blamed(self.folder):
+            parent = self._folder_fd(self.parts[:-1], make=False)
+            try:
+                return os.open(self.parts[-1], flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=parent)
+            finally:
+                if parent != self.folder.fd():
+                    os.close(parent)
 
     def unlink(self) -> None:
         """Remove this file (a name in its folder, as os.unlink: never what a link points to)."""
         if not self.parts:
             raise IsADirectoryError(errno.EISDIR, "the held folder itself", str(self.path))
-        parent = self._folder_fd(self.parts[:-1], make=False)
-        try:
-            os.unlink(self.parts[-1], dir_fd=parent)
-        finally:
-            if parent != self.folder.fd():
-                os.close(parent)
+        with _blamed(self.folder):
+            parent = self._folder_fd(self.parts[:-1], make=False)
+            try:
+                os.unlink(self.parts[-1], dir_fd=parent)
+            finally:
+                if parent != self.folder.fd():
+                    os.close(parent)
 
     def mkdir(self, mode: int = 0o777, parents: bool = False, exist_ok: bool = False) -> None:
         """Make this folder (as Path.mkdir: `parents`, `exist_ok`), inside the held folder."""
@@ -153,16 +178,17 @@ class HeldPath:
             if not exist_ok:
                 raise FileExistsError(errno.EEXIST, "the held folder itself", str(self.path))
             return
-        parent = self._folder_fd(self.parts[:-1], make=parents)
-        try:
-            os.mkdir(self.parts[-1], mode, dir_fd=parent)
-        except FileExistsError:
-            if not exist_ok:
-                raise
-            os.close(os.open(self.parts[-1], DIRECTORY, dir_fd=parent))  # a folder, not a link or a file
-        finally:
-            if parent != self.folder.fd():
-                os.close(parent)
+        with _blamed(self.folder):
+            parent = self._folder_fd(self.parts[:-1], make=parents)
+            try:
+                os.mkdir(self.parts[-1], mode, dir_fd=parent)
+            except FileExistsError:
+                if not exist_ok:
+                    raise
+                os.close(os.open(self.parts[-1], DIRECTORY, dir_fd=parent))  # a folder, not a link or a file
+            finally:
+                if parent != self.folder.fd():
+                    os.close(parent)
 
     def _folder_fd(self, parts: tuple[str, ...], make: bool) -> int:
         """The descriptor of the folder `parts` below the held one (the held folder's own for none; the

@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 from conftest import checkpoints_of, resume_with, tree_digest
-from helpers import assert_one_line_error, param_row, stats_json, tailor, write_recipe
+from helpers import assert_one_line_error, param_row, row_at, stats_json, tailor, write_recipe
 from zero_reader import read_full_state
 
 from tailor_tui.formats.nonfinite import Census, Region, count
@@ -210,6 +210,39 @@ def test_a_frozen_parameter_gone_nan_is_counted_and_guarded(real_run, tmp_path):
     result = tailor("--apply", write_recipe(tmp_path, c4, {}), "--output", tmp_path / "out")
     assert_one_line_error(result, 8, "layers.1", "global_step4", "global_step2")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_padding_of_a_frozen_fragment_is_not_a_value(real_run, tmp_path):
+    """ZeRO-3 partitions a frozen parameter as a trainable one and never writes the padding of its last
+    fragment: Mllama's one-element gate, at 2 ranks, is rank 0's value and rank 1's padding, whatever
+    memory held (a NaN at times). NaN there is no NaN of the model: --stats and --apply pass it; NaN in
+    the value is counted (once) and refused."""
+    gate = "model.vision_model.pre_tile_positional_embedding.gate"
+    source, spec = real_run("hf_mllama_frozen_vision")
+    run = tmp_path / "run"
+    shutil.copytree(source, run)
+    c2, c4 = checkpoints_of(run, spec)
+    row = row_at(c4, "model.vision_model.pre_tile_positional_embedding").name
+
+    def set_gate(ckpt: Path, rank: int, value: float) -> None:
+        path = next(ckpt.glob(f"global_step*/zero_pp_rank_{rank}_mp_rank_00_model_states.pt"))
+        states = torch.load(path, map_location="cpu", weights_only=False)
+        assert states["frozen_param_fragments"][gate].numel() == 1  # one element per rank: rank 1's is padding
+        states["frozen_param_fragments"][gate].fill_(value)
+        torch.save(states, path)  # as DeepSpeed saves it
+
+    for ckpt in (c2, c4):
+        set_gate(ckpt, 1, math.nan)
+    assert not [c for c in stats_json(run)["cells"] if c["nonfinite"] and c["row"] == row]
+    for picks in ({}, {row: c4}):  # the base's fragment kept, another's taken (c4 holds a blown vision block)
+        shutil.rmtree(tmp_path / "composed", ignore_errors=True)
+        result = tailor("--apply", write_recipe(tmp_path, c2, picks))
+        assert result.returncode == 0, result.stderr
+    set_gate(c4, 0, math.nan)
+    bad = [(c["checkpoint"], c["nonfinite"]) for c in stats_json(run)["cells"] if c["nonfinite"] and c["row"] == row]
+    assert bad == [(str(c4), 1)]
+    shutil.rmtree(tmp_path / "composed")
+    assert_one_line_error(tailor("--apply", write_recipe(tmp_path, c2, {row: c4})), 8, row, "1 NaN/Inf")
 
 
 def test_checkpoints_sharing_a_folder_name_get_their_own_progress_lines(real_run, tmp_path):

@@ -62,3 +62,21 @@ def test_a_place_never_climbs_out(tmp_path):
     held = HeldFolder.make(tmp_path / "hidden")
     with pytest.raises(ValueError):
         held / "../escape"
+
+
+def test_a_write_into_the_folder_after_it_was_removed_says_so_not_the_disk(tmp_path):
+    """Another process of the job (or another user) removes the folder this one holds open: what fails
+    next is that, one line, not "cannot write (No such file or directory)"."""
+    import shutil
+
+    held = HeldFolder.make(tmp_path / ".out")
+    (held / "tag").mkdir()
+    os.rename(tmp_path / ".out", tmp_path / ".out.aside")
+    shutil.rmtree(tmp_path / ".out.aside")
+    for act in (lambda: (held / "tag" / "f").open(os.O_WRONLY | os.O_CREAT),
+                lambda: (held / "other").mkdir(),
+                lambda: (held / "tag" / "g").unlink()):
+        with pytest.raises(OutputError, match="no longer the folder tailor-tui made there"):
+            act()
+    error = fileio.output_error(OSError(28, "No space left on device"), held / "tag" / "f")
+    assert "no longer the folder tailor-tui made there" in str(error)

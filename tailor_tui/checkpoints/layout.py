@@ -99,6 +99,13 @@ class ZeroLayout:
         )
         return cls(int(states[DP_WORLD_SIZE]), groups, frozen)
 
+    def frozen_valid(self, rank: int) -> dict[str, int]:
+        """{frozen parameter: elements of real data `rank` holds of it}: ZeRO-3 partitions a frozen
+        parameter as a trainable one (`part` per rank), and the padding of its last fragments is never
+        written (uninitialised memory, NaN at times): what counts values must stop at this."""
+        return {name: valid_elements(math.prod(shape), part(math.prod(shape), self.world_size), rank)
+                for name, shape in self.frozen}
+
     @cached_property
     def slots(self) -> tuple[Slot, ...]:
         slots = []

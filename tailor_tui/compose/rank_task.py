@@ -65,13 +65,13 @@ def _frozen_looks(path: Path, frozen_rows) -> Looks | None:
     """A census of the frozen parameters' fragments in a model_states file and their CRC-32s (None: none)."""
     if not frozen_rows:
         return None
-    fragments = frozen_fragment_bytes(path, [name for _row, name, _source in frozen_rows])
+    fragments = frozen_fragment_bytes(path, [name for _row, name, _source, _valid in frozen_rows])
     regions, parts = [], []
-    for i, (row, name, _source) in enumerate(frozen_rows):
+    for i, (row, name, _source, valid) in enumerate(frozen_rows):
         tb = fragments[name]
         dtype = dtype_name(tb.dtype)
-        if dtype in ITEMSIZE:
-            regions.append(Region(tb.offset, tb.numel * tb.itemsize, row, dtype))
+        if dtype in ITEMSIZE:  # the values, not the fragment's padding
+            regions.append(Region(tb.offset, min(tb.numel, valid) * tb.itemsize, row, dtype))
         parts.append((tb.offset, tb.numel * tb.itemsize, (row, FROZEN, (i, 0))))
     return Looks(Census(regions), RegionCrcs(parts))
 

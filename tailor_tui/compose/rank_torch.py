@@ -143,9 +143,9 @@ def compose_model_states(job: RankJob, out: Target, counter: ByteCounter) -> tup
     save_pt(states, out, counter.add, counter.options.durable)
     nonfinite: Counter[str] = Counter()
     parts: Parts = {}
-    for i, (row, name, _source) in enumerate(job.frozen_rows):
+    for i, (row, name, _source, valid) in enumerate(job.frozen_rows):
         fragment = states[FROZEN_PARAM_FRAGMENTS][name]
-        nonfinite[row] += _count(fragment)
+        nonfinite[row] += _count(fragment.reshape(-1)[:valid])
         parts[row, FROZEN, (i, 0)] = _crc(fragment)
     return +nonfinite, parts
 

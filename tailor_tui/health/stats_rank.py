@@ -137,6 +137,7 @@ def _frozen_reads(job: StatsJob, sums: dict[str, RowSums], stack: contextlib.Exi
     path = job.files.model_states
     fragments = rank_reader(job.files, job.group_sizes).fragments([param for _row, param in job.frozen])
     fd = open_fd(stack, path)
+    valid = job.layout.frozen_valid(job.rank)
     by_record: dict[Record, list[_SumRegion]] = {}
     for row, param in job.frozen:
         tb = fragments[param]
@@ -144,7 +145,7 @@ def _frozen_reads(job: StatsJob, sums: dict[str, RowSums], stack: contextlib.Exi
         if dtype not in EXPONENT:
             raise CheckpointError(f"{path}: frozen parameter {param} is stored as {dtype}")
         by_record.setdefault(tb.record, []).append(
-            _SumRegion(tb.offset, tb.offset + tb.numel * tb.itemsize, "frozen", dtype, sums[row]))
+            _SumRegion(tb.offset, tb.offset + min(tb.numel, valid[param]) * tb.itemsize, "frozen", dtype, sums[row]))
     return [(fd, r.data_offset, r.size, r.crc, sorted(regs, key=lambda x: x.start), None)
             for r, regs in by_record.items()]
 

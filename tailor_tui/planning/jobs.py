@@ -58,6 +58,15 @@ class RowSlot(NamedTuple):
     source: int
 
 
+class FrozenRow(NamedTuple):
+    """A frozen parameter's fragment on one rank, its row and source."""
+
+    row: str
+    param: str
+    source: int
+    valid: int  # elements of real data: the fragment's padding is never written (`ZeroLayout.frozen_valid`)
+
+
 @dataclass(frozen=True)
 class RankJob(RankJobCost):
     """Everything one worker needs to compose one rank's files (picklable)."""
@@ -74,7 +83,7 @@ class RankJob(RankJobCost):
     # every trainable parameter's slice and every frozen parameter (row, name, source): what
     # the writers count non-finite values of, per row
     row_slots: tuple[RowSlot, ...] = ()
-    frozen_rows: tuple[tuple[str, str, int], ...] = ()
+    frozen_rows: tuple[FrozenRow, ...] = ()
     # (source, a record's block CRC-32s): what the run's statistics recorded of the full sources' optim
     # files, where a cloned composition reads only the blocks it takes (`compose.source_blocks`); the
     # plan's jobs have none, a cloned composition's are given them before any task starts (`reads`)

@@ -21,7 +21,16 @@ from tailor_tui.planning.file_plan import (
     root_of,
     weight_jobs,
 )
-from tailor_tui.planning.jobs import BYTES_PER_ELEMENT, STREAM, RankJob, RowSlot, SliceCopy, WeightJob, optim_writer
+from tailor_tui.planning.jobs import (
+    BYTES_PER_ELEMENT,
+    STREAM,
+    FrozenRow,
+    RankJob,
+    RowSlot,
+    SliceCopy,
+    WeightJob,
+    optim_writer,
+)
 from tailor_tui.planning.recipe import Recipe
 from tailor_tui.resharding.partition import (
     Reshard,
@@ -132,7 +141,8 @@ class ComposePlan:
             files[s].elements_checked({c.group for c in copies if c.source == s},
                                       sum(c.length for c in copies if c.source == s), sizes)
             for s in sorted({c.source for c in copies}))
-        frozen_rows = tuple((owner[n], n, src.get(n, 0)) for n, _ in layout.frozen)
+        valid = layout.frozen_valid(rank)
+        frozen_rows = tuple(FrozenRow(owner[n], n, src.get(n, 0), valid[n]) for n, _ in layout.frozen)
         return RankJob(
             row_slots=row_slots,
             frozen_rows=frozen_rows,

@@ -49,7 +49,7 @@ def _given(job: RankJob, facts: dict[Path, file_facts.FileFacts]) -> RankJob:
     wanted: dict[int, set[str]] = {}
     for slot in job.row_slots:
         wanted.setdefault(slot.source, set()).add(slot.row)
-    for row, _name, source in job.frozen_rows:
+    for row, _name, source, _valid in job.frozen_rows:
         wanted.setdefault(source, set()).add(row)
     vouched = frozenset(s for s, rows in wanted.items()
                         if (found := facts.get(job.files[s].state_file)) is not None and rows <= found.finite)
