@@ -10,7 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import checkpoints_of
-from helpers import as_if_rotted_in_place, assert_one_line_error, flat_record, flip_byte, tailor, write_recipe
+from helpers import (
+    as_if_rotted_in_place,
+    assert_one_line_error,
+    assert_rows_from_picks,
+    flat_record,
+    flip_byte,
+    tailor,
+    write_recipe,
+)
 
 from tailor_tui.errors import CheckpointError
 
@@ -23,19 +31,50 @@ def run_copy(real_run, tmp_path):
     return checkpoints_of(copy, spec)
 
 
+EVERY_ROW = ("embed_tokens", "layers.0", "layers.1", "layers.2", "layers.3", "norm", "lm_head")
+
+
 @pytest.mark.parametrize("where", ["source", "base"])
 def test_a_flipped_bit_in_an_optim_file_is_refused(run_copy, tmp_path, where):
     c2, c4, c6 = run_copy
     target = next((c2 if where == "source" else c6).glob("*rank_1_*optim_states.pt"))
     # anywhere in the record: a source's record is checked whole, not only the slices taken
     record = flip_byte(target, flat_record(target), where=0.999)
-    # every row from step 2 (then every sub-group's record of the source is taken from), the base's state
-    recipe = write_recipe(tmp_path, c6, {r: c2 for r in ("embed_tokens", "layers.0", "layers.1", "layers.2",
-                                                         "layers.3", "norm", "lm_head")})
+    # every row from step 2 (then every sub-group's record of the source is taken from), the base's state; of a
+    # rotten base, one small row (records the output replaces whole are not read: the test below)
+    recipe = write_recipe(tmp_path, c6, {r: c2 for r in (EVERY_ROW if where == "source" else ["norm"])})
     result = tailor("--apply", recipe, "-j", "2")
     assert_one_line_error(result, 4, target.name, f"record {record} fails its CRC-32 check", "re-copy it")
     assert not (tmp_path / "composed").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_a_base_record_the_output_replaces_whole_is_not_read_and_its_rot_not_carried(run_copy, tmp_path):
+    """Every row taken from another checkpoint: every byte of the base's flat tensors' records is replaced
+    (rows, and padding by zeros), so none of them is read: a flipped bit there is neither carried nor a reason
+    to refuse, and their CRC-32s are worked out from what replaces them. The output holds the other
+    checkpoint's flat tensors exactly, passes --verify and every record's CRC-32, and is the same bytes
+    whether the base's record is sound or not."""
+    import zipfile
+
+    c2, _c4, c6 = run_copy
+    outputs = {}
+    for state in ("sound", "rotten"):
+        if state == "rotten":
+            target = next(c6.glob("*rank_1_*optim_states.pt"))
+            flip_byte(target, flat_record(target), where=0.5)
+        recipe = write_recipe(tmp_path, c6, {r: c2 for r in EVERY_ROW}, output=state)
+        result = tailor("--apply", recipe, "-j", "2")
+        assert result.returncode == 0, result.stderr
+        outputs[state] = {f.name: f.read_bytes() for f in sorted((tmp_path / state).glob("*/*.pt"))}
+        if state == "sound":
+            verified = tailor("--verify", recipe)
+            assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert outputs["rotten"] == outputs["sound"] and len(outputs["sound"]) == 6
+    for f in (tmp_path / "rotten").glob("*/*optim_states.pt"):
+        with zipfile.ZipFile(f) as z:
+            assert z.testzip() is None, f  # every record's CRC-32 as stored
+    assert_rows_from_picks(tmp_path / "rotten", {r: c2 for r in EVERY_ROW}, c6)  # (DeepSpeed's padding: not zeros)
 
 
 def test_a_flipped_bit_in_a_file_copied_whole_is_refused(run_copy, tmp_path):

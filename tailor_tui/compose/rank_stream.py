@@ -121,6 +121,7 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
                               if s not in job.vouched), RegionCrcs(() if s == 0 and kept is not None else taking[s]))
               for s in [0, *used]}
     kept = kept or {}
+    fresh = _replaced_whole(records, spans, padding.pads)
     blocked = {s for s in sources if of_source(job, s)}  # read in the blocks they are taken from, not in step
     steps = _in_step([sp for sp in spans if sp.source not in blocked])
     stepped = {id(q) for group in steps.values() for _s, q, _d in group}
@@ -130,7 +131,8 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
             fds = {s: open_fd(stack, job.files[s].state_file) for s in used}
             fout = open_fd(stack, out, CREATE)
             how = _clone(fin, fout, spans, counter)  # the base's blocks shared: only the spans are written
-            sweep = _Sweep(fin, fout, spans, fds, counter, cloned=how is not None)
+            sweep = _Sweep(fin, fout, spans, fds, counter, cloned=how is not None,
+                           zeroed=[(r.data_offset, r.data_offset + r.size) for r in records if id(r) in fresh])
             new = {}  # (source, offset) -> the CRC-32 of the span taken there
             for s in sources:  # a source's records not read in step: read and checked first
                 ahead = [sp for sp in spans if sp.source == s and (s in blocked or id(sp.source_record) not in stepped)]
@@ -156,21 +158,31 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
                           for s, q, delta in steps.get(id(record), ())]
                 for offset in range(record.data_offset, record.data_offset + record.size, STREAM_CHUNK):
                     n = min(STREAM_CHUNK, record.data_offset + record.size - offset)
-                    sweep.read(fin, offset, n, base_crcs, census[0], padding.inspect)
+                    if id(record) in fresh:  # nothing of it is kept: not read
+                        counter.add(n)
+                    else:
+                        sweep.read(fin, offset, n, base_crcs, census[0], padding.inspect)
                     for s, _q, delta, theirs in beside:
                         sweep.read(fds[s], offset + delta, n, theirs, census[s])
                     sweep.copy_to(offset + n, new, census)
-                for (at, n, part), value in zip(mine, checked_ranges(base_path, record, base_crcs), strict=True):
-                    if part is None:
-                        old[at, n] = value
-                    else:
-                        parts[part] = (value, n)
+                if id(record) not in fresh:
+                    for (at, n, part), value in zip(mine, checked_ranges(base_path, record, base_crcs), strict=True):
+                        if part is None:
+                            old[at, n] = value
+                        else:
+                            parts[part] = (value, n)
                 for s, q, _delta, theirs in beside:
                     new.update({(s, at): value for (at, _n), value in
                                 zip(theirs.ranges, checked_ranges(job.files[s].optim_states, q, theirs))})
             sweep.copy_to(os.fstat(fin).st_size, new, census)  # the zip's directory
             crc_changes: defaultdict[Record, int] = defaultdict(int)
+            for record in records:
+                if id(record) in fresh:
+                    assert record.crc is not None, "a record replaced whole has a CRC-32 (`_replaced_whole`)"
+                    crc_changes[record] = record.crc ^ _crc_of_replaced(record, spans, padding.pads, new)
             for sp in spans:
+                if id(sp.record) in fresh:
+                    continue
                 tail = sp.record.data_offset + sp.record.size - sp.at - sp.length
                 crc_changes[sp.record] ^= crc.shift(old[sp.at, sp.length] ^ new[sp.source, sp.source_at], tail)
             for at, length, record, value in padding.found():  # a base whose padding is not zero bytes: zeros
@@ -189,6 +201,40 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
     for looks in census.values():
         parts.update(looks.parts.found())
     return sum((c.counts for c in census.values()), Counter()), parts
+
+
+def _replaced_whole(records: list[Record], spans: list[Replacement], pads: list[tuple[int, int, Record]]) -> set[int]:
+    """The base's records (their ids) every byte of which the output replaces, by spans and padding (a flat
+    tensor every row of which is taken from elsewhere): nothing of them is kept, so they are not read; the
+    output's padding there is written as zeros, and their CRC-32 worked out from what replaces them."""
+    pieces: defaultdict[int, list[tuple[int, int]]] = defaultdict(list)
+    for sp in spans:
+        pieces[id(sp.record)].append((sp.at, sp.length))
+    for at, n, record in pads:
+        pieces[id(record)].append((at, n))
+    whole = set()
+    for record in records:
+        at = record.data_offset
+        for start, n in sorted(pieces.get(id(record), ())):
+            if start != at:
+                break
+            at += n
+        else:
+            if at == record.data_offset + record.size and record.crc is not None and id(record) in pieces:
+                whole.add(id(record))
+    return whole
+
+
+def _crc_of_replaced(record: Record, spans: list[Replacement], pads: list[tuple[int, int, Record]],
+                     new: dict[tuple[int, int], int]) -> int:
+    """The output's CRC-32 of a record replaced whole (`_replaced_whole`): its spans' (`new`: by source and
+    offset there) and its padding's zeros, combined in file order."""
+    pieces = sorted([(sp.at, sp.length, new[sp.source, sp.source_at]) for sp in spans if sp.record is record]
+                    + [(at, n, crc.zeros(n)) for at, n, r in pads if r is record])
+    value = 0
+    for _at, n, piece in pieces:
+        value = crc.combine(value, piece, n)
+    return value
 
 
 def _by_record(records: list[Record], parts: list, spans: list[Replacement]) -> dict[int, list] | None:
@@ -268,8 +314,12 @@ class _Sweep:
     kept where they are, shared (`kept` counts them), and only the spans are written."""
 
     def __init__(self, fin: int, fout: int, spans: list[Replacement], fds: dict[int, int], counter: ByteCounter,
-                 cloned: bool = False):
+                 cloned: bool = False, zeroed: list[tuple[int, int]] | None = None):
         self.fin, self.fout, self.spans, self.fds, self.counter = fin, fout, spans, fds, counter
+        # [start, end) of the base's records replaced whole (`_replaced_whole`): between their spans (their
+        # padding), zeros are written, not the base's bytes (never read)
+        self.zeroed = zeroed or []
+        self._zeroed_starts = [a for a, _b in self.zeroed]
         self.cloned, self.kept = cloned, 0
         self.writeback = Writeback(fout, counter.options.durable)
         self.buffer = memoryview(bytearray(STREAM_CHUNK))
@@ -303,6 +353,13 @@ class _Sweep:
             if sp is None or sp.at > at:  # the base's bytes, up to the next span
                 stop = end if sp is None else min(end, sp.at)
                 fd, source_at = self.fin, at
+                i = bisect.bisect_right(self._zeroed_starts, at) - 1
+                if i >= 0 and at < self.zeroed[i][1]:  # padding of a record replaced whole
+                    stop = min(stop, self.zeroed[i][1])
+                    pwrite_all(self.fout, bytes(stop - at), at)
+                    self.counter.add(stop - at)
+                    self.written = stop
+                    continue
                 if self.cloned:  # the clone holds them already
                     self.counter.add(stop - at)
                     self.kept += stop - at
