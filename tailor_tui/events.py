@@ -96,12 +96,12 @@ class TaskFinished:
 
 
 def written_and_shared(total: int, shared: int, how: str = "", *, unit: str = "written") -> str:
-    """`total` bytes of output of which `shared` share the base's blocks (`how` they do), as every
-    line and screen says it: "2.3 GiB written" (where none do: `unit`, what a progress counted), or
-    "2.3 GiB: 135.3 MiB written, 2.2 GiB sharing the base's blocks (reflink)"."""
+    """`total` bytes of output of which `shared` share a source's blocks (`how` they do: the base's, or, where
+    every row is taken from one checkpoint, that one's), as every line and screen says it: "2.3 GiB written" (where none do: `unit`, what a progress counted), or
+    "2.3 GiB: 135.3 MiB written, 2.2 GiB sharing its sources' blocks (reflink)"."""
     if not shared:
         return f"{size(total)} {unit}"
-    return (f"{size(total)}: {size(total - shared)} written, {size(shared)} sharing the base's blocks"
+    return (f"{size(total)}: {size(total - shared)} written, {size(shared)} sharing its sources' blocks"
             + (f" ({how})" if how else ""))
 
 
@@ -161,7 +161,7 @@ class ByteCounter:
         self.options = options
         self._last = 0.0
         self._steps, self._look_at = 0, 0  # `add` looks at the clock and the cancel flag when due
-        self.shared, self.shared_how = 0, ""  # output bytes sharing the base's blocks (`shares`)
+        self.shared, self.shared_how = 0, ""  # output bytes sharing its sources' blocks (`shares`)
         self.sources_unread = 0  # bytes of the records it takes from not read (`skips`)
         emit(TaskProgressed(task, 0, self.shown))
 
@@ -194,7 +194,7 @@ class ByteCounter:
             self._emit(TaskProgressed(self.task, self._reported(), self.shown))
 
     def shares(self, n: int, how: str) -> None:
-        """`n` bytes of the task's output share the base's blocks (`how`), not written."""
+        """`n` bytes of the task's output share a source's blocks (`how`), not written."""
         self.shared, self.shared_how = self.shared + n, how
 
     def skips(self, n: int) -> None:

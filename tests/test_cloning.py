@@ -54,12 +54,12 @@ def test_a_cloned_output_is_the_bytes_no_clone_writes_shares_the_rest_and_resume
 
     cloned = tailor("--apply", recipe)
     assert cloned.returncode == 0, cloned.stderr
-    assert "sharing the base's blocks (reflink): " in cloned.stdout, cloned.stdout
+    assert "sharing its sources' blocks (reflink): " in cloned.stdout, cloned.stdout
     # the progress counts bytes composed, each rank's last line says how many it wrote: never all of them
     assert "to compose (on the base's xfs filesystem: " in cloned.stderr, cloned.stderr
     ends = [line for line in cloned.stderr.splitlines() if line.startswith("rank ") and ": done, " in line]
     cloned_ends = [line for line in ends if re.fullmatch(r"rank \d+: done, [\d.]+ \w+: [\d.]+ \w+ written, "
-                                                          r"[\d.]+ \w+ sharing the base's blocks \(reflink\)", line)]
+                                                          r"[\d.]+ \w+ sharing its sources' blocks \(reflink\)", line)]
     assert cloned_ends and all(line in cloned_ends or line.endswith(" composed") for line in ends), ends
     written = tailor("--apply", plain, "--no-clone")
     assert written.returncode == 0 and "sharing" not in written.stdout, written.stdout + written.stderr
@@ -75,8 +75,18 @@ def test_a_cloned_output_is_the_bytes_no_clone_writes_shares_the_rest_and_resume
               and not f.endswith("training_args.bin")}
     assert shared and all(shared.values()), shared
     assert sum(shared.values()) > sum(shared_bytes(reference / f) for f in shared)
-    every = write_recipe(run / "every", ckpts[-1], {r.name: ckpts[0] for r in open_checkpoint(ckpts[-1]).rows if not r.tied}, output="out")
-    assert "sharing" not in tailor("--apply", every).stdout  # half the rank files or more replaced: written
+    # every row from the oldest checkpoint: each rank file is a clone of that checkpoint's (its flat tensors lie
+    # where the base's do), the base's bytes written over it; the same bytes as every byte written
+    rows = {r.name: ckpts[0] for r in open_checkpoint(ckpts[-1]).rows if not r.tied}
+    (run / "every-written").mkdir()
+    every, every_written = (write_recipe(run / f, ckpts[-1], rows, output="out") for f in ("every", "every-written"))
+    assert "sharing its sources' blocks (reflink)" in tailor("--apply", every).stdout
+    assert tailor("--apply", every_written, "--no-clone").returncode == 0
+    assert output_files(run / "every" / "out") == output_files(run / "every-written" / "out")
+    optim = sorted((run / "every" / "out").rglob("*optim_states.pt"))
+    assert optim and all(shared_bytes(f) for f in optim)
+    every_verified = tailor("--verify", every)
+    assert every_verified.returncode == 0, every_verified.stdout + every_verified.stderr
     verified = tailor("--verify", recipe)
     assert verified.returncode == 0, verified.stdout + verified.stderr
 
@@ -93,7 +103,7 @@ def test_a_clone_reads_the_kept_rows_and_counts_their_nan_unless_the_statistics_
     (run / "stats").mkdir()
     recipe = write_recipe(run / "stats", ckpts[-1], {"layers.0": ckpts[0]}, output="out")
     read = tailor("--apply", recipe)
-    assert read.returncode == 0 and "sharing the base's blocks (reflink)" in read.stdout, read.stderr
+    assert read.returncode == 0 and "sharing its sources' blocks (reflink)" in read.stdout, read.stderr
     assert "the run's statistics found those bytes finite" not in read.stdout
     assert tailor("--stats", run).returncode == 0
     unread = tailor("--apply", recipe, "--force")
@@ -125,7 +135,7 @@ async def test_the_composer_says_what_a_clone_shared_and_did_not_read(real_run, 
         rate = progress.query_one("#compose-rate").render().plain
     assert progress.has_class("finished"), status
     assert " composed · " in rate and "written" not in rate, rate  # a clone's bytes are not all written
-    assert "sharing the base's blocks (reflink)" in status, status
+    assert "sharing its sources' blocks (reflink)" in status, status
     assert ("The rows kept were read and checked against their CRC-32s, their NaN/Inf not counted again: the "
             "run's statistics found those bytes finite.") in status, status
     assert "The rows taken were found whole and finite by the run's statistics" in status, status
@@ -145,6 +155,21 @@ def test_a_flipped_byte_the_base_keeps_is_refused_by_a_clone_as_without(real_run
         assert_one_line_error(tailor("--apply", recipe, *how), 4, str(rank0), "CRC")
         assert not (xfs / "from-damaged").exists() and hidden(xfs) == []
 
+
+
+def test_a_flipped_byte_of_the_checkpoint_every_row_is_taken_from_is_refused_by_its_clone_as_without(real_run, xfs):
+    """Every row taken from one checkpoint: the output is a clone of its rank files, whose bytes are read and
+    checked all the same: a flipped byte there is refused, as --no-clone refuses it, and nothing published."""
+    run, spec, ckpts = on_xfs(real_run, xfs, "hf_bf16_2")
+    damaged = xfs / "damaged-source" / ckpts[0].name
+    shutil.copytree(ckpts[0], damaged)
+    rank1 = sorted(damaged.rglob("*rank_1_mp_rank_00_optim_states.pt"))[0]
+    flip_byte(rank1, flat_record(rank1), where=0.3)
+    rows = {r.name: damaged for r in open_checkpoint(ckpts[-1]).rows if not r.tied}
+    recipe = write_recipe(xfs, ckpts[-1], rows, output="from-damaged-source")
+    for how in ([], ["--no-clone"]):
+        assert_one_line_error(tailor("--apply", recipe, *how), 4, str(rank1), "CRC")
+        assert not (xfs / "from-damaged-source").exists() and hidden(xfs) == []
 
 
 def test_a_flipped_byte_of_a_kept_tensor_in_a_torch_format_weight_file_is_refused_by_a_clone_as_without(
@@ -204,7 +229,7 @@ def test_killed_while_patching_a_clone_nothing_is_published(real_run, xfs):
     assert not (run / "killed").exists()
     again = tailor("--apply", recipe, "-j", "2")
     assert again.returncode == 0, again.stderr
-    assert "sharing the base's blocks" in again.stdout and hidden(run) == []
+    assert "sharing its sources' blocks" in again.stdout and hidden(run) == []
     assert tailor("--verify", recipe).returncode == 0
 
 
@@ -221,18 +246,18 @@ def test_two_slurm_tasks_each_clone_and_patch_their_own_ranks(real_run, xfs):
     said = [task.communicate(timeout=300) for task in tasks]
     assert [task.returncode for task in tasks] == [0, 0], said
     lead = said[0][0]
-    assert "sharing the base's blocks (reflink)" in lead and "sharing" in alone.stdout, (lead, alone.stdout)
+    assert "sharing its sources' blocks (reflink)" in lead and "sharing" in alone.stdout, (lead, alone.stdout)
     assert _shared_line(lead) == _shared_line(alone.stdout)  # every process's shares, added up
     # process 0's log says what each rank shared, its own and the other process's (posted with their progress)
     ends = {line.split(":")[0] for line in said[0][1].splitlines()
-            if re.fullmatch(r"rank \d+: done, .+ written, .+ sharing the base's blocks \(reflink\)", line)}
+            if re.fullmatch(r"rank \d+: done, .+ written, .+ sharing its sources' blocks \(reflink\)", line)}
     assert ends == {f"rank {r}" for r in range(spec.world_size)}, said[0][1]
     assert output_files(run / "team" / "out") == output_files(run / "alone" / "out")
     assert tailor("--verify", recipe).returncode == 0
 
 
 def _shared_line(log: str) -> str:
-    return next(line for line in log.splitlines() if line.startswith("sharing the base's blocks"))
+    return next(line for line in log.splitlines() if line.startswith("sharing its sources' blocks"))
 
 
 def test_where_blocks_cannot_be_shared_every_byte_is_written(tmp_path):
@@ -293,4 +318,4 @@ def test_the_log_and_the_composer_say_what_was_written_and_what_shared():
     plain = ComposeResult(Path("out"), 1.0, 3 << 30, 0)
     assert plain.amount() == "3.0 GiB written"
     cloned = ComposeResult(Path("out"), 1.0, 3 << 30, 0, bytes_shared=(3 << 30) - (135 << 20), shared_how="reflink")
-    assert cloned.amount() == "3.0 GiB: 135.0 MiB written, 2.9 GiB sharing the base's blocks (reflink)"
+    assert cloned.amount() == "3.0 GiB: 135.0 MiB written, 2.9 GiB sharing its sources' blocks (reflink)"

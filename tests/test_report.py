@@ -82,12 +82,12 @@ def test_a_cloned_task_says_what_it_wrote_and_what_shares_the_base_blocks():
         "rank 1: 0% 0 Bytes/8.5 KiB composed",
         "rank 0: 50% 4.2 KiB/8.5 KiB composed",
         "rank 1: 50% 4.2 KiB/8.5 KiB composed",
-        "rank 0: done, 8.5 KiB: 1.0 KiB written, 7.5 KiB sharing the base's blocks (reflink)",
-        "rank 1: done, 8.5 KiB: 1.0 KiB written, 7.5 KiB sharing the base's blocks (reflink)",
+        "rank 0: done, 8.5 KiB: 1.0 KiB written, 7.5 KiB sharing its sources' blocks (reflink)",
+        "rank 1: done, 8.5 KiB: 1.0 KiB written, 7.5 KiB sharing its sources' blocks (reflink)",
     ]
     feed(LineReporter(many, unit="composed", tasks=cloned, clock=Clock(0.01)), stream)
     last = many.getvalue().splitlines()[-1]
-    assert re.fullmatch(r"total: done, 76\.5 KiB: 9\.0 KiB written, 67\.5 KiB sharing the base's blocks \(reflink\) "
+    assert re.fullmatch(r"total: done, 76\.5 KiB: 9\.0 KiB written, 67\.5 KiB sharing its sources' blocks \(reflink\) "
                         r"by 9 tasks in \d+\.\ds, [\d.]+ \w+/s", last), last
 
 

@@ -212,7 +212,7 @@ def apply(args) -> int:
     unread = result.unread()
     if result.bytes_shared:
         kept = f" ({unread.pop(0)})" if result.kept_checked else ""
-        print(shown(f"sharing the base's blocks ({result.shared_how}): "
+        print(shown(f"sharing its sources' blocks ({result.shared_how}): "
                     f"{size(result.bytes_written - result.bytes_shared)} written, {size(result.bytes_shared)} shared"
                     + kept))
     for line in unread:

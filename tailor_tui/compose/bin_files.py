@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
-from pathlib import Path
 from typing import Callable
 
 from tailor_tui.checked.evidence import checked_crcs
@@ -29,7 +28,6 @@ from tailor_tui.compose.taken import FileComposed, written
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.fileio import CREATE, Folder, OpenFiles, Target, copy_range, fsync, open_fd, output_error, path_of
-from tailor_tui.formats.pickled import TensorRef
 from tailor_tui.formats.ptfile import Record, file_format, read_structure
 from tailor_tui.formats.ptpickle import dumps, storage_bytes
 from tailor_tui.formats.ptwrite import Copied, write_archive
@@ -48,7 +46,6 @@ def compose_bin_file(job: BinFileJob, out_dir: Folder, emit: Emit, cancelled: Ca
     users: dict[int, list[str]] = {}
     for name, tensor in obj.items():
         users.setdefault(id(tensor.storage), []).append(name)
-    where = _SourceTensors(job)
     fills, replaced = [], []  # replaced: (the base's record, the source's Copied that takes its place)
     taken: dict[int, list[str]] = {}  # storage key (in the output) -> its tensors' names: taken from a source
     for key, storage in enumerate(storages):
@@ -64,7 +61,7 @@ def compose_bin_file(job: BinFileJob, out_dir: Folder, emit: Emit, cancelled: Ca
             record = records[f"{prefix}data/{storage.key}"]
             fills.append(Copied(job.base_file, record, record.data_offset, storage_bytes(storage)))
         else:
-            fills.append(where.copy_of(s, names[0], obj[names[0]]))
+            fills.append(job.weights[s].storage(names[0], obj[names[0]]))
             replaced.append((records[f"{prefix}data/{storage.key}"], fills[-1]))
             taken[key] = names
         counter.add(2 * storage_bytes(storage))
@@ -134,31 +131,3 @@ def _patch_clone(job: BinFileJob, out: Target, records: dict[str, Record], repla
         os.fchmod(fout, os.stat(job.base_file).st_mode & 0o777 | 0o200)
     counter.shares(size - sum(r.size for r, _c in replaced), how)
     return crcs
-
-
-class _SourceTensors:
-    """Where each tensor of a source's files lies: found in the first of its files that has it."""
-
-    def __init__(self, job: BinFileJob):
-        self.job = job
-        self.read: dict[Path, tuple] = {}
-
-    def copy_of(self, s: int, name: str, mine: TensorRef) -> Copied:
-        for path in self.job.source_files[s]:
-            if path not in self.read:
-                self.read[path] = read_structure(path)
-            obj, records, prefix = self.read[path]
-            theirs = obj.get(name) if isinstance(obj, dict) else None
-            if not isinstance(theirs, TensorRef):
-                continue
-            same = (theirs.size, theirs.stride, theirs.storage_offset, theirs.storage.type_name,
-                    storage_bytes(theirs.storage)) == (mine.size, mine.stride, mine.storage_offset,
-                                                       mine.storage.type_name, storage_bytes(mine.storage))
-            if not same:
-                raise CheckpointError(
-                    f"{path}: tensor {name} is {theirs.storage.type_name} {list(theirs.size)}, the base's "
-                    f"{mine.storage.type_name} {list(mine.size)}; the checkpoints are from different models")
-            record = records[f"{prefix}data/{theirs.storage.key}"]
-            return Copied(path, record, record.data_offset, storage_bytes(theirs.storage))
-        raise CheckpointError(f"{self.job.source_names[s]}: its weight files have no tensor {name}; the checkpoint "
-                              "is incomplete or from another model")

@@ -130,8 +130,8 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
             fin = open_fd(stack, base_path)
             fds = {s: open_fd(stack, job.files[s].state_file) for s in used}
             fout = open_fd(stack, out, CREATE)
-            how = _clone(fin, fout, spans, counter)  # the base's blocks shared: only the spans are written
-            sweep = _Sweep(fin, fout, spans, fds, counter, cloned=how is not None,
+            origin, how = _clone(fin, fout, fds, spans, counter)  # one file's blocks shared: the rest is written
+            sweep = _Sweep(fin, fout, spans, fds, counter, cloned=how is not None, origin=origin,
                            zeroed=[(r.data_offset, r.data_offset + r.size) for r in records if id(r) in fresh])
             new = {}  # (source, offset) -> the CRC-32 of the span taken there
             for s in sources:  # a source's records not read in step: read and checked first
@@ -194,8 +194,9 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
                 for at in record.crc_offsets:
                     os.pwrite(fout, struct.pack("<I", record.crc ^ change), at)
             fsync(fout, counter.options.durable)
-            if how is not None:
-                counter.shares(sweep.kept - sum(length for _at, length, _r, _v in padding.found()), how)
+            if how is not None:  # (the base's padding that was not zeros: written over)
+                counter.shares(sweep.kept - (sum(length for _at, length, _r, _v in padding.found()) if origin == 0
+                                             else 0), how)
     except OSError as exc:
         raise output_error(exc, out) from None
     for looks in census.values():
@@ -254,12 +255,27 @@ def _by_record(records: list[Record], parts: list, spans: list[Replacement]) -> 
     return found
 
 
-def _clone(fin: int, fout: int, spans: list[Replacement], counter: ByteCounter) -> str | None:
-    """Make the output a clone of the base's file where the filesystem shares blocks and the spans
-    replace little enough of it (`cloning`); how, or None."""
-    if not counter.options.clone or not worth_it(sum(sp.length for sp in spans), os.fstat(fin).st_size):
-        return None
-    return clone(fin, fout)
+def _clone(fin: int, fout: int, fds: dict[int, int], spans: list[Replacement],
+           counter: ByteCounter) -> tuple[int, str | None]:
+    """Which file the output starts as a clone of where the filesystem shares blocks (`cloning`; not with
+    `--no-clone`), and how (None: none, every byte is written): the base's where the spans replace little enough
+    of it (`worth_it`); else a full source that gives at least half of it, every span of it lying where it
+    lies in the base's file, in a file of the base's size (every row taken from one checkpoint of the run: its
+    flat tensors lie where the base's do), its spans then kept where they are and the base's bytes written over
+    the clone. Every byte either way is read and checked as if written."""
+    if not counter.options.clone:
+        return 0, None
+    size = os.fstat(fin).st_size
+    if worth_it(sum(sp.length for sp in spans), size):
+        return 0, clone(fin, fout)
+    given: Counter[int] = Counter()
+    for sp in spans:
+        given[sp.source] += sp.length
+    for s, n in given.most_common(1):
+        if (s in fds and not worth_it(n, size) and os.fstat(fds[s]).st_size == size
+                and all(sp.source_at == sp.at and sp.check is None for sp in spans if sp.source == s)):
+            return s, clone(fds[s], fout)
+    return 0, None
 
 
 def _parts(reader: RankReader, slots: list) -> list[tuple[int, int, tuple[str, str, tuple[int, int]]]]:
@@ -311,11 +327,13 @@ class _Sweep:
     the sources in step was read and checked (`read`), the copy finds those bytes in the CPU's
     cache. A partial's slice is read whole and checked against its rows file's CRC-32 first.
     `cloned`: the output is a clone of the base's file already (`cloning`): the base's bytes are
-    kept where they are, shared (`kept` counts them), and only the spans are written."""
+    kept where they are, shared (`kept` counts them), and only the spans are written; of source `origin`'s file
+    (not the base, `_clone`): its spans are kept, the base's bytes and the other spans written."""
 
     def __init__(self, fin: int, fout: int, spans: list[Replacement], fds: dict[int, int], counter: ByteCounter,
-                 cloned: bool = False, zeroed: list[tuple[int, int]] | None = None):
+                 cloned: bool = False, zeroed: list[tuple[int, int]] | None = None, origin: int = 0):
         self.fin, self.fout, self.spans, self.fds, self.counter = fin, fout, spans, fds, counter
+        self.origin = origin  # the file the output is a clone of, where `cloned`: the base (0) or a source
         # [start, end) of the base's records replaced whole (`_replaced_whole`): between their spans (their
         # padding), zeros are written, not the base's bytes (never read)
         self.zeroed = zeroed or []
@@ -360,11 +378,12 @@ class _Sweep:
                     self.counter.add(stop - at)
                     self.written = stop
                     continue
-                if self.cloned:  # the clone holds them already
-                    self.counter.add(stop - at)
-                    self.kept += stop - at
-                    self.written = stop
+                if self.cloned and self.origin == 0:  # the clone holds them already
+                    self._keep(stop)
                     continue
+            elif self.cloned and sp.source == self.origin:  # the clone of its source's file holds it already
+                self._keep(min(end, sp.at + sp.length))
+                continue
             else:
                 if sp.check is not None and at == sp.at:  # a partial's slice: checked whole first
                     value = crc_range(self.fds[sp.source], sp.source_at, sp.length, self.buffer, self.counter.add,
@@ -375,6 +394,12 @@ class _Sweep:
                 fd, source_at = self.fds[sp.source], sp.source_at + at - sp.at
             copy_range(fd, self.fout, source_at, stop - at, self.counter.add, at, self.writeback)
             self.written = stop
+
+    def _keep(self, stop: int) -> None:
+        """The output up to `stop` is the clone's already (shared)."""
+        self.counter.add(stop - self.written)
+        self.kept += stop - self.written
+        self.written = stop
 
 
 def _pads(padding, base: dict) -> list[tuple[int, int, Record]]:

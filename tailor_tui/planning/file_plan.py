@@ -35,7 +35,7 @@ from tailor_tui.errors import IncompatibleError
 from tailor_tui.formats.ds_format import RECOVERY_SCRIPTS
 from tailor_tui.formats.safetensors_in import parse_prefix, safetensors_header
 from tailor_tui.kinds.base import WeightSource
-from tailor_tui.kinds.hf_weights import FileWeights
+from tailor_tui.kinds.hf_weights import BinWeights, FileWeights
 from tailor_tui.kinds.partial import MasterWeights, PartialRankFiles
 from tailor_tui.planning.jobs import BinFileJob, ModelFileJob, WeightJob
 
@@ -85,7 +85,8 @@ def weight_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], picks: dict[s
             own[i] = (sources[i].path / rel,) if sources[i].gone else family(sources[i].path, rel)
             if not own[i]:
                 raise _lacks(sources[i], rel, rows, chosen, i)
-        jobs.append(BinFileJob(str(rel), base_file, chosen, rows, own, names, base_file.stat().st_size))
+        jobs.append(BinFileJob(str(rel), base_file, chosen, rows, {i: BinWeights(names[i], files) for i, files in own.items()},
+                               names, base_file.stat().st_size))
     return tuple(jobs)
 
 

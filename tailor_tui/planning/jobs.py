@@ -18,6 +18,7 @@ from tailor_tui.events import JobCost, RankJobCost
 from tailor_tui.formats.ptfile import file_format
 from tailor_tui.formats.safetensors_in import parse_prefix
 from tailor_tui.kinds.base import RankFiles, WeightSource
+from tailor_tui.kinds.hf_weights import BinWeights
 from tailor_tui.kinds.partial import PartialRankFiles
 
 BYTES_PER_ELEMENT = 4 * 3  # fp32 master weight + exp_avg + exp_avg_sq
@@ -155,7 +156,7 @@ class BinFileJob(WeightFileCost):
     base_file: Path
     sources: dict[str, int]  # tensor -> source index: its row's pick
     rows: dict[str, str]  # tensor -> its row
-    source_files: dict[int, tuple[Path, ...]]  # the sources that are picked: their files of this family
+    weights: dict[int, BinWeights]  # the sources that are picked: their files of this family (`kinds`)
     source_names: dict[int, str]  # for messages
     size: int  # bytes of the base's file (the output's, but for its serialization id)
 
@@ -165,7 +166,7 @@ class BinFileJob(WeightFileCost):
 
     def source_paths(self) -> tuple[Path, ...]:
         """Every file of its sources it may read (not the base's file)."""
-        return tuple(f for files in self.source_files.values() for f in files)
+        return tuple(f for source in self.weights.values() for f in source.files)
 
     @property
     def loads_states(self) -> bool:

@@ -84,7 +84,7 @@ def _verify_bin_file(plan, job: BinFileJob, report, changed: frozenset, record: 
             return
 
     def source(s: int, name: str):
-        for path in (job.base_file,) if s == 0 else job.source_files[s]:
+        for path in (job.base_file,) if s == 0 else job.weights[s].files:
             if path not in loaded:
                 loaded[path] = load(path)
             if name in loaded[path]:
