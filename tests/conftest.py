@@ -109,6 +109,8 @@ RUNS = {
         pinned=True),
     # AdamW with amsgrad: a per-element optimizer state (max_exp_avg_sq) besides Adam's two moments
     "ds_amsgrad": RunSpec(layout="deepspeed", steps=2, amsgrad=True),
+    # SGD with momentum: one per-element state (momentum_buffer) and none of Adam's
+    "ds_sgd": RunSpec(layout="deepspeed", steps=2, optimizer="sgd"),
     # HF layout with a persistent buffer (model.norm.tailor_scale): save_pretrained writes it
     "hf_buffer": RunSpec(buffer=True),
     # A frozen parameter (no optimizer state: its values live in model_states' fragments) of

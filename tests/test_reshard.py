@@ -239,18 +239,6 @@ def test_a_nan_row_is_refused_when_resharding(real_run, tmp_path, world):
     assert not (tmp_path / "composed").exists() and not hidden(tmp_path)
 
 
-def test_an_optimizer_state_kept_per_element_besides_adams_is_refused(real_run, tmp_path):
-    """AdamW with amsgrad keeps max_exp_avg_sq per element: resharding would have to re-partition
-    it too, so it is refused in one line, nothing written."""
-    run, spec = real_run("ds_amsgrad")
-    (c2,) = checkpoints_of(run, spec)
-    recipe = write_recipe(tmp_path, c2, {})
-    result = tailor("--apply", recipe, "--world-size", "3")
-    assert_one_line_error(result, 4, "holds optimizer state 'max_exp_avg_sq' per element",
-                          "exp_avg and exp_avg_sq and nothing else")
-    assert not (tmp_path / "composed").exists() and not hidden(tmp_path)
-
-
 def _inner(obj) -> dict:
     return obj["optimizer_state_dict"]
 

@@ -25,10 +25,11 @@ What differs between the releases tailor-tui reads:
 
 from __future__ import annotations
 
+import math
 import pickle
 import re
 
-from tailor_tui.errors import CheckpointError
+from tailor_tui.errors import CheckpointError, IncompatibleError
 
 # The releases whose checkpoints tailor-tui reads: from OLDEST up to, not including, BEYOND.
 OLDEST = (0, 14, 0)
@@ -99,9 +100,44 @@ MASTERS = "fp32"  # tailor-tui's name of the fp32 master weights' flat tensor (D
 TENSORS = (MASTERS, EXP_AVG, EXP_AVG_SQ)
 
 
+# Adam's state kept per element, beside the fp32 masters: what tailor-tui composes, slices per row (`TENSORS`)
+ADAM_STATE = (EXP_AVG, EXP_AVG_SQ)
+# What other optimizers keep per element on ZeRO-3's flat partitions (torch's and transformers' names), to name
+# the optimizer in a refusal: its keys, sorted
+OPTIMIZERS = {(EXP_AVG, EXP_AVG_SQ, "max_exp_avg_sq"): "AdamW with amsgrad", ("momentum_buffer",): "SGD with momentum",
+              ("sum",): "Adagrad", ("square_avg",): "RMSprop", ("momentum_buffer", "square_avg"): "RMSprop with momentum",
+              (EXP_AVG,): "Lion, or Adafactor with momentum", (EXP_AVG_SQ,): "Adafactor",
+              ("acc_delta", "square_avg"): "Adadelta"}
+
+
+def per_element(value, size: int) -> bool:
+    """Whether an optimizer-state entry of a sub-group of `size` elements is kept per element: a tensor (torch's,
+    or as pickled: `pickled.TensorRef`) of at least one dimension and `size` elements, not a 0-d `step`."""
+    shape = value.shape if hasattr(value, "shape") else getattr(value, "size", None)
+    return isinstance(shape, tuple) and len(shape) > 0 and math.prod(shape) == size
+
+
+def check_adam_state(inner: dict, path, group_sizes: tuple[int, ...]) -> None:
+    """Refuse (IncompatibleError, naming `path`) the state of an optimizer that keeps per element anything but
+    Adam's exp_avg and exp_avg_sq: composed, its other state would be the base's in silence (AMSGrad's
+    max_exp_avg_sq beside moments of another step), and a state of Adam's missing is no sign of damage."""
+    state = inner[OPTIMIZER_STATE_DICT][STATE]
+    for g, size in enumerate(group_sizes):
+        entry = state.get(g) if isinstance(state, dict) else None
+        keys = tuple(sorted(k for k, v in entry.items() if per_element(v, size))) if isinstance(entry, dict) else ()
+        if keys != ADAM_STATE and keys:
+            named = OPTIMIZERS.get(keys)
+            raise IncompatibleError(
+                f"{path}: its optimizer keeps {', '.join(map(repr, keys))} per element"
+                + (f" ({named})" if named else "") + "; tailor-tui composes Adam's (exp_avg and exp_avg_sq) and "
+                "nothing else yet: any other state would be the base's in silence; compose checkpoints of an Adam "
+                "or AdamW run")
+
+
 def optimizer_state(obj, path, group_sizes: tuple[int, ...]) -> dict:
     """The inner optimizer dict of a loaded optim_states file (`obj`), checked to hold the
-    three flat tensors of every sub-group at the layout's sizes (CheckpointError naming `path`)."""
+    three flat tensors of every sub-group at the layout's sizes (CheckpointError naming `path`), and an
+    optimizer state tailor-tui composes (`check_adam_state`)."""
     try:
         inner = obj[OPTIMIZER_STATE_DICT]
         flat = inner[FP32_FLAT_GROUPS]
@@ -116,6 +152,7 @@ def optimizer_state(obj, path, group_sizes: tuple[int, ...]) -> dict:
             f"{path}: holds {len(flat)} optimizer sub-groups, its model_states describe "
             f"{len(group_sizes)}; the file belongs to another run or is corrupt"
         )
+    check_adam_state(inner, path, group_sizes)
     for g, size in enumerate(group_sizes):
         for key in TENSORS:
             t = flat_tensor(inner, g, key)

@@ -21,7 +21,7 @@ import numpy as np
 from tailor_tui.checked.crc import BlockCrcs, RecordBlocks, crc32
 from tailor_tui.checked.ranges import Readahead, pread_into
 from tailor_tui.checkpoints.checkpoint import RankFiles
-from tailor_tui.errors import Cancelled, CheckpointError
+from tailor_tui.errors import Cancelled, CheckpointError, IncompatibleError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.fileio import open_fd
 from tailor_tui.formats.ds_format import TENSORS
@@ -74,8 +74,9 @@ def rank_stats(job: StatsJob, emit: Emit, cancelled, options: TaskOptions = Task
                     blocks[record.name] = RecordBlocks.of(record, recorder)
     except Cancelled:
         raise
-    except (CheckpointError, Unsupported, OSError) as exc:
-        found = RankStats(error=str(exc) if isinstance(exc, CheckpointError) else f"rank {job.rank}: {exc}")
+    except (CheckpointError, IncompatibleError, Unsupported, OSError) as exc:  # (another optimizer's state: its cells')
+        found = RankStats(error=str(exc) if isinstance(exc, (CheckpointError, IncompatibleError))
+                          else f"rank {job.rank}: {exc}")
     else:
         found = RankStats(sums, blocks=blocks)
     emit(RankStatsRead(job.key, found))

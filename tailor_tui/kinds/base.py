@@ -156,6 +156,12 @@ class RankReader(ABC):
         TENSORS), and the evidence it is checked against; the slice lies from element `offset` of sub-group
         `group`'s flat tensor (a full save) and holds `valid` elements, `count` of them taken from `within`."""
 
+    @abstractmethod
+    def check_state(self) -> None:
+        """Refuse (a TailorError naming the file) an optimizer state this kind keeps that tailor-tui does not
+        compose (`ds_format.check_adam_state`): asked at planning, before anything is read for the output. A kind
+        whose state tailor-tui wrote itself (a partial save's rows file) has nothing to refuse."""
+
     def starts(self, key: str, slots) -> list[int]:
         """`place(key, ...).at` (where the slice starts) of each of `slots` (each with a param, group,
         offset and valid)."""

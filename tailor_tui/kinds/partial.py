@@ -97,6 +97,9 @@ class PartialRankReader(RankReader):
             self._rows = read_rows_file(self.rows_file)
         return self._rows
 
+    def check_state(self) -> None:
+        """(Its rows file holds what the selective saver wrote: Adam's state, checked where it saved from.)"""
+
     def place(self, key: str, *, param: str | None, group: int | None, offset: int, valid: int, within: int = 0,
               count: int = 0) -> RankBytes:
         """Checked to hold the slice's `valid` fp32 elements (its recorded CRC-32 covers those) and the

@@ -90,6 +90,9 @@ class ZeroRankReader(RankReader):
             self._flat = flat_tensor_bytes(*self.structure(), self.files.optim_states, self.group_sizes)
         return self._flat
 
+    def check_state(self) -> None:
+        self.flat()  # (`ds_format.optimizer_state` checks the state as it finds the flat tensors)
+
     def fp32_flat(self, purpose: str) -> dict[tuple[int, str], TensorBytes]:
         """`flat`, refused (CheckpointError naming `purpose`) unless every tensor holds fp32 values."""
         found = self.flat()

@@ -19,6 +19,7 @@ from tailor_tui.checkpoints.checkpoint import (
 )
 from tailor_tui.checkpoints.lineage import other_run
 from tailor_tui.errors import CheckpointError, IncompatibleError, RecipeError, UsageError
+from tailor_tui.kinds.base import rank_reader
 from tailor_tui.planning.output import check_output as check_writable
 from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.planning.recipe import Recipe
@@ -94,6 +95,9 @@ def build_plan(recipe: Recipe, output: str | Path | None = None, force: bool = F
         picks[row] = ckpt_index
 
     _check_rows_held(recipe, sources, picks)
+    for src in sources:  # an optimizer state not composed: refused before anything is read (--dry-run too)
+        if not src.gone:
+            rank_reader(src.ranks[0], tuple(src.layout.group_sizes())).check_state()
     reshard = None
     if target is not None and (target != base.world_size or any(s.world_size != target for s in sources)):
         reshard = plan_reshard(base, target)

@@ -41,6 +41,7 @@ from tailor_tui.formats.ds_format import (
     PARTITION_GROUPS,
     STATE,
     TENSORS,
+    check_adam_state,
     flat_tensor,
 )
 from tailor_tui.formats.pickled import Size, TensorRef
@@ -127,6 +128,7 @@ def _optim_states(base: Checkpoint, reshard: Reshard, fills: dict) -> dict:
         raise CheckpointError(f"{path}: its partition_count is {inner.get(PARTITION_COUNT)!r}, not a ZeRO-3 "
                               "world size; tailor-tui reshards ZeRO stage 3 checkpoints")
     sizes = tuple(base.layout.group_sizes())
+    check_adam_state(inner, path, sizes)  # (what else is kept per element would not be re-partitioned)
     group_of = {slot.name: slot.group for slot in base.layout.slots}
     new_flat, new_state = [], {}
     try:
@@ -138,9 +140,6 @@ def _optim_states(base: Checkpoint, reshard: Reshard, fills: dict) -> dict:
                 if key in (EXP_AVG, EXP_AVG_SQ):
                     entry[key] = reserved(size, value, fills)
                     continue
-                if isinstance(value, TensorRef) and value.size and value.numel() == sizes[first] > 1:
-                    raise CheckpointError(f"{path}: sub-group {first} holds optimizer state '{key}' per element; "
-                                          "tailor-tui reshards Adam's exp_avg and exp_avg_sq and nothing else")
                 for other in olds[1:]:
                     if not _same(read, state[other].get(key), value):
                         raise CheckpointError(

@@ -41,7 +41,7 @@ from tailor_tui.runs.ranks import quiet, setup_rank, spawn_ranks
 VOCAB = 101  # prime, so embedding and lm_head never split evenly across ranks
 
 
-LATER_FIELDS = {"vision_layers": 0}  # RunSpec's fields added after run keys were first kept: their defaults
+LATER_FIELDS = {"vision_layers": 0, "optimizer": "adamw"}  # RunSpec's fields added after run keys were first kept: their defaults
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,8 @@ class RunSpec:
     pinned: bool = False
     # DeepSpeed layout: AdamW with amsgrad, which keeps a third per-element state (max_exp_avg_sq)
     amsgrad: bool = False
+    # DeepSpeed layout: the optimizer, "adamw" or "sgd" (with momentum: one per-element state, momentum_buffer)
+    optimizer: str = "adamw"
     # a persistent buffer on the final norm (`model.norm.tailor_scale`): model_states keeps it in
     # `module` and save_pretrained writes it beside the weights
     buffer: bool = False
@@ -149,9 +151,22 @@ def ds_config(spec: RunSpec, for_trainer: bool) -> dict:
     return cfg
 
 
+def make_optimizer(spec: RunSpec, groups):
+    """The torch optimizer of a DeepSpeed-layout run of `spec` (ZeRO-3 keeps its state on flat partitions)."""
+    import torch
+
+    if spec.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=1e-3, momentum=0.9)
+    if spec.optimizer != "adamw":
+        raise ValueError(f"RunSpec.optimizer: {spec.optimizer!r}, not adamw or sgd")
+    return torch.optim.AdamW(groups, lr=1e-3, amsgrad=spec.amsgrad)
+
+
 def _engine_config(spec: RunSpec, folder: Path):
     """The `config` argument of deepspeed.initialize: a dict, or a JSON file's path."""
     cfg = ds_config(spec, for_trainer=False)
+    if spec.optimizer != "adamw":  # (DeepSpeed's word for an optimizer of torch's it has no tests of)
+        cfg["zero_allow_untested_optimizer"] = True
     if not spec.config_file:
         return cfg
     path = folder / "ds_config.json"
@@ -204,10 +219,9 @@ def _train_rank(rank: int, world: int, port: int, spec: RunSpec, out: str | Path
             trainer.save_model(str(out / "final"))
         return
     import deepspeed
-    import torch
 
     model = build_model(spec)
-    opt = torch.optim.AdamW(param_groups(model), lr=1e-3, amsgrad=spec.amsgrad)
+    opt = make_optimizer(spec, param_groups(model))
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_engine_config(spec, out))
     saver = None
     if spec.selective:
@@ -327,10 +341,9 @@ def _resume_rank(rank, world, port, spec: RunSpec, ckpt: str | Path, resave: str
         trainer.train(resume_from_checkpoint=str(ckpt))
     else:
         import deepspeed
-        import torch
 
         model = build_model(spec)
-        opt = torch.optim.AdamW(param_groups(model), lr=1e-3, amsgrad=spec.amsgrad)
+        opt = make_optimizer(spec, param_groups(model))
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_engine_config(spec, Path(resave)))
         path, _ = engine.load_checkpoint(str(ckpt))
         if path is None:

@@ -49,6 +49,7 @@ from tailor_tui.formats.ds_format import (
     OPTIMIZER_STATE_DICT,
     STATE,
     TENSORS,
+    check_adam_state,
 )
 from tailor_tui.kinds.partial import CRC_METADATA, PARTIAL_MANIFEST, PARTIAL_ROWS, PARTIAL_SKELETON, crc_metadata
 
@@ -110,7 +111,10 @@ def save_rows(engine, root: str | os.PathLike, rows: Iterable[str], *, step: int
     engine._save_checkpoint(str(staging), tag)
     state = engine.optimizer.state_dict()
     shapes = engine._get_zero_param_shapes()
-    slots = ZeroLayout(world, tuple(tuple((n, tuple(s)) for n, s in g.items()) for g in shapes), ()).slots
+    zero = ZeroLayout(world, tuple(tuple((n, tuple(s)) for n, s in g.items()) for g in shapes), ())
+    # an optimizer that keeps more than Adam's state per element: its rows would lose it (IncompatibleError)
+    check_adam_state(state, f"rank {rank}'s optimizer", tuple(zero.group_sizes()))
+    slots = zero.slots
     inner = state[OPTIMIZER_STATE_DICT]
     tensors, valid = {}, {}
     for slot in slots:
