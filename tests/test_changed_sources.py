@@ -539,3 +539,24 @@ def test_verify_proves_an_output_whose_source_was_deleted_since(real_run, tmp_pa
 
     (out / "tailor_provenance.json").unlink()  # nothing to plan the deleted source by
     assert_one_line_error(tailor("--verify", recipe, *extra), 4, str(ckpts[0]), "no such checkpoint folder")
+
+
+def test_verify_of_an_output_whose_partial_source_was_deleted_says_it_is_gone(real_run, tmp_path):
+    """A partial save's rows and slices are its own: an output that took rows from one deleted since cannot be
+    planned again from its record. --verify says which source is gone (CHANGED) and that nothing was compared,
+    exit 7 — not that the recipe names a missing folder (exit 4), as if the recipe were wrong."""
+    from helpers import compose_newest_per_row
+
+    source, _spec = real_run("ds_selective_parity")
+    runs = tmp_path / "runs"
+    shutil.copytree(source / "run", runs)
+    (_full, p4, _p6), _out = compose_newest_per_row(runs, tmp_path)
+    shutil.rmtree(p4.path)
+    verified = tailor("--verify", tmp_path / "recipe.yaml")
+    said = verified.stdout + verified.stderr
+    assert verified.returncode == 7, said
+    assert [line for line in verified.stdout.splitlines() if line.startswith("CHANGED")] == [
+        next(line for line in verified.stdout.splitlines() if line.startswith(f"CHANGED  {p4.path}: gone since"))], said
+    errors = [line for line in verified.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and str(p4.path) in errors[0] and "nothing of it was compared" in errors[0], said
+    assert "Traceback" not in said

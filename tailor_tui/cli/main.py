@@ -23,6 +23,7 @@ from pathlib import Path
 
 from tailor_tui import __version__
 from tailor_tui.errors import (
+    CheckpointError,
     ExitCode,
     OutputError,
     TailorError,
@@ -224,15 +225,26 @@ def apply(args) -> int:
 def verify(args) -> int:
     from tailor_tui.cli.import_command import load_for
     from tailor_tui.planning.build import build_plan
-    from tailor_tui.planning.provenance import read_record, stand_in
+    from tailor_tui.planning.provenance import changed_since, read_record, stand_in
     from tailor_tui.report import reporter_for
     from tailor_tui.verifying.against_recipe import verify_against_recipe
 
     recipe = load_for(args, args.verify)
     out = Path(args.output) if args.output else recipe.output
     record = None if out is None else read_record(out)  # (no output: build_plan says so)
-    plan = build_plan(recipe, output=args.output, check_output=False, world_size=args.world_size,
-                      stand_in=None if record is None else lambda path, base: stand_in(record, path, base))
+    try:
+        plan = build_plan(recipe, output=args.output, check_output=False, world_size=args.world_size,
+                          stand_in=None if record is None else lambda path, base: stand_in(record, path, base))
+    except CheckpointError as exc:  # a checkpoint it cannot open: gone or changed since the composition?
+        changed = changed_since(record) if record is not None else []
+        if not changed:
+            raise
+        for _path, line in changed:
+            print(shown(f"CHANGED  {line}"))
+        print(shown(f"error: sources changed since the composition ({len(changed)} CHANGED), and {out} cannot be "
+                    f"planned without them ({exc}); nothing of it was compared: restore them, or compose again from "
+                    "checkpoints that are there"), file=sys.stderr)
+        return ExitCode.VERIFY_FAILED
     if not plan.output.is_dir():
         raise OutputError(f"output {plan.output}: does not exist; nothing to verify (run --apply first)")
     composed_for = _composed_world_size(plan.output)
