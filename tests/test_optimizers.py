@@ -6,6 +6,8 @@ statistics say the same of each cell, never that the files are corrupt (issue 59
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import checkpoints_of
 from helpers import assert_one_line_error, hidden, stats_json, tailor, write_recipe
@@ -28,3 +30,28 @@ def test_another_optimizers_state_is_refused_at_planning_and_never_called_corrup
     errors = {c.get("error") or "" for c in stats_json(run)["cells"]}  # each cell names its rank's file
     assert errors and all(needle in e for e in errors for needle in CASES[name]), errors
     assert not any("corrupt" in e for e in errors), errors
+
+
+def test_the_state_rule_tells_another_optimizer_from_a_damaged_file():
+    """What each sub-group keeps per element (a tensor of its size, not the 0-d step) names the optimizer; an
+    Adam state of another size is damage, named as such (CheckpointError, exit 4), never another optimizer."""
+    import torch
+
+    from tailor_tui.errors import CheckpointError, IncompatibleError
+    from tailor_tui.formats.ds_format import optimizer_state
+
+    def file_of(**state):
+        inner = {"fp32_flat_groups": [torch.zeros(6)], "optimizer_state_dict": {"state": {0: {"step": torch.tensor(3.0),
+                                                                                              **state}}}}
+        return {"optimizer_state_dict": inner}
+
+    adam = {"exp_avg": torch.zeros(6), "exp_avg_sq": torch.zeros(6)}
+    assert optimizer_state(file_of(**adam), "f.pt", (6,))
+    for state, needle in (({**adam, "max_exp_avg_sq": torch.zeros(6)}, "AdamW with amsgrad"),
+                          ({"momentum_buffer": torch.zeros(6)}, "SGD with momentum"),
+                          ({}, "keeps nothing per element (SGD without momentum)"),
+                          ({"exp_avg": torch.zeros(6)}, "'exp_avg' per element (Lion")):
+        with pytest.raises(IncompatibleError, match=re.escape(needle)):
+            optimizer_state(file_of(**state), "f.pt", (6,))
+    with pytest.raises(CheckpointError, match="exp_avg holds 5 elements, the layout says 6; the file is truncated"):
+        optimizer_state(file_of(exp_avg=torch.zeros(5), exp_avg_sq=torch.zeros(6)), "f.pt", (6,))

@@ -107,7 +107,7 @@ ADAM_STATE = (EXP_AVG, EXP_AVG_SQ)
 OPTIMIZERS = {(EXP_AVG, EXP_AVG_SQ, "max_exp_avg_sq"): "AdamW with amsgrad", ("momentum_buffer",): "SGD with momentum",
               ("sum",): "Adagrad", ("square_avg",): "RMSprop", ("momentum_buffer", "square_avg"): "RMSprop with momentum",
               (EXP_AVG,): "Lion, or Adafactor with momentum", (EXP_AVG_SQ,): "Adafactor",
-              ("acc_delta", "square_avg"): "Adadelta"}
+              ("acc_delta", "square_avg"): "Adadelta", (): "SGD without momentum"}
 
 
 def per_element(value, size: int) -> bool:
@@ -124,11 +124,13 @@ def check_adam_state(inner: dict, path, group_sizes: tuple[int, ...]) -> None:
     state = inner[OPTIMIZER_STATE_DICT][STATE]
     for g, size in enumerate(group_sizes):
         entry = state.get(g) if isinstance(state, dict) else None
-        keys = tuple(sorted(k for k, v in entry.items() if per_element(v, size))) if isinstance(entry, dict) else ()
-        if keys != ADAM_STATE and keys:
+        if not isinstance(entry, dict) or any(k in entry and not per_element(entry[k], size) for k in ADAM_STATE):
+            continue  # no state of the sub-group, or an Adam state of another size: damage, `optimizer_state` names it
+        keys = tuple(sorted(k for k, v in entry.items() if per_element(v, size)))
+        if keys != ADAM_STATE:
             named = OPTIMIZERS.get(keys)
             raise IncompatibleError(
-                f"{path}: its optimizer keeps {', '.join(map(repr, keys))} per element"
+                f"{path}: its optimizer keeps {', '.join(map(repr, keys)) or 'nothing'} per element"
                 + (f" ({named})" if named else "") + "; tailor-tui composes Adam's (exp_avg and exp_avg_sq) and "
                 "nothing else yet: any other state would be the base's in silence; compose checkpoints of an Adam "
                 "or AdamW run")
