@@ -55,3 +55,16 @@ def test_the_state_rule_tells_another_optimizer_from_a_damaged_file():
             optimizer_state(file_of(**state), "f.pt", (6,))
     with pytest.raises(CheckpointError, match="exp_avg holds 5 elements, the layout says 6; the file is truncated"):
         optimizer_state(file_of(exp_avg=torch.zeros(5), exp_avg_sq=torch.zeros(6)), "f.pt", (6,))
+
+
+def test_the_selective_saver_refuses_to_save_another_optimizers_run_partially(tmp_path):
+    """A partial save holds Adam's state of the rows it saves: of an AMSGrad run it would lose max_exp_avg_sq.
+    The saver refuses (the training script gets the one line), and no partial save is published; the full
+    save before it stands."""
+    from tailor_tui.runs.demo_run import RunSpec, make_run
+
+    spec = RunSpec(layout="deepspeed", steps=4, save_every=2, amsgrad=True, selective="parity")
+    with pytest.raises(Exception, match=re.escape("per element (AdamW with amsgrad)")):
+        make_run(tmp_path / "out", spec)
+    saved = sorted(p.name for p in (tmp_path / "out" / "run").iterdir() if not p.name.startswith("."))
+    assert "global_step2" in saved and not [name for name in saved if "partial" in name], saved
