@@ -130,8 +130,8 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
             fin = open_fd(stack, base_path)
             fds = {s: open_fd(stack, job.files[s].state_file) for s in used}
             fout = open_fd(stack, out, CREATE)
-            origin, how = _clone(fin, fout, fds, spans, counter)  # one file's blocks shared: the rest is written
-            sweep = _Sweep(fin, fout, spans, fds, counter, cloned=how is not None, origin=origin,
+            clone_of, how = _clone(fin, fout, fds, spans, counter)  # one file's blocks shared: the rest is written
+            sweep = _Sweep(fin, fout, spans, fds, counter, clone_of=clone_of,
                            zeroed=[(r.data_offset, r.data_offset + r.size) for r in records if id(r) in fresh])
             new = {}  # (source, offset) -> the CRC-32 of the span taken there
             for s in sources:  # a source's records not read in step: read and checked first
@@ -179,7 +179,7 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
             for record in records:
                 if id(record) in fresh:
                     assert record.crc is not None, "a record replaced whole has a CRC-32 (`_replaced_whole`)"
-                    crc_changes[record] = record.crc ^ _crc_of_replaced(record, spans, padding.pads, new)
+                    crc_changes[record] = record.crc ^ _crc_of_replaced(fresh[id(record)], new)
             for sp in spans:
                 if id(sp.record) in fresh:
                     continue
@@ -195,7 +195,7 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
                     os.pwrite(fout, struct.pack("<I", record.crc ^ change), at)
             fsync(fout, counter.options.durable)
             if how is not None:  # (the base's padding that was not zeros: written over)
-                counter.shares(sweep.kept - (sum(length for _at, length, _r, _v in padding.found()) if origin == 0
+                counter.shares(sweep.kept - (sum(length for _at, length, _r, _v in padding.found()) if clone_of == 0
                                              else 0), how)
     except OSError as exc:
         raise output_error(exc, out) from None
@@ -204,37 +204,36 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
     return sum((c.counts for c in census.values()), Counter()), parts
 
 
-def _replaced_whole(records: list[Record], spans: list[Replacement], pads: list[tuple[int, int, Record]]) -> set[int]:
-    """The base's records (their ids) every byte of which the output replaces, by spans and padding (a flat
-    tensor every row of which is taken from elsewhere): nothing of them is kept, so they are not read; the
-    output's padding there is written as zeros, and their CRC-32 worked out from what replaces them."""
-    pieces: defaultdict[int, list[tuple[int, int]]] = defaultdict(list)
+def _replaced_whole(records: list[Record], spans: list[Replacement],
+                    pads: list[tuple[int, int, Record]]) -> dict[int, list[tuple[int, int, int | None, int]]]:
+    """The base's records every byte of which the output replaces, by spans and padding (a flat tensor every row
+    of which is taken from elsewhere), by id: what replaces each, in file order ((first byte, length, source,
+    first byte there); source None: padding). Nothing of them is kept, so they are not read; the output's
+    padding there is written as zeros, and their CRC-32 worked out from what replaces them (`_crc_of_replaced`)."""
+    pieces: defaultdict[int, list[tuple[int, int, int | None, int]]] = defaultdict(list)
     for sp in spans:
-        pieces[id(sp.record)].append((sp.at, sp.length))
+        pieces[id(sp.record)].append((sp.at, sp.length, sp.source, sp.source_at))
     for at, n, record in pads:
-        pieces[id(record)].append((at, n))
-    whole = set()
+        pieces[id(record)].append((at, n, None, 0))
+    whole = {}
     for record in records:
-        at = record.data_offset
-        for start, n in sorted(pieces.get(id(record), ())):
+        mine, at = sorted(pieces.get(id(record), ())), record.data_offset
+        for start, n, _source, _source_at in mine:
             if start != at:
                 break
             at += n
         else:
-            if at == record.data_offset + record.size and record.crc is not None and id(record) in pieces:
-                whole.add(id(record))
+            if mine and at == record.data_offset + record.size and record.crc is not None:
+                whole[id(record)] = mine
     return whole
 
 
-def _crc_of_replaced(record: Record, spans: list[Replacement], pads: list[tuple[int, int, Record]],
-                     new: dict[tuple[int, int], int]) -> int:
-    """The output's CRC-32 of a record replaced whole (`_replaced_whole`): its spans' (`new`: by source and
-    offset there) and its padding's zeros, combined in file order."""
-    pieces = sorted([(sp.at, sp.length, new[sp.source, sp.source_at]) for sp in spans if sp.record is record]
-                    + [(at, n, crc.zeros(n)) for at, n, r in pads if r is record])
+def _crc_of_replaced(pieces: list[tuple[int, int, int | None, int]], new: dict[tuple[int, int], int]) -> int:
+    """The output's CRC-32 of a record replaced whole by `pieces` (`_replaced_whole`): its spans' (`new`: by
+    source and first byte there) and its padding's zeros, combined in file order."""
     value = 0
-    for _at, n, piece in pieces:
-        value = crc.combine(value, piece, n)
+    for _at, n, source, source_at in pieces:
+        value = crc.combine(value, crc.zeros(n) if source is None else new[source, source_at], n)
     return value
 
 
@@ -256,26 +255,28 @@ def _by_record(records: list[Record], parts: list, spans: list[Replacement]) -> 
 
 
 def _clone(fin: int, fout: int, fds: dict[int, int], spans: list[Replacement],
-           counter: ByteCounter) -> tuple[int, str | None]:
+           counter: ByteCounter) -> tuple[int | None, str | None]:
     """Which file the output starts as a clone of where the filesystem shares blocks (`cloning`; not with
-    `--no-clone`), and how (None: none, every byte is written): the base's where the spans replace little enough
-    of it (`worth_it`); else a full source that gives at least half of it, every span of it lying where it
-    lies in the base's file, in a file of the base's size (every row taken from one checkpoint of the run: its
-    flat tensors lie where the base's do), its spans then kept where they are and the base's bytes written over
-    the clone. Every byte either way is read and checked as if written."""
+    `--no-clone`): the base's (0) where the spans replace little enough of it (`worth_it`); else a full source
+    that gives at least half of it, every span of it lying where it lies in the base's file, in a file of the
+    base's size (every row taken from one checkpoint of the run: its flat tensors lie where the base's do), its
+    spans then kept where they are and the base's bytes written over the clone. And how; (None, None): none,
+    every byte is written. Every byte either way is read and checked as if written."""
     if not counter.options.clone:
-        return 0, None
+        return None, None
     size = os.fstat(fin).st_size
     if worth_it(sum(sp.length for sp in spans), size):
-        return 0, clone(fin, fout)
-    given: Counter[int] = Counter()
-    for sp in spans:
-        given[sp.source] += sp.length
-    for s, n in given.most_common(1):
-        if (s in fds and not worth_it(n, size) and os.fstat(fds[s]).st_size == size
-                and all(sp.source_at == sp.at and sp.check is None for sp in spans if sp.source == s)):
-            return s, clone(fds[s], fout)
-    return 0, None
+        s = 0
+    else:
+        given: Counter[int] = Counter()
+        for sp in spans:
+            given[sp.source] += sp.length
+        s, n = given.most_common(1)[0]  # (spans: half the file or more)
+        if (s not in fds or worth_it(n, size) or os.fstat(fds[s]).st_size != size
+                or not all(sp.source_at == sp.at and sp.check is None for sp in spans if sp.source == s)):
+            return None, None
+    how = clone(fds[s] if s else fin, fout)
+    return (s, how) if how is not None else (None, None)
 
 
 def _parts(reader: RankReader, slots: list) -> list[tuple[int, int, tuple[str, str, tuple[int, int]]]]:
@@ -326,19 +327,19 @@ class _Sweep:
     each span's from its source. Called chunk by chunk right after that chunk of the base and of
     the sources in step was read and checked (`read`), the copy finds those bytes in the CPU's
     cache. A partial's slice is read whole and checked against its rows file's CRC-32 first.
-    `cloned`: the output is a clone of the base's file already (`cloning`): the base's bytes are
-    kept where they are, shared (`kept` counts them), and only the spans are written; of source `origin`'s file
-    (not the base, `_clone`): its spans are kept, the base's bytes and the other spans written."""
+    `clone_of`: the output is a clone of that file already (`cloning`; None: it is not). Of the base's (0):
+    the base's bytes are kept where they are, shared (`kept` counts them), and only the spans are written; of
+    a source's (`_clone`): its spans are kept, the base's bytes and the other spans written."""
 
     def __init__(self, fin: int, fout: int, spans: list[Replacement], fds: dict[int, int], counter: ByteCounter,
-                 cloned: bool = False, zeroed: list[tuple[int, int]] | None = None, origin: int = 0):
+                 clone_of: int | None = None, zeroed: list[tuple[int, int]] | None = None):
         self.fin, self.fout, self.spans, self.fds, self.counter = fin, fout, spans, fds, counter
-        self.origin = origin  # the file the output is a clone of, where `cloned`: the base (0) or a source
+        self.clone_of = clone_of
         # [start, end) of the base's records replaced whole (`_replaced_whole`): between their spans (their
         # padding), zeros are written, not the base's bytes (never read)
         self.zeroed = zeroed or []
         self._zeroed_starts = [a for a, _b in self.zeroed]
-        self.cloned, self.kept = cloned, 0
+        self.kept = 0
         self.writeback = Writeback(fout, counter.options.durable)
         self.buffer = memoryview(bytearray(STREAM_CHUNK))
         self.written, self._j = 0, 0  # the output is written up to `written`; spans before _j lie behind
@@ -378,10 +379,10 @@ class _Sweep:
                     self.counter.add(stop - at)
                     self.written = stop
                     continue
-                if self.cloned and self.origin == 0:  # the clone holds them already
+                if self.clone_of == 0:  # the clone holds them already
                     self._keep(stop)
                     continue
-            elif self.cloned and sp.source == self.origin:  # the clone of its source's file holds it already
+            elif sp.source == self.clone_of:  # the clone of its source's file holds it already
                 self._keep(min(end, sp.at + sp.length))
                 continue
             else:
