@@ -6,7 +6,8 @@ run: 4 ranks, 2.3 GiB a checkpoint; made by `bench/bench_merge.py`), then, sever
 measures the new space (`df` after `sync`, before and after) and the time of:
 
 - `cp -r --reflink=never` of the base's tag folder (the yardstick), the same followed by `sync`
-  (tailor-tui fsyncs its output: like for like) and `cp -r --reflink=always`;
+  (tailor-tui fsyncs its output: like for like) and `cp -r --reflink=always`; `cat` of the base's files
+  (the floor of a verified clone, which reads every byte it keeps once to check its CRC-32);
 - `tailor-tui --apply` of a recipe replacing 1 row (layers.5) and of one replacing every row, each
   cloned (the default) and with `--no-clone`; the 1-row recipe cloned both with an empty statistics
   cache (the base's kept rows are read and checked, not written) and after `--stats` of the run (the
@@ -50,7 +51,7 @@ from tailor_tui.runs.scratch_xfs import loop_xfs, unavailable  # noqa: E402
 
 ONE_ROW = "layers.5"
 # what is also measured with the page cache emptied before each command (on XFS)
-COLD = ("xfs: cp -r --reflink=never", "xfs: cp -r --reflink=never; sync", "xfs: --apply 1 row",
+COLD = ("xfs: cp -r --reflink=never", "xfs: cp -r --reflink=never; sync", "xfs: cat of the base", "xfs: --apply 1 row",
         "xfs: --apply 1 row, after --stats", "xfs: --apply 1 row, after --stats, --no-fsync", "xfs: --apply every row")
 # what an --apply after --stats says: of the source, only the blocks holding the row taken were read
 AFTER_STATS = "reading only the sources' blocks the output takes from: "
@@ -72,11 +73,11 @@ def recipe(path: Path, base: Path, source: Path, output: Path, rows: list[str]) 
 def replaced_bytes(path: Path) -> int:
     """The bytes of rank files the recipe at `path` takes from another checkpoint (its plan's)."""
     from tailor_tui.planning.build import build_plan
-    from tailor_tui.planning.jobs import BYTES_PER_ELEMENT
+    from tailor_tui.planning.jobs import bytes_per_element
     from tailor_tui.planning.recipe_file import load_recipe
 
     plan = build_plan(load_recipe(path), check_output=False)
-    return sum(c.length for job in plan.rank_jobs() for c in job.copies) * BYTES_PER_ELEMENT
+    return sum(c.length * bytes_per_element(job.keys) for job in plan.rank_jobs() for c in job.copies)
 
 
 def drop_page_cache() -> None:
@@ -136,6 +137,8 @@ def main() -> None:
                     ["sh", "-c", f'cp -r --reflink=never "{base}" "{out}" && sync'], out, scratch)
                 commands["xfs: cp -r --reflink=always"] = (["cp", "-r", "--reflink=always", str(base), str(out)],
                                                            out, scratch)
+                # the floor of a verified clone: every byte it keeps is read once (and its CRC-32 checked)
+                commands["xfs: cat of the base"] = (["sh", "-c", f'cat "{base}"/* > /dev/null'], out, scratch)
             commands[f"{fs}: --apply 1 row"] = ([*tailor, str(one)], out, scratch)
             if fs == "xfs":
                 commands["xfs: --apply 1 row, after --stats"] = ([*tailor, str(one)], out, scratch)

@@ -107,10 +107,19 @@ RUNS = {
     "ds_blown_up": RunSpec(layout="deepspeed", blow_up=(
         "model.layers.2.self_attn.q_proj.weight", "model.layers.2.mlp.down_proj.weight"), blow_up_step=6,
         pinned=True),
-    # AdamW with amsgrad: a per-element optimizer state (max_exp_avg_sq) besides Adam's two moments
-    "ds_amsgrad": RunSpec(layout="deepspeed", steps=2, amsgrad=True),
-    # SGD with momentum: one per-element state (momentum_buffer) and none of Adam's
-    "ds_sgd": RunSpec(layout="deepspeed", steps=2, optimizer="sgd"),
+    # Optimizers other than AdamW (tests/test_optimizers.py), each with its own state per element, two saves (steps
+    # 2 and 4): AdamW with amsgrad (max_exp_avg_sq besides Adam's two moments), SGD with momentum (momentum_buffer),
+    # Adagrad (sum), RMSprop with momentum (square_avg, momentum_buffer), Adafactor (unfactored on ZeRO-3's flat
+    # partitions: exp_avg_sq), Lion (exp_avg alone)
+    "ds_amsgrad": RunSpec(layout="deepspeed", steps=4, amsgrad=True),
+    "ds_sgd": RunSpec(layout="deepspeed", steps=4, optimizer="sgd"),
+    "ds_adagrad": RunSpec(layout="deepspeed", steps=4, optimizer="adagrad"),
+    "ds_rmsprop": RunSpec(layout="deepspeed", steps=4, optimizer="rmsprop"),
+    "ds_adafactor": RunSpec(layout="deepspeed", steps=4, optimizer="adafactor"),
+    "ds_lion": RunSpec(layout="deepspeed", steps=4, optimizer="lion"),
+    # The selective saver on an AMSGrad run (parity): a full save at step 2, partial ones at 4 and 6 holding
+    # max_exp_avg_sq beside the moments; OUT/reference full saves at 2, 4, 6
+    "ds_selective_amsgrad": RunSpec(layout="deepspeed", amsgrad=True, selective="parity"),
     # HF layout with a persistent buffer (model.norm.tailor_scale): save_pretrained writes it
     "hf_buffer": RunSpec(buffer=True),
     # A frozen parameter (no optimizer state: its values live in model_states' fragments) of

@@ -258,12 +258,14 @@ def two_checkpoint_picks(spec, oldest) -> dict:
 
 
 def assert_rows_from_picks(out, picks: dict, base, tied: bool = False) -> None:
-    """Every parameter's fp32 weights, exp_avg and exp_avg_sq in `out` are its chosen source's
-    (read by DeepSpeed's zero_to_fp32 code; frozen parameters are among the fp32 weights; a
-    tied lm_head, which zero_to_fp32 lists as a copy of the embeddings, follows embed_tokens)."""
+    """Every parameter's fp32 weights and every optimizer state kept per element (exp_avg and exp_avg_sq of
+    Adam's, whatever the optimizer keeps) in `out` are its chosen source's (read by DeepSpeed's zero_to_fp32
+    code; frozen parameters are among the fp32 weights; a tied lm_head, which zero_to_fp32 lists as a copy of
+    the embeddings, follows embed_tokens)."""
     got = read_full_state(out)
     want = {c: read_full_state(c) for c in {base, *picks.values()}}
-    for key in ("fp32", "exp_avg", "exp_avg_sq"):
+    assert got.keys() == want[base].keys()
+    for key in got:
         assert got[key].keys() == want[base][key].keys()
         for param, value in got[key].items():
             row = "embed_tokens" if tied and param_row(param) == "lm_head" else param_row(param)
@@ -271,13 +273,16 @@ def assert_rows_from_picks(out, picks: dict, base, tied: bool = False) -> None:
 
 
 def assert_optim_states_equal(out, resaved) -> None:
-    """Every rank's fp32 weights, moments and steps in `resaved` equal `out`'s, bit for bit."""
+    """Every rank's fp32 weights and every optimizer state (moments, steps, whatever the optimizer keeps) in
+    `resaved` equal `out`'s, bit for bit."""
     for mine, theirs in zip(optim_states(out), optim_states(resaved), strict=True):
         for a, b in zip(mine["fp32_flat_groups"], theirs["fp32_flat_groups"], strict=True):
             assert torch.equal(a, b)
+        assert mine["optimizer_state_dict"]["state"].keys() == theirs["optimizer_state_dict"]["state"].keys()
         for g, st in mine["optimizer_state_dict"]["state"].items():
             again = theirs["optimizer_state_dict"]["state"][g]
-            for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert st.keys() == again.keys(), (g, sorted(st), sorted(again))
+            for key in st:
                 assert torch.equal(torch.as_tensor(st[key]), torch.as_tensor(again[key])), (g, key)
 
 

@@ -1,9 +1,11 @@
 """An independent reader of ZeRO-3 checkpoints, built on DeepSpeed's own code.
 
 Full fp32 weights come from DeepSpeed's `get_fp32_state_dict_from_zero_checkpoint`;
-exp_avg and exp_avg_sq are reassembled by feeding their per-rank flat tensors to the
-same DeepSpeed routine (`_zero3_merge_trainable_params`) that zero_to_fp32 uses for
-the weights. None of tailor-tui's partition code is involved.
+every optimizer state kept per element (whatever its key: any tensor of a sub-group's state as large as
+the sub-group's flat fp32 partition: Adam's exp_avg and exp_avg_sq, AMSGrad's max_exp_avg_sq, SGD's
+momentum_buffer, …) is reassembled by feeding its per-rank flat tensors to the same DeepSpeed routine
+(`_zero3_merge_trainable_params`) that zero_to_fp32 uses for the weights. None of tailor-tui's
+partition code is involved.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ def latest_folder(ckpt: Path) -> tuple[Path, str]:
 
 
 def read_full_state(ckpt: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """{"fp32": {...}, "exp_avg": {...}, "exp_avg_sq": {...}}, full tensors by param name."""
+    """{"fp32": {...}, "exp_avg": {...}, "exp_avg_sq": {...}} (an Adam run's; each run's own states kept per
+    element), full tensors by param name."""
     folder, tag = latest_folder(ckpt)
     if any(not _is_zip(f) for f in (folder / tag).glob("*.pt")):
         # zero_to_fp32 memory-maps, which torch's legacy format does not allow: read a copy
@@ -41,17 +44,28 @@ def read_full_state(ckpt: Path) -> dict[str, dict[str, torch.Tensor]]:
     tag_dir = folder / tag
     model_states = z.parse_model_states(z.get_model_state_files(str(tag_dir)))
     optim_files = z.get_optim_files(str(tag_dir))
-    flats = {"exp_avg": [], "exp_avg_sq": []}
+    flats: dict[str, list] = {}
     for f in optim_files:
         state = torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]
         groups = state["optimizer_state_dict"]["state"]
-        for key in flats:
-            flats[key].append([groups[g][key] for g in sorted(groups)])
+        sizes = [flat.numel() for flat in state["fp32_flat_groups"]]
+        keys = per_element_keys(groups, sizes)
+        for key in keys:
+            flats.setdefault(key, []).append([groups[g][key] for g in sorted(groups)])
+        assert flats.keys() == set(keys), f"{f}: keeps {keys} per element, rank 0 {sorted(flats)}"
     for key, per_rank in flats.items():
         merged: dict = {}
         z._zero3_merge_trainable_params(merged, len(optim_files), per_rank, model_states)
         out[key] = z.to_torch_tensor(merged)
     return out
+
+
+def per_element_keys(groups: dict, sizes: list[int]) -> list[str]:
+    """The keys of every sub-group's state (`groups`) that are tensors of its flat partition's size (`sizes`)."""
+    found = [sorted(k for k, v in groups.get(g, {}).items() if torch.is_tensor(v) and v.dim() > 0 and v.numel() == n)
+             for g, n in enumerate(sizes)]
+    assert all(keys == found[0] for keys in found), found
+    return found[0]
 
 
 def optim_states(ckpt: Path) -> list[dict]:

@@ -213,7 +213,7 @@ class Composing(PublishingWork):
         rank_args: tuple[HeldPath] | tuple[HeldPath, Skeleton] = (tag_dir,)
         if self.plan.reshard is not None:  # the structure every output rank file shares: made once, here
             rank_args = (tag_dir, skeleton(self.plan.base, self.plan.sources, self.plan.buffer_sources(),
-                                           self.plan.reshard))
+                                           self.plan.reshard, self.plan.keys))
         planned = self.plan
         return [*(Task(read_as_planned, job, (self.rank_call, files_read(planned, job), *rank_args))
                   for job in self.jobs),

@@ -24,7 +24,6 @@ from tailor_tui.formats.ds_format import (
     FP32_FLAT_GROUPS,
     OPTIMIZER_STATE_DICT,
     STATE,
-    TENSORS,
     flat_tensor,
     set_flat_tensor,
 )
@@ -56,8 +55,9 @@ def build_optim_states_from_skeleton(job: RankJob, out: Target, counter: ByteCou
     skeleton = Rewritable(base.skeleton)
     inner = _skeleton_state(skeleton.obj, skeleton.path, job.group_sizes)
     fills = dict(skeleton.fills)
+    rank_reader(base, job.group_sizes).check_keys(job.keys)  # (its rows file: the keys the skeleton's state has)
     for g, size in enumerate(job.group_sizes):
-        for key in TENSORS:
+        for key in job.keys:
             like = flat_tensor(inner, g, key)
             if not isinstance(like, TensorRef) or dtype_name(like.storage.type_name) != "float32":
                 raise CheckpointError(f"{skeleton.path}: sub-group {g}'s {key} is not an fp32 tensor; the partial "
@@ -74,6 +74,8 @@ def build_optim_states_from_skeleton(job: RankJob, out: Target, counter: ByteCou
             fout = open_fd(stack, out, os.O_RDWR)
             used = {c.source for c in job.copies}
             readers = {s: rank_reader(job.files[s], job.group_sizes) for s in used}
+            for reader in readers.values():
+                reader.check_keys(job.keys)
             fds = {s: open_fd(stack, readers[s].path) for s in used}
             buffer = memoryview(bytearray(STREAM_CHUNK))
             for s, reader in readers.items():
@@ -82,11 +84,11 @@ def build_optim_states_from_skeleton(job: RankJob, out: Target, counter: ByteCou
                 theirs = reader.flat()  # the skeleton's flat tensors are fp32
                 check_dtypes({k: FP32 for k in theirs}, theirs, reader.path)
                 taken = {(theirs[c.group, key].record, theirs[c.group, key].offset + c.offset * 4, c.length * 4)
-                         for c in job.copies if c.source == s for key in TENSORS}
+                         for c in job.copies if c.source == s for key in job.keys}
                 read_and_check(fds[s], reader.path, {r for r, _, _ in taken}, taken, buffer, counter)
             writeback = Writeback(fout, counter.options.durable)
             for c in job.copies:
-                for key in TENSORS:
+                for key in job.keys:
                     into = layout[c.group, key].offset + c.offset * 4
                     place = readers[c.source].place(key, param=c.param, group=c.group, offset=c.offset,
                                                     valid=c.length)
@@ -94,10 +96,10 @@ def build_optim_states_from_skeleton(job: RankJob, out: Target, counter: ByteCou
                         checks[layout[c.group, key].record].append((into, place.slice))
                     copy_range(fds[c.source], fout, place.at, c.length * 4, counter.add, into, writeback)
             for g, offset, length in job.padding:
-                for key in TENSORS:
+                for key in job.keys:
                     pwrite_all(fout, bytes(length * 4), layout[g, key].offset + offset * 4)
             places = [(layout[slot.group, key].offset + slot.offset * 4, slot, key)
-                      for slot in job.row_slots for key in TENSORS]
+                      for slot in job.row_slots for key in job.keys]
             census = Looks(Census(Region(at, slot.valid * 4, slot.row) for at, slot, _key in places),
                            RegionCrcs((at, slot.valid * 4, (slot.row, key, (slot.group, slot.offset)))
                                       for at, slot, key in places))

@@ -30,7 +30,6 @@ from tailor_tui.compose.taken import FROZEN, Parts, RankComposed, rows_taken, wr
 from tailor_tui.errors import OutputError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.fileio import Folder, OpenFiles, Target, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
-from tailor_tui.formats.ds_format import TENSORS
 from tailor_tui.formats.nonfinite import EXPONENT, Census, Region
 from tailor_tui.formats.pickled import dtype_name
 from tailor_tui.kinds.base import STREAM_CHUNK, RankBytes, RankReader, dtype_mismatch, rank_reader
@@ -50,7 +49,7 @@ def reshard_rank(job: ReshardJob, out_tag_dir: Folder, skeleton: Skeleton, emit:
     with contextlib.ExitStack() as stack:
         sources = _Sources(job, stack)
         optim = [(g, key, [(p, sources.place(p, key)) for p in pieces])
-                 for g, pieces in enumerate(map(_joined_zeros, job.groups)) for key in TENSORS]
+                 for g, pieces in enumerate(map(_joined_zeros, job.groups)) for key in job.keys]
         frozen = [(name, FROZEN, [(p, sources.place(p, FROZEN)) for p in _joined_zeros(pieces)])
                   for name, pieces in job.frozen]
         checked, nonfinite = _check([*optim, *frozen], sources, counter, buffer)
@@ -86,7 +85,9 @@ class _Sources:
 
     def reader(self, source: int, rank: int) -> RankReader:
         if (source, rank) not in self.readers:
-            self.readers[source, rank] = rank_reader(self.job.files[source, rank], self.job.source_sizes[source])
+            reader = rank_reader(self.job.files[source, rank], self.job.source_sizes[source])
+            reader.check_keys(self.job.keys)
+            self.readers[source, rank] = reader
         return self.readers[source, rank]
 
     def to_verify(self) -> dict[Path, set]:

@@ -23,7 +23,6 @@ from tailor_tui.compose.source_blocks import of_source, read_taken
 from tailor_tui.compose.taken import Looks, Parts
 from tailor_tui.events import ByteCounter
 from tailor_tui.fileio import CREATE, Target, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
-from tailor_tui.formats.ds_format import TENSORS
 from tailor_tui.formats.nonfinite import Census, Region
 from tailor_tui.formats.ptfile import Record, Unsupported, file_format, read_whole
 from tailor_tui.kinds.base import STREAM_CHUNK, RankReader, check_dtypes, rank_reader
@@ -88,6 +87,8 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
                for s in [0, *used]}
     base_reader = readers[0]
     assert isinstance(base_reader, ZeroRankReader), "a partial base is composed by rank_partial"
+    for reader in readers.values():
+        reader.check_keys(job.keys)
     try:
         base_records = base_reader.records()
         base = base_reader.flat()
@@ -103,13 +104,13 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
     taking = {s: _parts(readers[s], slots[s]) for s in [0, *used]}  # where each slice lies, located once
     spans = []
     for c in job.copies:  # (the plan joined neighbours from one full source)
-        for key in TENSORS:
+        for key in job.keys:
             b = base[c.group, key]
             place = readers[c.source].place(key, param=c.param, group=c.group, offset=c.offset, valid=c.length)
             spans.append(Replacement(b.offset + c.offset * b.itemsize, c.length * b.itemsize, c.source, place.at,
                                      b.record, place.record, place.slice))
     spans = _coalesced(spans)
-    padding = Padding(_pads(job.padding, base))
+    padding = Padding(_pads(job.padding, base, job.keys))
 
     records = sorted(base_records.values(), key=lambda r: r.data_offset)
     if any(a.data_offset + a.size > b.header_offset for a, b in zip(records, records[1:])):
@@ -284,7 +285,7 @@ def _parts(reader: RankReader, slots: list) -> list[tuple[int, int, tuple[str, s
     source's file (`reader`'s: the base's own, a full source's optim file or a partial's rows file), key by
     key in slot order, keyed by the part of its row it is (`compose.taken.Parts`)."""
     return [(at, slot.valid * 4, (slot.row, key, (slot.group, slot.offset)))
-            for key in TENSORS for slot, at in zip(slots, reader.starts(key, slots))]
+            for key in reader.keys() for slot, at in zip(slots, reader.starts(key, slots))]
 
 
 def _row_places(parts: list) -> list[list]:
@@ -403,10 +404,10 @@ class _Sweep:
         self.written = stop
 
 
-def _pads(padding, base: dict) -> list[tuple[int, int, Record]]:
-    """(at, length, record) of the padding (`RankJob.padding`) of each flat tensor, in file order."""
+def _pads(padding, base: dict, keys: tuple[str, ...]) -> list[tuple[int, int, Record]]:
+    """(at, length, record) of the padding (`RankJob.padding`) of each flat tensor (`keys`), in file order."""
     return sorted((base[g, key].offset + offset * base[g, key].itemsize, length * base[g, key].itemsize,
-                   base[g, key].record) for key in TENSORS for g, offset, length in padding)
+                   base[g, key].record) for key in keys for g, offset, length in padding)
 
 
 class Padding:

@@ -21,13 +21,13 @@ from tailor_tui.fileio import CountingWriter, Target, create, fsync, output_erro
 from tailor_tui.formats.ds_format import (
     FROZEN_PARAM_FRAGMENTS,
     MODULE,
-    TENSORS,
+    flat_keys,
     flat_tensor,
     optimizer_state,
     set_flat_tensor,
 )
 from tailor_tui.formats.safe_load import load_pt
-from tailor_tui.kinds.base import dtype_mismatch, rank_reader
+from tailor_tui.kinds.base import check_keys, dtype_mismatch, rank_reader
 from tailor_tui.kinds.partial import PartialRankFiles
 from tailor_tui.planning.jobs import RankJob
 
@@ -60,13 +60,18 @@ def reserialise_optim_states(job: RankJob, out: Target, counter: ByteCounter) ->
     base_files = job.files[0]
     base = load_pt(base_files.optim_states)
     inner = optimizer_state(base, base_files.optim_states, job.group_sizes)
+    check_keys(base_files.optim_states, flat_keys(inner, base_files.optim_states, job.group_sizes), job.keys)
     full = {
         s: optimizer_state(load_pt(f.optim_states), f.optim_states, job.group_sizes)
         for s, f in job.files.items()
         if s and f.whole_records and any(c.source == s for c in job.copies)
     }
+    for s, theirs in full.items():
+        check_keys(job.files[s].optim_states, flat_keys(theirs, job.files[s].optim_states, job.group_sizes), job.keys)
     partial = {s: f.rows for s, f in job.files.items() if isinstance(f, PartialRankFiles)}
     readers = {s: rank_reader(job.files[s], job.group_sizes) for s in partial}  # (checks each slice's shape)
+    for reader in readers.values():
+        reader.check_keys(job.keys)
     copies, padding = defaultdict(list), defaultdict(list)
     for c in job.copies:
         copies[c.group].append(c)
@@ -78,7 +83,7 @@ def reserialise_optim_states(job: RankJob, out: Target, counter: ByteCounter) ->
     with contextlib.ExitStack() as stack, torch.no_grad():
         opened = {s: stack.enter_context(safe_open(str(p), framework="pt")) for s, p in partial.items()}
         for g, size in enumerate(job.group_sizes):
-            for key in TENSORS:
+            for key in job.keys:
                 original = flat_tensor(inner, g, key)
                 composed = original.detach().clone()
                 counter.add(size * 4)

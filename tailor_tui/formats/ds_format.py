@@ -30,6 +30,7 @@ import pickle
 import re
 
 from tailor_tui.errors import CheckpointError, IncompatibleError
+from tailor_tui.formats.dtypes import STORAGE_DTYPE
 
 # The releases whose checkpoints tailor-tui reads: from OLDEST up to, not including, BEYOND.
 OLDEST = (0, 14, 0)
@@ -96,50 +97,138 @@ STEP = "step"
 EXP_AVG = "exp_avg"
 EXP_AVG_SQ = "exp_avg_sq"
 MASTERS = "fp32"  # tailor-tui's name of the fp32 master weights' flat tensor (DeepSpeed's FP32_FLAT_GROUPS)
-# The three flat tensors of every sub-group that a row's slices live in, by tailor-tui's names
-TENSORS = (MASTERS, EXP_AVG, EXP_AVG_SQ)
-
-
-# Adam's state kept per element, beside the fp32 masters: what tailor-tui composes, slices per row (`TENSORS`)
+# Adam's state kept per element: the keys of a checkpoint written before tailor-tui read the state's keys from it
+# (a partial save's rows file names its own), and the moments the health statistics read first
 ADAM_STATE = (EXP_AVG, EXP_AVG_SQ)
-# What other optimizers keep per element on ZeRO-3's flat partitions (torch's and transformers' names), to name
-# the optimizer in a refusal: its keys, sorted
-OPTIMIZERS = {(EXP_AVG, EXP_AVG_SQ, "max_exp_avg_sq"): "AdamW with amsgrad", ("momentum_buffer",): "SGD with momentum",
-              ("sum",): "Adagrad", ("square_avg",): "RMSprop", ("momentum_buffer", "square_avg"): "RMSprop with momentum",
+# The flat tensors of every sub-group of an Adam run that a row's slices live in, by tailor-tui's names; a run of
+# another optimizer has its own (`flat_keys`)
+TENSORS = (MASTERS, *ADAM_STATE)
+
+# What optimizers keep in their state of one flat partition (torch's, transformers' and bitsandbytes' names), to
+# name the optimizer in a message: the sorted keys of its tensors (0-d ones, such as `step`, left out)
+OPTIMIZERS = {ADAM_STATE: "Adam or AdamW", (EXP_AVG, EXP_AVG_SQ, "max_exp_avg_sq"): "AdamW with amsgrad",
+              ("momentum_buffer",): "SGD with momentum", ("sum",): "Adagrad", ("square_avg",): "RMSprop",
+              ("momentum_buffer", "square_avg"): "RMSprop with momentum", ("grad_avg", "square_avg"): "centered RMSprop",
+              ("grad_avg", "momentum_buffer", "square_avg"): "centered RMSprop with momentum",
               (EXP_AVG,): "Lion, or Adafactor with momentum", (EXP_AVG_SQ,): "Adafactor",
-              ("acc_delta", "square_avg"): "Adadelta", (): "SGD without momentum"}
+              (EXP_AVG, EXP_AVG_SQ + "_col", EXP_AVG_SQ + "_row"): "factored Adafactor with momentum",
+              (EXP_AVG_SQ + "_col", EXP_AVG_SQ + "_row"): "factored Adafactor", ("acc_delta", "square_avg"): "Adadelta",
+              ("exp_inf",): "Adamax", ("qmap1", "state1"): "an 8-bit optimizer (bitsandbytes)",
+              ("absmax1", "qmap1", "state1"): "an 8-bit optimizer (bitsandbytes)",
+              ("qmap1", "qmap2", "state1", "state2"): "8-bit Adam (bitsandbytes)",
+              ("absmax1", "absmax2", "qmap1", "qmap2", "state1", "state2"): "8-bit Adam (bitsandbytes)",
+              (): "SGD without momentum"}
+# Bounds on a sub-group's state as read from a file: the tensors it keeps (4 for AMSGrad, 6 for 8-bit Adam), the
+# length of their names
+MAX_STATES, MAX_NAME = 16, 64
+# The states these keep per element: one of another size is damage, never another optimizer's
+PER_ELEMENT_NAMES = frozenset({EXP_AVG, EXP_AVG_SQ, "max_exp_avg_sq", "momentum_buffer", "sum", "square_avg", "grad_avg",
+                               "acc_delta", "exp_inf"})
+
+
+# The state whose largest magnitude the health statistics show beside the masters' RMS (`v max`): the first of these
+# an optimizer keeps (a second moment, else a momentum); its every state counted for NaN/Inf
+HEALTH_STATE = (EXP_AVG_SQ, "square_avg", "sum", "max_exp_avg_sq", "momentum_buffer", EXP_AVG)
+
+
+def health_state(keys) -> str | None:
+    """The state of `keys` (an optimizer's state kept per element) the health statistics show the largest
+    magnitude of (`HEALTH_STATE`), or None (SGD without momentum keeps none)."""
+    return next((key for key in HEALTH_STATE if key in keys), None)
 
 
 def per_element(value, size: int) -> bool:
     """Whether an optimizer-state entry of a sub-group of `size` elements is kept per element: a tensor (torch's,
     or as pickled: `pickled.TensorRef`) of at least one dimension and `size` elements, not a 0-d `step`."""
+    shape = _shape(value)
+    return shape is not None and len(shape) > 0 and math.prod(shape) == size
+
+
+def _shape(value) -> tuple | None:
+    """The shape of a tensor (torch's `torch.Size` is a tuple) or a pickled one (`pickled.TensorRef.size`); None:
+    not a tensor."""
     shape = value.shape if hasattr(value, "shape") else getattr(value, "size", None)
-    return isinstance(shape, tuple) and len(shape) > 0 and math.prod(shape) == size
+    return tuple(shape) if isinstance(shape, tuple) else None
 
 
-def check_adam_state(inner: dict, path, group_sizes: tuple[int, ...]) -> None:
-    """Refuse (IncompatibleError, naming `path`) the state of an optimizer that keeps per element anything but
-    Adam's exp_avg and exp_avg_sq: composed, its other state would be the base's in silence (AMSGrad's
-    max_exp_avg_sq beside moments of another step), and a state of Adam's missing is no sign of damage."""
+def _dtype(value) -> str:
+    """`float32`, … of a torch tensor or a pickled one (a storage pickled without its type: taken as fp32)."""
+    storage = getattr(value, "storage", None)
+    name = getattr(storage, "type_name", None)
+    if isinstance(name, str):
+        return "float32" if name == "UntypedStorage" else STORAGE_DTYPE.get(name, name)
+    return str(getattr(value, "dtype", "float32")).removeprefix("torch.")
+
+
+def named_optimizer(keys) -> str:
+    """' (the optimizer)' that keeps tensors `keys` in its state, where known; else ''."""
+    named = OPTIMIZERS.get(tuple(sorted(keys)))
+    return f" ({named})" if named else ""
+
+
+def state_keys(inner: dict, path, group_sizes: tuple[int, ...]) -> tuple[str, ...]:
+    """The keys of the optimizer state kept per element (sorted) of the inner optimizer dict of an optim_states
+    file: on ZeRO-3's flat partitions, every state tensor of a sub-group's size (Adam's exp_avg and exp_avg_sq,
+    AMSGrad's max_exp_avg_sq, SGD's momentum_buffer, Adagrad's sum, RMSprop's square_avg, …), each a row's slices
+    like the fp32 masters'; every other entry (`step`, Adafactor's `RMS`: one per sub-group) is the base's.
+    Refused in one line naming `path`: a state tensor that is not one fp32 value per element (a factored or
+    block-wise state, an 8-bit one), which cannot be taken apart by row (IncompatibleError); sub-groups that
+    keep different states, or a state of one of the optimizers above of another size (CheckpointError: damage)."""
     state = inner[OPTIMIZER_STATE_DICT][STATE]
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: its optimizer state is not a mapping; the file is corrupt or from another run")
+    found: tuple[str, ...] | None = None
     for g, size in enumerate(group_sizes):
-        entry = state.get(g) if isinstance(state, dict) else None
-        if not isinstance(entry, dict) or any(k in entry and not per_element(entry[k], size) for k in ADAM_STATE):
-            continue  # no state of the sub-group, or an Adam state of another size: damage, `optimizer_state` names it
-        keys = tuple(sorted(k for k, v in entry.items() if per_element(v, size)))
-        if keys != ADAM_STATE:
-            named = OPTIMIZERS.get(keys)
-            raise IncompatibleError(
-                f"{path}: its optimizer keeps {', '.join(map(repr, keys)) or 'nothing'} per element"
-                + (f" ({named})" if named else "") + "; tailor-tui composes Adam's (exp_avg and exp_avg_sq) and "
-                "nothing else yet: any other state would be the base's in silence; compose checkpoints of an Adam "
-                "or AdamW run")
+        entry = state.get(g, {})
+        if not isinstance(entry, dict):
+            raise CheckpointError(f"{path}: sub-group {g}'s optimizer state is not a mapping; the file is corrupt "
+                                  "or from another run")
+        tensors = {k: v for k, v in entry.items() if (shape := _shape(v)) is not None and len(shape) > 0}
+        if len(tensors) > MAX_STATES or not all(type(k) is str and 0 < len(k) <= MAX_NAME for k in tensors):
+            raise CheckpointError(f"{path}: sub-group {g}'s optimizer state holds {len(tensors)} tensors under keys "
+                                  f"no optimizer uses (at most {MAX_STATES} names of at most {MAX_NAME} characters); "
+                                  "the file is corrupt or crafted")
+        for key, value in sorted(tensors.items()):
+            if not per_element(value, size) and key in PER_ELEMENT_NAMES:
+                raise CheckpointError(f"{path}: sub-group {g} {key} holds {math.prod(_shape(value) or ())} elements, "
+                                      f"the layout says {size}; the file is truncated, corrupt or from another run")
+            if not per_element(value, size):
+                raise IncompatibleError(
+                    f"{path}: its optimizer{named_optimizer(tensors)} keeps {key!r} of shape "
+                    f"{list(_shape(value) or ())} for a sub-group of {size:,} elements, not one value per element (a "
+                    "factored or block-wise state): it cannot be taken apart by row; compose checkpoints of an "
+                    "optimizer whose state is per element (AdamW, SGD, Adagrad, RMSprop, Lion, unfactored Adafactor)")
+            if (dtype := _dtype(value)) != "float32":
+                raise IncompatibleError(
+                    f"{path}: its optimizer{named_optimizer(tensors)} keeps {key!r} per element as {dtype}, not fp32 "
+                    "(a quantized or low-precision state): tailor-tui composes fp32 optimizer states; compose checkpoints of an "
+                    "optimizer that keeps them (AdamW, SGD, Adagrad, RMSprop, Lion, Adafactor)")
+        keys = tuple(sorted(tensors))
+        if found is not None and keys != found:
+            raise CheckpointError(f"{path}: sub-group {g} keeps {_listed(keys)} per element, sub-group 0 "
+                                  f"{_listed(found)}; the file is truncated, corrupt or from another run")
+        found = keys
+    return found or ()
+
+
+def _listed(keys: tuple[str, ...]) -> str:
+    return ", ".join(map(repr, keys)) or "nothing"
+
+
+def describe_state(keys: tuple[str, ...]) -> str:
+    """How a message names an optimizer state kept per element (`state_keys`): its keys and the optimizer."""
+    return _listed(keys) + named_optimizer(keys)
+
+
+def flat_keys(inner: dict, path, group_sizes: tuple[int, ...]) -> tuple[str, ...]:
+    """The flat tensors of every sub-group that a row's slices live in: the fp32 masters, then `state_keys`."""
+    return (MASTERS, *state_keys(inner, path, group_sizes))
 
 
 def optimizer_state(obj, path, group_sizes: tuple[int, ...]) -> dict:
     """The inner optimizer dict of a loaded optim_states file (`obj`), checked to hold the
-    three flat tensors of every sub-group at the layout's sizes (CheckpointError naming `path`), and an
-    optimizer state tailor-tui composes (`check_adam_state`)."""
+    flat tensors of every sub-group at the layout's sizes (CheckpointError naming `path`), and an
+    optimizer state tailor-tui composes (`state_keys`)."""
     try:
         inner = obj[OPTIMIZER_STATE_DICT]
         flat = inner[FP32_FLAT_GROUPS]
@@ -154,16 +243,14 @@ def optimizer_state(obj, path, group_sizes: tuple[int, ...]) -> dict:
             f"{path}: holds {len(flat)} optimizer sub-groups, its model_states describe "
             f"{len(group_sizes)}; the file belongs to another run or is corrupt"
         )
-    check_adam_state(inner, path, group_sizes)
     for g, size in enumerate(group_sizes):
-        for key in TENSORS:
-            t = flat_tensor(inner, g, key)
-            if t is None or t.numel() != size:
-                n = "none" if t is None else t.numel()
-                raise CheckpointError(
-                    f"{path}: sub-group {g} {key} holds {n} elements, the layout says {size}; "
-                    "the file is truncated, corrupt or from another run"
-                )
+        t = flat[g]
+        if not per_element(t, size):
+            raise CheckpointError(
+                f"{path}: sub-group {g} {MASTERS} holds {math.prod(_shape(t) or (0,))} elements, the layout says "
+                f"{size}; the file is truncated, corrupt or from another run"
+            )
+    state_keys(inner, path, group_sizes)
     return inner
 
 

@@ -25,7 +25,7 @@ from tailor_tui.checked.crc import BlockCrcs, RecordBlocks, crc32
 from tailor_tui.checked.ranges import Readahead, pread_into
 from tailor_tui.events import ByteCounter
 from tailor_tui.fileio import open_fd
-from tailor_tui.formats.ds_format import TENSORS
+from tailor_tui.formats.ds_format import MASTERS, health_state
 from tailor_tui.formats.ptfile import read_whole
 from tailor_tui.health.stats_job import RowSums, SlotTable, StatsJob
 from tailor_tui.kinds.zero import SMALL_RANK_FILE, ZeroRankReader
@@ -82,7 +82,7 @@ def flat_stats(job: StatsJob, sums: dict[str, RowSums], stack, counter: ByteCoun
     assert table is not None, "can_read_flat(job) holds"
     located = job.files.reader(job.group_sizes, small=True)  # a wide run's small rank file: one read, its structure
     assert isinstance(located, ZeroRankReader), "can_read_flat(job): a full save's whole records"  # from memory
-    mine, whole = located.fp32_flat(PURPOSE), located.optim
+    mine, whole, keys = located.fp32_flat(PURPOSE), located.optim, located.keys()
     if not _laid_out_flat(mine.values()):
         return False
     part, numel, group, offset, row = _columns(table)
@@ -110,11 +110,11 @@ def flat_stats(job: StatsJob, sums: dict[str, RowSums], stack, counter: ByteCoun
         here = np.flatnonzero(group == g)
         here = here[np.argsort(offset[here], kind="stable")]
         r, c = row[here], row_class[row[here]]
-        for key in TENSORS:
+        for key in keys:
             tb = mine[g, key]
             a = tb.offset + offset[here] * 4
-            shifts = {k: prev[k, g] for k in np.unique(c).tolist() if k} if key == "fp32" else {}
-            reader = _Reader(fd, key, a, a + valid[here] * 4, r, c, shifts, acc, buffers, counter, ahead)
+            shifts = {k: prev[k, g] for k in np.unique(c).tolist() if k} if key == MASTERS else {}
+            reader = _Reader(fd, role(key, keys), a, a + valid[here] * 4, r, c, shifts, acc, buffers, counter, ahead)
             recorder = BlockCrcs(job.crc_block) if blocks is not None and tb.record.crc is not None else None
             if not reader.record(tb.record.data_offset, tb.record.size, tb.record.crc, recorder):
                 acc.crc_bad[r] = True
@@ -171,6 +171,17 @@ def per_slice(ufunc, values: np.ndarray, bounds: np.ndarray, dtype=None) -> np.n
     return ufunc.reduceat(values, bounds, dtype=dtype)[::2]
 
 
+# What the statistics do with a flat tensor's values (`role`): the masters' RMS and change, the largest magnitude
+# of the optimizer's state `ds_format.health_state` names (`v max`), the NaN/Inf of any other state kept per
+# element alone; a frozen parameter's fragment (model_states), its RMS
+METRIC, STATE, FROZEN = "metric", "state", "frozen"
+
+
+def role(key: str, keys: tuple[str, ...]) -> str:
+    """What the statistics do with flat tensor `key` of a rank whose flat tensors are `keys`."""
+    return key if key == MASTERS else METRIC if key == health_state(keys) else STATE
+
+
 class _Reader:
     """Reads one flat tensor's record in chunks; every slice (`a`..`b` bytes, of row `rows`,
     whose previous masters are of class `classes`) gets its part of each chunk."""
@@ -211,12 +222,12 @@ class _Reader:
         finite = np.isfinite(x)
         bad = lengths - per_slice(np.add, finite, bounds, np.int64)
         np.add.at(acc.nonfinite, rows, bad)
-        if key == "exp_avg":
+        if key == STATE:
             return
         xz = x if finite.all() else np.where(finite, x, np.float32(0))
-        if key == "exp_avg_sq":
+        if key == METRIC:
             some = bad < lengths
-            np.maximum.at(acc.v_max, rows[some], per_slice(np.maximum, xz, bounds)[some].astype(np.float64))
+            np.maximum.at(acc.v_max, rows[some], per_slice(np.maximum, np.abs(xz), bounds)[some].astype(np.float64))
             return
         np.add.at(acc.count, rows, lengths)
         np.add.at(acc.sumsq, rows, per_slice(np.add, np.square(xz, dtype=np.float64), bounds))

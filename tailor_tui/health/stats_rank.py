@@ -24,11 +24,21 @@ from tailor_tui.checkpoints.checkpoint import RankFiles
 from tailor_tui.errors import Cancelled, CheckpointError, IncompatibleError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.fileio import open_fd
-from tailor_tui.formats.ds_format import TENSORS
+from tailor_tui.formats.ds_format import MASTERS
 from tailor_tui.formats.nonfinite import EXPONENT, count
 from tailor_tui.formats.pickled import dtype_name
 from tailor_tui.formats.ptfile import Record, Unsupported
-from tailor_tui.health.stats_flat import PURPOSE, can_read_flat, flat_stats, per_slice, prefetch
+from tailor_tui.health.stats_flat import (
+    FROZEN,
+    METRIC,
+    PURPOSE,
+    STATE,
+    can_read_flat,
+    flat_stats,
+    per_slice,
+    prefetch,
+    role,
+)
 from tailor_tui.health.stats_job import RankStats, RankStatsRead, RowSums, SlotRead, StatsJob
 from tailor_tui.kinds.base import rank_reader
 from tailor_tui.kinds.zero import ZeroRankReader
@@ -42,7 +52,7 @@ class _SumRegion:
 
     start: int
     end: int
-    kind: str  # one of TENSORS, or "frozen"
+    kind: str  # MASTERS, METRIC (the state `v max` is of), STATE (another state kept per element), or FROZEN
     dtype: str
     sums: RowSums
     prev_at: int | None = None  # where the previous checkpoint's elements lie in `prev_fd`
@@ -100,20 +110,21 @@ def _reads(job: StatsJob, slots: tuple[SlotRead, ...], sums: dict[str, RowSums],
     reader = rank_reader(job.files, job.group_sizes)
     fd = open_fd(stack, reader.path)
     if not isinstance(reader, ZeroRankReader):  # partial: one safetensors tensor per (key, parameter), its CRC-32 recorded
+        keys = reader.keys()
         for slot in slots:
-            for key in TENSORS:
+            for key in keys:
                 place = reader.place(key, param=slot.param, group=slot.group, offset=slot.offset, valid=slot.valid)
                 assert place.slice is not None, "a partial save's place names its slice"
                 reads.append((fd, place.at, slot.valid * 4, place.slice.crc,
-                              [_region(slot, key, place.at, "float32", sums, prev_at)], None))
+                              [_region(slot, role(key, keys), place.at, "float32", sums, prev_at)], None))
     else:
-        flat = reader.fp32_flat(PURPOSE)
+        flat, keys = reader.fp32_flat(PURPOSE), reader.keys()
         by_record: dict = {}
         for g in range(len(job.group_sizes)):
-            for key in TENSORS:
+            for key in keys:
                 tb = flat[g, key]
                 regions = by_record.setdefault(tb.record, [])
-                regions += [_region(s, key, tb.offset + s.offset * 4, "float32", sums, prev_at)
+                regions += [_region(s, role(key, keys), tb.offset + s.offset * 4, "float32", sums, prev_at)
                             for s in slots if s.group == g and s.valid]
         reads += [(fd, r.data_offset, r.size, r.crc, sorted(regs, key=lambda x: x.start), r)
                   for r, regs in sorted(by_record.items(), key=lambda item: item[0].data_offset)]
@@ -122,9 +133,9 @@ def _reads(job: StatsJob, slots: tuple[SlotRead, ...], sums: dict[str, RowSums],
     return reads
 
 
-def _region(slot: SlotRead, key: str, at: int, dtype: str, sums: dict, prev_at: dict) -> _SumRegion:
-    fd, prev = prev_at.get((slot.row, slot.param), (None, None)) if key == "fp32" else (None, None)
-    return _SumRegion(at, at + slot.valid * 4, key, dtype, sums[slot.row], prev, fd)
+def _region(slot: SlotRead, kind: str, at: int, dtype: str, sums: dict, prev_at: dict) -> _SumRegion:
+    fd, prev = prev_at.get((slot.row, slot.param), (None, None)) if kind == MASTERS else (None, None)
+    return _SumRegion(at, at + slot.valid * 4, kind, dtype, sums[slot.row], prev, fd)
 
 
 def _fp32_places(files: RankFiles, group_sizes: tuple[int, ...], slots: list[SlotRead]) -> dict[str, int]:
@@ -146,7 +157,7 @@ def _frozen_reads(job: StatsJob, sums: dict[str, RowSums], stack: contextlib.Exi
         if dtype not in EXPONENT:
             raise CheckpointError(f"{path}: frozen parameter {param} is stored as {dtype}")
         by_record.setdefault(tb.record, []).append(
-            _SumRegion(tb.offset, tb.offset + min(tb.numel, valid[param]) * tb.itemsize, "frozen", dtype, sums[row]))
+            _SumRegion(tb.offset, tb.offset + min(tb.numel, valid[param]) * tb.itemsize, FROZEN, dtype, sums[row]))
     return [(fd, r.data_offset, r.size, r.crc, sorted(regs, key=lambda x: x.start), None)
             for r, regs in by_record.items()]
 
@@ -196,20 +207,20 @@ def _read(fd: int, start: int, length: int, expected: int | None, regions: list[
 
 def _consume(region: _SumRegion, data: memoryview, prev: memoryview | None) -> None:
     sums = region.sums
-    if region.dtype == "float32" and region.kind != "frozen":
+    if region.dtype == "float32" and region.kind != FROZEN:
         x = np.frombuffer(data, dtype="<f4")
         finite = np.isfinite(x)
         bad = len(x) - int(np.count_nonzero(finite))
     else:
         x, finite, bad = None, None, count(data, region.dtype)
     sums.nonfinite += bad
-    if x is None or region.kind == "exp_avg":
+    if x is None or region.kind == STATE:
         return
     if bad:
         x = np.where(finite, x, np.float32(0))
-    if region.kind == "exp_avg_sq":
+    if region.kind == METRIC:
         if bad < len(x):
-            top = float(np.max(x))
+            top = float(np.max(np.abs(x)))
             sums.v_max = top if sums.v_max is None else max(sums.v_max, top)
         return
     sums.count += len(x)
@@ -240,7 +251,7 @@ def _consume_together(here: list, view: memoryview, position: int, prev_buffer: 
     r0 = here[0][0]
     shift = None if r0.prev_fd is None else r0.prev_at - r0.start
     for r, _a, _b in here:
-        if r.kind != r0.kind or r.dtype != "float32" or r.kind == "frozen" or r.prev_fd != r0.prev_fd \
+        if r.kind != r0.kind or r.dtype != "float32" or r.kind == FROZEN or r.prev_fd != r0.prev_fd \
                 or (shift is not None and r.prev_at - r.start != shift):
             return False
     first, last = here[0][1], here[-1][2]
@@ -253,11 +264,11 @@ def _consume_together(here: list, view: memoryview, position: int, prev_buffer: 
     bad = lengths - per_slice(np.add, finite, bounds, np.int64)
     for (r, _a, _b), k in zip(here, bad.tolist()):
         r.sums.nonfinite += k
-    if r0.kind == "exp_avg":
+    if r0.kind == STATE:
         return True
     xz = np.where(finite, x, np.float32(0))
-    if r0.kind == "exp_avg_sq":
-        tops = per_slice(np.maximum, xz, bounds).tolist()
+    if r0.kind == METRIC:
+        tops = per_slice(np.maximum, np.abs(xz), bounds).tolist()
         for (r, _a, _b), k, length, top in zip(here, bad.tolist(), lengths.tolist(), tops):
             if k < length:
                 r.sums.v_max = top if r.sums.v_max is None else max(r.sums.v_max, top)

@@ -31,8 +31,9 @@ from tailor_tui.team.transaction import Declaration, Task, TeamWork, run_as_team
 
 # of the cached sums and cells: bump when what they mean changes (4: a multimodal model's rows per stack; 5: the
 # ranks' block CRC-32s are recorded beside them, `file_facts`: sums cached before are read once more to record them;
-# 6: the rows found finite are recorded beside the blocks)
-FORMAT = 6
+# 6: the rows found finite are recorded beside the blocks; 7: every state the optimizer keeps per element is counted,
+# `v max` is of its second moment or momentum, whatever the optimizer: `ds_format.health_state`)
+FORMAT = 7
 MAX_CACHED = 16 << 20  # a cache file larger than this is not one of ours
 STATS_WORKER = 64 << 20  # interpreter, numpy, two 1 MiB buffers and a chunk's float64 copies
 

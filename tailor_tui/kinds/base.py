@@ -92,7 +92,7 @@ class RankFiles(ABC):
     @property
     @abstractmethod
     def state_file(self) -> Path:
-        """The file holding the rank's optimizer state's tensors (fp32 masters, exp_avg, exp_avg_sq)."""
+        """The file holding the rank's optimizer state's tensors (fp32 masters, the per-element state)."""
 
     @property
     @abstractmethod
@@ -153,14 +153,19 @@ class RankReader(ABC):
     def place(self, key: str, *, param: str | None, group: int | None, offset: int, valid: int, within: int = 0,
               count: int = 0) -> RankBytes:
         """Where element `within` on of parameter `param`'s slice on this rank lies, for `key` (one of
-        TENSORS), and the evidence it is checked against; the slice lies from element `offset` of sub-group
+        `keys()`), and the evidence it is checked against; the slice lies from element `offset` of sub-group
         `group`'s flat tensor (a full save) and holds `valid` elements, `count` of them taken from `within`."""
 
     @abstractmethod
-    def check_state(self) -> None:
-        """Refuse (a TailorError naming the file) an optimizer state this kind keeps that tailor-tui does not
-        compose (`ds_format.check_adam_state`): asked at planning, before anything is read for the output. A kind
-        whose state tailor-tui wrote itself (a partial save's rows file) has nothing to refuse."""
+    def keys(self) -> tuple[str, ...]:
+        """The flat tensors a row's slices lie in on this rank: the fp32 masters (`ds_format.MASTERS`) first, then
+        the optimizer's state kept per element, sorted (`ds_format.state_keys`: Adam's exp_avg and exp_avg_sq,
+        SGD's momentum_buffer, …). Refused (a TailorError naming the file): a state that cannot be taken apart by
+        row. Asked at planning, before anything is read for the output."""
+
+    def check_keys(self, planned: tuple[str, ...]) -> None:
+        """Refuse a rank whose flat tensors are not the ones the plan found (`check_keys`)."""
+        check_keys(self.path, self.keys(), planned)
 
     def starts(self, key: str, slots) -> list[int]:
         """`place(key, ...).at` (where the slice starts) of each of `slots` (each with a param, group,
@@ -235,6 +240,16 @@ def rank_reader(files: RankFiles, group_sizes: tuple[int, ...], optim: bytes | N
                 small: bool = False) -> RankReader:
     """The reader of a rank's files, of their kind (`RankFiles.reader`)."""
     return files.reader(group_sizes, optim, small=small)
+
+
+def check_keys(path: Path, mine: tuple[str, ...], planned: tuple[str, ...]) -> None:
+    """Refuse (CheckpointError naming `path`) a rank file whose flat tensors (`mine`: the masters and the state kept
+    per element) are not the ones the plan found on its checkpoint's first rank (`planned`, `RankReader.keys`):
+    the checkpoint's ranks disagree on what the optimizer keeps."""
+    if mine != planned:
+        raise CheckpointError(f"{path}: keeps {', '.join(mine)} per sub-group, the checkpoint's first rank "
+                              f"{', '.join(planned)}; its ranks disagree: the checkpoint is corrupt or mixed from "
+                              "other runs, re-copy it")
 
 
 def check_dtypes(base: dict, theirs: dict, path: Path) -> None:

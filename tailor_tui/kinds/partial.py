@@ -19,7 +19,7 @@ from typing import ClassVar
 from tailor_tui.checked import crc
 from tailor_tui.checked.evidence import SliceCheck
 from tailor_tui.errors import CheckpointError
-from tailor_tui.formats.ds_format import MASTERS
+from tailor_tui.formats.ds_format import MASTERS, MAX_NAME, MAX_STATES, TENSORS
 from tailor_tui.formats.safetensors_in import safetensors_header, tensor_places
 from tailor_tui.kinds.base import FP32, RankBytes, RankFiles, RankReader, SaveKind, WeightPiece, WeightSource
 
@@ -60,7 +60,7 @@ class PartialSave(SaveKind):
 class PartialRankFiles(RankFiles):
     """A partial (selective) save's rank."""
 
-    rows: Path  # the saved rows' fp32 / exp_avg / exp_avg_sq slices (safetensors)
+    rows: Path  # the saved rows' slices of the fp32 masters and of each per-element state (safetensors)
     skeleton: Path  # the optimizer state without its big tensors
 
     kind: ClassVar[str] = "partial"
@@ -89,23 +89,26 @@ class PartialRankReader(RankReader):
     def __init__(self, files: PartialRankFiles, group_sizes: tuple[int, ...]):
         super().__init__(files, group_sizes)
         self.rows_file: Path = files.rows
-        self._rows: tuple[dict, dict[str, int]] | None = None
+        self._rows: tuple[dict, dict[str, int], tuple[str, ...]] | None = None
 
-    def rows(self) -> tuple[dict, dict[str, int]]:
-        """(where each tensor of the rows file lies, {tensor: its recorded CRC-32})."""
+    def rows(self) -> tuple[dict, dict[str, int], tuple[str, ...]]:
+        """(where each tensor of the rows file lies, {tensor: its recorded CRC-32}, the keys it holds slices of)."""
         if self._rows is None:
             self._rows = read_rows_file(self.rows_file)
         return self._rows
 
-    def check_state(self) -> None:
-        """(Its rows file holds what the selective saver wrote: Adam's state, checked where it saved from.)"""
+    def keys(self) -> tuple[str, ...]:
+        """The keys its rows file holds slices of (`{key}/{param}`), the masters first: the per-element state the
+        selective saver found (`ds_format.state_keys`, checked where it saved from), as it recorded them (a save
+        made before it recorded them: Adam's, the one optimizer it saved then)."""
+        return self.rows()[2]
 
     def place(self, key: str, *, param: str | None, group: int | None, offset: int, valid: int, within: int = 0,
               count: int = 0) -> RankBytes:
         """Checked to hold the slice's `valid` fp32 elements (its recorded CRC-32 covers those) and the
         `count` taken from `within`."""
         assert param is not None, "a partial save's slices are found by parameter"
-        tensors, crcs = self.rows()
+        tensors, crcs, _keys = self.rows()
         begin = partial_slice(self.rows_file, tensors, key, param, max(valid, within + count))[2]
         name = f"{key}/{param}"
         return RankBytes(self.rows_file, begin + within * 4, None, FP32[0], FP32[1],
@@ -147,18 +150,35 @@ class MasterWeights(WeightSource):
 
 
 CRC_METADATA = "crc32"
+KEYS_METADATA = "keys"  # the keys of the slices it holds, the masters first (a JSON list; before: Adam's)
 
 def crc_metadata(slices: dict[str, memoryview]) -> str:
     """The metadata value recording each slice's CRC-32 (`slices`: name -> its valid bytes)."""
     return json.dumps({name: crc.crc32(view) for name, view in sorted(slices.items())}, separators=(",", ":"))
 
 
-def read_rows_file(path: Path) -> tuple[dict, dict[str, int]]:
+def read_rows_file(path: Path) -> tuple[dict, dict[str, int], tuple[str, ...]]:
     """From one read of the rows file `path`'s header: where each tensor lies (as
-    `safetensors_in.safetensors_tensors`) and {tensor name: CRC-32 of its valid bytes} recorded
-    ({} if none)."""
+    `safetensors_in.safetensors_tensors`), {tensor name: CRC-32 of its valid bytes} recorded
+    ({} if none), and the keys it holds slices of (the masters first)."""
     header, start = safetensors_header(path)
-    return tensor_places(header, start), _recorded_crcs(path, header)
+    return tensor_places(header, start), _recorded_crcs(path, header), _recorded_keys(path, header)
+
+
+def _recorded_keys(path: Path, header: dict) -> tuple[str, ...]:
+    metadata = header.get("__metadata__") or {}
+    text = metadata.get(KEYS_METADATA) if isinstance(metadata, dict) else None
+    if text is None:
+        return TENSORS
+    try:
+        keys = json.loads(text)
+    except ValueError:
+        keys = None
+    if (not isinstance(keys, list) or not 0 < len(keys) <= 1 + MAX_STATES or keys[0] != MASTERS
+            or not all(isinstance(k, str) and 0 < len(k) <= MAX_NAME and "/" not in k for k in keys)
+            or len(set(keys)) != len(keys)):
+        raise CheckpointError(f"{path}: its recorded keys are unreadable; the partial checkpoint is corrupt, re-copy it")
+    return tuple(keys)
 
 
 def _recorded_crcs(path: Path, header: dict) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""A full ZeRO-3 save's rank: per sub-group, one flat tensor per key (`ds_format.TENSORS`) in its optim_states
+"""A full ZeRO-3 save's rank: per sub-group, one flat tensor per key (`ds_format.flat_keys`) in its optim_states
 file (a zip archive, or torch's legacy format), parameter p's slice on the rank at its slot's offset in its
 sub-group's tensor; each checked against the stored CRC-32 of the record holding it (`checked.evidence`).
 """
@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from tailor_tui.errors import CheckpointError
-from tailor_tui.formats.ds_format import TENSORS, flat_tensor, optimizer_state
+from tailor_tui.formats.ds_format import MASTERS, flat_keys, flat_tensor, optimizer_state
 from tailor_tui.formats.pickled import dtype_name
 from tailor_tui.formats.ptfile import Record, Structure, TensorBytes, locate, read_structure, read_whole, structure_in
 from tailor_tui.kinds.base import RankBytes, RankFiles, RankReader, SaveKind
@@ -85,13 +85,13 @@ class ZeroRankReader(RankReader):
         return self.structure()[1]
 
     def flat(self) -> dict[tuple[int, str], TensorBytes]:
-        """{(sub-group, key): TensorBytes} of the optim file's flat fp32 weights and moments."""
+        """{(sub-group, key): TensorBytes} of the optim file's flat fp32 weights and per-element optimizer state."""
         if self._flat is None:
             self._flat = flat_tensor_bytes(*self.structure(), self.files.optim_states, self.group_sizes)
         return self._flat
 
-    def check_state(self) -> None:
-        self.flat()  # (`ds_format.optimizer_state` checks the state as it finds the flat tensors)
+    def keys(self) -> tuple[str, ...]:
+        return (MASTERS, *dict.fromkeys(key for (_g, key) in self.flat() if key != MASTERS))
 
     def fp32_flat(self, purpose: str) -> dict[tuple[int, str], TensorBytes]:
         """`flat`, refused (CheckpointError naming `purpose`) unless every tensor holds fp32 values."""
@@ -121,7 +121,7 @@ def flat_tensor_bytes(obj, records: dict[str, Record], prefix: str, path: Path,
     """{(sub-group, key): TensorBytes} of the flat tensors of an optim file read by `read_structure`."""
     inner = optimizer_state(obj, path, group_sizes)
     return {(g, key): locate(flat_tensor(inner, g, key), records, prefix)
-            for g in range(len(group_sizes)) for key in TENSORS}
+            for g in range(len(group_sizes)) for key in flat_keys(inner, path, group_sizes)}
 
 
 def tensor_bytes(path: Path, group_sizes: tuple[int, ...]) -> dict[tuple[int, str], TensorBytes]:

@@ -19,6 +19,7 @@ from tailor_tui.checkpoints.checkpoint import (
 )
 from tailor_tui.checkpoints.lineage import other_run
 from tailor_tui.errors import CheckpointError, IncompatibleError, RecipeError, UsageError
+from tailor_tui.formats.ds_format import describe_state
 from tailor_tui.kinds.base import rank_reader
 from tailor_tui.planning.output import check_output as check_writable
 from tailor_tui.planning.plan import ComposePlan
@@ -95,9 +96,7 @@ def build_plan(recipe: Recipe, output: str | Path | None = None, force: bool = F
         picks[row] = ckpt_index
 
     _check_rows_held(recipe, sources, picks)
-    for src in sources:  # an optimizer state not composed: refused before anything is read (--dry-run too)
-        if not src.gone:
-            rank_reader(src.ranks[0], tuple(src.layout.group_sizes())).check_state()
+    keys = _flat_keys(recipe, sources, picks)
     reshard = None
     if target is not None and (target != base.world_size or any(s.world_size != target for s in sources)):
         reshard = plan_reshard(base, target)
@@ -106,7 +105,28 @@ def build_plan(recipe: Recipe, output: str | Path | None = None, force: bool = F
         note = check_writable(out, sources, force, preview=preview)
         warnings += [note] if note else []
     return ComposePlan(recipe=recipe, base=base, sources=tuple(sources), picks=picks, output=out, force=force,
-                     warnings=tuple(warnings), reshard=reshard)
+                     warnings=tuple(warnings), reshard=reshard, keys=keys)
+
+
+def _flat_keys(recipe: Recipe, sources: list[Checkpoint], picks: dict[str, int]) -> tuple[str, ...]:
+    """The flat tensors every rank's slices lie in (`RankReader.keys`: the fp32 masters and the optimizer's state
+    kept per element), the base's; read before anything is read for the output (--dry-run too). Refused: a state
+    that cannot be taken apart by row, and a source whose optimizer keeps other states than the base's (the
+    output would pair one optimizer's state with another's, or keep the base's in silence)."""
+    base = sources[0]
+    found = [None if src.gone else rank_reader(src.ranks[0], tuple(src.layout.group_sizes())).keys()
+             for src in sources]
+    mine = found[0]
+    assert mine is not None, "a base is never gone"
+    for s, (src, theirs) in enumerate(zip(sources, found)):
+        if theirs is not None and theirs != mine:
+            row = next(row for row, i in picks.items() if i == s)
+            raise IncompatibleError(
+                f"{recipe.location(f'row:{row}')}: row '{row}': checkpoint {src.path} keeps "
+                f"{describe_state(theirs[1:])} per element, base {base.path} {describe_state(mine[1:])}: "
+                "checkpoints of different optimizers cannot be combined (the output would pair one's state with "
+                "the other's); pick checkpoints of the run's optimizer")
+    return mine
 
 
 def _other_runs(base: Checkpoint, sources: list[Checkpoint], picks: dict[str, int]) -> list[str]:

@@ -15,13 +15,18 @@ from typing import NamedTuple, Protocol
 
 from tailor_tui.checked.crc import RecordBlocks
 from tailor_tui.events import JobCost, RankJobCost
+from tailor_tui.formats.ds_format import TENSORS
 from tailor_tui.formats.ptfile import file_format
 from tailor_tui.formats.safetensors_in import parse_prefix
 from tailor_tui.kinds.base import RankFiles, WeightSource
 from tailor_tui.kinds.hf_weights import BinWeights
 from tailor_tui.kinds.partial import PartialRankFiles
 
-BYTES_PER_ELEMENT = 4 * 3  # fp32 master weight + exp_avg + exp_avg_sq
+
+def bytes_per_element(keys: tuple[str, ...]) -> int:
+    """The bytes of a rank's files per element of its flat sub-groups: 4 per flat tensor of `keys` (fp32 masters,
+    each state the optimizer keeps per element: 12 for Adam's)."""
+    return 4 * len(keys)
 
 # How an output rank's optim file is written (`optim_writer`): built from a partial base's skeleton, torch-free
 # (`rank_partial`); the base's bytes with ranges replaced (`rank_stream`); re-serialised by torch (`rank_torch`)
@@ -94,6 +99,9 @@ class RankJob(RankJobCost):
     # bytes against their CRC-32s (which prove them the bytes the statistics counted) without counting
     # their NaN/Inf again; the plan's jobs have none, a cloned composition's are given them (`reads`)
     vouched: frozenset[int] = frozenset()
+    # the flat tensors of every sub-group a slice lies in, on every source alike (`RankReader.keys`): the fp32
+    # masters first, then the optimizer's state kept per element
+    keys: tuple[str, ...] = TENSORS
 
 
 class _HasSize(Protocol):

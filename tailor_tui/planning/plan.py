@@ -14,6 +14,7 @@ from tailor_tui.checkpoints.checkpoint import MODEL_FILE_INDEX, Checkpoint, tied
 from tailor_tui.checkpoints.model_layout import ModelFileLayout
 from tailor_tui.checkpoints.weight_files import FileFate
 from tailor_tui.cloning import may_share
+from tailor_tui.formats.ds_format import TENSORS, describe_state
 from tailor_tui.planning.file_plan import (
     copied_files,
     describe_files,
@@ -22,13 +23,13 @@ from tailor_tui.planning.file_plan import (
     weight_jobs,
 )
 from tailor_tui.planning.jobs import (
-    BYTES_PER_ELEMENT,
     STREAM,
     FrozenRow,
     RankJob,
     RowSlot,
     SliceCopy,
     WeightJob,
+    bytes_per_element,
     optim_writer,
 )
 from tailor_tui.planning.recipe import Recipe
@@ -55,6 +56,9 @@ class ComposePlan:
     force: bool = False
     warnings: tuple[str, ...] = ()  # worth a look, not a reason to refuse (`warning: ...` lines)
     reshard: Reshard | None = None  # composing into another world size (`--world-size`)
+    # the flat tensors of every sub-group a row's slices lie in: the fp32 masters, then the optimizer's state kept
+    # per element (`RankReader.keys`), the same in every checkpoint (`build`)
+    keys: tuple[str, ...] = TENSORS
     _jobs: tuple[RankJob | ReshardJob, ...] = field(init=False, repr=False)
     _model_layout: ModelFileLayout | None = field(init=False, repr=False)
     _model_jobs: tuple[WeightJob, ...] = field(init=False, repr=False)
@@ -66,7 +70,7 @@ class ComposePlan:
         layout = self._read_model_layout()
         jobs: tuple[RankJob | ReshardJob, ...]
         if self.reshard is not None:
-            jobs = reshard_jobs(self.base, self.sources, self.source_of_param(), self.reshard)
+            jobs = reshard_jobs(self.base, self.sources, self.source_of_param(), self.reshard, self.keys)
         else:
             src, owner = self.source_of_param(), self.base.param_to_row()  # worked out once, not per rank
             buffers = tuple(self.buffer_sources().items())
@@ -137,7 +141,7 @@ class ComposePlan:
         # every byte of the base, and the whole record of each full source's sub-group a slice
         # comes from (its stored CRC-32 covers the whole record); a partial's slices alone
         sizes = layout.group_sizes()
-        read = self.base.rank_bytes(rank) + BYTES_PER_ELEMENT * sum(
+        read = self.base.rank_bytes(rank) + bytes_per_element(self.keys) * sum(
             files[s].elements_checked({c.group for c in copies if c.source == s},
                                       sum(c.length for c in copies if c.source == s), sizes)
             for s in sorted({c.source for c in copies}))
@@ -155,6 +159,7 @@ class ComposePlan:
             buffers=buffers,
             read_bytes=read,
             write_bytes=self._rank_output_bytes(rank),
+            keys=self.keys,
         )
 
     def _slices(self, rank: int, src: dict[str, int], owner: dict[str, str]) -> tuple[tuple, tuple, tuple]:
@@ -191,7 +196,7 @@ class ComposePlan:
         if not self.base.saved.sliced:
             return self.base.rank_bytes(rank)
         files = self.base.ranks[rank]  # its optim file written whole
-        return self.base.sizes[files.model_states] + sum(self.base.layout.group_sizes()) * BYTES_PER_ELEMENT
+        return self.base.sizes[files.model_states] + sum(self.base.layout.group_sizes()) * bytes_per_element(self.keys)
 
     # --- the 16-bit model files ------------------------------------------------------
 
@@ -335,6 +340,9 @@ class ComposePlan:
             lines.append("every other row: the base")
         else:
             lines.append(f"rows: all {len(rows)} from the base")
+        states = describe_state(self.keys[1:]) if len(self.keys) > 1 else "nothing else (it keeps none per element)"
+        lines.append(f"optimizer state: each row's fp32 masters and {states} from its checkpoint, on every rank; "
+                     "each sub-group's step and every other entry: the base's")
         tied = [f"{r.name} tied to {tied_partner(self.base, r)}" for r in self.base.rows if r.tied]
         if tied:
             lines.append("; ".join(tied))

@@ -27,7 +27,7 @@ from pathlib import Path
 from tailor_tui.checked.crc import RecordBlocks
 from tailor_tui.checkpoints import file_facts
 from tailor_tui.cloning import worth_it
-from tailor_tui.planning.jobs import BYTES_PER_ELEMENT, RankJob
+from tailor_tui.planning.jobs import RankJob, bytes_per_element
 from tailor_tui.planning.plan import ComposePlan
 
 
@@ -38,7 +38,7 @@ def jobs_to_run(plan: ComposePlan, *, clone: bool, cache: Path | None) -> tuple:
     full = [j for j in jobs if isinstance(j, RankJob)]
     if not clone or plan.reshard is not None or plan.shares(clone=clone) is None or len(full) != len(jobs):
         return jobs
-    replaced = sum(c.length for j in full for c in j.copies) * BYTES_PER_ELEMENT
+    replaced = sum(c.length * bytes_per_element(j.keys) for j in full for c in j.copies)
     if not worth_it(replaced, sum(plan.base.rank_bytes(j.rank) for j in full)):
         return jobs
     facts = file_facts.cached(cache, paths=sorted({j.files[s].state_file for j in full for s in j.files}))

@@ -34,6 +34,7 @@ from tailor_tui.formats.ds_format import (
     OPTIM_STATES,
     OPTIMIZER_STATE_DICT,
     PARAM_GROUPS,
+    TENSORS,
 )
 from tailor_tui.formats.dtypes import BY_NAME, PRECISION
 from tailor_tui.formats.ptfile import read_structure
@@ -96,6 +97,9 @@ class ReshardJob(RankJobCost):
     # times). A partial checkpoint's files are listed in every job taking from them: each checks the
     # slices it takes from against their recorded CRC-32s.
     verifies: frozenset = frozenset()
+    # the flat tensors of every sub-group a piece lies in, on every source alike (`RankReader.keys`): the fp32
+    # masters first, then the optimizer's state kept per element
+    keys: tuple[str, ...] = TENSORS
 
 
 def optim_structure_file(files: RankFiles) -> Path:
@@ -208,15 +212,17 @@ def output_names(base: Checkpoint, world_size: int) -> tuple[tuple[str, str], ..
 
 
 def reshard_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], source_of: dict[str, int],
-                 reshard: Reshard) -> tuple[ReshardJob, ...]:
-    """One job per output rank. `source_of`: every parameter -> index into `sources`."""
+                 reshard: Reshard, keys: tuple[str, ...] = TENSORS) -> tuple[ReshardJob, ...]:
+    """One job per output rank. `source_of`: every parameter -> index into `sources`; `keys`: the flat tensors of
+    every sub-group (`ComposePlan.keys`)."""
     owner = base.param_to_row()
     slots = [{s.name: s for s in src.layout.slots} for src in sources]
     names = output_names(base, reshard.world_size)
     itemsize = ITEMSIZE.get(base.dtype, 4)
     out_sizes = tuple(reshard.layout.group_sizes())  # every output rank's, and each source's: once
     source_sizes = [tuple(src.layout.group_sizes()) for src in sources]
-    written = 12 * sum(out_sizes) + itemsize * sum(part(math.prod(shape), reshard.world_size)
+    per_element = 4 * len(keys)
+    written = per_element * sum(out_sizes) + itemsize * sum(part(math.prod(shape), reshard.world_size)
                                                    for _n, shape in base.layout.frozen)
     # each parameter's facts, once: (its pieces' maker, where they go); a rank holding none of its
     # elements gets the one padding piece every such rank shares (most ranks of a wide run, for
@@ -250,12 +256,12 @@ def reshard_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], source_of: d
         for p in taken:
             if (p.source, p.rank) in verifies:
                 slices.setdefault((p.source, p.rank), {})[p.param] = p.whole
-        read = 12 * sum(files[u].elements_checked(range(len(sizes[u[0]])), sum(slices.get(u, {}).values()),
+        read = per_element * sum(files[u].elements_checked(range(len(sizes[u[0]])), sum(slices.get(u, {}).values()),
                                                   sizes[u[0]]) for u in verifies)
-        read += 12 * sum(p.length for p in taken if (p.source, p.rank) not in verifies)  # the others: pieces
+        read += per_element * sum(p.length for p in taken if (p.source, p.rank) not in verifies)  # the others: pieces
         read += itemsize * sum(p.length for _n, ps in frozen for p in ps if p.source != ZEROS)
         jobs.append(ReshardJob(rank, *names[rank], files, sizes, out_sizes,
-                               tuple(tuple(g) for g in groups), tuple(frozen), read, written, verifies))
+                               tuple(tuple(g) for g in groups), tuple(frozen), read, written, verifies, keys))
     return tuple(jobs)
 
 

@@ -29,8 +29,6 @@ from tailor_tui.errors import CheckpointError
 from tailor_tui.fileio import Target
 from tailor_tui.formats.ds_format import (
     DP_WORLD_SIZE,
-    EXP_AVG,
-    EXP_AVG_SQ,
     FP32_FLAT_GROUPS,
     FROZEN_PARAM_FRAGMENTS,
     MODULE,
@@ -40,8 +38,6 @@ from tailor_tui.formats.ds_format import (
     PARTITION_COUNT,
     PARTITION_GROUPS,
     STATE,
-    TENSORS,
-    check_adam_state,
     flat_tensor,
 )
 from tailor_tui.formats.pickled import Size, TensorRef
@@ -64,7 +60,7 @@ class Skeleton:
 
     optim: SameArchives  # the optim_states file's pickle and storages
     model: SameArchives  # the model_states file's
-    flat: dict  # (sub-group, key in TENSORS) -> Hole in the optim_states file
+    flat: dict  # (sub-group, key: the masters or a state kept per element) -> Hole in the optim_states file
     fragments: dict  # frozen parameter -> Hole in the model_states file
 
 
@@ -84,11 +80,12 @@ class Hole(NamedTuple):
 
 
 def skeleton(base: Checkpoint, sources: tuple[Checkpoint, ...], buffer_sources: dict[str, int],
-             reshard: Reshard) -> Skeleton:
+             reshard: Reshard, keys: tuple[str, ...]) -> Skeleton:
     """The structure every output rank's two files share (CheckpointError when the base's cannot
-    be resharded). `buffer_sources`: each buffer -> the index of the source its row is taken from."""
+    be resharded). `buffer_sources`: each buffer -> the index of the source its row is taken from; `keys`: the flat
+    tensors of every sub-group (`ComposePlan.keys`: the masters, the optimizer's state kept per element)."""
     fills: dict[int, object] = {}  # id(StorageRef) -> Copied | Reserved: where its bytes come from
-    optim = _optim_states(base, reshard, fills)
+    optim = _optim_states(base, reshard, fills, keys)
     states = _model_states(base, sources, buffer_sources, reshard, fills)
     kinds, index = [], {}
     for obj in (optim, states):  # every rank's file holds the same structure: pickled once
@@ -97,7 +94,7 @@ def skeleton(base: Checkpoint, sources: tuple[Checkpoint, ...], buffer_sources: 
         kinds.append(SameArchives(data, [fills[id(s)] for s in storages]))
     inner = optim[OPTIMIZER_STATE_DICT]
     flat = {(g, key): index[id(flat_tensor(inner, g, key).storage)]
-            for g in range(len(reshard.layout.groups)) for key in TENSORS}
+            for g in range(len(reshard.layout.groups)) for key in keys}
     fragments = {name: index[id(states[FROZEN_PARAM_FRAGMENTS][name].storage)] for name, _ in base.layout.frozen}
     return Skeleton(kinds[0], kinds[1], flat, fragments)
 
@@ -109,7 +106,7 @@ def write_rank_file(path: Target, kind: SameArchives, buffer: memoryview) -> tup
     return archive, kind.write(path, archive, buffer)
 
 
-def _optim_states(base: Checkpoint, reshard: Reshard, fills: dict) -> dict:
+def _optim_states(base: Checkpoint, reshard: Reshard, fills: dict, keys: tuple[str, ...]) -> dict:
     read = Rewritable(optim_structure_file(base.ranks[0]))
     path, optim = read.path, read.obj
     fills.update(read.fills)
@@ -127,8 +124,6 @@ def _optim_states(base: Checkpoint, reshard: Reshard, fills: dict) -> dict:
     if type(inner.get(PARTITION_COUNT)) is not int:
         raise CheckpointError(f"{path}: its partition_count is {inner.get(PARTITION_COUNT)!r}, not a ZeRO-3 "
                               "world size; tailor-tui reshards ZeRO stage 3 checkpoints")
-    sizes = tuple(base.layout.group_sizes())
-    check_adam_state(inner, path, sizes)  # (what else is kept per element would not be re-partitioned)
     group_of = {slot.name: slot.group for slot in base.layout.slots}
     new_flat, new_state = [], {}
     try:
@@ -137,7 +132,7 @@ def _optim_states(base: Checkpoint, reshard: Reshard, fills: dict) -> dict:
             first = olds[0]
             entry = {}
             for key, value in state[first].items():
-                if key in (EXP_AVG, EXP_AVG_SQ):
+                if key in keys:  # kept per element: re-partitioned as the masters are
                     entry[key] = reserved(size, value, fills)
                     continue
                 for other in olds[1:]:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tailor_tui.kinds.folders import TRAINER_STATE
+from tailor_tui.runs import optimizers
 from tailor_tui.runs.blowup import blow_up, blow_up_callback
 from tailor_tui.runs.models import (  # noqa: F401
     batch_inputs,
@@ -83,7 +84,8 @@ class RunSpec:
     pinned: bool = False
     # DeepSpeed layout: AdamW with amsgrad, which keeps a third per-element state (max_exp_avg_sq)
     amsgrad: bool = False
-    # DeepSpeed layout: the optimizer, "adamw" or "sgd" (with momentum: one per-element state, momentum_buffer)
+    # DeepSpeed layout: the optimizer, one of `optimizers.NAMES` ("adamw", "sgd" with momentum, "adagrad", "rmsprop"
+    # with momentum, "adafactor", "lion"), each with its own state per element
     optimizer: str = "adamw"
     # a persistent buffer on the final norm (`model.norm.tailor_scale`): model_states keeps it in
     # `module` and save_pretrained writes it beside the weights
@@ -153,13 +155,17 @@ def ds_config(spec: RunSpec, for_trainer: bool) -> dict:
 
 def make_optimizer(spec: RunSpec, groups):
     """The torch optimizer of a DeepSpeed-layout run of `spec` (ZeRO-3 keeps its state on flat partitions)."""
-    import torch
+    return optimizers.make_optimizer(spec.optimizer, groups, amsgrad=spec.amsgrad)
 
-    if spec.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=1e-3, momentum=0.9)
-    if spec.optimizer != "adamw":
-        raise ValueError(f"RunSpec.optimizer: {spec.optimizer!r}, not adamw or sgd")
-    return torch.optim.AdamW(groups, lr=1e-3, amsgrad=spec.amsgrad)
+
+def _engine(spec: RunSpec, model, folder: Path):
+    """The DeepSpeed engine training `model` (a DeepSpeed-layout run of `spec`) with the client optimizer
+    `make_optimizer` builds."""
+    import deepspeed
+
+    optimizer = make_optimizer(spec, param_groups(model))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=_engine_config(spec, folder))
+    return engine
 
 
 def _engine_config(spec: RunSpec, folder: Path):
@@ -218,11 +224,8 @@ def _train_rank(rank: int, world: int, port: int, spec: RunSpec, out: str | Path
         if spec.best_at:  # the weights training ended with (the best model's, loaded at the end)
             trainer.save_model(str(out / "final"))
         return
-    import deepspeed
 
-    model = build_model(spec)
-    opt = make_optimizer(spec, param_groups(model))
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_engine_config(spec, out))
+    engine = _engine(spec, build_model(spec), out)
     saver = None
     if spec.selective:
         from tailor_tui.selective.saver import SelectiveSaver
@@ -340,11 +343,13 @@ def _resume_rank(rank, world, port, spec: RunSpec, ckpt: str | Path, resave: str
         trainer = make_trainer(spec, _trainer_args(spec, Path(resave) / "trainer-out", step + 1), [ResaveThenLog()])
         trainer.train(resume_from_checkpoint=str(ckpt))
     else:
-        import deepspeed
 
-        model = build_model(spec)
-        opt = make_optimizer(spec, param_groups(model))
-        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_engine_config(spec, Path(resave)))
+        engine = _engine(spec, build_model(spec), Path(resave))
+        if spec.optimizer == "adagrad":
+            # DeepSpeed 0.19 cannot load a ZeRO-3 Adagrad checkpoint, its own untouched ones included: the Adagrad
+            # it rebuilds holds every flat partition in its one group until the first step clears it, and loading
+            # adds them again ("a parameter group that doesn't match the size"). Cleared first, as a step leaves it.
+            engine.optimizer._clear_fp32_optimizer_param_groups()
         path, _ = engine.load_checkpoint(str(ckpt))
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint in {ckpt}")

@@ -43,15 +43,20 @@ from tailor_tui.fileio import fsync_dir, fsync_file, replace_dir
 from tailor_tui.formats.ds_format import (
     DS_CONFIG,
     DS_VERSION,
-    EXP_AVG,
-    EXP_AVG_SQ,
     FP32_FLAT_GROUPS,
+    MASTERS,
     OPTIMIZER_STATE_DICT,
     STATE,
-    TENSORS,
-    check_adam_state,
+    flat_keys,
 )
-from tailor_tui.kinds.partial import CRC_METADATA, PARTIAL_MANIFEST, PARTIAL_ROWS, PARTIAL_SKELETON, crc_metadata
+from tailor_tui.kinds.partial import (
+    CRC_METADATA,
+    KEYS_METADATA,
+    PARTIAL_MANIFEST,
+    PARTIAL_ROWS,
+    PARTIAL_SKELETON,
+    crc_metadata,
+)
 
 
 def partial_name(step: int) -> str:
@@ -112,17 +117,17 @@ def save_rows(engine, root: str | os.PathLike, rows: Iterable[str], *, step: int
     state = engine.optimizer.state_dict()
     shapes = engine._get_zero_param_shapes()
     zero = ZeroLayout(world, tuple(tuple((n, tuple(s)) for n, s in g.items()) for g in shapes), ())
-    # an optimizer that keeps more than Adam's state per element: its rows would lose it (IncompatibleError)
-    check_adam_state(state, f"rank {rank}'s optimizer", tuple(zero.group_sizes()))
+    # the optimizer's state kept per element, saved per row beside the masters; a state that cannot be taken apart
+    # by row (factored, 8-bit) is refused (IncompatibleError)
+    keys = flat_keys(state, f"rank {rank}'s optimizer", tuple(zero.group_sizes()))
     slots = zero.slots
     inner = state[OPTIMIZER_STATE_DICT]
     tensors, valid = {}, {}
     for slot in slots:
         if naming.row_of(slot.name) not in wanted:
             continue
-        flats = (state[FP32_FLAT_GROUPS][slot.group], inner[STATE][slot.group][EXP_AVG],
-                 inner[STATE][slot.group][EXP_AVG_SQ])
-        for key, flat in zip(TENSORS, flats):
+        for key in keys:
+            flat = state[FP32_FLAT_GROUPS][slot.group] if key == MASTERS else inner[STATE][slot.group][key]
             # the slice, padding included (it is zeroed when composed): a copy, no gather
             tensors[f"{key}/{slot.name}"] = flat.detach()[slot.offset: slot.offset + slot.part].float().cpu().clone()
             valid[f"{key}/{slot.name}"] = slot.valid(rank)
@@ -130,10 +135,11 @@ def save_rows(engine, root: str | os.PathLike, rows: Iterable[str], *, step: int
 
     rows_file = staging / tag / PARTIAL_ROWS.format(rank=rank)
     crcs = crc_metadata({name: memoryview(t[: valid[name]].numpy()).cast("B") for name, t in tensors.items()})
-    save_file(tensors, str(rows_file), metadata={"format": "tailor-partial", "step": str(step), CRC_METADATA: crcs})
+    save_file(tensors, str(rows_file), metadata={"format": "tailor-partial", "step": str(step), CRC_METADATA: crcs,
+                                                 KEYS_METADATA: json.dumps(keys)})
     del tensors
     skeleton = staging / tag / PARTIAL_SKELETON.format(rank=rank)
-    torch.save({OPTIMIZER_STATE_DICT: _skeleton(state), DS_CONFIG: engine.config,
+    torch.save({OPTIMIZER_STATE_DICT: _skeleton(state, keys), DS_CONFIG: engine.config,
                 DS_VERSION: deepspeed.__version__}, skeleton)
     if engine._optimizer_has_ckpt_event_epilogue():
         engine.optimizer.checkpoint_event_epilogue()
@@ -185,9 +191,9 @@ def _resolve_rows(engine, rows: Iterable[str]) -> set[str]:
     return wanted
 
 
-def _skeleton(state: dict) -> dict:
-    """The optimizer state with its big tensors replaced by empty ones (same dtypes and
-    requires_grad): what a composed checkpoint takes from a partial base."""
+def _skeleton(state: dict, keys: tuple[str, ...]) -> dict:
+    """The optimizer state with its big tensors (`keys`: the per-element state's) replaced by empty ones (same
+    dtypes and requires_grad): what a composed checkpoint takes from a partial base."""
     import torch
 
     def empty(t):
@@ -195,7 +201,7 @@ def _skeleton(state: dict) -> dict:
 
     inner = dict(state[OPTIMIZER_STATE_DICT])
     inner[STATE] = {
-        g: {k: (empty(v) if k in (EXP_AVG, EXP_AVG_SQ) else v) for k, v in s.items()}
+        g: {k: (empty(v) if k in keys else v) for k, v in s.items()}
         for g, s in inner[STATE].items()
     }
     out = dict(state)

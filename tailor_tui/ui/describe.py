@@ -19,7 +19,7 @@ from tailor_tui.units import size
 
 # low → high: dark blue, teal, olive, amber, red (readable with the cells' light text)
 PALETTE = ("#1f3a5f", "#1f5f5b", "#5f5f1f", "#8a5a12", "#9e2a2b")
-LABEL = {"rel_change": "Δ since previous", "weight_rms": "weight RMS", "adam_v_max": "Adam v max"}
+LABEL = {"rel_change": "Δ since previous", "weight_rms": "weight RMS", "adam_v_max": "optimizer v max"}  # (the second moment: Adam's exp_avg_sq, …)
 SHORT = {"rel_change": "Δ", "weight_rms": "rms", "adam_v_max": "v max"}  # as the cell's lines label them
 LOSS_JUMP = 1.2  # a loss this many times the previous checkpoint's is marked
 PROBLEMS_LISTED = 20  # folders the details panel lists of those the scan skipped

@@ -41,13 +41,12 @@ from tailor_tui.checkpoints.side_files import MAX_RECORD, read_small
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit
 from tailor_tui.formats.ds_format import (
-    EXP_AVG,
-    EXP_AVG_SQ,
     FP32_FLAT_GROUPS,
     FROZEN_PARAM_FRAGMENTS,
     OPTIMIZER_STATE_DICT,
     STATE,
-    TENSORS,
+    describe_state,
+    flat_keys,
     flat_tensor,
     optimizer_state,
 )
@@ -218,6 +217,9 @@ def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled, chang
     mine = composed.ranks[rank].optim_states
     got_file = load(mine)
     got = optimizer_state(got_file, mine, sizes)
+    if (found := flat_keys(got, mine, sizes)) != plan.keys:
+        report.add(None, f"rank {rank}: its optimizer keeps {describe_state(found[1:])} per element, the "
+                         f"checkpoints composed {describe_state(plan.keys[1:])}")
     loaded = {}
     for s, f in files.items():
         if f.whole_records and s not in changed:
@@ -241,8 +243,10 @@ def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled, chang
         s = source_of[slot.name]
         valid = slot.valid(rank)
         row = param_row[slot.name]
-        for key in TENSORS:
+        for key in plan.keys:
             out_t = flat_tensor(got, slot.group, key)
+            if out_t is None:
+                continue  # (a state the output lacks: said above)
             if valid:
                 rows.crcs.add(row, key, out_t[slot.offset: slot.offset + valid])
                 try:
@@ -259,13 +263,13 @@ def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled, chang
                     rows.differs(row, f"rank {rank}: {key} of {slot.name} differs from {plan.sources[s].name}", s)
             if valid < slot.part and nonzero_bytes(out_t[slot.offset + valid: slot.offset + slot.part]):
                 report.add(row, f"rank {rank}: padding after {slot.name} ({key}) is not zero bytes")
-        counter.add(valid * 12)
+        counter.add(valid * 4 * len(plan.keys))
     outer = f"[{OPTIMIZER_STATE_DICT!r}]"
+    per_element = tuple(f"[{key!r}]" for key in plan.keys[1:])
 
     def flat(where: str) -> bool:
         return where.startswith(f"{outer}[{FP32_FLAT_GROUPS!r}]") or (
-            where.startswith(f"{outer}{outer}[{STATE!r}]")
-            and where.endswith((f"[{EXP_AVG!r}]", f"[{EXP_AVG_SQ!r}]")))
+            where.startswith(f"{outer}{outer}[{STATE!r}]") and where.endswith(per_element))
 
     # Everything but the flat tensors is the base's: param groups, loss scaler, steps, counters.
     if 0 in changed:

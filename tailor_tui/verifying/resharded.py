@@ -26,8 +26,6 @@ from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter
 from tailor_tui.formats.ds_format import (
     DP_WORLD_SIZE,
-    EXP_AVG,
-    EXP_AVG_SQ,
     FP32_FLAT_GROUPS,
     FROZEN_PARAM_FRAGMENTS,
     MODULE,
@@ -36,7 +34,8 @@ from tailor_tui.formats.ds_format import (
     PARAM_SHAPES,
     PARTITION_COUNT,
     STATE,
-    TENSORS,
+    describe_state,
+    flat_keys,
     flat_tensor,
     optimizer_state,
 )
@@ -96,6 +95,9 @@ def _verify_rank(plan, rank, where, composed, report, counter, base_file, base_s
     mine = composed.ranks[rank].optim_states
     got_file = load(mine)
     got = optimizer_state(got_file, mine, tuple(reshard.layout.group_sizes()))
+    if (found := flat_keys(got, mine, tuple(reshard.layout.group_sizes()))) != plan.keys:
+        report.add(None, f"rank {rank}: its optimizer keeps {describe_state(found[1:])} per element, the "
+                         f"checkpoints composed {describe_state(plan.keys[1:])}")
     wanted = {path for pieces in (*groups, *(ps for _n, ps in frozen)) for p in pieces if p.source != ZEROS
               for path in (plan.sources[p.source].ranks[p.rank].optim_states,
                            plan.sources[p.source].ranks[p.rank].model_states)}
@@ -159,8 +161,9 @@ def _verify_rank(plan, rank, where, composed, report, counter, base_file, base_s
                 counter.add(p.length * 4)
 
     for g, pieces in enumerate(groups):
-        for key in TENSORS:
-            check(flat_tensor(got, g, key), pieces, key)
+        for key in plan.keys:
+            if (tensor := flat_tensor(got, g, key)) is not None:
+                check(tensor, pieces, key)
 
     for difference in differences(got_file, base_file, skip=_replaced)[:5] if base_file is not None else ():
         report.add(None, f"rank {rank}: optimizer state {difference} is not the base's")
@@ -178,9 +181,9 @@ def _verify_rank(plan, rank, where, composed, report, counter, base_file, base_s
     base_state = base_file[OPTIMIZER_STATE_DICT][OPTIMIZER_STATE_DICT][STATE] if base_file is not None else {}
     for g, params in enumerate(reshard.layout.groups if base_file is not None else ()):
         first = group_of[params[0][0]]
-        found = differences(state.get(g), base_state.get(first), f"[{STATE!r}][{g}]",
-                            skip=lambda w: w.endswith((f"[{EXP_AVG!r}]", f"[{EXP_AVG_SQ!r}]")))
-        for difference in found[:2]:
+        unlike = differences(state.get(g), base_state.get(first), f"[{STATE!r}][{g}]",
+                             skip=lambda w: w.endswith(tuple(f"[{key!r}]" for key in plan.keys[1:])))
+        for difference in unlike[:2]:
             report.add(None, f"rank {rank}: optimizer state {difference} is not the base's sub-group {first}'s")
     _model_states(plan, rank, frozen, composed, report, check, base_states, buffer_states, same)
     counter.finish()
