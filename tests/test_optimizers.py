@@ -56,24 +56,23 @@ def test_every_state_an_optimizer_keeps_per_element_is_taken_from_its_rows_pick(
     result = tailor("--verify", recipe)
     assert result.returncode == 0, result.stdout + result.stderr
 
-    # a copy of the output with one state (the last the optimizer keeps) of one moved row the base's
-    key = STATES[name][-1]
-    copy = tmp_path / "copy" / "composed"
-    shutil.copytree(out, copy)
+    # a copy of the output with one state of one moved row the base's, for each state the optimizer keeps
     group, offset, valid = _slice_on_rank_0(newest, "layers.1", spec.world_size)
-    folder, tag = latest_folder(copy)
-    (optim,) = (folder / tag).glob("*zero_pp_rank_0_*optim_states.pt")
-    mine = torch.load(optim, weights_only=False)
     (base_file,) = (latest_folder(newest)[0] / latest_folder(newest)[1]).glob("*zero_pp_rank_0_*optim_states.pt")
-    base = torch.load(base_file, weights_only=False)
-    state = mine["optimizer_state_dict"]["optimizer_state_dict"]["state"][group][key]
-    theirs = base["optimizer_state_dict"]["optimizer_state_dict"]["state"][group][key]
-    assert not torch.equal(state[offset: offset + valid], theirs[offset: offset + valid])  # the row moved
-    state[offset: offset + valid] = theirs[offset: offset + valid]
-    torch.save(mine, optim)
-    result = tailor("--verify", write_recipe(tmp_path / "copy", newest, picks))
-    assert result.returncode == 7, result.stdout + result.stderr
-    assert re.search(rf"layers\.1 .*{key} of model\.layers\.1\.", result.stdout + result.stderr), result.stdout
+    base = torch.load(base_file, weights_only=False)["optimizer_state_dict"]["optimizer_state_dict"]["state"][group]
+    for key in STATES[name]:
+        copy = tmp_path / key / "composed"
+        shutil.copytree(out, copy)
+        folder, tag = latest_folder(copy)
+        (optim,) = (folder / tag).glob("*zero_pp_rank_0_*optim_states.pt")
+        mine = torch.load(optim, weights_only=False)
+        state = mine["optimizer_state_dict"]["optimizer_state_dict"]["state"][group][key]
+        assert not torch.equal(state[offset: offset + valid], base[key][offset: offset + valid])  # the row moved
+        state[offset: offset + valid] = base[key][offset: offset + valid]
+        torch.save(mine, optim)
+        result = tailor("--verify", write_recipe(tmp_path / key, newest, picks))
+        assert result.returncode == 7, result.stdout + result.stderr
+        assert re.search(rf"layers\.1 .*rank 0: {key} of model\.layers\.1\.", result.stdout), result.stdout
 
     # DeepSpeed resumes the output; the state it loaded (re-saved as loaded) is the output's, every entry (an Adagrad
     # run's through a workaround: DeepSpeed 0.19 cannot load its own ZeRO-3 Adagrad checkpoints, `demo_run`)
@@ -111,6 +110,39 @@ def test_checkpoints_of_two_optimizers_are_refused_at_planning_naming_both(real_
         assert_one_line_error(result, 5, "row 'layers.1'", f"{sgd.name}/global_step4 keeps 'momentum_buffer' (SGD "
                               f"with momentum) per element, base ", f"{adam.name}/global_step4 'exp_avg', 'exp_avg_sq', "
                               "'max_exp_avg_sq' (AdamW with amsgrad)", "different optimizers")
+        assert not (tmp_path / "composed").exists() and not hidden(tmp_path)
+
+
+def test_an_8_bit_optimizers_state_is_refused_at_planning_as_what_it_is(real_run, tmp_path, monkeypatch):
+    """A real run's rank file edited to hold what bitsandbytes' 8-bit optimizers keep beside each sub-group (a
+    uint8 state of its size, a 256-value quantization map, a block-wise scale), torch's format kept: refused at
+    planning (--dry-run too) in one line naming the optimizer and the state, exit 5, never called corrupt."""
+    from helpers import edit_structure
+
+    from tailor_tui.formats.pickled import StorageRef
+    from tailor_tui.formats.ptpickle import tensor
+
+    monkeypatch.setenv("TAILOR_TUI_CACHE", str(tmp_path / "cache"))
+    run, spec = real_run("ds_sgd")
+    shutil.copytree(run, tmp_path / "run")
+    oldest, newest = checkpoints_of(tmp_path / "run", spec)
+
+    def eight_bit(obj):
+        made = {}
+        for entry in obj["optimizer_state_dict"]["optimizer_state_dict"]["state"].values():
+            qmap, absmax = StorageRef("", 4, 256, "FloatStorage"), StorageRef("", 4, 1, "FloatStorage")
+            entry["qmap1"], entry["absmax1"] = tensor(qmap, (256,)), tensor(absmax, (1,))
+            made |= {id(qmap): bytes(1024), id(absmax): bytes(4)}
+        return made
+
+    for optim in newest.glob("*optim_states.pt"):
+        edit_structure(optim, eight_bit)
+    recipe = write_recipe(tmp_path, newest, {"layers.1": oldest})
+    for how in (["--dry-run"], []):
+        result = tailor("--apply", recipe, *how)
+        assert_one_line_error(result, 5, "optim_states.pt: its optimizer keeps 'absmax1' of shape [1] for a "
+                              "sub-group of", "not one value per element (a factored or block-wise state)")
+        assert "corrupt" not in result.stderr
         assert not (tmp_path / "composed").exists() and not hidden(tmp_path)
 
 

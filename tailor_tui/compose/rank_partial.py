@@ -79,9 +79,9 @@ def build_optim_states_from_skeleton(job: RankJob, out: Target, counter: ByteCou
             fds = {s: open_fd(stack, readers[s].path) for s in used}
             buffer = memoryview(bytearray(STREAM_CHUNK))
             for s, reader in readers.items():
-                if not isinstance(reader, ZeroRankReader):  # a partial's slices: checked as read back
+                theirs = reader.whole_flat()  # (the skeleton's flat tensors are fp32)
+                if theirs is None:  # a partial's slices: checked as read back
                     continue
-                theirs = reader.flat()  # the skeleton's flat tensors are fp32
                 check_dtypes({k: FP32 for k in theirs}, theirs, reader.path)
                 taken = {(theirs[c.group, key].record, theirs[c.group, key].offset + c.offset * 4, c.length * 4)
                          for c in job.copies if c.source == s for key in job.keys}

@@ -33,7 +33,6 @@ from tailor_tui.fileio import Folder, OpenFiles, Target, Writeback, copy_range, 
 from tailor_tui.formats.nonfinite import EXPONENT, Census, Region
 from tailor_tui.formats.pickled import dtype_name
 from tailor_tui.kinds.base import STREAM_CHUNK, RankBytes, RankReader, dtype_mismatch, rank_reader
-from tailor_tui.kinds.zero import ZeroRankReader
 from tailor_tui.resharding.partition import ZEROS, Piece, ReshardJob
 from tailor_tui.resharding.skeleton import Skeleton, write_rank_file
 
@@ -97,10 +96,8 @@ class _Sources:
         frozen = [name for name, _pieces in self.job.frozen]
         for s, r in sorted(self.job.verifies):
             reader = self.reader(s, r)
-            if not isinstance(reader, ZeroRankReader):  # a partial's slices: each job checks those it takes from
-                found.setdefault(reader.path, set())
-            else:
-                found.setdefault(reader.path, set()).update(tb.record for tb in reader.flat().values())
+            flat = reader.whole_flat()  # (a partial's slices: each job checks those it takes from)
+            found.setdefault(reader.path, set()).update(tb.record for tb in (flat or {}).values())
             if frozen:
                 fragments = reader.fragments(frozen)
                 found.setdefault(reader.files.model_states, set()).update(tb.record for tb in fragments.values())

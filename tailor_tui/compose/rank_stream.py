@@ -92,7 +92,7 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
     try:
         base_records = base_reader.records()
         base = base_reader.flat()
-        sources = {s: r.flat() for s, r in readers.items() if s in used and isinstance(r, ZeroRankReader)}
+        sources = {s: flat for s, r in readers.items() if s in used and (flat := r.whole_flat()) is not None}
     except Unsupported:
         return None
     for s, flats in sources.items():

@@ -163,6 +163,12 @@ class RankReader(ABC):
         SGD's momentum_buffer, …). Refused (a TailorError naming the file): a state that cannot be taken apart by
         row. Asked at planning, before anything is read for the output."""
 
+    def whole_flat(self) -> dict[tuple[int, str], TensorBytes] | None:
+        """{(sub-group, key): TensorBytes} of the flat tensors, where this kind stores each whole in a record whose
+        stored CRC-32 covers it (a full save's: read whole to check what is taken of it); None where its state lies
+        in slices kept apart, each checked apiece as it is read (a partial save's)."""
+        return None
+
     def check_keys(self, planned: tuple[str, ...]) -> None:
         """Refuse a rank whose flat tensors are not the ones the plan found (`check_keys`)."""
         check_keys(self.path, self.keys(), planned)

@@ -90,6 +90,9 @@ class ZeroRankReader(RankReader):
             self._flat = flat_tensor_bytes(*self.structure(), self.files.optim_states, self.group_sizes)
         return self._flat
 
+    def whole_flat(self) -> dict[tuple[int, str], TensorBytes]:
+        return self.flat()
+
     def keys(self) -> tuple[str, ...]:
         return (MASTERS, *dict.fromkeys(key for (_g, key) in self.flat() if key != MASTERS))
 
