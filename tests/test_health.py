@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -123,19 +124,49 @@ def spec_version() -> str:
     return INSTALLED_DEEPSPEED
 
 
-def test_apply_refuses_to_keep_nonfinite_rows_unless_allowed(real_run, tmp_path):
+@pytest.mark.parametrize("cached", [False, True], ids=["statistics computed", "statistics of --stats"])
+def test_apply_refuses_to_keep_nonfinite_rows_unless_allowed(real_run, tmp_path, monkeypatch, cached):
+    """One non-finite rule, decided before anything is written from the statistics of the checkpoint each row is
+    taken from (cached by --stats, or computed for those cells): --dry-run warns, --apply refuses before any
+    task starts (no rank says "done", no staging folder), --allow-nonfinite writes it and says so."""
+    monkeypatch.setenv("TAILOR_TUI_CACHE", str(tmp_path / "cache"))
     run, spec = real_run("ds_blown_up")
     c2, c4, c6 = checkpoints_of(run, spec)
+    if cached:
+        assert tailor("--stats", run).returncode == 0
     recipe = write_recipe(tmp_path, c6, {"layers.1": c4})  # the blown base row is not replaced
+    preview = tailor("--apply", recipe, "--dry-run")
+    assert preview.returncode == 0, preview.stderr
+    assert re.search(rf"warning: the output .* would hold non-finite values: {BLOWN} from global_step6 "
+                     r"\(5,120 NaN/Inf; newest finite: global_step4\).*--apply refuses it \(exit 8\)", preview.stderr)
     refused = tailor("--apply", recipe)
     assert_one_line_error(refused, 8, f"{BLOWN} from global_step6 (5,120 NaN/Inf; newest finite: global_step4)",
                           "--allow-nonfinite")
+    assert "composing " not in refused.stderr and "done" not in refused.stderr  # refused before any task
     assert not (tmp_path / "composed").exists() and not list(tmp_path.glob(".composed*"))
     picked = write_recipe(tmp_path, c4, {BLOWN: c6})  # a picked row
     assert_one_line_error(tailor("--apply", picked), 8, f"{BLOWN} from global_step6")
     allowed = tailor("--apply", picked, "--allow-nonfinite")
     assert allowed.returncode == 0, allowed.stderr
     assert f"holds NaN/Inf values in {BLOWN} (5,120)" in allowed.stderr
+
+
+def test_export_refuses_nonfinite_rows_before_writing_unless_allowed(real_run, tmp_path, monkeypatch):
+    """--export of a recipe keeping the blown row: refused in one line (exit 8) before anything is written, the
+    same rule as --apply's; --dry-run warns; --allow-nonfinite exports it and says so."""
+    monkeypatch.setenv("TAILOR_TUI_CACHE", str(tmp_path / "cache"))
+    run, spec = real_run("ds_blown_up")
+    c2, c4, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c4})
+    preview = tailor("--export", recipe, "--to", tmp_path / "model", "--dry-run")
+    assert preview.returncode == 0 and "--export refuses it (exit 8)" in preview.stderr, preview.stderr
+    refused = tailor("--export", recipe, "--to", tmp_path / "model")
+    assert_one_line_error(refused, 8, f"{BLOWN} from global_step6 (5,120 NaN/Inf; newest finite: global_step4)",
+                          "export anyway with --allow-nonfinite")
+    assert not (tmp_path / "model").exists() and not list(tmp_path.glob(".model*"))
+    allowed = tailor("--export", recipe, "--to", tmp_path / "model", "--allow-nonfinite")
+    assert allowed.returncode == 0, allowed.stderr
+    assert f"warning: --allow-nonfinite: the output {tmp_path / 'model'} would hold non-finite values" in allowed.stderr
 
 
 def test_a_record_failing_its_crc_is_an_unhealthy_cell_that_heal_avoids(real_run, tmp_path):

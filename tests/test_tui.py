@@ -375,6 +375,35 @@ async def test_composing_an_unhealthy_row_goes_back_unless_asked_to_compose_anyw
         assert (run / "global_step6-tailored" / "latest").is_file()
 
 
+async def test_exporting_an_unhealthy_row_goes_back_unless_asked_to_export_anyway(blown_copy, tmp_path):
+    """e keeps the rule --export keeps: an export that would hold the blown row's NaN/Inf is shown first, going
+    back is the default, and only ! exports it (as --allow-nonfinite)."""
+    run, _ckpts = blown_copy
+    app = make_app(run, workers=1)
+
+    async def export_to(folder: Path) -> None:
+        await pilot.press("e")
+        await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt))
+        app.screen.query_one(Input).value = str(folder)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt) and "config.json" in app.screen.title_text)
+        await pilot.press("enter")  # no config: the weights only
+        await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
+
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        await export_to(tmp_path / "hf")
+        body = app.screen.body
+        assert "layers.2 from global_step6: 5,120 non-finite value(s)" in body and "--allow-nonfinite" in body
+        await pilot.press("enter")  # the safe choice is the default: back to the grid
+        await wait_for(pilot, lambda: not isinstance(app.screen, Confirm))
+        assert not (tmp_path / "hf").exists()
+        await export_to(tmp_path / "hf")
+        await pilot.press("exclamation_mark")  # "Export anyway", asked for explicitly
+        await compose_finished(pilot)
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
 async def test_a_row_failing_its_crc_is_never_offered_to_compose_anyway(blown_copy):
     """A pick whose source fails its CRC-32 check can never compose (--apply refuses it whatever the
     flags): the composer says so and offers no "compose anyway", which it does for NaN rows only."""

@@ -12,6 +12,7 @@ from tailor_tui.units import shown
 
 def export_command(args) -> int:
     from tailor_tui.cli.import_command import load_for
+    from tailor_tui.cli.nonfinite_check import check_nonfinite
     from tailor_tui.export.export_plan import plan_export
     from tailor_tui.export.export_run import config_source, run_export
     from tailor_tui.formats.safetensors_out import parse_size
@@ -24,6 +25,7 @@ def export_command(args) -> int:
     max_shard = parse_size(args.max_shard_size)
     recipe = load_for(args, args.export)
     plan = build_plan(recipe, output=args.to, force=args.force, preview=args.dry_run)
+    check_nonfinite(plan, args, doing="export")  # (before anything is written)
     export = plan_export(plan, args.dtype, max_shard)
     source = config_source(export, args.config)
     files = ", ".join(f.name for f in export.files[:3]) + (f" … ({len(export.files)} files)"

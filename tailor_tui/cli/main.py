@@ -139,7 +139,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", "-v", action="store_true",
                    help="with --verify: every difference of a failing row (default: its first and a count)")
     p.add_argument("--allow-nonfinite", action="store_true",
-                   help="with --apply: compose even if the output would hold NaN/Inf values")
+                   help="with --apply or --export: write the output even if it would hold NaN/Inf values (the "
+                        "checkpoints' statistics say so before anything is written)")
     p.add_argument("--report-peak-rss", action="store_true",
                    help="after --apply or --stats, print the workers' peak resident memory (for benchmarks)")
     p.add_argument("--version", action="version", version=f"tailor-tui {__version__}")
@@ -148,6 +149,7 @@ def parser() -> argparse.ArgumentParser:
 
 def apply(args) -> int:
     from tailor_tui.cli.import_command import load_for
+    from tailor_tui.cli.nonfinite_check import check_nonfinite
     from tailor_tui.compose.compose_run import planned_tasks, run_compose
     from tailor_tui.health.guard import newest_finite
     from tailor_tui.planning.build import build_plan
@@ -162,6 +164,7 @@ def apply(args) -> int:
     launch = None if args.dry_run else detect(os.environ, args.distributed)
     recipe = load_for(args, args.apply)
     plan = build_plan(recipe, output=args.output, force=args.force, preview=args.dry_run, world_size=args.world_size)
+    check_nonfinite(plan, args, doing="compose")  # (before anything is written; every process of a job alike)
     if args.dry_run:
         print("\n".join(map(shown, plan.describe(clone=args.clone))))  # a line per line, whatever the names
         print("dry run: nothing written")

@@ -139,10 +139,12 @@ MAX_NAMED = 8  # rows a refusal of non-finite values names in its one line; the 
 
 
 def nonfinite_error(plan: ComposePlan, counts: Counter,
-                    newest_finite: Callable[[ComposePlan, list[str]], dict[str, str]] | None) -> NonFiniteError:
+                    newest_finite: Callable[[ComposePlan, list[str]], dict[str, str]] | None, *,
+                    doing: str = "compose") -> NonFiniteError:
     """The refusal of `plan`, whose output would hold `counts` non-finite values per row; `newest_finite`
     ({row: the newest checkpoint where it is finite}, from the run's statistics: `health.guard`) names
-    where each such row is finite, where the caller has it."""
+    where each such row is finite, where the caller has it; `doing`: "compose" or "export", what the advice
+    says to do anyway."""
     suggestions = newest_finite(plan, list(counts)) if newest_finite is not None else None
     parts = []
     for row in list(counts)[:MAX_NAMED]:
@@ -155,7 +157,7 @@ def nonfinite_error(plan: ComposePlan, counts: Counter,
     more = f" and {len(counts) - MAX_NAMED} more row(s)" if len(counts) > MAX_NAMED else ""
     return NonFiniteError(
         f"the output {plan.output} would hold non-finite values: {'; '.join(parts)}{more}; pick those "
-        "checkpoints (tailor-tui --heal RUN_DIR --recipe R.yaml does) or compose anyway with --allow-nonfinite")
+        f"checkpoints (tailor-tui --heal RUN_DIR --recipe R.yaml does) or {doing} anyway with --allow-nonfinite")
 
 
 def files_read(plan: ComposePlan, job) -> dict[Path, FileIdentity]:

@@ -1,20 +1,66 @@
-"""Where a row refused for its NaN/Inf is finite: the newest checkpoint of the base's run that holds it
-whole and finite, from the health statistics (cached, or computed for that row alone).
+"""The one non-finite rule of every command that writes model values (`--apply`, resharding, `--export`, the
+composer's compose and export): which rows an output would take NaN/Inf from, decided before anything is
+written from the health statistics of the checkpoint each row is taken from (cached by `--stats`, or
+computed for those cells alone: `planned_nonfinite`); and where a row so refused is finite: the newest
+checkpoint of the base's run that holds it whole and finite (`newest_finite`).
 
-The writers count each row's non-finite values while they read the data anyway (for the CRC checks,
-`nonfinite.Census`) and refuse an output that would hold some in one line
-(`compose.compose_run.nonfinite_error`); the front ends (`--apply`, the composer, the selective saves'
-composition) give it `newest_finite` to name in that line where each such row is finite.
+The front ends refuse such an output in one line (`compose.compose_run.nonfinite_error`, exit 8) before any
+byte is written, and `--dry-run` says it; `--allow-nonfinite` (the composer's `!`) is the one way past. The
+writers still count each row's non-finite values while they read the data anyway (for the CRC checks,
+`nonfinite.Census`) and refuse an output that would hold some before it is published: a file that changed
+since the statistics were taken is caught there.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from pathlib import Path
+
 from tailor_tui.checkpoints.cache import cache_dir
-from tailor_tui.checkpoints.checkpoint import incompatibility
+from tailor_tui.checkpoints.checkpoint import Checkpoint, incompatibility
 from tailor_tui.checkpoints.lineage import Lineage
 from tailor_tui.checkpoints.scan import scan
 from tailor_tui.errors import CheckpointError
+from tailor_tui.events import Emit
 from tailor_tui.planning.plan import ComposePlan
+
+
+def planned_nonfinite(plan: ComposePlan, *, cache: Path | None, workers: int | None = None,
+                      emit: Emit = lambda event: None) -> Counter:
+    """{row: its NaN/Inf} of every row the output of `plan` takes from a checkpoint whose statistics find
+    non-finite values in it (its fp32 masters, any state its optimizer keeps per element, its frozen
+    fragments). Each cell from the statistics of the checkpoint's run as `--stats` cached them, else
+    computed for the cells the output takes alone (`emit`: their progress), before anything is written. A
+    checkpoint deleted since (`--verify`'s stand-in) or a cell the statistics could not compute (a damaged
+    file: the writers refuse it as they read it) is left to the writers."""
+    from tailor_tui.health.stats_run import cached_cells, compute_health
+
+    wanted: dict[int, list[str]] = {}
+    for row, s in plan.picks.items():
+        if not plan.sources[s].gone:
+            wanted.setdefault(s, []).append(row)
+    runs: dict[Path, tuple[Checkpoint, ...]] = {}
+    counts: Counter = Counter()
+    for s, rows in wanted.items():
+        source = plan.sources[s]
+        run = runs.setdefault(source.path.parent, _checkpoints_of(source.path.parent))
+        column = next((i for i, c in enumerate(run) if c.path == source.path), None)
+        cells = cached_cells(run, column, cache) if column is not None else None
+        if cells is None:  # computed alone: no earlier checkpoint read for a change not asked for
+            health = compute_health((source,), columns=[0], rows=rows, workers=workers, cache=cache, emit=emit)
+            cells = {row: cell for row in rows if (cell := health.cell(row, 0)) is not None}
+        for row in rows:
+            cell = cells.get(row)
+            if cell is not None and cell.error is None and cell.nonfinite:
+                counts[row] = cell.nonfinite
+    return counts
+
+
+def _checkpoints_of(folder: Path) -> tuple[Checkpoint, ...]:
+    try:
+        return tuple(scan(folder).checkpoints)
+    except CheckpointError:
+        return ()
 
 
 def newest_finite(plan: ComposePlan, rows: list[str]) -> dict[str, str]:

@@ -112,7 +112,8 @@ ACTIONS: tuple[Action, ...] = (
            "the composition as a plain HF model folder, to evaluate"),
     # compose
     Action("run_compose", "ctrl+r", "Compose", "Review the plan and compose", "compose",
-           "review the plan, then compose (Esc cancels); a large plan on a login node: s writes an sbatch script",
+           "review the plan, then compose (Esc cancels); in the plan: w the world size, s an sbatch script (a "
+           "large plan on a login node), ! compose anyway (an output holding NaN/Inf; e's export too)",
            footer=True),
     # other
     Action("help", "question_mark,f1", "Help", "Help: what each mark means, the keys", "other", "help",

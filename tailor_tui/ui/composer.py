@@ -24,11 +24,13 @@ from textual.screen import Screen
 from textual.widgets import Footer, Label, ProgressBar, Static
 from textual.worker import get_current_worker
 
+from tailor_tui.checkpoints.cache import cache_dir
 from tailor_tui.checkpoints.lineage import check_one_run
 from tailor_tui.checkpoints.scan import ScanResult, scan
 from tailor_tui.compose.composition import Composition
 from tailor_tui.errors import OutputError, TailorError
 from tailor_tui.export.export_run import ExportResult
+from tailor_tui.health.guard import planned_nonfinite
 from tailor_tui.health.healing import Health, TrainingCurve, damage, training_curve, training_log, why_unhealthy
 from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.output import not_replaceable
@@ -385,7 +387,9 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
     @work(thread=True, exclusive=True, group="plan")
     def plan_worker(self, recipe: Recipe, force: bool = False) -> None:
         try:
-            self.post_message(PlanReady(build_plan(recipe, force=force)))
+            plan = build_plan(recipe, force=force)
+            # the rows it would take NaN/Inf from, by their checkpoints' statistics (computed here if absent)
+            self.post_message(PlanReady(plan, dict(planned_nonfinite(plan, cache=cache_dir()))))
         except OutputError as exc:
             out = Path(recipe.output) if recipe.output else None
             earlier = (not force and out is not None and out.is_dir() and not out.is_symlink()
@@ -418,6 +422,9 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
         # a record failing its CRC-32 or a file that cannot be read never composes: no "anyway" for those
         broken = [f"{row} from {name}: {why_unhealthy(cell)}" for row, name, cell in cells if damage(cell) != "NaN"]
         bad = [f"{row} from {name}: {why_unhealthy(cell)}" for row, name, cell in cells if damage(cell) == "NaN"]
+        known = {row for row, _name, _cell in cells}
+        bad += [f"{row} from {plan.sources[plan.picks[row]].name}: {n:,} non-finite value(s)"
+                for row, n in message.nonfinite.items() if row not in known]
         if broken:
             self.app.push_screen(ErrorDialog("\n".join([
                 "These rows cannot be composed from the checkpoints picked for them (their files are damaged):",

@@ -16,14 +16,17 @@ from typing import TYPE_CHECKING
 
 from textual import work
 
+from tailor_tui.checkpoints.cache import cache_dir
 from tailor_tui.errors import TailorError
 from tailor_tui.export.export_plan import plan_export
 from tailor_tui.export.export_run import config_source
 from tailor_tui.formats.safetensors_out import parse_size
+from tailor_tui.health.guard import planned_nonfinite
 from tailor_tui.planning.build import build_plan
-from tailor_tui.ui.dialogs import ErrorDialog, PathPrompt
+from tailor_tui.ui.dialogs import Answer, ErrorDialog, PathPrompt, PlanDialog
 from tailor_tui.ui.messages import ExportReady
 from tailor_tui.ui.progress_screen import ProgressScreen
+from tailor_tui.units import shown
 
 if TYPE_CHECKING:
     from tailor_tui.planning.recipe import Recipe
@@ -63,23 +66,43 @@ class ExportActions:
         try:
             export = plan_export(build_plan(recipe), None, parse_size(DEFAULT_SHARD))
             config_source(export, config)  # a folder without config.json is said now, not after the weights
-            self.post_message(ExportReady(export, config))
+            # the rows it would take NaN/Inf from, by their checkpoints' statistics (computed here if absent)
+            self.post_message(ExportReady(export, config, dict(planned_nonfinite(export.plan, cache=cache_dir()))))
         except TailorError as exc:
             self.app.call_from_thread(self.export_failed, str(exc))
 
     def on_export_ready(self: ComposerHost, message: ExportReady) -> None:
-        export = message.export
-        if config_source(export, message.config) is None:
-            self.notify("no config.json for this model: the folder will hold the weights only; export again "
-                        "and give its config.json (or tailor-tui --export … --config PATH)", severity="warning",
-                        timeout=10)
-        self.composing = True
-        self.app.push_screen(ProgressScreen(export.plan, self.options.workers, clock=self.options.clock,
-                                         options=self.options.compose_options,
-                                         title=f"Exporting {self.rel(export.plan.output)}", export=export,
-                                         export_config=message.config,
-                                         finished=self.compose_finished),
-                             self.compose_closed)
+        if not message.nonfinite:
+            _start_export(self, message)
+            return
+        plan = message.export.plan
+        body = "\n".join(["✗ the exported model would hold non-finite values:",
+                          *(shown(f"{row} from {plan.sources[plan.picks[row]].name}: {n:,} non-finite value(s)")
+                            for row, n in message.nonfinite.items()),
+                          "Enter goes back (h heals them); ! exports anyway, as --export --allow-nonfinite does"])
+
+        def answer(yes: Answer) -> None:
+            if yes is True:
+                _start_export(self, message)
+
+        self.app.push_screen(PlanDialog("Export this model?", body, accept="Export anyway", decline="Back",
+                                        risky=True), answer)
 
     def export_failed(self: ComposerHost, message: str) -> None:
         self.app.push_screen(ErrorDialog(message, title="Cannot export"))
+
+
+def _start_export(host: ComposerHost, message: ExportReady) -> None:
+    """Run the export on the progress screen."""
+    export = message.export
+    if config_source(export, message.config) is None:
+        host.notify("no config.json for this model: the folder will hold the weights only; export again "
+                    "and give its config.json (or tailor-tui --export … --config PATH)", severity="warning",
+                    timeout=10)
+    host.composing = True
+    host.app.push_screen(ProgressScreen(export.plan, host.options.workers, clock=host.options.clock,
+                                     options=host.options.compose_options,
+                                     title=f"Exporting {host.rel(export.plan.output)}", export=export,
+                                     export_config=message.config,
+                                     finished=host.compose_finished),
+                         host.compose_closed)

@@ -4,7 +4,7 @@ touched only by their handlers, on the event loop."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -77,12 +77,14 @@ class HealthEnded(Message):
 @dataclass(eq=False)
 class PlanReady(Message):
     plan: ComposePlan
+    nonfinite: dict[str, int] = field(default_factory=dict)  # row -> NaN/Inf it would take (`health.guard`)
 
 
 @dataclass(eq=False)
 class ExportReady(Message):
     export: Export
     config: Path | None  # the model's config.json or its folder (as --config)
+    nonfinite: dict[str, int] = field(default_factory=dict)  # row -> NaN/Inf it would take (`health.guard`)
 
 
 @dataclass(eq=False)
