@@ -16,7 +16,8 @@ from tailor_tui.units import shown
 def check_nonfinite(plan, args, *, doing: str) -> Counter:
     """{row: NaN/Inf} the output of `plan` would hold (empty: none), checked before anything is written. Raises
     NonFiniteError (`doing`: "compose" or "export", for its advice) unless `args.allow_nonfinite` or
-    `args.dry_run`, which print a warning instead."""
+    `args.dry_run`, which print a warning instead (`--allow-nonfinite`: from cached statistics alone, nothing
+    read for a decision already made; the writers' count says what the output holds)."""
     from tailor_tui.checkpoints.cache import cache_dir
     from tailor_tui.cli.health_report import StatsProgress
     from tailor_tui.compose.compose_run import nonfinite_error
@@ -24,7 +25,8 @@ def check_nonfinite(plan, args, *, doing: str) -> Counter:
 
     report = StatsProgress(sys.stderr, live={"bars": True, "lines": False}.get(args.progress))
     try:
-        counts = planned_nonfinite(plan, cache=cache_dir(), workers=args.workers, emit=report)
+        counts = planned_nonfinite(plan, cache=cache_dir(), workers=args.workers, emit=report,
+                                   compute=not args.allow_nonfinite)  # (allowed: no read for it, the cache's word)
     finally:
         report.close()
     if not counts:

@@ -26,13 +26,14 @@ from tailor_tui.planning.plan import ComposePlan
 
 
 def planned_nonfinite(plan: ComposePlan, *, cache: Path | None, workers: int | None = None,
-                      emit: Emit = lambda event: None) -> Counter:
+                      emit: Emit = lambda event: None, compute: bool = True) -> Counter:
     """{row: its NaN/Inf} of every row the output of `plan` takes from a checkpoint whose statistics find
     non-finite values in it (its fp32 masters, any state its optimizer keeps per element, its frozen
     fragments). Each cell from the statistics of the checkpoint's run as `--stats` cached them, else
     computed for the cells the output takes alone (`emit`: their progress), before anything is written. A
     checkpoint deleted since (`--verify`'s stand-in) or a cell the statistics could not compute (a damaged
-    file: the writers refuse it as they read it) is left to the writers."""
+    file: the writers refuse it as they read it) is left to the writers; so is every cell not cached where not
+    `compute` (an output to be written whatever it holds: `--allow-nonfinite`)."""
     from tailor_tui.health.stats_run import cached_cells, compute_health
 
     wanted: dict[int, list[str]] = {}
@@ -46,6 +47,8 @@ def planned_nonfinite(plan: ComposePlan, *, cache: Path | None, workers: int | N
         run = runs.setdefault(source.path.parent, _checkpoints_of(source.path.parent))
         column = next((i for i, c in enumerate(run) if c.path == source.path), None)
         cells = cached_cells(run, column, cache) if column is not None else None
+        if cells is None and not compute:
+            continue
         if cells is None:  # computed alone: no earlier checkpoint read for a change not asked for
             health = compute_health((source,), columns=[0], rows=rows, workers=workers, cache=cache, emit=emit)
             cells = {row: cell for row in rows if (cell := health.cell(row, 0)) is not None}

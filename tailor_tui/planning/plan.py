@@ -340,9 +340,9 @@ class ComposePlan:
             lines.append("every other row: the base")
         else:
             lines.append(f"rows: all {len(rows)} from the base")
-        states = describe_state(self.keys[1:]) if len(self.keys) > 1 else "nothing else (it keeps none per element)"
-        lines.append(f"optimizer state: each row's fp32 masters and {states} from its checkpoint, on every rank; "
-                     "each sub-group's step and every other entry: the base's")
+        states = describe_state(self.keys[1:]) if len(self.keys) > 1 else "no other state kept per element"
+        lines.append(f"optimizer state per row: fp32 masters, {states}; each sub-group's step and the rest: the "
+                     "base's")
         tied = [f"{r.name} tied to {tied_partner(self.base, r)}" for r in self.base.rows if r.tied]
         if tied:
             lines.append("; ".join(tied))

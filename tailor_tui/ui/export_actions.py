@@ -73,7 +73,7 @@ class ExportActions:
 
     def on_export_ready(self: ComposerHost, message: ExportReady) -> None:
         if not message.nonfinite:
-            _start_export(self, message)
+            self.start_export(message)
             return
         plan = message.export.plan
         body = "\n".join(["✗ the exported model would hold non-finite values:",
@@ -83,26 +83,25 @@ class ExportActions:
 
         def answer(yes: Answer) -> None:
             if yes is True:
-                _start_export(self, message)
+                self.start_export(message)
 
         self.app.push_screen(PlanDialog("Export this model?", body, accept="Export anyway", decline="Back",
                                         risky=True), answer)
 
+    def start_export(self: ComposerHost, message: ExportReady) -> None:
+        """Run the export on the progress screen."""
+        export = message.export
+        if config_source(export, message.config) is None:
+            self.notify("no config.json for this model: the folder will hold the weights only; export again "
+                        "and give its config.json (or tailor-tui --export … --config PATH)", severity="warning",
+                        timeout=10)
+        self.composing = True
+        self.app.push_screen(ProgressScreen(export.plan, self.options.workers, clock=self.options.clock,
+                                         options=self.options.compose_options,
+                                         title=f"Exporting {self.rel(export.plan.output)}", export=export,
+                                         export_config=message.config,
+                                         finished=self.compose_finished),
+                             self.compose_closed)
+
     def export_failed(self: ComposerHost, message: str) -> None:
         self.app.push_screen(ErrorDialog(message, title="Cannot export"))
-
-
-def _start_export(host: ComposerHost, message: ExportReady) -> None:
-    """Run the export on the progress screen."""
-    export = message.export
-    if config_source(export, message.config) is None:
-        host.notify("no config.json for this model: the folder will hold the weights only; export again "
-                    "and give its config.json (or tailor-tui --export … --config PATH)", severity="warning",
-                    timeout=10)
-    host.composing = True
-    host.app.push_screen(ProgressScreen(export.plan, host.options.workers, clock=host.options.clock,
-                                     options=host.options.compose_options,
-                                     title=f"Exporting {host.rel(export.plan.output)}", export=export,
-                                     export_config=message.config,
-                                     finished=host.compose_finished),
-                         host.compose_closed)

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from tailor_tui.compose.composition import Composition
     from tailor_tui.health.healing import Health
     from tailor_tui.planning.recipe import Recipe
-    from tailor_tui.ui.messages import Outcome
+    from tailor_tui.ui.messages import ExportReady, Outcome
 
     W = TypeVar("W", bound=Widget)
 
@@ -119,3 +119,5 @@ class ComposerHost(Protocol):
     def export_worker(self, recipe: Recipe, config: Path | None) -> Worker[None]: ...
 
     def export_failed(self, message: str) -> None: ...
+
+    def start_export(self, message: ExportReady) -> None: ...
