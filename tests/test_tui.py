@@ -182,13 +182,33 @@ async def test_compose_errors_are_shown_in_a_dialog(run_copy):
     app = make_app(run)
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
-        (run / "checkpoint-6-tailored").mkdir()  # another program's folder, made after the session chose the name
-        (run / "checkpoint-6-tailored" / "keep").write_text("x")
+        (run / "elsewhere").mkdir()  # another program's folder, named as the output
+        (run / "elsewhere" / "keep").write_text("x")
+        await pilot.press("o")
+        await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt))
+        app.screen.query_one(Input).value = str(run / "elsewhere")
+        await pilot.press("enter")
         await pilot.press("ctrl+r")
         await wait_for(pilot, lambda: isinstance(app.screen, ErrorDialog))
         assert "already exists" in app.screen.message
         await pilot.press("escape")
         assert len(app.screen_stack) == 1
+
+
+async def test_an_output_nobody_named_is_never_an_existing_path(run_copy):
+    """The default output (`BASE-tailored`) that exists by the time the plan is made (another program's folder,
+    or this session's earlier composition) moves on to `-2`: a plan, never "Replace"; one the user named stays."""
+    run, _ = run_copy
+    app = make_app(run)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        (run / "checkpoint-6-tailored").mkdir()  # made after the session chose the name
+        (run / "checkpoint-6-tailored" / "keep").write_text("x")
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
+        assert "output: checkpoint-6-tailored-2" in app.screen.body
+        await pilot.press("escape")
+        assert app.home.composition.output == run / "checkpoint-6-tailored-2" and not app.home.composition.unsaved_changes()
 
 
 async def test_quit_asks_first_when_picks_are_unsaved(run_copy):
@@ -620,6 +640,15 @@ async def test_a_block_of_rows_is_picked_in_one_action_and_one_undo(run_copy):
         assert app.query_one("#grid").cursor_coordinate.row == 0
 
 
+async def name_output(pilot, app, path: Path) -> None:
+    """Name the output (o), as a user does."""
+    await pilot.press("o")
+    await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt))
+    app.screen.query_one(Input).value = str(path)
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: len(app.screen_stack) == 1)
+
+
 async def test_an_earlier_output_is_offered_for_replacement_not_force(run_copy):
     run, (c2, c4, c6) = run_copy
     app = make_app(run, workers=1)
@@ -630,6 +659,7 @@ async def test_an_earlier_output_is_offered_for_replacement_not_force(run_copy):
         first = (run / "checkpoint-6-tailored" / "tailor_provenance.json").read_text()
         await pilot.press("escape")
         await wait_for(pilot, lambda: len(app.screen_stack) == 1)
+        await name_output(pilot, app, run / "checkpoint-6-tailored")  # named: offered to replace, not moved on
         await pilot.press("left", "down", "space", "ctrl+r")  # another composition, same output
         await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
         assert app.screen.title_text.startswith("Replace checkpoint-6-tailored")
@@ -658,6 +688,7 @@ async def test_an_earlier_output_training_resumed_into_is_not_offered_for_replac
         (out / "tailor_provenance.json").write_text(json.dumps(record))
         shutil.copytree(c6, out / "checkpoint-8")  # training resumed into it
         before = tree_digest(out)
+        await name_output(pilot, app, out)  # named: not moved on to the next default
         await pilot.press("left", "down", "space", "ctrl+r")
         await wait_for(pilot, lambda: isinstance(app.screen, (ErrorDialog, Confirm)))
         assert isinstance(app.screen, ErrorDialog) and "already exists" in app.screen.message

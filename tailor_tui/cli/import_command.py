@@ -24,6 +24,7 @@ def load_for(args, path: Path):
 def import_command(args) -> int:
     from tailor_tui.planning.build import build_plan
     from tailor_tui.planning.mergekit_recipe import sources_of
+    from tailor_tui.planning.output import default_output
     from tailor_tui.planning.recipe import Recipe, check_recipe_target
     from tailor_tui.planning.recipe_file import save_recipe
 
@@ -37,7 +38,7 @@ def import_command(args) -> int:
     check_recipe_target(out, args.force)
     build_plan(recipe, output=args.output, preview=True)  # what --apply would refuse is not written
     base = recipe.base.resolve()
-    ours = Recipe(base=recipe.base, output=args.output or recipe.output,
+    ours = Recipe(base=recipe.base, output=args.output or recipe.output or default_output(recipe.base),
                   layers={row: p for row, p in recipe.layers.items() if p.resolve() != base})
     rows = sources_of(recipe)
     width = max(len(row) for row, _, _ in rows)

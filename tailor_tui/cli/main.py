@@ -228,12 +228,13 @@ def apply(args) -> int:
 def verify(args) -> int:
     from tailor_tui.cli.import_command import load_for
     from tailor_tui.planning.build import build_plan
+    from tailor_tui.planning.output import recipe_output
     from tailor_tui.planning.provenance import changed_since, read_record, stand_in
     from tailor_tui.report import reporter_for
     from tailor_tui.verifying.against_recipe import verify_against_recipe
 
     recipe = load_for(args, args.verify)
-    out = Path(args.output) if args.output else recipe.output
+    out = Path(args.output) if args.output else recipe_output(recipe, written=True)
     record = None if out is None else read_record(out)  # (no output: build_plan says so)
     try:
         plan = build_plan(recipe, output=args.output, check_output=False, world_size=args.world_size,

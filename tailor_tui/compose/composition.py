@@ -8,7 +8,6 @@ re-run headlessly with `tailor-tui --apply`.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
@@ -16,6 +15,7 @@ from typing import Mapping
 from tailor_tui.checkpoints.checkpoint import Checkpoint, Row, distinct_names, incompatibility, tied_partner
 from tailor_tui.checkpoints.lineage import other_run
 from tailor_tui.errors import RecipeError
+from tailor_tui.planning.output import default_output, is_default_output
 from tailor_tui.planning.recipe import Recipe
 from tailor_tui.planning.recipe_file import save_recipe
 from tailor_tui.planning.recipe_text import Sameness
@@ -29,6 +29,8 @@ class Composition:
     output: Path | None = None
     recipe_path: Path | None = None  # the recipe the picks were loaded from or saved to: where ctrl+s saves
     world_size: int | None = None  # compose for this many data-parallel ranks (resharding); None: the base's
+    # the output was named (set, or by a recipe loaded or saved): never moved on (`renew_default_output`)
+    output_named: bool = False
     _undo: list[tuple] = field(default_factory=list, repr=False)  # earlier states (`_state`)
     _redo: list[tuple] = field(default_factory=list, repr=False)
     _saved_state: tuple | None = field(default=None, repr=False)  # the state as last saved or loaded
@@ -219,7 +221,7 @@ class Composition:
 
     def set_output(self, output: Path) -> None:
         self._remember()
-        self.output = output
+        self.output, self.output_named = output, True
 
     def set_world_size(self, world_size: int | None) -> list[str]:
         """Compose for `world_size` ranks (None: the base's world size). Back at the base's, picks
@@ -249,21 +251,23 @@ class Composition:
         return True
 
     def default_output(self) -> Path:
-        """`BASE-tailored` beside the base; `BASE-tailored-2`, `-3`, … when an earlier output (or
-        anything else) has that name: a new composition never lands in or over a previous one."""
-        base = self.base_checkpoint.path
-        for n in range(1, 10_000):
-            candidate = base.with_name(f"{base.name}-tailored" + (f"-{n}" if n > 1 else ""))
-            if not os.path.lexists(candidate):
-                return candidate
-        raise RecipeError(f"{base.parent}: 10,000 outputs named {base.name}-tailored-N already; name one with "
-                          "`output:` in the recipe")
+        """Where the output goes when nobody named it (`planning.output.default_output`: never an existing
+        path)."""
+        return default_output(self.base_checkpoint.path)
 
     def _is_default_output(self) -> bool:
         """Whether the output is a default name for the base (so it follows a change of base)."""
-        base = self.base_checkpoint.path
-        return (self.output is not None and self.output.parent == base.parent
-                and re.fullmatch(re.escape(base.name) + r"-tailored(-\d+)?", self.output.name, re.ASCII) is not None)
+        return is_default_output(self.base_checkpoint.path, self.output)
+
+    def renew_default_output(self) -> None:
+        """A default output nobody named (`output_named`: not set, no recipe saved or loaded names it) that exists
+        by now (composed since it was chosen, or made by anything else) moves on to the next free default name;
+        not an undo step (the default follows, as it follows the base)."""
+        if (not self.output_named and self._is_default_output() and self.output is not None
+                and os.path.lexists(self.output)):
+            self.output = self.default_output()
+            if self._saved_state is not None and self._saved_state[2] != self.output:
+                self._saved_state = (*self._saved_state[:2], self.output, *self._saved_state[3:])
 
     # --- recipes ----------------------------------------------------------------------------
 
@@ -274,7 +278,7 @@ class Composition:
     def save(self, path: Path) -> Path:
         """Save the picks to `path`; over a recipe a person wrote, only what changed is edited in it."""
         saved = save_recipe(self.to_recipe(), path, same=Sameness(row=self._row_name, place=self._place))
-        self.recipe_path, self._saved_state = saved, self._state()
+        self.recipe_path, self._saved_state, self.output_named = saved, self._state(), True  # (the file names it)
         return saved
 
     def _column_of(self, path: Path) -> int | None:
@@ -313,5 +317,6 @@ class Composition:
         self._remember()
         self.base, self.picks, self.world_size = base, picks, recipe.world_size
         self.output = recipe.output or self.default_output()
+        self.output_named = recipe.output is not None
         self.recipe_path = recipe.source_file
         self._saved_state = self._state()

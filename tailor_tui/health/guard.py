@@ -47,10 +47,13 @@ def planned_nonfinite(plan: ComposePlan, *, cache: Path | None, workers: int | N
         run = runs.setdefault(source.path.parent, _checkpoints_of(source.path.parent))
         column = next((i for i, c in enumerate(run) if c.path == source.path), None)
         cells = cached_cells(run, column, cache) if column is not None else None
+        if cells is None:  # as computed alone, before (a command of the same recipe)
+            cells = cached_cells((source,), 0, cache)
         if cells is None and not compute:
             continue
-        if cells is None:  # computed alone: no earlier checkpoint read for a change not asked for
-            health = compute_health((source,), columns=[0], rows=rows, workers=workers, cache=cache, emit=emit)
+        if cells is None:  # computed alone: no earlier checkpoint read for a change not asked for; every row (its
+            # records are read whole for their CRC-32 anyway), cached for the next command
+            health = compute_health((source,), columns=[0], workers=workers, cache=cache, emit=emit)
             cells = {row: cell for row in rows if (cell := health.cell(row, 0)) is not None}
         for row in rows:
             cell = cells.get(row)

@@ -22,6 +22,7 @@ from tailor_tui.errors import CheckpointError, IncompatibleError, RecipeError, U
 from tailor_tui.formats.ds_format import describe_state
 from tailor_tui.kinds.base import rank_reader
 from tailor_tui.planning.output import check_output as check_writable
+from tailor_tui.planning.output import recipe_output
 from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.planning.recipe import Recipe
 from tailor_tui.resharding.partition import check_world_size, plan_reshard
@@ -66,7 +67,7 @@ def build_plan(recipe: Recipe, output: str | Path | None = None, force: bool = F
             if world_size:
                 raise UsageError(f"--world-size {target}: {why}; choose a smaller one")
             raise RecipeError(f"{recipe.location('world_size')}: {why}; choose a smaller one")
-    out = Path(output) if output is not None else recipe.output
+    out = Path(output) if output is not None else recipe_output(recipe, written=not check_output)
     if out is None:
         raise RecipeError(
             f"{recipe.location('base')}: no output folder: add `output:` to the recipe or pass --output DIR"

@@ -12,7 +12,8 @@ from it). So a `model:` path is found by one rule:
 
 The base (what supplies the trainer state, scheduler, RNG states and every file no row owns) is the
 newest of the slices' checkpoints, as LLMTailor copies those from the slice model with the highest
-checkpoint number (merge.py:323-355). The output is `<base>-tailored` beside it unless --output says.
+checkpoint number (merge.py:323-355). The output is `<base>-tailored` beside it (`-2`, `-3`, … past an existing
+one: `output.default_output`) unless --output says.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def load_llmtailor(text: str, path: Path, run: Path | None = None, *, cache: Pat
                           "compose this run with a tailor-tui recipe")
     order = {r.name: i for i, r in enumerate(base.rows)}
     layers_picked = {row: picks[row] for row in sorted(picks, key=lambda r: order.get(r, len(order)))}
-    return Recipe(base=base_folder, output=base_folder.with_name(f"{base_folder.name}-tailored"), layers=layers_picked,
+    return Recipe(base=base_folder, output=None, layers=layers_picked,  # (its output: `output.default_output`)
                   source_file=path, where=spots, converted_from=FORMAT)
 
 

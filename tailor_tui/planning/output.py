@@ -16,6 +16,8 @@ finished composition takes its place.
   empty or reports "nothing was written" about a replaced output.
 - `remove_stale`: what compositions on this host left when killed (kill -9, OOM): temp folders
   are removed, and an old output moved aside by a swap that was cut short is put back.
+- `default_output`: the one rule for an output nobody named (the composer, an LLMTailor recipe,
+  `--import`): `BASE-tailored` beside the base, `-2`, `-3`, … past every existing path.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from tailor_tui import moved
 from tailor_tui.checkpoints.checkpoint import OUTPUT_FILES as OUTPUT_FILES  # found here too, as before
 from tailor_tui.checkpoints.checkpoint import PROVENANCE as PROVENANCE
 from tailor_tui.checkpoints.scan import is_training_checkpoint
-from tailor_tui.errors import OutputError
+from tailor_tui.errors import OutputError, RecipeError
 from tailor_tui.fileio import (
     aside_prefix,
     exchange,
@@ -372,3 +374,54 @@ def publish(held: HeldFolder, out: Path, force: bool, durable: bool = True) -> N
         fsync_dir(out.parent, durable)
     except OSError as exc:
         raise output_error(exc, out) from None
+
+
+# --- the output nobody named ------------------------------------------------------------------
+
+MAX_DEFAULTS = 10_000  # BASE-tailored-N tried before asking for a name
+
+
+def default_output(base: Path) -> Path:
+    """Where a composition of `base` goes when nobody named its output: `BASE-tailored` beside the base;
+    `BASE-tailored-2`, `-3`, … when an earlier output (or anything else) has that name: a new composition
+    never lands in or over a previous one, whichever command or screen chose it."""
+    for n in range(1, MAX_DEFAULTS):
+        candidate = default_name(base, n)
+        if not os.path.lexists(candidate):
+            return candidate
+    raise RecipeError(f"{base.parent}: {MAX_DEFAULTS:,} outputs named {base.name}-tailored-N already; name one "
+                      "with `output:` in the recipe or --output")
+
+
+def recipe_output(recipe, *, written: bool = False) -> Path | None:
+    """The output of `recipe` (a `planning.recipe.Recipe`): the one it names; an LLMTailor recipe's, which
+    names none, `default_output` of its base (`written`: the one written last, `newest_default_output`, for
+    `--verify`); else None."""
+    if recipe.output is not None:
+        return Path(recipe.output)
+    if recipe.converted_from is None:
+        return None
+    return newest_default_output(recipe.base) if written else default_output(recipe.base)
+
+
+def newest_default_output(base: Path) -> Path | None:
+    """The default output (`default_output`) of `base` written last: the highest `BASE-tailored-N` there is
+    (what `--verify` of a recipe that names no output checks), or None."""
+    found = None
+    for n in range(1, MAX_DEFAULTS):
+        candidate = default_name(base, n)
+        if not os.path.lexists(candidate):
+            break
+        found = candidate
+    return found
+
+
+def default_name(base: Path, n: int) -> Path:
+    """The `n`-th default output name of `base` (1: `BASE-tailored`)."""
+    return base.with_name(f"{base.name}-tailored" + (f"-{n}" if n > 1 else ""))
+
+
+def is_default_output(base: Path, output: Path | None) -> bool:
+    """Whether `output` is one of `base`'s default names (so that it follows a change of base)."""
+    return (output is not None and output.parent == base.parent
+            and re.fullmatch(re.escape(base.name) + r"-tailored(-\d+)?", output.name, re.ASCII) is not None)

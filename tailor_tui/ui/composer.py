@@ -382,6 +382,7 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
 
     def action_run_compose(self) -> None:
         if self.editable():
+            self.active_composition.renew_default_output()  # an output nobody named is never an existing path
             self.plan_worker(self.active_composition.to_recipe())
 
     @work(thread=True, exclusive=True, group="plan")
