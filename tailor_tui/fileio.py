@@ -44,10 +44,18 @@ def output_error(exc: OSError, path: Path | HeldPath | HeldFolder) -> OutputErro
         errno.EPERM: "permission denied",
     }
     reason = reasons.get(exc.errno, exc.strerror or str(exc))
-    return OutputError(
-        f"{path}: cannot write ({reason}); nothing was left at the output path, "
-        "free space or choose another output folder"
-    )
+    # what to do follows from why: space only where space ran out
+    advices: dict[int | None, str] = {
+        errno.ENOSPC: "free space or choose another output folder",
+        errno.EDQUOT: "free space or choose another output folder",
+        errno.ENOENT: "its folder does not exist (or was removed): choose an output folder whose parent exists",
+        errno.ENOTDIR: "a part of its path is not a folder: choose another output folder",
+        errno.EACCES: "choose an output folder you may write to",
+        errno.EPERM: "choose an output folder you may write to",
+        errno.EROFS: "choose an output folder on a writable file system",
+    }
+    advice = advices.get(exc.errno, "choose another output folder")
+    return OutputError(f"{path}: cannot write ({reason}); nothing was left at the output path, {advice}")
 
 
 # `durable`: whether outputs are fsynced before they count as written (and renamed into

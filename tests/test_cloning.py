@@ -95,11 +95,13 @@ def test_a_cloned_output_is_the_bytes_no_clone_writes_shares_the_rest_and_resume
     assert_optim_states_equal(out, tmp_path / "resume" / "resaved")
 
 
-def test_a_clone_reads_the_kept_rows_and_counts_their_nan_unless_the_statistics_did(real_run, xfs):
+def test_a_clone_reads_the_kept_rows_and_counts_their_nan_unless_the_statistics_did(real_run, xfs, tmp_path,
+                                                                                     monkeypatch):
     """Rows kept in shared blocks cost no writes; they are read and checked against their CRC-32s always,
     and their NaN/Inf counted unless the run's cached statistics found them whole and finite as the files
     are now (`--stats`, the composer, or `--apply` itself, which computes the statistics of the cells it takes
     before writing; not `--allow-nonfinite`, which writes whatever they find)."""
+    monkeypatch.setenv("TAILOR_TUI_CACHE", str(tmp_path / "cache"))  # (the XFS copy is shared: its statistics not)
     run, spec, ckpts = on_xfs(real_run, xfs, "hf_bf16_2")
     (run / "stats").mkdir()
     recipe = write_recipe(run / "stats", ckpts[-1], {"layers.0": ckpts[0]}, output="out")

@@ -266,4 +266,7 @@ def test_row_names_of_module_paths():
 
 def test_row_lists_in_messages_name_each_row_once():
     assert list_rows(["embeddings", "layer.0", "cls"]) == "embeddings, layer.0, cls"
-    assert list_rows([f"layers.{i}" for i in range(10)]) == "layers.0, layers.1, layers.2, layers.3, …, layers.9"
+    assert list_rows([f"layers.{i}" for i in range(10)]) == "layers.0–9"  # every row named: a suggestion is in it
+    assert list_rows(["embed_tokens", *(f"layers.{i}" for i in range(4)), "norm", "lm_head"]) == \
+        "embed_tokens, layers.0–3, norm, lm_head"
+    assert list_rows([f"x{i}" for i in range(12)]) == "x0, x1, x2, x3, x4, x5, x6, x7, …, x11"

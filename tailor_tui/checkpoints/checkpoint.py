@@ -211,10 +211,24 @@ def is_tag_dir(folder: Path) -> bool:
     return (folder / MODEL_STATES.format(rank=0)).is_file()
 
 
+MAX_SIBLINGS = 10_000  # folders beside a missing checkpoint looked at for the one meant
+
+
+def _closest_folder(path: Path) -> str:
+    """"did you mean 'checkpoint-6'? " where a folder beside the missing `path` has a close name; else ""."""
+    try:
+        with os.scandir(path.parent) as entries:
+            names = [e.name for _, e in zip(range(MAX_SIBLINGS), entries) if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(path.name, names, n=1, cutoff=0.8)
+    return f"did you mean '{close[0]}'? " if close else ""
+
+
 def _locate(path: Path) -> tuple[FolderKind, Path, Path, Path]:
     """(kind, named path, tag_dir, save_dir) for whatever folder the user named."""
     if not path.exists():
-        raise CheckpointError(f"{path}: no such checkpoint folder; check the path")
+        raise CheckpointError(f"{path}: no such checkpoint folder; {_closest_folder(path)}check the path")
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a folder; name a checkpoint-N or tag folder")
     if is_tag_dir(path):

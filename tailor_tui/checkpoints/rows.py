@@ -43,6 +43,7 @@ weights of its own (BERT's `cls.predictions.decoder.weight`) stays with its part
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass, replace
 from typing import Iterable
 
@@ -301,9 +302,19 @@ def row_index(rows: tuple[Row, ...]) -> RowIndex:
     return RowIndex(rows)
 
 
-def list_rows(names: list[str], most: int = 4) -> str:
-    """Row names for a message: the first few, an ellipsis, the last (each once)."""
-    names = list(dict.fromkeys(names))
-    if len(names) <= most + 1:
-        return ", ".join(names)
-    return f"{', '.join(names[:most])}, …, {names[-1]}"
+def list_rows(names: list[str], most: int = 8) -> str:
+    """Row names for a message, each once, every run of numbered rows as a range (`layers.0–31`, as the plan
+    groups them): every row named, where there are at most `most` such parts (a suggestion made beside it is
+    always in it); else the first few, an ellipsis, the last."""
+    parts: list[list] = []  # [prefix, first, last] of a run of numbered rows, or [name]
+    for name in dict.fromkeys(names):
+        found = re.fullmatch(r"(.*\.)(\d{1,9})", name)
+        last = parts[-1] if parts else None
+        if found and last is not None and len(last) == 3 and last[0] == found[1] and last[2] + 1 == int(found[2]):
+            last[2] = int(found[2])
+        else:
+            parts.append([found[1], int(found[2]), int(found[2])] if found else [name])
+    text = [p[0] if len(p) == 1 else f"{p[0]}{p[1]}" + (f"–{p[2]}" if p[2] > p[1] else "") for p in parts]
+    if len(text) <= most + 1:
+        return ", ".join(text)
+    return f"{', '.join(text[:most])}, …, {text[-1]}"

@@ -29,8 +29,9 @@ def planned_nonfinite(plan: ComposePlan, *, cache: Path | None, workers: int | N
                       emit: Emit = lambda event: None, compute: bool = True) -> Counter:
     """{row: its NaN/Inf} of every row the output of `plan` takes from a checkpoint whose statistics find
     non-finite values in it (its fp32 masters, any state its optimizer keeps per element, its frozen
-    fragments). Each cell from the statistics of the checkpoint's run as `--stats` cached them, else
-    computed for the cells the output takes alone (`emit`: their progress), before anything is written. A
+    fragments). Each cell from the statistics of the checkpoint's run as `--stats` cached them, else from those of
+    the checkpoint alone (no earlier one read for a change), computed if not cached (`emit`: their progress;
+    cached for the next command), before anything is written. A
     checkpoint deleted since (`--verify`'s stand-in) or a cell the statistics could not compute (a damaged
     file: the writers refuse it as they read it) is left to the writers; so is every cell not cached where not
     `compute` (an output to be written whatever it holds: `--allow-nonfinite`)."""
