@@ -14,7 +14,8 @@ measures the new space (`df` after `sync`, before and after) and the time of:
   base's kept rows still read once and checked against their CRC-32s, their NaN/Inf not counted again;
   of the source, only the 1 MiB blocks holding the row taken are read, checked against the CRC-32s the
   statistics recorded: the bench checks the log says so; also with `--no-fsync`), each command with a
-  cache of its own;
+  cache of its own (since issue 60 `--apply` computes the statistics of the checkpoints it takes from before
+  writing, where none are cached: a command's first round does, its later rounds find them);
 - on the cache folder's own filesystem (ext4 here: it cannot share blocks), the 1-row recipe both
   ways and `cp -r`: unchanged, within noise;
 - on XFS again, `cp -r` (with and without `sync`), the 1-row recipe (before and after `--stats`) and
