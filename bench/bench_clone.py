@@ -73,8 +73,8 @@ def recipe(path: Path, base: Path, source: Path, output: Path, rows: list[str]) 
 
 def replaced_bytes(path: Path) -> int:
     """The bytes of rank files the recipe at `path` takes from another checkpoint (its plan's)."""
+    from tailor_tui.formats.ds_format import bytes_per_element
     from tailor_tui.planning.build import build_plan
-    from tailor_tui.planning.jobs import bytes_per_element
     from tailor_tui.planning.recipe_file import load_recipe
 
     plan = build_plan(load_recipe(path), check_output=False)

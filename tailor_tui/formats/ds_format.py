@@ -220,6 +220,12 @@ def describe_state(keys: tuple[str, ...]) -> str:
     return _listed(keys) + named_optimizer(keys)
 
 
+def bytes_per_element(keys: tuple[str, ...]) -> int:
+    """The bytes of a rank's files per element of its flat sub-groups: 4 per flat tensor of `keys` (the fp32
+    masters, each state the optimizer keeps per element: 12 for Adam's)."""
+    return 4 * len(keys)
+
+
 def flat_keys(inner: dict, path, group_sizes: tuple[int, ...]) -> tuple[str, ...]:
     """The flat tensors of every sub-group that a row's slices live in: the fp32 masters, then `state_keys`."""
     return (MASTERS, *state_keys(inner, path, group_sizes))

@@ -45,7 +45,9 @@ def planned_nonfinite(plan: ComposePlan, *, cache: Path | None, workers: int | N
     counts: Counter = Counter()
     for s, rows in wanted.items():
         source = plan.sources[s]
-        run = runs.setdefault(source.path.parent, _checkpoints_of(source.path.parent))
+        if source.path.parent not in runs:
+            runs[source.path.parent] = _checkpoints_of(source.path.parent)
+        run = runs[source.path.parent]
         column = next((i for i, c in enumerate(run) if c.path == source.path), None)
         cells = cached_cells(run, column, cache) if column is not None else None
         if cells is None:  # as computed alone, before (a command of the same recipe)

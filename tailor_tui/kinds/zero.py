@@ -123,8 +123,9 @@ def flat_tensor_bytes(obj, records: dict[str, Record], prefix: str, path: Path,
                       group_sizes: tuple[int, ...]) -> dict[tuple[int, str], TensorBytes]:
     """{(sub-group, key): TensorBytes} of the flat tensors of an optim file read by `read_structure`."""
     inner = optimizer_state(obj, path, group_sizes)
+    keys = flat_keys(inner, path, group_sizes)
     return {(g, key): locate(flat_tensor(inner, g, key), records, prefix)
-            for g in range(len(group_sizes)) for key in flat_keys(inner, path, group_sizes)}
+            for g in range(len(group_sizes)) for key in keys}
 
 
 def tensor_bytes(path: Path, group_sizes: tuple[int, ...]) -> dict[tuple[int, str], TensorBytes]:

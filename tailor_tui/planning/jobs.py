@@ -22,12 +22,6 @@ from tailor_tui.kinds.base import RankFiles, WeightSource
 from tailor_tui.kinds.hf_weights import BinWeights
 from tailor_tui.kinds.partial import PartialRankFiles
 
-
-def bytes_per_element(keys: tuple[str, ...]) -> int:
-    """The bytes of a rank's files per element of its flat sub-groups: 4 per flat tensor of `keys` (fp32 masters,
-    each state the optimizer keeps per element: 12 for Adam's)."""
-    return 4 * len(keys)
-
 # How an output rank's optim file is written (`optim_writer`): built from a partial base's skeleton, torch-free
 # (`rank_partial`); the base's bytes with ranges replaced (`rank_stream`); re-serialised by torch (`rank_torch`)
 SKELETON, STREAM, TORCH = "skeleton", "stream", "torch"

@@ -14,7 +14,7 @@ from tailor_tui.checkpoints.checkpoint import MODEL_FILE_INDEX, Checkpoint, tied
 from tailor_tui.checkpoints.model_layout import ModelFileLayout
 from tailor_tui.checkpoints.weight_files import FileFate
 from tailor_tui.cloning import may_share
-from tailor_tui.formats.ds_format import TENSORS, describe_state
+from tailor_tui.formats.ds_format import TENSORS, bytes_per_element, describe_state
 from tailor_tui.planning.file_plan import (
     copied_files,
     describe_files,
@@ -29,7 +29,6 @@ from tailor_tui.planning.jobs import (
     RowSlot,
     SliceCopy,
     WeightJob,
-    bytes_per_element,
     optim_writer,
 )
 from tailor_tui.planning.recipe import Recipe

@@ -27,7 +27,8 @@ from pathlib import Path
 from tailor_tui.checked.crc import RecordBlocks
 from tailor_tui.checkpoints import file_facts
 from tailor_tui.cloning import worth_it
-from tailor_tui.planning.jobs import RankJob, bytes_per_element
+from tailor_tui.formats.ds_format import bytes_per_element
+from tailor_tui.planning.jobs import RankJob
 from tailor_tui.planning.plan import ComposePlan
 
 

@@ -35,6 +35,7 @@ from tailor_tui.formats.ds_format import (
     OPTIMIZER_STATE_DICT,
     PARAM_GROUPS,
     TENSORS,
+    bytes_per_element,
 )
 from tailor_tui.formats.dtypes import BY_NAME, PRECISION
 from tailor_tui.formats.ptfile import read_structure
@@ -221,7 +222,7 @@ def reshard_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], source_of: d
     itemsize = ITEMSIZE.get(base.dtype, 4)
     out_sizes = tuple(reshard.layout.group_sizes())  # every output rank's, and each source's: once
     source_sizes = [tuple(src.layout.group_sizes()) for src in sources]
-    per_element = 4 * len(keys)
+    per_element = bytes_per_element(keys)
     written = per_element * sum(out_sizes) + itemsize * sum(part(math.prod(shape), reshard.world_size)
                                                    for _n, shape in base.layout.frozen)
     # each parameter's facts, once: (its pieces' maker, where they go); a rank holding none of its

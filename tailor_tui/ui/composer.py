@@ -36,7 +36,7 @@ from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.output import not_replaceable
 from tailor_tui.team.sbatch import offer_batch
 from tailor_tui.ui.actions import DETAILS, HOME, bindings
-from tailor_tui.ui.describe import details_lines
+from tailor_tui.ui.describe import details_lines, nonfinite_lines
 from tailor_tui.ui.dialogs import Answer, Confirm, ErrorDialog, PathPrompt, PlanDialog
 from tailor_tui.ui.export_actions import ExportActions
 from tailor_tui.ui.grid import CheckpointGrid
@@ -422,10 +422,7 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
                  if (cell := self.cell_of(row, plan.sources[s])) is not None and not cell.healthy]
         # a record failing its CRC-32 or a file that cannot be read never composes: no "anyway" for those
         broken = [f"{row} from {name}: {why_unhealthy(cell)}" for row, name, cell in cells if damage(cell) != "NaN"]
-        bad = [f"{row} from {name}: {why_unhealthy(cell)}" for row, name, cell in cells if damage(cell) == "NaN"]
-        known = {row for row, _name, _cell in cells}
-        bad += [f"{row} from {plan.sources[plan.picks[row]].name}: {n:,} non-finite value(s)"
-                for row, n in message.nonfinite.items() if row not in known]
+        bad = nonfinite_lines(plan, message.nonfinite)  # (NaN/Inf: the plan's check, `health.guard`)
         if broken:
             self.app.push_screen(ErrorDialog("\n".join([
                 "These rows cannot be composed from the checkpoints picked for them (their files are damaged):",

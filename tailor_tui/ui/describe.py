@@ -227,3 +227,10 @@ def details_lines(comp: Composition, health: Health | None, row_name: str, colum
         if len(problems) > PROBLEMS_LISTED:
             lines.append(f"  … and {len(problems) - PROBLEMS_LISTED:,} more (tailor-tui --stats RUN_DIR names each)")
     return lines
+
+
+def nonfinite_lines(plan, counts: dict[str, int]) -> list[str]:
+    """A line per row an output would take NaN/Inf from (`counts`: `health.guard.planned_nonfinite`'s), in the
+    plan's row order: `layers.2 from checkpoint-6: 5,120 non-finite value(s)`."""
+    return [f"{row} from {plan.sources[s].name}: {counts[row]:,} non-finite value(s)"
+            for row, s in plan.picks.items() if counts.get(row)]

@@ -23,6 +23,7 @@ from tailor_tui.export.export_run import config_source
 from tailor_tui.formats.safetensors_out import parse_size
 from tailor_tui.health.guard import planned_nonfinite
 from tailor_tui.planning.build import build_plan
+from tailor_tui.ui.describe import nonfinite_lines
 from tailor_tui.ui.dialogs import Answer, ErrorDialog, PathPrompt, PlanDialog
 from tailor_tui.ui.messages import ExportReady
 from tailor_tui.ui.progress_screen import ProgressScreen
@@ -75,10 +76,8 @@ class ExportActions:
         if not message.nonfinite:
             self.start_export(message)
             return
-        plan = message.export.plan
         body = "\n".join(["✗ the exported model would hold non-finite values:",
-                          *(shown(f"{row} from {plan.sources[plan.picks[row]].name}: {n:,} non-finite value(s)")
-                            for row, n in message.nonfinite.items()),
+                          *map(shown, nonfinite_lines(message.export.plan, message.nonfinite)),
                           "Enter goes back (h heals them); ! exports anyway, as --export --allow-nonfinite does"])
 
         def answer(yes: Answer) -> None:

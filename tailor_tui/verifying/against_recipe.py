@@ -45,6 +45,7 @@ from tailor_tui.formats.ds_format import (
     FROZEN_PARAM_FRAGMENTS,
     OPTIMIZER_STATE_DICT,
     STATE,
+    bytes_per_element,
     describe_state,
     flat_keys,
     flat_tensor,
@@ -263,7 +264,7 @@ def _verify_rank(plan, rank, composed, param_row, report, emit, cancelled, chang
                     rows.differs(row, f"rank {rank}: {key} of {slot.name} differs from {plan.sources[s].name}", s)
             if valid < slot.part and nonzero_bytes(out_t[slot.offset + valid: slot.offset + slot.part]):
                 report.add(row, f"rank {rank}: padding after {slot.name} ({key}) is not zero bytes")
-        counter.add(valid * 4 * len(plan.keys))
+        counter.add(valid * bytes_per_element(plan.keys))
     outer = f"[{OPTIMIZER_STATE_DICT!r}]"
     per_element = tuple(f"[{key!r}]" for key in plan.keys[1:])
 
