@@ -73,9 +73,14 @@ def test_dry_run_prints_the_plan_and_writes_nothing(real_run, tmp_path):
         (lambda r: r.write_text("version: 1\noutput: o\n"), 3, ["missing `base:`"]),
         (lambda r: r.write_text(r.read_text() + "  layers.9: x\n"), 3, ["unknown row 'layers.9'"]),
         (lambda r: r.write_text(r.read_text().replace("checkpoint-4", "checkpoint-44")), 4,
-         ["row 'layers.1'", "checkpoint-44: no such checkpoint folder"]),
+         ["row 'layers.1'", "checkpoint-44: no such checkpoint folder; did you mean 'checkpoint-4'? check the path"]),
+        (lambda r: r.write_text(r.read_text().replace("checkpoint-4", "chekpoint-4")), 4,
+         ["chekpoint-4: no such checkpoint folder; did you mean 'checkpoint-4'? check the path"]),
+        (lambda r: r.write_text(r.read_text().replace("checkpoint-4", "elsewhere")), 4,
+         ["elsewhere: no such checkpoint folder; check the path"]),
     ],
-    ids=["malformed-yaml", "unknown-key", "missing-base", "unknown-row", "missing-checkpoint"],
+    ids=["malformed-yaml", "unknown-key", "missing-base", "unknown-row", "missing-checkpoint", "mistyped-checkpoint",
+         "unlike-any-checkpoint"],
 )
 def test_bad_recipes_fail_with_one_line_and_write_nothing(real_run, tmp_path, mutate, code, needles):
     run, spec = real_run("hf_bf16_2")
@@ -274,3 +279,18 @@ def test_make_demo_names_training_checkpoints_only_and_the_composed_demo_resumes
     last = resumed.stdout.splitlines()[-1]  # after the Trainer's own log lines
     assert re.fullmatch(rf"resumed {run / 'checkpoint-6-tailored'} \(step 6\) with the HF Trainer on 2 ranks: "
                         r"the next step trained, loss [\d.]+", last)
+
+
+def test_an_output_whose_folder_cannot_exist_is_said_as_such_not_as_a_full_disk(real_run, tmp_path):
+    """A write error's advice follows its cause, never "free space" where space did not run out: a parent that
+    cannot be made (under /proc, as the issue tried) and a file in the way of the output's path."""
+    run, spec = real_run("hf_bf16_2")
+    recipe = write_recipe(tmp_path, checkpoints_of(run, spec)[-1], {})
+    missing = tailor("--apply", recipe, "--output", "/proc/tailor-tui-no-such/out")
+    assert_one_line_error(missing, 6, "cannot write (No such file or directory)", "its folder does not exist",
+                          "choose an output folder whose parent exists")
+    (tmp_path / "file").write_text("mine")
+    in_the_way = tailor("--apply", recipe, "--output", tmp_path / "file" / "out")
+    assert_one_line_error(in_the_way, 6, "cannot write (File exists)", "choose another output folder")
+    assert (tmp_path / "file").read_text() == "mine"
+    assert "free space" not in missing.stderr + in_the_way.stderr

@@ -9,6 +9,7 @@ taken apart by row (a factored or 8-bit state), and checkpoints of two optimizer
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import shutil
@@ -235,3 +236,43 @@ def test_a_non_finite_value_in_any_state_the_optimizer_keeps_is_counted_and_guar
     assert not (tmp_path / "composed").exists()
     result = tailor("--apply", write_recipe(tmp_path, newest, {"layers.1": oldest}))
     assert result.returncode == 0, result.stderr
+
+
+def test_ranks_of_one_checkpoint_that_keep_different_states_are_refused_as_damage(real_run, tmp_path, monkeypatch):
+    """Planning reads the state's keys from a checkpoint's first rank; each writer checks every rank file it reads
+    against them: rank 1 of an SGD checkpoint edited to keep a second state per element (written back as torch
+    saves it) is refused in one line naming the file (exit 4), nothing published."""
+    monkeypatch.setenv("TAILOR_TUI_CACHE", str(tmp_path / "cache"))
+    run, spec = real_run("ds_sgd")
+    shutil.copytree(run, tmp_path / "run")
+    oldest, newest = checkpoints_of(tmp_path / "run", spec)
+    (optim,) = newest.glob("*zero_pp_rank_1_*optim_states.pt")
+    obj = torch.load(optim, weights_only=False)
+    for entry in obj["optimizer_state_dict"]["optimizer_state_dict"]["state"].values():
+        entry["square_avg"] = entry["momentum_buffer"].clone()
+    torch.save(obj, optim)
+    result = tailor("--apply", write_recipe(tmp_path, newest, {"layers.1": oldest}), "--allow-nonfinite")
+    assert_one_line_error(result, 4, optim.name, "keeps fp32, momentum_buffer, square_avg per sub-group, the "
+                          "checkpoint's first rank fp32, momentum_buffer; its ranks disagree")
+    assert not (tmp_path / "composed").exists() and not hidden(tmp_path)
+
+
+def test_a_partial_saves_unreadable_recorded_keys_are_refused(real_run, tmp_path, monkeypatch):
+    """The keys a rows file records (the selective saver's) are checked as read: a list that does not start with
+    the masters is refused in one line naming the file (exit 4), never guessed."""
+    from safetensors.torch import load_file, save_file
+
+    from tailor_tui.formats.safetensors_in import safetensors_header
+
+    monkeypatch.setenv("TAILOR_TUI_CACHE", str(tmp_path / "cache"))
+    run, _spec = real_run("ds_selective_amsgrad")
+    shutil.copytree(run / "run", tmp_path / "run")
+    partial = tmp_path / "run" / "partial-step4"
+    rows = next(partial.rglob("tailor_rows_rank_0.safetensors"))
+    metadata = safetensors_header(rows)[0]["__metadata__"]
+    assert json.loads(metadata["keys"]) == ["fp32", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
+    save_file(load_file(rows), rows, metadata={**metadata, "keys": json.dumps(["exp_avg", "fp32"])})
+    saved = json.loads((partial / "tailor_partial.json").read_text())["rows"]
+    result = tailor("--apply", write_recipe(tmp_path, tmp_path / "run" / "global_step2", {saved[0]: partial}))
+    assert_one_line_error(result, 4, rows.name, "its recorded keys are unreadable; the partial checkpoint is corrupt")
+    assert not (tmp_path / "composed").exists() and not hidden(tmp_path)
