@@ -130,10 +130,7 @@ def copy_file(src: Path, dst: Target, on_bytes: Callable[[int], None] = lambda n
     if opened is not None:
         source = os.dup(opened)
     else:
-        try:
-            source = open_regular(src, within=within)
-        except ValueError as exc:  # a FIFO or a device put in its place
-            raise CheckpointError(f"{src}: {exc}") from None
+        source = open_regular(src, within=within)  # (NotRegular: a FIFO or a device put in its place)
     with open(source, "rb") as fin, open(create(dst), "wb") as fout:
         size = os.fstat(fin.fileno()).st_size
         offset, writeback, value = 0, Writeback(fout.fileno(), durable), None

@@ -15,6 +15,14 @@ from tailor_tui.errors import CheckpointError
 NOT_REGULAR = "not a regular file (a FIFO, a device or a socket); not read"
 
 
+class NotRegular(CheckpointError, ValueError):
+    """`path` is no regular file (`NOT_REGULAR`): a checkpoint's damage, one line naming it; a ValueError too, for
+    the readers that note a side file they cannot read and go on."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"{path}: {NOT_REGULAR}")
+
+
 # --- symbolic links: never out of the run -------------------------------------------------------
 #
 # The one rule for links inside a checkpoint (docs/security.md, "Symbolic links"): a link on the
@@ -96,7 +104,7 @@ def confine(path: Path, run: Path) -> tuple[int, int] | None:
 
 def open_regular(path: Path, *, follow: bool = True, within: Path | None = None) -> int:
     """A read-only descriptor of the regular file at `path`. A FIFO, device or socket there is
-    refused (ValueError, NOT_REGULAR) without being opened: a FIFO would wait for a writer, and
+    refused (`NotRegular`) without being opened: a FIFO would wait for a writer, and
     /dev/zero never ends. `follow=False`: a symbolic link at `path` is refused too (OSError ELOOP).
     `within`: the run folder `path` lies in; a link on the way that leaves it is refused (`confine`),
     and so is a file that is not, once opened, the one checked (a link swapped in meanwhile)."""
@@ -105,7 +113,7 @@ def open_regular(path: Path, *, follow: bool = True, within: Path | None = None)
     if stat.S_ISLNK(st.st_mode):
         raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path))
     if not stat.S_ISREG(st.st_mode):
-        raise ValueError(NOT_REGULAR)
+        raise NotRegular(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
     except PermissionError:  # not damage: said as what it is
@@ -115,7 +123,7 @@ def open_regular(path: Path, *, follow: bool = True, within: Path | None = None)
     opened = os.fstat(fd)
     if not stat.S_ISREG(opened.st_mode):  # put in its place since: not read either
         os.close(fd)
-        raise ValueError(NOT_REGULAR)
+        raise NotRegular(path)
     if within is not None and identity(opened) != expected:
         os.close(fd)
         raise CheckpointError(f"{path}: changed while it was opened (another file, or a symbolic link, was put in "

@@ -36,7 +36,7 @@ from tailor_tui.checkpoints.checkpoint import (
 from tailor_tui.compose.model_files import compose_model_file
 from tailor_tui.compose.rank_task import compose_rank
 from tailor_tui.compose.taken import FileComposed, RankComposed
-from tailor_tui.errors import Cancelled, CheckpointError, NonFiniteError, OutputError
+from tailor_tui.errors import Cancelled, NonFiniteError, OutputError
 from tailor_tui.events import Emit, TaskFinished, TaskOptions, written_and_shared
 from tailor_tui.fileio import copy_file, fsync_dir, output_error, write_file
 from tailor_tui.formats.side_pickles import check_side_file
@@ -333,10 +333,7 @@ def _copy_checked(src: Path, dst: HeldPath, run: Path, durable: bool) -> int:
     rng_state_*.pth, training_args.bin: `side_pickles`) through the one descriptor the copy reads, the
     file's identity the same (fstat) from before the check to after the copy: the bytes checked are the
     bytes copied. Returns their CRC-32."""
-    try:
-        fd = open_regular(src, within=run)  # (no link out of the run)
-    except ValueError as exc:  # a FIFO or a device
-        raise CheckpointError(f"{src}: {exc}") from None
+    fd = open_regular(src, within=run)  # (no link out of the run; NotRegular: a FIFO or a device)
     try:
         before = FileIdentity.of(os.fstat(fd))
         check_side_file(src, fd=fd)

@@ -31,7 +31,6 @@ from tailor_tui.formats.nonfinite import Census, Region
 from tailor_tui.formats.pickled import TensorRef, dtype_name
 from tailor_tui.formats.ptwrite import Rewritable, reserved, write
 from tailor_tui.kinds.base import FP32, STREAM_CHUNK, check_dtypes, rank_reader
-from tailor_tui.kinds.partial import PartialRankFiles
 from tailor_tui.kinds.zero import ZeroRankFiles, ZeroRankReader
 from tailor_tui.planning.jobs import RankJob
 
@@ -51,8 +50,7 @@ def build_optim_states_from_skeleton(job: RankJob, out: Target, counter: ByteCou
     CRC-32 of each part of a row (`compose.taken`), taken in the same reads.
     """
     base = job.files[0]
-    assert isinstance(base, PartialRankFiles), "a partial base's rank"
-    skeleton = Rewritable(base.skeleton)
+    skeleton = Rewritable(base.structure_file)  # (`optim_writer`: a base keeping its state in slices)
     inner = _skeleton_state(skeleton.obj, skeleton.path, job.group_sizes)
     fills = dict(skeleton.fills)
     rank_reader(base, job.group_sizes).check_keys(job.keys)  # (its rows file: the keys the skeleton's state has)

@@ -26,7 +26,7 @@ from tailor_tui.fileio import CREATE, Target, Writeback, copy_range, fsync, open
 from tailor_tui.formats.nonfinite import Census, Region
 from tailor_tui.formats.ptfile import Record, Unsupported, file_format, read_whole
 from tailor_tui.kinds.base import STREAM_CHUNK, RankReader, check_dtypes, rank_reader
-from tailor_tui.kinds.zero import SMALL_RANK_FILE, ZeroRankReader
+from tailor_tui.kinds.zero import SMALL_RANK_FILE
 from tailor_tui.planning.jobs import RankJob
 
 # the reading of rank files moved to the kinds' readers (`kinds`)
@@ -86,12 +86,12 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
     readers = {s: rank_reader(job.files[s], job.group_sizes, whole if s == 0 else None, small=True)
                for s in [0, *used]}
     base_reader = readers[0]
-    assert isinstance(base_reader, ZeroRankReader), "a partial base is composed by rank_partial"
     for reader in readers.values():
         reader.check_keys(job.keys)
     try:
-        base_records = base_reader.records()
-        base = base_reader.flat()
+        base_records, base = base_reader.archive(), base_reader.whole_flat()
+        if base_records is None or base is None:
+            return None  # (a base keeping its state in slices is built from its skeleton: `optim_writer`)
         sources = {s: flat for s, r in readers.items() if s in used and (flat := r.whole_flat()) is not None}
     except Unsupported:
         return None

@@ -28,7 +28,6 @@ from tailor_tui.formats.ds_format import (
 )
 from tailor_tui.formats.safe_load import load_pt
 from tailor_tui.kinds.base import check_keys, dtype_mismatch, rank_reader
-from tailor_tui.kinds.partial import PartialRankFiles
 from tailor_tui.planning.jobs import RankJob
 
 
@@ -68,7 +67,7 @@ def reserialise_optim_states(job: RankJob, out: Target, counter: ByteCounter) ->
     }
     for s, theirs in full.items():
         check_keys(job.files[s].optim_states, flat_keys(theirs, job.files[s].optim_states, job.group_sizes), job.keys)
-    partial = {s: f.rows for s, f in job.files.items() if isinstance(f, PartialRankFiles)}
+    partial = {s: f.state_file for s, f in job.files.items() if not f.whole_records}  # its slices' safetensors
     readers = {s: rank_reader(job.files[s], job.group_sizes) for s in partial}  # (checks each slice's shape)
     for reader in readers.values():
         reader.check_keys(job.keys)

@@ -29,8 +29,6 @@ from tailor_tui.export.export_plan import ExportJob, Span
 from tailor_tui.fileio import Folder, fsync, open_fd, output_error, pwrite_all
 from tailor_tui.formats.pickled import dtype_name
 from tailor_tui.kinds.base import STREAM_CHUNK, rank_reader
-from tailor_tui.kinds.partial import PartialRankReader
-from tailor_tui.kinds.zero import ZeroRankReader
 
 _NUMPY = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 _OUT = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
@@ -53,15 +51,15 @@ def export_rank(job: ExportJob, out_dir: Folder, emit: Emit, cancelled: Callable
 
         reader = rank_reader(job.files, job.group_sizes)
         if job.groups:
-            assert isinstance(reader, ZeroRankReader), "a job with sub-groups reads a full save's optim file"
-            located = reader.flat()
-            fd = open_fd(stack, job.files.optim_states)
+            located = reader.whole_flat()
+            assert located is not None, "a job with sub-groups reads whole records (a full save's optim file)"
+            fd = open_fd(stack, reader.path)
             for g, spans in job.groups:
                 flat = located[g, "fp32"]
                 if dtype_name(flat.dtype) != "float32":
-                    raise CheckpointError(f"{job.files.optim_states}: sub-group {g}'s master weights are "
+                    raise CheckpointError(f"{reader.path}: sub-group {g}'s master weights are "
                                           f"{dtype_name(flat.dtype)}, not fp32; the file is not a ZeRO-3 optimizer state")
-                _stream(fd, job.files.optim_states, flat, spans, "float32", job.out_dtype, out_fd, buffer, counter)
+                _stream(fd, reader.path, flat, spans, "float32", job.out_dtype, out_fd, buffer, counter)
         if job.frozen:
             fragments = reader.fragments([name for name, _span in job.frozen])
             fd = open_fd(stack, job.files.model_states)
@@ -76,7 +74,6 @@ def export_rank(job: ExportJob, out_dir: Folder, emit: Emit, cancelled: Callable
                 kind = dtype_name(tb.dtype)
                 _stream(fd, job.files.model_states, tb, [span], kind, kind, out_fd, buffer, counter)
         if job.saved:  # (the header was checked against the file's size: no slice runs past its end)
-            assert isinstance(reader, PartialRankReader), "a job with saved slices reads a partial save's rows file"
             fd = open_fd(stack, reader.path)
             out_size = np.dtype(_NUMPY[_OUT.get(job.out_dtype, job.out_dtype)]).itemsize
             for name, span in job.saved:

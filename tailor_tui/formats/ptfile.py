@@ -93,8 +93,6 @@ def _first_bytes(path: Path) -> bytes:
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot be opened ({exc.strerror or exc}); "
                               "check that it exists and is readable") from None
-    except ValueError as exc:
-        raise CheckpointError(f"{path}: {exc}; re-copy it from the training run") from None
     try:
         return os.pread(fd, 4, 0)
     finally:

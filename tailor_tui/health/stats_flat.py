@@ -28,7 +28,7 @@ from tailor_tui.fileio import open_fd
 from tailor_tui.formats.ds_format import MASTERS, health_state
 from tailor_tui.formats.ptfile import read_whole
 from tailor_tui.health.stats_job import RowSums, SlotTable, StatsJob
-from tailor_tui.kinds.zero import SMALL_RANK_FILE, ZeroRankReader
+from tailor_tui.kinds.zero import SMALL_RANK_FILE
 
 CHUNK = 1 << 20
 PURPOSE = "health statistics"  # what refuses a checkpoint whose optimizer states are not fp32
@@ -78,12 +78,12 @@ def flat_stats(job: StatsJob, sums: dict[str, RowSums], stack, counter: ByteCoun
     when the file is laid out otherwise than one aligned record per flat tensor (`stats_rank`
     reads it then). `chunk`: bytes per read (tests make it small). `blocks`: gets each record's
     block CRC-32s ({name: `crc.RecordBlocks`}) where it passed its CRC-32 check."""
-    path, table = job.files.optim_states, job.table
+    path, table = job.files.state_file, job.table
     assert table is not None, "can_read_flat(job) holds"
-    located = job.files.reader(job.group_sizes, small=True)  # a wide run's small rank file: one read, its structure
-    assert isinstance(located, ZeroRankReader), "can_read_flat(job): a full save's whole records"  # from memory
-    mine, whole, keys = located.fp32_flat(PURPOSE), located.optim, located.keys()
-    if not _laid_out_flat(mine.values()):
+    whole = read_whole(path, SMALL_RANK_FILE)  # a wide run's small rank file: one read, its structure from memory
+    located = job.files.reader(job.group_sizes, whole)
+    mine, keys = located.fp32_whole_flat(PURPOSE), located.keys()
+    if mine is None or not _laid_out_flat(mine.values()):  # (None: its state in slices, can_read_flat's job)
         return False
     part, numel, group, offset, row = _columns(table)
     valid = np.clip(numel - job.rank * part, 0, part)
@@ -94,11 +94,12 @@ def flat_stats(job: StatsJob, sums: dict[str, RowSums], stack, counter: ByteCoun
     row_class = np.zeros(len(table.rows), np.int64)  # 0: no previous checkpoint
     index = {name: i for i, name in enumerate(table.rows)}
     for name, files in job.prev:
-        row_class[index[name]] = classes.setdefault(files.optim_states, (len(classes) + 1, files))[0]
+        row_class[index[name]] = classes.setdefault(files.state_file, (len(classes) + 1, files))[0]
     prev = {}  # (class, group) -> (its fd or bytes, where its masters lie relative to this file's)
     for prev_path, (c, files) in classes.items():
         held = read_whole(prev_path, SMALL_RANK_FILE)
-        theirs = ZeroRankReader(files, job.group_sizes, held).fp32_flat(PURPOSE)
+        theirs = files.reader(job.group_sizes, held).fp32_whole_flat(PURPOSE)
+        assert theirs is not None, "can_read_flat(job): the previous checkpoints' state in whole records"
         source = held if held is not None else open_fd(stack, prev_path)
         for g in range(len(job.group_sizes)):
             prev[c, g] = (source, theirs[g, "fp32"].offset - mine[g, "fp32"].offset)

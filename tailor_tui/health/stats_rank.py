@@ -41,7 +41,6 @@ from tailor_tui.health.stats_flat import (
 )
 from tailor_tui.health.stats_job import RankStats, RankStatsRead, RowSums, SlotRead, StatsJob
 from tailor_tui.kinds.base import rank_reader
-from tailor_tui.kinds.zero import ZeroRankReader
 
 CHUNK = 1 << 20
 
@@ -109,16 +108,15 @@ def _reads(job: StatsJob, slots: tuple[SlotRead, ...], sums: dict[str, RowSums],
     reads = []
     reader = rank_reader(job.files, job.group_sizes)
     fd = open_fd(stack, reader.path)
-    if not isinstance(reader, ZeroRankReader):  # partial: one safetensors tensor per (key, parameter), its CRC-32 recorded
-        keys = reader.keys()
+    flat, keys = reader.fp32_whole_flat(PURPOSE), reader.keys()
+    if flat is None:  # its slices kept apart (a partial save's), each checked against its recorded CRC-32
         for slot in slots:
             for key in keys:
                 place = reader.place(key, param=slot.param, group=slot.group, offset=slot.offset, valid=slot.valid)
                 assert place.slice is not None, "a partial save's place names its slice"
                 reads.append((fd, place.at, slot.valid * 4, place.slice.crc,
                               [_region(slot, role(key, keys), place.at, "float32", sums, prev_at)], None))
-    else:
-        flat, keys = reader.fp32_flat(PURPOSE), reader.keys()
+    else:  # whole records (a full save's optim file), each read whole for its stored CRC-32
         by_record: dict = {}
         for g in range(len(job.group_sizes)):
             for key in keys:

@@ -169,6 +169,21 @@ class RankReader(ABC):
         in slices kept apart, each checked apiece as it is read (a partial save's)."""
         return None
 
+    def fp32_whole_flat(self, purpose: str) -> dict[tuple[int, str], TensorBytes] | None:
+        """`whole_flat`, refused (CheckpointError naming `purpose`) unless every tensor holds fp32 values."""
+        found = self.whole_flat()
+        for (g, key), tb in (found or {}).items():
+            dtype = dtype_name(tb.dtype) if tb.dtype != "UntypedStorage" else "float32"
+            if dtype != "float32" or tb.itemsize != 4:
+                raise CheckpointError(f"{self.path}: its {key} of sub-group {g} is {dtype}; {purpose} read fp32 "
+                                      "optimizer states")
+        return found
+
+    def archive(self) -> dict[str, Record] | None:
+        """{name: Record} of every record of the archive `whole_flat`'s tensors lie in, where this kind keeps them
+        in one (a full save's optim file, everything in it); None where it keeps none."""
+        return None
+
     def check_keys(self, planned: tuple[str, ...]) -> None:
         """Refuse a rank whose flat tensors are not the ones the plan found (`check_keys`)."""
         check_keys(self.path, self.keys(), planned)

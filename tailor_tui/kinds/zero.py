@@ -9,9 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from tailor_tui.errors import CheckpointError
 from tailor_tui.formats.ds_format import MASTERS, flat_keys, flat_tensor, optimizer_state
-from tailor_tui.formats.pickled import dtype_name
 from tailor_tui.formats.ptfile import Record, Structure, TensorBytes, locate, read_structure, read_whole, structure_in
 from tailor_tui.kinds.base import RankBytes, RankFiles, RankReader, SaveKind
 
@@ -81,7 +79,7 @@ class ZeroRankReader(RankReader):
                                else structure_in(self.files.optim_states, self.optim))
         return self._structure
 
-    def records(self) -> dict[str, Record]:
+    def archive(self) -> dict[str, Record]:
         return self.structure()[1]
 
     def flat(self) -> dict[tuple[int, str], TensorBytes]:
@@ -95,16 +93,6 @@ class ZeroRankReader(RankReader):
 
     def keys(self) -> tuple[str, ...]:
         return (MASTERS, *dict.fromkeys(key for (_g, key) in self.flat() if key != MASTERS))
-
-    def fp32_flat(self, purpose: str) -> dict[tuple[int, str], TensorBytes]:
-        """`flat`, refused (CheckpointError naming `purpose`) unless every tensor holds fp32 values."""
-        found = self.flat()
-        for (g, key), tb in found.items():
-            dtype = dtype_name(tb.dtype) if tb.dtype != "UntypedStorage" else "float32"
-            if dtype != "float32" or tb.itemsize != 4:
-                raise CheckpointError(f"{self.files.optim_states}: its {key} of sub-group {g} is {dtype}; "
-                                      f"{purpose} read fp32 optimizer states")
-        return found
 
     def place(self, key: str, *, param: str | None, group: int | None, offset: int, valid: int, within: int = 0,
               count: int = 0) -> RankBytes:

@@ -20,7 +20,6 @@ from tailor_tui.formats.ptfile import file_format
 from tailor_tui.formats.safetensors_in import parse_prefix
 from tailor_tui.kinds.base import RankFiles, WeightSource
 from tailor_tui.kinds.hf_weights import BinWeights
-from tailor_tui.kinds.partial import PartialRankFiles
 
 # How an output rank's optim file is written (`optim_writer`): built from a partial base's skeleton, torch-free
 # (`rank_partial`); the base's bytes with ranges replaced (`rank_stream`); re-serialised by torch (`rank_torch`)
@@ -31,7 +30,7 @@ def optim_writer(base: RankFiles) -> str:
     """How the output's optim file of a rank whose base files are `base` is written, by their kind: the one
     rule the writer (`rank_task`), the workers' memory (`team.workers`) and the plan's count of files torch
     writes follow. (`STREAM` falls back to `TORCH` where the archive is laid out in a way it does not handle.)"""
-    if isinstance(base, PartialRankFiles):
+    if not base.whole_records:  # its state in slices: no archive to stream from
         return SKELETON
     return STREAM if file_format(base.optim_states) == "zip" else TORCH
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tailor_tui.checkpoints.checkpoint import TAKEN_FROZEN
-from tailor_tui.verifying.torch_files import open_regular
+from tailor_tui.verifying.torch_files import open_binary
 
 FROZEN = TAKEN_FROZEN  # a row's frozen fragments, in the record
 MAX_CRC = 0xFFFFFFFF
@@ -64,7 +64,7 @@ def recorded_crcs(record: object, key: str) -> dict[str, int] | None:
 def file_crc(path: Path) -> int:
     """zlib's CRC-32 of the bytes of the regular file at `path`, read in chunks."""
     value = 0
-    with open_regular(path) as f:
+    with open_binary(path) as f:
         while chunk := f.read(1 << 20):
             value = zlib.crc32(chunk, value)
     return value
@@ -98,7 +98,7 @@ class Archives:
             return False
         if rel not in self.found:
             try:
-                with open_regular(self.out / rel) as f, zipfile.ZipFile(f) as archive:
+                with open_binary(self.out / rel) as f, zipfile.ZipFile(f) as archive:
                     listing = b"".join(info.filename.encode() + b"\0" + struct.pack("<I", info.CRC)
                                        for info in archive.infolist())
                 self.found[rel] = zlib.crc32(listing) == self.recorded[rel]

@@ -18,7 +18,7 @@ import zlib
 from pathlib import Path
 
 from tailor_tui.errors import CheckpointError
-from tailor_tui.verifying.torch_files import open_regular
+from tailor_tui.verifying.torch_files import open_binary
 
 CRC_METADATA = "crc32"
 
@@ -38,7 +38,7 @@ class RowsFiles:
         if path not in self.handles:
             from safetensors import SafetensorError, safe_open
 
-            with open_regular(path):  # not a FIFO or a device: safetensors would wait on it
+            with open_binary(path):  # not a FIFO or a device: safetensors would wait on it
                 pass
             try:
                 handle = safe_open(str(path), "pt")

@@ -22,13 +22,13 @@ import importlib
 import io
 import os
 import pickle
-import stat
 import struct
 import zipfile
 import zlib
 from pathlib import Path
 from typing import NamedTuple
 
+from tailor_tui.checked.files import open_regular
 from tailor_tui.errors import CheckpointError
 from tailor_tui.formats.ds_format import DEEPSPEED_CLASSES, enum_member_value
 from tailor_tui.formats.pickle_bounds import MAX_PICKLE_BYTES, Truncated, check_bounds_bytes
@@ -48,23 +48,20 @@ class Record(NamedTuple):
     crc: int
 
 
-def open_regular(path: Path):
-    """A binary file object of the regular file at `path` (a FIFO, device or socket is refused
-    without waiting on it; CheckpointError, as a missing file is)."""
+def open_binary(path: Path):
+    """A binary file object of the regular file at `path` (`checked.files.open_regular`: a FIFO, device or socket
+    is refused without waiting on it; CheckpointError, as a missing file is)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = open_regular(path)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file is missing; the checkpoint is incomplete") from None
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CheckpointError(f"{path}: not a regular file (a FIFO, a device or a socket); not read")
     return os.fdopen(fd, "rb", buffering=0)
 
 
 def is_zip(path: Path) -> bool:
-    with open_regular(path) as f:
+    with open_binary(path) as f:
         return f.read(len(ZIP_MAGIC)) == ZIP_MAGIC
 
 
@@ -110,7 +107,7 @@ def check_crcs(path: Path, *, crc: bool = True) -> list[bytes]:
     (`crc=False`: the caller has just done so; only the pickles are read). Returns the bytes of its
     pickles (`data.pkl`: torch's structure, at most MAX_PICKLE_BYTES each)."""
     pickles = []
-    with open_regular(path) as f:
+    with open_binary(path) as f:
         size = os.fstat(f.fileno()).st_size
         buffer = bytearray(CHUNK)
         for record in _records(path, f, size):
@@ -141,7 +138,7 @@ def _legacy_pickles(path: Path) -> list[bytes]:
     """The pickles a legacy-format torch file starts with (magic number, protocol version, system
     info, the object, its storages' keys), each at most MAX_PICKLE_BYTES: read a window at a time."""
     found, at = [], 0
-    with open_regular(path) as f:
+    with open_binary(path) as f:
         for _ in range(5):
             window = 1 << 16
             while True:
@@ -162,7 +159,7 @@ def small_records(path: Path) -> list[tuple[str, memoryview]] | None:
     """(name, bytes) of every record of the zip-format torch file `path`, in the archive's
     order, each checked against its stored CRC-32 (CheckpointError), from one read of the file;
     None when it is no zip file or larger than SMALL."""
-    with open_regular(path) as f:
+    with open_binary(path) as f:
         whole = f.read(SMALL + 1)
     if len(whole) > SMALL or not whole.startswith(ZIP_MAGIC):
         return None

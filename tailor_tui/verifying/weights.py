@@ -26,7 +26,7 @@ from tailor_tui.planning.jobs import BinFileJob
 from tailor_tui.verifying.compare import same_bytes
 from tailor_tui.verifying.recorded import Archives
 from tailor_tui.verifying.rows_files import RowsFiles
-from tailor_tui.verifying.torch_files import load, open_regular
+from tailor_tui.verifying.torch_files import load, open_binary
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ MAX_HEADER = 100_000_000
 def _prefix(path: Path) -> bytes:
     """A safetensors file's 8-byte header length and header, as it holds them (bounded; parsed by the library
     and `_header_names`)."""
-    with open_regular(path) as f:
+    with open_binary(path) as f:
         first = f.read(8)
         if len(first) < 8:
             raise ValueError(f"{len(first)} byte(s), fewer than the 8 of a header's length")
@@ -166,7 +166,7 @@ def _verify_safetensors_file(plan, job, report, partial: RowsFiles, changed: fro
             report.add(None, f"{out_file}: its header is not the one the composition wrote (its provenance record)")
             return
     else:
-        with open_regular(out_file) as f:
+        with open_binary(out_file) as f:
             if f.read(len(job.prefix)) != job.prefix:  # names, dtypes, shapes, offsets and metadata
                 report.add(None, f"{out_file}: its header is not the base's {job.name} header")
                 return
@@ -248,7 +248,7 @@ class _Expected:
         from safetensors import safe_open
 
         if path not in self.files:
-            with open_regular(path):  # not a FIFO or a device: safetensors would wait on it
+            with open_binary(path):  # not a FIFO or a device: safetensors would wait on it
                 pass
             self.files[path] = safe_open(str(path), "pt")
         return self.files[path]
