@@ -370,6 +370,31 @@ def test_two_runs_in_one_folder_are_refused_naming_both(real_run, tmp_path):
     assert tailor("--stats", folder).returncode == 0
 
 
+def test_two_deepspeed_save_dirs_in_one_folder_are_two_runs_never_one_grid(real_run, tmp_path):
+    """Issue 60 (6): DeepSpeed's own layout keeps no history; two save_dirs that both saved a step are two runs (a
+    sweep's lr-high/ and lr-low/, each with the same tags), refused in one line naming both, as two HF runs are;
+    each opens alone, and a run resumed into a new save_dir (later steps there) stays one run."""
+    run, spec = real_run("ds_blown_up")
+    folder = tmp_path / "sweep"
+    for name in ("lr-high", "lr-low"):
+        shutil.copytree(run, folder / name)
+    tags = [c.name for c in checkpoints_of(run, spec)]
+    for command in (["--stats", folder], ["--heal", folder, "--recipe", tmp_path / "fix.yaml"]):
+        result = tailor(*command)
+        assert_one_line_error(result, 2, f"{folder}: holds checkpoints of 2 training runs",
+                              ", ".join(f"lr-high/{t}" for t in tags), ", ".join(f"lr-low/{t}" for t in tags),
+                              f"both saved step {tags[0].removeprefix('global_step')}, to different DeepSpeed "
+                              "save_dirs (lr-high/ and lr-low/)", f"tailor-tui {folder / 'lr-high'}")
+    assert not (tmp_path / "fix.yaml").exists()
+    alone = tailor("--stats", folder / "lr-low")
+    assert "training runs" not in alone.stderr and all(t in alone.stdout for t in tags), alone.stderr
+    for tag in tags[1:]:  # lr-low/ holds the first save alone: a run resumed into lr-high/ from there
+        shutil.rmtree(folder / "lr-low" / tag)
+    shutil.rmtree(folder / "lr-high" / tags[0])
+    resumed = tailor("--stats", folder)
+    assert "training runs" not in resumed.stderr and resumed.stdout.split("\n", 1)[0].split() == ["row", *tags]
+
+
 def test_flat_statistics_match_slice_by_slice_in_any_chunking(real_run):
     """The flat reader (every slice of a chunk at once, `stats_flat`) gives what the general one,
     slice by slice (`stats_rank`), does: on the blown-up checkpoint and the one before it, with

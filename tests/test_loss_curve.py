@@ -6,6 +6,7 @@ marked, the cursor's highlighted as it moves; a DeepSpeed run says it has no tra
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,8 +16,9 @@ from pilot_helpers import curve_drawn, private_copy, scanned
 from tailor_tui.health.healing import MAX_CURVE_POINTS, TrainingCurve, training_curve
 from tailor_tui.kinds.folders import FOLDER_KINDS
 from tailor_tui.ui.app import make_app
+from tailor_tui.ui.describe import header_suffix
 from tailor_tui.ui.dialogs import HelpScreen
-from tailor_tui.ui.health_actions import LossCurve
+from tailor_tui.ui.health_actions import LossCurve, figure, y_ticks
 
 WIDE, NARROW = (200, 50), (80, 24)
 
@@ -64,6 +66,35 @@ def test_a_long_log_is_thinned_to_means_keeping_its_last_step(tmp_path):
     assert curve.thinned(10).steps[-1] == n and len(curve.thinned(10).steps) <= 10
 
 
+def test_y_axis_labels_are_even_one_row_each_never_skipping_a_step(tmp_path):
+    """Issue 60 (9): at 80x24 the loss axis's labels skipped a step (6.10, 5.85, 5.61, 5.11: Plotext's own ticks
+    rounded to rows). Each label now lies on a row of its own, the same number of rows apart, the values the same
+    step apart, the lowest on the bottom row; the grad norm's axis likewise."""
+    history = [{"step": s, "loss": (1190 - 2 * s) / 256 + (1.5 if s == 6 else 0), "grad_norm": 0.8 + s}
+               for s in range(1, 7)]
+    curve = training_curve([_checkpoint(tmp_path / "checkpoint-6", 6, history)])
+    for height in range(8, 26):
+        lines = re.sub(r"\x1b\[[0-9;]*m", "", figure(curve, 6, 70, height, "clear")).splitlines()
+        plot = [i for i, line in enumerate(lines) if line[4:5] in ("┤", "│")]
+        for side in ("left", "right"):
+            at = {i: (lines[i][:4] if side == "left" else lines[i].rstrip().rsplit("├", 1)[1]).strip()
+                  for i in plot if ("┤" in lines[i][:5] if side == "left" else "├" in lines[i][-8:])}
+            rows, values = sorted(at), [float(at[i]) for i in sorted(at)]
+            unit = 10.0 ** -len(at[rows[0]].partition(".")[2])  # the labels' last decimal
+            assert len(rows) >= 3 and rows[-1] == plot[-1], (height, side, rows, plot)  # the lowest: the bottom
+            assert len({b - a for a, b in zip(rows, rows[1:])}) == 1, (height, side, rows)
+            steps = [a - b for a, b in zip(values, values[1:])]
+            assert max(steps) - min(steps) <= 1.01 * unit, (height, side, values)  # rounded, the same step
+
+
+def test_y_ticks_fit_the_rows_and_say_nothing_of_a_flat_line():
+    for rows in range(2, 40):
+        ticks, labels = y_ticks([4.617, 6.102], rows)
+        at = [round((t - 4.617) / (6.102 - 4.617) * (rows - 1), 6) for t in ticks]
+        assert all(a == int(a) for a in at) and at[0] == 0 and len(ticks) <= 7 and len(set(labels)) == len(labels)
+    assert y_ticks([1.0, 1.0], 5) is None and y_ticks([], 5) is None and y_ticks([1.0, 2.0], 1) is None
+
+
 # --- the composer --------------------------------------------------------------------------------
 
 
@@ -77,8 +108,8 @@ def _shown(widget) -> bool:
 
 
 async def _moves_with_the_cursor(pilot, curve: LossCurve) -> None:
-    """The cursor starts on the base (step 6); left, left, right: steps 4, 2, 4, each highlighted."""
-    assert curve.cursor_step == 6 and "● step 6: loss 4.625 · grad 0.844" in curve.render().plain
+    """The cursor starts on the base (step 6, the spike's); left, left, right: steps 4, 2, 4, each highlighted."""
+    assert curve.cursor_step == 6 and "● step 6: loss 6.125 · grad 12" in curve.render().plain
     for key, step, loss in (("left", 4, "4.633"), ("left", 2, "4.641"), ("right", 4, "4.633")):
         await pilot.press(key)
         await curve_drawn(pilot)
@@ -95,7 +126,13 @@ async def test_the_curve_beside_the_grid_at_200x50(demo):
         grid, details = app.query_one("#grid"), app.query_one("#details-panel")
         assert _shown(curve) and _shown(details) and curve.region.height >= 12
         assert curve.region.x > grid.region.right - 1 and curve.region.y > details.region.y  # beside, below the details
-        assert curve.marks == [(2, 4.640625), (4, 4.6328125), (6, 4.625)]
+        # issue 60 (9): the side takes what the grid's checkpoints leave free (it left ~80 columns empty), up to 3/5
+        assert grid.region.width - grid.virtual_size.width <= 20 and details.region.width >= 100, (grid.region,
+                                                                                                   details.region)
+        assert curve.region.width >= 100
+        assert curve.marks == [(2, 4.640625), (4, 4.6328125), (6, 6.125)]  # the spike at 6
+        headers = [header_suffix(app.home.health, column) for column in range(3)]  # the demo tells its spike
+        assert headers == [" · 4.64", " · 4.63", " · 6.12 ▲"], headers
         text = curve.render().plain
         assert "loss" in text and "grad norm" in text and "step" in text
         axis = next(line for line in text.splitlines() if line.strip().split() == ["2", "4", "6"])
@@ -121,7 +158,7 @@ async def test_the_curve_in_the_details_place_at_80x24(demo):
         await curve_drawn(pilot)
         assert _shown(curve) and not _shown(details) and curve.region.height >= 10
         assert grid.region.height >= 9 and grid.row_count == 7  # the grid's header and every row still show
-        assert curve.marks == [(2, 4.640625), (4, 4.6328125), (6, 4.625)]
+        assert curve.marks == [(2, 4.640625), (4, 4.6328125), (6, 6.125)]  # the spike at 6
         await _moves_with_the_cursor(pilot, curve)
         await pilot.press("d")  # taller
         await curve_drawn(pilot)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 from helpers import assert_one_line_error, tailor, write_recipe
+from pilot_helpers import scanned, wait_for
+from textual.widgets import Input
 from zero_reader import read_full_state
 
 from tailor_tui.checkpoints.checkpoint import PROVENANCE
@@ -21,6 +23,8 @@ from tailor_tui.compose.composition import Composition
 from tailor_tui.errors import ExitCode, RecipeError
 from tailor_tui.planning.mergekit import looks_like, parse, row_sources
 from tailor_tui.planning.recipe import load_recipe
+from tailor_tui.ui.app import make_app
+from tailor_tui.ui.dialogs import Confirm, PathPrompt
 
 HERE = Path(__file__).parent / "llmtailor"
 LLAMA = (HERE / "Llama_cut.yaml").read_text()
@@ -191,3 +195,44 @@ def test_the_composer_loads_llama_cut_with_its_paths_found_in_the_open_run(llama
     names = {row: comp.checkpoints[column].name for row, column in comp.picks.items()}
     assert names == {row: "checkpoint-1" for row in ("embed_tokens", "norm", *(f"layers.{i}" for i in range(16)))}
     assert comp.base_checkpoint.name == "checkpoint-2" and recipe.converted_from == "LLMTailor"
+
+
+def test_import_without_recipe_writes_beside_the_llmtailor_file_never_over_it(llama, tmp_path):
+    recipe = tmp_path / "Llama_cut.yaml"
+    shutil.copy(HERE / "Llama_cut.yaml", recipe)
+    (tmp_path / "Llama_cut.tailor-tui.yaml").write_text("# mine\n")  # taken: the next name
+    done = tailor("--import", recipe, "--run", llama)
+    assert done.returncode == 0, done.stderr
+    assert recipe.read_text() == LLAMA and (tmp_path / "Llama_cut.tailor-tui.yaml").read_text() == "# mine\n"
+    written = tmp_path / "Llama_cut.tailor-tui-2.yaml"
+    assert f"wrote {written}" in done.stdout
+    assert load_recipe(written).layers.keys() == load_recipe(_by_hand(tmp_path, llama)).layers.keys()
+
+
+async def test_the_composer_saves_an_llmtailor_recipes_picks_beside_it_and_asks_before_replacing_it(llama, tmp_path):
+    """Issue 60 (4): ctrl+s on an opened LLMTailor recipe offers a tailor-tui recipe beside it; the LLMTailor file
+    itself is replaced only when named and confirmed, the dialog saying what would be lost."""
+    recipe = tmp_path / "Llama_cut.yaml"
+    shutil.copy(HERE / "Llama_cut.yaml", recipe)
+    app = make_app(llama, recipe=recipe)
+    async with app.run_test(size=(130, 32)) as pilot:
+        await scanned(pilot)
+        assert len(app.home.composition.picks) == 18  # its picks, on screen
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt))
+        assert app.screen.query_one(Input).value == str(tmp_path / "Llama_cut.tailor-tui.yaml")
+        assert "stays as it is" in app.screen.title_text
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(app.screen_stack) == 1)
+        saved = load_recipe(tmp_path / "Llama_cut.tailor-tui.yaml")
+        by_hand = load_recipe(_by_hand(tmp_path, llama))
+        assert {r: p.resolve() for r, p in saved.layers.items()} == {r: p.resolve() for r, p in by_hand.layers.items()}
+        await pilot.press("S")  # save as the LLMTailor file: asked, saying what it would lose
+        await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt))
+        app.screen.query_one(Input).value = str(recipe)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
+        assert "LLMTailor" in app.screen.title_text and "slices" in app.screen.body
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: len(app.screen_stack) == 1)
+    assert recipe.read_text() == LLAMA

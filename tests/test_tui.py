@@ -244,17 +244,18 @@ async def test_incompatible_checkpoints_are_disabled_with_the_reason(real_run, t
 
 
 async def test_checkpoints_sharing_a_folder_name_are_told_apart(real_run, tmp_path):
-    run, _ = real_run("ds_bf16_3_subgroups")
+    """A restored copy of a checkpoint of the same run, in another folder (their training logs agree)."""
+    run, _ = real_run("hf_bf16_2")
     for side in ("a", "b"):
-        shutil.copytree(run / "global_step2", tmp_path / "two" / side / "global_step2")
+        shutil.copytree(run / "checkpoint-2", tmp_path / "two" / side / "checkpoint-2")
     app = make_app(tmp_path / "two")
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
         grid = app.query_one("#grid")
-        assert [grid.header_text(c).splitlines()[0] for c in range(2)] == ["a/global_step2", "b/global_step2"]
+        assert [grid.header_text(c).splitlines()[0] for c in range(2)] == ["a/checkpoint-2", "b/checkpoint-2"]
         grid.move_cursor(row=1, column=1)
         await pilot.pause()
-        assert str(app.query_one("#details").render()).startswith("a/global_step2")
+        assert str(app.query_one("#details").render()).startswith("a/checkpoint-2")
 
 
 async def test_every_action_is_in_the_command_palette(run_copy):
@@ -704,7 +705,7 @@ async def test_the_world_size_set_from_the_plan_dialog_reshards(real_run, tmp_pa
     world size, the pick from the other world size is dropped."""
     run4, spec4 = real_run("ds_bf16_4_subgroups")
     run3, spec3 = real_run("ds_bf16_3_subgroups")
-    shutil.copytree(run4, tmp_path / "mixed" / "a")
+    shutil.copytree(run4, tmp_path / "mixed" / "a", ignore=shutil.ignore_patterns("global_step4"))  # (b saved 4)
     shutil.copytree(run3 / "global_step4", tmp_path / "mixed" / "b" / "global_step4")
     app = make_app(tmp_path / "mixed", workers=1)
     async with app.run_test(size=SIZE) as pilot:

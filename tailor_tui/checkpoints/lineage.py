@@ -5,8 +5,9 @@ size) and, where the HF Trainer saved them, one past: a checkpoint's log history
 is where every later checkpoint's of the same run starts (a restored copy or a resumed run keeps
 it). Two trainings side by side in one folder differ in one or the other; a scan that finds
 several runs is refused (`check_one_run`), so the grid, the statistics' Δ and healing never
-cross runs. Where nothing tells runs apart (DeepSpeed's own layout holds no history), the run
-folder does, as a warning for recipes (`other_run`).
+cross runs. DeepSpeed's own layout holds no history: there two save_dirs that both saved one step are
+two runs (a sweep's lr-high/ and lr-low/; a run resumed into a new save_dir saves later steps there),
+and for recipes the run folder tells them apart, as a warning (`other_run`).
 
 A checkpoint's trainer_state.json is read once for all of them (`logged_at`: the history, the loss
 at its step, what was ignored), item by item: three logs of 64 MiB (650,000 entries each) are
@@ -291,6 +292,11 @@ class Lineage:
         """Why `a` and `b` are of different runs (a phrase), or None when nothing says so."""
         if self.model(a) != self.model(b):
             return "they hold different models (parameter names or shapes)"
+        if a.step == b.step and not (a.in_folder or b.in_folder) and not _same_folder(a.path.parent, b.path.parent):
+            # DeepSpeed's own layout keeps no history; a run saves a step once, into its save_dir (one resumed
+            # into a new save_dir saves later steps there)
+            return (f"both saved step {a.step}, to different DeepSpeed save_dirs ({a.path.parent.name}/ and "
+                    f"{b.path.parent.name}/)")
         ha, hb = self.history(a), self.history(b)
         if ha is None or hb is None:
             return None
@@ -307,6 +313,13 @@ class Lineage:
             where = f" at step {step}" if step is not None else ""
             return f"their training logs (trainer_state.json) differ{where}"
         return None
+
+
+def _same_folder(a: Path, b: Path) -> bool:
+    try:
+        return a == b or os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def split_runs(checkpoints: tuple[Checkpoint, ...] | list[Checkpoint],

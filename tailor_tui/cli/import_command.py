@@ -1,4 +1,4 @@
-"""`tailor-tui --import LLMTAILOR.yaml --recipe OUT.yaml [--run RUN_DIR] [--force]`: an LLMTailor
+"""`tailor-tui --import LLMTAILOR.yaml [--recipe OUT.yaml] [--run RUN_DIR] [--force]`: an LLMTailor
 (mergekit passthrough) recipe written as the tailor-tui recipe it means, each row's source shown with
 what in the LLMTailor recipe says so. `load_for` is how every command reads a recipe it is given."""
 
@@ -26,15 +26,13 @@ def import_command(args) -> int:
     from tailor_tui.planning.mergekit_recipe import sources_of
     from tailor_tui.planning.output import default_output
     from tailor_tui.planning.recipe import Recipe, check_recipe_target
-    from tailor_tui.planning.recipe_file import save_recipe
+    from tailor_tui.planning.recipe_file import converted_path, save_recipe
 
     source: Path = getattr(args, "import")
-    out: Path | None = args.recipe
-    if out is None:
-        raise UsageError("--import needs --recipe OUT.yaml: where to write the tailor-tui recipe")
     recipe = load_for(args, source)
     if recipe.converted_from is None:
         raise UsageError(f"{source}: is a tailor-tui recipe already; compose it with: tailor-tui --apply {source}")
+    out: Path = args.recipe or converted_path(source)
     check_recipe_target(out, args.force)
     build_plan(recipe, output=args.output, preview=True)  # what --apply would refuse is not written
     base = recipe.base.resolve()

@@ -86,7 +86,8 @@ def parser() -> argparse.ArgumentParser:
                            "where it is healthy; base: the newest checkpoint")
     mode.add_argument("--import", metavar="RECIPE", type=Path,
                       help="write an LLMTailor (mergekit passthrough) recipe as a tailor-tui recipe (--recipe "
-                           "OUT.yaml; --force replaces it), showing each row's source; --apply, --verify and "
+                           "OUT.yaml, else NAME.tailor-tui.yaml beside it; --force replaces it), showing each "
+                           "row's source; --apply, --verify and "
                            "--export also read LLMTailor recipes as they are")
     mode.add_argument(
         "--make-demo",

@@ -28,6 +28,9 @@ class Composition:
     picks: dict[str, int] = field(default_factory=dict)  # row -> column; rows absent use the base
     output: Path | None = None
     recipe_path: Path | None = None  # the recipe the picks were loaded from or saved to: where ctrl+s saves
+    # the LLMTailor recipe the picks were read from: never where ctrl+s saves (`converted_path` is), replaced only
+    # when asked by name
+    read_from: Path | None = None
     world_size: int | None = None  # compose for this many data-parallel ranks (resharding); None: the base's
     # the output was named (set, or by a recipe loaded or saved): never moved on (`renew_default_output`)
     output_named: bool = False
@@ -318,5 +321,6 @@ class Composition:
         self.base, self.picks, self.world_size = base, picks, recipe.world_size
         self.output = recipe.output or self.default_output()
         self.output_named = recipe.output is not None
-        self.recipe_path = recipe.source_file
+        converted = recipe.converted_from is not None
+        self.recipe_path, self.read_from = (None, recipe.source_file) if converted else (recipe.source_file, None)
         self._saved_state = self._state()

@@ -15,7 +15,7 @@ from tailor_tui.planning.mergekit import looks_like as looks_like_mergekit
 from tailor_tui.planning.recipe import Recipe, check_size, parse_recipe
 from tailor_tui.planning.recipe_text import Sameness, text_to_save
 
-__all__ = ["load_recipe", "save_recipe"]
+__all__ = ["converted_path", "load_recipe", "save_recipe"]
 
 
 def load_recipe(path: str | Path, run: Path | None = None) -> Recipe:
@@ -46,6 +46,18 @@ def load_recipe(path: str | Path, run: Path | None = None) -> Recipe:
     recipe = parse_recipe(text, source=str(path), folder=path.parent)
     recipe.source_file = path
     return recipe
+
+
+def converted_path(source: Path) -> Path:
+    """Where the tailor-tui recipe an LLMTailor recipe `source` means is written unless told otherwise (`--import`,
+    the composer's ctrl+s): beside it, `NAME.tailor-tui.yaml`, then `-2`, `-3`, … never an existing file, never the
+    LLMTailor file itself."""
+    stem = source.name.removesuffix(".yaml").removesuffix(".yml")
+    for n in range(1, 10_000):
+        path = source.with_name(f"{stem}.tailor-tui{'' if n == 1 else f'-{n}'}.yaml")
+        if not os.path.lexists(path):
+            return path
+    raise RecipeError(f"{source.parent}: holds {stem}.tailor-tui.yaml to -9999; name the recipe to write")
 
 
 def save_recipe(recipe: Recipe, path: str | Path, same: Sameness | None = None) -> Path:

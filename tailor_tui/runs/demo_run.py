@@ -34,7 +34,7 @@ from tailor_tui.runs.models import (  # noqa: F401
     trainer_dataset,
     training_batches,
 )
-from tailor_tui.runs.pinned import pin, pin_callback
+from tailor_tui.runs.pinned import first_callback, pin, pin_callback
 
 # the models, datasets and Trainer of the runs; model_config is re-exported for the tests
 from tailor_tui.runs.ranks import quiet, setup_rank, spawn_ranks
@@ -250,11 +250,12 @@ def _train_rank(rank: int, world: int, port: int, spec: RunSpec, out: str | Path
 def _hf_trainer(spec: RunSpec, out: Path, max_steps: int, newer_saves: str = "refuse", callbacks=()):
     """The HF Trainer of an HF-layout run (its checkpoints in `out`, or `out/run` for a selective
     run, whose full reference saves go to `out/reference`)."""
-    pinned = [pin_callback(spec.save_every)] if spec.pinned else []  # before the blow-up and the saves
     faults = [blow_up_callback(spec.blow_up, spec.blow_up_step)] if spec.blow_up else []
     trainer = make_trainer(spec, _trainer_args(spec, out / "run" if spec.selective else out, max_steps),
-                           [*callbacks, *pinned, *faults, *([_best_at(spec)] if spec.best_at else [])],
+                           [*callbacks, *faults, *([_best_at(spec)] if spec.best_at else [])],
                            eval_dataset=trainer_dataset(spec)[:8] if spec.best_at else None)
+    if spec.pinned:  # first: before the blow-up and the saves, and before the Trainer prints the log
+        first_callback(trainer, pin_callback(spec.save_every, spec.blow_up_step if spec.blow_up else 0))
     if spec.selective:
         from tailor_tui.selective.hf import SelectiveCheckpointCallback
 

@@ -64,8 +64,13 @@ def moments(name: str, shape, step: int):
     return m.reshape(tuple(shape)), v.reshape(tuple(shape))
 
 
-def log_values(step: int) -> dict:
-    """The loss and grad norm logged at `step`: a gentle decline, exact in binary."""
+def log_values(step: int, spike_at: int = 0) -> dict:
+    """The loss and grad norm logged at `step`, exact in binary: a gentle decline; where the run blows up at step
+    `spike_at` (0: never), the loss spike it tells of: from the step before it on, the loss jumps (by 1/2, then by
+    3/2) and the grad norm with it (4, then 12), as a diverging run's log shows."""
+    if spike_at and step >= spike_at - 1:
+        jumped = step >= spike_at
+        return {"loss": (1190 - step + (384 if jumped else 128)) / 256, "grad_norm": 12.0 if jumped else 4.0}
     return {"loss": (1190 - step) / 256, "grad_norm": (48 + step) / 64}
 
 
@@ -104,10 +109,11 @@ def _partition(param, full):
     return padded.narrow(0, size * rank, size)
 
 
-def pin_callback(save_every: int):
+def pin_callback(save_every: int, spike_at: int = 0):
     """An HF Trainer callback: `pin` at the end of every step that saves (before the save and before
     the other callbacks of that step, such as a blow-up), and the logged loss and grad norm set to
-    `log_values` as they are logged."""
+    `log_values` as they are logged (`spike_at`: the step the run blows up at), in the log history and in
+    what the Trainer prints (so it must come before the Trainer's own callbacks: `first_callback`)."""
     from transformers import TrainerCallback
 
     class Pin(TrainerCallback):
@@ -117,7 +123,21 @@ def pin_callback(save_every: int):
 
         def on_log(self, args, state, control, logs=None, **kw):
             entry = state.log_history[-1] if state.log_history else {}
-            if "loss" in entry:
-                entry.update(log_values(state.global_step))
+            if "train_loss" in entry:  # the run's mean loss, as the Trainer reports it at its end
+                steps = range(1, state.global_step + 1)
+                values = {"train_loss": sum(log_values(s, spike_at)["loss"] for s in steps) / len(steps)}
+            elif "loss" in entry:
+                values = log_values(state.global_step, spike_at)
+            else:
+                return
+            entry.update(values)
+            if logs is not None:
+                logs.update(values)  # what the Trainer's printer shows
 
     return Pin()
+
+
+def first_callback(trainer, callback) -> None:
+    """Add `callback` to `trainer` ahead of its own (the printer and progress bars), so that what it sets in a log
+    entry is what they show."""
+    trainer.callback_handler.callbacks.insert(0, callback)

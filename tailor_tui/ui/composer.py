@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 
 SCAN_REDRAW = 0.05  # seconds between redraws of the scan's progress
 FEW_NAMED = 3  # folders a notice of skipped ones names
+SIDE_WIDTH = 46  # columns of the side panel beside the grid, at least (tailor.tcss: #side)
 
 
 def fit_title(parts: list[tuple[str, str]], room: int) -> str:
@@ -132,7 +133,21 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
     def on_mount(self) -> None:
         self.query_one("#main").display = False
         self.update_title()
+        self.watch(self.query_one(CheckpointGrid), "virtual_size", self.fit_side, init=False)
         self.scan_worker()
+
+    def fit_side(self) -> None:
+        """Wide: the side panel (details, loss curve) takes the columns the grid's checkpoints leave free, at least
+        its stylesheet's width and at most three fifths of the screen; narrow: below the grid, the stylesheet's."""
+        side = self.query_one("#side")
+        if self.has_class("-narrow"):
+            side.styles.clear_rule("width")
+            return
+        grid = self.query_one(CheckpointGrid)
+        free = self.size.width - grid.virtual_size.width - grid.scrollbar_size_vertical - 2  # (2: the side's border)
+        width = max(SIDE_WIDTH, min(free, self.size.width * 3 // 5))
+        if side.styles.width is None or side.styles.width.value != width:
+            side.styles.width = width
 
     def rel(self, path: Path | None) -> str:
         """A path as the user thinks of it: relative to the run directory when inside it."""
@@ -171,6 +186,7 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
 
     def on_resize(self) -> None:
         self.update_title()
+        self.fit_side()
         self.keep_focus_shown()
 
     # --- scanning ------------------------------------------------------------------------

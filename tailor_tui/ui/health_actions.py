@@ -8,6 +8,7 @@ points come from the headless core (`stats_run`; `healing.training_curve`, read 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
 LOSS, GRAD, MARK, CURSOR = "cyan", "gray", "cyan", "orange"  # the curve's colours (Plotext's names)
 TICK_ROOM = 8  # columns a step's label on the curve's axis takes, at least
 AXES_ROOM = 14  # columns the y axes' labels take, about
+FRAME_ROWS = 5  # rows of the figure around its plot: the title, the frame's top and bottom, the steps, the axes' names
+MAX_Y_TICKS = 7  # labels on a y axis, at most
 
 
 def figure(curve: TrainingCurve, cursor: int | None, width: int, height: int, theme: str) -> str:
@@ -44,6 +47,8 @@ def figure(curve: TrainingCurve, cursor: int | None, width: int, height: int, th
     cursor's checkpoint a line across and a ● (its numbers in the title). Tens of milliseconds
     for a long log: the widget draws it in a thread."""
     plt = Plot()
+    # exactly this size, never clipped to the process's terminal (plotext's public `limitsize` sets its module's figure)
+    plt._limit_size(False, False)  # type: ignore[attr-defined]
     plt.plotsize(width, height)
     plt.theme(theme)
     marks = checkpoint_marks(curve)
@@ -56,6 +61,12 @@ def figure(curve: TrainingCurve, cursor: int | None, width: int, height: int, th
         plt.ylabel("grad norm (grey)", "right")  # positional: the stub names it `xside`
         plt.plot(list(line.grad_steps), list(line.grad_norms), marker="braille", color=GRAD, yside="right")
     plt.plot(list(line.steps), list(line.losses), marker="braille", color=LOSS)
+    for values, side in ((line.losses, "left"), (line.grad_norms, "right")):
+        if (found := y_ticks(values, height - FRAME_ROWS)) is not None:
+            ticks, labels = found
+            axes: Any = plt  # (its stub types ylim's and yticks' `yside` as a number)
+            axes.ylim(min(values), max(values), yside=side)  # (the ticks' rows: the lowest on the bottom row)
+            axes.yticks(ticks, labels, yside=side)
     if marks:
         if circles:
             plt.scatter([s for s, _ in marks], [v for _, v in marks], marker="○", color=MARK)
@@ -66,6 +77,20 @@ def figure(curve: TrainingCurve, cursor: int | None, width: int, height: int, th
         plt.vline(cursor, CURSOR)
         plt.scatter([cursor], [loss], marker="●", color=CURSOR)
     return plt.build()
+
+
+def y_ticks(values, rows: int) -> tuple[list[float], list[str]] | None:
+    """Ticks of a y axis `rows` text rows tall spanning `values` (their lowest to their highest, the axis' limits),
+    each on a row of its own, evenly: on every row where they fit (MAX_Y_TICKS), else every few rows from the lowest;
+    labelled with the decimals that tell neighbours apart. None: nothing to span."""
+    if rows < 2 or not values or not (hi := max(values)) > (lo := min(values)) or not math.isfinite(hi - lo):
+        return None
+    fewest = -(-(rows - 1) // (MAX_Y_TICKS - 1))  # rows from one tick to the next, at least
+    every = next((e for e in range(fewest, fewest + 3) if (rows - 1) % e == 0), fewest)  # the top labelled too
+    per_row = (hi - lo) / (rows - 1)
+    ticks = [lo + r * per_row for r in range(0, rows - 1, every)] + ([hi] if (rows - 1) % every == 0 else [])
+    decimals = min(4, max(0, 1 - math.floor(math.log10(every * per_row))))
+    return ticks, [f"{t:.{decimals}f}" for t in ticks]
 
 
 def checkpoint_marks(curve: TrainingCurve) -> list[tuple[int, float]]:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tailor_tui.errors import TailorError
-from tailor_tui.planning.recipe_file import load_recipe
+from tailor_tui.planning.recipe_file import converted_path, load_recipe
 from tailor_tui.team.sbatch import write_sbatch
 from tailor_tui.ui.dialogs import Answer, Confirm, ErrorDialog, PathPrompt
 from tailor_tui.units import WHOLE_NUMBER, clipped, whole_number
@@ -68,8 +68,15 @@ class RecipeActions:
             if value:
                 self.save_to(Path(os.path.expanduser(value)), then=then)
 
-        default = comp.recipe_path or self.options.recipe or Path("recipe.yaml")
-        self.app.push_screen(PathPrompt("Save the recipe as", str(default)), done)
+        if comp.recipe_path is None and comp.read_from is not None:
+            try:
+                default = converted_path(comp.read_from)
+            except TailorError:
+                default = comp.read_from.with_name("recipe.yaml")
+            title = f"Save the picks as a tailor-tui recipe ({self.rel(comp.read_from)}, LLMTailor's, stays as it is)"
+        else:
+            default, title = comp.recipe_path or self.options.recipe or Path("recipe.yaml"), "Save the recipe as"
+        self.app.push_screen(PathPrompt(title, str(default)), done)
 
     def action_write_batch_job(self: ComposerHost, bytes_to_write: int) -> None:
         """Save the recipe, then write the sbatch script that composes it over several nodes."""
@@ -93,6 +100,19 @@ class RecipeActions:
             return
         target = comp.recipe_path
         ours = target is not None and target.exists() and path.exists() and os.path.samefile(path, target)
+        llmtailor = comp.read_from is not None and path.exists() and comp.read_from.exists() \
+            and os.path.samefile(path, comp.read_from)
+        if llmtailor and not confirmed:
+            def replace(yes: Answer) -> None:
+                if yes:
+                    self.save_to(path, confirmed=True, then=then)
+
+            self.app.push_screen(Confirm(f"Replace the LLMTailor recipe {self.rel(path)}?",
+                                         f"{path} is the LLMTailor recipe these picks were read from. Replacing it "
+                                         "writes a tailor-tui recipe in its place: its slices become one pick per "
+                                         "row, and LLMTailor cannot read it any more. Back keeps it; save to "
+                                         "another name with S.", accept="Replace", decline="Back"), replace)
+            return
         if path.exists() and not ours and not confirmed:
             def answer(yes: Answer) -> None:
                 if yes:
@@ -141,6 +161,5 @@ class RecipeActions:
             self.app.push_screen(ErrorDialog(str(exc), title="Cannot load the recipe"))
             return
         if recipe.converted_from is not None:  # ctrl+s asks where: never over the LLMTailor file
-            self.active_composition.recipe_path = None
             self.notify(f"read {self.rel(path)} as an {recipe.converted_from} recipe; ctrl+s saves the picks "
-                        "as a tailor-tui recipe")
+                        "as a tailor-tui recipe beside it, leaving it as it is")
