@@ -132,6 +132,10 @@ RUNS = {
     "hf_bert": RunSpec(arch="bert", tied=True, layers=3, steps=4, save_every=2),
     "hf_t5": RunSpec(arch="t5", layers=3, steps=4, save_every=2),
     "hf_gpt_neox": RunSpec(arch="gpt_neox", layers=3, steps=4, save_every=2),
+    # Zamba2: layers 1 and 3 run one shared attention+MLP block (tied by transformers where embeddings are)
+    "hf_zamba2": RunSpec(arch="zamba2", tied=True, steps=4, save_every=2),
+    # ALBERT: one layer group every layer runs
+    "hf_albert": RunSpec(arch="albert", tied=True, steps=4, save_every=2),
     # a vision encoder (BEiT, 16x16 images): each block holds its layer-scale factors itself, and
     # transformers 5 saves `beit.layers.N` as `beit.encoder.layer.N` (its conversion mapping)
     "hf_beit": RunSpec(arch="beit", layers=3, steps=4, save_every=2),

@@ -145,8 +145,25 @@ ARCHS = {
         ["embed_tokens", "layers.0", "layers.1", "layers.2", "norm", "lm_head"],
         [(r"model\.layers\.(\d+)\.", r"layers.\1"), (r"model\.(\w+)\.", r"\1"), (r"lm_head\.", "lm_head")],
     ),
+    # a hybrid whose layers 1 and 3 run one attention+MLP block (`shared_transformer`, with an adapter per layer
+    # running it): the block is a row of its own, named for where it is first held; layer 3's names of it are
+    # aliases, saved under them too
+    "hf_zamba2": (
+        ["embed_tokens", "layers.0", "layers.1", "layers.1.shared_transformer", "layers.2", "layers.3",
+         "final_layernorm", "lm_head"],
+        [(r"model\.layers\.\d+\.shared_transformer\.", "layers.1.shared_transformer"),
+         (r"model\.layers\.(\d+)\.", r"layers.\1"), (r"model\.(\w+)\.", r"\1"), (r"lm_head\.", "embed_tokens")],
+    ),
+    # ALBERT: one layer group that every layer runs, a row as any block is
+    "hf_albert": (
+        ["embeddings", "embedding_hidden_mapping_in", "albert_layer_groups.0", "predictions"],
+        [(r"albert\.encoder\.albert_layer_groups\.(\d+)\.", r"albert_layer_groups.\1"),
+         (r"albert\.encoder\.embedding_hidden_mapping_in\.", "embedding_hidden_mapping_in"),
+         (r"albert\.embeddings\.", "embeddings"), (r"predictions\.decoder\.weight", "embeddings"),
+         (r"predictions\.", "predictions")],
+    ),
 }
-TIED = {"hf_t5": {"encoder.embed_tokens", "decoder.embed_tokens", "lm_head"}}
+TIED = {"hf_t5": {"encoder.embed_tokens", "decoder.embed_tokens", "lm_head"}, "hf_zamba2": {"lm_head"}}
 
 
 def row_of(run: str, name: str) -> str:
@@ -432,3 +449,31 @@ def test_a_vision_language_recipe_names_rows_short_by_module_path_or_by_earlier_
     lines = stats.stdout.splitlines()
     assert lines.index("[vision]") < next(i for i, x in enumerate(lines) if x.startswith("vision.layers.0"))
     assert lines.index("[language]") < next(i for i, x in enumerate(lines) if x.startswith("layers.0"))
+
+
+def test_a_block_several_layers_run_is_picked_alone_for_all_of_them_and_resumes(real_run, tmp_path):
+    """Issue 60 (7): Zamba2's layers 1 and 3 run one attention+MLP block. It is a row of its own
+    (`layers.1.shared_transformer`, named by its module path in a recipe too): taken alone from the older
+    checkpoint, every tensor of it (and its moments) is that checkpoint's, every other row the base's; picking
+    `layers.1` never moves it (what layer 3 runs); no plan lists tie notes; the output resumes in the Trainer."""
+    run, spec = real_run("hf_zamba2")
+    old, base = checkpoints_of(run, spec)[0], checkpoints_of(run, spec)[-1]
+    rows = {r.name: r for r in open_checkpoint(base).rows}
+    block = rows["layers.1.shared_transformer"]
+    assert len(block.params) == 12 and {a.split(".")[2] for a, _t in block.aliases} == {"3"}  # layer 3 runs it
+    assert not rows["layers.3"].aliases and not any("shared" in p for p in rows["layers.1"].params)
+    for pick, moved in (("model.layers.1.shared_transformer", "layers.1.shared_transformer"), ("layers.1", "layers.1")):
+        out = tmp_path / moved
+        recipe = write_recipe(tmp_path, base, {pick: old}, output=out.name)
+        dry = tailor("--apply", recipe, "--dry-run")
+        assert dry.returncode == 0 and "note:" not in dry.stdout, dry.stdout + dry.stderr
+        assert tailor("--apply", recipe).returncode == 0
+        got, theirs, mine = read_full_state(out), read_full_state(old), read_full_state(base)
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            for param, value in got[key].items():
+                source = theirs if row_of("hf_zamba2", param) == moved else mine
+                assert torch.equal(value, source[key][param]), (pick, key, param)
+        assert tailor("--verify", recipe).returncode == 0
+    losses = resume_and_step(tmp_path / "layers.1.shared_transformer", spec, tmp_path / "resume")
+    assert losses and all(math.isfinite(x) for x in losses)
+    assert_optim_states_equal(tmp_path / "layers.1.shared_transformer", tmp_path / "resume" / "resaved")

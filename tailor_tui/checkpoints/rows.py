@@ -239,7 +239,59 @@ def model_rows(params: Iterable[str], buffers: Iterable[str] = (), aliases: dict
         elif name in aliases:
             entry[3].append((name, aliases[name]))
     rows = [Row(r, mp, tuple(p), tuple(b), tuple(a), groups[r]) for r, (mp, p, b, a) in owned.items()]
-    return _grouped(tuple(r for r in rows if r.params or r.buffers or r.aliases))
+    return _grouped(_shared_blocks(tuple(r for r in rows if r.params or r.buffers or r.aliases)))
+
+
+def _shared_blocks(rows: tuple[Row, ...]) -> tuple[Row, ...]:
+    """Each module one row holds that other rows run too (its names there aliases of its parameters, at the same
+    place in them: Zamba2's `layers.3.shared_transformer.…` tied to `layers.1.shared_transformer.…`) taken out of
+    it as a row of its own, named for it (`layers.1.shared_transformer`) and placed after it, with its aliases in
+    every row running it: picking it moves the block for every layer that runs it, picking a layer never does."""
+    by_name = {r.name: r for r in rows}
+    owner = {n: r.name for r in rows for n in (*r.params, *r.buffers)}
+    shared: dict[str, tuple[str, str]] = {}  # the shared module's path -> (its row, its path less the row's)
+    for row in rows:
+        for alias, target in row.aliases:
+            holder = by_name.get(owner.get(target, ""))
+            if holder is None or holder.name == row.name or not alias.startswith(row.module_path + "."):
+                continue
+            rel = alias[len(row.module_path) + 1:]
+            if target != f"{holder.module_path}.{rel}":
+                continue  # tied elsewhere than at the same place (an lm_head to an embedding): followed as today
+            mirrored = {a[len(row.module_path) + 1:] for a, t in row.aliases
+                        if a.startswith(row.module_path + ".") and owner.get(t) == holder.name}
+            parts = rel.split(".")
+            for k in range(1, len(parts)):  # the largest module of the holder every name of which this row runs
+                module = ".".join(parts[:k])
+                held = [n[len(holder.module_path) + 1:] for n in (*holder.params, *holder.buffers)
+                        if n.startswith(f"{holder.module_path}.{module}.")]
+                if held and all(n in mirrored for n in held):
+                    path = f"{holder.module_path}.{module}"
+                    if not any(path.startswith(p + ".") for p in shared):  # (within a block found already)
+                        shared = {p: v for p, v in shared.items() if not p.startswith(path + ".")}
+                        shared.setdefault(path, (holder.name, module))
+                    break
+    if not shared:
+        return rows
+    blocks: dict[str, list[Row]] = {}  # a holder's name -> the rows of the blocks taken out of it
+    for path, (name, rel) in shared.items():
+        holder = by_name[name]
+        inside = [n for n in (*holder.params, *holder.buffers) if n.startswith(path + ".")]
+        blocks.setdefault(name, []).append(Row(
+            f"{name}.{rel}", path, tuple(n for n in holder.params if n in inside),
+            tuple(n for n in holder.buffers if n in inside),
+            tuple((a, t) for r in rows for a, t in r.aliases if t.startswith(path + ".")), holder.group))
+    moved = {n for found in blocks.values() for b in found for n in (*b.params, *b.buffers)}
+    runs = {a for found in blocks.values() for b in found for a, _t in b.aliases}
+    out: list[Row] = []
+    for row in rows:
+        kept = replace(row, params=tuple(n for n in row.params if n not in moved),
+                       buffers=tuple(n for n in row.buffers if n not in moved),
+                       aliases=tuple((a, t) for a, t in row.aliases if a not in runs))
+        if kept.params or kept.buffers or kept.aliases:
+            out.append(kept)
+        out += blocks.get(row.name, [])
+    return tuple(out)
 
 
 def _grouped(rows: tuple[Row, ...]) -> tuple[Row, ...]:

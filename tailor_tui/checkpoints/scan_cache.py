@@ -21,8 +21,9 @@ from tailor_tui.checkpoints.cache import entry, file_identity, read_json, write_
 from tailor_tui.checkpoints.layout import ZeroLayout
 from tailor_tui.checkpoints.rows import Row
 
-FORMAT = 5  # of the entries: bump when what they hold or mean changes (4: a multimodal model's rows per stack;
-# 5: a PEFT model's rows the plain model's where LoRA adapts a numbered Sequential)
+FORMAT = 6  # of the entries: bump when what they hold or mean changes (4: a multimodal model's rows per stack;
+# 5: a PEFT model's rows the plain model's where LoRA adapts a numbered Sequential; 6: a block several layers run,
+# a row of its own)
 MAX_CACHED = 64 << 20  # an entry larger than this is not one of ours
 PRECISIONS = ("fp16", "fp32")
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # for annotations only (see above)
     from transformers import PreTrainedModel
 
 ARCHS = ("llama", "opt", "bert", "t5", "gpt_neox", "beit", "llava", "llava_next", "qwen2_vl", "qwen2_5_vl",
-         "mllama")
+         "mllama", "zamba2", "albert")
 HEADS = 4
 MAX_POSITIONS = 64
 IMAGE, LABELS = 16, 4  # the vision models': 16x16 images, 4 classes
@@ -122,6 +122,20 @@ def model_config(spec):
                                    max_position_embeddings=MAX_POSITIONS, cross_attention_layers=[1],
                                    bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=spec.tied)
         return tf.MllamaConfig(vision_config=vision, text_config=text, image_token_index=spec.vocab - 1)
+    if spec.arch == "zamba2":  # a hybrid: Mamba2 layers, and every second one also runs the one shared attention+MLP
+        # block (`shared_transformer`, with an MLP adapter per layer running it); torch's Mamba2 path on CPU
+        return tf.Zamba2Config(**common, hidden_size=spec.hidden, intermediate_size=inter,
+                               num_hidden_layers=spec.layers,
+                               layers_block_type=["hybrid" if i % 2 else "mamba" for i in range(spec.layers)],
+                               num_attention_heads=HEADS, num_key_value_heads=HEADS,
+                               attention_head_dim=2 * spec.hidden // HEADS, mamba_d_state=8, mamba_headdim=8,
+                               n_mamba_heads=2 * spec.hidden // 8, mamba_ngroups=1, num_mem_blocks=1,
+                               adapter_rank=4, use_mem_rope=False, max_position_embeddings=MAX_POSITIONS)
+    if spec.arch == "albert":  # one layer group that every layer runs: ALBERT's cross-layer sharing
+        return tf.AlbertConfig(**common, embedding_size=spec.hidden // 2, hidden_size=spec.hidden,
+                               intermediate_size=inter, num_hidden_layers=spec.layers, num_attention_heads=HEADS,
+                               num_hidden_groups=1, max_position_embeddings=MAX_POSITIONS, hidden_dropout_prob=0.0,
+                               attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0, pad_token_id=0)
     raise ValueError(f"unknown arch {spec.arch!r}: one of {', '.join(ARCHS)}")
 
 
@@ -135,7 +149,8 @@ def base_model(spec):
            "beit": tf.BeitForImageClassification, "llava": tf.LlavaForConditionalGeneration,
            "llava_next": tf.LlavaNextForConditionalGeneration,
            "qwen2_vl": tf.Qwen2VLForConditionalGeneration, "qwen2_5_vl": tf.Qwen2_5_VLForConditionalGeneration,
-           "mllama": tf.MllamaForConditionalGeneration}[spec.arch]
+           "mllama": tf.MllamaForConditionalGeneration, "zamba2": tf.Zamba2ForCausalLM,
+           "albert": tf.AlbertForMaskedLM}[spec.arch]
     torch.manual_seed(spec.seed)
     config = model_config(spec)
     # A model of sub-models (a vision-language model: its vision tower, its language model) is made
@@ -212,8 +227,8 @@ def param_groups(model, weight_decay: float = 0.1):
 
 def batch_inputs(spec, ids):
     """The model's keyword inputs for token ids `ids` (one row or a batch): causal LMs predict
-    `ids`; BERT the tokens of every 4th position, masked (id vocab-1); T5 `ids` reversed."""
-    if spec.arch == "bert":
+    `ids`; BERT (and ALBERT) the tokens of every 4th position, masked (id vocab-1); T5 `ids` reversed."""
+    if spec.arch in ("bert", "albert"):
         import torch
 
         pos = torch.arange(ids.shape[-1])
