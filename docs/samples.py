@@ -132,12 +132,19 @@ def in_order(lines: list[str]) -> list[str]:
 
 def keys_table() -> str:
     """The composer's keys, by task, in its help screen's words (ui/actions.py)."""
-    from tailor_tui.ui.actions import ACTIONS, GROUPS
+    from textual.binding import Binding
+
+    from tailor_tui.ui.actions import ACTIONS, GROUPS, key_text
+    from tailor_tui.ui.app import SCREEN_KEYS
 
     rows = ["| | keys |", "|---|---|"]
     for group in GROUPS:
         keys = [f"`{a.key_text}` {a.help}" for a in ACTIONS if a.group == group and a.help]
         rows.append(f"| {group} | {' · '.join(keys)} |")
+    for title, bindings in SCREEN_KEYS:  # the screens over the grid, from their own bindings, as the help lists them
+        keys = [f"`{key_text(b.key)}` {b.description[:1].lower()}{b.description[1:]}" for b in bindings
+                if isinstance(b, Binding) and b.show and b.description]
+        rows.append(f"| {title[:1].lower()}{title[1:]} | {' · '.join(keys)} |")
     return "\n".join(rows) + "\n"
 
 

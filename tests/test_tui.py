@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import checkpoints_of, tree_digest
+from helpers import tailor, write_recipe
 from pilot_helpers import compose_finished, private_copy, scanned, start_composing, wait_for
 from textual.widgets import Input
 from zero_reader import read_full_state
@@ -540,10 +541,11 @@ async def test_help_lists_every_binding_and_scrolls_to_the_last(run_copy, size):
     """The help's keys come from the one table of actions: every key bound on the app, the
     composer's screen and the grid is in it; at 80×24 and 200×50 the keyboard scrolls it to its last
     line, none cut or wrapped, and how to close it is always in view."""
+    from textual.binding import Binding
     from textual.containers import VerticalScroll
 
-    from tailor_tui.ui.actions import ACTIONS
-    from tailor_tui.ui.dialogs import HELP
+    from tailor_tui.ui.actions import ACTIONS, key_text
+    from tailor_tui.ui.dialogs import HELP, PlanDialog
 
     run, _ckpts = run_copy
     app = make_app(run)
@@ -560,7 +562,13 @@ async def test_help_lists_every_binding_and_scrolls_to_the_last(run_copy, size):
         title = str(app.home.query_one("#title").render())
         assert title.startswith("tailor-tui · unsaved recipe · base ")  # the recipe first, whole at 80 columns
         scroll = app.screen.query_one(VerticalScroll)
-        lines = HELP.splitlines()
+        text = app.screen.text
+        assert text.startswith(HELP)
+        for screen in (PlanDialog, Confirm, ProgressScreen):  # every key the screens over the grid show, from
+            for b in screen.BINDINGS:  # their own bindings (issue 60: the plan's ! was missing)
+                assert not (isinstance(b, Binding) and b.show) or f"{key_text(b.key)}: " in text, (screen, b)
+        assert "!: compose anyway" in text
+        lines = text.splitlines()
         assert scroll.virtual_size.height == len(lines)  # every line, none cut, none wrapped in two
         assert scroll.virtual_size.width <= scroll.size.width
         assert scroll.max_scroll_y > 0 or size != (80, 24)  # 80×24 does not hold it all
@@ -920,3 +928,24 @@ async def test_every_message_says_what_happened(run_copy, tmp_path):
         await pilot.pause()
         status = str(screen.query_one("#compose-status").render())
         assert "hf is the earlier output, as it was" in status and "nothing was left" not in status
+
+
+@pytest.mark.parametrize("size", [(80, 24), (200, 50)])
+async def test_a_folder_of_outputs_only_says_so_whole_and_offers_only_help_and_quit(run_copy, tmp_path, size):
+    """Issue 60 (10): a folder holding only what tailor-tui composed: the line saying so wraps (it was cut at 80
+    columns), and with nothing to pick the footer offers no Pick, Heal, Compose or Save: help and quit."""
+    run, (c2, c4, c6) = run_copy
+    outputs = tmp_path / "outputs"
+    outputs.mkdir()
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c4}, output="outputs/fixed")
+    assert tailor("--apply", recipe).returncode == 0
+    app = make_app(outputs)
+    async with app.run_test(size=size) as pilot:
+        await wait_for(pilot, lambda: "open the run those came from" in str(app.query_one("#scan-label").render()))
+        label = app.query_one("#scan-label")
+        assert label.region.right <= size[0] and label.region.height >= (2 if size[0] == 80 else 1)
+        shown = {b.binding.description for b in app.screen.active_bindings.values() if b.binding.show}
+        assert shown == {"Help", "Quit"}, shown
+        await pilot.press("h", "ctrl+r", "ctrl+s")  # nothing happens: no dialog, no error
+        await pilot.pause()
+        assert len(app.screen_stack) == 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import textwrap
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from textual.binding import Binding, BindingType
@@ -43,11 +44,16 @@ class Action:
     @property
     def key_text(self) -> str:
         """Its keys as a person writes them: `u / ctrl+z`."""
-        return self.shows or " / ".join(_KEY_NAMES.get(k, k) for k in self.keys.split(","))
+        return self.shows or key_text(self.keys)
 
 
 _KEY_NAMES = {"question_mark": "?", "slash": "/", "space": "space", "enter": "Enter", "escape": "Esc",
-              "pageup": "pgup", "pagedown": "pgdn"}
+              "pageup": "pgup", "pagedown": "pgdn", "exclamation_mark": "!"}
+
+
+def key_text(keys: str) -> str:
+    """A Textual key list as a person writes it: `enter,y` is `Enter / y`."""
+    return " / ".join(_KEY_NAMES.get(k, k) for k in keys.split(","))
 
 GROUPS = ("pick", "move", "view", "recipe", "export", "compose", "other")
 
@@ -112,9 +118,7 @@ ACTIONS: tuple[Action, ...] = (
            "the composition as a plain HF model folder, to evaluate"),
     # compose
     Action("run_compose", "ctrl+r", "Compose", "Review the plan and compose", "compose",
-           "review the plan, then compose (Esc cancels); in the plan: w the world size, s an sbatch script (a "
-           "large plan on a login node), ! compose anyway (an output holding NaN/Inf; e's export too)",
-           footer=True),
+           "review the plan, then compose (the plan's own keys: in the plan, below)", footer=True),
     # other
     Action("help", "question_mark,f1", "Help", "Help: what each mark means, the keys", "other", "help",
            footer=True, owner=APP),
@@ -152,4 +156,25 @@ def keys_help(width: int = 68) -> str:
             else:
                 rows.extend(textwrap.wrap(entry, room, break_long_words=False, break_on_hyphens=False))
         lines += [f"  {group if i == 0 else '':<8} {row}" for i, row in enumerate(rows)]
+    return "\n".join(lines) + "\n"
+
+
+def screens_help(screens: Iterable[tuple[str, Iterable[BindingType]]], width: int = 68) -> str:
+    """The keys of the screens over the composer (dialogs, the progress screen), from their own bindings (each
+    `(what it is, its BINDINGS)`): a paragraph per screen of `keys: what` entries, those its footer shows."""
+    room = width - 4
+    lines = []
+    for title, found in screens:
+        entries = [f"{key_text(b.key)}: {b.description[:1].lower()}{b.description[1:]}" for b in found
+                   if isinstance(b, Binding) and b.show and b.description]
+        rows: list[str] = []
+        joinable = False  # (never onto the last line of an entry broken across lines)
+        for entry in entries:
+            if joinable and len(rows[-1]) + 3 + len(entry) <= room:
+                rows[-1] += "   " + entry
+            else:
+                wrapped = textwrap.wrap(entry, room, break_long_words=False, break_on_hyphens=False)
+                rows.extend(wrapped)
+                joinable = len(wrapped) == 1
+        lines += [title, *(f"  {row}" for row in rows)]
     return "\n".join(lines) + "\n"

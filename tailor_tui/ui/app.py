@@ -24,9 +24,12 @@ from tailor_tui.team.sbatch import LARGE
 from tailor_tui.team.workers import prepare_worker_processes
 from tailor_tui.ui.actions import APP, bindings, palette_actions
 from tailor_tui.ui.composer import ComposerOptions, ComposerScreen
-from tailor_tui.ui.dialogs import Answer, Confirm, HelpScreen
+from tailor_tui.ui.dialogs import DIALOG_KEYS, Answer, Confirm, HelpScreen
 from tailor_tui.ui.plain import notice
 from tailor_tui.ui.progress_screen import ProgressScreen
+
+# every screen over the grid, with its keys (from its own bindings): the help lists them, and docs/composer.md
+SCREEN_KEYS = (*DIALOG_KEYS, ("While composing or exporting", ProgressScreen.BINDINGS))
 
 
 class TailorApp(App):
@@ -101,13 +104,17 @@ class TailorApp(App):
     async def action_quit(self) -> None:
         self.action_request_quit()  # ctrl+q asks too
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # ctrl+s: from any screen, once there are picks to save (not while scanning, nor in a folder of no run)
+        return action != "save_recipe" or (bool(self.screen_stack) and self.home.composition is not None)
+
     def action_save_recipe(self) -> None:
         """ctrl+s saves the session's recipe from any screen (a dialog, the progress screen)."""
         self.home.action_save_recipe()
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen())
+            self.push_screen(HelpScreen(SCREEN_KEYS))
 
     def notify(self, message: str, *, title: str = "", severity: SeverityLevel = "information",
                timeout: float | None = None, markup: bool = True) -> None:

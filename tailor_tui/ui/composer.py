@@ -237,10 +237,12 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
             self.query_one("#scan-bar", ProgressBar).display = False  # nothing more is coming
             self.query_one("#scan-label", Label).update(
                 plain_lines([f"{result.nothing_found(self.options.run_dir)}. q quits.", *why]))
+            self.refresh_bindings()  # (nothing to pick, heal or compose: only help and quit)
             return
         self.composition = Composition.start(list(result.checkpoints))
         self.query_one("#scanning").display = False
         self.query_one("#main").display = True
+        self.refresh_bindings()  # (the composer's keys, now that there is something to pick)
         if self.options.recipe is not None:
             if self.options.recipe.exists():
                 self.adopt_recipe(self.options.recipe)  # on failure it is not the save target
@@ -489,8 +491,9 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
         self.refresh_view()
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        # Under a dialog or the progress screen the grid's keys do nothing: the footer hides them.
-        return self.on_top and (action != "focus_details" or self.details_shown)
+        # Under a dialog or the progress screen the grid's keys do nothing, nor with no checkpoint to pick from
+        # (scanning, or a folder of none): the footer hides them.
+        return self.on_top and self.composition is not None and (action != "focus_details" or self.details_shown)
 
     @property
     def on_top(self) -> bool:

@@ -6,12 +6,12 @@ from typing import Any, Iterable
 
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
-from tailor_tui.ui.actions import keys_help
+from tailor_tui.ui.actions import keys_help, screens_help
 from tailor_tui.ui.plain import plain, plain_lines
 
 
@@ -104,8 +104,11 @@ class PlanDialog(Confirm):
     unhealthy rows) going back is the default: Enter and y go back, and only ! (or a click on
     its button) composes anyway, as `--allow-nonfinite` does headlessly."""
 
-    BINDINGS = [*Confirm.BINDINGS, Binding("w", "world_size", "World size"), Binding("s", "batch", "Batch job"),
-                Binding("exclamation_mark", "accept_anyway", "Compose anyway")]
+    BINDINGS = [Binding("enter,y", "accept", "Compose (back, where the output would hold NaN/Inf)"),
+                Binding("escape,n", "decline", "Back"), *Confirm.BINDINGS[2:],
+                Binding("w", "world_size", "World size"), Binding("s", "batch", "sbatch script (a large plan on a "
+                                                                            "login node)"),
+                Binding("exclamation_mark", "accept_anyway", "Compose anyway (an output holding NaN/Inf)")]
 
     def __init__(self, *args: Any, batch: bool = False, risky: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -180,7 +183,10 @@ The base is what the output starts from: every row not picked
 elsewhere, and the optimizer settings, steps, scheduler, RNG
 states and every other file of the checkpoint.
 
-""" + keys_help(HELP_WIDTH)
+""" + keys_help(HELP_WIDTH) + "\n"
+# the keys of the dialogs over the grid, each from its own bindings (the help and docs/composer.md list them)
+DIALOG_KEYS = (("In the plan (ctrl+r; e's export)", PlanDialog.BINDINGS), ("In a question", Confirm.BINDINGS),
+               ("In a prompt (Enter: done)", PathPrompt.BINDINGS), ("In a message", ErrorDialog.BINDINGS))
 
 
 class HelpScreen(ModalScreen[None]):
@@ -189,11 +195,16 @@ class HelpScreen(ModalScreen[None]):
 
     BINDINGS = [Binding("escape,question_mark,f1,q", "close", "Close")]
 
+    def __init__(self, screens: Iterable[tuple[str, Iterable[BindingType]]] = DIALOG_KEYS) -> None:
+        """`screens`: (what, BINDINGS) of every screen over the grid whose keys it lists (`app.SCREEN_KEYS`)."""
+        super().__init__()
+        self.text = HELP + screens_help(screens, HELP_WIDTH)
+
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog help"):
             yield Label("tailor-tui: help · Esc closes · arrows, pgup/pgdn, home/end scroll", classes="dialog-title")
             with VerticalScroll(classes="help-scroll"):
-                yield Static(Text(HELP.rstrip("\n"), no_wrap=True), classes="help-body")
+                yield Static(Text(self.text.rstrip("\n"), no_wrap=True), classes="help-body")
 
     def on_mount(self) -> None:
         self.query_one(VerticalScroll).focus()  # the keys scroll it at once
