@@ -141,10 +141,12 @@ def keys_table() -> str:
     for group in GROUPS:
         keys = [f"`{a.key_text}` {a.help}" for a in ACTIONS if a.group == group and a.help]
         rows.append(f"| {group} | {' · '.join(keys)} |")
-    for title, bindings in SCREEN_KEYS:  # the screens over the grid, from their own bindings, as the help lists them
+    screens = []  # the screens over the grid, from their own bindings, as the help lists them: one row
+    for title, bindings in SCREEN_KEYS:
         keys = [f"`{key_text(b.key)}` {b.description[:1].lower()}{b.description[1:]}" for b in bindings
                 if isinstance(b, Binding) and b.show and b.description]
-        rows.append(f"| {title[:1].lower()}{title[1:]} | {' · '.join(keys)} |")
+        screens.append(f"{title[:1].lower()}{title[1:]}: {' · '.join(keys)}")
+    rows.append(f"| dialogs | {'; '.join(screens)} |")
     return "\n".join(rows) + "\n"
 
 
