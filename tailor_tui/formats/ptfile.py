@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 from tailor_tui.checked import crc
 from tailor_tui.checked.evidence import checked_crcs, record_failed
-from tailor_tui.checked.files import open_regular
+from tailor_tui.checked.files import NotRegular, open_regular
 from tailor_tui.checked.ranges import Window
 from tailor_tui.errors import CheckpointError
 from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, unsupported_version, version_in_pickle
@@ -93,6 +93,8 @@ def _first_bytes(path: Path) -> bytes:
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot be opened ({exc.strerror or exc}); "
                               "check that it exists and is readable") from None
+    except NotRegular as exc:  # a checkpoint's file: what to do
+        raise CheckpointError(f"{exc}; re-copy it from the training run") from None
     try:
         return os.pread(fd, 4, 0)
     finally:

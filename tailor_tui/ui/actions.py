@@ -118,7 +118,7 @@ ACTIONS: tuple[Action, ...] = (
            "the composition as a plain HF model folder, to evaluate"),
     # compose
     Action("run_compose", "ctrl+r", "Compose", "Review the plan and compose", "compose",
-           "review the plan, then compose (the plan's own keys: in the plan, below)", footer=True),
+           "review the plan, then compose (the plan's own keys: below)", footer=True),
     # other
     Action("help", "question_mark,f1", "Help", "Help: what each mark means, the keys", "other", "help",
            footer=True, owner=APP),

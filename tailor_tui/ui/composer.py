@@ -144,7 +144,8 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
             side.styles.clear_rule("width")
             return
         grid = self.query_one(CheckpointGrid)
-        free = self.size.width - grid.virtual_size.width - grid.scrollbar_size_vertical - 2  # (2: the side's border)
+        # (2: the side's border, and a column between)
+        free = self.size.width - grid.virtual_size.width - grid.scrollbar_size_vertical - 2
         width = max(SIDE_WIDTH, min(free, self.size.width * 3 // 5))
         if side.styles.width is None or side.styles.width.value != width:
             side.styles.width = width

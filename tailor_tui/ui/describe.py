@@ -173,7 +173,7 @@ def _row_lines(comp: Composition, health: Health | None, row, column: int | None
               for alias, target, partner in tied_members(comp.base_checkpoint, row)]
     numel = sum(math.prod(_shapes(comp)[p]) for p in row.params)
     lines.append(f"params  {len(row.params)} tensors, {numel:,} elements")
-    lines.append(f"state   {size(numel * 4)} fp32 masters + optimizer state")  # (its size: the optimizer's)
+    lines.append(f"state   {size(numel * 4)} fp32 masters + optimizer state")  # (the latter's size: its optimizer's)
     block = row_block(health, comp.checkpoints, row.name, column, metric)
     return lines + ([""] + block if block else [])
 

@@ -105,9 +105,9 @@ class PlanDialog(Confirm):
     its button) composes anyway, as `--allow-nonfinite` does headlessly."""
 
     BINDINGS = [Binding("enter,y", "accept", "Compose (back, where the output would hold NaN/Inf)"),
-                Binding("escape,n", "decline", "Back"), *Confirm.BINDINGS[2:],
-                Binding("w", "world_size", "World size"), Binding("s", "batch", "sbatch script (a large plan on a "
-                                                                            "login node)"),
+                Binding("escape,n", "decline", "Back"), *Confirm.BINDINGS[2:],  # (its scrolling keys)
+                Binding("w", "world_size", "World size"),
+                Binding("s", "batch", "sbatch script (a large plan on a login node)"),
                 Binding("exclamation_mark", "accept_anyway", "Compose anyway (an output holding NaN/Inf)")]
 
     def __init__(self, *args: Any, batch: bool = False, risky: bool = False, **kwargs: Any) -> None:
