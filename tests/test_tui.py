@@ -848,7 +848,7 @@ async def test_export_of_a_deepspeed_layout_run_asks_for_its_config(real_run, tm
 def test_the_title_keeps_every_part_at_80_columns_shortening_paths_from_the_left():
     """Long recipe and output paths are shortened from the left, so that the output is named at 80
     columns (it used to end at `output` and nothing after it)."""
-    from tailor_tui.ui.composer import fit_title
+    from tailor_tui.ui.describe import fit_title
 
     recipe = "experiments/2026-11/llama-8b-pubmed/recipes/new.yaml"
     output = "/scratch/team/llama-8b-pubmed/run-3/checkpoint-6-tailored"

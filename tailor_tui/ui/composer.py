@@ -36,7 +36,7 @@ from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.output import not_replaceable
 from tailor_tui.team.sbatch import offer_batch
 from tailor_tui.ui.actions import DETAILS, HOME, bindings
-from tailor_tui.ui.describe import details_lines, nonfinite_lines
+from tailor_tui.ui.describe import details_lines, fit_title, nonfinite_lines
 from tailor_tui.ui.dialogs import Answer, Confirm, ErrorDialog, PathPrompt, PlanDialog
 from tailor_tui.ui.export_actions import ExportActions
 from tailor_tui.ui.grid import CheckpointGrid
@@ -59,28 +59,6 @@ if TYPE_CHECKING:
 SCAN_REDRAW = 0.05  # seconds between redraws of the scan's progress
 FEW_NAMED = 3  # folders a notice of skipped ones names
 SIDE_WIDTH = 46  # columns of the side panel beside the grid, at least (tailor.tcss: #side)
-
-
-def fit_title(parts: list[tuple[str, str]], room: int) -> str:
-    """`label + path` parts joined by ` · `, their paths shortened from the left until the line fits
-    `room`: first down to `…/` and their own names (the longest first), then further if need be."""
-    paths = [shown(path) for _label, path in parts]
-    floors = [min(len(p), len("…/" + p.rsplit("/", 1)[-1])) for p in paths]
-
-    def line() -> str:
-        return " · ".join(shown(label) + path for (label, _), path in zip(parts, paths))
-
-    while (over := len(line()) - room) > 0:
-        above = [i for i in range(len(paths)) if len(paths[i]) > floors[i]]
-        if not above:  # every path at its own name: shorten the longest name itself
-            floors = [min(f, 2) for f in floors]
-            above = [i for i in range(len(paths)) if len(paths[i]) > floors[i]]
-            if not above:
-                break
-        i = max(above, key=lambda j: len(paths[j]))
-        keep = max(floors[i], len(paths[i]) - over) - 1  # what is left of it after "…"
-        paths[i] = "…" + paths[i][-keep:]
-    return line()
 
 
 class DetailsPanel(VerticalScroll):

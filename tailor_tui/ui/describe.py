@@ -2,8 +2,9 @@
 colours are scaled per row, so one layer's outlier stands out), the column headers, and the
 details panel's text. The details come in the order the user decides from: the checkpoint,
 the cell's health, the row and where it comes from, then the row across checkpoints, then the
-checkpoint's files (below the grid on a narrow terminal only the first lines show). Pure
-functions of the composition and its Health: no widgets."""
+checkpoint's files (below the grid on a narrow terminal only the first lines show); and the title
+line fitted to the terminal's width (`fit_title`). Pure functions of the composition and its Health:
+no widgets."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Callable
 from tailor_tui.checkpoints.checkpoint import Checkpoint, tied_members, tied_partner
 from tailor_tui.compose.composition import Composition
 from tailor_tui.health.healing import METRICS, Cell, Health, TrainingCurve, damage_text, percent, why_unhealthy
-from tailor_tui.units import size
+from tailor_tui.units import shown, size
 
 # low → high: dark blue, teal, olive, amber, red (readable with the cells' light text)
 PALETTE = ("#1f3a5f", "#1f5f5b", "#5f5f1f", "#8a5a12", "#9e2a2b")
@@ -234,3 +235,25 @@ def nonfinite_lines(plan, counts: dict[str, int]) -> list[str]:
     plan's row order: `layers.2 from checkpoint-6: 5,120 non-finite value(s)`."""
     return [f"{row} from {plan.sources[s].name}: {counts[row]:,} non-finite value(s)"
             for row, s in plan.picks.items() if counts.get(row)]
+
+
+def fit_title(parts: list[tuple[str, str]], room: int) -> str:
+    """`label + path` parts joined by ` · `, their paths shortened from the left until the line fits
+    `room`: first down to `…/` and their own names (the longest first), then further if need be."""
+    paths = [shown(path) for _label, path in parts]
+    floors = [min(len(p), len("…/" + p.rsplit("/", 1)[-1])) for p in paths]
+
+    def line() -> str:
+        return " · ".join(shown(label) + path for (label, _), path in zip(parts, paths))
+
+    while (over := len(line()) - room) > 0:
+        above = [i for i in range(len(paths)) if len(paths[i]) > floors[i]]
+        if not above:  # every path at its own name: shorten the longest name itself
+            floors = [min(f, 2) for f in floors]
+            above = [i for i in range(len(paths)) if len(paths[i]) > floors[i]]
+            if not above:
+                break
+        i = max(above, key=lambda j: len(paths[j]))
+        keep = max(floors[i], len(paths[i]) - over) - 1  # what is left of it after "…"
+        paths[i] = "…" + paths[i][-keep:]
+    return line()
