@@ -99,8 +99,10 @@ def stats_jobs(checkpoints: tuple[Checkpoint, ...], column: int, rows: list[str]
     for rank, files in enumerate(ckpt.ranks):
         mine = {row: n for row, n in elements[rank].items() if row in held}
         prev_files = tuple((row, checkpoints[prev[row]].ranks[rank]) for row in sorted(mine) if row in prev)
-        read = (ckpt.sizes.get(files.optim_states, 0) if files.whole_records  # its records read whole
-                else sum(n * 12 for n in mine.values())) + sum(mine[row] * 4 for row, _ in prev_files)
+        saved = sum(n for row, n in elements[rank].items() if ckpt.holds(row)) or 1
+        size = ckpt.sizes.get(files.state_file, 0)  # whole records read whole; slices: the share of them read
+        read = (size if files.whole_records else size * sum(mine.values()) // saved) \
+            + sum(mine[row] * 4 for row, _ in prev_files)
         by_source: dict[int, list[str]] = {}  # previous checkpoint -> its rows read
         for row, _ in prev_files:
             by_source.setdefault(prev[row], []).append(row)
