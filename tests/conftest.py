@@ -120,6 +120,8 @@ RUNS = {
     # The selective saver on an AMSGrad run (parity): a full save at step 2, partial ones at 4 and 6 holding
     # max_exp_avg_sq beside the moments; OUT/reference full saves at 2, 4, 6
     "ds_selective_amsgrad": RunSpec(layout="deepspeed", amsgrad=True, selective="parity"),
+    # Zamba2 saved selectively: its shared block (layers 1 and 3 run it) a row the saver saves whole or not at all
+    "ds_zamba2_selective": RunSpec(layout="deepspeed", arch="zamba2", tied=True, selective="parity"),
     # HF layout with a persistent buffer (model.norm.tailor_scale): save_pretrained writes it
     "hf_buffer": RunSpec(buffer=True),
     # A frozen parameter (no optimizer state: its values live in model_states' fragments) of

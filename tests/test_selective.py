@@ -27,7 +27,7 @@ from helpers import (
     write_recipe,
 )
 from safetensors.torch import load_file, save_file
-from zero_reader import model_states, optim_states
+from zero_reader import model_states, optim_states, read_full_state
 
 from tailor_tui.checkpoints.scan import scan
 from tailor_tui.compose.compose_run import run_compose
@@ -205,3 +205,21 @@ def test_a_partial_base_is_composed_by_streaming_workers(selective, tmp_path):
                     | {row: runs / "global_step2" for row in full.row_names()
                        if not p6.holds(row) and not p4.holds(row)})
     assert worker_memory(build_plan(recipe)) == STREAMING_WORKER
+
+
+def test_a_shared_block_is_a_row_partial_saves_save_whole_or_not_at_all(real_run, tmp_path):
+    """Issue 60 (7), in selective saves: the saver's rows are the scan's, so Zamba2's shared block
+    (`layers.1.shared_transformer`, run by layers 1 and 3) is a row the strategy saves or leaves whole; each
+    row of the newest-per-row composition equals the reference save of the step that saved it."""
+    run, _spec = real_run("ds_zamba2_selective")
+    runs, ref = run / "run", run / "reference"
+    (full, p4, p6), out = compose_newest_per_row(runs, tmp_path)
+    block = "layers.1.shared_transformer"
+    assert block in [r.name for r in full.rows] and (p4.holds(block) != p6.holds(block))
+    saved = {r.name: ("global_step6" if p6.holds(r.name) else "global_step4") for r in full.rows if not r.tied}
+    owner = {n: r.name for r in full.rows for n in r.params}
+    owner |= {alias: owner[target] for r in full.rows for alias, target in r.aliases}  # (zero_to_fp32 names them too)
+    mine, refs = read_full_state(out), {tag: read_full_state(ref / tag) for tag in set(saved.values())}
+    for key, tensors in mine.items():
+        for name, value in tensors.items():
+            assert torch.equal(value, refs[saved[owner[name]]][key][name]), (key, name)

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tailor_tui.checkpoints.layout import ZeroLayout
-from tailor_tui.checkpoints.rows import RowNaming, list_rows
+from tailor_tui.checkpoints.rows import Row, RowIndex, RowNaming, find_row, list_rows
+from tailor_tui.checkpoints.rows import model_rows as rows_of_model
 from tailor_tui.fileio import fsync_dir, fsync_file, replace_dir
 from tailor_tui.formats.ds_format import (
     DS_CONFIG,
@@ -69,10 +70,24 @@ def row_naming(engine) -> RowNaming:
                       *(n for n, _ in engine.module.named_buffers())])
 
 
+def engine_rows(engine) -> tuple[Row, ...]:
+    """The engine's model's rows as a scan of its checkpoints finds them (`rows.model_rows`): its parameters and
+    buffers, and the names under which a parameter is held again (a block several layers run: its own row)."""
+    module = engine.module
+    first: dict[int, str] = {}  # a parameter's first name
+    aliases: dict[str, str] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return rows_of_model([n for n, _ in module.named_parameters()], [n for n, _ in module.named_buffers()],
+                         aliases)
+
+
 def model_rows(engine) -> list[str]:
     """The engine's rows in model order (what `rows=` may name)."""
-    naming = row_naming(engine)
-    return list(dict.fromkeys(naming.row_of(name) for name, _ in engine.module.named_parameters()))
+    return [r.name for r in engine_rows(engine) if r.params]
 
 
 def save_rows(engine, root: str | os.PathLike, rows: Iterable[str], *, step: int | None = None,
@@ -100,7 +115,7 @@ def save_rows(engine, root: str | os.PathLike, rows: Iterable[str], *, step: int
             raise ValueError(f"{final} was saved by another run; it is not replaced (move it away to save here)")
     rank, world = dist.get_rank(), dist.get_world_size()
     wanted = _resolve_rows(engine, rows)
-    naming = row_naming(engine)
+    index = RowIndex(engine_rows(engine))
     tag = f"global_step{step}"
     staging = root / f".{partial_name(step)}.saving"
     if rank == 0:
@@ -124,7 +139,7 @@ def save_rows(engine, root: str | os.PathLike, rows: Iterable[str], *, step: int
     inner = state[OPTIMIZER_STATE_DICT]
     tensors, valid = {}, {}
     for slot in slots:
-        if naming.row_of(slot.name) not in wanted:
+        if index.row_of(slot.name) not in wanted:
             continue
         for key in keys:
             flat = state[FP32_FLAT_GROUPS][slot.group] if key == MASTERS else inner[STATE][slot.group][key]
@@ -180,11 +195,11 @@ def save_rows(engine, root: str | os.PathLike, rows: Iterable[str], *, step: int
 
 
 def _resolve_rows(engine, rows: Iterable[str]) -> set[str]:
-    known, naming = model_rows(engine), row_naming(engine)
+    found, known = engine_rows(engine), model_rows(engine)
     wanted = set()
     for r in rows:
-        # a module path (`model.layers.3`) names the row of any parameter under it
-        name = r if r in known else naming.row_of(r + ".x.weight")
+        # a row's name, its module path (`model.layers.3`), or an unambiguous end of it (`rows.find_row`)
+        name = getattr(find_row(found, r), "name", None)
         if name not in known:
             raise ValueError(f"unknown row {r!r}; this model has rows {list_rows(known)}")
         wanted.add(name)
