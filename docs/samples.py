@@ -132,20 +132,15 @@ def in_order(lines: list[str]) -> list[str]:
 
 def keys_table() -> str:
     """The composer's keys, by task, in its help screen's words (ui/actions.py)."""
-    from textual.binding import Binding
-
-    from tailor_tui.ui.actions import ACTIONS, GROUPS, key_text
+    from tailor_tui.ui.actions import ACTIONS, GROUPS, screen_keys
     from tailor_tui.ui.app import SCREEN_KEYS
 
     rows = ["| | keys |", "|---|---|"]
     for group in GROUPS:
         keys = [f"`{a.key_text}` {a.help}" for a in ACTIONS if a.group == group and a.help]
         rows.append(f"| {group} | {' · '.join(keys)} |")
-    screens = []  # the screens over the grid, from their own bindings, as the help lists them: one row
-    for title, bindings in SCREEN_KEYS:
-        keys = [f"`{key_text(b.key)}` {b.description[:1].lower()}{b.description[1:]}" for b in bindings
-                if isinstance(b, Binding) and b.show and b.description]
-        screens.append(f"{title[:1].lower()}{title[1:]}: {' · '.join(keys)}")
+    screens = [f"{title[:1].lower()}{title[1:]}: {' · '.join(f'`{k}` {w}' for k, w in screen_keys(bindings))}"
+               for title, bindings in SCREEN_KEYS]  # the screens over the grid, as the help lists them: one row
     rows.append(f"| dialogs | {'; '.join(screens)} |")
     return "\n".join(rows) + "\n"
 

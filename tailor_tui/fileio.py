@@ -74,6 +74,12 @@ def fsync(fd: int, durable: bool = True) -> None:
 CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+def first_free(named: Callable[[int], Path], most: int) -> Path | None:
+    """The first of `named(1)`, `named(2)`, … `named(most - 1)` with nothing at it, not even a dangling link:
+    where a new file or folder goes beside earlier ones, never over one; None where every one is taken."""
+    return next((path for n in range(1, most) if not os.path.lexists(path := named(n))), None)
+
+
 def create(path: Target, mode: int = 0o644) -> int:
     """A write-only descriptor of a new file at `path` (CREATE)."""
     return open_target(path, CREATE, mode)

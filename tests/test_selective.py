@@ -185,12 +185,12 @@ def test_save_rows_refuses_unknown_rows():
     from types import SimpleNamespace
 
     from tailor_tui.runs.demo_run import build_model
-    from tailor_tui.selective.saver import _resolve_rows
+    from tailor_tui.selective.saver import _resolve_rows, engine_rows
 
     engine = SimpleNamespace(module=build_model(RunSpec(layers=2)))  # only its module is read
-    assert _resolve_rows(engine, ["model.layers.1", "lm_head"]) == {"layers.1", "lm_head"}
+    assert _resolve_rows(engine_rows(engine), ["model.layers.1", "lm_head"]) == {"layers.1", "lm_head"}
     with pytest.raises(ValueError, match="unknown row 'layers.99'.*embed_tokens"):
-        _resolve_rows(engine, ["layers.99"])
+        _resolve_rows(engine_rows(engine), ["layers.99"])
 
 
 def test_a_partial_base_is_composed_by_streaming_workers(selective, tmp_path):

@@ -369,9 +369,6 @@ def other_run(base: Checkpoint, other: Checkpoint) -> str | None:
     if (why := Lineage().apart(base, other)) is not None:
         return f"it is of another training run than the base: {why}"
     mine, theirs = base.path.parent, other.path.parent
-    try:
-        if os.path.samefile(mine, theirs):
-            return None
-    except OSError:
-        pass
+    if _same_folder(mine, theirs):
+        return None
     return f"it lies in another run folder ({theirs}) than the base ({mine})"

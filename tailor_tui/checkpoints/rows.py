@@ -251,6 +251,7 @@ def _shared_blocks(rows: tuple[Row, ...]) -> tuple[Row, ...]:
     owner = {n: r.name for r in rows for n in (*r.params, *r.buffers)}
     shared: dict[str, tuple[str, str]] = {}  # the shared module's path -> (its row, its path less the row's)
     for row in rows:
+        mirrored: dict[str, dict[str, None]] = {}  # a holder's name -> the names of its this row runs (less its path)
         for alias, target in row.aliases:
             holder = by_name.get(owner.get(target, ""))
             if holder is None or holder.name == row.name or not alias.startswith(row.module_path + "."):
@@ -258,36 +259,39 @@ def _shared_blocks(rows: tuple[Row, ...]) -> tuple[Row, ...]:
             rel = alias[len(row.module_path) + 1:]
             if target != f"{holder.module_path}.{rel}":
                 continue  # tied elsewhere than at the same place (an lm_head to an embedding): followed as today
-            mirrored = {a[len(row.module_path) + 1:] for a, t in row.aliases
-                        if a.startswith(row.module_path + ".") and owner.get(t) == holder.name}
-            parts = rel.split(".")
-            for k in range(1, len(parts)):  # the largest module of the holder every name of which this row runs
-                module = ".".join(parts[:k])
-                held = [n[len(holder.module_path) + 1:] for n in (*holder.params, *holder.buffers)
-                        if n.startswith(f"{holder.module_path}.{module}.")]
-                if held and all(n in mirrored for n in held):
-                    path = f"{holder.module_path}.{module}"
-                    if not any(path.startswith(p + ".") for p in shared):  # (within a block found already)
-                        shared = {p: v for p, v in shared.items() if not p.startswith(path + ".")}
-                        shared.setdefault(path, (holder.name, module))
-                    break
+            mirrored.setdefault(holder.name, {})[rel] = None
+        for name, runs in mirrored.items():
+            holder = by_name[name]
+            held = [n[len(holder.module_path) + 1:] for n in (*holder.params, *holder.buffers)]
+            for rel in runs:
+                if any(f"{holder.module_path}.{rel}".startswith(p + ".") for p in shared):
+                    continue  # in a block found already
+                parts = rel.split(".")
+                for k in range(1, len(parts)):  # the largest module of the holder every name of which this row runs
+                    module = ".".join(parts[:k])
+                    inside = [n for n in held if n.startswith(module + ".")]
+                    if inside and all(n in runs for n in inside):
+                        path = f"{holder.module_path}.{module}"
+                        if not any(path.startswith(p + ".") for p in shared):  # (within a block found already)
+                            shared = {p: v for p, v in shared.items() if not p.startswith(path + ".")}
+                            shared.setdefault(path, (holder.name, module))
+                        break
     if not shared:
         return rows
     blocks: dict[str, list[Row]] = {}  # a holder's name -> the rows of the blocks taken out of it
     for path, (name, rel) in shared.items():
         holder = by_name[name]
-        inside = [n for n in (*holder.params, *holder.buffers) if n.startswith(path + ".")]
         blocks.setdefault(name, []).append(Row(
-            f"{name}.{rel}", path, tuple(n for n in holder.params if n in inside),
-            tuple(n for n in holder.buffers if n in inside),
+            f"{name}.{rel}", path, tuple(n for n in holder.params if n.startswith(path + ".")),
+            tuple(n for n in holder.buffers if n.startswith(path + ".")),
             tuple((a, t) for r in rows for a, t in r.aliases if t.startswith(path + ".")), holder.group))
     moved = {n for found in blocks.values() for b in found for n in (*b.params, *b.buffers)}
-    runs = {a for found in blocks.values() for b in found for a, _t in b.aliases}
+    running = {a for found in blocks.values() for b in found for a, _t in b.aliases}  # the blocks' names elsewhere
     out: list[Row] = []
     for row in rows:
         kept = replace(row, params=tuple(n for n in row.params if n not in moved),
                        buffers=tuple(n for n in row.buffers if n not in moved),
-                       aliases=tuple((a, t) for a, t in row.aliases if a not in runs))
+                       aliases=tuple((a, t) for a, t in row.aliases if a not in running))
         if kept.params or kept.buffers or kept.aliases:
             out.append(kept)
         out += blocks.get(row.name, [])

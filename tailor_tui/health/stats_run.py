@@ -99,10 +99,10 @@ def stats_jobs(checkpoints: tuple[Checkpoint, ...], column: int, rows: list[str]
     for rank, files in enumerate(ckpt.ranks):
         mine = {row: n for row, n in elements[rank].items() if row in held}
         prev_files = tuple((row, checkpoints[prev[row]].ranks[rank]) for row in sorted(mine) if row in prev)
-        saved = sum(n for row, n in elements[rank].items() if ckpt.holds(row)) or 1
-        size = ckpt.sizes.get(files.state_file, 0)  # whole records read whole; slices: the share of them read
-        read = (size if files.whole_records else size * sum(mine.values()) // saved) \
-            + sum(mine[row] * 4 for row, _ in prev_files)
+        read = ckpt.sizes.get(files.state_file, 0)  # whole records are read whole
+        if not files.whole_records:  # slices: the share of the rows file that the rows read
+            read = read * sum(mine.values()) // (sum(n for row, n in elements[rank].items() if ckpt.holds(row)) or 1)
+        read += sum(mine[row] * 4 for row, _ in prev_files)
         by_source: dict[int, list[str]] = {}  # previous checkpoint -> its rows read
         for row, _ in prev_files:
             by_source.setdefault(prev[row], []).append(row)

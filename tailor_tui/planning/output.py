@@ -41,6 +41,7 @@ from tailor_tui.errors import OutputError, RecipeError
 from tailor_tui.fileio import (
     aside_prefix,
     exchange,
+    first_free,
     fsync_dir,
     output_error,
     pid_alive,
@@ -385,10 +386,9 @@ def default_output(base: Path) -> Path:
     """Where a composition of `base` goes when nobody named its output: `BASE-tailored` beside the base;
     `BASE-tailored-2`, `-3`, … when an earlier output (or anything else) has that name: a new composition
     never lands in or over a previous one, whichever command or screen chose it."""
-    for n in range(1, MAX_DEFAULTS):
-        candidate = default_name(base, n)
-        if not os.path.lexists(candidate):
-            return candidate
+    found = first_free(lambda n: default_name(base, n), MAX_DEFAULTS)
+    if found is not None:
+        return found
     raise RecipeError(f"{base.parent}: {MAX_DEFAULTS:,} outputs named {base.name}-tailored-N already; name one "
                       "with `output:` in the recipe or --output")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tailor_tui.checkpoints.side_files import read_small
 from tailor_tui.errors import RecipeError
-from tailor_tui.fileio import create
+from tailor_tui.fileio import create, first_free
 from tailor_tui.planning.mergekit import looks_like as looks_like_mergekit
 from tailor_tui.planning.recipe import Recipe, check_size, parse_recipe
 from tailor_tui.planning.recipe_text import Sameness, text_to_save
@@ -53,10 +53,9 @@ def converted_path(source: Path) -> Path:
     the composer's ctrl+s): beside it, `NAME.tailor-tui.yaml`, then `-2`, `-3`, … never an existing file, never the
     LLMTailor file itself."""
     stem = source.name.removesuffix(".yaml").removesuffix(".yml")
-    for n in range(1, 10_000):
-        path = source.with_name(f"{stem}.tailor-tui{'' if n == 1 else f'-{n}'}.yaml")
-        if not os.path.lexists(path):
-            return path
+    found = first_free(lambda n: source.with_name(f"{stem}.tailor-tui{'' if n == 1 else f'-{n}'}.yaml"), 10_000)
+    if found is not None:
+        return found
     raise RecipeError(f"{source.parent}: holds {stem}.tailor-tui.yaml to -9999; name the recipe to write")
 
 

@@ -87,7 +87,12 @@ def engine_rows(engine) -> tuple[Row, ...]:
 
 def model_rows(engine) -> list[str]:
     """The engine's rows in model order (what `rows=` may name)."""
-    return [r.name for r in engine_rows(engine) if r.params]
+    return _saveable(engine_rows(engine))
+
+
+def _saveable(found: tuple[Row, ...]) -> list[str]:
+    """The rows of `found` a partial save may hold: those with parameters of their own, in model order."""
+    return [r.name for r in found if r.params]
 
 
 def save_rows(engine, root: str | os.PathLike, rows: Iterable[str], *, step: int | None = None,
@@ -114,8 +119,8 @@ def save_rows(engine, root: str | os.PathLike, rows: Iterable[str], *, step: int
         if theirs != lineage:
             raise ValueError(f"{final} was saved by another run; it is not replaced (move it away to save here)")
     rank, world = dist.get_rank(), dist.get_world_size()
-    wanted = _resolve_rows(engine, rows)
-    index = RowIndex(engine_rows(engine))
+    found = engine_rows(engine)
+    wanted, index = _resolve_rows(found, rows), RowIndex(found)
     tag = f"global_step{step}"
     staging = root / f".{partial_name(step)}.saving"
     if rank == 0:
@@ -194,8 +199,8 @@ def save_rows(engine, root: str | os.PathLike, rows: Iterable[str], *, step: int
     return final
 
 
-def _resolve_rows(engine, rows: Iterable[str]) -> set[str]:
-    found, known = engine_rows(engine), model_rows(engine)
+def _resolve_rows(found: tuple[Row, ...], rows: Iterable[str]) -> set[str]:
+    known = _saveable(found)
     wanted = set()
     for r in rows:
         # a row's name, its module path (`model.layers.3`), or an unambiguous end of it (`rows.find_row`)

@@ -159,17 +159,22 @@ def keys_help(width: int = 68) -> str:
     return "\n".join(lines) + "\n"
 
 
+def screen_keys(bindings: Iterable[BindingType]) -> list[tuple[str, str]]:
+    """(its keys as a person writes them, what it does) of each binding a screen's footer shows: what the help and
+    docs/composer.md say of the screens over the grid."""
+    return [(key_text(b.key), b.description[:1].lower() + b.description[1:]) for b in bindings
+            if isinstance(b, Binding) and b.show and b.description]
+
+
 def screens_help(screens: Iterable[tuple[str, Iterable[BindingType]]], width: int = 68) -> str:
     """The keys of the screens over the composer (dialogs, the progress screen), from their own bindings (each
-    `(what it is, its BINDINGS)`): a paragraph per screen of `keys: what` entries, those its footer shows."""
+    `(what it is, its BINDINGS)`, `screen_keys`): a paragraph per screen of `keys: what` entries."""
     room = width - 4
     lines = []
     for title, found in screens:
-        entries = [f"{key_text(b.key)}: {b.description[:1].lower()}{b.description[1:]}" for b in found
-                   if isinstance(b, Binding) and b.show and b.description]
         rows: list[str] = []
         joinable = False  # (never onto the last line of an entry broken across lines)
-        for entry in entries:
+        for entry in (f"{keys}: {what}" for keys, what in screen_keys(found)):
             if joinable and len(rows[-1]) + 3 + len(entry) <= room:
                 rows[-1] += "   " + entry
             else:

@@ -99,9 +99,7 @@ class RecipeActions:
                                              f"{path / 'fix.yaml'}", title="Cannot save the recipe"))
             return
         target = comp.recipe_path
-        ours = target is not None and target.exists() and path.exists() and os.path.samefile(path, target)
-        llmtailor = comp.read_from is not None and path.exists() and comp.read_from.exists() \
-            and os.path.samefile(path, comp.read_from)
+        ours, llmtailor = _same_file(path, target), _same_file(path, comp.read_from)
         if llmtailor and not confirmed:
             def replace(yes: Answer) -> None:
                 if yes:
@@ -163,3 +161,8 @@ class RecipeActions:
         if recipe.converted_from is not None:  # ctrl+s asks where: never over the LLMTailor file
             self.notify(f"read {self.rel(path)} as an {recipe.converted_from} recipe; ctrl+s saves the picks "
                         "as a tailor-tui recipe beside it, leaving it as it is")
+
+
+def _same_file(path: Path, other: Path | None) -> bool:
+    """Whether `path` is the file `other` names (both there: compared by identity)."""
+    return other is not None and path.exists() and other.exists() and os.path.samefile(path, other)
