@@ -236,3 +236,16 @@ async def test_the_composer_saves_an_llmtailor_recipes_picks_beside_it_and_asks_
         await pilot.press("escape")
         await wait_for(pilot, lambda: len(app.screen_stack) == 1)
     assert recipe.read_text() == LLAMA
+
+
+def test_an_llmtailor_recipe_whose_every_tailor_tui_name_is_taken_is_one_line(tmp_path):
+    """`converted_path` never writes over a file: past `-9999` it asks for a name (RecipeError, one line)."""
+    from tailor_tui.planning.recipe_file import converted_path
+
+    source = tmp_path / "cut.yaml"
+    for n in range(1, 10_000):
+        (tmp_path / f"cut.tailor-tui{'' if n == 1 else f'-{n}'}.yaml").touch()
+    with pytest.raises(RecipeError, match=r"holds cut\.tailor-tui\.yaml to -9999; name the recipe to write"):
+        converted_path(source)
+    (tmp_path / "cut.tailor-tui-17.yaml").unlink()
+    assert converted_path(source) == tmp_path / "cut.tailor-tui-17.yaml"  # the first free one
