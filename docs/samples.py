@@ -65,6 +65,7 @@ COMMANDS = (  # the README's walkthrough first, as a reader runs it after `make 
     Command("dry-run", "tailor-tui --apply recipes/demo.yaml --dry-run"),
     Command("apply", "tailor-tui --apply recipes/demo.yaml"),
     Command("export", "tailor-tui --export recipes/demo.yaml --to demo-run/eval-hf"),
+    Command("export-dcp", "tailor-tui --export recipes/demo.yaml --to demo-run/eval-dcp --format dcp"),
     Command("world-size", "tailor-tui --apply recipes/demo.yaml --world-size 1 --output demo-run/one-rank"),
 )
 

@@ -154,8 +154,8 @@ PACKAGE_NAMES = {
         **{n: (_ + "export.export_run", False) for n in ("run_export", "ExportResult")},
         **{n: (_ + "export.export_run", True) for n in ("CONFIG", "COMPANIONS", "TORCH_DTYPE", "config_source")}},
     "tailor_tui.cli": {
-        **{n: (_ + "cli.main", True) for n in ("parser", "apply", "verify", "interactive", "make_demo",
-                                               "ensure_demo")},
+        **{n: (_ + "cli.main", True) for n in ("parser", "apply", "interactive", "make_demo", "ensure_demo")},
+        "verify": (_ + "cli.verify_command:verify_command", True),
         "stats": (_ + "cli.health_command:stats_command", True), "heal": (_ + "cli.health_command:heal_command", True)},
     "tailor_tui.team": {
         **{n: (_ + "team.members", False) for n in ("Team", "TeamError", "SOLO")}, "connect": (_ + "team.meet", False),

@@ -11,7 +11,6 @@ from tailor_tui.units import shown
 
 
 def export_command(args) -> int:
-    from tailor_tui.cli.import_command import load_for
     from tailor_tui.cli.nonfinite_check import check_nonfinite
     from tailor_tui.export.export_plan import plan_export
     from tailor_tui.export.export_run import config_source, run_export
@@ -23,9 +22,11 @@ def export_command(args) -> int:
     if args.to is None:
         raise UsageError("--export needs --to DIR: the folder to write the model to")
     max_shard = parse_size(args.max_shard_size)
-    recipe = load_for(args, args.export)
+    recipe = _recipe_or_checkpoint(args)
     plan = build_plan(recipe, output=args.to, force=args.force, preview=args.dry_run)
     check_nonfinite(plan, args, doing="export")  # (before anything is written)
+    if args.format == "dcp":
+        return _export_dcp(args, plan)
     export = plan_export(plan, args.dtype, max_shard)
     source = config_source(export, args.config)
     files = ", ".join(f.name for f in export.files[:3]) + (f" … ({len(export.files)} files)"
@@ -54,4 +55,52 @@ def export_command(args) -> int:
                     "tokenizer)"), file=sys.stderr)
     rate = result.bytes_written / max(result.seconds, 1e-6)
     print(shown(f"done: {result.output} ({size(result.bytes_written)} written in {result.seconds:.1f}s, {size(rate)}/s)"))
+    return ExitCode.OK
+
+
+def _recipe_or_checkpoint(args):
+    """What `--export X` names: a recipe, or a checkpoint of a run (exported as it is)."""
+    from tailor_tui.checkpoints.scan import run_of_checkpoint
+    from tailor_tui.cli.import_command import load_for
+    from tailor_tui.planning.recipe import Recipe
+
+    path = args.export
+    if path.is_dir() and args.run is None and run_of_checkpoint(path) is not None:
+        return Recipe(base=path)
+    return load_for(args, path)
+
+
+def _export_dcp(args, plan) -> int:
+    from tailor_tui.export.dcp_plan import plan_dcp_export
+    from tailor_tui.export.dcp_run import run_dcp_export
+    from tailor_tui.report import reporter_for
+    from tailor_tui.units import size
+
+    export = plan_dcp_export(plan)
+    summary = (f"exporting {plan.output} as a PyTorch Distributed Checkpoint: {export.tensors} tensors (model and "
+               f"optimizer state, fp32; param groups for {export.optimizer}), {size(export.bytes_to_write())} in "
+               f"{len(export.jobs) + 1} .distcp files")
+    peft = ("note: a PEFT run: the checkpoint holds its adapters and their optimizer state; its base model's "
+            "weights are the pretrained model's, which DeepSpeed never saved: build the PeftModel from them and load "
+            "with dcp.load(..., planner=DefaultLoadPlanner(allow_partial_load=True))") if export.peft else None
+    if args.dry_run:
+        print(shown(summary))
+        if peft:
+            print(shown(peft))
+        print("dry run: nothing written")
+        return ExitCode.OK
+    for warning in plan.warnings:
+        print(shown(f"warning: {warning}"), file=sys.stderr)
+    print(shown(summary), file=sys.stderr, flush=True)
+    if peft:
+        print(shown(peft), file=sys.stderr)
+    report = reporter_for(sys.stderr, args.progress, [(job.task, job.progress_bytes) for job in export.jobs])
+    try:
+        result = run_dcp_export(export, workers=args.workers, emit=report, cancel=threading.Event(),
+                                options=TaskOptions(durable=args.durable))
+    finally:
+        report.close()
+    rate = result.bytes_written / max(result.seconds, 1e-6)
+    print(shown(f"done: {result.output} ({size(result.bytes_written)} written in {result.seconds:.1f}s, "
+                f"{size(rate)}/s); load it with torch.distributed.checkpoint.load and set_state_dict"))
     return ExitCode.OK

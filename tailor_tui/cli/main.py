@@ -23,7 +23,6 @@ from pathlib import Path
 
 from tailor_tui import __version__
 from tailor_tui.errors import (
-    CheckpointError,
     ExitCode,
     OutputError,
     TailorError,
@@ -121,6 +120,9 @@ def parser() -> argparse.ArgumentParser:
         help="live bars (terminal) or plain periodic lines (logs); auto picks by whether stderr is a terminal",
     )
     p.add_argument("--to", type=Path, metavar="DIR", help="with --export: the folder to write the model to")
+    p.add_argument("--format", choices=("hf", "dcp"), default=None,
+                   help="with --export: hf (default), a plain HF model folder; dcp, a PyTorch Distributed "
+                        "Checkpoint of the fp32 weights and the optimizer state (FSDP2's dcp.load + set_state_dict)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
                    help="with --export: the weights' dtype (default: the training dtype)")
     p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
@@ -226,92 +228,6 @@ def apply(args) -> int:
     return ExitCode.OK
 
 
-def verify(args) -> int:
-    from tailor_tui.cli.import_command import load_for
-    from tailor_tui.planning.build import build_plan
-    from tailor_tui.planning.output import recipe_output
-    from tailor_tui.planning.provenance import changed_since, read_record, stand_in
-    from tailor_tui.report import reporter_for
-    from tailor_tui.verifying.against_recipe import verify_against_recipe
-
-    recipe = load_for(args, args.verify)
-    out = Path(args.output) if args.output else recipe_output(recipe, written=True)
-    record = None if out is None else read_record(out)  # (no output: build_plan says so)
-    try:
-        plan = build_plan(recipe, output=args.output, check_output=False, world_size=args.world_size,
-                          stand_in=None if record is None else lambda path, base: stand_in(record, path, base))
-    except CheckpointError as exc:  # a checkpoint it cannot open: gone or changed since the composition?
-        changed = changed_since(record) if record is not None else []
-        if not changed:
-            raise
-        for _path, line in changed:
-            print(shown(f"CHANGED  {line}"))
-        print(shown(f"error: sources changed since the composition ({len(changed)} CHANGED), and {out} cannot be "
-                    f"planned without them ({exc}); nothing of it was compared: restore them, or compose again from "
-                    "checkpoints that are there"), file=sys.stderr)
-        return ExitCode.VERIFY_FAILED
-    if not plan.output.is_dir():
-        raise OutputError(f"output {plan.output}: does not exist; nothing to verify (run --apply first)")
-    composed_for = _composed_world_size(plan.output)
-    if composed_for is not None and composed_for != plan.world_size:
-        raise UsageError(f"output {plan.output}: was composed for {composed_for} ranks, this verification plans "
-                         f"{plan.world_size}; verify it with --world-size {composed_for}")
-    print(shown(f"verifying {plan.output} against {args.verify}"), file=sys.stderr, flush=True)
-    lines = reporter_for(sys.stderr, "lines", unit="compared")
-    report = verify_against_recipe(plan, emit=lines)
-    lines.close()
-    width = max(len(r.name) for r in plan.base.rows)
-    for row in plan.base.rows:
-        if row.tied:
-            continue
-        source = plan.sources[plan.picks[row.name]].name
-        problems = report.problems.get(row.name)
-        status = "FAIL" if problems else "ok"
-        more = len(problems or ()) - 1
-        told = f": {problems[0]}" + (f" (and {more} more: -v lists them)" if more and not args.verbose else "") \
-            if problems else ""
-        if not problems and row.name in report.by_record:
-            told = ": as the composition took it (the CRC-32s its provenance record keeps; the source changed since)"
-        print(shown(f"{status:<4}  {row.name:<{width}}  {source}{told}"))  # one line a row
-        for extra in (problems or [])[1:] if args.verbose else ():
-            print(shown(f"{'':<4}  {'':<{width}}  {extra}"))
-    for problem in report.other:
-        print(shown(f"FAIL  {problem}"))
-    for line in report.changed:
-        print(shown(f"CHANGED  {line}"))
-    for line in report.unproven:
-        print(shown(f"UNPROVEN  {line}"))
-    if report.ok:
-        print(shown(f"verified: every row of {plan.output} matches its source"))
-        return ExitCode.OK
-    if report.output_ok:  # nothing wrong found in the output: its sources changed since the composition
-        left = (f"; {len(report.unproven)} part(s) that come from them could not be compared (UNPROVEN)"
-                if report.unproven else "")
-        print(shown(f"error: sources changed since the composition ({len(report.changed)} CHANGED): the "
-                    f"rows of {plan.output} (its rank files, its model files' tensors) hold what the composition took "
-                    f"(the CRC-32s its provenance record keeps){left}; compose again to check against the "
-                    "checkpoints as they are now"),
-              file=sys.stderr)
-        return ExitCode.VERIFY_FAILED
-    bad = sum(1 for p in report.problems.values() if p)
-    print(f"error: verification failed: {bad} row(s) and {len(report.other)} other problem(s) differ; "
-          "do not resume from this output", file=sys.stderr)
-    return ExitCode.VERIFY_FAILED
-
-
-def _composed_world_size(out: Path) -> int | None:
-    """The world size `out`'s provenance record says it was composed for (None: not recorded)."""
-    from tailor_tui.checkpoints.checkpoint import PROVENANCE
-    from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json
-
-    try:
-        record = load_json(out / PROVENANCE, MAX_RECORD)
-        size = record.get("world_size") or record["base"]["world_size"]  # resharded, or the base's
-    except (OSError, ValueError, AttributeError, KeyError, TypeError):
-        return None
-    return size if type(size) is int else None
-
-
 def interactive(run_dir: Path, recipe: Path | None, workers: int | None) -> int:
     from tailor_tui.checkpoints.scan import check_run_folder
 
@@ -408,8 +324,11 @@ def main(argv: list[str] | None = None) -> int:
         parser().error("--json and --check go with --stats")
     if args.verbose and not args.verify:
         parser().error("--verbose goes with --verify")
-    if (args.to or args.dtype or args.config) and not args.export:
-        parser().error("--to, --dtype and --config go with --export")
+    if (args.to or args.dtype or args.config or args.format) and not args.export:
+        parser().error("--to, --format, --dtype and --config go with --export")
+    if args.format == "dcp" and (args.dtype or args.config):
+        parser().error("--dtype and --config go with --format hf: a DCP export holds the fp32 weights and the "
+                       "optimizer state, and no config")
     if args.world_size and not (args.apply or args.verify):
         parser().error("--world-size goes with --apply or --verify")
     if args.run and not (args.apply or args.verify or args.export or getattr(args, "import")):
@@ -422,7 +341,9 @@ def main(argv: list[str] | None = None) -> int:
 
             code = export_command(args)
         elif args.verify:
-            code = verify(args)
+            from tailor_tui.cli.verify_command import verify_command
+
+            code = verify_command(args)
         elif args.stats:
             from tailor_tui.cli.health_command import stats_command
 

@@ -130,7 +130,16 @@ def _state_dict_order(plan: ComposePlan, tensors: dict, modules: Callable[[int],
 def _buffers(plan: ComposePlan, source_of: dict[str, int],
              modules: Callable[[int], dict | None]) -> dict[str, tuple[tuple[int, ...], str]]:
     """Every buffer the model saves (save_pretrained writes persistent buffers beside the
-    weights): its shape and dtype as its row's source keeps it in rank 0's model_states."""
+    weights): its shape and safetensors dtype as its row's source keeps it in rank 0's model_states."""
+    return {name: (tensor.size, NAMED[dtype_name(tensor.storage.type_name)])
+            for name, tensor in buffer_tensors(plan, source_of, modules).items()}
+
+
+def buffer_tensors(plan: ComposePlan, source_of: dict[str, int],
+                   modules: Callable[[int], dict | None] | None = None) -> dict[str, TensorRef]:
+    """Every persistent buffer of the model, as its row's source keeps it in rank 0's model_states (a tensor of
+    a dtype safetensors names, of whole-number dimensions; else CheckpointError naming the file)."""
+    modules = modules or _module_reader(plan)
     found = {}
     for row in plan.base.rows:
         for name in row.buffers:
@@ -138,11 +147,11 @@ def _buffers(plan: ComposePlan, source_of: dict[str, int],
             path = plan.sources[s].ranks[0].model_states
             module = modules(s)
             tensor = module.get(name) if module is not None else None
-            if (not isinstance(tensor, TensorRef) or (kind := NAMED.get(dtype_name(tensor.storage.type_name))) is None
+            if (not isinstance(tensor, TensorRef) or NAMED.get(dtype_name(tensor.storage.type_name)) is None
                     or not all(type(d) is int and d >= 0 for d in tensor.size)):
                 raise CheckpointError(f"{path}: has no readable buffer {name}; the file is damaged or from "
                                       "another model")
-            found[name] = (tensor.size, kind)
+            found[name] = tensor
     return found
 
 

@@ -85,6 +85,14 @@ def write_archive(path: Target, *, archive: str, pickle: bytes, storages: list, 
     return layout.write(path, buffer)
 
 
+def layout(*, archive: str, pickle: bytes, storages: list, ident: str) -> "_Layout":
+    """The archive `write_archive` writes, laid out and not written: its `size`, its bytes where it holds no
+    storage of another file's (`whole`), or written from any offset of a file (`write_into`) with its reserved
+    storages' bytes and CRC-32s the caller's (`reserved_at`): one of the archives a DCP `.distcp` file holds
+    one after another, each as torch.save writes it to a stream."""
+    return _Layout(archive, pickle, storages, ident)
+
+
 class SameArchives:
     """Archives of one structure (`pickle`, `storages`) under many names: a resharded output's
     rank files. The layout of the first of each name length is kept, and every other of that
@@ -168,6 +176,31 @@ class _Layout:
         i = bisect.bisect_right(self.starts, at) - 1
         start, chunk = self.chunks[i]
         chunk[at - start: at - start + len(data)] = data
+
+    @property
+    def size(self) -> int:
+        """The archive's length in bytes."""
+        start, chunk = self.chunks[-1]
+        return start + len(chunk)
+
+    def whole(self) -> bytes:
+        """The archive's bytes, where it holds no storage of another file's nor a reserved one."""
+        if self.copies or len(self.chunks) != 1:
+            raise ValueError("an archive with copied or reserved storages is written by `write`")
+        return bytes(self.chunks[0][1])
+
+    def reserved_at(self, key: int) -> tuple[int, tuple[int, ...]]:
+        """Where storage `data/key`'s bytes start in the archive, and where its CRC-32 goes (each offset)."""
+        record = self.records[4 + key]  # data.pkl, .format_version, .storage_alignment, byteorder, then data/0 …
+        return record[2], tuple(record[5])
+
+    def write_into(self, fd: int, base: int) -> None:
+        """Write its bytes from byte `base` of `fd`, the reserved storages' left for the caller (with their
+        CRC-32s, at `reserved_at`); no storage copied from another file (ValueError)."""
+        if self.copies:
+            raise ValueError("an archive with copied storages is written by `write`")
+        for at, chunk in self.chunks:
+            pwrite_all(fd, chunk, base + at)
 
     def renamed(self, archive: str, ident: str) -> "_Layout":
         """This layout for an archive named `archive` (as long in UTF-8 as its own) with id `ident`."""

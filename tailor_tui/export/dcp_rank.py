@@ -1,0 +1,137 @@
+"""One source rank's share of a DCP export: its `.distcp` file (a worker's task).
+
+Every chunk's archive is laid out as the plan laid it (`dcp.chunks.tensor_chunk`, at the offset the
+metadata names); its bytes are written as the rank's bytes stream by: each sub-group's flat tensor a
+job takes from is read once, whole, through a 1 MiB buffer and checked against the CRC-32 its archive
+stores (a rotten source is refused, never exported), a partial save's slices each against the CRC-32
+recorded for it, frozen fragments (cast to fp32) and buffers (as stored) from model_states likewise.
+Each chunk's CRC-32 is computed from the bytes written, in order, and set in its archive last.
+Memory: the buffer and one chunk's cast, whatever the sizes. Torch-free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+import zlib
+from pathlib import Path
+from typing import Callable, Sequence
+
+from tailor_tui.checked.evidence import checked_crcs
+from tailor_tui.checked.ranges import crc_range
+from tailor_tui.dcp.chunks import tensor_chunk
+from tailor_tui.errors import CheckpointError
+from tailor_tui.events import ByteCounter, Emit, TaskOptions
+from tailor_tui.export.dcp_plan import DcpJob, Piece
+from tailor_tui.export.rank import cast
+from tailor_tui.fileio import Folder, fsync, open_fd, output_error, pwrite_all
+from tailor_tui.formats.dtypes import BY_NAME
+from tailor_tui.formats.pickled import dtype_name
+from tailor_tui.kinds.base import STREAM_CHUNK, rank_reader
+
+
+class _Chunks:
+    """The job's chunks being written into its file: each archive laid out, its data written as its source
+    bytes go by (cast), its CRC-32 kept as they are and set when all are written."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.crcs: dict[int, tuple[int, tuple[int, ...]]] = {}  # archive offset -> (CRC-32 so far, CRC offsets)
+        self.data_at: dict[int, int] = {}
+
+    def lay(self, piece: Piece, dtype: str) -> None:
+        archive = tensor_chunk(dtype, piece.sizes)
+        archive.write_into(self.fd, piece.at)
+        data, crc_offsets = archive.reserved_at(0)
+        self.data_at[piece.at] = piece.at + data
+        self.crcs[piece.at] = (0, crc_offsets)
+
+    def stream(self, path: Path, pieces: Sequence[Piece], start: int, src: str, out: str):
+        """`inspect(offset, chunk)` for bytes of a source tensor lying from byte `start` of `path` (dtype `src`),
+        writing each piece's elements cast to `out`; and the sorted, disjoint byte ranges the pieces take."""
+        size, out_size = BY_NAME[src].itemsize, BY_NAME[out].itemsize
+        if src != out and {src, out} - {"float32", "bfloat16", "float16"}:
+            raise CheckpointError(f"{path}: holds {src} values where weights were expected; the file is from "
+                                  "another run or layout")
+        wanted = sorted(((start + p.first * size, p) for p in pieces), key=lambda w: w[0])
+        for p in pieces:
+            self.lay(p, out)
+
+        def inspect(offset: int, chunk: memoryview) -> None:
+            end = offset + len(chunk)
+            for at, p in wanted:
+                lo, hi = max(at, offset), min(at + p.count * size, end)
+                if lo < hi:
+                    values = cast(chunk[lo - offset: hi - offset], src, out)
+                    pwrite_all(self.fd, values, self.data_at[p.at] + (lo - at) // size * out_size)
+                    crc, offsets = self.crcs[p.at]
+                    self.crcs[p.at] = (zlib.crc32(values, crc), offsets)
+
+        ranges: list[list[int]] = []
+        for at, p in wanted:
+            if ranges and at <= ranges[-1][0] + ranges[-1][1]:
+                ranges[-1][1] = max(ranges[-1][1], at + p.count * size - ranges[-1][0])
+            else:
+                ranges.append([at, p.count * size])
+        return inspect, [(a, n) for a, n in ranges]
+
+    def finish(self) -> None:
+        for at, (crc, offsets) in self.crcs.items():
+            for offset in offsets:
+                pwrite_all(self.fd, struct.pack("<I", crc), at + offset)
+
+
+def export_dcp_rank(job: DcpJob, out_dir: Folder, emit: Emit, cancelled: Callable[[], bool],
+                    options: TaskOptions = TaskOptions()) -> None:
+    counter = ByteCounter.for_job(job, emit, cancelled, options)
+    buffer = memoryview(bytearray(STREAM_CHUNK))
+    with contextlib.ExitStack() as stack:
+        try:
+            out = _Chunks(open_fd(stack, out_dir / job.out_file, os.O_WRONLY))
+        except OSError as exc:
+            raise output_error(exc, out_dir / job.out_file) from None
+        reader = rank_reader(job.files, job.group_sizes)
+        if job.flat:
+            located = reader.fp32_whole_flat("a DCP export needs")
+            assert located is not None, "a job with sub-groups reads whole records (a full save's optim file)"
+            fd = open_fd(stack, reader.path)
+            for g, key, pieces in job.flat:
+                tb = located[g, key]
+                inspect, ranges = out.stream(reader.path, pieces, tb.offset, "float32", "float32")
+                _fits(reader.path, tb.record.name, tb.numel, pieces)
+                checked_crcs(fd, reader.path, tb.record, ranges, buffer, counter.add, inspect)
+        if job.saved:
+            fd = open_fd(stack, reader.path)
+            for param, key, count, pieces in job.saved:
+                place = reader.place(key, param=param, group=None, offset=0, valid=count)
+                assert place.slice is not None, "a partial save's place names its slice"
+                inspect, _ranges = out.stream(reader.path, pieces, place.at, "float32", "float32")
+                place.slice.check(crc_range(fd, place.at, count * 4, buffer, counter.add, inspect))
+        if job.frozen or job.buffers:
+            fd = open_fd(stack, job.files.model_states)
+            fragments = reader.fragments([name for name, _pieces in job.frozen]) if job.frozen else {}
+            for name, pieces in job.frozen:
+                tb = fragments[name]
+                _fits(job.files.model_states, tb.record.name, tb.numel, pieces)
+                inspect, ranges = out.stream(job.files.model_states, pieces, tb.offset, dtype_name(tb.dtype),
+                                             "float32")
+                checked_crcs(fd, job.files.model_states, tb.record, ranges, buffer, counter.add, inspect)
+            for name, dtype, pieces in job.buffers:
+                tb = reader.buffer(name)
+                if dtype_name(tb.dtype) != dtype:
+                    raise CheckpointError(f"{job.files.model_states}: buffer {name} is {dtype_name(tb.dtype)}, not "
+                                          f"{dtype} as planned; the file changed since")
+                _fits(job.files.model_states, tb.record.name, tb.numel, pieces)
+                inspect, ranges = out.stream(job.files.model_states, pieces, tb.offset, dtype, dtype)
+                checked_crcs(fd, job.files.model_states, tb.record, ranges, buffer, counter.add, inspect)
+        out.finish()
+        fsync(out.fd, options.durable)
+    counter.finish()
+
+
+def _fits(path: Path, record: str, numel: int, pieces: Sequence[Piece]) -> None:
+    for p in pieces:
+        if p.first + p.count > numel:
+            raise CheckpointError(f"{path}: {record} holds {numel} elements, the layout needs {p.first + p.count}; "
+                                  "the file is from another run or layout")

@@ -1,0 +1,77 @@
+"""Export a composition as a PyTorch Distributed Checkpoint (`--export X --to DIR --format dcp`).
+
+The folder `torch.distributed.checkpoint.load` reads (`FileSystemReader`): one `__N_0.distcp` file per
+source rank holding its chunks (`dcp_plan`, `dcp_rank`), one of the step counts and param groups, and
+`.metadata`, written last; `tailor_provenance.json` beside them. Written as `--apply` writes: in a
+hidden folder beside the destination, renamed into place only when whole; an earlier tailor-tui output
+is replaced only with `--force`; sources are only read.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from tailor_tui.checked.files import read_as_planned
+from tailor_tui.dcp.metadata import METADATA, dumps
+from tailor_tui.events import Emit, TaskOptions
+from tailor_tui.export.dcp_plan import DcpExport
+from tailor_tui.export.dcp_rank import export_dcp_rank
+from tailor_tui.export.export_run import ExportResult
+from tailor_tui.fileio import create, output_error, write_file
+from tailor_tui.held import HeldFolder
+from tailor_tui.planning.provenance import provenance
+from tailor_tui.team.transaction import Declaration, PublishingWork, Task, run_as_team
+from tailor_tui.team.workers import STREAMING_WORKER
+
+FORMAT = "dcp"  # --format's name for it
+
+
+def run_dcp_export(export: DcpExport, *, workers: int | None = None, emit: Emit = lambda e: None,
+                   cancel: threading.Event | None = None, options: TaskOptions = TaskOptions()) -> ExportResult:
+    started = time.monotonic()
+    run_as_team(DcpExporting(export, workers, options), emit=emit, cancel=cancel, options=options)
+    return ExportResult(export.plan.output, time.monotonic() - started, export.bytes_to_write(), None)
+
+
+class DcpExporting(PublishingWork):
+    """A DCP export's stages (`transaction`): the hidden folder with every `.distcp` file at its size and the
+    small one written; each source rank's chunks written by the workers; `.metadata`, the provenance
+    record, and the folder renamed into place."""
+
+    cancelled = "export cancelled; nothing was written to the output path"
+    finished = "cancelled as the export finished: {output} is complete"
+
+    def __init__(self, export: DcpExport, workers: int | None, options: TaskOptions):
+        super().__init__(export.plan.output, export.plan.force, options)
+        self.export, self.workers_asked = export, workers
+
+    def begin(self) -> Declaration:
+        return Declaration(progress=[(job.task, job.progress_bytes) for job in self.export.jobs],
+                           workers=self.workers_asked, worker_memory=STREAMING_WORKER)
+
+    def fill(self, tmp: HeldFolder, cancel: threading.Event) -> None:
+        for job in self.export.jobs:
+            path = tmp / job.out_file
+            try:
+                fd = create(path)
+                try:
+                    os.ftruncate(fd, job.size)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                raise output_error(exc, path) from None
+        write_file(tmp / self.export.small_file, self.export.small, self.durable)
+
+    def tasks(self, shared: str, emit: Emit) -> list[Task]:
+        held, plan = self.folder(shared), self.export.plan
+        return [Task(read_as_planned, job, (export_dcp_rank, plan.identities_of(job.files_read()), held))
+                for job in self.export.jobs]
+
+    def publish(self) -> None:
+        held = self.hidden
+        assert held is not None, "folder() named it before any task ran"
+        write_file(held / METADATA, dumps(self.export.metadata), self.durable)
+        self.publish_folder(provenance(self.export.plan) | {"export": {"format": FORMAT,
+                                                                       "optimizer": self.export.optimizer}})

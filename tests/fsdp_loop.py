@@ -1,0 +1,81 @@
+"""A real FSDP2 consumer of a DCP checkpoint: `python tests/fsdp_loop.py CKPT SPEC_FILE WORLD OUT.pt`.
+
+On WORLD gloo processes (CPU), the run's model (`RunSpec`, fp32) is sharded with `fully_shard` per
+block and at the root, the run's optimizer (`make_optimizer`) is made with the param groups the checkpoint lists (by name, read with
+`_load_state_dict_from_keys`), and `dcp.load` + `set_state_dict` load model and optimizer. Rank 0 then
+saves (`OUT.pt`) the full state as loaded, every rank saves it again with `dcp.save` (`OUT.pt.dcp`:
+what FSDP2 itself writes of this model and optimizer) (`get_state_dict` with full_state_dict): weights, each
+parameter's optimizer state and the param groups; then every rank trains one step and rank 0 records its
+loss and whether every weight stayed finite.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+
+def _rank(rank: int, world: int, ckpt: str, spec_file: str, out: str, port: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tailor_tui.runs.demo_run import RunSpec
+    from tailor_tui.runs.models import batch_inputs, build_model
+    from tailor_tui.runs.optimizers import make_optimizer
+
+    spec = RunSpec.from_key(open(spec_file).read())
+    model = build_model(spec).float()
+    mesh = init_device_mesh("cpu", (world,))
+    blocks = [m for name, m in model.named_modules() if re.search(r"(^|\.)layers\.\d+$", name)]
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    reader = dcp.FileSystemReader(ckpt)
+    keys = sorted(k for k in reader.read_metadata().state_dict_metadata if k.startswith("optim.param_groups."))
+    saved = _load_state_dict_from_keys(keys=set(keys), checkpoint_id=ckpt)["optim"]["param_groups"]
+    params = dict(model.named_parameters())
+    groups = [{"params": [params[name] for name in g["params"]]} for g in saved]
+    opt = make_optimizer(spec.optimizer, groups, amsgrad=spec.amsgrad)
+    msd, osd = get_state_dict(model, opt)
+    # a PEFT run's export holds its adapters, not the pretrained base weights the model was built with
+    partial = dcp.DefaultLoadPlanner(allow_partial_load=True) if spec.peft else None
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=ckpt, planner=partial)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=out + ".dcp")  # what FSDP2 itself saves of it
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd, osd = get_state_dict(model, opt, options=full)
+    if rank == 0:
+        torch.save({"model": msd, "optim": osd}, out)
+    torch.manual_seed(0)
+    ids = torch.randint(0, spec.vocab, (2, 8))
+    loss = model(**batch_inputs(spec, ids)).loss
+    loss.backward()
+    opt.step()
+    msd, _ = get_state_dict(model, opt, options=full)
+    if rank == 0:
+        finite = all(bool(torch.isfinite(t).all()) for t in msd.values() if t.is_floating_point())
+        loss = loss.detach()
+        torch.save({"loss": float(loss), "finite": finite}, out + ".step")
+    dist.barrier()  # no rank leaves while another is still in a collective
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import socket
+
+    import torch.multiprocessing as mp
+
+    ckpt, spec_file, world, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank, args=(world, ckpt, spec_file, out, port), nprocs=world)
