@@ -13,6 +13,7 @@ import io
 import pickle
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,7 @@ def test_fsdp2_loads_the_export_bit_for_bit_and_trains(real_run, tmp_path, name,
     assert done.returncode == 0, done.stderr
     assert ("param groups for AdamW" in done.stderr) == (name in ADAM), done.stderr
     assert ("note: a PEFT run" in done.stderr) == spec.peft
+    assert_archives_intact(tmp_path / "dcp")
     loaded, stepped = load_in_fsdp2(tmp_path / "dcp", run, world, tmp_path)
     assert_state_from(loaded, picks, rows_of(base), base)
     groups, step = base_groups(base)
@@ -131,6 +133,7 @@ def test_a_partial_save_exports_its_rows(real_run, tmp_path):
     recipe = write_recipe(tmp_path, runs / "partial-step6", rows)
     done = tailor("--export", recipe, "--to", tmp_path / "dcp", "--format", "dcp")
     assert done.returncode == 0, done.stderr
+    assert_archives_intact(tmp_path / "dcp")  # (a partial save's pieces: their CRC-32s computed as written)
     state: dict = {}
     dcp.load(state_dict=_template(tmp_path / "dcp", state), checkpoint_id=tmp_path / "dcp", no_dist=True)
     steps = {name: "global_step6" if p6.holds(row) else "global_step4" if row in rows else "global_step2"
@@ -142,6 +145,19 @@ def test_a_partial_save_exports_its_rows(real_run, tmp_path):
         if name in references[step]["exp_avg"]:
             for key in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(state[f"optim.state.{name}.{key}"], references[step][key][name]), (name, key)
+
+
+def assert_archives_intact(folder: Path) -> None:
+    """Every chunk the metadata names is a whole zip archive whose records' CRC-32s hold (zipfile checks them:
+    torch's loader need not), lying where the metadata says."""
+    storage = dcp.FileSystemReader(str(folder)).read_metadata().storage_data
+    for index, info in storage.items():
+        with open(folder / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        assert len(data) == info.length, index
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            assert archive.testzip() is None, index
 
 
 def _template(folder: Path, state: dict) -> dict:

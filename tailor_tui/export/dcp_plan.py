@@ -226,22 +226,29 @@ def _job(model: _Model, ckpt, rank: int, files: RankFiles, *, name: str, label: 
             at += length
         return found
 
-    taken = [(n, n) for n in mine] + [(a, t) for a, t in tied]
-    for entry, param in taken:
+    taken = []
+    for entry, param in [(n, n) for n in mine] + [(a, t) for a, t in tied]:
         slot = slots.get(param)
         if slot is None:
             raise CheckpointError(f"{ckpt.path}: has no parameter {param}; it is from another model")
-        count = slot.valid(rank)
-        if not count:
-            continue
-        keys = (MASTERS,) + (state_keys if entry == param else ())
-        for key in keys:
-            dcp_key = f"{MODEL}.{entry}" if key == MASTERS else f"{OPTIM}.{STATE}.{entry}.{key}"
-            if files.whole_records:
-                flat.setdefault((slot.group, key), []).extend(
-                    add(dcp_key, shapes[param], rank * slot.part, count, slot.offset))
-            else:
-                saved.append((param, key, count, tuple(add(dcp_key, shapes[param], rank * slot.part, count, 0))))
+        if slot.valid(rank):
+            taken.append((slot.group, slot.offset, entry, slot))
+    taken.sort(key=lambda t: (t[0], t[1], t[2]))
+    # laid out in the order the job reads: a sub-group's flat tensor of each key in turn, so the file is
+    # written from start to end (its writeback started as it goes)
+    for g in sorted({t[0] for t in taken}):
+        for key in (MASTERS, *state_keys):
+            for _g, _offset, entry, slot in (t for t in taken if t[0] == g):
+                if key != MASTERS and entry != slot.name:
+                    continue  # a tied name holds weights only
+                dcp_key = f"{MODEL}.{entry}" if key == MASTERS else f"{OPTIM}.{STATE}.{entry}.{key}"
+                count = slot.valid(rank)
+                if files.whole_records:
+                    flat.setdefault((g, key), []).extend(
+                        add(dcp_key, shapes[slot.name], rank * slot.part, count, slot.offset))
+                else:
+                    saved.append((slot.name, key, count,
+                                  tuple(add(dcp_key, shapes[slot.name], rank * slot.part, count, 0))))
     read += sum(ckpt.layout.sizes_per_group[g] * 4 for g, _key in flat) if files.whole_records else \
         sum(p.count * 4 for _param, _key, _n, pieces in saved for p in pieces)
     fragments = []
@@ -264,7 +271,7 @@ def _job(model: _Model, ckpt, rank: int, files: RankFiles, *, name: str, label: 
     if not at:
         return None
     return DcpJob(f"{label} rank {rank}", files, tuple(ckpt.layout.group_sizes()), name, at,
-                  tuple((g, key, tuple(pieces)) for (g, key), pieces in sorted(flat.items())), tuple(saved),
+                  tuple((g, key, tuple(pieces)) for (g, key), pieces in flat.items()), tuple(saved),
                   tuple(fragments), tuple(kept), read, at)
 
 

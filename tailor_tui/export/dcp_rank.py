@@ -25,7 +25,7 @@ from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.export.dcp_plan import DcpJob, Piece
 from tailor_tui.export.rank import cast
-from tailor_tui.fileio import Folder, fsync, open_fd, output_error, pwrite_all
+from tailor_tui.fileio import Folder, Writeback, fsync, open_fd, output_error, pwrite_all
 from tailor_tui.formats.dtypes import BY_NAME
 from tailor_tui.formats.pickled import dtype_name
 from tailor_tui.kinds.base import STREAM_CHUNK, rank_reader
@@ -35,8 +35,9 @@ class _Chunks:
     """The job's chunks being written into its file: each archive laid out, its data written as its source
     bytes go by (cast), its CRC-32 kept as they are and set when all are written."""
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, durable: bool):
         self.fd = fd
+        self.writeback = Writeback(fd, durable)  # the file is laid out in the order it is written
         self.crcs: dict[int, tuple[int, tuple[int, ...]]] = {}  # archive offset -> (CRC-32 so far, CRC offsets)
         self.data_at: dict[int, int] = {}
 
@@ -47,9 +48,13 @@ class _Chunks:
         self.data_at[piece.at] = piece.at + data
         self.crcs[piece.at] = (0, crc_offsets)
 
-    def stream(self, path: Path, pieces: Sequence[Piece], start: int, src: str, out: str):
-        """`inspect(offset, chunk)` for bytes of a source tensor lying from byte `start` of `path` (dtype `src`),
-        writing each piece's elements cast to `out`; and the sorted, disjoint byte ranges the pieces take."""
+    def stream(self, path: Path, pieces: Sequence[Piece], start: int, src: str, out: str, *, given: bool = True):
+        """For a source tensor lying from byte `start` of `path` (dtype `src`), whose pieces are written cast to
+        `out`: `inspect(offset, chunk)`, to be shown its bytes in order; the sorted, disjoint byte ranges the
+        pieces take (a tied name's are its parameter's); and `taken(crcs)`, to be given the CRC-32 of each of
+        those ranges as read (then a piece written as it lies has its CRC-32 without computing it again; not
+        `given`: each piece's is computed as it is written)."""
+        own = src != out or not given
         size, out_size = BY_NAME[src].itemsize, BY_NAME[out].itemsize
         if src != out and {src, out} - {"float32", "bfloat16", "float16"}:
             raise CheckpointError(f"{path}: holds {src} values where weights were expected; the file is from "
@@ -57,24 +62,35 @@ class _Chunks:
         wanted = sorted(((start + p.first * size, p) for p in pieces), key=lambda w: w[0])
         for p in pieces:
             self.lay(p, out)
+        ranges = sorted({(at, p.count * size) for at, p in wanted})
+        first = 0  # the first piece not yet wholly behind the bytes shown (they are shown in order)
 
         def inspect(offset: int, chunk: memoryview) -> None:
+            nonlocal first
             end = offset + len(chunk)
-            for at, p in wanted:
+            while first < len(wanted) and wanted[first][0] + wanted[first][1].count * size <= offset:
+                first += 1
+            for at, p in wanted[first:]:
+                if at >= end:
+                    break
                 lo, hi = max(at, offset), min(at + p.count * size, end)
                 if lo < hi:
-                    values = cast(chunk[lo - offset: hi - offset], src, out)
-                    pwrite_all(self.fd, values, self.data_at[p.at] + (lo - at) // size * out_size)
-                    crc, offsets = self.crcs[p.at]
-                    self.crcs[p.at] = (zlib.crc32(values, crc), offsets)
+                    values = cast(chunk[lo - offset: hi - offset], src, out) if src != out \
+                        else chunk[lo - offset: hi - offset]
+                    written = self.data_at[p.at] + (lo - at) // size * out_size
+                    pwrite_all(self.fd, values, written)
+                    self.writeback.advance(written + len(values))
+                    if own:
+                        crc, offsets = self.crcs[p.at]
+                        self.crcs[p.at] = (zlib.crc32(values, crc), offsets)
 
-        ranges: list[list[int]] = []
-        for at, p in wanted:
-            if ranges and at <= ranges[-1][0] + ranges[-1][1]:
-                ranges[-1][1] = max(ranges[-1][1], at + p.count * size - ranges[-1][0])
-            else:
-                ranges.append([at, p.count * size])
-        return inspect, [(a, n) for a, n in ranges]
+        def taken(crcs: Sequence[int]) -> None:
+            if not own:
+                by_range = dict(zip(ranges, crcs, strict=True))
+                for at, p in wanted:
+                    self.crcs[p.at] = (by_range[at, p.count * size], self.crcs[p.at][1])
+
+        return inspect, ranges, taken
 
     def finish(self) -> None:
         for at, (crc, offsets) in self.crcs.items():
@@ -88,7 +104,7 @@ def export_dcp_rank(job: DcpJob, out_dir: Folder, emit: Emit, cancelled: Callabl
     buffer = memoryview(bytearray(STREAM_CHUNK))
     with contextlib.ExitStack() as stack:
         try:
-            out = _Chunks(open_fd(stack, out_dir / job.out_file, os.O_WRONLY))
+            out = _Chunks(open_fd(stack, out_dir / job.out_file, os.O_WRONLY), options.durable)
         except OSError as exc:
             raise output_error(exc, out_dir / job.out_file) from None
         reader = rank_reader(job.files, job.group_sizes)
@@ -98,15 +114,17 @@ def export_dcp_rank(job: DcpJob, out_dir: Folder, emit: Emit, cancelled: Callabl
             fd = open_fd(stack, reader.path)
             for g, key, pieces in job.flat:
                 tb = located[g, key]
-                inspect, ranges = out.stream(reader.path, pieces, tb.offset, "float32", "float32")
                 _fits(reader.path, tb.record.name, tb.numel, pieces)
-                checked_crcs(fd, reader.path, tb.record, ranges, buffer, counter.add, inspect)
+                inspect, ranges, taken = out.stream(reader.path, pieces, tb.offset, "float32", "float32")
+                taken(checked_crcs(fd, reader.path, tb.record, ranges, buffer, counter.add, inspect))
         if job.saved:
             fd = open_fd(stack, reader.path)
             for param, key, count, pieces in job.saved:
                 place = reader.place(key, param=param, group=None, offset=0, valid=count)
                 assert place.slice is not None, "a partial save's place names its slice"
-                inspect, _ranges = out.stream(reader.path, pieces, place.at, "float32", "float32")
+                # its slice is checked whole: each piece's CRC-32 is computed as it is written
+                inspect, _ranges, _taken = out.stream(reader.path, pieces, place.at, "float32", "float32",
+                                                      given=False)
                 place.slice.check(crc_range(fd, place.at, count * 4, buffer, counter.add, inspect))
         if job.frozen or job.buffers:
             fd = open_fd(stack, job.files.model_states)
@@ -114,17 +132,17 @@ def export_dcp_rank(job: DcpJob, out_dir: Folder, emit: Emit, cancelled: Callabl
             for name, pieces in job.frozen:
                 tb = fragments[name]
                 _fits(job.files.model_states, tb.record.name, tb.numel, pieces)
-                inspect, ranges = out.stream(job.files.model_states, pieces, tb.offset, dtype_name(tb.dtype),
-                                             "float32")
-                checked_crcs(fd, job.files.model_states, tb.record, ranges, buffer, counter.add, inspect)
+                inspect, ranges, taken = out.stream(job.files.model_states, pieces, tb.offset, dtype_name(tb.dtype),
+                                                    "float32")
+                taken(checked_crcs(fd, job.files.model_states, tb.record, ranges, buffer, counter.add, inspect))
             for name, dtype, pieces in job.buffers:
                 tb = reader.buffer(name)
                 if dtype_name(tb.dtype) != dtype:
                     raise CheckpointError(f"{job.files.model_states}: buffer {name} is {dtype_name(tb.dtype)}, not "
                                           f"{dtype} as planned; the file changed since")
                 _fits(job.files.model_states, tb.record.name, tb.numel, pieces)
-                inspect, ranges = out.stream(job.files.model_states, pieces, tb.offset, dtype, dtype)
-                checked_crcs(fd, job.files.model_states, tb.record, ranges, buffer, counter.add, inspect)
+                inspect, ranges, taken = out.stream(job.files.model_states, pieces, tb.offset, dtype, dtype)
+                taken(checked_crcs(fd, job.files.model_states, tb.record, ranges, buffer, counter.add, inspect))
         out.finish()
         fsync(out.fd, options.durable)
     counter.finish()
