@@ -104,7 +104,7 @@ class _Properties(_Stand):
 class MetadataIndex(_Stand):
     fqn: str
     offset: tuple[int, ...] | None
-    index: int = 0
+    index: int = field(default=0, compare=False, hash=False)  # a hint only, as torch's
     torch_name = (_MODULE, "MetadataIndex")
 
     def state(self):
