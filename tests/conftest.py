@@ -415,6 +415,37 @@ def cached_run(name: str, deepspeed: str = INSTALLED_DEEPSPEED, python: tuple[st
     return folder
 
 
+# Real FSDP2 runs (tests/fsdp_run.py): the spec of the model and training, the world size
+FSDP_RUNS = {
+    # the tiny Llama, 2 ranks, DCP saves at steps 2, 4, 6; layers.1's down_proj NaN (and its exp_avg_sq)
+    # before the last save
+    "fsdp_llama": (RunSpec(layers=3, steps=6, save_every=2, blow_up=("model.layers.1.mlp.down_proj.weight",)), 2),
+}
+
+
+@pytest.fixture(scope="session")
+def fsdp_run():
+    """fsdp_run(name) -> (run folder, spec): FSDP_RUNS[name] trained on first use, cached as the others are."""
+    import torch
+
+    def get(name: str) -> tuple[Path, RunSpec]:
+        spec, world = FSDP_RUNS[name]
+        maker = Path(__file__).with_name("fsdp_run.py")
+        h = hashlib.sha256(f"{spec.key()} {world} {torch.__version__}".encode() + maker.read_bytes())
+        for module in [] if os.environ.get("TAILOR_RUN_CACHE_ANY_SOURCE") == "1" else _run_modules():
+            h.update(module.read_bytes())
+        folder = _cache_root() / f"{name}-{h.hexdigest()[:16]}"
+        with _made_by_one(folder):
+            if not (folder / "spec.json").is_file():
+                shutil.rmtree(folder, ignore_errors=True)
+                done = subprocess.run([sys.executable, str(maker), str(folder), spec.key(), str(world)],
+                                      capture_output=True, text=True, timeout=600)
+                assert done.returncode == 0, f"{name}: fsdp_run failed:\n{done.stderr[-4000:]}"
+        return folder, spec
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def real_run():
     """real_run(name, deepspeed=VERSION, python=(PATH, VERSION)) -> (run folder, spec); trains the run on

@@ -126,3 +126,22 @@ def test_a_truncated_or_swapped_chunk_is_refused(saved, tmp_path):
             locate_chunk(saved, fd, entry, chunk, info)
     finally:
         os.close(fd)
+
+
+def test_a_real_fsdp2_runs_checkpoints_read_as_torch_reads_them(fsdp_run):
+    """Every save of a real FSDP2 run (2 ranks: each tensor in two chunks), bit for bit; the layer that blew up
+    before the last save holds NaN there, in its weights and its exp_avg_sq, and nowhere before."""
+    run, spec = fsdp_run("fsdp_llama")
+    saves = sorted(run.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    assert [p.name for p in saves] == ["step-2", "step-4", "step-6"]
+    for folder in saves:
+        assert assert_reads_as_torch(folder) > 3 * 20
+    (name,) = spec.blow_up
+    for folder, blown in ((saves[1], False), (saves[2], True)):
+        found = read_metadata(folder)
+        for key in (f"model.{name}", f"optim.state.{name}.exp_avg_sq"):
+            entry = found.state_dict_metadata[key]
+            assert len(entry.chunks) == 2
+            loaded = {key: torch.zeros(entry.size)}
+            dcp.load(loaded, checkpoint_id=folder, no_dist=True)
+            assert bool(loaded[key].isnan().all()) == blown, (folder.name, key)
