@@ -31,11 +31,13 @@ from tailor_tui.kinds.zero import tensor_bytes
 LOOP = Path(__file__).with_name("fsdp_loop.py")
 
 
-def load_in_fsdp2(ckpt: Path, run: Path, world: int, tmp_path: Path) -> tuple[dict, dict]:
-    """(the full state FSDP2 holds after loading `ckpt` at `world` ranks, its step's loss and finiteness)."""
+def load_in_fsdp2(ckpt: Path, run: Path, world: int, tmp_path: Path, spec_file: Path | None = None) -> tuple[dict, dict]:
+    """(the full state FSDP2 holds after loading `ckpt` at `world` ranks, its step's loss and finiteness); the
+    model and optimizer are the run's (`spec_file`: its spec, by default the DeepSpeed run's)."""
     out = tmp_path / f"loaded-{world}.pt"
-    done = subprocess.run([sys.executable, str(LOOP), str(ckpt), str(run / "tailor_demo_spec.json"), str(world),
-                           str(out)], capture_output=True, text=True, timeout=600)
+    spec_file = spec_file or run / "tailor_demo_spec.json"
+    done = subprocess.run([sys.executable, str(LOOP), str(ckpt), str(spec_file), str(world), str(out)],
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(out, weights_only=False), torch.load(f"{out}.step", weights_only=False)
 

@@ -71,7 +71,7 @@ def _recipe_or_checkpoint(args):
 
 
 def _export_dcp(args, plan) -> int:
-    from tailor_tui.export.dcp_plan import plan_dcp_export
+    from tailor_tui.export.dcp_export_plan import plan_dcp_export
     from tailor_tui.export.dcp_run import run_dcp_export
     from tailor_tui.report import reporter_for
     from tailor_tui.units import size

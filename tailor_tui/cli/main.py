@@ -151,6 +151,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def apply(args) -> int:
+    from tailor_tui.checkpoints.dcp_checkpoint import is_dcp
     from tailor_tui.cli.import_command import load_for
     from tailor_tui.cli.nonfinite_check import check_nonfinite
     from tailor_tui.compose.compose_run import planned_tasks, run_compose
@@ -166,6 +167,10 @@ def apply(args) -> int:
 
     launch = None if args.dry_run else detect(os.environ, args.distributed)
     recipe = load_for(args, args.apply)
+    if is_dcp(recipe.base):  # an FSDP2 run's PyTorch Distributed Checkpoint
+        from tailor_tui.cli.dcp_apply import apply_dcp
+
+        return apply_dcp(args, recipe)
     plan = build_plan(recipe, output=args.output, force=args.force, preview=args.dry_run, world_size=args.world_size)
     check_nonfinite(plan, args, doing="compose")  # (before anything is written; every process of a job alike)
     if args.dry_run:

@@ -270,45 +270,58 @@ class _View(io.RawIOBase):
         return data
 
 
+def archive_records(folder: Path, fd: int, info: StorageInfo, what: str) -> dict[str, Record]:
+    """Every record of the archive `info` places in the open file `fd` (`info.relative_path` of `folder`), by its
+    name less the archive's (`data.pkl`, `data/0`, …), absolute offsets, each local header checked against its
+    directory entry as torch's reader reads it; CheckpointError naming the file (`what`: the archive, in words)."""
+    path = folder / info.relative_path
+    size = os.fstat(fd).st_size
+    where = f"{path}: {what} at byte {info.offset:,}"
+    if info.offset + info.length > size:
+        raise CheckpointError(f"{where} runs past the file's end ({size:,} bytes); the file is truncated; {RECOPY}")
+    try:
+        entries = read_directory_of(_View(fd, info.offset, info.length))
+        prefix = next((e.name[: -len("data.pkl")] for e in entries
+                       if e.name.endswith("/data.pkl") and e.name.count("/") == 1), None)
+        if prefix is None:
+            raise zipfile.BadZipFile("it holds no pickle (data.pkl)")
+        window = Window(fd)
+        records = {}
+        for e in entries:
+            if not e.name.startswith(prefix):
+                raise zipfile.BadZipFile(f"its record {e.name[:80]} lies outside its archive {prefix[:-1]}")
+            raw = raw_name(e)
+            head = window.read(info.offset + e.header_offset, 30 + len(raw))
+            start = local_data_start(e.name, raw, e.flags, e.crc, e.size, head, e.header_offset)
+            if start + e.size > info.length:
+                raise zipfile.BadZipFile(f"its record {e.name[:80]} runs past the archive's bytes")
+            records[e.name[len(prefix):]] = Record(e.name, info.offset + e.header_offset, info.offset + start,
+                                                   e.size, e.crc, ())
+        return records
+    except (zipfile.BadZipFile, RecordError) as exc:
+        raise CheckpointError(f"{where} is not a torch archive ({_line(exc)}); {RECOPY}") from None
+
+
 def locate_chunk(folder: Path, fd: int, entry: TensorStorageMetadata, chunk: ChunkStorageMetadata,
                  info: StorageInfo) -> ChunkBytes:
     """Where the elements of `chunk` of `entry` lie in the open file `fd` (`info.relative_path` of `folder`),
     as its archive says; CheckpointError naming the file where the archive is not the chunk's."""
     path = folder / info.relative_path
-    size = os.fstat(fd).st_size
-    where = f"{path}: the chunk at byte {info.offset:,} ({entry.dtype} {list(chunk.sizes)})"
-    if info.offset + info.length > size:
-        raise CheckpointError(f"{where} runs past the file's end ({size:,} bytes); the file is truncated; {RECOPY}")
-    view = _View(fd, info.offset, info.length)
+    what = f"the chunk ({entry.dtype} {list(chunk.sizes)})"
+    records = archive_records(folder, fd, info, what)
+    where = f"{path}: {what} at byte {info.offset:,}"
+    pickled, data = records["data.pkl"], records.get("data/0")
     try:
-        entries = {e.name: e for e in read_directory_of(view)}
-        prefix = next((n[: -len("data.pkl")] for n in entries if n.endswith("/data.pkl") and n.count("/") == 1), None)
-        if prefix is None:
-            raise zipfile.BadZipFile("it holds no pickle (data.pkl)")
-        window = Window(fd)
-        records = {}
-        for name in (f"{prefix}data.pkl", f"{prefix}data/0"):
-            e = entries.get(name)
-            if e is None:
-                raise zipfile.BadZipFile(f"it has no record {name}")
-            raw = raw_name(e)
-            head = window.read(info.offset + e.header_offset, 30 + len(raw))
-            start = local_data_start(e.name, raw, e.flags, e.crc, e.size, head, e.header_offset)
-            if start + e.size > info.length:
-                raise zipfile.BadZipFile(f"its record {name} runs past the chunk's bytes")
-            records[name] = Record(name, info.offset + e.header_offset, info.offset + start, e.size, e.crc, ())
-        pickled = records[f"{prefix}data.pkl"]
         if pickled.size > 1 << 16:
-            raise zipfile.BadZipFile("its pickle is larger than a tensor's")
+            raise pickle.UnpicklingError("its pickle is larger than a tensor's")
         storages: dict = {}
         tensor = read_pickle(os.pread(fd, pickled.size, pickled.data_offset), storages)
-    except (zipfile.BadZipFile, RecordError, pickle.UnpicklingError, *PICKLE_FAILURES) as exc:
+    except (pickle.UnpicklingError, *PICKLE_FAILURES) as exc:
         raise CheckpointError(f"{where} is not a torch archive of it ({_line(exc)}); {RECOPY}") from None
-    data = records[f"{prefix}data/0"]
     numel = math.prod(chunk.sizes)
     dtype = STORAGE_DTYPE.get(tensor.storage.type_name) if isinstance(tensor, TensorRef) else None
-    if (not isinstance(tensor, TensorRef) or tuple(tensor.size) != chunk.sizes or dtype != entry.dtype
-            or not tensor.is_contiguous() or tensor.storage_offset != 0 or list(storages) != ["0"]
-            or data.size != numel * ITEMSIZE[entry.dtype]):
+    if (data is None or not isinstance(tensor, TensorRef) or tuple(tensor.size) != chunk.sizes
+            or dtype != entry.dtype or not tensor.is_contiguous() or tensor.storage_offset != 0
+            or list(storages) != ["0"] or data.size != numel * ITEMSIZE[entry.dtype]):
         raise CheckpointError(f"{where} holds another tensor than the metadata says; {RECOPY}")
     return ChunkBytes(path, data, entry.dtype, numel)

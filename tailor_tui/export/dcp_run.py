@@ -1,7 +1,7 @@
 """Export a composition as a PyTorch Distributed Checkpoint (`--export X --to DIR --format dcp`).
 
 The folder `torch.distributed.checkpoint.load` reads (`FileSystemReader`): one `__N_0.distcp` file per
-source rank holding its chunks (`dcp_plan`, `dcp_rank`), one of the step counts and param groups, and
+source rank holding its chunks (`dcp_export_plan`, `dcp_rank`), one of the step counts and param groups, and
 `.metadata`, written last; `tailor_provenance.json` beside them. Written as `--apply` writes: in a
 hidden folder beside the destination, renamed into place only when whole; an earlier tailor-tui output
 is replaced only with `--force`; sources are only read.
@@ -16,7 +16,7 @@ import time
 from tailor_tui.checked.files import read_as_planned
 from tailor_tui.dcp.metadata import METADATA, dumps
 from tailor_tui.events import Emit, TaskOptions
-from tailor_tui.export.dcp_plan import DcpExport
+from tailor_tui.export.dcp_export_plan import DcpExport
 from tailor_tui.export.dcp_rank import export_dcp_rank
 from tailor_tui.export.export_run import ExportResult
 from tailor_tui.fileio import create, output_error, write_file

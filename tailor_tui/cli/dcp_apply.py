@@ -1,0 +1,43 @@
+"""`tailor-tui --apply RECIPE` where the recipe's base is a PyTorch Distributed Checkpoint (an FSDP2 run's
+`step-N`): the composition planned (`planning.dcp_plan`) and written (`compose.dcp_compose`), a DCP
+checkpoint FSDP2 loads (`dcp.load` + `set_state_dict`) at any world size."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+from tailor_tui.errors import ExitCode, UsageError
+from tailor_tui.events import TaskOptions
+from tailor_tui.units import shown
+
+
+def apply_dcp(args, recipe) -> int:
+    from tailor_tui.compose.dcp_compose import run_dcp_compose
+    from tailor_tui.planning.dcp_plan import plan_dcp
+    from tailor_tui.report import reporter_for
+    from tailor_tui.units import size
+
+    if args.world_size or recipe.world_size:
+        raise UsageError(f"{recipe.location('base')}: a PyTorch Distributed Checkpoint loads at any world size; "
+                         "--world-size and `world_size:` are for ZeRO-3 outputs")
+    plan = plan_dcp(recipe, output=args.output, force=args.force, preview=args.dry_run,
+                    allow_nonfinite=args.allow_nonfinite)
+    if args.dry_run:
+        print("\n".join(map(shown, plan.describe())))
+        print("dry run: nothing written")
+        return ExitCode.OK
+    for warning in plan.warnings:
+        print(shown(f"warning: {warning}"), file=sys.stderr)
+    print(shown(f"composing {plan.output} from {len(plan.sources)} PyTorch Distributed Checkpoint(s): "
+                f"{size(plan.bytes_to_write())} to write in {len(plan.jobs)} file(s)"), file=sys.stderr, flush=True)
+    report = reporter_for(sys.stderr, args.progress, [(job.task, job.progress_bytes) for job in plan.jobs])
+    try:
+        result = run_dcp_compose(plan, workers=args.workers, emit=report, cancel=threading.Event(),
+                                 options=TaskOptions(durable=args.durable, clone=args.clone))
+    finally:
+        report.close()
+    rate = result.bytes_written / max(result.seconds, 1e-6)
+    print(shown(f"done: {result.output} ({size(result.bytes_written)} written in {result.seconds:.1f}s, "
+                f"{size(rate)}/s); load it with torch.distributed.checkpoint.load and set_state_dict"))
+    return ExitCode.OK

@@ -1,0 +1,182 @@
+"""A recipe whose base is a PyTorch Distributed Checkpoint, planned: which archive of which source goes
+where in the output (`plan_dcp`), decided once.
+
+Every key of the base's state dict is in the output: a key of a row's tensors (`model.<name>`, a
+parameter's optimizer state but its `step`) from the checkpoint picked for its row; every other (the
+param groups, each parameter's `step`: the base's, as in ZeRO-3 compositions) from the base. A key's
+entry (its chunks) is its source's, so sources saved at other world sizes mix: DCP loads any chunking.
+Each of its archives (a chunk, a value saved as bytes) is copied byte for byte into an output file of
+its source file's name (`__N_0.distcp`; one of another source: `__tailor_S_N_0.distcp`), the archives
+of one file in their order there; `.metadata` says where each now lies. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tailor_tui.checkpoints.dcp_checkpoint import STEP, DcpCheckpoint, open_dcp
+from tailor_tui.checkpoints.rows import find_row
+from tailor_tui.dcp.metadata import Metadata, MetadataIndex, StorageInfo, StorageMeta, TensorStorageMetadata
+from tailor_tui.errors import IncompatibleError, RecipeError
+from tailor_tui.events import JobCost
+from tailor_tui.planning.output import check_output, default_output
+from tailor_tui.planning.recipe import Recipe
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One archive: `length` bytes from byte `at` of the source file to byte `to` of the output file; `key` the
+    entry it holds (a chunk of it, or its value), `chunk` its offsets (None: a value)."""
+
+    key: str
+    chunk: tuple[int, ...] | None
+    at: int
+    length: int
+    to: int
+
+
+@dataclass(frozen=True)
+class DcpFileJob(JobCost):
+    """One output file: the archives copied into it from one source file (picklable)."""
+
+    task: str
+    source: Path  # the source checkpoint's folder
+    source_file: str
+    out_file: str
+    copies: tuple[Copy, ...]
+    entries: tuple[tuple[str, TensorStorageMetadata | None], ...]  # each key's entry (None: a value)
+    rows: tuple[tuple[str, str], ...]  # (key, its row) of the keys a row holds, for what is said of them
+    allow_nonfinite: bool  # copy a chunk holding NaN/Inf (else the composition is refused: nothing published)
+    read_bytes: int
+    write_bytes: int
+
+    def files_read(self) -> tuple[Path, ...]:
+        return (self.source / self.source_file,)
+
+
+@dataclass(frozen=True)
+class DcpComposePlan:
+    recipe: Recipe
+    base: DcpCheckpoint
+    sources: tuple[DcpCheckpoint, ...]  # sources[0] is the base
+    picks: dict[str, int]  # every non-tied row -> index into sources
+    output: Path
+    force: bool
+    jobs: tuple[DcpFileJob, ...]
+    metadata: Metadata
+    warnings: tuple[str, ...] = ()
+
+    def bytes_to_write(self) -> int:
+        return sum(job.write_bytes for job in self.jobs)
+
+    def identities_of(self, paths) -> dict:
+        known = {p: i for s in self.sources for p, i in s.identities.items()}
+        return {p: known[p] for p in paths}
+
+    def describe(self) -> list[str]:
+        width = max(len(r.name) for r in self.base.rows)
+        lines = [f"output: {self.output} (a PyTorch Distributed Checkpoint, as its base)"]
+        for row in self.base.rows:
+            source = "tied to its parameter's row" if row.tied else self.sources[self.picks[row.name]].name
+            lines.append(f"  {row.name:<{width}}  {source}")
+        lines.append(f"{len(self.jobs)} file(s), {self.bytes_to_write():,} bytes, copied archive by archive (each "
+                     "checked against its CRC-32s); the param groups and every step count: the base's")
+        return lines + [f"warning: {w}" for w in self.warnings]
+
+
+def plan_dcp(recipe: Recipe, *, output: Path | None = None, force: bool = False, preview: bool = False,
+             allow_nonfinite: bool = False) -> DcpComposePlan:
+    """The plan of `recipe` (its base a DCP checkpoint); a TailorError naming the first problem."""
+    base = open_dcp(recipe.base)
+    paths = [recipe.base.resolve()]
+    sources = [base]
+    picks = {row.name: 0 for row in base.rows if not row.tied}
+    for written, path in recipe.layers.items():
+        row = find_row(base.rows, written)
+        if row is None:
+            raise RecipeError(f"{recipe.location(written)}: {written}: no such row in {base.path} (its rows: "
+                              f"{', '.join(r.name for r in base.rows)})")
+        if row.tied:
+            raise RecipeError(f"{recipe.location(written)}: {row.name} has no weights of its own (it is tied to "
+                              f"{row.aliases[0][1]}); pick that parameter's row")
+        if path.resolve() not in paths:
+            paths.append(path.resolve())
+            sources.append(open_dcp(path))
+        picks[row.name] = paths.index(path.resolve())
+    out = Path(output) if output is not None else Path(recipe.output) if recipe.output else default_output(recipe.base)
+    warnings = []
+    note = check_output(out, sources, force, preview=preview)
+    if note:
+        warnings.append(note)
+    owner = base.row_of_key()
+    entries = base.metadata.state_dict_metadata
+    from_source: dict[str, int] = {}
+    for key in entries:
+        holder = owner.get(key)  # (a parameter's step: the base's, with the param groups)
+        from_source[key] = 0 if holder is None or key.endswith("." + STEP) and not key.startswith("model.") \
+            else picks.get(holder, 0)
+    for s, src in enumerate(sources[1:], start=1):
+        _check_same_model(base, src, [k for k, v in from_source.items() if v == s])
+        warnings += _differences(base, src)
+    jobs, storage = _jobs(base, sources, from_source, owner, allow_nonfinite)
+    chosen = {key: sources[s].metadata.state_dict_metadata[key] for key, s in from_source.items()}
+    metadata = Metadata(chosen, dict(base.metadata.planner_data), storage, StorageMeta(str(out)))
+    return DcpComposePlan(recipe, base, tuple(sources), picks, out, force, tuple(jobs), metadata, tuple(warnings))
+
+
+def _check_same_model(base: DcpCheckpoint, src: DcpCheckpoint, keys: list[str]) -> None:
+    """Refuse a source that lacks a key taken from it, or holds it in another shape or dtype: another model."""
+    mine, theirs = base.metadata.state_dict_metadata, src.metadata.state_dict_metadata
+    for key in keys:
+        other = theirs.get(key)
+        ours = mine[key]
+        if other is None:
+            raise IncompatibleError(f"{src.path}: has no {key}, which the base {base.path} has; it is another "
+                                    "model, or another optimizer's state")
+        if type(other) is not type(ours) or (isinstance(ours, TensorStorageMetadata) and isinstance(
+                other, TensorStorageMetadata) and (ours.size, ours.dtype) != (other.size, other.dtype)):
+            said = f"{list(other.size)} {other.dtype}" if isinstance(other, TensorStorageMetadata) else "a value"
+            base_said = f"{list(ours.size)} {ours.dtype}" if isinstance(ours, TensorStorageMetadata) else "a value"
+            raise IncompatibleError(f"{src.path}: holds {key} as {said}, the base {base.path} as {base_said}; it "
+                                    "is another model")
+
+
+def _differences(base: DcpCheckpoint, src: DcpCheckpoint) -> list[str]:
+    """What differs between the runs of two checkpoints that a composition keeps the base's of: the param
+    groups' keys, and the step (by their folders' names)."""
+    said = []
+    groups = {k for k in base.metadata.state_dict_metadata if k.startswith("optim.param_groups.")}
+    theirs = {k for k in src.metadata.state_dict_metadata if k.startswith("optim.param_groups.")}
+    if groups != theirs:
+        said.append(f"{src.name}'s param groups are not the base's ({len(theirs)} entries, the base {len(groups)}); "
+                    "the base's are kept")
+    if base.step is not None and src.step is not None and base.step != src.step:
+        said.append(f"rows from {src.name} (step {src.step}) keep their weights and moments with the base's step "
+                    f"count ({base.step}), as AdamW's bias correction then reads them")
+    return said
+
+
+def _jobs(base: DcpCheckpoint, sources: list[DcpCheckpoint], from_source: dict[str, int], owner: dict[str, str],
+          allow_nonfinite: bool):
+    """One job per output file, and every archive's new place (`storage_data`)."""
+    per_file: dict[tuple[int, str], list[tuple[MetadataIndex, StorageInfo]]] = {}
+    for s, src in enumerate(sources):
+        for index, info in src.metadata.storage_data.items():
+            if from_source.get(index.fqn) == s:
+                per_file.setdefault((s, info.relative_path), []).append((index, info))
+    jobs, storage = [], {}
+    for (s, name), items in sorted(per_file.items()):
+        src = sources[s]
+        out_name = name if s == 0 else f"__tailor_{s}_{name.removeprefix('__')}"
+        copies, to = [], 0
+        for index, info in sorted(items, key=lambda item: item[1].offset):
+            copies.append(Copy(index.fqn, index.offset, info.offset, info.length, to))
+            storage[MetadataIndex(index.fqn, index.offset)] = StorageInfo(out_name, to, info.length)
+            to += info.length
+        entries = tuple((key, e if isinstance(e := src.metadata.state_dict_metadata[key], TensorStorageMetadata)
+                         else None) for key in dict.fromkeys(c.key for c in copies))
+        label = f"{src.name}{' (base)' if s == 0 else ''} {name}"
+        rows = tuple((key, owner[key]) for key, _entry in entries if key in owner)
+        jobs.append(DcpFileJob(label, src.path, name, out_name, tuple(copies), entries, rows, allow_nonfinite, to, to))
+    return jobs, storage

@@ -1,0 +1,92 @@
+"""`--apply` of a recipe whose base is a PyTorch Distributed Checkpoint: a real FSDP2 run's layer that blew
+up taken from an earlier save, per row, into a DCP checkpoint FSDP2 loads at world sizes 1 and 3 and trains
+on; every key of the output bit for bit its chosen source's (torch's own `dcp.load` of each); NaN never
+composed silently; a rotten source refused."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from dcp_checks import assert_archives_intact, assert_reads_as_torch
+from helpers import assert_one_line_error, hidden, tailor, write_recipe
+from test_dcp_export import load_in_fsdp2
+
+from tailor_tui.checkpoints.dcp_checkpoint import open_dcp
+from tailor_tui.dcp.metadata import MetadataIndex
+from tailor_tui.dcp.reading import archive_records, read_metadata
+
+
+def loaded(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, as torch's dcp.load gives it."""
+    entries = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    state = {k: torch.zeros(v.size, dtype=v.properties.dtype) for k, v in entries.items() if hasattr(v, "size")}
+    dcp.load(state, checkpoint_id=folder, no_dist=True)
+    return state
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.reshape(-1).contiguous().view(torch.uint8).equal(
+        b.reshape(-1).contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_a_blown_up_layer_healed_from_an_earlier_save_loads_in_fsdp2_and_trains(fsdp_run, tmp_path, world):
+    run, _spec = fsdp_run("fsdp_llama")
+    base, earlier = run / "step-6", run / "step-4"
+    recipe = write_recipe(tmp_path, base, {"layers.1": earlier})
+    done = tailor("--apply", recipe)
+    assert done.returncode == 0, done.stderr
+    assert "keep their weights and moments with the base's step count (6)" in done.stderr
+    out = tmp_path / "composed"
+    assert_archives_intact(out)
+    assert assert_reads_as_torch(out)
+    got, sources = loaded(out), {base: loaded(base), earlier: loaded(earlier)}
+    rows = open_dcp(base).row_of_key()
+    for key, tensor in got.items():
+        source = earlier if rows.get(key) == "layers.1" and not key.endswith(".step") else base
+        assert same_bits(tensor, sources[source][key]), (key, source.name)
+    assert not any(bool(t.isnan().any()) for t in got.values() if t.is_floating_point())
+    state, stepped = load_in_fsdp2(out, run.parent / run.name, world, tmp_path, spec_file=run / "spec.json")
+    assert torch.equal(state["model"]["model.layers.1.mlp.down_proj.weight"],
+                       sources[earlier]["model.model.layers.1.mlp.down_proj.weight"])
+    assert stepped["finite"] and stepped["loss"] == stepped["loss"]
+
+
+def test_nan_is_never_composed_silently(fsdp_run, tmp_path):
+    run, _spec = fsdp_run("fsdp_llama")
+    recipe = write_recipe(tmp_path, run / "step-6", {})
+    assert_one_line_error(tailor("--apply", recipe), 8, "(row layers.1) holds 768 NaN/Inf values",
+                          "--allow-nonfinite")
+    assert not (tmp_path / "composed").exists() and not [p for p in hidden(tmp_path) if "tailor" in p.name]
+    done = tailor("--apply", recipe, "--allow-nonfinite")
+    assert done.returncode == 0, done.stderr
+    assert bool(loaded(tmp_path / "composed")["model.model.layers.1.mlp.down_proj.weight"].isnan().all())
+
+
+def test_dcp_recipe_errors_are_one_line_and_write_nothing(fsdp_run, tmp_path):
+    run, _spec = fsdp_run("fsdp_llama")
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    base, earlier = copy / "step-6", copy / "step-4"
+    assert_one_line_error(tailor("--apply", write_recipe(tmp_path, base, {"layers.9": earlier})), 3,
+                          "layers.9: no such row")
+    assert_one_line_error(tailor("--apply", write_recipe(tmp_path, base, {"layers.1": earlier}), "--world-size",
+                                 "2"), 2, "loads at any world size")
+    dry = tailor("--apply", write_recipe(tmp_path, base, {"layers.1": earlier}), "--dry-run")
+    assert dry.returncode == 0 and "layers.1      step-4" in dry.stdout and "dry run: nothing written" in dry.stdout
+    found = read_metadata(earlier)
+    key = "model.model.layers.1.mlp.down_proj.weight"
+    info = found.storage_data[MetadataIndex(key, found.state_dict_metadata[key].chunks[0].offsets)]
+    with open(earlier / info.relative_path, "r+b") as f:
+        record = archive_records(earlier, f.fileno(), info, "chunk")["data/0"]
+        f.seek(record.data_offset + record.size // 2)
+        flipped = bytes([f.read(1)[0] ^ 0x10])
+        f.seek(record.data_offset + record.size // 2)
+        f.write(flipped)
+    assert_one_line_error(tailor("--apply", write_recipe(tmp_path, base, {"layers.1": earlier})), 4,
+                          "fails its CRC-32")
+    assert not (tmp_path / "composed").exists()
