@@ -90,3 +90,32 @@ def test_dcp_recipe_errors_are_one_line_and_write_nothing(fsdp_run, tmp_path):
     assert_one_line_error(tailor("--apply", write_recipe(tmp_path, base, {"layers.1": earlier})), 4,
                           "fails its CRC-32")
     assert not (tmp_path / "composed").exists()
+
+
+def test_verify_proves_a_dcp_composition_and_fails_what_differs(fsdp_run, tmp_path):
+    run, _spec = fsdp_run("fsdp_llama")
+    base = run / "step-6"
+    recipe = write_recipe(tmp_path, base, {"layers.1": run / "step-4"})
+    assert tailor("--apply", recipe).returncode == 0
+    done = tailor("--verify", recipe)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ok    layers.1      step-4" in done.stdout and "verified: every row" in done.stdout
+    # the recipe now says layers.1 comes from step-2: the output holds step-4's
+    (tmp_path / "other").mkdir()
+    other = write_recipe(tmp_path / "other", base, {"layers.1": run / "step-2"}, output=str(tmp_path / "composed"))
+    wrong = tailor("--verify", other)
+    assert wrong.returncode == 7 and "FAIL  layers.1      step-2" in wrong.stdout, wrong.stdout
+    assert "FAIL  layers.0" not in wrong.stdout
+    # a byte of the output flipped, in a chunk of layers.2
+    out = tmp_path / "composed"
+    found = read_metadata(out)
+    key = "model.model.layers.2.self_attn.q_proj.weight"
+    info = found.storage_data[MetadataIndex(key, found.state_dict_metadata[key].chunks[-1].offsets)]
+    with open(out / info.relative_path, "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        byte = f.read(1)
+        f.seek(info.offset + info.length // 2)
+        f.write(bytes([byte[0] ^ 1]))
+    flipped = tailor("--verify", recipe)
+    assert flipped.returncode == 7 and "FAIL  layers.2      step-6: " + key in flipped.stdout, flipped.stdout
+    assert "ok    layers.1      step-4" in flipped.stdout

@@ -11,6 +11,7 @@ from tailor_tui.units import shown
 
 
 def verify_command(args) -> int:
+    from tailor_tui.checkpoints.dcp_checkpoint import is_dcp
     from tailor_tui.cli.import_command import load_for
     from tailor_tui.planning.build import build_plan
     from tailor_tui.planning.output import recipe_output
@@ -19,6 +20,15 @@ def verify_command(args) -> int:
     from tailor_tui.verifying.against_recipe import verify_against_recipe
 
     recipe = load_for(args, args.verify)
+    if is_dcp(recipe.base):  # a composition of PyTorch Distributed Checkpoints
+        from tailor_tui.planning.dcp_plan import plan_dcp
+        from tailor_tui.verifying.dcp_output import verify_dcp
+
+        composed = plan_dcp(recipe, output=args.output, check=False)
+        if not composed.output.is_dir():
+            raise OutputError(f"output {composed.output}: does not exist; nothing to verify (run --apply first)")
+        print(shown(f"verifying {composed.output} against {args.verify}"), file=sys.stderr, flush=True)
+        return _said(args, composed, verify_dcp(composed))
     out = Path(args.output) if args.output else recipe_output(recipe, written=True)
     record = None if out is None else read_record(out)  # (no output: build_plan says so)
     try:
@@ -48,6 +58,11 @@ def verify_command(args) -> int:
     lines = reporter_for(sys.stderr, "lines", unit="compared")
     report = verify_against_recipe(plan, emit=lines)
     lines.close()
+    return _said(args, plan, report)
+
+
+def _said(args, plan, report) -> int:
+    """Each row's verdict, a line each, and the exit code (0: verified; 7: a row or a source failed)."""
     width = max(len(r.name) for r in plan.base.rows)
     for row in plan.base.rows:
         if row.tied:

@@ -65,6 +65,7 @@ class DcpComposePlan:
     force: bool
     jobs: tuple[DcpFileJob, ...]
     metadata: Metadata
+    taken: dict[str, int]  # every key of the output -> the index of the source it is taken from
     warnings: tuple[str, ...] = ()
 
     def bytes_to_write(self) -> int:
@@ -86,8 +87,9 @@ class DcpComposePlan:
 
 
 def plan_dcp(recipe: Recipe, *, output: Path | None = None, force: bool = False, preview: bool = False,
-             allow_nonfinite: bool = False) -> DcpComposePlan:
-    """The plan of `recipe` (its base a DCP checkpoint); a TailorError naming the first problem."""
+             allow_nonfinite: bool = False, check: bool = True) -> DcpComposePlan:
+    """The plan of `recipe` (its base a DCP checkpoint); a TailorError naming the first problem. `check=False`:
+    the output is not checked to be writable (`--verify` of one written)."""
     base = open_dcp(recipe.base)
     paths = [recipe.base.resolve()]
     sources = [base]
@@ -106,7 +108,7 @@ def plan_dcp(recipe: Recipe, *, output: Path | None = None, force: bool = False,
         picks[row.name] = paths.index(path.resolve())
     out = Path(output) if output is not None else Path(recipe.output) if recipe.output else default_output(recipe.base)
     warnings = []
-    note = check_output(out, sources, force, preview=preview)
+    note = check_output(out, sources, force, preview=preview) if check else None
     if note:
         warnings.append(note)
     owner = base.row_of_key()
@@ -122,7 +124,8 @@ def plan_dcp(recipe: Recipe, *, output: Path | None = None, force: bool = False,
     jobs, storage = _jobs(base, sources, from_source, owner, allow_nonfinite)
     chosen = {key: sources[s].metadata.state_dict_metadata[key] for key, s in from_source.items()}
     metadata = Metadata(chosen, dict(base.metadata.planner_data), storage, StorageMeta(str(out)))
-    return DcpComposePlan(recipe, base, tuple(sources), picks, out, force, tuple(jobs), metadata, tuple(warnings))
+    return DcpComposePlan(recipe, base, tuple(sources), picks, out, force, tuple(jobs), metadata, from_source,
+                          tuple(warnings))
 
 
 def _check_same_model(base: DcpCheckpoint, src: DcpCheckpoint, keys: list[str]) -> None:

@@ -1,0 +1,98 @@
+"""A DCP composition re-checked against its recipe and its sources (`--verify` of a recipe whose base is a
+PyTorch Distributed Checkpoint), none of the writer's code used. `.metadata` is read by the one allow-listed
+reader (`dcp.reading`; torch's own `FileSystemReader` unpickles anything, never to be pointed at a file
+another user could have written).
+
+The output must list every key its base lists, and no other; each key's entry (dtype, size, chunks) is that
+of the checkpoint its row was picked from (the param groups and every `step`: the base's, as the plan says);
+and each of its archives, where the output's metadata places it, holds byte for byte the archive the
+source's metadata places for the same chunk: compared in 1 MiB reads, whatever the sizes.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tailor_tui.dcp.metadata import MetadataIndex
+from tailor_tui.dcp.reading import read_metadata
+from tailor_tui.errors import TailorError
+from tailor_tui.verifying.against_recipe import VerifyReport
+
+CHUNK = 1 << 20
+
+
+def verify_dcp(plan, emit=lambda event: None) -> VerifyReport:
+    """`plan` (a `planning.dcp_plan.DcpComposePlan`): its output compared with its sources."""
+    report = VerifyReport()
+    rows = plan.base.row_of_key()
+    try:
+        out = read_metadata(plan.output)
+    except TailorError as exc:
+        report.other.append(f"{exc}; is this the output of this recipe?")
+        return report
+    sources = [s.metadata for s in plan.sources]
+    wanted, got = set(sources[0].state_dict_metadata), set(out.state_dict_metadata)
+    for key in sorted(wanted - got):
+        _said(report, rows, key, f"{key}: missing from the output")
+    for key in sorted(got - wanted):
+        report.other.append(f"{key}: in the output, not in the base {plan.base.path}")
+    for key in sorted(wanted & got):
+        s = plan.taken[key]
+        source, path = sources[s], plan.sources[s].path
+        mine, theirs = out.state_dict_metadata[key], source.state_dict_metadata[key]
+        if _entry(mine) != _entry(theirs):
+            _said(report, rows, key, f"{key}: its entry is not {plan.sources[s].name}'s ({_entry(mine)[:2]} vs "
+                                     f"{_entry(theirs)[:2]})")
+            continue
+        offsets = [c.offsets for c in theirs.chunks] if hasattr(theirs, "chunks") else [None]
+        for at in offsets:
+            index = MetadataIndex(key, at)
+            placed, info = out.storage_data.get(index), source.storage_data[index]
+            if placed is None:
+                _said(report, rows, key, f"{key}: the output places no bytes for its chunk at {list(at or ())}")
+                continue
+            problem = _same_bytes(plan.output / placed.relative_path, placed.offset, placed.length,
+                                  path / info.relative_path, info.offset, info.length)
+            if problem:
+                _said(report, rows, key, f"{key} (chunk at {list(at or ())}): {problem} {plan.sources[s].name}'s")
+    return report
+
+
+def _entry(entry) -> tuple:
+    if not hasattr(entry, "size"):
+        return ("bytes",)
+    return (entry.size, entry.dtype, sorted((c.offsets, c.sizes) for c in entry.chunks))
+
+
+def _said(report: VerifyReport, rows: dict[str, str], key: str, problem: str) -> None:
+    row = rows.get(key)
+    if row is not None:
+        report.problems[row].append(problem)
+    else:
+        report.other.append(problem)
+
+
+def _same_bytes(out: Path, at: int, length: int, src: Path, src_at: int, src_length: int) -> str | None:
+    """None where `length` bytes at `at` of `out` are those at `src_at` of `src`; else what differs."""
+    if length != src_length:
+        return f"{length:,} bytes where the source's archive has {src_length:,}, not"
+    try:
+        a, b = os.open(out, os.O_RDONLY | os.O_NOFOLLOW), os.open(src, os.O_RDONLY)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc}), so not proven"
+    try:
+        done = 0
+        while done < length:
+            n = min(CHUNK, length - done)
+            x, y = os.pread(a, n, at + done), os.pread(b, n, src_at + done)
+            if len(x) < n:
+                return "the output file ends before its bytes do: not"
+            if x != y:
+                first = next(i for i in range(len(x)) if i >= len(y) or x[i] != y[i])
+                return f"differs at byte {done + first:,} of its archive from"
+            done += n
+        return None
+    finally:
+        os.close(a)
+        os.close(b)
