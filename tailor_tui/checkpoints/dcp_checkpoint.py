@@ -152,3 +152,30 @@ def _tied(path: Path, metadata: Metadata, others: list[str], trainable: frozense
 
 def _kind(entry: TensorStorageMetadata) -> tuple:
     return entry.dtype, entry.size, tuple(c.offsets for c in entry.chunks)
+
+
+MAX_CHECKPOINTS = 10_000  # folders of a run looked at
+
+
+def scan_dcp(run_dir: Path) -> list[DcpCheckpoint]:
+    """The DCP checkpoints of a run folder, oldest first (by the step their folders' names say, then by name): the
+    folder itself where it holds `.metadata`, else each folder in it that does; tailor-tui's own outputs (they
+    hold its provenance record) are not training saves. [] where it holds none. The checkpoints must be of
+    one model (CheckpointError naming the first that is not)."""
+    from tailor_tui.checkpoints.checkpoint import PROVENANCE
+
+    if is_dcp(run_dir):
+        return [open_dcp(run_dir)]
+    try:
+        folders = sorted(p for p in run_dir.iterdir() if p.is_dir() and not p.is_symlink())[:MAX_CHECKPOINTS]
+    except OSError:
+        return []
+    found = [open_dcp(p) for p in folders if is_dcp(p) and not (p / PROVENANCE).exists()]
+    found.sort(key=lambda c: (c.step is None, c.step or 0, c.name))
+    if found:
+        rows = [r.name for r in found[-1].rows]
+        for ckpt in found:
+            if [r.name for r in ckpt.rows] != rows:
+                raise CheckpointError(f"{ckpt.path}: its rows are not those of {found[-1].path}; a run folder holds "
+                                      "the checkpoints of one model: open each run on its own")
+    return found

@@ -17,15 +17,24 @@ def _health(run_dir: Path, args, progress: str):
     """The scanned run's health (training checkpoints: not tailor-tui's own outputs); None in a
     process of a job other than process 0 (which alone holds every cell)."""
     from tailor_tui.checkpoints.cache import cache_dir
+    from tailor_tui.checkpoints.dcp_checkpoint import scan_dcp
     from tailor_tui.checkpoints.lineage import check_one_run
     from tailor_tui.checkpoints.scan import check_run_folder, scan
     from tailor_tui.cli.health_report import StatsProgress
+    from tailor_tui.health.dcp_stats import dcp_health
     from tailor_tui.health.stats_run import compute_health
     from tailor_tui.team.launch import detect
     from tailor_tui.team.meet import connect
     from tailor_tui.team.members import SOLO
 
     check_run_folder(run_dir)
+    dcp = scan_dcp(run_dir)
+    if dcp:  # an FSDP2 run's PyTorch Distributed Checkpoints
+        shown_progress = StatsProgress(sys.stderr, live={"bars": True, "lines": False}.get(progress))
+        try:
+            return dcp_health(dcp, emit=shown_progress)
+        finally:
+            shown_progress.close()
     scanned = scan(run_dir)
     for _folder, problem in scanned.problems:
         print(shown(f"warning: skipped {problem}"), file=sys.stderr)
@@ -76,6 +85,7 @@ def stats_command(args) -> int:
 
 
 def heal_command(args) -> int:
+    from tailor_tui.checkpoints.dcp_checkpoint import DcpCheckpoint
     from tailor_tui.cli.health_report import healing_lines
     from tailor_tui.compose.composition import Composition
     from tailor_tui.health.healing import heal
@@ -86,6 +96,8 @@ def heal_command(args) -> int:
     health = _health(args.heal, args, args.progress)
     if health is None:
         return ExitCode.OK  # process 0 of the job writes the recipe
+    if isinstance(health.checkpoints[-1], DcpCheckpoint):
+        return _heal_dcp(args, health)
     comp = Composition.start(list(health.checkpoints))
     healing = heal(health, comp.healable_rows(), usable=comp.combines_with)
     comp.apply_healing(healing.picks)
@@ -98,6 +110,33 @@ def heal_command(args) -> int:
     if healing.hopeless:
         print(shown(f"error: {len(healing.hopeless)} row(s) have no healthy checkpoint ({', '.join(healing.hopeless)}); "
                     f"{saved} keeps them from {base}: --apply refuses it without --allow-nonfinite"), file=sys.stderr)
+        return ExitCode.NONFINITE
+    print(shown(f"wrote {saved}; compose it with: tailor-tui --apply {saved}"))
+    return ExitCode.OK
+
+
+def _heal_dcp(args, health) -> int:
+    """`--heal` of a DCP run: its newest checkpoint the base, every row from the newest checkpoint where it is
+    healthy (`healing.heal`, the one rule)."""
+    from tailor_tui.cli.health_report import healing_lines
+    from tailor_tui.health.healing import heal
+    from tailor_tui.planning.output import default_output
+    from tailor_tui.planning.recipe import Recipe
+    from tailor_tui.planning.recipe_file import save_recipe
+
+    base = len(health.checkpoints) - 1
+    healing = heal(health, [r.name for r in health.checkpoints[base].rows if not r.tied])
+    newest = health.checkpoints[base]
+    recipe = Recipe(base=newest.path, output=default_output(newest.path),
+                    layers={row: health.checkpoints[i].path for row, i in healing.picks.items() if i != base})
+    saved = save_recipe(recipe, args.recipe)
+    lines = healing_lines(health, healing, base)
+    print(shown(f"base: {newest.name}; {len(recipe.layers)} row(s) from other checkpoints"))
+    print("\n".join(map(shown, lines)) if lines else shown(f"every row is healthy in {newest.name}"))
+    if healing.hopeless:
+        print(shown(f"error: {len(healing.hopeless)} row(s) have no healthy checkpoint ({', '.join(healing.hopeless)}); "
+                    f"{saved} keeps them from {newest.name}: --apply refuses it without --allow-nonfinite"),
+              file=sys.stderr)
         return ExitCode.NONFINITE
     print(shown(f"wrote {saved}; compose it with: tailor-tui --apply {saved}"))
     return ExitCode.OK
