@@ -119,3 +119,25 @@ def test_verify_proves_a_dcp_composition_and_fails_what_differs(fsdp_run, tmp_pa
     flipped = tailor("--verify", recipe)
     assert flipped.returncode == 7 and "FAIL  layers.2      step-6: " + key in flipped.stdout, flipped.stdout
     assert "ok    layers.1      step-4" in flipped.stdout
+
+
+def test_on_a_filesystem_that_shares_blocks_the_base_files_are_clones(fsdp_run, xfs, tmp_path):
+    """On XFS (reflink) each base file of the output shares the base's blocks, its archives still read and checked;
+    the output loads as the one written byte by byte (--no-clone)."""
+    from tailor_tui.runs.scratch_xfs import shared_bytes
+
+    run, _spec = fsdp_run("fsdp_llama")
+    there = xfs / "fsdp_llama"
+    if not there.exists():
+        shutil.copytree(run, there)
+    recipe = write_recipe(xfs, there / "step-6", {"layers.1": there / "step-4"}, output="dcp-cloned")
+    done = tailor("--apply", recipe)
+    assert done.returncode == 0, done.stderr
+    plain = write_recipe(tmp_path, there / "step-6", {"layers.1": there / "step-4"}, output=str(tmp_path / "plain"))
+    assert tailor("--apply", plain, "--no-clone").returncode == 0
+    out = xfs / "dcp-cloned"
+    assert all(shared_bytes(out / f) > 0 for f in ("__0_0.distcp", "__1_0.distcp"))
+    assert shared_bytes(tmp_path / "plain" / "__0_0.distcp") == 0
+    ours, theirs = loaded(out), loaded(tmp_path / "plain")
+    assert ours.keys() == theirs.keys() and all(same_bits(ours[k], theirs[k]) for k in ours)
+    assert tailor("--verify", recipe).returncode == 0

@@ -5,12 +5,14 @@ provenance record, and the folder renamed into place (`DcpComposing`).
 Each archive is read as torch's reader reads it (`dcp.reading.archive_records`; a chunk's tensor checked to
 be the chunk its entry lists, `locate_chunk`), every record's stored CRC-32 checked against its bytes (a
 rotten source is refused, never copied), then copied byte for byte in the kernel (shared blocks where the
-filesystem can). Memory: a 1 MiB buffer, whatever the sizes. Torch-free.
+filesystem can: a base file starts as its clone, its archives then only checked). Memory: a 1 MiB buffer,
+whatever the sizes. Torch-free.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ from typing import Callable
 
 from tailor_tui.checked.evidence import checked_crcs
 from tailor_tui.checked.files import read_as_planned
+from tailor_tui.cloning import clone
 from tailor_tui.dcp.metadata import METADATA, ChunkStorageMetadata, StorageInfo, dumps
 from tailor_tui.dcp.reading import archive_records, locate_chunk
 from tailor_tui.errors import NonFiniteError
@@ -51,6 +54,9 @@ def copy_file_job(job: DcpFileJob, out_dir: Folder, emit: Emit, cancelled: Calla
         except OSError as exc:
             raise output_error(exc, out_dir / job.out_file) from None
         writeback = Writeback(out, options.durable)
+        # a base file starts as its clone where the filesystem shares blocks: its archives are then only checked
+        # (those of rows taken elsewhere stay in it, unlisted); else each is copied where it lies
+        cloned = clone(src, out) if job.in_place and options.clone else None
         for copy in job.copies:
             info = StorageInfo(job.source_file, copy.at, copy.length)
             entry = entries[copy.key]
@@ -72,7 +78,12 @@ def copy_file_job(job: DcpFileJob, out_dir: Folder, emit: Emit, cancelled: Calla
                 raise NonFiniteError(f"{copy.key}{f' (row {row})' if row else ''} holds {found[0]:,} NaN/Inf values "
                                      f"in {path}: the output would hold them; pick a checkpoint where "
                                      f"{'that row' if row else 'it'} is finite, or pass --allow-nonfinite")
-            copy_range(src, out, copy.at, copy.length, counter.add, out_offset=copy.to, writeback=writeback)
+            if cloned is None:
+                copy_range(src, out, copy.at, copy.length, counter.add, out_offset=copy.to, writeback=writeback)
+            else:
+                counter.add(copy.length)
+        if cloned is not None:
+            counter.shares(os.fstat(src).st_size, cloned)
         fsync(out, options.durable)
     counter.finish()
 

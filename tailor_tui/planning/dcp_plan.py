@@ -47,6 +47,7 @@ class DcpFileJob(JobCost):
     copies: tuple[Copy, ...]
     entries: tuple[tuple[str, TensorStorageMetadata | None], ...]  # each key's entry (None: a value)
     rows: tuple[tuple[str, str], ...]  # (key, its row) of the keys a row holds, for what is said of them
+    in_place: bool  # a base file: each archive where it lies there (the output file may start as its clone)
     allow_nonfinite: bool  # copy a chunk holding NaN/Inf (else the composition is refused: nothing published)
     read_bytes: int
     write_bytes: int
@@ -174,6 +175,8 @@ def _jobs(base: DcpCheckpoint, sources: list[DcpCheckpoint], from_source: dict[s
         out_name = name if s == 0 else f"__tailor_{s}_{name.removeprefix('__')}"
         copies, to = [], 0
         for index, info in sorted(items, key=lambda item: item[1].offset):
+            if s == 0:  # where it lies in the base's file: a clone of that file shares its blocks, the archives
+                to = info.offset  # of rows taken elsewhere left out (a hole)
             copies.append(Copy(index.fqn, index.offset, info.offset, info.length, to))
             storage[MetadataIndex(index.fqn, index.offset)] = StorageInfo(out_name, to, info.length)
             to += info.length
@@ -181,5 +184,7 @@ def _jobs(base: DcpCheckpoint, sources: list[DcpCheckpoint], from_source: dict[s
                          else None) for key in dict.fromkeys(c.key for c in copies))
         label = f"{src.name}{' (base)' if s == 0 else ''} {name}"
         rows = tuple((key, owner[key]) for key, _entry in entries if key in owner)
-        jobs.append(DcpFileJob(label, src.path, name, out_name, tuple(copies), entries, rows, allow_nonfinite, to, to))
+        total = sum(c.length for c in copies)
+        jobs.append(DcpFileJob(label, src.path, name, out_name, tuple(copies), entries, rows, s == 0, allow_nonfinite,
+                               total, total))
     return jobs, storage
