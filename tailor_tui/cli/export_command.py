@@ -11,6 +11,7 @@ from tailor_tui.units import shown
 
 
 def export_command(args) -> int:
+    from tailor_tui.checkpoints.dcp_checkpoint import is_dcp
     from tailor_tui.cli.nonfinite_check import check_nonfinite
     from tailor_tui.export.export_plan import plan_export
     from tailor_tui.export.export_run import config_source, run_export
@@ -23,6 +24,8 @@ def export_command(args) -> int:
         raise UsageError("--export needs --to DIR: the folder to write the model to")
     max_shard = parse_size(args.max_shard_size)
     recipe = _recipe_or_checkpoint(args)
+    if is_dcp(recipe.base):
+        return _export_dcp_to_hf(args, recipe, max_shard)
     plan = build_plan(recipe, output=args.to, force=args.force, preview=args.dry_run)
     check_nonfinite(plan, args, doing="export")  # (before anything is written)
     if args.format == "dcp":
@@ -60,12 +63,13 @@ def export_command(args) -> int:
 
 def _recipe_or_checkpoint(args):
     """What `--export X` names: a recipe, or a checkpoint of a run (exported as it is)."""
+    from tailor_tui.checkpoints.dcp_checkpoint import is_dcp
     from tailor_tui.checkpoints.scan import run_of_checkpoint
     from tailor_tui.cli.import_command import load_for
     from tailor_tui.planning.recipe import Recipe
 
     path = args.export
-    if path.is_dir() and args.run is None and run_of_checkpoint(path) is not None:
+    if path.is_dir() and args.run is None and (is_dcp(path) or run_of_checkpoint(path) is not None):
         return Recipe(base=path)
     return load_for(args, path)
 
@@ -103,4 +107,43 @@ def _export_dcp(args, plan) -> int:
     rate = result.bytes_written / max(result.seconds, 1e-6)
     print(shown(f"done: {result.output} ({size(result.bytes_written)} written in {result.seconds:.1f}s, "
                 f"{size(rate)}/s); load it with torch.distributed.checkpoint.load and set_state_dict"))
+    return ExitCode.OK
+
+
+def _export_dcp_to_hf(args, recipe, max_shard: int) -> int:
+    """`--export` of a composition of PyTorch Distributed Checkpoints (or one) as a plain HF model folder."""
+    from tailor_tui.export.dcp_to_hf import plan_dcp_hf, run_dcp_hf_export
+    from tailor_tui.planning.dcp_plan import plan_dcp
+    from tailor_tui.report import reporter_for
+    from tailor_tui.units import size
+
+    if args.format == "dcp":
+        raise UsageError(f"{recipe.base}: is a PyTorch Distributed Checkpoint already; compose DCP checkpoints into "
+                         "one with --apply, or export it as an HF model folder (--format hf)")
+    plan = plan_dcp(recipe, output=args.to, force=args.force, preview=args.dry_run)
+    export = plan_dcp_hf(plan, args.dtype, max_shard, allow_nonfinite=args.allow_nonfinite)
+    if args.config is not None and not (args.config / "config.json" if args.config.is_dir() else args.config).is_file():
+        raise UsageError(f"config {args.config}: no config.json there; name the model's config.json or a folder "
+                         "holding it (and the tokenizer files)")
+    config = (args.config / "config.json" if args.config.is_dir() else args.config) if args.config else None
+    summary = (f"exporting {plan.output}: {export.tensors} tensors in {export.dtype or 'their saved dtype'}, "
+               f"{size(export.bytes_to_write())} in {len(export.files)} file(s), from PyTorch Distributed "
+               f"Checkpoint(s); config: {config or 'none'}")
+    if args.dry_run:
+        print(shown(summary))
+        print("dry run: nothing written")
+        return ExitCode.OK
+    print(shown(summary), file=sys.stderr, flush=True)
+    report = reporter_for(sys.stderr, args.progress, [(job.task, job.progress_bytes) for job in export.jobs])
+    try:
+        result = run_dcp_hf_export(export, config=config, workers=args.workers, emit=report, cancel=threading.Event(),
+                                   options=TaskOptions(durable=args.durable))
+    finally:
+        report.close()
+    if config is None:
+        print(shown(f"note: {result.output} holds the weights but no config.json (a DCP checkpoint records none); "
+                    "export again with --config PATH (the model's config.json, or a folder with it and its "
+                    "tokenizer)"), file=sys.stderr)
+    rate = result.bytes_written / max(result.seconds, 1e-6)
+    print(shown(f"done: {result.output} ({size(result.bytes_written)} written in {result.seconds:.1f}s, {size(rate)}/s)"))
     return ExitCode.OK

@@ -87,11 +87,11 @@ class Exporting(PublishingWork):
                            workers=self.workers_asked, worker_memory=STREAMING_WORKER)
 
     def fill(self, tmp: HeldFolder, cancel: threading.Event) -> None:
-        _make_files(self.export, tmp, self.durable)
+        make_files(self.export.files, self.export.index, tmp, self.durable)
         if self.source is not None:
             base = self.export.plan.base  # its own config: read as its files are, no link out of its run
             within = base.path.parent if self.source == base.path / CONFIG else None
-            _write_config(self.source, tmp, self.export.dtype, self.durable, within)
+            write_config(self.source, tmp, self.export.dtype, self.durable, within)
 
     def tasks(self, shared: str, emit: Emit) -> list[Task]:
         held, plan = self.folder(shared), self.export.plan
@@ -102,10 +102,10 @@ class Exporting(PublishingWork):
         self.publish_folder(provenance(self.export.plan) | {"export": {"dtype": self.export.dtype, "config": source}})
 
 
-def _make_files(export: Export, tmp: HeldFolder, durable: bool) -> None:
-    """Every shard at its full size with its header in place (the tensors' bytes come from the
-    workers), and the index when there are several."""
-    for f in export.files:
+def make_files(files, index: dict | None, tmp: HeldFolder, durable: bool) -> None:
+    """Every shard (`files`: `safetensors_out.ShardFile`s) at its full size with its header in place (the tensors'
+    bytes come from the workers), and the index when there are several."""
+    for f in files:
         path = tmp / f.name
         try:
             fd = create(path)
@@ -116,11 +116,11 @@ def _make_files(export: Export, tmp: HeldFolder, durable: bool) -> None:
                 os.close(fd)
         except OSError as exc:
             raise output_error(exc, path) from None
-    if export.index is not None:
-        write_file(tmp / INDEX, json.dumps(export.index, indent=2) + "\n", durable)
+    if index is not None:
+        write_file(tmp / INDEX, json.dumps(index, indent=2) + "\n", durable)
 
 
-def _write_config(source: Path, tmp: HeldFolder, dtype: str, durable: bool, within: Path | None = None) -> None:
+def write_config(source: Path, tmp: HeldFolder, dtype: str, durable: bool, within: Path | None = None) -> None:
     """config.json with its dtype the export's; the generation config and tokenizer files beside it.
     `within`: the run folder of the base checkpoint they come from, which no symbolic link on the way
     may leave (`checked.files.confine`); None: a folder the user named with --config, read as it is."""
