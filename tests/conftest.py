@@ -420,6 +420,8 @@ FSDP_RUNS = {
     # the tiny Llama, 2 ranks, DCP saves at steps 2, 4, 6; layers.1's down_proj NaN (and its exp_avg_sq)
     # before the last save
     "fsdp_llama": (RunSpec(layers=3, steps=6, save_every=2, blow_up=("model.layers.1.mlp.down_proj.weight",)), 2),
+    # the same model trained on 3 ranks (another seed): its saves chunk every tensor in three
+    "fsdp_llama_3": (RunSpec(layers=3, steps=4, save_every=2, seed=1), 3),
 }
 
 

@@ -141,3 +141,26 @@ def test_on_a_filesystem_that_shares_blocks_the_base_files_are_clones(fsdp_run, 
     ours, theirs = loaded(out), loaded(tmp_path / "plain")
     assert ours.keys() == theirs.keys() and all(same_bits(ours[k], theirs[k]) for k in ours)
     assert tailor("--verify", recipe).returncode == 0
+
+
+def test_rows_from_a_save_at_another_world_size_keep_their_chunks_and_load(fsdp_run, tmp_path):
+    """A row taken from a save of 3 ranks into a base of 2: its keys keep their three chunks, the others two;
+    FSDP2 at 2 ranks loads the mix, each key its source's."""
+    run, _spec = fsdp_run("fsdp_llama")
+    other, _ = fsdp_run("fsdp_llama_3")
+    recipe = write_recipe(tmp_path, run / "step-6", {"layers.1": other / "step-4", "layers.2": other / "step-4"})
+    done = tailor("--apply", recipe)
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "composed"
+    chunks = {k: len(e.chunks) for k, e in read_metadata(out).state_dict_metadata.items() if hasattr(e, "chunks")}
+    assert chunks["model.model.layers.1.mlp.down_proj.weight"] == 3 and chunks["model.model.layers.0.mlp.down_proj.weight"] == 2
+    got, theirs, ours = loaded(out), loaded(other / "step-4"), loaded(run / "step-6")
+    rows = open_dcp(run / "step-6").row_of_key()
+    for key, tensor in got.items():
+        source = theirs if rows.get(key) in ("layers.1", "layers.2") and not key.endswith(".step") else ours
+        assert same_bits(tensor, source[key]), key
+    state, stepped = load_in_fsdp2(out, run, 2, tmp_path, spec_file=run / "spec.json")
+    assert torch.equal(state["model"]["model.layers.2.self_attn.q_proj.weight"],
+                       theirs["model.model.layers.2.self_attn.q_proj.weight"])
+    assert stepped["finite"]
+    assert tailor("--verify", recipe).returncode == 0
