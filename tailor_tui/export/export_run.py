@@ -46,17 +46,22 @@ class ExportResult:
     config: Path | None  # where config.json came from; None: the folder has weights only
 
 
+def config_file(config: Path) -> Path:
+    """The config.json `--config` names (the file, or a folder holding it); UsageError where there is none."""
+    path = config / CONFIG if config.is_dir() else config
+    if path.exists() and not path.is_file():
+        raise UsageError(f"config {path}: not a regular file (a FIFO, a device or a socket), not read; name "
+                         "the model's config.json with --config")
+    if not path.is_file():
+        raise UsageError(f"config {config}: no {CONFIG} there; name the model's config.json or a folder "
+                         "holding it (and the tokenizer files)")
+    return path
+
+
 def config_source(export: Export, config: Path | None) -> Path | None:
     """The folder or config.json the model's config comes from: `--config`, else an HF base."""
     if config is not None:
-        path = config / CONFIG if config.is_dir() else config
-        if path.exists() and not path.is_file():
-            raise UsageError(f"config {path}: not a regular file (a FIFO, a device or a socket), not read; name "
-                             "the model's config.json with --config")
-        if not path.is_file():
-            raise UsageError(f"config {config}: no {CONFIG} there; name the model's config.json or a folder "
-                             "holding it (and the tokenizer files)")
-        return path
+        return config_file(config)
     base = export.plan.base
     kept = base.folder.model_config
     return base.path / kept if kept is not None and (base.path / kept).is_file() else None
