@@ -164,3 +164,35 @@ def test_rows_from_a_save_at_another_world_size_keep_their_chunks_and_load(fsdp_
                        theirs["model.model.layers.2.self_attn.q_proj.weight"])
     assert stepped["finite"]
     assert tailor("--verify", recipe).returncode == 0
+
+
+def test_the_plan_says_where_a_sources_hyperparameters_differ(fsdp_run, tmp_path):
+    """A source whose param group 0 has another lr (its value rewritten as torch.save writes one): the plan says
+    so, naming both values; the base's are kept."""
+    from tailor_tui.dcp import metadata as md
+    from tailor_tui.dcp.chunks import value_chunk
+
+    run, _spec = fsdp_run("fsdp_llama")
+    other = tmp_path / "step-4"
+    shutil.copytree(run / "step-4", other)
+    found = read_metadata(other)
+    archive = value_chunk("optim.param_groups.0.lr", 0.5)
+    (other / "__9_0.distcp").write_bytes(archive)
+    storage = dict(found.storage_data) | {MetadataIndex("optim.param_groups.0.lr", None):
+                                          md.StorageInfo("__9_0.distcp", 0, len(archive))}
+    (other / md.METADATA).write_bytes(md.dumps(md.Metadata(found.state_dict_metadata, found.planner_data, storage,
+                                                           found.storage_meta)))
+    assert loaded_value(other, "optim.param_groups.0.lr") == 0.5
+    dry = tailor("--apply", write_recipe(tmp_path, run / "step-6", {"layers.1": other}), "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "step-4's hyperparameters differ from the base's, whose are kept: 0.lr 0.5 (the base 0.001)" in dry.stdout
+
+
+def loaded_value(folder: Path, key: str):
+    """A value saved as bytes, as torch's own dcp.load reads it."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    value = _load_state_dict_from_keys(keys={key}, checkpoint_id=folder)
+    for part in key.split("."):
+        value = value[int(part)] if isinstance(value, list) else value[part]
+    return value

@@ -19,6 +19,7 @@ import os
 import pickle
 import re
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -325,3 +326,35 @@ def locate_chunk(folder: Path, fd: int, entry: TensorStorageMetadata, chunk: Chu
             or list(storages) != ["0"] or data.size != numel * ITEMSIZE[entry.dtype]):
         raise CheckpointError(f"{where} holds another tensor than the metadata says; {RECOPY}")
     return ChunkBytes(path, data, entry.dtype, numel)
+
+
+MAX_VALUE = 1 << 20  # bytes of a value saved as bytes (a hyperparameter, a list of names)
+
+
+def read_value(folder: Path, metadata: Metadata, key: str):
+    """The value saved as bytes under `key` (a param group's `lr`, `betas`, `params`): its archive's pickle, read by
+    the allow-listed unpickler (plain values only); CheckpointError naming the file where it is not one."""
+    info = metadata.storage_data.get(MetadataIndex(key, None))
+    if info is None:
+        raise CheckpointError(f"{folder}: holds no value {key}; {RECOPY}")
+    fd = open_regular(folder / info.relative_path, follow=False)
+    try:
+        records = archive_records(folder, fd, info, f"the value of {key}")
+        pickled = records["data.pkl"]
+        if pickled.size > MAX_VALUE or len(records) > 8:
+            raise CheckpointError(f"{folder / info.relative_path}: the value of {key} is larger than a "
+                                  f"hyperparameter's ({pickled.size:,} bytes); {RECOPY}")
+        data = os.pread(fd, pickled.size, pickled.data_offset)
+    finally:
+        os.close(fd)
+    if zlib.crc32(data) != pickled.crc:
+        raise CheckpointError(f"{folder / info.relative_path}: the value of {key} fails its CRC-32 check; {RECOPY}")
+    try:
+        storages: dict = {}
+        value = read_pickle(data, storages)
+    except (pickle.UnpicklingError, *PICKLE_FAILURES) as exc:
+        raise CheckpointError(f"{folder / info.relative_path}: the value of {key} is not a plain value "
+                              f"({_line(exc)}); {RECOPY}") from None
+    if storages:
+        raise CheckpointError(f"{folder / info.relative_path}: the value of {key} holds a tensor; {RECOPY}")
+    return value

@@ -233,12 +233,14 @@ def _job(model: _Model, ckpt, rank: int, files: RankFiles, *, name: str, label: 
             raise CheckpointError(f"{ckpt.path}: has no parameter {param}; it is from another model")
         if slot.valid(rank):
             taken.append((slot.group, slot.offset, entry, slot))
-    taken.sort(key=lambda t: (t[0], t[1], t[2]))
+    by_group: dict[int, list] = {}
+    for t in sorted(taken, key=lambda t: (t[0], t[1], t[2])):
+        by_group.setdefault(t[0], []).append(t)
     # laid out in the order the job reads: a sub-group's flat tensor of each key in turn, so the file is
     # written from start to end (its writeback started as it goes)
-    for g in sorted({t[0] for t in taken}):
+    for g, held_here in by_group.items():
         for key in (MASTERS, *state_keys):
-            for _g, _offset, entry, slot in (t for t in taken if t[0] == g):
+            for _g, _offset, entry, slot in held_here:
                 if key != MASTERS and entry != slot.name:
                     continue  # a tied name holds weights only
                 dcp_key = f"{MODEL}.{entry}" if key == MASTERS else f"{OPTIM}.{STATE}.{entry}.{key}"

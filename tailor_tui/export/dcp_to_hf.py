@@ -110,6 +110,8 @@ def runs(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...
 
 
 def plan_dcp_hf(plan: DcpComposePlan, dtype: str | None, max_shard: int, *, allow_nonfinite: bool) -> DcpHfExport:
+    """The HF export of `plan`'s composition in `dtype` (fp32, bf16, fp16; None: as saved), shards of at most
+    `max_shard` bytes; one job per source file it reads chunks from."""
     aliases = {alias for row in plan.base.rows for alias, _target in row.aliases}
     chosen = plan.metadata.state_dict_metadata
     tensors = [(key[len(MODEL):], entry) for key, entry in chosen.items()

@@ -18,10 +18,13 @@ from pathlib import Path
 from tailor_tui.checkpoints.dcp_checkpoint import STEP, DcpCheckpoint, open_dcp
 from tailor_tui.checkpoints.rows import find_row
 from tailor_tui.dcp.metadata import Metadata, MetadataIndex, StorageInfo, StorageMeta, TensorStorageMetadata
+from tailor_tui.dcp.reading import read_value
 from tailor_tui.errors import IncompatibleError, RecipeError
 from tailor_tui.events import JobCost
 from tailor_tui.planning.output import check_output, default_output
 from tailor_tui.planning.recipe import Recipe
+
+MAX_COMPARED = 256  # param group values compared between a source and the base
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,14 @@ def _differences(base: DcpCheckpoint, src: DcpCheckpoint) -> list[str]:
     if groups != theirs:
         said.append(f"{src.name}'s param groups are not the base's ({len(theirs)} entries, the base {len(groups)}); "
                     "the base's are kept")
+    else:
+        differ = []
+        for key in sorted(k for k in groups if not k.endswith(".params"))[:MAX_COMPARED]:
+            mine, other = read_value(base.path, base.metadata, key), read_value(src.path, src.metadata, key)
+            if mine != other:
+                differ.append(f"{key.removeprefix('optim.param_groups.')} {other!r:.40} (the base {mine!r:.40})")
+        if differ:
+            said.append(f"{src.name}'s hyperparameters differ from the base's, whose are kept: " + ", ".join(differ))
     if base.step is not None and src.step is not None and base.step != src.step:
         said.append(f"rows from {src.name} (step {src.step}) keep their weights and moments with the base's step "
                     f"count ({base.step}), as AdamW's bias correction then reads them")
