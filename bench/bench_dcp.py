@@ -17,12 +17,10 @@ import argparse
 import math
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from bench_export import measure
+from bench_export import in_turn
 from bench_merge import bench_run, fresh_work, gib, parity_recipe, size_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,20 +62,8 @@ def main() -> None:
         "zero_to_fp32 + torch_save_to_dcp; sync": ["sh", "-c", f"'{sys.executable}' -c \"{TO_DCP}\" '{run}' '{out}' "
                                                                f"'{base.name}' && sync"],
     }
-    times: dict[str, list[float]] = {k: [] for k in commands}
-    peaks = dict.fromkeys(commands, 0)
-    written = dict.fromkeys(commands, 0)
-    for i in range(args.repeats):
-        for name, cmd in commands.items():
-            shutil.rmtree(out, ignore_errors=True)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            subprocess.run(["sync"])
-            time.sleep(1)
-            seconds, peak = measure(cmd)
-            times[name].append(seconds)
-            peaks[name] = max(peaks[name], peak)
-            written[name] = size_of(out / "dcp") if (out / "dcp").is_dir() else size_of(out)
-            print(f"  run {i + 1}: {name:<40} {seconds:6.2f} s", flush=True)
+    times, peaks, written = in_turn(commands, args.repeats, out,
+                                    lambda out: size_of(out / "dcp") if (out / "dcp").is_dir() else size_of(out))
     shutil.rmtree(work, ignore_errors=True)
     ref = statistics.median(times["cp -r; sync"])
     row = largest_row(base)

@@ -16,10 +16,9 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from bench_export import measure
+from bench_export import in_turn, measure
 from bench_merge import SPEC, bench_run, fresh_work, gib, size_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,25 +54,17 @@ def main() -> None:
         "--apply": apply,
         "--apply --no-fsync": [*apply, "--no-fsync"],
     }
-    times: dict[str, list[float]] = {k: [] for k in [*commands, "cat of output, base, source", "--verify"]}
-    peaks = dict.fromkeys(times, 0)
-    for i in range(args.repeats):
-        for name, cmd in commands.items():
-            shutil.rmtree(out, ignore_errors=True)
-            subprocess.run(["sync"])
-            time.sleep(1)
+    times, peaks, _ = in_turn(commands, args.repeats, out)
+    files = [str(p) for folder in (out, base, source) for p in folder.glob("*.distcp")]
+    reads = {"cat of output, base, source": ["sh", "-c", "cat " + " ".join(f"'{f}'" for f in files) + " > /dev/null"],
+             "--verify": [TAILOR, "--verify", str(recipe)]}
+    for name, cmd in reads.items():  # the output --apply left, page cache warm
+        times[name], peaks[name] = [], 0
+        for i in range(args.repeats):
             seconds, peak = measure(cmd)
             times[name].append(seconds)
             peaks[name] = max(peaks[name], peak)
-            print(f"  run {i + 1}: {name:<28} {seconds:6.2f} s", flush=True)
-        files = [str(p) for folder in (out, base, source) for p in folder.glob("*.distcp")]
-        for name, cmd in {"cat of output, base, source": ["sh", "-c", "cat " + " ".join(f"'{f}'" for f in files)
-                                                        + " > /dev/null"],
-                          "--verify": [TAILOR, "--verify", str(recipe)]}.items():
-            seconds, peak = measure(cmd)  # page cache warm, as --apply left it
-            times[name].append(seconds)
-            peaks[name] = max(peaks[name], peak)
-            print(f"  run {i + 1}: {name:<28} {seconds:6.2f} s", flush=True)
+            print(f"  run {i + 1}: {name:<40} {seconds:6.2f} s", flush=True)
     shutil.rmtree(work, ignore_errors=True)
     ref, cat = statistics.median(times["cp -r; sync"]), statistics.median(times["cat of output, base, source"])
     print(f"\nbase: {base} ({gib(size_of(base))}, a DCP export of 4 ranks); parity recipe; {args.repeats} runs each")

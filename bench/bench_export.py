@@ -39,6 +39,26 @@ def measure(cmd: list[str]) -> tuple[float, int]:
     return seconds, tree
 
 
+def in_turn(commands: dict[str, list[str]], repeats: int, out: Path, written=None):
+    """Each command in turn, `repeats` times, each after `out` is removed and `sync`: ({name: [seconds]},
+    {name: peak RSS of its process tree}, {name: what `written(out)` said after it, where given})."""
+    times: dict[str, list[float]] = {k: [] for k in commands}
+    peaks = dict.fromkeys(commands, 0)
+    sizes = dict.fromkeys(commands, 0)
+    for i in range(repeats):
+        for name, cmd in commands.items():
+            shutil.rmtree(out, ignore_errors=True)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            subprocess.run(["sync"])
+            time.sleep(1)
+            seconds, peak = measure(cmd)
+            times[name].append(seconds)
+            peaks[name] = max(peaks[name], peak)
+            sizes[name] = written(out) if written else 0
+            print(f"  run {i + 1}: {name:<40} {seconds:6.2f} s", flush=True)
+    return times, peaks, sizes
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
@@ -58,19 +78,7 @@ def main() -> None:
         "--export": export,
         "--export --no-fsync": [*export, "--no-fsync"],
     }
-    times = {k: [] for k in commands}
-    peaks = dict.fromkeys(commands, 0)
-    written = dict.fromkeys(commands, 0)
-    for i in range(args.repeats):
-        for name, cmd in commands.items():
-            shutil.rmtree(out, ignore_errors=True)
-            subprocess.run(["sync"])
-            time.sleep(1)
-            seconds, peak = measure(cmd)
-            times[name].append(seconds)
-            peaks[name] = max(peaks[name], peak)
-            written[name] = size_of(out)
-            print(f"  run {i + 1}: {name:<20} {seconds:6.2f} s", flush=True)
+    times, peaks, written = in_turn(commands, args.repeats, out, size_of)
     shutil.rmtree(work, ignore_errors=True)
     ref_t, ref_m = statistics.median(times["zero_to_fp32"]), peaks["zero_to_fp32"]
     synced = statistics.median(times["zero_to_fp32; sync"])

@@ -133,6 +133,7 @@ def test_on_a_filesystem_that_shares_blocks_the_base_files_are_clones(fsdp_run, 
     recipe = write_recipe(xfs, there / "step-6", {"layers.1": there / "step-4"}, output="dcp-cloned")
     done = tailor("--apply", recipe)
     assert done.returncode == 0, done.stderr
+    assert "sharing the base's blocks (reflink)" in done.stdout
     plain = write_recipe(tmp_path, there / "step-6", {"layers.1": there / "step-4"}, output=str(tmp_path / "plain"))
     assert tailor("--apply", plain, "--no-clone").returncode == 0
     out = xfs / "dcp-cloned"

@@ -37,6 +37,9 @@ def apply_dcp(args, recipe) -> int:
                                  options=TaskOptions(durable=args.durable, clone=args.clone))
     finally:
         report.close()
+    if result.bytes_shared:
+        print(shown(f"sharing the base's blocks ({result.shared_how}): {size(result.bytes_shared)} of its files cloned, "
+                    "their archives read and checked, not written"))
     rate = result.bytes_written / max(result.seconds, 1e-6)
     print(shown(f"done: {result.output} ({size(result.bytes_written)} written in {result.seconds:.1f}s, "
                 f"{size(rate)}/s); load it with torch.distributed.checkpoint.load and set_state_dict"))

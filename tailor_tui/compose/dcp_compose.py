@@ -25,7 +25,7 @@ from tailor_tui.cloning import clone
 from tailor_tui.dcp.metadata import METADATA, ChunkStorageMetadata, StorageInfo, dumps
 from tailor_tui.dcp.reading import archive_records, locate_chunk
 from tailor_tui.errors import NonFiniteError
-from tailor_tui.events import ByteCounter, Emit, TaskOptions
+from tailor_tui.events import ByteCounter, Emit, TaskFinished, TaskOptions
 from tailor_tui.fileio import CREATE, Folder, Writeback, copy_range, fsync, open_fd, output_error, write_file
 from tailor_tui.formats import nonfinite
 from tailor_tui.kinds.base import STREAM_CHUNK
@@ -39,6 +39,8 @@ class DcpComposeResult:
     output: Path
     seconds: float
     bytes_written: int
+    bytes_shared: int = 0  # of its files, sharing the base's blocks (a clone), not written
+    shared_how: str = ""
 
 
 def copy_file_job(job: DcpFileJob, out_dir: Folder, emit: Emit, cancelled: Callable[[], bool],
@@ -130,5 +132,14 @@ def _provenance(plan: DcpComposePlan) -> dict:
 def run_dcp_compose(plan: DcpComposePlan, *, workers: int | None = None, emit: Emit = lambda e: None,
                     cancel: threading.Event | None = None, options: TaskOptions = TaskOptions()) -> DcpComposeResult:
     started = time.monotonic()
-    run_as_team(DcpComposing(plan, workers, options), emit=emit, cancel=cancel, options=options)
-    return DcpComposeResult(plan.output, time.monotonic() - started, plan.bytes_to_write())
+    shared: dict[str, tuple[int, str]] = {}
+
+    def seen(event) -> None:
+        if isinstance(event, TaskFinished) and event.shared:
+            shared[event.task] = (event.shared, event.shared_how)
+        emit(event)
+
+    run_as_team(DcpComposing(plan, workers, options), emit=seen, cancel=cancel, options=options)
+    return DcpComposeResult(plan.output, time.monotonic() - started, plan.bytes_to_write(),
+                            sum(n for n, _how in shared.values()),
+                            ", ".join(sorted({how for _n, how in shared.values()})))
