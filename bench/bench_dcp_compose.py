@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from bench_export import in_turn, measure
-from bench_merge import SPEC, bench_run, fresh_work, gib, size_of
+from bench_merge import bench_run, fresh_work, gib, parity_recipe, size_of
 
 ROOT = Path(__file__).resolve().parent.parent
 TAILOR = str(Path(sys.executable).with_name("tailor-tui"))
@@ -46,8 +46,7 @@ def main() -> None:
     work = fresh_work(args.cache, "work-dcp-compose")
     out = work / "out"
     recipe = work / "parity.yaml"
-    odd = [f"layers.{i}" for i in range(1, SPEC.layers, 2)]
-    recipe.write_text(f"version: 1\nbase: {base}\noutput: {out}\nlayers:\n" + "".join(f"  {r}: {source}\n" for r in odd))
+    parity_recipe(recipe, base, source, out)
     apply = [TAILOR, "--apply", str(recipe), "--progress", "lines"]
     commands = {
         "cp -r; sync": ["sh", "-c", f"cp -r '{base}' '{out}' && sync"],

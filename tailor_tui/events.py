@@ -62,6 +62,11 @@ class JobCost:
         return max(self.write_bytes or self.read_bytes, 1)
 
 
+def progress_of(jobs) -> list[tuple[str, int]]:
+    """(task, bytes its progress counts) of each job: what the progress bars and a team's declaration show."""
+    return [(job.task, job.progress_bytes) for job in jobs]
+
+
 class RankJobCost(JobCost):
     """A job that fills one output rank's files (`rank`): its progress is reported as `rank N`."""
 

@@ -8,7 +8,7 @@ import sys
 import threading
 
 from tailor_tui.errors import ExitCode, UsageError
-from tailor_tui.events import TaskOptions
+from tailor_tui.events import TaskOptions, progress_of
 from tailor_tui.units import shown
 
 
@@ -31,7 +31,7 @@ def apply_dcp(args, recipe) -> int:
         print(shown(f"warning: {warning}"), file=sys.stderr)
     print(shown(f"composing {plan.output} from {len(plan.sources)} PyTorch Distributed Checkpoint(s): "
                 f"{size(plan.bytes_to_write())} to write in {len(plan.jobs)} file(s)"), file=sys.stderr, flush=True)
-    report = reporter_for(sys.stderr, args.progress, [(job.task, job.progress_bytes) for job in plan.jobs])
+    report = reporter_for(sys.stderr, args.progress, progress_of(plan.jobs))
     try:
         result = run_dcp_compose(plan, workers=args.workers, emit=report, cancel=threading.Event(),
                                  options=TaskOptions(durable=args.durable, clone=args.clone))

@@ -6,7 +6,7 @@ import sys
 import threading
 
 from tailor_tui.errors import ExitCode, UsageError
-from tailor_tui.events import TaskOptions
+from tailor_tui.events import TaskOptions, progress_of
 from tailor_tui.units import shown
 
 
@@ -54,7 +54,7 @@ def _carried_out(args, summary: str, warnings, notes, jobs, run):
         return None
     for line in (*(f"warning: {w}" for w in warnings), summary, *notes):
         print(shown(line), file=sys.stderr, flush=True)
-    report = reporter_for(sys.stderr, args.progress, [(job.task, job.progress_bytes) for job in jobs])
+    report = reporter_for(sys.stderr, args.progress, progress_of(jobs))
     try:
         result = run(report)
     finally:

@@ -37,7 +37,7 @@ from tailor_tui.compose.model_files import compose_model_file
 from tailor_tui.compose.rank_task import compose_rank
 from tailor_tui.compose.taken import FileComposed, RankComposed
 from tailor_tui.errors import Cancelled, NonFiniteError, OutputError
-from tailor_tui.events import Emit, TaskFinished, TaskOptions, written_and_shared
+from tailor_tui.events import Emit, TaskFinished, TaskOptions, progress_of, written_and_shared
 from tailor_tui.fileio import copy_file, fsync_dir, output_error, write_file
 from tailor_tui.formats.side_pickles import check_side_file
 from tailor_tui.held import HeldFolder, HeldPath
@@ -57,7 +57,7 @@ from tailor_tui.units import size
 
 def planned_tasks(plan: ComposePlan) -> list[tuple[str, int]]:
     """(task name, bytes it writes) of every task a composition will report, in order."""
-    return [(job.task, job.progress_bytes) for job in (*plan.rank_jobs(), *plan.model_file_jobs())]
+    return progress_of((*plan.rank_jobs(), *plan.model_file_jobs()))
 
 
 # --- the whole composition --------------------------------------------------------------------------

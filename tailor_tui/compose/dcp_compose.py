@@ -25,13 +25,12 @@ from tailor_tui.cloning import clone
 from tailor_tui.dcp.metadata import METADATA, ChunkStorageMetadata, StorageInfo, dumps
 from tailor_tui.dcp.reading import archive_records, locate_chunk
 from tailor_tui.errors import NonFiniteError
-from tailor_tui.events import ByteCounter, Emit, TaskFinished, TaskOptions
+from tailor_tui.events import ByteCounter, Emit, TaskFinished, TaskOptions, progress_of
 from tailor_tui.fileio import CREATE, Folder, Writeback, copy_range, fsync, open_fd, output_error, write_file
 from tailor_tui.formats import nonfinite
 from tailor_tui.kinds.base import STREAM_CHUNK
-from tailor_tui.planning.dcp_plan import DcpComposePlan, DcpFileJob
+from tailor_tui.planning.dcp_plan import DcpComposePlan, DcpFileJob, dcp_provenance
 from tailor_tui.team.transaction import Declaration, PublishingWork, Task, run_as_team
-from tailor_tui.team.workers import STREAMING_WORKER
 
 
 @dataclass(frozen=True)
@@ -62,17 +61,18 @@ def copy_file_job(job: DcpFileJob, out_dir: Folder, emit: Emit, cancelled: Calla
         for copy in job.copies:
             info = StorageInfo(job.source_file, copy.at, copy.length)
             entry = entries[copy.key]
+            records = archive_records(job.source, src, info, f"the archive of {copy.key}")
             if entry is not None:  # a chunk: its archive is that chunk of that tensor
                 chunk = ChunkStorageMetadata(copy.chunk or (), next(c.sizes for c in entry.chunks
                                                                     if c.offsets == copy.chunk))
-                locate_chunk(job.source, src, entry, chunk, info)
+                locate_chunk(job.source, src, entry, chunk, info, records)
             found = [0]
 
             def count(_offset: int, data: memoryview, dtype: str | None = entry.dtype if entry else None,
                       found: list[int] = found) -> None:
                 found[0] += nonfinite.count(data, dtype) if dtype in nonfinite.EXPONENT else 0
 
-            for name, record in archive_records(job.source, src, info, f"the archive of {copy.key}").items():
+            for name, record in records.items():
                 if record.size:
                     checked_crcs(src, path, record, [], buffer, inspect=count if name == "data/0" else None)
             if found[0] and not job.allow_nonfinite:
@@ -102,8 +102,7 @@ class DcpComposing(PublishingWork):
         self.plan, self.workers_asked = plan, workers
 
     def begin(self) -> Declaration:
-        return Declaration(progress=[(job.task, job.progress_bytes) for job in self.plan.jobs],
-                           workers=self.workers_asked, worker_memory=STREAMING_WORKER)
+        return Declaration(progress=progress_of(self.plan.jobs), workers=self.workers_asked)
 
     def tasks(self, shared: str, emit: Emit) -> list[Task]:
         held, plan = self.folder(shared), self.plan
@@ -114,19 +113,7 @@ class DcpComposing(PublishingWork):
         held = self.hidden
         assert held is not None, "folder() named it before any task ran"
         write_file(held / METADATA, dumps(self.plan.metadata), self.durable)
-        self.publish_folder(_provenance(self.plan))
-
-
-def _provenance(plan: DcpComposePlan) -> dict:
-    from tailor_tui import __version__
-
-    rows = {row.name: (f"tied to {row.aliases[0][1]}" if row.tied else str(plan.sources[plan.picks[row.name]].path))
-            for row in plan.base.rows}
-    return {"tool": f"tailor-tui {__version__}", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "format": "dcp", "recipe": plan.recipe.to_yaml(),
-            "recipe_file": str(plan.recipe.source_file.resolve()) if plan.recipe.source_file else None,
-            "rows": rows, "base": str(plan.base.path.resolve()),
-            "sources": [str(s.path.resolve()) for s in plan.sources[1:]]}
+        self.publish_folder(dcp_provenance(self.plan) | {"format": "dcp"})
 
 
 def run_dcp_compose(plan: DcpComposePlan, *, workers: int | None = None, emit: Emit = lambda e: None,

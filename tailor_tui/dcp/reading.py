@@ -51,42 +51,42 @@ _MODULE = "torch.distributed.checkpoint.metadata"
 RECOPY = "the checkpoint is damaged or not a PyTorch Distributed Checkpoint; re-copy it from the training run"
 
 
-class _Record:
+class _PickledState:
     """One of torch's DCP dataclasses as pickled: its state, kept for `_checked` to read."""
 
     def __setstate__(self, state):
         self.state = state
 
 
-class _PickledMetadata(_Record):
+class _PickledMetadata(_PickledState):
     pass
 
 
-class _PickledTensor(_Record):
+class _PickledTensor(_PickledState):
     pass
 
 
-class _PickledProperties(_Record):
+class _PickledProperties(_PickledState):
     pass
 
 
-class _PickledChunk(_Record):
+class _PickledChunk(_PickledState):
     pass
 
 
-class _PickledBytes(_Record):
+class _PickledBytes(_PickledState):
     pass
 
 
-class _PickledIndex(_Record):
+class _PickledIndex(_PickledState):
     pass
 
 
-class _PickledInfo(_Record):
+class _PickledInfo(_PickledState):
     pass
 
 
-class _PickledStorageMeta(_Record):
+class _PickledStorageMeta(_PickledState):
     pass
 
 
@@ -304,12 +304,13 @@ def archive_records(folder: Path, fd: int, info: StorageInfo, what: str) -> dict
 
 
 def locate_chunk(folder: Path, fd: int, entry: TensorStorageMetadata, chunk: ChunkStorageMetadata,
-                 info: StorageInfo) -> ChunkBytes:
+                 info: StorageInfo, records: dict[str, Record] | None = None) -> ChunkBytes:
     """Where the elements of `chunk` of `entry` lie in the open file `fd` (`info.relative_path` of `folder`),
-    as its archive says; CheckpointError naming the file where the archive is not the chunk's."""
+    as its archive says; CheckpointError naming the file where the archive is not the chunk's. `records`: the
+    archive's (`archive_records`), where the caller read them already."""
     path = folder / info.relative_path
     what = f"the chunk ({entry.dtype} {list(chunk.sizes)})"
-    records = archive_records(folder, fd, info, what)
+    records = records if records is not None else archive_records(folder, fd, info, what)
     where = f"{path}: {what} at byte {info.offset:,}"
     pickled, data = records["data.pkl"], records.get("data/0")
     try:

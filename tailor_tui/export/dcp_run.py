@@ -15,15 +15,14 @@ import time
 
 from tailor_tui.checked.files import read_as_planned
 from tailor_tui.dcp.metadata import METADATA, dumps
-from tailor_tui.events import Emit, TaskOptions
+from tailor_tui.events import Emit, TaskOptions, progress_of
 from tailor_tui.export.dcp_export_plan import DcpExport
 from tailor_tui.export.dcp_rank import export_dcp_rank
-from tailor_tui.export.export_run import ExportResult
+from tailor_tui.export.export_run import Exporting, ExportResult
 from tailor_tui.fileio import create, output_error, write_file
 from tailor_tui.held import HeldFolder
 from tailor_tui.planning.provenance import provenance
 from tailor_tui.team.transaction import Declaration, PublishingWork, Task, run_as_team
-from tailor_tui.team.workers import STREAMING_WORKER
 
 FORMAT = "dcp"  # --format's name for it
 
@@ -40,16 +39,14 @@ class DcpExporting(PublishingWork):
     small one written; each source rank's chunks written by the workers; `.metadata`, the provenance
     record, and the folder renamed into place."""
 
-    cancelled = "export cancelled; nothing was written to the output path"
-    finished = "cancelled as the export finished: {output} is complete"
+    cancelled, finished = Exporting.cancelled, Exporting.finished
 
     def __init__(self, export: DcpExport, workers: int | None, options: TaskOptions):
         super().__init__(export.plan.output, export.plan.force, options)
         self.export, self.workers_asked = export, workers
 
     def begin(self) -> Declaration:
-        return Declaration(progress=[(job.task, job.progress_bytes) for job in self.export.jobs],
-                           workers=self.workers_asked, worker_memory=STREAMING_WORKER)
+        return Declaration(progress=progress_of(self.export.jobs), workers=self.workers_asked)
 
     def fill(self, tmp: HeldFolder, cancel: threading.Event) -> None:
         for job in self.export.jobs:

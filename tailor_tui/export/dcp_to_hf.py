@@ -30,17 +30,16 @@ from tailor_tui.dcp.chunks import ITEMSIZE
 from tailor_tui.dcp.metadata import ChunkStorageMetadata, MetadataIndex, StorageInfo, TensorStorageMetadata
 from tailor_tui.dcp.reading import locate_chunk
 from tailor_tui.errors import CheckpointError, NonFiniteError
-from tailor_tui.events import ByteCounter, Emit, JobCost, TaskOptions
-from tailor_tui.export.export_run import ExportResult, make_files, write_config
+from tailor_tui.events import ByteCounter, Emit, JobCost, TaskOptions, progress_of
+from tailor_tui.export.export_run import Exporting, ExportResult, make_files, write_config
 from tailor_tui.export.rank import cast
 from tailor_tui.fileio import Folder, fsync, open_fd, output_error, pwrite_all
 from tailor_tui.formats import nonfinite
 from tailor_tui.formats.dtypes import PRECISION, SAFETENSORS_NAME
 from tailor_tui.formats.safetensors_out import ShardFile, lay_out
 from tailor_tui.held import HeldFolder
-from tailor_tui.planning.dcp_plan import DcpComposePlan
+from tailor_tui.planning.dcp_plan import DcpComposePlan, dcp_provenance
 from tailor_tui.team.transaction import Declaration, PublishingWork, Task, run_as_team
-from tailor_tui.team.workers import STREAMING_WORKER
 
 PIECE = 1 << 20
 
@@ -197,16 +196,14 @@ def _write_chunk(src: int, path: Path, job: DcpHfJob, entry: TensorStorageMetada
 class DcpHfExporting(PublishingWork):
     """A DCP composition's HF export, in the stages of `--export`'s (`export_run.Exporting`)."""
 
-    cancelled = "export cancelled; nothing was written to the output path"
-    finished = "cancelled as the export finished: {output} is complete"
+    cancelled, finished = Exporting.cancelled, Exporting.finished
 
     def __init__(self, export: DcpHfExport, config: Path | None, workers: int | None, options: TaskOptions):
         super().__init__(export.plan.output, export.plan.force, options)
         self.export, self.config, self.workers_asked = export, config, workers
 
     def begin(self) -> Declaration:
-        return Declaration(progress=[(job.task, job.progress_bytes) for job in self.export.jobs],
-                           workers=self.workers_asked, worker_memory=STREAMING_WORKER)
+        return Declaration(progress=progress_of(self.export.jobs), workers=self.workers_asked)
 
     def fill(self, tmp: HeldFolder, cancel: threading.Event) -> None:
         make_files(self.export.files, self.export.index, tmp, self.durable)
@@ -222,13 +219,8 @@ class DcpHfExporting(PublishingWork):
                 for job in self.export.jobs]
 
     def publish(self) -> None:
-        plan = self.export.plan
-        rows = {row.name: (f"tied to {row.aliases[0][1]}" if row.tied else str(plan.sources[plan.picks[row.name]].path))
-                for row in plan.base.rows}
-        self.publish_folder({"tool": "tailor-tui", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                             "recipe": plan.recipe.to_yaml(), "rows": rows, "base": str(plan.base.path.resolve()),
-                             "export": {"format": "hf", "from": "dcp", "dtype": self.export.dtype,
-                                        "config": str(self.config) if self.config else None}})
+        self.publish_folder(dcp_provenance(self.export.plan) | {"export": {
+            "format": "hf", "from": "dcp", "dtype": self.export.dtype, "config": str(self.config) if self.config else None}})
 
 
 def run_dcp_hf_export(export: DcpHfExport, *, config: Path | None, workers: int | None = None,

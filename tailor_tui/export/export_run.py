@@ -20,7 +20,7 @@ from pathlib import Path
 from tailor_tui.checked.files import read_as_planned
 from tailor_tui.checkpoints.side_files import load_json
 from tailor_tui.errors import UsageError
-from tailor_tui.events import Emit, TaskOptions
+from tailor_tui.events import Emit, TaskOptions, progress_of
 from tailor_tui.export.export_plan import Export
 from tailor_tui.export.rank import export_rank
 from tailor_tui.fileio import copy_file, create, output_error, pwrite_all, write_file
@@ -29,7 +29,6 @@ from tailor_tui.held import HeldFolder
 from tailor_tui.kinds.folders import MODEL_CONFIG
 from tailor_tui.planning.provenance import provenance
 from tailor_tui.team.transaction import Declaration, PublishingWork, Task, run_as_team
-from tailor_tui.team.workers import STREAMING_WORKER
 
 CONFIG = MODEL_CONFIG  # (its name here, a documented one: `export.CONFIG`)
 # what save_pretrained and a tokenizer's save_pretrained write beside the weights
@@ -88,8 +87,7 @@ class Exporting(PublishingWork):
         self.export, self.source, self.workers_asked = export, source, workers
 
     def begin(self) -> Declaration:
-        return Declaration(progress=[(job.task, job.progress_bytes) for job in self.export.jobs],
-                           workers=self.workers_asked, worker_memory=STREAMING_WORKER)
+        return Declaration(progress=progress_of(self.export.jobs), workers=self.workers_asked)
 
     def fill(self, tmp: HeldFolder, cancel: threading.Event) -> None:
         make_files(self.export.files, self.export.index, tmp, self.durable)

@@ -118,10 +118,11 @@ def _pieces(fd: int, found: ChunkBytes):
 
 
 def _values(data: bytes, dtype: str):
+    """The values of `data` (little-endian `dtype`), as float64."""
     import numpy as np
 
     if dtype == "bfloat16":
-        return (np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+        return (np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     return np.frombuffer(data, dtype=_NUMPY[dtype]).astype(np.float64)
 
 
@@ -141,14 +142,14 @@ def _weights(here: tuple[int, ChunkBytes], there: tuple[int, ChunkBytes] | None,
         sums.nonfinite += bad
         if not trainable or found.dtype not in (*_NUMPY, "bfloat16"):
             continue
-        x = _values(data, found.dtype).astype(np.float64)
+        x = _values(data, found.dtype)
         finite = np.isfinite(x)
         sums.count += int(x.size)
         sums.sumsq += float(np.square(x[finite]).sum())
         if same and there is not None:
             prev = os.pread(there[0], len(data), there[1].record.data_offset + at)
             prev_crc = zlib.crc32(prev, prev_crc)
-            y = _values(prev, found.dtype).astype(np.float64)
+            y = _values(prev, found.dtype)
             both = finite & np.isfinite(y)
             sums.has_prev = True
             sums.diff_sq += float(np.square(x[both] - y[both]).sum())

@@ -12,16 +12,18 @@ of one file in their order there; `.metadata` says where each now lies. Torch-fr
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tailor_tui import __version__
 from tailor_tui.checkpoints.dcp_checkpoint import STEP, DcpCheckpoint, open_dcp
 from tailor_tui.checkpoints.rows import find_row
 from tailor_tui.dcp.metadata import Metadata, MetadataIndex, StorageInfo, StorageMeta, TensorStorageMetadata
 from tailor_tui.dcp.reading import read_value
 from tailor_tui.errors import IncompatibleError, RecipeError
 from tailor_tui.events import JobCost
-from tailor_tui.planning.output import check_output, default_output
+from tailor_tui.planning.output import check_output, default_output, recipe_output
 from tailor_tui.planning.recipe import Recipe
 
 MAX_COMPARED = 256  # param group values compared between a source and the base
@@ -90,6 +92,18 @@ class DcpComposePlan:
         return lines + [f"warning: {w}" for w in self.warnings]
 
 
+def dcp_provenance(plan: DcpComposePlan) -> dict:
+    """The provenance record of an output of `plan` (a DCP composition, or its HF export): the recipe, each row's
+    source, the checkpoints read."""
+    rows = {row.name: (f"tied to {row.aliases[0][1]}" if row.tied else str(plan.sources[plan.picks[row.name]].path))
+            for row in plan.base.rows}
+    return {"tool": f"tailor-tui {__version__}", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "recipe": plan.recipe.to_yaml(),
+            "recipe_file": str(plan.recipe.source_file.resolve()) if plan.recipe.source_file else None,
+            "rows": rows, "base": str(plan.base.path.resolve()),
+            "sources": [str(s.path.resolve()) for s in plan.sources[1:]]}
+
+
 def plan_dcp(recipe: Recipe, *, output: Path | None = None, force: bool = False, preview: bool = False,
              allow_nonfinite: bool = False, check: bool = True) -> DcpComposePlan:
     """The plan of `recipe` (its base a DCP checkpoint); a TailorError naming the first problem. `check=False`:
@@ -110,7 +124,7 @@ def plan_dcp(recipe: Recipe, *, output: Path | None = None, force: bool = False,
             paths.append(path.resolve())
             sources.append(open_dcp(path))
         picks[row.name] = paths.index(path.resolve())
-    out = Path(output) if output is not None else Path(recipe.output) if recipe.output else default_output(recipe.base)
+    out = Path(output) if output is not None else recipe_output(recipe, written=not check) or default_output(recipe.base)
     warnings = []
     note = check_output(out, sources, force, preview=preview) if check else None
     if note:

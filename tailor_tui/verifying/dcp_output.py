@@ -22,7 +22,7 @@ from tailor_tui.verifying.against_recipe import VerifyReport
 CHUNK = 1 << 20
 
 
-def verify_dcp(plan, emit=lambda event: None) -> VerifyReport:
+def verify_dcp(plan) -> VerifyReport:
     """`plan` (a `planning.dcp_plan.DcpComposePlan`): its output compared with its sources."""
     report = VerifyReport()
     rows = plan.base.row_of_key()
