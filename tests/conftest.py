@@ -415,13 +415,17 @@ def cached_run(name: str, deepspeed: str = INSTALLED_DEEPSPEED, python: tuple[st
     return folder
 
 
-# Real FSDP2 runs (tests/fsdp_run.py): the spec of the model and training, the world size
-FSDP_RUNS = {
+# Real FSDP2 runs (tests/fsdp_run.py): the spec of the model and training, the world size (and the layout:
+# "hf", the HF Trainer's checkpoint-N folders, written by Accelerate's save functions)
+FSDP_RUNS: dict[str, tuple] = {
     # the tiny Llama, 2 ranks, DCP saves at steps 2, 4, 6; layers.1's down_proj NaN (and its exp_avg_sq)
     # before the last save
     "fsdp_llama": (RunSpec(layers=3, steps=6, save_every=2, blow_up=("model.layers.1.mlp.down_proj.weight",)), 2),
     # the same model trained on 3 ranks (another seed): its saves chunk every tensor in three
     "fsdp_llama_3": (RunSpec(layers=3, steps=4, save_every=2, seed=1), 3),
+    # the tiny Llama, 2 ranks, the HF Trainer's FSDP checkpoints at steps 2, 4; layers.1 blown up before the last
+    "fsdp_llama_hf": (RunSpec(layers=3, steps=4, save_every=2, seed=2,
+                              blow_up=("model.layers.1.mlp.down_proj.weight",)), 2, "hf"),
 }
 
 
@@ -431,16 +435,16 @@ def fsdp_run():
     import torch
 
     def get(name: str) -> tuple[Path, RunSpec]:
-        spec, world = FSDP_RUNS[name]
+        spec, world, *layout = FSDP_RUNS[name]
         maker = Path(__file__).with_name("fsdp_run.py")
-        h = hashlib.sha256(f"{spec.key()} {world} {torch.__version__}".encode() + maker.read_bytes())
+        h = hashlib.sha256(f"{spec.key()} {world} {layout} {torch.__version__}".encode() + maker.read_bytes())
         for module in [] if os.environ.get("TAILOR_RUN_CACHE_ANY_SOURCE") == "1" else _run_modules():
             h.update(module.read_bytes())
         folder = _cache_root() / f"{name}-{h.hexdigest()[:16]}"
         with _made_by_one(folder):
             if not (folder / "spec.json").is_file():
                 shutil.rmtree(folder, ignore_errors=True)
-                done = subprocess.run([sys.executable, str(maker), str(folder), spec.key(), str(world)],
+                done = subprocess.run([sys.executable, str(maker), str(folder), spec.key(), str(world), *layout],
                                       capture_output=True, text=True, timeout=600)
                 assert done.returncode == 0, f"{name}: fsdp_run failed:\n{done.stderr[-4000:]}"
         return folder, spec

@@ -2,7 +2,9 @@
 
 On WORLD gloo processes (CPU), the run's model (`RunSpec`, fp32) is sharded with `fully_shard` per
 block and at the root, the run's optimizer (`make_optimizer`) is made with the param groups the checkpoint lists (by name, read with
-`_load_state_dict_from_keys`), and `dcp.load` + `set_state_dict` load model and optimizer. Rank 0 then
+`_load_state_dict_from_keys`), and `dcp.load` + `set_state_dict` load model and optimizer (an HF Trainer's FSDP
+checkpoint, `pytorch_model_fsdp_0/` and `optimizer_0/`: Accelerate's `load_fsdp_model` and `load_fsdp_optimizer`,
+as the Trainer's resume_from_checkpoint calls them). Rank 0 then
 saves (`OUT.pt`) the full state as loaded, every rank saves it again with `dcp.save` (`OUT.pt.dcp`:
 what FSDP2 itself writes of this model and optimizer) (`get_state_dict` with full_state_dict): weights, each
 parameter's optimizer state and the param groups; then every rank trains one step and rank 0 records its
@@ -20,7 +22,8 @@ def _rank(rank: int, world: int, ckpt: str, spec_file: str, out: str, port: int)
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
@@ -39,17 +42,30 @@ def _rank(rank: int, world: int, ckpt: str, spec_file: str, out: str, port: int)
     for block in blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    reader = dcp.FileSystemReader(ckpt)
-    keys = sorted(k for k in reader.read_metadata().state_dict_metadata if k.startswith("optim.param_groups."))
-    saved = _load_state_dict_from_keys(keys=set(keys), checkpoint_id=ckpt)["optim"]["param_groups"]
+    trainer = os.path.isdir(os.path.join(ckpt, "pytorch_model_fsdp_0"))
+    folder, top = (os.path.join(ckpt, "optimizer_0"), "optimizer") if trainer else (ckpt, "optim")
+    reader = dcp.FileSystemReader(folder)
+    keys = sorted(k for k in reader.read_metadata().state_dict_metadata if k.startswith(f"{top}.param_groups."))
+    saved = _load_state_dict_from_keys(keys=set(keys), checkpoint_id=folder)[top]["param_groups"]
     params = dict(model.named_parameters())
     groups = [{"params": [params[name] for name in g["params"]]} for g in saved]
     opt = make_optimizer(spec.optimizer, groups, amsgrad=spec.amsgrad)
-    msd, osd = get_state_dict(model, opt)
-    # a PEFT run's export holds its adapters, not the pretrained base weights the model was built with
-    partial = dcp.DefaultLoadPlanner(allow_partial_load=True) if spec.peft else None
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=ckpt, planner=partial)
-    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    if trainer:
+        from accelerate import Accelerator
+        from accelerate.utils import FullyShardedDataParallelPlugin
+        from accelerate.utils.fsdp_utils import load_fsdp_model, load_fsdp_optimizer
+
+        accelerator = Accelerator(cpu=True)
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+        load_fsdp_model(plugin, accelerator, model, ckpt)
+        load_fsdp_optimizer(plugin, accelerator, opt, model, ckpt)
+        msd, osd = get_state_dict(model, opt)
+    else:
+        msd, osd = get_state_dict(model, opt)
+        # a PEFT run's export holds its adapters, not the pretrained base weights the model was built with
+        partial = dcp.DefaultLoadPlanner(allow_partial_load=True) if spec.peft else None
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=ckpt, planner=partial)
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=out + ".dcp")  # what FSDP2 itself saves of it
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     msd, osd = get_state_dict(model, opt, options=full)

@@ -1,5 +1,5 @@
 """A real FSDP2 training run that saves PyTorch Distributed Checkpoints, as torchtitan lays them out:
-`python tests/fsdp_run.py OUT SPEC_KEY WORLD`.
+`python tests/fsdp_run.py OUT SPEC_KEY WORLD [LAYOUT]` (LAYOUT "hf": as the HF Trainer lays them out).
 
 On WORLD gloo processes (CPU), the run's model (`RunSpec`, fp32) is sharded with `fully_shard` per block
 and at the root and trained with AdamW over the HF Trainer's two param groups (decay, no decay) on the
@@ -8,6 +8,12 @@ writes `OUT/step-N`. Before the last save, the run's `blow_up` parameters (whole
 through the model's own DTensors and their `exp_avg_sq` to NaN through the optimizer's state (a layer
 that blew up, as the real optimizer state holds it). The losses go to `OUT/losses.json`; `OUT/spec.json`
 is written last: the run is made.
+
+The HF Trainer's layout (LAYOUT "hf") writes `OUT/checkpoint-N` as the Trainer's `_save_checkpoint` does under
+FSDP2 with SHARDED_STATE_DICT: Accelerate's own `save_fsdp_model` and `save_fsdp_optimizer` (the Trainer's
+calls; a real `Accelerator` and `FullyShardedDataParallelPlugin(fsdp_version=2)`) write `pytorch_model_fsdp_0/`
+and `optimizer_0/`, beside `scheduler.pt`, `rng_state_R.pth` and `trainer_state.json` as the Trainer writes them.
+The Trainer itself does not run FSDP on CPU (Accelerate keeps a CPU run at MULTI_CPU, which wraps in DDP).
 """
 
 from __future__ import annotations
@@ -18,11 +24,12 @@ import re
 import sys
 
 
-def _rank(rank: int, world: int, out: str, key: str, port: int) -> None:
+def _rank(rank: int, world: int, out: str, key: str, port: int, layout: str) -> None:
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -40,6 +47,7 @@ def _rank(rank: int, world: int, out: str, key: str, port: int) -> None:
             fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(param_groups(model), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
     generator = torch.Generator().manual_seed(spec.seed)
     losses = []
     for step in range(1, spec.steps + 1):
@@ -47,6 +55,7 @@ def _rank(rank: int, world: int, out: str, key: str, port: int) -> None:
         loss = model(**batch_inputs(spec, ids)).loss
         loss.backward()
         opt.step()
+        scheduler.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
         if step % spec.save_every:
@@ -57,6 +66,9 @@ def _rank(rank: int, world: int, out: str, key: str, port: int) -> None:
                 for name in spec.blow_up:
                     params[name].to_local().fill_(float("nan"))
                     opt.state[params[name]]["exp_avg_sq"].to_local().fill_(float("nan"))
+        if layout == "hf":
+            _save_as_trainer(os.path.join(out, f"checkpoint-{step}"), model, opt, scheduler, rank, step, losses)
+            continue
         msd, osd = get_state_dict(model, opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(out, f"step-{step}"))
     if rank == 0:
@@ -66,7 +78,31 @@ def _rank(rank: int, world: int, out: str, key: str, port: int) -> None:
     dist.destroy_process_group()
 
 
-def make_fsdp_run(out: str, key: str, world: int) -> None:
+def _save_as_trainer(folder: str, model, opt, scheduler, rank: int, step: int, losses: list[float]) -> None:
+    """What the HF Trainer's `_save_checkpoint` writes under FSDP2 (SHARDED_STATE_DICT), by the functions it calls."""
+    import random
+
+    import numpy as np
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import save_fsdp_model, save_fsdp_optimizer
+
+    accelerator = Accelerator(cpu=True)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+    save_fsdp_model(plugin, accelerator, model, folder)
+    save_fsdp_optimizer(plugin, accelerator, opt, model, folder)
+    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()},
+               os.path.join(folder, f"rng_state_{rank}.pth"))
+    if rank == 0:
+        torch.save(scheduler.state_dict(), os.path.join(folder, "scheduler.pt"))
+        state = {"global_step": step, "max_steps": None, "log_history": [
+            {"step": i + 1, "loss": loss} for i, loss in enumerate(losses)]}
+        with open(os.path.join(folder, "trainer_state.json"), "w") as f:
+            json.dump(state, f, indent=2)
+
+
+def make_fsdp_run(out: str, key: str, world: int, layout: str = "torchtitan") -> None:
     import socket
 
     import torch.multiprocessing as mp
@@ -75,10 +111,10 @@ def make_fsdp_run(out: str, key: str, world: int) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_rank, args=(world, out, key, port), nprocs=world)
+    mp.spawn(_rank, args=(world, out, key, port, layout), nprocs=world)
     with open(os.path.join(out, "spec.json"), "w") as f:
         f.write(key + "\n")
 
 
 if __name__ == "__main__":
-    make_fsdp_run(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    make_fsdp_run(sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[4:5])

@@ -1,9 +1,15 @@
-"""A PyTorch Distributed Checkpoint (FSDP2's `dcp.save` of `get_state_dict(model, optimizer)`: torchtitan's
-`step-N`, or any folder holding `.metadata`) as tailor-tui composes it: its tensors, its rows, and which of
-its files hold what.
+"""A PyTorch Distributed Checkpoint (FSDP2's `dcp.save` of `get_state_dict(model, optimizer)`) as tailor-tui
+composes it: its tensors, its rows, and which of its files hold what.
+
+It lies in one folder holding `.metadata` (torchtitan's `step-N`, or any), or in the two the HF Trainer's
+FSDP checkpoints hold inside `checkpoint-N` (Accelerate's `save_fsdp_model` and `save_fsdp_optimizer`):
+`pytorch_model_fsdp_0/` and `optimizer_0/`, each a DCP checkpoint of its own, beside the Trainer's run-level
+files. Its parts (`parts`) are read as one: their entries side by side, each archive's file named from the
+checkpoint's folder (`optimizer_0/__0_0.distcp`).
 
 Its keys are those of the state dict as saved: `model.<name>` (every tensor of the model), `optim.state.
-<name>.<key>` (a trainable parameter's optimizer state), `optim.param_groups.<i>.<key>`. A parameter is
+<name>.<key>` (a trainable parameter's optimizer state; `optimizer.` in the HF Trainer's),
+`optim.param_groups.<i>.<key>`. A parameter is
 trainable where the optimizer keeps state for it; every other model tensor (a frozen parameter, a buffer)
 belongs to its module's row as well. A tied name (a tied `lm_head`) is saved again under its own key, with
 no optimizer state: it is told by its bytes, which are its parameter's chunk for chunk (the CRC-32s its
@@ -21,11 +27,22 @@ from pathlib import Path
 
 from tailor_tui.checked.files import FileIdentity, open_regular
 from tailor_tui.checkpoints.rows import Row, model_rows
-from tailor_tui.dcp.metadata import METADATA, Metadata, MetadataIndex, TensorStorageMetadata
+from tailor_tui.dcp.metadata import (
+    METADATA,
+    Metadata,
+    MetadataIndex,
+    StorageInfo,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from tailor_tui.dcp.reading import archive_records, read_metadata
 from tailor_tui.errors import CheckpointError
 
-MODEL, OPTIM_STATE, STEP = "model.", "optim.state.", "step"
+MODEL, STEP = "model.", "step"
+OPTIM, HF_OPTIM = "optim.", "optimizer."  # the optimizer's keys: `dcp.save({"optim": …})`'s, the HF Trainer's
+# the HF Trainer's FSDP checkpoint: the model's DCP folder and the optimizer's (Accelerate's FSDP_MODEL_NAME_0,
+# OPTIMIZER_NAME_0), inside checkpoint-N
+HF_MODEL_PART, HF_OPTIM_PART = "pytorch_model_fsdp_0", "optimizer_0"
 _STEP = re.compile(r"(?:step|checkpoint)[-_](\d+)")
 
 
@@ -37,10 +54,28 @@ class DcpCheckpoint:
     trainable: frozenset[str]  # parameters the optimizer keeps state for
     step: int | None  # from its folder's name (`step-N`, `checkpoint-N`); None: not named so
     identities: dict[Path, FileIdentity] = field(compare=False, hash=False)  # each file, as opened
+    # its DCP folders, relative to `path`: ("",) for one folder holding `.metadata`; the HF Trainer's
+    # (HF_MODEL_PART, HF_OPTIM_PART); the first holds the model's keys, the second (if any) the optimizer's
+    parts: tuple[str, ...] = ("",)
 
     @property
     def name(self) -> str:
         return self.path.name
+
+    @property
+    def optim(self) -> str:
+        """The first part of its optimizer's keys: "optim." (`dcp.save({"optim": …})`), "optimizer." (the HF
+        Trainer's)."""
+        return OPTIM if self.parts == ("",) else HF_OPTIM
+
+    def part_of(self, key: str) -> str:
+        """The DCP folder (one of `parts`) holding the entry `key`."""
+        return self.parts[0] if len(self.parts) == 1 or key.startswith(MODEL) else self.parts[1]
+
+    def run_files(self) -> tuple[str, ...]:
+        """Its files beside its DCP folders (the HF Trainer's run-level files: trainer_state.json, scheduler.pt,
+        rng_state_R.pth, training_args.bin), relative to `path`; () for a checkpoint in one folder."""
+        return () if self.parts == ("",) else _run_files(self.path)
 
     # what the output checks (`planning.output.check_output`) ask of a source
     @property
@@ -60,35 +95,97 @@ class DcpCheckpoint:
         owner |= {alias: owner[target] for row in self.rows for alias, target in row.aliases if target in owner}
         found = {}
         for key in self.metadata.state_dict_metadata:
-            name = _tensor_name(key)
+            name = _tensor_name(key, self.optim)
             if name is not None and name in owner:
                 found[key] = owner[name]
         return found
 
 
+def dcp_parts(path: Path) -> tuple[str, ...] | None:
+    """The DCP folders of the checkpoint `path` (`DcpCheckpoint.parts`), None where it is not one."""
+    if (path / METADATA).is_file():
+        return ("",)
+    if (path / HF_MODEL_PART / METADATA).is_file():
+        return (HF_MODEL_PART, HF_OPTIM_PART) if (path / HF_OPTIM_PART / METADATA).is_file() else (HF_MODEL_PART,)
+    return None
+
+
 def is_dcp(path: Path) -> bool:
-    """Whether `path` is a DCP checkpoint's folder (it holds `.metadata`)."""
-    return (path / METADATA).is_file()
+    """Whether `path` is a DCP checkpoint's folder (it holds `.metadata`, or the HF Trainer's FSDP folders)."""
+    return dcp_parts(path) is not None
 
 
-def _tensor_name(key: str) -> str | None:
+def _tensor_name(key: str, optim: str) -> str | None:
     """The model tensor a key is of (`model.X` -> X; `optim.state.X.k` -> X), else None."""
     if key.startswith(MODEL):
         return key[len(MODEL):]
-    if key.startswith(OPTIM_STATE):
-        return key[len(OPTIM_STATE):].rpartition(".")[0] or None
+    if key.startswith(optim + "state."):
+        return key[len(optim) + len("state."):].rpartition(".")[0] or None
     return None
+
+
+MAX_RUN_FILES = 10_000  # files beside the HF Trainer's DCP folders looked at
+
+
+def _run_files(path: Path) -> tuple[str, ...]:
+    try:
+        with os.scandir(path) as found:
+            names = [e.name for _, e in zip(range(MAX_RUN_FILES), found) if e.is_file(follow_symlinks=False)]
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be listed ({exc.strerror or exc})") from None
+    from tailor_tui.checkpoints.checkpoint import PROVENANCE
+
+    return tuple(sorted(n for n in names if n != PROVENANCE))
+
+
+def read_parts(path: Path, parts: tuple[str, ...]) -> Metadata:
+    """The `.metadata` of each of the checkpoint's DCP folders `parts`, read as one: every entry, and each
+    archive's file named from `path`. The HF Trainer's model folder holds `model.` keys only, its optimizer's
+    `optimizer.` keys only (CheckpointError naming the first that does not)."""
+    if parts == ("",):
+        return read_metadata(path)
+    entries: dict = {}
+    planner: dict = {}
+    storage: dict = {}
+    for part, prefix in zip(parts, (MODEL, HF_OPTIM)):
+        found = read_metadata(path / part)
+        stray = next((k for k in found.state_dict_metadata if not k.startswith(prefix)), None)
+        if stray is not None:
+            raise CheckpointError(f"{path / part}: holds {stray[:80]}, not a `{prefix}` key as the HF Trainer's "
+                                  f"{part} does; tailor-tui does not know this layout")
+        entries |= found.state_dict_metadata
+        planner |= {k: v for k, v in found.planner_data.items() if k in found.state_dict_metadata}
+        storage |= {index: StorageInfo(f"{part}/{info.relative_path}", info.offset, info.length)
+                    for index, info in found.storage_data.items()}
+    return Metadata(entries, planner, storage, StorageMeta(str(path)))
+
+
+def part_metadata(metadata: Metadata, part: str, checkpoint_id: str) -> Metadata:
+    """The `.metadata` of DCP folder `part` (`DcpCheckpoint.parts`) of a checkpoint whose parts read as one are
+    `metadata`: its entries, each archive's file named from that folder."""
+    if not part:
+        return Metadata(metadata.state_dict_metadata, metadata.planner_data, metadata.storage_data,
+                        StorageMeta(checkpoint_id))
+    prefix = part + "/"
+    storage = {index: StorageInfo(info.relative_path[len(prefix):], info.offset, info.length)
+               for index, info in metadata.storage_data.items() if info.relative_path.startswith(prefix)}
+    keys = {index.fqn for index in storage}
+    return Metadata({k: e for k, e in metadata.state_dict_metadata.items() if k in keys},
+                    {k: v for k, v in metadata.planner_data.items() if k in keys}, storage, StorageMeta(checkpoint_id))
 
 
 def open_dcp(path: Path) -> DcpCheckpoint:
     """The DCP checkpoint at `path` (CheckpointError naming what is wrong with it)."""
-    metadata = read_metadata(path)
+    parts = dcp_parts(path) or ("",)  # (not one: read_metadata says what is missing)
+    metadata = read_parts(path, parts)
+    optim = OPTIM if parts == ("",) else HF_OPTIM
     entries = metadata.state_dict_metadata
     model = [key[len(MODEL):] for key in entries if key.startswith(MODEL)]
     if not model:
         raise CheckpointError(f"{path}: a PyTorch Distributed Checkpoint without `model.` tensors; tailor-tui "
                               "composes checkpoints saved as dcp.save({'model': …, 'optim': …})")
-    state_of = {key[len(OPTIM_STATE):].rpartition(".")[0] for key in entries if key.startswith(OPTIM_STATE)}
+    state = optim + "state."
+    state_of = {key[len(state):].rpartition(".")[0] for key in entries if key.startswith(state)}
     trainable = frozenset(name for name in model if name in state_of)
     identities: dict[Path, FileIdentity] = {}
     for info in metadata.storage_data.values():
@@ -104,7 +201,7 @@ def open_dcp(path: Path) -> DcpCheckpoint:
     aliases = _tied(path, metadata, [n for n in model if n not in trainable], trainable)
     rows = model_rows([n for n in model if n not in aliases], (), aliases, order=model)
     found = _STEP.fullmatch(path.name)
-    return DcpCheckpoint(path, metadata, rows, trainable, int(found.group(1)) if found else None, identities)
+    return DcpCheckpoint(path, metadata, rows, trainable, int(found.group(1)) if found else None, identities, parts)
 
 
 def _tied(path: Path, metadata: Metadata, others: list[str], trainable: frozenset[str]) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """`tailor-tui --apply RECIPE` where the recipe's base is a PyTorch Distributed Checkpoint (an FSDP2 run's
-`step-N`): the composition planned (`planning.dcp_plan`) and written (`compose.dcp_compose`), a DCP
-checkpoint FSDP2 loads (`dcp.load` + `set_state_dict`) at any world size."""
+`step-N`, or the HF Trainer's FSDP `checkpoint-N`): the composition planned (`planning.dcp_plan`) and written
+(`compose.dcp_compose`), a DCP checkpoint FSDP2 loads (`dcp.load` + `set_state_dict`) at any world size."""
 
 from __future__ import annotations
 
@@ -41,6 +41,8 @@ def apply_dcp(args, recipe) -> int:
         print(shown(f"sharing the base's blocks ({result.shared_how}): {size(result.bytes_shared)} of its files cloned, "
                     "their archives read and checked, not written"))
     rate = result.bytes_written / max(result.seconds, 1e-6)
+    load = ("resume the HF Trainer from it (resume_from_checkpoint)" if plan.base.run_files() or plan.base.parts != ("",)
+            else "load it with torch.distributed.checkpoint.load and set_state_dict")
     print(shown(f"done: {result.output} ({size(result.bytes_written)} written in {result.seconds:.1f}s, "
-                f"{size(rate)}/s); load it with torch.distributed.checkpoint.load and set_state_dict"))
+                f"{size(rate)}/s); {load}"))
     return ExitCode.OK

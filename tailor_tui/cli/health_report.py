@@ -96,7 +96,7 @@ class StatsProgress:
         if isinstance(event, StatsPlanned):
             self.total = event.to_read
             cached = f", {event.cached_ranks} cached" if event.cached_ranks else ""
-            self._say(f"statistics of {event.checkpoints} checkpoint(s): {event.ranks} rank file(s){cached}, "
+            self._say(f"statistics of {event.checkpoints} checkpoint(s): {event.ranks} {event.files}{cached}, "
                       f"{size(event.to_read)} to read")
         elif isinstance(event, (TaskProgressed, TaskFinished)):
             if isinstance(event, TaskFinished):

@@ -324,11 +324,11 @@ def _copy_other_files(plan: ComposePlan, tmp: HeldFolder, cancel: threading.Even
             dst.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise output_error(exc, dst.parent) from None
-        copied[str(to)] = _copy_checked(root / rel, dst, plan.base.path.parent, durable)
+        copied[str(to)] = copy_run_file(root / rel, dst, plan.base.path.parent, durable)
     return copied
 
 
-def _copy_checked(src: Path, dst: HeldPath, run: Path, durable: bool) -> int:
+def copy_run_file(src: Path, dst: HeldPath, run: Path, durable: bool) -> int:
     """A run-level file of the base copied into the output, checked as torch reads it (scheduler.pt,
     rng_state_*.pth, training_args.bin: `side_pickles`) through the one descriptor the copy reads, the
     file's identity the same (fstat) from before the check to after the copy: the bytes checked are the

@@ -1,6 +1,7 @@
-"""A DCP composition written (`--apply` of a recipe whose base is a PyTorch Distributed Checkpoint): each output
-file's archives copied from its source file (`copy_file_job`, a worker's task), then `.metadata` and the
-provenance record, and the folder renamed into place (`DcpComposing`).
+"""A DCP composition written (`--apply` of a recipe whose base is a PyTorch Distributed Checkpoint): the base's
+run-level files copied (the HF Trainer's: checked as torch reads them, their CRC-32s recorded), each output
+file's archives copied from its source file (`copy_file_job`, a worker's task), then each DCP folder's
+`.metadata` and the provenance record, and the folder renamed into place (`DcpComposing`).
 
 Each archive is read as torch's reader reads it (`dcp.reading.archive_records`; a chunk's tensor checked to
 be the chunk its entry lists, `locate_chunk`), every record's stored CRC-32 checked against its bytes (a
@@ -21,13 +22,17 @@ from typing import Callable
 
 from tailor_tui.checked.evidence import checked_crcs
 from tailor_tui.checked.files import read_as_planned
+from tailor_tui.checkpoints.checkpoint import COPIED
+from tailor_tui.checkpoints.dcp_checkpoint import part_metadata
 from tailor_tui.cloning import clone
+from tailor_tui.compose.compose_run import copy_run_file
 from tailor_tui.dcp.metadata import METADATA, ChunkStorageMetadata, StorageInfo, dumps
 from tailor_tui.dcp.reading import archive_records, locate_chunk
-from tailor_tui.errors import NonFiniteError
+from tailor_tui.errors import Cancelled, NonFiniteError
 from tailor_tui.events import ByteCounter, Emit, TaskFinished, TaskOptions, progress_of
 from tailor_tui.fileio import CREATE, Folder, Writeback, copy_range, fsync, open_fd, output_error, write_file
 from tailor_tui.formats import nonfinite
+from tailor_tui.held import HeldFolder
 from tailor_tui.kinds.base import STREAM_CHUNK
 from tailor_tui.planning.dcp_plan import DcpComposePlan, DcpFileJob, dcp_provenance
 from tailor_tui.team.transaction import Declaration, PublishingWork, Task, run_as_team
@@ -100,9 +105,22 @@ class DcpComposing(PublishingWork):
     def __init__(self, plan: DcpComposePlan, workers: int | None, options: TaskOptions):
         super().__init__(plan.output, plan.force, options)
         self.plan, self.workers_asked = plan, workers
+        self.copied: dict[str, int] = {}  # the base's run-level files copied: name -> CRC-32
 
     def begin(self) -> Declaration:
         return Declaration(progress=progress_of(self.plan.jobs), workers=self.workers_asked)
+
+    def fill(self, tmp: HeldFolder, cancel: threading.Event) -> None:
+        base = self.plan.base
+        for part in filter(None, base.parts):
+            try:
+                (tmp / part).mkdir()
+            except OSError as exc:
+                raise output_error(exc, tmp / part) from None
+        for name in self.plan.copied:
+            if cancel.is_set():
+                raise Cancelled()
+            self.copied[name] = copy_run_file(base.path / name, tmp / name, base.path.parent, self.durable)
 
     def tasks(self, shared: str, emit: Emit) -> list[Task]:
         held, plan = self.folder(shared), self.plan
@@ -112,8 +130,10 @@ class DcpComposing(PublishingWork):
     def publish(self) -> None:
         held = self.hidden
         assert held is not None, "folder() named it before any task ran"
-        write_file(held / METADATA, dumps(self.plan.metadata), self.durable)
-        self.publish_folder(dcp_provenance(self.plan) | {"format": "dcp"})
+        for part in self.plan.base.parts:
+            metadata = part_metadata(self.plan.metadata, part, str(self.plan.output / part))
+            write_file(held / part / METADATA, dumps(metadata), self.durable)
+        self.publish_folder(dcp_provenance(self.plan) | {"format": "dcp", COPIED: dict(sorted(self.copied.items()))})
 
 
 def run_dcp_compose(plan: DcpComposePlan, *, workers: int | None = None, emit: Emit = lambda e: None,

@@ -18,14 +18,14 @@ import zlib
 from collections.abc import Callable, Sequence
 
 from tailor_tui.checked.files import open_regular
-from tailor_tui.checkpoints.dcp_checkpoint import MODEL, OPTIM_STATE, DcpCheckpoint
+from tailor_tui.checkpoints.dcp_checkpoint import MODEL, DcpCheckpoint
 from tailor_tui.dcp.metadata import MetadataIndex, TensorStorageMetadata
 from tailor_tui.dcp.reading import ChunkBytes, locate_chunk
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import Emit, TaskFinished, TaskProgressed
 from tailor_tui.formats import nonfinite
 from tailor_tui.formats.ds_format import EXP_AVG_SQ
-from tailor_tui.health.healing import Cell, Health, rms
+from tailor_tui.health.healing import Cell, Health, rms, training_log
 from tailor_tui.health.stats_job import RowSums
 from tailor_tui.health.stats_run import StatsPlanned
 
@@ -36,9 +36,11 @@ _NUMPY = {"float32": "<f4", "float16": "<f2"}
 def dcp_health(checkpoints: Sequence[DcpCheckpoint], *, emit: Emit = lambda e: None,
                cancelled: Callable[[], bool] = lambda: False) -> Health:
     """Every row's cell in every checkpoint of a DCP run (oldest first)."""
-    health = Health(tuple(checkpoints))  # type: ignore[arg-type]  # (a DCP checkpoint is described alike)
+    # the loss logged at each save, where a log lies beside it (the HF Trainer's trainer_state.json)
+    logs = {i: training_log(c) for i, c in enumerate(checkpoints) if c.step is not None}  # type: ignore[arg-type]
+    health = Health(tuple(checkpoints), logs=logs)  # type: ignore[arg-type]  # (a DCP checkpoint is described alike)
     sizes = [sum(info.length for info in c.metadata.storage_data.values()) for c in checkpoints]
-    emit(StatsPlanned(len(checkpoints), sum(len(c.identities) for c in checkpoints), 0, sum(sizes)))
+    emit(StatsPlanned(len(checkpoints), sum(len(c.identities) for c in checkpoints), 0, sum(sizes), ".distcp file(s)"))
     for i, ckpt in enumerate(checkpoints):
         task = f"statistics of {ckpt.name}"
         done = [0]
@@ -93,7 +95,7 @@ def _cell(ckpt: DcpCheckpoint, row, mine: _OpenedFiles, theirs: _OpenedFiles | N
                 there = theirs.chunk(MODEL + name, chunk.offsets) if theirs is not None and trainable else None
                 assert here is not None, "a chunk the metadata lists"
                 crc_ok &= _weights(here, there, sums, trainable, read)
-            for key in (k for k in entries if k.startswith(f"{OPTIM_STATE}{name}.")):
+            for key in (k for k in entries if k.startswith(f"{ckpt.optim}state.{name}.")):
                 state = entries[key]
                 if not isinstance(state, TensorStorageMetadata) or not state.size:
                     continue  # a step count

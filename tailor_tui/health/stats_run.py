@@ -40,12 +40,13 @@ STATS_WORKER = 64 << 20  # interpreter, numpy, two 1 MiB buffers and a chunk's f
 
 @dataclass(frozen=True)
 class StatsPlanned:
-    """What computing statistics will read: `to_read` bytes of `ranks` rank files not cached."""
+    """What computing statistics will read: `to_read` bytes of `ranks` files (`files`: what they are) not cached."""
 
     checkpoints: int
     ranks: int
     cached_ranks: int
     to_read: int
+    files: str = "rank file(s)"
 
 
 @dataclass(frozen=True)

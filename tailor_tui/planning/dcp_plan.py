@@ -4,10 +4,13 @@ where in the output (`plan_dcp`), decided once.
 Every key of the base's state dict is in the output: a key of a row's tensors (`model.<name>`, a
 parameter's optimizer state but its `step`) from the checkpoint picked for its row; every other (the
 param groups, each parameter's `step`: the base's, as in ZeRO-3 compositions) from the base. A key's
-entry (its chunks) is its source's, so sources saved at other world sizes mix: DCP loads any chunking.
-Each of its archives (a chunk, a value saved as bytes) is copied byte for byte into an output file of
-its source file's name (`__N_0.distcp`; one of another source: `__tailor_S_N_0.distcp`), the archives
-of one file in their order there; `.metadata` says where each now lies. Torch-free.
+entry (its chunks) is its source's, so sources saved at other world sizes mix: DCP loads any chunking; and
+sources of either layout (one folder, or the HF Trainer's two) mix: a source's optimizer keys are read under
+its own first part (`optim.`, `optimizer.`), written under the base's. Each of its archives (a chunk, a value
+saved as bytes) is copied byte for byte into an output file of its source file's name (`__N_0.distcp`; one
+of another source: `__tailor_S_N_0.distcp`) in the base's folder for that key, the archives of one file in
+their order there; each folder's `.metadata` says where each now lies. The base's files beside its DCP
+folders (the HF Trainer's run-level files) are copied. Torch-free.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 from tailor_tui import __version__
 from tailor_tui.checkpoints.dcp_checkpoint import STEP, DcpCheckpoint, open_dcp
 from tailor_tui.checkpoints.rows import find_row
+from tailor_tui.checkpoints.weight_files import describe_run_level
 from tailor_tui.dcp.metadata import Metadata, MetadataIndex, StorageInfo, StorageMeta, TensorStorageMetadata
 from tailor_tui.dcp.reading import read_value
 from tailor_tui.errors import IncompatibleError, RecipeError
@@ -32,7 +36,7 @@ MAX_COMPARED = 256  # param group values compared between a source and the base
 @dataclass(frozen=True)
 class Copy:
     """One archive: `length` bytes from byte `at` of the source file to byte `to` of the output file; `key` the
-    entry it holds (a chunk of it, or its value), `chunk` its offsets (None: a value)."""
+    entry it holds in the source (a chunk of it, or its value), `chunk` its offsets (None: a value)."""
 
     key: str
     chunk: tuple[int, ...] | None
@@ -51,7 +55,7 @@ class DcpFileJob(JobCost):
     out_file: str
     copies: tuple[Copy, ...]
     entries: tuple[tuple[str, TensorStorageMetadata | None], ...]  # each key's entry (None: a value)
-    rows: tuple[tuple[str, str], ...]  # (key, its row) of the keys a row holds, for what is said of them
+    rows: tuple[tuple[str, str], ...]  # (source key, its row) of the keys a row holds, for what is said of them
     in_place: bool  # a base file: each archive where it lies there (the output file may start as its clone)
     allow_nonfinite: bool  # copy a chunk holding NaN/Inf (else the composition is refused: nothing published)
     read_bytes: int
@@ -73,6 +77,12 @@ class DcpComposePlan:
     metadata: Metadata
     taken: dict[str, int]  # every key of the output -> the index of the source it is taken from
     warnings: tuple[str, ...] = ()
+    copied: tuple[str, ...] = ()  # the base's run-level files (`DcpCheckpoint.run_files`), copied as they are
+
+    def source_key(self, key: str) -> str:
+        """The key of the source `taken[key]` holding the output's `key` (its optimizer's keys under its own
+        first part)."""
+        return translated(key, self.base, self.sources[self.taken[key]])
 
     def bytes_to_write(self) -> int:
         return sum(job.write_bytes for job in self.jobs)
@@ -89,7 +99,15 @@ class DcpComposePlan:
             lines.append(f"  {row.name:<{width}}  {source}")
         lines.append(f"{len(self.jobs)} file(s), {self.bytes_to_write():,} bytes, copied archive by archive (each "
                      "checked against its CRC-32s); the param groups and every step count: the base's")
+        if self.copied:
+            lines.append(f"copied from the base: {', '.join(self.copied)}")
+            lines += [f"  {name}: {why}" for name in self.copied if "not known" in (why := describe_run_level(Path(name)))]
         return lines + [f"warning: {w}" for w in self.warnings]
+
+
+def translated(key: str, base: DcpCheckpoint, source: DcpCheckpoint) -> str:
+    """The base's `key` as `source` names it: an optimizer's key under its own first part."""
+    return source.optim + key[len(base.optim):] if key.startswith(base.optim) else key
 
 
 def dcp_provenance(plan: DcpComposePlan) -> dict:
@@ -140,21 +158,22 @@ def plan_dcp(recipe: Recipe, *, output: Path | None = None, force: bool = False,
         _check_same_model(base, src, [k for k, v in from_source.items() if v == s])
         warnings += _differences(base, src)
     jobs, storage = _jobs(base, sources, from_source, owner, allow_nonfinite)
-    chosen = {key: sources[s].metadata.state_dict_metadata[key] for key, s in from_source.items()}
+    chosen = {key: sources[s].metadata.state_dict_metadata[translated(key, base, sources[s])]
+              for key, s in from_source.items()}
     metadata = Metadata(chosen, dict(base.metadata.planner_data), storage, StorageMeta(str(out)))
     return DcpComposePlan(recipe, base, tuple(sources), picks, out, force, tuple(jobs), metadata, from_source,
-                          tuple(warnings))
+                          tuple(warnings), base.run_files())
 
 
 def _check_same_model(base: DcpCheckpoint, src: DcpCheckpoint, keys: list[str]) -> None:
     """Refuse a source that lacks a key taken from it, or holds it in another shape or dtype: another model."""
     mine, theirs = base.metadata.state_dict_metadata, src.metadata.state_dict_metadata
     for key in keys:
-        other = theirs.get(key)
+        other = theirs.get(translated(key, base, src))
         ours = mine[key]
         if other is None:
-            raise IncompatibleError(f"{src.path}: has no {key}, which the base {base.path} has; it is another "
-                                    "model, or another optimizer's state")
+            raise IncompatibleError(f"{src.path}: has no {translated(key, base, src)}, which the base {base.path} "
+                                    f"has as {key}; it is another model, or another optimizer's state")
         if type(other) is not type(ours) or (isinstance(ours, TensorStorageMetadata) and isinstance(
                 other, TensorStorageMetadata) and (ours.size, ours.dtype) != (other.size, other.dtype)):
             said = f"{list(other.size)} {other.dtype}" if isinstance(other, TensorStorageMetadata) else "a value"
@@ -167,17 +186,20 @@ def _differences(base: DcpCheckpoint, src: DcpCheckpoint) -> list[str]:
     """What differs between the runs of two checkpoints that a composition keeps the base's of: the param
     groups' keys, and the step (by their folders' names)."""
     said = []
-    groups = {k for k in base.metadata.state_dict_metadata if k.startswith("optim.param_groups.")}
-    theirs = {k for k in src.metadata.state_dict_metadata if k.startswith("optim.param_groups.")}
+    groups = {k for k in base.metadata.state_dict_metadata if k.startswith(base.optim + "param_groups.")}
+    theirs = {translated(k, src, base) for k in src.metadata.state_dict_metadata
+              if k.startswith(src.optim + "param_groups.")}
     if groups != theirs:
         said.append(f"{src.name}'s param groups are not the base's ({len(theirs)} entries, the base {len(groups)}); "
                     "the base's are kept")
     else:
         differ = []
         for key in sorted(k for k in groups if not k.endswith(".params"))[:MAX_COMPARED]:
-            mine, other = read_value(base.path, base.metadata, key), read_value(src.path, src.metadata, key)
+            mine = read_value(base.path, base.metadata, key)
+            other = read_value(src.path, src.metadata, translated(key, base, src))
             if mine != other:
-                differ.append(f"{key.removeprefix('optim.param_groups.')} {other!r:.40} (the base {mine!r:.40})")
+                differ.append(f"{key.removeprefix(base.optim + 'param_groups.')} {other!r:.40} (the base "
+                              f"{mine!r:.40})")
         if differ:
             said.append(f"{src.name}'s hyperparameters differ from the base's, whose are kept: " + ", ".join(differ))
     if base.step is not None and src.step is not None and base.step != src.step:
@@ -188,27 +210,31 @@ def _differences(base: DcpCheckpoint, src: DcpCheckpoint) -> list[str]:
 
 def _jobs(base: DcpCheckpoint, sources: list[DcpCheckpoint], from_source: dict[str, int], owner: dict[str, str],
           allow_nonfinite: bool):
-    """One job per output file, and every archive's new place (`storage_data`)."""
-    per_file: dict[tuple[int, str], list[tuple[MetadataIndex, StorageInfo]]] = {}
+    """One job per output file, and every archive's new place (`storage_data`, by the base's keys)."""
+    per_file: dict[tuple[int, str, str], list[tuple[str, MetadataIndex, StorageInfo]]] = {}
     for s, src in enumerate(sources):
         for index, info in src.metadata.storage_data.items():
-            if from_source.get(index.fqn) == s:
-                per_file.setdefault((s, info.relative_path), []).append((index, info))
+            key = translated(index.fqn, src, base)
+            if from_source.get(key) == s:  # (into the base's folder for the key: a source's file may feed two)
+                per_file.setdefault((s, info.relative_path, base.part_of(key)), []).append((key, index, info))
     jobs, storage = [], {}
-    for (s, name), items in sorted(per_file.items()):
+    for (s, name, part), items in sorted(per_file.items()):
         src = sources[s]
-        out_name = name if s == 0 else f"__tailor_{s}_{name.removeprefix('__')}"
+        folder, _, leaf = name.rpartition("/")
+        out_name = name if s == 0 else "/".join(filter(None, (
+            part, f"__tailor_{s}_{folder + '_' if folder != part else ''}{leaf.removeprefix('__')}")))
         copies, to = [], 0
-        for index, info in sorted(items, key=lambda item: item[1].offset):
+        for key, index, info in sorted(items, key=lambda item: item[2].offset):
             if s == 0:  # where it lies in the base's file: a clone of that file shares its blocks, the archives
                 to = info.offset  # of rows taken elsewhere left out (a hole)
             copies.append(Copy(index.fqn, index.offset, info.offset, info.length, to))
-            storage[MetadataIndex(index.fqn, index.offset)] = StorageInfo(out_name, to, info.length)
+            storage[MetadataIndex(key, index.offset)] = StorageInfo(out_name, to, info.length)
             to += info.length
         entries = tuple((key, e if isinstance(e := src.metadata.state_dict_metadata[key], TensorStorageMetadata)
                          else None) for key in dict.fromkeys(c.key for c in copies))
         label = f"{src.name}{' (base)' if s == 0 else ''} {name}"
-        rows = tuple((key, owner[key]) for key, _entry in entries if key in owner)
+        rows = tuple((key, owner[base_key]) for key, _entry in entries
+                     if (base_key := translated(key, src, base)) in owner)
         total = sum(c.length for c in copies)
         jobs.append(DcpFileJob(label, src.path, name, out_name, tuple(copies), entries, rows, s == 0, allow_nonfinite,
                                total, total))

@@ -6,7 +6,8 @@ another user could have written).
 The output must list every key its base lists, and no other; each key's entry (dtype, size, chunks) is that
 of the checkpoint its row was picked from (the param groups and every `step`: the base's, as the plan says);
 and each of its archives, where the output's metadata places it, holds byte for byte the archive the
-source's metadata places for the same chunk: compared in 1 MiB reads, whatever the sizes.
+source's metadata places for the same chunk: compared in 1 MiB reads, whatever the sizes. Each of the base's
+run-level files (the HF Trainer's, beside its DCP folders) is in the output byte for byte.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from tailor_tui.checkpoints.dcp_checkpoint import read_parts
 from tailor_tui.dcp.metadata import MetadataIndex
-from tailor_tui.dcp.reading import read_metadata
 from tailor_tui.errors import TailorError
 from tailor_tui.verifying.against_recipe import VerifyReport
 
@@ -27,7 +28,7 @@ def verify_dcp(plan) -> VerifyReport:
     report = VerifyReport()
     rows = plan.base.row_of_key()
     try:
-        out = read_metadata(plan.output)
+        out = read_parts(plan.output, plan.base.parts)
     except TailorError as exc:
         report.other.append(f"{exc}; is this the output of this recipe?")
         return report
@@ -40,7 +41,7 @@ def verify_dcp(plan) -> VerifyReport:
     for key in sorted(wanted & got):
         s = plan.taken[key]
         source, path = sources[s], plan.sources[s].path
-        mine, theirs = out.state_dict_metadata[key], source.state_dict_metadata[key]
+        mine, theirs = out.state_dict_metadata[key], source.state_dict_metadata[plan.source_key(key)]
         if _entry(mine) != _entry(theirs):
             _said(report, rows, key, f"{key}: its entry is not {plan.sources[s].name}'s ({_entry(mine)[:2]} vs "
                                      f"{_entry(theirs)[:2]})")
@@ -48,7 +49,7 @@ def verify_dcp(plan) -> VerifyReport:
         offsets = [c.offsets for c in theirs.chunks] if hasattr(theirs, "chunks") else [None]
         for at in offsets:
             index = MetadataIndex(key, at)
-            placed, info = out.storage_data.get(index), source.storage_data[index]
+            placed, info = out.storage_data.get(index), source.storage_data[MetadataIndex(plan.source_key(key), at)]
             if placed is None:
                 _said(report, rows, key, f"{key}: the output places no bytes for its chunk at {list(at or ())}")
                 continue
@@ -56,7 +57,20 @@ def verify_dcp(plan) -> VerifyReport:
                                   path / info.relative_path, info.offset, info.length)
             if problem:
                 _said(report, rows, key, f"{key} (chunk at {list(at or ())}): {problem} {plan.sources[s].name}'s")
+    for name in plan.copied:
+        length = _size(plan.output / name)
+        problem = "missing, not" if length < 0 else _same_bytes(plan.output / name, 0, length, plan.base.path / name, 0,
+                                                                  _size(plan.base.path / name))
+        if problem:
+            report.other.append(f"{name}: {problem} the base's (a run-level file, copied from the base)")
     return report
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.lstat(path).st_size
+    except OSError:
+        return -1
 
 
 def _entry(entry) -> tuple:
