@@ -73,7 +73,7 @@ def test_dcp_recipe_errors_are_one_line_and_write_nothing(fsdp_run, tmp_path):
     shutil.copytree(run, copy)
     base, earlier = copy / "step-6", copy / "step-4"
     assert_one_line_error(tailor("--apply", write_recipe(tmp_path, base, {"layers.9": earlier})), 3,
-                          "layers.9: no such row")
+                          "unknown row 'layers.9'")
     assert_one_line_error(tailor("--apply", write_recipe(tmp_path, base, {"layers.1": earlier}), "--world-size",
                                  "2"), 2, "loads at any world size")
     dry = tailor("--apply", write_recipe(tmp_path, base, {"layers.1": earlier}), "--dry-run")

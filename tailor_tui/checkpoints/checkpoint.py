@@ -17,11 +17,11 @@ from tailor_tui.checked.files import FileIdentity, confine
 from tailor_tui.checkpoints import scan_cache
 from tailor_tui.checkpoints.layout import ZeroLayout
 from tailor_tui.checkpoints.model_states import check_version, read_model_states
-from tailor_tui.checkpoints.rows import PEFT_PREFIX, Row, find_row, list_rows, row_index
+from tailor_tui.checkpoints.rows import PEFT_PREFIX, Row, find_row, recipe_row, row_index
 from tailor_tui.checkpoints.scan_cache import ModelStates
 from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json, read_small
 from tailor_tui.checkpoints.weight_files import weight_file_names, weight_kinds
-from tailor_tui.errors import CheckpointError, RecipeError
+from tailor_tui.errors import CheckpointError
 from tailor_tui.formats.ds_format import (
     MODEL_STATES,
     OPTIM_STATES,
@@ -124,16 +124,8 @@ class Checkpoint:
         return row
 
     def recipe_row(self, name: str, where: str) -> Row:
-        """The row a recipe's `name` means (`row`), or one line naming it, the closest row name and
-        every row (RecipeError): the composer's ctrl+o and --apply say the same."""
-        try:
-            return self.row(name)
-        except KeyError:
-            names = self.row_names()
-            close = difflib.get_close_matches(name, names, n=1)
-            hint = f"did you mean '{close[0]}'? " if close else ""
-            raise RecipeError(f"{where}: unknown row '{name}'; {hint}{self.path.name} has rows {list_rows(names)}") \
-                from None
+        """The row a recipe's `name` means (`rows.recipe_row`: RecipeError naming the closest where none)."""
+        return recipe_row(self.rows, name, where, self.path.name)
 
     def row_names(self) -> list[str]:
         return [r.name for r in self.rows]

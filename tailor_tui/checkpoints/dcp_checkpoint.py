@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tailor_tui.checked.files import FileIdentity, open_regular
-from tailor_tui.checkpoints.rows import Row, model_rows
+from tailor_tui.checkpoints.rows import Row, find_row, model_rows, recipe_row
 from tailor_tui.dcp.metadata import (
     METADATA,
     Metadata,
@@ -37,6 +37,7 @@ from tailor_tui.dcp.metadata import (
 )
 from tailor_tui.dcp.reading import archive_records, read_metadata
 from tailor_tui.errors import CheckpointError
+from tailor_tui.kinds.folders import DCP, TRAINER_DCP, FolderKind
 
 MODEL, STEP = "model.", "step"
 OPTIM, HF_OPTIM = "optim.", "optimizer."  # the optimizer's keys: `dcp.save({"optim": …})`'s, the HF Trainer's
@@ -61,6 +62,48 @@ class DcpCheckpoint:
     @property
     def name(self) -> str:
         return self.path.name
+
+    @property
+    def folder(self) -> FolderKind:
+        """Its folder's layout: one DCP folder, or the HF Trainer's FSDP checkpoint."""
+        return DCP if self.parts == ("",) else TRAINER_DCP
+
+    def row(self, name: str) -> Row:
+        """The row `name` means: its name, module path or an unambiguous end of it (`find_row`)."""
+        row = find_row(self.rows, name)
+        if row is None:
+            raise KeyError(name)
+        return row
+
+    def recipe_row(self, name: str, where: str) -> Row:
+        """The row a recipe's `name` means (`rows.recipe_row`: RecipeError naming the closest where none)."""
+        return recipe_row(self.rows, name, where, self.path.name)
+
+    def row_names(self) -> list[str]:
+        return [r.name for r in self.rows]
+
+    def holds(self, row: str) -> bool:
+        """Every DCP checkpoint holds every row (a tied row: its parameter's)."""
+        return True
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """{name: shape} of every model tensor it holds."""
+        return {key[len(MODEL):]: entry.size for key, entry in self.metadata.state_dict_metadata.items()
+                if key.startswith(MODEL) and isinstance(entry, TensorStorageMetadata)}
+
+    def total_bytes(self) -> int:
+        """The bytes of its archives."""
+        return sum(info.length for info in self.metadata.storage_data.values())
+
+    def describe(self) -> str:
+        """Its layout in a few words, for the composer's details: the files, the most chunks a tensor has (the
+        world size it was saved at, as FSDP2 shards), the dtype of its weights."""
+        entries = [e for k, e in self.metadata.state_dict_metadata.items()
+                   if k.startswith(MODEL) and isinstance(e, TensorStorageMetadata)]
+        chunks = max((len(e.chunks) for e in entries), default=0)
+        dtypes = sorted({e.dtype for e in entries})
+        return (f"{self.folder.label}, {len(self.identities)} file(s), tensors in up to {chunks} chunk(s), "
+                f"{'/'.join(dtypes) or 'no tensors'}")
 
     @property
     def optim(self) -> str:
@@ -245,6 +288,32 @@ def _tied(path: Path, metadata: Metadata, others: list[str], trainable: frozense
                 if partner is not None:
                     found[name] = partner
     return found
+
+
+def dcp_incompatibility(base: DcpCheckpoint, other) -> str | None:
+    """Why checkpoint `other` cannot give rows to a composition on the DCP checkpoint `base` (a phrase: "it has
+    …"), or None: the one rule of the composer and the plan. It must be a DCP checkpoint (of either layout) of the
+    same model: every model tensor and every trainable parameter's optimizer state of the same size and dtype."""
+    if not isinstance(other, DcpCheckpoint):
+        return ("it is a DeepSpeed ZeRO-3 checkpoint and the base a PyTorch Distributed Checkpoint; tailor-tui does "
+                "not mix the two in one recipe yet")
+    mine, theirs = base.metadata.state_dict_metadata, other.metadata.state_dict_metadata
+    for key, entry in mine.items():
+        if not key.startswith(MODEL) and not key.startswith(base.optim + "state."):
+            continue
+        named = other.optim + key[len(base.optim):] if key.startswith(base.optim) else key
+        found = theirs.get(named)
+        if found is None:
+            return f"it has no {named}, which the base has: another model, or another optimizer's state"
+        if isinstance(entry, TensorStorageMetadata) != isinstance(found, TensorStorageMetadata) or (
+                isinstance(entry, TensorStorageMetadata) and isinstance(found, TensorStorageMetadata)
+                and (entry.size, entry.dtype) != (found.size, found.dtype)):
+            return f"it has {named} as {_said(found)}, the base {_said(entry)}: another model"
+    return None
+
+
+def _said(entry) -> str:
+    return f"{list(entry.size)} {entry.dtype}" if isinstance(entry, TensorStorageMetadata) else "a value"
 
 
 def _kind(entry: TensorStorageMetadata) -> tuple:

@@ -368,6 +368,13 @@ def other_run(base: Checkpoint, other: Checkpoint) -> str | None:
     say it is the same run."""
     if (why := Lineage().apart(base, other)) is not None:
         return f"it is of another training run than the base: {why}"
+    return other_folder(base, other)
+
+
+def other_folder(base, other) -> str | None:
+    """Why `other` may come from another training run than `base` by where it lies (a phrase), or None: it lies in
+    another run folder (compared by identity). A checkpoint with no lineage to read (a PyTorch Distributed
+    Checkpoint) is told by this alone."""
     mine, theirs = base.path.parent, other.path.parent
     if _same_folder(mine, theirs):
         return None

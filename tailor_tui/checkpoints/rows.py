@@ -322,6 +322,23 @@ def find_row(rows: Iterable[Row], key: str) -> Row | None:
     return ends[0] if len(ends) == 1 else None
 
 
+def recipe_row(rows: tuple[Row, ...], name: str, where: str, holder: str) -> Row:
+    """The row a recipe's `name` means among `rows` (of checkpoint `holder`, by its folder's name; `find_row`), or
+    one line naming it, the closest row name and every row (RecipeError): the composer's ctrl+o and --apply say
+    the same, of any kind of checkpoint."""
+    import difflib
+
+    from tailor_tui.errors import RecipeError
+
+    row = find_row(rows, name)
+    if row is not None:
+        return row
+    names = [r.name for r in rows]
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    raise RecipeError(f"{where}: unknown row '{name}'; {hint}{holder} has rows {list_rows(names)}")
+
+
 class RowIndex:
     """Which row holds a tensor of the model's weight files, by name: the rows' own names first,
     then the longest row module path the name lies under; an alias follows its partner's row."""

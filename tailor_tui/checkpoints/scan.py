@@ -223,3 +223,19 @@ def scan(
     checkpoints.sort(key=lambda c: (c.step, str(c.path)))
     outputs.sort(key=lambda o: (o.step, str(o.folder)))
     return ScanResult(tuple(checkpoints), tuple(problems), tuple(outputs))
+
+
+def scan_run(root: Path, on_progress: Callable[[int, int, Path], None] | None = None,
+             cancelled: Callable[[], bool] = lambda: False) -> ScanResult:
+    """The composer's scan of a run folder: an FSDP2 run's PyTorch Distributed Checkpoints where it holds them
+    (columns described alike: `dcp_checkpoint.DcpCheckpoint`), else its ZeRO-3 checkpoints (`scan`), checked to
+    be of one training run (`lineage.check_one_run`: it reads each trainer_state.json)."""
+    from tailor_tui.checkpoints.dcp_checkpoint import scan_dcp
+    from tailor_tui.checkpoints.lineage import check_one_run
+
+    dcp = scan_dcp(root)
+    if dcp:
+        return ScanResult(tuple(dcp), ())  # type: ignore[arg-type]
+    result = scan(root, on_progress=on_progress, cancelled=cancelled)
+    check_one_run(root, result.checkpoints)
+    return result

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Mapping
 
 from tailor_tui.checkpoints.checkpoint import Checkpoint, Row, distinct_names, incompatibility, tied_partner
-from tailor_tui.checkpoints.lineage import other_run
+from tailor_tui.checkpoints.dcp_checkpoint import DcpCheckpoint, dcp_incompatibility
+from tailor_tui.checkpoints.lineage import other_folder, other_run
 from tailor_tui.errors import RecipeError
 from tailor_tui.planning.output import default_output, is_default_output
 from tailor_tui.planning.recipe import Recipe
@@ -109,12 +110,18 @@ class Composition:
         per base, column and whether the output is resharded: the grid asks for every cell on
         every change). Resharding re-partitions every source, whatever its world size."""
         resharding = self.world_size is not None
+        if isinstance(self.base_checkpoint, DcpCheckpoint):
+            return self._about(column, dcp_incompatibility, "incompatibility")
+        if isinstance(self.checkpoints[column], DcpCheckpoint):
+            return ("it is a PyTorch Distributed Checkpoint and the base a DeepSpeed ZeRO-3 checkpoint; tailor-tui "
+                    "does not mix the two in one recipe yet")
         return self._about(column, lambda a, b: incompatibility(a, b, repartitioned=resharding),
                            ("incompatibility", resharding))
 
     def other_run(self, column: int) -> str | None:
         """Why checkpoint `column` may come from another training run than the base, or None."""
-        return self._about(column, other_run, "other_run")
+        dcp = isinstance(self.base_checkpoint, DcpCheckpoint) or isinstance(self.checkpoints[column], DcpCheckpoint)
+        return self._about(column, other_folder if dcp else other_run, "other_run")
 
     def _about(self, column: int, rule, name) -> str | None:
         if column == self.base:
@@ -231,6 +238,8 @@ class Composition:
         from checkpoints of another world size cannot stay: they are dropped (returned)."""
         if world_size == self.world_size:
             return []
+        if isinstance(self.base_checkpoint, DcpCheckpoint):
+            raise RecipeError("a PyTorch Distributed Checkpoint loads at any world size: there is none to choose")
         self._remember()
         self.world_size = world_size
         dropped = [row for row, col in self.picks.items() if self.incompatibility(col) is not None]

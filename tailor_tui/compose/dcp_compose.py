@@ -29,7 +29,7 @@ from tailor_tui.compose.compose_run import copy_run_file
 from tailor_tui.dcp.metadata import METADATA, ChunkStorageMetadata, StorageInfo, dumps
 from tailor_tui.dcp.reading import archive_records, locate_chunk
 from tailor_tui.errors import Cancelled, NonFiniteError
-from tailor_tui.events import ByteCounter, Emit, TaskFinished, TaskOptions, progress_of
+from tailor_tui.events import ByteCounter, Emit, TaskFinished, TaskOptions, progress_of, written_and_shared
 from tailor_tui.fileio import CREATE, Folder, Writeback, copy_range, fsync, open_fd, output_error, write_file
 from tailor_tui.formats import nonfinite
 from tailor_tui.held import HeldFolder
@@ -45,6 +45,14 @@ class DcpComposeResult:
     bytes_written: int
     bytes_shared: int = 0  # of its files, sharing the base's blocks (a clone), not written
     shared_how: str = ""
+
+    def amount(self) -> str:
+        """What the output cost, as the composer says it: its bytes written, or shared."""
+        return written_and_shared(self.bytes_written, self.bytes_shared, self.shared_how)
+
+    def unread(self) -> list[str]:
+        """What it did not read again (`ComposeResult.unread`): a DCP composition reads every archive it copies."""
+        return []
 
 
 def copy_file_job(job: DcpFileJob, out_dir: Folder, emit: Emit, cancelled: Callable[[], bool],

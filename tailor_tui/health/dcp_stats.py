@@ -21,13 +21,13 @@ from tailor_tui.checked.files import open_regular
 from tailor_tui.checkpoints.dcp_checkpoint import MODEL, DcpCheckpoint
 from tailor_tui.dcp.metadata import MetadataIndex, TensorStorageMetadata
 from tailor_tui.dcp.reading import ChunkBytes, locate_chunk
-from tailor_tui.errors import CheckpointError
+from tailor_tui.errors import Cancelled, CheckpointError
 from tailor_tui.events import Emit, TaskFinished, TaskProgressed
 from tailor_tui.formats import nonfinite
 from tailor_tui.formats.ds_format import EXP_AVG_SQ
 from tailor_tui.health.healing import Cell, Health, rms, training_log
 from tailor_tui.health.stats_job import RowSums
-from tailor_tui.health.stats_run import StatsPlanned
+from tailor_tui.health.stats_run import CellsComputed, StatsPlanned
 
 PIECE = 1 << 20
 _NUMPY = {"float32": "<f4", "float16": "<f2"}
@@ -48,12 +48,14 @@ def dcp_health(checkpoints: Sequence[DcpCheckpoint], *, emit: Emit = lambda e: N
         def read(n: int, task: str = task, done: list[int] = done) -> None:
             done[0] += n
             if cancelled():
-                raise KeyboardInterrupt
+                raise Cancelled("statistics cancelled")
             emit(TaskProgressed(task, done[0], max(done[0], 1)))
 
         with _OpenedFiles(ckpt) as mine, _OpenedFiles(checkpoints[i - 1]) if i else contextlib.nullcontext() as theirs:
-            health.add(i, {row.name: _cell(ckpt, row, mine, theirs, read) for row in ckpt.rows if not row.tied})
+            cells = {row.name: _cell(ckpt, row, mine, theirs, read) for row in ckpt.rows if not row.tied}
+        health.add(i, cells)
         emit(TaskFinished(task, done[0]))
+        emit(CellsComputed(i, ckpt.name, cells))
     return health
 
 

@@ -243,7 +243,7 @@ def training_curve(checkpoints: Sequence[Checkpoint]) -> TrainingCurve:
     every finite loss logged by step (a step logged twice: its last entry, as after a resume), the
     grad norm beside it where logged, thinned to MAX_CURVE_POINTS (means of runs of steps). Nothing
     for DeepSpeed's or Accelerate's layout."""
-    marks = tuple(c.step for c in checkpoints)
+    marks = tuple(c.step for c in checkpoints if c.step is not None)  # (a DCP folder not named by its step)
     points: dict[int, tuple[float, float | None]] = {}
     read = False
     newest = sorted((c for c in checkpoints if c.folder.training_log), key=lambda c: c.step, reverse=True)

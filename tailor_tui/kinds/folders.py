@@ -48,6 +48,12 @@ ACCELERATE = FolderKind("accelerate", "Accelerate save_state", in_folder=True, w
 DEEPSPEED = FolderKind("deepspeed", "DeepSpeed save_dir", in_folder=False, weights_per_row=False,
                        training_log=None, model_config=None)
 FOLDER_KINDS = {kind.name: kind for kind in (HF, ACCELERATE, DEEPSPEED)}
+# PyTorch Distributed Checkpoints (`checkpoints.dcp_checkpoint`), no DeepSpeed tag folder in them: one folder
+# holding `.metadata` (torchtitan's `step-N`), and the HF Trainer's FSDP `checkpoint-N` (its two DCP folders
+# beside its run-level files and its training log)
+DCP = FolderKind("dcp", "PyTorch DCP", in_folder=True, weights_per_row=False, training_log=None, model_config=None)
+TRAINER_DCP = FolderKind("hf-fsdp", "HF Trainer FSDP (DCP)", in_folder=True, weights_per_row=False,
+                         training_log=TRAINER_STATE, model_config=None)
 
 
 def folder_kind(folder: Path, tag: str) -> FolderKind | None:

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tailor_tui import __version__
-from tailor_tui.checkpoints.dcp_checkpoint import STEP, DcpCheckpoint, open_dcp
-from tailor_tui.checkpoints.rows import find_row
+from tailor_tui.checkpoints.dcp_checkpoint import STEP, DcpCheckpoint, dcp_incompatibility, is_dcp, open_dcp
 from tailor_tui.checkpoints.weight_files import describe_run_level
 from tailor_tui.dcp.metadata import Metadata, MetadataIndex, StorageInfo, StorageMeta, TensorStorageMetadata
 from tailor_tui.dcp.reading import read_value
@@ -91,16 +90,18 @@ class DcpComposePlan:
         known = {p: i for s in self.sources for p, i in s.identities.items()}
         return {p: known[p] for p in paths}
 
-    def describe(self) -> list[str]:
+    def describe(self, show=str, every_file: bool = True) -> list[str]:
+        """The plan in lines (`show`: how a path is written; `every_file`: the copied files named, else counted)."""
         width = max(len(r.name) for r in self.base.rows)
-        lines = [f"output: {self.output} (a PyTorch Distributed Checkpoint, as its base)"]
+        lines = [f"output: {show(self.output)} (a PyTorch Distributed Checkpoint, as its base)"]
         for row in self.base.rows:
             source = "tied to its parameter's row" if row.tied else self.sources[self.picks[row.name]].name
             lines.append(f"  {row.name:<{width}}  {source}")
         lines.append(f"{len(self.jobs)} file(s), {self.bytes_to_write():,} bytes, copied archive by archive (each "
                      "checked against its CRC-32s); the param groups and every step count: the base's")
         if self.copied:
-            lines.append(f"copied from the base: {', '.join(self.copied)}")
+            named = ", ".join(self.copied) if every_file else f"{len(self.copied)} run-level file(s)"
+            lines.append(f"copied from the base: {named}")
             lines += [f"  {name}: {why}" for name in self.copied if "not known" in (why := describe_run_level(Path(name)))]
         return lines + [f"warning: {w}" for w in self.warnings]
 
@@ -131,14 +132,15 @@ def plan_dcp(recipe: Recipe, *, output: Path | None = None, force: bool = False,
     sources = [base]
     picks = {row.name: 0 for row in base.rows if not row.tied}
     for written, path in recipe.layers.items():
-        row = find_row(base.rows, written)
-        if row is None:
-            raise RecipeError(f"{recipe.location(written)}: {written}: no such row in {base.path} (its rows: "
-                              f"{', '.join(r.name for r in base.rows)})")
+        row = base.recipe_row(written, recipe.location(written))
         if row.tied:
             raise RecipeError(f"{recipe.location(written)}: {row.name} has no weights of its own (it is tied to "
                               f"{row.aliases[0][1]}); pick that parameter's row")
         if path.resolve() not in paths:
+            if not is_dcp(path) and path.is_dir():
+                raise IncompatibleError(f"{recipe.location(written)}: {path} is not a PyTorch Distributed Checkpoint, "
+                                        f"and the base {base.path} is one; tailor-tui does not mix ZeRO-3 and DCP "
+                                        "checkpoints in one recipe yet")
             paths.append(path.resolve())
             sources.append(open_dcp(path))
         picks[row.name] = paths.index(path.resolve())
@@ -154,8 +156,9 @@ def plan_dcp(recipe: Recipe, *, output: Path | None = None, force: bool = False,
         holder = owner.get(key)  # (a parameter's step: the base's, with the param groups)
         from_source[key] = 0 if holder is None or key.endswith("." + STEP) and not key.startswith("model.") \
             else picks.get(holder, 0)
-    for s, src in enumerate(sources[1:], start=1):
-        _check_same_model(base, src, [k for k, v in from_source.items() if v == s])
+    for src in sources[1:]:
+        if (why := dcp_incompatibility(base, src)) is not None:
+            raise IncompatibleError(f"{src.path}: cannot be combined with the base {base.path}: {why}")
         warnings += _differences(base, src)
     jobs, storage = _jobs(base, sources, from_source, owner, allow_nonfinite)
     chosen = {key: sources[s].metadata.state_dict_metadata[translated(key, base, sources[s])]
@@ -163,23 +166,6 @@ def plan_dcp(recipe: Recipe, *, output: Path | None = None, force: bool = False,
     metadata = Metadata(chosen, dict(base.metadata.planner_data), storage, StorageMeta(str(out)))
     return DcpComposePlan(recipe, base, tuple(sources), picks, out, force, tuple(jobs), metadata, from_source,
                           tuple(warnings), base.run_files())
-
-
-def _check_same_model(base: DcpCheckpoint, src: DcpCheckpoint, keys: list[str]) -> None:
-    """Refuse a source that lacks a key taken from it, or holds it in another shape or dtype: another model."""
-    mine, theirs = base.metadata.state_dict_metadata, src.metadata.state_dict_metadata
-    for key in keys:
-        other = theirs.get(translated(key, base, src))
-        ours = mine[key]
-        if other is None:
-            raise IncompatibleError(f"{src.path}: has no {translated(key, base, src)}, which the base {base.path} "
-                                    f"has as {key}; it is another model, or another optimizer's state")
-        if type(other) is not type(ours) or (isinstance(ours, TensorStorageMetadata) and isinstance(
-                other, TensorStorageMetadata) and (ours.size, ours.dtype) != (other.size, other.dtype)):
-            said = f"{list(other.size)} {other.dtype}" if isinstance(other, TensorStorageMetadata) else "a value"
-            base_said = f"{list(ours.size)} {ours.dtype}" if isinstance(ours, TensorStorageMetadata) else "a value"
-            raise IncompatibleError(f"{src.path}: holds {key} as {said}, the base {base.path} as {base_said}; it "
-                                    "is another model")
 
 
 def _differences(base: DcpCheckpoint, src: DcpCheckpoint) -> list[str]:

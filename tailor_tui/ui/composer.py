@@ -25,14 +25,15 @@ from textual.widgets import Footer, Label, ProgressBar, Static
 from textual.worker import get_current_worker
 
 from tailor_tui.checkpoints.cache import cache_dir
-from tailor_tui.checkpoints.lineage import check_one_run
-from tailor_tui.checkpoints.scan import ScanResult, scan
+from tailor_tui.checkpoints.dcp_checkpoint import is_dcp
+from tailor_tui.checkpoints.scan import ScanResult, scan_run
 from tailor_tui.compose.composition import Composition
 from tailor_tui.errors import OutputError, TailorError
 from tailor_tui.export.export_run import ExportResult
 from tailor_tui.health.guard import planned_nonfinite
 from tailor_tui.health.healing import Health, TrainingCurve, damage, training_curve, training_log, why_unhealthy
 from tailor_tui.planning.build import build_plan
+from tailor_tui.planning.dcp_plan import DcpComposePlan, plan_dcp
 from tailor_tui.planning.output import not_replaceable
 from tailor_tui.team.sbatch import offer_batch
 from tailor_tui.ui.actions import DETAILS, HOME, bindings
@@ -51,6 +52,7 @@ from tailor_tui.units import shown, size
 
 if TYPE_CHECKING:
     from tailor_tui.checkpoints.checkpoint import Checkpoint
+    from tailor_tui.checkpoints.dcp_checkpoint import DcpCheckpoint
     from tailor_tui.health.healing import Cell
     from tailor_tui.planning.recipe import Recipe
     from tailor_tui.ui.messages import Outcome
@@ -183,15 +185,9 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
                 last = now
                 self.post_message(ScanProgressed(done, total, path))
 
-        try:
-            result = scan(
-                self.options.run_dir,
-                on_progress=progressed,
-                cancelled=lambda: worker.is_cancelled,
-            )
-            # reads each trainer_state.json: here, not in the UI
-            check_one_run(self.options.run_dir, result.checkpoints)
-            logs = {i: training_log(c) for i, c in enumerate(result.checkpoints)}
+        try:  # (each trainer_state.json is read here, not in the UI)
+            result = scan_run(self.options.run_dir, on_progress=progressed, cancelled=lambda: worker.is_cancelled)
+            logs = {i: training_log(c) for i, c in enumerate(result.checkpoints) if c.step is not None}
             curve = training_curve(result.checkpoints)
         except TailorError as exc:
             self.post_message(ScanFailed(str(exc)))
@@ -385,6 +381,9 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
     @work(thread=True, exclusive=True, group="plan")
     def plan_worker(self, recipe: Recipe, force: bool = False) -> None:
         try:
+            if is_dcp(recipe.base):  # a PyTorch Distributed Checkpoint's: what it takes is known from the grid's cells
+                self.post_message(PlanReady(plan_dcp(recipe, force=force)))
+                return
             plan = build_plan(recipe, force=force)
             # the rows it would take NaN/Inf from, by their checkpoints' statistics (computed here if absent)
             self.post_message(PlanReady(plan, dict(planned_nonfinite(plan, cache=cache_dir()))))
@@ -419,7 +418,10 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
                  if (cell := self.cell_of(row, plan.sources[s])) is not None and not cell.healthy]
         # a record failing its CRC-32 or a file that cannot be read never composes: no "anyway" for those
         broken = [f"{row} from {name}: {why_unhealthy(cell)}" for row, name, cell in cells if damage(cell) != "NaN"]
-        bad = nonfinite_lines(plan, message.nonfinite)  # (NaN/Inf: the plan's check, `health.guard`)
+        counts = message.nonfinite
+        if isinstance(plan, DcpComposePlan):  # (its writers refuse NaN/Inf the cells do not know yet)
+            counts = {row: cell.nonfinite for row, _name, cell in cells if cell.nonfinite}
+        bad = nonfinite_lines(plan, counts)  # (NaN/Inf: the plan's check, `health.guard`)
         if broken:
             self.app.push_screen(ErrorDialog("\n".join([
                 "These rows cannot be composed from the checkpoints picked for them (their files are damaged):",
@@ -453,7 +455,7 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
         self.app.push_screen(PlanDialog("Compose this checkpoint?", body, accept=accept, decline="Back", batch=batch,
                                         risky=bool(bad)), confirmed)
 
-    def cell_of(self, row: str, checkpoint: Checkpoint) -> Cell | None:
+    def cell_of(self, row: str, checkpoint: Checkpoint | DcpCheckpoint) -> Cell | None:
         if self.health is None:
             return None
         for i, c in enumerate(self.health.checkpoints):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from tailor_tui.checkpoints.checkpoint import Checkpoint, tied_members, tied_partner
+from tailor_tui.checkpoints.dcp_checkpoint import DcpCheckpoint
 from tailor_tui.compose.composition import Composition
 from tailor_tui.health.healing import METRICS, Cell, Health, TrainingCurve, damage_text, percent, why_unhealthy
 from tailor_tui.units import shown, size
@@ -181,6 +182,9 @@ def _row_lines(comp: Composition, health: Health | None, row, column: int | None
 
 def _shapes(comp: Composition) -> dict:
     """Every parameter's shape in the base (trained and frozen)."""
+    base: object = comp.base_checkpoint
+    if isinstance(base, DcpCheckpoint):
+        return base.shapes()
     shapes = dict(p for g in comp.base_checkpoint.layout.groups for p in g)
     shapes.update(dict(comp.base_checkpoint.layout.frozen))
     return shapes
@@ -195,7 +199,8 @@ def details_lines(comp: Composition, health: Health | None, row_name: str, colum
     lines = []
     if column is not None:
         c = comp.checkpoints[column]
-        lines.append(comp.label(column) + ("  (base)" if column == comp.base else "") + f" · step {c.step}")
+        lines.append(comp.label(column) + ("  (base)" if column == comp.base else "")
+                     + (f" · step {c.step}" if c.step is not None else ""))
         reason = comp.incompatibility(column)
         if reason:
             lines.append(f"✗ cannot be combined with the base: {reason}")
@@ -205,7 +210,11 @@ def details_lines(comp: Composition, health: Health | None, row_name: str, colum
         lines += stack_block(comp, *stack)
     else:
         lines += _row_lines(comp, health, row, column, metric=metric, computing=computing)
-    if column is not None:
+    column_of: object = comp.checkpoints[column] if column is not None else None
+    if isinstance(column_of, DcpCheckpoint):  # (an FSDP2 run's columns: described by their own facts)
+        lines += ["", f"path    {show(column_of.path)}", f"layout  {column_of.describe()}",
+                  f"files   {size(column_of.total_bytes())}"]
+    elif column is not None:
         c = comp.checkpoints[column]
         kind = c.folder.label
         model = sum(c.sizes[f] for f in c.model_files)

@@ -17,12 +17,15 @@ from typing import TYPE_CHECKING
 from textual import work
 
 from tailor_tui.checkpoints.cache import cache_dir
+from tailor_tui.checkpoints.dcp_checkpoint import is_dcp
 from tailor_tui.errors import TailorError
+from tailor_tui.export.dcp_to_hf import DcpHfExport, plan_dcp_hf
 from tailor_tui.export.export_plan import plan_export
-from tailor_tui.export.export_run import config_source
+from tailor_tui.export.export_run import config_file, config_source
 from tailor_tui.formats.safetensors_out import parse_size
 from tailor_tui.health.guard import planned_nonfinite
 from tailor_tui.planning.build import build_plan
+from tailor_tui.planning.dcp_plan import plan_dcp
 from tailor_tui.ui.describe import nonfinite_lines
 from tailor_tui.ui.dialogs import Answer, ErrorDialog, PathPrompt, PlanDialog
 from tailor_tui.ui.messages import ExportReady
@@ -57,7 +60,7 @@ class ExportActions:
                     self.export_worker(recipe, Path(os.path.expanduser(config)) if config else None)
 
             self.app.push_screen(PathPrompt("The model's config.json, or a folder with it and its tokenizer "
-                                        "(a DeepSpeed-layout run records none)",
+                                        "(a DeepSpeed-layout or DCP run records none)",
                                         placeholder="empty: export the weights only"), with_config)
 
         self.app.push_screen(PathPrompt("Export for evaluation (a plain HF model folder) to", str(default)), chosen)
@@ -65,6 +68,10 @@ class ExportActions:
     @work(thread=True, exclusive=True, group="plan")
     def export_worker(self: ComposerHost, recipe: Recipe, config: Path | None) -> None:
         try:
+            if is_dcp(recipe.base):  # a composition of PyTorch Distributed Checkpoints: its writers refuse NaN/Inf
+                found = plan_dcp_hf(plan_dcp(recipe), None, parse_size(DEFAULT_SHARD), allow_nonfinite=False)
+                self.post_message(ExportReady(found, config_file(config) if config is not None else None))
+                return
             export = plan_export(build_plan(recipe), None, parse_size(DEFAULT_SHARD))
             config_source(export, config)  # a folder without config.json is said now, not after the weights
             # the rows it would take NaN/Inf from, by their checkpoints' statistics (computed here if absent)
@@ -90,7 +97,7 @@ class ExportActions:
     def start_export(self: ComposerHost, message: ExportReady) -> None:
         """Run the export on the progress screen."""
         export = message.export
-        if config_source(export, message.config) is None:
+        if (message.config if isinstance(export, DcpHfExport) else config_source(export, message.config)) is None:
             self.notify("no config.json for this model: the folder will hold the weights only; export again "
                         "and give its config.json (or tailor-tui --export … --config PATH)", severity="warning",
                         timeout=10)

@@ -20,8 +20,10 @@ from textual.message import Message
 from textual_plotext import Plot, PlotextPlot
 
 from tailor_tui.checkpoints.cache import cache_dir
+from tailor_tui.checkpoints.dcp_checkpoint import DcpCheckpoint
 from tailor_tui.errors import Cancelled, TailorError
 from tailor_tui.events import TaskFinished, TaskOptions, TaskProgressed
+from tailor_tui.health.dcp_stats import dcp_health
 from tailor_tui.health.healing import TrainingCurve, heal
 from tailor_tui.health.stats_run import CellsComputed, StatsPlanned, compute_health
 from tailor_tui.ui.describe import LABEL, curve_title, next_metric, no_curve
@@ -190,8 +192,11 @@ class HealthActions:
                     self.post_message(HealthProgressed(sum(progress["tasks"].values()), progress["total"]))
 
         try:
-            compute_health(checkpoints, workers=self.options.workers, emit=emit, cancel=self.stats_cancel,
-                           cache=cache_dir(), options=TaskOptions())
+            if isinstance(checkpoints[0], DcpCheckpoint):  # an FSDP2 run: one process, not cached
+                dcp_health(checkpoints, emit=emit, cancelled=self.stats_cancel.is_set)
+            else:
+                compute_health(checkpoints, workers=self.options.workers, emit=emit, cancel=self.stats_cancel,
+                               cache=cache_dir(), options=TaskOptions())
         except Cancelled:
             return
         except TailorError as exc:

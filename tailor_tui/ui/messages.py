@@ -13,15 +13,19 @@ from textual.message import Message
 from tailor_tui.checkpoints.scan import ScanResult
 from tailor_tui.events import TaskProgressed
 from tailor_tui.health.healing import TrainingCurve, TrainingLog
+from tailor_tui.planning.dcp_plan import DcpComposePlan
 from tailor_tui.planning.plan import ComposePlan
 
 if TYPE_CHECKING:
     from tailor_tui.compose.compose_run import ComposeResult
+    from tailor_tui.compose.dcp_compose import DcpComposeResult
+    from tailor_tui.export.dcp_to_hf import DcpHfExport
     from tailor_tui.export.export_plan import Export
     from tailor_tui.export.export_run import ExportResult
     from tailor_tui.planning.recipe import Recipe
 
-    Outcome = ComposeResult | ExportResult  # what the progress screen's run gives: a composition or an export
+    # what the progress screen's run gives: a composition (of ZeRO-3 or DCP checkpoints) or an export
+    Outcome = ComposeResult | DcpComposeResult | ExportResult
 
 
 @dataclass(eq=False)
@@ -76,13 +80,13 @@ class HealthEnded(Message):
 
 @dataclass(eq=False)
 class PlanReady(Message):
-    plan: ComposePlan
+    plan: ComposePlan | DcpComposePlan
     nonfinite: dict[str, int] = field(default_factory=dict)  # row -> NaN/Inf it would take (`health.guard`)
 
 
 @dataclass(eq=False)
 class ExportReady(Message):
-    export: Export
+    export: Export | DcpHfExport
     config: Path | None  # the model's config.json or its folder (as --config)
     nonfinite: dict[str, int] = field(default_factory=dict)  # row -> NaN/Inf it would take (`health.guard`)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -25,11 +26,14 @@ from textual.screen import Screen
 from textual.widgets import Footer, Label, ProgressBar, Static
 
 from tailor_tui.compose.compose_run import planned_tasks, run_compose
+from tailor_tui.compose.dcp_compose import run_dcp_compose
 from tailor_tui.errors import Cancelled, TailorError
-from tailor_tui.events import TaskOptions, TaskProgressed
+from tailor_tui.events import TaskOptions, TaskProgressed, progress_of
+from tailor_tui.export.dcp_to_hf import DcpHfExport, run_dcp_hf_export
 from tailor_tui.export.export_plan import Export
 from tailor_tui.export.export_run import ExportResult, run_export
 from tailor_tui.health.guard import newest_finite
+from tailor_tui.planning.dcp_plan import DcpComposePlan
 from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.report import FEW, Tally
 from tailor_tui.ui.messages import ComposeFailed, ComposeFinished, ComposeProgressed
@@ -47,9 +51,9 @@ class ProgressScreen(Screen[None]):
         Binding("escape", "cancel_or_close", "Cancel / close"),
     ]
 
-    def __init__(self, plan: ComposePlan, workers: int | None, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, plan: ComposePlan | DcpComposePlan, workers: int | None, clock: Callable[[], float] = time.monotonic,
                  autostart: bool = True, title: str | None = None, options: TaskOptions = TaskOptions(),
-                 allow_nonfinite: bool = False, export: Export | None = None, export_config: Path | None = None,
+                 allow_nonfinite: bool = False, export: Export | DcpHfExport | None = None, export_config: Path | None = None,
                  finished: Callable[[Outcome], None] = lambda result: None):
         super().__init__()
         self.on_finished = finished  # the composer's: told the result
@@ -58,12 +62,18 @@ class ProgressScreen(Screen[None]):
         self.export_config = export_config  # as --config
         self.autostart = autostart  # snapshot tests feed progress events themselves
         self.title_text = title or f"Composing {plan.output}"
-        self.plan, self.compose_workers, self.clock = plan, workers, clock  # `workers`: Textual's
+        self.compose_workers, self.clock = workers, clock  # `workers`: Textual's
         self.cancel = threading.Event()
         self.finished = threading.Event()  # set when the composition thread has fully returned
-        self.tasks = [(j.task, j.progress_bytes) for j in export.jobs] if export else planned_tasks(plan)
-        # what the bars count: bytes written, or composed where a clone shares the base's blocks
-        self.unit = "written" if export else plan.progress_unit(clone=options.clone)
+        if export is not None:
+            self.tasks, self.unit = [(j.task, j.progress_bytes) for j in export.jobs], "written"
+        elif isinstance(plan, DcpComposePlan):  # a PyTorch Distributed Checkpoint's composition: its files' copies
+            if allow_nonfinite:  # ("Compose anyway": its copies take the NaN/Inf the plan refused)
+                plan = replace(plan, jobs=tuple(replace(job, allow_nonfinite=True) for job in plan.jobs))
+            self.tasks, self.unit = progress_of(plan.jobs), "written"
+        else:  # the bars count bytes written, or composed where a clone shares the base's blocks
+            self.tasks, self.unit = planned_tasks(plan), plan.progress_unit(clone=options.clone)
+        self.plan = plan
         self.tally = Tally(self.tasks)  # every task's bytes done; which are waiting, in progress, done
         self.many = len(self.tasks) > FEW
         self.index = {name: i for i, (name, _) in enumerate(self.tasks)}  # few: a task's bar
@@ -112,9 +122,15 @@ class ProgressScreen(Screen[None]):
 
         result: Outcome
         try:
-            if self.export is not None:
+            if isinstance(self.export, DcpHfExport):
+                result = run_dcp_hf_export(self.export, config=self.export_config, workers=self.compose_workers,
+                                           emit=emit, cancel=self.cancel, options=self.options)
+            elif self.export is not None:
                 result = run_export(self.export, config=self.export_config, workers=self.compose_workers, emit=emit,
                                     cancel=self.cancel, options=self.options)
+            elif isinstance(self.plan, DcpComposePlan):
+                result = run_dcp_compose(self.plan, workers=self.compose_workers, emit=emit, cancel=self.cancel,
+                                         options=self.options)
             else:
                 result = run_compose(self.plan, workers=self.compose_workers, emit=emit, cancel=self.cancel,
                                    options=self.options, allow_nonfinite=self.allow_nonfinite,

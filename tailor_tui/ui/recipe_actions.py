@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tailor_tui.checkpoints.dcp_checkpoint import DcpCheckpoint
 from tailor_tui.errors import TailorError
 from tailor_tui.planning.recipe_file import converted_path, load_recipe
 from tailor_tui.team.sbatch import write_sbatch
@@ -25,6 +26,9 @@ class RecipeActions:
         dialog (`then_plan`), show the plan again with it."""
         comp = self.composition
         if comp is None or (not then_plan and not self.editable()):
+            return
+        if isinstance(comp.base_checkpoint, DcpCheckpoint):
+            self.notify("a PyTorch Distributed Checkpoint loads at any world size: there is none to choose", timeout=5)
             return
 
         def done(value: str | None) -> None:
