@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tailor_tui.checked.files import FileIdentity, open_regular
+from tailor_tui.checkpoints.checkpoint import PROVENANCE, Checkpoint
+from tailor_tui.checkpoints.layout import ZeroLayout
 from tailor_tui.checkpoints.rows import Row, find_row, model_rows, recipe_row
 from tailor_tui.dcp.metadata import (
     METADATA,
@@ -37,6 +39,7 @@ from tailor_tui.dcp.metadata import (
 )
 from tailor_tui.dcp.reading import archive_records, read_metadata
 from tailor_tui.errors import CheckpointError
+from tailor_tui.kinds.dcp_rows import DcpRankFiles, DcpSave
 from tailor_tui.kinds.folders import DCP, TRAINER_DCP, FolderKind
 
 MODEL, STEP = "model.", "step"
@@ -45,6 +48,7 @@ OPTIM, HF_OPTIM = "optim.", "optimizer."  # the optimizer's keys: `dcp.save({"op
 # OPTIMIZER_NAME_0), inside checkpoint-N
 HF_MODEL_PART, HF_OPTIM_PART = "pytorch_model_fsdp_0", "optimizer_0"
 _STEP = re.compile(r"(?:step|checkpoint)[-_](\d+)")
+DCP_SAVE = DcpSave()
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,10 @@ class DcpCheckpoint:
         """Every DCP checkpoint holds every row (a tied row: its parameter's)."""
         return True
 
+    def distcp_files(self) -> list[Path]:
+        """The files its archives lie in (its `.metadata` files aside)."""
+        return [p for p in self.identities if p.name != METADATA]
+
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """{name: shape} of every model tensor it holds."""
         return {key[len(MODEL):]: entry.size for key, entry in self.metadata.state_dict_metadata.items()
@@ -102,7 +110,7 @@ class DcpCheckpoint:
                    if k.startswith(MODEL) and isinstance(e, TensorStorageMetadata)]
         chunks = max((len(e.chunks) for e in entries), default=0)
         dtypes = sorted({e.dtype for e in entries})
-        return (f"{self.folder.label}, {len(self.identities)} file(s), tensors in up to {chunks} chunk(s), "
+        return (f"{self.folder.label}, {len(self.distcp_files())} .distcp file(s), tensors in up to {chunks} chunk(s), "
                 f"{'/'.join(dtypes) or 'no tensors'}")
 
     @property
@@ -176,8 +184,6 @@ def _run_files(path: Path) -> tuple[str, ...]:
             names = [e.name for _, e in zip(range(MAX_RUN_FILES), found) if e.is_file(follow_symlinks=False)]
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot be listed ({exc.strerror or exc})") from None
-    from tailor_tui.checkpoints.checkpoint import PROVENANCE
-
     return tuple(sorted(n for n in names if n != PROVENANCE))
 
 
@@ -231,8 +237,9 @@ def open_dcp(path: Path) -> DcpCheckpoint:
     state_of = {key[len(state):].rpartition(".")[0] for key in entries if key.startswith(state)}
     trainable = frozenset(name for name in model if name in state_of)
     identities: dict[Path, FileIdentity] = {}
-    for info in metadata.storage_data.values():
-        file = path / info.relative_path
+    files = [path / part / METADATA for part in parts] + [path / info.relative_path
+                                                          for info in metadata.storage_data.values()]
+    for file in files:
         if file not in identities:
             try:
                 fd = open_regular(file, follow=False)
@@ -320,6 +327,25 @@ def _kind(entry: TensorStorageMetadata) -> tuple:
     return entry.dtype, entry.size, tuple(c.offsets for c in entry.chunks)
 
 
+def zero_source(dcp: DcpCheckpoint, base: Checkpoint) -> Checkpoint:
+    """`dcp` as a source of rows of a ZeRO-3 composition on `base` (`kinds.dcp_rows`): a checkpoint of one rank
+    holding every trainable parameter whole, in `base`'s order, by the shapes `dcp` saved them in (another model's
+    differ: `checkpoint.incompatibility` says how), its frozen parameters those of `base`'s it holds, its rows
+    `base`'s; its fp32 masters and per-element state read chunk by chunk."""
+    entries = dcp.metadata.state_dict_metadata
+    shapes = {key[len(MODEL):]: tuple(e.size) for key, e in entries.items()
+              if key.startswith(MODEL) and isinstance(e, TensorStorageMetadata)}
+    order = [slot.name for slot in base.layout.slots]
+    trainable = [n for n in order if n in dcp.trainable] + sorted(n for n in dcp.trainable if n not in order)
+    frozen = tuple((n, shapes[n]) for n, _shape in base.layout.frozen if n in shapes and n not in dcp.trainable)
+    layout = ZeroLayout(1, (tuple((n, shapes[n]) for n in trainable),), frozen)
+    files = DcpRankFiles(0, dcp.path / dcp.parts[0] / METADATA, dcp.path / dcp.parts[-1] / METADATA, folder=dcp.path,
+                         metadata=dcp.metadata, optim=dcp.optim, identities=dict(dcp.identities))
+    return Checkpoint(dcp.path, dcp.folder, "", dcp.path, dcp.path.parent, dcp.step or 0, 1, base.dtype, layout,
+                      base.rows, (files,), sizes={p: i.size for p, i in dcp.identities.items()},
+                      identities=dict(dcp.identities), saved=DCP_SAVE)
+
+
 MAX_CHECKPOINTS = 10_000  # folders of a run looked at
 
 
@@ -328,8 +354,6 @@ def scan_dcp(run_dir: Path) -> list[DcpCheckpoint]:
     folder itself where it holds `.metadata`, else each folder in it that does; tailor-tui's own outputs (they
     hold its provenance record) are not training saves. [] where it holds none. The checkpoints must be of
     one model (CheckpointError naming the first that is not)."""
-    from tailor_tui.checkpoints.checkpoint import PROVENANCE
-
     if is_dcp(run_dir):
         return [open_dcp(run_dir)]
     try:

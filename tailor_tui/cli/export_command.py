@@ -16,6 +16,7 @@ def export_command(args) -> int:
     from tailor_tui.export.export_plan import plan_export
     from tailor_tui.export.export_run import config_source, run_export
     from tailor_tui.formats.safetensors_out import parse_size
+    from tailor_tui.kinds.dcp_rows import DcpSave
     from tailor_tui.planning.build import build_plan
     from tailor_tui.units import size
 
@@ -26,6 +27,10 @@ def export_command(args) -> int:
     if is_dcp(recipe.base):
         return _export_dcp_to_hf(args, recipe, max_shard)
     plan = build_plan(recipe, output=args.to, force=args.force, preview=args.dry_run)
+    dcp = next((src for src in plan.sources if src.saved.kind == DcpSave.kind), None)
+    if dcp is not None:
+        raise UsageError(f"{dcp.path}: rows taken from a PyTorch Distributed Checkpoint into a ZeRO-3 checkpoint are "
+                         "exported once composed: --apply the recipe, then --export its output")
     check_nonfinite(plan, args, doing="export")  # (before anything is written)
     if args.format == "dcp":
         return _export_dcp(args, plan)

@@ -98,6 +98,8 @@ class _Sources:
             reader = self.reader(s, r)
             flat = reader.whole_flat()  # (a partial's slices: each job checks those it takes from)
             found.setdefault(reader.path, set()).update(tb.record for tb in (flat or {}).values())
+            for path in reader.paths():  # (a DCP checkpoint's chunks: in files of their own)
+                found.setdefault(path, set())
             if frozen:
                 fragments = reader.fragments(frozen)
                 found.setdefault(reader.files.model_states, set()).update(tb.record for tb in fragments.values())

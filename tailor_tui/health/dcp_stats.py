@@ -40,7 +40,7 @@ def dcp_health(checkpoints: Sequence[DcpCheckpoint], *, emit: Emit = lambda e: N
     logs = {i: training_log(c) for i, c in enumerate(checkpoints) if c.step is not None}  # type: ignore[arg-type]
     health = Health(tuple(checkpoints), logs=logs)  # type: ignore[arg-type]  # (a DCP checkpoint is described alike)
     sizes = [sum(info.length for info in c.metadata.storage_data.values()) for c in checkpoints]
-    emit(StatsPlanned(len(checkpoints), sum(len(c.identities) for c in checkpoints), 0, sum(sizes), ".distcp file(s)"))
+    emit(StatsPlanned(len(checkpoints), sum(len(c.distcp_files()) for c in checkpoints), 0, sum(sizes), ".distcp file(s)"))
     for i, ckpt in enumerate(checkpoints):
         task = f"statistics of {ckpt.name}"
         done = [0]

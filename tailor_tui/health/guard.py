@@ -18,10 +18,12 @@ from pathlib import Path
 
 from tailor_tui.checkpoints.cache import cache_dir
 from tailor_tui.checkpoints.checkpoint import Checkpoint, incompatibility
+from tailor_tui.checkpoints.dcp_checkpoint import open_dcp
 from tailor_tui.checkpoints.lineage import Lineage
 from tailor_tui.checkpoints.scan import scan
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import Emit
+from tailor_tui.kinds.dcp_rows import DcpSave
 from tailor_tui.planning.plan import ComposePlan
 
 
@@ -45,6 +47,9 @@ def planned_nonfinite(plan: ComposePlan, *, cache: Path | None, workers: int | N
     counts: Counter = Counter()
     for s, rows in wanted.items():
         source = plan.sources[s]
+        if isinstance(source.saved, DcpSave):  # a PyTorch Distributed Checkpoint's rows: its own statistics
+            counts.update(_dcp_nonfinite(source.path, rows))
+            continue
         if source.path.parent not in runs:
             runs[source.path.parent] = _checkpoints_of(source.path.parent)
         run = runs[source.path.parent]
@@ -63,6 +68,15 @@ def planned_nonfinite(plan: ComposePlan, *, cache: Path | None, workers: int | N
             if cell is not None and cell.error is None and cell.nonfinite:
                 counts[row] = cell.nonfinite
     return counts
+
+
+def _dcp_nonfinite(path: Path, rows: list[str]) -> Counter:
+    """{row: its NaN/Inf} of `rows` of the DCP checkpoint `path` (`dcp_stats`, this checkpoint alone, not cached)."""
+    from tailor_tui.health.dcp_stats import dcp_health
+
+    health = dcp_health((open_dcp(path),))
+    return Counter({row: cell.nonfinite for row in rows
+                    if (cell := health.cell(row, 0)) is not None and cell.error is None and cell.nonfinite})
 
 
 def _checkpoints_of(folder: Path) -> tuple[Checkpoint, ...]:

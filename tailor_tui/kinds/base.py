@@ -109,6 +109,12 @@ class RankFiles(ABC):
         """The reader of these files (its sub-groups `group_sizes`; `optim`: a full save's optim file's bytes,
         where the caller read it whole; `small`: read it whole here where it is small)."""
 
+    def cuts(self, param: str) -> tuple[int, ...]:
+        """Where a piece of parameter `param` taken from this rank must be cut (its elements from the first of the
+        part on this rank): none where its part lies in one place (a ZeRO-3 save's); a DCP checkpoint's chunks'
+        edges (`dcp_rows`)."""
+        return ()
+
     def elements_checked(self, groups, taken: int, group_sizes) -> int:
         """The elements read to check `taken` elements of sub-groups `groups` (ids into `group_sizes`) taken
         from this rank's state, per key: whole sub-group records (their stored CRC-32 covers the whole
@@ -146,6 +152,10 @@ class RankReader(ABC):
     def path(self) -> Path:
         """The file a row's optimizer bytes are read from (`RankFiles.state_file`)."""
         return self.files.state_file
+
+    def paths(self) -> tuple[Path, ...]:
+        """Every file `place` may place bytes in: `path`; a DCP checkpoint's every `.distcp` file."""
+        return (self.path,)
 
     # -- where a parameter's slice lies: each kind's ------------------------------------------------
 

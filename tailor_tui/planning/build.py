@@ -17,10 +17,13 @@ from tailor_tui.checkpoints.checkpoint import (
     open_checkpoint,
     tied_partner,
 )
-from tailor_tui.checkpoints.lineage import other_run
+from tailor_tui.checkpoints.dcp_checkpoint import is_dcp, open_dcp, zero_source
+from tailor_tui.checkpoints.lineage import other_folder, other_run
 from tailor_tui.errors import CheckpointError, IncompatibleError, RecipeError, UsageError
 from tailor_tui.formats.ds_format import describe_state
 from tailor_tui.kinds.base import rank_reader
+from tailor_tui.kinds.dcp_rows import DcpSave
+from tailor_tui.planning.dcp_plan import zero_base_differences
 from tailor_tui.planning.output import check_output as check_writable
 from tailor_tui.planning.output import recipe_output
 from tailor_tui.planning.plan import ComposePlan
@@ -86,10 +89,12 @@ def build_plan(recipe: Recipe, output: str | Path | None = None, force: bool = F
         ckpt_index = by_path.get(_resolved(path))
         if ckpt_index is None:
             gone = stand_in(Path(path), base) if stand_in is not None and not os.path.lexists(path) else None
-            src = gone or _open(path, where, f"row '{row}'", cache)
+            src = gone or _open_source(path, base, where, f"row '{row}'", cache)
             ckpt_index = by_path.get(src.path.resolve())
             if ckpt_index is None:
-                _check_compatible(base, src, where, row, resharding=target is not None)
+                # (a DCP checkpoint's rows are cut from its chunks: every source located by its own layout)
+                _check_compatible(base, src, where, row,
+                                  resharding=target is not None or isinstance(src.saved, DcpSave))
                 sources.append(src)
                 ckpt_index = len(sources) - 1
                 by_path[src.path.resolve()] = ckpt_index
@@ -97,16 +102,48 @@ def build_plan(recipe: Recipe, output: str | Path | None = None, force: bool = F
         picks[row] = ckpt_index
 
     _check_rows_held(recipe, sources, picks)
+    _check_dcp_rows(recipe, base, sources, picks)
     keys = _flat_keys(recipe, sources, picks)
     reshard = None
-    if target is not None and (target != base.world_size or any(s.world_size != target for s in sources)):
-        reshard = plan_reshard(base, target)
+    dcp = any(isinstance(s.saved, DcpSave) for s in sources)  # (its rows are cut from its chunks: as resharding)
+    if dcp or target is not None and (target != base.world_size or any(s.world_size != target for s in sources)):
+        reshard = plan_reshard(base, target or base.world_size)
     warnings = _other_runs(base, sources, picks)
+    for s, src in enumerate(sources):  # a DCP checkpoint's rows: its optimizer's hyperparameters and step
+        if isinstance(src.saved, DcpSave):
+            params = [p for row, i in picks.items() if i == s for p in base.row(row).params]
+            warnings += zero_base_differences(base, src, params, src.step or None)
     if check_output:
         note = check_writable(out, sources, force, preview=preview)
         warnings += [note] if note else []
     return ComposePlan(recipe=recipe, base=base, sources=tuple(sources), picks=picks, output=out, force=force,
                      warnings=tuple(warnings), reshard=reshard, keys=keys)
+
+
+def _open_source(path: Path, base: Checkpoint, where: str, what: str, cache: Path | None) -> Checkpoint:
+    """The checkpoint a row is taken from: a ZeRO-3 one, or a PyTorch Distributed Checkpoint read as one
+    (`dcp_checkpoint.zero_source`)."""
+    if not is_dcp(Path(path)):
+        return _open(path, where, what, cache)
+    try:
+        return zero_source(open_dcp(Path(path)), base)
+    except CheckpointError as exc:
+        raise type(exc)(f"{where}: {what}: {exc}") from None
+
+
+def _check_dcp_rows(recipe: Recipe, base: Checkpoint, sources: list[Checkpoint], picks: dict[str, int]) -> None:
+    """A row taken from a PyTorch Distributed Checkpoint holds trainable parameters only: a frozen parameter's
+    fragment and a buffer lie in ZeRO-3's model_states, which such a checkpoint has none of."""
+    frozen = {name for name, _shape in base.layout.frozen}
+    for row, s in picks.items():
+        if s and isinstance(sources[s].saved, DcpSave):
+            r = base.row(row)
+            held = [p for p in r.params if p in frozen] + list(r.buffers)
+            if held:
+                raise IncompatibleError(
+                    f"{recipe.location(f'row:{row}')}: row '{row}' holds {held[0]} (a frozen parameter or a buffer), "
+                    f"which {sources[s].path.name}, a PyTorch Distributed Checkpoint, cannot give a ZeRO-3 "
+                    "checkpoint; take that row from a ZeRO-3 checkpoint")
 
 
 def _flat_keys(recipe: Recipe, sources: list[Checkpoint], picks: dict[str, int]) -> tuple[str, ...]:
@@ -134,7 +171,7 @@ def _other_runs(base: Checkpoint, sources: list[Checkpoint], picks: dict[str, in
     """A warning for each source that lies in another run folder than the base."""
     found = []
     for s, src in enumerate(sources[1:], start=1):
-        why = None if src.gone else other_run(base, src)
+        why = None if src.gone else (other_folder if isinstance(src.saved, DcpSave) else other_run)(base, src)
         if why:
             rows = [row for row, i in picks.items() if i == s]
             found.append(f"{_list(rows)} come(s) from {src.path}: {why}; make sure it is the same training run")

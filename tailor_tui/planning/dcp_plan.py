@@ -20,12 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tailor_tui import __version__
+from tailor_tui.checkpoints.checkpoint import Checkpoint
 from tailor_tui.checkpoints.dcp_checkpoint import STEP, DcpCheckpoint, dcp_incompatibility, is_dcp, open_dcp
 from tailor_tui.checkpoints.weight_files import describe_run_level
 from tailor_tui.dcp.metadata import Metadata, MetadataIndex, StorageInfo, StorageMeta, TensorStorageMetadata
 from tailor_tui.dcp.reading import read_value
 from tailor_tui.errors import IncompatibleError, RecipeError
 from tailor_tui.events import JobCost
+from tailor_tui.formats.ds_format import OPTIMIZER_STATE_DICT, PARAM_GROUPS
+from tailor_tui.formats.ptfile import read_structure
+from tailor_tui.kinds.dcp_rows import DcpRankFiles
 from tailor_tui.planning.output import check_output, default_output, recipe_output
 from tailor_tui.planning.recipe import Recipe
 
@@ -188,10 +192,59 @@ def _differences(base: DcpCheckpoint, src: DcpCheckpoint) -> list[str]:
                               f"{mine!r:.40})")
         if differ:
             said.append(f"{src.name}'s hyperparameters differ from the base's, whose are kept: " + ", ".join(differ))
-    if base.step is not None and src.step is not None and base.step != src.step:
-        said.append(f"rows from {src.name} (step {src.step}) keep their weights and moments with the base's step "
-                    f"count ({base.step}), as AdamW's bias correction then reads them")
-    return said
+    return said + step_said(src.name, src.step, base.step)
+
+
+def step_said(name: str, step: int | None, base_step: int | None) -> list[str]:
+    """What is said of rows taken from a save of another step than the base's (nothing where either is unknown)."""
+    if step is None or base_step is None or step == base_step:
+        return []
+    return [f"rows from {name} (step {step}) keep their weights and moments with the base's step count "
+            f"({base_step}), as AdamW's bias correction then reads them"]
+
+
+COMPARED = ("lr", "betas", "eps", "weight_decay")  # the hyperparameters compared between a ZeRO-3 base and a DCP source
+
+
+def zero_base_differences(base: Checkpoint, src: Checkpoint, params: list[str], step: int | None) -> list[str]:
+    """What differs between a ZeRO-3 base's run and the PyTorch Distributed Checkpoint `src` (read as a ZeRO-3 source,
+    `kinds.dcp_rows`; saved at `step`) giving the output `params`: the hyperparameters (COMPARED) of the param group
+    holding each in `src` against those of the base's sub-group holding it, and the step. The base's are kept."""
+    files = src.ranks[0]
+    assert isinstance(files, DcpRankFiles) and files.metadata is not None, "a DCP checkpoint's rank"
+    obj, _records, _prefix = read_structure(base.ranks[0].structure_file)
+    try:
+        theirs_groups = obj[OPTIMIZER_STATE_DICT][OPTIMIZER_STATE_DICT][PARAM_GROUPS]
+    except (KeyError, TypeError):
+        theirs_groups = []
+    entries = files.metadata.state_dict_metadata
+    prefix = files.optim + "param_groups."
+    count = len({k[len(prefix):].split(".")[0] for k in entries if k.startswith(prefix)})
+    group_of: dict[str, int] = {}
+    for i in range(min(count, MAX_COMPARED)):
+        names = read_value(files.folder, files.metadata, f"{prefix}{i}.params") if f"{prefix}{i}.params" in entries \
+            else []
+        group_of |= {n: i for n in names if isinstance(n, str)} if isinstance(names, list) else {}
+    sub_group = {slot.name: slot.group for slot in base.layout.slots}
+    differ: dict[str, str] = {}
+    for name in params:
+        held, g = group_of.get(name), sub_group.get(name)
+        if held is None or g is None or g >= len(theirs_groups) or not isinstance(theirs_groups[g], dict):
+            continue
+        for key in COMPARED:
+            if f"{prefix}{held}.{key}" not in entries or key not in theirs_groups[g] or key in differ:
+                continue
+            other, mine = _plain(read_value(files.folder, files.metadata, f"{prefix}{held}.{key}")), \
+                _plain(theirs_groups[g][key])
+            if other != mine:
+                differ[key] = f"{key} {other!r:.40} (the base {mine!r:.40})"
+    said = [f"{src.name}'s hyperparameters differ from the base's, whose are kept: " + ", ".join(differ.values())] \
+        if differ else []
+    return said + step_said(src.name, step, base.step)
+
+
+def _plain(value):
+    return tuple(value) if isinstance(value, (list, tuple)) else value
 
 
 def _jobs(base: DcpCheckpoint, sources: list[DcpCheckpoint], from_source: dict[str, int], owner: dict[str, str],

@@ -35,6 +35,7 @@ from tailor_tui.errors import IncompatibleError
 from tailor_tui.formats.ds_format import RECOVERY_SCRIPTS
 from tailor_tui.formats.safetensors_in import parse_prefix, safetensors_header
 from tailor_tui.kinds.base import WeightSource
+from tailor_tui.kinds.dcp_rows import DcpMasterWeights, DcpRankFiles
 from tailor_tui.kinds.hf_weights import BinWeights, FileWeights
 from tailor_tui.kinds.partial import MasterWeights, PartialRankFiles
 from tailor_tui.planning.jobs import BinFileJob, ModelFileJob, WeightJob
@@ -90,9 +91,12 @@ def weight_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], picks: dict[s
     return tuple(jobs)
 
 
-def _masters(src: Checkpoint) -> MasterWeights:
+def _masters(src: Checkpoint) -> WeightSource:
     """A partial save's fp32 masters as the source of model-file tensors: each trainable parameter's elements
-    per rank and its valid elements on each rank (`layout.Slot`)."""
+    per rank and its valid elements on each rank (`layout.Slot`); a PyTorch Distributed Checkpoint's, chunk by
+    chunk."""
+    if isinstance(src.ranks[0], DcpRankFiles):
+        return DcpMasterWeights(str(src.path), src.ranks[0])
     ranks = cast(tuple[PartialRankFiles, ...], src.ranks)
     parts = {slot.name: (slot.part, tuple(slot.valid(r) for r in range(len(ranks)))) for slot in src.layout.slots}
     return MasterWeights(str(src.path), ranks, parts)

@@ -16,6 +16,7 @@ source, whatever its own world size, is located by its own layout.
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from dataclasses import dataclass
@@ -233,7 +234,8 @@ def reshard_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], source_of: d
         s = source_of[slot.name]
         theirs = slots[s][slot.name]
         trainable.append((_Parameter(slot.name, slot.numel, sources[s].world_size, reshard.world_size, s,
-                                     owner[slot.name], theirs.group, theirs.offset, slot.offset), slot.group))
+                                     owner[slot.name], theirs.group, theirs.offset, slot.offset,
+                                     sources[s].ranks[0].cuts(slot.name)), slot.group))
     frozen_params = [_Parameter(name, math.prod(shape), sources[source_of[name]].world_size, reshard.world_size,
                                 source_of[name], owner[name], FROZEN, 0, 0) for name, shape in base.layout.frozen]
     jobs: list[ReshardJob] = []
@@ -272,9 +274,10 @@ class _Parameter:
     at `offset` of sub-group `group` (FROZEN: its fragment)."""
 
     def __init__(self, name: str, numel: int, from_world: int, to_world: int, source: int, row: str,
-                 group: int, offset: int, at: int):
+                 group: int, offset: int, at: int, cuts: tuple[int, ...] = ()):
         self.name, self.numel, self.from_world, self.to_world = name, numel, from_world, to_world
         self.source, self.row, self.group, self.offset, self.at = source, row, group, offset, at
+        self.cuts = cuts  # where a piece must be cut, within its source's part (a DCP checkpoint's chunks, one rank)
         self.size, self.theirs = part(numel, to_world), part(numel, from_world)
         self.padding = (Piece(at, self.size, ZEROS, 0, FROZEN, 0, 0, name, row),)  # a rank past its elements
 
@@ -283,12 +286,23 @@ class _Parameter:
             return self.padding
         found, theirs, numel = [], self.theirs, self.numel
         for their_rank, within, at, count in pieces(numel, self.from_world, self.to_world, rank):
-            found.append(Piece(self.at + at, count, self.source, their_rank, self.group, self.offset + within,
-                               within, self.name, self.row, valid_elements(numel, theirs, their_rank)))
+            for start, end in _cut(within, within + count, self.cuts):
+                found.append(Piece(self.at + at + start - within, end - start, self.source, their_rank, self.group,
+                                   self.offset + start, start, self.name, self.row,
+                                   valid_elements(numel, theirs, their_rank)))
         valid = sum(p.length for p in found)
         if valid < self.size:
             found.append(Piece(self.at + valid, self.size - valid, ZEROS, 0, FROZEN, 0, 0, self.name, self.row))
         return found
+
+
+def _cut(start: int, end: int, cuts: tuple[int, ...]) -> list[tuple[int, int]]:
+    """[start, end) cut at every one of `cuts` (sorted) inside it."""
+    if not cuts:
+        return [(start, end)]
+    inside = cuts[bisect.bisect_right(cuts, start): bisect.bisect_left(cuts, end)]
+    edges = [start, *inside, end]
+    return list(zip(edges, edges[1:]))
 
 
 RNG_STATE = re.compile(r"^rng_state(?:_(\d+))?\.pth$", re.ASCII)  # ASCII: `rng_state_٣.pth` is no rank 3's

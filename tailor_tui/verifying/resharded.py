@@ -40,6 +40,7 @@ from tailor_tui.formats.ds_format import (
     optimizer_state,
 )
 from tailor_tui.verifying.compare import differences, nonzero_bytes, same_bytes
+from tailor_tui.verifying.dcp_sources import DcpTensors, is_dcp_rank
 from tailor_tui.verifying.pieces import ZEROS, OutputPieces
 from tailor_tui.verifying.recorded import FROZEN, Archives, RankRows, settle
 from tailor_tui.verifying.rows_files import RowsFiles
@@ -103,7 +104,7 @@ def _verify_rank(plan, rank, where, composed, report, counter, base_file, base_s
                            plan.sources[p.source].ranks[p.rank].model_states)}
     for path in [path for path in loaded if path not in wanted]:
         del loaded[path]
-    partial = RowsFiles()
+    partial, dcp = RowsFiles(), DcpTensors()
 
     def source_of(p, key: str):
         """The source tensor piece `p` is taken from, and its first element there."""
@@ -122,6 +123,8 @@ def _verify_rank(plan, rank, where, composed, report, counter, base_file, base_s
             if files.model_states not in loaded:
                 loaded[files.model_states] = load(files.model_states)
             return loaded[files.model_states][FROZEN_PARAM_FRAGMENTS][p.param], p.offset
+        if is_dcp_rank(files):  # a PyTorch Distributed Checkpoint: the parameter's whole tensor, then the piece
+            return dcp.flat(files, key, p.param), p.within
         if not files.whole_records:  # a partial checkpoint: the whole slice, checked, then the piece
             return partial.slice(files.state_file, f"{key}/{p.param}", p.whole), p.within
         if files.optim_states not in loaded:

@@ -24,6 +24,7 @@ from zlib import crc32
 from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, MODULE
 from tailor_tui.planning.jobs import BinFileJob
 from tailor_tui.verifying.compare import same_bytes
+from tailor_tui.verifying.dcp_sources import DcpTensors, is_dcp_rank
 from tailor_tui.verifying.recorded import Archives
 from tailor_tui.verifying.rows_files import RowsFiles
 from tailor_tui.verifying.torch_files import load, open_binary
@@ -228,6 +229,7 @@ class _Expected:
         self.files: dict[Path, object] = {}  # full sources' safetensors files, opened
         self.states: dict[int, list] = {}  # partial sources: every rank's model_states, loaded
         self.slots: dict[int, dict] = {}  # partial sources: each trainable parameter's slot
+        self.dcp = DcpTensors()  # DCP sources' tensors
 
     def tensor(self, s: int, name: str, got):
         """Tensor `name` as source `s` holds it, as the output holds it (`got`: its dtype and
@@ -259,6 +261,8 @@ class _Expected:
         import torch
 
         source = self.plan.sources[s]
+        if is_dcp_rank(source.ranks[0]):  # a PyTorch Distributed Checkpoint: its `model.<name>`, whole
+            return self.dcp.tensor(source.ranks[0], f"model.{name}")
         if s not in self.slots:
             self.slots[s] = {slot.name: slot for slot in source.layout.slots}
         slot = self.slots[s].get(name)

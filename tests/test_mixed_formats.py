@@ -1,0 +1,119 @@
+"""Both formats in one recipe: a ZeRO-3 base (the HF Trainer's, plain DeepSpeed's) takes rows from a real FSDP2 run's
+PyTorch Distributed Checkpoint of the same model. The output is a ZeRO-3 checkpoint whose rows' fp32 masters,
+exp_avg and exp_avg_sq are the DCP checkpoint's bit for bit (its 16-bit weights their cast), every other row the
+base's; `--verify` proves it (and fails a recipe naming another save); real DeepSpeed resumes it at 2 and 3 ranks
+and takes a finite step. A ZeRO-3 run of another optimizer, or of another model, is refused in one line."""
+
+from __future__ import annotations
+
+import shutil
+
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import checkpoints_of
+from helpers import assert_one_line_error, tailor, tensors, write_recipe
+from test_reshard import resumes_at
+from zero_reader import read_full_state
+
+from tailor_tui.dcp.metadata import MetadataIndex
+from tailor_tui.dcp.reading import archive_records, read_metadata
+
+ROW = "layers.1"
+
+
+def dcp_state(folder) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint, as torch's dcp.load gives it."""
+    entries = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    state = {k: torch.zeros(v.size, dtype=v.properties.dtype) for k, v in entries.items() if hasattr(v, "size")}
+    dcp.load(state, checkpoint_id=folder, no_dist=True)
+    return state
+
+
+def assert_rows_from_dcp(out, base, source, row: str) -> None:
+    """Each parameter of `row` in the ZeRO-3 output `out`: the DCP checkpoint `source`'s fp32 and moments, bit for bit;
+    every other parameter the base's. The key sets compared whole."""
+    got, mine, theirs = read_full_state(out), read_full_state(base), dcp_state(source)
+    assert got.keys() == mine.keys() and all(got[k].keys() == mine[k].keys() for k in got)
+    prefix = f"model.{row}."
+    taken = [name for name in got["fp32"] if name.startswith(prefix)]
+    assert taken
+    for key, by_name in got.items():
+        for name, tensor in by_name.items():
+            if name in taken:
+                want = theirs[f"model.{name}"] if key == "fp32" else theirs[f"optim.state.{name}.{key}"]
+            else:
+                want = mine[key][name]
+            assert torch.equal(tensor.float(), want.float()), (key, name)
+
+
+def test_an_hf_trainer_zero3_checkpoint_takes_a_row_from_an_fsdp2_save_and_resumes(real_run, fsdp_run, tmp_path):
+    run, spec = real_run("hf_bf16_2")
+    fsdp, _ = fsdp_run("fsdp_llama_4")
+    base = checkpoints_of(run, spec)[-1]
+    recipe = write_recipe(tmp_path, base, {ROW: fsdp / "step-4"})
+    done = tailor("--apply", recipe)
+    assert done.returncode == 0, done.stderr
+    # the plan says what the output keeps of the base's: the hyperparameters (the Trainer's schedule ended at 0) and
+    # the step count
+    assert "step-4's hyperparameters differ from the base's, whose are kept: lr 0.001 (the base 0.0)" in done.stderr
+    assert "rows from step-4 (step 4) keep their weights and moments with the base's step count (6)" in done.stderr
+    out = tmp_path / "composed"
+    assert_rows_from_dcp(out, base, fsdp / "step-4", ROW)
+    weights, masters = tensors(out / "model.safetensors"), dcp_state(fsdp / "step-4")
+    for name, tensor in weights.items():  # the 16-bit weights: the masters cast, as ZeRO-3 casts them
+        if name.startswith(f"model.{ROW}."):
+            assert torch.equal(tensor, masters[f"model.{name}"].to(tensor.dtype)), name
+    verified = tailor("--verify", recipe)
+    assert verified.returncode == 0 and f"ok    {ROW}      step-4" in verified.stdout, verified.stdout
+    (tmp_path / "other").mkdir()
+    wrong = write_recipe(tmp_path / "other", base, {ROW: fsdp / "step-2"}, output=str(out))
+    failed = tailor("--verify", wrong)
+    assert failed.returncode == 7 and f"FAIL  {ROW}" in failed.stdout, failed.stdout
+    resumes_at(out, spec, 2, tmp_path)
+    assert_one_line_error(tailor("--export", recipe, "--to", tmp_path / "hf"), 2, "--apply the recipe, then --export")
+
+
+def test_a_flipped_bit_in_the_fsdp2_save_is_refused(real_run, fsdp_run, tmp_path):
+    run, spec = real_run("hf_bf16_2")
+    fsdp, _ = fsdp_run("fsdp_llama_4")
+    copy = tmp_path / "step-4"
+    shutil.copytree(fsdp / "step-4", copy)
+    found = read_metadata(copy)
+    key = "optim.state.model.layers.1.mlp.up_proj.weight.exp_avg"
+    info = found.storage_data[MetadataIndex(key, found.state_dict_metadata[key].chunks[-1].offsets)]
+    with open(copy / info.relative_path, "r+b") as f:
+        record = archive_records(copy, f.fileno(), info, "chunk")["data/0"]
+        f.seek(record.data_offset + record.size // 2)
+        flipped = bytes([f.read(1)[0] ^ 0x04])
+        f.seek(record.data_offset + record.size // 2)
+        f.write(flipped)
+    recipe = write_recipe(tmp_path, checkpoints_of(run, spec)[-1], {ROW: copy})
+    assert_one_line_error(tailor("--apply", recipe), 4, "CRC-32")
+    assert not (tmp_path / "composed").exists()
+
+
+def test_a_deepspeed_run_heals_its_blown_up_layer_from_an_fsdp2_save_at_three_ranks(real_run, fsdp_run, tmp_path):
+    run, spec = real_run("ds_blown_up")
+    fsdp, _ = fsdp_run("fsdp_llama_4")
+    base = checkpoints_of(run, spec)[-1]
+    recipe = write_recipe(tmp_path, base, {"layers.2": fsdp / "step-4"})
+    plan = tailor("--apply", recipe, "--world-size", "3", "--dry-run")
+    assert plan.returncode == 0 and "reshard: 2 → 3 ranks" in plan.stdout, plan.stdout + plan.stderr
+    done = tailor("--apply", recipe, "--world-size", "3")
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "composed"
+    assert_rows_from_dcp(out, base, fsdp / "step-4", "layers.2")
+    assert tailor("--verify", recipe, "--world-size", "3").returncode == 0
+    resumes_at(out, spec, 3, tmp_path)
+
+
+def test_another_optimizer_or_another_model_is_refused_in_one_line(real_run, fsdp_run, tmp_path):
+    run, spec = real_run("ds_amsgrad")
+    fsdp, _ = fsdp_run("fsdp_llama_4")
+    recipe = write_recipe(tmp_path, checkpoints_of(run, spec)[-1], {ROW: fsdp / "step-4"})
+    assert_one_line_error(tailor("--apply", recipe), 5, "per element", "different optimizers")
+    other, _ = fsdp_run("fsdp_llama")  # 3 layers
+    hf, hf_spec = real_run("hf_bf16_2")
+    recipe = write_recipe(tmp_path, checkpoints_of(hf, hf_spec)[-1], {ROW: other / "step-4"})
+    assert_one_line_error(tailor("--apply", recipe), 5, "cannot be combined with", "model.layers.3")
+    assert not (tmp_path / "composed").exists()
