@@ -1,5 +1,6 @@
 """Checks of DCP checkpoints the tests share: every chunk a whole archive (`assert_archives_intact`), and every
-tensor as tailor-tui's reader puts it together equal to torch's `dcp.load` (`assert_reads_as_torch`)."""
+tensor as tailor-tui's reader puts it together equal to torch's `dcp.load` (`assert_reads_as_torch`); and the rot
+they plant (`flip_chunk_byte`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,21 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tailor_tui.dcp import metadata as md
-from tailor_tui.dcp.reading import locate_chunk, read_metadata
+from tailor_tui.dcp.reading import archive_records, locate_chunk, read_metadata
+
+
+def flip_chunk_byte(folder: Path, key: str, *, chunk: int = 0, at: int | None = None, bit: int = 0x10) -> None:
+    """Flip `bit` of one byte of tensor `key`'s chunk number `chunk` in the DCP checkpoint `folder`: byte `at` of its
+    data (default: the middle), its archive's CRC-32 left as it was."""
+    found = read_metadata(folder)
+    info = found.storage_data[md.MetadataIndex(key, found.state_dict_metadata[key].chunks[chunk].offsets)]
+    with open(folder / info.relative_path, "r+b") as f:
+        record = archive_records(folder, f.fileno(), info, "chunk")["data/0"]
+        where = record.data_offset + (record.size // 2 if at is None else at)
+        f.seek(where)
+        flipped = bytes([f.read(1)[0] ^ bit])
+        f.seek(where)
+        f.write(flipped)
 
 
 def assert_archives_intact(folder: Path) -> None:

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dcp_checks import assert_archives_intact, assert_reads_as_torch
+from dcp_checks import assert_archives_intact, assert_reads_as_torch, flip_chunk_byte
 from helpers import assert_one_line_error, hidden, tailor, write_recipe
 from test_dcp_export import load_in_fsdp2
 
 from tailor_tui.checkpoints.dcp_checkpoint import open_dcp
 from tailor_tui.dcp.metadata import MetadataIndex
-from tailor_tui.dcp.reading import archive_records, read_metadata
+from tailor_tui.dcp.reading import read_metadata
 
 
 def loaded(folder: Path) -> dict[str, torch.Tensor]:
@@ -78,15 +78,7 @@ def test_dcp_recipe_errors_are_one_line_and_write_nothing(fsdp_run, tmp_path):
                                  "2"), 2, "loads at any world size")
     dry = tailor("--apply", write_recipe(tmp_path, base, {"layers.1": earlier}), "--dry-run")
     assert dry.returncode == 0 and "layers.1      step-4" in dry.stdout and "dry run: nothing written" in dry.stdout
-    found = read_metadata(earlier)
-    key = "model.model.layers.1.mlp.down_proj.weight"
-    info = found.storage_data[MetadataIndex(key, found.state_dict_metadata[key].chunks[0].offsets)]
-    with open(earlier / info.relative_path, "r+b") as f:
-        record = archive_records(earlier, f.fileno(), info, "chunk")["data/0"]
-        f.seek(record.data_offset + record.size // 2)
-        flipped = bytes([f.read(1)[0] ^ 0x10])
-        f.seek(record.data_offset + record.size // 2)
-        f.write(flipped)
+    flip_chunk_byte(earlier, "model.model.layers.1.mlp.down_proj.weight")
     assert_one_line_error(tailor("--apply", write_recipe(tmp_path, base, {"layers.1": earlier})), 4,
                           "fails its CRC-32")
     assert not (tmp_path / "composed").exists()

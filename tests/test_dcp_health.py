@@ -10,11 +10,10 @@ import shutil
 
 import torch
 import torch.distributed.checkpoint as dcp
+from dcp_checks import flip_chunk_byte
 from helpers import tailor
 
 from tailor_tui.checkpoints.dcp_checkpoint import open_dcp
-from tailor_tui.dcp.metadata import MetadataIndex
-from tailor_tui.dcp.reading import archive_records, read_metadata
 
 
 def weights(folder, names) -> dict[str, torch.Tensor]:
@@ -61,15 +60,25 @@ def test_heal_apply_verify_an_fsdp2_run(fsdp_run, tmp_path):
     columns = tailor("--stats", copy).stdout.splitlines()[0].split()
     assert columns == ["row", "step-2", "step-4", "step-6"]  # its output (step-6-tailored) is no training save
     # a chunk whose bytes no longer match their CRC-32: its row's cell says so
-    found = read_metadata(copy / "step-4")
-    key = "model.model.layers.2.mlp.up_proj.weight"
-    info = found.storage_data[MetadataIndex(key, found.state_dict_metadata[key].chunks[0].offsets)]
-    with open(copy / "step-4" / info.relative_path, "r+b") as f:
-        record = archive_records(copy / "step-4", f.fileno(), info, "chunk")["data/0"]
-        f.seek(record.data_offset + 8)
-        value = f.read(1)
-        f.seek(record.data_offset + 8)
-        f.write(bytes([value[0] ^ 0x01]))
+    flip_chunk_byte(copy / "step-4", "model.model.layers.2.mlp.up_proj.weight", at=8, bit=0x01)
     stats = tailor("--stats", copy)
     line = next(x for x in stats.stdout.splitlines() if x.startswith("layers.2"))
     assert line.split()[2:4] == ["✗", "CRC"], line
+
+
+def test_the_statistics_of_a_dcp_run_are_cached_until_a_file_is_saved_again(fsdp_run, tmp_path):
+    """A second --stats reads nothing and prints the same table; a save written again (another identity) is read again,
+    and the next one too (its Δ is against it)."""
+    run, _spec = fsdp_run("fsdp_llama")
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    env = {"TAILOR_TUI_CACHE": str(tmp_path / "cache")}
+    first = tailor("--stats", copy, env=env)
+    assert first.returncode == 0 and ", 3 cached" not in first.stderr, first.stderr
+    again = tailor("--stats", copy, env=env)
+    assert again.stdout == first.stdout
+    assert "statistics of 3 checkpoint(s): 6 .distcp file(s), 6 cached, 0 Bytes to read" in again.stderr, again.stderr
+    step4 = copy / "step-4" / "__0_0.distcp"
+    step4.write_bytes(step4.read_bytes())  # the same bytes, saved again: another file
+    third = tailor("--stats", copy, env=env)
+    assert third.stdout == first.stdout and "6 .distcp file(s), 2 cached" in third.stderr, third.stderr

@@ -1,8 +1,10 @@
-"""Both formats in one recipe: a ZeRO-3 base (the HF Trainer's, plain DeepSpeed's) takes rows from a real FSDP2 run's
-PyTorch Distributed Checkpoint of the same model. The output is a ZeRO-3 checkpoint whose rows' fp32 masters,
-exp_avg and exp_avg_sq are the DCP checkpoint's bit for bit (its 16-bit weights their cast), every other row the
-base's; `--verify` proves it (and fails a recipe naming another save); real DeepSpeed resumes it at 2 and 3 ranks
-and takes a finite step. A ZeRO-3 run of another optimizer, or of another model, is refused in one line."""
+"""Both formats in one recipe, both ways. A ZeRO-3 base (the HF Trainer's, plain DeepSpeed's) takes rows from a real
+FSDP2 run's PyTorch Distributed Checkpoint of the same model: the output is a ZeRO-3 checkpoint whose rows' fp32
+masters, exp_avg and exp_avg_sq are the DCP checkpoint's bit for bit (its 16-bit weights their cast), every other
+row the base's; real DeepSpeed resumes it at 2 and 3 ranks and takes a finite step. A DCP base takes rows from a
+ZeRO-3 checkpoint: the output is a DCP checkpoint FSDP2 loads at 1 and 3 ranks, the rows' tensors and moments the
+ZeRO-3 checkpoint's bit for bit. `--verify` proves each (and fails a recipe naming another save); NaN is never
+taken silently; another optimizer or another model is refused in one line."""
 
 from __future__ import annotations
 
@@ -11,12 +13,11 @@ import shutil
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import checkpoints_of
+from dcp_checks import flip_chunk_byte
 from helpers import assert_one_line_error, tailor, tensors, write_recipe
+from test_dcp_export import load_in_fsdp2
 from test_reshard import resumes_at
 from zero_reader import read_full_state
-
-from tailor_tui.dcp.metadata import MetadataIndex
-from tailor_tui.dcp.reading import archive_records, read_metadata
 
 ROW = "layers.1"
 
@@ -78,15 +79,7 @@ def test_a_flipped_bit_in_the_fsdp2_save_is_refused(real_run, fsdp_run, tmp_path
     fsdp, _ = fsdp_run("fsdp_llama_4")
     copy = tmp_path / "step-4"
     shutil.copytree(fsdp / "step-4", copy)
-    found = read_metadata(copy)
-    key = "optim.state.model.layers.1.mlp.up_proj.weight.exp_avg"
-    info = found.storage_data[MetadataIndex(key, found.state_dict_metadata[key].chunks[-1].offsets)]
-    with open(copy / info.relative_path, "r+b") as f:
-        record = archive_records(copy, f.fileno(), info, "chunk")["data/0"]
-        f.seek(record.data_offset + record.size // 2)
-        flipped = bytes([f.read(1)[0] ^ 0x04])
-        f.seek(record.data_offset + record.size // 2)
-        f.write(flipped)
+    flip_chunk_byte(copy, "optim.state.model.layers.1.mlp.up_proj.weight.exp_avg", chunk=-1, bit=0x04)
     recipe = write_recipe(tmp_path, checkpoints_of(run, spec)[-1], {ROW: copy})
     assert_one_line_error(tailor("--apply", recipe), 4, "CRC-32")
     assert not (tmp_path / "composed").exists()
@@ -117,3 +110,53 @@ def test_another_optimizer_or_another_model_is_refused_in_one_line(real_run, fsd
     recipe = write_recipe(tmp_path, checkpoints_of(hf, hf_spec)[-1], {ROW: other / "step-4"})
     assert_one_line_error(tailor("--apply", recipe), 5, "cannot be combined with", "model.layers.3")
     assert not (tmp_path / "composed").exists()
+
+
+def test_a_dcp_base_takes_a_row_from_a_zero3_checkpoint_and_fsdp2_loads_it(real_run, fsdp_run, tmp_path):
+    run, spec = real_run("hf_bf16_2")
+    fsdp, _ = fsdp_run("fsdp_llama_4")
+    zero = checkpoints_of(run, spec)[-1]
+    recipe = write_recipe(tmp_path, fsdp / "step-4", {ROW: zero})
+    done = tailor("--apply", recipe)
+    assert done.returncode == 0, done.stderr
+    assert "checkpoint-6's hyperparameters differ from the base's, whose are kept: lr 0.0 (the base 0.001)" in done.stderr
+    out = tmp_path / "composed"
+    got, base, theirs = dcp_state(out), dcp_state(fsdp / "step-4"), read_full_state(zero)
+    assert got.keys() == base.keys()
+    taken = 0
+    for key, tensor in got.items():
+        name = key.removeprefix("model.") if key.startswith("model.") else key.removeprefix("optim.state.").rpartition(".")[0]
+        if name.startswith(f"model.{ROW}.") and not key.endswith(".step"):
+            flat = "fp32" if key.startswith("model.") else key.rpartition(".")[2]
+            assert torch.equal(tensor.reshape(-1), theirs[flat][name].float().reshape(-1)), key
+            taken += 1
+        else:
+            assert torch.equal(tensor, base[key]), key
+    assert taken == 3 * 9  # layers.1's nine parameters: their weights, exp_avg, exp_avg_sq
+    verified = tailor("--verify", recipe)
+    assert verified.returncode == 0 and f"ok    {ROW}      checkpoint-6" in verified.stdout, verified.stdout
+    (tmp_path / "other").mkdir()
+    wrong = write_recipe(tmp_path / "other", fsdp / "step-4", {ROW: checkpoints_of(run, spec)[-2]}, output=str(out))
+    failed = tailor("--verify", wrong)
+    assert failed.returncode == 7 and f"FAIL  {ROW}" in failed.stdout, failed.stdout
+    for world in (1, 3):
+        state, stepped = load_in_fsdp2(out, fsdp, world, tmp_path, spec_file=fsdp / "spec.json")
+        name = f"model.{ROW}.mlp.down_proj.weight"
+        assert torch.equal(state["model"][name], theirs["fp32"][name].float())
+        assert torch.equal(state["optim"]["state"][name]["exp_avg_sq"], theirs["exp_avg_sq"][name].float())
+        assert stepped["finite"], world
+
+
+def test_a_dcp_base_never_takes_nan_from_a_zero3_row_silently(real_run, fsdp_run, tmp_path):
+    run, spec = real_run("ds_blown_up")
+    fsdp, _ = fsdp_run("fsdp_llama_4")
+    recipe = write_recipe(tmp_path, fsdp / "step-4", {"layers.2": checkpoints_of(run, spec)[-1]})
+    assert_one_line_error(tailor("--apply", recipe), 8, "row layers.2 holds", "NaN/Inf", "--allow-nonfinite")
+    assert not (tmp_path / "composed").exists()
+    done = tailor("--apply", recipe, "--allow-nonfinite")
+    assert done.returncode == 0, done.stderr
+    assert bool(dcp_state(tmp_path / "composed")["model.model.layers.2.mlp.down_proj.weight"].isnan().any())
+    hf, _ = fsdp_run("fsdp_llama_hf")  # the HF Trainer's two-folder layout takes no ZeRO-3 rows yet
+    (tmp_path / "hf").mkdir()
+    recipe = write_recipe(tmp_path / "hf", hf / "checkpoint-4", {"layers.2": checkpoints_of(run, spec)[0]})
+    assert_one_line_error(tailor("--apply", recipe), 5, "not composed yet", "--format dcp")

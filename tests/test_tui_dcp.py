@@ -22,11 +22,16 @@ def cell_text(app, row: str, column: int) -> str:
     return app.query_one("#grid").cell_text(row, column)
 
 
-async def test_a_torchtitan_run_heals_and_composes_in_the_composer(fsdp_run, tmp_path):
-    run, _spec = fsdp_run("fsdp_llama")
+def run_copy(fsdp_run, tmp_path, name: str):
+    """A copy of the FSDP2 run `name` at `tmp_path/run` (outputs land beside its saves), and the composer on it."""
+    run, _spec = fsdp_run(name)
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
-    app = make_app(copy, workers=1)
+    return copy, make_app(copy, workers=1)
+
+
+async def test_a_torchtitan_run_heals_and_composes_in_the_composer(fsdp_run, tmp_path):
+    copy, app = run_copy(fsdp_run, tmp_path, "fsdp_llama")
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
         comp = app.home.composition
@@ -68,10 +73,7 @@ async def test_a_torchtitan_run_heals_and_composes_in_the_composer(fsdp_run, tmp
 
 
 async def test_a_trainer_fsdp_run_opens_with_its_loss_and_exports_for_evaluation(fsdp_run, tmp_path):
-    run, _spec = fsdp_run("fsdp_llama_hf")
-    copy = tmp_path / "run"
-    shutil.copytree(run, copy)
-    app = make_app(copy, workers=1)
+    copy, app = run_copy(fsdp_run, tmp_path, "fsdp_llama_hf")
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
         comp = app.home.composition
@@ -104,10 +106,7 @@ async def test_the_dcp_grid_at_80x24(fsdp_run, tmp_path):
     """At 80×24 the grid of a DCP run shows every row and its columns. (Its text, not a snapshot: its cells are
     numbers the run's training computed, which differ between CPU models; the pinned demo run's screens are
     snapshots.)"""
-    run, _spec = fsdp_run("fsdp_llama")
-    copy = tmp_path / "run"
-    shutil.copytree(run, copy)
-    app = make_app(copy, workers=1)
+    copy, app = run_copy(fsdp_run, tmp_path, "fsdp_llama")
     async with app.run_test(size=(80, 24)) as pilot:
         await scanned(pilot)
         text = "\n".join(on_screen(app))

@@ -17,7 +17,7 @@ from tailor_tui.checked.files import FileIdentity, confine
 from tailor_tui.checkpoints import scan_cache
 from tailor_tui.checkpoints.layout import ZeroLayout
 from tailor_tui.checkpoints.model_states import check_version, read_model_states
-from tailor_tui.checkpoints.rows import PEFT_PREFIX, Row, find_row, recipe_row, row_index
+from tailor_tui.checkpoints.rows import PEFT_PREFIX, Row, RowsByName, find_row, row_index
 from tailor_tui.checkpoints.scan_cache import ModelStates
 from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json, read_small
 from tailor_tui.checkpoints.weight_files import weight_file_names, weight_kinds
@@ -66,7 +66,7 @@ ARCHIVES = "archives"
 
 
 @dataclass(frozen=True)
-class Checkpoint:
+class Checkpoint(RowsByName):
     path: Path  # how recipes name it: the HF checkpoint-N folder, or the tag folder
     folder: FolderKind  # the layout of the folder it lies in (`kinds.folders`): HF, ACCELERATE or DEEPSPEED
     tag: str
@@ -115,20 +115,6 @@ class Checkpoint:
     @property
     def name(self) -> str:
         return self.path.name
-
-    def row(self, name: str) -> Row:
-        """The row `name` means: its name, module path or an unambiguous end of it (`find_row`)."""
-        row = find_row(self.rows, name)
-        if row is None:
-            raise KeyError(name)
-        return row
-
-    def recipe_row(self, name: str, where: str) -> Row:
-        """The row a recipe's `name` means (`rows.recipe_row`: RecipeError naming the closest where none)."""
-        return recipe_row(self.rows, name, where, self.path.name)
-
-    def row_names(self) -> list[str]:
-        return [r.name for r in self.rows]
 
     def param_to_row(self) -> dict[str, str]:
         return {p: r.name for r in self.rows for p in (*r.params, *r.buffers)}

@@ -28,7 +28,7 @@ from pathlib import Path
 from tailor_tui.checked.files import FileIdentity, open_regular
 from tailor_tui.checkpoints.checkpoint import PROVENANCE, Checkpoint
 from tailor_tui.checkpoints.layout import ZeroLayout
-from tailor_tui.checkpoints.rows import Row, find_row, model_rows, recipe_row
+from tailor_tui.checkpoints.rows import Row, RowsByName, model_rows
 from tailor_tui.dcp.metadata import (
     METADATA,
     Metadata,
@@ -52,7 +52,7 @@ DCP_SAVE = DcpSave()
 
 
 @dataclass(frozen=True)
-class DcpCheckpoint:
+class DcpCheckpoint(RowsByName):
     path: Path
     metadata: Metadata
     rows: tuple[Row, ...]
@@ -71,20 +71,6 @@ class DcpCheckpoint:
     def folder(self) -> FolderKind:
         """Its folder's layout: one DCP folder, or the HF Trainer's FSDP checkpoint."""
         return DCP if self.parts == ("",) else TRAINER_DCP
-
-    def row(self, name: str) -> Row:
-        """The row `name` means: its name, module path or an unambiguous end of it (`find_row`)."""
-        row = find_row(self.rows, name)
-        if row is None:
-            raise KeyError(name)
-        return row
-
-    def recipe_row(self, name: str, where: str) -> Row:
-        """The row a recipe's `name` means (`rows.recipe_row`: RecipeError naming the closest where none)."""
-        return recipe_row(self.rows, name, where, self.path.name)
-
-    def row_names(self) -> list[str]:
-        return [r.name for r in self.rows]
 
     def holds(self, row: str) -> bool:
         """Every DCP checkpoint holds every row (a tied row: its parameter's)."""

@@ -45,6 +45,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Iterable
 
 PEFT_PREFIX = "base_model.model."  # how PEFT's PeftModel names the wrapped model's parameters
@@ -337,6 +338,28 @@ def recipe_row(rows: tuple[Row, ...], name: str, where: str, holder: str) -> Row
     close = difflib.get_close_matches(name, names, n=1)
     hint = f"did you mean '{close[0]}'? " if close else ""
     raise RecipeError(f"{where}: unknown row '{name}'; {hint}{holder} has rows {list_rows(names)}")
+
+
+class RowsByName:
+    """A checkpoint's rows (`rows`, its folder `path`), looked up as recipes and the composer name them: the one rule
+    for every kind of checkpoint."""
+
+    rows: tuple[Row, ...]
+    path: Path
+
+    def row(self, name: str) -> Row:
+        """The row `name` means: its name, module path or an unambiguous end of it (`find_row`)."""
+        row = find_row(self.rows, name)
+        if row is None:
+            raise KeyError(name)
+        return row
+
+    def recipe_row(self, name: str, where: str) -> Row:
+        """The row a recipe's `name` means (`recipe_row`: RecipeError naming the closest where none)."""
+        return recipe_row(self.rows, name, where, self.path.name)
+
+    def row_names(self) -> list[str]:
+        return [r.name for r in self.rows]
 
 
 class RowIndex:

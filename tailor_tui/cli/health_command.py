@@ -32,7 +32,7 @@ def _health(run_dir: Path, args, progress: str):
     if dcp:  # an FSDP2 run's PyTorch Distributed Checkpoints
         shown_progress = StatsProgress(sys.stderr, live={"bars": True, "lines": False}.get(progress))
         try:
-            return dcp_health(dcp, emit=shown_progress)
+            return dcp_health(dcp, emit=shown_progress, cache=cache_dir())
         finally:
             shown_progress.close()
     scanned = scan(run_dir)

@@ -28,12 +28,13 @@ from tailor_tui.cloning import clone
 from tailor_tui.compose.compose_run import copy_run_file
 from tailor_tui.dcp.metadata import METADATA, ChunkStorageMetadata, StorageInfo, dumps
 from tailor_tui.dcp.reading import archive_records, locate_chunk
-from tailor_tui.errors import Cancelled, NonFiniteError
+from tailor_tui.errors import Cancelled, NonFiniteError, OutputError
 from tailor_tui.events import ByteCounter, Emit, TaskFinished, TaskOptions, progress_of, written_and_shared
-from tailor_tui.fileio import CREATE, Folder, Writeback, copy_range, fsync, open_fd, output_error, write_file
+from tailor_tui.fileio import CREATE, Folder, Writeback, copy_range, create, fsync, open_fd, output_error, write_file
 from tailor_tui.formats import nonfinite
 from tailor_tui.held import HeldFolder
 from tailor_tui.kinds.base import STREAM_CHUNK
+from tailor_tui.planning.dcp_layout import DcpJob
 from tailor_tui.planning.dcp_plan import DcpComposePlan, DcpFileJob, dcp_provenance
 from tailor_tui.team.transaction import Declaration, PublishingWork, Task, run_as_team
 
@@ -110,9 +111,10 @@ class DcpComposing(PublishingWork):
     cancelled = "composition cancelled; nothing was written to the output path"
     finished = "cancelled as the composition finished: {output} is complete"
 
-    def __init__(self, plan: DcpComposePlan, workers: int | None, options: TaskOptions):
+    def __init__(self, plan: DcpComposePlan, workers: int | None, options: TaskOptions,
+                 write_rows: Callable | None = None):
         super().__init__(plan.output, plan.force, options)
-        self.plan, self.workers_asked = plan, workers
+        self.plan, self.workers_asked, self.write_rows = plan, workers, write_rows
         self.copied: dict[str, int] = {}  # the base's run-level files copied: name -> CRC-32
 
     def begin(self) -> Declaration:
@@ -129,10 +131,24 @@ class DcpComposing(PublishingWork):
             if cancel.is_set():
                 raise Cancelled()
             self.copied[name] = copy_run_file(base.path / name, tmp / name, base.path.parent, self.durable)
+        for job in self.plan.jobs:  # a ZeRO-3 source's rows: each rank's file made at its size, filled by a worker
+            if isinstance(job, DcpJob):
+                path = tmp / job.out_file
+                try:
+                    fd = create(path)
+                    try:
+                        os.ftruncate(fd, job.size)
+                    finally:
+                        os.close(fd)
+                except OSError as exc:
+                    raise output_error(exc, path) from None
 
     def tasks(self, shared: str, emit: Emit) -> list[Task]:
         held, plan = self.folder(shared), self.plan
-        return [Task(read_as_planned, job, (copy_file_job, plan.identities_of(job.files_read()), held))
+        if self.write_rows is None and any(isinstance(job, DcpJob) for job in plan.jobs):
+            raise OutputError("a ZeRO-3 checkpoint's rows are planned, and no writer of them given (internal error)")
+        return [Task(read_as_planned, job, (copy_file_job if isinstance(job, DcpFileJob) else self.write_rows,
+                                            plan.identities_of(job.files_read()), held))
                 for job in plan.jobs]
 
     def publish(self) -> None:
@@ -145,7 +161,10 @@ class DcpComposing(PublishingWork):
 
 
 def run_dcp_compose(plan: DcpComposePlan, *, workers: int | None = None, emit: Emit = lambda e: None,
-                    cancel: threading.Event | None = None, options: TaskOptions = TaskOptions()) -> DcpComposeResult:
+                    cancel: threading.Event | None = None, options: TaskOptions = TaskOptions(),
+                    write_rows: Callable | None = None) -> DcpComposeResult:
+    """Write `plan`'s output. `write_rows`: the writer of a ZeRO-3 source's rows, rank by rank (`export.dcp_rank`'s:
+    the writers of a composition and of an export know nothing of each other; the front end hands it over)."""
     started = time.monotonic()
     shared: dict[str, tuple[int, str]] = {}
 
@@ -154,7 +173,7 @@ def run_dcp_compose(plan: DcpComposePlan, *, workers: int | None = None, emit: E
             shared[event.task] = (event.shared, event.shared_how)
         emit(event)
 
-    run_as_team(DcpComposing(plan, workers, options), emit=seen, cancel=cancel, options=options)
+    run_as_team(DcpComposing(plan, workers, options, write_rows), emit=seen, cancel=cancel, options=options)
     return DcpComposeResult(plan.output, time.monotonic() - started, plan.bytes_to_write(),
                             sum(n for n, _how in shared.values()),
                             ", ".join(sorted({how for _n, how in shared.values()})))

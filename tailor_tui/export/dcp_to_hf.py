@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Callable
 
 from tailor_tui.checked.files import read_as_planned
-from tailor_tui.checkpoints.dcp_checkpoint import MODEL
+from tailor_tui.checkpoints.dcp_checkpoint import MODEL, DcpCheckpoint
 from tailor_tui.dcp.chunks import ITEMSIZE
 from tailor_tui.dcp.metadata import ChunkStorageMetadata, MetadataIndex, StorageInfo, TensorStorageMetadata
 from tailor_tui.dcp.reading import locate_chunk
-from tailor_tui.errors import CheckpointError, NonFiniteError
+from tailor_tui.errors import CheckpointError, NonFiniteError, UsageError
 from tailor_tui.events import ByteCounter, Emit, JobCost, TaskOptions, progress_of
 from tailor_tui.export.export_run import Exporting, ExportResult, make_files, write_config
 from tailor_tui.export.rank import cast
@@ -111,6 +111,11 @@ def runs(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...
 def plan_dcp_hf(plan: DcpComposePlan, dtype: str | None, max_shard: int, *, allow_nonfinite: bool) -> DcpHfExport:
     """The HF export of `plan`'s composition in `dtype` (fp32, bf16, fp16; None: as saved), shards of at most
     `max_shard` bytes; one job per source file it reads chunks from."""
+    zero = next((src for src in plan.sources if not isinstance(src, DcpCheckpoint)), None)
+    if zero is not None:
+        raise UsageError(f"{zero.path}: rows taken from a ZeRO-3 checkpoint into a PyTorch Distributed Checkpoint are "
+                         "exported once composed: --apply the recipe, then --export its output")
+    dcp = [src for src in plan.sources if isinstance(src, DcpCheckpoint)]
     aliases = {alias for row in plan.base.rows for alias, _target in row.aliases}
     chosen = plan.metadata.state_dict_metadata
     tensors = [(key[len(MODEL):], entry) for key, entry in chosen.items()
@@ -123,7 +128,7 @@ def plan_dcp_hf(plan: DcpComposePlan, dtype: str | None, max_shard: int, *, allo
     for name, entry in tensors:
         key = MODEL + name
         s = plan.taken[key]
-        source = plan.sources[s].metadata
+        source = dcp[s].metadata
         for chunk in entry.chunks:
             info = source.storage_data[MetadataIndex(key, chunk.offsets)]
             per_file.setdefault((s, info.relative_path), []).append(ChunkOut(
@@ -132,7 +137,7 @@ def plan_dcp_hf(plan: DcpComposePlan, dtype: str | None, max_shard: int, *, allo
     jobs = []
     saved_dtype = dict(tensors)
     for (s, file), chunks in sorted(per_file.items()):
-        src = plan.sources[s]
+        src = dcp[s]
         read = sum(math.prod(c.sizes) * ITEMSIZE[saved_dtype[c.key[len(MODEL):]].dtype] for c in chunks)
         written = sum(math.prod(c.sizes) * ITEMSIZE[c.out_dtype] for c in chunks)
         entries = tuple((key, e) for key in dict.fromkeys(c.key for c in chunks)

@@ -6,18 +6,24 @@ Each chunk of a row's tensors is read once in 1 MiB pieces from where its archiv
 mismatch marks the cell ✗, never counted as data); its NaN/Inf counted (`formats.nonfinite`), a trainable
 parameter's weights summed (RMS) and compared with the same chunk of the previous checkpoint, read alongside
 (Δ; None where the two saved the tensor in other chunks), and `exp_avg_sq`'s largest value kept (v max).
-Memory: two 1 MiB pieces, whatever the sizes. Torch-free (numpy).
+Memory: two 1 MiB pieces, whatever the sizes. A checkpoint's cells are cached (`cache`), keyed by the identity of
+every file read for them, its own and the previous checkpoint's (device, inode, size, mtime, ctime as it was
+opened): a file saved again is read again. Torch-free (numpy).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import math
 import os
 import zlib
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from tailor_tui.checked.files import open_regular
+from tailor_tui.checkpoints.cache import entry, read_json, write_json
 from tailor_tui.checkpoints.dcp_checkpoint import MODEL, DcpCheckpoint
 from tailor_tui.dcp.metadata import MetadataIndex, TensorStorageMetadata
 from tailor_tui.dcp.reading import ChunkBytes, locate_chunk
@@ -34,14 +40,24 @@ _NUMPY = {"float32": "<f4", "float16": "<f2"}
 
 
 def dcp_health(checkpoints: Sequence[DcpCheckpoint], *, emit: Emit = lambda e: None,
-               cancelled: Callable[[], bool] = lambda: False) -> Health:
-    """Every row's cell in every checkpoint of a DCP run (oldest first)."""
+               cancelled: Callable[[], bool] = lambda: False, cache: Path | None = None) -> Health:
+    """Every row's cell in every checkpoint of a DCP run (oldest first); `cache`: where cells are cached (None:
+    nowhere)."""
     # the loss logged at each save, where a log lies beside it (the HF Trainer's trainer_state.json)
     logs = {i: training_log(c) for i, c in enumerate(checkpoints) if c.step is not None}  # type: ignore[arg-type]
     health = Health(tuple(checkpoints), logs=logs)  # type: ignore[arg-type]  # (a DCP checkpoint is described alike)
+    keys = [_cells_key(c, checkpoints[i - 1] if i else None) for i, c in enumerate(checkpoints)]
+    known = {i: found for i, key in enumerate(keys) if (found := _cached(cache, key)) is not None
+             and found.keys() == {row.name for row in checkpoints[i].rows if not row.tied}}
     sizes = [sum(info.length for info in c.metadata.storage_data.values()) for c in checkpoints]
-    emit(StatsPlanned(len(checkpoints), sum(len(c.distcp_files()) for c in checkpoints), 0, sum(sizes), ".distcp file(s)"))
+    files = [len(c.distcp_files()) for c in checkpoints]
+    emit(StatsPlanned(len(checkpoints), sum(files), sum(files[i] for i in known),
+                      sum(n for i, n in enumerate(sizes) if i not in known), ".distcp file(s)"))
     for i, ckpt in enumerate(checkpoints):
+        if i in known:
+            health.add(i, known[i])
+            emit(CellsComputed(i, ckpt.name, known[i]))
+            continue
         task = f"statistics of {ckpt.name}"
         done = [0]
 
@@ -54,9 +70,36 @@ def dcp_health(checkpoints: Sequence[DcpCheckpoint], *, emit: Emit = lambda e: N
         with _OpenedFiles(ckpt) as mine, _OpenedFiles(checkpoints[i - 1]) if i else contextlib.nullcontext() as theirs:
             cells = {row.name: _cell(ckpt, row, mine, theirs, read) for row in ckpt.rows if not row.tied}
         health.add(i, cells)
+        if all(cell.error is None for cell in cells.values()):  # (a file that could not be read: read again)
+            write_json(entry(cache, "dcp_cells", keys[i]), {"format": FORMAT, "key": keys[i],
+                                                           "cells": {r: c.to_json() for r, c in cells.items()}})
         emit(TaskFinished(task, done[0]))
         emit(CellsComputed(i, ckpt.name, cells))
     return health
+
+
+FORMAT = 1  # of the cached cells: a change to what a cell holds or how it is computed counts it up
+MAX_CACHED = 16 << 20  # bytes of a cache entry, at most
+
+
+def _cells_key(ckpt: DcpCheckpoint, previous: DcpCheckpoint | None) -> str:
+    """What a checkpoint's cells are cached by: the identity of every file of it, and of the previous checkpoint
+    (its weights give the cells' Δ), as they were opened."""
+    def files(c: DcpCheckpoint) -> list:
+        return sorted([str(path.resolve()), *identity] for path, identity in c.identities.items())
+
+    text = json.dumps([FORMAT, files(ckpt), files(previous) if previous is not None else None])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _cached(cache: Path | None, key: str) -> dict[str, Cell] | None:
+    data = read_json(entry(cache, "dcp_cells", key), MAX_CACHED)
+    try:
+        if data.get("format") != FORMAT or data.get("key") != key:
+            return None
+        return {row: Cell.from_json(value) for row, value in data["cells"].items()}
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None  # not cached, or not ours: read again
 
 
 class _OpenedFiles(contextlib.ExitStack):

@@ -37,7 +37,6 @@ def planned_nonfinite(plan: ComposePlan, *, cache: Path | None, workers: int | N
     checkpoint deleted since (`--verify`'s stand-in) or a cell the statistics could not compute (a damaged
     file: the writers refuse it as they read it) is left to the writers; so is every cell not cached where not
     `compute` (an output to be written whatever it holds: `--allow-nonfinite`)."""
-    from tailor_tui.health.stats_run import cached_cells, compute_health
 
     wanted: dict[int, list[str]] = {}
     for row, s in plan.picks.items():
@@ -46,35 +45,42 @@ def planned_nonfinite(plan: ComposePlan, *, cache: Path | None, workers: int | N
     runs: dict[Path, tuple[Checkpoint, ...]] = {}
     counts: Counter = Counter()
     for s, rows in wanted.items():
-        source = plan.sources[s]
-        if isinstance(source.saved, DcpSave):  # a PyTorch Distributed Checkpoint's rows: its own statistics
-            counts.update(_dcp_nonfinite(source.path, rows))
-            continue
-        if source.path.parent not in runs:
-            runs[source.path.parent] = _checkpoints_of(source.path.parent)
-        run = runs[source.path.parent]
-        column = next((i for i, c in enumerate(run) if c.path == source.path), None)
-        cells = cached_cells(run, column, cache) if column is not None else None
-        if cells is None:  # as computed alone, before (a command of the same recipe)
-            cells = cached_cells((source,), 0, cache)
-        if cells is None and not compute:
-            continue
-        if cells is None:  # computed alone: no earlier checkpoint read for a change not asked for; every row (its
-            # records are read whole for their CRC-32 anyway), cached for the next command
-            health = compute_health((source,), columns=[0], workers=workers, cache=cache, emit=emit)
-            cells = {row: cell for row in rows if (cell := health.cell(row, 0)) is not None}
-        for row in rows:
-            cell = cells.get(row)
-            if cell is not None and cell.error is None and cell.nonfinite:
-                counts[row] = cell.nonfinite
+        counts.update(rows_nonfinite(plan.sources[s], rows, cache=cache, workers=workers, emit=emit, compute=compute,
+                                     runs=runs))
     return counts
 
 
-def _dcp_nonfinite(path: Path, rows: list[str]) -> Counter:
-    """{row: its NaN/Inf} of `rows` of the DCP checkpoint `path` (`dcp_stats`, this checkpoint alone, not cached)."""
+def rows_nonfinite(source: Checkpoint, rows: list[str], *, cache: Path | None, workers: int | None = None,
+                   emit: Emit = lambda event: None, compute: bool = True, runs: dict | None = None) -> Counter:
+    """{row: its NaN/Inf} of `rows` of checkpoint `source` where its statistics find some (`planned_nonfinite`'s
+    rule for one source; `runs`: the run folders' checkpoints, scanned once by a caller asking of several)."""
+    from tailor_tui.health.stats_run import cached_cells, compute_health
+
+    if isinstance(source.saved, DcpSave):  # a PyTorch Distributed Checkpoint's rows: its own statistics
+        return _dcp_nonfinite(source.path, rows, cache)
+    runs = {} if runs is None else runs
+    if source.path.parent not in runs:
+        runs[source.path.parent] = _checkpoints_of(source.path.parent)
+    run = runs[source.path.parent]
+    column = next((i for i, c in enumerate(run) if c.path == source.path), None)
+    cells = cached_cells(run, column, cache) if column is not None else None
+    if cells is None:  # as computed alone, before (a command of the same recipe)
+        cells = cached_cells((source,), 0, cache)
+    if cells is None and not compute:
+        return Counter()
+    if cells is None:  # computed alone: no earlier checkpoint read for a change not asked for; every row (its
+        # records are read whole for their CRC-32 anyway), cached for the next command
+        health = compute_health((source,), columns=[0], workers=workers, cache=cache, emit=emit)
+        cells = {row: cell for row in rows if (cell := health.cell(row, 0)) is not None}
+    return Counter({row: cell.nonfinite for row in rows
+                    if (cell := cells.get(row)) is not None and cell.error is None and cell.nonfinite})
+
+
+def _dcp_nonfinite(path: Path, rows: list[str], cache: Path | None) -> Counter:
+    """{row: its NaN/Inf} of `rows` of the DCP checkpoint `path` (`dcp_stats`, this checkpoint alone)."""
     from tailor_tui.health.dcp_stats import dcp_health
 
-    health = dcp_health((open_dcp(path),))
+    health = dcp_health((open_dcp(path),), cache=cache)
     return Counter({row: cell.nonfinite for row in rows
                     if (cell := health.cell(row, 0)) is not None and cell.error is None and cell.nonfinite})
 

@@ -20,16 +20,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tailor_tui import __version__
-from tailor_tui.checkpoints.checkpoint import Checkpoint
-from tailor_tui.checkpoints.dcp_checkpoint import STEP, DcpCheckpoint, dcp_incompatibility, is_dcp, open_dcp
+from tailor_tui.checkpoints.checkpoint import Checkpoint, open_checkpoint
+from tailor_tui.checkpoints.dcp_checkpoint import MODEL, STEP, DcpCheckpoint, dcp_incompatibility, is_dcp, open_dcp
 from tailor_tui.checkpoints.weight_files import describe_run_level
 from tailor_tui.dcp.metadata import Metadata, MetadataIndex, StorageInfo, StorageMeta, TensorStorageMetadata
 from tailor_tui.dcp.reading import read_value
-from tailor_tui.errors import IncompatibleError, RecipeError
+from tailor_tui.errors import CheckpointError, IncompatibleError, RecipeError
 from tailor_tui.events import JobCost
-from tailor_tui.formats.ds_format import OPTIMIZER_STATE_DICT, PARAM_GROUPS
+from tailor_tui.formats.ds_format import OPTIMIZER_STATE_DICT, PARAM_GROUPS, STATE, describe_state
 from tailor_tui.formats.ptfile import read_structure
+from tailor_tui.kinds.base import rank_reader
 from tailor_tui.kinds.dcp_rows import DcpRankFiles
+from tailor_tui.planning.dcp_layout import MODEL as LAYOUT_MODEL
+from tailor_tui.planning.dcp_layout import OPTIM as LAYOUT_OPTIM
+from tailor_tui.planning.dcp_layout import DcpJob, Entries, ModelShapes, rank_job
 from tailor_tui.planning.output import check_output, default_output, recipe_output
 from tailor_tui.planning.recipe import Recipe
 
@@ -72,11 +76,11 @@ class DcpFileJob(JobCost):
 class DcpComposePlan:
     recipe: Recipe
     base: DcpCheckpoint
-    sources: tuple[DcpCheckpoint, ...]  # sources[0] is the base
+    sources: tuple[DcpCheckpoint | Checkpoint, ...]  # sources[0] is the base; a ZeRO-3 checkpoint gives rows too
     picks: dict[str, int]  # every non-tied row -> index into sources
     output: Path
     force: bool
-    jobs: tuple[DcpFileJob, ...]
+    jobs: tuple[DcpFileJob | DcpJob, ...]  # archives copied from a DCP source; a ZeRO-3 source's rows, rank by rank
     metadata: Metadata
     taken: dict[str, int]  # every key of the output -> the index of the source it is taken from
     warnings: tuple[str, ...] = ()
@@ -101,8 +105,14 @@ class DcpComposePlan:
         for row in self.base.rows:
             source = "tied to its parameter's row" if row.tied else self.sources[self.picks[row.name]].name
             lines.append(f"  {row.name:<{width}}  {source}")
-        lines.append(f"{len(self.jobs)} file(s), {self.bytes_to_write():,} bytes, copied archive by archive (each "
-                     "checked against its CRC-32s); the param groups and every step count: the base's")
+        copies = [job for job in self.jobs if isinstance(job, DcpFileJob)]
+        lines.append(f"{len(copies)} file(s), {sum(j.write_bytes for j in copies):,} bytes, copied archive by archive "
+                     "(each checked against its CRC-32s); the param groups and every step count: the base's")
+        if len(copies) < len(self.jobs):
+            rows = [job for job in self.jobs if not isinstance(job, DcpFileJob)]
+            lines.append(f"{len(rows)} file(s), {sum(j.write_bytes for j in rows):,} bytes, of rows from ZeRO-3 "
+                         "checkpoints: each rank's fp32 masters and per-element state chunk by chunk (their records "
+                         "checked against their CRC-32s)")
         if self.copied:
             named = ", ".join(self.copied) if every_file else f"{len(self.copied)} run-level file(s)"
             lines.append(f"copied from the base: {named}")
@@ -110,8 +120,11 @@ class DcpComposePlan:
         return lines + [f"warning: {w}" for w in self.warnings]
 
 
-def translated(key: str, base: DcpCheckpoint, source: DcpCheckpoint) -> str:
-    """The base's `key` as `source` names it: an optimizer's key under its own first part."""
+def translated(key: str, base: DcpCheckpoint, source: DcpCheckpoint | Checkpoint) -> str:
+    """The base's `key` as `source` names it: an optimizer's key under its own first part (a ZeRO-3 source's rows
+    are written under the base's names)."""
+    if not isinstance(source, DcpCheckpoint):
+        return key
     return source.optim + key[len(base.optim):] if key.startswith(base.optim) else key
 
 
@@ -133,7 +146,7 @@ def plan_dcp(recipe: Recipe, *, output: Path | None = None, force: bool = False,
     the output is not checked to be writable (`--verify` of one written)."""
     base = open_dcp(recipe.base)
     paths = [recipe.base.resolve()]
-    sources = [base]
+    sources: list[DcpCheckpoint | Checkpoint] = [base]
     picks = {row.name: 0 for row in base.rows if not row.tied}
     for written, path in recipe.layers.items():
         row = base.recipe_row(written, recipe.location(written))
@@ -141,12 +154,9 @@ def plan_dcp(recipe: Recipe, *, output: Path | None = None, force: bool = False,
             raise RecipeError(f"{recipe.location(written)}: {row.name} has no weights of its own (it is tied to "
                               f"{row.aliases[0][1]}); pick that parameter's row")
         if path.resolve() not in paths:
-            if not is_dcp(path) and path.is_dir():
-                raise IncompatibleError(f"{recipe.location(written)}: {path} is not a PyTorch Distributed Checkpoint, "
-                                        f"and the base {base.path} is one; tailor-tui does not mix ZeRO-3 and DCP "
-                                        "checkpoints in one recipe yet")
             paths.append(path.resolve())
-            sources.append(open_dcp(path))
+            sources.append(open_dcp(path) if is_dcp(path) or not path.is_dir()
+                           else _open_zero(base, path, recipe.location(written)))
         picks[row.name] = paths.index(path.resolve())
     out = Path(output) if output is not None else recipe_output(recipe, written=not check) or default_output(recipe.base)
     warnings = []
@@ -160,14 +170,31 @@ def plan_dcp(recipe: Recipe, *, output: Path | None = None, force: bool = False,
         holder = owner.get(key)  # (a parameter's step: the base's, with the param groups)
         from_source[key] = 0 if holder is None or key.endswith("." + STEP) and not key.startswith("model.") \
             else picks.get(holder, 0)
-    for src in sources[1:]:
+    for s, src in enumerate(sources[1:], start=1):
+        rows = [row for row, i in picks.items() if i == s]
+        if isinstance(src, Checkpoint):  # rows from a ZeRO-3 checkpoint: written as a DCP export writes them
+            _check_zero_rows(base, src, rows)
+            warnings += _zero_source_differences(base, src, [p for row in rows for p in base.row(row).params])
+            continue
         if (why := dcp_incompatibility(base, src)) is not None:
             raise IncompatibleError(f"{src.path}: cannot be combined with the base {base.path}: {why}")
         warnings += _differences(base, src)
-    jobs, storage = _jobs(base, sources, from_source, owner, allow_nonfinite)
-    chosen = {key: sources[s].metadata.state_dict_metadata[translated(key, base, sources[s])]
-              for key, s in from_source.items()}
-    metadata = Metadata(chosen, dict(base.metadata.planner_data), storage, StorageMeta(str(out)))
+    dcp_sources = [src if isinstance(src, DcpCheckpoint) else None for src in sources]
+    jobs, storage = _jobs(base, dcp_sources, from_source, owner, allow_nonfinite)
+    chosen = {key: src.metadata.state_dict_metadata[translated(key, base, src)] for key, s in from_source.items()
+              if isinstance(src := sources[s], DcpCheckpoint)}
+    laid = _zero_rows(base, sources, picks, out)
+    for s, (rank_jobs, found) in laid.items():
+        jobs += rank_jobs
+        for key, s_key in from_source.items():
+            if s_key == s:
+                if key not in found.state_dict_metadata:
+                    raise IncompatibleError(f"{sources[s].path}: holds nothing for {key}, which the base "
+                                            f"{base.path} has; it is another model, or another optimizer's state")
+                chosen[key] = found.state_dict_metadata[key]
+        storage |= found.storage_data
+    metadata = Metadata({key: chosen[key] for key in entries}, dict(base.metadata.planner_data), storage,
+                        StorageMeta(str(out)))
     return DcpComposePlan(recipe, base, tuple(sources), picks, out, force, tuple(jobs), metadata, from_source,
                           tuple(warnings), base.run_files())
 
@@ -212,21 +239,39 @@ def zero_base_differences(base: Checkpoint, src: Checkpoint, params: list[str], 
     holding each in `src` against those of the base's sub-group holding it, and the step. The base's are kept."""
     files = src.ranks[0]
     assert isinstance(files, DcpRankFiles) and files.metadata is not None, "a DCP checkpoint's rank"
-    obj, _records, _prefix = read_structure(base.ranks[0].structure_file)
+    differ = _hyperparameters(files.folder, files.metadata, files.optim, base, params)
+    said = [f"{src.name}'s hyperparameters differ from the base's, whose are kept: "
+            + ", ".join(f"{key} {dcp!r:.40} (the base {zero!r:.40})" for key, (dcp, zero) in differ.items())]
+    return (said if differ else []) + step_said(src.name, step, base.step)
+
+
+def _zero_source_differences(base: DcpCheckpoint, src: Checkpoint, params: list[str]) -> list[str]:
+    """`zero_base_differences` the other way: a ZeRO-3 checkpoint giving a DCP base `params`."""
+    differ = _hyperparameters(base.path, base.metadata, base.optim, src, params)
+    said = [f"{src.name}'s hyperparameters differ from the base's, whose are kept: "
+            + ", ".join(f"{key} {zero!r:.40} (the base {dcp!r:.40})" for key, (dcp, zero) in differ.items())]
+    return (said if differ else []) + step_said(src.name, src.step, base.step)
+
+
+def _hyperparameters(folder: Path, metadata: Metadata, optim: str, zero: Checkpoint,
+                     params: list[str]) -> dict[str, tuple]:
+    """{hyperparameter: (the DCP checkpoint's value, the ZeRO-3 checkpoint's)} of each of COMPARED that differs
+    between the param group holding one of `params` in the DCP checkpoint (`folder`, its `metadata`, its optimizer's
+    keys under `optim`) and the ZeRO-3 checkpoint `zero`'s sub-group holding it."""
+    obj, _records, _prefix = read_structure(zero.ranks[0].structure_file)
     try:
         theirs_groups = obj[OPTIMIZER_STATE_DICT][OPTIMIZER_STATE_DICT][PARAM_GROUPS]
     except (KeyError, TypeError):
         theirs_groups = []
-    entries = files.metadata.state_dict_metadata
-    prefix = files.optim + "param_groups."
+    entries = metadata.state_dict_metadata
+    prefix = optim + "param_groups."
     count = len({k[len(prefix):].split(".")[0] for k in entries if k.startswith(prefix)})
     group_of: dict[str, int] = {}
     for i in range(min(count, MAX_COMPARED)):
-        names = read_value(files.folder, files.metadata, f"{prefix}{i}.params") if f"{prefix}{i}.params" in entries \
-            else []
+        names = read_value(folder, metadata, f"{prefix}{i}.params") if f"{prefix}{i}.params" in entries else []
         group_of |= {n: i for n in names if isinstance(n, str)} if isinstance(names, list) else {}
-    sub_group = {slot.name: slot.group for slot in base.layout.slots}
-    differ: dict[str, str] = {}
+    sub_group = {slot.name: slot.group for slot in zero.layout.slots}
+    differ: dict[str, tuple] = {}
     for name in params:
         held, g = group_of.get(name), sub_group.get(name)
         if held is None or g is None or g >= len(theirs_groups) or not isinstance(theirs_groups[g], dict):
@@ -234,31 +279,33 @@ def zero_base_differences(base: Checkpoint, src: Checkpoint, params: list[str], 
         for key in COMPARED:
             if f"{prefix}{held}.{key}" not in entries or key not in theirs_groups[g] or key in differ:
                 continue
-            other, mine = _plain(read_value(files.folder, files.metadata, f"{prefix}{held}.{key}")), \
-                _plain(theirs_groups[g][key])
-            if other != mine:
-                differ[key] = f"{key} {other!r:.40} (the base {mine!r:.40})"
-    said = [f"{src.name}'s hyperparameters differ from the base's, whose are kept: " + ", ".join(differ.values())] \
-        if differ else []
-    return said + step_said(src.name, step, base.step)
+            dcp, mine = _plain(read_value(folder, metadata, f"{prefix}{held}.{key}")), _plain(theirs_groups[g][key])
+            if dcp != mine:
+                differ[key] = (dcp, mine)
+    return differ
 
 
 def _plain(value):
     return tuple(value) if isinstance(value, (list, tuple)) else value
 
 
-def _jobs(base: DcpCheckpoint, sources: list[DcpCheckpoint], from_source: dict[str, int], owner: dict[str, str],
-          allow_nonfinite: bool):
-    """One job per output file, and every archive's new place (`storage_data`, by the base's keys)."""
+def _jobs(base: DcpCheckpoint, sources: list[DcpCheckpoint | None], from_source: dict[str, int],
+          owner: dict[str, str], allow_nonfinite: bool) -> tuple[list[DcpFileJob | DcpJob], dict]:
+    """One job per output file copied from a DCP checkpoint (`sources`: None for another kind), and every archive's
+    new place (`storage_data`, by the base's keys)."""
     per_file: dict[tuple[int, str, str], list[tuple[str, MetadataIndex, StorageInfo]]] = {}
     for s, src in enumerate(sources):
+        if src is None:
+            continue
         for index, info in src.metadata.storage_data.items():
             key = translated(index.fqn, src, base)
             if from_source.get(key) == s:  # (into the base's folder for the key: a source's file may feed two)
                 per_file.setdefault((s, info.relative_path, base.part_of(key)), []).append((key, index, info))
-    jobs, storage = [], {}
+    jobs: list[DcpFileJob | DcpJob] = []
+    storage = {}
     for (s, name, part), items in sorted(per_file.items()):
         src = sources[s]
+        assert src is not None, "a DCP checkpoint's file"
         folder, _, leaf = name.rpartition("/")
         out_name = name if s == 0 else "/".join(filter(None, (
             part, f"__tailor_{s}_{folder + '_' if folder != part else ''}{leaf.removeprefix('__')}")))
@@ -278,3 +325,78 @@ def _jobs(base: DcpCheckpoint, sources: list[DcpCheckpoint], from_source: dict[s
         jobs.append(DcpFileJob(label, src.path, name, out_name, tuple(copies), entries, rows, s == 0, allow_nonfinite,
                                total, total))
     return jobs, storage
+
+
+def _open_zero(base: DcpCheckpoint, path: Path, where: str) -> Checkpoint:
+    """A ZeRO-3 checkpoint giving rows to a DCP composition (whole: its files' archives complete)."""
+    if base.parts != ("",):
+        raise IncompatibleError(f"{where}: {path}: rows from a ZeRO-3 checkpoint into the HF Trainer's FSDP layout "
+                                f"({base.path}) are not composed yet; base the recipe on a DCP checkpoint in one "
+                                "folder (torchtitan's), or export the ZeRO-3 checkpoint with --format dcp first")
+    try:
+        ckpt = open_checkpoint(path)
+        ckpt.check_complete()
+    except CheckpointError as exc:
+        raise type(exc)(f"{where}: {exc}") from None
+    return ckpt
+
+
+def _check_zero_rows(base: DcpCheckpoint, src: Checkpoint, rows: list[str]) -> None:
+    """Refuse a ZeRO-3 checkpoint whose rows `rows` cannot be the DCP base's: a parameter it lacks or holds in
+    another shape, a base entry that is no fp32 tensor (FSDP2's masters are), another optimizer's state kept per
+    element, a frozen parameter or buffer (ZeRO-3 keeps those in model_states, in 16 bits)."""
+    shapes = {name: shape for group in src.layout.groups for name, shape in group}
+    frozen = dict(src.layout.frozen)
+    entries = base.metadata.state_dict_metadata
+    keys = rank_reader(src.ranks[0], tuple(src.layout.group_sizes())).keys()[1:]
+    for row in rows:
+        r = base.row(row)
+        for name in (*r.params, *r.buffers):
+            if name in frozen or name in r.buffers or name not in base.trainable:
+                raise IncompatibleError(f"{src.path}: row {row} holds {name}, a frozen parameter or a buffer, which "
+                                        "a ZeRO-3 checkpoint keeps in model_states; take that row from a DCP "
+                                        "checkpoint")
+            entry = entries.get(MODEL + name)
+            if name not in shapes or not isinstance(entry, TensorStorageMetadata) or tuple(entry.size) != shapes[name]:
+                said = f"{list(shapes[name])}" if name in shapes else "nothing"
+                raise IncompatibleError(f"{src.path}: holds {said} for {name} of row {row}, the base {base.path} "
+                                        f"{list(entry.size) if isinstance(entry, TensorStorageMetadata) else 'nothing'}"
+                                        "; it is another model")
+            if entry.dtype != "float32":
+                raise IncompatibleError(f"{base.path}: holds {name} as {entry.dtype}; tailor-tui writes a ZeRO-3 "
+                                        "checkpoint's fp32 masters into fp32 DCP entries only")
+            theirs = tuple(sorted(k.rpartition(".")[2] for k, e in entries.items()
+                                  if k.startswith(f"{base.optim}state.{name}.") and isinstance(e, TensorStorageMetadata)
+                                  and tuple(e.size) == shapes[name]))
+            if theirs != tuple(sorted(keys)):
+                raise IncompatibleError(f"{src.path}: keeps {describe_state(tuple(keys))} per element, the base "
+                                        f"{base.path} {describe_state(theirs)}: checkpoints of different optimizers "
+                                        "cannot be combined")
+
+
+def _zero_rows(base: DcpCheckpoint, sources: list, picks: dict[str, int],
+               out: Path) -> dict[int, tuple[list[DcpJob], Metadata]]:
+    """For each ZeRO-3 source: the jobs writing its rows' chunks (a file per rank, `__tailor_S_R_0.distcp`, as a DCP
+    export lays a rank's share out: `dcp_layout.rank_job`), and their entries and places."""
+    laid = {}
+    aliases = {alias: target for row in base.rows for alias, target in row.aliases}
+    for s, src in enumerate(sources):
+        if not isinstance(src, Checkpoint):
+            continue
+        params = sorted(p for row, i in picks.items() if i == s for p in base.row(row).params)
+        tied = sorted((a, t) for a, t in aliases.items() if t in params)
+        shapes = {name: shape for group in src.layout.groups for name, shape in group if name in params}
+        state_keys = rank_reader(src.ranks[0], tuple(src.layout.group_sizes())).keys()[1:]
+        found = Entries()
+        for name in (*params, *(a for a, _t in tied)):
+            found.tensor(f"{LAYOUT_MODEL}.{name}", (LAYOUT_MODEL, name), "float32", shapes[aliases.get(name, name)])
+        for name in params:
+            for key in state_keys:
+                found.tensor(f"{LAYOUT_OPTIM}.{STATE}.{name}.{key}", (LAYOUT_OPTIM, STATE, name, key), "float32",
+                             shapes[name])
+        model = ModelShapes(shapes, {}, {}, state_keys, found)
+        jobs = [job for rank, files in enumerate(src.ranks)
+                if (job := rank_job(model, src, rank, files, name=f"__tailor_{s}_{rank}_0.distcp", label=src.name,
+                                    mine=params, tied=tied, cold=[], held=[])) is not None]
+        laid[s] = (jobs, found.metadata(str(out)))
+    return laid

@@ -192,8 +192,8 @@ class HealthActions:
                     self.post_message(HealthProgressed(sum(progress["tasks"].values()), progress["total"]))
 
         try:
-            if isinstance(checkpoints[0], DcpCheckpoint):  # an FSDP2 run: one process, not cached
-                dcp_health(checkpoints, emit=emit, cancelled=self.stats_cancel.is_set)
+            if isinstance(checkpoints[0], DcpCheckpoint):  # an FSDP2 run: one process
+                dcp_health(checkpoints, emit=emit, cancelled=self.stats_cancel.is_set, cache=cache_dir())
             else:
                 compute_health(checkpoints, workers=self.options.workers, emit=emit, cancel=self.stats_cancel,
                                cache=cache_dir(), options=TaskOptions())

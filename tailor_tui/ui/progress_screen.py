@@ -29,11 +29,12 @@ from tailor_tui.compose.compose_run import planned_tasks, run_compose
 from tailor_tui.compose.dcp_compose import run_dcp_compose
 from tailor_tui.errors import Cancelled, TailorError
 from tailor_tui.events import TaskOptions, TaskProgressed, progress_of
+from tailor_tui.export.dcp_rank import export_dcp_rank
 from tailor_tui.export.dcp_to_hf import DcpHfExport, run_dcp_hf_export
 from tailor_tui.export.export_plan import Export
 from tailor_tui.export.export_run import ExportResult, run_export
 from tailor_tui.health.guard import newest_finite
-from tailor_tui.planning.dcp_plan import DcpComposePlan
+from tailor_tui.planning.dcp_plan import DcpComposePlan, DcpFileJob
 from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.report import FEW, Tally
 from tailor_tui.ui.messages import ComposeFailed, ComposeFinished, ComposeProgressed
@@ -69,7 +70,8 @@ class ProgressScreen(Screen[None]):
             self.tasks, self.unit = [(j.task, j.progress_bytes) for j in export.jobs], "written"
         elif isinstance(plan, DcpComposePlan):  # a PyTorch Distributed Checkpoint's composition: its files' copies
             if allow_nonfinite:  # ("Compose anyway": its copies take the NaN/Inf the plan refused)
-                plan = replace(plan, jobs=tuple(replace(job, allow_nonfinite=True) for job in plan.jobs))
+                plan = replace(plan, jobs=tuple(replace(job, allow_nonfinite=True) if isinstance(job, DcpFileJob)
+                                                else job for job in plan.jobs))
             self.tasks, self.unit = progress_of(plan.jobs), "written"
         else:  # the bars count bytes written, or composed where a clone shares the base's blocks
             self.tasks, self.unit = planned_tasks(plan), plan.progress_unit(clone=options.clone)
@@ -130,7 +132,7 @@ class ProgressScreen(Screen[None]):
                                     cancel=self.cancel, options=self.options)
             elif isinstance(self.plan, DcpComposePlan):
                 result = run_dcp_compose(self.plan, workers=self.compose_workers, emit=emit, cancel=self.cancel,
-                                         options=self.options)
+                                         options=self.options, write_rows=export_dcp_rank)
             else:
                 result = run_compose(self.plan, workers=self.compose_workers, emit=emit, cancel=self.cancel,
                                    options=self.options, allow_nonfinite=self.allow_nonfinite,

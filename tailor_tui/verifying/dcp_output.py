@@ -15,10 +15,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tailor_tui.checkpoints.dcp_checkpoint import read_parts
+from tailor_tui.checkpoints.dcp_checkpoint import DcpCheckpoint, read_parts
 from tailor_tui.dcp.metadata import MetadataIndex
-from tailor_tui.errors import TailorError
+from tailor_tui.errors import CheckpointError, TailorError
 from tailor_tui.verifying.against_recipe import VerifyReport
+from tailor_tui.verifying.compare import same_bytes
+from tailor_tui.verifying.dcp_sources import DcpFiles, DcpTensors, ZeroTensors
 
 CHUNK = 1 << 20
 
@@ -32,14 +34,20 @@ def verify_dcp(plan) -> VerifyReport:
     except TailorError as exc:
         report.other.append(f"{exc}; is this the output of this recipe?")
         return report
-    sources = [s.metadata for s in plan.sources]
-    wanted, got = set(sources[0].state_dict_metadata), set(out.state_dict_metadata)
+    sources = [s.metadata if isinstance(s, DcpCheckpoint) else None for s in plan.sources]
+    wanted, got = set(plan.base.metadata.state_dict_metadata), set(out.state_dict_metadata)
     for key in sorted(wanted - got):
         _said(report, rows, key, f"{key}: missing from the output")
     for key in sorted(got - wanted):
         report.other.append(f"{key}: in the output, not in the base {plan.base.path}")
+    zero, written = ZeroTensors(), DcpTensors()
+    output = DcpFiles(plan.output, out, plan.base.optim)
+    aliases = {alias: target for row in plan.base.rows for alias, target in row.aliases}
     for key in sorted(wanted & got):
         s = plan.taken[key]
+        if not isinstance(plan.sources[s], DcpCheckpoint):  # a ZeRO-3 checkpoint's row: its values, element for element
+            _said(report, rows, key, _same_values(output, plan.sources[s], key, aliases, plan.base.optim, zero, written))
+            continue
         source, path = sources[s], plan.sources[s].path
         mine, theirs = out.state_dict_metadata[key], source.state_dict_metadata[plan.source_key(key)]
         if _entry(mine) != _entry(theirs):
@@ -73,13 +81,32 @@ def _size(path: Path) -> int:
         return -1
 
 
+def _same_values(output: DcpFiles, ckpt, key: str, aliases: dict[str, str], optim: str, zero: ZeroTensors,
+                 written: DcpTensors) -> str | None:
+    """None where the output's tensor `key` holds the ZeRO-3 checkpoint `ckpt`'s values of it bit for bit (its fp32
+    masters, or a state kept per element); else what differs."""
+    if key.startswith("model."):
+        param, flat = aliases.get(key[len("model."):], key[len("model."):]), "fp32"
+    else:
+        param, _, flat = key[len(optim) + len("state."):].rpartition(".")
+    try:
+        mine, theirs = written.tensor(output, key), zero.flat(ckpt, flat, param)
+    except CheckpointError as exc:
+        return f"{key}: {exc}"
+    if mine.dtype != theirs.dtype or mine.shape != theirs.shape or not same_bytes(mine, theirs):
+        return f"{key}: its values are not {ckpt.name}'s {flat} of {param}"
+    return None
+
+
 def _entry(entry) -> tuple:
     if not hasattr(entry, "size"):
         return ("bytes",)
     return (entry.size, entry.dtype, sorted((c.offsets, c.sizes) for c in entry.chunks))
 
 
-def _said(report: VerifyReport, rows: dict[str, str], key: str, problem: str) -> None:
+def _said(report: VerifyReport, rows: dict[str, str], key: str, problem: str | None) -> None:
+    if problem is None:
+        return
     row = rows.get(key)
     if row is not None:
         report.problems[row].append(problem)
