@@ -426,9 +426,9 @@ FSDP_RUNS: dict[str, tuple] = {
     # the ZeRO-3 runs' model (4 layers: hf_bf16_2's, ds_blown_up's), 2 ranks, DCP saves at steps 2 and 4: rows for
     # ZeRO-3 compositions (tests/test_mixed_formats.py)
     "fsdp_llama_4": (RunSpec(steps=4, save_every=2, seed=3), 2),
-    # the tiny Llama, 2 ranks, the HF Trainer's FSDP checkpoints at steps 2, 4; layers.1 blown up before the last
-    "fsdp_llama_hf": (RunSpec(layers=3, steps=4, save_every=2, seed=2,
-                              blow_up=("model.layers.1.mlp.down_proj.weight",)), 2, "hf"),
+    # the ZeRO-3 runs' model, 2 ranks, the HF Trainer's FSDP checkpoints at steps 2, 4; layers.1 blown up before the last
+    "fsdp_llama_hf": (RunSpec(steps=4, save_every=2, seed=2, blow_up=("model.layers.1.mlp.down_proj.weight",)), 2,
+                      "hf"),
 }
 
 

@@ -46,7 +46,7 @@ def test_stats_of_a_trainer_fsdp_run_find_the_layer_that_blew_up(fsdp_run):
     assert lines["loss"].split()[1:] == [f"{logged[2]:.4g}", f"{logged[4]:.4g}"]
     assert cells["layers.1", "checkpoint-4"]["nonfinite"] > 0 and cells["layers.0", "checkpoint-4"]["adam_v_max"] > 0
     assert [r.name for r in open_dcp(run / "checkpoint-4").rows] == [
-        "embed_tokens", "layers.0", "layers.1", "layers.2", "norm", "lm_head"]
+        "embed_tokens", "layers.0", "layers.1", "layers.2", "layers.3", "norm", "lm_head"]
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -95,9 +95,9 @@ def test_rows_mix_between_a_trainer_checkpoint_and_a_torchtitan_save(fsdp_run, t
     """A torchtitan-layout base (`optim.` keys in one folder) with layers.1 from an HF Trainer checkpoint
     (`optimizer.` keys in their own folder), and the other way round: each output is in its base's layout, the row's
     tensors and moments the other's bit for bit, and each loads in FSDP2."""
-    titan, _ = fsdp_run("fsdp_llama")
+    titan, _ = fsdp_run("fsdp_llama_4")
     trainer, _ = fsdp_run("fsdp_llama_hf")
-    recipe = write_recipe(tmp_path, titan / "step-6", {"layers.1": trainer / "checkpoint-2"})
+    recipe = write_recipe(tmp_path, titan / "step-4", {"layers.1": trainer / "checkpoint-2"})
     done = tailor("--apply", recipe)
     assert done.returncode == 0, done.stderr
     out = tmp_path / "composed"
@@ -106,17 +106,17 @@ def test_rows_mix_between_a_trainer_checkpoint_and_a_torchtitan_save(fsdp_run, t
     name = "model.layers.1.mlp.down_proj.weight"
     assert same_bits(got[f"model.{name}"], theirs[f"model.{name}"])
     assert same_bits(got[f"optim.state.{name}.exp_avg"], theirs[f"optimizer.state.{name}.exp_avg"])
-    assert same_bits(got[f"optim.state.{name}.step"], loaded(titan / "step-6")[f"optim.state.{name}.step"])
+    assert same_bits(got[f"optim.state.{name}.step"], loaded(titan / "step-4")[f"optim.state.{name}.step"])
     assert tailor("--verify", recipe).returncode == 0
     _state, stepped = load_in_fsdp2(out, titan, 2, tmp_path, spec_file=titan / "spec.json")
     assert stepped["finite"]
 
     (tmp_path / "back").mkdir()
-    back = write_recipe(tmp_path / "back", trainer / "checkpoint-4", {"layers.1": titan / "step-4"})
+    back = write_recipe(tmp_path / "back", trainer / "checkpoint-4", {"layers.1": titan / "step-2"})
     done = tailor("--apply", back)
     assert done.returncode == 0, done.stderr
     out = tmp_path / "back" / "composed"
-    got, theirs = loaded_trainer(out), loaded(titan / "step-4")
+    got, theirs = loaded_trainer(out), loaded(titan / "step-2")
     assert same_bits(got[f"optimizer.state.{name}.exp_avg_sq"], theirs[f"optim.state.{name}.exp_avg_sq"])
     assert sorted(p.name for p in (out / HF_OPTIM_PART).iterdir())[:1] == [".metadata"]
     assert tailor("--verify", back).returncode == 0

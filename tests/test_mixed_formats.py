@@ -156,7 +156,25 @@ def test_a_dcp_base_never_takes_nan_from_a_zero3_row_silently(real_run, fsdp_run
     done = tailor("--apply", recipe, "--allow-nonfinite")
     assert done.returncode == 0, done.stderr
     assert bool(dcp_state(tmp_path / "composed")["model.model.layers.2.mlp.down_proj.weight"].isnan().any())
-    hf, _ = fsdp_run("fsdp_llama_hf")  # the HF Trainer's two-folder layout takes no ZeRO-3 rows yet
-    (tmp_path / "hf").mkdir()
-    recipe = write_recipe(tmp_path / "hf", hf / "checkpoint-4", {"layers.2": checkpoints_of(run, spec)[0]})
-    assert_one_line_error(tailor("--apply", recipe), 5, "not composed yet", "--format dcp")
+
+
+def test_the_hf_trainers_fsdp_checkpoint_takes_zero3_rows_into_both_its_folders(real_run, fsdp_run, tmp_path):
+    """The HF Trainer's layout as the base: the row's weights go into `pytorch_model_fsdp_0/`, its moments into
+    `optimizer_0/` (under `optimizer.` keys); Accelerate's own loaders load it and it trains; --verify proves it."""
+    run, spec = real_run("ds_blown_up")
+    hf, _ = fsdp_run("fsdp_llama_hf")
+    zero = checkpoints_of(run, spec)[1]  # step 4: healthy
+    recipe = write_recipe(tmp_path, hf / "checkpoint-4", {ROW: zero})  # (its own layers.1 blew up)
+    done = tailor("--apply", recipe)
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "composed"
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+        assert sorted(p.name for p in (out / part).glob("__tailor_*")) == ["__tailor_1_0_0.distcp", "__tailor_1_1_0.distcp"]
+    got, theirs = {**dcp_state(out / "pytorch_model_fsdp_0"), **dcp_state(out / "optimizer_0")}, read_full_state(zero)
+    name = f"model.{ROW}.mlp.down_proj.weight"
+    assert torch.equal(got[f"model.{name}"].reshape(-1), theirs["fp32"][name].float().reshape(-1))
+    assert torch.equal(got[f"optimizer.state.{name}.exp_avg"].reshape(-1), theirs["exp_avg"][name].float().reshape(-1))
+    assert tailor("--verify", recipe).returncode == 0
+    state, stepped = load_in_fsdp2(out, hf, 2, tmp_path, spec_file=hf / "spec.json")
+    assert torch.equal(state["optim"]["state"][name]["exp_avg_sq"], theirs["exp_avg_sq"][name].float())
+    assert stepped["finite"]

@@ -107,6 +107,8 @@ class ModelShapes:
     buffers: dict[str, tuple[str, tuple[int, ...]]]  # (dtype, shape)
     state_keys: tuple[str, ...]  # the optimizer's state kept per element
     out: Entries
+    masters: bool = True  # the fp32 masters laid out (as `model.<name>`); else the optimizer's state alone
+    optim: str = OPTIM  # the first part of the optimizer's keys: `dcp.save({"optim": …})`'s, or the HF Trainer's
 
 
 def rank_job(model: ModelShapes, ckpt, rank: int, files: RankFiles, *, name: str, label: str, mine: list[str],
@@ -144,11 +146,11 @@ def rank_job(model: ModelShapes, ckpt, rank: int, files: RankFiles, *, name: str
     # laid out in the order the job reads: a sub-group's flat tensor of each key in turn, so the file is
     # written from start to end (its writeback started as it goes)
     for g, held_here in by_group.items():
-        for key in (MASTERS, *state_keys):
+        for key in ((MASTERS,) if model.masters else ()) + tuple(state_keys):
             for _g, _offset, entry, slot in held_here:
                 if key != MASTERS and entry != slot.name:
                     continue  # a tied name holds weights only
-                dcp_key = f"{MODEL}.{entry}" if key == MASTERS else f"{OPTIM}.{STATE}.{entry}.{key}"
+                dcp_key = f"{MODEL}.{entry}" if key == MASTERS else f"{model.optim}.{STATE}.{entry}.{key}"
                 count = slot.valid(rank)
                 if files.whole_records:
                     flat.setdefault((g, key), []).extend(

@@ -32,7 +32,6 @@ from tailor_tui.formats.ptfile import read_structure
 from tailor_tui.kinds.base import rank_reader
 from tailor_tui.kinds.dcp_rows import DcpRankFiles
 from tailor_tui.planning.dcp_layout import MODEL as LAYOUT_MODEL
-from tailor_tui.planning.dcp_layout import OPTIM as LAYOUT_OPTIM
 from tailor_tui.planning.dcp_layout import DcpJob, Entries, ModelShapes, rank_job
 from tailor_tui.planning.output import check_output, default_output, recipe_output
 from tailor_tui.planning.recipe import Recipe
@@ -329,10 +328,6 @@ def _jobs(base: DcpCheckpoint, sources: list[DcpCheckpoint | None], from_source:
 
 def _open_zero(base: DcpCheckpoint, path: Path, where: str) -> Checkpoint:
     """A ZeRO-3 checkpoint giving rows to a DCP composition (whole: its files' archives complete)."""
-    if base.parts != ("",):
-        raise IncompatibleError(f"{where}: {path}: rows from a ZeRO-3 checkpoint into the HF Trainer's FSDP layout "
-                                f"({base.path}) are not composed yet; base the recipe on a DCP checkpoint in one "
-                                "folder (torchtitan's), or export the ZeRO-3 checkpoint with --format dcp first")
     try:
         ckpt = open_checkpoint(path)
         ckpt.check_complete()
@@ -377,7 +372,8 @@ def _check_zero_rows(base: DcpCheckpoint, src: Checkpoint, rows: list[str]) -> N
 def _zero_rows(base: DcpCheckpoint, sources: list, picks: dict[str, int],
                out: Path) -> dict[int, tuple[list[DcpJob], Metadata]]:
     """For each ZeRO-3 source: the jobs writing its rows' chunks (a file per rank, `__tailor_S_R_0.distcp`, as a DCP
-    export lays a rank's share out: `dcp_layout.rank_job`), and their entries and places."""
+    export lays a rank's share out: `dcp_layout.rank_job`; in the HF Trainer's layout, one in each of its DCP folders:
+    the weights in the model's, the state in the optimizer's), and their entries and places."""
     laid = {}
     aliases = {alias: target for row in base.rows for alias, target in row.aliases}
     for s, src in enumerate(sources):
@@ -387,16 +383,22 @@ def _zero_rows(base: DcpCheckpoint, sources: list, picks: dict[str, int],
         tied = sorted((a, t) for a, t in aliases.items() if t in params)
         shapes = {name: shape for group in src.layout.groups for name, shape in group if name in params}
         state_keys = rank_reader(src.ranks[0], tuple(src.layout.group_sizes())).keys()[1:]
-        found = Entries()
+        found, optim = Entries(), base.optim.rstrip(".")
         for name in (*params, *(a for a, _t in tied)):
             found.tensor(f"{LAYOUT_MODEL}.{name}", (LAYOUT_MODEL, name), "float32", shapes[aliases.get(name, name)])
         for name in params:
             for key in state_keys:
-                found.tensor(f"{LAYOUT_OPTIM}.{STATE}.{name}.{key}", (LAYOUT_OPTIM, STATE, name, key), "float32",
-                             shapes[name])
-        model = ModelShapes(shapes, {}, {}, state_keys, found)
-        jobs = [job for rank, files in enumerate(src.ranks)
-                if (job := rank_job(model, src, rank, files, name=f"__tailor_{s}_{rank}_0.distcp", label=src.name,
-                                    mine=params, tied=tied, cold=[], held=[])) is not None]
+                found.tensor(f"{optim}.{STATE}.{name}.{key}", (optim, STATE, name, key), "float32", shapes[name])
+        if base.parts == ("",):
+            layouts = [("", ModelShapes(shapes, {}, {}, state_keys, found))]
+        else:  # the weights in the model's folder, the state in the optimizer's
+            layouts = [(base.parts[0] + "/", ModelShapes(shapes, {}, {}, (), found)),
+                       (base.parts[-1] + "/", ModelShapes(shapes, {}, {}, state_keys, found, masters=False,
+                                                          optim=optim))]
+        jobs = [job for folder, model in layouts for rank, files in enumerate(src.ranks)
+                if (job := rank_job(model, src, rank, files, name=f"{folder}__tailor_{s}_{rank}_0.distcp",
+                                    label=f"{src.name} {folder}".rstrip(" /"), mine=params,
+                                    tied=tied if model.masters else [], cold=[],
+                                    held=[])) is not None]
         laid[s] = (jobs, found.metadata(str(out)))
     return laid
