@@ -37,7 +37,6 @@ def planned_nonfinite(plan: ComposePlan, *, cache: Path | None, workers: int | N
     checkpoint deleted since (`--verify`'s stand-in) or a cell the statistics could not compute (a damaged
     file: the writers refuse it as they read it) is left to the writers; so is every cell not cached where not
     `compute` (an output to be written whatever it holds: `--allow-nonfinite`)."""
-
     wanted: dict[int, list[str]] = {}
     for row, s in plan.picks.items():
         if not plan.sources[s].gone:

@@ -100,7 +100,8 @@ class Entries:
 
 @dataclass(frozen=True)
 class ModelShapes:
-    """What every job of an export lays out from: the model's tensors, and the layout of the chunks so far."""
+    """What a rank's jobs lay out from (an export's, or a DCP composition's rows from ZeRO-3): the model's tensors,
+    and the layout of the chunks so far."""
 
     shapes: dict[str, tuple[int, ...]]  # trainable parameters
     frozen: dict[str, tuple[int, ...]]
