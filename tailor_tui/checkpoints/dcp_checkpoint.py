@@ -288,8 +288,8 @@ def dcp_incompatibility(base: DcpCheckpoint, other) -> str | None:
     …"), or None: the one rule of the composer and the plan. It must be a DCP checkpoint (of either layout) of the
     same model: every model tensor and every trainable parameter's optimizer state of the same size and dtype."""
     if not isinstance(other, DcpCheckpoint):
-        return ("it is a DeepSpeed ZeRO-3 checkpoint and the base a PyTorch Distributed Checkpoint; tailor-tui does "
-                "not mix the two in one recipe yet")
+        return ("it is a DeepSpeed ZeRO-3 checkpoint and the base a PyTorch Distributed Checkpoint: a recipe takes "
+                "its rows (--apply), the composer shows one format's checkpoints")
     mine, theirs = base.metadata.state_dict_metadata, other.metadata.state_dict_metadata
     for key, entry in mine.items():
         if not key.startswith(MODEL) and not key.startswith(base.optim + "state."):

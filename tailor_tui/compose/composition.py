@@ -113,8 +113,8 @@ class Composition:
         if isinstance(self.base_checkpoint, DcpCheckpoint):
             return self._about(column, dcp_incompatibility, "incompatibility")
         if isinstance(self.checkpoints[column], DcpCheckpoint):
-            return ("it is a PyTorch Distributed Checkpoint and the base a DeepSpeed ZeRO-3 checkpoint; tailor-tui "
-                    "does not mix the two in one recipe yet")
+            return ("it is a PyTorch Distributed Checkpoint and the base a DeepSpeed ZeRO-3 checkpoint: a recipe takes "
+                    "its rows (--apply), the composer shows one format's checkpoints")
         return self._about(column, lambda a, b: incompatibility(a, b, repartitioned=resharding),
                            ("incompatibility", resharding))
 

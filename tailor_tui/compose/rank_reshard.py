@@ -91,15 +91,23 @@ class _Sources:
 
     def to_verify(self) -> dict[Path, set]:
         """{file: its records to read whole} of the source files this job checks (`ReshardJob.verifies`):
-        a full source's every flat tensor, and every frozen fragment, whichever job takes from them."""
+        a full source's every flat tensor, and every frozen fragment, whichever job takes from them; another source's
+        files (a partial save's, a DCP checkpoint's), each slice or chunk this job takes checked as it is read."""
         found: dict[Path, set] = {}
-        frozen = [name for name, _pieces in self.job.frozen]
+        frozen_of: dict[tuple[int, int], list[str]] = {}  # the frozen fragments each source rank gives this job
+        for name, pieces in self.job.frozen:
+            for u in sorted({(p.source, p.rank) for p in pieces if p.source != ZEROS}):
+                frozen_of.setdefault(u, []).append(name)
         for s, r in sorted(self.job.verifies):
             reader = self.reader(s, r)
             flat = reader.whole_flat()  # (a partial's slices: each job checks those it takes from)
             found.setdefault(reader.path, set()).update(tb.record for tb in (flat or {}).values())
             for path in reader.paths():  # (a DCP checkpoint's chunks: in files of their own)
                 found.setdefault(path, set())
+            # a full file: all its fragments, by the one job checking it; else those this job takes from it (a DCP
+            # checkpoint gives none)
+            frozen = [name for name, _pieces in self.job.frozen] if reader.files.whole_records else \
+                frozen_of.get((s, r), [])
             if frozen:
                 fragments = reader.fragments(frozen)
                 found.setdefault(reader.files.model_states, set()).update(tb.record for tb in fragments.values())

@@ -47,13 +47,14 @@ class DcpSave(SaveKind):
 
 def contiguous_start(chunk: ChunkStorageMetadata, shape: tuple[int, ...]) -> int | None:
     """The first element of `chunk` in its row-major tensor of `shape`, where its elements lie side by side there
-    (each dimension after the first it cuts whole, each before it one wide); None where they do not."""
-    cut = next((d for d in range(len(shape)) if chunk.sizes[d] != shape[d]), len(shape))
-    if any(chunk.sizes[d] != shape[d] for d in range(cut + 1, len(shape))) or any(
-            chunk.sizes[d] != 1 for d in range(cut)):
+    (one dimension cut anyhow, every one before it one wide, every one after it whole: FSDP2's row shards, and the
+    rest of a row or the start of one that a DCP export of ZeRO-3 writes); None where they do not."""
+    dims = len(shape)
+    if not any(all(chunk.sizes[j] == 1 for j in range(k)) and all(chunk.sizes[j] == shape[j] for j in range(k + 1, dims))
+               for k in range(dims)) and dims:
         return None
     start, stride = 0, 1
-    for d in reversed(range(len(shape))):
+    for d in reversed(range(dims)):
         start += chunk.offsets[d] * stride
         stride *= shape[d]
     return start
