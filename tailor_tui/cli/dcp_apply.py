@@ -36,14 +36,16 @@ def apply_dcp(args, recipe) -> int:
     report = reporter_for(sys.stderr, args.progress, progress_of(plan.jobs))
     try:
         result = run_dcp_compose(plan, workers=args.workers, emit=report, cancel=threading.Event(),
-                                 options=TaskOptions(durable=args.durable, clone=args.clone), write_rows=export_dcp_rank)
+                                 options=TaskOptions(durable=args.durable, clone=args.clone),
+                                 write_rows=export_dcp_rank)
     finally:
         report.close()
     if result.bytes_shared:
         print(shown(f"sharing the base's blocks ({result.shared_how}): {size(result.bytes_shared)} of its files cloned, "
                     "their archives read and checked, not written"))
     rate = result.bytes_written / max(result.seconds, 1e-6)
-    load = ("resume the HF Trainer from it (resume_from_checkpoint)" if plan.base.run_files() or plan.base.parts != ("",)
+    trainer = plan.base.run_files() or plan.base.parts != ("",)
+    load = ("resume the HF Trainer from it (resume_from_checkpoint)" if trainer
             else "load it with torch.distributed.checkpoint.load and set_state_dict")
     print(shown(f"done: {result.output} ({size(result.bytes_written)} written in {result.seconds:.1f}s, "
                 f"{size(rate)}/s); {load}"))

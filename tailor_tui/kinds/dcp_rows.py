@@ -50,8 +50,8 @@ def contiguous_start(chunk: ChunkStorageMetadata, shape: tuple[int, ...]) -> int
     (one dimension cut anyhow, every one before it one wide, every one after it whole: FSDP2's row shards, and the
     rest of a row or the start of one that a DCP export of ZeRO-3 writes); None where they do not."""
     dims = len(shape)
-    if not any(all(chunk.sizes[j] == 1 for j in range(k)) and all(chunk.sizes[j] == shape[j] for j in range(k + 1, dims))
-               for k in range(dims)) and dims:
+    if dims and not any(all(chunk.sizes[j] == 1 for j in range(k))
+                        and all(chunk.sizes[j] == shape[j] for j in range(k + 1, dims)) for k in range(dims)):
         return None
     start, stride = 0, 1
     for d in reversed(range(dims)):

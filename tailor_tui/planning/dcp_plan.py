@@ -115,7 +115,8 @@ class DcpComposePlan:
         if self.copied:
             named = ", ".join(self.copied) if every_file else f"{len(self.copied)} run-level file(s)"
             lines.append(f"copied from the base: {named}")
-            lines += [f"  {name}: {why}" for name in self.copied if "not known" in (why := describe_run_level(Path(name)))]
+            lines += [f"  {name}: {why}" for name in self.copied
+                      if "not known" in (why := describe_run_level(Path(name)))]
         return lines + [f"warning: {w}" for w in self.warnings]
 
 

@@ -52,9 +52,11 @@ class ProgressScreen(Screen[None]):
         Binding("escape", "cancel_or_close", "Cancel / close"),
     ]
 
-    def __init__(self, plan: ComposePlan | DcpComposePlan, workers: int | None, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, plan: ComposePlan | DcpComposePlan, workers: int | None,
+                 clock: Callable[[], float] = time.monotonic,
                  autostart: bool = True, title: str | None = None, options: TaskOptions = TaskOptions(),
-                 allow_nonfinite: bool = False, export: Export | DcpHfExport | None = None, export_config: Path | None = None,
+                 allow_nonfinite: bool = False, export: Export | DcpHfExport | None = None,
+                 export_config: Path | None = None,
                  finished: Callable[[Outcome], None] = lambda result: None):
         super().__init__()
         self.on_finished = finished  # the composer's: told the result

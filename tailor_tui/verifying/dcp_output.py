@@ -46,7 +46,8 @@ def verify_dcp(plan) -> VerifyReport:
     for key in sorted(wanted & got):
         s = plan.taken[key]
         if not isinstance(plan.sources[s], DcpCheckpoint):  # a ZeRO-3 checkpoint's row: its values, element for element
-            _said(report, rows, key, _same_values(output, plan.sources[s], key, aliases, plan.base.optim, zero, written))
+            problem = _same_values(output, plan.sources[s], key, aliases, plan.base.optim, zero, written)
+            _said(report, rows, key, problem)
             continue
         source, path = sources[s], plan.sources[s].path
         mine, theirs = out.state_dict_metadata[key], source.state_dict_metadata[plan.source_key(key)]

@@ -94,7 +94,8 @@ class DcpTensors:
             raise CheckpointError(f"{files.folder}: has no tensor {name}")
         whole = torch.empty(tuple(entry.size), dtype=getattr(torch, entry.dtype))
         for chunk in entry.chunks:
-            info = next(i for x, i in files.metadata.storage_data.items() if x.fqn == name and x.offset == chunk.offsets)
+            info = next(i for x, i in files.metadata.storage_data.items()
+                        if x.fqn == name and x.offset == chunk.offsets)
             part = _chunk(files.folder / info.relative_path, info.offset, info.length, name)
             if tuple(part.shape) != tuple(chunk.sizes) or part.dtype != whole.dtype:
                 raise CheckpointError(f"{files.folder / info.relative_path}: the chunk of {name} at "
