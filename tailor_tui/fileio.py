@@ -85,6 +85,21 @@ def create(path: Target, mode: int = 0o644) -> int:
     return open_target(path, CREATE, mode)
 
 
+def create_sized(path: Target, size: int, head: bytes = b"") -> None:
+    """A new file at `path` of `size` bytes, `head` written at its start, the rest a hole (read as zeros) that a
+    worker fills; an OutputError naming it where it cannot be made."""
+    try:
+        fd = create(path)
+        try:
+            os.ftruncate(fd, size)
+            if head:
+                pwrite_all(fd, head, 0)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise output_error(exc, path) from None
+
+
 def open_target(path: Target, flags: int, mode: int = 0o644) -> int:
     """os.open of `path`; a `HeldPath` relative to its held folder's descriptor, never through a link."""
     return path.open(flags, mode) if isinstance(path, HeldPath) else os.open(path, flags, mode)

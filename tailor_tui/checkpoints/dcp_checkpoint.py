@@ -283,6 +283,14 @@ def _tied(path: Path, metadata: Metadata, others: list[str], trainable: frozense
     return found
 
 
+def translated(key: str, base: DcpCheckpoint, source) -> str:
+    """The base's `key` as checkpoint `source` names it: an optimizer's key under its own first part (`optim.`,
+    `optimizer.`); a ZeRO-3 source's rows are written under the base's names."""
+    if not isinstance(source, DcpCheckpoint):
+        return key
+    return source.optim + key[len(base.optim):] if key.startswith(base.optim) else key
+
+
 def dcp_incompatibility(base: DcpCheckpoint, other) -> str | None:
     """Why checkpoint `other` cannot give rows to a composition on the DCP checkpoint `base` (a phrase: "it has
     …"), or None: the one rule of the composer and the plan. It must be a DCP checkpoint (of either layout) of the
@@ -294,7 +302,7 @@ def dcp_incompatibility(base: DcpCheckpoint, other) -> str | None:
     for key, entry in mine.items():
         if not key.startswith(MODEL) and not key.startswith(base.optim + "state."):
             continue
-        named = other.optim + key[len(base.optim):] if key.startswith(base.optim) else key
+        named = translated(key, base, other)
         found = theirs.get(named)
         if found is None:
             return f"it has no {named}, which the base has: another model, or another optimizer's state"

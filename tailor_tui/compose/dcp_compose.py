@@ -30,7 +30,17 @@ from tailor_tui.dcp.metadata import METADATA, ChunkStorageMetadata, StorageInfo,
 from tailor_tui.dcp.reading import archive_records, locate_chunk
 from tailor_tui.errors import Cancelled, NonFiniteError, OutputError
 from tailor_tui.events import ByteCounter, Emit, TaskFinished, TaskOptions, progress_of, written_and_shared
-from tailor_tui.fileio import CREATE, Folder, Writeback, copy_range, create, fsync, open_fd, output_error, write_file
+from tailor_tui.fileio import (
+    CREATE,
+    Folder,
+    Writeback,
+    copy_range,
+    create_sized,
+    fsync,
+    open_fd,
+    output_error,
+    write_file,
+)
 from tailor_tui.formats import nonfinite
 from tailor_tui.held import HeldFolder
 from tailor_tui.kinds.base import STREAM_CHUNK
@@ -133,15 +143,7 @@ class DcpComposing(PublishingWork):
             self.copied[name] = copy_run_file(base.path / name, tmp / name, base.path.parent, self.durable)
         for job in self.plan.jobs:  # a ZeRO-3 source's rows: each rank's file made at its size, filled by a worker
             if isinstance(job, DcpJob):
-                path = tmp / job.out_file
-                try:
-                    fd = create(path)
-                    try:
-                        os.ftruncate(fd, job.size)
-                    finally:
-                        os.close(fd)
-                except OSError as exc:
-                    raise output_error(exc, path) from None
+                create_sized(tmp / job.out_file, job.size)
 
     def tasks(self, shared: str, emit: Emit) -> list[Task]:
         held, plan = self.folder(shared), self.plan

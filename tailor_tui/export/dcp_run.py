@@ -9,7 +9,6 @@ is replaced only with `--force`; sources are only read.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -19,7 +18,7 @@ from tailor_tui.events import Emit, TaskOptions, progress_of
 from tailor_tui.export.dcp_export_plan import DcpExport
 from tailor_tui.export.dcp_rank import export_dcp_rank
 from tailor_tui.export.export_run import Exporting, ExportResult
-from tailor_tui.fileio import create, output_error, write_file
+from tailor_tui.fileio import create_sized, write_file
 from tailor_tui.held import HeldFolder
 from tailor_tui.planning.provenance import provenance
 from tailor_tui.team.transaction import Declaration, PublishingWork, Task, run_as_team
@@ -50,15 +49,7 @@ class DcpExporting(PublishingWork):
 
     def fill(self, tmp: HeldFolder, cancel: threading.Event) -> None:
         for job in self.export.jobs:
-            path = tmp / job.out_file
-            try:
-                fd = create(path)
-                try:
-                    os.ftruncate(fd, job.size)
-                finally:
-                    os.close(fd)
-            except OSError as exc:
-                raise output_error(exc, path) from None
+            create_sized(tmp / job.out_file, job.size)
         write_file(tmp / self.export.small_file, self.export.small, self.durable)
 
     def tasks(self, shared: str, emit: Emit) -> list[Task]:

@@ -11,7 +11,6 @@ earlier tailor-tui output is replaced only with `--force`; sources are only read
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from tailor_tui.errors import UsageError
 from tailor_tui.events import Emit, TaskOptions, progress_of
 from tailor_tui.export.export_plan import Export
 from tailor_tui.export.rank import export_rank
-from tailor_tui.fileio import copy_file, create, output_error, pwrite_all, write_file
+from tailor_tui.fileio import copy_file, create_sized, output_error, write_file
 from tailor_tui.formats.safetensors_out import INDEX
 from tailor_tui.held import HeldFolder
 from tailor_tui.kinds.folders import MODEL_CONFIG
@@ -109,16 +108,7 @@ def make_files(files, index: dict | None, tmp: HeldFolder, durable: bool) -> Non
     """Every shard (`files`: `safetensors_out.ShardFile`s) at its full size with its header in place (the tensors'
     bytes come from the workers), and the index when there are several."""
     for f in files:
-        path = tmp / f.name
-        try:
-            fd = create(path)
-            try:
-                os.ftruncate(fd, f.size)
-                pwrite_all(fd, f.header, 0)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            raise output_error(exc, path) from None
+        create_sized(tmp / f.name, f.size, f.header)
     if index is not None:
         write_file(tmp / INDEX, json.dumps(index, indent=2) + "\n", durable)
 

@@ -21,11 +21,11 @@ from tailor_tui.dcp.metadata import ChunkStorageMetadata, Metadata, MetadataInde
 from tailor_tui.dcp.reading import ChunkBytes, locate_chunk
 from tailor_tui.errors import CheckpointError, IncompatibleError
 from tailor_tui.formats.ds_format import MASTERS, MAX_STATES
-from tailor_tui.formats.dtypes import BY_NAME
+from tailor_tui.formats.dtypes import BY_NAME, SAFETENSORS_NAME
 from tailor_tui.kinds.base import RankBytes, RankFiles, RankReader, SaveKind, WeightPiece, WeightSource
 
 MODEL = "model."
-SAFETENSORS = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}  # a chunk's dtype, as safetensors names it
+FLOATS = ("float32", "bfloat16", "float16")  # the dtypes of weights cast into a model file
 
 
 @dataclass(frozen=True)
@@ -212,7 +212,7 @@ class DcpMasterWeights(WeightSource):
 
     def pieces(self, tensor: str, param: str, dtype: str, shape: tuple[int, ...]) -> tuple[WeightPiece, ...] | None:
         entry = self.rank.entry(MODEL + param)  # (IncompatibleError where it has none)
-        if tuple(entry.size) != tuple(shape) or entry.dtype not in SAFETENSORS:
+        if tuple(entry.size) != tuple(shape) or entry.dtype not in FLOATS:
             raise CheckpointError(f"{self.rank.folder}: holds {param} as {list(entry.size)} {entry.dtype}, the "
                                   f"output's file {list(shape)}")
         found = []
@@ -220,7 +220,7 @@ class DcpMasterWeights(WeightSource):
             record = where.record
             check = SliceCheck(where.path, f"{MODEL}{param} (elements {start:,}…)", record.data_offset, record.size,
                                record.crc)
-            found.append(WeightPiece(where.path, record.data_offset, where.numel, SAFETENSORS[entry.dtype], start,
+            found.append(WeightPiece(where.path, record.data_offset, where.numel, SAFETENSORS_NAME[entry.dtype], start,
                                      check))
         return tuple(found)
 

@@ -21,7 +21,15 @@ from pathlib import Path
 
 from tailor_tui import __version__
 from tailor_tui.checkpoints.checkpoint import Checkpoint, open_checkpoint
-from tailor_tui.checkpoints.dcp_checkpoint import MODEL, STEP, DcpCheckpoint, dcp_incompatibility, is_dcp, open_dcp
+from tailor_tui.checkpoints.dcp_checkpoint import (
+    MODEL,
+    STEP,
+    DcpCheckpoint,
+    dcp_incompatibility,
+    is_dcp,
+    open_dcp,
+    translated,
+)
 from tailor_tui.checkpoints.weight_files import describe_run_level
 from tailor_tui.dcp.metadata import Metadata, MetadataIndex, StorageInfo, StorageMeta, TensorStorageMetadata
 from tailor_tui.dcp.reading import read_value
@@ -120,14 +128,6 @@ class DcpComposePlan:
         return lines + [f"warning: {w}" for w in self.warnings]
 
 
-def translated(key: str, base: DcpCheckpoint, source: DcpCheckpoint | Checkpoint) -> str:
-    """The base's `key` as `source` names it: an optimizer's key under its own first part (a ZeRO-3 source's rows
-    are written under the base's names)."""
-    if not isinstance(source, DcpCheckpoint):
-        return key
-    return source.optim + key[len(base.optim):] if key.startswith(base.optim) else key
-
-
 def dcp_provenance(plan: DcpComposePlan) -> dict:
     """The provenance record of an output of `plan` (a DCP composition, or its HF export): the recipe, each row's
     source, the checkpoints read."""
@@ -210,15 +210,13 @@ def _differences(base: DcpCheckpoint, src: DcpCheckpoint) -> list[str]:
         said.append(f"{src.name}'s param groups are not the base's ({len(theirs)} entries, the base {len(groups)}); "
                     "the base's are kept")
     else:
-        differ = []
+        differ = {}
         for key in sorted(k for k in groups if not k.endswith(".params"))[:MAX_COMPARED]:
             mine = read_value(base.path, base.metadata, key)
             other = read_value(src.path, src.metadata, translated(key, base, src))
             if mine != other:
-                differ.append(f"{key.removeprefix(base.optim + 'param_groups.')} {other!r:.40} (the base "
-                              f"{mine!r:.40})")
-        if differ:
-            said.append(f"{src.name}'s hyperparameters differ from the base's, whose are kept: " + ", ".join(differ))
+                differ[key.removeprefix(base.optim + "param_groups.")] = (other, mine)
+        said += _hyperparameters_said(src.name, differ)
     return said + step_said(src.name, src.step, base.step)
 
 
@@ -240,17 +238,23 @@ def zero_base_differences(base: Checkpoint, src: Checkpoint, params: list[str], 
     files = src.ranks[0]
     assert isinstance(files, DcpRankFiles) and files.metadata is not None, "a DCP checkpoint's rank"
     differ = _hyperparameters(files.folder, files.metadata, files.optim, base, params)
-    said = [f"{src.name}'s hyperparameters differ from the base's, whose are kept: "
-            + ", ".join(f"{key} {dcp!r:.40} (the base {zero!r:.40})" for key, (dcp, zero) in differ.items())]
-    return (said if differ else []) + step_said(src.name, step, base.step)
+    return _hyperparameters_said(src.name, differ) + step_said(src.name, step, base.step)
 
 
 def _zero_source_differences(base: DcpCheckpoint, src: Checkpoint, params: list[str]) -> list[str]:
     """`zero_base_differences` the other way: a ZeRO-3 checkpoint giving a DCP base `params`."""
-    differ = _hyperparameters(base.path, base.metadata, base.optim, src, params)
-    said = [f"{src.name}'s hyperparameters differ from the base's, whose are kept: "
-            + ", ".join(f"{key} {zero!r:.40} (the base {dcp!r:.40})" for key, (dcp, zero) in differ.items())]
-    return (said if differ else []) + step_said(src.name, src.step, base.step)
+    found = _hyperparameters(base.path, base.metadata, base.optim, src, params)  # (the base's, the source's)
+    differ = {key: (zero, dcp) for key, (dcp, zero) in found.items()}
+    return _hyperparameters_said(src.name, differ) + step_said(src.name, src.step, base.step)
+
+
+def _hyperparameters_said(name: str, differ: dict[str, tuple]) -> list[str]:
+    """What is said of a source `name` whose hyperparameters differ from the base's ({key: (its value, the base's)}),
+    nothing where none do."""
+    if not differ:
+        return []
+    return [f"{name}'s hyperparameters differ from the base's, whose are kept: "
+            + ", ".join(f"{key} {theirs!r:.40} (the base {mine!r:.40})" for key, (theirs, mine) in differ.items())]
 
 
 def _hyperparameters(folder: Path, metadata: Metadata, optim: str, zero: Checkpoint,

@@ -15,6 +15,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from tailor_tui.dcp.metadata import MetadataIndex
 from tailor_tui.errors import CheckpointError
 from tailor_tui.formats.ds_format import flat_tensor, optimizer_state
 from tailor_tui.verifying.rows_files import RowsFiles
@@ -94,8 +95,7 @@ class DcpTensors:
             raise CheckpointError(f"{files.folder}: has no tensor {name}")
         whole = torch.empty(tuple(entry.size), dtype=getattr(torch, entry.dtype))
         for chunk in entry.chunks:
-            info = next(i for x, i in files.metadata.storage_data.items()
-                        if x.fqn == name and x.offset == chunk.offsets)
+            info = files.metadata.storage_data[MetadataIndex(name, chunk.offsets)]
             part = _chunk(files.folder / info.relative_path, info.offset, info.length, name)
             if tuple(part.shape) != tuple(chunk.sizes) or part.dtype != whole.dtype:
                 raise CheckpointError(f"{files.folder / info.relative_path}: the chunk of {name} at "
