@@ -98,7 +98,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--run", type=Path, metavar="RUN_DIR",
                    help="with an LLMTailor recipe: find each of its model paths in RUN_DIR by its last name "
                         "(checkpoint-N); without it, a path is taken as written, else beside the recipe")
-    p.add_argument("--workers", "-j", type=_positive, help="worker processes (default: from cores and memory)")
+    p.add_argument("--workers", "-j", type=_positive,
+                   help="worker processes (default: from cores and memory); with --verify, reading threads "
+                        "(default: one per core, at most 8)")
     p.add_argument("--world-size", type=_positive, metavar="M",
                    help="with --apply/--verify: compose for M data-parallel ranks (every source re-partitioned, "
                         "as DeepSpeed at world size M saves); overrides the recipe's world_size")

@@ -3,6 +3,7 @@ its sources, row by row, a line each (`verifying.against_recipe`)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -56,7 +57,7 @@ def verify_command(args) -> int:
                          f"{plan.world_size}; verify it with --world-size {composed_for}")
     print(shown(f"verifying {plan.output} against {args.verify}"), file=sys.stderr, flush=True)
     lines = reporter_for(sys.stderr, "lines", unit="compared")
-    report = verify_against_recipe(plan, emit=lines)
+    report = verify_against_recipe(plan, emit=lines, workers=args.workers or _cores())
     lines.close()
     return _said(args, plan, report)
 
@@ -100,6 +101,13 @@ def _said(args, plan, report) -> int:
     print(f"error: verification failed: {bad} row(s) and {len(report.other)} other problem(s) differ; "
           "do not resume from this output", file=sys.stderr)
     return ExitCode.VERIFY_FAILED
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 def _composed_world_size(out: Path) -> int | None:

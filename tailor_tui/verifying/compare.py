@@ -50,3 +50,44 @@ def differences(mine, theirs, where: str = "", skip: Callable[[str], bool] = lam
     if hasattr(mine, "__dict__") and not isinstance(mine, type):  # the loss scaler
         return differences(vars(mine), vars(theirs), where, skip)
     return [] if mine == theirs else [where]
+
+
+def structure_differences(mine, theirs, where: str = "", skip: Callable[[str], bool] = lambda where: False,
+                          tensors: Callable[[str, object, object], None] = lambda where, a, b: None) -> list[str]:
+    """`differences` of two structures read without torch (`formats.pickled`: tensors and storages as stand-ins,
+    no data): where they differ in anything but tensors' bytes. Each pair of tensors (or storages) alike in all
+    but their bytes is handed to `tensors(where, mine, theirs)`, which compares the bytes (streamed, by the
+    caller): a tensor's dtype, shape, strides and requires_grad are compared here."""
+    from tailor_tui.formats.pickled import Opaque, StorageRef, TensorRef
+
+    if skip(where):
+        return []
+    if isinstance(mine, (TensorRef, StorageRef)) or isinstance(theirs, (TensorRef, StorageRef)):
+        if type(mine) is not type(theirs):
+            return [where]
+        if isinstance(mine, TensorRef):
+            if (mine.storage.type_name, mine.storage.itemsize, mine.size, mine.stride, mine.requires_grad) != (
+                    theirs.storage.type_name, theirs.storage.itemsize, theirs.size, theirs.stride, theirs.requires_grad):
+                return [where]
+        elif (mine.type_name, mine.itemsize, mine.numel) != (theirs.type_name, theirs.itemsize, theirs.numel):
+            return [where]
+        tensors(where, mine, theirs)
+        return []
+    if type(mine) is not type(theirs):
+        return [where]
+    if isinstance(mine, dict):
+        if list(mine) != list(theirs):
+            return [f"{where} (keys)"]
+        return [d for k in mine for d in structure_differences(mine[k], theirs[k], f"{where}[{k!r}]", skip, tensors)]
+    if isinstance(mine, (list, tuple)):
+        if len(mine) != len(theirs):
+            return [f"{where} (length)"]
+        return [d for i, (a, b) in enumerate(zip(mine, theirs))
+                for d in structure_differences(a, b, f"{where}[{i}]", skip, tensors)]
+    if isinstance(mine, float):
+        import struct
+
+        return [] if struct.pack("<d", mine) == struct.pack("<d", theirs) else [where]
+    if isinstance(mine, Opaque):  # a loss scaler, an enumeration member: its arguments and state
+        return structure_differences(vars(mine), vars(theirs), where, skip, tensors)
+    return [] if mine == theirs else [where]

@@ -21,6 +21,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tailor_tui.checked import crc
 from tailor_tui.checkpoints.checkpoint import TAKEN_FROZEN
 from tailor_tui.verifying.torch_files import open_binary
 
@@ -130,6 +131,13 @@ class RowCrcs:
             return
         mine = self.found.setdefault(row, {})
         mine[key] = zlib.crc32(data, mine.get(key, 0))
+
+    def add_crc(self, row: str, key: str, value: int, length: int) -> None:
+        """The next part of (row, tensor): `length` bytes whose CRC-32 is `value`."""
+        if not length:
+            return
+        mine = self.found.setdefault(row, {})
+        mine[key] = crc.combine(mine.get(key, 0), value, length)
 
 
 @dataclass

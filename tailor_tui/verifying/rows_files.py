@@ -45,7 +45,7 @@ class RowsFiles:
                 metadata = handle.metadata() or {}
             except (SafetensorError, OSError, ValueError) as exc:
                 raise _damaged(path, f"not a readable safetensors file ({str(exc)[:200]})") from None
-            self.handles[path] = (handle, _recorded(path, metadata))
+            self.handles[path] = (handle, recorded_slices(path, metadata))
         return self.handles[path]
 
     def slice(self, path: Path, name: str, valid: int):
@@ -91,7 +91,7 @@ class RowsFiles:
         return whole
 
 
-def _recorded(path: Path, metadata: dict) -> dict[str, int]:
+def recorded_slices(path: Path, metadata: dict) -> dict[str, int]:
     """{tensor name: CRC-32} the save recorded ({} if none)."""
     text = metadata.get(CRC_METADATA)
     if text is None:

@@ -1,0 +1,515 @@
+"""Comparing an output's bytes with its sources', streamed: every file read once, in bounded memory.
+
+The verifier says what each output byte must be (`Comparison`): the bytes of a source file at some offset
+(`claim`), zero bytes (`zeros`), or nothing but what its record's CRC-32 proves (`crc_only`); and which
+stretches of each file carry evidence that must hold (`evidence`: an archive record's stored CRC-32, a
+partial save's slice CRC-32, or none). `run` then reads:
+
+- every output file's evidence stretches whole, in segments of at most SEGMENT bytes, each a task of
+  its own (workers in parallel, across files and within a large one), through one CHUNK-sized buffer
+  per worker; for each claim met on the way, the source's bytes it names are read into a second buffer
+  and compared (memcmp), and the CRC-32 of both sides' bytes taken;
+- then the stretches of the sources' evidence no claim read (a source record's rows another source
+  gave), once, so that every stretch relied on is read whole exactly once.
+
+Each stretch's CRC-32 is put together from the CRC-32s of its parts, wherever and in whichever order
+they were read (`checked.crc.combine`), and compared with its evidence. So each byte of each file is
+read once, memory holds two chunks per worker whatever the files' sizes, and nothing is mapped. The
+file descriptors are opened once, here, and every read goes through them: what is read is the file
+that was opened, and a file whose identity (`checked.files.identity`: inode, size, times) differs at
+the end from when it was opened changed while it was read (`Outcome.moved`).
+
+What the bytes mean (which claim is which row's, what a failure says) is the caller's: claims carry a
+tag it gives, outcomes name the tags whose bytes differ.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+from tailor_tui.checked import crc
+from tailor_tui.checked.files import identity, open_regular
+from tailor_tui.checked.ranges import pread_into
+from tailor_tui.errors import CheckpointError
+
+CHUNK = 4 << 20  # bytes per read (one buffer per worker for the output, one for its sources)
+SEGMENT = 64 << 20  # bytes of an output stretch one task reads: a large file is read by several workers
+ZERO = -1  # a claim's source: zero bytes (padding)
+NOTHING = -2  # a claim's source: none, its bytes only CRC-checked and their CRC-32 taken (`Outcome.crcs`)
+MAX_WORKERS = 8
+
+_ZEROS = bytearray(CHUNK)
+
+
+def _memcmp():
+    try:
+        libc = ctypes.CDLL(None)
+        function = libc.memcmp
+    except (OSError, AttributeError):  # no C library to call: Python's comparison, a copy each
+        return None
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return function
+
+
+_MEMCMP = _memcmp()
+
+
+class _Buffer:
+    """A reused read buffer and its address (for memcmp)."""
+
+    def __init__(self, size: int = CHUNK):
+        self.data = bytearray(size)
+        self.view = memoryview(self.data)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.data)) if _MEMCMP else 0
+
+
+_ZERO_ADDRESS = ctypes.addressof(ctypes.c_char.from_buffer(_ZEROS)) if _MEMCMP else 0
+
+
+def _same(a: _Buffer, at_a: int, b: _Buffer | None, at_b: int, n: int) -> bool:
+    """Whether `n` bytes of `a` from `at_a` equal those of `b` from `at_b` (`b` None: zero bytes)."""
+    if _MEMCMP is not None:
+        other = _ZERO_ADDRESS if b is None else b.address + at_b
+        return _MEMCMP(a.address + at_a, other, n) == 0
+    theirs = bytes(n) if b is None else bytes(b.view[at_b: at_b + n])
+    return bytes(a.view[at_a: at_a + n]) == theirs
+
+
+class Claim(NamedTuple):
+    """Bytes [at, at+length) of output file `out` must be source file `source`'s from `source_at` (ZERO: zero
+    bytes; NOTHING: anything their stretch's evidence proves). `tag`: the caller's."""
+
+    out: int
+    at: int
+    length: int
+    source: int
+    source_at: int
+    tag: int
+
+
+class Stretch(NamedTuple):
+    """Bytes [at, at+length) of file `file` whose CRC-32 must be `crc` (None: no evidence, only read where
+    claimed); `name` says which (a record's, a slice's) in a failure."""
+
+    file: int
+    at: int
+    length: int
+    crc: int | None
+    name: str
+
+    @property
+    def data_offset(self) -> int:  # (a `checked.evidence.Checkable`: its failure told as a record's)
+        return self.at
+
+    @property
+    def size(self) -> int:
+        return self.length
+
+
+@dataclass
+class Outcome:
+    """What `run` found."""
+
+    differing: set[int] = field(default_factory=set)  # tags of claims whose bytes differ
+    failed: list[tuple[Stretch, int]] = field(default_factory=list)  # stretches failing their CRC-32, and theirs
+    moved: list[Path] = field(default_factory=list)  # files that changed while they were read
+    crcs: dict[int, int] = field(default_factory=dict)  # claim index -> CRC-32 of its output bytes
+    read: int = 0  # bytes read
+
+
+class Comparison:
+    """What an output must hold, file by file (see the module's docstring). Each file is looked at as it is named
+    (`file`): a regular file, readable, its identity kept; every task that reads it opens it again and reads it
+    only where it is still that file, at the start of the task and at its end."""
+
+    def __init__(self) -> None:
+        self.paths: list[Path] = []
+        self.identities: list[tuple] = []  # identity of each file as first opened
+        self.sizes: list[int] = []
+        self._index: dict[Path, int] = {}
+        self.claims: list[Claim] = []
+        self.stretches: list[Stretch] = []
+        self.labels: dict[int, str] = {}  # output file -> progress label (a rank)
+
+    def file(self, path: Path, *, label: str | None = None) -> int:
+        """The index of the file at `path` (CheckpointError: missing, not a regular file, unreadable). `label`:
+        an output file's progress label."""
+        path = Path(path)
+        if path not in self._index:
+            fd = _opened(path)
+            try:
+                st = os.fstat(fd)
+            finally:
+                os.close(fd)
+            self._index[path] = len(self.paths)
+            self.paths.append(path)
+            self.identities.append(identity(st))
+            self.sizes.append(st.st_size)
+        f = self._index[path]
+        if label is not None:
+            self.labels[f] = label
+        return f
+
+    def size(self, f: int) -> int:
+        return self.sizes[f]
+
+    def evidence(self, f: int, at: int, length: int, crc_: int | None, name: str) -> None:
+        """Bytes [at, at+length) of file `f` carry the CRC-32 `crc_` (None: none)."""
+        self.stretches.append(Stretch(f, at, length, crc_, name))
+
+    def claim(self, out: int, at: int, length: int, source: int, source_at: int, tag: int) -> int:
+        """Output bytes [at, at+length) must be `source`'s from `source_at`; returns the claim's index."""
+        self.claims.append(Claim(out, at, length, source, source_at, tag))
+        return len(self.claims) - 1
+
+    def zeros(self, out: int, at: int, length: int, tag: int) -> int:
+        return self.claim(out, at, length, ZERO, 0, tag)
+
+    def crc_only(self, out: int, at: int, length: int, tag: int) -> int:
+        return self.claim(out, at, length, NOTHING, 0, tag)
+
+
+def _opened(path: Path) -> int:
+    try:
+        return open_regular(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file is missing; the checkpoint is incomplete") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+
+
+class _Descriptors:
+    """The descriptors one task reads through: each file opened when first needed, and kept only where it is the
+    file named (its identity); `close` looks at each again, and says which changed meanwhile."""
+
+    def __init__(self, claims: Comparison) -> None:
+        self.claims, self.fds = claims, dict[int, int]()
+
+    def __getitem__(self, f: int) -> int:
+        if f not in self.fds:
+            fd = self.fds[f] = _opened(self.claims.paths[f])
+            if identity(os.fstat(fd)) != self.claims.identities[f]:
+                raise _Moved(f)
+        return self.fds[f]
+
+    def close(self) -> list[int]:
+        moved = [f for f, fd in self.fds.items() if identity(os.fstat(fd)) != self.claims.identities[f]]
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
+        return moved
+
+
+class _Moved(Exception):
+    """A file that is not, when a task opens it, the one the claims were made of."""
+
+    def __init__(self, f: int):
+        self.f = f
+
+
+class _Reading(NamedTuple):
+    file: int
+    parts: tuple[tuple[int, int], ...]  # (offset, length) read, in order: a large stretch's share, or small ones
+    claims: tuple[int, ...]  # indices of the claims overlapping them, by offset
+
+    @property
+    def length(self) -> int:
+        return sum(n for _a, n in self.parts)
+
+
+class _Found:
+    """One task's findings (merged into the Outcome by the caller, under its lock)."""
+
+    def __init__(self) -> None:
+        self.pieces: list[tuple[int, int, int, int]] = []  # (file, at, length, CRC-32) read
+        self.out_crcs: dict[int, list[int]] = {}  # claim -> [first output byte read, length, CRC-32]
+        self.src_crcs: dict[int, list[int]] = {}  # claim -> [first source byte read, length, CRC-32]
+        self.differing: set[int] = set()
+
+
+def run(claims: Comparison, *, workers: int = 2, on_bytes: Callable[[str, int], None] = lambda label, n: None,
+        on_sources: Callable[[int], None] = lambda total: None, cancelled: Callable[[], bool] = lambda: False
+        ) -> Outcome:
+    """Read and compare (the module's docstring). `on_bytes(label, n)`: `n` more bytes of an output file labelled
+    `label` read ("sources": of the sources' stretches no claim read, `on_sources(total)` told first how many). A
+    claim must lie inside one of its output file's stretches, its source bytes inside one of the source's
+    (ValueError: the caller's bug)."""
+    outcome = Outcome()
+    evidence: dict[int, list[Stretch]] = {}
+    for s in claims.stretches:
+        evidence.setdefault(s.file, []).append(s)
+    for found in evidence.values():
+        found.sort(key=lambda s: s.at)
+    lock = threading.Lock()
+    local = threading.local()
+    pieces: list[tuple[int, int, int, int]] = []  # (file, at, length, CRC-32) of every part read
+    by_claim_src: dict[int, list[tuple[int, int, int]]] = {}
+    by_claim_out: dict[int, list[tuple[int, int, int]]] = {}
+    moved: set[int] = set()
+
+    def do(task: _Reading) -> None:
+        if not hasattr(local, "out"):
+            local.out, local.src = _Buffer(), _Buffer()
+        found, files = _Found(), _Descriptors(claims)
+        try:
+            _read_task(claims, task, files, local.out, local.src, found, cancelled,
+                       lambda n: on_bytes(claims.labels.get(task.file, "output"), n))
+        except _Moved as exc:
+            with lock:
+                moved.add(exc.f)
+            return
+        finally:
+            changed = files.close()
+        with lock:
+            moved.update(changed)
+            pieces.extend(found.pieces)
+            outcome.differing |= found.differing
+            for c, (a, n, value) in found.src_crcs.items():
+                by_claim_src.setdefault(c, []).append((a, n, value))
+            for c, (a, n, value) in found.out_crcs.items():
+                by_claim_out.setdefault(c, []).append((a, n, value))
+
+    _pool(do, _tasks(claims, evidence), workers)
+    for c, parts in by_claim_src.items():
+        source = claims.claims[c].source
+        pieces.extend((source, a, n, value) for a, n, value in parts)
+    for c, parts in by_claim_out.items():
+        parts.sort()
+        value = 0
+        for _a, n, part in parts:
+            value = crc.combine(value, part, n)
+        outcome.crcs[c] = value
+    # every stretch whole: the parts no claim read, read now, then each stretch's CRC-32 put together
+    gaps, held = _gaps(evidence, pieces)
+    on_sources(sum(t.length for t in gaps))
+
+    def fill(task: _Reading) -> None:
+        if not hasattr(local, "out"):
+            local.out, local.src = _Buffer(), _Buffer()
+        files = _Descriptors(claims)
+        try:
+            values = [(a, n, _crc_of(files[task.file], a, n, local.out, cancelled, lambda n: on_bytes("sources", n)))
+                      for a, n in task.parts]
+        except _Moved as exc:
+            with lock:
+                moved.add(exc.f)
+            return
+        finally:
+            changed = files.close()
+        with lock:
+            moved.update(changed)
+            held.extend((task.file, a, n, value) for a, n, value in values)
+
+    _pool(fill, gaps, workers)
+    outcome.moved = [claims.paths[f] for f in sorted(moved)]
+    outcome.read = sum(p[2] for p in pieces) + sum(t.length for t in gaps)
+    if not moved:
+        _settle(evidence, held, outcome)
+    return outcome
+
+
+def _pool(do: Callable[[_Reading], None], tasks: list[_Reading], workers: int) -> None:
+    if not tasks:
+        return
+    workers = max(1, min(workers, MAX_WORKERS, len(tasks)))
+    if workers == 1:
+        for task in tasks:
+            do(task)
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="verify") as pool:
+        for future in [pool.submit(do, task) for task in sorted(tasks, key=lambda t: -t.length)]:
+            future.result()  # (the first failure, Cancelled included, is raised here)
+
+
+def _packed(f: int, spans: list[tuple[int, int]]) -> list[tuple[int, tuple[tuple[int, int], ...]]]:
+    """`spans` of file `f`, in order, as tasks' parts: a large one cut in SEGMENTs, small ones together up to one."""
+    tasks: list[tuple[int, tuple[tuple[int, int], ...]]] = []
+    parts: list[tuple[int, int]] = []
+    held = 0
+    for at, length in spans:
+        for a in range(at, at + length, SEGMENT) if length else ():
+            n = min(SEGMENT, at + length - a)
+            if parts and held + n > SEGMENT:
+                tasks.append((f, tuple(parts)))
+                parts, held = [], 0
+            parts.append((a, n))
+            held += n
+    if parts:
+        tasks.append((f, tuple(parts)))
+    return tasks
+
+
+def _tasks(claims: Comparison, evidence: dict[int, list[Stretch]]) -> list[_Reading]:
+    """The output files' stretches in tasks, each with the claims that overlap its parts."""
+    starts_of = {f: [s.at for s in found] for f, found in evidence.items()}
+    for c in claims.claims:
+        if c.source >= 0 and not _inside(evidence.get(c.source, []), starts_of.get(c.source, []), c.source_at,
+                                         c.length):
+            raise ValueError(f"claim {c}: its source bytes lie outside the stretches of {claims.paths[c.source]}")
+    by_file: dict[int, list[int]] = {}
+    for i, c in enumerate(claims.claims):
+        by_file.setdefault(c.out, []).append(i)
+    tasks = []
+    for f in sorted(set(by_file) | set(claims.labels)):
+        stretches = evidence.get(f, [])
+        packed = _packed(f, [(s.at, s.length) for s in stretches])
+        firsts = [parts[0][0] for _f, parts in packed]
+        mine: list[list[int]] = [[] for _ in packed]
+        for i in by_file.get(f, ()):
+            c = claims.claims[i]
+            if not _inside(stretches, starts_of.get(f, []), c.at, c.length):
+                raise ValueError(f"claim {c} lies outside the stretches of {claims.paths[f]}")
+            j = max(0, bisect.bisect_right(firsts, c.at) - 1)
+            while j < len(packed) and firsts[j] < c.at + max(c.length, 1):
+                last_at, last_n = packed[j][1][-1]
+                if last_at + last_n > c.at:
+                    mine[j].append(i)
+                j += 1
+        for (_f, parts), members in zip(packed, mine):
+            members.sort(key=lambda i: claims.claims[i].at)
+            tasks.append(_Reading(f, parts, tuple(members)))
+    return tasks
+
+
+def _inside(stretches: list[Stretch], starts: list[int], at: int, length: int) -> bool:
+    k = bisect.bisect_right(starts, at) - 1
+    return k >= 0 and at + length <= stretches[k].at + stretches[k].length
+
+
+def _read_task(claims: Comparison, task: _Reading, files: _Descriptors, out: _Buffer, src: _Buffer, found: _Found,
+               cancelled: Callable[[], bool], counted: Callable[[int], None]) -> None:
+    """Read the output parts of `task` chunk by chunk: each part's CRC-32, and each claim's bytes in it compared."""
+    from tailor_tui.events import Cancelled
+
+    fd = files[task.file]
+    members = [claims.claims[i] for i in task.claims]
+    first = 0  # the first claim not wholly read yet
+    for at, length in task.parts:
+        position, end, value = at, at + length, 0
+        while first < len(members) and members[first].at + members[first].length <= position \
+                and members[first].length:
+            first += 1
+        while position < end:
+            if cancelled():
+                raise Cancelled()
+            n = min(CHUNK, end - position)
+            pread_into(fd, out.view[:n], position)
+            value = crc.crc32(out.view[:n], value)
+            stop = position + n
+            k = first
+            while k < len(members) and members[k].at < stop:
+                c = members[k]
+                a, b = max(c.at, position), min(c.at + c.length, stop)
+                if b > a:
+                    _compare(files, task.claims[k], c, a, b - a, out, a - position, src, found)
+                k += 1
+            counted(n)
+            position = stop
+        found.pieces.append((task.file, at, length, value))
+
+
+def _compare(files: _Descriptors, index: int, c: Claim, a: int, n: int, out: _Buffer, at: int, src: _Buffer,
+             found: _Found) -> None:
+    """Output bytes [a, a+n) of claim `c`, at `at` in the output buffer: compared, their CRC-32s taken."""
+    mine = crc.crc32(out.view[at: at + n])
+    _extend(found.out_crcs, index, a, n, mine)
+    if c.source == NOTHING:
+        return
+    if c.source == ZERO:
+        if not _same(out, at, None, 0, n):
+            found.differing.add(c.tag)
+        return
+    source_at = c.source_at + (a - c.at)
+    pread_into(files[c.source], src.view[:n], source_at)
+    _extend(found.src_crcs, index, source_at, n, crc.crc32(src.view[:n]))
+    if not _same(out, at, src, 0, n):
+        found.differing.add(c.tag)
+
+
+def _extend(crcs: dict[int, list[int]], index: int, a: int, n: int, value: int) -> None:
+    """Claim `index`'s bytes [a, a+n) read, CRC-32 `value`: joined to those read before it where they end at `a`."""
+    held = crcs.get(index)
+    if held is None:
+        crcs[index] = [a, n, value]
+    elif held[0] + held[1] == a:
+        held[1] += n
+        held[2] = crc.combine(held[2], value, n)
+    else:  # (a claim read by two tasks: each task's part apart, joined by the caller)
+        raise ValueError(f"claim {index} read out of order in one task")
+
+
+def _gaps(evidence: dict[int, list[Stretch]], pieces) -> tuple[list[_Reading], list]:
+    """(tasks reading the parts of stretches with evidence that no piece read; the pieces that go into the
+    stretches' CRC-32s). A stretch some of whose bytes were read twice (claims sharing source bytes) is read
+    whole once more instead."""
+    by_file: dict[int, list[tuple[int, int, int, int]]] = {}
+    for p in pieces:
+        by_file.setdefault(p[0], []).append(p)
+    tasks: list[_Reading] = []
+    held = []
+    for f, stretches in evidence.items():
+        mine = sorted(by_file.get(f, ()), key=lambda p: p[1])
+        starts = [p[1] for p in mine]
+        spans: list[tuple[int, int]] = []
+        for s in stretches:
+            if s.crc is None:
+                continue
+            end = s.at + s.length
+            inside = mine[bisect.bisect_left(starts, s.at): bisect.bisect_left(starts, end)]
+            if any(a[1] + a[2] > b[1] for a, b in zip(inside, inside[1:])) or (
+                    inside and inside[-1][1] + inside[-1][2] > end):
+                inside = []
+            held += inside
+            position = s.at
+            for p in [*inside, (f, end, 0, 0)]:
+                if position < p[1]:
+                    spans.append((position, p[1] - position))
+                position = p[1] + p[2]
+        tasks += [_Reading(f, parts, ()) for f, parts in _packed(f, spans)]
+    return tasks, held
+
+
+def _crc_of(fd: int, at: int, length: int, buffer: _Buffer, cancelled, counted) -> int:
+    from tailor_tui.events import Cancelled
+
+    value, end = 0, at + length
+    while at < end:
+        if cancelled():
+            raise Cancelled()
+        n = min(CHUNK, end - at)
+        pread_into(fd, buffer.view[:n], at)
+        value = crc.crc32(buffer.view[:n], value)
+        counted(n)
+        at += n
+    return value
+
+
+def _settle(evidence: dict[int, list[Stretch]], held, outcome: Outcome) -> None:
+    """Each stretch's CRC-32 from the parts read of it, compared with its evidence."""
+    by_file: dict[int, list[tuple[int, int, int, int]]] = {}
+    for p in held:
+        by_file.setdefault(p[0], []).append(p)
+    for f, stretches in evidence.items():
+        parts = sorted(by_file.get(f, ()), key=lambda p: p[1])
+        starts = [p[1] for p in parts]
+        for s in stretches:
+            if s.crc is None:
+                continue
+            i = bisect.bisect_left(starts, s.at)
+            value, position = 0, s.at
+            while position < s.at + s.length:
+                if i >= len(parts) or parts[i][1] != position or position + parts[i][2] > s.at + s.length:
+                    raise ValueError(f"stretch {s} not read whole (a part at {position} missing or astride it)")
+                value = crc.combine(value, parts[i][3], parts[i][2])
+                position += parts[i][2]
+                i += 1
+            if value != s.crc:
+                outcome.failed.append((s, value))

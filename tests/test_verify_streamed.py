@@ -1,0 +1,216 @@
+"""`--verify` streamed: each byte of each file read once, compared where it is read, in bounded memory, without
+torch; what it failed before it still fails (a flipped byte whose CRC-32 was fixed, a row's bytes from the wrong
+checkpoint, a damaged output record), row by row."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+import zlib
+from pathlib import Path
+
+import pytest
+from conftest import checkpoints_of
+from helpers import tailor, write_recipe
+
+from tailor_tui.formats.ptfile import read_structure
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _composed(real_run, tmp_path, name="ds_bf16_3_subgroups"):
+    run, spec = real_run(name)
+    c2, c4, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c2, "embed_tokens": c4})
+    applied = tailor("--apply", recipe)
+    assert applied.returncode == 0, applied.stderr
+    return recipe, tmp_path / "composed", (c2, c4, c6)
+
+
+def _slot(recipe: Path, row: str, rank: int):
+    """A slot of `row` that rank `rank` holds elements of, and the base's layout."""
+    from tailor_tui.planning.build import build_plan
+    from tailor_tui.planning.recipe_file import load_recipe
+
+    plan = build_plan(load_recipe(recipe), check_output=False)
+    param_row = plan.base.param_to_row()
+    return next(s for s in plan.base.layout.slots if param_row[s.name] == row and s.valid(rank)), plan
+
+
+def _write_keeping_crc(path: Path, at: int, data: bytes) -> None:
+    """Write `data` at byte `at` of the zip-format torch file `path`, inside one record, and set that record's
+    CRC-32 (its local header or data descriptor, and its central directory entry) to what its bytes now give:
+    a change no CRC check notices, only a comparison."""
+    _obj, records, _prefix = read_structure(path)
+    record = next(r for r in records.values() if r.data_offset <= at < r.data_offset + r.size)
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(data)
+        f.seek(record.data_offset)
+        value = zlib.crc32(f.read(record.size))
+        for where in record.crc_offsets:
+            f.seek(where)
+            f.write(value.to_bytes(4, "little"))
+    with zipfile.ZipFile(path) as z:
+        assert z.testzip() is None  # every record's CRC-32 holds
+
+
+def _slot_at(path: Path, slot, key: str = "fp32") -> int:
+    """The first byte of `slot`'s elements of flat tensor `key` in the optim file `path`."""
+    from tailor_tui.formats.ds_format import flat_tensor
+    from tailor_tui.formats.ptfile import locate
+
+    obj, records, prefix = read_structure(path)
+    tb = locate(flat_tensor(obj["optimizer_state_dict"], slot.group, key), records, prefix)
+    return tb.offset + slot.offset * tb.itemsize
+
+
+def _fails(result, *rows: str) -> list[str]:
+    failed = [line for line in result.stdout.splitlines() if line.startswith("FAIL")]
+    assert result.returncode == 7, result.stdout + result.stderr
+    assert sorted(line.split()[1] for line in failed) == sorted(rows), result.stdout
+    return failed
+
+
+@pytest.mark.parametrize("key", ["fp32", "exp_avg_sq"])
+def test_a_flipped_byte_whose_crc_was_fixed_fails_its_row_alone(real_run, tmp_path, key):
+    recipe, out, _ = _composed(real_run, tmp_path)
+    slot, _plan = _slot(recipe, "layers.1", 1)
+    optim = next(out.glob("*/*rank_1_*optim_states.pt"))
+    at = _slot_at(optim, slot, key)
+    with open(optim, "rb") as f:
+        f.seek(at + 4)
+        byte = f.read(1)[0]
+    _write_keeping_crc(optim, at + 4, bytes([byte ^ 0x01]))
+    failed = _fails(tailor("--verify", recipe), "layers.1")
+    assert f"rank 1: {key} of {slot.name} differs from" in failed[0], failed
+
+
+def test_a_row_from_the_wrong_checkpoint_fails(real_run, tmp_path):
+    """layers.1's bytes on rank 0 are the base's (step 6), not step 2's the recipe picks: each byte is a real
+    value of the right dtype, every CRC-32 holds; only a comparison with the source it names tells."""
+    recipe, out, (_c2, _c4, c6) = _composed(real_run, tmp_path)
+    slot, _plan = _slot(recipe, "layers.1", 0)
+    optim = next(out.glob("*/*rank_0_*optim_states.pt"))
+    base = next(c6.glob("*rank_0_*optim_states.pt"))
+    theirs = _slot_at(base, slot)
+    with open(base, "rb") as f:
+        f.seek(theirs)
+        wrong = f.read(slot.valid(0) * 4)
+    _write_keeping_crc(optim, _slot_at(optim, slot), wrong)
+    failed = _fails(tailor("--verify", recipe), "layers.1")
+    assert "rank 0: fp32 of" in failed[0] and "differs from" in failed[0], failed
+
+
+def test_a_damaged_output_record_is_a_failed_verification_naming_it(real_run, tmp_path):
+    recipe, out, _ = _composed(real_run, tmp_path)
+    slot, _plan = _slot(recipe, "layers.2", 2)  # a row of the base: the output equals it, but for the flip
+    optim = next(out.glob("*/*rank_2_*optim_states.pt"))
+    at = _slot_at(optim, slot)
+    with open(optim, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x40]))
+    result = tailor("--verify", recipe)
+    assert result.returncode == 7 and "Traceback" not in result.stderr, result.stdout + result.stderr
+    assert f"FAIL  {optim}: record" in result.stdout and "fails its CRC-32 check" in result.stdout, result.stdout
+    assert "FAIL  layers.2" in result.stdout, result.stdout  # and the row it holds differs from its source
+
+
+def test_verify_reads_each_byte_once_without_torch(real_run, tmp_path):
+    """Every record of the output's files and every record of the sources the rows lie in is read exactly once
+    (the engine counts what it reads), in one process that never imports torch, with a progress line per rank."""
+    recipe, out, _ = _composed(real_run, tmp_path)
+    probe = (
+        "import sys, json\n"
+        "from pathlib import Path\n"
+        "from tailor_tui.planning.build import build_plan\n"
+        "from tailor_tui.planning.recipe_file import load_recipe\n"
+        "from tailor_tui.verifying import streamed\n"
+        "from tailor_tui.verifying.against_recipe import verify_against_recipe\n"
+        "read = []\n"
+        "original = streamed.run\n"
+        "def counted(claims, **kw):\n"
+        "    outcome = original(claims, **kw)\n"
+        "    read.append((outcome.read, sum(s.length for s in claims.stretches)))\n"
+        "    return outcome\n"
+        "streamed.run = counted\n"
+        "events = []\n"
+        f"report = verify_against_recipe(build_plan(load_recipe(Path({str(recipe)!r})), check_output=False),\n"
+        "                               emit=events.append)\n"
+        "print(json.dumps({'ok': report.ok, 'read': read, 'torch': 'torch' in sys.modules,\n"
+        "                  'tasks': sorted({getattr(e, 'task', '') for e in events})}))\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.splitlines()[-1])
+    assert found["ok"] and not found["torch"], found
+    [(read, stretches)] = found["read"]
+    assert read == stretches, found  # each stretch read whole, once: no byte twice, none skipped
+    assert {"rank 0", "rank 1", "rank 2", "sources"} <= set(found["tasks"]), found
+
+
+def _sparse_archive(path: Path, size: int) -> tuple[int, int]:
+    """A zip archive laid out as torch.save lays one out (stored records, `data.pkl` then `data/0`) whose one large
+    record is `size` zero bytes, written as a hole (nothing on disk): (the record's first byte, its size)."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
+        z.writestr("archive/data.pkl", b"\x80\x02}q\x00.")
+        info = zipfile.ZipInfo("archive/data/0")
+        with z.open(info, "w", force_zip64=True) as w:
+            zero = bytes(1 << 20)
+            for _ in range(size >> 20):
+                w.write(zero)
+    _obj, records, _prefix = read_structure(path)
+    record = records["archive/data/0"]
+    fd = os.open(path, os.O_RDWR)
+    try:  # the zeros given back to the file system: the archive is sparse, its bytes read as zeros still
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.fallocate(fd, 0x03, ctypes.c_longlong(record.data_offset), ctypes.c_longlong(record.size))  # PUNCH_HOLE|KEEP_SIZE
+    finally:
+        os.close(fd)
+    return record.data_offset, record.size
+
+
+def test_memory_stays_bounded_on_files_many_times_the_bound(tmp_path):
+    """Two archives of 1 GiB records (4x the 256 MiB a verifying process may hold), compared whole, byte for byte,
+    and a flipped byte found: the comparing process's peak RSS stays far below either file's size."""
+    size = 1 << 30
+    out, source = tmp_path / "out.pt", tmp_path / "source.pt"
+    at, n = _sparse_archive(out, size)
+    _sparse_archive(source, size)
+    probe = (
+        "import json\n"
+        "from pathlib import Path\n"
+        "from tailor_tui.checked import crc\n"
+        "from tailor_tui.verifying import streamed\n"
+        f"at, n = {at}, {n}\n"
+        "claims = streamed.Comparison()\n"
+        f"out = claims.file(Path({str(out)!r}), label='rank 0')\n"
+        f"src = claims.file(Path({str(source)!r}))\n"
+        "for f in (out, src):\n"
+        "    claims.evidence(f, at, n, crc.zeros(n), 'archive/data/0')\n"
+        "claims.claim(out, at, n // 2, src, at, 0)\n"
+        "claims.zeros(out, at + n // 2, n - n // 2, 1)\n"
+        "outcome = streamed.run(claims, workers=2)\n"
+        # this process's own peak (ru_maxrss would carry the forking test process's over exec)
+        "peak = next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith('VmHWM')) << 10\n"
+        "print(json.dumps([sorted(outcome.differing), len(outcome.failed), outcome.read, peak]))\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    differing, failed, read, peak = json.loads(done.stdout)
+    assert differing == [] and failed == 0 and read == 2 * size, done.stdout
+    assert peak < 256 << 20, f"peak RSS {peak >> 20} MiB verifying two {size >> 30} GiB files"
+    # one byte flipped in the middle of the output's claimed half: found, as a difference and as a CRC failure
+    with open(out, "r+b") as f:
+        f.seek(at + size // 4)
+        f.write(b"\x01")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    differing, failed, read, peak = json.loads(done.stdout)
+    assert differing == [0] and failed == 1 and peak < 256 << 20, done.stdout
+
