@@ -241,7 +241,6 @@ MOVED = [
     ("tailor_tui.compose.verify", "verify_against_recipe", "tailor_tui.verifying.against_recipe"),
     ("tailor_tui.compose.verify", "VerifyReport", "tailor_tui.verifying.against_recipe"),
     ("tailor_tui.compose.verify_reshard", "verify_resharded", "tailor_tui.verifying.resharded"),
-    ("tailor_tui.compose.verify_reshard", "whole_matches", "tailor_tui.verifying.resharded"),
     ("tailor_tui.compose.verify_reshard", "SameContent", "tailor_tui.verifying.same_content"),
     ("tailor_tui.compose.compare", "same_bytes", "tailor_tui.verifying.compare"),
     ("tailor_tui.compose.compare", "differences", "tailor_tui.verifying.compare"),

@@ -7,5 +7,5 @@ from __future__ import annotations
 from tailor_tui import moved
 
 __getattr__ = moved.names(__name__, {
-    **dict.fromkeys(("verify_resharded", "whole_matches", "BATCH", "OUTER", "REPLACED"), "tailor_tui.verifying.resharded"),
+    **dict.fromkeys(("verify_resharded", "OUTER", "REPLACED"), "tailor_tui.verifying.resharded"),
     "SameContent": "tailor_tui.verifying.same_content"})

@@ -1,20 +1,23 @@
 """Verifying a finished output (`--verify`), sharing no code with the writers that made it.
 
 What the output must hold is worked out from what was asked (the plan: the recipe's picks, the
-output's layout) and what exists (each checkpoint's layout, `checkpoints.open_checkpoint`), and
-read with the formats' own reference readers: torch files by torch (`torch_files`: CRC-32s
-checked first, weights-only, memory-mapped), safetensors files and a partial checkpoint's rows
-files by the safetensors library (`rows_files`: recorded CRC-32s checked). The check of an
-output against its recipe (`against_recipe`: `verify_against_recipe`, `VerifyReport`), of a resharded
-output (`resharded`, where each of its elements comes from: `pieces`; its model_states files
-unpickled once per content: `same_content`), of weight files (`weights`), comparing
-loaded structures byte for byte (`compare`), and what the output's provenance record says was taken
-against the output's own CRC-32s (`recorded`: what proves the rows of a source changed since). None of `compose/` nor the writers' readers
-(`formats.ptfile`, `pickled`, `ptwrite`, `safetensors_in`, `safe_load`, `kinds`,
-`resharding.partition`) is imported here (an import-linter contract says so); only the bounds
-any checkpoint's pickle is held to (`formats.pickle_bounds`) guard torch's unpickling here too.
+output's layout) and what exists (each checkpoint's layout, `checkpoints.open_checkpoint`): where each
+row's bytes lie in the output and in its source, rank by rank (`zero_ranks`: at the base's world size;
+`resharded`: at another, each element's place worked out anew: `pieces`), and each weight file's tensors
+(`weights`). Each is a claim on a range of the output's bytes (`rank_claims`), and the claims are run
+streamed (`streamed`): every file read once, in chunks, by threads in parallel, each byte compared with its
+source's where it is read and every record checked against its stored CRC-32 on the way (a partial save's
+slices against the CRC-32s their save recorded), in bounded memory, without torch. Files are read as every
+part reads them: the checked read path (`checked`) and the torch-free readers of where a file's tensors lie
+(`formats.ptfile`, `formats.safetensors_in`, `dcp.reading`); none of `compose/` nor the kinds' readers
+(`kinds`, `resharding`) is imported here (an import-linter contract says so). The check of an output against
+its recipe (`against_recipe`: `verify_against_recipe`, `VerifyReport`), what the output's provenance record
+says was taken against the output's own CRC-32s (`recorded`: what proves the rows of a source changed since),
+comparing structures (`compare`). A DCP composition (`dcp_output`) and a tensor cast from a partial save's fp32
+masters are still compared loaded by torch (`torch_files`, `rows_files`, `dcp_sources`); `same_content` (torch
+files unpickled once per content) is kept for its callers.
 """
 
 # its public API is its modules
-__all__ = ["against_recipe", "compare", "pieces", "recorded", "resharded", "rows_files", "same_content", "torch_files",
-           "weights"]
+__all__ = ["against_recipe", "compare", "pieces", "rank_claims", "recorded", "resharded", "rows_files",
+           "same_content", "streamed", "torch_files", "weights", "zero_ranks"]

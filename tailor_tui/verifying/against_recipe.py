@@ -48,10 +48,11 @@ from tailor_tui.verifying.recorded import (
     recorded_crcs,
     recorded_weights,
 )
+from tailor_tui.verifying.resharded import ReshardedRanks
 from tailor_tui.verifying.rows_files import RowsFiles
 from tailor_tui.verifying.torch_files import is_zip, torch_reads
-from tailor_tui.verifying.weights import WeightRecord, verify_weight_file
-from tailor_tui.verifying.zero_ranks import verify_ranks
+from tailor_tui.verifying.weights import WeightRecord, claim_weight_file
+from tailor_tui.verifying.zero_ranks import ZeroRanks
 
 
 @dataclass
@@ -112,19 +113,17 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
     composed.check_complete()  # a rank file that is no whole archive (or no regular file): exit 4, before torch
     gone = set(changed)  # and those found changed on the way: files that fail the checks the composition passed
     archives = Archives(recorded_crcs(record, ARCHIVES), out, plan.base.tag)  # (asked only once one changed)
-    if plan.reshard is not None:
-        from tailor_tui.verifying.resharded import verify_resharded
-
-        verify_resharded(plan, composed, report, emit, cancelled, changed=gone, taken=taken, archives=archives)
-    else:
-        verify_ranks(plan, composed, report, emit, cancelled, changed=gone, taken=taken, archives=archives,
-                     workers=workers)
+    kind = ReshardedRanks if plan.reshard is not None else ZeroRanks
+    ranks = kind(plan, report, changed=gone, taken=taken, archives=archives)  # every byte claimed, then read once
+    for rank in range(plan.world_size):
+        ranks.add(rank, composed)
     partial = RowsFiles()
     weights, headers = recorded_weights(record, TAKEN_WEIGHTS), recorded_crcs(record, WEIGHT_HEADERS)
     for job in plan.model_file_jobs():
-        verify_weight_file(plan, job, report, partial, changed=frozenset(gone), record=WeightRecord(
+        claim_weight_file(ranks, job, partial, changed=frozenset(gone), record=WeightRecord(
             None if weights is None else weights.get(job.name), None if headers is None else headers.get(job.name),
             archives))
+    ranks.check(emit, cancelled, workers)
     for line in archives.failed:
         report.add(None, line)
     own = plan.own_files()

@@ -137,6 +137,7 @@ class Comparison:
         self._index: dict[Path, int] = {}
         self.claims: list[Claim] = []
         self.stretches: list[Stretch] = []
+        self._evidenced: set[tuple[int, int, int]] = set()
         self.labels: dict[int, str] = {}  # output file -> progress label (a rank)
 
     def file(self, path: Path, *, label: str | None = None) -> int:
@@ -162,8 +163,10 @@ class Comparison:
         return self.sizes[f]
 
     def evidence(self, f: int, at: int, length: int, crc_: int | None, name: str) -> None:
-        """Bytes [at, at+length) of file `f` carry the CRC-32 `crc_` (None: none)."""
-        self.stretches.append(Stretch(f, at, length, crc_, name))
+        """Bytes [at, at+length) of file `f` carry the CRC-32 `crc_` (None: none); said again, nothing more."""
+        if (f, at, length) not in self._evidenced:
+            self._evidenced.add((f, at, length))
+            self.stretches.append(Stretch(f, at, length, crc_, name))
 
     def claim(self, out: int, at: int, length: int, source: int, source_at: int, tag: int) -> int:
         """Output bytes [at, at+length) must be `source`'s from `source_at`; returns the claim's index."""

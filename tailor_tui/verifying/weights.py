@@ -1,20 +1,20 @@
 """Re-checking an output's weight files: each tensor its row's chosen source's, byte for byte.
 
 - A safetensors file (the 16-bit model files, a PEFT adapter) starts with the header tailor-tui
-  writes (the plan's: names, dtypes, shapes, offsets and metadata, the base's), and each tensor,
-  read with the safetensors library, is its source's: from a full checkpoint, the tensor of the
-  same name in the files the plan names; from a partial checkpoint (which saves no 16-bit
-  weights), its fp32 master put together from every rank's slice (`rows_files`, each checked
-  against its recorded CRC-32) and cast to the file's dtype by torch (`Tensor.to`: round to
-  nearest even, as ZeRO-3 makes its 16-bit partition after each step); a frozen parameter or a
-  buffer of a partial checkpoint, which has no master, from its ranks' model_states.
+  writes (the plan's: names, dtypes, shapes, offsets and metadata, the base's), and each tensor is
+  its source's: from a full checkpoint, the bytes of the tensor of the same name in the files the plan
+  names (claimed on the output's bytes, compared as they are read: `rank_claims`); from a partial
+  checkpoint or a DCP one (which save no 16-bit weights), its fp32 master put together from every
+  rank's slice (`rows_files`, each checked against its recorded CRC-32) and cast to the file's dtype
+  by torch (`Tensor.to`: round to nearest even, as ZeRO-3 makes its 16-bit partition after each step),
+  compared at once; a frozen parameter or a buffer of a partial checkpoint, which has no master, from
+  its ranks' model_states.
 - A torch-format weight file (`pytorch_model*.bin`) holds the base's names in the base's order,
-  each tensor its source's (every file loaded by `torch_files.load`, CRC-32s checked first).
+  each tensor's bytes its source's (claimed: every record of each file checked against its CRC-32).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 from dataclasses import dataclass
@@ -22,9 +22,12 @@ from pathlib import Path
 from zlib import crc32
 
 from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, MODULE
+from tailor_tui.formats.pickled import TensorRef
+from tailor_tui.formats.safetensors_in import check_header, parse_prefix, safetensors_tensors
 from tailor_tui.planning.jobs import BinFileJob
-from tailor_tui.verifying.compare import same_bytes
+from tailor_tui.verifying.compare import same_bytes, structure_differences
 from tailor_tui.verifying.dcp_sources import DcpTensors, is_dcp_rank
+from tailor_tui.verifying.rank_claims import RankClaims, Tag, TorchFile
 from tailor_tui.verifying.recorded import Archives
 from tailor_tui.verifying.rows_files import RowsFiles
 from tailor_tui.verifying.torch_files import load, open_binary
@@ -41,36 +44,43 @@ class WeightRecord:
     archives: Archives | None = None
 
 
-def verify_weight_file(plan, job, report, partial: RowsFiles, *, changed: frozenset = frozenset(),
-                       record: WeightRecord = WeightRecord()) -> None:
-    """Check the output's weight file of `job` (a plan's ModelFileJob or BinFileJob). `changed`: the
-    sources that changed since the composition, not read: the file's tensors from them are proven
-    against what the composition recorded (`record`); where the base changed, a safetensors file's header
-    too, and a torch-format file's names, order and kept tensors by its records' listing. What an older
-    record lacks is not compared (`report.unproven`)."""
+def claim_weight_file(ranks: RankClaims, job, partial: RowsFiles, *, changed: frozenset = frozenset(),
+                      record: WeightRecord = WeightRecord()) -> None:
+    """Claim the output's weight file of `job` (a plan's ModelFileJob or BinFileJob) on `ranks`' claims: each
+    tensor's bytes its source's, compared as the file is read. `changed`: the sources that changed since the
+    composition, not read: the file's tensors from them are proven against what the composition recorded
+    (`record`); where the base changed, a safetensors file's header too, and a torch-format file's names, order
+    and kept tensors by its records' listing. What an older record lacks is not compared (`report.unproven`). A
+    tensor a partial save or a DCP checkpoint gives (its fp32 master, cast) is compared at once, loaded by torch."""
     if isinstance(job, BinFileJob):
-        _verify_bin_file(plan, job, report, changed, record)
+        _claim_bin_file(ranks, job, changed, record)
     else:
-        _verify_safetensors_file(plan, job, report, partial, changed, record)
+        _claim_safetensors_file(ranks, job, partial, changed, record)
 
 
 def _differs(plan, job, report, name: str, s: int) -> None:
     row = job.rows.get(name) or None
-    report.add(row, f"{job.name}: {name}{f' (row {row})' if row else ''} differs from {plan.sources[s].name}'s")
+    report.add(row, _differing(plan, job, name, s))
 
 
-def _verify_bin_file(plan, job: BinFileJob, report, changed: frozenset, record: WeightRecord) -> None:
+def _differing(plan, job, name: str, s: int) -> str:
+    row = job.rows.get(name) or None
+    return f"{job.name}: {name}{f' (row {row})' if row else ''} differs from {plan.sources[s].name}'s"
+
+
+def _claim_bin_file(ranks: RankClaims, job: BinFileJob, changed: frozenset, record: WeightRecord) -> None:
     """A torch-format weight file: the base's names, each tensor's bytes its row's source's (from a source that
     changed since: its storage's CRC-32 what the composition took). Once the base changed, the file's records
     as the composition wrote them (`record.archives`: names and stored CRC-32s, each record's bytes checked
-    against its own as torch's loader here reads it) prove its names, order and the base's kept tensors."""
+    against its own as it is read) prove its names, order and the base's kept tensors."""
+    plan, report = ranks.plan, ranks.report
     out_file = plan.output / job.name
     if not out_file.is_file():
         report.add(None, f"{out_file}: missing (the base has {job.name})")
         return
-    got = load(out_file)  # (every record's CRC-32 checked)
-    loaded: dict[Path, dict] = {}
-    taken = record.taken
+    out = TorchFile(ranks.claims, out_file, label=job.task, whole=True)  # (every record's CRC-32 checked)
+    ranks.outputs.add(out.f)
+    got = out.obj if isinstance(out.obj, dict) else {}
     if 0 in changed:  # (a listing recorded that fails is a FAIL line of its own: `Archives.failed`)
         if record.archives is None or not record.archives.recorded_for(job.name):
             report.unproven.append(f"{out_file}: its names, their order and the base's tensors not compared: the "
@@ -79,28 +89,29 @@ def _verify_bin_file(plan, job: BinFileJob, report, changed: frozenset, record: 
         else:
             record.archives.file_proven(job.name)
     else:
-        loaded[job.base_file] = load(job.base_file)
-        if list(got) != list(loaded[job.base_file]):
+        base = ranks.torch_file(0, job.base_file)
+        if base is not None and list(got) != list(base.obj if isinstance(base.obj, dict) else {}):
             report.add(None, f"{job.name}: does not hold the base's tensors in the base's order")
             return
-
-    def source(s: int, name: str):
-        for path in (job.base_file,) if s == 0 else job.weights[s].files:
-            if path not in loaded:
-                loaded[path] = load(path)
-            if name in loaded[path]:
-                return loaded[path][name]
-        return None
-
     for name, tensor in got.items():
         s = job.sources.get(name, 0)
+        row = job.rows.get(name) or None
         if s in changed:
             if s:
-                _taken(plan, job, report, out_file, name, s, taken, _storage_crc(tensor))
+                a, n, _dtype, _size = out.place(tensor.storage if isinstance(tensor, TensorRef) else tensor)
+                _taken(ranks, job, out_file, name, s, record.taken, out.f, a, n)
             continue
-        want = source(s, name)
-        if want is None or not same_bytes(tensor, want):
-            _differs(plan, job, report, name, s)
+        theirs = None
+        for path in (job.base_file,) if s == 0 else job.weights[s].files:
+            found = ranks.torch_file(s, path)
+            if found is not None and isinstance(found.obj, dict) and name in found.obj:
+                theirs = found
+                break
+        problem = _differing(plan, job, name, s)
+        if theirs is None or structure_differences(
+                tensor, theirs.obj[name], name,
+                tensors=ranks.tensor_claims(out, theirs, "weight", -1, row, problem, s)):
+            report.add(row, problem)
 
 
 # the safetensors library's own bound on a header (it refuses a longer one)
@@ -123,31 +134,9 @@ def _prefix(path: Path) -> bytes:
     return first + raw
 
 
-def _header_names(prefix: bytes) -> list[str]:
-    """The tensor names of a safetensors header (8-byte little-endian length, then JSON), in its
-    order. ValueError where the safetensors library would read it otherwise than it looks (it
-    checks the rest itself): a header not starting with `{`, or naming something twice (the
-    library keeps one of the two silently)."""
-    (length,) = struct.unpack("<Q", prefix[:8])
-    raw = prefix[8: 8 + length]
-    if not raw.startswith(b"{"):
-        raise ValueError(f"its header starts with {raw[:1]!r}, not '{{'")
-    return [name for name in json.loads(raw, object_pairs_hook=_once) if name != "__metadata__"]
-
-
-def _once(pairs: list) -> dict:
-    found = dict(pairs)
-    if len(found) != len(pairs):
-        names = sorted(name for name, _value in pairs)
-        twice = next(a for a, b in zip(names, names[1:]) if a == b)
-        raise ValueError(f"its header names {twice!r} twice")
-    return found
-
-
-def _verify_safetensors_file(plan, job, report, partial: RowsFiles, changed: frozenset,
-                             record: WeightRecord) -> None:
-    from safetensors import SafetensorError, safe_open
-
+def _claim_safetensors_file(ranks: RankClaims, job, partial: RowsFiles, changed: frozenset,
+                            record: WeightRecord) -> None:
+    plan, report = ranks.plan, ranks.report
     out_file = plan.output / job.name
     if not out_file.is_file():
         report.add(None, f"{out_file}: missing (the base has {job.name})")
@@ -157,68 +146,80 @@ def _verify_safetensors_file(plan, job, report, partial: RowsFiles, changed: fro
     if older:  # an older record: neither the header nor the base's tensors recorded
         report.unproven.append(f"{out_file}: its header and the base's tensors not compared: the base changed "
                                "since the composition, and the output's provenance record holds no CRC-32 of them")
-    elif 0 in changed and job.base_file is not None:  # the header as written, by its recorded CRC-32
-        try:
-            prefix = _prefix(out_file)
-        except (OSError, ValueError) as exc:
-            report.add(None, f"{out_file}: not a sound safetensors file ({exc})")
-            return
-        if crc32(prefix) != record.header:
+    try:
+        found = _prefix(out_file)
+    except (OSError, ValueError) as exc:
+        report.add(None, f"{out_file}: not a sound safetensors file ({exc})")
+        return
+    if 0 in changed and job.base_file is not None and not older:  # the header as written, by its recorded CRC-32
+        if crc32(found) != record.header:
             report.add(None, f"{out_file}: its header is not the one the composition wrote (its provenance record)")
             return
-    else:
-        with open_binary(out_file) as f:
-            if f.read(len(job.prefix)) != job.prefix:  # names, dtypes, shapes, offsets and metadata
-                report.add(None, f"{out_file}: its header is not the base's {job.name} header")
-                return
-    sources = _Expected(plan, job, partial)
-    try:
-        out = safe_open(str(out_file), "pt")
-    except (SafetensorError, OSError) as exc:
-        report.add(None, f"{out_file}: not a readable safetensors file ({str(exc)[:200]})")
+        prefix = found
+    elif not older and found != job.prefix:  # names, dtypes, shapes, offsets and metadata
+        report.add(None, f"{out_file}: its header is not the base's {job.name} header")
         return
     try:
-        names = _header_names(prefix)
+        places = parse_prefix(prefix)
+        size = ranks.claims.size(f := ranks.claims.file(out_file, label=job.task))
+        check_header(prefix[8:], size - len(prefix))
     except ValueError as exc:
         report.add(None, f"{out_file}: not a sound safetensors file ({exc})")
         return
-    for name in names:
+    ranks.outputs.add(f)
+    ranks.claims.evidence(f, len(prefix), size - len(prefix), None, "its tensors")
+    sources = _Expected(plan, job, partial)
+    for name in places:
         s = job.sources.get(name, 0)
-        got = out.get_tensor(name)
+        dtype, shape, a, b = places[name]
         if s in changed:  # what was taken, as recorded (an older record: the base's kept tensors not among them)
             if s or not older:
-                _taken(plan, job, report, out_file, name, s, taken, _crc(got))
+                _taken(ranks, job, out_file, name, s, taken, f, a, b - a)
             continue
-        want = sources.tensor(s, name, got)
-        if want is None or not same_bytes(got, want):
+        if plan.sources[s].saved.masters_only:  # a cast of its fp32 master: compared now, by torch
+            _compare_cast(ranks, job, out_file, name, s, sources)
+            continue
+        theirs = sources.place(s, name)
+        if theirs is None or theirs[1:3] != (dtype, shape) or theirs[4] - theirs[3] != b - a:
             _differs(plan, job, report, name, s)
+            continue
+        path, _dtype, _shape, c, d = theirs
+        g = ranks.claims.file(path)
+        ranks.claims.evidence(g, c, d - c, None, f"tensor {name}")
+        ranks.claim(Tag("weight", -1, job.rows.get(name) or None, _differing(plan, job, name, s), s, g), f, a, b - a,
+                    g, c)
 
 
-def _taken(plan, job, report, out_file: Path, name: str, s: int, taken: dict | None, crc: int) -> None:
-    """Tensor `name` of a weight file, from source `s` that changed since the composition: its CRC-32 `crc`
-    (its bytes', a torch-format file's storage's) is what the composition recorded it took."""
+def _compare_cast(ranks: RankClaims, job, out_file: Path, name: str, s: int, sources) -> None:
+    """A tensor of a source that saves no 16-bit weights: its fp32 master cast as ZeRO-3 casts it, by torch."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with open_binary(out_file):  # not a FIFO or a device: safetensors would wait on it
+            pass
+        got = safe_open(str(out_file), "pt").get_tensor(name)
+    except (SafetensorError, OSError) as exc:
+        ranks.report.add(None, f"{out_file}: not a readable safetensors file ({str(exc)[:200]})")
+        return
+    want = sources.tensor(s, name, got)
+    if want is None or not same_bytes(got, want):
+        _differs(ranks.plan, job, ranks.report, name, s)
+
+
+def _taken(ranks: RankClaims, job, out_file: Path, name: str, s: int, taken: dict | None, f: int, at: int,
+           n: int) -> None:
+    """Tensor `name` of a weight file, from source `s` that changed since the composition: its bytes (a
+    torch-format file's storage's), at `at` in output file `f`, must have the CRC-32 the composition recorded it
+    took."""
+    plan = ranks.plan
     if taken is None or name not in taken:
-        report.unproven.append(f"{out_file}: {name} not compared: {plan.sources[s].name} changed since the "
-                               "composition, and the output's provenance record holds no CRC-32 of it")
-    elif crc != taken[name]:
-        row = job.rows.get(name) or None
-        report.add(row, f"{job.name}: {name}{f' (row {row})' if row else ''} differs from what the "
-                        f"composition took from {plan.sources[s].name} (its provenance record)")
-
-
-def _storage_crc(tensor) -> int:
-    """The CRC-32 of a torch-format file's tensor's whole storage (its record's bytes)."""
-    import torch
-
-    return _crc(torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()))
-
-
-def _crc(tensor) -> int:
-    import zlib
-
-    import torch
-
-    return zlib.crc32(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+        ranks.report.unproven.append(f"{out_file}: {name} not compared: {plan.sources[s].name} changed since the "
+                                     "composition, and the output's provenance record holds no CRC-32 of it")
+        return
+    row = job.rows.get(name) or None
+    ranks.claim(Tag("taken", -1, row, f"{job.name}: {name}{f' (row {row})' if row else ''} differs from what the "
+                                      f"composition took from {plan.sources[s].name} (its provenance record)", s,
+                    expected=taken[name]), f, at, n)
 
 
 class _Expected:
@@ -230,6 +231,7 @@ class _Expected:
         self.states: dict[int, list] = {}  # partial sources: every rank's model_states, loaded
         self.slots: dict[int, dict] = {}  # partial sources: each trainable parameter's slot
         self.dcp = DcpTensors()  # DCP sources' tensors
+        self.places: dict[Path, dict] = {}  # full sources' safetensors files: where each tensor lies
 
     def tensor(self, s: int, name: str, got):
         """Tensor `name` as source `s` holds it, as the output holds it (`got`: its dtype and
@@ -244,6 +246,16 @@ class _Expected:
             handle = self._open(path)
             if name in handle.keys():
                 return handle.get_tensor(name)
+        return None
+
+    def place(self, s: int, name: str) -> tuple[Path, str, tuple, int, int] | None:
+        """(file, dtype, shape, first byte, end byte) of tensor `name` in full source `s`'s files (None: none holds
+        it), from each file's header (`formats.safetensors_in`, read once)."""
+        for path in self.job.weights[s].files if s in self.job.weights else ():
+            if path not in self.places:
+                self.places[path] = safetensors_tensors(path)
+            if name in self.places[path]:
+                return (path, *self.places[path][name])
         return None
 
     def _open(self, path: Path):

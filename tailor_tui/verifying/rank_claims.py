@@ -1,0 +1,265 @@
+"""What every check of the output's rank files shares: claims on their bytes, built rank by rank, then run
+(`streamed`) and settled row by row.
+
+The files' structures are read without torch (`formats.ptfile`: allow-listed stand-ins, where each tensor's bytes
+lie), each file once (`TorchFile`, `SlicesFile`: a partial save's rows file, its slices' recorded CRC-32s), and
+nothing is loaded: each claim on an output byte range (`Tag`: what it stands for, the problem told where its bytes
+differ) is compared with its source's bytes as the output is read, every record of every file relied on checked
+against its stored CRC-32 on the way, each file read once. Where a row's bytes lie is the subclasses' own reading
+of the recipe and each checkpoint's layout (`zero_ranks`: at the base's world size; `resharded`: at another).
+
+A source that changed since the composition (`changed`) is not read: the rows it gave are proven against what the
+composition recorded it took (`verifying.recorded`), as every row is where the record holds it; so is one whose
+records fail their CRC-32s now though the composition read and checked them (bit rot), where the output's record
+can prove its rows, and the rest of its files against the records the composition wrote (`Archives`).
+"""
+
+from __future__ import annotations
+
+import ast
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from tailor_tui.checked.evidence import record_failed
+from tailor_tui.errors import CheckpointError
+from tailor_tui.events import ByteCounter, Emit
+from tailor_tui.formats.pickled import StorageRef, TensorRef
+from tailor_tui.formats.ptfile import Unsupported, locate, read_structure
+from tailor_tui.formats.safetensors_in import safetensors_header, tensor_places
+from tailor_tui.verifying import streamed
+from tailor_tui.verifying.recorded import Archives, RankRows, settle
+from tailor_tui.verifying.rows_files import recorded_slices
+
+MAX_SHOWN = 5  # differences of the structure around the rows told per rank and kind
+
+
+@dataclass
+class Tag:
+    """What a claim stands for: `kind` (row, frozen, padding, state, buffer, states; weight: a model file's tensor,
+    taken: one whose CRC-32 must be `expected`), the rank (-1: none), the row, the problem told where its bytes
+    differ, the plan's source and the file it is read from (-1: none)."""
+
+    kind: str
+    rank: int
+    row: str | None
+    problem: str
+    source: int = 0
+    file: int = -1
+    key: str = ""
+    claim: int = -1
+    expected: int | None = None  # a "taken" claim's: the CRC-32 its bytes must have (the provenance record's)
+
+
+class TorchFile:
+    """A torch file's structure, read once: (object, records, prefix) and its index among the claims' files."""
+
+    def __init__(self, claims: streamed.Comparison, path: Path, *, label: str | None = None, whole: bool = False):
+        self.path = path
+        self.obj, self.records, self.prefix = read_structure(path, shared=True)  # (only read: shared)
+        self.f = claims.file(path, label=label)
+        self.claims, self.evidenced = claims, set[str]()
+        if whole:  # an output file: every record of it read and checked
+            for name in self.records:
+                self.evidence(name)
+
+    def evidence(self, name: str) -> None:
+        if name not in self.evidenced:
+            self.evidenced.add(name)
+            r = self.records[name]
+            self.claims.evidence(self.f, r.data_offset, r.size, r.crc, r.name)
+
+    def place(self, ref) -> tuple[int, int, str, int]:
+        """(first byte, length, dtype, itemsize) of a tensor (a contiguous one) or a storage, its record evidenced."""
+        if isinstance(ref, StorageRef):
+            name = f"{self.prefix}data/{ref.key}"
+            if name not in self.records:
+                raise CheckpointError(f"{self.path}: storage {ref.key} has no record; the file is corrupt")
+            r = self.records[name]
+            self.evidence(name)
+            return r.data_offset, min(r.size, ref.numel * ref.itemsize), ref.type_name, ref.itemsize
+        try:
+            tb = locate(ref, self.records, self.prefix)
+        except Unsupported as exc:
+            raise CheckpointError(f"{self.path}: a tensor tailor-tui cannot compare ({exc}); the file is not one "
+                                  "DeepSpeed writes") from None
+        self.evidence(tb.record.name)
+        return tb.offset, tb.numel * tb.itemsize, tb.dtype, tb.itemsize
+
+
+class SlicesFile:
+    """A partial save's rows file: each slice's place and the CRC-32 its save recorded."""
+
+    def __init__(self, claims: streamed.Comparison, path: Path):
+        header, start = safetensors_header(path)
+        self.path, self.places = path, tensor_places(header, start)
+        self.crcs = recorded_slices(path, header.get("__metadata__") or {})
+        self.f = claims.file(path)
+        self.claims, self.evidenced = claims, set[str]()
+
+    def slice(self, name: str, valid: int) -> int:
+        """The first byte of slice `name`'s `valid` fp32 elements, evidenced by its recorded CRC-32."""
+        found = self.places.get(name)
+        if found is None:
+            raise CheckpointError(f"{self.path}: has no tensor {name}; the partial checkpoint is damaged or "
+                                  "incomplete, re-copy it")
+        dtype, shape, begin, _end = found
+        if dtype != "F32" or len(shape) != 1 or shape[0] < valid:
+            raise CheckpointError(f"{self.path}: tensor {name} is {dtype} {list(shape)}, not F32 of at least {valid} "
+                                  "elements; the partial checkpoint is damaged or incomplete, re-copy it")
+        if name not in self.evidenced:
+            self.evidenced.add(name)
+            self.claims.evidence(self.f, begin, valid * 4, self.crcs.get(name), f"tensor {name}")
+        return begin
+
+
+class RankClaims:
+    """Claims on every output rank's files (a subclass's `add`, rank by rank), then run and settled (`check`)."""
+
+    def __init__(self, plan, report, *, changed: set[int], taken, archives: Archives):
+        self.plan, self.report, self.changed, self.taken, self.archives = plan, report, changed, taken, archives
+        self.claims = streamed.Comparison()
+        self.tags: list[Tag] = []
+        self.outputs: set[int] = set()
+        self.file_source: dict[int, int] = {}  # claims' file -> the plan's source it is of
+        self.sizes: dict[str, int] = {}  # progress label -> bytes
+        self.names = [src.name for src in plan.sources]
+        self.files: dict[Path, TorchFile | SlicesFile] = {}  # every file read, by path: its structure read once
+        self._param_row = plan.base.param_to_row()
+        self._source_of = plan.source_of_param()
+
+    def claim(self, tag: Tag, out: int, at: int, n: int, source: int = streamed.NOTHING, source_at: int = 0) -> None:
+        tag.claim = self.claims.claim(out, at, n, source, source_at, len(self.tags))
+        self.tags.append(tag)
+
+    def torch_file(self, s: int, path: Path):
+        """Source `s`'s torch file `path`, read once (None: `s` changed since the composition, `_source`)."""
+        return self._source(s, lambda: self.files[path] if path in self.files else TorchFile(self.claims, path))
+
+    def slices_file(self, s: int, path: Path):
+        """Source `s`'s rows file `path` (a partial save's), read once (None: `s` changed since the composition)."""
+        return self._source(s, lambda: self.files[path] if path in self.files else SlicesFile(self.claims, path))
+
+    def _source(self, s: int, load):
+        """What `load()` reads of source `s` (a TorchFile, a SlicesFile), None where it changed since the composition:
+        its files fail a check now the composition passed (`changed` gets it, where the record proves its rows)."""
+        if s in self.changed:
+            return None
+        try:
+            found = load()
+        except CheckpointError as exc:
+            if self.taken is None:
+                raise
+            self.report.changed_in_place(f"{exc} (the composition read it whole and checked it)")
+            self.changed.add(s)
+            return None
+        self.file_source[found.f] = s
+        self.files[found.path] = found
+        return found
+
+    def tensor_claims(self, out: TorchFile, theirs: TorchFile, kind: str, rank: int, row: str | None, problem: str, s: int,
+                 key: str = ""):
+        """A `structure_differences` callback: the bytes of a pair of tensors alike in all else, claimed."""
+
+        def claim(where: str, mine, their) -> None:
+            a, n, _dtype, _size = out.place(mine)
+            b, m, _dtype, _size = theirs.place(their)
+            tag = Tag(kind, rank, row, problem.format(where=where), s, theirs.f, key)
+            if n != m or (isinstance(mine, TensorRef) and not mine.is_contiguous()
+                          and mine.storage_offset != their.storage_offset):
+                self.report.add(row, tag.problem)
+            elif n:
+                self.claim(tag, out.f, a, n, theirs.f, b)
+        return claim
+
+    def check(self, emit: Emit, cancelled: Callable[[], bool], workers: int) -> None:
+        """Run the claims (every byte read once, compared) and settle what they found, rank by rank."""
+        claims = self.claims
+        sizes: dict[str, int] = {}
+        for f in sorted(self.outputs):
+            sizes[claims.labels[f]] = sizes.get(claims.labels[f], 0) + claims.size(f)
+        counters = {label: ByteCounter(label, size, emit, cancelled) for label, size in sizes.items()}
+        lock = threading.Lock()
+
+        def on_bytes(label: str, n: int) -> None:
+            with lock:
+                counters[label].add(n)
+
+        def on_sources(total: int) -> None:  # what is left of the sources' records once the outputs are read
+            counters["sources"] = ByteCounter("sources", total, emit, cancelled)
+
+        outcome = streamed.run(claims, workers=workers, on_bytes=on_bytes, on_sources=on_sources,
+                              cancelled=cancelled)
+        for counter in counters.values():
+            counter.finish()
+        if outcome.moved:
+            raise CheckpointError(f"{outcome.moved[0]}: changed while it was verified (written to, or replaced); "
+                                  "what was read of it proves nothing: run --verify again once nothing writes to it")
+        bad: set[int] = set()
+        for stretch, value in outcome.failed:
+            path = claims.paths[stretch.file]
+            if stretch.file in self.outputs:  # the output damaged since it was written: a failed verification
+                self.report.add(None, f"{path}: record {stretch.name} fails its CRC-32 check (stored "
+                                      f"{stretch.crc:08x}, its bytes give {value:08x}): the output is damaged; "
+                                      "compose it again")
+                continue
+            failure = record_failed(path, stretch, value)
+            if self.taken is None:
+                raise failure
+            self.report.changed_in_place(f"{failure} (the composition read it whole and checked it)")
+            bad.add(stretch.file)
+            self.changed.add(self.file_source[stretch.file])
+        self._settle(outcome, bad)
+
+    def _settle(self, outcome: streamed.Outcome, bad: set[int]) -> None:
+        plan, report = self.plan, self.report
+        rows = [RankRows() for _ in range(plan.world_size)]
+        shown: dict[tuple[int, str], int] = {}
+        for i, tag in enumerate(self.tags):
+            if tag.kind == "weight":
+                if i in outcome.differing:
+                    report.add(tag.row, tag.problem)
+                continue
+            if tag.kind == "taken":
+                if outcome.crcs.get(tag.claim, 0) != tag.expected:
+                    report.add(tag.row, tag.problem)
+                continue
+            mine, row = rows[tag.rank], tag.row or ""
+            if tag.kind in ("row", "row-dtype", "frozen") and tag.key:
+                mine.crcs.add_crc(row, tag.key, outcome.crcs.get(tag.claim, 0),
+                                  self.claims.claims[tag.claim].length)
+            if tag.kind in ("row", "row-dtype", "frozen"):
+                if tag.file < 0 or tag.file in bad:
+                    mine.from_changed[row] = tag.source
+                elif tag.kind == "row-dtype" or i in outcome.differing:
+                    mine.differs(row, tag.problem, tag.source)
+            elif tag.kind == "padding":
+                if i in outcome.differing:
+                    report.add(tag.row, tag.problem)
+            elif tag.file in bad:  # compared with a file that fails its checks now: what proves it, if anything
+                if not self.archives.proven(plan.output_rank_files()[tag.rank]):
+                    line = (f"rank {tag.rank}: its optimizer state but the rows' tensors, and its model_states but "
+                            "what follows a row: not compared, a source changed since the composition")
+                    report.unproven += [line] if line not in report.unproven else []
+            elif i in outcome.differing:
+                count = shown[tag.rank, tag.kind] = shown.get((tag.rank, tag.kind), 0) + 1
+                if count <= MAX_SHOWN:
+                    report.add(tag.row, tag.problem)
+        if 0 in self.changed:
+            for rank in range(plan.world_size):
+                if not self.archives.proven(plan.output_rank_files()[rank]):
+                    line = ("every rank's optimizer state but the rows' tensors, and its model_states but what "
+                            "follows a row: not compared, the base changed since the composition")
+                    report.unproven += [line] if line not in report.unproven else []
+        for rank, found in enumerate(rows):
+            settle(report, rank, found, self.taken, self.names)
+
+
+def at_path(states, where: str):
+    """The value at a path such as ['module']['model.x'] (None if absent)."""
+    value: object = states
+    for key in where[1:-1].split("]["):
+        value = (value or {}).get(ast.literal_eval(key)) if isinstance(value, dict) else None
+    return value
+
