@@ -58,7 +58,7 @@ def parity(folder: Path, base: Path, older: Path, name: str) -> Path:
 
 def halved(cache: Path, run: Path) -> Path:
     """The bench run's two checkpoints resharded to 2 ranks (made once)."""
-    half = cache / "llama12-h1024-w2-bf16"
+    half, run = (cache / "llama12-h1024-w2-bf16").resolve(), run.resolve()
     if (half / "latest").is_file():
         return half
     print(f"resharding the bench run into 2 ranks in {half} (once)…", flush=True)

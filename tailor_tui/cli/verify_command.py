@@ -29,7 +29,10 @@ def verify_command(args) -> int:
         if not composed.output.is_dir():
             raise OutputError(f"output {composed.output}: does not exist; nothing to verify (run --apply first)")
         print(shown(f"verifying {composed.output} against {args.verify}"), file=sys.stderr, flush=True)
-        return _said(args, composed, verify_dcp(composed))
+        lines = reporter_for(sys.stderr, "lines", unit="compared")
+        report = verify_dcp(composed, emit=lines, workers=args.workers or _cores())
+        lines.close()
+        return _said(args, composed, report)
     out = Path(args.output) if args.output else recipe_output(recipe, written=True)
     record = None if out is None else read_record(out)  # (no output: build_plan says so)
     try:

@@ -4,137 +4,274 @@ reader (`dcp.reading`; torch's own `FileSystemReader` unpickles anything, never 
 another user could have written).
 
 The output must list every key its base lists, and no other; each key's entry (dtype, size, chunks) is that
-of the checkpoint its row was picked from (the param groups and every `step`: the base's, as the plan says);
-and each of its archives, where the output's metadata places it, holds byte for byte the archive the
-source's metadata places for the same chunk: compared in 1 MiB reads, whatever the sizes. Each of the base's
-run-level files (the HF Trainer's, beside its DCP folders) is in the output byte for byte.
+of the checkpoint its row was picked from (the param groups and every `step`: the base's, as the plan says).
+Each chunk's archive, where the output's metadata places it, holds the records of the archive the source's
+metadata places for the same chunk, record for record, byte for byte; a row taken from a ZeRO-3 checkpoint
+holds, in each chunk (a range of the parameter's elements), those elements of the ranks that hold them, in
+their sub-group's flat tensor (or a partial save's slice). Each of the base's run-level files (the HF
+Trainer's, beside its DCP folders) is in the output byte for byte. Every comparison is a claim on the output's
+bytes, run streamed (`streamed`): each file read once, every record checked against its CRC-32 as it is read.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
+from tailor_tui.checked.files import open_regular
 from tailor_tui.checkpoints.dcp_checkpoint import DcpCheckpoint, read_parts
 from tailor_tui.dcp.metadata import MetadataIndex
+from tailor_tui.dcp.reading import archive_records, locate_chunk
 from tailor_tui.errors import CheckpointError, TailorError
+from tailor_tui.events import ByteCounter, Emit
+from tailor_tui.formats.ds_format import flat_tensor, optimizer_state
+from tailor_tui.formats.ptfile import locate, read_structure
+from tailor_tui.formats.safetensors_in import safetensors_header, tensor_places
+from tailor_tui.verifying import streamed
 from tailor_tui.verifying.against_recipe import VerifyReport
-from tailor_tui.verifying.compare import same_bytes
-from tailor_tui.verifying.dcp_sources import DcpFiles, DcpTensors, ZeroTensors
-
-CHUNK = 1 << 20
+from tailor_tui.verifying.resharded import chunk_range
+from tailor_tui.verifying.rows_files import recorded_slices
 
 
-def verify_dcp(plan) -> VerifyReport:
+@dataclass(frozen=True)
+class _Said:
+    """What a claim stands for: the key it is of ("": none) and what is told where its bytes differ (of the first
+    output byte found differing)."""
+
+    key: str
+    problem: Callable[[int], str]
+
+
+class _DcpOutput:
+    def __init__(self, plan, report: VerifyReport):
+        self.plan, self.report = plan, report
+        self.claims = streamed.Comparison()
+        self.said: list[_Said] = []
+        self.rows = plan.base.row_of_key()
+        self.evidenced: set[tuple[Path, str]] = set()
+        self.structures: dict[Path, tuple] = {}
+        self.outputs: set[int] = set()
+
+    def problem(self, key: str | None, problem: str | None) -> None:
+        if problem is None:
+            return
+        row = self.rows.get(key) if key is not None else None
+        if row is not None:
+            self.report.problems[row].append(problem)
+        else:
+            self.report.other.append(problem)
+
+    def claim(self, key: str, problem: str | Callable[[int], str], out: int, at: int, n: int, source: int,
+              source_at: int) -> None:
+        self.claims.claim(out, at, n, source, source_at, len(self.said))
+        self.said.append(_Said(key, problem if callable(problem) else _told(problem)))
+
+    def records(self, folder: Path, info, what: str, *, label: str | None = None) -> tuple[int, dict]:
+        """(file index, records) of the archive `info` places in `folder`, each record's CRC-32 evidence."""
+        path = folder / info.relative_path
+        fd = open_regular(path)
+        try:
+            found = archive_records(folder, fd, info, what)
+        finally:
+            os.close(fd)
+        f = self.claims.file(path, label=label)
+        for record in found.values():
+            self.claims.evidence(f, record.data_offset, record.size, record.crc, record.name)
+        return f, found
+
+    def chunks_from_dcp(self, key: str, out_meta, source, s: int) -> None:
+        """Key `key` from a DCP source: each chunk's archive, record for record, the source's."""
+        plan = self.plan
+        mine, theirs = out_meta.state_dict_metadata[key], source.metadata.state_dict_metadata[plan.source_key(key)]
+        if _entry(mine) != _entry(theirs):
+            self.problem(key, f"{key}: its entry is not {source.name}'s ({_entry(mine)[:2]} vs {_entry(theirs)[:2]})")
+            return
+        for at in [c.offsets for c in theirs.chunks] if hasattr(theirs, "chunks") else [None]:
+            placed = out_meta.storage_data.get(MetadataIndex(key, at))
+            info = source.metadata.storage_data[MetadataIndex(plan.source_key(key), at)]
+            where = f"{key} (chunk at {list(at or ())})"
+            if placed is None:
+                self.problem(key, f"{key}: the output places no bytes for its chunk at {list(at or ())}")
+                continue
+            f, out_records = self.records(plan.output, placed, f"the archive of {where}",
+                                          label=placed.relative_path)
+            self.outputs.add(f)
+            g, src_records = self.records(source.path, info, f"the archive of {where}")
+            if sorted(out_records) != sorted(src_records):
+                self.problem(key, f"{where}: its archive holds records {sorted(out_records)}, not "
+                                  f"{source.name}'s {sorted(src_records)}")
+                continue
+            for name, record in out_records.items():
+                theirs_record = src_records[name]
+                problem = f"{where}: its record {name} differs from {source.name}'s"
+                if record.size != theirs_record.size:
+                    self.problem(key, problem)
+                elif record.size:
+                    self.claim(key, problem, f, record.data_offset, record.size, g, theirs_record.data_offset)
+
+    def chunks_from_zero(self, key: str, out_meta, ckpt, s: int, aliases: dict[str, str]) -> None:
+        """Key `key` from a ZeRO-3 checkpoint: each chunk (a range of the parameter's elements) holds those
+        elements as the source's ranks hold them, in their sub-group's flat tensor or a partial save's slice."""
+        plan, optim = self.plan, self.plan.base.optim
+        if key.startswith("model."):
+            param, flat = aliases.get(key[len("model."):], key[len("model."):]), "fp32"
+        else:
+            param, _, flat = key[len(optim) + len("state."):].rpartition(".")
+        problem = f"{key}: its values are not {ckpt.name}'s {flat} of {param}"
+        entry = out_meta.state_dict_metadata[key]
+        slot = next((slot for slot in ckpt.layout.slots if slot.name == param), None)
+        if slot is None or not hasattr(entry, "chunks") or tuple(entry.size) and slot.numel != _numel(entry.size):
+            self.problem(key, problem)
+            return
+        for chunk in entry.chunks:
+            info = out_meta.storage_data.get(MetadataIndex(key, chunk.offsets))
+            if info is None:
+                self.problem(key, f"{key}: the output places no bytes for its chunk at {list(chunk.offsets)}")
+                continue
+            path = plan.output / info.relative_path
+            fd = open_regular(path)
+            try:
+                located = locate_chunk(plan.output, fd, entry, chunk, info)
+            finally:
+                os.close(fd)
+            f = self.claims.file(path, label=info.relative_path)
+            self.outputs.add(f)
+            self.claims.evidence(f, located.record.data_offset, located.record.size, located.record.crc,
+                                 located.record.name)
+            size = located.record.size // max(located.numel, 1)
+            begin, count = chunk_range(tuple(entry.size), tuple(chunk.offsets), tuple(chunk.sizes), plan.output, key)
+            if size != 4:  # a ZeRO-3 checkpoint keeps fp32 masters and states
+                self.problem(key, problem)
+                continue
+            for rank, files in enumerate(ckpt.ranks):
+                first, valid = rank * slot.part, slot.valid(rank)
+                a, b = max(begin, first), min(begin + count, first + valid)
+                if a >= b:
+                    continue
+                g, their_at = self.zero_place(files, ckpt, slot, flat, valid)
+                self.claim(key, problem, f, located.record.data_offset + (a - begin) * 4, (b - a) * 4, g,
+                           their_at + (a - first) * 4)
+
+    def zero_place(self, files, ckpt, slot, flat: str, valid: int) -> tuple[int, int]:
+        """(file, first byte) of a ZeRO-3 rank's elements of `slot` in its flat tensor `flat` (fp32), evidenced."""
+        if not files.whole_records:  # a partial save's slice, checked by its recorded CRC-32
+            path = files.state_file
+            if path not in self.structures:
+                header, start = safetensors_header(path)
+                self.structures[path] = (tensor_places(header, start),
+                                         recorded_slices(path, header.get("__metadata__") or {}))
+            places, crcs = self.structures[path]
+            name = f"{flat}/{slot.name}"
+            found = places.get(name)
+            if found is None or found[0] != "F32" or found[1][0] < valid:
+                raise CheckpointError(f"{path}: has no F32 tensor {name} of {valid} elements; the partial checkpoint "
+                                      "is damaged or incomplete, re-copy it")
+            g = self.claims.file(path)
+            self.claims.evidence(g, found[2], valid * 4, crcs.get(name), f"tensor {name}")
+            return g, found[2]
+        path = files.optim_states
+        if path not in self.structures:
+            obj, records, prefix = read_structure(path, shared=True)
+            self.structures[path] = (optimizer_state(obj, path, tuple(ckpt.layout.group_sizes())), records, prefix)
+        state, records, prefix = self.structures[path]
+        tensor = flat_tensor(state, slot.group, flat)
+        if tensor is None:
+            raise CheckpointError(f"{path}: keeps no {flat} for sub-group {slot.group}")
+        tb = locate(tensor, records, prefix)
+        if tb.itemsize != 4:
+            raise CheckpointError(f"{path}: its {flat} of sub-group {slot.group} is not fp32")
+        g = self.claims.file(path)
+        self.claims.evidence(g, tb.record.data_offset, tb.record.size, tb.record.crc, tb.record.name)
+        return g, tb.offset + slot.offset * 4
+
+    def copied(self, name: str) -> None:
+        out, base = self.plan.output / name, self.plan.base.path / name
+        if not out.is_file():
+            self.report.other.append(f"{name}: missing, not the base's (a run-level file, copied from the base)")
+            return
+        f, g = self.claims.file(out, label=name), self.claims.file(base)
+        self.outputs.add(f)
+        if self.claims.size(f) != self.claims.size(g):
+            self.report.other.append(f"{name}: {self.claims.size(f):,} bytes where the base's has "
+                                     f"{self.claims.size(g):,}, not the base's (a run-level file, copied from the base)")
+            return
+        self.claims.evidence(f, 0, self.claims.size(f), None, name)
+        self.claims.evidence(g, 0, self.claims.size(g), None, name)
+        if self.claims.size(f):
+            self.claim("", lambda at: f"{name}: differs at byte {at:,} from the base's (a run-level file, copied "
+                               "from the base)", f, 0, self.claims.size(f), g, 0)
+
+    def run(self, emit: Emit, cancelled: Callable[[], bool], workers: int) -> None:
+        claims = self.claims
+        counter = ByteCounter("output", sum(claims.size(f) for f in self.outputs), emit, cancelled)
+        outcome = streamed.run(claims, workers=workers, on_bytes=lambda label, n: counter.add(n) if label != "sources"
+                               else None, cancelled=cancelled)
+        counter.finish()
+        if outcome.moved:
+            raise CheckpointError(f"{outcome.moved[0]}: changed while it was verified (written to, or replaced); "
+                                  "what was read of it proves nothing: run --verify again once nothing writes to it")
+        for stretch, value in outcome.failed:
+            path = claims.paths[stretch.file]
+            if stretch.file in self.outputs:
+                self.report.other.append(f"{path}: record {stretch.name} fails its CRC-32 check (stored "
+                                         f"{stretch.crc:08x}, its bytes give {value:08x}): the output is damaged; "
+                                         "compose it again")
+            else:
+                raise CheckpointError(f"{path}: record {stretch.name} fails its CRC-32 check (stored {stretch.crc:08x}, "
+                                      f"its bytes give {value:08x}): the file is corrupt (bit rot or a damaged copy); "
+                                      "re-copy it from the training run or pick another checkpoint")
+        told = set()
+        for i in sorted(outcome.differing):
+            said = self.said[i]
+            problem = said.problem(outcome.first.get(i, 0))
+            if (said.key, problem) not in told:
+                told.add((said.key, problem))
+                self.problem(said.key or None, problem)
+
+
+def verify_dcp(plan, emit: Emit = lambda e: None, cancelled: Callable[[], bool] = lambda: False, *,
+               workers: int = 2) -> VerifyReport:
     """`plan` (a `planning.dcp_plan.DcpComposePlan`): its output compared with its sources."""
     report = VerifyReport()
-    rows = plan.base.row_of_key()
     try:
         out = read_parts(plan.output, plan.base.parts)
     except TailorError as exc:
         report.other.append(f"{exc}; is this the output of this recipe?")
         return report
-    sources = [s.metadata if isinstance(s, DcpCheckpoint) else None for s in plan.sources]
+    check = _DcpOutput(plan, report)
     wanted, got = set(plan.base.metadata.state_dict_metadata), set(out.state_dict_metadata)
     for key in sorted(wanted - got):
-        _said(report, rows, key, f"{key}: missing from the output")
+        check.problem(key, f"{key}: missing from the output")
     for key in sorted(got - wanted):
         report.other.append(f"{key}: in the output, not in the base {plan.base.path}")
-    zero, written = ZeroTensors(), DcpTensors()
-    output = DcpFiles(plan.output, out, plan.base.optim)
     aliases = {alias: target for row in plan.base.rows for alias, target in row.aliases}
     for key in sorted(wanted & got):
         s = plan.taken[key]
-        if not isinstance(plan.sources[s], DcpCheckpoint):  # a ZeRO-3 checkpoint's row: its values, element for element
-            problem = _same_values(output, plan.sources[s], key, aliases, plan.base.optim, zero, written)
-            _said(report, rows, key, problem)
-            continue
-        source, path = sources[s], plan.sources[s].path
-        mine, theirs = out.state_dict_metadata[key], source.state_dict_metadata[plan.source_key(key)]
-        if _entry(mine) != _entry(theirs):
-            _said(report, rows, key, f"{key}: its entry is not {plan.sources[s].name}'s ({_entry(mine)[:2]} vs "
-                                     f"{_entry(theirs)[:2]})")
-            continue
-        offsets = [c.offsets for c in theirs.chunks] if hasattr(theirs, "chunks") else [None]
-        for at in offsets:
-            index = MetadataIndex(key, at)
-            placed, info = out.storage_data.get(index), source.storage_data[MetadataIndex(plan.source_key(key), at)]
-            if placed is None:
-                _said(report, rows, key, f"{key}: the output places no bytes for its chunk at {list(at or ())}")
-                continue
-            problem = _same_bytes(plan.output / placed.relative_path, placed.offset, placed.length,
-                                  path / info.relative_path, info.offset, info.length)
-            if problem:
-                _said(report, rows, key, f"{key} (chunk at {list(at or ())}): {problem} {plan.sources[s].name}'s")
+        source = plan.sources[s]
+        if isinstance(source, DcpCheckpoint):
+            check.chunks_from_dcp(key, out, source, s)
+        else:  # a ZeRO-3 checkpoint's row: its elements, rank by rank
+            check.chunks_from_zero(key, out, source, s, aliases)
     for name in plan.copied:
-        length = _size(plan.output / name)
-        problem = "missing, not" if length < 0 else _same_bytes(plan.output / name, 0, length, plan.base.path / name, 0,
-                                                                  _size(plan.base.path / name))
-        if problem:
-            report.other.append(f"{name}: {problem} the base's (a run-level file, copied from the base)")
+        check.copied(name)
+    check.run(emit, cancelled, workers)
     return report
 
 
-def _size(path: Path) -> int:
-    try:
-        return os.lstat(path).st_size
-    except OSError:
-        return -1
+def _told(problem: str) -> Callable[[int], str]:
+    return lambda _at: problem
 
 
-def _same_values(output: DcpFiles, ckpt, key: str, aliases: dict[str, str], optim: str, zero: ZeroTensors,
-                 written: DcpTensors) -> str | None:
-    """None where the output's tensor `key` holds the ZeRO-3 checkpoint `ckpt`'s values of it bit for bit (its fp32
-    masters, or a state kept per element); else what differs."""
-    if key.startswith("model."):
-        param, flat = aliases.get(key[len("model."):], key[len("model."):]), "fp32"
-    else:
-        param, _, flat = key[len(optim) + len("state."):].rpartition(".")
-    try:
-        mine, theirs = written.tensor(output, key), zero.flat(ckpt, flat, param)
-    except CheckpointError as exc:
-        return f"{key}: {exc}"
-    if mine.dtype != theirs.dtype or mine.shape != theirs.shape or not same_bytes(mine, theirs):
-        return f"{key}: its values are not {ckpt.name}'s {flat} of {param}"
-    return None
+def _numel(size) -> int:
+    n = 1
+    for d in size:
+        n *= d
+    return n
 
 
 def _entry(entry) -> tuple:
     if not hasattr(entry, "size"):
         return ("bytes",)
     return (entry.size, entry.dtype, sorted((c.offsets, c.sizes) for c in entry.chunks))
-
-
-def _said(report: VerifyReport, rows: dict[str, str], key: str, problem: str | None) -> None:
-    if problem is None:
-        return
-    row = rows.get(key)
-    if row is not None:
-        report.problems[row].append(problem)
-    else:
-        report.other.append(problem)
-
-
-def _same_bytes(out: Path, at: int, length: int, src: Path, src_at: int, src_length: int) -> str | None:
-    """None where `length` bytes at `at` of `out` are those at `src_at` of `src`; else what differs."""
-    if length != src_length:
-        return f"{length:,} bytes where the source's archive has {src_length:,}, not"
-    try:
-        a, b = os.open(out, os.O_RDONLY | os.O_NOFOLLOW), os.open(src, os.O_RDONLY)
-    except OSError as exc:
-        return f"cannot be read ({exc.strerror or exc}), so not proven"
-    try:
-        done = 0
-        while done < length:
-            n = min(CHUNK, length - done)
-            x, y = os.pread(a, n, at + done), os.pread(b, n, src_at + done)
-            if len(x) < n:
-                return "the output file ends before its bytes do: not"
-            if x != y:
-                first = next(i for i in range(len(x)) if i >= len(y) or x[i] != y[i])
-                return f"differs at byte {done + first:,} of its archive from"
-            done += n
-        return None
-    finally:
-        os.close(a)
-        os.close(b)

@@ -1,10 +1,9 @@
-"""Whole tensors of the checkpoints of a composition mixing formats, as the verifier reads them, none of the
-writers' code used. A PyTorch Distributed Checkpoint's (`DcpTensors`): each chunk's archive read whole where the
-checkpoint's metadata places it, its records' CRC-32s checked by Python's `zipfile`, its tensor loaded by torch
-(`weights_only`) and put into its place in the whole tensor. A ZeRO-3 checkpoint's (`ZeroTensors`): each rank's
-part of the parameter from its sub-group's flat tensor (torch's load of its optim file, every record's CRC-32
-checked: `torch_files`), or a partial save's slice (checked against its recorded CRC-32), side by side. Rows taken
-from one format into the other are compared with these, element for element.
+"""Whole tensors of a PyTorch Distributed Checkpoint, as the verifier reads them where it casts a parameter's fp32
+master into a model file's dtype (`weights`), none of the writers' code used (`DcpTensors`): each chunk's archive
+read whole where the checkpoint's metadata places it, its records' CRC-32s checked by Python's `zipfile`, its
+tensor loaded by torch (`weights_only`) and put into its place in the whole tensor. Which source's rank files are a
+DCP checkpoint's (`is_dcp_rank`). Rows taken from one format into the other are compared as bytes (`resharded`,
+`dcp_output`).
 """
 
 from __future__ import annotations
@@ -12,14 +11,10 @@ from __future__ import annotations
 import io
 import os
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
 from tailor_tui.dcp.metadata import MetadataIndex
 from tailor_tui.errors import CheckpointError
-from tailor_tui.formats.ds_format import flat_tensor, optimizer_state
-from tailor_tui.verifying.rows_files import RowsFiles
-from tailor_tui.verifying.torch_files import load
 
 DCP_KIND = "PyTorch Distributed Checkpoint"  # what such a source's rank files say they are (`RankFiles.kind`)
 MASTERS = "fp32"
@@ -29,48 +24,6 @@ MAX_CHUNK = 1 << 34  # bytes of one chunk's archive read at once, at most
 def is_dcp_rank(files) -> bool:
     """Whether a source's rank files are a DCP checkpoint's (read as one rank of ZeRO-3)."""
     return getattr(files, "kind", None) == DCP_KIND
-
-
-@dataclass(frozen=True)
-class DcpFiles:
-    """A DCP checkpoint as `DcpTensors` reads it: its folder, its metadata (its parts read as one), the first part
-    of its optimizer's keys."""
-
-    folder: Path
-    metadata: object
-    optim: str = "optim."
-
-
-class ZeroTensors:
-    """Whole flattened tensors of ZeRO-3 checkpoints' parameters (their fp32 masters, a state kept per element), each
-    rank's optim file loaded once."""
-
-    def __init__(self):
-        self.states: dict[Path, dict] = {}
-        self.partial = RowsFiles()
-
-    def flat(self, ckpt, key: str, param: str):
-        import torch
-
-        slot = next((s for s in ckpt.layout.slots if s.name == param), None)
-        if slot is None:
-            raise CheckpointError(f"{ckpt.path}: has no trainable parameter {param}")
-        parts = []
-        for rank, files in enumerate(ckpt.ranks):
-            valid = slot.valid(rank)
-            if not valid:
-                continue
-            if not files.whole_records:  # a partial save's slice, checked
-                parts.append(self.partial.slice(files.state_file, f"{key}/{param}", valid).reshape(-1))
-                continue
-            if files.optim_states not in self.states:
-                self.states[files.optim_states] = optimizer_state(load(files.optim_states), files.optim_states,
-                                                                  tuple(ckpt.layout.group_sizes()))
-            tensor = flat_tensor(self.states[files.optim_states], slot.group, key)
-            if tensor is None:
-                raise CheckpointError(f"{files.optim_states}: keeps no {key} for sub-group {slot.group}")
-            parts.append(tensor[slot.offset: slot.offset + valid])
-        return torch.cat(parts)
 
 
 class DcpTensors:

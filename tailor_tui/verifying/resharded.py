@@ -149,7 +149,7 @@ class ReshardedRanks(RankClaims):
             raise CheckpointError(f"{files.folder}: has no tensor {name}")
         first, end = p.within, p.within + p.length
         for chunk in entry.chunks:
-            begin, count = _range(tuple(entry.size), tuple(chunk.offsets), tuple(chunk.sizes), files.folder, name)
+            begin, count = chunk_range(tuple(entry.size), tuple(chunk.offsets), tuple(chunk.sizes), files.folder, name)
             a, b = max(first, begin), min(end, begin + count)
             if a >= b:
                 continue
@@ -258,7 +258,7 @@ def _replaced(where: str) -> bool:
         where.startswith(f"{OUTER}{OUTER}[{PARAM_GROUPS!r}]") and where.endswith("['params']"))
 
 
-def _range(size: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...], folder: Path,
+def chunk_range(size: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...], folder: Path,
            name: str) -> tuple[int, int]:
     """(first element, elements) of a chunk of a row-major tensor of `size`, a range of consecutive elements (as
     FSDP2's row shards and tailor-tui's own chunks are); CheckpointError for one that is not."""

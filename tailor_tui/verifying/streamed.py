@@ -119,6 +119,7 @@ class Outcome:
     """What `run` found."""
 
     differing: set[int] = field(default_factory=set)  # tags of claims whose bytes differ
+    first: dict[int, int] = field(default_factory=dict)  # tag -> the first output byte found differing
     failed: list[tuple[Stretch, int]] = field(default_factory=list)  # stretches failing their CRC-32, and theirs
     moved: list[Path] = field(default_factory=list)  # files that changed while they were read
     crcs: dict[int, int] = field(default_factory=dict)  # claim index -> CRC-32 of its output bytes
@@ -236,6 +237,11 @@ class _Found:
         self.out_crcs: dict[int, list[int]] = {}  # claim -> [first output byte read, length, CRC-32]
         self.src_crcs: dict[int, list[int]] = {}  # claim -> [first source byte read, length, CRC-32]
         self.differing: set[int] = set()
+        self.first: dict[int, int] = {}
+
+    def differs(self, tag: int, at: int) -> None:
+        self.differing.add(tag)
+        self.first[tag] = min(at, self.first.get(tag, at))
 
 
 def run(claims: Comparison, *, workers: int = 2, on_bytes: Callable[[str, int], None] = lambda label, n: None,
@@ -275,6 +281,8 @@ def run(claims: Comparison, *, workers: int = 2, on_bytes: Callable[[str, int], 
             moved.update(changed)
             pieces.extend(found.pieces)
             outcome.differing |= found.differing
+            for tag, at in found.first.items():
+                outcome.first[tag] = min(at, outcome.first.get(tag, at))
             for c, (a, n, value) in found.src_crcs.items():
                 by_claim_src.setdefault(c, []).append((a, n, value))
             for c, (a, n, value) in found.out_crcs.items():
@@ -428,13 +436,25 @@ def _compare(files: _Descriptors, index: int, c: Claim, a: int, n: int, out: _Bu
         return
     if c.source == ZERO:
         if not _same(out, at, None, 0, n):
-            found.differing.add(c.tag)
+            found.differs(c.tag, a + _first_difference(out, at, None, 0, n))
         return
     source_at = c.source_at + (a - c.at)
     pread_into(files[c.source], src.view[:n], source_at)
     _extend(found.src_crcs, index, source_at, n, crc.crc32(src.view[:n]))
     if not _same(out, at, src, 0, n):
-        found.differing.add(c.tag)
+        found.differs(c.tag, a + _first_difference(out, at, src, 0, n))
+
+
+def _first_difference(a: _Buffer, at_a: int, b: _Buffer | None, at_b: int, n: int) -> int:
+    """The first of `n` bytes (known to differ somewhere) where `a` and `b` differ, by halves."""
+    low = 0
+    while n > 1:
+        half = n // 2
+        if _same(a, at_a + low, b, at_b + low, half):
+            low, n = low + half, n - half
+        else:
+            n = half
+    return low
 
 
 def _extend(crcs: dict[int, list[int]], index: int, a: int, n: int, value: int) -> None:
