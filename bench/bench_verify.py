@@ -111,6 +111,7 @@ def main() -> None:
             rows.setdefault((name, "cat"), []).append(
                 measured(["sh", "-c", 'cat "$@" > /dev/null', "cat", *read[name]]))
             rows.setdefault((name, "--verify"), []).append(measured([TAILOR, "--verify", recipe]))
+    sizes = {name: sum(f.stat().st_size for f in files) for name, files in read.items()}
     shutil.rmtree(work, ignore_errors=True)
     print(f"\nwarm page cache, medians of {args.repeats}; cat: every file of the output and of the checkpoints "
           "it was composed from")
@@ -119,7 +120,7 @@ def main() -> None:
         cat = statistics.median(s for s, _p in rows[(name, "cat")])
         verify = statistics.median(s for s, _p in rows[(name, "--verify")])
         peak = max(p for _s, p in rows[(name, "--verify")])
-        total = sum(f.stat().st_size for f in read[name])
+        total = sizes[name]
         print(f"{name:<52} {cat:>7.2f} {verify:>10.2f} {verify / cat:>6.2f}x "
               f"{total / 2**30 / verify:>7.2f} {peak / 2**20:>13.0f}")
 

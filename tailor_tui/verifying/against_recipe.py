@@ -54,6 +54,10 @@ from tailor_tui.verifying.torch_files import is_zip, torch_reads
 from tailor_tui.verifying.weights import WeightRecord, claim_weight_file
 from tailor_tui.verifying.zero_ranks import ZeroRanks
 
+# claims held at once (a wide run's ranks are tens of thousands each): past it, those made are run, then the next
+# ranks' made (a source file several output ranks take from may then be read once per batch)
+MAX_CLAIMS = 20_000
+
 
 @dataclass
 class VerifyReport:
@@ -115,14 +119,17 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
     archives = Archives(recorded_crcs(record, ARCHIVES), out, plan.base.tag)  # (asked only once one changed)
     kind = ReshardedRanks if plan.reshard is not None else ZeroRanks
     ranks = kind(plan, report, changed=gone, taken=taken, archives=archives)  # every byte claimed, then read once
-    for rank in range(plan.world_size):
-        ranks.add(rank, composed)
     partial = RowsFiles()
     weights, headers = recorded_weights(record, TAKEN_WEIGHTS), recorded_crcs(record, WEIGHT_HEADERS)
     for job in plan.model_file_jobs():
         claim_weight_file(ranks, job, partial, changed=frozenset(gone), record=WeightRecord(
             None if weights is None else weights.get(job.name), None if headers is None else headers.get(job.name),
             archives))
+    for rank in range(plan.world_size):
+        ranks.add(rank, composed)
+        if len(ranks.tags) > MAX_CLAIMS and rank + 1 < plan.world_size:  # memory: the claims of some ranks at a time
+            ranks.check(emit, cancelled, workers)
+            ranks = kind(plan, report, changed=gone, taken=taken, archives=archives)
     ranks.check(emit, cancelled, workers)
     for line in archives.failed:
         report.add(None, line)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from tailor_tui.formats.pickled import Opaque, StorageRef, TensorRef
+
 
 def same_bytes(a, b) -> bool:
     """Whether two tensors hold the same bytes (dtype and shape included)."""
@@ -58,8 +60,6 @@ def structure_differences(mine, theirs, where: str = "", skip: Callable[[str], b
     no data): where they differ in anything but tensors' bytes. Each pair of tensors (or storages) alike in all
     but their bytes is handed to `tensors(where, mine, theirs)`, which compares the bytes (streamed, by the
     caller): a tensor's dtype, shape, strides and requires_grad are compared here."""
-    from tailor_tui.formats.pickled import Opaque, StorageRef, TensorRef
-
     if skip(where):
         return []
     if isinstance(mine, (TensorRef, StorageRef)) or isinstance(theirs, (TensorRef, StorageRef)):

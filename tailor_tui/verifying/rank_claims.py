@@ -26,16 +26,19 @@ from tailor_tui.checked.evidence import record_failed
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit
 from tailor_tui.formats.pickled import StorageRef, TensorRef
-from tailor_tui.formats.ptfile import Unsupported, locate, read_structure
+from tailor_tui.formats.ptfile import Unsupported, locate, read_structure, read_whole, structure_in
 from tailor_tui.formats.safetensors_in import safetensors_header, tensor_places
 from tailor_tui.verifying import streamed
+from tailor_tui.verifying.compare import structure_differences
 from tailor_tui.verifying.recorded import Archives, RankRows, settle
 from tailor_tui.verifying.rows_files import recorded_slices
 
 MAX_SHOWN = 5  # differences of the structure around the rows told per rank and kind
+SMALL_FILE = 4 << 20  # a torch file at most this size is read whole for its structure (a wide run's, hundreds of
+# records: laid out as one read before, its records' places are known without parsing its directory again)
 
 
-@dataclass
+@dataclass(slots=True)
 class Tag:
     """What a claim stands for: `kind` (row, frozen, padding, state, buffer, states; weight: a model file's tensor,
     taken: one whose CRC-32 must be `expected`), the rank (-1: none), the row, the problem told where its bytes
@@ -50,6 +53,7 @@ class Tag:
     key: str = ""
     claim: int = -1
     expected: int | None = None  # a "taken" claim's: the CRC-32 its bytes must have (the provenance record's)
+    parts: list | None = None  # a claim joining neighbours (`RankClaims.joined`): (row, problem, at, length, source at)
 
 
 class TorchFile:
@@ -57,9 +61,12 @@ class TorchFile:
 
     def __init__(self, claims: streamed.Comparison, path: Path, *, label: str | None = None, whole: bool = False):
         self.path = path
-        self.obj, self.records, self.prefix = read_structure(path, shared=True)  # (only read: shared)
+        whole_file = read_whole(path, SMALL_FILE)  # a small file (model_states): its layout read once per layout
+        self.obj, self.records, self.prefix = structure_in(path, whole_file) if whole_file is not None \
+            else read_structure(path, shared=True)  # (only read: shared)
         self.f = claims.file(path, label=label)
         self.claims, self.evidenced = claims, set[str]()
+        self._placed: dict[int, tuple[int, int, str, int]] = {}  # id of a tensor of `obj` -> `place`'s answer
         if whole:  # an output file: every record of it read and checked
             for name in self.records:
                 self.evidence(name)
@@ -72,6 +79,12 @@ class TorchFile:
 
     def place(self, ref) -> tuple[int, int, str, int]:
         """(first byte, length, dtype, itemsize) of a tensor (a contiguous one) or a storage, its record evidenced."""
+        found = self._placed.get(id(ref))
+        if found is None:
+            found = self._placed[id(ref)] = self._place(ref)  # (`ref` is of `obj`, kept: its id stays its own)
+        return found
+
+    def _place(self, ref) -> tuple[int, int, str, int]:
         if isinstance(ref, StorageRef):
             name = f"{self.prefix}data/{ref.key}"
             if name not in self.records:
@@ -126,12 +139,43 @@ class RankClaims:
         self.sizes: dict[str, int] = {}  # progress label -> bytes
         self.names = [src.name for src in plan.sources]
         self.files: dict[Path, TorchFile | SlicesFile] = {}  # every file read, by path: its structure read once
+        self._compared: dict[tuple, tuple] = {}  # `compared`'s walks
+        self._pending: tuple | None = None  # a claim `joined` may go on
         self._param_row = plan.base.param_to_row()
         self._source_of = plan.source_of_param()
 
     def claim(self, tag: Tag, out: int, at: int, n: int, source: int = streamed.NOTHING, source_at: int = 0) -> None:
+        self.flush()
+        self._claim(tag, out, at, n, source, source_at)
+
+    def _claim(self, tag: Tag, out: int, at: int, n: int, source: int, source_at: int) -> None:
         tag.claim = self.claims.claim(out, at, n, source, source_at, len(self.tags))
         self.tags.append(tag)
+
+    def joined(self, tag: Tag, out: int, at: int, n: int, source: int = streamed.NOTHING, source_at: int = 0) -> None:
+        """`claim`, joined to the claim before it where it goes on where that one ends, in the output and in the same
+        source (a row's next parameter, the next padding): a wide run's ranks are tens of thousands of slots of a few
+        elements each, compared as a few claims. Which of the joined differ is found when the whole does (`settle`)."""
+        held = self._pending
+        if held is not None:
+            first, (h_out, h_at, h_n, h_source, h_source_at) = held
+            if (h_out == out and h_at + h_n == at and h_source == source and first.kind == tag.kind
+                    and first.rank == tag.rank and first.key == tag.key and first.source == tag.source
+                    and first.file == tag.file and (tag.kind == "padding" or first.row == tag.row)
+                    and (source < 0 or h_source_at + h_n == source_at)):
+                first.parts.append((tag.row, tag.problem, at, n, source_at))
+                self._pending = (first, (h_out, h_at, h_n + n, h_source, h_source_at))
+                return
+            self.flush()
+        tag.parts = [(tag.row, tag.problem, at, n, source_at)]
+        self._pending = (tag, (out, at, n, source, source_at))
+
+    def flush(self) -> None:
+        """The joined claim held, made."""
+        if self._pending is not None:
+            tag, (out, at, n, source, source_at) = self._pending
+            self._pending = None
+            self._claim(tag, out, at, n, source, source_at)
 
     def torch_file(self, s: int, path: Path):
         """Source `s`'s torch file `path`, read once (None: `s` changed since the composition, `_source`)."""
@@ -163,6 +207,8 @@ class RankClaims:
         """A `structure_differences` callback: the bytes of a pair of tensors alike in all else, claimed."""
 
         def claim(where: str, mine, their) -> None:
+            if _empty(mine) and _empty(their):  # (a parameter's placeholder: no bytes to compare)
+                return
             a, n, _dtype, _size = out.place(mine)
             b, m, _dtype, _size = theirs.place(their)
             tag = Tag(kind, rank, row, problem.format(where=where), s, theirs.f, key)
@@ -173,8 +219,23 @@ class RankClaims:
                 self.claim(tag, out.f, a, n, theirs.f, b)
         return claim
 
+    def compared(self, site: str, mine, theirs, skip: Callable[[str], bool], claim) -> list[str]:
+        """`structure_differences(mine, theirs, skip=skip)`, each pair of tensors handed to `claim` (`tensor_claims`),
+        the walk done once per pair of objects (`site`: the caller's, whose `skip` is always the same): a wide run's
+        files share their structures (`formats.ptfile` reads equal pickles into one object)."""
+        key = (site, id(mine), id(theirs))
+        if key not in self._compared:
+            pairs: list[tuple[str, object, object]] = []
+            found = structure_differences(mine, theirs, skip=skip, tensors=lambda *pair: pairs.append(pair))
+            self._compared[key] = (mine, theirs, found, pairs)  # (the objects kept: their ids stay theirs)
+        _mine, _theirs, found, pairs = self._compared[key]
+        for where, a, b in pairs:
+            claim(where, a, b)
+        return found
+
     def check(self, emit: Emit, cancelled: Callable[[], bool], workers: int) -> None:
         """Run the claims (every byte read once, compared) and settle what they found, rank by rank."""
+        self.flush()
         claims = self.claims
         sizes: dict[str, int] = {}
         for f in sorted(self.outputs):
@@ -232,11 +293,15 @@ class RankClaims:
             if tag.kind in ("row", "row-dtype", "frozen"):
                 if tag.file < 0 or tag.file in bad:
                     mine.from_changed[row] = tag.source
-                elif tag.kind == "row-dtype" or i in outcome.differing:
+                elif tag.kind == "row-dtype":
                     mine.differs(row, tag.problem, tag.source)
+                elif i in outcome.differing:
+                    for _row, problem in self._which(tag):
+                        mine.differs(row, problem, tag.source)
             elif tag.kind == "padding":
                 if i in outcome.differing:
-                    report.add(tag.row, tag.problem)
+                    for part_row, problem in self._which(tag):
+                        report.add(part_row, problem)
             elif tag.file in bad:  # compared with a file that fails its checks now: what proves it, if anything
                 if not self.archives.proven(plan.output_rank_files()[tag.rank]):
                     line = (f"rank {tag.rank}: its optimizer state but the rows' tensors, and its model_states but "
@@ -254,6 +319,20 @@ class RankClaims:
                     report.unproven += [line] if line not in report.unproven else []
         for rank, found in enumerate(rows):
             settle(report, rank, found, self.taken, self.names)
+
+
+    def _which(self, tag: Tag) -> list[tuple[str | None, str]]:
+        """(row, problem) of each part of a differing claim whose bytes differ (a claim of one part: itself)."""
+        if not tag.parts or len(tag.parts) == 1:
+            return [(tag.row, tag.problem)]
+        c = self.claims.claims[tag.claim]
+        differs = streamed.recheck(self.claims, c.out, c.source, [(at, n, source_at)
+                                                                   for _row, _problem, at, n, source_at in tag.parts])
+        return [(row, problem) for (row, problem, *_rest), bad in zip(tag.parts, differs) if bad]
+
+
+def _empty(ref) -> bool:
+    return (ref.numel() if isinstance(ref, TensorRef) else ref.numel) == 0
 
 
 def at_path(states, where: str):

@@ -85,7 +85,7 @@ class ReshardedRanks(RankClaims):
     def _piece(self, rank: int, out: TorchFile, start: int, dtype: str, size: int, p: Piece, key: str) -> None:
         at, n = start + p.at * size, p.length * size
         if p.source == ZEROS:
-            self.claim(Tag("padding", rank, p.row, f"rank {rank}: padding after {p.param} ({key}) is not zero "
+            self.joined(Tag("padding", rank, p.row, f"rank {rank}: padding after {p.param} ({key}) is not zero "
                                                     "bytes"), out.f, at, n, streamed.ZERO)
             return
         tag = Tag("frozen" if key == FROZEN else "row", rank, p.row,
@@ -97,7 +97,7 @@ class ReshardedRanks(RankClaims):
             return
         found = self._located(p, key, files)
         if found is None:  # from a source that changed since: proven by the record alone
-            self.claim(tag, out.f, at, n)
+            self.joined(tag, out.f, at, n)
             return
         f, their_at, their_dtype, their_size = found
         tag.file = f
@@ -106,7 +106,10 @@ class ReshardedRanks(RankClaims):
                                                  f"{their_dtype}"
             self.claim(tag, out.f, at, n)
             return
-        self.claim(tag, out.f, at, n, f, their_at)
+        if files.whole_records or key == FROZEN:  # (a partial save's slices lie side by side, each its own CRC-32's)
+            self.joined(tag, out.f, at, n, f, their_at)
+        else:
+            self.claim(tag, out.f, at, n, f, their_at)
 
     def _located(self, p: Piece, key: str, files) -> tuple[int, int, str, int] | None:
         """(file, first byte, dtype, itemsize) of piece `p`'s elements in its source (None: changed since)."""
@@ -191,8 +194,8 @@ class ReshardedRanks(RankClaims):
         if base is None:
             return
         problem = f"rank {rank}: optimizer state {{where}} is not the base's"
-        for where in structure_differences(out.obj, base.obj, skip=_replaced,
-                                           tensors=self.tensor_claims(out, base, "state", rank, None, problem, 0))[:MAX_SHOWN]:
+        for where in self.compared("optim", out.obj, base.obj, _replaced,
+                                   self.tensor_claims(out, base, "state", rank, None, problem, 0))[:MAX_SHOWN]:
             report.add(None, problem.format(where=where))
         group_of = {slot.name: slot.group for slot in plan.base.layout.slots}
         base_state = base.obj[OPTIMIZER_STATE_DICT][OPTIMIZER_STATE_DICT][STATE]
@@ -247,9 +250,9 @@ class ReshardedRanks(RankClaims):
             return
         skip = {f"[{DP_WORLD_SIZE!r}]", f"[{PARAM_SHAPES!r}]", *(f"[{MODULE!r}][{b!r}]" for b in buffers)}
         problem = f"rank {rank}: model_states {{where}} is not the base's"
-        for where in structure_differences(
-                states.obj, base.obj, skip=lambda w: w in skip or w.startswith(f"[{FROZEN_PARAM_FRAGMENTS!r}]"),
-                tensors=self.tensor_claims(states, base, "states", rank, None, problem, 0))[:MAX_SHOWN]:
+        for where in self.compared(
+                "states", states.obj, base.obj, lambda w: w in skip or w.startswith(f"[{FROZEN_PARAM_FRAGMENTS!r}]"),
+                self.tensor_claims(states, base, "states", rank, None, problem, 0))[:MAX_SHOWN]:
             report.add(None, problem.format(where=where))
 
 

@@ -15,9 +15,9 @@ partial save's slice CRC-32, or none). `run` then reads:
 Each stretch's CRC-32 is put together from the CRC-32s of its parts, wherever and in whichever order
 they were read (`checked.crc.combine`), and compared with its evidence. So each byte of each file is
 read once, memory holds two chunks per worker whatever the files' sizes, and nothing is mapped. The
-file descriptors are opened once, here, and every read goes through them: what is read is the file
-that was opened, and a file whose identity (`checked.files.identity`: inode, size, times) differs at
-the end from when it was opened changed while it was read (`Outcome.moved`).
+files are looked at once when named, and each thread that reads one opens it itself and reads it only where it
+is still that file (`buffers.Descriptors`: its identity, `checked.files.identity`, compared when opened and when
+done): a file that changed meanwhile is `Outcome.moved`, and nothing read of it is a verdict.
 
 What the bytes mean (which claim is which row's, what a failure says) is the caller's: claims carry a
 tag it gives, outcomes name the tags whose bytes differ.
@@ -26,7 +26,6 @@ tag it gives, outcomes name the tags whose bytes differ.
 from __future__ import annotations
 
 import bisect
-import ctypes
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -35,53 +34,15 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 from tailor_tui.checked import crc
-from tailor_tui.checked.files import identity, open_regular
+from tailor_tui.checked.files import identity
 from tailor_tui.checked.ranges import pread_into
 from tailor_tui.errors import CheckpointError
+from tailor_tui.verifying.buffers import CHUNK, Buffer, Descriptors, Moved, first_difference, opened, same
 
-CHUNK = 4 << 20  # bytes per read (one buffer per worker for the output, one for its sources)
 SEGMENT = 64 << 20  # bytes of an output stretch one task reads: a large file is read by several workers
 ZERO = -1  # a claim's source: zero bytes (padding)
 NOTHING = -2  # a claim's source: none, its bytes only CRC-checked and their CRC-32 taken (`Outcome.crcs`)
 MAX_WORKERS = 8
-
-_ZEROS = bytearray(CHUNK)
-
-
-def _memcmp():
-    try:
-        libc = ctypes.CDLL(None)
-        function = libc.memcmp
-    except (OSError, AttributeError):  # no C library to call: Python's comparison, a copy each
-        return None
-    function.restype = ctypes.c_int
-    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-    return function
-
-
-_MEMCMP = _memcmp()
-
-
-class _Buffer:
-    """A reused read buffer and its address (for memcmp)."""
-
-    def __init__(self, size: int = CHUNK):
-        self.data = bytearray(size)
-        self.view = memoryview(self.data)
-        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.data)) if _MEMCMP else 0
-
-
-_ZERO_ADDRESS = ctypes.addressof(ctypes.c_char.from_buffer(_ZEROS)) if _MEMCMP else 0
-
-
-def _same(a: _Buffer, at_a: int, b: _Buffer | None, at_b: int, n: int) -> bool:
-    """Whether `n` bytes of `a` from `at_a` equal those of `b` from `at_b` (`b` None: zero bytes)."""
-    if _MEMCMP is not None:
-        other = _ZERO_ADDRESS if b is None else b.address + at_b
-        return _MEMCMP(a.address + at_a, other, n) == 0
-    theirs = bytes(n) if b is None else bytes(b.view[at_b: at_b + n])
-    return bytes(a.view[at_a: at_a + n]) == theirs
-
 
 class Claim(NamedTuple):
     """Bytes [at, at+length) of output file `out` must be source file `source`'s from `source_at` (ZERO: zero
@@ -146,7 +107,7 @@ class Comparison:
         an output file's progress label."""
         path = Path(path)
         if path not in self._index:
-            fd = _opened(path)
+            fd = opened(path)
             try:
                 st = os.fstat(fd)
             finally:
@@ -179,44 +140,6 @@ class Comparison:
 
     def crc_only(self, out: int, at: int, length: int, tag: int) -> int:
         return self.claim(out, at, length, NOTHING, 0, tag)
-
-
-def _opened(path: Path) -> int:
-    try:
-        return open_regular(path)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file is missing; the checkpoint is incomplete") from None
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-
-
-class _Descriptors:
-    """The descriptors one task reads through: each file opened when first needed, and kept only where it is the
-    file named (its identity); `close` looks at each again, and says which changed meanwhile."""
-
-    def __init__(self, claims: Comparison) -> None:
-        self.claims, self.fds = claims, dict[int, int]()
-
-    def __getitem__(self, f: int) -> int:
-        if f not in self.fds:
-            fd = self.fds[f] = _opened(self.claims.paths[f])
-            if identity(os.fstat(fd)) != self.claims.identities[f]:
-                raise _Moved(f)
-        return self.fds[f]
-
-    def close(self) -> list[int]:
-        moved = [f for f, fd in self.fds.items() if identity(os.fstat(fd)) != self.claims.identities[f]]
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds = {}
-        return moved
-
-
-class _Moved(Exception):
-    """A file that is not, when a task opens it, the one the claims were made of."""
-
-    def __init__(self, f: int):
-        self.f = f
 
 
 class _Reading(NamedTuple):
@@ -266,12 +189,12 @@ def run(claims: Comparison, *, workers: int = 2, on_bytes: Callable[[str, int], 
 
     def do(task: _Reading) -> None:
         if not hasattr(local, "out"):
-            local.out, local.src = _Buffer(), _Buffer()
-        found, files = _Found(), _Descriptors(claims)
+            local.out, local.src = Buffer(), Buffer()
+        found, files = _Found(), Descriptors(claims.paths, claims.identities)
         try:
             _read_task(claims, task, files, local.out, local.src, found, cancelled,
                        lambda n: on_bytes(claims.labels.get(task.file, "output"), n))
-        except _Moved as exc:
+        except Moved as exc:
             with lock:
                 moved.add(exc.f)
             return
@@ -304,12 +227,12 @@ def run(claims: Comparison, *, workers: int = 2, on_bytes: Callable[[str, int], 
 
     def fill(task: _Reading) -> None:
         if not hasattr(local, "out"):
-            local.out, local.src = _Buffer(), _Buffer()
-        files = _Descriptors(claims)
+            local.out, local.src = Buffer(), Buffer()
+        files = Descriptors(claims.paths, claims.identities)
         try:
             values = [(a, n, _crc_of(files[task.file], a, n, local.out, cancelled, lambda n: on_bytes("sources", n)))
                       for a, n in task.parts]
-        except _Moved as exc:
+        except Moved as exc:
             with lock:
                 moved.add(exc.f)
             return
@@ -395,39 +318,48 @@ def _inside(stretches: list[Stretch], starts: list[int], at: int, length: int) -
     return k >= 0 and at + length <= stretches[k].at + stretches[k].length
 
 
-def _read_task(claims: Comparison, task: _Reading, files: _Descriptors, out: _Buffer, src: _Buffer, found: _Found,
+def _read_task(claims: Comparison, task: _Reading, files: Descriptors, out: Buffer, src: Buffer, found: _Found,
                cancelled: Callable[[], bool], counted: Callable[[int], None]) -> None:
-    """Read the output parts of `task` chunk by chunk: each part's CRC-32, and each claim's bytes in it compared."""
+    """Read the output parts of `task` chunk by chunk (parts that lie within one chunk's reach, a small file's
+    records, in one read): each part's CRC-32, and each claim's bytes in it compared."""
     from tailor_tui.events import Cancelled
 
     fd = files[task.file]
     members = [claims.claims[i] for i in task.claims]
     first = 0  # the first claim not wholly read yet
+    start, end = task.parts[0][0], task.parts[-1][0] + task.parts[-1][1]
+    held = end - start <= CHUNK  # every part in the buffer at once, from `start`
+    if held:
+        if cancelled():
+            raise Cancelled()
+        pread_into(fd, out.view[: end - start], start)
     for at, length in task.parts:
-        position, end, value = at, at + length, 0
+        position, stop_at, value = at, at + length, 0
         while first < len(members) and members[first].at + members[first].length <= position \
                 and members[first].length:
             first += 1
-        while position < end:
-            if cancelled():
-                raise Cancelled()
-            n = min(CHUNK, end - position)
-            pread_into(fd, out.view[:n], position)
-            value = crc.crc32(out.view[:n], value)
+        while position < stop_at:
+            n = min(CHUNK, stop_at - position) if not held else stop_at - position
+            base = start if held else position  # the file offset of the buffer's first byte
+            if not held:
+                if cancelled():
+                    raise Cancelled()
+                pread_into(fd, out.view[:n], position)
+            value = crc.crc32(out.view[position - base: position - base + n], value)
             stop = position + n
             k = first
             while k < len(members) and members[k].at < stop:
                 c = members[k]
                 a, b = max(c.at, position), min(c.at + c.length, stop)
                 if b > a:
-                    _compare(files, task.claims[k], c, a, b - a, out, a - position, src, found)
+                    _compare(files, task.claims[k], c, a, b - a, out, a - base, src, found)
                 k += 1
             counted(n)
             position = stop
         found.pieces.append((task.file, at, length, value))
 
 
-def _compare(files: _Descriptors, index: int, c: Claim, a: int, n: int, out: _Buffer, at: int, src: _Buffer,
+def _compare(files: Descriptors, index: int, c: Claim, a: int, n: int, out: Buffer, at: int, src: Buffer,
              found: _Found) -> None:
     """Output bytes [a, a+n) of claim `c`, at `at` in the output buffer: compared, their CRC-32s taken."""
     mine = crc.crc32(out.view[at: at + n])
@@ -435,26 +367,14 @@ def _compare(files: _Descriptors, index: int, c: Claim, a: int, n: int, out: _Bu
     if c.source == NOTHING:
         return
     if c.source == ZERO:
-        if not _same(out, at, None, 0, n):
-            found.differs(c.tag, a + _first_difference(out, at, None, 0, n))
+        if not same(out, at, None, 0, n):
+            found.differs(c.tag, a + first_difference(out, at, None, 0, n))
         return
     source_at = c.source_at + (a - c.at)
     pread_into(files[c.source], src.view[:n], source_at)
     _extend(found.src_crcs, index, source_at, n, crc.crc32(src.view[:n]))
-    if not _same(out, at, src, 0, n):
-        found.differs(c.tag, a + _first_difference(out, at, src, 0, n))
-
-
-def _first_difference(a: _Buffer, at_a: int, b: _Buffer | None, at_b: int, n: int) -> int:
-    """The first of `n` bytes (known to differ somewhere) where `a` and `b` differ, by halves."""
-    low = 0
-    while n > 1:
-        half = n // 2
-        if _same(a, at_a + low, b, at_b + low, half):
-            low, n = low + half, n - half
-        else:
-            n = half
-    return low
+    if not same(out, at, src, 0, n):
+        found.differs(c.tag, a + first_difference(out, at, src, 0, n))
 
 
 def _extend(crcs: dict[int, list[int]], index: int, a: int, n: int, value: int) -> None:
@@ -467,6 +387,30 @@ def _extend(crcs: dict[int, list[int]], index: int, a: int, n: int, value: int) 
         held[2] = crc.combine(held[2], value, n)
     else:  # (a claim read by two tasks: each task's part apart, joined by the caller)
         raise ValueError(f"claim {index} read out of order in one task")
+
+
+def recheck(claims: Comparison, out: int, source: int, parts: list[tuple[int, int, int]]) -> list[bool]:
+    """For each (output byte, length, source byte) of `parts` of a claim found differing, whether its bytes differ
+    (read again, a chunk at a time: only where a claim that joins many failed, to say which of them did)."""
+    files, a, b = Descriptors(claims.paths, claims.identities), Buffer(), Buffer()
+    found = []
+    try:
+        for at, n, source_at in parts:
+            differs, done = False, 0
+            while done < n and not differs:
+                k = min(CHUNK, n - done)
+                pread_into(files[out], a.view[:k], at + done)
+                if source >= 0:
+                    pread_into(files[source], b.view[:k], source_at + done)
+                differs = not same(a, 0, b if source >= 0 else None, 0, k)
+                done += k
+            found.append(differs)
+    except Moved as exc:
+        raise CheckpointError(f"{claims.paths[exc.f]}: changed while it was verified (written to, or replaced); "
+                              "what was read of it proves nothing: run --verify again once nothing writes to it") from None
+    finally:
+        files.close()
+    return found
 
 
 def _gaps(evidence: dict[int, list[Stretch]], pieces) -> tuple[list[_Reading], list]:
@@ -500,7 +444,7 @@ def _gaps(evidence: dict[int, list[Stretch]], pieces) -> tuple[list[_Reading], l
     return tasks, held
 
 
-def _crc_of(fd: int, at: int, length: int, buffer: _Buffer, cancelled, counted) -> int:
+def _crc_of(fd: int, at: int, length: int, buffer: Buffer, cancelled, counted) -> int:
     from tailor_tui.events import Cancelled
 
     value, end = 0, at + length

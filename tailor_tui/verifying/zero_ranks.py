@@ -49,19 +49,20 @@ class ZeroRanks(RankClaims):
             if found is not None:
                 wanted[s] = (found, optimizer_state(found.obj, f.optim_states, sizes)
                              if isinstance(found, TorchFile) else None)
-        for slot in sorted(layout.slots, key=lambda slot: (slot.group, slot.offset)):
-            s, valid, row = self._source_of[slot.name], slot.valid(rank), self._param_row[slot.name]
-            for key in plan.keys:
+        slots = sorted(layout.slots, key=lambda slot: (slot.group, slot.offset))
+        for key in plan.keys:  # (each (row, key)'s slots in the output's order: what the record's CRC-32s cover)
+            for slot in slots:
                 tensor = flat_tensor(got, slot.group, key)
                 if tensor is None:
                     continue  # (a state the output lacks: said above)
+                s, valid, row = self._source_of[slot.name], slot.valid(rank), self._param_row[slot.name]
                 start, _n, dtype, size = out.place(tensor)
                 if valid:
                     self._slot(rank, out, start + slot.offset * size, valid, dtype, size, slot, key, row, s,
                                wanted.get(s))
                 if valid < slot.part:
-                    self.claim(Tag("padding", rank, row, f"rank {rank}: padding after {slot.name} ({key}) is "
-                                                          "not zero bytes"),
+                    self.joined(Tag("padding", rank, row, f"rank {rank}: padding after {slot.name} ({key}) is "
+                                                           "not zero bytes"),
                                 out.f, start + (slot.offset + valid) * size, (slot.part - valid) * size,
                                 streamed.ZERO)
         self._structure(rank, out, files, wanted)
@@ -71,7 +72,7 @@ class ZeroRanks(RankClaims):
               s: int, source) -> None:
         tag = Tag("row", rank, row, f"rank {rank}: {key} of {slot.name} differs from {self.names[s]}", s, key=key)
         if source is None:  # from a source that changed since: its bytes proven by the record alone
-            self.claim(tag, out.f, at, valid * size)
+            self.joined(tag, out.f, at, valid * size)
             return
         found, state = source
         if isinstance(found, TorchFile):
@@ -82,11 +83,14 @@ class ZeroRanks(RankClaims):
             their_at, their_dtype, their_size = found.slice(f"{key}/{slot.name}", valid), "FloatStorage", 4
         tag.file = found.f
         if (their_dtype, their_size) != (dtype, size):
-            tag.problem = f"rank {rank}: {key} of {slot.name} is {dtype}, {self.names[s]}'s {their_dtype}"
+            tag.kind, tag.problem = "row-dtype", f"rank {rank}: {key} of {slot.name} is {dtype}, {self.names[s]}'s " \
+                                                 f"{their_dtype}"
             self.claim(tag, out.f, at, valid * size)
-            self.tags[-1].kind = "row-dtype"
             return
-        self.claim(tag, out.f, at, valid * size, found.f, their_at)
+        if isinstance(found, TorchFile):  # (a partial save's slices lie side by side, each its own CRC-32's)
+            self.joined(tag, out.f, at, valid * size, found.f, their_at)
+        else:
+            self.claim(tag, out.f, at, valid * size, found.f, their_at)
 
     def _structure(self, rank: int, out: TorchFile, files, wanted) -> None:
         """Everything but the flat tensors is the base's: param groups, loss scaler, steps, counters."""
@@ -103,8 +107,8 @@ class ZeroRanks(RankClaims):
                 where.startswith(f"{outer}{outer}[{STATE!r}]") and where.endswith(per_element))
 
         problem = f"rank {rank}: optimizer state {{where}} is not the base's"
-        for where in structure_differences(out.obj, base.obj, skip=flat,
-                                           tensors=self.tensor_claims(out, base, "state", rank, None, problem, 0))[:MAX_SHOWN]:
+        for where in self.compared("optim", out.obj, base.obj, flat,
+                                   self.tensor_claims(out, base, "state", rank, None, problem, 0))[:MAX_SHOWN]:
             self.report.add(None, problem.format(where=where))
 
     def _model_states(self, rank: int, composed, label: str) -> None:
@@ -156,7 +160,6 @@ class ZeroRanks(RankClaims):
         base = source(0)
         if base is not None:
             problem = f"rank {rank}: model_states {{where}} is not the base's"
-            for where in structure_differences(states.obj, base.obj, skip=lambda w: w in followed,
-                                               tensors=self.tensor_claims(states, base, "states", rank, None, problem,
-                                                                     0))[:MAX_SHOWN]:
+            for where in self.compared("states", states.obj, base.obj, lambda w: w in followed,
+                                       self.tensor_claims(states, base, "states", rank, None, problem, 0))[:MAX_SHOWN]:
                 self.report.add(None, problem.format(where=where))
