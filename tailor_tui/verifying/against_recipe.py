@@ -39,6 +39,7 @@ from tailor_tui.checkpoints.checkpoint import (
 from tailor_tui.checkpoints.side_files import MAX_RECORD, read_small
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import Emit
+from tailor_tui.formats.ptfile import check_crcs
 from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.planning.provenance import changed_since, read_record
 from tailor_tui.verifying.recorded import (
@@ -50,7 +51,6 @@ from tailor_tui.verifying.recorded import (
 )
 from tailor_tui.verifying.resharded import ReshardedRanks
 from tailor_tui.verifying.rows_files import RowsFiles
-from tailor_tui.verifying.torch_files import is_zip, torch_reads
 from tailor_tui.verifying.weights import WeightRecord, claim_weight_file
 from tailor_tui.verifying.zero_ranks import ZeroRanks
 
@@ -156,7 +156,7 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
             report.add(None, f"{out / to}: missing (the base has {rel})")
         elif not filecmp.cmp(root / rel, out / to, shallow=False):
             report.add(None, f"{out / to}: differs from the base's {root / rel}")
-        elif is_zip(out / to) and (why := torch_reads(out / to)) is not None:  # its bytes match: torch reads it?
+        elif (why := _unreadable(out / to)) is not None:  # its bytes match: does torch's reader read it?
             report.add(None, f"{out / to}: torch's reader cannot read it ({why}), nor the base's {root / rel}")
     if "latest" in own and read_latest(out) != own["latest"]:
         report.add(None, f"{out / 'latest'}: names {read_latest(out)!r}, not the tag {plan.base.tag!r} composed; "
@@ -167,6 +167,17 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
         report.add(None, f"{out / extra}: not a file this composition writes (neither composed nor copied "
                          "from the base); it was added to the output afterwards")
     return report
+
+
+def _unreadable(path: Path) -> str | None:
+    """None where the torch file `path` (a zip-format one; any other file: None) reads as torch's reader reads it,
+    every record whole and matching its CRC-32 (`formats.ptfile.check_crcs`: the directory held to what miniz
+    accepts, torch-free); else why not, in one line."""
+    try:
+        check_crcs(path)
+    except CheckpointError as exc:
+        return str(exc).removeprefix(f"{path}: ").split("; ")[0][:200]
+    return None
 
 
 def _sources_changed(plan: ComposePlan, record: dict | None) -> dict[int, list[str]]:

@@ -175,6 +175,8 @@ def run(claims: Comparison, *, workers: int = 2, on_bytes: Callable[[str, int], 
     claim must lie inside one of its output file's stretches, its source bytes inside one of the source's
     (ValueError: the caller's bug)."""
     outcome = Outcome()
+    asked, stop = cancelled, threading.Event()
+    cancelled = lambda: stop.is_set() or asked()  # noqa: E731 (a failed thread, a Ctrl-C, or the caller's flag)
     evidence: dict[int, list[Stretch]] = {}
     for s in claims.stretches:
         evidence.setdefault(s.file, []).append(s)
@@ -211,7 +213,7 @@ def run(claims: Comparison, *, workers: int = 2, on_bytes: Callable[[str, int], 
             for c, (a, n, value) in found.out_crcs.items():
                 by_claim_out.setdefault(c, []).append((a, n, value))
 
-    _pool(do, _tasks(claims, evidence), workers)
+    _pool(do, _tasks(claims, evidence), workers, stop)
     for c, parts in by_claim_src.items():
         source = claims.claims[c].source
         pieces.extend((source, a, n, value) for a, n, value in parts)
@@ -242,7 +244,7 @@ def run(claims: Comparison, *, workers: int = 2, on_bytes: Callable[[str, int], 
             moved.update(changed)
             held.extend((task.file, a, n, value) for a, n, value in values)
 
-    _pool(fill, gaps, workers)
+    _pool(fill, gaps, workers, stop)
     outcome.moved = [claims.paths[f] for f in sorted(moved)]
     outcome.read = sum(p[2] for p in pieces) + sum(t.length for t in gaps)
     if not moved:
@@ -250,7 +252,10 @@ def run(claims: Comparison, *, workers: int = 2, on_bytes: Callable[[str, int], 
     return outcome
 
 
-def _pool(do: Callable[[_Reading], None], tasks: list[_Reading], workers: int) -> None:
+def _pool(do: Callable[[_Reading], None], tasks: list[_Reading], workers: int, stop: threading.Event) -> None:
+    """Run `do` on every task, on `workers` threads. The first failure (Cancelled, a Ctrl-C in the main thread) is
+    raised once every thread stopped: the tasks not started are dropped, the running ones stop at their next chunk
+    (`stop`, which `run`'s cancel test looks at)."""
     if not tasks:
         return
     workers = max(1, min(workers, MAX_WORKERS, len(tasks)))
@@ -258,9 +263,15 @@ def _pool(do: Callable[[_Reading], None], tasks: list[_Reading], workers: int) -
         for task in tasks:
             do(task)
         return
-    with ThreadPoolExecutor(workers, thread_name_prefix="verify") as pool:
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="verify")
+    try:
         for future in [pool.submit(do, task) for task in sorted(tasks, key=lambda t: -t.length)]:
-            future.result()  # (the first failure, Cancelled included, is raised here)
+            future.result()
+    except BaseException:
+        stop.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
 
 
 def _packed(f: int, spans: list[tuple[int, int]]) -> list[tuple[int, tuple[tuple[int, int], ...]]]:
