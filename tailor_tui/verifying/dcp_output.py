@@ -23,7 +23,7 @@ from typing import Callable
 from tailor_tui.checked.files import open_regular
 from tailor_tui.checkpoints.dcp_checkpoint import DcpCheckpoint, read_parts
 from tailor_tui.dcp.metadata import MetadataIndex
-from tailor_tui.dcp.reading import archive_records, locate_chunk
+from tailor_tui.dcp.reading import archive_records
 from tailor_tui.errors import CheckpointError, TailorError
 from tailor_tui.events import ByteCounter, Emit
 from tailor_tui.formats.ds_format import flat_tensor, optimizer_state
@@ -31,7 +31,7 @@ from tailor_tui.formats.ptfile import locate, read_structure
 from tailor_tui.formats.safetensors_in import safetensors_header, tensor_places
 from tailor_tui.verifying import streamed
 from tailor_tui.verifying.against_recipe import VerifyReport
-from tailor_tui.verifying.resharded import chunk_range
+from tailor_tui.verifying.resharded import chunk_range, claimed_chunk
 from tailor_tui.verifying.rows_files import recorded_slices
 
 
@@ -130,16 +130,8 @@ class _DcpOutput:
             if info is None:
                 self.problem(key, f"{key}: the output places no bytes for its chunk at {list(chunk.offsets)}")
                 continue
-            path = plan.output / info.relative_path
-            fd = open_regular(path)
-            try:
-                located = locate_chunk(plan.output, fd, entry, chunk, info)
-            finally:
-                os.close(fd)
-            f = self.claims.file(path, label=info.relative_path)
+            f, located = claimed_chunk(self.claims, plan.output, entry, chunk, info, label=info.relative_path)
             self.outputs.add(f)
-            self.claims.evidence(f, located.record.data_offset, located.record.size, located.record.crc,
-                                 located.record.name)
             size = located.record.size // max(located.numel, 1)
             begin, count = chunk_range(tuple(entry.size), tuple(chunk.offsets), tuple(chunk.sizes), plan.output, key)
             if size != 4:  # a ZeRO-3 checkpoint keeps fp32 masters and states

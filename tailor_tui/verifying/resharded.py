@@ -157,16 +157,8 @@ class ReshardedRanks(RankClaims):
             if a >= b:
                 continue
             info = files.metadata.storage_data[MetadataIndex(name, chunk.offsets)]
-            path = files.folder / info.relative_path
-            fd = open_regular(path)
-            try:
-                located = locate_chunk(files.folder, fd, entry, chunk, info)
-            finally:
-                os.close(fd)
-            f = self.claims.file(path)
+            f, located = claimed_chunk(self.claims, files.folder, entry, chunk, info)
             self.file_source[f] = p.source
-            self.claims.evidence(f, located.record.data_offset, located.record.size, located.record.crc,
-                                 located.record.name)
             part = Tag(tag.kind, tag.rank, tag.row, tag.problem, tag.source, f, tag.key)
             their_size = located.record.size // max(located.numel, 1)
             if their_size != size:
@@ -259,6 +251,20 @@ class ReshardedRanks(RankClaims):
 def _replaced(where: str) -> bool:
     return where.startswith(REPLACED) or (
         where.startswith(f"{OUTER}{OUTER}[{PARAM_GROUPS!r}]") and where.endswith("['params']"))
+
+
+def claimed_chunk(claims: streamed.Comparison, folder: Path, entry, chunk, info, *, label: str | None = None):
+    """(file, `dcp.reading.ChunkBytes`) of a DCP chunk's elements as its archive places them (`info` in `folder`),
+    its record's CRC-32 evidence among `claims`."""
+    path = folder / info.relative_path
+    fd = open_regular(path)
+    try:
+        located = locate_chunk(folder, fd, entry, chunk, info)
+    finally:
+        os.close(fd)
+    f = claims.file(path, label=label)
+    claims.evidence(f, located.record.data_offset, located.record.size, located.record.crc, located.record.name)
+    return f, located
 
 
 def chunk_range(size: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...], folder: Path,

@@ -189,13 +189,14 @@ def run(claims: Comparison, *, workers: int = 2, on_bytes: Callable[[str, int], 
     by_claim_out: dict[int, list[tuple[int, int, int]]] = {}
     moved: set[int] = set()
 
-    def do(task: _Reading) -> None:
+    def reading(task: _Reading, read: Callable[[Descriptors], Callable[[], None]]) -> None:
+        """`read(files)` on this thread's buffers and the task's own descriptors; what it returns, done under the
+        lock where no file it read changed meanwhile."""
         if not hasattr(local, "out"):
             local.out, local.src = Buffer(), Buffer()
-        found, files = _Found(), Descriptors(claims.paths, claims.identities)
+        files = Descriptors(claims.paths, claims.identities)
         try:
-            _read_task(claims, task, files, local.out, local.src, found, cancelled,
-                       lambda n: on_bytes(claims.labels.get(task.file, "output"), n))
+            keep = read(files)
         except Moved as exc:
             with lock:
                 moved.add(exc.f)
@@ -204,14 +205,25 @@ def run(claims: Comparison, *, workers: int = 2, on_bytes: Callable[[str, int], 
             changed = files.close()
         with lock:
             moved.update(changed)
-            pieces.extend(found.pieces)
-            outcome.differing |= found.differing
-            for tag, at in found.first.items():
-                outcome.first[tag] = min(at, outcome.first.get(tag, at))
-            for c, (a, n, value) in found.src_crcs.items():
-                by_claim_src.setdefault(c, []).append((a, n, value))
-            for c, (a, n, value) in found.out_crcs.items():
-                by_claim_out.setdefault(c, []).append((a, n, value))
+            keep()
+
+    def do(task: _Reading) -> None:
+        def read(files: Descriptors) -> Callable[[], None]:
+            found = _Found()
+            _read_task(claims, task, files, local.out, local.src, found, cancelled,
+                       lambda n: on_bytes(claims.labels.get(task.file, "output"), n))
+
+            def keep() -> None:
+                pieces.extend(found.pieces)
+                outcome.differing |= found.differing
+                for tag, at in found.first.items():
+                    outcome.first[tag] = min(at, outcome.first.get(tag, at))
+                for c, (a, n, value) in found.src_crcs.items():
+                    by_claim_src.setdefault(c, []).append((a, n, value))
+                for c, (a, n, value) in found.out_crcs.items():
+                    by_claim_out.setdefault(c, []).append((a, n, value))
+            return keep
+        reading(task, read)
 
     _pool(do, _tasks(claims, evidence), workers, stop)
     for c, parts in by_claim_src.items():
@@ -228,21 +240,11 @@ def run(claims: Comparison, *, workers: int = 2, on_bytes: Callable[[str, int], 
     on_sources(sum(t.length for t in gaps))
 
     def fill(task: _Reading) -> None:
-        if not hasattr(local, "out"):
-            local.out, local.src = Buffer(), Buffer()
-        files = Descriptors(claims.paths, claims.identities)
-        try:
+        def read(files: Descriptors) -> Callable[[], None]:
             values = [(a, n, _crc_of(files[task.file], a, n, local.out, cancelled, lambda n: on_bytes("sources", n)))
                       for a, n in task.parts]
-        except Moved as exc:
-            with lock:
-                moved.add(exc.f)
-            return
-        finally:
-            changed = files.close()
-        with lock:
-            moved.update(changed)
-            held.extend((task.file, a, n, value) for a, n, value in values)
+            return lambda: held.extend((task.file, a, n, value) for a, n, value in values)
+        reading(task, read)
 
     _pool(fill, gaps, workers, stop)
     outcome.moved = [claims.paths[f] for f in sorted(moved)]
