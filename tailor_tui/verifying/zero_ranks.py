@@ -135,7 +135,7 @@ class ZeroRanks(RankClaims):
             if theirs is None:
                 if isinstance(mine, TensorRef):
                     a, n, _dtype, _size = states.place(mine)
-                    self.claim(Tag("frozen", rank, row, problem, s, key=FROZEN), states.f, a, n)
+                    self.claim(Tag("frozen", rank, row, problem.format(where=where), s, key=FROZEN), states.f, a, n)
                 continue
             for difference in structure_differences(
                     mine, at_path(theirs.obj, where), where,
