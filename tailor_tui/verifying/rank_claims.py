@@ -203,14 +203,15 @@ class RankClaims:
 
     def tensor_claims(self, out: TorchFile, theirs: TorchFile, kind: str, rank: int, row: str | None, problem: str,
                       s: int, key: str = ""):
-        """A `structure_differences` callback: the bytes of a pair of tensors alike in all else, claimed."""
+        """A `structure_differences` callback: the bytes of a pair of tensors alike in all else, claimed (`problem`: what
+        is told where they differ, its "{where}" their place; replaced, never formatted: names in it are a file's)."""
 
         def claim(where: str, mine, their) -> None:
             if _empty(mine) and _empty(their):  # (a parameter's placeholder: no bytes to compare)
                 return
             a, n, _dtype, _size = out.place(mine)
             b, m, _dtype, _size = theirs.place(their)
-            tag = Tag(kind, rank, row, problem.format(where=where), s, theirs.f, key)
+            tag = Tag(kind, rank, row, problem.replace("{where}", where, 1), s, theirs.f, key)
             if n != m:
                 self.report.add(row, tag.problem)
             elif n:

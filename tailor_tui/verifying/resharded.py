@@ -188,7 +188,7 @@ class ReshardedRanks(RankClaims):
         problem = f"rank {rank}: optimizer state {{where}} is not the base's"
         for where in self.compared("optim", out.obj, base.obj, _replaced,
                                    self.tensor_claims(out, base, "state", rank, None, problem, 0))[:MAX_SHOWN]:
-            report.add(None, problem.format(where=where))
+            report.add(None, problem.replace("{where}", where, 1))
         group_of = {slot.name: slot.group for slot in plan.base.layout.slots}
         base_state = base.obj[OPTIMIZER_STATE_DICT][OPTIMIZER_STATE_DICT][STATE]
         per_element = tuple(f"[{key!r}]" for key in plan.keys[1:])
@@ -199,7 +199,7 @@ class ReshardedRanks(RankClaims):
                                            skip=lambda w: w.endswith(per_element),
                                            tensors=self.tensor_claims(out, base, "state", rank, None, problem, 0))
             for where in unlike[:2]:
-                report.add(None, problem.format(where=where))
+                report.add(None, problem.replace("{where}", where, 1))
 
     def _model_states(self, rank: int, composed, label: str) -> None:
         plan, reshard, report = self.plan, self.plan.reshard, self.report
@@ -245,7 +245,7 @@ class ReshardedRanks(RankClaims):
         for where in self.compared(
                 "states", states.obj, base.obj, lambda w: w in skip or w.startswith(f"[{FROZEN_PARAM_FRAGMENTS!r}]"),
                 self.tensor_claims(states, base, "states", rank, None, problem, 0))[:MAX_SHOWN]:
-            report.add(None, problem.format(where=where))
+            report.add(None, problem.replace("{where}", where, 1))
 
 
 def _replaced(where: str) -> bool:

@@ -109,7 +109,7 @@ class ZeroRanks(RankClaims):
         problem = f"rank {rank}: optimizer state {{where}} is not the base's"
         for where in self.compared("optim", out.obj, base.obj, flat,
                                    self.tensor_claims(out, base, "state", rank, None, problem, 0))[:MAX_SHOWN]:
-            self.report.add(None, problem.format(where=where))
+            self.report.add(None, problem.replace("{where}", where, 1))
 
     def _model_states(self, rank: int, composed, label: str) -> None:
         """model_states: the base's, but frozen fragments and buffers, each from its row's source."""
@@ -135,12 +135,12 @@ class ZeroRanks(RankClaims):
             if theirs is None:
                 if isinstance(mine, TensorRef):
                     a, n, _dtype, _size = states.place(mine)
-                    self.claim(Tag("frozen", rank, row, problem.format(where=where), s, key=FROZEN), states.f, a, n)
+                    self.claim(Tag("frozen", rank, row, problem.replace("{where}", where, 1), s, key=FROZEN), states.f, a, n)
                 continue
             for difference in structure_differences(
                     mine, at_path(theirs.obj, where), where,
                     tensors=self.tensor_claims(states, theirs, "frozen", rank, row, problem, s, FROZEN)):
-                self.report.add(row, problem.format(where=difference))
+                self.report.add(row, problem.replace("{where}", difference, 1))
         for row in plan.base.rows:
             for buffer in row.buffers:
                 where = f"[{MODULE!r}][{buffer!r}]"
@@ -156,10 +156,10 @@ class ZeroRanks(RankClaims):
                 for difference in structure_differences(
                         at_path(states.obj, where), at_path(theirs.obj, where), where,
                         tensors=self.tensor_claims(states, theirs, "buffer", rank, row.name, problem, s)):
-                    self.report.add(row.name, problem.format(where=difference))
+                    self.report.add(row.name, problem.replace("{where}", difference, 1))
         base = source(0)
         if base is not None:
             problem = f"rank {rank}: model_states {{where}} is not the base's"
             for where in self.compared("states", states.obj, base.obj, lambda w: w in followed,
                                        self.tensor_claims(states, base, "states", rank, None, problem, 0))[:MAX_SHOWN]:
-                self.report.add(None, problem.format(where=where))
+                self.report.add(None, problem.replace("{where}", where, 1))
