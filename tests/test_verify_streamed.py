@@ -214,3 +214,49 @@ def test_memory_stays_bounded_on_files_many_times_the_bound(tmp_path):
     differing, failed, read, peak = json.loads(done.stdout)
     assert differing == [0] and failed == 1 and peak < 256 << 20, done.stdout
 
+
+
+def _claimed(tmp_path, size: int):
+    """Two sparse archives of a `size`-byte record each, the output's claimed whole against the source's."""
+    from tailor_tui.checked import crc
+    from tailor_tui.verifying import streamed
+
+    out, source = tmp_path / "out.pt", tmp_path / "source.pt"
+    at, n = _sparse_archive(out, size)
+    _sparse_archive(source, size)
+    claims = streamed.Comparison()
+    f, g = claims.file(out, label="rank 0"), claims.file(source)
+    for file in (f, g):
+        claims.evidence(file, at, n, crc.zeros(n), "archive/data/0")
+    claims.claim(f, at, n, g, at, 0)
+    return claims, source
+
+
+def test_a_cancel_stops_every_reading_thread_at_its_next_chunk(tmp_path):
+    from tailor_tui.events import Cancelled
+    from tailor_tui.verifying import streamed
+
+    claims, _source = _claimed(tmp_path, 512 << 20)
+    read = []
+    with pytest.raises(Cancelled):
+        streamed.run(claims, workers=2, on_bytes=lambda label, n: read.append(n),
+                     cancelled=lambda: sum(read) > 8 << 20)
+    assert sum(read) < 64 << 20, sum(read)  # stopped within a chunk per thread, not at the end of the files
+
+
+def test_a_source_written_while_it_is_read_proves_nothing(tmp_path):
+    """The source is written to between two reads (its ctime moves): the run says so, and settles no verdict."""
+    from tailor_tui.verifying import streamed
+
+    claims, source = _claimed(tmp_path, 256 << 20)
+    touched = []
+
+    def on_bytes(label: str, n: int) -> None:
+        if not touched:
+            touched.append(True)
+            with open(source, "r+b") as f:  # a write of the same byte: the bytes alike, the file not the one opened
+                f.seek(0)
+                f.write(f.read(1))
+
+    outcome = streamed.run(claims, workers=2, on_bytes=on_bytes)
+    assert source in outcome.moved and not outcome.failed and not outcome.differing

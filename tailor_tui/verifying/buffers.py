@@ -14,7 +14,7 @@ import ctypes
 import os
 from pathlib import Path
 
-from tailor_tui.checked.files import identity, open_regular
+from tailor_tui.checked.files import FileIdentity, open_regular
 from tailor_tui.errors import CheckpointError
 
 CHUNK = 4 << 20  # bytes per read (one buffer per worker for the output, one for its sources)
@@ -76,12 +76,12 @@ class Descriptors:
     def __getitem__(self, f: int) -> int:
         if f not in self.fds:
             fd = self.fds[f] = opened(self.paths[f])
-            if identity(os.fstat(fd)) != self.identities[f]:
+            if FileIdentity.of(os.fstat(fd)) != self.identities[f]:
                 raise Moved(f)
         return self.fds[f]
 
     def close(self) -> list[int]:
-        moved = [f for f, fd in self.fds.items() if identity(os.fstat(fd)) != self.identities[f]]
+        moved = [f for f, fd in self.fds.items() if FileIdentity.of(os.fstat(fd)) != self.identities[f]]
         for fd in self.fds.values():
             os.close(fd)
         self.fds = {}

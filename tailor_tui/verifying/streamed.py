@@ -16,7 +16,7 @@ Each stretch's CRC-32 is put together from the CRC-32s of its parts, wherever an
 they were read (`checked.crc.combine`), and compared with its evidence. So each byte of each file is
 read once, memory holds two chunks per worker whatever the files' sizes, and nothing is mapped. The
 files are looked at once when named, and each thread that reads one opens it itself and reads it only where it
-is still that file (`buffers.Descriptors`: its identity, `checked.files.identity`, compared when opened and when
+is still that file (`buffers.Descriptors`: its identity, `checked.files.FileIdentity`, compared when opened and when
 done): a file that changed meanwhile is `Outcome.moved`, and nothing read of it is a verdict.
 
 What the bytes mean (which claim is which row's, what a failure says) is the caller's: claims carry a
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 from tailor_tui.checked import crc
-from tailor_tui.checked.files import identity
+from tailor_tui.checked.files import FileIdentity
 from tailor_tui.checked.ranges import pread_into
 from tailor_tui.errors import CheckpointError
 from tailor_tui.verifying.buffers import CHUNK, Buffer, Descriptors, Moved, first_difference, opened, same
@@ -114,7 +114,7 @@ class Comparison:
                 os.close(fd)
             self._index[path] = len(self.paths)
             self.paths.append(path)
-            self.identities.append(identity(st))
+            self.identities.append(FileIdentity.of(st))
             self.sizes.append(st.st_size)
         f = self._index[path]
         if label is not None:
