@@ -170,7 +170,8 @@ def _sparse_archive(path: Path, size: int) -> tuple[int, int]:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.fallocate(fd, 0x03, ctypes.c_longlong(record.data_offset), ctypes.c_longlong(record.size))  # PUNCH_HOLE|KEEP_SIZE
+        punch_hole_keep_size = 0x03
+        libc.fallocate(fd, punch_hole_keep_size, ctypes.c_longlong(record.data_offset), ctypes.c_longlong(record.size))
     finally:
         os.close(fd)
     return record.data_offset, record.size

@@ -66,8 +66,10 @@ def structure_differences(mine, theirs, where: str = "", skip: Callable[[str], b
         if type(mine) is not type(theirs):
             return [where]
         if isinstance(mine, TensorRef):
-            if (mine.storage.type_name, mine.storage.itemsize, mine.size, mine.stride, mine.requires_grad) != (
-                    theirs.storage.type_name, theirs.storage.itemsize, theirs.size, theirs.stride, theirs.requires_grad):
+            def alike(t):
+                return t.storage.type_name, t.storage.itemsize, t.size, t.stride, t.requires_grad
+
+            if alike(mine) != alike(theirs):
                 return [where]
         elif (mine.type_name, mine.itemsize, mine.numel) != (theirs.type_name, theirs.itemsize, theirs.numel):
             return [where]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from tailor_tui.checked.evidence import record_failed
 from tailor_tui.checked.files import open_regular
 from tailor_tui.checkpoints.dcp_checkpoint import DcpCheckpoint, read_parts
 from tailor_tui.dcp.metadata import MetadataIndex
@@ -187,7 +188,8 @@ class _DcpOutput:
         self.outputs.add(f)
         if self.claims.size(f) != self.claims.size(g):
             self.report.other.append(f"{name}: {self.claims.size(f):,} bytes where the base's has "
-                                     f"{self.claims.size(g):,}, not the base's (a run-level file, copied from the base)")
+                                     f"{self.claims.size(g):,}, not the base's (a run-level file, copied from the "
+                                     "base)")
             return
         self.claims.evidence(f, 0, self.claims.size(f), None, name)
         self.claims.evidence(g, 0, self.claims.size(g), None, name)
@@ -202,18 +204,13 @@ class _DcpOutput:
                                else None, cancelled=cancelled)
         counter.finish()
         if outcome.moved:
-            raise CheckpointError(f"{outcome.moved[0]}: changed while it was verified (written to, or replaced); "
-                                  "what was read of it proves nothing: run --verify again once nothing writes to it")
+            raise streamed.moved_error(outcome.moved[0])
         for stretch, value in outcome.failed:
             path = claims.paths[stretch.file]
             if stretch.file in self.outputs:
-                self.report.other.append(f"{path}: record {stretch.name} fails its CRC-32 check (stored "
-                                         f"{stretch.crc:08x}, its bytes give {value:08x}): the output is damaged; "
-                                         "compose it again")
+                self.report.other.append(streamed.damaged_output(path, stretch, value))
             else:
-                raise CheckpointError(f"{path}: record {stretch.name} fails its CRC-32 check (stored {stretch.crc:08x}, "
-                                      f"its bytes give {value:08x}): the file is corrupt (bit rot or a damaged copy); "
-                                      "re-copy it from the training run or pick another checkpoint")
+                raise record_failed(path, stretch, value)
         told = set()
         for i in sorted(outcome.differing):
             said = self.said[i]

@@ -203,8 +203,9 @@ class RankClaims:
 
     def tensor_claims(self, out: TorchFile, theirs: TorchFile, kind: str, rank: int, row: str | None, problem: str,
                       s: int, key: str = ""):
-        """A `structure_differences` callback: the bytes of a pair of tensors alike in all else, claimed (`problem`: what
-        is told where they differ, its "{where}" their place; replaced, never formatted: names in it are a file's)."""
+        """A `structure_differences` callback: the bytes of a pair of tensors alike in all else, claimed
+        (`problem`: what is told where they differ, its "{where}" their place; replaced, never formatted: names
+        in it are a file's)."""
 
         def claim(where: str, mine, their) -> None:
             if _empty(mine) and _empty(their):  # (a parameter's placeholder: no bytes to compare)
@@ -254,15 +255,12 @@ class RankClaims:
         for counter in counters.values():
             counter.finish()
         if outcome.moved:
-            raise CheckpointError(f"{outcome.moved[0]}: changed while it was verified (written to, or replaced); "
-                                  "what was read of it proves nothing: run --verify again once nothing writes to it")
+            raise streamed.moved_error(outcome.moved[0])
         bad: set[int] = set()
         for stretch, value in outcome.failed:
             path = claims.paths[stretch.file]
             if stretch.file in self.outputs:  # the output damaged since it was written: a failed verification
-                self.report.add(None, f"{path}: record {stretch.name} fails its CRC-32 check (stored "
-                                      f"{stretch.crc:08x}, its bytes give {value:08x}): the output is damaged; "
-                                      "compose it again")
+                self.report.add(None, streamed.damaged_output(path, stretch, value))
                 continue
             failure = record_failed(path, stretch, value)
             if self.taken is None:

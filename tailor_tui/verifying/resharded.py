@@ -102,8 +102,8 @@ class ReshardedRanks(RankClaims):
         f, their_at, their_dtype, their_size = found
         tag.file = f
         if (their_dtype, their_size) != (dtype, size):
-            tag.kind, tag.problem = "row-dtype", f"rank {rank}: {key} of {p.param} is {dtype}, {self.names[p.source]}'s " \
-                                                 f"{their_dtype}"
+            tag.kind = "row-dtype"
+            tag.problem = f"rank {rank}: {key} of {p.param} is {dtype}, {self.names[p.source]}'s {their_dtype}"
             self.claim(tag, out.f, at, n)
             return
         if files.whole_records or key == FROZEN:  # (a partial save's slices lie side by side, each its own CRC-32's)

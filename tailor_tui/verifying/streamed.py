@@ -402,6 +402,18 @@ def _extend(crcs: dict[int, list[int]], index: int, a: int, n: int, value: int) 
         raise ValueError(f"claim {index} read out of order in one task")
 
 
+def moved_error(path: Path) -> CheckpointError:
+    """The one line for a file that changed while it was read (`Outcome.moved`): no verdict drawn from it."""
+    return CheckpointError(f"{path}: changed while it was verified (written to, or replaced); what was read of it "
+                           "proves nothing: run --verify again once nothing writes to it")
+
+
+def damaged_output(path: Path, stretch: Stretch, value: int) -> str:
+    """The FAIL line of an output record whose bytes do not give the CRC-32 it stores."""
+    return (f"{path}: record {stretch.name} fails its CRC-32 check (stored {stretch.crc:08x}, its bytes give "
+            f"{value:08x}): the output is damaged; compose it again")
+
+
 def recheck(claims: Comparison, out: int, source: int, parts: list[tuple[int, int, int]]) -> list[bool]:
     """For each (output byte, length, source byte) of `parts` of a claim found differing, whether its bytes differ
     (read again, a chunk at a time: only where a claim that joins many failed, to say which of them did)."""
@@ -419,8 +431,7 @@ def recheck(claims: Comparison, out: int, source: int, parts: list[tuple[int, in
                 done += k
             found.append(differs)
     except Moved as exc:
-        raise CheckpointError(f"{claims.paths[exc.f]}: changed while it was verified (written to, or replaced); "
-                              "what was read of it proves nothing: run --verify again once nothing writes to it") from None
+        raise moved_error(claims.paths[exc.f]) from None
     finally:
         files.close()
     return found

@@ -135,7 +135,8 @@ class ZeroRanks(RankClaims):
             if theirs is None:
                 if isinstance(mine, TensorRef):
                     a, n, _dtype, _size = states.place(mine)
-                    self.claim(Tag("frozen", rank, row, problem.replace("{where}", where, 1), s, key=FROZEN), states.f, a, n)
+                    told = problem.replace("{where}", where, 1)
+                    self.claim(Tag("frozen", rank, row, told, s, key=FROZEN), states.f, a, n)
                 continue
             for difference in structure_differences(
                     mine, at_path(theirs.obj, where), where,
