@@ -8,16 +8,17 @@ row's bytes lie in the output and in its source, rank by rank (`zero_ranks`: at 
 streamed (`streamed`): every file read once, in chunks, by threads in parallel, each byte compared with its
 source's where it is read and every record checked against its stored CRC-32 on the way (a partial save's
 slices against the CRC-32s their save recorded), in bounded memory, without torch. Files are read as every
-part reads them: the checked read path (`checked`) and the torch-free readers of where a file's tensors lie
-(`formats.ptfile`, `formats.safetensors_in`, `dcp.reading`); none of `compose/` nor the kinds' readers
+part reads them: the checked read path (`checked`, `buffers`) and the torch-free readers of where a file's
+tensors lie (`formats.ptfile`, `formats.safetensors_in`, `dcp.reading`); none of `compose/` nor the kinds' readers
 (`kinds`, `resharding`) is imported here (an import-linter contract says so). The check of an output against
 its recipe (`against_recipe`: `verify_against_recipe`, `VerifyReport`), what the output's provenance record
 says was taken against the output's own CRC-32s (`recorded`: what proves the rows of a source changed since),
-comparing structures (`compare`). A DCP composition (`dcp_output`) and a tensor cast from a partial save's fp32
-masters are still compared loaded by torch (`torch_files`, `rows_files`, `dcp_sources`); `same_content` (torch
-files unpickled once per content) is kept for its callers.
+comparing structures (`compare`), a DCP composition (`dcp_output`: archives record for record, a ZeRO-3 row's
+chunks element for element). Only a model-file tensor cast from a partial save's or a DCP checkpoint's fp32 master
+is still compared loaded by torch (`torch_files`, `rows_files`, `dcp_sources`), one tensor at a time;
+`same_content` (torch files unpickled once per content) is kept for its callers.
 """
 
 # its public API is its modules
-__all__ = ["against_recipe", "compare", "pieces", "rank_claims", "recorded", "resharded", "rows_files",
-           "same_content", "streamed", "torch_files", "weights", "zero_ranks"]
+__all__ = ["against_recipe", "buffers", "compare", "dcp_output", "pieces", "rank_claims", "recorded", "resharded",
+           "rows_files", "same_content", "streamed", "torch_files", "weights", "zero_ranks"]
