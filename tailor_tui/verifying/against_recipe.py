@@ -8,13 +8,13 @@ groups, loss scaler, sub-group steps, counters) and in model_states equals the b
 but frozen fragments and buffers, which follow their row; the weight files have the
 header tailor-tui writes and each tensor of the chosen source (`weights`); every other
 file equals the base's. Every record of every torch file read, the output's and the
-sources', is checked against its stored CRC-32 on the way (`torch_files`), every slice of a
-partial checkpoint against the CRC-32 its save recorded (`rows_files`). Sources are only read
-(memory-mapped), never modified.
+sources', is checked against its stored CRC-32 on the way, every slice of a partial checkpoint
+against the CRC-32 its save recorded. Sources are only read, never modified.
 
-What the output must hold is worked out here from the plan's picks and each checkpoint's
-layout, read with the formats' reference readers (torch, safetensors): none of the writers'
-code or readers is used, so a bug there is caught here, not repeated.
+What the output must hold, byte range by byte range, is worked out from the plan's picks and each
+checkpoint's layout (`zero_ranks`, `resharded`, `weights`), none of the writers' lookups used, so a
+bug there is caught here, not repeated; every file is read once, streamed (`rank_claims`,
+`streamed`), the ranks' claims some at a time (`MAX_CLAIMS`).
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ class Descriptors:
     """The descriptors one task reads through: each file opened when first needed, and kept only where it is the
     file named (its identity); `close` looks at each again, and says which changed meanwhile."""
 
-    def __init__(self, paths: list[Path], identities: list[tuple]) -> None:
+    def __init__(self, paths: list[Path], identities: list[FileIdentity]) -> None:
         self.paths, self.identities, self.fds = paths, identities, dict[int, int]()
 
     def __getitem__(self, f: int) -> int:

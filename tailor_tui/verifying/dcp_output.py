@@ -27,13 +27,11 @@ from tailor_tui.dcp.metadata import MetadataIndex
 from tailor_tui.dcp.reading import archive_records
 from tailor_tui.errors import CheckpointError, TailorError
 from tailor_tui.events import ByteCounter, Emit
-from tailor_tui.formats.ds_format import flat_tensor, optimizer_state
-from tailor_tui.formats.ptfile import locate, read_structure
-from tailor_tui.formats.safetensors_in import safetensors_header, tensor_places
+from tailor_tui.formats.ds_format import flat_tensor
 from tailor_tui.verifying import streamed
 from tailor_tui.verifying.against_recipe import VerifyReport
+from tailor_tui.verifying.rank_claims import SlicesFile, TorchFile
 from tailor_tui.verifying.resharded import chunk_range, claimed_chunk
-from tailor_tui.verifying.rows_files import recorded_slices
 
 
 @dataclass(frozen=True)
@@ -52,7 +50,7 @@ class _DcpOutput:
         self.said: list[_Said] = []
         self.rows = plan.base.row_of_key()
         self.evidenced: set[tuple[Path, str]] = set()
-        self.structures: dict[Path, tuple] = {}
+        self.structures: dict[Path, TorchFile | SlicesFile] = {}  # ZeRO-3 sources' files, read once
         self.outputs: set[int] = set()
 
     def problem(self, key: str | None, problem: str | None) -> None:
@@ -148,36 +146,21 @@ class _DcpOutput:
                            their_at + (a - first) * 4)
 
     def zero_place(self, files, ckpt, slot, flat: str, valid: int) -> tuple[int, int]:
-        """(file, first byte) of a ZeRO-3 rank's elements of `slot` in its flat tensor `flat` (fp32), evidenced."""
-        if not files.whole_records:  # a partial save's slice, checked by its recorded CRC-32
-            path = files.state_file
-            if path not in self.structures:
-                header, start = safetensors_header(path)
-                self.structures[path] = (tensor_places(header, start),
-                                         recorded_slices(path, header.get("__metadata__") or {}))
-            places, crcs = self.structures[path]
-            name = f"{flat}/{slot.name}"
-            found = places.get(name)
-            if found is None or found[0] != "F32" or found[1][0] < valid:
-                raise CheckpointError(f"{path}: has no F32 tensor {name} of {valid} elements; the partial checkpoint "
-                                      "is damaged or incomplete, re-copy it")
-            g = self.claims.file(path)
-            self.claims.evidence(g, found[2], valid * 4, crcs.get(name), f"tensor {name}")
-            return g, found[2]
-        path = files.optim_states
+        """(file, first byte) of a ZeRO-3 rank's elements of `slot` in its flat tensor `flat` (fp32), evidenced: a
+        partial save's slice by its recorded CRC-32, a full save's by its record's (each file's structure read once)."""
+        path = files.optim_states if files.whole_records else files.state_file
         if path not in self.structures:
-            obj, records, prefix = read_structure(path, shared=True)
-            self.structures[path] = (optimizer_state(obj, path, tuple(ckpt.layout.group_sizes())), records, prefix)
-        state, records, prefix = self.structures[path]
-        tensor = flat_tensor(state, slot.group, flat)
+            self.structures[path] = (TorchFile if files.whole_records else SlicesFile)(self.claims, path)
+        found = self.structures[path]
+        if isinstance(found, SlicesFile):
+            return found.f, found.slice(f"{flat}/{slot.name}", valid)
+        tensor = flat_tensor(found.optimizer(ckpt.layout.group_sizes()), slot.group, flat)
         if tensor is None:
             raise CheckpointError(f"{path}: keeps no {flat} for sub-group {slot.group}")
-        tb = locate(tensor, records, prefix)
-        if tb.itemsize != 4:
+        start, _n, _dtype, size = found.place(tensor)
+        if size != 4:
             raise CheckpointError(f"{path}: its {flat} of sub-group {slot.group} is not fp32")
-        g = self.claims.file(path)
-        self.claims.evidence(g, tb.record.data_offset, tb.record.size, tb.record.crc, tb.record.name)
-        return g, tb.offset + slot.offset * 4
+        return found.f, start + slot.offset * 4
 
     def copied(self, name: str) -> None:
         out, base = self.plan.output / name, self.plan.base.path / name

@@ -25,6 +25,7 @@ from typing import Callable
 from tailor_tui.checked.evidence import record_failed
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit
+from tailor_tui.formats.ds_format import optimizer_state
 from tailor_tui.formats.pickled import StorageRef, TensorRef
 from tailor_tui.formats.ptfile import Unsupported, locate, read_structure, read_whole, structure_in
 from tailor_tui.formats.safetensors_in import safetensors_header, tensor_places
@@ -67,9 +68,17 @@ class TorchFile:
         self.f = claims.file(path, label=label)
         self.claims, self.evidenced = claims, set[str]()
         self._placed: dict[int, tuple[int, int, str, int]] = {}  # id of a tensor of `obj` -> `place`'s answer
+        self._optimizer: dict | None = None  # `optimizer`'s answer
         if whole:  # an output file: every record of it read and checked
             for name in self.records:
                 self.evidence(name)
+
+    def optimizer(self, group_sizes) -> dict:
+        """The inner optimizer dict of an optim file, checked to hold the flat tensors of sub-groups of `group_sizes`
+        (`ds_format.optimizer_state`: CheckpointError naming the file), worked out once."""
+        if self._optimizer is None:
+            self._optimizer = optimizer_state(self.obj, self.path, tuple(group_sizes))
+        return self._optimizer
 
     def evidence(self, name: str) -> None:
         if name not in self.evidenced:

@@ -59,8 +59,6 @@ class ReshardedRanks(RankClaims):
     def __init__(self, plan, report, *, changed: set[int], taken, archives: Archives):
         super().__init__(plan, report, changed=changed, taken=taken, archives=archives)
         self.where = OutputPieces(plan)
-        self.states: dict[Path, dict] = {}  # source optim files' inner optimizer dicts
-        self.dcp: dict[tuple[Path, Path], object] = {}  # (DCP folder, .distcp file) -> its chunks' records
 
     def add(self, rank: int, composed) -> None:
         plan, reshard = self.plan, self.plan.reshard
@@ -130,10 +128,7 @@ class ReshardedRanks(RankClaims):
         found = self.torch_file(s, files.optim_states)
         if found is None:
             return None
-        if files.optim_states not in self.states:
-            self.states[files.optim_states] = optimizer_state(
-                found.obj, files.optim_states, tuple(self.plan.sources[s].layout.group_sizes()))
-        tensor = flat_tensor(self.states[files.optim_states], p.group, key)
+        tensor = flat_tensor(found.optimizer(self.plan.sources[s].layout.group_sizes()), p.group, key)
         if tensor is None:
             raise CheckpointError(f"{files.optim_states}: keeps no {key} for sub-group {p.group}")
         start, _n, dtype, size = found.place(tensor)

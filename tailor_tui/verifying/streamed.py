@@ -1,7 +1,7 @@
 """Comparing an output's bytes with its sources', streamed: every file read once, in bounded memory.
 
 The verifier says what each output byte must be (`Comparison`): the bytes of a source file at some offset
-(`claim`), zero bytes (`zeros`), or nothing but what its record's CRC-32 proves (`crc_only`); and which
+(`claim`), zero bytes (`zeros`), or nothing but what its record's CRC-32 proves (`NOTHING`); and which
 stretches of each file carry evidence that must hold (`evidence`: an archive record's stored CRC-32, a
 partial save's slice CRC-32, or none). `run` then reads:
 
@@ -43,6 +43,7 @@ SEGMENT = 64 << 20  # bytes of an output stretch one task reads: a large file is
 ZERO = -1  # a claim's source: zero bytes (padding)
 NOTHING = -2  # a claim's source: none, its bytes only CRC-checked and their CRC-32 taken (`Outcome.crcs`)
 MAX_WORKERS = 8
+
 
 class Claim(NamedTuple):
     """Bytes [at, at+length) of output file `out` must be source file `source`'s from `source_at` (ZERO: zero
@@ -94,8 +95,7 @@ class Comparison:
 
     def __init__(self) -> None:
         self.paths: list[Path] = []
-        self.identities: list[tuple] = []  # identity of each file as first opened
-        self.sizes: list[int] = []
+        self.identities: list[FileIdentity] = []  # identity of each file as first opened
         self._index: dict[Path, int] = {}
         self.claims: list[Claim] = []
         self.stretches: list[Stretch] = []
@@ -115,14 +115,13 @@ class Comparison:
             self._index[path] = len(self.paths)
             self.paths.append(path)
             self.identities.append(FileIdentity.of(st))
-            self.sizes.append(st.st_size)
         f = self._index[path]
         if label is not None:
             self.labels[f] = label
         return f
 
     def size(self, f: int) -> int:
-        return self.sizes[f]
+        return self.identities[f].size
 
     def evidence(self, f: int, at: int, length: int, crc_: int | None, name: str) -> None:
         """Bytes [at, at+length) of file `f` carry the CRC-32 `crc_` (None: none); said again, nothing more."""
@@ -138,8 +137,6 @@ class Comparison:
     def zeros(self, out: int, at: int, length: int, tag: int) -> int:
         return self.claim(out, at, length, ZERO, 0, tag)
 
-    def crc_only(self, out: int, at: int, length: int, tag: int) -> int:
-        return self.claim(out, at, length, NOTHING, 0, tag)
 
 
 class _Reading(NamedTuple):

@@ -47,8 +47,7 @@ class ZeroRanks(RankClaims):
         for s, f in files.items():
             found = self.torch_file(s, f.optim_states) if f.whole_records else self.slices_file(s, f.state_file)
             if found is not None:
-                wanted[s] = (found, optimizer_state(found.obj, f.optim_states, sizes)
-                             if isinstance(found, TorchFile) else None)
+                wanted[s] = (found, found.optimizer(sizes) if isinstance(found, TorchFile) else None)
         slots = sorted(layout.slots, key=lambda slot: (slot.group, slot.offset))
         for key in plan.keys:  # (each (row, key)'s slots in the output's order: what the record's CRC-32s cover)
             for slot in slots:
