@@ -8,17 +8,22 @@ tag folder, the base's and each source's: every byte a verifier could need, read
 - the same run resharded to 2 ranks (rank files of 1.2 GiB, made once by tailor-tui --world-size 2): the
   same bytes in files twice the size, so the peak RSS shows whether it grows with the rank files;
 - the wide run of bench_wide.py (80 layers, 256 ranks: 1,024 small files per checkpoint), rows from three
-  checkpoints.
+  checkpoints;
+- `xfs` (root, xfsprogs): the bench checkpoint copied onto a loop-mounted XFS with reflink and composed there as
+  `--apply` does by default, its kept bytes clones of the base's (sharing their blocks), measured warm and with
+  the page cache emptied before each command (cold). A clone is no evidence: the verifier reads and compares
+  every byte as anywhere else.
 
 Prints medians, the ratio --verify / cat, and the peak RSS of the verifying process (wait4's: its threads
 included, the largest process there is).
 
-    python bench/bench_verify.py [--repeats 3] [--cache .tailor-cache/bench] [--only big half wide]
+    python bench/bench_verify.py [--repeats 3] [--cache .tailor-cache/bench] [--only big half wide xfs]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import statistics
 import subprocess
@@ -30,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from bench_clone import drop_page_cache  # noqa: E402
 from bench_merge import SPEC as BIG  # noqa: E402
 from bench_merge import as_installed, bench_run  # noqa: E402
 from bench_wide import MEASURE, TAGS, narrow_run, recipe_of, wide_run  # noqa: E402
@@ -80,13 +86,33 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cache", type=Path, default=ROOT / ".tailor-cache" / "bench")
-    ap.add_argument("--only", nargs="+", choices=("big", "half", "wide"), default=["big", "half", "wide"])
+    ap.add_argument("--only", nargs="+", choices=("big", "half", "wide", "xfs"), default=["big", "half", "wide"])
     args = ap.parse_args()
+    with contextlib.ExitStack() as stack:
+        _bench(args, stack)
+
+
+def _bench(args, stack: contextlib.ExitStack) -> None:
     as_installed()
     work = args.cache / "verify-work"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     cases: dict[str, tuple[Path, list[Path]]] = {}  # name -> (recipe, folders cat reads)
+    cold: set[str] = set()  # cases measured cold too
+    if "xfs" in args.only:
+        from tailor_tui.runs.scratch_xfs import loop_xfs, unavailable
+
+        if (why := unavailable()) is not None:
+            raise SystemExit(f"bench: cannot mount a loop XFS: {why}")
+        xfs = stack.enter_context(loop_xfs(work / "xfs.img", work / "xfs", size=16 << 30))
+        print(f"copying the bench run onto {xfs} (byte by byte)…", flush=True)
+        subprocess.run(["cp", "-r", "--reflink=never", str(bench_run(args.cache).resolve()), str(xfs / "run")],
+                       check=True)
+        base, older = xfs / "run" / "global_step2", xfs / "run" / "global_step1"
+        recipe = parity(xfs, base, older, "clone")
+        name = f"xfs, cloned: {_sizes(base)}"
+        cases[name] = (recipe, [xfs / "clone" / "global_step2", base, older])
+        cold.add(name)
     if "big" in args.only or "half" in args.only:
         run = bench_run(args.cache)
         runs = {"big": run} | ({"half": halved(args.cache, run)} if "half" in args.only else {})
@@ -111,16 +137,24 @@ def main() -> None:
             rows.setdefault((name, "cat"), []).append(
                 measured(["sh", "-c", 'cat "$@" > /dev/null', "cat", *read[name]]))
             rows.setdefault((name, "--verify"), []).append(measured([TAILOR, "--verify", recipe]))
+    for _ in range(args.repeats):  # (after every warm round: a page cache emptied leaves the next command cold)
+        for name in sorted(cold):
+            recipe = cases[name][0]
+            drop_page_cache()
+            rows.setdefault((f"{name} (cold)", "cat"), []).append(
+                measured(["sh", "-c", 'cat "$@" > /dev/null', "cat", *read[name]]))
+            drop_page_cache()
+            rows.setdefault((f"{name} (cold)", "--verify"), []).append(measured([TAILOR, "--verify", recipe]))
     sizes = {name: sum(f.stat().st_size for f in files) for name, files in read.items()}
     shutil.rmtree(work, ignore_errors=True)
     print(f"\nwarm page cache, medians of {args.repeats}; cat: every file of the output and of the checkpoints "
           "it was composed from")
     print(f"{'composition':<52} {'cat s':>7} {'--verify s':>10} {'ratio':>7} {'GiB/s':>7} {'peak RSS MiB':>13}")
-    for name in cases:
+    for name in [*cases, *(f"{name} (cold)" for name in cases if name in cold)]:
         cat = statistics.median(s for s, _p in rows[(name, "cat")])
         verify = statistics.median(s for s, _p in rows[(name, "--verify")])
         peak = max(p for _s, p in rows[(name, "--verify")])
-        total = sizes[name]
+        total = sizes[name.removesuffix(" (cold)")]
         print(f"{name:<52} {cat:>7.2f} {verify:>10.2f} {verify / cat:>6.2f}x "
               f"{total / 2**30 / verify:>7.2f} {peak / 2**20:>13.0f}")
 

@@ -38,6 +38,10 @@ MEANING = {
 }
 
 
+# what a user is told to do about a checkpoint file that is damaged, truncated or not what it says it is
+RECOPY = "re-copy it from the training run"
+
+
 def exit_codes_help() -> str:
     import textwrap
 

@@ -290,12 +290,13 @@ def expect_rows_from(out, sources: dict[str, object]) -> None:
     """Every parameter's fp32 / exp_avg / exp_avg_sq in `out` equals the reference checkpoint
     its row was taken from (`sources`: row -> reference tag folder)."""
     mine = read_full_state(out)
-    refs = {}
+    refs = {ref: read_full_state(ref) for ref in dict.fromkeys(sources.values())}
+    for ref, theirs in refs.items():  # the same states of the same parameters: none missing, none added
+        assert {key: set(tensors) for key, tensors in mine.items()} == \
+            {key: set(tensors) for key, tensors in theirs.items()}, (out, ref)
     for key, tensors in mine.items():
         for name, value in tensors.items():
             ref = sources[param_row(name)]
-            if ref not in refs:
-                refs[ref] = read_full_state(ref)
             assert torch.equal(value, refs[ref][key][name]), (key, name, ref)
 
 

@@ -281,19 +281,17 @@ def test_peft_output_loads_as_an_adapter(real_run, composed):
     name, spec, out = composed.name, composed.spec, composed.out
     if name != "hf_peft_lora":
         pytest.skip("PEFT only")
-    from peft import PeftModel
+    from peft import PeftModel, get_peft_model_state_dict
 
     from tailor_tui.runs.models import base_model
 
     model = PeftModel.from_pretrained(base_model(spec), str(out))
-    state = {k: v for k, v in model.state_dict().items() if "lora_" in k}
-    assert state
+    state = get_peft_model_state_dict(model)  # the adapter as PEFT loaded it, named as PEFT saves it
+    assert any("lora_" in key for key in state)
     with safe_open(out / "adapter_model.safetensors", "pt") as f:
+        assert set(f.keys()) == set(state)  # every tensor of the file loaded, and nothing else
         for key in f.keys():
-            loaded = key.replace(".lora_A.weight", ".lora_A.default.weight").replace(
-                ".lora_B.weight", ".lora_B.default.weight")
-            if loaded in state:
-                assert torch.equal(state[loaded].to(f.get_tensor(key).dtype), f.get_tensor(key)), key
+            assert torch.equal(state[key].to(f.get_tensor(key).dtype), f.get_tensor(key)), key
 
 
 def test_peft_export_is_refused_with_its_reason(real_run, tmp_path):

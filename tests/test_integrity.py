@@ -118,7 +118,7 @@ def test_verify_refuses_a_corrupt_source(run_copy, tmp_path):
     assert changed.returncode == 7 and f"{target}: changed since the composition" in changed.stdout, changed.stdout
     as_if_rotted_in_place(tmp_path / "composed", target)  # bit rot: the same identity, a byte that fails its CRC
     result = tailor("--verify", recipe)
-    assert result.returncode != 0 and "fails its CRC-32 check" in result.stdout + result.stderr
+    assert result.returncode == 7 and "fails its CRC-32 check" in result.stdout, result.stdout + result.stderr
 
 
 def test_a_partial_base_checks_the_full_sources_it_copies_from(real_run, tmp_path):

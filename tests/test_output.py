@@ -352,11 +352,19 @@ def test_a_lock_left_to_a_killed_runs_workers_is_waited_for_a_moment(tmp_path):
     lock = tmp_path / ".composed.tailor-lock"  # where the lock of `out` lies (docs/security.md)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     os.write(fd, f"pid {dead.pid} on {socket.gethostname()}\n".encode())
-    orphan = subprocess.Popen(["flock", "-x", str(lock), "sleep", "1"])  # holds it for 1 s
-    time.sleep(0.3)
     started = time.monotonic()
+    orphan = subprocess.Popen(["flock", "-x", str(lock), "sleep", "1"])  # holds it for 1 s once it has it
+    probe = os.open(lock, os.O_RDWR)
+    while time.monotonic() - started < 10:  # until the orphan holds it (a loaded machine starts it late)
+        try:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            break
+        fcntl.flock(probe, fcntl.LOCK_UN)
+        time.sleep(0.01)
+    os.close(probe)
     with output.output_lock(out):
-        assert time.monotonic() - started > 0.3
+        assert time.monotonic() - started >= 1.0  # taken once the orphan let go: no sooner, however loaded
     orphan.wait()
     os.close(fd)
     assert not lock.exists()  # the lock file went with the lock

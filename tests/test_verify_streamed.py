@@ -261,3 +261,33 @@ def test_a_source_written_while_it_is_read_proves_nothing(tmp_path):
 
     outcome = streamed.run(claims, workers=2, on_bytes=on_bytes)
     assert source in outcome.moved and not outcome.failed and not outcome.differing
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_cast_rule_is_torchs_with_any_nan_for_a_nan(dtype):
+    """`formats.dtypes.cast` is torch's `Tensor.to` (round to nearest even: ties, the smallest normals and
+    subnormals, overflow to inf), on torch's scalar kernels, which write one NaN; `cast_difference` takes any NaN
+    for a NaN (torch's vectorized kernels write 0xFFFF for a bf16 NaN on some CPUs) and nothing else."""
+    import numpy as np
+    import torch
+
+    from tailor_tui.formats.dtypes import cast, cast_difference
+
+    bits = np.random.default_rng(0).integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
+    ties = (np.arange(4096, dtype=np.uint32) << 16) | np.uint32(0x8000)  # halfway between two bf16 values
+    special = np.array([0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x477FF000, 0x477FE000, 0x00000001, 0x33800000,
+                        0x7FC00000, 0xFFC00000, 0x7F800001], dtype=np.uint32)  # inf, max, fp16's edge, tiny, NaNs
+    fp32 = np.concatenate([bits, ties, special]).view("<f4")
+    want = torch.from_numpy(fp32.copy()).to(getattr(torch, dtype)).view(torch.int16).numpy().view("<u2")
+    got = np.frombuffer(cast(fp32.tobytes(), "float32", dtype), "<u2")
+    nan = np.isnan(fp32)
+    assert np.array_equal(got[~nan], want[~nan])  # every number as torch casts it
+    assert cast_difference(want.tobytes(), fp32.tobytes(), dtype) is None  # whichever NaN this CPU's torch wrote
+    assert cast_difference(got.tobytes(), fp32.tobytes(), dtype) is None
+    other_nan = got.copy()
+    other_nan[nan] = 0xFFFF
+    assert cast_difference(other_nan.tobytes(), fp32.tobytes(), dtype) is None
+    for i, wrong in [(5, got[5] ^ 1), (int(np.flatnonzero(nan)[0]), 0x7F80 if dtype == "bfloat16" else 0x7C00)]:
+        off = got.copy()
+        off[i] = wrong  # one unit in the last place; a NaN cast to inf
+        assert cast_difference(off.tobytes(), fp32.tobytes(), dtype) == i

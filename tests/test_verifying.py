@@ -172,3 +172,30 @@ def test_the_old_partial_slices_reads_as_before(real_run):
         slices = compare.PartialSlices()
     slot = next(s for s in p4.layout.slots if p4.holds(p4.param_to_row()[s.name]))
     assert slices.get(p4.ranks[0].rows, f"fp32/{slot.name}", slot.valid(0)).numel() == slot.valid(0)
+
+
+def test_a_partials_masters_are_cast_as_they_are_read_not_loaded(selective_hf, tmp_path, monkeypatch):
+    """Every trainable tensor of the model file taken from the partial is claimed on its ranks' fp32 master slices
+    and cast as they are read (`streamed`: memory bounded whatever the tensor's size); torch loads only what has no
+    master, the frozen parameter and buffers."""
+    from tailor_tui.verifying import streamed, weights
+
+    runs, p4 = selective_hf
+    loaded, cast = [], []
+    real_compare, real_claim = weights._compare_cast, streamed.Comparison.claim
+
+    def compare(ranks, job, out_file, name, s, sources):
+        loaded.append(job.params.get(name, name))
+        return real_compare(ranks, job, out_file, name, s, sources)
+
+    def claim(self, *args, **kwargs):
+        cast.append(kwargs.get("cast", ""))
+        return real_claim(self, *args, **kwargs)
+
+    monkeypatch.setattr(weights, "_compare_cast", compare)
+    monkeypatch.setattr(streamed.Comparison, "claim", claim)
+    report = _compose_from_partial(selective_hf, tmp_path / "out")
+    assert report.ok, (report.other, dict(report.problems))
+    trainable = {slot.name for slot in p4.layout.slots}
+    assert "model.layers.2.mlp.down_proj.weight" in loaded and not trainable & set(loaded), loaded
+    assert cast.count("BF16") >= len(trainable), cast.count("BF16")  # (a slice per rank of each)

@@ -27,7 +27,7 @@ from typing import Callable, Protocol
 from tailor_tui.checked import crc
 from tailor_tui.checked.crc import RecordBlocks
 from tailor_tui.checked.ranges import RangeCrcs, crc_range, pread_into
-from tailor_tui.errors import CheckpointError
+from tailor_tui.errors import RECOPY, CheckpointError
 from tailor_tui.events import ByteCounter
 
 Inspect = Callable[[int, memoryview], None]  # (offset in the file, the chunk just read)
@@ -249,4 +249,4 @@ def _block_failed(path: Path, record: Checkable, a: int, b: int, recorded: int, 
     return CheckpointError(
         f"{path}: record {record.name}, bytes {a}..{b}, fails the CRC-32 the run's statistics recorded of them "
         f"(recorded {recorded:08x}, its bytes give {computed:08x}): the file changed since the statistics read it "
-        "(bit rot or a damaged copy); re-copy it from the training run or pick another checkpoint")
+        f"(bit rot or a damaged copy); {RECOPY} or pick another checkpoint")

@@ -21,7 +21,7 @@ from tailor_tui.checkpoints.rows import PEFT_PREFIX, Row, RowsByName, find_row, 
 from tailor_tui.checkpoints.scan_cache import ModelStates
 from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json, read_small
 from tailor_tui.checkpoints.weight_files import weight_file_names, weight_kinds
-from tailor_tui.errors import CheckpointError
+from tailor_tui.errors import RECOPY, CheckpointError
 from tailor_tui.formats.ds_format import (
     MODEL_STATES,
     OPTIM_STATES,
@@ -181,7 +181,7 @@ def read_latest(folder: Path, *, strict: bool = False, run: Path | None = None) 
     except (OSError, ValueError) as exc:
         if strict:
             raise CheckpointError(f"{latest}: unreadable ({exc}); it names the checkpoint's tag folder, "
-                                  "re-copy it from the training run") from None
+                                  f"{RECOPY}") from None
         return None
 
 

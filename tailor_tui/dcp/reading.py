@@ -37,7 +37,7 @@ from tailor_tui.dcp.metadata import (
     StorageMeta,
     TensorStorageMetadata,
 )
-from tailor_tui.errors import CheckpointError
+from tailor_tui.errors import RECOPY, CheckpointError
 from tailor_tui.formats.dtypes import STORAGE_DTYPE
 from tailor_tui.formats.pickled import MAX_DIMS, Size, TensorRef, TorchDtype, read_pickle
 from tailor_tui.formats.ptfile import PICKLE_FAILURES, Record
@@ -48,7 +48,7 @@ MAX_CHUNKS = 1 << 16  # of one tensor: one per rank of the largest run that save
 MAX_OFFSET = 1 << 62
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}")  # a file of the folder: no path, no hidden name
 _MODULE = "torch.distributed.checkpoint.metadata"
-RECOPY = "the checkpoint is damaged or not a PyTorch Distributed Checkpoint; re-copy it from the training run"
+DAMAGED = f"the checkpoint is damaged or not a PyTorch Distributed Checkpoint; {RECOPY}"
 
 
 class _PickledState:
@@ -135,11 +135,11 @@ def read_metadata(folder: Path) -> Metadata:
             data = f.read(64 << 20 | 1)
         found = read_pickle(data, stand_in=_stand_in)
     except (pickle.UnpicklingError, *PICKLE_FAILURES) as exc:
-        raise CheckpointError(f"{path}: not a DCP metadata file tailor-tui reads ({_line(exc)}); {RECOPY}") from None
+        raise CheckpointError(f"{path}: not a DCP metadata file tailor-tui reads ({_line(exc)}); {DAMAGED}") from None
     try:
         return _checked(found)
     except (TypeError, ValueError, KeyError, AttributeError) as exc:
-        raise CheckpointError(f"{path}: its metadata does not describe a checkpoint ({_line(exc)}); {RECOPY}") from None
+        raise CheckpointError(f"{path}: its metadata does not describe a checkpoint ({_line(exc)}); {DAMAGED}") from None
 
 
 def _line(exc: BaseException) -> str:
@@ -279,7 +279,7 @@ def archive_records(folder: Path, fd: int, info: StorageInfo, what: str) -> dict
     size = os.fstat(fd).st_size
     where = f"{path}: {what} at byte {info.offset:,}"
     if info.offset + info.length > size:
-        raise CheckpointError(f"{where} runs past the file's end ({size:,} bytes); the file is truncated; {RECOPY}")
+        raise CheckpointError(f"{where} runs past the file's end ({size:,} bytes); the file is truncated; {DAMAGED}")
     try:
         entries = read_directory_of(_View(fd, info.offset, info.length))
         prefix = next((e.name[: -len("data.pkl")] for e in entries
@@ -300,7 +300,7 @@ def archive_records(folder: Path, fd: int, info: StorageInfo, what: str) -> dict
                                                    e.size, e.crc, ())
         return records
     except (zipfile.BadZipFile, RecordError) as exc:
-        raise CheckpointError(f"{where} is not a torch archive ({_line(exc)}); {RECOPY}") from None
+        raise CheckpointError(f"{where} is not a torch archive ({_line(exc)}); {DAMAGED}") from None
 
 
 def locate_chunk(folder: Path, fd: int, entry: TensorStorageMetadata, chunk: ChunkStorageMetadata,
@@ -319,13 +319,13 @@ def locate_chunk(folder: Path, fd: int, entry: TensorStorageMetadata, chunk: Chu
         storages: dict = {}
         tensor = read_pickle(os.pread(fd, pickled.size, pickled.data_offset), storages)
     except (pickle.UnpicklingError, *PICKLE_FAILURES) as exc:
-        raise CheckpointError(f"{where} is not a torch archive of it ({_line(exc)}); {RECOPY}") from None
+        raise CheckpointError(f"{where} is not a torch archive of it ({_line(exc)}); {DAMAGED}") from None
     numel = math.prod(chunk.sizes)
     dtype = STORAGE_DTYPE.get(tensor.storage.type_name) if isinstance(tensor, TensorRef) else None
     if (data is None or not isinstance(tensor, TensorRef) or tuple(tensor.size) != chunk.sizes
             or dtype != entry.dtype or not tensor.is_contiguous() or tensor.storage_offset != 0
             or list(storages) != ["0"] or data.size != numel * ITEMSIZE[entry.dtype]):
-        raise CheckpointError(f"{where} holds another tensor than the metadata says; {RECOPY}")
+        raise CheckpointError(f"{where} holds another tensor than the metadata says; {DAMAGED}")
     return ChunkBytes(path, data, entry.dtype, numel)
 
 
@@ -337,25 +337,25 @@ def read_value(folder: Path, metadata: Metadata, key: str):
     the allow-listed unpickler (plain values only); CheckpointError naming the file where it is not one."""
     info = metadata.storage_data.get(MetadataIndex(key, None))
     if info is None:
-        raise CheckpointError(f"{folder}: holds no value {key}; {RECOPY}")
+        raise CheckpointError(f"{folder}: holds no value {key}; {DAMAGED}")
     fd = open_regular(folder / info.relative_path, follow=False)
     try:
         records = archive_records(folder, fd, info, f"the value of {key}")
         pickled = records["data.pkl"]
         if pickled.size > MAX_VALUE or len(records) > 8:
             raise CheckpointError(f"{folder / info.relative_path}: the value of {key} is larger than a "
-                                  f"hyperparameter's ({pickled.size:,} bytes); {RECOPY}")
+                                  f"hyperparameter's ({pickled.size:,} bytes); {DAMAGED}")
         data = os.pread(fd, pickled.size, pickled.data_offset)
     finally:
         os.close(fd)
     if zlib.crc32(data) != pickled.crc:
-        raise CheckpointError(f"{folder / info.relative_path}: the value of {key} fails its CRC-32 check; {RECOPY}")
+        raise CheckpointError(f"{folder / info.relative_path}: the value of {key} fails its CRC-32 check; {DAMAGED}")
     try:
         storages: dict = {}
         value = read_pickle(data, storages)
     except (pickle.UnpicklingError, *PICKLE_FAILURES) as exc:
         raise CheckpointError(f"{folder / info.relative_path}: the value of {key} is not a plain value "
-                              f"({_line(exc)}); {RECOPY}") from None
+                              f"({_line(exc)}); {DAMAGED}") from None
     if storages:
-        raise CheckpointError(f"{folder / info.relative_path}: the value of {key} holds a tensor; {RECOPY}")
+        raise CheckpointError(f"{folder / info.relative_path}: the value of {key} holds a tensor; {DAMAGED}")
     return value

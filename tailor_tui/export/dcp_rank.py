@@ -23,9 +23,8 @@ from tailor_tui.checked.ranges import crc_range
 from tailor_tui.dcp.chunks import tensor_chunk
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
-from tailor_tui.export.rank import cast
 from tailor_tui.fileio import Folder, Writeback, fsync, open_fd, output_error, pwrite_all
-from tailor_tui.formats.dtypes import BY_NAME
+from tailor_tui.formats.dtypes import BY_NAME, cast
 from tailor_tui.formats.pickled import dtype_name
 from tailor_tui.kinds.base import STREAM_CHUNK, rank_reader
 from tailor_tui.planning.dcp_layout import DcpJob, Piece

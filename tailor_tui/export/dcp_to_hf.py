@@ -29,13 +29,12 @@ from tailor_tui.checkpoints.dcp_checkpoint import MODEL, DcpCheckpoint
 from tailor_tui.dcp.chunks import ITEMSIZE
 from tailor_tui.dcp.metadata import ChunkStorageMetadata, MetadataIndex, StorageInfo, TensorStorageMetadata
 from tailor_tui.dcp.reading import locate_chunk
-from tailor_tui.errors import CheckpointError, NonFiniteError, UsageError
+from tailor_tui.errors import RECOPY, CheckpointError, NonFiniteError, UsageError
 from tailor_tui.events import ByteCounter, Emit, JobCost, TaskOptions, progress_of
 from tailor_tui.export.export_run import Exporting, ExportResult, make_files, write_config
-from tailor_tui.export.rank import cast
 from tailor_tui.fileio import Folder, fsync, open_fd, output_error, pwrite_all
 from tailor_tui.formats import nonfinite
-from tailor_tui.formats.dtypes import PRECISION, SAFETENSORS_NAME
+from tailor_tui.formats.dtypes import PRECISION, SAFETENSORS_NAME, cast
 from tailor_tui.formats.safetensors_out import ShardFile, lay_out
 from tailor_tui.held import HeldFolder
 from tailor_tui.planning.dcp_plan import DcpComposePlan, dcp_provenance
@@ -192,7 +191,7 @@ def _write_chunk(src: int, path: Path, job: DcpHfJob, entry: TensorStorageMetada
         counter.add(len(data))
     if crc != found.record.crc:
         raise CheckpointError(f"{path}: the chunk of {chunk.key} at {list(chunk.offsets)} fails its CRC-32 check (its "
-                              "bytes changed since it was saved); re-copy it from the training run")
+                              f"bytes changed since it was saved); {RECOPY}")
     if bad and not job.allow_nonfinite:
         raise NonFiniteError(f"{chunk.key} holds {bad:,} NaN/Inf values in {path}: the exported model would hold "
                              "them; pick a checkpoint where its row is finite, or pass --allow-nonfinite")

@@ -8,8 +8,7 @@ parameters' fragments and persistent buffers (model_states) likewise, buffers as
 partial checkpoint's saved slices are read where its rows file holds them (each checked against
 its recorded CRC-32). Memory: the buffer and one chunk's cast, whatever the size.
 
-Casts are those of torch's `Tensor.to`: fp32 to bf16 and fp16 round to nearest even (NaN stays
-NaN, bf16's as 0x7FC0; overflow gives inf), bf16 to fp32 is exact. Torch-free (numpy).
+Casts are those of torch's `Tensor.to` (`formats.dtypes.cast`). Torch-free (numpy).
 """
 
 from __future__ import annotations
@@ -19,19 +18,15 @@ import os
 from pathlib import Path
 from typing import Callable, Sequence
 
-import numpy as np
-
 from tailor_tui.checked.evidence import checked_crcs
 from tailor_tui.checked.ranges import crc_range
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.export.export_plan import ExportJob, Span
 from tailor_tui.fileio import Folder, fsync, open_fd, output_error, pwrite_all
+from tailor_tui.formats.dtypes import BY_NAME, FLOATS, cast, float_name
 from tailor_tui.formats.pickled import dtype_name
 from tailor_tui.kinds.base import STREAM_CHUNK, rank_reader
-
-_NUMPY = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
-_OUT = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
 def export_rank(job: ExportJob, out_dir: Folder, emit: Emit, cancelled: Callable[[], bool],
@@ -75,7 +70,7 @@ def export_rank(job: ExportJob, out_dir: Folder, emit: Emit, cancelled: Callable
                 _stream(fd, job.files.model_states, tb, [span], kind, kind, out_fd, buffer, counter)
         if job.saved:  # (the header was checked against the file's size: no slice runs past its end)
             fd = open_fd(stack, reader.path)
-            out_size = np.dtype(_NUMPY[_OUT.get(job.out_dtype, job.out_dtype)]).itemsize
+            out_size = BY_NAME[float_name(job.out_dtype)].itemsize
             for name, span in job.saved:
                 place = reader.place("fp32", param=name, group=None, offset=0, valid=span.count)
                 saved = place.slice
@@ -94,11 +89,11 @@ def export_rank(job: ExportJob, out_dir: Folder, emit: Emit, cancelled: Callable
 def _stream(fd: int, path: Path, tensor, spans: Sequence[Span], src: str, out: str, out_fd, buffer: memoryview,
             counter: ByteCounter) -> None:
     """Read `tensor`'s record whole (CRC-32 checked); write each span's elements, cast, to its place."""
-    if src != _OUT.get(out, out) and src not in _NUMPY:
+    if src != float_name(out) and src not in FLOATS:
         raise CheckpointError(f"{path}: {tensor.record.name} holds {src} values where weights were expected; "
                               "the file is from another run or layout")
     itemsize = tensor.itemsize
-    out_size = np.dtype(_NUMPY[_OUT.get(out, out)]).itemsize if _OUT.get(out, out) in _NUMPY else itemsize
+    out_size = BY_NAME[float_name(out)].itemsize if float_name(out) in FLOATS else itemsize
     wanted = sorted((tensor.offset + s.first * itemsize, s) for s in spans)
     for _at, s in wanted:
         if s.first + s.count > tensor.numel:
@@ -117,22 +112,3 @@ def _stream(fd: int, path: Path, tensor, spans: Sequence[Span], src: str, out: s
     # the ranges too: a legacy-format record has no CRC-32, and then only they are read
     checked_crcs(fd, path, tensor.record, [(at, s.count * itemsize) for at, s in wanted], buffer, counter.add,
                  inspect)
-
-
-def cast(data, src: str, out: str) -> bytes:
-    """Little-endian elements of dtype `src` as `out` (float32, bfloat16, float16 names or F32/BF16/F16)."""
-    out = _OUT.get(out, out)
-    if src == out:
-        return bytes(data)
-    values = np.frombuffer(data, dtype=_NUMPY[src])
-    if src == "bfloat16":
-        values = (values.astype(np.uint32) << 16).view(np.float32)
-    elif src == "float16":
-        values = values.astype(np.float32)
-    if out == "float32":
-        return values.astype(np.float32).tobytes()
-    if out == "float16":
-        return values.astype(np.float16).tobytes()
-    bits = values.astype(np.float32).view(np.uint32)
-    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
-    return np.where(np.isnan(values), np.uint16(0x7FC0), rounded).astype(np.uint16).tobytes()

@@ -28,7 +28,7 @@ from tailor_tui.checked import crc
 from tailor_tui.checked.evidence import checked_crcs, record_failed
 from tailor_tui.checked.files import NotRegular, open_regular
 from tailor_tui.checked.ranges import Window
-from tailor_tui.errors import CheckpointError
+from tailor_tui.errors import RECOPY, CheckpointError
 from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, unsupported_version, version_in_pickle
 from tailor_tui.formats.pickled import MAX_PICKLE_BYTES, TensorRef, read_pickle
 from tailor_tui.formats.ptlegacy import START as LEGACY_START
@@ -94,7 +94,7 @@ def _first_bytes(path: Path) -> bytes:
         raise CheckpointError(f"{path}: cannot be opened ({exc.strerror or exc}); "
                               "check that it exists and is readable") from None
     except NotRegular as exc:  # a checkpoint's file: what to do
-        raise CheckpointError(f"{exc}; re-copy it from the training run") from None
+        raise CheckpointError(f"{exc}; {RECOPY}") from None
     try:
         return os.pread(fd, 4, 0)
     finally:
@@ -111,10 +111,10 @@ def unreadable(path: Path, fmt: str | None, reason: str) -> CheckpointError:
     if fmt is None:
         return CheckpointError(
             f"{path}: not a torch checkpoint file: neither a zip-format nor a legacy-format torch file "
-            f"({reason}); it is corrupt or not a checkpoint, re-copy it from the training run")
+            f"({reason}); it is corrupt or not a checkpoint, {RECOPY}")
     what = "a zip-format" if fmt == "zip" else "a legacy-format (non-zip)"
     return CheckpointError(f"{path}: {what} torch file that cannot be read ({reason}); "
-                           "it is truncated or corrupt, re-copy it from the training run")
+                           f"it is truncated or corrupt, {RECOPY}")
 
 
 def refused(path: Path, exc: Exception, ds_version: str | None = None) -> CheckpointError:
@@ -341,7 +341,7 @@ def check_crcs(path: Path, inspect=None, *, skip: frozenset = frozenset(), small
     fmt = file_format(path)
     if fmt is None and _ends_as_zip(path):  # torch.load would take it for a legacy file, and fail
         raise CheckpointError(f"{path}: a zip archive that does not start with a record's local header (damaged); "
-                              "re-copy it from the training run")
+                              f"{RECOPY}")
     if fmt != "zip":
         return
     with open(path, "rb") as f:

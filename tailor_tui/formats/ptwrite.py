@@ -29,7 +29,7 @@ from pathlib import Path
 
 from tailor_tui.checked import crc
 from tailor_tui.checked.evidence import checked_crcs
-from tailor_tui.errors import CheckpointError
+from tailor_tui.errors import RECOPY, CheckpointError
 from tailor_tui.fileio import CREATE, OpenFiles, Target, copy_range, open_fd, output_error, pwrite_all
 from tailor_tui.formats.pickled import StorageRef, TensorRef
 from tailor_tui.formats.ptfile import Record, Unsupported, locate, read_structure
@@ -309,7 +309,7 @@ class Rewritable:
             record = self.records.get(f"{self.prefix}data/{key}")
             if record is None or record.size != storage_bytes(ref):
                 raise CheckpointError(f"{path}: storage {key} does not match its record in the archive; "
-                                      "the file is corrupt, re-copy it from the training run")
+                                      f"the file is corrupt, {RECOPY}")
             self.fills[id(ref)] = Copied(path, record, record.data_offset, record.size)
 
     def clone(self, value: TensorRef, fills: dict) -> TensorRef:

@@ -15,7 +15,7 @@ import os
 import pickle
 from pathlib import Path
 
-from tailor_tui.errors import CheckpointError
+from tailor_tui.errors import RECOPY, CheckpointError
 from tailor_tui.formats.ds_format import DEEPSPEED_CLASSES, enum_member_value
 from tailor_tui.formats.ptfile import (
     Unsupported,
@@ -68,5 +68,5 @@ def load_pt(path: Path, mmap: bool = True, *, unread: frozenset = frozenset()):
         what = "zip-format" if fmt == "zip" else "legacy-format (non-zip)"
         raise CheckpointError(
             f"{path}: a {what} torch file that cannot be read ({first[:200]}); "
-            "it may be truncated or corrupt, re-copy it from the training run"
+            f"it may be truncated or corrupt, {RECOPY}"
         ) from None

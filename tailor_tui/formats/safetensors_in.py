@@ -19,7 +19,7 @@ import struct
 from pathlib import Path
 
 from tailor_tui.checked.files import open_regular
-from tailor_tui.errors import CheckpointError
+from tailor_tui.errors import RECOPY, CheckpointError
 from tailor_tui.formats.dtypes import SAFETENSORS_ITEMSIZE
 
 MAX_HEADER = 100_000_000  # bytes: the safetensors library's own bound
@@ -68,7 +68,7 @@ def safetensors_prefix(path: Path) -> tuple[dict, bytes]:
                               "the training run") from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: not a complete safetensors file, truncated or corrupt ({exc}); "
-                              "re-copy it from the training run") from None
+                              f"{RECOPY}") from None
 
 
 def _object(pairs: list[tuple[str, object]]) -> dict:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from tailor_tui.checked import crc
+from tailor_tui.errors import RECOPY
 
 # A torch file's zip archive lists one record per storage (a .bin of a large MoE: tens of
 # thousands); its directory is a few MiB at most
@@ -47,7 +48,6 @@ DESCRIPTOR = b"PK\x07\x08"
 DESCRIBED, UTF8 = 0x0008, 0x0800  # the only flags torch writes: a data descriptor follows, names are UTF-8
 ENCRYPTED = 0x0001 | 0x0040 | 0x2000  # encrypted, strongly encrypted, local headers masked
 MAX_INFLATION = 64  # a compressed record's size to its stored size beyond which it is called a zip bomb
-RECOPY = "re-copy it from the training run"
 
 
 class RecordError(zipfile.BadZipFile):

@@ -19,7 +19,6 @@ bug there is caught here, not repeated; every file is read once, streamed (`rank
 
 from __future__ import annotations
 
-import filecmp
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,9 +41,9 @@ from tailor_tui.events import Emit
 from tailor_tui.formats.ptfile import check_crcs
 from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.planning.provenance import changed_since, read_record
+from tailor_tui.verifying.rank_claims import RankClaims, Tag
 from tailor_tui.verifying.recorded import (
     Archives,
-    file_crc,
     recorded,
     recorded_crcs,
     recorded_weights,
@@ -53,6 +52,8 @@ from tailor_tui.verifying.resharded import ReshardedRanks
 from tailor_tui.verifying.rows_files import RowsFiles
 from tailor_tui.verifying.weights import WeightRecord, claim_weight_file
 from tailor_tui.verifying.zero_ranks import ZeroRanks
+
+COPIED_LABEL = "run-level files"  # the progress of reading the files copied from the base
 
 # claims held at once (a wide run's ranks are tens of thousands each): past it, those made are run, then the next
 # ranks' made (a source file several output ranks take from may then be read once per batch)
@@ -130,6 +131,7 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
         if len(ranks.tags) > MAX_CLAIMS and rank + 1 < plan.world_size:  # memory: the claims of some ranks at a time
             ranks.check(emit, cancelled, workers)
             ranks = kind(plan, report, changed=gone, taken=taken, archives=archives)
+    _claim_copied(ranks, recorded_crcs(record, COPIED), base_changed=0 in gone)
     ranks.check(emit, cancelled, workers)
     for line in archives.failed:
         report.add(None, line)
@@ -142,22 +144,6 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
             written = None
         if written != own[MODEL_FILE_INDEX]:
             report.add(None, f"{index}: missing or not the index the model files' layout records")
-    root, copied = plan.other_files_root(), recorded_crcs(record, COPIED)
-    for rel, to in plan.other_files():
-        if 0 in gone and (out / to).is_file():  # what was copied, as recorded
-            if copied is None or str(to) not in copied:
-                report.unproven.append(f"{out / to}: not compared: the base's {rel} may have changed since the "
-                                       "composition, and the output's provenance record holds no CRC-32 of it")
-            elif file_crc(out / to) != copied[str(to)]:
-                report.add(None, f"{out / to}: differs from what the composition copied from the base's {rel} (its "
-                                 "provenance record)")
-            continue
-        if not (out / to).is_file():
-            report.add(None, f"{out / to}: missing (the base has {rel})")
-        elif not filecmp.cmp(root / rel, out / to, shallow=False):
-            report.add(None, f"{out / to}: differs from the base's {root / rel}")
-        elif (why := _unreadable(out / to)) is not None:  # its bytes match: does torch's reader read it?
-            report.add(None, f"{out / to}: torch's reader cannot read it ({why}), nor the base's {root / rel}")
     if "latest" in own and read_latest(out) != own["latest"]:
         report.add(None, f"{out / 'latest'}: names {read_latest(out)!r}, not the tag {plan.base.tag!r} composed; "
                          "DeepSpeed would load another checkpoint")  # (an HF base's `latest` is among its files)
@@ -167,6 +153,41 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
         report.add(None, f"{out / extra}: not a file this composition writes (neither composed nor copied "
                          "from the base); it was added to the output afterwards")
     return report
+
+
+def _claim_copied(ranks: RankClaims, copied: dict | None, *, base_changed: bool) -> None:
+    """The run-level files copied from the base: each the base's byte for byte (claimed: read once, as the rank
+    files are), or where the base changed since the composition, the bytes whose CRC-32 the provenance record
+    holds (`copied`); a torch file among them read as torch's reader reads it."""
+    plan, report = ranks.plan, ranks.report
+    out, root = plan.output, plan.other_files_root()
+    for rel, to in plan.other_files():
+        if not (out / to).is_file():
+            report.add(None, f"{out / to}: missing (the base has {rel})")
+            continue
+        f = ranks.claims.file(out / to, label=COPIED_LABEL)
+        ranks.outputs.add(f)
+        size = ranks.claims.size(f)
+        ranks.claims.evidence(f, 0, size, None, str(to))
+        if base_changed:  # what was copied, as recorded
+            if copied is None or str(to) not in copied:
+                report.unproven.append(f"{out / to}: not compared: the base's {rel} may have changed since the "
+                                       "composition, and the output's provenance record holds no CRC-32 of it")
+            else:
+                ranks.claim(Tag("taken", -1, None, f"{out / to}: differs from what the composition copied from the "
+                                                   f"base's {rel} (its provenance record)", expected=copied[str(to)]),
+                            f, 0, size)
+            continue
+        g = ranks.claims.file(root / rel)
+        if ranks.claims.size(g) != size:
+            report.add(None, f"{out / to}: differs from the base's {root / rel} ({size:,} bytes, the base's "
+                             f"{ranks.claims.size(g):,})")
+            continue
+        ranks.claims.evidence(g, 0, size, None, str(rel))
+        ranks.claim(Tag("copied", -1, None, f"{out / to}: differs from the base's {root / rel}", 0, g), f, 0, size,
+                    g, 0)
+        if (why := _unreadable(root / rel)) is not None:  # (the same bytes: does torch's reader read them?)
+            report.add(None, f"{out / to}: torch's reader cannot read it ({why}), nor the base's {root / rel}")
 
 
 def _unreadable(path: Path) -> str | None:

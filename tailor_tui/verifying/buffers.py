@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from tailor_tui.checked.files import FileIdentity, open_regular
+from tailor_tui.checked.ranges import Readahead
 from tailor_tui.errors import CheckpointError
 
 CHUNK = 4 << 20  # bytes per read (one buffer per worker for the output, one for its sources)
@@ -68,10 +69,18 @@ def opened(path: Path) -> int:
 
 class Descriptors:
     """The descriptors one task reads through: each file opened when first needed, and kept only where it is the
-    file named (its identity); `close` looks at each again, and says which changed meanwhile."""
+    file named (its identity); `close` looks at each again, and says which changed meanwhile. `ahead`: the kernel
+    asked to read on ahead of a sequential reader of one (a cold disk kept busy while bytes are compared)."""
 
     def __init__(self, paths: list[Path], identities: list[FileIdentity]) -> None:
         self.paths, self.identities, self.fds = paths, identities, dict[int, int]()
+        self._ahead: dict[int, Readahead] = {}
+
+    def ahead(self, f: int, position: int, end: int) -> None:
+        """About to read file `f` from `position` on, up to `end`."""
+        if f not in self._ahead:
+            self._ahead[f] = Readahead(self[f])
+        self._ahead[f].before(position, end)
 
     def __getitem__(self, f: int) -> int:
         if f not in self.fds:
@@ -84,7 +93,7 @@ class Descriptors:
         moved = [f for f, fd in self.fds.items() if FileIdentity.of(os.fstat(fd)) != self.identities[f]]
         for fd in self.fds.values():
             os.close(fd)
-        self.fds = {}
+        self.fds, self._ahead = {}, {}
         return moved
 
 

@@ -30,8 +30,8 @@ from tailor_tui.events import ByteCounter, Emit
 from tailor_tui.formats.ds_format import flat_tensor
 from tailor_tui.verifying import streamed
 from tailor_tui.verifying.against_recipe import VerifyReport
+from tailor_tui.verifying.dcp_sources import chunk_range, claimed_chunk
 from tailor_tui.verifying.rank_claims import SlicesFile, TorchFile
-from tailor_tui.verifying.resharded import chunk_range, claimed_chunk
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ SMALL_FILE = 4 << 20  # a torch file at most this size is read whole for its str
 @dataclass(slots=True)
 class Tag:
     """What a claim stands for: `kind` (row, frozen, padding, state, buffer, states; weight: a model file's tensor,
-    taken: one whose CRC-32 must be `expected`), the rank (-1: none), the row, the problem told where its bytes
+    copied: a run-level file copied from the base, taken: one whose CRC-32 must be `expected`), the rank (-1: none), the row, the problem told where its bytes
     differ, the plan's source and the file it is read from (-1: none)."""
 
     kind: str
@@ -54,7 +54,8 @@ class Tag:
     key: str = ""
     claim: int = -1
     expected: int | None = None  # a "taken" claim's: the CRC-32 its bytes must have (the provenance record's)
-    parts: list | None = None  # a claim joining neighbours (`RankClaims.joined`): (row, problem, at, length, source at)
+    parts: list | Callable[[], list] | None = None  # a claim joining neighbours (`RankClaims.joined`): (row, problem,
+    # at, length, source at) of each; a callable: worked out where asked
 
 
 class TorchFile:
@@ -69,9 +70,10 @@ class TorchFile:
         self.claims, self.evidenced = claims, set[str]()
         self._placed: dict[int, tuple[int, int, str, int]] = {}  # id of a tensor of `obj` -> `place`'s answer
         self._optimizer: dict | None = None  # `optimizer`'s answer
-        if whole:  # an output file: every record of it read and checked
-            for name in self.records:
-                self.evidence(name)
+        if whole:  # an output file: every record of it read and checked (one of no bytes: its CRC-32 is 0's)
+            for name, r in self.records.items():
+                if r.size or r.crc:
+                    self.evidence(name)
 
     def optimizer(self, group_sizes) -> dict:
         """The inner optimizer dict of an optim file, checked to hold the flat tensors of sub-groups of `group_sizes`
@@ -152,12 +154,13 @@ class RankClaims:
         self._param_row = plan.base.param_to_row()
         self._source_of = plan.source_of_param()
 
-    def claim(self, tag: Tag, out: int, at: int, n: int, source: int = streamed.NOTHING, source_at: int = 0) -> None:
+    def claim(self, tag: Tag, out: int, at: int, n: int, source: int = streamed.NOTHING, source_at: int = 0, *,
+              cast: str = "") -> None:
         self.flush()
-        self._claim(tag, out, at, n, source, source_at)
+        self._claim(tag, out, at, n, source, source_at, cast)
 
-    def _claim(self, tag: Tag, out: int, at: int, n: int, source: int, source_at: int) -> None:
-        tag.claim = self.claims.claim(out, at, n, source, source_at, len(self.tags))
+    def _claim(self, tag: Tag, out: int, at: int, n: int, source: int, source_at: int, cast: str = "") -> None:
+        tag.claim = self.claims.claim(out, at, n, source, source_at, len(self.tags), cast=cast)
         self.tags.append(tag)
 
     def joined(self, tag: Tag, out: int, at: int, n: int, source: int = streamed.NOTHING, source_at: int = 0) -> None:
@@ -235,7 +238,8 @@ class RankClaims:
         key = (site, id(mine), id(theirs))
         if key not in self._compared:
             pairs: list[tuple[str, object, object]] = []
-            found = structure_differences(mine, theirs, skip=skip, tensors=lambda *pair: pairs.append(pair))
+            found = structure_differences(mine, theirs, skip=skip, tensors=lambda *pair: pairs.append(pair)
+                                          if not (_empty(pair[1]) and _empty(pair[2])) else None)
             self._compared[key] = (mine, theirs, found, pairs)  # (the objects kept: their ids stay theirs)
         _mine, _theirs, found, pairs = self._compared[key]
         for where, a, b in pairs:
@@ -283,9 +287,11 @@ class RankClaims:
         plan, report = self.plan, self.report
         rows = [RankRows() for _ in range(plan.world_size)]
         shown: dict[tuple[int, str], int] = {}
+        told: set[tuple[str | None, str]] = set()
         for i, tag in enumerate(self.tags):
-            if tag.kind == "weight":
-                if i in outcome.differing:
+            if tag.kind in ("weight", "copied"):  # (a tensor claimed in parts, one per source file: told once)
+                if i in outcome.differing and (tag.row, tag.problem) not in told:
+                    told.add((tag.row, tag.problem))
                     report.add(tag.row, tag.problem)
                 continue
             if tag.kind == "taken":
@@ -328,12 +334,13 @@ class RankClaims:
 
     def _which(self, tag: Tag) -> list[tuple[str | None, str]]:
         """(row, problem) of each part of a differing claim whose bytes differ (a claim of one part: itself)."""
-        if not tag.parts or len(tag.parts) == 1:
+        parts = tag.parts() if callable(tag.parts) else tag.parts
+        if not parts or len(parts) == 1:
             return [(tag.row, tag.problem)]
         c = self.claims.claims[tag.claim]
         differs = streamed.recheck(self.claims, c.out, c.source, [(at, n, source_at)
-                                                                   for _row, _problem, at, n, source_at in tag.parts])
-        return [(row, problem) for (row, problem, *_rest), bad in zip(tag.parts, differs) if bad]
+                                                                   for _row, _problem, at, n, source_at in parts])
+        return [(row, problem) for (row, problem, *_rest), bad in zip(parts, differs) if bad]
 
 
 def _empty(ref) -> bool:

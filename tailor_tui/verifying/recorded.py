@@ -62,15 +62,6 @@ def recorded_crcs(record: object, key: str) -> dict[str, int] | None:
     return found if _crcs(found) else None
 
 
-def file_crc(path: Path) -> int:
-    """zlib's CRC-32 of the bytes of the regular file at `path`, read in chunks."""
-    value = 0
-    with open_binary(path) as f:
-        while chunk := f.read(1 << 20):
-            value = zlib.crc32(chunk, value)
-    return value
-
-
 class Archives:
     """The output's rank files' (and torch-format weight files') records as the composition wrote them
     (`checkpoint.ARCHIVES`: per file, the CRC-32 of its records' listing), compared with the output's own

@@ -16,14 +16,9 @@ few elements); a structure shared by many files (a wide run's model_states) is p
 
 from __future__ import annotations
 
-import math
-import os
-from pathlib import Path
 from typing import Callable
 
-from tailor_tui.checked.files import open_regular
 from tailor_tui.dcp.metadata import MetadataIndex
-from tailor_tui.dcp.reading import locate_chunk
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import Emit
 from tailor_tui.formats.ds_format import (
@@ -43,7 +38,7 @@ from tailor_tui.formats.ds_format import (
 )
 from tailor_tui.verifying import streamed
 from tailor_tui.verifying.compare import structure_differences
-from tailor_tui.verifying.dcp_sources import MASTERS, is_dcp_rank
+from tailor_tui.verifying.dcp_sources import MASTERS, chunk_range, claimed_chunk, is_dcp_rank
 from tailor_tui.verifying.pieces import ZEROS, OutputPieces, Piece
 from tailor_tui.verifying.rank_claims import MAX_SHOWN, RankClaims, Tag, TorchFile
 from tailor_tui.verifying.recorded import FROZEN, Archives
@@ -246,39 +241,6 @@ class ReshardedRanks(RankClaims):
 def _replaced(where: str) -> bool:
     return where.startswith(REPLACED) or (
         where.startswith(f"{OUTER}{OUTER}[{PARAM_GROUPS!r}]") and where.endswith("['params']"))
-
-
-def claimed_chunk(claims: streamed.Comparison, folder: Path, entry, chunk, info, *, label: str | None = None):
-    """(file, `dcp.reading.ChunkBytes`) of a DCP chunk's elements as its archive places them (`info` in `folder`),
-    its record's CRC-32 evidence among `claims`."""
-    path = folder / info.relative_path
-    fd = open_regular(path)
-    try:
-        located = locate_chunk(folder, fd, entry, chunk, info)
-    finally:
-        os.close(fd)
-    f = claims.file(path, label=label)
-    claims.evidence(f, located.record.data_offset, located.record.size, located.record.crc, located.record.name)
-    return f, located
-
-
-def chunk_range(size: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...], folder: Path,
-           name: str) -> tuple[int, int]:
-    """(first element, elements) of a chunk of a row-major tensor of `size`, a range of consecutive elements (as
-    FSDP2's row shards and tailor-tui's own chunks are); CheckpointError for one that is not."""
-    inner = 0  # the dimensions after which the chunk holds whole rows
-    for d in range(len(size) - 1, -1, -1):
-        if (offsets[d], sizes[d]) != (0, size[d]):
-            inner = d
-            break
-    if any(n != 1 for n in sizes[:inner]):
-        raise CheckpointError(f"{folder}: the chunk of {name} at {list(offsets)} is no range of its elements; "
-                              "tailor-tui verifies rows taken from chunks that are")
-    first, stride = 0, 1
-    for d in range(len(size) - 1, -1, -1):
-        first += offsets[d] * stride
-        stride *= size[d]
-    return first, math.prod(sizes)
 
 
 def verify_resharded(plan, composed, report, emit: Emit, cancelled: Callable[[], bool], *,

@@ -35,8 +35,9 @@ from typing import Callable, NamedTuple
 
 from tailor_tui.checked import crc
 from tailor_tui.checked.files import FileIdentity
-from tailor_tui.checked.ranges import pread_into
+from tailor_tui.checked.ranges import Readahead, pread_into
 from tailor_tui.errors import CheckpointError
+from tailor_tui.formats.dtypes import cast_difference
 from tailor_tui.verifying.buffers import CHUNK, Buffer, Descriptors, Moved, first_difference, opened, same
 
 SEGMENT = 64 << 20  # bytes of an output stretch one task reads: a large file is read by several workers
@@ -47,7 +48,8 @@ MAX_WORKERS = 8
 
 class Claim(NamedTuple):
     """Bytes [at, at+length) of output file `out` must be source file `source`'s from `source_at` (ZERO: zero
-    bytes; NOTHING: anything their stretch's evidence proves). `tag`: the caller's."""
+    bytes; NOTHING: anything their stretch's evidence proves); `cast` (BF16, F16): the source's float32 elements
+    from there, cast so (`formats.dtypes.cast_difference`: twice as many source bytes). `tag`: the caller's."""
 
     out: int
     at: int
@@ -55,6 +57,11 @@ class Claim(NamedTuple):
     source: int
     source_at: int
     tag: int
+    cast: str = ""
+
+    @property
+    def source_length(self) -> int:
+        return self.length * 2 if self.cast else self.length
 
 
 class Stretch(NamedTuple):
@@ -129,9 +136,13 @@ class Comparison:
             self._evidenced.add((f, at, length))
             self.stretches.append(Stretch(f, at, length, crc_, name))
 
-    def claim(self, out: int, at: int, length: int, source: int, source_at: int, tag: int) -> int:
-        """Output bytes [at, at+length) must be `source`'s from `source_at`; returns the claim's index."""
-        self.claims.append(Claim(out, at, length, source, source_at, tag))
+    def claim(self, out: int, at: int, length: int, source: int, source_at: int, tag: int, *, cast: str = "") -> int:
+        """Output bytes [at, at+length) must be `source`'s from `source_at` (`cast`: its float32 elements cast to
+        that 16-bit dtype, the claim on whole elements of a stretch that starts on one); returns the claim's
+        index."""
+        if cast and (length % 2 or source < 0):
+            raise ValueError(f"a cast claim of {length} bytes from {source}: whole elements of a source, only")
+        self.claims.append(Claim(out, at, length, source, source_at, tag, cast))
         return len(self.claims) - 1
 
     def zeros(self, out: int, at: int, length: int, tag: int) -> int:
@@ -296,7 +307,7 @@ def _tasks(claims: Comparison, evidence: dict[int, list[Stretch]]) -> list[_Read
     starts_of = {f: [s.at for s in found] for f, found in evidence.items()}
     for c in claims.claims:
         if c.source >= 0 and not _inside(evidence.get(c.source, []), starts_of.get(c.source, []), c.source_at,
-                                         c.length):
+                                         c.source_length):
             raise ValueError(f"claim {c}: its source bytes lie outside the stretches of {claims.paths[c.source]}")
     by_file: dict[int, list[int]] = {}
     for i, c in enumerate(claims.claims):
@@ -311,6 +322,8 @@ def _tasks(claims: Comparison, evidence: dict[int, list[Stretch]]) -> list[_Read
             c = claims.claims[i]
             if not _inside(stretches, starts_of.get(f, []), c.at, c.length):
                 raise ValueError(f"claim {c} lies outside the stretches of {claims.paths[f]}")
+            if c.cast and (c.at - _stretch_at(stretches, starts_of[f], c.at)) % 2:
+                raise ValueError(f"cast claim {c}: not on an element of its stretch (read 2 bytes at a time)")
             j = max(0, bisect.bisect_right(firsts, c.at) - 1)
             while j < len(packed) and firsts[j] < c.at + max(c.length, 1):
                 last_at, last_n = packed[j][1][-1]
@@ -321,6 +334,10 @@ def _tasks(claims: Comparison, evidence: dict[int, list[Stretch]]) -> list[_Read
             members.sort(key=lambda i: claims.claims[i].at)
             tasks.append(_Reading(f, parts, tuple(members)))
     return tasks
+
+
+def _stretch_at(stretches: list[Stretch], starts: list[int], at: int) -> int:
+    return stretches[bisect.bisect_right(starts, at) - 1].at
 
 
 def _inside(stretches: list[Stretch], starts: list[int], at: int, length: int) -> bool:
@@ -354,6 +371,7 @@ def _read_task(claims: Comparison, task: _Reading, files: Descriptors, out: Buff
             if not held:
                 if cancelled():
                     raise Cancelled()
+                files.ahead(task.file, position, stop_at)
                 pread_into(fd, out.view[:n], position)
             value = crc.crc32(out.view[position - base: position - base + n], value)
             stop = position + n
@@ -380,11 +398,32 @@ def _compare(files: Descriptors, index: int, c: Claim, a: int, n: int, out: Buff
         if not same(out, at, None, 0, n):
             found.differs(c.tag, a + first_difference(out, at, None, 0, n))
         return
+    if c.cast:
+        _compare_cast(files, index, c, a, n, out, at, src, found)
+        return
     source_at = c.source_at + (a - c.at)
+    files.ahead(c.source, source_at, c.source_at + c.length)
     pread_into(files[c.source], src.view[:n], source_at)
     _extend(found.src_crcs, index, source_at, n, crc.crc32(src.view[:n]))
     if not same(out, at, src, 0, n):
         found.differs(c.tag, a + first_difference(out, at, src, 0, n))
+
+
+def _compare_cast(files: Descriptors, index: int, c: Claim, a: int, n: int, out: Buffer, at: int, src: Buffer,
+                  found: _Found) -> None:
+    """`_compare` of a cast claim: its source's float32 elements read a buffer at a time (every read of the output
+    starts on an element of a claim's: `_tasks`), cast and compared with the output's."""
+    done = 0
+    while done < n:
+        k = min(n - done, src.view.nbytes // 2)  # output bytes: twice as many source bytes in the buffer
+        source_at = c.source_at + (a + done - c.at) * 2
+        files.ahead(c.source, source_at, c.source_at + c.source_length)
+        pread_into(files[c.source], src.view[: 2 * k], source_at)
+        _extend(found.src_crcs, index, source_at, 2 * k, crc.crc32(src.view[: 2 * k]))
+        wrong = cast_difference(out.view[at + done: at + done + k], src.view[: 2 * k], c.cast)
+        if wrong is not None:
+            found.differs(c.tag, a + done + 2 * wrong)
+        done += k
 
 
 def _extend(crcs: dict[int, list[int]], index: int, a: int, n: int, value: int) -> None:
@@ -468,11 +507,12 @@ def _gaps(evidence: dict[int, list[Stretch]], pieces) -> tuple[list[_Reading], l
 def _crc_of(fd: int, at: int, length: int, buffer: Buffer, cancelled, counted) -> int:
     from tailor_tui.events import Cancelled
 
-    value, end = 0, at + length
+    value, end, ahead = 0, at + length, Readahead(fd)
     while at < end:
         if cancelled():
             raise Cancelled()
         n = min(CHUNK, end - at)
+        ahead.before(at, end)
         pread_into(fd, buffer.view[:n], at)
         value = crc.crc32(buffer.view[:n], value)
         counted(n)

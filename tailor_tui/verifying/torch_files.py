@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from tailor_tui.checked.files import open_regular
-from tailor_tui.errors import CheckpointError
+from tailor_tui.errors import RECOPY, CheckpointError
 from tailor_tui.formats.ds_format import DEEPSPEED_CLASSES, enum_member_value
 from tailor_tui.formats.pickle_bounds import MAX_PICKLE_BYTES, Truncated, check_bounds_bytes
 
@@ -66,7 +66,7 @@ def is_zip(path: Path) -> bool:
 
 
 def _corrupt(path: Path, why: str) -> CheckpointError:
-    return CheckpointError(f"{path}: {why}; the file is truncated or corrupt, re-copy it from the training run")
+    return CheckpointError(f"{path}: {why}; the file is truncated or corrupt, {RECOPY}")
 
 
 def _records(path: Path, f, size: int, whole: bytes | None = None) -> list[Record]:
@@ -98,7 +98,7 @@ def _records(path: Path, f, size: int, whole: bytes | None = None) -> list[Recor
 
 def _failed(path: Path, record: Record) -> CheckpointError:
     return CheckpointError(f"{path}: record {record.name} fails its CRC-32 check (the file is damaged); "
-                           "re-copy it from the training run")
+                           f"{RECOPY}")
 
 
 def check_crcs(path: Path, *, crc: bool = True) -> list[bytes]:
@@ -230,4 +230,4 @@ def load(path: Path, *, checked: bool = False):
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         what = "zip-format" if mapped else "legacy-format (non-zip)"
         raise CheckpointError(f"{path}: a {what} torch file that cannot be read ({first[:200]}); it may be "
-                              "truncated or corrupt, re-copy it from the training run") from None
+                              f"truncated or corrupt, {RECOPY}") from None

@@ -3,12 +3,12 @@
 - A safetensors file (the 16-bit model files, a PEFT adapter) starts with the header tailor-tui
   writes (the plan's: names, dtypes, shapes, offsets and metadata, the base's), and each tensor is
   its source's: from a full checkpoint, the bytes of the tensor of the same name in the files the plan
-  names (claimed on the output's bytes, compared as they are read: `rank_claims`); from a partial
-  checkpoint or a DCP one (which save no 16-bit weights), its fp32 master put together from every
-  rank's slice (`rows_files`, each checked against its recorded CRC-32) and cast to the file's dtype
-  by torch (`Tensor.to`: round to nearest even, as ZeRO-3 makes its 16-bit partition after each step),
-  compared at once; a frozen parameter or a buffer of a partial checkpoint, which has no master, from
-  its ranks' model_states.
+  names; from a partial checkpoint or a DCP one (which save no 16-bit weights), its fp32 master (each
+  rank's slice in its rows file, against the CRC-32 its save recorded; a DCP checkpoint's chunks),
+  cast to the file's dtype as ZeRO-3 makes its 16-bit partition after each step (round to nearest
+  even; `formats.dtypes.cast_difference`). Both are claimed on the output's bytes and compared as they
+  are read (`rank_claims`, `streamed`). A frozen parameter or a buffer of a partial checkpoint, which
+  has no master, comes from its ranks' model_states, loaded by torch (`_compare_cast`).
 - A torch-format weight file (`pytorch_model*.bin`) holds the base's names in the base's order,
   each tensor's bytes its source's (claimed: every record of each file checked against its CRC-32).
 """
@@ -21,12 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from zlib import crc32
 
+from tailor_tui.dcp.metadata import MetadataIndex
 from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, MODULE
+from tailor_tui.formats.dtypes import float_name
 from tailor_tui.formats.pickled import TensorRef
-from tailor_tui.formats.safetensors_in import check_header, parse_prefix, safetensors_tensors
+from tailor_tui.formats.safetensors_in import MAX_HEADER, check_header, parse_prefix, safetensors_tensors
 from tailor_tui.planning.jobs import BinFileJob
 from tailor_tui.verifying.compare import same_bytes, structure_differences
-from tailor_tui.verifying.dcp_sources import DcpTensors, is_dcp_rank
+from tailor_tui.verifying.dcp_sources import MASTERS, DcpTensors, chunk_range, claimed_chunk, is_dcp_rank
 from tailor_tui.verifying.rank_claims import RankClaims, Tag, TorchFile
 from tailor_tui.verifying.recorded import Archives
 from tailor_tui.verifying.rows_files import RowsFiles
@@ -51,7 +53,7 @@ def claim_weight_file(ranks: RankClaims, job, partial: RowsFiles, *, changed: fr
     composition, not read: the file's tensors from them are proven against what the composition recorded
     (`record`); where the base changed, a safetensors file's header too, and a torch-format file's names, order
     and kept tensors by its records' listing. What an older record lacks is not compared (`report.unproven`). A
-    tensor a partial save or a DCP checkpoint gives (its fp32 master, cast) is compared at once, loaded by torch."""
+    tensor a partial save or a DCP checkpoint gives is its fp32 master, cast as it is read (`_claim_cast`)."""
     if isinstance(job, BinFileJob):
         _claim_bin_file(ranks, job, changed, record)
     else:
@@ -114,13 +116,9 @@ def _claim_bin_file(ranks: RankClaims, job: BinFileJob, changed: frozenset, reco
             report.add(row, problem)
 
 
-# the safetensors library's own bound on a header (it refuses a longer one)
-MAX_HEADER = 100_000_000
-
-
 def _prefix(path: Path) -> bytes:
-    """A safetensors file's 8-byte header length and header, as it holds them (bounded; parsed by the library
-    and `_header_names`)."""
+    """An output safetensors file's 8-byte header length and header, as it holds them, unparsed (bounded as
+    `safetensors_in.safetensors_prefix` bounds a source's: compared with the plan's bytes, then parsed)."""
     with open_binary(path) as f:
         first = f.read(8)
         if len(first) < 8:
@@ -176,8 +174,9 @@ def _claim_safetensors_file(ranks: RankClaims, job, partial: RowsFiles, changed:
             if s or not older:
                 _taken(ranks, job, out_file, name, s, taken, f, a, b - a)
             continue
-        if plan.sources[s].saved.masters_only:  # a cast of its fp32 master: compared now, by torch
-            _compare_cast(ranks, job, out_file, name, s, sources)
+        if plan.sources[s].saved.masters_only:  # a cast of its fp32 master (claimed; by torch: `_compare_cast`)
+            if (a - len(prefix)) % 2 or not _claim_cast(ranks, job, f, name, s, dtype, a, b):
+                _compare_cast(ranks, job, out_file, name, s, sources)
             continue
         theirs = sources.place(s, name)
         if theirs is None or theirs[1:3] != (dtype, shape) or theirs[4] - theirs[3] != b - a:
@@ -190,8 +189,57 @@ def _claim_safetensors_file(ranks: RankClaims, job, partial: RowsFiles, changed:
                     g, c)
 
 
+def _claim_cast(ranks: RankClaims, job, f: int, name: str, s: int, dtype: str, a: int, b: int) -> bool:
+    """Claim tensor `name` (bytes [a, b) of output file `f`, of `dtype`) on the fp32 master source `s` holds of it
+    (a partial save's slice in each rank's rows file, a DCP checkpoint's chunks), cast to `dtype` as it is read
+    (`streamed`); False where it has none, nor is the tensor a 16-bit or fp32 one (a frozen parameter, a buffer:
+    `_compare_cast`)."""
+    if dtype not in ("BF16", "F16", "F32"):
+        return False
+    plan, param, size = ranks.plan, job.params.get(name, name), 4 if dtype == "F32" else 2
+    source, cast = plan.sources[s], "" if dtype == "F32" else dtype
+    problem, row = _differing(plan, job, name, s), job.rows.get(name) or None
+    if is_dcp_rank(source.ranks[0]):
+        files = source.ranks[0]
+        entry = files.metadata.state_dict_metadata.get(f"model.{param}")
+        if entry is None or not hasattr(entry, "chunks") or entry.dtype not in ("float32", float_name(dtype)):
+            return False
+        cast = "" if entry.dtype == float_name(dtype) else cast
+        if math.prod(entry.size) * size != b - a:
+            ranks.report.add(row, problem)
+            return True
+        for chunk in entry.chunks:
+            info = files.metadata.storage_data[MetadataIndex(f"model.{param}", chunk.offsets)]
+            g, located = claimed_chunk(ranks.claims, files.folder, entry, chunk, info)
+            first, count = chunk_range(tuple(entry.size), tuple(chunk.offsets), tuple(chunk.sizes), files.folder,
+                                       f"model.{param}")
+            ranks.file_source[g] = s
+            if located.numel != count or located.record.size < count * (4 if cast else size):
+                ranks.report.add(row, problem)
+                continue
+            ranks.claim(Tag("weight", -1, row, problem, s, g), f, a + first * size, count * size, g,
+                        located.record.data_offset, cast=cast)
+        return True
+    slot = next((slot for slot in source.layout.slots if slot.name == param), None)
+    if slot is None:
+        return False
+    if slot.numel * size != b - a:
+        ranks.report.add(row, problem)
+        return True
+    held = {rank: ranks.slices_file(s, files.state_file) for rank, files in enumerate(source.ranks)
+            if slot.valid(rank)}
+    if None in held.values():  # (one that fails the checks the composition passed: `_compare_cast` says so)
+        return False
+    for rank, found in held.items():
+        valid = slot.valid(rank)
+        ranks.claim(Tag("weight", -1, row, problem, s, found.f), f, a + rank * slot.part * size, valid * size,
+                    found.f, found.slice(f"{MASTERS}/{param}", valid), cast=cast)
+    return True
+
+
 def _compare_cast(ranks: RankClaims, job, out_file: Path, name: str, s: int, sources) -> None:
-    """A tensor of a source that saves no 16-bit weights: its fp32 master cast as ZeRO-3 casts it, by torch."""
+    """A tensor of a source that saves no 16-bit weights, and has no fp32 master of it (a frozen parameter, a
+    buffer) or one in a file laid out so that its elements cannot be claimed: cast by torch, compared at once."""
     from safetensors import SafetensorError, safe_open
 
     try:

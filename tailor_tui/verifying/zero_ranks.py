@@ -9,6 +9,9 @@ their row. Where each of those lies is worked out here, from the plan's picks an
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 from tailor_tui.formats.ds_format import (
     FP32_FLAT_GROUPS,
     FROZEN_PARAM_FRAGMENTS,
@@ -23,7 +26,7 @@ from tailor_tui.formats.ds_format import (
 from tailor_tui.formats.pickled import TensorRef
 from tailor_tui.verifying import streamed
 from tailor_tui.verifying.compare import structure_differences
-from tailor_tui.verifying.rank_claims import MAX_SHOWN, RankClaims, Tag, TorchFile, at_path
+from tailor_tui.verifying.rank_claims import MAX_SHOWN, RankClaims, SlicesFile, Tag, TorchFile, at_path
 from tailor_tui.verifying.recorded import FROZEN
 
 
@@ -48,48 +51,67 @@ class ZeroRanks(RankClaims):
             found = self.torch_file(s, f.optim_states) if f.whole_records else self.slices_file(s, f.state_file)
             if found is not None:
                 wanted[s] = (found, found.optimizer(sizes) if isinstance(found, TorchFile) else None)
-        slots = sorted(layout.slots, key=lambda slot: (slot.group, slot.offset))
+        joinable = {s for s in files if not isinstance((wanted.get(s) or (None,))[0], SlicesFile)}
+        segments = _segments(rank, layout.slots, self._source_of, self._param_row, joinable)
         for key in plan.keys:  # (each (row, key)'s slots in the output's order: what the record's CRC-32s cover)
-            for slot in slots:
-                tensor = flat_tensor(got, slot.group, key)
-                if tensor is None:
-                    continue  # (a state the output lacks: said above)
-                s, valid, row = self._source_of[slot.name], slot.valid(rank), self._param_row[slot.name]
-                start, _n, dtype, size = out.place(tensor)
-                if valid:
-                    self._slot(rank, out, start + slot.offset * size, valid, dtype, size, slot, key, row, s,
-                               wanted.get(s))
-                if valid < slot.part:
-                    self.joined(Tag("padding", rank, row, f"rank {rank}: padding after {slot.name} ({key}) is "
-                                                           "not zero bytes"),
-                                out.f, start + (slot.offset + valid) * size, (slot.part - valid) * size,
-                                streamed.ZERO)
+            places: dict[int, tuple | None] = {}  # group -> the output's flat tensor's `place` (None: absent)
+            theirs: dict[tuple[int, int], tuple] = {}  # (source, group) -> the source's, the same way
+            for segment in segments:
+                group, s = segment.group, segment.source
+                if (placed := places.get(group, ())) == ():
+                    tensor = flat_tensor(got, group, key)  # (None: a state the output lacks, said above)
+                    placed = places[group] = None if tensor is None else out.place(tensor)
+                if placed is None:
+                    continue
+                start, _n, dtype, size = placed
+                if segment.row is None:
+                    def padding(slot, key=key) -> str:
+                        return f"rank {rank}: padding after {slot.name} ({key}) is not zero bytes"
+
+                    first_slot, first_row = segment.slots[0][:2]
+                    self.claim(Tag("padding", rank, first_row, padding(first_slot),
+                                   parts=segment.told(start, size, 0, padding)),
+                               out.f, start + segment.first * size, segment.count * size, streamed.ZERO)
+                    continue
+                source = wanted.get(s)
+                found_in, state = source if source is not None else (None, None)
+                if (s, group) not in theirs and isinstance(found_in, TorchFile) and state is not None:
+                    theirs[s, group] = found_in.place(flat_tensor(state, group, key))
+                self._segment(rank, out, start, dtype, size, segment, key, source, theirs.get((s, group)))
         self._structure(rank, out, files, wanted)
         self._model_states(rank, composed, label)
 
-    def _slot(self, rank: int, out: TorchFile, at: int, valid: int, dtype: str, size: int, slot, key: str, row: str,
-              s: int, source) -> None:
-        tag = Tag("row", rank, row, f"rank {rank}: {key} of {slot.name} differs from {self.names[s]}", s, key=key)
+    def _segment(self, rank: int, out: TorchFile, start: int, dtype: str, size: int, segment: Segment, key: str,
+                 source, their_place) -> None:
+        """A segment's elements of `key` (the output's flat tensor's first byte `start`) claimed from its source
+        (`source`: its file and inner optimizer dict, None where it changed since; `their_place`: its flat tensor's
+        `place`, where it is a torch file)."""
+        s, at, n = segment.source, start + segment.first * size, segment.count * size
+        slot = segment.slots[0][0]
+
+        def differs(part) -> str:
+            return f"rank {rank}: {key} of {part.name} differs from {self.names[s]}"
+
+        tag = Tag("row", rank, segment.row, differs(slot), s, key=key)
         if source is None:  # from a source that changed since: its bytes proven by the record alone
-            self.joined(tag, out.f, at, valid * size)
+            tag.parts = segment.told(start, size, 0, differs)
+            self.claim(tag, out.f, at, n)
             return
-        found, state = source
+        found, _state = source
         if isinstance(found, TorchFile):
-            theirs = flat_tensor(state, slot.group, key)
-            their_start, _n, their_dtype, their_size = found.place(theirs)
-            their_at = their_start + slot.offset * their_size
-        else:  # a partial save's slice of the parameter
-            their_at, their_dtype, their_size = found.slice(f"{key}/{slot.name}", valid), "FloatStorage", 4
+            their_start, _n, their_dtype, their_size = their_place
+            their_at = their_start + segment.first * their_size
+        else:  # a partial save's slice of the parameter (a segment of one slot: slices lie apart)
+            their_at = found.slice(f"{key}/{slot.name}", segment.count)
+            their_dtype, their_size = "FloatStorage", 4
         tag.file = found.f
         if (their_dtype, their_size) != (dtype, size):
             tag.kind, tag.problem = "row-dtype", f"rank {rank}: {key} of {slot.name} is {dtype}, {self.names[s]}'s " \
                                                  f"{their_dtype}"
-            self.claim(tag, out.f, at, valid * size)
+            self.claim(tag, out.f, at, n)
             return
-        if isinstance(found, TorchFile):  # (a partial save's slices lie side by side, each its own CRC-32's)
-            self.joined(tag, out.f, at, valid * size, found.f, their_at)
-        else:
-            self.claim(tag, out.f, at, valid * size, found.f, their_at)
+        tag.parts = segment.told(start, size, their_at - at, differs)
+        self.claim(tag, out.f, at, n, found.f, their_at)
 
     def _structure(self, rank: int, out: TorchFile, files, wanted) -> None:
         """Everything but the flat tensors is the base's: param groups, loss scaler, steps, counters."""
@@ -163,3 +185,48 @@ class ZeroRanks(RankClaims):
             for where in self.compared("states", states.obj, base.obj, lambda w: w in followed,
                                        self.tensor_claims(states, base, "states", rank, None, problem, 0))[:MAX_SHOWN]:
                 self.report.add(None, problem.replace("{where}", where, 1))
+
+
+@dataclass(slots=True)
+class Segment:
+    """A run of a rank's flat buffer claimed as one: a row's neighbouring slots from one source (`row`), or the
+    padding of neighbouring slots (`row` None), elements `first` to `first + count` of sub-group `group`; `slots`:
+    (slot, its row, its first element, its count) of each part."""
+
+    group: int
+    source: int
+    row: str | None
+    first: int
+    count: int
+    slots: list
+
+    def told(self, key_start: int, size: int, shift: int, problem: Callable) -> Callable[[], list]:
+        """The claim's parts for `RankClaims` to tell which differ, worked out only where the claim does: (row,
+        `problem(slot)`, first byte, length, first byte in the source: `shift` from the output's), of a flat tensor
+        whose first byte is `key_start`."""
+
+        def parts() -> list:
+            return [(row, problem(slot), key_start + first * size, count * size, key_start + first * size + shift)
+                    for (slot, row, first, count) in self.slots]
+        return parts
+
+
+def _segments(rank: int, slots, source_of: dict, param_row: dict, joinable: set) -> list[Segment]:
+    """Rank `rank`'s flat buffers as segments, in the output's order: each slot's valid elements joined to the
+    segment before where they go on from it in the same row and source (read from a torch file: `joinable`),
+    each slot's padding to the padding before it, wherever it is contiguous."""
+    found: list[Segment] = []
+    last = Segment(-1, -1, None, -1, 0, [])
+    for slot in sorted(slots, key=lambda slot: (slot.group, slot.offset)):
+        valid, s, row = slot.valid(rank), source_of[slot.name], param_row[slot.name]
+        for first, count, kind in ((slot.offset, valid, row), (slot.offset + valid, slot.part - valid, None)):
+            if not count:
+                continue
+            if (last.group == slot.group and last.row == kind and last.first + last.count == first
+                    and (kind is None or (last.source == s and s in joinable))):
+                last.slots.append((slot, row, first, count))
+                last.count += count
+            else:
+                last = Segment(slot.group, s if kind is not None else -1, kind, first, count, [(slot, row, first, count)])
+                found.append(last)
+    return found
