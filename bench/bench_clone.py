@@ -45,10 +45,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))  # (the loop-mounted XFS of the tests: scratch_xfs)
 
 from bench_merge import SPEC, as_installed, bench_run, fresh_work, gib  # noqa: E402
-
-from tailor_tui.runs.scratch_xfs import loop_xfs, unavailable  # noqa: E402
+from scratch_xfs import loop_xfs, unavailable  # noqa: E402
 
 ONE_ROW = "layers.5"
 # what is also measured with the page cache emptied before each command (on XFS)

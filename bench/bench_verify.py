@@ -34,6 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))  # (the loop-mounted XFS of the tests: scratch_xfs)
 
 from bench_clone import drop_page_cache  # noqa: E402
 from bench_merge import SPEC as BIG  # noqa: E402
@@ -100,7 +101,7 @@ def _bench(args, stack: contextlib.ExitStack) -> None:
     cases: dict[str, tuple[Path, list[Path]]] = {}  # name -> (recipe, folders cat reads)
     cold: set[str] = set()  # cases measured cold too
     if "xfs" in args.only:
-        from tailor_tui.runs.scratch_xfs import loop_xfs, unavailable
+        from scratch_xfs import loop_xfs, unavailable
 
         if (why := unavailable()) is not None:
             raise SystemExit(f"bench: cannot mount a loop XFS: {why}")

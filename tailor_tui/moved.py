@@ -51,7 +51,7 @@ MODULES = {
     "tailor_tui.file_plan": _P + "file_plan", "tailor_tui.jobs": _P + "jobs", "tailor_tui.output": _P + "output",
     "tailor_tui.plan": _P + "plan", "tailor_tui.recipe": _P + "recipe",
     "tailor_tui.reshard": "tailor_tui.resharding.partition", "tailor_tui.reshard_skeleton": "tailor_tui.resharding.skeleton",
-    "tailor_tui.run_accelerate": _R + "accelerate", "tailor_tui.demo_run": _R + "demo_run",
+    "tailor_tui.demo_run": _R + "demo_run",
     "tailor_tui.run_models": _R + "models",
     "tailor_tui.selective_hf": "tailor_tui.selective.hf", "tailor_tui.run_saves": "tailor_tui.selective.run_saves",
     "tailor_tui.launch": _T + "launch", "tailor_tui.team_progress": _T + "progress", "tailor_tui.sbatch": _T + "sbatch",
@@ -71,7 +71,7 @@ MODULES = {
     _C + "rank_reader": _K + "base", _C + "partial_rows": _K + "partial",
 }
 
-_MERGE = {"MergeResult": _CO + "compose_run:ComposeResult", "run_merge": _CO + "compose_run:run_compose"}
+_MERGE = {"MergeResult": _CO + "compose_run:Composed", "run_merge": _CO + "compose_run:run_compose"}
 # A moved module's names that its new home calls otherwise, or that live elsewhere now: name -> "module[:new name]".
 _PARTIAL_ROWS = {"crc_range_checked": "tailor_tui.checked.evidence"}
 RENAMED = {

@@ -222,11 +222,13 @@ def _cache_root() -> Path:
 
 
 def _run_modules() -> list[Path]:
-    """The source of every tailor_tui module a run's making can execute: demo_run, the Accelerate
-    runs and what they import, transitively (the selective savers, the model-file layout record,
-    run_saves, …)."""
+    """The source of every module a run's making can execute: demo_run, the Accelerate runs
+    (`accelerate_run`, beside this file) and the tailor_tui modules they import, transitively (the
+    selective savers, the model-file layout record, run_saves, …)."""
     root = Path(demo_run.__file__).parent.parent
-    seen, todo = set(), ["runs.demo_run", "runs.accelerate"]
+    accelerate = Path(__file__).with_name("accelerate_run.py")
+    seen, todo = set(), ["runs.demo_run", *re.findall(r"^\s*from tailor_tui\.([\w.]+) import", accelerate.read_text(),
+                                                     flags=re.M)]
     while todo:
         name = todo.pop()
         path = root / (name.replace(".", "/") + ".py")
@@ -234,7 +236,7 @@ def _run_modules() -> list[Path]:
             continue
         seen.add(name)
         todo += re.findall(r"^\s*from tailor_tui\.([\w.]+) import", path.read_text(), flags=re.M)
-    return sorted(root / (name.replace(".", "/") + ".py") for name in seen)
+    return [accelerate, *sorted(root / (name.replace(".", "/") + ".py") for name in seen)]
 
 
 def _key(spec: RunSpec, ds_version: str) -> str:
@@ -316,7 +318,7 @@ def resume_with(version: str, ckpt: Path, spec: RunSpec, resave: Path) -> list[f
 def xfs(tmp_path_factory):
     """A loop-mounted XFS with reflink (1 GiB) for a module's tests of shared blocks (`cloning`); the
     test is skipped, saying why, where one cannot be mounted (root and xfsprogs are needed)."""
-    from tailor_tui.runs.scratch_xfs import loop_xfs, unavailable
+    from scratch_xfs import loop_xfs, unavailable
 
     if (why := unavailable()) is not None:
         pytest.skip(f"no loop-mounted XFS: {why}")
@@ -400,7 +402,7 @@ def cached_run(name: str, deepspeed: str = INSTALLED_DEEPSPEED, python: tuple[st
         if not (folder / "tailor_demo_spec.json").is_file():
             shutil.rmtree(folder, ignore_errors=True)
             if spec.layout == "accelerate":
-                from tailor_tui.runs.accelerate import make_accelerate_run
+                from accelerate_run import make_accelerate_run
 
                 make_accelerate_run(folder, spec)
             elif python is not None:

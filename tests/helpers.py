@@ -32,7 +32,7 @@ TAILOR = str(Path(sys.executable).with_name("tailor-tui"))
 
 
 @dataclass(frozen=True)
-class Composed:
+class ComposedCase:
     """A real composition that a module's tests examine (its fixture makes it once), by name."""
 
     spec: object  # the run's RunSpec

@@ -16,12 +16,12 @@ import shutil
 
 import pytest
 import torch
+from accelerate_run import resume_accelerate
 from conftest import checkpoints_of
-from helpers import Composed, assert_optim_states_equal, tailor, write_recipe
+from helpers import ComposedCase, assert_optim_states_equal, tailor, write_recipe
 from zero_reader import read_full_state
 
 from tailor_tui.checkpoints.scan import scan
-from tailor_tui.runs.accelerate import resume_accelerate
 
 PICKS = {"embed_tokens": 0, "layers.1": 0, "lm_head": 0}
 
@@ -34,7 +34,7 @@ def composed(real_run, tmp_path_factory):
     recipe = write_recipe(tmp, ckpts[-1], {row: ckpts[i] for row, i in PICKS.items()})
     applied = tailor("--apply", recipe)
     assert applied.returncode == 0, applied.stderr
-    return Composed(spec, ckpts, tmp / "composed", run=run, recipe=recipe, applied=applied)
+    return ComposedCase(spec, ckpts, tmp / "composed", run=run, recipe=recipe, applied=applied)
 
 
 def test_scan_names_each_save_state_folder(composed):

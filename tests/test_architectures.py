@@ -25,7 +25,7 @@ import pytest
 import torch
 from conftest import checkpoints_of
 from helpers import (
-    Composed,
+    ComposedCase,
     assert_one_line_error,
     assert_optim_states_equal,
     tailor,
@@ -191,7 +191,7 @@ def composed(request, real_run, tmp_path_factory):
     recipe = write_recipe(tmp, ckpts[-1], picks)
     applied = tailor("--apply", recipe)
     assert applied.returncode == 0, applied.stderr
-    return Composed(spec, ckpts, tmp / "composed", picks=picks, recipe=recipe, name=request.param)
+    return ComposedCase(spec, ckpts, tmp / "composed", picks=picks, recipe=recipe, name=request.param)
 
 
 def test_rows_come_from_the_models_own_structure(composed):

@@ -32,11 +32,11 @@ from helpers import (
     wait_for_line,
     write_recipe,
 )
+from scratch_xfs import shared_bytes
 
 from tailor_tui.checkpoints.checkpoint import open_checkpoint
 from tailor_tui.cloning import clone, filesystem_type, may_share
 from tailor_tui.runs.demo_run import resume_and_step
-from tailor_tui.runs.scratch_xfs import shared_bytes
 
 
 @pytest.mark.parametrize("name", ["hf_bf16_2", "ds_bf16_3_subgroups", "hf_bin"])
@@ -117,7 +117,7 @@ def test_a_clone_reads_the_kept_rows_and_counts_their_nan_unless_the_statistics_
 @pytest.mark.parametrize("size", [(130, 32), (80, 24)])
 async def test_the_composer_says_what_a_clone_shared_and_did_not_read(real_run, xfs, size):
     """In the composer (whose statistics vouch for the rows kept and taken), a composition on the XFS says,
-    as the log does, what it shared and what it did not read or count again (`ComposeResult.unread`), all
+    as the log does, what it shared and what it did not read or count again (`Composed.unread`), all
     of it on screen, at 80x24 too."""
     from pilot_helpers import on_screen, scanned, start_composing, wait_for
 
@@ -315,9 +315,10 @@ def test_clone_shares_a_file_and_says_so_on_xfs(xfs):
 
 
 def test_the_log_and_the_composer_say_what_was_written_and_what_shared():
-    from tailor_tui.compose.compose_run import ComposeResult
+    from tailor_tui.compose.compose_run import Composed
 
-    plain = ComposeResult(Path("out"), 1.0, 3 << 30, 0)
+    plain = Composed(output=Path("out"), seconds=1.0, bytes_written=3 << 30, peak_rss=0)
     assert plain.amount() == "3.0 GiB written"
-    cloned = ComposeResult(Path("out"), 1.0, 3 << 30, 0, bytes_shared=(3 << 30) - (135 << 20), shared_how="reflink")
+    cloned = Composed(output=Path("out"), seconds=1.0, bytes_written=3 << 30, peak_rss=0,
+                      bytes_shared=(3 << 30) - (135 << 20), shared_how="reflink")
     assert cloned.amount() == "3.0 GiB: 135.0 MiB written, 2.9 GiB sharing its sources' blocks (reflink)"

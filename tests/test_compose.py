@@ -1,4 +1,4 @@
-"""Composed checkpoints hold exactly the chosen source's state for every row.
+"""ComposedCase checkpoints hold exactly the chosen source's state for every row.
 
 Checked with a reader that is not the compose step's code path (DeepSpeed's zero_to_fp32),
 on real DeepSpeed-written checkpoints of every supported shape.
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import checkpoints_of, tree_digest
-from helpers import Composed, compose, param_row, parity_picks
+from helpers import ComposedCase, compose, param_row, parity_picks
 from safetensors.torch import load_file
 from zero_reader import model_states, optim_states, read_full_state
 
@@ -40,7 +40,7 @@ def composed(request, real_run, tmp_path_factory):
     before = tree_digest(run)
     out, events = compose(tmp_path_factory.mktemp(request.param), ckpts, picks, workers=2)
     assert tree_digest(run) == before, "a source file changed"
-    return Composed(spec, ckpts, out, run=run, picks=picks, events=events)
+    return ComposedCase(spec, ckpts, out, run=run, picks=picks, events=events)
 
 
 def expected_source(name: str, picks: dict[str, Path], base: Path, tied: bool = False) -> Path:

@@ -116,7 +116,7 @@ def test_verify_proves_a_dcp_composition_and_fails_what_differs(fsdp_run, tmp_pa
 def test_on_a_filesystem_that_shares_blocks_the_base_files_are_clones(fsdp_run, xfs, tmp_path):
     """On XFS (reflink) each base file of the output shares the base's blocks, its archives still read and checked;
     the output loads as the one written byte by byte (--no-clone)."""
-    from tailor_tui.runs.scratch_xfs import shared_bytes
+    from scratch_xfs import shared_bytes
 
     run, _spec = fsdp_run("fsdp_llama")
     there = xfs / "fsdp_llama"

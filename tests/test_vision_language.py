@@ -38,7 +38,7 @@ import transformers
 import yaml
 from conftest import checkpoints_of
 from helpers import (
-    Composed,
+    ComposedCase,
     assert_optim_states_equal,
     row_at,
     stats_json,
@@ -164,9 +164,9 @@ WHOLE = [name for name in VARIANTS if name not in LORA]  # a whole model's file:
 def compositions(real_run, tmp_path_factory):
     """compositions(name) -> the run of VARIANTS that `name` names, composed on first use (once, whatever
     order the tests come in): its modules from step 2, the rest from step 4 (`picks`: module -> checkpoint)."""
-    made: dict[str, Composed] = {}
+    made: dict[str, ComposedCase] = {}
 
-    def get(name: str) -> Composed:
+    def get(name: str) -> ComposedCase:
         if name not in made:
             run, spec = real_run(name)
             old, base = checkpoints_of(run, spec)
@@ -175,14 +175,15 @@ def compositions(real_run, tmp_path_factory):
             recipe = recipe_of(tmp, base, picks)
             applied = tailor("--apply", recipe)
             assert applied.returncode == 0, applied.stderr
-            made[name] = Composed(spec, [old, base], tmp / "composed", run=run, picks=picks, recipe=recipe, name=name)
+            made[name] = ComposedCase(spec, [old, base], tmp / "composed", run=run, picks=picks, recipe=recipe,
+                                      name=name)
         return made[name]
 
     return get
 
 
 @pytest.fixture
-def variant(request, compositions) -> Composed:
+def variant(request, compositions) -> ComposedCase:
     return compositions(request.param)
 
 

@@ -63,8 +63,11 @@ def planned_tasks(plan: ComposePlan) -> list[tuple[str, int]]:
 # --- the whole composition --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ComposeResult:
+@dataclass(frozen=True, kw_only=True)
+class Composed:
+    """What a composition wrote: its output folder, how long it took, what it wrote and shared, and what it
+    relied on the run's statistics for (the writer's result, as the log and the composer tell it)."""
+
     output: Path
     seconds: float
     bytes_written: int
@@ -111,7 +114,7 @@ def run_compose(
     allow_nonfinite: bool = False,
     team: Team = SOLO,
     newest_finite: Callable[[ComposePlan, list[str]], dict[str, str]] | None = None,
-) -> ComposeResult:
+) -> Composed:
     """Write the composed checkpoint described by `plan`; atomic, cancellable; fsynced
     before it is renamed into place unless `options.durable` is False (`--no-fsync`).
     An output that would hold NaN/Inf values is refused (NonFiniteError, nothing written)
@@ -130,9 +133,10 @@ def run_compose(
     written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file() and f != out / PROVENANCE)
     shared = bool(work.shared)
     vouched = [j.vouched for j in jobs if isinstance(j, RankJob)]
-    return ComposeResult(out, time.monotonic() - started, written, work.peak, dict(work.nonfinite),
-                         work.shared, work.shared_how, shared and any(0 in v for v in vouched),
-                         work.sources_unread, shared and any(v - {0} for v in vouched))
+    return Composed(output=out, seconds=time.monotonic() - started, bytes_written=written, peak_rss=work.peak,
+                    nonfinite=dict(work.nonfinite), bytes_shared=work.shared, shared_how=work.shared_how,
+                    kept_checked=shared and any(0 in v for v in vouched), sources_unread=work.sources_unread,
+                    taken_checked=shared and any(v - {0} for v in vouched))
 
 
 MAX_NAMED = 8  # rows a refusal of non-finite values names in its one line; the rest are counted

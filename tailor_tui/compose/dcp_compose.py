@@ -49,8 +49,8 @@ from tailor_tui.planning.dcp_plan import DcpComposePlan, DcpFileJob, dcp_provena
 from tailor_tui.team.transaction import Declaration, PublishingWork, Task, run_as_team
 
 
-@dataclass(frozen=True)
-class DcpComposeResult:
+@dataclass(frozen=True, kw_only=True)
+class DcpComposed:
     output: Path
     seconds: float
     bytes_written: int
@@ -62,7 +62,7 @@ class DcpComposeResult:
         return written_and_shared(self.bytes_written, self.bytes_shared, self.shared_how)
 
     def unread(self) -> list[str]:
-        """What it did not read again (`ComposeResult.unread`): a DCP composition reads every archive it copies."""
+        """What it did not read again (`Composed.unread`): a DCP composition reads every archive it copies."""
         return []
 
 
@@ -164,7 +164,7 @@ class DcpComposing(PublishingWork):
 
 def run_dcp_compose(plan: DcpComposePlan, *, workers: int | None = None, emit: Emit = lambda e: None,
                     cancel: threading.Event | None = None, options: TaskOptions = TaskOptions(),
-                    write_rows: Callable | None = None) -> DcpComposeResult:
+                    write_rows: Callable | None = None) -> DcpComposed:
     """Write `plan`'s output. `write_rows`: the writer of a ZeRO-3 source's rows, rank by rank (`export.dcp_rank`'s:
     the writers of a composition and of an export know nothing of each other; the front end hands it over)."""
     started = time.monotonic()
@@ -176,6 +176,6 @@ def run_dcp_compose(plan: DcpComposePlan, *, workers: int | None = None, emit: E
         emit(event)
 
     run_as_team(DcpComposing(plan, workers, options, write_rows), emit=seen, cancel=cancel, options=options)
-    return DcpComposeResult(plan.output, time.monotonic() - started, plan.bytes_to_write(),
-                            sum(n for n, _how in shared.values()),
-                            ", ".join(sorted({how for _n, how in shared.values()})))
+    return DcpComposed(output=plan.output, seconds=time.monotonic() - started, bytes_written=plan.bytes_to_write(),
+                       bytes_shared=sum(n for n, _how in shared.values()),
+                       shared_how=", ".join(sorted({how for _n, how in shared.values()})))

@@ -71,7 +71,7 @@ class NdarrayType:
 NUMPY_TYPES = frozenset({"b1", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "c8", "c16"})
 
 
-class Dtype:
+class NumpyDtype:
     """numpy.dtype('u4', False, True), then its state: an element type numpy has, of `itemsize` bytes."""
 
     def __init__(self, spec=None, align=False, copy=True):
@@ -92,7 +92,7 @@ class Ndarray:
 
     def __setstate__(self, state):
         if not (type(state) is tuple and len(state) == 5 and state[0] == 1 and type(state[1]) is tuple
-                and all(type(n) is int and n >= 0 for n in state[1]) and isinstance(state[2], Dtype)
+                and all(type(n) is int and n >= 0 for n in state[1]) and isinstance(state[2], NumpyDtype)
                 and type(state[3]) is bool and type(state[4]) is bytes):
             _refuse("a numpy array whose state is not one numpy pickles")
         if len(state[4]) != math.prod(state[1]) * state[2].itemsize:
@@ -107,7 +107,7 @@ def _reconstruct(subtype=None, shape=None, typecode=None):
 
 
 def _scalar(dtype=None, data=None):
-    if not isinstance(dtype, Dtype) or type(data) is not bytes or len(data) != dtype.itemsize:
+    if not isinstance(dtype, NumpyDtype) or type(data) is not bytes or len(data) != dtype.itemsize:
         _refuse("a numpy scalar whose bytes are not one of its type")
     return Inert()
 
@@ -156,7 +156,7 @@ EXACT = {
     **{(module, "_reconstruct"): _reconstruct for module in _MULTIARRAY},
     **{(module, "scalar"): _scalar for module in _MULTIARRAY},
     ("numpy", "ndarray"): NdarrayType,
-    ("numpy", "dtype"): Dtype,
+    ("numpy", "dtype"): NumpyDtype,
     ("_codecs", "encode"): _encode,
     ("collections", "OrderedDict"): collections.OrderedDict,
     **{(builtins, name): value for builtins in ("builtins", "__builtin__")

@@ -56,7 +56,7 @@ class RunSpec:
     dtype: str = "bf16"
     tied: bool = False  # tie lm_head to embed_tokens
     # "hf": HF Trainer checkpoint-N folders; "deepspeed": save_dir tags; "accelerate": Accelerate's
-    # save_state checkpoint_N folders (made by tailor_tui.runs.accelerate, not make_run)
+    # save_state checkpoint_N folders (made by the tests' accelerate_run, not make_run)
     layout: str = "hf"
     layers: int = 4
     hidden: int = 32

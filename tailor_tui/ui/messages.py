@@ -17,15 +17,15 @@ from tailor_tui.planning.dcp_plan import DcpComposePlan
 from tailor_tui.planning.plan import ComposePlan
 
 if TYPE_CHECKING:
-    from tailor_tui.compose.compose_run import ComposeResult
-    from tailor_tui.compose.dcp_compose import DcpComposeResult
+    from tailor_tui.compose.compose_run import Composed
+    from tailor_tui.compose.dcp_compose import DcpComposed
     from tailor_tui.export.dcp_to_hf import DcpHfExport
     from tailor_tui.export.export_plan import Export
     from tailor_tui.export.export_run import ExportResult
     from tailor_tui.planning.recipe import Recipe
 
     # what the progress screen's run gives: a composition (of ZeRO-3 or DCP checkpoints) or an export
-    Outcome = ComposeResult | DcpComposeResult | ExportResult
+    Outcome = Composed | DcpComposed | ExportResult
 
 
 @dataclass(eq=False)

@@ -1,5 +1,6 @@
 """Runs saved by Accelerate's `save_state` with the DeepSpeed plugin (ZeRO-3), and resuming them
 with `load_state`: real Accelerate and DeepSpeed on CPU, ranks spawned as tailor_tui.runs.demo_run does.
+Test code: the tests' fixture makes these runs (`conftest.real_run`); tailor-tui itself needs none of it.
 
 `make_accelerate_run(out, spec)` trains `run_models.build_model(spec)` with an `Accelerator`
 (`ProjectConfiguration(project_dir=out, automatic_checkpoint_naming=True)`), a client torch AdamW,
@@ -124,7 +125,7 @@ def resume_accelerate(ckpt: str | Path, spec: RunSpec, resave: str | Path) -> li
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m tailor_tui.runs.accelerate make OUT [SPEC]` or `resume CKPT SPEC RESAVE`."""
+    """`python tests/accelerate_run.py make OUT [SPEC]` or `resume CKPT SPEC RESAVE`."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args[:1] == ["resume"] and len(args) == 4:
         print(json.dumps(resume_accelerate(args[1], RunSpec.from_key(args[2]), args[3])))
     else:
-        raise SystemExit("usage: python -m tailor_tui.runs.accelerate make OUT [SPEC] | resume CKPT SPEC RESAVE")
+        raise SystemExit("usage: python tests/accelerate_run.py make OUT [SPEC] | resume CKPT SPEC RESAVE")
 
 
 if __name__ == "__main__":
