@@ -156,7 +156,9 @@ PACKAGE_NAMES = {
         **{n: (_ + "export.export_run", False) for n in ("run_export", "ExportResult")},
         **{n: (_ + "export.export_run", True) for n in ("CONFIG", "COMPANIONS", "TORCH_DTYPE", "config_source")}},
     "tailor_tui.cli": {
-        **{n: (_ + "cli.main", True) for n in ("parser", "apply", "interactive", "make_demo", "ensure_demo")},
+        "parser": (_ + "cli.main", True), "apply": (_ + "cli.apply_command:apply_command", True),
+        "interactive": (_ + "cli.composer_command", True), "ensure_demo": (_ + "cli.demo_command", True),
+        "make_demo": (_ + "cli.demo_command:make_demo_command", True),
         "verify": (_ + "cli.verify_command:verify_command", True),
         "stats": (_ + "cli.health_command:stats_command", True), "heal": (_ + "cli.health_command:heal_command", True)},
     "tailor_tui.team": {

@@ -20,7 +20,7 @@ import pytest
 from helpers import TAILOR, assert_one_line_error, tailor
 from pilot_helpers import compose_finished, private_copy, scan_notices, scanned, start_composing, wait_for
 
-from tailor_tui.cli.main import ended
+from tailor_tui.cli.composer_command import ended
 from tailor_tui.ui.app import make_app
 from tailor_tui.ui.composer import ComposerScreen
 from tailor_tui.ui.dialogs import Confirm, ErrorDialog
@@ -231,9 +231,9 @@ async def test_an_error_that_ends_the_composer_is_one_line_and_a_logged_tracebac
 
 
 # A bug injected into the real entry point (`apply` raising), run as its own process.
-HEADLESS_BUG = ("import sys\nimport tailor_tui.cli.main as cli\n"
+HEADLESS_BUG = ("import sys\nimport tailor_tui.cli.apply_command as command\nimport tailor_tui.cli.main as cli\n"
                 "def apply(args):\n    raise RuntimeError('a bug, quoting ' + sys.argv[1])\n"
-                "cli.apply = apply\nsys.exit(cli.main(['--apply', 'recipe.yaml']))\n")
+                "command.apply_command = apply\nsys.exit(cli.main(['--apply', 'recipe.yaml']))\n")
 
 
 def test_an_error_that_ends_a_headless_command_is_one_line_and_a_logged_traceback(tmp_path):
@@ -250,9 +250,9 @@ def test_an_error_that_ends_a_headless_command_is_one_line_and_a_logged_tracebac
 
 
 # A pipe of its own breaking (a worker's, multiprocessing's resource tracker gone), while stdout is fine.
-OWN_PIPE_BROKEN = ("import sys\nimport tailor_tui.cli.main as cli\n"
+OWN_PIPE_BROKEN = ("import sys\nimport tailor_tui.cli.apply_command as command\nimport tailor_tui.cli.main as cli\n"
                    "def apply(args):\n    raise BrokenPipeError(32, 'Broken pipe')\n"
-                   "cli.apply = apply\nsys.exit(cli.main(['--apply', 'recipe.yaml']))\n")
+                   "command.apply_command = apply\nsys.exit(cli.main(['--apply', 'recipe.yaml']))\n")
 
 
 def test_a_broken_pipe_of_its_own_is_an_error_only_a_gone_reader_is_not(real_run, tmp_path):

@@ -15,21 +15,18 @@ nodes (`--apply`) load the headless backend alone.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import sys
-import threading
 from pathlib import Path
 
 from tailor_tui import __version__
 from tailor_tui.errors import (
     ExitCode,
-    OutputError,
     TailorError,
-    UsageError,
     exit_codes_help,
 )
-from tailor_tui.events import TaskOptions
 from tailor_tui.units import WHOLE_NUMBER, clipped, shown, whole_number
 
 
@@ -152,141 +149,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def apply(args) -> int:
-    from tailor_tui.checkpoints.dcp_checkpoint import is_dcp
-    from tailor_tui.cli.import_command import load_for
-    from tailor_tui.cli.nonfinite_check import check_nonfinite
-    from tailor_tui.compose.compose_run import planned_tasks, run_compose
-    from tailor_tui.health.guard import newest_finite
-    from tailor_tui.planning.build import build_plan
-    from tailor_tui.report import FEW, BarReporter, LineReporter, reporter_for
-    from tailor_tui.team.launch import detect
-    from tailor_tui.team.meet import connect
-    from tailor_tui.team.members import SOLO
-    from tailor_tui.team.progress import JobLines
-    from tailor_tui.team.workers import default_workers
-    from tailor_tui.units import size
-
-    launch = None if args.dry_run else detect(os.environ, args.distributed)
-    recipe = load_for(args, args.apply)
-    if is_dcp(recipe.base):  # an FSDP2 run's PyTorch Distributed Checkpoint
-        from tailor_tui.cli.dcp_apply import apply_dcp
-
-        return apply_dcp(args, recipe)
-    plan = build_plan(recipe, output=args.output, force=args.force, preview=args.dry_run, world_size=args.world_size)
-    check_nonfinite(plan, args, doing="compose")  # (before anything is written; every process of a job alike)
-    if args.dry_run:
-        print("\n".join(map(shown, plan.describe(clone=args.clone))))  # a line per line, whatever the names
-        print("dry run: nothing written")
-        return ExitCode.OK
-    team = connect(launch, args.peer_timeout, meeting=plan.output.parent) if launch else SOLO
-    if team.lead:
-        for warning in plan.warnings:
-            print(shown(f"warning: {warning}"), file=sys.stderr)
-    workers = args.workers or default_workers(plan)
-    unit = plan.progress_unit(clone=args.clone)  # "composed" where the output may share the base's blocks
-    ranks = f"{plan.base.world_size} → {plan.world_size}" if plan.reshard else plan.world_size
-    if team.lead:
-        processes = f"{team.size} processes ({launch.via}) × " if launch is not None and team.size > 1 else ""
-        print(
-            shown(f"composing {plan.output} from {len(plan.sources)} checkpoint(s): {ranks} ranks, "
-            f"{processes}{workers} worker(s), {'about ' if plan.rewritten_files() else ''}"
-            f"{size(plan.bytes_to_write())} to "
-            + (f"compose (on {plan.shares(clone=args.clone)}: a file mostly kept starts as a clone of the base's, "
-               "only what the recipe replaces written into it)" if unit == "composed" else "write")),
-            file=sys.stderr,
-            flush=True,
-        )
-    report: JobLines | LineReporter | BarReporter
-    if team.lead and team.size > 1:  # the whole job's lines (every process's tasks) and its throughput
-        report = JobLines(sys.stderr, planned_tasks(plan), unit=unit)
-    elif team.size > 1:  # several processes share the log: lines, each saying whose (its tasks' sum, if many)
-        report = LineReporter(sys.stderr, prefix=f"[process {team.rank}] ", unit=unit,
-                              each=len(planned_tasks(plan)) <= FEW)
-    else:
-        report = reporter_for(sys.stderr, args.progress, planned_tasks(plan), unit=unit)
-    cancel = threading.Event()
-    options = TaskOptions(durable=args.durable, clone=args.clone)
-    try:
-        result = run_compose(plan, workers=workers, emit=report, cancel=cancel, options=options,
-                           allow_nonfinite=args.allow_nonfinite, team=team, newest_finite=newest_finite)
-    finally:
-        if isinstance(report, BarReporter):
-            report.close()  # the bars' final state, whatever happened
-    if not isinstance(report, BarReporter):
-        report.close()  # logs: the last line for all the tasks, where many were summed up
-    if not team.lead:
-        return ExitCode.OK  # process 0 says how the job went
-    if result.nonfinite:
-        print(shown("warning: composed with --allow-nonfinite: the output holds NaN/Inf values in "
-                    + ", ".join(f"{row} ({n:,})" for row, n in result.nonfinite.items())), file=sys.stderr)
-    if args.report_peak_rss:
-        print(f"peak RSS: {result.peak_rss} bytes", file=sys.stderr)
-    rate = result.bytes_written / max(result.seconds, 1e-6)
-    unread = result.unread()
-    if result.bytes_shared:
-        kept = f" ({unread.pop(0)})" if result.kept_checked else ""
-        print(shown(f"sharing its sources' blocks ({result.shared_how}): "
-                    f"{size(result.bytes_written - result.bytes_shared)} written, {size(result.bytes_shared)} shared"
-                    + kept))
-    for line in unread:
-        print(shown(line))
-    print(shown(f"done: {result.output} ({result.amount()} in {result.seconds:.1f}s, {size(rate)}/s)"))
-    return ExitCode.OK
-
-
-def interactive(run_dir: Path, recipe: Path | None, workers: int | None) -> int:
-    from tailor_tui.checkpoints.scan import check_run_folder
-
-    check_run_folder(run_dir)
-    if recipe is not None and recipe.is_dir():
-        raise UsageError(f"--recipe {recipe}: is a folder; name the recipe file to load or save, e.g. "
-                         f"{recipe / 'fix.yaml'}")
-    if not sys.stdout.isatty():
-        raise UsageError("the interactive composer needs a terminal; for batch jobs use --apply RECIPE")
-    from tailor_tui.ui.app import make_app
-
-    app = make_app(run_dir, recipe=recipe, workers=workers)
-    app.run()
-    return ended(app)
-
-
-def ended(app) -> int:
-    """The exit code of a composer that has ended: an internal error that ended it is one line
-    on stderr, its traceback in a log file (`crash`), and exit code 1."""
-    from tailor_tui.cli.crash import crash_line, log_crash
-
-    if app.crash is not None:
-        print(crash_line(app.crash, log_crash(app.crash)), file=sys.stderr)
-        return ExitCode.INTERNAL
-    return app.return_code or ExitCode.OK
-
-
-def make_demo(args) -> int:
-    out = args.make_demo
-    ensure_demo(out)
-    from tailor_tui.checkpoints.scan import training_checkpoints
-
-    names = sorted((p.name for p in training_checkpoints(out)), key=lambda n: (len(n), n))
-    print(shown(f"done: {out} holds the training checkpoints {', '.join(names)}"))  # never outputs, exports
-    return ExitCode.OK
-
-
-def ensure_demo(out: Path) -> None:
-    """Train the demo run into `out` unless it is already there."""
-    from tailor_tui.runs.demo_run import DEMO, make_run
-
-    spec = DEMO
-    marker = out / "tailor_demo_spec.json"
-    if marker.is_file() and marker.read_text().strip() == spec.key():
-        print(shown(f"demo run {out} already exists; reusing it"), file=sys.stderr)
-        return
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise OutputError(f"{out}: already exists and is not empty; choose another folder for the demo run")
-    print(shown(f"training a small real DeepSpeed ZeRO-3 run into {out} (HF Trainer, 2 ranks, CPU)…"), file=sys.stderr)
-    make_run(out, spec)
-
-
 def _crashed(exc: BaseException, args) -> int:
     """A bug: one line, its traceback in a log file (as the composer's)."""
     from tailor_tui.cli.crash import crash_line, log_crash
@@ -314,6 +176,35 @@ def _sigterm_as_interrupt(signum, frame):
 
 
 ACTIONS = ("apply", "verify", "stats", "heal", "export", "import", "make_demo", "demo")  # the headless ones (not RUN_DIR)
+# each action's command: (module, function), imported when it runs (`--demo` opens the composer: `main`)
+COMMANDS = {
+    "apply": ("tailor_tui.cli.apply_command", "apply_command"),
+    "export": ("tailor_tui.cli.export_command", "export_command"),
+    "verify": ("tailor_tui.cli.verify_command", "verify_command"),
+    "stats": ("tailor_tui.cli.health_command", "stats_command"),
+    "heal": ("tailor_tui.cli.health_command", "heal_command"),
+    "import": ("tailor_tui.cli.import_command", "import_command"),
+    "make_demo": ("tailor_tui.cli.demo_command", "make_demo_command"),
+}
+# options that only mean something beside one of some actions: (options, actions, why, if it says more), in the
+# order the checks are made; each refused in one line when given without them
+GOES_WITH = (
+    (("json", "check"), ("stats",), ""),
+    (("verbose",), ("verify",), ""),
+    (("to", "format", "dtype", "config"), ("export",), ""),
+    (("world_size",), ("apply", "verify"), ""),
+    (("run",), ("apply", "verify", "export", "import"), "an LLMTailor recipe's run folder"),
+)
+
+
+def _goes_with(options: tuple[str, ...], actions: tuple[str, ...], why: str) -> str:
+    """"--json and --check go with --stats": the line for options given without any of their actions."""
+    def flags(names: tuple[str, ...], last: str) -> str:
+        shown_ = [f"--{name.replace('_', '-')}" for name in names]
+        return shown_[0] if len(shown_) == 1 else f"{', '.join(shown_[:-1])} {last} {shown_[-1]}"
+
+    return (f"{flags(options, 'and')} {'goes' if len(options) == 1 else 'go'} with {flags(actions, 'or')}"
+            + (f" ({why})" if why else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -327,48 +218,26 @@ def main(argv: list[str] | None = None) -> int:
                            "--apply, --verify, --stats, --heal, --import, --make-demo or --demo")
     elif args.run_dir is None:
         parser().error("name a RUN_DIR to open, or use --demo, --apply RECIPE, --stats RUN_DIR or --make-demo DIR")
-    if (args.json or args.check) and not args.stats:
-        parser().error("--json and --check go with --stats")
-    if args.verbose and not args.verify:
-        parser().error("--verbose goes with --verify")
-    if (args.to or args.dtype or args.config or args.format) and not args.export:
-        parser().error("--to, --format, --dtype and --config go with --export")
+    for options, actions, why in GOES_WITH:
+        if any(getattr(args, option) for option in options) and not any(getattr(args, a) for a in actions):
+            parser().error(_goes_with(options, actions, why))
     if args.format == "dcp" and (args.dtype or args.config):
         parser().error("--dtype and --config go with --format hf: a DCP export holds the fp32 weights and the "
                        "optimizer state, and no config")
-    if args.world_size and not (args.apply or args.verify):
-        parser().error("--world-size goes with --apply or --verify")
-    if args.run and not (args.apply or args.verify or args.export or getattr(args, "import")):
-        parser().error("--run goes with --apply, --verify, --export or --import (an LLMTailor recipe's run folder)")
     try:
-        if args.apply:
-            code = apply(args)
-        elif args.export:
-            from tailor_tui.cli.export_command import export_command
+        action = next((name for name in ACTIONS if getattr(args, name)), None)
+        if action == "demo":
+            from tailor_tui.cli.composer_command import interactive
+            from tailor_tui.cli.demo_command import ensure_demo
 
-            code = export_command(args)
-        elif args.verify:
-            from tailor_tui.cli.verify_command import verify_command
-
-            code = verify_command(args)
-        elif args.stats:
-            from tailor_tui.cli.health_command import stats_command
-
-            code = stats_command(args)
-        elif args.heal:
-            from tailor_tui.cli.health_command import heal_command
-
-            code = heal_command(args)
-        elif getattr(args, "import"):
-            from tailor_tui.cli.import_command import import_command
-
-            code = import_command(args)
-        elif args.make_demo:
-            code = make_demo(args)
-        elif args.demo:
             ensure_demo(Path("demo-run"))
             code = interactive(Path("demo-run"), args.recipe, args.workers)  # as `tailor-tui demo-run` opens it
+        elif action is not None:
+            module, function = COMMANDS[action]
+            code = getattr(importlib.import_module(module), function)(args)
         else:
+            from tailor_tui.cli.composer_command import interactive
+
             assert args.run_dir is not None  # no action given: RUN_DIR is (the checks above)
             code = interactive(args.run_dir, args.recipe, args.workers)
     except TailorError as exc:
