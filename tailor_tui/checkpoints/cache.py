@@ -18,6 +18,7 @@ import stat
 import threading
 from pathlib import Path
 
+from tailor_tui.checked.files import FileIdentity
 from tailor_tui.checkpoints.side_files import load_json
 
 
@@ -53,13 +54,13 @@ def file_identity(path: Path, folders: dict | None = None) -> list:
     st = os.lstat(path) if plain else None
     if st is None or stat.S_ISLNK(st.st_mode):
         st = os.stat(path)
-        return [os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+        return [os.path.realpath(path), *FileIdentity.of(st)]
     assert folders is not None, "lstat'ed only with folders"
     folder, name = os.path.split(os.path.abspath(path))
     if folder not in folders:
         folders[folder] = os.path.realpath(folder)
     real = os.path.join(folders[folder], name) if name not in ("", ".") else os.path.realpath(path)
-    return [real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    return [real, *FileIdentity.of(st)]
 
 
 def identity_key(path: Path, folders: dict | None = None) -> str:

@@ -28,6 +28,7 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
+from tailor_tui.checked.files import FileIdentity
 from tailor_tui.checkpoints.checkpoint import Checkpoint, distinct_names
 from tailor_tui.checkpoints.side_files import MAX_RECORD, RESTART, SKIPPED, Known, Unread, WideIntegers, json_items
 from tailor_tui.errors import UsageError
@@ -177,7 +178,7 @@ def logged_at(ckpt: Checkpoint) -> LoggedAt:
         st = os.stat(folder / TRAINER_STATE)
     except OSError:
         return _read(folder, ckpt.step)[0]
-    key = (str(folder), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    key = (str(folder), *FileIdentity.of(st))
     whole = _KEPT.get((*key, WHOLE))
     if whole is None:
         whole, text = _read(folder, WHOLE, _KEPT.last)

@@ -35,6 +35,8 @@ from tailor_tui.formats.ptlegacy import START as LEGACY_START
 from tailor_tui.formats.ptlegacy import LegacyError, read_legacy
 from tailor_tui.formats.zipdir import (
     DESCRIBED,
+    LOCAL,
+    LOCAL_HEADER,
     CheckedArchives,
     KeptRecord,
     RecordError,
@@ -48,11 +50,6 @@ from tailor_tui.formats.zipdir import (
     raw_name,
     read_directory,
 )
-
-ZIP_START = b"PK\x03\x04"
-
-LOCAL_HEADER = 30
-DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
 
 
 class Unsupported(Exception):
@@ -103,7 +100,7 @@ def _first_bytes(path: Path) -> bytes:
 
 def file_format(path: Path) -> str | None:
     """"zip" or "legacy" by how the file starts (torch.save's two formats), else None."""
-    return {ZIP_START: "zip", LEGACY_START: "legacy"}.get(_first_bytes(path))
+    return {LOCAL: "zip", LEGACY_START: "legacy"}.get(_first_bytes(path))
 
 
 def unreadable(path: Path, fmt: str | None, reason: str) -> CheckpointError:
@@ -156,7 +153,7 @@ def check_complete(path: Path) -> None:
         fmt = file_format(path)
     else:
         with os.fdopen(fd, "rb") as f:  # one open: the first bytes and the directory (a wide run: 1,000s of files)
-            fmt = {ZIP_START: "zip", LEGACY_START: "legacy"}.get(os.pread(fd, 4, 0))
+            fmt = {LOCAL: "zip", LEGACY_START: "legacy"}.get(os.pread(fd, 4, 0))
             if fmt != "legacy":
                 try:
                     check_directory_of(f)
@@ -300,7 +297,7 @@ def read_whole(path: Path, limit: int) -> bytes | None:
         return None
     finally:
         os.close(fd)
-    return data if len(data) == size and data.startswith(ZIP_START) else None
+    return data if len(data) == size and data.startswith(LOCAL) else None
 
 
 def structure_in(path: Path, whole: bytes) -> Structure:

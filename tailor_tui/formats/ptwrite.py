@@ -34,6 +34,7 @@ from tailor_tui.fileio import CREATE, OpenFiles, Target, copy_range, open_fd, ou
 from tailor_tui.formats.pickled import StorageRef, TensorRef
 from tailor_tui.formats.ptfile import Record, Unsupported, locate, read_structure
 from tailor_tui.formats.ptpickle import dumps, storage_bytes, tensor
+from tailor_tui.formats.zipdir import CENTRAL, DESCRIPTOR, END, END64, LOCAL, LOCATOR64
 
 ALIGNMENT = 64
 FORMAT_VERSION = b"1"
@@ -151,7 +152,7 @@ class _Layout:
             end = data_at + size
             descriptor = b""
             if size:
-                descriptor = struct.pack("<4sIQQ" if wide else "<4sIII", b"PK\x07\x08", value, size, size)
+                descriptor = struct.pack("<4sIQQ" if wide else "<4sIII", DESCRIPTOR, value, size, size)
                 self._put(descriptor, end)
             central.append((full, size, at, flags))
             self.records.append([name, at, data_at, size, value, [end + 4] if size else [at + 14]])
@@ -254,7 +255,7 @@ def _local_header(name: bytes, size: int, offset: int, flags: int) -> bytes:
     used = offset + _LOCAL.size + len(name) + len(extra) + 4
     padding = -used % ALIGNMENT
     extra += b"FB" + struct.pack("<H", padding) + b"Z" * padding
-    return _LOCAL.pack(b"PK\x03\x04", 0, flags, 0, 0, 0, 0, 0, 0, len(name), len(extra)) + name + extra
+    return _LOCAL.pack(LOCAL, 0, flags, 0, 0, 0, 0, 0, 0, len(name), len(extra)) + name + extra
 
 
 def _central_entry(name: bytes, size: int, offset: int, value: int, flags: int) -> bytes:
@@ -265,15 +266,15 @@ def _central_entry(name: bytes, size: int, offset: int, value: int, flags: int) 
         wide += struct.pack("<Q", offset)
     extra = struct.pack("<HH", 1, len(wide)) + wide if wide else b""
     small = min(size, _ZIP64)
-    return _CENTRAL.pack(b"PK\x01\x02", 0, 0, flags, 0, 0, 0, value, small, small, len(name), len(extra), 0, 0,
+    return _CENTRAL.pack(CENTRAL, 0, 0, flags, 0, 0, 0, value, small, small, len(name), len(extra), 0, 0,
                          0, 0, min(offset, _ZIP64)) + name + extra
 
 
 def _end_records(count: int, size: int, start: int) -> bytes:
     zip64_at = start + size
-    return (struct.pack("<4sQHHIIQQQQ", b"PK\x06\x06", 44, 0x031E, 45, 0, 0, count, count, size, start)
-            + struct.pack("<4sIQI", b"PK\x06\x07", 0, zip64_at, 1)
-            + struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, min(count, _ZIP64_COUNT), min(count, _ZIP64_COUNT),
+    return (struct.pack("<4sQHHIIQQQQ", END64, 44, 0x031E, 45, 0, 0, count, count, size, start)
+            + struct.pack("<4sIQI", LOCATOR64, 0, zip64_at, 1)
+            + struct.pack("<4sHHHHIIH", END, 0, 0, min(count, _ZIP64_COUNT), min(count, _ZIP64_COUNT),
                           min(size, _ZIP64), min(start, _ZIP64), 0))
 
 

@@ -35,7 +35,6 @@ from tailor_tui.errors import RECOPY
 # thousands); its directory is a few MiB at most
 MAX_RECORDS = 1 << 17
 MAX_DIRECTORY = 32 << 20  # bytes
-CENTRAL = b"PK\x01\x02"
 _LOCAL = struct.Struct("<4x2xHH4xIIIHH")  # flags, method, crc, packed, size, name, extra
 # flags, method, crc, packed, size, name, extra, comment, disk, external attributes, offset
 _ENTRY = struct.Struct("<4x2x2xHH4xIIIHHHH2xII")
@@ -43,8 +42,14 @@ DIRECTORY = 0x10  # an MS-DOS attribute: torch's reader takes a record with it f
 _FULL = 0xFFFFFFFF
 _U32 = struct.Struct("<I")
 LOCAL_HEADER = 30
-LOCAL = b"PK\x03\x04"
-DESCRIPTOR = b"PK\x07\x08"
+# the zip vocabulary, named once for the readers (`ptfile`, this module) and the writer (`ptwrite`): each record's
+# signature
+LOCAL = b"PK\x03\x04"  # a local header: a torch file's first bytes
+CENTRAL = b"PK\x01\x02"  # a central directory entry
+DESCRIPTOR = b"PK\x07\x08"  # a data descriptor
+END = b"PK\x05\x06"  # the end of central directory record
+END64 = b"PK\x06\x06"  # zip64's end of central directory record
+LOCATOR64 = b"PK\x06\x07"  # zip64's locator of it
 DESCRIBED, UTF8 = 0x0008, 0x0800  # the only flags torch writes: a data descriptor follows, names are UTF-8
 ENCRYPTED = 0x0001 | 0x0040 | 0x2000  # encrypted, strongly encrypted, local headers masked
 MAX_INFLATION = 64  # a compressed record's size to its stored size beyond which it is called a zip bomb
@@ -82,22 +87,22 @@ def end_record(f) -> tuple[int, int, int]:
     size = f.seek(0, os.SEEK_END)
     f.seek(max(0, size - 256))  # (where its comment is empty, as torch writes it, the end record lies here)
     tail = f.read()
-    at = tail.rfind(b"PK\x05\x06")
+    at = tail.rfind(END)
     if at < 20 < size - len(tail) + at or at < 0:  # not found in the last 256 bytes, or zip64's may lie before
         f.seek(max(0, size - (1 << 16) - 22))
         tail = f.read()
-        at = tail.rfind(b"PK\x05\x06")
+        at = tail.rfind(END)
     if at < 0 or at > len(tail) - 22:
         raise zipfile.BadZipFile("File is not a zip file")
     disk, disk_dir, here, records, directory, start = struct.unpack_from("<HHHHII", tail, at + 4)
     where = size - len(tail) + at  # of the end record
-    if at >= 20 and tail[at - 20: at - 16] == b"PK\x06\x07":  # zip64: its own end record says
+    if at >= 20 and tail[at - 20: at - 16] == LOCATOR64:  # zip64: its own end record says
         disks, where64 = struct.unpack_from("<I", tail, at - 4)[0], struct.unpack_from("<Q", tail, at - 12)[0]
         if where64 > where:
             raise zipfile.BadZipFile("its zip64 end record is missing (damaged)")
         f.seek(where64)
         end64 = f.read(56)
-        if len(end64) < 56 or end64[:4] != b"PK\x06\x06":
+        if len(end64) < 56 or end64[:4] != END64:
             raise zipfile.BadZipFile("its zip64 end record is missing (truncated or damaged)")
         length, disk, disk_dir, here, records, directory, start = struct.unpack_from("<Q4xII4Q", end64, 4)
         if disks != 1 or length < 44 or where64 + 56 > where - 20:

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from tailor_tui import moved
+from tailor_tui.checked.files import identity as file_identity
 from tailor_tui.checkpoints.checkpoint import OUTPUT_FILES as OUTPUT_FILES  # found here too, as before
 from tailor_tui.checkpoints.checkpoint import PROVENANCE as PROVENANCE
 from tailor_tui.checkpoints.scan import is_training_checkpoint
@@ -63,7 +64,7 @@ def identity(path: Path) -> tuple[int, int] | None:
         st = os.stat(path)
     except OSError:
         return None
-    return st.st_dev, st.st_ino
+    return file_identity(st)
 
 
 def _ancestors(path: Path) -> list[Path]:
@@ -199,7 +200,7 @@ def _lock(out: Path, path: Path) -> int | None:
                 return None  # no locks on this file system
             raise output_error(exc, path) from None
         st = os.fstat(fd)
-        if identity(path) == (st.st_dev, st.st_ino):  # still the file at `path`
+        if identity(path) == file_identity(st):  # still the file at `path`
             return fd
         os.close(fd)  # its holder removed it as we opened it: lock the new one
 
@@ -293,7 +294,7 @@ def folder_identity(path: Path) -> tuple[int, int] | None:
         st = os.lstat(path)
     except OSError:
         return None
-    return (st.st_dev, st.st_ino) if own_folder(st) else None
+    return file_identity(st) if own_folder(st) else None
 
 
 def check_made(tmp: Path, made: tuple[int, int] | None) -> None:

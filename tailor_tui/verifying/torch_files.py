@@ -32,9 +32,8 @@ from tailor_tui.checked.files import open_regular
 from tailor_tui.errors import RECOPY, CheckpointError
 from tailor_tui.formats.ds_format import DEEPSPEED_CLASSES, enum_member_value
 from tailor_tui.formats.pickle_bounds import MAX_PICKLE_BYTES, Truncated, check_bounds_bytes
+from tailor_tui.formats.zipdir import LOCAL, LOCAL_HEADER
 
-ZIP_MAGIC = b"PK\x03\x04"  # torch's own test of a zip-format file: its first local header
-LOCAL_HEADER = 30  # bytes of a zip local header before its name and extra field
 SMALL = 16 << 20  # a zip file at most this size is read whole (a model_states file), in one read
 CHUNK = 1 << 20  # bytes checked per read of a larger file
 
@@ -62,7 +61,7 @@ def open_binary(path: Path):
 
 def is_zip(path: Path) -> bool:
     with open_binary(path) as f:
-        return f.read(len(ZIP_MAGIC)) == ZIP_MAGIC
+        return f.read(len(LOCAL)) == LOCAL
 
 
 def _corrupt(path: Path, why: str) -> CheckpointError:
@@ -84,7 +83,7 @@ def _records(path: Path, f, size: int, whole: bytes | None = None) -> list[Recor
         at = info.header_offset
         header = (whole[at: at + LOCAL_HEADER + len(name)] if whole is not None
                   else os.pread(f.fileno(), LOCAL_HEADER + len(name), at))
-        if len(header) < LOCAL_HEADER or not header.startswith(ZIP_MAGIC):
+        if len(header) < LOCAL_HEADER or not header.startswith(LOCAL):
             raise _corrupt(path, f"record {info.filename} has no local header where the directory puts it")
         name_length, extra_length = struct.unpack_from("<HH", header, 26)
         if header[LOCAL_HEADER:] != name or name_length != len(name):
@@ -161,7 +160,7 @@ def small_records(path: Path) -> list[tuple[str, memoryview]] | None:
     None when it is no zip file or larger than SMALL."""
     with open_binary(path) as f:
         whole = f.read(SMALL + 1)
-    if len(whole) > SMALL or not whole.startswith(ZIP_MAGIC):
+    if len(whole) > SMALL or not whole.startswith(LOCAL):
         return None
     view, found = memoryview(whole), []
     for record in _records(path, None, len(whole), whole):
