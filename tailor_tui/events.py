@@ -158,7 +158,7 @@ class ByteCounter:
     task done, in bytes of what it writes. Without `shown` the counted bytes are reported.
     """
 
-    def __init__(self, task: str, total: int, emit: Emit, cancelled: Callable[[], bool],
+    def __init__(self, task: str, total: int, emit: Emit, cancelled: Callable[[], bool], *,
                  options: TaskOptions = TaskOptions(), interval: float = 0.1, shown: int | None = None):
         self.task, self.total, self.done = task, max(total, 1), 0
         self.shown = max(shown, 1) if shown is not None else self.total
@@ -174,7 +174,7 @@ class ByteCounter:
     def for_job(cls, job: Job, emit: Emit, cancelled: Callable[[], bool],
                 options: TaskOptions = TaskOptions()) -> "ByteCounter":
         """The counter of a job: counts its cost, reports its progress_bytes."""
-        return cls(job.task, job.total_bytes, emit, cancelled, options, shown=job.progress_bytes)
+        return cls(job.task, job.total_bytes, emit, cancelled, options=options, shown=job.progress_bytes)
 
     def _reported(self) -> int:
         return self.shown if self.done >= self.total else self.shown * self.done // self.total

@@ -390,7 +390,7 @@ def task_until_cancelled(job, emit, cancelled, options) -> str:
     """Counts until the composition is cancelled."""
     from tailor_tui.events import ByteCounter
 
-    counter = ByteCounter(job.task, 1 << 40, emit, cancelled, options, interval=0.0)
+    counter = ByteCounter(job.task, 1 << 40, emit, cancelled, options=options, interval=0.0)
     while True:
         counter.add(1 << 20)
         time.sleep(0.002)

@@ -107,6 +107,7 @@ class Composed:
 
 def run_compose(
     plan: ComposePlan,
+    *,
     workers: int | None = None,
     emit: Emit = lambda event: None,
     cancel: threading.Event | None = None,

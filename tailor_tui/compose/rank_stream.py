@@ -332,7 +332,7 @@ class _Sweep:
     the base's bytes are kept where they are, shared (`kept` counts them), and only the spans are written; of
     a source's (`_clone`): its spans are kept, the base's bytes and the other spans written."""
 
-    def __init__(self, fin: int, fout: int, spans: list[Replacement], fds: dict[int, int], counter: ByteCounter,
+    def __init__(self, fin: int, fout: int, spans: list[Replacement], fds: dict[int, int], counter: ByteCounter, *,
                  clone_of: int | None = None, zeroed: list[tuple[int, int]] | None = None):
         self.fin, self.fout, self.spans, self.fds, self.counter = fin, fout, spans, fds, counter
         self.clone_of = clone_of

@@ -115,7 +115,8 @@ def flat_stats(job: StatsJob, sums: dict[str, RowSums], stack, counter: ByteCoun
             tb = mine[g, key]
             a = tb.offset + offset[here] * 4
             shifts = {k: prev[k, g] for k in np.unique(c).tolist() if k} if key == MASTERS else {}
-            reader = _Reader(fd, role(key, keys), a, a + valid[here] * 4, r, c, shifts, acc, buffers, counter, ahead)
+            reader = _Reader(fd, role(key, keys), a=a, b=a + valid[here] * 4, rows=r, classes=c, shifts=shifts,
+                             acc=acc, buffers=buffers, counter=counter, ahead=ahead)
             recorder = BlockCrcs(job.crc_block) if blocks is not None and tb.record.crc is not None else None
             if not reader.record(tb.record.data_offset, tb.record.size, tb.record.crc, recorder):
                 acc.crc_bad[r] = True
@@ -187,7 +188,7 @@ class _Reader:
     """Reads one flat tensor's record in chunks; every slice (`a`..`b` bytes, of row `rows`,
     whose previous masters are of class `classes`) gets its part of each chunk."""
 
-    def __init__(self, fd: int | bytes, key: str, a, b, rows, classes, shifts: dict, acc: _Sums, buffers,
+    def __init__(self, fd: int | bytes, key: str, *, a, b, rows, classes, shifts: dict, acc: _Sums, buffers,
                  counter: ByteCounter, ahead: dict[int, Readahead]):
         self.fd, self.key, self.a, self.b, self.rows, self.classes = fd, key, a, b, rows, classes
         self.shifts, self.acc, self.buffers, self.counter, self.ahead = shifts, acc, buffers, counter, ahead

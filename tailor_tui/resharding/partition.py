@@ -233,11 +233,13 @@ def reshard_jobs(base: Checkpoint, sources: tuple[Checkpoint, ...], source_of: d
     for slot in reshard.layout.slots:
         s = source_of[slot.name]
         theirs = slots[s][slot.name]
-        trainable.append((_Parameter(slot.name, slot.numel, sources[s].world_size, reshard.world_size, s,
-                                     owner[slot.name], theirs.group, theirs.offset, slot.offset,
-                                     sources[s].ranks[0].cuts(slot.name)), slot.group))
-    frozen_params = [_Parameter(name, math.prod(shape), sources[source_of[name]].world_size, reshard.world_size,
-                                source_of[name], owner[name], FROZEN, 0, 0) for name, shape in base.layout.frozen]
+        trainable.append((_Parameter(slot.name, numel=slot.numel, from_world=sources[s].world_size,
+                                     to_world=reshard.world_size, source=s, row=owner[slot.name], group=theirs.group,
+                                     offset=theirs.offset, at=slot.offset, cuts=sources[s].ranks[0].cuts(slot.name)),
+                          slot.group))
+    frozen_params = [_Parameter(name, numel=math.prod(shape), from_world=sources[source_of[name]].world_size,
+                                to_world=reshard.world_size, source=source_of[name], row=owner[name], group=FROZEN,
+                                offset=0, at=0) for name, shape in base.layout.frozen]
     jobs: list[ReshardJob] = []
     verified: set[tuple[int, int]] = set()  # (source, rank) of the full files a job checks already
     for rank in range(reshard.world_size):
@@ -273,7 +275,7 @@ class _Parameter:
     padding included, at `at` in the output tensor; its elements lie in the source rank's tensor
     at `offset` of sub-group `group` (FROZEN: its fragment)."""
 
-    def __init__(self, name: str, numel: int, from_world: int, to_world: int, source: int, row: str,
+    def __init__(self, name: str, *, numel: int, from_world: int, to_world: int, source: int, row: str,
                  group: int, offset: int, at: int, cuts: tuple[int, ...] = ()):
         self.name, self.numel, self.from_world, self.to_world = name, numel, from_world, to_world
         self.source, self.row, self.group, self.offset, self.at = source, row, group, offset, at

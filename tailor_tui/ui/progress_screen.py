@@ -52,7 +52,7 @@ class ProgressScreen(Screen[None]):
         Binding("escape", "cancel_or_close", "Cancel / close"),
     ]
 
-    def __init__(self, plan: ComposePlan | DcpComposePlan, workers: int | None,
+    def __init__(self, plan: ComposePlan | DcpComposePlan, workers: int | None, *,
                  clock: Callable[[], float] = time.monotonic,
                  autostart: bool = True, title: str | None = None, options: TaskOptions = TaskOptions(),
                  allow_nonfinite: bool = False, export: Export | DcpHfExport | None = None,

@@ -48,7 +48,7 @@ class _Parameter:
     """One parameter: where it lies in the output (`at`, in the output tensor) and in its source
     (`group`, `offset` on each of the source's ranks)."""
 
-    def __init__(self, name: str, row: str, numel: int, to_world: int, at: int, source: int,
+    def __init__(self, name: str, *, row: str, numel: int, to_world: int, at: int, source: int,
                  from_world: int, group: int, offset: int):
         self.name, self.row, self.numel, self.at = name, row, numel, at
         self.source, self.group, self.offset = source, group, offset
@@ -90,11 +90,12 @@ class OutputPieces:
             s = source_of[slot.name]
             there = theirs[s][slot.name]
             self.trainable[slot.group].append(_Parameter(
-                slot.name, owner[slot.name], slot.numel, reshard.world_size, slot.offset, s,
-                plan.sources[s].world_size, there.group, there.offset))
+                slot.name, row=owner[slot.name], numel=slot.numel, to_world=reshard.world_size, at=slot.offset,
+                source=s, from_world=plan.sources[s].world_size, group=there.group, offset=there.offset))
         self.frozen_params = [
-            _Parameter(name, owner[name], math.prod(shape), reshard.world_size, 0, source_of[name],
-                       plan.sources[source_of[name]].world_size, FROZEN, 0)
+            _Parameter(name, row=owner[name], numel=math.prod(shape), to_world=reshard.world_size, at=0,
+                       source=source_of[name], from_world=plan.sources[source_of[name]].world_size, group=FROZEN,
+                       offset=0)
             for name, shape in plan.base.layout.frozen]
 
     def groups(self, rank: int) -> list[list[Piece]]:
