@@ -1,4 +1,4 @@
-"""The CRC-32 arithmetic the streaming rank writer uses to update zip records (see tailor_tui.crc)."""
+"""The CRC-32 arithmetic the streaming rank writer uses to update zip records (see tailor_tui.checked.crc)."""
 
 import random
 import zlib

@@ -245,15 +245,6 @@ def test_getattr_is_honoured_for_nothing_but_a_member_by_name(module, qualname, 
         safe_enum_member(cls, name)
 
 
-def test_the_bounds_moved_to_pickle_bounds_are_still_found_where_they_were():
-    from tailor_tui.formats import pickle_bounds, pickled
-
-    for name in ("MAX_OBJECT_BYTES", "MAX_MEMO", "MAX_NESTING", "BUILD_COST"):
-        with pytest.warns(DeprecationWarning, match=f"pickle_bounds.{name}"):
-            assert getattr(pickled, name) == getattr(pickle_bounds, name)
-    assert pickled.check_bounds_bytes is pickle_bounds.check_bounds_bytes and pickled.Truncated is pickle_bounds.Truncated
-
-
 def test_a_pickle_claiming_a_huge_string_is_refused_without_allocating_it():
     claim = b"\x80\x02X" + (2**31 - 1).to_bytes(4, "little") + b"abc"  # BINUNICODE of 2 GiB
     with pytest.raises(pickle.UnpicklingError, match="larger than"):

@@ -1,11 +1,10 @@
-"""Every import path users were shown, or could use, keeps working (`tailor_tui.moved`).
+"""The public API is what the README and docs show, and the paths an earlier README showed keep working for one
+minor release (`tailor_tui.moved`, CHANGELOG.md):
 
-- every root module of the package before the subpackages (commit 675123b) is still a path: a
-  current root module, a subpackage, or an old path the import hook serves (`moved.MODULES`);
-- each old path, imported in a fresh interpreter, warns once naming its new module
+- the old paths kept are exactly those an earlier README showed (`SHOWN_BEFORE`), each named in CHANGELOG.md
+  with the release it goes in; imported in a fresh interpreter, each warns once naming its new module
   (`-W error::DeprecationWarning` makes its import fail), and holds its new module's very objects;
-- the old modules now a subpackage's name (selective, health, export, cli, team) give their names from
-  the subpackage: its public API without a warning, the others warning once, naming their module;
+- each subpackage gives its public API (`__all__`) without a warning, found in its modules when first used;
 - `import tailor_tui` and every subpackage's `__init__` import no torch, transformers, DeepSpeed or
   Textual; every subpackage declares `__all__`, and each of its entries is found;
 - every `import tailor_tui…` and `from tailor_tui… import …` line of the README and docs/ runs, and
@@ -30,18 +29,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "tailor_tui"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
-# The package's root modules before the subpackages (`git ls-tree 675123b^ tailor_tui/`), and ptzip (before 948eca2).
-ROOT_BEFORE_SUBPACKAGES = """
-    bin_files cache checkpoint cli cli_export compare composition crc demo_run ds_format dtypes errors events export
-    export_plan export_rank file_plan fileio guard health health_report jobs launch layout merge model_files
-    model_layout nonfinite output partial_rows pickled plan ptedit ptfile ptlegacy ptpickle ptwrite ptzip rank_partial
-    rank_reshard rank_stream rank_task rank_torch recipe report reshard reshard_skeleton rows run_accelerate
-    run_models run_saves safe_load safetensors_in safetensors_out sbatch scan_cache selective selective_hf stats_job
-    stats_rank stats_run team team_progress units verify verify_reshard weight_files workers""".split()
-NOW_A_SUBPACKAGE = ["selective", "health", "export", "cli", "team"]
-NOW_TEST_CODE = {"run_accelerate": "tests/accelerate_run.py"}  # a module only the tests ran: no path kept
-
-
 def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
@@ -49,14 +36,6 @@ def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 def _home(home: str, name: str):
     module, _, new = home.partition(":")
     return getattr(importlib.import_module(module), new or name)
-
-
-def test_every_root_module_before_the_subpackages_is_still_a_path():
-    lost = [m for m in ROOT_BEFORE_SUBPACKAGES if f"tailor_tui.{m}" not in moved.MODULES
-            and not (PACKAGE / f"{m}.py").is_file() and not (PACKAGE / m / "__init__.py").is_file()]
-    assert lost == list(NOW_TEST_CODE), lost
-    assert all((ROOT / path).is_file() for path in NOW_TEST_CODE.values())
-    assert all((PACKAGE / m / "__init__.py").is_file() for m in NOW_A_SUBPACKAGE)
 
 
 def test_no_old_path_has_a_module_of_its_own():
@@ -67,12 +46,18 @@ def test_no_old_path_has_a_module_of_its_own():
         parent, _, leaf = old.rpartition(".")
         folder = PACKAGE.joinpath(*parent.split(".")[1:])
         assert not (folder / f"{leaf}.py").exists() and not (folder / leaf).is_dir(), f"{old} is a module"
-    assert set(moved.RENAMED) <= set(moved.MODULES), set(moved.RENAMED) - set(moved.MODULES)
+
+
+def test_the_old_paths_kept_are_those_an_earlier_readme_showed_until_the_release_the_changelog_names():
+    shown = {new_module for _line, new_module in SHOWN_BEFORE if new_module} | {"tailor_tui.runs.demo_run"}
+    assert set(moved.MODULES.values()) <= shown, set(moved.MODULES.values()) - shown
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    for old in moved.MODULES:
+        assert re.search(rf"`{re.escape(old)}`[^\n]*until 0\.2", changelog), old
 
 
 # In a fresh interpreter: the import warns (an error under -W error), then, warnings printed as
-# `-W default` prints them, the old module's names are the new module's objects, and its renamed names
-# those they were renamed to.
+# `-W default` prints them, the old module's names are the new module's objects.
 _SHIM_CHECK = """
 import importlib, sys, warnings
 from tailor_tui import moved
@@ -89,10 +74,6 @@ warnings.simplefilter("default")
 shim, target = importlib.import_module(old), importlib.import_module(new)
 names = [n for n in vars(target) if not n.startswith("_")]
 wrong = [n for n in names if getattr(shim, n) is not getattr(target, n)]
-for name, home in moved.RENAMED.get(old, {}).items():
-    module, _, now = home.partition(":")
-    if getattr(shim, name) is not getattr(importlib.import_module(module), now or name):
-        wrong.append(name)
 print("wrong:", wrong, len(names))
 """
 
@@ -109,19 +90,17 @@ def test_an_old_module_path_warns_once_and_holds_the_new_modules_objects(old):
     assert len(ours) == 1 and ours[0].endswith(f"DeprecationWarning: {old} is now {new}"), result.stderr[-3000:]
 
 
-# The paths users were shown before the subpackages, and a name of each, as a script would use them.
+# The import lines an earlier README showed (`git log -p README.md docs/`), as a script would use them, and
+# the module each old path is now (None: a path that never moved).
 SHOWN_BEFORE = [
     ("from tailor_tui.selective import save_rows", None),
+    ("from tailor_tui.selective.saver import Parity, SelectiveSaver, save_rows", None),
+    ("from tailor_tui.selective.hf import SelectiveCheckpointCallback", None),
+    ("from tailor_tui.selective.run_saves import resume_point", None),
+    ("from tailor_tui.ui.actions import ACTIONS, GROUPS", None),
     ("from tailor_tui.selective_hf import SelectiveCheckpointCallback", "tailor_tui.selective.hf"),
     ("from tailor_tui.run_saves import resume_point", "tailor_tui.selective.run_saves"),
-    ("import tailor_tui.checkpoint", "tailor_tui.checkpoints.checkpoint"),
-    ("from tailor_tui.merge import run_merge", "tailor_tui.compose.compose_run"),
-    ("from tailor_tui import demo_run", "tailor_tui.runs.demo_run"),
-    ("from tailor_tui.health import rms", "tailor_tui.health.healing.rms"),
-    ("from tailor_tui.planning.recipe import load_recipe", "tailor_tui.planning.recipe_file.load_recipe"),
-    ("import tempfile; from pathlib import Path; from tailor_tui.planning.recipe import Recipe; "
-     "assert Recipe(base=Path('b')).save(Path(tempfile.mkdtemp(), 'r.yaml')).read_text().count('base: ')",
-     "tailor_tui.planning.recipe_file.save_recipe()"),
+    ("from tailor_tui import demo_run", "tailor_tui.runs.demo_run"),  # (`python -m tailor_tui.demo_run`)
 ]
 
 
@@ -140,30 +119,19 @@ def test_an_old_import_line_runs_with_one_warning(line, new):
 
 
 _ = "tailor_tui."
-# The old modules now a subpackage's name: each of their names (those that still exist), where it lives
-# now, and whether it is an old path (a warning) or the subpackage's public API (none).
+# Each subpackage whose public API is found in its modules when first used: each name, where it lives, and
+# whether it warns (none does: its public API).
 PACKAGE_NAMES = {
     "tailor_tui.selective": {
         **{n: (_ + "selective.saver", False) for n in ("partial_name", "row_naming", "model_rows", "save_rows",
                                                        "Parity", "Filter", "SelectiveSaver")},
         **{n: (_ + "selective.hf", False) for n in ("SelectiveCheckpointCallback", "StaleStartError")},
         **{n: (_ + "selective.run_saves", False) for n in ("resume_point", "Save")}},
-    "tailor_tui.health": {
-        **{n: (_ + "health.healing", False) for n in ("Health", "Healing", "heal", "TrainingLog", "training_log",
-                                                      "why_unhealthy")},
-        **{n: (_ + "health.healing", True) for n in ("METRICS", "Cell", "damage", "damage_text", "rms")}},
-    "tailor_tui.export": {
-        **{n: (_ + "export.export_run", False) for n in ("run_export", "ExportResult")},
-        **{n: (_ + "export.export_run", True) for n in ("CONFIG", "COMPANIONS", "TORCH_DTYPE", "config_source")}},
-    "tailor_tui.cli": {
-        "parser": (_ + "cli.main", True), "apply": (_ + "cli.apply_command:apply_command", True),
-        "interactive": (_ + "cli.composer_command", True), "ensure_demo": (_ + "cli.demo_command", True),
-        "make_demo": (_ + "cli.demo_command:make_demo_command", True),
-        "verify": (_ + "cli.verify_command:verify_command", True),
-        "stats": (_ + "cli.health_command:stats_command", True), "heal": (_ + "cli.health_command:heal_command", True)},
-    "tailor_tui.team": {
-        **{n: (_ + "team.members", False) for n in ("Team", "TeamError", "SOLO")}, "connect": (_ + "team.meet", False),
-        **{n: (_ + "team.members", True) for n in ("DEFAULT_TIMEOUT", "CONNECT_TIMEOUT", "BEAT", "POLL", "Failure")}},
+    "tailor_tui.health": {n: (_ + "health.healing", False) for n in ("Health", "Healing", "heal", "TrainingLog",
+                                                                    "training_log", "why_unhealthy")},
+    "tailor_tui.export": {n: (_ + "export.export_run", False) for n in ("run_export", "ExportResult")},
+    "tailor_tui.team": {**{n: (_ + "team.members", False) for n in ("Team", "TeamError", "SOLO")},
+                        "connect": (_ + "team.meet", False)},
 }
 
 _PACKAGE_CHECK = """
@@ -189,7 +157,7 @@ print(json.dumps(found))
 
 
 @pytest.mark.parametrize("package", sorted(PACKAGE_NAMES))
-def test_an_old_modules_names_are_found_in_the_subpackage_of_its_name(package):
+def test_a_subpackages_public_api_is_found_in_its_modules(package):
     names = PACKAGE_NAMES[package]
     result = _run("-c", _PACKAGE_CHECK, package, json.dumps(names))
     assert result.returncode == 0, result.stderr[-3000:]

@@ -22,7 +22,7 @@ from tailor_tui.checkpoints.scan import scan
 from tailor_tui.compose.composition import Composition
 from tailor_tui.errors import ExitCode, RecipeError
 from tailor_tui.planning.mergekit import looks_like, parse, row_sources
-from tailor_tui.planning.recipe import load_recipe
+from tailor_tui.planning.recipe_file import load_recipe
 from tailor_tui.ui.app import make_app
 from tailor_tui.ui.dialogs import Confirm, PathPrompt
 

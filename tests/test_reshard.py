@@ -45,7 +45,7 @@ from tailor_tui.checkpoints.layout import pieces
 from tailor_tui.errors import CheckpointError
 from tailor_tui.formats.ptfile import locate, read_structure
 from tailor_tui.planning.build import build_plan
-from tailor_tui.planning.recipe import load_recipe
+from tailor_tui.planning.recipe_file import load_recipe
 from tailor_tui.resharding import partition as reshard
 from tailor_tui.resharding.partition import consistent_sizes, param_groups_of, plan_reshard
 from tailor_tui.verifying.against_recipe import verify_against_recipe

@@ -11,7 +11,7 @@
 - every kind of job keeps the one job contract, and only team/ makes the team's calls;
 - the composer screen's parts use of it exactly what `ui.host.ComposerHost` declares;
 - ruff (imports sorted, F, B) and mypy find nothing;
-- no two modules share a name, no two classes are a letter apart, and every moved path still works.
+- no two modules share a name, and no two classes are a letter apart.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ import sys
 import tokenize
 import tomllib
 from pathlib import Path
-
-import pytest
 
 import tailor_tui
 
@@ -156,7 +154,7 @@ def test_modules_and_subpackages_stay_small():
             too_long.append(f"{path.relative_to(ROOT)}: {code} lines of code, {n} lines")
     assert not too_long, too_long
     for package in (p for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()):
-        modules = [m for m in package.glob("*.py") if not _shim(m)]  # an old path kept by `moved` is no module
+        modules = list(package.glob("*.py"))
         assert len(modules) <= MAX_MODULES, f"{package.name}: {len(modules)} modules"
     assert {p.stem for p in PACKAGE.glob("*.py")} <= ROOT_MODULES
 
@@ -235,49 +233,6 @@ def test_team_calls_are_made_by_the_team_skeleton_alone():
         assert not calls, f"{path.relative_to(ROOT)} calls team.{calls[0]}(): plug into team/transaction.py instead"
 
 
-# Every import path a name left, and the module it lives in now: the old path keeps working, warning.
-MOVED = [
-    ("tailor_tui.formats.pickled", "MAX_MEMO", "tailor_tui.formats.pickle_bounds"),
-    ("tailor_tui.compose.rank_stream", "dtype_mismatch", "tailor_tui.kinds.base"),
-    ("tailor_tui.compose.rank_stream", "tensor_bytes", "tailor_tui.kinds.zero"),
-    ("tailor_tui.compose.rank_stream", "flat_tensor_bytes", "tailor_tui.kinds.zero"),
-    ("tailor_tui.compose.verify", "verify_against_recipe", "tailor_tui.verifying.against_recipe"),
-    ("tailor_tui.compose.verify", "VerifyReport", "tailor_tui.verifying.against_recipe"),
-    ("tailor_tui.compose.verify_reshard", "verify_resharded", "tailor_tui.verifying.resharded"),
-    ("tailor_tui.compose.verify_reshard", "SameContent", "tailor_tui.verifying.same_content"),
-    ("tailor_tui.compose.compare", "same_bytes", "tailor_tui.verifying.compare"),
-    ("tailor_tui.compose.compare", "differences", "tailor_tui.verifying.compare"),
-    ("tailor_tui.compose.compare", "nonzero_bytes", "tailor_tui.verifying.compare"),
-    ("tailor_tui.formats.pickled", "DType", "tailor_tui.formats.pickled:TorchDtype"),
-    ("tailor_tui.compose.rank_stream", "Span", "tailor_tui.compose.rank_stream:Replacement"),
-    ("tailor_tui.planning.output", "written_files", "tailor_tui.planning.replaceable"),
-]
-
-# Every module that moved whole, and where: its old path is served by `moved`'s import hook (no file
-# kept there), holding its names (tests/test_imports.py checks every old path of `moved.MODULES`).
-MOVED_MODULES = [
-    ("tailor_tui.compose.folder", "tailor_tui.compose.compose_run", "run_compose"),
-    ("tailor_tui.export.folder", "tailor_tui.export.export_run", "run_export"),
-    ("tailor_tui.export.plan", "tailor_tui.export.export_plan", "plan_export"),
-    ("tailor_tui.cli.export", "tailor_tui.cli.export_command", "export_command"),
-    ("tailor_tui.cli.health", "tailor_tui.cli.health_command", "stats_command"),
-    ("tailor_tui.team.team", "tailor_tui.team.members", "Team"),
-    ("tailor_tui.ui.compose_screen", "tailor_tui.ui.progress_screen", "ProgressScreen"),
-]
-
-
-@pytest.mark.parametrize("old, name, new", MOVED)
-def test_a_moved_name_is_still_found_where_it_was(old, name, new):
-    import importlib
-
-    module, _, now = new.partition(":")
-    with pytest.warns(DeprecationWarning, match=f"{old}.{name} is now {module}.{now or name}"):
-        found = getattr(importlib.import_module(old), name)
-    assert found is getattr(importlib.import_module(module), now or name)
-    with pytest.raises(AttributeError):
-        _ = importlib.import_module(old).no_such_name_anywhere
-
-
 def test_the_composer_parts_need_of_their_screen_what_composer_host_declares():
     """The parts mixed into the composer's screen (`ui.navigation`, …) take `self: ComposerHost`
     in every method, use of the screen exactly what `ui.host.ComposerHost` declares (nothing
@@ -315,32 +270,13 @@ def test_the_composer_parts_need_of_their_screen_what_composer_host_declares():
     assert {name for name in declared if not hasattr(ComposerScreen, name) and name not in state} == set()
 
 
-@pytest.mark.parametrize("old, new, name", MOVED_MODULES)
-def test_a_moved_module_is_still_found_where_it_was(old, new, name):
-    """Imported in a fresh interpreter (this one may have imported the old path already): the old
-    path warns once, and holds the new module's names."""
-    code = (f"import warnings\nwarnings.simplefilter('error', DeprecationWarning)\n"
-            f"try:\n    import {old}\nexcept DeprecationWarning as w:\n    print('warned:', w)\n"
-            f"warnings.simplefilter('ignore')\nimport {old} as o, {new} as n\nprint(o.{name} is n.{name})\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert out.stdout.splitlines() == [f"warned: {old} is now {new}", "True"], out.stdout + out.stderr
-    assert not (ROOT / (old.replace(".", "/") + ".py")).exists() and (ROOT / (new.replace(".", "/") + ".py")).exists()
-
-
-def _shim(path: Path) -> bool:
-    """Whether a module only keeps old import paths working (`moved`): nothing defined but `__getattr__`."""
-    tree = ast.parse(path.read_text())
-    defined = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
-    return "moved" in path.read_text() and all(n.name == "__getattr__" for n in defined)
-
-
 def test_each_module_has_a_name_of_its_own():
     """No two modules of the package share a file name, and none is named as a subpackage (a reader
-    of `folder` or `plan` would not know which; an old path kept by `moved` is not a module of its own)."""
+    of `folder` or `plan` would not know which)."""
     packages = {p.parent.name for p in PACKAGE.rglob("__init__.py")} - {PACKAGE.name}
     seen: dict[str, Path] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.stem in ("__init__", "__main__") or _shim(path):
+        if path.stem in ("__init__", "__main__"):
             continue
         assert path.stem not in seen, f"{path.relative_to(ROOT)} and {seen[path.stem].relative_to(ROOT)}"
         assert path.stem not in packages, f"{path.relative_to(ROOT)} is named as the subpackage {path.stem}/"

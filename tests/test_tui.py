@@ -15,7 +15,7 @@ from pilot_helpers import compose_finished, private_copy, scanned, start_composi
 from textual.widgets import Input
 from zero_reader import read_full_state
 
-from tailor_tui.planning.recipe import load_recipe
+from tailor_tui.planning.recipe_file import load_recipe
 from tailor_tui.ui.app import make_app
 from tailor_tui.ui.dialogs import Confirm, ErrorDialog, HelpScreen, PathPrompt
 from tailor_tui.ui.progress_screen import ProgressScreen

@@ -19,7 +19,8 @@ from tailor_tui.compose import model_files
 from tailor_tui.compose.compose_run import run_compose
 from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.plan import ComposePlan
-from tailor_tui.planning.recipe import Recipe, load_recipe
+from tailor_tui.planning.recipe import Recipe
+from tailor_tui.planning.recipe_file import load_recipe
 from tailor_tui.resharding import partition
 from tailor_tui.verifying.against_recipe import verify_against_recipe
 
@@ -160,18 +161,6 @@ def test_a_resharded_piece_read_one_element_off_is_reported(real_run, tmp_path, 
     run_compose(clean, workers=1)
     assert verify_against_recipe(build_plan(load_recipe(recipe_path), output=tmp_path / "clean",
                                             check_output=False)).ok
-
-
-def test_the_old_partial_slices_reads_as_before(real_run):
-    """compose.compare.PartialSlices (now verifying.rows_files.RowsFiles): `get` is `slice`."""
-    run, _spec = real_run("ds_selective_parity")
-    p4 = scan(run / "run").checkpoints[1]
-    from tailor_tui.compose import compare
-
-    with pytest.warns(DeprecationWarning, match="PartialSlices is now tailor_tui.verifying.rows_files.RowsFiles"):
-        slices = compare.PartialSlices()
-    slot = next(s for s in p4.layout.slots if p4.holds(p4.param_to_row()[s.name]))
-    assert slices.get(p4.ranks[0].rows, f"fp32/{slot.name}", slot.valid(0)).numel() == slot.valid(0)
 
 
 def test_a_partials_masters_are_cast_as_they_are_read_not_loaded(selective_hf, tmp_path, monkeypatch):

@@ -1,8 +1,7 @@
 """Composing: the composer's picks (`composition`), the compose step as a whole (`compose_run`), the
 writers of rank files (`rank_task`, `rank_stream`, `rank_partial`, `rank_torch`, `rank_reshard`) and
-of weight files (`model_files`, `bin_files`), and what they report they took (`taken`). The independent check of an output is
-`tailor_tui.verifying`; `verify`, `verify_reshard` and `compare` here are its old paths, kept
-with a DeprecationWarning.
+of weight files (`model_files`, `bin_files`), and what they report they took (`taken`). The
+independent check of an output is `tailor_tui.verifying`.
 """
 
 # its public API is its modules

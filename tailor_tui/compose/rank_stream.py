@@ -14,7 +14,6 @@ import struct
 from collections import Counter, defaultdict
 from typing import NamedTuple
 
-from tailor_tui import moved
 from tailor_tui.checked import crc
 from tailor_tui.checked.evidence import SliceCheck, checked_ranges, read_and_check
 from tailor_tui.checked.ranges import RangeCrcs, Readahead, RegionCrcs, crc_range, pread_into
@@ -28,11 +27,6 @@ from tailor_tui.formats.ptfile import Record, Unsupported, file_format, read_who
 from tailor_tui.kinds.base import STREAM_CHUNK, RankReader, check_dtypes, rank_reader
 from tailor_tui.kinds.zero import SMALL_RANK_FILE
 from tailor_tui.planning.jobs import RankJob
-
-# the reading of rank files moved to the kinds' readers (`kinds`)
-__getattr__ = moved.names(__name__, {"dtype_mismatch": "tailor_tui.kinds.base", **{name: "tailor_tui.kinds.zero" for name in (
-    "tensor_bytes", "flat_tensor_bytes")},  # (read_and_check, check_dtypes: imported)
-    "Span": f"{__name__}:Replacement"})  # (export_plan.Span is another thing)
 
 
 class Replacement(NamedTuple):

@@ -2,8 +2,7 @@
 (`export_plan`), a source rank's share (`rank`), the folder as a whole (`export_run`).
 
 Its public API, importable from here and found in `export_run` when first used: `run_export`,
-`ExportResult`. The old module `tailor_tui.export`'s other names are old paths (a DeprecationWarning
-names their module).
+`ExportResult`.
 """
 
 from tailor_tui import moved
@@ -12,5 +11,4 @@ _RUN = f"{__name__}.export_run"
 _PUBLIC = dict.fromkeys(("run_export", "ExportResult"), _RUN)
 
 __all__ = sorted(_PUBLIC)
-__getattr__ = moved.names(__name__, dict.fromkeys(("CONFIG", "COMPANIONS", "TORCH_DTYPE", "config_source"), _RUN),
-                          public=_PUBLIC)
+__getattr__ = moved.names(__name__, {}, public=_PUBLIC)

@@ -18,16 +18,9 @@ import math
 import pickle
 from dataclasses import dataclass, field
 
-from tailor_tui import moved
-from tailor_tui.formats import pickle_bounds
 from tailor_tui.formats.ds_format import DEEPSPEED_CLASSES, ENUM_MEMBERS, enum_member_value
 from tailor_tui.formats.dtypes import STORAGE_DTYPE, STORAGE_ITEMSIZE
 from tailor_tui.formats.pickle_bounds import MAX_PICKLE_BYTES, Truncated, check_bounds_bytes
-
-# the bounds this module held before they moved to pickle_bounds: still found here, with a DeprecationWarning
-__getattr__ = moved.names(__name__, {**{name: pickle_bounds.__name__
-                                        for name in ("MAX_OBJECT_BYTES", "MAX_MEMO", "MAX_NESTING", "BUILD_COST")},
-                                     "DType": f"{__name__}:TorchDtype"})  # (dtypes.DType is the table's row)
 
 
 def dtype_name(what: str) -> str:

@@ -2,8 +2,7 @@
 healing rule and training logs (`healing`), and the NaN guard of `--apply` (`guard`).
 
 Its public API, importable from here and found in `healing` when first used: `Health`, `Healing`,
-`heal`, `TrainingLog`, `training_log`, `why_unhealthy`. The old module `tailor_tui.health`'s other
-names are old paths (a DeprecationWarning names their module).
+`heal`, `TrainingLog`, `training_log`, `why_unhealthy`.
 """
 
 from tailor_tui import moved
@@ -12,5 +11,4 @@ _HEALING = f"{__name__}.healing"
 _PUBLIC = dict.fromkeys(("Health", "Healing", "heal", "TrainingLog", "training_log", "why_unhealthy"), _HEALING)
 
 __all__ = sorted(_PUBLIC)
-__getattr__ = moved.names(__name__, dict.fromkeys(("METRICS", "Cell", "damage", "damage_text", "rms"), _HEALING),
-                          public=_PUBLIC)
+__getattr__ = moved.names(__name__, {}, public=_PUBLIC)

@@ -33,7 +33,6 @@ import stat
 import time
 from pathlib import Path
 
-from tailor_tui import moved
 from tailor_tui.checked.files import identity as file_identity
 from tailor_tui.checkpoints.checkpoint import OUTPUT_FILES as OUTPUT_FILES  # found here too, as before
 from tailor_tui.checkpoints.checkpoint import PROVENANCE as PROVENANCE
@@ -51,9 +50,6 @@ from tailor_tui.fileio import (
 from tailor_tui.held import HeldFolder, own_folder, swapped
 from tailor_tui.interrupts import signals_held
 from tailor_tui.planning.replaceable import not_replaceable
-
-# what a provenance record lists moved to `replaceable`, beside the rule that reads it
-__getattr__ = moved.names(__name__, {"written_files": "tailor_tui.planning.replaceable"})
 
 # --- before anything is written ------------------------------------------------------------
 

@@ -21,13 +21,9 @@ from pathlib import Path
 
 import yaml
 
-from tailor_tui import moved
 from tailor_tui.checkpoints.side_files import read_small
 from tailor_tui.errors import OutputError, RecipeError, UsageError
 from tailor_tui.units import WHOLE_NUMBER, clipped, whole_number
-
-# reading and saving a recipe file moved to recipe_file (above this module and the formats it reads)
-__getattr__ = moved.names(__name__, {"load_recipe": f"{__package__}.recipe_file"})
 
 # A recipe names one line per row: bounded before PyYAML composes it (a node costs it about
 # 500 bytes and 30 µs): its bytes by the side files' bound (1 MiB, `$TAILOR_TUI_MAX_SIDE_FILE`),
@@ -91,8 +87,6 @@ class Recipe:
         body = self.to_yaml(relative_to=folder)
         return any(text == header + body for header in (HEADER, *OLD_HEADERS))
 
-    # Saving is `recipe_file.save_recipe` (it edits a person's file: above this module)
-    save = moved.method(f"{__package__}.recipe_file:save_recipe", f"{__name__}.Recipe.save")
 
 
 def _at(source: str, node: yaml.Node) -> str:

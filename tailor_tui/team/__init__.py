@@ -13,5 +13,4 @@ _MEMBERS = f"{__name__}.members"
 _PUBLIC = {**dict.fromkeys(("Team", "TeamError", "SOLO"), _MEMBERS), "connect": f"{__name__}.meet"}
 
 __all__ = sorted(_PUBLIC)
-__getattr__ = moved.names(__name__, dict.fromkeys(("DEFAULT_TIMEOUT", "CONNECT_TIMEOUT", "BEAT", "POLL", "Failure"),
-                                                  _MEMBERS), public=_PUBLIC)
+__getattr__ = moved.names(__name__, {}, public=_PUBLIC)
