@@ -174,6 +174,9 @@ def test_a_task_whose_work_hangs_fails_the_job(real_run, tmp_path):
     run, spec = real_run("ds_bf16_3_subgroups")
     c2, _c4, c6 = checkpoints_of(run, spec)
     recipe = write_recipe(tmp_path, c6, {"layers.2": c2})
+    # the statistics --apply reads first (the session's cache, cold where no test before made them): made here,
+    # unslowed, so that what the slowed task hangs in is the composition, as the job sees it
+    assert tailor("--stats", run).returncode == 0
     port = str(free_port())
     tasks = [subprocess.Popen([TAILOR, "--apply", str(recipe), "--peer-timeout", "3"], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,

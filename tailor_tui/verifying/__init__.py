@@ -15,10 +15,10 @@ its recipe (`against_recipe`: `verify_against_recipe`, `VerifyReport`), what the
 says was taken against the output's own CRC-32s (`recorded`: what proves the rows of a source changed since),
 comparing structures (`compare`), a DCP composition (`dcp_output`: archives record for record, a ZeRO-3 row's
 chunks element for element); a model file's tensor cast from a partial save's or a DCP checkpoint's fp32 master is
-claimed on the master's bytes, cast as they are read (`weights`, `dcp_sources`). Only what a partial save keeps in its
-model_states (a frozen parameter's fragments, a buffer: small) is still compared loaded by torch (`torch_files`,
-`rows_files`), one tensor at a time; `same_content` (torch files unpickled once per content) is kept for its
-callers.
+claimed on the master's bytes, cast as they are read, and a frozen parameter or a buffer on what the partial's
+model_states keep of it (`weights`, `dcp_sources`). Only a tensor no claim can place is still loaded by torch
+(`torch_files`, `rows_files`), one at a time; `same_content` (torch files unpickled once per content) is kept for
+its callers.
 """
 
 # its public API is its modules

@@ -6,9 +6,11 @@
   names; from a partial checkpoint or a DCP one (which save no 16-bit weights), its fp32 master (each
   rank's slice in its rows file, against the CRC-32 its save recorded; a DCP checkpoint's chunks),
   cast to the file's dtype as ZeRO-3 makes its 16-bit partition after each step (round to nearest
-  even; `formats.dtypes.cast_difference`). Both are claimed on the output's bytes and compared as they
-  are read (`rank_claims`, `streamed`). A frozen parameter or a buffer of a partial checkpoint, which
-  has no master, comes from its ranks' model_states, loaded by torch (`_compare_cast`).
+  even; `formats.dtypes.cast_difference`); a frozen parameter or a buffer of a partial checkpoint, which
+  has no master, is what its ranks' model_states keep of it (each rank's fragment; rank 0's buffer). All
+  are claimed on the output's bytes and compared as they are read (`rank_claims`, `streamed`); torch
+  loads only a tensor no claim can place (`_compare_cast`: a view torch-free reading cannot locate, a
+  cast other than fp32 to 16 bits, a tensor at an odd byte of its file).
 - A torch-format weight file (`pytorch_model*.bin`) holds the base's names in the base's order,
   each tensor's bytes its source's (claimed: every record of each file checked against its CRC-32).
 """
@@ -22,8 +24,9 @@ from pathlib import Path
 from zlib import crc32
 
 from tailor_tui.dcp.metadata import MetadataIndex
+from tailor_tui.errors import CheckpointError
 from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, MODULE
-from tailor_tui.formats.dtypes import float_name
+from tailor_tui.formats.dtypes import SAFETENSORS_ITEMSIZE, STORAGE_DTYPE, float_name
 from tailor_tui.formats.pickled import TensorRef
 from tailor_tui.formats.safetensors_in import MAX_HEADER, check_header, parse_prefix, safetensors_tensors
 from tailor_tui.planning.jobs import BinFileJob
@@ -221,8 +224,8 @@ def _claim_cast(ranks: RankClaims, job, f: int, name: str, s: int, dtype: str, a
                         located.record.data_offset, cast=cast)
         return True
     slot = next((slot for slot in source.layout.slots if slot.name == param), None)
-    if slot is None:
-        return False
+    if slot is None:  # a frozen parameter or a buffer: what the source's model_states keep of it
+        return _claim_kept(ranks, f, name, s, dtype, a, b, problem, row, param)
     if slot.numel * size != b - a:
         ranks.report.add(row, problem)
         return True
@@ -234,6 +237,49 @@ def _claim_cast(ranks: RankClaims, job, f: int, name: str, s: int, dtype: str, a
         valid = slot.valid(rank)
         ranks.claim(Tag("weight", -1, row, problem, s, found.f), f, a + rank * slot.part * size, valid * size,
                     found.f, found.slice(f"{MASTERS}/{param}", valid), cast=cast)
+    return True
+
+
+def _claim_kept(ranks: RankClaims, f: int, name: str, s: int, dtype: str, a: int, b: int, problem: str,
+                row: str | None, param: str) -> bool:
+    """Tensor `name` of a partial save's model_states (read torch-free: `TorchFile`): a frozen parameter, each
+    rank's fragment of it (ZeRO-3 keeps each rank's part, padded), or a buffer, rank 0's; claimed as it is kept or
+    cast from fp32 to the file's 16 bits. False where it has none of them that can be claimed so (`_compare_cast`
+    loads it)."""
+    source, size = ranks.plan.sources[s], SAFETENSORS_ITEMSIZE[dtype]
+    states = [ranks.torch_file(s, files.model_states) for files in source.ranks]
+    if any(state is None or not isinstance(state.obj, dict) for state in states):
+        return False
+    shapes = dict(source.layout.frozen)
+    if param in shapes:
+        parts = [(state, (state.obj.get(FROZEN_PARAM_FRAGMENTS) or {}).get(param)) for state in states]
+        numel = math.prod(shapes[param])
+    else:
+        parts = [(states[0], (states[0].obj.get(MODULE) or {}).get(param))]
+        numel = (b - a) // size
+    if numel * size != b - a or not all(isinstance(ref, TensorRef) for _state, ref in parts):
+        return False
+    claims, done = [], 0
+    for state, ref in parts:
+        try:
+            at, length, kept, itemsize = state.place(ref)
+        except CheckpointError:  # (a view torch-free reading cannot place: loaded and compared instead)
+            return False
+        kept = STORAGE_DTYPE.get(kept, kept)
+        cast = "" if kept == float_name(dtype) else dtype if kept == "float32" and size == 2 else None
+        count = min(length // itemsize, numel - done)
+        if cast is None:
+            return False
+        claims.append((state.f, at, count, cast))
+        done += count
+    if done != numel:
+        ranks.report.add(row, problem)
+        return True
+    out = a
+    for g, at, count, cast in claims:
+        if count:
+            ranks.claim(Tag("weight", -1, row, problem, s, g), f, out, count * size, g, at, cast=cast)
+            out += count * size
     return True
 
 
