@@ -366,7 +366,8 @@ def test_a_stranger_who_replays_or_deletes_a_beat_stops_the_job(real_run, tmp_pa
             store.set(beat, old["value"])
 
     said = "went back from" if how == "replayed" else "the beat of process 1 is gone"
-    _attacked(real_run, tmp_path, "4444", "30", 0.2, replay, said)
+    # (slowed so that the job is still composing well after the replay's 2.5 s, on a loaded machine too)
+    _attacked(real_run, tmp_path, "4444", "30", 0.5, replay, said)
 
 
 def test_a_squatted_master_port_is_one_line_on_every_process_within_seconds(real_run, tmp_path):
