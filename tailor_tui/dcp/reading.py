@@ -139,7 +139,8 @@ def read_metadata(folder: Path) -> Metadata:
     try:
         return _checked(found)
     except (TypeError, ValueError, KeyError, AttributeError) as exc:
-        raise CheckpointError(f"{path}: its metadata does not describe a checkpoint ({_line(exc)}); {DAMAGED}") from None
+        raise CheckpointError(f"{path}: its metadata does not describe a checkpoint ({_line(exc)}); "
+                              f"{DAMAGED}") from None
 
 
 def _line(exc: BaseException) -> str:

@@ -165,18 +165,19 @@ def _claim_copied(ranks: RankClaims, copied: dict | None, *, base_changed: bool)
         if not (out / to).is_file():
             report.add(None, f"{out / to}: missing (the base has {rel})")
             continue
+        if base_changed and (copied is None or str(to) not in copied):  # (nothing to compare it with: not read)
+            report.unproven.append(f"{out / to}: not compared: the base's {rel} may have changed since the "
+                                   "composition, and the output's provenance record holds no CRC-32 of it")
+            continue
         f = ranks.claims.file(out / to, label=COPIED_LABEL)
         ranks.outputs.add(f)
         size = ranks.claims.size(f)
         ranks.claims.evidence(f, 0, size, None, str(to))
         if base_changed:  # what was copied, as recorded
-            if copied is None or str(to) not in copied:
-                report.unproven.append(f"{out / to}: not compared: the base's {rel} may have changed since the "
-                                       "composition, and the output's provenance record holds no CRC-32 of it")
-            else:
-                ranks.claim(Tag("taken", -1, None, f"{out / to}: differs from what the composition copied from the "
-                                                   f"base's {rel} (its provenance record)", expected=copied[str(to)]),
-                            f, 0, size)
+            assert copied is not None
+            ranks.claim(Tag("taken", -1, None, f"{out / to}: differs from what the composition copied from the "
+                                               f"base's {rel} (its provenance record)", expected=copied[str(to)]),
+                        f, 0, size)
             continue
         g = ranks.claims.file(root / rel)
         if ranks.claims.size(g) != size:

@@ -42,7 +42,8 @@ SMALL_FILE = 4 << 20  # a torch file at most this size is read whole for its str
 @dataclass(slots=True)
 class Tag:
     """What a claim stands for: `kind` (row, frozen, padding, state, buffer, states; weight: a model file's tensor,
-    copied: a run-level file copied from the base, taken: one whose CRC-32 must be `expected`), the rank (-1: none), the row, the problem told where its bytes
+    copied: a run-level file copied from the base, taken: one whose CRC-32 must be `expected`), the rank (-1:
+    none), the row, the problem told where its bytes
     differ, the plan's source and the file it is read from (-1: none)."""
 
     kind: str

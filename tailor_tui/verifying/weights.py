@@ -178,7 +178,8 @@ def _claim_safetensors_file(ranks: RankClaims, job, partial: RowsFiles, changed:
                 _taken(ranks, job, out_file, name, s, taken, f, a, b - a)
             continue
         if plan.sources[s].saved.masters_only:  # a cast of its fp32 master (claimed; by torch: `_compare_cast`)
-            if (a - len(prefix)) % 2 or not _claim_cast(ranks, job, f, name, s, dtype, a, b):
+            if (a - len(prefix)) % 2 or not _claim_cast(ranks, job, f, name, s, dtype, a, b,
+                                                                  sources.slot(s, job.params.get(name, name))):
                 _compare_cast(ranks, job, out_file, name, s, sources)
             continue
         theirs = sources.place(s, name)
@@ -192,11 +193,11 @@ def _claim_safetensors_file(ranks: RankClaims, job, partial: RowsFiles, changed:
                     g, c)
 
 
-def _claim_cast(ranks: RankClaims, job, f: int, name: str, s: int, dtype: str, a: int, b: int) -> bool:
+def _claim_cast(ranks: RankClaims, job, f: int, name: str, s: int, dtype: str, a: int, b: int, slot) -> bool:
     """Claim tensor `name` (bytes [a, b) of output file `f`, of `dtype`) on the fp32 master source `s` holds of it
-    (a partial save's slice in each rank's rows file, a DCP checkpoint's chunks), cast to `dtype` as it is read
-    (`streamed`); False where it has none, nor is the tensor a 16-bit or fp32 one (a frozen parameter, a buffer:
-    `_compare_cast`)."""
+    (a partial save's slice in each rank's rows file: `slot`, its parameter's, None for one it keeps in its
+    model_states, `_claim_kept`; a DCP checkpoint's chunks), cast to `dtype` as it is read (`streamed`); False
+    where none can be claimed so, or the tensor is no 16-bit or fp32 one (`_compare_cast` loads it)."""
     if dtype not in ("BF16", "F16", "F32"):
         return False
     plan, param, size = ranks.plan, job.params.get(name, name), 4 if dtype == "F32" else 2
@@ -223,7 +224,6 @@ def _claim_cast(ranks: RankClaims, job, f: int, name: str, s: int, dtype: str, a
             ranks.claim(Tag("weight", -1, row, problem, s, g), f, a + first * size, count * size, g,
                         located.record.data_offset, cast=cast)
         return True
-    slot = next((slot for slot in source.layout.slots if slot.name == param), None)
     if slot is None:  # a frozen parameter or a buffer: what the source's model_states keep of it
         return _claim_kept(ranks, f, name, s, dtype, a, b, problem, row, param)
     if slot.numel * size != b - a:
@@ -361,6 +361,13 @@ class _Expected:
             self.files[path] = safe_open(str(path), "pt")
         return self.files[path]
 
+    def slot(self, s: int, param: str):
+        """The slot of trainable parameter `param` in source `s`'s layout; None for a frozen parameter or a
+        buffer."""
+        if s not in self.slots:
+            self.slots[s] = {slot.name: slot for slot in self.plan.sources[s].layout.slots}
+        return self.slots[s].get(param)
+
     def _partial(self, s: int, name: str):
         """A partial checkpoint's parameter `name`, flattened: the fp32 master from every rank's
         slice, or a frozen parameter's fragments or a buffer from its ranks' model_states."""
@@ -369,9 +376,7 @@ class _Expected:
         source = self.plan.sources[s]
         if is_dcp_rank(source.ranks[0]):  # a PyTorch Distributed Checkpoint: its `model.<name>`, whole
             return self.dcp.tensor(source.ranks[0], f"model.{name}")
-        if s not in self.slots:
-            self.slots[s] = {slot.name: slot for slot in source.layout.slots}
-        slot = self.slots[s].get(name)
+        slot = self.slot(s, name)
         if slot is not None:
             return self.partial.parameter(source.ranks, "fp32", name, slot.numel, slot.part)
         if s not in self.states:

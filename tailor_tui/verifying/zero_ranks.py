@@ -56,6 +56,10 @@ class ZeroRanks(RankClaims):
         for key in plan.keys:  # (each (row, key)'s slots in the output's order: what the record's CRC-32s cover)
             places: dict[int, tuple | None] = {}  # group -> the output's flat tensor's `place` (None: absent)
             theirs: dict[tuple[int, int], tuple] = {}  # (source, group) -> the source's, the same way
+
+            def padding(slot, key=key) -> str:
+                return f"rank {rank}: padding after {slot.name} ({key}) is not zero bytes"
+
             for segment in segments:
                 group, s = segment.group, segment.source
                 if (placed := places.get(group, ())) == ():
@@ -65,9 +69,6 @@ class ZeroRanks(RankClaims):
                     continue
                 start, _n, dtype, size = placed
                 if segment.row is None:
-                    def padding(slot, key=key) -> str:
-                        return f"rank {rank}: padding after {slot.name} ({key}) is not zero bytes"
-
                     first_slot, first_row = segment.slots[0][:2]
                     self.claim(Tag("padding", rank, first_row, padding(first_slot),
                                    parts=segment.told(start, size, 0, padding)),
@@ -227,6 +228,7 @@ def _segments(rank: int, slots, source_of: dict, param_row: dict, joinable: set)
                 last.slots.append((slot, row, first, count))
                 last.count += count
             else:
-                last = Segment(slot.group, s if kind is not None else -1, kind, first, count, [(slot, row, first, count)])
+                last = Segment(slot.group, s if kind is not None else -1, kind, first, count,
+                               [(slot, row, first, count)])
                 found.append(last)
     return found
