@@ -45,6 +45,10 @@ RUNS = {
     "demo": DEMO,
     # another training of the same model (other initial weights and data order): another run
     "hf_bf16_2_seed1": RunSpec(seed=1),
+    # the same model but for one thing each, which a recipe cannot mix with hf_bf16_2's (one save each)
+    "hf_bf16_2_wider_mlp": RunSpec(intermediate=64, steps=2, save_every=2),  # shapes (48 by default)
+    "hf_bf16_2_frozen": RunSpec(frozen=("model.layers.2.mlp.down_proj.weight",), steps=2, save_every=2),
+    "hf_bf16_2_subgroups": RunSpec(sub_group_size=2000, steps=2, save_every=2),  # the optimizer's sub-groups
     # HF Trainer layout, 3 ranks (sizes that do not divide), fp32, tied embeddings, a frozen param
     "hf_fp32_3_tied": RunSpec(
         world_size=3, dtype="fp32", tied=True, frozen=("model.layers.2.mlp.down_proj.weight",)

@@ -36,7 +36,7 @@ async def scanned(pilot):
 
 async def curve_drawn(pilot):
     """The loss curve shows what was asked for last (it draws in a thread worker)."""
-    from tailor_tui.ui.health_actions import LossCurve
+    from tailor_tui.ui.loss_curve import LossCurve
 
     curve = pilot.app.home.query_one(LossCurve)
     await pilot.pause()

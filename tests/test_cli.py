@@ -44,6 +44,40 @@ def test_apply_composes_and_logs_plain_progress_lines(real_run, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folder left
 
 
+def test_progress_auto_draws_bars_on_a_terminal_and_lines_in_a_log(real_run, tmp_path):
+    """`--progress auto` (the default) picks by whether stderr is a terminal: a pty gets live bars (terminal codes),
+    a pipe plain lines (the test above: no terminal code)."""
+    import pty
+
+    from helpers import TAILOR
+
+    run, spec = real_run("hf_bf16_2")
+    c2, c4, c6 = checkpoints_of(run, spec)
+    recipe = write_recipe(tmp_path, c6, {"layers.1": c4})
+    mine, theirs = pty.openpty()
+    try:
+        proc = subprocess.Popen([TAILOR, "--apply", str(recipe), "--progress", "auto"], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=theirs, env=dict(os.environ, COLUMNS="100"))
+        os.close(theirs)  # (its end: read to the end once the command exits)
+        drawn = b""
+        while chunk := _read_pty(mine):  # read as it is drawn: a full terminal would hold the command
+            drawn += chunk
+        code = proc.wait(timeout=300)
+    finally:
+        os.close(mine)
+    assert code == 0, drawn.decode(errors="replace")
+    assert b"\x1b[" in drawn and b"rank 1" in drawn, drawn  # bars, redrawn in place
+    lines = tailor("--apply", recipe, "--progress", "auto", "--force")
+    assert lines.returncode == 0 and "\x1b[" not in lines.stderr and "rank 1: done, " in lines.stderr, lines.stderr
+
+
+def _read_pty(fd: int) -> bytes:
+    try:
+        return os.read(fd, 1 << 16)
+    except OSError:  # (EIO: the other end closed, all read)
+        return b""
+
+
 def test_output_flag_overrides_the_recipe(real_run, tmp_path):
     run, spec = real_run("ds_bf16_3_subgroups")
     c2, _, c6 = checkpoints_of(run, spec)
@@ -89,6 +123,23 @@ def test_bad_recipes_fail_with_one_line_and_write_nothing(real_run, tmp_path, mu
     mutate(recipe)
     result = tailor("--apply", recipe)
     assert_one_line_error(result, code, *needles)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
+
+
+@pytest.mark.parametrize("other, needle", [
+    ("hf_bf16_2_wider_mlp", "model.layers.0.mlp.gate_proj.weight has shape [64, 32], the base [48, 32]"),
+    ("hf_bf16_2_frozen", "a different set of frozen parameters"),
+    ("hf_bf16_2_subgroups", "9 optimizer sub-groups, the base has 2"),
+])
+def test_a_source_laid_out_unlike_the_base_is_refused_naming_the_row_and_what_differs(real_run, tmp_path, other,
+                                                                                   needle):
+    """Loading is strict (README): a source whose parameter shapes, frozen parameters or optimizer sub-groups are
+    not the base's, in one line naming the row, the checkpoint and what differs, before anything is written."""
+    run, spec = real_run("hf_bf16_2")
+    theirs, their_spec = real_run(other)
+    source = checkpoints_of(theirs, their_spec)[-1]
+    recipe = write_recipe(tmp_path, checkpoints_of(run, spec)[-1], {"layers.1": source})
+    assert_one_line_error(tailor("--apply", recipe), 5, "layers.1", source.name, needle)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
 
 
@@ -279,6 +330,39 @@ def test_make_demo_names_training_checkpoints_only_and_the_composed_demo_resumes
     last = resumed.stdout.splitlines()[-1]  # after the Trainer's own log lines
     assert re.fullmatch(rf"resumed {run / 'checkpoint-6-tailored'} \(step 6\) with the HF Trainer on 2 ranks: "
                         r"the next step trained, loss [\d.]+", last)
+
+
+def test_demo_reuses_the_demo_run_in_this_folder_and_opens_the_composer_on_it(real_run, tmp_path):
+    """`tailor-tui --demo` on a terminal, as the README shows: the demo run in ./demo-run (made once: here a copy of
+    the cached one, its marker included) is reused and opened; the grid names its checkpoints and rows; q quits."""
+    import pty
+    import select
+    import time
+
+    from helpers import TAILOR
+
+    run, _spec = real_run("demo")
+    shutil.copytree(run, tmp_path / "demo-run")
+    mine, theirs = pty.openpty()
+    drawn = b""
+    try:
+        proc = subprocess.Popen([TAILOR, "--demo"], cwd=tmp_path, stdin=theirs, stdout=theirs, stderr=theirs,
+                                env=dict(os.environ, COLUMNS="120", LINES="40", TERM="xterm-256color"))
+        os.close(theirs)
+        deadline = time.monotonic() + 120
+        while b"checkpoint-6" not in drawn or b"layers.2" not in drawn:
+            assert time.monotonic() < deadline and proc.poll() is None, drawn.decode(errors="replace")[-2000:]
+            if select.select([mine], [], [], 0.5)[0]:
+                drawn += _read_pty(mine)
+        os.write(mine, b"q")
+        while proc.poll() is None and time.monotonic() < deadline:
+            if select.select([mine], [], [], 0.2)[0] and not _read_pty(mine):
+                break
+        code = proc.wait(timeout=30)
+    finally:
+        os.close(mine)
+    assert code == 0, drawn.decode(errors="replace")[-2000:]
+    assert b"reusing it" in drawn and sorted(p.name for p in tmp_path.iterdir()) == ["demo-run"]
 
 
 def test_an_output_whose_folder_cannot_exist_is_said_as_such_not_as_a_full_disk(real_run, tmp_path):

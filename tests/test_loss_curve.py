@@ -18,7 +18,7 @@ from tailor_tui.kinds.folders import FOLDER_KINDS
 from tailor_tui.ui.app import make_app
 from tailor_tui.ui.describe import header_suffix
 from tailor_tui.ui.dialogs import HelpScreen
-from tailor_tui.ui.health_actions import LossCurve, figure, y_ticks
+from tailor_tui.ui.loss_curve import LossCurve, figure, y_ticks
 
 WIDE, NARROW = (200, 50), (80, 24)
 

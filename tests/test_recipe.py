@@ -5,10 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import tailor
 
 from tailor_tui.errors import RecipeError
 from tailor_tui.planning.recipe import HEADER, OLD_HEADERS, Recipe, as_tailor_wrote_it, parse_recipe
 from tailor_tui.planning.recipe_file import load_recipe, save_recipe
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse(text: str) -> Recipe:
@@ -188,3 +191,27 @@ def test_over_a_file_that_is_no_recipe_the_recipe_is_written_anew(tmp_path, text
     recipe = Recipe(base=tmp_path / "b")
     save_recipe(recipe, path)
     assert path.read_text() == recipe.fresh_text(tmp_path)
+
+
+@pytest.mark.parametrize("name, folders", [
+    ("parity-recovery.yaml", {"checkpoint-550": "checkpoint-1", "checkpoint-600": "checkpoint-2"}),
+    ("rollback-bad-layers.yaml", {"global_step500": "checkpoint-1/global_step1",
+                                  "global_step600": "checkpoint-2/global_step2"}),
+])
+def test_the_example_recipes_shipped_in_recipes_plan_as_written(real_run, tmp_path, name, folders):
+    """recipes/'s examples, copied unchanged beside a `run/` laid out as they expect (a real 32-layer run's saves
+    under the names they use; demo.yaml is the README's sample, run by test_readme): each plans, row for row."""
+    import shutil
+
+    run, _spec = real_run("hf_32_layers")
+    for mine, theirs in folders.items():
+        shutil.copytree(run / theirs, tmp_path / "run" / mine)
+    (tmp_path / "recipes").mkdir()
+    recipe = tmp_path / "recipes" / name
+    shutil.copyfile(ROOT / "recipes" / name, recipe)
+    result = tailor("--apply", recipe, "--dry-run")
+    assert result.returncode == 0, result.stderr
+    picked = load_recipe(recipe).layers
+    assert picked and f"rows from other checkpoints ({len(picked)} of " in result.stdout, result.stdout
+    assert not (tmp_path / "run-recovered").exists() and sorted(p.name for p in (tmp_path / "run").iterdir()) == \
+        sorted(folders)

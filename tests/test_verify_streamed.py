@@ -89,6 +89,34 @@ def test_a_flipped_byte_whose_crc_was_fixed_fails_its_row_alone(real_run, tmp_pa
     assert f"rank 1: {key} of {slot.name} differs from" in failed[0], failed
 
 
+def test_ranks_verified_in_worker_processes_find_what_one_process_finds(real_run, tmp_path, monkeypatch):
+    """A wide run's ranks are verified in shares by worker processes (`ranks_per_process`: 16 by default, 1 here for a
+    3-rank run): the same findings as one process, a planted defect among them, and every rank's progress here."""
+    from tailor_tui.events import TaskFinished
+    from tailor_tui.team import workers
+    from tailor_tui.verifying.against_recipe import verify_against_recipe
+
+    recipe, out, _ = _composed(real_run, tmp_path)
+    slot, plan = _slot(recipe, "layers.1", 1)
+    optim = next(out.glob("*/*rank_1_*optim_states.pt"))
+    at = _slot_at(optim, slot)
+    with open(optim, "rb") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+    _write_keeping_crc(optim, at, bytes([byte ^ 0x01]))
+    one = verify_against_recipe(plan, workers=2)
+    pools, original = [], workers.run_pool
+    monkeypatch.setattr(workers, "run_pool", lambda calls, n, *rest: pools.append((len(calls), n)) or
+                        original(calls, n, *rest))
+    events: list = []
+    shared = verify_against_recipe(plan, emit=events.append, workers=2, ranks_per_process=1)
+    assert pools == [(3, 2)], pools  # three shares of one rank, two processes
+    assert (dict(shared.problems), shared.other) == (dict(one.problems), one.other), shared
+    assert [row for row, found in shared.problems.items() if found] == ["layers.1"], shared.problems
+    assert f"rank 1: fp32 of {slot.name} differs from" in shared.problems["layers.1"][0], shared.problems
+    assert {"rank 0", "rank 1", "rank 2"} <= {e.task for e in events if isinstance(e, TaskFinished)}, events
+
+
 def test_a_row_from_the_wrong_checkpoint_fails(real_run, tmp_path):
     """layers.1's bytes on rank 0 are the base's (step 6), not step 2's the recipe picks: each byte is a real
     value of the right dtype, every CRC-32 holds; only a comparison with the source it names tells."""
@@ -148,8 +176,9 @@ def test_verify_reads_each_byte_once_without_torch(real_run, tmp_path):
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout.splitlines()[-1])
     assert found["ok"] and not found["torch"], found
-    [(read, stretches)] = found["read"]
-    assert read == stretches, found  # each stretch read whole, once: no byte twice, none skipped
+    assert len(found["read"]) == 2, found  # the run-level files copied, then the ranks: files apart
+    for read, stretches in found["read"]:
+        assert read == stretches, found  # each stretch read whole, once: no byte twice, none skipped
     assert {"rank 0", "rank 1", "rank 2", "sources"} <= set(found["tasks"]), found
 
 

@@ -60,6 +60,8 @@ class Window:
 
 
 READAHEAD = 16 << 20
+SMALLEST_ADVISED = 256 << 10  # a read of less is left to the kernel's own readahead (advice per record would cost
+# a system call each: a wide run's records are a few hundred bytes)
 
 
 class Readahead:
@@ -72,6 +74,8 @@ class Readahead:
 
     def before(self, position: int, end: int) -> None:
         """About to read from `position` of a range that ends at `end`."""
+        if end - position < SMALLEST_ADVISED:
+            return
         if self.ahead < position or self.ahead > end:
             self.ahead = position
         if self.ahead - position <= self.window // 2 and self.ahead < end:

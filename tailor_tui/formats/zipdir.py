@@ -320,11 +320,11 @@ def _zip64(extra: bytes, size: int, packed: int, offset: int) -> tuple[int, int,
 # archive's name and "/"), in its local header and its directory entry, and but for each record's
 # bytes and CRC-32 fields (empty placeholders, CRC 0, are kept whole). Another file that has the same
 # bytes around its own prefix of the same length on every name, and whose records' bytes match the
-# CRC-32 each of their fields holds (`match`: one comparison in C and a CRC per record), is laid out
+# CRC-32 each of their fields holds (`match`: one comparison in C and a CRC per record with bytes), is laid out
 # as the reference: each record where the reference's is, with its flags and size, its names distinct
 # as the reference's when folded as torch's reader folds them (ASCII case, byte by byte, after an
 # equal prefix), and its bytes whole. It passes every check the reference passed; any other file is
-# checked whole, as before.
+# checked whole.
 
 LARGEST = 4 << 20  # bytes: a reference is kept in memory (a real model's files are read as they are)
 KEEP = 8  # references: per file size and prefix length (a 256-rank run's rank numbers have 1 to 3 digits)
@@ -347,6 +347,7 @@ class Reference(NamedTuple):
     holes: list[tuple[int, int]]  # (at, length): a record's bytes or a CRC-32 field, each file's own
     kept: list[KeptRecord]
     complete: bool  # `kept` lists every record (else those with bytes only)
+    with_bytes: list[KeptRecord]  # those of `kept` with bytes: an empty one's CRC-32 fields are in the runs (0)
 
 
 class CheckedArchives:
@@ -372,7 +373,7 @@ class CheckedArchives:
         if b"".join(parts) != whole:
             return None
         view, field = memoryview(whole), _U32.unpack_from
-        for k in ref.kept:
+        for k in ref.with_bytes:
             value = crc.crc32(view[k.data_offset: k.data_offset + k.size])
             for at in k.crc_offsets:
                 if field(whole, at)[0] != value:
@@ -390,9 +391,10 @@ class CheckedArchives:
         names = _name_starts(whole, prefix)
         if names is None:
             return
-        cuts = sorted([(at, len(prefix), NAME) for at in names] + [(k.data_offset, k.size, DATA) for k in kept] +
-                      [(at, 4, CRC) for k in kept for at in (*k.crc_offsets, *(() if k.blank_at is None
-                                                                                else (k.blank_at,)))])
+        with_bytes = [k for k in kept if k.size]  # (an empty record's CRC-32 is 0: held so by the runs)
+        cuts = sorted([(at, len(prefix), NAME) for at in names] + [(k.data_offset, k.size, DATA) for k in with_bytes] +
+                      [(at, 4, CRC) for k in with_bytes for at in (*k.crc_offsets, *(() if k.blank_at is None
+                                                                                      else (k.blank_at,)))])
         cuts = [c for c in cuts if c[1]]
         if any(a + n > b for (a, n, _w), (b, _m, _v) in zip(cuts, cuts[1:])) or (cuts and cuts[-1][0] + cuts[-1][1]
                                                                                    > len(whole)):
@@ -407,7 +409,7 @@ class CheckedArchives:
         runs[-1].append(whole[at:])
         holes = [(begin, n) for begin, n, what in cuts if what != NAME]
         with self._lock:
-            self._refs[len(whole), len(prefix)] = Reference(runs, holes, kept, complete)
+            self._refs[len(whole), len(prefix)] = Reference(runs, holes, kept, complete, with_bytes)
             self._refs.move_to_end((len(whole), len(prefix)))
             while len(self._refs) > self.keep:
                 self._refs.popitem(last=False)

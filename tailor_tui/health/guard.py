@@ -14,7 +14,9 @@ since the statistics were taken is caught there.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 from tailor_tui.checkpoints.cache import cache_dir
 from tailor_tui.checkpoints.checkpoint import Checkpoint, incompatibility
@@ -23,6 +25,7 @@ from tailor_tui.checkpoints.lineage import Lineage
 from tailor_tui.checkpoints.scan import scan
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import Emit
+from tailor_tui.health.healing import Cell, damage, why_unhealthy
 from tailor_tui.kinds.dcp_rows import DcpSave
 from tailor_tui.planning.plan import ComposePlan
 
@@ -117,3 +120,33 @@ def newest_finite(plan: ComposePlan, rows: list[str]) -> dict[str, str]:
         if len(found) == len(rows):
             break
     return found
+
+
+@dataclass(frozen=True)
+class PlannedHealth:
+    """What the composer may compose of a plan, by the statistics it holds of each cell the plan takes a row from:
+    `broken`, a line per row whose file fails its CRC-32 checks or cannot be read (never composed: no "anyway");
+    `nonfinite`, {row: its NaN/Inf} (composed only where the user allows it, as `--allow-nonfinite`)."""
+
+    broken: tuple[str, ...]
+    nonfinite: dict[str, int]
+
+
+def planned_health(plan, cell_of: Callable[[str, Any], Cell | None], nonfinite: dict[str, int], *,
+                   dcp: bool) -> PlannedHealth:
+    """The composer's compose policy for `plan` (a ZeRO-3 plan, or a DCP one: `dcp`): `cell_of(row, checkpoint)`, the
+    statistics known of a row of a checkpoint (None: not yet); `nonfinite`, `planned_nonfinite`'s counts. A DCP
+    plan's NaN/Inf are its cells' (its writers refuse those the cells do not know yet)."""
+    cells = [(row, plan.sources[s].name, cell) for row, s in plan.picks.items()
+             if (cell := cell_of(row, plan.sources[s])) is not None and not cell.healthy]
+    broken = tuple(f"{row} from {name}: {why_unhealthy(cell)}" for row, name, cell in cells if damage(cell) != "NaN")
+    if dcp:
+        nonfinite = {row: cell.nonfinite for row, _name, cell in cells if cell.nonfinite}
+    return PlannedHealth(broken, dict(nonfinite))
+
+
+def nonfinite_lines(plan, counts: dict[str, int]) -> list[str]:
+    """A line per row an output would take NaN/Inf from (`counts`: `planned_nonfinite`'s), in the plan's row order:
+    `layers.2 from checkpoint-6: 5,120 non-finite value(s)`."""
+    return [f"{row} from {plan.sources[s].name}: {counts[row]:,} non-finite value(s)"
+            for row, s in plan.picks.items() if counts.get(row)]

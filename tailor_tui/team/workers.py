@@ -15,10 +15,11 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tailor_tui.errors import Cancelled, OutputError
-from tailor_tui.events import Emit, TaskFinished, TaskOptions
+from tailor_tui.events import Emit, TaskOptions
 from tailor_tui.interrupts import signals_held
 
 if TYPE_CHECKING:  # for annotations only: statistics run calls without loading the planner
@@ -75,9 +76,16 @@ def _run_batch(calls: list, options: TaskOptions) -> list:
     outbox, cancel = _Outbox(_WORKER_QUEUE), _WORKER_CANCEL
     assert cancel is not None, "_worker_init set it"
     try:
-        return [fn(*args, outbox, cancel.is_set, options) for fn, args in calls]
+        results = [fn(*args, outbox, cancel.is_set, options) for fn, args in calls]
     finally:
         outbox.flush()
+    outbox.events.put([BatchDone()])  # its last message: every event of the batch is before it
+    return results
+
+
+@dataclass(frozen=True)
+class BatchDone:
+    """A worker's last message for a batch: the parent has every event of it once this one came."""
 
 
 # A worker's events reach the parent in lists, one message at most every SEND_EVERY seconds: a
@@ -245,13 +253,14 @@ def _run_pool(calls: list[Call], workers: int, emit: Emit, cancel: threading.Eve
     events, stop = ctx.Queue(), StopFlag(ctx)
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
                                initargs=(events, stop, os.getpid()))
-    finished = [0]  # each call ends with one TaskFinished (counted: two tasks may share a name)
+    finished = [0]  # batches whose every event came (each ends with a BatchDone: a call may finish many tasks)
     stuck = False  # workers killed as stuck: not waited for
 
     def emit_and_count(event) -> None:
-        if isinstance(event, TaskFinished):
+        if isinstance(event, BatchDone):
             finished[0] += 1
-        emit(event)
+        else:
+            emit(event)
 
     try:  # from the first spawn on: a Ctrl-C deferred while spawning arrives as the block ends
         with _children_ignore_sigint():
@@ -281,9 +290,9 @@ def _run_pool(calls: list[Call], workers: int, emit: Emit, cancel: threading.Eve
                 stop.set()
                 raise failed
         # A worker's events go through its queue's feeder thread and may arrive after its
-        # result: wait for every task's last event, so no rank's bar stops short of done.
+        # result: wait for every batch's last event, so no rank's bar stops short of done.
         deadline = time.monotonic() + 10
-        while finished[0] < len(calls) and time.monotonic() < deadline:
+        while finished[0] < len(futures) and time.monotonic() < deadline:
             _drain(events, emit_and_count, timeout=0.05)
         return [result for f in futures for result in f.result()]
     finally:

@@ -30,19 +30,20 @@ from tailor_tui.checkpoints.scan import ScanResult, scan_run
 from tailor_tui.compose.composition import Composition
 from tailor_tui.errors import OutputError, TailorError
 from tailor_tui.export.export_run import ExportResult
-from tailor_tui.health.guard import planned_nonfinite
-from tailor_tui.health.healing import Health, TrainingCurve, damage, training_curve, training_log, why_unhealthy
+from tailor_tui.health.guard import nonfinite_lines, planned_health, planned_nonfinite
+from tailor_tui.health.healing import Health, TrainingCurve, training_curve, training_log
 from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.dcp_plan import DcpComposePlan, plan_dcp
 from tailor_tui.planning.output import not_replaceable
 from tailor_tui.team.sbatch import offer_batch
 from tailor_tui.ui.actions import DETAILS, HOME, bindings
-from tailor_tui.ui.describe import details_lines, fit_title, nonfinite_lines
+from tailor_tui.ui.describe import details_lines, fit_title
 from tailor_tui.ui.dialogs import Answer, Confirm, ErrorDialog, PathPrompt, PlanDialog
 from tailor_tui.ui.export_actions import ExportActions
 from tailor_tui.ui.grid import CheckpointGrid
-from tailor_tui.ui.health_actions import HealthActions, LossCurve
-from tailor_tui.ui.host import ComposerOptions  # its home is host.py, named here where it always was
+from tailor_tui.ui.health_actions import HealthActions
+from tailor_tui.ui.host import ComposerOptions
+from tailor_tui.ui.loss_curve import LossCurve
 from tailor_tui.ui.messages import PlanFailed, PlanReady, ScanComplete, ScanFailed, ScanProgressed
 from tailor_tui.ui.navigation import Navigation
 from tailor_tui.ui.plain import plain, plain_lines
@@ -414,14 +415,8 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
         body = "\n".join(map(shown, plan.describe(show=self.rel, every_file=False)))  # a line per line
         # Rows the statistics already know to be non-finite or damaged in their source: the
         # --apply would refuse them, so the user decides here ("Compose anyway" allows them).
-        cells = [(row, plan.sources[s].name, cell) for row, s in plan.picks.items()
-                 if (cell := self.cell_of(row, plan.sources[s])) is not None and not cell.healthy]
-        # a record failing its CRC-32 or a file that cannot be read never composes: no "anyway" for those
-        broken = [f"{row} from {name}: {why_unhealthy(cell)}" for row, name, cell in cells if damage(cell) != "NaN"]
-        counts = message.nonfinite
-        if isinstance(plan, DcpComposePlan):  # (its writers refuse NaN/Inf the cells do not know yet)
-            counts = {row: cell.nonfinite for row, _name, cell in cells if cell.nonfinite}
-        bad = nonfinite_lines(plan, counts)  # (NaN/Inf: the plan's check, `health.guard`)
+        verdict = planned_health(plan, self.cell_of, message.nonfinite, dcp=isinstance(plan, DcpComposePlan))
+        broken, bad = verdict.broken, nonfinite_lines(plan, verdict.nonfinite)
         if broken:
             self.app.push_screen(ErrorDialog("\n".join([
                 "These rows cannot be composed from the checkpoints picked for them (their files are damaged):",

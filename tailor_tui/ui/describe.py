@@ -239,13 +239,6 @@ def details_lines(comp: Composition, health: Health | None, row_name: str, colum
     return lines
 
 
-def nonfinite_lines(plan, counts: dict[str, int]) -> list[str]:
-    """A line per row an output would take NaN/Inf from (`counts`: `health.guard.planned_nonfinite`'s), in the
-    plan's row order: `layers.2 from checkpoint-6: 5,120 non-finite value(s)`."""
-    return [f"{row} from {plan.sources[s].name}: {counts[row]:,} non-finite value(s)"
-            for row, s in plan.picks.items() if counts.get(row)]
-
-
 def fit_title(parts: list[tuple[str, str]], room: int) -> str:
     """`label + path` parts joined by ` · `, their paths shortened from the left until the line fits
     `room`: first down to `…/` and their own names (the longest first), then further if need be."""

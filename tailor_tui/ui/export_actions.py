@@ -23,10 +23,9 @@ from tailor_tui.export.dcp_to_hf import DcpHfExport, plan_dcp_hf
 from tailor_tui.export.export_plan import plan_export
 from tailor_tui.export.export_run import config_file, config_source
 from tailor_tui.formats.safetensors_out import parse_size
-from tailor_tui.health.guard import planned_nonfinite
+from tailor_tui.health.guard import nonfinite_lines, planned_nonfinite
 from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.dcp_plan import plan_dcp
-from tailor_tui.ui.describe import nonfinite_lines
 from tailor_tui.ui.dialogs import Answer, ErrorDialog, PathPrompt, PlanDialog
 from tailor_tui.ui.messages import ExportReady
 from tailor_tui.ui.progress_screen import ProgressScreen

@@ -14,11 +14,15 @@ against the CRC-32 its save recorded. Sources are only read, never modified.
 What the output must hold, byte range by byte range, is worked out from the plan's picks and each
 checkpoint's layout (`zero_ranks`, `resharded`, `weights`), none of the writers' lookups used, so a
 bug there is caught here, not repeated; every file is read once, streamed (`rank_claims`,
-`streamed`), the ranks' claims some at a time (`MAX_CLAIMS`).
+`streamed`), the ranks' claims some at a time (`MAX_CLAIMS`), shares of a wide run's ranks in worker processes
+(`verify_ranks`: a rank's claims are its own).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,15 +36,17 @@ from tailor_tui.checkpoints.checkpoint import (
     TAKEN,
     TAKEN_WEIGHTS,
     WEIGHT_HEADERS,
+    Checkpoint,
     open_checkpoint,
     read_latest,
 )
 from tailor_tui.checkpoints.side_files import MAX_RECORD, read_small
 from tailor_tui.errors import CheckpointError
-from tailor_tui.events import Emit
+from tailor_tui.events import Emit, TaskOptions
 from tailor_tui.formats.ptfile import check_crcs
 from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.planning.provenance import changed_since, read_record
+from tailor_tui.team.workers import STREAMING_WORKER, run_calls, workers_for
 from tailor_tui.verifying.rank_claims import RankClaims, Tag
 from tailor_tui.verifying.recorded import (
     Archives,
@@ -58,6 +64,10 @@ COPIED_LABEL = "run-level files"  # the progress of reading the files copied fro
 # claims held at once (a wide run's ranks are tens of thousands each): past it, those made are run, then the next
 # ranks' made (a source file several output ranks take from may then be read once per batch)
 MAX_CLAIMS = 20_000
+# ranks a worker process takes at the least: fewer, and they are verified in this process. A rank of a wide run costs
+# ~12 ms of reading its files' structures (per record, not per byte); a process, its start and a first full read of
+# each file layout it meets
+RANKS_PER_PROCESS = 16
 
 
 @dataclass
@@ -86,9 +96,114 @@ class VerifyReport:
         if line not in self.changed:
             self.changed.append(line)
 
+    def merge(self, other: VerifyReport) -> None:
+        """`other`'s findings (some ranks', found in a worker process) after this one's."""
+        for row, problems in other.problems.items():
+            self.problems[row].extend(problems)
+        self.other.extend(other.other)
+        for line in other.changed:
+            self.changed_in_place(line)
+        self.unproven += [line for line in other.unproven if line not in self.unproven]
+        self.by_record |= other.by_record
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankShare:
+    """Some of the output's ranks to verify, in a worker process (`team.workers`) or this one: what their claims
+    need, picklable. `changed`: the plan's sources found changed since the composition (not read: the record
+    proves their rows); `taken`, `listings`: what the provenance record holds (`recorded`)."""
+
+    plan: ComposePlan
+    composed: Checkpoint
+    ranks: tuple[int, ...]
+    changed: frozenset[int]
+    taken: dict | None
+    listings: dict[str, int] | None
+    threads: int  # reading threads
+
+    @property
+    def total_bytes(self) -> int:  # (its share of the work: what `team.workers` batches by)
+        return sum(self.composed.rank_bytes(rank) for rank in self.ranks)
+
+
+@dataclass(frozen=True)
+class RanksVerified:
+    report: VerifyReport
+    failed: tuple[str, ...]  # the output's files whose records are not those the composition wrote (`Archives`)
+
+
+def verify_ranks(job: RankShare, emit: Emit, cancelled: Callable[[], bool], _options: TaskOptions) -> RanksVerified:
+    """The claims on the ranks of `job`, made and run some ranks at a time (`MAX_CLAIMS`), and what they found
+    (a `team.workers` call)."""
+    plan, report = job.plan, VerifyReport()
+    gone = set(job.changed)  # (grows as sources' files fail the checks the composition passed)
+    archives = Archives(job.listings, plan.output, plan.base.tag)
+    kind = _kind(plan)
+    with _collected_per_batch() as batch_done:
+        ranks = kind(plan, report, changed=gone, taken=job.taken, archives=archives)
+        for i, rank in enumerate(job.ranks):
+            ranks.add(rank, job.composed)
+            if len(ranks.tags) > MAX_CLAIMS and i + 1 < len(job.ranks):  # memory: the claims of some ranks at a time
+                ranks.check(emit, cancelled, job.threads)
+                batch_done(ranks)
+                ranks = kind(plan, report, changed=gone, taken=job.taken, archives=archives)
+        ranks.check(emit, cancelled, job.threads)
+        batch_done(ranks)
+    return RanksVerified(report, tuple(archives.failed))
+
+
+@contextlib.contextmanager
+def _collected_per_batch():
+    """Python's cycle collector held back while claims are made, and run once a batch is checked (the function
+    yielded: it drops the batch): a wide run's claims are hundreds of thousands of small objects, which it walked
+    again and again as they were made (a third of the time)."""
+    enabled = gc.isenabled()
+    gc.disable()
+
+    def done(batch: RankClaims) -> None:
+        batch.drop()  # (its tags' problems refer back to it: freed now, not walked by the collector)
+        gc.collect(0)  # (held back, every object made since is in the youngest generation)
+
+    try:
+        yield done
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _kind(plan: ComposePlan) -> type[RankClaims]:
+    return ReshardedRanks if plan.reshard is not None else ZeroRanks
+
+
+def _rank_jobs(plan: ComposePlan, composed: Checkpoint, *, changed: frozenset[int], taken: dict | None,
+               listings: dict[str, int] | None, workers: int, ranks_per_process: int) -> tuple[list[RankShare], int]:
+    """The output's ranks in consecutive shares, and how many processes take them: this one where the ranks are
+    too few to be worth a process each (`ranks_per_process`), else two shares per worker process (a share that
+    takes longer evens out)."""
+    processes = 1 if workers <= 1 else min(workers, workers_for(plan.world_size // max(1, ranks_per_process),
+                                                                STREAMING_WORKER))
+    shares = 1 if processes <= 1 else min(plan.world_size, 2 * processes)
+    cut = [plan.world_size * i // shares for i in range(shares + 1)]
+    return [RankShare(plan=plan, composed=composed, ranks=tuple(range(a, b)), changed=changed, taken=taken,
+                     listings=listings, threads=max(1, workers // processes)) for a, b in zip(cut, cut[1:])], processes
+
+
+class _Cancel(threading.Event):
+    """A caller's cancel test as the flag `team.workers` takes (which a Ctrl-C during the pool sets too)."""
+
+    def __init__(self, asked: Callable[[], bool]):
+        super().__init__()
+        self._asked = asked
+
+    def is_set(self) -> bool:
+        return super().is_set() or self._asked()
+
 
 def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
-                          cancelled: Callable[[], bool] = lambda: False, *, workers: int = 2) -> VerifyReport:
+                          cancelled: Callable[[], bool] = lambda: False, *, workers: int = 2,
+                          ranks_per_process: int = RANKS_PER_PROCESS) -> VerifyReport:
+    """The output of `plan` checked against its recipe and sources (`workers`: threads reading, and processes
+    taking the ranks where each would have at least `ranks_per_process`)."""
     report = VerifyReport()
     out = plan.output
     if not (out / plan.base.tag).is_dir():
@@ -117,23 +232,26 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
         return report
     composed.check_complete()  # a rank file that is no whole archive (or no regular file): exit 4, before torch
     gone = set(changed)  # and those found changed on the way: files that fail the checks the composition passed
-    archives = Archives(recorded_crcs(record, ARCHIVES), out, plan.base.tag)  # (asked only once one changed)
-    kind = ReshardedRanks if plan.reshard is not None else ZeroRanks
-    ranks = kind(plan, report, changed=gone, taken=taken, archives=archives)  # every byte claimed, then read once
+    listings = recorded_crcs(record, ARCHIVES)
+    archives = Archives(listings, out, plan.base.tag)  # (asked only once one changed)
+    ranks = _kind(plan)(plan, report, changed=gone, taken=taken, archives=archives)  # every byte claimed, then read once
     partial = RowsFiles()
     weights, headers = recorded_weights(record, TAKEN_WEIGHTS), recorded_crcs(record, WEIGHT_HEADERS)
     for job in plan.model_file_jobs():
         claim_weight_file(ranks, job, partial, changed=frozenset(gone), record=WeightRecord(
             None if weights is None else weights.get(job.name), None if headers is None else headers.get(job.name),
             archives))
-    for rank in range(plan.world_size):
-        ranks.add(rank, composed)
-        if len(ranks.tags) > MAX_CLAIMS and rank + 1 < plan.world_size:  # memory: the claims of some ranks at a time
-            ranks.check(emit, cancelled, workers)
-            ranks = kind(plan, report, changed=gone, taken=taken, archives=archives)
     _claim_copied(ranks, recorded_crcs(record, COPIED), base_changed=0 in gone)
-    ranks.check(emit, cancelled, workers)
-    for line in archives.failed:
+    if ranks.tags:
+        ranks.check(emit, cancelled, workers)
+    failed = list(archives.failed)
+    jobs, processes = _rank_jobs(plan, composed, changed=frozenset(gone), taken=taken, listings=listings,
+                                 workers=workers, ranks_per_process=ranks_per_process)
+    for found in run_calls([(verify_ranks, (job,)) for job in jobs], processes, emit, _Cancel(cancelled),
+                           TaskOptions()):
+        report.merge(found.report)
+        failed += [line for line in found.failed if line not in failed]
+    for line in failed:
         report.add(None, line)
     own = plan.own_files()
     if MODEL_FILE_INDEX in own:

@@ -155,6 +155,14 @@ class RankClaims:
         self._param_row = plan.base.param_to_row()
         self._source_of = plan.source_of_param()
 
+    def add(self, rank: int, composed) -> None:
+        """Claim every byte of the output's rank `rank` (`composed`: the output, opened)."""
+        raise NotImplementedError
+
+    def drop(self) -> None:
+        """Let go of the claims, their tags and the files' structures, once checked (they refer to each other)."""
+        self.tags, self.claims, self.files, self._compared = [], streamed.Comparison(), {}, {}
+
     def claim(self, tag: Tag, out: int, at: int, n: int, source: int = streamed.NOTHING, source_at: int = 0, *,
               cast: str = "") -> None:
         self.flush()
@@ -262,7 +270,8 @@ class RankClaims:
                 counters[label].add(n)
 
         def on_sources(total: int) -> None:  # what is left of the sources' records once the outputs are read
-            counters["sources"] = ByteCounter("sources", total, emit, cancelled)
+            if total:
+                counters["sources"] = ByteCounter("sources", total, emit, cancelled)
 
         outcome = streamed.run(claims, workers=workers, on_bytes=on_bytes, on_sources=on_sources,
                               cancelled=cancelled)

@@ -33,6 +33,11 @@ from tailor_tui.verifying.recorded import FROZEN
 class ZeroRanks(RankClaims):
     """Every output rank of a plan at the base's world size."""
 
+    def __init__(self, plan, report, *, changed: set[int], taken, archives) -> None:
+        super().__init__(plan, report, changed=changed, taken=taken, archives=archives)
+        self._ordered: list | None = None  # the layout's slots by sub-group and offset
+        self._by_valid: dict[tuple, list[Segment]] = {}  # `_segments`' answers
+
     def add(self, rank: int, composed) -> None:
         plan, claims = self.plan, self.claims
         layout, label = plan.base.layout, f"rank {rank}"
@@ -52,7 +57,7 @@ class ZeroRanks(RankClaims):
             if found is not None:
                 wanted[s] = (found, found.optimizer(sizes) if isinstance(found, TorchFile) else None)
         joinable = {s for s in files if not isinstance((wanted.get(s) or (None,))[0], SlicesFile)}
-        segments = _segments(rank, layout.slots, self._source_of, self._param_row, joinable)
+        segments = self._segments(rank, layout.slots, joinable)
         for key in plan.keys:  # (each (row, key)'s slots in the output's order: what the record's CRC-32s cover)
             places: dict[int, tuple | None] = {}  # group -> the output's flat tensor's `place` (None: absent)
             theirs: dict[tuple[int, int], tuple] = {}  # (source, group) -> the source's, the same way
@@ -81,6 +86,17 @@ class ZeroRanks(RankClaims):
                 self._segment(rank, out, start, dtype, size, segment, key, source, theirs.get((s, group)))
         self._structure(rank, out, files, wanted)
         self._model_states(rank, composed, label)
+
+    def _segments(self, rank: int, slots, joinable: set) -> list[Segment]:
+        """`_segments` of `rank`, worked out once per count of valid elements in each slot and sources joinable
+        (a wide run's ranks but the last few hold whole slots: their segments are alike)."""
+        if self._ordered is None:
+            self._ordered = sorted(slots, key=lambda slot: (slot.group, slot.offset))
+        key = (tuple(slot.valid(rank) for slot in self._ordered), frozenset(joinable))
+        found = self._by_valid.get(key)
+        if found is None:
+            found = self._by_valid[key] = _segments(key[0], self._ordered, self._source_of, self._param_row, joinable)
+        return found
 
     def _segment(self, rank: int, out: TorchFile, start: int, dtype: str, size: int, segment: Segment, key: str,
                  source, their_place) -> None:
@@ -212,14 +228,16 @@ class Segment:
         return parts
 
 
-def _segments(rank: int, slots, source_of: dict, param_row: dict, joinable: set) -> list[Segment]:
-    """Rank `rank`'s flat buffers as segments, in the output's order: each slot's valid elements joined to the
-    segment before where they go on from it in the same row and source (read from a torch file: `joinable`),
-    each slot's padding to the padding before it, wherever it is contiguous."""
+def _segments(valid_counts: tuple[int, ...], ordered, source_of: dict, param_row: dict,
+              joinable: set) -> list[Segment]:
+    """A rank's flat buffers as segments, in the output's order (`ordered`: the slots by sub-group and offset, each
+    with its `valid_counts` elements of real data): each slot's valid elements joined to the segment before where
+    they go on from it in the same row and source (read from a torch file: `joinable`), each slot's padding to the
+    padding before it, wherever it is contiguous."""
     found: list[Segment] = []
     last = Segment(-1, -1, None, -1, 0, [])
-    for slot in sorted(slots, key=lambda slot: (slot.group, slot.offset)):
-        valid, s, row = slot.valid(rank), source_of[slot.name], param_row[slot.name]
+    for slot, valid in zip(ordered, valid_counts):
+        s, row = source_of[slot.name], param_row[slot.name]
         for first, count, kind in ((slot.offset, valid, row), (slot.offset + valid, slot.part - valid, None)):
             if not count:
                 continue
