@@ -91,7 +91,6 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
         self.metric = "rel_change"
         self.stats_cancel = threading.Event()
         self.redraw_due = False  # a redraw for arriving cells is scheduled
-        self.selection_anchor: int | None = None  # the row a block selection (v) started at
         self.details_text = self.title_text = ""  # what the details panel and the title show
         self.details_row: str | None = None  # the row the details describe (another: shown from the top)
         self.curve: TrainingCurve | None = None  # the run's training curve, read by the scan's worker
@@ -268,8 +267,11 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
 
     def on_checkpoint_grid_cursor_moved(self, message: CheckpointGrid.CursorMoved) -> None:
         if message.grid.is_attached:  # may arrive while the app shuts down
-            self.follow_selection()
             self.update_details()
+
+    def on_checkpoint_grid_selection_changed(self, message: CheckpointGrid.SelectionChanged) -> None:
+        if message.grid.is_attached:
+            self.refresh_view()
 
     def on_checkpoint_grid_chosen(self, message: CheckpointGrid.Chosen) -> None:
         self.action_pick()  # Enter and mouse clicks pick, like space
@@ -328,7 +330,7 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
         row, column = grid.current()
         rows = grid.block_rows()  # the selected rows, or a folded stack's
         if rows and column is not None:  # a block of rows, one undo step
-            grid.selection = self.selection_anchor = None
+            grid.clear_selection()
             changed: list[str] = []
             self.edit(lambda: changed.extend(comp.pick_rows(rows, column)))
             self.notify(f"{len(changed)} of {len(rows)} row(s) from {comp.checkpoints[column].name}", timeout=3)

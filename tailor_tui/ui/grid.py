@@ -68,6 +68,13 @@ class CheckpointGrid(ScrollView, can_focus=True):
             super().__init__()
             self.grid, self.coordinate = grid, coordinate
 
+    class SelectionChanged(Message):
+        """The block of rows selected (`selection`) changed: started, extended, dropped."""
+
+        def __init__(self, grid: "CheckpointGrid") -> None:
+            super().__init__()
+            self.grid = grid
+
     class Chosen(Message):
         """Enter or a click on a cell: pick it."""
 
@@ -81,6 +88,7 @@ class CheckpointGrid(ScrollView, can_focus=True):
         self.health: Health | None = None
         self.metric = "rel_change"
         self.selection: tuple[int, int] | None = None  # rows (first, last) of a range being selected
+        self._anchor: int | None = None  # the row the selection started at (v): the cursor's moves extend it from there
         self._shape: tuple | None = None
         self._drawn: dict[str, tuple] = {}  # row -> what its cells were drawn from
         self._index: dict[str, int] = {}
@@ -115,7 +123,35 @@ class CheckpointGrid(ScrollView, can_focus=True):
         if target != self._cursor:
             before, self._cursor = self._cursor, target
             self._refresh_rows([before.row, target.row], header=before.column != target.column)
+            if self.selection is not None and self._anchor is not None:  # a selection follows the cursor
+                self._select((min(self._anchor, target.row), max(self._anchor, target.row)))
             self.post_message(self.CursorMoved(self, target))
+
+    # --- a block of rows (v, shift+arrows): one pick for them all ------------------------
+
+    def toggle_selection(self) -> None:
+        """Start a block selection at the cursor's row, or drop the one there is."""
+        if self.selection is not None:
+            self.clear_selection()
+            return
+        self._anchor = self._cursor.row
+        self._select((self._anchor, self._anchor))
+
+    def extend_selection(self, step: int) -> None:
+        """Move the cursor `step` rows, the selection with it (started here where there is none)."""
+        if self.selection is None:
+            self.toggle_selection()
+        self.move_cursor(row=max(0, min(self.row_count - 1, self._cursor.row + step)))
+
+    def clear_selection(self) -> None:
+        if self.selection is not None:
+            self._anchor = None
+            self._select(None)
+
+    def _select(self, selection: tuple[int, int] | None) -> None:
+        if selection != self.selection:
+            self.selection = selection
+            self.post_message(self.SelectionChanged(self))
 
     def current(self) -> tuple[str | None, int | None]:
         """(row name, checkpoint column) under the cursor; column None on the names column."""

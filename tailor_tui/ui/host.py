@@ -75,7 +75,6 @@ class ComposerHost(Protocol):
     metric: str
     stats_cancel: threading.Event
     redraw_due: bool
-    selection_anchor: int | None
 
     # --- the screen's own ---------------------------------------------------------------------
 
@@ -101,10 +100,6 @@ class ComposerHost(Protocol):
     def compose_closed(self, _result: object = None) -> None: ...
 
     # --- the parts' own, that their methods call through the screen -----------------------
-
-    def action_select_rows(self) -> None: ...
-
-    def action_clear_selection(self) -> None: ...
 
     def action_save_recipe(self, then: Saved | None = None) -> None: ...
 

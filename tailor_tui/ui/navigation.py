@@ -12,46 +12,19 @@ if TYPE_CHECKING:
 
 
 class Navigation:
-    """g / G, / (jump to a row), v and shift+arrows (select rows), f (fold a stack)."""
-
-    # The screen's (`ComposerHost`), declared here too: a type checker takes an assignment to
-    # `self.selection_anchor` in this class's methods as declaring it on this class.
-    selection_anchor: int | None
+    """g / G, / (jump to a row), v and shift+arrows (select rows: the grid's own selection), f (fold a stack)."""
 
     def action_select_rows(self: ComposerHost) -> None:
         """Start (or drop) a block selection at the cursor's row; moving up or down extends it."""
-        if not self.editable():
-            return
-        grid = self.query_one(CheckpointGrid)
-        if grid.selection is not None:
-            self.action_clear_selection()
-            return
-        self.selection_anchor = grid.cursor_coordinate.row
-        grid.selection = (self.selection_anchor, self.selection_anchor)
-        self.refresh_view()
+        if self.editable():
+            self.query_one(CheckpointGrid).toggle_selection()
 
     def action_extend_selection(self: ComposerHost, step: int) -> None:
-        if not self.editable():
-            return
-        grid = self.query_one(CheckpointGrid)
-        if grid.selection is None:
-            self.action_select_rows()
-        grid.move_cursor(row=max(0, min(grid.row_count - 1, grid.cursor_coordinate.row + step)))
+        if self.editable():
+            self.query_one(CheckpointGrid).extend_selection(step)
 
     def action_clear_selection(self: ComposerHost) -> None:
-        grid = self.query_one(CheckpointGrid)
-        if grid.selection is not None:
-            grid.selection = self.selection_anchor = None
-            self.refresh_view()
-
-    def follow_selection(self: ComposerHost) -> None:
-        grid = self.query_one(CheckpointGrid)
-        if grid.selection is not None and self.selection_anchor is not None:
-            cursor = grid.cursor_coordinate.row
-            selection = (min(self.selection_anchor, cursor), max(self.selection_anchor, cursor))
-            if selection != grid.selection:
-                grid.selection = selection
-                self.refresh_view()
+        self.query_one(CheckpointGrid).clear_selection()
 
     def action_fold(self: ComposerHost) -> None:
         """Fold the stack under the cursor (a multimodal model's vision encoder, language model…)
