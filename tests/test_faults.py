@@ -17,9 +17,9 @@ from faults import inject
 from helpers import hidden, tailor, write_recipe
 
 from tailor_tui import fileio
+from tailor_tui.checkpoints.checkpoint import PROVENANCE
 from tailor_tui.errors import Cancelled
 from tailor_tui.events import ByteCounter
-from tailor_tui.planning import output
 
 
 def test_a_slowed_step_sleeps_then_sees_a_cancel_at_once(slow_tasks):
@@ -107,11 +107,11 @@ def test_a_forced_apply_without_the_exchange_replaces_its_output_by_two_renames(
     recipe = write_recipe(work, c6, {"layers.1": c4})
     assert tailor("--apply", recipe).returncode == 0
     out = work / "composed"
-    old = (out / output.PROVENANCE).read_text()
+    old = (out / PROVENANCE).read_text()
     log = tmp_path / "faults.log"
     replaced = tailor("--apply", recipe, "--force", "-j", "2", env=inject.environment(no_exchange=not exchange, log=log))
     assert replaced.returncode == 0, replaced.stderr
-    assert (out / output.PROVENANCE).read_text() != old and tailor("--verify", recipe).returncode == 0
+    assert (out / PROVENANCE).read_text() != old and tailor("--verify", recipe).returncode == 0
     assert hidden(work) == []
     refused = inject.refused_exchanges(log)
     if exchange:

@@ -22,6 +22,7 @@ from faults import inject
 from helpers import assert_one_line_error, finish, hidden, start_apply, tailor, wait_for_line, write_recipe
 
 from tailor_tui import fileio
+from tailor_tui.checkpoints.checkpoint import OUTPUT_FILES, PROVENANCE
 from tailor_tui.compose import compose_run
 from tailor_tui.errors import Cancelled, CheckpointError, OutputError
 from tailor_tui.planning import output
@@ -67,7 +68,7 @@ def test_force_replaces_an_earlier_output_but_not_one_training_resumed_into(real
     recipe = write_recipe(tmp_path, c6, {"layers.1": c2})
     assert tailor("--apply", recipe).returncode == 0
     out = tmp_path / "composed"
-    written = json.loads((out / output.PROVENANCE).read_text())[output.OUTPUT_FILES]
+    written = json.loads((out / PROVENANCE).read_text())[OUTPUT_FILES]
     assert "global_step6/zero_pp_rank_2_mp_rank_00_model_states.pt" in written
     again = tailor("--apply", recipe, "--force")
     assert again.returncode == 0, again.stderr
@@ -93,16 +94,16 @@ def test_force_never_replaces_an_older_output_that_training_resumed_into(real_ru
     recipe = write_recipe(tmp_path, c6, {"layers.1": c2})
     assert tailor("--apply", recipe).returncode == 0
     out = tmp_path / "composed"
-    record = json.loads((out / output.PROVENANCE).read_text())
-    listed = record.pop(output.OUTPUT_FILES)
-    (out / output.PROVENANCE).write_text(json.dumps(record))
+    record = json.loads((out / PROVENANCE).read_text())
+    listed = record.pop(OUTPUT_FILES)
+    (out / PROVENANCE).write_text(json.dumps(record))
     resumed = out / ("checkpoint-8" if spec.layout == "hf" else "global_step8")
     subprocess.run(["cp", "-a", str(c6), str(resumed)], check=True)  # training resumed into the output
     before = tree_digest(out)
     assert_one_line_error(tailor("--apply", recipe, "--force"), 6, "without the list of files tailor-tui wrote",
                           resumed.name)
     assert tree_digest(out) == before
-    (out / output.PROVENANCE).write_text(json.dumps(record | {output.OUTPUT_FILES: listed}))
+    (out / PROVENANCE).write_text(json.dumps(record | {OUTPUT_FILES: listed}))
     assert_one_line_error(tailor("--apply", recipe, "--force"), 6, f"now also holds {resumed.name}/",
                           f"training checkpoint(s) {resumed.name}")
     assert resumed.is_dir()
@@ -238,7 +239,7 @@ def _plan(ckpts, tmp_path, force=False):
 def test_a_cancel_during_the_swap_completes_it_and_says_so(hf_run, tmp_path, monkeypatch, terminal_sigint):
     _, ckpts = hf_run
     compose_run.run_compose(_plan(ckpts, tmp_path), workers=1)
-    old = (tmp_path / "composed" / output.PROVENANCE).read_text()
+    old = (tmp_path / "composed" / PROVENANCE).read_text()
     from tailor_tui.team import transaction  # where a finished folder is put in place
 
     real = transaction.publish
@@ -251,7 +252,7 @@ def test_a_cancel_during_the_swap_completes_it_and_says_so(hf_run, tmp_path, mon
     monkeypatch.setattr(transaction, "publish", interrupted)
     with pytest.raises(Cancelled, match="is complete and holds the new composition"):
         compose_run.run_compose(_plan(ckpts, tmp_path, force=True), workers=1)
-    assert (tmp_path / "composed" / output.PROVENANCE).read_text() != old  # the new one, whole
+    assert (tmp_path / "composed" / PROVENANCE).read_text() != old  # the new one, whole
     assert tailor("--verify", write_recipe(tmp_path, ckpts[2], {"layers.1": ckpts[1]})).returncode == 0
     assert hidden(tmp_path) == []
 
@@ -265,7 +266,7 @@ def test_cancelling_a_forced_composition_leaves_the_old_or_the_new_output_whole(
     recipe = write_recipe(tmp_path, c6, {"layers.1": c4})
     assert tailor("--apply", recipe, "-j", "1").returncode == 0
     out = tmp_path / "composed"
-    old = (out / output.PROVENANCE).read_text()
+    old = (out / PROVENANCE).read_text()
     log = tmp_path.parent / f"{tmp_path.name}-faults.log"  # (beside: the output's folder is to hold no stray file)
     env = inject.environment(no_exchange=not exchange, log=log)
     outcomes = []
@@ -277,7 +278,7 @@ def test_cancelling_a_forced_composition_leaves_the_old_or_the_new_output_whole(
         err = finish(proc, seen)
         assert "Traceback" not in err
         assert out.is_dir() and tailor("--verify", recipe).returncode == 0, (delay, err)
-        now = (out / output.PROVENANCE).read_text()
+        now = (out / PROVENANCE).read_text()
         if proc.returncode == 0:
             assert now != old
         else:

@@ -6,7 +6,7 @@ metadata: under "crc32", a JSON object {tensor name: CRC-32 of its first `valid`
 (the rank's real data; the padding after it is not covered, nor ever read). Readers check
 each slice they take against it, so a flipped bit in a partial save is refused instead of
 being carried into a composed file under a fresh CRC. Saves made before the CRCs were
-recorded have none: their slices are taken unchecked, as before.
+recorded have none: their slices are taken unchecked.
 """
 
 from __future__ import annotations

@@ -34,8 +34,6 @@ import time
 from pathlib import Path
 
 from tailor_tui.checked.files import identity as file_identity
-from tailor_tui.checkpoints.checkpoint import OUTPUT_FILES as OUTPUT_FILES  # found here too, as before
-from tailor_tui.checkpoints.checkpoint import PROVENANCE as PROVENANCE
 from tailor_tui.checkpoints.scan import is_training_checkpoint
 from tailor_tui.errors import OutputError, RecipeError
 from tailor_tui.fileio import (

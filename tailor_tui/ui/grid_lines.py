@@ -4,7 +4,7 @@ Pure bookkeeping (no Textual): which row or stack header each line of the grid s
 shows a row (a folded stack's rows: its header), and where a move of the cursor by lines lands. The
 cursor is always on a row; on a folded stack it stands on the stack's header, which stands for
 every row of the stack. A model of one stack (every decoder-only model) has no headers: line i is
-row i, as before.
+row i.
 """
 
 from __future__ import annotations
