@@ -304,7 +304,7 @@ def pwrite_all(fd: int, data, offset: int) -> None:
         done += os.pwrite(fd, view[done:], offset + done)
 
 
-def copy_range(fin: int, fout: int, offset: int, count: int,
+def copy_range(fin: int, fout: int, offset: int, count: int, *,
                on_bytes: Callable[[int], None] = lambda n: None, out_offset: int | None = None,
                writeback: Writeback | None = None) -> None:
     """Copy [offset, offset+count) of `fin` to `out_offset` (default: the same offset) of `fout`,

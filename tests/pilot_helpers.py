@@ -27,7 +27,7 @@ async def scanned(pilot):
     await pilot.app.workers.wait_for_complete()
     await pilot.pause()
     for _ in range(1200):
-        if pilot.app.home.health_status is None:
+        if pilot.app.home.health_pane.status is None:
             break
         await pilot.pause(0.05)
     await pilot.pause()

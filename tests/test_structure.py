@@ -251,7 +251,7 @@ def test_the_composer_parts_need_of_their_screen_what_composer_host_declares():
 
     declared = members(classes(host)["ComposerHost"])
     parts = [cls for cls in ComposerScreen.__mro__[1:] if cls.__module__.startswith("tailor_tui.ui.")]
-    assert {cls.__name__ for cls in parts} >= {"Navigation", "RecipeActions", "HealthActions", "ExportActions"}
+    assert {cls.__name__ for cls in parts} >= {"Navigation", "RecipeActions", "ExportActions"}
     used = set()
     for part in parts:
         node = classes(sys.modules[part.__module__])[part.__name__]

@@ -84,7 +84,7 @@ async def test_the_composer_opens_a_run_whose_log_holds_them_and_says_so(run):
                                       "absent (the first: 'loss' of the log entry at step 2, 401 digits) (and 2 more "
                                       "such logs)")
         await scanned(pilot)
-        assert [log.loss for log in app.home.health.logs.values()] == [before[s]["loss"] for s in (1, 3, 6)]
+        assert [log.loss for log in app.home.health_pane.health.logs.values()] == [before[s]["loss"] for s in (1, 3, 6)]
 
 
 def test_the_curve_leaves_out_what_is_past_64_bits(tmp_path):

@@ -375,7 +375,7 @@ async def test_health_marks_the_blown_cell_and_heal_takes_the_previous_checkpoin
         await pilot.press("u")  # one undo step takes the whole heal back
         assert app.home.composition.to_recipe().layers == {}
         await pilot.press("m")
-        assert app.home.metric == "weight_rms"
+        assert app.home.health_pane.metric == "weight_rms"
 
 
 async def test_composing_an_unhealthy_row_goes_back_unless_asked_to_compose_anyway(blown_copy):
@@ -439,7 +439,7 @@ async def test_a_row_failing_its_crc_is_never_offered_to_compose_anyway(blown_co
     app = make_app(run, workers=1)
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
-        comp, health = app.home.composition, app.home.health
+        comp, health = app.home.composition, app.home.health_pane.health
         rows = [r.name for r in comp.rows]
         crc = next(row for row in rows if damage(health.cell(row, 1)) == "CRC")
         app.query_one("#grid").move_cursor(row=rows.index(crc), column=2)
@@ -512,7 +512,7 @@ async def test_skipped_checkpoints_stay_listed_and_an_empty_folder_says_what_was
     empty.mkdir()
     app = make_app(empty)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.home.health_status is None)  # the scan found nothing
+        await wait_for(pilot, lambda: app.home.health_pane.status is None)  # the scan found nothing
         label = str(app.query_one("#scan-label").render())
         assert "looked for HF checkpoint-N folders" in label
         assert not app.query_one("#scan-bar").display

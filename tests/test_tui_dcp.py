@@ -79,7 +79,8 @@ async def test_a_trainer_fsdp_run_opens_with_its_loss_and_exports_for_evaluation
         comp = app.home.composition
         assert [c.name for c in comp.checkpoints] == ["checkpoint-2", "checkpoint-4"]
         assert "NaN" in cell_text(app, "layers.1", 1)
-        assert app.home.curve is not None and len(app.home.curve.steps) == 4  # the Trainer's logged losses
+        curve = app.home.health_pane.curve
+        assert curve is not None and len(curve.steps) == 4  # the Trainer's logged losses
         assert "HF Trainer FSDP (DCP)" in str(app.query_one("#details").render())
         await pilot.press("h")
         await wait_for(pilot, lambda: isinstance(app.screen, Confirm))

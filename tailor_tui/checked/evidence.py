@@ -63,7 +63,7 @@ def record_failed(path: Path, record: Checkable, computed: int) -> CheckpointErr
         "run or pick another checkpoint")
 
 
-def checked_crcs(fd: int, path: Path, record: Checkable, ranges: list[tuple[int, int]], buffer: memoryview,
+def checked_crcs(fd: int, path: Path, record: Checkable, ranges: list[tuple[int, int]], buffer: memoryview, *,
                  on_bytes: Callable[[int], None] = lambda n: None, inspect: Inspect | None = None) -> list[int]:
     """The CRC-32 of each byte range (offset, length) of `record`, reading every byte of the
     record once and checking the CRC-32 the archive stores for it: a record whose bytes do
@@ -97,7 +97,7 @@ def checked_ranges(path: Path, record: Checkable, crcs: RangeCrcs) -> list[int]:
     return crcs.found
 
 
-def read_and_check(fd: int, path: Path, records, ranges: set, buffer: memoryview,
+def read_and_check(fd: int, path: Path, records, ranges: set, buffer: memoryview, *,
                    counter: ByteCounter, census: Counts | None = None,
                    also: Inspect | None = None) -> dict[tuple[int, int], int]:
     """Read every byte of `records` of the file `fd` once, checking each record's stored
@@ -113,7 +113,7 @@ def read_and_check(fd: int, path: Path, records, ranges: set, buffer: memoryview
         by_record.setdefault(id(r), []).append((at, n))
     for record in sorted(records, key=lambda r: r.data_offset):
         mine = sorted(by_record.get(id(record), ()))
-        found.update(zip(mine, checked_crcs(fd, path, record, mine, buffer, counter.add, inspect)))
+        found.update(zip(mine, checked_crcs(fd, path, record, mine, buffer, on_bytes=counter.add, inspect=inspect)))
     return found
 
 
@@ -171,7 +171,7 @@ class SliceCheck:
 
 
 def crc_range_checked(fd: int, offset: int, length: int, checks: list[tuple[int, SliceCheck]], buffer: memoryview,
-                      on_bytes: Callable[[int], None] = lambda n: None, inspect: Inspect | None = None) -> int:
+                      *, on_bytes: Callable[[int], None] = lambda n: None, inspect: Inspect | None = None) -> int:
     """`ranges.crc_range` of a range of `fd` that holds slices copied from rows files: each
     slice's CRC-32 is also checked (`checks`: where in `fd` each slice lies, inside the range, not
     overlapping), with every byte still read once."""
@@ -197,7 +197,7 @@ def blocks_usable(record: Checkable, blocks: RecordBlocks | None, ranges: list[t
         (at - record.data_offset) % 4 == 0 for at, _n in ranges)
 
 
-def read_blocks(fd: int, path: Path, record: Checkable, blocks: RecordBlocks, ranges: list[tuple[int, int]],
+def read_blocks(fd: int, path: Path, record: Checkable, blocks: RecordBlocks, ranges: list[tuple[int, int]], *,
                 buffer: memoryview, counter: ByteCounter, census: Counts) -> dict[tuple[int, int], int]:
     """The CRC-32s of `ranges` (sorted, inside `record`), from the blocks that cover them: each read
     once, checked against its recorded CRC-32 (CheckpointError naming the file, the record and the

@@ -119,7 +119,7 @@ def _patch_clone(job: BinFileJob, out: Target, records: dict[str, Record], repla
         gone = {id(record) for record, _what in replaced}
         for record in sorted(records.values(), key=lambda r: r.data_offset):
             if id(record) not in gone:  # kept, its blocks shared: read once all the same, and checked
-                checked_crcs(fin, job.base_file, record, [], buffer, lambda _n: counter.look())
+                checked_crcs(fin, job.base_file, record, [], buffer, on_bytes=lambda _n: counter.look())
         for record, what in replaced:
             src = sources.fd(what.path)
             value = (checked_crcs(src, what.path, what.record, [(what.offset, what.size)], buffer) or [0])[0]

@@ -105,7 +105,8 @@ def copy_file_job(job: DcpFileJob, out_dir: Folder, emit: Emit, cancelled: Calla
                                      f"in {path}: the output would hold them; pick a checkpoint where "
                                      f"{'that row' if row else 'it'} is finite, or pass --allow-nonfinite")
             if cloned is None:
-                copy_range(src, out, copy.at, copy.length, counter.add, out_offset=copy.to, writeback=writeback)
+                copy_range(src, out, copy.at, copy.length, on_bytes=counter.add, out_offset=copy.to,
+                           writeback=writeback)
             else:
                 counter.add(copy.length)
         if cloned is not None:

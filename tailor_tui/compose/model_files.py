@@ -113,7 +113,7 @@ def _keep(fin: int | None, fout: int, at: int, n: int, counter: ByteCounter, wri
     if fin is None or n <= 0:
         return
     if how is None:
-        copy_range(fin, fout, at, n, counter.add, writeback=writeback)
+        copy_range(fin, fout, at, n, on_bytes=counter.add, writeback=writeback)
     else:
         counter.add(n)
 
@@ -152,7 +152,7 @@ class _Fills:
             if piece.stored == dtype and piece.check is None:  # as stored: copied in the kernel, its CRC-32 read
                 fd = self.fd(piece.path)
                 value = crc_range(fd, piece.at, n, self.buffer)  # what is taken (safetensors stores no CRC)
-                copy_range(fd, self.fout, piece.at, n, self.on_bytes, at, self.writeback)
+                copy_range(fd, self.fout, piece.at, n, on_bytes=self.on_bytes, out_offset=at, writeback=self.writeback)
             else:
                 value = self._cast(piece, dtype, at)
             written = crc.combine(written, value, n)

@@ -83,7 +83,7 @@ def build_optim_states_from_skeleton(job: RankJob, out: Target, counter: ByteCou
                 check_dtypes({k: FP32 for k in theirs}, theirs, reader.path)
                 taken = {(theirs[c.group, key].record, theirs[c.group, key].offset + c.offset * 4, c.length * 4)
                          for c in job.copies if c.source == s for key in job.keys}
-                read_and_check(fds[s], reader.path, {r for r, _, _ in taken}, taken, buffer, counter)
+                read_and_check(fds[s], reader.path, {r for r, _, _ in taken}, taken, buffer, counter=counter)
             writeback = Writeback(fout, counter.options.durable)
             for c in job.copies:
                 for key in job.keys:
@@ -92,7 +92,8 @@ def build_optim_states_from_skeleton(job: RankJob, out: Target, counter: ByteCou
                                                     valid=c.length)
                     if place.slice is not None:  # checked as the output is read back
                         checks[layout[c.group, key].record].append((into, place.slice))
-                    copy_range(fds[c.source], fout, place.at, c.length * 4, counter.add, into, writeback)
+                    copy_range(fds[c.source], fout, place.at, c.length * 4, on_bytes=counter.add, out_offset=into,
+                               writeback=writeback)
             for g, offset, length in job.padding:
                 for key in job.keys:
                     pwrite_all(fout, bytes(length * 4), layout[g, key].offset + offset * 4)

@@ -176,7 +176,7 @@ def _check(fills: list, sources: _Sources, counter: ByteCounter, buffer: memoryv
         else:
             checked = {(r, at, n) for r, at, n in ranges[path] if r is not None}
             records = {r for r, _at, _n in checked} | verifies[path]
-            found = read_and_check(fd, path, records, checked, buffer, counter, census)
+            found = read_and_check(fd, path, records, checked, buffer, counter=counter, census=census)
             crcs.update({(path, at, n): value for (at, n), value in found.items()})
             for piece_slice, inside in slices[path].items():  # a partial checkpoint's slices
                 found = piece_slice.read_checked(fd, sorted(inside), buffer, counter.add, census.inspect)
@@ -271,7 +271,8 @@ def _copy_pieces(fout: int, target, placed: list, crcs: dict, sources: _Sources,
             value = crc.combine(value, crc.zeros(n), n)
             counter.add(n)
         else:
-            copy_range(sources.fd(place.path), fout, place.at, n, counter.add, at, writeback)
+            copy_range(sources.fd(place.path), fout, place.at, n, on_bytes=counter.add, out_offset=at,
+                       writeback=writeback)
             value = crc.combine(value, crcs[place.path, place.at, n], n)
     return value
 

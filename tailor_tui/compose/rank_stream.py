@@ -137,7 +137,7 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
                                          buffer=sweep.buffer, counter=counter, census=census[s])
                 else:
                     checked = read_and_check(fds[s], job.files[s].optim_states, {sp.source_record for sp in ahead},
-                                             taken, sweep.buffer, counter, census[s])
+                                             taken, sweep.buffer, counter=counter, census=census[s])
                 new.update({(s, at): value for (at, _n), value in checked.items()})
             old: dict[tuple[int, int], int] = {}  # (offset, length) -> the CRC-32 of the base's bytes a span replaces
             parts: Parts = {}
@@ -388,7 +388,8 @@ class _Sweep:
                     new[sp.source, sp.source_at] = value
                 stop = min(end, sp.at + sp.length)
                 fd, source_at = self.fds[sp.source], sp.source_at + at - sp.at
-            copy_range(fd, self.fout, source_at, stop - at, self.counter.add, at, self.writeback)
+            copy_range(fd, self.fout, source_at, stop - at, on_bytes=self.counter.add, out_offset=at,
+                       writeback=self.writeback)
             self.written = stop
 
     def _keep(self, stop: int) -> None:

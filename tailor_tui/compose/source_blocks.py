@@ -48,8 +48,8 @@ def read_taken(fd: int, path: Path, taken: set[tuple[Record | None, int, int]], 
         ranges[record].append((at, n))
     by_blocks = {r for r, mine in ranges.items() if blocks_usable(r, blocks.get(r.name), mine)}
     found = read_and_check(fd, path, ranges.keys() - by_blocks, {t for t in taken if t[0] not in by_blocks},
-                           buffer, counter, census)
+                           buffer, counter=counter, census=census)
     for record in sorted(by_blocks, key=lambda r: r.data_offset):
-        found.update(read_blocks(fd, path, record, blocks[record.name], sorted(ranges[record]), buffer, counter,
-                                 census))
+        found.update(read_blocks(fd, path, record, blocks[record.name], sorted(ranges[record]), buffer=buffer,
+                                 counter=counter, census=census))
     return found

@@ -115,7 +115,7 @@ def export_dcp_rank(job: DcpJob, out_dir: Folder, emit: Emit, cancelled: Callabl
                 tb = located[g, key]
                 _fits(reader.path, tb.record.name, tb.numel, pieces)
                 inspect, ranges, taken = out.stream(reader.path, pieces, tb.offset, "float32", "float32")
-                taken(checked_crcs(fd, reader.path, tb.record, ranges, buffer, counter.add, inspect))
+                taken(checked_crcs(fd, reader.path, tb.record, ranges, buffer, on_bytes=counter.add, inspect=inspect))
         if job.saved:
             fd = open_fd(stack, reader.path)
             for param, key, count, pieces in job.saved:
@@ -133,7 +133,8 @@ def export_dcp_rank(job: DcpJob, out_dir: Folder, emit: Emit, cancelled: Callabl
                 _fits(job.files.model_states, tb.record.name, tb.numel, pieces)
                 inspect, ranges, taken = out.stream(job.files.model_states, pieces, tb.offset, dtype_name(tb.dtype),
                                                     "float32")
-                taken(checked_crcs(fd, job.files.model_states, tb.record, ranges, buffer, counter.add, inspect))
+                taken(checked_crcs(fd, job.files.model_states, tb.record, ranges, buffer, on_bytes=counter.add,
+                                     inspect=inspect))
             for name, dtype, pieces in job.buffers:
                 tb = reader.buffer(name)
                 if dtype_name(tb.dtype) != dtype:
@@ -141,7 +142,8 @@ def export_dcp_rank(job: DcpJob, out_dir: Folder, emit: Emit, cancelled: Callabl
                                           f"{dtype} as planned; the file changed since")
                 _fits(job.files.model_states, tb.record.name, tb.numel, pieces)
                 inspect, ranges, taken = out.stream(job.files.model_states, pieces, tb.offset, dtype, dtype)
-                taken(checked_crcs(fd, job.files.model_states, tb.record, ranges, buffer, counter.add, inspect))
+                taken(checked_crcs(fd, job.files.model_states, tb.record, ranges, buffer, on_bytes=counter.add,
+                                     inspect=inspect))
         out.finish()
         fsync(out.fd, options.durable)
     counter.finish()

@@ -110,5 +110,5 @@ def _stream(fd: int, path: Path, tensor, spans: Sequence[Span], src: str, out: s
                 pwrite_all(out_fd(s.out_file), values, s.out_offset + (lo - at) // itemsize * out_size)
 
     # the ranges too: a legacy-format record has no CRC-32, and then only they are read
-    checked_crcs(fd, path, tensor.record, [(at, s.count * itemsize) for at, s in wanted], buffer, counter.add,
-                 inspect)
+    checked_crcs(fd, path, tensor.record, [(at, s.count * itemsize) for at, s in wanted], buffer, on_bytes=counter.add,
+                 inspect=inspect)

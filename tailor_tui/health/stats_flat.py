@@ -73,7 +73,7 @@ class _Sums:
 
 
 def flat_stats(job: StatsJob, sums: dict[str, RowSums], stack, counter: ByteCounter,
-               ahead: dict[int, Readahead], chunk: int = CHUNK, *, blocks: dict | None = None) -> bool:
+               ahead: dict[int, Readahead], *, chunk: int = CHUNK, blocks: dict | None = None) -> bool:
     """Add the sums of every row `job` reads from its optim file into `sums`; False (nothing read)
     when the file is laid out otherwise than one aligned record per flat tensor (`stats_rank`
     reads it then). `chunk`: bytes per read (tests make it small). `blocks`: gets each record's

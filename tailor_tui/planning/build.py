@@ -50,8 +50,8 @@ def _resolve_row(base: Checkpoint, name: str, where: str) -> str:
     return row.name
 
 
-def build_plan(recipe: Recipe, output: str | Path | None = None, force: bool = False,
-               check_output: bool = True, preview: bool = False, world_size: int | None = None, *,
+def build_plan(recipe: Recipe, *, output: str | Path | None = None, force: bool = False,
+               check_output: bool = True, preview: bool = False, world_size: int | None = None,
                cache: Path | None | Where = ROOT,
                stand_in: Callable[[Path, Checkpoint], Checkpoint | None] | None = None) -> ComposePlan:
     """Check `recipe` against its checkpoints; raise a TailorError naming the first problem.

@@ -386,7 +386,7 @@ def _continue_rank(rank, world, port, spec: RunSpec, out: str | Path, steps: int
         Path(result).write_text(json.dumps({"resumed_from": point, "step": trainer.state.global_step}))
 
 
-def continue_run(out: str | Path, spec: RunSpec, steps: int, resume: str = "point", newer_saves: str = "refuse",
+def continue_run(out: str | Path, spec: RunSpec, steps: int, *, resume: str = "point", newer_saves: str = "refuse",
                  resave: str | Path | None = None) -> dict:
     """Relaunch the HF selective run in `out` (made by make_run) to `steps` steps in total:
     `resume` "point" (resume_point), "auto" (resume_from_checkpoint=True) or "fresh". The state

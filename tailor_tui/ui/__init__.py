@@ -2,4 +2,4 @@
 
 # its public API is its modules
 __all__ = ["actions", "app", "composer", "describe", "dialogs", "export_actions", "grid", "grid_lines",
-           "health_actions", "host", "messages", "navigation", "plain", "progress_screen", "recipe_actions"]
+           "health_pane", "host", "loss_curve", "messages", "navigation", "plain", "progress_screen", "recipe_actions"]

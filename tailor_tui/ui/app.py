@@ -79,7 +79,7 @@ class TailorApp(App):
             what = ", ".join(changed[:-1]) + (" and " if len(changed) > 1 else "") + changed[-1]
             question = f"The recipe is not saved: {what} changed since it was. Quit anyway?"
         else:
-            self.home.stats_cancel.set()
+            self.home.stop_statistics()
             self.exit()
             return
 
@@ -130,7 +130,7 @@ class TailorApp(App):
                                 partial(getattr(target, f"action_{action.method}"), *action.arguments))
 
 
-def make_app(run_dir: str | Path, recipe: str | Path | None = None, workers: int | None = None,
+def make_app(run_dir: str | Path, *, recipe: str | Path | None = None, workers: int | None = None,
              clock: Callable[[], float] = time.monotonic, compose_options: TaskOptions = TaskOptions(),
              batch_threshold: int = LARGE) -> TailorApp:
     """Build the app (used by the CLI, the pilot tests and the snapshot tests)."""

@@ -2,17 +2,17 @@
 curve beside it, and what the user does there (pick, heal, save and load recipes, plan and compose,
 export).
 
-The screen owns the session's state (the composition, the scan, the row health) and binds
-the composer's keys (`actions`); its parts by task are mixins (`navigation`, `recipe_actions`,
-`health_actions`, `export_actions`) working on that state, through what `host.ComposerHost`
-declares of the screen. Slow work (scanning, planning,
-statistics) runs in thread workers that post messages; widgets are touched only by handlers.
+The screen owns the session's state (the composition, the scan) and binds the composer's keys (`actions`); the
+widgets own theirs: the grid its cursor, folding and block selection, the side panel (`health_pane.HealthPane`) the
+row statistics, their metric and the training curve, which the screen watches. Its other parts by task are mixins
+(`navigation`, `recipe_actions`, `export_actions`) working on its state, through what `host.ComposerHost` declares
+of the screen. Slow work (scanning, planning, statistics) runs in thread workers that post messages; widgets are
+touched only by handlers.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -31,17 +31,17 @@ from tailor_tui.compose.composition import Composition
 from tailor_tui.errors import OutputError, TailorError
 from tailor_tui.export.export_run import ExportResult
 from tailor_tui.health.guard import nonfinite_lines, planned_health, planned_nonfinite
-from tailor_tui.health.healing import Health, TrainingCurve, training_curve, training_log
+from tailor_tui.health.healing import heal, training_curve, training_log
 from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.dcp_plan import DcpComposePlan, plan_dcp
 from tailor_tui.planning.output import not_replaceable
 from tailor_tui.team.sbatch import offer_batch
 from tailor_tui.ui.actions import DETAILS, HOME, bindings
-from tailor_tui.ui.describe import details_lines, fit_title
+from tailor_tui.ui.describe import LABEL, details_lines, fit_title
 from tailor_tui.ui.dialogs import Answer, Confirm, ErrorDialog, PathPrompt, PlanDialog
 from tailor_tui.ui.export_actions import ExportActions
 from tailor_tui.ui.grid import CheckpointGrid
-from tailor_tui.ui.health_actions import HealthActions
+from tailor_tui.ui.health_pane import HealthPane
 from tailor_tui.ui.host import ComposerOptions
 from tailor_tui.ui.loss_curve import LossCurve
 from tailor_tui.ui.messages import PlanFailed, PlanReady, ScanComplete, ScanFailed, ScanProgressed
@@ -75,7 +75,7 @@ class DetailsPanel(VerticalScroll):
         self.screen.query_one(CheckpointGrid).focus()
 
 
-class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Screen[None]):
+class ComposerScreen(ExportActions, Navigation, RecipeActions, Screen[None]):
     BINDINGS = bindings(HOME)
 
     def __init__(self, options: ComposerOptions):
@@ -84,16 +84,8 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
         self.composition: Composition | None = None
         self.scan_result: ScanResult | None = None
         self.composing = False
-        # Row health: filled in by the statistics worker, newest checkpoint first
-        self.health: Health | None = None
-        self.health_version = 0  # bumped as cells arrive: the grid redraws rows then
-        self.health_status: str | None = "statistics: starting"  # None once complete
-        self.metric = "rel_change"
-        self.stats_cancel = threading.Event()
-        self.redraw_due = False  # a redraw for arriving cells is scheduled
         self.details_text = self.title_text = ""  # what the details panel and the title show
         self.details_row: str | None = None  # the row the details describe (another: shown from the top)
-        self.curve: TrainingCurve | None = None  # the run's training curve, read by the scan's worker
 
     # --- layout ------------------------------------------------------------------------
 
@@ -104,7 +96,8 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
             yield ProgressBar(id="scan-bar", show_eta=False)
         with Horizontal(id="main"):
             yield CheckpointGrid(id="grid")
-            with Vertical(id="side"):  # wide: beside the grid, the curve below the details; narrow: below the grid
+            # wide: beside the grid, the curve below the details; narrow: below the grid
+            with HealthPane(id="side", workers=self.options.workers):
                 with DetailsPanel(id="details-panel"):
                     yield Static("", id="details")
                 yield LossCurve(id="curve")
@@ -114,7 +107,16 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
         self.query_one("#main").display = False
         self.update_title()
         self.watch(self.query_one(CheckpointGrid), "virtual_size", self.fit_side, init=False)
+        pane = self.health_pane
+        self.watch(pane, "status", lambda _status: self.update_title(), init=False)
+        self.watch(pane, "version", lambda _version: self.refresh_view(), init=False)
+        self.watch(pane, "metric", lambda _metric: self.refresh_view(), init=False)
         self.scan_worker()
+
+    @property
+    def health_pane(self) -> HealthPane:
+        """The run's health as shown: the statistics, their progress, the heatmap's metric, the training curve."""
+        return self.query_one(HealthPane)
 
     def fit_side(self) -> None:
         """Wide: the side panel (details, loss curve) takes the columns the grid's checkpoints leave free, at least
@@ -151,8 +153,8 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
             parts.append(("" if comp.saved else "* ", recipe or "unsaved recipe"))
             if comp.world_size is not None:
                 parts.append((f"{comp.base_checkpoint.world_size} → {comp.world_size} ranks", ""))
-            if self.health_status:
-                parts.append((self.health_status, ""))
+            if (status := self.health_pane.status) is not None:
+                parts.append((status, ""))
             parts += [(f"base {comp.base_checkpoint.name}", ""), ("output ", self.rel(comp.output))]
         room = self.size.width - 2  # the title's padding
         run = shown(self.options.run_dir.name or self.options.run_dir)  # its full path: the details panel
@@ -200,14 +202,14 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
             plain(f"Scanning {self.options.run_dir} … {message.done}/{message.total} {self.rel(message.path)}"))
 
     def on_scan_failed(self, message: ScanFailed) -> None:
-        self.health_status = None
+        self.health_pane.nothing_to_compute()
         self.query_one("#scan-label", Label).update(plain(f"error: {message.message}"))
         self.app.push_screen(ErrorDialog(message.message, title="Cannot scan"))
 
     def on_scan_complete(self, message: ScanComplete) -> None:
         result = self.scan_result = message.result
         if not result.checkpoints:
-            self.health_status = None
+            self.health_pane.nothing_to_compute()
             why = [f"  skipped {self.rel(p)}: {w}" for p, w in result.problems]
             self.query_one("#scan-bar", ProgressBar).display = False  # nothing more is coming
             self.query_one("#scan-label", Label).update(
@@ -223,13 +225,11 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
                 self.adopt_recipe(self.options.recipe)  # on failure it is not the save target
             else:
                 self.composition.recipe_path = self.options.recipe  # a new recipe: ctrl+s creates it
-        self.health = Health(tuple(result.checkpoints), logs=message.logs)
-        self.curve = message.curve
+        self.health_pane.start(tuple(result.checkpoints), message.logs, message.curve)
         self.refresh_view()
         self.query_one(CheckpointGrid).focus()
         self.tell_skipped(result.problems)
         self.tell_ignored([log.note for log in message.logs.values() if log.note])
-        self.stats_worker(tuple(result.checkpoints))
 
     def tell_skipped(self, problems: tuple[tuple[Path, str], ...]) -> None:
         """One notice for what the scan skipped, however many folders (the details panel lists them)."""
@@ -254,16 +254,15 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
     def refresh_view(self) -> None:
         if not self.is_attached or self.composition is None:
             return  # shutting down (a timer of the statistics fired after the screen went), or no run yet
-        grid = self.query_one(CheckpointGrid)
-        grid.show(self.composition, self.health, self.metric, self.health_version)
+        grid, pane = self.query_one(CheckpointGrid), self.health_pane
+        grid.show(self.composition, pane.health, pane.metric, pane.version)
         self.update_title()
         self.update_details()
 
     def update_curve(self, column: int | None) -> None:
         """The curve, its cursor on the checkpoint of `column` (None: no column under the cursor)."""
         comp = self.composition
-        step = comp.checkpoints[column].step if comp is not None and column is not None else None
-        self.query_one(LossCurve).show(self.curve, step)
+        self.health_pane.show_curve(comp.checkpoints[column].step if comp is not None and column is not None else None)
 
     def on_checkpoint_grid_cursor_moved(self, message: CheckpointGrid.CursorMoved) -> None:
         if message.grid.is_attached:  # may arrive while the app shuts down
@@ -287,7 +286,8 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
             return
         problems = self.scan_result.problems if self.scan_result else ()
         folded = grid.folded_stack()
-        lines = details_lines(comp, self.health, row_name, column, metric=self.metric, computing=self.health_status,
+        pane = self.health_pane
+        lines = details_lines(comp, pane.health, row_name, column, metric=pane.metric, computing=pane.status,
                               problems=problems, outputs=self.scan_result.outputs if self.scan_result else (),
                               show=self.rel, stack=folded)
         text = "\n".join(lines)
@@ -453,12 +453,44 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
                                         risky=bool(bad)), confirmed)
 
     def cell_of(self, row: str, checkpoint: Checkpoint | DcpCheckpoint) -> Cell | None:
-        if self.health is None:
+        health = self.health_pane.health
+        if health is None:
             return None
-        for i, c in enumerate(self.health.checkpoints):
+        for i, c in enumerate(health.checkpoints):
             if c.path == checkpoint.path:
-                return self.health.cell(row, i)
+                return health.cell(row, i)
         return None
+
+    def action_cycle_metric(self) -> None:
+        if self.editable():
+            self.notify(f"heatmap: {LABEL[self.health_pane.next_metric()]}", timeout=2)
+
+    def action_heal(self) -> None:
+        """Every row from the newest checkpoint where it is healthy; shown first, one undo step."""
+        health = self.health_pane.health
+        if not self.editable() or health is None:
+            return
+        if self.health_pane.status is not None:
+            self.notify("row statistics are still being computed; heal when they are complete",
+                        severity="warning", timeout=4)
+            return
+        comp = self.active_composition
+        healing = heal(health, comp.healable_rows(), usable=comp.combines_with)
+        changes = [f"{row} ← {comp.checkpoints[col].name}" + (f"  ({healing.reasons[row]})" if row in healing.reasons
+                                                              else "")
+                   for row, col in healing.picks.items() if comp.source_of(row) != col]
+        hopeless = [f"{row}: no healthy checkpoint" for row in healing.hopeless]
+        if not changes:
+            self.notify("nothing to heal: every row already comes from its newest healthy checkpoint"
+                        + (f"; {len(hopeless)} row(s) have none" if hopeless else ""), timeout=5)
+            return
+
+        def answer(yes: Answer) -> None:
+            if yes:
+                self.edit(lambda: comp.apply_healing(healing.picks))
+
+        body = "\n".join([*changes, *hopeless])
+        self.app.push_screen(Confirm(f"Heal {len(changes)} row(s)?", body, accept="Heal", decline="Back"), answer)
 
     def compose_finished(self, result: Outcome) -> None:
         self.composing = False
@@ -507,5 +539,6 @@ class ComposerScreen(ExportActions, HealthActions, Navigation, RecipeActions, Sc
             self.query_one("#side").toggle_class("curve-toggled")
             self.keep_focus_shown()
 
-    def on_unmount(self) -> None:
-        self.stats_cancel.set()  # statistics workers stop between chunks
+    def stop_statistics(self) -> None:
+        """The statistics' workers stop between chunks (quitting: they are not waited for)."""
+        self.health_pane.cancel.set()

@@ -1,5 +1,5 @@
-"""What the composer screen's parts (`navigation`, `recipe_actions`, `health_actions`,
-`export_actions`) need of the screen they are mixed into, declared once (`ComposerHost`).
+"""What the composer screen's parts (`navigation`, `recipe_actions`, `export_actions`) need of the screen they are
+mixed into, declared once (`ComposerHost`).
 
 Each part's methods take `self: ComposerHost`: a type checker holds every part to what is
 declared here and `ComposerScreen` to providing it (tests/test_structure.py checks, without
@@ -8,7 +8,6 @@ one, that the parts use nothing more and nothing less).
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,12 +20,10 @@ if TYPE_CHECKING:
     from textual.app import App
     from textual.message import Message
     from textual.notifications import SeverityLevel
-    from textual.timer import Timer, TimerCallback
     from textual.widget import Widget
     from textual.worker import Worker
 
     from tailor_tui.compose.composition import Composition
-    from tailor_tui.health.healing import Health
     from tailor_tui.planning.recipe import Recipe
     from tailor_tui.ui.messages import ExportReady, Outcome
 
@@ -62,19 +59,11 @@ class ComposerHost(Protocol):
 
     def post_message(self, message: Message) -> bool: ...
 
-    def set_timer(self, delay: float, callback: TimerCallback | None = ...) -> Timer: ...
-
     # --- the session's state (`ComposerScreen.__init__`) ------------------------------------
 
     options: ComposerOptions
     composition: Composition | None
     composing: bool  # a composition or an export runs on the progress screen
-    health: Health | None
-    health_version: int
-    health_status: str | None
-    metric: str
-    stats_cancel: threading.Event
-    redraw_due: bool
 
     # --- the screen's own ---------------------------------------------------------------------
 
@@ -91,8 +80,6 @@ class ComposerHost(Protocol):
 
     def editable(self) -> bool: ...
 
-    def edit(self, change: Callable[[], object]) -> None: ...
-
     def plan_worker(self, recipe: Recipe, force: bool = False) -> Worker[None]: ...
 
     def compose_finished(self, result: Outcome) -> None: ...
@@ -108,8 +95,6 @@ class ComposerHost(Protocol):
     def save_to(self, path: Path, confirmed: bool = False, then: Saved | None = None) -> None: ...
 
     def adopt_recipe(self, path: Path) -> None: ...
-
-    def redraw_health(self) -> None: ...
 
     def export_worker(self, recipe: Recipe, config: Path | None) -> Worker[None]: ...
 

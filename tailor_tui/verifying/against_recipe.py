@@ -136,20 +136,27 @@ def verify_ranks(job: RankShare, emit: Emit, cancelled: Callable[[], bool], _opt
     """The claims on the ranks of `job`, made and run some ranks at a time (`MAX_CLAIMS`), and what they found
     (a `team.workers` call)."""
     plan, report = job.plan, VerifyReport()
-    gone = set(job.changed)  # (grows as sources' files fail the checks the composition passed)
     archives = Archives(job.listings, plan.output, plan.base.tag)
-    kind = _kind(plan)
+    first = _kind(plan)(plan, report, changed=set(job.changed), taken=job.taken, archives=archives)
+    _claimed_and_checked(first, job, emit, cancelled)
+    return RanksVerified(report, tuple(archives.failed))
+
+
+def _claimed_and_checked(first: RankClaims, job: RankShare, emit: Emit, cancelled: Callable[[], bool]) -> None:
+    """The claims on the ranks of `job`, made into `first` (which may hold others already) and the batches after
+    it, each checked once it holds `MAX_CLAIMS`; what they find goes to `first`'s report."""
+    ranks, kind = first, type(first)
     with _collected_per_batch() as batch_done:
-        ranks = kind(plan, report, changed=gone, taken=job.taken, archives=archives)
         for i, rank in enumerate(job.ranks):
             ranks.add(rank, job.composed)
             if len(ranks.tags) > MAX_CLAIMS and i + 1 < len(job.ranks):  # memory: the claims of some ranks at a time
                 ranks.check(emit, cancelled, job.threads)
                 batch_done(ranks)
-                ranks = kind(plan, report, changed=gone, taken=job.taken, archives=archives)
+                # (`changed` is shared: a source found changed in place is not read again)
+                ranks = kind(first.plan, first.report, changed=first.changed, taken=first.taken,
+                             archives=first.archives)
         ranks.check(emit, cancelled, job.threads)
         batch_done(ranks)
-    return RanksVerified(report, tuple(archives.failed))
 
 
 @contextlib.contextmanager
@@ -242,16 +249,19 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
             None if weights is None else weights.get(job.name), None if headers is None else headers.get(job.name),
             archives))
     _claim_copied(ranks, recorded_crcs(record, COPIED), base_changed=0 in gone)
-    if ranks.tags:
-        ranks.check(emit, cancelled, workers)
-    failed = list(archives.failed)
     jobs, processes = _rank_jobs(plan, composed, changed=frozenset(gone), taken=taken, listings=listings,
                                  workers=workers, ranks_per_process=ranks_per_process)
-    for found in run_calls([(verify_ranks, (job,)) for job in jobs], processes, emit, _Cancel(cancelled),
-                           TaskOptions()):
-        report.merge(found.report)
-        failed += [line for line in found.failed if line not in failed]
-    for line in failed:
+    failed: list[str] = []
+    if processes == 1:  # the ranks' claims beside the model files' and the copied files': each file read once
+        _claimed_and_checked(ranks, jobs[0], emit, cancelled)
+    else:  # shares of the ranks in worker processes, once the model files and the copied files are checked here
+        if ranks.tags:
+            ranks.check(emit, cancelled, workers)
+        cancel = _Cancel(cancelled)
+        for found in run_calls([(verify_ranks, (job,)) for job in jobs], processes, emit, cancel, TaskOptions()):
+            report.merge(found.report)
+            failed += [line for line in found.failed if line not in failed]
+    for line in [*archives.failed, *(line for line in failed if line not in archives.failed)]:
         report.add(None, line)
     own = plan.own_files()
     if MODEL_FILE_INDEX in own:

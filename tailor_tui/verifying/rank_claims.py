@@ -222,8 +222,8 @@ class RankClaims:
         self.files[found.path] = found
         return found
 
-    def tensor_claims(self, out: TorchFile, theirs: TorchFile, kind: str, rank: int, row: str | None, problem: str,
-                      s: int, key: str = ""):
+    def tensor_claims(self, out: TorchFile, theirs: TorchFile, kind: str, rank: int, *, row: str | None,
+                      problem: str, s: int, key: str = ""):
         """A `structure_differences` callback: the bytes of a pair of tensors alike in all else, claimed
         (`problem`: what is told where they differ, its "{where}" their place; replaced, never formatted: names
         in it are a file's)."""

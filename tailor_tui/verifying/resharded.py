@@ -176,8 +176,8 @@ class ReshardedRanks(RankClaims):
         if base is None:
             return
         problem = f"rank {rank}: optimizer state {{where}} is not the base's"
-        for where in self.compared("optim", out.obj, base.obj, _replaced,
-                                   self.tensor_claims(out, base, "state", rank, None, problem, 0))[:MAX_SHOWN]:
+        claim = self.tensor_claims(out, base, "state", rank, row=None, problem=problem, s=0)
+        for where in self.compared("optim", out.obj, base.obj, _replaced, claim)[:MAX_SHOWN]:
             report.add(None, problem.replace("{where}", where, 1))
         group_of = {slot.name: slot.group for slot in plan.base.layout.slots}
         base_state = base.obj[OPTIMIZER_STATE_DICT][OPTIMIZER_STATE_DICT][STATE]
@@ -187,7 +187,8 @@ class ReshardedRanks(RankClaims):
             problem = f"rank {rank}: optimizer state {{where}} is not the base's sub-group {first}'s"
             unlike = structure_differences(state.get(g), base_state.get(first), f"[{STATE!r}][{g}]",
                                            skip=lambda w: w.endswith(per_element),
-                                           tensors=self.tensor_claims(out, base, "state", rank, None, problem, 0))
+                                           tensors=self.tensor_claims(out, base, "state", rank, row=None,
+                                                                      problem=problem, s=0))
             for where in unlike[:2]:
                 report.add(None, problem.replace("{where}", where, 1))
 
@@ -225,7 +226,7 @@ class ReshardedRanks(RankClaims):
             problem = f"rank {rank}: buffer {name} differs from {self.names[s]}"
             for _difference in structure_differences(
                     (obj.get(MODULE) or {}).get(name), (theirs.obj.get(MODULE) or {}).get(name), where,
-                    tensors=self.tensor_claims(states, theirs, "buffer", rank, owner[name], problem, s)):
+                    tensors=self.tensor_claims(states, theirs, "buffer", rank, row=owner[name], problem=problem, s=s)):
                 report.add(owner[name], problem)
         base = self.torch_file(0, plan.base.ranks[0].model_states)
         if base is None:
@@ -234,7 +235,7 @@ class ReshardedRanks(RankClaims):
         problem = f"rank {rank}: model_states {{where}} is not the base's"
         for where in self.compared(
                 "states", states.obj, base.obj, lambda w: w in skip or w.startswith(f"[{FROZEN_PARAM_FRAGMENTS!r}]"),
-                self.tensor_claims(states, base, "states", rank, None, problem, 0))[:MAX_SHOWN]:
+                self.tensor_claims(states, base, "states", rank, row=None, problem=problem, s=0))[:MAX_SHOWN]:
             report.add(None, problem.replace("{where}", where, 1))
 
 

@@ -115,7 +115,7 @@ def _claim_bin_file(ranks: RankClaims, job: BinFileJob, changed: frozenset, reco
         problem = _differing(plan, job, name, s)
         if theirs is None or structure_differences(
                 tensor, theirs.obj[name], name,
-                tensors=ranks.tensor_claims(out, theirs, "weight", -1, row, problem, s)):
+                tensors=ranks.tensor_claims(out, theirs, "weight", -1, row=row, problem=problem, s=s)):
             report.add(row, problem)
 
 

@@ -145,8 +145,8 @@ class ZeroRanks(RankClaims):
                 where.startswith(f"{outer}{outer}[{STATE!r}]") and where.endswith(per_element))
 
         problem = f"rank {rank}: optimizer state {{where}} is not the base's"
-        for where in self.compared("optim", out.obj, base.obj, flat,
-                                   self.tensor_claims(out, base, "state", rank, None, problem, 0))[:MAX_SHOWN]:
+        claim = self.tensor_claims(out, base, "state", rank, row=None, problem=problem, s=0)
+        for where in self.compared("optim", out.obj, base.obj, flat, claim)[:MAX_SHOWN]:
             self.report.add(None, problem.replace("{where}", where, 1))
 
     def _model_states(self, rank: int, composed, label: str) -> None:
@@ -178,7 +178,8 @@ class ZeroRanks(RankClaims):
                 continue
             for difference in structure_differences(
                     mine, at_path(theirs.obj, where), where,
-                    tensors=self.tensor_claims(states, theirs, "frozen", rank, row, problem, s, FROZEN)):
+                    tensors=self.tensor_claims(states, theirs, "frozen", rank, row=row, problem=problem, s=s,
+                                               key=FROZEN)):
                 self.report.add(row, problem.replace("{where}", difference, 1))
         for row in plan.base.rows:
             for buffer in row.buffers:
@@ -194,13 +195,13 @@ class ZeroRanks(RankClaims):
                 problem = f"rank {rank}: model_states {{where}} differs from {self.names[s]}"
                 for difference in structure_differences(
                         at_path(states.obj, where), at_path(theirs.obj, where), where,
-                        tensors=self.tensor_claims(states, theirs, "buffer", rank, row.name, problem, s)):
+                        tensors=self.tensor_claims(states, theirs, "buffer", rank, row=row.name, problem=problem, s=s)):
                     self.report.add(row.name, problem.replace("{where}", difference, 1))
         base = source(0)
         if base is not None:
             problem = f"rank {rank}: model_states {{where}} is not the base's"
-            for where in self.compared("states", states.obj, base.obj, lambda w: w in followed,
-                                       self.tensor_claims(states, base, "states", rank, None, problem, 0))[:MAX_SHOWN]:
+            claim = self.tensor_claims(states, base, "states", rank, row=None, problem=problem, s=0)
+            for where in self.compared("states", states.obj, base.obj, lambda w: w in followed, claim)[:MAX_SHOWN]:
                 self.report.add(None, problem.replace("{where}", where, 1))
 
 
