@@ -66,9 +66,9 @@ class RowsFiles:
                 raise _damaged(path, f"tensor {name} is {dtype} {list(shape)}, not F32 of at least {valid} elements")
             tensor = found[:valid] if valid else torch.zeros(0, dtype=torch.float32)
             stored = recorded.get(name)
-            # an ndarray is a buffer; numpy's stubs declare its __buffer__ for Python 3.12 on only
+            # an ndarray is a buffer; some numpy releases' stubs declare its __buffer__ for Python 3.12 on only
             if stored is not None and zlib.crc32(
-                    tensor.contiguous().view(torch.uint8).numpy()) != stored:  # type: ignore[arg-type]
+                    tensor.contiguous().view(torch.uint8).numpy()) != stored:  # type: ignore[arg-type, unused-ignore]
                 raise CheckpointError(f"{path}: tensor {name} fails its CRC-32 check (the file is damaged); "
                                       "re-copy the partial checkpoint, or take its rows from another checkpoint")
             self.slices[key] = tensor
