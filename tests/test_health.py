@@ -102,6 +102,28 @@ def test_second_stats_reads_nothing_and_table_marks_the_cell(real_run, stats_cac
     assert "6 cached, 0 Bytes to read" in again.stderr
 
 
+def test_an_outlying_change_is_marked_in_the_stats_table(real_run, tmp_path, stats_cache):
+    """The `--stats` table marks a cell whose change stands out in its row (▲, README): a fourth save whose layers.1 is
+    another training's (hf_bf16_2_seed1's, composed into step 6's and its provenance record removed, so that it scans
+    as the run's own save) changes layers.1 by far more than three times the row's median change; a change no larger
+    than the median is never marked, whatever the floats training computed."""
+    run, spec = real_run("hf_bf16_2")
+    other, other_spec = real_run("hf_bf16_2_seed1")
+    for checkpoint in checkpoints_of(run, spec):
+        shutil.copytree(checkpoint, tmp_path / "run" / checkpoint.name)
+    recipe = write_recipe(tmp_path, tmp_path / "run" / "checkpoint-6", {"layers.1": checkpoints_of(other, other_spec)[-1]},
+                          output="run/checkpoint-8")
+    assert tailor("--apply", recipe).returncode == 0
+    (tmp_path / "run" / "checkpoint-8" / "tailor_provenance.json").unlink()
+    result = tailor("--stats", tmp_path / "run", "--progress", "lines")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["row", "checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8"], result.stdout
+    swapped = next(line for line in lines if line.startswith("layers.1 "))
+    assert swapped.rstrip().endswith("▲") and swapped.count("▲") == 1, result.stdout  # at checkpoint-8 alone
+    assert "▲ outlying change" in result.stdout
+
+
 def test_heal_picks_the_previous_checkpoint_and_real_deepspeed_resumes_finite(real_run, tmp_path):
     run, spec = real_run("ds_blown_up")
     c2, c4, c6 = checkpoints_of(run, spec)
