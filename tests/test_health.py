@@ -111,8 +111,8 @@ def test_an_outlying_change_is_marked_in_the_stats_table(real_run, tmp_path, sta
     other, other_spec = real_run("hf_bf16_2_seed1")
     for checkpoint in checkpoints_of(run, spec):
         shutil.copytree(checkpoint, tmp_path / "run" / checkpoint.name)
-    recipe = write_recipe(tmp_path, tmp_path / "run" / "checkpoint-6", {"layers.1": checkpoints_of(other, other_spec)[-1]},
-                          output="run/checkpoint-8")
+    theirs = checkpoints_of(other, other_spec)[-1]
+    recipe = write_recipe(tmp_path, tmp_path / "run" / "checkpoint-6", {"layers.1": theirs}, output="run/checkpoint-8")
     assert tailor("--apply", recipe).returncode == 0
     (tmp_path / "run" / "checkpoint-8" / "tailor_provenance.json").unlink()
     result = tailor("--stats", tmp_path / "run", "--progress", "lines")
