@@ -131,7 +131,8 @@ async def test_the_curve_beside_the_grid_at_200x50(demo):
                                                                                                    details.region)
         assert curve.region.width >= 100
         assert curve.marks == [(2, 4.640625), (4, 4.6328125), (6, 6.125)]  # the spike at 6
-        headers = [header_suffix(app.home.health_pane.health, column) for column in range(3)]  # the demo tells its spike
+        health = app.home.health_pane.health
+        headers = [header_suffix(health, column) for column in range(3)]  # the demo tells its spike
         assert headers == [" · 4.64", " · 4.63", " · 6.12 ▲"], headers
         text = curve.render().plain
         assert "loss" in text and "grad norm" in text and "step" in text

@@ -27,6 +27,7 @@ from tailor_tui.errors import CheckpointError
 from tailor_tui.events import Emit
 from tailor_tui.health.healing import Cell, damage, why_unhealthy
 from tailor_tui.kinds.dcp_rows import DcpSave
+from tailor_tui.planning.dcp_plan import DcpComposePlan
 from tailor_tui.planning.plan import ComposePlan
 
 
@@ -132,15 +133,15 @@ class PlannedHealth:
     nonfinite: dict[str, int]
 
 
-def planned_health(plan, cell_of: Callable[[str, Any], Cell | None], nonfinite: dict[str, int], *,
-                   dcp: bool) -> PlannedHealth:
-    """The composer's compose policy for `plan` (a ZeRO-3 plan, or a DCP one: `dcp`): `cell_of(row, checkpoint)`, the
-    statistics known of a row of a checkpoint (None: not yet); `nonfinite`, `planned_nonfinite`'s counts. A DCP
-    plan's NaN/Inf are its cells' (its writers refuse those the cells do not know yet)."""
+def planned_health(plan: ComposePlan | DcpComposePlan, cell_of: Callable[[str, Any], Cell | None],
+                   nonfinite: dict[str, int]) -> PlannedHealth:
+    """The composer's compose policy for `plan`: `cell_of(row, checkpoint)`, the statistics known of a row of a
+    checkpoint (None: not yet); `nonfinite`, `planned_nonfinite`'s counts. A DCP plan's NaN/Inf are its cells'
+    (its writers refuse those the cells do not know yet)."""
     cells = [(row, plan.sources[s].name, cell) for row, s in plan.picks.items()
              if (cell := cell_of(row, plan.sources[s])) is not None and not cell.healthy]
     broken = tuple(f"{row} from {name}: {why_unhealthy(cell)}" for row, name, cell in cells if damage(cell) != "NaN")
-    if dcp:
+    if isinstance(plan, DcpComposePlan):
         nonfinite = {row: cell.nonfinite for row, _name, cell in cells if cell.nonfinite}
     return PlannedHealth(broken, dict(nonfinite))
 

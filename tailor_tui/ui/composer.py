@@ -33,7 +33,7 @@ from tailor_tui.export.export_run import ExportResult
 from tailor_tui.health.guard import nonfinite_lines, planned_health, planned_nonfinite
 from tailor_tui.health.healing import heal, training_curve, training_log
 from tailor_tui.planning.build import build_plan
-from tailor_tui.planning.dcp_plan import DcpComposePlan, plan_dcp
+from tailor_tui.planning.dcp_plan import plan_dcp
 from tailor_tui.planning.output import not_replaceable
 from tailor_tui.team.sbatch import offer_batch
 from tailor_tui.ui.actions import DETAILS, HOME, bindings
@@ -417,7 +417,7 @@ class ComposerScreen(ExportActions, Navigation, RecipeActions, Screen[None]):
         body = "\n".join(map(shown, plan.describe(show=self.rel, every_file=False)))  # a line per line
         # Rows the statistics already know to be non-finite or damaged in their source: the
         # --apply would refuse them, so the user decides here ("Compose anyway" allows them).
-        verdict = planned_health(plan, self.cell_of, message.nonfinite, dcp=isinstance(plan, DcpComposePlan))
+        verdict = planned_health(plan, self.cell_of, message.nonfinite)
         broken, bad = verdict.broken, nonfinite_lines(plan, verdict.nonfinite)
         if broken:
             self.app.push_screen(ErrorDialog("\n".join([

@@ -241,7 +241,7 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
     gone = set(changed)  # and those found changed on the way: files that fail the checks the composition passed
     listings = recorded_crcs(record, ARCHIVES)
     archives = Archives(listings, out, plan.base.tag)  # (asked only once one changed)
-    ranks = _kind(plan)(plan, report, changed=gone, taken=taken, archives=archives)  # every byte claimed, then read once
+    ranks = _kind(plan)(plan, report, changed=gone, taken=taken, archives=archives)  # each byte claimed, read once
     partial = RowsFiles()
     weights, headers = recorded_weights(record, TAKEN_WEIGHTS), recorded_crcs(record, WEIGHT_HEADERS)
     for job in plan.model_file_jobs():
@@ -251,7 +251,7 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
     _claim_copied(ranks, recorded_crcs(record, COPIED), base_changed=0 in gone)
     jobs, processes = _rank_jobs(plan, composed, changed=frozenset(gone), taken=taken, listings=listings,
                                  workers=workers, ranks_per_process=ranks_per_process)
-    failed: list[str] = []
+    in_workers: list[str] = []  # the output's files whose records are not those written, found by the workers
     if processes == 1:  # the ranks' claims beside the model files' and the copied files': each file read once
         _claimed_and_checked(ranks, jobs[0], emit, cancelled)
     else:  # shares of the ranks in worker processes, once the model files and the copied files are checked here
@@ -260,8 +260,8 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
         cancel = _Cancel(cancelled)
         for found in run_calls([(verify_ranks, (job,)) for job in jobs], processes, emit, cancel, TaskOptions()):
             report.merge(found.report)
-            failed += [line for line in found.failed if line not in failed]
-    for line in [*archives.failed, *(line for line in failed if line not in archives.failed)]:
+            in_workers += found.failed
+    for line in [*archives.failed, *in_workers]:  # (each file checked by one process: the ranks' files apart)
         report.add(None, line)
     own = plan.own_files()
     if MODEL_FILE_INDEX in own:

@@ -42,9 +42,8 @@ SMALL_FILE = 4 << 20  # a torch file at most this size is read whole for its str
 @dataclass(slots=True)
 class Tag:
     """What a claim stands for: `kind` (row, frozen, padding, state, buffer, states; weight: a model file's tensor,
-    copied: a run-level file copied from the base, taken: one whose CRC-32 must be `expected`), the rank (-1:
-    none), the row, the problem told where its bytes
-    differ, the plan's source and the file it is read from (-1: none)."""
+    copied: a run-level file copied from the base, taken: one whose CRC-32 must be `expected`), the rank (-1: none),
+    the row, the problem told where its bytes differ, the plan's source and the file it is read from (-1: none)."""
 
     kind: str
     rank: int
@@ -333,8 +332,8 @@ class RankClaims:
                 count = shown[tag.rank, tag.kind] = shown.get((tag.rank, tag.kind), 0) + 1
                 if count <= MAX_SHOWN:
                     report.add(tag.row, tag.problem)
-        if 0 in self.changed:
-            for rank in range(plan.world_size):
+        if 0 in self.changed:  # (the ranks claimed here: another batch, or a worker's share, says it of its own)
+            for rank in sorted({tag.rank for tag in self.tags if tag.rank >= 0}):
                 if not self.archives.proven(plan.output_rank_files()[rank]):
                     line = ("every rank's optimizer state but the rows' tensors, and its model_states but what "
                             "follows a row: not compared, the base changed since the composition")

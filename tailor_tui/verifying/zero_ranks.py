@@ -35,7 +35,7 @@ class ZeroRanks(RankClaims):
 
     def __init__(self, plan, report, *, changed: set[int], taken, archives) -> None:
         super().__init__(plan, report, changed=changed, taken=taken, archives=archives)
-        self._ordered: list | None = None  # the layout's slots by sub-group and offset
+        self._ordered = sorted(plan.base.layout.slots, key=lambda slot: (slot.group, slot.offset))  # output order
         self._by_valid: dict[tuple, list[Segment]] = {}  # `_segments`' answers
 
     def add(self, rank: int, composed) -> None:
@@ -57,7 +57,7 @@ class ZeroRanks(RankClaims):
             if found is not None:
                 wanted[s] = (found, found.optimizer(sizes) if isinstance(found, TorchFile) else None)
         joinable = {s for s in files if not isinstance((wanted.get(s) or (None,))[0], SlicesFile)}
-        segments = self._segments(rank, layout.slots, joinable)
+        segments = self._segments(rank, joinable)
         for key in plan.keys:  # (each (row, key)'s slots in the output's order: what the record's CRC-32s cover)
             places: dict[int, tuple | None] = {}  # group -> the output's flat tensor's `place` (None: absent)
             theirs: dict[tuple[int, int], tuple] = {}  # (source, group) -> the source's, the same way
@@ -87,11 +87,9 @@ class ZeroRanks(RankClaims):
         self._structure(rank, out, files, wanted)
         self._model_states(rank, composed, label)
 
-    def _segments(self, rank: int, slots, joinable: set) -> list[Segment]:
+    def _segments(self, rank: int, joinable: set) -> list[Segment]:
         """`_segments` of `rank`, worked out once per count of valid elements in each slot and sources joinable
         (a wide run's ranks but the last few hold whole slots: their segments are alike)."""
-        if self._ordered is None:
-            self._ordered = sorted(slots, key=lambda slot: (slot.group, slot.offset))
         key = (tuple(slot.valid(rank) for slot in self._ordered), frozenset(joinable))
         found = self._by_valid.get(key)
         if found is None:
