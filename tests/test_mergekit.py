@@ -188,7 +188,7 @@ def test_run_goes_with_llmtailor_recipes_only(llama, tmp_path):
 
 
 def test_the_composer_loads_llama_cut_with_its_paths_found_in_the_open_run(llama):
-    """What ctrl+o does (ui.recipe_actions.adopt_recipe): the run it has open is where the paths are."""
+    """What ctrl+o does (ui.composer.ComposerScreen.adopt_recipe): the run it has open is where the paths are."""
     comp = Composition.start(list(scan(llama).checkpoints))
     recipe = load_recipe(HERE / "Llama_cut.yaml", run=llama)
     comp.load(recipe)

@@ -9,7 +9,8 @@
   subpackage past MAX_MODULES (review guidance sits well below them), and the root holds only the
   ground floor;
 - every kind of job keeps the one job contract, and only team/ makes the team's calls;
-- the composer screen's parts use of it exactly what `ui.host.ComposerHost` declares;
+- no mixins in the front end: no method types its `self` as something else (a part held together by a
+  protocol), and the composer's screen is a Textual screen alone;
 - ruff (imports sorted, F, B) and mypy find nothing;
 - no two modules share a name, and no two classes are a letter apart.
 """
@@ -233,41 +234,25 @@ def test_team_calls_are_made_by_the_team_skeleton_alone():
         assert not calls, f"{path.relative_to(ROOT)} calls team.{calls[0]}(): plug into team/transaction.py instead"
 
 
-def test_the_composer_parts_need_of_their_screen_what_composer_host_declares():
-    """The parts mixed into the composer's screen (`ui.navigation`, …) take `self: ComposerHost`
-    in every method, use of the screen exactly what `ui.host.ComposerHost` declares (nothing
-    more: a type checker would find it undeclared; nothing less: no stale declaration), and the
-    screen has all of it (a type checker checks the types: `mypy tailor_tui/ui/`)."""
-    from tailor_tui.ui import host
+def test_no_mixins():
+    """Widgets own their state and the screen wires them: no class of the front end is a part mixed into another
+    that types its `self` as the class it will be mixed into, and the composer's screen derives from Textual's screen
+    alone. (The jobs' one cost rule, `events.JobCost`, is such a trait of plain dataclasses, on purpose.)"""
+    from textual.screen import Screen
+
     from tailor_tui.ui.composer import ComposerScreen
 
-    def members(cls: ast.ClassDef) -> set[str]:
-        return {node.target.id if isinstance(node, ast.AnnAssign) else node.name for node in cls.body
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-                or isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
-
-    def classes(module) -> dict[str, ast.ClassDef]:
-        return {n.name: n for n in ast.parse(Path(module.__file__).read_text()).body if isinstance(n, ast.ClassDef)}
-
-    declared = members(classes(host)["ComposerHost"])
-    parts = [cls for cls in ComposerScreen.__mro__[1:] if cls.__module__.startswith("tailor_tui.ui.")]
-    assert {cls.__name__ for cls in parts} >= {"Navigation", "RecipeActions", "ExportActions"}
-    used = set()
-    for part in parts:
-        node = classes(sys.modules[part.__module__])[part.__name__]
-        for method in (n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
-            first = method.args.args[0]
-            assert ast.unparse(first.annotation or ast.Constant(None)) == "ComposerHost", \
-                f"{part.__name__}.{method.name}: self is not a ComposerHost"
-        used |= {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
-                 and isinstance(n.value, ast.Name) and n.value.id == "self"}
-    assert used - declared == set(), "the parts use of the screen what ComposerHost does not declare"
-    assert declared - used == set(), "ComposerHost declares what no part uses"
-    screen = classes(sys.modules[ComposerScreen.__module__])["ComposerScreen"]
-    init = next(n for n in screen.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
-    state = {n.attr for n in ast.walk(init) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
-             and isinstance(n.value, ast.Name) and n.value.id == "self"}
-    assert {name for name in declared if not hasattr(ComposerScreen, name) and name not in state} == set()
+    typed = []
+    for _name, path in _modules():
+        if path.parent.name != "ui":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.args.args:
+                first = node.args.args[0]
+                if first.arg == "self" and first.annotation is not None:
+                    typed.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert typed == [], f"methods typing their self (a mixin's mark): {typed}"
+    assert ComposerScreen.__bases__ == (Screen,)
 
 
 def test_each_module_has_a_name_of_its_own():

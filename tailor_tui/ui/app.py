@@ -23,9 +23,8 @@ from tailor_tui.events import TaskOptions
 from tailor_tui.team.sbatch import LARGE
 from tailor_tui.team.workers import prepare_worker_processes
 from tailor_tui.ui.actions import APP, bindings, palette_actions
-from tailor_tui.ui.composer import ComposerScreen
+from tailor_tui.ui.composer import ComposerOptions, ComposerScreen
 from tailor_tui.ui.dialogs import DIALOG_KEYS, Answer, Confirm, HelpScreen
-from tailor_tui.ui.host import ComposerOptions
 from tailor_tui.ui.plain import notice
 from tailor_tui.ui.progress_screen import ProgressScreen
 

@@ -2,18 +2,20 @@
 curve beside it, and what the user does there (pick, heal, save and load recipes, plan and compose,
 export).
 
-The screen owns the session's state (the composition, the scan) and binds the composer's keys (`actions`); the
-widgets own theirs: the grid its cursor, folding and block selection, the side panel (`health_pane.HealthPane`) the
-row statistics, their metric and the training curve, which the screen watches. Its other parts by task are mixins
-(`navigation`, `recipe_actions`, `export_actions`) working on its state, through what `host.ComposerHost` declares
-of the screen. Slow work (scanning, planning, statistics) runs in thread workers that post messages; widgets are
-touched only by handlers.
+The screen owns the session's state (the composition, the scan, the recipe file) and binds the composer's keys
+(`actions`); the widgets own theirs: the grid its cursor, folding and block selection, the side panel
+(`health_pane.HealthPane`) the row statistics, their metric and the training curve, which the screen watches. Its
+actions only wire: what a pick, a heal or a plan decides is the backend's (`compose.composition`, `health.guard`,
+`planning`, `export`). Slow work (scanning, planning, statistics) runs in thread workers that post messages; widgets
+are touched only by handlers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -25,35 +27,43 @@ from textual.widgets import Footer, Label, ProgressBar, Static
 from textual.worker import get_current_worker
 
 from tailor_tui.checkpoints.cache import cache_dir
-from tailor_tui.checkpoints.dcp_checkpoint import is_dcp
+from tailor_tui.checkpoints.dcp_checkpoint import DcpCheckpoint, is_dcp
 from tailor_tui.checkpoints.scan import ScanResult, scan_run
 from tailor_tui.compose.composition import Composition
 from tailor_tui.errors import OutputError, TailorError
-from tailor_tui.export.export_run import ExportResult
+from tailor_tui.events import TaskOptions
+from tailor_tui.export.dcp_to_hf import DcpHfExport, plan_dcp_hf
+from tailor_tui.export.export_plan import plan_export
+from tailor_tui.export.export_run import ExportResult, config_file, config_source
+from tailor_tui.formats.safetensors_out import parse_size
 from tailor_tui.health.guard import nonfinite_lines, planned_health, planned_nonfinite
 from tailor_tui.health.healing import heal, training_curve, training_log
 from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.dcp_plan import plan_dcp
 from tailor_tui.planning.output import not_replaceable
-from tailor_tui.team.sbatch import offer_batch
+from tailor_tui.planning.recipe_file import converted_path, load_recipe
+from tailor_tui.team.sbatch import LARGE, offer_batch, write_sbatch
 from tailor_tui.ui.actions import DETAILS, HOME, bindings
 from tailor_tui.ui.describe import LABEL, details_lines, fit_title
 from tailor_tui.ui.dialogs import Answer, Confirm, ErrorDialog, PathPrompt, PlanDialog
-from tailor_tui.ui.export_actions import ExportActions
 from tailor_tui.ui.grid import CheckpointGrid
 from tailor_tui.ui.health_pane import HealthPane
-from tailor_tui.ui.host import ComposerOptions
 from tailor_tui.ui.loss_curve import LossCurve
-from tailor_tui.ui.messages import PlanFailed, PlanReady, ScanComplete, ScanFailed, ScanProgressed
-from tailor_tui.ui.navigation import Navigation
+from tailor_tui.ui.messages import (
+    ExportFailed,
+    ExportReady,
+    PlanFailed,
+    PlanReady,
+    ScanComplete,
+    ScanFailed,
+    ScanProgressed,
+)
 from tailor_tui.ui.plain import plain, plain_lines
 from tailor_tui.ui.progress_screen import ProgressScreen
-from tailor_tui.ui.recipe_actions import RecipeActions
-from tailor_tui.units import shown, size
+from tailor_tui.units import WHOLE_NUMBER, clipped, shown, size, whole_number
 
 if TYPE_CHECKING:
     from tailor_tui.checkpoints.checkpoint import Checkpoint
-    from tailor_tui.checkpoints.dcp_checkpoint import DcpCheckpoint
     from tailor_tui.health.healing import Cell
     from tailor_tui.planning.recipe import Recipe
     from tailor_tui.ui.messages import Outcome
@@ -62,6 +72,21 @@ if TYPE_CHECKING:
 SCAN_REDRAW = 0.05  # seconds between redraws of the scan's progress
 FEW_NAMED = 3  # folders a notice of skipped ones names
 SIDE_WIDTH = 46  # columns of the side panel beside the grid, at least (tailor.tcss: #side)
+EXPORT_SHARD = "5GB"  # the largest safetensors file of an export for evaluation
+
+Saved = Callable[[Path], None]  # told where a recipe was saved (`then` of the save actions)
+
+
+@dataclass(frozen=True)
+class ComposerOptions:
+    """What the composer is started with (`make_app`)."""
+
+    run_dir: Path
+    recipe: Path | None = None  # loaded at start; a recipe that does not exist yet is where ctrl+s saves
+    workers: int | None = None  # worker processes of a composition or statistics (None: as many as fit)
+    clock: Callable[[], float] = time.monotonic  # the progress screen's (snapshot tests fix it)
+    compose_options: TaskOptions = TaskOptions()
+    batch_threshold: int = LARGE  # bytes to write from which a login node offers a batch job
 
 
 class DetailsPanel(VerticalScroll):
@@ -75,7 +100,7 @@ class DetailsPanel(VerticalScroll):
         self.screen.query_one(CheckpointGrid).focus()
 
 
-class ComposerScreen(ExportActions, Navigation, RecipeActions, Screen[None]):
+class ComposerScreen(Screen[None]):
     BINDINGS = bindings(HOME)
 
     def __init__(self, options: ComposerOptions):
@@ -542,3 +567,271 @@ class ComposerScreen(ExportActions, Navigation, RecipeActions, Screen[None]):
     def stop_statistics(self) -> None:
         """The statistics' workers stop between chunks (quitting: they are not waited for)."""
         self.health_pane.cancel.set()
+
+    # --- moving around the grid -------------------------------------------------------------
+    # (the screen's keys, not the grid's: they work from the details panel too)
+
+    def action_select_rows(self) -> None:
+        """Start (or drop) a block selection at the cursor's row; moving up or down extends it."""
+        if self.editable():
+            self.query_one(CheckpointGrid).toggle_selection()
+
+    def action_extend_selection(self, step: int) -> None:
+        if self.editable():
+            self.query_one(CheckpointGrid).extend_selection(step)
+
+    def action_clear_selection(self) -> None:
+        self.query_one(CheckpointGrid).clear_selection()
+
+    def action_fold(self) -> None:
+        """Fold the stack under the cursor (a multimodal model's vision encoder, language model…)
+        into its header line, or unfold it."""
+        if not self.editable():
+            return
+        if self.query_one(CheckpointGrid).toggle_fold() is None:
+            self.notify("this model has one stack: nothing to fold", timeout=3)
+        self.refresh_view()
+
+    def action_first_row(self) -> None:
+        if self.editable():
+            self.query_one(CheckpointGrid).move_cursor(row=0)
+
+    def action_last_row(self) -> None:
+        if self.editable():
+            grid = self.query_one(CheckpointGrid)
+            grid.move_cursor(row=grid.row_count - 1)
+
+    def action_jump(self) -> None:
+        """Go to the first row whose name starts with (else contains) what is typed."""
+        if not self.editable():
+            return
+
+        def done(value: str | None) -> None:
+            text = (value or "").strip()
+            if text and not self.query_one(CheckpointGrid).jump(text):
+                self.notify(f"no row named like '{text}'", severity="warning")
+
+        self.app.push_screen(PathPrompt("Jump to row (e.g. layers.40)", ""), done)
+
+    # --- recipes: ctrl+s, S (save as), ctrl+o; a recipe that failed to load is never the save target ------------
+
+    def action_set_world_size(self, then_plan: bool = False) -> None:
+        """Ask for the data-parallel world size to compose for (empty: the base's; in the recipe too); from the plan
+        dialog (`then_plan`), show the plan again with it."""
+        comp = self.composition
+        if comp is None or (not then_plan and not self.editable()):
+            return
+        if isinstance(comp.base_checkpoint, DcpCheckpoint):
+            self.notify("a PyTorch Distributed Checkpoint loads at any world size: there is none to choose", timeout=5)
+            return
+
+        def done(value: str | None) -> None:
+            if value is None:  # Esc: nothing changes
+                return
+            text = value.strip()
+            size = whole_number(text)
+            if text and not (size is not None and size >= 1):
+                self.app.push_screen(ErrorDialog(f"world size '{clipped(text)}': a whole number of at least 1 (the "
+                                                 f"data-parallel ranks to compose for, in {WHOLE_NUMBER}), or "
+                                                 "empty for the base's"))
+                return
+            dropped = comp.set_world_size(size if text else None)
+            if dropped:
+                self.notify(f"{', '.join(dropped)}: back to the base (their checkpoints have another world size)",
+                            severity="warning", timeout=8)
+            self.refresh_view()
+            if then_plan:
+                self.plan_worker(comp.to_recipe())
+
+        base = comp.base_checkpoint.world_size
+        self.app.push_screen(PathPrompt(f"World size to compose for (the base: {base} ranks; empty keeps it)",
+                                        str(comp.world_size or "")), done)
+
+    def action_save_recipe(self, then: Saved | None = None) -> None:
+        """Save the picks (asking where, the first time); `then(path)` once they are saved."""
+        comp = self.composition
+        if comp is None:
+            return
+        if comp.recipe_path is not None:
+            self.save_to(comp.recipe_path, then=then)
+        else:
+            self.action_save_recipe_as(then=then)
+
+    def action_save_recipe_as(self, then: Saved | None = None) -> None:
+        comp = self.composition
+        if comp is None:
+            return
+
+        def done(value: str | None) -> None:
+            if value:
+                self.save_to(Path(os.path.expanduser(value)), then=then)
+
+        if comp.recipe_path is None and comp.read_from is not None:
+            try:
+                default = converted_path(comp.read_from)
+            except TailorError:
+                default = comp.read_from.with_name("recipe.yaml")
+            title = f"Save the picks as a tailor-tui recipe ({self.rel(comp.read_from)}, LLMTailor's, stays as it is)"
+        else:
+            default, title = comp.recipe_path or self.options.recipe or Path("recipe.yaml"), "Save the recipe as"
+        self.app.push_screen(PathPrompt(title, str(default)), done)
+
+    def action_write_batch_job(self, bytes_to_write: int) -> None:
+        """Save the recipe, then write the sbatch script that composes it over several nodes."""
+        def write(recipe: Path) -> None:
+            try:
+                script = write_sbatch(recipe, bytes_to_write)
+            except TailorError as exc:
+                self.app.push_screen(ErrorDialog(str(exc)))
+                return
+            self.notify(f"wrote {self.rel(script)}; submit it with: sbatch {self.rel(script)}", timeout=15)
+
+        self.action_save_recipe(then=write)
+
+    def save_to(self, path: Path, confirmed: bool = False, then: Saved | None = None) -> None:
+        """Save there; a file the composer did not load or save is replaced only when confirmed;
+        `then(path)` once saved."""
+        comp = self.active_composition  # the save actions return before this without one
+        if path.is_dir():  # a folder is no recipe file: say so, never "Replace .?" then "Is a directory"
+            self.app.push_screen(ErrorDialog(f"{path} is a folder: name the recipe file to save, e.g. "
+                                             f"{path / 'fix.yaml'}", title="Cannot save the recipe"))
+            return
+
+        def replace(yes: Answer) -> None:
+            if yes:
+                self.save_to(path, confirmed=True, then=then)
+
+        if not confirmed and _same_file(path, comp.read_from):
+            self.app.push_screen(Confirm(f"Replace the LLMTailor recipe {self.rel(path)}?",
+                                         f"{path} is the LLMTailor recipe these picks were read from. Replacing it "
+                                         "writes a tailor-tui recipe in its place: its slices become one pick per "
+                                         "row, and LLMTailor cannot read it any more. Back keeps it; save to "
+                                         "another name with S.", accept="Replace", decline="Back"), replace)
+            return
+        if not confirmed and path.exists() and not _same_file(path, comp.recipe_path):
+            self.app.push_screen(Confirm(f"Replace {self.rel(path)}?",
+                                         f"{path} exists and was not loaded into this composer: its contents would "
+                                         "be replaced by these picks.", accept="Replace", decline="Back"), replace)
+            return
+        try:
+            saved = comp.save(path)
+        except TailorError as exc:
+            self.app.push_screen(ErrorDialog(str(exc)))
+            return
+        self.notify(f"recipe saved to {saved}; run it with: tailor-tui --apply {saved}")
+        self.update_title()
+        if then is not None:
+            then(Path(saved))
+
+    def action_load_recipe(self) -> None:
+        if not self.editable():
+            return
+        comp = self.active_composition
+
+        def done(value: str | None) -> None:
+            if value:
+                self.adopt_recipe(Path(os.path.expanduser(value)))
+                self.refresh_view()
+
+        def ask_path(yes: Answer = True) -> None:
+            if yes:
+                self.app.push_screen(PathPrompt("Load a recipe", str(comp.recipe_path or "")), done)
+
+        if comp.saved:
+            ask_path()
+        else:
+            self.app.push_screen(Confirm("Load a recipe?", "The current picks are not saved; loading a recipe "
+                                         "replaces them (undo brings them back).", accept="Load", decline="Back"),
+                                 ask_path)
+
+    def adopt_recipe(self, path: Path) -> None:
+        try:
+            recipe = load_recipe(path, run=self.options.run_dir)  # an LLMTailor recipe's paths: in this run
+            self.active_composition.load(recipe)
+        except TailorError as exc:
+            self.app.push_screen(ErrorDialog(str(exc), title="Cannot load the recipe"))
+            return
+        if recipe.converted_from is not None:  # ctrl+s asks where: never over the LLMTailor file
+            self.notify(f"read {self.rel(path)} as an {recipe.converted_from} recipe; ctrl+s saves the picks "
+                        "as a tailor-tui recipe beside it, leaving it as it is")
+
+    # --- e: export for evaluation ----------------------------------------------------------------------------------
+    # Asks for the folder (beside the output by default), plans the export in a thread, then runs it on the progress
+    # screen: the backend of `tailor-tui --export`. A DeepSpeed-layout run records no config.json: the model's config
+    # is asked for too (as `--config`); left empty, the folder holds the weights and the notice says how to add one.
+
+    def action_export(self) -> None:
+        if not self.editable():
+            return
+        comp = self.active_composition
+        output = comp.output or comp.default_output()
+
+        def chosen(value: str | None) -> None:
+            if not value:
+                return
+            recipe = dataclasses.replace(comp.to_recipe(), output=Path(os.path.expanduser(value)))
+            if comp.base_checkpoint.folder.model_config:  # the config comes with the base
+                self.export_worker(recipe, None)
+                return
+
+            def with_config(config: str | None) -> None:
+                if config is not None:  # Esc cancels the export; empty: the weights only
+                    self.export_worker(recipe, Path(os.path.expanduser(config)) if config else None)
+
+            self.app.push_screen(PathPrompt("The model's config.json, or a folder with it and its tokenizer "
+                                            "(a DeepSpeed-layout or DCP run records none)",
+                                            placeholder="empty: export the weights only"), with_config)
+
+        self.app.push_screen(PathPrompt("Export for evaluation (a plain HF model folder) to",
+                                        str(output.with_name(output.name + "-hf"))), chosen)
+
+    @work(thread=True, exclusive=True, group="plan")
+    def export_worker(self, recipe: Recipe, config: Path | None) -> None:
+        try:
+            if is_dcp(recipe.base):  # a composition of PyTorch Distributed Checkpoints: its writers refuse NaN/Inf
+                found = plan_dcp_hf(plan_dcp(recipe), None, parse_size(EXPORT_SHARD), allow_nonfinite=False)
+                self.post_message(ExportReady(found, config_file(config) if config is not None else None))
+                return
+            export = plan_export(build_plan(recipe), None, parse_size(EXPORT_SHARD))
+            config_source(export, config)  # a folder without config.json is said now, not after the weights
+            # the rows it would take NaN/Inf from, by their checkpoints' statistics (computed here if absent)
+            self.post_message(ExportReady(export, config, dict(planned_nonfinite(export.plan, cache=cache_dir()))))
+        except TailorError as exc:
+            self.post_message(ExportFailed(str(exc)))
+
+    def on_export_failed(self, message: ExportFailed) -> None:
+        self.app.push_screen(ErrorDialog(message.message, title="Cannot export"))
+
+    def on_export_ready(self, message: ExportReady) -> None:
+        if not message.nonfinite:
+            self.start_export(message)
+            return
+        body = "\n".join(["✗ the exported model would hold non-finite values:",
+                          *map(shown, nonfinite_lines(message.export.plan, message.nonfinite)),
+                          "Enter goes back (h heals them); ! exports anyway, as --export --allow-nonfinite does"])
+
+        def answer(yes: Answer) -> None:
+            if yes is True:
+                self.start_export(message)
+
+        self.app.push_screen(PlanDialog("Export this model?", body, accept="Export anyway", decline="Back",
+                                        risky=True), answer)
+
+    def start_export(self, message: ExportReady) -> None:
+        """Run the export on the progress screen."""
+        export = message.export
+        if (message.config if isinstance(export, DcpHfExport) else config_source(export, message.config)) is None:
+            self.notify("no config.json for this model: the folder will hold the weights only; export again "
+                        "and give its config.json (or tailor-tui --export … --config PATH)", severity="warning",
+                        timeout=10)
+        self.composing = True
+        self.app.push_screen(ProgressScreen(export.plan, self.options.workers, clock=self.options.clock,
+                                            options=self.options.compose_options,
+                                            title=f"Exporting {self.rel(export.plan.output)}", export=export,
+                                            export_config=message.config, finished=self.compose_finished),
+                             self.compose_closed)
+
+
+def _same_file(path: Path, other: Path | None) -> bool:
+    """Whether `path` is the file `other` names (both there: compared by identity)."""
+    return other is not None and path.exists() and other.exists() and os.path.samefile(path, other)

@@ -189,14 +189,22 @@ class CheckpointGrid(ScrollView, can_focus=True):
             return None
         return folded.name, [r.name for r in self.composition.rows[folded.first: folded.last + 1]]
 
-    def reveal(self, row: int) -> None:
-        """Unfold the stack `row` is in, if it is folded (a jump to a row by name shows the row)."""
-        folded = self._layout.folded_at(row)
+    def jump(self, text: str) -> bool:
+        """Put the cursor on the first row named `text`, else whose name starts with it, else that contains it (its
+        stack unfolded); whether there is one."""
+        names = [r.name for r in self.composition.rows] if self.composition is not None else []
+        found = next((i for match in (str.__eq__, str.startswith, str.__contains__)
+                      for i, name in enumerate(names) if match(name, text)), None)
+        if found is None:
+            return False
+        folded = self._layout.folded_at(found)
         if folded is not None:
             self.folded.discard(folded.name)
             self._lay_out()
             self._lines.clear()
             self.refresh()
+        self.move_cursor(row=found)
+        return True
 
     def toggle_fold(self) -> str | None:
         """Fold the stack under the cursor into its header line, or unfold it; its name, or None."""

@@ -92,6 +92,11 @@ class ExportReady(Message):
 
 
 @dataclass(eq=False)
+class ExportFailed(Message):
+    message: str
+
+
+@dataclass(eq=False)
 class PlanFailed(Message):
     """`replaceable`: the output is an earlier tailor-tui output the user may choose to replace
     (what --force does headlessly), with `recipe` to plan again."""
