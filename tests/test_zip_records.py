@@ -184,6 +184,26 @@ def test_verify_proves_a_copied_file_loads_as_torch_would(run, tmp_path, flip):
     assert "rng_state_1.pth: torch's reader cannot read it" in result.stdout, result.stdout
 
 
+def test_verify_checks_a_copied_files_records_as_it_reads_it(run, tmp_path):
+    """A copied torch file's records are checked against their CRC-32s on the one read that compares it with the
+    base's (not by reading it again by path): a byte of its pickle changed alike in the base and the output, so that
+    they still match, is a FAIL line naming the file and the record."""
+    recipe = write_recipe(tmp_path, run / "checkpoint-6", {"layers.1": run / "checkpoint-4"})
+    assert tailor("--apply", recipe).returncode == 0
+    for folder in (run / "checkpoint-6", tmp_path / "composed"):
+        target = folder / "rng_state_1.pth"
+        with zipfile.ZipFile(target) as z:
+            at = next(i for i in z.infolist() if i.filename.endswith("data.pkl")).header_offset
+        with open(target, "rb") as f:
+            f.seek(at + 26)
+            name, extra = struct.unpack("<HH", f.read(4))  # the local header's own lengths
+        poke(target, at + 30 + name + extra + 5, "<B", lambda v: v ^ 0x01)
+    result = tailor("--verify", recipe)
+    assert result.returncode == 7, result.stdout + result.stderr
+    assert "composed/rng_state_1.pth: torch's reader cannot read it (record rng_state_1/data.pkl fails its " \
+           "CRC-32 check" in result.stdout, result.stdout
+
+
 def test_a_rank_file_laid_out_as_one_checked_before_passes_or_fails_as_it_would_alone(run, tmp_path):
     """A file laid out as one checked before but for its records' names and bytes (the next rank's, issue
     47) is taken by one comparison and a CRC-32 per record (`zipdir.CheckedArchives`): whatever byte of it is

@@ -328,6 +328,23 @@ def structure_in(path: Path, whole: bytes) -> Structure:
                       None)
 
 
+def zip_format(path: Path) -> bool:
+    """Whether `path` is a zip-format torch file (False: a legacy-format one, or no torch file); CheckpointError for
+    a zip archive torch's reader would take for a legacy-format file, and fail on."""
+    fmt = file_format(path)
+    if fmt is None and _ends_as_zip(path):
+        raise CheckpointError(f"{path}: a zip archive that does not start with a record's local header (damaged); "
+                              f"{RECOPY}")
+    return fmt == "zip"
+
+
+def zip_records(path: Path) -> dict[str, Record]:
+    """The records of a zip-format torch file, its directory and local headers held to what torch's reader accepts
+    (CheckpointError naming the file and what, in one line); none for a legacy-format file or no torch file. Their
+    bytes are not read: a caller checks each against its CRC-32 as it reads them."""
+    return _records(path) if zip_format(path) else {}
+
+
 def check_crcs(path: Path, inspect=None, *, skip: frozenset = frozenset(), small: int | None = None) -> None:
     """Read every record of a zip-format torch file and check the CRC-32 each stores
     (CheckpointError naming the record if one fails; torch.load itself never checks them).
@@ -335,11 +352,7 @@ def check_crcs(path: Path, inspect=None, *, skip: frozenset = frozenset(), small
     `inspect(offset, chunk)` sees every chunk read. `skip`: names of records the caller
     checks itself as it reads them. A file of at most `small` bytes (default SMALL_FILE) is
     read whole and checked in memory."""
-    fmt = file_format(path)
-    if fmt is None and _ends_as_zip(path):  # torch.load would take it for a legacy file, and fail
-        raise CheckpointError(f"{path}: a zip archive that does not start with a record's local header (damaged); "
-                              f"{RECOPY}")
-    if fmt != "zip":
+    if not zip_format(path):
         return
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size

@@ -43,7 +43,7 @@ from tailor_tui.checkpoints.checkpoint import (
 from tailor_tui.checkpoints.side_files import MAX_RECORD, read_small
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import Emit, TaskOptions
-from tailor_tui.formats.ptfile import check_crcs
+from tailor_tui.formats.ptfile import zip_records
 from tailor_tui.planning.plan import ComposePlan
 from tailor_tui.planning.provenance import changed_since, read_record
 from tailor_tui.team.workers import STREAMING_WORKER, run_calls, workers_for
@@ -285,8 +285,8 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
 
 def _claim_copied(ranks: RankClaims, copied: dict | None, *, base_changed: bool) -> None:
     """The run-level files copied from the base: each the base's byte for byte (claimed: read once, as the rank
-    files are), or where the base changed since the composition, the bytes whose CRC-32 the provenance record
-    holds (`copied`); a torch file among them read as torch's reader reads it."""
+    files are), a torch file among them read as torch's reader reads it (`_read_as_torch_reads`); or where the base
+    changed since the composition, the bytes whose CRC-32 the provenance record holds (`copied`)."""
     plan, report = ranks.plan, ranks.report
     out, root = plan.output, plan.other_files_root()
     for rel, to in plan.other_files():
@@ -300,9 +300,9 @@ def _claim_copied(ranks: RankClaims, copied: dict | None, *, base_changed: bool)
         f = ranks.claims.file(out / to, label=COPIED_LABEL)
         ranks.outputs.add(f)
         size = ranks.claims.size(f)
-        ranks.claims.evidence(f, 0, size, None, str(to))
         if base_changed:  # what was copied, as recorded
             assert copied is not None
+            ranks.claims.evidence(f, 0, size, None, str(to))
             ranks.claim(Tag("taken", -1, None, f"{out / to}: differs from what the composition copied from the "
                                                f"base's {rel} (its provenance record)", expected=copied[str(to)]),
                         f, 0, size)
@@ -311,23 +311,39 @@ def _claim_copied(ranks: RankClaims, copied: dict | None, *, base_changed: bool)
         if ranks.claims.size(g) != size:
             report.add(None, f"{out / to}: differs from the base's {root / rel} ({size:,} bytes, the base's "
                              f"{ranks.claims.size(g):,})")
+            _read_as_torch_reads(ranks, f, out / to)  # (its records still checked)
             continue
         ranks.claims.evidence(g, 0, size, None, str(rel))
-        ranks.claim(Tag("copied", -1, None, f"{out / to}: differs from the base's {root / rel}", 0, g), f, 0, size,
-                    g, 0)
-        if (why := _unreadable(root / rel)) is not None:  # (the same bytes: does torch's reader read them?)
-            report.add(None, f"{out / to}: torch's reader cannot read it ({why}), nor the base's {root / rel}")
+        ranks.copied[f] = root / rel
+        for at, length in _read_as_torch_reads(ranks, f, out / to):
+            ranks.claim(Tag("copied", -1, None, f"{out / to}: differs from the base's {root / rel}", 0, g), f, at,
+                        length, g, at)
 
 
-def _unreadable(path: Path) -> str | None:
-    """None where the torch file `path` (a zip-format one; any other file: None) reads as torch's reader reads it,
-    every record whole and matching its CRC-32 (`formats.ptfile.check_crcs`: the directory held to what miniz
-    accepts, torch-free); else why not, in one line."""
+def _read_as_torch_reads(ranks: RankClaims, f: int, path: Path) -> list[tuple[int, int]]:
+    """The parts of the copied file `path` (the claims' file `f`) its claims cover, tiling it: a zip-format torch
+    file's records, each checked against its CRC-32 as the file is read (evidence), and the headers between them;
+    one part for any other file. A directory torch's reader would refuse (`formats.ptfile.zip_records`: what miniz
+    accepts, torch-free) is a FAIL line, and the file is still compared whole."""
+    size = ranks.claims.size(f)
     try:
-        check_crcs(path)
+        records = sorted(zip_records(path).values(), key=lambda r: r.data_offset)
     except CheckpointError as exc:
-        return str(exc).removeprefix(f"{path}: ").split("; ")[0][:200]
-    return None
+        why = str(exc).removeprefix(f"{path}: ").split("; ")[0][:200]
+        ranks.report.add(None, f"{path}: torch's reader cannot read it ({why})")
+        records = []
+    parts: list[tuple[int, int, int | None, str]] = []
+    at = 0
+    for r in records:
+        if r.data_offset > at:
+            parts.append((at, r.data_offset - at, None, "its headers"))
+        parts.append((r.data_offset, r.size, r.crc, r.name))
+        at = r.data_offset + r.size
+    if size > at or not parts:
+        parts.append((at, size - at, None, "its directory" if parts else "its bytes"))
+    for at, length, crc_, name in parts:
+        ranks.claims.evidence(f, at, length, crc_, name)
+    return [(at, length) for at, length, _crc, _name in parts if length]
 
 
 def _sources_changed(plan: ComposePlan, record: dict | None) -> dict[int, list[str]]:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from tailor_tui.checked.evidence import record_failed
-from tailor_tui.errors import CheckpointError
+from tailor_tui.errors import RECOPY, CheckpointError
 from tailor_tui.events import ByteCounter, Emit
 from tailor_tui.formats.ds_format import optimizer_state
 from tailor_tui.formats.pickled import StorageRef, TensorRef
@@ -146,6 +146,7 @@ class RankClaims:
         self.claims = streamed.Comparison()
         self.tags: list[Tag] = []
         self.outputs: set[int] = set()
+        self.copied: dict[int, Path] = {}  # an output file copied from the base -> the base's
         self.file_source: dict[int, int] = {}  # claims' file -> the plan's source it is of
         self.names = [src.name for src in plan.sources]
         self.files: dict[Path, TorchFile | SlicesFile] = {}  # every file read, by path: its structure read once
@@ -161,6 +162,7 @@ class RankClaims:
     def drop(self) -> None:
         """Let go of the claims, their tags and the files' structures, once checked (they refer to each other)."""
         self.tags, self.claims, self.files, self._compared = [], streamed.Comparison(), {}, {}
+        self.copied = {}
 
     def claim(self, tag: Tag, out: int, at: int, n: int, source: int = streamed.NOTHING, source_at: int = 0, *,
               cast: str = "") -> None:
@@ -281,6 +283,11 @@ class RankClaims:
         bad: set[int] = set()
         for stretch, value in outcome.failed:
             path = claims.paths[stretch.file]
+            if stretch.file in self.copied:  # (its bytes may be the base's: compared with them as they are read)
+                self.report.add(None, f"{path}: torch's reader cannot read it (record {stretch.name} fails its CRC-32 "
+                                      f"check: stored {stretch.crc:08x}, its bytes give {value:08x}); compose it "
+                                      f"again, or where the base's {self.copied[stretch.file]} fails alike, {RECOPY}")
+                continue
             if stretch.file in self.outputs:  # the output damaged since it was written: a failed verification
                 self.report.add(None, streamed.damaged_output(path, stretch, value))
                 continue
