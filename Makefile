@@ -22,7 +22,7 @@ demo-apply: install
 
 # resume the composed demo checkpoint with the real HF Trainer on 2 ranks, one step: its step and loss
 demo-resume: demo-apply
-	$(BIN)/python -m tailor_tui.runs.demo_run resume-demo demo-run/checkpoint-6-demo-recipe
+	$(BIN)/python -m tailor_tui.demo.demo_run resume-demo demo-run/checkpoint-6-demo-recipe
 
 # two test processes: much of the suite waits (pilot pauses, compositions slowed to be signalled),
 # and the real runs each test needs are made once, by whichever process needs one first (three were

@@ -25,10 +25,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' real runs (tests/runs.py)
 
 from bench_merge import bench_run  # noqa: E402
-
-from tailor_tui.runs.demo_run import RunSpec, make_run  # noqa: E402
+from runs import RunSpec, make_run  # noqa: E402
 
 # 78 layers + embed_tokens + norm + lm_head = 81 rows; 100 checkpoints of 8 ranks
 WIDE = RunSpec(world_size=8, layout="deepspeed", layers=78, hidden=16, steps=100, save_every=1)

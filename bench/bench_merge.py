@@ -23,8 +23,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' real runs (tests/runs.py)
 
-from tailor_tui.runs.demo_run import RunSpec, make_run  # noqa: E402
+from runs import RunSpec, make_run  # noqa: E402
 
 SPEC = RunSpec(world_size=4, dtype="bf16", layout="deepspeed", layers=12, hidden=1024,
                intermediate=2816, vocab=32000, steps=2, save_every=1)

@@ -31,8 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from refusal_cases import CASES, snapshot, tailor_path  # noqa: E402
-
-from tailor_tui.runs.demo_run import RunSpec, make_run  # noqa: E402
+from runs import RunSpec, make_run  # noqa: E402
 
 SPEC = RunSpec()  # tests/conftest.py's hf_bf16_2
 SECONDS, PEAK = 5.0, 256 << 20

@@ -25,8 +25,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' real runs (tests/runs.py)
 
-from tailor_tui.runs.demo_run import RunSpec, make_run  # noqa: E402
+from runs import RunSpec, make_run  # noqa: E402
 
 SPEC = RunSpec(world_size=8, layout="deepspeed", layers=4, hidden=32, steps=100, save_every=1)
 

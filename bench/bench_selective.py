@@ -28,9 +28,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' real runs (tests/runs.py)
 
-from tailor_tui.runs import demo_run, ranks  # noqa: E402
-from tailor_tui.runs.demo_run import RunSpec  # noqa: E402
+import run_models  # noqa: E402
+from runs import RunSpec, ds_config  # noqa: E402
+
+from tailor_tui.demo import ranks  # noqa: E402
 
 SPEC = RunSpec(world_size=4, dtype="bf16", layout="deepspeed", layers=12, hidden=1024,
                intermediate=2816, vocab=32000, steps=1, save_every=1)
@@ -50,10 +53,10 @@ def _bench_rank(rank, world, port, spec, out: str, repeats: int) -> None:
     from tailor_tui.selective.saver import Filter, Parity, model_rows, row_naming, save_rows
 
     out = Path(out)
-    model = demo_run.build_model(spec)
-    opt = torch.optim.AdamW(demo_run.param_groups(model), lr=1e-3)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=demo_run.ds_config(spec, False))
-    ids = demo_run.training_batches(spec, 1, rank)[0]
+    model = run_models.build_model(spec)
+    opt = torch.optim.AdamW(run_models.param_groups(model), lr=1e-3)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(spec, False))
+    ids = run_models.training_batches(spec, 1, rank)[0]
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()
 

@@ -37,10 +37,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' real runs (tests/runs.py)
 
 from bench_merge import as_installed  # noqa: E402
-
-from tailor_tui.runs.demo_run import RunSpec, make_run  # noqa: E402
+from runs import RunSpec, make_run  # noqa: E402
 
 TAILOR = str(Path(sys.executable).with_name("tailor-tui"))
 SPEC = RunSpec(world_size=2, layout="deepspeed", layers=80, hidden=8, steps=8, save_every=2)

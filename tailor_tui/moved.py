@@ -5,7 +5,8 @@ that moved is kept by one rule, all of it here:
 
 - a module that moved whole is a line of MODULES (old path -> new module); the import hook `OldPaths`,
   installed by `tailor_tui/__init__.py`, serves every old path of MODULES: `import old` warns once, naming the
-  new module, and gives a module holding the new module's very objects (no file is kept at the old path);
+  new module, and gives a module holding the new module's very objects (no file is kept at the old path; an old
+  package that is gone is an empty one holding them);
 - a name that moved out of a module the docs show gets `__getattr__ = moved.names(__name__, {name: new
   module})`: it warns where it is used. A subpackage's `__init__` gives its public API, found in its modules
   only when first used (torch is imported by the module that needs it, not by the package), through the same
@@ -27,7 +28,8 @@ import warnings
 MODULES = {
     "tailor_tui.selective_hf": "tailor_tui.selective.hf",
     "tailor_tui.run_saves": "tailor_tui.selective.run_saves",
-    "tailor_tui.demo_run": "tailor_tui.runs.demo_run",  # `python -m tailor_tui.demo_run`
+    "tailor_tui.demo_run": "tailor_tui.demo.demo_run",  # `python -m tailor_tui.demo_run`
+    "tailor_tui.runs.demo_run": "tailor_tui.demo.demo_run",  # `python -m tailor_tui.runs.demo_run`
 }
 
 
@@ -62,13 +64,19 @@ class OldPaths:
     importlib.resources they import) took ~5 ms of every start of tailor-tui and of its workers."""
 
     def find_spec(self, fullname, path=None, target=None):
-        return importlib.util.spec_from_loader(fullname, self) if fullname in MODULES else None
+        # an old package that is gone is an empty one, where its old modules kept are found (by this hook)
+        package = any(old.startswith(fullname + ".") for old in MODULES)
+        if fullname not in MODULES and not package:
+            return None
+        return importlib.util.spec_from_loader(fullname, self, is_package=package)
 
     def create_module(self, spec):
         return None  # a plain module
 
     def exec_module(self, module: types.ModuleType) -> None:
-        old, new = module.__name__, MODULES[module.__name__]
+        old, new = module.__name__, MODULES.get(module.__name__)
+        if new is None:  # (a package only holding old modules)
+            return
         warnings.warn(f"{old} is now {new}", DeprecationWarning, stacklevel=2)
         target = importlib.import_module(new)
         public = getattr(target, "__all__", None) or [n for n in vars(target) if not n.startswith("_")]

@@ -1,5 +1,6 @@
 """Runs saved by Accelerate's `save_state` with the DeepSpeed plugin (ZeRO-3), and resuming them
-with `load_state`: real Accelerate and DeepSpeed on CPU, ranks spawned as tailor_tui.runs.demo_run does.
+with `load_state`: real Accelerate and DeepSpeed on CPU, ranks spawned as the demo run's are
+(`tailor_tui.demo.ranks`).
 Test code: the tests' fixture makes these runs (`conftest.real_run`); tailor-tui itself needs none of it.
 
 `make_accelerate_run(out, spec)` trains `run_models.build_model(spec)` with an `Accelerator`
@@ -23,9 +24,11 @@ import json
 import os
 from pathlib import Path
 
-from tailor_tui.runs.demo_run import RunSpec, ds_config, resume_with
-from tailor_tui.runs.models import batch_inputs, build_model, param_groups
-from tailor_tui.runs.ranks import quiet, setup_rank, spawn_ranks
+from run_models import batch_inputs, build_model, param_groups
+from runs import RunSpec, ds_config
+
+from tailor_tui.demo.demo_run import resume_with
+from tailor_tui.demo.ranks import quiet, setup_rank, spawn_ranks
 
 ROWS_PER_BATCH = 2  # ds_config's train_micro_batch_size_per_gpu
 ROW_LEN = 8

@@ -32,17 +32,21 @@ from faults import inject
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+import runs  # noqa: E402
+from runs import DEMO_RUN, RunSpec  # noqa: E402
+
+from tailor_tui.demo import demo_run  # noqa: E402
 from tailor_tui.formats.ds_format import parse_version  # noqa: E402
-from tailor_tui.runs import demo_run  # noqa: E402
-from tailor_tui.runs.demo_run import DEMO, RunSpec  # noqa: E402
+
+RUNS_SCRIPT = Path(runs.__file__)  # `python RUNS_SCRIPT make OUT SPEC`: a run made by another interpreter or release
 
 RUNS = {
     # HF Trainer layout, 2 ranks, bf16, separate lm_head
     "hf_bf16_2": RunSpec(),
     # the demo run (`tailor-tui --make-demo`): the same, with layers.2 blown up before its step-6 save,
-    # pinned (known values at every save: runs/pinned.py), as are the other runs whose numbers a snapshot
+    # pinned (known values at every save: tailor_tui/demo/pinned.py), as are the other runs whose numbers a snapshot
     # or a sample shows: no test expects a float that training computed on this CPU
-    "demo": DEMO,
+    "demo": DEMO_RUN,
     # another training of the same model (other initial weights and data order): another run
     "hf_bf16_2_seed1": RunSpec(seed=1),
     # the same model but for one thing each, which a recipe cannot mix with hf_bf16_2's (one save each)
@@ -158,7 +162,7 @@ RUNS = {
     # Qwen2-VL and Qwen2.5-VL (a ViT of 2 blocks and a patch merger before a Qwen2; images as their
     # processor flattens them, `image_grid_thw`, M-RoPE) and Mllama (a tiled ViT with local and gated
     # global blocks, a projector, and a Llama whose layers.1 is a cross-attention layer), in bf16: the
-    # runs make a model of sub-models whole inside zero.Init (runs.models.base_model)
+    # runs make a model of sub-models whole inside zero.Init (run_models.base_model)
     "hf_qwen2_vl": RunSpec(arch="qwen2_vl", layers=3, steps=4, save_every=2),
     "hf_qwen2_5_vl": RunSpec(arch="qwen2_5_vl", layers=3, steps=4, save_every=2),
     "hf_mllama": RunSpec(arch="mllama", layers=3, steps=4, save_every=2),
@@ -226,21 +230,28 @@ def _cache_root() -> Path:
 
 
 def _run_modules() -> list[Path]:
-    """The source of every module a run's making can execute: demo_run, the Accelerate runs
-    (`accelerate_run`, beside this file) and the tailor_tui modules they import, transitively (the
-    selective savers, the model-file layout record, run_saves, …)."""
-    root = Path(demo_run.__file__).parent.parent
-    accelerate = Path(__file__).with_name("accelerate_run.py")
-    seen, todo = set(), ["runs.demo_run", *re.findall(r"^\s*from tailor_tui\.([\w.]+) import", accelerate.read_text(),
-                                                     flags=re.M)]
+    """The source of every module a run's making can execute: the tests' runs (`runs`, its models and optimizers,
+    the Accelerate runs of `accelerate_run`, beside this file) and the tailor_tui modules they import, transitively
+    (the demo's training, the selective savers, the model-file layout record, run_saves, …)."""
+    here, root = Path(__file__).parent, Path(demo_run.__file__).parent.parent.parent
+    mine = [here / f"{name}.py" for name in ("runs", "run_models", "run_optimizers", "accelerate_run")]
+
+    def imported(path: Path) -> list[str]:
+        text = path.read_text()
+        return [*re.findall(r"^\s*from (tailor_tui[\w.]*) import", text, flags=re.M),
+                *(f"{package}.{name.strip()}" for package, names in
+                  re.findall(r"^\s*from (tailor_tui[\w.]*) import ([\w, ]+)$", text, flags=re.M)
+                  for name in names.split(","))]
+
+    seen: set[Path] = set()
+    todo = [name for path in mine for name in imported(path)]
     while todo:
-        name = todo.pop()
-        path = root / (name.replace(".", "/") + ".py")
-        if name in seen or not path.is_file():
+        path = root / (todo.pop().replace(".", "/") + ".py")
+        if path in seen or not path.is_file():
             continue
-        seen.add(name)
-        todo += re.findall(r"^\s*from tailor_tui\.([\w.]+) import", path.read_text(), flags=re.M)
-    return [accelerate, *sorted(root / (name.replace(".", "/") + ".py") for name in seen)]
+        seen.add(path)
+        todo += imported(path)
+    return [*mine, *sorted(seen)]
 
 
 def _key(spec: RunSpec, ds_version: str) -> str:
@@ -294,7 +305,7 @@ def _install_release(version: str, folder: Path) -> None:
 
 
 def with_deepspeed(version: str, *args: str) -> subprocess.CompletedProcess:
-    """Run `python -m tailor_tui.runs.demo_run ARGS` with DeepSpeed `version` (see demo_run.main)."""
+    """Run `python tests/runs.py ARGS` with DeepSpeed `version` (see runs.main)."""
     env = dict(os.environ)
     folder = deepspeed_env(version)
     if folder is not None:
@@ -304,16 +315,16 @@ def with_deepspeed(version: str, *args: str) -> subprocess.CompletedProcess:
         # 2.6 made weights_only=True: it then refuses its own ZeroStageEnum. Users of those
         # releases resume with torch's documented switch back to the old default, as here.
         env["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
-    done = subprocess.run([sys.executable, "-m", "tailor_tui.runs.demo_run", *args], env=env,
+    done = subprocess.run([sys.executable, str(RUNS_SCRIPT), *args], env=env,
                           capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"deepspeed {version}: demo_run {args[0]} failed:\n{done.stderr[-4000:]}"
+    assert done.returncode == 0, f"deepspeed {version}: runs {args[0]} failed:\n{done.stderr[-4000:]}"
     return done
 
 
 def resume_with(version: str, ckpt: Path, spec: RunSpec, resave: Path) -> list[float]:
-    """demo_run.resume_and_step, run by DeepSpeed `version`: the losses of one more step."""
+    """runs.resume_and_step, run by DeepSpeed `version`: the losses of one more step."""
     if version == INSTALLED_DEEPSPEED:
-        return demo_run.resume_and_step(ckpt, spec, resave)
+        return runs.resume_and_step(ckpt, spec, resave)
     out = with_deepspeed(version, "resume", str(ckpt), spec.key(), str(resave)).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -411,11 +422,13 @@ def cached_run(name: str, deepspeed: str = INSTALLED_DEEPSPEED, python: tuple[st
                 make_accelerate_run(folder, spec)
             elif python is not None:
                 assert deepspeed == INSTALLED_DEEPSPEED, "another interpreter makes runs with the installed DeepSpeed"
-                done = subprocess.run([python_env(*python), "-m", "tailor_tui.runs.demo_run", "make", str(folder),
+                done = subprocess.run([python_env(*python), str(RUNS_SCRIPT), "make", str(folder),
                                        spec.key()], capture_output=True, text=True, timeout=600)
-                assert done.returncode == 0, f"python {python[1]}: demo_run make failed:\n{done.stderr[-4000:]}"
+                assert done.returncode == 0, f"python {python[1]}: runs make failed:\n{done.stderr[-4000:]}"
+            elif name == "demo" and deepspeed == INSTALLED_DEEPSPEED:  # as `tailor-tui --make-demo` makes it
+                demo_run.make_run(folder, demo_run.DEMO)
             elif deepspeed == INSTALLED_DEEPSPEED:
-                demo_run.make_run(folder, spec)
+                runs.make_run(folder, spec)
             else:
                 with_deepspeed(deepspeed, "make", str(folder), spec.key())
     return folder

@@ -26,14 +26,13 @@ def _rank(rank: int, world: int, ckpt: str, spec_file: str, out: str, port: int)
                       LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import torch.distributed.checkpoint as dcp
+    from run_models import batch_inputs, build_model
+    from run_optimizers import make_optimizer
+    from runs import RunSpec
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
-    from tailor_tui.runs.demo_run import RunSpec
-    from tailor_tui.runs.models import batch_inputs, build_model
-    from tailor_tui.runs.optimizers import make_optimizer
 
     spec = RunSpec.from_key(open(spec_file).read())
     model = build_model(spec).float()

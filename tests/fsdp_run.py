@@ -32,12 +32,11 @@ def _rank(rank: int, world: int, out: str, key: str, port: int, layout: str) -> 
                       LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import torch.distributed.checkpoint as dcp
+    from run_models import batch_inputs, build_model, param_groups
+    from runs import RunSpec
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
-    from tailor_tui.runs.demo_run import RunSpec
-    from tailor_tui.runs.models import batch_inputs, build_model, param_groups
 
     spec = RunSpec.from_key(key)
     model = build_model(spec).float()

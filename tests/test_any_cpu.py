@@ -3,7 +3,7 @@
 Training in float32/bf16 on a CPU is not bit-reproducible across machines: torch's vector kernels
 round differently (`ATEN_CPU_CAPABILITY=default` runs torch's other kernels on this machine and
 shows it). The runs whose numbers the snapshots and the README's samples show are pinned
-(tailor_tui/runs/pinned.py): here the demo run is trained again under torch's default kernels, and
+(tailor_tui/demo/pinned.py): here the demo run is trained again under torch's default kernels, and
 every number tailor-tui shows of it, and every tensor it holds, is the same as the cached run's.
 """
 
@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 import torch
-from conftest import checkpoints_of
+from conftest import RUNS_SCRIPT, checkpoints_of
 from helpers import tailor
 from safetensors.torch import load_file
 from zero_reader import read_full_state
@@ -35,7 +35,7 @@ def test_a_pinned_run_shows_the_same_numbers_under_torchs_other_kernels(real_run
                           env=env, capture_output=True, text=True, check=True)
     assert said.stdout.strip() == "DEFAULT"
     other = tmp_path / "default-kernels"
-    made = subprocess.run([sys.executable, "-m", "tailor_tui.runs.demo_run", "make", str(other), spec.key()],
+    made = subprocess.run([sys.executable, str(RUNS_SCRIPT), "make", str(other), spec.key()],
                           env=env, capture_output=True, text=True, timeout=600)
     assert made.returncode == 0, made.stderr[-4000:]
 

@@ -33,11 +33,11 @@ from helpers import (
     weight_files,
     write_recipe,
 )
+from runs import resume_and_step
 from safetensors import safe_open
 from zero_reader import read_full_state
 
 from tailor_tui.checkpoints.checkpoint import open_checkpoint
-from tailor_tui.runs.demo_run import resume_and_step
 
 QWEN2_VL_ROWS = [(r"(?:model\.)?visual\.blocks\.(\d+)\.", r"vision.blocks.\1"),
                  (r"(?:model\.)?visual\.(\w+)\.", r"vision.\1"),
@@ -282,8 +282,7 @@ def test_peft_output_loads_as_an_adapter(real_run, composed):
     if name != "hf_peft_lora":
         pytest.skip("PEFT only")
     from peft import PeftModel, get_peft_model_state_dict
-
-    from tailor_tui.runs.models import base_model
+    from run_models import base_model
 
     model = PeftModel.from_pretrained(base_model(spec), str(out))
     state = get_peft_model_state_dict(model)  # the adapter as PEFT loaded it, named as PEFT saves it

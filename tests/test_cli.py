@@ -314,7 +314,7 @@ def test_ctrl_c_during_statistics_says_what_was_cancelled(real_run, tmp_path):
 def test_make_demo_names_training_checkpoints_only_and_the_composed_demo_resumes(real_run, tmp_path):
     """`make demo-apply` then `make demo-resume`, as a newcomer runs them: --make-demo of a demo run
     holding an output and an export lists its training checkpoints alone; the composed checkpoint
-    resumes in the real HF Trainer on 2 ranks (`python -m tailor_tui.runs.demo_run resume-demo`)."""
+    resumes in the real HF Trainer on 2 ranks (`python -m tailor_tui.demo.demo_run resume-demo`)."""
     from pilot_helpers import private_copy
 
     run, (_c2, c4, c6) = private_copy(real_run, tmp_path, "demo")
@@ -324,7 +324,7 @@ def test_make_demo_names_training_checkpoints_only_and_the_composed_demo_resumes
     made = tailor("--make-demo", run)
     assert made.returncode == 0, made.stderr
     assert made.stdout.strip() == f"done: {run} holds the training checkpoints checkpoint-2, checkpoint-4, checkpoint-6"
-    resumed = subprocess.run([sys.executable, "-m", "tailor_tui.runs.demo_run", "resume-demo",
+    resumed = subprocess.run([sys.executable, "-m", "tailor_tui.demo.demo_run", "resume-demo",
                               str(run / "checkpoint-6-tailored")], capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr
     last = resumed.stdout.splitlines()[-1]  # after the Trainer's own log lines

@@ -32,11 +32,11 @@ from helpers import (
     wait_for_line,
     write_recipe,
 )
+from runs import resume_and_step
 from scratch_xfs import shared_bytes
 
 from tailor_tui.checkpoints.checkpoint import open_checkpoint
 from tailor_tui.cloning import clone, filesystem_type, may_share
-from tailor_tui.runs.demo_run import resume_and_step
 
 
 @pytest.mark.parametrize("name", ["hf_bf16_2", "ds_bf16_3_subgroups", "hf_bin"])

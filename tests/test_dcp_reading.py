@@ -23,8 +23,8 @@ from tailor_tui.errors import CheckpointError
 @pytest.fixture
 def saved(tmp_path) -> Path:
     """A real model's state (bf16 and fp32 tensors, a value saved as bytes) saved by torch's dcp.save."""
-    from tailor_tui.runs.demo_run import RunSpec
-    from tailor_tui.runs.models import base_model
+    from run_models import base_model
+    from runs import RunSpec
 
     model = base_model(RunSpec(layers=2))
     state = {"model": {k: (v.to(torch.bfloat16) if "mlp" in k else v) for k, v in model.state_dict().items()},

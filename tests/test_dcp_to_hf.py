@@ -8,9 +8,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from helpers import assert_one_line_error, tailor, write_recipe
+from run_models import model_config
 from safetensors.torch import load_file
-
-from tailor_tui.runs.models import model_config
 
 
 def loaded(folder) -> dict[str, torch.Tensor]:

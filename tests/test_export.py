@@ -15,12 +15,12 @@ import torch
 from conftest import RUNS, checkpoints_of
 from helpers import assert_one_line_error, flip_byte, hidden, tailor, write_recipe
 from pilot_helpers import private_copy
+from run_models import model_config
 from safetensors import safe_open
 from zero_reader import read_full_state
 
 from tailor_tui.checkpoints.checkpoint import open_checkpoint
 from tailor_tui.kinds.zero import tensor_bytes
-from tailor_tui.runs.demo_run import model_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -193,7 +193,7 @@ def test_persistent_buffers_are_exported_as_save_pretrained_writes_them(real_run
     """A model with a persistent buffer: the export holds exactly the tensors the Trainer's own
     save_pretrained wrote (the buffer as stored, fp32 beside bf16 weights), and the model that
     registers it loads the export strictly."""
-    from tailor_tui.runs.demo_run import build_model
+    from run_models import build_model
 
     run, spec = real_run("hf_buffer")
     c2, _c4, c6 = checkpoints_of(run, spec)
@@ -282,7 +282,7 @@ def test_export_shards_as_save_pretrained(real_run, tmp_path, run_name, limit):
     at the same max_shard_size, for the model holding the exported tensors (a persistent buffer,
     tied embeddings and a frozen parameter among them): the export takes the tensors in the
     state dict's order, as the base's model_states records it."""
-    from tailor_tui.runs.models import build_model
+    from run_models import build_model
 
     run, spec = real_run(run_name)
     c2, _c4, c6 = checkpoints_of(run, spec)

@@ -32,6 +32,7 @@ from helpers import (
     two_checkpoint_picks,
     write_recipe,
 )
+from runs import resume_and_step
 
 from tailor_tui.formats.ds_format import SUPPORTED
 from tailor_tui.formats.pickled import read_pickle, read_pickle_from
@@ -40,7 +41,6 @@ from tailor_tui.formats.ptpickle import dumps
 from tailor_tui.formats.ptwrite import write_archive
 from tailor_tui.formats.safe_load import enum_member as safe_enum_member
 from tailor_tui.formats.safe_load import load_pt
-from tailor_tui.runs.demo_run import resume_and_step
 
 ZIP, LEGACY = b"PK\x03\x04", b"\x80\x02\x8a\x0a"
 

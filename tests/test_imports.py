@@ -49,7 +49,7 @@ def test_no_old_path_has_a_module_of_its_own():
 
 
 def test_the_old_paths_kept_are_those_an_earlier_readme_showed_until_the_release_the_changelog_names():
-    shown = {new_module for _line, new_module in SHOWN_BEFORE if new_module} | {"tailor_tui.runs.demo_run"}
+    shown = {new_module for _line, new_module in SHOWN_BEFORE if new_module} | {"tailor_tui.demo"}
     assert set(moved.MODULES.values()) <= shown, set(moved.MODULES.values()) - shown
     changelog = (ROOT / "CHANGELOG.md").read_text()
     for old in moved.MODULES:
@@ -100,7 +100,8 @@ SHOWN_BEFORE = [
     ("from tailor_tui.ui.actions import ACTIONS, GROUPS", None),
     ("from tailor_tui.selective_hf import SelectiveCheckpointCallback", "tailor_tui.selective.hf"),
     ("from tailor_tui.run_saves import resume_point", "tailor_tui.selective.run_saves"),
-    ("from tailor_tui import demo_run", "tailor_tui.runs.demo_run"),  # (`python -m tailor_tui.demo_run`)
+    ("from tailor_tui import demo_run", "tailor_tui.demo.demo_run"),  # (`python -m tailor_tui.demo_run`)
+    ("from tailor_tui.runs.demo_run import DEMO, make_run", "tailor_tui.demo.demo_run"),  # (`make demo-resume`)
 ]
 
 
@@ -207,7 +208,8 @@ def test_every_import_the_readme_and_docs_show_runs():
     assert json.loads(result.stdout.splitlines()[-1]) == {}
 
 
-@pytest.mark.parametrize("old, warns", [("tailor_tui.demo_run", True), ("tailor_tui.cli", False)])
+@pytest.mark.parametrize("old, warns", [("tailor_tui.demo_run", True), ("tailor_tui.runs.demo_run", True),
+                                        ("tailor_tui.cli", False)])
 def test_an_old_module_still_runs_with_python_m(old, warns):
     """`python -m tailor_tui.demo_run` (the docs before the subpackages) runs its new module, warning;
     `python -m tailor_tui.cli` is the command line, as before."""

@@ -30,9 +30,8 @@ from helpers import (
     two_checkpoint_picks,
     write_recipe,
 )
+from runs import resume_and_step
 from zero_reader import latest_folder, model_states, read_full_state
-
-from tailor_tui.runs.demo_run import resume_and_step
 
 # each run's states kept per element, as torch's (and transformers') optimizers name them
 STATES = {"ds_amsgrad": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"), "ds_sgd": ("momentum_buffer",),

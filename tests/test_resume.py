@@ -13,9 +13,8 @@ import pytest
 import torch
 from conftest import checkpoints_of
 from helpers import assert_optim_states_equal, compose, parity_picks
+from runs import resume_and_step
 from zero_reader import model_states
-
-from tailor_tui.runs.demo_run import resume_and_step
 
 
 @pytest.mark.parametrize("name", ["hf_bf16_2", "hf_fp32_3_tied", "ds_bf16_3_subgroups"])
@@ -48,7 +47,7 @@ def test_ranks_are_forked_from_an_import_server_started_in_the_environment_they_
     script = (
         "import os, time\n"
         "from multiprocessing import forkserver\n"
-        "from tailor_tui.runs import ranks\n"
+        "from tailor_tui.demo import ranks\n"
         "def server():\n"
         "    assert ranks._start_method() == 'forkserver'\n"
         "    pid = forkserver._forkserver._forkserver_pid\n"

@@ -26,6 +26,7 @@ from helpers import (
     tailor,
     write_recipe,
 )
+from runs import RunSpec, resume_and_step
 from safetensors.torch import load_file, save_file
 from zero_reader import model_states, optim_states, read_full_state
 
@@ -34,7 +35,6 @@ from tailor_tui.compose.compose_run import run_compose
 from tailor_tui.formats.safetensors_in import safetensors_tensors
 from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.recipe import Recipe
-from tailor_tui.runs.demo_run import RunSpec, resume_and_step
 from tailor_tui.selective.saver import Filter, Parity
 
 RUN = "ds_selective_parity"
@@ -184,7 +184,8 @@ def test_damaged_partial_checkpoints_are_refused_with_one_line(selective, tmp_pa
 def test_save_rows_refuses_unknown_rows():
     from types import SimpleNamespace
 
-    from tailor_tui.runs.demo_run import build_model
+    from run_models import build_model
+
     from tailor_tui.selective.saver import _resolve_rows, engine_rows
 
     engine = SimpleNamespace(module=build_model(RunSpec(layers=2)))  # only its module is read

@@ -27,6 +27,7 @@ from helpers import (
     tailor,
     write_recipe,
 )
+from runs import resume_and_step
 from safetensors import safe_open
 
 from tailor_tui.checkpoints.checkpoint import PARTIAL_MODEL_FILES, tied_partner
@@ -35,7 +36,6 @@ from tailor_tui.checkpoints.scan import scan
 from tailor_tui.compose.compose_run import run_compose
 from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.recipe import Recipe
-from tailor_tui.runs.demo_run import resume_and_step
 
 RUN = "hf_selective_parity"
 

@@ -15,12 +15,12 @@ import pytest
 import torch
 from conftest import tree_digest
 from helpers import assert_optim_states_equal, tailor
+from runs import continue_run
 from safetensors import safe_open
 
 from tailor_tui.checkpoints.scan import scan
 from tailor_tui.compose.composition import Composition
 from tailor_tui.planning.recipe_file import save_recipe
-from tailor_tui.runs.demo_run import continue_run
 from tailor_tui.selective.run_saves import newest_holders, removable, run_saves
 from tailor_tui.selective.saver import Filter, Parity
 

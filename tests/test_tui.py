@@ -815,9 +815,8 @@ async def test_export_of_a_deepspeed_layout_run_asks_for_its_config(real_run, tm
     """A DeepSpeed-layout run records no config.json: e asks for it after the folder; a path
     without one is said at once (nothing written), the right one makes a loadable folder."""
     from conftest import RUNS
+    from run_models import model_config
     from transformers import AutoModelForCausalLM
-
-    from tailor_tui.runs.demo_run import model_config
 
     run, (_c2, _c4, _c6) = private_copy(real_run, tmp_path, "ds_bf16_3_subgroups")
     model_config(RUNS["ds_bf16_3_subgroups"]).save_pretrained(tmp_path / "cfg")

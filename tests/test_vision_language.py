@@ -47,12 +47,12 @@ from helpers import (
     weight_files,
     write_recipe,
 )
+from run_models import base_model
+from runs import resume_and_step
 from zero_reader import read_full_state
 
 from tailor_tui.checkpoints.checkpoint import open_checkpoint
 from tailor_tui.checkpoints.rows import PEFT_PREFIX
-from tailor_tui.runs.demo_run import resume_and_step
-from tailor_tui.runs.models import base_model
 
 VISION_BLOCK = "model.vision_tower.encoder.layers.1"
 LANGUAGE_BLOCK = "model.language_model.layers.0"

@@ -22,10 +22,10 @@ def make_demo_command(args) -> int:
 
 def ensure_demo(out: Path) -> None:
     """Train the demo run into `out` unless it is already there."""
-    from tailor_tui.runs.demo_run import DEMO, make_run
+    from tailor_tui.demo.demo_run import DEMO, SPEC_FILE, make_run
 
     spec = DEMO
-    marker = out / "tailor_demo_spec.json"
+    marker = out / SPEC_FILE
     if marker.is_file() and marker.read_text().strip() == spec.key():
         print(shown(f"demo run {out} already exists; reusing it"), file=sys.stderr)
         return

@@ -1,4 +1,4 @@
-"""The models and Trainer saves of the demo and test runs (tailor_tui.runs.demo_run).
+"""The models and Trainer saves of the tests' runs (`runs.RunSpec`): test code.
 
 Every model is tiny and built from its config with random weights (nothing is downloaded):
 Llama (with the frozen / buffer / tied variants of RunSpec), OPT, BERT (masked LM), T5,
@@ -8,7 +8,7 @@ beside image tokens), optionally wrapped with a PEFT LoRA adapter. `RunTrainer` 
 HF-layout runs: it writes the model file as the spec says, sharded (`max_shard_size`) and/or as
 `pytorch_model.bin` the way transformers 4.x did with `save_safetensors=False`.
 
-transformers, torch and peft are imported inside the functions: importing demo_run stays cheap.
+transformers, torch and peft are imported inside the functions: importing the runs stays cheap.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import os
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
+from tailor_tui.demo.demo_run import HEADS, MAX_POSITIONS, llama_config, token_rows
+
 if TYPE_CHECKING:  # for annotations only (see above)
     import torch
     from transformers import PreTrainedModel
 
 ARCHS = ("llama", "opt", "bert", "t5", "gpt_neox", "beit", "llava", "llava_next", "qwen2_vl", "qwen2_5_vl",
          "mllama", "zamba2", "albert")
-HEADS = 4
-MAX_POSITIONS = 64
 IMAGE, LABELS = 16, 4  # the vision models': 16x16 images, 4 classes
 IMAGE_TOKENS = (IMAGE // 4) ** 2  # a Llava's image tokens: one per 4x4 patch (its CLS dropped)
 # Qwen2-VL / Qwen2.5-VL: 4x4 patches of 2 frames (a still image repeated, as their processor does),
@@ -46,10 +46,9 @@ def model_config(spec):
 
     inter = spec.intermediate or spec.hidden * 3 // 2
     common = dict(vocab_size=spec.vocab, tie_word_embeddings=spec.tied)
-    if spec.arch == "llama":
-        return tf.LlamaConfig(**common, hidden_size=spec.hidden, intermediate_size=inter,
-                              num_hidden_layers=spec.layers, num_attention_heads=HEADS, num_key_value_heads=2,
-                              max_position_embeddings=MAX_POSITIONS)
+    if spec.arch == "llama":  # the demo's
+        return llama_config(vocab=spec.vocab, hidden=spec.hidden, layers=spec.layers, intermediate=inter,
+                            tied=spec.tied)
     if spec.arch == "opt":
         return tf.OPTConfig(**common, hidden_size=spec.hidden, word_embed_proj_dim=spec.hidden, ffn_dim=inter,
                             num_hidden_layers=spec.layers, num_attention_heads=HEADS,
@@ -326,18 +325,8 @@ def training_batches(spec, count: int, rank: int):
 
 
 def trainer_dataset(spec):
-    import torch
-
-    g = torch.Generator().manual_seed(1000 + spec.seed)
-    ids = torch.randint(0, spec.vocab, (256, 8), generator=g)
-    return [batch_inputs(spec, row) for row in ids]
-
-
-def make_trainer(spec, args, callbacks=(), eval_dataset=None):
-    """The HF Trainer (`RunTrainer`) of an HF-layout run of `spec`, on a fresh `build_model`."""
-    return run_trainer_class()(model=build_model(spec), args=args, train_dataset=trainer_dataset(spec),
-                               eval_dataset=eval_dataset, callbacks=list(callbacks), run_spec=spec,
-                               data_collator=collate(spec))
+    """The HF Trainer's rows: the demo's token rows (`token_rows`), as `spec`'s model takes them."""
+    return [batch_inputs(spec, row) for row in token_rows(spec.vocab, spec.seed)]
 
 
 @cache

@@ -31,7 +31,7 @@ def free_port() -> int:
 
 
 def setup_rank(rank: int, world: int, port: int, spec) -> None:
-    """This process as rank `rank` of `world` (`spec`: a RunSpec; its dtype)."""
+    """This process as rank `rank` of `world` (`spec`: a `demo_run.DemoSpec`)."""
     os.environ.update(
         DS_ACCELERATOR="cpu",
         RANK=str(rank),
@@ -50,22 +50,8 @@ def setup_rank(rank: int, world: int, port: int, spec) -> None:
     import torch
 
     torch.set_num_threads(1)
-    if spec.dtype == "fp16":
-        _allow_fp16_on_cpu()
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
-
-
-def _allow_fp16_on_cpu() -> None:
-    """Lift DeepSpeed's CPU accelerator's refusal of fp16 (see RunSpec.dtype): DeepSpeed's own
-    code still trains, scales the loss and saves; only its capability check is answered yes."""
-    import torch
-    from deepspeed.accelerator import get_accelerator
-
-    accelerator = type(get_accelerator())
-    supported = accelerator.supported_dtypes
-    accelerator.is_fp16_supported = lambda self: True
-    accelerator.supported_dtypes = lambda self: list(dict.fromkeys([*supported(self), torch.float16]))
 
 
 def quiet() -> None:
@@ -103,7 +89,7 @@ def _run_rank(rank: int, env: dict[str, str], fn, *args) -> None:
 
 
 def spawn_ranks(fn, spec, *args) -> None:
-    """Run `fn(rank, world, port, spec, *args)` in one process per rank of `spec` (a RunSpec)."""
+    """Run `fn(rank, world, port, spec, *args)` in one process per rank of `spec` (a `demo_run.DemoSpec`)."""
     import torch.multiprocessing as mp
 
     os.environ["DS_ACCELERATOR"] = "cpu"
@@ -141,7 +127,7 @@ def _start_method() -> str:
         stop()
         _SERVER_ENV.clear()
     if not _SERVER_ENV:  # started now, and its environment recorded with it
-        multiprocessing.set_forkserver_preload(["tailor_tui.runs.rank_imports"])
+        multiprocessing.set_forkserver_preload(["tailor_tui.demo.rank_imports"])
         forkserver.ensure_running()
         _SERVER_ENV.update(now)
     return "forkserver"
