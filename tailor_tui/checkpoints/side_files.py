@@ -27,8 +27,6 @@ from tailor_tui.units import whole_number
 MAX_SIDE_FILE = 1 << 20  # bytes: config.json and the like are a few KiB
 MAX_RECORD = 64 << 20  # records that grow with the model or the run: an index, a manifest, a provenance record
 MAX_DEPTH = 64  # nesting of JSON arrays and objects: HF configs nest three or four levels
-_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
-_BRACKETS = re.compile(rb"[\[\]{}]")
 _SPACE = re.compile(r"[ \t\n\r]*")  # JSON's whitespace, as json.decoder skips it
 RESTART = object()  # `json_items`: the key again; what its earlier array held no longer counts
 SKIPPED = object()  # `json_items`: in place of the items `Known` names, as another file's reading gave them
@@ -67,18 +65,25 @@ def read_small(path: Path, limit: int | None = None, *, follow: bool = True, wit
 
 
 def parse_json(text: bytes | str, depth: int = MAX_DEPTH):
-    """The JSON value of `text`, refused (ValueError) if it nests deeper than `depth` levels."""
-    raw = text.encode() if isinstance(text, str) else text
-    level = deepest = 0
-    for bracket in _BRACKETS.findall(_STRINGS.sub(b'""', raw)):
-        level += 1 if bracket in b"[{" else -1
-        deepest = max(deepest, level)
-    if deepest > depth:
-        raise ValueError(f"JSON nested {deepest} levels deep, more than the {depth} a side file may nest")
+    """The JSON value of `text`, refused (ValueError) if it nests deeper than `depth` levels. Parsed first (json's
+    decoder stops at the interpreter's recursion limit: RecursionError, refused), then its nesting walked without
+    recursion, before anyone walks it."""
     try:
-        return json.loads(raw)
+        value = json.loads(text)
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        node, level = todo.pop()
+        if isinstance(node, (dict, list)) and level > deepest:
+            deepest = level
+            if deepest > depth:
+                raise ValueError(f"JSON nested more than {depth} levels deep, the most a side file may nest")
+        if isinstance(node, dict):
+            todo.extend((v, level + 1) for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            todo.extend((v, level + 1) for v in node if isinstance(v, (dict, list)))
+    return value
 
 
 def load_json(path: Path, limit: int | None = None, depth: int = MAX_DEPTH, *, follow: bool = True,

@@ -54,13 +54,14 @@ def verify_command(args) -> int:
         kind = "a PyTorch Distributed Checkpoint" if record["export"].get("format") == "dcp" else "an HF model folder"
         raise UsageError(f"output {plan.output}: is an export ({kind}, --export), not a composition; --verify checks "
                          "what --apply writes (an export checks every source byte's CRC-32 as it reads it)")
-    composed_for = _composed_world_size(plan.output)
+    composed_for = _composed_world_size(record)
     if composed_for is not None and composed_for != plan.world_size:
         raise UsageError(f"output {plan.output}: was composed for {composed_for} ranks, this verification plans "
                          f"{plan.world_size}; verify it with --world-size {composed_for}")
     print(shown(f"verifying {plan.output} against {args.verify}"), file=sys.stderr, flush=True)
     lines = reporter_for(sys.stderr, "lines", unit="compared")
-    report = verify_against_recipe(plan, emit=lines, workers=args.workers or _cores())
+    report = verify_against_recipe(plan, emit=lines, workers=args.workers or _cores(),
+                                   record=record if out == plan.output else None)
     lines.close()
     return _said(args, plan, report)
 
@@ -113,14 +114,12 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _composed_world_size(out: Path) -> int | None:
-    """The world size `out`'s provenance record says it was composed for (None: not recorded)."""
-    from tailor_tui.checkpoints.checkpoint import PROVENANCE
-    from tailor_tui.checkpoints.side_files import MAX_RECORD, load_json
-
+def _composed_world_size(record: dict | None) -> int | None:
+    """The world size an output's provenance record says it was composed for (None: not recorded)."""
+    if record is None:
+        return None
     try:
-        record = load_json(out / PROVENANCE, MAX_RECORD)
         size = record.get("world_size") or record["base"]["world_size"]  # resharded, or the base's
-    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+    except (AttributeError, KeyError, TypeError):
         return None
     return size if type(size) is int else None

@@ -208,15 +208,16 @@ class _Cancel(threading.Event):
 
 def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
                           cancelled: Callable[[], bool] = lambda: False, *, workers: int = 2,
-                          ranks_per_process: int = RANKS_PER_PROCESS) -> VerifyReport:
+                          ranks_per_process: int = RANKS_PER_PROCESS, record: dict | None = None) -> VerifyReport:
     """The output of `plan` checked against its recipe and sources (`workers`: threads reading, and processes
-    taking the ranks where each would have at least `ranks_per_process`)."""
+    taking the ranks where each would have at least `ranks_per_process`; `record`: the output's provenance record
+    as the caller read it, `planning.provenance.read_record`; None: read here)."""
     report = VerifyReport()
     out = plan.output
     if not (out / plan.base.tag).is_dir():
         report.add(None, f"{out}: no tag folder {plan.base.tag}; is this the output of this recipe?")
         return report
-    record = read_record(out)  # (none readable: said apart, below)
+    record = record if record is not None else read_record(out)  # (none readable: said apart, below)
     taken = recorded(record, TAKEN)
     changed = _sources_changed(plan, record)
     if changed and taken is None:  # an older record: nothing to prove the output against but its sources
