@@ -161,7 +161,8 @@ def copy_file(src: Path, dst: Target, on_bytes: Callable[[int], None] = lambda n
                 writeback.advance(at + len(view))
 
             try:
-                value = crc_range(fin.fileno(), 0, size, memoryview(bytearray(CRC_CHUNK)), on_bytes, write)
+                value = crc_range(fin.fileno(), 0, size, memoryview(bytearray(CRC_CHUNK)), on_bytes=on_bytes,
+                                  inspect=write)
                 offset = size
             except OSError:
                 if os.fstat(fin.fileno()).st_size == size:

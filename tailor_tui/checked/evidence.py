@@ -73,7 +73,7 @@ def checked_crcs(fd: int, path: Path, record: Checkable, ranges: list[tuple[int,
     `buffer`, whatever the ranges (a record of a wide run's rank file, hundreds of small ranges,
     is one read); `inspect(offset, chunk)` sees every chunk read."""
     if record.crc is None:
-        return [crc_range(fd, at, n, buffer, on_bytes, inspect) for at, n in ranges]
+        return [crc_range(fd, at, n, buffer, on_bytes=on_bytes, inspect=inspect) for at, n in ranges]
     crcs = RangeCrcs(record.data_offset, record.data_offset + record.size, ranges)
     offset = record.data_offset
     while not crcs.complete:
@@ -159,14 +159,14 @@ class SliceCheck:
         found = {}
         if self.crc is None:
             for at, n in inside:
-                found[at, n] = crc_range(fd, at, n, buffer, on_bytes, inspect)
+                found[at, n] = crc_range(fd, at, n, buffer, on_bytes=on_bytes, inspect=inspect)
             return found
         value, at, end = 0, self.begin, self.begin + self.length
         for start, n in inside:
-            gap = crc_range(fd, at, start - at, buffer, on_bytes, inspect)
-            piece = found[start, n] = crc_range(fd, start, n, buffer, on_bytes, inspect)
+            gap = crc_range(fd, at, start - at, buffer, on_bytes=on_bytes, inspect=inspect)
+            piece = found[start, n] = crc_range(fd, start, n, buffer, on_bytes=on_bytes, inspect=inspect)
             value, at = crc.combine(crc.combine(value, gap, start - at), piece, n), start + n
-        self.check(crc.combine(value, crc_range(fd, at, end - at, buffer, on_bytes, inspect), end - at))
+        self.check(crc.combine(value, crc_range(fd, at, end - at, buffer, on_bytes=on_bytes, inspect=inspect), end - at))
         return found
 
 
@@ -177,12 +177,12 @@ def crc_range_checked(fd: int, offset: int, length: int, checks: list[tuple[int,
     overlapping), with every byte still read once."""
     value, at, end = 0, offset, offset + length
     for start, piece in sorted(checks, key=lambda c: c[0]):
-        gap = crc_range(fd, at, start - at, buffer, on_bytes, inspect)
-        found = crc_range(fd, start, piece.length, buffer, on_bytes, inspect)
+        gap = crc_range(fd, at, start - at, buffer, on_bytes=on_bytes, inspect=inspect)
+        found = crc_range(fd, start, piece.length, buffer, on_bytes=on_bytes, inspect=inspect)
         piece.check(found)
         value = crc.combine(crc.combine(value, gap, start - at), found, piece.length)
         at = start + piece.length
-    return crc.combine(value, crc_range(fd, at, end - at, buffer, on_bytes, inspect), end - at)
+    return crc.combine(value, crc_range(fd, at, end - at, buffer, on_bytes=on_bytes, inspect=inspect), end - at)
 
 
 # --- the block CRC-32s the run's statistics recorded ----------------------------------------------

@@ -85,7 +85,7 @@ class Readahead:
             self.ahead = stop
 
 
-def crc_range(fd: int, offset: int, length: int, buffer: memoryview,
+def crc_range(fd: int, offset: int, length: int, buffer: memoryview, *,
               on_bytes: Callable[[int], None] = lambda n: None,
               inspect: Callable[[int, memoryview], None] | None = None) -> int:
     """CRC-32 of a byte range of a file, read through `buffer` (reused: no allocation per read);

@@ -89,7 +89,7 @@ def copy_file_job(job: DcpFileJob, out_dir: Folder, emit: Emit, cancelled: Calla
             if entry is not None:  # a chunk: its archive is that chunk of that tensor
                 chunk = ChunkStorageMetadata(copy.chunk or (), next(c.sizes for c in entry.chunks
                                                                     if c.offsets == copy.chunk))
-                locate_chunk(job.source, src, entry, chunk, info, records)
+                locate_chunk(job.source, src, entry, chunk, info, records=records)
             found = [0]
 
             def count(_offset: int, data: memoryview, dtype: str | None = entry.dtype if entry else None,

@@ -79,7 +79,7 @@ def compose_model_file(job: ModelFileJob, out_dir: Folder, emit: Emit, cancelled
             how = clone(fin, fout) if fin is not None and options.clone and worth_it(replaced, job.size) else None
             fills = _Fills(job, stack, fout, writeback, lambda n: counter.add(2 * n))
             for offset, length, name in kept:  # checked by no stored CRC-32 (safetensors has none): recorded
-                fills.taken[name] = crc_range(cast(int, fin), offset, length, fills.buffer, counter.add)
+                fills.taken[name] = crc_range(cast(int, fin), offset, length, fills.buffer, on_bytes=counter.add)
             position = 0
             for offset, length, s, name, dtype, shape in sorted(edits):
                 _keep(fin, fout, position, offset - position, counter, writeback, how)

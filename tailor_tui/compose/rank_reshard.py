@@ -212,7 +212,8 @@ def _read_pieces(fd: int, path: Path, wanted: list, buffer: memoryview, counter:
             end, j = max(end, wanted[j][0] + wanted[j][1]), j + 1
         if j == i:  # larger than the buffer
             at, n = wanted[i]
-            checked.crcs[path, at, n] = crc_range(fd, at, n, buffer, counter.add, census.inspect)
+            checked.crcs[path, at, n] = crc_range(fd, at, n, buffer, on_bytes=counter.add,
+                                                    inspect=census.inspect)
             i += 1
             continue
         view = buffer[: end - start]

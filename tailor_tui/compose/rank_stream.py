@@ -156,7 +156,7 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
                     if id(record) in fresh:  # nothing of it is kept: not read
                         counter.add(n)
                     else:
-                        sweep.read(fin, offset, n, base_crcs, census[0], padding.inspect)
+                        sweep.read(fin, offset, n, base_crcs, census[0], also=padding.inspect)
                     for s, _q, delta, theirs in beside:
                         sweep.read(fds[s], offset + delta, n, theirs, census[s])
                     sweep.copy_to(offset + n, new, census)
@@ -340,7 +340,7 @@ class _Sweep:
         self.written, self._j = 0, 0  # the output is written up to `written`; spans before _j lie behind
         self.ahead: dict[int, tuple[Readahead, int]] = {}  # per file read in order: its readahead, its size
 
-    def read(self, fd: int, offset: int, n: int, crcs: RangeCrcs, census: Looks, also=None) -> None:
+    def read(self, fd: int, offset: int, n: int, crcs: RangeCrcs, census: Looks, *, also=None) -> None:
         """Read `n` bytes at `offset` of `fd`: fed to the CRC-32s, the census and `also`. The kernel reads
         ahead of this sequential reader (`Readahead`): a cold file comes at the disk's rate, while this
         process checks what it has."""
@@ -382,8 +382,8 @@ class _Sweep:
                 continue
             else:
                 if sp.check is not None and at == sp.at:  # a partial's slice: checked whole first
-                    value = crc_range(self.fds[sp.source], sp.source_at, sp.length, self.buffer, self.counter.add,
-                                      census[sp.source].inspect)
+                    value = crc_range(self.fds[sp.source], sp.source_at, sp.length, self.buffer,
+                                      on_bytes=self.counter.add, inspect=census[sp.source].inspect)
                     sp.check.check(value)
                     new[sp.source, sp.source_at] = value
                 stop = min(end, sp.at + sp.length)

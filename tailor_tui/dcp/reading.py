@@ -305,7 +305,7 @@ def archive_records(folder: Path, fd: int, info: StorageInfo, what: str) -> dict
 
 
 def locate_chunk(folder: Path, fd: int, entry: TensorStorageMetadata, chunk: ChunkStorageMetadata,
-                 info: StorageInfo, records: dict[str, Record] | None = None) -> ChunkBytes:
+                 info: StorageInfo, *, records: dict[str, Record] | None = None) -> ChunkBytes:
     """Where the elements of `chunk` of `entry` lie in the open file `fd` (`info.relative_path` of `folder`),
     as its archive says; CheckpointError naming the file where the archive is not the chunk's. `records`: the
     archive's (`archive_records`), where the caller read them already."""

@@ -148,7 +148,7 @@ def _optimizer_values(plan: ComposePlan, shapes, state_keys: tuple[str, ...], ou
             out.value(key, path, file, len(data), len(chunk))
         else:
             out.tensor(key, path, dtype, ())
-            out.chunk(key, (), (), file, len(data), len(chunk))
+            out.chunk(key, (), (), file=file, at=len(data), length=len(chunk))
         data.extend(chunk)
 
     for i, held in enumerate(members):

@@ -124,7 +124,7 @@ def export_dcp_rank(job: DcpJob, out_dir: Folder, emit: Emit, cancelled: Callabl
                 # its slice is checked whole: each piece's CRC-32 is computed as it is written
                 inspect, _ranges, _taken = out.stream(reader.path, pieces, place.at, "float32", "float32",
                                                       given=False)
-                place.slice.check(crc_range(fd, place.at, count * 4, buffer, counter.add, inspect))
+                place.slice.check(crc_range(fd, place.at, count * 4, buffer, on_bytes=counter.add, inspect=inspect))
         if job.frozen or job.buffers:
             fd = open_fd(stack, job.files.model_states)
             fragments = reader.fragments([name for name, _pieces in job.frozen]) if job.frozen else {}

@@ -80,7 +80,8 @@ def export_rank(job: ExportJob, out_dir: Folder, emit: Emit, cancelled: Callable
                     pwrite_all(out_fd(span.out_file), cast(chunk, "float32", job.out_dtype),
                                span.out_offset + (offset - begin) // 4 * out_size)
 
-                saved.check(crc_range(fd, place.at, span.count * 4, buffer, counter.add, write_cast))
+                saved.check(crc_range(fd, place.at, span.count * 4, buffer, on_bytes=counter.add,
+                                       inspect=write_cast))
         for fd in outputs.values():
             fsync(fd, options.durable)
     counter.finish()

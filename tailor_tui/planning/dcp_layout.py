@@ -78,7 +78,7 @@ class Entries:
         self.chunks.setdefault(key, [])
         self.planner[key] = path
 
-    def chunk(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], file: str, at: int,
+    def chunk(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], *, file: str, at: int,
               length: int) -> None:
         self.chunks[key].append(ChunkStorageMetadata(tuple(offsets), tuple(sizes)))
         self.storage[MetadataIndex(key, tuple(offsets))] = StorageInfo(file, at, length)
@@ -130,7 +130,7 @@ def rank_job(model: ModelShapes, ckpt, rank: int, files: RankFiles, *, name: str
         for offsets, sizes, first, n in boxes(tuple(shape), first_element, count):
             length = tensor_chunk("float32", tuple(sizes)).size
             found.append(Piece(tuple(sizes), start + first - first_element, n, at))
-            out.chunk(key, offsets, sizes, name, at, length)
+            out.chunk(key, offsets, sizes, file=name, at=at, length=length)
             at += length
         return found
 
@@ -175,7 +175,7 @@ def rank_job(model: ModelShapes, ckpt, rank: int, files: RankFiles, *, name: str
         key = f"{MODEL}.{buffer}"
         length = tensor_chunk(dtype, tuple(shape)).size
         kept.append((buffer, dtype, (Piece(tuple(shape), 0, math.prod(shape), at),)))
-        out.chunk(key, (0,) * len(shape), shape, name, at, length)
+        out.chunk(key, (0,) * len(shape), shape, file=name, at=at, length=length)
         at += length
         read += math.prod(shape) * BY_NAME[dtype].itemsize
     if not at:
