@@ -3,13 +3,11 @@ the CPU accelerator over gloo, as DeepSpeed's launcher would set it up.
 
 The ranks are forked from a server process that imported torch, DeepSpeed and the HF Trainer once
 (multiprocessing's forkserver, `rank_imports`): those imports take most of a small run's time, and
-each rank of each run made them anew when it was spawned. A rank is still a fresh process of its
-own (nothing of the parent's state, no threads), given the caller's environment as it is when it
-starts. The server's imports saw the environment it started with (variables such as
-ATEN_CPU_CAPABILITY are read at import): where the caller's differs, the server is stopped and
-started anew under the caller's (one set of imports, where spawning would make them for each rank
-of each run; a process whose environment changed between runs, as a test's does, used to spawn every
-later rank). Left out of that comparison (`_NOT_COMPARED`, `_OURS`): the variable pytest sets to
+a spawned rank would make them anew. A rank is still a fresh process of its own (nothing of the
+parent's state, no threads), given the caller's environment as it is when it starts. The server's
+imports saw the environment it started with (variables such as ATEN_CPU_CAPABILITY are read at
+import): where the caller's differs, the server is stopped and started anew under the caller's (one
+set of imports, where spawning would make them for each rank of each run). Left out of that comparison (`_NOT_COMPARED`, `_OURS`): the variable pytest sets to
 the test running, which no import reads, those torch and DeepSpeed set themselves when imported, as
 the server's imports did, and tailor-tui's own, read where they are used.
 

@@ -1,6 +1,6 @@
 """A zip archive's central directory, read with struct alone: one bounded read, a small tuple per
-record (issue 32: zipfile builds a ZipInfo of many fields per record, which was most of the cost
-of opening the rank files of a 512-rank run).
+record (zipfile builds a ZipInfo of many fields per record: on a 512-rank run, most of the cost of
+opening its rank files).
 
 The end record (zip64's where there is one, as torch writes it) must list no more records and no
 larger directory than a torch file has, before anything else is read; zip64 extra fields are
