@@ -29,7 +29,7 @@ from run_optimizers import make_optimizer as _make_optimizer
 
 from tailor_tui.demo import demo_run
 from tailor_tui.demo.blowup import blow_up
-from tailor_tui.demo.demo_run import DEMO, SPEC_FILE, DemoSpec
+from tailor_tui.demo.demo_run import DEMO, DemoSpec
 from tailor_tui.demo.pinned import pin
 from tailor_tui.demo.ranks import quiet, setup_rank, spawn_ranks
 
@@ -267,13 +267,7 @@ def _reference_saves(trainer, spec: RunSpec, folder: Path):
 
 def make_run(out: str | Path, spec: RunSpec = RunSpec()) -> Path:
     """Train `spec` with real DeepSpeed ZeRO-3 and leave its checkpoints in `out`."""
-    if spec.layout == "hf":
-        return demo_run.make_run(out, spec)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    spawn_ranks(_train_rank, spec, str(out))
-    (out / SPEC_FILE).write_text(spec.key() + "\n")
-    return out
+    return demo_run.make_run(out, spec, train_rank=None if spec.layout == "hf" else _train_rank)
 
 
 # --- resuming (to prove that composed checkpoints load) ------------------------------------

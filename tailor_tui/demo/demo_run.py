@@ -176,11 +176,13 @@ def _train_rank(rank: int, world: int, port: int, spec: DemoSpec, out: str | Pat
     spec.after_training(made, out)
 
 
-def make_run(out: str | Path, spec: DemoSpec = DEMO) -> Path:
-    """Train `spec` with real DeepSpeed ZeRO-3 and the HF Trainer, leaving its checkpoints in `out`."""
+def make_run(out: str | Path, spec: DemoSpec = DEMO, *, train_rank=None) -> Path:
+    """Train `spec` with real DeepSpeed ZeRO-3 and the HF Trainer, leaving its checkpoints in `out` and its spec's
+    key last (`SPEC_FILE`). `train_rank(rank, world, port, spec, out)`: what each rank runs, where a run of another
+    layout trains otherwise (default: the HF Trainer's training)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    spawn_ranks(_train_rank, spec, str(out))
+    spawn_ranks(train_rank or _train_rank, spec, str(out))
     (out / SPEC_FILE).write_text(spec.key() + "\n")
     return out
 
