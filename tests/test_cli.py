@@ -209,7 +209,7 @@ def test_headless_path_never_imports_textual(real_run, tmp_path):
     code = (
         "import sys\n"
         "import tailor_tui.checkpoints.checkpoint, tailor_tui.planning.recipe, tailor_tui.planning.plan, tailor_tui.compose.compose_run\n"
-        "import tailor_tui.compose.composition, tailor_tui.report, tailor_tui.events, tailor_tui.compose.model_files\n"
+        "import tailor_tui.compose.composition, tailor_tui.progress_bars, tailor_tui.events, tailor_tui.compose.model_files\n"
         "import tailor_tui.selective.saver, tailor_tui.verifying.against_recipe\n"
         "from tailor_tui.cli.main import main\n"
         f"assert main(['--apply', {str(recipe)!r}, '-j', '1']) == 0\n"

@@ -40,7 +40,7 @@ PACKAGE = ROOT / "tailor_tui"
 MAX_CODE_LINES = 800
 MAX_LINES = 1000
 MAX_MODULES = 24  # per subpackage, its __init__ included
-ROOT_MODULES = {"__init__", "__main__", "errors", "units", "events", "report", "fileio", "held", "reading", "crc",
+ROOT_MODULES = {"__init__", "__main__", "errors", "units", "events", "progress_bars", "fileio", "held", "reading", "crc",
                 "moved", "interrupts", "cloning"}
 
 

@@ -19,7 +19,7 @@ def apply_command(args) -> int:
     from tailor_tui.compose.compose_run import planned_tasks, run_compose
     from tailor_tui.health.guard import newest_finite
     from tailor_tui.planning.build import build_plan
-    from tailor_tui.report import FEW, BarReporter, LineReporter, reporter_for
+    from tailor_tui.progress_bars import FEW, BarReporter, LineReporter, reporter_for
     from tailor_tui.team.launch import detect
     from tailor_tui.team.meet import connect
     from tailor_tui.team.members import SOLO

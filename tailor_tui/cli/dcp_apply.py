@@ -16,7 +16,7 @@ def apply_dcp(args, recipe) -> int:
     from tailor_tui.compose.dcp_compose import run_dcp_compose
     from tailor_tui.export.dcp_rank import export_dcp_rank
     from tailor_tui.planning.dcp_plan import plan_dcp
-    from tailor_tui.report import reporter_for
+    from tailor_tui.progress_bars import reporter_for
     from tailor_tui.units import size
 
     if args.world_size or recipe.world_size:

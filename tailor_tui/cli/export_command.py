@@ -51,7 +51,7 @@ def export_command(args) -> int:
 def _carried_out(args, summary: str, warnings, notes, jobs, run):
     """An export's plan said (`summary`, its `warnings` and `notes`), then `run(report)` on the progress of its `jobs`:
     its result; None for a dry run, which writes nothing."""
-    from tailor_tui.report import BarReporter, reporter_for
+    from tailor_tui.progress_bars import BarReporter, reporter_for
 
     if args.dry_run:
         print("\n".join(shown(line) for line in (summary, *notes)))

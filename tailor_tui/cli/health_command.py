@@ -20,7 +20,7 @@ def _health(run_dir: Path, args, progress: str):
     from tailor_tui.checkpoints.dcp_checkpoint import scan_dcp
     from tailor_tui.checkpoints.lineage import check_one_run
     from tailor_tui.checkpoints.scan import check_run_folder, scan
-    from tailor_tui.cli.health_report import StatsProgress
+    from tailor_tui.cli.stats_table import StatsProgress
     from tailor_tui.health.dcp_stats import dcp_health
     from tailor_tui.health.stats_run import compute_health
     from tailor_tui.team.launch import detect
@@ -66,7 +66,7 @@ def _health(run_dir: Path, args, progress: str):
 def stats_command(args) -> int:
     import json
 
-    from tailor_tui.cli.health_report import table
+    from tailor_tui.cli.stats_table import table
 
     health = _health(args.stats, args, args.progress)
     if health is None:
@@ -86,7 +86,7 @@ def stats_command(args) -> int:
 
 def heal_command(args) -> int:
     from tailor_tui.checkpoints.dcp_checkpoint import DcpCheckpoint
-    from tailor_tui.cli.health_report import healing_lines
+    from tailor_tui.cli.stats_table import healing_lines
     from tailor_tui.compose.composition import Composition
     from tailor_tui.health.healing import heal
 
@@ -118,7 +118,7 @@ def heal_command(args) -> int:
 def _heal_dcp(args, health) -> int:
     """`--heal` of a DCP run: its newest checkpoint the base, every row from the newest checkpoint where it is
     healthy (`healing.heal`, the one rule)."""
-    from tailor_tui.cli.health_report import healing_lines
+    from tailor_tui.cli.stats_table import healing_lines
     from tailor_tui.health.healing import heal
     from tailor_tui.planning.output import default_output
     from tailor_tui.planning.recipe import Recipe

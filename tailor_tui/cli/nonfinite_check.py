@@ -19,7 +19,7 @@ def check_nonfinite(plan, args, *, doing: str) -> Counter:
     `args.dry_run`, which print a warning instead (`--allow-nonfinite`: from cached statistics alone, nothing
     read for a decision already made; the writers' count says what the output holds)."""
     from tailor_tui.checkpoints.cache import cache_dir
-    from tailor_tui.cli.health_report import StatsProgress
+    from tailor_tui.cli.stats_table import StatsProgress
     from tailor_tui.compose.compose_run import nonfinite_error
     from tailor_tui.health.guard import newest_finite, planned_nonfinite
 

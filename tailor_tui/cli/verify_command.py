@@ -17,7 +17,7 @@ def verify_command(args) -> int:
     from tailor_tui.planning.build import build_plan
     from tailor_tui.planning.output import recipe_output
     from tailor_tui.planning.provenance import changed_since, read_record, stand_in
-    from tailor_tui.report import reporter_for
+    from tailor_tui.progress_bars import reporter_for
     from tailor_tui.verifying.against_recipe import verify_against_recipe
 
     recipe = load_for(args, args.verify)

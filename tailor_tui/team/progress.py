@@ -15,7 +15,7 @@ import time
 from typing import Callable
 
 from tailor_tui.events import Emit, TaskFinished, TaskProgressed
-from tailor_tui.report import LineReporter
+from tailor_tui.progress_bars import LineReporter
 
 POST_EVERY = 1.0
 READ_EVERY = 2.0

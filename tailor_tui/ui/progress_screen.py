@@ -36,7 +36,7 @@ from tailor_tui.export.export_run import ExportResult, run_export
 from tailor_tui.health.guard import newest_finite
 from tailor_tui.planning.dcp_plan import DcpComposePlan, DcpFileJob
 from tailor_tui.planning.plan import ComposePlan
-from tailor_tui.report import FEW, Tally
+from tailor_tui.progress_bars import FEW, Tally
 from tailor_tui.ui.messages import ComposeFailed, ComposeFinished, ComposeProgressed
 from tailor_tui.ui.plain import plain
 from tailor_tui.units import size, throughput

@@ -10,7 +10,7 @@ import re
 from os import terminal_size
 
 from tailor_tui.events import TaskFinished, TaskProgressed
-from tailor_tui.report import FEW, BarReporter, LineReporter, Tally, reporter_for
+from tailor_tui.progress_bars import FEW, BarReporter, LineReporter, Tally, reporter_for
 from tailor_tui.team.progress import JobLines
 from tailor_tui.units import size, throughput
 
