@@ -6,7 +6,8 @@ that moved is kept by one rule, all of it here:
 - a module that moved whole is a line of MODULES (old path -> new module); the import hook `OldPaths`,
   installed by `tailor_tui/__init__.py`, serves every old path of MODULES: `import old` warns once, naming the
   new module, and gives a module holding the new module's very objects (no file is kept at the old path; an old
-  package that is gone is an empty one holding them);
+  package that is gone is an empty one holding them); a name renamed as its module moved is a line of RENAMED,
+  served at the old path under its old name, the one warning naming it;
 - a name that moved out of a module the docs show gets `__getattr__ = moved.names(__name__, {name: new
   module})`: it warns where it is used. A subpackage's `__init__` gives its public API, found in its modules
   only when first used (torch is imported by the module that needs it, not by the package), through the same
@@ -30,7 +31,10 @@ MODULES = {
     "tailor_tui.run_saves": "tailor_tui.selective.run_saves",
     "tailor_tui.demo_run": "tailor_tui.demo.demo_run",  # `python -m tailor_tui.demo_run`
     "tailor_tui.runs.demo_run": "tailor_tui.demo.demo_run",  # `python -m tailor_tui.runs.demo_run`
+    "tailor_tui.compose.composition": "tailor_tui.planning.recipe_draft",
 }
+# names renamed as their module moved: (old module, old name) -> the new module's name, served at the old path
+RENAMED = {("tailor_tui.compose.composition", "Composition"): "RecipeDraft"}
 
 
 def _find(home: str, name: str):
@@ -77,11 +81,15 @@ class OldPaths:
         old, new = module.__name__, MODULES.get(module.__name__)
         if new is None:  # (a package only holding old modules)
             return
-        warnings.warn(f"{old} is now {new}", DeprecationWarning, stacklevel=2)
+        renamed = {name: now for (path, name), now in RENAMED.items() if path == old}
+        said = "".join(f" (its {name}: {now})" for name, now in renamed.items())
+        warnings.warn(f"{old}{said} is now {new}", DeprecationWarning, stacklevel=2)
         target = importlib.import_module(new)
         public = getattr(target, "__all__", None) or [n for n in vars(target) if not n.startswith("_")]
         for name in public:
             setattr(module, name, getattr(target, name))
+        for name, now in renamed.items():
+            setattr(module, name, getattr(target, now))
 
         def __getattr__(name: str):  # a private name: the new module's
             return getattr(target, name)

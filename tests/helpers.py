@@ -19,12 +19,12 @@ from zero_reader import optim_states, read_full_state
 
 from tailor_tui.checkpoints.scan import scan
 from tailor_tui.compose.compose_run import run_compose
-from tailor_tui.compose.composition import Composition
 from tailor_tui.formats.ptfile import read_structure
 from tailor_tui.formats.ptpickle import dumps, storage_bytes
 from tailor_tui.formats.ptwrite import Copied, write_archive
 from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.recipe import Recipe
+from tailor_tui.planning.recipe_draft import RecipeDraft
 
 TAILOR = str(Path(sys.executable).with_name("tailor-tui"))
 
@@ -304,7 +304,7 @@ def compose_newest_per_row(runs, tmp_path):
     """Compose a full, a step-4 and a step-6 partial checkpoint with the composer's default picks
     (each row from the newest checkpoint that saved it) through the real CLI, and --verify it.
     Returns the three checkpoints and the output folder."""
-    comp = Composition.start(list(scan(runs).checkpoints))
+    comp = RecipeDraft.start(list(scan(runs).checkpoints))
     full, p4, p6 = comp.checkpoints
     assert comp.base == 2 and comp.missing_rows() == []  # the default: newest checkpoint per row
     assert {row: col for row, col in comp.picks.items()} == {r: 1 for r in p4.saved.rows}

@@ -31,7 +31,7 @@ async def scanned(pilot):
             break
         await pilot.pause(0.05)
     await pilot.pause()
-    assert pilot.app.home.composition is not None
+    assert pilot.app.home.draft is not None
 
 
 async def curve_drawn(pilot):

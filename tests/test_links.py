@@ -179,8 +179,8 @@ async def test_the_composer_skips_a_checkpoint_linked_out_of_the_run_and_says_wh
         assert len(notices) == 1 and notices[0].title == "Skipped checkpoint-6", notices
         assert f"is a symbolic link to {secret}" in notices[0].message
         await scanned(pilot)
-        assert c6 not in [c.path for c in app.home.composition.checkpoints]
-        assert len(app.home.composition.checkpoints) == 2
+        assert c6 not in [c.path for c in app.home.draft.checkpoints]
+        assert len(app.home.draft.checkpoints) == 2
         await start_composing(pilot)
         await compose_finished(pilot)
     assert not _leaked(tmp_path)

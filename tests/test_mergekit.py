@@ -19,9 +19,9 @@ from zero_reader import read_full_state
 
 from tailor_tui.checkpoints.checkpoint import PROVENANCE
 from tailor_tui.checkpoints.scan import scan
-from tailor_tui.compose.composition import Composition
 from tailor_tui.errors import ExitCode, RecipeError
 from tailor_tui.planning.mergekit import looks_like, parse, row_sources
+from tailor_tui.planning.recipe_draft import RecipeDraft
 from tailor_tui.planning.recipe_file import load_recipe
 from tailor_tui.ui.app import make_app
 from tailor_tui.ui.dialogs import Confirm, PathPrompt
@@ -189,7 +189,7 @@ def test_run_goes_with_llmtailor_recipes_only(llama, tmp_path):
 
 def test_the_composer_loads_llama_cut_with_its_paths_found_in_the_open_run(llama):
     """What ctrl+o does (ui.composer.ComposerScreen.adopt_recipe): the run it has open is where the paths are."""
-    comp = Composition.start(list(scan(llama).checkpoints))
+    comp = RecipeDraft.start(list(scan(llama).checkpoints))
     recipe = load_recipe(HERE / "Llama_cut.yaml", run=llama)
     comp.load(recipe)
     names = {row: comp.checkpoints[column].name for row, column in comp.picks.items()}
@@ -217,7 +217,7 @@ async def test_the_composer_saves_an_llmtailor_recipes_picks_beside_it_and_asks_
     app = make_app(llama, recipe=recipe)
     async with app.run_test(size=(130, 32)) as pilot:
         await scanned(pilot)
-        assert len(app.home.composition.picks) == 18  # its picks, on screen
+        assert len(app.home.draft.picks) == 18  # its picks, on screen
         await pilot.press("ctrl+s")
         await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt))
         assert app.screen.query_one(Input).value == str(tmp_path / "Llama_cut.tailor-tui.yaml")

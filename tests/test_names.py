@@ -178,7 +178,7 @@ async def test_hostile_names_show_as_text_in_every_part_of_the_composer(real_run
         notices = await scan_notices(pilot)
         assert len(notices) == 1 and notices[0].title.startswith("Skipped checkpoint-7\\x1b[2J")
         await scanned(pilot)
-        assert [c.path for c in app.home.composition.checkpoints][1] == named
+        assert [c.path for c in app.home.draft.checkpoints][1] == named
         grid = app.query_one("#grid")
         header = grid.render_line(0).text  # scrolled to the base: the long name's end in view
         assert "[bold]x[@click=quit]\\nerror: forged\\r\\u202e-4" in header  # as written, escaped

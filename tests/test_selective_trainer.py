@@ -19,7 +19,7 @@ from runs import continue_run
 from safetensors import safe_open
 
 from tailor_tui.checkpoints.scan import scan
-from tailor_tui.compose.composition import Composition
+from tailor_tui.planning.recipe_draft import RecipeDraft
 from tailor_tui.planning.recipe_file import save_recipe
 from tailor_tui.selective.run_saves import newest_holders, removable, run_saves
 from tailor_tui.selective.saver import Filter, Parity
@@ -47,7 +47,7 @@ def test_save_total_limit_keeps_what_the_newest_state_needs_and_recovery_verifie
     # 2 full (step 2) and 4 (the best, full); 6, 8, 10 partial. Kept: the two newest, which hold
     # every row's newest copy, and the best (the newest full); steps 2 and 6 are gone.
     assert sorted(p.name for p in run.iterdir() if p.is_dir()) == ["checkpoint-4", "partial-step10", "partial-step8"]
-    composition = Composition.start([c for c in scan(run).checkpoints])
+    composition = RecipeDraft.start([c for c in scan(run).checkpoints])
     composition.output = tmp_path / "recovered"
     recipe = save_recipe(composition.to_recipe(), tmp_path / "recover.yaml")
     assert tailor("--apply", recipe).returncode == 0

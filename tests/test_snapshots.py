@@ -27,7 +27,7 @@ def snap_compare(snap_compare):
         async def settled(pilot):
             if run_before is not None:
                 await run_before(pilot)
-            if pilot.app.home.composition is not None:
+            if pilot.app.home.draft is not None:
                 await curve_drawn(pilot)
 
         return snap_compare(app, run_before=settled, **options)
@@ -100,7 +100,7 @@ def test_compose_screen_mid_progress(snap_compare, run):
         app = pilot.app
         from tailor_tui.planning.build import build_plan
 
-        plan = build_plan(app.home.composition.to_recipe())
+        plan = build_plan(app.home.draft.to_recipe())
         screen = ProgressScreen(plan, workers=1, clock=lambda: next(times, 104.0), autostart=False,
                              title="Composing checkpoint-6-tailored")
         await app.push_screen(screen)
@@ -122,7 +122,7 @@ def test_compose_screen_of_512_ranks_at_80x24(snap_compare, run):
         app = pilot.app
         from tailor_tui.planning.build import build_plan
 
-        plan = build_plan(app.home.composition.to_recipe(), world_size=512)
+        plan = build_plan(app.home.draft.to_recipe(), world_size=512)
         screen = ProgressScreen(plan, workers=1, clock=lambda: next(times, 112.0), autostart=False,
                                title="Composing checkpoint-6-tailored for 512 ranks")
         await app.push_screen(screen)

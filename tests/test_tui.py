@@ -35,8 +35,8 @@ async def test_grid_shows_rows_by_checkpoints_with_the_newest_as_base(run_copy):
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
         grid = app.query_one("#grid")
-        assert grid.row_count == 7 and len(app.home.composition.checkpoints) == 3
-        assert app.home.composition.base_checkpoint.path == ckpts[-1]
+        assert grid.row_count == 7 and len(app.home.draft.checkpoints) == 3
+        assert app.home.draft.base_checkpoint.path == ckpts[-1]
         assert grid.cursor_coordinate.column == 3  # starts on the base column
         details = str(app.query_one("#details").render())
         assert "checkpoint-6" in details and "2 ranks, bf16" in details
@@ -49,16 +49,16 @@ async def test_picks_change_the_recipe_and_undo_restores(run_copy):
         await scanned(pilot)
         await pilot.press("left", "down", "space")  # layers.0 from checkpoint-4
         await pilot.press("down", "left", "enter")  # layers.1 from checkpoint-2 (Enter picks too)
-        recipe = app.home.composition.to_recipe()
+        recipe = app.home.draft.to_recipe()
         assert recipe.base == c6
         assert recipe.layers == {"layers.0": c4, "layers.1": c2}
         await pilot.press("a")  # every row from checkpoint-2
-        assert set(app.home.composition.to_recipe().layers.values()) == {c2}
+        assert set(app.home.draft.to_recipe().layers.values()) == {c2}
         await pilot.press("u")
-        assert app.home.composition.to_recipe().layers == {"layers.0": c4, "layers.1": c2}
+        assert app.home.draft.to_recipe().layers == {"layers.0": c4, "layers.1": c2}
         await pilot.press("b")  # checkpoint-2 becomes the base: its own picks disappear
-        assert app.home.composition.to_recipe().base == c2
-        assert app.home.composition.to_recipe().layers == {"layers.0": c4}
+        assert app.home.draft.to_recipe().base == c2
+        assert app.home.draft.to_recipe().layers == {"layers.0": c4}
 
 
 async def test_clicking_a_cell_picks_it(run_copy):
@@ -71,7 +71,7 @@ async def test_clicking_a_cell_picks_it(run_copy):
         y = 2 + 4  # below the two header lines: layers.3 (the cursor is elsewhere: on embed_tokens)
         await pilot.click("#grid", offset=(x, y))
         await pilot.pause()
-        assert app.home.composition.to_recipe().layers == {"layers.3": c2}
+        assert app.home.draft.to_recipe().layers == {"layers.3": c2}
 
 
 async def test_save_and_load_round_trip(run_copy, tmp_path):
@@ -88,8 +88,8 @@ async def test_save_and_load_round_trip(run_copy, tmp_path):
     app = make_app(run, recipe=recipe_path)  # exists: its picks are loaded
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
-        assert app.home.composition.to_recipe().layers == {"layers.1": c4}
-        assert app.home.composition.saved
+        assert app.home.draft.to_recipe().layers == {"layers.1": c4}
+        assert app.home.draft.saved
         await pilot.press("a")  # change, then load it again with ctrl+o
         await pilot.press("ctrl+o")
         assert isinstance(app.screen, Confirm)  # the unsaved picks would be replaced: asked first
@@ -97,7 +97,7 @@ async def test_save_and_load_round_trip(run_copy, tmp_path):
         await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt))
         await pilot.press("enter")  # the prompt is pre-filled with the recipe's path
         await pilot.pause()
-        assert app.home.composition.to_recipe().layers == {"layers.1": c4}
+        assert app.home.draft.to_recipe().layers == {"layers.1": c4}
 
 
 async def test_ctrl_s_keeps_what_a_person_wrote_in_the_recipe(run_copy, tmp_path):
@@ -113,7 +113,7 @@ async def test_ctrl_s_keeps_what_a_person_wrote_in_the_recipe(run_copy, tmp_path
     app = make_app(run, recipe=path)
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
-        assert app.home.composition.to_recipe().layers == {"layers.1": c4}
+        assert app.home.draft.to_recipe().layers == {"layers.1": c4}
         await pilot.press("ctrl+s")
         await pilot.pause()
         assert path.read_text() == hand
@@ -209,7 +209,7 @@ async def test_an_output_nobody_named_is_never_an_existing_path(run_copy):
         await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
         assert "output: checkpoint-6-tailored-2" in app.screen.body
         await pilot.press("escape")
-        assert app.home.composition.output == run / "checkpoint-6-tailored-2" and not app.home.composition.unsaved_changes()
+        assert app.home.draft.output == run / "checkpoint-6-tailored-2" and not app.home.draft.unsaved_changes()
 
 
 async def test_quit_asks_first_when_picks_are_unsaved(run_copy):
@@ -234,7 +234,7 @@ async def test_incompatible_checkpoints_are_disabled_with_the_reason(real_run, t
     app = make_app(tmp_path / "mixed")
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
-        comp = app.home.composition
+        comp = app.home.draft
         assert [c.name for c in comp.checkpoints] == ["checkpoint-2", "global_step2", "checkpoint-4", "checkpoint-6"]
         assert "world size 3, the base has 2" in comp.incompatibility(1)
         app.query_one("#grid").move_cursor(row=1, column=2)
@@ -291,7 +291,7 @@ async def test_partial_checkpoints_show_only_their_rows_and_default_to_the_newes
     app = make_app(run / "run")
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
-        comp = app.home.composition
+        comp = app.home.draft
         full, p4, p6 = comp.checkpoints
         grid = app.query_one("#grid")
         lacking = next(r.name for r in comp.rows if not r.tied and not p6.holds(r.name))
@@ -312,7 +312,7 @@ async def test_details_point_out_a_checkpoint_from_another_run_folder(run_copy, 
     app = make_app(run)
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
-        names = [c.path.parent.name for c in app.home.composition.checkpoints]
+        names = [c.path.parent.name for c in app.home.draft.checkpoints]
         assert names == ["run", "run", "restored", "run"]
         await pilot.press("left")  # from the base (checkpoint-6) to the copied checkpoint
         details = str(app.query_one("#details").render())
@@ -326,7 +326,7 @@ async def test_a_full_hf_base_combines_with_partial_columns(real_run):
     app = make_app(run / "run")
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
-        comp = app.home.composition
+        comp = app.home.draft
         grid = app.query_one("#grid")
         grid.move_cursor(row=0, column=1)
         await pilot.press("b")  # the full checkpoint-2 as the base: it has model.safetensors, they do not
@@ -371,9 +371,9 @@ async def test_health_marks_the_blown_cell_and_heal_takes_the_previous_checkpoin
         assert "layers.2 ← global_step4" in app.screen.body
         await pilot.press("enter")
         await wait_for(pilot, lambda: len(app.screen_stack) == 1)
-        assert app.home.composition.to_recipe().layers == {"layers.2": ckpts[1]}
+        assert app.home.draft.to_recipe().layers == {"layers.2": ckpts[1]}
         await pilot.press("u")  # one undo step takes the whole heal back
-        assert app.home.composition.to_recipe().layers == {}
+        assert app.home.draft.to_recipe().layers == {}
         await pilot.press("m")
         assert app.home.health_pane.metric == "weight_rms"
 
@@ -439,7 +439,7 @@ async def test_a_row_failing_its_crc_is_never_offered_to_compose_anyway(blown_co
     app = make_app(run, workers=1)
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
-        comp, health = app.home.composition, app.home.health_pane.health
+        comp, health = app.home.draft, app.home.health_pane.health
         rows = [r.name for r in comp.rows]
         crc = next(row for row in rows if damage(health.cell(row, 1)) == "CRC")
         app.query_one("#grid").move_cursor(row=rows.index(crc), column=2)
@@ -467,9 +467,9 @@ async def test_a_composed_folder_is_never_a_column_and_is_named_in_the_details(r
     app = make_app(run)
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
-        assert [c.path for c in app.home.composition.checkpoints] == list(ckpts)  # training checkpoints only
-        assert app.home.composition.base_checkpoint.path == ckpts[-1]
-        assert app.home.composition.output == run / "checkpoint-6-tailored-2"  # a new sibling, never over it
+        assert [c.path for c in app.home.draft.checkpoints] == list(ckpts)  # training checkpoints only
+        assert app.home.draft.base_checkpoint.path == ckpts[-1]
+        assert app.home.draft.output == run / "checkpoint-6-tailored-2"  # a new sibling, never over it
         details = str(app.query_one("#details").render())
         assert "composed by tailor-tui here, not columns (1):" in details
         assert "checkpoint-6-tailored ← checkpoint-6, checkpoint-2" in details
@@ -482,7 +482,7 @@ async def test_two_runs_in_one_folder_are_never_one_grid(real_run, tmp_path):
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: isinstance(app.screen, ErrorDialog))
         assert "holds checkpoints of 2 training runs" in app.screen.message
-        assert app.home.composition is None
+        assert app.home.draft is None
 
 
 async def test_the_cursor_never_lands_on_the_names_column(run_copy):
@@ -495,7 +495,7 @@ async def test_the_cursor_never_lands_on_the_names_column(run_copy):
         assert grid.current()[1] == 0  # the first checkpoint's column, not the row names
         await pilot.click("#grid", offset=(2, 5))  # a row's name: that row, the same column
         await pilot.pause()
-        assert grid.current() == (app.home.composition.rows[3].name, 0)
+        assert grid.current() == (app.home.draft.rows[3].name, 0)
 
 
 async def test_skipped_checkpoints_stay_listed_and_an_empty_folder_says_what_was_looked_for(run_copy, tmp_path):
@@ -595,7 +595,7 @@ async def test_a_recipe_that_failed_to_load_is_never_silently_replaced(run_copy,
         await scanned(pilot)
         await wait_for(pilot, lambda: isinstance(app.screen, ErrorDialog))
         await pilot.press("escape")
-        assert app.home.composition.recipe_path is None
+        assert app.home.draft.recipe_path is None
         assert "fix.yaml" not in str(app.query_one("#title").render())
         await pilot.press("ctrl+s")  # not a silent save: Save as, pre-filled with fix.yaml
         await wait_for(pilot, lambda: isinstance(app.screen, PathPrompt))
@@ -614,14 +614,14 @@ async def test_undo_back_to_the_saved_state_is_saved_and_redo_returns(run_copy, 
         await scanned(pilot)
         await pilot.press("left", "down", "space", "ctrl+s")
         await pilot.pause()
-        assert app.home.composition.saved and recipe.read_text().startswith("# tailor-tui recipe")
+        assert app.home.draft.saved and recipe.read_text().startswith("# tailor-tui recipe")
         await pilot.press("down", "space")
-        assert not app.home.composition.saved and "*" in str(app.query_one("#title").render())
+        assert not app.home.draft.saved and "*" in str(app.query_one("#title").render())
         await pilot.press("u")
-        assert app.home.composition.saved and "*" not in str(app.query_one("#title").render())
+        assert app.home.draft.saved and "*" not in str(app.query_one("#title").render())
         await pilot.press("ctrl+y")
-        assert app.home.composition.to_recipe().layers == {"layers.0": c4, "layers.1": c4}
-        assert not app.home.composition.saved
+        assert app.home.draft.to_recipe().layers == {"layers.0": c4, "layers.1": c4}
+        assert not app.home.draft.saved
 
 
 # --- editing many rows ---------------------------------------------------------------------------
@@ -638,13 +638,13 @@ async def test_a_block_of_rows_is_picked_in_one_action_and_one_undo(run_copy):
         await wait_for(pilot, lambda: len(app.screen_stack) == 1)
         assert app.query_one("#grid").cursor_coordinate.row == 2
         await pilot.press("v", "down", "down", "left", "left", "space")  # layers.1 – layers.3 from checkpoint-2
-        assert app.home.composition.to_recipe().layers == {"layers.1": c2, "layers.2": c2, "layers.3": c2}
+        assert app.home.draft.to_recipe().layers == {"layers.1": c2, "layers.2": c2, "layers.3": c2}
         await pilot.press("u")
-        assert app.home.composition.to_recipe().layers == {}
+        assert app.home.draft.to_recipe().layers == {}
         await pilot.press("G")
-        assert app.query_one("#grid").cursor_coordinate.row == len(app.home.composition.rows) - 1
+        assert app.query_one("#grid").cursor_coordinate.row == len(app.home.draft.rows) - 1
         await pilot.press("shift+up", "shift+up", "escape", "space")  # dropped: only the cursor's cell
-        assert set(app.home.composition.to_recipe().layers) == {"layers.3"}  # (lm_head, tied, is last)
+        assert set(app.home.draft.to_recipe().layers) == {"layers.3"}  # (lm_head, tied, is last)
         await pilot.press("g")
         assert app.query_one("#grid").cursor_coordinate.row == 0
 
@@ -718,7 +718,7 @@ async def test_the_world_size_set_from_the_plan_dialog_reshards(real_run, tmp_pa
     app = make_app(tmp_path / "mixed", workers=1)
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
-        comp = app.home.composition
+        comp = app.home.draft
         other = [c.path for c in comp.checkpoints].index(tmp_path / "mixed" / "b" / "global_step4")
         assert "world size 3, the base has 4" in comp.incompatibility(other)
         await pilot.press("ctrl+r")
@@ -882,7 +882,7 @@ async def test_a_world_size_typed_in_no_plain_whole_number_is_refused(run_copy):
         for typed in ("\u00b2", "\u0663", "9" * 5000, "010", "0"):
             text = await _error_after_prompt(pilot, "w", typed)
             assert "a whole number of at least 1" in text and "plain decimal digits" in text, text
-        assert app.home.composition.world_size is None
+        assert app.home.draft.world_size is None
 
 
 async def test_every_message_says_what_happened(run_copy, tmp_path):
@@ -897,12 +897,12 @@ async def test_every_message_says_what_happened(run_copy, tmp_path):
     async with app.run_test(size=(80, 24)) as pilot:
         await scanned(pilot)
         assert "did you mean 'layers.1'?" in await _error_after_prompt(pilot, "ctrl+o", typo)
-        app.home.composition.world_size = 1  # as `w` sets it
+        app.home.draft.world_size = 1  # as `w` sets it
         await pilot.press("q")
         await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
         assert "the world size changed" in app.screen.body and "picks" not in app.screen.body
         await pilot.press("escape")
-        app.home.composition.world_size = None
+        app.home.draft.world_size = None
         assert "is a folder" in await _error_after_prompt(pilot, "S", tmp_path)
 
     from tailor_tui.export.export_plan import plan_export

@@ -34,7 +34,7 @@ async def test_a_torchtitan_run_heals_and_composes_in_the_composer(fsdp_run, tmp
     copy, app = run_copy(fsdp_run, tmp_path, "fsdp_llama")
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
-        comp = app.home.composition
+        comp = app.home.draft
         assert [c.name for c in comp.checkpoints] == ["step-2", "step-4", "step-6"] and comp.base == 2
         assert [r.name for r in comp.rows] == ["embed_tokens", "layers.0", "layers.1", "layers.2", "norm", "lm_head"]
         assert "NaN" in cell_text(app, "layers.1", 2)
@@ -57,7 +57,7 @@ async def test_a_torchtitan_run_heals_and_composes_in_the_composer(fsdp_run, tmp
         assert "layers.1 ← step-4" in app.screen.body
         await pilot.press("enter")
         await wait_for(pilot, lambda: len(app.screen_stack) == 1)
-        assert app.home.composition.to_recipe().layers == {"layers.1": copy / "step-4"}
+        assert app.home.draft.to_recipe().layers == {"layers.1": copy / "step-4"}
         progress = await start_composing(pilot)
         assert isinstance(progress, ProgressScreen)
         await compose_finished(pilot)
@@ -76,7 +76,7 @@ async def test_a_trainer_fsdp_run_opens_with_its_loss_and_exports_for_evaluation
     copy, app = run_copy(fsdp_run, tmp_path, "fsdp_llama_hf")
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
-        comp = app.home.composition
+        comp = app.home.draft
         assert [c.name for c in comp.checkpoints] == ["checkpoint-2", "checkpoint-4"]
         assert "NaN" in cell_text(app, "layers.1", 1)
         curve = app.home.health_pane.curve

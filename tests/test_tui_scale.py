@@ -33,8 +33,8 @@ async def test_pick_layers_40_to_59_review_compose_and_reopen_at_80x24(deep_run)
     async with app.run_test(size=TERMINAL) as pilot:
         await scanned(pilot)
         grid = app.query_one("#grid")
-        names = [r.name for r in app.home.composition.rows]
-        assert len(names) == 83 and app.home.composition.base_checkpoint.path == c4
+        names = [r.name for r in app.home.draft.rows]
+        assert len(names) == 83 and app.home.draft.base_checkpoint.path == c4
         footer = {b.binding.description for b in app.screen.active_bindings.values() if b.binding.show}
         assert {"Compose", "Save", "Help", "Quit"} <= footer
         panel = app.query_one("#details-panel")  # the details' scroll: what of them shows
@@ -58,12 +58,12 @@ async def test_pick_layers_40_to_59_review_compose_and_reopen_at_80x24(deep_run)
 
         await pilot.press("v", *["down"] * 19, "left", "space")  # one selection, one action
         picked = {f"layers.{i}": c2 for i in range(40, 60)}
-        assert app.home.composition.to_recipe().layers == picked
+        assert app.home.draft.to_recipe().layers == picked
         assert any(line(grid, y).lstrip().startswith("layers.59") for y in range(2, grid.size.height))
         await pilot.press("u")  # one undo step takes the whole block back
-        assert app.home.composition.to_recipe().layers == {}
+        assert app.home.draft.to_recipe().layers == {}
         await pilot.press("ctrl+y")
-        assert app.home.composition.to_recipe().layers == picked
+        assert app.home.draft.to_recipe().layers == picked
 
         await pilot.press("ctrl+r")  # the plan: totals first, then the block as one line
         await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
@@ -86,8 +86,8 @@ async def test_pick_layers_40_to_59_review_compose_and_reopen_at_80x24(deep_run)
     app = make_app(run)  # reopened: the output is not a column, and the next one is a sibling
     async with app.run_test(size=TERMINAL) as pilot:
         await scanned(pilot)
-        assert [c.path for c in app.home.composition.checkpoints] == [c2, c4]
-        assert app.home.composition.output == run / "checkpoint-4-tailored-2"
+        assert [c.path for c in app.home.draft.checkpoints] == [c2, c4]
+        assert app.home.draft.output == run / "checkpoint-4-tailored-2"
 
 
 async def test_the_plan_scrolls_from_the_keyboard(deep_run):
@@ -98,7 +98,7 @@ async def test_the_plan_scrolls_from_the_keyboard(deep_run):
     async with app.run_test(size=TERMINAL) as pilot:
         await scanned(pilot)
         await pilot.press("g", "left", *["space", "down", "down"] * 42)
-        layers = app.home.composition.to_recipe().layers
+        layers = app.home.draft.to_recipe().layers
         assert len(layers) == 42 and "layers.1" in layers and "layers.2" not in layers
         await pilot.press("ctrl+r")
         await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
@@ -110,7 +110,7 @@ async def test_the_plan_scrolls_from_the_keyboard(deep_run):
         assert scroller.scroll_y > 0
         await pilot.press("escape")
         await pilot.pause()
-        assert app.home.composition.to_recipe().layers == layers  # declined: nothing composed, picks kept
+        assert app.home.draft.to_recipe().layers == layers  # declined: nothing composed, picks kept
 
 
 # --- the details panel: all of it within reach from the keyboard ---------------------------------
@@ -133,7 +133,7 @@ async def test_tab_scrolls_the_details_panel_to_its_last_line(deep_run, size):
         await scanned(pilot)
         app.clear_notifications()  # the notice of the skipped folders would cover the panel's corner
         await pilot.pause()
-        grid, panel, comp = app.query_one("#grid"), app.query_one("#details-panel"), app.home.composition
+        grid, panel, comp = app.query_one("#grid"), app.query_one("#details-panel"), app.home.draft
         last = "names each)"  # "  … and 1 more (tailor-tui --stats RUN_DIR names each)", wrapped or not
         assert app.home.details_text.endswith(last) and "skipped while scanning (21):" in app.home.details_text
         assert app.focused is grid and panel.max_scroll_y > 0 and "Details" in footer_keys(app)
@@ -214,7 +214,7 @@ async def test_a_vision_language_models_stacks_fold_and_pick_as_blocks(real_run,
     app = make_app(run, workers=1)
     async with app.run_test(size=size) as pilot:
         await scanned(pilot)
-        grid, comp = app.query_one("#grid"), app.home.composition
+        grid, comp = app.query_one("#grid"), app.home.draft
         names = [r.name for r in comp.rows]
         assert names[:3] == ["vision.embeddings", "vision.pre_layrnorm", "vision.layers.0"]
         assert "vision.layers.23" in names and "layers.27" in names and names[-1] == "lm_head"

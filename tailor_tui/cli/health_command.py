@@ -87,8 +87,8 @@ def stats_command(args) -> int:
 def heal_command(args) -> int:
     from tailor_tui.checkpoints.dcp_checkpoint import DcpCheckpoint
     from tailor_tui.cli.stats_table import healing_lines
-    from tailor_tui.compose.composition import Composition
     from tailor_tui.health.healing import heal
+    from tailor_tui.planning.recipe_draft import RecipeDraft
 
     if args.recipe is None:
         raise UsageError("--heal needs --recipe OUT.yaml: where to write the recipe it makes")
@@ -98,7 +98,7 @@ def heal_command(args) -> int:
         return ExitCode.OK  # process 0 of the job writes the recipe
     if isinstance(health.checkpoints[-1], DcpCheckpoint):
         return _heal_dcp(args, health)
-    comp = Composition.start(list(health.checkpoints))
+    comp = RecipeDraft.start(list(health.checkpoints))
     healing = heal(health, comp.healable_rows(), usable=comp.combines_with)
     comp.apply_healing(healing.picks)
     _check_copied_files(comp.to_recipe())  # a recipe that --apply would refuse is not written

@@ -132,12 +132,12 @@ def resume_point(output_dir: str | Path, *, workers: int | None = 1) -> str | No
 
 def _compose_newest(output_dir: Path, target: Path, workers: int | None) -> None:
     from tailor_tui.compose.compose_run import run_compose
-    from tailor_tui.compose.composition import Composition
     from tailor_tui.planning.build import build_plan
+    from tailor_tui.planning.recipe_draft import RecipeDraft
 
     found = scan(output_dir)
     own = [c for c in found.checkpoints if c.path.parent == output_dir and not c.path.name.startswith(RESUME_PREFIX)]
-    composition = Composition.start(own)
+    composition = RecipeDraft.start(own)
     missing = composition.missing_rows()
     if missing:
         raise CheckpointError(f"{output_dir}: no save holds rows {', '.join(missing)}; cannot resume the newest state")

@@ -70,7 +70,7 @@ class TailorApp(App):
         return home
 
     def action_request_quit(self) -> None:
-        comp = self.home.composition
+        comp = self.home.draft
         running = isinstance(self.screen, ProgressScreen) and self.screen.running
         if running:
             question = "A composition is running. Cancel it and quit? Nothing new will be left at the output path."
@@ -106,7 +106,7 @@ class TailorApp(App):
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         # ctrl+s: from any screen, once there are picks to save (not while scanning, nor in a folder of no run)
-        return action != "save_recipe" or (bool(self.screen_stack) and self.home.composition is not None)
+        return action != "save_recipe" or (bool(self.screen_stack) and self.home.draft is not None)
 
     def action_save_recipe(self) -> None:
         """ctrl+s saves the session's recipe from any screen (a dialog, the progress screen)."""

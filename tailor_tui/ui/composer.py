@@ -29,7 +29,6 @@ from textual.worker import get_current_worker
 from tailor_tui.checkpoints.cache import cache_dir
 from tailor_tui.checkpoints.dcp_checkpoint import DcpCheckpoint, is_dcp
 from tailor_tui.checkpoints.scan import ScanResult, scan_run
-from tailor_tui.compose.composition import Composition
 from tailor_tui.errors import OutputError, TailorError
 from tailor_tui.events import TaskOptions
 from tailor_tui.export.dcp_to_hf import DcpHfExport, plan_dcp_hf
@@ -41,6 +40,7 @@ from tailor_tui.health.healing import heal, training_curve, training_log
 from tailor_tui.planning.build import build_plan
 from tailor_tui.planning.dcp_plan import plan_dcp
 from tailor_tui.planning.output import not_replaceable
+from tailor_tui.planning.recipe_draft import RecipeDraft
 from tailor_tui.planning.recipe_file import converted_path, load_recipe
 from tailor_tui.team.sbatch import LARGE, offer_batch, write_sbatch
 from tailor_tui.ui.actions import DETAILS, HOME, bindings
@@ -106,7 +106,7 @@ class ComposerScreen(Screen[None]):
     def __init__(self, options: ComposerOptions):
         super().__init__()
         self.options = options
-        self.composition: Composition | None = None
+        self.draft: RecipeDraft | None = None
         self.scan_result: ScanResult | None = None
         self.composing = False
         self.details_text = self.title_text = ""  # what the details panel and the title show
@@ -171,7 +171,7 @@ class ComposerScreen(Screen[None]):
         statistics' progress, base and output, then the run's folder. Where the width is short, the
         paths are shortened from the left (`…/new.yaml`, `…/checkpoint-6-tailored`) so that every part
         keeps its name, the run's folder first to go (80 columns keep every other part)."""
-        comp = self.composition
+        comp = self.draft
         parts: list[tuple[str, str]] = []  # (label, path: shortened from the left when room is short)
         if comp:
             recipe = self.rel(comp.recipe_path) if comp.recipe_path else ""
@@ -241,7 +241,7 @@ class ComposerScreen(Screen[None]):
                 plain_lines([f"{result.nothing_found(self.options.run_dir)}. q quits.", *why]))
             self.refresh_bindings()  # (nothing to pick, heal or compose: only help and quit)
             return
-        self.composition = Composition.start(list(result.checkpoints))
+        self.draft = RecipeDraft.start(list(result.checkpoints))
         self.query_one("#scanning").display = False
         self.query_one("#main").display = True
         self.refresh_bindings()  # (the composer's keys, now that there is something to pick)
@@ -249,7 +249,7 @@ class ComposerScreen(Screen[None]):
             if self.options.recipe.exists():
                 self.adopt_recipe(self.options.recipe)  # on failure it is not the save target
             else:
-                self.composition.recipe_path = self.options.recipe  # a new recipe: ctrl+s creates it
+                self.draft.recipe_path = self.options.recipe  # a new recipe: ctrl+s creates it
         self.health_pane.start(tuple(result.checkpoints), message.logs, message.curve)
         self.refresh_view()
         self.query_one(CheckpointGrid).focus()
@@ -277,16 +277,16 @@ class ComposerScreen(Screen[None]):
     # --- view ------------------------------------------------------------------------------
 
     def refresh_view(self) -> None:
-        if not self.is_attached or self.composition is None:
+        if not self.is_attached or self.draft is None:
             return  # shutting down (a timer of the statistics fired after the screen went), or no run yet
         grid, pane = self.query_one(CheckpointGrid), self.health_pane
-        grid.show(self.composition, pane.health, pane.metric, pane.version)
+        grid.show(self.draft, pane.health, pane.metric, pane.version)
         self.update_title()
         self.update_details()
 
     def update_curve(self, column: int | None) -> None:
         """The curve, its cursor on the checkpoint of `column` (None: no column under the cursor)."""
-        comp = self.composition
+        comp = self.draft
         self.health_pane.show_curve(comp.checkpoints[column].step if comp is not None and column is not None else None)
 
     def on_checkpoint_grid_cursor_moved(self, message: CheckpointGrid.CursorMoved) -> None:
@@ -301,7 +301,7 @@ class ComposerScreen(Screen[None]):
         self.action_pick()  # Enter and mouse clicks pick, like space
 
     def update_details(self) -> None:
-        comp = self.composition
+        comp = self.draft
         if comp is None:
             return
         grid = self.query_one(CheckpointGrid)
@@ -333,13 +333,13 @@ class ComposerScreen(Screen[None]):
 
     def editable(self) -> bool:
         """Picks change only on the grid itself, not under a dialog or the progress screen."""
-        return self.composition is not None and self.on_top
+        return self.draft is not None and self.on_top
 
     @property
-    def active_composition(self) -> Composition:
-        if self.composition is None:
+    def active_draft(self) -> RecipeDraft:
+        if self.draft is None:
             raise RuntimeError("no composition yet: the scan has not found the run's checkpoints")
-        return self.composition
+        return self.draft
 
     def edit(self, change: Callable[[], object]) -> None:
         try:
@@ -351,7 +351,7 @@ class ComposerScreen(Screen[None]):
     def action_pick(self) -> None:
         if not self.editable():
             return
-        comp, grid = self.active_composition, self.query_one(CheckpointGrid)
+        comp, grid = self.active_draft, self.query_one(CheckpointGrid)
         row, column = grid.current()
         rows = grid.block_rows()  # the selected rows, or a folded stack's
         if rows and column is not None:  # a block of rows, one undo step
@@ -363,10 +363,10 @@ class ComposerScreen(Screen[None]):
             self.edit(lambda: comp.pick(row, column))
 
     def action_pick_column(self) -> None:
-        self._edit_column(lambda column: self.active_composition.pick_column(column))
+        self._edit_column(lambda column: self.active_draft.pick_column(column))
 
     def action_set_base(self) -> None:
-        self._edit_column(lambda column: self.active_composition.set_base(column))
+        self._edit_column(lambda column: self.active_draft.set_base(column))
 
     def _edit_column(self, change: Callable[[int], None]) -> None:
         """A change to the checkpoint under the cursor (on the grid itself)."""
@@ -386,14 +386,14 @@ class ComposerScreen(Screen[None]):
         """Undo or redo one change of the picks."""
         if not self.editable():
             return
-        if not getattr(self.composition, way)():
+        if not getattr(self.draft, way)():
             self.notify(f"nothing to {way}")
         self.refresh_view()
 
     def action_set_output(self) -> None:
         if not self.editable():
             return
-        comp = self.active_composition
+        comp = self.active_draft
 
         def done(value: str | None) -> None:
             if value:
@@ -403,8 +403,8 @@ class ComposerScreen(Screen[None]):
 
     def action_run_compose(self) -> None:
         if self.editable():
-            self.active_composition.renew_default_output()  # an output nobody named is never an existing path
-            self.plan_worker(self.active_composition.to_recipe())
+            self.active_draft.renew_default_output()  # an output nobody named is never an existing path
+            self.plan_worker(self.active_draft.to_recipe())
 
     @work(thread=True, exclusive=True, group="plan")
     def plan_worker(self, recipe: Recipe, force: bool = False) -> None:
@@ -499,7 +499,7 @@ class ComposerScreen(Screen[None]):
             self.notify("row statistics are still being computed; heal when they are complete",
                         severity="warning", timeout=4)
             return
-        comp = self.active_composition
+        comp = self.active_draft
         healing = heal(health, comp.healable_rows(), usable=comp.combines_with)
         changes = [f"{row} ← {comp.checkpoints[col].name}" + (f"  ({healing.reasons[row]})" if row in healing.reasons
                                                               else "")
@@ -528,7 +528,7 @@ class ComposerScreen(Screen[None]):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         # Under a dialog or the progress screen the grid's keys do nothing, nor with no checkpoint to pick from
         # (scanning, or a folder of none): the footer hides them.
-        return self.on_top and self.composition is not None and (action != "focus_details" or self.details_shown)
+        return self.on_top and self.draft is not None and (action != "focus_details" or self.details_shown)
 
     @property
     def on_top(self) -> bool:
@@ -618,7 +618,7 @@ class ComposerScreen(Screen[None]):
     def action_set_world_size(self, then_plan: bool = False) -> None:
         """Ask for the data-parallel world size to compose for (empty: the base's; in the recipe too); from the plan
         dialog (`then_plan`), show the plan again with it."""
-        comp = self.composition
+        comp = self.draft
         if comp is None or (not then_plan and not self.editable()):
             return
         if isinstance(comp.base_checkpoint, DcpCheckpoint):
@@ -649,7 +649,7 @@ class ComposerScreen(Screen[None]):
 
     def action_save_recipe(self, then: Saved | None = None) -> None:
         """Save the picks (asking where, the first time); `then(path)` once they are saved."""
-        comp = self.composition
+        comp = self.draft
         if comp is None:
             return
         if comp.recipe_path is not None:
@@ -658,7 +658,7 @@ class ComposerScreen(Screen[None]):
             self.action_save_recipe_as(then=then)
 
     def action_save_recipe_as(self, then: Saved | None = None) -> None:
-        comp = self.composition
+        comp = self.draft
         if comp is None:
             return
 
@@ -691,7 +691,7 @@ class ComposerScreen(Screen[None]):
     def save_to(self, path: Path, confirmed: bool = False, then: Saved | None = None) -> None:
         """Save there; a file the composer did not load or save is replaced only when confirmed;
         `then(path)` once saved."""
-        comp = self.active_composition  # the save actions return before this without one
+        comp = self.active_draft  # the save actions return before this without one
         if path.is_dir():  # a folder is no recipe file: say so, never "Replace .?" then "Is a directory"
             self.app.push_screen(ErrorDialog(f"{path} is a folder: name the recipe file to save, e.g. "
                                              f"{path / 'fix.yaml'}", title="Cannot save the recipe"))
@@ -726,7 +726,7 @@ class ComposerScreen(Screen[None]):
     def action_load_recipe(self) -> None:
         if not self.editable():
             return
-        comp = self.active_composition
+        comp = self.active_draft
 
         def done(value: str | None) -> None:
             if value:
@@ -747,7 +747,7 @@ class ComposerScreen(Screen[None]):
     def adopt_recipe(self, path: Path) -> None:
         try:
             recipe = load_recipe(path, run=self.options.run_dir)  # an LLMTailor recipe's paths: in this run
-            self.active_composition.load(recipe)
+            self.active_draft.load(recipe)
         except TailorError as exc:
             self.app.push_screen(ErrorDialog(str(exc), title="Cannot load the recipe"))
             return
@@ -763,7 +763,7 @@ class ComposerScreen(Screen[None]):
     def action_export(self) -> None:
         if not self.editable():
             return
-        comp = self.active_composition
+        comp = self.active_draft
         output = comp.output or comp.default_output()
 
         def chosen(value: str | None) -> None:

@@ -15,8 +15,8 @@ from typing import Callable
 
 from tailor_tui.checkpoints.checkpoint import Checkpoint, tied_members, tied_partner
 from tailor_tui.checkpoints.dcp_checkpoint import DcpCheckpoint
-from tailor_tui.compose.composition import Composition
 from tailor_tui.health.healing import METRICS, Cell, Health, TrainingCurve, damage_text, percent, why_unhealthy
+from tailor_tui.planning.recipe_draft import RecipeDraft
 from tailor_tui.units import shown, size
 
 # low → high: dark blue, teal, olive, amber, red (readable with the cells' light text)
@@ -149,7 +149,7 @@ def _pct(x: float | None) -> str:
     return "—" if x is None else percent(x)  # as the health report says it
 
 
-def stack_block(comp: Composition, stack: str, rows: list[str]) -> list[str]:
+def stack_block(comp: RecipeDraft, stack: str, rows: list[str]) -> list[str]:
     """A folded stack's lines in the details panel: its rows, where they come from, their size."""
     sources = Counter(comp.source_of(r) for r in rows)
     lines = [f"stack   {stack} · {len(rows)} rows, folded (f unfolds; a pick here picks them all)"]
@@ -161,7 +161,7 @@ def stack_block(comp: Composition, stack: str, rows: list[str]) -> list[str]:
     return [*lines, f"params  {len(params)} tensors, {numel:,} elements"]
 
 
-def _row_lines(comp: Composition, health: Health | None, row, column: int | None, *, metric: str,
+def _row_lines(comp: RecipeDraft, health: Health | None, row, column: int | None, *, metric: str,
                computing: str | None) -> list[str]:
     """The details panel's lines of the row under the cursor: its cells, source, ties and size."""
     lines = [] if row.tied else cell_block(health, row.name, column, computing, metric)
@@ -180,7 +180,7 @@ def _row_lines(comp: Composition, health: Health | None, row, column: int | None
     return lines + ([""] + block if block else [])
 
 
-def _shapes(comp: Composition) -> dict:
+def _shapes(comp: RecipeDraft) -> dict:
     """Every parameter's shape in the base (trained and frozen)."""
     base: object = comp.base_checkpoint
     if isinstance(base, DcpCheckpoint):
@@ -190,7 +190,7 @@ def _shapes(comp: Composition) -> dict:
     return shapes
 
 
-def details_lines(comp: Composition, health: Health | None, row_name: str, column: int | None, *, metric: str,
+def details_lines(comp: RecipeDraft, health: Health | None, row_name: str, column: int | None, *, metric: str,
                   computing: str | None, problems: tuple = (), outputs: tuple = (),
                   show: Callable[[Path], str] = str, stack: tuple[str, list[str]] | None = None) -> list[str]:
     """The details panel: the checkpoint under the cursor, then its row (or, on a folded stack's

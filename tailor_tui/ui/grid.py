@@ -4,7 +4,7 @@ A line-API widget: each frame renders only the cells in view, so a run of 81 row
 checkpoints redraws a pick in milliseconds (a DataTable re-renders every cell of every
 visible row on any change). The row names (column 0) and the two header lines stay in view
 while the rest scrolls. Coordinates are DataTable's: column 0 is the names, checkpoint i is
-column i + 1; a coordinate's row is the composition's row, whatever line shows it. A multimodal
+column i + 1; a coordinate's row is the draft's row, whatever line shows it. A multimodal
 model's rows come under a header line per stack (`grid_lines`): `f` folds the stack under the
 cursor into its header, which then stands for its every row (a pick there picks them all).
 """
@@ -24,8 +24,8 @@ from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from tailor_tui.compose.composition import Composition
 from tailor_tui.health.healing import Health, damage, numbers
+from tailor_tui.planning.recipe_draft import RecipeDraft
 from tailor_tui.ui.actions import GRID, bindings
 from tailor_tui.ui.describe import background, header_suffix, metric_text, row_range
 from tailor_tui.ui.grid_lines import GridLines, RowGroup, groups_of
@@ -84,7 +84,7 @@ class CheckpointGrid(ScrollView, can_focus=True):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.composition: Composition | None = None
+        self.draft: RecipeDraft | None = None
         self.health: Health | None = None
         self.metric = "rel_change"
         self.selection: tuple[int, int] | None = None  # rows (first, last) of a range being selected
@@ -155,9 +155,9 @@ class CheckpointGrid(ScrollView, can_focus=True):
 
     def current(self) -> tuple[str | None, int | None]:
         """(row name, checkpoint column) under the cursor; column None on the names column."""
-        if self.composition is None or not self._rows:
+        if self.draft is None or not self._rows:
             return None, None
-        return self.composition.rows[self._cursor.row].name, (self._cursor.column - 1 if self._cursor.column else None)
+        return self.draft.rows[self._cursor.row].name, (self._cursor.column - 1 if self._cursor.column else None)
 
     def cell_text(self, row: str, checkpoint: int) -> str:
         """What the cell of `row` and checkpoint `checkpoint` says (tests and tools)."""
@@ -171,10 +171,10 @@ class CheckpointGrid(ScrollView, can_focus=True):
         return self._widths[0] + self._starts[checkpoint] - round(self.scroll_x)
 
     def selected_rows(self) -> list[str]:
-        if self.selection is None or self.composition is None:
+        if self.selection is None or self.draft is None:
             return []
         first, last = self.selection
-        return [r.name for r in self.composition.rows[first: last + 1]]
+        return [r.name for r in self.draft.rows[first: last + 1]]
 
     def block_rows(self) -> list[str]:
         """The rows a pick takes at once: the selection's, or those of the folded stack under the
@@ -185,14 +185,14 @@ class CheckpointGrid(ScrollView, can_focus=True):
     def folded_stack(self) -> tuple[str, list[str]] | None:
         """(name, rows) of the folded stack whose header the cursor is on, or None."""
         folded = self._layout.folded_at(self._cursor.row)
-        if folded is None or self.composition is None:
+        if folded is None or self.draft is None:
             return None
-        return folded.name, [r.name for r in self.composition.rows[folded.first: folded.last + 1]]
+        return folded.name, [r.name for r in self.draft.rows[folded.first: folded.last + 1]]
 
     def jump(self, text: str) -> bool:
         """Put the cursor on the first row named `text`, else whose name starts with it, else that contains it (its
         stack unfolded); whether there is one."""
-        names = [r.name for r in self.composition.rows] if self.composition is not None else []
+        names = [r.name for r in self.draft.rows] if self.draft is not None else []
         found = next((i for match in (str.__eq__, str.startswith, str.__contains__)
                       for i, name in enumerate(names) if match(name, text)), None)
         if found is None:
@@ -220,22 +220,22 @@ class CheckpointGrid(ScrollView, can_focus=True):
 
     # --- what is shown ------------------------------------------------------------------
 
-    def show(self, composition: Composition, health: Health | None = None, metric: str = "rel_change",
+    def show(self, draft: RecipeDraft, health: Health | None = None, metric: str = "rel_change",
              health_version: int = 0) -> None:
-        """Show `composition`: only rows whose source, base, statistics or selection changed
+        """Show `draft`: only rows whose source, base, statistics or selection changed
         are worked out again (a pick: one row); the columns are rebuilt only when they change
         (another base relabels every header, new losses too)."""
         self.health, self.metric, self._health_version = health, metric, health_version
-        losses = tuple(header_suffix(health, i) for i in range(len(composition.checkpoints)))
-        self.numbers = self._numbers(composition)
-        shape = (composition.base, len(composition.checkpoints), len(composition.rows), losses, self.numbers)
-        if self.composition is not composition or shape != self._shape:
-            self.composition, self._shape = composition, shape
-            self._index = {r.name: i for i, r in enumerate(composition.rows)}
+        losses = tuple(header_suffix(health, i) for i in range(len(draft.checkpoints)))
+        self.numbers = self._numbers(draft)
+        shape = (draft.base, len(draft.checkpoints), len(draft.rows), losses, self.numbers)
+        if self.draft is not draft or shape != self._shape:
+            self.draft, self._shape = draft, shape
+            self._index = {r.name: i for i, r in enumerate(draft.rows)}
             self._headers = [(GridCell("row", "bold"), GridCell("step · loss" if any(losses) else "step", "dim"))]
-            self._headers += [self._header(i) for i in range(len(composition.checkpoints))]
-            self._rows = [self._cells(r.name) for r in composition.rows]
-            self._drawn = {r.name: self._signature(r.name, health_version) for r in composition.rows}
+            self._headers += [self._header(i) for i in range(len(draft.checkpoints))]
+            self._rows = [self._cells(r.name) for r in draft.rows]
+            self._drawn = {r.name: self._signature(r.name, health_version) for r in draft.rows}
             self._versions = [v + 1 for v in self._versions[: len(self._rows)]]
             self._versions += [0] * (len(self._rows) - len(self._versions))
             self._lines.clear()
@@ -243,14 +243,14 @@ class CheckpointGrid(ScrollView, can_focus=True):
             self._widths = []
             self._measure(self._rows)
             cursor = self._cursor
-            if cursor.column == 0 or cursor.column > len(composition.checkpoints):
-                cursor = cursor._replace(column=composition.base + 1)
+            if cursor.column == 0 or cursor.column > len(draft.checkpoints):
+                cursor = cursor._replace(column=draft.base + 1)
             self._cursor = Coordinate(min(cursor.row, len(self._rows) - 1), cursor.column)
             self.call_after_refresh(self._scroll_to_cell, self._cursor)
             self.refresh()
             return
         changed = []
-        for row in composition.rows:
+        for row in draft.rows:
             signature = self._signature(row.name, health_version)
             if self._drawn.get(row.name) != signature:
                 self._drawn[row.name] = signature
@@ -284,11 +284,11 @@ class CheckpointGrid(ScrollView, can_focus=True):
             self.refresh(*regions)
 
     @property
-    def _shown(self) -> Composition:
-        """The composition `show` works out the cells of (set before it does)."""
-        if self.composition is None:
-            raise RuntimeError("the grid shows no composition yet")
-        return self.composition
+    def _shown(self) -> RecipeDraft:
+        """The draft `show` works out the cells of (set before it does)."""
+        if self.draft is None:
+            raise RuntimeError("the grid shows no draft yet")
+        return self.draft
 
     def _signature(self, row: str, health_version: int) -> tuple:
         comp = self._shown
@@ -476,18 +476,18 @@ class CheckpointGrid(ScrollView, can_focus=True):
             self.scroll_to(x=x, y=y, animate=False, immediate=True)
 
     def on_resize(self, _event: events.Resize) -> None:
-        if self.composition is not None and self._numbers(self.composition) != self.numbers:
-            self.show(self.composition, self.health, self.metric, self._health_version)  # numbers in or out
+        if self.draft is not None and self._numbers(self.draft) != self.numbers:
+            self.show(self.draft, self.health, self.metric, self._health_version)  # numbers in or out
         self._scroll_to_cell(self._cursor)
 
-    def _numbers(self, composition: Composition) -> int:
+    def _numbers(self, draft: RecipeDraft) -> int:
         """What the cells show of their values: 0 nothing (no statistics yet, or narrow: 80 columns), 1
         the metric's value where every checkpoint's column fits WIDE in the widget's width, 2 weight RMS
         and Δ where each fits WIDER (a 200-column terminal, a few checkpoints)."""
-        if self.health is None or not composition.rows:
+        if self.health is None or not draft.rows:
             return 0
-        names = max(cell_len(r.name) for r in composition.rows) + 2 + len(INDENT)
-        room = (self.size.width - names) // len(composition.checkpoints)
+        names = max(cell_len(r.name) for r in draft.rows) + 2 + len(INDENT)
+        room = (self.size.width - names) // len(draft.checkpoints)
         return 2 if room >= WIDER else 1 if room >= WIDE else 0
 
     # --- keys and the mouse ----------------------------------------------------------------

@@ -1,7 +1,7 @@
-"""The state of an interactive composition: scanned checkpoints, base, picks, undo.
+"""The recipe being made in the composer (`RecipeDraft`): scanned checkpoints, base, picks, undo.
 
 Plain Python, no Textual: the TUI renders it and calls its methods; tests drive it
-directly. A Composition turns into a Recipe (and back) so the TUI's work can be
+directly. A RecipeDraft turns into a Recipe (and back) so the TUI's work can be
 re-run headlessly with `tailor-tui --apply`.
 """
 
@@ -23,7 +23,7 @@ from tailor_tui.planning.recipe_text import Sameness
 
 
 @dataclass
-class Composition:
+class RecipeDraft:
     checkpoints: list[Checkpoint]  # ordered by step: the grid's columns
     base: int  # index of the base checkpoint
     picks: dict[str, int] = field(default_factory=dict)  # row -> column; rows absent use the base
@@ -41,7 +41,7 @@ class Composition:
     _known: dict = field(default_factory=dict, repr=False)  # (rule, base, column) -> its answer
 
     @classmethod
-    def start(cls, checkpoints: list[Checkpoint]) -> "Composition":
+    def start(cls, checkpoints: list[Checkpoint]) -> "RecipeDraft":
         """A composition of `checkpoints` (ordered by step) with the newest as base and every row
         from the newest checkpoint that holds it (partial checkpoints hold some rows)."""
         if not checkpoints:
