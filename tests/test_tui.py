@@ -773,7 +773,7 @@ async def test_a_large_plan_on_a_login_node_offers_a_batch_job(real_run, tmp_pat
         app.screen.query_one(Input).value = str(recipe)
         await pilot.press("enter")
         await wait_for(pilot, lambda: (tmp_path / "big.sbatch").is_file())
-        assert not app.home.composing
+        assert not any(isinstance(screen, ProgressScreen) for screen in app.screen_stack)  # nothing composes
         monkeypatch.setenv("SLURM_JOB_ID", "1")
         await pilot.press("ctrl+r")
         await wait_for(pilot, lambda: isinstance(app.screen, Confirm))

@@ -108,7 +108,6 @@ class ComposerScreen(Screen[None]):
         self.options = options
         self.draft: RecipeDraft | None = None
         self.scan_result: ScanResult | None = None
-        self.composing = False
         self.details_text = self.title_text = ""  # what the details panel and the title show
         self.details_row: str | None = None  # the row the details describe (another: shown from the top)
 
@@ -466,7 +465,6 @@ class ComposerScreen(Screen[None]):
             elif answer == "sbatch":
                 self.action_write_batch_job(plan.bytes_to_write())
             elif answer:
-                self.composing = True
                 self.app.push_screen(ProgressScreen(plan, self.options.workers, clock=self.options.clock,
                                              options=self.options.compose_options, allow_nonfinite=bool(bad),
                                              title=f"Composing {self.rel(plan.output)}",
@@ -518,11 +516,9 @@ class ComposerScreen(Screen[None]):
         self.app.push_screen(Confirm(f"Heal {len(changes)} row(s)?", body, accept="Heal", decline="Back"), answer)
 
     def compose_finished(self, result: Outcome) -> None:
-        self.composing = False
         self.notify(f"{'exported' if isinstance(result, ExportResult) else 'composed'} {result.output}")
 
     def compose_closed(self, _result: object = None) -> None:
-        self.composing = False
         self.refresh_view()
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
@@ -824,7 +820,6 @@ class ComposerScreen(Screen[None]):
             self.notify("no config.json for this model: the folder will hold the weights only; export again "
                         "and give its config.json (or tailor-tui --export … --config PATH)", severity="warning",
                         timeout=10)
-        self.composing = True
         self.app.push_screen(ProgressScreen(export.plan, self.options.workers, clock=self.options.clock,
                                             options=self.options.compose_options,
                                             title=f"Exporting {self.rel(export.plan.output)}", export=export,
