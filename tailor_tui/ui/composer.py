@@ -2,10 +2,10 @@
 curve beside it, and what the user does there (pick, heal, save and load recipes, plan and compose,
 export).
 
-The screen owns the session's state (the composition, the scan, the recipe file) and binds the composer's keys
+The screen owns the session's state (the recipe being made, `draft`; the scan) and binds the composer's keys
 (`actions`); the widgets own theirs: the grid its cursor, folding and block selection, the side panel
 (`health_pane.HealthPane`) the row statistics, their metric and the training curve, which the screen watches. Its
-actions only wire: what a pick, a heal or a plan decides is the backend's (`compose.composition`, `health.guard`,
+actions only wire: what a pick, a heal or a plan decides is the backend's (`planning.recipe_draft`, `health.guard`,
 `planning`, `export`). Slow work (scanning, planning, statistics) runs in thread workers that post messages; widgets
 are touched only by handlers.
 """
