@@ -20,9 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":  # run as a script under another release or interpreter: this folder's modules found
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from run_models import batch_inputs, build_model, collate, param_groups, trainer_dataset, training_batches
 from run_models import run_trainer_class as _run_trainer_class
 from run_optimizers import make_optimizer as _make_optimizer
