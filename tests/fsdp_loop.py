@@ -82,6 +82,12 @@ def _rank(rank: int, world: int, ckpt: str, spec_file: str, out: str, port: int)
         torch.save({"loss": float(loss), "finite": finite}, out + ".step")
     dist.barrier()  # no rank leaves while another is still in a collective
     dist.destroy_process_group()
+    # Leave without the interpreter's teardown, where C++ threads of torch's distributed stack were at times
+    # destroyed still joinable ("terminate called without an active exception", SIGABRT) once the work was all
+    # written: as the demo's ranks leave (`tailor_tui.demo.ranks`)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

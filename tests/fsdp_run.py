@@ -75,6 +75,12 @@ def _rank(rank: int, world: int, out: str, key: str, port: int, layout: str) -> 
             json.dump(losses, f)
     dist.barrier()
     dist.destroy_process_group()
+    # Leave without the interpreter's teardown, where C++ threads of torch's distributed stack were at times
+    # destroyed still joinable ("terminate called without an active exception", SIGABRT) once the work was all
+    # written: as the demo's ranks leave (`tailor_tui.demo.ranks`)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _save_as_trainer(folder: str, model, opt, scheduler, rank: int, step: int, losses: list[float]) -> None:
