@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' real runs (tests/runs.py)
 
 import run_models  # noqa: E402
-from runs import RunSpec, ds_config  # noqa: E402
+from runs import RunSpec  # noqa: E402
 
 from tailor_tui.demo import ranks  # noqa: E402
 
@@ -45,7 +45,7 @@ def size_of(folder: Path) -> int:
 
 def _bench_rank(rank, world, port, spec, out: str, repeats: int) -> None:
     ranks.quiet()
-    ranks.setup_rank(rank, world, port, spec)
+    ranks.setup_rank(rank, world, port)
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -55,7 +55,7 @@ def _bench_rank(rank, world, port, spec, out: str, repeats: int) -> None:
     out = Path(out)
     model = run_models.build_model(spec)
     opt = torch.optim.AdamW(run_models.param_groups(model), lr=1e-3)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(spec, False))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=spec.ds_config(for_trainer=False))
     ids = run_models.training_batches(spec, 1, rank)[0]
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()

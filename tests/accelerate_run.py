@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 
 from run_models import batch_inputs, build_model, param_groups
-from runs import RunSpec, ds_config
+from runs import RunSpec
 
 from tailor_tui.demo.demo_run import resume_with
 from tailor_tui.demo.ranks import quiet, setup_rank, spawn_ranks
@@ -35,7 +35,7 @@ ROW_LEN = 8
 
 
 def _accelerator(spec: RunSpec, project_dir: Path, automatic: bool):
-    """The Accelerator of a run: DeepSpeed plugin with ZeRO-3 (demo_run.ds_config), gloo on CPU."""
+    """The Accelerator of a run: DeepSpeed plugin with ZeRO-3 (the spec's `ds_config`), gloo on CPU."""
     if spec.dtype not in ("bf16", "fp32"):
         raise ValueError(f"Accelerate runs are bf16 or fp32, not {spec.dtype}")
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
@@ -45,7 +45,7 @@ def _accelerator(spec: RunSpec, project_dir: Path, automatic: bool):
     PartialState(backend="gloo")
     set_seed(spec.seed)
     return Accelerator(
-        deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config(spec, for_trainer=False)),
+        deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=spec.ds_config(for_trainer=False)),
         mixed_precision="bf16" if spec.dtype == "bf16" else "no",
         project_config=ProjectConfiguration(project_dir=str(project_dir), automatic_checkpoint_naming=automatic),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
@@ -79,7 +79,7 @@ def _step(accelerator, spec: RunSpec, model, opt, sched, ids) -> float:
 
 def _train_rank(rank: int, world: int, port: int, spec: RunSpec, out: str) -> None:
     quiet()
-    setup_rank(rank, world, port, spec)
+    setup_rank(rank, world, port)
     accelerator = _accelerator(spec, Path(out), automatic=True)
     model, opt, loader, sched = _prepared(accelerator, spec)
     losses, step = [], 0
@@ -107,7 +107,7 @@ def make_accelerate_run(out: str | Path, spec: RunSpec = RunSpec(layers=3, steps
 def _resume_rank(rank, world, port, spec: RunSpec, ckpt: str, resave: str, result: str) -> None:
     """Load `ckpt` with `load_state`, re-save what was loaded to `resave/resaved`, train one step."""
     quiet()
-    setup_rank(rank, world, port, spec)
+    setup_rank(rank, world, port)
     # no automatic naming: save_state would ignore its output_dir and write resave/checkpoints/...
     accelerator = _accelerator(spec, Path(resave), automatic=False)
     model, opt, loader, sched = _prepared(accelerator, spec)

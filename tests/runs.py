@@ -147,10 +147,6 @@ def make_optimizer(spec: RunSpec, groups):
     return _make_optimizer(spec.optimizer, groups, amsgrad=spec.amsgrad)
 
 
-def ds_config(spec: RunSpec, for_trainer: bool) -> dict:
-    return spec.ds_config(for_trainer)
-
-
 def _engine(spec: RunSpec, model, folder: Path):
     """The DeepSpeed engine training `model` (a DeepSpeed-layout run of `spec`) with the client optimizer
     `make_optimizer` builds."""
@@ -191,7 +187,7 @@ def allow_fp16_on_cpu() -> None:
 def _train_rank(rank: int, world: int, port: int, spec: RunSpec, out: str | Path) -> None:
     """A rank of a DeepSpeed-layout run: a DeepSpeed engine, saving `global_stepN` tags."""
     quiet()
-    setup_rank(rank, world, port, spec)
+    setup_rank(rank, world, port)
     if spec.dtype == "fp16":
         allow_fp16_on_cpu()
     out = Path(out).absolute()
@@ -273,7 +269,7 @@ def make_run(out: str | Path, spec: RunSpec = RunSpec()) -> Path:
 def _resume_rank(rank, world, port, spec: RunSpec, ckpt: str | Path, resave: str, result: str) -> None:
     """Load `ckpt` of a DeepSpeed-layout run the way a user resumes, re-save the loaded state, train one step."""
     quiet()
-    setup_rank(rank, world, port, spec)
+    setup_rank(rank, world, port)
     if spec.dtype == "fp16":
         allow_fp16_on_cpu()
     engine = _engine(spec, build_model(spec), Path(resave))
@@ -306,7 +302,7 @@ def _continue_rank(rank, world, port, spec: RunSpec, out: str | Path, steps: int
                    resave: str | None, result: str) -> None:
     """Relaunch an HF selective run to `steps` in total, resuming as `resume` says."""
     quiet()
-    setup_rank(rank, world, port, spec)
+    setup_rank(rank, world, port)
     from transformers import TrainerCallback
 
     from tailor_tui.selective.run_saves import resume_point

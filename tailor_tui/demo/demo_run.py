@@ -18,6 +18,7 @@ this one, trained and resumed by the same functions.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -130,8 +131,8 @@ class DemoSpec:
             data_seed=self.seed,
         )
 
-    def make_trainer(self, out: Path, max_steps: int, callbacks: list, **options):
-        """The HF Trainer of a run's training into `out` (`options`: a run of another kind's)."""
+    def make_trainer(self, out: Path, max_steps: int, callbacks: list):
+        """The HF Trainer of a run's training into `out` (a run of another kind may take options of its own)."""
         return self.resuming_trainer(self.trainer_args(out, max_steps), callbacks)
 
     def resuming_trainer(self, args, callbacks: list):
@@ -162,10 +163,8 @@ def trainer(spec: DemoSpec, out: Path, max_steps: int, callbacks=(), **options):
 
 
 def _train_rank(rank: int, world: int, port: int, spec: DemoSpec, out: str | Path) -> None:
-    import os
-
     quiet()
-    setup_rank(rank, world, port, spec)
+    setup_rank(rank, world, port)
     out = Path(out).absolute()
     # The Trainer pickles its arguments, output_dir among them, into every checkpoint (training_args.bin): given
     # relative to the run's folder, a run's files are the same wherever it is made (their sizes, which the README's
@@ -194,7 +193,7 @@ def _resume_rank(rank, world, port, spec: DemoSpec, ckpt: str | Path, resave: st
     """Load `ckpt` the way a user resumes (the HF Trainer's `resume_from_checkpoint`), save the state as loaded to
     `resave/resaved`, train one step; rank 0 writes its loss to `result`."""
     quiet()
-    setup_rank(rank, world, port, spec)
+    setup_rank(rank, world, port)
     from transformers import TrainerCallback
 
     ckpt = Path(ckpt)

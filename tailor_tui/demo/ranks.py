@@ -28,8 +28,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def setup_rank(rank: int, world: int, port: int, spec) -> None:
-    """This process as rank `rank` of `world` (`spec`: a `demo_run.DemoSpec`)."""
+def setup_rank(rank: int, world: int, port: int) -> None:
+    """This process as rank `rank` of `world`, meeting the others at `port`."""
     os.environ.update(
         DS_ACCELERATOR="cpu",
         RANK=str(rank),
