@@ -835,7 +835,7 @@ async def test_export_of_a_deepspeed_layout_run_asks_for_its_config(real_run, tm
         await scanned(pilot)
         await export_to(tmp_path / "hf", tmp_path / "nowhere")
         await wait_for(pilot, lambda: isinstance(app.screen, ErrorDialog))
-        assert "no config.json there" in app.screen.message
+        assert "no config.json there" in app.screen.message and app.screen.title_text == "Cannot export"
         await pilot.press("escape")
         assert not (tmp_path / "hf").exists()
         await export_to(tmp_path / "hf", tmp_path / "cfg")
