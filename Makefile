@@ -32,7 +32,7 @@ demo-resume: demo-apply
 # the calls), and would otherwise tie the suite's time to the disk's
 EATMYDATA := $(shell command -v eatmydata 2>/dev/null)
 test: install
-	$(EATMYDATA) $(BIN)/python -m pytest -n 2 --durations=30
+	$(EATMYDATA) $(BIN)/python -m pytest -n 2 --dist loadgroup --durations=30
 
 # every DeepSpeed release of tests/test_compat.py (`make test` runs the oldest and the newest)
 test-compat: install

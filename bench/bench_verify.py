@@ -8,7 +8,9 @@ tag folder, the base's and each source's: every byte a verifier could need, read
 - the same run resharded to 2 ranks (rank files of 1.2 GiB, made once by tailor-tui --world-size 2): the
   same bytes in files twice the size, so the peak RSS shows whether it grows with the rank files;
 - the wide run of bench_wide.py (80 layers, 256 ranks: 1,024 small files per checkpoint), rows from three
-  checkpoints;
+  checkpoints; `wide-large` (not run by default: 11 GiB of runs to make once): the same 80 layers and 256 ranks,
+  hidden 384 instead of 8, the same recipe: as many rank files, slots and claims, each holding thousands of
+  times the bytes; what is left of the ratio at the wide run's few bytes is a cost per slot, not per byte;
 - `xfs` (root, xfsprogs): the bench checkpoint copied onto a loop-mounted XFS with reflink and composed there as
   `--apply` does by default, its kept bytes clones of the base's (sharing their blocks), measured warm and with
   the page cache emptied before each command (cold). A clone is no evidence: the verifier reads and compares
@@ -17,7 +19,7 @@ tag folder, the base's and each source's: every byte a verifier could need, read
 Prints medians, the ratio --verify / cat, and the peak RSS of the verifying process (wait4's: its threads
 included, the largest process there is).
 
-    python bench/bench_verify.py [--repeats 3] [--cache .tailor-cache/bench] [--only big half wide xfs]
+    python bench/bench_verify.py [--repeats 3] [--cache .tailor-cache/bench] [--only big half wide wide-large xfs]
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from bench_merge import as_installed, bench_run  # noqa: E402
 from bench_wide import MEASURE, TAGS, narrow_run, recipe_of, wide_run  # noqa: E402
 
 TAILOR = str(Path(sys.executable).with_name("tailor-tui"))
+LARGE_HIDDEN = 384  # `wide-large`: the wide run's 80 layers and 256 ranks, each layer 2,300 times the bytes
 
 
 def measured(cmd: list) -> tuple[float, int]:
@@ -87,7 +90,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cache", type=Path, default=ROOT / ".tailor-cache" / "bench")
-    ap.add_argument("--only", nargs="+", choices=("big", "half", "wide", "xfs"), default=["big", "half", "wide"])
+    ap.add_argument("--only", nargs="+", choices=("big", "half", "wide", "wide-large", "xfs"),
+                    default=["big", "half", "wide"])
     args = ap.parse_args()
     with contextlib.ExitStack() as stack:
         _bench(args, stack)
@@ -122,11 +126,11 @@ def _bench(args, stack: contextlib.ExitStack) -> None:
                 base, older = found / "global_step2", found / "global_step1"
                 recipe = parity(work, base, older, name)
                 cases[f"{name}: {_sizes(base)}"] = (recipe, [work / name / "global_step2", base, older])
-    if "wide" in args.only:
-        narrow = narrow_run(args.cache)
-        run = wide_run(args.cache, narrow, 256)
-        recipe = recipe_of(run, work, "wide")
-        cases[f"wide: {_sizes(run / TAGS[-1])}"] = (recipe, [work / "wide" / TAGS[-1], *(run / tag for tag in TAGS)])
+    for name, hidden in (("wide", 8), ("wide-large", LARGE_HIDDEN)):
+        if name in args.only:
+            run = wide_run(args.cache, narrow_run(args.cache, hidden), 256, hidden)
+            recipe = recipe_of(run, work, name)
+            cases[f"{name}: {_sizes(run / TAGS[-1])}"] = (recipe, [work / name / TAGS[-1], *(run / tag for tag in TAGS)])
     for recipe, _folders in cases.values():
         subprocess.run([TAILOR, "--apply", recipe, "--no-fsync"], check=True, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL)

@@ -26,6 +26,7 @@ comparison a busy machine allows. `--only apply stats` leaves the other commands
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import statistics
@@ -69,19 +70,24 @@ def measure(cmd: list[str], env: dict | None = None) -> tuple[float, float, int]
     return seconds, float(cpu), int(peak)
 
 
-def narrow_run(cache: Path) -> Path:
-    run = cache / "wide-run-2"
+def _named(name: str, hidden: int) -> str:
+    return name if hidden == SPEC.hidden else f"{name}-h{hidden}"
+
+
+def narrow_run(cache: Path, hidden: int = SPEC.hidden) -> Path:
+    """The real run at 2 ranks (`hidden`: SPEC's model at another width, its own run)."""
+    run = cache / _named("wide-run-2", hidden)
     if not (run / "tailor_demo_spec.json").is_file():
         print(f"making the real ZeRO-3 run in {run} (once)…", flush=True)
         shutil.rmtree(run, ignore_errors=True)
-        make_run(run, SPEC)
+        make_run(run, dataclasses.replace(SPEC, hidden=hidden))
     return run
 
 
-def wide_run(cache: Path, narrow: Path, ranks: int) -> Path:
+def wide_run(cache: Path, narrow: Path, ranks: int, hidden: int = SPEC.hidden) -> Path:
     """The run's checkpoints resharded into `ranks` ranks, side by side in one save_dir (their
     provenance records left out: to the scan they are the run's own checkpoints)."""
-    run = cache / f"wide-run-{ranks}"
+    run = cache / _named(f"wide-run-{ranks}", hidden)
     if (run / "latest").is_file():
         return run
     print(f"resharding the run into {ranks} ranks (once)…", flush=True)

@@ -362,9 +362,16 @@ def slow_tasks(monkeypatch):
 
 @pytest.fixture(scope="session", autouse=True)
 def statistics_cache(tmp_path_factory):
-    """Row statistics (the composer's, --stats, the guard's suggestions) are cached in a
-    folder of this session, never in the user's ~/.cache; the CLI inherits it."""
-    os.environ["TAILOR_TUI_CACHE"] = str(tmp_path_factory.mktemp("statistics-cache"))
+    """Row statistics (the composer's, --stats, the guard's suggestions) and the names a model's
+    loading gives its saved tensors are cached in a folder of this session, never in the user's
+    ~/.cache; the CLI inherits it. The session's test processes (pytest -n) share it, as a user's
+    commands do theirs (its writes are atomic): a run's first read, which imports transformers to
+    learn the names of a model of another layout, is made once, not once per process. A test that
+    needs a cache of its own sets one."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "statistics-cache"
+    folder.mkdir(exist_ok=True)
+    os.environ["TAILOR_TUI_CACHE"] = str(folder)
 
 
 def other_python() -> tuple[str, str] | None:
@@ -514,3 +521,16 @@ def pytest_addoption(parser):
         "--deepspeed-releases", default="ci",
         help="DeepSpeed releases test_compat.py makes runs with: 'ci' (the oldest and the newest), "
              "'all', or a comma-separated list such as 0.16.9,0.17.4")
+
+
+def pytest_collection_modifyitems(items):
+    """Tests that share what a module-scoped fixture makes (a composition of a run, a loop-mounted XFS) run in one
+    test process under `--dist loadgroup` (`make test`): spread over both, each process would make it, and wait
+    for the other's run to be trained, again. Grouped by module and by the test's parameters (one composition of
+    each run). A plain `-n` ignores the groups."""
+    for item in items:
+        fixtures = getattr(item, "_fixtureinfo", None)
+        if fixtures is None or not any(defs[-1].scope == "module" for defs in fixtures.name2fixturedefs.values()):
+            continue
+        callspec = getattr(item, "callspec", None)
+        item.add_marker(pytest.mark.xdist_group(item.module.__name__ + (f"[{callspec.id}]" if callspec else "")))

@@ -18,7 +18,9 @@ import re
 import sys
 
 
-def _rank(rank: int, world: int, ckpt: str, spec_file: str, out: str, port: int) -> None:
+def load_rank(rank: int, world: int, port: int, spec, ckpt: str, out: str) -> None:
+    """Rank `rank` of `world` (`tailor_tui.demo.ranks.spawn_ranks`' signature: forked from the test process's
+    server of imports, as the runs' ranks are) loading `ckpt` into the model and optimizer of `spec` (a RunSpec)."""
     import torch
     import torch.distributed as dist
 
@@ -28,13 +30,11 @@ def _rank(rank: int, world: int, ckpt: str, spec_file: str, out: str, port: int)
     import torch.distributed.checkpoint as dcp
     from run_models import batch_inputs, build_model
     from run_optimizers import make_optimizer
-    from runs import RunSpec
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    spec = RunSpec.from_key(open(spec_file).read())
     model = build_model(spec).float()
     mesh = init_device_mesh("cpu", (world,))
     blocks = [m for name, m in model.named_modules() if re.search(r"(^|\.)layers\.\d+$", name)]
@@ -90,13 +90,21 @@ def _rank(rank: int, world: int, ckpt: str, spec_file: str, out: str, port: int)
     os._exit(0)
 
 
+def load_in_fsdp2(ckpt: str | os.PathLike, spec_file: str | os.PathLike, world: int, out: str | os.PathLike) -> None:
+    """`ckpt` loaded on `world` gloo processes into the model and optimizer of the run whose spec `spec_file`
+    holds; what each saw written to `out` and beside it (see above)."""
+    import dataclasses
+
+    from runs import RunSpec
+
+    from tailor_tui.demo.ranks import spawn_ranks
+
+    with open(spec_file) as f:
+        spec = RunSpec.from_key(f.read())
+    spawn_ranks(load_rank, dataclasses.replace(spec, world_size=world), str(ckpt), str(out))
+
+
 if __name__ == "__main__":
-    import socket
+    import fsdp_loop  # this file as the module `fsdp_loop`: where the ranks find the function they run
 
-    import torch.multiprocessing as mp
-
-    ckpt, spec_file, world, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(world, ckpt, spec_file, out, port), nprocs=world)
+    fsdp_loop.load_in_fsdp2(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])

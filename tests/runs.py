@@ -96,6 +96,11 @@ class RunSpec(DemoSpec):
 
     def ds_config(self, for_trainer: bool = True) -> dict:
         cfg = super().ds_config(for_trainer)
+        # ZeRO-3 keeps a gathered parameter while it is used again within this many elements of the trace;
+        # looking that far ahead walks the whole rest of a tiny model at every release (DeepSpeed's default, 1e9
+        # elements, is all of it): quadratic in its blocks, 14 s of the second step of a 52-block run. 0 releases
+        # each at once, as nothing of the checkpoints depends on
+        cfg["zero_optimization"]["stage3_max_reuse_distance"] = 0
         if self.sub_group_size:
             cfg["zero_optimization"]["sub_group_size"] = self.sub_group_size
         if self.dtype == "fp16":

@@ -1,7 +1,8 @@
 """`--export X --to DIR --format dcp`: a ZeRO-3 composition as a PyTorch Distributed Checkpoint.
 
 Proved by the real consumer: FSDP2 (`fully_shard` per block and at the root, gloo, on CPU) loads each
-export with `dcp.load` + `set_state_dict` at world sizes 1 to 3 (`fsdp_loop.py`), and every fp32 weight,
+export with `dcp.load` + `set_state_dict` at world sizes 1 to 3 (`fsdp_loop.py`: ranks forked from the test
+process's server of imports, as a run's are), and every fp32 weight,
 `exp_avg`, `exp_avg_sq`, step and hyperparameter it then holds equals DeepSpeed's own reassembly of the
 chosen checkpoints (`zero_reader`: zero_to_fp32's routines) bit for bit; one more step trains, finite.
 The export's keys, dtypes and sizes are those FSDP2 itself saves of the same model and optimizer.
@@ -11,10 +12,9 @@ from __future__ import annotations
 
 import io
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
+import fsdp_loop
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -28,17 +28,12 @@ from tailor_tui.checkpoints.checkpoint import open_checkpoint
 from tailor_tui.dcp import chunks, metadata
 from tailor_tui.kinds.zero import tensor_bytes
 
-LOOP = Path(__file__).with_name("fsdp_loop.py")
-
 
 def load_in_fsdp2(ckpt: Path, run: Path, world: int, tmp_path: Path, spec_file: Path | None = None) -> tuple[dict, dict]:
     """(the full state FSDP2 holds after loading `ckpt` at `world` ranks, its step's loss and finiteness); the
     model and optimizer are the run's (`spec_file`: its spec, by default the DeepSpeed run's)."""
     out = tmp_path / f"loaded-{world}.pt"
-    spec_file = spec_file or run / "tailor_demo_spec.json"
-    done = subprocess.run([sys.executable, str(LOOP), str(ckpt), str(spec_file), str(world), str(out)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    fsdp_loop.load_in_fsdp2(ckpt, spec_file or run / "tailor_demo_spec.json", world, out)
     return torch.load(out, weights_only=False), torch.load(f"{out}.step", weights_only=False)
 
 

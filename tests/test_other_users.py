@@ -255,9 +255,12 @@ def test_a_hidden_folder_swapped_by_another_user_is_never_published_and_theirs_i
     os.chown(decoy, victim.uid, -1)
     slurm = {"SLURM_NTASKS": "2", "SLURM_JOB_ID": "4747", "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "localhost",
              "MASTER_PORT": str(free_port())}
+    # slowed so that the swap comes while it composes (alone, the job sees it only as it publishes: its every
+    # step slowed, at 0.2 s it took 38 s on CI's machine; some 190 steps at 0.05 s leave seconds to swap in)
+    slow = 0.2 if processes > 1 else 0.05
     jobs = [victim.popen("--apply", recipe, "--workers", "1",
-                         env={**inject.environment(slow=0.2), **({**slurm, "SLURM_PROCID": str(p)} if processes > 1
-                                                                    else {})})
+                         env={**inject.environment(slow=slow), **({**slurm, "SLURM_PROCID": str(p)} if processes > 1
+                                                                     else {})})
             for p in range(processes)]
     try:
         for _ in range(600):

@@ -319,3 +319,62 @@ def test_the_cast_rule_is_torchs_with_any_nan_for_a_nan(dtype):
         off = got.copy()
         off[i] = wrong  # one unit in the last place; a NaN cast to inf
         assert cast_difference(off.tobytes(), fp32.tobytes(), dtype) == i
+
+
+def _interleaved(tmp_path, flip_at: int | None = None):
+    """An output of 2,048 claims of 512 bytes, alternately from two sources, each claim 512 bytes after the last on
+    its source (the rows of a wide run's rank, from two checkpoints): every file evidenced whole by its CRC-32, taken
+    before source A's byte `flip_at` is flipped."""
+    import random
+    import zlib
+
+    from tailor_tui.verifying import streamed
+
+    rng = random.Random(7)
+    sources = {name: bytearray(rng.randbytes(2 << 20)) for name in "AB"}
+    out = bytearray()
+    for k in range(2048):
+        at = (k // 2) * 1024
+        out += sources["AB"[k % 2]][at: at + 512]
+    paths = {name: tmp_path / name for name in ("out", "A", "B")}
+    crcs = {"out": zlib.crc32(out), **{name: zlib.crc32(data) for name, data in sources.items()}}
+    if flip_at is not None:
+        sources["A"][flip_at] ^= 0x10
+    paths["out"].write_bytes(out)
+    for name, data in sources.items():
+        paths[name].write_bytes(data)
+    claims = streamed.Comparison()
+    files = {name: claims.file(path, label="rank 0" if name == "out" else None) for name, path in paths.items()}
+    for name, path in paths.items():
+        claims.evidence(files[name], 0, path.stat().st_size, crcs[name], name)
+    for k in range(2048):
+        claims.claim(files["out"], k * 512, 512, files["AB"[k % 2]], (k // 2) * 1024, k)
+    return claims
+
+
+@pytest.mark.parametrize("flip", [None, "claimed", "between claims"])
+def test_small_claims_on_alternating_sources_are_read_a_window_at_a_time_and_every_byte_checked(tmp_path, monkeypatch,
+                                                                                                flip):
+    """A wide run's ranks are thousands of claims of a few KiB whose sources alternate: each source's bytes are read a
+    window at a time for the claims on it that follow, and the bytes between them (another source's rows there) with
+    them, not a read each (those reads took 6 s of a 256-rank verification). Still, a source byte a claim reads that
+    differs fails that claim alone, and one between claims fails its source's CRC-32."""
+    from tailor_tui.verifying import streamed
+
+    flip_at = {None: None, "claimed": 5 * 1024 + 3, "between claims": 5 * 1024 + 700}[flip]
+    claims = _interleaved(tmp_path, flip_at)
+    reads = []
+    monkeypatch.setattr(streamed, "pread_into", lambda fd, view, at: (reads.append(len(view)),
+                                                                      _pread(fd, view, at))[1])
+    outcome = streamed.run(claims, workers=2)
+    assert not outcome.moved
+    assert outcome.differing == ({10} if flip == "claimed" else set())  # claim 10: source A's sixth
+    assert [stretch.name for stretch, _value in outcome.failed] == ([] if flip is None else ["A"])
+    assert len(reads) < 40, len(reads)  # not 2,048 reads of sources, nor 2,048 of what lies between
+    assert outcome.read >= (1 << 20) + 2 * (2 << 20)  # (and every byte of every file read)
+
+
+def _pread(fd, view, at):
+    from tailor_tui.checked.ranges import pread_into
+
+    return pread_into(fd, view, at)

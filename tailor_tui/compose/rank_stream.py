@@ -25,7 +25,6 @@ from tailor_tui.fileio import CREATE, Target, Writeback, copy_range, fsync, open
 from tailor_tui.formats.nonfinite import Census, Region
 from tailor_tui.formats.ptfile import Record, Unsupported, file_format, read_whole
 from tailor_tui.kinds.base import STREAM_CHUNK, RankReader, check_dtypes, rank_reader
-from tailor_tui.kinds.zero import SMALL_RANK_FILE
 from tailor_tui.planning.jobs import RankJob
 
 
@@ -73,7 +72,7 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
     (`source_blocks`): evidence of what the bytes should be, each block read proving what they are.
     """
     base_path = job.files[0].optim_states
-    whole = read_whole(base_path, SMALL_RANK_FILE)  # a wide run's: its structure read from one read
+    whole = read_whole(base_path)  # a wide run's: its structure read from one read
     if whole is None and file_format(base_path) != "zip":
         return None  # the output is a zip archive: a legacy-format base's file is re-serialised
     used = sorted({c.source for c in job.copies})

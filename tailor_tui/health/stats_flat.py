@@ -28,7 +28,6 @@ from tailor_tui.fileio import open_fd
 from tailor_tui.formats.ds_format import MASTERS, health_state
 from tailor_tui.formats.ptfile import read_whole
 from tailor_tui.health.stats_job import RowSums, SlotTable, StatsJob
-from tailor_tui.kinds.zero import SMALL_RANK_FILE
 
 CHUNK = 1 << 20
 PURPOSE = "health statistics"  # what refuses a checkpoint whose optimizer states are not fp32
@@ -80,7 +79,7 @@ def flat_stats(job: StatsJob, sums: dict[str, RowSums], stack, counter: ByteCoun
     block CRC-32s ({name: `crc.RecordBlocks`}) where it passed its CRC-32 check."""
     path, table = job.files.state_file, job.table
     assert table is not None, "can_read_flat(job) holds"
-    whole = read_whole(path, SMALL_RANK_FILE)  # a wide run's small rank file: one read, its structure from memory
+    whole = read_whole(path)  # a wide run's small rank file: one read, its structure from memory
     located = job.files.reader(job.group_sizes, whole)
     mine, keys = located.fp32_whole_flat(PURPOSE), located.keys()
     if mine is None or not _laid_out_flat(mine.values()):  # (None: its state in slices, can_read_flat's job)
@@ -97,7 +96,7 @@ def flat_stats(job: StatsJob, sums: dict[str, RowSums], stack, counter: ByteCoun
         row_class[index[name]] = classes.setdefault(files.state_file, (len(classes) + 1, files))[0]
     prev = {}  # (class, group) -> (its fd or bytes, where its masters lie relative to this file's)
     for prev_path, (c, files) in classes.items():
-        held = read_whole(prev_path, SMALL_RANK_FILE)
+        held = read_whole(prev_path)
         theirs = files.reader(job.group_sizes, held).fp32_whole_flat(PURPOSE)
         assert theirs is not None, "can_read_flat(job): the previous checkpoints' state in whole records"
         source = held if held is not None else open_fd(stack, prev_path)

@@ -13,10 +13,6 @@ from tailor_tui.formats.ds_format import MASTERS, flat_keys, flat_tensor, optimi
 from tailor_tui.formats.ptfile import Record, Structure, TensorBytes, locate, read_structure, read_whole, structure_in
 from tailor_tui.kinds.base import RankBytes, RankFiles, RankReader, SaveKind
 
-# A full save's optim file this small (a wide run's: tens of KiB) is read whole, once, by a job that
-# reads its structure (`ptfile.read_whole`, `ZeroRankReader(optim=...)`): one read instead of several opens
-SMALL_RANK_FILE = 1 << 20
-
 
 @dataclass(frozen=True)
 class FullSave(SaveKind):
@@ -56,7 +52,7 @@ class ZeroRankFiles(RankFiles):
 
     def reader(self, group_sizes: tuple[int, ...], optim: bytes | None = None, *, small: bool = False) -> RankReader:
         if optim is None and small:
-            optim = read_whole(self.optim_states, SMALL_RANK_FILE)
+            optim = read_whole(self.optim_states)
         return ZeroRankReader(self, group_sizes, optim)
 
 

@@ -19,6 +19,7 @@ from tailor_tui.checked.ranges import Readahead
 from tailor_tui.errors import CheckpointError
 
 CHUNK = 4 << 20  # bytes per read (one buffer per worker for the output, one for its sources)
+WINDOW = 1 << 20  # bytes of a source one read holds for the claims that follow it (`Windows`)
 
 _ZEROS = bytearray(CHUNK)
 
@@ -38,12 +39,62 @@ _MEMCMP = _memcmp()
 
 
 class Buffer:
-    """A reused read buffer and its address (for memcmp)."""
+    """A reused read buffer and its address (for memcmp); `file`, `start`, `length`: which bytes of which file it
+    holds, where a reader keeps them for the reads that follow (`file` -1: none)."""
 
     def __init__(self, size: int = CHUNK):
         self.data = bytearray(size)
         self.view = memoryview(self.data)
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.data)) if _MEMCMP else 0
+        self.file, self.start, self.length = -1, 0, 0
+
+    def holds(self, f: int, at: int, n: int) -> bool:
+        """Whether bytes [at, at+n) of file `f` are in the buffer (from `at - start`)."""
+        return self.file == f and self.start <= at and at + n <= self.start + self.length
+
+    def forget(self) -> None:
+        self.file = -1
+
+
+class Windows:
+    """A reading thread's buffers for its sources' bytes: `count` windows of WINDOW bytes, each holding a stretch of
+    one source read once for the claims on it that follow while claims on other sources come between (a
+    composition's rows alternate between their checkpoints), and one of CHUNK bytes for a part larger than a
+    window (read as it is, kept for nothing)."""
+
+    def __init__(self, count: int = 4):
+        self.count, self.size = count, WINDOW
+        self.buffers: list[Buffer] = []  # the most recently used last
+        self._large: Buffer | None = None
+
+    def holding(self, f: int, at: int, n: int) -> Buffer | None:
+        """The window holding bytes [at, at+n) of file `f`, if one does."""
+        for k, buffer in enumerate(self.buffers):
+            if buffer.holds(f, at, n):
+                self.buffers.append(self.buffers.pop(k))
+                return buffer
+        return None
+
+    def free(self, f: int) -> Buffer:
+        """A window to read bytes of `f` into: the one holding others of `f`, else a new one, else the least
+        recently used."""
+        k = next((k for k, b in enumerate(self.buffers) if b.file == f), None)
+        if k is None and len(self.buffers) < self.count:
+            self.buffers.append(Buffer(self.size))
+        else:
+            self.buffers.append(self.buffers.pop(0 if k is None else k))
+        return self.buffers[-1]
+
+    def large(self) -> Buffer:
+        """The CHUNK-sized buffer, its bytes anyone's."""
+        if self._large is None:
+            self._large = Buffer()
+        self._large.forget()
+        return self._large
+
+    def forget(self) -> None:
+        for buffer in self.buffers:
+            buffer.forget()
 
 
 _ZERO_ADDRESS = ctypes.addressof(ctypes.c_char.from_buffer(_ZEROS)) if _MEMCMP else 0

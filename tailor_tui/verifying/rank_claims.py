@@ -35,8 +35,6 @@ from tailor_tui.verifying.recorded import Archives, RankRows, settle
 from tailor_tui.verifying.rows_files import recorded_slices
 
 MAX_SHOWN = 5  # differences of the structure around the rows told per rank and kind
-SMALL_FILE = 4 << 20  # a torch file at most this size is read whole for its structure (a wide run's, hundreds of
-# records: laid out as one read before, its records' places are known without parsing its directory again)
 
 
 @dataclass(slots=True)
@@ -63,7 +61,7 @@ class TorchFile:
 
     def __init__(self, claims: streamed.Comparison, path: Path, *, label: str | None = None, whole: bool = False):
         self.path = path
-        whole_file = read_whole(path, SMALL_FILE)  # a small file (model_states): its layout read once per layout
+        whole_file = read_whole(path)  # a small file (model_states, a wide run's): its layout read once per layout
         self.obj, self.records, self.prefix = structure_in(path, whole_file) if whole_file is not None \
             else read_structure(path, shared=True)  # (only read: shared)
         self.f = claims.file(path, label=label)

@@ -38,7 +38,17 @@ from tailor_tui.checked.files import FileIdentity
 from tailor_tui.checked.ranges import Readahead, pread_into
 from tailor_tui.errors import CheckpointError
 from tailor_tui.formats.dtypes import cast_difference
-from tailor_tui.verifying.buffers import CHUNK, Buffer, Descriptors, Moved, first_difference, opened, same
+from tailor_tui.verifying.buffers import (
+    CHUNK,
+    WINDOW,
+    Buffer,
+    Descriptors,
+    Moved,
+    Windows,
+    first_difference,
+    opened,
+    same,
+)
 
 SEGMENT = 64 << 20  # bytes of an output stretch one task reads: a large file is read by several workers
 ZERO = -1  # a claim's source: zero bytes (padding)
@@ -201,7 +211,7 @@ def run(claims: Comparison, *, workers: int = 2, on_bytes: Callable[[str, int], 
         """`read(files)` on this thread's buffers and the task's own descriptors; what it returns, done under the
         lock where no file it read changed meanwhile."""
         if not hasattr(local, "out"):
-            local.out, local.src = Buffer(), Buffer()
+            local.out, local.src = Buffer(), Windows()
         files = Descriptors(claims.paths, claims.identities)
         try:
             keep = read(files)
@@ -249,8 +259,7 @@ def run(claims: Comparison, *, workers: int = 2, on_bytes: Callable[[str, int], 
 
     def fill(task: _Reading) -> None:
         def read(files: Descriptors) -> Callable[[], None]:
-            values = [(a, n, _crc_of(files[task.file], a, n, local.out, cancelled, lambda n: on_bytes("sources", n)))
-                      for a, n in task.parts]
+            values = _crcs_of(files[task.file], task.parts, local.out, cancelled, lambda n: on_bytes("sources", n))
             return lambda: held.extend((task.file, a, n, value) for a, n, value in values)
         reading(task, read)
 
@@ -345,7 +354,7 @@ def _inside(stretches: list[Stretch], starts: list[int], at: int, length: int) -
     return k >= 0 and at + length <= stretches[k].at + stretches[k].length
 
 
-def _read_task(claims: Comparison, task: _Reading, files: Descriptors, out: Buffer, src: Buffer, found: _Found,
+def _read_task(claims: Comparison, task: _Reading, files: Descriptors, out: Buffer, src: Windows, found: _Found,
                cancelled: Callable[[], bool], counted: Callable[[int], None]) -> None:
     """Read the output parts of `task` chunk by chunk (parts that lie within one chunk's reach, a small file's
     records, in one read): each part's CRC-32, and each claim's bytes in it compared."""
@@ -353,6 +362,8 @@ def _read_task(claims: Comparison, task: _Reading, files: Descriptors, out: Buff
 
     fd = files[task.file]
     members = [claims.claims[i] for i in task.claims]
+    reach = _reaches(members)
+    src.forget()  # (a source's bytes are read by this task's descriptors only)
     first = 0  # the first claim not wholly read yet
     start, end = task.parts[0][0], task.parts[-1][0] + task.parts[-1][1]
     held = end - start <= CHUNK  # every part in the buffer at once, from `start`
@@ -380,16 +391,54 @@ def _read_task(claims: Comparison, task: _Reading, files: Descriptors, out: Buff
                 c = members[k]
                 a, b = max(c.at, position), min(c.at + c.length, stop)
                 if b > a:
-                    _compare(files, task.claims[k], c, a, b - a, out, a - base, src, found)
+                    _compare(files, task.claims[k], c, a, b - a, out, a - base, src, found, reach[k])
                 k += 1
             counted(n)
             position = stop
         found.pieces.append((task.file, at, length, value))
 
 
-def _compare(files: Descriptors, index: int, c: Claim, a: int, n: int, out: Buffer, at: int, src: Buffer,
-             found: _Found) -> None:
-    """Output bytes [a, a+n) of claim `c`, at `at` in the output buffer: compared, their CRC-32s taken."""
+NEAR = 64 << 10  # a source's bytes between two claims' read with them up to this many (one read, not two)
+
+
+def _reaches(members: list[Claim]) -> list[int]:
+    """For each claim of a task (in the output's order), the source byte up to which one read of its source bytes
+    may go on: through the claims on the same source after it (others may come between) that go on there in order,
+    each starting at most NEAR bytes after the one before ends, within a window's size of its start. A wide run's
+    ranks are thousands of claims of a few KiB, each its own read otherwise (their system calls took more time than
+    their bytes)."""
+    reach = [0] * len(members)
+    chains: dict[int, list[int]] = {}  # source -> the claims of its chain still open, in order
+    for k, c in enumerate(members):
+        if c.source < 0 or c.cast:
+            continue
+        chain = chains.get(c.source)
+        if chain:
+            first, last = members[chain[0]], members[chain[-1]]
+            if not (0 <= c.source_at - (last.source_at + last.length) <= NEAR
+                    and c.source_at + c.length - first.source_at <= WINDOW):
+                _close(members, chain, reach)
+                chain = None
+        if not chain:
+            chain = chains[c.source] = []
+        chain.append(k)
+    for chain in chains.values():
+        if chain:
+            _close(members, chain, reach)
+    return reach
+
+
+def _close(members: list[Claim], chain: list[int], reach: list[int]) -> None:
+    end = members[chain[-1]].source_at + members[chain[-1]].length
+    for k in chain:
+        reach[k] = end
+    chain.clear()
+
+
+def _compare(files: Descriptors, index: int, c: Claim, a: int, n: int, out: Buffer, at: int, windows: Windows,
+             found: _Found, reach: int = 0) -> None:
+    """Output bytes [a, a+n) of claim `c`, at `at` in the output buffer: compared, their CRC-32s taken (`reach`: the
+    source byte up to which its source's bytes may be read on, for the claims that follow: `_reaches`)."""
     mine = crc.crc32(out.view[at: at + n])
     _extend(found.out_crcs, index, a, n, mine)
     if c.source == NOTHING:
@@ -399,14 +448,22 @@ def _compare(files: Descriptors, index: int, c: Claim, a: int, n: int, out: Buff
             found.differs(c.tag, a + first_difference(out, at, None, 0, n))
         return
     if c.cast:
-        _compare_cast(files, index, c, a, n, out, at, src, found)
+        _compare_cast(files, index, c, a, n, out, at, windows.large(), found)
         return
     source_at = c.source_at + (a - c.at)
-    files.ahead(c.source, source_at, c.source_at + c.length)
-    pread_into(files[c.source], src.view[:n], source_at)
-    _extend(found.src_crcs, index, source_at, n, crc.crc32(src.view[:n]))
-    if not same(out, at, src, 0, n):
-        found.differs(c.tag, a + first_difference(out, at, src, 0, n))
+    src = windows.holding(c.source, source_at, n)
+    if src is None:
+        if n > windows.size:  # (a part larger than a window: read as it is)
+            src, end = windows.large(), source_at + n
+        else:
+            src, end = windows.free(c.source), max(source_at + n, min(reach, source_at + windows.size))
+        files.ahead(c.source, source_at, max(end, c.source_at + c.length))
+        pread_into(files[c.source], src.view[: end - source_at], source_at)
+        src.file, src.start, src.length = c.source, source_at, end - source_at
+    held = source_at - src.start
+    _extend(found.src_crcs, index, source_at, n, crc.crc32(src.view[held: held + n]))
+    if not same(out, at, src, held, n):
+        found.differs(c.tag, a + first_difference(out, at, src, held, n))
 
 
 def _compare_cast(files: Descriptors, index: int, c: Claim, a: int, n: int, out: Buffer, at: int, src: Buffer,
@@ -502,6 +559,31 @@ def _gaps(evidence: dict[int, list[Stretch]], pieces) -> tuple[list[_Reading], l
                 position = p[1] + p[2]
         tasks += [_Reading(f, parts, ()) for f, parts in _packed(f, spans)]
     return tasks, held
+
+
+def _crcs_of(fd: int, parts: tuple[tuple[int, int], ...], buffer: Buffer, cancelled, counted) -> list[tuple]:
+    """(at, length, CRC-32) of each of `parts` (in order) of a file: neighbours at most NEAR bytes apart read
+    together, up to a buffer's size (a wide run's sources: thousands of small stretches no claim read)."""
+    from tailor_tui.events import Cancelled
+
+    found: list[tuple[int, int, int]] = []
+    k = 0
+    while k < len(parts):
+        start, end, j = parts[k][0], parts[k][0] + parts[k][1], k + 1
+        while j < len(parts) and 0 <= parts[j][0] - end <= NEAR and parts[j][0] + parts[j][1] - start <= CHUNK:
+            end, j = parts[j][0] + parts[j][1], j + 1
+        if j == k + 1:
+            at, n = parts[k]
+            found.append((at, n, _crc_of(fd, at, n, buffer, cancelled, counted)))
+        else:
+            if cancelled():
+                raise Cancelled()
+            pread_into(fd, buffer.view[: end - start], start)
+            for at, n in parts[k:j]:
+                found.append((at, n, crc.crc32(buffer.view[at - start: at - start + n])))
+                counted(n)
+        k = j
+    return found
 
 
 def _crc_of(fd: int, at: int, length: int, buffer: Buffer, cancelled, counted) -> int:
