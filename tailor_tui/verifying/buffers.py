@@ -1,9 +1,9 @@
 """Reading a verification's bytes: reused buffers compared by memcmp, and descriptors kept only where they are the
 files named.
 
-A comparison holds two buffers per reading thread (`Buffer`), filled by pread and compared with the C library's
-memcmp (Python's comparison of two memoryviews goes element by element, ~20x slower); `first_difference` finds the
-first byte two differing buffers differ at, by halves. A thread opens each file it reads itself (`Descriptors`),
+A comparison holds a buffer per reading thread for the output and a few for its sources (`Buffer`, `Windows`),
+filled by pread and compared with the C library's memcmp (Python's comparison of two memoryviews goes element by
+element, ~20x slower); `first_difference` finds the first byte two differing buffers differ at, by halves. A thread opens each file it reads itself (`Descriptors`),
 and reads it only where it is, by fstat of the descriptor, the file first looked at (its identity: inode, size,
 times); `close` looks again, and says which changed meanwhile.
 """

@@ -7,14 +7,18 @@ partial save's slice CRC-32, or none). `run` then reads:
 
 - every output file's evidence stretches whole, in segments of at most SEGMENT bytes, each a task of
   its own (workers in parallel, across files and within a large one), through one CHUNK-sized buffer
-  per worker; for each claim met on the way, the source's bytes it names are read into a second buffer
-  and compared (memcmp), and the CRC-32 of both sides' bytes taken;
+  per worker; for each claim met on the way, the source's bytes it names are read into a source buffer
+  and compared (memcmp), and the CRC-32 of both sides' bytes taken. Small claims (a wide run's: thousands
+  of a few KiB a rank, their sources alternating) read a window of each source at a time, up to WINDOW
+  bytes through the claims on it that follow (`_reaches`, `buffers.Windows`), not a read each;
 - then the stretches of the sources' evidence no claim read (a source record's rows another source
-  gave), once, so that every stretch relied on is read whole exactly once.
+  gave), once, so that every stretch relied on is read whole exactly once; small neighbours together.
 
 Each stretch's CRC-32 is put together from the CRC-32s of its parts, wherever and in whichever order
 they were read (`checked.crc.combine`), and compared with its evidence. So each byte of each file is
-read once, memory holds two chunks per worker whatever the files' sizes, and nothing is mapped. The
+read once (a window's bytes between two claims, another source's rows there, read again with them: from the
+page cache, not the disk), memory holds three chunks per worker whatever the files' sizes (the output's, a
+large part's, four windows), and nothing is mapped. The
 files are looked at once when named, and each thread that reads one opens it itself and reads it only where it
 is still that file (`buffers.Descriptors`: its identity, `checked.files.FileIdentity`, compared when opened and when
 done): a file that changed meanwhile is `Outcome.moved`, and nothing read of it is a verdict.
