@@ -1,11 +1,12 @@
 """Reading a verification's bytes: reused buffers compared by memcmp, and descriptors kept only where they are the
 files named.
 
-A comparison holds a buffer per reading thread for the output and a few for its sources (`Buffer`, `Windows`),
-filled by pread and compared with the C library's memcmp (Python's comparison of two memoryviews goes element by
-element, ~20x slower); `first_difference` finds the first byte two differing buffers differ at, by halves. A thread opens each file it reads itself (`Descriptors`),
-and reads it only where it is, by fstat of the descriptor, the file first looked at (its identity: inode, size,
-times); `close` looks again, and says which changed meanwhile.
+A comparison holds a buffer per reading thread for the output and a few for its sources (`Buffer`,
+`SourceWindows`), filled by pread and compared with the C library's memcmp (Python's comparison of two memoryviews
+goes element by element, ~20x slower); `first_difference` finds the first byte two differing buffers differ at, by
+halves. A thread opens each file it reads itself (`Descriptors`), and reads it only where it is, by fstat of the
+descriptor, the file first looked at (its identity: inode, size, times); `close` looks again, and says which changed
+meanwhile.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from tailor_tui.checked.ranges import Readahead
 from tailor_tui.errors import CheckpointError
 
 CHUNK = 4 << 20  # bytes per read (one buffer per worker for the output, one for its sources)
-WINDOW = 1 << 20  # bytes of a source one read holds for the claims that follow it (`Windows`)
+WINDOW = 1 << 20  # bytes of a source one read holds for the claims that follow it (`SourceWindows`)
 
 _ZEROS = bytearray(CHUNK)
 
@@ -56,7 +57,7 @@ class Buffer:
         self.file = -1
 
 
-class Windows:
+class SourceWindows:
     """A reading thread's buffers for its sources' bytes: `count` windows of WINDOW bytes, each holding a stretch of
     one source read once for the claims on it that follow while claims on other sources come between (a
     composition's rows alternate between their checkpoints), and one of CHUNK bytes for a part larger than a

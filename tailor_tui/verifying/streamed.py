@@ -10,7 +10,7 @@ partial save's slice CRC-32, or none). `run` then reads:
   per worker; for each claim met on the way, the source's bytes it names are read into a source buffer
   and compared (memcmp), and the CRC-32 of both sides' bytes taken. Small claims (a wide run's: thousands
   of a few KiB a rank, their sources alternating) read a window of each source at a time, up to WINDOW
-  bytes through the claims on it that follow (`_reaches`, `buffers.Windows`), not a read each;
+  bytes through the claims on it that follow (`_reaches`, `buffers.SourceWindows`), not a read each;
 - then the stretches of the sources' evidence no claim read (a source record's rows another source
   gave), once, so that every stretch relied on is read whole exactly once; small neighbours together.
 
@@ -48,7 +48,7 @@ from tailor_tui.verifying.buffers import (
     Buffer,
     Descriptors,
     Moved,
-    Windows,
+    SourceWindows,
     first_difference,
     opened,
     same,
@@ -215,7 +215,7 @@ def run(claims: Comparison, *, workers: int = 2, on_bytes: Callable[[str, int], 
         """`read(files)` on this thread's buffers and the task's own descriptors; what it returns, done under the
         lock where no file it read changed meanwhile."""
         if not hasattr(local, "out"):
-            local.out, local.src = Buffer(), Windows()
+            local.out, local.src = Buffer(), SourceWindows()
         files = Descriptors(claims.paths, claims.identities)
         try:
             keep = read(files)
@@ -358,7 +358,7 @@ def _inside(stretches: list[Stretch], starts: list[int], at: int, length: int) -
     return k >= 0 and at + length <= stretches[k].at + stretches[k].length
 
 
-def _read_task(claims: Comparison, task: _Reading, files: Descriptors, out: Buffer, src: Windows, found: _Found,
+def _read_task(claims: Comparison, task: _Reading, files: Descriptors, out: Buffer, src: SourceWindows, found: _Found,
                cancelled: Callable[[], bool], counted: Callable[[int], None]) -> None:
     """Read the output parts of `task` chunk by chunk (parts that lie within one chunk's reach, a small file's
     records, in one read): each part's CRC-32, and each claim's bytes in it compared."""
@@ -439,7 +439,7 @@ def _close(members: list[Claim], chain: list[int], reach: list[int]) -> None:
     chain.clear()
 
 
-def _compare(files: Descriptors, index: int, c: Claim, a: int, n: int, out: Buffer, at: int, windows: Windows,
+def _compare(files: Descriptors, index: int, c: Claim, a: int, n: int, out: Buffer, at: int, windows: SourceWindows,
              found: _Found, reach: int = 0) -> None:
     """Output bytes [a, a+n) of claim `c`, at `at` in the output buffer: compared, their CRC-32s taken (`reach`: the
     source byte up to which its source's bytes may be read on, for the claims that follow: `_reaches`)."""
