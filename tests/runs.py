@@ -99,7 +99,7 @@ class RunSpec(DemoSpec):
         # ZeRO-3 keeps a gathered parameter while it is used again within this many elements of the trace;
         # looking that far ahead walks the whole rest of a tiny model at every release (DeepSpeed's default, 1e9
         # elements, is all of it): quadratic in its blocks, 14 s of the second step of a 52-block run. 0 releases
-        # each at once, as nothing of the checkpoints depends on
+        # each at once; no tensor of the checkpoints depends on it (model_states keeps the setting: a few bytes)
         cfg["zero_optimization"]["stage3_max_reuse_distance"] = 0
         if self.sub_group_size:
             cfg["zero_optimization"]["sub_group_size"] = self.sub_group_size
