@@ -322,7 +322,7 @@ def structure_in(path: Path, whole: bytes) -> Structure:
                                    int.from_bytes(whole[k.crc_offsets[-1]: k.crc_offsets[-1] + 4], "little"),
                                    k.crc_offsets)
     else:
-        located = _located(path, whole, skip_empty=False)
+        located = _located(path, whole)
         records = {e.name: Record(e.name, e.header_offset, start, e.size, e.crc, (crc_at, e.crc_field))
                    for e, start, crc_at in located}
         view = memoryview(whole)
@@ -413,26 +413,26 @@ def _check_in_memory(path: Path, whole: bytes, inspect, skip: frozenset) -> None
         return  # laid out as one checked before, every record's bytes matching its CRC-32
     # every record placed, the empty placeholders too: one whose local header says its data starts elsewhere (its
     # extra field's length flipped) overlaps its neighbour, as the verifier finds; in memory, that costs nothing
-    located = _located(path, whole, skip_empty=False)
+    located = _located(path, whole)
     for _entry, _data in _checked(path, whole, located, skip, inspect):
         pass
     if plain:
         _CHECKED.remember(whole, _kept(located))
 
 
-def records_in(path: Path, whole: bytes, *, skip_empty: bool = False, skip: frozenset = frozenset(), inspect=None):
+def records_in(path: Path, whole: bytes, *, skip: frozenset = frozenset(), inspect=None):
     """Each record of the archive `path` whose bytes are `whole`, in order: (its directory entry,
     its bytes), each checked against its CRC-32 first (CheckpointError if one fails or is cut
-    short, or one torch's reader would refuse or misread: see zipdir). `skip_empty`, `skip`: as `directory_in`'s, `check_crcs`'s;
+    short, or one torch's reader would refuse or misread: see zipdir). `skip`: as `check_crcs`'s;
     `inspect(offset, data)` sees each record's bytes before its check."""
-    yield from _checked(path, whole, _located(path, whole, skip_empty), skip, inspect)
+    yield from _checked(path, whole, _located(path, whole), skip, inspect)
 
 
-def _located(path: Path, whole: bytes, skip_empty: bool) -> list[tuple[Any, int, int]]:
+def _located(path: Path, whole: bytes) -> list[tuple[Any, int, int]]:
     """(directory entry, where its data starts, where its CRC-32 sits) of each record of `whole`,
     their headers and places checked (see `records_in`)."""
     try:
-        entries = directory_in(whole, skip_empty=skip_empty)
+        entries = directory_in(whole)
         located, spans = [], []
         for e in entries:
             at, raw = e.header_offset, raw_name(e)

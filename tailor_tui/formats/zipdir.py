@@ -150,22 +150,18 @@ def read_directory_of(f) -> Directory:
     return _entries(data, records, directory, start)
 
 
-def directory_in(archive: bytes, *, skip_empty: bool = False) -> Directory:
-    """Every record the whole archive `archive` (its bytes, read at once) lists, in order (BadZipFile);
-    `skip_empty`: but those stored uncompressed, empty, with the CRC-32 of nothing (0), which a CRC
-    check passes unread (a ZeRO-3 model_states lists one such placeholder per parameter): their local
-    headers are checked here instead."""
+def directory_in(archive: bytes) -> Directory:
+    """Every record the whole archive `archive` (its bytes, read at once) lists, in order (BadZipFile)."""
     records, directory, start = end_record(io.BytesIO(archive))
-    return _entries(archive[start: start + directory], records, directory, start, archive if skip_empty else None)
+    return _entries(archive[start: start + directory], records, directory, start)
 
 
-def _entries(data: bytes, records: int, directory: int, start: int, archive: bytes | None = None) -> Directory:
-    """The entries of the directory `data`, each checked as torch's reader would read it; `archive`:
-    the whole archive, whose empty placeholders (see `directory_in`) are checked here and left out."""
+def _entries(data: bytes, records: int, directory: int, start: int) -> Directory:
+    """The entries of the directory `data`, each checked as torch's reader would read it."""
     if len(data) < directory:
         raise zipfile.BadZipFile("its directory is cut short (truncated)")
     entries, i, unpack, central = Directory(), 0, _ENTRY.unpack_from, data.startswith
-    entries.start, lowered, names, local_of = start, data.lower(), set[bytes](), _LOCAL.unpack_from
+    entries.start, lowered, names = start, data.lower(), set[bytes]()
     for _ in range(records):
         if i + 46 > len(data) or not central(CENTRAL, i):
             raise zipfile.BadZipFile(f"its directory entry at byte {start + i} is damaged")
@@ -184,17 +180,7 @@ def _entries(data: bytes, records: int, directory: int, start: int, archive: byt
             size, packed, offset = _zip64(data[extra_at: extra_at + extra_len], size, packed, offset)
             if packed != size:
                 _refuse(data[name_at: extra_at], flags, method, packed, size, set())
-        if archive is not None and not (size or crc):  # a placeholder: its local header checked, left out
-            raw = data[name_at: extra_at]
-            if offset + LOCAL_HEADER + name_len > len(archive) or not archive.startswith(LOCAL, offset):
-                local_data_start(_decode(raw, flags), raw, flags, 0, 0, archive[offset: offset + 64], offset)
-            local_flags, local_method, local_crc, local_packed, local_size, local_name, _ = local_of(archive, offset)
-            if local_flags != flags or local_method or local_crc or local_name != name_len \
-                    or local_packed not in (0, _FULL) or local_size not in (0, _FULL) \
-                    or not archive.startswith(raw, offset + LOCAL_HEADER):
-                local_data_start(_decode(raw, flags), raw, flags, 0, 0, archive[offset: offset + LOCAL_HEADER + name_len],
-                                 offset)
-        elif offset + LOCAL_HEADER + size > start:
+        if offset + LOCAL_HEADER + size > start:
             raise RecordError(_decode(data[name_at: extra_at], flags), f"its data would lie past byte {start:,}, "
                                                                        f"where the archive's directory starts "
                                                                        f"(damaged); {RECOPY}")
