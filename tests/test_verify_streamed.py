@@ -359,22 +359,21 @@ def test_small_claims_on_alternating_sources_are_read_a_window_at_a_time_and_eve
     window at a time for the claims on it that follow, and the bytes between them (another source's rows there) with
     them, not a read each (those reads took 6 s of a 256-rank verification). Still, a source byte a claim reads that
     differs fails that claim alone, and one between claims fails its source's CRC-32."""
+    from tailor_tui.checked.ranges import pread_into
     from tailor_tui.verifying import streamed
 
     flip_at = {None: None, "claimed": 5 * 1024 + 3, "between claims": 5 * 1024 + 700}[flip]
     claims = _interleaved(tmp_path, flip_at)
     reads = []
-    monkeypatch.setattr(streamed, "pread_into", lambda fd, view, at: (reads.append(len(view)),
-                                                                      _pread(fd, view, at))[1])
+
+    def counted(fd: int, view: memoryview, at: int) -> None:
+        reads.append(len(view))
+        pread_into(fd, view, at)
+
+    monkeypatch.setattr(streamed, "pread_into", counted)
     outcome = streamed.run(claims, workers=2)
     assert not outcome.moved
     assert outcome.differing == ({10} if flip == "claimed" else set())  # claim 10: source A's sixth
     assert [stretch.name for stretch, _value in outcome.failed] == ([] if flip is None else ["A"])
     assert len(reads) < 40, len(reads)  # not 2,048 reads of sources, nor 2,048 of what lies between
     assert outcome.read >= (1 << 20) + 2 * (2 << 20)  # (and every byte of every file read)
-
-
-def _pread(fd, view, at):
-    from tailor_tui.checked.ranges import pread_into
-
-    return pread_into(fd, view, at)
