@@ -376,4 +376,27 @@ def test_small_claims_on_alternating_sources_are_read_a_window_at_a_time_and_eve
     assert outcome.differing == ({10} if flip == "claimed" else set())  # claim 10: source A's sixth
     assert [stretch.name for stretch, _value in outcome.failed] == ([] if flip is None else ["A"])
     assert len(reads) < 40, len(reads)  # not 2,048 reads of sources, nor 2,048 of what lies between
-    assert outcome.read >= (1 << 20) + 2 * (2 << 20)  # (and every byte of every file read)
+    assert sum(reads) == outcome.read == (1 << 20) + 2 * (2 << 20)  # every byte of every file read, once
+
+
+@pytest.mark.parametrize("segment", [64 << 10, (64 << 10) + 256])
+def test_a_windows_bytes_are_read_once_where_tasks_share_an_output_file(tmp_path, monkeypatch, segment):
+    """An output file read by several tasks (a large one's segments), cut between claims or through one: what a
+    task's windows read of its sources stops where its share of the claims does, so the next task's windows do not
+    read those bytes again (two reads of a stretch's bytes would have it read whole a third time)."""
+    from tailor_tui.checked.ranges import pread_into
+    from tailor_tui.verifying import streamed
+
+    claims = _interleaved(tmp_path)
+    reads = []
+
+    def counted(fd: int, view: memoryview, at: int) -> None:
+        reads.append(len(view))
+        pread_into(fd, view, at)
+
+    monkeypatch.setattr(streamed, "pread_into", counted)
+    monkeypatch.setattr(streamed, "SEGMENT", segment)
+    outcome = streamed.run(claims, workers=2)
+    assert not outcome.moved and not outcome.differing and not outcome.failed
+    assert outcome.read == (1 << 20) + 2 * (2 << 20)  # no stretch read whole again
+    assert sum(reads) < 2 * outcome.read  # (what lies between the few bytes left, read with them: fewer reads)

@@ -10,18 +10,19 @@ partial save's slice CRC-32, or none). `run` then reads:
   per worker; for each claim met on the way, the source's bytes it names are read into a source buffer
   and compared (memcmp), and the CRC-32 of both sides' bytes taken. Small claims (a wide run's: thousands
   of a few KiB a rank, their sources alternating) read a window of each source at a time, up to WINDOW
-  bytes through the claims on it that follow (`_reaches`, `buffers.SourceWindows`), not a read each;
-- then the stretches of the sources' evidence no claim read (a source record's rows another source
-  gave), once, so that every stretch relied on is read whole exactly once; small neighbours together.
+  bytes through the claims on it that follow (`_reaches`, `buffers.SourceWindows`), not a read each; a
+  window's CRC-32s are taken once, of each of its stretches' parts, the bytes between its claims included;
+- then the stretches of the sources' evidence nothing read yet (a source record's rows another source
+  gave, beyond a window's reach), once, so that every stretch relied on is read whole exactly once;
+  small neighbours together.
 
 Each stretch's CRC-32 is put together from the CRC-32s of its parts, wherever and in whichever order
 they were read (`checked.crc.combine`), and compared with its evidence. So each byte of each file is
-read once (a window's bytes between two claims, another source's rows there, read again with them: from the
-page cache, not the disk), memory holds three chunks per worker whatever the files' sizes (the output's, a
-large part's, four windows), and nothing is mapped. The
-files are looked at once when named, and each thread that reads one opens it itself and reads it only where it
-is still that file (`buffers.Descriptors`: its identity, `checked.files.FileIdentity`, compared when opened and when
-done): a file that changed meanwhile is `Outcome.moved`, and nothing read of it is a verdict.
+read once as evidence (the few left between two windows are read with their neighbours: those bytes twice,
+from the page cache, not the disk), memory holds three chunks per worker whatever the files' sizes (the output's,
+a large part's, four windows), and nothing is mapped. The files are looked at once when named, and each thread
+that reads one opens it itself and reads it only where it is still that file (`buffers.Descriptors`: its identity,
+`checked.files.FileIdentity`, compared when opened and when done): a file that changed meanwhile is `Outcome.moved`, and nothing read of it is a verdict.
 
 What the bytes mean (which claim is which row's, what a failure says) is the caller's: claims carry a
 tag it gives, outcomes name the tags whose bytes differ.
@@ -39,7 +40,7 @@ from typing import Callable, NamedTuple
 
 from tailor_tui.checked import crc
 from tailor_tui.checked.files import FileIdentity
-from tailor_tui.checked.ranges import Readahead, pread_into
+from tailor_tui.checked.ranges import pread_into
 from tailor_tui.errors import CheckpointError
 from tailor_tui.formats.dtypes import cast_difference
 from tailor_tui.verifying.buffers import (
@@ -58,6 +59,7 @@ SEGMENT = 64 << 20  # bytes of an output stretch one task reads: a large file is
 ZERO = -1  # a claim's source: zero bytes (padding)
 NOTHING = -2  # a claim's source: none, its bytes only CRC-checked and their CRC-32 taken (`Outcome.crcs`)
 MAX_WORKERS = 8
+NEAR = 64 << 10  # bytes between two parts one read takes together (a source's claims, an output's records)
 
 
 class Claim(NamedTuple):
@@ -175,9 +177,11 @@ class _Reading(NamedTuple):
 
 
 class _Found:
-    """One task's findings (merged into the Outcome by the caller, under its lock)."""
+    """One task's findings (merged into the Outcome by the caller, under its lock); `evidence`: each file's
+    stretches, by offset, and their first bytes (what a source's window is cut at: `window`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, evidence: dict[int, tuple[list[Stretch], list[int]]]) -> None:
+        self.evidence = evidence
         self.pieces: list[tuple[int, int, int, int]] = []  # (file, at, length, CRC-32) read
         self.out_crcs: dict[int, list[int]] = {}  # claim -> [first output byte read, length, CRC-32]
         self.src_crcs: dict[int, list[int]] = {}  # claim -> [first source byte read, length, CRC-32]
@@ -187,6 +191,19 @@ class _Found:
     def differs(self, tag: int, at: int) -> None:
         self.differing.add(tag)
         self.first[tag] = min(at, self.first.get(tag, at))
+
+    def window(self, f: int, at: int, view: memoryview) -> None:
+        """`view` holds bytes of file `f` from `at`, read once: the CRC-32 of each part of them inside one of its
+        stretches, a piece of its own (the bytes between a source's claims too, read with them: not read again)."""
+        stretches, starts = self.evidence.get(f, ([], []))
+        end = at + len(view)
+        for k in range(max(0, bisect.bisect_right(starts, at) - 1), len(stretches)):
+            s = stretches[k]
+            if s.at >= end:
+                break
+            lo, hi = max(at, s.at), min(end, s.at + s.length)
+            if hi > lo:
+                self.pieces.append((f, lo, hi - lo, crc.crc32(view[lo - at: hi - at])))
 
 
 def run(claims: Comparison, *, workers: int = 2, on_bytes: Callable[[str, int], None] = lambda label, n: None,
@@ -204,6 +221,7 @@ def run(claims: Comparison, *, workers: int = 2, on_bytes: Callable[[str, int], 
         evidence.setdefault(s.file, []).append(s)
     for found in evidence.values():
         found.sort(key=lambda s: s.at)
+    placed = {f: (found, [s.at for s in found]) for f, found in evidence.items()}
     lock = threading.Lock()
     local = threading.local()
     pieces: list[tuple[int, int, int, int]] = []  # (file, at, length, CRC-32) of every part read
@@ -231,7 +249,7 @@ def run(claims: Comparison, *, workers: int = 2, on_bytes: Callable[[str, int], 
 
     def do(task: _Reading) -> None:
         def read(files: Descriptors) -> Callable[[], None]:
-            found = _Found()
+            found = _Found(placed)
             _read_task(claims, task, files, local.out, local.src, found, cancelled,
                        lambda n: on_bytes(claims.labels.get(task.file, "output"), n))
 
@@ -263,8 +281,9 @@ def run(claims: Comparison, *, workers: int = 2, on_bytes: Callable[[str, int], 
 
     def fill(task: _Reading) -> None:
         def read(files: Descriptors) -> Callable[[], None]:
-            values = _crcs_of(files[task.file], task.parts, local.out, cancelled, lambda n: on_bytes("sources", n))
-            return lambda: held.extend((task.file, a, n, value) for a, n, value in values)
+            found = _Found(placed)
+            _read_task(claims, task, files, local.out, local.src, found, cancelled, lambda n: on_bytes("sources", n))
+            return lambda: held.extend(found.pieces)
         reading(task, read)
 
     _pool(fill, gaps, workers, stop)
@@ -360,83 +379,92 @@ def _inside(stretches: list[Stretch], starts: list[int], at: int, length: int) -
 
 def _read_task(claims: Comparison, task: _Reading, files: Descriptors, out: Buffer, src: SourceWindows, found: _Found,
                cancelled: Callable[[], bool], counted: Callable[[int], None]) -> None:
-    """Read the output parts of `task` chunk by chunk (parts that lie within one chunk's reach, a small file's
-    records, in one read): each part's CRC-32, and each claim's bytes in it compared."""
+    """Read the parts of `task` (`_held`: neighbours together, a large one a chunk at a time): each part's
+    CRC-32, and each claim's bytes in it compared."""
     from tailor_tui.events import Cancelled
 
     fd = files[task.file]
     members = [claims.claims[i] for i in task.claims]
-    reach = _reaches(members)
+    reach = _reaches(members, task.parts[0][0], task.parts[-1][0] + task.parts[-1][1])
     src.forget()  # (a source's bytes are read by this task's descriptors only)
     first = 0  # the first claim not wholly read yet
-    start, end = task.parts[0][0], task.parts[-1][0] + task.parts[-1][1]
-    held = end - start <= CHUNK  # every part in the buffer at once, from `start`
-    if held:
-        if cancelled():
-            raise Cancelled()
-        pread_into(fd, out.view[: end - start], start)
-    for at, length in task.parts:
-        position, stop_at, value = at, at + length, 0
-        while first < len(members) and members[first].at + members[first].length <= position \
-                and members[first].length:
-            first += 1
-        while position < stop_at:
-            n = min(CHUNK, stop_at - position) if not held else stop_at - position
-            base = start if held else position  # the file offset of the buffer's first byte
-            if not held:
-                if cancelled():
-                    raise Cancelled()
-                files.ahead(task.file, position, stop_at)
-                pread_into(fd, out.view[:n], position)
-            value = crc.crc32(out.view[position - base: position - base + n], value)
-            stop = position + n
-            k = first
-            while k < len(members) and members[k].at < stop:
-                c = members[k]
-                a, b = max(c.at, position), min(c.at + c.length, stop)
-                if b > a:
-                    _compare(files, task.claims[k], c, a, b - a, out, a - base, src, found, reach[k])
-                k += 1
-            counted(n)
-            position = stop
-        found.pieces.append((task.file, at, length, value))
+    for group in _held(task.parts):
+        start, end = group[0][0], group[-1][0] + group[-1][1]
+        held = end - start <= CHUNK  # every part of the group in the buffer at once, from `start`
+        if held:
+            if cancelled():
+                raise Cancelled()
+            pread_into(fd, out.view[: end - start], start)
+        for at, length in group:
+            position, stop_at, value = at, at + length, 0
+            while first < len(members) and members[first].at + members[first].length <= position \
+                    and members[first].length:
+                first += 1
+            while position < stop_at:
+                n = min(CHUNK, stop_at - position) if not held else stop_at - position
+                base = start if held else position  # the file offset of the buffer's first byte
+                if not held:
+                    if cancelled():
+                        raise Cancelled()
+                    files.ahead(task.file, position, stop_at)
+                    pread_into(fd, out.view[:n], position)
+                value = crc.crc32(out.view[position - base: position - base + n], value)
+                stop = position + n
+                k = first
+                while k < len(members) and members[k].at < stop:
+                    c = members[k]
+                    a, b = max(c.at, position), min(c.at + c.length, stop)
+                    if b > a:
+                        _compare(files, task.claims[k], c, a, b - a, out, a - base, src, found, reach[k])
+                    k += 1
+                counted(n)
+                position = stop
+            found.pieces.append((task.file, at, length, value))
 
 
-NEAR = 64 << 10  # a source's bytes between two claims' read with them up to this many (one read, not two)
+def _held(parts: tuple[tuple[int, int], ...]):
+    """`parts` (in order) as the reads that take them: neighbours at most NEAR bytes apart together, up to a
+    chunk's span (a small file's records, the few bytes of sources' stretches left between windows: one read, not
+    one each); a part larger than a chunk alone (read a chunk at a time)."""
+    k = 0
+    while k < len(parts):
+        start, end, j = parts[k][0], parts[k][0] + parts[k][1], k + 1
+        while j < len(parts) and 0 <= parts[j][0] - end <= NEAR and parts[j][0] + parts[j][1] - start <= CHUNK:
+            end, j = parts[j][0] + parts[j][1], j + 1
+        yield parts[k:j]
+        k = j
 
 
-def _reaches(members: list[Claim]) -> list[int]:
-    """For each claim of a task (in the output's order), the source byte up to which one read of its source bytes
-    may go on: through the claims on the same source after it (others may come between) that go on there in order,
-    each starting at most NEAR bytes after the one before ends, within a window's size of its start. A wide run's
-    ranks are thousands of claims of a few KiB, each its own read otherwise (their system calls took more time than
-    their bytes)."""
+def _reaches(members: list[Claim], start: int, end: int) -> list[int]:
+    """For each claim of a task (in the output's order; its parts from output byte `start` to `end`), the source
+    byte up to which one read of its source bytes may go on: through the claims on the same source after it (others
+    may come between) that go on there in order, each starting at most NEAR bytes after the one before ends, within a
+    window's size of its start; never past what the task reads of a claim (another task's share of it is its own).
+    A wide run's ranks are thousands of claims of a few KiB, each its own read otherwise (their system calls took
+    more time than their bytes)."""
     reach = [0] * len(members)
-    chains: dict[int, list[int]] = {}  # source -> the claims of its chain still open, in order
+    chains: dict[int, tuple[int, int, list[int]]] = {}  # source -> its open chain: (first byte, end, claims)
     for k, c in enumerate(members):
         if c.source < 0 or c.cast:
             continue
+        first = c.source_at + max(0, start - c.at)
+        last = c.source_at + min(c.length, end - c.at)
         chain = chains.get(c.source)
-        if chain:
-            first, last = members[chain[0]], members[chain[-1]]
-            if not (0 <= c.source_at - (last.source_at + last.length) <= NEAR
-                    and c.source_at + c.length - first.source_at <= WINDOW):
-                _close(members, chain, reach)
-                chain = None
-        if not chain:
-            chain = chains[c.source] = []
-        chain.append(k)
+        if chain is not None and 0 <= first - chain[1] <= NEAR and last - chain[0] <= WINDOW:
+            chains[c.source] = (chain[0], last, chain[2])
+            chain[2].append(k)
+            continue
+        if chain is not None:
+            _close(chain, reach)
+        chains[c.source] = (first, last, [k])
     for chain in chains.values():
-        if chain:
-            _close(members, chain, reach)
+        _close(chain, reach)
     return reach
 
 
-def _close(members: list[Claim], chain: list[int], reach: list[int]) -> None:
-    end = members[chain[-1]].source_at + members[chain[-1]].length
-    for k in chain:
-        reach[k] = end
-    chain.clear()
+def _close(chain: tuple[int, int, list[int]], reach: list[int]) -> None:
+    for k in chain[2]:
+        reach[k] = chain[1]
 
 
 def _compare(files: Descriptors, index: int, c: Claim, a: int, n: int, out: Buffer, at: int, windows: SourceWindows,
@@ -456,16 +484,20 @@ def _compare(files: Descriptors, index: int, c: Claim, a: int, n: int, out: Buff
         return
     source_at = c.source_at + (a - c.at)
     src = windows.holding(c.source, source_at, n)
-    if src is None:
-        if n > windows.size:  # (a part larger than a window: read as it is)
-            src, end = windows.large(), source_at + n
-        else:
+    if src is None and n > windows.size:  # a part larger than a window: read as it is, its CRC-32 the claim's
+        src = windows.large()
+        files.ahead(c.source, source_at, c.source_at + c.length)
+        pread_into(files[c.source], src.view[:n], source_at)
+        _extend(found.src_crcs, index, source_at, n, crc.crc32(src.view[:n]))
+        held = 0
+    else:
+        if src is None:  # a window: read once for the claims on it that follow, its CRC-32s those of its stretches
             src, end = windows.free(c.source), max(source_at + n, min(reach, source_at + windows.size))
-        files.ahead(c.source, source_at, max(end, c.source_at + c.length))
-        pread_into(files[c.source], src.view[: end - source_at], source_at)
-        src.file, src.start, src.length = c.source, source_at, end - source_at
-    held = source_at - src.start
-    _extend(found.src_crcs, index, source_at, n, crc.crc32(src.view[held: held + n]))
+            files.ahead(c.source, source_at, max(end, c.source_at + c.length))
+            pread_into(files[c.source], src.view[: end - source_at], source_at)
+            src.file, src.start, src.length = c.source, source_at, end - source_at
+            found.window(c.source, source_at, src.view[: end - source_at])
+        held = source_at - src.start
     if not same(out, at, src, held, n):
         found.differs(c.tag, a + first_difference(out, at, src, held, n))
 
@@ -563,47 +595,6 @@ def _gaps(evidence: dict[int, list[Stretch]], pieces) -> tuple[list[_Reading], l
                 position = p[1] + p[2]
         tasks += [_Reading(f, parts, ()) for f, parts in _packed(f, spans)]
     return tasks, held
-
-
-def _crcs_of(fd: int, parts: tuple[tuple[int, int], ...], buffer: Buffer, cancelled, counted) -> list[tuple]:
-    """(at, length, CRC-32) of each of `parts` (in order) of a file: neighbours at most NEAR bytes apart read
-    together, up to a buffer's size (a wide run's sources: thousands of small stretches no claim read)."""
-    from tailor_tui.events import Cancelled
-
-    found: list[tuple[int, int, int]] = []
-    k = 0
-    while k < len(parts):
-        start, end, j = parts[k][0], parts[k][0] + parts[k][1], k + 1
-        while j < len(parts) and 0 <= parts[j][0] - end <= NEAR and parts[j][0] + parts[j][1] - start <= CHUNK:
-            end, j = parts[j][0] + parts[j][1], j + 1
-        if j == k + 1:
-            at, n = parts[k]
-            found.append((at, n, _crc_of(fd, at, n, buffer, cancelled, counted)))
-        else:
-            if cancelled():
-                raise Cancelled()
-            pread_into(fd, buffer.view[: end - start], start)
-            for at, n in parts[k:j]:
-                found.append((at, n, crc.crc32(buffer.view[at - start: at - start + n])))
-                counted(n)
-        k = j
-    return found
-
-
-def _crc_of(fd: int, at: int, length: int, buffer: Buffer, cancelled, counted) -> int:
-    from tailor_tui.events import Cancelled
-
-    value, end, ahead = 0, at + length, Readahead(fd)
-    while at < end:
-        if cancelled():
-            raise Cancelled()
-        n = min(CHUNK, end - at)
-        ahead.before(at, end)
-        pread_into(fd, buffer.view[:n], at)
-        value = crc.crc32(buffer.view[:n], value)
-        counted(n)
-        at += n
-    return value
 
 
 def _settle(evidence: dict[int, list[Stretch]], held, outcome: Outcome) -> None:
