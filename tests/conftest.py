@@ -534,3 +534,11 @@ def pytest_collection_modifyitems(items):
             continue
         callspec = getattr(item, "callspec", None)
         item.add_marker(pytest.mark.xdist_group(item.module.__name__ + (f"[{callspec.id}]" if callspec else "")))
+
+
+def pytest_collection_finish(session):
+    """What collecting imported (torch, transformers, Textual, DeepSpeed: millions of objects) is left out of the
+    cycle collector, whose full collections walked it all, in every test after."""
+    import gc
+
+    gc.freeze()
