@@ -400,3 +400,32 @@ def test_a_windows_bytes_are_read_once_where_tasks_share_an_output_file(tmp_path
     assert not outcome.moved and not outcome.differing and not outcome.failed
     assert outcome.read == (1 << 20) + 2 * (2 << 20)  # no stretch read whole again
     assert sum(reads) < 2 * outcome.read  # (what lies between the few bytes left, read with them: fewer reads)
+
+
+def test_a_claim_larger_than_a_window_is_read_as_it_is_where_an_output_chunk_cuts_it_short(tmp_path):
+    """A claim of more than a window that an output chunk ends soon after it starts: its first part is small, and
+    read through a window it would take a window's bytes of the source, which its next part reads again (the
+    source's stretch then read whole a third time: a 593 MiB rank's verification took a fifth longer). Each part of
+    it is read as it is: every byte of every file read once."""
+    import random
+    import zlib
+
+    from tailor_tui.verifying import streamed
+    from tailor_tui.verifying.buffers import CHUNK
+
+    rng = random.Random(3)
+    first = CHUNK - (100 << 10)  # claim 0 ends 100 KiB before the output's first chunk does; claim 1 goes on 5 MiB
+    sources = {"A": rng.randbytes(first), "B": rng.randbytes(5 << 20)}
+    paths = {"out": tmp_path / "out", "A": tmp_path / "A", "B": tmp_path / "B"}
+    paths["out"].write_bytes(sources["A"] + sources["B"])
+    for name, data in sources.items():
+        paths[name].write_bytes(data)
+    claims = streamed.Comparison()
+    files = {name: claims.file(path, label="rank 0" if name == "out" else None) for name, path in paths.items()}
+    for name, path in paths.items():
+        claims.evidence(files[name], 0, path.stat().st_size, zlib.crc32(path.read_bytes()), name)
+    claims.claim(files["out"], 0, first, files["A"], 0, 0)
+    claims.claim(files["out"], first, 5 << 20, files["B"], 0, 1)
+    outcome = streamed.run(claims, workers=1)
+    assert not outcome.moved and not outcome.differing and not outcome.failed
+    assert outcome.read == 2 * (first + (5 << 20))

@@ -440,6 +440,8 @@ def _reaches(members: list[Claim], start: int, end: int) -> list[int]:
     byte up to which one read of its source bytes may go on: through the claims on the same source after it (others
     may come between) that go on there in order, each starting at most NEAR bytes after the one before ends, within a
     window's size of its start; never past what the task reads of a claim (another task's share of it is its own).
+    0 for a claim of which the task reads more than a window (read part by part as it is, never through a window:
+    a window's bytes and another read's of the same claim would both be pieces of its source's stretch).
     A wide run's ranks are thousands of claims of a few KiB, each its own read otherwise (their system calls took
     more time than their bytes)."""
     reach = [0] * len(members)
@@ -449,6 +451,8 @@ def _reaches(members: list[Claim], start: int, end: int) -> list[int]:
             continue
         first = c.source_at + max(0, start - c.at)
         last = c.source_at + min(c.length, end - c.at)
+        if last - first > WINDOW:  # (read as it is, part by part: 0)
+            continue
         chain = chains.get(c.source)
         if chain is not None and 0 <= first - chain[1] <= NEAR and last - chain[0] <= WINDOW:
             chains[c.source] = (chain[0], last, chain[2])
@@ -468,9 +472,10 @@ def _close(chain: tuple[int, int, list[int]], reach: list[int]) -> None:
 
 
 def _compare(files: Descriptors, index: int, c: Claim, a: int, n: int, out: Buffer, at: int, windows: SourceWindows,
-             found: _Found, reach: int = 0) -> None:
+             found: _Found, reach: int) -> None:
     """Output bytes [a, a+n) of claim `c`, at `at` in the output buffer: compared, their CRC-32s taken (`reach`: the
-    source byte up to which its source's bytes may be read on, for the claims that follow: `_reaches`)."""
+    source byte up to which a window of its source's bytes may be read on, for the claims that follow; 0: no window,
+    `_reaches`)."""
     mine = crc.crc32(out.view[at: at + n])
     _extend(found.out_crcs, index, a, n, mine)
     if c.source == NOTHING:
@@ -483,15 +488,16 @@ def _compare(files: Descriptors, index: int, c: Claim, a: int, n: int, out: Buff
         _compare_cast(files, index, c, a, n, out, at, windows.large(), found)
         return
     source_at = c.source_at + (a - c.at)
-    src = windows.holding(c.source, source_at, n)
-    if src is None and n > windows.size:  # a part larger than a window: read as it is, its CRC-32 the claim's
-        src = windows.large()
+    if not reach:  # a claim larger than a window: each part read as it is, its CRC-32 the claim's
+        src, held = windows.large(), 0
         files.ahead(c.source, source_at, c.source_at + c.length)
         pread_into(files[c.source], src.view[:n], source_at)
         _extend(found.src_crcs, index, source_at, n, crc.crc32(src.view[:n]))
-        held = 0
     else:
-        if src is None:  # a window: read once for the claims on it that follow, its CRC-32s those of its stretches
+        held_by = windows.holding(c.source, source_at, n)
+        if held_by is not None:
+            src = held_by
+        else:  # a window: read once for the claims on it that follow, its CRC-32s those of its stretches
             src, end = windows.free(c.source), max(source_at + n, min(reach, source_at + windows.size))
             files.ahead(c.source, source_at, max(end, c.source_at + c.length))
             pread_into(files[c.source], src.view[: end - source_at], source_at)
