@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -179,55 +180,26 @@ def _neox_with(real_run, tmp_path: Path, config: Callable[[dict], dict]) -> Path
     return write_recipe(tmp_path, base, {"lm_head": oldest})
 
 
-# Plans each recipe it is given (`--apply RECIPE --dry-run`, through the CLI's own `main`), one after the other, each
-# with a names cache of its own; prints {"peak": its peak RSS in bytes, "found": {name: [exit code, stdout, stderr,
-# seconds]}}
-_PLAN_EACH = """
-import contextlib, io, json, os, resource, sys, time
-from tailor_tui.cli.main import main
-found = {}
-for name, recipe, cache in json.loads(sys.argv[1]):
-    os.environ["TAILOR_TUI_CACHE"] = cache
-    out, err = io.StringIO(), io.StringIO()
-    started = time.monotonic()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(["--apply", recipe, "--dry-run"])
-    found[name] = [code, out.getvalue(), err.getvalue(), time.monotonic() - started]
-print(json.dumps({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "found": found}))
-"""
-
-
-@pytest.fixture(scope="module")
-def deep_plans(real_run, tmp_path_factory) -> dict:
-    """Every spelling of DEEP planned by one process in turn (`_PLAN_EACH`): torch and transformers are imported
-    once, not once for each (5 s of CPU each). Its peak is then that of the largest plan, and of the imports."""
-    import subprocess
-    import sys
-
-    asked = []
-    for k, spelling in enumerate(DEEP):
-        folder = tmp_path_factory.mktemp(f"deep{k}")
-        asked.append((spelling, str(_neox_with(real_run, folder, DEEP[spelling])), str(folder / "cache")))
-    done = subprocess.run([sys.executable, "-c", _PLAN_EACH, json.dumps(asked)], capture_output=True, text=True,
-                          timeout=60 * len(asked), env=dict(os.environ, PYTHONWARNINGS="ignore"),
-                          stdin=subprocess.DEVNULL)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
-
-
 @pytest.mark.parametrize("spelling", list(DEEP))
-def test_a_config_asking_for_a_million_layers_in_any_words_plans_in_bounded_time_and_memory(deep_plans, spelling):
+def test_a_config_asking_for_a_million_layers_in_any_words_plans_in_bounded_time_and_memory(real_run, tmp_path,
+                                                                                             spelling):
     """Issue 58: a config.json whose n_layer asked for a million layers hung the plan (a GPT-2 made
     layer by layer on the meta device, past 800 MB and a minute): only keys holding 'layers' were
     bounded. Now no model is made of it, whatever the words (saved_names: any count of the config,
     then the parts a model registers), and the plan is made as it is without the model: here by the
     table of the run's class, which reads embed_out as lm_head."""
-    code, stdout, stderr, took = deep_plans["found"][spelling]
-    assert code == 0 and "Traceback" not in stderr, stderr
-    assert "lm_head  ← " in stdout and "composed per row: 4 rank files, model.safetensors" in stdout
-    assert "dry run: nothing written" in stdout
+    from helpers import tailor_peak
+
+    recipe = _neox_with(real_run, tmp_path, DEEP[spelling])
+    started = time.monotonic()
+    planned, peak = tailor_peak("--apply", recipe, "--dry-run", timeout=60,
+                                env={"TAILOR_TUI_CACHE": str(tmp_path / "cache")})
+    took = time.monotonic() - started
+    assert planned.returncode == 0 and "Traceback" not in planned.stderr, planned.stderr
+    assert "lm_head  ← " in planned.stdout and "composed per row: 4 rank files, model.safetensors" in planned.stdout
+    assert "dry run: nothing written" in planned.stdout
     # torch and transformers imported cost ~300 MiB and seconds here, as for any config naming a model
-    assert deep_plans["peak"] < 512 << 20 and took < 45, (deep_plans["peak"] >> 20, took)
+    assert peak < 512 << 20 and took < 45, (peak >> 20, took)
 
 
 def test_a_config_too_large_to_make_and_no_table_refuses_the_unread_name_in_one_line(real_run, tmp_path):
