@@ -429,3 +429,40 @@ def test_a_claim_larger_than_a_window_is_read_as_it_is_where_an_output_chunk_cut
     outcome = streamed.run(claims, workers=1)
     assert not outcome.moved and not outcome.differing and not outcome.failed
     assert outcome.read == 2 * (first + (5 << 20))
+
+
+def test_windows_of_two_outputs_over_one_sources_bytes_are_kept_once_and_every_byte_checked(tmp_path):
+    """Two output files whose claims alternate on one source (a resharded output's ranks: each takes its share of a
+    source rank's partition of each parameter): each output's windows reach over the bytes the other's claims read.
+    The source's CRC-32 is put together from pieces that do not overlap, what lies between them read again: not the
+    whole source once more; a source byte flipped is still found."""
+    import random
+    import zlib
+
+    from tailor_tui.verifying import streamed
+
+    rng = random.Random(11)
+    source = bytearray(rng.randbytes(2 << 20))
+    blocks = [bytes(source[k * 512: (k + 1) * 512]) for k in range(len(source) // 512)]
+    paths = {"even": tmp_path / "even", "odd": tmp_path / "odd", "S": tmp_path / "S"}
+    paths["even"].write_bytes(b"".join(blocks[0::2]))
+    paths["odd"].write_bytes(b"".join(blocks[1::2]))
+    crcs = {name: zlib.crc32(path.read_bytes()) for name, path in paths.items() if name != "S"}
+    crcs["S"] = zlib.crc32(source)
+    for flip in (None, 700_001):
+        data = bytearray(source)
+        if flip is not None:
+            data[flip] ^= 0x04
+        paths["S"].write_bytes(data)
+        claims = streamed.Comparison()
+        files = {name: claims.file(path, label=name if name != "S" else None) for name, path in paths.items()}
+        for name, path in paths.items():
+            claims.evidence(files[name], 0, path.stat().st_size, crcs[name], name)
+        for k in range(len(blocks)):
+            out = files["even" if k % 2 == 0 else "odd"]
+            claims.claim(out, (k // 2) * 512, 512, files["S"], k * 512, k)
+        outcome = streamed.run(claims, workers=2)
+        assert not outcome.moved
+        assert [stretch.name for stretch, _value in outcome.failed] == ([] if flip is None else ["S"])
+        assert outcome.differing == ({flip // 512} if flip is not None else set())
+        assert outcome.read < len(source) + 2 * len(source) + len(source) // 2  # the outputs, S twice, not thrice

@@ -22,7 +22,8 @@ read once as evidence (the few left between two windows are read with their neig
 from the page cache, not the disk), memory holds three chunks per worker whatever the files' sizes (the output's,
 a large part's, four windows), and nothing is mapped. The files are looked at once when named, and each thread
 that reads one opens it itself and reads it only where it is still that file (`buffers.Descriptors`: its identity,
-`checked.files.FileIdentity`, compared when opened and when done): a file that changed meanwhile is `Outcome.moved`, and nothing read of it is a verdict.
+`checked.files.FileIdentity`, compared when opened and when done): a file that changed meanwhile is
+`Outcome.moved`, and nothing read of it is a verdict.
 
 What the bytes mean (which claim is which row's, what a failure says) is the caller's: claims carry a
 tag it gives, outcomes name the tags whose bytes differ.
@@ -574,31 +575,31 @@ def recheck(claims: Comparison, out: int, source: int, parts: list[tuple[int, in
 
 def _gaps(evidence: dict[int, list[Stretch]], pieces) -> tuple[list[_Reading], list]:
     """(tasks reading the parts of stretches with evidence that no piece read; the pieces that go into the
-    stretches' CRC-32s). A stretch some of whose bytes were read twice (claims sharing source bytes) is read
-    whole once more instead."""
+    stretches' CRC-32s). Where pieces overlap (claims sharing source bytes; a window reaching over bytes another
+    task's claims read, a resharded output's), the first in order is kept, a piece that starts inside it left out,
+    and what lies between the kept ones read as a gap: no stretch is read whole again for it."""
     by_file: dict[int, list[tuple[int, int, int, int]]] = {}
     for p in pieces:
         by_file.setdefault(p[0], []).append(p)
     tasks: list[_Reading] = []
     held = []
     for f, stretches in evidence.items():
-        mine = sorted(by_file.get(f, ()), key=lambda p: p[1])
+        mine = sorted(by_file.get(f, ()), key=lambda p: (p[1], -p[2]))
         starts = [p[1] for p in mine]
         spans: list[tuple[int, int]] = []
         for s in stretches:
             if s.crc is None:
                 continue
-            end = s.at + s.length
-            inside = mine[bisect.bisect_left(starts, s.at): bisect.bisect_left(starts, end)]
-            if any(a[1] + a[2] > b[1] for a, b in zip(inside, inside[1:])) or (
-                    inside and inside[-1][1] + inside[-1][2] > end):
-                inside = []
-            held += inside
-            position = s.at
-            for p in [*inside, (f, end, 0, 0)]:
+            position, end = s.at, s.at + s.length
+            for p in mine[bisect.bisect_left(starts, s.at): bisect.bisect_left(starts, end)]:
+                if p[1] < position or p[1] + p[2] > end:
+                    continue  # (inside one kept, or astride the stretch's end)
                 if position < p[1]:
                     spans.append((position, p[1] - position))
+                held.append(p)
                 position = p[1] + p[2]
+            if position < end:
+                spans.append((position, end - position))
         tasks += [_Reading(f, parts, ()) for f, parts in _packed(f, spans)]
     return tasks, held
 
