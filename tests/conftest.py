@@ -472,10 +472,10 @@ def fsdp_run():
         folder = _cache_root() / f"{name}-{h.hexdigest()[:16]}"
         with _made_by_one(folder):
             if not (folder / "spec.json").is_file():
+                from fsdp_run import make_fsdp_run
+
                 shutil.rmtree(folder, ignore_errors=True)
-                done = subprocess.run([sys.executable, str(maker), str(folder), spec.key(), str(world), *layout],
-                                      capture_output=True, text=True, timeout=600)
-                assert done.returncode == 0, f"{name}: fsdp_run failed:\n{done.stderr[-4000:]}"
+                make_fsdp_run(str(folder), spec.key(), world, *layout)
         return folder, spec
 
     return get

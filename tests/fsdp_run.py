@@ -24,7 +24,7 @@ import re
 import sys
 
 
-def _rank(rank: int, world: int, out: str, key: str, port: int, layout: str) -> None:
+def _rank(rank: int, world: int, port: int, spec, out: str, layout: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -33,12 +33,10 @@ def _rank(rank: int, world: int, out: str, key: str, port: int, layout: str) -> 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import torch.distributed.checkpoint as dcp
     from run_models import batch_inputs, build_model, param_groups
-    from runs import RunSpec
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    spec = RunSpec.from_key(key)
     model = build_model(spec).float()
     mesh = init_device_mesh("cpu", (world,))
     for name, module in model.named_modules():
@@ -108,18 +106,22 @@ def _save_as_trainer(folder: str, model, opt, scheduler, rank: int, step: int, l
 
 
 def make_fsdp_run(out: str, key: str, world: int, layout: str = "torchtitan") -> None:
-    import socket
+    """The run of the spec whose key is `key` trained on `world` ranks into `out` (`_rank`). The ranks are forked
+    from the import server the ZeRO-3 runs' ranks are (`tailor_tui.demo.ranks.spawn_ranks`): spawned, each imported
+    torch and transformers anew."""
+    import dataclasses
 
-    import torch.multiprocessing as mp
+    from runs import RunSpec
+
+    from tailor_tui.demo.ranks import spawn_ranks
 
     os.makedirs(out, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(world, out, key, port, layout), nprocs=world)
+    spawn_ranks(_rank, dataclasses.replace(RunSpec.from_key(key), world_size=world), out, layout)
     with open(os.path.join(out, "spec.json"), "w") as f:
         f.write(key + "\n")
 
 
 if __name__ == "__main__":
-    make_fsdp_run(sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[4:5])
+    import fsdp_run  # this file as the module `fsdp_run`: where the ranks find the function they run
+
+    fsdp_run.make_fsdp_run(sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[4:5])
