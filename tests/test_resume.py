@@ -48,6 +48,8 @@ def test_ranks_are_forked_from_an_import_server_started_in_the_environment_they_
         "import os, time\n"
         "from multiprocessing import forkserver\n"
         "from tailor_tui.demo import ranks\n"
+        "import multiprocessing\n"  # (the servers import nothing: when one is started anew is what is looked at)
+        "multiprocessing.set_forkserver_preload = lambda modules: None\n"
         "def server():\n"
         "    assert ranks._start_method() == 'forkserver'\n"
         "    pid = forkserver._forkserver._forkserver_pid\n"
