@@ -90,7 +90,6 @@ class SourceWindows:
         """The CHUNK-sized buffer, its bytes anyone's."""
         if self._large is None:
             self._large = Buffer()
-        self._large.forget()
         return self._large
 
     def forget(self) -> None:

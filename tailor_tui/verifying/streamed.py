@@ -266,7 +266,7 @@ def run(claims: Comparison, *, workers: int = 2, on_bytes: Callable[[str, int], 
             return keep
         reading(task, read)
 
-    _pool(do, _tasks(claims, evidence), workers, stop)
+    _pool(do, _tasks(claims, placed), workers, stop)
     for c, parts in by_claim_src.items():
         source = claims.claims[c].source
         pieces.extend((source, a, n, value) for a, n, value in parts)
@@ -335,27 +335,26 @@ def _packed(f: int, spans: list[tuple[int, int]]) -> list[tuple[int, tuple[tuple
     return tasks
 
 
-def _tasks(claims: Comparison, evidence: dict[int, list[Stretch]]) -> list[_Reading]:
-    """The output files' stretches in tasks, each with the claims that overlap its parts."""
-    starts_of = {f: [s.at for s in found] for f, found in evidence.items()}
+def _tasks(claims: Comparison, placed: dict[int, tuple[list[Stretch], list[int]]]) -> list[_Reading]:
+    """The output files' stretches in tasks, each with the claims that overlap its parts (`placed`: each file's
+    stretches by offset, and their first bytes)."""
     for c in claims.claims:
-        if c.source >= 0 and not _inside(evidence.get(c.source, []), starts_of.get(c.source, []), c.source_at,
-                                         c.source_length):
+        if c.source >= 0 and not _inside(*placed.get(c.source, ([], [])), c.source_at, c.source_length):
             raise ValueError(f"claim {c}: its source bytes lie outside the stretches of {claims.paths[c.source]}")
     by_file: dict[int, list[int]] = {}
     for i, c in enumerate(claims.claims):
         by_file.setdefault(c.out, []).append(i)
     tasks = []
     for f in sorted(set(by_file) | set(claims.labels)):
-        stretches = evidence.get(f, [])
+        stretches, starts = placed.get(f, ([], []))
         packed = _packed(f, [(s.at, s.length) for s in stretches])
         firsts = [parts[0][0] for _f, parts in packed]
         mine: list[list[int]] = [[] for _ in packed]
         for i in by_file.get(f, ()):
             c = claims.claims[i]
-            if not _inside(stretches, starts_of.get(f, []), c.at, c.length):
+            if not _inside(stretches, starts, c.at, c.length):
                 raise ValueError(f"claim {c} lies outside the stretches of {claims.paths[f]}")
-            if c.cast and (c.at - _stretch_at(stretches, starts_of[f], c.at)) % 2:
+            if c.cast and (c.at - _stretch_at(stretches, starts, c.at)) % 2:
                 raise ValueError(f"cast claim {c}: not on an element of its stretch (read 2 bytes at a time)")
             j = max(0, bisect.bisect_right(firsts, c.at) - 1)
             while j < len(packed) and firsts[j] < c.at + max(c.length, 1):
@@ -380,7 +379,7 @@ def _inside(stretches: list[Stretch], starts: list[int], at: int, length: int) -
 
 def _read_task(claims: Comparison, task: _Reading, files: Descriptors, out: Buffer, src: SourceWindows, found: _Found,
                cancelled: Callable[[], bool], counted: Callable[[int], None]) -> None:
-    """Read the parts of `task` (`_held`: neighbours together, a large one a chunk at a time): each part's
+    """Read the parts of `task` (`_reads`: neighbours together, a large one a chunk at a time): each part's
     CRC-32, and each claim's bytes in it compared."""
     from tailor_tui.events import Cancelled
 
@@ -389,7 +388,7 @@ def _read_task(claims: Comparison, task: _Reading, files: Descriptors, out: Buff
     reach = _reaches(members, task.parts[0][0], task.parts[-1][0] + task.parts[-1][1])
     src.forget()  # (a source's bytes are read by this task's descriptors only)
     first = 0  # the first claim not wholly read yet
-    for group in _held(task.parts):
+    for group in _reads(task.parts):
         start, end = group[0][0], group[-1][0] + group[-1][1]
         held = end - start <= CHUNK  # every part of the group in the buffer at once, from `start`
         if held:
@@ -423,7 +422,7 @@ def _read_task(claims: Comparison, task: _Reading, files: Descriptors, out: Buff
             found.pieces.append((task.file, at, length, value))
 
 
-def _held(parts: tuple[tuple[int, int], ...]):
+def _reads(parts: tuple[tuple[int, int], ...]):
     """`parts` (in order) as the reads that take them: neighbours at most NEAR bytes apart together, up to a
     chunk's span (a small file's records, the few bytes of sources' stretches left between windows: one read, not
     one each); a part larger than a chunk alone (read a chunk at a time)."""
