@@ -17,7 +17,7 @@ import pytest
 from helpers import assert_one_line_error, tailor, write_recipe
 
 from tailor_tui.errors import CheckpointError
-from tailor_tui.formats.ptfile import check_crcs, read_structure, records_in, structure_in
+from tailor_tui.formats.ptfile import MatchedRecords, check_crcs, read_structure, records_in, stored, structure_in
 
 FILES = {
     "optim_states": "global_step6/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
@@ -217,7 +217,12 @@ def test_a_rank_file_laid_out_as_one_checked_before_passes_or_fails_as_it_would_
         whole = (tag / second).read_bytes()
         assert len(whole) <= 4 << 20
         found = structure_in(tag / second, whole)  # laid out as the first: its records, its own names and CRCs
-        assert found[1:] == read_structure(tag / second)[1:]
+        alone = read_structure(tag / second)[1]
+        assert isinstance(found[1], MatchedRecords) and found[1:] == (alone, read_structure(tag / second)[2])
+        assert sorted(found[1]) == sorted(alone) and len(found[1]) == len(alone)
+        assert sorted(stored(found[1])) == sorted(r for r in alone.values() if r.size or r.crc)
+        assert all(found[1][name] is found[1][name] for name in alone)  # (readers tell records apart by identity)
+        assert f"{found[2]}nothing" not in found[1] and "nothing" not in found[1]
         check_crcs(tag / second)
         changed = tmp_path / second
         for at in sorted({*range(0, len(whole), max(1, len(whole) // 1500)), *range(max(0, len(whole) - 3000),

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
-from typing import Callable
+from typing import Callable, Mapping
 
 from tailor_tui.checked.evidence import checked_crcs
 from tailor_tui.cloning import clone, worth_it
@@ -95,7 +95,7 @@ def _took(job: BinFileJob, out: Target, taken: dict[int, list[str]], crcs: list[
                                    for name in names}, archive=written(out)[path_of(out).name])
 
 
-def _patch_clone(job: BinFileJob, out: Target, records: dict[str, Record], replaced: list[tuple[Record, Copied]],
+def _patch_clone(job: BinFileJob, out: Target, records: Mapping[str, Record], replaced: list[tuple[Record, Copied]],
                  counter: ByteCounter) -> list[int] | None:
     """Where the filesystem shares blocks (`cloning`) and the picked storages are less than half the
     file: the output is a clone of the base's file with each picked storage's record written over

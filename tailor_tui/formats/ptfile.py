@@ -22,7 +22,7 @@ import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Iterator, Mapping, NamedTuple
 
 from tailor_tui.checked import crc
 from tailor_tui.checked.evidence import checked_crcs, record_failed
@@ -40,6 +40,7 @@ from tailor_tui.formats.zipdir import (
     CheckedArchives,
     KeptRecord,
     RecordError,
+    Reference,
     check_directory,
     check_directory_of,
     check_spans,
@@ -68,7 +69,58 @@ class Record(NamedTuple):  # a tuple: a model_states file lists one per paramete
 
 
 # What `read_structure` reads of a `.pt` file: (pickled object, {record name: Record}, record-name prefix)
-Structure = tuple[Any, dict[str, Record], str]
+Structure = tuple[Any, Mapping[str, Record], str]
+
+
+class MatchedRecords(Mapping[str, Record]):
+    """The records of an archive laid out as a reference (`zipdir.CheckedArchives.match`: `structure_in`), each made
+    when asked: a wide run's model_states lists 729, 6 of them with bytes, and a reader asks for a few (making them all
+    was most of the time reading its structure took). Named with the archive's own prefix; a record's CRC-32 is the one
+    the archive stores (an empty one's: 0, its fields the reference's bytes, which the match compared). Each record is
+    made once: the same object whenever asked (readers tell records apart by identity)."""
+
+    __slots__ = ("_prefix", "_ref", "_crcs", "_made")
+
+    def __init__(self, prefix: str, ref: Reference, whole: bytes):
+        self._prefix, self._ref = prefix, ref
+        self._crcs = {k.name: int.from_bytes(whole[k.crc_offsets[-1]: k.crc_offsets[-1] + 4], "little")
+                      for k in ref.with_bytes}
+        self._made: dict[str, Record] = {}
+
+    def __getitem__(self, name: str) -> Record:
+        found = self._made.get(name)
+        if found is None:
+            k = self._ref.by_name.get(name[len(self._prefix):]) if name.startswith(self._prefix) else None
+            if k is None:
+                raise KeyError(name)
+            found = self._made[name] = Record(name, k.header_offset, k.data_offset, k.size, self._crcs.get(k.name, 0),
+                                              k.crc_offsets)
+        return found
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name.startswith(self._prefix) and \
+            name[len(self._prefix):] in self._ref.by_name
+
+    def __iter__(self) -> Iterator[str]:
+        return (self._prefix + k.name for k in self._ref.kept)
+
+    def __len__(self) -> int:
+        return len(self._ref.kept)
+
+    def named(self, last: str) -> list[str]:
+        """The names whose last part (after the last "/") is `last`."""
+        return [self._prefix + name for name in self._ref.by_last.get(last, ())]
+
+    def stored(self) -> list[Record]:
+        return [self[self._prefix + k.name] for k in self._ref.with_bytes]
+
+
+def stored(records: Mapping[str, Record]) -> list[Record]:
+    """The records of an archive that hold bytes or a CRC-32 other than no bytes' (0): all a check of the archive
+    reads (an archive read by `structure_in` as laid out as another: its records with bytes only)."""
+    if isinstance(records, MatchedRecords):
+        return records.stored()
+    return [r for r in records.values() if r.size or r.crc]
 
 
 @dataclass(frozen=True)
@@ -260,14 +312,15 @@ def read_structure(path: Path, storages: dict | None = None, *, shared: bool = F
     return _structure(path, records, prefix, rec, data, storages, shared, stand_in)
 
 
-def _pickle_record(records: dict[str, Record]) -> tuple[Record, str]:
-    pickles = [n for n in records if n.endswith("/data.pkl") or n == "data.pkl"]
+def _pickle_record(records: Mapping[str, Record]) -> tuple[Record, str]:
+    pickles = records.named("data.pkl") if isinstance(records, MatchedRecords) else \
+        [n for n in records if n.endswith("/data.pkl") or n == "data.pkl"]
     if len(pickles) != 1:
         raise Unsupported("no single data.pkl")
     return records[pickles[0]], pickles[0][: -len("data.pkl")]
 
 
-def _structure(path: Path, records: dict[str, Record], prefix: str, rec: Record, data, storages: dict | None,
+def _structure(path: Path, records: Mapping[str, Record], prefix: str, rec: Record, data, storages: dict | None,
                shared: bool, stand_in) -> Structure:
     """`read_structure`'s result, from the bytes of its data.pkl (record `rec`)."""
     if crc.crc32(data) != rec.crc:  # the structure everything else relies on: never read a damaged one
@@ -313,14 +366,9 @@ def structure_in(path: Path, whole: bytes) -> Structure:
     matching its CRC-32, has the records of that one, its own names and CRC-32s in them; another is
     read whole, and kept as a reference where every record matches its CRC-32."""
     found = _CHECKED.match(whole)
+    records: Mapping[str, Record]
     if found is not None and found[1].complete:
-        mine, ref = found
-        records = {}
-        for k in ref.kept:
-            name = mine + k.name
-            records[name] = Record(name, k.header_offset, k.data_offset, k.size,
-                                   int.from_bytes(whole[k.crc_offsets[-1]: k.crc_offsets[-1] + 4], "little"),
-                                   k.crc_offsets)
+        records = MatchedRecords(*found, whole)
     else:
         located = _located(path, whole)
         records = {e.name: Record(e.name, e.header_offset, start, e.size, e.crc, (crc_at, e.crc_field))
@@ -485,7 +533,7 @@ def frozen_fragment_bytes(path: Path, names, structure: Structure | None = None)
     return found
 
 
-def locate(tensor: TensorRef, records: dict[str, Record], prefix: str) -> TensorBytes:
+def locate(tensor: TensorRef, records: Mapping[str, Record], prefix: str) -> TensorBytes:
     """The bytes of a tensor read by `read_structure` (must be contiguous)."""
     if not isinstance(tensor, TensorRef) or not tensor.is_contiguous():
         raise Unsupported("not a plain contiguous tensor")

@@ -334,6 +334,8 @@ class Reference(NamedTuple):
     kept: list[KeptRecord]
     complete: bool  # `kept` lists every record (else those with bytes only)
     with_bytes: list[KeptRecord]  # those of `kept` with bytes: an empty one's CRC-32 fields are in the runs (0)
+    by_name: dict[str, KeptRecord]  # `kept` by name
+    by_last: dict[str, list[str]]  # the names of `kept` by their last part (after the last "/")
 
 
 class CheckedArchives:
@@ -395,10 +397,18 @@ class CheckedArchives:
         runs[-1].append(whole[at:])
         holes = [(begin, n) for begin, n, what in cuts if what != NAME]
         with self._lock:
-            self._refs[len(whole), len(prefix)] = Reference(runs, holes, kept, complete, with_bytes)
+            self._refs[len(whole), len(prefix)] = Reference(runs, holes, kept, complete, with_bytes,
+                                                                   {k.name: k for k in kept}, _by_last(kept))
             self._refs.move_to_end((len(whole), len(prefix)))
             while len(self._refs) > self.keep:
                 self._refs.popitem(last=False)
+
+
+def _by_last(kept: list[KeptRecord]) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for k in kept:
+        found.setdefault(k.name.rpartition("/")[2], []).append(k.name)
+    return found
 
 
 def _prefix(whole: bytes) -> bytes | None:

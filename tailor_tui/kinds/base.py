@@ -22,7 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Mapping
 
 from tailor_tui.checked.evidence import SliceCheck
 from tailor_tui.errors import CheckpointError, IncompatibleError
@@ -189,7 +189,7 @@ class RankReader(ABC):
                                       "optimizer states")
         return found
 
-    def archive(self) -> dict[str, Record] | None:
+    def archive(self) -> Mapping[str, Record] | None:
         """{name: Record} of every record of the archive `whole_flat`'s tensors lie in, where this kind keeps them
         in one (a full save's optim file, everything in it); None where it keeps none."""
         return None

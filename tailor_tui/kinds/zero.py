@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Mapping
 
 from tailor_tui.formats.ds_format import MASTERS, flat_keys, flat_tensor, optimizer_state
 from tailor_tui.formats.ptfile import Record, Structure, TensorBytes, locate, read_structure, read_whole, structure_in
@@ -75,7 +75,7 @@ class ZeroRankReader(RankReader):
                                else structure_in(self.files.optim_states, self.optim))
         return self._structure
 
-    def archive(self) -> dict[str, Record]:
+    def archive(self) -> Mapping[str, Record]:
         return self.structure()[1]
 
     def flat(self) -> dict[tuple[int, str], TensorBytes]:
@@ -103,7 +103,7 @@ class ZeroRankReader(RankReader):
         return [flat[s.group, key].offset + s.offset * flat[s.group, key].itemsize for s in slots]
 
 
-def flat_tensor_bytes(obj, records: dict[str, Record], prefix: str, path: Path,
+def flat_tensor_bytes(obj, records: Mapping[str, Record], prefix: str, path: Path,
                       group_sizes: tuple[int, ...]) -> dict[tuple[int, str], TensorBytes]:
     """{(sub-group, key): TensorBytes} of the flat tensors of an optim file read by `read_structure`."""
     inner = optimizer_state(obj, path, group_sizes)

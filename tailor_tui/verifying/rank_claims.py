@@ -27,7 +27,7 @@ from tailor_tui.errors import RECOPY, CheckpointError
 from tailor_tui.events import ByteCounter, Emit
 from tailor_tui.formats.ds_format import optimizer_state
 from tailor_tui.formats.pickled import StorageRef, TensorRef
-from tailor_tui.formats.ptfile import Unsupported, locate, read_structure, read_whole, structure_in
+from tailor_tui.formats.ptfile import Unsupported, locate, read_structure, read_whole, stored, structure_in
 from tailor_tui.formats.safetensors_in import safetensors_header, tensor_places
 from tailor_tui.verifying import streamed
 from tailor_tui.verifying.compare import structure_differences
@@ -69,9 +69,8 @@ class TorchFile:
         self._placed: dict[int, tuple[int, int, str, int]] = {}  # id of a tensor of `obj` -> `place`'s answer
         self._optimizer: dict | None = None  # `optimizer`'s answer
         if whole:  # an output file: every record of it read and checked (one of no bytes: its CRC-32 is 0's)
-            for name, r in self.records.items():
-                if r.size or r.crc:
-                    self.evidence(name)
+            for r in stored(self.records):
+                self.evidence(r.name)
 
     def optimizer(self, group_sizes) -> dict:
         """The inner optimizer dict of an optim file, checked to hold the flat tensors of sub-groups of `group_sizes`
