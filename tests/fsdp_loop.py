@@ -14,7 +14,6 @@ loss and whether every weight stayed finite.
 from __future__ import annotations
 
 import os
-import re
 import sys
 
 
@@ -23,24 +22,14 @@ def load_rank(rank: int, world: int, port: int, spec, ckpt: str, out: str) -> No
     server of imports, as the runs' ranks are) loading `ckpt` into the model and optimizer of `spec` (a RunSpec)."""
     import torch
     import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     import torch.distributed.checkpoint as dcp
-    from run_models import batch_inputs, build_model
+    from fsdp_run import sharded_model
+    from run_models import batch_inputs
     from run_optimizers import make_optimizer
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    model = build_model(spec).float()
-    mesh = init_device_mesh("cpu", (world,))
-    blocks = [m for name, m in model.named_modules() if re.search(r"(^|\.)layers\.\d+$", name)]
-    for block in blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = sharded_model(rank, world, port, spec)
     trainer = os.path.isdir(os.path.join(ckpt, "pytorch_model_fsdp_0"))
     folder, top = (os.path.join(ckpt, "optimizer_0"), "optimizer") if trainer else (ckpt, "optim")
     reader = dcp.FileSystemReader(folder)

@@ -24,25 +24,33 @@ import re
 import sys
 
 
-def _rank(rank: int, world: int, port: int, spec, out: str, layout: str) -> None:
-    import torch
+def sharded_model(rank: int, world: int, port: int, spec):
+    """This process as rank `rank` of a gloo group of `world` meeting at `port`, and the fp32 model of `spec` (a
+    RunSpec) sharded over a CPU mesh of them as FSDP2 runs shard one: each block, then the whole."""
     import torch.distributed as dist
+    from run_models import build_model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    import torch.distributed.checkpoint as dcp
-    from run_models import batch_inputs, build_model, param_groups
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     model = build_model(spec).float()
     mesh = init_device_mesh("cpu", (world,))
-    for name, module in model.named_modules():
-        if re.search(r"(^|\.)layers\.\d+$", name):
-            fully_shard(module, mesh=mesh)
+    for block in [m for name, m in model.named_modules() if re.search(r"(^|\.)layers\.\d+$", name)]:
+        fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return model
+
+
+def _rank(rank: int, world: int, port: int, spec, out: str, layout: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from run_models import batch_inputs, param_groups
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = sharded_model(rank, world, port, spec)
     opt = torch.optim.AdamW(param_groups(model), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
     generator = torch.Generator().manual_seed(spec.seed)
