@@ -466,3 +466,48 @@ def test_windows_of_two_outputs_over_one_sources_bytes_are_kept_once_and_every_b
         assert [stretch.name for stretch, _value in outcome.failed] == ([] if flip is None else ["S"])
         assert outcome.differing == ({flip // 512} if flip is not None else set())
         assert outcome.read < len(source) + 2 * len(source) + len(source) // 2  # the outputs, S twice, not thrice
+
+
+@pytest.mark.parametrize("flip", [None, "claimed", "between claims"])
+def test_a_sources_claims_far_apart_are_read_in_windows_that_tile_its_record(tmp_path, monkeypatch, flip):
+    """A source that gives every ninth row of a wide run's rank: its claims lie further apart than a read takes
+    neighbours together. Its windows tile its record, each from where the one before ended through the claims it
+    holds, their CRC-32s taken of the bytes between too: every byte read once, a few reads (a read a claim, then the
+    bytes between read again with the claims among them, took a fifth of a 256-rank verification). A byte flipped in
+    a claim fails it alone; one between claims fails the source's CRC-32."""
+    import random
+    import zlib
+
+    from tailor_tui.checked.ranges import pread_into
+    from tailor_tui.verifying import streamed
+
+    rng = random.Random(5)
+    source = bytearray(rng.randbytes(2 << 20))
+    step, size = 128 << 10, 16 << 10  # claims 112 KiB apart: more than a read takes together (`NEAR`)
+    out = b"".join(bytes(source[k * step: k * step + size]) for k in range(16))
+    paths = {"out": tmp_path / "out", "C": tmp_path / "C"}
+    paths["out"].write_bytes(out)
+    crcs = {"out": zlib.crc32(out), "C": zlib.crc32(source)}
+    flip_at = {None: None, "claimed": 3 * step + 5, "between claims": 9 * step + size + 7}[flip]
+    if flip_at is not None:
+        source[flip_at] ^= 0x08
+    paths["C"].write_bytes(source)
+    claims = streamed.Comparison()
+    files = {name: claims.file(path, label="rank 0" if name == "out" else None) for name, path in paths.items()}
+    for name, path in paths.items():
+        claims.evidence(files[name], 0, path.stat().st_size, crcs[name], name)
+    for k in range(16):
+        claims.claim(files["out"], k * size, size, files["C"], k * step, k)
+    reads = []
+
+    def counted(fd: int, view: memoryview, at: int) -> None:
+        reads.append(len(view))
+        pread_into(fd, view, at)
+
+    monkeypatch.setattr(streamed, "pread_into", counted)
+    outcome = streamed.run(claims, workers=1)
+    assert not outcome.moved
+    assert outcome.differing == ({3} if flip == "claimed" else set())
+    assert [stretch.name for stretch, _value in outcome.failed] == ([] if flip is None else ["C"])
+    assert sum(reads) == outcome.read == len(out) + len(source)  # every byte of every file read, once
+    assert len(reads) <= 5, reads  # the output; two windows of C; what follows its last claim

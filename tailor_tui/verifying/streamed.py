@@ -10,8 +10,9 @@ partial save's slice CRC-32, or none). `run` then reads:
   per worker; for each claim met on the way, the source's bytes it names are read into a source buffer
   and compared (memcmp), and the CRC-32 of both sides' bytes taken. Small claims (a wide run's: thousands
   of a few KiB a rank, their sources alternating) read a window of each source at a time, up to WINDOW
-  bytes through the claims on it that follow (`_reaches`, `buffers.SourceWindows`), not a read each; a
-  window's CRC-32s are taken once, of each of its stretches' parts, the bytes between its claims included;
+  bytes through the claims on it that follow (`_reaches`, `buffers.SourceWindows`), not a read each, each
+  window of a source's record from where the one before it ended (they tile it); a window's CRC-32s are
+  taken once, of each of its stretches' parts, the bytes between its claims included;
 - then the stretches of the sources' evidence nothing read yet (a source record's rows another source
   gave, beyond a window's reach), once, so that every stretch relied on is read whole exactly once;
   small neighbours together.
@@ -385,7 +386,7 @@ def _read_task(claims: Comparison, task: _Reading, files: Descriptors, out: Buff
 
     fd = files[task.file]
     members = [claims.claims[i] for i in task.claims]
-    reach = _reaches(members, task.parts[0][0], task.parts[-1][0] + task.parts[-1][1])
+    reach = _reaches(members, task.parts[0][0], task.parts[-1][0] + task.parts[-1][1], found.evidence)
     src.forget()  # (a source's bytes are read by this task's descriptors only)
     first = 0  # the first claim not wholly read yet
     for group in _reads(task.parts):
@@ -435,47 +436,65 @@ def _reads(parts: tuple[tuple[int, int], ...]):
         k = j
 
 
-def _reaches(members: list[Claim], start: int, end: int) -> list[int]:
+def _reaches(members: list[Claim], start: int, end: int,
+             evidence: dict[int, tuple[list[Stretch], list[int]]]) -> list[tuple[int, int] | None]:
     """For each claim of a task (in the output's order; its parts from output byte `start` to `end`), the source
-    byte up to which one read of its source bytes may go on: through the claims on the same source after it (others
-    may come between) that go on there in order, each starting at most NEAR bytes after the one before ends, within a
-    window's size of its start; never past what the task reads of a claim (another task's share of it is its own).
-    0 for a claim of which the task reads more than a window (read part by part as it is, never through a window:
+    bytes one read of its source's may take (None: no window): from its own first byte, up to the end of the claims
+    on the same source after it (others may come between) that go on there in order, each starting at most NEAR
+    bytes after the one before ends or further inside one of the source's stretches with evidence (`evidence`: each
+    file's, by offset), within a window's size; never past what the task reads of a claim (another task's share of
+    it is its own). The first claim of such a run starts its read where the run before it on that source ended, where
+    the bytes between are evidence too: the windows tile the source's record, whose every byte is read anyway (its
+    CRC-32), and the window's CRC-32s of the bytes between spare reading them afterwards.
+    None for a claim of which the task reads more than a window (read part by part as it is, never through a window:
     a window's bytes and another read's of the same claim would both be pieces of its source's stretch).
     A wide run's ranks are thousands of claims of a few KiB, each its own read otherwise (their system calls took
     more time than their bytes)."""
-    reach = [0] * len(members)
-    chains: dict[int, tuple[int, int, list[int]]] = {}  # source -> its open chain: (first byte, end, claims)
+    reach: list[tuple[int, int] | None] = [None] * len(members)
+    chains: dict[int, tuple[int, int, list[tuple[int, int]]]] = {}  # source -> (window's first byte, end, claims)
     for k, c in enumerate(members):
         if c.source < 0 or c.cast:
             continue
         first = c.source_at + max(0, start - c.at)
         last = c.source_at + min(c.length, end - c.at)
-        if last - first > WINDOW:  # (read as it is, part by part: 0)
+        if last - first > WINDOW:  # (read as it is, part by part: None)
             continue
         chain = chains.get(c.source)
-        if chain is not None and 0 <= first - chain[1] <= NEAR and last - chain[0] <= WINDOW:
+        if chain is not None and first >= chain[1] and last - chain[0] <= WINDOW and (
+                first - chain[1] <= NEAR or _evidenced(evidence, c.source, chain[1], first)):
             chains[c.source] = (chain[0], last, chain[2])
-            chain[2].append(k)
+            chain[2].append((k, first))
             continue
+        begin = first
         if chain is not None:
             _close(chain, reach)
-        chains[c.source] = (first, last, [k])
+            if first >= chain[1] and last - chain[1] <= WINDOW and _evidenced(evidence, c.source, chain[1], first):
+                begin = chain[1]  # (the windows tile the source)
+        chains[c.source] = (begin, last, [(k, first)])
     for chain in chains.values():
         _close(chain, reach)
     return reach
 
 
-def _close(chain: tuple[int, int, list[int]], reach: list[int]) -> None:
-    for k in chain[2]:
-        reach[k] = chain[1]
+def _evidenced(evidence: dict[int, tuple[list[Stretch], list[int]]], f: int, at: int, end: int) -> bool:
+    """Whether bytes [at, end) of file `f` lie inside one of its stretches with evidence (a CRC-32)."""
+    stretches, starts = evidence.get(f, ([], []))
+    k = bisect.bisect_right(starts, at) - 1
+    return k >= 0 and stretches[k].crc is not None and end <= stretches[k].at + stretches[k].length
+
+
+def _close(chain: tuple[int, int, list[tuple[int, int]]], reach: list[tuple[int, int] | None]) -> None:
+    """Each claim of a run: its window from the run's first byte (the first claim) or its own (the others: read
+    again from there only where the window was let go meanwhile), to the run's end."""
+    begin, end, members = chain
+    for j, (k, first) in enumerate(members):
+        reach[k] = (begin if j == 0 else first, end)
 
 
 def _compare(files: Descriptors, index: int, c: Claim, a: int, n: int, out: Buffer, at: int, windows: SourceWindows,
-             found: _Found, reach: int) -> None:
+             found: _Found, reach: tuple[int, int] | None) -> None:
     """Output bytes [a, a+n) of claim `c`, at `at` in the output buffer: compared, their CRC-32s taken (`reach`: the
-    source byte up to which a window of its source's bytes may be read on, for the claims that follow; 0: no window,
-    `_reaches`)."""
+    source bytes a window read for them takes, through the claims that follow; None: no window, `_reaches`)."""
     mine = crc.crc32(out.view[at: at + n])
     _extend(found.out_crcs, index, a, n, mine)
     if c.source == NOTHING:
@@ -488,7 +507,7 @@ def _compare(files: Descriptors, index: int, c: Claim, a: int, n: int, out: Buff
         _compare_cast(files, index, c, a, n, out, at, windows.large(), found)
         return
     source_at = c.source_at + (a - c.at)
-    if not reach:  # a claim larger than a window: each part read as it is, its CRC-32 the claim's
+    if reach is None:  # a claim larger than a window: each part read as it is, its CRC-32 the claim's
         src, held = windows.large(), 0
         files.ahead(c.source, source_at, c.source_at + c.length)
         pread_into(files[c.source], src.view[:n], source_at)
@@ -498,11 +517,12 @@ def _compare(files: Descriptors, index: int, c: Claim, a: int, n: int, out: Buff
         if held_by is not None:
             src = held_by
         else:  # a window: read once for the claims on it that follow, its CRC-32s those of its stretches
-            src, end = windows.free(c.source), max(source_at + n, min(reach, source_at + windows.size))
-            files.ahead(c.source, source_at, max(end, c.source_at + c.length))
-            pread_into(files[c.source], src.view[: end - source_at], source_at)
-            src.file, src.start, src.length = c.source, source_at, end - source_at
-            found.window(c.source, source_at, src.view[: end - source_at])
+            begin = reach[0] if reach[0] <= source_at and source_at + n - reach[0] <= windows.size else source_at
+            src, end = windows.free(c.source), max(source_at + n, min(reach[1], begin + windows.size))
+            files.ahead(c.source, begin, max(end, c.source_at + c.length))
+            pread_into(files[c.source], src.view[: end - begin], begin)
+            src.file, src.start, src.length = c.source, begin, end - begin
+            found.window(c.source, begin, src.view[: end - begin])
         held = source_at - src.start
     if not same(out, at, src, held, n):
         found.differs(c.tag, a + first_difference(out, at, src, held, n))
