@@ -352,6 +352,21 @@ def _interleaved(tmp_path, flip_at: int | None = None):
     return claims
 
 
+def _counting_reads(monkeypatch) -> list[int]:
+    """The length of every read `verifying.streamed` makes from here on (its `pread_into`, counted)."""
+    from tailor_tui.checked.ranges import pread_into
+    from tailor_tui.verifying import streamed
+
+    reads: list[int] = []
+
+    def counted(fd: int, view: memoryview, at: int) -> None:
+        reads.append(len(view))
+        pread_into(fd, view, at)
+
+    monkeypatch.setattr(streamed, "pread_into", counted)
+    return reads
+
+
 @pytest.mark.parametrize("flip", [None, "claimed", "between claims"])
 def test_small_claims_on_alternating_sources_are_read_a_window_at_a_time_and_every_byte_checked(tmp_path, monkeypatch,
                                                                                                 flip):
@@ -359,18 +374,11 @@ def test_small_claims_on_alternating_sources_are_read_a_window_at_a_time_and_eve
     window at a time for the claims on it that follow, and the bytes between them (another source's rows there) with
     them, not a read each (those reads took 6 s of a 256-rank verification). Still, a source byte a claim reads that
     differs fails that claim alone, and one between claims fails its source's CRC-32."""
-    from tailor_tui.checked.ranges import pread_into
     from tailor_tui.verifying import streamed
 
     flip_at = {None: None, "claimed": 5 * 1024 + 3, "between claims": 5 * 1024 + 700}[flip]
     claims = _interleaved(tmp_path, flip_at)
-    reads = []
-
-    def counted(fd: int, view: memoryview, at: int) -> None:
-        reads.append(len(view))
-        pread_into(fd, view, at)
-
-    monkeypatch.setattr(streamed, "pread_into", counted)
+    reads = _counting_reads(monkeypatch)
     outcome = streamed.run(claims, workers=2)
     assert not outcome.moved
     assert outcome.differing == ({10} if flip == "claimed" else set())  # claim 10: source A's sixth
@@ -384,17 +392,10 @@ def test_a_windows_bytes_are_read_once_where_tasks_share_an_output_file(tmp_path
     """An output file read by several tasks (a large one's segments), cut between claims or through one: what a
     task's windows read of its sources stops where its share of the claims does, so the next task's windows do not
     read those bytes again (two reads of a stretch's bytes would have it read whole a third time)."""
-    from tailor_tui.checked.ranges import pread_into
     from tailor_tui.verifying import streamed
 
     claims = _interleaved(tmp_path)
-    reads = []
-
-    def counted(fd: int, view: memoryview, at: int) -> None:
-        reads.append(len(view))
-        pread_into(fd, view, at)
-
-    monkeypatch.setattr(streamed, "pread_into", counted)
+    reads = _counting_reads(monkeypatch)
     monkeypatch.setattr(streamed, "SEGMENT", segment)
     outcome = streamed.run(claims, workers=2)
     assert not outcome.moved and not outcome.differing and not outcome.failed
@@ -478,7 +479,6 @@ def test_a_sources_claims_far_apart_are_read_in_windows_that_tile_its_record(tmp
     import random
     import zlib
 
-    from tailor_tui.checked.ranges import pread_into
     from tailor_tui.verifying import streamed
 
     rng = random.Random(5)
@@ -498,13 +498,7 @@ def test_a_sources_claims_far_apart_are_read_in_windows_that_tile_its_record(tmp
         claims.evidence(files[name], 0, path.stat().st_size, crcs[name], name)
     for k in range(16):
         claims.claim(files["out"], k * size, size, files["C"], k * step, k)
-    reads = []
-
-    def counted(fd: int, view: memoryview, at: int) -> None:
-        reads.append(len(view))
-        pread_into(fd, view, at)
-
-    monkeypatch.setattr(streamed, "pread_into", counted)
+    reads = _counting_reads(monkeypatch)
     outcome = streamed.run(claims, workers=1)
     assert not outcome.moved
     assert outcome.differing == ({3} if flip == "claimed" else set())
