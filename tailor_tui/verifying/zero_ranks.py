@@ -88,12 +88,14 @@ class ZeroRanks(RankClaims):
         self._model_states(rank, composed, label)
 
     def _segments(self, rank: int, joinable: set) -> list[Segment]:
-        """`_segments` of `rank`, worked out once per count of valid elements in each slot and sources joinable
-        (a wide run's ranks but the last few hold whole slots: their segments are alike)."""
-        key = (tuple(slot.valid(rank) for slot in self._ordered), frozenset(joinable))
+        """`_segments` of `rank`, worked out once per class of ranks holding the same count of valid elements in
+        each slot (`ZeroLayout.same_holdings`) and sources joinable (a wide run's ranks but the last few hold whole
+        slots: their segments are alike)."""
+        key = (self.plan.base.layout.same_holdings(rank), frozenset(joinable))
         found = self._by_valid.get(key)
         if found is None:
-            found = self._by_valid[key] = _segments(key[0], self._ordered, self._source_of, self._param_row, joinable)
+            found = self._by_valid[key] = _segments(tuple(slot.valid(rank) for slot in self._ordered), self._ordered,
+                                                    self._source_of, self._param_row, joinable)
         return found
 
     def _segment(self, rank: int, out: TorchFile, start: int, dtype: str, size: int, segment: Segment, key: str,
