@@ -473,9 +473,9 @@ def test_windows_of_two_outputs_over_one_sources_bytes_are_kept_once_and_every_b
 def test_a_sources_claims_far_apart_are_read_in_windows_that_tile_its_record(tmp_path, monkeypatch, flip):
     """A source that gives every ninth row of a wide run's rank: its claims lie further apart than a read takes
     neighbours together. Its windows tile its record, each from where the one before ended through the claims it
-    holds, their CRC-32s taken of the bytes between too: every byte read once, a few reads (a read a claim, then the
-    bytes between read again with the claims among them, took a fifth of a 256-rank verification). A byte flipped in
-    a claim fails it alone; one between claims fails the source's CRC-32."""
+    holds, their CRC-32s taken of the bytes between too: every byte read once, in a few reads (a read a claim, then
+    the bytes between read again with the claims among them: a tenth of a 256-rank verification's reading time). A
+    byte flipped in a claim fails it alone; one between claims fails the source's CRC-32."""
     import random
     import zlib
 
