@@ -340,7 +340,7 @@ def _tasks(claims: Comparison, placed: dict[int, tuple[list[Stretch], list[int]]
     """The output files' stretches in tasks, each with the claims that overlap its parts (`placed`: each file's
     stretches by offset, and their first bytes)."""
     for c in claims.claims:
-        if c.source >= 0 and not _inside(*placed.get(c.source, ([], [])), c.source_at, c.source_length):
+        if c.source >= 0 and _holding(*placed.get(c.source, ([], [])), c.source_at, c.source_length) is None:
             raise ValueError(f"claim {c}: its source bytes lie outside the stretches of {claims.paths[c.source]}")
     by_file: dict[int, list[int]] = {}
     for i, c in enumerate(claims.claims):
@@ -353,9 +353,10 @@ def _tasks(claims: Comparison, placed: dict[int, tuple[list[Stretch], list[int]]
         mine: list[list[int]] = [[] for _ in packed]
         for i in by_file.get(f, ()):
             c = claims.claims[i]
-            if not _inside(stretches, starts, c.at, c.length):
+            inside = _holding(stretches, starts, c.at, c.length)
+            if inside is None:
                 raise ValueError(f"claim {c} lies outside the stretches of {claims.paths[f]}")
-            if c.cast and (c.at - _stretch_at(stretches, starts, c.at)) % 2:
+            if c.cast and (c.at - inside.at) % 2:
                 raise ValueError(f"cast claim {c}: not on an element of its stretch (read 2 bytes at a time)")
             j = max(0, bisect.bisect_right(firsts, c.at) - 1)
             while j < len(packed) and firsts[j] < c.at + max(c.length, 1):
@@ -369,13 +370,11 @@ def _tasks(claims: Comparison, placed: dict[int, tuple[list[Stretch], list[int]]
     return tasks
 
 
-def _stretch_at(stretches: list[Stretch], starts: list[int], at: int) -> int:
-    return stretches[bisect.bisect_right(starts, at) - 1].at
-
-
-def _inside(stretches: list[Stretch], starts: list[int], at: int, length: int) -> bool:
+def _holding(stretches: list[Stretch], starts: list[int], at: int, length: int) -> Stretch | None:
+    """The stretch (of a file's, by offset; `starts`: their first bytes) that bytes [at, at+length) lie inside, if
+    one does."""
     k = bisect.bisect_right(starts, at) - 1
-    return k >= 0 and at + length <= stretches[k].at + stretches[k].length
+    return stretches[k] if k >= 0 and at + length <= stretches[k].at + stretches[k].length else None
 
 
 def _read_task(claims: Comparison, task: _Reading, files: Descriptors, out: Buffer, src: SourceWindows, found: _Found,
@@ -461,14 +460,14 @@ def _reaches(members: list[Claim], start: int, end: int,
             continue
         chain = chains.get(c.source)
         if chain is not None and first >= chain[1] and last - chain[0] <= WINDOW and (
-                first - chain[1] <= NEAR or _evidenced(evidence, c.source, chain[1], first)):
+                first - chain[1] <= NEAR or _in_evidence(evidence, c.source, chain[1], first)):
             chains[c.source] = (chain[0], last, chain[2])
             chain[2].append((k, first))
             continue
         begin = first
         if chain is not None:
             _close(chain, reach)
-            if first >= chain[1] and last - chain[1] <= WINDOW and _evidenced(evidence, c.source, chain[1], first):
+            if first >= chain[1] and last - chain[1] <= WINDOW and _in_evidence(evidence, c.source, chain[1], first):
                 begin = chain[1]  # (the windows tile the source)
         chains[c.source] = (begin, last, [(k, first)])
     for chain in chains.values():
@@ -476,11 +475,10 @@ def _reaches(members: list[Claim], start: int, end: int,
     return reach
 
 
-def _evidenced(evidence: dict[int, tuple[list[Stretch], list[int]]], f: int, at: int, end: int) -> bool:
+def _in_evidence(evidence: dict[int, tuple[list[Stretch], list[int]]], f: int, at: int, end: int) -> bool:
     """Whether bytes [at, end) of file `f` lie inside one of its stretches with evidence (a CRC-32)."""
-    stretches, starts = evidence.get(f, ([], []))
-    k = bisect.bisect_right(starts, at) - 1
-    return k >= 0 and stretches[k].crc is not None and end <= stretches[k].at + stretches[k].length
+    inside = _holding(*evidence.get(f, ([], [])), at, end - at)
+    return inside is not None and inside.crc is not None
 
 
 def _close(chain: tuple[int, int, list[tuple[int, int]]], reach: list[tuple[int, int] | None]) -> None:
