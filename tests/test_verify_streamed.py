@@ -106,8 +106,8 @@ def test_ranks_verified_in_worker_processes_find_what_one_process_finds(real_run
     _write_keeping_crc(optim, at, bytes([byte ^ 0x01]))
     one = verify_against_recipe(plan, workers=2)
     pools, original = [], workers.run_pool
-    monkeypatch.setattr(workers, "run_pool", lambda calls, n, *rest: pools.append((len(calls), n)) or
-                        original(calls, n, *rest))
+    monkeypatch.setattr(workers, "run_pool", lambda calls, n, *rest, **kw: pools.append((len(calls), n)) or
+                        original(calls, n, *rest, **kw))
     events: list = []
     shared = verify_against_recipe(plan, emit=events.append, workers=2, ranks_per_process=1)
     assert pools == [(3, 2)], pools  # three shares of one rank, two processes
@@ -115,6 +115,41 @@ def test_ranks_verified_in_worker_processes_find_what_one_process_finds(real_run
     assert [row for row, found in shared.problems.items() if found] == ["layers.1"], shared.problems
     assert f"rank 1: fp32 of {slot.name} differs from" in shared.problems["layers.1"][0], shared.problems
     assert {"rank 0", "rank 1", "rank 2"} <= {e.task for e in events if isinstance(e, TaskFinished)}, events
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
+def test_what_every_share_needs_reaches_the_workers_as_they_start():
+    """`run_calls`' `common` (a verification's plan and checkpoints: a MiB for a wide run) is given to each forked
+    worker as it starts, not pickled with each batch of calls: a value that cannot be pickled reaches them all (in
+    a process of one thread, as the command line's, whose workers are forked)."""
+    script = """
+import os, sys, threading
+from types import SimpleNamespace
+from tailor_tui.events import TaskOptions
+from tailor_tui.team.workers import run_calls, start_method
+
+class Unpicklable:
+    def __init__(self, value):
+        self.value = value
+
+    def __reduce__(self):
+        raise TypeError("pickled: given through a pipe")
+
+def task_with_common(common, job, emit, cancelled, options):
+    return common.value, job.task, os.getpid()
+
+assert start_method() == "fork", start_method()
+calls = [(task_with_common, (SimpleNamespace(task=f"rank {i}", total_bytes=1),)) for i in range(4)]
+for workers in (1, 2):
+    found = run_calls(calls, workers, lambda event: None, threading.Event(), TaskOptions(),
+                      common=(Unpicklable("the plan"),))
+    assert [(value, task) for value, task, _pid in found] == [("the plan", f"rank {i}") for i in range(4)], found
+    assert ({pid for *_, pid in found} == {os.getpid()}) == (workers == 1), found
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert (done.returncode, done.stdout) == (0, "ok\n"), done.stderr
 
 
 def test_a_row_from_the_wrong_checkpoint_fails(real_run, tmp_path):

@@ -27,10 +27,11 @@ if TYPE_CHECKING:  # for annotations only: statistics run calls without loading 
 
 _WORKER_QUEUE = None
 _WORKER_CANCEL = None
+_WORKER_COMMON: tuple = ()  # the leading arguments of every call of the pool (`run_calls`' `common`)
 
 
-def _worker_init(events, cancel, parent: int) -> None:
-    global _WORKER_QUEUE, _WORKER_CANCEL
+def _worker_init(events, cancel, parent: int, common: tuple = ()) -> None:
+    global _WORKER_QUEUE, _WORKER_CANCEL, _WORKER_COMMON
     # Ctrl-C reaches the whole process group: the parent alone decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A forked worker inherits the parent's SIGTERM handler (the CLI's, or the one noting it while the
@@ -47,7 +48,7 @@ def _worker_init(events, cancel, parent: int) -> None:
     # are only progress nobody reads any more (a finished task's last event is read before the
     # shutdown: `run_pool`), so a worker exits without waiting for them.
     events.cancel_join_thread()
-    _WORKER_QUEUE, _WORKER_CANCEL = events, cancel
+    _WORKER_QUEUE, _WORKER_CANCEL, _WORKER_COMMON = events, cancel, common
 
 
 class StopFlag:
@@ -76,7 +77,7 @@ def _run_batch(calls: list, options: TaskOptions) -> list:
     outbox, cancel = _Outbox(_WORKER_QUEUE), _WORKER_CANCEL
     assert cancel is not None, "_worker_init set it"
     try:
-        results = [fn(*args, outbox, cancel.is_set, options) for fn, args in calls]
+        results = [fn(*_WORKER_COMMON, *args, outbox, cancel.is_set, options) for fn, args in calls]
     finally:
         outbox.flush()
     outbox.events.put([BatchDone()])  # its last message: every event of the batch is before it
@@ -185,17 +186,20 @@ def _available_memory() -> int:
 
 
 # A call: (a top-level function, its leading arguments); it is run as
-# fn(*args, emit, cancelled, options) in a worker and its return value comes back.
+# fn(*common, *args, emit, cancelled, options) in a worker and its return value comes back.
 Call = tuple
 
 
 def run_calls(calls: list[Call], workers: int, emit: Emit, cancel: threading.Event,
-              options: TaskOptions) -> list:
+              options: TaskOptions, *, common: tuple = ()) -> list:
     """Run `calls` on `workers` processes (in this one if 1) and return their results in order.
-    Each call's events reach `emit` in this process; `cancel` stops them between chunks."""
+    Each call's events reach `emit` in this process; `cancel` stops them between chunks. `common`: arguments
+    every call takes first, given each worker once as it starts (a forked one inherits them, a spawned one
+    unpickles them once), not pickled with every batch: what all the calls share (a verification's plan and
+    checkpoints: a MiB for a wide run, whose unpickling was a tenth of its time, once per call)."""
     if max(1, min(workers, len(calls))) == 1:
-        return [fn(*args, emit, cancel.is_set, options) for fn, args in calls]
-    return run_pool(calls, min(workers, len(calls)), emit, cancel, options)
+        return [fn(*common, *args, emit, cancel.is_set, options) for fn, args in calls]
+    return run_pool(calls, min(workers, len(calls)), emit, cancel, options, common=common)
 
 
 def prepare_worker_processes() -> None:
@@ -236,15 +240,17 @@ WAKE_EVERY = 0.01
 STOP_GRACE = 15.0
 
 
-def run_pool(calls: list[Call], workers: int, emit: Emit, cancel: threading.Event, options: TaskOptions) -> list:
+def run_pool(calls: list[Call], workers: int, emit: Emit, cancel: threading.Event, options: TaskOptions, *,
+             common: tuple = ()) -> list:
     # A Ctrl-C or SIGTERM cancels through the flag, and is raised once every worker is gone:
     # raised at once, it could land inside `wait` while that holds a future's lock (see
     # `interrupts`), and the shutdown below would then wait for the pool forever.
     with signals_held(on_signal=cancel.set):
-        return _run_pool(calls, workers, emit, cancel, options)
+        return _run_pool(calls, workers, emit, cancel, options, common)
 
 
-def _run_pool(calls: list[Call], workers: int, emit: Emit, cancel: threading.Event, options: TaskOptions) -> list:
+def _run_pool(calls: list[Call], workers: int, emit: Emit, cancel: threading.Event, options: TaskOptions,
+              common: tuple) -> list:
     import multiprocessing as mp
     from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
     from concurrent.futures.process import BrokenProcessPool
@@ -252,7 +258,7 @@ def _run_pool(calls: list[Call], workers: int, emit: Emit, cancel: threading.Eve
     ctx = mp.get_context(start_method())
     events, stop = ctx.Queue(), StopFlag(ctx)
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
-                               initargs=(events, stop, os.getpid()))
+                               initargs=(events, stop, os.getpid(), common))
     finished = [0]  # batches whose every event came (each ends with a BatchDone: a call may finish many tasks)
     stuck = False  # workers killed as stuck: not waited for
 

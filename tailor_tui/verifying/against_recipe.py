@@ -108,22 +108,27 @@ class VerifyReport:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RankShare:
-    """Some of the output's ranks to verify, in a worker process (`team.workers`) or this one: what their claims
-    need, picklable. `changed`: the plan's sources found changed since the composition (not read: the record
-    proves their rows); `taken`, `listings`: what the provenance record holds (`recorded`)."""
+class RanksVerifying:
+    """What the claims on any of the output's ranks need, picklable: given each worker process once
+    (`team.workers.run_calls`' `common`), apart from the shares of ranks it takes. `changed`: the plan's sources
+    found changed since the composition (not read: the record proves their rows); `taken`, `listings`: what the
+    provenance record holds (`recorded`)."""
 
     plan: ComposePlan
     composed: Checkpoint
-    ranks: tuple[int, ...]
     changed: frozenset[int]
     taken: dict | None
     listings: dict[str, int] | None
     threads: int  # reading threads
 
-    @property
-    def total_bytes(self) -> int:  # (its share of the work: what `team.workers` batches by)
-        return sum(self.composed.rank_bytes(rank) for rank in self.ranks)
+
+@dataclass(frozen=True)
+class RankShare:
+    """Some of the output's ranks to verify, in a worker process or this one; `total_bytes`: their rank files',
+    its share of the work (what `team.workers` batches by)."""
+
+    ranks: tuple[int, ...]
+    total_bytes: int
 
 
 @dataclass(frozen=True)
@@ -132,30 +137,32 @@ class RanksVerified:
     failed: tuple[str, ...]  # the output's files whose records are not those the composition wrote (`Archives`)
 
 
-def verify_ranks(job: RankShare, emit: Emit, cancelled: Callable[[], bool], _options: TaskOptions) -> RanksVerified:
+def verify_ranks(verifying: RanksVerifying, job: RankShare, emit: Emit, cancelled: Callable[[], bool],
+                 _options: TaskOptions) -> RanksVerified:
     """The claims on the ranks of `job`, made and run some ranks at a time (`MAX_CLAIMS`), and what they found
     (a `team.workers` call)."""
-    plan, report = job.plan, VerifyReport()
-    archives = Archives(job.listings, plan.output, plan.base.tag)
-    first = _kind(plan)(plan, report, changed=set(job.changed), taken=job.taken, archives=archives)
-    _claimed_and_checked(first, job, emit, cancelled)
+    plan, report = verifying.plan, VerifyReport()
+    archives = Archives(verifying.listings, plan.output, plan.base.tag)
+    first = _kind(plan)(plan, report, changed=set(verifying.changed), taken=verifying.taken, archives=archives)
+    _claimed_and_checked(first, verifying, job, emit, cancelled)
     return RanksVerified(report, tuple(archives.failed))
 
 
-def _claimed_and_checked(first: RankClaims, job: RankShare, emit: Emit, cancelled: Callable[[], bool]) -> None:
+def _claimed_and_checked(first: RankClaims, verifying: RanksVerifying, job: RankShare, emit: Emit,
+                         cancelled: Callable[[], bool]) -> None:
     """The claims on the ranks of `job`, made into `first` (which may hold others already) and the batches after
     it, each checked once it holds `MAX_CLAIMS`; what they find goes to `first`'s report."""
     ranks, kind = first, type(first)
     with _collected_per_batch() as batch_done:
         for i, rank in enumerate(job.ranks):
-            ranks.add(rank, job.composed)
+            ranks.add(rank, verifying.composed)
             if len(ranks.tags) > MAX_CLAIMS and i + 1 < len(job.ranks):  # memory: the claims of some ranks at a time
-                ranks.check(emit, cancelled, job.threads)
+                ranks.check(emit, cancelled, verifying.threads)
                 batch_done(ranks)
                 # (`changed` is shared: a source found changed in place is not read again)
                 ranks = kind(first.plan, first.report, changed=first.changed, taken=first.taken,
                              archives=first.archives)
-        ranks.check(emit, cancelled, job.threads)
+        ranks.check(emit, cancelled, verifying.threads)
         batch_done(ranks)
 
 
@@ -182,8 +189,8 @@ def _kind(plan: ComposePlan) -> type[RankClaims]:
     return ReshardedRanks if plan.reshard is not None else ZeroRanks
 
 
-def _rank_jobs(plan: ComposePlan, composed: Checkpoint, *, changed: frozenset[int], taken: dict | None,
-               listings: dict[str, int] | None, workers: int, ranks_per_process: int) -> tuple[list[RankShare], int]:
+def _rank_jobs(plan: ComposePlan, composed: Checkpoint, *, workers: int,
+               ranks_per_process: int) -> tuple[list[RankShare], int]:
     """The output's ranks in consecutive shares, and how many processes take them: this one where the ranks are
     too few to be worth a process each (`ranks_per_process`), else two shares per worker process (a share that
     takes longer evens out)."""
@@ -191,8 +198,8 @@ def _rank_jobs(plan: ComposePlan, composed: Checkpoint, *, changed: frozenset[in
                                                                 STREAMING_WORKER))
     shares = 1 if processes <= 1 else min(plan.world_size, 2 * processes)
     cut = [plan.world_size * i // shares for i in range(shares + 1)]
-    return [RankShare(plan=plan, composed=composed, ranks=tuple(range(a, b)), changed=changed, taken=taken,
-                     listings=listings, threads=max(1, workers // processes)) for a, b in zip(cut, cut[1:])], processes
+    return [RankShare(tuple(range(a, b)), sum(composed.rank_bytes(rank) for rank in range(a, b)))
+            for a, b in zip(cut, cut[1:])], processes
 
 
 class _Cancel(threading.Event):
@@ -250,16 +257,18 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
             None if weights is None else weights.get(job.name), None if headers is None else headers.get(job.name),
             archives))
     _claim_copied(ranks, recorded_crcs(record, COPIED), base_changed=0 in gone)
-    jobs, processes = _rank_jobs(plan, composed, changed=frozenset(gone), taken=taken, listings=listings,
-                                 workers=workers, ranks_per_process=ranks_per_process)
+    jobs, processes = _rank_jobs(plan, composed, workers=workers, ranks_per_process=ranks_per_process)
+    verifying = RanksVerifying(plan=plan, composed=composed, changed=frozenset(gone), taken=taken, listings=listings,
+                               threads=max(1, workers // processes))
     in_workers: list[str] = []  # the output's files whose records are not those written, found by the workers
     if processes == 1:  # the ranks' claims beside the model files' and the copied files': each file read once
-        _claimed_and_checked(ranks, jobs[0], emit, cancelled)
+        _claimed_and_checked(ranks, verifying, jobs[0], emit, cancelled)
     else:  # shares of the ranks in worker processes, once the model files and the copied files are checked here
         if ranks.tags:
             ranks.check(emit, cancelled, workers)
         cancel = _Cancel(cancelled)
-        for found in run_calls([(verify_ranks, (job,)) for job in jobs], processes, emit, cancel, TaskOptions()):
+        for found in run_calls([(verify_ranks, (job,)) for job in jobs], processes, emit, cancel, TaskOptions(),
+                               common=(verifying,)):
             report.merge(found.report)
             in_workers += found.failed
     for line in [*archives.failed, *in_workers]:  # (each file checked by one process: the ranks' files apart)
