@@ -38,6 +38,8 @@ from runs import DEMO_RUN, RunSpec  # noqa: E402
 from tailor_tui.demo import demo_run  # noqa: E402
 from tailor_tui.formats.ds_format import parse_version  # noqa: E402
 
+pytest_plugins = ["groups"]  # the tests sharing a module's fixture, grouped for `--dist loadgroup`
+
 RUNS_SCRIPT = Path(runs.__file__)  # `python RUNS_SCRIPT make OUT SPEC`: a run made by another interpreter or release
 
 RUNS = {
@@ -521,19 +523,6 @@ def pytest_addoption(parser):
         "--deepspeed-releases", default="ci",
         help="DeepSpeed releases test_compat.py makes runs with: 'ci' (the oldest and the newest), "
              "'all', or a comma-separated list such as 0.16.9,0.17.4")
-
-
-def pytest_collection_modifyitems(items):
-    """Tests that share what a module-scoped fixture makes (a composition of a run, a loop-mounted XFS) run in one
-    test process under `--dist loadgroup` (`make test`): spread over both, each process would make it, and wait
-    for the other's run to be trained, again. Grouped by module and by the test's parameters (one composition of
-    each run). A plain `-n` ignores the groups."""
-    for item in items:
-        fixtures = getattr(item, "_fixtureinfo", None)
-        if fixtures is None or not any(defs[-1].scope == "module" for defs in fixtures.name2fixturedefs.values()):
-            continue
-        callspec = getattr(item, "callspec", None)
-        item.add_marker(pytest.mark.xdist_group(item.module.__name__ + (f"[{callspec.id}]" if callspec else "")))
 
 
 def pytest_collection_finish(session):
