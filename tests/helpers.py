@@ -416,6 +416,11 @@ def task_asking_to_stop(job, emit, cancelled, options) -> str:
     return job.task
 
 
+def task_with_common(common, job, emit, cancelled, options) -> tuple[str, str, int]:
+    """What every call shares (`run_calls`' `common`), the call's own task, and the process it ran in."""
+    return common, job.task, os.getpid()
+
+
 def task_failing_soon(job, emit, cancelled, options) -> str:
     time.sleep(0.5)
     raise OSError(f"{job.task} failed")

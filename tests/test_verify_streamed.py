@@ -152,6 +152,24 @@ print("ok")
     assert (done.returncode, done.stdout) == (0, "ok\n"), done.stderr
 
 
+def test_what_every_share_needs_reaches_spawned_workers_too():
+    """A process with torch loaded (the TUI's, this one) spawns its workers: `common` is pickled to each once, as it
+    starts, and every call still takes it first."""
+    import threading
+    from types import SimpleNamespace
+
+    from helpers import task_with_common
+
+    from tailor_tui.events import TaskOptions
+    from tailor_tui.team.workers import run_calls, start_method
+
+    assert start_method() == "spawn"
+    calls = [(task_with_common, (SimpleNamespace(task=f"rank {i}", total_bytes=1),)) for i in range(3)]
+    found = run_calls(calls, 2, lambda event: None, threading.Event(), TaskOptions(), common=("the plan",))
+    assert [(value, task) for value, task, _pid in found] == [("the plan", f"rank {i}") for i in range(3)], found
+    assert os.getpid() not in {pid for *_, pid in found}, found
+
+
 def test_a_row_from_the_wrong_checkpoint_fails(real_run, tmp_path):
     """layers.1's bytes on rank 0 are the base's (step 6), not step 2's the recipe picks: each byte is a real
     value of the right dtype, every CRC-32 holds; only a comparison with the source it names tells."""
