@@ -122,6 +122,7 @@ def test_what_every_share_needs_reaches_the_workers_as_they_start():
     """`run_calls`' `common` (a verification's plan and checkpoints: a MiB for a wide run) is given to each forked
     worker as it starts, not pickled with each batch of calls: a value that cannot be pickled reaches them all (in
     a process of one thread, as the command line's, whose workers are forked)."""
+    # (its task is its own, not `helpers.task_with_common`: importing helpers loads torch, and workers spawn then)
     script = """
 import os, sys, threading
 from types import SimpleNamespace
