@@ -207,12 +207,22 @@ def test_a_signal_while_workers_run_cancels_them_and_is_raised_once_they_are_gon
         raise KeyboardInterrupt
 
     before = signal.signal(signal.SIGTERM, as_interrupt)  # what the CLI installs
-    seen, cancel = [], threading.Event()
+    seen, cancel, running = [], threading.Event(), threading.Event()
+
+    def emit(event) -> None:
+        seen.append(event)
+        running.set()
+
+    def signal_once_they_run() -> None:  # (spawned, they start in seconds on a loaded machine: not a fixed delay)
+        running.wait(120)
+        time.sleep(0.5)  # (the pool waiting on them)
+        os.kill(os.getpid(), signal.SIGTERM)
+
     try:
-        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        threading.Thread(target=signal_once_they_run, daemon=True).start()
         with pytest.raises(KeyboardInterrupt) as raised:
             run_calls([(task_until_cancelled, (SimpleNamespace(task=f"rank {i}", total_bytes=1),)) for i in range(2)],
-                      2, seen.append, cancel, TaskOptions())
+                      2, emit, cancel, TaskOptions())
     finally:
         signal.signal(signal.SIGTERM, before)
     assert cancel.is_set() and seen, "the workers ran, and were cancelled through the flag"
