@@ -127,8 +127,7 @@ def test_more_than_65535_records_are_written_as_torch_writes_them(tmp_path):
     theirs, mine = tmp_path / "t.pt", tmp_path / "mine.pt"
     torch.save(obj, theirs)
     _rewrite(theirs, mine)
-    assert mine.read_bytes() == theirs.read_bytes()
-    assert torch.equal(torch.load(mine)[65_999], torch.full((1,), 65_999.0))
+    assert mine.read_bytes() == theirs.read_bytes()  # (what torch.load reads: torch's own file, byte for byte)
 
 
 def test_only_what_a_checkpoint_holds_is_pickled():
