@@ -207,7 +207,7 @@ def test_a_signal_while_workers_run_cancels_them_and_is_raised_once_they_are_gon
         raise KeyboardInterrupt
 
     before = signal.signal(signal.SIGTERM, as_interrupt)  # what the CLI installs
-    seen, cancel, running = [], threading.Event(), threading.Event()
+    seen, cancel, running, over = [], threading.Event(), threading.Event(), threading.Event()
 
     def emit(event) -> None:
         seen.append(event)
@@ -216,7 +216,8 @@ def test_a_signal_while_workers_run_cancels_them_and_is_raised_once_they_are_gon
     def signal_once_they_run() -> None:  # (spawned, they start in seconds on a loaded machine: not a fixed delay)
         running.wait(120)
         time.sleep(0.5)  # (the pool waiting on them)
-        os.kill(os.getpid(), signal.SIGTERM)
+        if not over.is_set():  # (never once the test is over: the handler is pytest's again)
+            os.kill(os.getpid(), signal.SIGTERM)
 
     try:
         threading.Thread(target=signal_once_they_run, daemon=True).start()
@@ -224,6 +225,7 @@ def test_a_signal_while_workers_run_cancels_them_and_is_raised_once_they_are_gon
             run_calls([(task_until_cancelled, (SimpleNamespace(task=f"rank {i}", total_bytes=1),)) for i in range(2)],
                       2, emit, cancel, TaskOptions())
     finally:
+        over.set()
         signal.signal(signal.SIGTERM, before)
     assert cancel.is_set() and seen, "the workers ran, and were cancelled through the flag"
     where = traceback.extract_tb(raised.tb)
