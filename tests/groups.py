@@ -2,7 +2,7 @@
 loads it: `pytest_plugins`).
 
 Tests that share what a module-scoped fixture makes (a composition of a run, a loop-mounted XFS) run in one test
-process: spread over both, each process would make it again, and wait for the other's run to be trained. Grouped by
+process: spread over several, each process would make it again, and wait for another's run to be trained. Grouped by
 module and by the parameters of the suite's fixtures they take (one composition of each run), not the test's own;
 a plain `-n` ignores the groups.
 """
