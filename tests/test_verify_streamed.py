@@ -232,7 +232,8 @@ def test_verify_reads_each_byte_once_without_torch(real_run, tmp_path):
     assert found["ok"] and not found["torch"], found
     [(read, stretches)] = found["read"]
     assert read == stretches, found  # each stretch read whole, once: no byte twice, none skipped
-    assert {"rank 0", "rank 1", "rank 2", "sources"} <= set(found["tasks"]), found
+    # the sources' flat tensors are read beside the output's (`streamed.Spread`): none is left for a "sources" bar
+    assert {"rank 0", "rank 1", "rank 2"} <= set(found["tasks"]) and "sources" not in found["tasks"], found
 
 
 def _sparse_archive(path: Path, size: int) -> tuple[int, int]:
@@ -298,6 +299,54 @@ def test_memory_stays_bounded_on_files_many_times_the_bound(tmp_path):
     assert differing == [0] and failed == 1 and peak < 256 << 20, done.stdout
 
 
+
+def test_a_spread_over_files_many_times_the_bound_reads_each_once_and_names_the_part_that_differs(tmp_path):
+    """A spread (a ZeRO rank's flat tensor: parts from two checkpoints and zero padding, laid out alike) over
+    records of 1 GiB: every byte of the three files read once (a source's bytes between its parts too), parts
+    astride chunks and tasks, each part's CRC-32 put together, in bounded memory; a byte flipped in the output is
+    found in the part holding it, one flipped where no part of a source lies fails that source's record."""
+    size, block = 1 << 30, 96 << 20  # (96 MiB parts: astride the 4 MiB chunks and the 64 MiB tasks)
+    paths = [tmp_path / f"{name}.pt" for name in ("out", "a", "b")]
+    for path in paths:
+        at, n = _sparse_archive(path, size)
+    probe = (
+        "import json\n"
+        "from pathlib import Path\n"
+        "from tailor_tui.checked import crc\n"
+        "from tailor_tui.verifying import streamed\n"
+        f"at, n, block = {at}, {n}, {block}\n"
+        "claims = streamed.Comparison()\n"
+        f"names = {[str(p) for p in paths]!r}\n"
+        "out, a, b = (claims.file(Path(p), label='rank 0' if i == 0 else None) for i, p in enumerate(names))\n"
+        "for f in (out, a, b):\n"
+        "    claims.evidence(f, at, n, crc.zeros(n), 'archive/data/0')\n"
+        "parts = tuple((start, min(block, n - start), (0, 1, streamed.ZERO)[k % 3])\n"
+        "              for k, start in enumerate(range(0, n, block)))\n"
+        "claims.spread(out, at, ((a, at), (b, at)), streamed.Pattern(parts, 2), 0)\n"
+        "outcome = streamed.run(claims, workers=2)\n"
+        "peak = next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith('VmHWM')) << 10\n"
+        "crcs = outcome.spread_crcs[0] == [crc.zeros(length) for _at, length, _which in parts]\n"
+        "failed = sorted(claims.paths[s.file].name for s, _value in outcome.failed)\n"
+        "print(json.dumps([sorted(outcome.spread_differing.get(0, ())), failed, outcome.read, peak, crcs]))\n")
+
+    def probed():
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    differing, failed, read, peak, crcs = probed()
+    assert differing == [] and failed == [] and read == 3 * size and crcs, (differing, failed, read, crcs)
+    assert peak < 256 << 20, f"peak RSS {peak >> 20} MiB verifying three {size >> 30} GiB files"
+    with open(paths[0], "r+b") as f:  # part 4 (b's), 5 MiB into it: the second chunk of a task's
+        f.seek(at + 4 * block + (5 << 20))
+        f.write(b"\x01")
+    with open(paths[1], "r+b") as f:  # in a's bytes of part 1 (b's): no part of a's lies there
+        f.seek(at + block + 7)
+        f.write(b"\x01")
+    differing, failed, read, peak, crcs = probed()
+    assert differing == [4] and failed == ["a.pt", "out.pt"] and read == 3 * size and not crcs, \
+        (differing, failed, read)
+    assert peak < 256 << 20, f"peak RSS {peak >> 20} MiB"
 
 def _claimed(tmp_path, size: int):
     """Two sparse archives of a `size`-byte record each, the output's claimed whole against the source's."""

@@ -156,7 +156,7 @@ def _claimed_and_checked(first: RankClaims, verifying: RanksVerifying, job: Rank
     with _collected_per_batch() as batch_done:
         for i, rank in enumerate(job.ranks):
             ranks.add(rank, verifying.composed)
-            if len(ranks.tags) > MAX_CLAIMS and i + 1 < len(job.ranks):  # memory: the claims of some ranks at a time
+            if ranks.held() > MAX_CLAIMS and i + 1 < len(job.ranks):  # memory: the claims of some ranks at a time
                 ranks.check(emit, cancelled, verifying.threads)
                 batch_done(ranks)
                 # (`changed` is shared: a source found changed in place is not read again)

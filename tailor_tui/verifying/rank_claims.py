@@ -54,6 +54,8 @@ class Tag:
     expected: int | None = None  # a "taken" claim's: the CRC-32 its bytes must have (the provenance record's)
     parts: list | Callable[[], list] | None = None  # a claim joining neighbours (`RankClaims.joined`): (row, problem,
     # at, length, source at) of each; a callable: worked out where asked
+    segments: list | None = None  # a "spread" (`claim`: the spread's index): each part's segment (row, source)
+    told: Callable[[int], list] | None = None  # a spread's: `parts` of its part j, worked out where asked
 
 
 class TorchFile:
@@ -149,6 +151,7 @@ class RankClaims:
         self.files: dict[Path, TorchFile | SlicesFile] = {}  # every file read, by path: its structure read once
         self._compared: dict[tuple, tuple] = {}  # `compared`'s walks
         self._pending: tuple | None = None  # a claim `joined` may go on
+        self.parts = 0  # parts of the spreads claimed
         self._param_row = plan.base.param_to_row()
         self._source_of = plan.source_of_param()
 
@@ -159,7 +162,7 @@ class RankClaims:
     def drop(self) -> None:
         """Let go of the claims, their tags and the files' structures, once checked (they refer to each other)."""
         self.tags, self.claims, self.files, self._compared = [], streamed.Comparison(), {}, {}
-        self.copied = {}
+        self.copied, self.parts = {}, 0
 
     def claim(self, tag: Tag, out: int, at: int, n: int, source: int = streamed.NOTHING, source_at: int = 0, *,
               cast: str = "") -> None:
@@ -169,6 +172,17 @@ class RankClaims:
     def _claim(self, tag: Tag, out: int, at: int, n: int, source: int, source_at: int, cast: str = "") -> None:
         tag.claim = self.claims.claim(out, at, n, source, source_at, len(self.tags), cast=cast)
         self.tags.append(tag)
+
+    def spread(self, tag: Tag, out: int, at: int, sources: tuple[tuple[int, int], ...], pattern) -> None:
+        """Claim output bytes [at, at+pattern.length) as a `streamed.Spread` (`tag.segments`: each part's)."""
+        self.flush()
+        tag.claim = self.claims.spread(out, at, sources, pattern, len(self.tags))
+        self.tags.append(tag)
+        self.parts += len(pattern.parts)
+
+    def held(self) -> int:
+        """How many claims and spreads' parts are held (what a batch of ranks is bounded by)."""
+        return len(self.tags) + self.parts
 
     def joined(self, tag: Tag, out: int, at: int, n: int, source: int = streamed.NOTHING, source_at: int = 0) -> None:
         """`claim`, joined to the claim before it where it goes on where that one ends, in the output and in the same
@@ -311,6 +325,9 @@ class RankClaims:
                 if outcome.crcs.get(tag.claim, 0) != tag.expected:
                     report.add(tag.row, tag.problem)
                 continue
+            if tag.kind == "spread":
+                self._settle_spread(tag, outcome, rows[tag.rank], bad)
+                continue
             mine, row = rows[tag.rank], tag.row or ""
             if tag.kind in ("row", "row-dtype", "frozen") and tag.key:
                 mine.crcs.add_crc(row, tag.key, outcome.crcs.get(tag.claim, 0),
@@ -344,6 +361,36 @@ class RankClaims:
                     report.unproven += [line] if line not in report.unproven else []
         for rank, found in enumerate(rows):
             settle(report, rank, found, self.taken, self.names)
+
+    def _settle_spread(self, tag: Tag, outcome: streamed.Outcome, mine: RankRows, bad: set[int]) -> None:
+        """A spread's parts settled as the claims of its segments are: each row's CRC-32s, and what differs."""
+        spread, segments = self.claims.spreads[tag.claim], tag.segments or []
+        crcs, differing = outcome.spread_crcs[tag.claim], outcome.spread_differing.get(tag.claim, set())
+        for j, segment in enumerate(segments):
+            _at, n, which = spread.pattern.parts[j]
+            if segment.row is None:
+                if j in differing:
+                    for part_row, problem in self._which_part(tag, spread, j):
+                        self.report.add(part_row, problem)
+                continue
+            mine.crcs.add_crc(segment.row, tag.key, crcs[j], n)
+            file = spread.sources[which][0] if which >= 0 else -1
+            if file < 0 or file in bad:
+                mine.from_changed[segment.row] = segment.source
+            elif j in differing:
+                for _row, problem in self._which_part(tag, spread, j):
+                    mine.differs(segment.row, problem, segment.source)
+
+    def _which_part(self, tag: Tag, spread: streamed.Spread, j: int) -> list[tuple[str | None, str]]:
+        """`_which` of a spread's part j."""
+        parts = tag.told(j) if tag.told is not None else []
+        if len(parts) == 1:
+            return [parts[0][:2]]
+        which = spread.pattern.parts[j][2]
+        source = spread.sources[which][0] if which >= 0 else which
+        differs = streamed.recheck(self.claims, spread.out, source, [(at, n, source_at)
+                                                                     for _row, _problem, at, n, source_at in parts])
+        return [(row, problem) for (row, problem, *_rest), bad in zip(parts, differs) if bad]
 
     def _which(self, tag: Tag) -> list[tuple[str | None, str]]:
         """(row, problem) of each part of a differing claim whose bytes differ (a claim of one part: itself)."""

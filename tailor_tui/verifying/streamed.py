@@ -1,9 +1,11 @@
 """Comparing an output's bytes with its sources', streamed: every file read once, in bounded memory.
 
 The verifier says what each output byte must be (`Comparison`): the bytes of a source file at some offset
-(`claim`), zero bytes (`zeros`), or nothing but what its record's CRC-32 proves (`NOTHING`); and which
-stretches of each file carry evidence that must hold (`evidence`: an archive record's stored CRC-32, a
-partial save's slice CRC-32, or none). `run` then reads:
+(`claim`), zero bytes (`zeros`), or nothing but what its record's CRC-32 proves (`NOTHING`); or, for a stretch
+laid out alike in the output and several sources (a ZeRO rank's flat tensor, each row from its checkpoint),
+each part of it one of those (`spread`: one `Spread` of hundreds of parts, their layout a `Pattern` shared by
+every rank alike, not a claim each); and which stretches of each file carry evidence that must hold
+(`evidence`: an archive record's stored CRC-32, a partial save's slice CRC-32, or none). `run` then reads:
 
 - every output file's evidence stretches whole, in segments of at most SEGMENT bytes, each a task of
   its own (workers in parallel, across files and within a large one), through one CHUNK-sized buffer
@@ -12,7 +14,12 @@ partial save's slice CRC-32, or none). `run` then reads:
   of a few KiB a rank, their sources alternating) read a window of each source at a time, up to WINDOW
   bytes through the claims on it that follow (`_reaches`, `buffers.SourceWindows`), not a read each, each
   window of a source's record from where the one before it ended (they tile it); a window's CRC-32s are
-  taken once, of each of its stretches' parts, the bytes between its claims included;
+  taken once, of each of its stretches' parts, the bytes between its claims included. For a spread, each
+  chunk of the output it holds is met by the same bytes of each source with parts there, read once into the
+  source buffer, every part compared with them (memcmp) and its output CRC-32 taken, in one loop over the
+  parts: no claim, task search or window per part (a wide run's ranks hold a hundred thousand of them); the
+  bytes of a source between its parts are evidence too, read with them (a claim's window never takes a
+  spread's source bytes: each byte is read once);
 - then the stretches of the sources' evidence nothing read yet (a source record's rows another source
   gave, beyond a window's reach), once, so that every stretch relied on is read whole exactly once;
   small neighbours together.
@@ -33,6 +40,7 @@ tag it gives, outcomes name the tags whose bytes differ.
 from __future__ import annotations
 
 import bisect
+import itertools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -82,6 +90,44 @@ class Claim(NamedTuple):
         return self.length * 2 if self.cast else self.length
 
 
+class Pattern:
+    """How a `Spread`'s bytes are laid out, shared by every Spread alike (a class of a wide run's ranks): `parts`, in
+    order, each (its first byte from the Spread's, its length, which of its sources gives it: an index into
+    `Spread.sources`, ZERO, or NOTHING); `of_source[k]`: the indices of source k's parts (ZERO's: `zeros`), and their
+    first bytes, by offset."""
+
+    def __init__(self, parts: tuple[tuple[int, int, int], ...], sources: int) -> None:
+        self.parts = parts
+        self.starts = [at for at, _n, _which in parts]
+        self.of_source: list[tuple[list[int], list[int]]] = [([], []) for _ in range(sources)]
+        self.zeros: tuple[list[int], list[int]] = ([], [])
+        end = 0
+        for j, (at, n, which) in enumerate(parts):
+            if at < end or n <= 0 or which >= sources or which < NOTHING:
+                raise ValueError(f"pattern part {j} {parts[j]}: parts in order, apart, of bytes, of a source")
+            end = at + n
+            mine = self.zeros if which == ZERO else self.of_source[which] if which >= 0 else None
+            if mine is not None:
+                mine[0].append(j)
+                mine[1].append(at)
+        self.length = end
+
+
+class Spread(NamedTuple):
+    """Output bytes [at, at+length) of file `out` laid out by `pattern`: each part the bytes of one of `sources` ((file,
+    the first byte its bytes are counted from)) at the same offset from that source's first byte, or zero bytes, or
+    only CRC-checked (NOTHING). A ZeRO rank's flat tensor, its rows from checkpoints alike in layout: hundreds of parts,
+    compared as the output is read, each source's bytes beside the output's read once (`tag`: the caller's).
+    Each part's outcome: whether its bytes differ (`Outcome.spread_differing`), their CRC-32 (`spread_crcs`)."""
+
+    out: int
+    at: int
+    length: int
+    sources: tuple[tuple[int, int], ...]
+    pattern: Pattern
+    tag: int
+
+
 class Stretch(NamedTuple):
     """Bytes [at, at+length) of file `file` whose CRC-32 must be `crc` (None: no evidence, only read where
     claimed); `name` says which (a record's, a slice's) in a failure."""
@@ -110,6 +156,8 @@ class Outcome:
     failed: list[tuple[Stretch, int]] = field(default_factory=list)  # stretches failing their CRC-32, and theirs
     moved: list[Path] = field(default_factory=list)  # files that changed while they were read
     crcs: dict[int, int] = field(default_factory=dict)  # claim index -> CRC-32 of its output bytes
+    spread_crcs: dict[int, list[int]] = field(default_factory=dict)  # spread -> each part's output bytes' CRC-32
+    spread_differing: dict[int, set[int]] = field(default_factory=dict)  # spread -> its parts whose bytes differ
     read: int = 0  # bytes read
 
 
@@ -123,6 +171,7 @@ class Comparison:
         self.identities: list[FileIdentity] = []  # identity of each file as first opened
         self._index: dict[Path, int] = {}
         self.claims: list[Claim] = []
+        self.spreads: list[Spread] = []
         self.stretches: list[Stretch] = []
         self._evidenced: set[tuple[int, int, int]] = set()
         self.labels: dict[int, str] = {}  # output file -> progress label (a rank)
@@ -166,12 +215,20 @@ class Comparison:
     def zeros(self, out: int, at: int, length: int, tag: int) -> int:
         return self.claim(out, at, length, ZERO, 0, tag)
 
+    def spread(self, out: int, at: int, sources: tuple[tuple[int, int], ...], pattern: Pattern, tag: int) -> int:
+        """Output bytes [at, at+pattern.length) laid out by `pattern` from `sources` (`Spread`); its index."""
+        if len(sources) != len(pattern.of_source):
+            raise ValueError(f"a spread of {len(sources)} sources on a pattern of {len(pattern.of_source)}")
+        self.spreads.append(Spread(out, at, pattern.length, sources, pattern, tag))
+        return len(self.spreads) - 1
+
 
 
 class _Reading(NamedTuple):
     file: int
     parts: tuple[tuple[int, int], ...]  # (offset, length) read, in order: a large stretch's share, or small ones
     claims: tuple[int, ...]  # indices of the claims overlapping them, by offset
+    spreads: tuple[int, ...] = ()  # indices of the spreads overlapping them, by offset
 
     @property
     def length(self) -> int:
@@ -182,13 +239,17 @@ class _Found:
     """One task's findings (merged into the Outcome by the caller, under its lock); `evidence`: each file's
     stretches, by offset, and their first bytes (what a source's window is cut at: `window`)."""
 
-    def __init__(self, evidence: dict[int, tuple[list[Stretch], list[int]]]) -> None:
+    def __init__(self, evidence: dict[int, tuple[list[Stretch], list[int]]],
+                 spread: dict[int, tuple[list[int], list[int]]] | None = None) -> None:
         self.evidence = evidence
+        self.spread = spread or {}  # each source's bytes spreads read: [first bytes], [furthest end so far]
         self.pieces: list[tuple[int, int, int, int]] = []  # (file, at, length, CRC-32) read
         self.out_crcs: dict[int, list[int]] = {}  # claim -> [first output byte read, length, CRC-32]
         self.src_crcs: dict[int, list[int]] = {}  # claim -> [first source byte read, length, CRC-32]
         self.differing: set[int] = set()
         self.first: dict[int, int] = {}
+        self.spread_parts: list[tuple[int, int, int, int, int]] = []  # (spread, part, first byte read, length, CRC-32)
+        self.spread_differing: list[tuple[int, int]] = []  # (spread, part) whose bytes differ
 
     def differs(self, tag: int, at: int) -> None:
         self.differing.add(tag)
@@ -224,11 +285,19 @@ def run(claims: Comparison, *, workers: int = 2, on_bytes: Callable[[str, int], 
     for found in evidence.values():
         found.sort(key=lambda s: s.at)
     placed = {f: (found, [s.at for s in found]) for f, found in evidence.items()}
+    spread: dict[int, list[tuple[int, int]]] = {}
+    for sp in claims.spreads:
+        for f, first in sp.sources:
+            spread.setdefault(f, []).append((first, first + sp.length))
+    read_by_spreads = {f: ([a for a, _b in sorted(ranges)], list(itertools.accumulate((b for _a, b in sorted(ranges)),
+                                                                                      max)))
+                       for f, ranges in spread.items()}
     lock = threading.Lock()
     local = threading.local()
     pieces: list[tuple[int, int, int, int]] = []  # (file, at, length, CRC-32) of every part read
     by_claim_src: dict[int, list[tuple[int, int, int]]] = {}
     by_claim_out: dict[int, list[tuple[int, int, int]]] = {}
+    spread_parts: list[tuple[int, int, int, int, int]] = []
     moved: set[int] = set()
 
     def reading(task: _Reading, read: Callable[[Descriptors], Callable[[], None]]) -> None:
@@ -251,7 +320,7 @@ def run(claims: Comparison, *, workers: int = 2, on_bytes: Callable[[str, int], 
 
     def do(task: _Reading) -> None:
         def read(files: Descriptors) -> Callable[[], None]:
-            found = _Found(placed)
+            found = _Found(placed, read_by_spreads)
             _read_task(claims, task, files, local.out, local.src, found, cancelled,
                        lambda n: on_bytes(claims.labels.get(task.file, "output"), n))
 
@@ -264,6 +333,9 @@ def run(claims: Comparison, *, workers: int = 2, on_bytes: Callable[[str, int], 
                     by_claim_src.setdefault(c, []).append((a, n, value))
                 for c, (a, n, value) in found.out_crcs.items():
                     by_claim_out.setdefault(c, []).append((a, n, value))
+                spread_parts.extend(found.spread_parts)
+                for i, j in found.spread_differing:
+                    outcome.spread_differing.setdefault(i, set()).add(j)
             return keep
         reading(task, read)
 
@@ -277,6 +349,7 @@ def run(claims: Comparison, *, workers: int = 2, on_bytes: Callable[[str, int], 
         for _a, n, part in parts:
             value = crc.combine(value, part, n)
         outcome.crcs[c] = value
+    _spread_crcs(claims, spread_parts, outcome)
     # every stretch whole: the parts no claim read, read now, then each stretch's CRC-32 put together
     gaps, held = _gaps(evidence, pieces)
     on_sources(sum(t.length for t in gaps))
@@ -318,6 +391,16 @@ def _pool(do: Callable[[_Reading], None], tasks: list[_Reading], workers: int, s
     pool.shutdown(wait=True)
 
 
+def _spread_crcs(claims: Comparison, found: list[tuple[int, int, int, int, int]], outcome: Outcome) -> None:
+    """Each spread's parts' CRC-32s (`Outcome.spread_crcs`), put together from what each task read of them."""
+    found.sort()
+    for i, sp in enumerate(claims.spreads):
+        outcome.spread_crcs[i] = [0] * len(sp.pattern.parts)
+    for i, j, _a, n, value in found:
+        crcs = outcome.spread_crcs[i]
+        crcs[j] = crc.combine(crcs[j], value, n)
+
+
 def _packed(f: int, spans: list[tuple[int, int]]) -> list[tuple[int, tuple[tuple[int, int], ...]]]:
     """`spans` of file `f`, in order, as tasks' parts: a large one cut in SEGMENTs, small ones together up to one."""
     tasks: list[tuple[int, tuple[tuple[int, int], ...]]] = []
@@ -342,11 +425,18 @@ def _tasks(claims: Comparison, placed: dict[int, tuple[list[Stretch], list[int]]
     for c in claims.claims:
         if c.source >= 0 and _holding(*placed.get(c.source, ([], [])), c.source_at, c.source_length) is None:
             raise ValueError(f"claim {c}: its source bytes lie outside the stretches of {claims.paths[c.source]}")
+    for sp in claims.spreads:
+        for f, first in sp.sources:
+            if _holding(*placed.get(f, ([], [])), first, sp.length) is None:
+                raise ValueError(f"spread {sp[:3]}: its source bytes lie outside the stretches of {claims.paths[f]}")
     by_file: dict[int, list[int]] = {}
     for i, c in enumerate(claims.claims):
         by_file.setdefault(c.out, []).append(i)
+    spread_by_file: dict[int, list[int]] = {}
+    for i, sp in enumerate(claims.spreads):
+        spread_by_file.setdefault(sp.out, []).append(i)
     tasks = []
-    for f in sorted(set(by_file) | set(claims.labels)):
+    for f in sorted(set(by_file) | set(spread_by_file) | set(claims.labels)):
         stretches, starts = placed.get(f, ([], []))
         packed = _packed(f, [(s.at, s.length) for s in stretches])
         firsts = [parts[0][0] for _f, parts in packed]
@@ -364,9 +454,21 @@ def _tasks(claims: Comparison, placed: dict[int, tuple[list[Stretch], list[int]]
                 if last_at + last_n > c.at:
                     mine[j].append(i)
                 j += 1
-        for (_f, parts), members in zip(packed, mine):
+        spreads: list[list[int]] = [[] for _ in packed]
+        for i in spread_by_file.get(f, ()):
+            sp = claims.spreads[i]
+            if _holding(stretches, starts, sp.at, sp.length) is None:
+                raise ValueError(f"spread {sp[:3]} lies outside the stretches of {claims.paths[f]}")
+            j = max(0, bisect.bisect_right(firsts, sp.at) - 1)
+            while j < len(packed) and firsts[j] < sp.at + max(sp.length, 1):
+                last_at, last_n = packed[j][1][-1]
+                if last_at + last_n > sp.at:
+                    spreads[j].append(i)
+                j += 1
+        for (_f, parts), members, laid in zip(packed, mine, spreads):
             members.sort(key=lambda i: claims.claims[i].at)
-            tasks.append(_Reading(f, parts, tuple(members)))
+            laid.sort(key=lambda i: claims.spreads[i].at)
+            tasks.append(_Reading(f, parts, tuple(members), tuple(laid)))
     return tasks
 
 
@@ -380,12 +482,13 @@ def _holding(stretches: list[Stretch], starts: list[int], at: int, length: int) 
 def _read_task(claims: Comparison, task: _Reading, files: Descriptors, out: Buffer, src: SourceWindows, found: _Found,
                cancelled: Callable[[], bool], counted: Callable[[int], None]) -> None:
     """Read the parts of `task` (`_reads`: neighbours together, a large one a chunk at a time): each part's
-    CRC-32, and each claim's bytes in it compared."""
+    CRC-32, and each claim's and spread's bytes in it compared."""
     from tailor_tui.events import Cancelled
 
     fd = files[task.file]
     members = [claims.claims[i] for i in task.claims]
-    reach = _reaches(members, task.parts[0][0], task.parts[-1][0] + task.parts[-1][1], found.evidence)
+    spreads = claims.spreads
+    reach = _reaches(members, task.parts[0][0], task.parts[-1][0] + task.parts[-1][1], found.evidence, found.spread)
     src.forget()  # (a source's bytes are read by this task's descriptors only)
     first = 0  # the first claim not wholly read yet
     for group in _reads(task.parts):
@@ -417,6 +520,11 @@ def _read_task(claims: Comparison, task: _Reading, files: Descriptors, out: Buff
                     if b > a:
                         _compare(files, task.claims[k], c, a, b - a, out, a - base, src, found, reach[k])
                     k += 1
+                for i in task.spreads:  # (a few: a rank file's flat tensors)
+                    sp = spreads[i]
+                    a, b = max(sp.at, position), min(sp.at + sp.length, stop)
+                    if b > a:
+                        _compare_spread(files, i, sp, a - sp.at, b - sp.at, out, a - base, src.large(), found)
                 counted(n)
                 position = stop
             found.pieces.append((task.file, at, length, value))
@@ -435,8 +543,8 @@ def _reads(parts: tuple[tuple[int, int], ...]):
         k = j
 
 
-def _reaches(members: list[Claim], start: int, end: int,
-             evidence: dict[int, tuple[list[Stretch], list[int]]]) -> list[tuple[int, int] | None]:
+def _reaches(members: list[Claim], start: int, end: int, evidence: dict[int, tuple[list[Stretch], list[int]]],
+             spread: dict[int, tuple[list[int], list[int]]]) -> list[tuple[int, int] | None]:
     """For each claim of a task (in the output's order; its parts from output byte `start` to `end`), the source
     bytes one read of its source's may take (None: no window): from its own first byte, up to the end of the claims
     on the same source after it (others may come between) that go on there in order, each starting at most NEAR
@@ -460,19 +568,28 @@ def _reaches(members: list[Claim], start: int, end: int,
             continue
         chain = chains.get(c.source)
         if chain is not None and first >= chain[1] and last - chain[0] <= WINDOW and (
-                first - chain[1] <= NEAR or _in_evidence(evidence, c.source, chain[1], first)):
+                first - chain[1] <= NEAR or _in_evidence(evidence, c.source, chain[1], first)) and not _spread_between(
+                spread, c.source, chain[1], first):
             chains[c.source] = (chain[0], last, chain[2])
             chain[2].append((k, first))
             continue
         begin = first
         if chain is not None:
             _close(chain, reach)
-            if first >= chain[1] and last - chain[1] <= WINDOW and _in_evidence(evidence, c.source, chain[1], first):
+            if first >= chain[1] and last - chain[1] <= WINDOW and _in_evidence(evidence, c.source, chain[1], first) \
+                    and not _spread_between(spread, c.source, chain[1], first):
                 begin = chain[1]  # (the windows tile the source)
         chains[c.source] = (begin, last, [(k, first)])
     for chain in chains.values():
         _close(chain, reach)
     return reach
+
+
+def _spread_between(spread: dict[int, tuple[list[int], list[int]]], f: int, at: int, end: int) -> bool:
+    """Whether a spread reads any of bytes [at, end) of file `f` (its source: a window never takes them too)."""
+    starts, reached = spread.get(f, ([], []))  # (`reached`: the furthest any of the first k reach)
+    k = bisect.bisect_left(starts, end)  # (the spreads starting before `end`)
+    return k > 0 and reached[k - 1] > at
 
 
 def _in_evidence(evidence: dict[int, tuple[list[Stretch], list[int]]], f: int, at: int, end: int) -> bool:
@@ -524,6 +641,55 @@ def _compare(files: Descriptors, index: int, c: Claim, a: int, n: int, out: Buff
         held = source_at - src.start
     if not same(out, at, src, held, n):
         found.differs(c.tag, a + first_difference(out, at, src, held, n))
+
+
+def _compare_spread(files: Descriptors, index: int, sp: Spread, r0: int, r1: int, out: Buffer, at: int, src: Buffer,
+                    found: _Found) -> None:
+    """Bytes [r0, r1) of spread `sp` (from its first byte), at `at` in the output buffer: each part's CRC-32 taken
+    there, each source's bytes [r0, r1) from its first byte read once (the pieces of its stretches: every byte
+    between its parts is evidence too) and its parts compared with them, the zero parts with zeros."""
+    pattern, view = sp.pattern, out.view
+    parts, starts = pattern.parts, pattern.starts
+    spread_parts, differing = found.spread_parts, found.spread_differing
+    j = max(0, bisect.bisect_right(starts, r0) - 1)
+    while j < len(parts) and parts[j][0] < r1:
+        lo, hi = max(parts[j][0], r0), min(parts[j][0] + parts[j][1], r1)
+        if hi > lo:
+            spread_parts.append((index, j, lo, hi - lo, crc.crc32(view[at + lo - r0: at + hi - r0])))
+        j += 1
+    for k, (f, first) in enumerate(sp.sources):
+        mine, offsets = pattern.of_source[k]
+        t = _first_part(mine, offsets, parts, r0)
+        if t >= len(mine) or offsets[t] >= r1:
+            continue  # (none of its parts here: its bytes read with the stretches no claim read)
+        files.ahead(f, first + r0, first + sp.length)
+        pread_into(files[f], src.view[: r1 - r0], first + r0)
+        found.window(f, first + r0, src.view[: r1 - r0])
+        _same_parts(out, at, r0, r1, src, mine, t, parts, index, differing)
+    mine, offsets = pattern.zeros
+    if mine:
+        _same_parts(out, at, r0, r1, None, mine, _first_part(mine, offsets, parts, r0), parts, index, differing)
+
+
+def _first_part(mine: list[int], offsets: list[int], parts: tuple[tuple[int, int, int], ...], r0: int) -> int:
+    """The first of the parts `mine` (their first bytes `offsets`) that ends after `r0` (len(mine): none)."""
+    t = bisect.bisect_right(offsets, r0) - 1
+    return t + 1 if t < 0 or offsets[t] + parts[mine[t]][1] <= r0 else t
+
+
+def _same_parts(out: Buffer, at: int, r0: int, r1: int, src: Buffer | None, mine: list[int], t: int,
+                parts: tuple[tuple[int, int, int], ...], index: int, differing: list[tuple[int, int]]) -> None:
+    """Each of the parts `mine` (from the `t`-th) that lie in [r0, r1) compared, the output's bytes at `at` (r0's)
+    with `src`'s from its start (r0's; None: zero bytes)."""
+    while t < len(mine):
+        j = mine[t]
+        part_at, n, _which = parts[j]
+        if part_at >= r1:
+            break
+        lo, hi = max(part_at, r0), min(part_at + n, r1)
+        if hi > lo and not same(out, at + lo - r0, src, lo - r0, hi - lo):
+            differing.append((index, j))
+        t += 1
 
 
 def _compare_cast(files: Descriptors, index: int, c: Claim, a: int, n: int, out: Buffer, at: int, src: Buffer,

@@ -5,6 +5,12 @@ optimizer's state kept per element), its row's source's elements at the same pla
 recipe has the base's layout), then padding of zero bytes; everything else in the optim file (param groups,
 loss scaler, steps, counters) and in model_states is the base's, but frozen fragments and buffers, which follow
 their row. Where each of those lies is worked out here, from the plan's picks and each checkpoint's layout.
+
+Each sub-group's flat tensor of each key is claimed as one `streamed.Spread` where every source of its rows holds
+its own flat tensor of the same dtype and layout (a torch file's: every checkpoint of the recipe has the base's
+layout): its segments the parts of a `streamed.Pattern` worked out once per class of ranks alike, each rank's
+spread only where its tensors lie. Otherwise (a partial save's slices, a dtype not the output's) each segment is a
+claim of its own.
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ class ZeroRanks(RankClaims):
     def __init__(self, plan, report, *, changed: set[int], taken, archives) -> None:
         super().__init__(plan, report, changed=changed, taken=taken, archives=archives)
         self._ordered = sorted(plan.base.layout.slots, key=lambda slot: (slot.group, slot.offset))  # output order
-        self._by_valid: dict[tuple, list[Segment]] = {}  # `_segments`' answers
+        self._by_valid: dict[tuple, list[tuple[int, list[Segment]]]] = {}  # `_groups`' answers
+        self._patterns: dict[tuple, streamed.Pattern] = {}  # `_spread`'s, per class of ranks, dtype, sources
 
     def add(self, rank: int, composed) -> None:
         plan, claims = self.plan, self.claims
@@ -57,46 +64,97 @@ class ZeroRanks(RankClaims):
             if found is not None:
                 wanted[s] = (found, found.optimizer(sizes) if isinstance(found, TorchFile) else None)
         joinable = {s for s in files if not isinstance((wanted.get(s) or (None,))[0], SlicesFile)}
-        segments = self._segments(rank, joinable)
         for key in plan.keys:  # (each (row, key)'s slots in the output's order: what the record's CRC-32s cover)
-            places: dict[int, tuple | None] = {}  # group -> the output's flat tensor's `place` (None: absent)
-            theirs: dict[tuple[int, int], tuple] = {}  # (source, group) -> the source's, the same way
-
             def padding(slot, key=key) -> str:
                 return f"rank {rank}: padding after {slot.name} ({key}) is not zero bytes"
 
-            for segment in segments:
-                group, s = segment.group, segment.source
-                if (placed := places.get(group, ())) == ():
-                    tensor = flat_tensor(got, group, key)  # (None: a state the output lacks, said above)
-                    placed = places[group] = None if tensor is None else out.place(tensor)
-                if placed is None:
+            for group, segments in self._groups(rank, joinable):
+                tensor = flat_tensor(got, group, key)  # (None: a state the output lacks, said above)
+                if tensor is None:
+                    continue
+                placed = out.place(tensor)
+                if self._spread(rank, out, key, group, placed, segments, wanted, padding):
                     continue
                 start, _n, dtype, size = placed
-                if segment.row is None:
-                    first_slot, first_row = segment.slots[0][:2]
-                    self.claim(Tag("padding", rank, first_row, padding(first_slot),
-                                   parts=segment.told(start, size, 0, padding)),
-                               out.f, start + segment.first * size, segment.count * size, streamed.ZERO)
-                    continue
-                source = wanted.get(s)
-                found_in, state = source if source is not None else (None, None)
-                if (s, group) not in theirs and isinstance(found_in, TorchFile) and state is not None:
-                    theirs[s, group] = found_in.place(flat_tensor(state, group, key))
-                self._segment(rank, out, start, dtype, size, segment, key, source, theirs.get((s, group)))
+                for segment in segments:
+                    if segment.row is None:
+                        first_slot, first_row = segment.slots[0][:2]
+                        self.claim(Tag("padding", rank, first_row, padding(first_slot),
+                                       parts=segment.told(start, size, 0, padding)),
+                                   out.f, start + segment.first * size, segment.count * size, streamed.ZERO)
+                        continue
+                    self._segment(rank, out, start, dtype, size, segment, key, wanted.get(segment.source),
+                                  self._their_place(wanted.get(segment.source), group, key))
         self._structure(rank, out, files, wanted)
         self._model_states(rank, composed, label)
 
-    def _segments(self, rank: int, joinable: set) -> list[Segment]:
-        """`_segments` of `rank`, worked out once per class of ranks holding the same count of valid elements in
-        each slot (`ZeroLayout.same_holdings`) and sources joinable (a wide run's ranks but the last few hold whole
-        slots: their segments are alike)."""
+    def _groups(self, rank: int, joinable: set) -> list[tuple[int, list[Segment]]]:
+        """`_segments` of `rank`, by sub-group (in the output's order), worked out once per class of ranks holding
+        the same count of valid elements in each slot (`ZeroLayout.same_holdings`) and sources joinable (a wide
+        run's ranks but the last few hold whole slots: their segments are alike)."""
         key = (self.plan.base.layout.same_holdings(rank), frozenset(joinable))
         found = self._by_valid.get(key)
         if found is None:
-            found = self._by_valid[key] = _segments(tuple(slot.valid(rank) for slot in self._ordered), self._ordered,
-                                                    self._source_of, self._param_row, joinable)
+            groups: dict[int, list[Segment]] = {}
+            for segment in _segments(tuple(slot.valid(rank) for slot in self._ordered), self._ordered,
+                                     self._source_of, self._param_row, joinable):
+                groups.setdefault(segment.group, []).append(segment)
+            found = self._by_valid[key] = list(groups.items())
         return found
+
+    @staticmethod
+    def _their_place(source, group: int, key: str) -> tuple | None:
+        """The `place` of a source's flat tensor of `key` and sub-group `group` (`source`: its file and inner
+        optimizer dict), where it is a torch file's."""
+        found_in, state = source if source is not None else (None, None)
+        if isinstance(found_in, TorchFile) and state is not None:
+            tensor = flat_tensor(state, group, key)
+            return None if tensor is None else found_in.place(tensor)
+        return None
+
+    def _spread(self, rank: int, out: TorchFile, key: str, group: int, placed: tuple, segments: list[Segment],
+                wanted: dict, padding: Callable) -> bool:
+        """A sub-group's flat tensor of `key` (`placed`: the output's) claimed as one `streamed.Spread`, where every
+        source of its rows holds its own of the same dtype and layout in a torch file (or changed since: its rows
+        proven by the record alone); False where one does not (each segment claimed on its own)."""
+        start, n, dtype, size = placed
+        order = list(dict.fromkeys(segment.source for segment in segments if segment.row is not None))
+        lo, hi = segments[0].first * size, (segments[-1].first + segments[-1].count) * size
+        sources: list[tuple[int, int]] = []
+        index: dict[int, int] = {}  # plan source -> its place in `sources`
+        shifts: dict[int, int] = {}  # plan source -> its flat tensor's first byte less the output's
+        for s in order:
+            source = wanted.get(s)
+            if source is None:  # (changed since the composition: its rows' bytes only CRC-checked)
+                continue
+            their = self._their_place(source, group, key)
+            if their is None or (their[2], their[3]) != (dtype, size) or their[1] < hi:
+                return False
+            index[s], shifts[s] = len(sources), their[0] - start
+            sources.append((source[0].f, their[0] + lo))
+        if n < hi:
+            return False
+        pattern_key = (id(segments), size, tuple(index.get(s, -1) for s in order))
+        pattern = self._patterns.get(pattern_key)
+        if pattern is None:
+            pattern = self._patterns[pattern_key] = streamed.Pattern(tuple(
+                (segment.first * size - lo, segment.count * size,
+                 streamed.ZERO if segment.row is None else index.get(segment.source, streamed.NOTHING))
+                for segment in segments), len(sources))
+
+        def told(j: int) -> list:
+            segment = segments[j]
+            if segment.row is None:
+                return segment.told(start, size, 0, padding)()
+            s = segment.source
+
+            def differs(part) -> str:
+                return f"rank {rank}: {key} of {part.name} differs from {self.names[s]}"
+            return segment.told(start, size, shifts.get(s, 0), differs)()
+
+        tag = Tag("spread", rank, None, "", key=key, segments=segments, told=told)
+        self.spread(tag, out.f, start + lo, tuple(sources), pattern)
+        return True
 
     def _segment(self, rank: int, out: TorchFile, start: int, dtype: str, size: int, segment: Segment, key: str,
                  source, their_place) -> None:
