@@ -173,7 +173,8 @@ class RankClaims:
         tag.claim = self.claims.claim(out, at, n, source, source_at, len(self.tags), cast=cast)
         self.tags.append(tag)
 
-    def spread(self, tag: Tag, out: int, at: int, sources: tuple[tuple[int, int], ...], pattern) -> None:
+    def spread(self, tag: Tag, out: int, at: int, sources: tuple[tuple[int, int], ...],
+               pattern: streamed.Pattern) -> None:
         """Claim output bytes [at, at+pattern.length) as a `streamed.Spread` (`tag.segments`: each part's)."""
         self.flush()
         tag.claim = self.claims.spread(out, at, sources, pattern, len(self.tags))

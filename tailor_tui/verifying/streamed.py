@@ -448,28 +448,31 @@ def _tasks(claims: Comparison, placed: dict[int, tuple[list[Stretch], list[int]]
                 raise ValueError(f"claim {c} lies outside the stretches of {claims.paths[f]}")
             if c.cast and (c.at - inside.at) % 2:
                 raise ValueError(f"cast claim {c}: not on an element of its stretch (read 2 bytes at a time)")
-            j = max(0, bisect.bisect_right(firsts, c.at) - 1)
-            while j < len(packed) and firsts[j] < c.at + max(c.length, 1):
-                last_at, last_n = packed[j][1][-1]
-                if last_at + last_n > c.at:
-                    mine[j].append(i)
-                j += 1
+            for j in _overlapping(packed, firsts, c.at, c.length):
+                mine[j].append(i)
         spreads: list[list[int]] = [[] for _ in packed]
         for i in spread_by_file.get(f, ()):
             sp = claims.spreads[i]
             if _holding(stretches, starts, sp.at, sp.length) is None:
                 raise ValueError(f"spread {sp[:3]} lies outside the stretches of {claims.paths[f]}")
-            j = max(0, bisect.bisect_right(firsts, sp.at) - 1)
-            while j < len(packed) and firsts[j] < sp.at + max(sp.length, 1):
-                last_at, last_n = packed[j][1][-1]
-                if last_at + last_n > sp.at:
-                    spreads[j].append(i)
-                j += 1
+            for j in _overlapping(packed, firsts, sp.at, sp.length):
+                spreads[j].append(i)
         for (_f, parts), members, laid in zip(packed, mine, spreads):
             members.sort(key=lambda i: claims.claims[i].at)
             laid.sort(key=lambda i: claims.spreads[i].at)
             tasks.append(_Reading(f, parts, tuple(members), tuple(laid)))
     return tasks
+
+
+def _overlapping(packed: list[tuple[int, tuple[tuple[int, int], ...]]], firsts: list[int], at: int, length: int):
+    """The tasks of `packed` (in order; `firsts`: the first byte each reads) whose parts reach bytes [at, at+length)
+    (a claim of no bytes: the task holding its offset)."""
+    j = max(0, bisect.bisect_right(firsts, at) - 1)
+    while j < len(packed) and firsts[j] < at + max(length, 1):
+        last_at, last_n = packed[j][1][-1]
+        if last_at + last_n > at:
+            yield j
+        j += 1
 
 
 def _holding(stretches: list[Stretch], starts: list[int], at: int, length: int) -> Stretch | None:
