@@ -388,10 +388,7 @@ class RankClaims:
         if len(parts) == 1:
             return [parts[0][:2]]
         which = spread.pattern.parts[j][2]
-        source = spread.sources[which][0] if which >= 0 else which
-        differs = streamed.recheck(self.claims, spread.out, source, [(at, n, source_at)
-                                                                     for _row, _problem, at, n, source_at in parts])
-        return [(row, problem) for (row, problem, *_rest), bad in zip(parts, differs) if bad]
+        return self._rechecked(spread.out, spread.sources[which][0] if which >= 0 else which, parts)
 
     def _which(self, tag: Tag) -> list[tuple[str | None, str]]:
         """(row, problem) of each part of a differing claim whose bytes differ (a claim of one part: itself)."""
@@ -399,8 +396,13 @@ class RankClaims:
         if not parts or len(parts) == 1:
             return [(tag.row, tag.problem)]
         c = self.claims.claims[tag.claim]
-        differs = streamed.recheck(self.claims, c.out, c.source, [(at, n, source_at)
-                                                                   for _row, _problem, at, n, source_at in parts])
+        return self._rechecked(c.out, c.source, parts)
+
+    def _rechecked(self, out: int, source: int, parts: list) -> list[tuple[str | None, str]]:
+        """(row, problem) of each of `parts` ((row, problem, output byte, length, source byte) of output file `out`
+        and `source`'s, or zeros) whose bytes differ, read again."""
+        differs = streamed.recheck(self.claims, out, source, [(at, n, source_at)
+                                                               for _row, _problem, at, n, source_at in parts])
         return [(row, problem) for (row, problem, *_rest), bad in zip(parts, differs) if bad]
 
 

@@ -285,13 +285,14 @@ def run(claims: Comparison, *, workers: int = 2, on_bytes: Callable[[str, int], 
     for found in evidence.values():
         found.sort(key=lambda s: s.at)
     placed = {f: (found, [s.at for s in found]) for f, found in evidence.items()}
-    spread: dict[int, list[tuple[int, int]]] = {}
+    spread: dict[int, list[tuple[int, int]]] = {}  # each source's (first byte, end) that spreads read
     for sp in claims.spreads:
         for f, first in sp.sources:
             spread.setdefault(f, []).append((first, first + sp.length))
-    read_by_spreads = {f: ([a for a, _b in sorted(ranges)], list(itertools.accumulate((b for _a, b in sorted(ranges)),
-                                                                                      max)))
-                       for f, ranges in spread.items()}
+    read_by_spreads = {}
+    for f, ranges in spread.items():
+        ranges.sort()
+        read_by_spreads[f] = ([a for a, _b in ranges], list(itertools.accumulate((b for _a, b in ranges), max)))
     lock = threading.Lock()
     local = threading.local()
     pieces: list[tuple[int, int, int, int]] = []  # (file, at, length, CRC-32) of every part read

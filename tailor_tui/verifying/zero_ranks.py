@@ -147,14 +147,18 @@ class ZeroRanks(RankClaims):
             if segment.row is None:
                 return segment.told(start, size, 0, padding)()
             s = segment.source
-
-            def differs(part) -> str:
-                return f"rank {rank}: {key} of {part.name} differs from {self.names[s]}"
-            return segment.told(start, size, shifts.get(s, 0), differs)()
+            return segment.told(start, size, shifts.get(s, 0), self._differs(rank, key, s))()
 
         tag = Tag("spread", rank, None, "", key=key, segments=segments, told=told)
         self.spread(tag, out.f, start + lo, tuple(sources), pattern)
         return True
+
+    def _differs(self, rank: int, key: str, s: int) -> Callable:
+        """What is told of a slot (`part`) of a row whose `key` elements on `rank` differ from source `s`'s."""
+
+        def differs(part) -> str:
+            return f"rank {rank}: {key} of {part.name} differs from {self.names[s]}"
+        return differs
 
     def _segment(self, rank: int, out: TorchFile, start: int, dtype: str, size: int, segment: Segment, key: str,
                  source, their_place) -> None:
@@ -163,10 +167,7 @@ class ZeroRanks(RankClaims):
         `place`, where it is a torch file)."""
         s, at, n = segment.source, start + segment.first * size, segment.count * size
         slot = segment.slots[0][0]
-
-        def differs(part) -> str:
-            return f"rank {rank}: {key} of {part.name} differs from {self.names[s]}"
-
+        differs = self._differs(rank, key, s)
         tag = Tag("row", rank, segment.row, differs(slot), s, key=key)
         if source is None:  # from a source that changed since: its bytes proven by the record alone
             tag.parts = segment.told(start, size, 0, differs)
