@@ -580,3 +580,41 @@ def test_every_mutated_number_of_a_training_log_is_read_as_json_loads_reads_it(r
     print(f"\ntrainer_state.json: {len(mutations)} mutations, each as the newer and the older log, in {took:.1f}s: "
           f"{read} read, {ignored} ignored (not JSON, no log history), {apart} another run's")
     assert read and ignored and apart
+
+
+def _nested(rng: random.Random, depth: int, width: int) -> object:
+    """A JSON value of arrays and objects nesting exactly `depth` deep, its deepest branch at a random place among
+    siblings that nest less (at most two levels: the value stays small) and scalars."""
+    if depth == 0:
+        return rng.choice([0, "x", None, 1.5, True])
+    deep = _nested(rng, depth - 1, width)
+    siblings = [_nested(rng, rng.randrange(min(depth, 3)), 1) for _ in range(rng.randrange(width + 1))]
+    siblings.insert(rng.randrange(len(siblings) + 1), deep)
+    if rng.random() < 0.5:
+        return siblings
+    return {f"k{i}": v for i, v in enumerate(siblings)}
+
+
+def _depth(value: object) -> int:
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+    return 0 if children is None else 1 + max((_depth(v) for v in children), default=0)
+
+
+def test_json_nesting_is_bounded_at_its_level_whatever_the_shape():
+    """A side file's JSON nesting past MAX_DEPTH levels is refused, at MAX_DEPTH read, whatever branch is the
+    deepest, wherever it lies among its siblings, arrays and objects mixed (all under the interpreter's recursion
+    limit: the bound is parse_json's own walk, not json's RecursionError)."""
+    from tailor_tui.checkpoints.side_files import MAX_DEPTH, parse_json
+
+    rng = random.Random(62)
+    for n in range(300):
+        depth = rng.choice([1, 2, MAX_DEPTH - 1, MAX_DEPTH, MAX_DEPTH + 1, MAX_DEPTH + 5])
+        value = _nested(rng, depth, 3)
+        text = json.dumps(value)
+        assert _depth(value) == depth
+        if depth > MAX_DEPTH:
+            with pytest.raises(ValueError, match=f"nested more than {MAX_DEPTH} levels"):
+                parse_json(text)
+        else:
+            assert parse_json(text) == value, n
+    assert parse_json("7") == 7 and parse_json("[]") == [] and parse_json('{"a": {}}') == {"a": {}}

@@ -66,6 +66,13 @@ def confine(path: Path, run: Path) -> tuple[int, int] | None:
     """Check every symbolic link on `path` below the folder `run` (`path` spelled as run/…) by the
     rule above: CheckpointError for one that leads out of the run or nowhere. Returns the
     identity of what `path` leads to, or None where nothing is there."""
+    st = confined(path, run)
+    return None if st is None else identity(st)
+
+
+def confined(path: Path, run: Path) -> os.stat_result | None:
+    """`confine`, returning what stat finds at `path` (None: nothing there, or nothing stat can see): what a
+    caller that describes the file (a checkpoint's thousands of rank files) would otherwise stat again."""
     spelled, top = os.path.abspath(path), os.path.abspath(run)
     if spelled != top and not spelled.startswith(top.rstrip(os.sep) + os.sep):
         raise ValueError(f"{path} is not spelled below {run}")
@@ -95,9 +102,9 @@ def confine(path: Path, run: Path) -> tuple[int, int] | None:
         if not special and not _inside(real, identity(run_st), run_real):
             raise link_refusal(link, real, run)
     if st is not None and not stat.S_ISLNK(st.st_mode) and at == os.fspath(path):
-        return identity(st)  # (what lstat found of a path spelled as given, no link at its end: what stat finds)
+        return st  # (what lstat found of a path spelled as given, no link at its end: what stat finds)
     try:
-        return identity(os.stat(path))
+        return os.stat(path)
     except OSError:
         return None
 

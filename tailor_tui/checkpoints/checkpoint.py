@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tailor_tui.checked.files import FileIdentity, confine
+from tailor_tui.checked.files import FileIdentity, confine, confined
 from tailor_tui.checkpoints import scan_cache
 from tailor_tui.checkpoints.layout import ZeroLayout
 from tailor_tui.checkpoints.model_states import check_version, read_model_states
@@ -304,25 +304,27 @@ def _check_shards_beside(index: Path, shards: list[str]) -> None:
                               "them there and name them so in the index (or re-copy the checkpoint)")
 
 
-def written_by_tailor(named: Path, tag_dir: Path, save_dir: Path) -> bool:
+def written_by_tailor(named: Path, tag_dir: Path, save_dir: Path, *, record: dict | None = None) -> bool:
     """tailor-tui wrote it: its folder holds a provenance record or, where a checkpoint is a
     DeepSpeed tag folder, the folder holding the tag has one that lists the tag's files (a run
-    resumed with that folder as its save_dir adds tags that are its own)."""
+    resumed with that folder as its save_dir adds tags that are its own). `record`: that record as the caller
+    read it (a wide run's is megabytes), else read here."""
     if (named / PROVENANCE).is_file():
         return True
-    record = save_dir / PROVENANCE
-    if named != tag_dir or not record.is_file():
+    path = save_dir / PROVENANCE
+    if named != tag_dir or not path.is_file():
         return False
     try:
-        files = load_json(record, MAX_RECORD).get(OUTPUT_FILES)
+        files = (record if record is not None else load_json(path, MAX_RECORD)).get(OUTPUT_FILES)
     except (OSError, ValueError, AttributeError):
         return True  # unreadable: still a folder tailor-tui wrote
     return not isinstance(files, dict) or any(f.startswith(tag_dir.name + "/") for f in files)
 
 
-def open_checkpoint(path: str | Path, *, cache: Path | None = None) -> Checkpoint:
+def open_checkpoint(path: str | Path, *, cache: Path | None = None, record: dict | None = None) -> Checkpoint:
     """Describe the checkpoint at `path` or raise CheckpointError saying why not. What rank 0's
-    model_states file says is taken from `cache` (`scan_cache`) when it holds it; None: read."""
+    model_states file says is taken from `cache` (`scan_cache`) when it holds it; None: read. `record`: the
+    provenance record in `path` as the caller read it (`--verify` of an output has), not read again."""
     path = Path(path)
     manifest = read_manifest(path) if os.path.lexists(path / PARTIAL_MANIFEST) else None
     if manifest:  # a partial checkpoint (tailor_tui.selective): its manifest names the tag
@@ -352,9 +354,8 @@ def open_checkpoint(path: str | Path, *, cache: Path | None = None) -> Checkpoin
     identities: dict[Path, FileIdentity] = {}
     for files in ranks:
         for f in files.existing():
-            confine(f, run)
             try:
-                st = f.stat()
+                st = confined(f, run) or f.stat()  # (stat again only where it saw nothing: says why)
             except FileNotFoundError:
                 raise CheckpointError(
                     f"{f}: missing; the checkpoint {named} was written by "
@@ -387,7 +388,7 @@ def open_checkpoint(path: str | Path, *, cache: Path | None = None) -> Checkpoin
         saved=PartialSave(_saved_rows(manifest["rows"], states.rows),
                            path / PARTIAL_MODEL_FILES if (path / PARTIAL_MODEL_FILES).is_file() else None)
         if manifest else FULL_SAVE,
-        composed=written_by_tailor(named, tag_dir, save_dir),
+        composed=written_by_tailor(named, tag_dir, save_dir, record=record if save_dir == path else None),
         weight_files=weight_file_names(named, tag_dir) if kind.in_folder and not manifest else (),
     )
 

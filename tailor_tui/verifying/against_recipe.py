@@ -235,7 +235,7 @@ def verify_against_recipe(plan: ComposePlan, emit: Emit = lambda e: None,
         return report
     report.changed.extend(line for lines in changed.values() for line in lines)
     try:
-        composed = open_checkpoint(out)
+        composed = open_checkpoint(out, record=record)
     except CheckpointError as exc:
         report.add(None, str(exc))
         return report

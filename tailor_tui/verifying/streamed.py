@@ -394,12 +394,19 @@ def _pool(do: Callable[[_Reading], None], tasks: list[_Reading], workers: int, s
 
 def _spread_crcs(claims: Comparison, found: list[tuple[int, int, int, int, int]], outcome: Outcome) -> None:
     """Each spread's parts' CRC-32s (`Outcome.spread_crcs`), put together from what each task read of them."""
-    found.sort()
     for i, sp in enumerate(claims.spreads):
         outcome.spread_crcs[i] = [0] * len(sp.pattern.parts)
-    for i, j, _a, n, value in found:
+    pieces = []  # parts read by several tasks or chunks, a piece by each: joined in order
+    for piece in found:
+        i, j, _a, n, value = piece
+        if n == claims.spreads[i].pattern.parts[j][1]:  # the whole part, as most are: its CRC-32 as it is
+            outcome.spread_crcs[i][j] = value
+        else:
+            pieces.append(piece)
+    pieces.sort()
+    for i, j, _a, n, value in pieces:
         crcs = outcome.spread_crcs[i]
-        crcs[j] = crc.combine(crcs[j], value, n)
+        crcs[j] = crc.combine(crcs[j], value, n) if crcs[j] else value  # (joined to none: itself)
 
 
 def _packed(f: int, spans: list[tuple[int, int]]) -> list[tuple[int, tuple[tuple[int, int], ...]]]:
@@ -654,13 +661,14 @@ def _compare_spread(files: Descriptors, index: int, sp: Spread, r0: int, r1: int
     between its parts is evidence too) and its parts compared with them, the zero parts with zeros."""
     pattern, view = sp.pattern, out.view
     parts, starts = pattern.parts, pattern.starts
-    spread_parts, differing = found.spread_parts, found.spread_differing
-    j = max(0, bisect.bisect_right(starts, r0) - 1)
-    while j < len(parts) and parts[j][0] < r1:
-        lo, hi = max(parts[j][0], r0), min(parts[j][0] + parts[j][1], r1)
+    spread_parts, differing, crc32 = found.spread_parts, found.spread_differing, crc.crc32
+    for j in range(max(0, bisect.bisect_right(starts, r0) - 1), len(parts)):  # (~70 parts a rank's tensor: its
+        part_at, n, _which = parts[j]  # rows' switches of source, a hundred thousand in a wide run: a lean loop)
+        if part_at >= r1:
+            break
+        lo, hi = part_at if part_at > r0 else r0, min(part_at + n, r1)
         if hi > lo:
-            spread_parts.append((index, j, lo, hi - lo, crc.crc32(view[at + lo - r0: at + hi - r0])))
-        j += 1
+            spread_parts.append((index, j, lo, hi - lo, crc32(view[at + lo - r0: at + hi - r0])))
     for k, (f, first) in enumerate(sp.sources):
         mine, offsets = pattern.of_source[k]
         t = _first_part(mine, offsets, parts, r0)
@@ -685,15 +693,14 @@ def _same_parts(out: Buffer, at: int, r0: int, r1: int, src: Buffer | None, mine
                 parts: tuple[tuple[int, int, int], ...], index: int, differing: list[tuple[int, int]]) -> None:
     """Each of the parts `mine` (from the `t`-th) that lie in [r0, r1) compared, the output's bytes at `at` (r0's)
     with `src`'s from its start (r0's; None: zero bytes)."""
-    while t < len(mine):
-        j = mine[t]
+    for u in range(t, len(mine)):
+        j = mine[u]
         part_at, n, _which = parts[j]
         if part_at >= r1:
             break
-        lo, hi = max(part_at, r0), min(part_at + n, r1)
+        lo, hi = part_at if part_at > r0 else r0, min(part_at + n, r1)
         if hi > lo and not same(out, at + lo - r0, src, lo - r0, hi - lo):
             differing.append((index, j))
-        t += 1
 
 
 def _compare_cast(files: Descriptors, index: int, c: Claim, a: int, n: int, out: Buffer, at: int, src: Buffer,
