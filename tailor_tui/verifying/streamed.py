@@ -176,16 +176,20 @@ class Comparison:
         self._evidenced: set[tuple[int, int, int]] = set()
         self.labels: dict[int, str] = {}  # output file -> progress label (a rank)
 
-    def file(self, path: Path, *, label: str | None = None) -> int:
+    def file(self, path: Path, *, label: str | None = None, seen: os.stat_result | None = None) -> int:
         """The index of the file at `path` (CheckpointError: missing, not a regular file, unreadable). `label`:
-        an output file's progress label."""
+        an output file's progress label. `seen`: fstat's of the file where the caller read what it claims of it
+        (its structure): the identity its bytes are held to, not looked up again."""
         path = Path(path)
         if path not in self._index:
-            fd = opened(path)
-            try:
-                st = os.fstat(fd)
-            finally:
-                os.close(fd)
+            if seen is not None:
+                st = seen
+            else:
+                fd = opened(path)
+                try:
+                    st = os.fstat(fd)
+                finally:
+                    os.close(fd)
             self._index[path] = len(self.paths)
             self.paths.append(path)
             self.identities.append(FileIdentity.of(st))
