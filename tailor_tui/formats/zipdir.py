@@ -306,11 +306,11 @@ def _zip64(extra: bytes, size: int, packed: int, offset: int) -> tuple[int, int,
 # archive's name and "/"), in its local header and its directory entry, and but for each record's
 # bytes and CRC-32 fields (empty placeholders, CRC 0, are kept whole). Another file that has the same
 # bytes around its own prefix of the same length on every name, and whose records' bytes match the
-# CRC-32 each of their fields holds (`match`: one comparison in C and a CRC per record with bytes), is laid out
-# as the reference: each record where the reference's is, with its flags and size, its names distinct
-# as the reference's when folded as torch's reader folds them (ASCII case, byte by byte, after an
-# equal prefix), and its bytes whole. It passes every check the reference passed; any other file is
-# checked whole.
+# CRC-32 each of their fields holds (`match`: a comparison in C per stretch between records' bytes, a CRC
+# per record with bytes), is laid out as the reference: each record where the reference's is, with its
+# flags and size, its names distinct as the reference's when folded as torch's reader folds them (ASCII
+# case, byte by byte, after an equal prefix), and its bytes whole. It passes every check the reference
+# passed; any other file is checked whole.
 
 LARGEST = 4 << 20  # bytes: a reference is kept in memory (a real model's files are read as they are)
 KEEP = 8  # references: per file size and prefix length (a 256-rank run's rank numbers have 1 to 3 digits)
@@ -356,7 +356,8 @@ class CheckedArchives:
         if ref is None:
             return None
         # each run, its names given this file's prefix, where it lies in this file (after the hole before it): the
-        # bytes compared in place, not copied into an archive of its size built to be compared (6x as fast)
+        # bytes compared in place, not copied into an archive of its size built to be compared (a 357 KiB model_states:
+        # ~70 us, not ~350)
         at = 0
         for hole, run in zip([(0, 0), *ref.holes], ref.runs):
             expected = prefix.join(run)
