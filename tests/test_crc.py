@@ -42,6 +42,7 @@ def test_the_c_combine_and_the_python_one_agree():
         a, b, n = rng.getrandbits(32), rng.getrandbits(32), rng.randrange(0, 1 << 42)
         assert crc.combine(a, b, n) == crc.combine_in_python(a, b, n)
         assert crc.shift(a, n) == crc.shift_in_python(a, n)
+        assert crc.combine(0, b, n) == b == crc.combine_in_python(0, b, n)  # (joined to a CRC-32 of 0: itself)
 
 
 def test_a_record_read_in_chunks_gives_every_range_its_crc_and_checks_the_whole(tmp_path):

@@ -128,9 +128,7 @@ class RowCrcs:
         if not length:
             return
         mine = self.found.setdefault(row, {})
-        before = mine.get(key)
-        mine[key] = crc.combine(before, value, length) if before else value  # (joined to none, or to a CRC-32 of
-        # 0: `value` itself, as combine gives, without its call: once per part of a wide run's ~100,000)
+        mine[key] = crc.combine(mine.get(key, 0), value, length)
 
 
 @dataclass

@@ -114,18 +114,22 @@ class Pattern:
 
 
 class Spread(NamedTuple):
-    """Output bytes [at, at+length) of file `out` laid out by `pattern`: each part the bytes of one of `sources` ((file,
-    the first byte its bytes are counted from)) at the same offset from that source's first byte, or zero bytes, or
-    only CRC-checked (NOTHING). A ZeRO rank's flat tensor, its rows from checkpoints alike in layout: hundreds of parts,
-    compared as the output is read, each source's bytes beside the output's read once (`tag`: the caller's).
-    Each part's outcome: whether its bytes differ (`Outcome.spread_differing`), their CRC-32 (`spread_crcs`)."""
+    """Output bytes [at, at+length) of file `out` laid out by `pattern` (`length`: the pattern's): each part the bytes
+    of one of `sources` ((file, the first byte its bytes are counted from)) at the same offset from that source's first
+    byte, or zero bytes, or only CRC-checked (NOTHING). A ZeRO rank's flat tensor, its rows from checkpoints alike in
+    layout: hundreds of parts, compared as the output is read, each source's bytes beside the output's read once
+    (`tag`: the caller's). Each part's outcome: whether its bytes differ (`Outcome.spread_differing`), their CRC-32
+    (`spread_crcs`)."""
 
     out: int
     at: int
-    length: int
     sources: tuple[tuple[int, int], ...]
     pattern: Pattern
     tag: int
+
+    @property
+    def length(self) -> int:
+        return self.pattern.length
 
 
 class Stretch(NamedTuple):
@@ -223,7 +227,7 @@ class Comparison:
         """Output bytes [at, at+pattern.length) laid out by `pattern` from `sources` (`Spread`); its index."""
         if len(sources) != len(pattern.of_source):
             raise ValueError(f"a spread of {len(sources)} sources on a pattern of {len(pattern.of_source)}")
-        self.spreads.append(Spread(out, at, pattern.length, sources, pattern, tag))
+        self.spreads.append(Spread(out, at, sources, pattern, tag))
         return len(self.spreads) - 1
 
 
@@ -410,7 +414,7 @@ def _spread_crcs(claims: Comparison, found: list[tuple[int, int, int, int, int]]
     pieces.sort()
     for i, j, _a, n, value in pieces:
         crcs = outcome.spread_crcs[i]
-        crcs[j] = crc.combine(crcs[j], value, n) if crcs[j] else value  # (joined to none: itself)
+        crcs[j] = crc.combine(crcs[j], value, n)
 
 
 def _packed(f: int, spans: list[tuple[int, int]]) -> list[tuple[int, tuple[tuple[int, int], ...]]]:
@@ -440,7 +444,8 @@ def _tasks(claims: Comparison, placed: dict[int, tuple[list[Stretch], list[int]]
     for sp in claims.spreads:
         for f, first in sp.sources:
             if _holding(*placed.get(f, ([], [])), first, sp.length) is None:
-                raise ValueError(f"spread {sp[:3]}: its source bytes lie outside the stretches of {claims.paths[f]}")
+                raise ValueError(f"spread {sp[:2]} of {sp.length} bytes: its source bytes lie outside the stretches of "
+                                 f"{claims.paths[f]}")
     by_file: dict[int, list[int]] = {}
     for i, c in enumerate(claims.claims):
         by_file.setdefault(c.out, []).append(i)
@@ -466,7 +471,8 @@ def _tasks(claims: Comparison, placed: dict[int, tuple[list[Stretch], list[int]]
         for i in spread_by_file.get(f, ()):
             sp = claims.spreads[i]
             if _holding(stretches, starts, sp.at, sp.length) is None:
-                raise ValueError(f"spread {sp[:3]} lies outside the stretches of {claims.paths[f]}")
+                raise ValueError(f"spread {sp[:2]} of {sp.length} bytes lies outside the stretches of "
+                                 f"{claims.paths[f]}")
             for j in _overlapping(packed, firsts, sp.at, sp.length):
                 spreads[j].append(i)
         for (_f, parts), members, laid in zip(packed, mine, spreads):
