@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable, Literal
 
 from tailor_tui.checked.files import open_regular
-from tailor_tui.checked.ranges import crc_range, pread_exact
+from tailor_tui.checked.ranges import READ_CHUNK, crc_range, pread_exact
 from tailor_tui.errors import CheckpointError, OutputError
 from tailor_tui.held import HeldFolder, HeldPath, swapped
 
@@ -26,7 +26,6 @@ def path_of(target: Target) -> Path:
     return target.path if isinstance(target, HeldPath) else target
 
 CHUNK = 64 << 20
-CRC_CHUNK = 1 << 20  # a copy whose bytes are CRC'd on the way: a buffer that stays in the CPU's cache
 
 
 def output_error(exc: OSError, path: Path | HeldPath | HeldFolder) -> OutputError:
@@ -161,7 +160,7 @@ def copy_file(src: Path, dst: Target, on_bytes: Callable[[int], None] = lambda n
                 writeback.advance(at + len(view))
 
             try:
-                value = crc_range(fin.fileno(), 0, size, memoryview(bytearray(CRC_CHUNK)), on_bytes=on_bytes,
+                value = crc_range(fin.fileno(), 0, size, memoryview(bytearray(READ_CHUNK)), on_bytes=on_bytes,
                                   inspect=write)
                 offset = size
             except OSError:

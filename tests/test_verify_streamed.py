@@ -514,11 +514,11 @@ def test_a_claim_larger_than_a_window_is_read_as_it_is_where_an_output_chunk_cut
     import random
     import zlib
 
+    from tailor_tui.checked.ranges import READ_CHUNK
     from tailor_tui.verifying import streamed
-    from tailor_tui.verifying.buffers import CHUNK
 
     rng = random.Random(3)
-    first = CHUNK - (100 << 10)  # claim 0 ends 100 KiB before the output's first chunk does; claim 1 goes on 5 MiB
+    first = READ_CHUNK - (100 << 10)  # claim 0 ends 100 KiB before the output's first chunk does; claim 1 goes on 5 MiB
     sources = {"A": rng.randbytes(first), "B": rng.randbytes(5 << 20)}
     paths = {"out": tmp_path / "out", "A": tmp_path / "A", "B": tmp_path / "B"}
     paths["out"].write_bytes(sources["A"] + sources["B"])

@@ -23,6 +23,7 @@ import struct
 from typing import Callable, Mapping
 
 from tailor_tui.checked.evidence import checked_crcs
+from tailor_tui.checked.ranges import READ_CHUNK
 from tailor_tui.cloning import clone, worth_it
 from tailor_tui.compose.taken import FileComposed, written
 from tailor_tui.errors import CheckpointError
@@ -31,7 +32,6 @@ from tailor_tui.fileio import CREATE, Folder, OpenFiles, Target, copy_range, fsy
 from tailor_tui.formats.ptfile import Record, file_format, read_structure
 from tailor_tui.formats.ptpickle import dumps, storage_bytes
 from tailor_tui.formats.ptwrite import Copied, write_archive
-from tailor_tui.kinds.base import STREAM_CHUNK
 from tailor_tui.planning.jobs import BinFileJob
 
 
@@ -115,7 +115,7 @@ def _patch_clone(job: BinFileJob, out: Target, records: Mapping[str, Record], re
         if how is None:
             out.unlink()  # (ours, just made: the archive is written in its place)
             return None
-        sources, buffer, crcs = OpenFiles(stack), memoryview(bytearray(STREAM_CHUNK)), []
+        sources, buffer, crcs = OpenFiles(stack), memoryview(bytearray(READ_CHUNK)), []
         gone = {id(record) for record, _what in replaced}
         for record in sorted(records.values(), key=lambda r: r.data_offset):
             if id(record) not in gone:  # kept, its blocks shared: read once all the same, and checked

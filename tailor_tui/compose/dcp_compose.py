@@ -22,6 +22,7 @@ from typing import Callable
 
 from tailor_tui.checked.evidence import checked_crcs
 from tailor_tui.checked.files import read_as_planned
+from tailor_tui.checked.ranges import READ_CHUNK
 from tailor_tui.checkpoints.checkpoint import COPIED
 from tailor_tui.checkpoints.dcp_checkpoint import part_metadata
 from tailor_tui.cloning import clone
@@ -43,7 +44,6 @@ from tailor_tui.fileio import (
 )
 from tailor_tui.formats import nonfinite
 from tailor_tui.held import HeldFolder
-from tailor_tui.kinds.base import STREAM_CHUNK
 from tailor_tui.planning.dcp_layout import DcpJob
 from tailor_tui.planning.dcp_plan import DcpComposePlan, DcpFileJob, dcp_provenance
 from tailor_tui.team.transaction import Declaration, PublishingWork, Task, run_as_team
@@ -69,7 +69,7 @@ class DcpComposed:
 def copy_file_job(job: DcpFileJob, out_dir: Folder, emit: Emit, cancelled: Callable[[], bool],
                   options: TaskOptions = TaskOptions()) -> None:
     counter = ByteCounter.for_job(job, emit, cancelled, options)
-    buffer = memoryview(bytearray(STREAM_CHUNK))
+    buffer = memoryview(bytearray(READ_CHUNK))
     entries = dict(job.entries)
     path = job.source / job.source_file
     with contextlib.ExitStack() as stack:

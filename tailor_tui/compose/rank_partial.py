@@ -15,7 +15,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from tailor_tui.checked.evidence import crc_range_checked, read_and_check
-from tailor_tui.checked.ranges import RegionCrcs
+from tailor_tui.checked.ranges import READ_CHUNK, RegionCrcs
 from tailor_tui.compose.taken import Looks, Parts
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter
@@ -30,7 +30,7 @@ from tailor_tui.formats.ds_format import (
 from tailor_tui.formats.nonfinite import Census, Region
 from tailor_tui.formats.pickled import TensorRef, dtype_name
 from tailor_tui.formats.ptwrite import Rewritable, reserved, write
-from tailor_tui.kinds.base import FP32, STREAM_CHUNK, check_dtypes, rank_reader
+from tailor_tui.kinds.base import FP32, check_dtypes, rank_reader
 from tailor_tui.kinds.zero import ZeroRankFiles, ZeroRankReader
 from tailor_tui.planning.jobs import RankJob
 
@@ -75,7 +75,7 @@ def build_optim_states_from_skeleton(job: RankJob, out: Target, counter: ByteCou
             for reader in readers.values():
                 reader.check_keys(job.keys)
             fds = {s: open_fd(stack, readers[s].path) for s in used}
-            buffer = memoryview(bytearray(STREAM_CHUNK))
+            buffer = memoryview(bytearray(READ_CHUNK))
             for s, reader in readers.items():
                 theirs = reader.whole_flat()  # (the skeleton's flat tensors are fp32)
                 if theirs is None:  # a partial's slices: checked as read back

@@ -25,14 +25,14 @@ from typing import Callable, NamedTuple
 
 from tailor_tui.checked import crc
 from tailor_tui.checked.evidence import read_and_check
-from tailor_tui.checked.ranges import crc_range, pread_into
+from tailor_tui.checked.ranges import READ_CHUNK, crc_range, pread_into
 from tailor_tui.compose.taken import FROZEN, Parts, RankComposed, rows_taken, written
 from tailor_tui.errors import OutputError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.fileio import Folder, OpenFiles, Target, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
 from tailor_tui.formats.nonfinite import EXPONENT, Census, Region
 from tailor_tui.formats.pickled import dtype_name
-from tailor_tui.kinds.base import STREAM_CHUNK, RankBytes, RankReader, dtype_mismatch, rank_reader
+from tailor_tui.kinds.base import RankBytes, RankReader, dtype_mismatch, rank_reader
 from tailor_tui.resharding.partition import ZEROS, Piece, ReshardJob
 from tailor_tui.resharding.skeleton import Skeleton, write_rank_file
 
@@ -44,7 +44,7 @@ def reshard_rank(job: ReshardJob, out_tag_dir: Folder, skeleton: Skeleton, emit:
     row's pieces hold, counted as the sources are checked (before anything is written), and the
     CRC-32s of what each row took (`compose.taken`: from its pieces')."""
     counter = ByteCounter.for_job(job, emit, cancelled, options)
-    buffer = memoryview(bytearray(STREAM_CHUNK))
+    buffer = memoryview(bytearray(READ_CHUNK))
     with contextlib.ExitStack() as stack:
         sources = _Sources(job, stack)
         optim = [(g, key, [(p, sources.place(p, key)) for p in pieces])
@@ -248,7 +248,7 @@ def _write(out: Target, fills: list, checked: Checked, sources: _Sources, counte
             fout = open_fd(stack, out, os.O_RDWR)
             writeback = Writeback(fout, counter.options.durable)
             for record, target, placed in steps:
-                if record.size <= STREAM_CHUNK and all(
+                if record.size <= READ_CHUNK and all(
                         place is None or (place.path, place.at, p.length * target.itemsize) in checked.kept
                         for p, place in placed):
                     value = _write_whole(fout, record, target, placed, checked.kept, counter)

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from tailor_tui.checked import crc
 from tailor_tui.checked.evidence import SliceCheck, checked_ranges, read_and_check
-from tailor_tui.checked.ranges import RangeCrcs, Readahead, RegionCrcs, crc_range, pread_into
+from tailor_tui.checked.ranges import READ_CHUNK, RangeCrcs, Readahead, RegionCrcs, crc_range, pread_into
 from tailor_tui.cloning import clone, worth_it
 from tailor_tui.compose.source_blocks import of_source, read_taken
 from tailor_tui.compose.taken import Looks, Parts
@@ -24,7 +24,7 @@ from tailor_tui.events import ByteCounter
 from tailor_tui.fileio import CREATE, Target, Writeback, copy_range, fsync, open_fd, output_error, pwrite_all
 from tailor_tui.formats.nonfinite import Census, Region
 from tailor_tui.formats.ptfile import Record, Unsupported, file_format, read_whole
-from tailor_tui.kinds.base import STREAM_CHUNK, RankReader, check_dtypes, rank_reader
+from tailor_tui.kinds.base import RankReader, check_dtypes, rank_reader
 from tailor_tui.planning.jobs import RankJob
 
 
@@ -150,8 +150,8 @@ def stream_optim_states(job: RankJob, out: Target, counter: ByteCounter) -> tupl
                 beside = [(s, q, delta, RangeCrcs(q.data_offset, q.data_offset + q.size,
                                                   [(sp.source_at, sp.length) for sp in spans if sp.source_record is q]))
                           for s, q, delta in steps.get(id(record), ())]
-                for offset in range(record.data_offset, record.data_offset + record.size, STREAM_CHUNK):
-                    n = min(STREAM_CHUNK, record.data_offset + record.size - offset)
+                for offset in range(record.data_offset, record.data_offset + record.size, READ_CHUNK):
+                    n = min(READ_CHUNK, record.data_offset + record.size - offset)
                     if id(record) in fresh:  # nothing of it is kept: not read
                         counter.add(n)
                     else:
@@ -335,7 +335,7 @@ class _Sweep:
         self._zeroed_starts = [a for a, _b in self.zeroed]
         self.kept = 0
         self.writeback = Writeback(fout, counter.options.durable)
-        self.buffer = memoryview(bytearray(STREAM_CHUNK))
+        self.buffer = memoryview(bytearray(READ_CHUNK))
         self.written, self._j = 0, 0  # the output is written up to `written`; spans before _j lie behind
         self.ahead: dict[int, tuple[Readahead, int]] = {}  # per file read in order: its readahead, its size
 

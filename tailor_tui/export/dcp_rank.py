@@ -19,14 +19,14 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from tailor_tui.checked.evidence import checked_crcs
-from tailor_tui.checked.ranges import crc_range
+from tailor_tui.checked.ranges import READ_CHUNK, crc_range
 from tailor_tui.dcp.chunks import tensor_chunk
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.fileio import Folder, Writeback, fsync, open_fd, output_error, pwrite_all
 from tailor_tui.formats.dtypes import BY_NAME, cast
 from tailor_tui.formats.pickled import dtype_name
-from tailor_tui.kinds.base import STREAM_CHUNK, rank_reader
+from tailor_tui.kinds.base import rank_reader
 from tailor_tui.planning.dcp_layout import DcpJob, Piece
 
 
@@ -100,7 +100,7 @@ class _Chunks:
 def export_dcp_rank(job: DcpJob, out_dir: Folder, emit: Emit, cancelled: Callable[[], bool],
                     options: TaskOptions = TaskOptions()) -> None:
     counter = ByteCounter.for_job(job, emit, cancelled, options)
-    buffer = memoryview(bytearray(STREAM_CHUNK))
+    buffer = memoryview(bytearray(READ_CHUNK))
     with contextlib.ExitStack() as stack:
         try:
             out = _Chunks(open_fd(stack, out_dir / job.out_file, os.O_WRONLY), options.durable)

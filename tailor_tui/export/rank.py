@@ -19,20 +19,20 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from tailor_tui.checked.evidence import checked_crcs
-from tailor_tui.checked.ranges import crc_range
+from tailor_tui.checked.ranges import READ_CHUNK, crc_range
 from tailor_tui.errors import CheckpointError
 from tailor_tui.events import ByteCounter, Emit, TaskOptions
 from tailor_tui.export.export_plan import ExportJob, Span
 from tailor_tui.fileio import Folder, fsync, open_fd, output_error, pwrite_all
 from tailor_tui.formats.dtypes import BY_NAME, FLOATS, cast, float_name
 from tailor_tui.formats.pickled import dtype_name
-from tailor_tui.kinds.base import STREAM_CHUNK, rank_reader
+from tailor_tui.kinds.base import rank_reader
 
 
 def export_rank(job: ExportJob, out_dir: Folder, emit: Emit, cancelled: Callable[[], bool],
                 options: TaskOptions = TaskOptions()) -> None:
     counter = ByteCounter.for_job(job, emit, cancelled, options)
-    buffer = memoryview(bytearray(STREAM_CHUNK))
+    buffer = memoryview(bytearray(READ_CHUNK))
     with contextlib.ExitStack() as stack:
         outputs: dict[str, int] = {}
 

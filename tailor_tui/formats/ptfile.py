@@ -27,7 +27,7 @@ from typing import Any, Iterator, Mapping, NamedTuple
 from tailor_tui.checked import crc
 from tailor_tui.checked.evidence import checked_crcs, record_failed
 from tailor_tui.checked.files import NotRegular, open_regular
-from tailor_tui.checked.ranges import Window
+from tailor_tui.checked.ranges import READ_CHUNK, Window
 from tailor_tui.errors import RECOPY, CheckpointError
 from tailor_tui.formats.ds_format import FROZEN_PARAM_FRAGMENTS, unsupported_version, version_in_pickle
 from tailor_tui.formats.pickled import MAX_PICKLE_BYTES, TensorRef, read_pickle
@@ -423,9 +423,9 @@ def check_crcs(path: Path, inspect=None, *, skip: frozenset = frozenset(), small
         return
     records = _records(path)
     end = max((r.data_offset + r.size for r in records.values()), default=0)
-    buffer = memoryview(bytearray(min(1 << 20, end)))
+    buffer = memoryview(bytearray(min(READ_CHUNK, end)))
     with open(path, "rb") as f:
-        window = Window(f.fileno(), min(1 << 20, end))  # small records, side by side, read a MiB at a time
+        window = Window(f.fileno(), min(READ_CHUNK, end))  # small records, side by side, read a chunk at a time
         for record in sorted(records.values(), key=lambda r: r.data_offset):
             if record.name in skip:
                 continue

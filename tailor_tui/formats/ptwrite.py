@@ -29,6 +29,7 @@ from pathlib import Path
 
 from tailor_tui.checked import crc
 from tailor_tui.checked.evidence import checked_crcs
+from tailor_tui.checked.ranges import READ_CHUNK
 from tailor_tui.errors import RECOPY, CheckpointError
 from tailor_tui.fileio import CREATE, OpenFiles, Target, copy_range, open_fd, output_error, pwrite_all
 from tailor_tui.formats.pickled import StorageRef, TensorRef
@@ -226,7 +227,7 @@ class _Layout:
     def write(self, path: Target, buffer: memoryview | None = None) -> dict[str, Record]:
         """Write it to `path`, copied records copied (their CRC-32s checked as they are, and set); its
         records by name. Not fsynced."""
-        buffer = buffer if buffer is not None else memoryview(bytearray(1 << 20))
+        buffer = buffer if buffer is not None else memoryview(bytearray(READ_CHUNK))
         try:
             with contextlib.ExitStack() as stack:
                 fd = open_fd(stack, path, CREATE)

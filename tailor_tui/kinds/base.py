@@ -38,10 +38,6 @@ from tailor_tui.formats.ptfile import (
     read_structure,
 )
 
-# The read buffer every streaming reader reuses: on this kind of VM fresh 64 MiB buffers ran at
-# 0.6 GiB/s (page faults on every chunk); a reused 1 MiB buffer stays in CPU cache between read and CRC.
-STREAM_CHUNK = 1 << 20
-
 FP32 = ("FloatStorage", 4)  # a partial save's slices, and the flat tensors health statistics read
 
 

@@ -16,13 +16,12 @@ import os
 from pathlib import Path
 
 from tailor_tui.checked.files import FileIdentity, open_regular
-from tailor_tui.checked.ranges import Readahead
+from tailor_tui.checked.ranges import READ_CHUNK, Readahead
 from tailor_tui.errors import CheckpointError
 
-CHUNK = 4 << 20  # bytes per read (one buffer per worker for the output, one for its sources)
 WINDOW = 1 << 20  # bytes of a source one read holds for the claims that follow it (`SourceWindows`)
 
-_ZEROS = bytearray(CHUNK)
+_ZEROS = bytearray(READ_CHUNK)
 
 
 def _memcmp():
@@ -43,7 +42,7 @@ class Buffer:
     """A reused read buffer and its address (for memcmp); `file`, `start`, `length`: which bytes of which file it
     holds, where a reader keeps them for the reads that follow (`file` -1: none)."""
 
-    def __init__(self, size: int = CHUNK):
+    def __init__(self, size: int = READ_CHUNK):
         self.data = bytearray(size)
         self.view = memoryview(self.data)
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.data)) if _MEMCMP else 0
@@ -60,7 +59,7 @@ class Buffer:
 class SourceWindows:
     """A reading thread's buffers for its sources' bytes: `count` windows of WINDOW bytes, each holding a stretch of
     one source read once for the claims on it that follow while claims on other sources come between (a
-    composition's rows alternate between their checkpoints), and one of CHUNK bytes for a part larger than a
+    composition's rows alternate between their checkpoints), and one of READ_CHUNK bytes for a part larger than a
     window (read as it is, kept for nothing)."""
 
     def __init__(self, count: int = 4):
@@ -87,7 +86,7 @@ class SourceWindows:
         return self.buffers[-1]
 
     def large(self) -> Buffer:
-        """The CHUNK-sized buffer, its bytes anyone's."""
+        """The READ_CHUNK-sized buffer, its bytes anyone's."""
         if self._large is None:
             self._large = Buffer()
         return self._large

@@ -8,7 +8,7 @@ every rank alike, not a claim each); and which stretches of each file carry evid
 (`evidence`: an archive record's stored CRC-32, a partial save's slice CRC-32, or none). `run` then reads:
 
 - every output file's evidence stretches whole, in segments of at most SEGMENT bytes, each a task of
-  its own (workers in parallel, across files and within a large one), through one CHUNK-sized buffer
+  its own (workers in parallel, across files and within a large one), through one READ_CHUNK-sized buffer
   per worker; for each claim met on the way, the source's bytes it names are read into a source buffer
   and compared (memcmp), and the CRC-32 of both sides' bytes taken. Small claims (a wide run's: thousands
   of a few KiB a rank, their sources alternating) read a window of each source at a time, up to WINDOW
@@ -50,11 +50,10 @@ from typing import Callable, NamedTuple
 
 from tailor_tui.checked import crc
 from tailor_tui.checked.files import FileIdentity
-from tailor_tui.checked.ranges import pread_into
+from tailor_tui.checked.ranges import READ_CHUNK, pread_into
 from tailor_tui.errors import CheckpointError
 from tailor_tui.formats.dtypes import cast_difference
 from tailor_tui.verifying.buffers import (
-    CHUNK,
     WINDOW,
     Buffer,
     Descriptors,
@@ -514,7 +513,7 @@ def _read_task(claims: Comparison, task: _Reading, files: Descriptors, out: Buff
     first = 0  # the first claim not wholly read yet
     for group in _reads(task.parts):
         start, end = group[0][0], group[-1][0] + group[-1][1]
-        held = end - start <= CHUNK  # every part of the group in the buffer at once, from `start`
+        held = end - start <= READ_CHUNK  # every part of the group in the buffer at once, from `start`
         if held:
             if cancelled():
                 raise Cancelled()
@@ -525,7 +524,7 @@ def _read_task(claims: Comparison, task: _Reading, files: Descriptors, out: Buff
                     and members[first].length:
                 first += 1
             while position < stop_at:
-                n = min(CHUNK, stop_at - position) if not held else stop_at - position
+                n = min(READ_CHUNK, stop_at - position) if not held else stop_at - position
                 base = start if held else position  # the file offset of the buffer's first byte
                 if not held:
                     if cancelled():
@@ -558,7 +557,7 @@ def _reads(parts: tuple[tuple[int, int], ...]):
     k = 0
     while k < len(parts):
         start, end, j = parts[k][0], parts[k][0] + parts[k][1], k + 1
-        while j < len(parts) and 0 <= parts[j][0] - end <= NEAR and parts[j][0] + parts[j][1] - start <= CHUNK:
+        while j < len(parts) and 0 <= parts[j][0] - end <= NEAR and parts[j][0] + parts[j][1] - start <= READ_CHUNK:
             end, j = parts[j][0] + parts[j][1], j + 1
         yield parts[k:j]
         k = j
@@ -763,7 +762,7 @@ def recheck(claims: Comparison, out: int, source: int, parts: list[tuple[int, in
         for at, n, source_at in parts:
             differs, done = False, 0
             while done < n and not differs:
-                k = min(CHUNK, n - done)
+                k = min(READ_CHUNK, n - done)
                 pread_into(files[out], a.view[:k], at + done)
                 if source >= 0:
                     pread_into(files[source], b.view[:k], source_at + done)

@@ -29,13 +29,13 @@ from pathlib import Path
 from typing import NamedTuple
 
 from tailor_tui.checked.files import open_regular
+from tailor_tui.checked.ranges import READ_CHUNK
 from tailor_tui.errors import RECOPY, CheckpointError
 from tailor_tui.formats.ds_format import DEEPSPEED_CLASSES, enum_member_value
 from tailor_tui.formats.pickle_bounds import MAX_PICKLE_BYTES, Truncated, check_bounds_bytes
 from tailor_tui.formats.zipdir import LOCAL, LOCAL_HEADER
 
 SMALL = 16 << 20  # a zip file at most this size is read whole (a model_states file), in one read
-CHUNK = 1 << 20  # bytes checked per read of a larger file
 
 
 class Record(NamedTuple):
@@ -108,7 +108,7 @@ def check_crcs(path: Path, *, crc: bool = True) -> list[bytes]:
     pickles = []
     with open_binary(path) as f:
         size = os.fstat(f.fileno()).st_size
-        buffer = bytearray(CHUNK)
+        buffer = bytearray(READ_CHUNK)
         for record in _records(path, f, size):
             pickled = record.name.endswith("data.pkl")
             if pickled and record.size > MAX_PICKLE_BYTES:
@@ -118,7 +118,7 @@ def check_crcs(path: Path, *, crc: bool = True) -> list[bytes]:
                 continue
             value, done, parts = 0, 0, []
             while done < record.size:
-                n = os.preadv(f.fileno(), [memoryview(buffer)[: min(CHUNK, record.size - done)]],
+                n = os.preadv(f.fileno(), [memoryview(buffer)[: min(READ_CHUNK, record.size - done)]],
                               record.offset + done)
                 if n <= 0:
                     raise _corrupt(path, f"record {record.name} ends early")
