@@ -241,3 +241,36 @@ def test_a_rank_file_laid_out_as_one_checked_before_passes_or_fails_as_it_would_
             except CheckpointError as exc:
                 taken = str(exc)
             assert (taken is None) == (alone is None), f"byte {at}: {taken or alone}"
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["read whole", "read record by record"])
+def test_a_structure_and_the_identity_given_with_it_are_of_the_one_file_read(run, tmp_path, monkeypatch, whole):
+    """`ptfile.structure_as` reads a rank file's structure (directory, local headers, pickle) through one descriptor
+    and gives that descriptor's fstat, which `--verify` holds the file's bytes to: another file put in its place
+    while it is read (the next rank's) changes neither, so no byte is compared under another file's structure."""
+    from tailor_tui.formats import ptfile
+
+    tag = run / "checkpoint-6" / "global_step6"
+    mine, other = (tag / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in (0, 1))
+    read = tmp_path / "read.pt"
+    shutil.copyfile(mine, read)
+    before, expected = read.stat(), read_structure(mine)
+    swaps = []
+    if not whole:
+        monkeypatch.setattr(ptfile, "SMALL_RANK_FILE", 0)  # (the run's files are small)
+        real = ptfile._records_of
+
+        def swapped_midway(path, fd):
+            if not swaps:  # once, the file opened: the path now names another, whose directory is not read yet
+                shutil.copyfile(other, tmp_path / "next.pt")
+                swaps.append((tmp_path / "next.pt").stat())
+                (tmp_path / "next.pt").replace(read)
+            return real(path, fd)
+
+        monkeypatch.setattr(ptfile, "_records_of", swapped_midway)
+    (obj, records, prefix), seen = ptfile.structure_as(read)
+    assert seen is not None and (seen.st_dev, seen.st_ino) == (before.st_dev, before.st_ino)
+    assert dict(records) == dict(expected[1]) and prefix == expected[2]
+    if not whole:
+        assert read.stat().st_ino == swaps[0].st_ino != before.st_ino
+        assert dict(read_structure(read)[1]) != dict(records)  # (the other file's records: its CRC-32s)

@@ -49,7 +49,7 @@ from tailor_tui.formats.zipdir import (
     end_record,
     local_data_start,
     raw_name,
-    read_directory,
+    read_directory_of,
 )
 
 
@@ -134,25 +134,33 @@ class TensorBytes:
     dtype: str = "UntypedStorage"  # the storage type torch pickled: FloatStorage, BFloat16Storage, …
 
 
-def _first_bytes(path: Path) -> bytes:
-    """Its first 4 bytes; every reading of a torch file starts here, so one that is not a regular
-    file (a FIFO, /dev/zero) is refused before anything opens it."""
+def _opened(path: Path) -> int:
+    """A read-only descriptor of the torch file `path`; every reading of one starts here, so one that is not a
+    regular file (a FIFO, /dev/zero) is refused before anything opens it (CheckpointError, what to do)."""
     try:
-        fd = open_regular(path)
+        return open_regular(path)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot be opened ({exc.strerror or exc}); "
                               "check that it exists and is readable") from None
     except NotRegular as exc:  # a checkpoint's file: what to do
         raise CheckpointError(f"{exc}; {RECOPY}") from None
+
+
+def _first_bytes(path: Path) -> bytes:
+    """Its first 4 bytes."""
+    fd = _opened(path)
     try:
         return os.pread(fd, 4, 0)
     finally:
         os.close(fd)
 
 
+_FORMATS = {LOCAL: "zip", LEGACY_START: "legacy"}  # torch.save's two formats, by their first 4 bytes
+
+
 def file_format(path: Path) -> str | None:
     """"zip" or "legacy" by how the file starts (torch.save's two formats), else None."""
-    return {LOCAL: "zip", LEGACY_START: "legacy"}.get(_first_bytes(path))
+    return _FORMATS.get(_first_bytes(path))
 
 
 def unreadable(path: Path, fmt: str | None, reason: str) -> CheckpointError:
@@ -227,28 +235,39 @@ def record_refused(path: Path, exc: RecordError) -> CheckpointError:
 
 
 def _records(path: Path) -> dict[str, Record]:
+    fd = _opened(path)
     try:
-        entries = read_directory(path)
+        return _records_of(path, fd)
+    finally:
+        os.close(fd)
+
+
+def _records_of(path: Path, fd: int) -> dict[str, Record]:
+    """`_records` of the file `path` open as `fd`: its directory and local headers read through that descriptor."""
+    try:
+        with open(fd, "rb", closefd=False) as f:
+            entries = read_directory_of(f)
     except RecordError as exc:
         raise record_refused(path, exc) from None
     except (zipfile.BadZipFile, OSError) as exc:
-        fmt = file_format(path)
-        raise unreadable(path, fmt, f"not a complete archive: {exc}" if fmt else _start(path)) from None
+        first = os.pread(fd, 4, 0)
+        reason = f"it starts with bytes {first.hex() or 'nothing: it is empty'}"
+        fmt = _FORMATS.get(first)
+        raise unreadable(path, fmt, f"not a complete archive: {exc}" if fmt else reason) from None
     records, spans = {}, []
-    with open(path, "rb") as f:
-        window = Window(f.fileno())
-        try:
-            for e in entries:
-                raw = raw_name(e)
-                head = window.read(e.header_offset, LOCAL_HEADER + len(raw))
-                data_offset = local_data_start(e.name, raw, e.flags, e.crc, e.size, head, e.header_offset)
-                crc_at, end = _crc_at(e, data_offset, window.read(data_offset + e.size, 8))
-                spans.append((e.header_offset, end, e.name))
-                records[e.name] = Record(name=e.name, header_offset=e.header_offset, data_offset=data_offset,
-                                         size=e.size, crc=e.crc, crc_offsets=(crc_at, e.crc_field))
-            check_spans(spans, entries.start)
-        except RecordError as exc:
-            raise record_refused(path, exc) from None
+    window = Window(fd)
+    try:
+        for e in entries:
+            raw = raw_name(e)
+            head = window.read(e.header_offset, LOCAL_HEADER + len(raw))
+            data_offset = local_data_start(e.name, raw, e.flags, e.crc, e.size, head, e.header_offset)
+            crc_at, end = _crc_at(e, data_offset, window.read(data_offset + e.size, 8))
+            spans.append((e.header_offset, end, e.name))
+            records[e.name] = Record(name=e.name, header_offset=e.header_offset, data_offset=data_offset,
+                                     size=e.size, crc=e.crc, crc_offsets=(crc_at, e.crc_field))
+        check_spans(spans, entries.start)
+    except RecordError as exc:
+        raise record_refused(path, exc) from None
     return records
 
 
@@ -300,16 +319,42 @@ def read_structure(path: Path, storages: dict | None = None, *, shared: bool = F
     pickle the same structure: a wide run's is built once, not once per rank file); the caller
     only reads it. `stand_in`: the pickle's globals' stand-ins (`pickled.read_pickle`)."""
     path = Path(path)
-    if file_format(path) == "legacy":
-        return (*_legacy_records(path, storages, stand_in), "")
-    records = _records(path)
+    fd = _opened(path)
+    try:
+        return _structure_of(path, fd, storages, shared, stand_in)[0]
+    finally:
+        os.close(fd)
+
+
+def structure_as(path: Path) -> tuple[Structure, os.stat_result | None]:
+    """`read_structure(path, shared=True)`, and what fstat said of the file it was read from (None: a legacy-format
+    file, read again by its path): one open, through which the structure is read (a file of at most SMALL_RANK_FILE
+    bytes read whole, `structure_in`), for a reader that holds the file's bytes to it later (`--verify`)."""
+    path = Path(path)
+    fd = _opened(path)
+    try:
+        st = os.fstat(fd)
+        if st.st_size <= SMALL_RANK_FILE:
+            whole = os.pread(fd, st.st_size, 0)
+            if len(whole) == st.st_size and whole.startswith(LOCAL):
+                return structure_in(path, whole), st
+        structure, legacy = _structure_of(path, fd, None, True, None)
+        return structure, None if legacy else st
+    finally:
+        os.close(fd)
+
+
+def _structure_of(path: Path, fd: int, storages: dict | None, shared: bool, stand_in) -> tuple[Structure, bool]:
+    """`read_structure` of the file `path` open as `fd` (a zip-format file's directory, local headers and pickle read
+    through it), and whether it is a legacy-format file (read by its path)."""
+    if _FORMATS.get(os.pread(fd, 4, 0)) == "legacy":
+        return (*_legacy_records(path, storages, stand_in), ""), True
+    records = _records_of(path, fd)
     rec, prefix = _pickle_record(records)
     if rec.size > MAX_PICKLE_BYTES:
         raise unreadable(path, "zip", f"its data.pkl is {rec.size} bytes, more than a checkpoint's structure needs")
-    with open(path, "rb") as f:
-        f.seek(rec.data_offset)
-        data = f.read(rec.size)
-    return _structure(path, records, prefix, rec, data, storages, shared, stand_in)
+    data = os.pread(fd, rec.size, rec.data_offset)
+    return _structure(path, records, prefix, rec, data, storages, shared, stand_in), False
 
 
 def _pickle_record(records: Mapping[str, Record]) -> tuple[Record, str]:
@@ -346,24 +391,18 @@ def read_whole(path: Path, limit: int = SMALL_RANK_FILE) -> bytes | None:
     """The bytes of `path` where it is a regular file of at most `limit` bytes that starts as a zip
     archive (a wide run's rank file: one read, where reading its structure reads a few times); else
     None, also where it cannot be read (the caller reads it as it would have, which says why)."""
-    return read_whole_as(path, limit)[0]
-
-
-def read_whole_as(path: Path, limit: int = SMALL_RANK_FILE) -> tuple[bytes | None, os.stat_result | None]:
-    """`read_whole`, and what fstat said of the file it read (None where it read none): which file the bytes are
-    of, for a reader that holds the file to them later (`--verify`: one open of a wide run's file, not two)."""
     try:
         fd = open_regular(path)
     except (OSError, ValueError):
-        return None, None
+        return None
     try:
-        st = os.fstat(fd)
-        data = os.pread(fd, st.st_size, 0) if st.st_size <= limit else b""
+        size = os.fstat(fd).st_size
+        data = os.pread(fd, size, 0) if size <= limit else b""
     except OSError:
-        return None, None
+        return None
     finally:
         os.close(fd)
-    return (data, st) if len(data) == st.st_size and data.startswith(LOCAL) else (None, None)
+    return data if len(data) == size and data.startswith(LOCAL) else None
 
 
 def structure_in(path: Path, whole: bytes) -> Structure:

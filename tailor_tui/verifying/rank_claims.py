@@ -27,7 +27,7 @@ from tailor_tui.errors import RECOPY, CheckpointError
 from tailor_tui.events import ByteCounter, Emit
 from tailor_tui.formats.ds_format import optimizer_state
 from tailor_tui.formats.pickled import StorageRef, TensorRef
-from tailor_tui.formats.ptfile import Unsupported, locate, read_structure, read_whole_as, stored, structure_in
+from tailor_tui.formats.ptfile import Unsupported, locate, stored, structure_as
 from tailor_tui.formats.safetensors_in import safetensors_header, tensor_places
 from tailor_tui.verifying import streamed
 from tailor_tui.verifying.compare import structure_differences
@@ -63,9 +63,8 @@ class TorchFile:
 
     def __init__(self, claims: streamed.Comparison, path: Path, *, label: str | None = None, whole: bool = False):
         self.path = path
-        whole_file, seen = read_whole_as(path)  # a small file (model_states, a wide run's): its layout read once per
-        self.obj, self.records, self.prefix = structure_in(path, whole_file) if whole_file is not None \
-            else read_structure(path, shared=True)  # layout (only read: shared)
+        # its layout (only read: shared) and which file it was read of, one open (a small file read whole)
+        (self.obj, self.records, self.prefix), seen = structure_as(path)
         self.f = claims.file(path, label=label, seen=seen)  # (its bytes held to the file its structure was read of)
         self.claims, self.evidenced = claims, set[str]()
         self._placed: dict[int, tuple[int, int, str, int]] = {}  # id of a tensor of `obj` -> `place`'s answer
