@@ -62,7 +62,7 @@ class Window:
 # Bytes per read of every streaming reader (the writers', the verifier's), through one reused buffer: a buffer
 # that fits a core's cache is still there when its bytes are checked (CRC-32, memcmp) or written. On this kind of VM
 # (2 MiB of L2 a core) fresh 64 MiB buffers ran at 0.6 GiB/s (page faults on every chunk), and the verifier's 4 MiB
-# ones took 1.13x the time of 1 MiB ones on the bench checkpoint (its bytes evicted between the read and the check).
+# ones took 1.12x the time of 1 MiB ones on the bench checkpoint (its bytes evicted between the read and the check).
 READ_CHUNK = 1 << 20
 READAHEAD = 16 << 20
 SMALLEST_ADVISED = 256 << 10  # a read of less is left to the kernel's own readahead (advice per record would cost

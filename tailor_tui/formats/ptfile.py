@@ -190,8 +190,9 @@ def refused(path: Path, exc: Exception, ds_version: str | None = None) -> Checkp
     )
 
 
-def _start(path: Path) -> str:
-    return f"it starts with bytes {_first_bytes(path).hex() or 'nothing: it is empty'}"
+def _start(first: bytes) -> str:
+    """What a file whose first bytes are `first` starts with, for a line refusing it."""
+    return f"it starts with bytes {first.hex() or 'nothing: it is empty'}"
 
 
 def open_zip(path: Path) -> zipfile.ZipFile:
@@ -218,7 +219,7 @@ def check_complete(path: Path) -> None:
                 try:
                     check_directory_of(f)
                 except (zipfile.BadZipFile, OSError) as exc:
-                    raise unreadable(path, fmt, _first_line(exc) if fmt else _start(path)) from None
+                    raise unreadable(path, fmt, _first_line(exc) if fmt else _start(_first_bytes(path))) from None
                 return
     if fmt == "legacy":
         _legacy_records(path)
@@ -226,7 +227,7 @@ def check_complete(path: Path) -> None:
     try:
         check_directory(path)
     except (zipfile.BadZipFile, OSError) as exc:
-        raise unreadable(path, fmt, _first_line(exc) if fmt else _start(path)) from None
+        raise unreadable(path, fmt, _first_line(exc) if fmt else _start(_first_bytes(path))) from None
 
 
 def record_refused(path: Path, exc: RecordError) -> CheckpointError:
@@ -251,9 +252,8 @@ def _records_of(path: Path, fd: int) -> dict[str, Record]:
         raise record_refused(path, exc) from None
     except (zipfile.BadZipFile, OSError) as exc:
         first = os.pread(fd, 4, 0)
-        reason = f"it starts with bytes {first.hex() or 'nothing: it is empty'}"
         fmt = _FORMATS.get(first)
-        raise unreadable(path, fmt, f"not a complete archive: {exc}" if fmt else reason) from None
+        raise unreadable(path, fmt, f"not a complete archive: {exc}" if fmt else _start(first)) from None
     records, spans = {}, []
     window = Window(fd)
     try:
