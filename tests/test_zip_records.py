@@ -274,3 +274,28 @@ def test_a_structure_and_the_identity_given_with_it_are_of_the_one_file_read(run
     if not whole:
         assert read.stat().st_ino == swaps[0].st_ino != before.st_ino
         assert dict(read_structure(read)[1]) != dict(records)  # (the other file's records: its CRC-32s)
+
+
+def test_a_legacy_format_files_structure_is_read_through_the_one_descriptor_too(tmp_path, monkeypatch):
+    """A legacy-format (non-zip) torch file's structure, too, is read through the descriptor whose fstat
+    `structure_as` gives: another file put in its place once it is opened is not the one read."""
+    import torch
+
+    from tailor_tui.formats import ptfile
+
+    mine, other, read = tmp_path / "mine.pt", tmp_path / "other.pt", tmp_path / "read.pt"
+    torch.save({"exp_avg": torch.zeros(10)}, mine, _use_new_zipfile_serialization=False)
+    torch.save({"exp_avg": torch.ones(30), "step": torch.zeros(2)}, other, _use_new_zipfile_serialization=False)
+    shutil.copyfile(mine, read)
+    before, expected = read.stat(), read_structure(mine)
+    real = ptfile._legacy_records
+
+    def swapped_midway(path, *args, **kwargs):
+        shutil.copyfile(other, tmp_path / "next.pt")
+        (tmp_path / "next.pt").replace(read)  # the path now names the other file, nothing of it read yet
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(ptfile, "_legacy_records", swapped_midway)
+    (_obj, records, _prefix), seen = ptfile.structure_as(read)
+    assert (seen.st_dev, seen.st_ino) == (before.st_dev, before.st_ino) != (read.stat().st_dev, read.stat().st_ino)
+    assert dict(records) == dict(expected[1])

@@ -291,12 +291,17 @@ def _first_line(exc: Exception) -> str:
     return str(exc).splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
 
 
-def _legacy_records(path: Path, refs: dict | None = None, stand_in=None) -> tuple[object, dict[str, Record]]:
+def _legacy_records(path: Path, refs: dict | None = None, stand_in=None, *, fd: int | None = None
+                    ) -> tuple[object, dict[str, Record]]:
+    """The object and records of the legacy-format file `path` (`fd`: open, read through it)."""
     try:
-        obj, storages = read_legacy(path, refs, stand_in)
+        obj, storages = read_legacy(path, refs, stand_in, fd=fd)
     except pickle.UnpicklingError as exc:  # a global outside the allow-list, or too large
-        with open(path, "rb") as f:
-            head = f.read(MAX_PICKLE_BYTES)  # the pickles come before the storages
+        if fd is None:
+            with open(path, "rb") as f:
+                head = f.read(MAX_PICKLE_BYTES)  # the pickles come before the storages
+        else:
+            head = os.pread(fd, MAX_PICKLE_BYTES, 0)
         raise refused(path, exc, version_in_pickle(head)) from None
     except (LegacyError, OSError, *PICKLE_FAILURES) as exc:
         raise unreadable(path, "legacy", _first_line(exc)) from None
@@ -321,15 +326,15 @@ def read_structure(path: Path, storages: dict | None = None, *, shared: bool = F
     path = Path(path)
     fd = _opened(path)
     try:
-        return _structure_of(path, fd, storages, shared, stand_in)[0]
+        return _structure_of(path, fd, storages, shared, stand_in)
     finally:
         os.close(fd)
 
 
-def structure_as(path: Path) -> tuple[Structure, os.stat_result | None]:
-    """`read_structure(path, shared=True)`, and what fstat said of the file it was read from (None: a legacy-format
-    file, read again by its path): one open, through which the structure is read (a file of at most SMALL_RANK_FILE
-    bytes read whole, `structure_in`), for a reader that holds the file's bytes to it later (`--verify`)."""
+def structure_as(path: Path) -> tuple[Structure, os.stat_result]:
+    """`read_structure(path, shared=True)`, and what fstat said of the file it was read from: one open, through which
+    the structure is read (a file of at most SMALL_RANK_FILE bytes read whole, `structure_in`), for a reader that
+    holds the file's bytes to it later (`--verify`)."""
     path = Path(path)
     fd = _opened(path)
     try:
@@ -338,23 +343,22 @@ def structure_as(path: Path) -> tuple[Structure, os.stat_result | None]:
             whole = os.pread(fd, st.st_size, 0)
             if len(whole) == st.st_size and whole.startswith(LOCAL):
                 return structure_in(path, whole), st
-        structure, legacy = _structure_of(path, fd, None, True, None)
-        return structure, None if legacy else st
+        return _structure_of(path, fd, None, True, None), st
     finally:
         os.close(fd)
 
 
-def _structure_of(path: Path, fd: int, storages: dict | None, shared: bool, stand_in) -> tuple[Structure, bool]:
-    """`read_structure` of the file `path` open as `fd` (a zip-format file's directory, local headers and pickle read
-    through it), and whether it is a legacy-format file (read by its path)."""
+def _structure_of(path: Path, fd: int, storages: dict | None, shared: bool, stand_in) -> Structure:
+    """`read_structure` of the file `path` open as `fd`: its directory, local headers and pickle (a legacy-format
+    file's pickles and storages' headers) read through it."""
     if _FORMATS.get(os.pread(fd, 4, 0)) == "legacy":
-        return (*_legacy_records(path, storages, stand_in), ""), True
+        return (*_legacy_records(path, storages, stand_in, fd=fd), "")
     records = _records_of(path, fd)
     rec, prefix = _pickle_record(records)
     if rec.size > MAX_PICKLE_BYTES:
         raise unreadable(path, "zip", f"its data.pkl is {rec.size} bytes, more than a checkpoint's structure needs")
     data = os.pread(fd, rec.size, rec.data_offset)
-    return _structure(path, records, prefix, rec, data, storages, shared, stand_in), False
+    return _structure(path, records, prefix, rec, data, storages, shared, stand_in)
 
 
 def _pickle_record(records: Mapping[str, Record]) -> tuple[Record, str]:
