@@ -214,13 +214,16 @@ def check_complete(path: Path) -> None:
         fmt = file_format(path)
     else:
         with os.fdopen(fd, "rb") as f:  # one open: the first bytes and the directory (a wide run: 1,000s of files)
-            fmt = {LOCAL: "zip", LEGACY_START: "legacy"}.get(os.pread(fd, 4, 0))
-            if fmt != "legacy":
-                try:
-                    check_directory_of(f)
-                except (zipfile.BadZipFile, OSError) as exc:
-                    raise unreadable(path, fmt, _first_line(exc) if fmt else _start(_first_bytes(path))) from None
+            first = os.pread(fd, 4, 0)
+            fmt = _FORMATS.get(first)
+            if fmt == "legacy":
+                _legacy_records(path, fd=fd)
                 return
+            try:
+                check_directory_of(f)
+            except (zipfile.BadZipFile, OSError) as exc:
+                raise unreadable(path, fmt, _first_line(exc) if fmt else _start(first)) from None
+            return
     if fmt == "legacy":
         _legacy_records(path)
         return
@@ -339,10 +342,9 @@ def structure_as(path: Path) -> tuple[Structure, os.stat_result]:
     fd = _opened(path)
     try:
         st = os.fstat(fd)
-        if st.st_size <= SMALL_RANK_FILE:
-            whole = os.pread(fd, st.st_size, 0)
-            if len(whole) == st.st_size and whole.startswith(LOCAL):
-                return structure_in(path, whole), st
+        whole = _small_archive(fd, st.st_size, SMALL_RANK_FILE)
+        if whole is not None:
+            return structure_in(path, whole), st
         return _structure_of(path, fd, None, True, None), st
     finally:
         os.close(fd)
@@ -400,12 +402,19 @@ def read_whole(path: Path, limit: int = SMALL_RANK_FILE) -> bytes | None:
     except (OSError, ValueError):
         return None
     try:
-        size = os.fstat(fd).st_size
-        data = os.pread(fd, size, 0) if size <= limit else b""
+        return _small_archive(fd, os.fstat(fd).st_size, limit)
     except OSError:
         return None
     finally:
         os.close(fd)
+
+
+def _small_archive(fd: int, size: int, limit: int) -> bytes | None:
+    """The bytes of the file open as `fd` (`size`: fstat's) where it is at most `limit` bytes and starts as a zip
+    archive, read in one read; else None."""
+    if size > limit:
+        return None
+    data = os.pread(fd, size, 0)
     return data if len(data) == size and data.startswith(LOCAL) else None
 
 
