@@ -17,7 +17,10 @@ tag folder, the base's and each source's: every byte a verifier could need, read
   every byte as anywhere else.
 
 Prints medians, the ratio --verify / cat, and the peak RSS of the verifying process (wait4's: its threads
-included, the largest process there is).
+included, the largest process there is). `py read`, the least any verifier in Python takes: a process that
+imports what `--verify` imports and reads every file cat reads once, a buffer at a time, checking nothing (on a
+run of small files, such as the wide run's 0.09 GiB, that alone is over cat's time: a cost per process and per
+file, not per byte).
 
     python bench/bench_verify.py [--repeats 3] [--cache .tailor-cache/bench] [--only big half wide wide-large xfs]
 """
@@ -45,6 +48,15 @@ from bench_wide import MEASURE, TAGS, narrow_run, recipe_of, wide_run  # noqa: E
 
 TAILOR = str(Path(sys.executable).with_name("tailor-tui"))
 LARGE_HIDDEN = 384  # `wide-large`: the wide run's 80 layers and 256 ranks, each layer 2,300 times the bytes
+PY_READ = ("import os, sys\n"
+           "import tailor_tui.cli.main, tailor_tui.verifying.against_recipe\n"
+           "from tailor_tui.checked.ranges import READ_CHUNK\n"
+           "buffer = [bytearray(READ_CHUNK)]\n"
+           "for path in sys.argv[1:]:\n"
+           "    fd = os.open(path, os.O_RDONLY)\n"
+           "    while os.readv(fd, buffer):\n"
+           "        pass\n"
+           "    os.close(fd)\n")
 
 
 def measured(cmd: list) -> tuple[float, int]:
@@ -141,6 +153,7 @@ def _bench(args, stack: contextlib.ExitStack) -> None:
         for name, (recipe, _folders) in cases.items():
             rows.setdefault((name, "cat"), []).append(
                 measured(["sh", "-c", 'cat "$@" > /dev/null', "cat", *read[name]]))
+            rows.setdefault((name, "py read"), []).append(measured([sys.executable, "-c", PY_READ, *read[name]]))
             rows.setdefault((name, "--verify"), []).append(measured([TAILOR, "--verify", recipe]))
     for _ in range(args.repeats):  # (after every warm round: a page cache emptied leaves the next command cold)
         for name in sorted(cold):
@@ -154,14 +167,17 @@ def _bench(args, stack: contextlib.ExitStack) -> None:
     shutil.rmtree(work, ignore_errors=True)
     print(f"\nwarm page cache, medians of {args.repeats}; cat: every file of the output and of the checkpoints "
           "it was composed from")
-    print(f"{'composition':<52} {'cat s':>7} {'--verify s':>10} {'ratio':>7} {'GiB/s':>7} {'peak RSS MiB':>13}")
+    print(f"{'composition':<52} {'cat s':>7} {'--verify s':>10} {'ratio':>7} {'GiB/s':>7} {'peak RSS MiB':>13} "
+          f"{'py read s':>10} {'ratio':>7}")
     for name in [*cases, *(f"{name} (cold)" for name in cases if name in cold)]:
         cat = statistics.median(s for s, _p in rows[(name, "cat")])
         verify = statistics.median(s for s, _p in rows[(name, "--verify")])
         peak = max(p for _s, p in rows[(name, "--verify")])
         total = sizes[name.removesuffix(" (cold)")]
+        py_read = statistics.median(s for s, _p in rows[(name, "py read")]) if (name, "py read") in rows else None
+        floor = "" if py_read is None else f" {py_read:>10.2f} {py_read / cat:>6.2f}x"  # (not measured cold)
         print(f"{name:<52} {cat:>7.2f} {verify:>10.2f} {verify / cat:>6.2f}x "
-              f"{total / 2**30 / verify:>7.2f} {peak / 2**20:>13.0f}")
+              f"{total / 2**30 / verify:>7.2f} {peak / 2**20:>13.0f}{floor}")
 
 
 def _sizes(tag: Path) -> str:
