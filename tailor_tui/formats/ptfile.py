@@ -41,7 +41,6 @@ from tailor_tui.formats.zipdir import (
     KeptRecord,
     RecordError,
     Reference,
-    check_directory,
     check_directory_of,
     check_spans,
     descriptor_crc_at,
@@ -206,31 +205,17 @@ def open_zip(path: Path) -> zipfile.ZipFile:
 def check_complete(path: Path) -> None:
     """Raise CheckpointError unless `path` is a whole `.pt` file: a zip archive's central
     directory, or every storage of a legacy file, is where it should be (no data is read)."""
-    try:
-        fd = open_regular(path)
-    except (OSError, ValueError):
-        fd = None  # `file_format` says why
-    if fd is None:
-        fmt = file_format(path)
-    else:
-        with os.fdopen(fd, "rb") as f:  # one open: the first bytes and the directory (a wide run: 1,000s of files)
-            first = os.pread(fd, 4, 0)
-            fmt = _FORMATS.get(first)
-            if fmt == "legacy":
-                _legacy_records(path, fd=fd)
-                return
-            try:
-                check_directory_of(f)
-            except (zipfile.BadZipFile, OSError) as exc:
-                raise unreadable(path, fmt, _first_line(exc) if fmt else _start(first)) from None
+    fd = _opened(path)
+    with os.fdopen(fd, "rb") as f:  # one open: the first bytes and the directory (a wide run: 1,000s of files)
+        first = os.pread(fd, 4, 0)
+        fmt = _FORMATS.get(first)
+        if fmt == "legacy":
+            _legacy_records(path, fd)
             return
-    if fmt == "legacy":
-        _legacy_records(path)
-        return
-    try:
-        check_directory(path)
-    except (zipfile.BadZipFile, OSError) as exc:
-        raise unreadable(path, fmt, _first_line(exc) if fmt else _start(_first_bytes(path))) from None
+        try:
+            check_directory_of(f)
+        except (zipfile.BadZipFile, OSError) as exc:
+            raise unreadable(path, fmt, _first_line(exc) if fmt else _start(first)) from None
 
 
 def record_refused(path: Path, exc: RecordError) -> CheckpointError:
@@ -294,17 +279,12 @@ def _first_line(exc: Exception) -> str:
     return str(exc).splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
 
 
-def _legacy_records(path: Path, refs: dict | None = None, stand_in=None, *, fd: int | None = None
-                    ) -> tuple[object, dict[str, Record]]:
-    """The object and records of the legacy-format file `path` (`fd`: open, read through it)."""
+def _legacy_records(path: Path, fd: int, refs: dict | None = None, stand_in=None) -> tuple[object, dict[str, Record]]:
+    """The object and records of the legacy-format file `path`, open as `fd` (read through it)."""
     try:
-        obj, storages = read_legacy(path, refs, stand_in, fd=fd)
+        obj, storages = read_legacy(fd, refs, stand_in)
     except pickle.UnpicklingError as exc:  # a global outside the allow-list, or too large
-        if fd is None:
-            with open(path, "rb") as f:
-                head = f.read(MAX_PICKLE_BYTES)  # the pickles come before the storages
-        else:
-            head = os.pread(fd, MAX_PICKLE_BYTES, 0)
+        head = os.pread(fd, MAX_PICKLE_BYTES, 0)  # the pickles come before the storages
         raise refused(path, exc, version_in_pickle(head)) from None
     except (LegacyError, OSError, *PICKLE_FAILURES) as exc:
         raise unreadable(path, "legacy", _first_line(exc)) from None
@@ -354,7 +334,7 @@ def _structure_of(path: Path, fd: int, storages: dict | None, shared: bool, stan
     """`read_structure` of the file `path` open as `fd`: its directory, local headers and pickle (a legacy-format
     file's pickles and storages' headers) read through it."""
     if _FORMATS.get(os.pread(fd, 4, 0)) == "legacy":
-        return (*_legacy_records(path, storages, stand_in, fd=fd), "")
+        return (*_legacy_records(path, fd, storages, stand_in), "")
     records = _records_of(path, fd)
     rec, prefix = _pickle_record(records)
     if rec.size > MAX_PICKLE_BYTES:

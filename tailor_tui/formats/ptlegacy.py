@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import struct
-from pathlib import Path
 
 from tailor_tui.formats.pickled import StorageRef, read_pickle_from
 
@@ -27,18 +26,16 @@ class LegacyError(ValueError):
     """What is wrong with a file that starts like a legacy torch file (one phrase)."""
 
 
-def read_legacy(path: Path, refs: dict | None = None, stand_in=None, *, fd: int | None = None
-                ) -> tuple[object, dict[str, tuple[int, int]]]:
-    """(object with TensorRefs, storage key -> (first data byte, bytes)) of a legacy file;
-    `refs`, if given, receives each storage's StorageRef by key; `stand_in`: the object's globals'
-    stand-ins, as `pickled.read_pickle`'s (the file's own header pickles hold none); `fd`: the
-    file open (read through it, not opened again by its path; left open).
+def read_legacy(fd: int, refs: dict | None = None, stand_in=None) -> tuple[object, dict[str, tuple[int, int]]]:
+    """(object with TensorRefs, storage key -> (first data byte, bytes)) of the legacy file open as
+    `fd` (read through it from its start, whatever was read of it before; left open); `refs`, if
+    given, receives each storage's StorageRef by key; `stand_in`: the object's globals' stand-ins,
+    as `pickled.read_pickle`'s (the file's own header pickles hold none).
 
     Raises LegacyError saying why the file is not a whole legacy torch file, and
     pickle.UnpicklingError for a global outside the allow-list."""
-    size = path.stat().st_size if fd is None else os.fstat(fd).st_size
-    with open(path, "rb") if fd is None else open(fd, "rb", closefd=False) as f:
-        f.seek(0)  # (a descriptor read before: from its start all the same)
+    size = os.fstat(fd).st_size
+    with open(fd, "rb", closefd=False) as f:
         if read_pickle_from(f) != MAGIC_NUMBER:
             raise LegacyError("has the wrong magic number")
         version = read_pickle_from(f)

@@ -119,16 +119,10 @@ def end_record(f) -> tuple[int, int, int]:
     return records, directory, where - directory  # (measured back from its end, as zipfile does)
 
 
-def check_directory(path: Path) -> None:
-    """BadZipFile (or OSError) unless the archive `path` ends with an end record whose directory,
+def check_directory_of(f) -> None:
+    """BadZipFile (or OSError) unless the archive open as `f` ends with an end record whose directory,
     of at least one record, starts where it says: what a truncated copy loses. Reads a few KiB
     whatever the number of records (a wide run's model_states files list hundreds each)."""
-    with open(path, "rb") as f:
-        check_directory_of(f)
-
-
-def check_directory_of(f) -> None:
-    """`check_directory` of the archive open as `f`."""
     records, directory, start = end_record(f)
     f.seek(start)
     if records == 0 or directory < 46 or f.read(4) != CENTRAL:
